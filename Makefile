@@ -1,0 +1,38 @@
+# Ballast: everything installs into .venv on first use, pinned by constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= cluster/local.yaml
+
+.PHONY: install serve stop test test-unit bench-router clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,load]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Run the service in the foreground: embedded local Ray + the app (Ctrl-C stops both).
+serve: $(STAMP)
+	$(PY) -m serve_app.cli serve --config $(CONFIG)
+
+## Stop a stack started by `make serve` in another shell (signals its own process only).
+stop: $(STAMP)
+	$(PY) -m serve_app.cli stop
+
+## The whole suite: unit tests, then integration tests against a real local Ray Serve.
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+## Router overhead vs a plain Serve ingress on the same model deployment.
+bench-router: $(STAMP)
+	$(PY) -m serve_app.bench_router
+
+clean:
+	rm -rf $(VENV) .pytest_cache .run
