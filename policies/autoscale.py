@@ -1,0 +1,309 @@
+"""Replica autoscaling with Knative-style stable and panic windows.
+
+Each control tick feeds one sample (total ongoing requests across the
+deployment — running plus queued — and, when there is a GPU, the average GPU
+utilization). Two windows are averaged over the retained samples:
+
+* the **stable window** (default 60 s) drives normal scaling; its desired count
+  is the larger of the concurrency answer ``ceil(avg / target_ongoing_requests)``
+  and, when utilization is present, the utilization answer
+  ``ceil(current * avg_util / target_gpu_util_pct)``;
+* the **panic window** (default 6 s) catches bursts. When its concurrency answer
+  reaches ``panic_threshold_ratio × current`` the policy enters panic mode,
+  which lasts until a full stable window has passed without a new trigger. In
+  panic the policy scales up at once to the panic answer and never scales down.
+
+GPU utilization does not take part in the panic window: it is a lagging,
+saturating duty-cycle signal (at most 100 %, i.e. 1.25× current at an 80 %
+target), so it cannot measure a burst, and with one replica the rounding alone
+would trigger panic on any busy batch.
+
+Scale-up is immediate (bounded by ``max_replicas``). Scale-down waits until the
+desired count has stayed below the current count for ``scale_down_delay_s``
+uninterrupted, then removes at most ``max_scale_down_step`` replicas; the next
+step needs another full delay. Removing GPU replicas is expensive to undo
+(model load, warm-up), so going down is deliberately slow.
+
+``current_replicas`` should be the deployment's current *target* (Ray's
+``ctx.target_num_replicas``), not the count of running replicas, so that a
+replica still starting is not mistaken for a missing one. As a guard, during
+panic the policy also never goes below its own previous decision.
+
+Written by hand: Ray Serve's built-in policy has no panic window, and Knative's
+autoscaler is Go inside Kubernetes; neither takes an injected clock or a second
+(GPU) signal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Averages of float samples divided by the target can land a hair above an
+# integer (24.000000000000004 / 8); without this tolerance ceil() adds a replica.
+_CEIL_EPSILON = 1e-9
+
+
+def _ceil(x: float) -> int:
+    return max(0, math.ceil(x - _CEIL_EPSILON))
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(name: str, value: object) -> None:
+    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    min_replicas: int = 1
+    max_replicas: int = 4
+    #: Per replica: running + queued requests one replica should carry.
+    target_ongoing_requests: float = 8.0
+    #: Second signal; None disables it. Absent utilization samples are ignored.
+    target_gpu_util_pct: float | None = 80.0
+    stable_window_s: float = 60.0
+    panic_window_s: float = 6.0
+    #: Enter panic when the panic-window desired count >= ratio × current replicas.
+    panic_threshold_ratio: float = 2.0
+    #: How long desired must stay below current, uninterrupted, before a step down.
+    scale_down_delay_s: float = 30.0
+    #: Replicas removed per step down.
+    max_scale_down_step: int = 1
+    #: Hard bound on retained samples, whatever the tick rate.
+    max_samples: int = 4096
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.min_replicas) or self.min_replicas < 0:
+            raise ValueError(f"min_replicas: must be an int >= 0, got {self.min_replicas!r}")
+        if not _is_int(self.max_replicas) or self.max_replicas < 1:
+            raise ValueError(f"max_replicas: must be an int >= 1, got {self.max_replicas!r}")
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas: must be <= max_replicas ({self.max_replicas}), got {self.min_replicas}"
+            )
+        _finite("target_ongoing_requests", self.target_ongoing_requests)
+        if self.target_ongoing_requests <= 0:
+            raise ValueError(f"target_ongoing_requests: must be > 0, got {self.target_ongoing_requests!r}")
+        if self.target_gpu_util_pct is not None:
+            _finite("target_gpu_util_pct", self.target_gpu_util_pct)
+            if not 0 < self.target_gpu_util_pct <= 100:
+                raise ValueError(f"target_gpu_util_pct: must be in (0, 100], got {self.target_gpu_util_pct!r}")
+        _finite("stable_window_s", self.stable_window_s)
+        if self.stable_window_s <= 0:
+            raise ValueError(f"stable_window_s: must be > 0, got {self.stable_window_s!r}")
+        _finite("panic_window_s", self.panic_window_s)
+        if self.panic_window_s <= 0:
+            raise ValueError(f"panic_window_s: must be > 0, got {self.panic_window_s!r}")
+        if self.panic_window_s > self.stable_window_s:
+            raise ValueError(
+                f"panic_window_s: must be <= stable_window_s ({self.stable_window_s}), got {self.panic_window_s}"
+            )
+        _finite("panic_threshold_ratio", self.panic_threshold_ratio)
+        # Below 1.0 the policy would be in panic at steady state.
+        if self.panic_threshold_ratio < 1.0:
+            raise ValueError(f"panic_threshold_ratio: must be >= 1.0, got {self.panic_threshold_ratio!r}")
+        _finite("scale_down_delay_s", self.scale_down_delay_s)
+        if self.scale_down_delay_s < 0:
+            raise ValueError(f"scale_down_delay_s: must be >= 0, got {self.scale_down_delay_s!r}")
+        if not _is_int(self.max_scale_down_step) or self.max_scale_down_step < 1:
+            raise ValueError(f"max_scale_down_step: must be an int >= 1, got {self.max_scale_down_step!r}")
+        if not _is_int(self.max_samples) or self.max_samples < 1:
+            raise ValueError(f"max_samples: must be an int >= 1, got {self.max_samples!r}")
+
+    def clamp(self, replicas: int) -> int:
+        return min(max(replicas, self.min_replicas), self.max_replicas)
+
+
+@dataclass(frozen=True)
+class AutoscaleSample:
+    t_s: float
+    #: Total running + queued requests across the deployment.
+    ongoing_requests: float
+    #: Mean GPU utilization across replicas; None when there is no GPU or no report.
+    gpu_util_pct: float | None = None
+
+    def __post_init__(self) -> None:
+        _finite("t_s", self.t_s)
+        _finite("ongoing_requests", self.ongoing_requests)
+        if self.ongoing_requests < 0:
+            raise ValueError(f"ongoing_requests: must be >= 0, got {self.ongoing_requests!r}")
+        if self.gpu_util_pct is not None:
+            _finite("gpu_util_pct", self.gpu_util_pct)
+            if self.gpu_util_pct < 0:
+                raise ValueError(f"gpu_util_pct: must be >= 0, got {self.gpu_util_pct!r}")
+
+
+@dataclass(frozen=True)
+class AutoscaleState:
+    """Carried between ticks. ``samples`` never exceeds the stable window or max_samples."""
+
+    samples: tuple[AutoscaleSample, ...] = ()
+    #: Panic lasts until this time (last trigger + stable window); None when not in panic.
+    panic_until_s: float | None = None
+    #: Start of the current uninterrupted "desired < current" streak.
+    below_since_s: float | None = None
+    last_desired: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", tuple(self.samples))
+        for s in self.samples:
+            if not isinstance(s, AutoscaleSample):
+                raise ValueError(f"samples: entries must be AutoscaleSample, got {s!r}")
+        if self.panic_until_s is not None:
+            _finite("panic_until_s", self.panic_until_s)
+        if self.below_since_s is not None:
+            _finite("below_since_s", self.below_since_s)
+        if self.last_desired is not None and (not _is_int(self.last_desired) or self.last_desired < 0):
+            raise ValueError(f"last_desired: must be an int >= 0 or None, got {self.last_desired!r}")
+
+
+@dataclass(frozen=True)
+class AutoscaleDecision:
+    desired_replicas: int
+    #: "stable" | "panic"
+    mode: str
+    reason: str
+    #: Raw (unclamped) demand from the stable window: max(concurrency, utilization).
+    stable_desired: int
+    #: Raw (unclamped) demand from the panic window: concurrency only.
+    panic_desired: int
+
+
+def _trim(samples: tuple[AutoscaleSample, ...], now_s: float, cfg: AutoscaleConfig) -> tuple[AutoscaleSample, ...]:
+    # Window is (now - W, now]. Samples stamped after ``now`` (a clock that went
+    # backwards) are dropped rather than allowed to dominate future windows.
+    horizon = now_s - cfg.stable_window_s
+    kept = tuple(s for s in samples if horizon < s.t_s <= now_s)
+    return kept[-cfg.max_samples :]
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def decide(
+    sample: AutoscaleSample,
+    current_replicas: int,
+    state: AutoscaleState,
+    cfg: AutoscaleConfig,
+) -> tuple[AutoscaleDecision, AutoscaleState]:
+    """One tick at ``now = sample.t_s``; see the module docstring for the rules."""
+    if not _is_int(current_replicas) or current_replicas < 0:
+        raise ValueError(f"current_replicas: must be an int >= 0, got {current_replicas!r}")
+    now_s = sample.t_s
+    samples = _trim((*state.samples, sample), now_s, cfg)
+
+    # ---- stable window: concurrency, and utilization as a second signal
+    stable_avg = _mean([s.ongoing_requests for s in samples]) or 0.0
+    stable_desired = _ceil(stable_avg / cfg.target_ongoing_requests)
+    util_note = ""
+    if cfg.target_gpu_util_pct is not None:
+        avg_util = _mean([s.gpu_util_pct for s in samples if s.gpu_util_pct is not None])
+        if avg_util is not None:
+            util_desired = _ceil(current_replicas * avg_util / cfg.target_gpu_util_pct)
+            util_note = f", util {avg_util:.1f}%->{util_desired}"
+            stable_desired = max(stable_desired, util_desired)
+
+    # ---- panic window: concurrency only (see module docstring)
+    panic_horizon = now_s - cfg.panic_window_s
+    panic_avg = _mean([s.ongoing_requests for s in samples if s.t_s > panic_horizon]) or 0.0
+    panic_desired = _ceil(panic_avg / cfg.target_ongoing_requests)
+
+    panic_trigger_at = cfg.panic_threshold_ratio * max(current_replicas, 1)
+    triggered = panic_desired >= panic_trigger_at
+    prior_until_s = state.panic_until_s
+    # A deadline more than one stable window ahead can only come from a clock
+    # that went backwards; honouring it would pin the panic floor for that long.
+    if prior_until_s is not None and prior_until_s > now_s + cfg.stable_window_s:
+        prior_until_s = None
+    was_in_panic = prior_until_s is not None and now_s < prior_until_s
+    panic_until_s = now_s + cfg.stable_window_s if triggered else prior_until_s
+    in_panic = panic_until_s is not None and now_s < panic_until_s
+    if not in_panic:
+        panic_until_s = None
+
+    below_since_s: float | None
+    if in_panic:
+        # Never down in panic, not even below our own last answer while the
+        # replicas it asked for are still starting.
+        floor = current_replicas
+        if was_in_panic and state.last_desired is not None:
+            floor = max(floor, state.last_desired)
+        desired = cfg.clamp(max(panic_desired, floor))
+        below_since_s = None
+        mode = "panic"
+        why = (
+            f"panic_desired={panic_desired}>={panic_trigger_at:g}"
+            if triggered
+            else f"panic held until t={panic_until_s:g}s, panic_desired={panic_desired}"
+        )
+        reason = f"panic: {why} (avg {panic_avg:.1f} over {cfg.panic_window_s:g}s) -> {desired}"
+    else:
+        mode = "stable"
+        want = cfg.clamp(stable_desired)
+        basis = f"avg {stable_avg:.1f} over {cfg.stable_window_s:g}s / {cfg.target_ongoing_requests:g}{util_note}"
+        if want >= current_replicas:
+            # Up at once (or hold); any down-streak is interrupted.
+            desired = cfg.clamp(want)
+            below_since_s = None
+            verb = "up" if desired > current_replicas else "hold"
+            reason = f"stable: {verb} {current_replicas}->{desired} ({basis})"
+        else:
+            start = state.below_since_s
+            if start is None or now_s < start:
+                start = now_s
+            held_s = now_s - start
+            if held_s >= cfg.scale_down_delay_s:
+                desired = cfg.clamp(max(want, current_replicas - cfg.max_scale_down_step))
+                # Still wanting fewer: the next step needs a fresh full delay.
+                below_since_s = now_s if want < desired else None
+                reason = (
+                    f"stable: down {current_replicas}->{desired} after {held_s:g}s"
+                    f">={cfg.scale_down_delay_s:g}s ({basis})"
+                )
+            else:
+                # Still clamp: a current count above max_replicas is cut at once.
+                desired = cfg.clamp(current_replicas)
+                below_since_s = start
+                reason = (
+                    f"stable: hold {desired}, want {want} for {held_s:g}s"
+                    f" of {cfg.scale_down_delay_s:g}s ({basis})"
+                )
+
+    decision = AutoscaleDecision(
+        desired_replicas=desired,
+        mode=mode,
+        reason=reason,
+        stable_desired=stable_desired,
+        panic_desired=panic_desired,
+    )
+    new_state = AutoscaleState(
+        samples=samples,
+        panic_until_s=panic_until_s,
+        below_since_s=below_since_s,
+        last_desired=desired,
+    )
+    return decision, new_state
+
+
+def queue_length_fallback(total_requests: float, current_replicas: int, cfg: AutoscaleConfig) -> int:
+    """Replica count when the controller is unreachable: ceil(total / target), clamped.
+
+    Stateless, so it cannot apply the scale-down delay; rather than flap, it
+    never goes below ``current_replicas`` (still clamped to [min, max]).
+    Scale-down waits for the controller, which Ray restarts within seconds.
+    """
+    _finite("total_requests", total_requests)
+    if total_requests < 0:
+        raise ValueError(f"total_requests: must be >= 0, got {total_requests!r}")
+    if not _is_int(current_replicas) or current_replicas < 0:
+        raise ValueError(f"current_replicas: must be an int >= 0, got {current_replicas!r}")
+    return cfg.clamp(max(_ceil(total_requests / cfg.target_ongoing_requests), current_replicas))

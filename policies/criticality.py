@@ -1,0 +1,50 @@
+"""Request criticality: how much a request matters when capacity runs short.
+
+The four classes follow the convention used by large RPC stacks (critical_plus,
+critical, sheddable_plus, sheddable). Degradation levels admit a subset of them;
+``rank`` orders them so that lists can be rendered most-important-first.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Criticality(str, enum.Enum):
+    """Criticality of one request; ``str`` so it round-trips through JSON as-is."""
+
+    CRITICAL_PLUS = "critical_plus"
+    CRITICAL = "critical"
+    SHEDDABLE_PLUS = "sheddable_plus"
+    SHEDDABLE = "sheddable"
+
+    @property
+    def rank(self) -> int:
+        """0 for the most important class (critical_plus) … 3 for sheddable."""
+        return _RANK[self]
+
+    @classmethod
+    def parse(cls, value: str | Criticality | None) -> Criticality:
+        """Parse a client-supplied value; ``None`` means the default class.
+
+        Raises ValueError (naming the field) for an unknown string so the HTTP
+        layer can answer 400 instead of silently treating it as the default.
+        """
+        if value is None:
+            return DEFAULT_CRITICALITY
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(c.value for c in cls)
+            raise ValueError(f"criticality: {value!r} is not one of {allowed}") from None
+
+    def __str__(self) -> str:  # the value, not "Criticality.CRITICAL", in messages
+        return self.value
+
+
+# Declaration order is importance order; kept as a dict so ``rank`` is O(1).
+_RANK: dict[Criticality, int] = {c: i for i, c in enumerate(Criticality)}
+
+DEFAULT_CRITICALITY: Criticality = Criticality.CRITICAL

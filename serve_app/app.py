@@ -1,0 +1,33 @@
+"""Application builder: the model deployment behind the router ingress, plus the controller.
+
+``build(cfg)`` is for code that already holds a config (the CLI, tests, benchmarks).
+``build_app(args)`` is the import path for ``serve run`` / ``serve deploy``
+(``serve_app.app:build_app``); ``args`` carries ``config_path`` or an inline ``config``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from .config import BallastConfig, load_config
+from .controller import ensure_controller
+from .model_server import model_deployment
+from .router import router_deployment
+
+
+def build(cfg: BallastConfig) -> Application:
+    data = cfg.model_dump(mode="json")
+    model = model_deployment(cfg).bind(data)
+    return router_deployment(cfg).bind(model, data)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    if "config" in args:
+        cfg = load_config(args["config"])
+    else:
+        cfg = load_config(args.get("config_path", "cluster/local.yaml"))
+    # The controller is a detached actor: created here once, found by name afterwards.
+    ensure_controller(cfg)
+    return build(cfg)

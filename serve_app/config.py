@@ -1,0 +1,359 @@
+"""Ballast configuration: one pydantic model, loadable from YAML, validated where it is built.
+
+The same model is carried by ``cluster/local.yaml`` (embedded local Ray) and by the
+Serve config for ``serve deploy`` (``cluster/serve_config.yaml``, under the
+application's ``args``). Policies get frozen dataclasses built from it
+(``degradation_config()``, ``autoscale_config()``); they never see pydantic.
+
+Secrets (API keys, admin token) never need to sit in a config file: they come
+from the environment or from a file named here. ``demo_keys`` / ``demo_admin_token``
+exist for the local demo only and are refused when ``environment`` is
+``production``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from policies.autoscale import AutoscaleConfig
+from policies.criticality import Criticality
+from policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig, LevelConstraints
+
+from .errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HttpConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class ModelArchitecture(_Strict):
+    d_model: PositiveInt = 256
+    n_layers: PositiveInt = 4
+    n_heads: PositiveInt = 4
+    d_ff: PositiveInt = 1024
+    max_seq_len: PositiveInt = 512
+
+
+class ModelConfig(_Strict):
+    name: str = Field("tiny-decoder", min_length=1, max_length=64)
+    seed: int = 0
+    checkpoint_path: Optional[str] = None
+    checkpoint_format: Literal["auto", "state_dict", "torchscript"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    architecture: ModelArchitecture = ModelArchitecture()
+    # Decode steps per streamed event: one server-sent event per token batch.
+    stream_chunk_tokens: PositiveInt = 4
+    max_batch_size: PositiveInt = 32
+    batch_wait_timeout_s: float = Field(0.005, ge=0, le=1)
+
+
+class ModelDeploymentConfig(_Strict):
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: PositiveInt = 2
+    initial_replicas: Optional[PositiveInt] = None
+    max_ongoing_requests: PositiveInt = 32
+    # Bounded: requests beyond this wait nowhere, the handle refuses them at once.
+    max_queued_requests: PositiveInt = 64
+    num_cpus: float = Field(0, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    health_check_period_s: PositiveFloat = 2.0
+    health_check_timeout_s: PositiveFloat = 10.0
+    graceful_shutdown_timeout_s: PositiveFloat = 10.0
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ModelDeploymentConfig":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
+            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
+        return self
+
+
+class RouterDeploymentConfig(_Strict):
+    num_replicas: PositiveInt = 1
+    max_ongoing_requests: PositiveInt = 512
+    max_queued_requests: PositiveInt = 256
+    num_cpus: float = Field(0, ge=0)
+
+
+class DeploymentsConfig(_Strict):
+    model: ModelDeploymentConfig = ModelDeploymentConfig()
+    router: RouterDeploymentConfig = RouterDeploymentConfig()
+
+
+class ControllerConfig(_Strict):
+    name: str = "ballast-controller"
+    namespace: str = "ballast"
+    tick_s: float = Field(0.5, gt=0, le=1.0)
+    # How often routers and replicas push a report (and pull the snapshot back).
+    report_interval_s: float = Field(0.5, gt=0, le=5)
+    # A report older than this no longer counts (its sender is gone or stuck).
+    report_expiry_s: PositiveFloat = 3.0
+    # A snapshot older than this is stale: keep it up to max_stale_s, then fail static.
+    snapshot_stale_s: PositiveFloat = 3.0
+    snapshot_max_stale_s: PositiveFloat = 15.0
+    # The conservative level used once the snapshot is older than snapshot_max_stale_s.
+    fail_static_level: int = Field(1, ge=0, le=4)
+    # Outcome window for the error rate.
+    error_window_s: PositiveFloat = 10.0
+    call_timeout_s: PositiveFloat = 1.0
+
+    @model_validator(mode="after")
+    def _stale_order(self) -> "ControllerConfig":
+        if self.snapshot_stale_s > self.snapshot_max_stale_s:
+            raise ValueError("snapshot_stale_s must be <= snapshot_max_stale_s")
+        return self
+
+
+class LevelConstraintsModel(_Strict):
+    max_tokens: PositiveInt
+    max_batch_size: PositiveInt
+    streaming: bool
+    admitted: list[Criticality]
+
+
+def _default_levels() -> list[LevelConstraintsModel]:
+    return [LevelConstraintsModel(**c.to_dict()) for c in DEFAULT_CONSTRAINTS]
+
+
+class DegradationSettings(_Strict):
+    queue_length_thresholds: tuple[int, int, int, int] = (50, 100, 200, 500)
+    queue_wait_ms_thresholds: tuple[float, float, float, float] = (250.0, 500.0, 1000.0, 2000.0)
+    gpu_util_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
+        85.0,
+        92.0,
+        97.0,
+        None,
+    )
+    vram_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
+        None,
+        None,
+        97.0,
+        99.0,
+    )
+    error_rate_threshold: float = Field(0.1, gt=0, le=1)
+    error_rate_min_requests: PositiveInt = 20
+    stable_window_s: PositiveFloat = 30.0
+    levels: list[LevelConstraintsModel] = Field(default_factory=_default_levels, min_length=5, max_length=5)
+
+
+class AutoscaleSettings(_Strict):
+    target_ongoing_requests: PositiveFloat = 8.0
+    target_gpu_util_pct: Optional[float] = Field(80.0, gt=0, le=100)
+    stable_window_s: PositiveFloat = 60.0
+    panic_window_s: PositiveFloat = 6.0
+    panic_threshold_ratio: PositiveFloat = 2.0
+    scale_down_delay_s: float = Field(30.0, ge=0)
+    max_scale_down_step: PositiveInt = 1
+    # The Serve policy adapter trusts the controller's decision while it is younger than this.
+    decision_max_age_s: PositiveFloat = 5.0
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: PositiveInt = 64 * 1024
+    max_prompt_bytes: PositiveInt = 16 * 1024
+    max_tokens_limit: PositiveInt = 8192
+    request_timeout_s: PositiveFloat = 60.0
+
+
+class TenantConfig(_Strict):
+    description: str = ""
+
+
+class AuthConfig(_Strict):
+    # "key=tenant" entries separated by commas or newlines; a key may be given as
+    # "sha256:<hex>" so that plaintext keys never sit anywhere.
+    api_keys_env: str = "BALLAST_API_KEYS"
+    api_keys_file: Optional[str] = None
+    admin_token_env: str = "BALLAST_ADMIN_TOKEN"
+    admin_token_file: Optional[str] = None
+    # Local demo only; refused in production.
+    demo_keys: dict[str, str] = Field(default_factory=dict)
+    demo_admin_token: Optional[str] = None
+
+
+class BallastConfig(_Strict):
+    environment: Literal["local", "production"] = "local"
+    app_name: str = "ballast"
+    route_prefix: str = "/"
+    http: HttpConfig = HttpConfig()
+    model: ModelConfig = ModelConfig()
+    deployments: DeploymentsConfig = DeploymentsConfig()
+    controller: ControllerConfig = ControllerConfig()
+    degradation: DegradationSettings = DegradationSettings()
+    autoscale: AutoscaleSettings = AutoscaleSettings()
+    limits: LimitsConfig = LimitsConfig()
+    auth: AuthConfig = AuthConfig()
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _production_has_no_demo_secrets(self) -> "BallastConfig":
+        if self.environment == "production" and (self.auth.demo_keys or self.auth.demo_admin_token):
+            raise ValueError("auth.demo_keys / auth.demo_admin_token are for local use only; production takes keys from the environment or a file")
+        unknown = sorted(set(self.auth.demo_keys.values()) - set(self.tenants))
+        if unknown:
+            raise ValueError(f"auth.demo_keys name tenants not in tenants: {unknown}")
+        return self
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        for name in v:
+            if not name or len(name) > 64 or not name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"tenant name {name!r} must be 1-64 letters, digits, '-' or '_'")
+        return v
+
+    # -- conversions to the pure policies' frozen configs ------------------------------
+    def degradation_config(self) -> DegradationConfig:
+        d = self.degradation
+        return DegradationConfig(
+            queue_length_thresholds=tuple(d.queue_length_thresholds),
+            queue_wait_ms_thresholds=tuple(d.queue_wait_ms_thresholds),
+            gpu_util_pct_thresholds=tuple(d.gpu_util_pct_thresholds),
+            vram_pct_thresholds=tuple(d.vram_pct_thresholds),
+            error_rate_threshold=d.error_rate_threshold,
+            error_rate_min_requests=d.error_rate_min_requests,
+            stable_window_s=d.stable_window_s,
+            constraints=tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels),
+        )
+
+    def autoscale_config(self) -> AutoscaleConfig:
+        a, m = self.autoscale, self.deployments.model
+        return AutoscaleConfig(
+            min_replicas=m.min_replicas,
+            max_replicas=m.max_replicas,
+            target_ongoing_requests=a.target_ongoing_requests,
+            target_gpu_util_pct=a.target_gpu_util_pct,
+            stable_window_s=a.stable_window_s,
+            panic_window_s=a.panic_window_s,
+            panic_threshold_ratio=a.panic_threshold_ratio,
+            scale_down_delay_s=a.scale_down_delay_s,
+            max_scale_down_step=a.max_scale_down_step,
+        )
+
+
+def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = None) -> BallastConfig:
+    """Build the config from a YAML path, a dict, or defaults; errors name the field."""
+    if isinstance(source, BallastConfig):
+        return source
+    data: dict[str, Any]
+    where = "config"
+    if source is None:
+        data = {}
+    elif isinstance(source, dict):
+        data = source
+    else:
+        where = str(source)
+        try:
+            data = yaml.safe_load(Path(source).read_text()) or {}
+        except OSError as e:
+            raise ConfigError(where, f"cannot read: {e.strerror or e}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(where, f"not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(where, "top level must be a mapping")
+    try:
+        cfg = BallastConfig.model_validate(data)
+        cfg.degradation_config()
+        cfg.autoscale_config()
+    except ValueError as e:  # pydantic.ValidationError is a ValueError
+        raise ConfigError(where, str(e)) from None
+    return cfg
+
+
+# -- secrets ----------------------------------------------------------------------------
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8")).digest()
+
+
+def _parse_key_entries(text: str, where: str) -> dict[bytes, str]:
+    out: dict[bytes, str] = {}
+    for raw in text.replace(",", "\n").splitlines():
+        entry = raw.strip()
+        if not entry or entry.startswith("#"):
+            continue
+        key, sep, tenant = entry.rpartition("=")
+        key, tenant = key.strip(), tenant.strip()
+        if not sep or not key or not tenant:
+            raise ConfigError(where, "each API key entry must read 'key=tenant' or 'sha256:<hex>=tenant'")
+        if key.startswith("sha256:"):
+            try:
+                digest = bytes.fromhex(key[len("sha256:"):])
+            except ValueError:
+                raise ConfigError(where, "a sha256: key must be 64 hex digits") from None
+            if len(digest) != 32:
+                raise ConfigError(where, "a sha256: key must be 64 hex digits")
+        else:
+            digest = _digest(key)
+        out[digest] = tenant
+    return out
+
+
+class KeyStore:
+    """API keys and the admin token, held only as SHA-256 digests.
+
+    A presented key is hashed, its bucket found by the digest's first 4 bytes (an
+    attacker cannot steer a digest, so the bucket leaks nothing), and every entry of
+    the bucket is compared with ``hmac.compare_digest``: constant time per
+    comparison, and O(1) per request however many keys there are.
+    """
+
+    def __init__(self, keys: dict[bytes, str], admin_digest: Optional[bytes]):
+        self._buckets: dict[bytes, list[tuple[bytes, str]]] = {}
+        for digest, tenant in keys.items():
+            self._buckets.setdefault(digest[:4], []).append((digest, tenant))
+        self._count = len(keys)
+        self._admin = admin_digest
+
+    @classmethod
+    def from_config(cls, cfg: BallastConfig, environ: "Optional[dict[str, str]]" = None) -> "KeyStore":
+        env = os.environ if environ is None else environ
+        a = cfg.auth
+        keys: dict[bytes, str] = {}
+        for key, tenant in a.demo_keys.items():
+            keys[_digest(key)] = tenant
+        if a.api_keys_file:
+            try:
+                keys.update(_parse_key_entries(Path(a.api_keys_file).read_text(), a.api_keys_file))
+            except OSError as e:
+                raise ConfigError(a.api_keys_file, f"cannot read API keys file: {e.strerror or e}") from None
+        if env.get(a.api_keys_env):
+            keys.update(_parse_key_entries(env[a.api_keys_env], f"${a.api_keys_env}"))
+        unknown = sorted(set(keys.values()) - set(cfg.tenants))
+        if unknown:
+            raise ConfigError("auth", f"API keys map to tenants not in the config: {unknown}")
+        admin: Optional[str] = a.demo_admin_token
+        if a.admin_token_file:
+            try:
+                admin = Path(a.admin_token_file).read_text().strip()
+            except OSError as e:
+                raise ConfigError(a.admin_token_file, f"cannot read admin token file: {e.strerror or e}") from None
+        if env.get(a.admin_token_env):
+            admin = env[a.admin_token_env].strip()
+        return cls(keys, _digest(admin) if admin else None)
+
+    def tenant_for(self, presented: str) -> Optional[str]:
+        digest = _digest(presented)
+        found: Optional[str] = None
+        for stored, tenant in self._buckets.get(digest[:4], ()):
+            if hmac.compare_digest(stored, digest):
+                found = tenant
+        return found
+
+    def is_admin(self, presented: str) -> bool:
+        return self._admin is not None and hmac.compare_digest(self._admin, _digest(presented))
+
+    def __len__(self) -> int:
+        return self._count

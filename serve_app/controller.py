@@ -1,0 +1,292 @@
+"""The controller actor: reports in, a versioned snapshot out. Never on the request path.
+
+Routers and model replicas push a report every ``report_interval_s`` and receive
+the newest ``Snapshot`` in the same call. Every ``tick_s`` the controller folds the
+fresh reports into load signals, runs the pure policies (degradation, autoscale)
+and publishes a new snapshot.
+
+It is a detached, named actor with ``max_restarts=-1``: when it dies Ray starts it
+again; it keeps no durable state because everything it needs arrives again in
+the next round of reports (a second or so). Its snapshots carry a new ``epoch``
+so caches accept the restarted controller's versions, which start over at 1.
+
+All per-sender maps are bounded: reports expire after ``report_expiry_s`` and the
+maps are capped at ``MAX_SENDERS`` entries (oldest evicted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import asdict
+from typing import Any, Callable, Optional
+
+import ray
+
+from policies import autoscale, degradation
+from policies.autoscale import AutoscaleSample, AutoscaleState
+from policies.degradation import DegradationState, LoadSignals
+
+from .config import BallastConfig, load_config
+from .snapshot import Snapshot
+
+log = logging.getLogger("ballast.controller")
+
+MODEL_DEPLOYMENT = "BallastModel"
+ROUTER_DEPLOYMENT = "BallastRouter"
+MAX_SENDERS = 4096
+MAX_OUTCOME_BUCKETS = 1024
+
+
+class _Reports:
+    """Latest report per sender, expiring and bounded (the accounting, not the policy)."""
+
+    def __init__(self, expiry_s: float, clock: Callable[[], float]):
+        self._expiry_s = expiry_s
+        self._clock = clock
+        self._by_sender: "OrderedDict[str, tuple[float, dict[str, Any]]]" = OrderedDict()
+
+    def put(self, sender: str, report: dict[str, Any]) -> None:
+        self._by_sender.pop(sender, None)
+        self._by_sender[sender] = (self._clock(), report)
+        while len(self._by_sender) > MAX_SENDERS:
+            self._by_sender.popitem(last=False)
+
+    def fresh(self) -> list[dict[str, Any]]:
+        cutoff = self._clock() - self._expiry_s
+        # Entries are in arrival order: drop expired ones from the front.
+        while self._by_sender:
+            sender, (t, _) = next(iter(self._by_sender.items()))
+            if t >= cutoff:
+                break
+            self._by_sender.popitem(last=False)
+        return [r for _, r in self._by_sender.values()]
+
+
+class ControllerCore:
+    """The controller's logic without Ray: testable with a fake clock."""
+
+    def __init__(self, cfg: BallastConfig, clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
+        self._clock = clock
+        self._wall = wall_clock
+        self.epoch = uuid.uuid4().hex[:12]
+        self.configure(cfg)
+        self._version = 0
+        self._snapshot = self._publish(
+            decision=None, signals=None, desired={}, running={}, autoscale_info={}
+        )
+
+    def configure(self, cfg: BallastConfig) -> None:
+        self.cfg = cfg
+        self._deg_cfg = cfg.degradation_config()
+        self._as_cfg = cfg.autoscale_config()
+        self._deg_state = DegradationState()
+        self._as_state = AutoscaleState()
+        self._routers = _Reports(cfg.controller.report_expiry_s, self._clock)
+        self._replicas = _Reports(cfg.controller.report_expiry_s, self._clock)
+        self._outcomes: deque[tuple[float, int, int]] = deque(maxlen=MAX_OUTCOME_BUCKETS)
+
+    # -- reports ---------------------------------------------------------------------
+    def report_router(self, report: dict[str, Any]) -> dict[str, Any]:
+        self._routers.put(str(report.get("router_id", "?")), report)
+        requests = int(report.get("requests", 0))
+        if requests:
+            self._outcomes.append((self._clock(), requests, int(report.get("errors", 0))))
+        return self._snapshot.to_dict()
+
+    def report_replica(self, report: dict[str, Any]) -> dict[str, Any]:
+        self._replicas.put(str(report.get("replica_id", "?")), report)
+        return self._snapshot.to_dict()
+
+    def snapshot(self) -> dict[str, Any]:
+        return self._snapshot.to_dict()
+
+    # -- the tick --------------------------------------------------------------------
+    def signals(self) -> LoadSignals:
+        routers, replicas = self._routers.fresh(), self._replicas.fresh()
+        running = sum(int(r.get("running", 0)) for r in replicas)
+        replica_queued = sum(int(r.get("queued", 0)) for r in replicas)
+        # Admitted but not yet computing: whatever routers have in flight minus what
+        # replicas are running covers both the handle's queue and the batch queues.
+        queue = replica_queued
+        if routers:
+            queue = max(queue, sum(int(r.get("inflight", 0)) for r in routers) - running)
+        waits = [float(r["queue_wait_p95_ms"]) for r in routers + replicas if r.get("queue_wait_p95_ms") is not None]
+        utils = [float(r["gpu_util_pct"]) for r in replicas if r.get("gpu_util_pct") is not None]
+        vrams = [float(r["vram_pct"]) for r in replicas if r.get("vram_pct") is not None]
+        cutoff = self._clock() - self.cfg.controller.error_window_s
+        while self._outcomes and self._outcomes[0][0] < cutoff:
+            self._outcomes.popleft()
+        requests = sum(n for _, n, _ in self._outcomes)
+        errors = sum(e for _, _, e in self._outcomes)
+        return LoadSignals(
+            queue_length=max(0, queue),
+            queue_wait_p95_ms=max(waits) if waits else None,  # the worst sender's p95
+            gpu_util_pct=sum(utils) / len(utils) if utils else None,
+            vram_pct=max(vrams) if vrams else None,
+            error_rate=(errors / requests) if requests else None,
+            request_count=requests,
+        )
+
+    def tick(self) -> Snapshot:
+        now = self._clock()
+        sig = self.signals()
+        decision, self._deg_state = degradation.decide(sig, self._deg_state, self._deg_cfg, now)
+
+        replicas = [r for r in self._replicas.fresh() if r.get("deployment") == MODEL_DEPLOYMENT]
+        running_n = len(replicas)
+        ongoing = sum(int(r.get("running", 0)) + int(r.get("queued", 0)) for r in replicas)
+        ongoing = max(ongoing, sig.queue_length + sum(int(r.get("running", 0)) for r in replicas))
+        # The policy wants the deployment's target, not what is running yet: while a
+        # replica starts, running < target, and a lower desired would skip the delay.
+        current = max(running_n, self._as_state.last_desired or self._as_cfg.min_replicas)
+        as_decision, self._as_state = autoscale.decide(
+            AutoscaleSample(t_s=now, ongoing_requests=float(ongoing), gpu_util_pct=sig.gpu_util_pct),
+            current,
+            self._as_state,
+            self._as_cfg,
+        )
+        self._snapshot = self._publish(
+            decision=decision,
+            signals=sig,
+            desired={MODEL_DEPLOYMENT: as_decision.desired_replicas},
+            running={MODEL_DEPLOYMENT: running_n, ROUTER_DEPLOYMENT: len(self._routers.fresh())},
+            autoscale_info={
+                MODEL_DEPLOYMENT: {
+                    "mode": as_decision.mode,
+                    "reason": as_decision.reason,
+                    "ongoing_requests": ongoing,
+                    "stable_desired": as_decision.stable_desired,
+                    "panic_desired": as_decision.panic_desired,
+                }
+            },
+        )
+        return self._snapshot
+
+    def _publish(self, decision, signals, desired, running, autoscale_info) -> Snapshot:
+        self._version += 1
+        level = decision.level if decision else 0
+        return Snapshot(
+            epoch=self.epoch,
+            version=self._version,
+            created_at_s=self._wall(),
+            level=level,
+            target_level=decision.target_level if decision else 0,
+            reason=decision.reason if decision else "starting",
+            constraints=self._deg_cfg.constraints[level].to_dict(),
+            inputs=asdict(signals) if signals else {},
+            desired_replicas=desired,
+            running_replicas=running,
+            autoscale=autoscale_info,
+        )
+
+
+@ray.remote(num_cpus=0)
+class Controller:
+    """Ray actor around ``ControllerCore``: an async actor whose tick runs as a task."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        self._core = ControllerCore(load_config(cfg))
+        self._task: Optional[asyncio.Task] = None
+        from ray.util import metrics  # created once, here (STYLE 8)
+
+        self._m_level = metrics.Gauge("ballast_degradation_level", "Current degradation level (0-4).")
+        self._m_queue = metrics.Gauge("ballast_queue_length", "Admitted requests not yet computing.")
+        self._m_desired = metrics.Gauge(
+            "ballast_desired_replicas", "Replicas the controller wants per deployment.", tag_keys=("deployment",)
+        )
+        self._m_ticks = metrics.Counter("ballast_controller_ticks_total", "Controller ticks.")
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                snap = self._core.tick()
+                self._m_level.set(snap.level)
+                self._m_queue.set(snap.inputs.get("queue_length", 0))
+                for dep, n in snap.desired_replicas.items():
+                    self._m_desired.set(n, tags={"deployment": dep})
+                self._m_ticks.inc()
+            except Exception:  # a bad report must not stop the loop
+                log.exception("controller tick failed")
+            await asyncio.sleep(self._core.cfg.controller.tick_s)
+
+    async def start(self) -> str:
+        self._ensure_loop()
+        return self._core.epoch
+
+    async def configure(self, cfg: dict[str, Any]) -> None:
+        new = load_config(cfg)
+        if new != self._core.cfg:
+            self._core.configure(new)
+        self._ensure_loop()
+
+    async def report_router(self, report: dict[str, Any]) -> dict[str, Any]:
+        self._ensure_loop()
+        return self._core.report_router(report)
+
+    async def report_replica(self, report: dict[str, Any]) -> dict[str, Any]:
+        self._ensure_loop()
+        return self._core.report_replica(report)
+
+    async def get_snapshot(self) -> dict[str, Any]:
+        self._ensure_loop()
+        return self._core.snapshot()
+
+    async def ping(self) -> str:
+        return self._core.epoch
+
+
+def controller_options(cfg: BallastConfig) -> dict[str, Any]:
+    return dict(
+        name=cfg.controller.name,
+        namespace=cfg.controller.namespace,
+        lifetime="detached",
+        max_restarts=-1,
+        get_if_exists=True,
+    )
+
+
+def ensure_controller(cfg: BallastConfig) -> "ray.actor.ActorHandle":
+    """Get the named controller, creating it if absent; push this config to it."""
+    handle = Controller.options(**controller_options(cfg)).remote(cfg.model_dump(mode="json"))
+    handle.configure.remote(cfg.model_dump(mode="json"))
+    return handle
+
+
+def lookup_controller(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":
+    try:
+        return ray.get_actor(cfg.controller.name, namespace=cfg.controller.namespace)
+    except ValueError:
+        return None
+
+
+class ControllerLink:
+    """How routers and replicas reach the controller: lazy lookup, reset on failure.
+
+    The blocking GCS lookup runs in a thread so the replica's event loop never waits on
+    it. If the actor is gone for good (killed without restart), the next lookup
+    creates it again (``get_if_exists``), so the control loop heals itself.
+    """
+
+    def __init__(self, cfg: BallastConfig):
+        self._cfg = cfg
+        self._handle: "Optional[ray.actor.ActorHandle]" = None
+
+    async def call(self, method: str, *args: Any) -> Any:
+        if self._handle is None:
+            self._handle = await asyncio.to_thread(self._get_or_create)
+        try:
+            return await getattr(self._handle, method).remote(*args)
+        except Exception:
+            self._handle = None
+            raise
+
+    def _get_or_create(self) -> "ray.actor.ActorHandle":
+        return lookup_controller(self._cfg) or ensure_controller(self._cfg)

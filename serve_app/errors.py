@@ -1,0 +1,91 @@
+"""Typed, picklable errors, each mapped once to an HTTP status and a stable code.
+
+Every subclass passes its arguments to ``super().__init__`` so that it survives
+the trip across a Ray process boundary (Ray re-raises the pickled instance).
+The router turns any ``BallastError`` into ``{"error": {"code", "message",
+"retry_after_s"?}}`` with ``status``; nothing else decides these mappings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+
+class BallastError(Exception):
+    """Base of every error Ballast reports to a client."""
+
+    status: int = 500
+    code: str = "INTERNAL"
+
+    def __init__(self, message: str, retry_after_s: Optional[float] = None):
+        super().__init__(message, retry_after_s)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, Any]:
+        err: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.retry_after_s is not None:
+            err["retry_after_s"] = round(self.retry_after_s, 3)
+        return {"error": err}
+
+
+class Unauthenticated(BallastError):
+    status, code = 401, "UNAUTHENTICATED"
+
+
+class Forbidden(BallastError):
+    status, code = 403, "FORBIDDEN"
+
+
+class InvalidRequest(BallastError):
+    status, code = 422, "INVALID_REQUEST"
+
+    def __init__(self, message: str, field: str = ""):
+        super().__init__(message)
+        self.args = (message, field)
+        self.field = field
+
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        if self.field:
+            out["error"]["field"] = self.field
+        return out
+
+
+class PayloadTooLarge(BallastError):
+    status, code = 413, "PAYLOAD_TOO_LARGE"
+
+
+class NotFound(BallastError):
+    status, code = 404, "NOT_FOUND"
+
+
+class Overloaded(BallastError):
+    """Refused by admission: the degradation level does not admit this criticality."""
+
+    status, code = 503, "OVERLOADED"
+
+
+class ModelUnavailable(BallastError):
+    """The model deployment could not take or finish the request (queue full, replica gone)."""
+
+    status, code = 503, "MODEL_UNAVAILABLE"
+
+
+class DeadlineExceeded(BallastError):
+    status, code = 504, "DEADLINE_EXCEEDED"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be served; raised at build time, never per request."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(where, reason)
+        self.where = where
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}"

@@ -1,0 +1,83 @@
+"""GPU utilization and VRAM through NVML (nvidia-ml-py provides the ``pynvml`` module).
+
+Where there is no GPU (or NVML cannot start) the probe is ``None`` and the
+metrics are *absent*: reports carry ``None``, never 0, so the degradation policy
+ignores them instead of reading "idle GPU".
+
+The NVML module is injected (``nvml=``) so tests can drive these paths with a
+fake NVML on machines without a GPU; production passes nothing and gets pynvml.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+log = logging.getLogger("ballast.gpu")
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    util_pct: float
+    vram_used_bytes: int
+    vram_total_bytes: int
+
+    @property
+    def vram_pct(self) -> float:
+        return 100.0 * self.vram_used_bytes / self.vram_total_bytes if self.vram_total_bytes else 0.0
+
+
+class NvmlGpuProbe:
+    """Samples one GPU: the one this process sees as cuda:0."""
+
+    def __init__(self, nvml: Any, handle: Any):
+        self._nvml = nvml
+        self._handle = handle
+
+    def sample(self) -> Optional[GpuSample]:
+        try:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        except Exception as e:  # a GPU that falls off the bus: absent, and say so once per call
+            log.warning("NVML sample failed: %r", e)
+            return None
+        return GpuSample(util_pct=float(util.gpu), vram_used_bytes=int(mem.used), vram_total_bytes=int(mem.total))
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _visible_device(nvml: Any) -> Any:
+    """NVML numbers physical GPUs; Ray narrows CUDA_VISIBLE_DEVICES to this replica's GPU.
+
+    The first visible entry is this process's cuda:0; it is an index or a UUID.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if not visible:
+        return nvml.nvmlDeviceGetHandleByIndex(0)
+    if visible.isdigit():
+        return nvml.nvmlDeviceGetHandleByIndex(int(visible))
+    return nvml.nvmlDeviceGetHandleByUUID(visible)
+
+
+def make_gpu_probe(device: str, nvml: Any = None) -> Optional[NvmlGpuProbe]:
+    """A probe for ``device`` ("cuda:0", "cpu"), or None when GPU metrics are absent."""
+    if not device.startswith("cuda"):
+        return None
+    if nvml is None:
+        try:
+            import pynvml as nvml  # from nvidia-ml-py
+        except ImportError:
+            log.warning("nvidia-ml-py is not installed: GPU metrics absent")
+            return None
+    try:
+        nvml.nvmlInit()
+        return NvmlGpuProbe(nvml, _visible_device(nvml))
+    except Exception as e:
+        log.warning("NVML unavailable, GPU metrics absent: %r", e)
+        return None

@@ -1,0 +1,263 @@
+"""The model deployment: a torch model behind ``@serve.batch``, streaming token batches.
+
+One replica holds one backend (GPU when present, else CPU). Requests from the
+router enter a dynamic batch; a batch generates chunk by chunk, and each chunk is
+handed back to every request in the batch as soon as it is decoded, so streaming
+and unary calls share one code path (unary simply collects the chunks).
+
+Degradation constraints reach the replica through its snapshot cache: the batch
+size limit follows ``max_batch_size`` of the current level and ``max_tokens`` is
+clamped again here (the router already clamped; a replica never trusts that).
+
+About once per ``report_interval_s`` the replica reports queue length, running
+requests, batch statistics and GPU utilization / VRAM (absent — ``None`` — without
+a GPU) to the controller, and takes the snapshot back in the same call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncGenerator, Optional
+
+from ray import serve
+
+from policies.admission import clamp_max_tokens
+
+from .backends import BackendSpec, TinyDecoderConfig, load_backend
+from .config import BallastConfig, load_config
+from .controller import MODEL_DEPLOYMENT, ControllerLink
+from .gpu import make_gpu_probe
+from .snapshot import Snapshot, SnapshotCache, SnapshotExchange
+
+log = logging.getLogger("ballast.model")
+
+WINDOW = 512  # bounded windows for batch sizes and queue waits
+
+
+@dataclass
+class _Item:
+    prompt: str
+    max_tokens: int
+    enqueued_at_s: float
+    started: bool = False
+    cancelled: bool = False
+    queue_wait_ms: float = 0.0
+    t0_s: float = field(default=0.0)
+
+
+def _percentile(values: "deque[float] | list[float]", q: float) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def build_backend(cfg: BallastConfig):
+    m = cfg.model
+    a = m.architecture
+    spec = BackendSpec(
+        name=m.name,
+        seed=m.seed,
+        checkpoint_path=m.checkpoint_path,
+        checkpoint_format=m.checkpoint_format,
+        device=m.device,
+        config=TinyDecoderConfig(
+            d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, d_ff=a.d_ff, max_seq_len=a.max_seq_len
+        ),
+    )
+    return load_backend(spec)
+
+
+class ModelServer:
+    def __init__(self, cfg: dict[str, Any]):
+        self._cfg = load_config(cfg)
+        self._backend = build_backend(self._cfg)
+        self._backend.warmup()
+        self._gpu = make_gpu_probe(self._backend.device)
+        self._model_max_tokens = self._backend.max_seq_len - 1
+        c = self._cfg.controller
+        self._cache = SnapshotCache(
+            self._cfg.degradation_config(), c.snapshot_stale_s, c.snapshot_max_stale_s, c.fail_static_level
+        )
+        self._link = ControllerLink(self._cfg)
+        self._exchange = SnapshotExchange(
+            self._cache,
+            call=lambda report: self._link.call("report_replica", report),
+            make_report=self._report,
+            interval_s=c.report_interval_s,
+            timeout_s=c.call_timeout_s,
+            on_snapshot=self._apply_snapshot,
+        )
+        try:
+            self._replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (tests, benchmarks)
+            self._replica_id = f"local-{id(self):x}"
+        self._queued = 0
+        self._running = 0
+        self._batches = 0
+        self._batch_sizes: deque[int] = deque(maxlen=WINDOW)
+        self._waits_ms: deque[float] = deque(maxlen=WINDOW)
+        self._batch_limit = 0
+        self._apply_batch_limit(self._cache.effective().constraints.max_batch_size)
+
+        from ray.serve import metrics  # created once, here (STYLE 8)
+
+        self._m_batch = metrics.Histogram(
+            "ballast_model_batch_size", "Requests per generated batch.", boundaries=[1, 2, 4, 8, 16, 24, 32, 64]
+        )
+        self._m_tokens = metrics.Counter("ballast_model_tokens_total", "Tokens generated.")
+        self._m_queue = metrics.Gauge("ballast_model_queued", "Requests in this replica waiting for a batch.")
+
+    # -- control loop ------------------------------------------------------------------
+    def _apply_batch_limit(self, level_limit: int) -> None:
+        limit = max(1, min(self._cfg.model.max_batch_size, level_limit))
+        if limit != self._batch_limit:
+            self._batched.set_max_batch_size(limit)
+            self._batched.set_batch_wait_timeout_s(self._cfg.model.batch_wait_timeout_s)
+            self._batch_limit = limit
+
+    def _apply_snapshot(self, snap: Snapshot) -> None:
+        self._apply_batch_limit(self._cache.effective().constraints.max_batch_size)
+
+    def _report(self) -> dict[str, Any]:
+        gpu = self._gpu.sample() if self._gpu is not None else None
+        sizes = list(self._batch_sizes)
+        self._m_queue.set(self._queued)
+        return {
+            "replica_id": self._replica_id,
+            "deployment": MODEL_DEPLOYMENT,
+            "queued": self._queued,
+            "running": self._running,
+            "batches": self._batches,
+            "batch_size_avg": (sum(sizes) / len(sizes)) if sizes else None,
+            "batch_size_limit": self._batch_limit,
+            "queue_wait_p95_ms": _percentile(self._waits_ms, 0.95),
+            "gpu_util_pct": gpu.util_pct if gpu else None,
+            "vram_pct": gpu.vram_pct if gpu else None,
+            "vram_used_bytes": gpu.vram_used_bytes if gpu else None,
+            "vram_total_bytes": gpu.vram_total_bytes if gpu else None,
+            "device": self._backend.device,
+        }
+
+    async def check_health(self) -> None:
+        # Serve calls this every health_check_period_s: a good place to make sure the
+        # report loop runs even before the first request.
+        self._exchange.start()
+
+    async def ping(self) -> dict[str, Any]:
+        self._exchange.start()
+        return {"replica_id": self._replica_id, **self._backend.describe()}
+
+    async def stats(self) -> dict[str, Any]:
+        return self._report()
+
+    # -- batching ----------------------------------------------------------------------
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def _batched(self, items: list[_Item]) -> AsyncGenerator[list[Any], None]:
+        now = time.monotonic()
+        for it in items:
+            it.started = True
+            it.t0_s = now
+            it.queue_wait_ms = (now - it.enqueued_at_s) * 1000.0
+            self._waits_ms.append(it.queue_wait_ms)
+        self._queued -= len(items)
+        self._running += len(items)
+        self._batches += 1
+        self._batch_sizes.append(len(items))
+        self._m_batch.observe(len(items))
+        gen = self._backend.generate_chunks(
+            [it.prompt for it in items], [it.max_tokens for it in items], self._cfg.model.stream_chunk_tokens
+        )
+        emitted = [0] * len(items)
+        done = [False] * len(items)
+        try:
+            while True:
+                # Torch runs in a worker thread: the event loop stays free for new
+                # requests, health checks and the report loop.
+                chunk = await asyncio.to_thread(next, gen, None)
+                if chunk is None:
+                    break
+                out: list[Any] = []
+                for i, text in enumerate(chunk):
+                    if done[i]:
+                        out.append(StopIteration)
+                        continue
+                    step = min(self._cfg.model.stream_chunk_tokens, items[i].max_tokens - emitted[i])
+                    emitted[i] += step
+                    out.append({"text": text, "tokens": step})
+                    if emitted[i] >= items[i].max_tokens:
+                        done[i] = True
+                self._m_tokens.inc(sum(o["tokens"] for o in out if isinstance(o, dict)))
+                yield out
+        finally:
+            self._running -= len(items)
+
+    async def _chunks(self, req: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        self._exchange.start()
+        constraints = self._cache.effective().constraints
+        max_tokens, _ = clamp_max_tokens(int(req["max_tokens"]), constraints, self._model_max_tokens)
+        item = _Item(prompt=str(req["prompt"]), max_tokens=max_tokens, enqueued_at_s=time.monotonic())
+        self._queued += 1
+        try:
+            first = True
+            async for chunk in self._batched(item):
+                if first:
+                    chunk = {**chunk, "queue_wait_ms": round(item.queue_wait_ms, 3), "max_tokens": max_tokens}
+                    first = False
+                yield chunk
+        finally:
+            if not item.started:  # cancelled while still waiting for a batch
+                self._queued -= 1
+
+    async def generate(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Unary: the whole text at once, with queue wait and compute time."""
+        parts: list[str] = []
+        tokens = 0
+        wait_ms = 0.0
+        granted = 0
+        t0 = time.monotonic()
+        async for chunk in self._chunks(req):
+            if "queue_wait_ms" in chunk:
+                wait_ms, granted = chunk["queue_wait_ms"], chunk["max_tokens"]
+            parts.append(chunk["text"])
+            tokens += chunk["tokens"]
+        total_ms = (time.monotonic() - t0) * 1000.0
+        return {
+            "text": "".join(parts),
+            "tokens": tokens,
+            "max_tokens": granted,
+            "queue_wait_ms": wait_ms,
+            "compute_ms": round(max(0.0, total_ms - wait_ms), 3),
+            "replica_id": self._replica_id,
+        }
+
+    async def generate_stream(self, req: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
+        """Streaming: one dict per token batch ({"text", "tokens"}, the first with queue_wait_ms)."""
+        async for chunk in self._chunks(req):
+            yield chunk
+
+    def __del__(self) -> None:
+        if getattr(self, "_gpu", None) is not None:
+            self._gpu.close()
+
+
+def model_deployment(cfg: BallastConfig):
+    """The Serve deployment for ``ModelServer`` with options from the config."""
+    from .autoscaling import autoscaling_config
+
+    d = cfg.deployments.model
+    return serve.deployment(
+        ModelServer,
+        name=MODEL_DEPLOYMENT,
+        max_ongoing_requests=d.max_ongoing_requests,
+        max_queued_requests=d.max_queued_requests,
+        ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
+        autoscaling_config=autoscaling_config(cfg),
+        health_check_period_s=d.health_check_period_s,
+        health_check_timeout_s=d.health_check_timeout_s,
+        graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
+    )

@@ -1,0 +1,105 @@
+"""One real local Ray + Serve for the whole integration session (starting Ray costs ~5 s).
+
+The app runs with ``tests/integration/test_config.yaml``'s differences applied on top
+of ``cluster/local.yaml``: a smaller model (CPU speed), short windows, and low
+queue thresholds so overload and scaling happen within seconds. It listens on
+port 8123 so that a developer's ``make serve`` on 8000 is left alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+PORT = 8123
+BASE = f"http://127.0.0.1:{PORT}"
+GOLD = {"Authorization": "Bearer dev-key-gold"}
+FREE = {"Authorization": "Bearer dev-key-free"}
+ADMIN = {"Authorization": "Bearer dev-admin-token"}
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def test_config_dict() -> dict[str, Any]:
+    base = yaml.safe_load((ROOT / "cluster/local.yaml").read_text())
+    over = yaml.safe_load((Path(__file__).parent / "test_config.yaml").read_text())
+    return _merge(base, over)
+
+
+def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 0.25, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="session")
+def ballast():
+    import ray
+    from ray import serve
+
+    from serve_app.app import build
+    from serve_app.config import load_config
+    from serve_app.controller import ensure_controller, lookup_controller
+
+    cfg = load_config(test_config_dict())
+    ray.init(include_dashboard=False, logging_level="ERROR", num_cpus=4)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        ray.get(ensure_controller(cfg).start.remote())
+        serve.run(build(cfg), name=cfg.app_name, route_prefix="/", blocking=False)
+        wait_until(lambda: _ready(), 120, 0.5, "/healthz/ready")
+        yield cfg
+    finally:
+        try:
+            serve.shutdown()
+            handle = lookup_controller(cfg)
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+        finally:
+            ray.shutdown()
+
+
+def _ready() -> bool:
+    try:
+        return httpx.get(f"{BASE}/healthz/ready", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture
+def client(ballast):
+    with httpx.Client(base_url=BASE, timeout=60) as c:
+        yield c
+
+
+def status(client: httpx.Client) -> dict[str, Any]:
+    r = client.get("/v1/status", headers=ADMIN)
+    r.raise_for_status()
+    return r.json()
+
+
+def wait_quiet(client: httpx.Client, timeout_s: float = 60) -> None:
+    """Level 0 and one model replica: the state every load test starts from."""
+    wait_until(
+        lambda: (s := status(client))["level"] == 0 and s["replicas"]["BallastModel"]["running"] == 1,
+        timeout_s,
+        0.5,
+        "level 0 with one model replica",
+    )

@@ -1,0 +1,365 @@
+"""Degradation level policy, walked tick by tick with integer ``now_s``."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.criticality import DEFAULT_CRITICALITY, Criticality
+from policies.degradation import (
+    DEFAULT_CONSTRAINTS,
+    MAX_LEVEL,
+    DegradationConfig,
+    DegradationState,
+    LevelConstraints,
+    LoadSignals,
+    conservative_level,
+    decide,
+    target_level,
+)
+
+CP, C, SP, S = (
+    Criticality.CRITICAL_PLUS,
+    Criticality.CRITICAL,
+    Criticality.SHEDDABLE_PLUS,
+    Criticality.SHEDDABLE,
+)
+
+
+def sig(
+    queue: int = 0,
+    wait_ms: float | None = None,
+    gpu: float | None = None,
+    vram: float | None = None,
+    err: float | None = None,
+    n: int = 0,
+) -> LoadSignals:
+    return LoadSignals(
+        queue_length=queue,
+        queue_wait_p95_ms=wait_ms,
+        gpu_util_pct=gpu,
+        vram_pct=vram,
+        error_rate=err,
+        request_count=n,
+    )
+
+
+CFG = DegradationConfig()  # stable_window_s = 30
+
+
+# ----------------------------------------------------------------- criticality
+
+
+def test_criticality_rank_and_default() -> None:
+    assert [c.rank for c in (CP, C, SP, S)] == [0, 1, 2, 3]
+    assert DEFAULT_CRITICALITY is C
+    assert Criticality("sheddable_plus") is SP
+    assert Criticality.parse(None) is C
+    with pytest.raises(ValueError, match="criticality"):
+        Criticality.parse("urgent")
+
+
+# ----------------------------------------------------------------- constraints
+
+
+def test_default_constraints_follow_the_seed_table() -> None:
+    assert len(DEFAULT_CONSTRAINTS) == 5
+    assert [c.max_tokens for c in DEFAULT_CONSTRAINTS] == [8192, 4096, 2048, 1024, 512]
+    assert [c.max_batch_size for c in DEFAULT_CONSTRAINTS] == [32, 24, 16, 8, 4]
+    assert [c.streaming for c in DEFAULT_CONSTRAINTS] == [True, True, False, False, False]
+    assert [c.admitted for c in DEFAULT_CONSTRAINTS] == [
+        frozenset({CP, C, SP, S}),
+        frozenset({CP, C, SP}),
+        frozenset({CP, C}),
+        frozenset({CP}),
+        frozenset(),
+    ]
+
+
+def test_level_constraints_round_trip_and_sorted_admitted() -> None:
+    c = LevelConstraints(max_tokens=100, max_batch_size=2, streaming=False, admitted=["sheddable", "critical_plus"])
+    assert c.admitted == frozenset({S, CP})
+    d = c.to_dict()
+    assert d == {"max_tokens": 100, "max_batch_size": 2, "streaming": False, "admitted": ["critical_plus", "sheddable"]}
+    assert LevelConstraints.from_dict(d) == c
+    for level in DEFAULT_CONSTRAINTS:
+        assert LevelConstraints.from_dict(level.to_dict()) == level
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"streaming": "yes"}, "streaming"),
+        ({"admitted": ["urgent"]}, "admitted"),
+        ({"admitted": "critical"}, "admitted"),
+    ],
+)
+def test_level_constraints_validation(kwargs: dict, field: str) -> None:
+    base = {"max_tokens": 10, "max_batch_size": 1, "streaming": True, "admitted": [C]}
+    with pytest.raises(ValueError, match=field):
+        LevelConstraints(**{**base, **kwargs})
+
+
+def test_level_constraints_from_dict_missing_field() -> None:
+    with pytest.raises(ValueError, match="admitted"):
+        LevelConstraints.from_dict({"max_tokens": 1, "max_batch_size": 1, "streaming": True})
+
+
+# ----------------------------------------------------------------- target level
+
+
+@pytest.mark.parametrize(
+    ("signals", "level"),
+    [
+        # queue length: 50/100/200/500
+        (sig(queue=49), 0),
+        (sig(queue=50), 1),
+        (sig(queue=99), 1),
+        (sig(queue=100), 2),
+        (sig(queue=199), 2),
+        (sig(queue=200), 3),
+        (sig(queue=499), 3),
+        (sig(queue=500), 4),
+        # queue wait p95: 250/500/1000/2000 ms
+        (sig(wait_ms=249.9), 0),
+        (sig(wait_ms=250.0), 1),
+        (sig(wait_ms=500.0), 2),
+        (sig(wait_ms=1000.0), 3),
+        (sig(wait_ms=1999.9), 3),
+        (sig(wait_ms=2000.0), 4),
+        # GPU util: 85/92/97, never level 4 alone
+        (sig(gpu=84.9), 0),
+        (sig(gpu=85.0), 1),
+        (sig(gpu=92.0), 2),
+        (sig(gpu=96.9), 2),
+        (sig(gpu=97.0), 3),
+        (sig(gpu=100.0), 3),
+        # VRAM: 97 critical, 99 emergency, nothing below
+        (sig(vram=96.9), 0),
+        (sig(vram=97.0), 3),
+        (sig(vram=98.9), 3),
+        (sig(vram=99.0), 4),
+        # error rate: >= 0.1 with >= 20 requests -> 3
+        (sig(err=0.0999, n=100), 0),
+        (sig(err=0.1, n=20), 3),
+        (sig(err=1.0, n=20), 3),
+        (sig(err=1.0, n=19), 0),
+        (sig(err=None, n=1000), 0),
+    ],
+)
+def test_each_signal_threshold_at_the_boundary(signals: LoadSignals, level: int) -> None:
+    assert target_level(signals, CFG)[0] == level
+
+
+def test_absent_signals_are_ignored_not_zero_nor_max() -> None:
+    # No GPU at all: only the queue speaks.
+    assert target_level(sig(queue=10, gpu=None, vram=None), CFG) == (0, "normal")
+    assert target_level(sig(queue=120, gpu=None, vram=None), CFG)[0] == 2
+    # The same host with a hot GPU present: the GPU now raises the level.
+    assert target_level(sig(queue=10, gpu=97.0, vram=None), CFG)[0] == 3
+    assert target_level(sig(queue=10, gpu=None, vram=99.5), CFG)[0] == 4
+    # A present zero is a real reading and does not lower a queue-driven level.
+    assert target_level(sig(queue=120, gpu=0.0, vram=0.0), CFG)[0] == 2
+
+
+def test_reason_names_the_signal_and_ties_go_to_the_queue() -> None:
+    assert target_level(sig(queue=230), CFG) == (3, "queue_length=230>=200")
+    assert target_level(sig(gpu=92.5), CFG) == (2, "gpu_util_pct=92.5>=92")
+    # Queue length and GPU util both ask for 2: queue first.
+    assert target_level(sig(queue=100, gpu=92.0), CFG) == (2, "queue_length=100>=100")
+    # Queue wait before GPU util on a tie.
+    assert target_level(sig(wait_ms=500.0, gpu=92.0), CFG) == (2, "queue_wait_p95_ms=500>=500")
+    # Error rate ties with queue at 3: queue wins; above the queue, error rate wins.
+    assert target_level(sig(queue=200, err=0.5, n=50), CFG)[1] == "queue_length=200>=200"
+    level, reason = target_level(sig(queue=100, err=0.5, n=50), CFG)
+    assert level == 3 and reason.startswith("error_rate=0.5>=0.1")
+    # The max wins regardless of order: VRAM 99 beats queue 3.
+    assert target_level(sig(queue=200, vram=99.0), CFG) == (4, "vram_pct=99>=99")
+
+
+# ----------------------------------------------------------------- decide: tick by tick
+
+
+def test_up_at_once_from_zero_to_three_in_one_tick() -> None:
+    state = DegradationState()
+    d, state = decide(sig(queue=10), state, CFG, now_s=0)
+    assert (d.level, d.changed) == (0, False)
+    d, state = decide(sig(queue=230), state, CFG, now_s=1)
+    assert (d.level, d.target_level, d.changed) == (3, 3, True)
+    assert d.constraints == DEFAULT_CONSTRAINTS[3]
+    assert "queue_length=230>=200" in d.reason
+    assert state == DegradationState(level=3, lower_since_s=None)
+    # And further up at once, with no window either.
+    d, state = decide(sig(queue=600), state, CFG, now_s=2)
+    assert (d.level, d.changed) == (4, True)
+
+
+def test_down_one_level_per_stable_window_with_exact_boundaries() -> None:
+    d, state = decide(sig(queue=500), DegradationState(), CFG, now_s=0)
+    assert d.level == 4
+    # Load disappears from t=1: the streak starts at t=1, so each step needs
+    # 30 full seconds: 4->3 at t=31, 3->2 at t=61, 2->1 at t=91, 1->0 at t=121.
+    expected_changes = {31: 3, 61: 2, 91: 1, 121: 0}
+    level = 4
+    for t in range(1, 200):
+        d, state = decide(sig(queue=0), state, CFG, now_s=t)
+        if t in expected_changes:
+            level = expected_changes[t]
+            assert d.changed, t
+        else:
+            assert not d.changed, t
+        assert d.level == level, t
+        assert d.target_level == 0
+        assert d.constraints == DEFAULT_CONSTRAINTS[level]
+        # After a step the streak restarts at that tick while the target is lower.
+        if level > 0:
+            assert state.lower_since_s == max(k for k in (1, *expected_changes) if k <= t), t
+        else:
+            assert state.lower_since_s is None
+    assert state == DegradationState(level=0, lower_since_s=None)
+
+
+def test_step_down_stops_the_streak_when_target_reached() -> None:
+    d, state = decide(sig(queue=200), DegradationState(), CFG, now_s=0)
+    assert d.level == 3
+    # Target 2 from t=1: one step to 2 at t=31, then no streak (target == level).
+    for t in range(1, 31):
+        d, state = decide(sig(queue=100), state, CFG, now_s=t)
+        assert d.level == 3
+        assert state.lower_since_s == 1
+    d, state = decide(sig(queue=100), state, CFG, now_s=31)
+    assert (d.level, d.changed, state.lower_since_s) == (2, True, None)
+    for t in range(32, 100):
+        d, state = decide(sig(queue=100), state, CFG, now_s=t)
+        assert d.level == 2 and state.lower_since_s is None
+
+
+def test_interrupted_streak_restarts_the_window() -> None:
+    d, state = decide(sig(queue=100), DegradationState(), CFG, now_s=0)
+    assert d.level == 2
+    for t in range(1, 21):
+        d, state = decide(sig(queue=0), state, CFG, now_s=t)
+        assert d.level == 2
+    assert state.lower_since_s == 1
+    # One tick back at the current level interrupts the streak.
+    d, state = decide(sig(queue=150), state, CFG, now_s=21)
+    assert (d.level, state.lower_since_s) == (2, None)
+    # The window starts again at t=22: no step at t=31 (where the old streak
+    # would have ended), the step comes at t=52.
+    for t in range(22, 52):
+        d, state = decide(sig(queue=0), state, CFG, now_s=t)
+        assert d.level == 2, t
+        assert state.lower_since_s == 22
+    d, state = decide(sig(queue=0), state, CFG, now_s=52)
+    assert (d.level, d.changed) == (1, True)
+
+
+def test_a_target_still_below_the_level_does_not_interrupt() -> None:
+    d, state = decide(sig(queue=100), DegradationState(), CFG, now_s=0)
+    assert d.level == 2
+    # Target wanders between 0 and 1, always below 2: the streak holds.
+    for t in range(1, 31):
+        d, state = decide(sig(queue=60 if t % 2 else 0), state, CFG, now_s=t)
+        assert d.level == 2
+    d, state = decide(sig(queue=0), state, CFG, now_s=31)
+    assert d.level == 1
+
+
+def test_an_up_jump_during_a_down_streak_clears_it() -> None:
+    d, state = decide(sig(queue=100), DegradationState(), CFG, now_s=0)
+    for t in range(1, 10):
+        d, state = decide(sig(queue=0), state, CFG, now_s=t)
+    assert state.lower_since_s == 1
+    d, state = decide(sig(queue=500), state, CFG, now_s=10)
+    assert state == DegradationState(level=4, lower_since_s=None)
+
+
+def test_error_rate_below_min_requests_never_sheds() -> None:
+    state = DegradationState()
+    d, state = decide(sig(err=0.9, n=5), state, CFG, now_s=0)
+    assert d.level == 0
+    d, state = decide(sig(err=0.9, n=20), state, CFG, now_s=1)
+    assert d.level == 3
+    assert d.reason.endswith("(n=20)")
+
+
+def test_level_bounds() -> None:
+    # Every signal at its most extreme still gives level 4, never more.
+    d, state = decide(sig(queue=10**9, wait_ms=1e9, gpu=100.0, vram=100.0, err=1.0, n=10**6), DegradationState(), CFG, 0)
+    assert d.level == MAX_LEVEL
+    # At level 0 a calm target never goes below 0 and never starts a streak.
+    state = DegradationState()
+    for t in range(0, 100):
+        d, state = decide(sig(), state, CFG, now_s=t)
+        assert d.level == 0 and state.lower_since_s is None
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match="level"):
+            DegradationState(level=bad)
+
+
+def test_clock_going_backwards_restarts_the_streak() -> None:
+    state = DegradationState(level=2, lower_since_s=1000.0)
+    d, state = decide(sig(), state, CFG, now_s=5)
+    assert (d.level, state.lower_since_s) == (2, 5)
+    d, state = decide(sig(), state, CFG, now_s=35)
+    assert d.level == 1
+
+
+def test_conservative_level() -> None:
+    assert conservative_level(None, 2) == 2
+    assert conservative_level(0, 2) == 2
+    assert conservative_level(3, 2) == 3
+    assert conservative_level(4, 0) == 4
+    with pytest.raises(ValueError, match="floor"):
+        conservative_level(1, 5)
+    with pytest.raises(ValueError, match="last_level"):
+        conservative_level(-1, 0)
+
+
+# ----------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"queue_length_thresholds": (50, 100, 200)}, "queue_length_thresholds"),
+        ({"queue_length_thresholds": (50, 100, 100, 500)}, "queue_length_thresholds"),
+        ({"queue_wait_ms_thresholds": (500.0, 250.0, 1000.0, 2000.0)}, "queue_wait_ms_thresholds"),
+        ({"gpu_util_pct_thresholds": (85.0, None, 80.0, None)}, "gpu_util_pct_thresholds"),
+        ({"vram_pct_thresholds": (None, None, -1.0, 99.0)}, "vram_pct_thresholds"),
+        ({"error_rate_threshold": 0.0}, "error_rate_threshold"),
+        ({"error_rate_threshold": 1.5}, "error_rate_threshold"),
+        ({"error_rate_min_requests": -1}, "error_rate_min_requests"),
+        ({"error_rate_level": 0}, "error_rate_level"),
+        ({"stable_window_s": 0.0}, "stable_window_s"),
+        ({"stable_window_s": -1.0}, "stable_window_s"),
+        ({"constraints": DEFAULT_CONSTRAINTS[:4]}, "constraints"),
+        # A higher level may not admit what a lower one refuses.
+        ({"constraints": (*DEFAULT_CONSTRAINTS[:4], DEFAULT_CONSTRAINTS[0])}, "constraints"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        DegradationConfig(**kwargs)
+
+
+def test_config_dict_round_trip_and_list_coercion() -> None:
+    assert DegradationConfig.from_dict(CFG.to_dict()) == CFG
+    cfg = DegradationConfig.from_dict({"queue_length_thresholds": [10, 20, 30, 40], "stable_window_s": 5})
+    assert cfg.queue_length_thresholds == (10, 20, 30, 40)
+    assert cfg.constraints == DEFAULT_CONSTRAINTS
+    assert target_level(sig(queue=30), cfg)[0] == 3
+    with pytest.raises(ValueError, match="stable_windw_s"):
+        DegradationConfig.from_dict({"stable_windw_s": 5})
+
+
+def test_signals_validation() -> None:
+    with pytest.raises(ValueError, match="queue_length"):
+        sig(queue=-1)
+    with pytest.raises(ValueError, match="gpu_util_pct"):
+        sig(gpu=float("nan"))
+    with pytest.raises(ValueError, match="error_rate"):
+        sig(err=1.5)
+    with pytest.raises(ValueError, match="request_count"):
+        sig(n=-3)
