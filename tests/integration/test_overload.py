@@ -1,0 +1,155 @@
+"""The control loop end to end: overload sheds sheddable first, bursts scale, a dead controller fails nothing.
+
+Load here is bounded (a fixed number of closed-loop workers, a fixed duration), goes
+to loopback only, and stops by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from conftest import ADMIN, BASE, FREE, GOLD, status, wait_quiet, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class LoadResult:
+    outcomes: list[tuple[float, str, int, str]] = field(default_factory=list)  # (t, criticality, status, code)
+    retry_after: list[str] = field(default_factory=list)
+
+    def by(self, criticality: str) -> Counter:
+        return Counter((s, c) for _, crit, s, c in self.outcomes if crit == criticality)
+
+
+async def _worker(client, criticality, headers, max_tokens, stop_at, result):
+    while time.monotonic() < stop_at:
+        try:
+            r = await client.post(
+                "/v1/generate", headers=headers, json={"prompt": "load", "max_tokens": max_tokens, "criticality": criticality}
+            )
+        except httpx.HTTPError as e:  # counted, never hidden
+            result.outcomes.append((time.monotonic(), criticality, 0, type(e).__name__))
+            continue
+        code = "OK" if r.status_code == 200 else r.json()["error"]["code"]
+        result.outcomes.append((time.monotonic(), criticality, r.status_code, code))
+        if r.status_code == 503:
+            result.retry_after.append(r.headers.get("retry-after", ""))
+            await asyncio.sleep(0.05)
+
+
+def run_load(workers: dict[str, int], duration_s: float, max_tokens: int = 24) -> LoadResult:
+    """Closed-loop workers per criticality for ``duration_s`` (bounded in time and count)."""
+
+    async def main() -> LoadResult:
+        result = LoadResult()
+        stop_at = time.monotonic() + duration_s
+        limits = httpx.Limits(max_connections=sum(workers.values()) + 4)
+        async with httpx.AsyncClient(base_url=BASE, timeout=60, limits=limits) as client:
+            tasks = [
+                _worker(client, crit, GOLD if crit.startswith("critical") else FREE, max_tokens, stop_at, result)
+                for crit, n in workers.items()
+                for _ in range(n)
+            ]
+            await asyncio.gather(*tasks)
+        return result
+
+    return asyncio.run(main())
+
+
+def model_replicas() -> int:
+    dep = serve.status().applications["ballast"].deployments["BallastModel"]
+    return dep.replica_states.get("RUNNING", 0)
+
+
+def test_overload_sheds_sheddable_first_and_critical_keeps_succeeding(client):
+    wait_quiet(client)
+    levels: list[int] = []
+    done = threading.Event()
+
+    def watch():
+        with httpx.Client(base_url=BASE, timeout=10) as c:
+            while not done.is_set():
+                levels.append(status(c)["level"])
+                time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = run_load({"critical": 12, "sheddable": 12}, duration_s=12)
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+
+    assert max(levels) >= 1, f"level never rose: {levels}"
+    critical, sheddable = result.by("critical"), result.by("sheddable")
+    # Critical traffic never failed, and got real work done.
+    assert set(critical) == {(200, "OK")}, critical
+    assert critical[(200, "OK")] >= 20
+    # Sheddable was refused explicitly, with Retry-After.
+    assert sheddable[(503, "OVERLOADED")] > 0, sheddable
+    assert all(v.isdigit() and int(v) >= 1 for v in result.retry_after)
+    # Shedding began with sheddable: no critical refusal exists at all, and the
+    # first refusal came while critical requests were still being served.
+    first_shed = min(t for t, crit, s, _ in result.outcomes if s == 503)
+    assert any(t > first_shed for t, crit, s, _ in result.outcomes if crit == "critical" and s == 200)
+
+    # Quiet: the level steps back down to 0 (one level per stable window).
+    wait_until(lambda: status(client)["level"] == 0, 30, 0.5, "level back to 0")
+    r = client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 4, "criticality": "sheddable"})
+    assert r.status_code == 200
+
+
+def test_burst_scales_model_up_and_quiet_scales_it_down(client, ballast):
+    wait_quiet(client)
+    assert model_replicas() == 1
+    peak = {"n": 1}
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak["n"] = max(peak["n"], model_replicas())
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        # Critical only (never shed here): 16 in flight against a target of 4 per replica.
+        result = run_load({"critical": 16}, duration_s=20)
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+    assert set(result.by("critical")) == {(200, "OK")}
+    assert peak["n"] == ballast.deployments.model.max_replicas, "burst did not scale the model deployment up"
+    s = status(client)["replicas"]["BallastModel"]
+    assert s["desired"] == ballast.deployments.model.max_replicas or model_replicas() == 2
+
+    # Quiet: after the stable window and the scale-down delay it returns to min.
+    wait_until(lambda: model_replicas() == ballast.deployments.model.min_replicas, 90, 1.0, "scale down to min")
+
+
+def test_controller_killed_mid_traffic_fails_no_request_and_comes_back(client, ballast):
+    from serve_app.controller import lookup_controller
+
+    wait_quiet(client)
+    epoch_before = status(client)["snapshot"]["epoch"]
+    handle = lookup_controller(ballast)
+    killer = threading.Timer(2.0, lambda: ray.kill(handle, no_restart=False))
+    killer.start()
+    result = run_load({"critical": 4, "sheddable_plus": 2}, duration_s=10, max_tokens=8)
+    killer.join()
+    # Not one request failed while the controller was dead and restarting.
+    assert {k for k in result.by("critical")} == {(200, "OK")}, result.by("critical")
+    assert {k for k in result.by("sheddable_plus")} == {(200, "OK")}, result.by("sheddable_plus")
+    # Ray restarted it (max_restarts=-1) and the routers follow its new epoch.
+    wait_until(lambda: status(client)["snapshot"]["epoch"] != epoch_before, 30, 0.5, "a snapshot from the restarted controller")
+    wait_until(lambda: status(client)["source"] == "snapshot", 10, 0.5, "fresh snapshot")
