@@ -32,7 +32,7 @@ test-unit: $(STAMP)
 
 ## Router overhead vs a plain Serve ingress on the same model deployment.
 bench-router: $(STAMP)
-	$(PY) -m serve_app.bench_router
+	$(PY) -m loadtest.bench_router
 
 clean:
 	rm -rf $(VENV) .pytest_cache .run

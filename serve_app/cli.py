@@ -53,11 +53,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .app import build
     from .controller import ensure_controller
 
+    ray.init(include_dashboard=args.dashboard, logging_level="WARNING")
+    # After ray.init: Ray's core installs its own SIGTERM handler (it aborts the
+    # process); ours replaces it so that both signals shut down cleanly.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-
-    ray.init(include_dashboard=args.dashboard, logging_level="WARNING")
     try:
         serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
         controller = ensure_controller(cfg)
@@ -100,7 +101,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print("no Ballast stack started by `make serve` is running here")
         return 0
     try:
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)  # what Ctrl-C sends: the same clean shutdown
     except ProcessLookupError:
         PIDFILE.unlink(missing_ok=True)
         print("the recorded stack was already gone")

@@ -1,0 +1,153 @@
+"""Router overhead benchmark: the full Ballast router path vs a plain Serve ingress.
+
+Both ingresses call the *same* model deployment (the plain one through
+``serve.get_deployment_handle``), so the difference is what the router adds:
+auth, body bounds and validation, admission, clamping, accounting and metrics.
+
+Closed-loop load at a fixed concurrency, alternating A/B in rounds so that drift
+(thermal, other processes, GC) lands on both sides; all figures come from one run.
+Loopback only; bounded in time. Run: ``make bench-router``.
+"""
+
+
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
+
+import httpx
+
+PORT = 8124
+BASE = f"http://127.0.0.1:{PORT}"
+
+
+def plain_ingress_app(model_app: str):
+    from fastapi import FastAPI
+    from pydantic import BaseModel
+    from ray import serve
+
+    app = FastAPI()
+
+    class Body(BaseModel):
+        prompt: str
+        max_tokens: int = 16
+
+    @serve.deployment(name="PlainIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=512)
+    @serve.ingress(app)
+    class PlainIngress:
+        def __init__(self) -> None:
+            self._model = serve.get_deployment_handle("BallastModel", app_name=model_app)
+
+        @app.post("/generate")
+        async def generate(self, body: Body) -> dict[str, Any]:
+            out = await self._model.generate.remote({"prompt": body.prompt, "max_tokens": body.max_tokens})
+            return {"text": out["text"], "tokens_generated": out["tokens"]}
+
+    return PlainIngress.bind()
+
+
+async def _closed_loop(url: str, headers: dict[str, str], body: dict[str, Any], concurrency: int, duration_s: float):
+    latencies_ms: list[float] = []
+    errors = 0
+    stop_at = time.monotonic() + duration_s
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal errors
+        while time.monotonic() < stop_at:
+            t0 = time.perf_counter()
+            r = await client.post(url, headers=headers, json=body)
+            if r.status_code == 200:
+                latencies_ms.append((time.perf_counter() - t0) * 1000.0)
+            else:
+                errors += 1
+                if errors == 1:
+                    print(f"first error from {url}: {r.status_code} {r.text[:200]}")
+
+    limits = httpx.Limits(max_connections=concurrency + 2)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        elapsed = time.monotonic() - t0
+    return latencies_ms, errors, elapsed
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="cluster/local.yaml")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--round-s", type=float, default=8.0)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    args = parser.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    from serve_app.app import build
+    from serve_app.config import load_config
+    from serve_app.controller import ensure_controller, lookup_controller
+
+    cfg = load_config(args.config)
+    ray.init(include_dashboard=False, logging_level="ERROR")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        ray.get(ensure_controller(cfg).start.remote())
+        serve.run(build(cfg), name=cfg.app_name, route_prefix="/", blocking=False)
+        serve.run(plain_ingress_app(cfg.app_name), name="plain", route_prefix="/plain", blocking=False)
+        key = next(iter(cfg.auth.demo_keys), None)
+        if key is None:
+            raise SystemExit("the benchmark needs a config with a demo key (cluster/local.yaml has two)")
+        body = {"prompt": "The quick brown fox", "max_tokens": args.max_tokens}
+        sides = {
+            "router": (f"{BASE}/v1/generate", {"Authorization": f"Bearer {key}"}),
+            "plain": (f"{BASE}/plain/generate", {}),
+        }
+        for url, headers in sides.values():  # warm both paths
+            asyncio.run(_closed_loop(url, headers, body, args.concurrency, args.warmup_s))
+        results: dict[str, dict[str, Any]] = {k: {"lat": [], "err": 0, "s": 0.0} for k in sides}
+        for rnd in range(args.rounds):
+            order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
+            for name in order:
+                lat, err, elapsed = asyncio.run(_closed_loop(*sides[name], body, args.concurrency, args.round_s))
+                results[name]["lat"] += lat
+                results[name]["err"] += err
+                results[name]["s"] += elapsed
+    finally:
+        serve.shutdown()
+        handle = lookup_controller(cfg)
+        if handle is not None:
+            ray.kill(handle, no_restart=True)
+        ray.shutdown()
+
+    print(
+        f"\nrouter overhead: concurrency={args.concurrency} max_tokens={args.max_tokens} "
+        f"rounds={args.rounds}x{args.round_s:g}s per side, model={cfg.model.name}"
+    )
+    print(f"{'path':<8} {'n':>6} {'err':>4} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9} {'req/s':>8}")
+    fig: dict[str, dict[str, float]] = {}
+    for name, r in results.items():
+        lat = r["lat"]
+        fig[name] = {"p50": _pct(lat, 0.5), "p99": _pct(lat, 0.99), "rps": len(lat) / r["s"]}
+        print(
+            f"{name:<8} {len(lat):>6} {r['err']:>4} {fig[name]['p50']:>9.1f} {fig[name]['p99']:>9.1f} "
+            f"{statistics.fmean(lat):>9.1f} {fig[name]['rps']:>8.1f}"
+        )
+    p50_ratio = fig["router"]["p50"] / fig["plain"]["p50"]
+    print(
+        f"ratio router/plain: p50 {p50_ratio:.3f} (target <= 1.10), p99 {fig['router']['p99'] / fig['plain']['p99']:.3f}, "
+        f"throughput {fig['router']['rps'] / fig['plain']['rps']:.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

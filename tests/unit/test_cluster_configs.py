@@ -1,0 +1,29 @@
+"""The shipped configs load, and the production one carries no secrets."""
+
+from pathlib import Path
+
+import yaml
+
+from serve_app.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_local_config_loads_with_demo_tenants():
+    cfg = load_config(ROOT / "cluster/local.yaml")
+    assert cfg.environment == "local"
+    assert cfg.auth.demo_keys == {"dev-key-gold": "gold", "dev-key-free": "free"}
+    assert cfg.auth.demo_admin_token == "dev-admin-token"
+    assert cfg.deployments.model.num_gpus == 0
+
+
+def test_production_serve_config_has_no_default_keys():
+    serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
+    (app,) = serve_cfg["applications"]
+    assert app["import_path"] == "serve_app.app:build_app"
+    cfg = load_config(app["args"]["config"])
+    assert cfg.environment == "production"
+    assert cfg.auth.demo_keys == {} and cfg.auth.demo_admin_token is None
+    assert cfg.deployments.model.num_gpus == 1
+    text = (ROOT / "cluster/serve_config.yaml").read_text()
+    assert "dev-key" not in text and "dev-admin-token" not in text

@@ -1,0 +1,427 @@
+"""serve_app.controller.ControllerCore: reports in, signals and snapshots out, no Ray.
+
+Both clocks are ``FakeClock`` instances moved in whole seconds: ``clock`` (the
+monotonic clock that ages reports and outcomes, and drives the policies) and
+``wall_clock`` (what snapshots are stamped with). Importing the module defines
+the ``Controller`` actor class but starts nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+
+from serve_app.config import BallastConfig, load_config
+from serve_app.controller import (
+    MAX_OUTCOME_BUCKETS,
+    MAX_SENDERS,
+    MODEL_DEPLOYMENT,
+    ROUTER_DEPLOYMENT,
+    ControllerCore,
+)
+
+EXPIRY_S = 3
+ERROR_WINDOW_S = 10
+DEG_WINDOW_S = 5
+
+
+class FakeClock:
+    """Stands in for time.monotonic / time.time: moves only when the test says so."""
+
+    def __init__(self, t: int = 0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return float(self.t)
+
+    def advance(self, seconds: int = 1) -> None:
+        self.t += seconds
+
+
+def make_cfg(**over: Any) -> BallastConfig:
+    data: dict[str, Any] = {
+        "deployments": {"model": {"min_replicas": 1, "max_replicas": 4}},
+        "controller": {"report_expiry_s": EXPIRY_S, "error_window_s": ERROR_WINDOW_S},
+        "degradation": {"stable_window_s": DEG_WINDOW_S},
+        "autoscale": {"stable_window_s": 20, "panic_window_s": 4, "scale_down_delay_s": 5},
+    }
+    data.update(over)
+    return load_config(data)
+
+
+class Harness:
+    def __init__(self, cfg: Optional[BallastConfig] = None) -> None:
+        self.clock = FakeClock(0)
+        self.wall = FakeClock(1_000_000)
+        self.core = ControllerCore(cfg or make_cfg(), clock=self.clock, wall_clock=self.wall)
+
+    def advance(self, seconds: int = 1) -> None:
+        self.clock.advance(seconds)
+        self.wall.advance(seconds)
+
+    def router(self, rid: str, **fields: Any) -> dict[str, Any]:
+        return self.core.report_router({"router_id": rid, **fields})
+
+    def replica(self, rid: str, **fields: Any) -> dict[str, Any]:
+        return self.core.report_replica({"replica_id": rid, "deployment": MODEL_DEPLOYMENT, **fields})
+
+
+@pytest.fixture
+def h() -> Harness:
+    return Harness()
+
+
+# --------------------------------------------------------------------------- signals
+
+
+class TestSignals:
+    def test_no_reports_means_no_load_and_absent_signals(self, h: Harness) -> None:
+        sig = h.core.signals()
+        assert sig.queue_length == 0
+        assert sig.queue_wait_p95_ms is None
+        assert sig.gpu_util_pct is None
+        assert sig.vram_pct is None
+        assert sig.error_rate is None
+        assert sig.request_count == 0
+
+    def test_queue_is_router_inflight_minus_replica_running(self, h: Harness) -> None:
+        h.router("r1", inflight=30)
+        h.router("r2", inflight=20)
+        h.replica("m1", running=10, queued=3)
+        h.replica("m2", running=5, queued=4)
+        assert h.core.signals().queue_length == 50 - 15
+
+    def test_queue_is_replica_queued_when_that_is_larger(self, h: Harness) -> None:
+        h.router("r1", inflight=5)
+        h.replica("m1", running=10, queued=3)
+        h.replica("m2", running=5, queued=4)
+        assert h.core.signals().queue_length == 7
+
+    def test_queue_without_routers_is_replica_queued(self, h: Harness) -> None:
+        h.replica("m1", running=10, queued=3)
+        h.replica("m2", running=0, queued=9)
+        assert h.core.signals().queue_length == 12
+
+    def test_queue_is_never_negative(self, h: Harness) -> None:
+        h.router("r1", inflight=0)
+        h.replica("m1", running=8, queued=0)
+        assert h.core.signals().queue_length == 0
+
+    def test_a_senders_latest_report_replaces_its_previous_one(self, h: Harness) -> None:
+        h.replica("m1", queued=40)
+        h.replica("m1", queued=6)
+        assert h.core.signals().queue_length == 6
+
+    def test_queue_wait_is_the_worst_p95_of_routers_and_replicas(self, h: Harness) -> None:
+        h.router("r1", inflight=0, queue_wait_p95_ms=120.0)
+        h.router("r2", inflight=0, queue_wait_p95_ms=None)
+        h.replica("m1", queue_wait_p95_ms=480.5)
+        h.replica("m2", queue_wait_p95_ms=30.0)
+        assert h.core.signals().queue_wait_p95_ms == 480.5
+
+    def test_gpu_util_is_the_mean_over_replicas_that_report_it(self, h: Harness) -> None:
+        h.replica("m1", gpu_util_pct=90.0, vram_pct=40.0)
+        h.replica("m2", gpu_util_pct=60.0, vram_pct=70.0)
+        h.replica("cpu", gpu_util_pct=None, vram_pct=None)  # absent, not zero
+        sig = h.core.signals()
+        assert sig.gpu_util_pct == 75.0
+        assert sig.vram_pct == 70.0
+
+    def test_a_single_gpu_replica_is_not_diluted_by_cpu_replicas(self, h: Harness) -> None:
+        h.replica("gpu", gpu_util_pct=96.0, vram_pct=98.0)
+        h.replica("cpu1")
+        h.replica("cpu2", gpu_util_pct=None)
+        sig = h.core.signals()
+        assert sig.gpu_util_pct == 96.0
+        assert sig.vram_pct == 98.0
+
+    def test_gpu_signals_are_none_when_no_replica_reports_them(self, h: Harness) -> None:
+        h.replica("m1", gpu_util_pct=None, vram_pct=None, queued=1)
+        h.replica("m2", queued=1)
+        sig = h.core.signals()
+        assert sig.gpu_util_pct is None
+        assert sig.vram_pct is None
+
+    def test_routers_gpu_fields_are_ignored(self, h: Harness) -> None:
+        h.router("r1", inflight=0, gpu_util_pct=99.0, vram_pct=99.0)
+        sig = h.core.signals()
+        assert (sig.gpu_util_pct, sig.vram_pct) == (None, None)
+
+
+class TestExpiry:
+    def test_a_report_counts_until_report_expiry_s_then_drops(self, h: Harness) -> None:
+        h.replica("m1", queued=80, gpu_util_pct=50.0)
+        for age in range(0, EXPIRY_S + 1):
+            assert h.core.signals().queue_length == 80, f"age {age}s"
+            assert h.core.signals().gpu_util_pct == 50.0
+            h.advance()
+        # age EXPIRY_S + 1: gone.
+        sig = h.core.signals()
+        assert sig.queue_length == 0
+        assert sig.gpu_util_pct is None
+
+    def test_a_sender_that_keeps_reporting_stays_and_a_silent_one_goes(self, h: Harness) -> None:
+        h.replica("steady", queued=1)
+        h.replica("silent", queued=10)
+        expected = {0: 11, 1: 11, 2: 11, 3: 11, 4: 1, 5: 1, 6: 1}
+        for t in range(0, 7):
+            if t % 2 == 0:
+                h.replica("steady", queued=1)
+            assert h.core.signals().queue_length == expected[t], f"t={t}"
+            h.advance()
+
+    def test_expired_router_no_longer_counts_as_running(self, h: Harness) -> None:
+        h.router("r1", inflight=3)
+        h.core.tick()
+        assert h.core.snapshot()["running_replicas"][ROUTER_DEPLOYMENT] == 1
+        h.advance(EXPIRY_S + 1)
+        snap = h.core.tick()
+        assert snap.running_replicas[ROUTER_DEPLOYMENT] == 0
+
+
+class TestErrorRate:
+    def test_error_rate_over_the_window_walked_second_by_second(self, h: Harness) -> None:
+        observed = []
+        for t in range(0, 17):
+            if t == 0:
+                h.router("r1", inflight=0, requests=10, errors=5)
+            if t == 5:
+                h.router("r1", inflight=0, requests=10, errors=0)
+            sig = h.core.signals()
+            observed.append((t, sig.request_count, sig.error_rate))
+            h.advance()
+        # Each bucket counts while its age <= ERROR_WINDOW_S (10 s).
+        expected = (
+            [(t, 10, 0.5) for t in range(0, 5)]
+            + [(t, 20, 0.25) for t in range(5, 11)]
+            + [(t, 10, 0.0) for t in range(11, 16)]
+            + [(16, 0, None)]
+        )
+        assert observed == expected
+
+    def test_reports_without_requests_add_no_bucket(self, h: Harness) -> None:
+        h.router("r1", inflight=4, requests=0, errors=0)
+        h.router("r2", inflight=4)
+        sig = h.core.signals()
+        assert (sig.request_count, sig.error_rate) == (0, None)
+
+    def test_outcomes_of_all_routers_add_up(self, h: Harness) -> None:
+        h.router("r1", inflight=0, requests=30, errors=3)
+        h.router("r2", inflight=0, requests=10, errors=9)
+        sig = h.core.signals()
+        assert sig.request_count == 40
+        assert sig.error_rate == pytest.approx(12 / 40)
+
+    def test_a_high_error_rate_with_enough_requests_raises_the_level(self, h: Harness) -> None:
+        h.router("r1", inflight=0, requests=19, errors=19)
+        assert h.core.tick().level == 0  # below error_rate_min_requests (20): noise
+        h.router("r1", inflight=0, requests=1, errors=1)
+        snap = h.core.tick()
+        assert snap.level == 3
+        assert snap.reason.startswith("up 0->3: error_rate=1>=0.1")
+
+
+# --------------------------------------------------------------------------- tick: level
+
+
+class TestLevel:
+    def test_initial_snapshot_is_level_zero_version_one(self, h: Harness) -> None:
+        s = h.core.snapshot()
+        assert (s["version"], s["level"], s["reason"]) == (1, 0, "starting")
+        assert s["epoch"] == h.core.epoch
+        assert s["created_at_s"] == 1_000_000
+
+    def test_big_queue_raises_the_level_at_once(self, h: Harness) -> None:
+        h.replica("m1", queued=600)
+        snap = h.core.tick()
+        assert snap.level == 4
+        assert snap.target_level == 4
+        assert snap.inputs["queue_length"] == 600
+        assert snap.constraints == h.core.cfg.degradation_config().constraints[4].to_dict()
+
+    @pytest.mark.parametrize("queued, level", [(49, 0), (50, 1), (100, 2), (199, 2), (200, 3), (500, 4)])
+    def test_level_follows_the_queue_thresholds(self, h: Harness, queued: int, level: int) -> None:
+        h.replica("m1", queued=queued)
+        assert h.core.tick().level == level
+
+    def test_steps_down_one_level_per_stable_window_tick_by_tick(self, h: Harness) -> None:
+        h.replica("m1", queued=600)
+        assert h.core.tick().level == 4
+        levels = []
+        for _ in range(4 * DEG_WINDOW_S + 2):
+            h.advance()
+            h.replica("m1", queued=0)
+            levels.append(h.core.tick().level)
+        # Quiet from t=1: the streak starts there; each drop needs DEG_WINDOW_S more seconds.
+        expected = [4] * DEG_WINDOW_S + [3] * DEG_WINDOW_S + [2] * DEG_WINDOW_S + [1] * DEG_WINDOW_S + [0, 0]
+        assert levels == expected
+
+    def test_an_interrupted_streak_starts_again(self, h: Harness) -> None:
+        h.replica("m1", queued=250)  # level 3
+        assert h.core.tick().level == 3
+        levels = []
+        for t in range(1, 12):
+            h.advance()
+            # Quiet, except at t=3 where the queue is back at level 3's threshold.
+            h.replica("m1", queued=250 if t == 3 else 0)
+            levels.append(h.core.tick().level)
+        # Streak t=1,2 broken at t=3; restarts at t=4, drops at t=4+5=9.
+        assert levels == [3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2]
+
+    def test_level_rises_again_at_once_during_a_step_down(self, h: Harness) -> None:
+        h.replica("m1", queued=600)
+        h.core.tick()
+        for _ in range(DEG_WINDOW_S + 1):
+            h.advance()
+            h.replica("m1", queued=0)
+            h.core.tick()
+        assert h.core.snapshot()["level"] == 3
+        h.advance()
+        h.replica("m1", queued=600)
+        assert h.core.tick().level == 4
+
+    def test_when_the_reports_expire_the_level_walks_down(self, h: Harness) -> None:
+        h.replica("m1", queued=600)
+        assert h.core.tick().level == 4
+        levels = []
+        for _ in range(EXPIRY_S + DEG_WINDOW_S + 1):
+            h.advance()
+            levels.append(h.core.tick().level)  # no new reports at all
+        # Report counts through age EXPIRY_S; the quiet streak starts the tick after.
+        assert levels == [4] * (EXPIRY_S + DEG_WINDOW_S) + [3]
+
+
+class TestSnapshots:
+    def test_versions_increase_by_one_per_tick_and_carry_the_wall_clock(self, h: Harness) -> None:
+        versions, stamps = [], []
+        for _ in range(5):
+            h.advance()
+            s = h.core.tick()
+            versions.append(s.version)
+            stamps.append(s.created_at_s)
+            assert s.epoch == h.core.epoch
+        assert versions == [2, 3, 4, 5, 6]
+        assert stamps == [1_000_001, 1_000_002, 1_000_003, 1_000_004, 1_000_005]
+
+    def test_reports_return_the_latest_published_snapshot(self, h: Harness) -> None:
+        h.core.tick()
+        assert h.router("r1", inflight=0)["version"] == 2
+        assert h.replica("m1")["version"] == 2
+        h.core.tick()
+        assert h.router("r1", inflight=0)["version"] == 3
+        assert h.core.snapshot()["version"] == 3
+
+    def test_a_new_core_has_a_new_epoch_and_starts_over(self) -> None:
+        a, b = Harness(), Harness()
+        assert a.core.epoch != b.core.epoch
+        assert b.core.snapshot()["version"] == 1
+
+    def test_snapshot_dict_round_trips(self, h: Harness) -> None:
+        from serve_app.snapshot import Snapshot
+
+        h.replica("m1", queued=120, running=4)
+        snap = h.core.tick()
+        assert Snapshot.from_dict(h.core.snapshot()) == snap
+
+
+# --------------------------------------------------------------------------- tick: replicas
+
+
+class TestDesiredReplicas:
+    def test_quiet_stays_at_min(self, h: Harness) -> None:
+        for _ in range(5):
+            h.replica("m1", queued=0, running=0)
+            assert h.core.tick().desired_replicas == {MODEL_DEPLOYMENT: 1}
+            h.advance()
+
+    def test_desired_rises_under_load(self, h: Harness) -> None:
+        h.replica("m1", queued=20, running=8)
+        snap = h.core.tick()
+        # ongoing = 28 -> ceil(28 / 8) = 4 in the panic window, >= 2x current.
+        assert snap.desired_replicas[MODEL_DEPLOYMENT] == 4
+        assert snap.autoscale[MODEL_DEPLOYMENT]["mode"] == "panic"
+        assert snap.autoscale[MODEL_DEPLOYMENT]["ongoing_requests"] == 28
+        assert snap.running_replicas[MODEL_DEPLOYMENT] == 1
+
+    def test_router_backlog_counts_as_ongoing(self, h: Harness) -> None:
+        h.router("r1", inflight=24)
+        h.replica("m1", queued=0, running=8)
+        snap = h.core.tick()
+        # queue = 24 - 8 = 16 waiting; ongoing = 16 + 8 running.
+        assert snap.autoscale[MODEL_DEPLOYMENT]["ongoing_requests"] == 24
+        assert snap.desired_replicas[MODEL_DEPLOYMENT] == 3
+
+    def test_only_model_replicas_count_as_running_model_replicas(self, h: Harness) -> None:
+        h.core.report_replica({"replica_id": "x", "deployment": "Other", "queued": 0})
+        h.replica("m1")
+        h.replica("m2")
+        assert h.core.tick().running_replicas[MODEL_DEPLOYMENT] == 2
+
+    def test_desired_stays_within_min_and_max_under_any_load(self, h: Harness) -> None:
+        loads = [0, 500, 3, 0, 0, 10_000, 1, 0] * 8
+        desired = []
+        for t, q in enumerate(loads):
+            h.replica("m1", queued=q, running=min(q, 8))
+            d = h.core.tick().desired_replicas[MODEL_DEPLOYMENT]
+            assert 1 <= d <= 4, f"t={t}: {d}"
+            desired.append(d)
+            h.advance()
+        # Quiet first tick at min; then the bursts keep re-triggering panic: held at max.
+        assert desired == [1] + [4] * (len(loads) - 1)
+
+    def test_scales_down_one_step_per_delay_once_quiet(self, h: Harness) -> None:
+        h.replica("m1", queued=100, running=8)
+        assert h.core.tick().desired_replicas[MODEL_DEPLOYMENT] == 4
+        desired = []
+        for _ in range(40):
+            h.advance()
+            h.replica("m1", queued=0, running=0)
+            desired.append(h.core.tick().desired_replicas[MODEL_DEPLOYMENT])
+        # t=1..40. Panic (triggered at t=0) holds 4 until t=20 (one stable window);
+        # the quiet streak starts then and each step down waits scale_down_delay_s (5 s).
+        assert desired == [4] * 24 + [3] * 5 + [2] * 5 + [1] * 6
+
+
+# --------------------------------------------------------------------------- bounds
+
+
+class TestBounded:
+    def test_router_map_is_capped_at_max_senders_oldest_evicted(self, h: Harness) -> None:
+        extra = 100
+        for i in range(MAX_SENDERS + extra):
+            h.router(f"r{i}", inflight=i)
+        kept = range(extra, MAX_SENDERS + extra)  # r0..r99 evicted
+        assert h.core.signals().queue_length == sum(kept)
+        assert h.core.tick().running_replicas[ROUTER_DEPLOYMENT] == MAX_SENDERS
+
+    def test_replica_map_is_capped_at_max_senders(self, h: Harness) -> None:
+        for i in range(MAX_SENDERS + 10):
+            h.replica(f"m{i}", queued=1)
+        assert h.core.signals().queue_length == MAX_SENDERS
+        assert h.core.tick().running_replicas[MODEL_DEPLOYMENT] == MAX_SENDERS
+
+    def test_a_re_reporting_sender_is_not_the_oldest(self, h: Harness) -> None:
+        for i in range(MAX_SENDERS):
+            h.router(f"r{i}", inflight=0)
+        h.router("r0", inflight=1000)  # moves to the back
+        h.router("new", inflight=0)  # evicts r1, not r0
+        assert h.core.signals().queue_length == 1000
+
+    def test_outcome_buckets_are_capped(self, h: Harness) -> None:
+        for i in range(MAX_OUTCOME_BUCKETS + 50):
+            h.router("r1", inflight=0, requests=1, errors=0)
+        assert h.core.signals().request_count == MAX_OUTCOME_BUCKETS
+
+
+class TestConfigure:
+    def test_configure_swaps_thresholds_and_forgets_reports(self, h: Harness) -> None:
+        h.replica("m1", queued=60)
+        assert h.core.tick().level == 1
+        v = h.core.snapshot()["version"]
+        h.core.configure(make_cfg(degradation={"queue_length_thresholds": [10, 20, 30, 40]}))
+        assert h.core.signals().queue_length == 0  # old reports gone
+        h.replica("m1", queued=60)
+        snap = h.core.tick()
+        assert snap.level == 4
+        assert snap.version == v + 1  # versions keep rising within the epoch
