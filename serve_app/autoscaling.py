@@ -89,7 +89,9 @@ class ControllerDrivenPolicy:
             desired = snapshot["desired_replicas"].get(ctx.deployment_name)
             if desired is not None:
                 return int(desired), {"source": "controller", "version": snapshot["version"]}
-        desired = queue_length_fallback(float(ctx.total_num_requests), int(ctx.current_num_replicas), self._fallback_cfg)
+        # Serve's target, not the running count: a scale-up still starting must not shrink.
+        current = int(getattr(ctx, "target_num_replicas", None) or ctx.current_num_replicas)
+        desired = queue_length_fallback(float(ctx.total_num_requests), current, self._fallback_cfg)
         return desired, {"source": "fallback"}
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:

@@ -257,9 +257,7 @@ def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = N
     else:
         where = str(source)
         try:
-            data = yaml.safe_load(Path(source).read_text()) or {}
-        except OSError as e:
-            raise ConfigError(where, f"cannot read: {e.strerror or e}") from None
+            data = yaml.safe_load(_read_text(source)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(where, f"not valid YAML: {e}") from None
         if not isinstance(data, dict):
@@ -273,6 +271,16 @@ def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = N
     return cfg
 
 
+def _read_text(path: "str | Path", what: str = "") -> str:
+    """A config or secret file as UTF-8 text; any failure is a ConfigError naming the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot read {what or 'file'}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), f"{what or 'file'} is not UTF-8 text") from None
+
+
 # -- secrets ----------------------------------------------------------------------------
 def _digest(secret: str) -> bytes:
     return hashlib.sha256(secret.encode("utf-8")).digest()
@@ -280,9 +288,12 @@ def _digest(secret: str) -> bytes:
 
 def _parse_key_entries(text: str, where: str) -> dict[bytes, str]:
     out: dict[bytes, str] = {}
-    for raw in text.replace(",", "\n").splitlines():
+    # Comments are whole lines, dropped *before* splitting on commas, so that a
+    # commented-out line never yields a live key.
+    lines = [ln for ln in text.splitlines() if not ln.strip().startswith("#")]
+    for raw in ",".join(lines).split(","):
         entry = raw.strip()
-        if not entry or entry.startswith("#"):
+        if not entry:
             continue
         key, sep, tenant = entry.rpartition("=")
         key, tenant = key.strip(), tenant.strip()
@@ -325,10 +336,7 @@ class KeyStore:
         for key, tenant in a.demo_keys.items():
             keys[_digest(key)] = tenant
         if a.api_keys_file:
-            try:
-                keys.update(_parse_key_entries(Path(a.api_keys_file).read_text(), a.api_keys_file))
-            except OSError as e:
-                raise ConfigError(a.api_keys_file, f"cannot read API keys file: {e.strerror or e}") from None
+            keys.update(_parse_key_entries(_read_text(a.api_keys_file, "API keys file"), a.api_keys_file))
         if env.get(a.api_keys_env):
             keys.update(_parse_key_entries(env[a.api_keys_env], f"${a.api_keys_env}"))
         unknown = sorted(set(keys.values()) - set(cfg.tenants))
@@ -336,11 +344,8 @@ class KeyStore:
             raise ConfigError("auth", f"API keys map to tenants not in the config: {unknown}")
         admin: Optional[str] = a.demo_admin_token
         if a.admin_token_file:
-            try:
-                admin = Path(a.admin_token_file).read_text().strip()
-            except OSError as e:
-                raise ConfigError(a.admin_token_file, f"cannot read admin token file: {e.strerror or e}") from None
-        if env.get(a.admin_token_env):
+            admin = _read_text(a.admin_token_file, "admin token file").strip() or None
+        if env.get(a.admin_token_env, "").strip():  # blank means unset, never "admin off"
             admin = env[a.admin_token_env].strip()
         return cls(keys, _digest(admin) if admin else None)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -66,6 +67,28 @@ class _Reports:
         return [r for _, r in self._by_sender.values()]
 
 
+def _clean(report: Any, counts: tuple[str, ...], measures: tuple[str, ...]) -> Optional[dict[str, Any]]:
+    """The report with counts as ints >= 0 and measures as finite floats >= 0 or None; None if malformed."""
+    if not isinstance(report, dict):
+        return None
+    out = dict(report)
+    try:
+        for k in counts:
+            v = int(out.get(k, 0) or 0)
+            if v < 0:
+                return None
+            out[k] = v
+        for k in measures:
+            if out.get(k) is not None:
+                v = float(out[k])
+                if not math.isfinite(v) or v < 0:
+                    return None
+                out[k] = v
+    except (TypeError, ValueError):
+        return None
+    return out
+
+
 class ControllerCore:
     """The controller's logic without Ray: testable with a fake clock."""
 
@@ -75,6 +98,7 @@ class ControllerCore:
         self.epoch = uuid.uuid4().hex[:12]
         self.configure(cfg)
         self._version = 0
+        self.rejected_reports = 0
         self._snapshot = self._publish(
             decision=None, signals=None, desired={}, running={}, autoscale_info={}
         )
@@ -91,6 +115,10 @@ class ControllerCore:
 
     # -- reports ---------------------------------------------------------------------
     def report_router(self, report: dict[str, Any]) -> dict[str, Any]:
+        report = _clean(report, ("inflight", "requests", "errors", "shed"), ("queue_wait_p95_ms",))
+        if report is None:  # malformed: dropped here, so it can never wedge a tick
+            self.rejected_reports += 1
+            return self._snapshot.to_dict()
         self._routers.put(str(report.get("router_id", "?")), report)
         requests = int(report.get("requests", 0))
         if requests:
@@ -98,6 +126,10 @@ class ControllerCore:
         return self._snapshot.to_dict()
 
     def report_replica(self, report: dict[str, Any]) -> dict[str, Any]:
+        report = _clean(report, ("queued", "running"), ("queue_wait_p95_ms", "gpu_util_pct", "vram_pct"))
+        if report is None:
+            self.rejected_reports += 1
+            return self._snapshot.to_dict()
         self._replicas.put(str(report.get("replica_id", "?")), report)
         return self._snapshot.to_dict()
 

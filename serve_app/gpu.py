@@ -25,8 +25,8 @@ class GpuSample:
     vram_total_bytes: int
 
     @property
-    def vram_pct(self) -> float:
-        return 100.0 * self.vram_used_bytes / self.vram_total_bytes if self.vram_total_bytes else 0.0
+    def vram_pct(self) -> Optional[float]:
+        return 100.0 * self.vram_used_bytes / self.vram_total_bytes if self.vram_total_bytes else None
 
 
 class NvmlGpuProbe:

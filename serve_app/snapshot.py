@@ -154,16 +154,16 @@ class SnapshotExchange:
     async def exchange_once(self) -> bool:
         try:
             raw = await asyncio.wait_for(self._call(self._make_report()), self._timeout_s)
+            snap = Snapshot.from_dict(raw)
+            if self._cache.offer(snap) and self._on_snapshot is not None:
+                self._on_snapshot(snap)
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # any failure: keep the last snapshot (fail-static)
+        except Exception as e:  # any failure (dead controller, bad reply): keep the last snapshot
             self.failures += 1
             if self.failures in (1, 10) or self.failures % 100 == 0:
                 log.warning("controller exchange failed (%d so far): %r", self.failures, e)
             return False
-        snap = Snapshot.from_dict(raw)
-        if self._cache.offer(snap) and self._on_snapshot is not None:
-            self._on_snapshot(snap)
         return True
 
     async def _run(self) -> None:

@@ -8,7 +8,6 @@ constructor, no cluster) so that attribute names are checked against Serve.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -136,9 +135,11 @@ class TestDecide:
             deployment_name: str
             total_num_requests: float
             current_num_replicas: int
+            # Serve's target; equal to current here.
+            target_num_replicas: int
             policy_state: dict[str, Any] = field(default_factory=dict)
 
-        ctx = FakeContext(MODEL_DEPLOYMENT, total_num_requests=8, current_num_replicas=1)
+        ctx = FakeContext(MODEL_DEPLOYMENT, total_num_requests=8, current_num_replicas=1, target_num_replicas=1)
         assert make_policy().decide(None, CREATED_AT_S, ctx) == (2, {"source": "fallback"})
         assert make_policy().decide(snapshot(), CREATED_AT_S, ctx) == (3, {"source": "controller", "version": 7})
 
@@ -147,13 +148,6 @@ class TestDecide:
         ctx._total_num_requests_value = lambda: 20.0  # how Serve passes it: a callable
         assert make_policy().decide(None, CREATED_AT_S, ctx)[0] == 5
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="the fallback passes ctx.current_num_replicas (Serve: len(running replicas)) to "
-        "queue_length_fallback; policies/autoscale.py says current must be the target "
-        "(ctx.target_num_replicas), so during a scale-up with the controller unreachable the fallback "
-        "lowers Serve's target and cancels the replicas still starting",
-    )
     def test_fallback_does_not_cut_replicas_that_are_still_starting(self) -> None:
         # Serve's target is 4, only 2 are running yet, the controller is unreachable.
         ctx = make_ctx(total_num_requests=8, current_num_replicas=2, target_num_replicas=4)
@@ -227,8 +221,8 @@ class TestAutoscalingConfig:
         kwargs = autoscaling_config(self.cfg())["policy"]["policy_kwargs"]
         policy = ControllerDrivenPolicy(**kwargs, start_poller=False)
         # Its fallback uses the same bounds and target: 1000 requests -> max 5.
-        assert policy.decide(None, time.time(), make_ctx(total_num_requests=1000, current_num_replicas=2))[0] == 5
-        assert policy.decide(None, time.time(), make_ctx(total_num_requests=13, current_num_replicas=2))[0] == 3
+        assert policy.decide(None, CREATED_AT_S, make_ctx(total_num_requests=1000, current_num_replicas=2))[0] == 5
+        assert policy.decide(None, CREATED_AT_S, make_ctx(total_num_requests=13, current_num_replicas=2))[0] == 3
 
     def test_local_yaml_config_validates(self) -> None:
         from pathlib import Path

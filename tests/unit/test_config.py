@@ -232,11 +232,6 @@ class TestErrorsNameTheField:
         assert info.value.where == str(p)
         assert "min_replicas" in info.value.reason
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="load_config catches OSError and YAMLError around read_text/safe_load, but a file that is not "
-        "UTF-8 raises UnicodeDecodeError (a ValueError), which escapes unwrapped instead of ConfigError",
-    )
     def test_non_utf8_file_raises_config_error(self, tmp_path: Path) -> None:
         p = tmp_path / "latin1.yaml"
         p.write_bytes("app_name: caf\u00e9\n".encode("latin-1"))
@@ -387,11 +382,6 @@ class TestKeyStore:
         assert info.value.where == "auth"
         assert "platinum" in info.value.reason
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="_parse_key_entries splits on ',' before it skips '#' comments, so the part of a comment after a "
-        "comma is parsed as a live 'key=tenant' entry: a key commented out after a comma still authenticates",
-    )
     def test_comment_with_a_comma_stays_a_comment(self, tmp_path: Path) -> None:
         p = tmp_path / "keys.txt"
         p.write_text("live=gold\n# revoked 2024-05: old-key=gold, older-key=free\n")
@@ -399,11 +389,6 @@ class TestKeyStore:
         assert store.tenant_for("live") == "gold"
         assert store.tenant_for("older-key") is None
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="KeyStore.from_config wraps only OSError from read_text; a keys file that is not UTF-8 raises "
-        "UnicodeDecodeError instead of a ConfigError naming the file",
-    )
     def test_non_utf8_keys_file_raises_config_error(self, tmp_path: Path) -> None:
         p = tmp_path / "keys.txt"
         p.write_bytes(b"k\xff=gold\n")

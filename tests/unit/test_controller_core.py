@@ -425,3 +425,19 @@ class TestConfigure:
         snap = h.core.tick()
         assert snap.level == 4
         assert snap.version == v + 1  # versions keep rising within the epoch
+
+
+def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
+    from serve_app.config import load_config
+    from serve_app.controller import ControllerCore
+
+    t = [0.0]
+    core = ControllerCore(load_config({}), clock=lambda: t[0], wall_clock=lambda: 1000.0 + t[0])
+    for bad in (None, {"replica_id": "r", "queued": None, "running": "x"}, {"replica_id": "r", "gpu_util_pct": float("nan")},
+                {"replica_id": "r", "queued": -3}):
+        core.report_replica(bad)
+    core.report_router({"router_id": "a", "inflight": [1]})
+    assert core.rejected_reports == 5
+    core.report_replica({"replica_id": "ok", "deployment": "BallastModel", "queued": "7", "running": 1})
+    snap = core.tick()  # would raise if a malformed report had been kept
+    assert snap.inputs["queue_length"] == 7

@@ -350,11 +350,6 @@ class TestSnapshotExchange:
         assert [s.version for s in seen] == [1, 2, 3]
         assert len(fake.reports) == 4
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="exchange_once calls Snapshot.from_dict(raw) outside its try: a reply that is not a valid "
-        "snapshot dict (extra/missing key, None) raises TypeError instead of counting a failure",
-    )
     async def test_a_malformed_reply_counts_a_failure_and_keeps_the_old_snapshot(self) -> None:
         cache = make_cache(FakeWallClock(1000))
         good = snap(1, created_at_s=1000)
@@ -366,11 +361,6 @@ class TestSnapshotExchange:
         assert ex.failures == 1
         assert cache.snapshot == good
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="one malformed reply raises out of exchange_once, which ends the _run task for good (start() "
-        "will not restart a task that exists), so the process never takes a snapshot again",
-    )
     async def test_the_loop_survives_a_malformed_reply(self) -> None:
         cache = make_cache(FakeWallClock(1000))
         good = snap(2, created_at_s=1000)
