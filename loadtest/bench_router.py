@@ -92,16 +92,13 @@ def main(argv: "list[str] | None" = None) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import build
+    from serve_app.app import shutdown, start
     from serve_app.config import load_config
-    from serve_app.controller import ensure_controller, lookup_controller
 
     cfg = load_config(args.config)
     ray.init(include_dashboard=False, logging_level="ERROR")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        ray.get(ensure_controller(cfg).start.remote())
-        serve.run(build(cfg), name=cfg.app_name, route_prefix="/", blocking=False)
+        start(cfg, "127.0.0.1", PORT)
         serve.run(plain_ingress_app(cfg.app_name), name="plain", route_prefix="/plain", blocking=False)
         key = next(iter(cfg.auth.demo_keys), None)
         if key is None:
@@ -122,11 +119,10 @@ def main(argv: "list[str] | None" = None) -> int:
                 results[name]["err"] += err
                 results[name]["s"] += elapsed
     finally:
-        serve.shutdown()
-        handle = lookup_controller(cfg)
-        if handle is not None:
-            ray.kill(handle, no_restart=True)
-        ray.shutdown()
+        try:
+            shutdown(cfg)
+        finally:
+            ray.shutdown()
 
     print(
         f"\nrouter overhead: concurrency={args.concurrency} max_tokens={args.max_tokens} "

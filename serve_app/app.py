@@ -31,3 +31,26 @@ def build_app(args: dict[str, Any]) -> Application:
     # The controller is a detached actor: created here once, found by name afterwards.
     ensure_controller(cfg)
     return build(cfg)
+
+
+def start(cfg: BallastConfig, host: str, port: int) -> None:
+    """Serve's HTTP proxy, the controller and the app, on an already initialised Ray."""
+    import ray
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    ray.get(ensure_controller(cfg).start.remote())
+    serve.run(build(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+
+
+def shutdown(cfg: BallastConfig) -> None:
+    """Serve down, then the detached controller (it would outlive Serve otherwise)."""
+    import ray
+    from ray import serve
+
+    from .controller import lookup_controller
+
+    serve.shutdown()
+    handle = lookup_controller(cfg)
+    if handle is not None:
+        ray.kill(handle, no_restart=True)

@@ -48,10 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             PIDFILE.unlink(missing_ok=True)  # left behind by a stack that died
 
     import ray
-    from ray import serve
 
-    from .app import build
-    from .controller import ensure_controller
+    from .app import shutdown, start
 
     ray.init(include_dashboard=args.dashboard, logging_level="WARNING")
     # After ray.init: Ray's core installs its own SIGTERM handler (it aborts the
@@ -60,10 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-        controller = ensure_controller(cfg)
-        ray.get(controller.start.remote())
-        serve.run(build(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+        start(cfg, cfg.http.host, cfg.http.port)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
         PIDFILE.parent.mkdir(exist_ok=True)
         PIDFILE.write_text(json.dumps({"pid": os.getpid(), "url": base}))
@@ -81,12 +76,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("stopping Ballast...", flush=True)
     finally:
         try:
-            serve.shutdown()
-            from .controller import lookup_controller
-
-            handle = lookup_controller(cfg)
-            if handle is not None:
-                ray.kill(handle, no_restart=True)
+            shutdown(cfg)
         finally:
             ray.shutdown()
             PIDFILE.unlink(missing_ok=True)

@@ -52,26 +52,19 @@ def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 0.
 @pytest.fixture(scope="session")
 def ballast():
     import ray
-    from ray import serve
 
-    from serve_app.app import build
+    from serve_app.app import shutdown, start
     from serve_app.config import load_config
-    from serve_app.controller import ensure_controller, lookup_controller
 
     cfg = load_config(test_config_dict())
     ray.init(include_dashboard=False, logging_level="ERROR", num_cpus=4)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-        ray.get(ensure_controller(cfg).start.remote())
-        serve.run(build(cfg), name=cfg.app_name, route_prefix="/", blocking=False)
+        start(cfg, "127.0.0.1", PORT)
         wait_until(lambda: _ready(), 120, 0.5, "/healthz/ready")
         yield cfg
     finally:
         try:
-            serve.shutdown()
-            handle = lookup_controller(cfg)
-            if handle is not None:
-                ray.kill(handle, no_restart=True)
+            shutdown(cfg)
         finally:
             ray.shutdown()
 
