@@ -172,9 +172,12 @@ class ControllerCore:
         running_n = len(replicas)
         ongoing = sum(int(r.get("running", 0)) + int(r.get("queued", 0)) for r in replicas)
         ongoing = max(ongoing, sig.queue_length + sum(int(r.get("running", 0)) for r in replicas))
-        # The policy wants the deployment's target, not what is running yet: while a
-        # replica starts, running < target, and a lower desired would skip the delay.
-        current = max(running_n, self._as_state.last_desired or self._as_cfg.min_replicas)
+        # The policy wants the deployment's *target*, which is what this controller last
+        # asked Serve for: running lags it both ways (a replica starting, a replica
+        # draining), and feeding running back in would undo a scale-down before Serve
+        # acts on it. Only a controller with no decision yet starts from running.
+        last = self._as_state.last_desired
+        current = last if last is not None else max(running_n, self._as_cfg.min_replicas)
         as_decision, self._as_state = autoscale.decide(
             AutoscaleSample(t_s=now, ongoing_requests=float(ongoing), gpu_util_pct=sig.gpu_util_pct),
             current,

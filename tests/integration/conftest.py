@@ -90,9 +90,13 @@ def status(client: httpx.Client) -> dict[str, Any]:
 
 def wait_quiet(client: httpx.Client, timeout_s: float = 60) -> None:
     """Level 0 and one model replica: the state every load test starts from."""
-    wait_until(
-        lambda: (s := status(client))["level"] == 0 and s["replicas"]["BallastModel"]["running"] == 1,
-        timeout_s,
-        0.5,
-        "level 0 with one model replica",
-    )
+    seen: dict[str, Any] = {}
+
+    def quiet() -> bool:
+        seen.update(status(client))
+        return seen["level"] == 0 and seen["replicas"]["BallastModel"]["running"] == 1
+
+    try:
+        wait_until(quiet, timeout_s, 0.5, "level 0 with one model replica")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; last /v1/status: {seen}") from None

@@ -441,3 +441,30 @@ def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
     core.report_replica({"replica_id": "ok", "deployment": "BallastModel", "queued": "7", "running": 1})
     snap = core.tick()  # would raise if a malformed report had been kept
     assert snap.inputs["queue_length"] == 7
+
+
+def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
+    """Running lags the target: a replica Serve has not stopped yet must not undo the decision."""
+    from serve_app.config import load_config
+    from serve_app.controller import MODEL_DEPLOYMENT, ControllerCore
+
+    cfg = load_config({
+        "deployments": {"model": {"min_replicas": 1, "max_replicas": 2}},
+        "autoscale": {"target_ongoing_requests": 4, "stable_window_s": 4, "panic_window_s": 1, "scale_down_delay_s": 2},
+    })
+    t = [0.0]
+    core = ControllerCore(cfg, clock=lambda: t[0], wall_clock=lambda: 1000.0 + t[0])
+
+    def replicas(n: int, running: int) -> None:
+        for i in range(n):
+            core.report_replica({"replica_id": f"r{i}", "deployment": MODEL_DEPLOYMENT, "queued": 0, "running": running})
+
+    desired = []
+    for tick in range(40):  # a burst for 5 s, then quiet; both replicas keep reporting throughout
+        t[0] = float(tick)
+        replicas(2, 8 if tick < 5 else 0)
+        desired.append(core.tick().desired_replicas[MODEL_DEPLOYMENT])
+    assert desired[:5] == [2] * 5
+    first_down = desired.index(1)
+    # Once down to 1 it stays there, although two replicas still report as running.
+    assert desired[first_down:] == [1] * (40 - first_down)
