@@ -13,14 +13,15 @@ from ray.serve import Application
 
 from .config import BallastConfig, load_config
 from .controller import ensure_controller
-from .model_server import model_deployment
+from .model_server import fallback_deployment, model_deployment
 from .router import router_deployment
 
 
 def build(cfg: BallastConfig) -> Application:
     data = cfg.model_dump(mode="json")
     model = model_deployment(cfg).bind(data)
-    return router_deployment(cfg).bind(model, data)
+    fallback = fallback_deployment(cfg).bind(data, "fallback") if cfg.fallback is not None else None
+    return router_deployment(cfg).bind(model, data, fallback)
 
 
 def build_app(args: dict[str, Any]) -> Application:

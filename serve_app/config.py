@@ -165,7 +165,96 @@ class LimitsConfig(_Strict):
     max_body_bytes: PositiveInt = 64 * 1024
     max_prompt_bytes: PositiveInt = 16 * 1024
     max_tokens_limit: PositiveInt = 8192
-    request_timeout_s: PositiveFloat = 60.0
+
+
+class BreakerSettings(_Strict):
+    """Seed defaults: 50 % failures over 100 calls / 60 s, at least 10 calls, open 30 s, 5 probes."""
+
+    window_kind: Literal["count", "time"] = "count"
+    window_size: PositiveInt = 100
+    window_s: PositiveFloat = 60.0
+    min_calls: PositiveInt = 10
+    failure_rate_threshold: float = Field(0.5, gt=0, le=1)
+    slow_call_duration_s: PositiveFloat = 10.0
+    slow_call_rate_threshold: float = Field(1.0, gt=0, le=1)
+    open_duration_s: PositiveFloat = 30.0
+    open_jitter_ratio: float = Field(0.1, ge=0, lt=1)
+    half_open_max_probes: PositiveInt = 5
+    half_open_success_threshold: float = Field(0.8, gt=0, le=1)
+
+
+class RetrySettings(_Strict):
+    max_attempts: int = Field(3, ge=1, le=10)
+    base_backoff_s: float = Field(0.05, ge=0)
+    max_backoff_s: float = Field(1.0, ge=0)
+    budget_ratio: float = Field(0.2, ge=0, le=1)
+    budget_min_concurrent: int = Field(3, ge=0)
+
+
+class BulkheadSettings(_Strict):
+    # Concurrent calls per backend from one router: a hung fallback cannot starve the primary.
+    primary: PositiveInt = 256
+    fallback: PositiveInt = 64
+    # Concurrent requests per tenant in one router (429 CONCURRENCY_LIMIT beyond it).
+    per_tenant: PositiveInt = 128
+
+
+class CacheSettings(_Strict):
+    """Bounded cache of answers to identical requests: the last fallback before a 503."""
+
+    enabled: bool = False
+    max_entries: PositiveInt = 1024
+    ttl_s: PositiveFloat = 300.0
+
+
+class IdempotencySettings(_Strict):
+    ttl_s: PositiveFloat = 600.0
+    max_entries: PositiveInt = 10000
+    max_key_chars: PositiveInt = 200
+
+
+class ResilienceConfig(_Strict):
+    # Overall deadline per request; a client may lower it with X-Request-Timeout-Ms,
+    # never raise it past max_deadline_s.
+    deadline_s: PositiveFloat = 30.0
+    max_deadline_s: PositiveFloat = 120.0
+    # Each attempt's own timeout (bounded by what is left of the deadline).
+    attempt_timeout_s: PositiveFloat = 15.0
+    breaker: BreakerSettings = BreakerSettings()
+    retry: RetrySettings = RetrySettings()
+    bulkhead: BulkheadSettings = BulkheadSettings()
+    cache: CacheSettings = CacheSettings()
+    idempotency: IdempotencySettings = IdempotencySettings()
+
+    @model_validator(mode="after")
+    def _deadlines(self) -> "ResilienceConfig":
+        if self.deadline_s > self.max_deadline_s:
+            raise ValueError("deadline_s must be <= max_deadline_s")
+        return self
+
+
+class FallbackDeploymentConfig(_Strict):
+    replicas: PositiveInt = 1
+    max_ongoing_requests: PositiveInt = 32
+    max_queued_requests: PositiveInt = 64
+    num_cpus: float = Field(0, ge=0)
+    num_gpus: float = Field(0, ge=0)
+
+
+class FallbackConfig(_Strict):
+    """A smaller model in its own deployment, with its own breaker."""
+
+    model: ModelConfig = ModelConfig(
+        name="tiny-decoder-small", architecture=ModelArchitecture(d_model=64, n_layers=2, n_heads=4, d_ff=256)
+    )
+    deployment: FallbackDeploymentConfig = FallbackDeploymentConfig()
+
+
+class ChaosConfig(_Strict):
+    """Fault injection in the model deployments: compiled in, off unless enabled here."""
+
+    enabled: bool = False
+    max_leak_mb: PositiveInt = 1024  # the injected leak stops growing here
 
 
 class TenantConfig(_Strict):
@@ -195,11 +284,18 @@ class BallastConfig(_Strict):
     degradation: DegradationSettings = DegradationSettings()
     autoscale: AutoscaleSettings = AutoscaleSettings()
     limits: LimitsConfig = LimitsConfig()
+    resilience: ResilienceConfig = ResilienceConfig()
+    fallback: Optional[FallbackConfig] = None
+    chaos: ChaosConfig = ChaosConfig()
     auth: AuthConfig = AuthConfig()
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _production_has_no_demo_secrets(self) -> "BallastConfig":
+        if self.environment == "production" and self.chaos.enabled:
+            raise ValueError("chaos.enabled: fault injection is for local and test stacks, never production")
+        if self.fallback is not None and self.fallback.model.name == self.model.name:
+            raise ValueError("fallback.model.name must differ from model.name (kill switches and metrics tell them apart)")
         if self.environment == "production" and (self.auth.demo_keys or self.auth.demo_admin_token):
             raise ValueError("auth.demo_keys / auth.demo_admin_token are for local use only; production takes keys from the environment or a file")
         unknown = sorted(set(self.auth.demo_keys.values()) - set(self.tenants))

@@ -17,17 +17,19 @@ maps are capped at ``MAX_SENDERS`` entries (oldest evicted).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable, Optional
 
 import ray
 
 from policies import autoscale, degradation
+from policies.killswitch import KillSwitchEntry
 from policies.autoscale import AutoscaleSample, AutoscaleState
 from policies.degradation import DegradationState, LoadSignals
 
@@ -37,9 +39,13 @@ from .snapshot import Snapshot
 log = logging.getLogger("ballast.controller")
 
 MODEL_DEPLOYMENT = "BallastModel"
+FALLBACK_DEPLOYMENT = "BallastFallbackModel"
 ROUTER_DEPLOYMENT = "BallastRouter"
 MAX_SENDERS = 4096
 MAX_OUTCOME_BUCKETS = 1024
+MAX_KILL_SWITCHES = 256
+MAX_AUDIT = 1000
+CHAOS_TARGETS = {"primary": MODEL_DEPLOYMENT, "fallback": FALLBACK_DEPLOYMENT}
 
 
 class _Reports:
@@ -99,6 +105,10 @@ class ControllerCore:
         self.configure(cfg)
         self._version = 0
         self.rejected_reports = 0
+        # Kill switches and chaos survive configure() (a redeploy), not a restart.
+        self._kill_switches: "OrderedDict[str, KillSwitchEntry]" = OrderedDict()
+        self._audit: deque[dict[str, Any]] = deque(maxlen=MAX_AUDIT)
+        self._chaos: dict[str, dict[str, Any]] = {}
         self._snapshot = self._publish(
             decision=None, signals=None, desired={}, running={}, autoscale_info={}
         )
@@ -138,7 +148,9 @@ class ControllerCore:
 
     # -- the tick --------------------------------------------------------------------
     def signals(self) -> LoadSignals:
-        routers, replicas = self._routers.fresh(), self._replicas.fresh()
+        routers, all_replicas = self._routers.fresh(), self._replicas.fresh()
+        # Queue signals come from the primary deployment; the fallback's load is its own.
+        replicas = [r for r in all_replicas if r.get("deployment", MODEL_DEPLOYMENT) == MODEL_DEPLOYMENT]
         running = sum(int(r.get("running", 0)) for r in replicas)
         replica_queued = sum(int(r.get("queued", 0)) for r in replicas)
         # Admitted but not yet computing: whatever routers have in flight minus what
@@ -147,8 +159,8 @@ class ControllerCore:
         if routers:
             queue = max(queue, sum(int(r.get("inflight", 0)) for r in routers) - running)
         waits = [float(r["queue_wait_p95_ms"]) for r in routers + replicas if r.get("queue_wait_p95_ms") is not None]
-        utils = [float(r["gpu_util_pct"]) for r in replicas if r.get("gpu_util_pct") is not None]
-        vrams = [float(r["vram_pct"]) for r in replicas if r.get("vram_pct") is not None]
+        utils = [float(r["gpu_util_pct"]) for r in all_replicas if r.get("gpu_util_pct") is not None]
+        vrams = [float(r["vram_pct"]) for r in all_replicas if r.get("vram_pct") is not None]
         cutoff = self._clock() - self.cfg.controller.error_window_s
         while self._outcomes and self._outcomes[0][0] < cutoff:
             self._outcomes.popleft()
@@ -164,6 +176,7 @@ class ControllerCore:
         )
 
     def tick(self) -> Snapshot:
+        self._expire_kill_switches()
         now = self._clock()
         sig = self.signals()
         decision, self._deg_state = degradation.decide(sig, self._deg_state, self._deg_cfg, now)
@@ -188,7 +201,15 @@ class ControllerCore:
             decision=decision,
             signals=sig,
             desired={MODEL_DEPLOYMENT: as_decision.desired_replicas},
-            running={MODEL_DEPLOYMENT: running_n, ROUTER_DEPLOYMENT: len(self._routers.fresh())},
+            running={
+                MODEL_DEPLOYMENT: running_n,
+                ROUTER_DEPLOYMENT: len(self._routers.fresh()),
+                **(
+                    {FALLBACK_DEPLOYMENT: sum(1 for r in self._replicas.fresh() if r.get("deployment") == FALLBACK_DEPLOYMENT)}
+                    if self.cfg.fallback is not None
+                    else {}
+                ),
+            },
             autoscale_info={
                 MODEL_DEPLOYMENT: {
                     "mode": as_decision.mode,
@@ -216,7 +237,75 @@ class ControllerCore:
             desired_replicas=desired,
             running_replicas=running,
             autoscale=autoscale_info,
+            kill_switches=[e.to_dict() for e in self._kill_switches.values()],
+            chaos=dict(self._chaos),
         )
+
+    # -- kill switch and chaos (admin, off the request path) -----------------------------
+    def _republish(self) -> None:
+        """Admin changes go out at once, not at the next tick: same decision, new version."""
+        self._version += 1
+        self._snapshot = replace(
+            self._snapshot,
+            version=self._version,
+            created_at_s=self._wall(),
+            kill_switches=[e.to_dict() for e in self._kill_switches.values()],
+            chaos=dict(self._chaos),
+        )
+
+    def _record(self, action: str, by: str, **fields: Any) -> dict[str, Any]:
+        event = {"at_s": round(self._wall(), 3), "action": action, "by": by, **fields}
+        self._audit.append(event)
+        log.warning("ballast.audit %s", json.dumps(event, sort_keys=True))
+        return event
+
+    def _expire_kill_switches(self) -> None:
+        now = self._wall()
+        for entry_id in [i for i, e in self._kill_switches.items() if e.expired(now)]:
+            entry = self._kill_switches.pop(entry_id)
+            self._record("kill_switch_expired", "controller", entry=entry.to_dict())
+
+    def set_kill_switch(
+        self, scope: str, value: Optional[str], reason: str, expires_in_s: float, set_by: str
+    ) -> dict[str, Any]:
+        """Add an entry; ValueError (naming the field) when it is malformed or the table is full."""
+        self._expire_kill_switches()
+        if len(self._kill_switches) >= MAX_KILL_SWITCHES:
+            raise ValueError(f"scope: at most {MAX_KILL_SWITCHES} kill switches may be active")
+        entry = KillSwitchEntry.create(
+            uuid.uuid4().hex[:12], scope, value, reason, set_by, self._wall(), float(expires_in_s)
+        )
+        self._kill_switches[entry.id] = entry
+        self._record("kill_switch_set", set_by, entry=entry.to_dict())
+        self._republish()
+        return entry.to_dict()
+
+    def delete_kill_switch(self, entry_id: str, by: str) -> bool:
+        entry = self._kill_switches.pop(entry_id, None)
+        if entry is not None:
+            self._record("kill_switch_deleted", by, entry=entry.to_dict())
+            self._republish()
+        return entry is not None
+
+    def kill_switches(self) -> dict[str, Any]:
+        self._expire_kill_switches()
+        return {
+            "entries": [e.to_dict() for e in self._kill_switches.values()],
+            "audit": list(self._audit),
+        }
+
+    def set_chaos(self, target: str, settings: dict[str, Any], by: str) -> dict[str, Any]:
+        if target not in CHAOS_TARGETS:
+            raise ValueError(f"target: must be one of {', '.join(CHAOS_TARGETS)}")
+        self._chaos[target] = dict(settings)
+        self._record("chaos_set", by, target=target, settings=settings)
+        self._republish()
+        return dict(self._chaos)
+
+    def clear_chaos(self, by: str) -> None:
+        self._chaos.clear()
+        self._record("chaos_cleared", by)
+        self._republish()
 
 
 @ray.remote(num_cpus=0)
@@ -276,6 +365,21 @@ class Controller:
 
     async def ping(self) -> str:
         return self._core.epoch
+
+    async def set_kill_switch(self, scope, value, reason, expires_in_s, set_by) -> dict[str, Any]:
+        return self._core.set_kill_switch(scope, value, reason, expires_in_s, set_by)
+
+    async def delete_kill_switch(self, entry_id: str, by: str) -> bool:
+        return self._core.delete_kill_switch(entry_id, by)
+
+    async def kill_switches(self) -> dict[str, Any]:
+        return self._core.kill_switches()
+
+    async def set_chaos(self, target: str, settings: dict[str, Any], by: str) -> dict[str, Any]:
+        return self._core.set_chaos(target, settings, by)
+
+    async def clear_chaos(self, by: str) -> None:
+        self._core.clear_chaos(by)
 
 
 def controller_options(cfg: BallastConfig) -> dict[str, Any]:

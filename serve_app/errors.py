@@ -69,6 +69,24 @@ class Overloaded(BallastError):
     status, code = 503, "OVERLOADED"
 
 
+class KillSwitchActive(BallastError):
+    """An operator's kill switch refuses this request (global, tenant, model or criticality)."""
+
+    status, code = 503, "KILL_SWITCH"
+
+
+class ConcurrencyLimited(BallastError):
+    status, code = 429, "CONCURRENCY_LIMIT"
+
+
+class ChaosDisabled(BallastError):
+    status, code = 409, "CHAOS_DISABLED"
+
+
+class ControllerUnavailable(BallastError):
+    status, code = 503, "CONTROLLER_UNAVAILABLE"
+
+
 class ModelUnavailable(BallastError):
     """The model deployment could not take or finish the request (queue full, replica gone)."""
 

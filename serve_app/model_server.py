@@ -28,8 +28,10 @@ from ray import serve
 from policies.admission import clamp_max_tokens
 
 from .backends import BackendSpec, TinyDecoderConfig, load_backend
-from .config import BallastConfig, load_config
-from .controller import MODEL_DEPLOYMENT, ControllerLink
+from .chaos import ChaosAgent
+from .config import BallastConfig, ModelConfig, load_config
+from .controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ControllerLink
+from .errors import DeadlineExceeded
 from .gpu import make_gpu_probe
 from .snapshot import Snapshot, SnapshotCache, SnapshotExchange
 
@@ -43,6 +45,7 @@ class _Item:
     prompt: str
     max_tokens: int
     enqueued_at_s: float
+    deadline_s: float  # monotonic, this process: the caller's remaining budget
     started: bool = False
     cancelled: bool = False
     queue_wait_ms: float = 0.0
@@ -56,8 +59,7 @@ def _percentile(values: "deque[float] | list[float]", q: float) -> Optional[floa
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def build_backend(cfg: BallastConfig):
-    m = cfg.model
+def build_backend(m: ModelConfig):
     a = m.architecture
     spec = BackendSpec(
         name=m.name,
@@ -73,9 +75,16 @@ def build_backend(cfg: BallastConfig):
 
 
 class ModelServer:
-    def __init__(self, cfg: dict[str, Any]):
+    """One model replica; ``role`` "primary" serves ``model``, "fallback" serves ``fallback.model``."""
+
+    def __init__(self, cfg: dict[str, Any], role: str = "primary"):
         self._cfg = load_config(cfg)
-        self._backend = build_backend(self._cfg)
+        if role not in ("primary", "fallback") or (role == "fallback" and self._cfg.fallback is None):
+            raise ValueError(f"role: {role!r} is not served by this config")
+        self._role = role
+        self._model_cfg = self._cfg.model if role == "primary" else self._cfg.fallback.model
+        self._deployment = MODEL_DEPLOYMENT if role == "primary" else FALLBACK_DEPLOYMENT
+        self._backend = build_backend(self._model_cfg)
         self._backend.warmup()
         self._gpu = make_gpu_probe(self._backend.device)
         self._model_max_tokens = self._backend.max_seq_len - 1
@@ -102,6 +111,7 @@ class ModelServer:
         self._batch_sizes: deque[int] = deque(maxlen=WINDOW)
         self._waits_ms: deque[float] = deque(maxlen=WINDOW)
         self._batch_limit = 0
+        self._chaos = ChaosAgent(self._cfg.chaos.enabled, self._cfg.chaos.max_leak_mb)
         self._apply_batch_limit(self._cache.effective().constraints.max_batch_size)
 
         from ray.serve import metrics  # created once, here (STYLE 8)
@@ -114,14 +124,15 @@ class ModelServer:
 
     # -- control loop ------------------------------------------------------------------
     def _apply_batch_limit(self, level_limit: int) -> None:
-        limit = max(1, min(self._cfg.model.max_batch_size, level_limit))
+        limit = max(1, min(self._model_cfg.max_batch_size, level_limit))
         if limit != self._batch_limit:
             self._batched.set_max_batch_size(limit)
-            self._batched.set_batch_wait_timeout_s(self._cfg.model.batch_wait_timeout_s)
+            self._batched.set_batch_wait_timeout_s(self._model_cfg.batch_wait_timeout_s)
             self._batch_limit = limit
 
     def _apply_snapshot(self, snap: Snapshot) -> None:
         self._apply_batch_limit(self._cache.effective().constraints.max_batch_size)
+        self._chaos.apply(snap.chaos.get(self._role))
 
     def _report(self) -> dict[str, Any]:
         gpu = self._gpu.sample() if self._gpu is not None else None
@@ -129,7 +140,8 @@ class ModelServer:
         self._m_queue.set(self._queued)
         return {
             "replica_id": self._replica_id,
-            "deployment": MODEL_DEPLOYMENT,
+            "deployment": self._deployment,
+            "role": self._role,
             "queued": self._queued,
             "running": self._running,
             "batches": self._batches,
@@ -141,6 +153,7 @@ class ModelServer:
             "vram_used_bytes": gpu.vram_used_bytes if gpu else None,
             "vram_total_bytes": gpu.vram_total_bytes if gpu else None,
             "device": self._backend.device,
+            "chaos_leaked_bytes": self._chaos.leaked_bytes,
         }
 
     async def check_health(self) -> None:
@@ -169,24 +182,28 @@ class ModelServer:
         self._batches += 1
         self._batch_sizes.append(len(items))
         self._m_batch.observe(len(items))
-        gen = self._backend.generate_chunks(
-            [it.prompt for it in items], [it.max_tokens for it in items], self._cfg.model.stream_chunk_tokens
-        )
+        chunk_tokens = self._model_cfg.stream_chunk_tokens
+        gen = self._backend.generate_chunks([it.prompt for it in items], [it.max_tokens for it in items], chunk_tokens)
         emitted = [0] * len(items)
         done = [False] * len(items)
         try:
-            while True:
+            while not all(done):
                 # Torch runs in a worker thread: the event loop stays free for new
                 # requests, health checks and the report loop.
                 chunk = await asyncio.to_thread(next, gen, None)
                 if chunk is None:
                     break
+                now = time.monotonic()
                 out: list[Any] = []
                 for i, text in enumerate(chunk):
                     if done[i]:
                         out.append(StopIteration)
                         continue
-                    step = min(self._cfg.model.stream_chunk_tokens, items[i].max_tokens - emitted[i])
+                    if now > items[i].deadline_s:  # the caller has given up: stop spending on it
+                        done[i] = True
+                        out.append({"deadline_exceeded": True, "text": "", "tokens": 0})
+                        continue
+                    step = min(chunk_tokens, items[i].max_tokens - emitted[i])
                     emitted[i] += step
                     out.append({"text": text, "tokens": step})
                     if emitted[i] >= items[i].max_tokens:
@@ -194,17 +211,23 @@ class ModelServer:
                 self._m_tokens.inc(sum(o["tokens"] for o in out if isinstance(o, dict)))
                 yield out
         finally:
+            gen.close()
             self._running -= len(items)
 
     async def _chunks(self, req: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         self._exchange.start()
+        await self._chaos.before_request()
         constraints = self._cache.effective().constraints
         max_tokens, _ = clamp_max_tokens(int(req["max_tokens"]), constraints, self._model_max_tokens)
-        item = _Item(prompt=str(req["prompt"]), max_tokens=max_tokens, enqueued_at_s=time.monotonic())
+        now = time.monotonic()
+        timeout_s = float(req.get("timeout_s") or self._cfg.resilience.max_deadline_s)
+        item = _Item(str(req["prompt"]), max_tokens, enqueued_at_s=now, deadline_s=now + timeout_s)
         self._queued += 1
         try:
             first = True
             async for chunk in self._batched(item):
+                if chunk.get("deadline_exceeded"):
+                    raise DeadlineExceeded(f"deadline of {timeout_s:.3f}s passed while generating")
                 if first:
                     chunk = {**chunk, "queue_wait_ms": round(item.queue_wait_ms, 3), "max_tokens": max_tokens}
                     first = False
@@ -260,4 +283,21 @@ def model_deployment(cfg: BallastConfig):
         health_check_period_s=d.health_check_period_s,
         health_check_timeout_s=d.health_check_timeout_s,
         graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
+    )
+
+
+def fallback_deployment(cfg: BallastConfig):
+    """The smaller fallback model: a fixed number of replicas, its own bounded queue."""
+    assert cfg.fallback is not None
+    d = cfg.fallback.deployment
+    return serve.deployment(
+        ModelServer,
+        name=FALLBACK_DEPLOYMENT,
+        num_replicas=d.replicas,
+        max_ongoing_requests=d.max_ongoing_requests,
+        max_queued_requests=d.max_queued_requests,
+        ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
+        health_check_period_s=cfg.deployments.model.health_check_period_s,
+        health_check_timeout_s=cfg.deployments.model.health_check_timeout_s,
+        graceful_shutdown_timeout_s=cfg.deployments.model.graceful_shutdown_timeout_s,
     )

@@ -5,9 +5,14 @@ Request path for ``POST /v1/generate`` (DESIGN.md "The request path"):
 1. authenticate: ``Authorization: Bearer <key>`` → tenant (401); the tenant is what
    the key says, never a header the client picks
 2. body bounded (413) and validated (422, naming the field)
-3. admission: current degradation level × criticality (503 OVERLOADED + Retry-After)
-4. clamp to the level's constraints (max_tokens, streaming) and say so in the answer
-5. call the model deployment with a deadline (504), map its refusals (503)
+3. kill switch (global / tenant / criticality scope: 503 KILL_SWITCH with the reason)
+4. admission: current degradation level × criticality (503 OVERLOADED + Retry-After)
+5. per-tenant concurrency bulkhead (429 CONCURRENCY_LIMIT)
+6. clamp to the level's constraints (max_tokens, streaming) and say so in the answer
+7. Idempotency-Key: a repeat gets the first answer (``idempotency.IdempotencyStore``)
+8. ``resilience.ResilientCaller``: per-backend bulkhead and breaker, attempts with
+   timeouts inside the overall deadline (504), retries within a budget, the
+   fallback chain (fallback model → cache → 503 MODEL_UNAVAILABLE)
 
 Everything before step 5 is in-process and I/O-free: the level comes from the
 ``SnapshotCache`` that a background ``SnapshotExchange`` keeps fresh, so the
@@ -24,29 +29,35 @@ import uuid
 from typing import Any, AsyncGenerator, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from policies import killswitch
 from policies.admission import admit, clamp_max_tokens
+from policies.breaker import BreakerEvent
 from policies.criticality import DEFAULT_CRITICALITY, Criticality
 
 from .config import KeyStore, load_config
 from .controller import ROUTER_DEPLOYMENT, ControllerLink
 from .errors import (
     BallastError,
+    ChaosDisabled,
+    ConcurrencyLimited,
+    ControllerUnavailable,
     DeadlineExceeded,
     Forbidden,
     InvalidRequest,
-    ModelUnavailable,
+    KillSwitchActive,
     NotFound,
     Overloaded,
     PayloadTooLarge,
     Unauthenticated,
 )
-from .snapshot import SnapshotCache, SnapshotExchange
+from .idempotency import IdempotencyStore
+from .resilience import CallHooks, ResilientCaller
+from .snapshot import Snapshot, SnapshotCache, SnapshotExchange
 
 log = logging.getLogger("ballast.router")
 
@@ -60,6 +71,36 @@ class GenerateRequest(BaseModel):
     max_tokens: int = Field(64, ge=1)
     criticality: Criticality = DEFAULT_CRITICALITY
     stream: bool = False
+
+
+class KillSwitchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    scope: str
+    value: Optional[str] = Field(None, max_length=200)
+    reason: str = Field(min_length=1, max_length=killswitch.MAX_REASON_CHARS)
+    expires_in_s: int = Field(gt=0, le=killswitch.MAX_EXPIRES_IN_S)
+
+
+class ChaosRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field(pattern="^(primary|fallback)$")
+    error_ratio: float = Field(0.0, ge=0, le=1)
+    latency_ms: int = Field(0, ge=0, le=600_000)
+    hang: bool = False
+    leak_mb_per_s: float = Field(0.0, ge=0, le=1024)
+
+
+def _validate(model: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object", field="body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequest(f"{field}: {first['msg']}", field=field) from None
 
 
 def error_response(err: BallastError) -> JSONResponse:
@@ -129,11 +170,10 @@ class _Stats:
 
 @serve.ingress(app)
 class Router:
-    def __init__(self, model: Any, cfg: dict[str, Any]):
+    def __init__(self, model: Any, cfg: dict[str, Any], fallback: Any = None):
         self._cfg = load_config(cfg)
         self._keys = KeyStore.from_config(self._cfg)
         self._model = model
-        self._stream_model = model.options(stream=True)
         c = self._cfg.controller
         self._cache = SnapshotCache(
             self._cfg.degradation_config(), c.snapshot_stale_s, c.snapshot_max_stale_s, c.fail_static_level
@@ -147,7 +187,12 @@ class Router:
             make_report=lambda: {"router_id": self._router_id, **self._stats.drain()},
             interval_s=c.report_interval_s,
             timeout_s=c.call_timeout_s,
+            on_snapshot=self._on_snapshot,
         )
+        self._kill_switches: list[killswitch.KillSwitchEntry] = []
+        self._tenant_inflight: dict[str, int] = {}  # keys: configured tenants only (bounded)
+        r = self._cfg.resilience
+        self._idem = IdempotencyStore(r.idempotency.ttl_s, r.idempotency.max_entries)
         self._model_max_tokens = self._cfg.model.architecture.max_seq_len - 1
         self._limits = self._cfg.limits
 
@@ -163,6 +208,43 @@ class Router:
             tag_keys=("criticality",),
         )
         self._m_level = metrics.Gauge("ballast_router_level", "Degradation level this router acts on.")
+        self._m_breaker = metrics.Gauge(
+            "ballast_breaker_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.", tag_keys=("backend",)
+        )
+        self._m_trips = metrics.Counter("ballast_breaker_trips_total", "Breaker openings.", tag_keys=("backend",))
+        self._m_fallbacks = metrics.Counter("ballast_fallbacks_total", "Answers served by a fallback.", tag_keys=("kind",))
+        self._m_retries = metrics.Counter("ballast_retries_total", "Retried attempts.", tag_keys=("backend", "kind"))
+        self._m_deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")
+        self._m_replays = metrics.Counter("ballast_idempotent_replays_total", "Answers replayed for an Idempotency-Key.")
+        self._m_kill = metrics.Gauge("ballast_kill_switch_active", "Active kill switch entries.")
+        self._caller = ResilientCaller(
+            self._cfg,
+            model,
+            fallback,
+            hooks=CallHooks(
+                on_retry=lambda backend, kind: self._m_retries.inc(tags={"backend": backend, "kind": kind}),
+                on_fallback=lambda kind: self._m_fallbacks.inc(tags={"kind": kind}),
+                on_breaker_event=self._on_breaker_event,
+            ),
+        )
+        for b in self._caller.backends:
+            self._m_breaker.set(0, tags={"backend": b.role})
+
+    def _on_breaker_event(self, event: BreakerEvent) -> None:
+        self._m_breaker.set(int(event.to_state), tags={"backend": event.backend})
+        if int(event.to_state) == 1:
+            self._m_trips.inc(tags={"backend": event.backend})
+        log.warning("breaker %s: %s -> %s (%s)", event.backend, event.from_state.name, event.to_state.name, event.reason)
+
+    def _on_snapshot(self, snap: Snapshot) -> None:
+        entries = []
+        for raw in snap.kill_switches:
+            try:
+                entries.append(killswitch.KillSwitchEntry.from_dict(raw))
+            except (TypeError, ValueError):
+                log.warning("ignoring a malformed kill switch entry: %r", raw)
+        self._kill_switches = entries
+        self._m_kill.set(len(entries))
 
     async def check_health(self) -> None:
         self._exchange.start()
@@ -201,14 +283,7 @@ class Router:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError):
             raise InvalidRequest("body must be a JSON object", field="body") from None
-        if not isinstance(data, dict):
-            raise InvalidRequest("body must be a JSON object", field="body")
-        try:
-            req = GenerateRequest.model_validate(data)
-        except ValidationError as e:
-            first = e.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or "body"
-            raise InvalidRequest(f"{field}: {first['msg']}", field=field) from None
+        req = _validate(GenerateRequest, data)
         if req.max_tokens > self._limits.max_tokens_limit:
             raise InvalidRequest(
                 f"max_tokens: must be <= {self._limits.max_tokens_limit}", field="max_tokens"
@@ -216,6 +291,37 @@ class Router:
         if len(req.prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         return req
+
+    def _deadline_s(self, request: Request) -> float:
+        """Seconds this request may take: the route default, or less/more on the client's
+        X-Request-Timeout-Ms, never past resilience.max_deadline_s."""
+        r = self._cfg.resilience
+        raw = request.headers.get("x-request-timeout-ms")
+        if raw is None:
+            return r.deadline_s
+        if not raw.strip().isdigit() or int(raw) <= 0:
+            raise InvalidRequest("X-Request-Timeout-Ms: must be a positive integer", field="X-Request-Timeout-Ms")
+        return min(int(raw) / 1000.0, r.max_deadline_s)
+
+    async def _read_json(self, request: Request) -> Any:
+        try:
+            return json.loads(await self._read_body(request))
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidRequest("body must be a JSON object", field="body") from None
+
+    async def _controller(self, method: str, *args: Any) -> Any:
+        """An admin call to the controller (never on the generate path)."""
+        try:
+            return await asyncio.wait_for(self._link.call(method, *args), timeout=5.0)
+        except ValueError as e:  # the controller refused the input
+            msg = str(e.args[0] if e.args else e)
+            raise InvalidRequest(msg, field=msg.split(":", 1)[0]) from None
+        except Exception as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ValueError):
+                msg = str(cause.args[0] if cause.args else cause)
+                raise InvalidRequest(msg, field=msg.split(":", 1)[0]) from None
+            raise ControllerUnavailable(f"controller unreachable: {type(e).__name__}", retry_after_s=2.0) from None
 
     def _count(self, tenant: str, criticality: str, code: str) -> None:
         self._m_requests.inc(tags={"tenant": tenant, "criticality": criticality, "code": code})
@@ -270,6 +376,10 @@ class Router:
                 for dep in sorted(set(snap.desired_replicas) | set(snap.running_replicas) if snap else ())
             },
             "router_id": self._router_id,
+            "breakers": {b.role: b.breaker.snapshot() for b in self._caller.backends},
+            "retry_budget": self._caller.budget.snapshot(),
+            "kill_switches": [e.to_dict() for e in self._kill_switches],
+            "chaos": snap.chaos if snap else {},
         }
 
     @app.post("/v1/generate")
@@ -277,8 +387,17 @@ class Router:
         self._exchange.start()
         started = time.monotonic()
         tenant = self._tenant(request)
+        deadline_s = started + self._deadline_s(request)
         req = self._parse(await self._read_body(request))
         crit = req.criticality.value
+        now_wall = time.time()
+        blocked = killswitch.blocking(self._kill_switches, now_wall, tenant, crit)
+        if blocked is not None:
+            self._count(tenant, crit, "KILL_SWITCH")
+            raise KillSwitchActive(
+                f"kill switch {blocked.id} ({blocked.scope}): {blocked.reason}",
+                retry_after_s=max(1.0, blocked.expires_at_s - now_wall),
+            )
         eff = self._cache.effective()
         self._m_level.set(eff.level)
         decision = admit(req.criticality, eff.level, eff.constraints)
@@ -287,6 +406,11 @@ class Router:
             self._count(tenant, crit, "OVERLOADED")
             raise Overloaded(
                 f"degradation level {eff.level} does not admit criticality '{crit}'", decision.retry_after_s
+            )
+        if self._tenant_inflight.get(tenant, 0) >= self._cfg.resilience.bulkhead.per_tenant:
+            self._count(tenant, crit, "CONCURRENCY_LIMIT")
+            raise ConcurrencyLimited(
+                f"tenant '{tenant}' has {self._cfg.resilience.bulkhead.per_tenant} requests in flight", retry_after_s=1.0
             )
         max_tokens, _ = clamp_max_tokens(req.max_tokens, eff.constraints, self._model_max_tokens)
         # Clamped by the level is degradation; clamped by the model's context is not.
@@ -301,99 +425,150 @@ class Router:
             "max_tokens": max_tokens,
         }
         call = {"prompt": req.prompt, "max_tokens": max_tokens}
-        if req.stream:
+        if req.stream and eff.constraints.streaming:
             return StreamingResponse(
-                self._stream(call, meta, tenant, crit, started, as_one_event=not eff.constraints.streaming),
+                self._stream(call, meta, tenant, crit, started, deadline_s),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        result = await self._call_unary(call, tenant, crit, started)
-        return {"text": result["text"], "tokens_generated": result["tokens"], **meta}
+        key = request.headers.get("idempotency-key")
+        if key is not None and not (0 < len(key) <= self._cfg.resilience.idempotency.max_key_chars):
+            raise InvalidRequest("Idempotency-Key: 1 to 200 characters", field="Idempotency-Key")
+        self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
+        try:
+            work = lambda: self._call_unary(call, tenant, crit, started, deadline_s)  # noqa: E731
+            if key is None:
+                (result, fallback), replayed = await work(), False
+            else:
+                (result, fallback), replayed = await self._idem.run(tenant, key, work)
+                if replayed:
+                    self._m_replays.inc()
+        finally:
+            self._tenant_inflight[tenant] -= 1
+        body = {"text": result["text"], "tokens_generated": result["tokens"], **meta, "fallback": fallback}
+        if fallback == "fallback_model" and self._cfg.fallback is not None:
+            body["model"] = self._cfg.fallback.model.name
+        headers = {"X-Ballast-Fallback": fallback or "none"}
+        if replayed:
+            headers["X-Ballast-Idempotent-Replay"] = "true"
+        if req.stream:  # streaming is off at this level: one token event, then done
+            events = _sse("token", {"text": result["text"], "tokens": result["tokens"]}) + _sse(
+                "done", {"tokens_generated": result["tokens"], **{k: v for k, v in body.items() if k not in ("text", "tokens_generated")}}
+            )
+            return Response(events, media_type="text/event-stream", headers=headers)
+        return JSONResponse(body, headers=headers)
+
+    # -- admin: kill switch and chaos ------------------------------------------------
+    def _operator(self, request: Request) -> str:
+        return (request.headers.get("x-ballast-operator") or "admin")[:64]
+
+    @app.post("/admin/kill-switch", status_code=201)
+    async def set_kill_switch(self, request: Request) -> JSONResponse:
+        self._require_admin(request)
+        body = _validate(KillSwitchRequest, await self._read_json(request))
+        entry = await self._controller(
+            "set_kill_switch", body.scope, body.value, body.reason, body.expires_in_s, self._operator(request)
+        )
+        await self._exchange.exchange_once()  # this router enforces it at once
+        return JSONResponse(entry, status_code=201)
+
+    @app.get("/admin/kill-switch")
+    async def list_kill_switches(self, request: Request) -> dict[str, Any]:
+        self._require_admin(request)
+        return await self._controller("kill_switches")
+
+    @app.delete("/admin/kill-switch/{entry_id}")
+    async def delete_kill_switch(self, entry_id: str, request: Request) -> dict[str, Any]:
+        self._require_admin(request)
+        if not await self._controller("delete_kill_switch", entry_id, self._operator(request)):
+            raise NotFound(f"no active kill switch {entry_id!r}")
+        await self._exchange.exchange_once()
+        return {"deleted": entry_id}
+
+    @app.post("/admin/chaos")
+    async def set_chaos(self, request: Request) -> dict[str, Any]:
+        self._require_admin(request)
+        if not self._cfg.chaos.enabled:
+            raise ChaosDisabled("chaos hooks are disabled in this deployment's config (chaos.enabled)")
+        body = _validate(ChaosRequest, await self._read_json(request))
+        settings = body.model_dump(exclude={"target"})
+        chaos = await self._controller("set_chaos", body.target, settings, self._operator(request))
+        return {"chaos": chaos}
+
+    @app.delete("/admin/chaos")
+    async def clear_chaos(self, request: Request) -> dict[str, Any]:
+        self._require_admin(request)
+        if not self._cfg.chaos.enabled:
+            raise ChaosDisabled("chaos hooks are disabled in this deployment's config (chaos.enabled)")
+        await self._controller("clear_chaos", self._operator(request))
+        return {"chaos": {}}
 
     # -- model calls -----------------------------------------------------------------
-    def _map_error(self, exc: BaseException) -> BallastError:
-        if isinstance(exc, BallastError):
-            return exc
-        if isinstance(exc, asyncio.TimeoutError):
-            return DeadlineExceeded(f"no answer within {self._limits.request_timeout_s:g}s")
-        if isinstance(exc, BackPressureError):
-            return ModelUnavailable("model queue is full", retry_after_s=1.0)
-        if isinstance(exc, (DeploymentUnavailableError, ReplicaUnavailableError)):
-            return ModelUnavailable("model deployment unavailable", retry_after_s=2.0)
-        log.warning("model call failed: %r", exc)
-        return ModelUnavailable(f"model call failed: {type(exc).__name__}", retry_after_s=1.0)
-
     def _finish(self, tenant: str, crit: str, code: str, started: float, error: bool) -> None:
         self._stats.requests += 1
         if error:
             self._stats.errors += 1
+        if code == "DEADLINE_EXCEEDED":
+            self._m_deadline.inc()
         self._count(tenant, crit, code)
         self._m_latency.observe((time.monotonic() - started) * 1000.0, tags={"criticality": crit})
 
-    async def _call_unary(self, call: dict[str, Any], tenant: str, crit: str, started: float) -> dict[str, Any]:
+    async def _call_unary(
+        self, call: dict[str, Any], tenant: str, crit: str, started: float, deadline_s: float
+    ) -> tuple[dict[str, Any], Optional[str]]:
         self._stats.inflight += 1
         sent = time.monotonic()
-        response = self._model.generate.remote(call)
         try:
-            result = await asyncio.wait_for(response, timeout=self._limits.request_timeout_s)
+            result, fallback = await asyncio.wait_for(
+                self._caller.unary(call, deadline_s, self._kill_switches, time.time()),
+                timeout=max(0.001, deadline_s - sent),
+            )
         except asyncio.CancelledError:  # client went away
-            response.cancel()
             self._finish(tenant, crit, "CANCELLED", started, error=False)
             raise
-        except Exception as exc:
-            response.cancel()
-            err = self._map_error(exc)
-            # A full queue is the model refusing, not failing: it does not count as an error.
-            self._finish(tenant, crit, err.code, started, error=not isinstance(exc, BackPressureError))
+        except asyncio.TimeoutError:
+            err = DeadlineExceeded(f"no answer within {deadline_s - started:.3f}s")
+            self._finish(tenant, crit, err.code, started, error=True)
             raise err from None
+        except BallastError as err:
+            self._finish(tenant, crit, err.code, started, error=err.status >= 500 and err.code != "KILL_SWITCH")
+            raise
         finally:
             self._stats.inflight -= 1
         # Everything but the replica's compute time was waiting: handle queue + batch queue.
         elapsed_ms = (time.monotonic() - sent) * 1000.0
         self._stats.add_wait(max(0.0, elapsed_ms - float(result.get("compute_ms", 0.0))))
         self._finish(tenant, crit, "OK", started, error=False)
-        return result
+        return result, fallback
 
     async def _stream(
-        self, call: dict[str, Any], meta: dict[str, Any], tenant: str, crit: str, started: float, as_one_event: bool
+        self, call: dict[str, Any], meta: dict[str, Any], tenant: str, crit: str, started: float, deadline_s: float
     ) -> AsyncGenerator[bytes, None]:
-        if as_one_event:  # streaming disabled at this level: one token event, then done
-            try:
-                result = await self._call_unary(call, tenant, crit, started)
-            except BallastError as err:
-                yield _sse("error", err.body())
-                return
-            yield _sse("token", {"text": result["text"], "tokens": result["tokens"]})
-            yield _sse("done", {"tokens_generated": result["tokens"], **meta})
-            return
         self._stats.inflight += 1
+        self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
         sent = time.monotonic()
-        gen = self._stream_model.generate_stream.remote(call)
-        deadline = sent + self._limits.request_timeout_s
         tokens = 0
         code, error = "OK", False
         try:
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(gen.__anext__(), timeout=max(0.001, deadline - time.monotonic()))
-                except StopAsyncIteration:
-                    break
+            chunks, fallback = await self._caller.stream(call, deadline_s, self._kill_switches, time.time())
+            done = {**meta, "fallback": fallback}
+            if fallback == "fallback_model" and self._cfg.fallback is not None:
+                done["model"] = self._cfg.fallback.model.name
+            async for chunk in chunks:
                 if "queue_wait_ms" in chunk:
                     self._stats.add_wait((time.monotonic() - sent) * 1000.0)
                 tokens += chunk["tokens"]
                 yield _sse("token", {"text": chunk["text"], "tokens": chunk["tokens"]})
-            yield _sse("done", {"tokens_generated": tokens, **meta})
+            yield _sse("done", {"tokens_generated": tokens, **done})
         except asyncio.CancelledError:  # client went away
-            gen.cancel()
             code = "CANCELLED"
             raise
-        except Exception as exc:
-            gen.cancel()
-            err = self._map_error(exc)
-            code, error = err.code, not isinstance(exc, BackPressureError)
+        except BallastError as err:
+            code, error = err.code, err.status >= 500
             yield _sse("error", err.body())
         finally:
             self._stats.inflight -= 1
+            self._tenant_inflight[tenant] -= 1
             self._finish(tenant, crit, code, started, error=error)
 
 

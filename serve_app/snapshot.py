@@ -40,6 +40,8 @@ class Snapshot:
     desired_replicas: dict[str, int] = field(default_factory=dict)
     running_replicas: dict[str, int] = field(default_factory=dict)
     autoscale: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kill_switches: list[dict[str, Any]] = field(default_factory=list)
+    chaos: dict[str, dict[str, Any]] = field(default_factory=dict)  # target -> settings
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,547 @@
+"""Circuit breaker: one per backend, judged on failure rate and slow-call rate.
+
+States and their Prometheus gauge values: CLOSED=0, OPEN=1, HALF_OPEN=2.
+
+* **CLOSED.** Every call passes. Outcomes go into a bounded sliding window —
+  the last ``window_size`` calls (``window_kind="count"``) or the last
+  ``window_s`` seconds in one-second buckets (``window_kind="time"``). Once the
+  window holds at least ``min_calls`` calls, the breaker opens when the failure
+  ratio reaches ``failure_rate_threshold`` or the slow-call ratio reaches
+  ``slow_call_rate_threshold``. A *slow call* is a success that took strictly
+  longer than ``slow_call_duration_s``; a failure counts only as a failure,
+  however long it took.
+* **OPEN.** Every call is refused for ``open_duration_s`` stretched by a
+  jitter of ±``open_jitter_ratio`` drawn from the injected rng — many routers
+  each hold their own breaker for the same backend, and without jitter they
+  would all probe it in the same second (the thundering herd the seeds warn
+  about). The window is emptied on opening.
+* **HALF_OPEN.** Entered lazily, by the first ``allow()``/``state``/
+  ``snapshot()``/``retry_after_s()`` after the open period ends. At most
+  ``half_open_max_probes`` probes are handed out in total, so never more than
+  that are in flight at once; everything else is refused.
+
+**The half-open rule.** With N = ``half_open_max_probes`` and
+``required = ceil(half_open_success_threshold × N)`` successes needed:
+
+* reopen *at once* when the failed probes exceed ``N - required`` — from then
+  on the success ratio cannot reach the threshold, so waiting for the other
+  probes would only keep traffic away from the fallback for nothing
+  (defaults 5 probes / 0.8: one failed probe is tolerated, the second reopens);
+* otherwise decide when all N probes have reported: reopen if the slow-call
+  ratio over the probes reaches ``slow_call_rate_threshold`` (the same rule as
+  in CLOSED: a backend that answers everything too slowly is not healthy),
+  else close. The window starts empty on closing.
+
+A probe that was handed out but never made (``release()``) frees its slot and
+counts as nothing, so a bulkhead rejection after ``allow()`` cannot wedge the
+breaker half-open.
+
+**Stale outcomes.** Every permit remembers the state period (epoch) it was
+issued in. An outcome reported after the breaker has changed state since —
+a slow call admitted while CLOSED that finishes after the breaker opened, or a
+probe still in flight when an earlier probe already reopened it — describes the
+backend as it was before the last transition; it is ignored (and its permit
+marked done). This is also why the window can simply be reset on every
+transition: nothing from an older period leaks into the new one.
+
+**Idempotency.** ``record()`` and ``release()`` act once per permit; any later
+call with the same permit is ignored. A router can therefore record in one
+branch and release in a ``finally`` without double counting.
+
+**Concurrency invariants.** The router calls the breaker from its single
+asyncio event-loop thread, and no method here awaits: each ``allow()``,
+``record()`` and ``release()`` runs to completion before any other coroutine
+touches the breaker. The check-then-increment of the probe counter in
+``allow()`` therefore cannot interleave with another ``allow()``, which is the
+whole reason only the bounded number of probes passes — no lock is needed, and
+none must be added around an ``await``. Calling one breaker from several
+threads would need an external lock around every method.
+
+``on_event`` is called synchronously, exactly once per state change, after the
+breaker's state is fully updated (so the hook may read ``snapshot()``). It must
+not raise: it runs on the request path.
+
+Written by hand rather than taken from a library: pybreaker counts consecutive
+failures (no rate window, no slow calls, one trial call, wall-clock time) and
+Resilience4j is Java; none offers an injected clock and rng with these
+semantics.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Ratios are compared as ``count >= threshold × total``; the product of a
+# decimal threshold and an integer can land a hair above the integer it means
+# (0.7 × 10 = 7.000000000000001), which without this tolerance would need one
+# more failure than configured.
+_EPSILON = 1e-9
+
+WINDOW_KINDS = ("count", "time")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name}: must be an int, got {value!r}")
+    if value < minimum:  # type: ignore[operator]
+        raise ValueError(f"{name}: must be >= {minimum}, got {value!r}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
+        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
+
+
+def _check_ratio(name: str, value: object) -> None:
+    if not _is_number(value) or not 0 < value <= 1:  # type: ignore[operator]
+        raise ValueError(f"{name}: must be in (0, 1], got {value!r}")
+
+
+def _reaches(count: int, total: int, threshold: float) -> bool:
+    return count >= threshold * total - _EPSILON
+
+
+class BreakerState(enum.IntEnum):
+    """Breaker states; the values are the ``ballast_breaker_state`` gauge values."""
+
+    CLOSED = 0
+    OPEN = 1
+    HALF_OPEN = 2
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    """Per-backend breaker settings. Defaults follow the seeds: 50 % failures
+    over 100 calls (or 60 s), at least 10 calls, open 30 s, 5 probes."""
+
+    #: "count": the last ``window_size`` calls; "time": the last ``window_s`` seconds.
+    window_kind: str = "count"
+    window_size: int = 100
+    window_s: float = 60.0
+    #: No judgement while the window holds fewer calls than this.
+    min_calls: int = 10
+    #: Open when failures / calls >= this.
+    failure_rate_threshold: float = 0.5
+    #: A success strictly slower than this is a slow call.
+    slow_call_duration_s: float = 10.0
+    #: Open when slow calls / calls >= this; 1.0 = only when every call is slow.
+    slow_call_rate_threshold: float = 1.0
+    open_duration_s: float = 30.0
+    #: Actual open period = open_duration_s × (1 + ratio × (2u − 1)), u ~ U[0, 1).
+    open_jitter_ratio: float = 0.1
+    #: Probes handed out in total per half-open period (hence also the in-flight cap).
+    half_open_max_probes: int = 5
+    #: Close when ok probes / probes >= this (see the module docstring for the rule).
+    half_open_success_threshold: float = 0.8
+    #: Bound on one-second buckets of the time window (memory bound).
+    max_time_window_buckets: int = 600
+
+    def __post_init__(self) -> None:
+        if self.window_kind not in WINDOW_KINDS:
+            raise ValueError(f"window_kind: must be one of {WINDOW_KINDS}, got {self.window_kind!r}")
+        _check_int("window_size", self.window_size, minimum=1)
+        _check_positive("window_s", self.window_s)
+        _check_int("min_calls", self.min_calls, minimum=1)
+        # A count window smaller than min_calls could never be judged: the breaker
+        # would silently never open.
+        if self.window_kind == "count" and self.min_calls > self.window_size:
+            raise ValueError(
+                f"min_calls: must be <= window_size ({self.window_size}) for a count window, got {self.min_calls}"
+            )
+        _check_ratio("failure_rate_threshold", self.failure_rate_threshold)
+        _check_positive("slow_call_duration_s", self.slow_call_duration_s)
+        _check_ratio("slow_call_rate_threshold", self.slow_call_rate_threshold)
+        _check_positive("open_duration_s", self.open_duration_s)
+        if not _is_number(self.open_jitter_ratio) or not 0 <= self.open_jitter_ratio < 1:
+            raise ValueError(f"open_jitter_ratio: must be in [0, 1), got {self.open_jitter_ratio!r}")
+        _check_int("half_open_max_probes", self.half_open_max_probes, minimum=1)
+        _check_ratio("half_open_success_threshold", self.half_open_success_threshold)
+        _check_int("max_time_window_buckets", self.max_time_window_buckets, minimum=1)
+        if self.window_kind == "time" and math.ceil(self.window_s) > self.max_time_window_buckets:
+            raise ValueError(
+                f"window_s: needs {math.ceil(self.window_s)} one-second buckets, more than "
+                f"max_time_window_buckets ({self.max_time_window_buckets})"
+            )
+
+    @property
+    def half_open_required_ok(self) -> int:
+        """Successful probes needed out of ``half_open_max_probes`` to close."""
+        return math.ceil(self.half_open_success_threshold * self.half_open_max_probes - _EPSILON)
+
+
+@dataclass(frozen=True)
+class BreakerEvent:
+    """One state change; exactly one is emitted per transition."""
+
+    backend: str
+    from_state: BreakerState
+    to_state: BreakerState
+    at_s: float
+    reason: str
+
+
+class Permit:
+    """Leave to make one call, returned by ``CircuitBreaker.allow()``.
+
+    Hand it back exactly once through ``record()`` (the call was made) or
+    ``release()`` (it was not); further hand-backs are ignored.
+    """
+
+    __slots__ = ("_owner", "_epoch", "is_probe", "started_s", "_done")
+
+    def __init__(self, owner: CircuitBreaker, epoch: int, is_probe: bool, started_s: float) -> None:
+        self._owner = owner
+        self._epoch = epoch
+        self.is_probe = is_probe
+        self.started_s = started_s
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        """True once recorded or released."""
+        return self._done
+
+    def __repr__(self) -> str:
+        kind = "probe" if self.is_probe else "call"
+        return f"Permit({kind}, started_s={self.started_s!r}, done={self._done})"
+
+
+# --------------------------------------------------------------------------- windows
+
+
+class _CountWindow:
+    """The last ``size`` outcomes, with running totals (O(1) per call)."""
+
+    _OK, _SLOW, _FAILED = 0, 1, 2
+
+    def __init__(self, size: int) -> None:
+        self._outcomes: deque[int] = deque(maxlen=size)
+        self._failures = 0
+        self._slow = 0
+
+    def add(self, now_s: float, failed: bool, slow: bool) -> None:
+        if len(self._outcomes) == self._outcomes.maxlen:
+            self._forget(self._outcomes[0])  # about to be pushed out by maxlen
+        outcome = self._FAILED if failed else (self._SLOW if slow else self._OK)
+        self._outcomes.append(outcome)
+        self._failures += outcome == self._FAILED
+        self._slow += outcome == self._SLOW
+
+    def _forget(self, outcome: int) -> None:
+        self._failures -= outcome == self._FAILED
+        self._slow -= outcome == self._SLOW
+
+    def totals(self, now_s: float) -> tuple[int, int, int]:
+        return len(self._outcomes), self._failures, self._slow
+
+    def reset(self) -> None:
+        self._outcomes.clear()
+        self._failures = self._slow = 0
+
+    def __len__(self) -> int:
+        return len(self._outcomes)
+
+
+class _TimeWindow:
+    """Calls of the last ``num_buckets`` whole seconds, one bucket per second.
+
+    A call made at ``t`` counts while ``floor(now) - floor(t) < num_buckets``:
+    resolution is one second, so with a 60 s window a call at 40.9 is still
+    counted at 99.99 and forgotten at 100.0. Buckets hold distinct seconds
+    inside that span, so there are never more than ``num_buckets`` of them.
+    """
+
+    def __init__(self, num_buckets: int) -> None:
+        self._num_buckets = num_buckets
+        # Each bucket: [second, calls, failures, slow].
+        self._buckets: deque[list[int]] = deque()
+        self._calls = self._failures = self._slow = 0
+
+    def _evict(self, now_s: float) -> None:
+        oldest_kept = math.floor(now_s) - self._num_buckets + 1
+        while self._buckets and self._buckets[0][0] < oldest_kept:
+            _, calls, failures, slow = self._buckets.popleft()
+            self._calls -= calls
+            self._failures -= failures
+            self._slow -= slow
+
+    def add(self, now_s: float, failed: bool, slow: bool) -> None:
+        self._evict(now_s)
+        second = math.floor(now_s)
+        # ">=": a clock that stepped back (not monotonic) lands in the newest
+        # bucket instead of breaking the ascending order eviction relies on.
+        if self._buckets and self._buckets[-1][0] >= second:
+            bucket = self._buckets[-1]
+        else:
+            bucket = [second, 0, 0, 0]
+            self._buckets.append(bucket)
+        bucket[1] += 1
+        self._calls += 1
+        if failed:
+            bucket[2] += 1
+            self._failures += 1
+        elif slow:
+            bucket[3] += 1
+            self._slow += 1
+
+    def totals(self, now_s: float) -> tuple[int, int, int]:
+        self._evict(now_s)
+        return self._calls, self._failures, self._slow
+
+    def reset(self) -> None:
+        self._buckets.clear()
+        self._calls = self._failures = self._slow = 0
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+# --------------------------------------------------------------------------- breaker
+
+
+class CircuitBreaker:
+    """The breaker for one backend. See the module docstring for the rules."""
+
+    def __init__(
+        self,
+        backend: str,
+        cfg: BreakerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        on_event: Callable[[BreakerEvent], None] = lambda e: None,
+    ) -> None:
+        if not isinstance(backend, str) or not backend:
+            raise ValueError(f"backend: must be a non-empty str, got {backend!r}")
+        if not isinstance(cfg, BreakerConfig):
+            raise ValueError(f"cfg: must be a BreakerConfig, got {cfg!r}")
+        self._backend = backend
+        self._cfg = cfg
+        self._clock = clock
+        # A private Random seeded from OS entropy: each router's breakers get their
+        # own jitter (the point of it) without touching the global ``random`` state.
+        self._rng = rng if rng is not None else random.Random()
+        self._on_event = on_event
+
+        self._window: _CountWindow | _TimeWindow = (
+            _CountWindow(cfg.window_size) if cfg.window_kind == "count" else _TimeWindow(math.ceil(cfg.window_s))
+        )
+        self._state = BreakerState.CLOSED
+        # Bumped on every transition; permits from an older epoch are stale.
+        self._epoch = 0
+        self._opened_until_s: float | None = None
+        self._open_period_s = 0.0
+        # Half-open tallies, reset on every transition into HALF_OPEN.
+        # Invariant: 0 <= probes_in_flight <= probes_admitted <= half_open_max_probes.
+        self._probes_admitted = 0  # handed out minus released
+        self._probes_in_flight = 0
+        self._probes_ok = 0  # successes, slow ones included
+        self._probes_failed = 0
+        self._probes_slow = 0
+
+    # ------------------------------------------------------------------ read side
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @property
+    def config(self) -> BreakerConfig:
+        return self._cfg
+
+    @property
+    def state(self) -> BreakerState:
+        """Current state, after the lazy OPEN → HALF_OPEN check."""
+        self._refresh(self._clock())
+        return self._state
+
+    def retry_after_s(self) -> float:
+        """Seconds until the open period ends; 0 when not open."""
+        now_s = self._clock()
+        self._refresh(now_s)
+        if self._state is BreakerState.OPEN and self._opened_until_s is not None:
+            return max(0.0, self._opened_until_s - now_s)
+        return 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-ready view for ``/v1/status`` and metrics."""
+        now_s = self._clock()
+        self._refresh(now_s)
+        calls, failures, slow = self._window.totals(now_s)
+        return {
+            "backend": self._backend,
+            "state": self._state.name.lower(),
+            "state_value": int(self._state),
+            "calls": calls,
+            "failures": failures,
+            "slow_calls": slow,
+            "failure_rate": failures / calls if calls else 0.0,
+            "slow_rate": slow / calls if calls else 0.0,
+            "opened_until_s": self._opened_until_s,
+            "retry_after_s": (
+                max(0.0, self._opened_until_s - now_s)
+                if self._state is BreakerState.OPEN and self._opened_until_s is not None
+                else 0.0
+            ),
+            "probes_admitted": self._probes_admitted,
+            "probes_in_flight": self._probes_in_flight,
+            "probes_ok": self._probes_ok,
+            "probes_failed": self._probes_failed,
+        }
+
+    # ------------------------------------------------------------------ call side
+
+    def allow(self) -> Permit | None:
+        """A permit for one call, or None when the call must not go.
+
+        None while OPEN, and while HALF_OPEN once all probes are handed out
+        (made, in flight or reported). No await between the check and the
+        increment below; see the concurrency note in the module docstring.
+        """
+        now_s = self._clock()
+        self._refresh(now_s)
+        if self._state is BreakerState.CLOSED:
+            return Permit(self, self._epoch, False, now_s)
+        if self._state is BreakerState.OPEN:
+            return None
+        if self._probes_admitted >= self._cfg.half_open_max_probes:
+            return None
+        self._probes_admitted += 1
+        self._probes_in_flight += 1
+        return Permit(self, self._epoch, True, now_s)
+
+    def record(self, permit: Permit, success: bool, duration_s: float | None = None) -> None:
+        """Report the outcome of a call made under ``permit``.
+
+        ``duration_s`` defaults to the clock time since ``allow()``. Idempotent:
+        a permit already recorded or released is ignored, and so is a permit
+        issued before the breaker's last state change (a stale outcome).
+        """
+        self._check_owner(permit)
+        if duration_s is not None and (not _is_number(duration_s) or not 0 <= duration_s < math.inf):
+            raise ValueError(f"duration_s: must be a finite number >= 0 or None, got {duration_s!r}")
+        if permit._done:
+            return
+        permit._done = True
+        now_s = self._clock()
+        self._refresh(now_s)
+        if permit._epoch != self._epoch:
+            return
+        if duration_s is None:
+            duration_s = max(0.0, now_s - permit.started_s)
+        failed = not success
+        slow = bool(success) and duration_s > self._cfg.slow_call_duration_s
+        if permit.is_probe:
+            # Same epoch as a probe permit means we are still in that HALF_OPEN period.
+            self._probes_in_flight -= 1
+            if failed:
+                self._probes_failed += 1
+            else:
+                self._probes_ok += 1
+                self._probes_slow += slow
+            self._judge_half_open(now_s)
+        else:
+            self._window.add(now_s, failed, slow)
+            self._judge_closed(now_s)
+
+    def release(self, permit: Permit) -> None:
+        """The call was never made: free a half-open probe slot, count nothing.
+
+        Idempotent like ``record()``; a stale permit frees nothing (its slot
+        belonged to a period that is over).
+        """
+        self._check_owner(permit)
+        if permit._done:
+            return
+        permit._done = True
+        if permit._epoch != self._epoch or not permit.is_probe:
+            return
+        self._probes_admitted -= 1
+        self._probes_in_flight -= 1
+
+    # ------------------------------------------------------------------ transitions
+
+    def _check_owner(self, permit: Permit) -> None:
+        if not isinstance(permit, Permit) or permit._owner is not self:
+            raise ValueError(f"permit: not issued by the breaker for {self._backend!r}, got {permit!r}")
+
+    def _refresh(self, now_s: float) -> None:
+        """The lazy OPEN → HALF_OPEN transition once the open period is over."""
+        if (
+            self._state is BreakerState.OPEN
+            and self._opened_until_s is not None
+            and now_s >= self._opened_until_s
+        ):
+            self._opened_until_s = None
+            self._reset_probes()
+            self._transition(BreakerState.HALF_OPEN, now_s, f"open period over ({self._open_period_s:.1f}s)")
+
+    def _judge_closed(self, now_s: float) -> None:
+        calls, failures, slow = self._window.totals(now_s)
+        if calls < self._cfg.min_calls:
+            return
+        # Failure rate first: it is the more direct signal and names the reason
+        # when both thresholds are reached.
+        if _reaches(failures, calls, self._cfg.failure_rate_threshold):
+            self._open(
+                now_s,
+                f"failure_rate={failures / calls:.2f}>={self._cfg.failure_rate_threshold:.2f} over {calls} calls",
+            )
+        elif _reaches(slow, calls, self._cfg.slow_call_rate_threshold):
+            self._open(
+                now_s,
+                f"slow_call_rate={slow / calls:.2f}>={self._cfg.slow_call_rate_threshold:.2f} over {calls} calls",
+            )
+
+    def _judge_half_open(self, now_s: float) -> None:
+        n = self._cfg.half_open_max_probes
+        required_ok = self._cfg.half_open_required_ok
+        if self._probes_failed > n - required_ok:
+            # The threshold is out of reach whatever the remaining probes do.
+            self._open(now_s, f"probe failed: {self._probes_failed}/{n} failed, need {required_ok}/{n} ok")
+            return
+        if self._probes_ok + self._probes_failed < n:
+            return  # wait for the remaining probes
+        if _reaches(self._probes_slow, n, self._cfg.slow_call_rate_threshold):
+            self._open(
+                now_s,
+                f"half-open probes slow: slow_call_rate={self._probes_slow / n:.2f}"
+                f">={self._cfg.slow_call_rate_threshold:.2f}",
+            )
+            return
+        self._window.reset()  # closing starts from an empty window
+        self._transition(BreakerState.CLOSED, now_s, f"half-open probes {self._probes_ok}/{n} ok")
+
+    def _open(self, now_s: float, reason: str) -> None:
+        cfg = self._cfg
+        u = self._rng.random()  # exactly one draw per opening
+        self._open_period_s = cfg.open_duration_s * (1.0 + cfg.open_jitter_ratio * (2.0 * u - 1.0))
+        self._opened_until_s = now_s + self._open_period_s
+        self._window.reset()
+        self._reset_probes()
+        self._transition(BreakerState.OPEN, now_s, reason)
+
+    def _reset_probes(self) -> None:
+        self._probes_admitted = self._probes_in_flight = 0
+        self._probes_ok = self._probes_failed = self._probes_slow = 0
+
+    def _transition(self, to_state: BreakerState, now_s: float, reason: str) -> None:
+        from_state = self._state
+        self._state = to_state
+        self._epoch += 1
+        # Last: the hook sees a consistent breaker.
+        self._on_event(BreakerEvent(self._backend, from_state, to_state, now_s, reason))

@@ -1,0 +1,83 @@
+"""Kill switch entries: who may not be served right now, why, and until when (seed 002).
+
+An entry names a scope — ``global``, ``tenant``, ``model`` or ``criticality`` — and,
+except for ``global``, the value it applies to. Every entry carries a reason, who
+set it, and a mandatory expiry: a kill switch nobody remembers to lift must lift
+itself. Matching is pure and takes the wall time as an argument; the controller
+holds the entries, routers receive them in the snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Optional
+
+SCOPES = ("global", "tenant", "model", "criticality")
+MAX_EXPIRES_IN_S = 7 * 24 * 3600  # a week: anything longer is a config change, not a switch
+MAX_REASON_CHARS = 500
+
+
+@dataclass(frozen=True)
+class KillSwitchEntry:
+    id: str
+    scope: str
+    value: Optional[str]
+    reason: str
+    set_by: str
+    created_at_s: float  # wall clock: entries cross processes
+    expires_at_s: float
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope: must be one of {', '.join(SCOPES)}")
+        if self.scope == "global" and self.value is not None:
+            raise ValueError("value: must be null for the global scope")
+        if self.scope != "global" and not (isinstance(self.value, str) and self.value.strip()):
+            raise ValueError(f"value: the {self.scope} scope needs a value")
+        if not self.reason.strip() or len(self.reason) > MAX_REASON_CHARS:
+            raise ValueError(f"reason: required, at most {MAX_REASON_CHARS} characters")
+        if not (0 < self.expires_at_s - self.created_at_s <= MAX_EXPIRES_IN_S):
+            raise ValueError(f"expires_in_s: must be in (0, {MAX_EXPIRES_IN_S}]")
+
+    @classmethod
+    def create(
+        cls, id: str, scope: str, value: Optional[str], reason: str, set_by: str, now_s: float, expires_in_s: float
+    ) -> "KillSwitchEntry":
+        return cls(id, scope, value, reason, set_by, now_s, now_s + expires_in_s)
+
+    def expired(self, now_s: float) -> bool:
+        return now_s >= self.expires_at_s
+
+    def matches(self, tenant: str, model: str, criticality: str) -> bool:
+        if self.scope == "global":
+            return True
+        return self.value == {"tenant": tenant, "model": model, "criticality": criticality}[self.scope]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KillSwitchEntry":
+        return cls(**d)
+
+
+def active(entries: Iterable[KillSwitchEntry], now_s: float) -> list[KillSwitchEntry]:
+    return [e for e in entries if not e.expired(now_s)]
+
+
+def blocking(
+    entries: Iterable[KillSwitchEntry], now_s: float, tenant: str, criticality: str
+) -> Optional[KillSwitchEntry]:
+    """The entry that refuses this request outright (global, tenant or criticality scope)."""
+    for e in entries:
+        if e.scope != "model" and not e.expired(now_s) and e.matches(tenant, "", criticality):
+            return e
+    return None
+
+
+def model_blocked(entries: Iterable[KillSwitchEntry], now_s: float, model: str) -> Optional[KillSwitchEntry]:
+    """The entry that takes ``model`` out of the fallback chain, if any."""
+    for e in entries:
+        if e.scope == "model" and not e.expired(now_s) and e.value == model:
+            return e
+    return None

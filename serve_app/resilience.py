@@ -1,0 +1,369 @@
+"""The router's way to a model: bulkhead → breaker → attempt with timeout → retry → fallback.
+
+``ResilientCaller`` holds one ``Backend`` per model deployment (primary, then the
+optional fallback), each with its own circuit breaker and bulkhead, a shared
+retry budget, and the optional response cache. It is the only layer that
+retries: the model replicas never retry, and the Serve handle is given one
+attempt at a time.
+
+Chain for a unary request (DESIGN.md step 6–8):
+  for each backend not taken out by a model kill switch:
+      bulkhead full or breaker open → next backend
+      attempt with timeout min(attempt_timeout_s, deadline left); on a retryable
+      failure (replica died, backpressure, attempt timeout) retry with full-jitter
+      backoff while the retry budget, the attempt limit and the deadline allow
+      → success: the answer (and the cache is fed)
+  then the cache (identical request, where enabled) → else 503 MODEL_UNAVAILABLE.
+
+Streaming follows the same chain up to the first chunk; after that the stream
+is committed to its backend and a failure ends it with an error event.
+
+Everything here runs on the router's event loop thread; breakers, bulkheads and
+the budget are touched only between awaits, never across one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+from policies import killswitch
+from policies.breaker import BreakerConfig, BreakerEvent, CircuitBreaker, Permit
+from policies.retry import RetryBudget, RetryConfig, backoff_s, should_retry
+
+from .config import BallastConfig
+from .errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable
+
+MIN_ATTEMPT_S = 0.05  # no point starting an attempt with less time than this
+
+
+class Bulkhead:
+    """A concurrency limit without a queue: full means "try elsewhere", at once."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_flight = 0
+        self.rejected = 0
+
+    def try_enter(self) -> bool:
+        if self.in_flight >= self.limit:
+            self.rejected += 1
+            return False
+        self.in_flight += 1
+        return True
+
+    def leave(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+
+
+class ResponseCache:
+    """Answers to identical requests (prompt, max_tokens), bounded in count and age."""
+
+    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self._max, self._ttl_s, self._clock = max_entries, ttl_s, clock
+        self._entries: "OrderedDict[tuple[str, int], tuple[float, dict[str, Any]]]" = OrderedDict()
+
+    def get(self, prompt: str, max_tokens: int) -> Optional[dict[str, Any]]:
+        hit = self._entries.get((prompt, max_tokens))
+        if hit is None:
+            return None
+        if self._clock() - hit[0] > self._ttl_s:
+            del self._entries[(prompt, max_tokens)]
+            return None
+        self._entries.move_to_end((prompt, max_tokens))
+        return hit[1]
+
+    def put(self, prompt: str, max_tokens: int, result: dict[str, Any]) -> None:
+        self._entries[(prompt, max_tokens)] = (self._clock(), result)
+        self._entries.move_to_end((prompt, max_tokens))
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def classify(exc: BaseException) -> str:
+    """Map a failed attempt to the kinds ``policies.retry.should_retry`` knows."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return "attempt_timeout"
+    if isinstance(exc, BackPressureError):
+        return "backpressure"
+    if isinstance(exc, (ActorDiedError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)):
+        return "replica_died"
+    if isinstance(exc, RayTaskError) and isinstance(exc.cause, DeadlineExceeded):
+        return "deadline_exceeded"
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline_exceeded"
+    if isinstance(exc, RayActorError):
+        return "replica_died"
+    return "model_error"
+
+
+# Failures that say the backend is unhealthy; backpressure is load, which the
+# degradation level handles, so it neither trips nor heals a breaker.
+BREAKER_FAILURES = {"attempt_timeout", "replica_died", "model_error"}
+
+
+@dataclass
+class Backend:
+    role: str  # "primary" | "fallback"
+    model_name: str
+    handle: Any
+    breaker: CircuitBreaker
+    bulkhead: Bulkhead
+    stream_handle: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stream_handle = self.handle.options(stream=True)
+
+
+class _BackendFailed(Exception):
+    def __init__(self, kind: str, detail: str):
+        super().__init__(kind, detail)
+        self.kind, self.detail = kind, detail
+
+
+@dataclass(frozen=True)
+class CallHooks:
+    """Metrics hooks; the defaults do nothing (STYLE 8)."""
+
+    on_retry: Callable[[str, str], None] = lambda backend, kind: None
+    on_fallback: Callable[[str], None] = lambda kind: None
+    on_breaker_event: Callable[[BreakerEvent], None] = lambda e: None
+
+
+class ResilientCaller:
+    def __init__(
+        self,
+        cfg: BallastConfig,
+        primary: Any,
+        fallback: Any = None,
+        hooks: CallHooks = CallHooks(),
+        clock: Callable[[], float] = time.monotonic,
+        rng: Optional[random.Random] = None,
+    ):
+        r = cfg.resilience
+        self._cfg = cfg
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._hooks = hooks
+        bcfg = BreakerConfig(**r.breaker.model_dump())
+        self.retry_cfg = RetryConfig(**r.retry.model_dump())
+        self.budget = RetryBudget(self.retry_cfg)
+        self.backends = [
+            Backend(
+                "primary",
+                cfg.model.name,
+                primary,
+                CircuitBreaker("primary", bcfg, clock=clock, rng=self._rng, on_event=hooks.on_breaker_event),
+                Bulkhead(r.bulkhead.primary),
+            )
+        ]
+        if fallback is not None and cfg.fallback is not None:
+            self.backends.append(
+                Backend(
+                    "fallback",
+                    cfg.fallback.model.name,
+                    fallback,
+                    CircuitBreaker("fallback", bcfg, clock=clock, rng=self._rng, on_event=hooks.on_breaker_event),
+                    Bulkhead(r.bulkhead.fallback),
+                )
+            )
+        self.cache = ResponseCache(r.cache.max_entries, r.cache.ttl_s, clock) if r.cache.enabled else None
+
+    # -- helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _killed(b: Backend, kill_switches: list, now_wall_s: float) -> Optional[killswitch.KillSwitchEntry]:
+        return killswitch.model_blocked(kill_switches, now_wall_s, b.model_name)
+
+    def _unavailable(self, skipped: list[tuple[str, Any]]) -> BallastError:
+        kills = [e for kind, e in skipped if kind == "kill_switch"]
+        if kills and len(kills) == len(self.backends):
+            return KillSwitchActive(f"model '{kills[0].value}' is switched off: {kills[0].reason}")
+        waits = [b.breaker.retry_after_s() for b in self.backends if b.breaker.retry_after_s() > 0]
+        reasons = ", ".join(f"{k}:{e}" for k, e in skipped if k != "kill_switch") or "no backend"
+        return ModelUnavailable(f"no model backend could answer ({reasons})", retry_after_s=min(waits, default=1.0))
+
+    def fallback_name(self, backend: Backend) -> Optional[str]:
+        return None if backend.role == "primary" else "fallback_model"
+
+    # -- unary -----------------------------------------------------------------------
+    async def unary(
+        self, call: dict[str, Any], deadline_s: float, kill_switches: list, now_wall_s: float
+    ) -> tuple[dict[str, Any], Optional[str]]:
+        """(result, fallback kind or None); raises a BallastError when nothing can answer."""
+        self.budget.on_request_start()
+        skipped: list[tuple[str, Any]] = []
+        try:
+            for b in self.backends:
+                entry = self._killed(b, kill_switches, now_wall_s)
+                if entry is not None:
+                    skipped.append(("kill_switch", entry))
+                    continue
+                if not b.bulkhead.try_enter():
+                    skipped.append(("bulkhead_full", b.role))
+                    continue
+                try:
+                    result = await self._attempts(b, call, deadline_s)
+                except _BackendFailed as f:
+                    skipped.append((f.kind, b.role))
+                    continue
+                finally:
+                    b.bulkhead.leave()
+                if self.cache is not None:
+                    self.cache.put(call["prompt"], call["max_tokens"], result)
+                kind = self.fallback_name(b)
+                if kind:
+                    self._hooks.on_fallback(kind)
+                return result, kind
+            if self.cache is not None:
+                hit = self.cache.get(call["prompt"], call["max_tokens"])
+                if hit is not None:
+                    self._hooks.on_fallback("cache")
+                    return hit, "cache"
+            raise self._unavailable(skipped)
+        finally:
+            self.budget.on_request_end()
+
+    async def _attempts(self, b: Backend, call: dict[str, Any], deadline_s: float) -> dict[str, Any]:
+        attempt = 1
+        retrying = False
+        try:
+            while True:
+                permit = b.breaker.allow()
+                if permit is None:
+                    raise _BackendFailed("breaker_open", b.role)
+                left = deadline_s - self._clock()
+                if left <= MIN_ATTEMPT_S:
+                    b.breaker.release(permit)
+                    raise DeadlineExceeded("the request's deadline passed")
+                t0 = self._clock()
+                response = b.handle.generate.remote({**call, "timeout_s": left})
+                try:
+                    result = await asyncio.wait_for(response, timeout=min(self._cfg.resilience.attempt_timeout_s, left))
+                except asyncio.CancelledError:
+                    response.cancel()
+                    b.breaker.release(permit)
+                    raise
+                except Exception as exc:
+                    response.cancel()
+                    kind = classify(exc)
+                    if kind in BREAKER_FAILURES:
+                        b.breaker.record(permit, False, self._clock() - t0)
+                    else:
+                        b.breaker.release(permit)
+                    if kind == "deadline_exceeded" or self._clock() >= deadline_s:
+                        raise DeadlineExceeded("the request's deadline passed") from None
+                    pause = backoff_s(attempt, self.retry_cfg, self._rng.random)
+                    ok, _ = should_retry(
+                        kind, attempt, deadline_s - self._clock(), pause, MIN_ATTEMPT_S, self.retry_cfg
+                    )
+                    if retrying:
+                        self.budget.release_retry()
+                        retrying = False
+                    if not ok or not self.budget.try_acquire_retry():
+                        raise _BackendFailed(kind, b.role) from None
+                    retrying = True
+                    self._hooks.on_retry(b.role, kind)
+                    await asyncio.sleep(pause)
+                    attempt += 1
+                    continue
+                b.breaker.record(permit, True, self._clock() - t0)
+                return result
+        finally:
+            if retrying:
+                self.budget.release_retry()
+
+    # -- streaming -------------------------------------------------------------------
+    async def stream(
+        self, call: dict[str, Any], deadline_s: float, kill_switches: list, now_wall_s: float
+    ) -> tuple[AsyncIterator[dict[str, Any]], Optional[str]]:
+        """An iterator over chunks (the first already fetched) and the fallback kind.
+
+        The chain applies until a backend yields its first chunk; from then on the
+        stream belongs to that backend.
+        """
+        skipped: list[tuple[str, Any]] = []
+        for b in self.backends:
+            entry = self._killed(b, kill_switches, now_wall_s)
+            if entry is not None:
+                skipped.append(("kill_switch", entry))
+                continue
+            if not b.bulkhead.try_enter():
+                skipped.append(("bulkhead_full", b.role))
+                continue
+            permit = b.breaker.allow()
+            if permit is None:
+                b.bulkhead.leave()
+                skipped.append(("breaker_open", b.role))
+                continue
+            left = deadline_s - self._clock()
+            if left <= MIN_ATTEMPT_S:
+                b.breaker.release(permit)
+                b.bulkhead.leave()
+                raise DeadlineExceeded("the request's deadline passed")
+            t0 = self._clock()
+            gen = b.stream_handle.generate_stream.remote({**call, "timeout_s": left})
+            try:
+                first = await asyncio.wait_for(gen.__anext__(), timeout=min(self._cfg.resilience.attempt_timeout_s, left))
+            except asyncio.CancelledError:
+                gen.cancel()
+                b.breaker.release(permit)
+                b.bulkhead.leave()
+                raise
+            except Exception as exc:
+                gen.cancel()
+                kind = classify(exc)
+                if kind in BREAKER_FAILURES:
+                    b.breaker.record(permit, False, self._clock() - t0)
+                else:
+                    b.breaker.release(permit)
+                b.bulkhead.leave()
+                if kind == "deadline_exceeded":
+                    raise DeadlineExceeded("the request's deadline passed") from None
+                skipped.append((kind, b.role))
+                continue
+            kind = self.fallback_name(b)
+            if kind:
+                self._hooks.on_fallback(kind)
+            return self._rest(b, permit, gen, first, t0, deadline_s), kind
+        raise self._unavailable(skipped)
+
+    async def _rest(self, b: Backend, permit: Permit, gen: Any, first: dict[str, Any], t0: float, deadline_s: float):
+        outcome: Optional[bool] = None  # None: the client left, which says nothing about the backend
+        try:
+            yield first
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(gen.__anext__(), timeout=max(0.001, deadline_s - self._clock()))
+                except StopAsyncIteration:
+                    break
+                yield chunk
+            outcome = True
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except asyncio.TimeoutError:
+            outcome = False
+            raise DeadlineExceeded("the request's deadline passed while streaming") from None
+        except Exception as exc:
+            kind = classify(exc)
+            outcome = kind not in BREAKER_FAILURES
+            if kind == "deadline_exceeded" or isinstance(exc, DeadlineExceeded):
+                raise DeadlineExceeded("the request's deadline passed while streaming") from None
+            raise ModelUnavailable(f"the model stream failed: {kind}", retry_after_s=1.0) from None
+        finally:
+            if outcome is not True:
+                gen.cancel()
+            if outcome is None:
+                b.breaker.release(permit)
+            else:
+                b.breaker.record(permit, outcome, self._clock() - t0)
+            b.bulkhead.leave()
