@@ -42,6 +42,10 @@ from .config import BallastConfig
 from .errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable
 
 MIN_ATTEMPT_S = 0.05  # no point starting an attempt with less time than this
+# An attempt ends this much before the request's deadline, so that a hung backend is
+# seen as an attempt timeout (and counted by its breaker) rather than cut off by
+# the router's own deadline, which cannot tell a slow backend from a client that left.
+DEADLINE_MARGIN_S = 0.02
 
 
 class Bulkhead:
@@ -192,6 +196,9 @@ class ResilientCaller:
         reasons = ", ".join(f"{k}:{e}" for k, e in skipped if k != "kill_switch") or "no backend"
         return ModelUnavailable(f"no model backend could answer ({reasons})", retry_after_s=min(waits, default=1.0))
 
+    def _attempt_timeout(self, left_s: float) -> float:
+        return max(0.001, min(self._cfg.resilience.attempt_timeout_s, left_s - DEADLINE_MARGIN_S))
+
     def fallback_name(self, backend: Backend) -> Optional[str]:
         return None if backend.role == "primary" else "fallback_model"
 
@@ -224,7 +231,9 @@ class ResilientCaller:
                 if kind:
                     self._hooks.on_fallback(kind)
                 return result, kind
-            if self.cache is not None:
+            # The cache holds the models' earlier answers: a model an operator switched
+            # off must not keep answering through it.
+            if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
                 hit = self.cache.get(call["prompt"], call["max_tokens"])
                 if hit is not None:
                     self._hooks.on_fallback("cache")
@@ -248,7 +257,7 @@ class ResilientCaller:
                 t0 = self._clock()
                 response = b.handle.generate.remote({**call, "timeout_s": left})
                 try:
-                    result = await asyncio.wait_for(response, timeout=min(self._cfg.resilience.attempt_timeout_s, left))
+                    result = await asyncio.wait_for(response, timeout=self._attempt_timeout(left))
                 except asyncio.CancelledError:
                     response.cancel()
                     b.breaker.release(permit)
@@ -313,7 +322,7 @@ class ResilientCaller:
             t0 = self._clock()
             gen = b.stream_handle.generate_stream.remote({**call, "timeout_s": left})
             try:
-                first = await asyncio.wait_for(gen.__anext__(), timeout=min(self._cfg.resilience.attempt_timeout_s, left))
+                first = await asyncio.wait_for(gen.__anext__(), timeout=self._attempt_timeout(left))
             except asyncio.CancelledError:
                 gen.cancel()
                 b.breaker.release(permit)

@@ -434,27 +434,30 @@ class Router:
         key = request.headers.get("idempotency-key")
         if key is not None and not (0 < len(key) <= self._cfg.resilience.idempotency.max_key_chars):
             raise InvalidRequest("Idempotency-Key: 1 to 200 characters", field="Idempotency-Key")
+        async def work() -> dict[str, Any]:
+            result, fallback = await self._call_unary(call, tenant, crit, started, deadline_s)
+            body = {"text": result["text"], "tokens_generated": result["tokens"], **meta, "fallback": fallback}
+            if fallback == "fallback_model" and self._cfg.fallback is not None:
+                body["model"] = self._cfg.fallback.model.name
+            return body
+
         self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
         try:
-            work = lambda: self._call_unary(call, tenant, crit, started, deadline_s)  # noqa: E731
             if key is None:
-                (result, fallback), replayed = await work(), False
-            else:
-                (result, fallback), replayed = await self._idem.run(tenant, key, work)
+                body, replayed = await work(), False
+            else:  # a repeat gets the first answer, whole: text, level, fallback and all
+                body, replayed = await self._idem.run(tenant, key, work)
                 if replayed:
                     self._m_replays.inc()
         finally:
             self._tenant_inflight[tenant] -= 1
-        body = {"text": result["text"], "tokens_generated": result["tokens"], **meta, "fallback": fallback}
-        if fallback == "fallback_model" and self._cfg.fallback is not None:
-            body["model"] = self._cfg.fallback.model.name
+        fallback = body["fallback"]
         headers = {"X-Ballast-Fallback": fallback or "none"}
         if replayed:
             headers["X-Ballast-Idempotent-Replay"] = "true"
         if req.stream:  # streaming is off at this level: one token event, then done
-            events = _sse("token", {"text": result["text"], "tokens": result["tokens"]}) + _sse(
-                "done", {"tokens_generated": result["tokens"], **{k: v for k, v in body.items() if k not in ("text", "tokens_generated")}}
-            )
+            done = {k: v for k, v in body.items() if k != "text"}
+            events = _sse("token", {"text": body["text"], "tokens": body["tokens_generated"]}) + _sse("done", done)
             return Response(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(body, headers=headers)
 
