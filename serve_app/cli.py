@@ -1,4 +1,5 @@
-"""``python -m serve_app.cli serve|stop``: the embedded local stack behind ``make serve`` / ``make stop``.
+"""``python -m serve_app.cli serve|stop|kill-switch``: the local stack behind ``make serve`` / ``make stop``,
+and the operator's kill switch (``ballast kill-switch set|list|clear``, over the admin API).
 
 ``serve`` starts a local Ray inside this process, the controller actor and the app,
 waits until ``/healthz/ready`` answers, prints the URL and a curl example, and stays
@@ -108,6 +109,38 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 1
 
 
+def _admin(args: argparse.Namespace):
+    """An httpx client for the admin API of the running stack (URL from .run/ballast.pid)."""
+    import httpx
+
+    url = args.url
+    if url is None:
+        try:
+            url = json.loads(PIDFILE.read_text())["url"]
+        except (OSError, ValueError, KeyError):
+            url = "http://127.0.0.1:8000"
+    token = args.token or os.environ.get("BALLAST_ADMIN_TOKEN")
+    if not token:
+        raise SystemExit("set BALLAST_ADMIN_TOKEN (or --token) to the admin token")
+    headers = {"Authorization": f"Bearer {token}", "X-Ballast-Operator": args.operator}
+    return httpx.Client(base_url=url, headers=headers, timeout=10)
+
+
+def _show(r) -> int:
+    print(json.dumps(r.json(), indent=2))
+    return 0 if r.status_code < 400 else 1
+
+
+def cmd_kill_switch(args: argparse.Namespace) -> int:
+    with _admin(args) as c:
+        if args.action == "set":
+            body = {"scope": args.scope, "value": args.value, "reason": args.reason, "expires_in_s": args.expires_in_s}
+            return _show(c.post("/admin/kill-switch", json=body))
+        if args.action == "list":
+            return _show(c.get("/admin/kill-switch"))
+        return _show(c.delete(f"/admin/kill-switch/{args.id}"))
+
+
 def main(argv: "list[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(prog="ballast")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -118,6 +151,20 @@ def main(argv: "list[str] | None" = None) -> int:
     p_stop = sub.add_parser("stop", help="stop the stack started by `serve`")
     p_stop.add_argument("--timeout-s", type=float, default=60.0)
     p_stop.set_defaults(func=cmd_stop)
+    p_ks = sub.add_parser("kill-switch", help="set, list or clear kill switches on the running stack")
+    p_ks.add_argument("--url", default=None, help="default: the stack `make serve` started")
+    p_ks.add_argument("--token", default=None, help="admin token (default: $BALLAST_ADMIN_TOKEN)")
+    p_ks.add_argument("--operator", default=os.environ.get("USER", "cli"), help="recorded as set_by")
+    ks_sub = p_ks.add_subparsers(dest="action", required=True)
+    ks_set = ks_sub.add_parser("set")
+    ks_set.add_argument("--scope", required=True, choices=["global", "tenant", "model", "criticality"])
+    ks_set.add_argument("--value", default=None)
+    ks_set.add_argument("--reason", required=True)
+    ks_set.add_argument("--expires-in-s", type=int, required=True)
+    ks_sub.add_parser("list")
+    ks_clear = ks_sub.add_parser("clear")
+    ks_clear.add_argument("id")
+    p_ks.set_defaults(func=cmd_kill_switch)
     args = parser.parse_args(argv)
     return args.func(args)
 

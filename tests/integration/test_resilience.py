@@ -295,3 +295,19 @@ def test_admin_routes_need_the_admin_token(client):
 def test_request_timeout_header_is_validated(client):
     r = client.post("/v1/generate", headers={**GOLD, "X-Request-Timeout-Ms": "soon"}, json={"prompt": "x"})
     assert r.status_code == 422 and r.json()["error"]["field"] == "X-Request-Timeout-Ms"
+
+
+def test_kill_switch_cli(client, capsys):
+    from serve_app.cli import main
+
+    common = ["kill-switch", "--url", BASE, "--token", "dev-admin-token", "--operator", "cli-test"]
+    assert main([*common, "set", "--scope", "tenant", "--value", "free", "--reason", "cli", "--expires-in-s", "30"]) == 0
+    entry = __import__("json").loads(capsys.readouterr().out)
+    assert entry["set_by"] == "cli-test" and entry["scope"] == "tenant"
+    r = client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 2})
+    assert r.json()["error"]["code"] == "KILL_SWITCH"
+    assert main([*common, "list"]) == 0
+    assert entry["id"] in capsys.readouterr().out
+    assert main([*common, "clear", entry["id"]]) == 0
+    assert main([*common, "clear", entry["id"]]) == 1  # already gone: 404
+    assert client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 2}).status_code == 200

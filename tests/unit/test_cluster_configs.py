@@ -27,3 +27,16 @@ def test_production_serve_config_has_no_default_keys():
     assert cfg.deployments.model.num_gpus == 1
     text = (ROOT / "cluster/serve_config.yaml").read_text()
     assert "dev-key" not in text and "dev-admin-token" not in text
+
+
+def test_chaos_is_on_locally_and_refused_in_production():
+    import pytest
+
+    from serve_app.errors import ConfigError
+
+    assert load_config(ROOT / "cluster/local.yaml").chaos.enabled is True
+    serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
+    prod = serve_cfg["applications"][0]["args"]["config"]
+    assert load_config(prod).chaos.enabled is False
+    with pytest.raises(ConfigError, match="chaos"):
+        load_config({**prod, "chaos": {"enabled": True}})

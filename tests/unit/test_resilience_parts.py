@@ -1,0 +1,270 @@
+"""The pure parts of serve_app/resilience.py: Bulkhead, ResponseCache, classify().
+
+No Ray is started: the Ray and Serve exception classes are constructed directly,
+as their public constructors allow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.serve._private.common import DeploymentID
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+from policies.retry import FAILURE_KINDS
+from serve_app.chaos import InjectedFault
+from serve_app.errors import DeadlineExceeded, ModelUnavailable
+from serve_app.resilience import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
+
+
+class FakeClock:
+    def __init__(self, now_s: int = 0) -> None:
+        self.now_s = now_s
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def advance(self, seconds: int = 1) -> None:
+        self.now_s += seconds
+
+
+# -- Bulkhead --------------------------------------------------------------------------
+
+
+def test_bulkhead_admits_up_to_its_limit_then_rejects() -> None:
+    b = Bulkhead(2)
+    assert [b.try_enter() for _ in range(4)] == [True, True, False, False]
+    assert b.in_flight == 2
+    assert b.rejected == 2
+
+
+def test_bulkhead_frees_a_slot_on_leave() -> None:
+    b = Bulkhead(1)
+    assert b.try_enter()
+    assert not b.try_enter()
+    b.leave()
+    assert b.in_flight == 0
+    assert b.try_enter()
+    assert b.rejected == 1  # only the one refusal
+
+
+def test_bulkhead_rejection_does_not_take_a_slot() -> None:
+    b = Bulkhead(1)
+    b.try_enter()
+    for _ in range(3):
+        assert not b.try_enter()
+    assert b.in_flight == 1
+    b.leave()
+    assert b.in_flight == 0
+
+
+def test_bulkhead_leave_never_goes_negative() -> None:
+    b = Bulkhead(2)
+    b.leave()
+    b.leave()
+    assert b.in_flight == 0
+    # and an extra leave does not create capacity beyond the limit
+    assert [b.try_enter() for _ in range(3)] == [True, True, False]
+
+
+def test_bulkhead_of_zero_rejects_everything() -> None:
+    b = Bulkhead(0)
+    assert not b.try_enter()
+    assert (b.in_flight, b.rejected) == (0, 1)
+
+
+# -- ResponseCache --------------------------------------------------------------------
+
+
+def make_cache(max_entries: int = 10, ttl_s: int = 5) -> tuple[ResponseCache, FakeClock]:
+    clock = FakeClock()
+    return ResponseCache(max_entries, ttl_s, clock=clock), clock
+
+
+def test_cache_miss_then_hit_returns_the_stored_dict() -> None:
+    cache, _ = make_cache()
+    assert cache.get("hi", 8) is None
+    answer = {"text": "hello"}
+    cache.put("hi", 8, answer)
+    assert cache.get("hi", 8) is answer
+    assert len(cache) == 1
+
+
+def test_cache_key_is_prompt_and_max_tokens() -> None:
+    cache, _ = make_cache()
+    cache.put("hi", 8, {"text": "a"})
+    assert cache.get("hi", 16) is None
+    assert cache.get("Hi", 8) is None
+    cache.put("hi", 16, {"text": "b"})
+    assert cache.get("hi", 8) == {"text": "a"}
+    assert cache.get("hi", 16) == {"text": "b"}
+    assert len(cache) == 2
+
+
+def test_cache_ttl_walked_second_by_second() -> None:
+    cache, clock = make_cache(ttl_s=3)
+    cache.put("p", 1, {"text": "x"})  # stored at t=0
+    for t in (1, 2, 3):  # age <= ttl: hit, the boundary included
+        clock.now_s = t
+        assert cache.get("p", 1) == {"text": "x"}, t
+    clock.now_s = 4  # age 4 > 3: gone, and removed
+    assert cache.get("p", 1) is None
+    assert len(cache) == 0
+
+
+def test_cache_get_does_not_extend_the_ttl() -> None:
+    cache, clock = make_cache(ttl_s=3)
+    cache.put("p", 1, {"text": "x"})
+    clock.now_s = 3
+    assert cache.get("p", 1) is not None  # a hit refreshes recency, not age
+    clock.now_s = 4
+    assert cache.get("p", 1) is None
+
+
+def test_cache_put_again_restarts_the_ttl_and_replaces_the_value() -> None:
+    cache, clock = make_cache(ttl_s=3)
+    cache.put("p", 1, {"text": "old"})
+    clock.now_s = 2
+    cache.put("p", 1, {"text": "new"})
+    clock.now_s = 5  # 5 from the first put, 3 from the second
+    assert cache.get("p", 1) == {"text": "new"}
+    assert len(cache) == 1
+    clock.now_s = 6
+    assert cache.get("p", 1) is None
+
+
+def test_cache_evicts_least_recently_used_at_max_entries() -> None:
+    cache, _ = make_cache(max_entries=2, ttl_s=100)
+    cache.put("a", 1, {"text": "a"})
+    cache.put("b", 1, {"text": "b"})
+    cache.put("c", 1, {"text": "c"})  # a is the least recently used
+    assert len(cache) == 2
+    assert cache.get("a", 1) is None
+    assert cache.get("b", 1) == {"text": "b"}
+    assert cache.get("c", 1) == {"text": "c"}
+
+
+def test_cache_get_refreshes_recency() -> None:
+    cache, _ = make_cache(max_entries=2, ttl_s=100)
+    cache.put("a", 1, {"text": "a"})
+    cache.put("b", 1, {"text": "b"})
+    assert cache.get("a", 1) is not None  # a becomes the most recent
+    cache.put("c", 1, {"text": "c"})  # so b goes
+    assert cache.get("b", 1) is None
+    assert cache.get("a", 1) == {"text": "a"}
+    assert cache.get("c", 1) == {"text": "c"}
+
+
+def test_cache_put_of_an_existing_key_refreshes_recency_without_growing() -> None:
+    cache, _ = make_cache(max_entries=2, ttl_s=100)
+    cache.put("a", 1, {"text": "a"})
+    cache.put("b", 1, {"text": "b"})
+    cache.put("a", 1, {"text": "a2"})
+    assert len(cache) == 2
+    cache.put("c", 1, {"text": "c"})  # b is now the least recent
+    assert cache.get("b", 1) is None
+    assert cache.get("a", 1) == {"text": "a2"}
+
+
+def test_cache_a_miss_does_not_change_recency() -> None:
+    cache, _ = make_cache(max_entries=2, ttl_s=100)
+    cache.put("a", 1, {"text": "a"})
+    cache.put("b", 1, {"text": "b"})
+    assert cache.get("a", 2) is None  # different key: a is not touched
+    cache.put("c", 1, {"text": "c"})
+    assert cache.get("a", 1) is None
+
+
+def test_cache_never_exceeds_max_entries() -> None:
+    cache, clock = make_cache(max_entries=3, ttl_s=100)
+    for i in range(10):
+        clock.advance(1)
+        cache.put(f"p{i}", 1, {"i": i})
+        assert len(cache) == min(i + 1, 3)
+    assert [cache.get(f"p{i}", 1) for i in (7, 8, 9)] == [{"i": 7}, {"i": 8}, {"i": 9}]
+
+
+# -- classify -------------------------------------------------------------------------
+
+
+def test_classify_asyncio_timeout_is_an_attempt_timeout() -> None:
+    assert classify(asyncio.TimeoutError()) == "attempt_timeout"
+
+
+async def test_classify_the_error_wait_for_actually_raises() -> None:
+    with pytest.raises(asyncio.TimeoutError) as info:
+        await asyncio.wait_for(asyncio.Event().wait(), timeout=0.001)
+    assert classify(info.value) == "attempt_timeout"
+
+
+def test_classify_backpressure() -> None:
+    assert classify(BackPressureError(num_queued_requests=10, max_queued_requests=10)) == "backpressure"
+
+
+def test_classify_actor_died() -> None:
+    assert classify(ActorDiedError()) == "replica_died"
+
+
+def test_classify_actor_unavailable() -> None:
+    assert classify(ActorUnavailableError("gone for now", None)) == "replica_died"
+
+
+def test_classify_replica_unavailable() -> None:
+    assert classify(ReplicaUnavailableError("replica-1")) == "replica_died"
+
+
+def test_classify_deployment_unavailable() -> None:
+    exc = DeploymentUnavailableError(DeploymentID(name="model", app_name="ballast"))
+    assert classify(exc) == "replica_died"
+
+
+def test_classify_deadline_exceeded() -> None:
+    assert classify(DeadlineExceeded("late")) == "deadline_exceeded"
+
+
+def test_classify_deadline_exceeded_raised_in_a_replica() -> None:
+    # Ray wraps a remote exception in RayTaskError, and re-raises it as an instance of both.
+    wrapped = RayTaskError("generate", "traceback", DeadlineExceeded("late"))
+    assert classify(wrapped) == "deadline_exceeded"
+    assert classify(wrapped.as_instanceof_cause()) == "deadline_exceeded"
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        Exception("boom"),
+        RuntimeError("cuda error"),
+        ValueError("bad input"),
+        InjectedFault("chaos"),
+        ModelUnavailable("nope"),
+        RayTaskError("generate", "traceback", RuntimeError("oom")),
+    ],
+    ids=["Exception", "RuntimeError", "ValueError", "InjectedFault", "ModelUnavailable", "RayTaskError(RuntimeError)"],
+)
+def test_classify_anything_else_is_a_model_error(exc: BaseException) -> None:
+    assert classify(exc) == "model_error"
+
+
+def test_breaker_failures_exclude_backpressure_and_deadline() -> None:
+    assert BREAKER_FAILURES == {"attempt_timeout", "replica_died", "model_error"}
+    assert "backpressure" not in BREAKER_FAILURES
+    # the client's deadline says nothing about the backend's health either
+    assert "deadline_exceeded" not in BREAKER_FAILURES
+
+
+def test_classify_kinds_are_retry_kinds_and_only_two_spare_the_breaker() -> None:
+    kinds = {
+        classify(e)
+        for e in (
+            asyncio.TimeoutError(),
+            BackPressureError(1, 1),
+            ActorDiedError(),
+            DeadlineExceeded("x"),
+            Exception("x"),
+        )
+    }
+    assert kinds == {"attempt_timeout", "backpressure", "replica_died", "deadline_exceeded", "model_error"}
+    assert kinds <= FAILURE_KINDS  # should_retry raises on a kind it does not know
+    assert kinds - BREAKER_FAILURES == {"backpressure", "deadline_exceeded"}
