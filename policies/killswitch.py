@@ -34,7 +34,7 @@ class KillSwitchEntry:
             raise ValueError("value: must be null for the global scope")
         if self.scope != "global" and not (isinstance(self.value, str) and self.value.strip()):
             raise ValueError(f"value: the {self.scope} scope needs a value")
-        if not self.reason.strip() or len(self.reason) > MAX_REASON_CHARS:
+        if not isinstance(self.reason, str) or not self.reason.strip() or len(self.reason) > MAX_REASON_CHARS:
             raise ValueError(f"reason: required, at most {MAX_REASON_CHARS} characters")
         if not (0 < self.expires_at_s - self.created_at_s <= MAX_EXPIRES_IN_S):
             raise ValueError(f"expires_in_s: must be in (0, {MAX_EXPIRES_IN_S}]")

@@ -93,5 +93,6 @@ class ChaosAgent:
         while self.settings.leak_mb_per_s > 0:
             if self.leaked_bytes < self._max_leak_bytes:
                 chunk = min(int(self.settings.leak_mb_per_s * MB / 10), self._max_leak_bytes - self.leaked_bytes)
-                self._leak.append(bytearray(b"\x01" * chunk))  # touched, so it is resident
+                if chunk > 0:  # a rate too small for one byte per tick leaks nothing, not empty entries
+                    self._leak.append(bytearray(b"\x01" * chunk))  # touched, so it is resident
             await asyncio.sleep(0.1)

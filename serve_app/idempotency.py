@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 
+class _FirstCancelled(Exception):
+    """The first request for a key was cancelled (its client left): waiters run it themselves."""
+
+
 @dataclass
 class _Entry:
     future: "asyncio.Future[dict[str, Any]]"
@@ -50,14 +54,22 @@ class IdempotencyStore:
     ) -> tuple[dict[str, Any], bool]:
         """``fn()``'s result, or the earlier one for the same (tenant, key); True when replayed."""
         slot = (tenant, key)
-        entry = self._entries.get(slot)
-        if entry is not None and entry.done_at_s is not None and self._clock() - entry.done_at_s > self._ttl_s:
-            del self._entries[slot]
-            entry = None
-        if entry is not None:
+        while True:
+            entry = self._entries.get(slot)
+            if entry is not None and entry.done_at_s is not None and self._clock() - entry.done_at_s > self._ttl_s:
+                del self._entries[slot]
+                entry = None
+            if entry is None:
+                return await self._first(slot, fn), False
             self.replays += 1
-            # shield: a repeat that gives up must not cancel the first request's work
-            return await asyncio.shield(entry.future), True
+            try:
+                # shield: a repeat that gives up must not cancel the first request's work
+                return await asyncio.shield(entry.future), True
+            except _FirstCancelled:
+                self.replays -= 1
+                continue  # the first one's client left; this one still wants an answer
+
+    async def _first(self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
         self._evict()
         future: "asyncio.Future[dict[str, Any]]" = asyncio.get_running_loop().create_future()
         entry = _Entry(future)
@@ -68,9 +80,9 @@ class IdempotencyStore:
             if self._entries.get(slot) is entry:
                 del self._entries[slot]  # failed: a retry must run for real
             if not future.done():
-                future.set_exception(exc if isinstance(exc, Exception) else asyncio.CancelledError())
+                future.set_exception(exc if isinstance(exc, Exception) else _FirstCancelled())
                 future.exception()  # retrieved: no "never retrieved" warning when nobody waits
             raise
         future.set_result(result)
         entry.done_at_s = self._clock()
-        return result, False
+        return result

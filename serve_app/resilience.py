@@ -96,14 +96,16 @@ class ResponseCache:
 
 def classify(exc: BaseException) -> str:
     """Map a failed attempt to the kinds ``policies.retry.should_retry`` knows."""
+    if isinstance(exc, RayTaskError):
+        # Raised inside the replica (Ray re-raises it as a subclass of the cause's type,
+        # so this comes first: a TimeoutError *in the model* is not our attempt timeout).
+        return "deadline_exceeded" if isinstance(exc.cause, DeadlineExceeded) else "model_error"
     if isinstance(exc, asyncio.TimeoutError):
         return "attempt_timeout"
     if isinstance(exc, BackPressureError):
         return "backpressure"
     if isinstance(exc, (ActorDiedError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)):
         return "replica_died"
-    if isinstance(exc, RayTaskError) and isinstance(exc.cause, DeadlineExceeded):
-        return "deadline_exceeded"
     if isinstance(exc, DeadlineExceeded):
         return "deadline_exceeded"
     if isinstance(exc, RayActorError):

@@ -243,11 +243,6 @@ async def test_cancelled_first_call_is_forgotten() -> None:
     assert await store.run("acme", "k1", fn2) == ({"text": "answer 1"}, False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="idempotency.py:71 hands a cancelled first call's CancelledError to its waiters: a "
-    "waiter whose own client is still connected is cancelled because another client left",
-)
 async def test_waiter_is_not_cancelled_when_the_first_call_is_cancelled() -> None:
     store, _ = make()
     gate = asyncio.Event()

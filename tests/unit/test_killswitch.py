@@ -132,12 +132,6 @@ def test_validation_reports_scope_before_other_fields() -> None:
         KillSwitchEntry("ks-1", "nope", None, "", "alice", NOW_S, NOW_S)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="killswitch.py:37 calls self.reason.strip() before any type check: a non-str "
-    "reason raises AttributeError (not ValueError naming 'reason:'), which escapes the "
-    "router's (TypeError, ValueError) guard for malformed snapshot entries (router.py _on_snapshot)",
-)
 def test_non_string_reason_is_a_value_error_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"^reason: "):
         KillSwitchEntry.from_dict(raw(reason=None))

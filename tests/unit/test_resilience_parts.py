@@ -268,3 +268,9 @@ def test_classify_kinds_are_retry_kinds_and_only_two_spare_the_breaker() -> None
     assert kinds == {"attempt_timeout", "backpressure", "replica_died", "deadline_exceeded", "model_error"}
     assert kinds <= FAILURE_KINDS  # should_retry raises on a kind it does not know
     assert kinds - BREAKER_FAILURES == {"backpressure", "deadline_exceeded"}
+
+
+def test_a_timeout_raised_inside_the_replica_is_a_model_error_not_our_attempt_timeout():
+    wrapped = RayTaskError("generate", "traceback", TimeoutError("the model timed out")).as_instanceof_cause()
+    assert isinstance(wrapped, TimeoutError)  # why the order in classify() matters
+    assert classify(wrapped) == "model_error"
