@@ -258,7 +258,34 @@ class ChaosConfig(_Strict):
 
 
 class TenantConfig(_Strict):
+    """A tenant's quota, in tokens (prompt + generated): a resource unit, not requests.
+
+    No rate means no token quota (the concurrency cap still applies). The sum of all
+    tenants' rates may exceed what the model can do (overcommit, seed 001).
+    """
+
     description: str = ""
+    rate_tokens_per_s: Optional[PositiveFloat] = None
+    burst_tokens: Optional[PositiveFloat] = None  # default: 2 s of rate
+    max_concurrent: Optional[PositiveInt] = None  # default: resilience.bulkhead.per_tenant
+    max_criticality: Criticality = Criticality.CRITICAL_PLUS  # a higher claim is lowered to this
+    weight: PositiveFloat = 1.0  # share of idle capacity lent at level 0
+    sheddable: bool = False  # its rate shrinks with the degradation level
+
+    @property
+    def burst(self) -> Optional[float]:
+        if self.rate_tokens_per_s is None:
+            return None
+        return self.burst_tokens if self.burst_tokens is not None else 2.0 * self.rate_tokens_per_s
+
+
+class QuotaSettings(_Strict):
+    # A router's share of a tenant's rate, granted by the controller, lapses after this.
+    lease_ttl_s: PositiveFloat = 3.0
+    # Sheddable tenants' rate multiplier per degradation level 0..4.
+    level_factors: tuple[float, float, float, float, float] = (1.0, 0.75, 0.5, 0.25, 0.0)
+    # Every router keeps at least this fraction of an equal share (so it can admit a first request).
+    min_share_ratio: float = Field(0.1, ge=0, le=1)
 
 
 class AuthConfig(_Strict):
@@ -289,6 +316,7 @@ class BallastConfig(_Strict):
     chaos: ChaosConfig = ChaosConfig()
     auth: AuthConfig = AuthConfig()
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    quota: QuotaSettings = QuotaSettings()
 
     @model_validator(mode="after")
     def _production_has_no_demo_secrets(self) -> "BallastConfig":

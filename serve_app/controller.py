@@ -30,6 +30,7 @@ import ray
 
 from policies import autoscale, degradation
 from policies.killswitch import KillSwitchEntry
+from policies.quota import TenantQuota, apportion, effective_rates
 from policies.autoscale import AutoscaleSample, AutoscaleState
 from policies.degradation import DegradationState, LoadSignals
 
@@ -122,18 +123,65 @@ class ControllerCore:
         self._routers = _Reports(cfg.controller.report_expiry_s, self._clock)
         self._replicas = _Reports(cfg.controller.report_expiry_s, self._clock)
         self._outcomes: deque[tuple[float, int, int]] = deque(maxlen=MAX_OUTCOME_BUCKETS)
+        self._quotas = {
+            name: TenantQuota(
+                rate_tokens_per_s=t.rate_tokens_per_s,
+                burst_tokens=t.burst,
+                max_concurrent=t.max_concurrent or cfg.resilience.bulkhead.per_tenant,
+                weight=t.weight,
+                sheddable=t.sheddable,
+            )
+            for name, t in cfg.tenants.items()
+            if t.rate_tokens_per_s is not None
+        }
 
     # -- reports ---------------------------------------------------------------------
     def report_router(self, report: dict[str, Any]) -> dict[str, Any]:
         report = _clean(report, ("inflight", "requests", "errors", "shed"), ("queue_wait_p95_ms",))
+        if report is not None and not isinstance(report.get("demand_tokens_per_s") or {}, dict):
+            report = None
         if report is None:  # malformed: dropped here, so it can never wedge a tick
             self.rejected_reports += 1
             return self._snapshot.to_dict()
-        self._routers.put(str(report.get("router_id", "?")), report)
+        router_id = str(report.get("router_id", "?"))
+        self._routers.put(router_id, report)
         requests = int(report.get("requests", 0))
         if requests:
             self._outcomes.append((self._clock(), requests, int(report.get("errors", 0))))
-        return self._snapshot.to_dict()
+        return {**self._snapshot.to_dict(), "leases": self.leases_for(router_id)}
+
+    def leases_for(self, router_id: str) -> dict[str, dict[str, float]]:
+        """This router's share of every tenant's global rate, by the routers' recent demand.
+
+        One quota across all routers: each tenant's effective rate (its own, shrunk for
+        sheddable tenants under degradation, plus idle capacity borrowed by weight at
+        level 0) is split among the routers reporting now, in proportion to the demand
+        each saw. A lease lapses after ``quota.lease_ttl_s``; a router without a live
+        lease falls back to 1/N of the tenant's rate (``policies.quota.lease_rate``).
+        """
+        if not self._quotas:
+            return {}
+        demand: dict[str, dict[str, float]] = {}  # tenant -> router -> tokens/s
+        for r in self._routers.fresh():
+            for tenant, rate in (r.get("demand_tokens_per_s") or {}).items():
+                if tenant in self._quotas:
+                    demand.setdefault(tenant, {})[str(r.get("router_id"))] = max(0.0, float(rate))
+        routers = {str(r.get("router_id")) for r in self._routers.fresh()} | {router_id}
+        totals = {t: sum(demand.get(t, {}).values()) for t in self._quotas}
+        q = self.cfg.quota
+        rates = effective_rates(self._quotas, totals, self._snapshot.level, tuple(q.level_factors))
+        expires = self._wall() + q.lease_ttl_s
+        leases: dict[str, dict[str, float]] = {}
+        for tenant, quota in self._quotas.items():
+            shares = apportion(rates[tenant], {r: demand.get(tenant, {}).get(r, 0.0) for r in routers}, q.min_share_ratio)
+            share = shares.get(router_id, 0.0)
+            ratio = share / rates[tenant] if rates[tenant] > 0 else 0.0
+            leases[tenant] = {
+                "rate_tokens_per_s": share,
+                "burst_tokens": quota.burst_tokens * ratio,
+                "expires_at_s": expires,
+            }
+        return leases
 
     def report_replica(self, report: dict[str, Any]) -> dict[str, Any]:
         report = _clean(report, ("queued", "running"), ("queue_wait_p95_ms", "gpu_util_pct", "vram_pct"))

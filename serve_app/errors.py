@@ -75,6 +75,12 @@ class KillSwitchActive(BallastError):
     status, code = 503, "KILL_SWITCH"
 
 
+class QuotaExceeded(BallastError):
+    """The tenant's token bucket cannot pay for this request now (Retry-After from the bucket)."""
+
+    status, code = 429, "QUOTA_EXCEEDED"
+
+
 class ConcurrencyLimited(BallastError):
     status, code = 429, "CONCURRENCY_LIMIT"
 

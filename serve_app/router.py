@@ -38,6 +38,7 @@ from policies import killswitch
 from policies.admission import admit, clamp_max_tokens
 from policies.breaker import BreakerEvent
 from policies.criticality import DEFAULT_CRITICALITY, Criticality
+from policies.quota import Lease, TokenBucket, lease_rate
 
 from .config import KeyStore, load_config
 from .controller import ROUTER_DEPLOYMENT, ControllerLink
@@ -45,6 +46,7 @@ from .errors import (
     BallastError,
     ChaosDisabled,
     ConcurrencyLimited,
+    QuotaExceeded,
     ControllerUnavailable,
     DeadlineExceeded,
     Forbidden,
@@ -184,13 +186,24 @@ class Router:
         self._exchange = SnapshotExchange(
             self._cache,
             call=lambda report: self._link.call("report_router", report),
-            make_report=lambda: {"router_id": self._router_id, **self._stats.drain()},
+            make_report=lambda: {"router_id": self._router_id, **self._stats.drain(), **self._drain_demand()},
             interval_s=c.report_interval_s,
             timeout_s=c.call_timeout_s,
             on_snapshot=self._on_snapshot,
+            on_reply=self._on_reply,
         )
         self._kill_switches: list[killswitch.KillSwitchEntry] = []
         self._tenant_inflight: dict[str, int] = {}  # keys: configured tenants only (bounded)
+        # Token quotas: one bucket per tenant with a rate, its rate from the controller's
+        # lease for this router, or the safe share (1/N) when the lease has lapsed.
+        self._buckets = {
+            name: TokenBucket(t.rate_tokens_per_s, t.burst)
+            for name, t in self._cfg.tenants.items()
+            if t.rate_tokens_per_s is not None
+        }
+        self._leases: dict[str, Lease] = {}
+        self._demand_tokens: dict[str, float] = {}
+        self._demand_since = time.monotonic()
         r = self._cfg.resilience
         self._idem = IdempotencyStore(r.idempotency.ttl_s, r.idempotency.max_entries)
         self._model_max_tokens = self._cfg.model.architecture.max_seq_len - 1
@@ -217,6 +230,12 @@ class Router:
         self._m_deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")
         self._m_replays = metrics.Counter("ballast_idempotent_replays_total", "Answers replayed for an Idempotency-Key.")
         self._m_kill = metrics.Gauge("ballast_kill_switch_active", "Active kill switch entries.")
+        self._m_tenant_tokens = metrics.Counter(
+            "ballast_tenant_tokens_total", "Tokens charged to a tenant (prompt + generated).", tag_keys=("tenant",)
+        )
+        self._m_tenant_rate = metrics.Gauge(
+            "ballast_tenant_rate_tokens_per_s", "A tenant's token rate at this router (its share).", tag_keys=("tenant",)
+        )
         self._caller = ResilientCaller(
             self._cfg,
             model,
@@ -235,6 +254,35 @@ class Router:
         if int(event.to_state) == 1:
             self._m_trips.inc(tags={"backend": event.backend})
         log.warning("breaker %s: %s -> %s (%s)", event.backend, event.from_state.name, event.to_state.name, event.reason)
+
+    def _on_reply(self, raw: dict[str, Any]) -> None:
+        """Leases for this router; stamped on this router's clock (monotonic clocks differ)."""
+        expires = time.monotonic() + self._cfg.quota.lease_ttl_s
+        for tenant, lease in (raw.get("leases") or {}).items():
+            if tenant in self._buckets:
+                self._leases[tenant] = Lease(
+                    tenant, float(lease["rate_tokens_per_s"]), max(1.0, float(lease["burst_tokens"])), expires
+                )
+
+    def _drain_demand(self) -> dict[str, Any]:
+        now = time.monotonic()
+        elapsed = max(1e-3, now - self._demand_since)
+        rates = {t: tokens / elapsed for t, tokens in self._demand_tokens.items()}
+        self._demand_tokens, self._demand_since = {}, now
+        return {"demand_tokens_per_s": rates}
+
+    def _bucket(self, tenant: str) -> Optional[TokenBucket]:
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            return None
+        t = self._cfg.tenants[tenant]
+        snap = self._cache.snapshot
+        n_routers = (snap.running_replicas.get(ROUTER_DEPLOYMENT) if snap else None) or self._cfg.deployments.router.num_replicas
+        rate, burst, _ = lease_rate(self._leases.get(tenant), time.monotonic(), t.rate_tokens_per_s, t.burst, n_routers)
+        if rate != bucket.rate_tokens_per_s or burst != bucket.burst_tokens:
+            bucket.set_rate(rate, burst)
+            self._m_tenant_rate.set(rate, tags={"tenant": tenant})
+        return bucket
 
     def _on_snapshot(self, snap: Snapshot) -> None:
         entries = []
@@ -379,6 +427,11 @@ class Router:
             "breakers": {b.role: b.breaker.snapshot() for b in self._caller.backends},
             "retry_budget": self._caller.budget.snapshot(),
             "kill_switches": [e.to_dict() for e in self._kill_switches],
+            "quotas": {
+                t: {"rate_tokens_per_s": b.rate_tokens_per_s, "burst_tokens": b.burst_tokens, "tokens": round(b.tokens, 1),
+                    "lease": t in self._leases and self._leases[t].expires_at_s > time.monotonic()}
+                for t, b in self._buckets.items()
+            },
             "chaos": snap.chaos if snap else {},
         }
 
@@ -389,6 +442,10 @@ class Router:
         tenant = self._tenant(request)
         deadline_s = started + self._deadline_s(request)
         req = self._parse(await self._read_body(request))
+        tenant_cfg = self._cfg.tenants[tenant]
+        lowered = req.criticality.rank < tenant_cfg.max_criticality.rank
+        if lowered:  # a claim above what the tenant may claim is lowered, and the answer says so
+            req = req.model_copy(update={"criticality": tenant_cfg.max_criticality})
         crit = req.criticality.value
         now_wall = time.time()
         blocked = killswitch.blocking(self._kill_switches, now_wall, tenant, crit)
@@ -407,27 +464,42 @@ class Router:
             raise Overloaded(
                 f"degradation level {eff.level} does not admit criticality '{crit}'", decision.retry_after_s
             )
-        if self._tenant_inflight.get(tenant, 0) >= self._cfg.resilience.bulkhead.per_tenant:
+        cap = tenant_cfg.max_concurrent or self._cfg.resilience.bulkhead.per_tenant
+        if self._tenant_inflight.get(tenant, 0) >= cap:
             self._count(tenant, crit, "CONCURRENCY_LIMIT")
-            raise ConcurrencyLimited(
-                f"tenant '{tenant}' has {self._cfg.resilience.bulkhead.per_tenant} requests in flight", retry_after_s=1.0
-            )
+            raise ConcurrencyLimited(f"tenant '{tenant}' has {cap} requests in flight", retry_after_s=1.0)
         max_tokens, _ = clamp_max_tokens(req.max_tokens, eff.constraints, self._model_max_tokens)
+        # Quota: charge the estimate (prompt + max_tokens) now, settle at the end.
+        prompt_tokens = min(len(req.prompt.encode("utf-8")), self._model_max_tokens)
+        cost = prompt_tokens + max_tokens
+        bucket = self._bucket(tenant)
+        if bucket is not None:
+            self._demand_tokens[tenant] = self._demand_tokens.get(tenant, 0.0) + cost
+            if not bucket.try_charge(cost):
+                self._count(tenant, crit, "QUOTA_EXCEEDED")
+                raise QuotaExceeded(
+                    f"tenant '{tenant}' is over its quota of {self._cfg.tenants[tenant].rate_tokens_per_s:g} tokens/s",
+                    retry_after_s=min(bucket.retry_after_s(cost), 3600.0),
+                )
         # Clamped by the level is degradation; clamped by the model's context is not.
         reasons = ["max_tokens_clamped"] if eff.constraints.max_tokens < min(req.max_tokens, self._model_max_tokens) else []
+        if lowered:
+            reasons.append("criticality_lowered")
         if req.stream and not eff.constraints.streaming:
             reasons.append("streaming_disabled")
         meta = {
             "model": self._cfg.model.name,
+            "criticality": crit,
             "degradation_level": eff.level,
             "degraded": bool(reasons),
             "degraded_reasons": reasons,
             "max_tokens": max_tokens,
         }
         call = {"prompt": req.prompt, "max_tokens": max_tokens}
+        settle = self._settlement(tenant, bucket, cost, prompt_tokens)
         if req.stream and eff.constraints.streaming:
             return StreamingResponse(
-                self._stream(call, meta, tenant, crit, started, deadline_s),
+                self._stream(call, meta, tenant, crit, started, deadline_s, settle),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -442,6 +514,7 @@ class Router:
             return body
 
         self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
+        generated: Optional[int] = None
         try:
             if key is None:
                 body, replayed = await work(), False
@@ -449,8 +522,11 @@ class Router:
                 body, replayed = await self._idem.run(tenant, key, work)
                 if replayed:
                     self._m_replays.inc()
+            if not replayed:  # a replay did no model work: it costs nothing
+                generated = body["tokens_generated"]
         finally:
             self._tenant_inflight[tenant] -= 1
+            settle(generated)
         fallback = body["fallback"]
         headers = {"X-Ballast-Fallback": fallback or "none"}
         if replayed:
@@ -460,6 +536,21 @@ class Router:
             events = _sse("token", {"text": body["text"], "tokens": body["tokens_generated"]}) + _sse("done", done)
             return Response(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(body, headers=headers)
+
+    def _settlement(self, tenant: str, bucket: Optional[TokenBucket], cost: int, prompt_tokens: int):
+        """The quota's end of a request: refund what was charged but not used."""
+
+        def settle(generated_tokens: Optional[int]) -> None:
+            # None: no model work was done for this request (failed, or an idempotent replay).
+            actual_tokens = 0 if generated_tokens is None else prompt_tokens + generated_tokens
+            if bucket is not None and actual_tokens < cost:
+                bucket.refund(cost - actual_tokens)
+            elif bucket is not None and actual_tokens > cost:
+                bucket.charge_extra(actual_tokens - cost)
+            if actual_tokens:
+                self._m_tenant_tokens.inc(actual_tokens, tags={"tenant": tenant})
+
+        return settle
 
     # -- admin: kill switch and chaos ------------------------------------------------
     def _operator(self, request: Request) -> str:
@@ -545,7 +636,14 @@ class Router:
         return result, fallback
 
     async def _stream(
-        self, call: dict[str, Any], meta: dict[str, Any], tenant: str, crit: str, started: float, deadline_s: float
+        self,
+        call: dict[str, Any],
+        meta: dict[str, Any],
+        tenant: str,
+        crit: str,
+        started: float,
+        deadline_s: float,
+        settle: Any,
     ) -> AsyncGenerator[bytes, None]:
         self._stats.inflight += 1
         self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
@@ -572,6 +670,7 @@ class Router:
         finally:
             self._stats.inflight -= 1
             self._tenant_inflight[tenant] -= 1
+            settle(tokens if tokens else None)
             self._finish(tenant, crit, code, started, error=error)
 
 

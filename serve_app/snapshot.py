@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Awaitable, Callable, Optional
 
 from policies.degradation import DegradationConfig, LevelConstraints, conservative_level
@@ -48,7 +48,9 @@ class Snapshot:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Snapshot":
-        return cls(**d)
+        # Unknown keys are ignored: a newer controller (rolling upgrade) may add fields,
+        # and replies may carry per-sender extras next to the snapshot (router leases).
+        return cls(**{k: v for k, v in d.items() if k in _SNAPSHOT_FIELDS})
 
     def is_newer_than(self, other: "Optional[Snapshot]") -> bool:
         if other is None:
@@ -56,6 +58,9 @@ class Snapshot:
         if other.epoch != self.epoch:  # a restarted controller: its versions start over
             return self.created_at_s >= other.created_at_s
         return self.version > other.version
+
+
+_SNAPSHOT_FIELDS = frozenset(f.name for f in fields(Snapshot))
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,7 @@ class SnapshotExchange:
         interval_s: float,
         timeout_s: float,
         on_snapshot: Optional[Callable[[Snapshot], None]] = None,
+        on_reply: Optional[Callable[[dict[str, Any]], None]] = None,
     ):
         self._cache = cache
         self._call = call
@@ -137,6 +143,7 @@ class SnapshotExchange:
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._on_snapshot = on_snapshot
+        self._on_reply = on_reply  # sees every reply, for per-sender extras (leases)
         self._task: Optional[asyncio.Task] = None
         self.failures = 0
 
@@ -159,6 +166,8 @@ class SnapshotExchange:
             snap = Snapshot.from_dict(raw)
             if self._cache.offer(snap) and self._on_snapshot is not None:
                 self._on_snapshot(snap)
+            if self._on_reply is not None:
+                self._on_reply(raw)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # any failure (dead controller, bad reply): keep the last snapshot

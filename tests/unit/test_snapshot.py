@@ -353,13 +353,20 @@ class TestSnapshotExchange:
     async def test_a_malformed_reply_counts_a_failure_and_keeps_the_old_snapshot(self) -> None:
         cache = make_cache(FakeWallClock(1000))
         good = snap(1, created_at_s=1000)
-        bad = {**snap(2, created_at_s=1000).to_dict(), "field_from_a_newer_controller": 1}
+        bad = {k: v for k, v in snap(2, created_at_s=1000).to_dict().items() if k != "version"}
         fake = FakeController([good.to_dict(), bad])
         ex = make_exchange(fake, cache, [])
         assert await ex.exchange_once() is True
         assert await ex.exchange_once() is False
         assert ex.failures == 1
         assert cache.snapshot == good
+
+    async def test_unknown_fields_from_a_newer_controller_are_ignored(self) -> None:
+        cache = make_cache(FakeWallClock(1000))
+        newer = {**snap(3, created_at_s=1000).to_dict(), "field_from_a_newer_controller": 1, "leases": {}}
+        ex = make_exchange(FakeController([newer]), cache, [])
+        assert await ex.exchange_once() is True
+        assert cache.snapshot.version == 3
 
     async def test_the_loop_survives_a_malformed_reply(self) -> None:
         cache = make_cache(FakeWallClock(1000))

@@ -1,0 +1,217 @@
+"""Client-side adaptive throttling (SRE book, "Handling Overload").
+
+A refusal is cheap for the server but not free: when a backend is refusing
+most of what it gets, clients that keep sending make it spend its capacity on
+saying no. Each client therefore tracks, over the last ``window_s`` (2 minutes
+in the book):
+
+* ``requests`` — attempts the application made, *including the ones this
+  client rejected locally* without sending them;
+* ``accepts`` — attempts the backend accepted (any answer that is not an
+  overload refusal: a model error is still the backend doing work),
+
+and rejects each new attempt locally with probability
+
+    p = max(0, (requests − K · accepts) / (requests + 1))
+
+Counting local rejections as requests is deliberate, if counter-intuitive: as
+the application's attempt rate rises above what the backend accepts, ``p``
+rises with it, and the rate actually sent settles near ``K × accepts``. With
+``K = 2`` the client keeps sending up to twice what is accepted, so the
+backend still sees enough traffic to show when it has recovered; a smaller K
+(down to 1) throttles harder, a larger one more loosely.
+
+Caveats kept from the book: the estimate needs traffic — a client that sends
+rarely learns slowly. A request still in flight counts as a request but not
+(yet) an accept; with latencies of seconds against a 2-minute window that is
+noise, and ``p`` stays 0 until requests exceed ``K × accepts`` anyway.
+
+The math is the pure ``reject_probability``; ``AdaptiveThrottle`` only counts,
+in a window of ``ceil(window_s / bucket_s)`` buckets at most (STYLE 4).
+
+Written by hand: no maintained Python library implements this (gRPC's
+Go/Java versions are internal to its RLS balancer), and this one needs an
+injected clock and rng so tests and the fleet simulator are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# window_s / bucket_s can land a hair above the integer it means (a window of
+# 3 × 0.1 s over 0.1 s buckets is 3.0000000000000004); without this tolerance
+# ceil() would keep one bucket more than the window holds.
+_EPSILON = 1e-9
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
+        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ThrottleConfig:
+    #: Send while requests < k × accepts; the book's default is 2.
+    k: float = 2.0
+    #: How far back requests and accepts are counted.
+    window_s: float = 120.0
+    #: Resolution of the window: counts are kept per bucket of this length.
+    bucket_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_positive("k", self.k)
+        # Below 1 the client would reject its own traffic while the backend
+        # accepts all of it (requests = accepts > k × accepts).
+        if self.k < 1:
+            raise ValueError(f"k: must be >= 1, got {self.k!r}")
+        _check_positive("window_s", self.window_s)
+        _check_positive("bucket_s", self.bucket_s)
+        if self.bucket_s > self.window_s:
+            raise ValueError(f"bucket_s: must be <= window_s ({self.window_s}), got {self.bucket_s!r}")
+
+    @property
+    def num_buckets(self) -> int:
+        """The most buckets the window ever holds: ceil(window_s / bucket_s)."""
+        return max(1, math.ceil(self.window_s / self.bucket_s - _EPSILON))
+
+
+def reject_probability(requests: int, accepts: int, k: float) -> float:
+    """max(0, (requests − k · accepts) / (requests + 1)); always in [0, 1)."""
+    if not _is_number(requests) or requests < 0:
+        raise ValueError(f"requests: must be a number >= 0, got {requests!r}")
+    if not _is_number(accepts) or accepts < 0:
+        raise ValueError(f"accepts: must be a number >= 0, got {accepts!r}")
+    _check_positive("k", k)
+    return max(0.0, (requests - k * accepts) / (requests + 1))
+
+
+class AdaptiveThrottle:
+    """The client side's counters and the local reject decision. See the module docstring.
+
+    Per call: ``should_send()``; if True, send; if the answer is anything but
+    an overload refusal, ``record_accept()``. Nothing is recorded for a
+    refusal: the attempt was already counted as a request.
+
+    Counts live in buckets of ``bucket_s`` (bucket index = floor(now / bucket_s));
+    a bucket is forgotten once it is ``num_buckets`` or more behind the current
+    one, so at most ``num_buckets`` buckets exist, created only when something
+    is counted. A clock that steps back counts into the newest bucket rather
+    than breaking the ascending order eviction relies on.
+
+    Not thread-safe: one event-loop thread, no awaits inside (as the breaker).
+    """
+
+    def __init__(
+        self,
+        cfg: ThrottleConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: Callable[[], float] | None = None,
+    ) -> None:
+        cfg = ThrottleConfig() if cfg is None else cfg
+        if not isinstance(cfg, ThrottleConfig):
+            raise ValueError(f"cfg: must be a ThrottleConfig, got {cfg!r}")
+        self._cfg = cfg
+        self._num_buckets = cfg.num_buckets
+        self._clock = clock
+        # A private generator: each client draws its own rejections (clients
+        # that rejected in lockstep would make the backend's load oscillate)
+        # without touching the global ``random`` state.
+        self._rng = rng if rng is not None else random.Random().random
+        # Each bucket: [index, requests, accepts]; indexes strictly ascending.
+        self._buckets: deque[list[int]] = deque()
+        self._requests = 0
+        self._accepts = 0
+        self._local_rejects_total = 0
+
+    @property
+    def config(self) -> ThrottleConfig:
+        return self._cfg
+
+    # ---- window
+
+    def _index(self, now_s: float) -> int:
+        return math.floor(now_s / self._cfg.bucket_s)
+
+    def _evict(self, index: int) -> None:
+        oldest_kept = index - self._num_buckets + 1
+        while self._buckets and self._buckets[0][0] < oldest_kept:
+            _, requests, accepts = self._buckets.popleft()
+            self._requests -= requests
+            self._accepts -= accepts
+
+    def _current_bucket(self) -> list[int]:
+        index = self._index(self._clock())
+        self._evict(index)
+        if self._buckets and self._buckets[-1][0] >= index:
+            return self._buckets[-1]
+        bucket = [index, 0, 0]
+        self._buckets.append(bucket)
+        return bucket
+
+    # ---- counters
+
+    @property
+    def requests(self) -> int:
+        """Attempts in the window, locally rejected ones included."""
+        self._evict(self._index(self._clock()))
+        return self._requests
+
+    @property
+    def accepts(self) -> int:
+        """Attempts the backend accepted, in the window."""
+        self._evict(self._index(self._clock()))
+        return self._accepts
+
+    @property
+    def local_rejects_total(self) -> int:
+        """Attempts rejected locally since creation (a lifetime counter, for metrics)."""
+        return self._local_rejects_total
+
+    @property
+    def bucket_count(self) -> int:
+        """Buckets held now; never more than ``config.num_buckets``."""
+        self._evict(self._index(self._clock()))
+        return len(self._buckets)
+
+    def probability(self) -> float:
+        """The probability the next ``should_send()`` rejects locally."""
+        self._evict(self._index(self._clock()))
+        return reject_probability(self._requests, self._accepts, self._cfg.k)
+
+    # ---- decisions
+
+    def should_send(self) -> bool:
+        """Count one attempt; return False to reject it locally (drawn with probability p).
+
+        ``p`` is computed from the window *before* this attempt is counted.
+        The rng is drawn only when ``p > 0``, so a healthy client costs no draw.
+        """
+        bucket = self._current_bucket()
+        p = reject_probability(self._requests, self._accepts, self._cfg.k)
+        bucket[1] += 1
+        self._requests += 1
+        if p > 0 and self._rng() < p:
+            self._local_rejects_total += 1
+            return False
+        return True
+
+    def record_accept(self) -> None:
+        """The backend accepted a sent attempt (any answer but an overload refusal)."""
+        bucket = self._current_bucket()
+        bucket[2] += 1
+        self._accepts += 1
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaptiveThrottle(requests={self._requests}, accepts={self._accepts}, "
+            f"local_rejects_total={self._local_rejects_total})"
+        )
