@@ -169,16 +169,18 @@ class ControllerCore:
         routers = {str(r.get("router_id")) for r in self._routers.fresh()} | {router_id}
         totals = {t: sum(demand.get(t, {}).values()) for t in self._quotas}
         q = self.cfg.quota
-        rates = effective_rates(self._quotas, totals, self._snapshot.level, tuple(q.level_factors))
+        rates = effective_rates(
+            self._quotas, totals, self._snapshot.level, tuple(q.level_factors), frozenset(q.lend_at_levels)
+        )
         expires = self._wall() + q.lease_ttl_s
         leases: dict[str, dict[str, float]] = {}
         for tenant, quota in self._quotas.items():
             shares = apportion(rates[tenant], {r: demand.get(tenant, {}).get(r, 0.0) for r in routers}, q.min_share_ratio)
-            share = shares.get(router_id, 0.0)
-            ratio = share / rates[tenant] if rates[tenant] > 0 else 0.0
+            # The rate follows demand; the burst is split evenly and stays put, because a
+            # bucket whose burst shrinks throws tokens away (and leases change every report).
             leases[tenant] = {
-                "rate_tokens_per_s": share,
-                "burst_tokens": quota.burst_tokens * ratio,
+                "rate_tokens_per_s": shares.get(router_id, 0.0),
+                "burst_tokens": quota.burst_tokens / len(routers),
                 "expires_at_s": expires,
             }
         return leases

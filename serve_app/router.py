@@ -196,8 +196,9 @@ class Router:
         self._tenant_inflight: dict[str, int] = {}  # keys: configured tenants only (bounded)
         # Token quotas: one bucket per tenant with a rate, its rate from the controller's
         # lease for this router, or the safe share (1/N) when the lease has lapsed.
+        n = self._cfg.deployments.router.num_replicas  # the safe share until a lease arrives
         self._buckets = {
-            name: TokenBucket(t.rate_tokens_per_s, t.burst)
+            name: TokenBucket(t.rate_tokens_per_s / n, t.burst / n)
             for name, t in self._cfg.tenants.items()
             if t.rate_tokens_per_s is not None
         }
