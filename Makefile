@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install serve stop test test-unit bench-router clean
+.PHONY: install serve stop test test-unit bench-router bench-fairness clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ test-unit: $(STAMP)
 ## Router overhead vs a plain Serve ingress on the same model deployment.
 bench-router: $(STAMP)
 	$(PY) -m loadtest.bench_router
+
+## Quiet tenant alone vs beside a noisy tenant at 10x its quota.
+bench-fairness: $(STAMP)
+	$(PY) -m loadtest.bench_fairness
 
 clean:
 	rm -rf $(VENV) .pytest_cache .run

@@ -1,0 +1,129 @@
+"""Fairness benchmark: a quiet tenant alone, then beside a noisy one at 10x its quota.
+
+Prints, from one run, the quiet tenant's success rate and p50/p99 latency alone and
+beside the noisy tenant, the noisy tenant's outcomes, and the quiet p99 ratio
+(target: beside / alone <= 1.2). Alternates alone/beside rounds so drift lands on
+both. Loopback only; bounded in time. Run: ``make bench-fairness``.
+"""
+
+import argparse
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+
+from loadtest.bench_router import BASE, PORT, _pct
+
+
+async def _quiet(c: httpx.AsyncClient, key: str, workers: int, duration_s: float) -> tuple[list[float], Counter]:
+    latencies: list[float] = []
+    codes: Counter = Counter()
+    stop = time.monotonic() + duration_s
+
+    async def worker() -> None:
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            r = await c.post("/v1/generate", headers={"Authorization": f"Bearer {key}"}, json={"prompt": "quiet tenant", "max_tokens": 16})
+            codes[r.status_code] += 1
+            if r.status_code == 200:
+                latencies.append((time.perf_counter() - t0) * 1000.0)
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return latencies, codes
+
+
+async def _noisy(c: httpx.AsyncClient, key: str, rate_per_s: float, duration_s: float) -> Counter:
+    codes: Counter = Counter()
+    t0 = time.monotonic()
+    tasks = []
+
+    async def one() -> None:
+        r = await c.post(
+            "/v1/generate",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"prompt": "n" * 28, "max_tokens": 32, "criticality": "sheddable_plus"},
+        )
+        codes[(r.status_code, r.json().get("error", {}).get("code", "OK"))] += 1
+
+    for i in range(int(rate_per_s * duration_s)):
+        await asyncio.sleep(max(0.0, t0 + i / rate_per_s - time.monotonic()))
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    return codes
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="cluster/local.yaml")
+    parser.add_argument("--quiet-tenant", default="gold")
+    parser.add_argument("--noisy-tenant", default="free")
+    parser.add_argument("--quiet-workers", type=int, default=2)
+    parser.add_argument("--noise-factor", type=float, default=10.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--round-s", type=float, default=10.0)
+    args = parser.parse_args(argv)
+
+    import ray
+
+    from serve_app.app import shutdown, start
+    from serve_app.config import load_config
+
+    cfg = load_config(args.config)
+    keys = {tenant: key for key, tenant in cfg.auth.demo_keys.items()}
+    quiet_key, noisy_key = keys[args.quiet_tenant], keys[args.noisy_tenant]
+    noisy_rate = cfg.tenants[args.noisy_tenant].rate_tokens_per_s
+    if noisy_rate is None:
+        raise SystemExit(f"tenant {args.noisy_tenant!r} has no token quota in {args.config}")
+    noisy_rps = args.noise_factor * noisy_rate / (28 + 32)
+
+    ray.init(include_dashboard=False, logging_level="ERROR")
+    results: dict[str, dict[str, Any]] = {k: {"lat": [], "codes": Counter()} for k in ("alone", "beside")}
+    noisy_codes: Counter = Counter()
+    try:
+        start(cfg, "127.0.0.1", PORT)
+
+        async def run() -> None:
+            limits = httpx.Limits(max_connections=400)
+            async with httpx.AsyncClient(base_url=BASE, timeout=60, limits=limits) as c:
+                await _quiet(c, quiet_key, args.quiet_workers, 3.0)  # warm-up
+                for rnd in range(args.rounds):
+                    for side in ("alone", "beside") if rnd % 2 == 0 else ("beside", "alone"):
+                        if side == "alone":
+                            lat, codes = await _quiet(c, quiet_key, args.quiet_workers, args.round_s)
+                        else:
+                            (lat, codes), noise = await asyncio.gather(
+                                _quiet(c, quiet_key, args.quiet_workers, args.round_s),
+                                _noisy(c, noisy_key, noisy_rps, args.round_s),
+                            )
+                            noisy_codes.update(noise)
+                        results[side]["lat"] += lat
+                        results[side]["codes"].update(codes)
+                        await asyncio.sleep(2.0)  # let the noisy tenant's bucket and the level settle
+
+        asyncio.run(run())
+    finally:
+        try:
+            shutdown(cfg)
+        finally:
+            ray.shutdown()
+
+    print(
+        f"\nfairness: quiet={args.quiet_tenant} ({args.quiet_workers} closed-loop workers), "
+        f"noisy={args.noisy_tenant} at {args.noise_factor:g}x its {noisy_rate:g} tokens/s "
+        f"({noisy_rps:.1f} req/s), {args.rounds}x{args.round_s:g}s per side"
+    )
+    print(f"{'quiet tenant':<14} {'n':>6} {'success':>8} {'p50 ms':>9} {'p99 ms':>9}")
+    for side, r in results.items():
+        total = sum(r["codes"].values())
+        ok = r["codes"][200] / total if total else float("nan")
+        print(f"{side:<14} {total:>6} {ok:>8.3f} {_pct(r['lat'], 0.5):>9.1f} {_pct(r['lat'], 0.99):>9.1f}")
+    print("noisy tenant outcomes: " + ", ".join(f"{s} {c}: {n}" for (s, c), n in sorted(noisy_codes.items())))
+    ratio = _pct(results["beside"]["lat"], 0.99) / _pct(results["alone"]["lat"], 0.99)
+    print(f"quiet p99 beside / alone: {ratio:.3f} (target <= 1.2)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
