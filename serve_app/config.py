@@ -286,6 +286,8 @@ class QuotaSettings(_Strict):
     level_factors: tuple[float, float, float, float, float] = (1.0, 0.75, 0.5, 0.25, 0.0)
     # Levels at which idle tenants' unused rate is lent to busy ones, by weight ([] = never).
     lend_at_levels: list[int] = Field(default_factory=lambda: [0])
+    # A tenant borrows at most this multiple of its own rate (so a small quota stays small).
+    max_borrow_ratio: float = Field(1.0, ge=0)
     # Every router keeps at least this fraction of an equal share (so it can admit a first request).
     min_share_ratio: float = Field(0.1, ge=0, le=1)
 

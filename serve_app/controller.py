@@ -167,8 +167,12 @@ class ControllerCore:
                 if tenant in self._quotas:
                     demand.setdefault(tenant, {})[str(r.get("router_id"))] = max(0.0, float(rate))
         routers = {str(r.get("router_id")) for r in self._routers.fresh()} | {router_id}
-        totals = {t: sum(demand.get(t, {}).values()) for t in self._quotas}
         q = self.cfg.quota
+        # Borrowing is capped: a tenant's demand counts only up to (1 + max_borrow_ratio) × its rate.
+        totals = {
+            t: min(sum(demand.get(t, {}).values()), quota.rate_tokens_per_s * (1.0 + q.max_borrow_ratio))
+            for t, quota in self._quotas.items()
+        }
         rates = effective_rates(
             self._quotas, totals, self._snapshot.level, tuple(q.level_factors), frozenset(q.lend_at_levels)
         )

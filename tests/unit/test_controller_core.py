@@ -468,3 +468,27 @@ def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
     first_down = desired.index(1)
     # Once down to 1 it stays there, although two replicas still report as running.
     assert desired[first_down:] == [1] * (40 - first_down)
+
+
+def test_leases_split_a_tenants_rate_by_demand_and_cap_borrowing():
+    from serve_app.config import load_config
+    from serve_app.controller import ControllerCore
+
+    cfg = load_config({
+        "tenants": {
+            "small": {"rate_tokens_per_s": 100, "burst_tokens": 200},
+            "big": {"rate_tokens_per_s": 10000, "burst_tokens": 10000},
+        },
+        "quota": {"lend_at_levels": [0], "max_borrow_ratio": 0.5, "min_share_ratio": 0.0},
+    })
+    t = [0.0]
+    core = ControllerCore(cfg, clock=lambda: t[0], wall_clock=lambda: 1000.0 + t[0])
+    base = {"inflight": 0, "requests": 0, "errors": 0, "shed": 0}
+    core.report_router({**base, "router_id": "a", "demand_tokens_per_s": {"small": 900.0}})
+    leases = core.report_router({**base, "router_id": "b", "demand_tokens_per_s": {"small": 300.0}})["leases"]
+    a = core.leases_for("a")
+    # big is idle and lends, but small borrows at most half its own rate: 150 in all,
+    # split 3:1 by the routers' demand; bursts split evenly.
+    assert a["small"]["rate_tokens_per_s"] + leases["small"]["rate_tokens_per_s"] == pytest.approx(150.0)
+    assert a["small"]["rate_tokens_per_s"] == pytest.approx(112.5)
+    assert a["small"]["burst_tokens"] == leases["small"]["burst_tokens"] == 100.0
