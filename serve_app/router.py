@@ -480,7 +480,8 @@ class Router:
                 self._count(tenant, crit, "QUOTA_EXCEEDED")
                 raise QuotaExceeded(
                     f"tenant '{tenant}' is over its quota of {self._cfg.tenants[tenant].rate_tokens_per_s:g} tokens/s",
-                    retry_after_s=min(bucket.retry_after_s(cost), 3600.0),
+                    # floor: the bucket may be a hair short, and "retry in 0 s" helps nobody
+                    retry_after_s=min(max(bucket.retry_after_s(cost), 0.01), 3600.0),
                 )
         # Clamped by the level is degradation; clamped by the model's context is not.
         reasons = ["max_tokens_clamped"] if eff.constraints.max_tokens < min(req.max_tokens, self._model_max_tokens) else []
