@@ -198,6 +198,15 @@ class ResilientCaller:
         reasons = ", ".join(f"{k}:{e}" for k, e in skipped if k != "kill_switch") or "no backend"
         return ModelUnavailable(f"no model backend could answer ({reasons})", retry_after_s=min(waits, default=1.0))
 
+    def _failed(self, b: Backend, permit: Permit, exc: BaseException, t0: float) -> str:
+        """Tell the breaker about a failed attempt (health failures count, load does not)."""
+        kind = classify(exc)
+        if kind in BREAKER_FAILURES:
+            b.breaker.record(permit, False, self._clock() - t0)
+        else:
+            b.breaker.release(permit)
+        return kind
+
     def _attempt_timeout(self, left_s: float) -> float:
         return max(0.001, min(self._cfg.resilience.attempt_timeout_s, left_s - DEADLINE_MARGIN_S))
 
@@ -266,11 +275,7 @@ class ResilientCaller:
                     raise
                 except Exception as exc:
                     response.cancel()
-                    kind = classify(exc)
-                    if kind in BREAKER_FAILURES:
-                        b.breaker.record(permit, False, self._clock() - t0)
-                    else:
-                        b.breaker.release(permit)
+                    kind = self._failed(b, permit, exc, t0)
                     if kind == "deadline_exceeded" or self._clock() >= deadline_s:
                         raise DeadlineExceeded("the request's deadline passed") from None
                     pause = backoff_s(attempt, self.retry_cfg, self._rng.random)
@@ -332,11 +337,7 @@ class ResilientCaller:
                 raise
             except Exception as exc:
                 gen.cancel()
-                kind = classify(exc)
-                if kind in BREAKER_FAILURES:
-                    b.breaker.record(permit, False, self._clock() - t0)
-                else:
-                    b.breaker.release(permit)
+                kind = self._failed(b, permit, exc, t0)
                 b.bulkhead.leave()
                 if kind == "deadline_exceeded":
                     raise DeadlineExceeded("the request's deadline passed") from None

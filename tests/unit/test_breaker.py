@@ -14,18 +14,9 @@ from policies.breaker import (
     Permit,
 )
 
+from fakes import FakeClock
+
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
-
-
-class FakeClock:
-    def __init__(self, now_s: int = 0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: int = 1) -> None:
-        self.now_s += seconds
 
 
 class FixedRandom(random.Random):

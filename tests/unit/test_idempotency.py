@@ -14,16 +14,7 @@ import pytest
 
 from serve_app.idempotency import IdempotencyStore
 
-
-class FakeClock:
-    def __init__(self, now_s: int = 0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: int = 1) -> None:
-        self.now_s += seconds
+from fakes import FakeClock
 
 
 class Counted:

@@ -17,16 +17,7 @@ from policies.quota import (
     lease_rate,
 )
 
-
-class FakeClock:
-    def __init__(self, now_s: int = 0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: int = 1) -> None:
-        self.now_s += seconds
+from fakes import FakeClock
 
 
 def bucket(rate: float = 10, burst: float = 50, initial: float | None = None) -> tuple[TokenBucket, FakeClock]:

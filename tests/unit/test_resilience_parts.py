@@ -18,16 +18,7 @@ from serve_app.chaos import InjectedFault
 from serve_app.errors import DeadlineExceeded, ModelUnavailable
 from serve_app.resilience import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
 
-
-class FakeClock:
-    def __init__(self, now_s: int = 0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: int = 1) -> None:
-        self.now_s += seconds
+from fakes import FakeClock
 
 
 # -- Bulkhead --------------------------------------------------------------------------

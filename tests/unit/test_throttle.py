@@ -9,16 +9,7 @@ import pytest
 
 from policies.throttle import AdaptiveThrottle, ThrottleConfig, reject_probability
 
-
-class FakeClock:
-    def __init__(self, now_s: int = 0) -> None:
-        self.now_s = now_s
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: int = 1) -> None:
-        self.now_s += seconds
+from fakes import FakeClock
 
 
 class Fixed:
