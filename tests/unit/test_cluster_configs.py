@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from serve_app.config import load_config
@@ -40,3 +41,19 @@ def test_chaos_is_on_locally_and_refused_in_production():
     assert load_config(prod).chaos.enabled is False
     with pytest.raises(ConfigError, match="chaos"):
         load_config({**prod, "chaos": {"enabled": True}})
+
+
+def test_cluster_yaml_passes_rays_own_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = yaml.safe_load((ROOT / "cluster/cluster.yaml").read_text())
+    validate_config(prepare_config(cfg))  # Ray's schema; raises on any unknown or malformed field
+    assert cfg["provider"]["type"] == "aws"
+    gpu = cfg["available_node_types"]["gpu_worker"]
+    assert gpu["min_workers"] >= 1 and gpu["max_workers"] >= gpu["min_workers"]
+    starts = cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+    assert sum("--metrics-export-port=8080" in c for c in starts) == 2  # a fixed port on every node
+    assert any("-c constraints.txt" in c for c in cfg["setup_commands"])
+    broken = {**cfg, "max_workerz": 3}
+    with pytest.raises(Exception, match="max_workerz"):
+        validate_config(prepare_config(broken))
