@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install serve stop test test-unit bench-router bench-fairness clean
+.PHONY: install tools serve stop test test-unit bench-router bench-fairness clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,14 @@ serve: $(STAMP)
 stop: $(STAMP)
 	$(PY) -m serve_app.cli stop
 
+## promtool (Debian's prometheus package) for the alert-rule tests; skipped where apt cannot run.
+tools:
+	@command -v promtool >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1; } || \
+	  echo "promtool unavailable: its tests will be skipped"
+
 ## The whole suite: unit tests, then integration tests against a real local Ray Serve.
-test: $(STAMP)
+test: $(STAMP) tools
 	$(PY) -m pytest -q tests
 
 test-unit: $(STAMP)

@@ -186,7 +186,7 @@ class Router:
         self._exchange = SnapshotExchange(
             self._cache,
             call=lambda report: self._link.call("report_router", report),
-            make_report=lambda: {"router_id": self._router_id, **self._stats.drain(), **self._drain_demand()},
+            make_report=self._report,
             interval_s=c.report_interval_s,
             timeout_s=c.call_timeout_s,
             on_snapshot=self._on_snapshot,
@@ -231,6 +231,9 @@ class Router:
         self._m_deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")
         self._m_replays = metrics.Counter("ballast_idempotent_replays_total", "Answers replayed for an Idempotency-Key.")
         self._m_kill = metrics.Gauge("ballast_kill_switch_active", "Active kill switch entries.")
+        self._m_snapshot_age = metrics.Gauge(
+            "ballast_snapshot_age_s", "Age of the controller snapshot this router acts on (-1: none yet)."
+        )
         self._m_tenant_tokens = metrics.Counter(
             "ballast_tenant_tokens_total", "Tokens charged to a tenant (prompt + generated).", tag_keys=("tenant",)
         )
@@ -264,6 +267,12 @@ class Router:
                 self._leases[tenant] = Lease(
                     tenant, float(lease["rate_tokens_per_s"]), max(1.0, float(lease["burst_tokens"])), expires
                 )
+
+    def _report(self) -> dict[str, Any]:
+        """Called once per report interval, whether or not the controller answers."""
+        age = self._cache.age_s()
+        self._m_snapshot_age.set(age if age is not None else -1.0)
+        return {"router_id": self._router_id, **self._stats.drain(), **self._drain_demand()}
 
     def _drain_demand(self) -> dict[str, Any]:
         now = time.monotonic()
