@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve stop test test-unit bench-router bench-fairness clean
+.PHONY: install tools serve stop test test-unit bench-router bench-fairness observe clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,3 +46,8 @@ bench-fairness: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .run
+
+## Prometheus scraping the local stack (run beside `make serve`); UI on http://127.0.0.1:9090.
+## Point a Grafana at it and load cluster/grafana (provisioning + dashboards).
+observe: tools
+	cd cluster/prometheus && prometheus --config.file=prometheus.yml --storage.tsdb.path=/tmp/ballast-prometheus --web.listen-address=127.0.0.1:9090

@@ -49,6 +49,11 @@ def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 0.
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``last`` run after all others (they read what the others left behind)."""
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+
+
 @pytest.fixture(scope="session")
 def ballast():
     import ray
@@ -57,7 +62,8 @@ def ballast():
     from serve_app.config import load_config
 
     cfg = load_config(test_config_dict())
-    ray.init(include_dashboard=False, logging_level="ERROR", num_cpus=4)
+    # The dashboard brings Ray's metrics agent, which the observability test scrapes.
+    ray.init(include_dashboard=True, logging_level="ERROR", num_cpus=4)
     try:
         start(cfg, "127.0.0.1", PORT)
         wait_until(lambda: _ready(), 120, 0.5, "/healthz/ready")

@@ -20,3 +20,13 @@ def test_every_config_field_is_documented():
         assert f"| `{name}` |" in text
     for name in ("resilience.breaker.open_duration_s", "tenants.<name>.rate_tokens_per_s", "degradation.levels[].admitted"):
         assert f"| `{name}` |" in text
+
+
+def test_committed_dashboards_match_the_code():
+    from serve_app.dashboards import OUT, render_all
+
+    rendered = render_all()
+    assert rendered
+    for name, text in rendered.items():
+        assert (OUT / name).read_text() == text, f"{name} is stale: run `python -m serve_app.dashboards`"
+    assert sorted(p.name for p in OUT.glob("*.json")) == sorted(rendered)
