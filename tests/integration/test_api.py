@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import ADMIN, FREE, GOLD, status
+from conftest import FREE, GOLD, status
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import pytest
 import ray
 from ray import serve
 
-from conftest import ADMIN, BASE, FREE, GOLD, status, wait_quiet, wait_until
+from conftest import BASE, FREE, GOLD, status, wait_quiet, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ state the test holds, not a race it hopes to win.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable
 
 import pytest
 
