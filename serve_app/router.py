@@ -250,8 +250,6 @@ class Router:
                 on_breaker_event=self._on_breaker_event,
             ),
         )
-        for b in self._caller.backends:
-            self._m_breaker.set(0, tags={"backend": b.role})
 
     def _on_breaker_event(self, event: BreakerEvent) -> None:
         self._m_breaker.set(int(event.to_state), tags={"backend": event.backend})
@@ -272,6 +270,12 @@ class Router:
         """Called once per report interval, whether or not the controller answers."""
         age = self._cache.age_s()
         self._m_snapshot_age.set(age if age is not None else -1.0)
+        # Gauges are re-set every interval, not only on change: a series Ray has not seen
+        # updated for a while may stop being exported.
+        for b in self._caller.backends:
+            self._m_breaker.set(int(b.breaker.state), tags={"backend": b.role})
+        self._m_kill.set(len(self._kill_switches))
+        self._m_level.set(self._cache.effective().level)
         return {"router_id": self._router_id, **self._stats.drain(), **self._drain_demand()}
 
     def _drain_demand(self) -> dict[str, Any]:

@@ -97,8 +97,16 @@ def test_every_panel_and_alert_finds_series(prometheus, client, ballast):
         time.sleep(0.2)
     wait_until(lambda: _query(prometheus, "count(ray_ballast_requests_total)")["result"], 60, 1, "ballast metrics scraped")
 
-    empty = [expr for expr in panel_queries() if not _query(prometheus, expr)["result"]]
-    assert not empty, f"panels whose query finds no series: {empty}"
+    def empty() -> list[str]:
+        return [expr for expr in panel_queries() if not _query(prometheus, expr)["result"]]
+
+    # Ray's agent exports every few seconds; give late series (fresh replicas) time to arrive.
+    missing = empty()
+    deadline = time.monotonic() + 45
+    while missing and time.monotonic() < deadline:
+        time.sleep(2)
+        missing = empty()
+    assert not missing, f"panels whose query finds no series: {missing}"
 
     rules = yaml.safe_load((ROOT / "cluster/prometheus/alerts.yml").read_text())
     for rule in (r for g in rules["groups"] for r in g["rules"]):
