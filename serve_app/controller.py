@@ -35,7 +35,7 @@ from policies.autoscale import AutoscaleSample, AutoscaleState
 from policies.degradation import DegradationState, LoadSignals
 
 from .config import BallastConfig, load_config
-from .snapshot import Snapshot
+from .snapshot import Snapshot, SnapshotCache, SnapshotExchange
 
 log = logging.getLogger("ballast.controller")
 
@@ -483,3 +483,26 @@ class ControllerLink:
 
     def _get_or_create(self) -> "ray.actor.ActorHandle":
         return lookup_controller(self._cfg) or ensure_controller(self._cfg)
+
+
+def connect(
+    cfg: BallastConfig,
+    report_method: str,
+    make_report: Callable[[], dict[str, Any]],
+    on_snapshot: Optional[Callable[[Snapshot], None]] = None,
+    on_reply: Optional[Callable[[dict[str, Any]], None]] = None,
+) -> tuple[ControllerLink, SnapshotCache, SnapshotExchange]:
+    """What every router and replica holds: the link, the fail-static cache, the report loop."""
+    c = cfg.controller
+    link = ControllerLink(cfg)
+    cache = SnapshotCache(cfg.degradation_config(), c.snapshot_stale_s, c.snapshot_max_stale_s, c.fail_static_level)
+    exchange = SnapshotExchange(
+        cache,
+        call=lambda report: link.call(report_method, report),
+        make_report=make_report,
+        interval_s=c.report_interval_s,
+        timeout_s=c.call_timeout_s,
+        on_snapshot=on_snapshot,
+        on_reply=on_reply,
+    )
+    return link, cache, exchange

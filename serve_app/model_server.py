@@ -30,10 +30,10 @@ from policies.admission import clamp_max_tokens
 from .backends import BackendSpec, TinyDecoderConfig, load_backend
 from .chaos import ChaosAgent
 from .config import BallastConfig, ModelConfig, load_config
-from .controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ControllerLink
+from .controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
 from .errors import DeadlineExceeded
 from .gpu import make_gpu_probe
-from .snapshot import Snapshot, SnapshotCache, SnapshotExchange
+from .snapshot import Snapshot
 
 log = logging.getLogger("ballast.model")
 
@@ -88,18 +88,8 @@ class ModelServer:
         self._backend.warmup()
         self._gpu = make_gpu_probe(self._backend.device)
         self._model_max_tokens = self._backend.max_seq_len - 1
-        c = self._cfg.controller
-        self._cache = SnapshotCache(
-            self._cfg.degradation_config(), c.snapshot_stale_s, c.snapshot_max_stale_s, c.fail_static_level
-        )
-        self._link = ControllerLink(self._cfg)
-        self._exchange = SnapshotExchange(
-            self._cache,
-            call=lambda report: self._link.call("report_replica", report),
-            make_report=self._report,
-            interval_s=c.report_interval_s,
-            timeout_s=c.call_timeout_s,
-            on_snapshot=self._apply_snapshot,
+        self._link, self._cache, self._exchange = connect(
+            self._cfg, "report_replica", self._report, on_snapshot=self._apply_snapshot
         )
         try:
             self._replica_id = serve.get_replica_context().replica_id.unique_id

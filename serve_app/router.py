@@ -41,7 +41,7 @@ from policies.criticality import DEFAULT_CRITICALITY, Criticality
 from policies.quota import Lease, TokenBucket, lease_rate
 
 from .config import KeyStore, load_config
-from .controller import ROUTER_DEPLOYMENT, ControllerLink
+from .controller import ROUTER_DEPLOYMENT, connect
 from .errors import (
     BallastError,
     ChaosDisabled,
@@ -59,7 +59,7 @@ from .errors import (
 )
 from .idempotency import IdempotencyStore
 from .resilience import CallHooks, ResilientCaller
-from .snapshot import Snapshot, SnapshotCache, SnapshotExchange
+from .snapshot import Snapshot
 
 log = logging.getLogger("ballast.router")
 
@@ -176,21 +176,10 @@ class Router:
         self._cfg = load_config(cfg)
         self._keys = KeyStore.from_config(self._cfg)
         self._model = model
-        c = self._cfg.controller
-        self._cache = SnapshotCache(
-            self._cfg.degradation_config(), c.snapshot_stale_s, c.snapshot_max_stale_s, c.fail_static_level
-        )
         self._stats = _Stats()
         self._router_id = f"router-{uuid.uuid4().hex[:8]}"
-        self._link = ControllerLink(self._cfg)
-        self._exchange = SnapshotExchange(
-            self._cache,
-            call=lambda report: self._link.call("report_router", report),
-            make_report=self._report,
-            interval_s=c.report_interval_s,
-            timeout_s=c.call_timeout_s,
-            on_snapshot=self._on_snapshot,
-            on_reply=self._on_reply,
+        self._link, self._cache, self._exchange = connect(
+            self._cfg, "report_router", self._report, on_snapshot=self._on_snapshot, on_reply=self._on_reply
         )
         self._kill_switches: list[killswitch.KillSwitchEntry] = []
         self._tenant_inflight: dict[str, int] = {}  # keys: configured tenants only (bounded)
