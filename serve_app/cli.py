@@ -1,5 +1,6 @@
-"""``python -m serve_app.cli serve|stop|kill-switch``: the local stack behind ``make serve`` / ``make stop``,
-and the operator's kill switch (``ballast kill-switch set|list|clear``, over the admin API).
+"""``ballast`` (``python -m serve_app.cli``): the local stack behind ``make serve`` / ``make stop``,
+and the operator's commands over the admin API: ``status``, ``tenants``,
+``kill-switch on|off|list``, ``chaos on|off`` (admin token from ``$BALLAST_ADMIN_TOKEN``).
 
 ``serve`` starts a local Ray inside this process, the controller actor and the app,
 waits until ``/healthz/ready`` answers, prints the URL and a curl example, and stays
@@ -16,7 +17,11 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Optional
+
+import typer
 
 PIDFILE = Path(".run/ballast.pid")
 
@@ -109,64 +114,145 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 1
 
 
-def _admin(args: argparse.Namespace):
-    """An httpx client for the admin API of the running stack (URL from .run/ballast.pid)."""
+# -- the operator's commands: they talk to the admin API of a running stack -------------
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Ballast: run the local stack, operate a running one.")
+ks_app = typer.Typer(no_args_is_help=True, help="Kill switches: refuse traffic by scope, with a reason and an expiry.")
+chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection (only where the config enables chaos).")
+app.add_typer(ks_app, name="kill-switch")
+app.add_typer(chaos_app, name="chaos")
+
+
+@dataclass
+class _Target:
+    url: Optional[str]
+    token: Optional[str]
+    operator: str
+
+
+@app.callback()
+def _options(
+    ctx: typer.Context,
+    url: Optional[str] = typer.Option(None, help="Ballast's URL (default: the stack `make serve` started, else :8000)"),
+    token: Optional[str] = typer.Option(None, help="admin token (default: $BALLAST_ADMIN_TOKEN)"),
+    operator: str = typer.Option(os.environ.get("USER", "cli"), help="recorded in the audit trail"),
+) -> None:
+    ctx.obj = _Target(url, token, operator)
+
+
+def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict] = None, show: bool = True) -> Any:
+    """One admin request; clear errors when the server is unreachable or the token is refused."""
     import httpx
 
-    url = args.url
+    t: _Target = ctx.obj
+    url = t.url
     if url is None:
         try:
             url = json.loads(PIDFILE.read_text())["url"]
         except (OSError, ValueError, KeyError):
             url = "http://127.0.0.1:8000"
-    token = args.token or os.environ.get("BALLAST_ADMIN_TOKEN")
+    token = t.token or os.environ.get("BALLAST_ADMIN_TOKEN")
     if not token:
-        raise SystemExit("set BALLAST_ADMIN_TOKEN (or --token) to the admin token")
-    headers = {"Authorization": f"Bearer {token}", "X-Ballast-Operator": args.operator}
-    return httpx.Client(base_url=url, headers=headers, timeout=10)
+        typer.echo("set BALLAST_ADMIN_TOKEN (or --token) to the admin token", err=True)
+        raise typer.Exit(2)
+    headers = {"Authorization": f"Bearer {token}", "X-Ballast-Operator": t.operator}
+    try:
+        r = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=10)
+    except httpx.HTTPError as e:
+        typer.echo(f"cannot reach Ballast at {url}: {e}", err=True)
+        raise typer.Exit(2) from None
+    if r.status_code in (401, 403):
+        typer.echo(f"the admin token was refused ({r.status_code}): {r.text}", err=True)
+        raise typer.Exit(1)
+    if show or r.status_code >= 400:
+        typer.echo(json.dumps(r.json(), indent=2))
+    if r.status_code >= 400:
+        raise typer.Exit(1)
+    return r.json()
 
 
-def _show(r) -> int:
-    print(json.dumps(r.json(), indent=2))
-    return 0 if r.status_code < 400 else 1
+@app.command()
+def serve(
+    config: str = typer.Option("cluster/local.yaml", help="the Ballast config (YAML)"),
+    dashboard: bool = typer.Option(True, help="start the Ray dashboard (and its metrics agent)"),
+) -> None:
+    """Run the local stack in the foreground (embedded Ray); Ctrl-C stops it."""
+    raise typer.Exit(cmd_serve(argparse.Namespace(config=config, dashboard=dashboard)))
 
 
-def cmd_kill_switch(args: argparse.Namespace) -> int:
-    with _admin(args) as c:
-        if args.action == "set":
-            body = {"scope": args.scope, "value": args.value, "reason": args.reason, "expires_in_s": args.expires_in_s}
-            return _show(c.post("/admin/kill-switch", json=body))
-        if args.action == "list":
-            return _show(c.get("/admin/kill-switch"))
-        return _show(c.delete(f"/admin/kill-switch/{args.id}"))
+@app.command()
+def stop(timeout_s: float = typer.Option(60.0, help="how long to wait for it to exit")) -> None:
+    """Stop the stack `ballast serve` / `make serve` started here."""
+    raise typer.Exit(cmd_stop(argparse.Namespace(timeout_s=timeout_s)))
+
+
+@app.command()
+def status(ctx: typer.Context) -> None:
+    """Degradation level and its inputs, replicas, breakers, quotas, kill switches."""
+    _admin_call(ctx, "GET", "/v1/status")
+
+
+@app.command()
+def tenants(ctx: typer.Context) -> None:
+    """Each tenant's token rate at the answering router, its bucket and whether a lease backs it."""
+    typer.echo(json.dumps(_admin_call(ctx, "GET", "/v1/status", show=False)["quotas"], indent=2))
+
+
+@ks_app.command("on")
+def kill_switch_on(
+    ctx: typer.Context,
+    scope: str = typer.Option(..., help="global | tenant | model | criticality"),
+    reason: str = typer.Option(..., help="why (shown to refused clients)"),
+    expires_in_s: int = typer.Option(..., help="mandatory expiry"),
+    value: Optional[str] = typer.Option(None, help="the tenant, model or criticality (none for global)"),
+) -> None:
+    """Set a kill switch."""
+    _admin_call(ctx, "POST", "/admin/kill-switch", {"scope": scope, "value": value, "reason": reason, "expires_in_s": expires_in_s})
+
+
+@ks_app.command("off")
+def kill_switch_off(ctx: typer.Context, entry_id: str = typer.Argument(..., help="the id `on` printed")) -> None:
+    """Lift a kill switch."""
+    _admin_call(ctx, "DELETE", f"/admin/kill-switch/{entry_id}")
+
+
+@ks_app.command("list")
+def kill_switch_list(ctx: typer.Context) -> None:
+    """Active kill switches and the audit trail."""
+    _admin_call(ctx, "GET", "/admin/kill-switch")
+
+
+@chaos_app.command("on")
+def chaos_on(
+    ctx: typer.Context,
+    target: str = typer.Option("primary", help="primary | fallback"),
+    error_ratio: float = typer.Option(0.0),
+    latency_ms: int = typer.Option(0),
+    hang: bool = typer.Option(False),
+    leak_mb_per_s: float = typer.Option(0.0),
+) -> None:
+    """Inject faults into every replica of a model deployment."""
+    body = {"target": target, "error_ratio": error_ratio, "latency_ms": latency_ms, "hang": hang, "leak_mb_per_s": leak_mb_per_s}
+    _admin_call(ctx, "POST", "/admin/chaos", body)
+
+
+@chaos_app.command("off")
+def chaos_off(ctx: typer.Context) -> None:
+    """Lift all injected faults."""
+    _admin_call(ctx, "DELETE", "/admin/chaos")
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    parser = argparse.ArgumentParser(prog="ballast")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p_serve = sub.add_parser("serve", help="run the local stack in the foreground")
-    p_serve.add_argument("--config", default="cluster/local.yaml")
-    p_serve.add_argument("--dashboard", action=argparse.BooleanOptionalAction, default=True)
-    p_serve.set_defaults(func=cmd_serve)
-    p_stop = sub.add_parser("stop", help="stop the stack started by `serve`")
-    p_stop.add_argument("--timeout-s", type=float, default=60.0)
-    p_stop.set_defaults(func=cmd_stop)
-    p_ks = sub.add_parser("kill-switch", help="set, list or clear kill switches on the running stack")
-    p_ks.add_argument("--url", default=None, help="default: the stack `make serve` started")
-    p_ks.add_argument("--token", default=None, help="admin token (default: $BALLAST_ADMIN_TOKEN)")
-    p_ks.add_argument("--operator", default=os.environ.get("USER", "cli"), help="recorded as set_by")
-    ks_sub = p_ks.add_subparsers(dest="action", required=True)
-    ks_set = ks_sub.add_parser("set")
-    ks_set.add_argument("--scope", required=True, choices=["global", "tenant", "model", "criticality"])
-    ks_set.add_argument("--value", default=None)
-    ks_set.add_argument("--reason", required=True)
-    ks_set.add_argument("--expires-in-s", type=int, required=True)
-    ks_sub.add_parser("list")
-    ks_clear = ks_sub.add_parser("clear")
-    ks_clear.add_argument("id")
-    p_ks.set_defaults(func=cmd_kill_switch)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    """Run the CLI; returns the exit code (tests call this directly)."""
+    import click
+
+    try:
+        result = typer.main.get_command(app).main(args=argv, prog_name="ballast", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

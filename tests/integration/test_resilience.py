@@ -297,17 +297,35 @@ def test_request_timeout_header_is_validated(client):
     assert r.status_code == 422 and r.json()["error"]["field"] == "X-Request-Timeout-Ms"
 
 
-def test_kill_switch_cli(client, capsys):
+def test_operator_cli(client, capsys):
+    import json
+
     from serve_app.cli import main
 
-    common = ["kill-switch", "--url", BASE, "--token", "dev-admin-token", "--operator", "cli-test"]
-    assert main([*common, "set", "--scope", "tenant", "--value", "free", "--reason", "cli", "--expires-in-s", "30"]) == 0
-    entry = __import__("json").loads(capsys.readouterr().out)
+    common = ["--url", BASE, "--token", "dev-admin-token", "--operator", "cli-test"]
+    assert main([*common, "kill-switch", "on", "--scope", "tenant", "--value", "free", "--reason", "cli", "--expires-in-s", "30"]) == 0
+    entry = json.loads(capsys.readouterr().out)
     assert entry["set_by"] == "cli-test" and entry["scope"] == "tenant"
     r = client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 2})
     assert r.json()["error"]["code"] == "KILL_SWITCH"
-    assert main([*common, "list"]) == 0
+    assert main([*common, "kill-switch", "list"]) == 0
     assert entry["id"] in capsys.readouterr().out
-    assert main([*common, "clear", entry["id"]]) == 0
-    assert main([*common, "clear", entry["id"]]) == 1  # already gone: 404
+    assert main([*common, "kill-switch", "off", entry["id"]]) == 0
+    assert main([*common, "kill-switch", "off", entry["id"]]) == 1  # already gone: 404
     assert client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    capsys.readouterr()
+
+    assert main([*common, "status"]) == 0
+    assert json.loads(capsys.readouterr().out)["level"] in range(5)
+    assert main([*common, "tenants"]) == 0
+    assert "noisy" in json.loads(capsys.readouterr().out)
+    assert main([*common, "chaos", "on", "--target", "fallback", "--latency-ms", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)["chaos"]["fallback"]["latency_ms"] == 5
+    assert main([*common, "chaos", "off"]) == 0
+    capsys.readouterr()
+
+    # clear errors: a wrong token, a server that is not there
+    assert main(["--url", BASE, "--token", "wrong", "status"]) == 1
+    assert "token was refused" in capsys.readouterr().err
+    assert main(["--url", "http://127.0.0.1:9", "--token", "x", "status"]) == 2
+    assert "cannot reach Ballast" in capsys.readouterr().err
