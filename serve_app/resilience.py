@@ -99,7 +99,13 @@ def classify(exc: BaseException) -> str:
     if isinstance(exc, RayTaskError):
         # Raised inside the replica (Ray re-raises it as a subclass of the cause's type,
         # so this comes first: a TimeoutError *in the model* is not our attempt timeout).
-        return "deadline_exceeded" if isinstance(exc.cause, DeadlineExceeded) else "model_error"
+        # Judge by the cause: a replica that died under the call is still a replica death.
+        cause = exc.cause
+        if isinstance(cause, DeadlineExceeded):
+            return "deadline_exceeded"
+        if isinstance(cause, (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)):
+            return "replica_died"
+        return "model_error"
     if isinstance(exc, asyncio.TimeoutError):
         return "attempt_timeout"
     if isinstance(exc, BackPressureError):

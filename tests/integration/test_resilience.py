@@ -189,6 +189,9 @@ def test_replica_killed_mid_traffic_fails_no_idempotent_request(client, ballast)
 
     responses = asyncio.run(run())
     assert [r.status_code for r in responses] == [200] * len(responses), [r.text for r in responses if r.status_code != 200]
+    budget = status(client)["retry_budget"]
+    print(f"\nreplica kill: retries granted {budget['retries_granted']}, denied {budget['retries_denied']}, "
+          f"fallbacks {sum(r.json()['fallback'] is not None for r in responses)}/{len(responses)}")
     wait_until(lambda: status(client)["replicas"]["BallastModel"]["running"] >= 1, 60, 0.5, "primary replaced")
 
 

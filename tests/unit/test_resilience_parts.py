@@ -265,3 +265,8 @@ def test_a_timeout_raised_inside_the_replica_is_a_model_error_not_our_attempt_ti
     wrapped = RayTaskError("generate", "traceback", TimeoutError("the model timed out")).as_instanceof_cause()
     assert isinstance(wrapped, TimeoutError)  # why the order in classify() matters
     assert classify(wrapped) == "model_error"
+
+
+def test_a_replica_death_wrapped_in_a_task_error_is_still_a_replica_death():
+    wrapped = RayTaskError("generate", "traceback", ActorDiedError())
+    assert classify(wrapped) == "replica_died"
