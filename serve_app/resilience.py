@@ -193,8 +193,17 @@ class ResilientCaller:
 
     # -- helpers ---------------------------------------------------------------------
     @staticmethod
-    def _killed(b: Backend, kill_switches: list, now_wall_s: float) -> Optional[killswitch.KillSwitchEntry]:
-        return killswitch.model_blocked(kill_switches, now_wall_s, b.model_name)
+    def _enter(b: Backend, kill_switches: list, now_wall_s: float, skipped: list[tuple[str, Any]]) -> bool:
+        """May this request use ``b``? Not if a model kill switch covers it or its bulkhead is
+        full (then ``skipped`` says why); True means a bulkhead slot is now held."""
+        entry = killswitch.model_blocked(kill_switches, now_wall_s, b.model_name)
+        if entry is not None:
+            skipped.append(("kill_switch", entry))
+            return False
+        if not b.bulkhead.try_enter():
+            skipped.append(("bulkhead_full", b.role))
+            return False
+        return True
 
     def _unavailable(self, skipped: list[tuple[str, Any]]) -> BallastError:
         kills = [e for kind, e in skipped if kind == "kill_switch"]
@@ -228,12 +237,7 @@ class ResilientCaller:
         skipped: list[tuple[str, Any]] = []
         try:
             for b in self.backends:
-                entry = self._killed(b, kill_switches, now_wall_s)
-                if entry is not None:
-                    skipped.append(("kill_switch", entry))
-                    continue
-                if not b.bulkhead.try_enter():
-                    skipped.append(("bulkhead_full", b.role))
+                if not self._enter(b, kill_switches, now_wall_s, skipped):
                     continue
                 try:
                     result = await self._attempts(b, call, deadline_s)
@@ -315,12 +319,7 @@ class ResilientCaller:
         """
         skipped: list[tuple[str, Any]] = []
         for b in self.backends:
-            entry = self._killed(b, kill_switches, now_wall_s)
-            if entry is not None:
-                skipped.append(("kill_switch", entry))
-                continue
-            if not b.bulkhead.try_enter():
-                skipped.append(("bulkhead_full", b.role))
+            if not self._enter(b, kill_switches, now_wall_s, skipped):
                 continue
             permit = b.breaker.allow()
             if permit is None:
