@@ -1,0 +1,389 @@
+"""Leak detection and the watchdog's action ladder (seed 000, memory watchdog).
+
+**Trend.** A replica that leaks fails hours later, all at once (OOM, fd limit).
+The watchdog samples rss/vram/threads/fds about once a second; this module
+turns each series into a trend and asks two questions: is the rise *credible*
+(a fit quality R² of at least ``r2_threshold``, 0.7 as in the seed) and *steep*
+(a slope at or above the series' ``slope_threshold_per_h``)? If so, it is a
+leak, and with a limit we can say when the replica will hit it.
+
+The seed fits ordinary least squares; we fit Theil–Sen (the median of all
+pairwise slopes) instead. Allocator memory is not a line plus white noise: the
+GC sawtooth (a slow ramp, a sudden drop) and a few huge transient spikes (one
+batch of long prompts) pull a least-squares slope wherever they fall, most of
+all near the ends of the window; the median ignores up to ~29 % of wild points.
+R² keeps the seed's ``1 - SS_res/SS_tot`` but around the robust line, so it can
+be negative; only ``>= r2_threshold`` matters. Time-to-limit starts from the
+fitted value at the newest sample, not the noisy last sample, so the ETA does
+not jump by one GC tooth from one tick to the next.
+
+**Bounded window.** Samples fall into ``max_points`` buckets of width
+``window_s / max_points``; a bucket keeps the sum and count of its samples and
+fits as one point (mean time, mean value). Memory is bounded per series
+whatever the sampling rate, and Theil–Sen, O(n²), stays at n ≤ ``max_points``
+(120 → 7,140 pairs, ~1 ms in pure Python; scipy's ``theilslopes`` does the
+same maths, but scipy is no dependency of this project). A bucket is dropped
+once it is ``max_points`` buckets behind the newest: the window is ``window_s``
+in whole buckets. A sample whose time steps back lands in the newest bucket, at
+its start, so buckets stay in time order. No verdict before the samples span
+``min_span_ratio`` of the window in ``min_points`` buckets: over a short span
+any slope looks credible.
+
+**Ladder.** The seed's escalation — gc, clear the CUDA cache, refuse new work,
+restart — one rung per ``step_interval_s`` while the problem is a *warning*,
+so each cheap remedy gets time to show its effect before a dearer one is
+taken; all remaining rungs at once when it is *critical* (the limit is minutes
+away, there is no time to wait). EMPTY_CACHE is skipped without a GPU. When
+the problem clears, the ladder resets and the replica is ready again — unless
+a recycle was already requested: that is not taken back (the controller may
+already hold a recycle lease for it), and the replica stays not ready.
+
+A leak whose limit is further away than ``warn_tto_s`` (or that has no limit)
+is named in the verdict's reason but is severity "ok": a slow leak is what the
+scheduled max-age recycle is for, and stopping intake days ahead of an OOM
+would cost capacity for nothing.
+
+**Hang.** A replica with work in flight and no heartbeat for more than
+``missed`` intervals is hung (DESIGN: killed outright). Idle replicas are
+never hung (nothing to be stuck on), nor is one whose first heartbeat has not
+arrived yet: that is a starting replica, which Serve's own health check owns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+from typing import Mapping, Optional, Sequence
+
+_EPSILON = 1e-9  # span / ratio comparisons: 0.97 × limit must not need one more byte
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
+
+
+def _check_unit(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value <= 1):
+        raise ValueError(f"{name}: must be in (0, 1], got {value!r}")
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
+
+
+def _is_finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# --------------------------------------------------------------------------- trend
+
+
+@dataclass(frozen=True)
+class SeriesSpec:
+    name: str  # "rss_bytes", "vram_bytes", "threads", "fds"
+    slope_threshold_per_h: float  # a credible rise at or above this (units/h) is a leak
+    limit: Optional[float] = None  # where the replica fails; None: no time-to-limit
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name: must be a non-empty str, got {self.name!r}")
+        _check_positive("slope_threshold_per_h", self.slope_threshold_per_h)
+        if self.limit is not None:
+            _check_positive("limit", self.limit)
+
+
+@dataclass(frozen=True)
+class LeakConfig:
+    window_s: float = 3600.0  # trend window
+    min_span_ratio: float = 0.5  # no verdict until samples span this fraction of the window...
+    min_points: int = 10  # ...and fill this many buckets
+    max_points: int = 120  # buckets per window: the memory bound, and n for the O(n²) fit
+    r2_threshold: float = 0.7  # below this fit quality a slope is noise, not a trend (seed 000)
+
+    def __post_init__(self) -> None:
+        _check_positive("window_s", self.window_s)
+        _check_unit("min_span_ratio", self.min_span_ratio)
+        _check_int("min_points", self.min_points, 3)  # R² of fewer than 3 points is always 1
+        _check_int("max_points", self.max_points, 3)
+        if self.min_points > self.max_points:  # a window that could never be judged
+            raise ValueError(f"min_points: must be <= max_points ({self.max_points}), got {self.min_points}")
+        _check_unit("r2_threshold", self.r2_threshold)
+
+
+@dataclass(frozen=True)
+class Trend:
+    name: str
+    slope_per_h: float  # Theil–Sen slope, units per hour
+    fitted_now: float  # the line's value at the newest point, not the noisy last sample
+    r2: float  # 1 - SS_res/SS_tot around that line; 0 when SS_tot == 0; may be negative
+    points: int
+    span_s: float
+    judged: bool  # enough span and points for a verdict
+    leaking: bool  # judged, r2 >= r2_threshold and slope_per_h >= the spec's threshold
+    time_to_limit_s: Optional[float]  # judged, credible, rising, with a limit: floored at 0
+
+
+def theil_sen(ts: Sequence[float], vs: Sequence[float]) -> tuple[float, float]:
+    """(slope per unit t, intercept): the median pairwise slope, intercept = median(v - slope·t).
+
+    Pairs with equal t carry no slope and are left out; with no usable pair the
+    slope is 0 and the intercept the median value.
+    """
+    if len(ts) != len(vs) or not ts:
+        raise ValueError(f"ts, vs: need the same non-zero length, got {len(ts)} and {len(vs)}")
+    slopes: list[float] = []
+    n = len(ts)
+    for i in range(n - 1):
+        ti, vi = ts[i], vs[i]
+        slopes.extend((vj - vi) / (tj - ti) for tj, vj in zip(ts[i + 1 :], vs[i + 1 :]) if tj != ti)
+    slope = _median(slopes) if slopes else 0.0
+    return slope, _median([v - slope * t for t, v in zip(ts, vs)])
+
+
+def _median(xs: list[float]) -> float:
+    xs.sort()
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2.0
+
+
+def fit(points: Sequence[tuple[float, float]], spec: SeriesSpec, cfg: LeakConfig) -> Trend:
+    """The trend of one series over ``points`` (t_s, value), sorted by t."""
+    if not points:
+        raise ValueError("points: need at least one")
+    t0 = points[0][0]
+    # Times relative to the first point: seconds since boot squared in SS sums lose digits.
+    ts = [t - t0 for t, _ in points]
+    if any(b < a for a, b in zip(ts, ts[1:])):
+        raise ValueError("points: must be sorted by time")
+    vs = [v for _, v in points]
+    slope_per_s, intercept = theil_sen(ts, vs)
+    mean = sum(vs) / len(vs)
+    ss_tot = sum((v - mean) ** 2 for v in vs)
+    ss_res = sum((v - intercept - slope_per_s * t) ** 2 for t, v in zip(ts, vs))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
+    span_s = ts[-1]
+    fitted_now = intercept + slope_per_s * span_s
+    slope_per_h = slope_per_s * 3600.0
+    judged = len(points) >= cfg.min_points and span_s >= cfg.min_span_ratio * cfg.window_s - _EPSILON
+    credible = judged and r2 >= cfg.r2_threshold
+    tto: Optional[float] = None
+    if credible and slope_per_s > 0 and spec.limit is not None:
+        tto = max(0.0, (spec.limit - fitted_now) / slope_per_s)
+    return Trend(
+        name=spec.name,
+        slope_per_h=slope_per_h,
+        fitted_now=fitted_now,
+        r2=r2,
+        points=len(points),
+        span_s=span_s,
+        judged=judged,
+        leaking=credible and slope_per_h >= spec.slope_threshold_per_h,
+        time_to_limit_s=tto,
+    )
+
+
+class LeakDetector:
+    """Bucketed windows of several series and their trends. Not thread-safe: one watchdog owns it."""
+
+    def __init__(self, specs: Sequence[SeriesSpec], cfg: LeakConfig) -> None:
+        if not isinstance(cfg, LeakConfig):
+            raise ValueError(f"cfg: must be a LeakConfig, got {cfg!r}")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"specs: names must be unique, got {names}")
+        self._specs = {s.name: s for s in specs}
+        self._cfg = cfg
+        self._width_s = cfg.window_s / cfg.max_points
+        # Per series, oldest first: [bucket key, count, sum of t, sum of value].
+        # Invariant: keys strictly ascending, newest key - oldest key < max_points.
+        self._buckets: dict[str, deque[list[float]]] = {name: deque() for name in self._specs}
+
+    def observe(self, t_s: float, values: Mapping[str, Optional[float]]) -> None:
+        """Add one sample per known series; None, missing and non-finite values are skipped."""
+        key = math.floor(t_s / self._width_s)
+        for name, buckets in self._buckets.items():
+            v = values.get(name)
+            if v is None or not _is_finite(v):
+                continue  # NaN from a broken reader must not poison a whole window
+            t_b = t_s
+            if buckets and buckets[-1][0] >= key:
+                b = buckets[-1]  # same bucket, or the clock stepped back:
+                # counted at the bucket's start, so bucket mean times stay in key order
+                t_b = max(t_s, b[0] * self._width_s)
+            else:
+                b = [key, 0, 0.0, 0.0]
+                buckets.append(b)
+                self._evict(buckets, key)
+            b[1] += 1
+            b[2] += t_b
+            b[3] += v
+
+    def trends(self, now_s: float) -> dict[str, Trend]:
+        """One trend per series that has points in the window ending at ``now_s``."""
+        key = math.floor(now_s / self._width_s)
+        out: dict[str, Trend] = {}
+        for name, buckets in self._buckets.items():
+            self._evict(buckets, key)
+            if buckets:
+                points = [(b[2] / b[1], b[3] / b[1]) for b in buckets]
+                out[name] = fit(points, self._specs[name], self._cfg)
+        return out
+
+    def reset(self, name: Optional[str] = None) -> None:
+        """Forget one series (or all), e.g. after a recycle: the old trend says nothing of the new process."""
+        for n, buckets in self._buckets.items():
+            if name is None or n == name:
+                buckets.clear()
+
+    def bucket_count(self, name: str) -> int:
+        """Buckets held for ``name`` (for tests and the status page)."""
+        return len(self._buckets[name])
+
+    def _evict(self, buckets: deque[list[float]], key: int) -> None:
+        while buckets and buckets[0][0] <= key - self._cfg.max_points:
+            buckets.popleft()
+
+
+# --------------------------------------------------------------------------- ladder
+
+
+class Action(str, Enum):
+    GC = "gc_collect"
+    EMPTY_CACHE = "empty_cache"
+    STOP_INTAKE = "stop_intake"
+    RECYCLE = "request_recycle"
+
+
+_RUNGS = (Action.GC, Action.EMPTY_CACHE, Action.STOP_INTAKE, Action.RECYCLE)  # rung n takes _RUNGS[n - 1]
+
+
+@dataclass(frozen=True)
+class Usage:
+    name: str
+    value: float
+    limit: Optional[float]
+
+    def __post_init__(self) -> None:
+        if not _is_finite(self.value):
+            raise ValueError(f"value: must be a finite number, got {self.value!r}")
+        if self.limit is not None:
+            _check_positive("limit", self.limit)
+
+
+@dataclass(frozen=True)
+class LadderConfig:
+    step_interval_s: float = 60.0
+    warn_tto_s: float = 6 * 3600.0
+    critical_tto_s: float = 3600.0
+    warning_ratio: float = 0.90
+    critical_ratio: float = 0.97
+
+    def __post_init__(self) -> None:
+        _check_positive("step_interval_s", self.step_interval_s)
+        _check_positive("warn_tto_s", self.warn_tto_s)
+        _check_positive("critical_tto_s", self.critical_tto_s)
+        if self.critical_tto_s > self.warn_tto_s:
+            raise ValueError(f"critical_tto_s: must be <= warn_tto_s ({self.warn_tto_s}), got {self.critical_tto_s}")
+        _check_unit("warning_ratio", self.warning_ratio)
+        _check_unit("critical_ratio", self.critical_ratio)
+        if self.warning_ratio > self.critical_ratio:
+            raise ValueError(
+                f"warning_ratio: must be <= critical_ratio ({self.critical_ratio}), got {self.warning_ratio}"
+            )
+
+
+@dataclass(frozen=True)
+class LadderState:
+    rung: int = 0  # 0 nothing taken; 1 gc; 2 empty_cache; 3 stop intake; 4 recycle requested
+    last_step_s: Optional[float] = None
+    reason: Optional[str] = None  # the verdict that took the last rung
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rung, bool) or not isinstance(self.rung, int) or not 0 <= self.rung <= 4:
+            raise ValueError(f"rung: must be an int in [0, 4], got {self.rung!r}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    severity: str  # "ok" | "warning" | "critical"
+    reason: Optional[str]
+    actions: tuple[Action, ...]
+    ready: bool
+    recycle: bool
+
+
+def _fmt_rate(name: str, slope_per_h: float) -> str:
+    if name.endswith("_bytes"):
+        return f"{slope_per_h / 2**20:.1f} MiB/h"
+    return f"{slope_per_h:.1f}/h"
+
+
+def _findings(trends: Mapping[str, Trend], usage: Sequence[Usage], cfg: LadderConfig) -> list[tuple[int, str]]:
+    """(level, text) per problem; level 2 critical, 1 warning, 0 named but not acted on."""
+    found: list[tuple[int, str]] = []
+    for u in usage:
+        if u.limit is None:
+            continue
+        ratio = u.value / u.limit
+        level = 2 if ratio >= cfg.critical_ratio - _EPSILON else 1 if ratio >= cfg.warning_ratio - _EPSILON else -1
+        if level > 0:
+            found.append((level, f"{u.name} at {ratio:.0%} of limit"))
+    for tr in trends.values():
+        if not tr.leaking:
+            continue
+        tto = tr.time_to_limit_s
+        level = 0 if tto is None or tto >= cfg.warn_tto_s else 2 if tto < cfg.critical_tto_s else 1
+        eta = "no limit" if tto is None else f"limit in {tto / 3600:.1f}h"
+        found.append((level, f"{tr.name} leak {_fmt_rate(tr.name, tr.slope_per_h)}, {eta}"))
+    found.sort(key=lambda f: -f[0])  # stable: worst first, input order within a level
+    return found
+
+
+def _next_rung(rung: int, has_gpu: bool) -> int:
+    rung += 1
+    return 3 if rung == 2 and not has_gpu else rung
+
+
+def assess(
+    trends: Mapping[str, Trend],
+    usage: Sequence[Usage],
+    has_gpu: bool,
+    state: LadderState,
+    cfg: LadderConfig,
+    now_s: float,
+) -> tuple[Verdict, LadderState]:
+    """One watchdog tick: the verdict, the actions to take now, and the new ladder state."""
+    found = _findings(trends, usage, cfg)
+    level = found[0][0] if found else 0
+    reason = "; ".join(text for _, text in found) or None
+    taken: list[Action] = []
+    if level == 0:
+        # Cleared: back to ready, unless a recycle was asked for (never taken back).
+        new = state if state.rung == 4 else LadderState()
+    elif state.rung == 4:
+        new = state
+    elif level == 2:
+        rung = state.rung
+        while rung < 4:
+            rung = _next_rung(rung, has_gpu)
+            taken.append(_RUNGS[rung - 1])
+        new = LadderState(rung, now_s, reason)
+    elif state.last_step_s is None or now_s - state.last_step_s >= cfg.step_interval_s:
+        rung = _next_rung(state.rung, has_gpu)
+        taken.append(_RUNGS[rung - 1])
+        new = LadderState(rung, now_s, reason)
+    else:
+        new = state  # the last rung is still getting its step_interval_s to work
+    severity = ("ok", "warning", "critical")[level]
+    return Verdict(severity, reason, tuple(taken), ready=new.rung < 3, recycle=new.rung == 4), new
+
+
+def is_hung(heartbeat_age_s: Optional[float], inflight: int, interval_s: float, missed: int = 3) -> bool:
+    """Work in flight and no heartbeat for more than ``missed × interval_s`` (exactly that is not yet hung)."""
+    _check_positive("interval_s", interval_s)
+    _check_int("missed", missed, 1)
+    return inflight > 0 and heartbeat_age_s is not None and heartbeat_age_s > missed * interval_s

@@ -1,0 +1,436 @@
+"""Staggered replica recycling: which replicas to restart now, and which must wait.
+
+A model replica that runs for days rots: fragmented allocators, slow leaks,
+thread and fd growth. Seed 000 (16.2.5) restarts it periodically — every 6 h,
+preferably in a low-traffic window (02:00–05:00), and at 24 h whatever the hour —
+one instance at a time, so N−1 keep serving. This module is that schedule as a
+pure function of what the controller sees; ``serve_app`` turns its orders into
+drains (the replica's health check fails, Serve stops it gracefully and starts a
+replacement) and holds each recycle under a lease (``policies.lease``) so that a
+crashed controller never leaves one half done.
+
+**Triggers**, in priority order (``due``):
+
+1. ``critical`` — a watchdog verdict that cannot wait (time-to-OOM short, VRAM
+   critical). Forced.
+2. ``forced_max_age`` — the replica is ``forced_max_age_s`` old. Forced.
+3. ``manual`` — an operator asked. Forced.
+4. ``watchdog`` — a non-critical watchdog request (leak trend, thread/fd growth).
+5. ``max_age`` — the replica is past its own age threshold *and* the clock is in
+   the window. Each replica's threshold is ``max_age_s`` stretched by up to
+   ±``jitter_ratio``, stable per replica id: replicas started together (a deploy,
+   a scale-up) would otherwise all come due in the same tick and queue up behind
+   ``max_unavailable`` in lockstep, every 6 h. The spread comes from
+   ``zlib.crc32`` of the id, not ``hash()``, which is salted per process: a
+   restarted controller must compute the same thresholds.
+
+"Forced" orders pass the degradation-level block; nothing passes the other two
+guards. A replica past its threshold but outside the window is listed in
+``Plan.waiting`` with "window" so the operator sees it is pending.
+
+**Guards** (``plan``), per deployment, in this order for each due replica:
+
+* ``max_unavailable`` — at most this many recycles of one deployment at a time.
+  A recycle occupies its slot from the order until the replica is gone *and*
+  the deployment is back to the healthy count it had when the recycle started
+  (capped by the autoscaler's current target, so a deployment that shrank
+  meanwhile still completes). Hence the next replica starts only after the
+  previous replacement is healthy: a rolling restart, never a rolling outage.
+* ``level`` — at degradation level ``block_at_level`` or above the service is
+  short of capacity; a scheduled recycle would take more away. Forced orders
+  still go: a replica about to OOM will go down anyway, better drained.
+* ``min_available`` — the healthy replicas left, not counting those already
+  recycling nor this one if it is healthy, must stay ≥ ``min_available``. A
+  replica that is not healthy (draining, not ready) serves nothing, so
+  recycling it lowers nothing.
+
+**Stuck recycles.** A recycle still open ``recycle_timeout_s`` after it started
+is reported in ``Plan.stuck`` (an alert) and its slot freed, so one replacement
+that never becomes healthy cannot wedge recycling forever. ``min_available``
+remains the floor under whatever follows.
+
+A recycle's ``healthy_before`` counts its own replica as healthy even when it
+was not: a replica recycled while unhealthy must still be followed by a
+*healthy* replacement before the next recycle of that deployment starts.
+
+Memory is bounded: the state holds only in-flight recycles, at most
+``max_unavailable`` per deployment (one entry per replica id); completed and
+stuck ones leave it on the plan that reports them.
+
+Availability (seed 000): with one replica of N down for ``T_restart`` every
+``T_period``, ``A = (N−1)/N + A_restart/N`` where ``A_restart = 1 −
+T_restart/T_period`` — i.e. ``1 − T_restart/(N·T_period)`` of the capacity.
+``measured_availability`` is the same quantity from observed replica-seconds out.
+
+Written by hand: Serve has no recycling of healthy replicas, and a Kubernetes
+rolling update knows neither our degradation level nor the watchdog verdicts.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+#: Order reasons, highest priority first.
+REASONS = ("critical", "forced_max_age", "manual", "watchdog", "max_age")
+_PRIORITY = {reason: i for i, reason in enumerate(REASONS)}
+#: Why a due replica was held back this tick.
+WAIT_REASONS = ("max_unavailable", "level", "min_available", "window")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:  # type: ignore[operator]
+        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
+
+
+def _check_positive(name: str, value: object, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
+        raise ValueError(f"{name}: must be a finite number > 0{' or None' if optional else ''}, got {value!r}")
+
+
+def _check_finite(name: str, value: object) -> None:
+    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+
+
+def _check_hour(name: str, value: object) -> None:
+    if not _is_number(value) or not 0 <= value < 24:  # type: ignore[operator]
+        raise ValueError(f"{name}: must be an hour of day in [0, 24), got {value!r}")
+
+
+def _check_name(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name}: must be a non-empty str, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RecycleConfig:
+    """Recycling settings. Defaults follow seed 000: 6 h, window 02:00–05:00, forced at 24 h."""
+
+    #: None disables the age trigger.
+    max_age_s: Optional[float] = 6 * 3600.0
+    #: Each replica's own age threshold lies in max_age × [1−j, 1+j], stable per replica id.
+    jitter_ratio: float = 0.1
+    #: Preferred low-traffic window, local hour of day, [start, end); None = any time.
+    window_start_hour: Optional[float] = 2.0
+    #: May wrap around midnight (22 → 4).
+    window_end_hour: Optional[float] = 5.0
+    #: Recycle at this age whatever the window or level; None disables.
+    forced_max_age_s: Optional[float] = 24 * 3600.0
+    #: Recycles of one deployment at a time.
+    max_unavailable: int = 1
+    #: Healthy replicas that must remain.
+    min_available: int = 1
+    #: No recycles at this degradation level or above unless forced or critical.
+    block_at_level: int = 3
+    #: A recycle not complete by then is "stuck": reported, its slot freed.
+    recycle_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check_positive("max_age_s", self.max_age_s, optional=True)
+        if not _is_number(self.jitter_ratio) or not 0 <= self.jitter_ratio < 1:
+            raise ValueError(f"jitter_ratio: must be in [0, 1), got {self.jitter_ratio!r}")
+        if (self.window_start_hour is None) != (self.window_end_hour is None):
+            raise ValueError("window_end_hour: window_start_hour and window_end_hour are set together (or both None)")
+        if self.window_start_hour is not None:
+            _check_hour("window_start_hour", self.window_start_hour)
+            _check_hour("window_end_hour", self.window_end_hour)
+            # start == end could mean "never" or "always"; neither is worth guessing.
+            if self.window_start_hour == self.window_end_hour:
+                raise ValueError(
+                    "window_end_hour: must differ from window_start_hour (set both to None for any time)"
+                )
+        _check_positive("forced_max_age_s", self.forced_max_age_s, optional=True)
+        if (
+            self.max_age_s is not None
+            and self.forced_max_age_s is not None
+            and self.forced_max_age_s < self.max_age_s
+        ):
+            raise ValueError(
+                f"forced_max_age_s: must be >= max_age_s ({self.max_age_s}), got {self.forced_max_age_s}"
+            )
+        _check_int("max_unavailable", self.max_unavailable, minimum=1)
+        _check_int("min_available", self.min_available, minimum=0)
+        _check_int("block_at_level", self.block_at_level, minimum=0)
+        _check_positive("recycle_timeout_s", self.recycle_timeout_s)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What the controller knows of one replica this tick."""
+
+    replica_id: str
+    deployment: str
+    started_at_s: float  # wall clock
+    healthy: bool  # reporting, ready and not draining
+    request: Optional[str] = None  # a watchdog's recycle request reason, if any
+    critical: bool = False  # that request is critical (time-to-OOM short, VRAM critical)
+    manual: bool = False  # an operator asked for it
+
+    def __post_init__(self) -> None:
+        _check_name("replica_id", self.replica_id)
+        _check_name("deployment", self.deployment)
+        _check_finite("started_at_s", self.started_at_s)
+
+
+@dataclass(frozen=True)
+class Order:
+    """Begin recycling this replica."""
+
+    replica_id: str
+    deployment: str
+    reason: str  # one of REASONS
+    forced: bool  # bypasses the level block (critical, forced_max_age, manual)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A recycle that has been ordered and has not completed."""
+
+    replica_id: str
+    deployment: str
+    reason: str
+    started_at_s: float
+    healthy_before: int  # healthy count of its deployment to get back to (see the module docstring)
+
+    def __post_init__(self) -> None:
+        _check_name("replica_id", self.replica_id)
+        _check_name("deployment", self.deployment)
+        if self.reason not in REASONS:
+            raise ValueError(f"reason: must be one of {REASONS}, got {self.reason!r}")
+        _check_finite("started_at_s", self.started_at_s)
+        _check_int("healthy_before", self.healthy_before, minimum=0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "deployment": self.deployment,
+            "reason": self.reason,
+            "started_at_s": self.started_at_s,
+            "healthy_before": self.healthy_before,
+        }
+
+
+@dataclass(frozen=True)
+class RecycleState:
+    in_flight: tuple[InFlight, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"in_flight": [f.to_dict() for f in self.in_flight]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RecycleState":
+        """Read back ``to_dict()`` output; ValueError on malformed input."""
+        if not isinstance(d, Mapping) or not isinstance(d.get("in_flight"), list):
+            raise ValueError("in_flight: must be a mapping with a list under 'in_flight'")
+        out = []
+        for raw in d["in_flight"]:
+            if not isinstance(raw, Mapping) or set(raw) != {
+                "replica_id",
+                "deployment",
+                "reason",
+                "started_at_s",
+                "healthy_before",
+            }:
+                raise ValueError(f"in_flight: malformed entry {raw!r}")
+            out.append(InFlight(**raw))
+        return cls(tuple(out))
+
+
+@dataclass(frozen=True)
+class Plan:
+    start: tuple[Order, ...]  # begin these now
+    completed: tuple[InFlight, ...]  # finished since the last plan
+    stuck: tuple[InFlight, ...]  # timed out since the last plan
+    waiting: tuple[tuple[str, str], ...]  # (replica_id, why not now): one of WAIT_REASONS
+
+
+# --------------------------------------------------------------------------- triggers
+
+
+def age_threshold_s(replica_id: str, cfg: RecycleConfig) -> Optional[float]:
+    """This replica's own max age: max_age × (1 + j × (2u − 1)), u from crc32(id) in [0, 1)."""
+    if cfg.max_age_s is None:
+        return None
+    u = zlib.crc32(replica_id.encode("utf-8")) / 2**32
+    return cfg.max_age_s * (1.0 + cfg.jitter_ratio * (2.0 * u - 1.0))
+
+
+def in_window(hour_of_day: float, cfg: RecycleConfig) -> bool:
+    """Whether ``hour_of_day`` (local, [0, 24)) lies in [start, end), wrapping past midnight."""
+    _check_hour("hour_of_day", hour_of_day)
+    start, end = cfg.window_start_hour, cfg.window_end_hour
+    if start is None or end is None:
+        return True
+    if start < end:
+        return start <= hour_of_day < end
+    return hour_of_day >= start or hour_of_day < end
+
+
+def _age_s(r: ReplicaView, now_s: float) -> float:
+    # A wall clock that stepped back makes a replica young, never negative-aged.
+    return max(0.0, now_s - r.started_at_s)
+
+
+def _past_threshold(r: ReplicaView, cfg: RecycleConfig, now_s: float) -> bool:
+    threshold_s = age_threshold_s(r.replica_id, cfg)
+    return threshold_s is not None and _age_s(r, now_s) >= threshold_s
+
+
+def due(r: ReplicaView, cfg: RecycleConfig, now_s: float, hour_of_day: float) -> Optional[Order]:
+    """The highest-priority reason to recycle ``r`` now, before the guards; None if none.
+
+    ``r.critical`` counts as a critical request even without ``r.request``: a
+    critical verdict is never dropped for a missing label.
+    """
+    age_s = _age_s(r, now_s)
+    if r.critical:
+        return Order(r.replica_id, r.deployment, "critical", True)
+    if cfg.forced_max_age_s is not None and age_s >= cfg.forced_max_age_s:
+        return Order(r.replica_id, r.deployment, "forced_max_age", True)
+    if r.manual:
+        return Order(r.replica_id, r.deployment, "manual", True)
+    if r.request:
+        return Order(r.replica_id, r.deployment, "watchdog", False)
+    if _past_threshold(r, cfg, now_s) and in_window(hour_of_day, cfg):
+        return Order(r.replica_id, r.deployment, "max_age", False)
+    return None
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def plan(
+    replicas: Sequence[ReplicaView],
+    targets: Mapping[str, int],
+    state: RecycleState,
+    level: int,
+    cfg: RecycleConfig,
+    now_s: float,
+    hour_of_day: float,
+) -> tuple[Plan, RecycleState]:
+    """One control tick: settle the recycles in flight, then start what the guards allow.
+
+    ``replicas``: every replica the controller sees now (unique ids);
+    ``targets``: each deployment's current target replica count (autoscaler);
+    ``level``: the current degradation level. Deterministic: deployments in
+    name order, due replicas by priority, then oldest first, then id.
+    """
+    _check_int("level", level, minimum=0)
+    _check_finite("now_s", now_s)
+    _check_hour("hour_of_day", hour_of_day)
+
+    by_deployment: dict[str, list[ReplicaView]] = {}
+    present: set[str] = set()
+    for r in replicas:
+        if r.replica_id in present:
+            raise ValueError(f"replicas: replica_id {r.replica_id!r} appears twice")
+        present.add(r.replica_id)
+        by_deployment.setdefault(r.deployment, []).append(r)
+    healthy = {dep: sum(1 for r in rs if r.healthy) for dep, rs in by_deployment.items()}
+
+    # 1. Settle the recycles in flight. Completion wins over a timeout on the same tick.
+    kept: list[InFlight] = []
+    completed: list[InFlight] = []
+    stuck: list[InFlight] = []
+    seen: set[str] = set()
+    for f in state.in_flight:
+        if f.replica_id in seen:  # never two entries for one replica
+            continue
+        seen.add(f.replica_id)
+        if f.replica_id not in present:
+            target = targets.get(f.deployment, f.healthy_before)
+            if healthy.get(f.deployment, 0) >= min(f.healthy_before, target):
+                completed.append(f)
+                continue
+        if now_s - f.started_at_s >= cfg.recycle_timeout_s:
+            stuck.append(f)
+            continue
+        kept.append(f)
+
+    in_flight_ids = {f.replica_id for f in kept}
+    in_flight_count: dict[str, int] = {}
+    for f in kept:
+        in_flight_count[f.deployment] = in_flight_count.get(f.deployment, 0) + 1
+
+    # 2. Start what the guards allow, deployment by deployment.
+    start: list[Order] = []
+    waiting: list[tuple[str, str]] = []
+    new_in_flight: list[InFlight] = []
+    for dep in sorted(by_deployment):
+        rs = by_deployment[dep]
+        slots = cfg.max_unavailable - in_flight_count.get(dep, 0)
+        # Healthy replicas that will still serve: those already recycling don't count.
+        serving = sum(1 for r in rs if r.healthy and r.replica_id not in in_flight_ids)
+        candidates: list[tuple[int, float, str, Order, ReplicaView]] = []
+        outside_window: list[ReplicaView] = []
+        for r in rs:
+            if r.replica_id in in_flight_ids:
+                continue
+            order = due(r, cfg, now_s, hour_of_day)
+            if order is not None:
+                candidates.append((_PRIORITY[order.reason], r.started_at_s, r.replica_id, order, r))
+            elif _past_threshold(r, cfg, now_s):
+                outside_window.append(r)
+        candidates.sort(key=lambda c: c[:3])
+        for _, _, _, order, r in candidates:
+            if slots <= 0:
+                waiting.append((r.replica_id, "max_unavailable"))
+            elif level >= cfg.block_at_level and not order.forced:
+                waiting.append((r.replica_id, "level"))
+            elif r.healthy and serving - 1 < cfg.min_available:
+                waiting.append((r.replica_id, "min_available"))
+            else:
+                start.append(order)
+                # The count to get back to includes this replica's replacement, healthy.
+                healthy_before = serving if r.healthy else serving + 1
+                new_in_flight.append(InFlight(r.replica_id, dep, order.reason, now_s, healthy_before))
+                slots -= 1
+                if r.healthy:
+                    serving -= 1
+        for r in sorted(outside_window, key=lambda r: (r.started_at_s, r.replica_id)):
+            waiting.append((r.replica_id, "window"))
+
+    new_state = RecycleState(tuple(kept) + tuple(new_in_flight))
+    return Plan(tuple(start), tuple(completed), tuple(stuck), tuple(waiting)), new_state
+
+
+# --------------------------------------------------------------------------- availability
+
+
+def expected_availability(n_replicas: int, restart_s: float, period_s: float) -> Optional[float]:
+    """Seed 000: (N−1)/N + (1 − T_restart/T_period)/N, clamped to [0, 1].
+
+    None when there is no replica or no period. N = 4, 60 s every 6 h:
+    1 − 60/(4 × 21600) ≈ 0.99931.
+    """
+    if not _is_number(n_replicas) or not _is_number(period_s) or n_replicas < 1 or period_s <= 0:
+        return None
+    if not _is_number(restart_s) or not math.isfinite(restart_s) or restart_s < 0:
+        raise ValueError(f"restart_s: must be a finite number >= 0, got {restart_s!r}")
+    if math.isinf(period_s):
+        return 1.0
+    a_restart = 1.0 - restart_s / period_s
+    a = (n_replicas - 1) / n_replicas + a_restart / n_replicas
+    return min(1.0, max(0.0, a))
+
+
+def measured_availability(out_s: float, replica_seconds: float) -> Optional[float]:
+    """1 − (replica-seconds out of service) / (replica-seconds in total), clamped to [0, 1]."""
+    if not _is_number(replica_seconds) or replica_seconds <= 0:
+        return None
+    if not _is_number(out_s) or not math.isfinite(out_s) or out_s < 0:
+        raise ValueError(f"out_s: must be a finite number >= 0, got {out_s!r}")
+    return min(1.0, max(0.0, 1.0 - out_s / replica_seconds))
