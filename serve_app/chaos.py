@@ -6,7 +6,9 @@ applies them within one report interval. With ``chaos.enabled: false`` (every
 production config) the replica ignores whatever the snapshot says.
 
 Faults: fail a fraction of requests, add latency, hang (never answer until the
-caller gives up), and leak memory at a rate — the leak is capped at
+caller gives up), stall (the replica's work loop stops mid-batch, as a wedged
+kernel would: the watchdog sees no progress with work in flight), and leak
+memory at a rate — the leak is capped at
 ``chaos.max_leak_mb`` so that even an injected leak stays bounded.
 """
 
@@ -33,6 +35,7 @@ class ChaosSettings:
     error_ratio: float = 0.0
     latency_ms: int = 0
     hang: bool = False
+    stall: bool = False
     leak_mb_per_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -45,7 +48,7 @@ class ChaosSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChaosSettings":
-        known = {k: d[k] for k in ("error_ratio", "latency_ms", "hang", "leak_mb_per_s") if k in d}
+        known = {k: d[k] for k in ("error_ratio", "latency_ms", "hang", "stall", "leak_mb_per_s") if k in d}
         return cls(**known)
 
     @property
@@ -88,6 +91,11 @@ class ChaosAgent:
             await asyncio.Event().wait()  # until the caller cancels us
         if s.error_ratio and self._rand() < s.error_ratio:
             raise InjectedFault("injected failure (chaos)")
+
+    async def stall_point(self) -> None:
+        """Called by the work loop before each decode step: waits while ``stall`` is set."""
+        while self._enabled and self.settings.stall:
+            await asyncio.sleep(0.05)
 
     async def _leak_loop(self) -> None:
         while self.settings.leak_mb_per_s > 0:

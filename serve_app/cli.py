@@ -197,6 +197,26 @@ def tenants(ctx: typer.Context) -> None:
     typer.echo(json.dumps(_admin_call(ctx, "GET", "/v1/status", show=False)["quotas"], indent=2))
 
 
+@app.command()
+def replicas(ctx: typer.Context) -> None:
+    """Every replica as its watchdog sees it (RSS, VRAM, threads, fds, leak trends), recycles and events."""
+    _admin_call(ctx, "GET", "/admin/replicas")
+
+
+@app.command()
+def recycle(
+    ctx: typer.Context,
+    replica_id: Optional[str] = typer.Argument(None, help="one replica (ids: `ballast replicas`)"),
+    all_: bool = typer.Option(False, "--all", help="every replica, one at a time"),
+    deployment: Optional[str] = typer.Option(None, help="with --all: only BallastModel or BallastFallbackModel"),
+) -> None:
+    """Recycle replicas gracefully, in turn, under the planner's limits (max_unavailable, min_available)."""
+    if replica_id is None and not all_:
+        typer.echo("name a replica id, or pass --all", err=True)
+        raise typer.Exit(2)
+    _admin_call(ctx, "POST", "/admin/recycle", {"replica_id": replica_id, "deployment": deployment, "all": all_})
+
+
 @ks_app.command("on")
 def kill_switch_on(
     ctx: typer.Context,
@@ -228,10 +248,11 @@ def chaos_on(
     error_ratio: float = typer.Option(0.0),
     latency_ms: int = typer.Option(0),
     hang: bool = typer.Option(False),
+    stall: bool = typer.Option(False, help="stop the work loop mid-batch (the watchdog kills the replica)"),
     leak_mb_per_s: float = typer.Option(0.0),
 ) -> None:
     """Inject faults into every replica of a model deployment."""
-    body = {"target": target, "error_ratio": error_ratio, "latency_ms": latency_ms, "hang": hang, "leak_mb_per_s": leak_mb_per_s}
+    body = {"target": target, "error_ratio": error_ratio, "latency_ms": latency_ms, "hang": hang, "stall": stall, "leak_mb_per_s": leak_mb_per_s}
     _admin_call(ctx, "POST", "/admin/chaos", body)
 
 

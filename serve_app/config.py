@@ -257,6 +257,66 @@ class ChaosConfig(_Strict):
     max_leak_mb: PositiveInt = 1024  # the injected leak stops growing here
 
 
+class WatchdogSettings(_Strict):
+    """One watchdog actor per model replica (seed 000's memory watchdog)."""
+
+    enabled: bool = True
+    interval_s: PositiveFloat = 1.0  # sampling and heartbeat interval
+    hang_missed_heartbeats: PositiveInt = 3  # no work-loop progress for this many intervals with work in flight: hung
+    leak_window_s: PositiveFloat = 3600.0  # trend window for leak slopes
+    leak_min_span_ratio: float = Field(0.5, gt=0, le=1)  # no leak verdict before samples span this much of the window
+    leak_r2_threshold: float = Field(0.7, gt=0, le=1)  # fit quality below which a slope is noise (seed 000)
+    # Slopes (per hour) at or above which a credible trend is a leak. RSS/VRAM in MB.
+    rss_leak_mb_per_h: PositiveFloat = 30.0
+    vram_leak_mb_per_h: PositiveFloat = 30.0
+    threads_leak_per_h: PositiveFloat = 60.0
+    fds_leak_per_h: PositiveFloat = 120.0
+    rss_limit_mb: Optional[PositiveFloat] = None  # default: the node's total memory
+    threads_limit: PositiveInt = 4096
+    # The fd limit is the replica process's own RLIMIT_NOFILE soft limit; VRAM's is the GPU's total.
+    step_interval_s: PositiveFloat = 60.0  # time one rung of the action ladder gets before the next
+    warn_tto_s: PositiveFloat = 6 * 3600.0  # a leak reaching its limit sooner starts the ladder
+    critical_tto_s: PositiveFloat = 3600.0  # sooner than this: stop intake and ask for a recycle at once
+    warning_ratio: float = Field(0.90, gt=0, le=1)  # usage / limit (seed: VRAM warning 90 %)
+    critical_ratio: float = Field(0.97, gt=0, le=1)  # usage / limit (seed: VRAM critical 97 %)
+
+    @model_validator(mode="after")
+    def _order(self) -> "WatchdogSettings":
+        if self.warning_ratio > self.critical_ratio:
+            raise ValueError("warning_ratio must be <= critical_ratio")
+        if self.critical_tto_s > self.warn_tto_s:
+            raise ValueError("critical_tto_s must be <= warn_tto_s")
+        return self
+
+
+class RecycleSettings(_Strict):
+    """Staggered replica recycling run by the controller (seed 000 rolling restart, seed 003 leases)."""
+
+    enabled: bool = True
+    max_age_s: Optional[PositiveFloat] = 6 * 3600.0  # null: no age trigger
+    jitter_ratio: float = Field(0.1, ge=0, lt=1)  # each replica's age threshold spread by ± this
+    window_start_hour: Optional[float] = Field(2.0, ge=0, lt=24)  # preferred low-traffic window (local time); null: any time
+    window_end_hour: Optional[float] = Field(5.0, ge=0, lt=24)
+    forced_max_age_s: Optional[PositiveFloat] = 24 * 3600.0  # recycled at this age whatever the window or level
+    max_unavailable: PositiveInt = 1
+    min_available: int = Field(1, ge=0)
+    block_at_level: int = Field(3, ge=0, le=5)  # no scheduled recycles at this level or above
+    recycle_timeout_s: PositiveFloat = 600.0  # a recycle not complete by then is stuck (alert), its slot freed
+    lease_ttl_s: PositiveFloat = 1800.0  # hard TTL of a recycle lease
+    lease_heartbeat_s: PositiveFloat = 2.0  # the controller heartbeats its lease; 3 missed: expired
+    restart_estimate_s: PositiveFloat = 60.0  # T_restart for the expected availability until one is measured
+
+    @model_validator(mode="after")
+    def _ages(self) -> "RecycleSettings":
+        if self.max_age_s and self.forced_max_age_s and self.forced_max_age_s < self.max_age_s:
+            raise ValueError("forced_max_age_s must be >= max_age_s")
+        if (self.window_start_hour is None) != (self.window_end_hour is None):
+            raise ValueError("window_start_hour and window_end_hour are set together (or both null)")
+        if self.window_start_hour is not None and self.window_start_hour == self.window_end_hour:
+            raise ValueError("window_start_hour must differ from window_end_hour (null both for any time)")
+        return self
+
+
 class TenantConfig(_Strict):
     """A tenant's quota, in tokens (prompt + generated): a resource unit, not requests.
 
@@ -318,6 +378,8 @@ class BallastConfig(_Strict):
     resilience: ResilienceConfig = ResilienceConfig()
     fallback: Optional[FallbackConfig] = None
     chaos: ChaosConfig = ChaosConfig()
+    watchdog: WatchdogSettings = WatchdogSettings()
+    recycle: RecycleSettings = RecycleSettings()
     auth: AuthConfig = AuthConfig()
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     quota: QuotaSettings = QuotaSettings()

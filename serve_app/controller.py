@@ -35,6 +35,7 @@ from policies.autoscale import AutoscaleSample, AutoscaleState
 from policies.degradation import DegradationState, LoadSignals
 
 from .config import BallastConfig, load_config
+from .recycling import RecycleCoordinator
 from .snapshot import Snapshot, SnapshotCache, SnapshotExchange
 
 log = logging.getLogger("ballast.controller")
@@ -110,6 +111,7 @@ class ControllerCore:
         self._kill_switches: "OrderedDict[str, KillSwitchEntry]" = OrderedDict()
         self._audit: deque[dict[str, Any]] = deque(maxlen=MAX_AUDIT)
         self._chaos: dict[str, dict[str, Any]] = {}
+        self.recycler = RecycleCoordinator(cfg.recycle, self.epoch, self._wall)
         self._snapshot = self._publish(
             decision=None, signals=None, desired={}, running={}, autoscale_info={}
         )
@@ -122,6 +124,10 @@ class ControllerCore:
         self._as_state = AutoscaleState()
         self._routers = _Reports(cfg.controller.report_expiry_s, self._clock)
         self._replicas = _Reports(cfg.controller.report_expiry_s, self._clock)
+        # Watchdogs report every watchdog.interval_s, which may be longer than a replica's interval.
+        self._watchdogs = _Reports(max(cfg.controller.report_expiry_s, 3 * cfg.watchdog.interval_s), self._clock)
+        if hasattr(self, "recycler"):
+            self.recycler.configure(cfg.recycle)
         self._outcomes: deque[tuple[float, int, int]] = deque(maxlen=MAX_OUTCOME_BUCKETS)
         self._quotas = {
             name: TenantQuota(
@@ -197,8 +203,58 @@ class ControllerCore:
         self._replicas.put(str(report.get("replica_id", "?")), report)
         return self._snapshot.to_dict()
 
+    def report_watchdog(self, report: dict[str, Any]) -> dict[str, Any]:
+        report = _clean(report, ("inflight",), ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_s"))
+        if report is None or not report.get("replica_id"):
+            self.rejected_reports += 1
+            return {"accepted": False}
+        self._watchdogs.put(str(report["replica_id"]), report)
+        return {"accepted": True}
+
     def snapshot(self) -> dict[str, Any]:
         return self._snapshot.to_dict()
+
+    def desired(self, deployment: str) -> int:
+        return int(self._snapshot.desired_replicas.get(deployment, 0))
+
+    # -- recycling (serve_app.recycling) ---------------------------------------------------
+    def request_recycle(self, replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str) -> list[str]:
+        known = {str(r.get("replica_id")): str(r.get("deployment")) for r in self._replicas.fresh()}
+        chosen = self.recycler.request(known, replica_id, deployment, everyone, by)
+        self._record("recycle_requested", by, replicas=chosen)
+        return chosen
+
+    def replica_status(self) -> dict[str, Any]:
+        """Every reporting replica joined with its watchdog's view, plus the recycler's state."""
+        wds = {str(w.get("replica_id")): w for w in self._watchdogs.fresh()}
+        now = self._wall()
+        rows = []
+        for r in self._replicas.fresh():
+            rid = str(r.get("replica_id"))
+            wd = wds.get(rid, {})
+            rows.append(
+                {
+                    "replica_id": rid,
+                    "deployment": r.get("deployment"),
+                    "age_s": round(now - float(r.get("started_at_s") or now), 1),
+                    "queued": r.get("queued"),
+                    "running": r.get("running"),
+                    "ready": bool(r.get("ready", True)) and bool(wd.get("ready", True)),
+                    "draining": bool(r.get("draining")),
+                    "manual_recycle": rid in self.recycler.manual,
+                    "watchdog": {k: wd.get(k) for k in (
+                        "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct",
+                        "heartbeat_age_s", "hung", "severity", "reason", "recycle_requested", "trends", "actions_total",
+                    )} if wd else None,
+                }
+            )
+        n = self._snapshot.running_replicas.get(MODEL_DEPLOYMENT, 0)
+        return {
+            "replicas": rows,
+            **self.recycler.summary(n),
+            "events": list(self.recycler.events)[-50:],
+            "leases": [lease.to_dict() for lease in self.recycler.leases.leases()],
+        }
 
     # -- the tick --------------------------------------------------------------------
     def signals(self) -> LoadSignals:
@@ -251,6 +307,15 @@ class ControllerCore:
             self._as_state,
             self._as_cfg,
         )
+        targets = {MODEL_DEPLOYMENT: as_decision.desired_replicas}
+        if self.cfg.fallback is not None:
+            targets[FALLBACK_DEPLOYMENT] = self.cfg.fallback.deployment.replicas
+        try:
+            self.recycler.tick(
+                self._replicas.fresh(), {str(w.get("replica_id")): w for w in self._watchdogs.fresh()}, targets, decision.level
+            )
+        except Exception:  # recycling must never stop the control loop
+            log.exception("recycle tick failed")
         self._snapshot = self._publish(
             decision=decision,
             signals=sig,
@@ -293,6 +358,8 @@ class ControllerCore:
             autoscale=autoscale_info,
             kill_switches=[e.to_dict() for e in self._kill_switches.values()],
             chaos=dict(self._chaos),
+            recycle_orders=dict(self.recycler.orders),
+            recycle=self.recycler.summary(desired.get(MODEL_DEPLOYMENT, 0)),
         )
 
     # -- kill switch and chaos (admin, off the request path) -----------------------------
@@ -369,6 +436,8 @@ class Controller:
     def __init__(self, cfg: dict[str, Any]):
         self._core = ControllerCore(load_config(cfg))
         self._task: Optional[asyncio.Task] = None
+        self._kv_key = f"ballast:{self._core.cfg.app_name}:recycle-leases".encode()
+        self._adopt_leases()
         from ray.util import metrics  # created once, here (STYLE 8)
 
         self._m_level = metrics.Gauge("ballast_degradation_level", "Current degradation level (0-4).")
@@ -377,6 +446,67 @@ class Controller:
             "ballast_desired_replicas", "Replicas the controller wants per deployment.", tag_keys=("deployment",)
         )
         self._m_ticks = metrics.Counter("ballast_controller_ticks_total", "Controller ticks.")
+        dep = ("deployment",)
+        self._m_recycles = metrics.Counter(
+            "ballast_recycles_total", "Recycle events by outcome (started, completed, stuck, lease_expired, killed_hung).",
+            tag_keys=dep + ("reason", "outcome"),
+        )
+        self._m_hung = metrics.Counter("ballast_hung_replicas_killed_total", "Hung replicas killed.", tag_keys=dep)
+        self._m_in_flight = metrics.Gauge("ballast_recycle_in_flight", "Recycles in progress.", tag_keys=dep)
+        self._m_oldest = metrics.Gauge(
+            "ballast_recycle_oldest_seconds", "Age of the oldest recycle in progress (0 when none).", tag_keys=dep
+        )
+        self._m_avail = metrics.Gauge(
+            "ballast_availability", "Replica availability under recycling: expected (seed 000 formula) and measured.",
+            tag_keys=("kind",),
+        )
+
+    # -- recycle leases survive a controller restart in Ray's KV store ----------------------
+    def _adopt_leases(self) -> None:
+        from ray.experimental import internal_kv
+
+        try:
+            raw = internal_kv._internal_kv_get(self._kv_key, namespace="ballast")
+            if raw:
+                n = self._core.recycler.adopt(json.loads(raw))
+                log.warning("adopted %d recycle lease(s) from a previous controller", n)
+        except Exception:
+            log.exception("could not read persisted recycle leases; starting without them")
+
+    def _persist_leases(self) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(
+            self._kv_key, json.dumps(self._core.recycler.leases_dict()).encode(), overwrite=True, namespace="ballast"
+        )
+
+    async def _after_tick(self) -> None:
+        rec = self._core.recycler
+        if rec.leases_dirty:
+            rec.leases_dirty = False
+            try:
+                await asyncio.to_thread(self._persist_leases)
+            except Exception:
+                rec.leases_dirty = True
+                log.exception("could not persist recycle leases")
+        while rec.kill_orders:
+            order = rec.kill_orders.popleft()
+            try:
+                await asyncio.to_thread(_kill_actor, order["actor_name"], order["namespace"])
+                self._m_hung.inc(tags={"deployment": str(order["deployment"])})
+            except Exception:
+                log.exception("could not kill hung replica %s", order["replica_id"])
+        while rec.new_events:
+            e = rec.new_events.popleft()
+            self._m_recycles.inc(tags={"deployment": str(e["deployment"]), "reason": str(e["reason"]), "outcome": e["outcome"]})
+        deps = [MODEL_DEPLOYMENT] + ([FALLBACK_DEPLOYMENT] if self._core.cfg.fallback is not None else [])
+        for d in deps:
+            self._m_in_flight.set(sum(1 for f in rec.state.in_flight if f.deployment == d), tags={"deployment": d})
+            self._m_oldest.set(rec.oldest_in_flight_s(d), tags={"deployment": d})
+        avail = rec.availability(self._core.desired(MODEL_DEPLOYMENT))
+        for kind in ("expected", "measured"):
+            if avail[kind] is not None:
+                self._m_avail.set(avail[kind], tags={"kind": kind})
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -391,6 +521,7 @@ class Controller:
                 for dep, n in snap.desired_replicas.items():
                     self._m_desired.set(n, tags={"deployment": dep})
                 self._m_ticks.inc()
+                await self._after_tick()
             except Exception:  # a bad report must not stop the loop
                 log.exception("controller tick failed")
             await asyncio.sleep(self._core.cfg.controller.tick_s)
@@ -413,6 +544,16 @@ class Controller:
         self._ensure_loop()
         return self._core.report_replica(report)
 
+    async def report_watchdog(self, report: dict[str, Any]) -> dict[str, Any]:
+        self._ensure_loop()
+        return self._core.report_watchdog(report)
+
+    async def request_recycle(self, replica_id, deployment, everyone, by) -> list[str]:
+        return self._core.request_recycle(replica_id, deployment, bool(everyone), by)
+
+    async def replica_status(self) -> dict[str, Any]:
+        return self._core.replica_status()
+
     async def get_snapshot(self) -> dict[str, Any]:
         self._ensure_loop()
         return self._core.snapshot()
@@ -434,6 +575,11 @@ class Controller:
 
     async def clear_chaos(self, by: str) -> None:
         self._core.clear_chaos(by)
+
+
+def _kill_actor(name: str, namespace: str) -> None:
+    """Kill a hung replica outright; Serve notices the dead actor and starts a replacement."""
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
 
 
 def controller_options(cfg: BallastConfig) -> dict[str, Any]:

@@ -81,3 +81,80 @@ def make_gpu_probe(device: str, nvml: Any = None) -> Optional[NvmlGpuProbe]:
     except Exception as e:
         log.warning("NVML unavailable, GPU metrics absent: %r", e)
         return None
+
+
+@dataclass(frozen=True)
+class ProcessGpuSample:
+    util_pct: float  # the whole device's utilization (NVML has no per-process duty cycle)
+    process_vram_bytes: Optional[int]  # this process's memory on the device; None if NVML won't say
+    vram_total_bytes: int
+
+
+class ProcessGpuProbe:
+    """What one process uses of one GPU, sampled from outside the process (the watchdog).
+
+    The device is named by UUID because the watchdog has no GPU of its own and so
+    no CUDA_VISIBLE_DEVICES to go by; NVML enumerates physical devices regardless.
+    """
+
+    def __init__(self, nvml: Any, handle: Any, pid: int):
+        self._nvml = nvml
+        self._handle = handle
+        self._pid = pid
+
+    def sample(self) -> Optional[ProcessGpuSample]:
+        try:
+            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except Exception as e:
+            log.warning("NVML sample failed: %r", e)
+            return None
+        used: Optional[int] = None
+        for p in procs:
+            if int(p.pid) == self._pid:
+                # usedGpuMemory is None where the driver hides per-process figures (some containers).
+                used = None if p.usedGpuMemory is None else int(p.usedGpuMemory)
+        return ProcessGpuSample(float(util.gpu), used, int(mem.total))
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def visible_gpu_uuid(nvml: Any = None) -> Optional[str]:
+    """The UUID of this process's cuda:0, for a watchdog to find the same device; None without one."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return None
+    try:
+        nvml.nvmlInit()
+        try:
+            uuid = nvml.nvmlDeviceGetUUID(_visible_device(nvml))
+            return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        finally:
+            nvml.nvmlShutdown()
+    except Exception as e:
+        log.warning("NVML unavailable, no GPU for the watchdog: %r", e)
+        return None
+
+
+def make_process_gpu_probe(gpu_uuid: Optional[str], pid: int, nvml: Any = None) -> Optional[ProcessGpuProbe]:
+    """A probe of ``pid`` on the GPU ``gpu_uuid``, or None (no GPU: VRAM metrics absent)."""
+    if not gpu_uuid:
+        return None
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return None
+    try:
+        nvml.nvmlInit()
+        return ProcessGpuProbe(nvml, nvml.nvmlDeviceGetHandleByUUID(gpu_uuid), pid)
+    except Exception as e:
+        log.warning("NVML unavailable for the watchdog, VRAM metrics absent: %r", e)
+        return None

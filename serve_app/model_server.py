@@ -9,6 +9,15 @@ Degradation constraints reach the replica through its snapshot cache: the batch
 size limit follows ``max_batch_size`` of the current level and ``max_tokens`` is
 clamped again here (the router already clamped; a replica never trusts that).
 
+Each replica spawns its own watchdog actor (``serve_app.watchdog``) and beats to it
+every ``watchdog.interval_s`` with its in-flight count and a progress counter the
+work loop bumps once per decode step; the reply carries the watchdog's ladder
+actions (gc, empty the CUDA cache) and whether to keep taking work. Readiness
+reaches Serve's request routing through ``record_routing_stats`` (see
+``serve_app.routing``). A recycle order for this replica in the snapshot makes
+``check_health`` fail, so Serve drains it gracefully and starts a replacement
+(Serve has no restart API); the order lapses with its lease.
+
 About once per ``report_interval_s`` the replica reports queue length, running
 requests, batch statistics and GPU utilization / VRAM (absent — ``None`` — without
 a GPU) to the controller, and takes the snapshot back in the same call.
@@ -17,6 +26,7 @@ a GPU) to the controller, and takes the snapshot back in the same call.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections import deque
@@ -32,7 +42,7 @@ from .chaos import ChaosAgent
 from .config import BallastConfig, ModelConfig, load_config
 from .controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
 from .errors import DeadlineExceeded
-from .gpu import make_gpu_probe
+from .gpu import make_gpu_probe, visible_gpu_uuid
 from .snapshot import Snapshot
 
 log = logging.getLogger("ballast.model")
@@ -102,6 +112,12 @@ class ModelServer:
         self._waits_ms: deque[float] = deque(maxlen=WINDOW)
         self._batch_limit = 0
         self._chaos = ChaosAgent(self._cfg.chaos.enabled, self._cfg.chaos.max_leak_mb)
+        self._started_at_s = time.time()
+        self._progress = 0  # decode steps taken: the work loop's heartbeat
+        self._ready = True  # the watchdog's verdict: keep taking new work
+        self._recycle_order: Optional[dict[str, Any]] = None
+        self._beat_task: Optional[asyncio.Task] = None
+        self._watchdog = self._spawn_watchdog()
         self._apply_batch_limit(self._cache.effective().constraints.max_batch_size)
 
         from ray.serve import metrics  # created once, here (STYLE 8)
@@ -111,6 +127,62 @@ class ModelServer:
         )
         self._m_tokens = metrics.Counter("ballast_model_tokens_total", "Tokens generated.")
         self._m_queue = metrics.Gauge("ballast_model_queued", "Requests in this replica waiting for a batch.")
+
+    # -- watchdog, readiness and recycling ---------------------------------------------
+    def _spawn_watchdog(self) -> Any:
+        from .watchdog import spawn_watchdog
+
+        try:
+            return spawn_watchdog(
+                self._cfg,
+                {
+                    "replica_id": self._replica_id,
+                    "deployment": self._deployment,
+                    "started_at_s": self._started_at_s,
+                    "gpu_uuid": visible_gpu_uuid() if self._backend.device.startswith("cuda") else None,
+                },
+            )
+        except Exception:  # a replica without its watchdog still serves; the gap is logged
+            log.exception("could not start the watchdog for %s", self._replica_id)
+            return None
+
+    def _start_loops(self) -> None:
+        self._exchange.start()
+        if self._watchdog is not None and (self._beat_task is None or self._beat_task.done()):
+            self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
+
+    async def _beat_loop(self) -> None:
+        interval = self._cfg.watchdog.interval_s
+        while True:
+            try:
+                reply = await asyncio.wait_for(
+                    self._watchdog.beat.remote(self._queued + self._running, self._progress), interval * 2
+                )
+                self._apply_watchdog(reply)
+            except Exception as e:  # a watchdog that died with its node: keep serving
+                log.debug("watchdog beat failed: %r", e)
+            await asyncio.sleep(interval)
+
+    def _apply_watchdog(self, reply: dict[str, Any]) -> None:
+        for action in reply.get("actions", ()):
+            if action == "gc_collect":
+                gc.collect()
+            elif action == "empty_cache" and self._backend.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.empty_cache()
+        self._ready = bool(reply.get("ready", True))
+
+    def _draining(self) -> Optional[str]:
+        """Why this replica is being recycled, while its order (lease) is live; else None."""
+        o = self._recycle_order
+        if o and time.time() < float(o.get("expires_at_s", 0)):
+            return str(o.get("reason", "recycle"))
+        return None
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        # Serve polls this and hands it to the request router (serve_app.routing).
+        return {"ready": self._ready and self._draining() is None}
 
     # -- control loop ------------------------------------------------------------------
     def _apply_batch_limit(self, level_limit: int) -> None:
@@ -123,6 +195,7 @@ class ModelServer:
     def _apply_snapshot(self, snap: Snapshot) -> None:
         self._apply_batch_limit(self._cache.effective().constraints.max_batch_size)
         self._chaos.apply(snap.chaos.get(self._role))
+        self._recycle_order = snap.recycle_orders.get(self._replica_id)
 
     def _report(self) -> dict[str, Any]:
         gpu = self._gpu.sample() if self._gpu is not None else None
@@ -144,15 +217,21 @@ class ModelServer:
             "vram_total_bytes": gpu.vram_total_bytes if gpu else None,
             "device": self._backend.device,
             "chaos_leaked_bytes": self._chaos.leaked_bytes,
+            "started_at_s": self._started_at_s,
+            "ready": self._ready,
+            "draining": self._draining() is not None,
         }
 
     async def check_health(self) -> None:
         # Serve calls this every health_check_period_s: a good place to make sure the
-        # report loop runs even before the first request.
-        self._exchange.start()
+        # report and heartbeat loops run even before the first request.
+        self._start_loops()
+        why = self._draining()
+        if why is not None:  # three failures in a row and Serve replaces this replica gracefully
+            raise RuntimeError(f"recycling ({why}): draining for a replacement")
 
     async def ping(self) -> dict[str, Any]:
-        self._exchange.start()
+        self._start_loops()
         return {"replica_id": self._replica_id, **self._backend.describe()}
 
     async def stats(self) -> dict[str, Any]:
@@ -180,9 +259,11 @@ class ModelServer:
             while not all(done):
                 # Torch runs in a worker thread: the event loop stays free for new
                 # requests, health checks and the report loop.
+                await self._chaos.stall_point()
                 chunk = await asyncio.to_thread(next, gen, None)
                 if chunk is None:
                     break
+                self._progress += 1
                 now = time.monotonic()
                 out: list[Any] = []
                 for i, text in enumerate(chunk):
@@ -205,7 +286,7 @@ class ModelServer:
             self._running -= len(items)
 
     async def _chunks(self, req: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
-        self._exchange.start()
+        self._start_loops()
         await self._chaos.before_request()
         constraints = self._cache.effective().constraints
         max_tokens, _ = clamp_max_tokens(int(req["max_tokens"]), constraints, self._model_max_tokens)
@@ -262,6 +343,8 @@ def model_deployment(cfg: BallastConfig):
     """The Serve deployment for ``ModelServer`` with options from the config."""
     from .autoscaling import autoscaling_config
 
+    from .routing import request_router_config
+
     d = cfg.deployments.model
     return serve.deployment(
         ModelServer,
@@ -270,6 +353,7 @@ def model_deployment(cfg: BallastConfig):
         max_queued_requests=d.max_queued_requests,
         ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
         autoscaling_config=autoscaling_config(cfg),
+        request_router_config=request_router_config(cfg.watchdog.interval_s),
         health_check_period_s=d.health_check_period_s,
         health_check_timeout_s=d.health_check_timeout_s,
         graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
@@ -284,6 +368,7 @@ def fallback_deployment(cfg: BallastConfig):
         ModelServer,
         name=FALLBACK_DEPLOYMENT,
         num_replicas=d.replicas,
+        request_router_config=request_router_config(cfg.watchdog.interval_s),
         max_ongoing_requests=d.max_ongoing_requests,
         max_queued_requests=d.max_queued_requests,
         ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},

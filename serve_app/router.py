@@ -91,7 +91,16 @@ class ChaosRequest(BaseModel):
     error_ratio: float = Field(0.0, ge=0, le=1)
     latency_ms: int = Field(0, ge=0, le=600_000)
     hang: bool = False
+    stall: bool = False
     leak_mb_per_s: float = Field(0.0, ge=0, le=1024)
+
+
+class RecycleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replica_id: Optional[str] = Field(None, min_length=1, max_length=200)
+    deployment: Optional[str] = Field(None, pattern="^(BallastModel|BallastFallbackModel)$")
+    all: bool = False  # every replica of the deployment (or of both), in turn
 
 
 def _validate(model: type, data: Any) -> Any:
@@ -436,6 +445,7 @@ class Router:
                 for t, b in self._buckets.items()
             },
             "chaos": snap.chaos if snap else {},
+            "recycle": snap.recycle if snap else {},
         }
 
     @app.post("/v1/generate")
@@ -592,6 +602,22 @@ class Router:
         settings = body.model_dump(exclude={"target"})
         chaos = await self._controller("set_chaos", body.target, settings, self._operator(request))
         return {"chaos": chaos}
+
+    @app.post("/admin/recycle", status_code=202)
+    async def recycle(self, request: Request) -> JSONResponse:
+        """Ask for replicas to be recycled: they go in turn, under the planner's rules."""
+        self._require_admin(request)
+        body = _validate(RecycleRequest, await self._read_json(request))
+        if body.replica_id is None and not body.all:
+            raise InvalidRequest("name a replica_id, or set all: true", field="replica_id")
+        marked = await self._controller("request_recycle", body.replica_id, body.deployment, body.all, self._operator(request))
+        return JSONResponse({"accepted": marked}, status_code=202)
+
+    @app.get("/admin/replicas")
+    async def replicas(self, request: Request) -> dict[str, Any]:
+        """Every replica as its watchdog sees it, plus recycles in flight and recent events."""
+        self._require_admin(request)
+        return await self._controller("replica_status")
 
     @app.delete("/admin/chaos")
     async def clear_chaos(self, request: Request) -> dict[str, Any]:

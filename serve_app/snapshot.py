@@ -42,6 +42,10 @@ class Snapshot:
     autoscale: dict[str, dict[str, Any]] = field(default_factory=dict)
     kill_switches: list[dict[str, Any]] = field(default_factory=list)
     chaos: dict[str, dict[str, Any]] = field(default_factory=dict)  # target -> settings
+    # replica_id -> {"reason", "lease_id", "expires_at_s"}: these replicas drain (fail their
+    # health check) until the order's lease expires or the order disappears.
+    recycle_orders: dict[str, dict[str, Any]] = field(default_factory=dict)
+    recycle: dict[str, Any] = field(default_factory=dict)  # in flight, availability: for /v1/status
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import pytest
 
-from serve_app.gpu import GpuSample, NvmlGpuProbe, make_gpu_probe
+from serve_app.gpu import GpuSample, NvmlGpuProbe, make_gpu_probe, make_process_gpu_probe, visible_gpu_uuid
 
 
 class FakeNvmlError(Exception):
@@ -33,6 +33,13 @@ class _Mem:
     free: int = 0
 
 
+@dataclass
+class _Proc:
+    pid: int
+    usedGpuMemory: Optional[int]
+    device: int = 0
+
+
 @dataclass(frozen=True)
 class FakeHandle:
     index: int
@@ -49,6 +56,7 @@ class FakeNvml:
             ("GPU-bbbb-1111", 55, 40 * self.GIB, 80 * self.GIB),
             ("GPU-cccc-2222", 97, 78 * self.GIB, 80 * self.GIB),
         ]
+        self.processes: list[_Proc] = []
         self.fail_init = False
         self.fail_sample = False
         self.fail_shutdown = False
@@ -89,6 +97,14 @@ class FakeNvml:
             raise FakeNvmlError("GPU is lost")
         _, _, used, total = self.gpus[handle.index]
         return _Mem(used=used, total=total, free=total - used)
+
+    def nvmlDeviceGetUUID(self, handle: FakeHandle) -> bytes:
+        return self.gpus[handle.index][0].encode()  # older pynvml returns bytes
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> list[_Proc]:
+        if self.fail_sample:
+            raise FakeNvmlError("GPU is lost")
+        return [p for p in self.processes if p.device == handle.index]
 
     def lookups(self) -> list[tuple[str, Any]]:
         return [c for c in self.calls if c[0] in ("by_index", "by_uuid")]
@@ -223,3 +239,36 @@ class TestRealPynvml:
             probe.close()
         else:
             assert probe is None
+
+
+class TestProcessProbe:
+    """The watchdog's view: one process's memory on a GPU named by UUID."""
+
+    def test_samples_this_pids_memory_on_the_named_device(self, nvml: FakeNvml) -> None:
+        nvml.processes = [_Proc(pid=111, usedGpuMemory=5 * FakeNvml.GIB, device=1), _Proc(pid=222, usedGpuMemory=1, device=1)]
+        probe = make_process_gpu_probe("GPU-bbbb-1111", 111, nvml=nvml)
+        s = probe.sample()
+        assert s.process_vram_bytes == 5 * FakeNvml.GIB and s.vram_total_bytes == 80 * FakeNvml.GIB and s.util_pct == 55.0
+
+    def test_a_process_nvml_does_not_list_has_absent_memory(self, nvml: FakeNvml) -> None:
+        nvml.processes = [_Proc(pid=111, usedGpuMemory=None, device=0)]  # containers may hide it
+        assert make_process_gpu_probe("GPU-aaaa-0000", 111, nvml=nvml).sample().process_vram_bytes is None
+        assert make_process_gpu_probe("GPU-aaaa-0000", 999, nvml=nvml).sample().process_vram_bytes is None
+
+    def test_no_uuid_or_no_nvml_means_no_probe(self, nvml: FakeNvml) -> None:
+        assert make_process_gpu_probe(None, 1, nvml=nvml) is None
+        assert make_process_gpu_probe("GPU-none", 1, nvml=nvml) is None
+        nvml.fail_init = True
+        assert make_process_gpu_probe("GPU-aaaa-0000", 1, nvml=nvml) is None
+
+    def test_a_failed_sample_is_none(self, nvml: FakeNvml) -> None:
+        probe = make_process_gpu_probe("GPU-aaaa-0000", 1, nvml=nvml)
+        nvml.fail_sample = True
+        assert probe.sample() is None
+
+    def test_visible_uuid_follows_cuda_visible_devices(self, nvml: FakeNvml, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+        assert visible_gpu_uuid(nvml) == "GPU-cccc-2222"
+        assert nvml.calls[-1] == ("shutdown", None)
+        nvml.fail_init = True
+        assert visible_gpu_uuid(nvml) is None

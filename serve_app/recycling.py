@@ -1,0 +1,291 @@
+"""The controller's side of recycling: watchdog reports in, recycle orders and kills out.
+
+``RecycleCoordinator`` lives inside ``ControllerCore``. Each tick it
+
+1. expires leases (``policies.lease``): a recycle lease left by a dead controller
+   expires after three missed heartbeats, and this controller carries on;
+2. turns hung replicas (watchdog ``hung``) into kill orders — at once, outside the
+   planner's limits: a hung replica serves nobody;
+3. builds one ``ReplicaView`` per replica from the replica's and its watchdog's
+   reports and runs ``policies.recycle.plan``; every recycle it starts takes a
+   lease (TTL + heartbeat) that is persisted by the controller actor in Ray's KV
+   store, so a restarted controller sees recycles in flight and respects
+   ``max_unavailable`` until their leases lapse;
+4. heartbeats its own leases and publishes the orders (replica → reason, lease,
+   expiry) in the snapshot. A replica with a live order fails its health check,
+   so Serve drains it and starts a replacement.
+
+It also keeps the availability account: the expected figure from seed 000's
+formula for the configured schedule, and the measured one (time replicas were
+out for recycles over replica-seconds observed). Everything here is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+from policies import recycle
+from policies.lease import LeaseLost, LeaseTable
+from policies.recycle import InFlight, RecycleConfig, RecycleState, ReplicaView
+
+from .config import RecycleSettings
+
+log = logging.getLogger("ballast.recycle")
+
+MAX_EVENTS = 200
+MAX_KILLED = 256
+KILL_COOLDOWN_S = 60.0
+LEASE_PREFIX = "recycle/"
+
+
+def recycle_config(r: RecycleSettings) -> RecycleConfig:
+    return RecycleConfig(
+        max_age_s=r.max_age_s,
+        jitter_ratio=r.jitter_ratio,
+        window_start_hour=r.window_start_hour,
+        window_end_hour=r.window_end_hour,
+        forced_max_age_s=r.forced_max_age_s,
+        max_unavailable=r.max_unavailable,
+        min_available=r.min_available,
+        block_at_level=r.block_at_level,
+        recycle_timeout_s=r.recycle_timeout_s,
+    )
+
+
+def _hour_of_day(wall_s: float) -> float:
+    t = time.localtime(wall_s)
+    return t.tm_hour + t.tm_min / 60.0
+
+
+class RecycleCoordinator:
+    def __init__(self, settings: RecycleSettings, holder: str, wall: Callable[[], float]):
+        self._wall = wall
+        self.holder = holder  # the controller's epoch: a restarted controller is a new holder
+        self.leases = LeaseTable()
+        self.state = RecycleState()
+        self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
+        self.new_events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)  # drained by the actor for metrics
+        self.manual: "OrderedDict[str, str]" = OrderedDict()  # replica_id -> who asked
+        self._killed: "OrderedDict[str, float]" = OrderedDict()
+        self.kill_orders: deque[dict[str, Any]] = deque(maxlen=MAX_KILLED)
+        self.leases_dirty = False
+        self.waiting: tuple[tuple[str, str], ...] = ()
+        self.orders: dict[str, dict[str, Any]] = {}
+        self._out_s = 0.0
+        self._replica_s = 0.0
+        self._durations: deque[float] = deque(maxlen=64)
+        self._last_wall: Optional[float] = None
+        self.configure(settings)
+
+    def configure(self, settings: RecycleSettings) -> None:
+        self.settings = settings
+        self.cfg = recycle_config(settings)
+
+    # -- events ------------------------------------------------------------------------
+    def _event(self, outcome: str, replica_id: str, deployment: str, reason: str, **extra: Any) -> None:
+        e = {"at_s": round(self._wall(), 3), "outcome": outcome, "replica_id": replica_id, "deployment": deployment, "reason": reason, **extra}
+        self.events.append(e)
+        self.new_events.append(e)
+        log.warning("ballast.recycle %s %s/%s (%s)", outcome, deployment, replica_id, reason)
+
+    # -- leases --------------------------------------------------------------------------
+    @staticmethod
+    def _resource(deployment: str, replica_id: str) -> str:
+        return f"{LEASE_PREFIX}{deployment}/{replica_id}"
+
+    def leases_dict(self) -> dict[str, Any]:
+        return self.leases.to_dict()
+
+    def adopt(self, data: dict[str, Any]) -> int:
+        """Take over the lease table a previous controller persisted; its live recycles count as in flight."""
+        table = LeaseTable.from_dict(data)
+        now = self._wall()
+        adopted = []
+        for lease in table.leases():
+            if lease.expired(now) or not lease.resource.startswith(LEASE_PREFIX):
+                continue
+            d = dict(lease.data)
+            adopted.append(
+                InFlight(
+                    replica_id=d.get("replica_id", "?"),
+                    deployment=d.get("deployment", "?"),
+                    reason=d.get("reason", "?"),
+                    started_at_s=lease.acquired_at_s,
+                    healthy_before=int(d.get("healthy_before", "1")),
+                )
+            )
+        self.leases = table
+        self.state = RecycleState(in_flight=tuple(adopted))
+        return len(adopted)
+
+    def _drop(self, replica_id: str) -> None:
+        self.state = replace(self.state, in_flight=tuple(f for f in self.state.in_flight if f.replica_id != replica_id))
+
+    def _release(self, f: InFlight) -> None:
+        lease = self.leases.get(self._resource(f.deployment, f.replica_id))
+        if lease is not None and lease.holder == self.holder:
+            self.leases.release(lease.id, self.holder)
+            self.leases_dirty = True
+        # A previous controller's lease is left to expire: only its holder may release it.
+
+    # -- manual requests -------------------------------------------------------------------
+    def request(self, known: dict[str, str], replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str) -> list[str]:
+        """Mark replicas for a manual recycle; ``known`` maps replica_id -> deployment."""
+        if replica_id is not None:
+            if replica_id not in known:
+                raise ValueError(f"replica_id: no replica {replica_id!r} is reporting (see GET /admin/replicas)")
+            chosen = [replica_id]
+        else:
+            chosen = [r for r, d in known.items() if everyone and (deployment is None or d == deployment)]
+        for r in chosen:
+            self.manual[r] = by
+        # Bounded by the replicas that exist: forget marks for replicas that are gone.
+        for r in [r for r in self.manual if r not in known]:
+            del self.manual[r]
+        return chosen
+
+    # -- the tick --------------------------------------------------------------------------
+    def tick(
+        self,
+        replicas: list[dict[str, Any]],
+        watchdogs: dict[str, dict[str, Any]],
+        targets: dict[str, int],
+        level: int,
+    ) -> None:
+        now = self._wall()
+        if self._last_wall is not None:
+            self._replica_s += len(replicas) * max(0.0, now - self._last_wall)
+        self._last_wall = now
+
+        for lease in self.leases.expire(now):
+            d = dict(lease.data)
+            rid = d.get("replica_id", "?")
+            if any(f.replica_id == rid for f in self.state.in_flight):
+                self._drop(rid)
+                self._event("lease_expired", rid, d.get("deployment", "?"), d.get("reason", "?"), holder=lease.holder)
+            self.leases_dirty = True
+
+        self._hung(watchdogs, now)
+
+        known = {str(r.get("replica_id")): str(r.get("deployment")) for r in replicas}
+        for r in [r for r in self.manual if r not in known]:
+            del self.manual[r]
+        in_flight = {f.replica_id for f in self.state.in_flight}
+        views = []
+        for r in replicas:
+            rid = str(r.get("replica_id"))
+            wd = watchdogs.get(rid, {})
+            healthy = bool(r.get("ready", True)) and not r.get("draining") and bool(wd.get("ready", True)) and not wd.get("hung") and rid not in in_flight
+            asked = bool(wd.get("recycle_requested"))
+            views.append(
+                ReplicaView(
+                    replica_id=rid,
+                    deployment=str(r.get("deployment")),
+                    started_at_s=float(r.get("started_at_s") or wd.get("started_at_s") or now),
+                    healthy=healthy,
+                    request=(wd.get("reason") or "watchdog") if asked else None,
+                    critical=asked and bool(wd.get("critical")),
+                    manual=rid in self.manual,
+                )
+            )
+        if not self.settings.enabled:
+            views = [v for v in views if v.manual or v.request]  # only asked-for recycles
+        plan, self.state = recycle.plan(views, targets, self.state, level, self.cfg, now, _hour_of_day(now))
+        self.waiting = plan.waiting
+        healthy_by_dep: dict[str, int] = {}
+        for v in views:
+            healthy_by_dep[v.deployment] = healthy_by_dep.get(v.deployment, 0) + (1 if v.healthy else 0)
+        for o in plan.start:
+            f = next(f for f in self.state.in_flight if f.replica_id == o.replica_id)
+            lease = self.leases.acquire(
+                self._resource(o.deployment, o.replica_id),
+                self.holder,
+                now,
+                self.settings.lease_ttl_s,
+                self.settings.lease_heartbeat_s,
+                uuid.uuid4().hex[:12],
+                data=(("replica_id", o.replica_id), ("deployment", o.deployment), ("reason", o.reason), ("healthy_before", str(f.healthy_before))),
+            )
+            if lease is None:  # someone else's live lease on it: leave it to them
+                self._drop(o.replica_id)
+                continue
+            self.leases_dirty = True
+            self.manual.pop(o.replica_id, None)
+            self._event("started", o.replica_id, o.deployment, o.reason)
+        for f in plan.completed:
+            took = max(0.0, now - f.started_at_s)
+            self._out_s += took
+            self._durations.append(took)
+            self._release(f)
+            self._event("completed", f.replica_id, f.deployment, f.reason, duration_s=round(took, 3))
+        for f in plan.stuck:
+            self._release(f)
+            self._event("stuck", f.replica_id, f.deployment, f.reason, duration_s=round(now - f.started_at_s, 3))
+
+        self.orders = {}
+        for f in self.state.in_flight:
+            lease = self.leases.get(self._resource(f.deployment, f.replica_id))
+            if lease is None:
+                continue
+            if lease.holder == self.holder and now - lease.last_heartbeat_s >= self.settings.lease_heartbeat_s:
+                try:
+                    lease = self.leases.heartbeat(lease.id, self.holder, now)
+                    self.leases_dirty = True
+                except LeaseLost:
+                    continue
+            self.orders[f.replica_id] = {
+                "reason": f.reason,
+                "deployment": f.deployment,
+                "lease_id": lease.id,
+                "expires_at_s": lease.expires_at_s(),
+            }
+
+    def _hung(self, watchdogs: dict[str, dict[str, Any]], now: float) -> None:
+        while self._killed and next(iter(self._killed.values())) < now - KILL_COOLDOWN_S:
+            self._killed.popitem(last=False)
+        for rid, wd in watchdogs.items():
+            if not wd.get("hung") or rid in self._killed or not wd.get("actor_name"):
+                continue
+            self._killed[rid] = now
+            while len(self._killed) > MAX_KILLED:
+                self._killed.popitem(last=False)
+            self.kill_orders.append(
+                {"replica_id": rid, "deployment": wd.get("deployment"), "actor_name": wd["actor_name"], "namespace": wd.get("actor_namespace") or "serve"}
+            )
+            self._event("killed_hung", rid, str(wd.get("deployment")), "hung", heartbeat_age_s=wd.get("heartbeat_age_s"))
+
+    # -- what the snapshot and /v1/status show ---------------------------------------------------
+    def availability(self, n_replicas: int) -> dict[str, Optional[float]]:
+        restart_s = (sum(self._durations) / len(self._durations)) if self._durations else self.settings.restart_estimate_s
+        period = self.settings.max_age_s or self.settings.forced_max_age_s
+        expected = recycle.expected_availability(n_replicas, restart_s, period) if period else None
+        measured = recycle.measured_availability(self._out_s, self._replica_s)
+        return {
+            "expected": None if expected is None else round(expected, 6),
+            "measured": None if measured is None else round(measured, 6),
+            "restart_s": round(restart_s, 3),
+            "out_s": round(self._out_s, 3),
+            "replica_s": round(self._replica_s, 3),
+        }
+
+    def summary(self, n_replicas: int) -> dict[str, Any]:
+        now = self._wall()
+        return {
+            "in_flight": [
+                {"replica_id": f.replica_id, "deployment": f.deployment, "reason": f.reason, "age_s": round(now - f.started_at_s, 3)}
+                for f in self.state.in_flight
+            ],
+            "waiting": [list(w) for w in self.waiting[:20]],
+            "availability": self.availability(n_replicas),
+            "recent": list(self.events)[-10:],
+        }
+
+    def oldest_in_flight_s(self, deployment: str) -> float:
+        now = self._wall()
+        ages = [now - f.started_at_s for f in self.state.in_flight if f.deployment == deployment]
+        return max(ages) if ages else 0.0
