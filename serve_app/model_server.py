@@ -43,6 +43,7 @@ from .config import BallastConfig, ModelConfig, load_config
 from .controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
 from .errors import DeadlineExceeded
 from .gpu import make_gpu_probe, visible_gpu_uuid
+from .routing import request_router_config
 from .snapshot import Snapshot
 
 log = logging.getLogger("ballast.model")
@@ -342,8 +343,6 @@ class ModelServer:
 def model_deployment(cfg: BallastConfig):
     """The Serve deployment for ``ModelServer`` with options from the config."""
     from .autoscaling import autoscaling_config
-
-    from .routing import request_router_config
 
     d = cfg.deployments.model
     return serve.deployment(

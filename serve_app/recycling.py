@@ -197,9 +197,16 @@ class RecycleCoordinator:
             views = [v for v in views if v.manual or v.request]  # only asked-for recycles
         plan, self.state = recycle.plan(views, targets, self.state, level, self.cfg, now, _hour_of_day(now))
         self.waiting = plan.waiting
-        healthy_by_dep: dict[str, int] = {}
-        for v in views:
-            healthy_by_dep[v.deployment] = healthy_by_dep.get(v.deployment, 0) + (1 if v.healthy else 0)
+        for f in plan.completed:
+            took = max(0.0, now - f.started_at_s)
+            self._out_s += took
+            self._durations.append(took)
+            self._release(f)
+            self._event("completed", f.replica_id, f.deployment, f.reason, duration_s=round(took, 3))
+        for f in plan.stuck:
+            self._release(f)
+            self._event("stuck", f.replica_id, f.deployment, f.reason, duration_s=round(now - f.started_at_s, 3))
+        # Completions are recorded before the starts they make room for.
         for o in plan.start:
             f = next(f for f in self.state.in_flight if f.replica_id == o.replica_id)
             lease = self.leases.acquire(
@@ -217,16 +224,6 @@ class RecycleCoordinator:
             self.leases_dirty = True
             self.manual.pop(o.replica_id, None)
             self._event("started", o.replica_id, o.deployment, o.reason)
-        for f in plan.completed:
-            took = max(0.0, now - f.started_at_s)
-            self._out_s += took
-            self._durations.append(took)
-            self._release(f)
-            self._event("completed", f.replica_id, f.deployment, f.reason, duration_s=round(took, 3))
-        for f in plan.stuck:
-            self._release(f)
-            self._event("stuck", f.replica_id, f.deployment, f.reason, duration_s=round(now - f.started_at_s, 3))
-
         self.orders = {}
         for f in self.state.in_flight:
             lease = self.leases.get(self._resource(f.deployment, f.replica_id))

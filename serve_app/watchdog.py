@@ -201,7 +201,8 @@ class WatchdogCore:
             "inflight": self._inflight,
             "hung": self.hung,
             "severity": verdict.severity,
-            "reason": verdict.reason,
+            "reason": verdict.reason,  # what this sample found
+            "action_reason": self._ladder.reason,  # what made the ladder take its last rung (sticks)
             "ready": self.ready,
             "recycle_requested": self.recycle_requested,
             "critical": verdict.severity == "critical",
@@ -325,8 +326,10 @@ def spawn_watchdog(cfg: BallastConfig, info: dict[str, Any]) -> Any:
 
     if not cfg.watchdog.enabled or not ray.is_initialized():
         return None
+    from ray.serve._private.constants import SERVE_NAMESPACE  # replicas are named actors there
+
     ctx = ray.get_runtime_context()
-    info = {**info, "pid": os.getpid(), "actor_name": ctx.get_actor_name(), "actor_namespace": ctx.namespace}
+    info = {**info, "pid": os.getpid(), "actor_name": ctx.get_actor_name(), "actor_namespace": SERVE_NAMESPACE}
     if _WATCHDOG is None:
         _WATCHDOG = _actor_class()
     return _WATCHDOG.options(
