@@ -85,6 +85,8 @@ class RecycleCoordinator:
     def configure(self, settings: RecycleSettings) -> None:
         self.settings = settings
         self.cfg = recycle_config(settings)
+        if not settings.enabled:  # no scheduled recycles; watchdog and operator requests still go
+            self.cfg = replace(self.cfg, max_age_s=None, forced_max_age_s=None)
 
     # -- events ------------------------------------------------------------------------
     def _event(self, outcome: str, replica_id: str, deployment: str, reason: str, **extra: Any) -> None:
@@ -193,8 +195,6 @@ class RecycleCoordinator:
                     manual=rid in self.manual,
                 )
             )
-        if not self.settings.enabled:
-            views = [v for v in views if v.manual or v.request]  # only asked-for recycles
         plan, self.state = recycle.plan(views, targets, self.state, level, self.cfg, now, _hour_of_day(now))
         self.waiting = plan.waiting
         for f in plan.completed:

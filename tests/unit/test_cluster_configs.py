@@ -57,3 +57,28 @@ def test_cluster_yaml_passes_rays_own_validation():
     broken = {**cfg, "max_workerz": 3}
     with pytest.raises(Exception, match="max_workerz"):
         validate_config(prepare_config(broken))
+
+
+def test_serve_config_builds_through_the_apps_own_builder_with_production_settings():
+    """`serve deploy` runs build_app(args): build the same graph here and read its deployments back.
+
+    The config goes through the app's pydantic model and deployment factories, so a
+    field renamed or a default changed in code fails here, not on the cluster.
+    """
+    from serve_app.app import build
+
+    serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
+    cfg = load_config(serve_cfg["applications"][0]["args"]["config"])
+    router = build(cfg)._bound_deployment
+    assert router.name == "BallastRouter"
+    model = router.init_args[0]._bound_deployment
+    assert model.name == "BallastModel"
+    assert model.ray_actor_options["num_gpus"] == 1
+    dc = model._deployment_config
+    assert dc.autoscaling_config.policy.policy_function == "serve_app.autoscaling:ControllerDrivenPolicy"
+    assert dc.autoscaling_config.min_replicas == cfg.deployments.model.min_replicas
+    assert dc.autoscaling_config.max_replicas == cfg.deployments.model.max_replicas == 8
+    assert dc.request_router_config.request_router_class == "serve_app.routing:ReadinessAwareRouter"
+    assert dc.max_queued_requests == cfg.deployments.model.max_queued_requests > 0  # bounded
+    assert router.init_args[1] == cfg.model_dump(mode="json")  # what every replica loads
+    assert cfg.chaos.enabled is False and cfg.watchdog.enabled and cfg.recycle.enabled

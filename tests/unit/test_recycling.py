@@ -1,0 +1,189 @@
+"""The controller's recycling: watchdog reports in, orders, kills and leases out (no Ray).
+
+``ControllerCore`` runs with two ``FakeClock``s (monotonic for report expiry, wall
+for leases and ages). Replicas and watchdogs are plain report dicts, re-sent every
+simulated second as the real ones are. A controller restart is a second
+``ControllerCore`` adopting the lease table the first one persisted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+
+from fakes import FakeClock
+from serve_app.config import load_config
+from serve_app.controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ControllerCore
+
+WALL0 = 1_000_000
+
+
+def cfg(**recycle: Any):
+    return load_config(
+        {
+            "deployments": {"model": {"min_replicas": 2, "max_replicas": 2}},
+            "controller": {"report_expiry_s": 3},
+            "recycle": {
+                "max_age_s": None, "forced_max_age_s": None, "window_start_hour": None, "window_end_hour": None,
+                "lease_heartbeat_s": 2, "recycle_timeout_s": 120, **recycle,
+            },
+        }
+    )
+
+
+class Fleet:
+    """Replicas and their watchdogs reporting to one controller; replicas may be replaced."""
+
+    def __init__(self, core: ControllerCore, clock: FakeClock, wall: FakeClock, n: int = 2) -> None:
+        self.core, self.clock, self.wall = core, clock, wall
+        self.replicas: dict[str, dict[str, Any]] = {}
+        self.watchdogs: dict[str, dict[str, Any]] = {}
+        for i in range(n):
+            self.add(f"r{i}")
+
+    def add(self, rid: str, ready: bool = True) -> None:
+        self.replicas[rid] = {"replica_id": rid, "deployment": MODEL_DEPLOYMENT, "queued": 0, "running": 0,
+                              "started_at_s": float(self.wall()), "ready": ready, "draining": False}
+        self.watchdogs[rid] = {"replica_id": rid, "deployment": MODEL_DEPLOYMENT, "actor_name": f"SERVE_REPLICA::ballast#BallastModel#{rid}",
+                               "actor_namespace": "serve", "ready": True, "hung": False, "recycle_requested": False,
+                               "critical": False, "reason": None, "rss_bytes": 1e9, "heartbeat_age_s": 0.1, "inflight": 0}
+
+    def step(self, seconds: int = 1) -> dict[str, Any]:
+        snap: dict[str, Any] = {}
+        for _ in range(seconds):
+            self.clock.advance(1)
+            self.wall.advance(1)
+            for rid, r in self.replicas.items():
+                self.core.report_replica(dict(r))
+                self.core.report_watchdog(dict(self.watchdogs[rid]))
+            snap = self.core.tick().to_dict()
+            # A replica with an order drains: Serve replaces it once its health check has failed.
+            for rid in list(snap["recycle_orders"]):
+                if rid in self.replicas:
+                    self.replicas[rid]["draining"] = True
+        return snap
+
+    def replace_draining(self, new_id: str) -> None:
+        (old,) = [rid for rid, r in self.replicas.items() if r["draining"]]
+        del self.replicas[old]
+        del self.watchdogs[old]
+        self.add(new_id)
+
+
+def harness(config=None, n: int = 2) -> Fleet:
+    clock, wall = FakeClock(0), FakeClock(WALL0)
+    return Fleet(ControllerCore(config or cfg(), clock=clock, wall_clock=wall), clock, wall, n)
+
+
+def events(core: ControllerCore, outcome: Optional[str] = None) -> list[dict[str, Any]]:
+    return [e for e in core.recycler.events if outcome is None or e["outcome"] == outcome]
+
+
+def test_a_hung_replica_gets_one_kill_order_and_an_event() -> None:
+    f = harness()
+    f.step()
+    f.watchdogs["r1"].update(hung=True, inflight=2, heartbeat_age_s=4.0)
+    f.step()
+    orders = list(f.core.recycler.kill_orders)
+    assert orders == [{"replica_id": "r1", "deployment": MODEL_DEPLOYMENT,
+                       "actor_name": "SERVE_REPLICA::ballast#BallastModel#r1", "namespace": "serve"}]
+    f.step(5)  # still reported hung (the kill takes a moment): no second order within the cooldown
+    assert len(f.core.recycler.kill_orders) == 1
+    (e,) = events(f.core, "killed_hung")
+    assert e["replica_id"] == "r1" and e["heartbeat_age_s"] == 4.0
+
+
+def test_manual_recycle_of_every_replica_goes_one_at_a_time_with_a_lease() -> None:
+    f = harness()
+    f.step()
+    with pytest.raises(ValueError, match="replica_id"):
+        f.core.request_recycle("nope", None, False, "ops")
+    assert sorted(f.core.request_recycle(None, MODEL_DEPLOYMENT, True, "ops")) == ["r0", "r1"]
+    snap = f.step()
+    (rid,) = snap["recycle_orders"]  # one at a time (max_unavailable 1)
+    order = snap["recycle_orders"][rid]
+    assert order["reason"] == "manual" and order["expires_at_s"] > f.wall()
+    assert snap["recycle"]["in_flight"][0]["replica_id"] == rid
+    lease = f.core.recycler.leases.get(f"recycle/{MODEL_DEPLOYMENT}/{rid}")
+    assert lease is not None and lease.holder == f.core.epoch
+    assert f.core.recycler.leases_dirty
+    # Orders keep their lease alive while the replica drains.
+    for _ in range(6):
+        snap = f.step()
+        assert list(snap["recycle_orders"]) == [rid]
+    f.replace_draining("r2")
+    f.step(4)  # old gone (its last report expires), replacement healthy: complete; the next one starts
+    assert [e["replica_id"] for e in events(f.core, "completed")] == [rid]
+    snap = f.step()
+    (nxt,) = snap["recycle_orders"]
+    assert nxt != rid and nxt in ("r0", "r1")
+    assert f.core.recycler.leases.get(f"recycle/{MODEL_DEPLOYMENT}/{rid}") is None, "released on completion"
+    f.replace_draining("r3")
+    f.step(4)
+    assert {e["replica_id"] for e in events(f.core, "completed")} == {"r0", "r1"}
+    assert f.step()["recycle_orders"] == {}
+    avail = f.core.replica_status()["availability"]
+    assert 0 < avail["measured"] < 1 and avail["out_s"] > 0
+
+
+def test_a_watchdog_request_recycles_even_a_lone_replica_that_stopped_taking_work() -> None:
+    f = harness(cfg(min_available=1), n=1)
+    f.step()
+    f.watchdogs["r0"].update(ready=False, recycle_requested=True, critical=True, reason="rss_bytes leak 900 MiB/h, limit in 0.4h")
+    snap = f.step()
+    assert snap["recycle_orders"]["r0"]["reason"] == "critical"
+
+
+def test_a_controller_that_dies_mid_recycle_leaves_nothing_stuck() -> None:
+    f = harness()
+    f.step()
+    f.watchdogs["r0"].update(recycle_requested=True, reason="fds growth")
+    f.step()
+    assert list(f.step()["recycle_orders"]) == ["r0"]
+    persisted = f.core.recycler.leases_dict()  # what the actor wrote to Ray's KV store
+    lease_before = f.core.recycler.leases.get(f"recycle/{MODEL_DEPLOYMENT}/r0")
+
+    # The controller dies; Ray starts a new one (new epoch), which reads the KV store.
+    new = ControllerCore(cfg(), clock=f.clock, wall_clock=f.wall)
+    assert new.epoch != f.core.epoch
+    assert new.recycler.adopt(persisted) == 1
+    f.core = new
+    f.watchdogs["r1"].update(recycle_requested=True, reason="thread growth")  # another one wants to go
+    expiry = lease_before.expires_at_s()
+    while f.wall() < expiry:
+        snap = f.step()
+        # The old lease still counts: r0's order stands, r1 waits (max_unavailable 1).
+        assert list(snap["recycle_orders"]) == ["r0"], snap["recycle_orders"]
+    # Exactly three missed heartbeats later the lease expires and the new controller carries on.
+    snap = f.step()
+    assert events(new, "lease_expired")[0]["replica_id"] == "r0"
+    assert len(snap["recycle_orders"]) == 1
+    (rid,) = snap["recycle_orders"]
+    lease = new.recycler.leases.get(f"recycle/{MODEL_DEPLOYMENT}/{rid}")
+    assert lease.holder == new.epoch
+
+
+def test_expected_availability_follows_the_schedule() -> None:
+    f = harness(cfg(max_age_s=6 * 3600, forced_max_age_s=24 * 3600, restart_estimate_s=60))
+    snap = f.step()
+    # seed 000: (N-1)/N + (1 - T_restart/T_period)/N with N = 2, T = 60 s, period 6 h
+    assert snap["recycle"]["availability"]["expected"] == pytest.approx(0.5 + (1 - 60 / 21600) / 2, abs=1e-6)
+
+
+def test_malformed_watchdog_reports_are_rejected() -> None:
+    f = harness()
+    before = f.core.rejected_reports
+    assert f.core.report_watchdog({"replica_id": "x", "rss_bytes": -5})["accepted"] is False
+    assert f.core.report_watchdog("garbage")["accepted"] is False  # type: ignore[arg-type]
+    assert f.core.report_watchdog({"rss_bytes": 5})["accepted"] is False
+    assert f.core.rejected_reports == before + 3
+
+
+def test_recycling_disabled_still_honours_watchdog_and_manual_requests() -> None:
+    f = harness(cfg(enabled=False, max_age_s=10, forced_max_age_s=20))
+    snap = f.step(30)  # every replica is past its forced max age
+    assert snap["recycle_orders"] == {}
+    f.core.request_recycle("r1", None, False, "ops")
+    assert list(f.step()["recycle_orders"]) == ["r1"]
+    assert FALLBACK_DEPLOYMENT not in f.step()["recycle_orders"]
