@@ -262,6 +262,9 @@ class WatchdogSettings(_Strict):
 
     enabled: bool = True
     interval_s: PositiveFloat = 1.0  # sampling and heartbeat interval
+    # Growth while a replica loads and serves its first batches is not a leak: trends
+    # start after this many seconds of the replica's life.
+    warmup_s: float = Field(120.0, ge=0)
     hang_missed_heartbeats: PositiveInt = 3  # no work-loop progress for this many intervals with work in flight: hung
     leak_window_s: PositiveFloat = 3600.0  # trend window for leak slopes
     leak_min_span_ratio: float = Field(0.5, gt=0, le=1)  # no leak verdict before samples span this much of the window

@@ -244,7 +244,7 @@ class ControllerCore:
                     "manual_recycle": rid in self.recycler.manual,
                     "watchdog": {k: wd.get(k) for k in (
                         "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct",
-                        "heartbeat_age_s", "hung", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
+                        "heartbeat_age_s", "warming_up", "hung", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
                         "actions_total",
                     )} if wd else None,
                 }

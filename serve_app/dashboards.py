@@ -3,6 +3,16 @@
 ``python -m serve_app.dashboards`` writes ``cluster/grafana/dashboards/*.json``; a unit
 test regenerates them and fails on any difference, and an integration test runs
 every panel's query against a real Prometheus scraping a live local Ray.
+
+Two dashboards: the service overview, and "Ballast replicas" (one line per model
+replica from its watchdog, and the controller's recycling). A target that a healthy
+stack may rightly answer with nothing (VRAM without a GPU; time-to-limit while no
+series is rising) says why in ``sparse``; ``panel_queries()`` leaves those out unless
+asked, so the integration test's "every query finds series" stays a real check.
+
+Ray exports a counter only after its first increment, so the event panels (recycles,
+watchdog actions, hung replicas killed) show ``increase`` over 15 minutes: rare events
+read as counts, and an event stays visible for a while after its replica is gone.
 """
 
 import json
@@ -17,6 +27,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 class Target:
     expr: str
     legend: str = ""
+    sparse: str = ""  # why a healthy stack may answer this with no series ("" = it must not)
 
 
 @dataclass(frozen=True)
@@ -103,18 +114,142 @@ OVERVIEW = Dashboard(
         ),
         Panel("Queue length", (Target("max(ray_ballast_queue_length)", "queue"),)),
         Panel("Controller snapshot age", (Target("max(ray_ballast_snapshot_age_s)", "age"),), unit="s"),
+        Panel(
+            "Recycles (per 15 min)",
+            (Target("sum by (outcome) (increase(ray_ballast_recycles_total[15m]))", "{{outcome}}"),),
+            description="Replica recycles by outcome; per replica on the Ballast replicas dashboard",
+        ),
     ),
 )
 
-DASHBOARDS = (OVERVIEW,)
+BY_REPLICA = "deployment, replica"
+PER_REPLICA = "{{deployment}} {{replica}}"
+EVENTS = "15m"  # window of the event panels: counters that move rarely read as counts
+
+
+def _replica_gauge(title: str, metric: str, unit: str = "short", description: str = "", sparse: str = "") -> Panel:
+    return Panel(
+        title,
+        (Target(f"max by ({BY_REPLICA}) (ray_ballast_replica_{metric})", PER_REPLICA, sparse=sparse),),
+        unit=unit,
+        description=description,
+    )
+
+
+REPLICAS = Dashboard(
+    uid="ballast-replicas",
+    title="Ballast replicas",
+    panels=(
+        _replica_gauge("RSS per replica", "rss_bytes", "bytes"),
+        _replica_gauge(
+            "VRAM per replica", "vram_bytes", "bytes", "Only replicas that hold a GPU report VRAM", sparse="needs a GPU"
+        ),
+        _replica_gauge("Threads per replica", "threads"),
+        _replica_gauge("Open file descriptors per replica", "fds"),
+        Panel(
+            "Leak slope: memory (per hour)",
+            (
+                Target(
+                    f'max by ({BY_REPLICA}, series) (ray_ballast_replica_leak_slope_per_hour{{series=~"rss_bytes|vram_bytes"}})',
+                    "{{deployment}} {{replica}} {{series}}",
+                ),
+            ),
+            unit="bytes",
+            description="Robust trend over watchdog.leak_window_s, in bytes per hour",
+        ),
+        Panel(
+            "Leak slope: threads and fds (per hour)",
+            (
+                Target(
+                    f'max by ({BY_REPLICA}, series) (ray_ballast_replica_leak_slope_per_hour{{series=~"threads|fds"}})',
+                    "{{deployment}} {{replica}} {{series}}",
+                ),
+            ),
+            description="Robust trend over watchdog.leak_window_s, per hour",
+        ),
+        Panel(
+            "Leaking series",
+            (Target(f"max by ({BY_REPLICA}, series) (ray_ballast_replica_leaking)", "{{deployment}} {{replica}} {{series}}"),),
+            description="1 while the watchdog reads the series' trend as a leak (BallastLeakDetected after 10 min)",
+        ),
+        Panel(
+            "Time to limit (rising series)",
+            (
+                Target(
+                    f"min by ({BY_REPLICA}, series) (ray_ballast_replica_time_to_limit_seconds >= 0)",
+                    "{{deployment}} {{replica}} {{series}}",
+                    sparse="empty while no series rises credibly (-1 is hidden)",
+                ),
+            ),
+            unit="s",
+            description="Series not rising credibly (-1) are hidden. Under watchdog.critical_tto_s (1 h) the watchdog "
+            "stops intake and asks for a recycle; BallastTimeToOOMUnderOneHour if that does not help",
+        ),
+        _replica_gauge(
+            "Heartbeat age",
+            "heartbeat_age_seconds",
+            "s",
+            "Time since the replica's work loop last beat; hung past a few intervals with work in flight",
+        ),
+        Panel(
+            "Ready and hung",
+            (
+                Target(f"max by ({BY_REPLICA}) (ray_ballast_replica_ready)", "ready {{deployment}} {{replica}}"),
+                Target(f"max by ({BY_REPLICA}) (ray_ballast_replica_hung)", "hung {{deployment}} {{replica}}"),
+            ),
+            description="ready 0: the watchdog stopped intake (or a recycle was asked for); hung 1: killed by the controller",
+        ),
+        Panel(
+            "Watchdog actions (per 15 min)",
+            (Target(f"sum by (deployment, action) (increase(ray_ballast_watchdog_actions_total[{EVENTS}]))", "{{deployment}} {{action}}"),),
+            description="The action ladder: gc_collect, empty_cache, stop_intake, request_recycle",
+        ),
+        Panel(
+            "Hung replicas killed (per 15 min)",
+            (Target(f"sum by (deployment) (increase(ray_ballast_hung_replicas_killed_total[{EVENTS}]))", "{{deployment}}"),),
+        ),
+        Panel(
+            "Recycles by outcome (per 15 min)",
+            (Target(f"sum by (deployment, outcome) (increase(ray_ballast_recycles_total[{EVENTS}]))", "{{deployment}} {{outcome}}"),),
+            description="started, completed, stuck (past recycle.recycle_timeout_s), lease_expired, killed_hung",
+        ),
+        Panel(
+            "Recycles started by reason (per 15 min)",
+            (
+                Target(
+                    f'sum by (deployment, reason) (increase(ray_ballast_recycles_total{{outcome="started"}}[{EVENTS}]))',
+                    "{{deployment}} {{reason}}",
+                ),
+            ),
+            description="critical, forced_max_age, manual, watchdog, max_age, hung",
+        ),
+        Panel("Recycles in flight", (Target("max by (deployment) (ray_ballast_recycle_in_flight)", "{{deployment}}"),)),
+        Panel(
+            "Oldest recycle in progress",
+            (Target("max by (deployment) (ray_ballast_recycle_oldest_seconds)", "{{deployment}}"),),
+            unit="s",
+            description="0 when none; stuck past recycle.recycle_timeout_s (600 s by default): BallastRecycleStuck",
+        ),
+        Panel(
+            "Availability under recycling",
+            (Target("max by (kind) (ray_ballast_availability)", "{{kind}}"),),
+            unit="percentunit",
+            description="expected: seed 000's rolling-restart formula for the schedule (absent without max_age_s); "
+            "measured: 1 - replica time out for recycles / replica time",
+        ),
+    ),
+)
+
+DASHBOARDS = (OVERVIEW, REPLICAS)
 
 
 def render_all() -> dict[str, str]:
     return {f"{d.uid}.json": json.dumps(d.to_json(), indent=2, sort_keys=True) + "\n" for d in DASHBOARDS}
 
 
-def panel_queries() -> list[str]:
-    return [t.expr for d in DASHBOARDS for p in d.panels for t in p.targets]
+def panel_queries(sparse: bool = False) -> list[str]:
+    """Every target's query; with ``sparse=False``, only those a healthy stack must answer."""
+    return [t.expr for d in DASHBOARDS for p in d.panels for t in p.targets if sparse or not t.sparse]
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ class WatchdogCore:
         self._pending: deque[str] = deque(maxlen=MAX_PENDING_ACTIONS)
         self.actions_total: dict[str, int] = {a.value: 0 for a in Action}
         now = clock()
+        self._created_s = now
         self._last_beat_s: Optional[float] = None
         self._last_progress_s = now
         self._progress: Optional[int] = None
@@ -175,7 +176,9 @@ class WatchdogCore:
             self._detector = LeakDetector(
                 leak_specs(self.settings, self._rss_limit, self._vram_limit, self._fd_limit), self._leak_cfg
             )
-        self._detector.observe(now, values)
+        warming_up = now - self._created_s < self.settings.warmup_s
+        if not warming_up:
+            self._detector.observe(now, values)
         trends = self._detector.trends(now)
         limits = {"rss_bytes": self._rss_limit, "vram_bytes": self._vram_limit, "threads": float(self.settings.threads_limit), "fds": self._fd_limit}
         usage = [Usage(k, float(v), limits[k]) for k, v in values.items() if v is not None]
@@ -198,6 +201,7 @@ class WatchdogCore:
             "gpu_util_pct": g.util_pct if g is not None else None,
             "cpu_pct": proc.get("cpu_pct"),
             "heartbeat_age_s": round(age, 3),
+            "warming_up": warming_up,
             "inflight": self._inflight,
             "hung": self.hung,
             "severity": verdict.severity,

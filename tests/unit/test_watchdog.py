@@ -46,7 +46,7 @@ class FakeGpu:
         return ProcessGpuSample(util_pct=55.0, process_vram_bytes=self.used, vram_total_bytes=self.total)
 
 
-SETTINGS = WatchdogSettings(interval_s=1.0, leak_window_s=60, step_interval_s=5)
+SETTINGS = WatchdogSettings(interval_s=1.0, leak_window_s=60, step_interval_s=5, warmup_s=0)
 INFO = {"replica_id": "r1", "deployment": "BallastModel", "started_at_s": 1000.0}
 
 
@@ -151,3 +151,21 @@ def test_psutil_sampler_reads_a_real_process() -> None:
     r = s.sample()
     assert r["rss_bytes"] > 10 * MB and r["threads"] >= 1 and r["fds"] >= 3
     assert s.fd_limit is None or s.fd_limit >= 64
+
+
+def test_growth_during_warm_up_is_not_sampled() -> None:
+    # A replica loading and serving its first batches grows fast; after warm-up it is flat.
+    clock = FakeClock()
+
+    class WarmingUp(FakeProcess):
+        def sample(self):
+            t = self.clock()
+            rss = 300 * MB + min(t, 20) * 20 * MB  # +400 MB over the first 20 s, then flat
+            return {"rss_bytes": float(rss), "threads": 40.0, "fds": 90.0}
+
+    c, clock = core(WarmingUp(clock), clock=clock, settings=SETTINGS.model_copy(update={"warmup_s": 30}))
+    reports = run(c, clock, 120)
+    assert all(r["warming_up"] for r in reports[:29]) and not reports[-1]["warming_up"]
+    assert all(r["severity"] == "ok" and not r["trends"].get("rss_bytes", {}).get("leaking") for r in reports)
+    c2, clock2 = core(WarmingUp(FakeClock()), settings=SETTINGS)  # no warm-up: the same growth reads as a leak
+    assert any(r["trends"]["rss_bytes"]["leaking"] for r in run(c2, clock2, 40))
