@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve stop test test-unit bench-router bench-fairness observe clean
+.PHONY: install tools serve stop test test-unit bench-router bench-fairness sim observe clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench-router: $(STAMP)
 ## Quiet tenant alone vs beside a noisy tenant at 10x its quota.
 bench-fairness: $(STAMP)
 	$(PY) -m loadtest.bench_fairness
+
+## Fleet simulator: 24 h of a 1,000-replica fleet, Ballast's policies vs baselines (~15-30 s).
+sim: $(STAMP)
+	$(PY) -m loadtest.sim
 
 clean:
 	rm -rf $(VENV) .pytest_cache .run
