@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve stop test test-unit bench-router bench-fairness sim observe clean
+.PHONY: install tools serve stop test test-unit bench-router bench-fairness sim soak soak-24h observe clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,14 @@ bench-fairness: $(STAMP)
 ## Fleet simulator: 24 h of a 1,000-replica fleet, Ballast's policies vs baselines (~15-30 s).
 sim: $(STAMP)
 	$(PY) -m loadtest.sim
+
+## The compressed day (~15 min, time scale 96) on loopback with faults; report in .run/soak/<timestamp>/report.md.
+soak: $(STAMP)
+	$(PY) -m loadtest.soak --time-scale 96 --config $(CONFIG)
+
+## The real 24 h soak (time scale 1).
+soak-24h: $(STAMP)
+	$(PY) -m loadtest.soak --time-scale 1 --config $(CONFIG)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .run
