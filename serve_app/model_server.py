@@ -49,6 +49,10 @@ from .snapshot import Snapshot
 log = logging.getLogger("ballast.model")
 
 WINDOW = 512  # bounded windows for batch sizes and queue waits
+# Queue waits count for this long. Without an age bound, a replica that saw a burst of
+# long waits kept reporting them while the level it caused shed everything (no new
+# waits arrive at level 4), and the level could not come down until the replica died.
+WAIT_WINDOW_S = 10.0
 
 
 @dataclass
@@ -61,6 +65,13 @@ class _Item:
     cancelled: bool = False
     queue_wait_ms: float = 0.0
     t0_s: float = field(default=0.0)
+
+
+def recent_percentile(samples: "deque[tuple[float, float]]", now_s: float, window_s: float, q: float) -> Optional[float]:
+    """The q-quantile of the (t, value) samples no older than ``window_s``; older ones are dropped."""
+    while samples and samples[0][0] < now_s - window_s:
+        samples.popleft()
+    return _percentile([v for _, v in samples], q)
 
 
 def _percentile(values: "deque[float] | list[float]", q: float) -> Optional[float]:
@@ -110,7 +121,7 @@ class ModelServer:
         self._running = 0
         self._batches = 0
         self._batch_sizes: deque[int] = deque(maxlen=WINDOW)
-        self._waits_ms: deque[float] = deque(maxlen=WINDOW)
+        self._waits_ms: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (monotonic t, ms)
         self._batch_limit = 0
         self._chaos = ChaosAgent(self._cfg.chaos.enabled, self._cfg.chaos.max_leak_mb)
         self._started_at_s = time.time()
@@ -211,7 +222,7 @@ class ModelServer:
             "batches": self._batches,
             "batch_size_avg": (sum(sizes) / len(sizes)) if sizes else None,
             "batch_size_limit": self._batch_limit,
-            "queue_wait_p95_ms": _percentile(self._waits_ms, 0.95),
+            "queue_wait_p95_ms": recent_percentile(self._waits_ms, time.monotonic(), WAIT_WINDOW_S, 0.95),
             "gpu_util_pct": gpu.util_pct if gpu else None,
             "vram_pct": gpu.vram_pct if gpu else None,
             "vram_used_bytes": gpu.vram_used_bytes if gpu else None,
@@ -246,7 +257,7 @@ class ModelServer:
             it.started = True
             it.t0_s = now
             it.queue_wait_ms = (now - it.enqueued_at_s) * 1000.0
-            self._waits_ms.append(it.queue_wait_ms)
+            self._waits_ms.append((now, it.queue_wait_ms))
         self._queued -= len(items)
         self._running += len(items)
         self._batches += 1
