@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, f
 from policies.autoscale import AutoscaleConfig
 from policies.criticality import Criticality
 from policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig, LevelConstraints
+from policies.leak import LadderConfig, LeakConfig
+from policies.recycle import RecycleConfig
 
 from .errors import ConfigError
 
@@ -291,6 +293,18 @@ class WatchdogSettings(_Strict):
             raise ValueError("critical_tto_s must be <= warn_tto_s")
         return self
 
+    def leak_config(self) -> LeakConfig:
+        return LeakConfig(window_s=self.leak_window_s, min_span_ratio=self.leak_min_span_ratio, r2_threshold=self.leak_r2_threshold)
+
+    def ladder_config(self) -> LadderConfig:
+        return LadderConfig(
+            step_interval_s=self.step_interval_s,
+            warn_tto_s=self.warn_tto_s,
+            critical_tto_s=self.critical_tto_s,
+            warning_ratio=self.warning_ratio,
+            critical_ratio=self.critical_ratio,
+        )
+
 
 class RecycleSettings(_Strict):
     """Staggered replica recycling run by the controller (seed 000 rolling restart, seed 003 leases)."""
@@ -318,6 +332,20 @@ class RecycleSettings(_Strict):
         if self.window_start_hour is not None and self.window_start_hour == self.window_end_hour:
             raise ValueError("window_start_hour must differ from window_end_hour (null both for any time)")
         return self
+
+    def policy_config(self) -> RecycleConfig:
+        """The planner's config; with ``enabled: false`` no age triggers (requested recycles still go)."""
+        return RecycleConfig(
+            max_age_s=self.max_age_s if self.enabled else None,
+            jitter_ratio=self.jitter_ratio,
+            window_start_hour=self.window_start_hour,
+            window_end_hour=self.window_end_hour,
+            forced_max_age_s=self.forced_max_age_s if self.enabled else None,
+            max_unavailable=self.max_unavailable,
+            min_available=self.min_available,
+            block_at_level=self.block_at_level,
+            recycle_timeout_s=self.recycle_timeout_s,
+        )
 
 
 class TenantConfig(_Strict):
@@ -459,6 +487,9 @@ def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = N
         cfg = BallastConfig.model_validate(data)
         cfg.degradation_config()
         cfg.autoscale_config()
+        cfg.recycle.policy_config()
+        cfg.watchdog.leak_config()
+        cfg.watchdog.ladder_config()
     except ValueError as e:  # pydantic.ValidationError is a ValueError
         raise ConfigError(where, str(e)) from None
     return cfg

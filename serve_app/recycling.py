@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 from policies import recycle
 from policies.lease import LeaseLost, LeaseTable
-from policies.recycle import InFlight, RecycleConfig, RecycleState, ReplicaView
+from policies.recycle import InFlight, RecycleState, ReplicaView
 
 from .config import RecycleSettings
 
@@ -41,20 +41,6 @@ MAX_EVENTS = 200
 MAX_KILLED = 256
 KILL_COOLDOWN_S = 60.0
 LEASE_PREFIX = "recycle/"
-
-
-def recycle_config(r: RecycleSettings) -> RecycleConfig:
-    return RecycleConfig(
-        max_age_s=r.max_age_s,
-        jitter_ratio=r.jitter_ratio,
-        window_start_hour=r.window_start_hour,
-        window_end_hour=r.window_end_hour,
-        forced_max_age_s=r.forced_max_age_s,
-        max_unavailable=r.max_unavailable,
-        min_available=r.min_available,
-        block_at_level=r.block_at_level,
-        recycle_timeout_s=r.recycle_timeout_s,
-    )
 
 
 def _hour_of_day(wall_s: float) -> float:
@@ -84,9 +70,7 @@ class RecycleCoordinator:
 
     def configure(self, settings: RecycleSettings) -> None:
         self.settings = settings
-        self.cfg = recycle_config(settings)
-        if not settings.enabled:  # no scheduled recycles; watchdog and operator requests still go
-            self.cfg = replace(self.cfg, max_age_s=None, forced_max_age_s=None)
+        self.cfg = settings.policy_config()
 
     # -- events ------------------------------------------------------------------------
     def _event(self, outcome: str, replica_id: str, deployment: str, reason: str, **extra: Any) -> None:
@@ -279,7 +263,6 @@ class RecycleCoordinator:
             ],
             "waiting": [list(w) for w in self.waiting[:20]],
             "availability": self.availability(n_replicas),
-            "recent": list(self.events)[-10:],
         }
 
     def oldest_in_flight_s(self, deployment: str) -> float:

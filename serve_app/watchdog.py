@@ -32,9 +32,13 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional, Protocol
 
-from policies.leak import Action, LadderConfig, LadderState, LeakConfig, LeakDetector, SeriesSpec, Usage, assess, is_hung
+import ray
+
+from policies.leak import Action, LadderState, LeakDetector, SeriesSpec, Usage, assess, is_hung
 
 from .config import BallastConfig, WatchdogSettings, load_config
+from .controller import ControllerLink
+from .gpu import make_process_gpu_probe
 
 log = logging.getLogger("ballast.watchdog")
 
@@ -91,20 +95,6 @@ def leak_specs(w: WatchdogSettings, rss_limit: Optional[float], vram_limit: Opti
     ]
 
 
-def leak_config(w: WatchdogSettings) -> LeakConfig:
-    return LeakConfig(window_s=w.leak_window_s, min_span_ratio=w.leak_min_span_ratio, r2_threshold=w.leak_r2_threshold)
-
-
-def ladder_config(w: WatchdogSettings) -> LadderConfig:
-    return LadderConfig(
-        step_interval_s=w.step_interval_s,
-        warn_tto_s=w.warn_tto_s,
-        critical_tto_s=w.critical_tto_s,
-        warning_ratio=w.warning_ratio,
-        critical_ratio=w.critical_ratio,
-    )
-
-
 class WatchdogCore:
     """Sampling, leak trends, the action ladder and hang detection for one replica."""
 
@@ -126,8 +116,8 @@ class WatchdogCore:
         self._rss_limit = settings.rss_limit_mb * MB if settings.rss_limit_mb else memory_total_bytes
         self._fd_limit = fd_limit
         self._vram_limit: Optional[float] = None
-        self._leak_cfg = leak_config(settings)
-        self._ladder_cfg = ladder_config(settings)
+        self._leak_cfg = settings.leak_config()
+        self._ladder_cfg = settings.ladder_config()
         self._detector: Optional[LeakDetector] = None  # built at the first sample (VRAM limit known then)
         self._ladder = LadderState()
         self.ready = True
@@ -224,98 +214,87 @@ class WatchdogCore:
         return self.last_report
 
 
-def _actor_class():
-    import ray
+@ray.remote(num_cpus=0, max_restarts=0)
+class Watchdog:
+    """Ray actor around ``WatchdogCore``: a sampling loop and a ``beat`` endpoint."""
 
-    @ray.remote(num_cpus=0, max_restarts=0)
-    class Watchdog:
-        """Ray actor around ``WatchdogCore``: a sampling loop and a ``beat`` endpoint."""
+    def __init__(self, cfg: dict[str, Any], info: dict[str, Any]):
+        self._cfg: BallastConfig = load_config(cfg)
+        proc = PsutilSampler(int(info["pid"]))
+        self._core = WatchdogCore(
+            self._cfg.watchdog,
+            info,
+            proc,
+            gpu=make_process_gpu_probe(info.get("gpu_uuid"), int(info["pid"])),
+            memory_total_bytes=node_memory_bytes(),
+            fd_limit=proc.fd_limit,
+        )
+        self._link = ControllerLink(self._cfg)
+        self._task: Optional[asyncio.Task] = None
+        from ray.util import metrics  # created once, here (STYLE 8)
 
-        def __init__(self, cfg: dict[str, Any], info: dict[str, Any]):
-            from .controller import ControllerLink
-            from .gpu import make_process_gpu_probe
+        tags = ("replica", "deployment")
+        self._tags = {"replica": str(info["replica_id"]), "deployment": str(info["deployment"])}
+        self._g = {
+            k: metrics.Gauge(f"ballast_replica_{k}", f"Replica {k.replace('_', ' ')}, sampled by its watchdog.", tag_keys=tags)
+            for k in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_seconds", "ready")
+        }
+        self._slope = metrics.Gauge(
+            "ballast_replica_leak_slope_per_hour", "Robust trend of a series (units per hour).", tag_keys=tags + ("series",)
+        )
+        self._leaking = metrics.Gauge("ballast_replica_leaking", "1 when the series' trend is a leak.", tag_keys=tags + ("series",))
+        self._tto = metrics.Gauge(
+            "ballast_replica_time_to_limit_seconds",
+            "Time until the series reaches its limit at its trend; -1 when it is not rising credibly.",
+            tag_keys=tags + ("series",),
+        )
+        self._actions = metrics.Counter("ballast_watchdog_actions_total", "Watchdog ladder actions.", tag_keys=tags + ("action",))
+        self._hung = metrics.Gauge("ballast_replica_hung", "1 while the replica is hung.", tag_keys=tags)
+        self._actions_seen = dict(self._core.actions_total)
 
-            self._cfg: BallastConfig = load_config(cfg)
-            proc = PsutilSampler(int(info["pid"]))
-            self._core = WatchdogCore(
-                self._cfg.watchdog,
-                info,
-                proc,
-                gpu=make_process_gpu_probe(info.get("gpu_uuid"), int(info["pid"])),
-                memory_total_bytes=node_memory_bytes(),
-                fd_limit=proc.fd_limit,
-            )
-            self._link = ControllerLink(self._cfg)
-            self._task: Optional[asyncio.Task] = None
-            from ray.util import metrics  # created once, here (STYLE 8)
+    def _export(self, r: dict[str, Any]) -> None:
+        for k in ("rss_bytes", "vram_bytes", "threads", "fds"):
+            if r.get(k) is not None:
+                self._g[k].set(float(r[k]), tags=self._tags)
+        self._g["heartbeat_age_seconds"].set(float(r["heartbeat_age_s"]), tags=self._tags)
+        self._g["ready"].set(1.0 if r["ready"] else 0.0, tags=self._tags)
+        self._hung.set(1.0 if r["hung"] else 0.0, tags=self._tags)
+        for series, t in r["trends"].items():
+            tags = {**self._tags, "series": series}
+            self._slope.set(float(t["slope_per_h"]), tags=tags)
+            self._leaking.set(1.0 if t["leaking"] else 0.0, tags=tags)
+            tto = t["time_to_limit_s"]
+            self._tto.set(float(tto) if tto is not None else -1.0, tags=tags)
+        for action, n in r["actions_total"].items():
+            if n > self._actions_seen.get(action, 0):
+                self._actions.inc(n - self._actions_seen.get(action, 0), tags={**self._tags, "action": action})
+                self._actions_seen[action] = n
 
-            tags = ("replica", "deployment")
-            self._tags = {"replica": str(info["replica_id"]), "deployment": str(info["deployment"])}
-            self._g = {
-                k: metrics.Gauge(f"ballast_replica_{k}", f"Replica {k.replace('_', ' ')}, sampled by its watchdog.", tag_keys=tags)
-                for k in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_seconds", "ready")
-            }
-            self._slope = metrics.Gauge(
-                "ballast_replica_leak_slope_per_hour", "Robust trend of a series (units per hour).", tag_keys=tags + ("series",)
-            )
-            self._leaking = metrics.Gauge("ballast_replica_leaking", "1 when the series' trend is a leak.", tag_keys=tags + ("series",))
-            self._tto = metrics.Gauge(
-                "ballast_replica_time_to_limit_seconds",
-                "Time until the series reaches its limit at its trend; -1 when it is not rising credibly.",
-                tag_keys=tags + ("series",),
-            )
-            self._actions = metrics.Counter("ballast_watchdog_actions_total", "Watchdog ladder actions.", tag_keys=tags + ("action",))
-            self._hung = metrics.Gauge("ballast_replica_hung", "1 while the replica is hung.", tag_keys=tags)
-            self._actions_seen = dict(self._core.actions_total)
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
 
-        def _export(self, r: dict[str, Any]) -> None:
-            for k in ("rss_bytes", "vram_bytes", "threads", "fds"):
-                if r.get(k) is not None:
-                    self._g[k].set(float(r[k]), tags=self._tags)
-            self._g["heartbeat_age_seconds"].set(float(r["heartbeat_age_s"]), tags=self._tags)
-            self._g["ready"].set(1.0 if r["ready"] else 0.0, tags=self._tags)
-            self._hung.set(1.0 if r["hung"] else 0.0, tags=self._tags)
-            for series, t in r["trends"].items():
-                tags = {**self._tags, "series": series}
-                self._slope.set(float(t["slope_per_h"]), tags=tags)
-                self._leaking.set(1.0 if t["leaking"] else 0.0, tags=tags)
-                tto = t["time_to_limit_s"]
-                self._tto.set(float(tto) if tto is not None else -1.0, tags=tags)
-            for action, n in r["actions_total"].items():
-                if n > self._actions_seen.get(action, 0):
-                    self._actions.inc(n - self._actions_seen.get(action, 0), tags={**self._tags, "action": action})
-                    self._actions_seen[action] = n
+    async def _loop(self) -> None:
+        interval = self._cfg.watchdog.interval_s
+        timeout = self._cfg.controller.call_timeout_s
+        while True:
+            try:
+                report = self._core.sample()
+                self._export(report)
+                await asyncio.wait_for(self._link.call("report_watchdog", report), timeout)
+            except Exception as e:  # the controller may be restarting: keep sampling
+                log.debug("watchdog report failed: %r", e)
+            await asyncio.sleep(interval)
 
-        def _ensure_loop(self) -> None:
-            if self._task is None or self._task.done():
-                self._task = asyncio.get_running_loop().create_task(self._loop())
+    async def start(self) -> None:
+        self._ensure_loop()
 
-        async def _loop(self) -> None:
-            interval = self._cfg.watchdog.interval_s
-            timeout = self._cfg.controller.call_timeout_s
-            while True:
-                try:
-                    report = self._core.sample()
-                    self._export(report)
-                    await asyncio.wait_for(self._link.call("report_watchdog", report), timeout)
-                except Exception as e:  # the controller may be restarting: keep sampling
-                    log.debug("watchdog report failed: %r", e)
-                await asyncio.sleep(interval)
+    async def beat(self, inflight: int, progress: int) -> dict[str, Any]:
+        self._ensure_loop()
+        return self._core.beat(inflight, progress)
 
-        async def start(self) -> None:
-            self._ensure_loop()
-
-        async def beat(self, inflight: int, progress: int) -> dict[str, Any]:
-            self._ensure_loop()
-            return self._core.beat(inflight, progress)
-
-        async def report(self) -> dict[str, Any]:
-            return self._core.last_report
-
-    return Watchdog
-
-
-_WATCHDOG = None
+    async def report(self) -> dict[str, Any]:
+        return self._core.last_report
 
 
 def spawn_watchdog(cfg: BallastConfig, info: dict[str, Any]) -> Any:
@@ -324,8 +303,6 @@ def spawn_watchdog(cfg: BallastConfig, info: dict[str, Any]) -> Any:
     ``info`` names the replica (replica_id, deployment, started_at_s, gpu_uuid); the
     pid, actor name and namespace are added here. None outside a Ray worker.
     """
-    global _WATCHDOG
-    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if not cfg.watchdog.enabled or not ray.is_initialized():
@@ -334,8 +311,6 @@ def spawn_watchdog(cfg: BallastConfig, info: dict[str, Any]) -> Any:
 
     ctx = ray.get_runtime_context()
     info = {**info, "pid": os.getpid(), "actor_name": ctx.get_actor_name(), "actor_namespace": SERVE_NAMESPACE}
-    if _WATCHDOG is None:
-        _WATCHDOG = _actor_class()
-    return _WATCHDOG.options(
+    return Watchdog.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ctx.get_node_id(), soft=False)
     ).remote(cfg.model_dump(mode="json"), info)
