@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve stop test test-unit bench-router bench-fairness sim soak soak-24h observe clean
+.PHONY: install tools serve stop test test-unit bench-router bench-fairness bench-overload sim soak soak-24h observe clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench-router: $(STAMP)
 ## Quiet tenant alone vs beside a noisy tenant at 10x its quota.
 bench-fairness: $(STAMP)
 	$(PY) -m loadtest.bench_fairness
+
+## Capacity C of plain Ray Serve and of Ballast, then 0.5/1/2/4 C with a criticality mix, side by side (~12 min).
+bench-overload: $(STAMP)
+	$(PY) -m loadtest.bench_overload --config $(CONFIG)
 
 ## Fleet simulator: 24 h of a 1,000-replica fleet, Ballast's policies vs baselines (~15-30 s).
 sim: $(STAMP)

@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from policies.autoscale import AutoscaleConfig
+from policies.limiter import LimiterConfig
 from policies.criticality import Criticality
 from policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig, LevelConstraints
 from policies.leak import LadderConfig, LeakConfig
@@ -201,6 +202,41 @@ class BulkheadSettings(_Strict):
     per_tenant: PositiveInt = 128
 
 
+class GateSettings(_Strict):
+    """Per router: an adaptive limit on requests at the primary model, and a priority
+    wait line for the rest (serve_app/gate.py, policies/limiter.py)."""
+
+    enabled: bool = True
+    initial_limit: PositiveInt = 32
+    min_limit: PositiveInt = 4
+    max_limit: PositiveInt = 256
+    # The wait for the model (router to compute start: Serve's queue and the batch queue)
+    # the limit steers to, as the p90 of a window. Below degradation's second queue-wait
+    # threshold, so that the gate, not a whole criticality class, takes the overflow.
+    target_wait_ms: PositiveFloat = 300.0
+    adjust_interval_s: PositiveFloat = 0.5
+    decrease_factor: float = Field(0.8, gt=0, lt=1)
+    # The wait line: bounded in count; each waiter by its deadline (less the expected
+    # service time) and by this.
+    max_waiting: PositiveInt = 512
+    max_wait_s: PositiveFloat = 30.0
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "GateSettings":
+        self.limiter_config()  # the policy's own checks, with their message
+        return self
+
+    def limiter_config(self) -> LimiterConfig:
+        return LimiterConfig(
+            initial=self.initial_limit,
+            min_limit=self.min_limit,
+            max_limit=self.max_limit,
+            target_wait_ms=self.target_wait_ms,
+            interval_s=self.adjust_interval_s,
+            decrease_factor=self.decrease_factor,
+        )
+
+
 class CacheSettings(_Strict):
     """Bounded cache of answers to identical requests: the last fallback before a 503."""
 
@@ -225,6 +261,7 @@ class ResilienceConfig(_Strict):
     breaker: BreakerSettings = BreakerSettings()
     retry: RetrySettings = RetrySettings()
     bulkhead: BulkheadSettings = BulkheadSettings()
+    gate: GateSettings = GateSettings()
     cache: CacheSettings = CacheSettings()
     idempotency: IdempotencySettings = IdempotencySettings()
 

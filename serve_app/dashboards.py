@@ -113,6 +113,18 @@ OVERVIEW = Dashboard(
             unit="ms",
         ),
         Panel("Queue length", (Target("max(ray_ballast_queue_length)", "queue"),)),
+        Panel(
+            "Gate to the model",
+            (
+                Target("sum by (kind) (ray_ballast_gate)", "{{kind}}"),
+                Target(
+                    "sum by (reason, criticality) (rate(ray_ballast_gate_refused_total[1m]))",
+                    "refused {{criticality}} {{reason}}",
+                    sparse="no series until a request is refused at the gate",
+                ),
+            ),
+            description="Per-router adaptive limit, requests at the model, requests waiting (summed over routers); refusals per second",
+        ),
         Panel("Controller snapshot age", (Target("max(ray_ballast_snapshot_age_s)", "age"),), unit="s"),
         Panel(
             "Recycles (per 15 min)",

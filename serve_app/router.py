@@ -38,6 +38,7 @@ from policies import killswitch
 from policies.admission import admit, clamp_max_tokens
 from policies.breaker import BreakerEvent
 from policies.criticality import DEFAULT_CRITICALITY, Criticality
+from policies.limiter import AimdLimit
 from policies.quota import Lease, TokenBucket, lease_rate
 
 from .config import KeyStore, load_config
@@ -57,6 +58,7 @@ from .errors import (
     PayloadTooLarge,
     Unauthenticated,
 )
+from .gate import GateRefused, GateSlot, PriorityGate
 from .idempotency import IdempotencyStore
 from .resilience import CallHooks, ResilientCaller
 from .snapshot import Snapshot
@@ -207,6 +209,8 @@ class Router:
         self._idem = IdempotencyStore(r.idempotency.ttl_s, r.idempotency.max_entries)
         self._model_max_tokens = self._cfg.model.architecture.max_seq_len - 1
         self._limits = self._cfg.limits
+        g = r.gate
+        self._gate = PriorityGate(AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s) if g.enabled else None
 
         from ray.serve import metrics  # created once, here (STYLE 8)
 
@@ -229,6 +233,12 @@ class Router:
         self._m_deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")
         self._m_replays = metrics.Counter("ballast_idempotent_replays_total", "Answers replayed for an Idempotency-Key.")
         self._m_kill = metrics.Gauge("ballast_kill_switch_active", "Active kill switch entries.")
+        self._m_gate = metrics.Gauge(
+            "ballast_gate", "This router's gate to the model: limit, in_flight, waiting.", tag_keys=("kind",)
+        )
+        self._m_gate_refused = metrics.Counter(
+            "ballast_gate_refused_total", "Requests refused at the gate (503 OVERLOADED).", tag_keys=("reason", "criticality")
+        )
         self._m_snapshot_age = metrics.Gauge(
             "ballast_snapshot_age_s", "Age of the controller snapshot this router acts on (-1: none yet)."
         )
@@ -274,6 +284,10 @@ class Router:
             self._m_breaker.set(int(b.breaker.state), tags={"backend": b.role})
         self._m_kill.set(len(self._kill_switches))
         self._m_level.set(self._cache.effective().level)
+        if self._gate is not None:
+            self._m_gate.set(self._gate.limit.value, tags={"kind": "limit"})
+            self._m_gate.set(self._gate.in_flight, tags={"kind": "in_flight"})
+            self._m_gate.set(self._gate.waiting, tags={"kind": "waiting"})
         return {"router_id": self._router_id, **self._stats.drain(), **self._drain_demand()}
 
     def _drain_demand(self) -> dict[str, Any]:
@@ -446,6 +460,7 @@ class Router:
             },
             "chaos": snap.chaos if snap else {},
             "recycle": snap.recycle if snap else {},
+            "gate": self._gate.snapshot() if self._gate is not None else None,
         }
 
     @app.post("/v1/generate")
@@ -511,14 +526,17 @@ class Router:
         }
         call = {"prompt": req.prompt, "max_tokens": max_tokens}
         settle = self._settlement(tenant, bucket, cost, prompt_tokens)
+        slot = await self._enter_gate(req.criticality, tenant, deadline_s, settle)
         if req.stream and eff.constraints.streaming:
             return StreamingResponse(
-                self._stream(call, meta, tenant, crit, started, deadline_s, settle),
+                self._stream(call, meta, tenant, crit, started, deadline_s, settle, slot),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
         key = request.headers.get("idempotency-key")
         if key is not None and not (0 < len(key) <= self._cfg.resilience.idempotency.max_key_chars):
+            slot.release()
+            settle(None)
             raise InvalidRequest("Idempotency-Key: 1 to 200 characters", field="Idempotency-Key")
         async def work() -> dict[str, Any]:
             result, fallback = await self._call_unary(call, tenant, crit, started, deadline_s)
@@ -529,6 +547,7 @@ class Router:
 
         self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
         generated: Optional[int] = None
+        slot_t0 = time.monotonic()
         try:
             if key is None:
                 body, replayed = await work(), False
@@ -539,6 +558,7 @@ class Router:
             if not replayed:  # a replay did no model work: it costs nothing
                 generated = body["tokens_generated"]
         finally:
+            slot.release(time.monotonic() - slot_t0 if generated is not None else None)
             self._tenant_inflight[tenant] -= 1
             settle(generated)
         fallback = body["fallback"]
@@ -550,6 +570,26 @@ class Router:
             events = _sse("token", {"text": body["text"], "tokens": body["tokens_generated"]}) + _sse("done", done)
             return Response(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(body, headers=headers)
+
+    async def _enter_gate(self, criticality: Criticality, tenant: str, deadline_s: float, settle: Any) -> GateSlot:
+        """A slot at the model, or 503 OVERLOADED now (and the quota charge refunded)."""
+        if self._gate is None:
+            return GateSlot(None)
+        try:
+            await self._gate.acquire(criticality.rank, deadline_s)
+        except GateRefused as g:
+            settle(None)
+            self._stats.shed += 1
+            self._count(tenant, criticality.value, "OVERLOADED")
+            self._m_gate_refused.inc(tags={"reason": g.reason, "criticality": criticality.value})
+            raise Overloaded(
+                f"no model capacity for '{criticality.value}' within the request's deadline ({g.reason})",
+                retry_after_s=1.0,
+            ) from None
+        except asyncio.CancelledError:
+            settle(None)
+            raise
+        return GateSlot(self._gate)
 
     def _settlement(self, tenant: str, bucket: Optional[TokenBucket], cost: int, prompt_tokens: int):
         """The quota's end of a request: refund what was charged but not used."""
@@ -661,7 +701,10 @@ class Router:
             self._stats.inflight -= 1
         # Everything but the replica's compute time was waiting: handle queue + batch queue.
         elapsed_ms = (time.monotonic() - sent) * 1000.0
-        self._stats.add_wait(max(0.0, elapsed_ms - float(result.get("compute_ms", 0.0))))
+        wait_ms = max(0.0, elapsed_ms - float(result.get("compute_ms", 0.0)))
+        self._stats.add_wait(wait_ms)
+        if self._gate is not None and fallback is None:
+            self._gate.observe_wait(wait_ms)
         self._finish(tenant, crit, "OK", started, error=False)
         return result, fallback
 
@@ -674,6 +717,7 @@ class Router:
         started: float,
         deadline_s: float,
         settle: Any,
+        slot: GateSlot,
     ) -> AsyncGenerator[bytes, None]:
         self._stats.inflight += 1
         self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
@@ -688,6 +732,8 @@ class Router:
             async for chunk in chunks:
                 if "queue_wait_ms" in chunk:
                     self._stats.add_wait((time.monotonic() - sent) * 1000.0)
+                    if self._gate is not None and fallback is None:
+                        self._gate.observe_wait((time.monotonic() - sent) * 1000.0)
                 tokens += chunk["tokens"]
                 yield _sse("token", {"text": chunk["text"], "tokens": chunk["tokens"]})
             yield _sse("done", {"tokens_generated": tokens, **done})
@@ -698,6 +744,7 @@ class Router:
             code, error = err.code, err.status >= 500
             yield _sse("error", err.body())
         finally:
+            slot.release(time.monotonic() - sent if tokens else None)
             self._stats.inflight -= 1
             self._tenant_inflight[tenant] -= 1
             settle(tokens if tokens else None)

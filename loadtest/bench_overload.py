@@ -1,0 +1,370 @@
+"""Overload benchmark: plain Ray Serve vs Ballast at 0.5, 1, 2 and 4 times capacity.
+
+For each stack, in one run:
+
+1. measure its capacity C: the highest open-loop rate at which at least 90 % of
+   requests get a 200 within the SLO (binary search over short probes);
+2. offer 0.5 C, 1 C, 2 C and 4 C with a criticality mix, and print goodput / C
+   (answers within the SLO per second, over C), success by criticality (the share
+   answered within the SLO) and the p99 latency of the requests that were admitted.
+
+"Plain Ray Serve" is the same torch model with the same dynamic batching, deployed
+as its own HTTP ingress with Serve's default settings (one replica, default
+``max_ongoing_requests``, unbounded queue). Ballast is the app from the config,
+behind its router. Both get identical requests, including ``X-Request-Timeout-Ms``
+set to the SLO (plain Serve has no use for it). Latency runs from each request's
+scheduled send time, so a slow client does not hide queueing.
+
+The default mix keeps critical traffic (critical_plus + critical) at 20 % of what
+is offered: at 4 C that is 0.8 C, which a stack sized for its critical traffic
+(seed 001) can serve. Loopback only; bounded in count and time. Run:
+``make bench-overload``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import httpx
+
+from loadtest.bench_router import _pct
+
+PORT = 8124
+BASE = f"http://127.0.0.1:{PORT}"
+BENCH_KEY = "bench-key-overload"  # a tenant of its own: no token quota, so only overload policy acts
+CRITICALITIES = ("critical_plus", "critical", "sheddable_plus", "sheddable")
+DEFAULT_MIX = {"critical_plus": 0.05, "critical": 0.15, "sheddable_plus": 0.30, "sheddable": 0.50}
+MULTIPLES = (0.5, 1.0, 2.0, 4.0)
+CLIENT_TIMEOUT_S = 10.0  # the longest any one request is waited for: runs end by themselves
+MAX_IN_FLIGHT = 4000  # client-side bound; arrivals beyond it are counted as client drops
+
+
+@dataclass
+class Outcome:
+    criticality: str
+    status: int  # 0: no HTTP answer (timeout, connection error, client drop)
+    code: str
+    latency_s: float
+
+
+@dataclass
+class Phase:
+    rate: float
+    duration_s: float
+    slo_s: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    trace: list[dict[str, Any]] = field(default_factory=list)  # Ballast's /v1/status, sampled
+
+    def good(self, criticality: Optional[str] = None) -> int:
+        return sum(
+            1 for o in self.outcomes
+            if o.status == 200 and o.latency_s <= self.slo_s and (criticality is None or o.criticality == criticality)
+        )
+
+    def count(self, criticality: Optional[str] = None) -> int:
+        return sum(1 for o in self.outcomes if criticality is None or o.criticality == criticality)
+
+    def good_fraction(self, criticality: Optional[str] = None) -> float:
+        n = self.count(criticality)
+        return self.good(criticality) / n if n else float("nan")
+
+    def goodput(self) -> float:
+        return self.good() / self.duration_s
+
+    def admitted_p99_ms(self) -> float:
+        return _pct([o.latency_s * 1000.0 for o in self.outcomes if o.status == 200], 0.99)
+
+    def codes(self) -> Counter:
+        return Counter(o.code for o in self.outcomes)
+
+
+@dataclass
+class Stack:
+    name: str
+    url: str
+    headers: dict[str, str]
+    body: Callable[[str], dict[str, Any]]
+
+
+def criticality_sequence(n: int, mix: dict[str, float], seed: int) -> list[str]:
+    """``n`` criticalities drawn from ``mix`` (seeded: both stacks get the same sequence)."""
+    rng = random.Random(seed)
+    names = list(mix)
+    return rng.choices(names, weights=[mix[c] for c in names], k=n)
+
+
+async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix: dict[str, float], seed: int) -> Phase:
+    """Open loop: ``rate`` requests per second, evenly spaced, for ``duration_s``."""
+    phase = Phase(rate, duration_s, slo_s)
+    n = max(1, int(rate * duration_s))
+    crits = criticality_sequence(n, mix, seed)
+    in_flight = 0
+
+    async def one(client: httpx.AsyncClient, crit: str, scheduled: float) -> None:
+        nonlocal in_flight
+        in_flight += 1
+        try:
+            r = await client.post(stack.url, headers=stack.headers, json=stack.body(crit))
+            code = "OK" if r.status_code == 200 else _error_code(r)
+            phase.outcomes.append(Outcome(crit, r.status_code, code, time.perf_counter() - scheduled))
+        except httpx.HTTPError as e:
+            phase.outcomes.append(Outcome(crit, 0, type(e).__name__, time.perf_counter() - scheduled))
+        finally:
+            in_flight -= 1
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=limits) as client:
+        tasks = []
+        t0 = time.perf_counter()
+        for i, crit in enumerate(crits):
+            scheduled = t0 + i / rate
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if in_flight >= MAX_IN_FLIGHT:
+                phase.outcomes.append(Outcome(crit, 0, "client_drop", 0.0))
+                continue
+            tasks.append(asyncio.create_task(one(client, crit, scheduled)))
+        await asyncio.gather(*tasks)
+    return phase
+
+
+def _error_code(r: httpx.Response) -> str:
+    try:
+        return str(r.json()["error"]["code"])
+    except Exception:
+        return f"HTTP_{r.status_code}"
+
+
+async def measure_capacity(
+    stack: Stack, guess: float, probe_s: float, slo_s: float, mix: dict[str, float], seed: int, settle: Callable[[], Any]
+) -> tuple[float, list[tuple[float, float]]]:
+    """Highest rate with >= 90 % good, on an ascending ladder (x1.12 per probe) from ``guess / 2``.
+
+    Ascending, so that no probe starts in the wake of an overloaded one (Ballast's level
+    steps down one per stable window; waiting for it between probes would take minutes).
+    The answer is within 12 % below the true capacity.
+    """
+    probes: list[tuple[float, float]] = []
+    rate, passed = guess / 2.0, 0.0
+    await settle()
+    for i in range(20):
+        frac = (await offer(stack, rate, probe_s, slo_s, mix, seed + i)).good_fraction()
+        probes.append((rate, frac))
+        if frac < 0.9:
+            break
+        passed, rate = rate, rate * 1.12
+        await asyncio.sleep(1.0)  # the last probe's stragglers drain
+    if not passed:
+        raise RuntimeError(f"{stack.name}: even {probes[0][0]:.1f} req/s misses the SLO: {probes}")
+    return passed, probes
+
+
+async def closed_loop_rate(stack: Stack, concurrency: int, duration_s: float) -> float:
+    """Completions per second with ``concurrency`` callers: the starting guess for C."""
+    done = 0
+    stop = time.monotonic() + duration_s
+
+    # No X-Request-Timeout-Ms here: every answer counts, however slow.
+    headers = {k: v for k, v in stack.headers.items() if k.lower() != "x-request-timeout-ms"}
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal done
+        while time.monotonic() < stop:
+            r = await client.post(stack.url, headers=headers, json=stack.body("critical"))
+            done += r.status_code == 200
+
+    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(max_connections=concurrency + 2)) as c:
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker(c) for _ in range(concurrency)))
+        return done / (time.monotonic() - t0)
+
+
+def plain_serve_app(model_cfg: dict[str, Any]):
+    """The same model and batching as Ballast's replica, as its own ingress, Serve defaults."""
+    from ray import serve
+    from starlette.requests import Request
+
+    from serve_app.config import ModelConfig
+
+    m = ModelConfig(**model_cfg)
+
+    @serve.deployment(name="PlainModel")
+    class PlainModel:
+        def __init__(self, cfg: dict[str, Any]) -> None:
+            from serve_app.model_server import build_backend
+
+            self._m = ModelConfig(**cfg)
+            self._backend = build_backend(self._m)
+            self._backend.warmup()
+
+        @serve.batch(max_batch_size=m.max_batch_size, batch_wait_timeout_s=m.batch_wait_timeout_s)
+        async def _batched(self, items: list[tuple[str, int]]) -> list[dict[str, Any]]:
+            prompts, maxes = [p for p, _ in items], [n for _, n in items]
+
+            def run() -> list[str]:
+                texts = [""] * len(items)
+                for chunk in self._backend.generate_chunks(prompts, maxes, self._m.stream_chunk_tokens):
+                    texts = [t + c for t, c in zip(texts, chunk)]
+                return texts
+
+            texts = await asyncio.to_thread(run)
+            return [{"text": t, "tokens_generated": n} for t, n in zip(texts, maxes)]
+
+        async def __call__(self, request: Request) -> dict[str, Any]:
+            body = await request.json()
+            return await self._batched((str(body["prompt"]), int(body["max_tokens"])))
+
+    return PlainModel.bind(model_cfg)
+
+
+def bench_config(path: str) -> Any:
+    """The config at ``path`` plus a quota-free tenant for the benchmark's traffic."""
+    import yaml
+
+    from serve_app.config import load_config
+
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    data.setdefault("tenants", {})["bench"] = {
+        "description": "overload benchmark: no token quota, criticality as sent",
+        "max_concurrent": 100000,
+    }
+    data.setdefault("auth", {}).setdefault("demo_keys", {})[BENCH_KEY] = "bench"
+    return load_config(data)
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="cluster/local.yaml")
+    parser.add_argument("--slo-s", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--probe-s", type=float, default=8.0, help="length of each capacity probe")
+    parser.add_argument("--phase-s", type=float, default=20.0, help="length of each 0.5/1/2/4 C phase")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--only", choices=("plain", "ballast"), default=None)
+    args = parser.parse_args(argv)
+    mix = DEFAULT_MIX
+
+    import ray
+    from ray import serve
+
+    from serve_app.app import shutdown, start
+
+    cfg = bench_config(args.config)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    timeout_header = {"X-Request-Timeout-Ms": str(int(args.slo_s * 1000))}
+    stacks = {
+        "plain": Stack("plain", f"{BASE}/plain", dict(timeout_header),
+                       lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
+        "ballast": Stack("ballast", f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/generate",
+                         {"Authorization": f"Bearer {BENCH_KEY}", **timeout_header},
+                         lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
+    }
+    names = [args.only] if args.only else ["plain", "ballast"]
+
+    admin = {"Authorization": f"Bearer {cfg.auth.demo_admin_token}"}
+
+    async def level() -> int:
+        async with httpx.AsyncClient(timeout=5) as c:
+            r = await c.get(f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/status", headers=admin)
+            return int(r.json()["level"])
+
+    async def sample_status(into: list[dict[str, Any]]) -> None:
+        async with httpx.AsyncClient(timeout=5) as c:
+            while True:
+                try:
+                    r = await c.get(f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/status", headers=admin)
+                    into.append(r.json())
+                except (httpx.HTTPError, ValueError):
+                    pass
+                await asyncio.sleep(0.5)
+
+    def settler(name: str) -> Callable[[], Any]:
+        async def settle() -> None:
+            # Each probe and phase starts from a quiet stack: backlog drained, Ballast at level 0.
+            await asyncio.sleep(2.0)
+            if name == "ballast":
+                stop = time.monotonic() + 180.0
+                while time.monotonic() < stop and await level() != 0:
+                    await asyncio.sleep(1.0)
+        return settle
+
+    results: dict[str, dict[str, Any]] = {}
+    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        start(cfg, "127.0.0.1", PORT)
+        serve.run(plain_serve_app(cfg.model.model_dump(mode="json")), name="plain", route_prefix="/plain", blocking=False)
+
+        async def run() -> None:
+            for name in names:
+                stack = stacks[name]
+                settle = settler(name)
+                await closed_loop_rate(stack, 4, 3.0)  # warm-up
+                guess = await closed_loop_rate(stack, 8, 6.0)
+                cap, probes = await measure_capacity(stack, guess, args.probe_s, args.slo_s, mix, args.seed, settle)
+                print(f"{name}: closed-loop {guess:.1f} req/s; probes " +
+                      ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
+                phases = []
+                for k in MULTIPLES:
+                    if k == MULTIPLES[0]:
+                        await settle()
+                    trace: list[dict[str, Any]] = []
+                    sampler = asyncio.create_task(sample_status(trace)) if name == "ballast" else None
+                    phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100)
+                    if sampler is not None:
+                        sampler.cancel()
+                    phase.trace = trace
+                    phases.append(phase)
+                    by_crit = {c: dict(Counter(o.code for o in phase.outcomes if o.criticality == c)) for c in mix}
+                    print(f"  {name} {k:g} C: goodput/C {phase.goodput() / cap:.3f} {by_crit}", flush=True)
+                    if trace:
+                        levels = Counter(t["level"] for t in trace)
+                        limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
+                        print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
+                              f"last gate {trace[-1].get('gate')}", flush=True)
+                results[name] = {"C": cap, "phases": phases}
+
+        asyncio.run(run())
+    finally:
+        try:
+            serve.delete("plain")
+            shutdown(cfg)
+        finally:
+            ray.shutdown()
+
+    print(
+        f"\noverload: SLO {args.slo_s:g} s, max_tokens {args.max_tokens}, {args.phase_s:g} s per phase, "
+        f"mix " + "/".join(f"{c} {mix[c]:.0%}" for c in CRITICALITIES)
+    )
+    head = f"{'stack':<8} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} " + " ".join(
+        f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10}"
+    print(head)
+    for name, r in results.items():
+        for k, phase in zip(MULTIPLES, r["phases"]):
+            print(
+                f"{name:<8} {r['C']:>8.1f} {k:>7g}C {phase.goodput() / r['C']:>9.3f} "
+                + " ".join(f"{phase.good_fraction(c):>10.3f}" for c in CRITICALITIES)
+                + f" {phase.admitted_p99_ms():>10.0f}"
+            )
+    if "ballast" in results:
+        top = results["ballast"]["phases"][-1]
+        crit = (top.good("critical_plus") + top.good("critical")) / max(1, top.count("critical_plus") + top.count("critical"))
+        print(
+            f"ballast at {MULTIPLES[-1]:g} C: goodput {top.goodput() / results['ballast']['C']:.3f} C (target >= 0.9), "
+            f"critical success {crit:.3f} (target >= 0.99)"
+        )
+    if "plain" in results:
+        top = results["plain"]["phases"][-1]
+        print(f"plain Ray Serve at {MULTIPLES[-1]:g} C: goodput {top.goodput() / results['plain']['C']:.3f} C")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

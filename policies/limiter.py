@@ -1,0 +1,100 @@
+"""An adaptive concurrency limit on the way to the model (AIMD on queue wait).
+
+The degradation level sheds whole criticality classes, which is coarse: at four times
+capacity, dropping to "critical only" can leave the model half idle, and keeping
+"critical + sheddable_plus" can still queue far past any deadline. The limit here is
+the fine control underneath. Each router lets at most ``value`` requests be at the
+model at once; the rest wait at the router, most critical first (serve_app/gate.py).
+
+How the limit moves (per ``interval_s`` window, on an injected clock):
+
+- the window's p90 queue wait (time at the model before compute starts) above
+  ``target_wait_ms`` means the model is queueing: multiply by ``decrease_factor``;
+- otherwise, if the limit was reached during the window (requests were held back),
+  add one: there may be room;
+- otherwise hold: a limit nobody reaches says nothing about the model.
+
+So the model's own queue stays near the target, and what does not fit waits in an
+order that matters (criticality) instead of a FIFO that does not.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+MAX_SAMPLES = 1024  # queue-wait samples kept per window (bounded)
+
+
+@dataclass(frozen=True)
+class LimiterConfig:
+    initial: int = 32
+    min_limit: int = 4
+    max_limit: int = 256
+    target_wait_ms: float = 300.0
+    interval_s: float = 0.5
+    decrease_factor: float = 0.8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_limit <= self.initial <= self.max_limit:
+            raise ValueError(f"need 1 <= min_limit <= initial <= max_limit, got {self.min_limit}/{self.initial}/{self.max_limit}")
+        if self.target_wait_ms <= 0 or self.interval_s <= 0:
+            raise ValueError("target_wait_ms and interval_s must be > 0")
+        if not 0.0 < self.decrease_factor < 1.0:
+            raise ValueError(f"decrease_factor must be in (0, 1), got {self.decrease_factor}")
+
+
+class AimdLimit:
+    """The limit and its window; ``observe`` / ``saturated`` feed it, ``value`` reads it."""
+
+    def __init__(self, cfg: LimiterConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self._clock = clock
+        self._value = float(cfg.initial)
+        self._waits: list[float] = []
+        self._saturated = False
+        self._window_end = clock() + cfg.interval_s
+        self.decreases = 0
+        self.increases = 0
+
+    @property
+    def value(self) -> int:
+        self._tick()
+        return int(self._value)
+
+    def observe(self, wait_ms: float) -> None:
+        """One request's queue wait at the model (ms)."""
+        self._tick()
+        if len(self._waits) < MAX_SAMPLES:
+            self._waits.append(wait_ms)
+
+    def saturated(self) -> None:
+        """A request found the limit reached."""
+        self._tick()
+        self._saturated = True
+
+    def _tick(self) -> None:
+        now = self._clock()
+        if now < self._window_end:
+            return
+        c = self.cfg
+        if self._waits and _p90(self._waits) > c.target_wait_ms:
+            self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
+            self.decreases += 1
+        elif self._saturated:
+            self._value = min(float(c.max_limit), self._value + 1.0)
+            self.increases += 1
+        self._waits = []
+        self._saturated = False
+        # Windows with no traffic at all are skipped, not replayed one by one.
+        self._window_end = now + c.interval_s
+
+    def snapshot(self) -> dict[str, float]:
+        return {"limit": self.value, "increases": self.increases, "decreases": self.decreases}
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]

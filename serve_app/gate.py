@@ -1,0 +1,157 @@
+"""The router's gate to the primary model: an adaptive limit and a priority wait line.
+
+At most ``limit.value`` requests from this router are at the model at once
+(policies/limiter.py moves the limit). A request that finds it reached waits here,
+most critical first, then oldest first, for as long as its deadline still leaves time
+to be served (``expected_service_s`` before the deadline, and never more than
+``max_wait_s``); past that it is refused at once with 503 OVERLOADED rather than sent
+to the model to miss its deadline there. The line is bounded (``max_waiting``): when
+it is full, a newcomer displaces the least critical, youngest waiter if it is more
+critical than that one, else it is refused.
+
+Everything runs on the router's event loop; no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from typing import Callable, Optional
+
+from policies.limiter import AimdLimit
+
+SERVICE_EWMA_ALPHA = 0.2
+
+
+class GateRefused(Exception):
+    """No slot in time: ``reason`` is queue_full, displaced, or no_time."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PriorityGate:
+    def __init__(
+        self,
+        limit: AimdLimit,
+        max_waiting: int,
+        max_wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.limit = limit
+        self.max_waiting = max_waiting
+        self.max_wait_s = max_wait_s
+        self._clock = clock
+        self.in_flight = 0
+        self.waiting = 0  # live waiters (the heap may also hold finished ones)
+        self._heap: list[tuple[int, int, asyncio.Future]] = []
+        self._seq = itertools.count()
+        self.expected_service_s = 0.0  # EWMA of time from slot to answer
+        self.refused: dict[str, int] = {"queue_full": 0, "displaced": 0, "no_time": 0}
+
+    async def acquire(self, rank: int, deadline_s: float) -> None:
+        """Hold a slot on return, or raise GateRefused. ``rank`` 0 is the most critical."""
+        if self.waiting == 0 and self.in_flight < self.limit.value:
+            self.in_flight += 1
+            return
+        self.limit.saturated()
+        wait_s = min(self.max_wait_s, deadline_s - self._clock() - self.expected_service_s)
+        if wait_s <= 0:
+            return self._refuse("no_time")
+        if self.waiting >= self.max_waiting and not self._displace(rank):
+            return self._refuse("queue_full")
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (rank, next(self._seq), fut))
+        self.waiting += 1
+        self._grant()
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), wait_s)
+        except asyncio.TimeoutError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                return  # granted in the same instant the wait ran out: the slot is ours
+            if not fut.done():
+                fut.cancel()
+                self.waiting -= 1
+            if fut.cancelled():
+                return self._refuse("no_time")
+            raise fut.exception() from None  # displaced
+        except asyncio.CancelledError:  # the client left while waiting
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release()  # a slot was granted but will never be used
+            elif not fut.done():
+                fut.cancel()
+                self.waiting -= 1
+            raise
+
+    def _refuse(self, reason: str) -> None:
+        self.refused[reason] += 1
+        raise GateRefused(reason)
+
+    def _displace(self, rank: int) -> bool:
+        """Make room for a waiter of ``rank`` by refusing the least critical, youngest one."""
+        live = [e for e in self._heap if not e[2].done()]
+        if not live:
+            return False
+        worst = max(live, key=lambda e: (e[0], e[1]))
+        if worst[0] <= rank:
+            return False
+        worst[2].set_exception(GateRefused("displaced"))
+        self.refused["displaced"] += 1
+        self.waiting -= 1
+        return True
+
+    def release(self, service_s: Optional[float] = None) -> None:
+        """Give a slot back; ``service_s`` (slot to answer) feeds the service-time estimate."""
+        self.in_flight -= 1
+        if service_s is not None:
+            self.expected_service_s += SERVICE_EWMA_ALPHA * (service_s - self.expected_service_s)
+        self._grant()
+
+    def observe_wait(self, wait_ms: float) -> None:
+        self.limit.observe(wait_ms)
+        self._grant()  # the limit may have grown
+
+    def _grant(self) -> None:
+        while self._heap and self.in_flight < self.limit.value:
+            _, _, fut = heapq.heappop(self._heap)
+            if fut.done():
+                continue
+            fut.set_result(True)
+            self.waiting -= 1
+            self.in_flight += 1
+        # Finished entries at the top are dropped, so the heap stays near ``waiting``.
+        while self._heap and self._heap[0][2].done():
+            heapq.heappop(self._heap)
+        if len(self._heap) > 4 * max(1, self.max_waiting):
+            self._heap = [e for e in self._heap if not e[2].done()]
+            heapq.heapify(self._heap)
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            **self.limit.snapshot(),
+            "in_flight": self.in_flight,
+            "waiting": self.waiting,
+            "expected_service_ms": round(self.expected_service_s * 1000.0, 1),
+            "refused": dict(self.refused),
+        }
+
+
+class GateSlot:
+    """One held slot, given back exactly once: by ``release`` or, for a response that was
+    never iterated (a stream whose client left before it began), when it is collected."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: Optional[PriorityGate]):
+        self._gate = gate
+
+    def release(self, service_s: Optional[float] = None) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.release(service_s)
+
+    def __del__(self) -> None:
+        self.release()

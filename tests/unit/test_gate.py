@@ -1,0 +1,159 @@
+"""The router's priority gate on a real event loop: slots, order, deadlines, bounds."""
+
+import asyncio
+import gc
+import time
+
+import pytest
+
+from policies.limiter import AimdLimit, LimiterConfig
+from serve_app.gate import GateRefused, GateSlot, PriorityGate
+
+
+def gate(limit: int = 1, max_waiting: int = 8, max_wait_s: float = 2.0) -> PriorityGate:
+    cfg = LimiterConfig(initial=limit, min_limit=1, max_limit=limit, target_wait_ms=1e9, interval_s=3600)
+    return PriorityGate(AimdLimit(cfg), max_waiting, max_wait_s)
+
+
+def far() -> float:
+    return time.monotonic() + 60.0
+
+
+def test_free_slots_are_taken_at_once_and_given_back():
+    async def main():
+        g = gate(limit=2)
+        await g.acquire(3, far())
+        await g.acquire(3, far())
+        assert (g.in_flight, g.waiting) == (2, 0)
+        g.release()
+        g.release()
+        assert g.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_waiters_are_served_most_critical_first_then_oldest_first():
+    async def main():
+        g = gate(limit=1)
+        await g.acquire(0, far())  # holds the only slot
+        order: list[str] = []
+
+        async def waiter(name: str, rank: int) -> None:
+            await g.acquire(rank, far())
+            order.append(name)
+            await asyncio.sleep(0)
+            g.release()
+
+        tasks = []
+        for name, rank in [("sheddable-1", 3), ("critical-1", 1), ("sheddable-2", 3), ("critical_plus", 0), ("critical-2", 1)]:
+            tasks.append(asyncio.create_task(waiter(name, rank)))
+            await asyncio.sleep(0)
+        assert g.waiting == 5
+        g.release()
+        await asyncio.gather(*tasks)
+        assert order == ["critical_plus", "critical-1", "critical-2", "sheddable-1", "sheddable-2"]
+        assert (g.in_flight, g.waiting) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_waiter_whose_deadline_leaves_no_time_is_refused_at_once():
+    async def main():
+        g = gate(limit=1)
+        await g.acquire(0, far())
+        g.expected_service_s = 0.5
+        t0 = time.monotonic()
+        with pytest.raises(GateRefused) as e:
+            await g.acquire(0, time.monotonic() + 0.4)  # 0.4 s left < 0.5 s of service
+        assert e.value.reason == "no_time"
+        assert time.monotonic() - t0 < 0.05
+        assert g.refused["no_time"] == 1 and g.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_a_waiter_gives_up_when_its_time_runs_out_and_leaves_no_trace():
+    async def main():
+        g = gate(limit=1, max_wait_s=0.1)
+        await g.acquire(0, far())
+        t0 = time.monotonic()
+        with pytest.raises(GateRefused) as e:
+            await g.acquire(3, far())  # capped by max_wait_s
+        assert e.value.reason == "no_time"
+        assert 0.09 <= time.monotonic() - t0 < 0.5
+        assert g.waiting == 0
+        g.release()
+        assert g.in_flight == 0  # the expired waiter was not granted the freed slot
+
+    asyncio.run(main())
+
+
+def test_a_full_line_displaces_the_least_critical_youngest_or_refuses_the_newcomer():
+    async def main():
+        g = gate(limit=1, max_waiting=2)
+        await g.acquire(0, far())
+        a = asyncio.create_task(g.acquire(3, far()))
+        await asyncio.sleep(0)
+        b = asyncio.create_task(g.acquire(3, far()))
+        await asyncio.sleep(0)
+        # A sheddable newcomer cannot displace an equal: refused.
+        with pytest.raises(GateRefused) as e:
+            await g.acquire(3, far())
+        assert e.value.reason == "queue_full"
+        # A critical newcomer displaces the youngest sheddable (b), not the oldest (a).
+        c = asyncio.create_task(g.acquire(1, far()))
+        await asyncio.sleep(0.01)
+        assert b.done() and isinstance(b.exception(), GateRefused) and b.exception().reason == "displaced"
+        assert not a.done() and g.waiting == 2
+        g.release()
+        await c  # the critical one goes first
+        assert not a.done()
+        g.release()
+        await a
+        g.release()
+        assert (g.in_flight, g.waiting) == (0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_waiter_frees_its_place():
+    async def main():
+        g = gate(limit=1)
+        await g.acquire(0, far())
+        t = asyncio.create_task(g.acquire(2, far()))
+        await asyncio.sleep(0)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        assert g.waiting == 0
+        g.release()
+        assert g.in_flight == 0
+
+    asyncio.run(main())
+
+
+def test_release_feeds_the_service_time_estimate():
+    async def main():
+        g = gate(limit=1)
+        for _ in range(40):
+            await g.acquire(0, far())
+            g.release(0.3)
+        assert g.expected_service_s == pytest.approx(0.3, rel=0.01)
+
+    asyncio.run(main())
+
+
+def test_a_slot_is_given_back_once_even_if_never_released_by_hand():
+    async def main():
+        g = gate(limit=1)
+        await g.acquire(0, far())
+        slot = GateSlot(g)
+        slot.release()
+        slot.release()
+        assert g.in_flight == 0
+        await g.acquire(0, far())
+        GateSlot(g)  # dropped unreleased, like a stream whose client left before it began
+        gc.collect()
+        assert g.in_flight == 0
+
+    asyncio.run(main())

@@ -1,0 +1,87 @@
+"""The adaptive concurrency limit, window by window on an injected clock."""
+
+import pytest
+
+from policies.limiter import AimdLimit, LimiterConfig
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(**kw) -> tuple[AimdLimit, Clock]:
+    clock = Clock()
+    cfg = LimiterConfig(**{"initial": 10, "min_limit": 2, "max_limit": 12, "target_wait_ms": 100.0, "interval_s": 1.0, **kw})
+    return AimdLimit(cfg, clock), clock
+
+
+def test_holds_within_a_window_and_decreases_when_p90_wait_is_over_target():
+    lim, clock = make()
+    for _ in range(9):
+        lim.observe(50.0)
+    lim.observe(500.0)  # one slow sample in ten: p90 is still 50... index 9 of 10 is the slow one
+    assert lim.value == 10  # no verdict before the window ends
+    clock.t = 1.0
+    assert lim.value == 8  # p90 of 10 samples is the 10th: 500 > 100 -> x0.8
+    assert lim.decreases == 1
+
+
+def test_a_window_under_target_without_saturation_holds():
+    lim, clock = make()
+    for _ in range(20):
+        lim.observe(10.0)
+    clock.t = 1.0
+    assert lim.value == 10
+    assert (lim.increases, lim.decreases) == (0, 0)
+
+
+def test_saturated_and_under_target_adds_one_up_to_max():
+    lim, clock = make()
+    for step in range(1, 5):
+        lim.observe(10.0)
+        lim.saturated()
+        clock.t = float(step)
+        lim.value  # closes the window
+    assert lim.value == 12  # 10 -> 11 -> 12, then held at max_limit
+    assert lim.increases == 4  # counted even when held at max_limit
+
+
+def test_decrease_floors_at_min_limit_and_overrides_saturation():
+    lim, clock = make(initial=3)
+    for step in range(1, 4):
+        lim.observe(1000.0)
+        lim.saturated()
+        clock.t = float(step)
+        lim.value
+    assert lim.value == 2
+
+
+def test_idle_gap_is_one_window_not_many():
+    lim, clock = make()
+    lim.observe(1000.0)
+    clock.t = 100.0  # a long silence: one decrease for the one slow sample, then nothing
+    assert lim.value == 8
+    clock.t = 101.0
+    assert lim.value == 8
+
+
+def test_samples_per_window_are_bounded():
+    from policies.limiter import MAX_SAMPLES
+
+    lim, _ = make()
+    for _ in range(MAX_SAMPLES + 500):
+        lim.observe(1.0)
+    assert len(lim._waits) == MAX_SAMPLES
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"initial": 1, "min_limit": 2}, {"initial": 20}, {"decrease_factor": 1.0}, {"target_wait_ms": 0.0}, {"interval_s": 0.0}],
+)
+def test_bad_configs_are_refused(kw):
+    with pytest.raises(ValueError):
+        make(**kw)
