@@ -60,6 +60,10 @@ class ModelConfig(_Strict):
     stream_chunk_tokens: PositiveInt = 4
     max_batch_size: PositiveInt = 32
     batch_wait_timeout_s: float = Field(0.005, ge=0, le=1)
+    # Torch intra-op threads for a replica on CPU (GPU replicas are not affected). One per
+    # replica: the replica shares its cores with Serve's proxy and the routers, and two
+    # spinning torch threads per process cost 2-3x the CPU per request under load here.
+    cpu_threads: Optional[PositiveInt] = 1
 
 
 class ModelDeploymentConfig(_Strict):

@@ -93,7 +93,12 @@ def build_backend(m: ModelConfig):
             d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, d_ff=a.d_ff, max_seq_len=a.max_seq_len
         ),
     )
-    return load_backend(spec)
+    backend = load_backend(spec)
+    if backend.device == "cpu" and m.cpu_threads is not None:
+        import torch
+
+        torch.set_num_threads(m.cpu_threads)  # per process: this replica's own setting
+    return backend
 
 
 class ModelServer:

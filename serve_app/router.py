@@ -288,7 +288,10 @@ class Router:
             self._m_gate.set(self._gate.limit.value, tags={"kind": "limit"})
             self._m_gate.set(self._gate.in_flight, tags={"kind": "in_flight"})
             self._m_gate.set(self._gate.waiting, tags={"kind": "waiting"})
-        return {"router_id": self._router_id, **self._stats.drain(), **self._drain_demand()}
+        report = self._stats.drain()
+        if self._gate is not None:  # waiting at the gate is admitted demand: the level and the autoscaler count it
+            report["inflight"] += self._gate.waiting
+        return {"router_id": self._router_id, **report, **self._drain_demand()}
 
     def _drain_demand(self) -> dict[str, Any]:
         now = time.monotonic()

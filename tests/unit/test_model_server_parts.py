@@ -18,3 +18,22 @@ def test_queue_wait_p95_of_recent_samples():
     waits = deque([(100.0 + i * 0.01, float(i)) for i in range(100)], maxlen=512)
     assert recent_percentile(waits, 101.0, WAIT_WINDOW_S, 0.95) == 95.0
     assert recent_percentile(deque(), 0.0, WAIT_WINDOW_S, 0.95) is None
+
+
+def test_a_cpu_replica_takes_its_configured_torch_threads():
+    import torch
+
+    from serve_app.config import ModelConfig
+    from serve_app.model_server import build_backend
+
+    before = torch.get_num_threads()
+    small = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq_len": 64}
+    try:
+        torch.set_num_threads(2)
+        build_backend(ModelConfig(device="cpu", architecture=small, cpu_threads=1))
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        build_backend(ModelConfig(device="cpu", architecture=small, cpu_threads=None))  # None: torch's own choice
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
