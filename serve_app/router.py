@@ -673,10 +673,16 @@ class Router:
     # -- model calls -----------------------------------------------------------------
     def _finish(self, tenant: str, crit: str, code: str, started: float, error: bool) -> None:
         self._stats.requests += 1
+        if code == "DEADLINE_EXCEEDED":
+            # Not an error for the level's error rate: a deadline that ran out is load (the
+            # queue signals measure it) or a slow model (its breaker counts the attempt
+            # timeouts and takes it out). Counted as an error, the first burst of expired
+            # requests at the onset of overload read as a failing model: level 3, and
+            # critical traffic shed for a whole stable window.
+            error = False
+            self._m_deadline.inc()
         if error:
             self._stats.errors += 1
-        if code == "DEADLINE_EXCEEDED":
-            self._m_deadline.inc()
         self._count(tenant, crit, code)
         self._m_latency.observe((time.monotonic() - started) * 1000.0, tags={"criticality": crit})
 
