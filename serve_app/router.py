@@ -753,7 +753,7 @@ class Router:
             code, error = err.code, err.status >= 500
             yield _sse("error", err.body())
         finally:
-            slot.release(time.monotonic() - sent if tokens else None)
+            slot.release()  # a stream's length is the client's reading too: no service-time sample
             self._stats.inflight -= 1
             self._tenant_inflight[tenant] -= 1
             settle(tokens if tokens else None)
