@@ -90,6 +90,9 @@ class Stack:
     url: str
     headers: dict[str, str]
     body: Callable[[str], dict[str, Any]]
+    # When set, requests go through Ballast's SDK (serve_app/client.py) made by this,
+    # one client per phase: its per-criticality adaptive throttle refuses locally.
+    sdk: Optional[Callable[[], Any]] = None
 
 
 def criticality_sequence(n: int, mix: dict[str, float], seed: int) -> list[str]:
@@ -106,9 +109,15 @@ async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix:
     crits = criticality_sequence(n, mix, seed)
     in_flight = 0
 
+    sdk = stack.sdk() if stack.sdk is not None else None
+
     async def one(client: httpx.AsyncClient, crit: str, scheduled: float) -> None:
         nonlocal in_flight
         in_flight += 1
+        if sdk is not None:
+            await _one_sdk(sdk, stack, crit, scheduled, phase)
+            in_flight -= 1
+            return
         try:
             r = await client.post(stack.url, headers=stack.headers, json=stack.body(crit))
             code = "OK" if r.status_code == 200 else _error_code(r)
@@ -132,7 +141,20 @@ async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix:
                 continue
             tasks.append(asyncio.create_task(one(client, crit, scheduled)))
         await asyncio.gather(*tasks)
+    if sdk is not None:
+        await sdk.aclose()
     return phase
+
+
+async def _one_sdk(sdk: Any, stack: Stack, crit: str, scheduled: float, phase: Phase) -> None:
+    from serve_app.client import BallastClientError
+
+    body = stack.body(crit)
+    try:
+        await sdk.generate(body["prompt"], max_tokens=body["max_tokens"], criticality=crit)
+        phase.outcomes.append(Outcome(crit, 200, "OK", time.perf_counter() - scheduled))
+    except BallastClientError as e:
+        phase.outcomes.append(Outcome(crit, e.status or 0, e.code, time.perf_counter() - scheduled))
 
 
 def _error_code(r: httpx.Response) -> str:
@@ -248,7 +270,7 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--probe-s", type=float, default=8.0, help="length of each capacity probe")
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each 0.5/1/2/4 C phase")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--only", choices=("plain", "ballast"), default=None)
+    parser.add_argument("--only", choices=("plain", "ballast", "ballast+sdk"), default=None)
     args = parser.parse_args(argv)
     mix = DEFAULT_MIX
 
@@ -267,7 +289,16 @@ def main(argv: "list[str] | None" = None) -> int:
                          {"Authorization": f"Bearer {BENCH_KEY}", **timeout_header},
                          lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
     }
-    names = [args.only] if args.only else ["plain", "ballast"]
+    def sdk_client() -> Any:
+        from serve_app.client import AsyncBallastClient, ClientConfig
+
+        return AsyncBallastClient(ClientConfig(
+            base_url=f"{BASE}{cfg.route_prefix.rstrip('/')}", api_key=BENCH_KEY, max_attempts=1,
+            request_timeout_ms=int(args.slo_s * 1000), connect_timeout_s=CLIENT_TIMEOUT_S, read_timeout_s=CLIENT_TIMEOUT_S,
+        ))
+
+    stacks["ballast+sdk"] = Stack("ballast+sdk", stacks["ballast"].url, {}, stacks["ballast"].body, sdk=sdk_client)
+    names = [args.only] if args.only else ["plain", "ballast", "ballast+sdk"]
 
     admin = {"Authorization": f"Bearer {cfg.auth.demo_admin_token}"}
 
@@ -290,7 +321,7 @@ def main(argv: "list[str] | None" = None) -> int:
         async def settle() -> None:
             # Each probe and phase starts from a quiet stack: backlog drained, Ballast at level 0.
             await asyncio.sleep(2.0)
-            if name == "ballast":
+            if name != "plain":
                 stop = time.monotonic() + 180.0
                 while time.monotonic() < stop and await level() != 0:
                     await asyncio.sleep(1.0)
@@ -306,17 +337,22 @@ def main(argv: "list[str] | None" = None) -> int:
             for name in names:
                 stack = stacks[name]
                 settle = settler(name)
-                await closed_loop_rate(stack, 4, 3.0)  # warm-up
-                guess = await closed_loop_rate(stack, 8, 6.0)
-                cap, probes = await measure_capacity(stack, guess, args.probe_s, args.slo_s, mix, args.seed, settle)
-                print(f"{name}: closed-loop {guess:.1f} req/s; probes " +
-                      ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
+                if stack.sdk is not None and "ballast" in results:
+                    cap = results["ballast"]["C"]  # the same server: its capacity, measured above
+                    print(f"{name}: the same Ballast stack through the SDK; C = {cap:.1f} req/s", flush=True)
+                else:
+                    probe = stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
+                    await closed_loop_rate(probe, 4, 3.0)  # warm-up
+                    guess = await closed_loop_rate(probe, 8, 6.0)
+                    cap, probes = await measure_capacity(probe, guess, args.probe_s, args.slo_s, mix, args.seed, settle)
+                    print(f"{name}: closed-loop {guess:.1f} req/s; probes " +
+                          ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
                 phases = []
                 for k in MULTIPLES:
                     if k == MULTIPLES[0]:
                         await settle()
                     trace: list[dict[str, Any]] = []
-                    sampler = asyncio.create_task(sample_status(trace)) if name == "ballast" else None
+                    sampler = asyncio.create_task(sample_status(trace)) if name != "plain" else None
                     phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100)
                     if sampler is not None:
                         sampler.cancel()
@@ -343,21 +379,23 @@ def main(argv: "list[str] | None" = None) -> int:
         f"\noverload: SLO {args.slo_s:g} s, max_tokens {args.max_tokens}, {args.phase_s:g} s per phase, "
         f"mix " + "/".join(f"{c} {mix[c]:.0%}" for c in CRITICALITIES)
     )
-    head = f"{'stack':<8} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} " + " ".join(
+    head = f"{'stack':<12} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} " + " ".join(
         f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10}"
     print(head)
     for name, r in results.items():
         for k, phase in zip(MULTIPLES, r["phases"]):
             print(
-                f"{name:<8} {r['C']:>8.1f} {k:>7g}C {phase.goodput() / r['C']:>9.3f} "
+                f"{name:<12} {r['C']:>8.1f} {k:>7g}C {phase.goodput() / r['C']:>9.3f} "
                 + " ".join(f"{phase.good_fraction(c):>10.3f}" for c in CRITICALITIES)
                 + f" {phase.admitted_p99_ms():>10.0f}"
             )
-    if "ballast" in results:
-        top = results["ballast"]["phases"][-1]
+    for name in ("ballast", "ballast+sdk"):
+        if name not in results:
+            continue
+        top = results[name]["phases"][-1]
         crit = (top.good("critical_plus") + top.good("critical")) / max(1, top.count("critical_plus") + top.count("critical"))
         print(
-            f"ballast at {MULTIPLES[-1]:g} C: goodput {top.goodput() / results['ballast']['C']:.3f} C (target >= 0.9), "
+            f"{name} at {MULTIPLES[-1]:g} C: goodput {top.goodput() / results[name]['C']:.3f} C (target >= 0.9), "
             f"critical success {crit:.3f} (target >= 0.99)"
         )
     if "plain" in results:

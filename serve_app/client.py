@@ -94,6 +94,8 @@ import httpx
 from policies.retry import RetryConfig, backoff_s
 from policies.throttle import AdaptiveThrottle, ThrottleConfig
 
+MAX_THROTTLES = 8  # per client: the four criticalities and a little room
+
 GENERATE_PATH = "/v1/generate"
 USER_AGENT = "ballast-client/0.1"
 CRITICALITIES = ("critical_plus", "critical", "sheddable_plus", "sheddable")
@@ -362,6 +364,9 @@ class ClientConfig:
     max_retry_wait_s: float = 30.0
     #: Adaptive client-side throttling; None disables it.
     throttle: Optional[ThrottleConfig] = field(default_factory=ThrottleConfig)
+    #: One throttle per criticality: refusals of sheddable calls (the first the server
+    #: sheds) then throttle sheddable calls only, never the critical ones beside them.
+    throttle_per_criticality: bool = True
     #: The call's deadline; each attempt sends the time left as X-Request-Timeout-Ms.
     request_timeout_ms: Optional[int] = None
 
@@ -554,10 +559,28 @@ class _Core:
         self.rand = rand
         self.retry_cfg = cfg.retry_config()
         self.budget = RetryBudgetWindow(cfg.retry_budget_ratio, cfg.retry_budget_window, cfg.retry_budget_min_retries)
-        self.throttle: Optional[AdaptiveThrottle] = (
-            AdaptiveThrottle(cfg.throttle, clock, rand) if cfg.throttle is not None else None
-        )
+        # Keyed by criticality (bounded: the server's four classes, plus whatever a caller
+        # misspells, which the server then refuses); one shared entry when not per class.
+        self._throttles: dict[str, AdaptiveThrottle] = {}
         self._lock = threading.Lock()
+
+    def throttle_for(self, criticality: str = "critical") -> Optional[AdaptiveThrottle]:
+        if self.cfg.throttle is None:
+            return None
+        key = criticality if self.cfg.throttle_per_criticality else "*"
+        t = self._throttles.get(key)
+        if t is None:
+            if len(self._throttles) >= MAX_THROTTLES:
+                key = "*"  # past the bound, odd names share one throttle
+                t = self._throttles.get(key)
+            if t is None:
+                t = self._throttles[key] = AdaptiveThrottle(self.cfg.throttle, self.clock, self.rand)
+        return t
+
+    @property
+    def throttle(self) -> Optional[AdaptiveThrottle]:
+        """The throttle of the default criticality (``critical``)."""
+        return self.throttle_for("critical")
 
     def on_request(self) -> None:
         with self._lock:
@@ -567,22 +590,21 @@ class _Core:
         with self._lock:
             return self.budget.try_acquire_retry()
 
-    def should_send(self) -> bool:
-        if self.throttle is None:
-            return True
+    def should_send(self, criticality: str = "critical") -> bool:
         with self._lock:
-            return self.throttle.should_send()
+            t = self.throttle_for(criticality)
+            return True if t is None else t.should_send()
 
-    def reject_probability(self) -> float:
-        if self.throttle is None:
-            return 0.0
+    def reject_probability(self, criticality: str = "critical") -> float:
         with self._lock:
-            return self.throttle.probability()
+            t = self.throttle_for(criticality)
+            return 0.0 if t is None else t.probability()
 
-    def record_accept(self) -> None:
-        if self.throttle is not None:
-            with self._lock:
-                self.throttle.record_accept()
+    def record_accept(self, criticality: str = "critical") -> None:
+        with self._lock:
+            t = self.throttle_for(criticality)
+            if t is not None:
+                t.record_accept()
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.cfg.api_key}", "User-Agent": USER_AGENT}
@@ -618,9 +640,10 @@ class _Call:
     of the previous attempt: a retry refused by the throttle re-raises it.
     """
 
-    def __init__(self, core: _Core, idempotency_key: Optional[str] = None) -> None:
+    def __init__(self, core: _Core, idempotency_key: Optional[str] = None, criticality: str = "critical") -> None:
         self._core = core
         self._key = idempotency_key
+        self._crit = criticality
         self.attempts = 0
         self.last_error: Optional[BallastClientError] = None
         # Set by the first begin_attempt: a stream sends nothing until it is iterated.
@@ -643,11 +666,11 @@ class _Call:
         left_s = self._time_left_s()
         if left_s is not None and left_s <= 0:  # only after a wait; _plan_retry keeps waits inside it
             raise self.last_error or DeadlineExceeded("client deadline spent before sending", None)
-        if not self._core.should_send():
+        if not self._core.should_send(self._crit):
             if self.last_error is not None:
                 raise self.last_error
             raise ThrottledLocally(
-                f"adaptive throttle refused locally (reject probability {self._core.reject_probability():.3f})"
+                f"adaptive throttle refused locally (reject probability {self._core.reject_probability(self._crit):.3f})"
             )
         if self.attempts == 0:  # the budget counts calls that went out, not local refusals
             self._core.on_request()
@@ -684,7 +707,7 @@ class _Call:
         """A non-2xx answer: the wait before retrying, or raises its typed error."""
         err = error_from_answer(status, headers, body)
         if not is_overload_refusal(err):
-            self._core.record_accept()
+            self._core.record_accept(self._crit)
         self.last_error = err
         wait_s = self._plan_retry(err) if is_retryable_answer(err) else None
         if wait_s is None:
@@ -712,7 +735,7 @@ class _Call:
         return wait_s
 
     def on_success(self, body: bytes) -> Generation:
-        self._core.record_accept()
+        self._core.record_accept(self._crit)
         try:
             payload = json.loads(body)
         except (ValueError, UnicodeDecodeError):
@@ -734,7 +757,7 @@ class _Call:
         if not self._stream_counted:
             self._stream_counted = True
             if err is None or not is_overload_refusal(err):
-                self._core.record_accept()
+                self._core.record_accept(self._crit)
         if err is not None:
             raise err
         if name == "token":
@@ -863,7 +886,7 @@ class BallastClient:
         criticality: str = "critical",
         idempotency_key: Optional[str] = None,
     ) -> Generation:
-        call = _Call(self._core, idempotency_key)
+        call = _Call(self._core, idempotency_key, criticality)
         payload = _payload(prompt, max_tokens, criticality, stream=False)
         while True:
             headers, timeout = call.begin_attempt()
@@ -878,7 +901,7 @@ class BallastClient:
             return call.on_success(resp.content)
 
     def stream(self, prompt: str, max_tokens: int = 64, criticality: str = "critical") -> TokenStream:
-        call = _Call(self._core)
+        call = _Call(self._core, None, criticality)
         return TokenStream(self._stream(call, _payload(prompt, max_tokens, criticality, stream=True)), call)
 
     def _stream(self, call: _Call, payload: dict[str, Any]) -> Iterator[str]:
@@ -957,7 +980,7 @@ class AsyncBallastClient:
         criticality: str = "critical",
         idempotency_key: Optional[str] = None,
     ) -> Generation:
-        call = _Call(self._core, idempotency_key)
+        call = _Call(self._core, idempotency_key, criticality)
         payload = _payload(prompt, max_tokens, criticality, stream=False)
         while True:
             headers, timeout = call.begin_attempt()
@@ -972,7 +995,7 @@ class AsyncBallastClient:
             return call.on_success(resp.content)
 
     def stream(self, prompt: str, max_tokens: int = 64, criticality: str = "critical") -> AsyncTokenStream:
-        call = _Call(self._core)
+        call = _Call(self._core, None, criticality)
         return AsyncTokenStream(self._stream(call, _payload(prompt, max_tokens, criticality, stream=True)), call)
 
     async def _stream(self, call: _Call, payload: dict[str, Any]) -> AsyncIterator[str]:

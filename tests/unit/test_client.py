@@ -795,3 +795,27 @@ async def test_async_stream_error_event_raises() -> None:
         async with h.client.stream("Hello") as stream:
             async for _ in stream:
                 pass
+
+
+def test_throttles_are_per_criticality_so_shed_sheddable_calls_never_throttle_critical_ones() -> None:
+    h = harness(overloaded(), max_attempts=1, throttle=ThrottleConfig())
+    for _ in range(20):
+        with pytest.raises((Overloaded, ThrottledLocally)):
+            h.client.generate("Hello", criticality="sheddable")
+    sent_sheddable = len(h.server.requests)
+    assert sent_sheddable < 5  # the sheddable throttle closed after a few refusals
+    # Critical calls have their own, untouched throttle: every one goes out.
+    h.server.answers = [ok()] * 10
+    for _ in range(10):
+        assert h.client.generate("Hello", criticality="critical").text == "hello world"
+    assert len(h.server.requests) == sent_sheddable + 10
+    assert h.client.throttle.probability() == 0.0  # `throttle` is the default (critical) class's
+
+
+def test_one_shared_throttle_when_not_per_criticality() -> None:
+    h = harness(overloaded(), max_attempts=1, throttle=ThrottleConfig(), throttle_per_criticality=False)
+    for _ in range(20):
+        with pytest.raises((Overloaded, ThrottledLocally)):
+            h.client.generate("Hello", criticality="sheddable")
+    with pytest.raises(ThrottledLocally):  # the critical call is throttled by the sheddable refusals
+        h.client.generate("Hello", criticality="critical")
