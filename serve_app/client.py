@@ -565,6 +565,7 @@ class _Core:
         self._lock = threading.Lock()
 
     def throttle_for(self, criticality: str = "critical") -> Optional[AdaptiveThrottle]:
+        """Callers hold ``_lock`` (it may add an entry)."""
         if self.cfg.throttle is None:
             return None
         key = criticality if self.cfg.throttle_per_criticality else "*"
@@ -580,7 +581,8 @@ class _Core:
     @property
     def throttle(self) -> Optional[AdaptiveThrottle]:
         """The throttle of the default criticality (``critical``)."""
-        return self.throttle_for("critical")
+        with self._lock:
+            return self.throttle_for("critical")
 
     def on_request(self) -> None:
         with self._lock:
@@ -873,7 +875,13 @@ class BallastClient:
 
     @property
     def throttle(self) -> Optional[AdaptiveThrottle]:
+        """The default criticality's throttle (``critical``); see ``throttle_for``."""
         return self._core.throttle
+
+    def throttle_for(self, criticality: str) -> Optional[AdaptiveThrottle]:
+        """The adaptive throttle this client keeps for ``criticality`` (None when disabled)."""
+        with self._core._lock:
+            return self._core.throttle_for(criticality)
 
     @property
     def retry_budget(self) -> RetryBudgetWindow:
@@ -967,7 +975,13 @@ class AsyncBallastClient:
 
     @property
     def throttle(self) -> Optional[AdaptiveThrottle]:
+        """The default criticality's throttle (``critical``); see ``throttle_for``."""
         return self._core.throttle
+
+    def throttle_for(self, criticality: str) -> Optional[AdaptiveThrottle]:
+        """The adaptive throttle this client keeps for ``criticality`` (None when disabled)."""
+        with self._core._lock:
+            return self._core.throttle_for(criticality)
 
     @property
     def retry_budget(self) -> RetryBudgetWindow:

@@ -101,7 +101,8 @@ def test_sdk_adaptive_throttling_cuts_what_reaches_the_server(ballast):
                 outcomes["quota"] += 1
             except ThrottledLocally:
                 outcomes["local"] += 1
-        probability = sdk.throttle.probability()
+        probability = sdk.throttle_for("sheddable_plus").probability()
+        assert sdk.throttle.probability() == 0.0  # critical calls would still go out
     reached = outcomes["ok"] + outcomes["quota"]
     assert outcomes["quota"] > 0 and outcomes["local"] > 0, outcomes
     assert reached < 200 and probability > 0, (outcomes, probability)
