@@ -114,11 +114,10 @@ async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix:
     async def one(client: httpx.AsyncClient, crit: str, scheduled: float) -> None:
         nonlocal in_flight
         in_flight += 1
-        if sdk is not None:
-            await _one_sdk(sdk, stack, crit, scheduled, phase)
-            in_flight -= 1
-            return
         try:
+            if sdk is not None:
+                await _one_sdk(sdk, stack, crit, scheduled, phase)
+                return
             r = await client.post(stack.url, headers=stack.headers, json=stack.body(crit))
             code = "OK" if r.status_code == 200 else _error_code(r)
             phase.outcomes.append(Outcome(crit, r.status_code, code, time.perf_counter() - scheduled))

@@ -686,6 +686,12 @@ class Router:
         self._count(tenant, crit, code)
         self._m_latency.observe((time.monotonic() - started) * 1000.0, tags={"criticality": crit})
 
+    def _add_wait(self, wait_ms: float, fallback: Optional[str]) -> None:
+        """A wait for the model: for the controller's report, and (primary only) the gate's limit."""
+        self._stats.add_wait(wait_ms)
+        if self._gate is not None and fallback is None:
+            self._gate.observe_wait(wait_ms)
+
     async def _call_unary(
         self, call: dict[str, Any], tenant: str, crit: str, started: float, deadline_s: float
     ) -> tuple[dict[str, Any], Optional[str]]:
@@ -711,9 +717,7 @@ class Router:
         # Everything but the replica's compute time was waiting: handle queue + batch queue.
         elapsed_ms = (time.monotonic() - sent) * 1000.0
         wait_ms = max(0.0, elapsed_ms - float(result.get("compute_ms", 0.0)))
-        self._stats.add_wait(wait_ms)
-        if self._gate is not None and fallback is None:
-            self._gate.observe_wait(wait_ms)
+        self._add_wait(wait_ms, fallback)
         self._finish(tenant, crit, "OK", started, error=False)
         return result, fallback
 
@@ -740,9 +744,7 @@ class Router:
                 done["model"] = self._cfg.fallback.model.name
             async for chunk in chunks:
                 if "queue_wait_ms" in chunk:
-                    self._stats.add_wait((time.monotonic() - sent) * 1000.0)
-                    if self._gate is not None and fallback is None:
-                        self._gate.observe_wait((time.monotonic() - sent) * 1000.0)
+                    self._add_wait((time.monotonic() - sent) * 1000.0, fallback)
                 tokens += chunk["tokens"]
                 yield _sse("token", {"text": chunk["text"], "tokens": chunk["tokens"]})
             yield _sse("done", {"tokens_generated": tokens, **done})
