@@ -40,6 +40,7 @@ __all__ = [
     "BYTE_VOCAB_SIZE",
     "BackendSpec",
     "ByteStreamDecoder",
+    "LiveBatch",
     "ModelBackend",
     "ModelLoadError",
     "SamplingConfig",
@@ -478,12 +479,21 @@ class TorchDecoderBackend:
         chunk_tokens: int,
         use_cache: bool,
     ) -> Iterator[list[list[int]]]:
-        if not encoded:
+        if not encoded or max(max_new_tokens) == 0:
+            return
+        if use_cache:
+            # The cached path is the live batch the replica runs, with every
+            # sequence joining at once.
+            batch = LiveBatch(self)
+            pending = list(enumerate(zip(encoded, max_new_tokens)))
+            while pending or batch.size:
+                with torch.inference_mode():  # per chunk, never across a yield
+                    out = batch.run_chunk([(i, e, n) for i, (e, n) in pending], chunk_tokens)
+                pending = []
+                yield [out.get(b, []) for b in range(len(encoded))]
             return
         total_steps = max(max_new_tokens)
-        if total_steps == 0:
-            return
-        state = _DecodeState(self, encoded, total_steps, use_cache)
+        state = _DecodeState(self, encoded, total_steps)
         for first in range(0, total_steps, chunk_tokens):
             last = min(first + chunk_tokens, total_steps)
             # inference_mode is entered per chunk, never held across a yield: a
@@ -499,6 +509,16 @@ class TorchDecoderBackend:
                 for b in range(len(encoded))
             ]
 
+    def open_batch(self) -> "LiveBatch":
+        """An empty :class:`LiveBatch` (iteration-level batching) on this backend."""
+        return LiveBatch(self)
+
+    def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
+        """The prompt's token ids as a live batch takes them (validated like generate)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        return encode_prompt(prompt, max_new_tokens, self.max_seq_len)
+
     def _sample(self, logits: Tensor, gen: torch.Generator | None) -> Tensor:
         """Pick one id per row from last-position logits [B, V] -> [B]."""
         logits = logits.float()
@@ -510,23 +530,220 @@ class TorchDecoderBackend:
         return torch.multinomial(probs, 1, generator=gen).squeeze(1)
 
 
-class _DecodeState:
-    """Mutable per-call state of one batched generation.
+class LiveBatch:
+    """Iteration-level ("continuous") batching: sequences join and leave between chunks.
 
-    Layout: prompts are left-padded to a common width P; generated tokens fill
-    columns P, P+1, ... for every row. ``key_valid[b, j]`` is False only on
-    padding, positions count real tokens per row (so a prompt sees the same
-    positions alone or batched), and padding is never attended to. That is what
-    makes batched output equal single-prompt output.
+    A request that arrives while others are generating joins at the next chunk
+    instead of waiting for the whole batch to finish, and a finished sequence
+    leaves at once instead of idling to the batch's longest member. That is what
+    keeps a short request's latency independent of the long ones beside it.
+
+    Layout: one KV cache ``[L, B, H, T, Dh]`` for the rows in the batch. Every row's
+    real tokens are a *suffix* of the T columns (left padding, ``valid[b, j]``
+    False on padding), and ``lengths[b]`` counts them, so a row's positions are
+    the same alone or batched. Joining rows are prefilled on their own, then both
+    caches are left-padded to a common width and stacked; leaving rows are
+    dropped and columns no row uses are trimmed, so T never exceeds the longest
+    row (≤ ``max_seq_len``). Each row also holds its last sampled token, not yet
+    fed to the model; a decode step feeds it at position ``lengths[b]``.
+
+    Greedy output of a row equals generating it alone. With temperature > 0 the
+    draws come from one generator per batch, seeded once, so samples depend on
+    what else is in the batch. Not thread-safe: one caller at a time (the
+    replica's engine loop runs one chunk at a time in a worker thread).
     """
 
-    def __init__(
-        self,
-        backend: TorchDecoderBackend,
-        encoded: list[list[int]],
-        total_steps: int,
-        use_cache: bool,
+    def __init__(self, backend: TorchDecoderBackend) -> None:
+        self._backend = backend
+        self._keys: list[Any] = []
+        self._remaining: list[int] = []  # tokens each row still has to emit
+        dev = backend.device
+        self._k = self._empty_cache(0)
+        self._v = self._k
+        self._valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)
+        self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
+        self._last = torch.zeros(0, dtype=torch.long, device=dev)
+        self._gen: torch.Generator | None = None
+        if backend.sampling.temperature > 0:
+            self._gen = torch.Generator(device=dev).manual_seed(backend.sampling.seed)
+
+    @property
+    def size(self) -> int:
+        """Rows generating now."""
+        return len(self._keys)
+
+    @property
+    def width(self) -> int:
+        """Columns in the KV cache (the longest row)."""
+        return int(self._valid.shape[1])
+
+    def keys(self) -> list[Any]:
+        return list(self._keys)
+
+    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+        """Drop these rows (cancelled, past their deadline); unknown keys are ignored."""
+        gone = set(keys)
+        keep = [i for i, key in enumerate(self._keys) if key not in gone]
+        if len(keep) != len(self._keys):
+            self._select(keep)
+
+    def run_chunk(
+        self, joins: "Sequence[tuple[Any, list[int], int]]", steps: int
+    ) -> dict[Any, list[int]]:
+        """Admit ``joins`` (key, prompt ids, max new tokens), then up to ``steps`` tokens per row.
+
+        Returns the ids each row emitted in this chunk, for every row that was in
+        the batch or joined (a joiner's first token comes from its prefill). Rows
+        that emitted their last token have left the batch when this returns. Call
+        under ``torch.inference_mode()``.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        seen = set(self._keys)
+        for key, ids, n in joins:
+            if key in seen:
+                raise ValueError(f"key {key!r} is already in the batch")
+            seen.add(key)
+            if not ids or len(ids) + n > self._backend.max_seq_len or n < 0:
+                raise ValueError(
+                    f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit "
+                    f"max_seq_len {self._backend.max_seq_len} (use encode())"
+                )
+        emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward
+        if self._keys:
+            emitted.append((list(self._keys), self._decode()))
+        live = [(key, ids, n) for key, ids, n in joins if n > 0]
+        if live:
+            part = self._prefill([ids for _, ids, _ in live])
+            emitted.append(([key for key, _, _ in live], part[-1]))
+            self._drop_finished()
+            self._append([key for key, _, _ in live], [n - 1 for _, _, n in live], part)
+        self._drop_finished()
+        for _ in range(steps - 1):
+            if not self._keys:
+                break
+            emitted.append((list(self._keys), self._decode()))
+            self._drop_finished()
+        out: dict[Any, list[int]] = {key: [] for key, _, _ in joins}
+        if emitted:
+            # One device->host copy per chunk rather than per token.
+            flat = torch.cat([ids for _, ids in emitted]).tolist()
+            i = 0
+            for keys, _ in emitted:
+                for key in keys:
+                    out.setdefault(key, []).append(flat[i])
+                    i += 1
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _empty_cache(self, batch: int) -> Tensor:
+        b = self._backend
+        return torch.zeros(
+            b._n_layers, batch, b._n_heads, 0, b._head_dim, dtype=b._dtype, device=b.device
+        )
+
+    def _decode(self) -> Tensor:
+        """One decode step for every row: feed each row's last token; returns the new ones [B]."""
+        dev = self._backend.device
+        batch = len(self._keys)
+        valid = torch.cat([self._valid, torch.ones(batch, 1, dtype=torch.bool, device=dev)], dim=1)
+        logits, self._k, self._v = self._backend._model(
+            self._last[:, None], self._lengths[:, None], valid[:, None, :], self._k, self._v
+        )
+        self._valid = valid
+        self._lengths = self._lengths + 1
+        self._last = self._backend._sample(logits[:, -1, :], self._gen)
+        for i in range(batch):
+            self._remaining[i] -= 1
+        return self._last
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Prefill new rows as their own left-padded batch: (k, v, valid, lengths, first ids)."""
+        dev = self._backend.device
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
+        valid = torch.ones(len(prompts), width, dtype=torch.bool, device=dev)
+        for b, p in enumerate(prompts):
+            pad = width - len(p)
+            ids[b, pad:] = torch.tensor(p, dtype=torch.long, device=dev)
+            valid[b, :pad] = False
+        positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        empty = self._empty_cache(len(prompts))
+        logits, k, v = self._backend._model(ids, positions, _prefill_mask(valid), empty, empty)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
+        return k, v, valid, lengths, self._backend._sample(logits[:, -1, :], self._gen)
+
+    def _append(
+        self, keys: list[Any], remaining: list[int], part: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
     ) -> None:
+        k, v, valid, lengths, last = part
+        width = max(self.width, int(valid.shape[1]))
+        self._k = torch.cat([_left_pad(self._k, width, 3), _left_pad(k, width, 3)], dim=1)
+        self._v = torch.cat([_left_pad(self._v, width, 3), _left_pad(v, width, 3)], dim=1)
+        self._valid = torch.cat([_left_pad(self._valid, width, 1), _left_pad(valid, width, 1)], dim=0)
+        self._lengths = torch.cat([self._lengths, lengths])
+        self._last = torch.cat([self._last, last])
+        self._keys += keys
+        self._remaining += remaining
+
+    def _drop_finished(self) -> None:
+        if any(r <= 0 for r in self._remaining):
+            self._select([i for i, r in enumerate(self._remaining) if r > 0])
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep these rows, then trim leading columns that no remaining row uses."""
+        index = torch.tensor(keep, dtype=torch.long, device=self._backend.device)
+        self._k = self._k.index_select(1, index)
+        self._v = self._v.index_select(1, index)
+        self._valid = self._valid.index_select(0, index)
+        self._lengths = self._lengths.index_select(0, index)
+        self._last = self._last.index_select(0, index)
+        self._keys = [self._keys[i] for i in keep]
+        self._remaining = [self._remaining[i] for i in keep]
+        used = self._valid.any(dim=0)
+        start = int(used.long().argmax()) if bool(used.any()) else self.width
+        if start:
+            self._k = self._k[:, :, :, start:]
+            self._v = self._v[:, :, :, start:]
+            self._valid = self._valid[:, start:]
+
+
+def _left_pad(x: Tensor, width: int, dim: int) -> Tensor:
+    """``x`` padded on the left along ``dim`` to ``width`` with zeros (False for masks)."""
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def _prefill_mask(valid: Tensor) -> Tensor:
+    """[B, T, T]: causal, no padding keys, and the diagonal always open.
+
+    The diagonal keeps padding queries from having an all-False row. torch
+    2.13's CPU kernel returns zeros for such a row, but other SDPA kernels
+    and versions return NaN, and a NaN in a padded row's K/V would poison
+    real rows through 0 * NaN in the attention matmul. The padded rows'
+    outputs are never used, so letting them see themselves costs nothing.
+    """
+    upto = valid.shape[1]
+    dev = valid.device
+    causal = torch.ones(upto, upto, dtype=torch.bool, device=dev).tril()
+    mask = causal.unsqueeze(0) & valid[:, None, :]
+    return mask | torch.eye(upto, dtype=torch.bool, device=dev).unsqueeze(0)
+
+
+class _DecodeState:
+    """The no-cache reference: every step recomputes the whole left-padded batch.
+
+    Quadratic, for tests and debugging only (``use_cache=False``): it is what the
+    live batch's KV cache must reproduce. Prompts are left-padded to a common
+    width P; generated tokens fill columns P, P+1, ... for every row.
+    """
+
+    def __init__(self, backend: TorchDecoderBackend, encoded: list[list[int]], total_steps: int) -> None:
         dev = backend.device
         width = max(len(e) for e in encoded)
         batch = len(encoded)
@@ -537,56 +754,28 @@ class _DecodeState:
             ids[b, pad:width] = torch.tensor(e, dtype=torch.long, device=dev)
             valid[b, :pad] = False
         self.backend = backend
-        self.use_cache = use_cache
         self.width = width
-        self.ids = ids  # generated tokens are written into columns width, width+1, ...
+        self.ids = ids
         self.key_valid = valid
-        # Position of every column = count of real tokens before it. Rows that
-        # already finished keep decoding (the batch runs to the longest request)
-        # and could run past the position table; their output is discarded, so
-        # clamping them is harmless.
+        # Rows that already finished keep decoding (the batch runs to the longest
+        # request) and could run past the position table; their output is
+        # discarded, so clamping them is harmless.
         self.positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0, max=backend.max_seq_len - 1)
-        empty = torch.zeros(
-            backend._n_layers, batch, backend._n_heads, 0, backend._head_dim,
-            dtype=backend._dtype, device=dev,
-        )
-        self.past_k = empty
-        self.past_v = empty
         self.gen: torch.Generator | None = None
         if backend.sampling.temperature > 0:
             self.gen = torch.Generator(device=dev).manual_seed(backend.sampling.seed)
 
-    def _full_mask(self, upto: int) -> Tensor:
-        """[B, upto, upto]: causal, no padding keys, and the diagonal always open.
-
-        The diagonal keeps padding queries from having an all-False row. torch
-        2.13's CPU kernel returns zeros for such a row, but other SDPA kernels
-        and versions return NaN, and a NaN in a padded row's K/V would poison
-        real rows through 0 * NaN in the attention matmul. The padded rows'
-        outputs are never used, so letting them see themselves costs nothing.
-        """
-        dev = self.backend.device
-        causal = torch.ones(upto, upto, dtype=torch.bool, device=dev).tril()
-        mask = causal.unsqueeze(0) & self.key_valid[:, None, :upto]
-        return mask | torch.eye(upto, dtype=torch.bool, device=dev).unsqueeze(0)
-
     def step(self, s: int) -> Tensor:
-        """Run decode step ``s`` (0 = prefill) and return the new token per row [B]."""
-        model = self.backend._model
-        upto = self.width + s  # columns holding prompt + tokens generated so far
-        if s == 0 or not self.use_cache:
-            empty = self.past_k[:, :, :, :0]
-            logits, k, v = model(
-                self.ids[:, :upto], self.positions[:, :upto], self._full_mask(upto), empty, empty
-            )
-        else:
-            col = upto - 1  # only the token generated at step s-1 is new
-            mask = self.key_valid[:, None, :upto]
-            logits, k, v = model(
-                self.ids[:, col:upto], self.positions[:, col:upto], mask, self.past_k, self.past_v
-            )
-        self.past_k, self.past_v = k, v
-        token = self.backend._sample(logits[:, -1, :], self.gen)
+        """Recompute through decode step ``s`` (0 = prefill); the new token per row [B]."""
+        upto = self.width + s
+        b = self.backend
+        empty = torch.zeros(
+            b._n_layers, self.ids.shape[0], b._n_heads, 0, b._head_dim, dtype=b._dtype, device=b.device
+        )
+        logits, _, _ = b._model(
+            self.ids[:, :upto], self.positions[:, :upto], _prefill_mask(self.key_valid[:, :upto]), empty, empty
+        )
+        token = b._sample(logits[:, -1, :], self.gen)
         self.ids[:, upto] = token
         return token
 

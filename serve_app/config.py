@@ -58,7 +58,10 @@ class ModelConfig(_Strict):
     architecture: ModelArchitecture = ModelArchitecture()
     # Decode steps per streamed event: one server-sent event per token batch.
     stream_chunk_tokens: PositiveInt = 4
+    # Most requests decoding together. Batching is per iteration: a request joins the
+    # running batch at the next chunk boundary and leaves when it has its tokens.
     max_batch_size: PositiveInt = 32
+    # How long an idle replica waits to gather its first rows before the first chunk.
     batch_wait_timeout_s: float = Field(0.005, ge=0, le=1)
     # Torch intra-op threads for a replica on CPU (GPU replicas are not affected). One per
     # replica: the replica shares its cores with Serve's proxy and the routers, and two

@@ -1,9 +1,14 @@
-"""The model deployment: a torch model behind ``@serve.batch``, streaming token batches.
+"""The model deployment: a torch model with iteration-level batching, streaming token batches.
 
-One replica holds one backend (GPU when present, else CPU). Requests from the
-router enter a dynamic batch; a batch generates chunk by chunk, and each chunk is
-handed back to every request in the batch as soon as it is decoded, so streaming
-and unary calls share one code path (unary simply collects the chunks).
+One replica holds one backend (GPU when present, else CPU) and one engine loop
+that runs a :class:`~serve_app.backends.LiveBatch` chunk by chunk
+(``stream_chunk_tokens`` decode steps each). A request from the router waits in
+the replica's line until the next chunk boundary, joins the running batch there
+and leaves it as soon as it has its own tokens, so a short request never waits
+for the longest one in a batch (``@serve.batch`` would run a batch to its
+longest member; under a noisy tenant's long requests that doubled a quiet
+tenant's p99). Each chunk is handed to its request as soon as it is decoded, so
+streaming and unary calls share one code path (unary collects the chunks).
 
 Degradation constraints reach the replica through its snapshot cache: the batch
 size limit follows ``max_batch_size`` of the current level and ``max_tokens`` is
@@ -37,7 +42,7 @@ from ray import serve
 
 from policies.admission import clamp_max_tokens
 
-from .backends import BackendSpec, TinyDecoderConfig, load_backend
+from .backends import BackendSpec, ByteStreamDecoder, TinyDecoderConfig, load_backend
 from .chaos import ChaosAgent
 from .config import BallastConfig, ModelConfig, load_config
 from .controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
@@ -61,10 +66,15 @@ class _Item:
     max_tokens: int
     enqueued_at_s: float
     deadline_s: float  # monotonic, this process: the caller's remaining budget
+    key: int = 0
     started: bool = False
     cancelled: bool = False
     queue_wait_ms: float = 0.0
-    t0_s: float = field(default=0.0)
+    emitted: int = 0
+    # Chunks for the caller; None ends the stream, an exception fails it. Bounded by
+    # construction: at most ceil(max_tokens / stream_chunk_tokens) + 1 entries.
+    out: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
+    decoder: ByteStreamDecoder = field(default_factory=ByteStreamDecoder)
 
 
 def recent_percentile(samples: "deque[tuple[float, float]]", now_s: float, window_s: float, q: float) -> Optional[float]:
@@ -122,6 +132,12 @@ class ModelServer:
             self._replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (tests, benchmarks)
             self._replica_id = f"local-{id(self):x}"
+        self._batch = self._backend.open_batch()
+        self._waiting: deque[_Item] = deque()  # bounded by the deployment's max_ongoing_requests
+        self._active: dict[int, _Item] = {}  # rows in the live batch, by key
+        self._next_key = 0
+        self._wake: Optional[asyncio.Event] = None
+        self._engine_task: Optional[asyncio.Task] = None
         self._queued = 0
         self._running = 0
         self._batches = 0
@@ -140,7 +156,7 @@ class ModelServer:
         from ray.serve import metrics  # created once, here (STYLE 8)
 
         self._m_batch = metrics.Histogram(
-            "ballast_model_batch_size", "Requests per generated batch.", boundaries=[1, 2, 4, 8, 16, 24, 32, 64]
+            "ballast_model_batch_size", "Rows in the live batch per generated chunk.", boundaries=[1, 2, 4, 8, 16, 24, 32, 64]
         )
         self._m_tokens = metrics.Counter("ballast_model_tokens_total", "Tokens generated.")
         self._m_queue = metrics.Gauge("ballast_model_queued", "Requests in this replica waiting for a batch.")
@@ -165,6 +181,11 @@ class ModelServer:
 
     def _start_loops(self) -> None:
         self._exchange.start()
+        if self._engine_task is None or self._engine_task.done():
+            if self._engine_task is not None and not self._engine_task.cancelled():
+                log.error("engine loop ended: %r; restarting it", self._engine_task.exception())
+            self._wake = asyncio.Event()
+            self._engine_task = asyncio.get_running_loop().create_task(self._engine())
         if self._watchdog is not None and (self._beat_task is None or self._beat_task.done()):
             self._beat_task = asyncio.get_running_loop().create_task(self._beat_loop())
 
@@ -203,11 +224,8 @@ class ModelServer:
 
     # -- control loop ------------------------------------------------------------------
     def _apply_batch_limit(self, level_limit: int) -> None:
-        limit = max(1, min(self._model_cfg.max_batch_size, level_limit))
-        if limit != self._batch_limit:
-            self._batched.set_max_batch_size(limit)
-            self._batched.set_batch_wait_timeout_s(self._model_cfg.batch_wait_timeout_s)
-            self._batch_limit = limit
+        # Rows already decoding finish; only admission into the batch follows the limit.
+        self._batch_limit = max(1, min(self._model_cfg.max_batch_size, level_limit))
 
     def _apply_snapshot(self, snap: Snapshot) -> None:
         self._apply_batch_limit(self._cache.effective().constraints.max_batch_size)
@@ -254,53 +272,86 @@ class ModelServer:
     async def stats(self) -> dict[str, Any]:
         return self._report()
 
-    # -- batching ----------------------------------------------------------------------
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def _batched(self, items: list[_Item]) -> AsyncGenerator[list[Any], None]:
-        now = time.monotonic()
-        for it in items:
-            it.started = True
-            it.t0_s = now
-            it.queue_wait_ms = (now - it.enqueued_at_s) * 1000.0
-            self._waits_ms.append((now, it.queue_wait_ms))
-        self._queued -= len(items)
-        self._running += len(items)
-        self._batches += 1
-        self._batch_sizes.append(len(items))
-        self._m_batch.observe(len(items))
+    # -- the engine: iteration-level batching ------------------------------------------
+    async def _engine(self) -> None:
+        """Run the live batch chunk by chunk while anything is waiting or decoding."""
+        assert self._wake is not None
         chunk_tokens = self._model_cfg.stream_chunk_tokens
-        gen = self._backend.generate_chunks([it.prompt for it in items], [it.max_tokens for it in items], chunk_tokens)
-        emitted = [0] * len(items)
-        done = [False] * len(items)
-        try:
-            while not all(done):
+        while True:
+            if not self._waiting and not self._active:
+                self._wake.clear()
+                await self._wake.wait()
+                if self._model_cfg.batch_wait_timeout_s > 0:  # an idle replica gathers its first rows
+                    await asyncio.sleep(self._model_cfg.batch_wait_timeout_s)
+            await self._chaos.stall_point()
+            now = time.monotonic()
+            leaving = [k for k, it in self._active.items() if it.cancelled or now > it.deadline_s]
+            for k in leaving:
+                self._finish(self._active[k], {"deadline_exceeded": True, "text": "", "tokens": 0})
+            joins = self._admit(now)
+            if not joins and not self._active:
+                continue
+            try:
                 # Torch runs in a worker thread: the event loop stays free for new
                 # requests, health checks and the report loop.
-                await self._chaos.stall_point()
-                chunk = await asyncio.to_thread(next, gen, None)
-                if chunk is None:
-                    break
-                self._progress += 1
-                now = time.monotonic()
-                out: list[Any] = []
-                for i, text in enumerate(chunk):
-                    if done[i]:
-                        out.append(StopIteration)
-                        continue
-                    if now > items[i].deadline_s:  # the caller has given up: stop spending on it
-                        done[i] = True
-                        out.append({"deadline_exceeded": True, "text": "", "tokens": 0})
-                        continue
-                    step = min(chunk_tokens, items[i].max_tokens - emitted[i])
-                    emitted[i] += step
-                    out.append({"text": text, "tokens": step})
-                    if emitted[i] >= items[i].max_tokens:
-                        done[i] = True
-                self._m_tokens.inc(sum(o["tokens"] for o in out if isinstance(o, dict)))
-                yield out
-        finally:
-            gen.close()
-            self._running -= len(items)
+                out = await asyncio.to_thread(self._run_chunk, leaving, joins, chunk_tokens)
+            except Exception as exc:  # e.g. CUDA OOM: every row in the batch fails with it
+                log.exception("a chunk failed; failing the %d rows in the batch", len(self._active))
+                for it in list(self._active.values()):
+                    self._finish(it, exc)
+                self._batch = self._backend.open_batch()
+                continue
+            self._progress += 1
+            self._batches += 1
+            self._batch_sizes.append(len(self._active))
+            self._m_batch.observe(len(self._active))
+            tokens = 0
+            for key, ids in out.items():
+                it = self._active.get(key)
+                if it is None:
+                    continue
+                it.emitted += len(ids)
+                tokens += len(ids)
+                last = it.emitted >= it.max_tokens
+                chunk = {"text": it.decoder.feed(ids, final=last and bool(ids)), "tokens": len(ids)}
+                if last:
+                    self._finish(it, chunk)
+                else:
+                    it.out.put_nowait(chunk)
+            self._m_tokens.inc(tokens)
+
+    def _admit(self, now: float) -> list[tuple[int, list[int], int]]:
+        """Move waiting requests into the batch up to its limit, oldest first."""
+        joins = []
+        while self._waiting and len(self._active) < self._batch_limit:
+            it = self._waiting.popleft()
+            self._queued -= 1
+            if now > it.deadline_s:  # gave up while waiting: no prefill spent on it
+                it.out.put_nowait({"deadline_exceeded": True, "text": "", "tokens": 0})
+                continue
+            it.started = True
+            it.queue_wait_ms = (now - it.enqueued_at_s) * 1000.0
+            self._waits_ms.append((now, it.queue_wait_ms))
+            self._running += 1
+            self._active[it.key] = it
+            joins.append((it.key, self._backend.encode(it.prompt, it.max_tokens), it.max_tokens))
+        return joins
+
+    def _run_chunk(self, leaving: list[int], joins: list[tuple[int, list[int], int]], steps: int) -> dict[int, list[int]]:
+        import torch
+
+        with torch.inference_mode():  # the worker thread's own mode, entered per chunk
+            self._batch.remove(leaving)
+            return self._batch.run_chunk(joins, steps)
+
+    def _finish(self, it: _Item, last: Any) -> None:
+        """The row leaves the batch's bookkeeping (its tensors leave at the next chunk)."""
+        if self._active.pop(it.key, None) is not None:
+            self._running -= 1
+        if not it.cancelled:
+            it.out.put_nowait(last)
+            if isinstance(last, dict) and not last.get("deadline_exceeded"):
+                it.out.put_nowait(None)
 
     async def _chunks(self, req: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         self._start_loops()
@@ -309,11 +360,20 @@ class ModelServer:
         max_tokens, _ = clamp_max_tokens(int(req["max_tokens"]), constraints, self._model_max_tokens)
         now = time.monotonic()
         timeout_s = float(req.get("timeout_s") or self._cfg.resilience.max_deadline_s)
-        item = _Item(str(req["prompt"]), max_tokens, enqueued_at_s=now, deadline_s=now + timeout_s)
+        self._next_key += 1
+        item = _Item(str(req["prompt"]), max_tokens, enqueued_at_s=now, deadline_s=now + timeout_s, key=self._next_key)
+        self._waiting.append(item)
         self._queued += 1
+        assert self._wake is not None
+        self._wake.set()
         try:
             first = True
-            async for chunk in self._batched(item):
+            while True:
+                chunk = await item.out.get()
+                if chunk is None:
+                    return
+                if isinstance(chunk, BaseException):
+                    raise chunk
                 if chunk.get("deadline_exceeded"):
                     raise DeadlineExceeded(f"deadline of {timeout_s:.3f}s passed while generating")
                 if first:
@@ -321,8 +381,12 @@ class ModelServer:
                     first = False
                 yield chunk
         finally:
-            if not item.started:  # cancelled while still waiting for a batch
+            item.cancelled = True  # a caller that left: the engine drops the row at the next chunk
+            if not item.started and item in self._waiting:
+                self._waiting.remove(item)
                 self._queued -= 1
+            elif item.key in self._active:
+                self._wake.set()
 
     async def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         """Unary: the whole text at once, with queue wait and compute time."""

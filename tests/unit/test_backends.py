@@ -191,6 +191,95 @@ def test_greedy_output_is_printable_ascii_by_default():
         assert all(ch == "\n" or 32 <= ord(ch) <= 126 for ch in text)
 
 
+# ------------------------------------------------------------------ live batch
+
+
+def run_live(backend, arrivals, steps=3, removals=None):
+    """Drive a LiveBatch: ``arrivals[c]`` join before chunk c; ``removals[c]`` leave before it.
+
+    Returns every row's ids and the batch's width after each chunk.
+    """
+    batch = backend.open_batch()
+    got: dict = {}
+    widths = []
+    c = 0
+    while c < len(arrivals) or batch.size:
+        if removals and c in removals:
+            batch.remove(removals[c])
+        joins = [(key, backend.encode(p, n), n) for key, p, n in (arrivals[c] if c < len(arrivals) else [])]
+        with torch.inference_mode():
+            out = batch.run_chunk(joins, steps)
+        for key, ids in out.items():
+            got.setdefault(key, []).extend(ids)
+        widths.append(batch.width)
+        c += 1
+    return got, widths
+
+
+def test_live_batch_rows_joining_late_equal_generating_alone():
+    backend = make_backend(seed=3)
+    arrivals = [
+        [("a", PROMPTS[1], 12)],
+        [],
+        [("b", PROMPTS[0], 7), ("c", PROMPTS[2], 3)],  # join a batch already 6 tokens in
+        [("d", "x" * 40, 9)],  # a prompt wider than the running cache
+    ]
+    got, _ = run_live(backend, arrivals)
+    for key, prompt, n in (r for chunk in arrivals for r in chunk):
+        assert got[key] == all_tokens(backend, [prompt], [n])[0], key
+        assert len(got[key]) == n
+
+
+def test_live_batch_short_row_leaves_without_waiting_for_long_one():
+    backend = make_backend(seed=4)
+    batch = backend.open_batch()
+    with torch.inference_mode():
+        out = batch.run_chunk([("long", backend.encode("l", 40), 40), ("short", backend.encode("s", 4), 4)], 4)
+        assert [len(out["long"]), len(out["short"])] == [4, 4]
+        assert batch.keys() == ["long"]  # the short row emitted its last token and left
+        out = batch.run_chunk([("late", backend.encode("late", 2), 2)], 4)
+    assert out.keys() == {"long", "late"} and len(out["late"]) == 2 and len(out["long"]) == 4
+    assert batch.keys() == ["long"]
+
+
+def test_live_batch_cache_width_is_trimmed_to_the_longest_row():
+    backend = make_backend(seed=5)
+    arrivals = [[("wide", "w" * 60, 4), ("narrow", "n", 30)]]
+    got, widths = run_live(backend, arrivals, steps=2)
+    # chunk 1: the wide row (60 prompt ids + 1 fed token) sets the width; once it
+    # has left (chunk 2), only the narrow row's own columns (1 + 3 fed) stay.
+    assert widths[0] == 61
+    assert widths[1] == 1 + 3
+    assert got["narrow"] == all_tokens(backend, ["n"], [30])[0]
+
+
+def test_live_batch_removed_rows_stop_and_others_are_undisturbed():
+    backend = make_backend(seed=6)
+    arrivals = [[("keep", "keep me", 20), ("drop", "drop me", 20)]]
+    got, _ = run_live(backend, arrivals, steps=4, removals={2: ["drop", "never-there"]})
+    assert len(got["drop"]) == 8
+    assert got["keep"] == all_tokens(backend, ["keep me"], [20])[0]
+
+
+def test_live_batch_zero_and_one_token_rows_and_validation():
+    backend = make_backend()
+    batch = backend.open_batch()
+    with torch.inference_mode():
+        out = batch.run_chunk([("z", backend.encode("a", 0), 0), ("one", backend.encode("b", 1), 1)], 4)
+    assert out == {"z": [], "one": all_tokens(backend, ["b"], [1])[0]}
+    assert batch.size == 0 and batch.width == 0
+    with pytest.raises(ValueError, match="steps"):
+        batch.run_chunk([], 0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        batch.run_chunk([("big", [1] * SMALL.max_seq_len, 1)], 1)
+    with torch.inference_mode():
+        batch.run_chunk([("dup", [1], 5)], 1)
+    with pytest.raises(ValueError, match="already in the batch"):
+        batch.run_chunk([("dup", [1], 5)], 1)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        backend.encode("a", SMALL.max_seq_len)
+
+
 # ------------------------------------------------------------------ chunking
 
 
