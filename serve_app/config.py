@@ -56,6 +56,9 @@ class ModelConfig(_Strict):
     checkpoint_format: Literal["auto", "state_dict", "torchscript"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     architecture: ModelArchitecture = ModelArchitecture()
+    # "torchscript" compiles the model for serving (less Python per decode step, and the
+    # GIL is free for the replica's event loop meanwhile); "eager" runs the nn.Module.
+    compile: Literal["torchscript", "eager"] = "torchscript"
     # Decode steps per streamed event: one server-sent event per token batch.
     stream_chunk_tokens: PositiveInt = 4
     # Most requests decoding together. Batching is per iteration: a request joins the

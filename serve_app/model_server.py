@@ -99,6 +99,7 @@ def build_backend(m: ModelConfig):
         checkpoint_path=m.checkpoint_path,
         checkpoint_format=m.checkpoint_format,
         device=m.device,
+        compile=m.compile,
         config=TinyDecoderConfig(
             d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, d_ff=a.d_ff, max_seq_len=a.max_seq_len
         ),
