@@ -78,6 +78,9 @@ def main(argv: "list[str] | None" = None) -> int:
         raise SystemExit(f"tenant {args.noisy_tenant!r} has no token quota in {args.config}")
     noisy_rps = args.noise_factor * noisy_rate / (28 + 32)
 
+    from serve_app.ingress import apply_ingress_env
+
+    apply_ingress_env(cfg)
     ray.init(include_dashboard=False, logging_level="ERROR")
     results: dict[str, dict[str, Any]] = {k: {"lat": [], "codes": Counter()} for k in ("alone", "beside")}
     noisy_codes: Counter = Counter()

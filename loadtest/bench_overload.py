@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
 from collections import Counter
@@ -277,6 +278,7 @@ def main(argv: "list[str] | None" = None) -> int:
     from ray import serve
 
     from serve_app.app import shutdown, start
+    from serve_app.ingress import ingress_env
 
     cfg = bench_config(args.config)
     prompt = "The quick brown fox jumps over the lazy dog"
@@ -327,52 +329,65 @@ def main(argv: "list[str] | None" = None) -> int:
         return settle
 
     results: dict[str, dict[str, Any]] = {}
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        start(cfg, "127.0.0.1", PORT)
-        serve.run(plain_serve_app(cfg.model.model_dump(mode="json")), name="plain", route_prefix="/plain", blocking=False)
 
-        async def run() -> None:
-            for name in names:
-                stack = stacks[name]
-                settle = settler(name)
-                if stack.sdk is not None and "ballast" in results:
-                    cap = results["ballast"]["C"]  # the same server: its capacity, measured above
-                    print(f"{name}: the same Ballast stack through the SDK; C = {cap:.1f} req/s", flush=True)
-                else:
-                    probe = stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
-                    await closed_loop_rate(probe, 4, 3.0)  # warm-up
-                    guess = await closed_loop_rate(probe, 8, 6.0)
-                    cap, probes = await measure_capacity(probe, guess, args.probe_s, args.slo_s, mix, args.seed, settle)
-                    print(f"{name}: closed-loop {guess:.1f} req/s; probes " +
-                          ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
-                phases = []
-                for k in MULTIPLES:
-                    if k == MULTIPLES[0]:
-                        await settle()
-                    trace: list[dict[str, Any]] = []
-                    sampler = asyncio.create_task(sample_status(trace)) if name != "plain" else None
-                    phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100)
-                    if sampler is not None:
-                        sampler.cancel()
-                    phase.trace = trace
-                    phases.append(phase)
-                    by_crit = {c: dict(Counter(o.code for o in phase.outcomes if o.criticality == c)) for c in mix}
-                    print(f"  {name} {k:g} C: goodput/C {phase.goodput() / cap:.3f} {by_crit}", flush=True)
-                    if trace:
-                        levels = Counter(t["level"] for t in trace)
-                        limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
-                        print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
-                              f"last gate {trace[-1].get('gate')}", flush=True)
-                results[name] = {"C": cap, "phases": phases}
+    async def run(members: list[str]) -> None:
+        for name in members:
+            stack = stacks[name]
+            settle = settler(name)
+            if stack.sdk is not None and "ballast" in results:
+                cap = results["ballast"]["C"]  # the same server: its capacity, measured above
+                print(f"{name}: the same Ballast stack through the SDK; C = {cap:.1f} req/s", flush=True)
+            else:
+                probe = stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
+                await closed_loop_rate(probe, 4, 3.0)  # warm-up
+                guess = await closed_loop_rate(probe, 8, 6.0)
+                cap, probes = await measure_capacity(probe, guess, args.probe_s, args.slo_s, mix, args.seed, settle)
+                print(f"{name}: closed-loop {guess:.1f} req/s; probes " +
+                      ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
+            phases = []
+            for k in MULTIPLES:
+                if k == MULTIPLES[0]:
+                    await settle()
+                trace: list[dict[str, Any]] = []
+                sampler = asyncio.create_task(sample_status(trace)) if name != "plain" else None
+                phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100)
+                if sampler is not None:
+                    sampler.cancel()
+                phase.trace = trace
+                phases.append(phase)
+                by_crit = {c: dict(Counter(o.code for o in phase.outcomes if o.criticality == c)) for c in mix}
+                print(f"  {name} {k:g} C: goodput/C {phase.goodput() / cap:.3f} {by_crit}", flush=True)
+                if trace:
+                    levels = Counter(t["level"] for t in trace)
+                    limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
+                    print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
+                          f"last gate {trace[-1].get('gate')}", flush=True)
+            results[name] = {"C": cap, "phases": phases}
 
-        asyncio.run(run())
-    finally:
+    # One Ray per stack, because the ingress is chosen when Ray starts: plain Ray Serve
+    # with its defaults (the Python proxy actor), Ballast with its configured ingress
+    # (serve_app.ingress). The SDK rows use the same Ballast server as the plain HTTP rows.
+    sessions = [(s, [n for n in names if (n == "plain") == (s == "plain")]) for s in ("plain", "ballast")]
+    for session, members in sessions:
+        if not members:
+            continue
+        os.environ.update({"RAY_SERVE_ENABLE_HA_PROXY": "0"} if session == "plain" else ingress_env(cfg))
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         try:
-            serve.delete("plain")
-            shutdown(cfg)
+            if session == "plain":
+                serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+                serve.run(plain_serve_app(cfg.model.model_dump(mode="json")), name="plain", route_prefix="/plain", blocking=False)
+            else:
+                start(cfg, "127.0.0.1", PORT)
+            asyncio.run(run(members))
         finally:
-            ray.shutdown()
+            try:
+                if session == "plain":
+                    serve.shutdown()
+                else:
+                    shutdown(cfg)
+            finally:
+                ray.shutdown()
 
     print(
         f"\noverload: SLO {args.slo_s:g} s, max_tokens {args.max_tokens}, {args.phase_s:g} s per phase, "

@@ -95,7 +95,10 @@ def main(argv: "list[str] | None" = None) -> int:
     from serve_app.app import shutdown, start
     from serve_app.config import load_config
 
+    from serve_app.ingress import apply_ingress_env
+
     cfg = load_config(args.config)
+    apply_ingress_env(cfg)
     ray.init(include_dashboard=False, logging_level="ERROR")
     try:
         start(cfg, "127.0.0.1", PORT)

@@ -295,8 +295,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     import ray
 
     from serve_app.app import shutdown, start
+    from serve_app.ingress import apply_ingress_env
 
     stop = threading.Event()
+    apply_ingress_env(cfg)
     # address="local": always a fresh instance of our own, never a cluster already on this machine.
     # log_to_driver=False: Serve's per-request access lines (a day of them) stay in Ray's
     # session logs (/tmp/ray/session_latest/logs) instead of flooding this terminal.

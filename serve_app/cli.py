@@ -56,7 +56,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import ray
 
     from .app import shutdown, start
+    from .ingress import apply_ingress_env
 
+    apply_ingress_env(cfg)
     ray.init(include_dashboard=args.dashboard, logging_level="WARNING")
     # After ray.init: Ray's core installs its own SIGTERM handler (it aborts the
     # process); ours replaces it so that both signals shut down cleanly.

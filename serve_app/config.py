@@ -39,6 +39,10 @@ class _Strict(BaseModel):
 class HttpConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    # What listens on host:port. "haproxy": Serve's HAProxy mode (an HAProxy per node in
+    # front of the router replicas, which serve HTTP themselves); "proxy": Serve's
+    # Python HTTP proxy actor. Fixed when Ray starts (environment of Ray's processes).
+    ingress: Literal["haproxy", "proxy"] = "haproxy"
 
 
 class ModelArchitecture(_Strict):

@@ -60,6 +60,7 @@ from .errors import (
 )
 from .gate import GateRefused, GateSlot, PriorityGate
 from .idempotency import IdempotencyStore
+from .ingress import running_ingress
 from .resilience import CallHooks, ResilientCaller
 from .snapshot import Snapshot
 
@@ -453,6 +454,7 @@ class Router:
                 for dep in sorted(set(snap.desired_replicas) | set(snap.running_replicas) if snap else ())
             },
             "router_id": self._router_id,
+            "ingress": running_ingress(),
             "breakers": {b.role: b.breaker.snapshot() for b in self._caller.backends},
             "retry_budget": self._caller.budget.snapshot(),
             "kill_switches": [e.to_dict() for e in self._kill_switches],

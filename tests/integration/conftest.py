@@ -61,7 +61,10 @@ def ballast():
     from serve_app.app import shutdown, start
     from serve_app.config import load_config
 
+    from serve_app.ingress import apply_ingress_env
+
     cfg = load_config(test_config_dict())
+    apply_ingress_env(cfg)
     # The dashboard brings Ray's metrics agent, which the observability test scrapes.
     ray.init(include_dashboard=True, logging_level="ERROR", num_cpus=4)
     try:

