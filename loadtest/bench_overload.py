@@ -246,8 +246,13 @@ def plain_serve_app(model_cfg: dict[str, Any]):
     return PlainModel.bind(model_cfg)
 
 
-def bench_config(path: str) -> Any:
-    """The config at ``path`` plus a quota-free tenant for the benchmark's traffic."""
+def bench_config(path: str, model_replicas: int = 1) -> Any:
+    """The config at ``path`` plus a quota-free tenant, with a fixed number of model replicas.
+
+    Fixed, like plain Serve's one replica: capacity is then one number to compare, and
+    no replica starts or stops mid-phase (on two cores a replica loading its model takes
+    the CPU the other one is serving with). Autoscaling is measured elsewhere.
+    """
     import yaml
 
     from serve_app.config import load_config
@@ -259,6 +264,8 @@ def bench_config(path: str) -> Any:
         "max_concurrent": 100000,
     }
     data.setdefault("auth", {}).setdefault("demo_keys", {})[BENCH_KEY] = "bench"
+    model = data.setdefault("deployments", {}).setdefault("model", {})
+    model.update(min_replicas=model_replicas, max_replicas=model_replicas, initial_replicas=model_replicas)
     return load_config(data)
 
 
@@ -271,6 +278,7 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each 0.5/1/2/4 C phase")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--only", choices=("plain", "ballast", "ballast+sdk"), default=None)
+    parser.add_argument("--model-replicas", type=int, default=1, help="Ballast's model replicas, fixed (plain Serve has 1)")
     args = parser.parse_args(argv)
     mix = DEFAULT_MIX
 
@@ -280,7 +288,7 @@ def main(argv: "list[str] | None" = None) -> int:
     from serve_app.app import shutdown, start
     from serve_app.ingress import ingress_env
 
-    cfg = bench_config(args.config)
+    cfg = bench_config(args.config, args.model_replicas)
     prompt = "The quick brown fox jumps over the lazy dog"
     timeout_header = {"X-Request-Timeout-Ms": str(int(args.slo_s * 1000))}
     stacks = {

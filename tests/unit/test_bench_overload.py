@@ -38,3 +38,11 @@ def test_the_bench_tenant_has_no_token_quota_and_its_own_key():
     key = next(k for k, t in cfg.auth.demo_keys.items() if t == "bench")
     assert key and cfg.tenants["bench"].rate_tokens_per_s is None
     assert cfg.tenants["bench"].max_criticality.value == "critical_plus"
+
+
+def test_the_bench_fixes_the_model_replica_count():
+    cfg = bench_config("cluster/local.yaml")
+    m = cfg.deployments.model
+    assert (m.min_replicas, m.max_replicas) == (1, 1)
+    m = bench_config("cluster/local.yaml", model_replicas=2).deployments.model
+    assert (m.min_replicas, m.max_replicas, m.initial_replicas) == (2, 2, 2)
