@@ -370,6 +370,9 @@ def main(argv: "list[str] | None" = None) -> int:
                     limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
                     print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
                           f"last gate {trace[-1].get('gate')}", flush=True)
+                    reasons = Counter((t.get("snapshot") or {}).get("reason") for t in trace)
+                    breakers = Counter(f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items())
+                    print(f"    level reasons {dict(reasons)}; breakers {dict(breakers)}", flush=True)
             results[name] = {"C": cap, "phases": phases}
 
     # One Ray per stack, because the ingress is chosen when Ray starts: plain Ray Serve

@@ -58,6 +58,24 @@ WINDOW = 512  # bounded windows for batch sizes and queue waits
 # long waits kept reporting them while the level it caused shed everything (no new
 # waits arrive at level 4), and the level could not come down until the replica died.
 WAIT_WINDOW_S = 10.0
+# A request's deadline here is this much earlier than the router's attempt timeout, so
+# the replica's own answer (DeadlineExceeded, or ModelStalled) reaches the router first.
+DEADLINE_LEAD_S = 0.05
+# No decode step for this long while a request waits: the work loop is stuck, not busy
+# (a chunk takes milliseconds to tens of milliseconds).
+STALL_S = 1.0
+
+
+class ModelStalled(RuntimeError):
+    """The replica's work loop made no progress while a request waited for it.
+
+    Raised instead of DeadlineExceeded when a request's deadline passes with the
+    engine stuck, so the router's breaker can tell a hung model (a health failure)
+    from a busy one (the request's own time ran out: not the model's fault). Without
+    that distinction every deadline cut short by waiting under overload counted as a
+    model failure: at 2x capacity the primary's breaker opened, the fallback drowned
+    and its 503s raised the level to 3 on error rate.
+    """
 
 
 @dataclass
@@ -148,6 +166,7 @@ class ModelServer:
         self._chaos = ChaosAgent(self._cfg.chaos.enabled, self._cfg.chaos.max_leak_mb)
         self._started_at_s = time.time()
         self._progress = 0  # decode steps taken: the work loop's heartbeat
+        self._progress_at_s = time.monotonic()  # when the last chunk finished
         self._ready = True  # the watchdog's verdict: keep taking new work
         self._recycle_order: Optional[dict[str, Any]] = None
         self._beat_task: Optional[asyncio.Task] = None
@@ -303,6 +322,7 @@ class ModelServer:
                 self._batch = self._backend.open_batch()
                 continue
             self._progress += 1
+            self._progress_at_s = time.monotonic()
             self._batches += 1
             self._batch_sizes.append(len(self._active))
             self._m_batch.observe(len(self._active))
@@ -362,7 +382,8 @@ class ModelServer:
         now = time.monotonic()
         timeout_s = float(req.get("timeout_s") or self._cfg.resilience.max_deadline_s)
         self._next_key += 1
-        item = _Item(str(req["prompt"]), max_tokens, enqueued_at_s=now, deadline_s=now + timeout_s, key=self._next_key)
+        deadline_s = now + max(0.0, timeout_s - DEADLINE_LEAD_S)
+        item = _Item(str(req["prompt"]), max_tokens, enqueued_at_s=now, deadline_s=deadline_s, key=self._next_key)
         self._waiting.append(item)
         self._queued += 1
         assert self._wake is not None
@@ -370,7 +391,13 @@ class ModelServer:
         try:
             first = True
             while True:
-                chunk = await item.out.get()
+                try:
+                    chunk = await asyncio.wait_for(item.out.get(), max(0.0, item.deadline_s - time.monotonic()))
+                except asyncio.TimeoutError:
+                    idle_s = time.monotonic() - max(self._progress_at_s, item.enqueued_at_s)
+                    if idle_s > STALL_S:
+                        raise ModelStalled(f"no decode step for {idle_s:.1f}s while this request waited") from None
+                    raise DeadlineExceeded(f"deadline of {timeout_s:.3f}s passed while generating") from None
                 if chunk is None:
                     return
                 if isinstance(chunk, BaseException):

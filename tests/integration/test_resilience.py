@@ -155,6 +155,43 @@ def test_hung_primary_keeps_p99_within_the_deadline(client, chaos):
     heal(client)
 
 
+def test_a_stalled_model_counts_against_its_breaker_a_short_deadline_does_not(client, chaos):
+    def primary() -> dict:
+        return status(client)["breakers"]["primary"]
+
+    heal(client)
+    before = primary()
+    # A healthy model and a deadline too short for 200 tokens (about 1 ms each for the
+    # test model): the request's own time ran out; the replica says so, and the
+    # breaker hears nothing.
+    r = client.post(
+        "/v1/generate",
+        headers={**GOLD, "X-Request-Timeout-Ms": "100"},
+        json={"prompt": "short of time", "max_tokens": 200, "criticality": "critical_plus"},
+    )
+    assert r.status_code == 504 and r.json()["error"]["code"] == "DEADLINE_EXCEEDED", r.text
+    after = primary()
+    assert (after["calls"], after["failures"]) == (before["calls"], before["failures"])
+
+    # A stalled work loop: the same kind of deadline, but no decode step meanwhile.
+    chaos("primary", stall=True)
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=BASE, timeout=30) as c:
+            return await asyncio.gather(*(
+                c.post("/v1/generate", headers={**GOLD, "X-Request-Timeout-Ms": "1500"},
+                       json={"prompt": f"stalled {i}", "max_tokens": 4, "criticality": "critical_plus"})
+                for i in range(5)
+            ))
+
+    responses = asyncio.run(burst())
+    assert {r.status_code for r in responses} <= {503, 504}, [r.text for r in responses]
+    assert breaker(client) in ("open", "half_open")  # five failures in a window of ten
+    client.delete("/admin/chaos", headers=ADMIN)
+    time.sleep(1.0)
+    heal(client)
+
+
 def _primary_replica_handles():
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "BallastModel" in a["name"] and "Fallback" not in a["name"]]
     return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in names if a["name"].startswith("SERVE_REPLICA")]
