@@ -246,6 +246,13 @@ def plain_serve_app(model_cfg: dict[str, Any]):
     return PlainModel.bind(model_cfg)
 
 
+def reason_kind(reason: Optional[str]) -> Optional[str]:
+    """A level reason without its numbers: "up 2->3: error_rate=0.11>=0.1 (n=211)" -> "up 2->3: error_rate"."""
+    if reason is None:
+        return None
+    return reason.split("=")[0].split(" for ")[0]
+
+
 def bench_config(path: str, model_replicas: int = 1) -> Any:
     """The config at ``path`` plus a quota-free tenant, with a fixed number of model replicas.
 
@@ -370,7 +377,7 @@ def main(argv: "list[str] | None" = None) -> int:
                     limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
                     print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
                           f"last gate {trace[-1].get('gate')}", flush=True)
-                    reasons = Counter((t.get("snapshot") or {}).get("reason") for t in trace)
+                    reasons = Counter(reason_kind((t.get("snapshot") or {}).get("reason")) for t in trace)
                     breakers = Counter(f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items())
                     print(f"    level reasons {dict(reasons)}; breakers {dict(breakers)}", flush=True)
             results[name] = {"C": cap, "phases": phases}

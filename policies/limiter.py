@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 MAX_SAMPLES = 1024  # queue-wait samples kept per window (bounded)
 
@@ -56,13 +56,26 @@ class AimdLimit:
         self._waits: list[float] = []
         self._saturated = False
         self._window_end = clock() + cfg.interval_s
+        self._ceiling: Optional[int] = None
         self.decreases = 0
         self.increases = 0
 
     @property
     def value(self) -> int:
         self._tick()
-        return int(self._value)
+        v = int(self._value)
+        return v if self._ceiling is None else max(1, min(v, self._ceiling))
+
+    def set_ceiling(self, ceiling: Optional[int]) -> None:
+        """What the model can take at once from this caller (None: no ceiling).
+
+        Beyond it requests would queue in Serve's handle, first in first out: the
+        gate's order by criticality would be lost, and a request's deadline would run
+        out where the replica cannot see it (so its timeout reads as a model failure).
+        The AIMD value is not grown past it either, so a ceiling that rises again
+        (a replica added) is climbed to, not jumped over.
+        """
+        self._ceiling = None if ceiling is None else max(1, int(ceiling))
 
     def observe(self, wait_ms: float) -> None:
         """One request's queue wait at the model (ms)."""
@@ -83,7 +96,7 @@ class AimdLimit:
         if self._waits and _p90(self._waits) > c.target_wait_ms:
             self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
             self.decreases += 1
-        elif self._saturated:
+        elif self._saturated and (self._ceiling is None or self._value < self._ceiling):
             self._value = min(float(c.max_limit), self._value + 1.0)
             self.increases += 1
         self._waits = []

@@ -42,7 +42,7 @@ from policies.limiter import AimdLimit
 from policies.quota import Lease, TokenBucket, lease_rate
 
 from .config import KeyStore, load_config
-from .controller import ROUTER_DEPLOYMENT, connect
+from .controller import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT, connect
 from .errors import (
     BallastError,
     ChaosDisabled,
@@ -67,6 +67,19 @@ from .snapshot import Snapshot
 log = logging.getLogger("ballast.router")
 
 MAX_WAIT_SAMPLES = 4096  # queue-wait samples kept between two reports
+
+
+def model_ceiling(cfg: Any, snap: Snapshot) -> Optional[int]:
+    """This router's share of what the primary's replicas take at once (None: unknown yet).
+
+    Replicas × ``max_ongoing_requests``, split evenly among the routers the controller
+    hears from.
+    """
+    replicas = snap.running_replicas.get(MODEL_DEPLOYMENT, 0)
+    if replicas <= 0:
+        return None
+    routers = max(1, snap.running_replicas.get(ROUTER_DEPLOYMENT, 0))
+    return max(1, replicas * cfg.deployments.model.max_ongoing_requests // routers)
 
 
 class GenerateRequest(BaseModel):
@@ -315,6 +328,8 @@ class Router:
         return bucket
 
     def _on_snapshot(self, snap: Snapshot) -> None:
+        if self._gate is not None:
+            self._gate.limit.set_ceiling(model_ceiling(self._cfg, snap))
         entries = []
         for raw in snap.kill_switches:
             try:

@@ -46,3 +46,11 @@ def test_the_bench_fixes_the_model_replica_count():
     assert (m.min_replicas, m.max_replicas) == (1, 1)
     m = bench_config("cluster/local.yaml", model_replicas=2).deployments.model
     assert (m.min_replicas, m.max_replicas, m.initial_replicas) == (2, 2, 2)
+
+
+def test_level_reasons_are_grouped_without_their_numbers():
+    from loadtest.bench_overload import reason_kind
+
+    assert reason_kind("up 2->3: error_rate=0.109005>=0.1 (n=211)") == "up 2->3: error_rate"
+    assert reason_kind("hold 1: target 0 (normal) for 4.5s of 30s") == "hold 1: target 0 (normal)"
+    assert reason_kind("normal") == "normal" and reason_kind(None) is None

@@ -85,3 +85,31 @@ def test_samples_per_window_are_bounded():
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):
         make(**kw)
+
+
+def test_a_ceiling_caps_the_value_and_stops_growth_past_it():
+    lim, clock = make(initial=10, max_limit=100)
+    lim.set_ceiling(6)
+    assert lim.value == 6  # capped at once
+    for w in range(1, 5):  # saturated, fast windows: the AIMD value stays at the ceiling's level
+        lim.saturated()
+        clock.t = float(w)
+        assert lim.value == 6
+    lim.set_ceiling(8)
+    for w in (5, 6):
+        lim.saturated()
+        clock.t = float(w)
+        assert lim.value == 8
+    lim.set_ceiling(None)
+    assert lim.value == 10  # the AIMD value did not grow while at or above the ceiling
+    lim.set_ceiling(0)
+    assert lim.value == 1  # never zero: a caller must be able to reach the model
+
+
+def test_the_ceiling_grows_only_below_it():
+    lim, clock = make(initial=4, max_limit=100)
+    lim.set_ceiling(6)
+    for w in range(1, 6):
+        lim.saturated()
+        clock.t = float(w)
+    assert lim.value == 6 and lim.increases == 2  # 4 -> 5 -> 6, then held
