@@ -381,6 +381,8 @@ class ModelServer:
         max_tokens, _ = clamp_max_tokens(int(req["max_tokens"]), constraints, self._model_max_tokens)
         now = time.monotonic()
         timeout_s = float(req.get("timeout_s") or self._cfg.resilience.max_deadline_s)
+        if req.get("deadline_at_s") is not None:  # counts the time the call took to get here
+            timeout_s = min(timeout_s, float(req["deadline_at_s"]) - time.time())
         self._next_key += 1
         deadline_s = now + max(0.0, timeout_s - DEADLINE_LEAD_S)
         item = _Item(str(req["prompt"]), max_tokens, enqueued_at_s=now, deadline_s=deadline_s, key=self._next_key)

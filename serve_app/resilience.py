@@ -94,6 +94,18 @@ class ResponseCache:
         return len(self._entries)
 
 
+def _deadline_fields(left_s: float) -> dict[str, float]:
+    """The attempt's deadline for the replica: relative, and as a wall-clock instant.
+
+    The instant lets the replica count the time the call spent in transit and in
+    Serve's queues, so its own answer (serve_app.model_server.DEADLINE_LEAD_S before
+    the deadline) still reaches the router before the router's timeout fires. Across
+    nodes it relies on synchronized clocks (NTP: milliseconds against a 50 ms lead);
+    the replica takes the stricter of the two.
+    """
+    return {"timeout_s": left_s, "deadline_at_s": time.time() + left_s}
+
+
 def classify(exc: BaseException) -> str:
     """Map a failed attempt to the kinds ``policies.retry.should_retry`` knows."""
     if isinstance(exc, RayTaskError):
@@ -132,6 +144,9 @@ class Backend:
     breaker: CircuitBreaker
     bulkhead: Bulkhead
     stream_handle: Any = field(init=False)
+    # Failed attempts by kind since start (keys: classify()'s few kinds): what a breaker
+    # counted, and what it was spared, for /v1/status.
+    failed: dict[str, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.stream_handle = self.handle.options(stream=True)
@@ -216,6 +231,7 @@ class ResilientCaller:
     def _failed(self, b: Backend, permit: Permit, exc: BaseException, t0: float) -> str:
         """Tell the breaker about a failed attempt (health failures count, load does not)."""
         kind = classify(exc)
+        b.failed[kind] = b.failed.get(kind, 0) + 1
         if kind in BREAKER_FAILURES:
             b.breaker.record(permit, False, self._clock() - t0)
         else:
@@ -276,7 +292,7 @@ class ResilientCaller:
                     b.breaker.release(permit)
                     raise DeadlineExceeded("the request's deadline passed")
                 t0 = self._clock()
-                response = b.handle.generate.remote({**call, "timeout_s": left})
+                response = b.handle.generate.remote({**call, **_deadline_fields(left)})
                 try:
                     result = await asyncio.wait_for(response, timeout=self._attempt_timeout(left))
                 except asyncio.CancelledError:
@@ -332,7 +348,7 @@ class ResilientCaller:
                 b.bulkhead.leave()
                 raise DeadlineExceeded("the request's deadline passed")
             t0 = self._clock()
-            gen = b.stream_handle.generate_stream.remote({**call, "timeout_s": left})
+            gen = b.stream_handle.generate_stream.remote({**call, **_deadline_fields(left)})
             try:
                 first = await asyncio.wait_for(gen.__anext__(), timeout=self._attempt_timeout(left))
             except asyncio.CancelledError:

@@ -470,7 +470,7 @@ class Router:
             },
             "router_id": self._router_id,
             "ingress": running_ingress(),
-            "breakers": {b.role: b.breaker.snapshot() for b in self._caller.backends},
+            "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in self._caller.backends},
             "retry_budget": self._caller.budget.snapshot(),
             "kill_switches": [e.to_dict() for e in self._kill_switches],
             "quotas": {
@@ -567,6 +567,7 @@ class Router:
 
         self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
         generated: Optional[int] = None
+        timed_out = False
         slot_t0 = time.monotonic()
         try:
             if key is None:
@@ -577,8 +578,18 @@ class Router:
                     self._m_replays.inc()
             if not replayed:  # a replay did no model work: it costs nothing
                 generated = body["tokens_generated"]
+        except DeadlineExceeded:
+            timed_out = True
+            raise
         finally:
-            slot.release(time.monotonic() - slot_t0 if generated is not None else None)
+            held_s = time.monotonic() - slot_t0
+            if timed_out and self._gate is not None:
+                # The model could not answer in time: at least that long a wait. Counting
+                # only answered requests hid the overload from the gate (the ones that
+                # finished had, by selection, waited briefly): it kept admitting requests
+                # with too little time left, and at 2x capacity most missed their deadline.
+                self._gate.observe_wait(held_s * 1000.0)
+            slot.release(held_s if generated is not None or timed_out else None)
             self._tenant_inflight[tenant] -= 1
             settle(generated)
         fallback = body["fallback"]

@@ -172,6 +172,8 @@ def test_a_stalled_model_counts_against_its_breaker_a_short_deadline_does_not(cl
     assert r.status_code == 504 and r.json()["error"]["code"] == "DEADLINE_EXCEEDED", r.text
     after = primary()
     assert (after["calls"], after["failures"]) == (before["calls"], before["failures"])
+    kinds = after["failed_attempts"]
+    assert kinds.get("deadline_exceeded", 0) == before["failed_attempts"].get("deadline_exceeded", 0) + 1, kinds
 
     # A stalled work loop: the same kind of deadline, but no decode step meanwhile.
     chaos("primary", stall=True)
@@ -187,6 +189,9 @@ def test_a_stalled_model_counts_against_its_breaker_a_short_deadline_does_not(cl
     responses = asyncio.run(burst())
     assert {r.status_code for r in responses} <= {503, 504}, [r.text for r in responses]
     assert breaker(client) in ("open", "half_open")  # five failures in a window of ten
+    # The replica said "stalled" (a model error), before the router's own timeout fired.
+    stalled = primary()["failed_attempts"]
+    assert stalled.get("model_error", 0) >= kinds.get("model_error", 0) + 5, stalled
     client.delete("/admin/chaos", headers=ADMIN)
     time.sleep(1.0)
     heal(client)
