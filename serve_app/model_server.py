@@ -60,7 +60,7 @@ WINDOW = 512  # bounded windows for batch sizes and queue waits
 WAIT_WINDOW_S = 10.0
 # A request's deadline here is this much earlier than the router's attempt timeout, so
 # the replica's own answer (DeadlineExceeded, or ModelStalled) reaches the router first.
-DEADLINE_LEAD_S = 0.05
+DEADLINE_LEAD_S = 0.1
 # No decode step for this long while a request waits: the work loop is stuck, not busy
 # (a chunk takes milliseconds to tens of milliseconds).
 STALL_S = 1.0

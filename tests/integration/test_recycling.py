@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ADMIN, BASE, GOLD, wait_until
+from conftest import ADMIN, BASE, GOLD, status, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +31,16 @@ def replicas(client: httpx.Client) -> dict[str, Any]:
 
 def ids(client: httpx.Client, deployment: str) -> set[str]:
     return {r["replica_id"] for r in replicas(client)["replicas"] if r["deployment"] == deployment}
+
+
+def settled(client: httpx.Client) -> None:
+    """One primary replica, wanted and reporting: no scale-up from an earlier test still arriving."""
+
+    def one() -> bool:
+        model = status(client)["replicas"]["BallastModel"]
+        return model["desired"] == model["running"] == 1 and len(ids(client, PRIMARY)) == 1
+
+    wait_until(one, 120, 0.5, "one primary replica, desired and running")
 
 
 def events(client: httpx.Client, outcome: str, deployment: str | None = None) -> list[dict[str, Any]]:
@@ -93,6 +103,7 @@ def test_every_replica_has_a_watchdog_reporting_process_figures(client):
 
 
 def test_recycling_every_replica_in_turn_fails_no_request(client):
+    settled(client)
     before = {PRIMARY: ids(client, PRIMARY), FALLBACK: ids(client, FALLBACK)}
     assert len(before[FALLBACK]) == 2, before
     done_before = len(events(client, "completed"))
@@ -122,6 +133,7 @@ def test_recycling_every_replica_in_turn_fails_no_request(client):
 
 
 def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
+    settled(client)
     (victim,) = ids(client, PRIMARY)
     # A fresh replica (the last test's replacement) first finishes its warm-up: growth
     # while loading and serving its first batches is not a leak and is not sampled.
@@ -170,6 +182,7 @@ def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
 
 
 def test_a_hung_replica_is_killed_and_replaced(client):
+    settled(client)
     (victim,) = ids(client, PRIMARY)
     try:
         r = client.post("/admin/chaos", headers=ADMIN, json={"target": "primary", "stall": True})

@@ -33,12 +33,17 @@ def test_running_ingress_reads_the_environment(monkeypatch):
     assert running_ingress() == "proxy"
 
 
-def test_apply_sets_the_environment_before_ray_starts(monkeypatch):
+def test_apply_sets_the_environment_before_ray_starts_and_refuses_after(monkeypatch):
     import ray
 
-    assert not ray.is_initialized()
     cfg = load_config({})
     for key in ingress_env(cfg):  # restored after the test
         monkeypatch.setenv(key, "0")
+    # The integration suite's Ray may be up in this process: both cases are forced.
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="before ray.init"):
+        apply_ingress_env(cfg)
+    assert running_ingress() == "proxy"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
     apply_ingress_env(cfg)
     assert running_ingress() == "haproxy"
