@@ -519,6 +519,29 @@ class TorchDecoderBackend:
             raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         return encode_prompt(prompt, max_new_tokens, self.max_seq_len)
 
+    def _empty_cache(self, batch: int) -> Tensor:
+        """A KV cache with no positions yet: [L, batch, H, 0, Dh]."""
+        return torch.zeros(
+            self._n_layers, batch, self._n_heads, 0, self._head_dim, dtype=self._dtype, device=self.device
+        )
+
+    def _left_padded(self, encoded: list[list[int]], extra: int = 0) -> tuple[Tensor, Tensor]:
+        """(ids, valid) [B, P + extra]: prompts right-aligned in P columns, ``valid`` False on padding."""
+        width = max(len(e) for e in encoded)
+        ids = torch.zeros(len(encoded), width + extra, dtype=torch.long, device=self.device)
+        valid = torch.ones(len(encoded), width + extra, dtype=torch.bool, device=self.device)
+        for b, e in enumerate(encoded):
+            pad = width - len(e)
+            ids[b, pad:width] = torch.tensor(e, dtype=torch.long, device=self.device)
+            valid[b, :pad] = False
+        return ids, valid
+
+    def _generator(self) -> torch.Generator | None:
+        """A sampler seeded from the config; None when greedy."""
+        if self.sampling.temperature == 0:
+            return None
+        return torch.Generator(device=self.device).manual_seed(self.sampling.seed)
+
     def _sample(self, logits: Tensor, gen: torch.Generator | None) -> Tensor:
         """Pick one id per row from last-position logits [B, V] -> [B]."""
         logits = logits.float()
@@ -558,14 +581,12 @@ class LiveBatch:
         self._keys: list[Any] = []
         self._remaining: list[int] = []  # tokens each row still has to emit
         dev = backend.device
-        self._k = self._empty_cache(0)
+        self._k = backend._empty_cache(0)
         self._v = self._k
         self._valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)
         self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
         self._last = torch.zeros(0, dtype=torch.long, device=dev)
-        self._gen: torch.Generator | None = None
-        if backend.sampling.temperature > 0:
-            self._gen = torch.Generator(device=dev).manual_seed(backend.sampling.seed)
+        self._gen = backend._generator()
 
     @property
     def size(self) -> int:
@@ -637,12 +658,6 @@ class LiveBatch:
 
     # ------------------------------------------------------------------ internals
 
-    def _empty_cache(self, batch: int) -> Tensor:
-        b = self._backend
-        return torch.zeros(
-            b._n_layers, batch, b._n_heads, 0, b._head_dim, dtype=b._dtype, device=b.device
-        )
-
     def _decode(self) -> Tensor:
         """One decode step for every row: feed each row's last token; returns the new ones [B]."""
         dev = self._backend.device
@@ -660,18 +675,12 @@ class LiveBatch:
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Prefill new rows as their own left-padded batch: (k, v, valid, lengths, first ids)."""
-        dev = self._backend.device
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
-        valid = torch.ones(len(prompts), width, dtype=torch.bool, device=dev)
-        for b, p in enumerate(prompts):
-            pad = width - len(p)
-            ids[b, pad:] = torch.tensor(p, dtype=torch.long, device=dev)
-            valid[b, :pad] = False
+        backend = self._backend
+        ids, valid = backend._left_padded(prompts)
         positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        empty = self._empty_cache(len(prompts))
-        logits, k, v = self._backend._model(ids, positions, _prefill_mask(valid), empty, empty)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
+        empty = backend._empty_cache(len(prompts))
+        logits, k, v = backend._model(ids, positions, _prefill_mask(valid), empty, empty)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=backend.device)
         return k, v, valid, lengths, self._backend._sample(logits[:, -1, :], self._gen)
 
     def _append(
@@ -744,34 +753,22 @@ class _DecodeState:
     """
 
     def __init__(self, backend: TorchDecoderBackend, encoded: list[list[int]], total_steps: int) -> None:
-        dev = backend.device
-        width = max(len(e) for e in encoded)
-        batch = len(encoded)
-        ids = torch.zeros(batch, width + total_steps, dtype=torch.long, device=dev)
-        valid = torch.ones(batch, width + total_steps, dtype=torch.bool, device=dev)
-        for b, e in enumerate(encoded):
-            pad = width - len(e)
-            ids[b, pad:width] = torch.tensor(e, dtype=torch.long, device=dev)
-            valid[b, :pad] = False
+        ids, valid = backend._left_padded(encoded, extra=total_steps)
         self.backend = backend
-        self.width = width
+        self.width = max(len(e) for e in encoded)
         self.ids = ids
         self.key_valid = valid
         # Rows that already finished keep decoding (the batch runs to the longest
         # request) and could run past the position table; their output is
         # discarded, so clamping them is harmless.
         self.positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0, max=backend.max_seq_len - 1)
-        self.gen: torch.Generator | None = None
-        if backend.sampling.temperature > 0:
-            self.gen = torch.Generator(device=dev).manual_seed(backend.sampling.seed)
+        self.gen = backend._generator()
 
     def step(self, s: int) -> Tensor:
         """Recompute through decode step ``s`` (0 = prefill); the new token per row [B]."""
         upto = self.width + s
         b = self.backend
-        empty = torch.zeros(
-            b._n_layers, self.ids.shape[0], b._n_heads, 0, b._head_dim, dtype=b._dtype, device=b.device
-        )
+        empty = b._empty_cache(self.ids.shape[0])
         logits, _, _ = b._model(
             self.ids[:, :upto], self.positions[:, :upto], _prefill_mask(self.key_valid[:, :upto]), empty, empty
         )

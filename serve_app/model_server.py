@@ -66,6 +66,10 @@ DEADLINE_LEAD_S = 0.1
 STALL_S = 1.0
 
 
+# What a request's queue gets when the engine drops it for its deadline.
+_DEADLINE_MARK: dict[str, Any] = {"deadline_exceeded": True, "text": "", "tokens": 0}
+
+
 class ModelStalled(RuntimeError):
     """The replica's work loop made no progress while a request waited for it.
 
@@ -307,7 +311,7 @@ class ModelServer:
             now = time.monotonic()
             leaving = [k for k, it in self._active.items() if it.cancelled or now > it.deadline_s]
             for k in leaving:
-                self._finish(self._active[k], {"deadline_exceeded": True, "text": "", "tokens": 0})
+                self._finish(self._active[k], _DEADLINE_MARK)
             joins = self._admit(now)
             if not joins and not self._active:
                 continue
@@ -348,7 +352,7 @@ class ModelServer:
             it = self._waiting.popleft()
             self._queued -= 1
             if now > it.deadline_s:  # gave up while waiting: no prefill spent on it
-                it.out.put_nowait({"deadline_exceeded": True, "text": "", "tokens": 0})
+                it.out.put_nowait(_DEADLINE_MARK)
                 continue
             it.started = True
             it.queue_wait_ms = (now - it.enqueued_at_s) * 1000.0
