@@ -97,13 +97,17 @@ def status(client: httpx.Client) -> dict[str, Any]:
     return r.json()
 
 
-def wait_quiet(client: httpx.Client, timeout_s: float = 60) -> None:
-    """Level 0 and one model replica: the state every load test starts from."""
+def wait_quiet(client: httpx.Client, timeout_s: float = 120) -> None:
+    """Level 0 and one model replica, wanted and running: the state every load test starts from.
+
+    ``desired`` matters: a scale-up decided by an earlier test may still be arriving.
+    """
     seen: dict[str, Any] = {}
 
     def quiet() -> bool:
         seen.update(status(client))
-        return seen["level"] == 0 and seen["replicas"]["BallastModel"]["running"] == 1
+        model = seen["replicas"]["BallastModel"]
+        return seen["level"] == 0 and model["desired"] == model["running"] == 1
 
     try:
         wait_until(quiet, timeout_s, 0.5, "level 0 with one model replica")
