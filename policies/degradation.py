@@ -17,6 +17,18 @@ The level moves asymmetrically, on purpose:
   breaks the streak. This is the hysteresis that keeps the level from flapping
   when shedding itself makes the load signals look healthy.
 
+**Demand by criticality** is the signal that picks *which* classes to shed. The
+router's gate already serves the classes in order of criticality while the model is
+full, so shedding a whole class at the door only pays when the classes that would
+remain fill the model by themselves: then the shed class would get nothing anyway,
+and refusing it at the door is cheaper and clearer than refusing it in line. So a
+level ``k`` is asked for when the demand of the classes level ``k`` admits is at
+least ``demand_shed_ratio`` (1.1) × the capacity (the rate the model answers while
+the gate is full). The ratio is above 1 on purpose: classes that are all being
+served offer about what is answered, and must not read as filling the model. At four times capacity with 20 % critical traffic this asks for
+level 1 (sheddable out) and not level 2, which would idle the fifth of the model
+that sheddable_plus fills.
+
 Signals that are absent (``None``: no GPU, no traffic yet, a watchdog that has
 not reported) are ignored, never treated as zero (which would hide overload) or
 as the maximum (which would shed everything on a CPU-only host).
@@ -185,6 +197,10 @@ class DegradationConfig:
     error_rate_level: int = 3
     #: Below this many requests in the window the error rate is noise; ignored.
     error_rate_min_requests: int = 20
+    #: Level k is asked for when the demand of the classes it admits >= this × capacity
+    #: (above 1, so that classes that are all being served never qualify).
+    #: None: demand never asks for a level.
+    demand_shed_ratio: float | None = 1.1
     stable_window_s: float = 30.0
     constraints: tuple[LevelConstraints, ...] = field(default=DEFAULT_CONSTRAINTS)
 
@@ -197,6 +213,10 @@ class DegradationConfig:
         if self.error_rate_level == 0:
             raise ValueError("error_rate_level: must be >= 1, got 0")
         _check_int("error_rate_min_requests", self.error_rate_min_requests, minimum=0)
+        if self.demand_shed_ratio is not None and (
+            not _is_number(self.demand_shed_ratio) or not math.isfinite(self.demand_shed_ratio) or self.demand_shed_ratio <= 0
+        ):
+            raise ValueError(f"demand_shed_ratio: must be > 0 or None, got {self.demand_shed_ratio!r}")
         if (
             not _is_number(self.stable_window_s)
             or not math.isfinite(self.stable_window_s)
@@ -254,6 +274,7 @@ class DegradationConfig:
             "error_rate_threshold": self.error_rate_threshold,
             "error_rate_level": self.error_rate_level,
             "error_rate_min_requests": self.error_rate_min_requests,
+            "demand_shed_ratio": self.demand_shed_ratio,
             "stable_window_s": self.stable_window_s,
             "constraints": [c.to_dict() for c in self.constraints],
         }
@@ -292,6 +313,10 @@ class LoadSignals:
     error_rate: float | None
     #: Requests in the error-rate window; gates the error-rate signal.
     request_count: int = 0
+    #: Requests per second offered per criticality (by value), whether admitted or not.
+    demand_rps: Mapping[str, float] | None = None
+    #: Answers per second from the model while the gate was full; None when it was not.
+    capacity_rps: float | None = None
 
     def __post_init__(self) -> None:
         _check_int("queue_length", self.queue_length, minimum=0)
@@ -302,6 +327,18 @@ class LoadSignals:
         if self.error_rate is not None and self.error_rate > 1:
             raise ValueError(f"error_rate: must be in [0, 1], got {self.error_rate!r}")
         _check_int("request_count", self.request_count, minimum=0)
+        _check_optional_non_negative("capacity_rps", self.capacity_rps)
+        if self.demand_rps is not None:
+            if not isinstance(self.demand_rps, Mapping):
+                raise ValueError(f"demand_rps: must be a mapping, got {self.demand_rps!r}")
+            for crit, rps in self.demand_rps.items():
+                try:
+                    Criticality(crit)
+                except ValueError:
+                    raise ValueError(f"demand_rps: unknown criticality {crit!r}") from None
+                _check_optional_non_negative(f"demand_rps[{crit}]", rps)
+                if rps is None:
+                    raise ValueError(f"demand_rps[{crit}]: must be a number")
 
 
 def _level_for(value: float, thresholds: tuple[float | None, ...]) -> tuple[int, float | None]:
@@ -340,6 +377,20 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig) -> tuple[int, str
     consider("queue_wait_p95_ms", signals.queue_wait_p95_ms, cfg.queue_wait_ms_thresholds)
     consider("gpu_util_pct", signals.gpu_util_pct, cfg.gpu_util_pct_thresholds)
     consider("vram_pct", signals.vram_pct, cfg.vram_pct_thresholds)
+
+    # The deepest level whose admitted classes still fill the model by themselves.
+    if cfg.demand_shed_ratio is not None and signals.demand_rps and signals.capacity_rps:
+        for level in range(MAX_LEVEL, best_level, -1):
+            admitted = cfg.constraints[level].admitted
+            demand = sum(rps for crit, rps in signals.demand_rps.items() if Criticality(crit) in admitted)
+            need = cfg.demand_shed_ratio * signals.capacity_rps
+            if admitted and demand >= need:
+                best_level = level
+                best_reason = (
+                    f"demand={_fmt(round(demand, 1))}>={_fmt(round(need, 1))} (capacity_rps) for "
+                    + ",".join(c.value for c in cfg.constraints[level].admitted_sorted())
+                )
+                break
 
     # A handful of failures out of a handful of requests is noise, not overload.
     if (

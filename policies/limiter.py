@@ -9,7 +9,11 @@ model at once; the rest wait at the router, most critical first (serve_app/gate.
 How the limit moves (per ``interval_s`` window, on an injected clock):
 
 - the window's p90 queue wait (time at the model before compute starts) above
-  ``target_wait_ms`` means the model is queueing: multiply by ``decrease_factor``;
+  ``target_wait_ms`` means the model is queueing, and an admitted request that ran
+  out of its deadline at the model means the limit let in more than the model could
+  answer in time (with iteration-level batching a row joins at once and the whole
+  batch slows down, so overload shows as slower steps, not as waiting): either
+  multiplies the limit by ``decrease_factor``;
 - otherwise, if the limit was reached during the window (requests were held back),
   add one: there may be room;
 - otherwise hold: a limit nobody reaches says nothing about the model.
@@ -55,6 +59,7 @@ class AimdLimit:
         self._value = float(cfg.initial)
         self._waits: list[float] = []
         self._saturated = False
+        self._missed = False
         self._window_end = clock() + cfg.interval_s
         self._ceiling: Optional[int] = None
         self.decreases = 0
@@ -83,6 +88,11 @@ class AimdLimit:
         if len(self._waits) < MAX_SAMPLES:
             self._waits.append(wait_ms)
 
+    def missed(self) -> None:
+        """An admitted request ran out of its deadline at the model."""
+        self._tick()
+        self._missed = True
+
     def saturated(self) -> None:
         """A request found the limit reached."""
         self._tick()
@@ -93,7 +103,7 @@ class AimdLimit:
         if now < self._window_end:
             return
         c = self.cfg
-        if self._waits and _p90(self._waits) > c.target_wait_ms:
+        if self._missed or (self._waits and _p90(self._waits) > c.target_wait_ms):
             self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
             self.decreases += 1
         elif self._saturated and (self._ceiling is None or self._value < self._ceiling):
@@ -101,6 +111,7 @@ class AimdLimit:
             self.increases += 1
         self._waits = []
         self._saturated = False
+        self._missed = False
         # Windows with no traffic at all are skipped, not replayed one by one.
         self._window_end = now + c.interval_s
 

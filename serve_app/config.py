@@ -162,6 +162,12 @@ class DegradationSettings(_Strict):
     )
     error_rate_threshold: float = Field(0.1, gt=0, le=1)
     error_rate_min_requests: PositiveInt = 20
+    # Shed a whole class at the door only when the classes kept fill the model by
+    # themselves: level k when the demand of what it admits >= ratio x capacity
+    # (policies/degradation.py). null: demand never asks for a level.
+    demand_shed_ratio: Optional[float] = Field(1.1, gt=0)
+    # Routers measure demand by criticality and the gate's throughput over this window.
+    demand_window_s: PositiveFloat = 10.0
     stable_window_s: PositiveFloat = 30.0
     levels: list[LevelConstraintsModel] = Field(default_factory=_default_levels, min_length=5, max_length=5)
 
@@ -497,6 +503,7 @@ class BallastConfig(_Strict):
             vram_pct_thresholds=tuple(d.vram_pct_thresholds),
             error_rate_threshold=d.error_rate_threshold,
             error_rate_min_requests=d.error_rate_min_requests,
+            demand_shed_ratio=d.demand_shed_ratio,
             stable_window_s=d.stable_window_s,
             constraints=tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels),
         )

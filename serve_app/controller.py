@@ -32,6 +32,7 @@ from policies import autoscale, degradation
 from policies.killswitch import KillSwitchEntry
 from policies.quota import TenantQuota, apportion, effective_rates
 from policies.autoscale import AutoscaleSample, AutoscaleState
+from policies.criticality import Criticality
 from policies.degradation import DegradationState, LoadSignals
 
 from .config import BallastConfig, load_config
@@ -97,6 +98,20 @@ def _clean(report: Any, counts: tuple[str, ...], measures: tuple[str, ...]) -> O
     return out
 
 
+def _demand_ok(demand: Any) -> bool:
+    """Requests per second by criticality: known names, finite numbers >= 0 (absent is fine)."""
+    if demand is None:
+        return True
+    if not isinstance(demand, dict):
+        return False
+    try:
+        return all(
+            Criticality(k) is not None and math.isfinite(float(v)) and float(v) >= 0 for k, v in demand.items()
+        )
+    except (TypeError, ValueError):
+        return False
+
+
 class ControllerCore:
     """The controller's logic without Ray: testable with a fake clock."""
 
@@ -143,8 +158,10 @@ class ControllerCore:
 
     # -- reports ---------------------------------------------------------------------
     def report_router(self, report: dict[str, Any]) -> dict[str, Any]:
-        report = _clean(report, ("inflight", "requests", "errors", "shed"), ("queue_wait_p95_ms",))
+        report = _clean(report, ("inflight", "requests", "errors", "shed", "gate_waiting"), ("queue_wait_p95_ms", "served_rps"))
         if report is not None and not isinstance(report.get("demand_tokens_per_s") or {}, dict):
+            report = None
+        if report is not None and not _demand_ok(report.get("demand_rps")):
             report = None
         if report is None:  # malformed: dropped here, so it can never wedge a tick
             self.rejected_reports += 1
@@ -269,6 +286,13 @@ class ControllerCore:
         queue = replica_queued
         if routers:
             queue = max(queue, sum(int(r.get("inflight", 0)) for r in routers) - running)
+        # Demand by criticality over the routers' windows, and their gates' answer rate
+        # while full (capacity): absent unless some router's gate was full.
+        demand: dict[str, float] = {}
+        for r in routers:
+            for crit, rps in (r.get("demand_rps") or {}).items():
+                demand[crit] = demand.get(crit, 0.0) + float(rps)
+        full = any(r.get("gate_full") is True for r in routers)
         waits = [float(r["queue_wait_p95_ms"]) for r in routers + replicas if r.get("queue_wait_p95_ms") is not None]
         utils = [float(r["gpu_util_pct"]) for r in all_replicas if r.get("gpu_util_pct") is not None]
         vrams = [float(r["vram_pct"]) for r in all_replicas if r.get("vram_pct") is not None]
@@ -284,6 +308,10 @@ class ControllerCore:
             vram_pct=max(vrams) if vrams else None,
             error_rate=(errors / requests) if requests else None,
             request_count=requests,
+            demand_rps=demand or None,
+            # Every router's answers are the model's work; they measure its capacity only
+            # while some gate was pushing against it.
+            capacity_rps=sum(float(r.get("served_rps") or 0.0) for r in routers) if full else None,
         )
 
     def tick(self) -> Snapshot:
@@ -295,7 +323,8 @@ class ControllerCore:
         replicas = [r for r in self._replicas.fresh() if r.get("deployment") == MODEL_DEPLOYMENT]
         running_n = len(replicas)
         ongoing = sum(int(r.get("running", 0)) + int(r.get("queued", 0)) for r in replicas)
-        ongoing = max(ongoing, sig.queue_length + sum(int(r.get("running", 0)) for r in replicas))
+        waiting = sum(int(r.get("gate_waiting", 0)) for r in self._routers.fresh())  # demand held at the gates
+        ongoing = max(ongoing, sig.queue_length + waiting + sum(int(r.get("running", 0)) for r in replicas))
         # The policy wants the deployment's *target*, which is what this controller last
         # asked Serve for: running lags it both ways (a replica starting, a replica
         # draining), and feeding running back in would undo a scale-down before Serve

@@ -3,9 +3,12 @@
 At most ``limit.value`` requests from this router are at the model at once
 (policies/limiter.py moves the limit). A request that finds it reached waits here,
 most critical first, then oldest first, for as long as its deadline still leaves time
-to be served (``expected_service_s`` before the deadline, and never more than
-``max_wait_s``); past that it is refused at once with 503 OVERLOADED rather than sent
-to the model to miss its deadline there. The line is bounded (``max_waiting``): when
+to be served (the p90 of recent service times before the deadline, and never more than
+``max_wait_s``); past that it is refused with 503 OVERLOADED rather than sent to the
+model to miss its deadline there. A newcomer is refused at once, without waiting,
+when the waiters already ahead of it (as critical or more) would take longer to drain
+than it can wait: at ``limit`` slots and the mean service time, the line moves
+``limit / mean`` requests per second. The line is bounded (``max_waiting``): when
 it is full, a newcomer displaces the least critical, youngest waiter if it is more
 critical than that one, else it is refused.
 
@@ -18,11 +21,13 @@ import asyncio
 import heapq
 import itertools
 import time
+from collections import deque
 from typing import Callable, Optional
 
 from policies.limiter import AimdLimit
 
 SERVICE_EWMA_ALPHA = 0.2
+SERVICE_SAMPLES = 64  # recent service times kept for the p90 (bounded)
 
 
 class GateRefused(Exception):
@@ -50,7 +55,12 @@ class PriorityGate:
         self._heap: list[tuple[int, int, asyncio.Future]] = []
         self._seq = itertools.count()
         self.expected_service_s = 0.0  # EWMA of time from slot to answer
+        self._service: deque[float] = deque(maxlen=SERVICE_SAMPLES)
+        self._service_p90_s = 0.0
+        self._waiting_by_rank: dict[int, int] = {}
         self.refused: dict[str, int] = {"queue_full": 0, "displaced": 0, "no_time": 0}
+        self.served = 0  # slots given back with a service time (model work done), ever
+        self.saturations = 0  # requests that found the limit reached, ever
 
     async def acquire(self, rank: int, deadline_s: float) -> None:
         """Hold a slot on return, or raise GateRefused. ``rank`` 0 is the most critical."""
@@ -58,14 +68,15 @@ class PriorityGate:
             self.in_flight += 1
             return
         self.limit.saturated()
-        wait_s = min(self.max_wait_s, deadline_s - self._clock() - self.expected_service_s)
-        if wait_s <= 0:
+        self.saturations += 1
+        wait_s = min(self.max_wait_s, deadline_s - self._clock() - self._service_p90_s)
+        if wait_s <= 0 or self._drain_s(rank) > wait_s:
             return self._refuse("no_time")
         if self.waiting >= self.max_waiting and not self._displace(rank):
             return self._refuse("queue_full")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (rank, next(self._seq), fut))
-        self.waiting += 1
+        self._add_waiting(rank, 1)
         self._grant()
         try:
             await asyncio.wait_for(asyncio.shield(fut), wait_s)
@@ -74,7 +85,7 @@ class PriorityGate:
                 return  # granted in the same instant the wait ran out: the slot is ours
             if not fut.done():
                 fut.cancel()
-                self.waiting -= 1
+                self._add_waiting(rank, -1)
             if fut.cancelled():
                 return self._refuse("no_time")
             raise fut.exception() from None  # displaced
@@ -83,8 +94,19 @@ class PriorityGate:
                 self.release()  # a slot was granted but will never be used
             elif not fut.done():
                 fut.cancel()
-                self.waiting -= 1
+                self._add_waiting(rank, -1)
             raise
+
+    def _add_waiting(self, rank: int, n: int) -> None:
+        self.waiting += n
+        self._waiting_by_rank[rank] = self._waiting_by_rank.get(rank, 0) + n
+
+    def _drain_s(self, rank: int) -> float:
+        """How long the waiters ahead of a newcomer of ``rank`` take to be let through."""
+        ahead = sum(n for r, n in self._waiting_by_rank.items() if r <= rank)
+        if ahead == 0 or self.expected_service_s <= 0:
+            return 0.0
+        return (ahead + 1) * self.expected_service_s / max(1, self.limit.value)
 
     def _refuse(self, reason: str) -> None:
         self.refused[reason] += 1
@@ -100,27 +122,36 @@ class PriorityGate:
             return False
         worst[2].set_exception(GateRefused("displaced"))
         self.refused["displaced"] += 1
-        self.waiting -= 1
+        self._add_waiting(worst[0], -1)
         return True
 
     def release(self, service_s: Optional[float] = None) -> None:
         """Give a slot back; ``service_s`` (slot to answer) feeds the service-time estimate."""
         self.in_flight -= 1
         if service_s is not None:
+            self.served += 1
             self.expected_service_s += SERVICE_EWMA_ALPHA * (service_s - self.expected_service_s)
+            self._service.append(service_s)
+            ordered = sorted(self._service)
+            self._service_p90_s = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
         self._grant()
 
     def observe_wait(self, wait_ms: float) -> None:
         self.limit.observe(wait_ms)
         self._grant()  # the limit may have grown
 
+    def observe_miss(self, held_ms: float) -> None:
+        """An admitted request ran out of time at the model after ``held_ms``: congestion."""
+        self.limit.missed()
+        self.observe_wait(held_ms)
+
     def _grant(self) -> None:
         while self._heap and self.in_flight < self.limit.value:
-            _, _, fut = heapq.heappop(self._heap)
+            rank, _, fut = heapq.heappop(self._heap)
             if fut.done():
                 continue
             fut.set_result(True)
-            self.waiting -= 1
+            self._add_waiting(rank, -1)
             self.in_flight += 1
         # Finished entries at the top are dropped, so the heap stays near ``waiting``.
         while self._heap and self._heap[0][2].done():
@@ -135,6 +166,7 @@ class PriorityGate:
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "expected_service_ms": round(self.expected_service_s * 1000.0, 1),
+            "service_p90_ms": round(self._service_p90_s * 1000.0, 1),
             "refused": dict(self.refused),
         }
 
@@ -155,3 +187,46 @@ class GateSlot:
 
     def __del__(self) -> None:
         self.release()
+
+
+class DemandWindow:
+    """What was offered per criticality, and what the gate let through, over ``window_s``.
+
+    Fed once per router report with the counts since the previous one (so it holds one
+    entry per report, bounded by ``max_entries``). ``served_rps`` is the gate's answer
+    rate; it measures capacity only when ``gate_full`` (the gate was full for at least
+    ``min_saturated`` of the window): an answer rate the gate did not push against
+    says what was asked, not what the model can do.
+    """
+
+    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_entries: int = 512, min_saturated: float = 0.5) -> None:
+        self.window_s = window_s
+        self.min_saturated = min_saturated
+        self._clock = clock
+        self._last = clock()
+        self._entries: deque[tuple[float, float, dict[str, int], int, bool]] = deque(maxlen=max_entries)
+
+    def add(self, offered: dict[str, int], served: int, saturated: bool) -> None:
+        now = self._clock()
+        self._entries.append((self._last, now, dict(offered), served, saturated))
+        self._last = now
+
+    def rates(self) -> dict[str, object]:
+        now = self._clock()
+        while self._entries and self._entries[0][1] < now - self.window_s:
+            self._entries.popleft()
+        if not self._entries:
+            return {"demand_rps": {}, "served_rps": 0.0, "gate_full": False}
+        span = max(1e-3, self._entries[-1][1] - self._entries[0][0])
+        demand: dict[str, float] = {}
+        for _, _, offered, _, _ in self._entries:
+            for crit, n in offered.items():
+                demand[crit] = demand.get(crit, 0.0) + n
+        full = sum(e[1] - e[0] for e in self._entries if e[4])
+        served = sum(e[3] for e in self._entries)
+        return {
+            "demand_rps": {c: round(n / span, 3) for c, n in demand.items()},
+            "served_rps": round(served / span, 3),
+            "gate_full": full >= self.min_saturated * span,
+        }

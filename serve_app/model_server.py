@@ -48,6 +48,7 @@ from .config import BallastConfig, ModelConfig, load_config
 from .controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
 from .errors import DeadlineExceeded
 from .gpu import make_gpu_probe, visible_gpu_uuid
+from .resilience import DEADLINE_LEAD_S
 from .routing import request_router_config
 from .snapshot import Snapshot
 
@@ -58,9 +59,6 @@ WINDOW = 512  # bounded windows for batch sizes and queue waits
 # long waits kept reporting them while the level it caused shed everything (no new
 # waits arrive at level 4), and the level could not come down until the replica died.
 WAIT_WINDOW_S = 10.0
-# A request's deadline here is this much earlier than the router's attempt timeout, so
-# the replica's own answer (DeadlineExceeded, or ModelStalled) reaches the router first.
-DEADLINE_LEAD_S = 0.1
 # No decode step for this long while a request waits: the work loop is stuck, not busy
 # (a chunk takes milliseconds to tens of milliseconds).
 STALL_S = 1.0

@@ -94,11 +94,18 @@ class ResponseCache:
         return len(self._entries)
 
 
+# A request's deadline at the replica is this much earlier than the router's attempt
+# timeout, so the replica's own answer (DeadlineExceeded, or ModelStalled) reaches the
+# router first. The router's gate counts it too: a request needs its service time
+# before the replica's deadline, not the router's.
+DEADLINE_LEAD_S = 0.1
+
+
 def _deadline_fields(left_s: float) -> dict[str, float]:
     """The attempt's deadline for the replica: relative, and as a wall-clock instant.
 
     The instant lets the replica count the time the call spent in transit and in
-    Serve's queues, so its own answer (serve_app.model_server.DEADLINE_LEAD_S before
+    Serve's queues, so its own answer (``DEADLINE_LEAD_S`` before
     the deadline) still reaches the router before the router's timeout fires. Across
     nodes it relies on synchronized clocks (NTP: milliseconds against a 50 ms lead);
     the replica takes the stricter of the two.

@@ -58,10 +58,10 @@ from .errors import (
     PayloadTooLarge,
     Unauthenticated,
 )
-from .gate import GateRefused, GateSlot, PriorityGate
+from .gate import DemandWindow, GateRefused, GateSlot, PriorityGate
 from .idempotency import IdempotencyStore
 from .ingress import running_ingress
-from .resilience import CallHooks, ResilientCaller
+from .resilience import DEADLINE_LEAD_S, CallHooks, ResilientCaller
 from .snapshot import Snapshot
 
 log = logging.getLogger("ballast.router")
@@ -225,6 +225,11 @@ class Router:
         self._limits = self._cfg.limits
         g = r.gate
         self._gate = PriorityGate(AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s) if g.enabled else None
+        # Demand by criticality (counted before the level's door) and the gate's answer
+        # rate: the controller sheds a whole class only when the others fill the model.
+        self._offered: dict[str, int] = {}  # keys: the four criticalities (bounded)
+        self._demand = DemandWindow(self._cfg.degradation.demand_window_s)
+        self._gate_seen = (0, 0)  # the gate's (served, saturations) at the last report
 
         from ray.serve import metrics  # created once, here (STYLE 8)
 
@@ -303,8 +308,15 @@ class Router:
             self._m_gate.set(self._gate.in_flight, tags={"kind": "in_flight"})
             self._m_gate.set(self._gate.waiting, tags={"kind": "waiting"})
         report = self._stats.drain()
-        if self._gate is not None:  # waiting at the gate is admitted demand: the level and the autoscaler count it
-            report["inflight"] += self._gate.waiting
+        if self._gate is not None:
+            # Waiters at the gate are demand the autoscaler counts; the level does not count
+            # them as queue (the gate refuses each by its deadline, most critical served
+            # first): it sheds whole classes by demand against capacity instead.
+            report["gate_waiting"] = self._gate.waiting
+            served, saturations = self._gate.served, self._gate.saturations
+            self._demand.add(self._offered, served - self._gate_seen[0], saturations > self._gate_seen[1])
+            self._gate_seen, self._offered = (served, saturations), {}
+            report.update(self._demand.rates())
         return {"router_id": self._router_id, **report, **self._drain_demand()}
 
     def _drain_demand(self) -> dict[str, Any]:
@@ -505,6 +517,7 @@ class Router:
             )
         eff = self._cache.effective()
         self._m_level.set(eff.level)
+        self._offered[crit] = self._offered.get(crit, 0) + 1
         decision = admit(req.criticality, eff.level, eff.constraints)
         if not decision.admitted:
             self._stats.shed += 1
@@ -588,7 +601,7 @@ class Router:
                 # only answered requests hid the overload from the gate (the ones that
                 # finished had, by selection, waited briefly): it kept admitting requests
                 # with too little time left, and at 2x capacity most missed their deadline.
-                self._gate.observe_wait(held_s * 1000.0)
+                self._gate.observe_miss(held_s * 1000.0)
             slot.release(held_s if generated is not None or timed_out else None)
             self._tenant_inflight[tenant] -= 1
             settle(generated)
@@ -607,7 +620,7 @@ class Router:
         if self._gate is None:
             return GateSlot(None)
         try:
-            await self._gate.acquire(criticality.rank, deadline_s)
+            await self._gate.acquire(criticality.rank, deadline_s - DEADLINE_LEAD_S)
         except GateRefused as g:
             settle(None)
             self._stats.shed += 1

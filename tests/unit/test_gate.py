@@ -57,17 +57,67 @@ def test_waiters_are_served_most_critical_first_then_oldest_first():
     asyncio.run(main())
 
 
+def served(g: PriorityGate, *service_s: float) -> None:
+    """Requests that took a slot and were answered after ``service_s``."""
+    for s in service_s:
+        g.in_flight += 1
+        g.release(s)
+
+
 def test_a_waiter_whose_deadline_leaves_no_time_is_refused_at_once():
     async def main():
         g = gate(limit=1)
+        served(g, 0.5)
         await g.acquire(0, far())
-        g.expected_service_s = 0.5
         t0 = time.monotonic()
         with pytest.raises(GateRefused) as e:
             await g.acquire(0, time.monotonic() + 0.4)  # 0.4 s left < 0.5 s of service
         assert e.value.reason == "no_time"
         assert time.monotonic() - t0 < 0.05
         assert g.refused["no_time"] == 1 and g.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_the_time_a_waiter_needs_is_the_p90_of_service_not_the_mean():
+    async def main():
+        g = gate(limit=1)
+        served(g, *([0.1] * 8 + [0.6] * 2))  # mean-like estimate ~0.2 s, p90 0.6 s
+        assert g.expected_service_s < 0.4 and g.snapshot()["service_p90_ms"] == 600.0
+        await g.acquire(0, far())
+        with pytest.raises(GateRefused) as e:
+            await g.acquire(0, time.monotonic() + 0.5)  # enough for the mean, not for the slow tenth
+        assert e.value.reason == "no_time"
+        assert g.served == 10
+
+    asyncio.run(main())
+
+
+def test_a_newcomer_behind_a_line_that_cannot_drain_in_time_is_refused_at_once():
+    async def main():
+        g = gate(limit=2)
+        served(g, *([0.2] * 40))  # 2 slots at 0.2 s: the line moves 10 per second
+        await g.acquire(0, far())
+        await g.acquire(0, far())
+        line = [asyncio.create_task(g.acquire(1, time.monotonic() + 5.0)) for _ in range(6)]
+        await asyncio.sleep(0)
+        assert g.waiting == 6
+        # 6 critical ahead take ~0.7 s to drain; a critical newcomer with 0.6 s to wait
+        # (1.0 s left minus 0.2 s of service) is refused now, not after 0.6 s in line ...
+        t0 = time.monotonic()
+        with pytest.raises(GateRefused) as e:
+            await g.acquire(1, time.monotonic() + 0.8)
+        assert e.value.reason == "no_time" and time.monotonic() - t0 < 0.05
+        # ... while a critical_plus newcomer, with nobody ahead of its rank, waits its turn.
+        first = asyncio.create_task(g.acquire(0, time.monotonic() + 0.8))
+        await asyncio.sleep(0)
+        assert not first.done() and g.waiting == 7
+        g.release()
+        await first
+        for t in line:
+            t.cancel()
+        await asyncio.gather(*line, return_exceptions=True)
+        assert g.waiting == 0 and g.snapshot()["waiting"] == 0
 
     asyncio.run(main())
 
