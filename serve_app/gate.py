@@ -214,7 +214,7 @@ class DemandWindow:
 
     def rates(self) -> dict[str, object]:
         now = self._clock()
-        while self._entries and self._entries[0][1] < now - self.window_s:
+        while self._entries and self._entries[0][1] <= now - self.window_s:
             self._entries.popleft()
         if not self._entries:
             return {"demand_rps": {}, "served_rps": 0.0, "gate_full": False}

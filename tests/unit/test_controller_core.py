@@ -352,6 +352,16 @@ class TestDesiredReplicas:
         assert snap.autoscale[MODEL_DEPLOYMENT]["ongoing_requests"] == 24
         assert snap.desired_replicas[MODEL_DEPLOYMENT] == 3
 
+    def test_gate_waiters_count_for_the_autoscaler_but_not_as_the_levels_queue(self, h: Harness) -> None:
+        h.router("r1", inflight=8, gate_waiting=60)
+        h.replica("m1", queued=0, running=8)
+        snap = h.core.tick()
+        # 60 waiting at the gate: demand the autoscaler must see (ongoing 68) ...
+        assert snap.autoscale[MODEL_DEPLOYMENT]["ongoing_requests"] == 68
+        assert snap.desired_replicas[MODEL_DEPLOYMENT] == 4
+        # ... but not a queue for the level (the gate refuses each by its deadline).
+        assert snap.inputs["queue_length"] == 0 and snap.level == 0
+
     def test_only_model_replicas_count_as_running_model_replicas(self, h: Harness) -> None:
         h.core.report_replica({"replica_id": "x", "deployment": "Other", "queued": 0})
         h.replica("m1")
@@ -425,6 +435,28 @@ class TestConfigure:
         snap = h.core.tick()
         assert snap.level == 4
         assert snap.version == v + 1  # versions keep rising within the epoch
+
+
+def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(h: Harness) -> None:
+    h.router("a", demand_rps={"critical": 20.0, "sheddable_plus": 40.0, "sheddable": 70.0}, served_rps=20.0, gate_full=True)
+    h.router("b", demand_rps={"critical": 8.0, "sheddable_plus": 2.0}, served_rps=15.0, gate_full=False)
+    sig = h.core.signals()
+    assert sig.demand_rps == {"critical": 28.0, "sheddable_plus": 42.0, "sheddable": 70.0}
+    assert sig.capacity_rps == 35.0  # both routers' answers, measured while a gate was full
+    snap = h.core.tick()
+    assert snap.level == 1 and snap.reason.startswith("up 0->1: demand=70>=38.5")
+    assert snap.inputs["demand_rps"]["sheddable"] == 70.0
+    # No gate full: no capacity figure, and demand alone asks for nothing.
+    h.router("a", demand_rps={"sheddable": 500.0}, served_rps=20.0, gate_full=False)
+    assert h.core.signals().capacity_rps is None
+
+
+def test_malformed_demand_reports_are_dropped(h: Harness) -> None:
+    for bad in ({"nope": 1.0}, {"critical": -2.0}, {"critical": "x"}, ["critical"], {"critical": float("inf")}):
+        h.router("a", demand_rps=bad)
+    h.router("a", served_rps=-1.0)
+    assert h.core.rejected_reports == 6
+    assert h.core.signals().demand_rps is None
 
 
 def test_malformed_reports_are_dropped_and_never_wedge_the_tick():

@@ -363,3 +363,58 @@ def test_signals_validation() -> None:
         sig(err=1.5)
     with pytest.raises(ValueError, match="request_count"):
         sig(n=-3)
+
+
+# ----------------------------------------------------------------- demand by criticality
+
+
+def demand(cp: float = 0.0, c: float = 0.0, sp: float = 0.0, s: float = 0.0, capacity: float | None = 35.0) -> LoadSignals:
+    return LoadSignals(
+        queue_length=0, queue_wait_p95_ms=None, gpu_util_pct=None, vram_pct=None, error_rate=None,
+        demand_rps={"critical_plus": cp, "critical": c, "sheddable_plus": sp, "sheddable": s}, capacity_rps=capacity,
+    )
+
+
+def test_demand_sheds_a_class_only_when_the_classes_kept_fill_the_model() -> None:
+    # Four times capacity, 20 % critical: critical + sheddable_plus fill it, critical alone
+    # does not. Level 1 (sheddable out), not level 2, which would idle the model.
+    level, reason = target_level(demand(7.0, 21.0, 42.0, 70.0), CFG)
+    assert level == 1
+    assert reason.startswith("demand=70>=38.5 (capacity_rps) for critical_plus,critical,sheddable_plus")
+    # Critical alone beyond capacity: level 2.
+    assert target_level(demand(10.0, 35.0, 42.0, 70.0), CFG)[0] == 2
+    # Critical_plus alone beyond capacity: level 3; level 4 (nothing admitted) is never asked for.
+    assert target_level(demand(50.0, 35.0, 42.0, 70.0), CFG)[0] == 3
+
+
+def test_classes_that_are_all_served_never_read_as_filling_the_model() -> None:
+    # Everything offered was answered: demand == capacity. The ratio (1.1) keeps this at 0.
+    assert target_level(demand(3.5, 10.5, 21.0, 0.0, capacity=35.0), CFG) == (0, "normal")
+    # No capacity figure (the gate was not full), or no demand: the signal is absent.
+    assert target_level(demand(100.0, 100.0, 100.0, 100.0, capacity=None), CFG) == (0, "normal")
+    assert target_level(demand(capacity=35.0), CFG) == (0, "normal")
+    # Disabled by config.
+    off = DegradationConfig(demand_shed_ratio=None)
+    assert target_level(demand(7.0, 21.0, 42.0, 70.0), off) == (0, "normal")
+
+
+def test_demand_never_lowers_what_another_signal_asks_for() -> None:
+    s = LoadSignals(queue_length=250, queue_wait_p95_ms=None, gpu_util_pct=None, vram_pct=None, error_rate=None,
+                    demand_rps={"sheddable": 100.0, "sheddable_plus": 100.0}, capacity_rps=35.0)
+    assert target_level(s, CFG) == (3, "queue_length=250>=200")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"demand_rps": {"urgent": 1.0}}, "demand_rps"),
+        ({"demand_rps": {"critical": -1.0}}, "demand_rps[critical]"),
+        ({"demand_rps": [1.0]}, "demand_rps"),
+        ({"capacity_rps": float("nan")}, "capacity_rps"),
+    ],
+)
+def test_bad_demand_signals_are_refused(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field.replace("[", r"\[")):
+        LoadSignals(queue_length=0, queue_wait_p95_ms=None, gpu_util_pct=None, vram_pct=None, error_rate=None, **kwargs)
+    with pytest.raises(ValueError, match="demand_shed_ratio"):
+        DegradationConfig(demand_shed_ratio=0)

@@ -207,3 +207,25 @@ def test_a_slot_is_given_back_once_even_if_never_released_by_hand():
         assert g.in_flight == 0
 
     asyncio.run(main())
+
+
+def test_the_demand_window_rates_offers_per_criticality_and_knows_when_the_gate_was_full():
+    from serve_app.gate import DemandWindow
+
+    t = [0.0]
+    w = DemandWindow(window_s=10.0, clock=lambda: t[0], max_entries=100)
+    assert w.rates() == {"demand_rps": {}, "served_rps": 0.0, "gate_full": False}
+    for i in range(10):  # ten 1-s reports: 4 critical and 10 sheddable offered, 5 answered each
+        t[0] += 1.0
+        w.add({"critical": 4, "sheddable": 10}, served=5, saturated=i >= 3)
+    r = w.rates()
+    assert r["demand_rps"] == {"critical": 4.0, "sheddable": 10.0}
+    assert r["served_rps"] == 5.0 and r["gate_full"] is True  # full in 7 of 10 s
+    # Old reports leave the window; a gate full in too little of it gives no capacity figure.
+    for _ in range(10):
+        t[0] += 1.0
+        w.add({"critical": 2}, served=2, saturated=False)
+    w.add({}, served=0, saturated=True)
+    r = w.rates()
+    assert r["demand_rps"] == {"critical": 2.0} and r["gate_full"] is False
+    assert len(w._entries) <= 100

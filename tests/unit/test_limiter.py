@@ -113,3 +113,16 @@ def test_the_ceiling_grows_only_below_it():
         lim.saturated()
         clock.t = float(w)
     assert lim.value == 6 and lim.increases == 2  # 4 -> 5 -> 6, then held
+
+
+def test_a_deadline_missed_at_the_model_decreases_like_a_long_wait():
+    lim, clock = make()
+    for _ in range(20):
+        lim.observe(10.0)  # waits well under target ...
+        lim.saturated()
+    lim.missed()  # ... but one admitted request ran out of time at the model
+    clock.t = 1.0
+    assert lim.value == 8 and lim.decreases == 1
+    lim.saturated()  # the next window has no miss: additive increase again
+    clock.t = 2.0
+    assert lim.value == 9
