@@ -167,7 +167,7 @@ class DegradationSettings(_Strict):
     # (policies/degradation.py). null: demand never asks for a level.
     demand_shed_ratio: Optional[float] = Field(1.1, gt=0)
     # Routers measure demand by criticality and the gate's throughput over this window.
-    demand_window_s: PositiveFloat = 10.0
+    demand_window_s: PositiveFloat = 5.0
     stable_window_s: PositiveFloat = 30.0
     levels: list[LevelConstraintsModel] = Field(default_factory=_default_levels, min_length=5, max_length=5)
 

@@ -3,8 +3,11 @@
 At most ``limit.value`` requests from this router are at the model at once
 (policies/limiter.py moves the limit). A request that finds it reached waits here,
 most critical first, then oldest first, for as long as its deadline still leaves time
-to be served (the p90 of recent service times before the deadline, and never more than
-``max_wait_s``); past that it is refused with 503 OVERLOADED rather than sent to the
+to be served (never more than ``max_wait_s``). "Time to be served" is the p90 of recent
+service times for sheddable classes, and their mean for the critical ones (rank <=
+``critical_rank``): refusing a critical request early is a certain failure, letting it
+try at the mean is a likely success, while a sheddable one let through late takes a
+slot a critical one may need; past that it is refused with 503 OVERLOADED rather than sent to the
 model to miss its deadline there. A newcomer is refused at once, without waiting,
 when the waiters already ahead of it (as critical or more) would take longer to drain
 than it can wait: at ``limit`` slots and the mean service time, the line moves
@@ -45,8 +48,10 @@ class PriorityGate:
         max_waiting: int,
         max_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
+        critical_rank: int = 1,
     ):
         self.limit = limit
+        self.critical_rank = critical_rank
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
         self._clock = clock
@@ -69,7 +74,8 @@ class PriorityGate:
             return
         self.limit.saturated()
         self.saturations += 1
-        wait_s = min(self.max_wait_s, deadline_s - self._clock() - self._service_p90_s)
+        service_s = self.expected_service_s if rank <= self.critical_rank else self._service_p90_s
+        wait_s = min(self.max_wait_s, deadline_s - self._clock() - service_s)
         if wait_s <= 0 or self._drain_s(rank) > wait_s:
             return self._refuse("no_time")
         if self.waiting >= self.max_waiting and not self._displace(rank):
@@ -130,6 +136,8 @@ class PriorityGate:
         self.in_flight -= 1
         if service_s is not None:
             self.served += 1
+            if self.served == 1:  # the first sample is the estimate, not a fifth of it
+                self.expected_service_s = service_s
             self.expected_service_s += SERVICE_EWMA_ALPHA * (service_s - self.expected_service_s)
             self._service.append(service_s)
             ordered = sorted(self._service)

@@ -79,16 +79,22 @@ def test_a_waiter_whose_deadline_leaves_no_time_is_refused_at_once():
     asyncio.run(main())
 
 
-def test_the_time_a_waiter_needs_is_the_p90_of_service_not_the_mean():
+def test_sheddable_waiters_need_the_p90_of_service_and_critical_ones_the_mean():
     async def main():
         g = gate(limit=1)
         served(g, *([0.1] * 8 + [0.6] * 2))  # mean-like estimate ~0.2 s, p90 0.6 s
         assert g.expected_service_s < 0.4 and g.snapshot()["service_p90_ms"] == 600.0
         await g.acquire(0, far())
         with pytest.raises(GateRefused) as e:
-            await g.acquire(0, time.monotonic() + 0.5)  # enough for the mean, not for the slow tenth
+            await g.acquire(3, time.monotonic() + 0.5)  # enough for the mean, not for the slow tenth
         assert e.value.reason == "no_time"
-        assert g.served == 10
+        # A critical request with the same time left is not refused: it waits its turn.
+        critical = asyncio.create_task(g.acquire(1, time.monotonic() + 0.5))
+        await asyncio.sleep(0.01)
+        assert not critical.done() and g.waiting == 1
+        g.release()
+        await critical
+        assert g.served == 10 and g.in_flight == 1
 
     asyncio.run(main())
 
