@@ -13,7 +13,11 @@ How the limit moves (per ``interval_s`` window, on an injected clock):
   out of its deadline at the model means the limit let in more than the model could
   answer in time (with iteration-level batching a row joins at once and the whole
   batch slows down, so overload shows as slower steps, not as waiting): either
-  multiplies the limit by ``decrease_factor``;
+  multiplies the limit by ``decrease_factor``; so does a window whose p90 service
+  time (slot to answer) is over ``target_service_ratio`` of the requests' own time
+  budgets: the batch is slowing toward the deadlines, and backing off before they
+  are missed avoids the burst of misses that a limit creeping up to the wall costs
+  (every row of a batch that got too slow misses together);
 - otherwise, if the limit was reached during the window (requests were held back),
   add one: there may be room;
 - otherwise hold: a limit nobody reaches says nothing about the model.
@@ -40,12 +44,15 @@ class LimiterConfig:
     target_wait_ms: float = 300.0
     interval_s: float = 0.5
     decrease_factor: float = 0.8
+    target_service_ratio: Optional[float] = 0.6
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_limit <= self.initial <= self.max_limit:
             raise ValueError(f"need 1 <= min_limit <= initial <= max_limit, got {self.min_limit}/{self.initial}/{self.max_limit}")
         if self.target_wait_ms <= 0 or self.interval_s <= 0:
             raise ValueError("target_wait_ms and interval_s must be > 0")
+        if self.target_service_ratio is not None and not 0.0 < self.target_service_ratio <= 1.0:
+            raise ValueError(f"target_service_ratio must be in (0, 1] or None, got {self.target_service_ratio}")
         if not 0.0 < self.decrease_factor < 1.0:
             raise ValueError(f"decrease_factor must be in (0, 1), got {self.decrease_factor}")
 
@@ -58,6 +65,7 @@ class AimdLimit:
         self._clock = clock
         self._value = float(cfg.initial)
         self._waits: list[float] = []
+        self._ratios: list[float] = []
         self._saturated = False
         self._missed = False
         self._window_end = clock() + cfg.interval_s
@@ -88,6 +96,12 @@ class AimdLimit:
         if len(self._waits) < MAX_SAMPLES:
             self._waits.append(wait_ms)
 
+    def observe_service(self, ratio: float) -> None:
+        """One answered request's service time over its own time budget (0..1+)."""
+        self._tick()
+        if len(self._ratios) < MAX_SAMPLES:
+            self._ratios.append(ratio)
+
     def missed(self) -> None:
         """An admitted request ran out of its deadline at the model."""
         self._tick()
@@ -103,13 +117,15 @@ class AimdLimit:
         if now < self._window_end:
             return
         c = self.cfg
-        if self._missed or (self._waits and _p90(self._waits) > c.target_wait_ms):
+        slow = c.target_service_ratio is not None and bool(self._ratios) and _p90(self._ratios) > c.target_service_ratio
+        if self._missed or slow or (self._waits and _p90(self._waits) > c.target_wait_ms):
             self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
             self.decreases += 1
         elif self._saturated and (self._ceiling is None or self._value < self._ceiling):
             self._value = min(float(c.max_limit), self._value + 1.0)
             self.increases += 1
         self._waits = []
+        self._ratios = []
         self._saturated = False
         self._missed = False
         # Windows with no traffic at all are skipped, not replayed one by one.

@@ -234,6 +234,9 @@ class GateSettings(_Strict):
     # the limit steers to, as the p90 of a window. Below degradation's second queue-wait
     # threshold, so that the gate, not a whole criticality class, takes the overflow.
     target_wait_ms: PositiveFloat = 300.0
+    # Back off when the p90 answered request spent more than this share of its own time
+    # budget (arrival to deadline) at the model: before its deadlines are missed. null: off.
+    target_service_ratio: Optional[float] = Field(0.6, gt=0, le=1)
     adjust_interval_s: PositiveFloat = 0.5
     decrease_factor: float = Field(0.8, gt=0, lt=1)
     # The wait line: bounded in count; each waiter by its deadline (less the expected
@@ -254,6 +257,7 @@ class GateSettings(_Strict):
             target_wait_ms=self.target_wait_ms,
             interval_s=self.adjust_interval_s,
             decrease_factor=self.decrease_factor,
+            target_service_ratio=self.target_service_ratio,
         )
 
 

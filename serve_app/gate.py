@@ -148,6 +148,11 @@ class PriorityGate:
         self.limit.observe(wait_ms)
         self._grant()  # the limit may have grown
 
+    def observe_service(self, service_s: float, budget_s: float) -> None:
+        """An answered request held its slot ``service_s`` of its ``budget_s`` (arrival to deadline)."""
+        if budget_s > 0:
+            self.limit.observe_service(service_s / budget_s)
+
     def observe_miss(self, held_ms: float) -> None:
         """An admitted request ran out of time at the model after ``held_ms``: congestion."""
         self.limit.missed()

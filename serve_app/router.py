@@ -602,6 +602,8 @@ class Router:
                 # finished had, by selection, waited briefly): it kept admitting requests
                 # with too little time left, and at 2x capacity most missed their deadline.
                 self._gate.observe_miss(held_s * 1000.0)
+            elif generated is not None and self._gate is not None:
+                self._gate.observe_service(held_s, deadline_s - DEADLINE_LEAD_S - started)
             slot.release(held_s if generated is not None or timed_out else None)
             self._tenant_inflight[tenant] -= 1
             settle(generated)

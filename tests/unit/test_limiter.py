@@ -80,7 +80,7 @@ def test_samples_per_window_are_bounded():
 
 @pytest.mark.parametrize(
     "kw",
-    [{"initial": 1, "min_limit": 2}, {"initial": 20}, {"decrease_factor": 1.0}, {"target_wait_ms": 0.0}, {"interval_s": 0.0}],
+    [{"initial": 1, "min_limit": 2}, {"initial": 20}, {"decrease_factor": 1.0}, {"target_wait_ms": 0.0}, {"interval_s": 0.0}, {"target_service_ratio": 0.0}, {"target_service_ratio": 1.5}],
 )
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):
@@ -126,3 +126,23 @@ def test_a_deadline_missed_at_the_model_decreases_like_a_long_wait():
     lim.saturated()  # the next window has no miss: additive increase again
     clock.t = 2.0
     assert lim.value == 9
+
+
+def test_service_near_the_requests_budgets_decreases_before_deadlines_are_missed():
+    lim, clock = make(target_service_ratio=0.6)
+    for _ in range(10):
+        lim.saturated()
+        lim.observe(10.0)
+        lim.observe_service(0.4)  # answered in 40 % of their budgets: room to grow
+    clock.t = 1.0
+    assert lim.value == 11
+    for _ in range(10):
+        lim.saturated()
+        lim.observe_service(0.75)  # the batch is slowing toward the deadlines
+    clock.t = 2.0
+    assert lim.value == 8 and lim.decreases == 1
+    off, clock2 = make(target_service_ratio=None)
+    off.saturated()
+    off.observe_service(0.99)
+    clock2.t = 1.0
+    assert off.value == 11  # disabled: service ratios are ignored
