@@ -105,11 +105,13 @@ def _demand_ok(demand: Any) -> bool:
     if not isinstance(demand, dict):
         return False
     try:
-        return all(
-            Criticality(k) is not None and math.isfinite(float(v)) and float(v) >= 0 for k, v in demand.items()
-        )
+        for k, v in demand.items():
+            Criticality(k)  # an unknown name raises ValueError
+            if not (math.isfinite(float(v)) and float(v) >= 0):
+                return False
     except (TypeError, ValueError):
         return False
+    return True
 
 
 class ControllerCore:

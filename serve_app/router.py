@@ -225,8 +225,8 @@ class Router:
         self._limits = self._cfg.limits
         g = r.gate
         self._gate = PriorityGate(AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s) if g.enabled else None
-        # Demand by criticality (counted before the level's door) and the gate's answer
-        # rate: the controller sheds a whole class only when the others fill the model.
+        # Demand by criticality (turned away by the level, or within quota) and the gate's
+        # answer rate: the controller sheds a whole class only when the others fill the model.
         self._offered: dict[str, int] = {}  # keys: the four criticalities (bounded)
         self._demand = DemandWindow(self._cfg.degradation.demand_window_s)
         self._gate_seen = (0, 0)  # the gate's (served, saturations) at the last report
@@ -517,9 +517,9 @@ class Router:
             )
         eff = self._cache.effective()
         self._m_level.set(eff.level)
-        self._offered[crit] = self._offered.get(crit, 0) + 1
         decision = admit(req.criticality, eff.level, eff.constraints)
         if not decision.admitted:
+            self._offered[crit] = self._offered.get(crit, 0) + 1  # demand the level turned away
             self._stats.shed += 1
             self._count(tenant, crit, "OVERLOADED")
             raise Overloaded(
@@ -543,6 +543,8 @@ class Router:
                     # floor: the bucket may be a hair short, and "retry in 0 s" helps nobody
                     retry_after_s=min(max(bucket.retry_after_s(cost), 0.01), 3600.0),
                 )
+        # Demand within quota: a tenant over its quota must not degrade everyone else.
+        self._offered[crit] = self._offered.get(crit, 0) + 1
         # Clamped by the level is degradation; clamped by the model's context is not.
         reasons = ["max_tokens_clamped"] if eff.constraints.max_tokens < min(req.max_tokens, self._model_max_tokens) else []
         if lowered:
