@@ -3,15 +3,15 @@
 At most ``limit.value`` requests from this router are at the model at once
 (policies/limiter.py moves the limit). A request that finds it reached waits here,
 most critical first, then oldest first, for as long as its deadline still leaves time
-to be served (never more than ``max_wait_s``). "Time to be served" is the p90 of recent
-service times for sheddable classes, and their mean for the critical ones (rank <=
-``critical_rank``): refusing a critical request early is a certain failure, letting it
-try at the mean is a likely success, while a sheddable one let through late takes a
-slot a critical one may need; past that it is refused with 503 OVERLOADED rather than sent to the
-model to miss its deadline there. A newcomer is refused at once, without waiting,
-when the waiters already ahead of it (as critical or more) would take longer to drain
-than it can wait: at ``limit`` slots and the mean service time, the line moves
-``limit / mean`` requests per second. The line is bounded (``max_waiting``): when
+to be served, and never longer than ``max_wait_s``; past that it is refused with 503
+OVERLOADED rather than sent to the model to miss its deadline there. "Time to be
+served" is the p90 of recent service times for sheddable classes and their mean for
+the critical ones (rank <= ``critical_rank``): refusing a critical request early is a
+certain failure and letting it try at the mean a likely success, while a sheddable
+one let through late takes a slot a critical one may need. A newcomer is refused at
+once, without waiting, when the waiters already ahead of it (as critical or more)
+would take longer to drain than it can wait: at ``limit`` slots and the mean service
+time, the line moves ``limit / mean`` requests per second. The line is bounded (``max_waiting``): when
 it is full, a newcomer displaces the least critical, youngest waiter if it is more
 critical than that one, else it is refused.
 
@@ -27,6 +27,7 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+from policies.criticality import Criticality
 from policies.limiter import AimdLimit
 
 SERVICE_EWMA_ALPHA = 0.2
@@ -48,7 +49,7 @@ class PriorityGate:
         max_waiting: int,
         max_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
-        critical_rank: int = 1,
+        critical_rank: int = Criticality.CRITICAL.rank,
     ):
         self.limit = limit
         self.critical_rank = critical_rank
