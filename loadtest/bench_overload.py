@@ -106,6 +106,10 @@ class Stack:
     # one client per phase: its per-criticality adaptive throttle refuses locally.
     sdk: Optional[Callable[[], Any]] = None
 
+    @property
+    def path(self) -> str:
+        return urlsplit(self.url).path
+
 
 def criticality_sequence(n: int, mix: dict[str, float], seed: int) -> list[str]:
     """``n`` criticalities drawn from ``mix`` (seeded: both stacks get the same sequence)."""
@@ -125,7 +129,6 @@ async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix:
     n = max(1, int(rate * duration_s))
     crits = criticality_sequence(n, mix, seed)
     in_flight = 0
-    path = urlsplit(stack.url).path
 
     sdk = stack.sdk() if stack.sdk is not None else None
 
@@ -136,7 +139,7 @@ async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix:
             if sdk is not None:
                 await _one_sdk(sdk, stack, crit, scheduled, phase)
                 return
-            r = await client.post_json(path, stack.body(crit), stack.headers)
+            r = await client.post_json(stack.path, stack.body(crit), stack.headers)
             status, code = _judge(r)
             phase.outcomes.append(Outcome(crit, status, code, time.perf_counter() - scheduled))
         except LeanHttpError as e:
@@ -222,12 +225,10 @@ async def closed_loop_rate(stack: Stack, concurrency: int, duration_s: float) ->
     # No X-Request-Timeout-Ms here: every answer counts, however slow.
     headers = {k: v for k, v in stack.headers.items() if k.lower() != "x-request-timeout-ms"}
 
-    path = urlsplit(stack.url).path
-
     async def worker(client: LeanClient) -> None:
         nonlocal done
         while time.monotonic() < stop:
-            r = await client.post_json(path, stack.body("critical"), headers)
+            r = await client.post_json(stack.path, stack.body("critical"), headers)
             done += _judge(r)[0] == 200
 
     async with _client(stack, concurrency) as c:
