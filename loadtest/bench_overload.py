@@ -47,6 +47,7 @@ PORT = 8124
 BASE = f"http://127.0.0.1:{PORT}"
 BENCH_KEY = "bench-key-overload"  # a tenant of its own: no token quota, so only overload policy acts
 CRITICALITIES = ("critical_plus", "critical", "sheddable_plus", "sheddable")
+CRITICAL_CLASSES = ("critical_plus", "critical")
 DEFAULT_MIX = {"critical_plus": 0.05, "critical": 0.15, "sheddable_plus": 0.30, "sheddable": 0.50}
 MULTIPLES = (0.5, 1.0, 2.0, 4.0)
 CLIENT_TIMEOUT_S = 10.0  # the longest any one request is waited for: runs end by themselves
@@ -59,6 +60,7 @@ class Outcome:
     status: int  # 0: no HTTP answer (timeout, connection error, client drop)
     code: str
     latency_s: float
+    sent_s: float = 0.0  # scheduled send time, from the phase's start
 
 
 @dataclass
@@ -94,6 +96,26 @@ class Phase:
 
     def codes(self) -> Counter:
         return Counter(o.code for o in self.outcomes)
+
+    def per_second(self) -> list[dict[str, Any]]:
+        """By second of scheduled send time: offered, good, critical good/offered, the codes
+        of critical misses, and Ballast's level and gate (last /v1/status sample in it)."""
+        rows: dict[int, dict[str, Any]] = {}
+        for o in self.outcomes:
+            row = rows.setdefault(int(o.sent_s), {"sent": 0, "good": 0, "crit": 0, "crit_good": 0, "crit_miss": Counter()})
+            good = o.status == 200 and o.latency_s <= self.slo_s
+            row["sent"] += 1
+            row["good"] += good
+            if o.criticality in CRITICAL_CLASSES:
+                row["crit"] += 1
+                row["crit_good"] += good
+                if not good:
+                    row["crit_miss"][o.code if o.status != 200 else "LATE"] += 1
+        for t in self.trace:
+            row = rows.get(int(t.get("_t", -1)))
+            if row is not None:
+                row["status"] = t
+        return [{"s": s, **rows[s]} for s in sorted(rows)]
 
 
 @dataclass
@@ -137,13 +159,13 @@ async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix:
         in_flight += 1
         try:
             if sdk is not None:
-                await _one_sdk(sdk, stack, crit, scheduled, phase)
+                await _one_sdk(sdk, stack, crit, scheduled, scheduled - t0, phase)
                 return
             r = await client.post_json(stack.path, stack.body(crit), stack.headers)
             status, code = _judge(r)
-            phase.outcomes.append(Outcome(crit, status, code, time.perf_counter() - scheduled))
+            phase.outcomes.append(Outcome(crit, status, code, time.perf_counter() - scheduled, scheduled - t0))
         except LeanHttpError as e:
-            phase.outcomes.append(Outcome(crit, 0, e.kind, time.perf_counter() - scheduled))
+            phase.outcomes.append(Outcome(crit, 0, e.kind, time.perf_counter() - scheduled, scheduled - t0))
         finally:
             in_flight -= 1
 
@@ -156,7 +178,7 @@ async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix:
             if delay > 0:
                 await asyncio.sleep(delay)
             if in_flight >= MAX_IN_FLIGHT:
-                phase.outcomes.append(Outcome(crit, 0, "client_drop", 0.0))
+                phase.outcomes.append(Outcome(crit, 0, "client_drop", 0.0, scheduled - t0))
                 continue
             tasks.append(asyncio.create_task(one(client, crit, scheduled)))
             phase.send_lags_s.append(time.perf_counter() - scheduled)
@@ -166,15 +188,15 @@ async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix:
     return phase
 
 
-async def _one_sdk(sdk: Any, stack: Stack, crit: str, scheduled: float, phase: Phase) -> None:
+async def _one_sdk(sdk: Any, stack: Stack, crit: str, scheduled: float, sent_s: float, phase: Phase) -> None:
     from serve_app.client import BallastClientError
 
     body = stack.body(crit)
     try:
         await sdk.generate(body["prompt"], max_tokens=body["max_tokens"], criticality=crit)
-        phase.outcomes.append(Outcome(crit, 200, "OK", time.perf_counter() - scheduled))
+        phase.outcomes.append(Outcome(crit, 200, "OK", time.perf_counter() - scheduled, sent_s))
     except BallastClientError as e:
-        phase.outcomes.append(Outcome(crit, e.status or 0, e.code, time.perf_counter() - scheduled))
+        phase.outcomes.append(Outcome(crit, e.status or 0, e.code, time.perf_counter() - scheduled, sent_s))
 
 
 def _judge(r: LeanResponse) -> tuple[int, str]:
@@ -275,6 +297,34 @@ def plain_serve_app(model_cfg: dict[str, Any]):
     return PlainModel.bind(model_cfg)
 
 
+def format_trace(phase: Phase) -> str:
+    """``Phase.per_second`` as lines. Where Ballast's status was sampled: the level, the
+    gate's limit, waiters and mean service at the second's last sample, and, since the
+    previous line, the limit's decreases by signal (missed/slow/wait) and the gate's
+    refusals by reason (only those that happened)."""
+    lines = [f"    {'s':>3} {'sent':>5} {'good':>5} {'crit':>9}  {'lvl':>3} {'limit':>5} {'wait':>4} {'svc ms':>6}  "
+             "critical misses | limit decreases | gate refusals"]
+    prev: dict[str, Any] = next((t["gate"] for t in phase.trace if t.get("gate")), {})  # counts before the phase
+    for row in phase.per_second():
+        st = row.get("status") or {}
+        gate = st.get("gate") or {}
+        misses = " ".join(f"{k}:{v}" for k, v in sorted(row["crit_miss"].items()))
+        dec = _delta(gate.get("decreases_by") or {}, prev.get("decreases_by") or {})
+        ref = _delta(gate.get("refused") or {}, prev.get("refused") or {})
+        if gate:
+            prev = gate
+        lines.append(
+            f"    {row['s']:>3} {row['sent']:>5} {row['good']:>5} {row['crit_good']:>4}/{row['crit']:<4}  "
+            f"{st.get('level', '-'):>3} {gate.get('limit', '-'):>5} {gate.get('waiting', '-'):>4} "
+            f"{gate.get('expected_service_ms', '-'):>6}  {misses} | {dec} | {ref}".rstrip(" |")
+        )
+    return "\n".join(lines)
+
+
+def _delta(now: dict[str, int], before: dict[str, int]) -> str:
+    return " ".join(f"{k}:{v - before.get(k, 0)}" for k, v in now.items() if v - before.get(k, 0) > 0)
+
+
 def reason_kind(reason: Optional[str]) -> Optional[str]:
     """A level reason without its numbers: "up 2->3: error_rate=0.11>=0.1 (n=211)" -> "up 2->3: error_rate"."""
     if reason is None:
@@ -316,9 +366,19 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--only", choices=("plain", "ballast", "ballast+sdk"), default=None)
     parser.add_argument("--capacity", type=float, default=None,
                         help="take C as given (req/s) instead of measuring it: for quick re-runs of the phases")
+    parser.add_argument("--multiples", default=",".join(f"{k:g}" for k in MULTIPLES),
+                        help="the phases, as multiples of C (comma-separated, ascending), e.g. 2,4 for a quick re-run")
+    parser.add_argument("--trace", action="store_true",
+                        help="print each phase second by second: sent, good, critical misses by code, level and gate")
     parser.add_argument("--model-replicas", type=int, default=1, help="Ballast's model replicas, fixed (plain Serve has 1)")
     args = parser.parse_args(argv)
     mix = DEFAULT_MIX
+    try:
+        multiples = tuple(float(k) for k in args.multiples.split(","))
+    except ValueError:
+        parser.error(f"--multiples: not a comma-separated list of numbers: {args.multiples!r}")
+    if not multiples or any(k <= 0 for k in multiples) or list(multiples) != sorted(multiples):
+        parser.error(f"--multiples: need positive multiples in ascending order, got {args.multiples!r}")
 
     import ray
     from ray import serve
@@ -355,11 +415,12 @@ def main(argv: "list[str] | None" = None) -> int:
             return int(r.json()["level"])
 
     async def sample_status(into: list[dict[str, Any]]) -> None:
+        t0 = time.perf_counter()
         async with httpx.AsyncClient(timeout=5) as c:
             while True:
                 try:
                     r = await c.get(f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/status", headers=admin)
-                    into.append(r.json())
+                    into.append({**r.json(), "_t": time.perf_counter() - t0})
                 except (httpx.HTTPError, ValueError):
                     pass
                 await asyncio.sleep(0.5)
@@ -394,8 +455,8 @@ def main(argv: "list[str] | None" = None) -> int:
                 print(f"{name}: closed-loop {guess:.1f} req/s; probes " +
                       ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
             phases = []
-            for k in MULTIPLES:
-                if k == MULTIPLES[0]:
+            for k in multiples:
+                if k == multiples[0]:
                     await settle()
                 trace: list[dict[str, Any]] = []
                 sampler = asyncio.create_task(sample_status(trace)) if name != "plain" else None
@@ -415,6 +476,8 @@ def main(argv: "list[str] | None" = None) -> int:
                     reasons = Counter(reason_kind((t.get("snapshot") or {}).get("reason")) for t in trace)
                     breakers = Counter(f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items())
                     print(f"    level reasons {dict(reasons)}; breakers {dict(breakers)}", flush=True)
+                if args.trace:
+                    print(format_trace(phase), flush=True)
             results[name] = {"C": cap, "phases": phases}
 
     # One Ray per stack, because the ingress is chosen when Ray starts: plain Ray Serve
@@ -451,7 +514,7 @@ def main(argv: "list[str] | None" = None) -> int:
         f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10} {'lag p99 ms':>10}"
     print(head)
     for name, r in results.items():
-        for k, phase in zip(MULTIPLES, r["phases"]):
+        for k, phase in zip(multiples, r["phases"]):
             print(
                 f"{name:<12} {r['C']:>8.1f} {k:>7g}C {phase.goodput() / r['C']:>9.3f} "
                 + " ".join(f"{phase.good_fraction(c):>10.3f}" for c in CRITICALITIES)
@@ -463,12 +526,12 @@ def main(argv: "list[str] | None" = None) -> int:
         top = results[name]["phases"][-1]
         crit = (top.good("critical_plus") + top.good("critical")) / max(1, top.count("critical_plus") + top.count("critical"))
         print(
-            f"{name} at {MULTIPLES[-1]:g} C: goodput {top.goodput() / results[name]['C']:.3f} C (target >= 0.9), "
+            f"{name} at {multiples[-1]:g} C: goodput {top.goodput() / results[name]['C']:.3f} C (target >= 0.9), "
             f"critical success {crit:.3f} (target >= 0.99)"
         )
     if "plain" in results:
         top = results["plain"]["phases"][-1]
-        print(f"plain Ray Serve at {MULTIPLES[-1]:g} C: goodput {top.goodput() / results['plain']['C']:.3f} C")
+        print(f"plain Ray Serve at {multiples[-1]:g} C: goodput {top.goodput() / results['plain']['C']:.3f} C")
     return 0
 
 

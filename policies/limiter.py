@@ -72,6 +72,9 @@ class AimdLimit:
         self._ceiling: Optional[int] = None
         self.decreases = 0
         self.increases = 0
+        # Why the limit went down, by signal (a window may carry more than one; the first
+        # in this order is counted): a deadline missed, a slow service, a queue wait.
+        self.decreases_by = {"missed": 0, "slow": 0, "wait": 0}
 
     @property
     def value(self) -> int:
@@ -118,9 +121,11 @@ class AimdLimit:
             return
         c = self.cfg
         slow = c.target_service_ratio is not None and bool(self._ratios) and _p90(self._ratios) > c.target_service_ratio
-        if self._missed or slow or (self._waits and _p90(self._waits) > c.target_wait_ms):
+        waited = bool(self._waits) and _p90(self._waits) > c.target_wait_ms
+        if self._missed or slow or waited:
             self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
             self.decreases += 1
+            self.decreases_by["missed" if self._missed else "slow" if slow else "wait"] += 1
         elif self._saturated and (self._ceiling is None or self._value < self._ceiling):
             self._value = min(float(c.max_limit), self._value + 1.0)
             self.increases += 1
@@ -132,7 +137,8 @@ class AimdLimit:
         self._window_end = now + c.interval_s
 
     def snapshot(self) -> dict[str, float]:
-        return {"limit": self.value, "increases": self.increases, "decreases": self.decreases}
+        return {"limit": self.value, "increases": self.increases, "decreases": self.decreases,
+                "decreases_by": dict(self.decreases_by)}
 
 
 def _p90(values: list[float]) -> float:

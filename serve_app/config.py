@@ -243,6 +243,10 @@ class GateSettings(_Strict):
     # service time) and by this.
     max_waiting: PositiveInt = 512
     max_wait_s: PositiveFloat = 30.0
+    # Slots kept for critical traffic: while critical requests lately needed the top of
+    # the limit (within the last hold), sheddable classes fill at most limit - ceil(ratio x limit).
+    critical_reserve_ratio: float = Field(0.25, ge=0, lt=1)
+    critical_reserve_hold_s: PositiveFloat = 1.0
 
     @model_validator(mode="after")
     def _bounds(self) -> "GateSettings":

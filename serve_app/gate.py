@@ -15,6 +15,18 @@ time, the line moves ``limit / mean`` requests per second. The line is bounded (
 it is full, a newcomer displaces the least critical, youngest waiter if it is more
 critical than that one, else it is refused.
 
+**Slots kept for critical traffic.** While critical requests have lately needed the
+top of the limit (one took a slot within its top ``reserve_ratio``, or had to wait,
+within the last ``reserve_hold_s``), sheddable classes may fill only
+``limit - ceil(reserve_ratio * limit)`` slots. The line already lets critical waiters
+go first, but a slot, once given, is held for a whole service time: without the
+reserve, sheddable requests that took the slots freed in a lull hold them when the
+next critical burst comes, and the burst is refused. The model's throughput barely
+depends on the last few slots (a batch of 12 answers about as many per second as a
+batch of 16 on this CPU), so the reserve costs sheddable traffic little and gives
+critical traffic the headroom that seed 001 asks a service to keep for it. With no
+recent critical pressure, sheddable traffic may use every slot.
+
 Everything runs on the router's event loop; no locks.
 """
 
@@ -23,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from typing import Callable, Optional
@@ -32,10 +45,15 @@ from policies.limiter import AimdLimit
 
 SERVICE_EWMA_ALPHA = 0.2
 SERVICE_SAMPLES = 64  # recent service times kept for the p90 (bounded)
+# Why a request got no slot: its deadline left no time to be served at all (no_time);
+# the line ahead of it could not drain in its time (drain); it waited and its time ran
+# out (expired); the line was full (queue_full), or a more critical newcomer took its
+# place in a full line (displaced).
+REFUSALS = ("no_time", "drain", "expired", "queue_full", "displaced")
 
 
 class GateRefused(Exception):
-    """No slot in time: ``reason`` is queue_full, displaced, or no_time."""
+    """No slot in time: ``reason`` is one of ``REFUSALS``."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -50,9 +68,16 @@ class PriorityGate:
         max_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
         critical_rank: int = Criticality.CRITICAL.rank,
+        reserve_ratio: float = 0.0,
+        reserve_hold_s: float = 1.0,
     ):
+        if not 0.0 <= reserve_ratio < 1.0 or reserve_hold_s < 0:
+            raise ValueError(f"need 0 <= reserve_ratio < 1 and reserve_hold_s >= 0, got {reserve_ratio}, {reserve_hold_s}")
         self.limit = limit
         self.critical_rank = critical_rank
+        self.reserve_ratio = reserve_ratio
+        self.reserve_hold_s = reserve_hold_s
+        self._pressed_at = -math.inf  # when critical traffic last needed the reserved slots
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
         self._clock = clock
@@ -64,21 +89,27 @@ class PriorityGate:
         self._service: deque[float] = deque(maxlen=SERVICE_SAMPLES)
         self._service_p90_s = 0.0
         self._waiting_by_rank: dict[int, int] = {}
-        self.refused: dict[str, int] = {"queue_full": 0, "displaced": 0, "no_time": 0}
+        self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self.served = 0  # slots given back with a service time (model work done), ever
         self.saturations = 0  # requests that found the limit reached, ever
 
     async def acquire(self, rank: int, deadline_s: float) -> None:
         """Hold a slot on return, or raise GateRefused. ``rank`` 0 is the most critical."""
-        if self.waiting == 0 and self.in_flight < self.limit.value:
+        limit = self.limit.value
+        if rank <= self.critical_rank and (self.in_flight >= limit - self._reserved(limit) or self._waiting_at_most(rank)):
+            self._pressed_at = self._clock()
+        if self.waiting == 0 and self.in_flight < self._room(rank, limit):
             self.in_flight += 1
             return
-        self.limit.saturated()
+        if self.in_flight >= limit:
+            self.limit.saturated()  # held back by the limit, not by the reserve: there may be room to grow
         self.saturations += 1
         service_s = self.expected_service_s if rank <= self.critical_rank else self._service_p90_s
         wait_s = min(self.max_wait_s, deadline_s - self._clock() - service_s)
-        if wait_s <= 0 or self._drain_s(rank) > wait_s:
+        if wait_s <= 0:
             return self._refuse("no_time")
+        if self._drain_s(rank) > wait_s:
+            return self._refuse("drain")
         if self.waiting >= self.max_waiting and not self._displace(rank):
             return self._refuse("queue_full")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -94,7 +125,7 @@ class PriorityGate:
                 fut.cancel()
                 self._add_waiting(rank, -1)
             if fut.cancelled():
-                return self._refuse("no_time")
+                return self._refuse("expired")
             raise fut.exception() from None  # displaced
         except asyncio.CancelledError:  # the client left while waiting
             if fut.done() and not fut.cancelled() and fut.exception() is None:
@@ -108,12 +139,29 @@ class PriorityGate:
         self.waiting += n
         self._waiting_by_rank[rank] = self._waiting_by_rank.get(rank, 0) + n
 
+    def _waiting_at_most(self, rank: int) -> int:
+        """Waiters as critical as ``rank`` or more."""
+        return sum(n for r, n in self._waiting_by_rank.items() if r <= rank)
+
+    def _reserved(self, limit: int) -> int:
+        return min(limit - 1, math.ceil(self.reserve_ratio * limit))
+
+    def _room(self, rank: int, limit: int) -> int:
+        """The slots ``rank`` may fill: all of them, less the reserve for sheddable classes
+        while critical traffic has lately needed it."""
+        if rank <= self.critical_rank or self._clock() - self._pressed_at > self.reserve_hold_s:
+            return limit
+        return limit - self._reserved(limit)
+
+    def reserving(self) -> bool:
+        return self.reserve_ratio > 0 and self._clock() - self._pressed_at <= self.reserve_hold_s
+
     def _drain_s(self, rank: int) -> float:
         """How long the waiters ahead of a newcomer of ``rank`` take to be let through."""
-        ahead = sum(n for r, n in self._waiting_by_rank.items() if r <= rank)
+        ahead = self._waiting_at_most(rank)
         if ahead == 0 or self.expected_service_s <= 0:
             return 0.0
-        return (ahead + 1) * self.expected_service_s / max(1, self.limit.value)
+        return (ahead + 1) * self.expected_service_s / max(1, self._room(rank, self.limit.value))
 
     def _refuse(self, reason: str) -> None:
         self.refused[reason] += 1
@@ -160,16 +208,19 @@ class PriorityGate:
         self.observe_wait(held_ms)
 
     def _grant(self) -> None:
-        while self._heap and self.in_flight < self.limit.value:
-            rank, _, fut = heapq.heappop(self._heap)
+        limit = self.limit.value
+        while self._heap:
+            rank, _, fut = self._heap[0]
             if fut.done():
+                heapq.heappop(self._heap)
                 continue
+            if self.in_flight >= self._room(rank, limit):
+                break  # the most critical waiter cannot go: nobody behind it can
+            heapq.heappop(self._heap)
             fut.set_result(True)
             self._add_waiting(rank, -1)
             self.in_flight += 1
-        # Finished entries at the top are dropped, so the heap stays near ``waiting``.
-        while self._heap and self._heap[0][2].done():
-            heapq.heappop(self._heap)
+        # Finished entries at the top were dropped above; the rest are compacted now and then.
         if len(self._heap) > 4 * max(1, self.max_waiting):
             self._heap = [e for e in self._heap if not e[2].done()]
             heapq.heapify(self._heap)
@@ -181,6 +232,7 @@ class PriorityGate:
             "waiting": self.waiting,
             "expected_service_ms": round(self.expected_service_s * 1000.0, 1),
             "service_p90_ms": round(self._service_p90_s * 1000.0, 1),
+            "reserving": self.reserving(),
             "refused": dict(self.refused),
         }
 

@@ -224,7 +224,10 @@ class Router:
         self._model_max_tokens = self._cfg.model.architecture.max_seq_len - 1
         self._limits = self._cfg.limits
         g = r.gate
-        self._gate = PriorityGate(AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s) if g.enabled else None
+        self._gate = PriorityGate(
+            AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s,
+            reserve_ratio=g.critical_reserve_ratio, reserve_hold_s=g.critical_reserve_hold_s,
+        ) if g.enabled else None
         # Demand by criticality (turned away by the level, or within quota) and the gate's
         # answer rate: the controller sheds a whole class only when the others fill the model.
         self._offered: dict[str, int] = {}  # keys: the four criticalities (bounded)

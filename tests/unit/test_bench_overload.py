@@ -54,3 +54,30 @@ def test_level_reasons_are_grouped_without_their_numbers():
     assert reason_kind("up 2->3: error_rate=0.109005>=0.1 (n=211)") == "up 2->3: error_rate"
     assert reason_kind("hold 1: target 0 (normal) for 4.5s of 30s") == "hold 1: target 0 (normal)"
     assert reason_kind("normal") == "normal" and reason_kind(None) is None
+
+
+def test_the_trace_groups_outcomes_by_second_of_sending():
+    from loadtest.bench_overload import format_trace
+
+    p = Phase(rate=4.0, duration_s=2.0, slo_s=1.0)
+    p.outcomes = [
+        Outcome("critical", 200, "OK", 0.2, 0.1),
+        Outcome("critical", 200, "OK", 1.4, 0.6),  # late: a miss with no code of its own
+        Outcome("sheddable", 503, "OVERLOADED", 0.01, 0.9),
+        Outcome("critical_plus", 503, "OVERLOADED", 0.01, 1.2),
+        Outcome("sheddable", 200, "OK", 0.3, 1.7),
+    ]
+    p.trace = [
+        {"_t": 0.1, "level": 0, "gate": {"limit": 8, "waiting": 0, "refused": {"drain": 5}}},  # before the phase
+        {"_t": 0.4, "level": 0, "gate": {"limit": 8, "waiting": 0, "refused": {"drain": 6}}},
+        {"_t": 1.5, "level": 1, "gate": {"limit": 6, "decreases_by": {"slow": 1}, "refused": {"drain": 8, "expired": 0}}},
+    ]
+    rows = p.per_second()
+    assert [(r["s"], r["sent"], r["good"], r["crit"], r["crit_good"]) for r in rows] == [(0, 3, 1, 2, 1), (1, 2, 1, 1, 0)]
+    assert rows[0]["crit_miss"] == {"LATE": 1} and rows[1]["crit_miss"] == {"OVERLOADED": 1}
+    assert rows[0]["status"]["level"] == 0 and rows[1]["status"]["level"] == 1
+    text = format_trace(p)
+    assert "LATE:1" in text and "OVERLOADED:1" in text and len(text.splitlines()) == 3
+    assert text.splitlines()[1].endswith("| drain:1")
+    last = text.splitlines()[-1]
+    assert last.endswith("OVERLOADED:1 | slow:1 | drain:2")  # since the line before; zero deltas left out

@@ -10,9 +10,9 @@ from policies.limiter import AimdLimit, LimiterConfig
 from serve_app.gate import GateRefused, GateSlot, PriorityGate
 
 
-def gate(limit: int = 1, max_waiting: int = 8, max_wait_s: float = 2.0) -> PriorityGate:
+def gate(limit: int = 1, max_waiting: int = 8, max_wait_s: float = 2.0, **kw) -> PriorityGate:
     cfg = LimiterConfig(initial=limit, min_limit=1, max_limit=limit, target_wait_ms=1e9, interval_s=3600)
-    return PriorityGate(AimdLimit(cfg), max_waiting, max_wait_s)
+    return PriorityGate(AimdLimit(cfg), max_waiting, max_wait_s, **kw)
 
 
 def far() -> float:
@@ -113,7 +113,7 @@ def test_a_newcomer_behind_a_line_that_cannot_drain_in_time_is_refused_at_once()
         t0 = time.monotonic()
         with pytest.raises(GateRefused) as e:
             await g.acquire(1, time.monotonic() + 0.8)
-        assert e.value.reason == "no_time" and time.monotonic() - t0 < 0.05
+        assert e.value.reason == "drain" and time.monotonic() - t0 < 0.05
         # ... while a critical_plus newcomer, with nobody ahead of its rank, waits its turn.
         first = asyncio.create_task(g.acquire(0, time.monotonic() + 0.8))
         await asyncio.sleep(0)
@@ -135,7 +135,7 @@ def test_a_waiter_gives_up_when_its_time_runs_out_and_leaves_no_trace():
         t0 = time.monotonic()
         with pytest.raises(GateRefused) as e:
             await g.acquire(3, far())  # capped by max_wait_s
-        assert e.value.reason == "no_time"
+        assert e.value.reason == "expired" and g.refused["expired"] == 1
         assert 0.09 <= time.monotonic() - t0 < 0.5
         assert g.waiting == 0
         g.release()
@@ -235,3 +235,59 @@ def test_the_demand_window_rates_offers_per_criticality_and_knows_when_the_gate_
     r = w.rates()
     assert r["demand_rps"] == {"critical": 2.0} and r["gate_full"] is False
     assert len(w._entries) <= 100
+
+
+def test_sheddable_classes_leave_the_reserved_slots_while_critical_traffic_needs_them():
+    class Clock:
+        t = 100.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    async def main():
+        clock = Clock()
+        cfg = LimiterConfig(initial=8, min_limit=1, max_limit=8, target_wait_ms=1e9, interval_s=3600)
+        g = PriorityGate(AimdLimit(cfg), 8, 2.0, clock=clock, reserve_ratio=0.25, reserve_hold_s=1.0)
+        # No critical pressure yet: sheddable traffic may fill every slot.
+        for _ in range(8):
+            await g.acquire(3, clock.t + 60)
+        assert g.in_flight == 8 and not g.reserving()
+        for _ in range(8):
+            g.release()
+        # Critical requests take slots into the top quarter (2 of 8): the reserve is on.
+        for _ in range(7):
+            await g.acquire(1, clock.t + 60)
+        assert g.reserving() and g.snapshot()["reserving"] is True
+        for _ in range(5):
+            g.release()
+        # 2 in flight: a sheddable request may fill up to 6, not 8.
+        for _ in range(4):
+            await g.acquire(2, clock.t + 60)
+        assert g.in_flight == 6
+        held = asyncio.create_task(g.acquire(3, clock.t + 60))
+        await asyncio.sleep(0)
+        assert not held.done() and g.waiting == 1
+        # ... while a critical newcomer goes past it into the reserve at once.
+        await g.acquire(0, clock.t + 60)
+        assert g.in_flight == 7 and not held.done()
+        # The pressure ends: a second later the held sheddable waiter may use any slot.
+        clock.t += 1.5
+        assert not g.reserving()
+        g.release()  # any release lets the line move
+        await held
+        assert g.in_flight == 7 and g.waiting == 0
+
+    asyncio.run(main())
+
+
+def test_without_a_reserve_and_with_a_bad_one():
+    async def main():
+        g = gate(limit=2)  # reserve_ratio 0: critical traffic changes nothing
+        await g.acquire(1, far())
+        await g.acquire(3, far())
+        assert g.in_flight == 2 and not g.reserving()
+
+    asyncio.run(main())
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError):
+            gate(limit=4, reserve_ratio=bad)

@@ -27,7 +27,7 @@ def test_holds_within_a_window_and_decreases_when_p90_wait_is_over_target():
     assert lim.value == 10  # no verdict before the window ends
     clock.t = 1.0
     assert lim.value == 8  # p90 of 10 samples is the 10th: 500 > 100 -> x0.8
-    assert lim.decreases == 1
+    assert lim.decreases == 1 and lim.decreases_by["wait"] == 1
 
 
 def test_a_window_under_target_without_saturation_holds():
@@ -123,6 +123,7 @@ def test_a_deadline_missed_at_the_model_decreases_like_a_long_wait():
     lim.missed()  # ... but one admitted request ran out of time at the model
     clock.t = 1.0
     assert lim.value == 8 and lim.decreases == 1
+    assert lim.snapshot()["decreases_by"] == {"missed": 1, "slow": 0, "wait": 0}
     lim.saturated()  # the next window has no miss: additive increase again
     clock.t = 2.0
     assert lim.value == 9
@@ -141,6 +142,7 @@ def test_service_near_the_requests_budgets_decreases_before_deadlines_are_missed
         lim.observe_service(0.75)  # the batch is slowing toward the deadlines
     clock.t = 2.0
     assert lim.value == 8 and lim.decreases == 1
+    assert lim.decreases_by == {"missed": 0, "slow": 1, "wait": 0}
     off, clock2 = make(target_service_ratio=None)
     off.saturated()
     off.observe_service(0.99)
