@@ -12,7 +12,11 @@ offset from the start of the run (the same clock as the diurnal shape, so
   there is no ``ray`` here: HTTP only. The stall applies to every replica of the
   target that has work in flight, so on a one-replica stack it kills that one.
 * ``start_leak`` — ``POST /admin/chaos {"target", "leak_mb_per_s"}`` (the server
-  caps the leak at ``chaos.max_leak_mb``).
+  caps the leak at ``chaos.max_leak_mb``). The rate is given either in real MB/s
+  (``leak_mb_per_s``) or per *simulated* hour (``leak_mb_per_sim_h``), which the runner
+  turns into MB/s at its time scale: the same schedule then leaks the same share of a
+  day at scale 96 as at scale 1 (750 MB/sim-h: 20 MB/s in the 15-minute day, 0.21 MB/s
+  in the real one).
 * ``fail_primary`` — ``POST /admin/chaos {"target": "primary", "error_ratio"}`` (1.0
   by default): the fallback chain answers.
 * ``clear_chaos`` — ``DELETE /admin/chaos``.
@@ -70,7 +74,7 @@ ACTIONS = ("kill_replica", "start_leak", "fail_primary", "clear_chaos", "kill_sw
 #: The args each action accepts (anything else is refused: a typo must not pass silently).
 _ALLOWED_ARGS: dict[str, frozenset[str]] = {
     "kill_replica": frozenset({"target", "stall_s"}),
-    "start_leak": frozenset({"target", "leak_mb_per_s"}),
+    "start_leak": frozenset({"target", "leak_mb_per_s", "leak_mb_per_sim_h"}),
     "fail_primary": frozenset({"error_ratio"}),
     "clear_chaos": frozenset(),
     "kill_switch_on": frozenset({"label", "scope", "value", "reason", "expires_in_s"}),
@@ -102,6 +106,13 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def leak_mb_per_s(event: "FaultEvent", time_scale: TimeScale) -> float:
+    """The real rate of a ``start_leak`` (MB/s) at ``time_scale``, within the server's cap of 1024."""
+    if "leak_mb_per_s" in event.args:
+        return float(event.args["leak_mb_per_s"])
+    return min(1024.0, float(event.args["leak_mb_per_sim_h"]) * time_scale.factor / 3600.0)
 
 
 # =========================================================================== schedule
@@ -143,9 +154,15 @@ class FaultEvent:
 
     def _check_start_leak(self) -> None:
         self._target()
-        rate = self.args.get("leak_mb_per_s")
-        if not _is_number(rate) or not 0 < rate <= 1024:
-            raise ValueError(f"leak_mb_per_s: must be within (0, 1024], got {rate!r}")
+        given = [k for k in ("leak_mb_per_s", "leak_mb_per_sim_h") if k in self.args]
+        if not given:
+            raise ValueError("leak_mb_per_s: required (or leak_mb_per_sim_h)")
+        if len(given) > 1:
+            raise ValueError("leak_mb_per_sim_h: give it or leak_mb_per_s, not both")
+        rate = self.args[given[0]]
+        top = 1024 if given[0] == "leak_mb_per_s" else 1024 * 3600
+        if not _is_number(rate) or not 0 < rate <= top:
+            raise ValueError(f"{given[0]}: must be within (0, {top}], got {rate!r}")
 
     def _check_fail_primary(self) -> None:
         ratio = self.args.get("error_ratio", 1.0)
@@ -231,7 +248,7 @@ def _h(hours: float) -> float:
 #: past the scheduled off (1 h simulated is 37.5 s at scale 96).
 DEFAULT_SOAK = FaultSchedule(
     (
-        FaultEvent(_h(4.0), "start_leak", {"target": "primary", "leak_mb_per_s": 20.0}),
+        FaultEvent(_h(4.0), "start_leak", {"target": "primary", "leak_mb_per_sim_h": 750.0}),
         FaultEvent(_h(6.0), "clear_chaos"),
         FaultEvent(_h(10.0), "kill_replica", {"target": "primary", "stall_s": 5.0}),
         FaultEvent(_h(12.5), "fail_primary", {"error_ratio": 1.0}),
@@ -409,7 +426,7 @@ class FaultRunner:
 
     def _do_start_leak(self, event: FaultEvent) -> None:
         target = event.args.get("target", "primary")
-        self._set_chaos(event, "leak", {"target": target, "leak_mb_per_s": float(event.args["leak_mb_per_s"])})
+        self._set_chaos(event, "leak", {"target": target, "leak_mb_per_s": leak_mb_per_s(event, self.time_scale)})
 
     def _do_fail_primary(self, event: FaultEvent) -> None:
         self._set_chaos(event, "fail", {"target": "primary", "error_ratio": float(event.args.get("error_ratio", 1.0))})

@@ -24,6 +24,14 @@
 ``--time-scale 1`` is the real 24 h soak (``make soak-24h``); Locust's history
 interval and the sample interval grow with the day so that the files stay a few MB.
 
+A compressed day compresses the replicas' day too (``compressed_config``): the
+watchdog's leak window, its action ladder and its time-to-limit thresholds, and the
+recycler's age limits are divided by the time scale (with floors), and the recycle
+window (wall-clock hours) is dropped. Without this a leak lasting two simulated
+hours (75 real seconds) could never reach a verdict from a one-hour trend window, and
+no replica would ever reach its six-hour age. Load, deadlines and the degradation
+level stay in real time: they are what the soak measures.
+
 Written with ``subprocess`` and a thread rather than Locust's library API: Locust
 monkey-patches the process with gevent, which Ray's own threads and gRPC do not
 expect; a separate process keeps the two apart and is killed cleanly by its pid.
@@ -75,6 +83,47 @@ def sample_interval_s(day_real_s: float) -> float:
 def history_interval_s(day_real_s: float) -> float:
     """Locust's history row interval: every second for a compressed day, 10 s for a real one."""
     return min(10.0, max(1.0, round(day_real_s / 8640.0)))
+
+
+#: What a compressed day divides by the time scale, and the floor under each (seconds).
+COMPRESSED = {
+    ("watchdog", "leak_window_s"): 30.0,
+    ("watchdog", "step_interval_s"): 1.0,
+    ("watchdog", "warn_tto_s"): 60.0,
+    ("watchdog", "critical_tto_s"): 30.0,
+    ("recycle", "max_age_s"): 120.0,
+    ("recycle", "forced_max_age_s"): 240.0,
+}
+
+
+def compressed_config(data: Mapping[str, Any], time_scale: float) -> dict[str, Any]:
+    """The config (as loaded YAML) for a day played ``time_scale`` times faster.
+
+    The replicas' own clocks (leak trend, action ladder, time-to-limit, age) are
+    compressed like the day; each value is divided by the scale, never below its floor
+    in ``COMPRESSED``, and a value left null (off) stays null. The recycle window is
+    wall-clock hours, which a compressed day cannot keep: it is dropped. Scale 1
+    returns the config unchanged. Field defaults are read from the config's models,
+    so a config that does not set a field is compressed too.
+    """
+    from serve_app.config import RecycleSettings, WatchdogSettings
+
+    out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
+    if time_scale == 1:
+        return out
+    defaults = {"watchdog": WatchdogSettings(), "recycle": RecycleSettings()}
+    for (section, name), floor in COMPRESSED.items():
+        sect = out.setdefault(section, {})
+        value = sect.get(name, getattr(defaults[section], name))
+        if value is not None:
+            sect[name] = max(floor, float(value) / time_scale)
+    w = out["watchdog"]
+    w["critical_tto_s"] = min(w["critical_tto_s"], w["warn_tto_s"])
+    r = out["recycle"]
+    if r.get("max_age_s") is not None and r.get("forced_max_age_s") is not None:
+        r["forced_max_age_s"] = max(r["forced_max_age_s"], r["max_age_s"])
+    r["window_start_hour"] = r["window_end_hour"] = None
+    return out
 
 
 def default_out_dir(now: Optional[datetime] = None) -> Path:
@@ -269,9 +318,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"soak: port {HOST}:{args.port} is in use; pick another with --port", file=sys.stderr)
         return 2
 
-    from serve_app.config import load_config
+    import yaml
 
-    cfg = load_config(args.config)
+    from serve_app.config import load_config
+    from serve_app.errors import ConfigError
+
+    try:
+        with open(args.config, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+        cfg = load_config(compressed_config(raw, args.time_scale) if isinstance(raw, dict) else raw)
+    except (OSError, yaml.YAMLError, ConfigError) as e:
+        parser.error(f"--config {args.config}: {e}")
     token = admin_token(cfg, os.environ)
     out = (args.out or default_out_dir()).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -286,6 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "limit_s": day_real_s + margin_s,
         "sample_interval_s": interval_s,
         "history_interval_s": history_interval_s(day_real_s),
+        "compressed": {f"{section}.{name}": getattr(getattr(cfg, section), name) for section, name in COMPRESSED},
     }
     run_json = out / "run.json"
     run_json.write_text(json.dumps(run, indent=2), encoding="utf-8")

@@ -27,6 +27,7 @@ from loadtest.faults import (
     FaultRunner,
     FaultSchedule,
     check_loopback,
+    leak_mb_per_s,
 )
 from loadtest.shapes import (
     DAY_S,
@@ -243,6 +244,8 @@ _ON = {"label": "x", "scope": "tenant", "value": "free", "reason": "r", "expires
         (lambda: FaultEvent(0, "clear_chaos", {"target": "primary"}), "args"),
         (lambda: FaultEvent(0, "start_leak", {"leak_mb": 5}), "args"),
         (lambda: FaultEvent(0, "start_leak", {}), "leak_mb_per_s"),
+        (lambda: FaultEvent(0, "start_leak", {"leak_mb_per_s": 5, "leak_mb_per_sim_h": 5}), "leak_mb_per_sim_h"),
+        (lambda: FaultEvent(0, "start_leak", {"leak_mb_per_sim_h": -1}), "leak_mb_per_sim_h"),
         (lambda: FaultEvent(0, "start_leak", {"leak_mb_per_s": 0}), "leak_mb_per_s"),
         (lambda: FaultEvent(0, "start_leak", {"leak_mb_per_s": 2000}), "leak_mb_per_s"),
         (lambda: FaultEvent(0, "start_leak", {"leak_mb_per_s": 5, "target": "router"}), "target"),
@@ -383,6 +386,16 @@ def _wait_for(pred, timeout_s: float = 10.0) -> None:
     while not pred():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+def test_a_leak_given_per_simulated_hour_leaks_the_same_share_of_a_day_at_any_scale():
+    event = FaultEvent(0, "start_leak", {"leak_mb_per_sim_h": 750})
+    rates = {scale: leak_mb_per_s(event, TimeScale(scale)) for scale in (1, 96, DAY_S)}
+    assert rates[96] == pytest.approx(20.0) and rates[1] == pytest.approx(750 / 3600)
+    assert rates[DAY_S] == 1024.0  # the server's cap
+    real = FaultEvent(0, "start_leak", {"leak_mb_per_s": 3})
+    assert leak_mb_per_s(real, TimeScale(96)) == 3.0
+    assert DEFAULT_SOAK.events[0].args == {"target": "primary", "leak_mb_per_sim_h": 750.0}
 
 
 def test_runner_plays_the_schedule_in_order(admin_server):
