@@ -17,7 +17,11 @@ How the limit moves (per ``interval_s`` window, on an injected clock):
   time (slot to answer) is over ``target_service_ratio`` of the requests' own time
   budgets: the batch is slowing toward the deadlines, and backing off before they
   are missed avoids the burst of misses that a limit creeping up to the wall costs
-  (every row of a batch that got too slow misses together);
+  (every row of a batch that got too slow misses together). The default, 0.4, keeps
+  most of a request's budget for the wait line, where order by criticality works:
+  past the model's knee (a compute-bound batch answers no more rows per second for
+  being bigger) a higher limit only lengthens every service time, and each
+  millisecond of it is one the line no longer has;
 - otherwise, if the limit was reached during the window (requests were held back),
   add one: there may be room;
 - otherwise hold: a limit nobody reaches says nothing about the model.
@@ -38,13 +42,13 @@ MAX_SAMPLES = 1024  # queue-wait samples kept per window (bounded)
 
 @dataclass(frozen=True)
 class LimiterConfig:
-    initial: int = 32
+    initial: int = 16
     min_limit: int = 4
     max_limit: int = 256
     target_wait_ms: float = 300.0
     interval_s: float = 0.5
     decrease_factor: float = 0.8
-    target_service_ratio: Optional[float] = 0.6
+    target_service_ratio: Optional[float] = 0.4
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_limit <= self.initial <= self.max_limit:

@@ -227,7 +227,9 @@ class GateSettings(_Strict):
     wait line for the rest (serve_app/gate.py, policies/limiter.py)."""
 
     enabled: bool = True
-    initial_limit: PositiveInt = 32
+    # A slow start: the limit climbs from here (one per window while reached), so the
+    # first burst after a quiet spell meets a batch the model can answer in time.
+    initial_limit: PositiveInt = 16
     min_limit: PositiveInt = 4
     max_limit: PositiveInt = 256
     # The wait for the model (router to compute start: Serve's queue and the batch queue)
@@ -236,7 +238,9 @@ class GateSettings(_Strict):
     target_wait_ms: PositiveFloat = 300.0
     # Back off when the p90 answered request spent more than this share of its own time
     # budget (arrival to deadline) at the model: before its deadlines are missed. null: off.
-    target_service_ratio: Optional[float] = Field(0.6, gt=0, le=1)
+    # 0.4: past the model's knee a bigger batch is only slower, and the wait line, where
+    # criticality orders requests, keeps the rest of the budget.
+    target_service_ratio: Optional[float] = Field(0.4, gt=0, le=1)
     adjust_interval_s: PositiveFloat = 0.5
     decrease_factor: float = Field(0.8, gt=0, lt=1)
     # The wait line: bounded in count; each waiter by its deadline (less the expected
