@@ -124,8 +124,9 @@ class Stack:
     url: str
     headers: dict[str, str]
     body: Callable[[str], dict[str, Any]]
-    # When set, requests go through Ballast's SDK (serve_app/client.py) made by this,
-    # one client per phase: its per-criticality adaptive throttle refuses locally.
+    # When set, requests go through Ballast's SDK (serve_app/client.py) made by this:
+    # one client for all the phases, as a long-lived caller has, so its per-criticality
+    # adaptive throttle (2-minute window) carries what it learnt from one phase into the next.
     sdk: Optional[Callable[[], Any]] = None
 
     @property
@@ -145,14 +146,15 @@ def _client(stack: "Stack", max_connections: int) -> LeanClient:
     return LeanClient(u.hostname or "127.0.0.1", u.port or 80, max_connections=max_connections, timeout_s=CLIENT_TIMEOUT_S)
 
 
-async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix: dict[str, float], seed: int) -> Phase:
-    """Open loop: ``rate`` requests per second, evenly spaced, for ``duration_s``."""
+async def offer(
+    stack: Stack, rate: float, duration_s: float, slo_s: float, mix: dict[str, float], seed: int, sdk: Any = None
+) -> Phase:
+    """Open loop: ``rate`` requests per second, evenly spaced, for ``duration_s``
+    (through ``sdk``, a client made by ``stack.sdk``, when given)."""
     phase = Phase(rate, duration_s, slo_s)
     n = max(1, int(rate * duration_s))
     crits = criticality_sequence(n, mix, seed)
     in_flight = 0
-
-    sdk = stack.sdk() if stack.sdk is not None else None
 
     async def one(client: LeanClient, crit: str, scheduled: float) -> None:
         nonlocal in_flight
@@ -183,8 +185,6 @@ async def offer(stack: Stack, rate: float, duration_s: float, slo_s: float, mix:
             tasks.append(asyncio.create_task(one(client, crit, scheduled)))
             phase.send_lags_s.append(time.perf_counter() - scheduled)
         await asyncio.gather(*tasks)
-    if sdk is not None:
-        await sdk.aclose()
     return phase
 
 
@@ -455,29 +455,34 @@ def main(argv: "list[str] | None" = None) -> int:
                 print(f"{name}: closed-loop {guess:.1f} req/s; probes " +
                       ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
             phases = []
-            for k in multiples:
-                if k == multiples[0]:
-                    await settle()
-                trace: list[dict[str, Any]] = []
-                sampler = asyncio.create_task(sample_status(trace)) if name != "plain" else None
-                phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100)
-                if sampler is not None:
-                    sampler.cancel()
-                phase.trace = trace
-                phases.append(phase)
-                by_crit = {c: dict(Counter(o.code for o in phase.outcomes if o.criticality == c)) for c in mix}
-                print(f"  {name} {k:g} C: goodput/C {phase.goodput() / cap:.3f} {by_crit}; "
-                      f"send lag p99 {phase.send_lag_p99_ms():.0f} ms", flush=True)
-                if trace:
-                    levels = Counter(t["level"] for t in trace)
-                    limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
-                    print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
-                          f"last gate {trace[-1].get('gate')}", flush=True)
-                    reasons = Counter(reason_kind((t.get("snapshot") or {}).get("reason")) for t in trace)
-                    breakers = Counter(f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items())
-                    print(f"    level reasons {dict(reasons)}; breakers {dict(breakers)}", flush=True)
-                if args.trace:
-                    print(format_trace(phase), flush=True)
+            sdk = stack.sdk() if stack.sdk is not None else None
+            try:
+                for k in multiples:
+                    if k == multiples[0]:
+                        await settle()
+                    trace: list[dict[str, Any]] = []
+                    sampler = asyncio.create_task(sample_status(trace)) if name != "plain" else None
+                    phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100, sdk)
+                    if sampler is not None:
+                        sampler.cancel()
+                    phase.trace = trace
+                    phases.append(phase)
+                    by_crit = {c: dict(Counter(o.code for o in phase.outcomes if o.criticality == c)) for c in mix}
+                    print(f"  {name} {k:g} C: goodput/C {phase.goodput() / cap:.3f} {by_crit}; "
+                          f"send lag p99 {phase.send_lag_p99_ms():.0f} ms", flush=True)
+                    if trace:
+                        levels = Counter(t["level"] for t in trace)
+                        limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
+                        print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
+                              f"last gate {trace[-1].get('gate')}", flush=True)
+                        reasons = Counter(reason_kind((t.get("snapshot") or {}).get("reason")) for t in trace)
+                        breakers = Counter(f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items())
+                        print(f"    level reasons {dict(reasons)}; breakers {dict(breakers)}", flush=True)
+                    if args.trace:
+                        print(format_trace(phase), flush=True)
+            finally:
+                if sdk is not None:
+                    await sdk.aclose()
             results[name] = {"C": cap, "phases": phases}
 
     # One Ray per stack, because the ingress is chosen when Ray starts: plain Ray Serve

@@ -47,7 +47,7 @@ class LimiterConfig:
     max_limit: int = 256
     target_wait_ms: float = 300.0
     interval_s: float = 0.5
-    decrease_factor: float = 0.8
+    decrease_factor: float = 0.9
     target_service_ratio: Optional[float] = 0.4
 
     def __post_init__(self) -> None:

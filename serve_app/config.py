@@ -242,7 +242,7 @@ class GateSettings(_Strict):
     # criticality orders requests, keeps the rest of the budget.
     target_service_ratio: Optional[float] = Field(0.4, gt=0, le=1)
     adjust_interval_s: PositiveFloat = 0.5
-    decrease_factor: float = Field(0.8, gt=0, lt=1)
+    decrease_factor: float = Field(0.9, gt=0, lt=1)  # gentle: each cut below the knee costs throughput
     # The wait line: bounded in count; each waiter by its deadline (less the expected
     # service time) and by this.
     max_waiting: PositiveInt = 512

@@ -15,7 +15,8 @@ class Clock:
 
 def make(**kw) -> tuple[AimdLimit, Clock]:
     clock = Clock()
-    cfg = LimiterConfig(**{"initial": 10, "min_limit": 2, "max_limit": 12, "target_wait_ms": 100.0, "interval_s": 1.0, **kw})
+    cfg = LimiterConfig(**{"initial": 10, "min_limit": 2, "max_limit": 12, "target_wait_ms": 100.0, "interval_s": 1.0,
+                           "decrease_factor": 0.8, **kw})
     return AimdLimit(cfg, clock), clock
 
 
