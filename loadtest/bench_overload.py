@@ -17,7 +17,10 @@ scheduled send time, so a slow client does not hide queueing; the generator is
 ``loadtest.lean_http`` on uvloop (httpx cost ~2.8 ms of client CPU per request here,
 which at 4 C took a third of a core from the server it was measuring), and each row
 prints the p99 of how late it sent (``lag p99 ms``) so a lagging client shows.
-The SDK rows use the SDK itself (httpx).
+With ``--sdk`` a third set of rows sends the same requests through the SDK
+(``serve_app.client``, httpx): not by default, because on this machine the SDK's
+httpx costs ~2.8 ms of CPU per request on the cores the server runs on (a third of
+a core at 4 C), so those rows measured the client's cost more than Ballast's.
 
 The default mix keeps critical traffic (critical_plus + critical) at 20 % of what
 is offered: at 4 C that is 0.8 C, which a stack sized for its critical traffic
@@ -364,6 +367,7 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each 0.5/1/2/4 C phase")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--only", choices=("plain", "ballast", "ballast+sdk"), default=None)
+    parser.add_argument("--sdk", action="store_true", help="also run the Ballast rows through the SDK (its httpx shares the cores)")
     parser.add_argument("--capacity", type=float, default=None,
                         help="take C as given (req/s) instead of measuring it: for quick re-runs of the phases")
     parser.add_argument("--multiples", default=",".join(f"{k:g}" for k in MULTIPLES),
@@ -405,7 +409,7 @@ def main(argv: "list[str] | None" = None) -> int:
         ))
 
     stacks["ballast+sdk"] = Stack("ballast+sdk", stacks["ballast"].url, {}, stacks["ballast"].body, sdk=sdk_client)
-    names = [args.only] if args.only else ["plain", "ballast", "ballast+sdk"]
+    names = [args.only] if args.only else ["plain", "ballast"] + (["ballast+sdk"] if args.sdk else [])
 
     admin = {"Authorization": f"Bearer {cfg.auth.demo_admin_token}"}
 

@@ -386,6 +386,9 @@ class RecycleSettings(_Strict):
     forced_max_age_s: Optional[PositiveFloat] = 24 * 3600.0  # recycled at this age whatever the window or level
     max_unavailable: PositiveInt = 1
     min_available: int = Field(1, ge=0)
+    # One replica more (within max_replicas) while a recycle of the primary waits on
+    # min_available or is in flight: a lone replica can then be recycled, never leaving none.
+    surge: bool = True
     block_at_level: int = Field(3, ge=0, le=5)  # no scheduled recycles at this level or above
     recycle_timeout_s: PositiveFloat = 600.0  # a recycle not complete by then is stuck (alert), its slot freed
     lease_ttl_s: PositiveFloat = 1800.0  # hard TTL of a recycle lease

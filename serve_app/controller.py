@@ -339,7 +339,11 @@ class ControllerCore:
             self._as_state,
             self._as_cfg,
         )
-        targets = {MODEL_DEPLOYMENT: as_decision.desired_replicas}
+        # The recycler's surge (from the last tick): one replica more while a recycle of
+        # the primary waits on min_available or is in flight (serve_app/recycling.py).
+        surge = 1 if MODEL_DEPLOYMENT in self.recycler.surging else 0
+        desired_model = min(self._as_cfg.max_replicas, as_decision.desired_replicas + surge)
+        targets = {MODEL_DEPLOYMENT: desired_model}
         if self.cfg.fallback is not None:
             targets[FALLBACK_DEPLOYMENT] = self.cfg.fallback.deployment.replicas
         try:
@@ -351,7 +355,7 @@ class ControllerCore:
         self._snapshot = self._publish(
             decision=decision,
             signals=sig,
-            desired={MODEL_DEPLOYMENT: as_decision.desired_replicas},
+            desired={MODEL_DEPLOYMENT: desired_model},
             running={
                 MODEL_DEPLOYMENT: running_n,
                 ROUTER_DEPLOYMENT: len(self._routers.fresh()),
@@ -368,6 +372,7 @@ class ControllerCore:
                     "ongoing_requests": ongoing,
                     "stable_desired": as_decision.stable_desired,
                     "panic_desired": as_decision.panic_desired,
+                    "recycle_surge": desired_model - as_decision.desired_replicas,
                 }
             },
         )

@@ -15,6 +15,17 @@
    expiry) in the snapshot. A replica with a live order fails its health check,
    so Serve drains it and starts a replacement.
 
+**Surge.** A deployment of one replica with ``min_available: 1`` could never recycle a
+healthy replica (the guard would leave none serving), so an age-based recycle would
+wait for ever. While a recycle of a deployment waits on ``min_available`` or is in
+flight, or a watchdog has stopped a replica's intake or asked for its recycle (the
+ladder's last rungs: the replacement then starts a rung early), ``surging`` names
+the deployment and the controller asks Serve for one replica more
+(within ``max_replicas``): the extra replica lets the recycle start, keeps the count
+serving while the old one drains, and is given back when the recycle completes (a
+rolling restart with a surge of one, as Kubernetes does it). ``recycle.surge: false``
+turns this off.
+
 It also keeps the availability account: the expected figure from seed 000's
 formula for the configured schedule, and the measured one (time replicas were
 out for recycles over replica-seconds observed). Everything here is bounded.
@@ -61,6 +72,7 @@ class RecycleCoordinator:
         self.kill_orders: deque[dict[str, Any]] = deque(maxlen=MAX_KILLED)
         self.leases_dirty = False
         self.waiting: tuple[tuple[str, str], ...] = ()
+        self.surging: frozenset[str] = frozenset()  # deployments that want one replica more now
         self.orders: dict[str, dict[str, Any]] = {}
         self._out_s = 0.0
         self._replica_s = 0.0
@@ -181,6 +193,14 @@ class RecycleCoordinator:
             )
         plan, self.state = recycle.plan(views, targets, self.state, level, self.cfg, now, _hour_of_day(now))
         self.waiting = plan.waiting
+        # Stopped intake by its watchdog (the ladder's rung before the recycle), asked for a
+        # recycle, waiting on min_available, or in flight: the deployment wants one more.
+        stopping = {known[rid] for rid, wd in watchdogs.items() if rid in known and (wd.get("ready") is False or wd.get("recycle_requested"))}
+        self.surging = frozenset(
+            stopping
+            | {f.deployment for f in self.state.in_flight}
+            | {known[rid] for rid, why in plan.waiting if why == "min_available" and rid in known}
+        ) if self.settings.surge else frozenset()
         for f in plan.completed:
             took = max(0.0, now - f.started_at_s)
             self._out_s += took
@@ -262,6 +282,7 @@ class RecycleCoordinator:
                 for f in self.state.in_flight
             ],
             "waiting": [list(w) for w in self.waiting[:20]],
+            "surging": sorted(self.surging),
             "availability": self.availability(n_replicas),
         }
 

@@ -187,3 +187,51 @@ def test_recycling_disabled_still_honours_watchdog_and_manual_requests() -> None
     f.core.request_recycle("r1", None, False, "ops")
     assert list(f.step()["recycle_orders"]) == ["r1"]
     assert FALLBACK_DEPLOYMENT not in f.step()["recycle_orders"]
+
+
+def lone(**recycle: Any):
+    """One primary replica (autoscaled 1..2), due for an age recycle after 100 s."""
+    return load_config(
+        {
+            "deployments": {"model": {"min_replicas": 1, "max_replicas": 2}},
+            "controller": {"report_expiry_s": 3},
+            "recycle": {
+                "max_age_s": 100, "jitter_ratio": 0, "forced_max_age_s": None, "window_start_hour": None,
+                "window_end_hour": None, "min_available": 1, "lease_heartbeat_s": 2, "recycle_timeout_s": 120, **recycle,
+            },
+        }
+    )
+
+
+def test_a_lone_replica_is_recycled_with_a_surge_of_one_and_never_leaves_none_serving() -> None:
+    f = harness(lone(), n=1)
+    snap = f.step(50)
+    assert snap["desired_replicas"][MODEL_DEPLOYMENT] == 1 and not f.core.recycler.surging
+    snap = f.step(60)  # r0 is past its age: it may not go while it is the only one serving ...
+    assert snap["recycle"]["waiting"] == [["r0", "min_available"]]
+    assert snap["desired_replicas"][MODEL_DEPLOYMENT] == 2  # ... so the controller asks for one more
+    assert snap["autoscale"][MODEL_DEPLOYMENT]["recycle_surge"] == 1 and snap["recycle"]["surging"] == [MODEL_DEPLOYMENT]
+    f.add("r1")  # Serve starts it
+    snap = f.step()
+    assert list(snap["recycle_orders"]) == ["r0"] and snap["desired_replicas"][MODEL_DEPLOYMENT] == 2
+    for _ in range(3):  # r0 drains while r1 serves: the surge holds
+        snap = f.step()
+        serving = [rid for rid, r in f.replicas.items() if not r["draining"]]
+        assert serving == ["r1"] and snap["desired_replicas"][MODEL_DEPLOYMENT] == 2
+    f.replace_draining("r2")  # Serve replaces r0 to keep two
+    snap = f.step(5)
+    assert [e["replica_id"] for e in events(f.core, "completed")] == ["r0"]
+    assert snap["desired_replicas"][MODEL_DEPLOYMENT] == 1 and not f.core.recycler.surging  # given back
+
+
+def test_without_the_surge_a_lone_replica_waits_and_a_watchdog_stop_surges_early() -> None:
+    f = harness(lone(surge=False), n=1)
+    snap = f.step(110)
+    assert snap["recycle"]["waiting"] == [["r0", "min_available"]] and snap["desired_replicas"][MODEL_DEPLOYMENT] == 1
+    # With the surge on, a replica whose watchdog stopped its intake (the rung before a
+    # leak recycle) already gets its replacement started.
+    g = harness(lone(max_age_s=None, forced_max_age_s=None), n=1)
+    g.step(2)
+    g.watchdogs["r0"].update(ready=False, reason="rss_bytes leak 900 MiB/h, limit in 2.0h")
+    snap = g.step(2)
+    assert snap["desired_replicas"][MODEL_DEPLOYMENT] == 2 and not snap["recycle_orders"]
