@@ -339,8 +339,9 @@ class ControllerCore:
             self._as_state,
             self._as_cfg,
         )
-        # The recycler's surge (from the last tick): one replica more while a recycle of
-        # the primary waits on min_available or is in flight (serve_app/recycling.py).
+        # The recycler's surge (from the last tick): one replica more while the primary has
+        # a recycle waiting on min_available or in flight, or a replica its watchdog stopped
+        # (serve_app/recycling.py, "Surge").
         surge = 1 if MODEL_DEPLOYMENT in self.recycler.surging else 0
         desired_model = min(self._as_cfg.max_replicas, as_decision.desired_replicas + surge)
         targets = {MODEL_DEPLOYMENT: desired_model}
