@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 MAX_SAMPLES = 1024  # queue-wait samples kept per window (bounded)
 
@@ -124,8 +124,8 @@ class AimdLimit:
         if now < self._window_end:
             return
         c = self.cfg
-        slow = c.target_service_ratio is not None and bool(self._ratios) and _p90(self._ratios) > c.target_service_ratio
-        waited = bool(self._waits) and _p90(self._waits) > c.target_wait_ms
+        slow = c.target_service_ratio is not None and bool(self._ratios) and p90(self._ratios) > c.target_service_ratio
+        waited = bool(self._waits) and p90(self._waits) > c.target_wait_ms
         if self._missed or slow or waited:
             self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
             self.decreases += 1
@@ -145,6 +145,7 @@ class AimdLimit:
                 "decreases_by": dict(self.decreases_by)}
 
 
-def _p90(values: list[float]) -> float:
+def p90(values: Iterable[float]) -> float:
+    """The 90th percentile, nearest rank (the value at index ⌊0.9·n⌋ of the sorted values)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]

@@ -41,7 +41,7 @@ from collections import deque
 from typing import Callable, Optional
 
 from policies.criticality import Criticality
-from policies.limiter import AimdLimit
+from policies.limiter import AimdLimit, p90
 
 SERVICE_EWMA_ALPHA = 0.2
 SERVICE_SAMPLES = 64  # recent service times kept for the p90 (bounded)
@@ -189,8 +189,7 @@ class PriorityGate:
                 self.expected_service_s = service_s
             self.expected_service_s += SERVICE_EWMA_ALPHA * (service_s - self.expected_service_s)
             self._service.append(service_s)
-            ordered = sorted(self._service)
-            self._service_p90_s = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+            self._service_p90_s = p90(self._service)
         self._grant()
 
     def observe_wait(self, wait_ms: float) -> None:
