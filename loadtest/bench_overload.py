@@ -388,7 +388,7 @@ def main(argv: "list[str] | None" = None) -> int:
     from ray import serve
 
     from serve_app.app import shutdown, start
-    from serve_app.ingress import ingress_env
+    from serve_app.ingress import FAST_PATH_ENV, ingress_env
 
     cfg = bench_config(args.config, args.model_replicas)
     prompt = "The quick brown fox jumps over the lazy dog"
@@ -496,7 +496,12 @@ def main(argv: "list[str] | None" = None) -> int:
     for session, members in sessions:
         if not members:
             continue
-        os.environ.update({"RAY_SERVE_ENABLE_HA_PROXY": "0"} if session == "plain" else ingress_env(cfg))
+        if session == "plain":  # Serve's defaults: its proxy actor, no fast path
+            for key in FAST_PATH_ENV:
+                os.environ.pop(key, None)
+            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
+        else:
+            os.environ.update(ingress_env(cfg))
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
         try:
             if session == "plain":

@@ -43,6 +43,14 @@ class HttpConfig(_Strict):
     # front of the router replicas, which serve HTTP themselves); "proxy": Serve's
     # Python HTTP proxy actor. Fixed when Ray starts (environment of Ray's processes).
     ingress: Literal["haproxy", "proxy"] = "haproxy"
+    # Serve's per-request access log lines from the router and model replicas. Ballast's
+    # own metrics count every request by tenant, criticality and code; the lines cost
+    # ~0.4 ms of CPU per request here (README, "Overload"), so they are off by default.
+    access_log: bool = False
+    # Serve's replica fast path: user code and the handles' request routing run on the
+    # replica's own event loop instead of threads of their own, and replica logs go to
+    # their files only, not also to stderr. Fixed when Ray starts, like ``ingress``.
+    fast_path: bool = True
 
 
 class ModelArchitecture(_Strict):

@@ -32,16 +32,27 @@ import os
 from .config import BallastConfig
 
 
+# ``http.fast_path``: three of the settings Serve's own RAY_SERVE_THROUGHPUT_OPTIMIZED
+# turns on (it also switches handle calls to gRPC, which Ballast leaves alone).
+FAST_PATH_ENV = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_LOG_TO_STDERR": "0",
+}
+
+
 def ingress_env(cfg: BallastConfig) -> dict[str, str]:
     """Environment for Ray's processes that selects ``cfg.http.ingress``.
 
     HAProxy's files go to a directory of their own per port, so two local stacks
     (a test run beside ``make serve``) never share a config file or admin socket.
     """
+    env = dict(FAST_PATH_ENV) if cfg.http.fast_path else {}
     if cfg.http.ingress == "proxy":
-        return {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+        return {**env, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
     base = f"/tmp/ballast-haproxy-{cfg.http.port}"
     return {
+        **env,
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{base}/haproxy.cfg",
         "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{base}/admin.sock",

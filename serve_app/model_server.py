@@ -468,6 +468,7 @@ def model_deployment(cfg: BallastConfig):
         health_check_period_s=d.health_check_period_s,
         health_check_timeout_s=d.health_check_timeout_s,
         graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
+        logging_config={"enable_access_log": cfg.http.access_log},
     )
 
 
@@ -486,4 +487,5 @@ def fallback_deployment(cfg: BallastConfig):
         health_check_period_s=cfg.deployments.model.health_check_period_s,
         health_check_timeout_s=cfg.deployments.model.health_check_timeout_s,
         graceful_shutdown_timeout_s=cfg.deployments.model.graceful_shutdown_timeout_s,
+        logging_config={"enable_access_log": cfg.http.access_log},
     )

@@ -819,4 +819,5 @@ def router_deployment(cfg):
         max_ongoing_requests=r.max_ongoing_requests,
         max_queued_requests=r.max_queued_requests,
         ray_actor_options={"num_cpus": r.num_cpus},
+        logging_config={"enable_access_log": cfg.http.access_log},
     )

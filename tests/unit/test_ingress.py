@@ -1,22 +1,52 @@
 """serve_app.ingress: which environment selects which HTTP ingress."""
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from serve_app.config import load_config
-from serve_app.ingress import apply_ingress_env, ingress_env, running_ingress
+from serve_app.ingress import FAST_PATH_ENV, apply_ingress_env, ingress_env, running_ingress
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_haproxy_is_the_default_with_files_of_its_own_per_port():
     env = ingress_env(load_config({"http": {"port": 8123}}))
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    paths = [v for k, v in env.items() if k != "RAY_SERVE_ENABLE_HA_PROXY"]
+    paths = [v for k, v in env.items() if k.startswith("RAY_SERVE_HAPROXY_")]
     assert paths and all(p.startswith("/tmp/ballast-haproxy-8123") for p in paths)
     other = ingress_env(load_config({"http": {"port": 8000}}))
     assert set(other.values()).isdisjoint(paths)
 
 
 def test_proxy_turns_haproxy_off_explicitly():
-    assert ingress_env(load_config({"http": {"ingress": "proxy"}})) == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    env = ingress_env(load_config({"http": {"ingress": "proxy"}}))
+    assert env == {**FAST_PATH_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+
+
+def test_the_fast_path_is_on_by_default_and_can_be_turned_off():
+    on = ingress_env(load_config({}))
+    assert on["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+    assert on["RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP"] == "0"
+    assert on["RAY_SERVE_LOG_TO_STDERR"] == "0"
+    for ingress in ("haproxy", "proxy"):
+        off = ingress_env(load_config({"http": {"ingress": ingress, "fast_path": False}}))
+        assert not set(off) & set(FAST_PATH_ENV)
+        assert off["RAY_SERVE_ENABLE_HA_PROXY"] == ("1" if ingress == "haproxy" else "0")
+
+
+def test_serve_access_lines_are_off_by_default_and_reach_every_deployment():
+    from serve_app.model_server import fallback_deployment, model_deployment
+    from serve_app.router import router_deployment
+
+    local = yaml.safe_load((ROOT / "cluster/local.yaml").read_text())  # it has a fallback deployment
+    for access_log in (False, True):
+        cfg = load_config({**local, "http": {**local["http"], "access_log": access_log}})
+        for make in (model_deployment, fallback_deployment, router_deployment):
+            logging_config = make(cfg)._deployment_config.logging_config
+            assert logging_config["enable_access_log"] is access_log
+    assert load_config({}).http.access_log is False
 
 
 def test_unknown_ingress_is_a_config_error():
