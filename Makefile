@@ -40,7 +40,7 @@ test-unit: $(STAMP)
 bench-router: $(STAMP)
 	$(PY) -m loadtest.bench_router
 
-## Quiet tenant alone vs beside a noisy tenant at 10x its quota.
+## Quiet tenant alone vs beside a noisy tenant at 10x its quota: p99 ratio with a bootstrap interval (~3 min).
 bench-fairness: $(STAMP)
 	$(PY) -m loadtest.bench_fairness
 
