@@ -4,9 +4,10 @@ Prints, from one run, the quiet tenant's success rate and p50/p99 latency alone 
 beside the noisy tenant, the noisy tenant's outcomes, and the quiet p99 ratio
 (target: beside / alone <= 1.2) with a bootstrap interval. Alternates alone/beside
 rounds so drift lands on both. Requests go out through ``loadtest.lean_http`` on
-uvloop: httpx's ~2.8 ms of client CPU per request, for the noisy tenant's 17 requests
-a second, ran in the loop that times the quiet tenant and on the same two cores, and
-counted against "beside". Loopback only; bounded in time (about 3 minutes).
+uvloop: with httpx (~2.8 ms of client CPU per request), the noisy tenant's 17 requests
+a second ran in the loop that times the quiet tenant and on the same two cores, so
+the client's own work could count against "beside". Loopback only; bounded in time
+(about 3 minutes).
 Run: ``make bench-fairness``.
 """
 

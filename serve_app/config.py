@@ -45,7 +45,7 @@ class HttpConfig(_Strict):
     ingress: Literal["haproxy", "proxy"] = "haproxy"
     # Serve's per-request access log lines from the router and model replicas. Ballast's
     # own metrics count every request by tenant, criticality and code; the lines cost
-    # ~0.4 ms of CPU per request here (README, "Overload"), so they are off by default.
+    # ~0.4 ms of CPU per request here (README, "What runs"), so they are off by default.
     access_log: bool = False
     # Serve's replica fast path: user code and the handles' request routing run on the
     # replica's own event loop instead of threads of their own, and replica logs go to

@@ -42,7 +42,7 @@ FAST_PATH_ENV = {
 
 
 def ingress_env(cfg: BallastConfig) -> dict[str, str]:
-    """Environment for Ray's processes that selects ``cfg.http.ingress``.
+    """Environment for Ray's processes that selects ``cfg.http.ingress`` and ``cfg.http.fast_path``.
 
     HAProxy's files go to a directory of their own per port, so two local stacks
     (a test run beside ``make serve``) never share a config file or admin socket.
@@ -64,6 +64,11 @@ def ingress_env(cfg: BallastConfig) -> dict[str, str]:
 def running_ingress() -> str:
     """The ingress this process's Ray was started with: "haproxy" or "proxy"."""
     return "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "proxy"
+
+
+def running_fast_path() -> bool:
+    """Whether this process's Ray was started with Serve's replica fast path (``http.fast_path``)."""
+    return all(os.environ.get(k) == v for k, v in FAST_PATH_ENV.items())
 
 
 def apply_ingress_env(cfg: BallastConfig) -> None:

@@ -60,7 +60,7 @@ from .errors import (
 )
 from .gate import DemandWindow, GateRefused, GateSlot, PriorityGate
 from .idempotency import IdempotencyStore
-from .ingress import running_ingress
+from .ingress import running_fast_path, running_ingress
 from .resilience import DEADLINE_LEAD_S, CallHooks, ResilientCaller
 from .snapshot import Snapshot
 
@@ -485,6 +485,7 @@ class Router:
             },
             "router_id": self._router_id,
             "ingress": running_ingress(),
+            "fast_path": running_fast_path(),
             "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in self._caller.backends},
             "retry_budget": self._caller.budget.snapshot(),
             "kill_switches": [e.to_dict() for e in self._kill_switches],

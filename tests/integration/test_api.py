@@ -137,6 +137,7 @@ def test_status_reports_level_inputs_and_replicas(client):
     assert s["level"] in range(5)
     assert s["source"] == "snapshot"
     assert s["ingress"] == "haproxy"  # the config's default, applied before ray.init
+    assert s["fast_path"] is True  # http.fast_path, applied with the ingress before ray.init
     snap = s["snapshot"]
     assert snap["version"] >= 1 and 0 <= snap["age_s"] < 2
     assert set(snap["inputs"]) >= {"queue_length", "queue_wait_p95_ms", "gpu_util_pct", "vram_pct", "error_rate"}

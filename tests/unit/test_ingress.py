@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from serve_app.config import load_config
-from serve_app.ingress import FAST_PATH_ENV, apply_ingress_env, ingress_env, running_ingress
+from serve_app.ingress import FAST_PATH_ENV, apply_ingress_env, ingress_env, running_fast_path, running_ingress
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,3 +77,13 @@ def test_apply_sets_the_environment_before_ray_starts_and_refuses_after(monkeypa
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     apply_ingress_env(cfg)
     assert running_ingress() == "haproxy"
+
+
+def test_running_fast_path_needs_every_variable(monkeypatch):
+    for key, value in FAST_PATH_ENV.items():
+        monkeypatch.setenv(key, value)
+    assert running_fast_path() is True
+    monkeypatch.setenv("RAY_SERVE_LOG_TO_STDERR", "1")
+    assert running_fast_path() is False
+    monkeypatch.delenv("RAY_SERVE_LOG_TO_STDERR")
+    assert running_fast_path() is False
