@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve stop test test-unit bench-router bench-fairness bench-overload sim soak soak-24h observe clean
+.PHONY: install tools serve stop test test-unit bench-router bench-fairness bench-overload bench-gpu sim soak soak-24h observe clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ bench-fairness: $(STAMP)
 ## Capacity C of plain Ray Serve and of Ballast, then 0.5/1/2/4 C with a criticality mix, side by side (~8 min; plain Serve and Ballast each in a Ray of its own).
 bench-overload: $(STAMP)
 	$(PY) -m loadtest.bench_overload --config $(CONFIG)
+
+## GPU paths for real (needs CUDA): decode cost by batch rows on CPU and CUDA, NVML, the VRAM watchdog on real allocations (~1 min).
+bench-gpu: $(STAMP)
+	$(PY) -m loadtest.bench_gpu --config $(CONFIG)
 
 ## Fleet simulator: 24 h of a 1,000-replica fleet, Ballast's policies vs baselines (~15-30 s).
 sim: $(STAMP)

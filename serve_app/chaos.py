@@ -8,8 +8,11 @@ production config) the replica ignores whatever the snapshot says.
 Faults: fail a fraction of requests, add latency, hang (never answer until the
 caller gives up), stall (the replica's work loop stops mid-batch, as a wedged
 kernel would: the watchdog sees no progress with work in flight), and leak
-memory at a rate — the leak is capped at
-``chaos.max_leak_mb`` so that even an injected leak stays bounded.
+memory at a rate: host memory (``leak_mb_per_s``, the process's RSS) or, on a
+replica whose model is on a GPU, device memory (``vram_leak_mb_per_s``, real CUDA
+allocations that NVML counts against the process). Each leak is capped at
+``chaos.max_leak_mb`` so that even an injected leak stays bounded. A VRAM leak asked
+of a CPU replica leaks nothing; the replica's stats say so (``chaos_vram_leak``).
 """
 
 from __future__ import annotations
@@ -37,18 +40,20 @@ class ChaosSettings:
     hang: bool = False
     stall: bool = False
     leak_mb_per_s: float = 0.0
+    vram_leak_mb_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.error_ratio <= 1.0:
             raise ValueError("error_ratio: must be within [0, 1]")
         if not 0 <= self.latency_ms <= 600_000:
             raise ValueError("latency_ms: must be within [0, 600000]")
-        if not 0.0 <= self.leak_mb_per_s <= 1024:
-            raise ValueError("leak_mb_per_s: must be within [0, 1024]")
+        for name in ("leak_mb_per_s", "vram_leak_mb_per_s"):
+            if not 0.0 <= getattr(self, name) <= 1024:
+                raise ValueError(f"{name}: must be within [0, 1024]")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChaosSettings":
-        known = {k: d[k] for k in ("error_ratio", "latency_ms", "hang", "stall", "leak_mb_per_s") if k in d}
+        known = {k: d[k] for k in ("error_ratio", "latency_ms", "hang", "stall", "leak_mb_per_s", "vram_leak_mb_per_s") if k in d}
         return cls(**known)
 
     @property
@@ -59,26 +64,47 @@ class ChaosSettings:
 class ChaosAgent:
     """Applies the current settings inside one replica."""
 
-    def __init__(self, enabled: bool, max_leak_mb: int, rand: Callable[[], float] = random.random):
+    def __init__(
+        self, enabled: bool, max_leak_mb: int, rand: Callable[[], float] = random.random, device: str = "cpu"
+    ):
         self._enabled = enabled
         self._max_leak_bytes = max_leak_mb * MB
         self._rand = rand
+        self._cuda = device if device.startswith("cuda") else None  # where a VRAM leak goes; None: nowhere
         self.settings = ChaosSettings()
         self._leak: list[bytearray] = []  # the injected leak itself, capped
+        self._vram_leak: list[Any] = []  # CUDA tensors, capped the same way
         self._leak_task: Optional[asyncio.Task] = None
 
     @property
     def leaked_bytes(self) -> int:
         return sum(len(b) for b in self._leak)
 
+    @property
+    def vram_leaked_bytes(self) -> int:
+        return sum(int(t.numel()) for t in self._vram_leak)
+
+    @property
+    def vram_leak_state(self) -> Optional[str]:
+        """None when no VRAM leak is asked for; "leaking", or "no_gpu" on a CPU replica."""
+        if not self._enabled or self.settings.vram_leak_mb_per_s == 0:
+            return None
+        return "leaking" if self._cuda else "no_gpu"
+
+    def _leaking(self) -> bool:
+        s = self.settings
+        return s.leak_mb_per_s > 0 or (s.vram_leak_mb_per_s > 0 and self._cuda is not None)
+
     def apply(self, raw: Optional[dict[str, Any]]) -> None:
         if not self._enabled:
             return
         self.settings = ChaosSettings.from_dict(raw or {})
-        if self.settings.leak_mb_per_s > 0 and (self._leak_task is None or self._leak_task.done()):
+        if self._leaking() and (self._leak_task is None or self._leak_task.done()):
             self._leak_task = asyncio.get_running_loop().create_task(self._leak_loop())
         if self.settings.leak_mb_per_s == 0:
             self._leak.clear()  # chaos lifted: the "leak" is released
+        if self.settings.vram_leak_mb_per_s == 0 and self._vram_leak:
+            self._vram_leak.clear()  # back to torch's cache; the watchdog's empty_cache returns it to the GPU
 
     async def before_request(self) -> None:
         """Called by each request before it joins a batch."""
@@ -97,10 +123,19 @@ class ChaosAgent:
         while self._enabled and self.settings.stall:
             await asyncio.sleep(0.05)
 
+    def _chunk(self, mb_per_s: float, leaked: int) -> int:
+        """Bytes to leak this tick (ten ticks a second), within the cap; 0 for a rate below a byte a tick."""
+        return max(0, min(int(mb_per_s * MB / 10), self._max_leak_bytes - leaked))
+
     async def _leak_loop(self) -> None:
-        while self.settings.leak_mb_per_s > 0:
-            if self.leaked_bytes < self._max_leak_bytes:
-                chunk = min(int(self.settings.leak_mb_per_s * MB / 10), self._max_leak_bytes - self.leaked_bytes)
-                if chunk > 0:  # a rate too small for one byte per tick leaks nothing, not empty entries
-                    self._leak.append(bytearray(b"\x01" * chunk))  # touched, so it is resident
+        while self._leaking():
+            s = self.settings
+            chunk = self._chunk(s.leak_mb_per_s, self.leaked_bytes)
+            if chunk > 0:
+                self._leak.append(bytearray(b"\x01" * chunk))  # touched, so it is resident
+            chunk = self._chunk(s.vram_leak_mb_per_s, self.vram_leaked_bytes) if self._cuda else 0
+            if chunk > 0:
+                import torch
+
+                self._vram_leak.append(torch.ones(chunk, dtype=torch.uint8, device=self._cuda))  # a real cudaMalloc'd block
             await asyncio.sleep(0.1)

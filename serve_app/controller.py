@@ -255,6 +255,7 @@ class ControllerCore:
                 {
                     "replica_id": rid,
                     "deployment": r.get("deployment"),
+                    "device": r.get("device"),  # "cpu" or "cuda:N": where its model runs
                     "age_s": round(now - float(r.get("started_at_s") or now), 1),
                     "queued": r.get("queued"),
                     "running": r.get("running"),

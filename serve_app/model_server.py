@@ -165,7 +165,7 @@ class ModelServer:
         self._batch_sizes: deque[int] = deque(maxlen=WINDOW)
         self._waits_ms: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (monotonic t, ms)
         self._batch_limit = 0
-        self._chaos = ChaosAgent(self._cfg.chaos.enabled, self._cfg.chaos.max_leak_mb)
+        self._chaos = ChaosAgent(self._cfg.chaos.enabled, self._cfg.chaos.max_leak_mb, device=self._backend.device)
         self._started_at_s = time.time()
         self._progress = 0  # decode steps taken: the work loop's heartbeat
         self._progress_at_s = time.monotonic()  # when the last chunk finished
@@ -274,6 +274,8 @@ class ModelServer:
             "vram_total_bytes": gpu.vram_total_bytes if gpu else None,
             "device": self._backend.device,
             "chaos_leaked_bytes": self._chaos.leaked_bytes,
+            "chaos_vram_leaked_bytes": self._chaos.vram_leaked_bytes,
+            "chaos_vram_leak": self._chaos.vram_leak_state,
             "started_at_s": self._started_at_s,
             "ready": self._ready,
             "draining": self._draining() is not None,

@@ -109,6 +109,7 @@ class ChaosRequest(BaseModel):
     hang: bool = False
     stall: bool = False
     leak_mb_per_s: float = Field(0.0, ge=0, le=1024)
+    vram_leak_mb_per_s: float = Field(0.0, ge=0, le=1024)  # a GPU replica's device memory; nothing on CPU
 
 
 class RecycleRequest(BaseModel):

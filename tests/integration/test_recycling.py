@@ -97,7 +97,11 @@ def test_every_replica_has_a_watchdog_reporting_process_figures(client):
     for r in rows:
         w = r["watchdog"]
         assert w["rss_bytes"] > 50 * 2**20 and w["threads"] >= 4 and w["fds"] >= 8, w
-        assert w["vram_bytes"] is None and w["gpu_util_pct"] is None  # CPU: absent, never 0
+        if r["device"].startswith("cuda"):  # a GPU machine: NVML's figures for this replica's process
+            assert w["vram_bytes"] > 0 and w["gpu_util_pct"] is not None and w["vram_total_bytes"] > w["vram_bytes"], w
+        else:
+            assert r["device"] == "cpu", r
+            assert w["vram_bytes"] is None and w["gpu_util_pct"] is None  # CPU: absent, never 0
         assert w["hung"] is False and w["severity"] == "ok" and r["ready"], r
     assert {r["deployment"] for r in rows} == {PRIMARY, FALLBACK}
 
@@ -179,6 +183,46 @@ def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
     assert not load.errors, f"{len(load.errors)} failed of {len(load.statuses)}: {load.errors[:5]}"
     print(f"\nleak: {seen['action_reason']} at rss {seen['rss_bytes'] / 2**20:.0f} MiB; recycle reason {started[0]['reason']}; "
           f"{len(load.statuses)} requests, 0 failed")
+
+
+def test_a_vram_leak_on_a_gpu_replica_is_measured_by_its_watchdog(client):
+    """GPU machines only: a real CUDA leak, read by the watchdog through NVML by PID."""
+    settled(client)
+    (row,) = [r for r in replicas(client)["replicas"] if r["deployment"] == PRIMARY]
+    if not str(row["device"]).startswith("cuda"):
+        pytest.skip(f"the primary replica runs on {row['device']}: no GPU memory to leak")
+    victim = row["replica_id"]
+    wait_until(
+        lambda: [r for r in replicas(client)["replicas"] if r["replica_id"] == victim and r["watchdog"] and not r["watchdog"]["warming_up"]],
+        60, 0.5, "the victim past its warm-up",
+    )
+    rate = 50 * 2**20  # bytes/s; chaos.max_leak_mb (800) caps it after 16 s
+    seen: dict[str, Any] = {}
+    try:
+        r = client.post("/admin/chaos", headers=ADMIN, json={"target": "primary", "vram_leak_mb_per_s": rate / 2**20})
+        assert r.status_code == 200, r.text
+
+        def vram_verdict() -> bool:
+            for row in replicas(client)["replicas"]:
+                w = row["watchdog"] or {}
+                trend = w.get("trends", {}).get("vram_bytes", {})
+                if row["replica_id"] == victim and trend.get("leaking") and trend.get("time_to_limit_s"):
+                    seen.update(w)
+                    return True
+            return False
+
+        wait_until(vram_verdict, 40, 0.25, "the watchdog's VRAM leak verdict")
+    finally:
+        client.delete("/admin/chaos", headers=ADMIN)
+    trend = seen["trends"]["vram_bytes"]
+    slope = trend["slope_per_h"] / 3600.0
+    assert 0.5 * rate <= slope <= 2.0 * rate, (slope / 2**20, seen)
+    truth = (seen["vram_total_bytes"] - seen["vram_bytes"]) / rate
+    assert 0.5 * truth <= trend["time_to_limit_s"] <= 2.0 * truth, (trend, truth)
+    assert trend["r2"] >= 0.7, trend
+    print(f"\nVRAM leak at {rate / 2**20:.0f} MiB/s: watchdog slope {slope / 2**20:.1f} MiB/s (r2 {trend['r2']:.3f}), "
+          f"process VRAM {seen['vram_bytes'] / 2**20:.0f} MiB of {seen['vram_total_bytes'] / 2**30:.0f} GiB, "
+          f"time to limit {trend['time_to_limit_s']:.0f} s (truth {truth:.0f} s); severity {seen['severity']}")
 
 
 def test_a_hung_replica_is_killed_and_replaced(client):

@@ -56,7 +56,7 @@ def test_default_settings_are_inactive() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"error_ratio": 0.01}, {"latency_ms": 1}, {"hang": True}, {"leak_mb_per_s": 0.5}],
+    [{"error_ratio": 0.01}, {"latency_ms": 1}, {"hang": True}, {"leak_mb_per_s": 0.5}, {"vram_leak_mb_per_s": 0.5}],
 )
 def test_any_single_fault_makes_settings_active(kwargs: dict) -> None:
     assert ChaosSettings(**kwargs).active is True
@@ -68,6 +68,7 @@ def test_any_single_fault_makes_settings_active(kwargs: dict) -> None:
         ("error_ratio", [0.0, 0.5, 1.0], [-0.01, 1.01, float("nan")]),
         ("latency_ms", [0, 1, 600_000], [-1, 600_001]),
         ("leak_mb_per_s", [0.0, 1.0, 1024], [-0.1, 1024.5, float("nan")]),
+        ("vram_leak_mb_per_s", [0.0, 1.0, 1024], [-0.1, 1024.5, float("nan")]),
     ],
 )
 def test_settings_bounds_are_inclusive_and_errors_name_the_field(field: str, ok: list, bad: list) -> None:
@@ -86,9 +87,10 @@ def test_settings_are_frozen() -> None:
 
 def test_from_dict_reads_the_known_keys_and_ignores_the_rest() -> None:
     s = ChaosSettings.from_dict(
-        {"error_ratio": 0.25, "latency_ms": 40, "hang": True, "leak_mb_per_s": 2.0, "target": "primary", "set_by": "x"}
+        {"error_ratio": 0.25, "latency_ms": 40, "hang": True, "leak_mb_per_s": 2.0, "vram_leak_mb_per_s": 3.0,
+         "target": "primary", "set_by": "x"}
     )
-    assert s == ChaosSettings(error_ratio=0.25, latency_ms=40, hang=True, leak_mb_per_s=2.0)
+    assert s == ChaosSettings(error_ratio=0.25, latency_ms=40, hang=True, leak_mb_per_s=2.0, vram_leak_mb_per_s=3.0)
 
 
 def test_from_dict_fills_missing_keys_with_defaults() -> None:
@@ -317,3 +319,56 @@ async def test_a_tiny_leak_rate_does_not_grow_the_leak_list_without_bound() -> N
         assert len(agent._leak) == 0
     finally:
         await stop_leak(agent)
+
+
+# -- ChaosAgent: VRAM leak --------------------------------------------------------------
+
+
+async def test_a_vram_leak_on_a_cpu_replica_leaks_nothing_and_says_so() -> None:
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, device="cpu")
+    assert agent.vram_leak_state is None
+    agent.apply({"vram_leak_mb_per_s": 4})
+    try:
+        assert agent.vram_leak_state == "no_gpu"
+        assert agent._leak_task is None  # nothing to leak into: no loop at all
+        await asyncio.sleep(1.5 * LEAK_TICK_S)
+        assert (agent.vram_leaked_bytes, agent.leaked_bytes) == (0, 0)
+    finally:
+        await stop_leak(agent)
+    assert agent.vram_leak_state is None
+
+
+async def test_a_vram_leak_beside_a_host_leak_on_cpu_grows_only_the_host_one() -> None:
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, device="cpu")
+    agent.apply({"leak_mb_per_s": 4, "vram_leak_mb_per_s": 4})
+    try:
+        await wait_until(lambda: agent.leaked_bytes > 0)
+        assert agent.vram_leaked_bytes == 0
+    finally:
+        await stop_leak(agent)
+
+
+def test_a_disabled_agent_reports_no_vram_leak() -> None:
+    agent = ChaosAgent(enabled=False, max_leak_mb=1, device="cuda:0")
+    agent.apply({"vram_leak_mb_per_s": 4})
+    assert agent.vram_leak_state is None and agent._leak_task is None
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (runs on GPU machines)")
+async def test_a_vram_leak_on_a_gpu_allocates_real_cuda_memory_up_to_the_cap_and_releases_it() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    agent = ChaosAgent(enabled=True, max_leak_mb=2, device="cuda:0")
+    agent.apply({"vram_leak_mb_per_s": 1024})
+    try:
+        assert agent.vram_leak_state == "leaking"
+        await wait_until(lambda: agent.vram_leaked_bytes >= 2 * MB)
+        assert agent.vram_leaked_bytes == 2 * MB and agent.leaked_bytes == 0
+        assert torch.cuda.memory_allocated() - before >= 2 * MB
+        assert all(t.device.type == "cuda" for t in agent._vram_leak)
+    finally:
+        await stop_leak(agent)
+    assert agent.vram_leaked_bytes == 0
+    assert torch.cuda.memory_allocated() - before < 2 * MB
