@@ -259,6 +259,10 @@ class GateSettings(_Strict):
     # the limit (within the last hold), sheddable classes fill at most limit - ceil(ratio x limit).
     critical_reserve_ratio: float = Field(0.25, ge=0, lt=1)
     critical_reserve_hold_s: PositiveFloat = 1.0
+    # A deadline missed at the model cuts the limit only when the model held the request
+    # longer than this x the recent p90 service time; one admitted near its deadline and
+    # served in the usual time missed because it waited. null: every miss cuts the limit.
+    miss_service_factor: Optional[PositiveFloat] = 1.5
 
     @model_validator(mode="after")
     def _bounds(self) -> "GateSettings":

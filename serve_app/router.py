@@ -228,6 +228,7 @@ class Router:
         self._gate = PriorityGate(
             AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s,
             reserve_ratio=g.critical_reserve_ratio, reserve_hold_s=g.critical_reserve_hold_s,
+            miss_service_factor=g.miss_service_factor,
         ) if g.enabled else None
         # Demand by criticality (turned away by the level, or within quota) and the gate's
         # answer rate: the controller sheds a whole class only when the others fill the model.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from conftest import FREE, GOLD, status
 
@@ -141,7 +142,10 @@ def test_status_reports_level_inputs_and_replicas(client):
     snap = s["snapshot"]
     assert snap["version"] >= 1 and 0 <= snap["age_s"] < 2
     assert set(snap["inputs"]) >= {"queue_length", "queue_wait_p95_ms", "gpu_util_pct", "vram_pct", "error_rate"}
-    assert snap["inputs"]["gpu_util_pct"] is None  # no GPU here: absent, not zero
+    if torch.cuda.is_available():  # the replicas see this GPU too (num_gpus 0 does not hide it)
+        assert 0 <= snap["inputs"]["gpu_util_pct"] <= 100 and 0 < snap["inputs"]["vram_pct"] < 100, snap["inputs"]
+    else:
+        assert snap["inputs"]["gpu_util_pct"] is None and snap["inputs"]["vram_pct"] is None  # absent, not zero
     model = s["replicas"]["BallastModel"]
     assert model["desired"] >= 1 and model["running"] >= 1
     assert s["constraints"]["admitted"]

@@ -291,3 +291,45 @@ def test_without_a_reserve_and_with_a_bad_one():
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError):
             gate(limit=4, reserve_ratio=bad)
+
+
+def test_a_miss_in_about_the_usual_service_time_is_a_late_admission_not_congestion():
+    # An hour-long window: the limit moves only when the test ticks it (never here), so
+    # what a miss did shows in AimdLimit's own flag.
+    g = gate(limit=4, miss_service_factor=1.5)
+    served(g, *([0.1] * 9 + [0.2]))  # p90 of service: 0.2 s
+    g.observe_miss(250.0)  # held 0.25 s <= 1.5 x 0.2 s: the request had waited, the model did not slow
+    assert g.limit._missed is False
+    assert g.snapshot()["misses"] == {"congestion": 0, "late_admission": 1}
+    assert g.limit._waits == [250.0]  # still a wait sample
+    g.observe_miss(301.0)  # held past 1.5 x p90: the model slowed
+    assert g.limit._missed is True
+    assert g.snapshot()["misses"] == {"congestion": 1, "late_admission": 1}
+
+
+def test_every_miss_is_congestion_without_a_factor_or_before_any_answer():
+    g = gate(limit=4)  # no factor: the old rule
+    served(g, 0.1)
+    g.observe_miss(1.0)
+    assert g.limit._missed is True
+    g = gate(limit=4, miss_service_factor=1.5)
+    g.observe_miss(1.0)  # nothing answered yet: no service time to compare with
+    assert g.limit._missed is True and g.misses_counted == 1
+
+
+def test_the_miss_factor_decides_whether_the_limit_goes_down():
+    cfg = LimiterConfig(initial=10, min_limit=1, max_limit=20, target_wait_ms=1e9, interval_s=0.5)
+    now = [0.0]
+    for factor, expected in ((None, 9), (1.5, 10)):
+        g = PriorityGate(AimdLimit(cfg, clock=lambda: now[0]), 8, 2.0, miss_service_factor=factor)
+        served(g, *([0.1] * 10))
+        g.observe_miss(120.0)  # 1.2 x p90
+        now[0] += 1.0
+        assert g.limit.value == expected, factor
+        now[0] = 0.0
+
+
+def test_a_bad_miss_factor_is_refused():
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="miss_service_factor"):
+            gate(miss_service_factor=bad)
