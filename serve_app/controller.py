@@ -256,6 +256,7 @@ class ControllerCore:
                     "replica_id": rid,
                     "deployment": r.get("deployment"),
                     "device": r.get("device"),  # "cpu" or "cuda:N": where its model runs
+                    "chaos_vram_leak": r.get("chaos_vram_leak"),  # None, "leaking", or "no_gpu" (a CPU replica)
                     "age_s": round(now - float(r.get("started_at_s") or now), 1),
                     "queued": r.get("queued"),
                     "running": r.get("running"),

@@ -216,7 +216,7 @@ class PriorityGate:
         one waits until only the p90 is left) and that the model then served in its
         usual time missed because of its wait, not because the model slowed. Cutting
         the limit for it lowers throughput exactly when the line is longest: on a GPU,
-        where a wider batch costs next to nothing, such misses held the limit at 9-15
+        where a wider batch costs next to nothing, such misses held the limit at 8-16
         and the gate answered 0.72 of the rate it could. It still counts as a wait.
         """
         if self.miss_service_factor is None or self.served == 0 or (

@@ -185,13 +185,25 @@ def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
           f"{len(load.statuses)} requests, 0 failed")
 
 
-def test_a_vram_leak_on_a_gpu_replica_is_measured_by_its_watchdog(client):
-    """GPU machines only: a real CUDA leak, read by the watchdog through NVML by PID."""
+def test_a_vram_leak_is_measured_by_the_watchdog_on_a_gpu_and_refused_on_a_cpu(client):
+    """On a GPU, a real CUDA leak read by the watchdog through NVML by PID; on a CPU, the
+    replica leaks nothing and says so."""
     settled(client)
     (row,) = [r for r in replicas(client)["replicas"] if r["deployment"] == PRIMARY]
-    if not str(row["device"]).startswith("cuda"):
-        pytest.skip(f"the primary replica runs on {row['device']}: no GPU memory to leak")
     victim = row["replica_id"]
+    if row["device"] == "cpu":
+        try:
+            r = client.post("/admin/chaos", headers=ADMIN, json={"target": "primary", "vram_leak_mb_per_s": 50})
+            assert r.status_code == 200, r.text
+            wait_until(
+                lambda: [r for r in replicas(client)["replicas"] if r["replica_id"] == victim and r["chaos_vram_leak"] == "no_gpu"],
+                10, 0.25, "the CPU replica saying it has no GPU to leak into",
+            )
+        finally:
+            client.delete("/admin/chaos", headers=ADMIN)
+        wait_until(lambda: all(r["chaos_vram_leak"] is None for r in replicas(client)["replicas"]), 10, 0.25, "chaos lifted")
+        return
+    assert row["device"].startswith("cuda"), row
     wait_until(
         lambda: [r for r in replicas(client)["replicas"] if r["replica_id"] == victim and r["watchdog"] and not r["watchdog"]["warming_up"]],
         60, 0.5, "the victim past its warm-up",
