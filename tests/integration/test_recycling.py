@@ -29,6 +29,14 @@ def replicas(client: httpx.Client) -> dict[str, Any]:
     return r.json()
 
 
+def watchdog_of(client: httpx.Client, replica_id: str) -> dict[str, Any]:
+    """That replica's watchdog report; {} while it has none (or the replica is gone)."""
+    for row in replicas(client)["replicas"]:
+        if row["replica_id"] == replica_id:
+            return row["watchdog"] or {}
+    return {}
+
+
 def ids(client: httpx.Client, deployment: str) -> set[str]:
     return {r["replica_id"] for r in replicas(client)["replicas"] if r["deployment"] == deployment}
 
@@ -142,8 +150,7 @@ def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
     # A fresh replica (the last test's replacement) first finishes its warm-up: growth
     # while loading and serving its first batches is not a leak and is not sampled.
     wait_until(
-        lambda: [r for r in replicas(client)["replicas"] if r["replica_id"] == victim and r["watchdog"] and not r["watchdog"]["warming_up"]],
-        60, 0.5, "the victim past its warm-up",
+        lambda: watchdog_of(client, victim).get("warming_up") is False, 60, 0.5, "the victim past its warm-up",
     )
     seen: dict[str, Any] = {}
     try:
@@ -152,12 +159,10 @@ def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
             assert r.status_code == 200, r.text
 
             def leak_verdict() -> bool:
-                for row in replicas(client)["replicas"]:
-                    w = row["watchdog"] or {}
-                    trend = w.get("trends", {}).get("rss_bytes", {})
-                    if row["replica_id"] == victim and trend.get("leaking") and w.get("recycle_requested"):
-                        seen.update(w)
-                        return True
+                w = watchdog_of(client, victim)
+                if w.get("trends", {}).get("rss_bytes", {}).get("leaking") and w.get("recycle_requested"):
+                    seen.update(w)
+                    return True
                 return False
 
             wait_until(leak_verdict, 40, 0.25, "the watchdog's leak verdict and recycle request")
@@ -205,8 +210,7 @@ def test_a_vram_leak_is_measured_by_the_watchdog_on_a_gpu_and_refused_on_a_cpu(c
         return
     assert row["device"].startswith("cuda"), row
     wait_until(
-        lambda: [r for r in replicas(client)["replicas"] if r["replica_id"] == victim and r["watchdog"] and not r["watchdog"]["warming_up"]],
-        60, 0.5, "the victim past its warm-up",
+        lambda: watchdog_of(client, victim).get("warming_up") is False, 60, 0.5, "the victim past its warm-up",
     )
     rate = 50 * 2**20  # bytes/s; chaos.max_leak_mb (800) caps it after 16 s
     seen: dict[str, Any] = {}
@@ -215,12 +219,11 @@ def test_a_vram_leak_is_measured_by_the_watchdog_on_a_gpu_and_refused_on_a_cpu(c
         assert r.status_code == 200, r.text
 
         def vram_verdict() -> bool:
-            for row in replicas(client)["replicas"]:
-                w = row["watchdog"] or {}
-                trend = w.get("trends", {}).get("vram_bytes", {})
-                if row["replica_id"] == victim and trend.get("leaking") and trend.get("time_to_limit_s"):
-                    seen.update(w)
-                    return True
+            w = watchdog_of(client, victim)
+            trend = w.get("trends", {}).get("vram_bytes", {})
+            if trend.get("leaking") and trend.get("time_to_limit_s"):
+                seen.update(w)
+                return True
             return False
 
         wait_until(vram_verdict, 40, 0.25, "the watchdog's VRAM leak verdict")
