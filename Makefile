@@ -17,11 +17,11 @@ install: $(STAMP)
 
 ## Run the service in the foreground: embedded local Ray + the app (Ctrl-C stops both).
 serve: $(STAMP)
-	$(PY) -m serve_app.cli serve --config $(CONFIG)
+	$(PY) -m serve_app.ops.cli serve --config $(CONFIG)
 
 ## Stop a stack started by `make serve` in another shell (signals its own process only).
 stop: $(STAMP)
-	$(PY) -m serve_app.cli stop
+	$(PY) -m serve_app.ops.cli stop
 
 ## promtool (Debian's prometheus package) for the alert-rule tests; skipped where apt cannot run.
 tools:

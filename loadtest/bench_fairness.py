@@ -98,7 +98,7 @@ def main(argv: "list[str] | None" = None) -> int:
 
     import ray
 
-    from serve_app.app import shutdown, start
+    from serve_app.ops.app import shutdown, start
     from serve_app.config import load_config
 
     cfg = load_config(args.config)
@@ -109,7 +109,7 @@ def main(argv: "list[str] | None" = None) -> int:
         raise SystemExit(f"tenant {args.noisy_tenant!r} has no token quota in {args.config}")
     noisy_rps = args.noise_factor * noisy_rate / (28 + 32)
 
-    from serve_app.ingress import apply_ingress_env
+    from serve_app.router.ingress import apply_ingress_env
 
     apply_ingress_env(cfg)
     ray.init(include_dashboard=False, logging_level="ERROR")

@@ -274,7 +274,7 @@ def plain_serve_app(model_cfg: dict[str, Any]):
     @serve.deployment(name="PlainModel")
     class PlainModel:
         def __init__(self, cfg: dict[str, Any]) -> None:
-            from serve_app.model_server import build_backend
+            from serve_app.model.server import build_backend
 
             self._m = ModelConfig(**cfg)
             self._backend = build_backend(self._m)
@@ -387,8 +387,8 @@ def main(argv: "list[str] | None" = None) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import shutdown, start
-    from serve_app.ingress import FAST_PATH_ENV, ingress_env
+    from serve_app.ops.app import shutdown, start
+    from serve_app.router.ingress import FAST_PATH_ENV, ingress_env
 
     cfg = bench_config(args.config, args.model_replicas)
     prompt = "The quick brown fox jumps over the lazy dog"
@@ -491,7 +491,7 @@ def main(argv: "list[str] | None" = None) -> int:
 
     # One Ray per stack, because the ingress is chosen when Ray starts: plain Ray Serve
     # with its defaults (the Python proxy actor), Ballast with its configured ingress
-    # (serve_app.ingress). The SDK rows use the same Ballast server as the plain HTTP rows.
+    # (serve_app.router.ingress). The SDK rows use the same Ballast server as the plain HTTP rows.
     sessions = [(s, [n for n in names if (n == "plain") == (s == "plain")]) for s in ("plain", "ballast")]
     for session, members in sessions:
         if not members:

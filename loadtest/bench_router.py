@@ -92,10 +92,10 @@ def main(argv: "list[str] | None" = None) -> int:
     import ray
     from ray import serve
 
-    from serve_app.app import shutdown, start
+    from serve_app.ops.app import shutdown, start
     from serve_app.config import load_config
 
-    from serve_app.ingress import apply_ingress_env
+    from serve_app.router.ingress import apply_ingress_env
 
     cfg = load_config(args.config)
     apply_ingress_env(cfg)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-MB = 1024 * 1024  # as serve_app.watchdog: "MB" is MiB throughout the project
+MB = 1024 * 1024  # as serve_app.control.watchdog: "MB" is MiB throughout the project
 STATS_CSV = "locust_stats.csv"
 HISTORY_CSV = "locust_stats_history.csv"
 FAILURES_CSV = "locust_failures.csv"

@@ -352,8 +352,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import ray
 
-    from serve_app.app import shutdown, start
-    from serve_app.ingress import apply_ingress_env
+    from serve_app.ops.app import shutdown, start
+    from serve_app.router.ingress import apply_ingress_env
 
     stop = threading.Event()
     apply_ingress_env(cfg)

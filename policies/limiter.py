@@ -4,7 +4,7 @@ The degradation level sheds whole criticality classes, which is coarse: at four 
 capacity, dropping to "critical only" can leave the model half idle, and keeping
 "critical + sheddable_plus" can still queue far past any deadline. The limit here is
 the fine control underneath. Each router lets at most ``value`` requests be at the
-model at once; the rest wait at the router, most critical first (serve_app/gate.py).
+model at once; the rest wait at the router, most critical first (serve_app/router/gate.py).
 
 How the limit moves (per ``interval_s`` window, on an injected clock):
 

@@ -13,9 +13,6 @@ exist for the local demo only and are refused when ``environment`` is
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -29,7 +26,7 @@ from policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig, LevelCo
 from policies.leak import LadderConfig, LeakConfig
 from policies.recycle import RecycleConfig
 
-from .errors import ConfigError
+from serve_app.errors import ConfigError
 
 
 class _Strict(BaseModel):
@@ -232,7 +229,7 @@ class BulkheadSettings(_Strict):
 
 class GateSettings(_Strict):
     """Per router: an adaptive limit on requests at the primary model, and a priority
-    wait line for the rest (serve_app/gate.py, policies/limiter.py)."""
+    wait line for the rest (serve_app/router/gate.py, policies/limiter.py)."""
 
     enabled: bool = True
     # A slow start: the limit climbs from here (one per window while reached), so the
@@ -563,7 +560,7 @@ def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = N
     else:
         where = str(source)
         try:
-            data = yaml.safe_load(_read_text(source)) or {}
+            data = yaml.safe_load(read_text(source)) or {}
         except yaml.YAMLError as e:
             raise ConfigError(where, f"not valid YAML: {e}") from None
         if not isinstance(data, dict):
@@ -580,7 +577,7 @@ def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = N
     return cfg
 
 
-def _read_text(path: "str | Path", what: str = "") -> str:
+def read_text(path: "str | Path", what: str = "") -> str:
     """A config or secret file as UTF-8 text; any failure is a ConfigError naming the file."""
     try:
         return Path(path).read_text(encoding="utf-8")
@@ -588,86 +585,3 @@ def _read_text(path: "str | Path", what: str = "") -> str:
         raise ConfigError(str(path), f"cannot read {what or 'file'}: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise ConfigError(str(path), f"{what or 'file'} is not UTF-8 text") from None
-
-
-# -- secrets ----------------------------------------------------------------------------
-def _digest(secret: str) -> bytes:
-    return hashlib.sha256(secret.encode("utf-8")).digest()
-
-
-def _parse_key_entries(text: str, where: str) -> dict[bytes, str]:
-    out: dict[bytes, str] = {}
-    # Comments are whole lines, dropped *before* splitting on commas, so that a
-    # commented-out line never yields a live key.
-    lines = [ln for ln in text.splitlines() if not ln.strip().startswith("#")]
-    for raw in ",".join(lines).split(","):
-        entry = raw.strip()
-        if not entry:
-            continue
-        key, sep, tenant = entry.rpartition("=")
-        key, tenant = key.strip(), tenant.strip()
-        if not sep or not key or not tenant:
-            raise ConfigError(where, "each API key entry must read 'key=tenant' or 'sha256:<hex>=tenant'")
-        if key.startswith("sha256:"):
-            try:
-                digest = bytes.fromhex(key[len("sha256:"):])
-            except ValueError:
-                raise ConfigError(where, "a sha256: key must be 64 hex digits") from None
-            if len(digest) != 32:
-                raise ConfigError(where, "a sha256: key must be 64 hex digits")
-        else:
-            digest = _digest(key)
-        out[digest] = tenant
-    return out
-
-
-class KeyStore:
-    """API keys and the admin token, held only as SHA-256 digests.
-
-    A presented key is hashed, its bucket found by the digest's first 4 bytes (an
-    attacker cannot steer a digest, so the bucket leaks nothing), and every entry of
-    the bucket is compared with ``hmac.compare_digest``: constant time per
-    comparison, and O(1) per request however many keys there are.
-    """
-
-    def __init__(self, keys: dict[bytes, str], admin_digest: Optional[bytes]):
-        self._buckets: dict[bytes, list[tuple[bytes, str]]] = {}
-        for digest, tenant in keys.items():
-            self._buckets.setdefault(digest[:4], []).append((digest, tenant))
-        self._count = len(keys)
-        self._admin = admin_digest
-
-    @classmethod
-    def from_config(cls, cfg: BallastConfig, environ: "Optional[dict[str, str]]" = None) -> "KeyStore":
-        env = os.environ if environ is None else environ
-        a = cfg.auth
-        keys: dict[bytes, str] = {}
-        for key, tenant in a.demo_keys.items():
-            keys[_digest(key)] = tenant
-        if a.api_keys_file:
-            keys.update(_parse_key_entries(_read_text(a.api_keys_file, "API keys file"), a.api_keys_file))
-        if env.get(a.api_keys_env):
-            keys.update(_parse_key_entries(env[a.api_keys_env], f"${a.api_keys_env}"))
-        unknown = sorted(set(keys.values()) - set(cfg.tenants))
-        if unknown:
-            raise ConfigError("auth", f"API keys map to tenants not in the config: {unknown}")
-        admin: Optional[str] = a.demo_admin_token
-        if a.admin_token_file:
-            admin = _read_text(a.admin_token_file, "admin token file").strip() or None
-        if env.get(a.admin_token_env, "").strip():  # blank means unset, never "admin off"
-            admin = env[a.admin_token_env].strip()
-        return cls(keys, _digest(admin) if admin else None)
-
-    def tenant_for(self, presented: str) -> Optional[str]:
-        digest = _digest(presented)
-        found: Optional[str] = None
-        for stored, tenant in self._buckets.get(digest[:4], ()):
-            if hmac.compare_digest(stored, digest):
-                found = tenant
-        return found
-
-    def is_admin(self, presented: str) -> bool:
-        return self._admin is not None and hmac.compare_digest(self._admin, _digest(presented))
-
-    def __len__(self) -> int:
-        return self._count

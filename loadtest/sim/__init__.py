@@ -8,7 +8,7 @@ comparison (``make sim``). Arms (``ARMS``):
   criticality, batch and ``max_tokens`` constraints), ``policies.autoscale``,
   the watchdog ladder (``policies.leak.assess``) and staggered recycling
   (``policies.recycle.plan`` under ``policies.lease`` leases), driven as
-  ``serve_app.controller`` does (``controllers.BallastController``);
+  ``serve_app.control.controller`` does (``controllers.BallastController``);
 * ``ballast_no_recycle`` — the same without watchdog and recycling: leaks run to OOM;
 * ``ray_serve_default`` — Ray Serve's queue-length autoscaling, no shedding;
 * ``hpa_utilization`` — a Kubernetes-HPA utilization rule, no shedding.

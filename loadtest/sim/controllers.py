@@ -1,7 +1,7 @@
 """Each arm's control loop: what it admits, how big a batch it runs, how many replicas it wants.
 
-``BallastController`` is ``serve_app.controller.ControllerCore.tick`` and
-``serve_app.recycling.RecycleCoordinator.tick`` replayed without Ray, calling
+``BallastController`` is ``serve_app.control.controller.ControllerCore.tick`` and
+``serve_app.control.recycling.RecycleCoordinator.tick`` replayed without Ray, calling
 the same pure policies with the simulated clock:
 
 * ``policies.degradation.decide`` on the tick's load signals (queue length,
@@ -184,7 +184,7 @@ class BallastController:
             if verdict.recycle:
                 self.requests[s] = (verdict.reason or "watchdog", verdict.severity == "critical")
 
-    # ---- recycling (serve_app.recycling.RecycleCoordinator.tick, minus Ray and metrics)
+    # ---- recycling (serve_app.control.recycling.RecycleCoordinator.tick, minus Ray and metrics)
     def _hour(self, now_s: float) -> float:
         return (self.cfg.start_hour + now_s / 3600.0) % 24.0
 

@@ -139,7 +139,7 @@ def test_burst_scales_model_up_and_quiet_scales_it_down(client, ballast):
 
 
 def test_controller_killed_mid_traffic_fails_no_request_and_comes_back(client, ballast):
-    from serve_app.controller import lookup_controller
+    from serve_app.control.link import lookup_controller
 
     wait_quiet(client)
     epoch_before = status(client)["snapshot"]["epoch"]

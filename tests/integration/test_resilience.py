@@ -325,7 +325,7 @@ def test_request_timeout_header_is_validated(client):
 def test_operator_cli(client, capsys):
     import json
 
-    from serve_app.cli import main
+    from serve_app.ops.cli import main
 
     common = ["--url", BASE, "--token", "dev-admin-token", "--operator", "cli-test"]
     assert main([*common, "kill-switch", "on", "--scope", "tenant", "--value", "free", "--reason", "cli", "--expires-in-s", "30"]) == 0

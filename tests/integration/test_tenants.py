@@ -111,9 +111,9 @@ def test_sdk_adaptive_throttling_cuts_what_reaches_the_server(ballast):
 def test_two_routers_enforce_one_global_quota_within_5_percent(client, ballast):
     from ray import serve
 
-    from serve_app.app import build
+    from serve_app.ops.app import build
     from serve_app.config import load_config
-    from serve_app.controller import ensure_controller
+    from serve_app.control.controller import ensure_controller
 
     data = ballast.model_dump(mode="json")
     data["deployments"]["router"]["num_replicas"] = 2

@@ -1,4 +1,4 @@
-"""Unit tests for serve_app.backends: real torch on CPU, small configs for speed."""
+"""Unit tests for serve_app.model.backends: real torch on CPU, small configs for speed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serve_app.backends import (
+from serve_app.model.backends import (
     BackendSpec,
     ByteStreamDecoder,
     ModelBackend,

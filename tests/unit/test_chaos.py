@@ -1,4 +1,4 @@
-"""Fault injection (serve_app/chaos.py): settings validation and the agent's faults.
+"""Fault injection (serve_app/model/chaos.py): settings validation and the agent's faults.
 
 The error draw is injected (``rand``). Latency, hang and leak run on asyncio's own
 timers, which chaos.py does not let us inject: those tests use real loop time, kept
@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 
-from serve_app.chaos import MB, ChaosAgent, ChaosSettings, InjectedFault
+from serve_app.model.chaos import MB, ChaosAgent, ChaosSettings, InjectedFault
 from serve_app.errors import BallastError
 
 LEAK_TICK_S = 0.1  # chaos._leak_loop's own period

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from serve_app.config import load_config
-from serve_app.ingress import ingress_env
+from serve_app.router.ingress import ingress_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def test_local_config_loads_with_demo_tenants():
 def test_production_serve_config_has_no_default_keys():
     serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
     (app,) = serve_cfg["applications"]
-    assert app["import_path"] == "serve_app.app:build_app"
+    assert app["import_path"] == "serve_app.ops.app:build_app"
     cfg = load_config(app["args"]["config"])
     assert cfg.environment == "production"
     assert cfg.auth.demo_keys == {} and cfg.auth.demo_admin_token is None
@@ -78,7 +78,7 @@ def test_serve_config_builds_through_the_apps_own_builder_with_production_settin
     The config goes through the app's pydantic model and deployment factories, so a
     field renamed or a default changed in code fails here, not on the cluster.
     """
-    from serve_app.app import build
+    from serve_app.ops.app import build
 
     serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
     cfg = load_config(serve_cfg["applications"][0]["args"]["config"])
@@ -88,10 +88,10 @@ def test_serve_config_builds_through_the_apps_own_builder_with_production_settin
     assert model.name == "BallastModel"
     assert model.ray_actor_options["num_gpus"] == 1
     dc = model._deployment_config
-    assert dc.autoscaling_config.policy.policy_function == "serve_app.autoscaling:ControllerDrivenPolicy"
+    assert dc.autoscaling_config.policy.policy_function == "serve_app.control.autoscaling:ControllerDrivenPolicy"
     assert dc.autoscaling_config.min_replicas == cfg.deployments.model.min_replicas
     assert dc.autoscaling_config.max_replicas == cfg.deployments.model.max_replicas == 8
-    assert dc.request_router_config.request_router_class == "serve_app.routing:ReadinessAwareRouter"
+    assert dc.request_router_config.request_router_class == "serve_app.model.routing:ReadinessAwareRouter"
     assert dc.max_queued_requests == cfg.deployments.model.max_queued_requests > 0  # bounded
     assert router.init_args[1] == cfg.model_dump(mode="json")  # what every replica loads
     assert cfg.chaos.enabled is False and cfg.watchdog.enabled and cfg.recycle.enabled

@@ -15,7 +15,8 @@ import pytest
 from policies.autoscale import AutoscaleConfig
 from policies.criticality import Criticality
 from policies.degradation import DegradationConfig
-from serve_app.config import BallastConfig, KeyStore, load_config
+from serve_app.config import BallastConfig, load_config
+from serve_app.router.auth import KeyStore
 from serve_app.errors import ConfigError
 
 LOCAL_YAML = Path(__file__).resolve().parents[2] / "cluster" / "local.yaml"

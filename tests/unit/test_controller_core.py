@@ -1,4 +1,4 @@
-"""serve_app.controller.ControllerCore: reports in, signals and snapshots out, no Ray.
+"""serve_app.control.controller.ControllerCore: reports in, signals and snapshots out, no Ray.
 
 Both clocks are ``FakeClock`` instances moved in whole seconds: ``clock`` (the
 monotonic clock that ages reports and outcomes, and drives the policies) and
@@ -13,13 +13,8 @@ from typing import Any, Optional
 import pytest
 
 from serve_app.config import BallastConfig, load_config
-from serve_app.controller import (
-    MAX_OUTCOME_BUCKETS,
-    MAX_SENDERS,
-    MODEL_DEPLOYMENT,
-    ROUTER_DEPLOYMENT,
-    ControllerCore,
-)
+from serve_app.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
+from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 
 EXPIRY_S = 3
 ERROR_WINDOW_S = 10
@@ -318,7 +313,7 @@ class TestSnapshots:
         assert b.core.snapshot()["version"] == 1
 
     def test_snapshot_dict_round_trips(self, h: Harness) -> None:
-        from serve_app.snapshot import Snapshot
+        from serve_app.control.snapshot import Snapshot
 
         h.replica("m1", queued=120, running=4)
         snap = h.core.tick()
@@ -461,7 +456,7 @@ def test_malformed_demand_reports_are_dropped(h: Harness) -> None:
 
 def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
     from serve_app.config import load_config
-    from serve_app.controller import ControllerCore
+    from serve_app.control.controller import ControllerCore
 
     t = [0.0]
     core = ControllerCore(load_config({}), clock=lambda: t[0], wall_clock=lambda: 1000.0 + t[0])
@@ -478,7 +473,8 @@ def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
 def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
     """Running lags the target: a replica Serve has not stopped yet must not undo the decision."""
     from serve_app.config import load_config
-    from serve_app.controller import MODEL_DEPLOYMENT, ControllerCore
+    from serve_app.control.controller import ControllerCore
+    from serve_app.control.link import MODEL_DEPLOYMENT
 
     cfg = load_config({
         "deployments": {"model": {"min_replicas": 1, "max_replicas": 2}},
@@ -504,7 +500,7 @@ def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
 
 def test_leases_split_a_tenants_rate_by_demand_and_cap_borrowing():
     from serve_app.config import load_config
-    from serve_app.controller import ControllerCore
+    from serve_app.control.controller import ControllerCore
 
     cfg = load_config({
         "tenants": {

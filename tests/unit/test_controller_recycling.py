@@ -14,7 +14,8 @@ import pytest
 
 from fakes import FakeClock
 from serve_app.config import load_config
-from serve_app.controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ControllerCore
+from serve_app.control.controller import ControllerCore
+from serve_app.control.link import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
 
 WALL0 = 1_000_000
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from policies.limiter import AimdLimit, LimiterConfig
-from serve_app.gate import GateRefused, GateSlot, PriorityGate
+from serve_app.router.gate import GateRefused, GateSlot, PriorityGate
 
 
 def gate(limit: int = 1, max_waiting: int = 8, max_wait_s: float = 2.0, **kw) -> PriorityGate:
@@ -216,7 +216,7 @@ def test_a_slot_is_given_back_once_even_if_never_released_by_hand():
 
 
 def test_the_demand_window_rates_offers_per_criticality_and_knows_when_the_gate_was_full():
-    from serve_app.gate import DemandWindow
+    from serve_app.router.gate import DemandWindow
 
     t = [0.0]
     w = DemandWindow(window_s=10.0, clock=lambda: t[0], max_entries=100)

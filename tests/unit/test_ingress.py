@@ -1,4 +1,4 @@
-"""serve_app.ingress: which environment selects which HTTP ingress."""
+"""serve_app.router.ingress: which environment selects which HTTP ingress."""
 
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from serve_app.config import load_config
-from serve_app.ingress import FAST_PATH_ENV, apply_ingress_env, ingress_env, running_fast_path, running_ingress
+from serve_app.router.ingress import FAST_PATH_ENV, apply_ingress_env, ingress_env, running_fast_path, running_ingress
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,8 +37,8 @@ def test_the_fast_path_is_on_by_default_and_can_be_turned_off():
 
 
 def test_serve_access_lines_are_off_by_default_and_reach_every_deployment():
-    from serve_app.model_server import fallback_deployment, model_deployment
-    from serve_app.router import router_deployment
+    from serve_app.model.server import fallback_deployment, model_deployment
+    from serve_app.router.app import router_deployment
 
     local = yaml.safe_load((ROOT / "cluster/local.yaml").read_text())  # it has a fallback deployment
     for access_log in (False, True):

@@ -1,8 +1,8 @@
-"""Pure parts of serve_app.model_server (the replica itself runs in the integration suite)."""
+"""Pure parts of serve_app.model.server (the replica itself runs in the integration suite)."""
 
 from collections import deque
 
-from serve_app.model_server import WAIT_WINDOW_S, recent_percentile
+from serve_app.model.server import WAIT_WINDOW_S, recent_percentile
 
 
 def test_queue_wait_p95_forgets_waits_older_than_the_window():
@@ -24,7 +24,7 @@ def test_a_cpu_replica_takes_its_configured_torch_threads():
     import torch
 
     from serve_app.config import ModelConfig
-    from serve_app.model_server import build_backend
+    from serve_app.model.server import build_backend
 
     before = torch.get_num_threads()
     small = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq_len": 64}

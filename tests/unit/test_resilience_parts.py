@@ -1,4 +1,4 @@
-"""The pure parts of serve_app/resilience.py: Bulkhead, ResponseCache, classify().
+"""The pure parts of serve_app/router/resilience.py: Bulkhead, ResponseCache, classify().
 
 No Ray is started: the Ray and Serve exception classes are constructed directly,
 as their public constructors allow.
@@ -14,9 +14,9 @@ from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from policies.retry import FAILURE_KINDS
-from serve_app.chaos import InjectedFault
+from serve_app.model.chaos import InjectedFault
 from serve_app.errors import DeadlineExceeded, ModelUnavailable
-from serve_app.resilience import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
+from serve_app.router.resilience import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
 
 from fakes import FakeClock
 

@@ -1,4 +1,4 @@
-"""serve_app.snapshot: ordering, the fail-static cache walked second by second, the exchange.
+"""serve_app.control.snapshot: ordering, the fail-static cache walked second by second, the exchange.
 
 The cache's wall clock is a ``FakeWallClock`` advanced in whole seconds; the
 exchange's controller call is an async fake. Nothing here sleeps on real time
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig
-from serve_app.snapshot import Snapshot, SnapshotCache, SnapshotExchange
+from serve_app.control.snapshot import Snapshot, SnapshotCache, SnapshotExchange
 
 DEG = DegradationConfig()
 STALE_S = 3

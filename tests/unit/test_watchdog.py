@@ -1,4 +1,4 @@
-"""serve_app.watchdog.WatchdogCore: sampling, leak verdicts, the ladder and hangs, without Ray.
+"""serve_app.control.watchdog.WatchdogCore: sampling, leak verdicts, the ladder and hangs, without Ray.
 
 The replica process is a ``FakeProcess`` (it cannot be a real leaking process in a
 unit test) and the GPU a ``FakeGpu`` (this machine has no GPU); time is a
@@ -13,8 +13,8 @@ from typing import Optional
 import pytest
 
 from serve_app.config import WatchdogSettings
-from serve_app.gpu import ProcessGpuSample
-from serve_app.watchdog import MB, PsutilSampler, WatchdogCore
+from serve_app.model.gpu import ProcessGpuSample
+from serve_app.control.watchdog import MB, PsutilSampler, WatchdogCore
 
 from fakes import FakeClock
 
@@ -37,7 +37,7 @@ class FakeProcess:
 
 
 class FakeGpu:
-    """Stands in for serve_app.gpu.ProcessGpuProbe: a fixed share of an 80 GiB device."""
+    """Stands in for serve_app.model.gpu.ProcessGpuProbe: a fixed share of an 80 GiB device."""
 
     def __init__(self, used_bytes: int, total_bytes: int = 80 * GIB) -> None:
         self.used, self.total = used_bytes, total_bytes

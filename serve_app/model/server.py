@@ -1,7 +1,7 @@
 """The model deployment: a torch model with iteration-level batching, streaming token batches.
 
 One replica holds one backend (GPU when present, else CPU) and one engine loop
-that runs a :class:`~serve_app.backends.LiveBatch` chunk by chunk
+that runs a :class:`~serve_app.model.backends.LiveBatch` chunk by chunk
 (``stream_chunk_tokens`` decode steps each). A request from the router waits in
 the replica's line until the next chunk boundary, joins the running batch there
 and leaves it as soon as it has its own tokens, so a short request never waits
@@ -14,12 +14,12 @@ Degradation constraints reach the replica through its snapshot cache: the batch
 size limit follows ``max_batch_size`` of the current level and ``max_tokens`` is
 clamped again here (the router already clamped; a replica never trusts that).
 
-Each replica spawns its own watchdog actor (``serve_app.watchdog``) and beats to it
+Each replica spawns its own watchdog actor (``serve_app.control.watchdog``) and beats to it
 every ``watchdog.interval_s`` with its in-flight count and a progress counter the
 work loop bumps once per decode step; the reply carries the watchdog's ladder
 actions (gc, empty the CUDA cache) and whether to keep taking work. Readiness
 reaches Serve's request routing through ``record_routing_stats`` (see
-``serve_app.routing``). A recycle order for this replica in the snapshot makes
+``serve_app.model.routing``). A recycle order for this replica in the snapshot makes
 ``check_health`` fail, so Serve drains it gracefully and starts a replacement
 (Serve has no restart API); the order lapses with its lease.
 
@@ -42,15 +42,15 @@ from ray import serve
 
 from policies.admission import clamp_max_tokens
 
-from .backends import BackendSpec, ByteStreamDecoder, TinyDecoderConfig, load_backend
-from .chaos import ChaosAgent
-from .config import BallastConfig, ModelConfig, load_config
-from .controller import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
-from .errors import DeadlineExceeded
-from .gpu import make_gpu_probe, visible_gpu_uuid
-from .resilience import DEADLINE_LEAD_S
-from .routing import request_router_config
-from .snapshot import Snapshot
+from serve_app.model.backends import BackendSpec, ByteStreamDecoder, TinyDecoderConfig, load_backend
+from serve_app.model.chaos import ChaosAgent
+from serve_app.config import BallastConfig, ModelConfig, load_config
+from serve_app.control.link import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
+from serve_app.errors import DeadlineExceeded
+from serve_app.model.gpu import make_gpu_probe, visible_gpu_uuid
+from serve_app.router.resilience import DEADLINE_LEAD_S
+from serve_app.model.routing import request_router_config
+from serve_app.control.snapshot import Snapshot
 
 log = logging.getLogger("ballast.model")
 
@@ -185,7 +185,7 @@ class ModelServer:
 
     # -- watchdog, readiness and recycling ---------------------------------------------
     def _spawn_watchdog(self) -> Any:
-        from .watchdog import spawn_watchdog
+        from serve_app.control.watchdog import spawn_watchdog
 
         try:
             return spawn_watchdog(
@@ -241,7 +241,7 @@ class ModelServer:
         return None
 
     def record_routing_stats(self) -> dict[str, Any]:
-        # Serve polls this and hands it to the request router (serve_app.routing).
+        # Serve polls this and hands it to the request router (serve_app.model.routing).
         return {"ready": self._ready and self._draining() is None}
 
     # -- control loop ------------------------------------------------------------------
@@ -456,7 +456,7 @@ class ModelServer:
 
 def model_deployment(cfg: BallastConfig):
     """The Serve deployment for ``ModelServer`` with options from the config."""
-    from .autoscaling import autoscaling_config
+    from serve_app.control.autoscaling import autoscaling_config
 
     d = cfg.deployments.model
     return serve.deployment(

@@ -41,9 +41,10 @@ from policies.criticality import DEFAULT_CRITICALITY, Criticality
 from policies.limiter import AimdLimit
 from policies.quota import Lease, TokenBucket, lease_rate
 
-from .config import KeyStore, load_config
-from .controller import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT, connect
-from .errors import (
+from serve_app.config import load_config
+from serve_app.router.auth import KeyStore
+from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT, connect
+from serve_app.errors import (
     BallastError,
     ChaosDisabled,
     ConcurrencyLimited,
@@ -58,11 +59,11 @@ from .errors import (
     PayloadTooLarge,
     Unauthenticated,
 )
-from .gate import DemandWindow, GateRefused, GateSlot, PriorityGate
-from .idempotency import IdempotencyStore
-from .ingress import running_fast_path, running_ingress
-from .resilience import DEADLINE_LEAD_S, CallHooks, ResilientCaller
-from .snapshot import Snapshot
+from serve_app.router.gate import DemandWindow, GateRefused, GateSlot, PriorityGate
+from serve_app.router.idempotency import IdempotencyStore
+from serve_app.router.ingress import running_fast_path, running_ingress
+from serve_app.router.resilience import DEADLINE_LEAD_S, CallHooks, ResilientCaller
+from serve_app.control.snapshot import Snapshot
 
 log = logging.getLogger("ballast.router")
 

@@ -1,4 +1,4 @@
-"""``ballast`` (``python -m serve_app.cli``): the local stack behind ``make serve`` / ``make stop``,
+"""``ballast`` (``python -m serve_app.ops.cli``): the local stack behind ``make serve`` / ``make stop``,
 and the operator's commands over the admin API: ``status``, ``tenants``,
 ``kill-switch on|off|list``, ``chaos on|off`` (admin token from ``$BALLAST_ADMIN_TOKEN``).
 
@@ -41,7 +41,7 @@ def _wait_ready(url: str, timeout_s: float) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .config import load_config
+    from serve_app.config import load_config
 
     cfg = load_config(args.config)
     if PIDFILE.exists():
@@ -55,8 +55,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import ray
 
-    from .app import shutdown, start
-    from .ingress import apply_ingress_env
+    from serve_app.ops.app import shutdown, start
+    from serve_app.router.ingress import apply_ingress_env
 
     apply_ingress_env(cfg)
     ray.init(include_dashboard=args.dashboard, logging_level="WARNING")

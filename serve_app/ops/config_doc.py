@@ -1,6 +1,6 @@
 """Render docs/configuration.md from the config model itself, so the reference cannot drift.
 
-``python -m serve_app.config_doc > docs/configuration.md``; a unit test regenerates it
+``python -m serve_app.ops.config_doc > docs/configuration.md``; a unit test regenerates it
 and fails on any difference. Units come from the names (STYLE 3: ``_s``, ``_ms``,
 ``_pct``, ``_ratio``, ``_bytes``, ``_per_s``...).
 """
@@ -11,7 +11,7 @@ from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel
 
-from .config import BallastConfig
+from serve_app.config import BallastConfig
 
 UNITS = [
     ("_tokens_per_s", "tokens/s"),
@@ -110,7 +110,7 @@ def render() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from `serve_app/config.py` by `python -m serve_app.config_doc`; a test fails",
+        "Generated from `serve_app/config.py` by `python -m serve_app.ops.config_doc`; a test fails",
         "when this file and the code disagree. One YAML file (`cluster/local.yaml`, or the",
         "`args.config` of `cluster/serve_config.yaml`) holds these keys; unknown keys are refused,",
         "and every error names its field. The comments in `serve_app/config.py` and",

@@ -44,7 +44,7 @@ from policies import recycle
 from policies.lease import LeaseLost, LeaseTable
 from policies.recycle import InFlight, RecycleState, ReplicaView
 
-from .config import RecycleSettings
+from serve_app.config import RecycleSettings
 
 log = logging.getLogger("ballast.recycle")
 

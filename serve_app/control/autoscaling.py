@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from policies.autoscale import AutoscaleConfig, queue_length_fallback
 
-from .config import BallastConfig
+from serve_app.config import BallastConfig
 
 log = logging.getLogger("ballast.autoscaling")
 
@@ -112,7 +112,7 @@ def autoscaling_config(cfg: BallastConfig) -> dict[str, Any]:
         "metrics_interval_s": 1.0,
         "look_back_period_s": 5.0,
         "policy": {
-            "policy_function": "serve_app.autoscaling:ControllerDrivenPolicy",
+            "policy_function": "serve_app.control.autoscaling:ControllerDrivenPolicy",
             "policy_kwargs": {
                 "controller_name": c.name,
                 "namespace": c.namespace,

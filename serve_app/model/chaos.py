@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .errors import BallastError
+from serve_app.errors import BallastError
 
 MB = 1024 * 1024
 

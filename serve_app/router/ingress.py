@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-from .config import BallastConfig
+from serve_app.config import BallastConfig
 
 
 # ``http.fast_path``: three of the settings Serve's own RAY_SERVE_THROUGHPUT_OPTIMIZED

@@ -1,6 +1,6 @@
 """Grafana dashboards as code: Panel/Target dataclasses rendered to committed JSON.
 
-``python -m serve_app.dashboards`` writes ``cluster/grafana/dashboards/*.json``; a unit
+``python -m serve_app.ops.dashboards`` writes ``cluster/grafana/dashboards/*.json``; a unit
 test regenerates them and fails on any difference, and an integration test runs
 every panel's query against a real Prometheus scraping a live local Ray.
 
@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "cluster/grafana/dashboards"
+OUT = Path(__file__).resolve().parents[2] / "cluster/grafana/dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 

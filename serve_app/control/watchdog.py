@@ -36,9 +36,9 @@ import ray
 
 from policies.leak import Action, LadderState, LeakDetector, SeriesSpec, Usage, assess, is_hung
 
-from .config import BallastConfig, WatchdogSettings, load_config
-from .controller import ControllerLink
-from .gpu import make_process_gpu_probe
+from serve_app.config import BallastConfig, WatchdogSettings, load_config
+from serve_app.control.link import ControllerLink
+from serve_app.model.gpu import make_process_gpu_probe
 
 log = logging.getLogger("ballast.watchdog")
 

@@ -2,7 +2,7 @@
 
 ``build(cfg)`` is for code that already holds a config (the CLI, tests, benchmarks).
 ``build_app(args)`` is the import path for ``serve run`` / ``serve deploy``
-(``serve_app.app:build_app``); ``args`` carries ``config_path`` or an inline ``config``.
+(``serve_app.ops.app:build_app``); ``args`` carries ``config_path`` or an inline ``config``.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 from ray.serve import Application
 
-from .config import BallastConfig, load_config
-from .controller import ensure_controller
-from .model_server import fallback_deployment, model_deployment
-from .router import router_deployment
+from serve_app.config import BallastConfig, load_config
+from serve_app.control.controller import ensure_controller
+from serve_app.model.server import fallback_deployment, model_deployment
+from serve_app.router.app import router_deployment
 
 
 def build(cfg: BallastConfig) -> Application:
@@ -49,7 +49,7 @@ def shutdown(cfg: BallastConfig) -> None:
     import ray
     from ray import serve
 
-    from .controller import lookup_controller
+    from serve_app.control.link import lookup_controller
 
     serve.shutdown()
     handle = lookup_controller(cfg)

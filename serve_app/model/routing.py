@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 
-ROUTER_PATH = "serve_app.routing:ReadinessAwareRouter"
+ROUTER_PATH = "serve_app.model.routing:ReadinessAwareRouter"
 
 
 def is_ready(routing_stats: Optional[dict[str, Any]]) -> bool:

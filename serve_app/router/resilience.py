@@ -38,8 +38,8 @@ from policies import killswitch
 from policies.breaker import BreakerConfig, BreakerEvent, CircuitBreaker, Permit
 from policies.retry import RetryBudget, RetryConfig, backoff_s, should_retry
 
-from .config import BallastConfig
-from .errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable
+from serve_app.config import BallastConfig
+from serve_app.errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable
 
 MIN_ATTEMPT_S = 0.05  # no point starting an attempt with less time than this
 # An attempt ends this much before the request's deadline, so that a hung backend is

@@ -35,20 +35,17 @@ from policies.autoscale import AutoscaleSample, AutoscaleState
 from policies.criticality import Criticality
 from policies.degradation import DegradationState, LoadSignals
 
-from .config import BallastConfig, load_config
-from .recycling import RecycleCoordinator
-from .snapshot import Snapshot, SnapshotCache, SnapshotExchange
+from serve_app.config import BallastConfig, load_config
+from serve_app.control.recycling import RecycleCoordinator
+from serve_app.control.link import CHAOS_TARGETS, FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from serve_app.control.snapshot import Snapshot
 
 log = logging.getLogger("ballast.controller")
 
-MODEL_DEPLOYMENT = "BallastModel"
-FALLBACK_DEPLOYMENT = "BallastFallbackModel"
-ROUTER_DEPLOYMENT = "BallastRouter"
 MAX_SENDERS = 4096
 MAX_OUTCOME_BUCKETS = 1024
 MAX_KILL_SWITCHES = 256
 MAX_AUDIT = 1000
-CHAOS_TARGETS = {"primary": MODEL_DEPLOYMENT, "fallback": FALLBACK_DEPLOYMENT}
 
 
 class _Reports:
@@ -236,7 +233,7 @@ class ControllerCore:
     def desired(self, deployment: str) -> int:
         return int(self._snapshot.desired_replicas.get(deployment, 0))
 
-    # -- recycling (serve_app.recycling) ---------------------------------------------------
+    # -- recycling (serve_app.control.recycling) ---------------------------------------------------
     def request_recycle(self, replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str) -> list[str]:
         known = {str(r.get("replica_id")): str(r.get("deployment")) for r in self._replicas.fresh()}
         chosen = self.recycler.request(known, replica_id, deployment, everyone, by)
@@ -343,7 +340,7 @@ class ControllerCore:
         )
         # The recycler's surge (from the last tick): one replica more while the primary has
         # a recycle waiting on min_available or in flight, or a replica its watchdog stopped
-        # (serve_app/recycling.py, "Surge").
+        # (serve_app/control/recycling.py, "Surge").
         surge = 1 if MODEL_DEPLOYMENT in self.recycler.surging else 0
         desired_model = min(self._as_cfg.max_replicas, as_decision.desired_replicas + surge)
         targets = {MODEL_DEPLOYMENT: desired_model}
@@ -637,58 +634,3 @@ def ensure_controller(cfg: BallastConfig) -> "ray.actor.ActorHandle":
     handle = Controller.options(**controller_options(cfg)).remote(cfg.model_dump(mode="json"))
     handle.configure.remote(cfg.model_dump(mode="json"))
     return handle
-
-
-def lookup_controller(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":
-    try:
-        return ray.get_actor(cfg.controller.name, namespace=cfg.controller.namespace)
-    except ValueError:
-        return None
-
-
-class ControllerLink:
-    """How routers and replicas reach the controller: lazy lookup, reset on failure.
-
-    The blocking GCS lookup runs in a thread so the replica's event loop never waits on
-    it. If the actor is gone for good (killed without restart), the next lookup
-    creates it again (``get_if_exists``), so the control loop heals itself.
-    """
-
-    def __init__(self, cfg: BallastConfig):
-        self._cfg = cfg
-        self._handle: "Optional[ray.actor.ActorHandle]" = None
-
-    async def call(self, method: str, *args: Any) -> Any:
-        if self._handle is None:
-            self._handle = await asyncio.to_thread(self._get_or_create)
-        try:
-            return await getattr(self._handle, method).remote(*args)
-        except Exception:
-            self._handle = None
-            raise
-
-    def _get_or_create(self) -> "ray.actor.ActorHandle":
-        return lookup_controller(self._cfg) or ensure_controller(self._cfg)
-
-
-def connect(
-    cfg: BallastConfig,
-    report_method: str,
-    make_report: Callable[[], dict[str, Any]],
-    on_snapshot: Optional[Callable[[Snapshot], None]] = None,
-    on_reply: Optional[Callable[[dict[str, Any]], None]] = None,
-) -> tuple[ControllerLink, SnapshotCache, SnapshotExchange]:
-    """What every router and replica holds: the link, the fail-static cache, the report loop."""
-    c = cfg.controller
-    link = ControllerLink(cfg)
-    cache = SnapshotCache(cfg.degradation_config(), c.snapshot_stale_s, c.snapshot_max_stale_s, c.fail_static_level)
-    exchange = SnapshotExchange(
-        cache,
-        call=lambda report: link.call(report_method, report),
-        make_report=make_report,
-        interval_s=c.report_interval_s,
-        timeout_s=c.call_timeout_s,
-        on_snapshot=on_snapshot,
-        on_reply=on_reply,
-    )
-    return link, cache, exchange

@@ -1,0 +1,1 @@
+"""The control loop: controller actor, snapshot, recycling, watchdog actor, autoscaling adapter."""

@@ -1,0 +1,1 @@
+"""Model replicas: engines, the replica deployment, GPU probes, chaos, request routing."""

@@ -1,0 +1,1 @@
+"""Operating Ballast: the app builder, CLI, dashboards as code, the config reference."""

@@ -1,0 +1,1 @@
+"""The HTTP ingress: the router deployment, gate, resilience, idempotency, ingress settings."""
