@@ -1,0 +1,71 @@
+"""Checks that policies' frozen config dataclasses run in ``__post_init__`` (STYLE 5).
+
+One set for every policy, so that a config error reads the same everywhere: the
+field's name, what it must be, and what it got. ``bool`` is refused wherever a
+number is expected: it is an ``int`` subclass, and ``True`` as a threshold is a
+config bug, not 1.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_finite(value: object) -> bool:
+    return is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def check_int(name: str, value: object, *, minimum: int, maximum: Optional[int] = None) -> None:
+    """An int in [minimum, maximum] (no upper bound when ``maximum`` is None)."""
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):  # type: ignore[operator]
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name}: must be an int {bound}, got {value!r}")
+
+
+def check_finite(name: str, value: object, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not is_finite(value):
+        raise ValueError(f"{name}: must be a finite number{_or_none(optional)}, got {value!r}")
+
+
+def check_positive(name: str, value: object, *, optional: bool = False) -> None:
+    """A finite number > 0."""
+    if optional and value is None:
+        return
+    if not is_finite(value) or value <= 0:  # type: ignore[operator]
+        raise ValueError(f"{name}: must be a finite number > 0{_or_none(optional)}, got {value!r}")
+
+
+def check_non_negative(name: str, value: object, *, optional: bool = False) -> None:
+    """A finite number >= 0."""
+    if optional and value is None:
+        return
+    if not is_finite(value) or value < 0:  # type: ignore[operator]
+        raise ValueError(f"{name}: must be a finite number >= 0{_or_none(optional)}, got {value!r}")
+
+
+def check_ratio(name: str, value: object, *, optional: bool = False) -> None:
+    """A share in (0, 1]."""
+    if optional and value is None:
+        return
+    if not is_number(value) or not 0 < value <= 1:  # type: ignore[operator]
+        raise ValueError(f"{name}: must be in (0, 1]{_or_none(optional)}, got {value!r}")
+
+
+def check_name(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name}: must be a non-empty str, got {value!r}")
+
+
+def _or_none(optional: bool) -> str:
+    return " or None" if optional else ""
