@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 
 import httpx
 import pytest
+from fakes import FakeClock
 
 from policies.throttle import ThrottleConfig
 from serve_app.client import (
@@ -60,17 +61,6 @@ ANSWER = {
 
 
 # ============================================================================ fakes
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-    def advance(self, seconds: float) -> None:
-        self.now_s += seconds
 
 
 class FakeSleep:
