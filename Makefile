@@ -1,4 +1,5 @@
 # Ballast: everything installs into .venv on first use, pinned by constraints.txt.
+# The server is the `serve` extra; `pip install .` alone is the client SDK (httpx only).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ CONFIG ?= cluster/local.yaml
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,load]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[serve,test,load]'
 	touch $(STAMP)
 
 install: $(STAMP)
