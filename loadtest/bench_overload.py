@@ -127,7 +127,7 @@ class Stack:
     url: str
     headers: dict[str, str]
     body: Callable[[str], dict[str, Any]]
-    # When set, requests go through Ballast's SDK (serve_app/client.py) made by this:
+    # When set, requests go through Ballast's SDK (serve_app/client/) made by this:
     # one client for all the phases, as a long-lived caller has, so its per-criticality
     # adaptive throttle (2-minute window) carries what it learnt from one phase into the next.
     sdk: Optional[Callable[[], Any]] = None
