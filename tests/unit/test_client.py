@@ -9,6 +9,7 @@ backoffs are exact (full jitter with u = 0.5 is half the cap).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import pickle
@@ -809,3 +810,54 @@ def test_one_shared_throttle_when_not_per_criticality() -> None:
             h.client.generate("Hello", criticality="sheddable")
     with pytest.raises(ThrottledLocally):  # the critical call is throttled by the sheddable refusals
         h.client.generate("Hello", criticality="critical")
+
+
+# ============================================================================ sync/async parity
+
+
+def _parity_script() -> list[Answer]:
+    """A refusal with Retry-After, a dropped connection, then a unary answer; then a stream."""
+    return [
+        overloaded(retry_after_s=2.0),
+        httpx.ConnectError("refused"),
+        ok(),
+        error(429, "QUOTA_EXCEEDED", retry_after_s=1.0),
+        sse(("token", {"text": "he"}), ("token", {"text": "llo"}), ("done", DONE)),
+        error(403, "FORBIDDEN"),
+    ]
+
+
+def _wire(h: Harness) -> list[tuple[str, str, dict[str, str], bytes]]:
+    return [(r.method, r.url.path, dict(r.headers), r.content) for r in h.server.requests]
+
+
+def test_sync_and_async_clients_send_the_same_requests_and_wait_the_same_times() -> None:
+    """Both clients drive one shared core; only send/read/sleep differ, so the wire must match."""
+    cfg = dict(request_timeout_ms=30_000, retry_budget_min_retries=10)
+    sync_h = Harness(scripted_server(*_parity_script()), **cfg)
+    async_h = Harness(scripted_server(*_parity_script()), is_async=True, **cfg)
+
+    sync_out: list[Any] = [sync_h.client.generate("Hello", idempotency_key="k-1").text]
+    with sync_h.client.stream("Hello", criticality="sheddable") as tokens:
+        sync_out.append(list(tokens))
+    with pytest.raises(Forbidden):
+        sync_h.client.generate("Hello")
+
+    async def run_async() -> list[Any]:
+        out: list[Any] = [(await async_h.client.generate("Hello", idempotency_key="k-1")).text]
+        async with async_h.client.stream("Hello", criticality="sheddable") as stream:
+            out.append([text async for text in stream])
+        with pytest.raises(Forbidden):
+            await async_h.client.generate("Hello")
+        return out
+
+    async_out = asyncio.run(run_async())
+    assert sync_out == async_out == ["hello world", ["he", "llo"]]
+    assert sync_h.sleep.waits_s == async_h.sleep.waits_s == [2.0, 0.1, 1.0]
+    sync_wire, async_wire = _wire(sync_h), _wire(async_h)
+    assert len(sync_wire) == 6
+    for (s_method, s_path, s_headers, s_body), (a_method, a_path, a_headers, a_body) in zip(sync_wire, async_wire):
+        assert (s_method, s_path, s_body) == (a_method, a_path, a_body)
+        assert s_headers == a_headers  # Idempotency-Key, X-Request-Timeout-Ms and User-Agent included
+    assert sync_wire[4][2]["accept"] == "text/event-stream" and "idempotency-key" not in sync_wire[4][2]
+    assert sync_h.client.retry_budget.snapshot() == async_h.client.retry_budget.snapshot()
