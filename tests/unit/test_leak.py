@@ -209,7 +209,7 @@ def test_a_few_huge_spikes_do_not_make_a_flat_series_leak() -> None:
     tr = det.trends(WINDOW_S)["rss_bytes"]
     assert not tr.leaking and abs(tr.slope_per_h) < 5 * MB
     # The same bucket points would read as a steep rise to ordinary least squares.
-    points = [(b[2] / b[1], b[3] / b[1]) for b in det._buckets["rss_bytes"]]
+    points = det.points("rss_bytes", WINDOW_S)
     assert ols_slope(points) * 3600 > RSS.slope_threshold_per_h
 
 
