@@ -1,7 +1,7 @@
 """serve_app.control.watchdog.WatchdogCore: sampling, leak verdicts, the ladder and hangs, without Ray.
 
-The replica process is a ``FakeProcess`` (it cannot be a real leaking process in a
-unit test) and the GPU a ``FakeGpu`` (this machine has no GPU); time is a
+The replica process is a ``FakeProcess`` or ``FakeShapedProcess`` (it cannot be a real
+leaking process in a unit test) and the GPU a ``FakeGpu`` (this machine has no GPU); time is a
 ``FakeClock``. The real psutil sampler is exercised against this test's own process.
 """
 
@@ -296,3 +296,10 @@ def test_sawtooth_warm_up_growth_and_a_one_off_step_are_no_leak(shape: Callable[
         assert (r["severity"], r["reason"], r["ready"]) == ("ok", None, True), f"t={clock()}"
         assert not r["trends"].get("rss_bytes", {}).get("leaking"), f"t={clock()}"
     assert sum(r["actions_total"].values()) == 0 and c.beat(0, 0)["actions"] == []
+
+
+def test_a_3_mb_per_s_leak_under_a_gc_sawtooth_is_still_named_within_two_minutes_of_warm_up() -> None:
+    c, clock = local_core(lambda t: 700.0 + 3.0 * t + 200.0 * (t % 60) / 60)
+    t, r = walk_until_recycle(c, clock, 600)
+    assert t == 215 and t - LOCAL.warmup_s <= 120 and r["trends"]["rss_bytes"]["short_window"]
+    assert r["severity"] == "critical" and r["recycle_requested"] and r["rss_bytes"] < LIMIT_MB * MB
