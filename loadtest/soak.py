@@ -88,6 +88,9 @@ def history_interval_s(day_real_s: float) -> float:
 #: What a compressed day divides by the time scale, and the floor under each (seconds).
 COMPRESSED = {
     ("watchdog", "leak_window_s"): 30.0,
+    ("watchdog", "leak_short_window_s"): 20.0,  # 1 s samples: min_points (10) need >= 10 s of span
+    ("watchdog", "leak_short_min_span_s"): 10.0,
+    ("watchdog", "leak_short_horizon_s"): 30.0,
     ("watchdog", "step_interval_s"): 1.0,
     ("watchdog", "warn_tto_s"): 60.0,
     ("watchdog", "critical_tto_s"): 30.0,

@@ -29,6 +29,27 @@ its start, so buckets stay in time order. No verdict before the samples span
 ``min_span_ratio`` of the window in ``min_points`` buckets: over a short span
 any slope looks credible.
 
+**Two windows (SRE's fast and slow burn).** The long window alone names a leak
+only after half an hour (half of the default hour): a replica leaking 3 MB/s
+against a 4 GiB budget would be at its limit by then. So a second, short window
+(``short_window_s``, 300 s in 5 s buckets) is fitted the same way and names a
+leak once its samples span ``short_min_span_s`` (90 s), if the time to the limit
+is under ``short_horizon_s`` (the hour) and the rise is *sustained*: each half
+of the short window, fitted alone, rises at least half as fast as the whole.
+That is what tells a leak from what only looks like one over 90 s: a one-off
+step (a line through a step scores R² up to 0.75) or growth that has just
+stopped (warm-up) leaves one half flat, and a GC sawtooth whose teeth are
+shorter than the span has its drops in both halves (R² near 0). A tooth longer
+than the span is a ramp as far as any 90 s of evidence can tell; raise
+``short_min_span_s`` where teeth are that long. Whichever window says the limit
+comes sooner is the trend reported; the slow leaks, far from their limit, stay
+the long window's.
+
+**Absolute ceiling.** Whatever the trends say, usage at ``warning_ratio`` of a
+limit walks the ladder and at ``critical_ratio`` takes every rung at once
+(uWSGI's reload-on-rss): a flat replica over its ceiling is recycled too, and a
+leak faster than any window can judge is still caught before the limit.
+
 **Ladder.** The seed's escalation — gc, clear the CUDA cache, refuse new work,
 restart — one rung per ``step_interval_s`` while the problem is a *warning*,
 so each cheap remedy gets time to show its effect before a dearer one is
@@ -57,26 +78,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping, Optional, Sequence
 
+from policies.validation import check_finite, check_int, check_name, check_positive, check_ratio, is_finite
+
 _EPSILON = 1e-9  # span / ratio comparisons: 0.97 × limit must not need one more byte
 
 
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
-
-
-def _check_unit(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value <= 1):
-        raise ValueError(f"{name}: must be in (0, 1], got {value!r}")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
-
-
-def _is_finite(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 # --------------------------------------------------------------------------- trend
@@ -89,29 +95,44 @@ class SeriesSpec:
     limit: Optional[float] = None  # where the replica fails; None: no time-to-limit
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"name: must be a non-empty str, got {self.name!r}")
-        _check_positive("slope_threshold_per_h", self.slope_threshold_per_h)
-        if self.limit is not None:
-            _check_positive("limit", self.limit)
+        check_name("name", self.name)
+        check_positive("slope_threshold_per_h", self.slope_threshold_per_h)
+        check_positive("limit", self.limit, optional=True)
 
 
 @dataclass(frozen=True)
 class LeakConfig:
-    window_s: float = 3600.0  # trend window
-    min_span_ratio: float = 0.5  # no verdict until samples span this fraction of the window...
-    min_points: int = 10  # ...and fill this many buckets
+    window_s: float = 3600.0  # long (slow-burn) trend window
+    min_span_ratio: float = 0.5  # no long verdict until samples span this fraction of the window...
+    min_points: int = 10  # ...and fill this many buckets (the short window's too)
     max_points: int = 120  # buckets per window: the memory bound, and n for the O(n²) fit
     r2_threshold: float = 0.7  # below this fit quality a slope is noise, not a trend (seed 000)
+    # Short (fast-burn) window: a leak that would reach its limit within short_horizon_s
+    # is named as soon as short_min_span_s of samples show it, not after half an hour.
+    short_window_s: float = 300.0
+    short_min_span_s: float = 90.0  # longer than a GC tooth: a drop must land in the span
+    short_max_points: int = 60  # 5 s buckets at the default: 1 Hz samples averaged by 5
+    short_horizon_s: float = 3600.0  # the short window names only leaks this close to their limit
 
     def __post_init__(self) -> None:
-        _check_positive("window_s", self.window_s)
-        _check_unit("min_span_ratio", self.min_span_ratio)
-        _check_int("min_points", self.min_points, 3)  # R² of fewer than 3 points is always 1
-        _check_int("max_points", self.max_points, 3)
-        if self.min_points > self.max_points:  # a window that could never be judged
-            raise ValueError(f"min_points: must be <= max_points ({self.max_points}), got {self.min_points}")
-        _check_unit("r2_threshold", self.r2_threshold)
+        check_positive("window_s", self.window_s)
+        check_ratio("min_span_ratio", self.min_span_ratio)
+        check_int("min_points", self.min_points, minimum=3)  # R² of fewer than 3 points is always 1
+        check_int("max_points", self.max_points, minimum=3)
+        check_int("short_max_points", self.short_max_points, minimum=3)
+        if self.min_points > min(self.max_points, self.short_max_points):  # a window that could never be judged
+            bound = min(self.max_points, self.short_max_points)
+            raise ValueError(f"min_points: must be <= max_points and short_max_points ({bound}), got {self.min_points}")
+        check_ratio("r2_threshold", self.r2_threshold)
+        check_positive("short_window_s", self.short_window_s)
+        check_positive("short_min_span_s", self.short_min_span_s)
+        check_positive("short_horizon_s", self.short_horizon_s)
+        if self.short_window_s > self.window_s:
+            raise ValueError(f"short_window_s: must be <= window_s ({self.window_s}), got {self.short_window_s}")
+        if self.short_min_span_s > self.short_window_s:
+            raise ValueError(
+                f"short_min_span_s: must be <= short_window_s ({self.short_window_s}), got {self.short_min_span_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -123,8 +144,9 @@ class Trend:
     points: int
     span_s: float
     judged: bool  # enough span and points for a verdict
-    leaking: bool  # judged, r2 >= r2_threshold and slope_per_h >= the spec's threshold
+    leaking: bool  # judged, r2 >= r2_threshold and slope_per_h >= the spec's threshold (short: and more, see fit_short)
     time_to_limit_s: Optional[float]  # judged, credible, rising, with a limit: floored at 0
+    short: bool = False  # fitted over the short (fast-burn) window rather than the long one
 
 
 def theil_sen(ts: Sequence[float], vs: Sequence[float]) -> tuple[float, float]:
@@ -150,8 +172,17 @@ def _median(xs: list[float]) -> float:
     return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2.0
 
 
-def fit(points: Sequence[tuple[float, float]], spec: SeriesSpec, cfg: LeakConfig) -> Trend:
-    """The trend of one series over ``points`` (t_s, value), sorted by t."""
+@dataclass(frozen=True)
+class _Line:
+    slope_per_s: float
+    fitted_now: float
+    r2: float
+    span_s: float
+    ts: list[float]  # relative to the first point
+    vs: list[float]
+
+
+def _line(points: Sequence[tuple[float, float]]) -> _Line:
     if not points:
         raise ValueError("points: need at least one")
     t0 = points[0][0]
@@ -165,49 +196,87 @@ def fit(points: Sequence[tuple[float, float]], spec: SeriesSpec, cfg: LeakConfig
     ss_tot = sum((v - mean) ** 2 for v in vs)
     ss_res = sum((v - intercept - slope_per_s * t) ** 2 for t, v in zip(ts, vs))
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0
-    span_s = ts[-1]
-    fitted_now = intercept + slope_per_s * span_s
-    slope_per_h = slope_per_s * 3600.0
-    judged = len(points) >= cfg.min_points and span_s >= cfg.min_span_ratio * cfg.window_s - _EPSILON
-    credible = judged and r2 >= cfg.r2_threshold
-    tto: Optional[float] = None
-    if credible and slope_per_s > 0 and spec.limit is not None:
-        tto = max(0.0, (spec.limit - fitted_now) / slope_per_s)
+    return _Line(slope_per_s, intercept + slope_per_s * ts[-1], r2, ts[-1], ts, vs)
+
+
+def _time_to_limit(line: _Line, spec: SeriesSpec) -> Optional[float]:
+    if line.slope_per_s > 0 and spec.limit is not None:
+        return max(0.0, (spec.limit - line.fitted_now) / line.slope_per_s)
+    return None
+
+
+def fit(points: Sequence[tuple[float, float]], spec: SeriesSpec, cfg: LeakConfig) -> Trend:
+    """The long-window (slow-burn) trend of one series over ``points`` (t_s, value), sorted by t."""
+    line = _line(points)
+    judged = len(points) >= cfg.min_points and line.span_s >= cfg.min_span_ratio * cfg.window_s - _EPSILON
+    credible = judged and line.r2 >= cfg.r2_threshold
+    slope_per_h = line.slope_per_s * 3600.0
     return Trend(
         name=spec.name,
         slope_per_h=slope_per_h,
-        fitted_now=fitted_now,
-        r2=r2,
+        fitted_now=line.fitted_now,
+        r2=line.r2,
         points=len(points),
-        span_s=span_s,
+        span_s=line.span_s,
         judged=judged,
         leaking=credible and slope_per_h >= spec.slope_threshold_per_h,
-        time_to_limit_s=tto,
+        time_to_limit_s=_time_to_limit(line, spec) if credible else None,
     )
 
 
-class LeakDetector:
-    """Bucketed windows of several series and their trends. Not thread-safe: one watchdog owns it."""
+def fit_short(points: Sequence[tuple[float, float]], spec: SeriesSpec, cfg: LeakConfig) -> Trend:
+    """The short-window (fast-burn) trend: a leak only if it is close to its limit *and* still rising.
 
-    def __init__(self, specs: Sequence[SeriesSpec], cfg: LeakConfig) -> None:
-        if not isinstance(cfg, LeakConfig):
-            raise ValueError(f"cfg: must be a LeakConfig, got {cfg!r}")
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"specs: names must be unique, got {names}")
-        self._specs = {s.name: s for s in specs}
-        self._cfg = cfg
-        self._width_s = cfg.window_s / cfg.max_points
+    Judged once the points span ``short_min_span_s`` in ``min_points`` buckets. A leak
+    when, besides the long window's tests (R², slope threshold), the time to the limit
+    is under ``short_horizon_s`` and each half of the points, fitted on its own, rises
+    at no less than half the whole slope. Over a short span a one-off step fits a line
+    with R² up to 0.75, and growth that has just stopped still fits one well; either
+    leaves one half flat. A real leak rises in both.
+    """
+    line = _line(points)
+    n = len(points)
+    judged = n >= cfg.min_points and line.span_s >= cfg.short_min_span_s - _EPSILON
+    credible = judged and line.r2 >= cfg.r2_threshold
+    slope_per_h = line.slope_per_s * 3600.0
+    tto = _time_to_limit(line, spec) if credible else None
+    half = n // 2
+    sustained = credible and all(
+        theil_sen(ts, vs)[0] >= 0.5 * line.slope_per_s
+        for ts, vs in ((line.ts[:half], line.vs[:half]), (line.ts[half:], line.vs[half:]))
+    )
+    return Trend(
+        name=spec.name,
+        slope_per_h=slope_per_h,
+        fitted_now=line.fitted_now,
+        r2=line.r2,
+        points=n,
+        span_s=line.span_s,
+        judged=judged,
+        leaking=sustained
+        and slope_per_h >= spec.slope_threshold_per_h
+        and tto is not None
+        and tto < cfg.short_horizon_s,
+        time_to_limit_s=tto,
+        short=True,
+    )
+
+
+class _Buckets:
+    """Bucketed samples of several series over one window (see the module docstring)."""
+
+    def __init__(self, names: Sequence[str], window_s: float, max_points: int) -> None:
+        self._width_s = window_s / max_points
+        self._max_points = max_points
         # Per series, oldest first: [bucket key, count, sum of t, sum of value].
         # Invariant: keys strictly ascending, newest key - oldest key < max_points.
-        self._buckets: dict[str, deque[list[float]]] = {name: deque() for name in self._specs}
+        self._buckets: dict[str, deque[list[float]]] = {name: deque() for name in names}
 
     def observe(self, t_s: float, values: Mapping[str, Optional[float]]) -> None:
-        """Add one sample per known series; None, missing and non-finite values are skipped."""
         key = math.floor(t_s / self._width_s)
         for name, buckets in self._buckets.items():
             v = values.get(name)
-            if v is None or not _is_finite(v):
+            if v is None or not is_finite(v):
                 continue  # NaN from a broken reader must not poison a whole window
             t_b = t_s
             if buckets and buckets[-1][0] >= key:
@@ -222,30 +291,81 @@ class LeakDetector:
             b[2] += t_b
             b[3] += v
 
-    def trends(self, now_s: float) -> dict[str, Trend]:
-        """One trend per series that has points in the window ending at ``now_s``."""
-        key = math.floor(now_s / self._width_s)
-        out: dict[str, Trend] = {}
-        for name, buckets in self._buckets.items():
-            self._evict(buckets, key)
-            if buckets:
-                points = [(b[2] / b[1], b[3] / b[1]) for b in buckets]
-                out[name] = fit(points, self._specs[name], self._cfg)
-        return out
+    def points(self, name: str, now_s: float) -> list[tuple[float, float]]:
+        buckets = self._buckets[name]
+        self._evict(buckets, math.floor(now_s / self._width_s))
+        return [(b[2] / b[1], b[3] / b[1]) for b in buckets]
 
-    def reset(self, name: Optional[str] = None) -> None:
-        """Forget one series (or all), e.g. after a recycle: the old trend says nothing of the new process."""
+    def reset(self, name: Optional[str]) -> None:
         for n, buckets in self._buckets.items():
             if name is None or n == name:
                 buckets.clear()
 
-    def bucket_count(self, name: str) -> int:
-        """Buckets held for ``name`` (for tests and the status page)."""
+    def count(self, name: str) -> int:
         return len(self._buckets[name])
 
     def _evict(self, buckets: deque[list[float]], key: int) -> None:
-        while buckets and buckets[0][0] <= key - self._cfg.max_points:
+        while buckets and buckets[0][0] <= key - self._max_points:
             buckets.popleft()
+
+
+class LeakDetector:
+    """Two bucketed windows (long, short) of several series and their trends.
+
+    Not thread-safe: one watchdog owns it.
+    """
+
+    def __init__(self, specs: Sequence[SeriesSpec], cfg: LeakConfig) -> None:
+        if not isinstance(cfg, LeakConfig):
+            raise ValueError(f"cfg: must be a LeakConfig, got {cfg!r}")
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"specs: names must be unique, got {names}")
+        self._specs = {s.name: s for s in specs}
+        self._cfg = cfg
+        self._long = _Buckets(names, cfg.window_s, cfg.max_points)
+        self._short = _Buckets(names, cfg.short_window_s, cfg.short_max_points)
+
+    def observe(self, t_s: float, values: Mapping[str, Optional[float]]) -> None:
+        """Add one sample per known series; None, missing and non-finite values are skipped."""
+        self._long.observe(t_s, values)
+        self._short.observe(t_s, values)
+
+    def trends(self, now_s: float) -> dict[str, Trend]:
+        """One trend per series that has points in the window ending at ``now_s``.
+
+        The long window's trend, unless the short window names a leak that the long
+        one does not, or names one that reaches the limit sooner: then the short one.
+        """
+        out: dict[str, Trend] = {}
+        for name, spec in self._specs.items():
+            points = self._long.points(name, now_s)
+            if not points:
+                continue
+            slow = fit(points, spec, self._cfg)
+            out[name] = slow
+            short_points = self._short.points(name, now_s)
+            if len(short_points) < self._cfg.min_points:
+                continue  # cannot be judged: spare the fit
+            fast = fit_short(short_points, spec, self._cfg)
+            if fast.leaking and not (
+                slow.leaking and slow.time_to_limit_s is not None and slow.time_to_limit_s <= fast.time_to_limit_s  # type: ignore[operator]
+            ):
+                out[name] = fast
+        return out
+
+    def points(self, name: str, now_s: float) -> list[tuple[float, float]]:
+        """The long window's bucket points (mean time, mean value) for ``name``, oldest first."""
+        return self._long.points(name, now_s)
+
+    def reset(self, name: Optional[str] = None) -> None:
+        """Forget one series (or all), e.g. after a recycle: the old trend says nothing of the new process."""
+        self._long.reset(name)
+        self._short.reset(name)
+
+    def bucket_count(self, name: str) -> int:
+        """Buckets held for ``name`` in the long window (for tests and the status page)."""
+        return self._long.count(name)
 
 
 # --------------------------------------------------------------------------- ladder
@@ -268,10 +388,8 @@ class Usage:
     limit: Optional[float]
 
     def __post_init__(self) -> None:
-        if not _is_finite(self.value):
-            raise ValueError(f"value: must be a finite number, got {self.value!r}")
-        if self.limit is not None:
-            _check_positive("limit", self.limit)
+        check_finite("value", self.value)
+        check_positive("limit", self.limit, optional=True)
 
 
 @dataclass(frozen=True)
@@ -283,13 +401,13 @@ class LadderConfig:
     critical_ratio: float = 0.97
 
     def __post_init__(self) -> None:
-        _check_positive("step_interval_s", self.step_interval_s)
-        _check_positive("warn_tto_s", self.warn_tto_s)
-        _check_positive("critical_tto_s", self.critical_tto_s)
+        check_positive("step_interval_s", self.step_interval_s)
+        check_positive("warn_tto_s", self.warn_tto_s)
+        check_positive("critical_tto_s", self.critical_tto_s)
         if self.critical_tto_s > self.warn_tto_s:
             raise ValueError(f"critical_tto_s: must be <= warn_tto_s ({self.warn_tto_s}), got {self.critical_tto_s}")
-        _check_unit("warning_ratio", self.warning_ratio)
-        _check_unit("critical_ratio", self.critical_ratio)
+        check_ratio("warning_ratio", self.warning_ratio)
+        check_ratio("critical_ratio", self.critical_ratio)
         if self.warning_ratio > self.critical_ratio:
             raise ValueError(
                 f"warning_ratio: must be <= critical_ratio ({self.critical_ratio}), got {self.warning_ratio}"
@@ -303,8 +421,7 @@ class LadderState:
     reason: Optional[str] = None  # the verdict that took the last rung
 
     def __post_init__(self) -> None:
-        if isinstance(self.rung, bool) or not isinstance(self.rung, int) or not 0 <= self.rung <= 4:
-            raise ValueError(f"rung: must be an int in [0, 4], got {self.rung!r}")
+        check_int("rung", self.rung, minimum=0, maximum=4)
 
 
 @dataclass(frozen=True)
@@ -338,7 +455,8 @@ def _findings(trends: Mapping[str, Trend], usage: Sequence[Usage], cfg: LadderCo
         tto = tr.time_to_limit_s
         level = 0 if tto is None or tto >= cfg.warn_tto_s else 2 if tto < cfg.critical_tto_s else 1
         eta = "no limit" if tto is None else f"limit in {tto / 3600:.1f}h"
-        found.append((level, f"{tr.name} leak {_fmt_rate(tr.name, tr.slope_per_h)}, {eta}"))
+        where = " (short window)" if tr.short else ""
+        found.append((level, f"{tr.name} leak {_fmt_rate(tr.name, tr.slope_per_h)}, {eta}{where}"))
     found.sort(key=lambda f: -f[0])  # stable: worst first, input order within a level
     return found
 
@@ -384,6 +502,6 @@ def assess(
 
 def is_hung(heartbeat_age_s: Optional[float], inflight: int, interval_s: float, missed: int = 3) -> bool:
     """Work in flight and no heartbeat for more than ``missed × interval_s`` (exactly that is not yet hung)."""
-    _check_positive("interval_s", interval_s)
-    _check_int("missed", missed, 1)
+    check_positive("interval_s", interval_s)
+    check_int("missed", missed, minimum=1)
     return inflight > 0 and heartbeat_age_s is not None and heartbeat_age_s > missed * interval_s

@@ -349,6 +349,13 @@ class WatchdogSettings(_Strict):
     leak_window_s: PositiveFloat = 3600.0  # trend window for leak slopes
     leak_min_span_ratio: float = Field(0.5, gt=0, le=1)  # no leak verdict before samples span this much of the window
     leak_r2_threshold: float = Field(0.7, gt=0, le=1)  # fit quality below which a slope is noise (seed 000)
+    # Fast burn (SRE's short window): a leak that would reach its limit within
+    # leak_short_horizon_s is named once leak_short_min_span_s of samples after warm-up
+    # show it rising, instead of waiting for half the long window. Clamped to the long
+    # window where that is shorter (test and compressed configs).
+    leak_short_window_s: PositiveFloat = 300.0
+    leak_short_min_span_s: PositiveFloat = 90.0  # evidence needed; longer than a GC tooth
+    leak_short_horizon_s: PositiveFloat = 3600.0
     # Slopes (per hour) at or above which a credible trend is a leak. RSS/VRAM in MB.
     rss_leak_mb_per_h: PositiveFloat = 30.0
     vram_leak_mb_per_h: PositiveFloat = 30.0
@@ -372,7 +379,15 @@ class WatchdogSettings(_Strict):
         return self
 
     def leak_config(self) -> LeakConfig:
-        return LeakConfig(window_s=self.leak_window_s, min_span_ratio=self.leak_min_span_ratio, r2_threshold=self.leak_r2_threshold)
+        short_window_s = min(self.leak_short_window_s, self.leak_window_s)
+        return LeakConfig(
+            window_s=self.leak_window_s,
+            min_span_ratio=self.leak_min_span_ratio,
+            r2_threshold=self.leak_r2_threshold,
+            short_window_s=short_window_s,
+            short_min_span_s=min(self.leak_short_min_span_s, short_window_s),
+            short_horizon_s=self.leak_short_horizon_s,
+        )
 
     def ladder_config(self) -> LadderConfig:
         return LadderConfig(

@@ -9,7 +9,9 @@ Every ``watchdog.interval_s`` the watchdog
 - samples the replica *process* from outside (psutil: RSS, threads, open fds, CPU)
   and, where the replica has a GPU, that GPU through NVML (device utilization,
   this process's memory, total memory);
-- feeds the series to ``policies.leak.LeakDetector`` (robust trend, time to limit)
+- feeds the series (after ``warmup_s``) to ``policies.leak.LeakDetector``: robust
+  trends over a short (fast-burn) and a long (slow-burn) window, time to limit;
+  the usage ratios act on absolute ceilings from the first sample, warm-up or not;
   and walks ``policies.leak.assess``'s action ladder: gc.collect → empty the CUDA
   cache → stop taking new work → ask the controller for a recycle;
 - checks the replica's heartbeats: the replica calls ``beat(inflight, progress)``
@@ -206,6 +208,7 @@ class WatchdogCore:
                     "r2": t.r2,
                     "leaking": t.leaking,
                     "time_to_limit_s": t.time_to_limit_s,
+                    "short_window": t.short,  # judged over the short (fast-burn) window
                 }
                 for name, t in trends.items()
             },

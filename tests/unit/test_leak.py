@@ -25,6 +25,7 @@ from policies.leak import (
     Verdict,
     assess,
     fit,
+    fit_short,
     is_hung,
     theil_sen,
 )
@@ -57,6 +58,7 @@ def test_defaults_follow_the_seed() -> None:
     assert (cfg.window_s, cfg.min_span_ratio, cfg.min_points, cfg.max_points, cfg.r2_threshold) == (
         3600.0, 0.5, 10, 120, 0.7,
     )
+    assert (cfg.short_window_s, cfg.short_min_span_s, cfg.short_max_points, cfg.short_horizon_s) == (300.0, 90.0, 60, 3600.0)
     assert (ladder.warning_ratio, ladder.critical_ratio) == (0.90, 0.97)
     assert [a.value for a in Action] == ["gc_collect", "empty_cache", "stop_intake", "request_recycle"]
 
@@ -75,6 +77,10 @@ def test_defaults_follow_the_seed() -> None:
         (LeakConfig, "min_points", 121),  # > max_points: could never be judged
         (LeakConfig, "max_points", 2.5),
         (LeakConfig, "r2_threshold", 0),
+        (LeakConfig, "short_window_s", 4000.0),  # > window_s
+        (LeakConfig, "short_min_span_s", 301.0),  # > short_window_s: never judged
+        (LeakConfig, "short_horizon_s", 0),
+        (LeakConfig, "short_max_points", 9),  # < min_points
         (LadderConfig, "step_interval_s", 0),
         (LadderConfig, "warn_tto_s", -1),
         (LadderConfig, "critical_tto_s", 7 * 3600.0),  # > warn_tto_s
@@ -209,7 +215,7 @@ def test_a_few_huge_spikes_do_not_make_a_flat_series_leak() -> None:
     tr = det.trends(WINDOW_S)["rss_bytes"]
     assert not tr.leaking and abs(tr.slope_per_h) < 5 * MB
     # The same bucket points would read as a steep rise to ordinary least squares.
-    points = [(b[2] / b[1], b[3] / b[1]) for b in det._buckets["rss_bytes"]]
+    points = det.points("rss_bytes", WINDOW_S)
     assert ols_slope(points) * 3600 > RSS.slope_threshold_per_h
 
 
@@ -271,6 +277,58 @@ def test_a_fast_leak_walks_the_ladder_from_the_detector() -> None:
     assert all(sev == "warning" for _, sev, _ in steps)
     assert [b - a for a, b in zip([s[0] for s in steps], [s[0] for s in steps][1:])] == [60, 60]
     assert steps[0][0] >= 1800
+
+
+# ----------------------------------------------------------------- short (fast-burn) window
+
+FAST = SeriesSpec("rss_bytes", slope_threshold_per_h=30 * MB, limit=4 * GB)
+
+
+def fast_points(shape, start_s: int, end_s: int) -> list[tuple[float, float]]:
+    return [(float(t), shape(t)) for t in range(start_s, end_s + 1, 5)]  # 5 s buckets, as by default
+
+
+def test_fit_short_names_a_sustained_leak_close_to_its_limit_only() -> None:
+    cfg = LeakConfig()
+    leak_3 = lambda t: 1 * GB + 3 * MB * t  # noqa: E731
+    tr = fit_short(fast_points(leak_3, 0, 90), FAST, cfg)
+    assert (tr.judged, tr.leaking, tr.short) == (True, True, True)
+    assert tr.time_to_limit_s == pytest.approx((3 * GB - 270 * MB) / (3 * MB))
+    # 85 s of evidence is not enough, however clean the line.
+    early = fit_short(fast_points(leak_3, 0, 85), FAST, cfg)
+    assert (early.judged, early.leaking) == (False, False)
+    # The same rise further from the limit than short_horizon_s is the long window's business.
+    slow = fit_short(fast_points(lambda t: 1 * GB + 0.5 * MB * t, 0, 90), FAST, cfg)
+    assert slow.judged and not slow.leaking and slow.time_to_limit_s > cfg.short_horizon_s
+
+
+@pytest.mark.parametrize("step_at_s", range(0, 91, 5))
+def test_fit_short_a_one_off_step_anywhere_in_the_span_is_no_leak(step_at_s: int) -> None:
+    # A line through a step in the middle scores R² up to 0.75; one half is always flat.
+    tr = fit_short(fast_points(lambda t: 1 * GB + (500 * MB if t >= step_at_s else 0), 0, 90), FAST, LeakConfig())
+    assert tr.judged and not tr.leaking
+
+
+def test_fit_short_growth_that_stopped_is_no_leak_but_growth_that_goes_on_is() -> None:
+    cfg = LeakConfig()
+    stopped = lambda t: 1 * GB + 20 * MB * min(t, 40)  # noqa: E731  (stops 40 s into a 90 s span)
+    assert not fit_short(fast_points(stopped, 0, 90), FAST, cfg).leaking
+    going = lambda t: 1 * GB + 20 * MB * t  # noqa: E731
+    assert fit_short(fast_points(going, 0, 90), FAST, cfg).leaking
+
+
+def test_detector_reports_the_short_trend_only_when_it_names_a_sooner_limit() -> None:
+    det = LeakDetector([FAST], LeakConfig())
+    for t in range(0, 121):  # 1 Hz, 3 MB/s from 1 GiB
+        det.observe(t, {"rss_bytes": 1 * GB + 3 * MB * t})
+        tr = det.trends(t)["rss_bytes"]
+        assert tr.short is tr.leaking, f"t={t}s"  # the long window is not judged for 30 min
+        # Bucket means: the first is t=2 (0..4); the newest, 90..t, has a mean of 92 at t=94.
+        assert tr.leaking is (t >= 94), f"t={t}s"
+    det.reset()
+    for t in range(0, 121):  # a flat series: the long trend, never the short
+        det.observe(t, {"rss_bytes": 1 * GB})
+    assert not det.trends(120)["rss_bytes"].short
 
 
 # ----------------------------------------------------------------- ladder

@@ -1,18 +1,19 @@
 """serve_app.control.watchdog.WatchdogCore: sampling, leak verdicts, the ladder and hangs, without Ray.
 
-The replica process is a ``FakeProcess`` (it cannot be a real leaking process in a
-unit test) and the GPU a ``FakeGpu`` (this machine has no GPU); time is a
+The replica process is a ``FakeProcess`` or ``FakeShapedProcess`` (it cannot be a real
+leaking process in a unit test) and the GPU a ``FakeGpu`` (this machine has no GPU); time is a
 ``FakeClock``. The real psutil sampler is exercised against this test's own process.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 
-from serve_app.config import WatchdogSettings
+from serve_app.config import WatchdogSettings, load_config
 from serve_app.model.gpu import ProcessGpuSample
 from serve_app.control.watchdog import MB, PsutilSampler, WatchdogCore
 
@@ -169,3 +170,136 @@ def test_growth_during_warm_up_is_not_sampled() -> None:
     assert all(r["severity"] == "ok" and not r["trends"].get("rss_bytes", {}).get("leaking") for r in reports)
     c2, clock2 = core(WarmingUp(FakeClock()), settings=SETTINGS)  # no warm-up: the same growth reads as a leak
     assert any(r["trends"]["rss_bytes"]["leaking"] for r in run(c2, clock2, 40))
+
+
+# ----------------------------------------------------------------- the default local config, tick by tick
+#
+# Settings as `make serve` loads them (cluster/local.yaml): 120 s warm-up, 4 GiB RSS
+# budget, a 300 s short window judged after 90 s of samples, the hour-long long window.
+
+LOCAL = load_config(Path(__file__).resolve().parents[2] / "cluster" / "local.yaml").watchdog
+LIMIT_MB = 4096.0
+
+
+class FakeShapedProcess:
+    """A fake replica process whose RSS (MB) is ``shape(t)`` on the fake clock; threads and fds flat."""
+
+    def __init__(self, clock: FakeClock, shape: Callable[[int], float]) -> None:
+        self.clock, self.shape = clock, shape
+
+    def sample(self) -> dict[str, Optional[float]]:
+        return {"rss_bytes": self.shape(int(self.clock())) * MB, "threads": 40.0, "fds": 90.0}
+
+
+def local_core(shape: Callable[[int], float]) -> tuple[WatchdogCore, FakeClock]:
+    clock = FakeClock()
+    return WatchdogCore(LOCAL, INFO, FakeShapedProcess(clock, shape), memory_total_bytes=64 * GIB, fd_limit=1024, clock=clock), clock
+
+
+def walk_until_recycle(c: WatchdogCore, clock: FakeClock, ticks: int) -> tuple[int, dict]:
+    """Sample once a tick; before the first verdict assert nothing was named or taken."""
+    for _ in range(ticks):
+        clock.advance(1)
+        r = c.sample(wall_s=float(clock()))
+        if r["reason"] is not None:
+            return int(clock()), r
+        assert (r["severity"], r["ready"], r["recycle_requested"]) == ("ok", True, False)
+        assert sum(r["actions_total"].values()) == 0
+    raise AssertionError(f"nothing named in {ticks} ticks")
+
+
+def test_the_local_config_has_a_short_window_inside_two_minutes_of_warm_up() -> None:
+    assert (LOCAL.warmup_s, LOCAL.rss_limit_mb, LOCAL.leak_window_s) == (120.0, LIMIT_MB, 3600.0)
+    cfg = LOCAL.leak_config()
+    assert cfg.short_min_span_s < 120 <= cfg.min_span_ratio * cfg.window_s
+    assert cfg.short_horizon_s == 3600.0
+
+
+@pytest.mark.parametrize(
+    ("leak_mb_per_s", "onset_s", "named_at_s"),
+    [
+        (3.0, 0, 214),  # the issue's case: 700 MB + 3 MB/s reaches 4 GiB at t=1132 s
+        (20.0, 120, 214),  # starts as warm-up ends: reaches 4 GiB at t=290 s
+        (1.0, 0, 214),  # limit in 56 min: still inside the short window's hour
+    ],
+)
+def test_a_leak_that_reaches_the_limit_within_the_hour_is_recycled_within_two_minutes_of_warm_up(
+    leak_mb_per_s: float, onset_s: int, named_at_s: int
+) -> None:
+    shape = lambda t: 700.0 + leak_mb_per_s * max(0, t - onset_s)  # noqa: E731
+    c, clock = local_core(shape)
+    t, r = walk_until_recycle(c, clock, 600)
+    # Named once 90 s of samples after warm-up show it (5 s buckets: t=214), within 2 min of warm-up.
+    assert t == named_at_s and t - LOCAL.warmup_s <= 120
+    assert r["severity"] == "critical" and r["reason"].startswith("rss_bytes leak")
+    assert r["reason"].endswith("(short window)")
+    trend = r["trends"]["rss_bytes"]
+    assert trend["leaking"] and trend["short_window"]
+    assert trend["slope_per_h"] == pytest.approx(leak_mb_per_s * MB * 3600, rel=0.05)
+    limit_at_s = onset_s + (LIMIT_MB - 700.0) / leak_mb_per_s
+    assert trend["time_to_limit_s"] == pytest.approx(limit_at_s - t, rel=0.05)
+    # Limit within the hour: every rung at once, the recycle rung included, before the limit.
+    assert (r["ready"], r["recycle_requested"]) == (False, True) and t < limit_at_s
+    assert c.beat(0, 0)["actions"] == ["gc_collect", "stop_intake", "request_recycle"]
+
+
+def test_a_leak_faster_than_any_window_is_caught_by_the_ceiling_before_the_limit() -> None:
+    # 20 MB/s from t=0 reaches 4 GiB at t=170 s, before the short window has 90 s of samples.
+    c, clock = local_core(lambda t: 700.0 + 20.0 * t)
+    t, r = walk_until_recycle(c, clock, 300)
+    assert t == 150 and (r["severity"], r["reason"]) == ("warning", "rss_bytes at 90% of limit")
+    assert c.beat(0, 0)["actions"] == ["gc_collect"]
+    reports = run(c, clock, 14)  # t=164: 3980 MB, 97 % of the budget
+    assert [x["recycle_requested"] for x in reports] == [False] * 13 + [True]
+    assert reports[-1]["severity"] == "critical" and reports[-1]["rss_bytes"] < LIMIT_MB * MB
+    assert c.beat(0, 0)["actions"] == ["stop_intake", "request_recycle"]
+
+
+def test_the_absolute_ceiling_acts_on_a_flat_series_whatever_the_trend() -> None:
+    # Flat at 3800 MB, 93 % of the budget: no trend, yet the ladder walks from the first sample.
+    c, clock = local_core(lambda t: 3800.0)
+    r = run(c, clock, 1)[-1]
+    assert (r["severity"], r["reason"], r["warming_up"]) == ("warning", "rss_bytes at 93% of limit", True)
+    assert c.beat(0, 0)["actions"] == ["gc_collect"]
+    for k, action in ((1, "stop_intake"), (2, "request_recycle")):
+        reports = run(c, clock, 60)  # one rung per step_interval_s (60 s)
+        assert all(not x["trends"].get("rss_bytes", {}).get("leaking") for x in reports)
+        assert c.beat(0, 0)["actions"] == [action] and int(clock()) == 1 + 60 * k
+    assert (reports[-1]["ready"], reports[-1]["recycle_requested"]) == (False, True)
+    # Over the critical ratio: every rung at once.
+    c, clock = local_core(lambda t: 0.98 * LIMIT_MB)
+    assert run(c, clock, 1)[-1]["recycle_requested"]
+
+
+def saw(period_s: int) -> Callable[[int], float]:
+    return lambda t: 1000.0 + 200.0 * (t % period_s) / period_s  # +200 MB, then a GC drop
+
+
+def warm_up(stop_s: int) -> Callable[[int], float]:
+    return lambda t: 400.0 + 1500.0 * min(t, stop_s) / stop_s  # +1.5 GB, fast, then flat
+
+
+def step(at_s: int) -> Callable[[int], float]:
+    return lambda t: 1000.0 + (500.0 if t >= at_s else 0.0)  # +500 MB once
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [saw(30), saw(60), saw(90), warm_up(120), warm_up(160), warm_up(180), step(200), step(260), step(380)],
+    ids=["saw30", "saw60", "saw90", "warm120", "warm160", "warm180", "step200", "step260", "step380"],
+)
+def test_sawtooth_warm_up_growth_and_a_one_off_step_are_no_leak(shape: Callable[[int], float]) -> None:
+    c, clock = local_core(shape)
+    for _ in range(700):  # the short window fills, slides past the event, and keeps sliding
+        clock.advance(1)
+        r = c.sample()
+        assert (r["severity"], r["reason"], r["ready"]) == ("ok", None, True), f"t={clock()}"
+        assert not r["trends"].get("rss_bytes", {}).get("leaking"), f"t={clock()}"
+    assert sum(r["actions_total"].values()) == 0 and c.beat(0, 0)["actions"] == []
+
+
+def test_a_3_mb_per_s_leak_under_a_gc_sawtooth_is_still_named_within_two_minutes_of_warm_up() -> None:
+    c, clock = local_core(lambda t: 700.0 + 3.0 * t + 200.0 * (t % 60) / 60)
+    t, r = walk_until_recycle(c, clock, 600)
+    assert t == 215 and t - LOCAL.warmup_s <= 120 and r["trends"]["rss_bytes"]["short_window"]
+    assert r["severity"] == "critical" and r["recycle_requested"] and r["rss_bytes"] < LIMIT_MB * MB
