@@ -3,9 +3,9 @@
 The document is assembled the way the router's status route assembles it
 (serve_app/router/app.py), from the real pieces on fake clocks: a ControllerCore fed an
 overloaded replica and a kill switch, a CircuitBreaker tripped by failures, and a quota
-table with one tenant's bucket nearly empty. A recorded document
-(tests/unit/data/status_sample.json) checks the fail-static and recycle lines the core
-does not reach without Ray.
+table with one tenant's bucket nearly empty. A sample document written by hand in the
+route's shape (tests/unit/data/status_sample.json) checks the fail-static, recycle and
+gate lines, which the core alone does not reach without Ray.
 """
 
 from __future__ import annotations
