@@ -1,5 +1,6 @@
 """``ballast`` (``python -m serve_app.ops.cli``): the local stack behind ``make serve`` / ``make stop``,
-and the operator's commands over the admin API: ``status``, ``tenants``,
+and the operator's commands over the admin API: ``status`` (a summary; ``--json`` the
+document), ``tenants``,
 ``kill-switch on|off|list``, ``chaos on|off`` (admin token from ``$BALLAST_ADMIN_TOKEN``).
 
 ``serve`` starts a local Ray inside this process, the controller actor and the app,
@@ -187,10 +188,115 @@ def stop(timeout_s: float = typer.Option(60.0, help="how long to wait for it to 
     raise typer.Exit(cmd_stop(argparse.Namespace(timeout_s=timeout_s)))
 
 
+# -- `ballast status`: GET /v1/status as an operator reads it -----------------------------
+# A tenant whose bucket holds at most this share of its burst is "near its quota": the
+# next few requests of a typical size would be refused with 429 QUOTA_EXCEEDED.
+NEAR_QUOTA_RATIO = 0.2
+
+
+def _num(v: Any, fmt: str = "g") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATIO) -> str:
+    """The /v1/status document as text (pure: document in, text out; `--json` prints the document).
+
+    Every section is optional, so a router that answers without a snapshot (a controller
+    never seen) or without a gate still gets a summary, and a newer router's extra keys are
+    simply not shown.
+    """
+    out: list[str] = []
+    snap = doc.get("snapshot") or {}
+    level = doc.get("level")
+    source = doc.get("source", "?")
+    head = f"level {level}"
+    if snap.get("target_level") is not None and snap.get("target_level") != level:
+        head += f" (target {snap['target_level']})"
+    head += f": {snap.get('reason') or 'no snapshot'}"
+    out.append(head)
+    if source != "snapshot":  # stale or fail-static: the router is acting on its own
+        out.append(f"  acting on: {source} (the controller's snapshot is not fresh)")
+    if snap:
+        out.append(f"  snapshot v{snap.get('version')} ({snap.get('epoch')}), age {_num(snap.get('age_s'), '.1f')} s")
+    inputs = snap.get("inputs") or {}
+    if inputs:
+        shown = ("queue_length", "queue_wait_p95_ms", "gpu_util_pct", "vram_pct", "error_rate")
+        out.append("  inputs: " + ", ".join(f"{k} {_num(inputs.get(k))}" for k in shown if k in inputs))
+    cons = doc.get("constraints") or {}
+    if cons:
+        out.append("  constraints: " + ", ".join(f"{k} {v}" for k, v in cons.items()))
+
+    replicas = doc.get("replicas") or {}
+    if replicas:
+        out.append("replicas (desired / running):")
+        for dep, r in replicas.items():
+            line = f"  {dep}: {_num(r.get('desired'))} / {_num(r.get('running'))}"
+            auto = r.get("autoscale") or {}
+            if auto:
+                line += f"  [{auto.get('reason') or auto.get('mode')}"
+                if auto.get("recycle_surge"):
+                    line += f", +{auto['recycle_surge']} recycle surge"
+                line += "]"
+            out.append(line)
+
+    breakers = doc.get("breakers") or {}
+    if breakers:
+        out.append("breakers:")
+        for role, b in breakers.items():
+            line = f"  {role}: {b.get('state', '?')}"
+            if b.get("calls"):
+                line += f", {b.get('failures', 0)} failed and {b.get('slow_calls', 0)} slow of {b['calls']} calls"
+            if b.get("state") == "open" and b.get("retry_after_s"):
+                line += f", half-open in {b['retry_after_s']:.0f} s"
+            out.append(line)
+
+    quotas = doc.get("quotas") or {}
+    near = [
+        (t, q) for t, q in sorted(quotas.items())
+        if q.get("burst_tokens") and q.get("tokens", 0) <= near_quota_ratio * q["burst_tokens"]
+    ]
+    out.append(f"tenants near their quota (bucket <= {near_quota_ratio:.0%} of burst): {len(near) if near else 'none'}")
+    for t, q in near:
+        lease = "" if q.get("lease", True) else ", no lease (safe share)"
+        out.append(f"  {t}: {q.get('tokens')} of {q.get('burst_tokens')} tokens, refills {q.get('rate_tokens_per_s')}/s{lease}")
+
+    recycle = doc.get("recycle") or {}
+    in_flight = recycle.get("in_flight") or []
+    out.append(f"recycles in flight: {len(in_flight) if in_flight else 'none'}")
+    for f in in_flight:
+        out.append(f"  {f.get('replica_id')} ({f.get('deployment')}): {f.get('reason')}, {_num(f.get('age_s'), '.0f')} s")
+    if recycle.get("waiting"):
+        out.append(f"  waiting: {len(recycle['waiting'])}")
+
+    switches = doc.get("kill_switches") or []
+    out.append(f"kill switches: {len(switches) if switches else 'none'}")
+    for k in switches:
+        scope = k.get("scope", "?") + (f"={k['value']}" if k.get("value") else "")
+        out.append(f"  {scope}: {k.get('reason')} (by {k.get('set_by')}, id {k.get('id')})")
+
+    gate = doc.get("gate")
+    if gate:
+        line = f"gate: limit {_num(gate.get('limit'))}, {gate.get('in_flight', 0)} at the model, {gate.get('waiting', 0)} waiting"
+        if gate.get("reserving"):
+            line += ", reserving slots for critical"
+        refused = {k: v for k, v in (gate.get("refused") or {}).items() if v}
+        if refused:
+            line += ", refused " + ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))
+        out.append(line)
+    chaos = doc.get("chaos") or {}
+    if chaos:
+        out.append("chaos: " + "; ".join(f"{t} {s}" for t, s in sorted(chaos.items())))
+    return "\n".join(out)
+
+
 @app.command()
-def status(ctx: typer.Context) -> None:
-    """Degradation level and its inputs, replicas, breakers, quotas, kill switches."""
-    _admin_call(ctx, "GET", "/v1/status")
+def status(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="print the raw /v1/status document"),
+) -> None:
+    """Level and why, replicas desired/running, breakers, tenants near quota, recycles, kill switches."""
+    doc = _admin_call(ctx, "GET", "/v1/status", show=False)
+    typer.echo(json.dumps(doc, indent=2) if as_json else format_status(doc))
 
 
 @app.command()

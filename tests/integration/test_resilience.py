@@ -340,8 +340,10 @@ def test_operator_cli(client, capsys):
     assert client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 2}).status_code == 200
     capsys.readouterr()
 
-    assert main([*common, "status"]) == 0
+    assert main([*common, "status", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["level"] in range(5)
+    assert main([*common, "status"]) == 0  # the summary: its first line names the level
+    assert capsys.readouterr().out.startswith("level ")
     assert main([*common, "tenants"]) == 0
     assert "noisy" in json.loads(capsys.readouterr().out)
     assert main([*common, "chaos", "on", "--target", "fallback", "--latency-ms", "5"]) == 0

@@ -1,0 +1,127 @@
+"""`ballast status`'s summary (serve_app.ops.cli.format_status) against a /v1/status document.
+
+The document is assembled the way the router's status route assembles it
+(serve_app/router/app.py), from the real pieces on fake clocks: a ControllerCore fed an
+overloaded replica and a kill switch, a CircuitBreaker tripped by failures, and a quota
+table with one tenant's bucket nearly empty. A sample document written by hand in the
+route's shape (tests/unit/data/status_sample.json) checks the fail-static, recycle and
+gate lines, which the core alone does not reach without Ray.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from policies.breaker import BreakerConfig, CircuitBreaker
+from serve_app.config import load_config
+from serve_app.control.controller import ControllerCore
+from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from serve_app.ops.cli import format_status, main
+from tests.unit.fakes import FakeClock
+
+SAMPLE = Path(__file__).parent / "data" / "status_sample.json"
+
+
+def live_document() -> dict[str, Any]:
+    clock, wall = FakeClock(0), FakeClock(1_000_000)
+    core = ControllerCore(load_config({"deployments": {"model": {"min_replicas": 1, "max_replicas": 4}}}), clock=clock, wall_clock=wall)
+    core.report_router({"router_id": "r1", "inflight": 0})
+    core.report_replica({"replica_id": "m1", "deployment": MODEL_DEPLOYMENT, "running": 8, "queued": 600})
+    clock.advance(1)
+    wall.advance(1)
+    core.tick()
+    core.set_kill_switch("tenant", "free", "abuse from one key", 600, "alice")
+    snap = core.snapshot()
+
+    breaker = CircuitBreaker("primary", BreakerConfig(window_size=100, min_calls=10, failure_rate_threshold=0.5), clock=clock)
+    for _ in range(10):
+        permit = breaker.allow()
+        assert permit is not None
+        breaker.record(permit, False, 0.1)
+
+    # The route's shape (serve_app/router/app.py, GET /v1/status), from the pieces above.
+    return {
+        "level": snap["level"],
+        "source": "snapshot",
+        "constraints": snap["constraints"],
+        "snapshot": {k: snap[k] for k in ("epoch", "version", "target_level", "reason", "inputs")} | {"age_s": 0.4},
+        "replicas": {
+            dep: {"desired": snap["desired_replicas"].get(dep), "running": snap["running_replicas"].get(dep),
+                  **({"autoscale": snap["autoscale"][dep]} if dep in snap["autoscale"] else {})}
+            for dep in sorted(set(snap["desired_replicas"]) | set(snap["running_replicas"]))
+        },
+        "breakers": {"primary": {**breaker.snapshot(), "failed_attempts": {"timeout": 10}}},
+        "kill_switches": snap["kill_switches"],
+        "quotas": {
+            "gold": {"rate_tokens_per_s": 1000.0, "burst_tokens": 4000.0, "tokens": 3900.0, "lease": True},
+            "free": {"rate_tokens_per_s": 100.0, "burst_tokens": 200.0, "tokens": 12.5, "lease": True},
+        },
+        "chaos": snap["chaos"],
+        "recycle": snap["recycle"],
+        "gate": None,
+    }
+
+
+def test_summary_shows_level_and_reason_from_the_controller() -> None:
+    doc = live_document()
+    assert doc["level"] >= 1, "600 queued requests must raise the level"
+    text = format_status(doc)
+    first = text.splitlines()[0]
+    assert first.startswith(f"level {doc['level']}")
+    assert doc["snapshot"]["reason"] in first
+    assert "acting on" not in text  # a fresh snapshot: no fail-static line
+
+
+def test_summary_shows_desired_and_running_per_deployment() -> None:
+    doc = live_document()
+    text = format_status(doc)
+    model = doc["replicas"][MODEL_DEPLOYMENT]
+    assert f"  {MODEL_DEPLOYMENT}: {model['desired']} / 1" in text
+    assert f"  {ROUTER_DEPLOYMENT}: - / 1" in text  # routers are counted, never desired by the controller
+
+
+def test_summary_names_an_open_breaker_and_its_failures() -> None:
+    lines = format_status(live_document()).splitlines()
+    # Opening resets the window, so an open breaker shows when it will let a probe through.
+    assert any(line.startswith("  primary: open, half-open in ") for line in lines)
+
+
+def test_summary_lists_only_tenants_near_their_quota() -> None:
+    text = format_status(live_document())
+    assert "tenants near their quota (bucket <= 20% of burst): 1" in text
+    assert "  free: 12.5 of 200.0 tokens, refills 100.0/s" in text
+    assert "  gold:" not in text
+
+
+def test_summary_lists_kill_switches_with_scope_reason_and_who() -> None:
+    doc = live_document()
+    entry = doc["kill_switches"][0]
+    text = format_status(doc)
+    assert "kill switches: 1" in text
+    assert f"  tenant=free: abuse from one key (by alice, id {entry['id']})" in text
+
+
+def test_recorded_document_fail_static_recycle_and_gate() -> None:
+    text = format_status(json.loads(SAMPLE.read_text()))
+    lines = text.splitlines()
+    assert lines[0] == "level 2 (target 1): hold 2: stable window"
+    assert "  acting on: fail-static (the controller's snapshot is not fresh)" in lines
+    assert "recycles in flight: 1" in lines
+    assert "  BallastModel#a1b2 (BallastModel): max_age, 14 s" in lines
+    assert "  BallastModel: 3 / 2  [stable: desired 2 -> 2, +1 recycle surge]" in lines
+    assert "gate: limit 12, 12 at the model, 30 waiting, reserving slots for critical, refused drain 4, no_time 7" in lines
+    assert "kill switches: none" in lines
+    assert "tenants near their quota (bucket <= 20% of burst): none" in lines
+
+
+def test_json_flag_prints_the_raw_document(monkeypatch, capsys) -> None:
+    doc = json.loads(SAMPLE.read_text())
+    import serve_app.ops.cli as cli
+
+    monkeypatch.setattr(cli, "_admin_call", lambda ctx, method, path, body=None, show=True: doc)
+    assert main(["--token", "t", "status", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == doc
+    assert main(["--token", "t", "status"]) == 0
+    assert capsys.readouterr().out.startswith("level 2 (target 1)")
