@@ -11,7 +11,11 @@ utilization). Two windows are averaged over the retained samples:
 * the **panic window** (default 6 s) catches bursts. When its concurrency answer
   reaches ``panic_threshold_ratio × current`` the policy enters panic mode,
   which lasts until a full stable window has passed without a new trigger. In
-  panic the policy scales up at once to the panic answer and never scales down.
+  panic the policy scales up at once to the larger of the panic and stable
+  answers (Knative's ``max(stable, panic)``) and never scales down. Panic sees
+  concurrency only, so without the stable answer in that max a saturated GPU
+  whose utilization asks for 12 replicas would be held at the panic window's 9
+  for up to a whole stable window.
 
 GPU utilization does not take part in the panic window: it is a lagging,
 saturating duty-cycle signal (at most 100 %, i.e. 1.25× current at an 80 %
@@ -237,7 +241,9 @@ def decide(
         floor = current_replicas
         if was_in_panic and state.last_desired is not None:
             floor = max(floor, state.last_desired)
-        desired = cfg.clamp(max(panic_desired, floor))
+        # Invariant: panic never desires fewer than stable mode would (Knative's
+        # max(stable, panic)); panic only adds urgency, it never hides a signal.
+        desired = cfg.clamp(max(panic_desired, stable_desired, floor))
         below_since_s = None
         mode = "panic"
         why = (
@@ -245,6 +251,7 @@ def decide(
             if triggered
             else f"panic held until t={panic_until_s:g}s, panic_desired={panic_desired}"
         )
+        why += f", stable_desired={stable_desired}"
         reason = f"panic: {why} (avg {panic_avg:.1f} over {cfg.panic_window_s:g}s) -> {desired}"
     else:
         mode = "stable"
