@@ -228,17 +228,55 @@ class TokenBucket:
     def retry_after_s(self, cost: float) -> float:
         """Seconds until ``try_charge(cost)`` would pass at the current rate.
 
-        0.0 if it would pass now; ``math.inf`` if it cannot pass now and the
+        Waiting exactly this long always suffices, at any clock value (see
+        ``_ready_at_s``); it exceeds the exact ``missing / rate`` by at most a
+        few float spacings of the clock. 0.0 if it would pass now; ``math.inf`` if it cannot pass now and the
         rate is 0 (nothing refills until a new rate is set).
         """
         _check_finite("cost", cost, minimum=0, strict=False)
+        now_s = self._clock()
         self._refill()
         missing = self._needed(cost) - self._tokens
         if missing <= _tolerance(cost):
             return 0.0
         if self._rate_tokens_per_s == 0:
             return math.inf
-        return missing / self._rate_tokens_per_s
+        return self._wait_until_s(self._ready_at_s(cost), now_s)
+
+    def _ready_at_s(self, cost: float) -> float:
+        """The first clock value at which ``try_charge(cost)`` passes, as floats compute it.
+
+        Why not just ``missing / rate``: the caller adds that wait to a clock
+        value, and at a large one (30 days of monotonic uptime is 2.6e6 s, where
+        floats are 4.7e-10 s apart) the sum rounds, down as often as up. The
+        refill then sees a shorter elapsed time than advertised and, at a high
+        rate, comes up short by more than the tolerance: the client that waited
+        exactly as told is refused again. The error grows with the clock value,
+        not with the cost, so no tolerance on tokens fixes it.
+
+        Instead find the clock value itself: start at ``last + missing / rate``
+        and step to the next float until the refill the bucket will compute
+        (``tokens + (t - last) × rate``, the same expression as ``_refill``)
+        covers the cost. Each step adds one float spacing of ``t``, and the
+        rounding lost at most one, so this ends in a step or two.
+        """
+        last_s = self._last_s
+        rate = self._rate_tokens_per_s
+        floor = self._needed(cost) - _tolerance(cost)
+        t_s = last_s + (self._needed(cost) - self._tokens) / rate
+        while self._tokens + (t_s - last_s) * rate < floor:
+            t_s = math.nextafter(t_s, math.inf)
+        return t_s
+
+    @staticmethod
+    def _wait_until_s(ready_at_s: float, now_s: float) -> float:
+        # The wait such that ``now_s + wait`` (the caller's own sum) is not
+        # below ``ready_at_s``; also covers a clock that stepped back since the
+        # last refill (``now_s < last``: the wait counts from now, not from last).
+        wait_s = ready_at_s - now_s
+        while now_s + wait_s < ready_at_s:
+            wait_s = math.nextafter(wait_s, math.inf)
+        return wait_s
 
     def __repr__(self) -> str:
         return (
