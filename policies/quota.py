@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 
+from policies.validation import check_finite, check_int, check_name, check_non_negative, check_positive, is_int, is_number
+
 # Token counts are floats refilled by ``elapsed × rate``; a bucket that the
 # arithmetic leaves a hair short of a cost it should now afford (retry_after_s
 # says "wait 0.3 s", the caller waits 0.3 s, the refill lands at 99.99999999)
@@ -52,24 +54,6 @@ DEFAULT_LEND_AT_LEVELS: frozenset[int] = frozenset({0})
 
 LEASE_SOURCE = "lease"
 SAFE_SHARE_SOURCE = "safe-share"
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_finite(name: str, value: object, *, minimum: float, strict: bool) -> None:
-    """``value`` is a finite number, > ``minimum`` if ``strict`` else >= it."""
-    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValueError(f"{name}: must be a finite number, got {value!r}")
-    if strict and not value > minimum:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be > {minimum:g}, got {value!r}")
-    if not strict and not value >= minimum:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be >= {minimum:g}, got {value!r}")
 
 
 def _tolerance(amount: float) -> float:
@@ -99,11 +83,10 @@ class TenantQuota:
     def __post_init__(self) -> None:
         # A zero rate would be a disabled tenant; that is the kill switch's job,
         # with its own error code, not a quota that silently refuses everything.
-        _check_finite("rate_tokens_per_s", self.rate_tokens_per_s, minimum=0, strict=True)
-        _check_finite("burst_tokens", self.burst_tokens, minimum=0, strict=True)
-        if not _is_int(self.max_concurrent) or self.max_concurrent < 1:
-            raise ValueError(f"max_concurrent: must be an int >= 1, got {self.max_concurrent!r}")
-        _check_finite("weight", self.weight, minimum=0, strict=True)
+        check_positive("rate_tokens_per_s", self.rate_tokens_per_s)
+        check_positive("burst_tokens", self.burst_tokens)
+        check_int("max_concurrent", self.max_concurrent, minimum=1)
+        check_positive("weight", self.weight)
         if not isinstance(self.sheddable, bool):
             raise ValueError(f"sheddable: must be a bool, got {self.sheddable!r}")
 
@@ -145,11 +128,11 @@ class TokenBucket:
         clock: Callable[[], float] = time.monotonic,
         initial_tokens: float | None = None,
     ) -> None:
-        _check_finite("rate_tokens_per_s", rate_tokens_per_s, minimum=0, strict=False)
-        _check_finite("burst_tokens", burst_tokens, minimum=0, strict=True)
+        check_non_negative("rate_tokens_per_s", rate_tokens_per_s)
+        check_positive("burst_tokens", burst_tokens)
         if initial_tokens is None:
             initial_tokens = burst_tokens
-        _check_finite("initial_tokens", initial_tokens, minimum=0, strict=False)
+        check_non_negative("initial_tokens", initial_tokens)
         if initial_tokens > burst_tokens:
             raise ValueError(f"initial_tokens: must be <= burst_tokens ({burst_tokens}), got {initial_tokens!r}")
         self._rate_tokens_per_s = float(rate_tokens_per_s)
@@ -197,8 +180,8 @@ class TokenBucket:
         that was in force — then the new one applies from now on. Tokens above
         the new burst are cut; a debt is kept.
         """
-        _check_finite("rate_tokens_per_s", rate_tokens_per_s, minimum=0, strict=False)
-        _check_finite("burst_tokens", burst_tokens, minimum=0, strict=True)
+        check_non_negative("rate_tokens_per_s", rate_tokens_per_s)
+        check_positive("burst_tokens", burst_tokens)
         self._refill()
         self._rate_tokens_per_s = float(rate_tokens_per_s)
         self._burst_tokens = float(burst_tokens)
@@ -206,7 +189,7 @@ class TokenBucket:
 
     def try_charge(self, cost: float) -> bool:
         """Charge ``cost`` and return True if it fits now; otherwise charge nothing."""
-        _check_finite("cost", cost, minimum=0, strict=False)
+        check_non_negative("cost", cost)
         self._refill()
         if self._tokens < self._needed(cost) - _tolerance(cost):
             return False
@@ -215,13 +198,13 @@ class TokenBucket:
 
     def refund(self, tokens: float) -> None:
         """Give back ``tokens`` (the request cost less than charged); never above the burst."""
-        _check_finite("tokens", tokens, minimum=0, strict=False)
+        check_non_negative("tokens", tokens)
         self._refill()
         self._tokens = min(self._burst_tokens, self._tokens + tokens)
 
     def charge_extra(self, tokens: float) -> None:
         """Take ``tokens`` more (the request cost more than charged); may go negative."""
-        _check_finite("tokens", tokens, minimum=0, strict=False)
+        check_non_negative("tokens", tokens)
         self._refill()
         self._tokens -= tokens
 
@@ -233,7 +216,7 @@ class TokenBucket:
         few float spacings of the clock. 0.0 if it would pass now; ``math.inf`` if it cannot pass now and the
         rate is 0 (nothing refills until a new rate is set).
         """
-        _check_finite("cost", cost, minimum=0, strict=False)
+        check_non_negative("cost", cost)
         now_s = self._clock()
         self._refill()
         missing = self._needed(cost) - self._tokens
@@ -300,11 +283,11 @@ def apportion(tenant_rate: float, demands: Mapping[str, float], min_share_ratio:
 
     Rates are continuous, so unlike concurrency partitions nothing is rounded.
     """
-    _check_finite("tenant_rate", tenant_rate, minimum=0, strict=False)
-    if not _is_number(min_share_ratio) or not 0 <= min_share_ratio <= 1:
+    check_non_negative("tenant_rate", tenant_rate)
+    if not is_number(min_share_ratio) or not 0 <= min_share_ratio <= 1:
         raise ValueError(f"min_share_ratio: must be in [0, 1], got {min_share_ratio!r}")
     for router, demand in demands.items():
-        _check_finite(f"demands[{router!r}]", demand, minimum=0, strict=False)
+        check_non_negative(f"demands[{router!r}]", demand)
     n = len(demands)
     if n == 0:
         return {}
@@ -381,15 +364,15 @@ def effective_rates(
     if not isinstance(level_factors, tuple) or not level_factors:
         raise ValueError(f"level_factors: must be a non-empty tuple, got {level_factors!r}")
     for i, factor in enumerate(level_factors):
-        if not _is_number(factor) or not 0 <= factor <= 1:
+        if not is_number(factor) or not 0 <= factor <= 1:
             raise ValueError(f"level_factors: entry {i} must be in [0, 1], got {factor!r}")
-    if not _is_int(level) or not 0 <= level < len(level_factors):
+    if not is_int(level) or not 0 <= level < len(level_factors):
         raise ValueError(f"level: must be an int in [0, {len(level_factors) - 1}], got {level!r}")
     for name, quota in quotas.items():
         if not isinstance(quota, TenantQuota):
             raise ValueError(f"quotas: entry {name!r} must be a TenantQuota, got {quota!r}")
     for name, demand in demand_tokens_per_s.items():
-        _check_finite(f"demand_tokens_per_s[{name!r}]", demand, minimum=0, strict=False)
+        check_non_negative(f"demand_tokens_per_s[{name!r}]", demand)
 
     factor = level_factors[level]
     base = {name: q.rate_tokens_per_s * (factor if q.sheddable else 1.0) for name, q in quotas.items()}
@@ -433,12 +416,10 @@ class Lease:
     expires_at_s: float
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tenant, str) or not self.tenant:
-            raise ValueError(f"tenant: must be a non-empty str, got {self.tenant!r}")
-        _check_finite("rate_tokens_per_s", self.rate_tokens_per_s, minimum=0, strict=False)
-        _check_finite("burst_tokens", self.burst_tokens, minimum=0, strict=True)
-        if not _is_number(self.expires_at_s) or not math.isfinite(self.expires_at_s):
-            raise ValueError(f"expires_at_s: must be a finite number, got {self.expires_at_s!r}")
+        check_name("tenant", self.tenant)
+        check_non_negative("rate_tokens_per_s", self.rate_tokens_per_s)
+        check_positive("burst_tokens", self.burst_tokens)
+        check_finite("expires_at_s", self.expires_at_s)
 
 
 def lease_rate(
@@ -458,10 +439,10 @@ def lease_rate(
     is held to 1/N there until a lease arrives. ``n_routers < 1`` (not yet
     known) counts as 1.
     """
-    _check_finite("now_s", now_s, minimum=-math.inf, strict=False)
-    _check_finite("tenant_rate", tenant_rate, minimum=0, strict=False)
-    _check_finite("tenant_burst", tenant_burst, minimum=0, strict=True)
-    if not _is_int(n_routers):
+    check_finite("now_s", now_s)
+    check_non_negative("tenant_rate", tenant_rate)
+    check_positive("tenant_burst", tenant_burst)
+    if not is_int(n_routers):
         raise ValueError(f"n_routers: must be an int, got {n_routers!r}")
     if lease is not None and now_s < lease.expires_at_s:
         return lease.rate_tokens_per_s, lease.burst_tokens, LEASE_SOURCE

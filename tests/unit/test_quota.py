@@ -62,7 +62,7 @@ def test_quota_validation_names_the_field(kwargs: dict, field: str) -> None:
 
 
 def test_quota_rate_message() -> None:
-    with pytest.raises(ValueError, match=r"^rate_tokens_per_s: must be > 0"):
+    with pytest.raises(ValueError, match=r"^rate_tokens_per_s: must be a finite number > 0"):
         TenantQuota(rate_tokens_per_s=0, burst_tokens=1, max_concurrent=1)
 
 
