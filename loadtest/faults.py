@@ -48,7 +48,6 @@ a sorted tuple.
 from __future__ import annotations
 
 import ipaddress
-import math
 import os
 import threading
 import time
@@ -61,6 +60,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from loadtest.shapes import TimeScale
+from policies.validation import check_non_negative, check_positive, is_finite
 
 DEMO_ADMIN_TOKEN = "dev-admin-token"
 OPERATOR = "loadtest-faults"
@@ -80,10 +80,6 @@ _ALLOWED_ARGS: dict[str, frozenset[str]] = {
     "kill_switch_on": frozenset({"label", "scope", "value", "reason", "expires_in_s"}),
     "kill_switch_off": frozenset({"label"}),
 }
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_loopback(base_url: str) -> str:
@@ -127,8 +123,7 @@ class FaultEvent:
     args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not _is_number(self.at_sim_s) or self.at_sim_s < 0:
-            raise ValueError(f"at_sim_s: must be a finite number >= 0, got {self.at_sim_s!r}")
+        check_non_negative("at_sim_s", self.at_sim_s)
         if self.action not in ACTIONS:
             raise ValueError(f"action: must be one of {ACTIONS}, got {self.action!r}")
         if not isinstance(self.args, Mapping):
@@ -149,7 +144,7 @@ class FaultEvent:
     def _check_kill_replica(self) -> None:
         self._target()
         stall_s = self.args.get("stall_s", 5.0)
-        if not _is_number(stall_s) or not 0 < stall_s <= 600:
+        if not is_finite(stall_s) or not 0 < stall_s <= 600:
             raise ValueError(f"stall_s: must be within (0, 600], got {stall_s!r}")
 
     def _check_start_leak(self) -> None:
@@ -161,12 +156,12 @@ class FaultEvent:
             raise ValueError("leak_mb_per_sim_h: give it or leak_mb_per_s, not both")
         rate = self.args[given[0]]
         top = 1024 if given[0] == "leak_mb_per_s" else 1024 * 3600
-        if not _is_number(rate) or not 0 < rate <= top:
+        if not is_finite(rate) or not 0 < rate <= top:
             raise ValueError(f"{given[0]}: must be within (0, {top}], got {rate!r}")
 
     def _check_fail_primary(self) -> None:
         ratio = self.args.get("error_ratio", 1.0)
-        if not _is_number(ratio) or not 0 < ratio <= 1:
+        if not is_finite(ratio) or not 0 < ratio <= 1:
             raise ValueError(f"error_ratio: must be within (0, 1], got {ratio!r}")
 
     def _check_clear_chaos(self) -> None:
@@ -315,8 +310,7 @@ class FaultRunner:
             raise ValueError(f"schedule: must be a FaultSchedule, got {schedule!r}")
         if not isinstance(time_scale, TimeScale):
             raise ValueError(f"time_scale: must be a TimeScale, got {time_scale!r}")
-        if not _is_number(timeout_s) or timeout_s <= 0:
-            raise ValueError(f"timeout_s: must be > 0, got {timeout_s!r}")
+        check_positive("timeout_s", timeout_s)
         self.base_url = check_loopback(base_url)
         token = admin_token if admin_token is not None else os.environ.get("BALLAST_ADMIN_TOKEN", DEMO_ADMIN_TOKEN)
         if not token:

@@ -28,27 +28,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from policies.validation import check_finite, check_int, check_non_negative, check_positive, is_finite
+
 DAY_S = 86_400.0
 HOUR_S = 3_600.0
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_non_negative(name: str, value: object) -> None:
-    if not _is_number(value) or value < 0:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not _is_number(value) or value <= 0:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: must be an integer >= {minimum}, got {value!r}")
 
 
 # =========================================================================== diurnal
@@ -62,9 +45,9 @@ class DiurnalPoint:
     fraction: float
 
     def __post_init__(self) -> None:
-        if not _is_number(self.hour) or not 0 <= self.hour <= 24:
+        if not is_finite(self.hour) or not 0 <= self.hour <= 24:
             raise ValueError(f"hour: must be within [0, 24], got {self.hour!r}")
-        if not _is_number(self.fraction) or not 0 <= self.fraction <= 1:
+        if not is_finite(self.fraction) or not 0 <= self.fraction <= 1:
             raise ValueError(f"fraction: must be within [0, 1], got {self.fraction!r}")
 
 
@@ -95,8 +78,7 @@ class DiurnalProfile:
 
     def fraction_at_hour(self, hour: float) -> float:
         """The load fraction at ``hour`` of the day (any real; taken modulo 24)."""
-        if not _is_number(hour):
-            raise ValueError(f"hour: must be a finite number, got {hour!r}")
+        check_finite("hour", hour)
         h = hour % 24.0
         hours = [p.hour for p in self.points]
         i = bisect.bisect_right(hours, h) - 1  # points[i].hour <= h < points[i + 1].hour
@@ -106,8 +88,7 @@ class DiurnalProfile:
 
     def fraction(self, t_sim_s: float) -> float:
         """The load fraction ``t_sim_s`` simulated seconds after midnight (modulo a day)."""
-        if not _is_number(t_sim_s):
-            raise ValueError(f"t_s: must be a finite number, got {t_sim_s!r}")
+        check_finite("t_s", t_sim_s)
         return self.fraction_at_hour(t_sim_s / HOUR_S)
 
 
@@ -144,16 +125,16 @@ class TimeScale:
     factor: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_positive("time_scale", self.factor)
+        check_positive("time_scale", self.factor)
         if self.factor > DAY_S:
             raise ValueError(f"time_scale: at most {DAY_S:.0f} (a day in one second), got {self.factor!r}")
 
     def sim_s(self, real_s: float) -> float:
-        _check_non_negative("real_s", real_s)
+        check_non_negative("real_s", real_s)
         return real_s * self.factor
 
     def real_s(self, sim_s: float) -> float:
-        _check_non_negative("sim_s", sim_s)
+        check_non_negative("sim_s", sim_s)
         return sim_s / self.factor
 
     @property
@@ -182,16 +163,16 @@ class DiurnalShape:
     start_hour: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_int("peak_users", self.peak_users, 1)
-        _check_int("min_users", self.min_users, 0)
+        check_int("peak_users", self.peak_users, minimum=1)
+        check_int("min_users", self.min_users, minimum=0)
         if self.min_users > self.peak_users:
             raise ValueError(f"min_users: must be <= peak_users ({self.peak_users}), got {self.min_users}")
         if not isinstance(self.time_scale, TimeScale):
             raise ValueError(f"time_scale: must be a TimeScale, got {self.time_scale!r}")
         if not isinstance(self.profile, DiurnalProfile):
             raise ValueError(f"profile: must be a DiurnalProfile, got {self.profile!r}")
-        _check_non_negative("spawn_rate_per_s", self.spawn_rate_per_s)
-        if not _is_number(self.start_hour) or not 0 <= self.start_hour < 24:
+        check_non_negative("spawn_rate_per_s", self.spawn_rate_per_s)
+        if not is_finite(self.start_hour) or not 0 <= self.start_hour < 24:
             raise ValueError(f"start_hour: must be within [0, 24), got {self.start_hour!r}")
 
     @property
@@ -212,7 +193,7 @@ class DiurnalShape:
 
     def tick(self, run_time_s: float) -> Optional[tuple[int, float]]:
         """``(users, spawn_rate)`` at ``run_time_s`` real seconds into the run, None once the day is over."""
-        _check_non_negative("run_time_s", run_time_s)
+        check_non_negative("run_time_s", run_time_s)
         if run_time_s >= self.duration_s:
             return None
         return self.users_at(run_time_s), self.spawn_rate
@@ -227,9 +208,9 @@ class Stage:
     spawn_rate: float
 
     def __post_init__(self) -> None:
-        _check_positive("duration_s", self.duration_s)
-        _check_int("users", self.users, 0)
-        _check_positive("spawn_rate", self.spawn_rate)
+        check_positive("duration_s", self.duration_s)
+        check_int("users", self.users, minimum=0)
+        check_positive("spawn_rate", self.spawn_rate)
 
 
 @dataclass(frozen=True)
@@ -249,7 +230,7 @@ class StepShape:
         return math.fsum(s.duration_s for s in self.stages)
 
     def stage_at(self, run_time_s: float) -> Optional[Stage]:
-        _check_non_negative("run_time_s", run_time_s)
+        check_non_negative("run_time_s", run_time_s)
         end_s = 0.0
         for stage in self.stages:
             end_s += stage.duration_s
@@ -281,14 +262,14 @@ def step_burst(
 
     Each stage spawns fast enough to reach its users within ~2 s (a burst is a burst).
     """
-    _check_int("peak_users", peak_users, 1)
+    check_int("peak_users", peak_users, minimum=1)
     if not ratios:
         raise ValueError("ratios: need at least one (duration_s, share) row")
     stages = []
     for duration_s, share in ratios:
-        if not _is_number(share) or not 0 <= share <= 1:
+        if not is_finite(share) or not 0 <= share <= 1:
             raise ValueError(f"share: must be within [0, 1], got {share!r}")
-        _check_positive("duration_s", duration_s)
+        check_positive("duration_s", duration_s)
         users = max(1, math.ceil(peak_users * share)) if share > 0 else 0
         stages.append(Stage(duration_s / time_scale.factor, users, max(1.0, users / 2.0)))
     return StepShape(tuple(stages))

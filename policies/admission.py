@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from policies.criticality import Criticality
 from policies.degradation import MAX_LEVEL, LevelConstraints
+from policies.validation import check_int, check_non_negative, check_positive
 
 OVERLOADED = "OVERLOADED"
 #: Upper bound on Retry-After so a client never parks for minutes on one refusal.
@@ -37,16 +38,13 @@ class AdmissionDecision:
             raise ValueError("code: an admitted decision carries no code or retry_after_s")
         if not self.admitted and self.code is None:
             raise ValueError("code: a refusal must carry an error code")
-        if self.retry_after_s is not None and self.retry_after_s < 0:
-            raise ValueError(f"retry_after_s: must be >= 0, got {self.retry_after_s!r}")
+        check_non_negative("retry_after_s", self.retry_after_s, optional=True)
 
 
 def retry_after_s(level: int, base_s: float = 1.0, cap_s: float = RETRY_AFTER_CAP_S) -> float:
     """Retry-After for a refusal at ``level``: base at levels 0–1, doubling per level, capped."""
-    if not 0 <= level <= MAX_LEVEL:
-        raise ValueError(f"level: must be in [0, {MAX_LEVEL}], got {level!r}")
-    if not base_s > 0:
-        raise ValueError(f"retry_after_base_s: must be > 0, got {base_s!r}")
+    check_int("level", level, minimum=0, maximum=MAX_LEVEL)
+    check_positive("retry_after_base_s", base_s)
     if not cap_s >= base_s:
         raise ValueError(f"retry_after_cap_s: must be >= retry_after_base_s, got {cap_s!r}")
     # Level 0 refusals only happen with a custom level-0 table; treat them as level 1.
@@ -88,9 +86,7 @@ def clamp_max_tokens(requested: int, constraints: LevelConstraints, model_max_to
     ``clamped`` is True when the client gets fewer tokens than it asked for, so
     the router can tell it (a response field / header) instead of truncating silently.
     """
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise ValueError(f"requested: max_tokens must be an int >= 1, got {requested!r}")
-    if isinstance(model_max_tokens, bool) or not isinstance(model_max_tokens, int) or model_max_tokens < 1:
-        raise ValueError(f"model_max_tokens: must be an int >= 1, got {model_max_tokens!r}")
+    check_int("requested", requested, minimum=1)
+    check_int("model_max_tokens", model_max_tokens, minimum=1)
     granted = min(requested, constraints.max_tokens, model_max_tokens)
     return granted, granted < requested

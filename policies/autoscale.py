@@ -11,7 +11,11 @@ utilization). Two windows are averaged over the retained samples:
 * the **panic window** (default 6 s) catches bursts. When its concurrency answer
   reaches ``panic_threshold_ratio × current`` the policy enters panic mode,
   which lasts until a full stable window has passed without a new trigger. In
-  panic the policy scales up at once to the panic answer and never scales down.
+  panic the policy scales up at once to the larger of the panic and stable
+  answers (Knative's ``max(stable, panic)``) and never scales down. Panic sees
+  concurrency only, so without the stable answer in that max a saturated GPU
+  whose utilization asks for 12 replicas would be held at the panic window's 9
+  for up to a whole stable window.
 
 GPU utilization does not take part in the panic window: it is a lagging,
 saturating duty-cycle signal (at most 100 %, i.e. 1.25× current at an 80 %
@@ -39,6 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from policies.validation import check_finite, check_int, check_non_negative, check_positive
+
 # Averages of float samples divided by the target can land a hair above an
 # integer (24.000000000000004 / 8); without this tolerance ceil() adds a replica.
 _CEIL_EPSILON = 1e-9
@@ -46,19 +52,6 @@ _CEIL_EPSILON = 1e-9
 
 def _ceil(x: float) -> int:
     return max(0, math.ceil(x - _CEIL_EPSILON))
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _finite(name: str, value: object) -> None:
-    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValueError(f"{name}: must be a finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -81,42 +74,30 @@ class AutoscaleConfig:
     max_samples: int = 4096
 
     def __post_init__(self) -> None:
-        if not _is_int(self.min_replicas) or self.min_replicas < 0:
-            raise ValueError(f"min_replicas: must be an int >= 0, got {self.min_replicas!r}")
-        if not _is_int(self.max_replicas) or self.max_replicas < 1:
-            raise ValueError(f"max_replicas: must be an int >= 1, got {self.max_replicas!r}")
+        check_int("min_replicas", self.min_replicas, minimum=0)
+        check_int("max_replicas", self.max_replicas, minimum=1)
         if self.min_replicas > self.max_replicas:
             raise ValueError(
                 f"min_replicas: must be <= max_replicas ({self.max_replicas}), got {self.min_replicas}"
             )
-        _finite("target_ongoing_requests", self.target_ongoing_requests)
-        if self.target_ongoing_requests <= 0:
-            raise ValueError(f"target_ongoing_requests: must be > 0, got {self.target_ongoing_requests!r}")
+        check_positive("target_ongoing_requests", self.target_ongoing_requests)
         if self.target_gpu_util_pct is not None:
-            _finite("target_gpu_util_pct", self.target_gpu_util_pct)
+            check_finite("target_gpu_util_pct", self.target_gpu_util_pct)
             if not 0 < self.target_gpu_util_pct <= 100:
                 raise ValueError(f"target_gpu_util_pct: must be in (0, 100], got {self.target_gpu_util_pct!r}")
-        _finite("stable_window_s", self.stable_window_s)
-        if self.stable_window_s <= 0:
-            raise ValueError(f"stable_window_s: must be > 0, got {self.stable_window_s!r}")
-        _finite("panic_window_s", self.panic_window_s)
-        if self.panic_window_s <= 0:
-            raise ValueError(f"panic_window_s: must be > 0, got {self.panic_window_s!r}")
+        check_positive("stable_window_s", self.stable_window_s)
+        check_positive("panic_window_s", self.panic_window_s)
         if self.panic_window_s > self.stable_window_s:
             raise ValueError(
                 f"panic_window_s: must be <= stable_window_s ({self.stable_window_s}), got {self.panic_window_s}"
             )
-        _finite("panic_threshold_ratio", self.panic_threshold_ratio)
+        check_finite("panic_threshold_ratio", self.panic_threshold_ratio)
         # Below 1.0 the policy would be in panic at steady state.
         if self.panic_threshold_ratio < 1.0:
             raise ValueError(f"panic_threshold_ratio: must be >= 1.0, got {self.panic_threshold_ratio!r}")
-        _finite("scale_down_delay_s", self.scale_down_delay_s)
-        if self.scale_down_delay_s < 0:
-            raise ValueError(f"scale_down_delay_s: must be >= 0, got {self.scale_down_delay_s!r}")
-        if not _is_int(self.max_scale_down_step) or self.max_scale_down_step < 1:
-            raise ValueError(f"max_scale_down_step: must be an int >= 1, got {self.max_scale_down_step!r}")
-        if not _is_int(self.max_samples) or self.max_samples < 1:
-            raise ValueError(f"max_samples: must be an int >= 1, got {self.max_samples!r}")
+        check_non_negative("scale_down_delay_s", self.scale_down_delay_s)
+        check_int("max_scale_down_step", self.max_scale_down_step, minimum=1)
+        check_int("max_samples", self.max_samples, minimum=1)
 
     def clamp(self, replicas: int) -> int:
         return min(max(replicas, self.min_replicas), self.max_replicas)
@@ -131,14 +112,9 @@ class AutoscaleSample:
     gpu_util_pct: float | None = None
 
     def __post_init__(self) -> None:
-        _finite("t_s", self.t_s)
-        _finite("ongoing_requests", self.ongoing_requests)
-        if self.ongoing_requests < 0:
-            raise ValueError(f"ongoing_requests: must be >= 0, got {self.ongoing_requests!r}")
-        if self.gpu_util_pct is not None:
-            _finite("gpu_util_pct", self.gpu_util_pct)
-            if self.gpu_util_pct < 0:
-                raise ValueError(f"gpu_util_pct: must be >= 0, got {self.gpu_util_pct!r}")
+        check_finite("t_s", self.t_s)
+        check_non_negative("ongoing_requests", self.ongoing_requests)
+        check_non_negative("gpu_util_pct", self.gpu_util_pct, optional=True)
 
 
 @dataclass(frozen=True)
@@ -157,12 +133,10 @@ class AutoscaleState:
         for s in self.samples:
             if not isinstance(s, AutoscaleSample):
                 raise ValueError(f"samples: entries must be AutoscaleSample, got {s!r}")
-        if self.panic_until_s is not None:
-            _finite("panic_until_s", self.panic_until_s)
-        if self.below_since_s is not None:
-            _finite("below_since_s", self.below_since_s)
-        if self.last_desired is not None and (not _is_int(self.last_desired) or self.last_desired < 0):
-            raise ValueError(f"last_desired: must be an int >= 0 or None, got {self.last_desired!r}")
+        check_finite("panic_until_s", self.panic_until_s, optional=True)
+        check_finite("below_since_s", self.below_since_s, optional=True)
+        if self.last_desired is not None:
+            check_int("last_desired", self.last_desired, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -196,8 +170,7 @@ def decide(
     cfg: AutoscaleConfig,
 ) -> tuple[AutoscaleDecision, AutoscaleState]:
     """One tick at ``now = sample.t_s``; see the module docstring for the rules."""
-    if not _is_int(current_replicas) or current_replicas < 0:
-        raise ValueError(f"current_replicas: must be an int >= 0, got {current_replicas!r}")
+    check_int("current_replicas", current_replicas, minimum=0)
     now_s = sample.t_s
     samples = _trim((*state.samples, sample), now_s, cfg)
 
@@ -237,7 +210,9 @@ def decide(
         floor = current_replicas
         if was_in_panic and state.last_desired is not None:
             floor = max(floor, state.last_desired)
-        desired = cfg.clamp(max(panic_desired, floor))
+        # Invariant: panic never desires fewer than stable mode would (Knative's
+        # max(stable, panic)); panic only adds urgency, it never hides a signal.
+        desired = cfg.clamp(max(panic_desired, stable_desired, floor))
         below_since_s = None
         mode = "panic"
         why = (
@@ -245,6 +220,7 @@ def decide(
             if triggered
             else f"panic held until t={panic_until_s:g}s, panic_desired={panic_desired}"
         )
+        why += f", stable_desired={stable_desired}"
         reason = f"panic: {why} (avg {panic_avg:.1f} over {cfg.panic_window_s:g}s) -> {desired}"
     else:
         mode = "stable"
@@ -301,9 +277,6 @@ def queue_length_fallback(total_requests: float, current_replicas: int, cfg: Aut
     never goes below ``current_replicas`` (still clamped to [min, max]).
     Scale-down waits for the controller, which Ray restarts within seconds.
     """
-    _finite("total_requests", total_requests)
-    if total_requests < 0:
-        raise ValueError(f"total_requests: must be >= 0, got {total_requests!r}")
-    if not _is_int(current_replicas) or current_replicas < 0:
-        raise ValueError(f"current_replicas: must be an int >= 0, got {current_replicas!r}")
+    check_non_negative("total_requests", total_requests)
+    check_int("current_replicas", current_replicas, minimum=0)
     return cfg.clamp(max(_ceil(total_requests / cfg.target_ongoing_requests), current_replicas))

@@ -7,9 +7,12 @@ States and their Prometheus gauge values: CLOSED=0, OPEN=1, HALF_OPEN=2.
   ``window_s`` seconds in one-second buckets (``window_kind="time"``). Once the
   window holds at least ``min_calls`` calls, the breaker opens when the failure
   ratio reaches ``failure_rate_threshold`` or the slow-call ratio reaches
-  ``slow_call_rate_threshold``. A *slow call* is a success that took strictly
-  longer than ``slow_call_duration_s``; a failure counts only as a failure,
-  however long it took.
+  ``slow_call_rate_threshold``. A *slow call* is any call that took strictly
+  longer than ``slow_call_duration_s``, whatever its outcome (as resilience4j
+  counts them): a slow failure counts both as a failure and as slow. Counting
+  only slow *successes* let a backend that answers every call after 12 s with
+  10 % failures stay closed forever (90 % slow, 10 % failed: neither reaches
+  its threshold), though every caller waited too long.
 * **OPEN.** Every call is refused for ``open_duration_s`` stretched by a
   jitter of ±``open_jitter_ratio`` drawn from the injected rng — many routers
   each hold their own breaker for the same backend, and without jitter they
@@ -19,6 +22,21 @@ States and their Prometheus gauge values: CLOSED=0, OPEN=1, HALF_OPEN=2.
   ``snapshot()``/``retry_after_s()`` after the open period ends. At most
   ``half_open_max_probes`` probes are handed out in total, so never more than
   that are in flight at once; everything else is refused.
+* **Half-open ends by itself.** A probe permit that is never recorded or
+  released (a cancelled task, a lost call, a bug in the caller) would keep its
+  slot forever and the breaker half-open, refusing every call. So once the
+  first probe of a half-open period is handed out, the period must reach its
+  decision within ``half_open_max_wait_s`` (resilience4j's
+  ``maxWaitDurationInHalfOpenState``); when it has not, the breaker goes back
+  to OPEN (a fresh jittered open period, then a fresh half-open with fresh
+  probes), and the outcomes of the old period's probes, should they come, are
+  stale and ignored. Back to OPEN rather than handing out fresh probes at once
+  because an unanswered probe is itself no sign of health, and the open period
+  keeps the routers' probes jittered apart. The clock starts at the first probe,
+  not on entering HALF_OPEN, so a backend nobody called while it was half-open
+  is not reopened for nothing; a period whose probes were all released starts
+  over. The default (120 s) is the longest deadline a request may carry
+  (``resilience.max_deadline_s``), so no probe that could still answer is cut.
 
 **The half-open rule.** With N = ``half_open_max_probes`` and
 ``required = ceil(half_open_success_threshold × N)`` successes needed:
@@ -78,6 +96,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from policies.validation import check_int, check_name, check_positive, check_ratio, is_number
+
 # Ratios are compared as ``count >= threshold × total``; the product of a
 # decimal threshold and an integer can land a hair above the integer it means
 # (0.7 × 10 = 7.000000000000001), which without this tolerance would need one
@@ -85,31 +105,6 @@ from typing import Any
 _EPSILON = 1e-9
 
 WINDOW_KINDS = ("count", "time")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if not _is_int(value):
-        raise ValueError(f"{name}: must be an int, got {value!r}")
-    if value < minimum:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be >= {minimum}, got {value!r}")
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
-        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
-
-
-def _check_ratio(name: str, value: object) -> None:
-    if not _is_number(value) or not 0 < value <= 1:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be in (0, 1], got {value!r}")
 
 
 def _reaches(count: int, total: int, threshold: float) -> bool:
@@ -148,30 +143,34 @@ class BreakerConfig:
     half_open_max_probes: int = 5
     #: Close when ok probes / probes >= this (see the module docstring for the rule).
     half_open_success_threshold: float = 0.8
+    #: Longest a half-open period may wait for its decision after its first probe
+    #: was handed out; then back to OPEN (lost probes cannot wedge the breaker).
+    half_open_max_wait_s: float = 120.0
     #: Bound on one-second buckets of the time window (memory bound).
     max_time_window_buckets: int = 600
 
     def __post_init__(self) -> None:
         if self.window_kind not in WINDOW_KINDS:
             raise ValueError(f"window_kind: must be one of {WINDOW_KINDS}, got {self.window_kind!r}")
-        _check_int("window_size", self.window_size, minimum=1)
-        _check_positive("window_s", self.window_s)
-        _check_int("min_calls", self.min_calls, minimum=1)
+        check_int("window_size", self.window_size, minimum=1)
+        check_positive("window_s", self.window_s)
+        check_int("min_calls", self.min_calls, minimum=1)
         # A count window smaller than min_calls could never be judged: the breaker
         # would silently never open.
         if self.window_kind == "count" and self.min_calls > self.window_size:
             raise ValueError(
                 f"min_calls: must be <= window_size ({self.window_size}) for a count window, got {self.min_calls}"
             )
-        _check_ratio("failure_rate_threshold", self.failure_rate_threshold)
-        _check_positive("slow_call_duration_s", self.slow_call_duration_s)
-        _check_ratio("slow_call_rate_threshold", self.slow_call_rate_threshold)
-        _check_positive("open_duration_s", self.open_duration_s)
-        if not _is_number(self.open_jitter_ratio) or not 0 <= self.open_jitter_ratio < 1:
+        check_ratio("failure_rate_threshold", self.failure_rate_threshold)
+        check_positive("slow_call_duration_s", self.slow_call_duration_s)
+        check_ratio("slow_call_rate_threshold", self.slow_call_rate_threshold)
+        check_positive("open_duration_s", self.open_duration_s)
+        if not is_number(self.open_jitter_ratio) or not 0 <= self.open_jitter_ratio < 1:
             raise ValueError(f"open_jitter_ratio: must be in [0, 1), got {self.open_jitter_ratio!r}")
-        _check_int("half_open_max_probes", self.half_open_max_probes, minimum=1)
-        _check_ratio("half_open_success_threshold", self.half_open_success_threshold)
-        _check_int("max_time_window_buckets", self.max_time_window_buckets, minimum=1)
+        check_int("half_open_max_probes", self.half_open_max_probes, minimum=1)
+        check_ratio("half_open_success_threshold", self.half_open_success_threshold)
+        check_positive("half_open_max_wait_s", self.half_open_max_wait_s)
+        check_int("max_time_window_buckets", self.max_time_window_buckets, minimum=1)
         if self.window_kind == "time" and math.ceil(self.window_s) > self.max_time_window_buckets:
             raise ValueError(
                 f"window_s: needs {math.ceil(self.window_s)} one-second buckets, more than "
@@ -227,7 +226,8 @@ class Permit:
 class _CountWindow:
     """The last ``size`` outcomes, with running totals (O(1) per call)."""
 
-    _OK, _SLOW, _FAILED = 0, 1, 2
+    # Bit flags: a call can be both failed and slow.
+    _FAILED, _SLOW = 1, 2
 
     def __init__(self, size: int) -> None:
         self._outcomes: deque[int] = deque(maxlen=size)
@@ -237,14 +237,14 @@ class _CountWindow:
     def add(self, now_s: float, failed: bool, slow: bool) -> None:
         if len(self._outcomes) == self._outcomes.maxlen:
             self._forget(self._outcomes[0])  # about to be pushed out by maxlen
-        outcome = self._FAILED if failed else (self._SLOW if slow else self._OK)
+        outcome = (self._FAILED if failed else 0) | (self._SLOW if slow else 0)
         self._outcomes.append(outcome)
-        self._failures += outcome == self._FAILED
-        self._slow += outcome == self._SLOW
+        self._failures += bool(outcome & self._FAILED)
+        self._slow += bool(outcome & self._SLOW)
 
     def _forget(self, outcome: int) -> None:
-        self._failures -= outcome == self._FAILED
-        self._slow -= outcome == self._SLOW
+        self._failures -= bool(outcome & self._FAILED)
+        self._slow -= bool(outcome & self._SLOW)
 
     def totals(self, now_s: float) -> tuple[int, int, int]:
         return len(self._outcomes), self._failures, self._slow
@@ -295,7 +295,7 @@ class _TimeWindow:
         if failed:
             bucket[2] += 1
             self._failures += 1
-        elif slow:
+        if slow:
             bucket[3] += 1
             self._slow += 1
 
@@ -325,8 +325,7 @@ class CircuitBreaker:
         rng: random.Random | None = None,
         on_event: Callable[[BreakerEvent], None] = lambda e: None,
     ) -> None:
-        if not isinstance(backend, str) or not backend:
-            raise ValueError(f"backend: must be a non-empty str, got {backend!r}")
+        check_name("backend", backend)
         if not isinstance(cfg, BreakerConfig):
             raise ValueError(f"cfg: must be a BreakerConfig, got {cfg!r}")
         self._backend = backend
@@ -352,6 +351,9 @@ class CircuitBreaker:
         self._probes_ok = 0  # successes, slow ones included
         self._probes_failed = 0
         self._probes_slow = 0
+        # When this half-open period handed out its first probe; None before one
+        # (see "Half-open ends by itself").
+        self._first_probe_s: float | None = None
 
     # ------------------------------------------------------------------ read side
 
@@ -422,6 +424,8 @@ class CircuitBreaker:
             return None
         self._probes_admitted += 1
         self._probes_in_flight += 1
+        if self._first_probe_s is None:
+            self._first_probe_s = now_s
         return Permit(self, self._epoch, True, now_s)
 
     def record(self, permit: Permit, success: bool, duration_s: float | None = None) -> None:
@@ -432,7 +436,7 @@ class CircuitBreaker:
         issued before the breaker's last state change (a stale outcome).
         """
         self._check_owner(permit)
-        if duration_s is not None and (not _is_number(duration_s) or not 0 <= duration_s < math.inf):
+        if duration_s is not None and (not is_number(duration_s) or not 0 <= duration_s < math.inf):
             raise ValueError(f"duration_s: must be a finite number >= 0 or None, got {duration_s!r}")
         if permit._done:
             return
@@ -444,7 +448,8 @@ class CircuitBreaker:
         if duration_s is None:
             duration_s = max(0.0, now_s - permit.started_s)
         failed = not success
-        slow = bool(success) and duration_s > self._cfg.slow_call_duration_s
+        # Slow whatever the outcome (module docstring).
+        slow = duration_s > self._cfg.slow_call_duration_s
         if permit.is_probe:
             # Same epoch as a probe permit means we are still in that HALF_OPEN period.
             self._probes_in_flight -= 1
@@ -452,7 +457,7 @@ class CircuitBreaker:
                 self._probes_failed += 1
             else:
                 self._probes_ok += 1
-                self._probes_slow += slow
+            self._probes_slow += slow
             self._judge_half_open(now_s)
         else:
             self._window.add(now_s, failed, slow)
@@ -472,6 +477,9 @@ class CircuitBreaker:
             return
         self._probes_admitted -= 1
         self._probes_in_flight -= 1
+        if self._probes_admitted == 0:
+            # Nothing handed out is outstanding or reported: the period starts over.
+            self._first_probe_s = None
 
     # ------------------------------------------------------------------ transitions
 
@@ -480,7 +488,20 @@ class CircuitBreaker:
             raise ValueError(f"permit: not issued by the breaker for {self._backend!r}, got {permit!r}")
 
     def _refresh(self, now_s: float) -> None:
-        """The lazy OPEN → HALF_OPEN transition once the open period is over."""
+        """The lazy OPEN → HALF_OPEN transition once the open period is over, and
+        HALF_OPEN → OPEN once a half-open period has waited too long for its probes."""
+        if (
+            self._state is BreakerState.HALF_OPEN
+            and self._first_probe_s is not None
+            and now_s >= self._first_probe_s + self._cfg.half_open_max_wait_s
+        ):
+            self._open(
+                now_s,
+                f"half-open undecided {now_s - self._first_probe_s:.1f}s after the first probe"
+                f" (>= half_open_max_wait_s {self._cfg.half_open_max_wait_s:g}), "
+                f"{self._probes_in_flight} probe(s) never reported",
+            )
+            return
         if (
             self._state is BreakerState.OPEN
             and self._opened_until_s is not None
@@ -538,6 +559,7 @@ class CircuitBreaker:
     def _reset_probes(self) -> None:
         self._probes_admitted = self._probes_in_flight = 0
         self._probes_ok = self._probes_failed = self._probes_slow = 0
+        self._first_probe_s = None
 
     def _transition(self, to_state: BreakerState, now_s: float, reason: str) -> None:
         from_state = self._state

@@ -39,42 +39,21 @@ multi-signal, multi-level hysteresis with injected time and these semantics.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from policies.criticality import Criticality
 
+from policies.validation import check_finite, check_int, check_non_negative, check_positive, check_ratio, is_finite
+
 #: Levels are 0 … MAX_LEVEL inclusive.
 MAX_LEVEL = 4
 NUM_LEVELS = MAX_LEVEL + 1
 
 
-def _is_number(value: object) -> bool:
-    # bool is an int subclass; ``True`` as a threshold is a config bug, not 1.
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name}: must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value!r}")
-
-
-def _check_optional_non_negative(name: str, value: object) -> None:
-    if value is None:
-        return
-    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValueError(f"{name}: must be a finite number or None, got {value!r}")
-    if value < 0:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be >= 0, got {value!r}")
-
-
 def _check_level(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LEVEL:
-        raise ValueError(f"{name}: must be an int in [0, {MAX_LEVEL}], got {value!r}")
+    check_int(name, value, minimum=0, maximum=MAX_LEVEL)
 
 
 def _fmt(value: float) -> str:
@@ -101,8 +80,8 @@ class LevelConstraints:
     admitted: frozenset[Criticality]
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_int("max_batch_size", self.max_batch_size, minimum=1)
+        check_int("max_tokens", self.max_tokens, minimum=1)
+        check_int("max_batch_size", self.max_batch_size, minimum=1)
         if not isinstance(self.streaming, bool):
             raise ValueError(f"streaming: must be a bool, got {self.streaming!r}")
         if isinstance(self.admitted, (str, bytes)) or not isinstance(self.admitted, Iterable):
@@ -207,22 +186,13 @@ class DegradationConfig:
     def __post_init__(self) -> None:
         for name in _THRESHOLD_FIELDS:
             self._validate_thresholds(name)
-        if not _is_number(self.error_rate_threshold) or not 0 < self.error_rate_threshold <= 1:
-            raise ValueError(f"error_rate_threshold: must be in (0, 1], got {self.error_rate_threshold!r}")
+        check_ratio("error_rate_threshold", self.error_rate_threshold)
         _check_level("error_rate_level", self.error_rate_level)
         if self.error_rate_level == 0:
             raise ValueError("error_rate_level: must be >= 1, got 0")
-        _check_int("error_rate_min_requests", self.error_rate_min_requests, minimum=0)
-        if self.demand_shed_ratio is not None and (
-            not _is_number(self.demand_shed_ratio) or not math.isfinite(self.demand_shed_ratio) or self.demand_shed_ratio <= 0
-        ):
-            raise ValueError(f"demand_shed_ratio: must be > 0 or None, got {self.demand_shed_ratio!r}")
-        if (
-            not _is_number(self.stable_window_s)
-            or not math.isfinite(self.stable_window_s)
-            or self.stable_window_s <= 0
-        ):
-            raise ValueError(f"stable_window_s: must be > 0, got {self.stable_window_s!r}")
+        check_int("error_rate_min_requests", self.error_rate_min_requests, minimum=0)
+        check_positive("demand_shed_ratio", self.demand_shed_ratio, optional=True)
+        check_positive("stable_window_s", self.stable_window_s)
         self._validate_constraints()
 
     def _validate_thresholds(self, name: str) -> None:
@@ -236,7 +206,7 @@ class DegradationConfig:
         for value in values:
             if value is None:
                 continue
-            if not _is_number(value) or not math.isfinite(value) or value < 0:
+            if not is_finite(value) or value < 0:  # type: ignore[operator]
                 raise ValueError(f"{name}: entries must be finite numbers >= 0 or None, got {value!r}")
             if previous is not None and value <= previous:
                 raise ValueError(f"{name}: must be strictly ascending, got {values!r}")
@@ -319,15 +289,15 @@ class LoadSignals:
     capacity_rps: float | None = None
 
     def __post_init__(self) -> None:
-        _check_int("queue_length", self.queue_length, minimum=0)
-        _check_optional_non_negative("queue_wait_p95_ms", self.queue_wait_p95_ms)
-        _check_optional_non_negative("gpu_util_pct", self.gpu_util_pct)
-        _check_optional_non_negative("vram_pct", self.vram_pct)
-        _check_optional_non_negative("error_rate", self.error_rate)
+        check_int("queue_length", self.queue_length, minimum=0)
+        check_non_negative("queue_wait_p95_ms", self.queue_wait_p95_ms, optional=True)
+        check_non_negative("gpu_util_pct", self.gpu_util_pct, optional=True)
+        check_non_negative("vram_pct", self.vram_pct, optional=True)
+        check_non_negative("error_rate", self.error_rate, optional=True)
         if self.error_rate is not None and self.error_rate > 1:
             raise ValueError(f"error_rate: must be in [0, 1], got {self.error_rate!r}")
-        _check_int("request_count", self.request_count, minimum=0)
-        _check_optional_non_negative("capacity_rps", self.capacity_rps)
+        check_int("request_count", self.request_count, minimum=0)
+        check_non_negative("capacity_rps", self.capacity_rps, optional=True)
         if self.demand_rps is not None:
             if not isinstance(self.demand_rps, Mapping):
                 raise ValueError(f"demand_rps: must be a mapping, got {self.demand_rps!r}")
@@ -336,7 +306,7 @@ class LoadSignals:
                     Criticality(crit)
                 except ValueError:
                     raise ValueError(f"demand_rps: unknown criticality {crit!r}") from None
-                _check_optional_non_negative(f"demand_rps[{crit}]", rps)
+                check_non_negative(f"demand_rps[{crit}]", rps, optional=True)
                 if rps is None:
                     raise ValueError(f"demand_rps[{crit}]: must be a number")
 
@@ -423,10 +393,7 @@ class DegradationState:
 
     def __post_init__(self) -> None:
         _check_level("level", self.level)
-        if self.lower_since_s is not None and (
-            not _is_number(self.lower_since_s) or not math.isfinite(self.lower_since_s)
-        ):
-            raise ValueError(f"lower_since_s: must be a finite number or None, got {self.lower_since_s!r}")
+        check_finite("lower_since_s", self.lower_since_s, optional=True)
 
 
 @dataclass(frozen=True)
@@ -458,8 +425,7 @@ def decide(
     A clock that went backwards (``now_s < lower_since_s``, e.g. state restored
     from another process) restarts the streak rather than freezing it.
     """
-    if not _is_number(now_s) or not math.isfinite(now_s):
-        raise ValueError(f"now_s: must be a finite number, got {now_s!r}")
+    check_finite("now_s", now_s)
     target, target_reason = target_level(signals, cfg)
     level = state.level
     lower_since_s = state.lower_since_s

@@ -40,10 +40,11 @@ it from its own event loop, without an ``await`` inside any method.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Mapping, Optional
+
+from policies.validation import check_finite, check_int, check_name, check_positive
 
 MAX_DATA_ITEMS = 16  # "a small payload": the lease is persisted on every heartbeat
 MAX_DATA_CHARS = 256  # per key and per value
@@ -59,25 +60,6 @@ _LEASE_FIELDS = (
     "missed_allowed",
     "data",
 )
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_name(name: str, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{name}: must be a non-empty str, got {value!r}")
-
-
-def _check_finite(name: str, value: object) -> None:
-    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValueError(f"{name}: must be a finite number, got {value!r}")
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
-        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
 
 
 class Health(str, Enum):
@@ -103,19 +85,18 @@ class Lease:
     data: tuple[tuple[str, str], ...] = ()  # small payload, e.g. (("replica_id", "abc"), ("reason", "max_age"))
 
     def __post_init__(self) -> None:
-        _check_name("id", self.id)
-        _check_name("resource", self.resource)
-        _check_name("holder", self.holder)
-        _check_finite("acquired_at_s", self.acquired_at_s)
-        _check_finite("last_heartbeat_s", self.last_heartbeat_s)
+        check_name("id", self.id)
+        check_name("resource", self.resource)
+        check_name("holder", self.holder)
+        check_finite("acquired_at_s", self.acquired_at_s)
+        check_finite("last_heartbeat_s", self.last_heartbeat_s)
         if self.last_heartbeat_s < self.acquired_at_s:
             raise ValueError(
                 f"last_heartbeat_s: must be >= acquired_at_s ({self.acquired_at_s!r}), got {self.last_heartbeat_s!r}"
             )
-        _check_positive("ttl_s", self.ttl_s)
-        _check_positive("heartbeat_interval_s", self.heartbeat_interval_s)
-        if not isinstance(self.missed_allowed, int) or isinstance(self.missed_allowed, bool) or self.missed_allowed < 1:
-            raise ValueError(f"missed_allowed: must be an int >= 1, got {self.missed_allowed!r}")
+        check_positive("ttl_s", self.ttl_s)
+        check_positive("heartbeat_interval_s", self.heartbeat_interval_s)
+        check_int("missed_allowed", self.missed_allowed, minimum=1)
         _check_data(self.data)
 
     # ------------------------------------------------------------------ timing
@@ -255,8 +236,7 @@ class LeaseTable:
     """
 
     def __init__(self, max_leases: int = 1024) -> None:
-        if not isinstance(max_leases, int) or isinstance(max_leases, bool) or max_leases < 1:
-            raise ValueError(f"max_leases: must be an int >= 1, got {max_leases!r}")
+        check_int("max_leases", max_leases, minimum=1)
         self._max_leases = max_leases
         self._by_resource: dict[str, Lease] = {}
         self._resource_of: dict[str, str] = {}  # lease id -> resource

@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 
+from policies.validation import check_finite, check_int, check_name, check_non_negative, check_positive, is_int, is_number
+
 # Token counts are floats refilled by ``elapsed × rate``; a bucket that the
 # arithmetic leaves a hair short of a cost it should now afford (retry_after_s
 # says "wait 0.3 s", the caller waits 0.3 s, the refill lands at 99.99999999)
@@ -52,24 +54,6 @@ DEFAULT_LEND_AT_LEVELS: frozenset[int] = frozenset({0})
 
 LEASE_SOURCE = "lease"
 SAFE_SHARE_SOURCE = "safe-share"
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_finite(name: str, value: object, *, minimum: float, strict: bool) -> None:
-    """``value`` is a finite number, > ``minimum`` if ``strict`` else >= it."""
-    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValueError(f"{name}: must be a finite number, got {value!r}")
-    if strict and not value > minimum:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be > {minimum:g}, got {value!r}")
-    if not strict and not value >= minimum:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be >= {minimum:g}, got {value!r}")
 
 
 def _tolerance(amount: float) -> float:
@@ -99,11 +83,10 @@ class TenantQuota:
     def __post_init__(self) -> None:
         # A zero rate would be a disabled tenant; that is the kill switch's job,
         # with its own error code, not a quota that silently refuses everything.
-        _check_finite("rate_tokens_per_s", self.rate_tokens_per_s, minimum=0, strict=True)
-        _check_finite("burst_tokens", self.burst_tokens, minimum=0, strict=True)
-        if not _is_int(self.max_concurrent) or self.max_concurrent < 1:
-            raise ValueError(f"max_concurrent: must be an int >= 1, got {self.max_concurrent!r}")
-        _check_finite("weight", self.weight, minimum=0, strict=True)
+        check_positive("rate_tokens_per_s", self.rate_tokens_per_s)
+        check_positive("burst_tokens", self.burst_tokens)
+        check_int("max_concurrent", self.max_concurrent, minimum=1)
+        check_positive("weight", self.weight)
         if not isinstance(self.sheddable, bool):
             raise ValueError(f"sheddable: must be a bool, got {self.sheddable!r}")
 
@@ -145,11 +128,11 @@ class TokenBucket:
         clock: Callable[[], float] = time.monotonic,
         initial_tokens: float | None = None,
     ) -> None:
-        _check_finite("rate_tokens_per_s", rate_tokens_per_s, minimum=0, strict=False)
-        _check_finite("burst_tokens", burst_tokens, minimum=0, strict=True)
+        check_non_negative("rate_tokens_per_s", rate_tokens_per_s)
+        check_positive("burst_tokens", burst_tokens)
         if initial_tokens is None:
             initial_tokens = burst_tokens
-        _check_finite("initial_tokens", initial_tokens, minimum=0, strict=False)
+        check_non_negative("initial_tokens", initial_tokens)
         if initial_tokens > burst_tokens:
             raise ValueError(f"initial_tokens: must be <= burst_tokens ({burst_tokens}), got {initial_tokens!r}")
         self._rate_tokens_per_s = float(rate_tokens_per_s)
@@ -197,8 +180,8 @@ class TokenBucket:
         that was in force — then the new one applies from now on. Tokens above
         the new burst are cut; a debt is kept.
         """
-        _check_finite("rate_tokens_per_s", rate_tokens_per_s, minimum=0, strict=False)
-        _check_finite("burst_tokens", burst_tokens, minimum=0, strict=True)
+        check_non_negative("rate_tokens_per_s", rate_tokens_per_s)
+        check_positive("burst_tokens", burst_tokens)
         self._refill()
         self._rate_tokens_per_s = float(rate_tokens_per_s)
         self._burst_tokens = float(burst_tokens)
@@ -206,7 +189,7 @@ class TokenBucket:
 
     def try_charge(self, cost: float) -> bool:
         """Charge ``cost`` and return True if it fits now; otherwise charge nothing."""
-        _check_finite("cost", cost, minimum=0, strict=False)
+        check_non_negative("cost", cost)
         self._refill()
         if self._tokens < self._needed(cost) - _tolerance(cost):
             return False
@@ -215,30 +198,68 @@ class TokenBucket:
 
     def refund(self, tokens: float) -> None:
         """Give back ``tokens`` (the request cost less than charged); never above the burst."""
-        _check_finite("tokens", tokens, minimum=0, strict=False)
+        check_non_negative("tokens", tokens)
         self._refill()
         self._tokens = min(self._burst_tokens, self._tokens + tokens)
 
     def charge_extra(self, tokens: float) -> None:
         """Take ``tokens`` more (the request cost more than charged); may go negative."""
-        _check_finite("tokens", tokens, minimum=0, strict=False)
+        check_non_negative("tokens", tokens)
         self._refill()
         self._tokens -= tokens
 
     def retry_after_s(self, cost: float) -> float:
         """Seconds until ``try_charge(cost)`` would pass at the current rate.
 
-        0.0 if it would pass now; ``math.inf`` if it cannot pass now and the
+        Waiting exactly this long always suffices, at any clock value (see
+        ``_ready_at_s``); it exceeds the exact ``missing / rate`` by at most a
+        few float spacings of the clock. 0.0 if it would pass now; ``math.inf`` if it cannot pass now and the
         rate is 0 (nothing refills until a new rate is set).
         """
-        _check_finite("cost", cost, minimum=0, strict=False)
+        check_non_negative("cost", cost)
+        now_s = self._clock()
         self._refill()
         missing = self._needed(cost) - self._tokens
         if missing <= _tolerance(cost):
             return 0.0
         if self._rate_tokens_per_s == 0:
             return math.inf
-        return missing / self._rate_tokens_per_s
+        return self._wait_until_s(self._ready_at_s(cost), now_s)
+
+    def _ready_at_s(self, cost: float) -> float:
+        """The first clock value at which ``try_charge(cost)`` passes, as floats compute it.
+
+        Why not just ``missing / rate``: the caller adds that wait to a clock
+        value, and at a large one (30 days of monotonic uptime is 2.6e6 s, where
+        floats are 4.7e-10 s apart) the sum rounds, down as often as up. The
+        refill then sees a shorter elapsed time than advertised and, at a high
+        rate, comes up short by more than the tolerance: the client that waited
+        exactly as told is refused again. The error grows with the clock value,
+        not with the cost, so no tolerance on tokens fixes it.
+
+        Instead find the clock value itself: start at ``last + missing / rate``
+        and step to the next float until the refill the bucket will compute
+        (``tokens + (t - last) × rate``, the same expression as ``_refill``)
+        covers the cost. Each step adds one float spacing of ``t``, and the
+        rounding lost at most one, so this ends in a step or two.
+        """
+        last_s = self._last_s
+        rate = self._rate_tokens_per_s
+        floor = self._needed(cost) - _tolerance(cost)
+        t_s = last_s + (self._needed(cost) - self._tokens) / rate
+        while self._tokens + (t_s - last_s) * rate < floor:
+            t_s = math.nextafter(t_s, math.inf)
+        return t_s
+
+    @staticmethod
+    def _wait_until_s(ready_at_s: float, now_s: float) -> float:
+        # The wait such that ``now_s + wait`` (the caller's own sum) is not
+        # below ``ready_at_s``; also covers a clock that stepped back since the
+        # last refill (``now_s < last``: the wait counts from now, not from last).
+        wait_s = ready_at_s - now_s
+        while now_s + wait_s < ready_at_s:
+            wait_s = math.nextafter(wait_s, math.inf)
+        return wait_s
 
     def __repr__(self) -> str:
         return (
@@ -262,11 +283,11 @@ def apportion(tenant_rate: float, demands: Mapping[str, float], min_share_ratio:
 
     Rates are continuous, so unlike concurrency partitions nothing is rounded.
     """
-    _check_finite("tenant_rate", tenant_rate, minimum=0, strict=False)
-    if not _is_number(min_share_ratio) or not 0 <= min_share_ratio <= 1:
+    check_non_negative("tenant_rate", tenant_rate)
+    if not is_number(min_share_ratio) or not 0 <= min_share_ratio <= 1:
         raise ValueError(f"min_share_ratio: must be in [0, 1], got {min_share_ratio!r}")
     for router, demand in demands.items():
-        _check_finite(f"demands[{router!r}]", demand, minimum=0, strict=False)
+        check_non_negative(f"demands[{router!r}]", demand)
     n = len(demands)
     if n == 0:
         return {}
@@ -343,15 +364,15 @@ def effective_rates(
     if not isinstance(level_factors, tuple) or not level_factors:
         raise ValueError(f"level_factors: must be a non-empty tuple, got {level_factors!r}")
     for i, factor in enumerate(level_factors):
-        if not _is_number(factor) or not 0 <= factor <= 1:
+        if not is_number(factor) or not 0 <= factor <= 1:
             raise ValueError(f"level_factors: entry {i} must be in [0, 1], got {factor!r}")
-    if not _is_int(level) or not 0 <= level < len(level_factors):
+    if not is_int(level) or not 0 <= level < len(level_factors):
         raise ValueError(f"level: must be an int in [0, {len(level_factors) - 1}], got {level!r}")
     for name, quota in quotas.items():
         if not isinstance(quota, TenantQuota):
             raise ValueError(f"quotas: entry {name!r} must be a TenantQuota, got {quota!r}")
     for name, demand in demand_tokens_per_s.items():
-        _check_finite(f"demand_tokens_per_s[{name!r}]", demand, minimum=0, strict=False)
+        check_non_negative(f"demand_tokens_per_s[{name!r}]", demand)
 
     factor = level_factors[level]
     base = {name: q.rate_tokens_per_s * (factor if q.sheddable else 1.0) for name, q in quotas.items()}
@@ -395,12 +416,10 @@ class Lease:
     expires_at_s: float
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tenant, str) or not self.tenant:
-            raise ValueError(f"tenant: must be a non-empty str, got {self.tenant!r}")
-        _check_finite("rate_tokens_per_s", self.rate_tokens_per_s, minimum=0, strict=False)
-        _check_finite("burst_tokens", self.burst_tokens, minimum=0, strict=True)
-        if not _is_number(self.expires_at_s) or not math.isfinite(self.expires_at_s):
-            raise ValueError(f"expires_at_s: must be a finite number, got {self.expires_at_s!r}")
+        check_name("tenant", self.tenant)
+        check_non_negative("rate_tokens_per_s", self.rate_tokens_per_s)
+        check_positive("burst_tokens", self.burst_tokens)
+        check_finite("expires_at_s", self.expires_at_s)
 
 
 def lease_rate(
@@ -420,10 +439,10 @@ def lease_rate(
     is held to 1/N there until a lease arrives. ``n_routers < 1`` (not yet
     known) counts as 1.
     """
-    _check_finite("now_s", now_s, minimum=-math.inf, strict=False)
-    _check_finite("tenant_rate", tenant_rate, minimum=0, strict=False)
-    _check_finite("tenant_burst", tenant_burst, minimum=0, strict=True)
-    if not _is_int(n_routers):
+    check_finite("now_s", now_s)
+    check_non_negative("tenant_rate", tenant_rate)
+    check_positive("tenant_burst", tenant_burst)
+    if not is_int(n_routers):
         raise ValueError(f"n_routers: must be an int, got {n_routers!r}")
     if lease is not None and now_s < lease.expires_at_s:
         return lease.rate_tokens_per_s, lease.burst_tokens, LEASE_SOURCE

@@ -36,6 +36,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from policies.validation import check_fraction, check_int, check_non_negative, is_number
+
 # floor(ratio × active) where the product lands a hair below an integer
 # (0.29 × 100 = 28.999999999999996) would lose a whole retry slot.
 _EPSILON = 1e-9
@@ -58,24 +60,6 @@ NON_RETRYABLE_KINDS: dict[str, str] = {
 FAILURE_KINDS = RETRYABLE_KINDS | frozenset(NON_RETRYABLE_KINDS)
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
-
-
-def _check_non_negative(name: str, value: object) -> None:
-    if not _is_number(value) or not 0 <= value < math.inf:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
-
-
 @dataclass(frozen=True)
 class RetryConfig:
     #: Total attempts per request, the first included (3 = at most 2 retries).
@@ -89,16 +73,15 @@ class RetryConfig:
     budget_min_concurrent: int = 3
 
     def __post_init__(self) -> None:
-        _check_int("max_attempts", self.max_attempts, minimum=1)
-        _check_non_negative("base_backoff_s", self.base_backoff_s)
-        _check_non_negative("max_backoff_s", self.max_backoff_s)
+        check_int("max_attempts", self.max_attempts, minimum=1)
+        check_non_negative("base_backoff_s", self.base_backoff_s)
+        check_non_negative("max_backoff_s", self.max_backoff_s)
         if self.max_backoff_s < self.base_backoff_s:
             raise ValueError(
                 f"max_backoff_s: must be >= base_backoff_s ({self.base_backoff_s}), got {self.max_backoff_s!r}"
             )
-        if not _is_number(self.budget_ratio) or not 0 <= self.budget_ratio <= 1:
-            raise ValueError(f"budget_ratio: must be in [0, 1], got {self.budget_ratio!r}")
-        _check_int("budget_min_concurrent", self.budget_min_concurrent, minimum=0)
+        check_fraction("budget_ratio", self.budget_ratio)
+        check_int("budget_min_concurrent", self.budget_min_concurrent, minimum=0)
 
 
 # --------------------------------------------------------------------------- backoff
@@ -106,7 +89,7 @@ class RetryConfig:
 
 def backoff_cap_s(attempt: int, cfg: RetryConfig) -> float:
     """The upper bound of the wait before retry number ``attempt`` (1 = first retry)."""
-    _check_int("attempt", attempt, minimum=1)
+    check_int("attempt", attempt, minimum=1)
     return min(cfg.max_backoff_s, cfg.base_backoff_s * 2.0 ** min(attempt - 1, _MAX_EXPONENT))
 
 
@@ -119,7 +102,7 @@ def backoff_s(attempt: int, cfg: RetryConfig, rand: Callable[[], float]) -> floa
     """
     cap_s = backoff_cap_s(attempt, cfg)
     u = rand()
-    if not _is_number(u) or not 0 <= u <= 1:
+    if not is_number(u) or not 0 <= u <= 1:
         raise ValueError(f"rand: must return a number in [0, 1), got {u!r}")
     return u * cap_s
 
@@ -129,7 +112,7 @@ def backoff_s(attempt: int, cfg: RetryConfig, rand: Callable[[], float]) -> floa
 
 def retry_limit(active: int, cfg: RetryConfig) -> int:
     """Concurrent retries allowed with ``active`` requests in flight."""
-    _check_int("active", active, minimum=0)
+    check_int("active", active, minimum=0)
     return max(cfg.budget_min_concurrent, math.floor(cfg.budget_ratio * active + _EPSILON))
 
 
@@ -140,7 +123,7 @@ def retry_allowed(active: int, retries_in_flight: int, cfg: RetryConfig) -> bool
     still one active request); ``retries_in_flight`` counts retry attempts
     currently running or waiting out their backoff.
     """
-    _check_int("retries_in_flight", retries_in_flight, minimum=0)
+    check_int("retries_in_flight", retries_in_flight, minimum=0)
     return retries_in_flight < retry_limit(active, cfg)
 
 
@@ -223,10 +206,10 @@ def should_retry(
     """
     if kind not in FAILURE_KINDS:
         raise ValueError(f"kind: must be one of {sorted(FAILURE_KINDS)}, got {kind!r}")
-    _check_int("attempt", attempt, minimum=1)
-    _check_non_negative("next_backoff_s", next_backoff_s)
-    _check_non_negative("min_attempt_s", min_attempt_s)
-    if not _is_number(deadline_left_s) or math.isnan(deadline_left_s):
+    check_int("attempt", attempt, minimum=1)
+    check_non_negative("next_backoff_s", next_backoff_s)
+    check_non_negative("min_attempt_s", min_attempt_s)
+    if not is_number(deadline_left_s) or math.isnan(deadline_left_s):
         raise ValueError(f"deadline_left_s: must be a number, got {deadline_left_s!r}")
 
     if kind in NON_RETRYABLE_KINDS:

@@ -43,19 +43,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from policies.validation import check_non_negative, check_positive
+
 # window_s / bucket_s can land a hair above the integer it means (a window of
 # 3 × 0.1 s over 0.1 s buckets is 3.0000000000000004); without this tolerance
 # ceil() would keep one bucket more than the window holds.
 _EPSILON = 1e-9
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_positive(name: str, value: object) -> None:
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
-        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -68,13 +61,13 @@ class ThrottleConfig:
     bucket_s: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_positive("k", self.k)
+        check_positive("k", self.k)
         # Below 1 the client would reject its own traffic while the backend
         # accepts all of it (requests = accepts > k × accepts).
         if self.k < 1:
             raise ValueError(f"k: must be >= 1, got {self.k!r}")
-        _check_positive("window_s", self.window_s)
-        _check_positive("bucket_s", self.bucket_s)
+        check_positive("window_s", self.window_s)
+        check_positive("bucket_s", self.bucket_s)
         if self.bucket_s > self.window_s:
             raise ValueError(f"bucket_s: must be <= window_s ({self.window_s}), got {self.bucket_s!r}")
 
@@ -86,11 +79,9 @@ class ThrottleConfig:
 
 def reject_probability(requests: int, accepts: int, k: float) -> float:
     """max(0, (requests − k · accepts) / (requests + 1)); always in [0, 1)."""
-    if not _is_number(requests) or requests < 0:
-        raise ValueError(f"requests: must be a number >= 0, got {requests!r}")
-    if not _is_number(accepts) or accepts < 0:
-        raise ValueError(f"accepts: must be a number >= 0, got {accepts!r}")
-    _check_positive("k", k)
+    check_non_negative("requests", requests)
+    check_non_negative("accepts", accepts)
+    check_positive("k", k)
     return max(0.0, (requests - k * accepts) / (requests + 1))
 
 

@@ -62,6 +62,12 @@ def check_ratio(name: str, value: object, *, optional: bool = False) -> None:
         raise ValueError(f"{name}: must be in (0, 1]{_or_none(optional)}, got {value!r}")
 
 
+def check_fraction(name: str, value: object) -> None:
+    """A share in [0, 1]: unlike ``check_ratio``, 0 (none of it) is allowed."""
+    if not is_number(value) or not 0 <= value <= 1:  # type: ignore[operator]
+        raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
+
+
 def check_name(name: str, value: object) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name}: must be a non-empty str, got {value!r}")

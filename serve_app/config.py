@@ -209,6 +209,10 @@ class BreakerSettings(_Strict):
     open_jitter_ratio: float = Field(0.1, ge=0, lt=1)
     half_open_max_probes: PositiveInt = 5
     half_open_success_threshold: float = Field(0.8, gt=0, le=1)
+    # Once a half-open period has handed out its first probe it must decide within
+    # this long, else back to open: a lost probe cannot wedge the breaker half-open.
+    # At least resilience.max_deadline_s, so no probe that could still answer is cut.
+    half_open_max_wait_s: PositiveFloat = 120.0
 
 
 class RetrySettings(_Strict):

@@ -382,3 +382,34 @@ def test_sample_and_state_validation() -> None:
         decide(AutoscaleSample(t_s=0.0, ongoing_requests=0.0), -1, AutoscaleState(), CFG)
     with pytest.raises(ValueError, match="last_desired"):
         AutoscaleState(last_desired=-2)
+
+
+def test_panic_never_desires_fewer_than_stable() -> None:
+    # Knative's max(stable, panic). A burst of 72 ongoing on 4 replicas triggers
+    # panic (9 >= 2 x 4). The work needs 9.6 GPUs' worth at 100 % (util is
+    # 960 / replicas %, capped at 100): at 9 replicas the GPUs are saturated and
+    # stable mode asks ceil(9 x 100 / 80) = 12, while the panic window,
+    # concurrency only, still says 9. The old code held 9 for the whole 60 s
+    # panic; the decision must be at least 12 from the first held tick on.
+    cfg = AutoscaleConfig(min_replicas=1, max_replicas=16, target_gpu_util_pct=80.0)
+
+    def util(replicas: int) -> float:
+        return min(100.0, 960.0 / replicas)
+
+    d, state = tick(0, 72.0, 4, AutoscaleState(), cfg, util=util(4))
+    assert (d.mode, d.panic_desired, d.stable_desired, d.desired_replicas) == ("panic", 9, 9, 9)
+    current = d.desired_replicas
+    d, state = tick(1, 72.0, current, state, cfg, util=util(current))
+    assert (d.mode, d.panic_desired, d.stable_desired, d.desired_replicas) == ("panic", 9, 12, 12)
+    current = d.desired_replicas
+    for t in range(2, 60):
+        d, state = tick(t, 72.0, current, state, cfg, util=util(current))
+        # The panic window still says 9; the decision follows stable (the 60 s
+        # util average lags, so stable may ask more than 12), never the 9.
+        assert (d.mode, d.panic_desired) == ("panic", 9), t
+        assert d.desired_replicas >= cfg.clamp(max(d.stable_desired, 12)), t
+        current = d.desired_replicas
+    # Panic ends a stable window after its trigger; stable mode does not go back to 9.
+    d, state = tick(60, 72.0, current, state, cfg, util=util(current))
+    assert d.mode == "stable"
+    assert d.desired_replicas >= 12

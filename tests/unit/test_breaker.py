@@ -100,6 +100,9 @@ def test_defaults_follow_the_seeds() -> None:
         ("half_open_max_probes", True),
         ("half_open_success_threshold", 0),
         ("max_time_window_buckets", 0),
+        ("half_open_max_wait_s", 0),
+        ("half_open_max_wait_s", float("inf")),
+        ("half_open_max_wait_s", None),
     ],
 )
 def test_bad_config_names_the_field(field: str, value: object) -> None:
@@ -243,7 +246,7 @@ def test_slow_calls_trip_the_slow_rate() -> None:
     call(breaker, True, duration_s=2.0)  # exactly at the limit: not slow
     call(breaker, True, duration_s=2.5)
     call(breaker, True, duration_s=3.0)
-    call(breaker, False, duration_s=30.0)  # a failure is a failure, not a slow call
+    call(breaker, False, duration_s=1.0)  # a fast failure: failed, not slow
     snap = breaker.snapshot()
     assert (snap["calls"], snap["failures"], snap["slow_calls"]) == (4, 1, 2)
     assert breaker.state is CLOSED  # slow 2/4 < 0.75, failures 1/4 < 0.5
@@ -255,6 +258,61 @@ def test_slow_calls_trip_the_slow_rate() -> None:
     call(breaker, True, duration_s=9.0)  # slow 6/8 = 0.75 → open
     assert breaker.state is OPEN
     assert events[-1].reason == "slow_call_rate=0.75>=0.75 over 8 calls"
+
+
+def test_slow_failures_count_as_slow_so_a_12s_backend_with_10pct_failures_opens() -> None:
+    # Defaults: slow above 10 s, slow-rate threshold 1.0, judged from 10 calls.
+    # The backend answers every call after 12 s and fails one in ten. Counting
+    # only slow successes gave 9/10 slow and 1/10 failed: closed forever. Every
+    # call is slow whatever its outcome, so the tenth call opens the breaker.
+    breaker, clock, events = make(BreakerConfig())
+    for i in range(1, 11):
+        permit = breaker.allow()
+        assert permit is not None, i
+        clock.advance(12)
+        breaker.record(permit, success=i % 10 != 0)  # the 10th fails, after 12 s too
+        snap = breaker.snapshot()
+        if i < 10:
+            assert breaker.state is CLOSED, i
+            assert (snap["calls"], snap["failures"], snap["slow_calls"]) == (i, 0, i), i
+    assert breaker.state is OPEN
+    assert events[-1].reason == "slow_call_rate=1.00>=1.00 over 10 calls"
+    assert breaker.allow() is None
+
+
+def test_a_slow_failure_counts_once_as_failed_and_once_as_slow_in_both_windows() -> None:
+    for kind in ("count", "time"):
+        cfg = BreakerConfig(window_kind=kind, window_size=10, window_s=10, min_calls=10, slow_call_duration_s=2.0)
+        breaker, clock, _ = make(cfg)
+        call(breaker, False, duration_s=3.0)  # slow and failed
+        call(breaker, False, duration_s=1.0)  # failed only
+        call(breaker, True, duration_s=3.0)  # slow only
+        snap = breaker.snapshot()
+        assert (snap["calls"], snap["failures"], snap["slow_calls"]) == (3, 2, 2), kind
+        # Forgetting works on both counts (count window: pushed out; time window: aged out).
+        if kind == "count":
+            for _ in range(10):
+                call(breaker, True, duration_s=0.1)
+        else:
+            clock.advance(10)
+        snap = breaker.snapshot()
+        assert (snap["failures"], snap["slow_calls"]) == (0, 0), kind
+
+
+def test_slow_failed_probes_count_as_slow_in_half_open() -> None:
+    # Five probes: four slow successes and one slow failure. 4/5 ok is enough to
+    # close, but 5/5 are slow, which reaches the slow-rate threshold 1.0: reopen.
+    cfg = BreakerConfig(
+        window_size=10, min_calls=4, open_duration_s=10, open_jitter_ratio=0.0, slow_call_duration_s=1.0
+    )
+    breaker, _, events = open_then_half_open(cfg)
+    probes = [breaker.allow() for _ in range(5)]
+    for p in probes[:4]:
+        breaker.record(p, True, duration_s=5.0)
+    assert breaker.state is HALF_OPEN
+    breaker.record(probes[4], False, duration_s=5.0)
+    assert breaker.state is OPEN
+    assert events[-1].reason == "half-open probes slow: slow_call_rate=1.00>=1.00"
 
 
 def test_default_slow_rate_needs_every_call_slow() -> None:
@@ -451,6 +509,70 @@ def test_half_open_reopens_when_every_probe_is_slow() -> None:
     breaker.record(probes[4], True, duration_s=5.0)
     assert breaker.state is OPEN
     assert events[-1].reason == "half-open probes slow: slow_call_rate=1.00>=1.00"
+
+
+WAIT = BreakerConfig(
+    window_size=10, min_calls=4, open_duration_s=10, open_jitter_ratio=0.0, half_open_max_probes=5,
+    half_open_max_wait_s=20,
+)
+
+
+def test_lost_probes_send_half_open_back_to_open_after_max_wait() -> None:
+    breaker, clock, events = open_then_half_open(WAIT)  # half-open at t=10
+    # Nobody calls for 5 s: nothing is wedged, the wait has not started.
+    clock.advance(5)
+    assert breaker.state is HALF_OPEN
+    lost = [breaker.allow() for _ in range(5)]  # t=15: handed out, never reported
+    assert all(p is not None for p in lost)
+    for t in range(16, 35):
+        clock.advance()
+        assert breaker.allow() is None, t
+        assert breaker.state is HALF_OPEN, t
+    clock.advance()  # t=35: 20 s after the first probe
+    assert breaker.state is OPEN
+    assert events[-1].from_state is HALF_OPEN and events[-1].to_state is OPEN
+    assert events[-1].reason.startswith("half-open undecided 20.0s after the first probe")
+    assert breaker.retry_after_s() == 10
+    for t in range(36, 45):
+        clock.advance()
+        assert breaker.allow() is None, t
+    clock.advance()  # t=45: a fresh half-open with fresh probes
+    fresh = [breaker.allow() for _ in range(5)]
+    assert all(p is not None and p.is_probe for p in fresh)
+    # A lost probe that answers after all is stale: it neither closes nor reopens.
+    breaker.record(lost[0], False)  # type: ignore[arg-type]
+    assert breaker.state is HALF_OPEN
+    for p in fresh:
+        breaker.record(p, True)  # type: ignore[arg-type]
+    assert breaker.state is CLOSED
+
+
+def test_half_open_wait_counts_from_the_first_probe_and_restarts_when_all_are_released() -> None:
+    breaker, clock, _ = open_then_half_open(WAIT)  # t=10
+    first = breaker.allow()  # t=10: the wait starts
+    assert first is not None
+    clock.advance(5)
+    breaker.release(first)  # t=15: nothing outstanding, the period starts over
+    clock.advance(10)
+    assert breaker.state is HALF_OPEN  # t=25
+    second = breaker.allow()  # t=25: the wait starts again
+    assert second is not None
+    clock.advance(19)
+    assert breaker.state is HALF_OPEN  # t=44: 19 s < 20 s
+    clock.advance()
+    assert breaker.state is OPEN  # t=45
+
+
+def test_half_open_decided_in_time_is_not_cut_by_the_wait() -> None:
+    breaker, clock, events = open_then_half_open(WAIT)  # t=10
+    probes = [breaker.allow() for _ in range(5)]
+    clock.advance(19)
+    for p in probes:
+        breaker.record(p, True, duration_s=0.5)  # type: ignore[arg-type]
+    assert breaker.state is CLOSED
+    clock.advance(100)
+    assert breaker.state is CLOSED
+    assert [e.to_state for e in events] == [OPEN, HALF_OPEN, CLOSED]
 
 
 def test_release_frees_a_probe_slot_without_counting() -> None:

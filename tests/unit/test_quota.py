@@ -62,7 +62,7 @@ def test_quota_validation_names_the_field(kwargs: dict, field: str) -> None:
 
 
 def test_quota_rate_message() -> None:
-    with pytest.raises(ValueError, match=r"^rate_tokens_per_s: must be > 0"):
+    with pytest.raises(ValueError, match=r"^rate_tokens_per_s: must be a finite number > 0"):
         TenantQuota(rate_tokens_per_s=0, burst_tokens=1, max_concurrent=1)
 
 
@@ -137,6 +137,53 @@ def test_retry_after_then_waiting_that_long_passes() -> None:
     assert b.try_charge(12) is False
     clock.advance(1)
     assert b.try_charge(12) is True
+
+
+# About 30 days of monotonic uptime, and a year: a float's spacing there is
+# ~5e-10 s and ~7e-9 s, which the old bucket lost when adding the wait to the clock.
+LARGE_CLOCKS_S = (2_600_000, 2_592_000 + 7, 31_536_000)
+
+
+@pytest.mark.parametrize("start_s", LARGE_CLOCKS_S)
+def test_waiting_the_advertised_retry_after_always_suffices_at_large_clock_values(start_s: int) -> None:
+    # Deterministic property loop: for every rate and cost, wait exactly what the
+    # bucket advertises, then the charge must pass. Each round starts where the
+    # last one left the clock, so the clock soon has a fractional part too.
+    rates = (0.7, 1.0, 3.3, 10.0, 97.0, 1234.5, 50_000.0, 1_000_000.0)
+    costs = (0.1, 1.0, 2.1, 7.0, 33.3, 99.0, 1000.0, 123_456.7)
+    refused = []
+    for rate in rates:
+        for burst in (10.0, 1000.0, 1e6):
+            clock = FakeClock(start_s)
+            b = TokenBucket(rate, burst, clock=clock, initial_tokens=0)
+            for cost in costs:
+                wait_s = b.retry_after_s(cost)
+                exact_s = (min(cost, burst) - b.tokens) / rate
+                # Never shorter than needed, and not padded beyond float spacing.
+                assert wait_s <= max(exact_s, 0.0) + 1e-6, (rate, burst, cost)
+                clock.advance(wait_s)  # type: ignore[arg-type]  # the advertised float wait
+                if not b.try_charge(cost):
+                    refused.append((rate, burst, cost, wait_s))
+    assert refused == []
+
+
+def test_retry_after_at_large_clock_tick_by_tick() -> None:
+    # 30 days in, 10 tokens/s, empty: 0.1 tokens are 0.01 s away. 2_600_000 + 0.01
+    # rounds down to 2_600_000.0099999998, so the old bucket refilled 0.0999999998
+    # and refused the caller who waited exactly as told.
+    clock = FakeClock(2_600_000)
+    b = TokenBucket(10.0, 10.0, clock=clock, initial_tokens=0)
+    wait_s = b.retry_after_s(0.1)
+    assert 0.01 <= wait_s < 0.01 + 1e-6
+    assert b.try_charge(0.1) is False
+    clock.advance(wait_s)  # type: ignore[arg-type]  # the advertised float wait
+    assert b.retry_after_s(0.1) == 0.0
+    assert b.try_charge(0.1) is True
+    # The next one: a second (10 tokens) away, less the hair the last wait overpaid.
+    assert 1.0 - 1e-6 < b.retry_after_s(10.0) <= 1.0
+    assert b.try_charge(10.0) is False
+    clock.advance(1)
+    assert b.try_charge(10.0) is True
 
 
 def test_big_request_passes_only_on_a_full_bucket_and_leaves_a_debt() -> None:
