@@ -59,7 +59,8 @@ from serve_app.errors import (
     PayloadTooLarge,
     Unauthenticated,
 )
-from serve_app.router.gate import DemandWindow, GateRefused, GateSlot, PriorityGate
+from policies.gate import DemandWindow
+from serve_app.router.gate import GateRefused, GateSlot, PriorityGate
 from serve_app.router.idempotency import IdempotencyStore
 from serve_app.router.ingress import running_fast_path, running_ingress
 from serve_app.router.resilience import DEADLINE_LEAD_S, CallHooks, ResilientCaller
