@@ -35,11 +35,13 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from policies import killswitch
+from policies import request as request_policy
 from policies.admission import admit, clamp_max_tokens
 from policies.breaker import BreakerEvent
 from policies.criticality import DEFAULT_CRITICALITY, Criticality
 from policies.limiter import AimdLimit
 from policies.quota import Lease, TokenBucket, lease_rate
+from policies.stats import nearest_rank
 
 from serve_app.config import load_config
 from serve_app.router.auth import KeyStore
@@ -72,16 +74,12 @@ MAX_WAIT_SAMPLES = 4096  # queue-wait samples kept between two reports
 
 
 def model_ceiling(cfg: Any, snap: Snapshot) -> Optional[int]:
-    """This router's share of what the primary's replicas take at once (None: unknown yet).
-
-    Replicas × ``max_ongoing_requests``, split evenly among the routers the controller
-    hears from.
-    """
-    replicas = snap.running_replicas.get(MODEL_DEPLOYMENT, 0)
-    if replicas <= 0:
-        return None
-    routers = max(1, snap.running_replicas.get(ROUTER_DEPLOYMENT, 0))
-    return max(1, replicas * cfg.deployments.model.max_ongoing_requests // routers)
+    """The gate's ceiling from a snapshot: policies/request.py's ``model_ceiling``."""
+    return request_policy.model_ceiling(
+        snap.running_replicas.get(MODEL_DEPLOYMENT, 0),
+        snap.running_replicas.get(ROUTER_DEPLOYMENT, 0),
+        cfg.deployments.model.max_ongoing_requests,
+    )
 
 
 class GenerateRequest(BaseModel):
@@ -184,8 +182,7 @@ class _Stats:
             self.waits_ms.append(ms)
 
     def drain(self) -> dict[str, Any]:
-        waits = sorted(self.waits_ms)
-        p95 = waits[min(len(waits) - 1, int(0.95 * len(waits)))] if waits else None
+        p95 = nearest_rank(self.waits_ms, 0.95)  # None with no samples
         out = {
             "inflight": self.inflight,
             "requests": self.requests,
@@ -511,9 +508,9 @@ class Router:
         deadline_s = started + self._deadline_s(request)
         req = self._parse(await self._read_body(request))
         tenant_cfg = self._cfg.tenants[tenant]
-        lowered = req.criticality.rank < tenant_cfg.max_criticality.rank
-        if lowered:  # a claim above what the tenant may claim is lowered, and the answer says so
-            req = req.model_copy(update={"criticality": tenant_cfg.max_criticality})
+        granted, lowered = request_policy.lower_criticality(req.criticality, tenant_cfg.max_criticality)
+        if lowered:  # the answer says so (degraded_reasons)
+            req = req.model_copy(update={"criticality": granted})
         crit = req.criticality.value
         now_wall = time.time()
         blocked = killswitch.blocking(self._kill_switches, now_wall, tenant, crit)
@@ -539,8 +536,8 @@ class Router:
             raise ConcurrencyLimited(f"tenant '{tenant}' has {cap} requests in flight", retry_after_s=1.0)
         max_tokens, _ = clamp_max_tokens(req.max_tokens, eff.constraints, self._model_max_tokens)
         # Quota: charge the estimate (prompt + max_tokens) now, settle at the end.
-        prompt_tokens = min(len(req.prompt.encode("utf-8")), self._model_max_tokens)
-        cost = prompt_tokens + max_tokens
+        prompt_tokens = request_policy.prompt_tokens(req.prompt, self._model_max_tokens)
+        cost = request_policy.token_cost(prompt_tokens, max_tokens)
         bucket = self._bucket(tenant)
         if bucket is not None:
             self._demand_tokens[tenant] = self._demand_tokens.get(tenant, 0.0) + cost
@@ -548,17 +545,18 @@ class Router:
                 self._count(tenant, crit, "QUOTA_EXCEEDED")
                 raise QuotaExceeded(
                     f"tenant '{tenant}' is over its quota of {self._cfg.tenants[tenant].rate_tokens_per_s:g} tokens/s",
-                    # floor: the bucket may be a hair short, and "retry in 0 s" helps nobody
-                    retry_after_s=min(max(bucket.retry_after_s(cost), 0.01), 3600.0),
+                    retry_after_s=request_policy.quota_retry_after_s(bucket.retry_after_s(cost)),
                 )
         # Demand within quota: a tenant over its quota must not degrade everyone else.
         self._offered[crit] = self._offered.get(crit, 0) + 1
-        # Clamped by the level is degradation; clamped by the model's context is not.
-        reasons = ["max_tokens_clamped"] if eff.constraints.max_tokens < min(req.max_tokens, self._model_max_tokens) else []
-        if lowered:
-            reasons.append("criticality_lowered")
-        if req.stream and not eff.constraints.streaming:
-            reasons.append("streaming_disabled")
+        reasons = request_policy.degraded_reasons(
+            requested_max_tokens=req.max_tokens,
+            level_max_tokens=eff.constraints.max_tokens,
+            model_max_tokens=self._model_max_tokens,
+            lowered=lowered,
+            stream_requested=req.stream,
+            streaming_allowed=eff.constraints.streaming,
+        )
         meta = {
             "model": self._cfg.model.name,
             "criticality": crit,
@@ -725,14 +723,10 @@ class Router:
 
     # -- model calls -----------------------------------------------------------------
     def _finish(self, tenant: str, crit: str, code: str, started: float, error: bool) -> None:
+        """``error``: whether the outcome counts for the level (policies/request.py's
+        ``counts_as_error``)."""
         self._stats.requests += 1
         if code == "DEADLINE_EXCEEDED":
-            # Not an error for the level's error rate: a deadline that ran out is load (the
-            # queue signals measure it) or a slow model (its breaker counts the attempt
-            # timeouts and takes it out). Counted as an error, the first burst of expired
-            # requests at the onset of overload read as a failing model: level 3, and
-            # critical traffic shed for a whole stable window.
-            error = False
             self._m_deadline.inc()
         if error:
             self._stats.errors += 1
@@ -760,10 +754,10 @@ class Router:
             raise
         except asyncio.TimeoutError:
             err = DeadlineExceeded(f"no answer within {deadline_s - started:.3f}s")
-            self._finish(tenant, crit, err.code, started, error=True)
+            self._finish(tenant, crit, err.code, started, error=request_policy.counts_as_error(err.code, err.status))
             raise err from None
         except BallastError as err:
-            self._finish(tenant, crit, err.code, started, error=err.status >= 500 and err.code != "KILL_SWITCH")
+            self._finish(tenant, crit, err.code, started, error=request_policy.counts_as_error(err.code, err.status))
             raise
         finally:
             self._stats.inflight -= 1
@@ -805,7 +799,9 @@ class Router:
             code = "CANCELLED"
             raise
         except BallastError as err:
-            code, error = err.code, err.status >= 500
+            # A KILL_SWITCH mid-stream counts as an error here, unlike on the unary path:
+            # kept as it was (issue 16 moves the rule, it does not change it).
+            code, error = err.code, request_policy.counts_as_error(err.code, err.status, kill_switch_counts=True)
             yield _sse("error", err.body())
         finally:
             slot.release()  # a stream's length is the client's reading too: no service-time sample
