@@ -4,7 +4,8 @@ The degradation level sheds whole criticality classes, which is coarse: at four 
 capacity, dropping to "critical only" can leave the model half idle, and keeping
 "critical + sheddable_plus" can still queue far past any deadline. The limit here is
 the fine control underneath. Each router lets at most ``value`` requests be at the
-model at once; the rest wait at the router, most critical first (serve_app/router/gate.py).
+model at once; the rest wait at the router, most critical first (policies/gate.py
+decides, serve_app/router/gate.py holds the waiters).
 
 How the limit moves (per ``interval_s`` window, on an injected clock):
 
@@ -35,7 +36,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
+
+from policies.stats import nearest_rank
+from policies.validation import check_int, check_positive, check_ratio
 
 MAX_SAMPLES = 1024  # queue-wait samples kept per window (bounded)
 
@@ -51,14 +55,15 @@ class LimiterConfig:
     target_service_ratio: Optional[float] = 0.4
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_limit <= self.initial <= self.max_limit:
-            raise ValueError(f"need 1 <= min_limit <= initial <= max_limit, got {self.min_limit}/{self.initial}/{self.max_limit}")
-        if self.target_wait_ms <= 0 or self.interval_s <= 0:
-            raise ValueError("target_wait_ms and interval_s must be > 0")
-        if self.target_service_ratio is not None and not 0.0 < self.target_service_ratio <= 1.0:
-            raise ValueError(f"target_service_ratio must be in (0, 1] or None, got {self.target_service_ratio}")
-        if not 0.0 < self.decrease_factor < 1.0:
-            raise ValueError(f"decrease_factor must be in (0, 1), got {self.decrease_factor}")
+        check_int("min_limit", self.min_limit, minimum=1)
+        check_int("initial", self.initial, minimum=self.min_limit)
+        check_int("max_limit", self.max_limit, minimum=self.initial)
+        check_positive("target_wait_ms", self.target_wait_ms)
+        check_positive("interval_s", self.interval_s)
+        check_ratio("target_service_ratio", self.target_service_ratio, optional=True)
+        check_ratio("decrease_factor", self.decrease_factor)
+        if self.decrease_factor == 1:  # (0, 1]: a factor of 1 would never decrease
+            raise ValueError(f"decrease_factor: must be in (0, 1), got {self.decrease_factor!r}")
 
 
 class AimdLimit:
@@ -124,8 +129,8 @@ class AimdLimit:
         if now < self._window_end:
             return
         c = self.cfg
-        slow = c.target_service_ratio is not None and bool(self._ratios) and p90(self._ratios) > c.target_service_ratio
-        waited = bool(self._waits) and p90(self._waits) > c.target_wait_ms
+        slow = c.target_service_ratio is not None and bool(self._ratios) and nearest_rank(self._ratios, 0.9) > c.target_service_ratio
+        waited = bool(self._waits) and nearest_rank(self._waits, 0.9) > c.target_wait_ms
         if self._missed or slow or waited:
             self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
             self.decreases += 1
@@ -144,8 +149,3 @@ class AimdLimit:
         return {"limit": self.value, "increases": self.increases, "decreases": self.decreases,
                 "decreases_by": dict(self.decreases_by)}
 
-
-def p90(values: Iterable[float]) -> float:
-    """The 90th percentile, nearest rank (the value at index ⌊0.9·n⌋ of the sorted values)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]

@@ -1,22 +1,79 @@
-"""The router's priority gate on a real event loop: slots, order, deadlines, bounds."""
+"""The router's priority gate on a real event loop and a fake clock: slots, order,
+deadlines, bounds. Waits end when the test advances the clock (FakeTimer), never by
+sleeping; the rules themselves are tested in test_gate_policy.py."""
 
 import asyncio
 import gc
-import time
+from typing import Any, Awaitable
 
 import pytest
 
 from policies.limiter import AimdLimit, LimiterConfig
 from serve_app.router.gate import GateRefused, GateSlot, PriorityGate
+from tests.unit.fakes import FakeClock
 
 
-def gate(limit: int = 1, max_waiting: int = 8, max_wait_s: float = 2.0, **kw) -> PriorityGate:
+class FakeTimer:
+    """``asyncio.wait_for`` on a FakeClock: a wait ends when what it awaits is done, or
+    when ``advance`` moves the clock to its due time."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self._alarms: list[tuple[float, asyncio.Future]] = []
+
+    async def wait_for(self, aw: Awaitable[Any], timeout_s: float) -> Any:
+        inner = asyncio.ensure_future(aw)
+        alarm = asyncio.get_running_loop().create_future()
+        self._alarms.append((self.clock() + timeout_s, alarm))
+        try:
+            await asyncio.wait({inner, alarm}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            inner.cancel()
+            raise
+        finally:
+            if not alarm.done():
+                alarm.cancel()
+        if inner.done():
+            return inner.result()
+        inner.cancel()
+        raise asyncio.TimeoutError
+
+    async def advance(self, seconds: int) -> None:
+        self.clock.advance(seconds)
+        for due_s, alarm in self._alarms:
+            if due_s <= self.clock() and not alarm.done():
+                alarm.set_result(None)
+        self._alarms = [(d, a) for d, a in self._alarms if not a.done()]
+        await settle()
+
+
+async def settle() -> None:
+    """Let every ready task run (a few event-loop turns, no time passes)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+CLOCK = FakeClock(1000)
+
+
+def gate(limit: int = 1, max_waiting: int = 8, max_wait_s: float = 2.0, clock: FakeClock = CLOCK, **kw) -> PriorityGate:
     cfg = LimiterConfig(initial=limit, min_limit=1, max_limit=limit, target_wait_ms=1e9, interval_s=3600)
-    return PriorityGate(AimdLimit(cfg), max_waiting, max_wait_s, **kw)
+    timer = kw.pop("timer", FakeTimer(clock))
+    return PriorityGate(AimdLimit(cfg, clock=clock), max_waiting, max_wait_s, clock=clock, wait_for=timer.wait_for, **kw)
 
 
 def far() -> float:
-    return time.monotonic() + 60.0
+    return CLOCK() + 60.0
+
+
+async def refused_at_once(g: PriorityGate, rank: int, deadline_s: float) -> str:
+    """The refusal reason of an acquire that must not wait (it gets no clock advance)."""
+    task = asyncio.create_task(g.acquire(rank, deadline_s))
+    await settle()
+    assert task.done(), "the request waited instead of being refused at once"
+    with pytest.raises(GateRefused) as e:
+        task.result()
+    return e.value.reason
 
 
 def test_free_slots_are_taken_at_once_and_given_back():
@@ -69,11 +126,7 @@ def test_a_waiter_whose_deadline_leaves_no_time_is_refused_at_once():
         g = gate(limit=1)
         served(g, 0.5)
         await g.acquire(0, far())
-        t0 = time.monotonic()
-        with pytest.raises(GateRefused) as e:
-            await g.acquire(0, time.monotonic() + 0.4)  # 0.4 s left < 0.5 s of service
-        assert e.value.reason == "no_time"
-        assert time.monotonic() - t0 < 0.05
+        assert await refused_at_once(g, 0, CLOCK() + 0.4) == "no_time"  # 0.4 s left < 0.5 s of service
         assert g.refused["no_time"] == 1 and g.waiting == 0
 
     asyncio.run(main())
@@ -85,12 +138,11 @@ def test_sheddable_waiters_need_the_p90_of_service_and_critical_ones_the_mean():
         served(g, *([0.1] * 8 + [0.6] * 2))  # mean-like estimate ~0.2 s, p90 0.6 s
         assert g.expected_service_s < 0.4 and g.snapshot()["service_p90_ms"] == 600.0
         await g.acquire(0, far())
-        with pytest.raises(GateRefused) as e:
-            await g.acquire(3, time.monotonic() + 0.5)  # enough for the mean, not for the slow tenth
-        assert e.value.reason == "no_time"
+        # enough for the mean, not for the slow tenth
+        assert await refused_at_once(g, 3, CLOCK() + 0.5) == "no_time"
         # A critical request with the same time left is not refused: it waits its turn.
-        critical = asyncio.create_task(g.acquire(1, time.monotonic() + 0.5))
-        await asyncio.sleep(0.01)
+        critical = asyncio.create_task(g.acquire(1, CLOCK() + 0.5))
+        await settle()
         assert not critical.done() and g.waiting == 1
         g.release()
         await critical
@@ -105,17 +157,14 @@ def test_a_newcomer_behind_a_line_that_cannot_drain_in_time_is_refused_at_once()
         served(g, *([0.2] * 40))  # 2 slots at 0.2 s: the line moves 10 per second
         await g.acquire(0, far())
         await g.acquire(0, far())
-        line = [asyncio.create_task(g.acquire(1, time.monotonic() + 5.0)) for _ in range(6)]
+        line = [asyncio.create_task(g.acquire(1, CLOCK() + 5.0)) for _ in range(6)]
         await asyncio.sleep(0)
         assert g.waiting == 6
         # 6 critical ahead take ~0.7 s to drain; a critical newcomer with 0.6 s to wait
         # (1.0 s left minus 0.2 s of service) is refused now, not after 0.6 s in line ...
-        t0 = time.monotonic()
-        with pytest.raises(GateRefused) as e:
-            await g.acquire(1, time.monotonic() + 0.8)
-        assert e.value.reason == "drain" and time.monotonic() - t0 < 0.05
+        assert await refused_at_once(g, 1, CLOCK() + 0.8) == "drain"
         # ... while a critical_plus newcomer, with nobody ahead of its rank, waits its turn.
-        first = asyncio.create_task(g.acquire(0, time.monotonic() + 0.8))
+        first = asyncio.create_task(g.acquire(0, CLOCK() + 0.8))
         await asyncio.sleep(0)
         assert not first.done() and g.waiting == 7
         g.release()
@@ -130,13 +179,19 @@ def test_a_newcomer_behind_a_line_that_cannot_drain_in_time_is_refused_at_once()
 
 def test_a_waiter_gives_up_when_its_time_runs_out_and_leaves_no_trace():
     async def main():
-        g = gate(limit=1, max_wait_s=0.1)
-        await g.acquire(0, far())
-        t0 = time.monotonic()
+        clock = FakeClock(0)
+        timer = FakeTimer(clock)
+        g = gate(limit=1, max_wait_s=2, clock=clock, timer=timer)
+        await g.acquire(0, clock() + 60)
+        waiter = asyncio.create_task(g.acquire(3, clock() + 60))  # capped by max_wait_s
+        await settle()
+        await timer.advance(1)
+        assert not waiter.done() and g.waiting == 1  # tick 1 of 2: still in line
+        await timer.advance(1)
+        assert waiter.done()
         with pytest.raises(GateRefused) as e:
-            await g.acquire(3, far())  # capped by max_wait_s
+            waiter.result()
         assert e.value.reason == "expired" and g.refused["expired"] == 1
-        assert 0.09 <= time.monotonic() - t0 < 0.5
         assert g.waiting == 0
         g.release()
         assert g.in_flight == 0  # the expired waiter was not granted the freed slot
@@ -153,12 +208,10 @@ def test_a_full_line_displaces_the_least_critical_youngest_or_refuses_the_newcom
         b = asyncio.create_task(g.acquire(3, far()))
         await asyncio.sleep(0)
         # A sheddable newcomer cannot displace an equal: refused.
-        with pytest.raises(GateRefused) as e:
-            await g.acquire(3, far())
-        assert e.value.reason == "queue_full"
+        assert await refused_at_once(g, 3, far()) == "queue_full"
         # A critical newcomer displaces the youngest sheddable (b), not the oldest (a).
         c = asyncio.create_task(g.acquire(1, far()))
-        await asyncio.sleep(0.01)
+        await settle()
         assert b.done() and isinstance(b.exception(), GateRefused) and b.exception().reason == "displaced"
         assert not a.done() and g.waiting == 2
         g.release()
@@ -215,63 +268,36 @@ def test_a_slot_is_given_back_once_even_if_never_released_by_hand():
     asyncio.run(main())
 
 
-def test_the_demand_window_rates_offers_per_criticality_and_knows_when_the_gate_was_full():
-    from serve_app.router.gate import DemandWindow
-
-    t = [0.0]
-    w = DemandWindow(window_s=10.0, clock=lambda: t[0], max_entries=100)
-    assert w.rates() == {"demand_rps": {}, "served_rps": 0.0, "gate_full": False}
-    for i in range(10):  # ten 1-s reports: 4 critical and 10 sheddable offered, 5 answered each
-        t[0] += 1.0
-        w.add({"critical": 4, "sheddable": 10}, served=5, saturated=i >= 3)
-    r = w.rates()
-    assert r["demand_rps"] == {"critical": 4.0, "sheddable": 10.0}
-    assert r["served_rps"] == 5.0 and r["gate_full"] is True  # full in 7 of 10 s
-    # Old reports leave the window; a gate full in too little of it gives no capacity figure.
-    for _ in range(10):
-        t[0] += 1.0
-        w.add({"critical": 2}, served=2, saturated=False)
-    w.add({}, served=0, saturated=True)
-    r = w.rates()
-    assert r["demand_rps"] == {"critical": 2.0} and r["gate_full"] is False
-    assert len(w._entries) <= 100
-
-
 def test_sheddable_classes_leave_the_reserved_slots_while_critical_traffic_needs_them():
-    class Clock:
-        t = 100.0
-
-        def __call__(self) -> float:
-            return self.t
-
     async def main():
-        clock = Clock()
-        cfg = LimiterConfig(initial=8, min_limit=1, max_limit=8, target_wait_ms=1e9, interval_s=3600)
-        g = PriorityGate(AimdLimit(cfg), 8, 2.0, clock=clock, reserve_ratio=0.25, reserve_hold_s=1.0)
+        clock = FakeClock(100)
+        g = gate(limit=8, clock=clock, reserve_ratio=0.25, reserve_hold_s=1.0)
         # No critical pressure yet: sheddable traffic may fill every slot.
         for _ in range(8):
-            await g.acquire(3, clock.t + 60)
+            await g.acquire(3, clock() + 60)
         assert g.in_flight == 8 and not g.reserving()
         for _ in range(8):
             g.release()
         # Critical requests take slots into the top quarter (2 of 8): the reserve is on.
         for _ in range(7):
-            await g.acquire(1, clock.t + 60)
+            await g.acquire(1, clock() + 60)
         assert g.reserving() and g.snapshot()["reserving"] is True
         for _ in range(5):
             g.release()
         # 2 in flight: a sheddable request may fill up to 6, not 8.
         for _ in range(4):
-            await g.acquire(2, clock.t + 60)
+            await g.acquire(2, clock() + 60)
         assert g.in_flight == 6
-        held = asyncio.create_task(g.acquire(3, clock.t + 60))
+        held = asyncio.create_task(g.acquire(3, clock() + 60))
         await asyncio.sleep(0)
         assert not held.done() and g.waiting == 1
         # ... while a critical newcomer goes past it into the reserve at once.
-        await g.acquire(0, clock.t + 60)
+        await g.acquire(0, clock() + 60)
         assert g.in_flight == 7 and not held.done()
-        # The pressure ends: a second later the held sheddable waiter may use any slot.
-        clock.t += 1.5
+        # The pressure ends: past the hold the held sheddable waiter may use any slot.
+        clock.advance(1)
+        assert g.reserving()  # 1 s after the last press: still held
+        clock.advance(1)
         assert not g.reserving()
         g.release()  # any release lets the line move
         await held
@@ -293,40 +319,49 @@ def test_without_a_reserve_and_with_a_bad_one():
             gate(limit=4, reserve_ratio=bad)
 
 
+def miss_gate(factor=None, target_wait_ms: float = 1e9):
+    """A gate whose limit's window is 1 s on its own clock: what a miss did shows in the
+    limit's public snapshot once the test ticks the window."""
+    clock = FakeClock(0)
+    cfg = LimiterConfig(initial=10, min_limit=1, max_limit=20, target_wait_ms=target_wait_ms, interval_s=1)
+    g = PriorityGate(AimdLimit(cfg, clock=clock), 8, 2.0, clock=clock, miss_service_factor=factor)
+    return g, clock
+
+
+def decreases_by(g: PriorityGate, clock: FakeClock) -> dict:
+    clock.advance(1)
+    return g.limit.snapshot()["decreases_by"]
+
+
 def test_a_miss_in_about_the_usual_service_time_is_a_late_admission_not_congestion():
-    # An hour-long window: the limit moves only when the test ticks it (never here), so
-    # what a miss did shows in AimdLimit's own flag.
-    g = gate(limit=4, miss_service_factor=1.5)
+    g, clock = miss_gate(factor=1.5, target_wait_ms=200.0)
     served(g, *([0.1] * 9 + [0.2]))  # p90 of service: 0.2 s
     g.observe_miss(250.0)  # held 0.25 s <= 1.5 x 0.2 s: the request had waited, the model did not slow
-    assert g.limit._missed is False
     assert g.snapshot()["misses"] == {"congestion": 0, "late_admission": 1}
-    assert g.limit._waits == [250.0]  # still a wait sample
+    # Not a miss for the limit, but still a wait sample (250 ms > the 200 ms target).
+    assert decreases_by(g, clock) == {"missed": 0, "slow": 0, "wait": 1}
     g.observe_miss(301.0)  # held past 1.5 x p90: the model slowed
-    assert g.limit._missed is True
     assert g.snapshot()["misses"] == {"congestion": 1, "late_admission": 1}
+    assert decreases_by(g, clock) == {"missed": 1, "slow": 0, "wait": 1}
 
 
 def test_every_miss_is_congestion_without_a_factor_or_before_any_answer():
-    g = gate(limit=4)  # no factor: the old rule
+    g, clock = miss_gate()  # no factor: the old rule
     served(g, 0.1)
     g.observe_miss(1.0)
-    assert g.limit._missed is True
-    g = gate(limit=4, miss_service_factor=1.5)
+    assert decreases_by(g, clock)["missed"] == 1
+    g, clock = miss_gate(factor=1.5)
     g.observe_miss(1.0)  # nothing answered yet: no service time to compare with
-    assert g.limit._missed is True and g.misses_counted == 1
+    assert decreases_by(g, clock)["missed"] == 1 and g.misses_counted == 1
 
 
 def test_the_miss_factor_decides_whether_the_limit_goes_down():
-    cfg = LimiterConfig(initial=10, min_limit=1, max_limit=20, target_wait_ms=1e9, interval_s=0.5)
-    now = [0.0]
     for factor, expected in ((None, 9), (1.5, 10)):
-        g = PriorityGate(AimdLimit(cfg, clock=lambda: now[0]), 8, 2.0, miss_service_factor=factor)
+        g, clock = miss_gate(factor)
         served(g, *([0.1] * 10))
         g.observe_miss(120.0)  # 1.2 x p90
-        now[0] += 1.0
+        clock.advance(1)
         assert g.limit.value == expected, factor
-        now[0] = 0.0
 
 
 def test_a_bad_miss_factor_is_refused():

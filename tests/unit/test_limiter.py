@@ -88,6 +88,18 @@ def test_bad_configs_are_refused(kw):
         make(**kw)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("min_limit", True),  # a bool is not a count
+    ("initial", 4.5),
+    ("target_wait_ms", float("nan")),
+    ("interval_s", float("inf")),
+    ("decrease_factor", 0.0),
+])
+def test_a_bad_field_is_named_in_the_error(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        LimiterConfig(**{field: value})
+
+
 def test_a_ceiling_caps_the_value_and_stops_growth_past_it():
     lim, clock = make(initial=10, max_limit=100)
     lim.set_ceiling(6)

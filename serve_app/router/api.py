@@ -1,0 +1,80 @@
+"""The router's FastAPI app and what every route shares: the error mapping (each
+BallastError to its status, code and Retry-After, once), body reading and validation,
+the bearer token, SSE framing.
+
+The routes themselves are methods of the Router deployment's classes, registered on
+``app`` here: /v1/generate in generate.py, admin and status in admin.py, health in
+app.py, which puts them together under ``serve.ingress(app)``.
+"""
+
+import json
+import math
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve_app.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
+
+
+def validate_body(model: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object", field="body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequest(f"{field}: {first['msg']}", field=field) from None
+
+
+def error_response(err: BallastError) -> JSONResponse:
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def sse_event(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def bearer_token(request: Request) -> Optional[str]:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The request's body, refused with 413 past ``limit_bytes`` (declared or streamed)."""
+    limit = limit_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise PayloadTooLarge(f"body exceeds {limit} bytes")
+    return bytes(body)
+
+
+app = FastAPI(title="Ballast", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@app.exception_handler(BallastError)
+async def _ballast_error(_: Request, exc: BallastError) -> JSONResponse:
+    return error_response(exc)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if exc.status_code == 404:
+        return error_response(NotFound("no such route"))
+    err = BallastError(str(exc.detail))
+    err.status, err.code = exc.status_code, "METHOD_NOT_ALLOWED" if exc.status_code == 405 else "HTTP_ERROR"
+    return error_response(err)

@@ -1,0 +1,95 @@
+"""The router's route table and its refusals before any model work, without Ray.
+
+The routes live in generate.py, admin.py and app.py as methods of one ``Router``
+class; Serve's ``ingress`` finds them through the class's MRO. Here a stub router
+(no controller, no model) stands in for the Serve replica, so the refusals that need
+no state (401, 403, 404, 405, 413, 422) are checked through FastAPI itself.
+"""
+
+import inspect
+import types
+
+import pytest
+from fastapi.testclient import TestClient
+from ray.serve._private.http_util import _walk_fastapi_routes
+
+from serve_app.config import load_config
+from serve_app.router import app as router_app
+
+ROUTES = {
+    ("/v1/generate", "POST", None),
+    ("/v1/status", "GET", None),
+    ("/healthz/live", "GET", None),
+    ("/healthz/ready", "GET", None),
+    ("/admin/kill-switch", "POST", 201),
+    ("/admin/kill-switch", "GET", None),
+    ("/admin/kill-switch/{entry_id}", "DELETE", None),
+    ("/admin/chaos", "POST", None),
+    ("/admin/chaos", "DELETE", None),
+    ("/admin/recycle", "POST", 202),
+    ("/admin/replicas", "GET", None),
+}
+
+
+def routes():
+    return [route for route, _, prefix in _walk_fastapi_routes(router_app.app)]
+
+
+def test_every_route_is_registered_once_on_the_router():
+    table = {(r.path, m, r.status_code) for r in routes() for m in r.methods}
+    assert table == ROUTES
+    assert len(routes()) == len(ROUTES)
+
+
+@pytest.fixture()
+def client():
+    # Serve injects the replica instance through a dependency on ``self``; the stub
+    # takes its place with only what the refusals below read.
+    dep = inspect.signature(routes()[0].endpoint).parameters["self"].default.dependency
+    router_cls = next(c for c in router_app.Router.__mro__ if c.__name__ == "Router" and "__init__" in c.__dict__)
+    stub = object.__new__(router_cls)
+    cfg = load_config({})
+    stub._cfg, stub._limits = cfg, cfg.limits
+    stub._exchange = types.SimpleNamespace(start=lambda: None)
+    stub._keys = types.SimpleNamespace(tenant_for=lambda token: None, is_admin=lambda token: token == "admin-token")
+    router_app.app.dependency_overrides[dep] = lambda: stub
+    try:
+        yield TestClient(router_app.app, raise_server_exceptions=False)
+    finally:
+        router_app.app.dependency_overrides.clear()
+
+
+ADMIN = {"authorization": "Bearer admin-token"}
+
+
+@pytest.mark.parametrize("method,path,kw,status,code", [
+    ("POST", "/v1/generate", {}, 401, "UNAUTHENTICATED"),
+    ("POST", "/v1/generate", {"headers": {"authorization": "Bearer unknown"}}, 401, "UNAUTHENTICATED"),
+    ("POST", "/v1/generate", {"headers": {"authorization": "Basic x"}}, 401, "UNAUTHENTICATED"),
+    ("GET", "/v1/status", {}, 401, "UNAUTHENTICATED"),
+    ("GET", "/v1/status", {"headers": {"authorization": "Bearer unknown"}}, 403, "FORBIDDEN"),
+    ("POST", "/admin/kill-switch", {"headers": {"authorization": "Bearer unknown"}}, 403, "FORBIDDEN"),
+    ("POST", "/admin/recycle", {"headers": ADMIN, "content": b"[]"}, 422, "INVALID_REQUEST"),
+    ("POST", "/admin/recycle", {"headers": ADMIN, "content": b"{bad"}, 422, "INVALID_REQUEST"),
+    ("POST", "/admin/recycle", {"headers": ADMIN, "json": {"all": False}}, 422, "INVALID_REQUEST"),
+    ("POST", "/admin/recycle", {"headers": ADMIN, "json": {"zzz": 1}}, 422, "INVALID_REQUEST"),
+    ("POST", "/admin/recycle", {"headers": {**ADMIN, "content-length": "99999999"}, "content": b"{}"}, 413, "PAYLOAD_TOO_LARGE"),
+    ("GET", "/nope", {}, 404, "NOT_FOUND"),
+    ("PUT", "/admin/chaos", {}, 405, "METHOD_NOT_ALLOWED"),
+    ("GET", "/v1/generate", {}, 405, "METHOD_NOT_ALLOWED"),
+])
+def test_refusals_before_any_model_work(client, method, path, kw, status, code):
+    r = client.request(method, path, **kw)
+    assert r.status_code == status
+    assert r.json()["error"]["code"] == code
+    assert "retry-after" not in r.headers
+
+
+def test_the_field_is_named_in_a_validation_error(client):
+    r = client.post("/admin/recycle", headers=ADMIN, json={"zzz": 1})
+    assert r.json()["error"] == {"code": "INVALID_REQUEST", "message": "zzz: Extra inputs are not permitted", "field": "zzz"}
+
+
+def test_liveness_needs_nothing(client):
+    r = client.get("/healthz/live")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
