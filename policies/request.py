@@ -71,13 +71,11 @@ def quota_retry_after_s(bucket_wait_s: float) -> float:
     return min(max(bucket_wait_s, QUOTA_RETRY_AFTER_FLOOR_S), QUOTA_RETRY_AFTER_CAP_S)
 
 
-def counts_as_error(code: str, status: int, *, kill_switch_counts: bool = False) -> bool:
+def counts_as_error(code: str, status: int) -> bool:
     """Whether an outcome counts as an error for the level's error rate: a 5xx, less the
-    outcomes in ``NOT_LEVEL_ERRORS``. ``kill_switch_counts`` keeps the streaming path's
-    rule as it is today (a KILL_SWITCH raised mid-stream counts); see the router."""
-    if status < 500 or code == "DEADLINE_EXCEEDED":
-        return False
-    return kill_switch_counts or code not in NOT_LEVEL_ERRORS
+    outcomes in ``NOT_LEVEL_ERRORS``. The same rule for unary answers and streams (a
+    kill switch that ends a stream is still an operator's refusal)."""
+    return status >= 500 and code not in NOT_LEVEL_ERRORS
 
 
 def model_ceiling(model_replicas: int, router_replicas: int, max_ongoing_per_replica: int) -> Optional[int]:

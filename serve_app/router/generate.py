@@ -354,9 +354,7 @@ class GenerateRoutes:
             code = "CANCELLED"
             raise
         except BallastError as err:
-            # A KILL_SWITCH mid-stream counts as an error here, unlike on the unary path:
-            # kept as it was (issue 16 moves the rule, it does not change it).
-            code, error = err.code, request_policy.counts_as_error(err.code, err.status, kill_switch_counts=True)
+            code, error = err.code, request_policy.counts_as_error(err.code, err.status)
             yield sse_event("error", err.body())
         finally:
             slot.release()  # a stream's length is the client's reading too: no service-time sample

@@ -62,12 +62,6 @@ def test_which_outcomes_count_as_errors_for_the_level(code, status, expected):
     assert rp.counts_as_error(code, status) is expected
 
 
-def test_the_streaming_path_still_counts_a_kill_switch_but_never_a_deadline():
-    assert rp.counts_as_error("KILL_SWITCH", 503, kill_switch_counts=True) is True
-    assert rp.counts_as_error("DEADLINE_EXCEEDED", 504, kill_switch_counts=True) is False
-    assert rp.counts_as_error("QUOTA_EXCEEDED", 429, kill_switch_counts=True) is False
-
-
 def test_the_model_ceiling_is_an_even_share_of_replicas_times_max_ongoing():
     assert rp.model_ceiling(0, 2, 16) is None  # no replica heard of yet
     assert rp.model_ceiling(2, 1, 16) == 32
