@@ -406,3 +406,159 @@ def measured_availability(out_s: float, replica_seconds: float) -> Optional[floa
     if not is_number(out_s) or not math.isfinite(out_s) or out_s < 0:
         raise ValueError(f"out_s: must be a finite number >= 0, got {out_s!r}")
     return min(1.0, max(0.0, 1.0 - out_s / replica_seconds))
+
+
+# --------------------------------------------------------------------------- the controller's side
+# What ``serve_app.control.recycling.RecycleCoordinator`` and the fleet simulator decide
+# around ``plan``: which replica is healthy, which deployment surges, which hung
+# replica is killed. Reports are plain dicts as replicas and watchdogs send them.
+
+#: A hung replica is killed once; it is not killed again within this many seconds
+#: (Serve needs that long to notice the dead actor and stop reporting it).
+KILL_COOLDOWN_S = 60.0
+#: Bound on the replicas remembered as killed.
+MAX_KILLED = 256
+
+
+def replica_healthy(report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool) -> bool:
+    """Serving now: ready by its own and its watchdog's word, not draining, not hung, not being recycled."""
+    return (
+        bool(report.get("ready", True))
+        and not report.get("draining")
+        and bool(watchdog.get("ready", True))
+        and not watchdog.get("hung")
+        and not in_flight
+    )
+
+
+def replica_view(
+    report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool, manual: bool, now_s: float
+) -> ReplicaView:
+    """The planner's view of one replica from its report and its watchdog's."""
+    asked = bool(watchdog.get("recycle_requested"))
+    return ReplicaView(
+        replica_id=str(report.get("replica_id")),
+        deployment=str(report.get("deployment")),
+        started_at_s=float(report.get("started_at_s") or watchdog.get("started_at_s") or now_s),
+        healthy=replica_healthy(report, watchdog, in_flight),
+        request=(watchdog.get("reason") or "watchdog") if asked else None,
+        critical=asked and bool(watchdog.get("critical")),
+        manual=manual,
+    )
+
+
+def surging(
+    known: Mapping[str, str],
+    watchdogs: Mapping[str, Mapping[str, Any]],
+    state: RecycleState,
+    waiting: Sequence[tuple[str, str]],
+    enabled: bool = True,
+) -> frozenset[str]:
+    """Deployments that want one replica more now (the surge; see serve_app.control.recycling).
+
+    ``known`` maps each reporting replica to its deployment. A deployment surges while
+    a watchdog stopped one of its replicas' intake or asked for its recycle (the
+    ladder's last rungs), while one of its recycles waits on min_available, or while
+    one is in flight.
+    """
+    if not enabled:
+        return frozenset()
+    stopping = {
+        known[rid] for rid, wd in watchdogs.items() if rid in known and (wd.get("ready") is False or wd.get("recycle_requested"))
+    }
+    held = {known[rid] for rid, why in waiting if why == "min_available" and rid in known}
+    return frozenset(stopping | {f.deployment for f in state.in_flight} | held)
+
+
+@dataclass(frozen=True)
+class KillOrder:
+    """Kill this hung replica's actor outright; Serve starts a replacement."""
+
+    replica_id: str
+    deployment: str
+    actor_name: str
+    namespace: str
+
+
+@dataclass(frozen=True)
+class KillState:
+    killed: tuple[tuple[str, float], ...] = ()  # (replica_id, killed at), oldest first
+
+
+def hung_kills(
+    watchdogs: Mapping[str, Mapping[str, Any]],
+    state: KillState,
+    now_s: float,
+    cooldown_s: float = KILL_COOLDOWN_S,
+    max_killed: int = MAX_KILLED,
+) -> tuple[tuple[KillOrder, ...], KillState]:
+    """Kill orders for replicas their watchdog calls hung, at once and outside the planner's limits.
+
+    A hung replica serves nobody. A replica killed within ``cooldown_s`` is not killed
+    again; one without an actor name (nothing to kill) is left alone.
+    """
+    check_finite("now_s", now_s)
+    check_positive("cooldown_s", cooldown_s)
+    check_int("max_killed", max_killed, minimum=1)
+    killed = [(rid, t) for rid, t in state.killed if t >= now_s - cooldown_s]
+    recent = {rid for rid, _ in killed}
+    orders = []
+    for rid, wd in watchdogs.items():
+        if not wd.get("hung") or rid in recent or not wd.get("actor_name"):
+            continue
+        killed.append((rid, now_s))
+        recent.add(rid)
+        orders.append(
+            KillOrder(
+                replica_id=rid,
+                deployment=str(wd.get("deployment")),
+                actor_name=str(wd["actor_name"]),
+                namespace=str(wd.get("actor_namespace") or "serve"),
+            )
+        )
+    return tuple(orders), KillState(tuple(killed[-max_killed:]))
+
+
+@dataclass(frozen=True)
+class RecycleStep:
+    plan: Plan
+    kills: tuple[KillOrder, ...]
+    surging: frozenset[str]
+
+
+def replica_views(
+    replicas: Sequence[Mapping[str, Any]],
+    watchdogs: Mapping[str, Mapping[str, Any]],
+    state: RecycleState,
+    manual: frozenset[str],
+    now_s: float,
+) -> list[ReplicaView]:
+    """The planner's view of every reporting replica."""
+    in_flight = {f.replica_id for f in state.in_flight}
+    out = []
+    for r in replicas:
+        rid = str(r.get("replica_id"))
+        out.append(replica_view(r, watchdogs.get(rid, {}), rid in in_flight, rid in manual, now_s))
+    return out
+
+
+def recycle_step(
+    views: Sequence[ReplicaView],
+    watchdogs: Mapping[str, Mapping[str, Any]],
+    targets: Mapping[str, int],
+    level: int,
+    state: RecycleState,
+    kill_state: KillState,
+    cfg: RecycleConfig,
+    now_s: float,
+    hour_of_day: float,
+    surge: bool = True,
+) -> tuple[RecycleStep, RecycleState, KillState]:
+    """One recycling tick: hung kills first (outside every limit), then the plan, then the surge.
+
+    ``views`` (``replica_views``) must be built from ``state`` as it was before this call.
+    """
+    kills, kill_state = hung_kills(watchdogs, kill_state, now_s)
+    p, state = plan(views, targets, state, level, cfg, now_s, hour_of_day)
+    known = {v.replica_id: v.deployment for v in views}
+    return RecycleStep(p, kills, surging(known, watchdogs, state, p.waiting, surge)), state, kill_state
