@@ -78,16 +78,17 @@ def fold_reports(
     )
 
 
-def ongoing_requests(routers: Sequence[Report], replicas: Sequence[Report], primary: str, queue_length: int) -> int:
+def ongoing_requests(routers: Sequence[Report], replicas: Sequence[Report], primary: str, queue_length: int) -> float:
     """Requests the primary deployment holds or is about to: the autoscaler's input.
 
     The larger of what its replicas report (running + queued) and what the level
     sees (queue + demand held at the routers' gates + running).
     """
     mine = [r for r in replicas if r.get("deployment") == primary]
-    running = sum(int(r.get("running", 0)) for r in mine)
-    held = sum(int(r.get("running", 0)) + int(r.get("queued", 0)) for r in mine)
-    waiting = sum(int(r.get("gate_waiting", 0)) for r in routers)
+    # No int() here: reports carry ints, and the simulator's running is a fluid (a float).
+    running = sum(r.get("running", 0) or 0 for r in mine)
+    held = sum((r.get("running", 0) or 0) + (r.get("queued", 0) or 0) for r in mine)
+    waiting = sum(r.get("gate_waiting", 0) or 0 for r in routers)
     return max(held, queue_length + waiting + running)
 
 

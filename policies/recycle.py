@@ -431,6 +431,14 @@ def replica_healthy(report: Mapping[str, Any], watchdog: Mapping[str, Any], in_f
     )
 
 
+def _started_at_s(report: Mapping[str, Any], watchdog: Mapping[str, Any], now_s: float) -> float:
+    """When the replica started: its own word, else its watchdog's, else now (a replica just seen)."""
+    for source in (report, watchdog):
+        if source.get("started_at_s") is not None:
+            return float(source["started_at_s"])
+    return now_s
+
+
 def replica_view(
     report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool, manual: bool, now_s: float
 ) -> ReplicaView:
@@ -439,7 +447,7 @@ def replica_view(
     return ReplicaView(
         replica_id=str(report.get("replica_id")),
         deployment=str(report.get("deployment")),
-        started_at_s=float(report.get("started_at_s") or watchdog.get("started_at_s") or now_s),
+        started_at_s=_started_at_s(report, watchdog, now_s),
         healthy=replica_healthy(report, watchdog, in_flight),
         request=(watchdog.get("reason") or "watchdog") if asked else None,
         critical=asked and bool(watchdog.get("critical")),
