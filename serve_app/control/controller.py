@@ -1,9 +1,12 @@
 """The controller actor: reports in, a versioned snapshot out. Never on the request path.
 
 Routers and model replicas push a report every ``report_interval_s`` and receive
-the newest ``Snapshot`` in the same call. Every ``tick_s`` the controller folds the
-fresh reports into load signals, runs the pure policies (degradation, autoscale)
-and publishes a new snapshot.
+the newest ``Snapshot`` in the same call. Every ``tick_s`` the controller hands the
+fresh reports to ``policies.control`` (folding them into load signals, then
+degradation, autoscale and the recycle surge) and to ``policies.recycle.recycle_step``
+(through ``RecycleCoordinator``), and publishes a new snapshot. Every decision lives
+in those policies, which the fleet simulator runs too; this module only keeps the
+reports (expiry, bounds, the error window) and applies what the policies decide.
 
 It is a detached, named actor with ``max_restarts=-1``: when it dies Ray starts it
 again; it keeps no durable state because everything it needs arrives again in
