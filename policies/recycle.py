@@ -73,6 +73,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from policies.validation import check_finite, check_int, check_name, check_positive, is_number
+
 #: Order reasons, highest priority first.
 REASONS = ("critical", "forced_max_age", "manual", "watchdog", "max_age")
 _PRIORITY = {reason: i for i, reason in enumerate(REASONS)}
@@ -80,39 +82,9 @@ _PRIORITY = {reason: i for i, reason in enumerate(REASONS)}
 WAIT_REASONS = ("max_unavailable", "level", "min_available", "window")
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:  # type: ignore[operator]
-        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
-
-
-def _check_positive(name: str, value: object, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type,operator]
-        raise ValueError(f"{name}: must be a finite number > 0{' or None' if optional else ''}, got {value!r}")
-
-
-def _check_finite(name: str, value: object) -> None:
-    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise ValueError(f"{name}: must be a finite number, got {value!r}")
-
-
 def _check_hour(name: str, value: object) -> None:
-    if not _is_number(value) or not 0 <= value < 24:  # type: ignore[operator]
+    if not is_number(value) or not 0 <= value < 24:  # type: ignore[operator]
         raise ValueError(f"{name}: must be an hour of day in [0, 24), got {value!r}")
-
-
-def _check_name(name: str, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{name}: must be a non-empty str, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -139,8 +111,8 @@ class RecycleConfig:
     recycle_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        _check_positive("max_age_s", self.max_age_s, optional=True)
-        if not _is_number(self.jitter_ratio) or not 0 <= self.jitter_ratio < 1:
+        check_positive("max_age_s", self.max_age_s, optional=True)
+        if not is_number(self.jitter_ratio) or not 0 <= self.jitter_ratio < 1:
             raise ValueError(f"jitter_ratio: must be in [0, 1), got {self.jitter_ratio!r}")
         if (self.window_start_hour is None) != (self.window_end_hour is None):
             raise ValueError("window_end_hour: window_start_hour and window_end_hour are set together (or both None)")
@@ -152,7 +124,7 @@ class RecycleConfig:
                 raise ValueError(
                     "window_end_hour: must differ from window_start_hour (set both to None for any time)"
                 )
-        _check_positive("forced_max_age_s", self.forced_max_age_s, optional=True)
+        check_positive("forced_max_age_s", self.forced_max_age_s, optional=True)
         if (
             self.max_age_s is not None
             and self.forced_max_age_s is not None
@@ -161,10 +133,10 @@ class RecycleConfig:
             raise ValueError(
                 f"forced_max_age_s: must be >= max_age_s ({self.max_age_s}), got {self.forced_max_age_s}"
             )
-        _check_int("max_unavailable", self.max_unavailable, minimum=1)
-        _check_int("min_available", self.min_available, minimum=0)
-        _check_int("block_at_level", self.block_at_level, minimum=0)
-        _check_positive("recycle_timeout_s", self.recycle_timeout_s)
+        check_int("max_unavailable", self.max_unavailable, minimum=1)
+        check_int("min_available", self.min_available, minimum=0)
+        check_int("block_at_level", self.block_at_level, minimum=0)
+        check_positive("recycle_timeout_s", self.recycle_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -180,9 +152,9 @@ class ReplicaView:
     manual: bool = False  # an operator asked for it
 
     def __post_init__(self) -> None:
-        _check_name("replica_id", self.replica_id)
-        _check_name("deployment", self.deployment)
-        _check_finite("started_at_s", self.started_at_s)
+        check_name("replica_id", self.replica_id)
+        check_name("deployment", self.deployment)
+        check_finite("started_at_s", self.started_at_s)
 
 
 @dataclass(frozen=True)
@@ -206,12 +178,12 @@ class InFlight:
     healthy_before: int  # healthy count of its deployment to get back to (see the module docstring)
 
     def __post_init__(self) -> None:
-        _check_name("replica_id", self.replica_id)
-        _check_name("deployment", self.deployment)
+        check_name("replica_id", self.replica_id)
+        check_name("deployment", self.deployment)
         if self.reason not in REASONS:
             raise ValueError(f"reason: must be one of {REASONS}, got {self.reason!r}")
-        _check_finite("started_at_s", self.started_at_s)
-        _check_int("healthy_before", self.healthy_before, minimum=0)
+        check_finite("started_at_s", self.started_at_s)
+        check_int("healthy_before", self.healthy_before, minimum=0)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -328,8 +300,8 @@ def plan(
     ``level``: the current degradation level. Deterministic: deployments in
     name order, due replicas by priority, then oldest first, then id.
     """
-    _check_int("level", level, minimum=0)
-    _check_finite("now_s", now_s)
+    check_int("level", level, minimum=0)
+    check_finite("now_s", now_s)
     _check_hour("hour_of_day", hour_of_day)
 
     by_deployment: dict[str, list[ReplicaView]] = {}
@@ -416,9 +388,9 @@ def expected_availability(n_replicas: int, restart_s: float, period_s: float) ->
     None when there is no replica or no period. N = 4, 60 s every 6 h:
     1 − 60/(4 × 21600) ≈ 0.99931.
     """
-    if not _is_number(n_replicas) or not _is_number(period_s) or n_replicas < 1 or period_s <= 0:
+    if not is_number(n_replicas) or not is_number(period_s) or n_replicas < 1 or period_s <= 0:
         return None
-    if not _is_number(restart_s) or not math.isfinite(restart_s) or restart_s < 0:
+    if not is_number(restart_s) or not math.isfinite(restart_s) or restart_s < 0:
         raise ValueError(f"restart_s: must be a finite number >= 0, got {restart_s!r}")
     if math.isinf(period_s):
         return 1.0
@@ -429,8 +401,172 @@ def expected_availability(n_replicas: int, restart_s: float, period_s: float) ->
 
 def measured_availability(out_s: float, replica_seconds: float) -> Optional[float]:
     """1 − (replica-seconds out of service) / (replica-seconds in total), clamped to [0, 1]."""
-    if not _is_number(replica_seconds) or replica_seconds <= 0:
+    if not is_number(replica_seconds) or replica_seconds <= 0:
         return None
-    if not _is_number(out_s) or not math.isfinite(out_s) or out_s < 0:
+    if not is_number(out_s) or not math.isfinite(out_s) or out_s < 0:
         raise ValueError(f"out_s: must be a finite number >= 0, got {out_s!r}")
     return min(1.0, max(0.0, 1.0 - out_s / replica_seconds))
+
+
+# --------------------------------------------------------------------------- the controller's side
+# What ``serve_app.control.recycling.RecycleCoordinator`` and the fleet simulator decide
+# around ``plan``: which replica is healthy, which deployment surges, which hung
+# replica is killed. Reports are plain dicts as replicas and watchdogs send them.
+
+#: A hung replica is killed once; it is not killed again within this many seconds
+#: (Serve needs that long to notice the dead actor and stop reporting it).
+KILL_COOLDOWN_S = 60.0
+#: Bound on the replicas remembered as killed.
+MAX_KILLED = 256
+
+
+def replica_healthy(report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool) -> bool:
+    """Serving now: ready by its own and its watchdog's word, not draining, not hung, not being recycled."""
+    return (
+        bool(report.get("ready", True))
+        and not report.get("draining")
+        and bool(watchdog.get("ready", True))
+        and not watchdog.get("hung")
+        and not in_flight
+    )
+
+
+def _started_at_s(report: Mapping[str, Any], watchdog: Mapping[str, Any], now_s: float) -> float:
+    """When the replica started: its own word, else its watchdog's, else now (a replica just seen)."""
+    for source in (report, watchdog):
+        if source.get("started_at_s") is not None:
+            return float(source["started_at_s"])
+    return now_s
+
+
+def replica_view(
+    report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool, manual: bool, now_s: float
+) -> ReplicaView:
+    """The planner's view of one replica from its report and its watchdog's."""
+    asked = bool(watchdog.get("recycle_requested"))
+    return ReplicaView(
+        replica_id=str(report.get("replica_id")),
+        deployment=str(report.get("deployment")),
+        started_at_s=_started_at_s(report, watchdog, now_s),
+        healthy=replica_healthy(report, watchdog, in_flight),
+        request=(watchdog.get("reason") or "watchdog") if asked else None,
+        critical=asked and bool(watchdog.get("critical")),
+        manual=manual,
+    )
+
+
+def surging(
+    known: Mapping[str, str],
+    watchdogs: Mapping[str, Mapping[str, Any]],
+    state: RecycleState,
+    waiting: Sequence[tuple[str, str]],
+    enabled: bool = True,
+) -> frozenset[str]:
+    """Deployments that want one replica more now (the surge; see serve_app.control.recycling).
+
+    ``known`` maps each reporting replica to its deployment. A deployment surges while
+    a watchdog stopped one of its replicas' intake or asked for its recycle (the
+    ladder's last rungs), while one of its recycles waits on min_available, or while
+    one is in flight.
+    """
+    if not enabled:
+        return frozenset()
+    stopping = {
+        known[rid] for rid, wd in watchdogs.items() if rid in known and (wd.get("ready") is False or wd.get("recycle_requested"))
+    }
+    held = {known[rid] for rid, why in waiting if why == "min_available" and rid in known}
+    return frozenset(stopping | {f.deployment for f in state.in_flight} | held)
+
+
+@dataclass(frozen=True)
+class KillOrder:
+    """Kill this hung replica's actor outright; Serve starts a replacement."""
+
+    replica_id: str
+    deployment: str
+    actor_name: str
+    namespace: str
+
+
+@dataclass(frozen=True)
+class KillState:
+    killed: tuple[tuple[str, float], ...] = ()  # (replica_id, killed at), oldest first
+
+
+def hung_kills(
+    watchdogs: Mapping[str, Mapping[str, Any]],
+    state: KillState,
+    now_s: float,
+    cooldown_s: float = KILL_COOLDOWN_S,
+    max_killed: int = MAX_KILLED,
+) -> tuple[tuple[KillOrder, ...], KillState]:
+    """Kill orders for replicas their watchdog calls hung, at once and outside the planner's limits.
+
+    A hung replica serves nobody. A replica killed within ``cooldown_s`` is not killed
+    again; one without an actor name (nothing to kill) is left alone.
+    """
+    check_finite("now_s", now_s)
+    check_positive("cooldown_s", cooldown_s)
+    check_int("max_killed", max_killed, minimum=1)
+    killed = [(rid, t) for rid, t in state.killed if t >= now_s - cooldown_s]
+    recent = {rid for rid, _ in killed}
+    orders = []
+    for rid, wd in watchdogs.items():
+        if not wd.get("hung") or rid in recent or not wd.get("actor_name"):
+            continue
+        killed.append((rid, now_s))
+        recent.add(rid)
+        orders.append(
+            KillOrder(
+                replica_id=rid,
+                deployment=str(wd.get("deployment")),
+                actor_name=str(wd["actor_name"]),
+                namespace=str(wd.get("actor_namespace") or "serve"),
+            )
+        )
+    return tuple(orders), KillState(tuple(killed[-max_killed:]))
+
+
+@dataclass(frozen=True)
+class RecycleStep:
+    plan: Plan
+    kills: tuple[KillOrder, ...]
+    surging: frozenset[str]
+
+
+def replica_views(
+    replicas: Sequence[Mapping[str, Any]],
+    watchdogs: Mapping[str, Mapping[str, Any]],
+    state: RecycleState,
+    manual: frozenset[str],
+    now_s: float,
+) -> list[ReplicaView]:
+    """The planner's view of every reporting replica."""
+    in_flight = {f.replica_id for f in state.in_flight}
+    out = []
+    for r in replicas:
+        rid = str(r.get("replica_id"))
+        out.append(replica_view(r, watchdogs.get(rid, {}), rid in in_flight, rid in manual, now_s))
+    return out
+
+
+def recycle_step(
+    views: Sequence[ReplicaView],
+    watchdogs: Mapping[str, Mapping[str, Any]],
+    targets: Mapping[str, int],
+    level: int,
+    state: RecycleState,
+    kill_state: KillState,
+    cfg: RecycleConfig,
+    now_s: float,
+    hour_of_day: float,
+    surge: bool = True,
+) -> tuple[RecycleStep, RecycleState, KillState]:
+    """One recycling tick: hung kills first (outside every limit), then the plan, then the surge.
+
+    ``views`` (``replica_views``) must be built from ``state`` as it was before this call.
+    """
+    kills, kill_state = hung_kills(watchdogs, kill_state, now_s)
+    p, state = plan(views, targets, state, level, cfg, now_s, hour_of_day)
+    known = {v.replica_id: v.deployment for v in views}
+    return RecycleStep(p, kills, surging(known, watchdogs, state, p.waiting, surge)), state, kill_state

@@ -7,8 +7,9 @@ comparison (``make sim``). Arms (``ARMS``):
 * ``ballast`` — ``policies.degradation`` + ``policies.admission`` (shedding by
   criticality, batch and ``max_tokens`` constraints), ``policies.autoscale``,
   the watchdog ladder (``policies.leak.assess``) and staggered recycling
-  (``policies.recycle.plan`` under ``policies.lease`` leases), driven as
-  ``serve_app.control.controller`` does (``controllers.BallastController``);
+  (``policies.recycle.recycle_step`` under ``policies.lease`` leases, with the
+  recycle surge), through the controller's own policy code (``policies.control``;
+  ``controllers.BallastController`` keeps no copy of the controller's tick);
 * ``ballast_no_recycle`` — the same without watchdog and recycling: leaks run to OOM;
 * ``ray_serve_default`` — Ray Serve's queue-length autoscaling, no shedding;
 * ``hpa_utilization`` — a Kubernetes-HPA utilization rule, no shedding.

@@ -97,6 +97,9 @@ class SimConfig:
 
     #: How often the Ballast arm runs the recycle planner (production: every controller tick).
     recycle_interval_s: float = 10.0
+    #: One replica more while a recycle waits on min_available or is in flight, or a
+    #: watchdog stopped a replica (production's ``recycle.surge``, default on).
+    recycle_surge: bool = True
 
     # ---- baselines
     ray_upscale_delay_s: float = 30.0

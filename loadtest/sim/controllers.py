@@ -1,16 +1,22 @@
 """Each arm's control loop: what it admits, how big a batch it runs, how many replicas it wants.
 
-``BallastController`` is ``serve_app.control.controller.ControllerCore.tick`` and
-``serve_app.control.recycling.RecycleCoordinator.tick`` replayed without Ray, calling
-the same pure policies with the simulated clock:
+``BallastController`` keeps no copy of the controller's tick: its
+``policy_tick`` makes the same calls as ``ControllerCore.tick`` and
+``RecycleCoordinator.tick``, in the same order, with the simulated clock
+(tests/unit/test_control_trace.py feeds one recorded sequence of reports to both
+and asserts identical decisions). What is the simulator's own is only how inputs
+are gathered and outputs applied:
 
-* ``policies.degradation.decide`` on the tick's load signals (queue length,
-  queue-wait p95, error rate; no GPU util or VRAM, see ``loadtest.sim``) sets
-  the level, whose constraints the routers and replicas apply from the next
+* the fleet's totals are one replica report (``fleet_report``): the policies sum
+  over reports, so ``policies.control.fold_reports`` and ``ongoing_requests``
+  give the inputs a thousand reports would (queue length, queue-wait p95, error
+  rate; no GPU util or VRAM, see ``loadtest.sim``);
+* ``policies.control.ControlPolicy.step`` runs ``policies.degradation.decide``
+  (the level, whose constraints the routers and replicas apply from the next
   tick on: ``policies.admission.admit`` per criticality, ``max_batch_size``, and
-  the ``max_tokens`` clamp (as less work per request, ``ServiceModel.work_ratio``);
-* ``policies.autoscale.decide`` on running + queued requests, fed its own last
-  decision as the current target, exactly as the controller does;
+  the ``max_tokens`` clamp as less work per request, ``ServiceModel.work_ratio``),
+  ``policies.autoscale.decide`` fed its own last decision as the current target,
+  and the recycle surge;
 * the watchdog: ``policies.leak.assess`` walks each leaking replica's action
   ladder. Its trend input is built **analytically** from the replica's known
   leak (a noise-free line: slope = the leak rate, R² = 1, judged once the
@@ -19,17 +25,20 @@ the same pure policies with the simulated clock:
   the time budget. A replica is only assessed when the verdict can be other
   than "ok, nothing to do" (within ``warn_tto_s`` of OOM, above the warning
   usage ratio, or already on the ladder), which skips no decision;
-* ``policies.recycle.plan`` with every reporting replica, the autoscaler's
-  target and the level; each recycle it starts drains the replica (Serve
-  replaces it) and holds a ``policies.lease`` lease, heartbeated every tick and
-  released when the plan reports it completed or stuck. The simulator has no
-  controller crashes, so leases never lapse here. To fit the time budget the
-  planner runs every ``recycle_interval_s`` (10 s) rather than every tick,
-  which delays a recycle's start or completion by less than that (a recycle
-  takes a cold start, 60–120 s); and it is skipped where it cannot start or
-  settle anything (no recycle in flight, no watchdog request, nothing past its
-  age threshold inside the window, nothing at the forced age), which changes
-  no decision.
+* ``policies.recycle.recycle_step`` (hung kills, ``plan``, ``surging``) on one
+  ``policies.recycle.replica_view`` per ready replica, built from the same report
+  fields production reads (cached per replica while they do not change); the
+  target it plans against includes the surge, as in production. Each recycle it
+  starts drains the replica (Serve replaces it) and holds a ``policies.lease``
+  lease, heartbeated every tick and released when the plan reports it completed
+  or stuck. The simulator has no controller crashes, so leases never lapse here,
+  and no hangs, so no kill is ever ordered. To fit the time budget the planner
+  runs every ``recycle_interval_s`` (10 s) rather than every tick, which delays
+  a recycle's start or completion by less than that (a recycle takes a cold
+  start, 60–120 s); and it is skipped where it cannot start, settle or surge
+  anything (no recycle in flight, no watchdog request or stopped intake, nothing
+  past its age threshold inside the window, nothing at the forced age), which
+  changes no decision.
 
 ``RayServeController`` and ``HpaController`` wrap ``baselines``: no shedding,
 a fixed batch, no watchdog, no recycling.
@@ -43,11 +52,11 @@ from typing import Optional
 
 import numpy as np
 
-from policies import admission, autoscale, degradation, leak, recycle
-from policies.autoscale import AutoscaleSample, AutoscaleState
-from policies.degradation import DegradationState, LoadSignals
+from policies import admission, control, leak, recycle
 from policies.lease import LeaseTable
-from policies.recycle import RecycleState, ReplicaView
+from policies.autoscale import AutoscaleConfig
+from policies.degradation import DegradationConfig
+from policies.recycle import RecycleConfig, RecycleState, ReplicaView
 
 from .baselines import HpaUtilization, RayServeDefault
 from .config import SimConfig, WatchdogModel, autoscale_config, degradation_config, recycle_config
@@ -74,16 +83,24 @@ class TickView:
 
 
 class BallastController:
-    def __init__(self, cfg: SimConfig, fleet: Fleet, recycling: bool) -> None:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        fleet: Fleet,
+        recycling: bool,
+        deg_cfg: Optional[DegradationConfig] = None,
+        as_cfg: Optional[AutoscaleConfig] = None,
+        rc_cfg: Optional[RecycleConfig] = None,
+    ) -> None:
+        """The policies' configs default to ``cfg``'s fleet-scaled ones; a test may pass production's."""
         self.cfg = cfg
         self.fleet = fleet
-        self.deg_cfg = degradation_config(cfg)
-        self.as_cfg = autoscale_config(cfg)
-        self.rc_cfg = recycle_config(cfg)
+        self.deg_cfg = deg_cfg or degradation_config(cfg)
+        self.as_cfg = as_cfg or autoscale_config(cfg)
+        self.rc_cfg = rc_cfg or recycle_config(cfg)
         self.wd = WatchdogModel()
         self.recycling = recycling
-        self.deg_state = DegradationState()
-        self.as_state = AutoscaleState()
+        self.policy = control.ControlPolicy(self.deg_cfg, self.as_cfg)
         self.level = 0
         self.constraints = self.deg_cfg.constraints[0]
         # Watchdog: ladder state and recycle request per slot, only for replicas on the ladder.
@@ -91,6 +108,9 @@ class BallastController:
         self.requests: dict[int, tuple[str, bool]] = {}
         # Recycling.
         self.rc_state = RecycleState()
+        self.kill_state = recycle.KillState()  # hangs are not modelled: never a kill, same code
+        self.surging: frozenset[str] = frozenset()
+        self.surge = cfg.recycle_surge
         self.leases = LeaseTable()
         self._views: dict[int, tuple[tuple, ReplicaView]] = {}
         self.recycles: Counter[str] = Counter()
@@ -118,30 +138,68 @@ class BallastController:
             self._views.pop(s, None)
 
     # ---- the control tick
-    def decide(self, v: TickView, current_target: int) -> int:
-        sig = LoadSignals(
-            queue_length=v.queued,
-            queue_wait_p95_ms=None if v.wait_p95_s is None else v.wait_p95_s * 1000.0,
-            gpu_util_pct=None,
-            vram_pct=None,
-            error_rate=(v.errors / v.outcomes) if v.outcomes else None,
-            request_count=v.outcomes,
-        )
-        dec, self.deg_state = degradation.decide(sig, self.deg_state, self.deg_cfg, v.now_s)
-        self.level = dec.level
-        self.constraints = dec.constraints
+    def policy_tick(
+        self,
+        routers: list[dict],
+        replicas: list[dict],
+        requests: int,
+        errors: int,
+        running_replicas: int,
+        now_s: float,
+        views: Optional[list[ReplicaView]] = None,
+        watchdogs: Optional[dict[str, dict]] = None,
+        wall_s: Optional[float] = None,
+        hour_of_day: Optional[float] = None,
+    ) -> tuple[control.ControlDecision, Optional[recycle.RecycleStep]]:
+        """The controller's decisions on one tick's reports, through the production policies.
 
-        last = self.as_state.last_desired
-        current = last if last is not None else max(v.ready, self.as_cfg.min_replicas)
-        ongoing = v.running + v.queued
-        as_dec, self.as_state = autoscale.decide(
-            AutoscaleSample(t_s=v.now_s, ongoing_requests=float(ongoing)), current, self.as_state, self.as_cfg
+        ``policies.control`` folds the reports and runs the level, the autoscaler and the
+        surge; ``policies.recycle.recycle_step`` (only when ``views`` is given) the hung
+        kills, the plan and the surge for the next tick. The same calls, in the same
+        order, as ``serve_app.control.controller.ControllerCore.tick``; the trace test
+        (tests/unit/test_control_trace.py) holds the two to identical decisions.
+        """
+        sig = control.fold_reports(routers, replicas, DEPLOYMENT, requests=requests, errors=errors)
+        ongoing = control.ongoing_requests(routers, replicas, DEPLOYMENT, sig.queue_length)
+        dec = self.policy.step(
+            control.ControlInputs(sig, float(ongoing), running_replicas, surging=DEPLOYMENT in self.surging), now_s
         )
-        target = as_dec.desired_replicas
-        if self.recycling:
-            self._watchdog(v.now_s)
-            self._recycle(v.now_s, target)
-        return target
+        self.level = dec.level.level
+        self.constraints = dec.level.constraints
+        if views is None:
+            return dec, None
+        wall_s = now_s if wall_s is None else wall_s
+        step, self.rc_state, self.kill_state = recycle.recycle_step(
+            views, watchdogs or {}, {DEPLOYMENT: dec.desired_replicas}, self.level, self.rc_state, self.kill_state,
+            self.rc_cfg, wall_s, self._hour(wall_s) if hour_of_day is None else hour_of_day, self.surge,
+        )
+        self.surging = step.surging
+        return dec, step
+
+    def decide(self, v: TickView, current_target: int) -> int:
+        # The whole fleet as one replica report: the policies sum over reports, so one
+        # report of the fleet's totals folds to the same inputs as a thousand reports.
+        fleet_report = {
+            "replica_id": "fleet",
+            "deployment": DEPLOYMENT,
+            "queued": v.queued,
+            "running": v.running,
+            "queue_wait_p95_ms": None if v.wait_p95_s is None else v.wait_p95_s * 1000.0,
+        }
+        if not self.recycling:
+            dec, _ = self.policy_tick([], [fleet_report], v.outcomes, v.errors, v.ready, v.now_s)
+            return dec.desired_replicas
+        # The watchdog runs before the plan, as it reports before the controller's tick.
+        self._watchdog(v.now_s)
+        views, by_id = self._recycle_views(v.now_s)
+        dec, step = self.policy_tick(
+            [], [fleet_report], v.outcomes, v.errors, v.ready, v.now_s, views=views, watchdogs=self._watchdog_reports(by_id)
+            if views is not None else None,
+        )
+        if step is not None:
+            self._apply(step, v.now_s, by_id)
+        self._heartbeat(v.now_s)
+        return dec.desired_replicas
 
     # ---- watchdog (one per replica in production; here only where it can act)
     def _watchdog(self, now_s: float) -> None:
@@ -191,6 +249,8 @@ class BallastController:
     def _plan_can_act(self, now_s: float, present: np.ndarray) -> bool:
         if self.rc_state.in_flight or self.requests:
             return True
+        if present.size and not bool(np.all(self.fleet.intake[present])):
+            return True  # a watchdog stopped a replica's intake: the surge must be computed
         f, rc = self.fleet, self.rc_cfg
         if present.size == 0:
             return False
@@ -203,16 +263,22 @@ class BallastController:
             and recycle.in_window(self._hour(now_s), rc)
         )
 
-    def _recycle(self, now_s: float, target: int) -> None:
-        f = self.fleet
+    def _heartbeat(self, now_s: float) -> None:
         for lease in self.leases.leases():
             if now_s - lease.last_heartbeat_s >= self._lease_heartbeat_s:
                 self.leases.heartbeat(lease.id, HOLDER, now_s)
+
+    def _recycle_views(self, now_s: float) -> tuple[Optional[list[ReplicaView]], dict[str, int]]:
+        """Every ready replica's view (``policies.recycle.replica_view``), or None when the plan may be skipped."""
+        f = self.fleet
         if now_s + 1e-9 < self._next_plan_s:
-            return
+            return None, {}
         present = np.flatnonzero(f.state == READY)  # starting replicas do not report yet
         if not self._plan_can_act(now_s, present):
-            return
+            # Nothing in flight, asked, stopped or due: the plan would start nothing and
+            # nothing surges (policies.recycle.surging over such a fleet is empty).
+            self.surging = frozenset()
+            return None, {}
         self._next_plan_s = now_s + self.cfg.recycle_interval_s
         in_flight = {x.replica_id for x in self.rc_state.in_flight}
         views = []
@@ -223,23 +289,37 @@ class BallastController:
             rid = f"r{serial}"
             by_id[rid] = s
             req = self.requests.get(s)
-            key = (rid, intake and rid not in in_flight, req)
+            key = (rid, intake, rid in in_flight, req)
             cached = self._views.get(s)
             if cached is None or cached[0] != key:
-                view = ReplicaView(
-                    replica_id=rid,
-                    deployment=DEPLOYMENT,
-                    started_at_s=born,
-                    healthy=key[1],
-                    request=None if req is None else req[0],
-                    critical=False if req is None else req[1],
-                )
-                cached = (key, view)
+                # Built from the same report fields production reads, so the health rule is the policy's.
+                cached = (key, recycle.replica_view(
+                    {"replica_id": rid, "deployment": DEPLOYMENT, "started_at_s": born},
+                    self._watchdog_report(intake, req), rid in in_flight, False, now_s,
+                ))
                 self._views[s] = cached
             views.append(cached[1])
-        plan, self.rc_state = recycle.plan(
-            views, {DEPLOYMENT: target}, self.rc_state, self.level, self.rc_cfg, now_s, self._hour(now_s)
-        )
+        return views, by_id
+
+    @staticmethod
+    def _watchdog_report(intake: bool, req: Optional[tuple[str, bool]]) -> dict:
+        wd: dict = {"ready": bool(intake)}
+        if req is not None:
+            wd.update(recycle_requested=True, reason=req[0], critical=req[1])
+        return wd
+
+    def _watchdog_reports(self, by_id: dict[str, int]) -> dict[str, dict]:
+        """Watchdog reports of the replicas whose watchdog says something (stopped intake or a request)."""
+        f = self.fleet
+        out = {}
+        for rid, s in by_id.items():
+            if not f.intake[s] or s in self.requests:
+                out[rid] = self._watchdog_report(bool(f.intake[s]), self.requests.get(s))
+        return out
+
+    def _apply(self, step: recycle.RecycleStep, now_s: float, by_id: dict[str, int]) -> None:
+        """Apply the plan: leases released and taken, replicas drained (Serve replaces them)."""
+        plan = step.plan
         for done in plan.completed + plan.stuck:
             lease = self.leases.get(f"recycle/{done.deployment}/{done.replica_id}")
             if lease is not None:
@@ -253,6 +333,7 @@ class BallastController:
                 ttl_s=1800.0, heartbeat_interval_s=self._lease_heartbeat_s, lease_id=f"l{self._lease_seq}",
                 data=(("replica_id", order.replica_id), ("reason", order.reason)),
             )
+            f = self.fleet
             f.drain(s)
             self.recycles[order.reason] += 1
 

@@ -1,9 +1,12 @@
 """The controller actor: reports in, a versioned snapshot out. Never on the request path.
 
 Routers and model replicas push a report every ``report_interval_s`` and receive
-the newest ``Snapshot`` in the same call. Every ``tick_s`` the controller folds the
-fresh reports into load signals, runs the pure policies (degradation, autoscale)
-and publishes a new snapshot.
+the newest ``Snapshot`` in the same call. Every ``tick_s`` the controller hands the
+fresh reports to ``policies.control`` (folding them into load signals, then
+degradation, autoscale and the recycle surge) and to ``policies.recycle.recycle_step``
+(through ``RecycleCoordinator``), and publishes a new snapshot. Every decision lives
+in those policies, which the fleet simulator runs too; this module only keeps the
+reports (expiry, bounds, the error window) and applies what the policies decide.
 
 It is a detached, named actor with ``max_restarts=-1``: when it dies Ray starts it
 again; it keeps no durable state because everything it needs arrives again in
@@ -28,12 +31,11 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from policies import autoscale, degradation
+from policies import control
 from policies.killswitch import KillSwitchEntry
 from policies.quota import TenantQuota, apportion, effective_rates
-from policies.autoscale import AutoscaleSample, AutoscaleState
 from policies.criticality import Criticality
-from policies.degradation import DegradationState, LoadSignals
+from policies.degradation import LoadSignals
 
 from serve_app.config import BallastConfig, load_config
 from serve_app.control.recycling import RecycleCoordinator
@@ -134,8 +136,7 @@ class ControllerCore:
         self.cfg = cfg
         self._deg_cfg = cfg.degradation_config()
         self._as_cfg = cfg.autoscale_config()
-        self._deg_state = DegradationState()
-        self._as_state = AutoscaleState()
+        self._policy = control.ControlPolicy(self._deg_cfg, self._as_cfg)
         self._routers = _Reports(cfg.controller.report_expiry_s, self._clock)
         self._replicas = _Reports(cfg.controller.report_expiry_s, self._clock)
         # Watchdogs report every watchdog.interval_s, which may be longer than a replica's interval.
@@ -277,72 +278,36 @@ class ControllerCore:
 
     # -- the tick --------------------------------------------------------------------
     def signals(self) -> LoadSignals:
-        routers, all_replicas = self._routers.fresh(), self._replicas.fresh()
-        # Queue signals come from the primary deployment; the fallback's load is its own.
-        replicas = [r for r in all_replicas if r.get("deployment", MODEL_DEPLOYMENT) == MODEL_DEPLOYMENT]
-        running = sum(int(r.get("running", 0)) for r in replicas)
-        replica_queued = sum(int(r.get("queued", 0)) for r in replicas)
-        # Admitted but not yet computing: whatever routers have in flight minus what
-        # replicas are running covers both the handle's queue and the batch queues.
-        queue = replica_queued
-        if routers:
-            queue = max(queue, sum(int(r.get("inflight", 0)) for r in routers) - running)
-        # Demand by criticality over the routers' windows, and their gates' answer rate
-        # while full (capacity): absent unless some router's gate was full.
-        demand: dict[str, float] = {}
-        for r in routers:
-            for crit, rps in (r.get("demand_rps") or {}).items():
-                demand[crit] = demand.get(crit, 0.0) + float(rps)
-        full = any(r.get("gate_full") is True for r in routers)
-        waits = [float(r["queue_wait_p95_ms"]) for r in routers + replicas if r.get("queue_wait_p95_ms") is not None]
-        utils = [float(r["gpu_util_pct"]) for r in all_replicas if r.get("gpu_util_pct") is not None]
-        vrams = [float(r["vram_pct"]) for r in all_replicas if r.get("vram_pct") is not None]
+        """The level's inputs from the fresh reports (policies.control.fold_reports)."""
         cutoff = self._clock() - self.cfg.controller.error_window_s
         while self._outcomes and self._outcomes[0][0] < cutoff:
             self._outcomes.popleft()
-        requests = sum(n for _, n, _ in self._outcomes)
-        errors = sum(e for _, _, e in self._outcomes)
-        return LoadSignals(
-            queue_length=max(0, queue),
-            queue_wait_p95_ms=max(waits) if waits else None,  # the worst sender's p95
-            gpu_util_pct=sum(utils) / len(utils) if utils else None,
-            vram_pct=max(vrams) if vrams else None,
-            error_rate=(errors / requests) if requests else None,
-            request_count=requests,
-            demand_rps=demand or None,
-            # Every router's answers are the model's work; they measure its capacity only
-            # while some gate was pushing against it.
-            capacity_rps=sum(float(r.get("served_rps") or 0.0) for r in routers) if full else None,
+        return control.fold_reports(
+            self._routers.fresh(),
+            self._replicas.fresh(),
+            MODEL_DEPLOYMENT,
+            requests=sum(n for _, n, _ in self._outcomes),
+            errors=sum(e for _, _, e in self._outcomes),
         )
 
     def tick(self) -> Snapshot:
         self._expire_kill_switches()
         now = self._clock()
         sig = self.signals()
-        decision, self._deg_state = degradation.decide(sig, self._deg_state, self._deg_cfg, now)
-
-        replicas = [r for r in self._replicas.fresh() if r.get("deployment") == MODEL_DEPLOYMENT]
-        running_n = len(replicas)
-        ongoing = sum(int(r.get("running", 0)) + int(r.get("queued", 0)) for r in replicas)
-        waiting = sum(int(r.get("gate_waiting", 0)) for r in self._routers.fresh())  # demand held at the gates
-        ongoing = max(ongoing, sig.queue_length + waiting + sum(int(r.get("running", 0)) for r in replicas))
-        # The policy wants the deployment's *target*, which is what this controller last
-        # asked Serve for: running lags it both ways (a replica starting, a replica
-        # draining), and feeding running back in would undo a scale-down before Serve
-        # acts on it. Only a controller with no decision yet starts from running.
-        last = self._as_state.last_desired
-        current = last if last is not None else max(running_n, self._as_cfg.min_replicas)
-        as_decision, self._as_state = autoscale.decide(
-            AutoscaleSample(t_s=now, ongoing_requests=float(ongoing), gpu_util_pct=sig.gpu_util_pct),
-            current,
-            self._as_state,
-            self._as_cfg,
+        routers, replicas_all = self._routers.fresh(), self._replicas.fresh()
+        running_n = sum(1 for r in replicas_all if r.get("deployment") == MODEL_DEPLOYMENT)
+        ongoing = control.ongoing_requests(routers, replicas_all, MODEL_DEPLOYMENT, sig.queue_length)
+        step = self._policy.step(
+            control.ControlInputs(
+                signals=sig,
+                ongoing_requests=float(ongoing),
+                running_replicas=running_n,
+                # The recycler's surge from the last tick (policies.recycle.surging).
+                surging=MODEL_DEPLOYMENT in self.recycler.surging,
+            ),
+            now,
         )
-        # The recycler's surge (from the last tick): one replica more while the primary has
-        # a recycle waiting on min_available or in flight, or a replica its watchdog stopped
-        # (serve_app/control/recycling.py, "Surge").
-        surge = 1 if MODEL_DEPLOYMENT in self.recycler.surging else 0
-        desired_model = min(self._as_cfg.max_replicas, as_decision.desired_replicas + surge)
+        decision, as_decision, desired_model = step.level, step.scale, step.desired_replicas
         targets = {MODEL_DEPLOYMENT: desired_model}
         if self.cfg.fallback is not None:
             targets[FALLBACK_DEPLOYMENT] = self.cfg.fallback.deployment.replicas
@@ -372,7 +337,7 @@ class ControllerCore:
                     "ongoing_requests": ongoing,
                     "stable_desired": as_decision.stable_desired,
                     "panic_desired": as_decision.panic_desired,
-                    "recycle_surge": desired_model - as_decision.desired_replicas,
+                    "recycle_surge": step.recycle_surge,
                 }
             },
         )

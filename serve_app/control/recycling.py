@@ -4,10 +4,12 @@
 
 1. expires leases (``policies.lease``): a recycle lease left by a dead controller
    expires after three missed heartbeats, and this controller carries on;
-2. turns hung replicas (watchdog ``hung``) into kill orders — at once, outside the
-   planner's limits: a hung replica serves nobody;
-3. builds one ``ReplicaView`` per replica from the replica's and its watchdog's
-   reports and runs ``policies.recycle.plan``; every recycle it starts takes a
+2. runs ``policies.recycle.recycle_step``, where every decision lives: hung
+   replicas (watchdog ``hung``) become kill orders at once, outside the planner's
+   limits, with a cooldown (``hung_kills``); each replica's report and its
+   watchdog's become a ``ReplicaView`` (``replica_view``: what counts as healthy);
+   ``plan`` picks the recycles; ``surging`` says which deployment wants one more.
+   This class applies the result: every recycle it starts takes a
    lease (TTL + heartbeat) that is persisted by the controller actor in Ray's KV
    store, so a restarted controller sees recycles in flight and respects
    ``max_unavailable`` until their leases lapse;
@@ -42,15 +44,13 @@ from typing import Any, Callable, Optional
 
 from policies import recycle
 from policies.lease import LeaseLost, LeaseTable
-from policies.recycle import InFlight, RecycleState, ReplicaView
+from policies.recycle import InFlight, RecycleState
 
 from serve_app.config import RecycleSettings
 
 log = logging.getLogger("ballast.recycle")
 
 MAX_EVENTS = 200
-MAX_KILLED = 256
-KILL_COOLDOWN_S = 60.0
 LEASE_PREFIX = "recycle/"
 
 
@@ -68,8 +68,8 @@ class RecycleCoordinator:
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self.new_events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)  # drained by the actor for metrics
         self.manual: "OrderedDict[str, str]" = OrderedDict()  # replica_id -> who asked
-        self._killed: "OrderedDict[str, float]" = OrderedDict()
-        self.kill_orders: deque[dict[str, Any]] = deque(maxlen=MAX_KILLED)
+        self._kills = recycle.KillState()  # recently killed hung replicas (the cooldown)
+        self.kill_orders: deque[dict[str, Any]] = deque(maxlen=recycle.MAX_KILLED)
         self.leases_dirty = False
         self.waiting: tuple[tuple[str, str], ...] = ()
         self.surging: frozenset[str] = frozenset()  # deployments that want one replica more now
@@ -168,39 +168,22 @@ class RecycleCoordinator:
                 self._event("lease_expired", rid, d.get("deployment", "?"), d.get("reason", "?"), holder=lease.holder)
             self.leases_dirty = True
 
-        self._hung(watchdogs, now)
-
         known = {str(r.get("replica_id")): str(r.get("deployment")) for r in replicas}
         for r in [r for r in self.manual if r not in known]:
             del self.manual[r]
-        in_flight = {f.replica_id for f in self.state.in_flight}
-        views = []
-        for r in replicas:
-            rid = str(r.get("replica_id"))
-            wd = watchdogs.get(rid, {})
-            healthy = bool(r.get("ready", True)) and not r.get("draining") and bool(wd.get("ready", True)) and not wd.get("hung") and rid not in in_flight
-            asked = bool(wd.get("recycle_requested"))
-            views.append(
-                ReplicaView(
-                    replica_id=rid,
-                    deployment=str(r.get("deployment")),
-                    started_at_s=float(r.get("started_at_s") or wd.get("started_at_s") or now),
-                    healthy=healthy,
-                    request=(wd.get("reason") or "watchdog") if asked else None,
-                    critical=asked and bool(wd.get("critical")),
-                    manual=rid in self.manual,
-                )
+        views = recycle.replica_views(replicas, watchdogs, self.state, frozenset(self.manual), now)
+        step, self.state, self._kills = recycle.recycle_step(
+            views, watchdogs, targets, level, self.state, self._kills, self.cfg, now, _hour_of_day(now), self.settings.surge
+        )
+        for k in step.kills:
+            self.kill_orders.append(
+                {"replica_id": k.replica_id, "deployment": k.deployment, "actor_name": k.actor_name, "namespace": k.namespace}
             )
-        plan, self.state = recycle.plan(views, targets, self.state, level, self.cfg, now, _hour_of_day(now))
+            wd = watchdogs.get(k.replica_id, {})
+            self._event("killed_hung", k.replica_id, k.deployment, "hung", heartbeat_age_s=wd.get("heartbeat_age_s"))
+        plan = step.plan
         self.waiting = plan.waiting
-        # Stopped intake by its watchdog (the ladder's rung before the recycle), asked for a
-        # recycle, waiting on min_available, or in flight: the deployment wants one more.
-        stopping = {known[rid] for rid, wd in watchdogs.items() if rid in known and (wd.get("ready") is False or wd.get("recycle_requested"))}
-        self.surging = frozenset(
-            stopping
-            | {f.deployment for f in self.state.in_flight}
-            | {known[rid] for rid, why in plan.waiting if why == "min_available" and rid in known}
-        ) if self.settings.surge else frozenset()
+        self.surging = step.surging
         for f in plan.completed:
             took = max(0.0, now - f.started_at_s)
             self._out_s += took
@@ -245,20 +228,6 @@ class RecycleCoordinator:
                 "lease_id": lease.id,
                 "expires_at_s": lease.expires_at_s(),
             }
-
-    def _hung(self, watchdogs: dict[str, dict[str, Any]], now: float) -> None:
-        while self._killed and next(iter(self._killed.values())) < now - KILL_COOLDOWN_S:
-            self._killed.popitem(last=False)
-        for rid, wd in watchdogs.items():
-            if not wd.get("hung") or rid in self._killed or not wd.get("actor_name"):
-                continue
-            self._killed[rid] = now
-            while len(self._killed) > MAX_KILLED:
-                self._killed.popitem(last=False)
-            self.kill_orders.append(
-                {"replica_id": rid, "deployment": wd.get("deployment"), "actor_name": wd["actor_name"], "namespace": wd.get("actor_namespace") or "serve"}
-            )
-            self._event("killed_hung", rid, str(wd.get("deployment")), "hung", heartbeat_age_s=wd.get("heartbeat_age_s"))
 
     # -- what the snapshot and /v1/status show ---------------------------------------------------
     def availability(self, n_replicas: int) -> dict[str, Optional[float]]:

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 import pytest
 
+from fakes import FakeClock
+
 from serve_app.config import BallastConfig, load_config
 from serve_app.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
 from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
@@ -19,19 +21,6 @@ from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 EXPIRY_S = 3
 ERROR_WINDOW_S = 10
 DEG_WINDOW_S = 5
-
-
-class FakeClock:
-    """Stands in for time.monotonic / time.time: moves only when the test says so."""
-
-    def __init__(self, t: int = 0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return float(self.t)
-
-    def advance(self, seconds: int = 1) -> None:
-        self.t += seconds
 
 
 def make_cfg(**over: Any) -> BallastConfig:

@@ -583,3 +583,67 @@ def test_measured_availability() -> None:
     assert measured_availability(1.0, 0.0) is None
     with pytest.raises(ValueError, match="^out_s:"):
         measured_availability(-1.0, 100.0)
+
+
+# --------------------------------------------------------------------------- the controller's side
+
+from policies import recycle as _rc  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "report, watchdog, in_flight, healthy",
+    [
+        ({}, {}, False, True),
+        ({"ready": False}, {}, False, False),
+        ({"draining": True}, {}, False, False),
+        ({}, {"ready": False}, False, False),
+        ({}, {"hung": True}, False, False),
+        ({}, {}, True, False),
+    ],
+)
+def test_replica_healthy(report, watchdog, in_flight, healthy) -> None:
+    assert _rc.replica_healthy(report, watchdog, in_flight) is healthy
+
+
+def test_replica_view_carries_the_watchdog_request_and_a_zero_start() -> None:
+    v = _rc.replica_view(
+        {"replica_id": "a", "deployment": "D", "started_at_s": 0.0},
+        {"recycle_requested": True, "reason": "rss_leak", "critical": True},
+        in_flight=False, manual=False, now_s=500.0,
+    )
+    assert (v.started_at_s, v.request, v.critical) == (0.0, "rss_leak", True)
+    v = _rc.replica_view({"replica_id": "a", "deployment": "D"}, {"started_at_s": 7.0}, False, True, 500.0)
+    assert (v.started_at_s, v.request, v.critical, v.manual) == (7.0, None, False, True)
+
+
+def test_surging_names_stopped_waiting_and_in_flight_deployments() -> None:
+    known = {"a": "A", "b": "B", "c": "C", "d": "D"}
+    state = _rc.RecycleState(in_flight=(_rc.InFlight("c", "C", "max_age", 0.0, 1),))
+    got = _rc.surging(known, {"a": {"ready": False}, "x": {"ready": False}}, state, (("b", "min_available"), ("d", "level")))
+    assert got == frozenset({"A", "B", "C"})
+    assert _rc.surging(known, {"a": {"ready": False}}, state, (), enabled=False) == frozenset()
+
+
+def test_hung_kill_once_then_again_after_the_cooldown_tick_by_tick() -> None:
+    clock = FakeClock(0)
+    hung = {"r": {"hung": True, "deployment": "D", "actor_name": "act"}}
+    state = _rc.KillState()
+    kills_at = []
+    for _ in range(130):
+        kills, state = _rc.hung_kills(hung, state, clock(), cooldown_s=60)
+        kills_at += [clock()] * len(kills)
+        clock.advance()
+    assert kills_at == [0, 61, 122]
+    kills, _ = _rc.hung_kills(hung, _rc.KillState(), 0)
+    assert kills == (_rc.KillOrder("r", "D", "act", "serve"),)
+
+
+def test_hung_without_an_actor_name_or_not_hung_is_not_killed() -> None:
+    kills, state = _rc.hung_kills({"a": {"hung": True}, "b": {"hung": False, "actor_name": "x"}}, _rc.KillState(), 0)
+    assert kills == () and state.killed == ()
+
+
+def test_hung_kills_remember_at_most_max_killed() -> None:
+    wds = {f"r{i}": {"hung": True, "actor_name": f"a{i}"} for i in range(5)}
+    kills, state = _rc.hung_kills(wds, _rc.KillState(), 0, max_killed=3)
+    assert len(kills) == 5 and [rid for rid, _ in state.killed] == ["r2", "r3", "r4"]

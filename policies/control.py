@@ -1,0 +1,169 @@
+"""The controller's tick as a policy: reports in, level and desired replicas out.
+
+``serve_app.control.controller.ControllerCore`` and the fleet simulator
+(``loadtest.sim.controllers.BallastController``) both run this code; neither keeps
+a copy of it. The glue gathers the fresh reports (expiry, bounds, the error
+window's buckets) and applies the decision (snapshot, Serve's target).
+
+* ``fold_reports``: replica and router reports become the level's inputs.
+* ``ongoing_requests``: the autoscaler's concurrency input.
+* ``ControlPolicy.step``: ``degradation.decide`` + ``autoscale.decide`` + the
+  recycle surge, exactly in the order the controller always ran them.
+
+Reports are plain dicts already cleaned by the glue (counts as ints >= 0,
+measures as finite floats >= 0 or None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from policies import autoscale, degradation
+from policies.autoscale import AutoscaleConfig, AutoscaleDecision, AutoscaleSample, AutoscaleState
+from policies.degradation import DegradationConfig, DegradationDecision, DegradationState, LoadSignals
+from policies.validation import check_int, check_non_negative
+
+Report = Mapping[str, Any]
+
+
+def of_deployment(replicas: Sequence[Report], deployment: str) -> list[Report]:
+    """The replicas of one deployment; a report without a deployment counts as the primary's."""
+    return [r for r in replicas if r.get("deployment", deployment) == deployment]
+
+
+def fold_reports(
+    routers: Sequence[Report],
+    replicas: Sequence[Report],
+    primary: str,
+    requests: int = 0,
+    errors: int = 0,
+) -> LoadSignals:
+    """The degradation level's inputs from the fresh reports.
+
+    ``replicas`` holds every deployment's; queue signals come from ``primary``
+    only (the fallback's load is its own), GPU util and VRAM from all of them.
+    ``requests``/``errors`` are the routers' outcomes over the error window.
+    """
+    check_int("requests", requests, minimum=0)
+    check_int("errors", errors, minimum=0)
+    mine = of_deployment(replicas, primary)
+    running = sum(int(r.get("running", 0)) for r in mine)
+    # Admitted but not yet computing: whatever routers have in flight minus what
+    # replicas are running covers both the handle's queue and the batch queues.
+    queue = sum(int(r.get("queued", 0)) for r in mine)
+    if routers:
+        queue = max(queue, sum(int(r.get("inflight", 0)) for r in routers) - running)
+    # Demand by criticality over the routers' windows, and their gates' answer rate
+    # while full (capacity): absent unless some router's gate was full.
+    demand: dict[str, float] = {}
+    for r in routers:
+        for crit, rps in (r.get("demand_rps") or {}).items():
+            demand[crit] = demand.get(crit, 0.0) + float(rps)
+    full = any(r.get("gate_full") is True for r in routers)
+    waits = [float(r["queue_wait_p95_ms"]) for r in list(routers) + mine if r.get("queue_wait_p95_ms") is not None]
+    utils = [float(r["gpu_util_pct"]) for r in replicas if r.get("gpu_util_pct") is not None]
+    vrams = [float(r["vram_pct"]) for r in replicas if r.get("vram_pct") is not None]
+    return LoadSignals(
+        queue_length=max(0, queue),
+        queue_wait_p95_ms=max(waits) if waits else None,  # the worst sender's p95
+        gpu_util_pct=sum(utils) / len(utils) if utils else None,
+        vram_pct=max(vrams) if vrams else None,
+        error_rate=(errors / requests) if requests else None,
+        request_count=requests,
+        demand_rps=demand or None,
+        # Every router's answers are the model's work; they measure its capacity only
+        # while some gate was pushing against it.
+        capacity_rps=sum(float(r.get("served_rps") or 0.0) for r in routers) if full else None,
+    )
+
+
+def ongoing_requests(routers: Sequence[Report], replicas: Sequence[Report], primary: str, queue_length: int) -> float:
+    """Requests the primary deployment holds or is about to: the autoscaler's input.
+
+    The larger of what its replicas report (running + queued) and what the level
+    sees (queue + demand held at the routers' gates + running).
+    """
+    mine = [r for r in replicas if r.get("deployment") == primary]
+    # No int() here: reports carry ints, and the simulator's running is a fluid (a float).
+    running = sum(r.get("running", 0) or 0 for r in mine)
+    held = sum((r.get("running", 0) or 0) + (r.get("queued", 0) or 0) for r in mine)
+    waiting = sum(r.get("gate_waiting", 0) or 0 for r in routers)
+    return max(held, queue_length + waiting + running)
+
+
+def current_target(state: AutoscaleState, running_replicas: int, cfg: AutoscaleConfig) -> int:
+    """The deployment's current target as the autoscaler must see it.
+
+    It is what this controller last asked Serve for: running lags it both ways (a
+    replica starting, a replica draining), and feeding running back in would undo a
+    scale-down before Serve acts on it. Only a controller with no decision yet
+    starts from running.
+    """
+    last = state.last_desired
+    return last if last is not None else max(running_replicas, cfg.min_replicas)
+
+
+@dataclass(frozen=True)
+class ControlInputs:
+    """One tick's inputs, already folded from the reports."""
+
+    signals: LoadSignals
+    ongoing_requests: float
+    running_replicas: int  # primary replicas reporting now
+    surging: bool = False  # the recycler wants one replica more (policies.recycle.surging)
+
+    def __post_init__(self) -> None:
+        check_non_negative("ongoing_requests", self.ongoing_requests)
+        check_int("running_replicas", self.running_replicas, minimum=0)
+
+
+@dataclass(frozen=True)
+class ControlState:
+    degradation: DegradationState = field(default_factory=DegradationState)
+    autoscale: AutoscaleState = field(default_factory=AutoscaleState)
+
+
+@dataclass(frozen=True)
+class ControlDecision:
+    level: DegradationDecision  # degradation.decide's decision
+    scale: AutoscaleDecision
+    desired_replicas: int  # the autoscaler's answer plus the surge, within max_replicas
+    recycle_surge: int  # what the surge added (0 or 1)
+
+
+def control_step(
+    inputs: ControlInputs,
+    state: ControlState,
+    deg_cfg: DegradationConfig,
+    as_cfg: AutoscaleConfig,
+    now_s: float,
+) -> tuple[ControlDecision, ControlState]:
+    """The controller's tick: the level, then the autoscaler, then the surge."""
+    level, deg_state = degradation.decide(inputs.signals, state.degradation, deg_cfg, now_s)
+    scale, as_state = autoscale.decide(
+        AutoscaleSample(t_s=now_s, ongoing_requests=float(inputs.ongoing_requests), gpu_util_pct=inputs.signals.gpu_util_pct),
+        current_target(state.autoscale, inputs.running_replicas, as_cfg),
+        state.autoscale,
+        as_cfg,
+    )
+    # The recycler's surge (from the last tick): one replica more while the primary has a
+    # recycle waiting on min_available or in flight, or a replica its watchdog stopped.
+    desired = min(as_cfg.max_replicas, scale.desired_replicas + (1 if inputs.surging else 0))
+    return (
+        ControlDecision(level=level, scale=scale, desired_replicas=desired, recycle_surge=desired - scale.desired_replicas),
+        ControlState(degradation=deg_state, autoscale=as_state),
+    )
+
+
+class ControlPolicy:
+    """``control_step`` with its state held: what a controller calls once per tick."""
+
+    def __init__(self, deg_cfg: DegradationConfig, as_cfg: AutoscaleConfig, state: Optional[ControlState] = None) -> None:
+        self.deg_cfg = deg_cfg
+        self.as_cfg = as_cfg
+        self.state = state or ControlState()
+
+    def step(self, inputs: ControlInputs, now_s: float) -> ControlDecision:
+        decision, self.state = control_step(inputs, self.state, self.deg_cfg, self.as_cfg, now_s)
+        return decision
