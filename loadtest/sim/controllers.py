@@ -20,7 +20,9 @@ are gathered and outputs applied:
 * the watchdog: ``policies.leak.assess`` walks each leaking replica's action
   ladder. Its trend input is built **analytically** from the replica's known
   leak (a noise-free line: slope = the leak rate, R² = 1, judged once the
-  samples after warm-up span ``min_span_ratio`` of the window) instead of
+  samples after warm-up span ``min_span_ratio`` of the long window, or
+  ``short_min_span_s`` of the short one for a leak within ``short_horizon_s`` of
+  its limit, as ``LeakDetector`` judges) instead of
   feeding ``LeakDetector`` a sample per replica per second, which would not fit
   the time budget. A replica is only assessed when the verdict can be other
   than "ok, nothing to do" (within ``warn_tto_s`` of OOM, above the warning
@@ -211,11 +213,20 @@ class BallastController:
         mem = f.mem_bytes(slots, now_s)
         rate = f.leak_rate[slots]
         tto = np.maximum(0.0, (limit - mem) / rate)
-        window = wd.leak.window_s
-        span = np.minimum(window, now_s - f.up_at[slots] - wd.warmup_s)
-        width = window / wd.leak.max_points
-        points = np.minimum(wd.leak.max_points, np.floor(np.maximum(span, 0.0) / width) + 1)
-        judged = (span >= wd.leak.min_span_ratio * window - 1e-9) & (points >= wd.leak.min_points)
+        lk = wd.leak
+        age = now_s - f.up_at[slots] - wd.warmup_s
+        span = np.minimum(lk.window_s, age)
+        points = np.minimum(lk.max_points, np.floor(np.maximum(span, 0.0) / (lk.window_s / lk.max_points)) + 1)
+        judged_long = (span >= lk.min_span_ratio * lk.window_s - 1e-9) & (points >= lk.min_points)
+        # The short (fast-burn) window, as policies.leak.LeakDetector judges it: once its
+        # samples span short_min_span_s, for a leak within short_horizon_s of its limit.
+        short_span = np.minimum(lk.short_window_s, age)
+        short_points = np.minimum(lk.short_max_points, np.floor(np.maximum(short_span, 0.0) / (lk.short_window_s / lk.short_max_points)) + 1)
+        judged_short = (short_span >= lk.short_min_span_s - 1e-9) & (short_points >= lk.min_points) & (tto < lk.short_horizon_s)
+        short = judged_short & ~judged_long
+        span = np.where(short, short_span, span)
+        points = np.where(short, short_points, points)
+        judged = judged_long | judged_short
         leaking = judged & (rate * 3600.0 >= wd.rss_leak_bytes_per_h)
         on_ladder = np.fromiter((s in self.ladders for s in slots.tolist()), dtype=bool, count=slots.size)
         near = (leaking & (tto < wd.ladder.warn_tto_s)) | (mem >= wd.ladder.warning_ratio * limit) | on_ladder
@@ -233,6 +244,7 @@ class BallastController:
                     judged=True,
                     leaking=bool(leaking[k]),
                     time_to_limit_s=float(tto[k]) if leaking[k] else None,
+                    short=bool(short[k]),
                 )
             usage = [leak.Usage("rss_bytes", float(mem[k]), limit)]
             state = self.ladders.get(s, leak.LadderState())
