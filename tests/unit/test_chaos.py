@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from typing import Callable
 
 import pytest
 
