@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from serve_app.errors import BallastError
 
 MB = 1024 * 1024
+LEAK_TICK_S = 0.1  # the leak grows once a tick: a tenth of its rate each time
 
 
 class InjectedFault(BallastError):
@@ -62,12 +63,22 @@ class ChaosSettings:
 
 
 class ChaosAgent:
-    """Applies the current settings inside one replica."""
+    """Applies the current settings inside one replica.
+
+    ``sleep`` is asyncio's unless a test injects one that waits on a fake clock
+    (STYLE 2): the latency, the stall's poll and the leak's tick all go through it.
+    """
 
     def __init__(
-        self, enabled: bool, max_leak_mb: int, rand: Callable[[], float] = random.random, device: str = "cpu"
+        self,
+        enabled: bool,
+        max_leak_mb: int,
+        rand: Callable[[], float] = random.random,
+        device: str = "cpu",
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         self._enabled = enabled
+        self._sleep = sleep
         self._max_leak_bytes = max_leak_mb * MB
         self._rand = rand
         self._cuda = device if device.startswith("cuda") else None  # where a VRAM leak goes; None: nowhere
@@ -112,7 +123,7 @@ class ChaosAgent:
         if not self._enabled or not s.active:
             return
         if s.latency_ms:
-            await asyncio.sleep(s.latency_ms / 1000.0)
+            await self._sleep(s.latency_ms / 1000.0)
         if s.hang:
             await asyncio.Event().wait()  # until the caller cancels us
         if s.error_ratio and self._rand() < s.error_ratio:
@@ -121,7 +132,7 @@ class ChaosAgent:
     async def stall_point(self) -> None:
         """Called by the work loop before each decode step: waits while ``stall`` is set."""
         while self._enabled and self.settings.stall:
-            await asyncio.sleep(0.05)
+            await self._sleep(0.05)
 
     def _chunk(self, mb_per_s: float, leaked: int) -> int:
         """Bytes to leak this tick (ten ticks a second), within the cap; 0 for a rate below a byte a tick."""
@@ -138,4 +149,4 @@ class ChaosAgent:
                 import torch
 
                 self._vram_leak.append(torch.ones(chunk, dtype=torch.uint8, device=self._cuda))  # a real cudaMalloc'd block
-            await asyncio.sleep(0.1)
+            await self._sleep(LEAK_TICK_S)

@@ -20,6 +20,11 @@ is committed to its backend and a failure ends it with an error event.
 
 Everything here runs on the router's event loop thread; breakers, bulkheads and
 the budget are touched only between awaits, never across one.
+
+Time comes in through the constructor (STYLE 2): ``clock`` for deadlines and
+durations, ``wall_clock`` for the instant the replica is given, ``sleep`` for the
+backoff and ``wait_for`` for each attempt's timeout (asyncio's by default). The unit
+tests pass fakes that move one fake clock, so a 15 s attempt timeout takes no time.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
@@ -101,7 +106,7 @@ class ResponseCache:
 DEADLINE_LEAD_S = 0.1
 
 
-def _deadline_fields(left_s: float) -> dict[str, float]:
+def _deadline_fields(left_s: float, now_wall_s: float) -> dict[str, float]:
     """The attempt's deadline for the replica: relative, and as a wall-clock instant.
 
     The instant lets the replica count the time the call spent in transit and in
@@ -110,7 +115,7 @@ def _deadline_fields(left_s: float) -> dict[str, float]:
     nodes it relies on synchronized clocks (NTP: milliseconds against a 50 ms lead);
     the replica takes the stricter of the two.
     """
-    return {"timeout_s": left_s, "deadline_at_s": time.time() + left_s}
+    return {"timeout_s": left_s, "deadline_at_s": now_wall_s + left_s}
 
 
 def classify(exc: BaseException) -> str:
@@ -183,10 +188,16 @@ class ResilientCaller:
         hooks: CallHooks = CallHooks(),
         clock: Callable[[], float] = time.monotonic,
         rng: Optional[random.Random] = None,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        wait_for: Callable[[Awaitable[Any], float], Awaitable[Any]] = asyncio.wait_for,
     ):
         r = cfg.resilience
         self._cfg = cfg
         self._clock = clock
+        self._wall_clock = wall_clock
+        self._sleep = sleep
+        self._wait_for = wait_for
         self._rng = rng or random.Random()
         self._hooks = hooks
         bcfg = BreakerConfig(**r.breaker.model_dump())
@@ -299,9 +310,9 @@ class ResilientCaller:
                     b.breaker.release(permit)
                     raise DeadlineExceeded("the request's deadline passed")
                 t0 = self._clock()
-                response = b.handle.generate.remote({**call, **_deadline_fields(left)})
+                response = b.handle.generate.remote({**call, **_deadline_fields(left, self._wall_clock())})
                 try:
-                    result = await asyncio.wait_for(response, timeout=self._attempt_timeout(left))
+                    result = await self._wait_for(response, self._attempt_timeout(left))
                 except asyncio.CancelledError:
                     response.cancel()
                     b.breaker.release(permit)
@@ -322,7 +333,7 @@ class ResilientCaller:
                         raise _BackendFailed(kind, b.role) from None
                     retrying = True
                     self._hooks.on_retry(b.role, kind)
-                    await asyncio.sleep(pause)
+                    await self._sleep(pause)
                     attempt += 1
                     continue
                 b.breaker.record(permit, True, self._clock() - t0)
@@ -355,9 +366,9 @@ class ResilientCaller:
                 b.bulkhead.leave()
                 raise DeadlineExceeded("the request's deadline passed")
             t0 = self._clock()
-            gen = b.stream_handle.generate_stream.remote({**call, **_deadline_fields(left)})
+            gen = b.stream_handle.generate_stream.remote({**call, **_deadline_fields(left, self._wall_clock())})
             try:
-                first = await asyncio.wait_for(gen.__anext__(), timeout=self._attempt_timeout(left))
+                first = await self._wait_for(gen.__anext__(), self._attempt_timeout(left))
             except asyncio.CancelledError:
                 gen.cancel()
                 b.breaker.release(permit)
@@ -383,7 +394,7 @@ class ResilientCaller:
             yield first
             while True:
                 try:
-                    chunk = await asyncio.wait_for(gen.__anext__(), timeout=max(0.001, deadline_s - self._clock()))
+                    chunk = await self._wait_for(gen.__anext__(), max(0.001, deadline_s - self._clock()))
                 except StopAsyncIteration:
                     break
                 yield chunk

@@ -493,8 +493,8 @@ def test_torchscript_round_trip(tmp_path):
     reference = all_tokens(make_backend(seed=10), PROMPTS, MAX_NEW)
     # config deliberately wrong: an archive carries its own geometry
     backend = load_backend(BackendSpec(checkpoint_path=str(path), config=TinyDecoderConfig()))
-    assert isinstance(backend._model, torch.jit.ScriptModule)
-    assert backend.max_seq_len == SMALL.max_seq_len
+    assert backend.describe()["source"] == str(path)
+    assert backend.max_seq_len == SMALL.max_seq_len  # the archive's geometry, not the config's
     assert backend.parameter_count == make_backend(seed=10).parameter_count
     assert all_tokens(backend, PROMPTS, MAX_NEW) == reference
     assert all_tokens(backend, PROMPTS, MAX_NEW, use_cache=False) == reference

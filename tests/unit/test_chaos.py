@@ -1,22 +1,21 @@
 """Fault injection (serve_app/model/chaos.py): settings validation and the agent's faults.
 
-The error draw is injected (``rand``). Latency, hang and leak run on asyncio's own
-timers, which chaos.py does not let us inject: those tests use real loop time, kept
-to a few tens of milliseconds (latency, hang) or a few 0.1 s leak ticks.
+The error draw is injected (``rand``), and so is the sleep: latency and the leak's
+ticks go through ``fakes.FakeSleep``, which lets a tick pass only on ``wake()``, so
+the leak is walked tick by tick and no test waits in real time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import pickle
-from typing import Callable
 
 import pytest
 
-from serve_app.model.chaos import MB, ChaosAgent, ChaosSettings, InjectedFault
+from serve_app.model.chaos import LEAK_TICK_S, MB, ChaosAgent, ChaosSettings, InjectedFault
 from serve_app.errors import BallastError
 
-LEAK_TICK_S = 0.1  # chaos._leak_loop's own period
+from fakes import FakeSleep
 
 
 class CountedRand:
@@ -29,20 +28,16 @@ class CountedRand:
         return self.value
 
 
-async def wait_until(pred: Callable[[], bool], timeout_s: float = 2.0, step_s: float = 0.01) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout_s
-    while not pred():
-        assert loop.time() < end, "condition not reached in time"
-        await asyncio.sleep(step_s)
+async def started(sleep: FakeSleep) -> None:
+    """Let a leak loop that apply() just created run its first tick."""
+    await sleep.settle()
 
 
-async def stop_leak(agent: ChaosAgent) -> None:
-    """Lift the chaos and wait for the leak task to end (no task left pending)."""
+async def stop_leak(agent: ChaosAgent, sleep: FakeSleep) -> None:
+    """Lift the chaos and let the leak loop see it on its next tick: no loop is left asleep."""
     agent.apply({})
-    task = agent._leak_task
-    if task is not None:
-        await asyncio.wait_for(task, timeout=1.0)
+    await sleep.wake()
+    assert sleep.parked == 0, "the leak loop did not stop"
 
 
 # -- ChaosSettings --------------------------------------------------------------------
@@ -115,19 +110,22 @@ def test_injected_fault_is_a_picklable_model_error() -> None:
 
 
 async def test_disabled_agent_ignores_apply() -> None:
-    agent = ChaosAgent(enabled=False, max_leak_mb=1, rand=CountedRand(0.0))
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=False, max_leak_mb=1, rand=CountedRand(0.0), sleep=sleep)
     agent.apply({"error_ratio": 1.0, "hang": True, "latency_ms": 600_000, "leak_mb_per_s": 1024})
     assert agent.settings == ChaosSettings()
-    assert agent._leak_task is None  # no leak started
+    await sleep.settle()
+    assert sleep.slept_s == []  # no leak loop started
     assert agent.leaked_bytes == 0
 
 
 async def test_disabled_agent_never_injects_even_with_settings_forced() -> None:
     rand = CountedRand(0.0)
-    agent = ChaosAgent(enabled=False, max_leak_mb=1, rand=rand)
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=False, max_leak_mb=1, rand=rand, sleep=sleep)
     agent.settings = ChaosSettings(error_ratio=1.0, hang=True, latency_ms=600_000)
-    await asyncio.wait_for(agent.before_request(), timeout=1.0)  # returns at once
-    assert rand.calls == 0
+    await agent.before_request()  # returns at once: neither the latency nor the hang applies
+    assert (rand.calls, sleep.slept_s) == (0, [])
 
 
 async def test_enabled_agent_with_no_settings_is_inert() -> None:
@@ -167,9 +165,12 @@ async def test_error_ratio_against_the_injected_draw(u: float, ratio: float, fai
 
 async def test_error_ratio_zero_never_draws() -> None:
     rand = CountedRand(0.0)
-    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=rand)
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=rand, sleep=sleep)
     agent.apply({"latency_ms": 1})  # active, but no error ratio
-    await agent.before_request()
+    request = asyncio.ensure_future(agent.before_request())
+    await sleep.wake()  # the 1 ms passes
+    await request
     assert rand.calls == 0
 
 
@@ -199,47 +200,72 @@ async def test_clearing_stops_the_errors() -> None:
 # -- ChaosAgent: latency and hang -----------------------------------------------------
 
 
-async def test_latency_delays_the_request_by_at_least_latency_ms() -> None:
-    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=lambda: 0.99)
+async def test_latency_holds_the_request_until_latency_ms_has_passed() -> None:
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=lambda: 0.99, sleep=sleep)
     agent.apply({"latency_ms": 20})
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
-    await agent.before_request()
-    elapsed_s = loop.time() - t0
-    assert elapsed_s >= 0.020 - 1e-6  # asyncio may fire a timer within its clock resolution
-    assert elapsed_s < 1.0
+    request = asyncio.ensure_future(agent.before_request())
+    await sleep.settle()
+    assert sleep.slept_s == [0.020]
+    assert not request.done()  # held while the 20 ms have not passed
+    await sleep.wake()
+    assert request.done()
+    await request
 
 
 async def test_latency_then_error() -> None:
-    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=lambda: 0.0)
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=lambda: 0.0, sleep=sleep)
     agent.apply({"latency_ms": 20, "error_ratio": 0.5})
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
+    request = asyncio.ensure_future(agent.before_request())
+    await sleep.settle()
+    assert not request.done()  # the fault comes after the delay, not before
+    await sleep.wake()
     with pytest.raises(InjectedFault):
-        await agent.before_request()
-    assert loop.time() - t0 >= 0.020 - 1e-6  # the fault comes after the delay
+        await request
 
 
 async def test_hang_blocks_until_the_caller_gives_up() -> None:
     rand = CountedRand(0.0)
-    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=rand)
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=rand, sleep=sleep)
     agent.apply({"hang": True, "error_ratio": 1.0})
-    with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(agent.before_request(), timeout=0.05)
+    request = asyncio.ensure_future(agent.before_request())
+    for _ in range(3):  # however much time passes, it does not answer
+        await sleep.wake()
+        assert not request.done()
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
     assert rand.calls == 0  # it never got as far as the error draw
 
 
 async def test_hang_is_cancellable_and_lifting_it_frees_new_requests() -> None:
-    agent = ChaosAgent(enabled=True, max_leak_mb=1)
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, sleep=sleep)
     agent.apply({"hang": True})
     task = asyncio.ensure_future(agent.before_request())
-    await asyncio.sleep(0.01)
+    await sleep.settle()
     assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     agent.apply({})
-    await asyncio.wait_for(agent.before_request(), timeout=1.0)
+    await agent.before_request()  # returns at once
+
+
+async def test_stall_holds_the_work_loop_until_it_is_lifted() -> None:
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, sleep=sleep)
+    agent.apply({"stall": True})
+    step = asyncio.ensure_future(agent.stall_point())
+    for _ in range(3):
+        await sleep.wake()
+        assert not step.done()
+    agent.apply({})
+    await sleep.wake()  # the next poll sees the stall lifted
+    assert step.done()
+    assert set(sleep.slept_s) == {0.05}
 
 
 # -- ChaosAgent: leak -----------------------------------------------------------------
@@ -248,110 +274,104 @@ async def test_hang_is_cancellable_and_lifting_it_frees_new_requests() -> None:
 async def test_leak_grows_tick_by_tick_up_to_the_cap_and_clearing_releases_it() -> None:
     # 4 MB/s = 419_430 bytes per 0.1 s tick; the 1 MB cap is reached on the third tick
     # with a partial chunk, never passed.
-    cap = 1 * MB
-    agent = ChaosAgent(enabled=True, max_leak_mb=1)
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, sleep=sleep)
     agent.apply({"leak_mb_per_s": 4})
-    seen: list[int] = []
-    try:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 2.0
-        while agent.leaked_bytes < cap:
-            assert loop.time() < end, f"the leak never reached the cap: {seen}"
-            if not seen or seen[-1] != agent.leaked_bytes:
-                seen.append(agent.leaked_bytes)
-            await asyncio.sleep(0.01)
+    await started(sleep)
+    chunk = int(4 * MB / 10)
+    seen = [agent.leaked_bytes]
+    for _ in range(4):  # three ticks to the cap, then it stays there
+        await sleep.wake()
         seen.append(agent.leaked_bytes)
-        chunk = int(4 * MB / 10)
-        assert [b for b in seen if b] == [chunk, 2 * chunk, cap]
-        # a few more ticks: it stays at the cap
-        await asyncio.sleep(2.5 * LEAK_TICK_S)
-        assert agent.leaked_bytes == cap
-    finally:
-        await stop_leak(agent)
+    assert seen == [chunk, 2 * chunk, 1 * MB, 1 * MB, 1 * MB]
+    assert set(sleep.slept_s) == {LEAK_TICK_S}
+    await stop_leak(agent, sleep)
     assert agent.leaked_bytes == 0
-    assert agent._leak_task is not None and agent._leak_task.done()
 
 
 async def test_a_huge_leak_rate_still_stops_at_max_leak_mb() -> None:
-    agent = ChaosAgent(enabled=True, max_leak_mb=1)
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, sleep=sleep)
     agent.apply({"leak_mb_per_s": 1024})
-    try:
-        await wait_until(lambda: agent.leaked_bytes > 0)
-        assert agent.leaked_bytes == 1 * MB  # the first chunk is cut to the cap
-        await asyncio.sleep(1.5 * LEAK_TICK_S)
-        assert agent.leaked_bytes == 1 * MB
-    finally:
-        await stop_leak(agent)
+    await started(sleep)
+    assert agent.leaked_bytes == 1 * MB  # the first chunk is cut to the cap
+    await sleep.wake()
+    assert agent.leaked_bytes == 1 * MB
+    await stop_leak(agent, sleep)
     assert agent.leaked_bytes == 0
 
 
 async def test_setting_the_leak_rate_to_zero_releases_it_while_other_faults_stay() -> None:
-    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=lambda: 0.0)
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, rand=lambda: 0.0, sleep=sleep)
     agent.apply({"leak_mb_per_s": 1024})
-    try:
-        await wait_until(lambda: agent.leaked_bytes > 0)
-        agent.apply({"leak_mb_per_s": 0, "error_ratio": 1.0})
-        assert agent.leaked_bytes == 0
-        assert agent.settings.active
-        with pytest.raises(InjectedFault):
-            await agent.before_request()
-    finally:
-        await stop_leak(agent)
+    await started(sleep)
+    assert agent.leaked_bytes > 0
+    agent.apply({"leak_mb_per_s": 0, "error_ratio": 1.0})
+    assert agent.leaked_bytes == 0
+    assert agent.settings.active
+    with pytest.raises(InjectedFault):
+        await agent.before_request()
+    await stop_leak(agent, sleep)
 
 
 async def test_reapplying_the_leak_does_not_start_a_second_loop() -> None:
-    agent = ChaosAgent(enabled=True, max_leak_mb=1)
-    agent.apply({"leak_mb_per_s": 4})
-    first = agent._leak_task
-    try:
-        agent.apply({"leak_mb_per_s": 8})
-        assert agent._leak_task is first
-    finally:
-        await stop_leak(agent)
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, sleep=sleep)
+    agent.apply({"leak_mb_per_s": 1})
+    await started(sleep)
+    agent.apply({"leak_mb_per_s": 2})
+    await sleep.wake()
+    assert sleep.parked == 1  # one loop asleep, not two
+    # … and that one loop runs at the new rate: one tick of 1 MB/s, then one of 2 MB/s
+    assert agent.leaked_bytes == int(1 * MB / 10) + int(2 * MB / 10)
+    await stop_leak(agent, sleep)
 
 
-async def test_a_tiny_leak_rate_does_not_grow_the_leak_list_without_bound() -> None:
-    agent = ChaosAgent(enabled=True, max_leak_mb=1)
+async def test_a_tiny_leak_rate_leaks_nothing_tick_after_tick() -> None:
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, sleep=sleep)
     agent.apply({"leak_mb_per_s": 1e-6})
-    try:
-        await asyncio.sleep(3.5 * LEAK_TICK_S)
+    await started(sleep)
+    for _ in range(3):
+        await sleep.wake()
         assert agent.leaked_bytes == 0
-        assert len(agent._leak) == 0
-    finally:
-        await stop_leak(agent)
+    await stop_leak(agent, sleep)
 
 
 # -- ChaosAgent: VRAM leak --------------------------------------------------------------
 
 
 async def test_a_vram_leak_on_a_cpu_replica_leaks_nothing_and_says_so() -> None:
-    agent = ChaosAgent(enabled=True, max_leak_mb=1, device="cpu")
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, device="cpu", sleep=sleep)
     assert agent.vram_leak_state is None
     agent.apply({"vram_leak_mb_per_s": 4})
-    try:
-        assert agent.vram_leak_state == "no_gpu"
-        assert agent._leak_task is None  # nothing to leak into: no loop at all
-        await asyncio.sleep(1.5 * LEAK_TICK_S)
-        assert (agent.vram_leaked_bytes, agent.leaked_bytes) == (0, 0)
-    finally:
-        await stop_leak(agent)
+    assert agent.vram_leak_state == "no_gpu"
+    await started(sleep)
+    assert sleep.slept_s == []  # nothing to leak into: no loop at all
+    assert (agent.vram_leaked_bytes, agent.leaked_bytes) == (0, 0)
+    agent.apply({})
     assert agent.vram_leak_state is None
 
 
 async def test_a_vram_leak_beside_a_host_leak_on_cpu_grows_only_the_host_one() -> None:
-    agent = ChaosAgent(enabled=True, max_leak_mb=1, device="cpu")
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, device="cpu", sleep=sleep)
     agent.apply({"leak_mb_per_s": 4, "vram_leak_mb_per_s": 4})
-    try:
-        await wait_until(lambda: agent.leaked_bytes > 0)
-        assert agent.vram_leaked_bytes == 0
-    finally:
-        await stop_leak(agent)
+    await started(sleep)
+    await sleep.wake()
+    assert agent.leaked_bytes == 2 * int(4 * MB / 10)
+    assert agent.vram_leaked_bytes == 0
+    await stop_leak(agent, sleep)
 
 
-def test_a_disabled_agent_reports_no_vram_leak() -> None:
-    agent = ChaosAgent(enabled=False, max_leak_mb=1, device="cuda:0")
+async def test_a_disabled_agent_reports_no_vram_leak() -> None:
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=False, max_leak_mb=1, device="cuda:0", sleep=sleep)
     agent.apply({"vram_leak_mb_per_s": 4})
-    assert agent.vram_leak_state is None and agent._leak_task is None
+    await sleep.settle()
+    assert agent.vram_leak_state is None and sleep.slept_s == []
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (runs on GPU machines)")
@@ -360,15 +380,13 @@ async def test_a_vram_leak_on_a_gpu_allocates_real_cuda_memory_up_to_the_cap_and
 
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    agent = ChaosAgent(enabled=True, max_leak_mb=2, device="cuda:0")
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=2, device="cuda:0", sleep=sleep)
     agent.apply({"vram_leak_mb_per_s": 1024})
-    try:
-        assert agent.vram_leak_state == "leaking"
-        await wait_until(lambda: agent.vram_leaked_bytes >= 2 * MB)
-        assert agent.vram_leaked_bytes == 2 * MB and agent.leaked_bytes == 0
-        assert torch.cuda.memory_allocated() - before >= 2 * MB
-        assert all(t.device.type == "cuda" for t in agent._vram_leak)
-    finally:
-        await stop_leak(agent)
+    assert agent.vram_leak_state == "leaking"
+    await started(sleep)
+    assert agent.vram_leaked_bytes == 2 * MB and agent.leaked_bytes == 0  # the first tick, cut to the cap
+    assert torch.cuda.memory_allocated() - before >= 2 * MB
+    await stop_leak(agent, sleep)
     assert agent.vram_leaked_bytes == 0
     assert torch.cuda.memory_allocated() - before < 2 * MB

@@ -11,6 +11,15 @@ from loadtest.bench_overload import _judge
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse
 
 
+async def until(pred, what: str, turns: int = 10_000) -> None:
+    """Let the loop run (loopback I/O included) until ``pred()``; bounded, so a miss fails clearly."""
+    for _ in range(turns):
+        if pred():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
 class Server:
     """A loopback HTTP/1.1 server whose answer depends on the request path; counts connections."""
 
@@ -20,6 +29,9 @@ class Server:
         self.most_open = 0
         self.requests: list[tuple[str, dict[str, str], bytes]] = []
         self.port = 0
+        # /slow answers only once the test sets this: "slow" is as long as the test says,
+        # with no real wait.
+        self.release_slow = asyncio.Event()
         self._server: asyncio.base_events.Server | None = None
 
     async def __aenter__(self) -> "Server":
@@ -43,7 +55,7 @@ class Server:
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 self.requests.append((path, headers, body))
                 if path == "/slow":
-                    await asyncio.sleep(0.2)
+                    await self.release_slow.wait()
                 if path == "/chunked":
                     writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
                                  b"5\r\n{\"tex\r\n9;ext=1\r\nt\": \"hi\"}\r\n0\r\n\r\n")
@@ -98,14 +110,20 @@ async def test_connection_close_is_honoured_and_the_next_request_opens_a_new_one
 async def test_an_idle_connection_the_server_dropped_is_replaced_once():
     async with Server() as srv, LeanClient("127.0.0.1", srv.port) as c:
         assert (await c.post_json("/drop-after", {})).status == 200
-        await asyncio.sleep(0.05)
+        await until(lambda: srv.open_now == 0, "the server closed the connection")
         assert (await c.post_json("/echo", 3)).json() == {"echo": 3}
         assert srv.connections == 2
 
 
 async def test_connections_are_bounded():
     async with Server() as srv, LeanClient("127.0.0.1", srv.port, max_connections=2) as c:
-        answers = await asyncio.gather(*(c.post_json("/slow", i) for i in range(6)))
+        posts = asyncio.gather(*(c.post_json("/slow", i) for i in range(6)))
+        await until(lambda: len(srv.requests) == 2, "two slow requests at the server")
+        for _ in range(100):  # the other four wait for a connection, however long the slow ones take
+            await asyncio.sleep(0)
+        assert len(srv.requests) == 2 and srv.open_now == 2
+        srv.release_slow.set()
+        answers = await posts
         assert [r.status for r in answers] == [200] * 6
         assert srv.most_open <= 2 and srv.connections == 2
 
@@ -116,7 +134,8 @@ async def test_timeouts_refusals_and_garbage_are_clear_errors():
             with pytest.raises(LeanHttpError) as e:
                 await c.post_json("/slow", {})
             assert e.value.kind == "timeout"
-            await asyncio.sleep(0.25)  # the slow answer lands on a connection the client closed
+            srv.release_slow.set()  # the slow answer lands on a connection the client closed
+            await until(lambda: srv.open_now == 0, "the server done with the timed-out connection")
         async with LeanClient("127.0.0.1", srv.port) as c:
             with pytest.raises(LeanHttpError) as e:
                 await c.post_json("/garbage", {})

@@ -1,0 +1,424 @@
+"""ResilientCaller (serve_app/router/resilience.py) walked on a fake clock.
+
+The Serve handles are the boundary, so they are fakes here: each call to
+``generate.remote`` / ``generate_stream.remote`` takes the next scripted response,
+which says how long it takes and how it ends. ``FakeTimer`` stands in for
+asyncio's ``wait_for`` and ``sleep``: it moves the fake clock by the time the
+response takes (or by the timeout, raising ``asyncio.TimeoutError``, when it takes
+longer), so a 4 s attempt timeout costs no real time and every step is asserted
+on the clock.
+
+Settings used throughout: attempt timeout 4 s, backoff cap 2 s doubling (the
+injected rng draws 0.5, so the pauses are 1 s then 2 s), 3 attempts, a breaker
+that opens at 60 % failures over its last 3 calls (so one failure in three does not
+open it, two do) for 10 s with one probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from typing import Any, Optional
+
+import pytest
+from ray.exceptions import ActorDiedError, RayTaskError
+
+from serve_app.config import load_config
+from serve_app.errors import DeadlineExceeded, ModelUnavailable
+from serve_app.router.resilience import CallHooks, ResilientCaller
+
+from fakes import FakeClock
+
+HANG = math.inf  # a response that never comes
+WALL_S = 1_000_000  # the fake wall clock (the replica's deadline instant is stamped with it)
+CALL = {"prompt": "hello", "max_tokens": 8}
+
+
+class FakeResponse:
+    """One scripted reply: it takes ``takes_s`` of fake time, then returns ``result`` or raises ``error``."""
+
+    def __init__(self, takes_s: float = 1, result: Any = None, error: Optional[BaseException] = None) -> None:
+        self.takes_s, self.result, self.error = takes_s, result, error
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def __await__(self):
+        if self.error is not None:
+            raise self.error
+        return self.result
+        yield  # a generator, so that this is awaitable
+
+
+class FakeStream:
+    """A scripted stream: each ``__anext__`` is the next FakeResponse, then StopAsyncIteration."""
+
+    def __init__(self, *steps: FakeResponse) -> None:
+        self.steps = list(steps)
+        self.cancelled = False
+
+    def __anext__(self) -> FakeResponse:
+        return self.steps.pop(0) if self.steps else FakeResponse(0, error=StopAsyncIteration())
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeMethod:
+    def __init__(self, script: list) -> None:
+        self.script = script
+        self.calls: list[dict[str, Any]] = []
+
+    def remote(self, call: dict[str, Any]) -> Any:
+        assert self.script, f"unexpected call {call}"
+        self.calls.append(call)
+        return self.script.pop(0)
+
+
+class FakeHandle:
+    """A Serve deployment handle: ``generate`` for unary calls, ``generate_stream`` for streams."""
+
+    def __init__(self, *unary: FakeResponse, streams: tuple = ()) -> None:
+        self.generate = FakeMethod(list(unary))
+        self.generate_stream = FakeMethod(list(streams))
+
+    def options(self, stream: bool = False) -> "FakeHandle":
+        return self
+
+
+class FakeTimer:
+    """asyncio's wait_for and sleep on the fake clock; records each pause."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.slept_s: list[float] = []
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept_s.append(seconds)
+        self.clock.now_s += seconds
+
+    async def wait_for(self, response: FakeResponse, timeout_s: float) -> Any:
+        if response.takes_s > timeout_s:
+            self.clock.now_s += timeout_s
+            raise asyncio.TimeoutError()
+        self.clock.now_s += response.takes_s
+        return await response
+
+
+class FixedRandom(random.Random):
+    def random(self) -> float:
+        return 0.5
+
+
+def ok(text: str, takes_s: float = 1) -> FakeResponse:
+    return FakeResponse(takes_s, result={"text": text})
+
+
+def fails(error: BaseException, takes_s: float = 1) -> FakeResponse:
+    return FakeResponse(takes_s, error=error)
+
+
+def make(
+    primary: FakeHandle,
+    fallback: Optional[FakeHandle] = None,
+    retry: Optional[dict] = None,
+    cache: bool = False,
+    bulkhead: Optional[dict] = None,
+) -> tuple[ResilientCaller, FakeClock, FakeTimer, list]:
+    cfg = load_config(
+        {
+            "resilience": {
+                "attempt_timeout_s": 4,
+                "retry": {"max_attempts": 3, "base_backoff_s": 2, "max_backoff_s": 8, **(retry or {})},
+                "breaker": {
+                    "window_size": 3,
+                    "min_calls": 3,
+                    "failure_rate_threshold": 0.6,
+                    "open_duration_s": 10,
+                    "open_jitter_ratio": 0,
+                    "half_open_max_probes": 1,
+                },
+                "cache": {"enabled": cache},
+                "bulkhead": bulkhead or {},
+            },
+            "fallback": {} if fallback is not None else None,
+        }
+    )
+    clock = FakeClock(100)
+    timer = FakeTimer(clock)
+    events: list = []
+    hooks = CallHooks(
+        on_retry=lambda backend, kind: events.append(("retry", backend, kind)),
+        on_fallback=lambda kind: events.append(("fallback", kind)),
+    )
+    caller = ResilientCaller(
+        cfg,
+        primary,
+        fallback,
+        hooks=hooks,
+        clock=clock,
+        rng=FixedRandom(),
+        wall_clock=lambda: WALL_S,
+        sleep=timer.sleep,
+        wait_for=timer.wait_for,
+    )
+    return caller, clock, timer, events
+
+
+async def unary(caller: ResilientCaller, clock: FakeClock, deadline_in_s: float = 30, call: dict = CALL):
+    return await caller.unary(dict(call), clock() + deadline_in_s, [], WALL_S)
+
+
+def breaker_of(caller: ResilientCaller, role: str) -> dict[str, Any]:
+    return next(b.breaker.snapshot() for b in caller.backends if b.role == role)
+
+
+# -- unary ------------------------------------------------------------------------------
+
+
+async def test_unary_success_answers_from_the_primary_with_the_deadline_passed_on() -> None:
+    primary = FakeHandle(ok("hi", takes_s=2))
+    caller, clock, timer, events = make(primary)
+    assert await unary(caller, clock, deadline_in_s=30) == ({"text": "hi"}, None)
+    assert clock() == 102  # the one attempt's 2 s
+    (sent,) = primary.generate.calls
+    assert sent == {**CALL, "timeout_s": 30, "deadline_at_s": WALL_S + 30}
+    assert (timer.slept_s, events) == ([], [])
+    assert breaker_of(caller, "primary")["calls"] == 1 and breaker_of(caller, "primary")["failures"] == 0
+    assert caller.budget.snapshot()["active"] == 0  # the request ended
+
+
+async def test_attempt_timeout_then_a_retry_that_succeeds() -> None:
+    hung = FakeResponse(HANG)
+    primary = FakeHandle(hung, ok("second"))
+    caller, clock, timer, events = make(primary)
+    assert await unary(caller, clock, deadline_in_s=30) == ({"text": "second"}, None)
+    # t=100 attempt 1 … t=104 its 4 s timeout, 1 s backoff, t=105 attempt 2 answers at t=106
+    assert clock() == 106
+    assert hung.cancelled
+    assert timer.slept_s == [1.0]
+    assert [c["timeout_s"] for c in primary.generate.calls] == [30, 25]
+    assert events == [("retry", "primary", "attempt_timeout")]
+    b = breaker_of(caller, "primary")
+    assert (b["calls"], b["failures"]) == (2, 1)  # the timeout counted against the backend
+    assert caller.budget.snapshot()["retries_in_flight"] == 0  # the retry slot was given back
+
+
+async def test_attempts_exhausted_on_the_primary_go_to_the_fallback() -> None:
+    primary = FakeHandle(FakeResponse(HANG), FakeResponse(HANG), FakeResponse(HANG))
+    fallback = FakeHandle(ok("small"))
+    caller, clock, timer, events = make(primary, fallback)
+    assert await unary(caller, clock, deadline_in_s=30) == ({"text": "small"}, "fallback_model")
+    assert len(primary.generate.calls) == 3  # max_attempts, not one more
+    assert timer.slept_s == [1.0, 2.0]  # full-jitter caps 2 s then 4 s, drawn at 0.5
+    assert clock() == 100 + 4 + 1 + 4 + 2 + 4 + 1
+    assert events == [
+        ("retry", "primary", "attempt_timeout"),
+        ("retry", "primary", "attempt_timeout"),
+        ("fallback", "fallback_model"),
+    ]
+
+
+async def test_an_exhausted_retry_budget_sends_a_retryable_failure_to_the_fallback() -> None:
+    primary = FakeHandle(fails(ActorDiedError()))
+    fallback = FakeHandle(ok("small"))
+    caller, clock, timer, events = make(primary, fallback, retry={"budget_ratio": 0, "budget_min_concurrent": 0})
+    assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
+    assert len(primary.generate.calls) == 1
+    assert timer.slept_s == []
+    snap = caller.budget.snapshot()
+    assert (snap["retries_granted"], snap["retries_denied"], snap["retries_in_flight"]) == (0, 1, 0)
+
+
+async def test_a_model_error_is_not_retried_and_without_a_fallback_is_503() -> None:
+    primary = FakeHandle(fails(RayTaskError("generate", "traceback", RuntimeError("bad input"))))
+    caller, clock, timer, events = make(primary)
+    with pytest.raises(ModelUnavailable, match="model_error:primary") as info:
+        await unary(caller, clock)
+    assert info.value.status == 503
+    assert len(primary.generate.calls) == 1
+    assert (timer.slept_s, events) == ([], [])
+    assert caller.budget.snapshot()["retries_denied"] == 0  # not wanted, so not denied either
+
+
+async def test_an_open_breaker_skips_the_primary_until_its_open_period_ends() -> None:
+    error = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
+    primary = FakeHandle(*(fails(error, takes_s=0) for _ in range(3)), ok("back", takes_s=0))
+    fallback = FakeHandle(*(ok(f"small{i}", takes_s=0) for i in range(5)))
+    caller, clock, _, _ = make(primary, fallback)
+    for i in range(3):  # three failures in a window of three: the breaker opens at t=100
+        assert breaker_of(caller, "primary")["state"] == "closed", i
+        assert await unary(caller, clock) == ({"text": f"small{i}"}, "fallback_model")
+    assert breaker_of(caller, "primary")["state"] == "open"
+    for t in (100, 109):  # open for 10 s: the primary is not called, the fallback answers
+        clock.now_s = t
+        result, kind = await unary(caller, clock)
+        assert kind == "fallback_model", t
+        assert len(primary.generate.calls) == 3, t
+    clock.now_s = 110  # half-open: one probe reaches the primary, and it answers
+    assert await unary(caller, clock) == ({"text": "back"}, None)
+    assert breaker_of(caller, "primary")["state"] == "closed"
+
+
+async def test_fallback_failing_too_answers_from_the_cache_then_503_for_an_unseen_prompt() -> None:
+    error = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
+    primary = FakeHandle(ok("cached"), fails(error), fails(error))
+    fallback = FakeHandle(fails(error), fails(error))
+    caller, clock, _, events = make(primary, fallback, cache=True)
+    assert await unary(caller, clock) == ({"text": "cached"}, None)
+    assert await unary(caller, clock) == ({"text": "cached"}, "cache")
+    assert events[-1] == ("fallback", "cache")
+    with pytest.raises(ModelUnavailable, match="model_error:primary, model_error:fallback"):
+        await unary(caller, clock, call={"prompt": "never seen", "max_tokens": 8})
+
+
+async def test_the_deadline_running_out_mid_retry_is_504_and_the_fallback_is_not_tried() -> None:
+    # Deadline 7 s: attempt 1 times out at 4 s, 1 s backoff, and attempt 2's replica
+    # gives up on its own deadline 1 s later.
+    late = RayTaskError("generate", "traceback", DeadlineExceeded("late"))
+    primary = FakeHandle(FakeResponse(HANG), fails(late))
+    fallback = FakeHandle(ok("small"))
+    caller, clock, timer, _ = make(primary, fallback)
+    with pytest.raises(DeadlineExceeded) as info:
+        await unary(caller, clock, deadline_in_s=7)
+    assert info.value.status == 504
+    assert clock() == 106
+    assert [c["timeout_s"] for c in primary.generate.calls] == [7, 2]
+    assert fallback.generate.calls == []
+    assert breaker_of(caller, "primary")["failures"] == 1  # the client's deadline is not the backend's fault
+
+
+async def test_an_attempt_cut_short_by_the_deadline_leaves_no_time_for_the_fallback() -> None:
+    # Deadline 6 s: attempt 1 times out at t=104, 1 s pause, attempt 2's timeout is cut
+    # to the deadline less its 0.02 s margin (t=105.98). A third would need a 2 s pause,
+    # so no retry; the fallback finds less than a useful attempt left: 504.
+    primary = FakeHandle(FakeResponse(HANG), FakeResponse(HANG))
+    fallback = FakeHandle(ok("small"))
+    caller, clock, timer, _ = make(primary, fallback)
+    with pytest.raises(DeadlineExceeded):
+        await unary(caller, clock, deadline_in_s=6)
+    assert timer.slept_s == [1.0]
+    assert len(primary.generate.calls) == 2
+    assert clock() == pytest.approx(105.98)
+    assert fallback.generate.calls == []
+
+
+async def test_a_cancelled_request_counts_nothing_against_the_backend_and_frees_its_slots() -> None:
+    response = FakeResponse(1, error=asyncio.CancelledError())
+    primary = FakeHandle(response)
+    caller, clock, _, _ = make(primary)
+    with pytest.raises(asyncio.CancelledError):
+        await unary(caller, clock)
+    assert response.cancelled
+    assert breaker_of(caller, "primary")["calls"] == 0
+    assert caller.backends[0].bulkhead.in_flight == 0
+    assert caller.budget.snapshot()["active"] == 0
+
+
+# -- streams ----------------------------------------------------------------------------
+
+
+async def collect(it) -> list:
+    return [chunk async for chunk in it]
+
+
+async def test_a_stream_yields_the_first_chunk_then_the_rest_and_counts_one_success() -> None:
+    stream = FakeStream(ok("a"), ok("b"), ok("c"))
+    primary = FakeHandle(streams=(stream,))
+    caller, clock, _, _ = make(primary)
+    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    assert kind is None
+    assert clock() == 101  # only the first chunk is fetched before the stream is handed back
+    assert caller.backends[0].bulkhead.in_flight == 1  # held for the stream's life
+    assert await collect(it) == [{"text": "a"}, {"text": "b"}, {"text": "c"}]
+    assert clock() == 103
+    assert not stream.cancelled
+    assert caller.backends[0].bulkhead.in_flight == 0
+    b = breaker_of(caller, "primary")
+    assert (b["calls"], b["failures"]) == (1, 0)
+
+
+async def test_a_stream_failing_before_its_first_chunk_falls_back_without_a_retry() -> None:
+    dead = FakeStream(fails(ActorDiedError()))
+    primary = FakeHandle(streams=(dead,))
+    fallback = FakeHandle(streams=(FakeStream(ok("x"), ok("y")),))
+    caller, clock, timer, events = make(primary, fallback)
+    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    assert kind == "fallback_model"
+    assert await collect(it) == [{"text": "x"}, {"text": "y"}]
+    assert len(primary.generate_stream.calls) == 1  # streams are not retried on a backend
+    assert dead.cancelled
+    assert timer.slept_s == []
+    assert ("fallback", "fallback_model") in events
+
+
+async def test_a_stream_whose_first_chunk_times_out_falls_back_after_the_attempt_timeout() -> None:
+    primary = FakeHandle(streams=(FakeStream(FakeResponse(HANG)),))
+    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    caller, clock, _, _ = make(primary, fallback)
+    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    assert kind == "fallback_model"
+    assert clock() == 100 + 4 + 1
+    assert await collect(it) == [{"text": "x"}]
+    assert breaker_of(caller, "primary")["failures"] == 1
+
+
+async def test_a_stream_with_no_backend_left_is_503() -> None:
+    primary = FakeHandle(streams=(FakeStream(fails(ActorDiedError())),))
+    caller, clock, _, _ = make(primary)
+    with pytest.raises(ModelUnavailable, match="replica_died:primary"):
+        await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    assert caller.backends[0].bulkhead.in_flight == 0
+
+
+async def test_a_stream_failing_after_its_first_chunk_ends_with_503_and_no_fallback() -> None:
+    stream = FakeStream(ok("a"), fails(ActorDiedError()))
+    primary = FakeHandle(streams=(stream,))
+    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    caller, clock, _, _ = make(primary, fallback)
+    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    assert kind is None
+    assert await it.__anext__() == {"text": "a"}
+    with pytest.raises(ModelUnavailable, match="replica_died"):
+        await it.__anext__()
+    assert stream.cancelled
+    assert fallback.generate_stream.calls == []  # committed to its backend after the first chunk
+    b = breaker_of(caller, "primary")
+    assert (b["calls"], b["failures"]) == (1, 1)
+    assert caller.backends[0].bulkhead.in_flight == 0
+
+
+async def test_a_stream_stalling_past_the_deadline_ends_with_504() -> None:
+    stream = FakeStream(ok("a"), FakeResponse(HANG))
+    primary = FakeHandle(streams=(stream,))
+    caller, clock, _, _ = make(primary)
+    it, _ = await caller.stream(dict(CALL), clock() + 10, [], WALL_S)
+    assert await it.__anext__() == {"text": "a"}
+    with pytest.raises(DeadlineExceeded):
+        await it.__anext__()
+    assert clock() == 110  # waited exactly what was left of the deadline
+    assert stream.cancelled
+
+
+async def test_a_client_leaving_mid_stream_counts_nothing_against_the_backend() -> None:
+    stream = FakeStream(ok("a"), ok("b"))
+    primary = FakeHandle(streams=(stream,))
+    caller, clock, _, _ = make(primary)
+    it, _ = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    assert await it.__anext__() == {"text": "a"}
+    await it.aclose()
+    assert stream.cancelled
+    assert breaker_of(caller, "primary")["calls"] == 0
+    assert caller.backends[0].bulkhead.in_flight == 0
+
+
+async def test_a_full_primary_bulkhead_sends_the_next_request_to_the_fallback() -> None:
+    primary = FakeHandle(streams=(FakeStream(ok("a"), ok("b")),))
+    fallback = FakeHandle(ok("small"))
+    caller, clock, _, _ = make(primary, fallback, bulkhead={"primary": 1})
+    it, _ = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)  # holds the primary's one slot
+    assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
+    assert primary.generate.calls == []
+    assert await collect(it) == [{"text": "a"}, {"text": "b"}]
