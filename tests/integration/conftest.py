@@ -97,6 +97,18 @@ def status(client: httpx.Client) -> dict[str, Any]:
     return r.json()
 
 
+def serve_replica_states(deployment: str = "BallastModel") -> dict[str, int]:
+    """Serve's own count of a deployment's replicas by state (RUNNING, STARTING, STOPPING, ...).
+
+    Ballast's controller sees a replica only once it reports; Serve sees it from the
+    moment it decides to start it, so a scale-up still arriving shows here first.
+    """
+    from ray import serve
+
+    dep = serve.status().applications["ballast"].deployments[deployment]
+    return {str(getattr(state, "value", state)): n for state, n in dep.replica_states.items() if n}
+
+
 def wait_quiet(client: httpx.Client, timeout_s: float = 120) -> None:
     """Level 0 and one model replica, wanted and running: the state every load test starts from.
 

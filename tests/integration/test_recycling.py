@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ADMIN, BASE, GOLD, status, wait_until
+from conftest import ADMIN, BASE, GOLD, serve_replica_states, status, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,13 @@ def settled(client: httpx.Client) -> None:
 
     def one() -> bool:
         model = status(client)["replicas"]["BallastModel"]
-        return model["desired"] == model["running"] == 1 and len(ids(client, PRIMARY)) == 1
+        # Serve's own view too: a replica it is still starting does not report yet, and
+        # would join a recycle-all a moment later.
+        return (
+            model["desired"] == model["running"] == 1
+            and len(ids(client, PRIMARY)) == 1
+            and serve_replica_states(PRIMARY) == {"RUNNING": 1}
+        )
 
     wait_until(one, 120, 0.5, "one primary replica, desired and running")
 
