@@ -2,8 +2,11 @@
 
 The same model is carried by ``cluster/local.yaml`` (embedded local Ray) and by the
 Serve config for ``serve deploy`` (``cluster/serve_config.yaml``, under the
-application's ``args``). Policies get frozen dataclasses built from it
-(``degradation_config()``, ``autoscale_config()``); they never see pydantic.
+application's ``args``). Policies get frozen dataclasses built from it, one way
+only: the settings model that holds a policy's fields has a ``<policy>_config()``
+method returning that policy's config (``BallastConfig.degradation_config()``,
+``GateSettings.limiter_config()``, ``BreakerSettings.breaker_config()``, ...); they
+never see pydantic, and nothing else builds a policy config from settings.
 
 Secrets (API keys, admin token) never need to sit in a config file: they come
 from the environment or from a file named here. ``demo_keys`` / ``demo_admin_token``
@@ -20,6 +23,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from policies.autoscale import AutoscaleConfig
+from policies.breaker import BreakerConfig
+from policies.retry import RetryConfig
 from policies.limiter import LimiterConfig
 from policies.criticality import Criticality
 from policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig, LevelConstraints
@@ -81,7 +86,25 @@ class ModelConfig(_Strict):
     cpu_threads: Optional[PositiveInt] = 1
 
 
-class ModelDeploymentConfig(_Strict):
+class _DeploymentSettings(_Strict):
+    """What every Ballast deployment sets in Serve, built into options in one place."""
+
+    def serve_options(self, name: str, access_log: bool, **own: Any) -> dict[str, Any]:
+        """Keyword arguments for ``serve.deployment``: the shared ones, then ``own``."""
+        resources = {"num_cpus": self.num_cpus}  # type: ignore[attr-defined]
+        if hasattr(self, "num_gpus"):
+            resources["num_gpus"] = self.num_gpus  # type: ignore[attr-defined]
+        return dict(
+            name=name,
+            max_ongoing_requests=self.max_ongoing_requests,  # type: ignore[attr-defined]
+            max_queued_requests=self.max_queued_requests,  # type: ignore[attr-defined]
+            ray_actor_options=resources,
+            logging_config={"enable_access_log": access_log},
+            **own,
+        )
+
+
+class ModelDeploymentConfig(_DeploymentSettings):
     min_replicas: int = Field(1, ge=1)
     max_replicas: PositiveInt = 2
     initial_replicas: Optional[PositiveInt] = None
@@ -103,7 +126,7 @@ class ModelDeploymentConfig(_Strict):
         return self
 
 
-class RouterDeploymentConfig(_Strict):
+class RouterDeploymentConfig(_DeploymentSettings):
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 512
     max_queued_requests: PositiveInt = 256
@@ -214,6 +237,9 @@ class BreakerSettings(_Strict):
     # At least resilience.max_deadline_s, so no probe that could still answer is cut.
     half_open_max_wait_s: PositiveFloat = 120.0
 
+    def breaker_config(self) -> BreakerConfig:
+        return BreakerConfig(**self.model_dump())
+
 
 class RetrySettings(_Strict):
     max_attempts: int = Field(3, ge=1, le=10)
@@ -221,6 +247,9 @@ class RetrySettings(_Strict):
     max_backoff_s: float = Field(1.0, ge=0)
     budget_ratio: float = Field(0.2, ge=0, le=1)
     budget_min_concurrent: int = Field(3, ge=0)
+
+    def retry_config(self) -> RetryConfig:
+        return RetryConfig(**self.model_dump())
 
 
 class BulkheadSettings(_Strict):
@@ -317,7 +346,7 @@ class ResilienceConfig(_Strict):
         return self
 
 
-class FallbackDeploymentConfig(_Strict):
+class FallbackDeploymentConfig(_DeploymentSettings):
     replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 32
     max_queued_requests: PositiveInt = 64
@@ -433,7 +462,7 @@ class RecycleSettings(_Strict):
             raise ValueError("window_start_hour must differ from window_end_hour (null both for any time)")
         return self
 
-    def policy_config(self) -> RecycleConfig:
+    def recycle_config(self) -> RecycleConfig:
         """The planner's config; with ``enabled: false`` no age triggers (requested recycles still go)."""
         return RecycleConfig(
             max_age_s=self.max_age_s if self.enabled else None,
@@ -588,7 +617,7 @@ def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = N
         cfg = BallastConfig.model_validate(data)
         cfg.degradation_config()
         cfg.autoscale_config()
-        cfg.recycle.policy_config()
+        cfg.recycle.recycle_config()
         cfg.watchdog.leak_config()
         cfg.watchdog.ladder_config()
     except ValueError as e:  # pydantic.ValidationError is a ValueError

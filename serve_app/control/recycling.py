@@ -82,7 +82,7 @@ class RecycleCoordinator:
 
     def configure(self, settings: RecycleSettings) -> None:
         self.settings = settings
-        self.cfg = settings.policy_config()
+        self.cfg = settings.recycle_config()
 
     # -- events ------------------------------------------------------------------------
     def _event(self, outcome: str, replica_id: str, deployment: str, reason: str, **extra: Any) -> None:

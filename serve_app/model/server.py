@@ -461,33 +461,31 @@ def model_deployment(cfg: BallastConfig):
     d = cfg.deployments.model
     return serve.deployment(
         ModelServer,
-        name=MODEL_DEPLOYMENT,
-        max_ongoing_requests=d.max_ongoing_requests,
-        max_queued_requests=d.max_queued_requests,
-        ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
-        autoscaling_config=autoscaling_config(cfg),
-        request_router_config=request_router_config(cfg.watchdog.interval_s),
-        health_check_period_s=d.health_check_period_s,
-        health_check_timeout_s=d.health_check_timeout_s,
-        graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
-        logging_config={"enable_access_log": cfg.http.access_log},
+        **d.serve_options(
+            MODEL_DEPLOYMENT,
+            cfg.http.access_log,
+            autoscaling_config=autoscaling_config(cfg),
+            request_router_config=request_router_config(cfg.watchdog.interval_s),
+            health_check_period_s=d.health_check_period_s,
+            health_check_timeout_s=d.health_check_timeout_s,
+            graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
+        ),
     )
 
 
 def fallback_deployment(cfg: BallastConfig):
     """The smaller fallback model: a fixed number of replicas, its own bounded queue."""
     assert cfg.fallback is not None
-    d = cfg.fallback.deployment
+    m = cfg.deployments.model  # health checks and shutdown as the primary's
     return serve.deployment(
         ModelServer,
-        name=FALLBACK_DEPLOYMENT,
-        num_replicas=d.replicas,
-        request_router_config=request_router_config(cfg.watchdog.interval_s),
-        max_ongoing_requests=d.max_ongoing_requests,
-        max_queued_requests=d.max_queued_requests,
-        ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
-        health_check_period_s=cfg.deployments.model.health_check_period_s,
-        health_check_timeout_s=cfg.deployments.model.health_check_timeout_s,
-        graceful_shutdown_timeout_s=cfg.deployments.model.graceful_shutdown_timeout_s,
-        logging_config={"enable_access_log": cfg.http.access_log},
+        **cfg.fallback.deployment.serve_options(
+            FALLBACK_DEPLOYMENT,
+            cfg.http.access_log,
+            num_replicas=cfg.fallback.deployment.replicas,
+            request_router_config=request_router_config(cfg.watchdog.interval_s),
+            health_check_period_s=m.health_check_period_s,
+            health_check_timeout_s=m.health_check_timeout_s,
+            graceful_shutdown_timeout_s=m.graceful_shutdown_timeout_s,
+        ),
     )

@@ -265,12 +265,4 @@ class Router(GenerateRoutes, AdminRoutes):
 
 def router_deployment(cfg):
     r = cfg.deployments.router
-    return serve.deployment(
-        Router,
-        name=ROUTER_DEPLOYMENT,
-        num_replicas=r.num_replicas,
-        max_ongoing_requests=r.max_ongoing_requests,
-        max_queued_requests=r.max_queued_requests,
-        ray_actor_options={"num_cpus": r.num_cpus},
-        logging_config={"enable_access_log": cfg.http.access_log},
-    )
+    return serve.deployment(Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log, num_replicas=r.num_replicas))

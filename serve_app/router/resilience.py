@@ -40,8 +40,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from policies import killswitch
-from policies.breaker import BreakerConfig, BreakerEvent, CircuitBreaker, Permit
-from policies.retry import RetryBudget, RetryConfig, backoff_s, should_retry
+from policies.breaker import BreakerEvent, CircuitBreaker, Permit
+from policies.retry import RetryBudget, backoff_s, should_retry
 
 from serve_app.config import BallastConfig
 from serve_app.errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable
@@ -200,8 +200,8 @@ class ResilientCaller:
         self._wait_for = wait_for
         self._rng = rng or random.Random()
         self._hooks = hooks
-        bcfg = BreakerConfig(**r.breaker.model_dump())
-        self.retry_cfg = RetryConfig(**r.retry.model_dump())
+        bcfg = r.breaker.breaker_config()
+        self.retry_cfg = r.retry.retry_config()
         self.budget = RetryBudget(self.retry_cfg)
         self.backends = [
             Backend(

@@ -73,7 +73,7 @@ def simulator_path() -> list[dict]:
     cfg = make_cfg()
     ctrl = BallastController(
         SimConfig(), fleet=None, recycling=True,
-        deg_cfg=cfg.degradation_config(), as_cfg=cfg.autoscale_config(), rc_cfg=cfg.recycle.policy_config(),
+        deg_cfg=cfg.degradation_config(), as_cfg=cfg.autoscale_config(), rc_cfg=cfg.recycle.recycle_config(),
     )
     outcomes: list[tuple[int, int, int]] = []  # (at, requests, errors): the error window, as the glue keeps it
     out = []
