@@ -29,6 +29,7 @@ from policies.autoscale import AutoscaleConfig
 from policies.degradation import DegradationConfig
 from policies.leak import LadderConfig, LeakConfig
 from policies.recycle import RecycleConfig
+from policies.validation import check_fraction, check_positive
 
 from .model import LoadProfile, ServiceModel
 
@@ -43,14 +44,6 @@ HPA = "hpa_utilization"
 ARMS: tuple[str, ...] = (BALLAST, BALLAST_NO_RECYCLE, RAY_SERVE, HPA)
 
 
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"{name}: must be a finite number > 0, got {value!r}")
-
-
-def _ratio(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= 1):
-        raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -131,7 +124,7 @@ class SimConfig:
         for name in ("hours", "tick_s", "slo_s", "timeout_s", "target_ongoing_requests", "mtbf_h",
                      "leak_tto_median_h", "mem_limit_bytes", "ray_look_back_s", "hpa_sync_s",
                      "hpa_metric_window_s", "recycle_interval_s"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if not 0 <= self.start_hour < 24:
             raise ValueError(f"start_hour: must be in [0, 24), got {self.start_hour!r}")
         if len(self.mix) != 4 or any(x < 0 for x in self.mix) or abs(sum(self.mix) - 1.0) > 1e-9:
@@ -139,9 +132,9 @@ class SimConfig:
         lo, hi = self.cold_start_s
         if not 0 < lo <= hi:
             raise ValueError(f"cold_start_s: must be (lo, hi) with 0 < lo <= hi, got {self.cold_start_s!r}")
-        _ratio("leak_fraction", self.leak_fraction)
-        _ratio("mem_base_ratio", self.mem_base_ratio)
-        _ratio("hpa_tolerance", self.hpa_tolerance)
+        check_fraction("leak_fraction", self.leak_fraction)
+        check_fraction("mem_base_ratio", self.mem_base_ratio)
+        check_fraction("hpa_tolerance", self.hpa_tolerance)
         if self.leak_tto_sigma < 0 or self.initial_age_max_h < 0:
             raise ValueError("leak_tto_sigma, initial_age_max_h: must be >= 0")
         if self.max_batch_size < 1 or self.ray_upscale_delay_s < 0 or self.ray_downscale_delay_s < 0:
@@ -153,7 +146,7 @@ class SimConfig:
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}: must be an int >= 1 or None, got {v!r}")
         if self.queue_length_scale is not None:
-            _positive("queue_length_scale", self.queue_length_scale)
+            check_positive("queue_length_scale", self.queue_length_scale)
 
     # ---- derived
     @property
