@@ -255,6 +255,7 @@ class ControllerCore:
                     "deployment": r.get("deployment"),
                     "device": r.get("device"),  # "cpu" or "cuda:N": where its model runs
                     "chaos_vram_leak": r.get("chaos_vram_leak"),  # None, "leaking", or "no_gpu" (a CPU replica)
+                    "chaos": r.get("chaos"),  # the chaos settings the replica applies, None when none
                     "age_s": round(now - float(r.get("started_at_s") or now), 1),
                     "queued": r.get("queued"),
                     "running": r.get("running"),

@@ -35,12 +35,13 @@ import gc
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncGenerator, Optional
 
 from ray import serve
 
 from policies.admission import clamp_max_tokens
+from policies.stats import nearest_rank
 
 from serve_app.model.backends import BackendSpec, ByteStreamDecoder, TinyDecoderConfig, load_backend
 from serve_app.model.chaos import ChaosAgent
@@ -101,14 +102,7 @@ def recent_percentile(samples: "deque[tuple[float, float]]", now_s: float, windo
     """The q-quantile of the (t, value) samples no older than ``window_s``; older ones are dropped."""
     while samples and samples[0][0] < now_s - window_s:
         samples.popleft()
-    return _percentile([v for _, v in samples], q)
-
-
-def _percentile(values: "deque[float] | list[float]", q: float) -> Optional[float]:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return nearest_rank((v for _, v in samples), q)
 
 
 def build_backend(m: ModelConfig):
@@ -276,6 +270,9 @@ class ModelServer:
             "chaos_leaked_bytes": self._chaos.leaked_bytes,
             "chaos_vram_leaked_bytes": self._chaos.vram_leaked_bytes,
             "chaos_vram_leak": self._chaos.vram_leak_state,
+            # The chaos settings this replica applies (None when none): tests and
+            # operators wait on this rather than on a guess of when a snapshot arrived.
+            "chaos": asdict(self._chaos.settings) if self._chaos.settings.active else None,
             "started_at_s": self._started_at_s,
             "ready": self._ready,
             "draining": self._draining() is not None,

@@ -109,6 +109,37 @@ def serve_replica_states(deployment: str = "BallastModel") -> dict[str, int]:
     return {str(getattr(state, "value", state)): n for state, n in dep.replica_states.items() if n}
 
 
+CHAOS_DEPLOYMENTS = {"primary": "BallastModel", "fallback": "BallastFallbackModel"}
+
+
+def wait_chaos(client: httpx.Client, target: str, settings: "dict[str, Any] | None", timeout_s: float = 15) -> None:
+    """Wait until every replica of the target reports applying ``settings`` (None: no chaos).
+
+    Replicas pick chaos up from their next snapshot and say what they apply in their
+    report (``chaos`` in /admin/replicas), so a test waits for exactly that.
+    """
+    deployment = CHAOS_DEPLOYMENTS[target]
+
+    def applied() -> bool:
+        r = client.get("/admin/replicas", headers=ADMIN)
+        rows = [row for row in r.json()["replicas"] if row["deployment"] == deployment] if r.status_code == 200 else []
+        if not rows:
+            return False
+        if settings is None:
+            return all(row.get("chaos") is None for row in rows)
+        return all(row.get("chaos") and all(row["chaos"].get(k) == v for k, v in settings.items()) for row in rows)
+
+    wait_until(applied, timeout_s, 0.2, f"every {deployment} replica applying chaos {settings}")
+
+
+def clear_chaos(client: httpx.Client) -> None:
+    """Clear chaos and wait until no replica applies any."""
+    r = client.delete("/admin/chaos", headers=ADMIN)
+    assert r.status_code in (200, 204), r.text
+    for target in CHAOS_DEPLOYMENTS:
+        wait_chaos(client, target, None)
+
+
 def wait_quiet(client: httpx.Client, timeout_s: float = 120) -> None:
     """Level 0 and one model replica, wanted and running: the state every load test starts from.
 

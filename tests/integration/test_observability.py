@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import ADMIN, GOLD, wait_until
+from conftest import ADMIN, GOLD, wait_chaos, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.last]
 
@@ -79,7 +79,7 @@ def test_every_panel_and_alert_finds_series(prometheus, client, ballast):
     # attempt after the first attempt's timeout (the fallback answers in the end).
     attempt_s = ballast.resilience.attempt_timeout_s
     client.post("/admin/chaos", headers=ADMIN, json={"target": "primary", "hang": True})
-    time.sleep(1.5)
+    wait_chaos(client, "primary", {"hang": True})
     try:
         r = client.post(
             "/v1/generate",

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ADMIN, BASE, GOLD, serve_replica_states, status, wait_until
+from conftest import ADMIN, BASE, GOLD, serve_replica_states, status, wait_chaos, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -252,7 +252,7 @@ def test_a_hung_replica_is_killed_and_replaced(client):
     try:
         r = client.post("/admin/chaos", headers=ADMIN, json={"target": "primary", "stall": True})
         assert r.status_code == 200, r.text
-        time.sleep(1.0)
+        wait_chaos(client, "primary", {"stall": True})
         # Work in flight that never progresses: the watchdog's heartbeat check trips.
         threads = [
             threading.Thread(

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import ray
 
-from conftest import ADMIN, BASE, FREE, GOLD, status, wait_until
+from conftest import ADMIN, BASE, FREE, GOLD, clear_chaos, status, wait_chaos, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +30,8 @@ def chaos(client):
     def set_(target: str, **settings):
         r = client.post("/admin/chaos", headers=ADMIN, json={"target": target, **settings})
         assert r.status_code == 200, r.text
-        # every replica of the target picks it up from the next snapshot
-        wait_until(lambda: status(client)["chaos"].get(target) is not None, 10, 0.2, "chaos in the snapshot")
-        time.sleep(1.0)
+        # every replica of the target picks it up from its next snapshot, and says so
+        wait_chaos(client, target, settings)
 
     yield set_
     client.delete("/admin/chaos", headers=ADMIN)
@@ -61,8 +60,7 @@ def test_failing_primary_opens_breaker_fallback_serves_then_heals(client, chaos)
     body = client.post("/v1/generate", headers=GOLD, json={"prompt": "x", "max_tokens": 4}).json()
     assert body["model"] == "tiny-decoder-small" and body["fallback"] == "fallback_model"
 
-    client.delete("/admin/chaos", headers=ADMIN)
-    time.sleep(1.0)
+    clear_chaos(client)
     heal(client)  # open → (after open_duration) half-open probes → closed
     r = client.post("/v1/generate", headers=GOLD, json={"prompt": "after", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["fallback"] is None and r.headers["x-ballast-fallback"] == "none"
@@ -77,8 +75,7 @@ def test_both_backends_failing_is_a_clear_503_or_a_cached_answer(client, chaos, 
     r = client.post("/v1/generate", headers=GOLD, json={"prompt": "never seen", "max_tokens": 5})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "MODEL_UNAVAILABLE" and int(r.headers["retry-after"]) >= 1
-    client.delete("/admin/chaos", headers=ADMIN)
-    time.sleep(1.0)
+    clear_chaos(client)
     heal(client, "primary")
     # The fallback only sees traffic when the primary is out: switch the primary off
     # for a moment so the fallback's breaker gets its half-open probes.
@@ -111,8 +108,7 @@ def test_slow_primary_trips_on_slow_calls(client, chaos, ballast):
     r = client.post("/v1/generate", headers=GOLD, json={"prompt": "next", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["fallback"] == "fallback_model"
     assert time.monotonic() - t0 < slow_s  # not waiting on the slow primary any more
-    client.delete("/admin/chaos", headers=ADMIN)
-    time.sleep(1.0)
+    clear_chaos(client)
     heal(client)
 
 
@@ -150,8 +146,7 @@ def test_hung_primary_keeps_p99_within_the_deadline(client, chaos):
     refused = [text for _, code, text in results if code == 503]
     assert all('"MODEL_UNAVAILABLE"' in text for text in refused), refused
     assert 200 in codes
-    client.delete("/admin/chaos", headers=ADMIN)
-    time.sleep(1.0)
+    clear_chaos(client)
     heal(client)
 
 
@@ -172,8 +167,7 @@ def test_a_deadline_that_runs_out_at_the_replica_is_not_a_breaker_failure(client
     assert r.status_code == 504 and r.json()["error"]["code"] == "DEADLINE_EXCEEDED", r.text
     after = primary()
     assert (after["calls"], after["failures"]) == (before["calls"], before["failures"])
-    client.delete("/admin/chaos", headers=ADMIN)
-    time.sleep(1.0)
+    clear_chaos(client)
     heal(client)
 
 
