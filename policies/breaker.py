@@ -391,6 +391,7 @@ class CircuitBreaker:
             "calls": calls,
             "failures": failures,
             "slow_calls": slow,
+            "window_entries": len(self._window),  # calls (count window) or buckets (time window) held: bounded
             "failure_rate": failures / calls if calls else 0.0,
             "slow_rate": slow / calls if calls else 0.0,
             "opened_until_s": self._opened_until_s,

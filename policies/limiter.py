@@ -147,5 +147,7 @@ class AimdLimit:
 
     def snapshot(self) -> dict[str, float]:
         return {"limit": self.value, "increases": self.increases, "decreases": self.decreases,
-                "decreases_by": dict(self.decreases_by)}
+                "decreases_by": dict(self.decreases_by),
+                # this window's samples so far, each list bounded by MAX_SAMPLES
+                "window_samples": max(len(self._waits), len(self._ratios))}
 

@@ -178,7 +178,7 @@ def test_count_window_is_bounded_and_forgets_the_oldest() -> None:
     snap = breaker.snapshot()
     assert snap["calls"] == 10
     assert snap["failures"] == 0  # the early failures were pushed out
-    assert len(breaker._window) == 10
+    assert snap["window_entries"] == 10
 
 
 # ----------------------------------------------------------------- closed, time window
@@ -233,7 +233,7 @@ def test_time_window_is_bounded() -> None:
         call(breaker, True)
         call(breaker, True)
         clock.advance(1)
-        assert len(breaker._window) <= 5
+        assert breaker.snapshot()["window_entries"] <= 5
     assert breaker.snapshot()["calls"] == 8  # 4 buckets (t=96..99) × 2; t=100 is empty
 
 
@@ -718,6 +718,7 @@ def test_snapshot_fields() -> None:
         "calls": 3,
         "failures": 1,
         "slow_calls": 1,
+        "window_entries": 3,
         "failure_rate": pytest.approx(1 / 3),
         "slow_rate": pytest.approx(1 / 3),
         "opened_until_s": None,

@@ -76,7 +76,7 @@ def test_samples_per_window_are_bounded():
     lim, _ = make()
     for _ in range(MAX_SAMPLES + 500):
         lim.observe(1.0)
-    assert len(lim._waits) == MAX_SAMPLES
+    assert lim.snapshot()["window_samples"] == MAX_SAMPLES
 
 
 @pytest.mark.parametrize(
