@@ -166,11 +166,16 @@ def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict]
     if r.status_code in (401, 403):
         typer.echo(f"the admin token was refused ({r.status_code}): {r.text}", err=True)
         raise typer.Exit(1)
+    try:
+        doc = r.json()
+    except ValueError:  # not Ballast answering (e.g. Serve's 404 while the app deploys)
+        typer.echo(f"{url}{path} answered {r.status_code} with no JSON document: {r.text[:200]}", err=True)
+        raise typer.Exit(1) from None
     if show or r.status_code >= 400:
-        typer.echo(json.dumps(r.json(), indent=2))
+        typer.echo(json.dumps(doc, indent=2))
     if r.status_code >= 400:
         raise typer.Exit(1)
-    return r.json()
+    return doc
 
 
 @app.command()

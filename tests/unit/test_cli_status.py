@@ -125,3 +125,32 @@ def test_json_flag_prints_the_raw_document(monkeypatch, capsys) -> None:
     assert json.loads(capsys.readouterr().out) == doc
     assert main(["--token", "t", "status"]) == 0
     assert capsys.readouterr().out.startswith("level 2 (target 1)")
+
+
+def test_an_answer_that_is_not_ballasts_is_a_clear_error_not_a_traceback(capsys) -> None:
+    """A real loopback server answering as Serve does while the app deploys (404, plain text)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class NotBallast(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"Path '/v1/status' not found."
+            self.send_response(404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NotBallast)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert main(["--url", url, "--token", "t", "status"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert "answered 404 with no JSON document" in err and "not found" in err
