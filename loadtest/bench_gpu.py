@@ -205,7 +205,7 @@ def main(argv: "list[str] | None" = None) -> int:
         c, g = costs["cpu"][rows], costs["cuda"][rows]
         print(f"{rows:>5} | {c * 1e3:8.2f} {rows * 4 / c:10.0f} | {g * 1e3:8.2f} {rows * 4 / g:10.0f} | {c / g:7.1f}x")
     joins = {"cpu": join_cost(cpu, args.reps, no_sync), "cuda": join_cost(gpu, args.reps, torch.cuda.synchronize)}
-    print(f"\n   a wide row beside two short ones (4-step chunk, ms; x = / '2 short rows')")
+    print("\n   a wide row beside two short ones (4-step chunk, ms; x = / '2 short rows')")
     for name in joins["cpu"]:
         c, g = joins["cpu"][name], joins["cuda"][name]
         base_c, base_g = joins["cpu"]["2 short rows"], joins["cuda"]["2 short rows"]
@@ -229,7 +229,9 @@ def main(argv: "list[str] | None" = None) -> int:
 
     settings = cfg.watchdog.model_copy(update={"warmup_s": 0.0})
     print(f"\n3. VRAM watchdog, real NVML and real allocations; {args.samples} samples, {args.sample_s:g} simulated s apart "
-          f"(window {settings.leak_window_s:g} s, verdict after {settings.leak_window_s * settings.leak_min_span_ratio:g} s; "
+          f"(long window {settings.leak_window_s:g} s, verdict after {settings.leak_window_s * settings.leak_min_span_ratio:g} s; "
+          f"short window {settings.leak_short_window_s:g} s, verdict after {settings.leak_short_min_span_s:g} s within "
+          f"{_fmt_s(settings.leak_short_horizon_s)} of the limit; "
           f"leak at >= {settings.vram_leak_mb_per_h:g} MB/h; ladder when time-to-limit < {_fmt_s(settings.warn_tto_s)})")
     cases = [("steady", 0.0), ("slow leak", args.slow_mb), ("fast leak", args.fast_mb)]
     for name, mb in cases:

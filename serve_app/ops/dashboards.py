@@ -167,7 +167,7 @@ REPLICAS = Dashboard(
                 ),
             ),
             unit="bytes",
-            description="Robust trend over watchdog.leak_window_s, in bytes per hour",
+            description="Robust trend over watchdog.leak_window_s, or leak_short_window_s when that one names a leak sooner, in bytes per hour",
         ),
         Panel(
             "Leak slope: threads and fds (per hour)",
@@ -177,7 +177,7 @@ REPLICAS = Dashboard(
                     "{{deployment}} {{replica}} {{series}}",
                 ),
             ),
-            description="Robust trend over watchdog.leak_window_s, per hour",
+            description="Robust trend over watchdog.leak_window_s, or leak_short_window_s when that one names a leak sooner, per hour",
         ),
         Panel(
             "Leaking series",
