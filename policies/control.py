@@ -16,10 +16,10 @@ measures as finite floats >= 0 or None).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
-from policies import autoscale, degradation
+from policies import autoscale, degradation, recycle
 from policies.autoscale import AutoscaleConfig, AutoscaleDecision, AutoscaleSample, AutoscaleState
 from policies.degradation import DegradationConfig, DegradationDecision, DegradationState, LoadSignals
 from policies.validation import check_int, check_non_negative
@@ -92,6 +92,17 @@ def ongoing_requests(routers: Sequence[Report], replicas: Sequence[Report], prim
     return max(held, queue_length + waiting + running)
 
 
+def serving_replicas(replicas: Sequence[Report], watchdogs: Mapping[str, Report], primary: str) -> int:
+    """Primary replicas taking traffic now (``policies.recycle.takes_traffic``): reporting,
+    not draining for a recycle, not hung. Their shortfall against the target is the
+    capacity gap the level does not shed for (policies/degradation.py)."""
+    return sum(
+        1
+        for r in of_deployment(replicas, primary)
+        if recycle.takes_traffic(r, watchdogs.get(str(r.get("replica_id")), {}), in_flight=False)
+    )
+
+
 def current_target(state: AutoscaleState, running_replicas: int, cfg: AutoscaleConfig) -> int:
     """The deployment's current target as the autoscaler must see it.
 
@@ -112,10 +123,13 @@ class ControlInputs:
     ongoing_requests: float
     running_replicas: int  # primary replicas reporting now
     surging: bool = False  # the recycler wants one replica more (policies.recycle.surging)
+    serving_replicas: Optional[int] = None  # primary replicas taking traffic (serving_replicas); None: unknown
 
     def __post_init__(self) -> None:
         check_non_negative("ongoing_requests", self.ongoing_requests)
         check_int("running_replicas", self.running_replicas, minimum=0)
+        if self.serving_replicas is not None:
+            check_int("serving_replicas", self.serving_replicas, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -139,11 +153,19 @@ def control_step(
     as_cfg: AutoscaleConfig,
     now_s: float,
 ) -> tuple[ControlDecision, ControlState]:
-    """The controller's tick: the level, then the autoscaler, then the surge."""
-    level, deg_state = degradation.decide(inputs.signals, state.degradation, deg_cfg, now_s)
+    """The controller's tick: the level, then the autoscaler, then the surge.
+
+    The level sees the replicas serving against the target Serve was last asked for
+    (the capacity gap: a replica recycled, killed or still starting).
+    """
+    target = current_target(state.autoscale, inputs.running_replicas, as_cfg)
+    signals = inputs.signals
+    if inputs.serving_replicas is not None:
+        signals = replace(signals, replicas_serving=inputs.serving_replicas, replicas_target=target)
+    level, deg_state = degradation.decide(signals, state.degradation, deg_cfg, now_s)
     scale, as_state = autoscale.decide(
         AutoscaleSample(t_s=now_s, ongoing_requests=float(inputs.ongoing_requests), gpu_util_pct=inputs.signals.gpu_util_pct),
-        current_target(state.autoscale, inputs.running_replicas, as_cfg),
+        target,
         state.autoscale,
         as_cfg,
     )

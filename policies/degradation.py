@@ -7,15 +7,36 @@ admitted. Default thresholds and constraints follow the seed document's
 degradation table (queue length 50/100/200/500, GPU util 85/92/97, VRAM 99 %
 emergency, error rate > 10 % critical); queue-wait thresholds are ours.
 
-The level moves asymmetrically, on purpose:
+The level moves fast both ways, but only on evidence:
 
-* **Up at once.** When any signal asks for a higher level the level jumps there
-  in the same tick: shedding must start within one control tick of overload.
-* **Down one level per stable window.** A lower target must hold, uninterrupted,
-  for ``stable_window_s`` before the level drops by one; the streak then starts
-  again. A single tick whose target is back at (or above) the current level
-  breaks the streak. This is the hysteresis that keeps the level from flapping
-  when shedding itself makes the load signals look healthy.
+* **One sample moves it one level.** When the signals ask for a higher level, the
+  level rises by one in the same tick: shedding starts within one control tick of
+  overload. It goes further only when the evidence persists: once a target above
+  the level has been asked for on every tick for ``up_confirm_s`` (two report
+  intervals), the level jumps straight to the lowest target of that streak. So one
+  slow report (a replica restarting, one unlucky batch) costs at most one level
+  for a moment, and a real overload reaches its level one second later.
+* **Down to the target within one stable window.** A lower target must hold,
+  uninterrupted, for ``stable_window_s``; the level then drops to the highest
+  target seen during that window, not one level per window. A single tick whose
+  target is back at (or above) the current level breaks the streak. This is the
+  hysteresis that keeps the level from flapping when shedding itself makes the
+  load signals look healthy, without holding a calm service at level 4 for four
+  windows.
+
+**Missing capacity is not demand.** While the primary has fewer replicas serving
+than it had (a replica recycled, killed or crashed, and its replacement not yet
+serving; ``DegradationState.serving_high`` remembers what it had, never more than
+the autoscaler's target), requests wait for the replacement, and the signals
+that wait inflates (queue length, queue wait, demand over the capacity measured)
+say "overload" although nothing sheds the cause: the replacement does. During
+such a gap, and for ``capacity_gap_settle_s`` after it (the replicas' wait window),
+those signals may hold the level but not raise it; the router's gate still serves
+the line in class order and refuses what cannot finish in time, and the fallback
+answers what the primary cannot. A gap longer than ``capacity_gap_max_s`` is the
+new capacity, and the signals act on it again. GPU utilisation, VRAM and the error
+rate are never held. A scale-up is not a gap: replicas the deployment never had
+are wanted because of demand, and demand is what the level sheds.
 
 **Demand by criticality** is the signal that picks *which* classes to shed. The
 router's gate already serves the classes in order of criticality while the model is
@@ -181,6 +202,12 @@ class DegradationConfig:
     #: None: demand never asks for a level.
     demand_shed_ratio: float | None = 1.1
     stable_window_s: float = 30.0
+    #: A target two or more above the level must persist this long before the level follows it.
+    up_confirm_s: float = 1.0
+    #: Queue signals inflated by missing replicas hold the level for at most this long.
+    capacity_gap_max_s: float = 120.0
+    #: ... and for this long after the gap closes (the replicas' queue-wait window).
+    capacity_gap_settle_s: float = 10.0
     constraints: tuple[LevelConstraints, ...] = field(default=DEFAULT_CONSTRAINTS)
 
     def __post_init__(self) -> None:
@@ -193,6 +220,9 @@ class DegradationConfig:
         check_int("error_rate_min_requests", self.error_rate_min_requests, minimum=0)
         check_positive("demand_shed_ratio", self.demand_shed_ratio, optional=True)
         check_positive("stable_window_s", self.stable_window_s)
+        check_positive("up_confirm_s", self.up_confirm_s)
+        check_non_negative("capacity_gap_max_s", self.capacity_gap_max_s)
+        check_non_negative("capacity_gap_settle_s", self.capacity_gap_settle_s)
         self._validate_constraints()
 
     def _validate_thresholds(self, name: str) -> None:
@@ -246,6 +276,9 @@ class DegradationConfig:
             "error_rate_min_requests": self.error_rate_min_requests,
             "demand_shed_ratio": self.demand_shed_ratio,
             "stable_window_s": self.stable_window_s,
+            "up_confirm_s": self.up_confirm_s,
+            "capacity_gap_max_s": self.capacity_gap_max_s,
+            "capacity_gap_settle_s": self.capacity_gap_settle_s,
             "constraints": [c.to_dict() for c in self.constraints],
         }
 
@@ -287,6 +320,9 @@ class LoadSignals:
     demand_rps: Mapping[str, float] | None = None
     #: Answers per second from the model while the gate was full; None when it was not.
     capacity_rps: float | None = None
+    #: Primary replicas taking traffic now, and how many the controller wants (None: unknown).
+    replicas_serving: int | None = None
+    replicas_target: int | None = None
 
     def __post_init__(self) -> None:
         check_int("queue_length", self.queue_length, minimum=0)
@@ -298,6 +334,10 @@ class LoadSignals:
             raise ValueError(f"error_rate: must be in [0, 1], got {self.error_rate!r}")
         check_int("request_count", self.request_count, minimum=0)
         check_non_negative("capacity_rps", self.capacity_rps, optional=True)
+        if self.replicas_serving is not None:
+            check_int("replicas_serving", self.replicas_serving, minimum=0)
+        if self.replicas_target is not None:
+            check_int("replicas_target", self.replicas_target, minimum=0)
         if self.demand_rps is not None:
             if not isinstance(self.demand_rps, Mapping):
                 raise ValueError(f"demand_rps: must be a mapping, got {self.demand_rps!r}")
@@ -320,7 +360,7 @@ def _level_for(value: float, thresholds: tuple[float | None, ...]) -> tuple[int,
     return 0, None
 
 
-def target_level(signals: LoadSignals, cfg: DegradationConfig) -> tuple[int, str]:
+def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | None = None) -> tuple[int, str]:
     """The level the current signals ask for, and which signal asked.
 
     The result is the maximum over the present signals. Signals are checked in
@@ -329,28 +369,35 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig) -> tuple[int, str
     reason points at the most direct overload signal (queue) rather than the
     lagging ones (GPU duty cycle, errors). Reason looks like
     ``"queue_length=230>=200"``; ``"normal"`` for level 0.
+
+    ``load_cap``: the queue-derived signals (queue length, queue wait, demand) ask
+    for at most this level (a capacity gap; see the module docstring).
     """
     best_level = 0
     best_reason = "normal"
 
-    def consider(name: str, value: float | None, thresholds: tuple[float | None, ...]) -> None:
+    def consider(name: str, value: float | None, thresholds: tuple[float | None, ...], cap: int | None = None) -> None:
         nonlocal best_level, best_reason
         if value is None:
             return
         level, threshold = _level_for(value, thresholds)
+        if cap is not None and level > cap:
+            level = cap
+            threshold = thresholds[cap - 1] if cap > 0 else None
         # Strict ">" keeps the earlier (higher-priority) signal on a tie.
         if level > best_level and threshold is not None:
             best_level = level
             best_reason = f"{name}={_fmt(value)}>={_fmt(threshold)}"
 
-    consider("queue_length", signals.queue_length, cfg.queue_length_thresholds)
-    consider("queue_wait_p95_ms", signals.queue_wait_p95_ms, cfg.queue_wait_ms_thresholds)
+    consider("queue_length", signals.queue_length, cfg.queue_length_thresholds, load_cap)
+    consider("queue_wait_p95_ms", signals.queue_wait_p95_ms, cfg.queue_wait_ms_thresholds, load_cap)
     consider("gpu_util_pct", signals.gpu_util_pct, cfg.gpu_util_pct_thresholds)
     consider("vram_pct", signals.vram_pct, cfg.vram_pct_thresholds)
 
     # The deepest level whose admitted classes still fill the model by themselves.
     if cfg.demand_shed_ratio is not None and signals.demand_rps and signals.capacity_rps:
-        for level in range(MAX_LEVEL, best_level, -1):
+        top = MAX_LEVEL if load_cap is None else min(MAX_LEVEL, load_cap)
+        for level in range(top, best_level, -1):
             admitted = cfg.constraints[level].admitted
             demand = sum(rps for crit, rps in signals.demand_rps.items() if Criticality(crit) in admitted)
             need = cfg.demand_shed_ratio * signals.capacity_rps
@@ -384,16 +431,35 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig) -> tuple[int, str
 class DegradationState:
     """Carried between ticks by the controller.
 
-    ``lower_since_s`` is when the target first went below ``level`` in the
-    current uninterrupted streak; ``None`` when there is no such streak.
+    * ``lower_since_s``/``lower_max``: when the target first went below ``level`` in
+      the current uninterrupted streak, and the highest target seen since; ``None``
+      when there is no such streak.
+    * ``up_since_s``/``up_min``: when a target above ``level`` was first asked for in
+      the current streak, and the lowest target asked for since; ``None`` when none.
+    * ``gap_since_s``/``gap_last_s``: when the current (or last) capacity gap began,
+      and the last tick it was seen; ``None`` when none is remembered.
+    * ``serving_high``: the primary replicas the deployment had serving (at most its
+      target); ``None`` before the first count.
     """
 
     level: int = 0
     lower_since_s: float | None = None
+    lower_max: int | None = None
+    up_since_s: float | None = None
+    up_min: int | None = None
+    gap_since_s: float | None = None
+    gap_last_s: float | None = None
+    serving_high: int | None = None
 
     def __post_init__(self) -> None:
         _check_level("level", self.level)
-        check_finite("lower_since_s", self.lower_since_s, optional=True)
+        for name in ("lower_since_s", "up_since_s", "gap_since_s", "gap_last_s"):
+            check_finite(name, getattr(self, name), optional=True)
+        for name in ("lower_max", "up_min"):
+            if getattr(self, name) is not None:
+                _check_level(name, getattr(self, name))
+        if self.serving_high is not None:
+            check_int("serving_high", self.serving_high, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -403,6 +469,42 @@ class DegradationDecision:
     reason: str
     constraints: LevelConstraints
     changed: bool
+    #: Missing replicas are holding the queue signals this tick (see the module docstring).
+    capacity_gap: bool = False
+
+
+@dataclass(frozen=True)
+class _Gap:
+    holding: bool
+    since_s: float | None
+    last_s: float | None
+    serving_high: int | None
+    age_s: float = 0.0
+
+
+def _gap(signals: LoadSignals, state: DegradationState, cfg: DegradationConfig, now_s: float) -> _Gap:
+    """This tick's capacity gap: fewer replicas serving than the deployment had.
+
+    What it had (``serving_high``) follows the serving count up, and down with the
+    autoscaler's target; a gap older than ``capacity_gap_max_s`` is accepted as the
+    new capacity. A gap that reopens within the settle time continues the previous
+    one, so a replica flapping in and out cannot restart the clock.
+    """
+    since, last, high = state.gap_since_s, state.gap_last_s, state.serving_high
+    if last is not None and (now_s < last or now_s - last > cfg.capacity_gap_settle_s):
+        since = last = None  # settled (or a clock from another process): forgotten
+    serving, target = signals.replicas_serving, signals.replicas_target
+    if serving is not None and target is not None:
+        high = serving if high is None else max(min(high, target), serving)
+        if serving < high:
+            since = now_s if since is None else since
+            last = now_s
+            if now_s - since >= cfg.capacity_gap_max_s:
+                high = serving  # missing that long: it is the capacity now
+    if since is None or last is None:
+        return _Gap(False, None, None, high)
+    age = last - since
+    return _Gap(age < cfg.capacity_gap_max_s, since, last, high, age)
 
 
 def decide(
@@ -411,48 +513,77 @@ def decide(
     cfg: DegradationConfig,
     now_s: float,
 ) -> tuple[DegradationDecision, DegradationState]:
-    """One control tick: up at once, down one level per stable window.
+    """One control tick: one level up on a sample, to the target on evidence, down in one window.
 
-    Tick semantics (window W = ``cfg.stable_window_s``):
+    Tick semantics (window W = ``cfg.stable_window_s``, confirm C = ``cfg.up_confirm_s``):
 
-    * target > level: level = target now; any down-streak is cleared.
-    * target == level: the down-streak is cleared (interrupted).
-    * target < level: the first such tick starts the streak at ``now_s``; once
-      ``now_s - lower_since_s >= W`` the level drops by exactly one and, if the
-      target is still lower, a new streak starts at ``now_s``. So 4 → 0 takes
-      four full windows, never fewer.
+    * target > level, first such tick: level + 1 now, and an up-streak starts
+      (unless level + 1 is the target). On later ticks of the streak the level
+      holds until the streak is C old, then jumps to the lowest target of the streak.
+    * target == level: both streaks are cleared (interrupted).
+    * target < level: the first such tick starts a down-streak at ``now_s``; once
+      ``now_s - lower_since_s >= W`` the level drops to the highest target seen in
+      the streak and, if the target is still lower, a new streak starts at ``now_s``.
 
-    A clock that went backwards (``now_s < lower_since_s``, e.g. state restored
-    from another process) restarts the streak rather than freezing it.
+    During a capacity gap (``_gap``) the target is computed with the queue signals
+    capped at the current level (``target_level(load_cap=level)``).
+
+    A clock that went backwards (``now_s`` before a streak's start, e.g. state
+    restored from another process) restarts that streak rather than freezing it.
     """
     check_finite("now_s", now_s)
-    target, target_reason = target_level(signals, cfg)
     level = state.level
-    lower_since_s = state.lower_since_s
+    gap = _gap(signals, state, cfg, now_s)
+    target, target_reason = target_level(signals, cfg, load_cap=level if gap.holding else None)
+    if gap.holding:
+        raw, _ = target_level(signals, cfg)
+        if raw > target:
+            target_reason += (
+                f" [capacity gap {signals.replicas_serving}/{gap.serving_high} for {_fmt(round(gap.age_s, 1))}s:"
+                f" queue signals held at {level}, would ask {raw}]"
+            )
+    up_since, up_min = None, None
+    lower_since, lower_max = None, None
 
     if target > level:
-        new_level, new_lower_since_s = target, None
-        reason = f"up {level}->{target}: {target_reason}"
+        if state.up_since_s is None or state.up_min is None or now_s < state.up_since_s:
+            new_level = level + 1
+            reason = f"up {level}->{new_level}: {target_reason}"
+            if target > new_level:  # more asked: it must persist to be followed
+                up_since, up_min = now_s, target
+                reason += f" (to {target} if it holds {_fmt(cfg.up_confirm_s)}s)"
+        else:
+            up_since, up_min = state.up_since_s, min(state.up_min, target)
+            held_s = now_s - up_since
+            if held_s >= cfg.up_confirm_s:
+                new_level = max(level, up_min)
+                up_since = up_min = None
+                reason = f"up {level}->{new_level}: {target_reason} held {_fmt(round(held_s, 3))}s"
+            else:
+                new_level = level
+                reason = f"hold {level}: target {target} ({target_reason}) for {_fmt(round(held_s, 3))}s of {_fmt(cfg.up_confirm_s)}s"
     elif target == level:
-        new_level, new_lower_since_s = level, None
+        new_level = level
         reason = target_reason if level == 0 else f"hold {level}: {target_reason}"
     else:
-        if lower_since_s is None or now_s < lower_since_s:
-            lower_since_s = now_s
-        held_s = now_s - lower_since_s
+        if state.lower_since_s is None or state.lower_max is None or now_s < state.lower_since_s:
+            lower_since, lower_max = now_s, target
+        else:
+            lower_since, lower_max = state.lower_since_s, max(state.lower_max, target)
+        held_s = now_s - lower_since
         if held_s >= cfg.stable_window_s:
-            new_level = level - 1
-            # Still lower than the new level: the next step needs a fresh window.
-            new_lower_since_s = now_s if target < new_level else None
+            new_level = lower_max
             reason = (
                 f"down {level}->{new_level}: target {target} ({target_reason})"
-                f" held {_fmt(held_s)}s>={_fmt(cfg.stable_window_s)}s"
+                f" held {_fmt(round(held_s, 3))}s>={_fmt(cfg.stable_window_s)}s"
             )
+            # Still lower than the new level: the next step needs a fresh window.
+            lower_since, lower_max = (now_s, target) if target < new_level else (None, None)
         else:
-            new_level, new_lower_since_s = level, lower_since_s
+            new_level = level
             reason = (
                 f"hold {level}: target {target} ({target_reason})"
-                f" for {_fmt(held_s)}s of {_fmt(cfg.stable_window_s)}s"
+                f" for {_fmt(round(held_s, 3))}s of {_fmt(cfg.stable_window_s)}s"
             )
 
     decision = DegradationDecision(
@@ -461,8 +592,19 @@ def decide(
         reason=reason,
         constraints=cfg.constraints[new_level],
         changed=new_level != state.level,
+        capacity_gap=gap.holding,
     )
-    return decision, DegradationState(level=new_level, lower_since_s=new_lower_since_s)
+    new_state = DegradationState(
+        level=new_level,
+        lower_since_s=lower_since,
+        lower_max=lower_max,
+        up_since_s=up_since,
+        up_min=up_min,
+        gap_since_s=gap.since_s,
+        gap_last_s=gap.last_s,
+        serving_high=gap.serving_high,
+    )
+    return decision, new_state
 
 
 def conservative_level(last_level: int | None, floor: int) -> int:

@@ -196,7 +196,14 @@ class DegradationSettings(_Strict):
     demand_shed_ratio: Optional[float] = Field(1.1, gt=0)
     # Routers measure demand by criticality and the gate's throughput over this window.
     demand_window_s: PositiveFloat = 5.0
-    stable_window_s: PositiveFloat = 30.0
+    stable_window_s: PositiveFloat = 30.0  # a lower target must hold this long; then the level drops to it
+    # One report moves the level one up; a higher target asked for this long moves it all the way.
+    up_confirm_s: PositiveFloat = 1.0
+    # While fewer primary replicas serve than wanted (recycle, kill, crash, scale-up), queue
+    # length, queue wait and demand hold the level but do not raise it, for at most
+    # capacity_gap_max_s and capacity_gap_settle_s after (policies/degradation.py).
+    capacity_gap_max_s: float = Field(120.0, ge=0)
+    capacity_gap_settle_s: float = Field(10.0, ge=0)
     levels: list[LevelConstraintsModel] = Field(default_factory=_default_levels, min_length=5, max_length=5)
 
 
@@ -577,6 +584,9 @@ class BallastConfig(_Strict):
             error_rate_min_requests=d.error_rate_min_requests,
             demand_shed_ratio=d.demand_shed_ratio,
             stable_window_s=d.stable_window_s,
+            up_confirm_s=d.up_confirm_s,
+            capacity_gap_max_s=d.capacity_gap_max_s,
+            capacity_gap_settle_s=d.capacity_gap_settle_s,
             constraints=tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels),
         )
 

@@ -152,6 +152,7 @@ class BallastController:
         watchdogs: Optional[dict[str, dict]] = None,
         wall_s: Optional[float] = None,
         hour_of_day: Optional[float] = None,
+        serving_replicas: Optional[int] = None,
     ) -> tuple[control.ControlDecision, Optional[recycle.RecycleStep]]:
         """The controller's decisions on one tick's reports, through the production policies.
 
@@ -164,7 +165,10 @@ class BallastController:
         sig = control.fold_reports(routers, replicas, DEPLOYMENT, requests=requests, errors=errors)
         ongoing = control.ongoing_requests(routers, replicas, DEPLOYMENT, sig.queue_length)
         dec = self.policy.step(
-            control.ControlInputs(sig, float(ongoing), running_replicas, surging=DEPLOYMENT in self.surging), now_s
+            control.ControlInputs(
+                sig, float(ongoing), running_replicas, surging=DEPLOYMENT in self.surging, serving_replicas=serving_replicas
+            ),
+            now_s,
         )
         self.level = dec.level.level
         self.constraints = dec.level.constraints
@@ -174,6 +178,7 @@ class BallastController:
         step, self.rc_state, self.kill_state = recycle.recycle_step(
             views, watchdogs or {}, {DEPLOYMENT: dec.desired_replicas}, self.level, self.rc_state, self.kill_state,
             self.rc_cfg, wall_s, self._hour(wall_s) if hour_of_day is None else hour_of_day, self.surge,
+            {DEPLOYMENT: self.policy.as_cfg.max_replicas},
         )
         self.surging = step.surging
         return dec, step
@@ -189,14 +194,14 @@ class BallastController:
             "queue_wait_p95_ms": None if v.wait_p95_s is None else v.wait_p95_s * 1000.0,
         }
         if not self.recycling:
-            dec, _ = self.policy_tick([], [fleet_report], v.outcomes, v.errors, v.ready, v.now_s)
+            dec, _ = self.policy_tick([], [fleet_report], v.outcomes, v.errors, v.ready, v.now_s, serving_replicas=v.ready)
             return dec.desired_replicas
         # The watchdog runs before the plan, as it reports before the controller's tick.
         self._watchdog(v.now_s)
         views, by_id = self._recycle_views(v.now_s)
         dec, step = self.policy_tick(
             [], [fleet_report], v.outcomes, v.errors, v.ready, v.now_s, views=views, watchdogs=self._watchdog_reports(by_id)
-            if views is not None else None,
+            if views is not None else None, serving_replicas=v.ready,
         )
         if step is not None:
             self._apply(step, v.now_s, by_id)

@@ -297,6 +297,7 @@ class ControllerCore:
         sig = self.signals()
         routers, replicas_all = self._routers.fresh(), self._replicas.fresh()
         running_n = sum(1 for r in replicas_all if r.get("deployment") == MODEL_DEPLOYMENT)
+        watchdogs = {str(w.get("replica_id")): w for w in self._watchdogs.fresh()}
         ongoing = control.ongoing_requests(routers, replicas_all, MODEL_DEPLOYMENT, sig.queue_length)
         step = self._policy.step(
             control.ControlInputs(
@@ -305,17 +306,17 @@ class ControllerCore:
                 running_replicas=running_n,
                 # The recycler's surge from the last tick (policies.recycle.surging).
                 surging=MODEL_DEPLOYMENT in self.recycler.surging,
+                serving_replicas=control.serving_replicas(replicas_all, watchdogs, MODEL_DEPLOYMENT),
             ),
             now,
         )
         decision, as_decision, desired_model = step.level, step.scale, step.desired_replicas
         targets = {MODEL_DEPLOYMENT: desired_model}
+        ceilings = {MODEL_DEPLOYMENT: self._as_cfg.max_replicas}
         if self.cfg.fallback is not None:
-            targets[FALLBACK_DEPLOYMENT] = self.cfg.fallback.deployment.replicas
+            targets[FALLBACK_DEPLOYMENT] = ceilings[FALLBACK_DEPLOYMENT] = self.cfg.fallback.deployment.replicas
         try:
-            self.recycler.tick(
-                self._replicas.fresh(), {str(w.get("replica_id")): w for w in self._watchdogs.fresh()}, targets, decision.level
-            )
+            self.recycler.tick(self._replicas.fresh(), watchdogs, targets, decision.level, ceilings)
         except Exception:  # recycling must never stop the control loop
             log.exception("recycle tick failed")
         self._snapshot = self._publish(

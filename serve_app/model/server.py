@@ -59,7 +59,9 @@ WINDOW = 512  # bounded windows for batch sizes and queue waits
 # Queue waits count for this long. Without an age bound, a replica that saw a burst of
 # long waits kept reporting them while the level it caused shed everything (no new
 # waits arrive at level 4), and the level could not come down until the replica died.
-WAIT_WINDOW_S = 10.0
+# Short, too: a report is one sample for the level (one sample moves it one level,
+# policies/degradation.py), so one slow request must not be reported for ten seconds.
+WAIT_WINDOW_S = 2.0
 # No decode step for this long while a request waits: the work loop is stuck, not busy
 # (a chunk takes milliseconds to tens of milliseconds).
 STALL_S = 1.0

@@ -19,7 +19,7 @@ from fakes import FakeClock
 
 from loadtest.sim.config import SimConfig
 from loadtest.sim.controllers import BallastController
-from policies import recycle
+from policies import control, recycle
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
 from serve_app.control.link import MODEL_DEPLOYMENT
@@ -88,6 +88,7 @@ def simulator_path() -> list[dict]:
             t["routers"], replicas, sum(o[1] for o in window), sum(o[2] for o in window),
             sum(1 for r in replicas if r["deployment"] == MODEL_DEPLOYMENT), now,
             views=views, watchdogs=watchdogs, wall_s=wall, hour_of_day=_hour_of_day(wall),
+            serving_replicas=control.serving_replicas(replicas, watchdogs, MODEL_DEPLOYMENT),
         )
         out.append({
             "level": dec.level.level,

@@ -198,12 +198,18 @@ class TestErrorRate:
         assert sig.error_rate == pytest.approx(12 / 40)
 
     def test_a_high_error_rate_with_enough_requests_raises_the_level(self, h: Harness) -> None:
+        h.replica("m1")
         h.router("r1", inflight=0, requests=19, errors=19)
         assert h.core.tick().level == 0  # below error_rate_min_requests (20): noise
         h.router("r1", inflight=0, requests=1, errors=1)
         snap = h.core.tick()
+        assert snap.level == 1  # one level on the first sample that asks
+        assert snap.reason.startswith("up 0->1: error_rate=1>=0.1")
+        h.advance()
+        h.replica("m1")
+        snap = h.core.tick()  # still asked a second later: all the way
         assert snap.level == 3
-        assert snap.reason.startswith("up 0->3: error_rate=1>=0.1")
+        assert snap.reason.startswith("up 1->3: error_rate=1>=0.1")
 
 
 # --------------------------------------------------------------------------- tick: level
@@ -216,7 +222,10 @@ class TestLevel:
         assert s["epoch"] == h.core.epoch
         assert s["created_at_s"] == 1_000_000
 
-    def test_big_queue_raises_the_level_at_once(self, h: Harness) -> None:
+    def test_big_queue_raises_the_level_in_two_reports(self, h: Harness) -> None:
+        h.replica("m1", queued=600)
+        assert (h.core.tick().level, h.core.snapshot()["target_level"]) == (1, 4)
+        h.advance()
         h.replica("m1", queued=600)
         snap = h.core.tick()
         assert snap.level == 4
@@ -227,45 +236,59 @@ class TestLevel:
     @pytest.mark.parametrize("queued, level", [(49, 0), (50, 1), (100, 2), (199, 2), (200, 3), (500, 4)])
     def test_level_follows_the_queue_thresholds(self, h: Harness, queued: int, level: int) -> None:
         h.replica("m1", queued=queued)
+        assert h.core.tick().level == min(level, 1)
+        h.advance()
+        h.replica("m1", queued=queued)
         assert h.core.tick().level == level
 
-    def test_steps_down_one_level_per_stable_window_tick_by_tick(self, h: Harness) -> None:
-        h.replica("m1", queued=600)
-        assert h.core.tick().level == 4
-        levels = []
-        for _ in range(4 * DEG_WINDOW_S + 2):
+    def reach(self, h: Harness, queued: int) -> int:
+        for _ in range(2):
+            h.replica("m1", queued=queued)
+            level = h.core.tick().level
             h.advance()
+        return level
+
+    def test_steps_down_to_the_target_in_one_stable_window_tick_by_tick(self, h: Harness) -> None:
+        assert self.reach(h, 600) == 4
+        levels = []
+        for _ in range(DEG_WINDOW_S + 2):
             h.replica("m1", queued=0)
             levels.append(h.core.tick().level)
-        # Quiet from t=1: the streak starts there; each drop needs DEG_WINDOW_S more seconds.
-        expected = [4] * DEG_WINDOW_S + [3] * DEG_WINDOW_S + [2] * DEG_WINDOW_S + [1] * DEG_WINDOW_S + [0, 0]
-        assert levels == expected
+            h.advance()
+        # Quiet from the first tick here: after DEG_WINDOW_S seconds of it, straight to 0.
+        assert levels == [4] * DEG_WINDOW_S + [0, 0]
 
     def test_an_interrupted_streak_starts_again(self, h: Harness) -> None:
-        h.replica("m1", queued=250)  # level 3
-        assert h.core.tick().level == 3
+        assert self.reach(h, 250) == 3
         levels = []
         for t in range(1, 12):
-            h.advance()
             # Quiet, except at t=3 where the queue is back at level 3's threshold.
             h.replica("m1", queued=250 if t == 3 else 0)
             levels.append(h.core.tick().level)
-        # Streak t=1,2 broken at t=3; restarts at t=4, drops at t=4+5=9.
-        assert levels == [3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2]
-
-    def test_level_rises_again_at_once_during_a_step_down(self, h: Harness) -> None:
-        h.replica("m1", queued=600)
-        h.core.tick()
-        for _ in range(DEG_WINDOW_S + 1):
             h.advance()
+        # Streak t=1,2 broken at t=3; restarts at t=4, drops at t=4+5=9.
+        assert levels == [3, 3, 3, 3, 3, 3, 3, 3, 0, 0, 0]
+
+    def test_a_spike_during_a_quiet_streak_holds_the_level_and_restarts_it(self, h: Harness) -> None:
+        assert self.reach(h, 120) == 2
+        for _ in range(DEG_WINDOW_S - 1):
             h.replica("m1", queued=0)
-            h.core.tick()
-        assert h.core.snapshot()["level"] == 3
+            assert h.core.tick().level == 2
+            h.advance()
+        h.replica("m1", queued=600)  # one report: one level up, the quiet streak is gone
+        assert h.core.tick().level == 3
         h.advance()
-        h.replica("m1", queued=600)
-        assert h.core.tick().level == 4
+        levels = []
+        for _ in range(DEG_WINDOW_S + 1):
+            h.replica("m1", queued=0)
+            levels.append(h.core.tick().level)
+            h.advance()
+        assert levels == [3] * DEG_WINDOW_S + [0]
 
     def test_when_the_reports_expire_the_level_walks_down(self, h: Harness) -> None:
+        h.replica("m1", queued=600)
+        h.core.tick()
+        h.advance()
         h.replica("m1", queued=600)
         assert h.core.tick().level == 4
         levels = []
@@ -273,7 +296,7 @@ class TestLevel:
             h.advance()
             levels.append(h.core.tick().level)  # no new reports at all
         # Report counts through age EXPIRY_S; the quiet streak starts the tick after.
-        assert levels == [4] * (EXPIRY_S + DEG_WINDOW_S) + [3]
+        assert levels == [4] * (EXPIRY_S + DEG_WINDOW_S) + [0]
 
 
 class TestSnapshots:
@@ -417,13 +440,17 @@ class TestConfigure:
         assert h.core.signals().queue_length == 0  # old reports gone
         h.replica("m1", queued=60)
         snap = h.core.tick()
-        assert snap.level == 4
+        assert (snap.level, snap.target_level) == (1, 4)  # a new policy starts at 0: one level up
         assert snap.version == v + 1  # versions keep rising within the epoch
+        h.advance()
+        h.replica("m1", queued=60)
+        assert h.core.tick().level == 4
 
 
 def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(h: Harness) -> None:
     h.router("a", demand_rps={"critical": 20.0, "sheddable_plus": 40.0, "sheddable": 70.0}, served_rps=20.0, gate_full=True)
     h.router("b", demand_rps={"critical": 8.0, "sheddable_plus": 2.0}, served_rps=15.0, gate_full=False)
+    h.replica("m1")  # serving: no capacity gap
     sig = h.core.signals()
     assert sig.demand_rps == {"critical": 28.0, "sheddable_plus": 42.0, "sheddable": 70.0}
     assert sig.capacity_rps == 35.0  # both routers' answers, measured while a gate was full

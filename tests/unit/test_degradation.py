@@ -181,49 +181,101 @@ def test_reason_names_the_signal_and_ties_go_to_the_queue() -> None:
 # ----------------------------------------------------------------- decide: tick by tick
 
 
-def test_up_at_once_from_zero_to_three_in_one_tick() -> None:
-    state = DegradationState()
-    d, state = decide(sig(queue=10), state, CFG, now_s=0)
+def at(level: int, now_s: float = 0.0) -> DegradationState:
+    """A state that reached ``level`` by evidence, with no streak open."""
+    return DegradationState(level=level)
+
+
+def gap(serving: int, target: int, **kw) -> LoadSignals:
+    s = sig(**kw)
+    return LoadSignals(**{**s.__dict__, "replicas_serving": serving, "replicas_target": target})
+
+
+def test_one_sample_moves_the_level_one_up_only() -> None:
+    d, state = decide(sig(queue=10), DegradationState(), CFG, now_s=0)
     assert (d.level, d.changed) == (0, False)
-    d, state = decide(sig(queue=230), state, CFG, now_s=1)
-    assert (d.level, d.target_level, d.changed) == (3, 3, True)
-    assert d.constraints == DEFAULT_CONSTRAINTS[3]
-    assert "queue_length=230>=200" in d.reason
-    assert state == DegradationState(level=3, lower_since_s=None)
-    # And further up at once, with no window either.
-    d, state = decide(sig(queue=600), state, CFG, now_s=2)
-    assert (d.level, d.changed) == (4, True)
+    # One report asks for level 4 (a 3.1 s queue-wait p95): one level, at once.
+    d, state = decide(sig(wait_ms=3100.0), state, CFG, now_s=1)
+    assert (d.level, d.target_level, d.changed) == (1, 4, True)
+    assert d.constraints == DEFAULT_CONSTRAINTS[1]
+    assert d.reason.startswith("up 0->1: queue_wait_p95_ms=3100>=2000")
+    assert (state.up_since_s, state.up_min) == (1, 4)
+    # The next sample is calm: the up-streak ends and nothing more happens.
+    d, state = decide(sig(), state, CFG, now_s=1.5)
+    assert d.level == 1 and (state.up_since_s, state.up_min) == (None, None)
+    assert state.lower_since_s == 1.5
 
 
-def test_down_one_level_per_stable_window_with_exact_boundaries() -> None:
-    d, state = decide(sig(queue=500), DegradationState(), CFG, now_s=0)
+def test_evidence_that_persists_moves_straight_to_the_target() -> None:
+    d, state = decide(sig(queue=230), DegradationState(), CFG, now_s=0)
+    assert d.level == 1
+    # Still asked half a second later: held at 1 until the streak is up_confirm_s (1 s) old.
+    d, state = decide(sig(queue=230), state, CFG, now_s=0.5)
+    assert (d.level, d.changed) == (1, False)
+    assert d.reason == "hold 1: target 3 (queue_length=230>=200) for 0.5s of 1s"
+    d, state = decide(sig(queue=600), state, CFG, now_s=1.0)
+    # 0 -> 1 -> 3: the lowest target of the streak (3, not 4: 4 was asked once).
+    assert (d.level, d.changed) == (3, True)
+    assert d.reason == "up 1->3: queue_length=600>=500 held 1s"
+    assert (state.up_since_s, state.up_min) == (None, None)
+    # The 4 now persists in its own streak: +1 at once is 4 already.
+    d, state = decide(sig(queue=600), state, CFG, now_s=1.5)
+    assert (d.level, state.up_since_s) == (4, None)
+
+
+def test_an_interrupted_up_streak_starts_again_with_one_level() -> None:
+    d, state = decide(sig(queue=600), DegradationState(), CFG, now_s=0)
+    assert d.level == 1
+    d, state = decide(sig(queue=60), state, CFG, now_s=0.5)  # back at the level: interrupted
+    assert d.level == 1 and state.up_since_s is None
+    d, state = decide(sig(queue=600), state, CFG, now_s=1.0)
+    assert d.level == 2 and (state.up_since_s, state.up_min) == (1.0, 4)
+    d, state = decide(sig(queue=600), state, CFG, now_s=1.5)
+    assert d.level == 2
+    d, state = decide(sig(queue=600), state, CFG, now_s=2.0)
     assert d.level == 4
-    # Load disappears from t=1: the streak starts at t=1, so each step needs
-    # 30 full seconds: 4->3 at t=31, 3->2 at t=61, 2->1 at t=91, 1->0 at t=121.
-    expected_changes = {31: 3, 61: 2, 91: 1, 121: 0}
-    level = 4
-    for t in range(1, 200):
+
+
+def test_a_target_one_above_is_reached_at_once_with_no_streak() -> None:
+    d, state = decide(sig(queue=60), DegradationState(), CFG, now_s=0)
+    assert d.level == 1 and state.up_since_s is None
+    d, state = decide(sig(queue=120), state, CFG, now_s=1)
+    assert d.level == 2 and state.up_since_s is None
+
+
+def test_down_to_the_target_in_one_stable_window_with_exact_boundaries() -> None:
+    state = at(4)
+    # Load disappears from t=1: the level drops 4 -> 0 at t=31, in one step.
+    for t in range(1, 100):
         d, state = decide(sig(queue=0), state, CFG, now_s=t)
-        if t in expected_changes:
-            level = expected_changes[t]
-            assert d.changed, t
-        else:
-            assert not d.changed, t
-        assert d.level == level, t
+        assert d.level == (4 if t < 31 else 0), t
+        assert d.changed == (t == 31), t
         assert d.target_level == 0
-        assert d.constraints == DEFAULT_CONSTRAINTS[level]
-        # After a step the streak restarts at that tick while the target is lower.
-        if level > 0:
-            assert state.lower_since_s == max(k for k in (1, *expected_changes) if k <= t), t
-        else:
-            assert state.lower_since_s is None
-    assert state == DegradationState(level=0, lower_since_s=None)
+        assert state.lower_since_s == (1 if t < 31 else None), t
+    assert state == DegradationState(level=0)
+
+
+def test_down_goes_to_the_highest_target_of_the_window() -> None:
+    state = at(4)
+    # The target wanders between 0 and 2 below 4: the streak holds and the level
+    # lands on 2, the most the window asked for; then 2 -> 0 takes a fresh window.
+    for t in range(1, 31):
+        d, state = decide(sig(queue=120 if t == 17 else 0), state, CFG, now_s=t)
+        assert d.level == 4
+    assert (state.lower_since_s, state.lower_max) == (1, 2)
+    d, state = decide(sig(queue=0), state, CFG, now_s=31)
+    assert (d.level, d.changed) == (2, True)
+    assert d.reason == "down 4->2: target 0 (normal) held 30s>=30s"
+    assert (state.lower_since_s, state.lower_max) == (31, 0)
+    for t in range(32, 61):
+        d, state = decide(sig(queue=0), state, CFG, now_s=t)
+        assert d.level == 2
+    d, state = decide(sig(queue=0), state, CFG, now_s=61)
+    assert d.level == 0
 
 
 def test_step_down_stops_the_streak_when_target_reached() -> None:
-    d, state = decide(sig(queue=200), DegradationState(), CFG, now_s=0)
-    assert d.level == 3
-    # Target 2 from t=1: one step to 2 at t=31, then no streak (target == level).
+    state = at(3)
     for t in range(1, 31):
         d, state = decide(sig(queue=100), state, CFG, now_s=t)
         assert d.level == 3
@@ -235,9 +287,8 @@ def test_step_down_stops_the_streak_when_target_reached() -> None:
         assert d.level == 2 and state.lower_since_s is None
 
 
-def test_interrupted_streak_restarts_the_window() -> None:
-    d, state = decide(sig(queue=100), DegradationState(), CFG, now_s=0)
-    assert d.level == 2
+def test_interrupted_calm_restarts_the_window() -> None:
+    state = at(2)
     for t in range(1, 21):
         d, state = decide(sig(queue=0), state, CFG, now_s=t)
         assert d.level == 2
@@ -252,27 +303,22 @@ def test_interrupted_streak_restarts_the_window() -> None:
         assert d.level == 2, t
         assert state.lower_since_s == 22
     d, state = decide(sig(queue=0), state, CFG, now_s=52)
-    assert (d.level, d.changed) == (1, True)
+    assert (d.level, d.changed) == (0, True)
 
 
-def test_a_target_still_below_the_level_does_not_interrupt() -> None:
-    d, state = decide(sig(queue=100), DegradationState(), CFG, now_s=0)
-    assert d.level == 2
-    # Target wanders between 0 and 1, always below 2: the streak holds.
-    for t in range(1, 31):
-        d, state = decide(sig(queue=60 if t % 2 else 0), state, CFG, now_s=t)
-        assert d.level == 2
-    d, state = decide(sig(queue=0), state, CFG, now_s=31)
-    assert d.level == 1
-
-
-def test_an_up_jump_during_a_down_streak_clears_it() -> None:
-    d, state = decide(sig(queue=100), DegradationState(), CFG, now_s=0)
+def test_a_spike_during_calm_costs_one_level_and_one_window() -> None:
+    state = at(2)
     for t in range(1, 10):
         d, state = decide(sig(queue=0), state, CFG, now_s=t)
     assert state.lower_since_s == 1
+    # One report asks for 4: one level up (3), and the calm window restarts after it.
     d, state = decide(sig(queue=500), state, CFG, now_s=10)
-    assert state == DegradationState(level=4, lower_since_s=None)
+    assert d.level == 3 and state.lower_since_s is None and state.up_min == 4
+    for t in range(11, 41):
+        d, state = decide(sig(queue=0), state, CFG, now_s=t)
+        assert d.level == 3, t
+    d, state = decide(sig(queue=0), state, CFG, now_s=41)
+    assert d.level == 0
 
 
 def test_error_rate_below_min_requests_never_sheds() -> None:
@@ -280,14 +326,20 @@ def test_error_rate_below_min_requests_never_sheds() -> None:
     d, state = decide(sig(err=0.9, n=5), state, CFG, now_s=0)
     assert d.level == 0
     d, state = decide(sig(err=0.9, n=20), state, CFG, now_s=1)
+    assert d.level == 1
+    d, state = decide(sig(err=0.9, n=20), state, CFG, now_s=2)
     assert d.level == 3
-    assert d.reason.endswith("(n=20)")
+    assert d.reason.endswith("(n=20) held 1s")
 
 
 def test_level_bounds() -> None:
     # Every signal at its most extreme still gives level 4, never more.
-    d, state = decide(sig(queue=10**9, wait_ms=1e9, gpu=100.0, vram=100.0, err=1.0, n=10**6), DegradationState(), CFG, 0)
+    extreme = sig(queue=10**9, wait_ms=1e9, gpu=100.0, vram=100.0, err=1.0, n=10**6)
+    d, state = decide(extreme, DegradationState(), CFG, 0)
+    d, state = decide(extreme, state, CFG, 1)
     assert d.level == MAX_LEVEL
+    d, state = decide(extreme, state, CFG, 2)
+    assert d.level == MAX_LEVEL and state.up_since_s is None
     # At level 0 a calm target never goes below 0 and never starts a streak.
     state = DegradationState()
     for t in range(0, 100):
@@ -296,14 +348,106 @@ def test_level_bounds() -> None:
     for bad in (-1, 5):
         with pytest.raises(ValueError, match="level"):
             DegradationState(level=bad)
+    with pytest.raises(ValueError, match="up_min"):
+        DegradationState(up_min=7)
 
 
-def test_clock_going_backwards_restarts_the_streak() -> None:
-    state = DegradationState(level=2, lower_since_s=1000.0)
+def test_clock_going_backwards_restarts_the_streaks() -> None:
+    state = DegradationState(level=2, lower_since_s=1000.0, lower_max=0)
     d, state = decide(sig(), state, CFG, now_s=5)
     assert (d.level, state.lower_since_s) == (2, 5)
     d, state = decide(sig(), state, CFG, now_s=35)
-    assert d.level == 1
+    assert d.level == 0
+    state = DegradationState(level=0, up_since_s=1000.0, up_min=4)
+    d, state = decide(sig(queue=600), state, CFG, now_s=5)
+    assert (d.level, state.up_since_s) == (1, 5)
+
+
+# ----------------------------------------------------------------- capacity gap
+
+
+def test_a_capacity_gap_holds_the_queue_signals_at_the_level() -> None:
+    # One replica serving, then gone (0 of 1): requests wait for the replacement.
+    d, state = decide(gap(1, 1), DegradationState(), CFG, now_s=0)
+    assert (d.capacity_gap, state.serving_high) == (False, 1)
+    for t in range(1, 20):
+        d, state = decide(gap(0, 1, wait_ms=3100.0, queue=600), state, CFG, now_s=t)
+        assert (d.level, d.capacity_gap) == (0, True), t
+    assert d.target_level == 0
+    assert "[capacity gap 0/1 for 18s: queue signals held at 0, would ask 4]" in d.reason
+    assert (state.gap_since_s, state.gap_last_s, state.serving_high) == (1, 19, 1)
+    # The replacement serves; the replicas' wait window still holds the gap's waits
+    # for capacity_gap_settle_s (10 s): still held, then the signals count again.
+    for t in range(20, 30):
+        d, state = decide(gap(1, 1, wait_ms=3100.0), state, CFG, now_s=t)
+        assert (d.level, d.capacity_gap) == (0, True), t
+    d, state = decide(gap(1, 1, wait_ms=3100.0), state, CFG, now_s=30)
+    assert (d.level, d.capacity_gap) == (1, False)
+    assert (state.gap_since_s, state.gap_last_s) == (None, None)
+
+
+def test_a_scale_up_is_demand_not_a_gap() -> None:
+    # The autoscaler wants 4 where 1 serves: those 3 were never there; the queue counts.
+    d, state = decide(gap(1, 1), DegradationState(), CFG, now_s=0)
+    d, state = decide(gap(1, 4, queue=600), state, CFG, now_s=1)
+    assert (d.level, d.capacity_gap, state.serving_high) == (1, False, 1)
+    d, state = decide(gap(2, 4, queue=600), state, CFG, now_s=2)
+    assert (d.level, state.serving_high) == (4, 2)
+    # Scaled back down to 1: what it had follows the target down, so 1 serving is no gap.
+    d, state = decide(gap(1, 1), state, CFG, now_s=3)
+    assert (d.capacity_gap, state.serving_high) == (False, 1)
+
+
+def test_a_capacity_gap_holds_a_level_it_did_not_raise() -> None:
+    state = DegradationState(level=2, serving_high=2)
+    d, state = decide(gap(1, 2, queue=600), state, CFG, now_s=0)
+    assert (d.level, d.target_level, d.capacity_gap) == (2, 2, True)  # held at 2: no streak either way
+    assert state.lower_since_s is None and state.up_since_s is None
+
+
+def test_gpu_vram_and_errors_are_never_held_by_a_gap() -> None:
+    state = DegradationState(serving_high=1)
+    d, s2 = decide(gap(0, 1, vram=99.5), state, CFG, now_s=0)
+    d, s2 = decide(gap(0, 1, vram=99.5), s2, CFG, now_s=1)
+    assert (d.level, d.capacity_gap) == (4, True)
+    d, _ = decide(gap(0, 1, err=0.5, n=50), state, CFG, now_s=0)
+    assert (d.level, d.target_level) == (1, 3)
+
+
+def test_a_gap_longer_than_its_limit_is_the_new_capacity() -> None:
+    state = DegradationState(serving_high=2)
+    for t in range(0, 120):
+        d, state = decide(gap(1, 2, queue=600), state, CFG, now_s=t)
+        assert d.level == 0, t
+    d, state = decide(gap(1, 2, queue=600), state, CFG, now_s=120)
+    assert (d.level, d.capacity_gap, state.serving_high) == (1, False, 1)
+    d, state = decide(gap(1, 2, queue=600), state, CFG, now_s=121)
+    assert d.level == 4
+
+
+def test_a_gap_that_reopens_within_the_settle_time_keeps_its_clock() -> None:
+    state = DegradationState(serving_high=1)
+    for t in range(0, 60):
+        d, state = decide(gap(0, 1, queue=600), state, CFG, now_s=t)
+    for t in range(60, 65):  # closed for 5 s, less than the settle time
+        d, state = decide(gap(1, 1), state, CFG, now_s=t)
+    d, state = decide(gap(0, 1, queue=600), state, CFG, now_s=65)
+    assert state.gap_since_s == 0
+    for t in range(66, 120):
+        d, state = decide(gap(0, 1, queue=600), state, CFG, now_s=t)
+        assert d.level == 0
+    d, state = decide(gap(0, 1, queue=600), state, CFG, now_s=120)
+    assert d.level == 1  # 120 s of gap in all: no longer held
+
+
+def test_no_gap_without_both_counts() -> None:
+    state = DegradationState(serving_high=3)
+    d, state2 = decide(sig(queue=600), state, CFG, now_s=0)
+    assert not d.capacity_gap and state2.serving_high == 3
+    with pytest.raises(ValueError, match="replicas_serving"):
+        gap(-1, 1)
+    with pytest.raises(ValueError, match="serving_high"):
+        DegradationState(serving_high=-1)
 
 
 def test_conservative_level() -> None:
