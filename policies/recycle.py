@@ -39,10 +39,16 @@ guards. A replica past its threshold but outside the window is listed in
 * ``level`` — at degradation level ``block_at_level`` or above the service is
   short of capacity; a scheduled recycle would take more away. Forced orders
   still go: a replica about to OOM will go down anyway, better drained.
-* ``min_available`` — the healthy replicas left, not counting those already
-  recycling nor this one if it is healthy, must stay ≥ ``min_available``. A
-  replica that is not healthy (draining, not ready) serves nothing, so
-  recycling it lowers nothing.
+* ``min_available`` — the replicas left serving, not counting those already
+  recycling nor this one, must stay ≥ ``min_available``. A replica whose
+  watchdog stopped its intake still serves (the request router falls back to it
+  when no ready replica is left), so its recycle waits for its replacement too:
+  the replacement takes traffic before the old replica stops taking it. Only a
+  replica that serves nothing (draining, hung) is recycled without a
+  replacement. A ``critical`` verdict (time-to-OOM short, VRAM critical) waits
+  for its replacement only where one can come (``ceilings``: the deployment is
+  below its most replicas); at the ceiling it goes at once, since that replica
+  will go down anyway and is better drained now.
 
 **Stuck recycles.** A recycle still open ``recycle_timeout_s`` after it started
 is reported in ``Plan.stuck`` (an alert) and its slot freed, so one replacement
@@ -150,11 +156,15 @@ class ReplicaView:
     request: Optional[str] = None  # a watchdog's recycle request reason, if any
     critical: bool = False  # that request is critical (time-to-OOM short, VRAM critical)
     manual: bool = False  # an operator asked for it
+    #: Takes traffic (``takes_traffic``): healthy, or only its intake stopped. None: as healthy.
+    serving: Optional[bool] = None
 
     def __post_init__(self) -> None:
         check_name("replica_id", self.replica_id)
         check_name("deployment", self.deployment)
         check_finite("started_at_s", self.started_at_s)
+        if self.serving is None:
+            object.__setattr__(self, "serving", self.healthy)
 
 
 @dataclass(frozen=True)
@@ -292,11 +302,14 @@ def plan(
     cfg: RecycleConfig,
     now_s: float,
     hour_of_day: float,
+    ceilings: Optional[Mapping[str, int]] = None,
 ) -> tuple[Plan, RecycleState]:
     """One control tick: settle the recycles in flight, then start what the guards allow.
 
     ``replicas``: every replica the controller sees now (unique ids);
     ``targets``: each deployment's current target replica count (autoscaler);
+    ``ceilings``: the most replicas each deployment may have (a surge needs room;
+    a deployment not named may surge);
     ``level``: the current degradation level. Deterministic: deployments in
     name order, due replicas by priority, then oldest first, then id.
     """
@@ -344,8 +357,9 @@ def plan(
     for dep in sorted(by_deployment):
         rs = by_deployment[dep]
         slots = cfg.max_unavailable - in_flight_count.get(dep, 0)
-        # Healthy replicas that will still serve: those already recycling don't count.
-        serving = sum(1 for r in rs if r.healthy and r.replica_id not in in_flight_ids)
+        # Replicas that will still serve: those already recycling don't count.
+        serving = sum(1 for r in rs if r.serving and r.replica_id not in in_flight_ids)
+        can_surge = ceilings is None or ceilings.get(dep, len(rs) + 1) > len(rs)
         candidates: list[tuple[int, float, str, Order, ReplicaView]] = []
         outside_window: list[ReplicaView] = []
         for r in rs:
@@ -362,15 +376,15 @@ def plan(
                 waiting.append((r.replica_id, "max_unavailable"))
             elif level >= cfg.block_at_level and not order.forced:
                 waiting.append((r.replica_id, "level"))
-            elif r.healthy and serving - 1 < cfg.min_available:
+            elif r.serving and serving - 1 < cfg.min_available and (order.reason != "critical" or can_surge):
                 waiting.append((r.replica_id, "min_available"))
             else:
                 start.append(order)
                 # The count to get back to includes this replica's replacement, healthy.
-                healthy_before = serving if r.healthy else serving + 1
+                healthy_before = serving if r.serving else serving + 1
                 new_in_flight.append(InFlight(r.replica_id, dep, order.reason, now_s, healthy_before))
                 slots -= 1
-                if r.healthy:
+                if r.serving:
                     serving -= 1
         for r in sorted(outside_window, key=lambda r: (r.started_at_s, r.replica_id)):
             waiting.append((r.replica_id, "window"))
@@ -420,6 +434,16 @@ KILL_COOLDOWN_S = 60.0
 MAX_KILLED = 256
 
 
+def takes_traffic(report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool) -> bool:
+    """Capacity now: not draining, not hung, not being recycled.
+
+    A replica whose watchdog stopped its intake still counts: the request router
+    sends it work when no ready replica is left (serve_app/model/routing.py), so
+    recycling it before a replacement serves would leave nobody answering.
+    """
+    return not report.get("draining") and not watchdog.get("hung") and not in_flight
+
+
 def replica_healthy(report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool) -> bool:
     """Serving now: ready by its own and its watchdog's word, not draining, not hung, not being recycled."""
     return (
@@ -449,6 +473,7 @@ def replica_view(
         deployment=str(report.get("deployment")),
         started_at_s=_started_at_s(report, watchdog, now_s),
         healthy=replica_healthy(report, watchdog, in_flight),
+        serving=takes_traffic(report, watchdog, in_flight),
         request=(watchdog.get("reason") or "watchdog") if asked else None,
         critical=asked and bool(watchdog.get("critical")),
         manual=manual,
@@ -466,13 +491,16 @@ def surging(
 
     ``known`` maps each reporting replica to its deployment. A deployment surges while
     a watchdog stopped one of its replicas' intake or asked for its recycle (the
-    ladder's last rungs), while one of its recycles waits on min_available, or while
-    one is in flight.
+    ladder's last rungs), or calls it hung (it is killed; the surge starts its
+    replacement now rather than when Serve notices the dead actor), while one of its
+    recycles waits on min_available, or while one is in flight.
     """
     if not enabled:
         return frozenset()
     stopping = {
-        known[rid] for rid, wd in watchdogs.items() if rid in known and (wd.get("ready") is False or wd.get("recycle_requested"))
+        known[rid]
+        for rid, wd in watchdogs.items()
+        if rid in known and (wd.get("ready") is False or wd.get("recycle_requested") or wd.get("hung"))
     }
     held = {known[rid] for rid, why in waiting if why == "min_available" and rid in known}
     return frozenset(stopping | {f.deployment for f in state.in_flight} | held)
@@ -561,12 +589,16 @@ def recycle_step(
     now_s: float,
     hour_of_day: float,
     surge: bool = True,
+    ceilings: Optional[Mapping[str, int]] = None,
 ) -> tuple[RecycleStep, RecycleState, KillState]:
     """One recycling tick: hung kills first (outside every limit), then the plan, then the surge.
 
     ``views`` (``replica_views``) must be built from ``state`` as it was before this call.
+    ``ceilings``: each deployment's most replicas (``plan``); without the surge none has room.
     """
     kills, kill_state = hung_kills(watchdogs, kill_state, now_s)
-    p, state = plan(views, targets, state, level, cfg, now_s, hour_of_day)
+    if not surge:
+        ceilings = {v.deployment: 0 for v in views}
+    p, state = plan(views, targets, state, level, cfg, now_s, hour_of_day, ceilings)
     known = {v.replica_id: v.deployment for v in views}
     return RecycleStep(p, kills, surging(known, watchdogs, state, p.waiting, surge)), state, kill_state

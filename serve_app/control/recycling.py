@@ -154,6 +154,7 @@ class RecycleCoordinator:
         watchdogs: dict[str, dict[str, Any]],
         targets: dict[str, int],
         level: int,
+        ceilings: Optional[dict[str, int]] = None,
     ) -> None:
         now = self._wall()
         if self._last_wall is not None:
@@ -173,7 +174,8 @@ class RecycleCoordinator:
             del self.manual[r]
         views = recycle.replica_views(replicas, watchdogs, self.state, frozenset(self.manual), now)
         step, self.state, self._kills = recycle.recycle_step(
-            views, watchdogs, targets, level, self.state, self._kills, self.cfg, now, _hour_of_day(now), self.settings.surge
+            views, watchdogs, targets, level, self.state, self._kills, self.cfg, now, _hour_of_day(now), self.settings.surge,
+            ceilings,
         )
         for k in step.kills:
             self.kill_orders.append(

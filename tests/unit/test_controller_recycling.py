@@ -20,10 +20,10 @@ from serve_app.control.link import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
 WALL0 = 1_000_000
 
 
-def cfg(**recycle: Any):
+def cfg(replicas: tuple[int, int] = (2, 2), **recycle: Any):
     return load_config(
         {
-            "deployments": {"model": {"min_replicas": 2, "max_replicas": 2}},
+            "deployments": {"model": {"min_replicas": replicas[0], "max_replicas": replicas[1]}},
             "controller": {"report_expiry_s": 3},
             "recycle": {
                 "max_age_s": None, "forced_max_age_s": None, "window_start_hour": None, "window_end_hour": None,
@@ -128,12 +128,87 @@ def test_manual_recycle_of_every_replica_goes_one_at_a_time_with_a_lease() -> No
     assert 0 < avail["measured"] < 1 and avail["out_s"] > 0
 
 
-def test_a_watchdog_request_recycles_even_a_lone_replica_that_stopped_taking_work() -> None:
-    f = harness(cfg(min_available=1), n=1)
+def test_a_critical_lone_replica_at_its_ceiling_is_recycled_at_once() -> None:
+    # max_replicas 1: no replacement can come first, and the replica will go down anyway.
+    f = harness(cfg((1, 1), min_available=1), n=1)
     f.step()
     f.watchdogs["r0"].update(ready=False, recycle_requested=True, critical=True, reason="rss_bytes leak 900 MiB/h, limit in 0.4h")
     snap = f.step()
     assert snap["recycle_orders"]["r0"]["reason"] == "critical"
+
+
+def test_a_critical_lone_replica_below_its_ceiling_waits_for_its_replacement() -> None:
+    f = harness(cfg((1, 2), min_available=1), n=1)
+    f.step()
+    f.watchdogs["r0"].update(ready=False, recycle_requested=True, critical=True, reason="rss_bytes leak 900 MiB/h, limit in 0.4h")
+    snap = f.step()
+    assert snap["recycle_orders"] == {} and snap["desired_replicas"][MODEL_DEPLOYMENT] == 1
+    snap = f.step()  # the surge from the last tick's plan: one replica more
+    assert snap["desired_replicas"][MODEL_DEPLOYMENT] == 2 and snap["recycle_orders"] == {}
+    f.add("r1")
+    assert list(f.step()["recycle_orders"]) == ["r0"]
+
+
+STARTUP_TICKS = 5  # a new replica reports this many ticks after Serve starts it
+HEALTH_FAILS = 3  # Serve stops a replica whose health check failed this many times
+
+
+def test_a_planned_recycle_starts_the_replacement_before_the_old_replica_stops(  # noqa: C901
+) -> None:
+    """The order of a leak recycle on a lone replica, tick by tick, with Serve played here.
+
+    Serve starts replicas up to the controller's desired count (each reports after
+    STARTUP_TICKS) and stops a draining replica HEALTH_FAILS ticks after its order.
+    While no replica takes traffic, every replica reports a 3.1 s queue wait (what the
+    soak saw). The replacement must serve before the old replica stops, so no tick is
+    without a serving replica and the level never moves.
+    """
+    f = harness(cfg((1, 2), min_available=1), n=1)
+    f.step()
+    starting: list[int] = []  # ticks left before each started replica reports
+    draining_for: dict[str, int] = {}
+    log: list[tuple[int, str]] = []
+    seq = 1
+    f.watchdogs["r0"].update(ready=False, recycle_requested=True, reason="rss_bytes leak 750 MiB/h, limit in 3.0h")
+    f.replicas["r0"]["ready"] = False  # the ladder's stop_intake rung: the replica says so too
+    for tick in range(60):
+        serving = [r for r, rep in f.replicas.items() if not rep["draining"]]
+        for rep in f.replicas.values():
+            rep["queue_wait_p95_ms"] = None if serving else 3100.0
+        snap = f.step()
+        assert serving, f"tick {tick}: no replica serving"
+        assert snap["level"] == 0, (tick, snap["reason"])
+        for rid in snap["recycle_orders"]:
+            if rid not in draining_for and rid in f.replicas:
+                draining_for[rid] = HEALTH_FAILS
+                log.append((tick, f"order {rid}"))
+        for rid in list(draining_for):
+            draining_for[rid] -= 1
+            if draining_for[rid] == 0 and rid in f.replicas:
+                del f.replicas[rid], f.watchdogs[rid]
+                log.append((tick, f"stopped {rid}"))
+        # Serve: start what the desired count asks for beyond what runs or is starting.
+        desired = snap["desired_replicas"][MODEL_DEPLOYMENT]
+        live = sum(1 for r in f.replicas.values() if not r["draining"])
+        for _ in range(desired - live - len(starting)):
+            starting.append(STARTUP_TICKS)
+        starting = [t - 1 for t in starting]
+        while starting and starting[0] <= 0:
+            starting.pop(0)
+            f.add(f"r{seq}")
+            log.append((tick, f"serving r{seq}"))
+            seq += 1
+        # ... and stop the extra one once the surge is given back (the newest, as Serve may).
+        extra = [r for r, rep in f.replicas.items() if not rep["draining"]][desired:]
+        for rid in extra:
+            del f.replicas[rid], f.watchdogs[rid]
+            log.append((tick, f"scaled down {rid}"))
+    kinds = [e for _, e in log]
+    assert kinds.index("serving r1") < kinds.index("order r0") < kinds.index("stopped r0"), log
+    assert [e["outcome"] for e in events(f.core)] == ["started", "completed"]
+    final = f.step()
+    assert final["recycle_orders"] == {} and final["autoscale"][MODEL_DEPLOYMENT]["recycle_surge"] == 0
+    assert final["desired_replicas"][MODEL_DEPLOYMENT] == 1 and len(f.replicas) == 1 and "r0" not in f.replicas
 
 
 def test_a_controller_that_dies_mid_recycle_leaves_nothing_stuck() -> None:
