@@ -7,7 +7,9 @@ Request path (DESIGN.md "The request path"), in ``GenerateRoutes.generate``:
 2. body bounded (413) and validated (422, naming the field); a criticality claim above
    the tenant's cap is lowered (policies/request.py)
 3. kill switch (global / tenant / criticality scope: 503 KILL_SWITCH with the reason)
-4. admission: current degradation level × criticality (503 OVERLOADED + Retry-After)
+4. admission: current degradation level × criticality (503 OVERLOADED + Retry-After);
+   critical_plus that the level or the gate (step 7) will not give the primary goes to
+   the fallback model alone while that one can answer (``ResilientCaller.can_fall_back``)
 5. per-tenant concurrency bulkhead (429 CONCURRENCY_LIMIT)
 6. clamp to the level's constraints (max_tokens, streaming) and say so in the answer;
    the tenant's token quota charged with the estimate (429 QUOTA_EXCEEDED)
@@ -92,7 +94,10 @@ class GenerateRoutes:
         eff = self._cache.effective()
         self._m_level.set(eff.level)
         decision = admit(req.criticality, eff.level, eff.constraints)
-        if not decision.admitted:
+        # critical_plus is refused only when neither model can answer it: a level that
+        # does not admit it at the primary still sends it to a healthy fallback.
+        fallback_only = not decision.admitted and self._fallback_may_answer(req.criticality, now_wall)
+        if not decision.admitted and not fallback_only:
             self._offered[crit] = self._offered.get(crit, 0) + 1  # demand the level turned away
             self._stats.shed += 1
             self._count(tenant, crit, "OVERLOADED")
@@ -136,10 +141,12 @@ class GenerateRoutes:
         }
         call = {"prompt": req.prompt, "max_tokens": max_tokens}
         settle = self._settlement(tenant, bucket, cost, prompt_tokens)
-        slot = await self._enter_gate(req.criticality, tenant, deadline_s, settle)
+        slot = GateSlot(None) if fallback_only else await self._enter_gate(req.criticality, tenant, deadline_s, settle)
+        if slot is None:  # the gate refused it, the fallback may answer
+            slot, fallback_only = GateSlot(None), True
         if req.stream and eff.constraints.streaming:
             return StreamingResponse(
-                self._stream(call, meta, tenant, crit, started, deadline_s, settle, slot),
+                self._stream(call, meta, tenant, crit, started, deadline_s, settle, slot, fallback_only),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -149,7 +156,7 @@ class GenerateRoutes:
             settle(None)
             raise InvalidRequest("Idempotency-Key: 1 to 200 characters", field="Idempotency-Key")
         async def work() -> dict[str, Any]:
-            result, fallback = await self._call_unary(call, tenant, crit, started, deadline_s)
+            result, fallback = await self._call_unary(call, tenant, crit, started, deadline_s, fallback_only)
             body = {"text": result["text"], "tokens_generated": result["tokens"], **meta, "fallback": fallback}
             if fallback == "fallback_model" and self._cfg.fallback is not None:
                 body["model"] = self._cfg.fallback.model.name
@@ -173,7 +180,9 @@ class GenerateRoutes:
             raise
         finally:
             held_s = time.monotonic() - slot_t0
-            if timed_out and self._gate is not None:
+            if fallback_only:  # the fallback's timing says nothing about the primary's gate
+                pass
+            elif timed_out and self._gate is not None:
                 # The model could not answer in time: at least that long a wait. Counting
                 # only answered requests hid the overload from the gate (the ones that
                 # finished had, by selection, waited briefly): it kept admitting requests
@@ -194,13 +203,23 @@ class GenerateRoutes:
             return Response(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(body, headers=headers)
 
-    async def _enter_gate(self, criticality: Criticality, tenant: str, deadline_s: float, settle: Any) -> GateSlot:
-        """A slot at the model, or 503 OVERLOADED now (and the quota charge refunded)."""
+    def _fallback_may_answer(self, criticality: Criticality, now_wall: float) -> bool:
+        """critical_plus that the primary will not take goes to the fallback alone, if it can answer."""
+        return criticality is Criticality.CRITICAL_PLUS and self._caller.can_fall_back(self._kill_switches, now_wall)
+
+    async def _enter_gate(
+        self, criticality: Criticality, tenant: str, deadline_s: float, settle: Any
+    ) -> Optional[GateSlot]:
+        """A slot at the model; None when the gate refused a request the fallback may answer
+        (critical_plus); else 503 OVERLOADED now (and the quota charge refunded)."""
         if self._gate is None:
             return GateSlot(None)
         try:
             await self._gate.acquire(criticality.rank, deadline_s - DEADLINE_LEAD_S)
         except GateRefused as g:
+            if self._fallback_may_answer(criticality, time.time()):
+                self._m_gate_refused.inc(tags={"reason": g.reason, "criticality": criticality.value})
+                return None
             settle(None)
             self._stats.shed += 1
             self._count(tenant, criticality.value, "OVERLOADED")
@@ -295,13 +314,13 @@ class GenerateRoutes:
             self._gate.observe_wait(wait_ms)
 
     async def _call_unary(
-        self, call: dict[str, Any], tenant: str, crit: str, started: float, deadline_s: float
+        self, call: dict[str, Any], tenant: str, crit: str, started: float, deadline_s: float, fallback_only: bool = False
     ) -> tuple[dict[str, Any], Optional[str]]:
         self._stats.inflight += 1
         sent = time.monotonic()
         try:
             result, fallback = await asyncio.wait_for(
-                self._caller.unary(call, deadline_s, self._kill_switches, time.time()),
+                self._caller.unary(call, deadline_s, self._kill_switches, time.time(), fallback_only),
                 timeout=max(0.001, deadline_s - sent),
             )
         except asyncio.CancelledError:  # client went away
@@ -333,6 +352,7 @@ class GenerateRoutes:
         deadline_s: float,
         settle: Any,
         slot: GateSlot,
+        fallback_only: bool = False,
     ) -> AsyncGenerator[bytes, None]:
         self._stats.inflight += 1
         self._tenant_inflight[tenant] = self._tenant_inflight.get(tenant, 0) + 1
@@ -340,7 +360,7 @@ class GenerateRoutes:
         tokens = 0
         code, error = "OK", False
         try:
-            chunks, fallback = await self._caller.stream(call, deadline_s, self._kill_switches, time.time())
+            chunks, fallback = await self._caller.stream(call, deadline_s, self._kill_switches, time.time(), fallback_only)
             done = {**meta, "fallback": fallback}
             if fallback == "fallback_model" and self._cfg.fallback is not None:
                 done["model"] = self._cfg.fallback.model.name

@@ -262,15 +262,34 @@ class ResilientCaller:
     def fallback_name(self, backend: Backend) -> Optional[str]:
         return None if backend.role == "primary" else "fallback_model"
 
+    def can_fall_back(self, kill_switches: list, now_wall_s: float) -> bool:
+        """A fallback model that could take a call now: configured, not switched off, its
+        breaker not open and its bulkhead not full. What lets the router send a
+        critical_plus request that the primary cannot take to the fallback alone."""
+        for b in self.backends:
+            if b.role == "fallback":
+                return (
+                    killswitch.model_blocked(kill_switches, now_wall_s, b.model_name) is None
+                    and b.breaker.retry_after_s() <= 0
+                    and b.bulkhead.in_flight < b.bulkhead.limit
+                )
+        return False
+
+    def _chain(self, fallback_only: bool) -> list[Backend]:
+        return [b for b in self.backends if b.role == "fallback"] if fallback_only else self.backends
+
     # -- unary -----------------------------------------------------------------------
     async def unary(
-        self, call: dict[str, Any], deadline_s: float, kill_switches: list, now_wall_s: float
+        self, call: dict[str, Any], deadline_s: float, kill_switches: list, now_wall_s: float, fallback_only: bool = False
     ) -> tuple[dict[str, Any], Optional[str]]:
-        """(result, fallback kind or None); raises a BallastError when nothing can answer."""
+        """(result, fallback kind or None); raises a BallastError when nothing can answer.
+
+        ``fallback_only``: the primary is not to be asked (the level or the gate refused
+        this request there); only the fallback model may answer."""
         self.budget.on_request_start()
         skipped: list[tuple[str, Any]] = []
         try:
-            for b in self.backends:
+            for b in self._chain(fallback_only):
                 if not self._enter(b, kill_switches, now_wall_s, skipped):
                     continue
                 try:
@@ -344,15 +363,15 @@ class ResilientCaller:
 
     # -- streaming -------------------------------------------------------------------
     async def stream(
-        self, call: dict[str, Any], deadline_s: float, kill_switches: list, now_wall_s: float
+        self, call: dict[str, Any], deadline_s: float, kill_switches: list, now_wall_s: float, fallback_only: bool = False
     ) -> tuple[AsyncIterator[dict[str, Any]], Optional[str]]:
         """An iterator over chunks (the first already fetched) and the fallback kind.
 
         The chain applies until a backend yields its first chunk; from then on the
-        stream belongs to that backend.
+        stream belongs to that backend. ``fallback_only`` as for ``unary``.
         """
         skipped: list[tuple[str, Any]] = []
-        for b in self.backends:
+        for b in self._chain(fallback_only):
             if not self._enter(b, kill_switches, now_wall_s, skipped):
                 continue
             permit = b.breaker.allow()

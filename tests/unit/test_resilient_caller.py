@@ -24,6 +24,7 @@ from typing import Any, Optional
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from policies.killswitch import KillSwitchEntry
 from serve_app.config import load_config
 from serve_app.errors import DeadlineExceeded, ModelUnavailable
 from serve_app.router.resilience import CallHooks, ResilientCaller
@@ -422,3 +423,53 @@ async def test_a_full_primary_bulkhead_sends_the_next_request_to_the_fallback() 
     assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
     assert primary.generate.calls == []
     assert await collect(it) == [{"text": "a"}, {"text": "b"}]
+
+
+# -- fallback only (critical_plus the primary will not take) -------------------------------
+
+
+async def test_fallback_only_never_calls_the_primary() -> None:
+    primary = FakeHandle()
+    fallback = FakeHandle(ok("small"), streams=(FakeStream(ok("s")),))
+    caller, clock, _, events = make(primary, fallback)
+    assert caller.can_fall_back([], WALL_S)
+    assert await caller.unary(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True) == ({"text": "small"}, "fallback_model")
+    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)
+    assert kind == "fallback_model" and await collect(it) == [{"text": "s"}]
+    assert primary.generate.calls == [] and primary.generate_stream.calls == []
+    assert events == [("fallback", "fallback_model"), ("fallback", "fallback_model")]
+
+
+async def test_fallback_only_with_the_fallback_failing_is_503_not_a_primary_call() -> None:
+    error = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
+    primary = FakeHandle()
+    fallback = FakeHandle(fails(error))
+    caller, clock, _, _ = make(primary, fallback)
+    with pytest.raises(ModelUnavailable, match="model_error:fallback"):
+        await caller.unary(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)
+    assert primary.generate.calls == []
+
+
+async def test_can_fall_back_needs_a_fallback_that_could_answer_now() -> None:
+    caller, _, _, _ = make(FakeHandle())
+    assert not caller.can_fall_back([], WALL_S)  # none configured
+    error = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
+    fallback = FakeHandle(*(fails(error, takes_s=0) for _ in range(3)))
+    caller, clock, _, _ = make(FakeHandle(), fallback, bulkhead={"fallback": 1})
+    assert caller.can_fall_back([], WALL_S)
+    # Switched off by a model kill switch: not an answer.
+    off = KillSwitchEntry(id="k1", scope="model", value=caller.backends[1].model_name, reason="bad weights",
+                          set_by="ops", created_at_s=WALL_S - 1, expires_at_s=WALL_S + 60)
+    assert not caller.can_fall_back([off], WALL_S)
+    # Its bulkhead full: not now.
+    assert caller.backends[1].bulkhead.try_enter()
+    assert not caller.can_fall_back([], WALL_S)
+    caller.backends[1].bulkhead.leave()
+    # Its breaker open: not until it half-opens.
+    for _ in range(3):
+        with pytest.raises(ModelUnavailable):
+            await caller.unary(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)
+    assert breaker_of(caller, "fallback")["state"] == "open"
+    assert not caller.can_fall_back([], WALL_S)
+    clock.now_s += 10
+    assert caller.can_fall_back([], WALL_S)
