@@ -40,6 +40,7 @@ from serve_app.router.api import app
 from serve_app.router.gate import PriorityGate
 from serve_app.router.generate import GenerateRoutes
 from serve_app.router.idempotency import IdempotencyStore
+from serve_app.router.pipeline import Pipeline
 from serve_app.router.resilience import CallHooks, ResilientCaller
 from serve_app.control.snapshot import Snapshot
 
@@ -86,7 +87,7 @@ class _Stats:
 
 
 @serve.ingress(app)
-class Router(GenerateRoutes, AdminRoutes):
+class Router(GenerateRoutes, AdminRoutes, Pipeline):
     """One router replica: the routes of generate.py and admin.py, and the state they share."""
 
     def __init__(self, model: Any, cfg: dict[str, Any], fallback: Any = None):
