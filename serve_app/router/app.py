@@ -40,6 +40,7 @@ from serve_app.router.api import app
 from serve_app.router.gate import PriorityGate
 from serve_app.router.generate import GenerateRoutes
 from serve_app.router.idempotency import IdempotencyStore
+from serve_app.router.openai import OpenAIRoutes
 from serve_app.router.pipeline import Pipeline
 from serve_app.router.resilience import CallHooks, ResilientCaller
 from serve_app.control.snapshot import Snapshot
@@ -87,7 +88,7 @@ class _Stats:
 
 
 @serve.ingress(app)
-class Router(GenerateRoutes, AdminRoutes, Pipeline):
+class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
     """One router replica: the routes of generate.py and admin.py, and the state they share."""
 
     def __init__(self, model: Any, cfg: dict[str, Any], fallback: Any = None):
@@ -96,6 +97,7 @@ class Router(GenerateRoutes, AdminRoutes, Pipeline):
         self._model = model
         self._stats = _Stats()
         self._router_id = f"router-{uuid.uuid4().hex[:8]}"
+        self._created_s = int(time.time())  # /v1/models' "created"
         self._link, self._cache, self._exchange = connect(
             self._cfg, "report_router", self._report, on_snapshot=self._on_snapshot, on_reply=self._on_reply
         )

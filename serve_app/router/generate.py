@@ -65,12 +65,15 @@ class GenerateRoutes:
 
     async def _native_stream(self, admitted: Admitted, call: dict[str, Any], meta: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         end = StreamEnd()
+        chunks = self._answer_stream(admitted, call, end)
         try:
-            async for chunk in self._answer_stream(admitted, call, end):
+            async for chunk in chunks:
                 yield sse_event("token", {"text": chunk["text"], "tokens": chunk["tokens"]})
             yield sse_event("done", {"tokens_generated": end.tokens, **meta, "fallback": end.fallback, "model": self._answered_by(end.fallback)})
         except BallastError as err:
             yield sse_event("error", err.body())
+        finally:
+            await chunks.aclose()  # a client that left mid-stream: settled now, not when collected
 
     def _parse(self, body: bytes) -> GenerateRequest:
         try:

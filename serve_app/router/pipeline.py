@@ -91,10 +91,14 @@ class Admitted:
 
 @dataclass
 class StreamEnd:
-    """Filled in as a stream runs: which backend answered and how many tokens it gave."""
+    """Filled in as a stream runs: which backend answered and how many tokens it gave.
+
+    ``enough``: set by the front before it closes the stream early because it has all
+    it wants (a stop string): that close is an answer, not a client that left."""
 
     fallback: Optional[str] = None
     tokens: int = 0
+    enough: bool = False
 
 
 class Pipeline:
@@ -335,8 +339,8 @@ class Pipeline:
                     self._add_wait((time.monotonic() - sent) * 1000.0, end.fallback)
                 end.tokens += chunk["tokens"]
                 yield chunk
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away
-            outcome = Outcome("CANCELLED")
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the front has enough)
+            outcome = Outcome("OK" if end.enough else "CANCELLED")
             raise
         except BallastError as err:
             outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status))
