@@ -156,12 +156,15 @@ def control_step(
     """The controller's tick: the level, then the autoscaler, then the surge.
 
     The level sees the replicas serving against the target Serve was last asked for
-    (the capacity gap: a replica recycled, killed or still starting).
+    (the capacity gap: a replica recycled, killed or still starting), and whether a
+    recycle of the primary is under way (the recycler's surge).
     """
     target = current_target(state.autoscale, inputs.running_replicas, as_cfg)
     signals = inputs.signals
     if inputs.serving_replicas is not None:
         signals = replace(signals, replicas_serving=inputs.serving_replicas, replicas_target=target)
+    if inputs.surging:  # a recycle of the primary under way: what it costs is not demand
+        signals = replace(signals, recycling=True)
     level, deg_state = degradation.decide(signals, state.degradation, deg_cfg, now_s)
     scale, as_state = autoscale.decide(
         AutoscaleSample(t_s=now_s, ongoing_requests=float(inputs.ongoing_requests), gpu_util_pct=inputs.signals.gpu_util_pct),

@@ -27,7 +27,9 @@ The level moves fast both ways, but only on evidence:
 **Missing capacity is not demand.** While the primary has fewer replicas serving
 than it had (a replica recycled, killed or crashed, and its replacement not yet
 serving; ``DegradationState.serving_high`` remembers what it had, never more than
-the autoscaler's target), requests wait for the replacement, and the signals
+the autoscaler's target), or while one of the controller's own recycles is under way
+(its surge replica starting, the old replica draining), requests wait for the
+replacement or for the switch, and the signals
 that wait inflates (queue length, queue wait, demand over the capacity measured)
 say "overload" although nothing sheds the cause: the replacement does. During
 such a gap, and for ``capacity_gap_settle_s`` after it (the replicas' wait window),
@@ -323,6 +325,8 @@ class LoadSignals:
     #: Primary replicas taking traffic now, and how many the controller wants (None: unknown).
     replicas_serving: int | None = None
     replicas_target: int | None = None
+    #: One of the controller's own recycles of the primary is under way (its surge or its drain).
+    recycling: bool = False
 
     def __post_init__(self) -> None:
         check_int("queue_length", self.queue_length, minimum=0)
@@ -480,10 +484,13 @@ class _Gap:
     last_s: float | None
     serving_high: int | None
     age_s: float = 0.0
+    missing: bool = False  # replicas missing this tick (else a recycle of ours, or the settle time)
 
 
 def _gap(signals: LoadSignals, state: DegradationState, cfg: DegradationConfig, now_s: float) -> _Gap:
-    """This tick's capacity gap: fewer replicas serving than the deployment had.
+    """This tick's capacity gap: fewer replicas serving than the deployment had, or one of
+    the controller's own recycles under way (a replacement starting beside a replica on
+    the same host, the switch from the old replica to the new one).
 
     What it had (``serving_high``) follows the serving count up, and down with the
     autoscaler's target; a gap older than ``capacity_gap_max_s`` is accepted as the
@@ -494,17 +501,19 @@ def _gap(signals: LoadSignals, state: DegradationState, cfg: DegradationConfig, 
     if last is not None and (now_s < last or now_s - last > cfg.capacity_gap_settle_s):
         since = last = None  # settled (or a clock from another process): forgotten
     serving, target = signals.replicas_serving, signals.replicas_target
+    missing = False
     if serving is not None and target is not None:
         high = serving if high is None else max(min(high, target), serving)
-        if serving < high:
-            since = now_s if since is None else since
-            last = now_s
-            if now_s - since >= cfg.capacity_gap_max_s:
-                high = serving  # missing that long: it is the capacity now
+        missing = serving < high
+    if missing or signals.recycling:
+        since = now_s if since is None else since
+        last = now_s
+        if missing and now_s - since >= cfg.capacity_gap_max_s:
+            high = serving  # missing that long: it is the capacity now
     if since is None or last is None:
         return _Gap(False, None, None, high)
     age = last - since
-    return _Gap(age < cfg.capacity_gap_max_s, since, last, high, age)
+    return _Gap(age < cfg.capacity_gap_max_s, since, last, high, age, missing)
 
 
 def decide(
@@ -538,10 +547,12 @@ def decide(
     if gap.holding:
         raw, _ = target_level(signals, cfg)
         if raw > target:
-            target_reason += (
-                f" [capacity gap {signals.replicas_serving}/{gap.serving_high} for {_fmt(round(gap.age_s, 1))}s:"
-                f" queue signals held at {level}, would ask {raw}]"
+            what = (
+                f"capacity gap {signals.replicas_serving}/{gap.serving_high}"
+                if gap.missing
+                else ("recycle under way" if signals.recycling else "capacity gap settling")
             )
+            target_reason += f" [{what} for {_fmt(round(gap.age_s, 1))}s: queue signals held at {level}, would ask {raw}]"
     up_since, up_min = None, None
     lower_since, lower_max = None, None
 

@@ -374,7 +374,7 @@ def test_a_capacity_gap_holds_the_queue_signals_at_the_level() -> None:
         d, state = decide(gap(0, 1, wait_ms=3100.0, queue=600), state, CFG, now_s=t)
         assert (d.level, d.capacity_gap) == (0, True), t
     assert d.target_level == 0
-    assert "[capacity gap 0/1 for 18s: queue signals held at 0, would ask 4]" in d.reason
+    assert d.reason == "normal [capacity gap 0/1 for 18s: queue signals held at 0, would ask 4]"
     assert (state.gap_since_s, state.gap_last_s, state.serving_high) == (1, 19, 1)
     # The replacement serves; the replicas' wait window still holds the gap's waits
     # for capacity_gap_settle_s (10 s): still held, then the signals count again.
@@ -438,6 +438,23 @@ def test_a_gap_that_reopens_within_the_settle_time_keeps_its_clock() -> None:
         assert d.level == 0
     d, state = decide(gap(0, 1, queue=600), state, CFG, now_s=120)
     assert d.level == 1  # 120 s of gap in all: no longer held
+
+
+def test_a_recycle_under_way_holds_the_queue_signals_too() -> None:
+    # The surge replica starts beside the old one (on a small host it slows it down),
+    # then the old one drains: the waits are the recycle's, not demand.
+    state = DegradationState(serving_high=1)
+    recycling = LoadSignals(**{**gap(1, 2, wait_ms=310.0).__dict__, "recycling": True})
+    for t in range(0, 15):
+        d, state = decide(recycling, state, CFG, now_s=t)
+        assert (d.level, d.capacity_gap) == (0, True), t
+    assert d.reason == "normal [recycle under way for 14s: queue signals held at 0, would ask 1]"
+    # Done: the settle time passes, then the signals count again.
+    for t in range(15, 25):
+        d, state = decide(gap(2, 2, wait_ms=310.0), state, CFG, now_s=t)
+        assert d.level == 0, t
+    d, state = decide(gap(2, 2, wait_ms=310.0), state, CFG, now_s=25)
+    assert d.level == 1
 
 
 def test_no_gap_without_both_counts() -> None:
