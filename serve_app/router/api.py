@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
+from serve_app.router.openai_api import openai_error_body
 
 
 def validate_body(model: type, data: Any) -> Any:
@@ -37,8 +38,6 @@ def error_response(err: BallastError, openai: bool = False) -> JSONResponse:
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
     if openai:
-        from serve_app.router.openai_api import openai_error_body
-
         return JSONResponse(openai_error_body(err), status_code=err.status, headers=headers)
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 

@@ -49,7 +49,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from policies.criticality import DEFAULT_CRITICALITY, Criticality
+from policies.criticality import Criticality
 from serve_app.errors import BallastError, InvalidRequest, NotFound
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -204,10 +204,11 @@ class _Sampling(_Strict):
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream=true.")
     user: Optional[str] = Field(None, max_length=256, description="The end user's id, for abuse tracking.")
     n: Optional[Literal[1]] = Field(None, description="Choices per request; only 1 is served.")
-    criticality: Criticality = Field(
-        DEFAULT_CRITICALITY,
-        description="Ballast extension: how much the request matters under overload "
-        "(lowered to the tenant's cap when above it).",
+    criticality: Optional[Criticality] = Field(
+        None,
+        description="Ballast extension: how much the request matters under overload, as the "
+        "X-Ballast-Criticality header (both must agree); default critical, lowered to the "
+        "tenant's cap when above it.",
     )
 
     @field_validator("stream_options")

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from policies.criticality import DEFAULT_CRITICALITY, Criticality
+from policies.criticality import Criticality
 from serve_app.errors import (
     BallastError,
     ChaosDisabled,
@@ -191,7 +191,7 @@ def test_sampling_fields_within_bounds():
     fields = {"temperature": 0, "top_p": 1, "seed": -3, "user": "u" * 256, "criticality": "sheddable_plus"}
     for req in (oa.parse_chat({**CHAT, **fields}), oa.parse_completion({**COMPLETION, **fields})):
         assert (req.temperature, req.top_p, req.seed, req.criticality) == (0, 1, -3, Criticality.SHEDDABLE_PLUS)
-    assert oa.parse_chat(CHAT).criticality is DEFAULT_CRITICALITY
+    assert oa.parse_chat(CHAT).criticality is None  # not sent: the header or the default decides
 
 
 def test_model_is_required():

@@ -21,6 +21,8 @@ ROUTES = {
     ("/v1/chat/completions", "POST", None),
     ("/v1/completions", "POST", None),
     ("/v1/models", "GET", None),
+    ("/openapi.json", "GET", None),
+    ("/docs", "GET", None),
     ("/v1/status", "GET", None),
     ("/healthz/live", "GET", None),
     ("/healthz/ready", "GET", None),
