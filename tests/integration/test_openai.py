@@ -187,19 +187,26 @@ def test_a_fallback_answer_names_its_model(client, ballast):
         clear_chaos(client)
 
 
-def test_a_client_leaving_mid_stream_frees_its_place_at_once(client, ballast):
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "stream": True}),
+    ("/v1/generate", {"prompt": "Hello", "max_tokens": 200, "stream": True}),
+], ids=["openai", "native"])
+def test_a_client_leaving_mid_stream_frees_its_place_at_once(client, ballast, path, body):
     def held() -> tuple[int, int]:
         s = status(client)
         return s["gate"]["in_flight"], s["tenant_inflight"].get("gold", 0)
 
-    wait_until(lambda: held() == (0, 0), 30, 0.25, "an idle router")
+    def rows_running() -> int:
+        replicas = client.get("/admin/replicas", headers=ADMIN).json()["replicas"]
+        return sum(r["running"] or 0 for r in replicas if r["deployment"] == "BallastModel")
+
+    wait_until(lambda: held() == (0, 0) and rows_running() == 0, 30, 0.25, "an idle router and model")
     with httpx.Client(base_url=BASE, timeout=60) as c:
-        with c.stream("POST", "/v1/chat/completions", headers=GOLD, json={
-            "model": MODEL, "messages": MESSAGES, "max_tokens": 200, "stream": True,
-        }) as r:
+        with c.stream("POST", path, headers=GOLD, json=body) as r:
             assert r.status_code == 200
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
+            assert next(r.iter_lines()).startswith(("data: ", "event: "))
             assert held() == (1, 1)
-        # Closed mid-stream: the place, the gate slot and the tenant count come back at once.
+        # Closed mid-stream: the gate slot and the tenant's count come back at once, and
+        # the model drops the row (200 tokens would take far longer than this wait).
     wait_until(lambda: held() == (0, 0), 5, 0.1, "the stream's place back")
+    wait_until(lambda: rows_running() == 0, 5, 0.1, "the model's row freed")
