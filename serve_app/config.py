@@ -49,6 +49,8 @@ class HttpConfig(_Strict):
     # own metrics count every request by tenant, criticality and code; the lines cost
     # ~0.4 ms of CPU per request here (README, "What runs"), so they are off by default.
     access_log: bool = False
+    # GET /docs, the browsable page of the contract; GET /openapi.json is always served.
+    docs_page: bool = True
     # Serve's replica fast path: user code and the handles' request routing run on the
     # replica's own event loop instead of threads of their own, and replica logs go to
     # their files only, not also to stderr. Fixed when Ray starts, like ``ingress``.

@@ -41,6 +41,7 @@ from typing import Any, AsyncGenerator, Optional
 from ray import serve
 
 from policies.admission import clamp_max_tokens
+from policies.deadline import replica_deadline_s
 from policies.stats import nearest_rank
 
 from serve_app.model.backends import BackendSpec, ByteStreamDecoder, TinyDecoderConfig, load_backend
@@ -49,7 +50,6 @@ from serve_app.config import BallastConfig, ModelConfig, load_config
 from serve_app.control.link import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
 from serve_app.errors import DeadlineExceeded
 from serve_app.model.gpu import make_gpu_probe, visible_gpu_uuid
-from serve_app.router.resilience import DEADLINE_LEAD_S
 from serve_app.model.routing import request_router_config
 from serve_app.control.snapshot import Snapshot
 
@@ -387,7 +387,7 @@ class ModelServer:
         if req.get("deadline_at_s") is not None:  # counts the time the call took to get here
             timeout_s = min(timeout_s, float(req["deadline_at_s"]) - time.time())
         self._next_key += 1
-        deadline_s = now + max(0.0, timeout_s - DEADLINE_LEAD_S)
+        deadline_s = replica_deadline_s(now, timeout_s)
         item = _Item(str(req["prompt"]), max_tokens, enqueued_at_s=now, deadline_s=deadline_s, key=self._next_key)
         self._waiting.append(item)
         self._queued += 1

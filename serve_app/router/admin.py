@@ -102,6 +102,7 @@ class AdminRoutes:
             "chaos": snap.chaos if snap else {},
             "recycle": snap.recycle if snap else {},
             "gate": self._gate.snapshot() if self._gate is not None else None,
+            "tenant_inflight": dict(self._tenant_inflight),  # admitted, waiting at the gate or at the model
         }
 
     # -- admin: kill switch and chaos ------------------------------------------------

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
+from serve_app.router.openai_api import openai_error_body
 
 
 def validate_body(model: type, data: Any) -> Any:
@@ -30,10 +31,14 @@ def validate_body(model: type, data: Any) -> Any:
         raise InvalidRequest(f"{field}: {first['msg']}", field=field) from None
 
 
-def error_response(err: BallastError) -> JSONResponse:
+def error_response(err: BallastError, openai: bool = False) -> JSONResponse:
+    """The error's status and body (Ballast's shape, or OpenAI's on the OpenAI routes),
+    with Retry-After when the error says when to come back."""
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    if openai:
+        return JSONResponse(openai_error_body(err), status_code=err.status, headers=headers)
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
@@ -65,16 +70,20 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
 
 app = FastAPI(title="Ballast", docs_url=None, redoc_url=None, openapi_url=None)
 
+#: Routes whose errors take OpenAI's shape (serve_app/router/openai.py).
+OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+
 
 @app.exception_handler(BallastError)
-async def _ballast_error(_: Request, exc: BallastError) -> JSONResponse:
-    return error_response(exc)
+async def _ballast_error(request: Request, exc: BallastError) -> JSONResponse:
+    return error_response(exc, openai=request.url.path in OPENAI_ROUTES)
 
 
 @app.exception_handler(StarletteHTTPException)
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    openai = request.url.path in OPENAI_ROUTES
     if exc.status_code == 404:
-        return error_response(NotFound("no such route"))
+        return error_response(NotFound("no such route"), openai)
     err = BallastError(str(exc.detail))
     err.status, err.code = exc.status_code, "METHOD_NOT_ALLOWED" if exc.status_code == 405 else "HTTP_ERROR"
-    return error_response(err)
+    return error_response(err, openai)

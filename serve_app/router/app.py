@@ -21,6 +21,7 @@ import time
 import uuid
 from typing import Any, Optional
 
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse
 from ray import serve
 
@@ -33,13 +34,17 @@ from policies.quota import Lease, TokenBucket
 from policies.stats import nearest_rank
 
 from serve_app.config import load_config
+from serve_app.errors import NotFound
 from serve_app.router.auth import KeyStore
+from serve_app.router.contract import openapi_document
 from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT, connect
 from serve_app.router.admin import AdminRoutes
 from serve_app.router.api import app
 from serve_app.router.gate import PriorityGate
 from serve_app.router.generate import GenerateRoutes
 from serve_app.router.idempotency import IdempotencyStore
+from serve_app.router.openai import OpenAIRoutes
+from serve_app.router.pipeline import Pipeline
 from serve_app.router.resilience import CallHooks, ResilientCaller
 from serve_app.control.snapshot import Snapshot
 
@@ -86,7 +91,7 @@ class _Stats:
 
 
 @serve.ingress(app)
-class Router(GenerateRoutes, AdminRoutes):
+class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
     """One router replica: the routes of generate.py and admin.py, and the state they share."""
 
     def __init__(self, model: Any, cfg: dict[str, Any], fallback: Any = None):
@@ -95,6 +100,8 @@ class Router(GenerateRoutes, AdminRoutes):
         self._model = model
         self._stats = _Stats()
         self._router_id = f"router-{uuid.uuid4().hex[:8]}"
+        self._created_s = int(time.time())  # /v1/models' "created"
+        self._openapi: Optional[dict[str, Any]] = None  # built at the first GET /openapi.json
         self._link, self._cache, self._exchange = connect(
             self._cfg, "report_router", self._report, on_snapshot=self._on_snapshot, on_reply=self._on_reply
         )
@@ -238,6 +245,18 @@ class Router(GenerateRoutes, AdminRoutes):
         self._exchange.start()
 
     # -- lifecycle -------------------------------------------------------------------
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        if self._openapi is None:
+            self._openapi = openapi_document(app.routes)
+        return JSONResponse(self._openapi)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self):
+        if not self._cfg.http.docs_page:
+            raise NotFound("the docs page is off here (http.docs_page); the contract is at /openapi.json")
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Ballast API")
+
     @app.get("/healthz/live")
     async def live(self) -> dict[str, str]:
         return {"status": "ok"}

@@ -41,16 +41,12 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from policies import killswitch
 from policies.breaker import BreakerEvent, CircuitBreaker, Permit
+from policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
 from policies.retry import RetryBudget, backoff_s, should_retry
 
 from serve_app.config import BallastConfig
 from serve_app.errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable
 
-MIN_ATTEMPT_S = 0.05  # no point starting an attempt with less time than this
-# An attempt ends this much before the request's deadline, so that a hung backend is
-# seen as an attempt timeout (and counted by its breaker) rather than cut off by
-# the router's own deadline, which cannot tell a slow backend from a client that left.
-DEADLINE_MARGIN_S = 0.02
 
 
 class Bulkhead:
@@ -99,18 +95,11 @@ class ResponseCache:
         return len(self._entries)
 
 
-# A request's deadline at the replica is this much earlier than the router's attempt
-# timeout, so the replica's own answer (DeadlineExceeded, or ModelStalled) reaches the
-# router first. The router's gate counts it too: a request needs its service time
-# before the replica's deadline, not the router's.
-DEADLINE_LEAD_S = 0.1
-
-
 def _deadline_fields(left_s: float, now_wall_s: float) -> dict[str, float]:
     """The attempt's deadline for the replica: relative, and as a wall-clock instant.
 
     The instant lets the replica count the time the call spent in transit and in
-    Serve's queues, so its own answer (``DEADLINE_LEAD_S`` before
+    Serve's queues, so its own answer (``policies.deadline.REPLICA_LEAD_S`` before
     the deadline) still reaches the router before the router's timeout fires. Across
     nodes it relies on synchronized clocks (NTP: milliseconds against a 50 ms lead);
     the replica takes the stricter of the two.
@@ -257,7 +246,7 @@ class ResilientCaller:
         return kind
 
     def _attempt_timeout(self, left_s: float) -> float:
-        return max(0.001, min(self._cfg.resilience.attempt_timeout_s, left_s - DEADLINE_MARGIN_S))
+        return attempt_timeout_s(left_s, self._cfg.resilience.attempt_timeout_s)
 
     def fallback_name(self, backend: Backend) -> Optional[str]:
         return None if backend.role == "primary" else "fallback_model"

@@ -1,26 +1,15 @@
 """critical_plus at a level that admits nothing: answered by a healthy fallback, nowhere else.
 
-A real ``Router`` object (generate.py's whole path: auth, admission, quota, gate,
-caller) without Ray: the Serve handles are the boundary, so they are the scripted
-fakes of test_resilient_caller.py, and the controller link is replaced by a snapshot
-offered to the router's own ``SnapshotCache``.
+A real ``Router`` object (tests/unit/routerkit.py: the whole path through FastAPI,
+auth, admission, quota, gate, caller) without Ray; the Serve handles are scripted.
 """
 
 from __future__ import annotations
 
-import inspect
-import time
-import types
-import uuid
-
 import pytest
-from fastapi.testclient import TestClient
 from ray.exceptions import RayTaskError
-from ray.serve._private.http_util import _walk_fastapi_routes
 
-from serve_app.config import load_config
-from serve_app.control.snapshot import Snapshot
-from serve_app.router import app as router_app
+from routerkit import at_level, build_router, routed
 from test_resilient_caller import FakeHandle, FakeResponse, fails
 
 GOLD = {"authorization": "Bearer dev-key-gold"}
@@ -38,35 +27,12 @@ def answer(text: str) -> FakeResponse:
     return FakeResponse(0, result={"text": text, "tokens": 3})
 
 
-def at_level(router, level: int) -> None:
-    cfg = load_config(CFG)
-    router._cache.offer(
-        Snapshot(
-            epoch=uuid.uuid4().hex[:12], version=1, created_at_s=time.time(), level=level, target_level=level,
-            reason="test", constraints=cfg.degradation_config().constraints[level].to_dict(),
-        )
-    )
-
-
 @pytest.fixture()
 def stack():
-    # Serve's ingress wraps the class; its own __init__ (app.py's) builds the state.
-    wrapper = router_app.Router
-    init = next(
-        c.__dict__["__init__"] for c in wrapper.__mro__
-        if "__init__" in c.__dict__ and c.__dict__["__init__"].__qualname__ == "Router.__init__"
-    )
     primary, fallback = FakeHandle(), FakeHandle()
-    router = object.__new__(wrapper)
-    init(router, primary, CFG, fallback)
-    router._exchange = types.SimpleNamespace(start=lambda: None)  # no controller here: the snapshot is offered below
-    routes = [route for route, _, _ in _walk_fastapi_routes(router_app.app)]
-    dep = inspect.signature(routes[0].endpoint).parameters["self"].default.dependency
-    router_app.app.dependency_overrides[dep] = lambda: router
-    try:
-        yield router, primary, fallback, TestClient(router_app.app, raise_server_exceptions=False)
-    finally:
-        router_app.app.dependency_overrides.clear()
+    router = build_router(CFG, primary, fallback)
+    with routed(router) as client:
+        yield router, primary, fallback, client
 
 
 def generate(client, criticality: str):

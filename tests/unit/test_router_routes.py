@@ -18,6 +18,11 @@ from serve_app.router import app as router_app
 
 ROUTES = {
     ("/v1/generate", "POST", None),
+    ("/v1/chat/completions", "POST", None),
+    ("/v1/completions", "POST", None),
+    ("/v1/models", "GET", None),
+    ("/openapi.json", "GET", None),
+    ("/docs", "GET", None),
     ("/v1/status", "GET", None),
     ("/healthz/live", "GET", None),
     ("/healthz/ready", "GET", None),

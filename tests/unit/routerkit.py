@@ -1,0 +1,58 @@
+"""A real ``Router`` object without Ray, for tests of its request path.
+
+Everything the router builds is real (config, key store, gate, quota buckets, the
+resilient caller, metrics objects); the Serve handles are the scripted fakes of
+test_resilient_caller.py, and the controller link is replaced: snapshots are offered
+to the router's own ``SnapshotCache`` with ``at_level``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import types
+import uuid
+from typing import Any
+
+from fastapi.testclient import TestClient
+from ray.serve._private.http_util import _walk_fastapi_routes
+
+from serve_app.config import load_config
+from serve_app.control.snapshot import Snapshot
+from serve_app.router import app as router_app
+
+
+def build_router(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> Any:
+    # Serve's ingress wraps the class (its wrapper serves ASGI inside a replica); the
+    # class app.py defines holds the routes and builds the state.
+    cls = next(
+        c for c in router_app.Router.__mro__
+        if "__init__" in c.__dict__ and c.__dict__["__init__"].__qualname__ == "Router.__init__"
+    )
+    router = cls(primary, cfg, fallback)
+    router._exchange = types.SimpleNamespace(start=lambda: None)  # no controller: snapshots are offered
+    return router
+
+
+def at_level(router: Any, level: int) -> None:
+    constraints = load_config({}).degradation_config().constraints[level].to_dict()
+    router._cache.offer(
+        Snapshot(epoch=uuid.uuid4().hex[:12], version=1, created_at_s=time.time(), level=level, target_level=level,
+                 reason="test", constraints=constraints)
+    )
+
+
+class routed:
+    """``with routed(router) as client``: FastAPI's TestClient on this router object."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        routes = [route for route, _, _ in _walk_fastapi_routes(router_app.app)]
+        self.dep = inspect.signature(routes[0].endpoint).parameters["self"].default.dependency
+
+    def __enter__(self) -> TestClient:
+        router_app.app.dependency_overrides[self.dep] = lambda: self.router
+        return TestClient(router_app.app, raise_server_exceptions=False)
+
+    def __exit__(self, *exc: Any) -> None:
+        router_app.app.dependency_overrides.clear()

@@ -1,0 +1,606 @@
+"""The OpenAI protocol module: what a body may hold, the answers' exact shapes, stop
+strings, the error body. Pure functions and models; no app, no Ray."""
+
+import json
+import pickle
+import re
+
+import pytest
+
+from policies.criticality import Criticality
+from serve_app.errors import (
+    BallastError,
+    ChaosDisabled,
+    ConcurrencyLimited,
+    ControllerUnavailable,
+    DeadlineExceeded,
+    Forbidden,
+    InvalidRequest,
+    KillSwitchActive,
+    ModelUnavailable,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    QuotaExceeded,
+    Unauthenticated,
+)
+from serve_app.router import openai_api as oa
+
+CHAT = {"model": "toy", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "toy", "prompt": "once upon"}
+
+
+def chat_error(**fields) -> oa.BadRequest:
+    with pytest.raises(oa.BadRequest) as e:
+        oa.parse_chat({**CHAT, **fields})
+    return e.value
+
+
+def completion_error(**fields) -> oa.BadRequest:
+    with pytest.raises(oa.BadRequest) as e:
+        oa.parse_completion({**COMPLETION, **fields})
+    return e.value
+
+
+# ------------------------------------------------------------------------------ requests
+
+# A value that asks for the field's effect, for every field Ballast does not serve.
+ASKING = {
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "auto",
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "parallel_tool_calls": True,
+    "logprobs": True,
+    "top_logprobs": 2,
+    "logit_bias": {"50256": -100},
+    "response_format": {"type": "json_object"},
+    "presence_penalty": 0.5,
+    "frequency_penalty": -1,
+    "best_of": 2,
+    "echo": True,
+    "suffix": "end",
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "service_tier": "flex",
+    "store": True,
+    "metadata": {"k": "v"},
+    "reasoning_effort": "low",
+    "web_search_options": {},
+}
+
+
+def test_every_unsupported_field_is_listed_and_tested():
+    assert set(ASKING) == set(oa._UNSUPPORTED)
+
+
+@pytest.mark.parametrize("name", sorted(ASKING))
+def test_an_unsupported_field_is_refused_with_its_name(name):
+    for err in (chat_error(**{name: ASKING[name]}), completion_error(**{name: ASKING[name]})):
+        assert (err.status, err.code, err.field) == (400, "INVALID_REQUEST", name)
+        assert err.message.startswith(f"{name}: not supported by Ballast; leave it out")
+
+
+def test_an_unsupported_field_at_its_neutral_value_or_null_asks_for_nothing():
+    neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "store": False, "tools": None}
+    req = oa.parse_chat({**CHAT, **neutral})
+    assert req.messages[0].content == "hi"
+    assert oa.parse_completion({**COMPLETION, "best_of": 1, "echo": False, "suffix": None}).prompt == "once upon"
+
+
+def test_the_refusal_says_which_value_is_allowed():
+    assert chat_error(logprobs=True).message == "logprobs: not supported by Ballast; leave it out or send false"
+    assert chat_error(best_of=3).message == "best_of: not supported by Ballast; leave it out or send 1"
+
+
+def test_a_count_is_not_false_nor_true_one():
+    # /v1/completions' logprobs is a count: 0 asks for the sampled tokens' logprobs.
+    assert completion_error(logprobs=0).field == "logprobs"
+    assert completion_error(best_of=True).field == "best_of"
+
+
+def test_a_typo_is_refused_with_its_name():
+    err = chat_error(temprature=0.5)
+    assert (err.field, err.message) == ("temprature", "temprature: unknown field")
+    err = chat_error(messages=[{"role": "user", "content": "hi", "nmae": "bob"}])
+    assert err.field == "messages.0.nmae"
+
+
+def test_a_body_that_is_not_an_object_is_refused_as_body():
+    for body in ([CHAT], "hi", None, 3):
+        with pytest.raises(oa.BadRequest) as e:
+            oa.parse_chat(body)
+        assert e.value.field == "body"
+    with pytest.raises(oa.BadRequest) as e:
+        oa.parse_completion([COMPLETION])
+    assert e.value.field == "body"
+
+
+def test_bad_request_is_an_invalid_request_answered_400_and_survives_pickling():
+    err = chat_error(n=2)
+    assert isinstance(err, InvalidRequest)
+    assert (err.status, err.code) == (400, "INVALID_REQUEST")
+    back = pickle.loads(pickle.dumps(err))
+    assert (type(back), back.message, back.field) == (oa.BadRequest, err.message, "n")
+
+
+def test_only_one_choice_is_served():
+    assert (chat_error(n=2).field, chat_error(n=2).message) == ("n", "n: Input should be 1")
+    assert completion_error(n=0).field == "n"
+    assert oa.parse_chat({**CHAT, "n": 1}).n == 1
+
+
+def test_stop_is_a_string_or_up_to_four_non_empty_strings():
+    err = chat_error(stop=["a", "b", "c", "d", "e"])
+    assert err.field == "stop" and "at most 4" in err.message
+    assert chat_error(stop="").field == "stop"
+    assert chat_error(stop=["a", ""]).field == "stop.1"
+    assert chat_error(stop=5).message == "stop: must be a string or a list of at most 4 non-empty strings"
+    assert oa.stops_of(oa.parse_chat({**CHAT, "stop": ["a", "b", "c", "d"]})) == ("a", "b", "c", "d")
+    assert oa.stops_of(oa.parse_completion({**COMPLETION, "stop": "\n"})) == ("\n",)
+    assert oa.stops_of(oa.parse_chat(CHAT)) == ()
+
+
+def test_stream_options_only_with_stream():
+    err = chat_error(stream_options={"include_usage": True})
+    assert (err.field, err.message) == ("stream_options", "stream_options: only allowed when stream is true")
+    assert completion_error(stream=False, stream_options={"include_usage": True}).field == "stream_options"
+    req = oa.parse_chat({**CHAT, "stream": True, "stream_options": {"include_usage": True}})
+    assert req.stream and req.stream_options.include_usage
+    assert chat_error(stream=True, stream_options={"include_usage": True, "extra": 1}).field == "stream_options.extra"
+
+
+def test_both_token_fields_must_agree():
+    err = chat_error(max_tokens=5, max_completion_tokens=6)
+    assert err.field == "max_completion_tokens"
+    assert err.message == "max_completion_tokens: 6 disagrees with max_tokens 5; send one of them"
+    assert oa.max_tokens_of(oa.parse_chat({**CHAT, "max_tokens": 7, "max_completion_tokens": 7})) == 7
+    assert oa.max_tokens_of(oa.parse_chat({**CHAT, "max_completion_tokens": 9})) == 9
+    assert oa.max_tokens_of(oa.parse_chat({**CHAT, "max_tokens": 8})) == 8
+    assert oa.max_tokens_of(oa.parse_chat(CHAT)) is None
+    assert oa.max_tokens_of(oa.parse_completion({**COMPLETION, "max_tokens": 4})) == 4
+    assert chat_error(max_completion_tokens=0).field == "max_completion_tokens"
+    assert completion_error(max_tokens=0).field == "max_tokens"
+
+
+def test_completions_have_no_max_completion_tokens():
+    assert completion_error(max_completion_tokens=5).message == "max_completion_tokens: unknown field"
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"user": "u" * 257}, "user"),
+        ({"seed": "abc"}, "seed"),
+        ({"model": ""}, "model"),
+        ({"criticality": "vip"}, "criticality"),
+        ({"stream": "sometimes"}, "stream"),
+    ],
+)
+def test_sampling_fields_are_bounded(fields, field):
+    assert chat_error(**fields).field == field
+    assert completion_error(**fields).field == field
+
+
+def test_sampling_fields_within_bounds():
+    fields = {"temperature": 0, "top_p": 1, "seed": -3, "user": "u" * 256, "criticality": "sheddable_plus"}
+    for req in (oa.parse_chat({**CHAT, **fields}), oa.parse_completion({**COMPLETION, **fields})):
+        assert (req.temperature, req.top_p, req.seed, req.criticality) == (0, 1, -3, Criticality.SHEDDABLE_PLUS)
+    assert oa.parse_chat(CHAT).criticality is None  # not sent: the header or the default decides
+
+
+def test_model_is_required():
+    assert chat_error(model=None).field == "model"
+    with pytest.raises(oa.BadRequest) as e:
+        oa.parse_completion({"prompt": "x"})
+    assert (e.value.field, e.value.message) == ("model", "model: Field required")
+
+
+def test_messages_must_not_be_empty():
+    assert chat_error(messages=[]).field == "messages"
+
+
+def test_message_parts_are_joined():
+    content = [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]
+    req = oa.parse_chat({**CHAT, "messages": [{"role": "user", "content": content}]})
+    assert req.messages[0].content == "Hello, world"
+
+
+def test_tool_and_function_roles_are_refused_at_the_role():
+    err = chat_error(messages=[{"role": "tool", "content": "42", "tool_call_id": "call_1"}])
+    assert err.field == "messages.0.role"
+    assert err.message == (
+        "messages.0.role: role 'tool' is not served (no tool calling); use system, developer, user or assistant"
+    )
+    assert chat_error(messages=[{"role": "function", "content": "42", "name": "f"}]).field == "messages.0.role"
+    err = chat_error(messages=[{"role": "robot", "content": "x"}])
+    assert err.message == "messages.0.role: Input should be 'system', 'developer', 'user' or 'assistant'"
+
+
+def test_a_part_that_is_not_text_is_refused_at_its_type():
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    err = chat_error(messages=[{"role": "user", "content": "a"}, {"role": "user", "content": [image]}])
+    assert err.field == "messages.1.content.0.type"
+    assert err.message == "messages.1.content.0.type: only 'text' parts are served; got 'image_url'"
+    assert chat_error(messages=[{"role": "user", "content": [{"type": "text"}]}]).field == "messages.0.content.0.text"
+    err = chat_error(messages=[{"role": "assistant", "content": None}])
+    assert (err.field, err.message) == (
+        "messages.0.content",
+        "messages.0.content: must be a string or a list of text parts",
+    )
+
+
+def test_prompt_is_a_string_or_a_list_of_exactly_one():
+    assert oa.parse_completion({**COMPLETION, "prompt": ["only"]}).prompt == "only"
+    for prompt in (["a", "b"], [], [1, 2, 3], [[1, 2]], None, 7):
+        err = completion_error(prompt=prompt)
+        assert (err.field, err.message) == ("prompt", "prompt: must be a string or a list holding exactly one string")
+
+
+def test_every_request_field_is_described_for_the_openapi_document():
+    for model in (oa.ChatCompletionRequest, oa.CompletionRequest, oa.ChatMessage, oa.TextPart, oa.StreamOptions):
+        schema = model.model_json_schema()
+        assert schema["additionalProperties"] is False
+        undescribed = [name for name, prop in schema["properties"].items() if not prop.get("description")]
+        assert undescribed == [], model.__name__
+    content = oa.ChatMessage.model_json_schema()["properties"]["content"]
+    assert [branch.get("type") for branch in content["anyOf"]] == ["string", "array"]
+
+
+# ---------------------------------------------------------------------------- template
+
+
+def test_render_chat_is_one_block_per_message_and_an_open_assistant_block():
+    req = oa.parse_chat(
+        {
+            "model": "toy",
+            "messages": [
+                {"role": "developer", "content": "Be terse."},
+                {"role": "system", "content": "No emoji."},
+                {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]},
+                {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Two\nlines"},
+            ],
+        }
+    )
+    assert oa.render_chat(req.messages) == (
+        "<|system|>\nBe terse.\n"
+        "<|system|>\nNo emoji.\n"
+        "<|user|>\nHi!\n"
+        "<|assistant|>\nHello.\n"
+        "<|user|>\nTwo\nlines\n"
+        "<|assistant|>\n"
+    )
+
+
+# -------------------------------------------------------------------------- stop strings
+
+
+def stream(chunks, stops):
+    """What a client sees: each feed's output, then finish's; and whether it stopped."""
+    scanner = oa.StopScanner(stops)
+    sent = [scanner.feed(c) for c in chunks]
+    sent.append(scanner.finish())
+    return sent, scanner.stopped
+
+
+def test_no_stops_passes_everything_at_once():
+    assert stream(["ab", "cd"], []) == (["ab", "cd", ""], False)
+
+
+def test_a_stop_split_across_chunks_is_held_then_dropped():
+    assert stream(["Hello EN", "D more"], ["END"]) == (["Hello ", "", ""], True)
+
+
+def test_a_partial_stop_that_does_not_complete_is_released():
+    # "EN" could begin "END": held; "X" says it does not; the end gives up nothing more.
+    assert stream(["Hello EN", "X", "E"], ["END"]) == (["Hello ", "ENX", "", "E"], False)
+
+
+def test_a_stop_at_the_very_start_emits_nothing():
+    assert stream(["END of it", "more"], ["END"]) == (["", "", ""], True)
+    assert oa.cut_at_stop("END of it", ["END"]) == ("", True)
+
+
+def test_nothing_is_emitted_after_the_stop():
+    scanner = oa.StopScanner(["."])
+    assert scanner.feed("One. Two.") == "One"
+    assert scanner.stopped
+    assert (scanner.feed("Three"), scanner.finish()) == ("", "")
+
+
+def test_of_overlapping_stops_the_one_that_completes_first_cuts():
+    # "bc" completes at the "c", before "abcd" could: the cut is before "bc".
+    assert oa.cut_at_stop("xabcd", ["abcd", "bc"]) == ("xa", True)
+    assert stream(["xab", "cd"], ["abcd", "bc"]) == (["x", "a", ""], True)
+    # Completing together, the longer one cuts (it started first).
+    assert oa.cut_at_stop("xabc", ["bc", "abc"]) == ("x", True)
+    # The earlier of two stops cuts, whatever their order in the request.
+    assert oa.cut_at_stop("one;two,three", [",", ";"]) == ("one", True)
+
+
+def test_the_hold_is_only_what_could_begin_a_stop():
+    scanner = oa.StopScanner(["<|end|>", "\n\n"])
+    assert scanner.feed("a <|en") == "a "
+    assert scanner.feed("try\n") == "<|entry"
+    assert scanner.feed("\n") == ""
+    assert scanner.stopped
+
+
+@pytest.mark.parametrize(
+    "text, stops",
+    [
+        ("Hello END world", ["END"]),
+        ("xabcd", ["abcd", "bc"]),
+        ("aaab", ["aab"]),
+        ("no stop here", ["zz", "q"]),
+        ("ab", ["abc"]),
+        ("end", ["end"]),
+        ("née ☃ stop", ["☃ s"]),
+    ],
+)
+def test_a_stream_cuts_where_a_unary_answer_does_whatever_the_chunking(text, stops):
+    expected = oa.cut_at_stop(text, stops)
+    for size in range(1, len(text) + 1):
+        chunks = [text[i : i + size] for i in range(0, len(text), size)]
+        sent, stopped = stream(chunks, stops)
+        assert ("".join(sent), stopped) == expected, size
+
+
+def test_an_empty_stop_string_is_a_programming_error():
+    with pytest.raises(ValueError):
+        oa.StopScanner(["a", ""])
+
+
+def test_cut_at_stop_without_a_stop():
+    assert oa.cut_at_stop("plain", ["x"]) == ("plain", False)
+    assert oa.cut_at_stop("plain", []) == ("plain", False)
+
+
+# ----------------------------------------------------------------------------- responses
+
+USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def round_trips(model, answer):
+    """``answer`` is exactly what ``model`` documents: no key missing, none extra."""
+    return model.model_validate(answer).model_dump(exclude_unset=True) == answer
+
+
+def test_chat_completion_shape():
+    answer = oa.chat_completion("chatcmpl-1", 1700000000, "toy", "Hi!", "stop", 3, 4)
+    assert answer == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1700000000,
+        "model": "toy",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "Hi!", "refusal": None},
+                "finish_reason": "stop",
+                "logprobs": None,
+            }
+        ],
+        "usage": USAGE,
+    }
+    assert round_trips(oa.ChatCompletion, answer)
+
+
+def test_completion_shape():
+    answer = oa.completion("cmpl-1", 1700000000, "toy", " there", "length", 3, 4)
+    assert answer == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 1700000000,
+        "model": "toy",
+        "choices": [{"index": 0, "text": " there", "finish_reason": "length", "logprobs": None}],
+        "usage": USAGE,
+    }
+    assert round_trips(oa.Completion, answer)
+
+
+def test_chat_chunk_shapes():
+    first = oa.chat_chunk("chatcmpl-1", 5, "toy", {"role": "assistant", "content": ""})
+    assert first == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 5,
+        "model": "toy",
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+        ],
+    }
+    last = oa.chat_chunk("chatcmpl-1", 5, "toy", {}, "length")
+    assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
+    usage = oa.chat_usage_chunk("chatcmpl-1", 5, "toy", 3, 4)
+    assert usage == {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 5,
+        "model": "toy",
+        "choices": [],
+        "usage": USAGE,
+    }
+    for chunk in (first, oa.chat_chunk("chatcmpl-1", 5, "toy", {"content": "x"}), last, usage):
+        assert round_trips(oa.ChatCompletionChunk, chunk)
+
+
+def test_completion_chunk_shapes():
+    chunk = oa.completion_chunk("cmpl-1", 5, "toy", "tok")
+    assert chunk == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 5,
+        "model": "toy",
+        "choices": [{"index": 0, "text": "tok", "finish_reason": None, "logprobs": None}],
+    }
+    usage = oa.completion_usage_chunk("cmpl-1", 5, "toy", 3, 4)
+    assert usage == {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 5,
+        "model": "toy",
+        "choices": [],
+        "usage": USAGE,
+    }
+    for c in (chunk, oa.completion_chunk("cmpl-1", 5, "toy", "", "stop"), usage):
+        assert round_trips(oa.Completion, c)
+
+
+def test_sse_framing():
+    assert oa.sse_data({"a": 1, "b": [1, "é"]}) == b'data: {"a":1,"b":[1,"\\u00e9"]}\n\n'
+    assert oa.SSE_DONE == b"data: [DONE]\n\n"
+    chunk = oa.chat_chunk("chatcmpl-1", 5, "toy", {"content": "x"})
+    assert json.loads(oa.sse_data(chunk)[len(b"data: ") :]) == chunk
+
+
+def test_finish_reason():
+    assert oa.finish_reason(completion_tokens=16, max_tokens=16, stopped=False) == "length"
+    assert oa.finish_reason(completion_tokens=9, max_tokens=16, stopped=False) == "stop"
+    assert oa.finish_reason(completion_tokens=16, max_tokens=16, stopped=True) == "stop"
+
+
+def test_new_id():
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", oa.new_id("chatcmpl"))
+    assert re.fullmatch(r"cmpl-[0-9a-f]{24}", oa.new_id("cmpl"))
+    assert oa.new_id("cmpl") != oa.new_id("cmpl")
+
+
+def test_models_list():
+    answer = oa.models_list(["toy", "toy-fallback"], 1700000000)
+    assert answer == {
+        "object": "list",
+        "data": [
+            {"id": "toy", "object": "model", "created": 1700000000, "owned_by": "ballast"},
+            {"id": "toy-fallback", "object": "model", "created": 1700000000, "owned_by": "ballast"},
+        ],
+    }
+    assert round_trips(oa.ModelList, answer)
+    assert oa.models_list([], 1) == {"object": "list", "data": []}
+
+
+def fake_front(request) -> tuple[int, bytes]:
+    """A stand-in for the routes, built from this module alone: the SDK's own request
+    bodies go through the parsers, the answers through the builders."""
+    body = json.loads(request.content or b"null")
+    path = request.url.path
+    if path == "/v1/models":
+        return 200, json.dumps(oa.models_list(["toy"], 5)).encode()
+    if path == "/v1/completions":
+        req = oa.parse_completion(body)
+        return 200, json.dumps(oa.completion("cmpl-1", 5, req.model, req.prompt[::-1], "stop", 3, 4)).encode()
+    req = oa.parse_chat(body)
+    if req.model != "toy":
+        raise oa.unknown_model(req.model, ["toy"])
+    if req.criticality is Criticality.SHEDDABLE:
+        raise QuotaExceeded("tenant over its token quota", retry_after_s=2)
+    text, stopped = oa.cut_at_stop("Hi there. Bye.", oa.stops_of(req))
+    reason = oa.finish_reason(len(text), oa.max_tokens_of(req) or 64, stopped)
+    if not req.stream:
+        return 200, json.dumps(oa.chat_completion("chatcmpl-1", 5, req.model, text, reason, 3, len(text))).encode()
+    events = [
+        oa.chat_chunk("chatcmpl-1", 5, req.model, {"role": "assistant", "content": ""}),
+        *(oa.chat_chunk("chatcmpl-1", 5, req.model, {"content": word}) for word in text.split(" ")),
+        oa.chat_chunk("chatcmpl-1", 5, req.model, {}, reason),
+        oa.chat_usage_chunk("chatcmpl-1", 5, req.model, 3, len(text)),
+    ]
+    return 200, b"".join(map(oa.sse_data, events)) + oa.SSE_DONE
+
+
+def test_the_openai_sdk_is_the_contract():
+    """The official client talks to ``fake_front`` through a mock transport (no network):
+    its request bodies parse, and it reads every answer and error as OpenAI's."""
+    openai = pytest.importorskip("openai")
+    import httpx2  # the transport of this openai release
+
+    def handle(request):
+        try:
+            status, content = fake_front(request)
+        except BallastError as err:
+            status, content = err.status, json.dumps(oa.openai_error_body(err)).encode()
+        return httpx2.Response(status, content=content)
+
+    client = openai.OpenAI(
+        api_key="k",
+        base_url="http://ballast.test/v1",
+        max_retries=0,
+        http_client=httpx2.Client(transport=httpx2.MockTransport(handle)),
+    )
+    user = [{"role": "user", "content": "hello"}]
+
+    answer = client.chat.completions.create(model="toy", messages=user, stop=["."], max_completion_tokens=32)
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("Hi there", "stop")
+    assert answer.usage.total_tokens == 3 + len("Hi there")
+
+    chunks = list(
+        client.chat.completions.create(
+            model="toy", messages=user, stream=True, stream_options={"include_usage": True}, max_tokens=14, user="u1"
+        )
+    )
+    assert [c.choices[0].delta.content for c in chunks[:-1]] == ["", "Hi", "there.", "Bye.", None]
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len("Hi there. Bye.")
+
+    done = client.completions.create(model="toy", prompt="abc", max_tokens=3, temperature=0.2, seed=1)
+    assert (done.choices[0].text, done.object) == ("cba", "text_completion")
+    assert [m.id for m in client.models.list()] == ["toy"]
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="toy", messages=user, n=2)
+    assert (e.value.param, e.value.code, e.value.type) == ("n", "INVALID_REQUEST", "invalid_request_error")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=user)
+    assert e.value.body["message"] == "model 'gpt-4o' is not served here; served: toy"
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="toy", messages=user, extra_body={"criticality": "sheddable"})
+    assert e.value.code == "QUOTA_EXCEEDED"
+
+    # The typed models, validated (the stream above is only constructed by the SDK);
+    # its Completion type has a non-null finish_reason, which OpenAI's own chunks break.
+    openai.types.chat.ChatCompletionChunk.model_validate(oa.chat_chunk("c", 5, "toy", {"content": "x"}))
+    openai.types.Completion.model_validate(oa.completion_usage_chunk("c", 5, "toy", 3, 4))
+    openai.types.Completion.model_validate(oa.completion_chunk("c", 5, "toy", "x", "length"))
+
+
+# -------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "err, kind, param",
+    [
+        (oa.BadRequest("n: Input should be 1", field="n"), "invalid_request_error", "n"),
+        (InvalidRequest("prompt: Field required", field="prompt"), "invalid_request_error", "prompt"),
+        (InvalidRequest("bad"), "invalid_request_error", None),
+        (PayloadTooLarge("body exceeds 1 bytes"), "invalid_request_error", None),
+        (Unauthenticated("missing bearer token"), "authentication_error", None),
+        (Forbidden("admin only"), "permission_error", None),
+        (NotFound("no such route"), "not_found_error", None),
+        (ChaosDisabled("chaos is off"), "api_error", None),
+        (QuotaExceeded("over quota", retry_after_s=1.5), "rate_limit_error", None),
+        (ConcurrencyLimited("too many"), "rate_limit_error", None),
+        (Overloaded("level 3", retry_after_s=2), "overloaded_error", None),
+        (KillSwitchActive("maintenance"), "service_unavailable_error", None),
+        (ModelUnavailable("queue full"), "service_unavailable_error", None),
+        (ControllerUnavailable("no controller"), "service_unavailable_error", None),
+        (DeadlineExceeded("deadline"), "timeout_error", None),
+        (BallastError("boom"), "api_error", None),
+    ],
+)
+def test_openai_error_body(err, kind, param):
+    body = oa.openai_error_body(err)
+    assert body == {"error": {"message": err.message, "type": kind, "param": param, "code": err.code}}
+    assert round_trips(oa.ErrorResponse, body)
+
+
+def test_unknown_model_names_it_and_the_served_ones():
+    err = oa.unknown_model("gpt-4o", ["toy", "toy-fallback"])
+    assert isinstance(err, NotFound) and err.status == 404
+    assert err.message == "model 'gpt-4o' is not served here; served: toy, toy-fallback"
+    assert oa.openai_error_body(err)["error"]["type"] == "not_found_error"
+    assert oa.unknown_model("x", []).message == "model 'x' is not served here; served: none"
