@@ -132,6 +132,27 @@ def wait_chaos(client: httpx.Client, target: str, settings: "dict[str, Any] | No
     wait_until(applied, timeout_s, 0.2, f"every {deployment} replica applying chaos {settings}")
 
 
+def breaker(client, role="primary") -> str:
+    return status(client)["breakers"][role]["state"]
+
+
+def heal(client, role="primary", timeout_s=30.0) -> None:
+    """Send traffic until the breaker has gone half-open and closed again."""
+
+    def closed() -> bool:
+        client.post("/v1/generate", headers=GOLD, json={"prompt": f"heal {time.monotonic()}", "max_tokens": 4})
+        return breaker(client, role) == "closed"
+
+    wait_until(closed, timeout_s, 0.3, f"{role} breaker closed")
+
+
+def set_chaos(client: httpx.Client, target: str, **settings: Any) -> None:
+    """Set chaos on a target and wait until every replica of it applies it."""
+    r = client.post("/admin/chaos", headers=ADMIN, json={"target": target, **settings})
+    assert r.status_code == 200, r.text
+    wait_chaos(client, target, settings)
+
+
 def clear_chaos(client: httpx.Client) -> None:
     """Clear chaos and wait until no replica applies any."""
     r = client.delete("/admin/chaos", headers=ADMIN)

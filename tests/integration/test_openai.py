@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ADMIN, BASE, GOLD, clear_chaos, status, wait_chaos, wait_quiet, wait_until
+from conftest import ADMIN, BASE, GOLD, clear_chaos, heal, set_chaos, status, wait_quiet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -98,12 +98,20 @@ def test_typed_errors(ballast):
     assert e.value.param == "tools"
 
 
+def noisy_bucket_at_least(tokens: float) -> None:
+    """The noisy tenant's bucket (300 tokens/s, burst 300: tests/integration/test_config.yaml)."""
+    def full() -> bool:
+        return httpx.get(f"{BASE}/v1/status", headers=ADMIN).json()["quotas"]["noisy"]["tokens"] >= tokens
+
+    wait_until(full, 10, 0.25, f"noisy bucket at {tokens} tokens")
+
+
 def test_over_quota_is_a_rate_limit_error_and_the_sdk_waits_as_told(ballast):
-    noisy = "dev-key-noisy"  # 300 tokens/s, burst 300 (tests/integration/test_config.yaml)
+    noisy = "dev-key-noisy"
     # 290 tokens, nearly the whole burst, in a call of a few milliseconds (10 tokens to
     # generate), so the bucket barely refills while the requests below are made.
     body = dict(model=MODEL, prompt="x" * 280, max_tokens=10)
-    wait_until(lambda: httpx.get(f"{BASE}/v1/status", headers=ADMIN).json()["quotas"]["noisy"]["tokens"] >= 295, 10, 0.25, "noisy bucket full")
+    noisy_bucket_at_least(295)
     sdk(noisy).completions.create(**body)  # the bucket holds ~10 tokens now, and refills in ~0.93 s
     with pytest.raises(openai.RateLimitError) as e:
         sdk(noisy).completions.create(**body)
@@ -117,6 +125,7 @@ def test_over_quota_is_a_rate_limit_error_and_the_sdk_waits_as_told(ballast):
 
 
 def test_criticality_header_or_body_and_a_lowered_claim(ballast):
+    noisy_bucket_at_least(100)  # the quota test before this one empties it
     raw = sdk("dev-key-noisy").chat.completions.with_raw_response.create(
         model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"criticality": "critical_plus"}
     )
@@ -177,7 +186,7 @@ def test_kill_switch_and_a_raised_level_refuse_with_typed_errors(client, ballast
 
 
 def test_a_fallback_answer_names_its_model(client, ballast):
-    wait_chaos(client, "primary", {"error_ratio": 1.0})
+    set_chaos(client, "primary", error_ratio=1.0)
     try:
         raw = sdk().chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=4)
         out = raw.parse()
@@ -185,6 +194,7 @@ def test_a_fallback_answer_names_its_model(client, ballast):
         assert raw.headers["x-ballast-fallback"] == "fallback_model"
     finally:
         clear_chaos(client)
+        heal(client)  # the primary's breaker closed again for the tests after this one
 
 
 @pytest.mark.parametrize("path, body", [

@@ -14,13 +14,9 @@ import httpx
 import pytest
 import ray
 
-from conftest import ADMIN, BASE, FREE, GOLD, clear_chaos, status, wait_chaos, wait_until
+from conftest import ADMIN, BASE, FREE, GOLD, breaker, clear_chaos, heal, status, wait_chaos, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def breaker(client, role="primary") -> str:
-    return status(client)["breakers"][role]["state"]
 
 
 @pytest.fixture
@@ -35,16 +31,6 @@ def chaos(client):
 
     yield set_
     client.delete("/admin/chaos", headers=ADMIN)
-
-
-def heal(client, role="primary", timeout_s=30.0) -> None:
-    """Send traffic until the breaker has gone half-open and closed again."""
-
-    def closed() -> bool:
-        client.post("/v1/generate", headers=GOLD, json={"prompt": f"heal {time.monotonic()}", "max_tokens": 4})
-        return breaker(client, role) == "closed"
-
-    wait_until(closed, timeout_s, 0.3, f"{role} breaker closed")
 
 
 def test_failing_primary_opens_breaker_fallback_serves_then_heals(client, chaos):
