@@ -1,12 +1,15 @@
-"""Overload benchmark: plain Ray Serve vs Ballast at 0.5, 1, 2 and 4 times capacity.
+"""Overload benchmark: plain Ray Serve vs Ballast at 1, 2, 4 and 10 times capacity.
 
 For each stack, in one run:
 
 1. measure its capacity C: the highest open-loop rate at which at least 90 % of
    requests get a 200 within the SLO (binary search over short probes);
-2. offer 0.5 C, 1 C, 2 C and 4 C with a criticality mix, and print goodput / C
+2. offer 1 C, 2 C, 4 C and 10 C with a criticality mix, and print goodput / C
    (answers within the SLO per second, over C), success by criticality (the share
-   answered within the SLO) and the p99 latency of the requests that were admitted.
+   answered within the SLO) and the p99 latency of the requests that were admitted;
+3. print, per class, the share it got of what strict class order allows it
+   (``feasible_shares``: what is left of C after the classes above it, capped by its
+   demand), so that "critical got 15 %" reads against what it could have had.
 
 "Plain Ray Serve" is the same torch model with the same dynamic batching, deployed
 as its own HTTP ingress with Serve's default settings (one replica, default
@@ -52,7 +55,7 @@ BENCH_KEY = "bench-key-overload"  # a tenant of its own: no token quota, so only
 CRITICALITIES = ("critical_plus", "critical", "sheddable_plus", "sheddable")
 CRITICAL_CLASSES = ("critical_plus", "critical")
 DEFAULT_MIX = {"critical_plus": 0.05, "critical": 0.15, "sheddable_plus": 0.30, "sheddable": 0.50}
-MULTIPLES = (0.5, 1.0, 2.0, 4.0)
+MULTIPLES = (1.0, 2.0, 4.0, 10.0)
 CLIENT_TIMEOUT_S = 10.0  # the longest any one request is waited for: runs end by themselves
 MAX_IN_FLIGHT = 4000  # client-side bound; arrivals beyond it are counted as client drops
 
@@ -135,6 +138,33 @@ class Stack:
     @property
     def path(self) -> str:
         return urlsplit(self.url).path
+
+
+def feasible_shares(mix: dict[str, float], multiple: float) -> dict[str, float]:
+    """The share of each class's demand that strict class order lets through at ``multiple`` × C.
+
+    Classes are served most critical first: each gets what is left of C after the
+    classes above it, at most its own demand (``mix[c] × multiple``, in units of C).
+    At 10 C with the default mix, critical_plus (0.5 C) gets all it asks, critical
+    (1.5 C) the remaining 0.5 C, a third, and the sheddable classes nothing.
+    """
+    if multiple <= 0:
+        raise ValueError(f"multiple: must be > 0, got {multiple!r}")
+    left = 1.0
+    out = {}
+    for c in CRITICALITIES:
+        demand = mix.get(c, 0.0) * multiple
+        allowed = min(demand, left)
+        left -= allowed
+        out[c] = allowed / demand if demand > 0 else float("nan")
+    return out
+
+
+def share_of_feasible(got: float, feasible: float) -> Optional[float]:
+    """What a class got over what strict order allowed it; None where it was allowed nothing."""
+    if not feasible or feasible != feasible:  # 0 or nan: nothing to get a share of
+        return None
+    return got / feasible
 
 
 def criticality_sequence(n: int, mix: dict[str, float], seed: int) -> list[str]:
@@ -364,7 +394,7 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--slo-s", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--probe-s", type=float, default=8.0, help="length of each capacity probe")
-    parser.add_argument("--phase-s", type=float, default=20.0, help="length of each 0.5/1/2/4 C phase")
+    parser.add_argument("--phase-s", type=float, default=20.0, help="length of each phase (1/2/4/10 C by default)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--only", choices=("plain", "ballast", "ballast+sdk"), default=None)
     parser.add_argument("--sdk", action="store_true", help="also run the Ballast rows through the SDK (its httpx shares the cores)")
@@ -534,6 +564,16 @@ def main(argv: "list[str] | None" = None) -> int:
                 + " ".join(f"{phase.good_fraction(c):>10.3f}" for c in CRITICALITIES)
                 + f" {phase.admitted_p99_ms():>10.0f} {phase.send_lag_p99_ms():>10.0f}"
             )
+    print("\nshare of the feasible (what strict class order allows each class; - where it allows nothing)")
+    print(f"{'stack':<12} {'offered':>8} " + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES))
+    for name, r in results.items():
+        for k, phase in zip(multiples, r["phases"]):
+            feasible = feasible_shares(mix, k)
+            cells = []
+            for c in CRITICALITIES:
+                share = share_of_feasible(phase.good_fraction(c), feasible[c])
+                cells.append(f"{'-' if share is None else format(share, '.3f'):>10}")
+            print(f"{name:<12} {k:>7g}C " + " ".join(cells))
     for name in ("ballast", "ballast+sdk"):
         if name not in results:
             continue

@@ -2,7 +2,17 @@
 
 import math
 
-from loadtest.bench_overload import DEFAULT_MIX, Outcome, Phase, bench_config, criticality_sequence
+import pytest
+
+from loadtest.bench_overload import (
+    DEFAULT_MIX,
+    Outcome,
+    Phase,
+    bench_config,
+    criticality_sequence,
+    feasible_shares,
+    share_of_feasible,
+)
 
 
 def test_the_criticality_sequence_is_seeded_and_follows_the_mix():
@@ -81,3 +91,21 @@ def test_the_trace_groups_outcomes_by_second_of_sending():
     assert text.splitlines()[1].endswith("| drain:1")
     last = text.splitlines()[-1]
     assert last.endswith("OVERLOADED:1 | slow:1 | drain:2")  # since the line before; zero deltas left out
+
+
+def test_feasible_shares_follow_strict_class_order():
+    # At 10 C: critical_plus asks 0.5 C and gets it all; critical asks 1.5 C and gets the
+    # 0.5 C left, a third; the sheddable classes get nothing.
+    f = feasible_shares(DEFAULT_MIX, 10.0)
+    assert f["critical_plus"] == pytest.approx(1.0)
+    assert f["critical"] == pytest.approx(1 / 3)
+    assert f["sheddable_plus"] == 0.0 and f["sheddable"] == 0.0
+    # At 1 C everything fits; at 2 C sheddable gets what is left (0.2 C of its 1 C).
+    assert all(v == pytest.approx(1.0) for v in feasible_shares(DEFAULT_MIX, 1.0).values())
+    assert feasible_shares(DEFAULT_MIX, 2.0)["sheddable"] == pytest.approx(0.0)
+    assert feasible_shares(DEFAULT_MIX, 1.25)["sheddable"] == pytest.approx((1 - 0.5 * 1.25) / (0.5 * 1.25))
+    # The share of the feasible: what it got over what it could have had.
+    assert share_of_feasible(0.152, 1 / 3) == pytest.approx(0.456)
+    assert share_of_feasible(0.3, 0.0) is None
+    with pytest.raises(ValueError, match="multiple"):
+        feasible_shares(DEFAULT_MIX, 0)
