@@ -156,6 +156,8 @@ def feasible_shares(mix: dict[str, float], multiple: float) -> dict[str, float]:
         demand = mix.get(c, 0.0) * multiple
         allowed = min(demand, left)
         left -= allowed
+        if left < 1e-9:  # what rounding leaves over is nothing (2 C: 0.1 + 0.3 + 0.6 fills C)
+            left = 0.0
         out[c] = allowed / demand if demand > 0 else float("nan")
     return out
 

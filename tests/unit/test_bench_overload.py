@@ -102,7 +102,8 @@ def test_feasible_shares_follow_strict_class_order():
     assert f["sheddable_plus"] == 0.0 and f["sheddable"] == 0.0
     # At 1 C everything fits; at 2 C sheddable gets what is left (0.2 C of its 1 C).
     assert all(v == pytest.approx(1.0) for v in feasible_shares(DEFAULT_MIX, 1.0).values())
-    assert feasible_shares(DEFAULT_MIX, 2.0)["sheddable"] == pytest.approx(0.0)
+    assert feasible_shares(DEFAULT_MIX, 2.0)["sheddable"] == 0.0  # exactly: the classes above fill C
+    assert share_of_feasible(0.006, feasible_shares(DEFAULT_MIX, 2.0)["sheddable"]) is None
     assert feasible_shares(DEFAULT_MIX, 1.25)["sheddable"] == pytest.approx((1 - 0.5 * 1.25) / (0.5 * 1.25))
     # The share of the feasible: what it got over what it could have had.
     assert share_of_feasible(0.152, 1 / 3) == pytest.approx(0.456)
