@@ -1,0 +1,202 @@
+"""The Hugging Face engine on a tiny random Llama built here: batching, the cache, sampling, EOS, text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve_app.model.hf import load_checkpoint
+from serve_app.model.hf_engine import ContextTooLong, HFBackend, IncrementalDetokenizer, RowSampling
+from tests.unit.hf_fixture import make_tiny_llama
+
+PROMPTS = [
+    "The quick brown fox",
+    "Hello!",
+    "A replica serves requests; the router sends each one to",
+    "東京 and Café",
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def backend(ckpt):
+    return HFBackend(load_checkpoint(ckpt, "cpu"), name="tiny")
+
+
+def run(backend, joins_by_chunk, steps=3):
+    """Drive a batch: ``joins_by_chunk[i]`` join before chunk i; returns every row's ids."""
+    batch = backend.open_batch()
+    got: dict = {}
+    i = 0
+    with torch.inference_mode():
+        while i < len(joins_by_chunk) or batch.size:
+            joins = joins_by_chunk[i] if i < len(joins_by_chunk) else []
+            for key, ids in batch.run_chunk(joins, steps).items():
+                got.setdefault(key, []).extend(ids)
+            i += 1
+    return got
+
+
+def alone(backend, prompt, n, sampling=None):
+    ids = backend.encode(prompt, n)
+    return run(backend, [[("x", ids, n, sampling)]])["x"]
+
+
+def reference_generate(backend, prompt, n):
+    """transformers' own greedy generate, one prompt, no EOS stop."""
+    ids = torch.tensor([backend.encode(prompt, n)])
+    with torch.inference_mode():
+        out = backend.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def no_eos(backend):
+    """The same model with no end-of-sequence token, so rows run to max_new_tokens."""
+    b = HFBackend(backend.loaded, name="tiny-no-eos")
+    b.eos_ids = frozenset()
+    return b
+
+
+def test_greedy_alone_equals_transformers_generate(backend):
+    b = no_eos(backend)
+    for p in PROMPTS:
+        assert alone(b, p, 12) == reference_generate(b, p, 12)
+
+
+def test_greedy_output_depends_on_the_prompt(backend):
+    b = no_eos(backend)
+    outs = {tuple(alone(b, p, 8)) for p in PROMPTS}
+    assert len(outs) == len(PROMPTS)  # the fixture's weights are not flat
+
+
+def test_batched_greedy_equals_each_prompt_alone_with_rows_joining_and_leaving(backend):
+    b = no_eos(backend)
+    lengths = [5, 17, 9, 13]
+    want = {i: alone(b, p, n) for i, (p, n) in enumerate(zip(PROMPTS, lengths))}
+    enc = [b.encode(p, n) for p, n in zip(PROMPTS, lengths)]
+    # Rows 0 and 1 start together; 2 joins at the second chunk, 3 at the fourth (after 0 left).
+    got = run(b, [[(0, enc[0], 5), (1, enc[1], 17)], [(2, enc[2], 9)], [], [(3, enc[3], 13)]])
+    assert got == want
+
+
+def test_remove_drops_a_row_and_the_rest_continue_unchanged(backend):
+    b = no_eos(backend)
+    want = alone(b, PROMPTS[2], 10)
+    batch = b.open_batch()
+    got = []
+    with torch.inference_mode():
+        out = batch.run_chunk([("a", b.encode(PROMPTS[0], 20), 20), ("b", b.encode(PROMPTS[2], 10), 10)], 3)
+        got += out["b"]
+        assert batch.reserved_tokens == len(b.encode(PROMPTS[0], 20)) + 20 + len(b.encode(PROMPTS[2], 10)) + 10
+        batch.remove({"a"})
+        assert batch.keys() == ["b"]
+        while batch.size:
+            got += batch.run_chunk([], 3)["b"]
+    assert got == want
+    assert batch.reserved_tokens == 0 and batch.width == 0
+
+
+def test_eos_ends_a_row_at_that_token_and_it_is_emitted(backend):
+    b = no_eos(backend)
+    full = alone(b, PROMPTS[0], 12)
+    stopper = full[4]
+    first = full.index(stopper)  # the first time greedy output emits it
+    b.eos_ids = frozenset({stopper})
+    got = run(b, [[("x", b.encode(PROMPTS[0], 12), 12), ("y", b.encode(PROMPTS[1], 30), 30)]])
+    assert got["x"] == full[: first + 1]
+
+
+def test_the_same_seed_gives_the_same_tokens_alone_and_beside_others(backend):
+    b = no_eos(backend)
+    s = RowSampling(temperature=1.0, top_p=0.95, seed=7)
+    one = alone(b, PROMPTS[0], 16, s)
+    assert alone(b, PROMPTS[0], 16, s) == one
+    enc = [b.encode(p, 16) for p in PROMPTS]
+    beside = run(b, [[("x", enc[0], 16, s), ("g", enc[1], 16, None), ("h", enc[2], 16, RowSampling(1.0, seed=8))]])
+    assert beside["x"] == one
+    assert alone(b, PROMPTS[0], 16, RowSampling(temperature=1.0, top_p=0.95, seed=8)) != one
+    assert one != alone(b, PROMPTS[0], 16)  # sampled, not greedy
+
+
+def test_a_tiny_top_p_keeps_only_the_most_likely_token(backend):
+    b = no_eos(backend)
+    assert alone(b, PROMPTS[1], 10, RowSampling(temperature=1.5, top_p=1e-6, seed=3)) == alone(b, PROMPTS[1], 10)
+
+
+def test_context_and_empty_prompts_are_refused_before_any_work(backend):
+    with pytest.raises(ContextTooLong, match="context of 128"):
+        backend.encode("The quick brown fox", 126)
+    assert backend.encode("The quick brown fox", 64)
+    with pytest.raises(ContextTooLong, match="empty"):
+        backend.encode("", 4, add_special_tokens=False)
+    assert backend.encode("", 4) == [backend.tokenizer.bos_token_id]  # a raw prompt has its bos
+    batch = backend.open_batch()
+    with pytest.raises(ContextTooLong):
+        batch.run_chunk([("x", [1] * 100, 29)], 1)
+    assert batch.size == 0
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(seed="x"), dict(temperature=float("nan"))])
+def test_row_sampling_refuses_bad_values(bad):
+    with pytest.raises(ValueError):
+        RowSampling(**bad)
+
+
+def test_row_sampling_of_a_request_dict():
+    assert RowSampling.of({}) == RowSampling()
+    assert RowSampling.of({"temperature": 0.5, "top_p": 0.9, "seed": 4}) == RowSampling(0.5, 0.9, 4)
+    assert RowSampling.of({"temperature": None}) == RowSampling()
+
+
+def test_incremental_text_is_correct_across_multi_byte_characters(backend):
+    text = "Café, naïve, über, 東京, Ελληνικά, emoji 🙂 and more."
+    ids = backend.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > 10
+    d = IncrementalDetokenizer(backend.tokenizer)
+    pieces = [d.feed([i], final=(n == len(ids) - 1)) for n, i in enumerate(ids)]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_an_unfinished_character_is_flushed_at_the_end(backend):
+    ids = backend.tokenizer.encode("🙂", add_special_tokens=False)
+    d = IncrementalDetokenizer(backend.tokenizer)
+    if len(ids) > 1:  # a byte-level vocabulary this small splits the emoji
+        assert d.feed(ids[:1]) == ""
+        assert d.feed([], final=True) != ""
+
+
+def test_special_tokens_decode_to_nothing(backend):
+    d = IncrementalDetokenizer(backend.tokenizer)
+    tok = backend.tokenizer
+    assert d.feed([tok.eos_token_id]) == ""
+    assert d.feed(tok.encode("Hello", add_special_tokens=False)) == "Hello"
+    assert d.feed([tok.eos_token_id], final=True) == ""
+
+
+def test_streaming_pieces_join_to_the_unary_text(backend):
+    b = no_eos(backend)
+    n = 20
+    pieces = list(b.generate_chunks(PROMPTS, [n] * len(PROMPTS), chunk_tokens=3))
+    for i, p in enumerate(PROMPTS):
+        streamed = "".join(chunk[i] for chunk in pieces)
+        unary = b.tokenizer.decode(alone(b, p, n), skip_special_tokens=True)
+        assert streamed == unary
+
+
+def test_a_sharded_checkpoint_generates_what_the_single_file_does(tmp_path, backend):
+    sharded = HFBackend(load_checkpoint(make_tiny_llama(tmp_path / "s", shards=3), "cpu"), name="s")
+    assert alone(no_eos(sharded), PROMPTS[0], 10) == alone(no_eos(backend), PROMPTS[0], 10)
+
+
+def test_warmup_runs_each_batch_size_and_describe_names_the_model(backend):
+    backend.warmup((1, 3))
+    d = backend.describe()
+    assert d["backend"] == "transformers" and d["architecture"] == "LlamaForCausalLM"
+    assert d["max_seq_len"] == 128 and d["params"] == backend.parameter_count > 0
