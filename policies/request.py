@@ -87,3 +87,24 @@ def model_ceiling(model_replicas: int, router_replicas: int, max_ongoing_per_rep
     if model_replicas <= 0:
         return None
     return max(1, model_replicas * max_ongoing_per_replica // max(1, router_replicas))
+
+
+def fit_context(prompt_tokens: int, asked: Optional[int], context: int) -> tuple[int, Optional[str]]:
+    """(max_tokens, None) when the prompt and ``asked`` fit a model of ``context`` tokens, else
+    (0, why not). No ``asked``: all the context the prompt leaves, as OpenAI's API does.
+
+    Checked at the router, before any work, with the model's own tokenizer; the replica
+    never has to cut an answer short for lack of context."""
+    if prompt_tokens < 1:
+        return 0, "the prompt has no tokens; send at least one"
+    room = context - prompt_tokens
+    if asked is None:
+        if room < 1:
+            return 0, f"the model's context is {context} tokens and the prompt alone is {prompt_tokens}"
+        return room, None
+    if asked > room:
+        return 0, (
+            f"the model's context is {context} tokens, but {prompt_tokens + asked} were asked for "
+            f"({prompt_tokens} in the prompt, {asked} for the completion)"
+        )
+    return asked, None

@@ -67,6 +67,18 @@ class ModelArchitecture(_Strict):
 
 class ModelConfig(_Strict):
     name: str = Field("tiny-decoder", min_length=1, max_length=64)
+    # Which engine serves the model. "builtin": the random-weight byte-level decoder
+    # (architecture, seed, checkpoint_path below), the fast default for tests and the
+    # embedded `make serve`. "transformers": a local Hugging Face causal-LM directory at
+    # `path` (config.json, safetensors, tokenizer, chat template), never downloaded.
+    backend: Literal["builtin", "transformers"] = "builtin"
+    path: Optional[str] = None
+    # transformers only: the weights' dtype; null is bfloat16 on CUDA, float32 on CPU.
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    # The KV-cache budget of one replica, in tokens: a request joins the batch only while
+    # every row's prompt + max_tokens together stay within it, and the replica reports
+    # its use as kv_util_pct (a degradation input). null: max_batch_size x the context.
+    kv_cache_tokens: Optional[PositiveInt] = None
     seed: int = 0
     checkpoint_path: Optional[str] = None
     checkpoint_format: Literal["auto", "state_dict", "torchscript"] = "auto"
@@ -86,6 +98,17 @@ class ModelConfig(_Strict):
     # replica: the replica shares its cores with Serve's proxy and the routers, and two
     # spinning torch threads per process cost 2-3x the CPU per request under load here.
     cpu_threads: Optional[PositiveInt] = 1
+
+    @model_validator(mode="after")
+    def _engine_fields(self) -> "ModelConfig":
+        if self.backend == "transformers":
+            if not self.path:
+                raise ValueError("backend 'transformers' needs path: a local Hugging Face model directory")
+            if self.checkpoint_path is not None:
+                raise ValueError("checkpoint_path is the builtin model's; a transformers model is read from path")
+        elif self.path is not None or self.dtype is not None:
+            raise ValueError("path and dtype are for backend 'transformers' (the builtin model uses checkpoint_path)")
+        return self
 
 
 class _DeploymentSettings(_Strict):

@@ -55,6 +55,13 @@ class InvalidRequest(BallastError):
         return out
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt and max_tokens together do not fit the model's context (or the prompt
+    has no token): refused before any work, on every route."""
+
+    status, code = 400, "CONTEXT_LENGTH_EXCEEDED"
+
+
 class PayloadTooLarge(BallastError):
     status, code = 413, "PAYLOAD_TOO_LARGE"
 

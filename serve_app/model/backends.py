@@ -513,8 +513,22 @@ class TorchDecoderBackend:
         """An empty :class:`LiveBatch` (iteration-level batching) on this backend."""
         return LiveBatch(self)
 
-    def encode(self, prompt: str, max_new_tokens: int) -> list[int]:
-        """The prompt's token ids as a live batch takes them (validated like generate)."""
+    # Byte-level tokens have no end-of-sequence: every row runs to its max_new_tokens.
+    eos_ids: frozenset[int] = frozenset()
+
+    def stream_decoder(self) -> ByteStreamDecoder:
+        """Text for a row's ids, piece by piece (the replica holds one per request)."""
+        return ByteStreamDecoder()
+
+    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        """(prompt ids, max new tokens) for a row: the prompt loses its start to fit the context."""
+        return self.encode(prompt, max_new_tokens, add_special_tokens), max_new_tokens
+
+    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids as a live batch takes them (validated like generate).
+
+        Bytes have no special tokens, so ``add_special_tokens`` changes nothing; a
+        prompt longer than the context keeps its end (``encode_prompt``)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         return encode_prompt(prompt, max_new_tokens, self.max_seq_len)
@@ -608,9 +622,7 @@ class LiveBatch:
         if len(keep) != len(self._keys):
             self._select(keep)
 
-    def run_chunk(
-        self, joins: "Sequence[tuple[Any, list[int], int]]", steps: int
-    ) -> dict[Any, list[int]]:
+    def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
         """Admit ``joins`` (key, prompt ids, max new tokens), then up to ``steps`` tokens per row.
 
         Returns the ids each row emitted in this chunk, for every row that was in
@@ -621,7 +633,7 @@ class LiveBatch:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         seen = set(self._keys)
-        for key, ids, n in joins:
+        for key, ids, n, *_ in joins:  # a 4th item (per-row sampling) is the HF engine's
             if key in seen:
                 raise ValueError(f"key {key!r} is already in the batch")
             seen.add(key)
@@ -633,7 +645,7 @@ class LiveBatch:
         emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward
         if self._keys:
             emitted.append((list(self._keys), self._decode()))
-        live = [(key, ids, n) for key, ids, n in joins if n > 0]
+        live = [(key, ids, n) for key, ids, n, *_ in joins if n > 0]
         if live:
             part = self._prefill([ids for _, ids, _ in live])
             emitted.append(([key for key, _, _ in live], part[-1]))
@@ -645,7 +657,7 @@ class LiveBatch:
                 break
             emitted.append((list(self._keys), self._decode()))
             self._drop_finished()
-        out: dict[Any, list[int]] = {key: [] for key, _, _ in joins}
+        out: dict[Any, list[int]] = {key: [] for key, *_ in joins}
         if emitted:
             # One device->host copy per chunk rather than per token.
             flat = torch.cat([ids for _, ids in emitted]).tolist()

@@ -52,6 +52,7 @@ __all__ = [
     "count_tokens",
     "inspect_checkpoint",
     "load_checkpoint",
+    "load_tokenizer",
     "render_chat",
 ]
 
@@ -423,6 +424,13 @@ def load_checkpoint(path: str | os.PathLike[str], device: str = "cpu", dtype: An
         dtype=torch_dtype,
         eos_token_ids=tuple(eos),
     )
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> tuple[Any, CheckpointInfo]:
+    """The checkpoint's tokenizer and what inspection found, without loading weights
+    (the router counts tokens and renders chat templates with it)."""
+    info = inspect_checkpoint(path)
+    return _load_tokenizer(info), info
 
 
 def _resolve_device(root: Path, device: str) -> str:

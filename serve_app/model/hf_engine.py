@@ -165,6 +165,16 @@ class HFBackend:
             )
         return ids
 
+    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        """(prompt ids, max new tokens) for a row: max_new_tokens shortened to what the context
+        leaves. The router refuses what does not fit with a 400 first; this is for a fallback
+        whose context is shorter than the primary's. ContextTooLong when nothing is left."""
+        ids = self.encode(prompt, 0, add_special_tokens)
+        room = self.max_seq_len - len(ids)
+        if room < 1:
+            raise ContextTooLong(f"the prompt is {len(ids)} tokens: no room left in the context of {self.max_seq_len}")
+        return ids, min(max_new_tokens, room)
+
     def stream_decoder(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer)
 

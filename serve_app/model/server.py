@@ -44,11 +44,12 @@ from policies.admission import clamp_max_tokens
 from policies.deadline import replica_deadline_s
 from policies.stats import nearest_rank
 
-from serve_app.model.backends import BackendSpec, ByteStreamDecoder, TinyDecoderConfig, load_backend
+from serve_app.model.backends import BackendSpec, TinyDecoderConfig, load_backend
 from serve_app.model.chaos import ChaosAgent
 from serve_app.config import BallastConfig, ModelConfig, load_config
 from serve_app.control.link import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
 from serve_app.errors import DeadlineExceeded
+from serve_app.stops import StopScanner
 from serve_app.model.gpu import make_gpu_probe, visible_gpu_uuid
 from serve_app.model.routing import request_router_config
 from serve_app.control.snapshot import Snapshot
@@ -85,10 +86,13 @@ class ModelStalled(RuntimeError):
 
 @dataclass
 class _Item:
-    prompt: str
+    ids: list[int]  # the prompt's tokens
     max_tokens: int
     enqueued_at_s: float
     deadline_s: float  # monotonic, this process: the caller's remaining budget
+    decoder: Any  # the backend's stream decoder: text piece by piece
+    sampling: Any = None  # hf_engine.RowSampling; None: greedy
+    stops: Optional[StopScanner] = None
     key: int = 0
     started: bool = False
     cancelled: bool = False
@@ -97,7 +101,11 @@ class _Item:
     # Chunks for the caller; None ends the stream, an exception fails it. Bounded by
     # construction: at most ceil(max_tokens / stream_chunk_tokens) + 1 entries.
     out: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
-    decoder: ByteStreamDecoder = field(default_factory=ByteStreamDecoder)
+
+    @property
+    def reserved(self) -> int:
+        """KV-cache tokens this row may reach: its prompt and every token it may generate."""
+        return len(self.ids) + self.max_tokens
 
 
 def recent_percentile(samples: "deque[tuple[float, float]]", now_s: float, window_s: float, q: float) -> Optional[float]:
@@ -108,6 +116,17 @@ def recent_percentile(samples: "deque[tuple[float, float]]", now_s: float, windo
 
 
 def build_backend(m: ModelConfig):
+    """The engine the config names: the built-in decoder, or a Hugging Face directory."""
+    if m.backend == "transformers":
+        import torch
+
+        from serve_app.model.hf import load_checkpoint
+        from serve_app.model.hf_engine import HFBackend
+
+        device = m.device if m.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu" and m.cpu_threads is not None:
+            torch.set_num_threads(m.cpu_threads)
+        return HFBackend(load_checkpoint(m.path, device, m.dtype), name=m.name)
     a = m.architecture
     spec = BackendSpec(
         name=m.name,
@@ -142,6 +161,15 @@ class ModelServer:
         self._backend.warmup()
         self._gpu = make_gpu_probe(self._backend.device)
         self._model_max_tokens = self._backend.max_seq_len - 1
+        context = self._backend.max_seq_len
+        self._kv_budget = self._model_cfg.kv_cache_tokens or self._model_cfg.max_batch_size * context
+        if self._kv_budget < context:
+            raise ValueError(
+                f"model.kv_cache_tokens {self._kv_budget} is smaller than the model's context of {context} "
+                "tokens: a request that fills the context could never join the batch"
+            )
+        self._kv_reserved = 0  # tokens the rows in the batch may reach (each row's prompt + max_tokens)
+        self._evict: list[int] = []  # rows ended here (a stop string) that the batch still holds
         self._link, self._cache, self._exchange = connect(
             self._cfg, "report_replica", self._report, on_snapshot=self._apply_snapshot
         )
@@ -263,6 +291,9 @@ class ModelServer:
             "batches": self._batches,
             "batch_size_avg": (sum(sizes) / len(sizes)) if sizes else None,
             "batch_size_limit": self._batch_limit,
+            "kv_util_pct": round(100.0 * self._kv_reserved / self._kv_budget, 2),
+            "kv_tokens_reserved": self._kv_reserved,
+            "kv_tokens_budget": self._kv_budget,
             "queue_wait_p95_ms": recent_percentile(self._waits_ms, time.monotonic(), WAIT_WINDOW_S, 0.95),
             "gpu_util_pct": gpu.util_pct if gpu else None,
             "vram_pct": gpu.vram_pct if gpu else None,
@@ -311,6 +342,8 @@ class ModelServer:
             leaving = [k for k, it in self._active.items() if it.cancelled or now > it.deadline_s]
             for k in leaving:
                 self._finish(self._active[k], _DEADLINE_MARK)
+            leaving += self._evict
+            self._evict = []
             joins = self._admit(now)
             if not joins and not self._active:
                 continue
@@ -330,24 +363,44 @@ class ModelServer:
             self._batch_sizes.append(len(self._active))
             self._m_batch.observe(len(self._active))
             tokens = 0
+            in_batch = set(self._batch.keys())
             for key, ids in out.items():
                 it = self._active.get(key)
                 if it is None:
                     continue
                 it.emitted += len(ids)
                 tokens += len(ids)
-                last = it.emitted >= it.max_tokens
-                chunk = {"text": it.decoder.feed(ids, final=last and bool(ids)), "tokens": len(ids)}
-                if last:
-                    self._finish(it, chunk)
-                else:
-                    it.out.put_nowait(chunk)
+                self._deliver(it, ids, done=key not in in_batch)
             self._m_tokens.inc(tokens)
+
+    def _deliver(self, it: _Item, ids: list[int], done: bool) -> None:
+        """A row's ids of this chunk as text to its caller; the last chunk says why it ended.
+
+        ``done``: the row left the batch (its max_tokens, or an end-of-sequence token).
+        A stop string ends it here, and the batch drops it at the next chunk."""
+        text = it.decoder.feed(ids, final=done and bool(ids))
+        stopped = False
+        if it.stops is not None:
+            text = it.stops.feed(text)
+            stopped = it.stops.stopped
+            if done and not stopped:
+                text += it.stops.finish()
+        chunk: dict[str, Any] = {"text": text, "tokens": len(ids)}
+        if stopped or done:
+            eos = bool(ids) and ids[-1] in self._backend.eos_ids
+            chunk["finish_reason"] = "stop" if stopped or eos else "length"
+            if not done:
+                self._evict.append(it.key)
+            self._finish(it, chunk)
+        else:
+            it.out.put_nowait(chunk)
 
     def _admit(self, now: float) -> list[tuple[int, list[int], int]]:
         """Move waiting requests into the batch up to its limit, oldest first."""
         joins = []
         while self._waiting and len(self._active) < self._batch_limit:
+            if self._kv_reserved + self._waiting[0].reserved > self._kv_budget:
+                break  # the KV budget is spent: the oldest waits for rows to leave (never skipped)
             it = self._waiting.popleft()
             self._queued -= 1
             if now > it.deadline_s:  # gave up while waiting: no prefill spent on it
@@ -357,8 +410,9 @@ class ModelServer:
             it.queue_wait_ms = (now - it.enqueued_at_s) * 1000.0
             self._waits_ms.append((now, it.queue_wait_ms))
             self._running += 1
+            self._kv_reserved += it.reserved
             self._active[it.key] = it
-            joins.append((it.key, self._backend.encode(it.prompt, it.max_tokens), it.max_tokens))
+            joins.append((it.key, it.ids, it.max_tokens, it.sampling))
         return joins
 
     def _run_chunk(self, leaving: list[int], joins: list[tuple[int, list[int], int]], steps: int) -> dict[int, list[int]]:
@@ -372,6 +426,7 @@ class ModelServer:
         """The row leaves the batch's bookkeeping (its tensors leave at the next chunk)."""
         if self._active.pop(it.key, None) is not None:
             self._running -= 1
+            self._kv_reserved -= it.reserved
         if not it.cancelled:
             it.out.put_nowait(last)
             if isinstance(last, dict) and not last.get("deadline_exceeded"):
@@ -386,9 +441,19 @@ class ModelServer:
         timeout_s = float(req.get("timeout_s") or self._cfg.resilience.max_deadline_s)
         if req.get("deadline_at_s") is not None:  # counts the time the call took to get here
             timeout_s = min(timeout_s, float(req["deadline_at_s"]) - time.time())
+        ids, max_tokens = self._backend.fit(str(req["prompt"]), max_tokens, bool(req.get("add_special_tokens", True)))
         self._next_key += 1
         deadline_s = replica_deadline_s(now, timeout_s)
-        item = _Item(str(req["prompt"]), max_tokens, enqueued_at_s=now, deadline_s=deadline_s, key=self._next_key)
+        item = _Item(
+            ids,
+            max_tokens,
+            enqueued_at_s=now,
+            deadline_s=deadline_s,
+            decoder=self._backend.stream_decoder(),
+            sampling=_sampling(req),
+            stops=StopScanner(req["stop"]) if req.get("stop") else None,
+            key=self._next_key,
+        )
         self._waiting.append(item)
         self._queued += 1
         assert self._wake is not None
@@ -427,17 +492,20 @@ class ModelServer:
         tokens = 0
         wait_ms = 0.0
         granted = 0
+        finish = "length"
         t0 = time.monotonic()
         async for chunk in self._chunks(req):
             if "queue_wait_ms" in chunk:
                 wait_ms, granted = chunk["queue_wait_ms"], chunk["max_tokens"]
             parts.append(chunk["text"])
             tokens += chunk["tokens"]
+            finish = chunk.get("finish_reason", finish)
         total_ms = (time.monotonic() - t0) * 1000.0
         return {
             "text": "".join(parts),
             "tokens": tokens,
             "max_tokens": granted,
+            "finish_reason": finish,
             "queue_wait_ms": wait_ms,
             "compute_ms": round(max(0.0, total_ms - wait_ms), 3),
             "replica_id": self._replica_id,
@@ -451,6 +519,16 @@ class ModelServer:
     def __del__(self) -> None:
         if getattr(self, "_gpu", None) is not None:
             self._gpu.close()
+
+
+def _sampling(req: dict[str, Any]) -> Any:
+    """The request's sampling fields as the HF engine takes them; None when it asked for none
+    (the built-in model ignores sampling and decodes greedily)."""
+    if all(req.get(k) is None for k in ("temperature", "top_p", "seed")):
+        return None
+    from serve_app.model.hf_engine import RowSampling
+
+    return RowSampling.of(req)
 
 
 def model_deployment(cfg: BallastConfig):

@@ -46,6 +46,7 @@ from serve_app.router.idempotency import IdempotencyStore
 from serve_app.router.openai import OpenAIRoutes
 from serve_app.router.pipeline import Pipeline
 from serve_app.router.resilience import CallHooks, ResilientCaller
+from serve_app.router.tokens import model_text
 from serve_app.control.snapshot import Snapshot
 
 log = logging.getLogger("ballast.router")
@@ -120,7 +121,8 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._demand_since = time.monotonic()
         r = self._cfg.resilience
         self._idem = IdempotencyStore(r.idempotency.ttl_s, r.idempotency.max_entries)
-        self._model_max_tokens = self._cfg.model.architecture.max_seq_len - 1
+        self._text = model_text(self._cfg.model)  # the model's tokenizer, template and context
+        self._model_max_tokens = self._text.context - 1
         self._limits = self._cfg.limits
         g = r.gate
         self._gate = PriorityGate(

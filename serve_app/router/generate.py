@@ -45,7 +45,9 @@ class GenerateRoutes:
         deadline = self._deadline(request, started)
         req = self._parse(await read_body(request, self._limits.max_body_bytes))
         key = self._idempotency_key(request)
-        admitted = await self._admit(tenant, req.criticality, req.prompt, req.max_tokens, req.stream, deadline)
+        prompt_tokens = self._text.count(req.prompt)
+        max_tokens = self._text.fit(prompt_tokens, req.max_tokens)
+        admitted = await self._admit(tenant, req.criticality, prompt_tokens, max_tokens, req.stream, deadline)
         meta = admitted.meta(self._cfg.model.name)
         call = {"prompt": req.prompt, "max_tokens": admitted.max_tokens}
         if req.stream and admitted.streaming:

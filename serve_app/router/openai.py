@@ -35,6 +35,7 @@ from policies.criticality import DEFAULT_CRITICALITY, Criticality
 
 from serve_app.errors import BallastError, PayloadTooLarge
 from serve_app.router import openai_api as oa
+from serve_app.stops import StopScanner, cut_at_stop
 from serve_app.router.api import app, read_body
 from serve_app.router.pipeline import Admitted, StreamEnd
 
@@ -79,7 +80,7 @@ class OpenAIRoutes:
         req: Parsed = oa.parse_chat(data) if chat else oa.parse_completion(data)
         if req.model != self._cfg.model.name:
             raise oa.unknown_model(req.model, [self._cfg.model.name])
-        prompt = oa.render_chat(req.messages) if chat else req.prompt
+        prompt = self._text.render_chat(req.messages) if chat else req.prompt
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         asked = oa.max_tokens_of(req)
@@ -88,14 +89,21 @@ class OpenAIRoutes:
             raise oa.BadRequest(f"{field}: must be <= {self._limits.max_tokens_limit}", field=field)
         claimed = self._claimed_criticality(request, req)
         key = self._idempotency_key(request)
-        admitted = await self._admit(tenant, claimed, prompt, asked or self._model_max_tokens, req.stream, deadline)
-        call = {"prompt": prompt, "max_tokens": admitted.max_tokens}
+        # A chat prompt holds its template's special tokens already; a raw prompt gets them.
+        prompt_tokens = self._text.count(prompt, add_special_tokens=not chat)
+        max_tokens = self._text.fit(prompt_tokens, asked)
+        admitted = await self._admit(tenant, claimed, prompt_tokens, max_tokens, req.stream, deadline)
+        stops = oa.stops_of(req)
+        call: dict[str, Any] = {"prompt": prompt, "max_tokens": admitted.max_tokens}
+        if chat:
+            call["add_special_tokens"] = False
+        if stops:
+            call["stop"] = list(stops)  # the model ends the row there; the front cuts too
         for name in ("temperature", "top_p", "seed"):
             if getattr(req, name) is not None:
                 call[name] = getattr(req, name)
         ids = (oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()))
         headers = self._openai_headers(admitted)
-        stops = oa.stops_of(req)
         if req.stream and admitted.streaming:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
@@ -104,9 +112,9 @@ class OpenAIRoutes:
                 headers={**headers, "Cache-Control": "no-cache"},
             )
         answer, replayed = await self._answer_unary(admitted, call, key)
-        text, stopped = oa.cut_at_stop(answer["text"], stops)
+        text, stopped = cut_at_stop(answer["text"], stops)
         usage = (admitted.ticket.prompt_tokens, int(answer["tokens"]))
-        finish = oa.finish_reason(usage[1], admitted.max_tokens, stopped)
+        finish = oa.finish_reason(usage[1], admitted.max_tokens, stopped or answer.get("finish_reason") == "stop")
         headers["X-Ballast-Fallback"] = answer["fallback"] or "none"
         if replayed:
             headers["X-Ballast-Idempotent-Replay"] = "true"
@@ -143,7 +151,7 @@ class OpenAIRoutes:
         self, admitted: Admitted, call: dict[str, Any], chat: bool, ids: tuple[str, int], stops: tuple[str, ...], usage: bool
     ) -> AsyncGenerator[bytes, None]:
         end = StreamEnd()
-        scanner = oa.StopScanner(stops)
+        scanner = StopScanner(stops)
         chunk = oa.chat_chunk if chat else oa.completion_chunk
         model = self._cfg.model.name
         parts = self._answer_stream(admitted, call, end)
@@ -162,7 +170,7 @@ class OpenAIRoutes:
             rest = scanner.finish()
             if rest:
                 yield oa.sse_data(chunk(ids[0], ids[1], model, {"content": rest} if chat else rest, None))
-            finish = oa.finish_reason(end.tokens, admitted.max_tokens, scanner.stopped)
+            finish = oa.finish_reason(end.tokens, admitted.max_tokens, scanner.stopped or end.finish == "stop")
             yield oa.sse_data(chunk(ids[0], ids[1], model, {} if chat else "", finish))
             if usage:
                 usage_chunk = oa.chat_usage_chunk if chat else oa.completion_usage_chunk

@@ -99,6 +99,7 @@ class StreamEnd:
     fallback: Optional[str] = None
     tokens: int = 0
     enough: bool = False
+    finish: Optional[str] = None  # the model's: "stop" (end of sequence, a stop string) or "length"
 
 
 class Pipeline:
@@ -135,8 +136,9 @@ class Pipeline:
 
     # -- 2. admission -------------------------------------------------------------------
     async def _admit(
-        self, tenant: str, claimed: Criticality, prompt: str, max_tokens: int, stream: bool, deadline: Deadline
+        self, tenant: str, claimed: Criticality, prompt_tokens: int, max_tokens: int, stream: bool, deadline: Deadline
     ) -> Admitted:
+        """``prompt_tokens``: the prompt counted by the model's tokenizer (``tokens.ModelText``)."""
         tenant_cfg = self._cfg.tenants[tenant]
         criticality, lowered = request_policy.lower_criticality(claimed, tenant_cfg.max_criticality)
         crit = criticality.value
@@ -164,7 +166,6 @@ class Pipeline:
         ticket = Ticket(tenant, crit, deadline, self._tenant_inflight, self._ticket_finished)
         ticket.fallback_only = fallback_only
         clamped, _ = clamp_max_tokens(max_tokens, eff.constraints, self._model_max_tokens)
-        prompt_tokens = request_policy.prompt_tokens(prompt, self._model_max_tokens)
         cost = request_policy.token_cost(prompt_tokens, clamped)
         bucket = self._bucket(tenant)
         if bucket is not None:
@@ -279,7 +280,13 @@ class Pipeline:
 
         async def work() -> dict[str, Any]:
             result, fallback = await self._call_unary(ticket, call)
-            return {"text": result["text"], "tokens": result["tokens"], "fallback": fallback, "model": self._answered_by(fallback)}
+            return {
+                "text": result["text"],
+                "tokens": result["tokens"],
+                "finish_reason": result.get("finish_reason"),
+                "fallback": fallback,
+                "model": self._answered_by(fallback),
+            }
 
         try:
             if key is None:
@@ -338,6 +345,7 @@ class Pipeline:
                 if "queue_wait_ms" in chunk:
                     self._add_wait((time.monotonic() - sent) * 1000.0, end.fallback)
                 end.tokens += chunk["tokens"]
+                end.finish = chunk.get("finish_reason", end.finish)
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the front has enough)
             outcome = Outcome("OK" if end.enough else "CANCELLED")

@@ -69,25 +69,35 @@ class Bulkhead:
 
 
 class ResponseCache:
-    """Answers to identical requests (prompt, max_tokens), bounded in count and age."""
+    """Answers to identical calls, bounded in count and age.
+
+    Identical means the whole call: prompt, max_tokens, sampling (temperature, top_p,
+    seed), stop strings, how the prompt is tokenized. A cached greedy answer is the
+    answer; a cached sampled one is one fair sample, which is what a fallback can give."""
 
     def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
         self._max, self._ttl_s, self._clock = max_entries, ttl_s, clock
-        self._entries: "OrderedDict[tuple[str, int], tuple[float, dict[str, Any]]]" = OrderedDict()
+        self._entries: "OrderedDict[tuple, tuple[float, dict[str, Any]]]" = OrderedDict()
 
-    def get(self, prompt: str, max_tokens: int) -> Optional[dict[str, Any]]:
-        hit = self._entries.get((prompt, max_tokens))
+    @staticmethod
+    def key(call: dict[str, Any]) -> tuple:
+        return tuple(sorted((k, repr(v)) for k, v in call.items()))
+
+    def get(self, call: dict[str, Any]) -> Optional[dict[str, Any]]:
+        key = self.key(call)
+        hit = self._entries.get(key)
         if hit is None:
             return None
         if self._clock() - hit[0] > self._ttl_s:
-            del self._entries[(prompt, max_tokens)]
+            del self._entries[key]
             return None
-        self._entries.move_to_end((prompt, max_tokens))
+        self._entries.move_to_end(key)
         return hit[1]
 
-    def put(self, prompt: str, max_tokens: int, result: dict[str, Any]) -> None:
-        self._entries[(prompt, max_tokens)] = (self._clock(), result)
-        self._entries.move_to_end((prompt, max_tokens))
+    def put(self, call: dict[str, Any], result: dict[str, Any]) -> None:
+        key = self.key(call)
+        self._entries[key] = (self._clock(), result)
+        self._entries.move_to_end(key)
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
 
@@ -289,7 +299,7 @@ class ResilientCaller:
                 finally:
                     b.bulkhead.leave()
                 if self.cache is not None:
-                    self.cache.put(call["prompt"], call["max_tokens"], result)
+                    self.cache.put(call, result)
                 kind = self.fallback_name(b)
                 if kind:
                     self._hooks.on_fallback(kind)
@@ -297,7 +307,7 @@ class ResilientCaller:
             # The cache holds the models' earlier answers: a model an operator switched
             # off must not keep answering through it.
             if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
-                hit = self.cache.get(call["prompt"], call["max_tokens"])
+                hit = self.cache.get(call)
                 if hit is not None:
                     self._hooks.on_fallback("cache")
                     return hit, "cache"

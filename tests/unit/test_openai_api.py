@@ -25,6 +25,7 @@ from serve_app.errors import (
     Unauthenticated,
 )
 from serve_app.router import openai_api as oa
+from serve_app.stops import StopScanner, cut_at_stop
 
 CHAT = {"model": "toy", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "toy", "prompt": "once upon"}
@@ -283,7 +284,7 @@ def test_render_chat_is_one_block_per_message_and_an_open_assistant_block():
 
 def stream(chunks, stops):
     """What a client sees: each feed's output, then finish's; and whether it stopped."""
-    scanner = oa.StopScanner(stops)
+    scanner = StopScanner(stops)
     sent = [scanner.feed(c) for c in chunks]
     sent.append(scanner.finish())
     return sent, scanner.stopped
@@ -304,11 +305,11 @@ def test_a_partial_stop_that_does_not_complete_is_released():
 
 def test_a_stop_at_the_very_start_emits_nothing():
     assert stream(["END of it", "more"], ["END"]) == (["", "", ""], True)
-    assert oa.cut_at_stop("END of it", ["END"]) == ("", True)
+    assert cut_at_stop("END of it", ["END"]) == ("", True)
 
 
 def test_nothing_is_emitted_after_the_stop():
-    scanner = oa.StopScanner(["."])
+    scanner = StopScanner(["."])
     assert scanner.feed("One. Two.") == "One"
     assert scanner.stopped
     assert (scanner.feed("Three"), scanner.finish()) == ("", "")
@@ -316,16 +317,16 @@ def test_nothing_is_emitted_after_the_stop():
 
 def test_of_overlapping_stops_the_one_that_completes_first_cuts():
     # "bc" completes at the "c", before "abcd" could: the cut is before "bc".
-    assert oa.cut_at_stop("xabcd", ["abcd", "bc"]) == ("xa", True)
+    assert cut_at_stop("xabcd", ["abcd", "bc"]) == ("xa", True)
     assert stream(["xab", "cd"], ["abcd", "bc"]) == (["x", "a", ""], True)
     # Completing together, the longer one cuts (it started first).
-    assert oa.cut_at_stop("xabc", ["bc", "abc"]) == ("x", True)
+    assert cut_at_stop("xabc", ["bc", "abc"]) == ("x", True)
     # The earlier of two stops cuts, whatever their order in the request.
-    assert oa.cut_at_stop("one;two,three", [",", ";"]) == ("one", True)
+    assert cut_at_stop("one;two,three", [",", ";"]) == ("one", True)
 
 
 def test_the_hold_is_only_what_could_begin_a_stop():
-    scanner = oa.StopScanner(["<|end|>", "\n\n"])
+    scanner = StopScanner(["<|end|>", "\n\n"])
     assert scanner.feed("a <|en") == "a "
     assert scanner.feed("try\n") == "<|entry"
     assert scanner.feed("\n") == ""
@@ -345,7 +346,7 @@ def test_the_hold_is_only_what_could_begin_a_stop():
     ],
 )
 def test_a_stream_cuts_where_a_unary_answer_does_whatever_the_chunking(text, stops):
-    expected = oa.cut_at_stop(text, stops)
+    expected = cut_at_stop(text, stops)
     for size in range(1, len(text) + 1):
         chunks = [text[i : i + size] for i in range(0, len(text), size)]
         sent, stopped = stream(chunks, stops)
@@ -354,12 +355,12 @@ def test_a_stream_cuts_where_a_unary_answer_does_whatever_the_chunking(text, sto
 
 def test_an_empty_stop_string_is_a_programming_error():
     with pytest.raises(ValueError):
-        oa.StopScanner(["a", ""])
+        StopScanner(["a", ""])
 
 
 def test_cut_at_stop_without_a_stop():
-    assert oa.cut_at_stop("plain", ["x"]) == ("plain", False)
-    assert oa.cut_at_stop("plain", []) == ("plain", False)
+    assert cut_at_stop("plain", ["x"]) == ("plain", False)
+    assert cut_at_stop("plain", []) == ("plain", False)
 
 
 # ----------------------------------------------------------------------------- responses
@@ -500,7 +501,7 @@ def fake_front(request) -> tuple[int, bytes]:
         raise oa.unknown_model(req.model, ["toy"])
     if req.criticality is Criticality.SHEDDABLE:
         raise QuotaExceeded("tenant over its token quota", retry_after_s=2)
-    text, stopped = oa.cut_at_stop("Hi there. Bye.", oa.stops_of(req))
+    text, stopped = cut_at_stop("Hi there. Bye.", oa.stops_of(req))
     reason = oa.finish_reason(len(text), oa.max_tokens_of(req) or 64, stopped)
     if not req.stream:
         return 200, json.dumps(oa.chat_completion("chatcmpl-1", 5, req.model, text, reason, 3, len(text))).encode()

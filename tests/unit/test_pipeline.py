@@ -56,7 +56,7 @@ def settled(router, full: float, used: int) -> None:
 
 
 async def admit(router, max_tokens: int = 20):
-    return await router._admit("gold", Criticality.CRITICAL, PROMPT, max_tokens, False, Deadline.starting(asyncio.get_running_loop().time(), 30))
+    return await router._admit("gold", Criticality.CRITICAL, len(PROMPT.encode()), max_tokens, False, Deadline.starting(asyncio.get_running_loop().time(), 30))
 
 
 async def test_an_answer_settles_the_quota_to_the_tokens_used(router) -> None:

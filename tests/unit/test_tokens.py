@@ -1,0 +1,88 @@
+"""The router's view of the model's text: counting, chat templates and the context check."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.request import fit_context
+from serve_app.config import ModelConfig
+from serve_app.errors import ContextLengthExceeded
+from serve_app.router.openai_api import BadRequest, ChatMessage
+from serve_app.router.tokens import ModelText, TokenizerText, model_text
+from tests.unit.hf_fixture import make_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def text(ckpt):
+    return model_text(ModelConfig(backend="transformers", path=str(ckpt)))
+
+
+def msgs(*pairs):
+    return [ChatMessage(role=r, content=c) for r, c in pairs]
+
+
+@pytest.mark.parametrize(
+    "prompt_tokens, asked, context, expected",
+    [
+        (10, 20, 128, (20, None)),
+        (10, 118, 128, (118, None)),  # exactly the context
+        (10, None, 128, (118, None)),  # all the prompt leaves
+    ],
+)
+def test_fit_context_fits(prompt_tokens, asked, context, expected):
+    assert fit_context(prompt_tokens, asked, context) == expected
+
+
+@pytest.mark.parametrize(
+    "prompt_tokens, asked, words",
+    [(10, 119, "129 were asked for (10 in the prompt, 119 for the completion)"), (128, None, "prompt alone is 128"), (0, 5, "no tokens")],
+)
+def test_fit_context_refuses_with_a_reason(prompt_tokens, asked, words):
+    n, why = fit_context(prompt_tokens, asked, 128)
+    assert n == 0 and words in why
+
+
+def test_the_builtin_text_counts_bytes_and_refuses_nothing():
+    t = model_text(ModelConfig())
+    assert type(t) is ModelText and t.context == 512
+    assert t.count("héllo") == 6
+    assert t.count("x" * 2000) == 511  # the replica keeps the prompt's end
+    assert t.fit(500, 400) == 400 and t.fit(5, None) == 511
+
+
+def test_a_hf_model_counts_with_its_tokenizer(text, ckpt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert isinstance(text, TokenizerText) and text.context == 128
+    prompt = "The quick brown fox jumps over the lazy dog."
+    assert text.count(prompt) == len(tok.encode(prompt)) < len(prompt)  # merges: fewer tokens than bytes
+    assert text.count(prompt, add_special_tokens=False) == text.count(prompt) - 1  # the bos
+
+
+def test_chat_goes_through_the_models_template_and_developer_is_system(text):
+    out = text.render_chat(msgs(("developer", "Be terse."), ("user", "Hi")))
+    assert out == "<s><|system|>\nBe terse.</s>\n<|user|>\nHi</s>\n<|assistant|>\n"
+
+
+def test_a_hf_model_refuses_what_does_not_fit_its_context(text):
+    assert text.fit(100, 28) == 28
+    with pytest.raises(ContextLengthExceeded) as e:
+        text.fit(100, 29)
+    assert e.value.status == 400 and e.value.code == "CONTEXT_LENGTH_EXCEEDED" and e.value.field == "max_tokens"
+    with pytest.raises(ContextLengthExceeded) as e:
+        text.fit(128, None)
+    assert e.value.field == "prompt"
+
+
+def test_a_model_without_a_chat_template_answers_chat_with_400(tmp_path):
+    t = TokenizerText(str(make_tiny_llama(tmp_path / "base", chat_template=False)))
+    with pytest.raises(BadRequest, match="no chat template") as e:
+        t.render_chat(msgs(("user", "Hi")))
+    assert e.value.field == "messages"
+    assert t.count("Hi") > 0  # completions still work
