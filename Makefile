@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve stop test test-unit bench-router bench-fairness bench-overload bench-gpu sim soak soak-24h observe clean
+.PHONY: install tools serve demo-model stop test test-unit bench-router bench-fairness bench-overload bench-gpu sim soak soak-24h observe clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,12 @@ install: $(STAMP)
 
 ## Run the service in the foreground: embedded local Ray + the app (Ctrl-C stops both).
 serve: $(STAMP)
-	$(PY) -m serve_app.ops.cli serve --config $(CONFIG)
+	$(PY) -m serve_app.ops.cli serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL))
+
+## A small random-weight Llama (real architecture, tokenizer and chat template) to try MODEL= with.
+DEMO_MODEL ?= models/demo
+demo-model: $(STAMP)
+	$(PY) -m serve_app.model.demo $(DEMO_MODEL)
 
 ## Stop a stack started by `make serve` in another shell (signals its own process only).
 stop: $(STAMP)

@@ -630,10 +630,18 @@ class BallastConfig(_Strict):
         )
 
 
-def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = None) -> BallastConfig:
-    """Build the config from a YAML path, a dict, or defaults; errors name the field."""
-    if isinstance(source, BallastConfig):
+def load_config(
+    source: "str | Path | dict[str, Any] | BallastConfig | None" = None, *, model_dir: "str | Path | None" = None
+) -> BallastConfig:
+    """Build the config from a YAML path, a dict, or defaults; errors name the field.
+
+    ``model_dir`` (``ballast serve --model DIR``, ``make serve MODEL=DIR``) serves that
+    Hugging Face directory as the primary model, named after the directory, with the
+    rest of the config as it is (the fallback keeps its own model)."""
+    if isinstance(source, BallastConfig) and model_dir is None:
         return source
+    if isinstance(source, BallastConfig):
+        source = source.model_dump(mode="json")
     data: dict[str, Any]
     where = "config"
     if source is None:
@@ -648,6 +656,8 @@ def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = N
             raise ConfigError(where, f"not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(where, "top level must be a mapping")
+    if model_dir is not None:
+        data = with_model_dir(data, model_dir)
     try:
         cfg = BallastConfig.model_validate(data)
         cfg.degradation_config()
@@ -658,6 +668,14 @@ def load_config(source: "str | Path | dict[str, Any] | BallastConfig | None" = N
     except ValueError as e:  # pydantic.ValidationError is a ValueError
         raise ConfigError(where, str(e)) from None
     return cfg
+
+
+def with_model_dir(data: dict[str, Any], model_dir: "str | Path") -> dict[str, Any]:
+    """``data`` with its primary model replaced by the Hugging Face directory ``model_dir``."""
+    path = Path(model_dir).expanduser().resolve()
+    model = {k: v for k, v in (data.get("model") or {}).items() if k not in ("checkpoint_path", "checkpoint_format", "seed")}
+    model.update(backend="transformers", path=str(path), name=path.name[:64] or "model")
+    return {**data, "model": model}
 
 
 def read_text(path: "str | Path", what: str = "") -> str:

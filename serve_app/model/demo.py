@@ -199,7 +199,7 @@ def main(argv: "list[str] | None" = None) -> int:
     args = parser.parse_args(argv)
     make_llama(args.dir, **DEMO_GEOMETRY)
     print(f"wrote a random-weight Llama ({DEMO_GEOMETRY}) to {args.dir}")
-    print(f"serve it with: make serve MODEL={args.dir}")
+    print(f"serve it with: make serve MODEL={args.dir}  (or: ballast serve --model {args.dir})")
     return 0
 
 

@@ -44,7 +44,7 @@ def _wait_ready(url: str, timeout_s: float) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     from serve_app.config import load_config
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, model_dir=getattr(args, "model", None) or None)
     if PIDFILE.exists():
         try:
             other = json.loads(PIDFILE.read_text())["pid"]
@@ -78,6 +78,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(
                 f"  curl -s {base}/v1/generate -H 'Authorization: Bearer {key}' "
                 "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 32}'"
+            )
+            print(
+                f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+                f"-d '{{\"model\": \"{cfg.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 32}}'"
             )
         print("Ctrl-C (or `make stop` from another shell) stops Serve and Ray.\n", flush=True)
         while not stop.wait(0.5):
@@ -182,9 +186,10 @@ def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict]
 def serve(
     config: str = typer.Option("cluster/local.yaml", help="the Ballast config (YAML)"),
     dashboard: bool = typer.Option(True, help="start the Ray dashboard (and its metrics agent)"),
+    model: str = typer.Option("", help="serve this local Hugging Face model directory as the primary model"),
 ) -> None:
     """Run the local stack in the foreground (embedded Ray); Ctrl-C stops it."""
-    raise typer.Exit(cmd_serve(argparse.Namespace(config=config, dashboard=dashboard)))
+    raise typer.Exit(cmd_serve(argparse.Namespace(config=config, dashboard=dashboard, model=model)))
 
 
 @app.command()

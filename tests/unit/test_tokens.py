@@ -86,3 +86,13 @@ def test_a_model_without_a_chat_template_answers_chat_with_400(tmp_path):
         t.render_chat(msgs(("user", "Hi")))
     assert e.value.field == "messages"
     assert t.count("Hi") > 0  # completions still work
+
+
+def test_serving_a_model_dir_replaces_the_primary_model_only(tmp_path):
+    from serve_app.config import load_config
+
+    d = tmp_path / "my-llama"
+    cfg = load_config("cluster/local.yaml", model_dir=d)
+    assert cfg.model.backend == "transformers" and cfg.model.path == str(d.resolve()) and cfg.model.name == "my-llama"
+    assert cfg.model.max_batch_size == load_config("cluster/local.yaml").model.max_batch_size  # the rest as configured
+    assert cfg.fallback is not None and cfg.fallback.model.backend == "builtin"
