@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model stop test test-unit bench-router bench-fairness bench-overload bench-gpu sim soak soak-24h observe clean
+.PHONY: install tools serve demo-model stop test test-unit bench-router bench-fairness bench-overload bench-model bench-gpu sim soak soak-24h observe clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,10 @@ bench-fairness: $(STAMP)
 ## Capacity C of plain Ray Serve and of Ballast, then 1/2/4/10 C with a criticality mix, side by side (~8 min; plain Serve and Ballast each in a Ray of its own).
 bench-overload: $(STAMP)
 	$(PY) -m loadtest.bench_overload --config $(CONFIG)
+
+## A Hugging Face model (MODEL=dir, default: the demo Llama built in a temp dir): Ballast's batching vs transformers' generate and continuous batching at 1/8/32 (~2 min on CPU).
+bench-model: $(STAMP)
+	$(PY) -m loadtest.bench_model $(if $(MODEL),--model $(MODEL))
 
 ## GPU paths for real (needs CUDA): decode cost by batch rows on CPU and CUDA, NVML, the VRAM watchdog on real allocations (~1 min).
 bench-gpu: $(STAMP)
