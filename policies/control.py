@@ -41,7 +41,7 @@ def fold_reports(
 ) -> LoadSignals:
     """The degradation level's inputs from the fresh reports.
 
-    ``replicas`` holds every deployment's; queue signals come from ``primary``
+    ``replicas`` holds every deployment's; queue and KV signals come from ``primary``
     only (the fallback's load is its own), GPU util and VRAM from all of them.
     ``requests``/``errors`` are the routers' outcomes over the error window.
     """
@@ -63,11 +63,14 @@ def fold_reports(
     full = any(r.get("gate_full") is True for r in routers)
     waits = [float(r["queue_wait_p95_ms"]) for r in list(routers) + mine if r.get("queue_wait_p95_ms") is not None]
     utils = [float(r["gpu_util_pct"]) for r in replicas if r.get("gpu_util_pct") is not None]
+    kvs = [float(r["kv_util_pct"]) for r in mine if r.get("kv_util_pct") is not None]
     vrams = [float(r["vram_pct"]) for r in replicas if r.get("vram_pct") is not None]
     return LoadSignals(
         queue_length=max(0, queue),
         queue_wait_p95_ms=max(waits) if waits else None,  # the worst sender's p95
         gpu_util_pct=sum(utils) / len(utils) if utils else None,
+        # The router spreads rows over the replicas: full when they are full on average.
+        kv_util_pct=sum(kvs) / len(kvs) if kvs else None,
         vram_pct=max(vrams) if vrams else None,
         error_rate=(errors / requests) if requests else None,
         request_count=requests,

@@ -5,7 +5,9 @@ router and the model replicas apply: the largest ``max_tokens`` granted, the
 largest batch, whether streaming is allowed, and which criticalities are still
 admitted. Default thresholds and constraints follow the seed document's
 degradation table (queue length 50/100/200/500, GPU util 85/92/97, VRAM 99 %
-emergency, error rate > 10 % critical); queue-wait thresholds are ours.
+emergency, error rate > 10 % critical); queue-wait thresholds are ours, and the KV
+cache's utilisation (the share of the replicas' KV token budget reserved by rows
+in flight) enters level 1 at 80 %, as llm-d's saturation detector sheds at 0.8.
 
 The level moves fast both ways, but only on evidence:
 
@@ -36,8 +38,9 @@ such a gap, and for ``capacity_gap_settle_s`` after it (the replicas' wait windo
 those signals may hold the level but not raise it; the router's gate still serves
 the line in class order and refuses what cannot finish in time, and the fallback
 answers what the primary cannot. A gap longer than ``capacity_gap_max_s`` is the
-new capacity, and the signals act on it again. GPU utilisation, VRAM and the error
-rate are never held. A scale-up is not a gap: replicas the deployment never had
+new capacity, and the signals act on it again. The KV cache's utilisation is held
+too: the replicas left take the missing one's rows, so their caches fill for the
+same reason their queues do. GPU utilisation, VRAM and the error rate are never held. A scale-up is not a gap: replicas the deployment never had
 are wanted because of demand, and demand is what the level sheds.
 
 **Demand by criticality** is the signal that picks *which* classes to shed. The
@@ -172,6 +175,7 @@ DEFAULT_CONSTRAINTS: tuple[LevelConstraints, ...] = (
 _THRESHOLD_FIELDS = (
     "queue_length_thresholds",
     "queue_wait_ms_thresholds",
+    "kv_util_pct_thresholds",
     "gpu_util_pct_thresholds",
     "vram_pct_thresholds",
 )
@@ -192,6 +196,8 @@ class DegradationConfig:
 
     queue_length_thresholds: tuple[int | None, ...] = (50, 100, 200, 500)
     queue_wait_ms_thresholds: tuple[float | None, ...] = (250.0, 500.0, 1000.0, 2000.0)
+    #: The share of the primary replicas' KV token budget reserved (mean over replicas).
+    kv_util_pct_thresholds: tuple[float | None, ...] = (80.0, 90.0, 97.0, None)
     gpu_util_pct_thresholds: tuple[float | None, ...] = (85.0, 92.0, 97.0, None)
     vram_pct_thresholds: tuple[float | None, ...] = (None, None, 97.0, 99.0)
     error_rate_threshold: float = 0.1
@@ -271,6 +277,7 @@ class DegradationConfig:
         return {
             "queue_length_thresholds": list(self.queue_length_thresholds),
             "queue_wait_ms_thresholds": list(self.queue_wait_ms_thresholds),
+            "kv_util_pct_thresholds": list(self.kv_util_pct_thresholds),
             "gpu_util_pct_thresholds": list(self.gpu_util_pct_thresholds),
             "vram_pct_thresholds": list(self.vram_pct_thresholds),
             "error_rate_threshold": self.error_rate_threshold,
@@ -327,11 +334,14 @@ class LoadSignals:
     replicas_target: int | None = None
     #: One of the controller's own recycles of the primary is under way (its surge or its drain).
     recycling: bool = False
+    #: The primary replicas' KV token budget reserved by rows in flight, percent (mean).
+    kv_util_pct: float | None = None
 
     def __post_init__(self) -> None:
         check_int("queue_length", self.queue_length, minimum=0)
         check_non_negative("queue_wait_p95_ms", self.queue_wait_p95_ms, optional=True)
         check_non_negative("gpu_util_pct", self.gpu_util_pct, optional=True)
+        check_non_negative("kv_util_pct", self.kv_util_pct, optional=True)
         check_non_negative("vram_pct", self.vram_pct, optional=True)
         check_non_negative("error_rate", self.error_rate, optional=True)
         if self.error_rate is not None and self.error_rate > 1:
@@ -368,13 +378,13 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | N
     """The level the current signals ask for, and which signal asked.
 
     The result is the maximum over the present signals. Signals are checked in
-    the DESIGN priority order — queue length, queue wait p95, GPU util, VRAM,
-    error rate — and on a tie the first in that order names the reason, so the
+    the DESIGN priority order — queue length, queue wait p95, KV utilisation, GPU
+    util, VRAM, error rate — and on a tie the first in that order names the reason, so the
     reason points at the most direct overload signal (queue) rather than the
     lagging ones (GPU duty cycle, errors). Reason looks like
     ``"queue_length=230>=200"``; ``"normal"`` for level 0.
 
-    ``load_cap``: the queue-derived signals (queue length, queue wait, demand) ask
+    ``load_cap``: the queue-derived signals (queue length, queue wait, KV, demand) ask
     for at most this level (a capacity gap; see the module docstring).
     """
     best_level = 0
@@ -395,6 +405,7 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | N
 
     consider("queue_length", signals.queue_length, cfg.queue_length_thresholds, load_cap)
     consider("queue_wait_p95_ms", signals.queue_wait_p95_ms, cfg.queue_wait_ms_thresholds, load_cap)
+    consider("kv_util_pct", signals.kv_util_pct, cfg.kv_util_pct_thresholds, load_cap)
     consider("gpu_util_pct", signals.gpu_util_pct, cfg.gpu_util_pct_thresholds)
     consider("vram_pct", signals.vram_pct, cfg.vram_pct_thresholds)
 

@@ -201,6 +201,13 @@ def _default_levels() -> list[LevelConstraintsModel]:
 class DegradationSettings(_Strict):
     queue_length_thresholds: tuple[int, int, int, int] = (50, 100, 200, 500)
     queue_wait_ms_thresholds: tuple[float, float, float, float] = (250.0, 500.0, 1000.0, 2000.0)
+    # The primary replicas' KV token budget reserved, percent (llm-d sheds at 80).
+    kv_util_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
+        80.0,
+        90.0,
+        97.0,
+        None,
+    )
     gpu_util_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
         85.0,
         92.0,
@@ -603,6 +610,7 @@ class BallastConfig(_Strict):
         return DegradationConfig(
             queue_length_thresholds=tuple(d.queue_length_thresholds),
             queue_wait_ms_thresholds=tuple(d.queue_wait_ms_thresholds),
+            kv_util_pct_thresholds=tuple(d.kv_util_pct_thresholds),
             gpu_util_pct_thresholds=tuple(d.gpu_util_pct_thresholds),
             vram_pct_thresholds=tuple(d.vram_pct_thresholds),
             error_rate_threshold=d.error_rate_threshold,

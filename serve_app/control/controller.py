@@ -213,7 +213,7 @@ class ControllerCore:
         return leases
 
     def report_replica(self, report: dict[str, Any]) -> dict[str, Any]:
-        report = _clean(report, ("queued", "running"), ("queue_wait_p95_ms", "gpu_util_pct", "vram_pct"))
+        report = _clean(report, ("queued", "running"), ("queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct"))
         if report is None:
             self.rejected_reports += 1
             return self._snapshot.to_dict()

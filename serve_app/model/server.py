@@ -206,6 +206,7 @@ class ModelServer:
         )
         self._m_tokens = metrics.Counter("ballast_model_tokens_total", "Tokens generated.")
         self._m_queue = metrics.Gauge("ballast_model_queued", "Requests in this replica waiting for a batch.")
+        self._m_kv = metrics.Gauge("ballast_model_kv_util_pct", "This replica's KV token budget reserved by rows in flight, percent.")
 
     # -- watchdog, readiness and recycling ---------------------------------------------
     def _spawn_watchdog(self) -> Any:
@@ -282,6 +283,8 @@ class ModelServer:
         gpu = self._gpu.sample() if self._gpu is not None else None
         sizes = list(self._batch_sizes)
         self._m_queue.set(self._queued)
+        kv_util = round(100.0 * self._kv_reserved / self._kv_budget, 2)
+        self._m_kv.set(kv_util)
         return {
             "replica_id": self._replica_id,
             "deployment": self._deployment,
@@ -291,7 +294,7 @@ class ModelServer:
             "batches": self._batches,
             "batch_size_avg": (sum(sizes) / len(sizes)) if sizes else None,
             "batch_size_limit": self._batch_limit,
-            "kv_util_pct": round(100.0 * self._kv_reserved / self._kv_budget, 2),
+            "kv_util_pct": kv_util,
             "kv_tokens_reserved": self._kv_reserved,
             "kv_tokens_budget": self._kv_budget,
             "queue_wait_p95_ms": recent_percentile(self._waits_ms, time.monotonic(), WAIT_WINDOW_S, 0.95),

@@ -36,6 +36,16 @@ class TestFoldReports:
         sig = control.fold_reports([{"queue_wait_p95_ms": 200.0}], reps, P)
         assert (sig.queue_wait_p95_ms, sig.vram_pct) == (300.0, 70.0)
 
+    def test_kv_is_the_mean_over_the_primary_replicas_only(self) -> None:
+        reps = [
+            replica("a", kv_util_pct=90.0),
+            replica("b", kv_util_pct=70.0),
+            replica("c"),  # no KV report: left out, not a zero
+            replica("f", deployment="Fallback", kv_util_pct=0.0),
+        ]
+        assert control.fold_reports([], reps, P).kv_util_pct == 80.0
+        assert control.fold_reports([], [replica("a")], P).kv_util_pct is None
+
     def test_capacity_only_while_some_gate_was_full(self) -> None:
         routers = [{"served_rps": 10.0, "gate_full": False}, {"served_rps": 15.0, "gate_full": False}]
         assert control.fold_reports(routers, [], P).capacity_rps is None

@@ -32,6 +32,7 @@ def sig(
     vram: float | None = None,
     err: float | None = None,
     n: int = 0,
+    kv: float | None = None,
 ) -> LoadSignals:
     return LoadSignals(
         queue_length=queue,
@@ -40,6 +41,7 @@ def sig(
         vram_pct=vram,
         error_rate=err,
         request_count=n,
+        kv_util_pct=kv,
     )
 
 
@@ -386,6 +388,35 @@ def test_a_capacity_gap_holds_the_queue_signals_at_the_level() -> None:
     assert (state.gap_since_s, state.gap_last_s) == (None, None)
 
 
+def test_kv_utilisation_sheds_from_80_percent_tick_by_tick() -> None:
+    assert target_level(sig(kv=79.9), CFG) == (0, "normal")
+    assert target_level(sig(kv=80.0), CFG) == (1, "kv_util_pct=80>=80")
+    assert target_level(sig(kv=96.0), CFG) == (2, "kv_util_pct=96>=90")
+    assert target_level(sig(kv=100.0), CFG)[0] == 3  # never 4 by itself
+    assert target_level(sig(queue=100, kv=95.0), CFG)[1] == "queue_length=100>=100"  # the queue first on a tie
+    # The replicas' caches fill: one level at once, the rest when it holds; back down in one window.
+    d, state = decide(sig(kv=85.0), DegradationState(), CFG, now_s=0)
+    assert (d.level, d.reason) == (1, "up 0->1: kv_util_pct=85>=80")
+    d, state = decide(sig(kv=98.0), state, CFG, now_s=1)
+    assert (d.level, d.target_level) == (2, 3)
+    d, state = decide(sig(kv=98.0), state, CFG, now_s=2)
+    assert d.level == 3
+    for t in range(3, 33):
+        d, state = decide(sig(kv=40.0), state, CFG, now_s=t)
+        assert d.level == 3, t
+    d, state = decide(sig(kv=40.0), state, CFG, now_s=33)
+    assert (d.level, d.changed) == (0, True)
+
+
+def test_a_capacity_gap_holds_kv_utilisation_too() -> None:
+    # The replica left takes the missing one's rows: its cache fills for the gap's reason.
+    state = DegradationState(serving_high=2)
+    for t in range(5):
+        d, state = decide(gap(1, 2, kv=95.0), state, CFG, now_s=t)
+        assert (d.level, d.capacity_gap) == (0, True), t
+    assert d.reason == "normal [capacity gap 1/2 for 4s: queue signals held at 0, would ask 2]"
+
+
 def test_a_scale_up_is_demand_not_a_gap() -> None:
     # The autoscaler wants 4 where 1 serves: those 3 were never there; the queue counts.
     d, state = decide(gap(1, 1), DegradationState(), CFG, now_s=0)
@@ -488,6 +519,7 @@ def test_conservative_level() -> None:
         ({"queue_length_thresholds": (50, 100, 100, 500)}, "queue_length_thresholds"),
         ({"queue_wait_ms_thresholds": (500.0, 250.0, 1000.0, 2000.0)}, "queue_wait_ms_thresholds"),
         ({"gpu_util_pct_thresholds": (85.0, None, 80.0, None)}, "gpu_util_pct_thresholds"),
+        ({"kv_util_pct_thresholds": (80.0, 80.0, None, None)}, "kv_util_pct_thresholds"),
         ({"vram_pct_thresholds": (None, None, -1.0, 99.0)}, "vram_pct_thresholds"),
         ({"error_rate_threshold": 0.0}, "error_rate_threshold"),
         ({"error_rate_threshold": 1.5}, "error_rate_threshold"),
