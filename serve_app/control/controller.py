@@ -259,6 +259,10 @@ class ControllerCore:
                     "age_s": round(now - float(r.get("started_at_s") or now), 1),
                     "queued": r.get("queued"),
                     "running": r.get("running"),
+                    # The KV token budget and the share of it the rows in flight reserve.
+                    "kv_util_pct": r.get("kv_util_pct"),
+                    "kv_tokens_reserved": r.get("kv_tokens_reserved"),
+                    "kv_tokens_budget": r.get("kv_tokens_budget"),
                     "ready": bool(r.get("ready", True)) and bool(wd.get("ready", True)),
                     "draining": bool(r.get("draining")),
                     "manual_recycle": rid in self.recycler.manual,

@@ -150,6 +150,10 @@ def test_the_replica_reports_its_kv_reservation(hf_stack):
     report = serve.get_deployment_handle("BallastModel", "ballast").stats.remote().result()
     assert report["kv_tokens_budget"] == 32 * 128  # max_batch_size x the context
     assert report["kv_tokens_reserved"] == 0 and report["kv_util_pct"] == 0  # nothing in flight
+    # ... and the operator sees it per replica.
+    rows = httpx.get(f"{BASE}/admin/replicas", headers=ADMIN, timeout=10).json()["replicas"]
+    mine = [r for r in rows if r["deployment"] == "BallastModel"]
+    assert mine and all(r["kv_tokens_budget"] == 32 * 128 and r["kv_util_pct"] is not None for r in mine), mine
 
 
 def test_overload_sheds_sheddable_and_critical_keeps_succeeding(hf_stack):
