@@ -27,7 +27,7 @@ demo-model: $(STAMP)
 
 ## Stop a stack started by `make serve` in another shell (signals its own process only).
 stop: $(STAMP)
-	$(PY) -m serve_app.ops.cli stop
+	$(PY) -m serve_app.ops.cli stop --config $(CONFIG)
 
 ## promtool (Debian's prometheus package) for the alert-rule tests; skipped where apt cannot run.
 tools:

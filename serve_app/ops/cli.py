@@ -6,7 +6,9 @@ document), ``tenants``,
 ``serve`` starts a local Ray inside this process, the controller actor and the app,
 waits until ``/healthz/ready`` answers, prints the URL and a curl example, and stays
 in the foreground. SIGINT (Ctrl-C) or SIGTERM shuts Serve, the controller and Ray
-down cleanly. ``stop`` signals only the process recorded in ``.run/ballast.pid``.
+down cleanly. ``stop`` signals only the process recorded in ``.run/ballast-<port>.pid``
+(one file per HTTP port: stacks on other ports, a test run beside ``make serve``,
+are left alone).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any, Optional
 
 import typer
 
-PIDFILE = Path(".run/ballast.pid")
+def pidfile(port: int) -> Path:
+    return Path(f".run/ballast-{port}.pid")
 
 
 def _wait_ready(url: str, timeout_s: float) -> bool:
@@ -45,14 +48,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from serve_app.config import load_config
 
     cfg = load_config(args.config, model_dir=getattr(args, "model", None) or None)
-    if PIDFILE.exists():
+    pid_path = pidfile(cfg.http.port)
+    if pid_path.exists():
         try:
-            other = json.loads(PIDFILE.read_text())["pid"]
+            other = json.loads(pid_path.read_text())["pid"]
             os.kill(other, 0)
             print(f"a Ballast stack is already running (pid {other}); `make stop` first", file=sys.stderr)
             return 1
         except (OSError, ValueError, KeyError):
-            PIDFILE.unlink(missing_ok=True)  # left behind by a stack that died
+            pid_path.unlink(missing_ok=True)  # left behind by a stack that died
 
     import ray
 
@@ -69,8 +73,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         start(cfg, cfg.http.host, cfg.http.port)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
-        PIDFILE.parent.mkdir(exist_ok=True)
-        PIDFILE.write_text(json.dumps({"pid": os.getpid(), "url": base}))
+        pid_path.parent.mkdir(exist_ok=True)
+        pid_path.write_text(json.dumps({"pid": os.getpid(), "url": base}))
         ready = _wait_ready(f"{base}/healthz/ready", 120)
         print(f"\nBallast is {'ready' if ready else 'up (not ready yet)'} at {base}")
         if cfg.auth.demo_keys:
@@ -92,21 +96,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
             shutdown(cfg)
         finally:
             ray.shutdown()
-            PIDFILE.unlink(missing_ok=True)
+            pid_path.unlink(missing_ok=True)
     print("stopped.")
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from serve_app.config import load_config
+
+    pid_path = pidfile(load_config(args.config).http.port)
     try:
-        pid = json.loads(PIDFILE.read_text())["pid"]
+        pid = json.loads(pid_path.read_text())["pid"]
     except (OSError, ValueError, KeyError):
         print("no Ballast stack started by `make serve` is running here")
         return 0
     try:
         os.kill(pid, signal.SIGINT)  # what Ctrl-C sends: the same clean shutdown
     except ProcessLookupError:
-        PIDFILE.unlink(missing_ok=True)
+        pid_path.unlink(missing_ok=True)
         print("the recorded stack was already gone")
         return 0
     deadline = time.monotonic() + args.timeout_s
@@ -154,7 +161,7 @@ def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict]
     url = t.url
     if url is None:
         try:
-            url = json.loads(PIDFILE.read_text())["url"]
+            url = json.loads(pid_path.read_text())["url"]
         except (OSError, ValueError, KeyError):
             url = "http://127.0.0.1:8000"
     token = t.token or os.environ.get("BALLAST_ADMIN_TOKEN")
@@ -193,9 +200,12 @@ def serve(
 
 
 @app.command()
-def stop(timeout_s: float = typer.Option(60.0, help="how long to wait for it to exit")) -> None:
-    """Stop the stack `ballast serve` / `make serve` started here."""
-    raise typer.Exit(cmd_stop(argparse.Namespace(timeout_s=timeout_s)))
+def stop(
+    config: str = typer.Option("cluster/local.yaml", help="the config it was started with (its HTTP port names it)"),
+    timeout_s: float = typer.Option(60.0, help="how long to wait for it to exit"),
+) -> None:
+    """Stop the stack `ballast serve` / `make serve` started here on the config's port."""
+    raise typer.Exit(cmd_stop(argparse.Namespace(config=config, timeout_s=timeout_s)))
 
 
 # -- `ballast status`: GET /v1/status as an operator reads it -----------------------------
@@ -230,7 +240,7 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
         out.append(f"  snapshot v{snap.get('version')} ({snap.get('epoch')}), age {_num(snap.get('age_s'), '.1f')} s")
     inputs = snap.get("inputs") or {}
     if inputs:
-        shown = ("queue_length", "queue_wait_p95_ms", "gpu_util_pct", "vram_pct", "error_rate")
+        shown = ("queue_length", "queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct", "error_rate")
         out.append("  inputs: " + ", ".join(f"{k} {_num(inputs.get(k))}" for k in shown if k in inputs))
     cons = doc.get("constraints") or {}
     if cons:

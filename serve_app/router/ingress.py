@@ -41,11 +41,40 @@ FAST_PATH_ENV = {
 }
 
 
+#: Ports Serve's HAProxy mode binds besides the HTTP port, at Serve's defaults; a stack
+#: on HTTP port 8000 + d moves each by d (the router replicas' direct-ingress ranges by
+#: ``DIRECT_BLOCK`` × d), so stacks on one host (``make serve`` on 8000, the tests on
+#: 8123, a benchmark on 8124, the soak on 8125) never bind the same port.
+SERVE_PORTS = {
+    "RAY_SERVE_HAPROXY_STATS_PORT": 8404,
+    "RAY_SERVE_HAPROXY_METRICS_PORT": 9101,
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500,
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": 9500,
+}
+DIRECT_RANGES = {  # (min, max) env names and Serve's default minimum
+    ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"): 30000,
+    ("RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT"): 40000,
+}
+DIRECT_BLOCK = 40  # router replicas per node a stack can give a direct-ingress port to
+PORT_SLOTS = 250  # stacks on HTTP ports 8000..8249 get slots 0..249; others wrap around
+
+
+def stack_ports(http_port: int) -> dict[str, str]:
+    """The environment that gives the stack on ``http_port`` its own HAProxy ports."""
+    d = (http_port - 8000) % PORT_SLOTS
+    env = {name: str(base + d) for name, base in SERVE_PORTS.items()}
+    for (lo, hi), base in DIRECT_RANGES.items():
+        env[lo] = str(base + DIRECT_BLOCK * d)
+        env[hi] = str(base + DIRECT_BLOCK * d + DIRECT_BLOCK - 1)
+    return env
+
+
 def ingress_env(cfg: BallastConfig) -> dict[str, str]:
     """Environment for Ray's processes that selects ``cfg.http.ingress`` and ``cfg.http.fast_path``.
 
-    HAProxy's files go to a directory of their own per port, so two local stacks
-    (a test run beside ``make serve``) never share a config file or admin socket.
+    HAProxy's files go to a directory of their own per port, and its other ports
+    follow the HTTP port (:func:`stack_ports`), so two local stacks (a test run
+    beside ``make serve``) never share a config file, an admin socket or a port.
     """
     env = dict(FAST_PATH_ENV) if cfg.http.fast_path else {}
     if cfg.http.ingress == "proxy":
@@ -53,11 +82,13 @@ def ingress_env(cfg: BallastConfig) -> dict[str, str]:
     base = f"/tmp/ballast-haproxy-{cfg.http.port}"
     return {
         **env,
+        **stack_ports(cfg.http.port),
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": f"{base}/haproxy.cfg",
         "RAY_SERVE_HAPROXY_SOCKET_PATH": f"{base}/admin.sock",
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": base,
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{base}/server-state",
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{base}/metrics.sock",
     }
 
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from serve_app.config import load_config
-from serve_app.router.ingress import ingress_env
+from serve_app.router.ingress import SERVE_PORTS, ingress_env, stack_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,14 @@ def test_cluster_yaml_passes_rays_own_validation():
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     # Every variable the production config asks for is exported on every node (the
     # HAProxy file paths are per port for local stacks; Serve's defaults serve a node).
-    exported = {k: v for k, v in env.items() if not k.startswith("RAY_SERVE_HAPROXY_")}
+    # Its other ports are Serve's own defaults on port 8000 (stack_ports moves them only
+    # for stacks sharing a host).
+    assert prod.http.port == 8000 and stack_ports(8000) == {
+        **{k: str(v) for k, v in SERVE_PORTS.items()},
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30039",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "40000", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "40039",
+    }
+    exported = {k: v for k, v in env.items() if not k.startswith("RAY_SERVE_HAPROXY_") and k not in stack_ports(8000)}
     assert len(exported) == 4
     for c in (c for c in starts if "ray start" in c):
         words = c.split("ray start")[0].replace(";", " ").split()

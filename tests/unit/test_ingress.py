@@ -14,10 +14,27 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_haproxy_is_the_default_with_files_of_its_own_per_port():
     env = ingress_env(load_config({"http": {"port": 8123}}))
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    paths = [v for k, v in env.items() if k.startswith("RAY_SERVE_HAPROXY_")]
-    assert paths and all(p.startswith("/tmp/ballast-haproxy-8123") for p in paths)
+    paths = [v for k, v in env.items() if k.startswith("RAY_SERVE_HAPROXY_") and not k.endswith("_PORT")]
+    assert len(paths) == 5 and all(p.startswith("/tmp/ballast-haproxy-8123") for p in paths)
     other = ingress_env(load_config({"http": {"port": 8000}}))
     assert set(other.values()).isdisjoint(paths)
+
+
+def test_every_port_a_stack_binds_follows_its_http_port():
+    ports = {}
+    for http in (8000, 8123, 8124, 8125, 8126):
+        env = ingress_env(load_config({"http": {"port": http}}))
+        mine = {http} | {int(v) for k, v in env.items() if k.endswith("_PORT") and "DIRECT" not in k}
+        for lo, hi in (("MIN_HTTP", "MAX_HTTP"), ("MIN_GRPC", "MAX_GRPC")):
+            a, b = int(env[f"RAY_SERVE_DIRECT_INGRESS_{lo}_PORT"]), int(env[f"RAY_SERVE_DIRECT_INGRESS_{hi}_PORT"])
+            assert b - a + 1 == 40
+            mine |= set(range(a, b + 1))
+        for other, theirs in ports.items():
+            assert not mine & theirs, (http, other, sorted(mine & theirs)[:5])
+        ports[http] = mine
+    # Port 8000 keeps Serve's own defaults (a cluster node needs nothing exported).
+    assert ingress_env(load_config({}))["RAY_SERVE_HAPROXY_STATS_PORT"] == "8404"
+    assert ingress_env(load_config({}))["RAY_SERVE_HAPROXY_METRICS_PORT"] == "9101"
 
 
 def test_proxy_turns_haproxy_off_explicitly():
