@@ -9,9 +9,13 @@ in those policies, which the fleet simulator runs too; this module only keeps th
 reports (expiry, bounds, the error window) and applies what the policies decide.
 
 It is a detached, named actor with ``max_restarts=-1``: when it dies Ray starts it
-again; it keeps no durable state because everything it needs arrives again in
-the next round of reports (a second or so). Its snapshots carry a new ``epoch``
-so caches accept the restarted controller's versions, which start over at 1.
+again, on another node if its own is gone. Load state is not kept: it arrives again
+in the next round of reports (a second or so). What operators and recycles set is
+kept in Ray's KV store (the GCS) and taken back by the restarted controller: the
+recycle leases, and the kill switches, chaos settings and audit trail (written
+before the admin call answers, so an acknowledged kill switch survives). Its
+snapshots carry a new ``epoch`` so caches accept the restarted controller's
+versions, which start over at 1.
 
 All per-sender maps are bounded: reports expire after ``report_expiry_s`` and the
 maps are capped at ``MAX_SENDERS`` entries (oldest evicted).
@@ -123,7 +127,9 @@ class ControllerCore:
         self.configure(cfg)
         self._version = 0
         self.rejected_reports = 0
-        # Kill switches and chaos survive configure() (a redeploy), not a restart.
+        # Kill switches and chaos survive configure() (a redeploy); the actor persists
+        # them (admin_state) so they survive a restart too.
+        self.admin_dirty = False
         self._kill_switches: "OrderedDict[str, KillSwitchEntry]" = OrderedDict()
         self._audit: deque[dict[str, Any]] = deque(maxlen=MAX_AUDIT)
         self._chaos: dict[str, dict[str, Any]] = {}
@@ -371,8 +377,39 @@ class ControllerCore:
         )
 
     # -- kill switch and chaos (admin, off the request path) -----------------------------
+    def admin_state(self) -> dict[str, Any]:
+        """What operators set, to persist: kill switches, chaos settings, the audit trail."""
+        return {
+            "kill_switches": [e.to_dict() for e in self._kill_switches.values()],
+            "chaos": dict(self._chaos),
+            "audit": list(self._audit),
+        }
+
+    def adopt_admin_state(self, state: Any) -> int:
+        """Take back what a previous controller persisted; entries that are malformed or
+        expired are dropped (logged), never fatal. Returns the kill switches adopted."""
+        if not isinstance(state, dict):
+            raise ValueError(f"admin state: want an object, got {type(state).__name__}")
+        now = self._wall()
+        for raw in list(state.get("kill_switches") or [])[:MAX_KILL_SWITCHES]:
+            try:
+                entry = KillSwitchEntry.from_dict(raw)
+            except (TypeError, ValueError) as exc:
+                log.warning("dropped a persisted kill switch %r: %s", raw, exc)
+                continue
+            if not entry.expired(now):
+                self._kill_switches[entry.id] = entry
+        for target, settings in dict(state.get("chaos") or {}).items():
+            if target in CHAOS_TARGETS and isinstance(settings, dict):
+                self._chaos[target] = dict(settings)
+        self._audit.extend(e for e in list(state.get("audit") or [])[-MAX_AUDIT:] if isinstance(e, dict))
+        self._record("admin_state_adopted", "controller", kill_switches=len(self._kill_switches), chaos=sorted(self._chaos))
+        self._republish()
+        return len(self._kill_switches)
+
     def _republish(self) -> None:
         """Admin changes go out at once, not at the next tick: same decision, new version."""
+        self.admin_dirty = True
         self._version += 1
         self._snapshot = replace(
             self._snapshot,
@@ -393,6 +430,7 @@ class ControllerCore:
         for entry_id in [i for i, e in self._kill_switches.items() if e.expired(now)]:
             entry = self._kill_switches.pop(entry_id)
             self._record("kill_switch_expired", "controller", entry=entry.to_dict())
+            self.admin_dirty = True
 
     def set_kill_switch(
         self, scope: str, value: Optional[str], reason: str, expires_in_s: float, set_by: str
@@ -445,7 +483,9 @@ class Controller:
         self._core = ControllerCore(load_config(cfg))
         self._task: Optional[asyncio.Task] = None
         self._kv_key = f"ballast:{self._core.cfg.app_name}:recycle-leases".encode()
+        self._admin_key = f"ballast:{self._core.cfg.app_name}:admin-state".encode()
         self._adopt_leases()
+        self._adopt_admin()
         from ray.util import metrics  # created once, here (STYLE 8)
 
         self._m_level = metrics.Gauge("ballast_degradation_level", "Current degradation level (0-4).")
@@ -469,34 +509,47 @@ class Controller:
             tag_keys=("kind",),
         )
 
-    # -- recycle leases survive a controller restart in Ray's KV store ----------------------
+    # -- recycle leases and admin state survive a controller restart in Ray's KV store --------
     def _adopt_leases(self) -> None:
-        from ray.experimental import internal_kv
-
         try:
-            raw = internal_kv._internal_kv_get(self._kv_key, namespace="ballast")
+            raw = _kv_get(self._kv_key)
             if raw:
                 n = self._core.recycler.adopt(json.loads(raw))
                 log.warning("adopted %d recycle lease(s) from a previous controller", n)
         except Exception:
             log.exception("could not read persisted recycle leases; starting without them")
 
-    def _persist_leases(self) -> None:
-        from ray.experimental import internal_kv
+    def _adopt_admin(self) -> None:
+        try:
+            raw = _kv_get(self._admin_key)
+            if raw:
+                n = self._core.adopt_admin_state(json.loads(raw))
+                log.warning("adopted %d kill switch(es) and the chaos settings from a previous controller", n)
+        except Exception:
+            log.exception("could not read the persisted kill switches and chaos; starting without them")
+        self._core.admin_dirty = False
 
-        internal_kv._internal_kv_put(
-            self._kv_key, json.dumps(self._core.recycler.leases_dict()).encode(), overwrite=True, namespace="ballast"
-        )
+    async def _persist_admin(self) -> None:
+        """Write the admin state now (an admin call answers after it); on failure the next tick retries."""
+        if not self._core.admin_dirty:
+            return
+        self._core.admin_dirty = False
+        try:
+            await asyncio.to_thread(_kv_put, self._admin_key, json.dumps(self._core.admin_state()).encode())
+        except Exception:
+            self._core.admin_dirty = True
+            log.exception("could not persist the kill switches and chaos")
 
     async def _after_tick(self) -> None:
         rec = self._core.recycler
         if rec.leases_dirty:
             rec.leases_dirty = False
             try:
-                await asyncio.to_thread(self._persist_leases)
+                await asyncio.to_thread(_kv_put, self._kv_key, json.dumps(rec.leases_dict()).encode())
             except Exception:
                 rec.leases_dirty = True
                 log.exception("could not persist recycle leases")
+        await self._persist_admin()
         while rec.kill_orders:
             order = rec.kill_orders.popleft()
             try:
@@ -570,19 +623,38 @@ class Controller:
         return self._core.epoch
 
     async def set_kill_switch(self, scope, value, reason, expires_in_s, set_by) -> dict[str, Any]:
-        return self._core.set_kill_switch(scope, value, reason, expires_in_s, set_by)
+        entry = self._core.set_kill_switch(scope, value, reason, expires_in_s, set_by)
+        await self._persist_admin()
+        return entry
 
     async def delete_kill_switch(self, entry_id: str, by: str) -> bool:
-        return self._core.delete_kill_switch(entry_id, by)
+        deleted = self._core.delete_kill_switch(entry_id, by)
+        await self._persist_admin()
+        return deleted
 
     async def kill_switches(self) -> dict[str, Any]:
         return self._core.kill_switches()
 
     async def set_chaos(self, target: str, settings: dict[str, Any], by: str) -> dict[str, Any]:
-        return self._core.set_chaos(target, settings, by)
+        chaos = self._core.set_chaos(target, settings, by)
+        await self._persist_admin()
+        return chaos
 
     async def clear_chaos(self, by: str) -> None:
         self._core.clear_chaos(by)
+        await self._persist_admin()
+
+
+def _kv_get(key: bytes) -> Optional[bytes]:
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_get(key, namespace="ballast")
+
+
+def _kv_put(key: bytes, value: bytes) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, value, overwrite=True, namespace="ballast")
 
 
 def _kill_actor(name: str, namespace: str) -> None:

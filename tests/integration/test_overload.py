@@ -144,18 +144,40 @@ def test_burst_scales_model_up_and_quiet_scales_it_down(client, ballast):
 
 
 def test_controller_killed_mid_traffic_fails_no_request_and_comes_back(client, ballast):
+    from conftest import ADMIN
+
+    NOISY = {"Authorization": "Bearer dev-key-noisy"}
+
     from serve_app.control.link import lookup_controller
 
     wait_quiet(client)
-    epoch_before = status(client)["snapshot"]["epoch"]
-    handle = lookup_controller(ballast)
-    killer = threading.Timer(2.0, lambda: ray.kill(handle, no_restart=False))
-    killer.start()
-    result = run_load({"critical": 4, "sheddable_plus": 2}, duration_s=10, max_tokens=8)
-    killer.join()
-    # Not one request failed while the controller was dead and restarting.
-    assert {k for k in result.by("critical")} == {(200, "OK")}, result.by("critical")
-    assert {k for k in result.by("sheddable_plus")} == {(200, "OK")}, result.by("sheddable_plus")
-    # Ray restarted it (max_restarts=-1) and the routers follow its new epoch.
-    wait_until(lambda: status(client)["snapshot"]["epoch"] != epoch_before, 30, 0.5, "a snapshot from the restarted controller")
-    wait_until(lambda: status(client)["source"] == "snapshot", 10, 0.5, "fresh snapshot")
+    # What operators set must survive the restart: a kill switch (on a tenant the load
+    # does not use: noisy) and a chaos setting (on the fallback, which the load does not reach).
+    switch = client.post("/admin/kill-switch", headers=ADMIN, json={
+        "scope": "tenant", "value": "noisy", "reason": "survives the controller", "expires_in_s": 300,
+    }).json()
+    assert client.post("/admin/chaos", headers=ADMIN, json={"target": "fallback", "latency_ms": 1}).status_code == 200
+    try:
+        epoch_before = status(client)["snapshot"]["epoch"]
+        handle = lookup_controller(ballast)
+        killer = threading.Timer(2.0, lambda: ray.kill(handle, no_restart=False))
+        killer.start()
+        result = run_load({"critical": 4, "sheddable_plus": 2}, duration_s=10, max_tokens=8)
+        killer.join()
+        # Not one request failed while the controller was dead and restarting.
+        assert {k for k in result.by("critical")} == {(200, "OK")}, result.by("critical")
+        assert {k for k in result.by("sheddable_plus")} == {(200, "OK")}, result.by("sheddable_plus")
+        # Ray restarted it (max_restarts=-1) and the routers follow its new epoch.
+        wait_until(lambda: status(client)["snapshot"]["epoch"] != epoch_before, 30, 0.5, "a snapshot from the restarted controller")
+        wait_until(lambda: status(client)["source"] == "snapshot", 10, 0.5, "fresh snapshot")
+        # ... and it took back the kill switch and the chaos setting: the routers still enforce them.
+        after = status(client)
+        assert [k["id"] for k in after["kill_switches"]] == [switch["id"]], after["kill_switches"]
+        assert list(after["chaos"]) == ["fallback"] and after["chaos"]["fallback"]["latency_ms"] == 1, after["chaos"]
+        r = client.post("/v1/generate", headers=NOISY, json={"prompt": "k", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "KILL_SWITCH"
+        audit = client.get("/admin/kill-switch", headers=ADMIN).json()["audit"]
+        assert "admin_state_adopted" in [e["action"] for e in audit]
+    finally:
+        client.delete(f"/admin/kill-switch/{switch['id']}", headers=ADMIN)
+        client.delete("/admin/chaos", headers=ADMIN)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import json
 import pytest
 
 from fakes import FakeClock
@@ -536,3 +537,47 @@ def test_leases_split_a_tenants_rate_by_demand_and_cap_borrowing():
     assert a["small"]["rate_tokens_per_s"] + leases["small"]["rate_tokens_per_s"] == pytest.approx(150.0)
     assert a["small"]["rate_tokens_per_s"] == pytest.approx(112.5)
     assert a["small"]["burst_tokens"] == leases["small"]["burst_tokens"] == 100.0
+
+
+# --------------------------------------------------------------------------- admin state
+
+
+def test_kill_switches_chaos_and_audit_are_taken_back_by_a_restarted_controller(h: Harness) -> None:
+    assert not h.core.admin_dirty
+    keep = h.core.set_kill_switch("tenant", "free", "runaway client", 600, "ops")
+    short = h.core.set_kill_switch("global", None, "maintenance", 5, "ops")
+    h.core.set_chaos("primary", {"latency_ms": 50}, "ops")
+    assert h.core.admin_dirty  # the actor writes it before the admin call answers
+    state = json.loads(json.dumps(h.core.admin_state()))  # what goes through Ray's KV store
+
+    # The controller dies; another starts 10 s later (wall clock): the 5 s switch has expired.
+    h.wall.advance(10)
+    again = ControllerCore(make_cfg(), clock=h.clock, wall_clock=h.wall)
+    assert again.adopt_admin_state(state) == 1
+    snap = again.snapshot()
+    assert [e["id"] for e in snap["kill_switches"]] == [keep["id"]]
+    assert short["id"] not in {e["id"] for e in snap["kill_switches"]}
+    assert snap["chaos"] == {"primary": {"latency_ms": 50}}
+    audit = again.kill_switches()["audit"]
+    assert [e["action"] for e in audit] == ["kill_switch_set", "kill_switch_set", "chaos_set", "admin_state_adopted"]
+
+
+def test_a_malformed_persisted_state_loses_only_its_bad_entries(h: Harness) -> None:
+    good = h.core.set_kill_switch("criticality", "sheddable", "shed", 60, "ops")
+    state = h.core.admin_state()
+    state["kill_switches"].append({"id": "x", "scope": "galaxy"})  # not a kill switch
+    state["chaos"]["nowhere"] = {"latency_ms": 1}  # not a chaos target
+    again = ControllerCore(make_cfg(), clock=h.clock, wall_clock=h.wall)
+    assert again.adopt_admin_state(state) == 1
+    assert [e["id"] for e in again.snapshot()["kill_switches"]] == [good["id"]]
+    assert again.snapshot()["chaos"] == {}
+    with pytest.raises(ValueError, match="admin state"):
+        again.adopt_admin_state(["not", "an", "object"])
+
+
+def test_an_expiring_kill_switch_marks_the_state_to_persist(h: Harness) -> None:
+    h.core.set_kill_switch("global", None, "maintenance", 5, "ops")
+    h.core.admin_dirty = False  # written
+    h.wall.advance(6)
+    assert h.core.kill_switches()["entries"] == []
+    assert h.core.admin_dirty
