@@ -45,13 +45,15 @@ def start(cfg: BallastConfig, host: str, port: int) -> None:
 
 
 def shutdown(cfg: BallastConfig) -> None:
-    """Serve down, then the detached controller (it would outlive Serve otherwise)."""
+    """Serve down, then the detached controller and key table (they would outlive Serve otherwise)."""
     import ray
     from ray import serve
 
     from serve_app.control.link import lookup_controller
 
+    from serve_app.control.keys import lookup_keys
+
     serve.shutdown()
-    handle = lookup_controller(cfg)
-    if handle is not None:
-        ray.kill(handle, no_restart=True)
+    for handle in (lookup_controller(cfg), lookup_keys(cfg)):
+        if handle is not None:
+            ray.kill(handle, no_restart=True)

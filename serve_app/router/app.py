@@ -42,7 +42,7 @@ from serve_app.router.admin import AdminRoutes
 from serve_app.router.api import app
 from serve_app.router.gate import PriorityGate
 from serve_app.router.generate import GenerateRoutes
-from serve_app.router.idempotency import IdempotencyStore
+from serve_app.router.idempotency import IdempotencyStore, SharedKeys
 from serve_app.router.openai import OpenAIRoutes
 from serve_app.router.pipeline import Pipeline
 from serve_app.router.resilience import CallHooks, ResilientCaller
@@ -101,6 +101,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._model = model
         self._stats = _Stats()
         self._router_id = f"router-{uuid.uuid4().hex[:8]}"
+        self._key_table: Any = None  # the shared idempotency key table's handle, once needed
         self._created_s = int(time.time())  # /v1/models' "created"
         self._openapi: Optional[dict[str, Any]] = None  # built at the first GET /openapi.json
         self._link, self._cache, self._exchange = connect(
@@ -120,7 +121,11 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._demand_tokens: dict[str, float] = {}
         self._demand_since = time.monotonic()
         r = self._cfg.resilience
-        self._idem = IdempotencyStore(r.idempotency.ttl_s, r.idempotency.max_entries)
+        # Keys shared by every router (a retry through another node's endpoint gets the
+        # first answer); the actor is looked up or created at the first keyed request.
+        self._idem = IdempotencyStore(
+            r.idempotency.ttl_s, r.idempotency.max_entries, shared=SharedKeys(self._keys_handle, self._router_id)
+        )
         self._text = model_text(self._cfg.model)  # the model's tokenizer, template and context
         self._model_max_tokens = self._text.context - 1
         self._limits = self._cfg.limits
@@ -182,6 +187,18 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
                 on_breaker_event=self._on_breaker_event,
             ),
         )
+
+    def _keys_handle(self) -> Any:
+        if self._key_table is None:
+            import ray
+
+            from serve_app.control.keys import keys_actor
+
+            if not ray.is_initialized():  # a router object outside Ray (tests): keys stay per router
+                raise RuntimeError("no Ray: the shared key table is unreachable")
+
+            self._key_table = keys_actor(self._cfg)
+        return self._key_table
 
     def _on_breaker_event(self, event: BreakerEvent) -> None:
         self._m_breaker.set(int(event.to_state), tags={"backend": event.backend})

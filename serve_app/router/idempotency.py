@@ -6,9 +6,12 @@ running waits for it. A first attempt that *fails* is forgotten, so the client's
 retry runs for real. The store is bounded: expired entries go first, then the
 oldest; an evicted key simply runs again.
 
-Scope: one router replica. With several routers the key is honoured per router
-(a client retrying through another router may generate twice); see the note in
-DESIGN/README.
+Across routers: a key seen for the first time at this router is claimed in the
+key table every router shares (``serve_app.control.keys``, over
+``policies.idempotency``): a repeat that reaches another router, through another
+node's endpoint, waits for the first answer there or gets it. Only requests that
+carry a key call it, with a short timeout; when it cannot be reached the key is
+honoured by this router alone, and ``shared_unreachable`` counts it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
+
+from policies.idempotency import DONE, MINE
+from serve_app.errors import DeadlineExceeded
 
 
 class _FirstCancelled(Exception):
@@ -30,11 +36,54 @@ class _Entry:
     done_at_s: Optional[float] = None
 
 
+class SharedKeys:
+    """The shared key table as this router calls it: every call bounded by ``timeout_s``;
+    a failure (the actor unreachable, restarting) answers None, never raises."""
+
+    def __init__(self, handle: Callable[[], Any], owner: str, timeout_s: float = 1.0) -> None:
+        self._handle = handle  # returns the actor handle (created or looked up lazily)
+        self.owner = owner
+        self.timeout_s = timeout_s
+        self.unreachable = 0
+
+    async def _call(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> Any:
+        try:
+            ref = getattr(self._handle(), method).remote(*args)
+            return await asyncio.wait_for(ref, timeout=timeout_s or self.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - any failure: this router honours the key alone
+            self.unreachable += 1
+            return _UNREACHABLE
+
+    async def claim(self, slot: tuple[str, str], lease_s: float) -> Any:
+        return await self._call("claim", *slot, self.owner, lease_s)
+
+    async def wait(self, slot: tuple[str, str], timeout_s: float) -> Any:
+        return await self._call("wait", *slot, timeout_s, timeout_s=timeout_s + self.timeout_s)
+
+    async def complete(self, slot: tuple[str, str], result: dict[str, Any]) -> None:
+        await self._call("complete", *slot, self.owner, result)
+
+    async def release(self, slot: tuple[str, str]) -> None:
+        await self._call("release", *slot, self.owner)
+
+
+_UNREACHABLE = object()
+
+
 class IdempotencyStore:
-    def __init__(self, ttl_s: float, max_entries: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        ttl_s: float,
+        max_entries: int,
+        clock: Callable[[], float] = time.monotonic,
+        shared: Optional[SharedKeys] = None,
+    ):
         self._ttl_s = ttl_s
         self._max = max_entries
         self._clock = clock
+        self._shared = shared
         # Insertion order == age order; only touched from the router's event loop.
         self._entries: "OrderedDict[tuple[str, str], _Entry]" = OrderedDict()
         self.replays = 0
@@ -50,9 +99,12 @@ class IdempotencyStore:
             self._entries.popitem(last=False)
 
     async def run(
-        self, tenant: str, key: str, fn: Callable[[], Awaitable[dict[str, Any]]]
+        self, tenant: str, key: str, fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float = 60.0
     ) -> tuple[dict[str, Any], bool]:
-        """``fn()``'s result, or the earlier one for the same (tenant, key); True when replayed."""
+        """``fn()``'s result, or the earlier one for the same (tenant, key); True when replayed.
+
+        ``within_s``: the request's time left; the shared claim's lease, and how long
+        this request waits for another router's first attempt."""
         slot = (tenant, key)
         while True:
             entry = self._entries.get(slot)
@@ -60,7 +112,7 @@ class IdempotencyStore:
                 del self._entries[slot]
                 entry = None
             if entry is None:
-                return await self._first(slot, fn), False
+                return await self._first(slot, fn, within_s)
             self.replays += 1
             try:
                 # shield: a repeat that gives up must not cancel the first request's work
@@ -69,13 +121,15 @@ class IdempotencyStore:
                 self.replays -= 1
                 continue  # the first one's client left; this one still wants an answer
 
-    async def _first(self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+    async def _first(
+        self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float
+    ) -> tuple[dict[str, Any], bool]:
         self._evict()
         future: "asyncio.Future[dict[str, Any]]" = asyncio.get_running_loop().create_future()
         entry = _Entry(future)
         self._entries[slot] = entry
         try:
-            result = await fn()
+            result, replayed = await self._shared_first(slot, fn, within_s)
         except BaseException as exc:
             if self._entries.get(slot) is entry:
                 del self._entries[slot]  # failed: a retry must run for real
@@ -85,4 +139,38 @@ class IdempotencyStore:
             raise
         future.set_result(result)
         entry.done_at_s = self._clock()
-        return result
+        return result, replayed
+
+    async def _shared_first(
+        self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float
+    ) -> tuple[dict[str, Any], bool]:
+        """Claim the key in the shared table: run ``fn`` when the claim is ours, take the
+        answer another router gave, or wait for the one it is giving (then claim again)."""
+        shared = self._shared
+        if shared is None:
+            return await fn(), False
+        end = self._clock() + within_s
+        while True:
+            left = end - self._clock()
+            claim = await shared.claim(slot, max(left, 0.001) + shared.timeout_s)
+            if claim is _UNREACHABLE:
+                return await fn(), False
+            if claim["state"] == DONE:
+                self.replays += 1
+                return claim["result"], True
+            if claim["state"] == MINE:
+                break
+            if left <= 0:
+                raise DeadlineExceeded("waited for the first attempt of this Idempotency-Key (another router) past the deadline")
+            seen = await shared.wait(slot, min(left, 5.0))
+            if isinstance(seen, dict) and seen["state"] == DONE:
+                self.replays += 1
+                return seen["result"], True
+            # freed (its attempt failed or its router died), unreachable, or still running: claim again
+        try:
+            result = await fn()
+        except BaseException:
+            await asyncio.shield(shared.release(slot))
+            raise
+        await shared.complete(slot, result)
+        return result, False

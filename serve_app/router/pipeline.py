@@ -292,7 +292,8 @@ class Pipeline:
             if key is None:
                 answer, replayed = await work(), False
             else:
-                answer, replayed = await self._idem.run(ticket.tenant, key, work)
+                left = ticket.deadline.at_s - time.monotonic()
+                answer, replayed = await self._idem.run(ticket.tenant, key, work, within_s=left)
                 if replayed:
                     self._m_replays.inc()
         except asyncio.CancelledError:  # the client went away

@@ -197,6 +197,37 @@ def test_replica_killed_mid_traffic_fails_no_idempotent_request(client, ballast)
     wait_until(lambda: status(client)["replicas"]["BallastModel"]["running"] >= 1, 60, 0.5, "primary replaced")
 
 
+def test_an_idempotency_key_answered_by_another_router_is_replayed_here(client, ballast):
+    """The key table every router shares: another router (played here by the test,
+    through the real actor) claims a key; this router's request with that key waits
+    for that router's answer and replays it, generating nothing itself."""
+    import concurrent.futures
+
+    from serve_app.control.keys import keys_actor
+
+    keys = keys_actor(ballast)
+    key = f"elsewhere-{uuid.uuid4().hex}"
+    assert ray.get(keys.claim.remote("gold", key, "router-on-another-node", 30.0))["state"] == "mine"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(
+            client.post, "/v1/generate", headers={**GOLD, "Idempotency-Key": key}, json={"prompt": "one", "max_tokens": 6}
+        )
+        time.sleep(1.0)
+        assert not pending.done()  # waiting for the other router's attempt, not generating its own
+        answer = {"text": "answered elsewhere", "tokens": 2, "finish_reason": "length", "fallback": None, "model": ballast.model.name}
+        assert ray.get(keys.complete.remote("gold", key, "router-on-another-node", answer)) is True
+        r = pending.result(timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ballast-idempotent-replay"] == "true"
+    assert r.json()["text"] == "answered elsewhere"
+    # A key another router claimed and then gave up is run here for real.
+    key = f"released-{uuid.uuid4().hex}"
+    ray.get(keys.claim.remote("gold", key, "router-on-another-node", 30.0))
+    ray.get(keys.release.remote("gold", key, "router-on-another-node"))
+    r = client.post("/v1/generate", headers={**GOLD, "Idempotency-Key": key}, json={"prompt": "one", "max_tokens": 6})
+    assert r.status_code == 200 and "x-ballast-idempotent-replay" not in r.headers
+
+
 def test_idempotency_key_replays_the_first_answer(client):
     key = f"idem-{uuid.uuid4().hex}"
     h = {**GOLD, "Idempotency-Key": key}

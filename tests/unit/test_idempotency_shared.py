@@ -1,0 +1,166 @@
+"""Idempotency keys across routers: policies.idempotency.KeyTable tick by tick, and two
+routers' IdempotencyStores sharing one key service (the actor's own body, called
+in-process through FakeActorHandle: Ray's actor call is what is faked)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from fakes import FakeClock
+
+from policies.idempotency import DONE, MINE, RUNNING, KeyTable
+from serve_app.control.keys import KeyService
+from serve_app.errors import DeadlineExceeded
+from serve_app.router.idempotency import IdempotencyStore, SharedKeys
+
+from test_idempotency import Counted, settle, spawn
+
+S = ("gold", "k1")
+
+
+# -- the table ------------------------------------------------------------------------
+
+
+def test_the_first_claim_wins_and_the_others_wait_for_its_answer() -> None:
+    t = KeyTable(ttl_s=60, max_entries=10)
+    assert t.claim(S, "a", lease_s=5, now_s=0).state == MINE
+    assert t.claim(S, "b", lease_s=5, now_s=1).state == RUNNING
+    assert t.claim(S, "a", lease_s=5, now_s=1).state == MINE  # its own claim, still
+    assert t.complete(S, "b", {"text": "no"}, now_s=2) is False  # not b's to complete
+    assert t.complete(S, "a", {"text": "x"}, now_s=2) is True
+    c = t.claim(S, "b", lease_s=5, now_s=3)
+    assert (c.state, c.owner, c.result) == (DONE, "a", {"text": "x"})
+    assert t.claim(("free", "k1"), "b", lease_s=5, now_s=3).state == MINE  # keys are per tenant
+
+
+def test_a_failed_attempt_frees_the_key_for_the_retry() -> None:
+    t = KeyTable(ttl_s=60, max_entries=10)
+    t.claim(S, "a", 5, 0)
+    assert t.release(S, "b", 1) is False and t.peek(S, 1).state == RUNNING
+    assert t.release(S, "a", 1) is True and t.peek(S, 1) is None
+    assert t.claim(S, "b", 5, 2).state == MINE
+
+
+def test_a_lease_that_runs_out_frees_the_key_second_by_second() -> None:
+    t = KeyTable(ttl_s=60, max_entries=10)
+    t.claim(S, "a", lease_s=3, now_s=0)  # a's router dies with the request
+    for now in (1, 2):
+        assert t.claim(S, "b", 3, now).state == RUNNING, now
+    assert t.claim(S, "b", 3, now_s=3).state == MINE
+    assert t.complete(S, "a", {"text": "late"}, now_s=4) is False  # a lost it
+
+
+def test_answers_are_kept_ttl_s_after_they_complete() -> None:
+    t = KeyTable(ttl_s=10, max_entries=10)
+    t.claim(S, "a", 5, 0)
+    t.complete(S, "a", {"text": "x"}, 4)
+    assert t.peek(S, 14).state == DONE
+    assert t.peek(S, 14.5) is None
+
+
+def test_the_table_is_bounded_finished_answers_evicted_before_claims() -> None:
+    t = KeyTable(ttl_s=600, max_entries=3)
+    t.claim(("t", "running"), "a", 60, 0)
+    t.claim(("t", "done"), "a", 60, 1)
+    t.complete(("t", "done"), "a", {"text": "x"}, 1)
+    t.claim(("t", "c"), "a", 60, 2)
+    t.claim(("t", "d"), "a", 60, 3)  # full: the finished one goes, not the older claim
+    assert len(t) == 3 and t.peek(("t", "done"), 3) is None and t.peek(("t", "running"), 3) is not None
+    t.claim(("t", "e"), "a", 60, 4)  # no finished one left: the oldest claim goes
+    assert len(t) == 3 and t.peek(("t", "running"), 4) is None
+
+
+@pytest.mark.parametrize(("kw", "field"), [({"ttl_s": 0, "max_entries": 1}, "ttl_s"), ({"ttl_s": 1, "max_entries": 0}, "max_entries")])
+def test_bad_settings_name_the_field(kw: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        KeyTable(**kw)
+
+
+# -- two routers over one key service -----------------------------------------------------
+
+
+class FakeActorHandle:
+    """Stands in for a Ray actor handle: ``handle.method.remote(*a)`` runs the service's
+    coroutine in this loop (``down`` makes every call fail, as an unreachable actor)."""
+
+    def __init__(self, service: KeyService) -> None:
+        self.service = service
+        self.down = False
+        self.calls: list[str] = []
+
+    def __getattr__(self, method: str) -> Any:
+        handle = self
+
+        class _M:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                handle.calls.append(method)
+                if handle.down:
+                    raise ConnectionError("actor unreachable")
+                return asyncio.ensure_future(getattr(handle.service, method)(*args))
+
+        return _M()
+
+
+def routers(clock: FakeClock) -> tuple[IdempotencyStore, IdempotencyStore, FakeActorHandle]:
+    actor = FakeActorHandle(KeyService(ttl_s=60, max_entries=100, clock=clock))
+    a = IdempotencyStore(60, 100, clock=clock, shared=SharedKeys(lambda: actor, "router-a"))
+    b = IdempotencyStore(60, 100, clock=clock, shared=SharedKeys(lambda: actor, "router-b"))
+    return a, b, actor
+
+
+async def test_a_retry_through_another_router_gets_the_first_answer_once_generated() -> None:
+    clock = FakeClock()
+    a, b, _ = routers(clock)
+    gate = asyncio.Event()
+    first, second = Counted(gate), Counted()
+    ta = spawn(a.run("gold", "k1", first, within_s=30))
+    await settle()
+    tb = spawn(b.run("gold", "k1", second, within_s=30))  # the client retried elsewhere
+    await settle()
+    assert (first.calls, second.calls) == (1, 0)  # b waits for a's attempt
+    gate.set()
+    assert await ta == ({"text": "answer 1"}, False)
+    assert await tb == ({"text": "answer 1"}, True)
+    assert second.calls == 0
+    # Later repeats at b are served from the shared answer, then from b's own store.
+    assert await b.run("gold", "k1", Counted(), within_s=30) == ({"text": "answer 1"}, True)
+
+
+async def test_when_the_first_attempt_fails_the_retry_elsewhere_runs_for_real() -> None:
+    clock = FakeClock()
+    a, b, _ = routers(clock)
+    gate = asyncio.Event()
+    first = Counted(gate, fail=RuntimeError("model down"))
+    ta = spawn(a.run("gold", "k1", first, within_s=30))
+    await settle()
+    second = Counted()
+    tb = spawn(b.run("gold", "k1", second, within_s=30))
+    await settle()
+    gate.set()
+    with pytest.raises(RuntimeError):
+        await ta
+    assert await tb == ({"text": "answer 1"}, False) and second.calls == 1
+
+
+async def test_an_unreachable_key_service_leaves_each_router_honouring_keys_alone() -> None:
+    clock = FakeClock()
+    a, b, actor = routers(clock)
+    actor.down = True
+    assert await a.run("gold", "k1", Counted(), within_s=30) == ({"text": "answer 1"}, False)
+    assert await a.run("gold", "k1", Counted(), within_s=30) == ({"text": "answer 1"}, True)  # a's own store
+    assert a._shared.unreachable == 1
+
+
+async def test_a_retry_waits_no_longer_than_its_deadline() -> None:
+    clock = FakeClock()
+    a, b, _ = routers(clock)
+    gate = asyncio.Event()
+    ta = spawn(a.run("gold", "k1", Counted(gate), within_s=30))
+    await settle()
+    with pytest.raises(DeadlineExceeded):
+        await b.run("gold", "k1", Counted(), within_s=0)
+    gate.set()
+    await ta
