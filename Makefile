@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model stop test test-unit bench-router bench-fairness bench-overload bench-model bench-gpu sim soak soak-24h observe clean
+.PHONY: install tools serve demo-model stop test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-model bench-gpu sim soak soak-24h observe clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,19 @@ tools:
 	@command -v promtool >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
 	  (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus) >/dev/null 2>&1; } || \
 	  echo "promtool unavailable: its tests will be skipped"
+
+## A head and two workers, each a real `ray start` in its own network namespace (needs root),
+## Ballast deployed with `serve deploy`; REDIS=1 adds GCS fault tolerance on a local redis-server.
+cluster-up: $(STAMP)
+	$(PY) -m serve_app.ops.netcluster up $(if $(REDIS),--redis)
+
+## Remove every process and namespace cluster-up made (nothing else).
+cluster-down: $(STAMP)
+	$(PY) -m serve_app.ops.netcluster down
+
+## The whole fault suite on the local cluster (its own, or the one cluster-up left), with its report.
+test-cluster: $(STAMP)
+	BALLAST_CLUSTER_SUITE=full $(PY) -m pytest -q -rs tests/cluster
 
 ## The whole suite: unit tests, then integration tests against a real local Ray Serve.
 test: $(STAMP) tools

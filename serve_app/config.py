@@ -179,6 +179,10 @@ class ControllerConfig(_Strict):
     # Outcome window for the error rate.
     error_window_s: PositiveFloat = 10.0
     call_timeout_s: PositiveFloat = 1.0
+    # Ray CPUs the controller and the shared idempotency key table ask for. Above 0 they
+    # cannot land on a head started with --num-cpus=0 (cluster/cluster.yaml), so they
+    # live on a worker and keep working while the head is down.
+    num_cpus: float = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _stale_order(self) -> "ControllerConfig":

@@ -669,6 +669,7 @@ def controller_options(cfg: BallastConfig) -> dict[str, Any]:
         lifetime="detached",
         max_restarts=-1,
         get_if_exists=True,
+        num_cpus=cfg.controller.num_cpus,
     )
 
 

@@ -84,7 +84,7 @@ def keys_actor(cfg: BallastConfig) -> "ray.actor.ActorHandle":
     idem = cfg.resilience.idempotency
     return IdempotencyKeys.options(
         name=keys_name(cfg), namespace=cfg.controller.namespace, lifetime="detached",
-        max_restarts=-1, get_if_exists=True,
+        max_restarts=-1, get_if_exists=True, num_cpus=cfg.controller.num_cpus,
     ).remote(idem.ttl_s, idem.max_entries)
 
 

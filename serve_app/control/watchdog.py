@@ -234,6 +234,7 @@ class Watchdog:
         )
         self._link = ControllerLink(self._cfg)
         self._task: Optional[asyncio.Task] = None
+        self._replica_actor = str(info.get("actor_name"))
         from ray.util import metrics  # created once, here (STYLE 8)
 
         tags = ("replica", "deployment")
@@ -272,6 +273,10 @@ class Watchdog:
             if n > self._actions_seen.get(action, 0):
                 self._actions.inc(n - self._actions_seen.get(action, 0), tags={**self._tags, "action": action})
                 self._actions_seen[action] = n
+
+    def __repr__(self) -> str:
+        # Ray's state API shows it (repr_name): which replica actor this watchdog watches.
+        return f"Watchdog({self._replica_actor})"
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():

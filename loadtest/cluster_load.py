@@ -1,0 +1,172 @@
+"""Steady load through every node's endpoint of a local cluster, for fault tests.
+
+Closed-loop callers send ``/v1/generate`` requests, each to the next endpoint that is
+up, the way a load balancer in front of the nodes would: an endpoint that refuses a
+connection or times out is marked down and probed (``/healthz/ready``) until it
+answers again. Half the callers send an ``Idempotency-Key`` with every request and
+retry a failed one with the same key through another endpoint (as the client SDK
+does), so a key that fails for good is a request lost; the others never retry, and
+each failure is kept with its cause and the endpoint it went to.
+
+Bounded: a fixed number of callers, stopped by ``duration_s`` or ``stop()``, at most
+``MAX_RECORDS`` outcomes kept. Targets: loopback or the local cluster's own
+namespaces (``serve_app.ops.netcluster.SUBNET``) only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+from urllib.parse import urlsplit
+
+import httpx
+
+MAX_RECORDS = 200_000
+RETRYABLE = {502, 503, 504}
+OWN_NETWORKS = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("10.77.0.0/24"))
+
+
+def check_own(url: str) -> str:
+    host = urlsplit(url).hostname or ""
+    if not any(ipaddress.ip_address(host) in net for net in OWN_NETWORKS):
+        raise ValueError(f"{url}: load goes only to loopback or this machine's own cluster namespaces")
+    return url
+
+
+@dataclass
+class Outcome:
+    t: float  # monotonic, when the request was sent
+    endpoint: str
+    keyed: bool
+    cause: str  # "ok", "connect", "timeout", "http_<status>_<code>"
+    attempts: int = 1  # keyed requests: attempts until this outcome
+    level: Optional[int] = None  # the degradation level the answer carried
+    replayed: bool = False
+
+
+@dataclass
+class LoadReport:
+    outcomes: list[Outcome] = field(default_factory=list)
+    down_marks: list[tuple[float, str]] = field(default_factory=list)
+
+    def failures(self, keyed: bool, since: float = 0.0) -> Counter:
+        return Counter(o.cause for o in self.outcomes if o.keyed == keyed and o.cause != "ok" and o.t >= since)
+
+    def count(self, keyed: Optional[bool] = None, since: float = 0.0, until: float = float("inf")) -> int:
+        return sum(1 for o in self.outcomes if (keyed is None or o.keyed == keyed) and since <= o.t < until)
+
+    def max_level(self) -> int:
+        return max((o.level for o in self.outcomes if o.level is not None), default=0)
+
+    def last_failure(self, since: float = 0.0) -> Optional[float]:
+        times = [o.t for o in self.outcomes if o.cause != "ok" and o.t >= since]
+        return max(times) if times else None
+
+
+class ClusterLoad:
+    """``callers`` closed-loop callers over ``endpoints`` in a thread of its own."""
+
+    def __init__(self, endpoints: list[str], api_key: str, callers: int = 6, max_tokens: int = 8,
+                 timeout_s: float = 10.0, duration_s: float = 120.0) -> None:
+        self.endpoints = [check_own(e) for e in endpoints]
+        self.api_key = api_key
+        self.callers = callers
+        self.max_tokens = max_tokens
+        self.timeout_s = timeout_s
+        self.duration_s = duration_s
+        self.report = LoadReport()
+        self._down: dict[str, bool] = {e: False for e in self.endpoints}
+        self._next = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="cluster-load", daemon=True)
+
+    def start(self) -> "ClusterLoad":
+        self._thread.start()
+        return self
+
+    def stop(self) -> LoadReport:
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s + 10)
+        return self.report
+
+    # -- the endpoints ------------------------------------------------------------
+    def _pick(self, avoid: Optional[str] = None) -> str:
+        up = [e for e in self.endpoints if not self._down[e] and e != avoid] or [e for e in self.endpoints if e != avoid]
+        self._next += 1
+        return up[self._next % len(up)] if up else self.endpoints[0]
+
+    def _mark_down(self, endpoint: str) -> None:
+        if not self._down[endpoint]:
+            self._down[endpoint] = True
+            self.report.down_marks.append((time.monotonic(), endpoint))
+
+    async def _probe(self, client: httpx.AsyncClient) -> None:
+        while not self._stop.is_set():
+            for e in [e for e, down in self._down.items() if down]:
+                try:
+                    if (await client.get(f"{e}/healthz/ready", timeout=2.0)).status_code == 200:
+                        self._down[e] = False
+                except httpx.HTTPError:
+                    pass
+            await asyncio.sleep(1.0)
+
+    # -- the callers --------------------------------------------------------------
+    def _record(self, outcome: Outcome) -> None:
+        if len(self.report.outcomes) < MAX_RECORDS:
+            self.report.outcomes.append(outcome)
+
+    async def _send(self, client: httpx.AsyncClient, endpoint: str, key: Optional[str]) -> tuple[str, Optional[dict]]:
+        headers = {"Authorization": f"Bearer {self.api_key}", "X-Request-Timeout-Ms": str(int(self.timeout_s * 800))}
+        if key:
+            headers["Idempotency-Key"] = key
+        try:
+            r = await client.post(f"{endpoint}/v1/generate", headers=headers, timeout=self.timeout_s,
+                                  json={"prompt": "cluster", "max_tokens": self.max_tokens})
+        except httpx.TimeoutException:
+            self._mark_down(endpoint)
+            return "timeout", None
+        except httpx.HTTPError:
+            self._mark_down(endpoint)
+            return "connect", None
+        if r.status_code == 200:
+            return "ok", r.json()
+        try:
+            code = r.json()["error"]["code"]
+        except (ValueError, KeyError, TypeError):
+            code = "?"
+        return f"http_{r.status_code}_{code}", None
+
+    async def _caller(self, client: httpx.AsyncClient, keyed: bool, stop_at: float) -> None:
+        while not self._stop.is_set() and time.monotonic() < stop_at:
+            sent = time.monotonic()
+            endpoint = self._pick()
+            key = uuid.uuid4().hex if keyed else None
+            cause, body = await self._send(client, endpoint, key)
+            attempts = 1
+            while keyed and cause != "ok" and attempts < 5 and not self._stop.is_set():
+                retryable = cause in ("connect", "timeout") or int(cause.split("_")[1]) in RETRYABLE
+                if not retryable:
+                    break
+                await asyncio.sleep(0.2 * attempts)
+                endpoint = self._pick(avoid=endpoint)
+                cause, body = await self._send(client, endpoint, key)
+                attempts += 1
+            level = body.get("degradation_level") if body else None
+            self._record(Outcome(sent, endpoint, keyed, cause, attempts, level))
+            if cause != "ok":
+                await asyncio.sleep(0.1)
+
+    async def _main(self) -> None:
+        stop_at = time.monotonic() + self.duration_s
+        limits = httpx.Limits(max_connections=self.callers * 2 + 4)
+        async with httpx.AsyncClient(limits=limits) as client:
+            probe = asyncio.create_task(self._probe(client))
+            await asyncio.gather(*(self._caller(client, i % 2 == 0, stop_at) for i in range(self.callers)))
+            self._stop.set()
+            probe.cancel()

@@ -1,0 +1,92 @@
+"""A real three-node Ray cluster on this machine (serve_app/ops/netcluster.py) for fault tests.
+
+Made here (about 30 s: three ``ray start`` in their own network namespaces, then
+``serve deploy``) and removed when the module's tests end, before the integration
+tests start their own local Ray. A test that breaks it (``cluster.broken = True``)
+gets the next test a new one, so each fault starts from a whole cluster; a test that
+needs GCS fault tolerance asks for ``redis_cluster``. Where namespaces cannot be
+made (no root, no ``ip``), or a cluster is already up (``make cluster-up``: these tests
+make their own), every test here skips and says why. The session ends by printing the
+fault report (clusterkit.REPORT).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import pytest
+
+from clusterkit import REPORT, Cluster
+from serve_app.ops import netcluster
+
+
+class _Clusters:
+    """The cluster the module's tests share, made again when a test broke it."""
+
+    def __init__(self) -> None:
+        self.current: Optional[Cluster] = None
+
+    def get(self, redis: bool) -> Cluster:
+        c = self.current
+        if c is not None and not c.broken and c.state["redis"] == redis:
+            return c
+        if c is not None:
+            netcluster.down()
+            self.current = None
+        try:
+            self.current = Cluster(netcluster.up(redis=redis))
+        except netcluster.ClusterError:
+            netcluster.down()
+            raise
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            netcluster.down()
+            self.current = None
+
+
+@pytest.fixture(scope="module")
+def _clusters():
+    why = netcluster.can_make_namespaces()
+    if why is None and netcluster.our_namespaces():
+        why = "a local cluster is already up (`make cluster-down` first): these tests make their own"
+    if why:
+        pytest.skip(f"no local cluster here: {why}")
+    saved = {k: os.environ.get(k) for k in netcluster.CLIENT_ENV}
+    os.environ.update(netcluster.CLIENT_ENV)  # Ray's state API here is a client of the cluster
+    clusters = _Clusters()
+    try:
+        yield clusters
+    finally:
+        clusters.close()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture()
+def cluster(_clusters) -> Cluster:
+    return _clusters.get(redis=False)
+
+
+@pytest.fixture()
+def redis_cluster(_clusters) -> Cluster:
+    return _clusters.get(redis=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not REPORT:
+        return
+    w = terminalreporter
+    w.section("local cluster: faults under load")
+    w.line("| fault | requests | keyed failures | other failures (cause: n) | failures stop after s | recovered after s | max level | notes |")
+    w.line("|---|---|---|---|---|---|---|---|")
+    for r in REPORT:
+        other = ", ".join(f"{k}: {v}" for k, v in sorted(r["other_failures"].items())) or "0"
+        keyed = ", ".join(f"{k}: {v}" for k, v in sorted(r["keyed_failures"].items())) or "0"
+        w.line(f"| {r['fault']} | {r['requests']} | {keyed} | {other} | {r['failures_stop_s']} | {r['recover_s']} "
+               f"| {r['max_level']} | {r.get('notes', '')} |")

@@ -1,0 +1,204 @@
+"""Faults on a real three-node cluster (a head, two workers, each in its own network
+namespace) under steady load through every node's endpoint.
+
+``make test`` runs what matters most and costs least: where watchdogs sit, an
+Idempotency-Key retried through another node, and a worker killed under load with no
+request that carries a key lost. ``make test-cluster`` runs every fault
+(``BALLAST_CLUSTER_SUITE=full``) and prints the report. Each fault starts from a
+whole cluster (conftest.py makes a new one after a test broke it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from clusterkit import report_row, wait_until
+from loadtest.cluster_load import ClusterLoad
+from serve_app.ops import netcluster
+
+FULL = os.environ.get("BALLAST_CLUSTER_SUITE") == "full"
+full_suite = pytest.mark.skipif(not FULL, reason="the whole fault suite runs with `make test-cluster`")
+
+MODEL = "ServeReplica:ballast:BallastModel"
+ROUTER = "ServeReplica:ballast:BallastRouter"
+MIN_REPLICAS = 2  # netcluster.serve_config: one per worker to start
+
+
+def model_replicas_on(cluster, ip: str) -> int:
+    return sum(1 for where in cluster.where(MODEL) if where == ip)
+
+
+def steady(cluster) -> None:
+    """Every endpoint answers and the model has its replicas before a fault starts."""
+    wait_until(lambda: all(netcluster.ready(n) for n in cluster.nodes), 180, 2, "every endpoint ready")
+    wait_until(lambda: len(cluster.where(MODEL)) >= MIN_REPLICAS, 180, 2, "the model's replicas")
+
+
+def worker_without_controller(cluster):
+    controller_at = cluster.where("Controller")
+    return next(w for w in reversed(cluster.workers) if w.ip not in controller_at)
+
+
+def test_every_watchdog_sits_on_its_replicas_node(cluster):
+    steady(cluster)
+    ips = cluster.node_ips()
+    replicas = {a.name: ips.get(a.node_id) for a in cluster.actors(MODEL)}
+    watchdogs = {a.repr_name: ips.get(a.node_id) for a in cluster.actors("Watchdog")}
+    # The head starts with --num-cpus=0: no model replica, router or controller there.
+    assert replicas and cluster.head.ip not in replicas.values(), replicas
+    assert cluster.head.ip not in cluster.where(ROUTER) + cluster.where("Controller")
+    for name, ip in replicas.items():
+        assert watchdogs.get(f"Watchdog({name})") == ip, (name, ip, watchdogs)
+
+
+def test_an_idempotency_key_sent_through_every_node_is_answered_once(cluster):
+    steady(cluster)
+    assert len(set(cluster.where(ROUTER))) == 2  # a router on each worker: keys cross routers
+    for _ in range(3):
+        key = uuid.uuid4().hex
+        # Two at once through each node's endpoint: the retries a client sends when it
+        # times out on one node and tries the next.
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(
+                lambda e: cluster.generate(e, {"Idempotency-Key": key}, max_tokens=24), cluster.endpoints * 2))
+        assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+        assert len({a.json()["text"] for a in answers}) == 1
+        generated = [a for a in answers if a.headers.get("x-ballast-idempotent-replay") != "true"]
+        assert len(generated) == 1, [dict(a.headers) for a in answers]
+        # A retry later through another node: the first answer again, nothing generated.
+        again = cluster.generate(cluster.head.endpoint, {"Idempotency-Key": key}, max_tokens=24)
+        assert again.headers.get("x-ballast-idempotent-replay") == "true" and again.json()["text"] == answers[0].json()["text"]
+
+
+def test_a_worker_killed_under_load_loses_no_keyed_request(cluster):
+    steady(cluster)
+    victim = worker_without_controller(cluster)  # the controller's node lost is its own fault
+    survivor = next(w for w in cluster.workers if w != victim)
+    load = ClusterLoad(cluster.endpoints, cluster.gold, callers=6, duration_s=240).start()
+    try:
+        time.sleep(8)  # steady traffic before the fault
+        t_fault = time.monotonic()
+        cluster.broken = True
+        killed = netcluster.kill_node(victim)
+        # Serve starts the lost replicas again on the worker that is left.
+        wait_until(lambda: model_replicas_on(cluster, survivor.ip) >= MIN_REPLICAS, 180, 2,
+                   "the model's replicas back on the surviving worker")
+        t_recovered = time.monotonic()
+        time.sleep(10)  # and traffic after it
+    finally:
+        load.stop()
+    rep = load.report
+    row = report_row("worker killed", load, t_fault, t_recovered, notes=f"{killed} processes of {victim.name} killed")
+    assert rep.count(since=t_recovered) > 0, row
+    assert rep.failures(keyed=True) == {}, row  # every keyed request answered (retried through another node)
+    # Others fail only around the loss (in flight there, or sent to its endpoint before
+    # the balancer marked it down): none once the replicas are back.
+    assert rep.failures(keyed=False, since=t_recovered) == {}, row
+    assert rep.max_level() < 4, row
+    # The lost node's watchdogs died with it; the new replicas have theirs beside them.
+    assert victim.ip not in cluster.where("Watchdog")
+    assert cluster.where("Watchdog").count(survivor.ip) >= MIN_REPLICAS
+
+
+@full_suite
+def test_a_partitioned_worker_loses_no_keyed_request_and_nothing_stays_stuck(cluster):
+    steady(cluster)
+    victim = worker_without_controller(cluster)
+    survivor = next(w for w in cluster.workers if w != victim)
+    load = ClusterLoad(cluster.endpoints, cluster.gold, callers=6, duration_s=300).start()
+    try:
+        time.sleep(8)
+        t_fault = time.monotonic()
+        cluster.broken = True
+        netcluster.link(victim, up=False)
+        time.sleep(30)
+        netcluster.link(victim, up=True)
+        t_healed = time.monotonic()
+        # The cluster serves from the survivor (Serve marks the unreachable node dead and
+        # starts its replicas there), and every endpoint answers again.
+        wait_until(lambda: model_replicas_on(cluster, survivor.ip) >= MIN_REPLICAS, 180, 2, "replicas on the survivor")
+        wait_until(lambda: netcluster.ready(victim) or not netcluster.pids_in(victim.netns), 120, 2,
+                   "the partitioned node serving again or gone")
+        t_recovered = time.monotonic()
+        time.sleep(10)
+    finally:
+        load.stop()
+    rep = load.report
+    rejoined = netcluster.ready(victim)
+    row = report_row("network partition (30 s)", load, t_fault, t_recovered,
+                     notes=f"link back after {t_healed - t_fault:.0f} s; {victim.name} "
+                           f"{'serves again' if rejoined else 'was declared dead and stopped'}")
+    assert rep.failures(keyed=True) == {}, row
+    assert rep.failures(keyed=False, since=t_recovered) == {}, row
+    assert rep.max_level() < 4, row
+
+
+@full_suite
+def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(cluster):
+    steady(cluster)
+    home = cluster.node(cluster.where("Controller")[0])
+    survivor = next(w for w in cluster.workers if w != home)
+    switch = cluster.admin_call("POST", "/admin/kill-switch", survivor.endpoint, json={
+        "scope": "tenant", "value": "free", "reason": "survives the controller's node", "expires_in_s": 600}).json()
+    epoch = cluster.admin_call("GET", "/admin/status", survivor.endpoint).json()["snapshot"]["epoch"]
+    load = ClusterLoad(cluster.endpoints, cluster.gold, callers=6, duration_s=300).start()
+    try:
+        time.sleep(8)
+        t_fault = time.monotonic()
+        cluster.broken = True
+        netcluster.kill_node(home)
+        wait_until(lambda: cluster.where("Controller") == [survivor.ip], 120, 1, "the controller on the other worker")
+        status = lambda: cluster.admin_call("GET", "/admin/status", survivor.endpoint).json()  # noqa: E731
+        wait_until(lambda: status()["snapshot"]["epoch"] != epoch and status()["source"] == "snapshot", 60, 1,
+                   "routers following the new controller")
+        t_recovered = time.monotonic()
+        wait_until(lambda: model_replicas_on(cluster, survivor.ip) >= MIN_REPLICAS, 180, 2, "replicas on the survivor")
+        time.sleep(5)
+    finally:
+        load.stop()
+    after = status()
+    row = report_row("controller's node killed", load, t_fault, t_recovered,
+                     notes=f"controller back on {survivor.name}")
+    assert load.report.failures(keyed=True) == {}, row
+    assert load.report.max_level() < 4, row
+    # Its state came back: the kill switch is enforced, quota leases are issued again.
+    assert [k["id"] for k in after["kill_switches"]] == [switch["id"]], after["kill_switches"]
+    free = {"Authorization": f"Bearer {cluster.state['keys']['free']}"}
+    r = cluster.generate(survivor.endpoint, free)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "KILL_SWITCH"
+    wait_until(lambda: status()["quotas"].get("gold", {}).get("lease"), 30, 1, "a quota lease for gold")
+
+
+@full_suite
+def test_the_head_lost_with_gcs_fault_tolerance_workers_keep_answering(redis_cluster):
+    cluster = redis_cluster
+    steady(cluster)
+    head = cluster.head
+    workers = [w.endpoint for w in cluster.workers]
+    load = ClusterLoad(workers, cluster.gold, callers=6, duration_s=300).start()
+    try:
+        time.sleep(8)
+        t_fault = time.monotonic()
+        cluster.broken = True
+        netcluster.kill_node(head)
+        time.sleep(20)  # the head is down: the workers' endpoints keep answering
+        t_back = time.monotonic()
+        netcluster.start_node(head, head, redis=True)
+        wait_until(lambda: netcluster.ready(head), 180, 2, "the head's endpoint")
+        wait_until(lambda: len(cluster.where(MODEL)) >= MIN_REPLICAS, 120, 2, "the cluster's state back")
+        t_recovered = time.monotonic()
+        time.sleep(5)
+    finally:
+        load.stop()
+    rep = load.report
+    down = [o for o in rep.outcomes if t_fault <= o.t < t_back]
+    row = report_row("head killed (GCS on Redis), back after 20 s", load, t_fault, t_recovered,
+                     notes=f"{len(down)} requests while the head was down, "
+                           f"{sum(o.cause != 'ok' for o in down)} failed")
+    assert len(down) > 0 and rep.failures(keyed=True) == {}, row
+    assert all(o.cause == "ok" for o in down if not o.keyed), row
