@@ -44,7 +44,7 @@ class Outcome:
     t: float  # monotonic, when the request was sent
     endpoint: str
     keyed: bool
-    cause: str  # "ok", "connect", "timeout", "http_<status>_<code>"
+    cause: str  # "ok", "connect", "timeout", "dropped", "http_<status>_<code>"
     attempts: int = 1  # keyed requests: attempts until this outcome
     level: Optional[int] = None  # the degradation level the answer carried
     replayed: bool = False
@@ -131,9 +131,11 @@ class ClusterLoad:
         except httpx.TimeoutException:
             self._mark_down(endpoint)
             return "timeout", None
-        except httpx.HTTPError:
+        except httpx.ConnectError:  # nothing listens there: the node is gone
             self._mark_down(endpoint)
             return "connect", None
+        except httpx.HTTPError:  # the node's HAProxy dropped it (its router or replica died mid-request)
+            return "dropped", None
         if r.status_code == 200:
             return "ok", r.json()
         try:
@@ -150,7 +152,7 @@ class ClusterLoad:
             cause, body = await self._send(client, endpoint, key)
             attempts = 1
             while keyed and cause != "ok" and attempts < 5 and not self._stop.is_set():
-                retryable = cause in ("connect", "timeout") or int(cause.split("_")[1]) in RETRYABLE
+                retryable = cause in ("connect", "timeout", "dropped") or int(cause.split("_")[1]) in RETRYABLE
                 if not retryable:
                     break
                 await asyncio.sleep(0.2 * attempts)

@@ -164,6 +164,10 @@ def serve_config(keys_file: Path, admin_file: Path, workers: int) -> dict[str, A
     )
     app["deployments"]["router"].update(num_replicas=workers, num_cpus=0.25)
     app["auth"].update(api_keys_file=str(keys_file), admin_token_file=str(admin_file))
+    # Quotas, so the controller leases each router its share (far above the load the
+    # fault tests send: they never refuse it).
+    app["tenants"]["gold"].update(rate_tokens_per_s=200_000)
+    app["tenants"]["free"].update(rate_tokens_per_s=2_000)
     return spec
 
 
@@ -178,6 +182,11 @@ def _make_node(node: Node) -> None:
     _sh("ip", "-n", node.netns, "link", "set", "eth0", "up")
     _sh("ip", "-n", node.netns, "link", "set", "lo", "up")
     _sh("ip", "-n", node.netns, "route", "add", "default", "via", GATEWAY)
+
+
+def our_links() -> list[str]:
+    r = _sh("ip", "-o", "link", "show", check=False)
+    return [m.group(1) for m in re.finditer(r"^\d+: (blst-[^@:]+)", r.stdout, re.M)]
 
 
 def our_namespaces() -> list[str]:
@@ -225,6 +234,10 @@ def start_node(node: Node, head: Node, redis: bool) -> None:
     """The node's Ray, with cluster.yaml's start commands, in its namespace."""
     kind = "head" if node.name == "head" else "worker"
     env = _clean_env()
+    # A head started again stands for a new machine, with a disk of its own: the address
+    # file its last start left would make `ray start --head` look for a running GCS, and
+    # find the workers' raylets here (one process table) pointing at the old one.
+    (node.temp_dir / "ray" / "ray_current_cluster").unlink(missing_ok=True)
     log = node.temp_dir / "start.log"
     for cmd in start_commands(kind, node, head, redis):
         with open(log, "a") as f:
@@ -284,6 +297,8 @@ def up(workers: int = 2, redis: bool = False, timeout_s: float = 300) -> dict[st
         raise ClusterError(f"cannot make the local cluster here: {why}")
     if our_namespaces():
         raise ClusterError("a local cluster is already up (`make cluster-down` first)")
+    for veth in our_links():  # a link an earlier cluster's namespace kept a while
+        _sh("ip", "link", "del", veth, check=False)
     for d in (STATE, TEMP):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
@@ -344,7 +359,13 @@ def down() -> list[str]:
             while pids_in(netns) and time.monotonic() < end:
                 time.sleep(0.2)
         _sh("ip", "netns", "del", netns, check=False)
+        # The machine's end of the link goes too: a namespace whose sockets still wait on
+        # a peer outlives its name for minutes, and would keep the link's name taken.
+        _sh("ip", "link", "del", node.veth, check=False)
         removed.append(netns)
+    for veth in our_links():  # left by a namespace removed earlier, or a failed start
+        _sh("ip", "link", "del", veth, check=False)
+        removed.append(veth)
     if _sh("ip", "link", "show", BRIDGE, check=False).returncode == 0:
         _sh("ip", "link", "del", BRIDGE, check=False)
         removed.append(BRIDGE)

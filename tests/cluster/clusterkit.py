@@ -62,6 +62,13 @@ class Cluster:
 
         return {n.node_id: n.node_ip for n in list_nodes(address=self.dashboard, raise_on_missing_output=False)}
 
+    def ray_state(self, ip: str) -> str:
+        """Ray's word on the node at ``ip``: "ALIVE" if any of its entries is, else "DEAD"."""
+        from ray.util.state import list_nodes
+
+        states = {n.state for n in list_nodes(address=self.dashboard, raise_on_missing_output=False) if n.node_ip == ip}
+        return "ALIVE" if "ALIVE" in states else "DEAD"
+
     def actors(self, class_prefix: str = "") -> list[Any]:
         from ray.util.state import list_actors
 
@@ -99,6 +106,19 @@ def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 1.
             return last
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+
+
+def wait_clean(load: Any, since: float, window_s: float = 12.0, timeout_s: float = 150.0) -> float:
+    """Wait for ``window_s`` of traffic without one failure (longer than a request's
+    timeout, so a late failure cannot hide); returns when the failures stopped."""
+
+    def clean() -> Optional[float]:
+        last = load.report.last_failure(since) or since
+        if time.monotonic() - last >= window_s and load.report.count(since=last + 1) > 0:
+            return last
+        return None
+
+    return wait_until(clean, timeout_s, 1.0, f"{window_s:.0f} s of traffic without a failure")
 
 
 def report_row(fault: str, load: Any, t_fault: float, t_recovered: Optional[float], **extra: Any) -> dict[str, Any]:

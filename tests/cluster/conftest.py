@@ -36,8 +36,8 @@ class _Clusters:
             self.current = None
         try:
             self.current = Cluster(netcluster.up(redis=redis))
-        except netcluster.ClusterError:
-            netcluster.down()
+        except BaseException:
+            netcluster.down()  # a start that failed half-way leaves nothing behind
             raise
         return self.current
 

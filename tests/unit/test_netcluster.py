@@ -1,0 +1,114 @@
+"""The local cluster's plan (serve_app/ops/netcluster.py): cluster.yaml's own start
+commands as one machine runs them, the deploy config, and where load may go.
+
+The cluster itself (namespaces, ``ray start``, faults) runs in tests/cluster.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from loadtest.cluster_load import LoadReport, Outcome, check_own
+from serve_app.config import load_config
+from serve_app.ops import netcluster
+
+NODES = netcluster.nodes(2)
+HEAD, W1 = NODES[0], NODES[1]
+
+
+def cloud_commands(kind: str) -> list[str]:
+    spec = yaml.safe_load((netcluster.REPO / "cluster" / "cluster.yaml").read_text())
+    return [" ".join(c.split()) for c in spec[f"{kind}_start_ray_commands"]]
+
+
+@pytest.mark.parametrize("kind,node", [("head", HEAD), ("worker", W1)])
+def test_the_local_nodes_run_cluster_yamls_own_start_commands(kind, node):
+    local = netcluster.start_commands(kind, node, HEAD, redis=False)
+    cloud = [c for c in cloud_commands(kind) if not c.endswith("ray stop")]
+    assert len(local) == len(cloud) == 1
+    # Every flag and variable the cloud command sets is set here too, unchanged...
+    for token in cloud[0].replace("~/ballast", str(netcluster.REPO)).replace("$RAY_HEAD_IP", HEAD.ip).split():
+        if not token.startswith("--autoscaling-config"):
+            assert token in local[0].split(), token
+    # ...and what one machine adds: the node's IP, its own temp dir and HAProxy files.
+    assert f"--node-ip-address={node.ip}" in local[0]
+    assert f"--temp-dir={node.temp_dir / 'ray'}" in local[0]
+    assert f"RAY_SERVE_HAPROXY_SOCKET_PATH={node.haproxy_dir}/admin.sock" in local[0]
+    assert "--autoscaling-config" not in local[0] and "RAY_REDIS_ADDRESS" not in local[0]
+
+
+def test_ray_stop_is_not_run_on_a_machine_every_node_shares():
+    for kind in ("head", "worker"):
+        assert any(c.endswith("ray stop") for c in cloud_commands(kind))
+        assert not any(re.search(r"ray stop", c) for c in netcluster.start_commands(kind, W1, HEAD, redis=False))
+
+
+def test_gcs_fault_tolerance_points_the_head_and_only_the_head_at_redis():
+    head = netcluster.start_commands("head", HEAD, HEAD, redis=True)[0]
+    worker = netcluster.start_commands("worker", W1, HEAD, redis=True)[0]
+    assert f"RAY_REDIS_ADDRESS={netcluster.REDIS_IP}:{netcluster.GCS_PORT}" in head
+    assert "RAY_REDIS_ADDRESS" not in worker
+    assert f"--address={HEAD.ip}:{netcluster.GCS_PORT}" in worker
+
+
+def test_every_node_authenticates_and_the_head_runs_no_work():
+    head, worker = cloud_commands("head")[-1], cloud_commands("worker")[-1]
+    assert "RAY_AUTH_MODE=token" in head and "RAY_AUTH_MODE=token" in worker
+    assert "--num-cpus=0" in head and "--num-cpus" not in worker
+
+
+def test_haproxy_socket_paths_fit_haproxys_limit_with_serves_node_id():
+    # Serve puts its files under <dir>/<56-character node id>/; HAProxy takes 97 at most.
+    for node in NODES:
+        assert len(f"{node.haproxy_dir}/{'x' * 56}/metrics.sock") <= 97
+
+
+def test_the_deploy_config_is_serve_config_yaml_with_keys_from_files(tmp_path):
+    spec = netcluster.serve_config(tmp_path / "keys", tmp_path / "admin", workers=2)
+    keys = tmp_path / "keys"
+    keys.write_text("k-gold=gold\n")
+    (tmp_path / "admin").write_text("adm\n")
+    cfg = load_config(spec["applications"][0]["args"]["config"])
+    assert cfg.environment == "production" and not cfg.auth.demo_keys and not cfg.chaos.enabled
+    assert cfg.auth.api_keys_file == str(keys)
+    assert cfg.model.device == "cpu" and cfg.deployments.model.num_gpus == 0
+    assert cfg.deployments.model.min_replicas == 2 and cfg.deployments.router.num_replicas == 2
+    # Off the head: the controller asks for a CPU share the head (--num-cpus=0) has not.
+    assert cfg.controller.num_cpus > 0
+    assert spec["proxy_location"] == "EveryNode"
+
+
+def test_no_privilege_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(netcluster.os, "geteuid", lambda: 1000)
+    assert "root" in netcluster.can_make_namespaces()
+    with pytest.raises(netcluster.ClusterError, match="cannot make the local cluster here: .*root"):
+        netcluster.up()
+
+
+@pytest.mark.parametrize("url", ["http://10.77.0.11:8000", "http://127.0.0.1:8123"])
+def test_load_goes_to_loopback_and_the_clusters_own_namespaces(url):
+    assert check_own(url) == url
+
+
+@pytest.mark.parametrize("url", ["http://10.77.1.11:8000", "http://192.168.1.5:8000", "http://8.8.8.8"])
+def test_load_refuses_any_other_address(url):
+    with pytest.raises(ValueError, match="only to loopback"):
+        check_own(url)
+
+
+def test_the_load_report_counts_failures_by_cause_and_time():
+    rep = LoadReport([
+        Outcome(1.0, "a", True, "ok", level=1),
+        Outcome(2.0, "a", False, "connect"),
+        Outcome(3.0, "b", False, "http_503_OVERLOADED"),
+        Outcome(4.0, "b", True, "ok", attempts=2, level=2),
+        Outcome(5.0, "b", False, "ok"),
+    ])
+    assert rep.failures(keyed=False) == {"connect": 1, "http_503_OVERLOADED": 1}
+    assert rep.failures(keyed=False, since=2.5) == {"http_503_OVERLOADED": 1}
+    assert rep.failures(keyed=True) == {}
+    assert rep.count() == 5 and rep.count(keyed=True) == 2 and rep.count(since=3.0, until=5.0) == 2
+    assert rep.max_level() == 2 and rep.last_failure() == 3.0 and rep.last_failure(since=3.5) is None
