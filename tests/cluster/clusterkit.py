@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import httpx
@@ -56,24 +58,26 @@ class Cluster:
     def node(self, ip: str) -> netcluster.Node:
         return next(n for n in self.nodes if n.ip == ip)
 
-    # -- what runs where (Ray's state API through the head's dashboard) -------------
-    def node_ips(self) -> dict[str, str]:
-        from ray.util.state import list_nodes
+    # -- what runs where (Ray's state API: the head dashboard's REST routes) ------------
+    def _state(self, resource: str, **params: str) -> list[SimpleNamespace]:
+        # Over HTTP with the cluster's token, not through ray.util.state: Ray reads
+        # RAY_AUTH_MODE once per process, and a test session imports Ray long before.
+        token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+        r = httpx.get(f"{self.dashboard}/api/v0/{resource}", params={"limit": "1000", "detail": "true", **params},
+                      headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        r.raise_for_status()
+        return [SimpleNamespace(**row) for row in r.json()["data"]["result"]["result"]]
 
-        return {n.node_id: n.node_ip for n in list_nodes(address=self.dashboard, raise_on_missing_output=False)}
+    def node_ips(self) -> dict[str, str]:
+        return {n.node_id: n.node_ip for n in self._state("nodes")}
 
     def ray_state(self, ip: str) -> str:
         """Ray's word on the node at ``ip``: "ALIVE" if any of its entries is, else "DEAD"."""
-        from ray.util.state import list_nodes
-
-        states = {n.state for n in list_nodes(address=self.dashboard, raise_on_missing_output=False) if n.node_ip == ip}
+        states = {n.state for n in self._state("nodes") if n.node_ip == ip}
         return "ALIVE" if "ALIVE" in states else "DEAD"
 
-    def actors(self, class_prefix: str = "") -> list[Any]:
-        from ray.util.state import list_actors
-
-        alive = list_actors(address=self.dashboard, filters=[("state", "=", "ALIVE")], limit=1000,
-                            raise_on_missing_output=False, detail=True)
+    def actors(self, class_prefix: str = "") -> list[SimpleNamespace]:
+        alive = self._state("actors", filter_keys="state", filter_predicates="=", filter_values="ALIVE")
         return [a for a in alive if a.class_name.startswith(class_prefix)]
 
     def where(self, class_prefix: str) -> list[str]:
@@ -92,6 +96,20 @@ class Cluster:
     def events(self, endpoint: str) -> list[dict[str, Any]]:
         """The controller's recent recycle/kill events (``/admin/replicas``)."""
         return self.admin_call("GET", "/admin/replicas", endpoint).json()["events"]
+
+    def hung_kills(self, endpoint: str, lost: frozenset = frozenset()) -> str:
+        """Replicas the controller killed as hung, and how many of them were on the lost
+        node (whose heartbeats stopped with it) rather than on a node still serving."""
+        try:
+            hung = [e.get("replica_id") for e in self.events(endpoint) if e.get("outcome") == "killed_hung"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return "?"
+        return f"{len(hung)} ({sum(r in lost for r in hung)} on the lost node)"
+
+    def replica_ids_on(self, ip: str) -> frozenset:
+        ips = self.node_ips()
+        return frozenset(a.name.rsplit("#", 1)[1] for a in self.actors("ServeReplica:ballast:BallastModel")
+                         if ips.get(a.node_id) == ip)
 
 
 def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 1.0, what: str = "condition") -> Any:
@@ -121,6 +139,15 @@ def wait_clean(load: Any, since: float, window_s: float = 12.0, timeout_s: float
     return wait_until(clean, timeout_s, 1.0, f"{window_s:.0f} s of traffic without a failure")
 
 
+def _per_10s(offsets: list[float]) -> str:
+    if not offsets:
+        return "-"
+    counts = [0] * (int(max(offsets) // 10) + 1)
+    for off in offsets:
+        counts[int(off // 10)] += 1
+    return "/".join(map(str, counts))
+
+
 def report_row(fault: str, load: Any, t_fault: float, t_recovered: Optional[float], **extra: Any) -> dict[str, Any]:
     """One line of the fault report: requests, failures by cause (keyed / not), recovery."""
     rep = load.report
@@ -132,6 +159,8 @@ def report_row(fault: str, load: Any, t_fault: float, t_recovered: Optional[floa
         "recover_s": None if t_recovered is None else round(t_recovered - t_fault, 1),
         "failures_stop_s": None if rep.last_failure(t_fault) is None else round(rep.last_failure(t_fault) - t_fault, 1),
         "max_level": rep.max_level(),
+        # When the failures happened: how many in each 10 s after the fault.
+        "per_10s": _per_10s([o.t - t_fault for o in rep.outcomes if o.cause != "ok" and o.t >= t_fault]),
         **extra,
     }
     REPORT.append(row)

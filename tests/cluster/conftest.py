@@ -12,7 +12,6 @@ fault report (clusterkit.REPORT).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import pytest
@@ -54,18 +53,11 @@ def _clusters():
         why = "a local cluster is already up (`make cluster-down` first): these tests make their own"
     if why:
         pytest.skip(f"no local cluster here: {why}")
-    saved = {k: os.environ.get(k) for k in netcluster.CLIENT_ENV}
-    os.environ.update(netcluster.CLIENT_ENV)  # Ray's state API here is a client of the cluster
     clusters = _Clusters()
     try:
         yield clusters
     finally:
         clusters.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture()
@@ -83,10 +75,11 @@ def pytest_terminal_summary(terminalreporter):
         return
     w = terminalreporter
     w.section("local cluster: faults under load")
-    w.line("| fault | requests | keyed failures | other failures (cause: n) | failures stop after s | recovered after s | max level | notes |")
-    w.line("|---|---|---|---|---|---|---|---|")
+    w.line("| fault | requests | keyed failures | other failures (cause: n) | failures per 10 s | failures stop after s "
+           "| recovered after s | max level | notes |")
+    w.line("|---|---|---|---|---|---|---|---|---|")
     for r in REPORT:
         other = ", ".join(f"{k}: {v}" for k, v in sorted(r["other_failures"].items())) or "0"
         keyed = ", ".join(f"{k}: {v}" for k, v in sorted(r["keyed_failures"].items())) or "0"
-        w.line(f"| {r['fault']} | {r['requests']} | {keyed} | {other} | {r['failures_stop_s']} | {r['recover_s']} "
+        w.line(f"| {r['fault']} | {r['requests']} | {keyed} | {other} | {r['per_10s']} | {r['failures_stop_s']} | {r['recover_s']} "
                f"| {r['max_level']} | {r.get('notes', '')} |")

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from clusterkit import report_row, wait_clean, wait_until
+from clusterkit import REPORT, report_row, wait_clean, wait_until
 from loadtest.cluster_load import ClusterLoad
 from serve_app.ops import netcluster
 
@@ -82,6 +82,7 @@ def test_a_worker_killed_under_load_loses_no_keyed_request(cluster):
     steady(cluster)
     victim = worker_without_controller(cluster)  # the controller's node lost is its own fault
     survivor = next(w for w in cluster.workers if w != victim)
+    lost = cluster.replica_ids_on(victim.ip)
     load = ClusterLoad(cluster.endpoints, cluster.gold, callers=6, duration_s=240).start()
     try:
         time.sleep(8)  # steady traffic before the fault
@@ -98,11 +99,13 @@ def test_a_worker_killed_under_load_loses_no_keyed_request(cluster):
     finally:
         load.stop()
     rep = load.report
-    row = report_row("worker killed", load, t_fault, t_recovered, notes=f"{killed} processes of {victim.name} killed")
+    row = report_row("worker killed", load, t_fault, t_recovered, notes=f"{killed} processes of {victim.name} killed; "
+                     f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
     assert rep.failures(keyed=True) == {}, row  # every keyed request answered (retried through another node)
     assert rep.max_level() < 4, row
-    # The lost node's watchdogs died with it; the new replicas have theirs beside them.
-    assert victim.ip not in cluster.where("Watchdog")
+    # The lost node's watchdogs died with it (once Ray has seen the node go); the new
+    # replicas have theirs beside them.
+    wait_until(lambda: victim.ip not in cluster.where("Watchdog"), 60, 1, "the lost node's watchdogs gone")
     wait_until(lambda: cluster.where("Watchdog").count(survivor.ip) >= MIN_REPLICAS, 60, 1, "the new replicas' watchdogs")
 
 
@@ -111,6 +114,7 @@ def test_a_partitioned_worker_loses_no_keyed_request_and_nothing_stays_stuck(clu
     steady(cluster)
     victim = worker_without_controller(cluster)
     survivor = next(w for w in cluster.workers if w != victim)
+    lost = cluster.replica_ids_on(victim.ip)
     load = ClusterLoad(cluster.endpoints, cluster.gold, callers=6, duration_s=300).start()
     try:
         time.sleep(8)
@@ -141,7 +145,8 @@ def test_a_partitioned_worker_loses_no_keyed_request_and_nothing_stays_stuck(clu
     rep = load.report
     fate = "rejoined" if rejoined else f"declared dead {t_dead - t_healed:.0f} s after it, started again"
     row = report_row("network partition (30 s)", load, t_fault, t_recovered,
-                     notes=f"link back after {t_healed - t_fault:.0f} s; {victim.name} {fate}")
+                     notes=f"link back after {t_healed - t_fault:.0f} s; {victim.name} {fate}; "
+                           f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
     assert rep.failures(keyed=True) == {}, row
     assert rep.max_level() < 4, row
 
@@ -154,6 +159,7 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
     switch = cluster.admin_call("POST", "/admin/kill-switch", survivor.endpoint, json={
         "scope": "tenant", "value": "free", "reason": "survives the controller's node", "expires_in_s": 600}).json()
     epoch = cluster.admin_call("GET", "/v1/status", survivor.endpoint).json()["snapshot"]["epoch"]
+    lost = cluster.replica_ids_on(home.ip)
     load = ClusterLoad(cluster.endpoints, cluster.gold, callers=6, duration_s=300).start()
     try:
         time.sleep(8)
@@ -171,7 +177,8 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
         load.stop()
     after = status()
     row = report_row("controller's node killed", load, t_fault, t_recovered,
-                     notes=f"controller back on {survivor.name}")
+                     notes=f"controller back on {survivor.name}; "
+                           f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
     assert load.report.failures(keyed=True) == {}, row
     assert load.report.max_level() < 4, row
     # Its state came back: the kill switch is enforced, quota leases are issued again.
@@ -207,6 +214,43 @@ def test_the_head_lost_with_gcs_fault_tolerance_workers_keep_answering(redis_clu
     down = [o for o in rep.outcomes if t_fault <= o.t < t_back]
     row = report_row("head killed (GCS on Redis), back after 20 s", load, t_fault, t_recovered,
                      notes=f"{len(down)} requests while the head was down, "
-                           f"{sum(o.cause != 'ok' for o in down)} failed")
+                           f"{sum(o.cause != 'ok' for o in down)} failed; "
+                           f"replicas killed as hung: {cluster.hung_kills(cluster.workers[0].endpoint)}")
     assert len(down) > 0 and rep.failures(keyed=True) == {}, row
     assert all(o.cause == "ok" for o in down if not o.keyed), row
+
+
+@full_suite
+def test_a_recycle_in_flight_on_a_lost_worker_does_not_block_the_next(cluster):
+    steady(cluster)
+    victim = worker_without_controller(cluster)
+    survivor = next(w for w in cluster.workers if w != victim)
+    ips = cluster.node_ips()
+    doomed = next(a.name.rsplit("#", 1)[1] for a in cluster.actors(MODEL) if ips.get(a.node_id) == victim.ip)
+    r = cluster.admin_call("POST", "/admin/recycle", survivor.endpoint, json={"replica_id": doomed})
+    assert r.status_code == 202 and r.json()["accepted"] == [doomed], r.text
+
+    def recycling(replica_id: str) -> bool:
+        state = cluster.admin_call("GET", "/admin/replicas", survivor.endpoint).json()
+        return replica_id in repr([state["in_flight"], state["surging"], state["leases"]])
+
+    wait_until(lambda: recycling(doomed), 60, 1, "the recycle of the victim's replica in flight")
+    t_fault = time.monotonic()
+    cluster.broken = True
+    netcluster.kill_node(victim)  # with its replica's recycle lease open
+    wait_until(lambda: model_replicas_on(cluster, survivor.ip) >= MIN_REPLICAS, 180, 2, "replicas on the survivor")
+    # The next recycle goes: the lost replica's lease was released or expired, not left to block it.
+    ips = cluster.node_ips()
+    nxt = next(a.name.rsplit("#", 1)[1] for a in cluster.actors(MODEL) if ips.get(a.node_id) == survivor.ip)
+    wait_until(lambda: nxt in repr(cluster.admin_call("GET", "/admin/replicas", survivor.endpoint).json()["replicas"]),
+               60, 1, "the new replica reporting to the controller")
+    t_asked = time.monotonic()
+    r = cluster.admin_call("POST", "/admin/recycle", survivor.endpoint, json={"replica_id": nxt})
+    assert r.status_code == 202 and r.json()["accepted"] == [nxt], r.text
+    wait_until(lambda: nxt not in repr([a.name for a in cluster.actors(MODEL)]), 240, 2, "the next recycle done")
+    took = time.monotonic() - t_asked
+    events = [e["outcome"] for e in cluster.events(survivor.endpoint)]
+    REPORT.append({"fault": "worker killed mid-recycle", "requests": 0, "keyed_failures": {}, "other_failures": {},
+                   "per_10s": "-", "failures_stop_s": None, "recover_s": None, "max_level": "-",
+                   "notes": f"next recycle asked {t_asked - t_fault:.0f} s after the loss, its replica gone "
+                            f"{took:.0f} s later; controller events: {events}"})
