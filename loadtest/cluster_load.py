@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import threading
 import time
 import uuid
@@ -48,12 +49,30 @@ class Outcome:
     attempts: int = 1  # keyed requests: attempts until this outcome
     level: Optional[int] = None  # the degradation level the answer carried
     replayed: bool = False
+    why: str = ""  # a refusal's message without its numbers: which policy refused
+
+
+def message_kind(message: str) -> str:
+    """A refusal's message with its numbers and quoted names taken out, so refusals of
+    one kind count together: "degradation level 2 does not admit criticality 'critical'"
+    -> "degradation level # does not admit criticality '…'"."""
+    return re.sub(r"'[^']*'", "'…'", re.sub(r"\d+(\.\d+)?", "#", message))[:120]
+
+
+@dataclass
+class LevelSample:
+    """The degradation level as a router's ``/v1/status`` gave it, and the controller's reason."""
+
+    t: float  # monotonic
+    level: int
+    reason: str = ""
 
 
 @dataclass
 class LoadReport:
     outcomes: list[Outcome] = field(default_factory=list)
     down_marks: list[tuple[float, str]] = field(default_factory=list)
+    levels: list[LevelSample] = field(default_factory=list)  # sampled once a second, with an admin token
 
     def failures(self, keyed: bool, since: float = 0.0) -> Counter:
         return Counter(o.cause for o in self.outcomes if o.keyed == keyed and o.cause != "ok" and o.t >= since)
@@ -61,8 +80,20 @@ class LoadReport:
     def count(self, keyed: Optional[bool] = None, since: float = 0.0, until: float = float("inf")) -> int:
         return sum(1 for o in self.outcomes if (keyed is None or o.keyed == keyed) and since <= o.t < until)
 
-    def max_level(self) -> int:
-        return max((o.level for o in self.outcomes if o.level is not None), default=0)
+    def refusals(self, since: float = 0.0) -> Counter:
+        """Refused requests (an HTTP error answer) by cause and message kind."""
+        return Counter(f"{o.cause}: {o.why}" for o in self.outcomes if o.why and o.t >= since)
+
+    def max_level(self, since: float = 0.0) -> int:
+        """The highest level seen: in answers, and in the sampled status (which also sees
+        the levels at which nothing was answered)."""
+        seen = [o.level for o in self.outcomes if o.level is not None and o.t >= since]
+        seen += [s.level for s in self.levels if s.t >= since]
+        return max(seen, default=0)
+
+    def level_reasons(self, at_least: int, since: float = 0.0) -> Counter:
+        """Why the level stood at ``at_least`` or above: the controller's reasons, numbers out."""
+        return Counter(message_kind(s.reason) for s in self.levels if s.level >= at_least and s.t >= since)
 
     def last_failure(self, since: float = 0.0) -> Optional[float]:
         times = [o.t for o in self.outcomes if o.cause != "ok" and o.t >= since]
@@ -73,9 +104,10 @@ class ClusterLoad:
     """``callers`` closed-loop callers over ``endpoints`` in a thread of its own."""
 
     def __init__(self, endpoints: list[str], api_key: str, callers: int = 6, max_tokens: int = 8,
-                 timeout_s: float = 10.0, duration_s: float = 120.0) -> None:
+                 timeout_s: float = 10.0, duration_s: float = 120.0, admin_token: Optional[str] = None) -> None:
         self.endpoints = [check_own(e) for e in endpoints]
         self.api_key = api_key
+        self.admin_token = admin_token  # when given, the level is sampled from /v1/status each second
         self.callers = callers
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
@@ -116,12 +148,26 @@ class ClusterLoad:
                     pass
             await asyncio.sleep(1.0)
 
+    async def _sample_level(self, client: httpx.AsyncClient) -> None:
+        headers = {"Authorization": f"Bearer {self.admin_token}"}
+        while not self._stop.is_set():
+            try:
+                r = await client.get(f"{self._pick()}/v1/status", headers=headers, timeout=2.0)
+                st = r.json()
+                if len(self.report.levels) < MAX_RECORDS:
+                    self.report.levels.append(LevelSample(time.monotonic(), int(st["level"]),
+                                                          str((st.get("snapshot") or {}).get("reason") or "")))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                pass  # a node down: the next sample goes to another one
+            await asyncio.sleep(1.0)
+
     # -- the callers --------------------------------------------------------------
     def _record(self, outcome: Outcome) -> None:
         if len(self.report.outcomes) < MAX_RECORDS:
             self.report.outcomes.append(outcome)
 
     async def _send(self, client: httpx.AsyncClient, endpoint: str, key: Optional[str]) -> tuple[str, Optional[dict]]:
+        """(cause, body): the body of a 200, or of an error answer; None where none came."""
         headers = {"Authorization": f"Bearer {self.api_key}", "X-Request-Timeout-Ms": str(int(self.timeout_s * 800))}
         if key:
             headers["Idempotency-Key"] = key
@@ -139,10 +185,11 @@ class ClusterLoad:
         if r.status_code == 200:
             return "ok", r.json()
         try:
-            code = r.json()["error"]["code"]
+            body = r.json()
+            code = body["error"]["code"]
         except (ValueError, KeyError, TypeError):
-            code = "?"
-        return f"http_{r.status_code}_{code}", None
+            body, code = None, "?"
+        return f"http_{r.status_code}_{code}", body
 
     async def _caller(self, client: httpx.AsyncClient, keyed: bool, stop_at: float) -> None:
         while not self._stop.is_set() and time.monotonic() < stop_at:
@@ -159,8 +206,9 @@ class ClusterLoad:
                 endpoint = self._pick(avoid=endpoint)
                 cause, body = await self._send(client, endpoint, key)
                 attempts += 1
-            level = body.get("degradation_level") if body else None
-            self._record(Outcome(sent, endpoint, keyed, cause, attempts, level))
+            level = body.get("degradation_level") if body and cause == "ok" else None
+            why = message_kind(str(body["error"].get("message", ""))) if body and cause != "ok" else ""
+            self._record(Outcome(sent, endpoint, keyed, cause, attempts, level, why=why))
             if cause != "ok":
                 await asyncio.sleep(0.1)
 
@@ -169,6 +217,9 @@ class ClusterLoad:
         limits = httpx.Limits(max_connections=self.callers * 2 + 4)
         async with httpx.AsyncClient(limits=limits) as client:
             probe = asyncio.create_task(self._probe(client))
+            sampler = asyncio.create_task(self._sample_level(client)) if self.admin_token else None
             await asyncio.gather(*(self._caller(client, i % 2 == 0, stop_at) for i in range(self.callers)))
             self._stop.set()
             probe.cancel()
+            if sampler is not None:
+                sampler.cancel()

@@ -156,6 +156,11 @@ class RouterDeploymentConfig(_DeploymentSettings):
     max_ongoing_requests: PositiveInt = 512
     max_queued_requests: PositiveInt = 256
     num_cpus: float = Field(0, ge=0)
+    # 1: at most one router per node, so num_replicas routers sit on as many nodes. Serve
+    # starts its proxy (and HAProxy) only on nodes that run a replica: a node that lost
+    # its router, or one that replaces a lost node, serves HTTP again once a router lands
+    # there. A router for which no node has room waits, pending, for one.
+    max_replicas_per_node: Optional[PositiveInt] = None
 
 
 class DeploymentsConfig(_Strict):

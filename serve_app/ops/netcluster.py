@@ -154,7 +154,12 @@ def start_commands(kind: str, node: Node, head: Node, redis: bool) -> list[str]:
 def serve_config(keys_file: Path, admin_file: Path, workers: int) -> dict[str, Any]:
     """cluster/serve_config.yaml with what a CPU-only laptop needs: the model on CPU (half
     a Ray CPU a replica where a cloud gives it a GPU: a worker that is left can take the
-    lost worker's replicas), one replica per worker to start, keys from files."""
+    lost worker's replicas), one replica per worker to start, keys from files.
+
+    One router per worker (``max_replicas_per_node: 1``): Serve runs its proxy and HAProxy
+    only on nodes with a replica. In a cloud a replaced GPU worker gets a model replica
+    back, and with it a proxy; here the worker that is left takes every model replica,
+    and only a router kept off it makes the replacing node serve HTTP again."""
     spec = yaml.safe_load((REPO / "cluster" / "serve_config.yaml").read_text())
     app = spec["applications"][0]["args"]["config"]
     app["model"]["device"] = "cpu"
@@ -162,7 +167,7 @@ def serve_config(keys_file: Path, admin_file: Path, workers: int) -> dict[str, A
         min_replicas=workers, max_replicas=2 * workers, num_gpus=0, num_cpus=0.5,
         max_ongoing_requests=16, max_queued_requests=32,
     )
-    app["deployments"]["router"].update(num_replicas=workers, num_cpus=0.25)
+    app["deployments"]["router"].update(num_replicas=workers, num_cpus=0.25, max_replicas_per_node=1)
     app["auth"].update(api_keys_file=str(keys_file), admin_token_file=str(admin_file))
     # Quotas, so the controller leases each router its share (far above the load the
     # fault tests send: they never refuse it).
@@ -199,15 +204,25 @@ def pids_in(netns: str) -> list[int]:
     return [int(p) for p in r.stdout.split()]
 
 
-def kill_node(node: Node, sig: int = signal.SIGKILL) -> int:
-    """Every process in the node's namespace gets ``sig`` (SIGKILL: the machine lost)."""
-    pids = pids_in(node.netns)
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-    return len(pids)
+def kill_node(node: Node, sig: int = signal.SIGKILL, timeout_s: float = 10.0) -> int:
+    """Every process in the node's namespace gets ``sig``; how many did.
+
+    SIGKILL is the machine lost: sent again until the namespace is empty, since a raylet
+    may start a process (a worker, Serve's HAProxy) between the listing and the signal,
+    and one such survivor would hold the node's ports against the node started again."""
+    hit: set[int] = set()
+    end = time.monotonic() + timeout_s
+    while True:
+        pids = pids_in(node.netns)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+                hit.add(pid)
+            except ProcessLookupError:
+                pass
+        if sig != signal.SIGKILL or not pids or time.monotonic() > end:
+            return len(hit)
+        time.sleep(0.1)
 
 
 def link(node: Node, up: bool) -> None:

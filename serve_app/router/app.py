@@ -303,4 +303,6 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
 
 def router_deployment(cfg):
     r = cfg.deployments.router
-    return serve.deployment(Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log, num_replicas=r.num_replicas))
+    spread = {} if r.max_replicas_per_node is None else {"max_replicas_per_node": r.max_replicas_per_node}
+    return serve.deployment(Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log,
+                                                      num_replicas=r.num_replicas, **spread))

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+from loadtest.cluster_load import ClusterLoad
 from serve_app.ops import netcluster
 
 REPORT: list[dict[str, Any]] = []
@@ -54,6 +55,12 @@ class Cluster:
     @property
     def dashboard(self) -> str:
         return f"http://{self.head.ip}:{netcluster.DASHBOARD_PORT}"
+
+    def load(self, endpoints: Optional[list[str]] = None, duration_s: float = 300) -> ClusterLoad:
+        """Six closed-loop callers as gold through ``endpoints`` (every node's by default),
+        the level sampled with the admin token; started."""
+        return ClusterLoad(endpoints or self.endpoints, self.gold, callers=6, duration_s=duration_s,
+                           admin_token=self.state["admin_token"]).start()
 
     def node(self, ip: str) -> netcluster.Node:
         return next(n for n in self.nodes if n.ip == ip)
@@ -106,13 +113,44 @@ class Cluster:
             return "?"
         return f"{len(hung)} ({sum(r in lost for r in hung)} on the lost node)"
 
+    def diagnose(self, node: netcluster.Node) -> str:
+        """What a node that is not serving has: Ray's entries for it, its endpoint's
+        answer, the processes in its namespace, Serve's proxy there, its start log."""
+        lines = [f"{node.name} ({node.ip}):"]
+        try:
+            lines.append(f"  ray: {[(n.node_id[:8], n.state) for n in self._state('nodes') if n.node_ip == node.ip]}")
+            ips = self.node_ips()
+            lines.append(f"  actors there: {sorted(a.class_name for a in self.actors() if ips.get(a.node_id) == node.ip)}")
+        except (httpx.HTTPError, KeyError, ValueError) as e:
+            lines.append(f"  ray state API: {e!r}")
+        try:
+            r = httpx.get(f"{node.endpoint}/healthz/ready", timeout=2)
+            lines.append(f"  /healthz/ready: {r.status_code} {r.text[:200]!r}")
+        except httpx.HTTPError as e:
+            lines.append(f"  /healthz/ready: {e!r}")
+        procs: dict[str, int] = {}
+        for pid in netcluster.pids_in(node.netns):
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            procs[name] = procs.get(name, 0) + 1
+        lines.append(f"  processes: {dict(sorted(procs.items()))}")
+        log = node.temp_dir / "start.log"
+        if log.exists():
+            lines.append("  start.log (tail): " + " | ".join(log.read_text().splitlines()[-6:]))
+        return "\n".join(lines)
+
     def replica_ids_on(self, ip: str) -> frozenset:
         ips = self.node_ips()
         return frozenset(a.name.rsplit("#", 1)[1] for a in self.actors("ServeReplica:ballast:BallastModel")
                          if ips.get(a.node_id) == ip)
 
 
-def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 1.0, what: str = "condition") -> Any:
+def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 1.0, what: str = "condition",
+               diagnose: Optional[Callable[[], str]] = None) -> Any:
+    """``pred()`` true within ``timeout_s``; if not, fail with its last answer and, when
+    given, ``diagnose()``'s account of what was found instead."""
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
@@ -123,7 +161,13 @@ def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 1.
         if last and not isinstance(last, Exception):
             return last
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+    found = ""
+    if diagnose is not None:
+        try:
+            found = "\n" + diagnose()
+        except Exception as e:  # noqa: BLE001 - a diagnosis that fails must not hide the timeout
+            found = f"\n(diagnosis failed: {e!r})"
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r}){found}")
 
 
 def wait_clean(load: Any, since: float, window_s: float = 12.0, timeout_s: float = 150.0) -> float:
@@ -161,6 +205,10 @@ def report_row(fault: str, load: Any, t_fault: float, t_recovered: Optional[floa
         "max_level": rep.max_level(),
         # When the failures happened: how many in each 10 s after the fault.
         "per_10s": _per_10s([o.t - t_fault for o in rep.outcomes if o.cause != "ok" and o.t >= t_fault]),
+        # Which policy refused, for the refusals among them (the three most common kinds).
+        "refused": dict(rep.refusals(t_fault).most_common(3)),
+        # Why the level stood at 2 or above (2 sheds the sheddable classes, 3 all but critical_plus).
+        "level_reasons": dict(rep.level_reasons(2, t_fault).most_common(3)),
         **extra,
     }
     REPORT.append(row)

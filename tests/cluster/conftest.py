@@ -70,6 +70,15 @@ def redis_cluster(_clusters) -> Cluster:
     return _clusters.get(redis=True)
 
 
+def _refused(row: dict) -> str:
+    refused = row.get("refused") or {}
+    reasons = row.get("level_reasons") or {}
+    out = "; refused: " + ", ".join(f"{k} ×{n}" for k, n in refused.items()) if refused else ""
+    if reasons:
+        out += "; level >= 2 for: " + ", ".join(f"{k} ×{n} s" for k, n in reasons.items())
+    return out
+
+
 def pytest_terminal_summary(terminalreporter):
     if not REPORT:
         return
@@ -82,4 +91,4 @@ def pytest_terminal_summary(terminalreporter):
         other = ", ".join(f"{k}: {v}" for k, v in sorted(r["other_failures"].items())) or "0"
         keyed = ", ".join(f"{k}: {v}" for k, v in sorted(r["keyed_failures"].items())) or "0"
         w.line(f"| {r['fault']} | {r['requests']} | {keyed} | {other} | {r['per_10s']} | {r['failures_stop_s']} | {r['recover_s']} "
-               f"| {r['max_level']} | {r.get('notes', '')} |")
+               f"| {r['max_level']} | {r.get('notes', '')}{_refused(r)} |")

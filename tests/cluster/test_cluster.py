@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from clusterkit import REPORT, report_row, wait_clean, wait_until
-from loadtest.cluster_load import ClusterLoad
 from serve_app.ops import netcluster
 
 FULL = os.environ.get("BALLAST_CLUSTER_SUITE") == "full"
@@ -83,7 +82,7 @@ def test_a_worker_killed_under_load_loses_no_keyed_request(cluster):
     victim = worker_without_controller(cluster)  # the controller's node lost is its own fault
     survivor = next(w for w in cluster.workers if w != victim)
     lost = cluster.replica_ids_on(victim.ip)
-    load = ClusterLoad(cluster.endpoints, cluster.gold, callers=6, duration_s=240).start()
+    load = cluster.load(duration_s=240)
     try:
         time.sleep(8)  # steady traffic before the fault
         t_fault = time.monotonic()
@@ -115,7 +114,7 @@ def test_a_partitioned_worker_loses_no_keyed_request_and_nothing_stays_stuck(clu
     victim = worker_without_controller(cluster)
     survivor = next(w for w in cluster.workers if w != victim)
     lost = cluster.replica_ids_on(victim.ip)
-    load = ClusterLoad(cluster.endpoints, cluster.gold, callers=6, duration_s=300).start()
+    load = cluster.load(duration_s=300)
     try:
         time.sleep(8)
         t_fault = time.monotonic()
@@ -136,7 +135,8 @@ def test_a_partitioned_worker_loses_no_keyed_request_and_nothing_stays_stuck(clu
             netcluster.kill_node(victim)
             netcluster.start_node(victim, cluster.head, redis=False)
         wait_until(lambda: netcluster.ready(victim) and cluster.ray_state(victim.ip) == "ALIVE", 180, 2,
-                   "the partitioned node serving again")
+                   f"the partitioned node serving again ({'rejoined' if rejoined else 'started again'})",
+                   diagnose=lambda: cluster.diagnose(victim))
         wait_until(lambda: len(cluster.where(MODEL)) >= MIN_REPLICAS, 180, 2, "the model's replicas")
         t_recovered = time.monotonic()
         wait_clean(load, t_fault)  # nothing stays stuck: failures stop
@@ -160,7 +160,7 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
         "scope": "tenant", "value": "free", "reason": "survives the controller's node", "expires_in_s": 600}).json()
     epoch = cluster.admin_call("GET", "/v1/status", survivor.endpoint).json()["snapshot"]["epoch"]
     lost = cluster.replica_ids_on(home.ip)
-    load = ClusterLoad(cluster.endpoints, cluster.gold, callers=6, duration_s=300).start()
+    load = cluster.load(duration_s=300)
     try:
         time.sleep(8)
         t_fault = time.monotonic()
@@ -195,7 +195,7 @@ def test_the_head_lost_with_gcs_fault_tolerance_workers_keep_answering(redis_clu
     steady(cluster)
     head = cluster.head
     workers = [w.endpoint for w in cluster.workers]
-    load = ClusterLoad(workers, cluster.gold, callers=6, duration_s=300).start()
+    load = cluster.load(workers, duration_s=300)
     try:
         time.sleep(8)
         t_fault = time.monotonic()

@@ -11,7 +11,7 @@ import re
 import pytest
 import yaml
 
-from loadtest.cluster_load import LoadReport, Outcome, check_own
+from loadtest.cluster_load import LevelSample, LoadReport, Outcome, check_own, message_kind
 from serve_app.config import load_config
 from serve_app.ops import netcluster
 
@@ -79,6 +79,12 @@ def test_the_deploy_config_is_serve_config_yaml_with_keys_from_files(tmp_path):
     # Off the head: the controller asks for a CPU share the head (--num-cpus=0) has not.
     assert cfg.controller.num_cpus > 0
     assert spec["proxy_location"] == "EveryNode"
+    # A router on each worker, so each worker runs Serve's proxy (Serve starts one only
+    # where a replica runs), the one that replaces a lost worker too.
+    from serve_app.router.app import router_deployment
+
+    assert cfg.deployments.router.max_replicas_per_node == 1
+    assert router_deployment(cfg)._replica_config.max_replicas_per_node == 1
 
 
 def test_no_privilege_is_a_clear_error(monkeypatch):
@@ -112,3 +118,29 @@ def test_the_load_report_counts_failures_by_cause_and_time():
     assert rep.failures(keyed=True) == {}
     assert rep.count() == 5 and rep.count(keyed=True) == 2 and rep.count(since=3.0, until=5.0) == 2
     assert rep.max_level() == 2 and rep.last_failure() == 3.0 and rep.last_failure(since=3.5) is None
+
+
+def test_refusals_count_together_by_the_policy_that_refused():
+    why_level = message_kind("degradation level 2 does not admit criticality 'sheddable'")
+    why_gate = message_kind("no model capacity for 'critical' within the request's deadline (slow)")
+    assert why_level == message_kind("degradation level 3 does not admit criticality 'critical'")
+    assert why_level != why_gate
+    rep = LoadReport([
+        Outcome(1.0, "a", False, "http_503_OVERLOADED", why=why_gate),
+        Outcome(2.0, "a", True, "http_503_OVERLOADED", why=why_gate),
+        Outcome(3.0, "b", False, "http_503_OVERLOADED", why=why_level),
+        Outcome(4.0, "b", False, "connect"),
+    ])
+    assert rep.refusals() == {f"http_503_OVERLOADED: {why_gate}": 2, f"http_503_OVERLOADED: {why_level}": 1}
+    assert rep.refusals(since=2.5) == {f"http_503_OVERLOADED: {why_level}": 1}
+
+
+def test_the_level_counts_where_nothing_was_answered():
+    # At level 4 no request is answered: only the sampled status sees it.
+    rep = LoadReport([Outcome(1.0, "a", True, "ok", level=1), Outcome(2.0, "a", True, "http_503_OVERLOADED")],
+                     levels=[LevelSample(1.5, 4, "up 3->4: queue_wait_ms_p95=900>=800"),
+                             LevelSample(2.5, 3, "up 2->3: error_rate=0.2>=0.1 (n=50)"),
+                             LevelSample(3.5, 1, "down 3->1")])
+    assert rep.max_level() == 4 and rep.max_level(since=2.0) == 3
+    assert rep.level_reasons(3) == {message_kind("up 3->4: queue_wait_ms_p95=900>=800"): 1,
+                                    message_kind("up 2->3: error_rate=0.2>=0.1 (n=50)"): 1}
