@@ -11,10 +11,21 @@ For each stack, in one run:
    (``feasible_shares``: what is left of C after the classes above it, capped by its
    demand), so that "critical got 15 %" reads against what it could have had.
 
-"Plain Ray Serve" is the same torch model with the same dynamic batching, deployed
-as its own HTTP ingress with Serve's default settings (one replica, default
-``max_ongoing_requests``, unbounded queue). Ballast is the app from the config,
-behind its router. Both get identical requests, including ``X-Request-Timeout-Ms``
+Three stacks, each measured against its own C:
+
+- ``plain``: the same torch model with the same dynamic batching, deployed as its own
+  HTTP ingress with Serve's default settings (one replica, ``max_ongoing_requests``
+  5, an unbounded queue);
+- ``plain-bounded``: the same, as a careful Serve user sets it up: the replica takes
+  a whole batch (Ballast's ``max_ongoing_requests``), ``max_queued_requests`` bounded
+  and 503 + Retry-After beyond it (``BackpressureConfig``). The bound is chosen in the
+  run: each of ``--queue-factors`` (requests in the system, as factors of C x SLO) is
+  tried for one 4 C phase and the best is kept, so plain Serve gets its best 4 C;
+- ``ballast``: the app from the config, behind its router.
+
+Each row also prints the CPU the processes in front of the model used (Serve's proxy
+actors, Ballast's routers, HAProxy: ``ServerCpu``, psutil), per second and per refusal
+(``refusal_cpu_ms``), and the run ends with Ballast's targets (``check_targets``). Both get identical requests, including ``X-Request-Timeout-Ms``
 set to the SLO (plain Serve has no use for it). Latency runs from each request's
 scheduled send time, so a slow client does not hide queueing; the generator is
 ``loadtest.lean_http`` on uvloop (httpx cost ~2.8 ms of client CPU per request here,
@@ -77,6 +88,14 @@ class Phase:
     outcomes: list[Outcome] = field(default_factory=list)
     trace: list[dict[str, Any]] = field(default_factory=list)  # Ballast's /v1/status, sampled
     send_lags_s: list[float] = field(default_factory=list)  # how late the generator sent each request
+    server_cpu_s: Optional[float] = None  # CPU time of the processes in front of the model (ServerCpu)
+
+    def answered(self) -> int:
+        return sum(1 for o in self.outcomes if o.status == 200)
+
+    def refused(self) -> int:
+        """Refusals the server answered (429/503): the ones whose cost the overload targets bound."""
+        return sum(1 for o in self.outcomes if o.status in (429, 503))
 
     def send_lag_p99_ms(self) -> float:
         return _pct([x * 1000.0 for x in self.send_lags_s], 0.99)
@@ -294,16 +313,51 @@ async def closed_loop_rate(stack: Stack, concurrency: int, duration_s: float) ->
         return done / (time.monotonic() - t0)
 
 
-def plain_serve_app(model_cfg: dict[str, Any]):
-    """The same model and batching as Ballast's replica, as its own ingress, Serve defaults."""
+def refusal_cpu_ms(phases: list[Phase]) -> list[Optional[float]]:
+    """Server CPU per refusal, per phase, in ms: the phase's CPU less what its answers cost
+    at the first phase's rate (CPU per answer there, where nearly nothing is refused),
+    over its refusals. None where a phase refused nothing or CPU was not read."""
+    first = phases[0] if phases else None
+    if first is None or first.server_cpu_s is None or not first.answered():
+        return [None] * len(phases)
+    per_answer = first.server_cpu_s / first.answered()
+    out: list[Optional[float]] = []
+    for p in phases:
+        if p.server_cpu_s is None or p.refused() < 20:  # too few to divide by
+            out.append(None)
+            continue
+        out.append(max(0.0, p.server_cpu_s - per_answer * p.answered()) / p.refused() * 1000.0)
+    return out
+
+
+def bounded_queue(capacity_rps: float, slo_s: float, factor: float, max_ongoing: int) -> int:
+    """Serve's ``max_queued_requests`` for plain Serve "as a careful user would": what the
+    replica can still serve within the SLO (Little: ``factor`` x C x SLO requests in the
+    system) less those it already holds (``max_ongoing``); at least 1."""
+    return max(1, round(factor * capacity_rps * slo_s) - max_ongoing)
+
+
+def plain_serve_app(model_cfg: dict[str, Any], bounded: Optional[tuple[int, int]] = None):
+    """The same model and batching as Ballast's replica, as its own ingress.
+
+    ``bounded=None``: Serve's defaults (``max_ongoing_requests`` 5, an unbounded queue).
+    ``bounded=(max_ongoing, max_queued)``: as a careful Serve user sets it up: the
+    replica takes a whole batch, the queue is bounded and a request beyond it gets
+    503 + Retry-After (``BackpressureConfig``).
+    """
     from ray import serve
+    from ray.serve.config import BackpressureConfig
     from starlette.requests import Request
 
     from serve_app.config import ModelConfig
 
     m = ModelConfig(**model_cfg)
+    options: dict[str, Any] = {"name": "PlainModel"}
+    if bounded is not None:
+        options.update(max_ongoing_requests=bounded[0], max_queued_requests=bounded[1],
+                       backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1))
 
-    @serve.deployment(name="PlainModel")
+    @serve.deployment(**options)
     class PlainModel:
         def __init__(self, cfg: dict[str, Any]) -> None:
             from serve_app.model.server import build_backend
@@ -330,6 +384,52 @@ def plain_serve_app(model_cfg: dict[str, Any]):
             return await self._batched((str(body["prompt"]), int(body["max_tokens"])))
 
     return PlainModel.bind(model_cfg)
+
+
+class ServerCpu:
+    """CPU time (user + system) of the processes that answer or refuse before the model:
+    Serve's proxy actors, Ballast's router replicas and the stack's HAProxy (found by its
+    per-port config directory). Read with psutil; a process gone since ``pids`` were
+    taken counts what it had used when last read."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.pids: dict[int, str] = {}
+        self._last: dict[int, float] = {}
+
+    def find(self) -> dict[str, int]:
+        """Look the processes up again (after a deploy); how many of each kind."""
+        import psutil
+        import ray
+
+        pids: dict[int, str] = {}
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            name = a["name"]
+            role = "proxy" if name.startswith("SERVE_PROXY_ACTOR") else "router" if "#Router#" in name else None
+            if role is None:
+                continue
+            try:
+                handle = ray.get_actor(name, namespace=a["namespace"])
+                pids[ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=10)] = role
+            except Exception:  # noqa: BLE001 - an actor going away between list and call
+                continue
+        marker = f"/tmp/ballast-haproxy-{self.port}/"
+        for p in psutil.process_iter(["name", "cmdline"]):
+            if p.info["name"] == "haproxy" and any(marker in c for c in p.info["cmdline"] or ()):
+                pids[p.pid] = "haproxy"
+        self.pids = pids
+        return dict(Counter(pids.values()))
+
+    def total_s(self) -> float:
+        import psutil
+
+        for pid in self.pids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                self._last[pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        return sum(self._last.get(pid, 0.0) for pid in self.pids)
 
 
 def format_trace(phase: Phase) -> str:
@@ -390,6 +490,43 @@ def bench_config(path: str, model_replicas: int = 1) -> Any:
     return load_config(data)
 
 
+GOODPUT_TARGET = 0.9
+CRITICAL_PLUS_TARGET = 0.999
+FEASIBLE_TARGET = 0.9
+REFUSAL_CPU_TARGET_MS = 0.2
+
+
+def check_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dict[str, float],
+                  peer: Optional[dict[str, Any]] = None) -> list[tuple[str, bool, str]]:
+    """The overload targets (issue 21) for one stack's run: (target, met, figures)."""
+    cap, phases = result["C"], result["phases"]
+    out = []
+    goodputs = [p.goodput() / cap for p in phases]
+    out.append((f"goodput >= {GOODPUT_TARGET} C at every multiple", all(g >= GOODPUT_TARGET for g in goodputs),
+                " ".join(f"{k:g}C:{g:.3f}" for k, g in zip(multiples, goodputs))))
+    cp = [(k, p.good_fraction("critical_plus")) for k, p in zip(multiples, phases) if mix["critical_plus"] * k <= 1.0]
+    out.append((f"critical_plus >= {CRITICAL_PLUS_TARGET} where its demand fits in C",
+                all(f >= CRITICAL_PLUS_TARGET for _, f in cp), " ".join(f"{k:g}C:{f:.4f}" for k, f in cp)))
+    worst: list[str] = []
+    met = True
+    for k, p in zip(multiples, phases):
+        feasible = feasible_shares(mix, k)
+        for c in CRITICALITIES[1:]:
+            share = share_of_feasible(p.good_fraction(c), feasible[c])
+            if share is not None and share < FEASIBLE_TARGET:
+                met = False
+                worst.append(f"{k:g}C {c}:{share:.3f}")
+    out.append((f"every other class >= {FEASIBLE_TARGET} of its feasible share", met, " ".join(worst) or "all met"))
+    costs = [(k, c) for k, c in zip(multiples, refusal_cpu_ms(phases)) if c is not None]
+    out.append((f"a refusal <= {REFUSAL_CPU_TARGET_MS} ms of server CPU", bool(costs) and all(c <= REFUSAL_CPU_TARGET_MS for _, c in costs),
+                " ".join(f"{k:g}C:{c:.2f}ms" for k, c in costs) or "no phase refused enough to tell"))
+    if peer is not None:
+        ahead = [(k, p.goodput() / cap, q.goodput() / peer["C"]) for k, p, q in zip(multiples, phases, peer["phases"])]
+        out.append(("ahead of plain Serve with a bounded queue at every multiple", all(a > b for _, a, b in ahead),
+                    " ".join(f"{k:g}C:{a:.3f}/{b:.3f}" for k, a, b in ahead)))
+    return out
+
+
 def main(argv: "list[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="cluster/local.yaml")
@@ -398,7 +535,10 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--probe-s", type=float, default=8.0, help="length of each capacity probe")
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each phase (1/2/4/10 C by default)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--only", choices=("plain", "ballast", "ballast+sdk"), default=None)
+    parser.add_argument("--only", choices=("plain", "plain-bounded", "ballast", "ballast+sdk"), default=None)
+    parser.add_argument("--queue-factors", default="0.5,1,2",
+                        help="plain-bounded: max_queued_requests tried at 4 C, as factors of C x SLO in the "
+                             "system (bounded_queue); the best is kept for its phases")
     parser.add_argument("--sdk", action="store_true", help="also run the Ballast rows through the SDK (its httpx shares the cores)")
     parser.add_argument("--capacity", type=float, default=None,
                         help="take C as given (req/s) instead of measuring it: for quick re-runs of the phases")
@@ -428,6 +568,8 @@ def main(argv: "list[str] | None" = None) -> int:
     stacks = {
         "plain": Stack("plain", f"{BASE}/plain", dict(timeout_header),
                        lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
+        "plain-bounded": Stack("plain-bounded", f"{BASE}/plain-bounded", dict(timeout_header),
+                               lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
         "ballast": Stack("ballast", f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/generate",
                          {"Authorization": f"Bearer {BENCH_KEY}", **timeout_header},
                          lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
@@ -441,7 +583,17 @@ def main(argv: "list[str] | None" = None) -> int:
         ))
 
     stacks["ballast+sdk"] = Stack("ballast+sdk", stacks["ballast"].url, {}, stacks["ballast"].body, sdk=sdk_client)
-    names = [args.only] if args.only else ["plain", "ballast"] + (["ballast+sdk"] if args.sdk else [])
+    names = [args.only] if args.only else ["plain", "plain-bounded", "ballast"] + (["ballast+sdk"] if args.sdk else [])
+    try:
+        queue_factors = tuple(float(f) for f in args.queue_factors.split(","))
+    except ValueError:
+        parser.error(f"--queue-factors: not a comma-separated list of numbers: {args.queue_factors!r}")
+    if not queue_factors or any(f <= 0 for f in queue_factors):
+        parser.error(f"--queue-factors: need positive factors, got {args.queue_factors!r}")
+    model_cfg = cfg.model.model_dump(mode="json")
+    max_ongoing = cfg.deployments.model.max_ongoing_requests  # the same as Ballast's replica
+
+    cpu = ServerCpu(PORT)
 
     admin = {"Authorization": f"Bearer {cfg.auth.demo_admin_token}"}
 
@@ -484,12 +636,19 @@ def main(argv: "list[str] | None" = None) -> int:
                 cap = results["ballast"]["C"]  # the same server: its capacity, measured above
                 print(f"{name}: the same Ballast stack through the SDK; C = {cap:.1f} req/s", flush=True)
             else:
+                if name == "plain-bounded":  # C with a queue that bounds nothing below C; its bound comes next
+                    await asyncio.to_thread(swap_plain_app, 100_000)
                 probe = stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
                 await closed_loop_rate(probe, 4, 3.0)  # warm-up
                 guess = await closed_loop_rate(probe, 8, 6.0)
                 cap, probes = await measure_capacity(probe, guess, args.probe_s, args.slo_s, mix, args.seed, settle)
                 print(f"{name}: closed-loop {guess:.1f} req/s; probes " +
                       ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
+            queue = None
+            if name == "plain-bounded":
+                queue = await choose_queue(stack, cap, settle)
+            found = cpu.find()
+            print(f"  {name}: server CPU read from {found}", flush=True)
             phases = []
             sdk = stack.sdk() if stack.sdk is not None else None
             try:
@@ -497,8 +656,10 @@ def main(argv: "list[str] | None" = None) -> int:
                     if k == multiples[0]:
                         await settle()
                     trace: list[dict[str, Any]] = []
-                    sampler = asyncio.create_task(sample_status(trace)) if name != "plain" else None
+                    sampler = asyncio.create_task(sample_status(trace)) if not name.startswith("plain") else None
+                    cpu0 = cpu.total_s()
                     phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100, sdk)
+                    phase.server_cpu_s = cpu.total_s() - cpu0
                     if sampler is not None:
                         sampler.cancel()
                     phase.trace = trace
@@ -519,12 +680,40 @@ def main(argv: "list[str] | None" = None) -> int:
             finally:
                 if sdk is not None:
                     await sdk.aclose()
-            results[name] = {"C": cap, "phases": phases}
+            results[name] = {"C": cap, "phases": phases, "queue": queue}
+
+    def swap_plain_app(queue: Optional[int]) -> None:
+        """The plain Serve app under test: Serve's defaults (None) or bounded at ``queue``."""
+        from ray import serve
+
+        if queue is None:
+            serve.run(plain_serve_app(model_cfg), name="plain", route_prefix="/plain", blocking=False)
+            return
+        if "plain" in serve.status().applications:
+            serve.delete("plain")  # one model replica at a time: they would share the cores
+        serve.run(plain_serve_app(model_cfg, bounded=(max_ongoing, queue)), name="plain-bounded",
+                  route_prefix="/plain-bounded", blocking=False)
+
+    async def choose_queue(stack: Stack, cap: float, settle: Callable[[], Any]) -> dict[str, Any]:
+        """The max_queued_requests that gives plain Serve its best goodput at 4 C: each of
+        ``queue_factors`` tried for one phase; the best stays deployed."""
+        tried = []
+        for f in queue_factors:
+            q = bounded_queue(cap, args.slo_s, f, max_ongoing)
+            await asyncio.to_thread(swap_plain_app, q)
+            await settle()
+            phase = await offer(stack, 4 * cap, args.phase_s, args.slo_s, mix, args.seed + 50)
+            tried.append((phase.goodput() / cap, f, q))
+            print(f"  plain-bounded at 4 C with max_queued_requests {q} (factor {f:g}): goodput/C "
+                  f"{tried[-1][0]:.3f}", flush=True)
+        best = max(tried)
+        await asyncio.to_thread(swap_plain_app, best[2])
+        return {"factor": best[1], "max_queued_requests": best[2], "tried": tried}
 
     # One Ray per stack, because the ingress is chosen when Ray starts: plain Ray Serve
     # with its defaults (the Python proxy actor), Ballast with its configured ingress
     # (serve_app.router.ingress). The SDK rows use the same Ballast server as the plain HTTP rows.
-    sessions = [(s, [n for n in names if (n == "plain") == (s == "plain")]) for s in ("plain", "ballast")]
+    sessions = [(s, [n for n in names if n.startswith("plain") == (s == "plain")]) for s in ("plain", "ballast")]
     for session, members in sessions:
         if not members:
             continue
@@ -538,7 +727,8 @@ def main(argv: "list[str] | None" = None) -> int:
         try:
             if session == "plain":
                 serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-                serve.run(plain_serve_app(cfg.model.model_dump(mode="json")), name="plain", route_prefix="/plain", blocking=False)
+                if "plain" in members:
+                    swap_plain_app(None)
             else:
                 start(cfg, "127.0.0.1", PORT)
             install_uvloop()
@@ -556,18 +746,23 @@ def main(argv: "list[str] | None" = None) -> int:
         f"\noverload: SLO {args.slo_s:g} s, max_tokens {args.max_tokens}, {args.phase_s:g} s per phase, "
         f"mix " + "/".join(f"{c} {mix[c]:.0%}" for c in CRITICALITIES)
     )
-    head = f"{'stack':<12} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} " + " ".join(
-        f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10} {'lag p99 ms':>10}"
+    head = f"{'stack':<13} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} " + " ".join(
+        f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10} {'lag p99 ms':>10} {'srv cores':>9} {'ms/refusal':>10}"
     print(head)
     for name, r in results.items():
-        for k, phase in zip(multiples, r["phases"]):
+        costs = refusal_cpu_ms(r["phases"])
+        for k, phase, cost in zip(multiples, r["phases"], costs):
+            cores = "-" if phase.server_cpu_s is None else f"{phase.server_cpu_s / phase.duration_s:.2f}"
             print(
-                f"{name:<12} {r['C']:>8.1f} {k:>7g}C {phase.goodput() / r['C']:>9.3f} "
+                f"{name:<13} {r['C']:>8.1f} {k:>7g}C {phase.goodput() / r['C']:>9.3f} "
                 + " ".join(f"{phase.good_fraction(c):>10.3f}" for c in CRITICALITIES)
-                + f" {phase.admitted_p99_ms():>10.0f} {phase.send_lag_p99_ms():>10.0f}"
+                + f" {phase.admitted_p99_ms():>10.0f} {phase.send_lag_p99_ms():>10.0f} {cores:>9} "
+                + f"{'-' if cost is None else format(cost, '.2f'):>10}"
             )
+    print("srv cores: CPU of the processes in front of the model (proxy, routers, HAProxy) per second of the phase; "
+          "ms/refusal: their CPU less the answers' (at the first phase's cost each), over the 429/503 refusals")
     print("\nshare of the feasible (what strict class order allows each class; - where it allows nothing)")
-    print(f"{'stack':<12} {'offered':>8} " + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES))
+    print(f"{'stack':<13} {'offered':>8} " + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES))
     for name, r in results.items():
         for k, phase in zip(multiples, r["phases"]):
             feasible = feasible_shares(mix, k)
@@ -575,19 +770,18 @@ def main(argv: "list[str] | None" = None) -> int:
             for c in CRITICALITIES:
                 share = share_of_feasible(phase.good_fraction(c), feasible[c])
                 cells.append(f"{'-' if share is None else format(share, '.3f'):>10}")
-            print(f"{name:<12} {k:>7g}C " + " ".join(cells))
+            print(f"{name:<13} {k:>7g}C " + " ".join(cells))
+    bounded = results.get("plain-bounded")
+    if bounded is not None and bounded.get("queue"):
+        q = bounded["queue"]
+        print(f"\nplain-bounded: max_queued_requests {q['max_queued_requests']} (factor {q['factor']:g} of C x SLO in "
+              "the system), the best at 4 C of " + ", ".join(f"{qq} -> {g:.3f}" for g, _, qq in q["tried"]))
     for name in ("ballast", "ballast+sdk"):
         if name not in results:
             continue
-        top = results[name]["phases"][-1]
-        crit = (top.good("critical_plus") + top.good("critical")) / max(1, top.count("critical_plus") + top.count("critical"))
-        print(
-            f"{name} at {multiples[-1]:g} C: goodput {top.goodput() / results[name]['C']:.3f} C (target >= 0.9), "
-            f"critical success {crit:.3f} (target >= 0.99)"
-        )
-    if "plain" in results:
-        top = results["plain"]["phases"][-1]
-        print(f"plain Ray Serve at {multiples[-1]:g} C: goodput {top.goodput() / results['plain']['C']:.3f} C")
+        print(f"\n{name}: targets")
+        for what, ok, detail in check_targets(results[name], multiples, mix, bounded):
+            print(f"  [{'ok' if ok else 'MISSED'}] {what}: {detail}")
     return 0
 
 

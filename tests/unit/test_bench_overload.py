@@ -9,7 +9,10 @@ from loadtest.bench_overload import (
     Outcome,
     Phase,
     bench_config,
+    bounded_queue,
+    check_targets,
     criticality_sequence,
+    refusal_cpu_ms,
     feasible_shares,
     share_of_feasible,
 )
@@ -110,3 +113,52 @@ def test_feasible_shares_follow_strict_class_order():
     assert share_of_feasible(0.3, 0.0) is None
     with pytest.raises(ValueError, match="multiple"):
         feasible_shares(DEFAULT_MIX, 0)
+
+
+def _phase(rate, answered, refused, cpu_s, duration_s=10.0, late=0):
+    p = Phase(rate=rate, duration_s=duration_s, slo_s=1.0)
+    p.outcomes = ([Outcome("critical", 200, "OK", 0.1)] * answered + [Outcome("critical", 200, "OK", 2.0)] * late
+                  + [Outcome("sheddable", 503, "OVERLOADED", 0.001)] * refused + [Outcome("sheddable", 0, "timeout", 10.0)])
+    p.server_cpu_s = cpu_s
+    return p
+
+
+def test_refusal_cpu_is_what_the_phase_used_beyond_its_answers():
+    # 1 C: 100 answers cost 0.5 s (5 ms each). 10 C: 100 answers + 900 refusals in 0.68 s:
+    # 0.18 s for the refusals, 0.2 ms each.
+    phases = [_phase(10, 100, 0, 0.5), _phase(100, 100, 900, 0.68), _phase(20, 100, 5, 0.6)]
+    costs = refusal_cpu_ms(phases)
+    assert costs[0] is None and costs[2] is None  # nothing, or too little, refused to divide by
+    assert costs[1] == pytest.approx(0.2)
+    phases[0].server_cpu_s = None
+    assert refusal_cpu_ms(phases) == [None, None, None]
+
+
+def test_the_bounded_queue_holds_what_the_replica_serves_within_the_slo():
+    # 40 req/s for 1 s is 40 in the system; the replica holds 32 of them itself.
+    assert bounded_queue(40.0, 1.0, 1.0, 32) == 8
+    assert bounded_queue(40.0, 1.0, 2.0, 32) == 48
+    assert bounded_queue(40.0, 1.0, 0.5, 32) == 1  # never 0: Serve reads that as "no queue at all"
+
+
+def test_the_targets_are_judged_per_multiple_and_against_the_peer():
+    mix = {"critical_plus": 0.05, "critical": 0.15, "sheddable_plus": 0.30, "sheddable": 0.50}
+    cap = 10.0
+
+    def run(good_per_s):
+        phases = []
+        for k, g in zip((1.0, 10.0), good_per_s):
+            p = Phase(rate=k * cap, duration_s=10.0, slo_s=1.0)
+            p.outcomes = [Outcome("critical_plus", 200, "OK", 0.1)] * int(g * 10)
+            p.server_cpu_s = 0.0
+            phases.append(p)
+        return {"C": cap, "phases": phases}
+
+    ours, peer = run((9.5, 9.2)), run((9.8, 0.6))
+    results = dict((what, ok) for what, ok, _ in check_targets(ours, (1.0, 10.0), mix, peer))
+    assert results["goodput >= 0.9 C at every multiple"]
+    assert not results["ahead of plain Serve with a bounded queue at every multiple"]  # 0.95 < 0.98 at 1 C
+    ours = run((8.5, 9.2))
+    results = dict((what, ok) for what, ok, _ in check_targets(ours, (1.0, 10.0), mix))
+    assert not results["goodput >= 0.9 C at every multiple"]
+    assert "ahead of plain Serve with a bounded queue at every multiple" not in results
