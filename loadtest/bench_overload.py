@@ -16,16 +16,19 @@ Three stacks, each measured against its own C:
 - ``plain``: the same torch model with the same dynamic batching, deployed as its own
   HTTP ingress with Serve's default settings (one replica, ``max_ongoing_requests``
   5, an unbounded queue);
-- ``plain-bounded``: the same, as a careful Serve user sets it up: the replica takes
-  a whole batch (Ballast's ``max_ongoing_requests``), ``max_queued_requests`` bounded
-  and 503 + Retry-After beyond it (``BackpressureConfig``). The bound is chosen in the
-  run: each of ``--queue-factors`` (requests in the system, as factors of C x SLO) is
-  tried for one 4 C phase and the best is kept, so plain Serve gets its best 4 C;
+- ``plain-bounded``: the same, as a careful Serve user sets it up: a bounded
+  ``max_queued_requests`` and 503 + Retry-After beyond it (``BackpressureConfig``).
+  Its C is measured with Ballast's ``max_ongoing_requests`` and a queue that bounds
+  nothing; then each pair of ``--ongoing`` x ``--queue-factors`` (the queue as a factor
+  of C x SLO, what the replica serves in one SLO) is tried for a half-length phase
+  at 4 x that C; the best pair is kept, so plain Serve gets its best 4 C, and
+  its C is measured again as configured;
 - ``ballast``: the app from the config, behind its router.
 
 Each row also prints the CPU the processes in front of the model used (Serve's proxy
 actors, Ballast's routers, HAProxy: ``ServerCpu``, psutil), per second and per refusal
-(``refusal_cpu_ms``), and the run ends with Ballast's targets (``check_targets``). Both get identical requests, including ``X-Request-Timeout-Ms``
+(``refusal_cpu_ms``), and the run ends with Ballast's targets (``check_targets``).
+All get identical requests, including ``X-Request-Timeout-Ms``
 set to the SLO (plain Serve has no use for it). Latency runs from each request's
 scheduled send time, so a slow client does not hide queueing; the generator is
 ``loadtest.lean_http`` on uvloop (httpx cost ~2.8 ms of client CPU per request here,
@@ -59,6 +62,7 @@ import httpx
 
 from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_uvloop
+from serve_app.control.link import ROUTER_DEPLOYMENT
 
 PORT = 8124
 BASE = f"http://127.0.0.1:{PORT}"
@@ -69,6 +73,7 @@ DEFAULT_MIX = {"critical_plus": 0.05, "critical": 0.15, "sheddable_plus": 0.30, 
 MULTIPLES = (1.0, 2.0, 4.0, 10.0)
 CLIENT_TIMEOUT_S = 10.0  # the longest any one request is waited for: runs end by themselves
 MAX_IN_FLIGHT = 4000  # client-side bound; arrivals beyond it are counted as client drops
+IDLE_S = 5.0  # how long the server's idle CPU is read before a stack's phases
 
 
 @dataclass
@@ -89,6 +94,7 @@ class Phase:
     trace: list[dict[str, Any]] = field(default_factory=list)  # Ballast's /v1/status, sampled
     send_lags_s: list[float] = field(default_factory=list)  # how late the generator sent each request
     server_cpu_s: Optional[float] = None  # CPU time of the processes in front of the model (ServerCpu)
+    idle_cores: float = 0.0  # what those processes use with no traffic (their timers, metrics), per second
 
     def answered(self) -> int:
         return sum(1 for o in self.outcomes if o.status == 200)
@@ -314,27 +320,32 @@ async def closed_loop_rate(stack: Stack, concurrency: int, duration_s: float) ->
 
 
 def refusal_cpu_ms(phases: list[Phase]) -> list[Optional[float]]:
-    """Server CPU per refusal, per phase, in ms: the phase's CPU less what its answers cost
-    at the first phase's rate (CPU per answer there, where nearly nothing is refused),
-    over its refusals. None where a phase refused nothing or CPU was not read."""
+    """Server CPU per refusal, per phase, in ms: the phase's CPU less what the processes
+    use idle and what its answers cost (at the first phase's CPU per answer, where
+    nearly nothing is refused), over its refusals. None where a phase refused too little
+    to divide by, or CPU was not read."""
+
+    def busy_s(p: Phase) -> float:
+        return max(0.0, (p.server_cpu_s or 0.0) - p.idle_cores * p.duration_s)
+
     first = phases[0] if phases else None
     if first is None or first.server_cpu_s is None or not first.answered():
         return [None] * len(phases)
-    per_answer = first.server_cpu_s / first.answered()
+    per_answer = busy_s(first) / first.answered()
     out: list[Optional[float]] = []
     for p in phases:
-        if p.server_cpu_s is None or p.refused() < 20:  # too few to divide by
+        if p.server_cpu_s is None or p.refused() < 20:
             out.append(None)
             continue
-        out.append(max(0.0, p.server_cpu_s - per_answer * p.answered()) / p.refused() * 1000.0)
+        out.append(max(0.0, busy_s(p) - per_answer * p.answered()) / p.refused() * 1000.0)
     return out
 
 
-def bounded_queue(capacity_rps: float, slo_s: float, factor: float, max_ongoing: int) -> int:
-    """Serve's ``max_queued_requests`` for plain Serve "as a careful user would": what the
-    replica can still serve within the SLO (Little: ``factor`` x C x SLO requests in the
-    system) less those it already holds (``max_ongoing``); at least 1."""
-    return max(1, round(factor * capacity_rps * slo_s) - max_ongoing)
+def bounded_queue(capacity_rps: float, slo_s: float, factor: float) -> int:
+    """Serve's ``max_queued_requests`` for plain Serve "as a careful user would": ``factor``
+    x what the replica serves in one SLO (C x SLO; a request queued behind more than that
+    cannot be answered in time); at least 1 (Serve takes -1 for unbounded)."""
+    return max(1, round(factor * capacity_rps * slo_s))
 
 
 def plain_serve_app(model_cfg: dict[str, Any], bounded: Optional[tuple[int, int]] = None):
@@ -392,8 +403,8 @@ class ServerCpu:
     per-port config directory). Read with psutil; a process gone since ``pids`` were
     taken counts what it had used when last read."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, haproxy_dir: Optional[str]) -> None:
+        self.haproxy_dir = haproxy_dir  # the stack's HAProxy config directory; None: no HAProxy
         self.pids: dict[int, str] = {}
         self._last: dict[int, float] = {}
 
@@ -405,7 +416,8 @@ class ServerCpu:
         pids: dict[int, str] = {}
         for a in ray.util.list_named_actors(all_namespaces=True):
             name = a["name"]
-            role = "proxy" if name.startswith("SERVE_PROXY_ACTOR") else "router" if "#Router#" in name else None
+            role = ("proxy" if name.startswith("SERVE_PROXY_ACTOR")
+                    else "router" if f"#{ROUTER_DEPLOYMENT}#" in name else None)
             if role is None:
                 continue
             try:
@@ -413,9 +425,8 @@ class ServerCpu:
                 pids[ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=10)] = role
             except Exception:  # noqa: BLE001 - an actor going away between list and call
                 continue
-        marker = f"/tmp/ballast-haproxy-{self.port}/"
-        for p in psutil.process_iter(["name", "cmdline"]):
-            if p.info["name"] == "haproxy" and any(marker in c for c in p.info["cmdline"] or ()):
+        for p in psutil.process_iter(["name", "cmdline"]) if self.haproxy_dir else ():
+            if p.info["name"] == "haproxy" and any(self.haproxy_dir in c for c in p.info["cmdline"] or ()):
                 pids[p.pid] = "haproxy"
         self.pids = pids
         return dict(Counter(pids.values()))
@@ -487,6 +498,7 @@ def bench_config(path: str, model_replicas: int = 1) -> Any:
     data.setdefault("auth", {}).setdefault("demo_keys", {})[BENCH_KEY] = "bench"
     model = data.setdefault("deployments", {}).setdefault("model", {})
     model.update(min_replicas=model_replicas, max_replicas=model_replicas, initial_replicas=model_replicas)
+    data.setdefault("http", {})["port"] = PORT  # HAProxy's files and ports follow it: beside `make serve`
     return load_config(data)
 
 
@@ -536,9 +548,11 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each phase (1/2/4/10 C by default)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--only", choices=("plain", "plain-bounded", "ballast", "ballast+sdk"), default=None)
-    parser.add_argument("--queue-factors", default="0.5,1,2",
-                        help="plain-bounded: max_queued_requests tried at 4 C, as factors of C x SLO in the "
-                             "system (bounded_queue); the best is kept for its phases")
+    parser.add_argument("--queue-factors", default="0.1,0.25,0.5",
+                        help="plain-bounded: max_queued_requests tried at 4 C, as factors of C x SLO "
+                             "(bounded_queue); the best pair with --ongoing is kept for its phases")
+    parser.add_argument("--ongoing", default="8,16,32",
+                        help="plain-bounded: max_ongoing_requests tried at 4 C with each queue bound")
     parser.add_argument("--sdk", action="store_true", help="also run the Ballast rows through the SDK (its httpx shares the cores)")
     parser.add_argument("--capacity", type=float, default=None,
                         help="take C as given (req/s) instead of measuring it: for quick re-runs of the phases")
@@ -590,10 +604,17 @@ def main(argv: "list[str] | None" = None) -> int:
         parser.error(f"--queue-factors: not a comma-separated list of numbers: {args.queue_factors!r}")
     if not queue_factors or any(f <= 0 for f in queue_factors):
         parser.error(f"--queue-factors: need positive factors, got {args.queue_factors!r}")
+    try:
+        ongoing_options = tuple(int(n) for n in args.ongoing.split(","))
+    except ValueError:
+        parser.error(f"--ongoing: not a comma-separated list of integers: {args.ongoing!r}")
+    if not ongoing_options or any(n < 1 for n in ongoing_options):
+        parser.error(f"--ongoing: need positive integers, got {args.ongoing!r}")
     model_cfg = cfg.model.model_dump(mode="json")
-    max_ongoing = cfg.deployments.model.max_ongoing_requests  # the same as Ballast's replica
+    max_ongoing = cfg.deployments.model.max_ongoing_requests  # Ballast's replica's (C is measured with it)
 
-    cpu = ServerCpu(PORT)
+    haproxy_cfg = ingress_env(cfg).get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC")
+    cpu = ServerCpu(os.path.dirname(haproxy_cfg) if haproxy_cfg else None)
 
     admin = {"Authorization": f"Bearer {cfg.auth.demo_admin_token}"}
 
@@ -617,7 +638,7 @@ def main(argv: "list[str] | None" = None) -> int:
         async def settle() -> None:
             # Each probe and phase starts from a quiet stack: backlog drained, Ballast at level 0.
             await asyncio.sleep(2.0)
-            if name != "plain":
+            if not name.startswith("plain"):
                 stop = time.monotonic() + 180.0
                 while time.monotonic() < stop and await level() != 0:
                     await asyncio.sleep(1.0)
@@ -636,19 +657,22 @@ def main(argv: "list[str] | None" = None) -> int:
                 cap = results["ballast"]["C"]  # the same server: its capacity, measured above
                 print(f"{name}: the same Ballast stack through the SDK; C = {cap:.1f} req/s", flush=True)
             else:
-                if name == "plain-bounded":  # C with a queue that bounds nothing below C; its bound comes next
+                if name == "plain-bounded":  # a provisional C with a queue that bounds nothing below C
                     await asyncio.to_thread(swap_plain_app, 100_000)
-                probe = stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
-                await closed_loop_rate(probe, 4, 3.0)  # warm-up
-                guess = await closed_loop_rate(probe, 8, 6.0)
-                cap, probes = await measure_capacity(probe, guess, args.probe_s, args.slo_s, mix, args.seed, settle)
-                print(f"{name}: closed-loop {guess:.1f} req/s; probes " +
-                      ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
+                cap = await capacity(stack, settle)
             queue = None
             if name == "plain-bounded":
+                # Its best bound at 4 x the provisional C, then its C again with that bound:
+                # each stack is measured against its own C, as it is configured.
                 queue = await choose_queue(stack, cap, settle)
+                if args.capacity is None:
+                    cap = await capacity(stack, settle)
             found = cpu.find()
-            print(f"  {name}: server CPU read from {found}", flush=True)
+            await settle()
+            idle0 = cpu.total_s()
+            await asyncio.sleep(IDLE_S)
+            idle_cores = (cpu.total_s() - idle0) / IDLE_S
+            print(f"  {name}: server CPU read from {found}; {idle_cores:.3f} cores with no traffic", flush=True)
             phases = []
             sdk = stack.sdk() if stack.sdk is not None else None
             try:
@@ -660,6 +684,7 @@ def main(argv: "list[str] | None" = None) -> int:
                     cpu0 = cpu.total_s()
                     phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100, sdk)
                     phase.server_cpu_s = cpu.total_s() - cpu0
+                    phase.idle_cores = idle_cores
                     if sampler is not None:
                         sampler.cancel()
                     phase.trace = trace
@@ -682,7 +707,16 @@ def main(argv: "list[str] | None" = None) -> int:
                     await sdk.aclose()
             results[name] = {"C": cap, "phases": phases, "queue": queue}
 
-    def swap_plain_app(queue: Optional[int]) -> None:
+    async def capacity(stack: Stack, settle: Callable[[], Any]) -> float:
+        probe = stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
+        await closed_loop_rate(probe, 4, 3.0)  # warm-up
+        guess = await closed_loop_rate(probe, 8, 6.0)
+        cap, probes = await measure_capacity(probe, guess, args.probe_s, args.slo_s, mix, args.seed, settle)
+        print(f"{stack.name}: closed-loop {guess:.1f} req/s; probes " +
+              ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s", flush=True)
+        return cap
+
+    def swap_plain_app(queue: Optional[int], ongoing: int = max_ongoing) -> None:
         """The plain Serve app under test: Serve's defaults (None) or bounded at ``queue``."""
         from ray import serve
 
@@ -691,24 +725,26 @@ def main(argv: "list[str] | None" = None) -> int:
             return
         if "plain" in serve.status().applications:
             serve.delete("plain")  # one model replica at a time: they would share the cores
-        serve.run(plain_serve_app(model_cfg, bounded=(max_ongoing, queue)), name="plain-bounded",
+        serve.run(plain_serve_app(model_cfg, bounded=(ongoing, queue)), name="plain-bounded",
                   route_prefix="/plain-bounded", blocking=False)
 
     async def choose_queue(stack: Stack, cap: float, settle: Callable[[], Any]) -> dict[str, Any]:
-        """The max_queued_requests that gives plain Serve its best goodput at 4 C: each of
-        ``queue_factors`` tried for one phase; the best stays deployed."""
+        """The (max_ongoing_requests, max_queued_requests) that give plain Serve its best
+        goodput at 4 C: each pair of ``ongoing_options`` x ``queue_factors`` tried for a
+        half-length phase; the best stays deployed."""
         tried = []
-        for f in queue_factors:
-            q = bounded_queue(cap, args.slo_s, f, max_ongoing)
-            await asyncio.to_thread(swap_plain_app, q)
-            await settle()
-            phase = await offer(stack, 4 * cap, args.phase_s, args.slo_s, mix, args.seed + 50)
-            tried.append((phase.goodput() / cap, f, q))
-            print(f"  plain-bounded at 4 C with max_queued_requests {q} (factor {f:g}): goodput/C "
-                  f"{tried[-1][0]:.3f}", flush=True)
+        for ongoing in ongoing_options:
+            for f in queue_factors:
+                q = bounded_queue(cap, args.slo_s, f)
+                await asyncio.to_thread(swap_plain_app, q, ongoing)
+                await settle()
+                phase = await offer(stack, 4 * cap, args.phase_s / 2, args.slo_s, mix, args.seed + 50)
+                tried.append((phase.goodput() / cap, ongoing, q))
+                print(f"  plain-bounded at 4 C, max_ongoing_requests {ongoing}, max_queued_requests {q} "
+                      f"({f:g} x C x SLO): goodput/C {tried[-1][0]:.3f}", flush=True)
         best = max(tried)
-        await asyncio.to_thread(swap_plain_app, best[2])
-        return {"factor": best[1], "max_queued_requests": best[2], "tried": tried}
+        await asyncio.to_thread(swap_plain_app, best[2], best[1])
+        return {"max_ongoing_requests": best[1], "max_queued_requests": best[2], "tried": tried}
 
     # One Ray per stack, because the ingress is chosen when Ray starts: plain Ray Serve
     # with its defaults (the Python proxy actor), Ballast with its configured ingress
@@ -760,7 +796,8 @@ def main(argv: "list[str] | None" = None) -> int:
                 + f"{'-' if cost is None else format(cost, '.2f'):>10}"
             )
     print("srv cores: CPU of the processes in front of the model (proxy, routers, HAProxy) per second of the phase; "
-          "ms/refusal: their CPU less the answers' (at the first phase's cost each), over the 429/503 refusals")
+          "ms/refusal: their CPU less their idle use and the answers' (at the first phase's cost each), over the "
+          "429/503 refusals")
     print("\nshare of the feasible (what strict class order allows each class; - where it allows nothing)")
     print(f"{'stack':<13} {'offered':>8} " + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES))
     for name, r in results.items():
@@ -774,8 +811,9 @@ def main(argv: "list[str] | None" = None) -> int:
     bounded = results.get("plain-bounded")
     if bounded is not None and bounded.get("queue"):
         q = bounded["queue"]
-        print(f"\nplain-bounded: max_queued_requests {q['max_queued_requests']} (factor {q['factor']:g} of C x SLO in "
-              "the system), the best at 4 C of " + ", ".join(f"{qq} -> {g:.3f}" for g, _, qq in q["tried"]))
+        print(f"\nplain-bounded: max_ongoing_requests {q['max_ongoing_requests']}, max_queued_requests "
+              f"{q['max_queued_requests']}: the best goodput/C at 4 C of (ongoing, queued) "
+              + ", ".join(f"({n}, {qq}) -> {g:.3f}" for g, n, qq in q["tried"]))
     for name in ("ballast", "ballast+sdk"):
         if name not in results:
             continue

@@ -130,15 +130,20 @@ def test_refusal_cpu_is_what_the_phase_used_beyond_its_answers():
     costs = refusal_cpu_ms(phases)
     assert costs[0] is None and costs[2] is None  # nothing, or too little, refused to divide by
     assert costs[1] == pytest.approx(0.2)
+    # What the processes use idle (0.02 cores over the 10 s phases) is neither the
+    # answers' nor the refusals': 0.3 s for 100 answers, then 0.18 s for 900 refusals.
+    for p, cpu_s in zip(phases, (0.5, 0.68, 0.6)):
+        p.idle_cores, p.server_cpu_s = 0.02, cpu_s
+    assert refusal_cpu_ms(phases)[1] == pytest.approx(0.2)
     phases[0].server_cpu_s = None
     assert refusal_cpu_ms(phases) == [None, None, None]
 
 
-def test_the_bounded_queue_holds_what_the_replica_serves_within_the_slo():
-    # 40 req/s for 1 s is 40 in the system; the replica holds 32 of them itself.
-    assert bounded_queue(40.0, 1.0, 1.0, 32) == 8
-    assert bounded_queue(40.0, 1.0, 2.0, 32) == 48
-    assert bounded_queue(40.0, 1.0, 0.5, 32) == 1  # never 0: Serve reads that as "no queue at all"
+def test_the_bounded_queue_is_what_the_replica_serves_within_the_slo():
+    # 40 req/s for a 1 s SLO: a request queued behind more than 40 cannot make it.
+    assert bounded_queue(40.0, 1.0, 1.0) == 40
+    assert bounded_queue(40.0, 1.0, 0.25) == 10
+    assert bounded_queue(1.0, 1.0, 0.25) == 1  # at least one
 
 
 def test_the_targets_are_judged_per_multiple_and_against_the_peer():
