@@ -10,6 +10,10 @@ from __future__ import annotations
 import enum
 
 
+#: The header a request names its class in (HAProxy reads it too: serve_app/router/edge.py).
+CRITICALITY_HEADER = "x-ballast-criticality"
+
+
 class Criticality(str, enum.Enum):
     """Criticality of one request; ``str`` so it round-trips through JSON as-is."""
 

@@ -55,6 +55,10 @@ class HttpConfig(_Strict):
     # replica's own event loop instead of threads of their own, and replica logs go to
     # their files only, not also to stderr. Fixed when Ray starts, like ``ingress``.
     fast_path: bool = True
+    # HAProxy refuses the classes the degradation level sheds (by the request's
+    # X-Ballast-Criticality header) before Python runs: serve_app/router/edge.py. Only
+    # with ingress "haproxy"; fixed when Ray starts, like ``ingress``.
+    edge: bool = True
 
 
 class ModelArchitecture(_Strict):

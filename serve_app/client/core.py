@@ -228,7 +228,9 @@ class Call:
         if self.attempts == 0:  # the budget counts calls that went out, not local refusals
             self._core.on_request()
         self.attempts += 1
-        headers: dict[str, str] = {}
+        # The class in the header too: HAProxy refuses a class the level sheds from it,
+        # before the router's Python runs (serve_app/router/edge.py).
+        headers: dict[str, str] = {"X-Ballast-Criticality": self._crit}
         if self._key is not None:
             headers["Idempotency-Key"] = self._key  # the same key on every attempt of this call
         if self._stream:

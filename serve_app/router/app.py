@@ -37,6 +37,7 @@ from serve_app.config import load_config
 from serve_app.errors import NotFound
 from serve_app.router.auth import KeyStore
 from serve_app.router.contract import openapi_document
+from serve_app.router.edge import Edge, shed_entries
 from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT, connect
 from serve_app.router.admin import AdminRoutes
 from serve_app.router.api import app
@@ -140,6 +141,8 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._offered: dict[str, int] = {}  # keys: the four criticalities (bounded)
         self._demand = DemandWindow(self._cfg.degradation.demand_window_s)
         self._gate_seen = (0, 0)  # the gate's (served, saturations) at the last report
+        # HAProxy refuses the classes the level sheds (edge.py), when it runs the edge's rules.
+        self._edge = Edge.from_env() if self._cfg.http.edge else None
 
         from ray.serve import metrics  # created once, here (STYLE 8)
 
@@ -167,6 +170,11 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         )
         self._m_gate_refused = metrics.Counter(
             "ballast_gate_refused_total", "Requests refused at the gate (503 OVERLOADED).", tag_keys=("reason", "criticality")
+        )
+        self._m_edge = metrics.Counter(
+            "ballast_edge_refused_total",
+            "Requests HAProxy refused (503 OVERLOADED) for a class the level sheds, before the router.",
+            tag_keys=("criticality",),
         )
         self._m_snapshot_age = metrics.Gauge(
             "ballast_snapshot_age_s", "Age of the controller snapshot this router acts on (-1: none yet)."
@@ -229,6 +237,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
             self._m_gate.set(self._gate.limit.value, tags={"kind": "limit"})
             self._m_gate.set(self._gate.in_flight, tags={"kind": "in_flight"})
             self._m_gate.set(self._gate.waiting, tags={"kind": "waiting"})
+        self._sync_edge()
         report = self._stats.drain()
         if self._gate is not None:
             # Waiters at the gate are demand the autoscaler counts; the level does not count
@@ -240,6 +249,18 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
             self._gate_seen, self._offered = (served, saturations), {}
             report.update(self._demand.rates())
         return {"router_id": self._router_id, **report, **self._drain_demand()}
+
+    def _sync_edge(self) -> None:
+        """The edge's map follows the level this router acts on (a snapshot, or fail-static);
+        its refusals since the last report count as demand the level turned away."""
+        if self._edge is None:
+            return
+        eff = self._cache.effective()
+        self._edge.apply(shed_entries(eff.level, eff.constraints))
+        for crit, n in self._edge.drain().items():
+            self._offered[crit] = self._offered.get(crit, 0) + n
+            self._stats.shed += n
+            self._m_edge.inc(n, tags={"criticality": crit})
 
     def _drain_demand(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -259,6 +280,9 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
                 log.warning("ignoring a malformed kill switch entry: %r", raw)
         self._kill_switches = entries
         self._m_kill.set(len(entries))
+        if self._edge is not None:  # at once, not at the next report: the level just changed
+            eff = self._cache.effective()
+            self._edge.apply(shed_entries(eff.level, eff.constraints))
 
     async def check_health(self) -> None:
         self._exchange.start()

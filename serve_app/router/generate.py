@@ -12,13 +12,13 @@ whole text, then ``done``.
 
 import json
 import time
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.criticality import DEFAULT_CRITICALITY, Criticality
+from policies.criticality import CRITICALITY_HEADER, DEFAULT_CRITICALITY, Criticality
 
 from serve_app.errors import BallastError, InvalidRequest, PayloadTooLarge
 from serve_app.router.api import app, read_body, sse_event, validate_body
@@ -30,8 +30,24 @@ class GenerateRequest(BaseModel):
 
     prompt: str
     max_tokens: int = Field(64, ge=1)
-    criticality: Criticality = DEFAULT_CRITICALITY
+    # Or the X-Ballast-Criticality header (which HAProxy reads: edge.py); both must agree.
+    criticality: Optional[Criticality] = None
     stream: bool = False
+
+
+def claimed_criticality(request: Request, from_body: Optional[Criticality]) -> Criticality:
+    """The X-Ballast-Criticality header or the body's field, else the default; both must agree."""
+    header = request.headers.get(CRITICALITY_HEADER)
+    if header is None:
+        return from_body or DEFAULT_CRITICALITY
+    try:
+        from_header = Criticality(header.strip())
+    except ValueError:
+        allowed = ", ".join(c.value for c in Criticality)
+        raise InvalidRequest(f"X-Ballast-Criticality: must be one of {allowed}", field="X-Ballast-Criticality") from None
+    if from_body is not None and from_body is not from_header:
+        raise InvalidRequest("criticality: the body and the X-Ballast-Criticality header disagree", field="criticality")
+    return from_header
 
 
 class GenerateRoutes:
@@ -47,7 +63,7 @@ class GenerateRoutes:
         key = self._idempotency_key(request)
         prompt_tokens = self._text.count(req.prompt)
         max_tokens = self._text.fit(prompt_tokens, req.max_tokens)
-        admitted = await self._admit(tenant, req.criticality, prompt_tokens, max_tokens, req.stream, deadline)
+        admitted = await self._admit(tenant, claimed_criticality(request, req.criticality), prompt_tokens, max_tokens, req.stream, deadline)
         meta = admitted.meta(self._cfg.model.name)
         call = {"prompt": req.prompt, "max_tokens": admitted.max_tokens}
         if req.stream and admitted.streaming:

