@@ -95,6 +95,7 @@ class Phase:
     send_lags_s: list[float] = field(default_factory=list)  # how late the generator sent each request
     server_cpu_s: Optional[float] = None  # CPU time of the processes in front of the model (ServerCpu)
     idle_cores: float = 0.0  # what those processes use with no traffic (their timers, metrics), per second
+    edge_refused: int = 0  # refusals HAProxy answered (X-Ballast-Edge: refused), before the router
 
     def answered(self) -> int:
         return sum(1 for o in self.outcomes if o.status == 200)
@@ -159,6 +160,9 @@ class Stack:
     # one client for all the phases, as a long-lived caller has, so its per-criticality
     # adaptive throttle (2-minute window) carries what it learnt from one phase into the next.
     sdk: Optional[Callable[[], Any]] = None
+    # Name each request's class in X-Ballast-Criticality too (Ballast's edge reads it;
+    # plain Serve has no use for it, and its HAProxy is the same one).
+    class_header: bool = False
 
     @property
     def path(self) -> str:
@@ -223,8 +227,11 @@ async def offer(
             if sdk is not None:
                 await _one_sdk(sdk, stack, crit, scheduled, scheduled - t0, phase)
                 return
-            r = await client.post_json(stack.path, stack.body(crit), stack.headers)
+            headers = {**stack.headers, "X-Ballast-Criticality": crit} if stack.class_header else stack.headers
+            r = await client.post_json(stack.path, stack.body(crit), headers)
             status, code = _judge(r)
+            if r.headers.get("x-ballast-edge") == "refused":
+                phase.edge_refused += 1
             phase.outcomes.append(Outcome(crit, status, code, time.perf_counter() - scheduled, scheduled - t0))
         except LeanHttpError as e:
             phase.outcomes.append(Outcome(crit, 0, e.kind, time.perf_counter() - scheduled, scheduled - t0))
@@ -586,7 +593,8 @@ def main(argv: "list[str] | None" = None) -> int:
                                lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
         "ballast": Stack("ballast", f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/generate",
                          {"Authorization": f"Bearer {BENCH_KEY}", **timeout_header},
-                         lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
+                         lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit},
+                         class_header=True),
     }
     def sdk_client() -> Any:
         from serve_app.client import AsyncBallastClient, ClientConfig
@@ -783,7 +791,7 @@ def main(argv: "list[str] | None" = None) -> int:
         f"mix " + "/".join(f"{c} {mix[c]:.0%}" for c in CRITICALITIES)
     )
     head = f"{'stack':<13} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} " + " ".join(
-        f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10} {'lag p99 ms':>10} {'srv cores':>9} {'ms/refusal':>10}"
+        f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10} {'lag p99 ms':>10} {'srv cores':>9} {'ms/refusal':>10} {'at edge':>7}"
     print(head)
     for name, r in results.items():
         costs = refusal_cpu_ms(r["phases"])
@@ -793,11 +801,12 @@ def main(argv: "list[str] | None" = None) -> int:
                 f"{name:<13} {r['C']:>8.1f} {k:>7g}C {phase.goodput() / r['C']:>9.3f} "
                 + " ".join(f"{phase.good_fraction(c):>10.3f}" for c in CRITICALITIES)
                 + f" {phase.admitted_p99_ms():>10.0f} {phase.send_lag_p99_ms():>10.0f} {cores:>9} "
-                + f"{'-' if cost is None else format(cost, '.2f'):>10}"
+                + f"{'-' if cost is None else format(cost, '.2f'):>10} "
+                + f"{'-' if not phase.refused() else format(phase.edge_refused / phase.refused(), '.2f'):>7}"
             )
     print("srv cores: CPU of the processes in front of the model (proxy, routers, HAProxy) per second of the phase; "
           "ms/refusal: their CPU less their idle use and the answers' (at the first phase's cost each), over the "
-          "429/503 refusals")
+          "429/503 refusals; at edge: the share of those HAProxy answered (Ballast's edge)")
     print("\nshare of the feasible (what strict class order allows each class; - where it allows nothing)")
     print(f"{'stack':<13} {'offered':>8} " + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES))
     for name, r in results.items():

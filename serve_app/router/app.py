@@ -28,6 +28,8 @@ from ray import serve
 from policies import killswitch
 from policies import request as request_policy
 from policies.breaker import BreakerEvent
+from policies.criticality import Criticality
+from policies.edge import EdgeThrottle
 from policies.gate import DemandWindow
 from policies.limiter import AimdLimit
 from policies.quota import Lease, TokenBucket
@@ -143,6 +145,10 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._gate_seen = (0, 0)  # the gate's (served, saturations) at the last report
         # HAProxy refuses the classes the level sheds (edge.py), when it runs the edge's rules.
         self._edge = Edge.from_env() if self._cfg.http.edge else None
+        # Per class since the last report: [reached the gate, let through] (keys: the four
+        # classes), and the edge's share to refuse of the classes the level admits.
+        self._gate_seen_by_class: dict[str, list[int]] = {}
+        self._edge_throttle = EdgeThrottle()
 
         from ray.serve import metrics  # created once, here (STYLE 8)
 
@@ -253,14 +259,28 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
     def _sync_edge(self) -> None:
         """The edge's map follows the level this router acts on (a snapshot, or fail-static);
         its refusals since the last report count as demand the level turned away."""
+        seen, self._gate_seen_by_class = self._gate_seen_by_class, {}
         if self._edge is None:
             return
-        eff = self._cache.effective()
-        self._edge.apply(shed_entries(eff.level, eff.constraints))
-        for crit, n in self._edge.drain().items():
+        now = time.monotonic()
+        refused = self._edge.drain()
+        for crit, n in refused.items():
             self._offered[crit] = self._offered.get(crit, 0) + n
             self._stats.shed += n
             self._m_edge.inc(n, tags={"criticality": crit})
+        admitted = {c.value for c in self._cache.effective().constraints.admitted}
+        for c in Criticality:
+            if c.value not in admitted:  # the level refuses it whole: nothing to learn, and a
+                self._edge_throttle.forget(c.value)  # class admitted again starts afresh
+                continue
+            reached, through = seen.get(c.value, (0, 0))
+            self._edge_throttle.record(now, c.value, reached + refused.get(c.value, 0), through)
+        self._apply_edge(now)
+
+    def _apply_edge(self, now: float) -> None:
+        eff = self._cache.effective()
+        drops = {c.value: self._edge_throttle.drop_per_mille(now, c.value) for c in Criticality}
+        self._edge.apply(shed_entries(eff.level, eff.constraints, drops))
 
     def _drain_demand(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -280,9 +300,8 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
                 log.warning("ignoring a malformed kill switch entry: %r", raw)
         self._kill_switches = entries
         self._m_kill.set(len(entries))
-        if self._edge is not None:  # at once, not at the next report: the level just changed
-            eff = self._cache.effective()
-            self._edge.apply(shed_entries(eff.level, eff.constraints))
+        if self._edge is not None:  # at once, not at the next report: the level may have changed
+            self._apply_edge(time.monotonic())
 
     async def check_health(self) -> None:
         self._exchange.start()

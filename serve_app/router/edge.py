@@ -15,7 +15,10 @@ admit are refused there:
   plus ``X-Ballast-Edge: refused``.
 * Each router keeps the map equal to what its level sheds (:func:`shed_entries`):
   the file (HAProxy reads it when Serve reloads it) and HAProxy's copy in memory
-  (the admin socket), whenever the level's admitted set changes.
+  (the admin socket), whenever it changes. A class the level admits but the model
+  cannot take all of is refused in part, at random, in the share the gate would refuse
+  anyway (``policies/edge.py``: SRE's adaptive throttling, run at the edge); that
+  refusal says so ("no model capacity"), as the gate's does.
 * HAProxy counts its refusals per class in a stick table; a router drains it once per
   report (:meth:`Edge.drain`, under a lock shared with the node's other routers) and
   adds them to the demand the level turned away, so the controller sees the demand
@@ -43,6 +46,7 @@ from typing import Callable, Mapping, Optional
 
 from policies.admission import retry_after_s
 from policies.criticality import Criticality
+from policies.edge import ALL
 from policies.degradation import LevelConstraints
 
 log = logging.getLogger("ballast.edge")
@@ -55,17 +59,23 @@ TABLE = "ballast_edge"
 SOCKET_TIMEOUT_S = 0.5
 
 
-def shed_entries(level: int, constraints: LevelConstraints) -> dict[str, str]:
-    """The map at ``level``: each class it refuses (never critical_plus) -> "retry_after:level".
+def shed_entries(level: int, constraints: LevelConstraints, drops: Optional[Mapping[str, int]] = None) -> dict[str, str]:
+    """The map at ``level``: class -> "retry_after:level:per_mille" for each class the edge refuses.
 
-    Retry-After is the router's for the same refusal (whole seconds, at least 1).
+    A class the level does not admit: all of it, with the router's Retry-After for that
+    refusal (whole seconds, at least 1). A class it admits: ``drops[class]`` per mille
+    (``policies.edge.EdgeThrottle``), with the gate's Retry-After (1 s). Never critical_plus.
     """
     retry = max(1, math.ceil(retry_after_s(level)))
-    return {
-        c.value: f"{retry}:{level}"
-        for c in Criticality
-        if c is not Criticality.CRITICAL_PLUS and c not in constraints.admitted
-    }
+    out = {}
+    for c in Criticality:
+        if c is Criticality.CRITICAL_PLUS:
+            continue
+        if c not in constraints.admitted:
+            out[c.value] = f"{retry}:{level}:{ALL}"
+        elif drops and drops.get(c.value, 0) > 0:
+            out[c.value] = f"1:{level}:{min(int(drops[c.value]), ALL - 1)}"
+    return out
 
 
 def render_map(entries: Mapping[str, str]) -> str:

@@ -179,7 +179,10 @@ class Pipeline:
         # Demand within quota: a tenant over its quota must not degrade everyone else.
         self._offered[crit] = self._offered.get(crit, 0) + 1
         if not fallback_only:
+            seen = self._gate_seen_by_class.setdefault(crit, [0, 0])  # [reached the gate, let through]
+            seen[0] += 1
             await self._enter_gate(ticket, criticality)
+            seen[1] += 1
         return Admitted(
             ticket=ticket,
             criticality=criticality,

@@ -46,12 +46,19 @@ backend app
 
 def test_the_map_sheds_what_the_level_does_not_admit_and_never_critical_plus():
     assert shed_entries(0, DEFAULT_CONSTRAINTS[0]) == {}
-    assert shed_entries(1, DEFAULT_CONSTRAINTS[1]) == {"sheddable": "1:1"}
-    assert shed_entries(2, DEFAULT_CONSTRAINTS[2]) == {"sheddable": "2:2", "sheddable_plus": "2:2"}
-    assert shed_entries(3, DEFAULT_CONSTRAINTS[3]) == {"sheddable": "4:3", "sheddable_plus": "4:3", "critical": "4:3"}
+    assert shed_entries(1, DEFAULT_CONSTRAINTS[1]) == {"sheddable": "1:1:1000"}
+    assert shed_entries(2, DEFAULT_CONSTRAINTS[2]) == {"sheddable": "2:2:1000", "sheddable_plus": "2:2:1000"}
+    assert shed_entries(3, DEFAULT_CONSTRAINTS[3]) == {
+        "sheddable": "4:3:1000", "sheddable_plus": "4:3:1000", "critical": "4:3:1000"}
     # Level 4 admits nothing new, but critical_plus may still go to the fallback: the router decides.
     assert set(shed_entries(4, DEFAULT_CONSTRAINTS[4])) == {"sheddable", "sheddable_plus", "critical"}
-    assert render_map({"sheddable": "2:2", "critical": "2:2"}) == "critical 2:2\nsheddable 2:2\n"
+    # A class the level admits: the throttle's share of it, with the gate's Retry-After;
+    # a whole class stays whole, and critical_plus is never in the map.
+    drops = {"critical_plus": 900, "critical": 629, "sheddable_plus": 0, "sheddable": 300}
+    assert shed_entries(2, DEFAULT_CONSTRAINTS[2], drops) == {
+        "critical": "1:2:629", "sheddable_plus": "2:2:1000", "sheddable": "2:2:1000"}
+    assert shed_entries(0, DEFAULT_CONSTRAINTS[0], {"critical": 5000}) == {"critical": "1:0:999"}
+    assert render_map({"sheddable": "2:2:1000", "critical": "2:2:1000"}) == "critical 2:2:1000\nsheddable 2:2:1000\n"
 
 
 def test_the_table_is_read_per_class_and_anything_else_ignored():
@@ -120,7 +127,7 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
     edge = Edge(str(d), str(d / "admin.sock"))
     assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is True
     assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is False  # unchanged: no command sent
-    assert "critical 4:3" in (d / MAP_NAME).read_text()  # the file too: what a reload reads
+    assert "critical 4:3:1000" in (d / MAP_NAME).read_text()  # the file too: what a reload reads
 
     status, headers, body = _post(port, "/v1/generate", "sheddable")
     router = Overloaded("degradation level 3 does not admit criticality 'sheddable'", 4.0)
@@ -142,6 +149,16 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
     assert _post(port, "/v1/generate", "critical")[0] == 200
     assert _post(port, "/v1/generate", "sheddable")[0] == 503
     assert Criticality.SHEDDABLE.value in edge.shedding and len(edge.shedding) == 1
+
+    # Part of an admitted class: that share of it, at random, said as the gate says it.
+    edge.apply(shed_entries(2, DEFAULT_CONSTRAINTS[2], {"critical": 500}))
+    edge.drain()
+    answers = [_post(port, "/v1/generate", "critical") for _ in range(200)]
+    refused = [json.loads(b)["error"] for s, _, b in answers if s == 503]
+    assert 40 < len(refused) < 160  # 500 per mille of 200 (a binomial: outside this ~1e-17)
+    assert refused[0] == {"code": "OVERLOADED", "retry_after_s": 1, "message":
+                          "no model capacity for 'critical' at level 2 (the edge refuses 500 per mille of it)"}
+    assert {s for s, _, _ in answers} == {200, 503} and edge.drain() == {"critical": len(refused)}
 
 
 def test_an_unreachable_haproxy_leaves_the_refusals_to_the_router(tmp_path: Path):
@@ -193,7 +210,7 @@ def test_the_router_keeps_the_map_at_its_level_and_counts_the_edges_refusals_as_
     router._edge = Edge(str(d), str(d / "admin.sock"))
     at_level(router, 2)
     router._sync_edge()
-    assert router._edge.shedding == {"sheddable": "2:2", "sheddable_plus": "2:2"}
+    assert router._edge.shedding == {"sheddable": "2:2:1000", "sheddable_plus": "2:2:1000"}
     for _ in range(3):
         assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503
     assert _post(port, "/v1/generate", "critical")[0] == 200

@@ -1,0 +1,91 @@
+"""How much of each class HAProxy refuses before Python runs (serve_app/router/edge.py).
+
+- A class the degradation level does not admit: all of it (``ALL``, 1000 per mille).
+- A class the level admits but the model cannot take all of (the gate refuses part of
+  it, most often the lowest admitted class when the level sits between two tables): the
+  share the gate would refuse anyway. This is the adaptive throttling of Google's SRE
+  book (chapter 21, "Handling Overload"), run at the edge instead of in each client:
+  over a sliding window, per class,
+
+      drop = max(0, (requests - K * accepts) / (requests + 1))
+
+  where ``requests`` counts every arrival, the ones the edge refused too, and
+  ``accepts`` the ones the gate let through to the model. ``K`` > 1 lets a little more
+  through than is accepted, so the gate's line stays full (it still picks by class and
+  deadline) and the drop falls as soon as the model takes more.
+- Never more than ``max_drop`` of an admitted class, so some of it always reaches the
+  router and the accepts can grow back; never any critical_plus (the router decides
+  it: it may go to the fallback at any level).
+
+The window is ``buckets`` one-second counters (bounded); time comes in as an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from policies.criticality import Criticality
+from policies.validation import check_positive
+
+ALL = 1000  # per mille: the whole class
+
+
+@dataclass(frozen=True)
+class EdgeThrottleConfig:
+    window_s: int = 10
+    k: float = 1.1
+    max_drop: float = 0.95
+    # Below this many requests in the window a class is not throttled (too few to judge).
+    min_requests: int = 20
+
+    def __post_init__(self) -> None:
+        check_positive("window_s", self.window_s)
+        if not self.k >= 1.0:
+            raise ValueError(f"k: must be >= 1, got {self.k!r}")
+        if not 0.0 <= self.max_drop < 1.0:
+            raise ValueError(f"max_drop: must be in [0, 1), got {self.max_drop!r}")
+
+
+class EdgeThrottle:
+    """Per class: requests and accepts per second over the last ``window_s`` seconds."""
+
+    def __init__(self, cfg: EdgeThrottleConfig = EdgeThrottleConfig()) -> None:
+        self.cfg = cfg
+        # class -> {second: [requests, accepts]}; at most window_s seconds per class,
+        # keys: the four classes (anything else is ignored).
+        self._counts: dict[str, dict[int, list[int]]] = {c.value: {} for c in Criticality}
+
+    def record(self, now_s: float, criticality: str, requests: int, accepts: int) -> None:
+        per = self._counts.get(criticality)
+        if per is None or (requests <= 0 and accepts <= 0):
+            return
+        sec = int(math.floor(now_s))
+        cell = per.setdefault(sec, [0, 0])
+        cell[0] += max(0, requests)
+        cell[1] += max(0, accepts)
+        self._trim(per, sec)
+
+    def forget(self, criticality: str) -> None:
+        """Start ``criticality``'s window afresh (the level refused it whole meanwhile)."""
+        if criticality in self._counts:
+            self._counts[criticality] = {}
+
+    def _trim(self, per: dict[int, list[int]], sec: int) -> None:
+        for old in [s for s in per if s <= sec - self.cfg.window_s]:
+            del per[old]
+
+    def window(self, now_s: float, criticality: str) -> tuple[int, int]:
+        per = self._counts.get(criticality, {})
+        self._trim(per, int(math.floor(now_s)))
+        return sum(c[0] for c in per.values()), sum(c[1] for c in per.values())
+
+    def drop_per_mille(self, now_s: float, criticality: str) -> int:
+        """The share of ``criticality`` the edge should refuse now, in per mille (0..max_drop)."""
+        if criticality == Criticality.CRITICAL_PLUS.value:
+            return 0
+        requests, accepts = self.window(now_s, criticality)
+        if requests < self.cfg.min_requests:
+            return 0
+        drop = max(0.0, (requests - self.cfg.k * accepts) / (requests + 1))
+        return int(min(drop, self.cfg.max_drop) * ALL)

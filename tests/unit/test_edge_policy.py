@@ -1,0 +1,59 @@
+"""policies/edge.py: the share of an admitted class the edge refuses, second by second."""
+
+import pytest
+
+from policies.edge import ALL, EdgeThrottle, EdgeThrottleConfig
+
+
+def test_nothing_is_dropped_while_the_gate_accepts_what_arrives():
+    t = EdgeThrottle()
+    for s in range(10):
+        t.record(s + 0.5, "critical", 50, 50)
+        assert t.drop_per_mille(s + 0.5, "critical") == 0
+
+
+def test_the_drop_settles_where_k_times_the_accepts_get_through():
+    """Arrivals 150/s, the model takes 50/s of the class: the edge should refuse what
+    the gate would (2/3), less the K margin that keeps the gate's line full."""
+    t = EdgeThrottle(EdgeThrottleConfig(window_s=10, k=1.1))
+    drop = 0
+    for s in range(30):
+        through = round(150 * (1 - drop / ALL))  # what the edge lets reach the router
+        accepts = min(50, through)
+        t.record(s, "critical", 150, accepts)  # requests count the edge's refusals too
+        drop = t.drop_per_mille(s, "critical")
+    # (requests - K accepts) / (requests + 1) over the window's ten seconds: 632 per mille.
+    assert drop == int((1500 - 1.1 * 500) / 1501 * ALL)
+    assert 150 * (1 - drop / ALL) == pytest.approx(1.1 * 50, rel=0.02)
+
+
+def test_the_window_forgets_and_a_recovered_model_gets_the_class_back():
+    t = EdgeThrottle(EdgeThrottleConfig(window_s=10))
+    for s in range(10):
+        t.record(s, "sheddable_plus", 100, 10)
+    assert t.drop_per_mille(9, "sheddable_plus") == int((1000 - 1.1 * 100) / 1001 * ALL)
+    for s in range(10, 20):
+        t.record(s, "sheddable_plus", 100, 100)
+    assert t.drop_per_mille(19, "sheddable_plus") == 0  # ten seconds later nothing of the old window is left
+    assert t.window(19, "sheddable_plus") == (1000, 1000)
+
+
+def test_never_all_of_an_admitted_class_never_critical_plus_and_not_on_a_few_requests():
+    t = EdgeThrottle(EdgeThrottleConfig(max_drop=0.95, min_requests=20))
+    t.record(0, "sheddable", 1000, 0)  # the model takes none of it
+    assert t.drop_per_mille(0, "sheddable") == 950  # some still reach the router, so accepts can grow back
+    t.record(0, "critical_plus", 1000, 0)
+    assert t.drop_per_mille(0, "critical_plus") == 0
+    t.record(0, "critical", 19, 0)
+    assert t.drop_per_mille(0, "critical") == 0
+    t.forget("sheddable")
+    assert t.drop_per_mille(0, "sheddable") == 0 and t.window(0, "sheddable") == (0, 0)
+    t.record(0, "gold", 1000, 0)  # not a class: ignored (the windows stay four)
+    assert t.window(0, "gold") == (0, 0)
+
+
+def test_the_config_is_checked():
+    with pytest.raises(ValueError, match="k"):
+        EdgeThrottleConfig(k=0.9)
+    with pytest.raises(ValueError, match="max_drop"):
+        EdgeThrottleConfig(max_drop=1.0)
