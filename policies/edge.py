@@ -13,6 +13,14 @@
   ``accepts`` the ones the gate let through to the model. ``K`` > 1 lets a little more
   through than is accepted, so the gate's line stays full (it still picks by class and
   deadline) and the drop falls as soon as the model takes more.
+- The window's accepts are held down by what the edge lets through: once the model
+  can take more, the formula alone would open the class by only a factor K per window
+  (over a minute from 95 % at K 1.1, measured: the edge kept refusing a third of the
+  lowest class at 1 C after a probe at 1.1 C). So when the gate took every request of
+  a class that reached it since the last record, with a free slot and no one waiting
+  (``room``), the class's window starts afresh from what the gate took (not from what
+  the edge refused): nothing is refused until it holds ``min_requests`` again, measured
+  at what the model takes now.
 - Never more than ``max_drop`` of an admitted class, so some of it always reaches the
   router and the accepts can grow back; never any critical_plus (the router decides
   it: it may go to the fallback at any level).
@@ -56,7 +64,13 @@ class EdgeThrottle:
         # keys: the four classes (anything else is ignored).
         self._counts: dict[str, dict[int, list[int]]] = {c.value: {} for c in Criticality}
 
-    def record(self, now_s: float, criticality: str, requests: int, accepts: int) -> None:
+    def record(self, now_s: float, criticality: str, requests: int, accepts: int, room: bool = False) -> None:
+        """``requests`` arrivals of ``criticality`` since the last record (the edge's refusals
+        too), ``accepts`` of them let through by the gate; ``room``: the gate took all of
+        the class that reached it and has room to spare (the window starts afresh)."""
+        if room:  # the edge's refusals since the last record say nothing of what the model takes
+            self.forget(criticality)
+            requests = accepts
         per = self._counts.get(criticality)
         if per is None or (requests <= 0 and accepts <= 0):
             return

@@ -274,8 +274,13 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
                 self._edge_throttle.forget(c.value)  # class admitted again starts afresh
                 continue
             reached, through = seen.get(c.value, (0, 0))
-            self._edge_throttle.record(now, c.value, reached + refused.get(c.value, 0), through)
+            room = reached > 0 and through >= reached and self._gate_has_room()
+            self._edge_throttle.record(now, c.value, reached + refused.get(c.value, 0), through, room)
         self._apply_edge(now)
+
+    def _gate_has_room(self) -> bool:
+        g = self._gate
+        return g is None or (g.waiting == 0 and g.in_flight < g.limit.value)
 
     def _apply_edge(self, now: float) -> None:
         eff = self._cache.effective()

@@ -57,3 +57,38 @@ def test_the_config_is_checked():
         EdgeThrottleConfig(k=0.9)
     with pytest.raises(ValueError, match="max_drop"):
         EdgeThrottleConfig(max_drop=1.0)
+
+
+def test_a_class_the_model_can_take_again_is_let_through_within_a_second_or_two():
+    """Closed loop, tick by tick (two records a second, as the router reports): arrivals
+    100/s, the model takes 10/s, then 200/s. Once it takes more, the gate takes all that
+    reaches it with room to spare, and the edge stops refusing the class at once."""
+    t = EdgeThrottle(EdgeThrottleConfig(window_s=10, k=1.1, min_requests=20))
+    drop, capacity = 0, 10.0
+    refused_after: list[int] = []
+    for tick in range(80):
+        now = tick * 0.5
+        if tick == 40:
+            capacity = 200.0
+        arrived = 50
+        reached = round(arrived * (1 - drop / ALL))
+        through = min(reached, round(capacity * 0.5))
+        room = reached > 0 and through >= reached and capacity * 0.5 > reached
+        t.record(now, "critical", arrived, through, room)
+        drop = t.drop_per_mille(now, "critical")
+        if tick == 39:
+            assert drop > 800  # the model took a tenth: the edge refused most of the class
+        if tick >= 40:
+            refused_after.append(drop)
+    assert max(refused_after) == 0, refused_after[:6]
+
+
+def test_without_room_the_window_is_kept():
+    t = EdgeThrottle(EdgeThrottleConfig(window_s=10, min_requests=20))
+    for s in range(10):
+        t.record(s, "critical", 100, 10)
+    before = t.drop_per_mille(9, "critical")
+    t.record(9.5, "critical", 100, 10, room=False)
+    assert t.drop_per_mille(9.5, "critical") >= before > 0
+    t.record(9.6, "critical", 5, 5, room=True)
+    assert t.window(9.6, "critical") == (5, 5) and t.drop_per_mille(9.6, "critical") == 0
