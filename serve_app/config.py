@@ -102,6 +102,10 @@ class ModelConfig(_Strict):
     # replica: the replica shares its cores with Serve's proxy and the routers, and two
     # spinning torch threads per process cost 2-3x the CPU per request under load here.
     cpu_threads: Optional[PositiveInt] = 1
+    # The replica's CPU priority (Unix niceness, 0..19). Ballast starts Ray's workers at
+    # the host's normal priority, so the routers and HAProxy never wait behind other work
+    # (serve_app/model/priority.py); the model moves back to Ray's own 15 and yields to them.
+    niceness: int = Field(15, ge=0, le=19)
 
     @model_validator(mode="after")
     def _engine_fields(self) -> "ModelConfig":

@@ -51,6 +51,7 @@ from serve_app.control.link import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connec
 from serve_app.errors import DeadlineExceeded
 from serve_app.stops import StopScanner
 from serve_app.model.gpu import make_gpu_probe, visible_gpu_uuid
+from serve_app.model.priority import yield_cpu_to
 from serve_app.model.routing import request_router_config
 from serve_app.control.snapshot import Snapshot
 
@@ -157,6 +158,7 @@ class ModelServer:
         self._role = role
         self._model_cfg = self._cfg.model if role == "primary" else self._cfg.fallback.model
         self._deployment = MODEL_DEPLOYMENT if role == "primary" else FALLBACK_DEPLOYMENT
+        yield_cpu_to(self._model_cfg.niceness)  # before torch starts its threads
         self._backend = build_backend(self._model_cfg)
         self._backend.warmup()
         self._gpu = make_gpu_probe(self._backend.device)

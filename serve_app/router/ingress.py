@@ -41,6 +41,12 @@ FAST_PATH_ENV = {
 }
 
 
+#: Ray starts its workers at nice 15, behind every ordinary process; the router replicas
+#: and the HAProxy they start run at the host's normal priority instead, and the model
+#: replicas move themselves back to ``model.niceness`` (serve_app/model/priority.py).
+WORKER_NICENESS_ENV = {"RAY_worker_niceness": "0"}
+
+
 #: Ports Serve's HAProxy mode binds besides the HTTP port, at Serve's defaults; a stack
 #: on HTTP port 8000 + d moves each by d (the router replicas' direct-ingress ranges by
 #: ``DIRECT_BLOCK`` × d), so stacks on one host (``make serve`` on 8000, the tests on
@@ -70,13 +76,14 @@ def stack_ports(http_port: int) -> dict[str, str]:
 
 
 def ingress_env(cfg: BallastConfig) -> dict[str, str]:
-    """Environment for Ray's processes that selects ``cfg.http.ingress`` and ``cfg.http.fast_path``.
+    """Environment for Ray's processes that selects ``cfg.http.ingress`` and ``cfg.http.fast_path``,
+    with Ray's workers at the host's normal CPU priority (serve_app/model/priority.py).
 
     HAProxy's files go to a directory of their own per port, and its other ports
     follow the HTTP port (:func:`stack_ports`), so two local stacks (a test run
     beside ``make serve``) never share a config file, an admin socket or a port.
     """
-    env = dict(FAST_PATH_ENV) if cfg.http.fast_path else {}
+    env = {**WORKER_NICENESS_ENV, **(FAST_PATH_ENV if cfg.http.fast_path else {})}
     if cfg.http.ingress == "proxy":
         return {**env, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
     base = f"/tmp/ballast-haproxy-{cfg.http.port}"

@@ -136,6 +136,31 @@ def test_hung_primary_keeps_p99_within_the_deadline(client, chaos):
     heal(client)
 
 
+def test_the_front_runs_at_the_normal_cpu_priority_and_the_model_yields(ballast):
+    """Why the hung-primary test keeps its deadline on a busy host (serve_app/model/priority.py):
+    Ray starts its workers at nice 15, so the router and its HAProxy waited behind any
+    ordinary process; Ballast starts them at 0 and the model replicas go back to 15."""
+    import os
+
+    import psutil
+
+    procs = {"router": [], "haproxy": [], "model": []}
+    for p in psutil.process_iter(["cmdline"]):
+        line = " ".join(p.info["cmdline"] or [])
+        if "ServeReplica:ballast:BallastRouter" in line:
+            procs["router"].append(p)
+        elif "haproxy" in line and f"ballast-haproxy-{ballast.http.port}/" in line:
+            procs["haproxy"].append(p)
+        elif "ServeReplica:ballast:BallastModel" in line or "ServeReplica:ballast:BallastFallbackModel" in line:
+            procs["model"].append(p)
+    assert all(procs.values()), {k: len(v) for k, v in procs.items()}
+    for role in ("router", "haproxy"):
+        assert {p.nice() for p in procs[role]} == {0}, role
+    for p in procs["model"]:  # every thread: torch's and Ray's too
+        nice = {os.getpriority(os.PRIO_PROCESS, t.id) for t in p.threads()}
+        assert nice == {ballast.model.niceness}, (p.pid, nice)
+
+
 def test_a_deadline_that_runs_out_at_the_replica_is_not_a_breaker_failure(client, chaos):
     def primary() -> dict:
         return status(client)["breakers"]["primary"]

@@ -72,7 +72,7 @@ def test_cluster_yaml_passes_rays_own_validation():
     exported = {
         k: v for k, v in env.items() if not k.startswith("RAY_SERVE_HAPROXY_") and k not in stack_ports(8000) and k not in edge
     }
-    assert len(exported) == 4 and edge <= set(env)
+    assert len(exported) == 5 and exported["RAY_worker_niceness"] == "0" and edge <= set(env)
     for c in (c for c in starts if "ray start" in c):
         words = c.split("ray start")[0].replace(";", " ").split()
         assert all(f"{k}={v}" in words for k, v in exported.items()), c

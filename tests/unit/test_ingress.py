@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from serve_app.config import load_config
-from serve_app.router.ingress import FAST_PATH_ENV, apply_ingress_env, ingress_env, running_fast_path, running_ingress
+from serve_app.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, apply_ingress_env, ingress_env, running_fast_path, running_ingress
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,7 +63,12 @@ def test_every_port_a_stack_binds_follows_its_http_port():
 
 def test_proxy_turns_haproxy_off_explicitly():
     env = ingress_env(load_config({"http": {"ingress": "proxy"}}))
-    assert env == {**FAST_PATH_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    assert env == {**WORKER_NICENESS_ENV, **FAST_PATH_ENV, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
+
+
+def test_every_stack_starts_rays_workers_at_the_normal_priority():
+    for http in ({"ingress": "proxy"}, {"ingress": "haproxy"}, {"fast_path": False, "edge": False}):
+        assert ingress_env(load_config({"http": http}))["RAY_worker_niceness"] == "0"
 
 
 def test_the_fast_path_is_on_by_default_and_can_be_turned_off():

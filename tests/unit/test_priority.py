@@ -1,0 +1,58 @@
+"""serve_app/model/priority.py: a model replica yields the CPU, on every thread it has.
+
+Run in a child process: niceness cannot be lowered again without privilege, and the
+test process must keep its own."""
+
+import subprocess
+import sys
+
+import pytest
+
+from serve_app.config import load_config
+
+CHILD = """
+import os, threading
+from serve_app.model.priority import niceness, yield_cpu_to
+started, stop = threading.Event(), threading.Event()
+def run():
+    started.set(); stop.wait()
+t = threading.Thread(target=run); t.start(); started.wait()   # a thread already running
+before = sorted(niceness(int(x)) for x in os.listdir("/proc/self/task"))
+moved = yield_cpu_to({target})
+again = yield_cpu_to({target})  # nothing left to move
+later = []
+t2 = threading.Thread(target=lambda: later.append(niceness())); t2.start(); t2.join()  # started after
+after = sorted(niceness(int(x)) for x in os.listdir("/proc/self/task"))
+stop.set(); t.join()
+print(before, moved, again, after, later)
+"""
+
+
+def child(target: int) -> str:
+    out = subprocess.run([sys.executable, "-c", CHILD.format(target=target)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_every_thread_yields_and_threads_started_later_inherit_it():
+    import os
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if base > 11:
+        pytest.skip(f"this process already runs at niceness {base}")
+    assert child(12) == f"[{base}, {base}] 2 0 [12, 12] [12]"
+
+
+def test_it_never_lowers_a_niceness_and_checks_its_range():
+    from serve_app.model.priority import yield_cpu_to
+
+    assert child(0).split()[2:4] == ["0", "0"]  # already at or above 0: nothing moved
+    with pytest.raises(ValueError, match="0..19"):
+        yield_cpu_to(20)
+
+
+def test_model_replicas_default_to_rays_own_worker_niceness():
+    cfg = load_config({})
+    assert cfg.model.niceness == 15
+    with pytest.raises(ValueError):
+        load_config({"model": {"niceness": -1}})
