@@ -340,7 +340,7 @@ class ModelBackend(Protocol):
         """Yield, every ``chunk_tokens`` decode steps, one text piece per prompt."""
         ...
 
-    def warmup(self) -> None: ...
+    def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -441,10 +441,15 @@ class TorchDecoderBackend:
         ]
         return self._token_chunks(encoded, list(max_new_tokens), chunk_tokens, use_cache)
 
-    def warmup(self) -> None:
-        """One short generation: allocator, kernels and (on CUDA) context warm."""
-        for _ in self.generate_chunks([""], [min(4, self.max_seq_len - 1)], chunk_tokens=4):
-            pass
+    def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
+        """Two short generations per batch size, through the live batch the replica runs:
+        allocator, kernels, (on CUDA) context, and TorchScript's profiling runs, which
+        specialise the graph per input shape on its first calls, all done before traffic."""
+        steps = max(1, min(8, self.max_seq_len - 2))
+        for n in batch_sizes:
+            for _ in range(2):
+                for _ in self.generate_chunks(["Hello"] * n, [steps] * n, chunk_tokens=4):
+                    pass
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -116,6 +116,19 @@ def recent_percentile(samples: "deque[tuple[float, float]]", now_s: float, windo
     return nearest_rank((v for _, v in samples), q)
 
 
+def warmup_batch_sizes(max_batch_size: int) -> list[int]:
+    """The batch sizes a replica runs before it reports ready: powers of two, and the most.
+
+    A cold replica's first large batches were slow (TorchScript specialising its graph,
+    kernels and allocator on first use): on the H200 they pushed the queue wait over its
+    threshold and held the level at 2 for 30 s after a replica started."""
+    sizes, n = [], 1
+    while n < max_batch_size:
+        sizes.append(n)
+        n *= 2
+    return [*sizes, max_batch_size]
+
+
 def build_backend(m: ModelConfig):
     """The engine the config names: the built-in decoder, or a Hugging Face directory."""
     if m.backend == "transformers":
@@ -160,7 +173,9 @@ class ModelServer:
         self._deployment = MODEL_DEPLOYMENT if role == "primary" else FALLBACK_DEPLOYMENT
         yield_cpu_to(self._model_cfg.niceness)  # before torch starts its threads
         self._backend = build_backend(self._model_cfg)
-        self._backend.warmup()
+        warm_started = time.monotonic()
+        self._backend.warmup(warmup_batch_sizes(self._model_cfg.max_batch_size))
+        log.info("%s warmed over batch sizes up to %d in %.1f s", self._role, self._model_cfg.max_batch_size, time.monotonic() - warm_started)
         self._gpu = make_gpu_probe(self._backend.device)
         self._model_max_tokens = self._backend.max_seq_len - 1
         context = self._backend.max_seq_len

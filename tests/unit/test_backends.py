@@ -449,7 +449,24 @@ def test_backend_protocol_describe_and_warmup():
         "max_seq_len": SMALL.max_seq_len,
         "source": "seed:3",
     }
-    backend.warmup()
+    ran: list[int] = []
+    real = backend.generate_chunks
+
+    def counted(prompts, max_new_tokens, chunk_tokens=4):
+        ran.append(len(prompts))
+        return real(prompts, max_new_tokens, chunk_tokens)
+
+    backend.generate_chunks = counted  # the real generation, counted
+    backend.warmup((1, 4, 7))
+    assert ran == [1, 1, 4, 4, 7, 7]  # each size twice: TorchScript profiles a shape on its first calls
+
+
+def test_a_replica_warms_the_batch_sizes_it_will_run():
+    from serve_app.model.server import warmup_batch_sizes
+
+    assert warmup_batch_sizes(1) == [1]
+    assert warmup_batch_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert warmup_batch_sizes(24) == [1, 2, 4, 8, 16, 24]
 
 
 def test_auto_device_is_cpu_without_cuda(monkeypatch):
