@@ -581,7 +581,7 @@ def main(argv: "list[str] | None" = None) -> int:
     from ray import serve
 
     from serve_app.ops.app import shutdown, start
-    from serve_app.router.ingress import FAST_PATH_ENV, ingress_env
+    from serve_app.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, ingress_env
 
     cfg = bench_config(args.config, args.model_replicas)
     prompt = "The quick brown fox jumps over the lazy dog"
@@ -765,6 +765,9 @@ def main(argv: "list[str] | None" = None) -> int:
             for key in FAST_PATH_ENV:
                 os.environ.pop(key, None)
             os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
+            # Ray's workers at the normal CPU priority as in Ballast's session (Ray's own
+            # default is nice 15, behind this generator): priority is not what is compared.
+            os.environ.update(WORKER_NICENESS_ENV)
         else:
             os.environ.update(ingress_env(cfg))
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
