@@ -13,18 +13,28 @@ from serve_app.config import load_config
 CHILD = """
 import os, threading
 from serve_app.model.priority import niceness, yield_cpu_to
+def threads():  # a thread that has just ended may still be listed, and vanish while read
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out.append(niceness(int(tid)))
+        except ProcessLookupError:
+            pass
+    return sorted(out)
 started, stop = threading.Event(), threading.Event()
 def run():
     started.set(); stop.wait()
-t = threading.Thread(target=run); t.start(); started.wait()   # a thread already running
-before = sorted(niceness(int(x)) for x in os.listdir("/proc/self/task"))
-moved = yield_cpu_to({target})
-again = yield_cpu_to({target})  # nothing left to move
-later = []
-t2 = threading.Thread(target=lambda: later.append(niceness())); t2.start(); t2.join()  # started after
-after = sorted(niceness(int(x)) for x in os.listdir("/proc/self/task"))
-stop.set(); t.join()
-print(before, moved, again, after, later)
+t = threading.Thread(target=run, daemon=True); t.start(); started.wait()   # a thread already running
+try:
+    before = threads()
+    moved = yield_cpu_to({target})
+    again = yield_cpu_to({target})  # nothing left to move
+    after = threads()
+    later = []
+    t2 = threading.Thread(target=lambda: later.append(niceness()), daemon=True); t2.start(); t2.join()  # started after
+    print(before, moved, again, after, later)
+finally:
+    stop.set()
 """
 
 
