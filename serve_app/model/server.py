@@ -175,7 +175,10 @@ class ModelServer:
         self._backend = build_backend(self._model_cfg)
         warm_started = time.monotonic()
         self._backend.warmup(warmup_batch_sizes(self._model_cfg.max_batch_size))
-        log.info("%s warmed over batch sizes up to %d in %.1f s", self._role, self._model_cfg.max_batch_size, time.monotonic() - warm_started)
+        log.info(
+            "%s warmed over batch sizes up to %d in %.1f s",
+            self._role, self._model_cfg.max_batch_size, time.monotonic() - warm_started,
+        )
         self._gpu = make_gpu_probe(self._backend.device)
         self._model_max_tokens = self._backend.max_seq_len - 1
         context = self._backend.max_seq_len

@@ -108,19 +108,15 @@ def edge_env() -> dict[str, str]:
     from serve_app.router.edge import WRAPPER
 
     real = os.environ.get("BALLAST_HAPROXY_REAL")
-    if not real:
-        named = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
-        if named and os.path.realpath(named) == os.path.realpath(WRAPPER):
-            named = None  # an earlier apply_ingress_env in this process: look past the wrapper
-        if named:
-            real = named
-        else:
-            saved = os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
-            try:
-                real = get_haproxy_binary()
-            finally:
-                if saved is not None:
-                    os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = saved
+    named = os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH")
+    if not real and named and os.path.realpath(named) == os.path.realpath(WRAPPER):
+        # An earlier apply_ingress_env in this process named the wrapper: look past it.
+        del os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"]
+        try:
+            real = get_haproxy_binary()
+        finally:
+            os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = named
+    real = real or get_haproxy_binary()
     if os.path.realpath(real) == os.path.realpath(WRAPPER):
         raise RuntimeError("BALLAST_HAPROXY_REAL names haproxy_edge.sh itself")
     return {"RAY_SERVE_HAPROXY_BINARY_PATH": str(WRAPPER), "BALLAST_HAPROXY_REAL": real}
