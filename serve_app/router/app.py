@@ -145,7 +145,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._gate_seen = (0, 0)  # the gate's (served, saturations) at the last report
         # HAProxy refuses the classes the level sheds (edge.py), when it runs the edge's rules.
         self._edge = Edge.from_env() if self._cfg.http.edge else None
-        # Per class since the last report: [reached the gate, let through] (keys: the four
+        # Per class since the last report: [decided at the gate, let through] (keys: the four
         # classes), and the edge's share to refuse of the classes the level admits.
         self._gate_seen_by_class: dict[str, list[int]] = {}
         self._edge_throttle = EdgeThrottle()
@@ -273,9 +273,9 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
             if c.value not in admitted:  # the level refuses it whole: nothing to learn, and a
                 self._edge_throttle.forget(c.value)  # class admitted again starts afresh
                 continue
-            reached, through = seen.get(c.value, (0, 0))
-            room = reached > 0 and through >= reached and self._gate_has_room()
-            self._edge_throttle.record(now, c.value, reached + refused.get(c.value, 0), through, room)
+            decided, through = seen.get(c.value, (0, 0))
+            room = decided > 0 and through >= decided and self._gate_has_room()
+            self._edge_throttle.record(now, c.value, decided + refused.get(c.value, 0), through, room)
         self._apply_edge(now)
 
     def _gate_has_room(self) -> bool:

@@ -179,10 +179,12 @@ class Pipeline:
         # Demand within quota: a tenant over its quota must not degrade everyone else.
         self._offered[crit] = self._offered.get(crit, 0) + 1
         if not fallback_only:
-            seen = self._gate_seen_by_class.setdefault(crit, [0, 0])  # [reached the gate, let through]
-            seen[0] += 1
-            await self._enter_gate(ticket, criticality)
-            seen[1] += 1
+            try:
+                await self._enter_gate(ticket, criticality)
+            except Overloaded:
+                self._gate_decided(crit, through=False)
+                raise
+            self._gate_decided(crit, through=True)
         return Admitted(
             ticket=ticket,
             criticality=criticality,
@@ -202,6 +204,15 @@ class Pipeline:
     def _fallback_may_answer(self, criticality: Criticality, now_wall: float) -> bool:
         """critical_plus that the primary will not take goes to the fallback alone, if it can answer."""
         return criticality is Criticality.CRITICAL_PLUS and self._caller.can_fall_back(self._kill_switches, now_wall)
+
+    def _gate_decided(self, crit: str, through: bool) -> None:
+        """The gate decided one request of ``crit``: counted in the report interval it was
+        decided in (a request still waiting is neither; counting it on arrival lost the
+        admission of every one that waited across a report, which the edge's throttle
+        read as a refusal and began to refuse a class the gate was taking whole)."""
+        seen = self._gate_seen_by_class.setdefault(crit, [0, 0])  # [decided at the gate, let through]
+        seen[0] += 1
+        seen[1] += through
 
     async def _enter_gate(self, ticket: Ticket, criticality: Criticality) -> None:
         """A slot at the model on the ticket; or, refused, the fallback alone (critical_plus

@@ -156,3 +156,18 @@ async def test_a_stream_that_never_starts_gives_back_its_quota_too(router) -> No
     del gen, admitted  # the response was never iterated: the client left first
     gc.collect()
     settled(router, full, 0)
+
+
+async def test_the_gate_counts_a_request_in_the_report_it_was_decided_in(router) -> None:
+    # What the edge's throttle learns from: per class, [decided at the gate, let through]
+    # since the last report. A request that waits across a report is counted once, when
+    # the gate lets it through (it used to count as reached in one report and its
+    # admission was lost: the throttle read it as a refusal of a class taken whole).
+    await router._gate.acquire(0, asyncio.get_running_loop().time() + 60)
+    waiting = asyncio.ensure_future(admit(router))
+    await asyncio.sleep(0)
+    assert router._gate.waiting == 1 and router._gate_seen_by_class == {}
+    router._sync_edge()  # a report: the counts start afresh
+    router._gate.release(None)
+    await waiting
+    assert router._gate_seen_by_class == {"critical": [1, 1]}
