@@ -33,11 +33,13 @@ SERVE_LIKE = """global
     nbthread 1
 defaults
     mode http
+    option httplog
     timeout connect 5s
     timeout client 30s
     timeout server 30s
 frontend http_frontend
     bind 127.0.0.1:{port}
+    log {dir}/log.sock format rfc5424 local1 debug
     acl healthcheck path -i /-/healthz
     http-request return status 200 content-type text/plain string "ok" if healthcheck
     use_backend app if {{ path_beg / }}
@@ -86,6 +88,9 @@ def haproxy(tmp_path: Path):
     port = _free_port()
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(SERVE_LIKE.format(dir=tmp_path, port=port))
+    log = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # where Serve's config sends its metrics lines
+    log.bind(str(tmp_path / "log.sock"))
+    LOGS[str(tmp_path)] = log
     env = {**os.environ, "BALLAST_HAPROXY_REAL": HAPROXY}
     proc = subprocess.Popen([str(WRAPPER), "-db", "-f", str(cfg)], env=env, stderr=subprocess.PIPE)
     try:
@@ -98,6 +103,21 @@ def haproxy(tmp_path: Path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        LOGS.pop(str(tmp_path)).close()
+
+
+LOGS: dict[str, socket.socket] = {}  # the fixture's log socket per HAProxy directory
+
+
+def _log_lines(d: Path) -> list[bytes]:
+    """The lines HAProxy logged since the last call (it sends each before the next answer)."""
+    log, lines = LOGS[str(d)], []
+    log.setblocking(False)
+    while True:
+        try:
+            lines.append(log.recv(65536))
+        except BlockingIOError:
+            return lines
 
 
 def _post(port: int, path: str, crit: str | None) -> tuple[int, dict[str, str], bytes]:
@@ -145,6 +165,14 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
     _post(port, "/v1/generate", "sheddable")
     assert edge.drain() == {"sheddable": 2, "critical": 1}
     assert edge.drain() == {}  # cleared: a second router on the node does not count them again
+
+    # Refusals at the edge write no log line (Serve's manager would parse one each); what
+    # passes is logged as Serve configured it.
+    _log_lines(d)
+    assert _post(port, "/v1/generate", "sheddable")[0] == 503 and _log_lines(d) == []
+    assert _post(port, "/v1/generate", "critical_plus")[0] == 200
+    assert [b"/v1/generate" in line for line in _log_lines(d)] == [True]
+    edge.drain()
 
     # The level falls: the map follows, and the class passes again.
     assert edge.apply(shed_entries(1, DEFAULT_CONSTRAINTS[1])) is True
