@@ -12,10 +12,15 @@ p99 1.516 s, none past 1.6 s, same load.
 
 So Ballast starts Ray's workers at the host's normal priority (``RAY_worker_niceness=0``,
 ``serve_app.router.ingress.WORKER_NICENESS_ENV``, set before Ray starts, and in
-cluster/cluster.yaml), and each model replica moves itself back to ``model.niceness``
-(Ray's 15 by default): model compute still yields to Ray's own processes and to the front,
-as Ray intends; the front does not yield to everything else. Raising one's own niceness
-needs no privilege, lowering it does, so nothing here lowers it.
+cluster/cluster.yaml), and each model replica moves itself to ``model.niceness``. That is
+0 by default, not Ray's 15: a replica is not only torch's compute but its own Ray and
+asyncio threads, which hand batches in and answers out, and at 15 they waited behind
+every wake-up of the front and the load generator. Measured (`bench_overload --only
+ballast --capacity 57.7 --multiples 1,10`, two runs each, alternated): at 15 the replica
+got 0.90-0.92 of a core at 10 C and served 0.80/0.89 C; at 0, 0.93/0.93 C (1 C:
+0.90/0.97 against 1.00/0.99). The deadline probe above held at 0 as well. A node that
+runs batch work beside the model can still set 15. Raising one's own niceness needs no
+privilege, lowering it does, so nothing here lowers it.
 """
 
 from __future__ import annotations

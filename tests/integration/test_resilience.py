@@ -136,29 +136,35 @@ def test_hung_primary_keeps_p99_within_the_deadline(client, chaos):
     heal(client)
 
 
-def test_the_front_runs_at_the_normal_cpu_priority_and_the_model_yields(ballast):
+def test_the_front_runs_at_the_normal_cpu_priority_and_a_model_at_its_own(ballast):
     """Why the hung-primary test keeps its deadline on a busy host (serve_app/model/priority.py):
     Ray starts its workers at nice 15, so the router and its HAProxy waited behind any
-    ordinary process; Ballast starts them at 0 and the model replicas go back to 15."""
+    ordinary process; Ballast starts them at 0 and each model replica moves to its
+    ``model.niceness`` (the primary's default 0; this suite's fallback 15)."""
     import os
 
     import psutil
 
-    procs = {"router": [], "haproxy": [], "model": []}
+    procs = {"router": [], "haproxy": [], "model": [], "fallback": []}
     for p in psutil.process_iter(["cmdline"]):
         line = " ".join(p.info["cmdline"] or [])
         if "ServeReplica:ballast:BallastRouter" in line:
             procs["router"].append(p)
         elif "haproxy" in line and f"ballast-haproxy-{ballast.http.port}/" in line:
             procs["haproxy"].append(p)
-        elif "ServeReplica:ballast:BallastModel" in line or "ServeReplica:ballast:BallastFallbackModel" in line:
+        elif "ServeReplica:ballast:BallastModel" in line:
             procs["model"].append(p)
+        elif "ServeReplica:ballast:BallastFallbackModel" in line:
+            procs["fallback"].append(p)
     assert all(procs.values()), {k: len(v) for k, v in procs.items()}
     for role in ("router", "haproxy"):
         assert {p.nice() for p in procs[role]} == {0}, role
-    for p in procs["model"]:  # every thread: torch's and Ray's too
-        nice = {os.getpriority(os.PRIO_PROCESS, t.id) for t in p.threads()}
-        assert nice == {ballast.model.niceness}, (p.pid, nice)
+    want = {"model": ballast.model.niceness, "fallback": ballast.fallback.model.niceness}
+    assert want == {"model": 0, "fallback": 15}
+    for role, expected in want.items():
+        for p in procs[role]:  # every thread: torch's and Ray's too
+            nice = {os.getpriority(os.PRIO_PROCESS, t.id) for t in p.threads()}
+            assert nice == {expected}, (role, p.pid, nice)
 
 
 def test_a_deadline_that_runs_out_at_the_replica_is_not_a_breaker_failure(client, chaos):

@@ -61,8 +61,9 @@ def test_it_never_lowers_a_niceness_and_checks_its_range():
         yield_cpu_to(20)
 
 
-def test_model_replicas_default_to_rays_own_worker_niceness():
+def test_model_replicas_default_to_the_normal_priority():
     cfg = load_config({})
-    assert cfg.model.niceness == 15
+    assert cfg.model.niceness == 0
+    assert load_config({"model": {"niceness": 15}}).model.niceness == 15
     with pytest.raises(ValueError):
         load_config({"model": {"niceness": -1}})
