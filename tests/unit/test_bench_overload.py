@@ -43,6 +43,7 @@ def test_goodput_counts_only_answers_within_the_slo():
     assert p.good_fraction("sheddable") == 0.0
     assert math.isnan(p.good_fraction("sheddable_plus"))
     assert p.admitted_p99_ms() == 1500.0  # admitted = answered 200, however late
+    assert p.answer_p99_ms() == 1500.0  # every answer; the one with none (status 0) is not one
     assert p.codes()["OK"] == 3
 
 
@@ -162,6 +163,10 @@ def test_the_targets_are_judged_per_multiple_and_against_the_peer():
     ours, peer = run((9.5, 9.2)), run((9.8, 0.6))
     results = dict((what, ok) for what, ok, _ in check_targets(ours, (1.0, 10.0), mix, peer))
     assert results["goodput >= 0.9 C at every multiple"]
+    assert results["every answer within its deadline + 100 ms at p99"]
+    ours["phases"][1].outcomes += [Outcome("critical", 504, "DEADLINE_EXCEEDED", 1.2)] * 10  # 200 ms late
+    results = dict((what, ok) for what, ok, _ in check_targets(ours, (1.0, 10.0), mix, peer))
+    assert not results["every answer within its deadline + 100 ms at p99"]
     assert not results["ahead of plain Serve with a bounded queue at every multiple"]  # 0.95 < 0.98 at 1 C
     ours = run((8.5, 9.2))
     results = dict((what, ok) for what, ok, _ in check_targets(ours, (1.0, 10.0), mix))
