@@ -69,7 +69,7 @@ class PriorityGate:
         # Invariant: every live waiter is one heap entry whose future is not done, and is
         # counted once in ``waiting`` and ``_waiting_by_rank``; whoever finishes a future
         # (grant, displacement, expiry, cancel) takes it off those counts.
-        self._heap: list[tuple[int, int, asyncio.Future]] = []
+        self._heap: list[tuple[int, int, float, asyncio.Future]] = []  # (rank, seq, deadline_s, future)
         self._seq = itertools.count()
         self._service = rules.ServiceTime()
         self._waiting_by_rank: dict[int, int] = {}
@@ -108,7 +108,7 @@ class PriorityGate:
         if decision not in (rules.WAIT, rules.DISPLACE):
             return self._refuse(decision)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (rank, next(self._seq), fut))
+        heapq.heappush(self._heap, (rank, next(self._seq), deadline_s, fut))
         self._add_waiting(rank, 1)
         self._grant()
         try:
@@ -121,7 +121,7 @@ class PriorityGate:
                 self._add_waiting(rank, -1)
             if fut.cancelled():
                 return self._refuse("expired")
-            raise fut.exception() from None  # displaced
+            raise fut.exception() from None  # displaced, or yielded its turn (expired)
         except asyncio.CancelledError:  # the client left while waiting
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release()  # a slot was granted but will never be used
@@ -150,7 +150,7 @@ class PriorityGate:
 
     def _displace(self, rank: int) -> bool:
         """Make room for a waiter of ``rank`` by refusing the one policies/gate.py picks."""
-        live = {(r, seq): fut for r, seq, fut in self._heap if not fut.done()}
+        live = {(r, seq): fut for r, seq, _, fut in self._heap if not fut.done()}
         victim = rules.displaced(live, rank)
         if victim is None:
             return False
@@ -188,19 +188,25 @@ class PriorityGate:
     def _grant(self) -> None:
         limit = self.limit.value
         while self._heap:
-            rank, _, fut = self._heap[0]
+            rank, _, deadline_s, fut = self._heap[0]
             if fut.done():
                 heapq.heappop(self._heap)
                 continue
             if self.in_flight >= self._room(rank, limit):
                 break  # the most critical waiter cannot go: nobody behind it can
             heapq.heappop(self._heap)
+            behind = self._waiting_by_rank.get(rank, 0) - 1
+            if rules.yields_slot(deadline_s - self._clock(), self._service.p90_s, behind):
+                fut.set_exception(GateRefused("expired"))
+                self.refused["expired"] += 1
+                self._add_waiting(rank, -1)
+                continue
             fut.set_result(True)
             self._add_waiting(rank, -1)
             self.in_flight += 1
         # Finished entries at the top were dropped above; the rest are compacted now and then.
         if len(self._heap) > 4 * max(1, self.max_waiting):
-            self._heap = [e for e in self._heap if not e[2].done()]
+            self._heap = [e for e in self._heap if not e[3].done()]
             heapq.heapify(self._heap)
 
     def snapshot(self) -> dict[str, object]:

@@ -368,3 +368,36 @@ def test_a_bad_miss_factor_is_refused():
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="miss_service_factor"):
             gate(miss_service_factor=bad)
+
+
+def test_a_critical_waiter_left_with_less_than_the_p90_yields_to_its_own_class_behind_it():
+    async def main():
+        clock = FakeClock(0)
+        timer = FakeTimer(clock)
+        g = gate(limit=1, max_wait_s=60.0, clock=clock, timer=timer)
+        served(g, *([1] * 8 + [6] * 2))  # mean 2.8 s, p90 6 s
+        await g.acquire(0, clock() + 60)  # holds the only slot
+        marginal = asyncio.create_task(g.acquire(1, clock() + 8))  # may wait until 8 - 2.8 s
+        fresh = asyncio.create_task(g.acquire(1, clock() + 60))
+        await settle()
+        await timer.advance(3)  # 5 s left: more than the mean, less than the p90
+        assert not marginal.done() and g.waiting == 2
+        g.release()
+        await settle()
+        with pytest.raises(GateRefused, match="expired"):
+            marginal.result()
+        await fresh  # the slot went to the one that will likely make it
+        assert (g.in_flight, g.waiting, g.refused["expired"]) == (1, 0, 1)
+
+        # Alone in its class it still takes the slot at the mean: nobody else would use it.
+        lone = asyncio.create_task(g.acquire(1, clock() + 8))
+        behind = asyncio.create_task(g.acquire(3, clock() + 60))
+        await settle()
+        await timer.advance(3)
+        g.release()
+        await lone
+        assert not behind.done() and g.refused["expired"] == 1
+        behind.cancel()
+        await asyncio.gather(behind, return_exceptions=True)
+
+    asyncio.run(main())
