@@ -18,9 +18,10 @@ or an injected clock, so the fleet simulator and the unit tests run the same rul
 - **Line entry** (``line_decision``): no time at all to be served (no_time), a line
   ahead that cannot drain in the time left (drain), a full line (displace the least
   critical, youngest waiter if the newcomer is more critical, else queue_full).
-- **A marginal waiter yields** (``yields_slot``): a critical waiter whose turn comes with
-  less than the p90 left (it waited to the edge of the mean) gives the slot to a waiter
-  of its own class behind it, and is refused (expired). The mean is for a critical
+- **A marginal waiter yields** (``yields_slot``): a waiter whose turn comes with less than
+  the p90 left gives the slot to a waiter of its own class behind it, and is refused
+  (expired). That is a critical waiter that waited to the edge of the mean (a sheddable
+  one stops waiting at the p90, unless the p90 grew meanwhile). The mean is for a critical
   request the slot would otherwise not serve at all; when its own class waits behind it,
   a slot spent on a likely miss is a slot taken from a likely answer (at 10x capacity
   ~100 critical requests a phase were let through at the mean and missed).
