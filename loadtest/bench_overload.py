@@ -96,6 +96,7 @@ class Phase:
     server_cpu_s: Optional[float] = None  # CPU time of the processes in front of the model (ServerCpu)
     idle_cores: float = 0.0  # what those processes use with no traffic (their timers, metrics), per second
     edge_refused: int = 0  # refusals HAProxy answered (X-Ballast-Edge: refused), before the router
+    client_cpu_s: Optional[float] = None  # CPU time of this process (the load generator, its Ray driver too)
 
     def answered(self) -> int:
         return sum(1 for o in self.outcomes if o.status == 200)
@@ -699,9 +700,9 @@ def main(argv: "list[str] | None" = None) -> int:
                         await settle()
                     trace: list[dict[str, Any]] = []
                     sampler = asyncio.create_task(sample_status(trace)) if not name.startswith("plain") else None
-                    cpu0 = cpu.total_s()
+                    cpu0, client0 = cpu.total_s(), time.process_time()
                     phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100, sdk)
-                    phase.server_cpu_s = cpu.total_s() - cpu0
+                    phase.server_cpu_s, phase.client_cpu_s = cpu.total_s() - cpu0, time.process_time() - client0
                     phase.idle_cores = idle_cores
                     if sampler is not None:
                         sampler.cancel()
@@ -804,21 +805,22 @@ def main(argv: "list[str] | None" = None) -> int:
         f"mix " + "/".join(f"{c} {mix[c]:.0%}" for c in CRITICALITIES)
     )
     head = f"{'stack':<13} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} " + " ".join(
-        f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10} {'ans p99 ms':>10} {'lag p99 ms':>10} {'srv cores':>9} {'ms/refusal':>10} {'at edge':>7}"
+        f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10} {'ans p99 ms':>10} {'lag p99 ms':>10} {'cli cores':>9} {'srv cores':>9} {'ms/refusal':>10} {'at edge':>7}"
     print(head)
     for name, r in results.items():
         costs = refusal_cpu_ms(r["phases"])
         for k, phase, cost in zip(multiples, r["phases"], costs):
             cores = "-" if phase.server_cpu_s is None else f"{phase.server_cpu_s / phase.duration_s:.2f}"
+            client = "-" if phase.client_cpu_s is None else f"{phase.client_cpu_s / phase.duration_s:.2f}"
             print(
                 f"{name:<13} {r['C']:>8.1f} {k:>7g}C {phase.goodput() / r['C']:>9.3f} "
                 + " ".join(f"{phase.good_fraction(c):>10.3f}" for c in CRITICALITIES)
-                + f" {phase.admitted_p99_ms():>10.0f} {phase.answer_p99_ms():>10.0f} {phase.send_lag_p99_ms():>10.0f} {cores:>9} "
+                + f" {phase.admitted_p99_ms():>10.0f} {phase.answer_p99_ms():>10.0f} {phase.send_lag_p99_ms():>10.0f} {client:>9} {cores:>9} "
                 + f"{'-' if cost is None else format(cost, '.2f'):>10} "
                 + f"{'-' if not phase.refused() else format(phase.edge_refused / phase.refused(), '.2f'):>7}"
             )
     print("adm p99: of the 200s; ans p99: of every answer (200, 429/503, 504), each request's deadline being the SLO; "
-          "srv cores: CPU of the processes in front of the model (proxy, routers, HAProxy) per second of the phase; "
+          "cli cores: the load generator's CPU per second (it shares the host); srv cores: CPU of the processes in front of the model (proxy, routers, HAProxy) per second of the phase; "
           "ms/refusal: their CPU less their idle use and the answers' (at the first phase's cost each), over the "
           "429/503 refusals; at edge: the share of those HAProxy answered (Ballast's edge)")
     print("\nshare of the feasible (what strict class order allows each class; - where it allows nothing)")
