@@ -41,9 +41,10 @@ FAST_PATH_ENV = {
 }
 
 
-#: Ray starts its workers at nice 15, behind every ordinary process; the router replicas
-#: and the HAProxy they start run at the host's normal priority instead, and the model
-#: replicas move themselves back to ``model.niceness`` (serve_app/model/priority.py).
+#: Ray starts its workers at nice 15, behind every ordinary process; the router replicas,
+#: the HAProxy they start and the model replicas run at the host's normal priority
+#: instead (a model replica moves lower only if ``model.niceness`` says so;
+#: serve_app/model/priority.py).
 WORKER_NICENESS_ENV = {"RAY_worker_niceness": "0"}
 
 
