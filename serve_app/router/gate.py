@@ -95,8 +95,12 @@ class PriorityGate:
         if self.waiting == 0 and self.in_flight < self._room(rank, limit):
             self.in_flight += 1
             return
-        if self.in_flight >= limit:
-            self.limit.saturated()  # held back by the limit, not by the reserve: there may be room to grow
+        # Held back by the limit, or by the reserve (whose share of the limit grows with it):
+        # either way there may be room to grow. Counting only the limit let the reserve
+        # pin it: with sheddable traffic held at limit - reserve and critical traffic
+        # using little of its reserve, in_flight never reached the limit, the limit never
+        # grew, and sheddable requests expired in line beside idle capacity.
+        self.limit.saturated()
         self.saturations += 1
         wait_s = rules.wait_budget_s(
             deadline_s, self._clock(), self._service.needed_s(rank, self.critical_rank), self.max_wait_s

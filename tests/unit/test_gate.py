@@ -306,6 +306,44 @@ def test_sheddable_classes_leave_the_reserved_slots_while_critical_traffic_needs
     asyncio.run(main())
 
 
+def test_a_request_held_back_by_the_reserve_lets_the_limit_grow():
+    """The reserve is a share of the limit: sheddable traffic held at limit - reserve
+    while critical traffic uses little of it is demand the limit has not met. Counting
+    only the limit itself pinned it (in_flight never reached it) and at 1 C sheddable
+    requests expired in line beside idle slots."""
+
+    async def main():
+        clock = FakeClock(100)
+        cfg = LimiterConfig(initial=8, min_limit=1, max_limit=64, target_wait_ms=1e9, interval_s=1)
+        timer = FakeTimer(clock)
+        g = PriorityGate(AimdLimit(cfg, clock=clock), 8, 10.0, clock=clock, wait_for=timer.wait_for,
+                         reserve_ratio=0.25, reserve_hold_s=5.0)
+        for _ in range(7):  # critical traffic into the top quarter: the reserve is on
+            await g.acquire(1, clock() + 60)
+        for _ in range(6):
+            g.release()
+        for _ in range(5):  # sheddable fills its room: 6 of 8
+            await g.acquire(3, clock() + 60)
+        assert g.in_flight == 6 and g.reserving()
+        held = asyncio.create_task(g.acquire(3, clock() + 60))
+        await settle()
+        assert not held.done() and g.in_flight < g.limit.value == 8
+        await timer.advance(1)  # the window ends: the limit was needed, so it grows
+        assert g.limit.value == 9
+        g.observe_wait(0.0)  # the gate re-reads the limit: the sheddable room is now 9 - 3 = 6
+        await settle()
+        assert not held.done()
+        behind = asyncio.create_task(g.acquire(3, clock() + 60))  # still held back: the next window grows too
+        await settle()
+        await timer.advance(1)
+        g.observe_wait(0.0)
+        await settle()
+        assert g.reserving() and g.limit.value == 10 and held.done() and g.in_flight == 7  # room 10 - 3 = 7
+        assert not behind.done() and g.waiting == 1
+
+    asyncio.run(main())
+
+
 def test_without_a_reserve_and_with_a_bad_one():
     async def main():
         g = gate(limit=2)  # reserve_ratio 0: critical traffic changes nothing
