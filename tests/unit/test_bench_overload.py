@@ -14,8 +14,11 @@ from loadtest.bench_overload import (
     criticality_sequence,
     refusal_cpu_ms,
     feasible_shares,
+    machine_adjusted,
+    machine_ratio,
     share_of_feasible,
 )
+from loadtest.machine_speed import SpeedProbe
 
 
 def test_the_criticality_sequence_is_seeded_and_follows_the_mix():
@@ -172,3 +175,24 @@ def test_the_targets_are_judged_per_multiple_and_against_the_peer():
     results = dict((what, ok) for what, ok, _ in check_targets(ours, (1.0, 10.0), mix))
     assert not results["goodput >= 0.9 C at every multiple"]
     assert "ahead of plain Serve with a bounded queue at every multiple" not in results
+
+
+def test_the_machine_column_reads_each_phase_against_the_speed_at_c():
+    def phase(good: int, machine_rps):
+        p = Phase(rate=100.0, duration_s=10.0, slo_s=1.0, machine_rps=machine_rps)
+        p.outcomes = [Outcome("sheddable", 200, "OK", 0.1)] * good
+        return p
+
+    slow, same, untimed = phase(450, 45.0), phase(500, 50.0), phase(500, None)
+    result = {"C": 50.0, "phases": [slow, same, untimed], "machine_at_c": 50.0}
+    assert [machine_ratio(result, p) for p in result["phases"]] == ["0.90", "1.00", "-"]
+    # 45 good a second at 0.9 of C's machine speed reads as 1.0 of C at that speed.
+    assert machine_adjusted(result) == [pytest.approx(1.0), pytest.approx(1.0), None]
+    given = {"C": 50.0, "phases": [slow], "machine_at_c": None}  # C given: no speed at C
+    assert machine_ratio(given, slow) == "45/s" and machine_adjusted(given) == [None]
+
+
+def test_the_speed_probe_times_the_replicas_own_batch():
+    probe = SpeedProbe({"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq_len": 128})
+    rps = probe.rows_per_second(rows_done=8)
+    assert 0 < rps < 1e6

@@ -1,0 +1,67 @@
+"""How fast this machine runs the benchmark's own model right now, in rows per second.
+
+On the shared 2-core host the same model in the same process answers 52 to 66 rows
+a second from one minute to the next with nothing else running (16 staggered rows,
+4-token chunks; measured 2026-11-25). A benchmark that measures C first and its
+phases minutes later reads that drift as the stack's doing. ``rows_per_second``
+runs a fixed piece of the replica's own work (its ``LiveBatch``: rows joining and
+leaving between chunks, as under load) in the calling process, on one torch
+thread like the replica, so a phase's speed over C's speed says how much of a
+goodput / C ratio is the machine. It takes about two seconds; run it
+while the stack is idle.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+ROWS = 16  # rows in the batch, about what the gate lets through at C on this host
+CHUNK_TOKENS = 4
+NEW_TOKENS = 32
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+class SpeedProbe:
+    """The model built once; ``rows_per_second`` measures the machine now."""
+
+    def __init__(self, architecture: dict[str, Any], seed: int = 0) -> None:
+        import torch
+
+        from serve_app.model.backends import TinyDecoderConfig, TorchDecoderBackend, build_tiny_decoder
+
+        self._torch = torch
+        cfg = TinyDecoderConfig(**architecture)
+        self._backend = TorchDecoderBackend(build_tiny_decoder(cfg, seed), name="speed", device="cpu", source="speed")
+        self._ids = self._backend.encode(PROMPT, NEW_TOKENS)
+        self.rows_per_second(rows_done=ROWS)  # warm-up
+
+    def rows_per_second(self, rows_done: int = 6 * ROWS) -> float:
+        """Rows finished per second over ``rows_done`` rows, the batch kept at ``ROWS``
+        with its rows staggered (each chunk, some leave and as many join)."""
+        torch = self._torch
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the replica runs (model.cpu_threads)
+        try:
+            batch = self._backend.open_batch()
+            # Staggered from the start: row j asks for 1 + 32 j / 16 tokens, so rows
+            # finish in different chunks and each replacement keeps the stagger.
+            joins = [(j, self._ids, 1 + (NEW_TOKENS * j) // ROWS) for j in range(ROWS)]
+            key, done, started = ROWS, 0, None
+            while done < ROWS + rows_done:
+                with torch.inference_mode():
+                    out = batch.run_chunk(joins, CHUNK_TOKENS)
+                alive = set(batch.keys())
+                joins = []
+                for k in out:
+                    if k in alive:
+                        continue
+                    done += 1
+                    if done == ROWS:  # the first batch's rows are out: steady from here
+                        started = time.perf_counter()
+                    key += 1
+                    joins.append((key, self._ids, NEW_TOKENS))
+            assert started is not None
+            return rows_done / (time.perf_counter() - started)
+        finally:
+            torch.set_num_threads(threads)
