@@ -574,10 +574,15 @@ def check_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dic
     if peer is not None:
         ahead = [(k, p.goodput() / cap, q.goodput() / peer["C"], p.goodput(), q.goodput())
                  for k, p, q in zip(multiples, phases, peer["phases"])]
-        # Judged on goodput / C, each against its own C; the req/s within the SLO are
-        # printed beside, since a peer whose C probe stops short reads high on its ratio.
-        out.append(("ahead of plain Serve with a bounded queue at every multiple", all(a > b for _, a, b, _, _ in ahead),
-                    " ".join(f"{k:g}C:{a:.3f}/{b:.3f} ({x:.1f}/{y:.1f} req/s)" for k, a, b, x, y in ahead)))
+        # Judged on requests a second answered within the SLO at the same multiple of each
+        # stack's own C (Ballast's offered rate is the higher one wherever its C is), not
+        # on goodput / C: the bounded queue's C probe stops where Poisson bursts overflow
+        # its small queue (>= 10 % 503s), below the rate it serves once the queue is always
+        # full, so its ratio passes 1.2-1.4 past 1 C and would reward a C probed short.
+        # The ratios are printed beside.
+        out.append(("ahead of plain Serve with a bounded queue at every multiple (answers within the SLO per second)",
+                    all(x > y for _, _, _, x, y in ahead),
+                    " ".join(f"{k:g}C:{x:.1f}/{y:.1f} req/s (goodput/C {a:.3f}/{b:.3f})" for k, a, b, x, y in ahead)))
     return out
 
 
