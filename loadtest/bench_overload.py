@@ -62,7 +62,7 @@ import httpx
 
 from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_uvloop
-from loadtest.machine_speed import SpeedProbe
+from loadtest.machine_speed import SpeedProbeProcess
 from serve_app.control.link import ROUTER_DEPLOYMENT
 
 PORT = 8124
@@ -624,7 +624,7 @@ def main(argv: "list[str] | None" = None) -> int:
     from serve_app.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, ingress_env
 
     cfg = bench_config(args.config, args.model_replicas)
-    speed = SpeedProbe(cfg.model.architecture.model_dump(), cfg.model.seed)
+    speed = SpeedProbeProcess(cfg.model.architecture.model_dump(), cfg.model.seed)
     prompt = "The quick brown fox jumps over the lazy dog"
     timeout_header = {"X-Request-Timeout-Ms": str(int(args.slo_s * 1000))}
     stacks = {
@@ -807,36 +807,39 @@ def main(argv: "list[str] | None" = None) -> int:
     # with its defaults (the Python proxy actor), Ballast with its configured ingress
     # (serve_app.router.ingress). The SDK rows use the same Ballast server as the plain HTTP rows.
     sessions = [(s, [n for n in names if n.startswith("plain") == (s == "plain")]) for s in ("plain", "ballast")]
-    for session, members in sessions:
-        if not members:
-            continue
-        if session == "plain":  # Serve's defaults: its proxy actor, no fast path
-            for key in FAST_PATH_ENV:
-                os.environ.pop(key, None)
-            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
-            # Ray's workers at the normal CPU priority as in Ballast's session (Ray's own
-            # default is nice 15, behind this generator): priority is not what is compared.
-            os.environ.update(WORKER_NICENESS_ENV)
-        else:
-            os.environ.update(ingress_env(cfg))
-        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-        try:
-            if session == "plain":
-                serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-                if "plain" in members:
-                    swap_plain_app(None)
+    try:
+        for session, members in sessions:
+            if not members:
+                continue
+            if session == "plain":  # Serve's defaults: its proxy actor, no fast path
+                for key in FAST_PATH_ENV:
+                    os.environ.pop(key, None)
+                os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
+                # Ray's workers at the normal CPU priority as in Ballast's session (Ray's own
+                # default is nice 15, behind this generator): priority is not what is compared.
+                os.environ.update(WORKER_NICENESS_ENV)
             else:
-                start(cfg, "127.0.0.1", PORT)
-            install_uvloop()
-            asyncio.run(run(members))
-        finally:
+                os.environ.update(ingress_env(cfg))
+            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
             try:
                 if session == "plain":
-                    serve.shutdown()
+                    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+                    if "plain" in members:
+                        swap_plain_app(None)
                 else:
-                    shutdown(cfg)
+                    start(cfg, "127.0.0.1", PORT)
+                install_uvloop()
+                asyncio.run(run(members))
             finally:
-                ray.shutdown()
+                try:
+                    if session == "plain":
+                        serve.shutdown()
+                    else:
+                        shutdown(cfg)
+                finally:
+                    ray.shutdown()
+    finally:
+        speed.close()
 
     print(
         f"\noverload: SLO {args.slo_s:g} s, max_tokens {args.max_tokens}, {args.phase_s:g} s per phase, "

@@ -8,7 +8,9 @@ runs a fixed piece of the replica's own work (its ``LiveBatch``: rows joining an
 leaving between chunks, as under load) in the calling process, on one torch
 thread like the replica, so a phase's speed over C's speed says how much of a
 goodput / C ratio is the machine. It takes about two seconds; run it
-while the stack is idle.
+while the stack is idle. ``SpeedProbeProcess`` runs it in a process of its own: run in
+the load generator's process it left the generator sending up to ~100 ms late (p99)
+in the phase after it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,40 @@ ROWS = 16  # rows in the batch, about what the gate lets through at C on this ho
 CHUNK_TOKENS = 4
 NEW_TOKENS = 32
 PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+class SpeedProbeProcess:
+    """A :class:`SpeedProbe` in a process of its own (spawned once), so that timing the
+    machine leaves the calling process as it was: no torch threads, no GIL held, no
+    garbage its collector would sweep mid-phase. ``rows_per_second`` blocks; call it
+    from a thread (``asyncio.to_thread``) in an event loop."""
+
+    def __init__(self, architecture: dict[str, Any], seed: int = 0) -> None:
+        import concurrent.futures
+        import multiprocessing
+
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_probe, initargs=(architecture, seed))
+
+    def rows_per_second(self) -> float:
+        return self._pool.submit(_probe_rows_per_second).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+_PROBE: "SpeedProbe | None" = None  # the probe process's own
+
+
+def _start_probe(architecture: dict[str, Any], seed: int) -> None:
+    global _PROBE
+    _PROBE = SpeedProbe(architecture, seed)
+
+
+def _probe_rows_per_second() -> float:
+    assert _PROBE is not None
+    return _PROBE.rows_per_second()
 
 
 class SpeedProbe:

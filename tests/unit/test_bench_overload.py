@@ -18,7 +18,8 @@ from loadtest.bench_overload import (
     machine_ratio,
     share_of_feasible,
 )
-from loadtest.machine_speed import SpeedProbe
+from loadtest import machine_speed
+from loadtest.machine_speed import SpeedProbeProcess
 
 
 def test_the_criticality_sequence_is_seeded_and_follows_the_mix():
@@ -198,7 +199,10 @@ def test_the_machine_column_reads_each_phase_against_the_speed_at_c():
     assert machine_ratio(given, slow) == "45/s" and machine_adjusted(given) == [None]
 
 
-def test_the_speed_probe_times_the_replicas_own_batch():
-    probe = SpeedProbe({"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq_len": 128})
-    rps = probe.rows_per_second(rows_done=8)
-    assert 0 < rps < 1e6
+def test_the_speed_probe_times_the_replicas_own_batch_in_a_process_of_its_own():
+    probe = SpeedProbeProcess({"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq_len": 128})
+    try:
+        assert 0 < probe.rows_per_second() < 1e6
+        assert machine_speed._PROBE is None  # built and run in the probe's process, not here
+    finally:
+        probe.close()
