@@ -28,6 +28,10 @@ Three stacks, each measured against its own C:
 Each row also prints the CPU the processes in front of the model used (Serve's proxy
 actors, Ballast's routers, HAProxy: ``ServerCpu``, psutil), per second and per refusal
 (``refusal_cpu_ms``), and the run ends with Ballast's targets (``check_targets``).
+The host's own speed is timed around C's probes and each phase (``machine``:
+loadtest/machine_speed.py, the replica's batch in a process of its own): on this
+shared host it drifts 10-20 % within minutes, which a goodput / C ratio would
+otherwise read as the stack's doing.
 All get identical requests, including ``X-Request-Timeout-Ms``
 set to the SLO (plain Serve has no use for it). Latency runs from each request's
 scheduled send time, so a slow client does not hide queueing; the generator is
