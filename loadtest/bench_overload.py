@@ -58,7 +58,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from urllib.parse import urlsplit
 
@@ -700,6 +700,14 @@ def main(argv: "list[str] | None" = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     machine_at_c: dict[str, float] = {}  # each stack's machine speed while its C was measured
 
+    async def timed_machine(work: Callable[[], Awaitable[Any]], drain_s: float) -> tuple[Any, float]:
+        """``work``'s result and the machine's speed around it (rows/s, before and after,
+        averaged), the second timing ``drain_s`` after it so its stragglers are done."""
+        before = await asyncio.to_thread(speed.rows_per_second)
+        out = await work()
+        await asyncio.sleep(drain_s)
+        return out, (before + await asyncio.to_thread(speed.rows_per_second)) / 2
+
     async def run(members: list[str]) -> None:
         for name in members:
             stack = stacks[name]
@@ -735,12 +743,14 @@ def main(argv: "list[str] | None" = None) -> int:
                         await settle()
                     trace: list[dict[str, Any]] = []
                     sampler = asyncio.create_task(sample_status(trace)) if not name.startswith("plain") else None
-                    before = await asyncio.to_thread(speed.rows_per_second)
-                    cpu0, client0 = cpu.total_s(), time.process_time()
-                    phase = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100, sdk)
-                    phase.server_cpu_s, phase.client_cpu_s = cpu.total_s() - cpu0, time.process_time() - client0
-                    await asyncio.sleep(2.0)  # the phase's stragglers drain before the machine is timed again
-                    phase.machine_rps = (before + await asyncio.to_thread(speed.rows_per_second)) / 2
+                    async def one_phase() -> Phase:
+                        cpu0, client0 = cpu.total_s(), time.process_time()
+                        p = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100, sdk)
+                        p.server_cpu_s, p.client_cpu_s = cpu.total_s() - cpu0, time.process_time() - client0
+                        return p
+
+                    phase, machine_rps = await timed_machine(one_phase, 2.0)
+                    phase.machine_rps = machine_rps
                     phase.idle_cores = idle_cores
                     if sampler is not None:
                         sampler.cancel()
@@ -768,10 +778,8 @@ def main(argv: "list[str] | None" = None) -> int:
         probe = stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
         await closed_loop_rate(probe, 4, 3.0)  # warm-up
         guess = await closed_loop_rate(probe, 8, 6.0)
-        before = await asyncio.to_thread(speed.rows_per_second)
-        cap, probes = await measure_capacity(probe, guess, args.probe_s, args.slo_s, mix, args.seed, settle)
-        await asyncio.sleep(1.0)  # the last probe's stragglers drain
-        machine_at_c[stack.name] = (before + await asyncio.to_thread(speed.rows_per_second)) / 2
+        (cap, probes), machine_at_c[stack.name] = await timed_machine(
+            lambda: measure_capacity(probe, guess, args.probe_s, args.slo_s, mix, args.seed, settle), 1.0)
         print(f"{stack.name}: closed-loop {guess:.1f} req/s; probes " +
               ", ".join(f"{r:.1f}/s->{f:.2f}" for r, f in probes) + f"; C = {cap:.1f} req/s; "
               f"machine {machine_at_c[stack.name]:.1f} rows/s", flush=True)
@@ -869,8 +877,8 @@ def main(argv: "list[str] | None" = None) -> int:
           "cli cores: the load generator's CPU per second (it shares the host); srv cores: CPU of the processes in front of the model (proxy, routers, HAProxy) per second of the phase; "
           "ms/refusal: their CPU less their idle use and the answers' (at the first phase's cost each), over the "
           "429/503 refusals; at edge: the share of those HAProxy answered (Ballast's edge); machine: the host's speed "
-          "around the phase over its speed while C was measured (loadtest.machine_speed: the same model in the "
-          "generator's process; rows/s where C was given)")
+          "around the phase over its speed while C was measured (loadtest.machine_speed: the replica's batch "
+          "in a process of its own; rows/s where C was given)")
     print("\nshare of the feasible (what strict class order allows each class; - where it allows nothing)")
     print(f"{'stack':<13} {'offered':>8} " + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES))
     for name, r in results.items():
