@@ -1,5 +1,6 @@
 """The overload benchmark's arithmetic: the mix, and goodput and success per phase."""
 
+import asyncio
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from loadtest.bench_overload import (
     feasible_shares,
     machine_adjusted,
     machine_ratio,
+    measure_capacity,
     share_of_feasible,
 )
 from loadtest import machine_speed
@@ -142,6 +144,50 @@ def test_refusal_cpu_is_what_the_phase_used_beyond_its_answers():
     assert refusal_cpu_ms(phases)[1] == pytest.approx(0.2)
     phases[0].server_cpu_s = None
     assert refusal_cpu_ms(phases) == [None, None, None]
+
+
+class GracefulStack:
+    """A stack that refuses what it cannot serve (no cliff): over a long probe it answers
+    ``sustained`` req/s, so it keeps sustained / rate of a higher rate; a short probe
+    starts it empty and reads ``short_bonus`` x higher. Records each probe and settle."""
+
+    def __init__(self, sustained: float, short_s: float, short_bonus: float) -> None:
+        self.sustained, self.short_s, self.short_bonus = sustained, short_s, short_bonus
+        self.calls: list[tuple[str, float]] = []
+
+    async def probe(self, rate: float, seconds: float, index: int) -> float:
+        self.calls.append(("probe", seconds))
+        served = self.sustained * (self.short_bonus if seconds <= self.short_s else 1.0)
+        return min(1.0, served / rate)
+
+    async def settle(self) -> None:
+        self.calls.append(("settle", 0.0))
+
+    async def drain(self, seconds: float) -> None:  # no sleeping in unit tests
+        self.calls.append(("drain", seconds))
+
+
+def test_capacity_is_the_last_rung_that_also_passes_over_a_phase():
+    stack = GracefulStack(sustained=55.0, short_s=8.0, short_bonus=60.0 / 55.0)
+    cap, probes = asyncio.run(measure_capacity(stack.probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
+    ladder = [p for p in probes if p[1] == 8.0]
+    # The short ladder from 25.5 passes 63.1 (60 / 63.1 = 0.95) and stops at 70.7 (0.85) ...
+    assert ladder[-2][0] == pytest.approx(25.5 * 1.12 ** 8) and ladder[-2][2] >= 0.9 > ladder[-1][2]
+    # ... but over 20 s 63.1 keeps 55 / 63.1 = 0.87: one rung down, 56.4, keeps 0.976.
+    assert [(round(r, 1), t, round(f, 3)) for r, t, f in probes[len(ladder):]] == [(63.1, 20.0, 0.871), (56.4, 20.0, 0.976)]
+    assert cap == pytest.approx(25.5 * 1.12 ** 7)
+    # Each confirmation starts from a settled stack; the ladder's probes are only drained.
+    assert stack.calls[0] == ("settle", 0.0)
+    assert stack.calls[-4:] == [("settle", 0.0), ("probe", 20.0), ("settle", 0.0), ("probe", 20.0)]
+
+
+def test_capacity_that_no_long_probe_confirms_is_an_error():
+    stack = GracefulStack(sustained=10.0, short_s=8.0, short_bonus=6.0)  # short probes read 6x what it serves
+    with pytest.raises(RuntimeError, match="no rung kept 90 % over 20 s"):
+        asyncio.run(measure_capacity(stack.probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
+    assert [c for c in stack.calls if c == ("probe", 20.0)] == [("probe", 20.0)] * 3
+    with pytest.raises(RuntimeError, match="even 25.5 req/s misses the SLO"):
+        asyncio.run(measure_capacity(GracefulStack(10.0, 8.0, 1.0).probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
 
 
 def test_the_bounded_queue_is_what_the_replica_serves_within_the_slo():
