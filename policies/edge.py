@@ -25,7 +25,9 @@
   router and the accepts can grow back; never any critical_plus (the router decides
   it: it may go to the fallback at any level).
 
-The window is ``buckets`` one-second counters (bounded); time comes in as an argument.
+The window is ``window_s`` one-second counters (bounded; 3 s: with 10 s, a class the
+model had taken whole went on reaching the router for ~5 s once the load rose, and the
+gate refused it there); time comes in as an argument.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ ALL = 1000  # per mille: the whole class
 
 @dataclass(frozen=True)
 class EdgeThrottleConfig:
-    window_s: int = 10
+    # Short: a class the model took whole in the last phase is refused in Python until the
+    # window forgets it (the router sees hundreds of requests a second, enough to judge in 3).
+    window_s: int = 3
     k: float = 1.1
     max_drop: float = 0.95
     # Below this many requests in the window a class is not throttled (too few to judge).

@@ -92,3 +92,27 @@ def test_without_room_the_window_is_kept():
     assert t.drop_per_mille(9.5, "critical") >= before > 0
     t.record(9.6, "critical", 5, 5, room=True)
     assert t.window(9.6, "critical") == (5, 5) and t.drop_per_mille(9.6, "critical") == 0
+
+
+def test_a_class_the_model_took_whole_is_throttled_within_two_seconds_of_the_load_rising():
+    """Tick by tick, closed loop: 33/s of sheddable_plus all taken (the gate full, so no
+    room to forget the window), then 68/s of which the model takes 11/s. With the
+    default window most of the excess is refused at the edge two seconds later; a 10 s
+    window still remembers the accepted seconds and lets about half reach the router."""
+
+    def drop_after_rise(cfg: EdgeThrottleConfig) -> int:
+        t = EdgeThrottle(cfg)
+        drop = 0
+        for tick in range(40):
+            now = tick * 0.5
+            arrived, takes = (16, 16) if tick < 20 else (34, 5)
+            reached = round(arrived * (1 - drop / ALL))
+            t.record(now, "sheddable_plus", arrived, min(takes, reached))
+            drop = t.drop_per_mille(now, "sheddable_plus")
+            if tick == 23:  # a second and a half after the rise
+                return drop
+        raise AssertionError("unreachable")
+
+    steady = int((68 - 1.1 * 11) / 69 * ALL)
+    assert drop_after_rise(EdgeThrottleConfig()) >= 0.75 * steady
+    assert drop_after_rise(EdgeThrottleConfig(window_s=10)) < 0.6 * steady
