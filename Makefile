@@ -63,7 +63,7 @@ bench-router: $(STAMP)
 bench-fairness: $(STAMP)
 	$(PY) -m loadtest.bench_fairness
 
-## Capacity C of plain Ray Serve and of Ballast, then 1/2/4/10 C with a criticality mix, side by side (~8 min; plain Serve and Ballast each in a Ray of its own).
+## Capacity C of plain Ray Serve, of plain Serve with a bounded queue and of Ballast, then 1/2/4/10 C with a criticality mix, side by side (~17 min; the plain stacks and Ballast each in a Ray of its own).
 bench-overload: $(STAMP)
 	$(PY) -m loadtest.bench_overload --config $(CONFIG)
 
