@@ -311,8 +311,8 @@ async def measure_capacity(
     2. The last rung that passed is offered again for ``confirm_s`` (a phase's length),
        from a settled stack; if it keeps < 90 % there, the rung below, and so on. A short
        probe reads above what the stack sustains: it starts on an empty stack whose wait
-       line absorbs a second of the excess (measured: 63.4 req/s kept 0.93 over 8 s and
-       0.861 over the next 20 s at the same rate; 54.6 answered per second either way).
+       line absorbs a second of the excess (measured: 63.4 req/s kept 0.93 over 8 s, and
+       0.861 over a 20 s phase at the same rate minutes later, the host as fast).
 
     Returns C and every probe as (rate, seconds, good fraction). C is within 12 % below
     the highest rate a ``confirm_s`` probe would pass. ``drain`` waits between probes
@@ -801,6 +801,7 @@ def main(argv: "list[str] | None" = None) -> int:
         probe = stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
         await closed_loop_rate(probe, 4, 3.0)  # warm-up
         guess = await closed_loop_rate(probe, 8, 6.0)
+
         async def good_fraction(rate: float, seconds: float, i: int) -> float:
             return (await offer(probe, rate, seconds, args.slo_s, mix, args.seed + i)).good_fraction()
 

@@ -43,8 +43,9 @@ ALL = 1000  # per mille: the whole class
 
 @dataclass(frozen=True)
 class EdgeThrottleConfig:
-    # Short: a class the model took whole in the last phase is refused in Python until the
-    # window forgets it (the router sees hundreds of requests a second, enough to judge in 3).
+    # Short: a class the model took whole a moment ago reaches the router (and is refused
+    # there, in Python) until the window forgets those seconds; the router sees hundreds of
+    # requests a second, enough to judge in 3.
     window_s: int = 3
     k: float = 1.1
     max_drop: float = 0.95
