@@ -295,6 +295,7 @@ def _judge(r: LeanResponse) -> tuple[int, str]:
         return r.status, f"HTTP_{r.status}"
 
 
+LADDER_RUNGS = 20  # short probes at most on the ladder
 CONFIRM_STEPS = 3  # rungs the confirmation may step down before C is given up on
 
 
@@ -321,7 +322,7 @@ async def measure_capacity(
     probes: list[tuple[float, float, float]] = []
     rate, passed = guess / 2.0, 0.0
     await settle()
-    for i in range(20):
+    for i in range(LADDER_RUNGS):
         frac = await probe(rate, probe_s, i)
         probes.append((rate, probe_s, frac))
         if frac < 0.9:
@@ -332,7 +333,7 @@ async def measure_capacity(
         raise RuntimeError(f"even {probes[0][0]:.1f} req/s misses the SLO: {probes}")
     for step in range(CONFIRM_STEPS):
         await settle()
-        frac = await probe(passed, confirm_s, 20 + step)
+        frac = await probe(passed, confirm_s, LADDER_RUNGS + step)  # a seed of its own
         probes.append((passed, confirm_s, frac))
         if frac >= 0.9:
             return passed, probes
@@ -766,6 +767,7 @@ def main(argv: "list[str] | None" = None) -> int:
                         await settle()
                     trace: list[dict[str, Any]] = []
                     sampler = asyncio.create_task(sample_status(trace)) if not name.startswith("plain") else None
+
                     async def one_phase() -> Phase:
                         cpu0, client0 = cpu.total_s(), time.process_time()
                         p = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100, sdk)
