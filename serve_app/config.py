@@ -389,6 +389,9 @@ class ResilienceConfig(_Strict):
     max_deadline_s: PositiveFloat = 120.0
     # Each attempt's own timeout (bounded by what is left of the deadline).
     attempt_timeout_s: PositiveFloat = 15.0
+    # Times a request whose replica or node went away is sent again (unary) or carried on
+    # elsewhere from the tokens already delivered (streams), within its deadline.
+    migration_limit: int = Field(3, ge=0, le=10)
     breaker: BreakerSettings = BreakerSettings()
     retry: RetrySettings = RetrySettings()
     bulkhead: BulkheadSettings = BulkheadSettings()

@@ -106,6 +106,14 @@ class ModelUnavailable(BallastError):
     status, code = 503, "MODEL_UNAVAILABLE"
 
 
+class ReplicaLost(BallastError):
+    """The replica (or node) that held the request went away and it could not be carried
+    on elsewhere within its migration limit and deadline: capacity that is gone, not a
+    model error (the level and the breakers do not count it). Retrying later works."""
+
+    status, code = 503, "REPLICA_LOST"
+
+
 class DeadlineExceeded(BallastError):
     status, code = 504, "DEADLINE_EXCEEDED"
 

@@ -102,6 +102,12 @@ class ModelUnavailable(BallastClientError):
     default_status, default_code = 503, "MODEL_UNAVAILABLE"
 
 
+class ReplicaLost(BallastClientError):
+    """The replica holding the call went away and the server could not carry it on elsewhere."""
+
+    default_status, default_code = 503, "REPLICA_LOST"
+
+
 class DeadlineExceeded(BallastClientError):
     default_status, default_code = 504, "DEADLINE_EXCEEDED"
 
@@ -135,6 +141,7 @@ _BY_CODE: dict[str, type[BallastClientError]] = {
     "OVERLOADED": Overloaded,
     "KILL_SWITCH": KillSwitched,
     "MODEL_UNAVAILABLE": ModelUnavailable,
+    "REPLICA_LOST": ReplicaLost,
     "DEADLINE_EXCEEDED": DeadlineExceeded,
 }
 #: Only for answers without an error code (e.g. a proxy in front of Ballast):

@@ -99,6 +99,11 @@ class _Item:
     cancelled: bool = False
     queue_wait_ms: float = 0.0
     emitted: int = 0
+    # A continuation (a migrated stream): text its caller does not have yet from the
+    # tokens it was given, sent before this row's first chunk; and how much of what
+    # follows the caller already has (see ``resume``).
+    pending: str = ""
+    skip_chars: int = 0
     # Chunks for the caller; None ends the stream, an exception fails it. Bounded by
     # construction: at most ceil(max_tokens / stream_chunk_tokens) + 1 entries.
     out: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
@@ -401,14 +406,9 @@ class ModelServer:
 
         ``done``: the row left the batch (its max_tokens, or an end-of-sequence token).
         A stop string ends it here, and the batch drops it at the next chunk."""
-        text = it.decoder.feed(ids, final=done and bool(ids))
-        stopped = False
-        if it.stops is not None:
-            text = it.stops.feed(text)
-            stopped = it.stops.stopped
-            if done and not stopped:
-                text += it.stops.finish()
-        chunk: dict[str, Any] = {"text": text, "tokens": len(ids)}
+        text, stopped = row_text(it, ids, done)
+        # The ids let the router carry the stream on elsewhere if this replica goes away.
+        chunk: dict[str, Any] = {"text": text, "tokens": len(ids), "ids": ids}
         if stopped or done:
             eos = bool(ids) and ids[-1] in self._backend.eos_ids
             chunk["finish_reason"] = "stop" if stopped or eos else "length"
@@ -477,6 +477,12 @@ class ModelServer:
             stops=StopScanner(req["stop"]) if req.get("stop") else None,
             key=self._next_key,
         )
+        if req.get("continue_ids"):
+            resume(item, [int(i) for i in req["continue_ids"]], int(req.get("continue_text_chars") or 0))
+            if item.max_tokens <= 0:  # the lost replica had delivered every token: nothing is left
+                yield {"text": item.pending, "tokens": 0, "ids": [], "finish_reason": "length",
+                       "queue_wait_ms": 0.0, "max_tokens": max_tokens}
+                return
         self._waiting.append(item)
         self._queued += 1
         assert self._wake is not None
@@ -542,6 +548,51 @@ class ModelServer:
     def __del__(self) -> None:
         if getattr(self, "_gpu", None) is not None:
             self._gpu.close()
+
+
+def row_text(it: _Item, ids: list[int], done: bool) -> tuple[str, bool]:
+    """The text of a row's next ``ids`` that its caller does not have yet, and whether a
+    stop string ended the row there (``done``: the row left the batch after these ids)."""
+    text = it.decoder.feed(ids, final=done and bool(ids))
+    stopped = False
+    if it.stops is not None:
+        text = it.stops.feed(text)
+        stopped = it.stops.stopped
+        if done and not stopped:
+            text += it.stops.finish()
+    return _unsent(it, text), stopped
+
+
+def resume(it: _Item, delivered: list[int], delivered_chars: int) -> None:
+    """Make ``it`` the continuation of a stream whose replica went away after it had
+    delivered the token ids ``delivered`` (``delivered_chars`` characters of text).
+
+    The row prefills its prompt and those ids and generates what is left of its
+    max_tokens. Its decoder and stop scanner are fed the delivered ids first, so that
+    they stand where the lost replica's stood; the text that gives which the caller
+    does not have yet (held back for a partial character or a possible stop string)
+    goes out first, and the first ``delivered_chars`` characters are not sent again
+    (the lost replica may have sent more or less of that text than the new one's
+    decoder would give for the same ids: the characters, not the ids, decide).
+    """
+    it.ids = [*it.ids, *delivered]
+    it.max_tokens -= len(delivered)
+    text = it.decoder.feed(delivered)
+    if it.stops is not None:
+        text = it.stops.feed(text)
+    it.skip_chars = delivered_chars
+    it.pending = _unsent(it, text)
+
+
+def _unsent(it: _Item, text: str) -> str:
+    """The part of a row's next ``text`` that its caller does not have: any continuation
+    text still pending first, less the characters the caller already has."""
+    text, it.pending = it.pending + text, ""
+    if it.skip_chars:
+        cut = min(it.skip_chars, len(text))
+        it.skip_chars -= cut
+        text = text[cut:]
+    return text
 
 
 def _sampling(req: dict[str, Any]) -> Any:

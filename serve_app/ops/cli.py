@@ -259,6 +259,11 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
                 line += "]"
             out.append(line)
 
+    lost = doc.get("lost_capacity") or {}
+    if any(lost.values()):
+        out.append(f"lost capacity: {lost.get('migrated', 0)} carried on elsewhere, {lost.get('failed', 0)} failed "
+                   "(replicas or nodes that went away; not model errors)")
+
     breakers = doc.get("breakers") or {}
     if breakers:
         out.append("breakers:")

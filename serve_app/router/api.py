@@ -87,3 +87,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     err = BallastError(str(exc.detail))
     err.status, err.code = exc.status_code, "METHOD_NOT_ALLOWED" if exc.status_code == 405 else "HTTP_ERROR"
     return error_response(err, openai)
+
+
+#: On a unary answer that was sent again after its replica or node went away: how many times.
+MIGRATIONS_HEADER = "X-Ballast-Migrations"
+
+
+def migrated_header(answer: dict[str, Any]) -> dict[str, str]:
+    n = int(answer.get("migrations") or 0)
+    return {MIGRATIONS_HEADER: str(n)} if n else {}

@@ -74,6 +74,8 @@ class _Stats:
         self.requests = 0
         self.errors = 0
         self.shed = 0
+        # Attempts lost with their replica or node: capacity gone, not model errors.
+        self.lost_capacity = 0
         self.waits_ms: list[float] = []
 
     def add_wait(self, ms: float) -> None:
@@ -87,9 +89,10 @@ class _Stats:
             "requests": self.requests,
             "errors": self.errors,
             "shed": self.shed,
+            "lost_capacity": self.lost_capacity,
             "queue_wait_p95_ms": p95,
         }
-        self.requests = self.errors = self.shed = 0
+        self.requests = self.errors = self.shed = self.lost_capacity = 0
         self.waits_ms = []
         return out
 
@@ -168,6 +171,12 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._m_trips = metrics.Counter("ballast_breaker_trips_total", "Breaker openings.", tag_keys=("backend",))
         self._m_fallbacks = metrics.Counter("ballast_fallbacks_total", "Answers served by a fallback.", tag_keys=("kind",))
         self._m_retries = metrics.Counter("ballast_retries_total", "Retried attempts.", tag_keys=("backend", "kind"))
+        self._m_lost = metrics.Counter(
+            "ballast_requests_lost_capacity_total",
+            "Attempts whose replica or node went away, by what became of the request: migrated "
+            "(sent again or carried on elsewhere) or failed (503 REPLICA_LOST). Not model errors.",
+            tag_keys=("backend", "outcome"),
+        )
         self._m_deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")
         self._m_replays = metrics.Counter("ballast_idempotent_replays_total", "Answers replayed for an Idempotency-Key.")
         self._m_kill = metrics.Gauge("ballast_kill_switch_active", "Active kill switch entries.")
@@ -199,6 +208,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
                 on_retry=lambda backend, kind: self._m_retries.inc(tags={"backend": backend, "kind": kind}),
                 on_fallback=lambda kind: self._m_fallbacks.inc(tags={"kind": kind}),
                 on_breaker_event=self._on_breaker_event,
+                on_lost_capacity=self._on_lost_capacity,
             ),
         )
 
@@ -213,6 +223,10 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
 
             self._key_table = keys_actor(self._cfg)
         return self._key_table
+
+    def _on_lost_capacity(self, backend: str, outcome: str) -> None:
+        self._stats.lost_capacity += 1
+        self._m_lost.inc(tags={"backend": backend, "outcome": outcome})
 
     def _on_breaker_event(self, event: BreakerEvent) -> None:
         self._m_breaker.set(int(event.to_state), tags={"backend": event.backend})

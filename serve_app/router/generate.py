@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from policies.criticality import CRITICALITY_HEADER, DEFAULT_CRITICALITY, Criticality
 
 from serve_app.errors import BallastError, InvalidRequest, PayloadTooLarge
-from serve_app.router.api import app, read_body, sse_event, validate_body
+from serve_app.router.api import app, migrated_header, read_body, sse_event, validate_body
 from serve_app.router.pipeline import Admitted, StreamEnd
 
 
@@ -72,7 +72,7 @@ class GenerateRoutes:
             )
         answer, replayed = await self._answer_unary(admitted, call, key)
         body = {"text": answer["text"], "tokens_generated": answer["tokens"], **meta, "fallback": answer["fallback"], "model": answer["model"]}
-        headers = {"X-Ballast-Fallback": answer["fallback"] or "none"}
+        headers = {"X-Ballast-Fallback": answer["fallback"] or "none", **migrated_header(answer)}
         if replayed:
             headers["X-Ballast-Idempotent-Replay"] = "true"
         if req.stream:  # streaming is off at this level: one token event, then done
@@ -87,7 +87,8 @@ class GenerateRoutes:
         try:
             async for chunk in chunks:
                 yield sse_event("token", {"text": chunk["text"], "tokens": chunk["tokens"]})
-            yield sse_event("done", {"tokens_generated": end.tokens, **meta, "fallback": end.fallback, "model": self._answered_by(end.fallback)})
+            yield sse_event("done", {"tokens_generated": end.tokens, **meta, "fallback": end.fallback,
+                                     "model": self._answered_by(end.fallback), "migrations": end.migrations})
         except BallastError as err:
             yield sse_event("error", err.body())
         finally:

@@ -36,7 +36,7 @@ from policies.criticality import CRITICALITY_HEADER, DEFAULT_CRITICALITY, Critic
 from serve_app.errors import BallastError, PayloadTooLarge
 from serve_app.router import openai_api as oa
 from serve_app.stops import StopScanner, cut_at_stop
-from serve_app.router.api import app, read_body
+from serve_app.router.api import app, migrated_header, read_body
 from serve_app.router.pipeline import Admitted, StreamEnd
 
 
@@ -115,6 +115,7 @@ class OpenAIRoutes:
         usage = (admitted.ticket.prompt_tokens, int(answer["tokens"]))
         finish = oa.finish_reason(usage[1], admitted.max_tokens, stopped or answer.get("finish_reason") == "stop")
         headers["X-Ballast-Fallback"] = answer["fallback"] or "none"
+        headers.update(migrated_header(answer))
         if replayed:
             headers["X-Ballast-Idempotent-Replay"] = "true"
         build = oa.chat_completion if chat else oa.completion

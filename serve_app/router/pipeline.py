@@ -63,6 +63,7 @@ from serve_app.errors import (
 )
 from serve_app.router.api import bearer_token
 from serve_app.router.gate import GateRefused, GateSlot
+from serve_app.router.resilience import CallRecord
 from serve_app.router.ticket import Outcome, Ticket
 
 
@@ -100,6 +101,11 @@ class StreamEnd:
     tokens: int = 0
     enough: bool = False
     finish: Optional[str] = None  # the model's: "stop" (end of sequence, a stop string) or "length"
+    call: CallRecord = field(default_factory=CallRecord)  # migrations: replicas lost mid-stream
+
+    @property
+    def migrations(self) -> int:
+        return self.call.migrations
 
 
 class Pipeline:
@@ -293,13 +299,15 @@ class Pipeline:
         t0 = time.monotonic()
 
         async def work() -> dict[str, Any]:
-            result, fallback = await self._call_unary(ticket, call)
+            record = CallRecord()
+            result, fallback = await self._call_unary(ticket, call, record)
             return {
                 "text": result["text"],
                 "tokens": result["tokens"],
                 "finish_reason": result.get("finish_reason"),
                 "fallback": fallback,
                 "model": self._answered_by(fallback),
+                "migrations": record.migrations,  # sent again after its replica went away
             }
 
         try:
@@ -325,13 +333,15 @@ class Pipeline:
         ticket.finish(Outcome("OK", generated=generated, service_s=held if generated is not None else None))
         return answer, replayed
 
-    async def _call_unary(self, ticket: Ticket, call: dict[str, Any]) -> tuple[dict[str, Any], Optional[str]]:
+    async def _call_unary(
+        self, ticket: Ticket, call: dict[str, Any], record: CallRecord
+    ) -> tuple[dict[str, Any], Optional[str]]:
         self._stats.inflight += 1
         sent = time.monotonic()
         at = ticket.deadline.at_s
         try:
             result, fallback = await asyncio.wait_for(
-                self._caller.unary(call, at, self._kill_switches, time.time(), ticket.fallback_only),
+                self._caller.unary(call, at, self._kill_switches, time.time(), ticket.fallback_only, record),
                 timeout=max(0.001, at - sent),
             )
         except asyncio.TimeoutError:
@@ -354,7 +364,7 @@ class Pipeline:
         outcome = Outcome("OK")
         try:
             chunks, end.fallback = await self._caller.stream(
-                call, ticket.deadline.at_s, self._kill_switches, time.time(), ticket.fallback_only
+                call, ticket.deadline.at_s, self._kill_switches, time.time(), ticket.fallback_only, end.call
             )
             async for chunk in chunks:
                 if "queue_wait_ms" in chunk:

@@ -10,13 +10,25 @@ Chain for a unary request (DESIGN.md step 6–8):
   for each backend not taken out by a model kill switch:
       bulkhead full or breaker open → next backend
       attempt with timeout min(attempt_timeout_s, deadline left); on a retryable
-      failure (replica died, backpressure, attempt timeout) retry with full-jitter
-      backoff while the retry budget, the attempt limit and the deadline allow
+      failure (backpressure, attempt timeout) retry with full-jitter backoff while
+      the retry budget, the attempt limit and the deadline allow; on a lost replica
+      (its actor or node gone) send it again at once, within the migration limit,
+      the retry budget and the deadline (policies/migration.py)
       → success: the answer (and the cache is fed)
-  then the cache (identical request, where enabled) → else 503 MODEL_UNAVAILABLE.
+  then the cache (identical request, where enabled) → else 503 MODEL_UNAVAILABLE
+  (503 REPLICA_LOST when what failed was lost capacity).
 
 Streaming follows the same chain up to the first chunk; after that the stream
-is committed to its backend and a failure ends it with an error event.
+is committed to its backend. A lost replica mid-stream is a migration: the prompt
+and the token ids already delivered go to another replica of the same backend,
+which prefills them and continues (the first ``continue_text_chars`` characters of
+its text are the client's already, so it sends only what follows); the client sees
+one stream. Any other failure, or a migration past the limit or the deadline, ends
+the stream with an error event.
+
+A lost replica is capacity that is gone, not a sick model: its attempts neither
+trip the breaker nor count toward the level's error rate (``on_lost_capacity``
+counts them on their own).
 
 Everything here runs on the router's event loop thread; breakers, bulkheads and
 the budget are touched only between awaits, never across one.
@@ -36,16 +48,25 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    NodeDiedError,
+    OwnerDiedError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
 from policies import killswitch
+from policies import migration
 from policies.breaker import BreakerEvent, CircuitBreaker, Permit
 from policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
 from policies.retry import RetryBudget, backoff_s, should_retry
 
 from serve_app.config import BallastConfig
-from serve_app.errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable
+from serve_app.errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable, ReplicaLost
 
 
 
@@ -137,14 +158,15 @@ def classify(exc: BaseException) -> str:
         return "replica_died"
     if isinstance(exc, DeadlineExceeded):
         return "deadline_exceeded"
-    if isinstance(exc, RayActorError):
+    if isinstance(exc, (RayActorError, NodeDiedError, WorkerCrashedError, OwnerDiedError)):
         return "replica_died"
     return "model_error"
 
 
-# Failures that say the backend is unhealthy; backpressure is load, which the
-# degradation level handles, so it neither trips nor heals a breaker.
-BREAKER_FAILURES = {"attempt_timeout", "replica_died", "model_error"}
+# Failures that say the backend is unhealthy. Backpressure is load, which the
+# degradation level handles; a lost replica is capacity that is gone (Serve replaces
+# it): neither trips nor heals a breaker.
+BREAKER_FAILURES = {"attempt_timeout", "model_error"}
 
 
 @dataclass
@@ -176,6 +198,15 @@ class CallHooks:
     on_retry: Callable[[str, str], None] = lambda backend, kind: None
     on_fallback: Callable[[str], None] = lambda kind: None
     on_breaker_event: Callable[[BreakerEvent], None] = lambda e: None
+    # An attempt lost with its replica: (backend, "migrated" | "failed").
+    on_lost_capacity: Callable[[str, str], None] = lambda backend, outcome: None
+
+
+@dataclass
+class CallRecord:
+    """What one call went through, for its answer: migrations after a lost replica."""
+
+    migrations: int = 0
 
 
 class ResilientCaller:
@@ -202,6 +233,8 @@ class ResilientCaller:
         bcfg = r.breaker.breaker_config()
         self.retry_cfg = r.retry.retry_config()
         self.budget = RetryBudget(self.retry_cfg)
+        self.migration_cfg = migration.MigrationConfig(limit=r.migration_limit)
+        self.lost = {"migrated": 0, "failed": 0}  # lost-capacity attempts since start, by outcome
         self.backends = [
             Backend(
                 "primary",
@@ -241,8 +274,13 @@ class ResilientCaller:
         kills = [e for kind, e in skipped if kind == "kill_switch"]
         if kills and len(kills) == len(self.backends):
             return KillSwitchActive(f"model '{kills[0].value}' is switched off: {kills[0].reason}")
-        waits = [b.breaker.retry_after_s() for b in self.backends if b.breaker.retry_after_s() > 0]
         reasons = ", ".join(f"{k}:{e}" for k, e in skipped if k != "kill_switch") or "no backend"
+        kinds = {k for k, _ in skipped}
+        if migration.LOST_CAPACITY in kinds and not kinds & BREAKER_FAILURES:
+            # Capacity that went away, not a model that failed: the level does not count it.
+            return ReplicaLost(f"the replica holding the request went away and no other could take it ({reasons})",
+                               retry_after_s=1.0)
+        waits = [b.breaker.retry_after_s() for b in self.backends if b.breaker.retry_after_s() > 0]
         return ModelUnavailable(f"no model backend could answer ({reasons})", retry_after_s=min(waits, default=1.0))
 
     def _failed(self, b: Backend, permit: Permit, exc: BaseException, t0: float) -> str:
@@ -279,12 +317,20 @@ class ResilientCaller:
 
     # -- unary -----------------------------------------------------------------------
     async def unary(
-        self, call: dict[str, Any], deadline_s: float, kill_switches: list, now_wall_s: float, fallback_only: bool = False
+        self,
+        call: dict[str, Any],
+        deadline_s: float,
+        kill_switches: list,
+        now_wall_s: float,
+        fallback_only: bool = False,
+        record: Optional[CallRecord] = None,
     ) -> tuple[dict[str, Any], Optional[str]]:
         """(result, fallback kind or None); raises a BallastError when nothing can answer.
 
         ``fallback_only``: the primary is not to be asked (the level or the gate refused
-        this request there); only the fallback model may answer."""
+        this request there); only the fallback model may answer. ``record`` is filled
+        with what the call went through (its migrations)."""
+        record = record if record is not None else CallRecord()
         self.budget.on_request_start()
         skipped: list[tuple[str, Any]] = []
         try:
@@ -292,7 +338,7 @@ class ResilientCaller:
                 if not self._enter(b, kill_switches, now_wall_s, skipped):
                     continue
                 try:
-                    result = await self._attempts(b, call, deadline_s)
+                    result = await self._attempts(b, call, deadline_s, record)
                 except _BackendFailed as f:
                     skipped.append((f.kind, b.role))
                     continue
@@ -315,7 +361,7 @@ class ResilientCaller:
         finally:
             self.budget.on_request_end()
 
-    async def _attempts(self, b: Backend, call: dict[str, Any], deadline_s: float) -> dict[str, Any]:
+    async def _attempts(self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord) -> dict[str, Any]:
         attempt = 1
         retrying = False
         try:
@@ -340,19 +386,24 @@ class ResilientCaller:
                     kind = self._failed(b, permit, exc, t0)
                     if kind == "deadline_exceeded" or self._clock() >= deadline_s:
                         raise DeadlineExceeded("the request's deadline passed") from None
-                    pause = backoff_s(attempt, self.retry_cfg, self._rng.random)
-                    ok, _ = should_retry(
-                        kind, attempt, deadline_s - self._clock(), pause, MIN_ATTEMPT_S, self.retry_cfg
-                    )
                     if retrying:
                         self.budget.release_retry()
                         retrying = False
-                    if not ok or not self.budget.try_acquire_retry():
-                        raise _BackendFailed(kind, b.role) from None
-                    retrying = True
-                    self._hooks.on_retry(b.role, kind)
+                    if kind == migration.LOST_CAPACITY:
+                        # Sent again elsewhere; an ordinary attempt is not used up by it.
+                        pause = self._migration_pause(b, record, deadline_s, budget=True)
+                        retrying = True
+                    else:
+                        pause = backoff_s(attempt, self.retry_cfg, self._rng.random)
+                        ok, _ = should_retry(
+                            kind, attempt, deadline_s - self._clock(), pause, MIN_ATTEMPT_S, self.retry_cfg
+                        )
+                        if not ok or not self.budget.try_acquire_retry():
+                            raise _BackendFailed(kind, b.role) from None
+                        retrying = True
+                        self._hooks.on_retry(b.role, kind)
+                        attempt += 1
                     await self._sleep(pause)
-                    attempt += 1
                     continue
                 b.breaker.record(permit, True, self._clock() - t0)
                 return result
@@ -360,68 +411,135 @@ class ResilientCaller:
             if retrying:
                 self.budget.release_retry()
 
+    def _migration_pause(self, b: Backend, record: CallRecord, deadline_s: float, budget: bool) -> float:
+        """The pause before migrating a call that lost its replica; raises _BackendFailed
+        when the limit, the deadline or (``budget``: a unary re-send) the retry budget says no.
+        On True with ``budget``, a retry slot is held: the caller releases it."""
+        pause = migration.pause_s(record.migrations + 1, self._rng.random())
+        ok, _ = migration.should_migrate(
+            record.migrations, self.migration_cfg, deadline_s - self._clock(), pause, MIN_ATTEMPT_S
+        )
+        if not ok or (budget and not self.budget.try_acquire_retry()):
+            self.lost["failed"] += 1
+            self._hooks.on_lost_capacity(b.role, "failed")
+            raise _BackendFailed(migration.LOST_CAPACITY, b.role)
+        record.migrations += 1
+        self.lost["migrated"] += 1
+        self._hooks.on_lost_capacity(b.role, "migrated")
+        return pause
+
     # -- streaming -------------------------------------------------------------------
     async def stream(
-        self, call: dict[str, Any], deadline_s: float, kill_switches: list, now_wall_s: float, fallback_only: bool = False
+        self,
+        call: dict[str, Any],
+        deadline_s: float,
+        kill_switches: list,
+        now_wall_s: float,
+        fallback_only: bool = False,
+        record: Optional[CallRecord] = None,
     ) -> tuple[AsyncIterator[dict[str, Any]], Optional[str]]:
         """An iterator over chunks (the first already fetched) and the fallback kind.
 
         The chain applies until a backend yields its first chunk; from then on the
-        stream belongs to that backend. ``fallback_only`` as for ``unary``.
+        stream belongs to that backend, whose replicas may carry it on (migrations,
+        counted in ``record``). ``fallback_only`` as for ``unary``.
         """
+        record = record if record is not None else CallRecord()
         skipped: list[tuple[str, Any]] = []
         for b in self._chain(fallback_only):
             if not self._enter(b, kill_switches, now_wall_s, skipped):
                 continue
+            try:
+                opened = await self._open(b, call, deadline_s, record)
+            except _BackendFailed as f:
+                b.bulkhead.leave()
+                skipped.append((f.kind, b.role))
+                continue
+            except BaseException:
+                b.bulkhead.leave()
+                raise
+            kind = self.fallback_name(b)
+            if kind:
+                self._hooks.on_fallback(kind)
+            return self._rest(b, opened, call, deadline_s, record), kind
+        raise self._unavailable(skipped)
+
+    async def _open(
+        self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord, resume: Optional[dict] = None
+    ) -> "_Open":
+        """A stream on ``b`` with its first chunk; a lost replica is tried again elsewhere.
+        ``resume``: the continuation fields of a migrated stream."""
+        while True:
             permit = b.breaker.allow()
             if permit is None:
-                b.bulkhead.leave()
-                skipped.append(("breaker_open", b.role))
-                continue
+                raise _BackendFailed("breaker_open", b.role)
             left = deadline_s - self._clock()
             if left <= MIN_ATTEMPT_S:
                 b.breaker.release(permit)
-                b.bulkhead.leave()
                 raise DeadlineExceeded("the request's deadline passed")
             t0 = self._clock()
-            gen = b.stream_handle.generate_stream.remote({**call, **_deadline_fields(left, self._wall_clock())})
+            gen = b.stream_handle.generate_stream.remote({**call, **(resume or {}), **_deadline_fields(left, self._wall_clock())})
             try:
                 first = await self._wait_for(gen.__anext__(), self._attempt_timeout(left))
             except asyncio.CancelledError:
                 gen.cancel()
                 b.breaker.release(permit)
-                b.bulkhead.leave()
                 raise
             except Exception as exc:
                 gen.cancel()
                 kind = self._failed(b, permit, exc, t0)
-                b.bulkhead.leave()
                 if kind == "deadline_exceeded":
                     raise DeadlineExceeded("the request's deadline passed") from None
-                skipped.append((kind, b.role))
+                if kind != migration.LOST_CAPACITY:
+                    raise _BackendFailed(kind, b.role) from None
+                await self._sleep(self._migration_pause(b, record, deadline_s, budget=False))
                 continue
-            kind = self.fallback_name(b)
-            if kind:
-                self._hooks.on_fallback(kind)
-            return self._rest(b, permit, gen, first, t0, deadline_s), kind
-        raise self._unavailable(skipped)
+            if resume is not None:
+                first = {k: v for k, v in first.items() if k != "queue_wait_ms"}  # not a new request's wait
+            return _Open(gen, permit, first, t0)
 
-    async def _rest(self, b: Backend, permit: Permit, gen: Any, first: dict[str, Any], t0: float, deadline_s: float):
+    async def _rest(self, b: Backend, opened: "_Open", call: dict[str, Any], deadline_s: float, record: CallRecord):
+        gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
+        delivered_ids: list[int] = []  # the stream's token ids so far: what a migration prefills
+        delivered_chars = 0
         outcome: Optional[bool] = None  # None: the client left, which says nothing about the backend
         try:
-            yield first
             while True:
+                delivered_ids.extend(chunk.get("ids", ()))
+                delivered_chars += len(chunk.get("text", ""))
+                yield chunk
                 try:
                     chunk = await self._wait_for(gen.__anext__(), max(0.001, deadline_s - self._clock()))
                 except StopAsyncIteration:
                     break
-                yield chunk
+                except asyncio.TimeoutError:
+                    raise
+                except Exception as exc:
+                    if classify(exc) != migration.LOST_CAPACITY:
+                        raise
+                    gen.cancel()
+                    b.failed[migration.LOST_CAPACITY] = b.failed.get(migration.LOST_CAPACITY, 0) + 1
+                    b.breaker.release(permit)
+                    permit = None
+                    resume = {"continue_ids": list(delivered_ids), "continue_text_chars": delivered_chars}
+                    try:
+                        await self._sleep(self._migration_pause(b, record, deadline_s, budget=False))
+                        opened = await self._open(b, call, deadline_s, record, resume)
+                    except _BackendFailed as f:
+                        raise _StreamEnded(ReplicaLost(
+                            f"the stream's replica went away and it could not be carried on ({f.kind})", retry_after_s=1.0
+                        )) from None
+                    except DeadlineExceeded:
+                        raise _StreamEnded(DeadlineExceeded("the request's deadline passed while streaming")) from None
+                    gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
             outcome = True
         except (GeneratorExit, asyncio.CancelledError):
             raise
         except asyncio.TimeoutError:
             outcome = False
             raise DeadlineExceeded("the request's deadline passed while streaming") from None
+        except _StreamEnded as end:  # a migration that could not go on: its attempts are settled
+            raise end.error from None
         except Exception as exc:
             kind = classify(exc)
             outcome = kind not in BREAKER_FAILURES
@@ -431,8 +549,27 @@ class ResilientCaller:
         finally:
             if outcome is not True:
                 gen.cancel()
-            if outcome is None:
-                b.breaker.release(permit)
-            else:
-                b.breaker.record(permit, outcome, self._clock() - t0)
+            if permit is not None:
+                if outcome is None:
+                    b.breaker.release(permit)
+                else:
+                    b.breaker.record(permit, outcome, self._clock() - t0)
             b.bulkhead.leave()
+
+
+class _StreamEnded(Exception):
+    """A stream's migration ended it with ``error`` (its breaker permit already given back)."""
+
+    def __init__(self, error: BallastError):
+        super().__init__(error)
+        self.error = error
+
+
+@dataclass
+class _Open:
+    """A stream on a backend: its generator, breaker permit, first chunk and start time."""
+
+    gen: Any
+    permit: Permit
+    first: dict[str, Any]
+    t0: float

@@ -9,10 +9,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    NodeDiedError,
+    OwnerDiedError,
+    RayTaskError,
+    WorkerCrashedError,
+)
 from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
+from policies.migration import LOST_CAPACITY
 from policies.retry import FAILURE_KINDS
 from serve_app.model.chaos import InjectedFault
 from serve_app.errors import DeadlineExceeded, ModelUnavailable
@@ -251,14 +259,16 @@ def test_classify_anything_else_is_a_model_error(exc: BaseException) -> None:
     assert classify(exc) == "model_error"
 
 
-def test_breaker_failures_exclude_backpressure_and_deadline() -> None:
-    assert BREAKER_FAILURES == {"attempt_timeout", "replica_died", "model_error"}
+def test_breaker_failures_exclude_backpressure_deadline_and_lost_capacity() -> None:
+    assert BREAKER_FAILURES == {"attempt_timeout", "model_error"}
     assert "backpressure" not in BREAKER_FAILURES
     # the client's deadline says nothing about the backend's health either
     assert "deadline_exceeded" not in BREAKER_FAILURES
+    # nor does a replica or node that went away: Serve replaces it; the request migrates
+    assert LOST_CAPACITY not in BREAKER_FAILURES
 
 
-def test_classify_kinds_are_retry_kinds_and_only_two_spare_the_breaker() -> None:
+def test_classify_kinds_are_retry_kinds_and_three_spare_the_breaker() -> None:
     kinds = {
         classify(e)
         for e in (
@@ -271,7 +281,29 @@ def test_classify_kinds_are_retry_kinds_and_only_two_spare_the_breaker() -> None
     }
     assert kinds == {"attempt_timeout", "backpressure", "replica_died", "deadline_exceeded", "model_error"}
     assert kinds <= FAILURE_KINDS  # should_retry raises on a kind it does not know
-    assert kinds - BREAKER_FAILURES == {"backpressure", "deadline_exceeded"}
+    assert kinds - BREAKER_FAILURES == {"backpressure", "deadline_exceeded", "replica_died"}
+
+
+@pytest.mark.parametrize("error", [
+    ActorDiedError(),
+    ActorUnavailableError("the node is gone", b"\x00" * 16),
+    NodeDiedError("node lost"),
+    WorkerCrashedError(),
+    OwnerDiedError("00" * 28, None, "generate"),
+    RayTaskError("generate_stream", "traceback", ActorDiedError()),
+], ids=lambda e: type(e).__name__)
+def test_every_way_a_replica_or_node_goes_away_is_lost_capacity(error) -> None:
+    assert classify(error) == LOST_CAPACITY
+
+
+@pytest.mark.parametrize("error", [
+    RayTaskError("generate", "traceback", RuntimeError("CUDA error: an illegal memory access")),
+    RayTaskError("generate", "traceback", InjectedFault("chaos error")),
+    Exception("anything else"),
+], ids=lambda e: type(e).__name__)
+def test_what_the_model_itself_got_wrong_is_a_model_error(error) -> None:
+    assert classify(error) == "model_error"
+    assert "model_error" in BREAKER_FAILURES
 
 
 def test_a_timeout_raised_inside_the_replica_is_a_model_error_not_our_attempt_timeout():

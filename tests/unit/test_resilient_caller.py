@@ -26,8 +26,8 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from policies.killswitch import KillSwitchEntry
 from serve_app.config import load_config
-from serve_app.errors import DeadlineExceeded, ModelUnavailable
-from serve_app.router.resilience import CallHooks, ResilientCaller
+from serve_app.errors import DeadlineExceeded, ModelUnavailable, ReplicaLost
+from serve_app.router.resilience import CallHooks, CallRecord, ResilientCaller
 
 from fakes import FakeClock
 
@@ -153,6 +153,7 @@ def make(
     hooks = CallHooks(
         on_retry=lambda backend, kind: events.append(("retry", backend, kind)),
         on_fallback=lambda kind: events.append(("fallback", kind)),
+        on_lost_capacity=lambda backend, outcome: events.append(("lost", backend, outcome)),
     )
     caller = ResilientCaller(
         cfg,
@@ -231,6 +232,32 @@ async def test_an_exhausted_retry_budget_sends_a_retryable_failure_to_the_fallba
     assert timer.slept_s == []
     snap = caller.budget.snapshot()
     assert (snap["retries_granted"], snap["retries_denied"], snap["retries_in_flight"]) == (0, 1, 0)
+
+
+async def test_a_lost_replica_is_sent_again_without_using_an_attempt_or_the_breaker() -> None:
+    primary = FakeHandle(fails(ActorDiedError()), fails(ActorDiedError()), ok("answered"))
+    caller, clock, timer, events = make(primary, retry={"max_attempts": 1})
+    record = CallRecord()
+    result = await caller.unary(dict(CALL), clock() + 30, [], WALL_S, record=record)
+    assert result == ({"text": "answered"}, None)
+    assert record.migrations == 2 and len(primary.generate.calls) == 3
+    assert timer.slept_s == [0.025, 0.025]
+    assert events == [("lost", "primary", "migrated")] * 2
+    b = breaker_of(caller, "primary")
+    assert (b["calls"], b["failures"]) == (1, 0)
+    assert caller.budget.snapshot()["retries_in_flight"] == 0  # each re-send's slot given back
+
+
+async def test_lost_replicas_past_the_limit_go_to_the_fallback_then_replica_lost() -> None:
+    primary = FakeHandle(*(fails(ActorDiedError()) for _ in range(4)))
+    caller, clock, _, events = make(primary, FakeHandle(ok("small")))
+    assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
+    assert len(primary.generate.calls) == 4 and events[-2:] == [("lost", "primary", "failed"), ("fallback", "fallback_model")]
+    primary = FakeHandle(*(fails(ActorDiedError()) for _ in range(4)))
+    caller, clock, _, _ = make(primary)
+    with pytest.raises(ReplicaLost) as info:
+        await unary(caller, clock)
+    assert (info.value.status, info.value.code, info.value.retry_after_s) == (503, "REPLICA_LOST", 1.0)
 
 
 async def test_a_model_error_is_not_retried_and_without_a_fallback_is_503() -> None:
@@ -342,19 +369,33 @@ async def test_a_stream_yields_the_first_chunk_then_the_rest_and_counts_one_succ
 
 
 async def test_a_stream_failing_before_its_first_chunk_falls_back_without_a_retry() -> None:
-    dead = FakeStream(fails(ActorDiedError()))
+    dead = FakeStream(fails(RayTaskError("generate_stream", "traceback", RuntimeError("cuda error"))))
     primary = FakeHandle(streams=(dead,))
     fallback = FakeHandle(streams=(FakeStream(ok("x"), ok("y")),))
     caller, clock, timer, events = make(primary, fallback)
     it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
     assert kind == "fallback_model"
     assert await collect(it) == [{"text": "x"}, {"text": "y"}]
-    assert len(primary.generate_stream.calls) == 1  # streams are not retried on a backend
+    assert len(primary.generate_stream.calls) == 1  # a model error is not retried on a backend
     assert dead.cancelled
     assert timer.slept_s == []
     assert ("fallback", "fallback_model") in events
 
 
+async def test_a_stream_whose_replica_died_before_its_first_chunk_goes_to_another_replica() -> None:
+    dead = FakeStream(fails(ActorDiedError()))
+    primary = FakeHandle(streams=(dead, FakeStream(ok("a"), ok("b"))))
+    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    caller, clock, timer, events = make(primary, fallback)
+    record = CallRecord()
+    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S, record=record)
+    assert kind is None and await collect(it) == [{"text": "a"}, {"text": "b"}]
+    assert dead.cancelled and record.migrations == 1
+    assert "continue_ids" not in primary.generate_stream.calls[1]  # nothing was delivered: a plain re-send
+    assert timer.slept_s == [0.025]  # half of MAX_PAUSE_S (the rng draws 0.5)
+    assert events == [("lost", "primary", "migrated")]
+    b = breaker_of(caller, "primary")
+    assert (b["calls"], b["failures"]) == (1, 0)  # the lost attempt is not the backend's failure
 async def test_a_stream_whose_first_chunk_times_out_falls_back_after_the_attempt_timeout() -> None:
     primary = FakeHandle(streams=(FakeStream(FakeResponse(HANG)),))
     fallback = FakeHandle(streams=(FakeStream(ok("x")),))
@@ -367,28 +408,99 @@ async def test_a_stream_whose_first_chunk_times_out_falls_back_after_the_attempt
 
 
 async def test_a_stream_with_no_backend_left_is_503() -> None:
-    primary = FakeHandle(streams=(FakeStream(fails(ActorDiedError())),))
+    primary = FakeHandle(streams=(FakeStream(fails(RayTaskError("g", "tb", RuntimeError("bad")))),))
     caller, clock, _, _ = make(primary)
-    with pytest.raises(ModelUnavailable, match="replica_died:primary"):
+    with pytest.raises(ModelUnavailable, match="model_error:primary"):
         await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
     assert caller.backends[0].bulkhead.in_flight == 0
 
 
-async def test_a_stream_failing_after_its_first_chunk_ends_with_503_and_no_fallback() -> None:
-    stream = FakeStream(ok("a"), fails(ActorDiedError()))
+async def test_a_stream_whose_replicas_keep_dying_is_replica_lost_after_the_migration_limit() -> None:
+    primary = FakeHandle(streams=tuple(FakeStream(fails(ActorDiedError())) for _ in range(4)))
+    caller, clock, _, events = make(primary)
+    with pytest.raises(ReplicaLost, match="replica_died:primary") as info:
+        await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    assert (info.value.status, info.value.code) == (503, "REPLICA_LOST")
+    assert len(primary.generate_stream.calls) == 4  # the first and three migrations (the limit)
+    assert events == [("lost", "primary", "migrated")] * 3 + [("lost", "primary", "failed")]
+    assert caller.backends[0].bulkhead.in_flight == 0
+    assert breaker_of(caller, "primary")["failures"] == 0
+
+
+async def test_a_model_error_after_its_first_chunk_ends_the_stream_with_503_and_no_fallback() -> None:
+    stream = FakeStream(ok("a"), fails(RayTaskError("generate_stream", "traceback", RuntimeError("cuda error"))))
     primary = FakeHandle(streams=(stream,))
     fallback = FakeHandle(streams=(FakeStream(ok("x")),))
     caller, clock, _, _ = make(primary, fallback)
     it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
     assert kind is None
     assert await it.__anext__() == {"text": "a"}
-    with pytest.raises(ModelUnavailable, match="replica_died"):
+    with pytest.raises(ModelUnavailable, match="model_error"):
         await it.__anext__()
     assert stream.cancelled
     assert fallback.generate_stream.calls == []  # committed to its backend after the first chunk
     b = breaker_of(caller, "primary")
     assert (b["calls"], b["failures"]) == (1, 1)
     assert caller.backends[0].bulkhead.in_flight == 0
+
+
+def piece(text: str, ids: list[int], takes_s: float = 1) -> FakeResponse:
+    return FakeResponse(takes_s, result={"text": text, "tokens": len(ids), "ids": ids})
+
+
+async def test_a_stream_whose_replica_dies_mid_way_carries_on_from_what_was_delivered() -> None:
+    cut = FakeStream(piece("he", [104, 101]), piece("llo", [108, 108, 111]), fails(ActorDiedError()))
+    resumed = FakeStream(FakeResponse(1, result={"text": " wo", "tokens": 3, "ids": [32, 119, 111],
+                                                   "queue_wait_ms": 5.0}), piece("rld", [114, 108, 100]))
+    primary = FakeHandle(streams=(cut, resumed))
+    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    caller, clock, timer, events = make(primary, fallback)
+    record = CallRecord()
+    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S, record=record)
+    chunks = await collect(it)
+    assert kind is None and "".join(c["text"] for c in chunks) == "hello world"
+    assert sum(c["tokens"] for c in chunks) == 11
+    assert all("queue_wait_ms" not in c for c in chunks[2:])  # a continuation is not a new request's wait
+    first, second = primary.generate_stream.calls
+    assert "continue_ids" not in first
+    # t=100 open, 101 "he", 102 "llo", 103 the replica dies, 0.025 s pause, 104.025 " wo"
+    assert second == {**CALL, "continue_ids": [104, 101, 108, 108, 111], "continue_text_chars": 5,
+                      "timeout_s": pytest.approx(30 - 3.025), "deadline_at_s": pytest.approx(WALL_S + 30 - 3.025)}
+    assert cut.cancelled and not resumed.cancelled
+    assert record.migrations == 1 and events == [("lost", "primary", "migrated")]
+    assert fallback.generate_stream.calls == []
+    b = breaker_of(caller, "primary")
+    assert (b["calls"], b["failures"]) == (1, 0)  # the cut attempt was released, the resumed one succeeded
+    assert caller.backends[0].bulkhead.in_flight == 0
+
+
+async def test_a_stream_cut_once_more_than_the_limit_ends_with_replica_lost() -> None:
+    streams = [FakeStream(piece("a", [97]), fails(ActorDiedError())) for _ in range(4)]
+    primary = FakeHandle(streams=tuple(streams))
+    caller, clock, _, events = make(primary)
+    it, _ = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    got = []
+    with pytest.raises(ReplicaLost):
+        async for chunk in it:
+            got.append(chunk["text"])
+    assert got == ["a"] * 4  # each migration delivered its piece before its replica went too
+    assert [len(c.get("continue_ids", [])) for c in primary.generate_stream.calls] == [0, 1, 2, 3]
+    assert events[-1] == ("lost", "primary", "failed")
+    assert caller.backends[0].bulkhead.in_flight == 0
+
+
+async def test_a_stream_cut_with_no_room_left_before_its_deadline_is_not_migrated() -> None:
+    # Deadline 3.04 s: the replica dies at t=103, leaving 0.04 s; a pause and a useful
+    # attempt (0.05 s) do not fit.
+    primary = FakeHandle(streams=(FakeStream(piece("a", [97], takes_s=1), fails(ActorDiedError(), takes_s=2)),
+                                  FakeStream(ok("never"))))
+    caller, clock, _, events = make(primary)
+    it, _ = await caller.stream(dict(CALL), clock() + 3.04, [], WALL_S)
+    assert (await it.__anext__())["text"] == "a"
+    with pytest.raises(ReplicaLost):
+        await it.__anext__()
+    assert len(primary.generate_stream.calls) == 1
+    assert events == [("lost", "primary", "failed")]
 
 
 async def test_a_stream_stalling_past_the_deadline_ends_with_504() -> None:
