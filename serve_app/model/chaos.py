@@ -40,6 +40,8 @@ class ChaosSettings:
     latency_ms: int = 0
     hang: bool = False
     stall: bool = False
+    # Each decode step (a chunk of stream_chunk_tokens) waits this long first: a slow device.
+    step_delay_ms: int = 0
     leak_mb_per_s: float = 0.0
     vram_leak_mb_per_s: float = 0.0
 
@@ -48,13 +50,15 @@ class ChaosSettings:
             raise ValueError("error_ratio: must be within [0, 1]")
         if not 0 <= self.latency_ms <= 600_000:
             raise ValueError("latency_ms: must be within [0, 600000]")
+        if not 0 <= self.step_delay_ms <= 10_000:
+            raise ValueError("step_delay_ms: must be within [0, 10000]")
         for name in ("leak_mb_per_s", "vram_leak_mb_per_s"):
             if not 0.0 <= getattr(self, name) <= 1024:
                 raise ValueError(f"{name}: must be within [0, 1024]")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChaosSettings":
-        known = {k: d[k] for k in ("error_ratio", "latency_ms", "hang", "stall", "leak_mb_per_s", "vram_leak_mb_per_s") if k in d}
+        known = {k: d[k] for k in ("error_ratio", "latency_ms", "hang", "stall", "step_delay_ms", "leak_mb_per_s", "vram_leak_mb_per_s") if k in d}
         return cls(**known)
 
     @property
@@ -130,9 +134,12 @@ class ChaosAgent:
             raise InjectedFault("injected failure (chaos)")
 
     async def stall_point(self) -> None:
-        """Called by the work loop before each decode step: waits while ``stall`` is set."""
+        """Called by the work loop before each decode step: waits while ``stall`` is set,
+        then ``step_delay_ms``."""
         while self._enabled and self.settings.stall:
             await self._sleep(0.05)
+        if self._enabled and self.settings.step_delay_ms:
+            await self._sleep(self.settings.step_delay_ms / 1000.0)
 
     def _chunk(self, mb_per_s: float, leaked: int) -> int:
         """Bytes to leak this tick (ten ticks a second), within the cap; 0 for a rate below a byte a tick."""

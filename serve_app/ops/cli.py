@@ -382,12 +382,13 @@ def chaos_on(
     latency_ms: int = typer.Option(0),
     hang: bool = typer.Option(False),
     stall: bool = typer.Option(False, help="stop the work loop mid-batch (the watchdog kills the replica)"),
+    step_delay_ms: int = typer.Option(0, help="before each decode step: a slow device"),
     leak_mb_per_s: float = typer.Option(0.0, help="host memory (RSS)"),
     vram_leak_mb_per_s: float = typer.Option(0.0, help="GPU memory, on replicas whose model is on a GPU"),
 ) -> None:
     """Inject faults into every replica of a model deployment."""
     body = {"target": target, "error_ratio": error_ratio, "latency_ms": latency_ms, "hang": hang, "stall": stall,
-            "leak_mb_per_s": leak_mb_per_s, "vram_leak_mb_per_s": vram_leak_mb_per_s}
+            "step_delay_ms": step_delay_ms, "leak_mb_per_s": leak_mb_per_s, "vram_leak_mb_per_s": vram_leak_mb_per_s}
     _admin_call(ctx, "POST", "/admin/chaos", body)
 
 

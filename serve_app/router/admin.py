@@ -46,6 +46,7 @@ class ChaosRequest(BaseModel):
     latency_ms: int = Field(0, ge=0, le=600_000)
     hang: bool = False
     stall: bool = False
+    step_delay_ms: int = Field(0, ge=0, le=10_000)  # before each decode step: a slow device
     leak_mb_per_s: float = Field(0.0, ge=0, le=1024)
     vram_leak_mb_per_s: float = Field(0.0, ge=0, le=1024)  # a GPU replica's device memory; nothing on CPU
 

@@ -479,8 +479,12 @@ class ResilientCaller:
                 raise DeadlineExceeded("the request's deadline passed")
             t0 = self._clock()
             gen = b.stream_handle.generate_stream.remote({**call, **(resume or {}), **_deadline_fields(left, self._wall_clock())})
+            # A migrated stream waits for its first chunk up to its deadline, not one attempt's
+            # timeout: when the lost replica was the deployment's last, the next one to take it
+            # is the replacement Serve is starting, and the stream has nowhere else to go.
+            first_timeout_s = left if record.migrations else self._attempt_timeout(left)
             try:
-                first = await self._wait_for(gen.__anext__(), self._attempt_timeout(left))
+                first = await self._wait_for(gen.__anext__(), first_timeout_s)
             except asyncio.CancelledError:
                 gen.cancel()
                 b.breaker.release(permit)

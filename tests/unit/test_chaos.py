@@ -268,6 +268,22 @@ async def test_stall_holds_the_work_loop_until_it_is_lifted() -> None:
     assert set(sleep.slept_s) == {0.05}
 
 
+async def test_a_step_delay_slows_each_decode_step_by_its_delay() -> None:
+    sleep = FakeSleep()
+    agent = ChaosAgent(enabled=True, max_leak_mb=1, sleep=sleep)
+    agent.apply({"step_delay_ms": 150})
+    step = asyncio.ensure_future(agent.stall_point())
+    await sleep.settle()
+    assert not step.done()  # waiting out the delay
+    await sleep.wake()
+    assert step.done() and sleep.slept_s == [0.15]
+    agent.apply({})
+    await agent.stall_point()  # no delay: returns at once
+    assert sleep.slept_s == [0.15]
+    with pytest.raises(ValueError, match="step_delay_ms"):
+        agent.apply({"step_delay_ms": 10_001})
+
+
 # -- ChaosAgent: leak -----------------------------------------------------------------
 
 
