@@ -3,10 +3,19 @@
 Closed-loop callers send ``/v1/generate`` requests, each to the next endpoint that is
 up, the way a load balancer in front of the nodes would: an endpoint that refuses a
 connection or times out is marked down and probed (``/healthz/ready``) until it
-answers again. Half the callers send an ``Idempotency-Key`` with every request and
-retry a failed one with the same key through another endpoint (as the client SDK
-does), so a key that fails for good is a request lost; the others never retry, and
-each failure is kept with its cause and the endpoint it went to.
+answers again. A third of the callers send an ``Idempotency-Key`` with every unary
+request, a third send unary requests without one, a third stream.
+
+What the balancer and the client SDK do is done here, and nothing more: a request that
+got no answer at all (the connection refused or not taken within ``CONNECT_TIMEOUT_S``,
+or dropped before any response came: the node holding it went away) is sent again
+through another endpoint, as HAProxy's ``retry-on conn-failure empty-response`` with
+``option redispatch`` does (a generation has no side effects), and so is a stream cut
+before its first token. A
+keyed request is also sent again, with its key, after a 502/503/504 answer, as the SDK
+does. Anything else is a request lost and is kept with its cause and the endpoint it
+went to; a stream cut after tokens reached the client is lost (``cut``). Streams that
+the server carried on elsewhere say so in their last event (``migrations``).
 
 Bounded: a fixed number of callers, stopped by ``duration_s`` or ``stop()``, at most
 ``MAX_RECORDS`` outcomes kept. Targets: loopback or the local cluster's own
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import re
 import threading
 import time
@@ -29,6 +39,7 @@ from urllib.parse import urlsplit
 import httpx
 
 MAX_RECORDS = 200_000
+CONNECT_TIMEOUT_S = 2.0  # a balancer's: a node that does not take the connection is tried no longer
 RETRYABLE = {502, 503, 504}
 OWN_NETWORKS = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("10.77.0.0/24"))
 
@@ -45,11 +56,13 @@ class Outcome:
     t: float  # monotonic, when the request was sent
     endpoint: str
     keyed: bool
-    cause: str  # "ok", "connect", "timeout", "dropped", "http_<status>_<code>"
-    attempts: int = 1  # keyed requests: attempts until this outcome
+    cause: str  # "ok", "connect", "timeout", "dropped", "cut", "stream_<code>", "http_<status>_<code>"
+    attempts: int = 1  # attempts until this outcome (sent again through another endpoint)
     level: Optional[int] = None  # the degradation level the answer carried
     replayed: bool = False
     why: str = ""  # a refusal's message without its numbers: which policy refused
+    stream: bool = False
+    migrations: int = 0  # times the server carried it on after its replica went away
 
 
 def message_kind(message: str) -> str:
@@ -74,8 +87,20 @@ class LoadReport:
     down_marks: list[tuple[float, str]] = field(default_factory=list)
     levels: list[LevelSample] = field(default_factory=list)  # sampled once a second, with an admin token
 
-    def failures(self, keyed: bool, since: float = 0.0) -> Counter:
-        return Counter(o.cause for o in self.outcomes if o.keyed == keyed and o.cause != "ok" and o.t >= since)
+    def failures(self, keyed: Optional[bool] = None, since: float = 0.0) -> Counter:
+        """Failed requests by cause: keyed ones, unkeyed ones (streams included), or all (None)."""
+        return Counter(o.cause for o in self.outcomes
+                       if (keyed is None or o.keyed == keyed) and o.cause != "ok" and o.t >= since)
+
+    def migrated(self, since: float = 0.0) -> tuple[int, int]:
+        """(requests the server carried on after losing their replica, migrations in all):
+        from the streams' last events and the unary answers' X-Ballast-Migrations."""
+        moved = [o.migrations for o in self.outcomes if o.migrations and o.t >= since]
+        return len(moved), sum(moved)
+
+    def resent(self, since: float = 0.0) -> int:
+        """Requests that got no answer from one endpoint and were answered through another."""
+        return sum(1 for o in self.outcomes if o.cause == "ok" and o.attempts > 1 and o.t >= since)
 
     def count(self, keyed: Optional[bool] = None, since: float = 0.0, until: float = float("inf")) -> int:
         return sum(1 for o in self.outcomes if (keyed is None or o.keyed == keyed) and since <= o.t < until)
@@ -166,51 +191,85 @@ class ClusterLoad:
         if len(self.report.outcomes) < MAX_RECORDS:
             self.report.outcomes.append(outcome)
 
-    async def _send(self, client: httpx.AsyncClient, endpoint: str, key: Optional[str]) -> tuple[str, Optional[dict]]:
-        """(cause, body): the body of a 200, or of an error answer; None where none came."""
+    async def _send(self, client: httpx.AsyncClient, endpoint: str, key: Optional[str],
+                    stream: bool) -> tuple[str, Optional[dict]]:
+        """(cause, body): the body of a 200 (a stream's last event), or of an error answer;
+        None where none came. "cut": a stream that ended early after tokens had arrived."""
         headers = {"Authorization": f"Bearer {self.api_key}", "X-Request-Timeout-Ms": str(int(self.timeout_s * 800))}
         if key:
             headers["Idempotency-Key"] = key
+        body = {"prompt": "cluster", "max_tokens": self.max_tokens, "stream": stream}
+        tokens = 0
         try:
-            r = await client.post(f"{endpoint}/v1/generate", headers=headers, timeout=self.timeout_s,
-                                  json={"prompt": "cluster", "max_tokens": self.max_tokens})
-        except httpx.TimeoutException:
-            self._mark_down(endpoint)
-            return "timeout", None
-        except httpx.ConnectError:  # nothing listens there: the node is gone
+            timeout = httpx.Timeout(self.timeout_s, connect=CONNECT_TIMEOUT_S)
+            async with client.stream("POST", f"{endpoint}/v1/generate", headers=headers, json=body,
+                                     timeout=timeout) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    try:
+                        err = r.json()
+                        code = err["error"]["code"]
+                    except (ValueError, KeyError, TypeError):
+                        err, code = None, "?"
+                    return f"http_{r.status_code}_{code}", err
+                if not stream:
+                    await r.aread()
+                    answer = r.json()
+                    answer["migrations"] = int(r.headers.get("x-ballast-migrations", 0))
+                    return "ok", answer
+                event = None
+                async for line in r.aiter_lines():
+                    if line.startswith("event: "):
+                        event = line[7:]
+                    elif line.startswith("data: "):
+                        data = json.loads(line[6:])
+                        if event == "token":
+                            tokens += 1
+                        elif event == "done":
+                            return "ok", data
+                        elif event == "error":
+                            return f"stream_{data['error']['code']}", data
+                return ("cut" if tokens else "dropped"), None
+        except (httpx.ConnectTimeout, httpx.ConnectError):  # nothing listens there: the node is gone
             self._mark_down(endpoint)
             return "connect", None
-        except httpx.HTTPError:  # the node's HAProxy dropped it (its router or replica died mid-request)
-            return "dropped", None
-        if r.status_code == 200:
-            return "ok", r.json()
-        try:
-            body = r.json()
-            code = body["error"]["code"]
-        except (ValueError, KeyError, TypeError):
-            body, code = None, "?"
-        return f"http_{r.status_code}_{code}", body
+        except httpx.TimeoutException:  # no answer within the request's time: the node may be cut off
+            self._mark_down(endpoint)
+            return ("cut" if tokens else "timeout"), None
+        except httpx.HTTPError:  # the node's HAProxy dropped it (its router died mid-request)
+            return ("cut" if tokens else "dropped"), None
 
-    async def _caller(self, client: httpx.AsyncClient, keyed: bool, stop_at: float) -> None:
+    async def _caller(self, client: httpx.AsyncClient, keyed: bool, stream: bool, stop_at: float) -> None:
         while not self._stop.is_set() and time.monotonic() < stop_at:
             sent = time.monotonic()
             endpoint = self._pick()
             key = uuid.uuid4().hex if keyed else None
-            cause, body = await self._send(client, endpoint, key)
+            cause, body = await self._send(client, endpoint, key, stream)
             attempts = 1
-            while keyed and cause != "ok" and attempts < 5 and not self._stop.is_set():
-                retryable = cause in ("connect", "timeout", "dropped") or int(cause.split("_")[1]) in RETRYABLE
-                if not retryable:
-                    break
+            while cause != "ok" and attempts < 5 and self._resend(cause, keyed):
+                if self._stop.is_set():
+                    return  # abandoned by the harness mid-resend: neither answered nor lost
                 await asyncio.sleep(0.2 * attempts)
                 endpoint = self._pick(avoid=endpoint)
-                cause, body = await self._send(client, endpoint, key)
+                cause, body = await self._send(client, endpoint, key, stream)
                 attempts += 1
             level = body.get("degradation_level") if body and cause == "ok" else None
             why = message_kind(str(body["error"].get("message", ""))) if body and cause != "ok" else ""
-            self._record(Outcome(sent, endpoint, keyed, cause, attempts, level, why=why))
+            migrations = int(body.get("migrations") or 0) if body and cause == "ok" else 0
+            self._record(Outcome(sent, endpoint, keyed, cause, attempts, level, why=why, stream=stream,
+                                 migrations=migrations))
             if cause != "ok":
                 await asyncio.sleep(0.1)
+
+    @staticmethod
+    def _resend(cause: str, keyed: bool) -> bool:
+        """Sent again through another endpoint: no answer at all (any request), or a keyed
+        request's 502/503/504 (the SDK's rule)."""
+        if cause in ("connect", "dropped"):
+            return True
+        if not keyed:
+            return False  # a timeout comes at the request's own deadline: too late (the SDK resends a keyed one)
+        return cause == "timeout" or (cause.startswith("http_") and int(cause.split("_")[1]) in RETRYABLE)
 
     async def _main(self) -> None:
         stop_at = time.monotonic() + self.duration_s
@@ -218,7 +277,8 @@ class ClusterLoad:
         async with httpx.AsyncClient(limits=limits) as client:
             probe = asyncio.create_task(self._probe(client))
             sampler = asyncio.create_task(self._sample_level(client)) if self.admin_token else None
-            await asyncio.gather(*(self._caller(client, i % 2 == 0, stop_at) for i in range(self.callers)))
+            # A third keyed (unary), a third unary without a key, a third streaming.
+            await asyncio.gather(*(self._caller(client, i % 3 == 0, i % 3 == 2, stop_at) for i in range(self.callers)))
             self._stop.set()
             probe.cancel()
             if sampler is not None:

@@ -226,6 +226,15 @@ def parse_status_lines(lines: Iterable[str], max_lines: int = MAX_STATUS_LINES) 
 # =========================================================================== status samples (pure)
 
 
+def lost_capacity(samples: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The last sample's lost-capacity counters ({} when none was ever non-zero)."""
+    for sample in reversed(samples):
+        lost = sample.get("lost_capacity") or {}
+        if any(lost.values()):
+            return dict(lost)
+    return {}
+
+
 def status_sample(t_s: float, status: Optional[Mapping[str, Any]], replicas: Optional[Mapping[str, Any]], error: Optional[str] = None) -> dict[str, Any]:
     """One compact ``status.jsonl`` line from ``GET /v1/status`` and ``GET /admin/replicas``.
 
@@ -251,6 +260,8 @@ def status_sample(t_s: float, status: Optional[Mapping[str, Any]], replicas: Opt
         out["recycles_in_flight"] = len(recycle.get("in_flight") or ())
         avail = recycle.get("availability") or {}
         out["availability"] = {k: avail.get(k) for k in ("expected", "measured") if k in avail}
+        lost = status.get("lost_capacity") or {}
+        out["lost_capacity"] = {k: v for k, v in lost.items() if isinstance(v, int)}
     if replicas:
         rows = []
         for r in (replicas.get("replicas") or ())[:MAX_SAMPLE_REPLICAS]:
@@ -832,6 +843,18 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
         )
     else:
         lines.append("_No recycle events in the status samples._")
+    lines.append("")
+
+    lines += ["## Replicas lost under requests", ""]
+    lost = lost_capacity(data.samples)
+    if lost:
+        lines.append(
+            f"{lost.get('migrated', 0)} requests sent again or carried on elsewhere after their replica went away "
+            f"({lost.get('streams_carried_on', 0)} of them streams continued mid-way); {lost.get('failed', 0)} could not "
+            "be (503 `REPLICA_LOST`). Counted by the router the sampler reached, since it started."
+        )
+    else:
+        lines.append("_None: no request was in flight on a replica that went away (or no status samples)._")
     lines.append("")
 
     lines += ["## Faults injected", ""]

@@ -234,7 +234,9 @@ class ResilientCaller:
         self.retry_cfg = r.retry.retry_config()
         self.budget = RetryBudget(self.retry_cfg)
         self.migration_cfg = migration.MigrationConfig(limit=r.migration_limit)
-        self.lost = {"migrated": 0, "failed": 0}  # lost-capacity attempts since start, by outcome
+        # Attempts lost with their replica since start: sent again or carried on elsewhere
+        # ("migrated"; "streams_carried_on" of them continued a stream mid-way), or ended 503.
+        self.lost = {"migrated": 0, "failed": 0, "streams_carried_on": 0}
         self.backends = [
             Backend(
                 "primary",
@@ -536,6 +538,7 @@ class ResilientCaller:
                     except DeadlineExceeded:
                         raise _StreamEnded(DeadlineExceeded("the request's deadline passed while streaming")) from None
                     gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
+                    self.lost["streams_carried_on"] += 1
             outcome = True
         except (GeneratorExit, asyncio.CancelledError):
             raise

@@ -198,8 +198,13 @@ def report_row(fault: str, load: Any, t_fault: float, t_recovered: Optional[floa
     row = {
         "fault": fault,
         "requests": rep.count(),
+        "streams": sum(o.stream for o in rep.outcomes),
         "keyed_failures": dict(rep.failures(True)),
         "other_failures": dict(rep.failures(False)),
+        # Carried on by the server after losing their replica; sent again by the balancer
+        # after their node went away without answering.
+        "migrated": rep.migrated(),  # over the whole load: those in flight at the fault were sent before it
+        "resent": rep.resent(),
         "recover_s": None if t_recovered is None else round(t_recovered - t_fault, 1),
         "failures_stop_s": None if rep.last_failure(t_fault) is None else round(rep.last_failure(t_fault) - t_fault, 1),
         "max_level": rep.max_level(),
@@ -209,6 +214,9 @@ def report_row(fault: str, load: Any, t_fault: float, t_recovered: Optional[floa
         "refused": dict(rep.refusals(t_fault).most_common(3)),
         # Why the level stood at 2 or above (2 sheds the sheddable classes, 3 all but critical_plus).
         "level_reasons": dict(rep.level_reasons(2, t_fault).most_common(3)),
+        # The first samples at 2 or above with their numbers (s after the fault, level, reason).
+        "level_detail": [(round(x.t - t_fault, 1), x.level, x.reason) for x in rep.levels
+                         if x.level >= 2 and x.t >= t_fault][:6],
         **extra,
     }
     REPORT.append(row)

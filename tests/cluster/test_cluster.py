@@ -3,7 +3,7 @@ namespace) under steady load through every node's endpoint.
 
 ``make test`` runs what matters most and costs least: where watchdogs sit, an
 Idempotency-Key retried through another node, and a worker killed under load with no
-request that carries a key lost. ``make test-cluster`` runs every fault
+request lost (keyed or not, unary or stream) and the level no higher than 1. ``make test-cluster`` runs every fault
 (``BALLAST_CLUSTER_SUITE=full``) and prints the report. Each fault starts from a
 whole cluster (conftest.py makes a new one after a test broke it).
 """
@@ -77,7 +77,23 @@ def test_an_idempotency_key_sent_through_every_node_is_answered_once(cluster):
         assert again.headers.get("x-ballast-idempotent-replay") == "true" and again.json()["text"] == answers[0].json()["text"]
 
 
-def test_a_worker_killed_under_load_loses_no_keyed_request(cluster):
+def lost_nothing(rep, row, t_fault: float) -> None:
+    """No request failed, of any kind, and the level stayed where the survivors could
+    carry the load: a lost node is a capacity gap, not a model error.
+
+    One exception, which only a client can mend: a stream whose own router (its
+    ingress) was on the lost node, cut after tokens had reached the client. The
+    router held what the stream had delivered, so no other can carry it on; such a
+    stream was sent before the fault, and is counted ("cut") in the report."""
+    failures = rep.failures()
+    cut = failures.pop("cut", 0)
+    assert failures == {}, row
+    assert all(o.t <= t_fault for o in rep.outcomes if o.cause == "cut"), row
+    assert cut <= 2, row  # two of the six callers stream: at most one stream each in flight
+    assert rep.max_level() <= 1, row
+
+
+def test_a_worker_killed_under_load_loses_no_request(cluster):
     steady(cluster)
     victim = worker_without_controller(cluster)  # the controller's node lost is its own fault
     survivor = next(w for w in cluster.workers if w != victim)
@@ -100,8 +116,7 @@ def test_a_worker_killed_under_load_loses_no_keyed_request(cluster):
     rep = load.report
     row = report_row("worker killed", load, t_fault, t_recovered, notes=f"{killed} processes of {victim.name} killed; "
                      f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
-    assert rep.failures(keyed=True) == {}, row  # every keyed request answered (retried through another node)
-    assert rep.max_level() < 4, row
+    lost_nothing(rep, row, t_fault)
     # The lost node's watchdogs died with it (once Ray has seen the node go); the new
     # replicas have theirs beside them.
     wait_until(lambda: victim.ip not in cluster.where("Watchdog"), 60, 1, "the lost node's watchdogs gone")
@@ -109,7 +124,7 @@ def test_a_worker_killed_under_load_loses_no_keyed_request(cluster):
 
 
 @full_suite
-def test_a_partitioned_worker_loses_no_keyed_request_and_nothing_stays_stuck(cluster):
+def test_a_partitioned_worker_loses_no_request_and_nothing_stays_stuck(cluster):
     steady(cluster)
     victim = worker_without_controller(cluster)
     survivor = next(w for w in cluster.workers if w != victim)
@@ -147,8 +162,7 @@ def test_a_partitioned_worker_loses_no_keyed_request_and_nothing_stays_stuck(clu
     row = report_row("network partition (30 s)", load, t_fault, t_recovered,
                      notes=f"link back after {t_healed - t_fault:.0f} s; {victim.name} {fate}; "
                            f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
-    assert rep.failures(keyed=True) == {}, row
-    assert rep.max_level() < 4, row
+    lost_nothing(rep, row, t_fault)
 
 
 @full_suite
@@ -179,8 +193,7 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
     row = report_row("controller's node killed", load, t_fault, t_recovered,
                      notes=f"controller back on {survivor.name}; "
                            f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
-    assert load.report.failures(keyed=True) == {}, row
-    assert load.report.max_level() < 4, row
+    lost_nothing(load.report, row, t_fault)
     # Its state came back: the kill switch is enforced, quota leases are issued again.
     assert [k["id"] for k in after["kill_switches"]] == [switch["id"]], after["kill_switches"]
     free = {"Authorization": f"Bearer {cluster.state['keys']['free']}"}

@@ -468,6 +468,7 @@ async def test_a_stream_whose_replica_dies_mid_way_carries_on_from_what_was_deli
                       "timeout_s": pytest.approx(30 - 3.025), "deadline_at_s": pytest.approx(WALL_S + 30 - 3.025)}
     assert cut.cancelled and not resumed.cancelled
     assert record.migrations == 1 and events == [("lost", "primary", "migrated")]
+    assert caller.lost == {"migrated": 1, "failed": 0, "streams_carried_on": 1}
     assert fallback.generate_stream.calls == []
     b = breaker_of(caller, "primary")
     assert (b["calls"], b["failures"]) == (1, 0)  # the cut attempt was released, the resumed one succeeded
