@@ -850,8 +850,9 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     if lost:
         lines.append(
             f"{lost.get('migrated', 0)} requests sent again or carried on elsewhere after their replica went away "
-            f"({lost.get('streams_carried_on', 0)} of them streams continued mid-way); {lost.get('failed', 0)} could not "
-            "be (503 `REPLICA_LOST`). Counted by the router the sampler reached, since it started."
+            f"({lost.get('streams_carried_on', 0)} of them streams continued mid-way); {lost.get('not_migrated', 0)} were not "
+            "(the migration limit, the deadline or the retry budget: the fallback answered, else 503 `REPLICA_LOST`, "
+            "counted under Failures). Counted by the router the sampler reached, since it started."
         )
     else:
         lines.append("_None: no request was in flight on a replica that went away (or no status samples)._")

@@ -261,8 +261,8 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
 
     lost = doc.get("lost_capacity") or {}
     if any(lost.values()):
-        out.append(f"lost capacity: {lost.get('migrated', 0)} carried on elsewhere, {lost.get('failed', 0)} failed "
-                   "(replicas or nodes that went away; not model errors)")
+        out.append(f"lost capacity: {lost.get('migrated', 0)} carried on elsewhere, {lost.get('not_migrated', 0)} not "
+                   "(to the fallback, else 503 REPLICA_LOST): replicas or nodes that went away, not model errors")
 
     breakers = doc.get("breakers") or {}
     if breakers:

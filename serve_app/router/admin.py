@@ -94,8 +94,9 @@ class AdminRoutes:
             "fast_path": running_fast_path(),
             "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in self._caller.backends},
             "retry_budget": self._caller.budget.snapshot(),
-            # Requests whose replica or node went away, since this router started: carried on
-            # elsewhere, or ended with 503 REPLICA_LOST. Not model errors: no breaker or level counts them.
+            # Attempts whose replica or node went away, since this router started: carried on
+            # elsewhere, or not (to the fallback, else 503 REPLICA_LOST). Not model errors:
+            # no breaker or level counts them.
             "lost_capacity": dict(self._caller.lost),
             "kill_switches": [e.to_dict() for e in self._kill_switches],
             "quotas": {

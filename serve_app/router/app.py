@@ -174,7 +174,8 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._m_lost = metrics.Counter(
             "ballast_requests_lost_capacity_total",
             "Attempts whose replica or node went away, by what became of the request: migrated "
-            "(sent again or carried on elsewhere) or failed (503 REPLICA_LOST). Not model errors.",
+            "(sent again or carried on elsewhere) or not_migrated (to the fallback, else 503 REPLICA_LOST). "
+            "Not model errors.",
             tag_keys=("backend", "outcome"),
         )
         self._m_deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")

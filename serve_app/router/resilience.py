@@ -198,7 +198,7 @@ class CallHooks:
     on_retry: Callable[[str, str], None] = lambda backend, kind: None
     on_fallback: Callable[[str], None] = lambda kind: None
     on_breaker_event: Callable[[BreakerEvent], None] = lambda e: None
-    # An attempt lost with its replica: (backend, "migrated" | "failed").
+    # An attempt lost with its replica: (backend, "migrated" | "not_migrated").
     on_lost_capacity: Callable[[str, str], None] = lambda backend, outcome: None
 
 
@@ -235,8 +235,9 @@ class ResilientCaller:
         self.budget = RetryBudget(self.retry_cfg)
         self.migration_cfg = migration.MigrationConfig(limit=r.migration_limit)
         # Attempts lost with their replica since start: sent again or carried on elsewhere
-        # ("migrated"; "streams_carried_on" of them continued a stream mid-way), or ended 503.
-        self.lost = {"migrated": 0, "failed": 0, "streams_carried_on": 0}
+        # ("migrated"; "streams_carried_on" of them continued a stream mid-way), or not
+        # (the limit, the deadline or the retry budget said no: the fallback, else 503).
+        self.lost = {"migrated": 0, "not_migrated": 0, "streams_carried_on": 0}
         self.backends = [
             Backend(
                 "primary",
@@ -422,8 +423,8 @@ class ResilientCaller:
             record.migrations, self.migration_cfg, deadline_s - self._clock(), pause, MIN_ATTEMPT_S
         )
         if not ok or (budget and not self.budget.try_acquire_retry()):
-            self.lost["failed"] += 1
-            self._hooks.on_lost_capacity(b.role, "failed")
+            self.lost["not_migrated"] += 1
+            self._hooks.on_lost_capacity(b.role, "not_migrated")
             raise _BackendFailed(migration.LOST_CAPACITY, b.role)
         record.migrations += 1
         self.lost["migrated"] += 1

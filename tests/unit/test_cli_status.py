@@ -88,6 +88,13 @@ def test_summary_names_an_open_breaker_and_its_failures() -> None:
     assert any(line.startswith("  primary: open, half-open in ") for line in lines)
 
 
+def test_summary_shows_lost_capacity_apart_from_breakers_only_when_there_was_some() -> None:
+    doc = live_document()
+    assert "lost capacity" not in format_status({**doc, "lost_capacity": {"migrated": 0, "not_migrated": 0}})
+    text = format_status({**doc, "lost_capacity": {"migrated": 7, "not_migrated": 1, "streams_carried_on": 2}})
+    assert "lost capacity: 7 carried on elsewhere, 1 not (to the fallback, else 503 REPLICA_LOST)" in text
+
+
 def test_summary_lists_only_tenants_near_their_quota() -> None:
     text = format_status(live_document())
     assert "tenants near their quota (bucket <= 20% of burst): 1" in text

@@ -70,7 +70,7 @@ def test_a_burst_of_lost_replicas_leaves_the_level_alone(stack) -> None:
     report = router._report()
     assert (report["requests"], report["errors"], report["lost_capacity"]) == (BURST, 0, BURST * 4)
     assert len(primary.generate.calls) == BURST * 4  # each sent again three times (the limit)
-    assert router._caller.lost == {"migrated": BURST * 3, "failed": BURST, "streams_carried_on": 0}
+    assert router._caller.lost == {"migrated": BURST * 3, "not_migrated": BURST, "streams_carried_on": 0}
     assert router._caller.backends[0].breaker.snapshot()["state"] == "closed"
     assert levels_after(report, 4) == [0, 0, 0, 0]
 
@@ -95,4 +95,4 @@ def test_a_request_sent_again_after_a_lost_replica_says_so_and_counts_no_error(s
     report = router._report()
     assert (report["requests"], report["errors"], report["lost_capacity"]) == (1, 0, 1)
     status = client.get("/v1/status", headers={"authorization": "Bearer admin-token"})
-    assert status.json()["lost_capacity"] == {"migrated": 1, "failed": 0, "streams_carried_on": 0}
+    assert status.json()["lost_capacity"] == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 0}

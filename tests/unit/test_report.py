@@ -21,6 +21,7 @@ from loadtest.report import (
     build,
     level_summary,
     load,
+    lost_capacity,
     outcome_timeline,
     parse_name,
     recycle_events,
@@ -322,3 +323,10 @@ def test_status_sample_compacts_the_admin_answers() -> None:
     # what the sampler writes, the report reads
     rows = rss_table([s])
     assert len(rows) == report.MAX_SAMPLE_REPLICAS and rows[0].max_mb == 512.0
+
+
+def test_lost_capacity_is_the_last_sample_that_saw_any() -> None:
+    samples = [{"lost_capacity": {"migrated": 0, "not_migrated": 0}}, {"lost_capacity": {"migrated": 3, "not_migrated": 1}},
+               {"level": 0}, {"error": "a poll failed"}]
+    assert lost_capacity(samples) == {"migrated": 3, "not_migrated": 1}
+    assert lost_capacity([{"lost_capacity": {"migrated": 0}}, {}]) == {}

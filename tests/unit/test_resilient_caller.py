@@ -252,7 +252,7 @@ async def test_lost_replicas_past_the_limit_go_to_the_fallback_then_replica_lost
     primary = FakeHandle(*(fails(ActorDiedError()) for _ in range(4)))
     caller, clock, _, events = make(primary, FakeHandle(ok("small")))
     assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
-    assert len(primary.generate.calls) == 4 and events[-2:] == [("lost", "primary", "failed"), ("fallback", "fallback_model")]
+    assert len(primary.generate.calls) == 4 and events[-2:] == [("lost", "primary", "not_migrated"), ("fallback", "fallback_model")]
     primary = FakeHandle(*(fails(ActorDiedError()) for _ in range(4)))
     caller, clock, _, _ = make(primary)
     with pytest.raises(ReplicaLost) as info:
@@ -422,7 +422,7 @@ async def test_a_stream_whose_replicas_keep_dying_is_replica_lost_after_the_migr
         await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
     assert (info.value.status, info.value.code) == (503, "REPLICA_LOST")
     assert len(primary.generate_stream.calls) == 4  # the first and three migrations (the limit)
-    assert events == [("lost", "primary", "migrated")] * 3 + [("lost", "primary", "failed")]
+    assert events == [("lost", "primary", "migrated")] * 3 + [("lost", "primary", "not_migrated")]
     assert caller.backends[0].bulkhead.in_flight == 0
     assert breaker_of(caller, "primary")["failures"] == 0
 
@@ -468,7 +468,7 @@ async def test_a_stream_whose_replica_dies_mid_way_carries_on_from_what_was_deli
                       "timeout_s": pytest.approx(30 - 3.025), "deadline_at_s": pytest.approx(WALL_S + 30 - 3.025)}
     assert cut.cancelled and not resumed.cancelled
     assert record.migrations == 1 and events == [("lost", "primary", "migrated")]
-    assert caller.lost == {"migrated": 1, "failed": 0, "streams_carried_on": 1}
+    assert caller.lost == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 1}
     assert fallback.generate_stream.calls == []
     b = breaker_of(caller, "primary")
     assert (b["calls"], b["failures"]) == (1, 0)  # the cut attempt was released, the resumed one succeeded
@@ -486,7 +486,7 @@ async def test_a_stream_cut_once_more_than_the_limit_ends_with_replica_lost() ->
             got.append(chunk["text"])
     assert got == ["a"] * 4  # each migration delivered its piece before its replica went too
     assert [len(c.get("continue_ids", [])) for c in primary.generate_stream.calls] == [0, 1, 2, 3]
-    assert events[-1] == ("lost", "primary", "failed")
+    assert events[-1] == ("lost", "primary", "not_migrated")
     assert caller.backends[0].bulkhead.in_flight == 0
 
 
@@ -501,7 +501,7 @@ async def test_a_stream_cut_with_no_room_left_before_its_deadline_is_not_migrate
     with pytest.raises(ReplicaLost):
         await it.__anext__()
     assert len(primary.generate_stream.calls) == 1
-    assert events == [("lost", "primary", "failed")]
+    assert events == [("lost", "primary", "not_migrated")]
 
 
 async def test_a_stream_stalling_past_the_deadline_ends_with_504() -> None:
