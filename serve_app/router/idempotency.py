@@ -12,6 +12,12 @@ key table every router shares (``serve_app.control.keys``, over
 node's endpoint, waits for the first answer there or gets it. Only requests that
 carry a key call it, with a short timeout; when it cannot be reached the key is
 honoured by this router alone, and ``shared_unreachable`` counts it.
+
+The answer (or the release of a failed attempt) is handed to the table in the
+background and tried again, longer each time, until the table takes it: a call that
+timed out on its way back may still have claimed the key there, and a claim left
+open strands every repeat of the key at the other routers until its lease ends (the
+request's whole deadline). So a claim whose call timed out is settled too.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ class _FirstCancelled(Exception):
 class _Entry:
     future: "asyncio.Future[dict[str, Any]]"
     done_at_s: Optional[float] = None
+
+
+#: Tries to hand an answer or a release to the table, the timeout doubling each time.
+SETTLE_ATTEMPTS = 3
 
 
 class SharedKeys:
@@ -62,11 +72,18 @@ class SharedKeys:
     async def wait(self, slot: tuple[str, str], timeout_s: float) -> Any:
         return await self._call("wait", *slot, timeout_s, timeout_s=timeout_s + self.timeout_s)
 
-    async def complete(self, slot: tuple[str, str], result: dict[str, Any]) -> None:
-        await self._call("complete", *slot, self.owner, result)
+    async def complete(self, slot: tuple[str, str], result: dict[str, Any]) -> bool:
+        return await self._settle("complete", *slot, self.owner, result)
 
-    async def release(self, slot: tuple[str, str]) -> None:
-        await self._call("release", *slot, self.owner)
+    async def release(self, slot: tuple[str, str]) -> bool:
+        return await self._settle("release", *slot, self.owner)
+
+    async def _settle(self, method: str, *args: Any) -> bool:
+        """True once the table took the call (it may answer that the claim was not ours)."""
+        for attempt in range(SETTLE_ATTEMPTS):
+            if await self._call(method, *args, timeout_s=self.timeout_s * 2**attempt) is not _UNREACHABLE:
+                return True
+        return False
 
 
 _UNREACHABLE = object()
@@ -87,6 +104,14 @@ class IdempotencyStore:
         # Insertion order == age order; only touched from the router's event loop.
         self._entries: "OrderedDict[tuple[str, str], _Entry]" = OrderedDict()
         self.replays = 0
+        # Answers and releases on their way to the shared table (each ends within
+        # SETTLE_ATTEMPTS calls); held so that they are not collected mid-way.
+        self._settling: set["asyncio.Task[bool]"] = set()
+
+    def _settle_later(self, call: Awaitable[bool]) -> None:
+        task = asyncio.ensure_future(call)
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -154,7 +179,7 @@ class IdempotencyStore:
             left = end - self._clock()
             claim = await shared.claim(slot, max(left, 0.001) + shared.timeout_s)
             if claim is _UNREACHABLE:
-                return await fn(), False
+                break  # honoured here alone; settled below in case the table took the claim
             if claim["state"] == DONE:
                 self.replays += 1
                 return claim["result"], True
@@ -170,7 +195,7 @@ class IdempotencyStore:
         try:
             result = await fn()
         except BaseException:
-            await asyncio.shield(shared.release(slot))
+            self._settle_later(shared.release(slot))
             raise
-        await shared.complete(slot, result)
+        self._settle_later(shared.complete(slot, result))
         return result, False

@@ -13,7 +13,7 @@ from fakes import FakeClock
 from policies.idempotency import DONE, MINE, RUNNING, KeyTable
 from serve_app.control.keys import KeyService
 from serve_app.errors import DeadlineExceeded
-from serve_app.router.idempotency import IdempotencyStore, SharedKeys
+from serve_app.router.idempotency import SETTLE_ATTEMPTS, IdempotencyStore, SharedKeys
 
 from test_idempotency import Counted, settle, spawn
 
@@ -89,6 +89,10 @@ class FakeActorHandle:
         self.service = service
         self.down = False
         self.calls: list[str] = []
+        # method -> how many of its next calls fail: "drop" never reaches the service,
+        # "late" runs there but its reply is lost (the caller's timeout fired first).
+        self.drop: dict[str, int] = {}
+        self.late: dict[str, int] = {}
 
     def __getattr__(self, method: str) -> Any:
         handle = self
@@ -97,11 +101,21 @@ class FakeActorHandle:
             @staticmethod
             def remote(*args: Any) -> Any:
                 handle.calls.append(method)
-                if handle.down:
+                if handle.down or handle.drop.get(method, 0) > 0:
+                    handle.drop[method] = handle.drop.get(method, 1) - 1
                     raise ConnectionError("actor unreachable")
-                return asyncio.ensure_future(getattr(handle.service, method)(*args))
+                call = asyncio.ensure_future(getattr(handle.service, method)(*args))
+                if handle.late.get(method, 0) > 0:
+                    handle.late[method] -= 1
+                    return _reply_lost(call)
+                return call
 
         return _M()
+
+
+async def _reply_lost(call: "asyncio.Future[Any]") -> Any:
+    await call  # the table did it ...
+    raise asyncio.TimeoutError()  # ... but the caller never heard
 
 
 def routers(clock: FakeClock) -> tuple[IdempotencyStore, IdempotencyStore, FakeActorHandle]:
@@ -151,7 +165,40 @@ async def test_an_unreachable_key_service_leaves_each_router_honouring_keys_alon
     actor.down = True
     assert await a.run("gold", "k1", Counted(), within_s=30) == ({"text": "answer 1"}, False)
     assert await a.run("gold", "k1", Counted(), within_s=30) == ({"text": "answer 1"}, True)  # a's own store
-    assert a._shared.unreachable == 1
+    await settle()
+    assert a._shared.unreachable == 1 + SETTLE_ATTEMPTS  # the claim, then the answer tried 3 times
+
+
+async def test_an_answer_the_table_missed_is_handed_to_it_again_and_a_retry_elsewhere_gets_it() -> None:
+    clock = FakeClock()
+    a, b, actor = routers(clock)
+    gate = asyncio.Event()
+    actor.drop["complete"] = 1  # a's answer does not reach the table the first time
+    ta = spawn(a.run("gold", "k1", Counted(gate), within_s=30))
+    await settle()
+    second = Counted()
+    tb = spawn(b.run("gold", "k1", second, within_s=30))
+    await settle()
+    gate.set()
+    assert await ta == ({"text": "answer 1"}, False)
+    assert await tb == ({"text": "answer 1"}, True) and second.calls == 0
+    assert actor.calls.count("complete") == 2
+
+
+async def test_a_claim_whose_reply_was_lost_is_settled_so_a_retry_elsewhere_is_not_stranded() -> None:
+    clock = FakeClock()
+    a, b, actor = routers(clock)
+    gate = asyncio.Event()
+    actor.late["claim"] = 1  # the table gives a the claim, a's call times out
+    ta = spawn(a.run("gold", "k1", Counted(gate), within_s=30))
+    await settle()
+    second = Counted()
+    tb = spawn(b.run("gold", "k1", second, within_s=30))
+    await settle()
+    assert second.calls == 0  # b sees a's claim in the table and waits for it
+    gate.set()
+    assert await ta == ({"text": "answer 1"}, False)  # a ran it alone ...
+    assert await tb == ({"text": "answer 1"}, True)  # ... and its answer reached the table
 
 
 async def test_a_retry_waits_no_longer_than_its_deadline() -> None:
