@@ -109,9 +109,18 @@ def haproxy(tmp_path: Path):
 LOGS: dict[str, socket.socket] = {}  # the fixture's log socket per HAProxy directory
 
 
-def _log_lines(d: Path) -> list[bytes]:
-    """The lines HAProxy logged since the last call (it sends each before the next answer)."""
+def _log_lines(d: Path, until: bytes | None = None, count: int = 1, timeout_s: float = 5.0) -> list[bytes]:
+    """The lines HAProxy logged since the last call. HAProxy logs a request when its
+    stream ends, which may be just after the client has read the answer: with ``until``,
+    wait (at most ``timeout_s`` a line) for ``count`` lines that contain it. Lines arrive
+    in the order their streams ended."""
     log, lines = LOGS[str(d)], []
+    while until is not None and sum(until in line for line in lines) < count:
+        log.settimeout(timeout_s)
+        try:
+            lines.append(log.recv(65536))
+        except socket.timeout:
+            break
     log.setblocking(False)
     while True:
         try:
@@ -168,10 +177,11 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
 
     # Refusals at the edge write no log line (Serve's manager would parse one each); what
     # passes is logged as Serve configured it.
-    _log_lines(d)
-    assert _post(port, "/v1/generate", "sheddable")[0] == 503 and _log_lines(d) == []
+    _log_lines(d, until=b"/v1/generate", count=3)  # the three answered above, however late
+    assert _post(port, "/v1/generate", "sheddable")[0] == 503
     assert _post(port, "/v1/generate", "critical_plus")[0] == 200
-    assert [b"/v1/generate" in line for line in _log_lines(d)] == [True]
+    # The refusal ended first: had it logged a line, that line would come before the answer's.
+    assert [b"/v1/generate" in line for line in _log_lines(d, until=b"/v1/generate")] == [True]
     edge.drain()
 
     # The level falls: the map follows, and the class passes again.
