@@ -397,14 +397,8 @@ class ResilientCaller:
                         pause = self._migration_pause(b, record, deadline_s, budget=True)
                         retrying = True
                     else:
-                        pause = backoff_s(attempt, self.retry_cfg, self._rng.random)
-                        ok, _ = should_retry(
-                            kind, attempt, deadline_s - self._clock(), pause, MIN_ATTEMPT_S, self.retry_cfg
-                        )
-                        if not ok or not self.budget.try_acquire_retry():
-                            raise _BackendFailed(kind, b.role) from None
+                        pause = self._retry_pause(b, kind, attempt, deadline_s)
                         retrying = True
-                        self._hooks.on_retry(b.role, kind)
                         attempt += 1
                     await self._sleep(pause)
                     continue
@@ -413,6 +407,17 @@ class ResilientCaller:
         finally:
             if retrying:
                 self.budget.release_retry()
+
+    def _retry_pause(self, b: Backend, kind: str, attempt: int, deadline_s: float) -> float:
+        """The backoff before an ordinary retry of attempt ``attempt`` that failed with
+        ``kind``; raises _BackendFailed when the retry policy, the deadline or the retry
+        budget says no. On return a retry slot is held: the caller releases it."""
+        pause = backoff_s(attempt, self.retry_cfg, self._rng.random)
+        ok, _ = should_retry(kind, attempt, deadline_s - self._clock(), pause, MIN_ATTEMPT_S, self.retry_cfg)
+        if not ok or not self.budget.try_acquire_retry():
+            raise _BackendFailed(kind, b.role)
+        self._hooks.on_retry(b.role, kind)
+        return pause
 
     def _migration_pause(self, b: Backend, record: CallRecord, deadline_s: float, budget: bool) -> float:
         """The pause before migrating a call that lost its replica; raises _BackendFailed
@@ -449,66 +454,87 @@ class ResilientCaller:
         """
         record = record if record is not None else CallRecord()
         skipped: list[tuple[str, Any]] = []
-        for b in self._chain(fallback_only):
-            if not self._enter(b, kill_switches, now_wall_s, skipped):
-                continue
-            try:
-                opened = await self._open(b, call, deadline_s, record)
-            except _BackendFailed as f:
-                b.bulkhead.leave()
-                skipped.append((f.kind, b.role))
-                continue
-            except BaseException:
-                b.bulkhead.leave()
-                raise
-            kind = self.fallback_name(b)
-            if kind:
-                self._hooks.on_fallback(kind)
-            return self._rest(b, opened, call, deadline_s, record), kind
-        raise self._unavailable(skipped)
+        self.budget.on_request_start()  # until the stream is open: its retries are the budget's
+        try:
+            for b in self._chain(fallback_only):
+                if not self._enter(b, kill_switches, now_wall_s, skipped):
+                    continue
+                try:
+                    opened = await self._open(b, call, deadline_s, record)
+                except _BackendFailed as f:
+                    b.bulkhead.leave()
+                    skipped.append((f.kind, b.role))
+                    continue
+                except BaseException:
+                    b.bulkhead.leave()
+                    raise
+                kind = self.fallback_name(b)
+                if kind:
+                    self._hooks.on_fallback(kind)
+                return self._rest(b, opened, call, deadline_s, record), kind
+            raise self._unavailable(skipped)
+        finally:
+            self.budget.on_request_end()
 
     async def _open(
         self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord, resume: Optional[dict] = None
     ) -> "_Open":
-        """A stream on ``b`` with its first chunk; a lost replica is tried again elsewhere.
-        ``resume``: the continuation fields of a migrated stream."""
-        while True:
-            permit = b.breaker.allow()
-            if permit is None:
-                raise _BackendFailed("breaker_open", b.role)
-            left = deadline_s - self._clock()
-            if left <= MIN_ATTEMPT_S:
-                b.breaker.release(permit)
-                raise DeadlineExceeded("the request's deadline passed")
-            t0 = self._clock()
-            gen = b.stream_handle.generate_stream.remote({**call, **(resume or {}), **_deadline_fields(left, self._wall_clock())})
-            # A migrated stream waits for its first chunk up to its deadline, not one attempt's
-            # timeout: when the lost replica was the deployment's last, the next one to take it
-            # is the replacement Serve is starting, and the stream has nowhere else to go.
-            first_timeout_s = left if record.migrations else self._attempt_timeout(left)
-            try:
-                first = await self._wait_for(gen.__anext__(), first_timeout_s)
-            except asyncio.CancelledError:
-                gen.cancel()
-                b.breaker.release(permit)
-                raise
-            except Exception as exc:
-                gen.cancel()
-                kind = self._failed(b, permit, exc, t0)
-                if kind == "deadline_exceeded":
-                    raise DeadlineExceeded("the request's deadline passed") from None
-                if kind != migration.LOST_CAPACITY:
-                    raise _BackendFailed(kind, b.role) from None
-                await self._sleep(self._migration_pause(b, record, deadline_s, budget=False))
-                continue
-            if resume is not None:
-                first = {k: v for k, v in first.items() if k != "queue_wait_ms"}  # not a new request's wait
-            return _Open(gen, permit, first, t0)
+        """A stream on ``b`` with its first chunk. A lost replica is tried again elsewhere
+        (a migration); an attempt that failed otherwise (its first chunk timed out on a
+        replica cut off from this router, say) is retried as a unary attempt is, inside the
+        retry budget. ``resume``: the continuation fields of a migrated stream."""
+        attempt = 1
+        retrying = False
+        try:
+            while True:
+                permit = b.breaker.allow()
+                if permit is None:
+                    raise _BackendFailed("breaker_open", b.role)
+                left = deadline_s - self._clock()
+                if left <= MIN_ATTEMPT_S:
+                    b.breaker.release(permit)
+                    raise DeadlineExceeded("the request's deadline passed")
+                t0 = self._clock()
+                gen = b.stream_handle.generate_stream.remote({**call, **(resume or {}), **_deadline_fields(left, self._wall_clock())})
+                # A migrated stream waits for its first chunk up to its deadline, not one attempt's
+                # timeout: when the lost replica was the deployment's last, the next one to take it
+                # is the replacement Serve is starting, and the stream has nowhere else to go.
+                first_timeout_s = left if record.migrations else self._attempt_timeout(left)
+                try:
+                    first = await self._wait_for(gen.__anext__(), first_timeout_s)
+                except asyncio.CancelledError:
+                    gen.cancel()
+                    b.breaker.release(permit)
+                    raise
+                except Exception as exc:
+                    gen.cancel()
+                    kind = self._failed(b, permit, exc, t0)
+                    if kind == "deadline_exceeded" or self._clock() >= deadline_s:
+                        raise DeadlineExceeded("the request's deadline passed") from None
+                    if retrying:
+                        self.budget.release_retry()
+                        retrying = False
+                    if kind == migration.LOST_CAPACITY:
+                        pause = self._migration_pause(b, record, deadline_s, budget=False)
+                    else:
+                        pause = self._retry_pause(b, kind, attempt, deadline_s)
+                        retrying = True
+                        attempt += 1
+                    await self._sleep(pause)
+                    continue
+                if resume is not None:
+                    first = {k: v for k, v in first.items() if k != "queue_wait_ms"}  # not a new request's wait
+                return _Open(gen, permit, first, t0)
+        finally:
+            if retrying:
+                self.budget.release_retry()
 
     async def _rest(self, b: Backend, opened: "_Open", call: dict[str, Any], deadline_s: float, record: CallRecord):
         gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
-        delivered_ids: list[int] = []  # the stream's token ids so far: what a migration prefills
-        delivered_chars = 0
+        # The stream's token ids and characters so far (a client's resume brings its own):
+        # what a migration prefills and does not send again.
+        delivered_ids: list[int] = [int(i) for i in call.get("continue_ids") or ()]
+        delivered_chars = int(call.get("continue_text_chars") or 0)
         outcome: Optional[bool] = None  # None: the client left, which says nothing about the backend
         try:
             while True:

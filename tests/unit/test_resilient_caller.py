@@ -396,15 +396,32 @@ async def test_a_stream_whose_replica_died_before_its_first_chunk_goes_to_anothe
     assert events == [("lost", "primary", "migrated")]
     b = breaker_of(caller, "primary")
     assert (b["calls"], b["failures"]) == (1, 0)  # the lost attempt is not the backend's failure
-async def test_a_stream_whose_first_chunk_times_out_falls_back_after_the_attempt_timeout() -> None:
-    primary = FakeHandle(streams=(FakeStream(FakeResponse(HANG)),))
+async def test_a_stream_whose_first_chunk_times_out_is_retried_like_a_unary_attempt() -> None:
+    # A replica cut off from this router (a partition) answers nothing until Ray calls its
+    # node dead: the first chunk's attempt timeout sends the stream to another replica.
+    hung = FakeStream(FakeResponse(HANG))
+    primary = FakeHandle(streams=(hung, FakeStream(ok("a"), ok("b"))))
     fallback = FakeHandle(streams=(FakeStream(ok("x")),))
-    caller, clock, _, _ = make(primary, fallback)
+    caller, clock, timer, events = make(primary, fallback)
+    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    assert clock() == 100 + 4 + 1 + 1  # the 4 s attempt timeout, a 1 s backoff, the first chunk
+    assert kind is None and await collect(it) == [{"text": "a"}, {"text": "b"}]
+    assert hung.cancelled
+    assert events == [("retry", "primary", "attempt_timeout")]
+    assert breaker_of(caller, "primary")["failures"] == 1  # a timeout is the backend's failure
+    assert caller.budget.retries_in_flight == 0 and caller.budget.active == 0
+
+
+async def test_a_stream_whose_first_chunk_times_out_on_every_attempt_falls_back() -> None:
+    primary = FakeHandle(streams=tuple(FakeStream(FakeResponse(HANG)) for _ in range(3)))
+    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    caller, clock, _, events = make(primary, fallback, retry={"max_attempts": 2})
     it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
     assert kind == "fallback_model"
-    assert clock() == 100 + 4 + 1
+    assert len(primary.generate_stream.calls) == 2  # max_attempts
+    assert clock() == 100 + 4 + 1 + 4 + 1  # two attempt timeouts, a backoff, the fallback's chunk
     assert await collect(it) == [{"text": "x"}]
-    assert breaker_of(caller, "primary")["failures"] == 1
+    assert events == [("retry", "primary", "attempt_timeout"), ("fallback", "fallback_model")]
 
 
 async def test_a_stream_with_no_backend_left_is_503() -> None:
