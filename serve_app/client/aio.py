@@ -26,6 +26,11 @@ class AsyncTokenStream:
     def done(self) -> Optional[Generation]:
         return self._call.done
 
+    @property
+    def resumes(self) -> int:
+        """Times the stream was cut and resumed (the caller read it as one)."""
+        return self._call.resumes
+
     def __aiter__(self) -> AsyncTokenStream:
         return self
 
@@ -86,13 +91,15 @@ class AsyncBallastClient(ClientBase):
         while True:
             headers, timeout = call.begin_attempt()
             try:
+                body = call.stream_payload(payload)  # with ``resume`` after a cut
                 async with self._http.stream(
-                    "POST", GENERATE_PATH, json=payload, headers=headers, timeout=timeout
+                    "POST", GENERATE_PATH, json=body, headers=headers, timeout=timeout
                 ) as resp:
                     if not resp.is_success:
                         await resp.aread()
                         wait_s = call.on_error_answer(resp.status_code, resp.headers, resp.content)
                     else:
+                        cut: Optional[httpx.TransportError] = None
                         try:
                             async for line in resp.aiter_lines():
                                 text = call.on_stream_line(line)
@@ -101,9 +108,11 @@ class AsyncBallastClient(ClientBase):
                                 if call.done is not None:
                                     break
                         except httpx.TransportError as e:  # converted: the retry loop must not see it
-                            raise call.on_stream_broken(e) from e
-                        self.last_done = call.finish_stream()
-                        return
+                            cut = e
+                        if call.done is not None:
+                            self.last_done = call.finish_stream()
+                            return
+                        wait_s = call.on_stream_cut(cut)  # raises when it is not resumed
             except httpx.TransportError as e:
                 wait_s = call.on_transport_error(e)
             await self._sleep(wait_s)

@@ -19,8 +19,15 @@ Retry rules (why each):
 * Retried only with an ``idempotency_key``: a read timeout or a broken read/write
   (``ReadTimeout``, ``ReadError``, ``WriteTimeout``, ``WriteError``) — the
   server may have started generating; without a key a retry runs it twice.
-* Never retried: 4xx validation/auth answers, 504, other 5xx, and anything
-  after a stream answered 200 (tokens may already be with the caller).
+* A stream cut after it answered 200 (its router's node lost, a dropped
+  connection, the body ended without ``done``) is resumed, not sent again: the
+  next attempt carries ``resume`` (the token ids the ``token`` events carried and
+  the characters the caller has), the server prefills them and goes on, and the
+  caller reads one stream with no text twice. Not when a token event came without
+  ids (the fallback model answered: its tokens are not the primary's). Resumes
+  count as attempts and retries (the rules below).
+* Never retried: 4xx validation/auth answers, 504, other 5xx, and an ``error``
+  event in a stream.
 * Wait = max(Retry-After, full-jitter backoff (``policies.retry.backoff_s``)).
   No retry when that wait ends at or past the call's deadline
   (``request_timeout_ms``) or exceeds ``max_retry_wait_s``, when
@@ -204,8 +211,11 @@ class Call:
         # stream state
         self._sse = SSEDecoder()
         self._texts: list[str] = []
+        self._ids: list[int] = []  # the token ids the caller has (bounded by max_tokens)
+        self._resumable = True  # every token event so far carried its ids
         self._stream_counted = False
         self.done: Optional[Generation] = None
+        self.resumes = 0  # times a cut stream was resumed
 
     # -- before an attempt ------------------------------------------------------------
     def _time_left_s(self) -> Optional[float]:
@@ -321,15 +331,39 @@ class Call:
             text = payload.get("text") if isinstance(payload, dict) else None
             if not isinstance(text, str):
                 raise ServerError("token event without text", 200, "MALFORMED_RESPONSE")
+            ids = payload.get("ids")
+            if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+                self._ids.extend(ids)
+            else:
+                self._resumable = False
             self._texts.append(text)
             return text
         if name == "done":
             self.done = Generation.from_payload(payload, text="".join(self._texts))
         return None  # unknown events are ignored
 
-    def on_stream_broken(self, exc: httpx.TransportError) -> BallastClientError:
-        """A transport error after the stream began: never retried (tokens may be out)."""
-        return self._transport_error(exc)
+    def stream_payload(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The body of the next stream attempt: the request, with ``resume`` once text reached the caller."""
+        if not self._texts:
+            return payload
+        return {**payload, "resume": {"ids": list(self._ids), "text_chars": sum(len(t) for t in self._texts)}}
+
+    def on_stream_cut(self, exc: Optional[httpx.TransportError]) -> float:
+        """A stream that answered 200 and ended without ``done`` (``exc``: how it broke;
+        None: the body just ended): the wait before resuming it, or raises."""
+        if exc is None:
+            err: BallastClientError = ConnectionFailed("stream ended without a done event")
+        else:
+            err = self._transport_error(exc)
+            err.__cause__ = exc
+        self.last_error = err
+        resumable = self._resumable and not (self._texts and not self._ids)
+        wait_s = self._plan_retry(err) if resumable and not isinstance(err, DeadlineExceeded) else None
+        if wait_s is None:
+            raise err
+        if self._texts:
+            self.resumes += 1
+        return wait_s
 
     def finish_stream(self) -> Generation:
         if self.done is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, Optional
 
 import httpx
@@ -31,6 +31,11 @@ class TokenStream:
     @property
     def done(self) -> Optional[Generation]:
         return self._call.done
+
+    @property
+    def resumes(self) -> int:
+        """Times the stream was cut and resumed (the caller read it as one)."""
+        return self._call.resumes
 
     def __iter__(self) -> TokenStream:
         return self
@@ -94,29 +99,34 @@ class BallastClient(ClientBase):
         while True:
             headers, timeout = call.begin_attempt()
             try:
-                with self._http.stream("POST", GENERATE_PATH, json=payload, headers=headers, timeout=timeout) as resp:
+                body = call.stream_payload(payload)  # with ``resume`` after a cut
+                with self._http.stream("POST", GENERATE_PATH, json=body, headers=headers, timeout=timeout) as resp:
                     if not resp.is_success:
                         resp.read()
                         wait_s = call.on_error_answer(resp.status_code, resp.headers, resp.content)
                     else:
-                        yield from self._events(call, resp)
-                        self.last_done = call.finish_stream()
-                        return
+                        wait_s = yield from self._events(call, resp)
+                        if wait_s is None:
+                            self.last_done = call.finish_stream()
+                            return
             except httpx.TransportError as e:
                 wait_s = call.on_transport_error(e)
             self._sleep(wait_s)
 
     @staticmethod
-    def _events(call: Call, resp: httpx.Response) -> Iterator[str]:
+    def _events(call: Call, resp: httpx.Response) -> Generator[str, None, Optional[float]]:
+        """The stream's texts; then None once ``done`` came, else the wait before
+        resuming the cut stream (``call.on_stream_cut`` raises when it is not resumed)."""
         try:
             for line in resp.iter_lines():
                 text = call.on_stream_line(line)
                 if text is not None:
                     yield text
                 if call.done is not None:
-                    return
+                    return None
         except httpx.TransportError as e:  # converted: the retry loop must not see it
-            raise call.on_stream_broken(e) from e
+            return call.on_stream_cut(e)
+        return call.on_stream_cut(None)
 
     def close(self) -> None:
         self._http.close()

@@ -315,7 +315,9 @@ class ResilientCaller:
                 )
         return False
 
-    def _chain(self, fallback_only: bool) -> list[Backend]:
+    def _chain(self, fallback_only: bool, call: dict[str, Any]) -> list[Backend]:
+        if call.get("continue_ids"):  # a client's resume: its ids are the primary model's tokens
+            return [] if fallback_only else [b for b in self.backends if b.role == "primary"]
         return [b for b in self.backends if b.role == "fallback"] if fallback_only else self.backends
 
     # -- unary -----------------------------------------------------------------------
@@ -337,7 +339,7 @@ class ResilientCaller:
         self.budget.on_request_start()
         skipped: list[tuple[str, Any]] = []
         try:
-            for b in self._chain(fallback_only):
+            for b in self._chain(fallback_only, call):
                 if not self._enter(b, kill_switches, now_wall_s, skipped):
                     continue
                 try:
@@ -456,7 +458,7 @@ class ResilientCaller:
         skipped: list[tuple[str, Any]] = []
         self.budget.on_request_start()  # until the stream is open: its retries are the budget's
         try:
-            for b in self._chain(fallback_only):
+            for b in self._chain(fallback_only, call):
                 if not self._enter(b, kill_switches, now_wall_s, skipped):
                     continue
                 try:

@@ -33,8 +33,9 @@ class ModelText:
 
     strict = False  # the replica keeps the end of a prompt that is too long
 
-    def __init__(self, context: int) -> None:
+    def __init__(self, context: int, vocab_size: int = 256) -> None:
         self.context = context
+        self.vocab_size = vocab_size  # token ids a resumed stream may carry are below it
 
     def render_chat(self, messages: Sequence[Any]) -> str:
         from serve_app.router.openai_api import render_chat
@@ -63,7 +64,7 @@ class TokenizerText(ModelText):
         from serve_app.model.hf import load_tokenizer
 
         tokenizer, info = load_tokenizer(path)
-        super().__init__(info.context_length)
+        super().__init__(info.context_length, info.vocab_size)
         self._tokenizer = tokenizer
 
     def render_chat(self, messages: Sequence[Any]) -> str:

@@ -52,6 +52,43 @@ def test_generate_stream_one_event_per_token_batch(client, ballast):
     assert "".join(d["text"] for _, d in tokens) == plain["text"]
 
 
+def test_a_cut_stream_resumed_by_its_client_reads_as_the_whole_stream(client):
+    # The client of a stream cut at its router (its node lost) sends it again with the
+    # ids the token events carried and the characters it has; the model goes on from there.
+    body = {"prompt": "resume me", "max_tokens": 24, "stream": True}
+    whole = [d for e, d in sse_events(client.post("/v1/generate", headers=GOLD, json=body).text) if e == "token"]
+    assert all(len(d["ids"]) == d["tokens"] for d in whole)
+    got = whole[:2]  # what reached the client before the cut
+    ids = [i for d in got for i in d["ids"]]
+    text = "".join(d["text"] for d in got)
+    r = client.post("/v1/generate", headers=GOLD, json={**body, "resume": {"ids": ids, "text_chars": len(text)}})
+    assert r.status_code == 200, r.text
+    events = sse_events(r.text)
+    rest = "".join(d["text"] for e, d in events if e == "token")
+    assert text + rest == "".join(d["text"] for d in whole)  # nothing missing, nothing twice
+    done = events[-1][1]
+    assert events[-1][0] == "done" and done["tokens_generated"] == 24 and done["resumed_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize(
+    "extra, headers, field",
+    [
+        ({"stream": False, "resume": {"ids": [104], "text_chars": 1}}, {}, "resume"),
+        ({"resume": {"ids": [104, 256], "text_chars": 1}}, {}, "resume.ids"),
+        ({"resume": {"ids": [-1], "text_chars": 1}}, {}, "resume.ids.0"),
+        ({"resume": {"ids": [104] * 9, "text_chars": 9}}, {}, "resume.ids"),
+        ({"resume": {"ids": [], "text_chars": 0}}, {}, "resume.ids"),
+        ({"resume": {"ids": [104], "text_chars": 1}}, {"Idempotency-Key": "k-resume"}, "Idempotency-Key"),
+    ],
+)
+def test_a_bad_resume_is_422_naming_the_field(client, extra, headers, field):
+    body = {"prompt": "x", "max_tokens": 8, "stream": True, **extra}
+    r = client.post("/v1/generate", headers={**GOLD, **headers}, json=body)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["field"]) == ("INVALID_REQUEST", field), err
+
+
 def test_max_tokens_clamped_by_level_is_reported_degraded(client, ballast):
     level0_max = ballast.degradation.levels[0].max_tokens
     r = client.post("/v1/generate", headers=GOLD, json={"prompt": "x", "max_tokens": level0_max + 20})

@@ -720,6 +720,52 @@ def test_stream_without_done_is_a_connection_failure() -> None:
     assert stream.done is None
 
 
+class BreakingByteStream(httpx.SyncByteStream):
+    """A body that sends ``body`` and then breaks (the node holding the stream went away)."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        yield self.body
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+
+
+def test_a_stream_cut_after_its_tokens_is_resumed_with_the_ids_the_caller_has() -> None:
+    cut = httpx.Response(200, stream=BreakingByteStream(
+        b'event: token\ndata: {"text": "h\u00e9", "tokens": 3, "ids": [104, 195, 169]}\n\n'),
+        headers={"Content-Type": "text/event-stream"})
+    rest = sse(("token", {"text": "llo", "tokens": 3, "ids": [108, 108, 111]}), ("done", {**DONE, "resumed_tokens": 3}))
+    h = harness(cut, rest, request_timeout_ms=10_000)
+    stream = h.client.stream("Hello", max_tokens=6)
+    assert list(stream) == ["h\u00e9", "llo"]  # one stream to the caller, nothing twice
+    assert stream.resumes == 1 and stream.done is not None and stream.done.text == "h\u00e9llo"
+    first, second = h.server.bodies()
+    assert "resume" not in first
+    # Characters, not bytes: the server skips what the caller has by its text's length.
+    assert second == {**first, "resume": {"ids": [104, 195, 169], "text_chars": 2}}
+    assert len(h.sleep.waits_s) == 1  # the backoff before the resume, inside the deadline
+
+
+def test_a_stream_whose_body_ended_without_done_is_resumed_and_attempts_still_bound_it() -> None:
+    part = sse(("token", {"text": "a", "tokens": 1, "ids": [97]}))
+    h = harness(part, sse(("token", {"text": "b", "tokens": 1, "ids": [98]})), max_attempts=2)
+    got: list[str] = []
+    with pytest.raises(ConnectionFailed, match="without a done"):
+        for text in h.client.stream("Hello"):
+            got.append(text)
+    assert got == ["a", "b"]
+    assert [b.get("resume") for b in h.server.bodies()] == [None, {"ids": [97], "text_chars": 1}]
+
+
+def test_a_cut_stream_whose_tokens_came_without_ids_is_not_resumed() -> None:
+    # The fallback model answered (no ids): its tokens are not the primary's to prefill.
+    h = harness(sse(("token", {"text": "a", "tokens": 1})), sse(("done", DONE)))
+    with pytest.raises(ConnectionFailed):
+        list(h.client.stream("Hello"))
+    assert len(h.server.requests) == 1
+
+
 def test_sse_decoder_joins_data_lines_and_skips_comments() -> None:
     dec = SSEDecoder()
     lines = [": keep-alive", "event: token", 'data: {"text":', 'data: "a"}', "", "", "data: plain", ""]
@@ -775,6 +821,16 @@ async def test_async_stream_yields_tokens_and_done() -> None:
     assert got == ["a", "b"]
     assert stream.done is not None and stream.done.text == "ab"
     assert h.client.last_done is stream.done
+
+
+async def test_async_stream_cut_is_resumed() -> None:
+    part = sse(("token", {"text": "a", "tokens": 1, "ids": [97]}))
+    rest = sse(("token", {"text": "b", "tokens": 1, "ids": [98]}), ("done", DONE))
+    h = Harness(scripted_server(part, rest), is_async=True)
+    stream = h.client.stream("Hello")
+    assert [text async for text in stream] == ["a", "b"]
+    assert stream.resumes == 1 and stream.done is not None and stream.done.text == "ab"
+    assert h.server.bodies()[1]["resume"] == {"ids": [97], "text_chars": 1}
 
 
 async def test_async_stream_error_event_raises() -> None:
