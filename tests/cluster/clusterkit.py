@@ -201,9 +201,10 @@ def report_row(fault: str, load: Any, t_fault: float, t_recovered: Optional[floa
         "streams": sum(o.stream for o in rep.outcomes),
         "keyed_failures": dict(rep.failures(True)),
         "other_failures": dict(rep.failures(False)),
-        # Carried on by the server after losing their replica; sent again by the balancer
-        # after their node went away without answering.
+        # Carried on after losing their replica (the server) or their router (the client's
+        # resume); sent again by the balancer after their node went away without answering.
         "migrated": rep.migrated(),  # over the whole load: those in flight at the fault were sent before it
+        "resumed": sum(o.resumed for o in rep.outcomes),
         "resent": rep.resent(),
         "recover_s": None if t_recovered is None else round(t_recovered - t_fault, 1),
         "failures_stop_s": None if rep.last_failure(t_fault) is None else round(rep.last_failure(t_fault) - t_fault, 1),

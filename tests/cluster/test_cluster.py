@@ -77,20 +77,13 @@ def test_an_idempotency_key_sent_through_every_node_is_answered_once(cluster):
         assert again.headers.get("x-ballast-idempotent-replay") == "true" and again.json()["text"] == answers[0].json()["text"]
 
 
-def lost_nothing(rep, row, t_gone: float) -> None:
+def lost_nothing(rep, row) -> None:
     """No request failed, of any kind, and the level stayed where the survivors could
-    carry the load: a lost node is a capacity gap, not a model error.
-
-    One exception, which only a client can mend: a stream whose own router (its
-    ingress) was on the lost node, cut after tokens had reached the client. The
-    router held what the stream had delivered, so no other can carry it on; such a
-    stream was sent before the node was gone (``t_gone``: the fault's call returned),
-    and is counted ("cut") in the report."""
-    failures = rep.failures()
-    cut = failures.pop("cut", 0)
-    assert failures == {}, row
-    assert all(o.t <= t_gone for o in rep.outcomes if o.cause == "cut"), row
-    assert cut <= 2, row  # two of the six callers stream: at most one stream each in flight
+    carry the load: a lost node is a capacity gap, not a model error. What the routers
+    cannot mend, the balancer and the client do (loadtest/cluster_load.py): a request
+    that got no answer from the lost node's endpoint is sent again elsewhere, and a
+    stream cut at its router there is resumed by its client (counted as migrated)."""
+    assert rep.failures() == {}, row
     assert rep.max_level() <= 1, row
 
 
@@ -105,7 +98,6 @@ def test_a_worker_killed_under_load_loses_no_request(cluster):
         t_fault = time.monotonic()
         cluster.broken = True
         killed = netcluster.kill_node(victim)
-        t_gone = time.monotonic()
         # Serve starts the lost replicas again on the worker that is left.
         wait_until(lambda: model_replicas_on(cluster, survivor.ip) >= MIN_REPLICAS, 180, 2,
                    "the model's replicas back on the surviving worker")
@@ -118,7 +110,7 @@ def test_a_worker_killed_under_load_loses_no_request(cluster):
     rep = load.report
     row = report_row("worker killed", load, t_fault, t_recovered, notes=f"{killed} processes of {victim.name} killed; "
                      f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
-    lost_nothing(rep, row, t_gone)
+    lost_nothing(rep, row)
     # The lost node's watchdogs died with it (once Ray has seen the node go); the new
     # replicas have theirs beside them.
     wait_until(lambda: victim.ip not in cluster.where("Watchdog"), 60, 1, "the lost node's watchdogs gone")
@@ -137,7 +129,6 @@ def test_a_partitioned_worker_loses_no_request_and_nothing_stays_stuck(cluster):
         t_fault = time.monotonic()
         cluster.broken = True
         netcluster.link(victim, up=False)
-        t_gone = time.monotonic()
         time.sleep(30)
         netcluster.link(victim, up=True)
         t_healed = time.monotonic()
@@ -165,7 +156,7 @@ def test_a_partitioned_worker_loses_no_request_and_nothing_stays_stuck(cluster):
     row = report_row("network partition (30 s)", load, t_fault, t_recovered,
                      notes=f"link back after {t_healed - t_fault:.0f} s; {victim.name} {fate}; "
                            f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
-    lost_nothing(rep, row, t_gone)
+    lost_nothing(rep, row)
 
 
 @full_suite
@@ -183,7 +174,6 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
         t_fault = time.monotonic()
         cluster.broken = True
         netcluster.kill_node(home)
-        t_gone = time.monotonic()
         wait_until(lambda: cluster.where("Controller") == [survivor.ip], 120, 1, "the controller on the other worker")
         status = lambda: cluster.admin_call("GET", "/v1/status", survivor.endpoint).json()  # noqa: E731
         wait_until(lambda: status()["snapshot"]["epoch"] != epoch and status()["source"] == "snapshot", 60, 1,
@@ -197,7 +187,7 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
     row = report_row("controller's node killed", load, t_fault, t_recovered,
                      notes=f"controller back on {survivor.name}; "
                            f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
-    lost_nothing(load.report, row, t_gone)
+    lost_nothing(load.report, row)
     # Its state came back: the kill switch is enforced, quota leases are issued again.
     assert [k["id"] for k in after["kill_switches"]] == [switch["id"]], after["kill_switches"]
     free = {"Authorization": f"Bearer {cluster.state['keys']['free']}"}

@@ -11,7 +11,7 @@ import re
 import pytest
 import yaml
 
-from loadtest.cluster_load import LevelSample, LoadReport, Outcome, check_own, message_kind
+from loadtest.cluster_load import ClusterLoad, LevelSample, LoadReport, Outcome, _Progress, check_own, message_kind
 from serve_app.config import load_config
 from serve_app.ops import netcluster
 
@@ -118,6 +118,28 @@ def test_the_load_report_counts_failures_by_cause_and_time():
     assert rep.failures(keyed=True) == {}
     assert rep.count() == 5 and rep.count(keyed=True) == 2 and rep.count(since=3.0, until=5.0) == 2
     assert rep.max_level() == 2 and rep.last_failure() == 3.0 and rep.last_failure(since=3.5) is None
+
+
+def test_what_the_load_sends_again_as_a_balancer_and_the_sdk_would():
+    nothing, streamed, from_fallback = _Progress(), _Progress(2, [104, 105], 2), _Progress(1, [], 3, resumable=False)
+    resend = ClusterLoad._resend
+    assert resend("connect", False, nothing) and resend("dropped", False, nothing)  # no answer at all
+    assert resend("cut", False, streamed) and streamed.resume() == {"ids": [104, 105], "text_chars": 2}
+    assert not resend("cut", False, from_fallback)  # the fallback's tokens carry no ids to resume from
+    assert nothing.resume() is None  # nothing reached the client: a plain re-send
+    assert not resend("timeout", False, nothing) and resend("timeout", True, nothing)  # only with a key
+    assert resend("http_503_REPLICA_LOST", True, nothing) and not resend("http_503_REPLICA_LOST", False, nothing)
+    assert not resend("http_422_INVALID_REQUEST", True, nothing)
+
+
+def test_streams_resumed_by_the_client_count_as_migrated():
+    rep = LoadReport([
+        Outcome(1.0, "a", False, "ok", stream=True, migrations=1),
+        Outcome(2.0, "b", False, "ok", attempts=2, stream=True, resumed=1),
+        Outcome(3.0, "b", False, "ok", stream=True),
+    ])
+    assert rep.migrated() == (2, 2) and rep.migrated(since=1.5) == (1, 1)
+    assert rep.resent() == 1 and rep.failures() == {}
 
 
 def test_refusals_count_together_by_the_policy_that_refused():
