@@ -44,6 +44,7 @@ frontend http_frontend
     http-request return status 200 content-type text/plain string "ok" if healthcheck
     use_backend app if {{ path_beg / }}
 backend app
+    default-server fastinter 250ms downinter 250ms fall 2 rise 2 inter 1s check
     http-request return status 200 content-type text/plain string "passed"
 """
 
@@ -147,6 +148,10 @@ def test_the_wrapper_runs_serves_config_with_the_edge_rules_and_the_same_process
     front = edited.split("frontend http_frontend", 1)[1].split("\nbackend ", 1)[0]
     assert "ballast-shed.map" in front and front.index("bind ") < front.index("ballast_shed")
     assert "backend ballast_edge" in edited
+    # A router judged down loses its sessions at once (their clients go elsewhere); a
+    # check may take 5 s to answer once connected.
+    assert "inter 1s check on-marked-down shutdown-sessions\n" in edited
+    assert edited.split("defaults\n", 1)[1].startswith("    timeout check 5s\n")
     assert (d / MAP_NAME).read_text() == ""  # made empty at start: nothing shed
     assert _post(port, "/v1/generate", "sheddable")[0] == 200
     # exec: the process Serve started is HAProxy itself (its signals reach it).
