@@ -380,8 +380,12 @@ class ResilientCaller:
                     raise DeadlineExceeded("the request's deadline passed")
                 t0 = self._clock()
                 response = b.handle.generate.remote({**call, **_deadline_fields(left, self._wall_clock())})
+                # Sent again after its replica went away, a call waits for its answer up to its
+                # deadline, as a migrated stream does: the replica left to take it may be the
+                # one Serve is starting, and a timeout then is capacity gone, not a sick model.
+                timeout_s = left if record.migrations else self._attempt_timeout(left)
                 try:
-                    result = await self._wait_for(response, self._attempt_timeout(left))
+                    result = await self._wait_for(response, timeout_s)
                 except asyncio.CancelledError:
                     response.cancel()
                     b.breaker.release(permit)

@@ -113,6 +113,20 @@ class Cluster:
             return "?"
         return f"{len(hung)} ({sum(r in lost for r in hung)} on the lost node)"
 
+    def router_views(self, endpoints: list[str], asks: int = 6) -> str:
+        """What the routers behind ``endpoints`` saw of the primary: failed attempts by
+        kind, attempts lost with their replica, the breaker (HAProxy spreads the asks)."""
+        seen: dict[str, str] = {}
+        for i in range(asks):
+            try:
+                st = self.admin_call("GET", "/v1/status", endpoints[i % len(endpoints)]).json()
+                b = st["breakers"]["primary"]
+                seen[st["router_id"][-6:]] = (f"failed {b['failed_attempts']}, lost {st['lost_capacity']}, "
+                                               f"breaker {b['state']}")
+            except (httpx.HTTPError, KeyError, ValueError, TypeError):
+                continue
+        return "; ".join(f"router …{r}: {v}" for r, v in sorted(seen.items())) or "?"
+
     def diagnose(self, node: netcluster.Node) -> str:
         """What a node that is not serving has: Ray's entries for it, its endpoint's
         answer, the processes in its namespace, Serve's proxy there, its start log."""

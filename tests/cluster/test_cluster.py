@@ -109,7 +109,8 @@ def test_a_worker_killed_under_load_loses_no_request(cluster):
         load.stop()
     rep = load.report
     row = report_row("worker killed", load, t_fault, t_recovered, notes=f"{killed} processes of {victim.name} killed; "
-                     f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
+                     f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}; "
+                     f"{cluster.router_views([survivor.endpoint, cluster.head.endpoint])}")
     lost_nothing(rep, row)
     # The lost node's watchdogs died with it (once Ray has seen the node go); the new
     # replicas have theirs beside them.
@@ -155,7 +156,8 @@ def test_a_partitioned_worker_loses_no_request_and_nothing_stays_stuck(cluster):
     fate = "rejoined" if rejoined else f"declared dead {t_dead - t_healed:.0f} s after it, started again"
     row = report_row("network partition (30 s)", load, t_fault, t_recovered,
                      notes=f"link back after {t_healed - t_fault:.0f} s; {victim.name} {fate}; "
-                           f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
+                           f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}; "
+                           f"{cluster.router_views([survivor.endpoint, cluster.head.endpoint])}")
     lost_nothing(rep, row)
 
 

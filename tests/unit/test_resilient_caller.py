@@ -603,3 +603,17 @@ async def test_can_fall_back_needs_a_fallback_that_could_answer_now() -> None:
     assert not caller.can_fall_back([], WALL_S)
     clock.now_s += 10
     assert caller.can_fall_back([], WALL_S)
+
+
+async def test_a_unary_call_sent_again_after_its_replica_died_waits_up_to_its_deadline() -> None:
+    # The replica left to take it is the one Serve is starting: no answer within the
+    # deadline is capacity gone (504, which no level counts), not a sick model (503).
+    primary = FakeHandle(FakeResponse(1, error=ActorDiedError()), FakeResponse(HANG))
+    caller, clock, timer, events = make(primary)
+    record = CallRecord()
+    with pytest.raises(DeadlineExceeded):
+        await caller.unary(dict(CALL), clock() + 10, [], WALL_S, record=record)
+    assert record.migrations == 1 and len(primary.generate.calls) == 2
+    assert clock() == pytest.approx(100 + 10)  # the second attempt waited to the deadline, not 4 s
+    assert events == [("lost", "primary", "migrated")]
+    assert caller.budget.retries_in_flight == 0
