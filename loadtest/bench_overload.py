@@ -46,7 +46,7 @@ a core at 4 C), so those rows measured the client's cost more than Ballast's.
 
 The default mix keeps critical traffic (critical_plus + critical) at 20 % of what
 is offered: at 4 C that is 0.8 C, which a stack sized for its critical traffic
-(seed 001) can serve. Loopback only; bounded in count and time. Run:
+can serve. Loopback only; bounded in count and time. Run:
 ``make bench-overload``.
 """
 

@@ -431,7 +431,7 @@ class ChaosConfig(_Strict):
 
 
 class WatchdogSettings(_Strict):
-    """One watchdog actor per model replica (seed 000's memory watchdog)."""
+    """One watchdog actor per model replica: memory, threads, fds, heartbeats."""
 
     enabled: bool = True
     interval_s: PositiveFloat = 1.0  # sampling and heartbeat interval
@@ -441,7 +441,7 @@ class WatchdogSettings(_Strict):
     hang_missed_heartbeats: PositiveInt = 3  # no work-loop progress for this many intervals with work in flight: hung
     leak_window_s: PositiveFloat = 3600.0  # trend window for leak slopes
     leak_min_span_ratio: float = Field(0.5, gt=0, le=1)  # no leak verdict before samples span this much of the window
-    leak_r2_threshold: float = Field(0.7, gt=0, le=1)  # fit quality below which a slope is noise (seed 000)
+    leak_r2_threshold: float = Field(0.7, gt=0, le=1)  # fit quality below which a slope is noise
     # Fast burn (SRE's short window): a leak that would reach its limit within
     # leak_short_horizon_s is named once leak_short_min_span_s of samples after warm-up
     # show it rising, instead of waiting for half the long window. Clamped to the long
@@ -493,7 +493,7 @@ class WatchdogSettings(_Strict):
 
 
 class RecycleSettings(_Strict):
-    """Staggered replica recycling run by the controller (seed 000 rolling restart, seed 003 leases)."""
+    """Staggered replica recycling run by the controller: a rolling restart, each recycle under a lease."""
 
     enabled: bool = True
     max_age_s: Optional[PositiveFloat] = 6 * 3600.0  # null: no age trigger
@@ -541,7 +541,7 @@ class TenantConfig(_Strict):
     """A tenant's quota, in tokens (prompt + generated): a resource unit, not requests.
 
     No rate means no token quota (the concurrency cap still applies). The sum of all
-    tenants' rates may exceed what the model can do (overcommit, seed 001).
+    tenants' rates may exceed what the model can do (overcommit).
     """
 
     description: str = ""

@@ -246,7 +246,7 @@ REPLICAS = Dashboard(
             "Availability under recycling",
             (Target("max by (kind) (ray_ballast_availability)", "{{kind}}"),),
             unit="percentunit",
-            description="expected: seed 000's rolling-restart formula for the schedule (absent without max_age_s); "
+            description="expected: a rolling restart's availability for the schedule (absent without max_age_s); "
             "measured: 1 - replica time out for recycles / replica time",
         ),
     ),
