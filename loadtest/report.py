@@ -728,6 +728,14 @@ def _offset(data: SoakData, t_s: Optional[float]) -> str:
 def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     """The report's text; ``plots`` maps each PNG name to None (written) or why it was not."""
     duration_s = run_duration_s(data.history, data.stats)
+    lines = _settings_section(data, duration_s)
+    for section in SECTIONS:
+        lines += section(data, plots, duration_s)
+    return "\n".join(lines)
+
+
+def _settings_section(data: SoakData, duration_s: Optional[float]) -> list[str]:
+    """The title, the run's settings and the inputs that were missing."""
     lines = ["# Ballast soak report", ""]
     run = data.run
     settings = [
@@ -746,8 +754,11 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     lines.append("")
     if data.notes:
         lines += ["**Missing or incomplete inputs:**", ""] + [f"- {n}" for n in data.notes] + [""]
+    return lines
 
-    lines += ["## Requests per tenant and kind", ""]
+
+def _requests_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## Requests per tenant and kind", ""]
     table = tenant_kind_table(data.stats, duration_s)
     if table:
         lines.append(
@@ -767,8 +778,12 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
         lines.append("_No request data (see the missing inputs above)._")
     lines += ["", _plot_line(plots, "requests.png", "requests, sheds and failures per second"), "",
               _plot_line(plots, "latency.png", "latency p50/p95/p99 (rolling window)"), ""]
+    return lines
 
-    lines += ["## Sheds by reason", ""]
+
+def _sheds_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## Sheds by reason", ""]
+    table = tenant_kind_table(data.stats, duration_s)
     totals = shed_totals(data.stats)
     all_requests = sum(r.requests for r in table if r.tenant == "all")
     if totals:
@@ -781,8 +796,11 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     else:
         lines.append("_No sheds recorded._" if data.stats else "_No request data._")
     lines += ["", _plot_line(plots, "sheds.png", "sheds per second by reason"), ""]
+    return lines
 
-    lines += ["## Sheds by criticality", ""]
+
+def _criticality_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## Sheds by criticality", ""]
     by_crit = sheds_by_criticality(data.report)
     if by_crit:
         codes = sorted({c for per in by_crit.values() for c in per})
@@ -796,8 +814,11 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     else:
         lines.append("_No sheds recorded._")
     lines.append("")
+    return lines
 
-    lines += ["## Degradation level", ""]
+
+def _level_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## Degradation level", ""]
     lvl = level_summary(data.samples)
     if lvl.samples:
         total = lvl.total_s
@@ -809,8 +830,11 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     else:
         lines.append("_No status samples with a level._")
     lines += ["", _plot_line(plots, "level.png", "degradation level over time"), ""]
+    return lines
 
-    lines += ["## Replicas", ""]
+
+def _replicas_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## Replicas", ""]
     counts = replica_count_table(data.samples)
     if counts:
         lines += _table(
@@ -820,8 +844,11 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     else:
         lines.append("_No replica counts in the status samples._")
     lines += ["", _plot_line(plots, "replicas.png", "replicas desired vs running"), ""]
+    return lines
 
-    lines += ["## RSS per replica", ""]
+
+def _rss_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## RSS per replica", ""]
     rss = rss_table(data.samples)
     if rss:
         lines += _table(
@@ -832,8 +859,11 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     else:
         lines.append("_No replica RSS in the status samples._")
     lines += ["", _plot_line(plots, "rss.png", "RSS per replica"), ""]
+    return lines
 
-    lines += ["## Recycle events", ""]
+
+def _recycle_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## Recycle events", ""]
     events = recycle_events(data.samples)
     if events:
         lines += _table(
@@ -844,8 +874,11 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     else:
         lines.append("_No recycle events in the status samples._")
     lines.append("")
+    return lines
 
-    lines += ["## Replicas lost under requests", ""]
+
+def _lost_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## Replicas lost under requests", ""]
     lost = lost_capacity(data.samples)
     if lost:
         lines.append(
@@ -857,8 +890,11 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     else:
         lines.append("_None: no request was in flight on a replica that went away (or no status samples)._")
     lines.append("")
+    return lines
 
-    lines += ["## Faults injected", ""]
+
+def _faults_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## Faults injected", ""]
     faults = (data.report or {}).get("faults") or []
     if faults:
         lines += _table(
@@ -870,8 +906,11 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     else:
         lines.append("_No fault records._")
     lines.append("")
+    return lines
 
-    lines += ["## Failures", ""]
+
+def _failures_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+    lines = ["## Failures", ""]
     if data.failures:
         lines += _table(("name", "error", "occurrences"), ((f["name"], f["error"][:160], f["occurrences"]) for f in data.failures[:MAX_FAILURE_ROWS]))
         if len(data.failures) > MAX_FAILURE_ROWS:
@@ -879,7 +918,14 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     else:
         lines.append("_No failures recorded._")
     lines.append("")
-    return "\n".join(lines)
+    return lines
+
+
+#: The report's sections after its settings, in order.
+SECTIONS = (
+    _requests_section, _sheds_section, _criticality_section, _level_section, _replicas_section,
+    _rss_section, _recycle_section, _lost_section, _faults_section, _failures_section,
+)
 
 
 def _plot_line(plots: Mapping[str, Optional[str]], name: str, what: str) -> str:
