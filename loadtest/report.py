@@ -953,136 +953,173 @@ def write_plots(data: SoakData) -> dict[str, Optional[str]]:
         import matplotlib.pyplot as plt
     except ImportError:
         return {name: "matplotlib is not installed (pip install -e '.[load]')" for name in PLOTS}
+    canvas = _Canvas(data, plt)
+    for names, draw in DRAWINGS:
+        why = draw(canvas)
+        if why is not None:
+            canvas.result.update(dict.fromkeys(names, why))
+    return canvas.result
 
-    xlabel = "simulated hour of the day" if data.time_scale else "minutes since start"
-    result: dict[str, Optional[str]] = {}
 
-    def save(name: str, fig: Any) -> None:
+class _Canvas:
+    """What each drawing needs: the data, pyplot, the x axis's label, and where PNGs go."""
+
+    def __init__(self, data: SoakData, plt: Any) -> None:
+        self.data, self.plt = data, plt
+        self.xlabel = "simulated hour of the day" if data.time_scale else "minutes since start"
+        self.result: dict[str, Optional[str]] = {}
+
+    def save(self, name: str, fig: Any) -> None:
         fig.tight_layout()
-        fig.savefig(data.out_dir / name, dpi=100)
-        plt.close(fig)
-        result[name] = None
+        fig.savefig(self.data.out_dir / name, dpi=100)
+        self.plt.close(fig)
+        self.result[name] = None
 
+
+def _draw_traffic(c: _Canvas) -> Optional[str]:
+    """requests.png and latency.png from Locust's history; None when drawn, else why not."""
+    data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     agg = aggregated_timeline(data.history)
     outcomes = outcome_timeline(data.history)
-    if agg:
-        fig, ax = plt.subplots(figsize=(10, 4))
-        if any(outcomes.values()):
-            for key, color in (("ok", "tab:green"), ("shed", "tab:orange"), ("failed", "tab:red")):
-                pts = outcomes[key]
-                ax.plot([_x(data, t) for t, _ in pts], [v for _, v in pts], label=f"{key}/s", color=color, lw=1)
-        else:
-            ax.plot([_x(data, h.t_s) for h in agg], [h.rps for h in agg], label="requests/s", lw=1)
-            ax.plot([_x(data, h.t_s) for h in agg], [h.fail_per_s for h in agg], label="failures/s", color="tab:red", lw=1)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("per second")
-        users = ax.twinx()
-        users.plot([_x(data, h.t_s) for h in agg], [h.users for h in agg], color="grey", ls="--", lw=1, label="users")
-        users.set_ylabel("users")
-        handles = ax.get_legend_handles_labels()[0] + users.get_legend_handles_labels()[0]
-        ax.legend(handles=handles, loc="upper left", fontsize="small")
-        ax.set_title("Requests per second by outcome")
-        save("requests.png", fig)
-
-        fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
-        for attr, label in (("p50_ms", "p50"), ("p95_ms", "p95"), ("p99_ms", "p99")):
-            pts = [(_x(data, h.t_s), getattr(h, attr)) for h in agg if getattr(h, attr)]
-            top.plot([p[0] for p in pts], [p[1] for p in pts], label=label, lw=1)
-        top.set_ylabel("ms")
-        top.set_title("Latency, all requests (Locust's Aggregated, sheds included; rolling window)", fontsize="medium")
-        per_name = latency_by_name(data.history, "p99_ms")
-        for name, pts in per_name.items():
-            bottom.plot([_x(data, t) for t, _ in pts], [v for _, v in pts], label=name, lw=1)
-        bottom.set_ylabel("ms")
-        bottom.set_title("p99 per tenant and kind (answers and failures, not sheds)", fontsize="medium")
-        bottom.set_xlabel(xlabel)
-        for ax in (top, bottom):
-            if ax.lines:
-                ax.set_yscale("log")  # a 30 s deadline next to a 100 ms median
-                ax.legend(loc="upper left", fontsize="small")
-        save("latency.png", fig)
+    if not agg:
+        return "no Locust history"
+    fig, ax = plt.subplots(figsize=(10, 4))
+    if any(outcomes.values()):
+        for key, color in (("ok", "tab:green"), ("shed", "tab:orange"), ("failed", "tab:red")):
+            pts = outcomes[key]
+            ax.plot([_x(data, t) for t, _ in pts], [v for _, v in pts], label=f"{key}/s", color=color, lw=1)
     else:
-        result["requests.png"] = result["latency.png"] = "no Locust history"
+        ax.plot([_x(data, h.t_s) for h in agg], [h.rps for h in agg], label="requests/s", lw=1)
+        ax.plot([_x(data, h.t_s) for h in agg], [h.fail_per_s for h in agg], label="failures/s", color="tab:red", lw=1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("per second")
+    users = ax.twinx()
+    users.plot([_x(data, h.t_s) for h in agg], [h.users for h in agg], color="grey", ls="--", lw=1, label="users")
+    users.set_ylabel("users")
+    handles = ax.get_legend_handles_labels()[0] + users.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper left", fontsize="small")
+    ax.set_title("Requests per second by outcome")
+    save("requests.png", fig)
 
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    for attr, label in (("p50_ms", "p50"), ("p95_ms", "p95"), ("p99_ms", "p99")):
+        pts = [(_x(data, h.t_s), getattr(h, attr)) for h in agg if getattr(h, attr)]
+        top.plot([p[0] for p in pts], [p[1] for p in pts], label=label, lw=1)
+    top.set_ylabel("ms")
+    top.set_title("Latency, all requests (Locust's Aggregated, sheds included; rolling window)", fontsize="medium")
+    per_name = latency_by_name(data.history, "p99_ms")
+    for name, pts in per_name.items():
+        bottom.plot([_x(data, t) for t, _ in pts], [v for _, v in pts], label=name, lw=1)
+    bottom.set_ylabel("ms")
+    bottom.set_title("p99 per tenant and kind (answers and failures, not sheds)", fontsize="medium")
+    bottom.set_xlabel(xlabel)
+    for ax in (top, bottom):
+        if ax.lines:
+            ax.set_yscale("log")  # a 30 s deadline next to a 100 ms median
+            ax.legend(loc="upper left", fontsize="small")
+    save("latency.png", fig)
+    return None
+
+def _draw_sheds(c: _Canvas) -> Optional[str]:
+    """sheds.png: sheds per second by reason and in total."""
+    data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     sheds = shed_timeline(data.history)
     totals = shed_totals(data.stats)
-    if sheds or totals:
-        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
-        for code, pts in sheds.items():
-            left.plot([_x(data, t) for t, _ in pts], [v for _, v in pts], label=code, lw=1)
-        left.set_xlabel(xlabel)
-        left.set_ylabel("sheds/s")
-        if sheds:
-            left.legend(loc="upper left", fontsize="small")
-        left.set_title("Sheds per second by reason")
-        right.barh(list(totals), list(totals.values()), color="tab:orange")
-        right.set_title("Sheds in total")
-        right.invert_yaxis()
-        save("sheds.png", fig)
-    else:
-        result["sheds.png"] = "no sheds recorded"
+    if not (sheds or totals):
+        return "no sheds recorded"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
+    for code, pts in sheds.items():
+        left.plot([_x(data, t) for t, _ in pts], [v for _, v in pts], label=code, lw=1)
+    left.set_xlabel(xlabel)
+    left.set_ylabel("sheds/s")
+    if sheds:
+        left.legend(loc="upper left", fontsize="small")
+    left.set_title("Sheds per second by reason")
+    right.barh(list(totals), list(totals.values()), color="tab:orange")
+    right.set_title("Sheds in total")
+    right.invert_yaxis()
+    save("sheds.png", fig)
+    return None
 
+def _draw_level(c: _Canvas) -> Optional[str]:
+    """level.png: the degradation level over time."""
+    data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     levels = [(float(s["t_s"]), s["level"]) for s in data.samples if isinstance(s.get("level"), int)]
-    if levels:
-        fig, ax = plt.subplots(figsize=(10, 3))
-        ax.step([_x(data, t) for t, _ in levels], [lvl for _, lvl in levels], where="post", lw=1.5)
-        ax.set_ylim(-0.3, 4.3)
-        ax.set_yticks(range(5))
-        ax.grid(axis="y", lw=0.3)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("level")
-        ax.set_title("Degradation level")
-        save("level.png", fig)
-    else:
-        result["level.png"] = "no status samples with a level"
+    if not levels:
+        return "no status samples with a level"
+    fig, ax = plt.subplots(figsize=(10, 3))
+    ax.step([_x(data, t) for t, _ in levels], [lvl for _, lvl in levels], where="post", lw=1.5)
+    ax.set_ylim(-0.3, 4.3)
+    ax.set_yticks(range(5))
+    ax.grid(axis="y", lw=0.3)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("level")
+    ax.set_title("Degradation level")
+    save("level.png", fig)
+    return None
 
+def _draw_replicas(c: _Canvas) -> Optional[str]:
+    """replicas.png: replicas desired vs running per deployment."""
+    data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     deps: dict[str, list[tuple[float, Any, Any]]] = defaultdict(list)
     for s in data.samples:
         for dep, d in (s.get("deployments") or {}).items():
             deps[dep].append((_x(data, float(s["t_s"])), d.get("desired"), d.get("running")))
-    if deps:
-        from matplotlib.ticker import MaxNLocator
+    if not deps:
+        return "no replica counts in the status samples"
+    from matplotlib.ticker import MaxNLocator
 
-        fig, axes = plt.subplots(len(deps), 1, figsize=(10, 1.2 + 2.2 * len(deps)), sharex=True, squeeze=False)
-        for ax, (dep, pts) in zip(axes[:, 0], sorted(deps.items())):
-            desired = [(x, v) for x, v, _ in pts if isinstance(v, int)]
-            running = [(x, v) for x, _, v in pts if isinstance(v, int)]
-            if desired:  # the controller sets a target only for the deployments it scales
-                ax.step([x for x, _ in desired], [v for _, v in desired], where="post", color="tab:blue", ls="--", label="desired")
-            ax.step([x for x, _ in running], [v for _, v in running], where="post", color="tab:green", label="running")
-            top = max([v for _, v in desired + running], default=1)
-            ax.set_ylim(0, top + 0.5)  # from zero: a replica count is read against none
-            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_ylabel("replicas")
-            ax.set_title(dep, fontsize="medium")
-            ax.legend(loc="upper left", fontsize="small")
-        axes[-1, 0].set_xlabel(xlabel)
-        fig.suptitle("Replicas desired vs running")
-        save("replicas.png", fig)
-    else:
-        result["replicas.png"] = "no replica counts in the status samples"
+    fig, axes = plt.subplots(len(deps), 1, figsize=(10, 1.2 + 2.2 * len(deps)), sharex=True, squeeze=False)
+    for ax, (dep, pts) in zip(axes[:, 0], sorted(deps.items())):
+        desired = [(x, v) for x, v, _ in pts if isinstance(v, int)]
+        running = [(x, v) for x, _, v in pts if isinstance(v, int)]
+        if desired:  # the controller sets a target only for the deployments it scales
+            ax.step([x for x, _ in desired], [v for _, v in desired], where="post", color="tab:blue", ls="--", label="desired")
+        ax.step([x for x, _ in running], [v for _, v in running], where="post", color="tab:green", label="running")
+        top = max([v for _, v in desired + running], default=1)
+        ax.set_ylim(0, top + 0.5)  # from zero: a replica count is read against none
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("replicas")
+        ax.set_title(dep, fontsize="medium")
+        ax.legend(loc="upper left", fontsize="small")
+    axes[-1, 0].set_xlabel(xlabel)
+    fig.suptitle("Replicas desired vs running")
+    save("replicas.png", fig)
+    return None
 
+def _draw_rss(c: _Canvas) -> Optional[str]:
+    """rss.png: RSS per replica, recycles marked."""
+    data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for s in data.samples:
         for r in s.get("replicas") or ():
             if _num(r.get("rss_mb")) is not None and r.get("id"):
                 series[r["id"]].append((_x(data, float(s["t_s"])), float(r["rss_mb"])))
-    if series:
-        fig, ax = plt.subplots(figsize=(10, 4))
-        for i, (rid, pts) in enumerate(series.items()):
-            ax.plot([x for x, _ in pts], [v for _, v in pts], lw=1, label=rid[-24:] if i < 12 else None)
-        for e in recycle_events(data.samples):
-            at = _num(e.get("at_s"))
-            if at is not None and e.get("outcome") in ("started", "killed_hung"):
-                ax.axvline(_x(data, at), color="grey", lw=0.6, ls=":")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("RSS MB")
-        ax.legend(loc="upper left", fontsize="x-small")
-        ax.set_title("RSS per replica (dotted: recycle started / hung replica killed)")
-        save("rss.png", fig)
-    else:
-        result["rss.png"] = "no replica RSS in the status samples"
-    return result
+    if not series:
+        return "no replica RSS in the status samples"
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for i, (rid, pts) in enumerate(series.items()):
+        ax.plot([x for x, _ in pts], [v for _, v in pts], lw=1, label=rid[-24:] if i < 12 else None)
+    for e in recycle_events(data.samples):
+        at = _num(e.get("at_s"))
+        if at is not None and e.get("outcome") in ("started", "killed_hung"):
+            ax.axvline(_x(data, at), color="grey", lw=0.6, ls=":")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("RSS MB")
+    ax.legend(loc="upper left", fontsize="x-small")
+    ax.set_title("RSS per replica (dotted: recycle started / hung replica killed)")
+    save("rss.png", fig)
+    return None
+
+
+#: Each drawing with the PNGs it writes.
+DRAWINGS = (
+    (("requests.png", "latency.png"), _draw_traffic),
+    (("sheds.png",), _draw_sheds),
+    (("level.png",), _draw_level),
+    (("replicas.png",), _draw_replicas),
+    (("rss.png",), _draw_rss),
+)
 
 
 # =========================================================================== entry points
