@@ -132,113 +132,133 @@ def _controller(cfg: SimConfig, arm: str, fleet: Fleet):
 def simulate(cfg: SimConfig, arm: str, seed: int, arrivals_per_tick: np.ndarray | None = None) -> Result:
     """Run one arm. ``arrivals_per_tick`` may be passed to share one ``arrivals(cfg, seed)`` between arms."""
     wall0 = time.perf_counter()
-    T = cfg.tick_s
     arr = arrivals(cfg, seed) if arrivals_per_tick is None else arrivals_per_tick
     if arr.shape != (cfg.n_ticks, 4):
         raise ValueError(f"arrivals_per_tick: must have shape {(cfg.n_ticks, 4)}, got {arr.shape}")
-    arr_list = arr.tolist()
-    svc = cfg.service
+    run = _Run(cfg, arm, seed)
+    for j, a in enumerate(arr.tolist()):
+        run.tick(j * cfg.tick_s, a)
+    return run.result(arm, seed, time.perf_counter() - wall0)
 
-    # The fleet's own randomness is seeded apart from the arrivals, the same for every arm.
-    fleet = Fleet(2 * cfg.max_replicas + 64, np.random.default_rng([seed, 1]), cfg)
-    ctrl = _controller(cfg, arm, fleet)
-    n0 = min(cfg.max_replicas, max(cfg.min_replicas, math.ceil(
-        cfg.load.ratio(cfg.start_hour) * cfg.peak_rate_per_s / cfg.target_rate_per_replica)))
-    ages = fleet.rng.uniform(0.0, cfg.initial_age_max_h * 3600.0, n0)
-    fleet.start(n0, 0.0, age_s=ages)
-    target = n0
-    queue = RequestQueue()
-    wants_p95 = isinstance(ctrl, BallastController)
 
-    arrivals_c = [0] * 4
-    shed_c = [0] * 4
-    served_c = [0] * 4
-    in_slo_c = [0.0] * 4
-    timed_out_c = [0] * 4
-    failed_c = [0] * 4
-    last_served = [0] * 4
-    last_in_slo = [0.0] * 4
-    level_s = [0.0] * 5
-    oom = hard = 0
-    replica_s = 0.0
-    peak = n0
-    cap_carry = 0.0
-    lost_carry = 0.0
-    batch_prev = 0.0
-    ticks: list[TickRecord] = []
+class _Run:
+    """One arm through the run: its fleet, controller and queue, and the counters per class.
 
-    for j in range(cfg.n_ticks):
-        t = j * T
-        # 1. the fleet moves on
+    ``tick`` takes the module docstring's four steps in order; the counters only grow
+    (less what a dead replica took back), so ``result`` reads them once at the end.
+    """
+
+    def __init__(self, cfg: SimConfig, arm: str, seed: int) -> None:
+        self.cfg, self.T, self.svc = cfg, cfg.tick_s, cfg.service
+        # The fleet's own randomness is seeded apart from the arrivals, the same for every arm.
+        self.fleet = Fleet(2 * cfg.max_replicas + 64, np.random.default_rng([seed, 1]), cfg)
+        self.ctrl = _controller(cfg, arm, self.fleet)
+        n0 = min(cfg.max_replicas, max(cfg.min_replicas, math.ceil(
+            cfg.load.ratio(cfg.start_hour) * cfg.peak_rate_per_s / cfg.target_rate_per_replica)))
+        ages = self.fleet.rng.uniform(0.0, cfg.initial_age_max_h * 3600.0, n0)
+        self.fleet.start(n0, 0.0, age_s=ages)
+        self.target = self.peak = n0
+        self.queue = RequestQueue()
+        self.wants_p95 = isinstance(self.ctrl, BallastController)
+        self.arrivals_c, self.shed_c, self.served_c = [0] * 4, [0] * 4, [0] * 4
+        self.in_slo_c = [0.0] * 4
+        self.timed_out_c, self.failed_c = [0] * 4, [0] * 4
+        self.last_served, self.last_in_slo = [0] * 4, [0.0] * 4
+        self.level_s = [0.0] * 5
+        self.oom = self.hard = 0
+        self.replica_s = self.cap_carry = self.lost_carry = self.batch_prev = 0.0
+        self.ticks: list[TickRecord] = []
+        self.live = n0
+
+    def tick(self, t: float, a: list[int]) -> None:
+        errors = self._fleet_moves(t)
+        admitted = self._admit(a)
+        errors += self._expire(t)
+        got, started, batch, serving = self._serve(t, admitted)
+        if self.cfg.record_ticks:
+            self.ticks.append(TickRecord(t, self.ctrl.level, self.target, self.live, serving, tuple(a),
+                                         tuple(a[i] - admitted[i] for i in range(4)), self.queue.total))
+        self._control(t, got, started, batch, serving, errors)
+
+    def _fleet_moves(self, t: float) -> int:
+        """1. Replicas come up and die; a dead one's running batch is lost. Returns the requests lost."""
+        fleet, ctrl = self.fleet, self.ctrl
         fleet.promote(t)
         dead, was_oom, was_serving = fleet.reap(t)
         errors = 0
         if dead.size:
             ctrl.forget(dead)
             n_oom = int(np.count_nonzero(was_oom))
-            oom += n_oom
-            hard += dead.size - n_oom
-            lost_f = batch_prev * int(np.count_nonzero(was_serving)) + lost_carry
-            lost = min(int(lost_f), sum(last_served))
-            lost_carry = lost_f - int(lost_f)
-            if lost:
-                gone = split(lost, last_served)
-                for i in range(4):
-                    if gone[i]:
-                        share = last_in_slo[i] / last_served[i]
-                        served_c[i] -= gone[i]
-                        in_slo_c[i] -= gone[i] * share
-                        failed_c[i] += gone[i]
-                        last_in_slo[i] -= gone[i] * share
-                        last_served[i] -= gone[i]
-                errors += lost
+            self.oom += n_oom
+            self.hard += dead.size - n_oom
+            errors = self._lose(self.batch_prev * int(np.count_nonzero(was_serving)) + self.lost_carry)
         ctrl.forget(fleet.drained())
-        live = int(np.count_nonzero(fleet.live_mask()))
-        draining = fleet.count(DRAINING)
-        replica_s += (live + draining) * T
-        peak = max(peak, live)
+        self.live = live = int(np.count_nonzero(fleet.live_mask()))
+        self.replica_s += (live + fleet.count(DRAINING)) * self.T
+        self.peak = max(self.peak, live)
+        return errors
 
-        # 2. arrivals meet admission
-        a = arr_list[j]
-        ok = ctrl.admitted()
+    def _lose(self, lost_f: float) -> int:
+        """Take ``lost_f`` requests (the fraction carried over) back from the last tick's served, as failed."""
+        lost = min(int(lost_f), sum(self.last_served))
+        self.lost_carry = lost_f - int(lost_f)
+        if lost:
+            gone = split(lost, self.last_served)
+            for i in range(4):
+                if gone[i]:
+                    share = self.last_in_slo[i] / self.last_served[i]
+                    self.served_c[i] -= gone[i]
+                    self.in_slo_c[i] -= gone[i] * share
+                    self.failed_c[i] += gone[i]
+                    self.last_in_slo[i] -= gone[i] * share
+                    self.last_served[i] -= gone[i]
+        return lost
+
+    def _admit(self, a: list[int]) -> list[int]:
+        """2. The tick's arrivals meet admission at the level decided last tick."""
+        ok = self.ctrl.admitted()
         admitted = [a[i] if ok[i] else 0 for i in range(4)]
         for i in range(4):
-            arrivals_c[i] += a[i]
-            shed_c[i] += a[i] - admitted[i]
+            self.arrivals_c[i] += a[i]
+            self.shed_c[i] += a[i] - admitted[i]
+        return admitted
 
-        # 3. timeouts, then service
-        gone = queue.expire(t - cfg.timeout_s)
+    def _expire(self, t: float) -> int:
+        """3a. Requests queued past ``timeout_s`` are given up. Returns how many."""
+        gone = self.queue.expire(t - self.cfg.timeout_s)
         for i in range(4):
-            timed_out_c[i] += gone[i]
-        errors += sum(gone)
+            self.timed_out_c[i] += gone[i]
+        return sum(gone)
+
+    def _serve(self, t: float, admitted: list[int]) -> tuple:
+        """3b. The serving replicas start what they can at the level's batch size."""
+        T, svc, queue = self.T, self.svc, self.queue
         queue.push(admitted, t, T)
-        serving = int(np.count_nonzero(fleet.serving_mask()))
-        max_batch, work = ctrl.batch_and_work()
+        serving = int(np.count_nonzero(self.fleet.serving_mask()))
+        max_batch, work = self.ctrl.batch_and_work()
         mu = serving * svc.max_rate_per_s(max_batch, work)
-        cap_f = mu * T + cap_carry
+        cap_f = mu * T + self.cap_carry
         cap = int(cap_f)
         demand = queue.total
         started = min(demand, cap)
-        cap_carry = cap_f - cap if demand >= cap else 0.0
+        self.cap_carry = cap_f - cap if demand >= cap else 0.0
         rate_per_replica = started / (serving * T) if serving else 0.0
         batch = svc.batch_for_rate(rate_per_replica, max_batch, work)
         service_s = svc.service_s(max(batch, 1.0), work)
-        got = queue.serve(t, cap, mu, cfg.slo_s - service_s)
+        got = queue.serve(t, cap, mu, self.cfg.slo_s - service_s)
         for i in range(4):
-            served_c[i] += got.counts[i]
-            in_slo_c[i] += got.in_slo[i]
-        last_served = got.counts
-        last_in_slo = got.in_slo
-        batch_prev = batch
-        level_s[ctrl.level] += T
+            self.served_c[i] += got.counts[i]
+            self.in_slo_c[i] += got.in_slo[i]
+        self.last_served, self.last_in_slo = got.counts, got.in_slo
+        self.batch_prev = batch
+        self.level_s[self.ctrl.level] += T
+        return got, started, batch, serving
 
-        if cfg.record_ticks:
-            ticks.append(TickRecord(t, ctrl.level, target, live, serving, tuple(a),
-                                    tuple(a[i] - admitted[i] for i in range(4)), queue.total))
-
-        # 4. the control loop at t + T, then Serve reconciles
+    def _control(self, t: float, got, started: int, batch: float, serving: int, errors: int) -> None:
+        """4. The control loop at t + T, then Serve reconciles the fleet to its target."""
+        T, queue = self.T, self.queue
         wait_p95 = None
-        if wants_p95:
+        if self.wants_p95:
             wait_p95 = got.wait_quantile_s(0.95)
             if wait_p95 is None and queue.total:
                 wait_p95 = queue.head_wait_s(t + T)
@@ -250,43 +270,45 @@ def simulate(cfg: SimConfig, arm: str, seed: int, arrivals_per_tick: np.ndarray 
             outcomes=sum(got.counts) + errors,
             errors=errors,
             served_per_s=started / T,
-            ready=fleet.count(READY),
+            ready=self.fleet.count(READY),
             serving=serving,
         )
-        target = ctrl.decide(view, target)
-        _, stopped = fleet.scale_to(target, t + T)
+        self.target = self.ctrl.decide(view, self.target)
+        _, stopped = self.fleet.scale_to(self.target, t + T)
         if stopped.size:
-            ctrl.forget(stopped)
+            self.ctrl.forget(stopped)
 
-    queued = queue.per_class()
-    classes = tuple(
-        ClassStats(
-            criticality=CLASSES[i].value,
-            arrivals=arrivals_c[i],
-            shed=shed_c[i],
-            served=served_c[i],
-            served_in_slo=in_slo_c[i],
-            timed_out=timed_out_c[i],
-            failed=failed_c[i],
-            queued=queued[i],
+    def result(self, arm: str, seed: int, wall_s: float) -> Result:
+        cfg, ctrl = self.cfg, self.ctrl
+        queued = self.queue.per_class()
+        classes = tuple(
+            ClassStats(
+                criticality=CLASSES[i].value,
+                arrivals=self.arrivals_c[i],
+                shed=self.shed_c[i],
+                served=self.served_c[i],
+                served_in_slo=self.in_slo_c[i],
+                timed_out=self.timed_out_c[i],
+                failed=self.failed_c[i],
+                queued=queued[i],
+            )
+            for i in range(4)
         )
-        for i in range(4)
-    )
-    recycles = getattr(ctrl, "recycles", {})
-    return Result(
-        arm=arm,
-        seed=seed,
-        hours=cfg.n_ticks * T / 3600.0,
-        replicas_peak=cfg.replicas_peak,
-        classes=classes,
-        replica_hours=replica_s / 3600.0,
-        peak_replicas=peak,
-        recycles=sum(recycles.values()),
-        recycles_by_reason=tuple(sorted(recycles.items())),
-        recycles_stuck=getattr(ctrl, "recycles_stuck", 0),
-        oom_crashes=oom,
-        hard_failures=hard,
-        level_seconds=tuple(level_s),
-        ticks=tuple(ticks),
-        wall_s=time.perf_counter() - wall0,
-    )
+        recycles = getattr(ctrl, "recycles", {})
+        return Result(
+            arm=arm,
+            seed=seed,
+            hours=cfg.n_ticks * self.T / 3600.0,
+            replicas_peak=cfg.replicas_peak,
+            classes=classes,
+            replica_hours=self.replica_s / 3600.0,
+            peak_replicas=self.peak,
+            recycles=sum(recycles.values()),
+            recycles_by_reason=tuple(sorted(recycles.items())),
+            recycles_stuck=getattr(ctrl, "recycles_stuck", 0),
+            oom_crashes=self.oom,
+            hard_failures=self.hard,
+            level_seconds=tuple(self.level_s),
+            ticks=tuple(self.ticks),
+            wall_s=wall_s,
+        )
