@@ -10,8 +10,9 @@ Across routers: a key seen for the first time at this router is claimed in the
 key table every router shares (``serve_app.control.keys``, over
 ``policies.idempotency``): a repeat that reaches another router, through another
 node's endpoint, waits for the first answer there or gets it. Only requests that
-carry a key call it, with a short timeout; when it cannot be reached the key is
-honoured by this router alone, and ``shared_unreachable`` counts it.
+carry a key call it, with a short timeout; a claim that got no reply is made again
+(the same owner's repeat is still its claim), and only when the table cannot be
+reached at all is the key honoured by this router alone (``shared_unreachable``).
 
 The answer (or the release of a failed attempt) is handed to the table in the
 background and tried again, longer each time, until the table takes it: a call that
@@ -66,8 +67,23 @@ class SharedKeys:
             self.unreachable += 1
             return _UNREACHABLE
 
-    async def claim(self, slot: tuple[str, str], lease_s: float) -> Any:
-        return await self._call("claim", *slot, self.owner, lease_s)
+    async def claim(self, slot: tuple[str, str], lease_s: float, within_s: float = float("inf")) -> Any:
+        """The table's answer to this router's claim. A call that got no answer is made
+        again (its timeout doubling, at most ``SETTLE_ATTEMPTS`` calls, their timeouts
+        within ``within_s``): the table may have taken the first, and a repeat by the same
+        owner is still its own claim. Only when every call failed does the router honour
+        the key alone, so two routers that were slow to hear from the table do not both
+        run the request."""
+        spent_s = 0.0
+        for attempt in range(SETTLE_ATTEMPTS):
+            timeout_s = min(self.timeout_s * 2**attempt, within_s - spent_s)
+            if timeout_s <= 0:
+                break
+            answer = await self._call("claim", *slot, self.owner, lease_s, timeout_s=timeout_s)
+            if answer is not _UNREACHABLE:
+                return answer
+            spent_s += timeout_s
+        return _UNREACHABLE
 
     async def wait(self, slot: tuple[str, str], timeout_s: float) -> Any:
         return await self._call("wait", *slot, timeout_s, timeout_s=timeout_s + self.timeout_s)
@@ -177,7 +193,7 @@ class IdempotencyStore:
         end = self._clock() + within_s
         while True:
             left = end - self._clock()
-            claim = await shared.claim(slot, max(left, 0.001) + shared.timeout_s)
+            claim = await shared.claim(slot, max(left, 0.001) + shared.timeout_s, within_s=max(left, shared.timeout_s))
             if claim is _UNREACHABLE:
                 break  # honoured here alone; settled below in case the table took the claim
             if claim["state"] == DONE:

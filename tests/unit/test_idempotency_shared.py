@@ -166,7 +166,7 @@ async def test_an_unreachable_key_service_leaves_each_router_honouring_keys_alon
     assert await a.run("gold", "k1", Counted(), within_s=30) == ({"text": "answer 1"}, False)
     assert await a.run("gold", "k1", Counted(), within_s=30) == ({"text": "answer 1"}, True)  # a's own store
     await settle()
-    assert a._shared.unreachable == 1 + SETTLE_ATTEMPTS  # the claim, then the answer tried 3 times
+    assert a._shared.unreachable == 2 * SETTLE_ATTEMPTS  # the claim, then the answer, each tried 3 times
 
 
 async def test_an_answer_the_table_missed_is_handed_to_it_again_and_a_retry_elsewhere_gets_it() -> None:
@@ -211,3 +211,23 @@ async def test_a_retry_waits_no_longer_than_its_deadline() -> None:
         await b.run("gold", "k1", Counted(), within_s=0)
     gate.set()
     await ta
+
+
+async def test_two_routers_whose_claims_got_no_reply_ask_again_and_only_one_runs() -> None:
+    # A loaded host: both routers' first claims reach the table but their replies come
+    # too late. Each asks again (the same owner's repeat is still its claim): the first
+    # claim's owner runs the request, the other waits for its answer.
+    clock = FakeClock()
+    a, b, actor = routers(clock)
+    gate = asyncio.Event()
+    actor.late["claim"] = 2
+    first, second = Counted(gate), Counted()
+    ta = spawn(a.run("gold", "k1", first, within_s=30))
+    await settle()
+    tb = spawn(b.run("gold", "k1", second, within_s=30))
+    await settle()
+    gate.set()
+    assert await ta == ({"text": "answer 1"}, False)
+    assert await tb == ({"text": "answer 1"}, True)
+    assert (first.calls, second.calls) == (1, 0)
+    assert actor.calls.count("claim") == 4  # each router's lost claim and its repeat
