@@ -191,7 +191,7 @@ class ModelServer:
         self._sched = scheduler_config(self._model_cfg, self._backend.max_seq_len)
         self._kv_budget = self._sched.kv_budget_tokens
         self._kv_reserved = 0  # tokens the rows in the batch may reach (each row's prompt + max_tokens)
-        self._evict: list[int] = []  # rows ended here (a stop string) that the batch still holds
+        self._evict: list[int] = []  # rows gone from the bookkeeping, still in the batch until its next chunk
         self._link, self._cache, self._exchange = connect(
             self._cfg, "report_replica", self._report, on_snapshot=self._apply_snapshot
         )
@@ -366,6 +366,7 @@ class ModelServer:
             await self._chaos.stall_point()
             leaving, joins = self._step(time.monotonic())
             if not joins and not self._active:
+                self._evict = leaving  # no chunk runs now: the batch drops these rows before the next
                 continue
             try:
                 # Torch runs in a worker thread: the event loop stays free for new

@@ -112,3 +112,81 @@ def test_a_timed_out_request_is_a_stall_only_when_no_step_came_for_stall_s():
     s._progress_at_s = 105.0 - STALL_S - 0.5
     err = s._timed_out(it, 5.0, 105.0)
     assert isinstance(err, ModelStalled) and "no decode step for 1.5s" in str(err)
+
+
+class _FakeBatch:
+    """``LiveBatch``'s face: each row emits one token a step until it has its max_tokens."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, int] = {}  # key -> tokens still to emit
+        self.removed: list[int] = []
+
+    def keys(self) -> list[int]:
+        return list(self.rows)
+
+    def remove(self, keys) -> None:
+        self.removed += [k for k in keys if self.rows.pop(k, None) is not None]
+
+    def run_chunk(self, joins, steps: int) -> dict[int, list[int]]:
+        self.rows.update((key, n) for key, _ids, n, *_ in joins)
+        out = {}
+        for key, left in list(self.rows.items()):
+            out[key] = [5] * min(steps, left)
+            self.rows[key] = left - len(out[key])
+            if self.rows[key] == 0:
+                del self.rows[key]
+        return out
+
+
+def _looping_replica():
+    """A bare replica with what its engine loop reads, over ``_FakeBatch``."""
+    import asyncio
+    from types import SimpleNamespace
+
+    s = _bare_replica(kv_budget_tokens=1_000_000, batch_limit=4)
+
+    async def no_stall() -> None:
+        return None
+
+    s._model_cfg = SimpleNamespace(stream_chunk_tokens=2, batch_wait_timeout_s=0)
+    s._chaos = SimpleNamespace(stall_point=no_stall)
+    s._backend = SimpleNamespace(eos_ids=set())
+    s._m_batch = SimpleNamespace(observe=lambda n: None)
+    s._m_tokens = SimpleNamespace(inc=lambda n: None)
+    s._batch = _FakeBatch()
+    s._wake = asyncio.Event()
+    s._progress = s._batches = 0
+    s._batch_sizes = deque()
+    return s
+
+
+async def _until(predicate, what: str) -> None:
+    import asyncio
+
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_a_row_that_leaves_an_otherwise_empty_batch_is_dropped_before_the_next_chunk():
+    import asyncio
+
+    s = _looping_replica()
+    alone = _enqueue(s, 1, 4, 100_000, at_s=0.0, deadline_s=1e12)
+    engine = asyncio.get_running_loop().create_task(s._engine())
+    try:
+        s._wake.set()
+        await alone.out.get()  # it decodes
+        alone.cancelled = True  # its caller left, and nothing else is waiting or running
+        s._wake.set()
+        await _until(lambda: not s._active and not s._wake.is_set(), "the loop went idle")
+        nxt = _enqueue(s, 2, 4, 3, at_s=0.0, deadline_s=1e12)
+        s._wake.set()
+        chunks = [await nxt.out.get() for _ in range(3)]
+        assert chunks[-1] is None and chunks[-2]["finish_reason"] == "length"
+        assert 1 in s._batch.removed and 1 not in s._batch.rows  # not decoded beside row 2
+        assert list(s._batch_sizes)[-2:] == [1, 1]
+    finally:
+        engine.cancel()
