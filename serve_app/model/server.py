@@ -42,6 +42,7 @@ from ray import serve
 
 from policies.admission import clamp_max_tokens
 from policies.deadline import replica_deadline_s
+from policies.scheduler import DEADLINE, STALLED, SchedulerConfig, batch_row_limit, schedule, timeout_reason
 from policies.stats import nearest_rank
 
 from serve_app.model.backends import BackendSpec, TinyDecoderConfig, load_backend
@@ -64,9 +65,6 @@ WINDOW = 512  # bounded windows for batch sizes and queue waits
 # Short, too: a report is one sample for the level (one sample moves it one level,
 # policies/degradation.py), so one slow request must not be reported for ten seconds.
 WAIT_WINDOW_S = 2.0
-# No decode step for this long while a request waits: the work loop is stuck, not busy
-# (a chunk takes milliseconds to tens of milliseconds).
-STALL_S = 1.0
 
 
 # What a request's queue gets when the engine drops it for its deadline.
@@ -77,11 +75,9 @@ class ModelStalled(RuntimeError):
     """The replica's work loop made no progress while a request waited for it.
 
     Raised instead of DeadlineExceeded when a request's deadline passes with the
-    engine stuck, so the router's breaker can tell a hung model (a health failure)
-    from a busy one (the request's own time ran out: not the model's fault). Without
-    that distinction every deadline cut short by waiting under overload counted as a
-    model failure: at 2x capacity the primary's breaker opened, the fallback drowned
-    and its 503s raised the level to 3 on error rate.
+    engine stuck (``policies.scheduler.timeout_reason``), so the router's breaker can
+    tell a hung model (a health failure) from a busy one (the request's own time ran
+    out: not the model's fault, and not counted against it).
     """
 
 
@@ -109,7 +105,7 @@ class _Item:
     out: "asyncio.Queue[Any]" = field(default_factory=asyncio.Queue)
 
     @property
-    def reserved(self) -> int:
+    def reserved_tokens(self) -> int:
         """KV-cache tokens this row may reach: its prompt and every token it may generate."""
         return len(self.ids) + self.max_tokens
 
@@ -166,6 +162,12 @@ def build_backend(m: ModelConfig):
     return backend
 
 
+def scheduler_config(m: ModelConfig, context_tokens: int) -> SchedulerConfig:
+    """The replica's scheduling limits: ``model.kv_cache_tokens`` as its KV budget, by
+    default room for ``max_batch_size`` rows that each fill the context."""
+    return SchedulerConfig(kv_budget_tokens=m.kv_cache_tokens or m.max_batch_size * context_tokens, context_tokens=context_tokens)
+
+
 class ModelServer:
     """One model replica; ``role`` "primary" serves ``model``, "fallback" serves ``fallback.model``."""
 
@@ -186,15 +188,10 @@ class ModelServer:
         )
         self._gpu = make_gpu_probe(self._backend.device)
         self._model_max_tokens = self._backend.max_seq_len - 1
-        context = self._backend.max_seq_len
-        self._kv_budget = self._model_cfg.kv_cache_tokens or self._model_cfg.max_batch_size * context
-        if self._kv_budget < context:
-            raise ValueError(
-                f"model.kv_cache_tokens {self._kv_budget} is smaller than the model's context of {context} "
-                "tokens: a request that fills the context could never join the batch"
-            )
+        self._sched = scheduler_config(self._model_cfg, self._backend.max_seq_len)
+        self._kv_budget = self._sched.kv_budget_tokens
         self._kv_reserved = 0  # tokens the rows in the batch may reach (each row's prompt + max_tokens)
-        self._evict: list[int] = []  # rows ended here (a stop string) that the batch still holds
+        self._evict: list[int] = []  # rows gone from the bookkeeping, still in the batch until its next chunk
         self._link, self._cache, self._exchange = connect(
             self._cfg, "report_replica", self._report, on_snapshot=self._apply_snapshot
         )
@@ -203,7 +200,8 @@ class ModelServer:
         except Exception:  # constructed outside Serve (tests, benchmarks)
             self._replica_id = f"local-{id(self):x}"
         self._batch = self._backend.open_batch()
-        self._waiting: deque[_Item] = deque()  # bounded by the deployment's max_ongoing_requests
+        # The line, in arrival order, by key: bounded by the deployment's max_ongoing_requests.
+        self._waiting: dict[int, _Item] = {}
         self._active: dict[int, _Item] = {}  # rows in the live batch, by key
         self._next_key = 0
         self._wake: Optional[asyncio.Event] = None
@@ -296,8 +294,7 @@ class ModelServer:
 
     # -- control loop ------------------------------------------------------------------
     def _apply_batch_limit(self, level_limit: int) -> None:
-        # Rows already decoding finish; only admission into the batch follows the limit.
-        self._batch_limit = max(1, min(self._model_cfg.max_batch_size, level_limit))
+        self._batch_limit = batch_row_limit(self._model_cfg.max_batch_size, level_limit)
 
     def _apply_snapshot(self, snap: Snapshot) -> None:
         self._apply_batch_limit(self._cache.effective().constraints.max_batch_size)
@@ -356,7 +353,8 @@ class ModelServer:
 
     # -- the engine: iteration-level batching ------------------------------------------
     async def _engine(self) -> None:
-        """Run the live batch chunk by chunk while anything is waiting or decoding."""
+        """Run the live batch chunk by chunk while anything is waiting or decoding; at each
+        chunk boundary the scheduler's decision is carried out first (``_step``)."""
         assert self._wake is not None
         chunk_tokens = self._model_cfg.stream_chunk_tokens
         while True:
@@ -366,14 +364,9 @@ class ModelServer:
                 if self._model_cfg.batch_wait_timeout_s > 0:  # an idle replica gathers its first rows
                     await asyncio.sleep(self._model_cfg.batch_wait_timeout_s)
             await self._chaos.stall_point()
-            now = time.monotonic()
-            leaving = [k for k, it in self._active.items() if it.cancelled or now > it.deadline_s]
-            for k in leaving:
-                self._finish(self._active[k], _DEADLINE_MARK)
-            leaving += self._evict
-            self._evict = []
-            joins = self._admit(now)
+            leaving, joins = self._step(time.monotonic())
             if not joins and not self._active:
+                self._evict = leaving  # no chunk runs now: the batch drops these rows before the next
                 continue
             try:
                 # Torch runs in a worker thread: the event loop stays free for new
@@ -418,27 +411,41 @@ class ModelServer:
         else:
             it.out.put_nowait(chunk)
 
-    def _admit(self, now: float) -> list[tuple[int, list[int], int]]:
-        """Move waiting requests into the batch up to its limit, oldest first."""
-        joins = []
-        while self._waiting and len(self._active) < self._batch_limit:
-            if self._kv_reserved + self._waiting[0].reserved > self._kv_budget:
-                break  # the KV budget is spent: the oldest waits for rows to leave (never skipped)
-            it = self._waiting.popleft()
-            self._queued -= 1
-            if now > it.deadline_s:  # gave up while waiting: no prefill spent on it
-                it.out.put_nowait(_DEADLINE_MARK)
-                continue
-            it.started = True
-            it.queue_wait_ms = (now - it.enqueued_at_s) * 1000.0
-            self._waits_ms.append((now, it.queue_wait_ms))
-            self._running += 1
-            self._kv_reserved += it.reserved
-            self._active[it.key] = it
-            joins.append((it.key, it.ids, it.max_tokens, it.sampling))
-        return joins
+    def _step(self, now: float) -> tuple[list[int], list[tuple]]:
+        """Carry out the scheduler's decision at a chunk boundary (``policies.scheduler``).
 
-    def _run_chunk(self, leaving: list[int], joins: list[tuple[int, list[int], int]], steps: int) -> dict[int, list[int]]:
+        Running rows it takes out are answered as past their deadline (nothing is sent
+        to a caller that left) and free their KV; waiting rows it drops leave the line,
+        answered the same way; the rows it admits join. Returns the keys the batch
+        drops before the chunk (those rows and the ones a stop string ended) and the
+        joins to prefill, as ``LiveBatch.run_chunk`` takes them."""
+        decision = schedule(self._sched, now, self._waiting.values(), self._active.values(), self._batch_limit)
+        for gone in decision.finished:
+            self._finish(gone.row, _DEADLINE_MARK)
+        for gone in decision.dropped:
+            self._leave_line(gone.row)
+            if gone.reason == DEADLINE:  # no prefill spent on it
+                gone.row.out.put_nowait(_DEADLINE_MARK)
+        leaving = [gone.row.key for gone in decision.finished] + self._evict
+        self._evict = []
+        return leaving, [self._join(it, now) for it in decision.admitted]
+
+    def _join(self, it: _Item, now: float) -> tuple:
+        """``it`` leaves the line for the batch: its queue wait is counted, its KV reserved."""
+        self._leave_line(it)
+        it.started = True
+        it.queue_wait_ms = (now - it.enqueued_at_s) * 1000.0
+        self._waits_ms.append((now, it.queue_wait_ms))
+        self._running += 1
+        self._kv_reserved += it.reserved_tokens
+        self._active[it.key] = it
+        return (it.key, it.ids, it.max_tokens, it.sampling)
+
+    def _leave_line(self, it: _Item) -> None:
+        if self._waiting.pop(it.key, None) is not None:
+            self._queued -= 1
+
+    def _run_chunk(self, leaving: list[int], joins: list[tuple], steps: int) -> dict[int, list[int]]:
         import torch
 
         with torch.inference_mode():  # the worker thread's own mode, entered per chunk
@@ -449,7 +456,7 @@ class ModelServer:
         """The row leaves the batch's bookkeeping (its tensors leave at the next chunk)."""
         if self._active.pop(it.key, None) is not None:
             self._running -= 1
-            self._kv_reserved -= it.reserved
+            self._kv_reserved -= it.reserved_tokens
         if not it.cancelled:
             it.out.put_nowait(last)
             if isinstance(last, dict) and not last.get("deadline_exceeded"):
@@ -483,7 +490,7 @@ class ModelServer:
                 yield {"text": item.pending, "tokens": 0, "ids": [], "finish_reason": "length",
                        "queue_wait_ms": 0.0, "max_tokens": max_tokens}
                 return
-        self._waiting.append(item)
+        self._waiting[item.key] = item
         self._queued += 1
         assert self._wake is not None
         self._wake.set()
@@ -493,10 +500,7 @@ class ModelServer:
                 try:
                     chunk = await asyncio.wait_for(item.out.get(), max(0.0, item.deadline_s - time.monotonic()))
                 except asyncio.TimeoutError:
-                    idle_s = time.monotonic() - max(self._progress_at_s, item.enqueued_at_s)
-                    if idle_s > STALL_S:
-                        raise ModelStalled(f"no decode step for {idle_s:.1f}s while this request waited") from None
-                    raise DeadlineExceeded(f"deadline of {timeout_s:.3f}s passed while generating") from None
+                    raise self._timed_out(item, timeout_s, time.monotonic()) from None
                 if chunk is None:
                     return
                 if isinstance(chunk, BaseException):
@@ -509,11 +513,18 @@ class ModelServer:
                 yield chunk
         finally:
             item.cancelled = True  # a caller that left: the engine drops the row at the next chunk
-            if not item.started and item in self._waiting:
-                self._waiting.remove(item)
-                self._queued -= 1
+            if not item.started:
+                self._leave_line(item)
             elif item.key in self._active:
                 self._wake.set()
+
+    def _timed_out(self, item: _Item, timeout_s: float, now: float) -> Exception:
+        """The error for a request whose deadline passed before its last chunk: the
+        scheduler tells a stalled engine (ModelStalled) from time that ran out."""
+        reason, idle_s = timeout_reason(self._sched, now, item.enqueued_at_s, self._progress_at_s)
+        if reason == STALLED:
+            return ModelStalled(f"no decode step for {idle_s:.1f}s while this request waited")
+        return DeadlineExceeded(f"deadline of {timeout_s:.3f}s passed while generating")
 
     async def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         """Unary: the whole text at once, with queue wait and compute time."""
