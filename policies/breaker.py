@@ -4,7 +4,8 @@ States and their Prometheus gauge values: CLOSED=0, OPEN=1, HALF_OPEN=2.
 
 * **CLOSED.** Every call passes. Outcomes go into a bounded sliding window —
   the last ``window_size`` calls (``window_kind="count"``) or the last
-  ``window_s`` seconds in one-second buckets (``window_kind="time"``). Once the
+  ``window_s`` seconds in one-second buckets (``window_kind="time"``), the
+  ``CountWindow`` or ``TimeWindow`` of ``policies.window``. Once the
   window holds at least ``min_calls`` calls, the breaker opens when the failure
   ratio reaches ``failure_rate_threshold`` or the slow-call ratio reaches
   ``slow_call_rate_threshold``. A *slow call* is any call that took strictly
@@ -91,12 +92,12 @@ import enum
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from policies.validation import check_int, check_name, check_positive, check_ratio, is_number
+from policies.window import CountWindow, TimeWindow
 
 # Ratios are compared as ``count >= threshold × total``; the product of a
 # decimal threshold and an integer can land a hair above the integer it means
@@ -220,97 +221,6 @@ class Permit:
         return f"Permit({kind}, started_s={self.started_s!r}, done={self._done})"
 
 
-# --------------------------------------------------------------------------- windows
-
-
-class _CountWindow:
-    """The last ``size`` outcomes, with running totals (O(1) per call)."""
-
-    # Bit flags: a call can be both failed and slow.
-    _FAILED, _SLOW = 1, 2
-
-    def __init__(self, size: int) -> None:
-        self._outcomes: deque[int] = deque(maxlen=size)
-        self._failures = 0
-        self._slow = 0
-
-    def add(self, now_s: float, failed: bool, slow: bool) -> None:
-        if len(self._outcomes) == self._outcomes.maxlen:
-            self._forget(self._outcomes[0])  # about to be pushed out by maxlen
-        outcome = (self._FAILED if failed else 0) | (self._SLOW if slow else 0)
-        self._outcomes.append(outcome)
-        self._failures += bool(outcome & self._FAILED)
-        self._slow += bool(outcome & self._SLOW)
-
-    def _forget(self, outcome: int) -> None:
-        self._failures -= bool(outcome & self._FAILED)
-        self._slow -= bool(outcome & self._SLOW)
-
-    def totals(self, now_s: float) -> tuple[int, int, int]:
-        return len(self._outcomes), self._failures, self._slow
-
-    def reset(self) -> None:
-        self._outcomes.clear()
-        self._failures = self._slow = 0
-
-    def __len__(self) -> int:
-        return len(self._outcomes)
-
-
-class _TimeWindow:
-    """Calls of the last ``num_buckets`` whole seconds, one bucket per second.
-
-    A call made at ``t`` counts while ``floor(now) - floor(t) < num_buckets``:
-    resolution is one second, so with a 60 s window a call at 40.9 is still
-    counted at 99.99 and forgotten at 100.0. Buckets hold distinct seconds
-    inside that span, so there are never more than ``num_buckets`` of them.
-    """
-
-    def __init__(self, num_buckets: int) -> None:
-        self._num_buckets = num_buckets
-        # Each bucket: [second, calls, failures, slow].
-        self._buckets: deque[list[int]] = deque()
-        self._calls = self._failures = self._slow = 0
-
-    def _evict(self, now_s: float) -> None:
-        oldest_kept = math.floor(now_s) - self._num_buckets + 1
-        while self._buckets and self._buckets[0][0] < oldest_kept:
-            _, calls, failures, slow = self._buckets.popleft()
-            self._calls -= calls
-            self._failures -= failures
-            self._slow -= slow
-
-    def add(self, now_s: float, failed: bool, slow: bool) -> None:
-        self._evict(now_s)
-        second = math.floor(now_s)
-        # ">=": a clock that stepped back (not monotonic) lands in the newest
-        # bucket instead of breaking the ascending order eviction relies on.
-        if self._buckets and self._buckets[-1][0] >= second:
-            bucket = self._buckets[-1]
-        else:
-            bucket = [second, 0, 0, 0]
-            self._buckets.append(bucket)
-        bucket[1] += 1
-        self._calls += 1
-        if failed:
-            bucket[2] += 1
-            self._failures += 1
-        if slow:
-            bucket[3] += 1
-            self._slow += 1
-
-    def totals(self, now_s: float) -> tuple[int, int, int]:
-        self._evict(now_s)
-        return self._calls, self._failures, self._slow
-
-    def reset(self) -> None:
-        self._buckets.clear()
-        self._calls = self._failures = self._slow = 0
-
-    def __len__(self) -> int:
-        return len(self._buckets)
-
-
 # --------------------------------------------------------------------------- breaker
 
 
@@ -336,8 +246,11 @@ class CircuitBreaker:
         self._rng = rng if rng is not None else random.Random()
         self._on_event = on_event
 
-        self._window: _CountWindow | _TimeWindow = (
-            _CountWindow(cfg.window_size) if cfg.window_kind == "count" else _TimeWindow(math.ceil(cfg.window_s))
+        # Each sample: (1 call, failed, slow); the totals are (calls, failures, slow calls).
+        self._window: CountWindow[tuple[int, int, int]] | TimeWindow = (
+            CountWindow(cfg.window_size, fields=3)
+            if cfg.window_kind == "count"
+            else TimeWindow(1.0, math.ceil(cfg.window_s), fields=3)
         )
         self._state = BreakerState.CLOSED
         # Bumped on every transition; permits from an older epoch are stale.
@@ -461,7 +374,7 @@ class CircuitBreaker:
             self._probes_slow += slow
             self._judge_half_open(now_s)
         else:
-            self._window.add(now_s, failed, slow)
+            self._window.add((1, int(failed), int(slow)), now_s)
             self._judge_closed(now_s)
 
     def release(self, permit: Permit) -> None:
@@ -545,7 +458,7 @@ class CircuitBreaker:
                 f">={self._cfg.slow_call_rate_threshold:.2f}",
             )
             return
-        self._window.reset()  # closing starts from an empty window
+        self._window.clear()  # closing starts from an empty window
         self._transition(BreakerState.CLOSED, now_s, f"half-open probes {self._probes_ok}/{n} ok")
 
     def _open(self, now_s: float, reason: str) -> None:
@@ -553,7 +466,7 @@ class CircuitBreaker:
         u = self._rng.random()  # exactly one draw per opening
         self._open_period_s = cfg.open_duration_s * (1.0 + cfg.open_jitter_ratio * (2.0 * u - 1.0))
         self._opened_until_s = now_s + self._open_period_s
-        self._window.reset()
+        self._window.clear()
         self._reset_probes()
         self._transition(BreakerState.OPEN, now_s, reason)
 

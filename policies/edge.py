@@ -25,9 +25,10 @@
   router and the accepts can grow back; never any critical_plus (the router decides
   it: it may go to the fallback at any level).
 
-The window is ``window_s`` one-second counters (bounded; 3 s: with 10 s, a class the
-model had taken whole went on reaching the router for ~5 s once the load rose, and the
-gate refused it there); time comes in as an argument.
+The window is a ``policies.window.TimeWindow`` of ``window_s`` one-second buckets per
+class (bounded; 3 s: with 10 s, a class the model had taken whole went on reaching the
+router for ~5 s once the load rose, and the gate refused it there); time comes in as an
+argument.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 from policies.criticality import Criticality
 from policies.validation import check_positive
+from policies.window import TimeWindow
 
 ALL = 1000  # per mille: the whole class
 
@@ -65,9 +67,11 @@ class EdgeThrottle:
 
     def __init__(self, cfg: EdgeThrottleConfig = EdgeThrottleConfig()) -> None:
         self.cfg = cfg
-        # class -> {second: [requests, accepts]}; at most window_s seconds per class,
-        # keys: the four classes (anything else is ignored).
-        self._counts: dict[str, dict[int, list[int]]] = {c.value: {} for c in Criticality}
+        # class -> (requests, accepts) in one-second buckets, ceil(window_s) of them at
+        # most; keys: the four classes (anything else is ignored).
+        self._counts: dict[str, TimeWindow] = {
+            c.value: TimeWindow(1.0, math.ceil(cfg.window_s), fields=2) for c in Criticality
+        }
 
     def record(self, now_s: float, criticality: str, requests: int, accepts: int, room: bool = False) -> None:
         """``requests`` arrivals of ``criticality`` since the last record (the edge's refusals
@@ -76,28 +80,23 @@ class EdgeThrottle:
         if room:  # the edge's refusals since the last record say nothing of what the model takes
             self.forget(criticality)
             requests = accepts
-        per = self._counts.get(criticality)
-        if per is None or (requests <= 0 and accepts <= 0):
+        window = self._counts.get(criticality)
+        if window is None or (requests <= 0 and accepts <= 0):
             return
-        sec = int(math.floor(now_s))
-        cell = per.setdefault(sec, [0, 0])
-        cell[0] += max(0, requests)
-        cell[1] += max(0, accepts)
-        self._trim(per, sec)
+        window.add((max(0, requests), max(0, accepts)), now_s)
 
     def forget(self, criticality: str) -> None:
         """Start ``criticality``'s window afresh (the level refused it whole meanwhile)."""
         if criticality in self._counts:
-            self._counts[criticality] = {}
-
-    def _trim(self, per: dict[int, list[int]], sec: int) -> None:
-        for old in [s for s in per if s <= sec - self.cfg.window_s]:
-            del per[old]
+            self._counts[criticality].clear()
 
     def window(self, now_s: float, criticality: str) -> tuple[int, int]:
-        per = self._counts.get(criticality, {})
-        self._trim(per, int(math.floor(now_s)))
-        return sum(c[0] for c in per.values()), sum(c[1] for c in per.values())
+        """(requests, accepts) of ``criticality`` over the window ending at ``now_s``."""
+        window = self._counts.get(criticality)
+        if window is None:
+            return 0, 0
+        requests, accepts = window.totals(now_s)
+        return requests, accepts
 
     def drop_per_mille(self, now_s: float, criticality: str) -> int:
         """The share of ``criticality`` the edge should refuse now, in per mille (0..max_drop)."""

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from typing import Callable, Iterable, Optional
 
 from policies.stats import nearest_rank
 from policies.validation import check_int, check_positive
+from policies.window import CountWindow
 
 SERVICE_EWMA_ALPHA = 0.2
 SERVICE_SAMPLES = 64  # recent service times kept for the p90 (bounded)
@@ -61,14 +61,14 @@ class ServiceTime:
         self.mean_s = 0.0
         self.p90_s = 0.0
         self.served = 0  # samples ever added
-        self._samples: deque[float] = deque(maxlen=max_samples)
+        self._samples: CountWindow[float] = CountWindow(max_samples)
 
     def add(self, service_s: float) -> None:
         self.served += 1
         if self.served == 1:  # the first sample is the estimate, not a fifth of it
             self.mean_s = service_s
         self.mean_s += self.alpha * (service_s - self.mean_s)
-        self._samples.append(service_s)
+        self._samples.add(service_s)
         self.p90_s = nearest_rank(self._samples, 0.9)  # type: ignore[assignment]
 
     def needed_s(self, rank: int, critical_rank: int) -> float:
@@ -172,11 +172,12 @@ def miss_is_congestion(held_ms: float, miss_service_factor: Optional[float], ser
 class DemandWindow:
     """What was offered per criticality, and what the gate let through, over ``window_s``.
 
-    Fed once per router report with the counts since the previous one (so it holds one
-    entry per report, bounded by ``max_entries``). ``served_rps`` is the gate's answer
-    rate; it measures capacity only when ``gate_full`` (the gate was full for at least
-    ``min_saturated`` of the window): an answer rate the gate did not push against
-    says what was asked, not what the model can do.
+    Fed once per router report with the counts since the previous one: one entry per
+    report in a ``CountWindow`` of ``max_entries``, stamped with the report's time; an
+    entry leaves once its interval ended ``window_s`` or more ago. ``served_rps`` is the
+    gate's answer rate; it measures capacity only when ``gate_full`` (the gate was full
+    for at least ``min_saturated`` of the window): an answer rate the gate did not push
+    against says what was asked, not what the model can do.
     """
 
     def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic,
@@ -187,7 +188,8 @@ class DemandWindow:
         self.min_saturated = min_saturated
         self._clock = clock
         self._last = clock()
-        self._entries: deque[tuple[float, float, dict[str, int], int, bool]] = deque(maxlen=max_entries)
+        # Each entry: (start, end, offered, served, saturated), stamped with its end.
+        self._entries: CountWindow[tuple[float, float, dict[str, int], int, bool]] = CountWindow(max_entries)
 
     def __len__(self) -> int:
         """Reports held (at most ``max_entries``)."""
@@ -195,22 +197,21 @@ class DemandWindow:
 
     def add(self, offered: dict[str, int], served: int, saturated: bool) -> None:
         now = self._clock()
-        self._entries.append((self._last, now, dict(offered), served, saturated))
+        self._entries.add((self._last, now, dict(offered), served, saturated), now)
         self._last = now
 
     def rates(self) -> dict[str, object]:
-        now = self._clock()
-        while self._entries and self._entries[0][1] <= now - self.window_s:
-            self._entries.popleft()
-        if not self._entries:
+        self._entries.expire(self._clock() - self.window_s, inclusive=True)
+        entries = list(self._entries)
+        if not entries:
             return {"demand_rps": {}, "served_rps": 0.0, "gate_full": False}
-        span = max(1e-3, self._entries[-1][1] - self._entries[0][0])
+        span = max(1e-3, entries[-1][1] - entries[0][0])
         demand: dict[str, float] = {}
-        for _, _, offered, _, _ in self._entries:
+        for _, _, offered, _, _ in entries:
             for crit, n in offered.items():
                 demand[crit] = demand.get(crit, 0.0) + n
-        full = sum(e[1] - e[0] for e in self._entries if e[4])
-        served = sum(e[3] for e in self._entries)
+        full = sum(e[1] - e[0] for e in entries if e[4])
+        served = sum(e[3] for e in entries)
         return {
             "demand_rps": {c: round(n / span, 3) for c, n in demand.items()},
             "served_rps": round(served / span, 3),

@@ -17,9 +17,9 @@ be negative; only ``>= r2_threshold`` matters. Time-to-limit starts from the
 fitted value at the newest sample, not the noisy last sample, so the ETA does
 not jump by one GC tooth from one tick to the next.
 
-**Bounded window.** Samples fall into ``max_points`` buckets of width
-``window_s / max_points``; a bucket keeps the sum and count of its samples and
-fits as one point (mean time, mean value). Memory is bounded per series
+**Bounded window.** Samples fall into a ``policies.window.TimeWindow`` of
+``max_points`` buckets of width ``window_s / max_points``; a bucket keeps the sum
+and count of its samples and fits as one point (mean time, mean value). Memory is bounded per series
 whatever the sampling rate, and Theil–Sen, O(n²), stays at n ≤ ``max_points``
 (120 → 7,140 pairs, ~1 ms in pure Python; scipy's ``theilslopes`` does the
 same maths, but scipy is no dependency of this project). A bucket is dropped
@@ -72,13 +72,12 @@ arrived yet: that is a starting replica, which Serve's own health check owns.
 
 from __future__ import annotations
 
-import math
-from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping, Optional, Sequence
 
 from policies.validation import check_finite, check_int, check_name, check_positive, check_ratio, is_finite
+from policies.window import TimeWindow
 
 _EPSILON = 1e-9  # span / ratio comparisons: 0.97 × limit must not need one more byte
 
@@ -263,50 +262,32 @@ def fit_short(points: Sequence[tuple[float, float]], spec: SeriesSpec, cfg: Leak
 
 
 class _Buckets:
-    """Bucketed samples of several series over one window (see the module docstring)."""
+    """Several series over one window, a ``TimeWindow`` of (count, sum of t, sum of value) each."""
 
     def __init__(self, names: Sequence[str], window_s: float, max_points: int) -> None:
-        self._width_s = window_s / max_points
-        self._max_points = max_points
-        # Per series, oldest first: [bucket key, count, sum of t, sum of value].
-        # Invariant: keys strictly ascending, newest key - oldest key < max_points.
-        self._buckets: dict[str, deque[list[float]]] = {name: deque() for name in names}
+        width_s = window_s / max_points
+        self._windows = {name: TimeWindow(width_s, max_points, fields=3) for name in names}
 
     def observe(self, t_s: float, values: Mapping[str, Optional[float]]) -> None:
-        key = math.floor(t_s / self._width_s)
-        for name, buckets in self._buckets.items():
+        for name, window in self._windows.items():
             v = values.get(name)
             if v is None or not is_finite(v):
                 continue  # NaN from a broken reader must not poison a whole window
-            t_b = t_s
-            if buckets and buckets[-1][0] >= key:
-                b = buckets[-1]  # same bucket, or the clock stepped back:
-                # counted at the bucket's start, so bucket mean times stay in key order
-                t_b = max(t_s, b[0] * self._width_s)
-            else:
-                b = [key, 0, 0.0, 0.0]
-                buckets.append(b)
-                self._evict(buckets, key)
-            b[1] += 1
-            b[2] += t_b
-            b[3] += v
+            # A sample whose clock stepped back lands in the newest bucket, counted at
+            # that bucket's start, so bucket mean times stay in bucket order.
+            start_s = window.newest_start_s()
+            window.add((1, t_s if start_s is None else max(t_s, start_s), v), t_s)
 
     def points(self, name: str, now_s: float) -> list[tuple[float, float]]:
-        buckets = self._buckets[name]
-        self._evict(buckets, math.floor(now_s / self._width_s))
-        return [(b[2] / b[1], b[3] / b[1]) for b in buckets]
+        return [(t / n, v / n) for n, t, v in self._windows[name].buckets(now_s)]
 
     def reset(self, name: Optional[str]) -> None:
-        for n, buckets in self._buckets.items():
+        for n, window in self._windows.items():
             if name is None or n == name:
-                buckets.clear()
+                window.clear()
 
     def count(self, name: str) -> int:
-        return len(self._buckets[name])
-
-    def _evict(self, buckets: deque[list[float]], key: int) -> None:
-        while buckets and buckets[0][0] <= key - self._max_points:
-            buckets.popleft()
+        return len(self._windows[name])
 
 
 class LeakDetector:

@@ -27,7 +27,8 @@ rarely learns slowly. A request still in flight counts as a request but not
 noise, and ``p`` stays 0 until requests exceed ``K × accepts`` anyway.
 
 The math is the pure ``reject_probability``; ``AdaptiveThrottle`` only counts,
-in a window of ``ceil(window_s / bucket_s)`` buckets at most (STYLE 4).
+in a ``policies.window.TimeWindow`` of ``ceil(window_s / bucket_s)`` buckets at
+most.
 
 Written by hand: no maintained Python library implements this (gRPC's
 Go/Java versions are internal to its RLS balancer), and this one needs an
@@ -39,11 +40,11 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.validation import check_non_negative, check_positive
+from policies.window import TimeWindow
 
 # window_s / bucket_s can land a hair above the integer it means (a window of
 # 3 × 0.1 s over 0.1 s buckets is 3.0000000000000004); without this tolerance
@@ -92,11 +93,10 @@ class AdaptiveThrottle:
     an overload refusal, ``record_accept()``. Nothing is recorded for a
     refusal: the attempt was already counted as a request.
 
-    Counts live in buckets of ``bucket_s`` (bucket index = floor(now / bucket_s));
+    Counts live in a ``TimeWindow`` of ``num_buckets`` buckets of ``bucket_s``:
     a bucket is forgotten once it is ``num_buckets`` or more behind the current
-    one, so at most ``num_buckets`` buckets exist, created only when something
-    is counted. A clock that steps back counts into the newest bucket rather
-    than breaking the ascending order eviction relies on.
+    one, and created only when something is counted; a clock that steps back
+    counts into the newest bucket.
 
     Not thread-safe: one event-loop thread, no awaits inside (as the breaker).
     """
@@ -111,56 +111,30 @@ class AdaptiveThrottle:
         if not isinstance(cfg, ThrottleConfig):
             raise ValueError(f"cfg: must be a ThrottleConfig, got {cfg!r}")
         self._cfg = cfg
-        self._num_buckets = cfg.num_buckets
         self._clock = clock
         # A private generator: each client draws its own rejections (clients
         # that rejected in lockstep would make the backend's load oscillate)
         # without touching the global ``random`` state.
         self._rng = rng if rng is not None else random.Random().random
-        # Each bucket: [index, requests, accepts]; indexes strictly ascending.
-        self._buckets: deque[list[int]] = deque()
-        self._requests = 0
-        self._accepts = 0
+        # Each sample: (requests, accepts).
+        self._window = TimeWindow(cfg.bucket_s, cfg.num_buckets, fields=2)
         self._local_rejects_total = 0
 
     @property
     def config(self) -> ThrottleConfig:
         return self._cfg
 
-    # ---- window
-
-    def _index(self, now_s: float) -> int:
-        return math.floor(now_s / self._cfg.bucket_s)
-
-    def _evict(self, index: int) -> None:
-        oldest_kept = index - self._num_buckets + 1
-        while self._buckets and self._buckets[0][0] < oldest_kept:
-            _, requests, accepts = self._buckets.popleft()
-            self._requests -= requests
-            self._accepts -= accepts
-
-    def _current_bucket(self) -> list[int]:
-        index = self._index(self._clock())
-        self._evict(index)
-        if self._buckets and self._buckets[-1][0] >= index:
-            return self._buckets[-1]
-        bucket = [index, 0, 0]
-        self._buckets.append(bucket)
-        return bucket
-
     # ---- counters
 
     @property
     def requests(self) -> int:
         """Attempts in the window, locally rejected ones included."""
-        self._evict(self._index(self._clock()))
-        return self._requests
+        return self._window.totals(self._clock())[0]
 
     @property
     def accepts(self) -> int:
         """Attempts the backend accepted, in the window."""
-        self._evict(self._index(self._clock()))
-        return self._accepts
+        return self._window.totals(self._clock())[1]
 
     @property
     def local_rejects_total(self) -> int:
@@ -170,13 +144,13 @@ class AdaptiveThrottle:
     @property
     def bucket_count(self) -> int:
         """Buckets held now; never more than ``config.num_buckets``."""
-        self._evict(self._index(self._clock()))
-        return len(self._buckets)
+        self._window.advance(self._clock())
+        return len(self._window)
 
     def probability(self) -> float:
         """The probability the next ``should_send()`` rejects locally."""
-        self._evict(self._index(self._clock()))
-        return reject_probability(self._requests, self._accepts, self._cfg.k)
+        requests, accepts = self._window.totals(self._clock())
+        return reject_probability(requests, accepts, self._cfg.k)
 
     # ---- decisions
 
@@ -186,10 +160,10 @@ class AdaptiveThrottle:
         ``p`` is computed from the window *before* this attempt is counted.
         The rng is drawn only when ``p > 0``, so a healthy client costs no draw.
         """
-        bucket = self._current_bucket()
-        p = reject_probability(self._requests, self._accepts, self._cfg.k)
-        bucket[1] += 1
-        self._requests += 1
+        now_s = self._clock()
+        requests, accepts = self._window.totals(now_s)
+        p = reject_probability(requests, accepts, self._cfg.k)
+        self._window.add((1, 0), now_s)
         if p > 0 and self._rng() < p:
             self._local_rejects_total += 1
             return False
@@ -197,12 +171,11 @@ class AdaptiveThrottle:
 
     def record_accept(self) -> None:
         """The backend accepted a sent attempt (any answer but an overload refusal)."""
-        bucket = self._current_bucket()
-        bucket[2] += 1
-        self._accepts += 1
+        self._window.add((0, 1), self._clock())
 
     def __repr__(self) -> str:
+        requests, accepts = self._window.totals(self._clock())
         return (
-            f"AdaptiveThrottle(requests={self._requests}, accepts={self._accepts}, "
+            f"AdaptiveThrottle(requests={requests}, accepts={accepts}, "
             f"local_rejects_total={self._local_rejects_total})"
         )

@@ -40,6 +40,7 @@ from policies.killswitch import KillSwitchEntry
 from policies.quota import TenantQuota, apportion, effective_rates
 from policies.criticality import Criticality
 from policies.degradation import LoadSignals
+from policies.window import CountWindow
 
 from serve_app.config import BallastConfig, load_config
 from serve_app.control.recycling import RecycleCoordinator
@@ -149,7 +150,8 @@ class ControllerCore:
         self._watchdogs = _Reports(max(cfg.controller.report_expiry_s, 3 * cfg.watchdog.interval_s), self._clock)
         if hasattr(self, "recycler"):
             self.recycler.configure(cfg.recycle)
-        self._outcomes: deque[tuple[float, int, int]] = deque(maxlen=MAX_OUTCOME_BUCKETS)
+        # (requests, errors) per router report, stamped when it came: the error window.
+        self._outcomes: CountWindow[tuple[int, int]] = CountWindow(MAX_OUTCOME_BUCKETS, fields=2)
         self._quotas = {
             name: TenantQuota(
                 rate_tokens_per_s=t.rate_tokens_per_s,
@@ -176,7 +178,7 @@ class ControllerCore:
         self._routers.put(router_id, report)
         requests = int(report.get("requests", 0))
         if requests:
-            self._outcomes.append((self._clock(), requests, int(report.get("errors", 0))))
+            self._outcomes.add((requests, int(report.get("errors", 0))), self._clock())
         return {**self._snapshot.to_dict(), "leases": self.leases_for(router_id)}
 
     def leases_for(self, router_id: str) -> dict[str, dict[str, float]]:
@@ -290,15 +292,14 @@ class ControllerCore:
     # -- the tick --------------------------------------------------------------------
     def signals(self) -> LoadSignals:
         """The level's inputs from the fresh reports (policies.control.fold_reports)."""
-        cutoff = self._clock() - self.cfg.controller.error_window_s
-        while self._outcomes and self._outcomes[0][0] < cutoff:
-            self._outcomes.popleft()
+        self._outcomes.expire(self._clock() - self.cfg.controller.error_window_s)
+        requests, errors = self._outcomes.totals()
         return control.fold_reports(
             self._routers.fresh(),
             self._replicas.fresh(),
             MODEL_DEPLOYMENT,
-            requests=sum(n for _, n, _ in self._outcomes),
-            errors=sum(e for _, _, e in self._outcomes),
+            requests=requests,
+            errors=errors,
         )
 
     def tick(self) -> Snapshot:

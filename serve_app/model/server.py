@@ -44,6 +44,7 @@ from policies.admission import clamp_max_tokens
 from policies.deadline import replica_deadline_s
 from policies.scheduler import DEADLINE, STALLED, SchedulerConfig, batch_row_limit, schedule, timeout_reason
 from policies.stats import nearest_rank
+from policies.window import CountWindow
 
 from serve_app.model.backends import BackendSpec, TinyDecoderConfig, load_backend
 from serve_app.model.chaos import ChaosAgent
@@ -110,11 +111,10 @@ class _Item:
         return len(self.ids) + self.max_tokens
 
 
-def recent_percentile(samples: "deque[tuple[float, float]]", now_s: float, window_s: float, q: float) -> Optional[float]:
-    """The q-quantile of the (t, value) samples no older than ``window_s``; older ones are dropped."""
-    while samples and samples[0][0] < now_s - window_s:
-        samples.popleft()
-    return nearest_rank((v for _, v in samples), q)
+def recent_percentile(samples: CountWindow[float], now_s: float, window_s: float, q: float) -> Optional[float]:
+    """The q-quantile of the samples stamped no longer than ``window_s`` ago; older ones are dropped."""
+    samples.expire(now_s - window_s)
+    return nearest_rank(samples, q)
 
 
 def warmup_batch_sizes(max_batch_size: int) -> list[int]:
@@ -209,8 +209,8 @@ class ModelServer:
         self._queued = 0
         self._running = 0
         self._batches = 0
-        self._batch_sizes: deque[int] = deque(maxlen=WINDOW)
-        self._waits_ms: deque[tuple[float, float]] = deque(maxlen=WINDOW)  # (monotonic t, ms)
+        self._batch_sizes: CountWindow[int] = CountWindow(WINDOW)
+        self._waits_ms: CountWindow[float] = CountWindow(WINDOW)  # stamped with monotonic time
         self._batch_limit = 0
         self._chaos = ChaosAgent(self._cfg.chaos.enabled, self._cfg.chaos.max_leak_mb, device=self._backend.device)
         self._started_at_s = time.time()
@@ -381,7 +381,7 @@ class ModelServer:
             self._progress += 1
             self._progress_at_s = time.monotonic()
             self._batches += 1
-            self._batch_sizes.append(len(self._active))
+            self._batch_sizes.add(len(self._active))
             self._m_batch.observe(len(self._active))
             tokens = 0
             in_batch = set(self._batch.keys())
@@ -435,7 +435,7 @@ class ModelServer:
         self._leave_line(it)
         it.started = True
         it.queue_wait_ms = (now - it.enqueued_at_s) * 1000.0
-        self._waits_ms.append((now, it.queue_wait_ms))
+        self._waits_ms.add(it.queue_wait_ms, now)
         self._running += 1
         self._kv_reserved += it.reserved_tokens
         self._active[it.key] = it
