@@ -64,7 +64,7 @@ def _bare_replica(kv_budget_tokens: int, batch_limit: int):
     s._waiting, s._active, s._evict = {}, {}, []
     s._queued = s._running = s._kv_reserved = 0
     s._batch_limit = batch_limit
-    s._waits_ms = deque()
+    s._waits_ms = CountWindow(WINDOW)
     s._progress_at_s = 0.0
     return s
 
@@ -92,7 +92,7 @@ def test_the_replica_moves_rows_and_reserves_kv_as_its_scheduler_decides():
     assert [j[0] for j in joins] == [1, 3] and joins[0] == (1, first.ids, 30, None)
     assert late.out.get_nowait() == _DEADLINE_MARK and not late.started  # dropped, no prefill
     assert (s._queued, s._running, s._kv_reserved) == (0, 2, 100) and sorted(s._active) == [1, 3]
-    assert third.started and third.queue_wait_ms == 1000.0 and list(s._waits_ms) == [(2.0, 2000.0), (2.0, 1000.0)]
+    assert third.started and third.queue_wait_ms == 1000.0 and list(s._waits_ms) == [2000.0, 1000.0]
 
     first.cancelled = True  # its caller left: it leaves at the next boundary, answered with nothing
     fourth = _enqueue(s, 4, 10, 30, at_s=3.0, deadline_s=10.0)
@@ -163,7 +163,7 @@ def _looping_replica():
     s._batch = _FakeBatch()
     s._wake = asyncio.Event()
     s._progress = s._batches = 0
-    s._batch_sizes = deque()
+    s._batch_sizes = CountWindow(WINDOW)
     return s
 
 
