@@ -17,8 +17,8 @@ States and their Prometheus gauge values: CLOSED=0, OPEN=1, HALF_OPEN=2.
 * **OPEN.** Every call is refused for ``open_duration_s`` stretched by a
   jitter of ±``open_jitter_ratio`` drawn from the injected rng — many routers
   each hold their own breaker for the same backend, and without jitter they
-  would all probe it in the same second (the thundering herd the seeds warn
-  about). The window is emptied on opening.
+  would all probe it in the same second (a thundering herd). The window is
+  emptied on opening.
 * **HALF_OPEN.** Entered lazily, by the first ``allow()``/``state``/
   ``snapshot()``/``retry_after_s()`` after the open period ends. At most
   ``half_open_max_probes`` probes are handed out in total, so never more than

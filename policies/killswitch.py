@@ -1,4 +1,4 @@
-"""Kill switch entries: who may not be served right now, why, and until when (seed 002).
+"""Kill switch entries: who may not be served right now, why, and until when.
 
 An entry names a scope — ``global``, ``tenant``, ``model`` or ``criticality`` — and,
 except for ``global``, the value it applies to. Every entry carries a reason, who

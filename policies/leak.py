@@ -1,18 +1,18 @@
-"""Leak detection and the watchdog's action ladder (seed 000, memory watchdog).
+"""Leak detection and the watchdog's action ladder.
 
 **Trend.** A replica that leaks fails hours later, all at once (OOM, fd limit).
 The watchdog samples rss/vram/threads/fds about once a second; this module
 turns each series into a trend and asks two questions: is the rise *credible*
-(a fit quality R² of at least ``r2_threshold``, 0.7 as in the seed) and *steep*
+(a fit quality R² of at least ``r2_threshold``, 0.7) and *steep*
 (a slope at or above the series' ``slope_threshold_per_h``)? If so, it is a
 leak, and with a limit we can say when the replica will hit it.
 
-The seed fits ordinary least squares; we fit Theil–Sen (the median of all
+The slope is Theil–Sen's, not ordinary least squares' (the median of all
 pairwise slopes) instead. Allocator memory is not a line plus white noise: the
 GC sawtooth (a slow ramp, a sudden drop) and a few huge transient spikes (one
 batch of long prompts) pull a least-squares slope wherever they fall, most of
 all near the ends of the window; the median ignores up to ~29 % of wild points.
-R² keeps the seed's ``1 - SS_res/SS_tot`` but around the robust line, so it can
+R² is ``1 - SS_res/SS_tot`` around the robust line, so it can
 be negative; only ``>= r2_threshold`` matters. Time-to-limit starts from the
 fitted value at the newest sample, not the noisy last sample, so the ETA does
 not jump by one GC tooth from one tick to the next.
@@ -50,7 +50,7 @@ limit walks the ladder and at ``critical_ratio`` takes every rung at once
 (uWSGI's reload-on-rss): a flat replica over its ceiling is recycled too, and a
 leak faster than any window can judge is still caught before the limit.
 
-**Ladder.** The seed's escalation — gc, clear the CUDA cache, refuse new work,
+**Ladder.** The escalation — gc, clear the CUDA cache, refuse new work,
 restart — one rung per ``step_interval_s`` while the problem is a *warning*,
 so each cheap remedy gets time to show its effect before a dearer one is
 taken; all remaining rungs at once when it is *critical* (the limit is minutes
@@ -65,7 +65,7 @@ scheduled max-age recycle is for, and stopping intake days ahead of an OOM
 would cost capacity for nothing.
 
 **Hang.** A replica with work in flight and no heartbeat for more than
-``missed`` intervals is hung (DESIGN: killed outright). Idle replicas are
+``missed`` intervals is hung (the controller kills it outright). Idle replicas are
 never hung (nothing to be stuck on), nor is one whose first heartbeat has not
 arrived yet: that is a starting replica, which Serve's own health check owns.
 """
@@ -105,7 +105,7 @@ class LeakConfig:
     min_span_ratio: float = 0.5  # no long verdict until samples span this fraction of the window...
     min_points: int = 10  # ...and fill this many buckets (the short window's too)
     max_points: int = 120  # buckets per window: the memory bound, and n for the O(n²) fit
-    r2_threshold: float = 0.7  # below this fit quality a slope is noise, not a trend (seed 000)
+    r2_threshold: float = 0.7  # below this fit quality a slope is noise, not a trend
     # Short (fast-burn) window: a leak that would reach its limit within short_horizon_s
     # is named as soon as short_min_span_s of samples show it, not after half an hour.
     short_window_s: float = 300.0

@@ -1,4 +1,4 @@
-"""Leases with a hard TTL and a heartbeat: a claim that lapses by itself (seed 003).
+"""Leases with a hard TTL and a heartbeat: a claim that lapses by itself.
 
 The controller recycles replicas one at a time under a lease. The controller is
 a detached actor that Ray restarts on a crash, and a restarted controller must
@@ -15,7 +15,7 @@ first is still running. A plain lock gives one of the two; a lease gives both:
   The comparison is strict, as in the seed (``elapsed > 3 × interval``): at
   exactly three intervals without a heartbeat the lease is still held; a
   heartbeat landing on that instant still counts.
-* **Health** (seed 003's ``heartbeat_health``) shows how close a lease is to
+* **Health** (``heartbeat_health``) shows how close a lease is to
   lapsing: ``healthy`` while the last heartbeat is at most one interval old,
   ``warning`` up to ``missed_allowed`` intervals, ``critical`` beyond (which is
   also when it has expired by heartbeat).
@@ -63,7 +63,7 @@ _LEASE_FIELDS = (
 
 
 class Health(str, Enum):
-    """How close a lease is to lapsing by heartbeat (seed 003)."""
+    """How close a lease is to lapsing by heartbeat."""
 
     HEALTHY = "healthy"
     WARNING = "warning"
