@@ -7,8 +7,8 @@ turns each series into a trend and asks two questions: is the rise *credible*
 (a slope at or above the series' ``slope_threshold_per_h``)? If so, it is a
 leak, and with a limit we can say when the replica will hit it.
 
-The slope is Theil–Sen's, not ordinary least squares' (the median of all
-pairwise slopes) instead. Allocator memory is not a line plus white noise: the
+The slope is Theil–Sen's (the median of all pairwise slopes), not ordinary
+least squares'. Allocator memory is not a line plus white noise: the
 GC sawtooth (a slow ramp, a sudden drop) and a few huge transient spikes (one
 batch of long prompts) pull a least-squares slope wherever they fall, most of
 all near the ends of the window; the median ignores up to ~29 % of wild points.
