@@ -67,7 +67,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 from policies.criticality import Criticality
 
@@ -554,59 +554,15 @@ def decide(
     check_finite("now_s", now_s)
     level = state.level
     gap = _gap(signals, state, cfg, now_s)
-    target, target_reason = target_level(signals, cfg, load_cap=level if gap.holding else None)
-    if gap.holding:
-        raw, _ = target_level(signals, cfg)
-        if raw > target:
-            what = (
-                f"capacity gap {signals.replicas_serving}/{gap.serving_high}"
-                if gap.missing
-                else ("recycle under way" if signals.recycling else "capacity gap settling")
-            )
-            target_reason += f" [{what} for {_fmt(round(gap.age_s, 1))}s: queue signals held at {level}, would ask {raw}]"
-    up_since, up_min = None, None
-    lower_since, lower_max = None, None
-
+    target, target_reason = _target(signals, cfg, level, gap)
     if target > level:
-        if state.up_since_s is None or state.up_min is None or now_s < state.up_since_s:
-            new_level = level + 1
-            reason = f"up {level}->{new_level}: {target_reason}"
-            if target > new_level:  # more asked: it must persist to be followed
-                up_since, up_min = now_s, target
-                reason += f" (to {target} if it holds {_fmt(cfg.up_confirm_s)}s)"
-        else:
-            up_since, up_min = state.up_since_s, min(state.up_min, target)
-            held_s = now_s - up_since
-            if held_s >= cfg.up_confirm_s:
-                new_level = max(level, up_min)
-                up_since = up_min = None
-                reason = f"up {level}->{new_level}: {target_reason} held {_fmt(round(held_s, 3))}s"
-            else:
-                new_level = level
-                reason = f"hold {level}: target {target} ({target_reason}) for {_fmt(round(held_s, 3))}s of {_fmt(cfg.up_confirm_s)}s"
+        step = _step_up(level, target, target_reason, state, cfg, now_s)
     elif target == level:
-        new_level = level
-        reason = target_reason if level == 0 else f"hold {level}: {target_reason}"
+        step = _Step(level, target_reason if level == 0 else f"hold {level}: {target_reason}")
     else:
-        if state.lower_since_s is None or state.lower_max is None or now_s < state.lower_since_s:
-            lower_since, lower_max = now_s, target
-        else:
-            lower_since, lower_max = state.lower_since_s, max(state.lower_max, target)
-        held_s = now_s - lower_since
-        if held_s >= cfg.stable_window_s:
-            new_level = lower_max
-            reason = (
-                f"down {level}->{new_level}: target {target} ({target_reason})"
-                f" held {_fmt(round(held_s, 3))}s>={_fmt(cfg.stable_window_s)}s"
-            )
-            # Still lower than the new level: the next step needs a fresh window.
-            lower_since, lower_max = (now_s, target) if target < new_level else (None, None)
-        else:
-            new_level = level
-            reason = (
-                f"hold {level}: target {target} ({target_reason})"
-                f" for {_fmt(round(held_s, 3))}s of {_fmt(cfg.stable_window_s)}s"
-            )
+        step = _step_down(level, target, target_reason, state, cfg, now_s)
+    new_level, reason = step.level, step.reason
+    up_since, up_min, lower_since, lower_max = step.up_since_s, step.up_min, step.lower_since_s, step.lower_max
 
     decision = DegradationDecision(
         level=new_level,
@@ -627,6 +583,67 @@ def decide(
         serving_high=gap.serving_high,
     )
     return decision, new_state
+
+
+class _Step(NamedTuple):
+    """A tick's move: the new level, why, and the streaks it leaves open."""
+
+    level: int
+    reason: str
+    up_since_s: Optional[float] = None
+    up_min: Optional[int] = None
+    lower_since_s: Optional[float] = None
+    lower_max: Optional[int] = None
+
+
+def _target(signals: LoadSignals, cfg: DegradationConfig, level: int, gap: "_Gap") -> tuple[int, str]:
+    """The level the signals ask for; during a capacity gap with the queue signals held at ``level``."""
+    target, reason = target_level(signals, cfg, load_cap=level if gap.holding else None)
+    if gap.holding:
+        raw, _ = target_level(signals, cfg)
+        if raw > target:
+            what = (
+                f"capacity gap {signals.replicas_serving}/{gap.serving_high}"
+                if gap.missing
+                else ("recycle under way" if signals.recycling else "capacity gap settling")
+            )
+            reason += f" [{what} for {_fmt(round(gap.age_s, 1))}s: queue signals held at {level}, would ask {raw}]"
+    return target, reason
+
+
+def _step_up(level: int, target: int, why: str, state: DegradationState, cfg: DegradationConfig, now_s: float) -> _Step:
+    """One level up on the first tick; to the lowest target of the streak once it held ``up_confirm_s``."""
+    if state.up_since_s is None or state.up_min is None or now_s < state.up_since_s:
+        new_level = level + 1
+        reason = f"up {level}->{new_level}: {why}"
+        if target <= new_level:
+            return _Step(new_level, reason)
+        # More asked: it must persist to be followed.
+        return _Step(new_level, reason + f" (to {target} if it holds {_fmt(cfg.up_confirm_s)}s)", now_s, target)
+    up_since, up_min = state.up_since_s, min(state.up_min, target)
+    held_s = now_s - up_since
+    if held_s >= cfg.up_confirm_s:
+        new_level = max(level, up_min)
+        return _Step(new_level, f"up {level}->{new_level}: {why} held {_fmt(round(held_s, 3))}s")
+    return _Step(level, f"hold {level}: target {target} ({why}) for {_fmt(round(held_s, 3))}s of {_fmt(cfg.up_confirm_s)}s",
+                 up_since, up_min)
+
+
+def _step_down(level: int, target: int, why: str, state: DegradationState, cfg: DegradationConfig, now_s: float) -> _Step:
+    """Down to the highest target of the streak once it held one ``stable_window_s``."""
+    if state.lower_since_s is None or state.lower_max is None or now_s < state.lower_since_s:
+        lower_since, lower_max = now_s, target
+    else:
+        lower_since, lower_max = state.lower_since_s, max(state.lower_max, target)
+    held_s = now_s - lower_since
+    if held_s < cfg.stable_window_s:
+        return _Step(level, f"hold {level}: target {target} ({why}) for {_fmt(round(held_s, 3))}s of {_fmt(cfg.stable_window_s)}s",
+                     lower_since_s=lower_since, lower_max=lower_max)
+    reason = f"down {level}->{lower_max}: target {target} ({why}) held {_fmt(round(held_s, 3))}s>={_fmt(cfg.stable_window_s)}s"
+    # Still lower than the new level: the next step needs a fresh window.
+    if target < lower_max:
+        return _Step(lower_max, reason, lower_since_s=now_s, lower_max=target)
+    return _Step(lower_max, reason)
 
 
 def conservative_level(last_level: int | None, floor: int) -> int:
