@@ -53,8 +53,8 @@ MAX_KILL_SWITCHES = 256
 MAX_AUDIT = 1000
 #: What /admin/replicas shows of a replica's watchdog report.
 WATCHDOG_STATUS_KEYS = (
-    "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct",
-    "heartbeat_age_s", "warming_up", "hung", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
+    "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct", "heartbeat_age_s",
+    "warming_up", "hung", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
     "actions_total",
 )
 
@@ -86,6 +86,14 @@ class _Reports(Generic[R]):
         return [r for _, r in self._by_sender.values()]
 
 
+def _watchdog_status(wd: Optional[WatchdogReport]) -> Optional[dict[str, Any]]:
+    """What /admin/replicas shows of a watchdog's report (None: no report from it)."""
+    if wd is None:
+        return None
+    shown = wd.as_dict()
+    return {k: shown[k] for k in WATCHDOG_STATUS_KEYS}
+
+
 class ControllerCore:
     """The controller's logic without Ray: testable with a fake clock."""
 
@@ -115,7 +123,8 @@ class ControllerCore:
         self._routers: _Reports[RouterReport] = _Reports(cfg.controller.report_expiry_s, self._clock)
         self._replicas: _Reports[ReplicaReport] = _Reports(cfg.controller.report_expiry_s, self._clock)
         # Watchdogs report every watchdog.interval_s, which may be longer than a replica's interval.
-        self._watchdogs: _Reports[WatchdogReport] = _Reports(max(cfg.controller.report_expiry_s, 3 * cfg.watchdog.interval_s), self._clock)
+        watchdog_expiry_s = max(cfg.controller.report_expiry_s, 3 * cfg.watchdog.interval_s)
+        self._watchdogs: _Reports[WatchdogReport] = _Reports(watchdog_expiry_s, self._clock)
         if hasattr(self, "recycler"):
             self.recycler.configure(cfg.recycle)
         self._outcomes: deque[tuple[float, int, int]] = deque(maxlen=MAX_OUTCOME_BUCKETS)
@@ -605,14 +614,6 @@ class Controller:
     async def clear_chaos(self, by: str) -> None:
         self._core.clear_chaos(by)
         await self._persist_admin()
-
-
-def _watchdog_status(wd: Optional[WatchdogReport]) -> Optional[dict[str, Any]]:
-    """What /admin/replicas shows of a watchdog's report (None: no report from it)."""
-    if wd is None:
-        return None
-    shown = wd.as_dict()
-    return {k: shown[k] for k in WATCHDOG_STATUS_KEYS}
 
 
 def _kv_get(key: bytes) -> Optional[bytes]:
