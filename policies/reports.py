@@ -174,16 +174,10 @@ class SeriesTrend:
 
 
 @dataclass(frozen=True)
-class WatchdogReport:
-    """One watchdog's report, every watchdog interval: its replica's process and verdicts."""
+class WatchdogReport(WatchedReplica):
+    """One watchdog's report, every watchdog interval: the replica it watches (its fields
+    first), that replica's process and the watchdog's verdicts."""
 
-    replica_id: str
-    deployment: str
-    started_at_s: Optional[float] = None
-    gpu_uuid: Optional[str] = None
-    pid: Optional[int] = None
-    actor_name: Optional[str] = None
-    actor_namespace: str = SERVE_NAMESPACE
     at_s: Optional[float] = None  # wall clock of the sample
     # The sampled series; None where they could not be read (absent, not 0).
     rss_bytes: Optional[float] = None
@@ -209,10 +203,7 @@ class WatchdogReport:
     actions_total: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        WatchedReplica(  # the identity, checked as the replica gave it
-            self.replica_id, self.deployment, self.started_at_s, self.gpu_uuid, self.pid, self.actor_name,
-            self.actor_namespace,
-        )
+        super().__post_init__()
         check_int("inflight", self.inflight, minimum=0)
         for name in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_s"):
             check_non_negative(name, getattr(self, name), optional=True)
