@@ -13,6 +13,8 @@ report never reaches a tick.
 
 A field a sender may leave out has an explicit default here; ``as_dict`` gives the
 JSON shape where a report is shown (``/admin/replicas``, a replica's ``stats``).
+``WatchdogOrders`` goes the other way on the same node: a watchdog's answer to its
+replica's heartbeat.
 """
 
 from __future__ import annotations
@@ -217,3 +219,23 @@ class WatchdogReport(WatchedReplica):
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class WatchdogOrders:
+    """A watchdog's answer to its replica's heartbeat: what the replica must do now.
+
+    ``actions`` (``policies.leak.Action`` values: gc_collect, empty_cache, ...) are
+    delivered once each; ``ready`` False stops the replica's intake.
+    """
+
+    actions: tuple[str, ...] = ()
+    ready: bool = True
+    recycle: bool = False  # the watchdog asked the controller for a recycle
+    hung: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.actions, tuple) or not all(isinstance(a, str) for a in self.actions):
+            raise ValueError(f"actions: must be a tuple of str, got {self.actions!r}")
+        for name in ("ready", "recycle", "hung"):
+            _check_bool(name, getattr(self, name))

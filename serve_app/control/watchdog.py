@@ -21,7 +21,9 @@ Every ``watchdog.interval_s`` the watchdog
 - reports all of it to the controller and exports it as metrics, tagged by replica.
 
 The actions that must run inside the replica (gc, empty_cache, readiness) go back
-in the reply to ``beat``; the watchdog never reaches into the replica otherwise.
+in the reply to ``beat`` (``policies.reports.WatchdogOrders``); the watchdog never
+reaches into the replica otherwise. Its report to the controller is a
+``policies.reports.WatchdogReport`` about the ``WatchedReplica`` it was spawned with.
 ``WatchdogCore`` is the logic without Ray, tested with fake samplers and clocks.
 """
 
@@ -39,7 +41,7 @@ import ray
 from dataclasses import replace
 
 from policies.leak import Action, LadderState, LeakDetector, SeriesSpec, Usage, assess, is_hung
-from policies.reports import SeriesTrend, WatchdogReport, WatchedReplica
+from policies.reports import SeriesTrend, WatchdogOrders, WatchdogReport, WatchedReplica
 
 from serve_app.config import BallastConfig, WatchdogSettings, load_config
 from serve_app.control.link import ControllerLink
@@ -139,7 +141,7 @@ class WatchdogCore:
         self.last_report: Optional[WatchdogReport] = None
 
     # -- heartbeats from the replica -----------------------------------------------------
-    def beat(self, inflight: int, progress: int) -> dict[str, Any]:
+    def beat(self, inflight: int, progress: int) -> WatchdogOrders:
         """The replica's heartbeat; the reply carries what the replica must do now."""
         now = self._clock()
         self._last_beat_s = now
@@ -147,9 +149,9 @@ class WatchdogCore:
             self._last_progress_s = now  # idle, or the work loop moved: alive
         self._inflight = max(0, int(inflight))
         self._progress = int(progress)
-        actions = list(self._pending)
+        actions = tuple(self._pending)
         self._pending.clear()
-        return {"actions": actions, "ready": self.ready, "recycle": self.recycle_requested, "hung": self.hung}
+        return WatchdogOrders(actions=actions, ready=self.ready, recycle=self.recycle_requested, hung=self.hung)
 
     def heartbeat_age_s(self) -> float:
         return self._clock() - self._last_progress_s
@@ -304,7 +306,7 @@ class Watchdog:
     async def start(self) -> None:
         self._ensure_loop()
 
-    async def beat(self, inflight: int, progress: int) -> dict[str, Any]:
+    async def beat(self, inflight: int, progress: int) -> WatchdogOrders:
         self._ensure_loop()
         return self._core.beat(inflight, progress)
 

@@ -42,7 +42,7 @@ from ray import serve
 
 from policies.admission import clamp_max_tokens
 from policies.deadline import replica_deadline_s
-from policies.reports import ReplicaReport, WatchedReplica
+from policies.reports import ReplicaReport, WatchdogOrders, WatchedReplica
 from policies.stats import nearest_rank
 
 from serve_app.model.backends import BackendSpec, TinyDecoderConfig, load_backend
@@ -274,15 +274,15 @@ class ModelServer:
                 log.debug("watchdog beat failed: %r", e)
             await asyncio.sleep(interval)
 
-    def _apply_watchdog(self, reply: dict[str, Any]) -> None:
-        for action in reply.get("actions", ()):
+    def _apply_watchdog(self, reply: WatchdogOrders) -> None:
+        for action in reply.actions:
             if action == "gc_collect":
                 gc.collect()
             elif action == "empty_cache" and self._backend.device.startswith("cuda"):
                 import torch
 
                 torch.cuda.empty_cache()
-        self._ready = bool(reply.get("ready", True))
+        self._ready = reply.ready
 
     def _draining(self) -> Optional[str]:
         """Why this replica is being recycled, while its order (lease) is live; else None."""

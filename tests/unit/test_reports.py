@@ -1,4 +1,5 @@
-"""policies.reports: the typed messages routers, replicas and watchdogs send the controller.
+"""policies.reports: the typed messages routers, replicas and watchdogs send the controller
+(and a watchdog its replica).
 
 Each report checks itself when built, survives the pickling a Ray actor call does,
 is checked again by ``checked`` on arrival, and keeps the JSON shape the HTTP
@@ -18,6 +19,7 @@ from policies.reports import (
     ReplicaReport,
     RouterReport,
     SeriesTrend,
+    WatchdogOrders,
     WatchdogReport,
     WatchedReplica,
     checked,
@@ -39,6 +41,7 @@ def reports() -> list[object]:
         WatchdogReport.of(REPLICA, at_s=1010.0, rss_bytes=1e9, heartbeat_age_s=0.5, trends={"rss_bytes": TREND},
                           actions_total={"gc_collect": 1}),
         REPLICA,
+        WatchdogOrders(actions=("gc_collect", "stop_intake"), ready=False),
     ]
 
 
@@ -76,6 +79,8 @@ def test_checked_drops_what_is_not_a_well_formed_report_of_its_kind() -> None:
         (lambda: WatchdogReport(replica_id="m", deployment="D", heartbeat_age_s=-1.0), "heartbeat_age_s"),
         (lambda: WatchdogReport(replica_id="m", deployment="D", actor_namespace=""), "actor_namespace"),
         (lambda: WatchdogReport(replica_id="m", deployment="D", hung=None), "hung"),
+        (lambda: WatchdogOrders(actions=["gc_collect"]), "actions"),
+        (lambda: WatchdogOrders(ready=None), "ready"),
     ],
 )
 def test_a_malformed_report_is_refused_where_it_is_built_naming_the_field(build, field) -> None:
@@ -102,7 +107,7 @@ def test_a_replicas_stats_keep_their_fields() -> None:
 def test_admin_replicas_shows_the_watchdog_report_as_json() -> None:
     clock, wall = FakeClock(0), FakeClock(1_000_000)
     core = ControllerCore(load_config({}), clock=clock, wall_clock=wall)
-    _, replica, watchdog, _ = reports()
+    _, replica, watchdog, *_ = reports()
     core.report_replica(replica)
     assert core.replica_status()["replicas"][0]["watchdog"] is None  # no watchdog report yet
     core.report_watchdog(watchdog)
