@@ -10,31 +10,30 @@ window's buckets) and applies the decision (snapshot, Serve's target).
 * ``ControlPolicy.step``: ``degradation.decide`` + ``autoscale.decide`` + the
   recycle surge, exactly in the order the controller always ran them.
 
-Reports are plain dicts already cleaned by the glue (counts as ints >= 0,
-measures as finite floats >= 0 or None).
+Reports are the typed messages of ``policies.reports``, checked when built and
+again when the controller takes them in: counts >= 0, measures finite >= 0 or None.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from policies import autoscale, degradation, recycle
 from policies.autoscale import AutoscaleConfig, AutoscaleDecision, AutoscaleSample, AutoscaleState
 from policies.degradation import DegradationConfig, DegradationDecision, DegradationState, LoadSignals
+from policies.reports import ReplicaReport, RouterReport, WatchdogReport
 from policies.validation import check_int, check_non_negative
 
-Report = Mapping[str, Any]
 
-
-def of_deployment(replicas: Sequence[Report], deployment: str) -> list[Report]:
-    """The replicas of one deployment; a report without a deployment counts as the primary's."""
-    return [r for r in replicas if r.get("deployment", deployment) == deployment]
+def of_deployment(replicas: Sequence[ReplicaReport], deployment: str) -> list[ReplicaReport]:
+    """The replicas of one deployment."""
+    return [r for r in replicas if r.deployment == deployment]
 
 
 def fold_reports(
-    routers: Sequence[Report],
-    replicas: Sequence[Report],
+    routers: Sequence[RouterReport],
+    replicas: Sequence[ReplicaReport],
     primary: str,
     requests: int = 0,
     errors: int = 0,
@@ -48,23 +47,24 @@ def fold_reports(
     check_int("requests", requests, minimum=0)
     check_int("errors", errors, minimum=0)
     mine = of_deployment(replicas, primary)
-    running = sum(int(r.get("running", 0)) for r in mine)
+    running = sum(int(r.running) for r in mine)
     # Admitted but not yet computing: whatever routers have in flight minus what
     # replicas are running covers both the handle's queue and the batch queues.
-    queue = sum(int(r.get("queued", 0)) for r in mine)
+    queue = sum(int(r.queued) for r in mine)
     if routers:
-        queue = max(queue, sum(int(r.get("inflight", 0)) for r in routers) - running)
+        queue = max(queue, sum(r.inflight for r in routers) - running)
     # Demand by criticality over the routers' windows, and their gates' answer rate
     # while full (capacity): absent unless some router's gate was full.
     demand: dict[str, float] = {}
     for r in routers:
-        for crit, rps in (r.get("demand_rps") or {}).items():
+        for crit, rps in r.demand_rps.items():
             demand[crit] = demand.get(crit, 0.0) + float(rps)
-    full = any(r.get("gate_full") is True for r in routers)
-    waits = [float(r["queue_wait_p95_ms"]) for r in list(routers) + mine if r.get("queue_wait_p95_ms") is not None]
-    utils = [float(r["gpu_util_pct"]) for r in replicas if r.get("gpu_util_pct") is not None]
-    kvs = [float(r["kv_util_pct"]) for r in mine if r.get("kv_util_pct") is not None]
-    vrams = [float(r["vram_pct"]) for r in replicas if r.get("vram_pct") is not None]
+    full = any(r.gate_full for r in routers)
+    senders: list[RouterReport | ReplicaReport] = [*routers, *mine]
+    waits = [float(r.queue_wait_p95_ms) for r in senders if r.queue_wait_p95_ms is not None]
+    utils = [float(r.gpu_util_pct) for r in replicas if r.gpu_util_pct is not None]
+    kvs = [float(r.kv_util_pct) for r in mine if r.kv_util_pct is not None]
+    vrams = [float(r.vram_pct) for r in replicas if r.vram_pct is not None]
     return LoadSignals(
         queue_length=max(0, queue),
         queue_wait_p95_ms=max(waits) if waits else None,  # the worst sender's p95
@@ -77,32 +77,36 @@ def fold_reports(
         demand_rps=demand or None,
         # Every router's answers are the model's work; they measure its capacity only
         # while some gate was pushing against it.
-        capacity_rps=sum(float(r.get("served_rps") or 0.0) for r in routers) if full else None,
+        capacity_rps=sum(float(r.served_rps) for r in routers) if full else None,
     )
 
 
-def ongoing_requests(routers: Sequence[Report], replicas: Sequence[Report], primary: str, queue_length: int) -> float:
+def ongoing_requests(
+    routers: Sequence[RouterReport], replicas: Sequence[ReplicaReport], primary: str, queue_length: int
+) -> float:
     """Requests the primary deployment holds or is about to: the autoscaler's input.
 
     The larger of what its replicas report (running + queued) and what the level
     sees (queue + demand held at the routers' gates + running).
     """
-    mine = [r for r in replicas if r.get("deployment") == primary]
+    mine = of_deployment(replicas, primary)
     # No int() here: reports carry ints, and the simulator's running is a fluid (a float).
-    running = sum(r.get("running", 0) or 0 for r in mine)
-    held = sum((r.get("running", 0) or 0) + (r.get("queued", 0) or 0) for r in mine)
-    waiting = sum(r.get("gate_waiting", 0) or 0 for r in routers)
+    running = sum(r.running for r in mine)
+    held = sum(r.running + r.queued for r in mine)
+    waiting = sum(r.gate_waiting for r in routers)
     return max(held, queue_length + waiting + running)
 
 
-def serving_replicas(replicas: Sequence[Report], watchdogs: Mapping[str, Report], primary: str) -> int:
+def serving_replicas(
+    replicas: Sequence[ReplicaReport], watchdogs: Mapping[str, WatchdogReport], primary: str
+) -> int:
     """Primary replicas taking traffic now (``policies.recycle.takes_traffic``): reporting,
     not draining for a recycle, not hung. Their shortfall against the target is the
     capacity gap the level does not shed for (policies/degradation.py)."""
     return sum(
         1
         for r in of_deployment(replicas, primary)
-        if recycle.takes_traffic(r, watchdogs.get(str(r.get("replica_id")), {}), in_flight=False)
+        if recycle.takes_traffic(r, watchdogs.get(r.replica_id), in_flight=False)
     )
 
 

@@ -79,6 +79,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from policies.reports import ReplicaReport, WatchdogReport
 from policies.validation import check_finite, check_int, check_name, check_positive, is_number
 
 #: Order reasons, highest priority first.
@@ -425,7 +426,8 @@ def measured_availability(out_s: float, replica_seconds: float) -> Optional[floa
 # --------------------------------------------------------------------------- the controller's side
 # What ``serve_app.control.recycling.RecycleCoordinator`` and the fleet simulator decide
 # around ``plan``: which replica is healthy, which deployment surges, which hung
-# replica is killed. Reports are plain dicts as replicas and watchdogs send them.
+# replica is killed. Reports are the replicas' and watchdogs' own (``policies.reports``);
+# a replica whose watchdog has not reported has ``None`` for it.
 
 #: A hung replica is killed once; it is not killed again within this many seconds
 #: (Serve needs that long to notice the dead actor and stop reporting it).
@@ -434,55 +436,54 @@ KILL_COOLDOWN_S = 60.0
 MAX_KILLED = 256
 
 
-def takes_traffic(report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool) -> bool:
+def takes_traffic(report: ReplicaReport, watchdog: Optional[WatchdogReport], in_flight: bool) -> bool:
     """Capacity now: not draining, not hung, not being recycled.
 
     A replica whose watchdog stopped its intake still counts: the request router
     sends it work when no ready replica is left (serve_app/model/routing.py), so
     recycling it before a replacement serves would leave nobody answering.
     """
-    return not report.get("draining") and not watchdog.get("hung") and not in_flight
+    hung = watchdog is not None and watchdog.hung
+    return not report.draining and not hung and not in_flight
 
 
-def replica_healthy(report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool) -> bool:
+def replica_healthy(report: ReplicaReport, watchdog: Optional[WatchdogReport], in_flight: bool) -> bool:
     """Serving now: ready by its own and its watchdog's word, not draining, not hung, not being recycled."""
-    return (
-        bool(report.get("ready", True))
-        and not report.get("draining")
-        and bool(watchdog.get("ready", True))
-        and not watchdog.get("hung")
-        and not in_flight
-    )
+    watchdog_ready = watchdog is None or (watchdog.ready and not watchdog.hung)
+    return report.ready and not report.draining and watchdog_ready and not in_flight
 
 
-def _started_at_s(report: Mapping[str, Any], watchdog: Mapping[str, Any], now_s: float) -> float:
+def _started_at_s(report: ReplicaReport, watchdog: Optional[WatchdogReport], now_s: float) -> float:
     """When the replica started: its own word, else its watchdog's, else now (a replica just seen)."""
     for source in (report, watchdog):
-        if source.get("started_at_s") is not None:
-            return float(source["started_at_s"])
+        if source is not None and source.started_at_s is not None:
+            return float(source.started_at_s)
     return now_s
 
 
 def replica_view(
-    report: Mapping[str, Any], watchdog: Mapping[str, Any], in_flight: bool, manual: bool, now_s: float
+    report: ReplicaReport, watchdog: Optional[WatchdogReport], in_flight: bool, manual: bool, now_s: float
 ) -> ReplicaView:
-    """The planner's view of one replica from its report and its watchdog's."""
-    asked = bool(watchdog.get("recycle_requested"))
+    """The planner's view of one replica from its report and its watchdog's (None: not reported)."""
+    request: Optional[str] = None
+    critical = False
+    if watchdog is not None and watchdog.recycle_requested:
+        request, critical = watchdog.reason or "watchdog", watchdog.critical
     return ReplicaView(
-        replica_id=str(report.get("replica_id")),
-        deployment=str(report.get("deployment")),
+        replica_id=report.replica_id,
+        deployment=report.deployment,
         started_at_s=_started_at_s(report, watchdog, now_s),
         healthy=replica_healthy(report, watchdog, in_flight),
         serving=takes_traffic(report, watchdog, in_flight),
-        request=(watchdog.get("reason") or "watchdog") if asked else None,
-        critical=asked and bool(watchdog.get("critical")),
+        request=request,
+        critical=critical,
         manual=manual,
     )
 
 
 def surging(
     known: Mapping[str, str],
-    watchdogs: Mapping[str, Mapping[str, Any]],
+    watchdogs: Mapping[str, WatchdogReport],
     state: RecycleState,
     waiting: Sequence[tuple[str, str]],
     enabled: bool = True,
@@ -500,7 +501,7 @@ def surging(
     stopping = {
         known[rid]
         for rid, wd in watchdogs.items()
-        if rid in known and (wd.get("ready") is False or wd.get("recycle_requested") or wd.get("hung"))
+        if rid in known and (not wd.ready or wd.recycle_requested or wd.hung)
     }
     held = {known[rid] for rid, why in waiting if why == "min_available" and rid in known}
     return frozenset(stopping | {f.deployment for f in state.in_flight} | held)
@@ -522,7 +523,7 @@ class KillState:
 
 
 def hung_kills(
-    watchdogs: Mapping[str, Mapping[str, Any]],
+    watchdogs: Mapping[str, WatchdogReport],
     state: KillState,
     now_s: float,
     cooldown_s: float = KILL_COOLDOWN_S,
@@ -540,18 +541,11 @@ def hung_kills(
     recent = {rid for rid, _ in killed}
     orders = []
     for rid, wd in watchdogs.items():
-        if not wd.get("hung") or rid in recent or not wd.get("actor_name"):
+        if not wd.hung or rid in recent or not wd.actor_name:
             continue
         killed.append((rid, now_s))
         recent.add(rid)
-        orders.append(
-            KillOrder(
-                replica_id=rid,
-                deployment=str(wd.get("deployment")),
-                actor_name=str(wd["actor_name"]),
-                namespace=str(wd.get("actor_namespace") or "serve"),
-            )
-        )
+        orders.append(KillOrder(rid, wd.deployment, wd.actor_name, wd.actor_namespace))
     return tuple(orders), KillState(tuple(killed[-max_killed:]))
 
 
@@ -563,8 +557,8 @@ class RecycleStep:
 
 
 def replica_views(
-    replicas: Sequence[Mapping[str, Any]],
-    watchdogs: Mapping[str, Mapping[str, Any]],
+    replicas: Sequence[ReplicaReport],
+    watchdogs: Mapping[str, WatchdogReport],
     state: RecycleState,
     manual: frozenset[str],
     now_s: float,
@@ -573,14 +567,14 @@ def replica_views(
     in_flight = {f.replica_id for f in state.in_flight}
     out = []
     for r in replicas:
-        rid = str(r.get("replica_id"))
-        out.append(replica_view(r, watchdogs.get(rid, {}), rid in in_flight, rid in manual, now_s))
+        rid = r.replica_id
+        out.append(replica_view(r, watchdogs.get(rid), rid in in_flight, rid in manual, now_s))
     return out
 
 
 def recycle_step(
     views: Sequence[ReplicaView],
-    watchdogs: Mapping[str, Mapping[str, Any]],
+    watchdogs: Mapping[str, WatchdogReport],
     targets: Mapping[str, int],
     level: int,
     state: RecycleState,

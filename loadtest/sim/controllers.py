@@ -59,6 +59,7 @@ from policies.lease import LeaseTable
 from policies.autoscale import AutoscaleConfig
 from policies.degradation import DegradationConfig
 from policies.recycle import RecycleConfig, RecycleState, ReplicaView
+from policies.reports import ReplicaReport, RouterReport, WatchdogReport
 
 from .baselines import HpaUtilization, RayServeDefault
 from .config import SimConfig, WatchdogModel, autoscale_config, degradation_config, recycle_config
@@ -142,14 +143,14 @@ class BallastController:
     # ---- the control tick
     def policy_tick(
         self,
-        routers: list[dict],
-        replicas: list[dict],
+        routers: list[RouterReport],
+        replicas: list[ReplicaReport],
         requests: int,
         errors: int,
         running_replicas: int,
         now_s: float,
         views: Optional[list[ReplicaView]] = None,
-        watchdogs: Optional[dict[str, dict]] = None,
+        watchdogs: Optional[dict[str, WatchdogReport]] = None,
         wall_s: Optional[float] = None,
         hour_of_day: Optional[float] = None,
         serving_replicas: Optional[int] = None,
@@ -186,13 +187,13 @@ class BallastController:
     def decide(self, v: TickView, current_target: int) -> int:
         # The whole fleet as one replica report: the policies sum over reports, so one
         # report of the fleet's totals folds to the same inputs as a thousand reports.
-        fleet_report = {
-            "replica_id": "fleet",
-            "deployment": DEPLOYMENT,
-            "queued": v.queued,
-            "running": v.running,
-            "queue_wait_p95_ms": None if v.wait_p95_s is None else v.wait_p95_s * 1000.0,
-        }
+        fleet_report = ReplicaReport(
+            replica_id="fleet",
+            deployment=DEPLOYMENT,
+            queued=int(v.queued),
+            running=float(v.running),
+            queue_wait_p95_ms=None if v.wait_p95_s is None else float(v.wait_p95_s) * 1000.0,
+        )
         if not self.recycling:
             dec, _ = self.policy_tick([], [fleet_report], v.outcomes, v.errors, v.ready, v.now_s, serving_replicas=v.ready)
             return dec.desired_replicas
@@ -311,27 +312,30 @@ class BallastController:
             if cached is None or cached[0] != key:
                 # Built from the same report fields production reads, so the health rule is the policy's.
                 cached = (key, recycle.replica_view(
-                    {"replica_id": rid, "deployment": DEPLOYMENT, "started_at_s": born},
-                    self._watchdog_report(intake, req), rid in in_flight, False, now_s,
+                    ReplicaReport(replica_id=rid, deployment=DEPLOYMENT, started_at_s=born),
+                    self._watchdog_report(rid, intake, req), rid in in_flight, False, now_s,
                 ))
                 self._views[s] = cached
             views.append(cached[1])
         return views, by_id
 
     @staticmethod
-    def _watchdog_report(intake: bool, req: Optional[tuple[str, bool]]) -> dict:
-        wd: dict = {"ready": bool(intake)}
-        if req is not None:
-            wd.update(recycle_requested=True, reason=req[0], critical=req[1])
-        return wd
+    def _watchdog_report(rid: str, intake: bool, req: Optional[tuple[str, bool]]) -> WatchdogReport:
+        if req is None:
+            return WatchdogReport(replica_id=rid, deployment=DEPLOYMENT, ready=bool(intake))
+        reason, critical = req
+        return WatchdogReport(
+            replica_id=rid, deployment=DEPLOYMENT, ready=bool(intake), recycle_requested=True, reason=reason,
+            critical=bool(critical),
+        )
 
-    def _watchdog_reports(self, by_id: dict[str, int]) -> dict[str, dict]:
+    def _watchdog_reports(self, by_id: dict[str, int]) -> dict[str, WatchdogReport]:
         """Watchdog reports of the replicas whose watchdog says something (stopped intake or a request)."""
         f = self.fleet
         out = {}
         for rid, s in by_id.items():
             if not f.intake[s] or s in self.requests:
-                out[rid] = self._watchdog_report(bool(f.intake[s]), self.requests.get(s))
+                out[rid] = self._watchdog_report(rid, bool(f.intake[s]), self.requests.get(s))
         return out
 
     def _apply(self, step: recycle.RecycleStep, now_s: float, by_id: dict[str, int]) -> None:

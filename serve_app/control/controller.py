@@ -26,21 +26,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import asdict, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Generic, Optional, TypeVar
 
 import ray
 
 from policies import control
 from policies.killswitch import KillSwitchEntry
 from policies.quota import TenantQuota, apportion, effective_rates
-from policies.criticality import Criticality
 from policies.degradation import LoadSignals
 from policies.window import CountWindow
+from policies.reports import ReplicaReport, RouterReport, WatchdogReport, checked
 
 from serve_app.config import BallastConfig, load_config
 from serve_app.control.recycling import RecycleCoordinator
@@ -53,23 +52,31 @@ MAX_SENDERS = 4096
 MAX_OUTCOME_BUCKETS = 1024
 MAX_KILL_SWITCHES = 256
 MAX_AUDIT = 1000
+#: What /admin/replicas shows of a replica's watchdog report.
+WATCHDOG_STATUS_KEYS = (
+    "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct", "heartbeat_age_s",
+    "warming_up", "hung", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
+    "actions_total",
+)
+
+R = TypeVar("R")
 
 
-class _Reports:
+class _Reports(Generic[R]):
     """Latest report per sender, expiring and bounded (the accounting, not the policy)."""
 
     def __init__(self, expiry_s: float, clock: Callable[[], float]):
         self._expiry_s = expiry_s
         self._clock = clock
-        self._by_sender: "OrderedDict[str, tuple[float, dict[str, Any]]]" = OrderedDict()
+        self._by_sender: "OrderedDict[str, tuple[float, R]]" = OrderedDict()
 
-    def put(self, sender: str, report: dict[str, Any]) -> None:
+    def put(self, sender: str, report: R) -> None:
         self._by_sender.pop(sender, None)
         self._by_sender[sender] = (self._clock(), report)
         while len(self._by_sender) > MAX_SENDERS:
             self._by_sender.popitem(last=False)
 
-    def fresh(self) -> list[dict[str, Any]]:
+    def fresh(self) -> list[R]:
         cutoff = self._clock() - self._expiry_s
         # Entries are in arrival order: drop expired ones from the front.
         while self._by_sender:
@@ -80,42 +87,12 @@ class _Reports:
         return [r for _, r in self._by_sender.values()]
 
 
-def _clean(report: Any, counts: tuple[str, ...], measures: tuple[str, ...]) -> Optional[dict[str, Any]]:
-    """The report with counts as ints >= 0 and measures as finite floats >= 0 or None; None if malformed."""
-    if not isinstance(report, dict):
+def _watchdog_status(wd: Optional[WatchdogReport]) -> Optional[dict[str, Any]]:
+    """What /admin/replicas shows of a watchdog's report (None: no report from it)."""
+    if wd is None:
         return None
-    out = dict(report)
-    try:
-        for k in counts:
-            v = int(out.get(k, 0) or 0)
-            if v < 0:
-                return None
-            out[k] = v
-        for k in measures:
-            if out.get(k) is not None:
-                v = float(out[k])
-                if not math.isfinite(v) or v < 0:
-                    return None
-                out[k] = v
-    except (TypeError, ValueError):
-        return None
-    return out
-
-
-def _demand_ok(demand: Any) -> bool:
-    """Requests per second by criticality: known names, finite numbers >= 0 (absent is fine)."""
-    if demand is None:
-        return True
-    if not isinstance(demand, dict):
-        return False
-    try:
-        for k, v in demand.items():
-            Criticality(k)  # an unknown name raises ValueError
-            if not (math.isfinite(float(v)) and float(v) >= 0):
-                return False
-    except (TypeError, ValueError):
-        return False
-    return True
+    shown = wd.as_dict()
+    return {k: shown[k] for k in WATCHDOG_STATUS_KEYS}
 
 
 class ControllerCore:
@@ -144,10 +121,11 @@ class ControllerCore:
         self._deg_cfg = cfg.degradation_config()
         self._as_cfg = cfg.autoscale_config()
         self._policy = control.ControlPolicy(self._deg_cfg, self._as_cfg)
-        self._routers = _Reports(cfg.controller.report_expiry_s, self._clock)
-        self._replicas = _Reports(cfg.controller.report_expiry_s, self._clock)
+        self._routers: _Reports[RouterReport] = _Reports(cfg.controller.report_expiry_s, self._clock)
+        self._replicas: _Reports[ReplicaReport] = _Reports(cfg.controller.report_expiry_s, self._clock)
         # Watchdogs report every watchdog.interval_s, which may be longer than a replica's interval.
-        self._watchdogs = _Reports(max(cfg.controller.report_expiry_s, 3 * cfg.watchdog.interval_s), self._clock)
+        watchdog_expiry_s = max(cfg.controller.report_expiry_s, 3 * cfg.watchdog.interval_s)
+        self._watchdogs: _Reports[WatchdogReport] = _Reports(watchdog_expiry_s, self._clock)
         if hasattr(self, "recycler"):
             self.recycler.configure(cfg.recycle)
         # (requests, errors) per router report, stamped when it came: the error window.
@@ -165,21 +143,18 @@ class ControllerCore:
         }
 
     # -- reports ---------------------------------------------------------------------
-    def report_router(self, report: dict[str, Any]) -> dict[str, Any]:
-        report = _clean(report, ("inflight", "requests", "errors", "shed", "gate_waiting"), ("queue_wait_p95_ms", "served_rps"))
-        if report is not None and not isinstance(report.get("demand_tokens_per_s") or {}, dict):
-            report = None
-        if report is not None and not _demand_ok(report.get("demand_rps")):
-            report = None
-        if report is None:  # malformed: dropped here, so it can never wedge a tick
+    # Each report is checked again on arrival (policies.reports.checked): anything that
+    # is not a well-formed report of its kind is dropped and counted here, so it can
+    # never wedge a tick; the sender still gets the snapshot.
+    def report_router(self, report: RouterReport) -> dict[str, Any]:
+        got = checked(report, RouterReport)
+        if got is None:
             self.rejected_reports += 1
             return self._snapshot.to_dict()
-        router_id = str(report.get("router_id", "?"))
-        self._routers.put(router_id, report)
-        requests = int(report.get("requests", 0))
-        if requests:
-            self._outcomes.add((requests, int(report.get("errors", 0))), self._clock())
-        return {**self._snapshot.to_dict(), "leases": self.leases_for(router_id)}
+        self._routers.put(got.router_id, got)
+        if got.requests:
+            self._outcomes.add((got.requests, got.errors), self._clock())
+        return {**self._snapshot.to_dict(), "leases": self.leases_for(got.router_id)}
 
     def leases_for(self, router_id: str) -> dict[str, dict[str, float]]:
         """This router's share of every tenant's global rate, by the routers' recent demand.
@@ -194,10 +169,10 @@ class ControllerCore:
             return {}
         demand: dict[str, dict[str, float]] = {}  # tenant -> router -> tokens/s
         for r in self._routers.fresh():
-            for tenant, rate in (r.get("demand_tokens_per_s") or {}).items():
+            for tenant, rate in r.demand_tokens_per_s.items():
                 if tenant in self._quotas:
-                    demand.setdefault(tenant, {})[str(r.get("router_id"))] = max(0.0, float(rate))
-        routers = {str(r.get("router_id")) for r in self._routers.fresh()} | {router_id}
+                    demand.setdefault(tenant, {})[r.router_id] = max(0.0, float(rate))
+        routers = {r.router_id for r in self._routers.fresh()} | {router_id}
         q = self.cfg.quota
         # Borrowing is capped: a tenant's demand counts only up to (1 + max_borrow_ratio) × its rate.
         totals = {
@@ -220,20 +195,20 @@ class ControllerCore:
             }
         return leases
 
-    def report_replica(self, report: dict[str, Any]) -> dict[str, Any]:
-        report = _clean(report, ("queued", "running"), ("queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct"))
-        if report is None:
+    def report_replica(self, report: ReplicaReport) -> dict[str, Any]:
+        got = checked(report, ReplicaReport)
+        if got is None:
             self.rejected_reports += 1
             return self._snapshot.to_dict()
-        self._replicas.put(str(report.get("replica_id", "?")), report)
+        self._replicas.put(got.replica_id, got)
         return self._snapshot.to_dict()
 
-    def report_watchdog(self, report: dict[str, Any]) -> dict[str, Any]:
-        report = _clean(report, ("inflight",), ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_s"))
-        if report is None or not report.get("replica_id"):
+    def report_watchdog(self, report: WatchdogReport) -> dict[str, Any]:
+        got = checked(report, WatchdogReport)
+        if got is None:
             self.rejected_reports += 1
             return {"accepted": False}
-        self._watchdogs.put(str(report["replica_id"]), report)
+        self._watchdogs.put(got.replica_id, got)
         return {"accepted": True}
 
     def snapshot(self) -> dict[str, Any]:
@@ -244,41 +219,37 @@ class ControllerCore:
 
     # -- recycling (serve_app.control.recycling) ---------------------------------------------------
     def request_recycle(self, replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str) -> list[str]:
-        known = {str(r.get("replica_id")): str(r.get("deployment")) for r in self._replicas.fresh()}
+        known = {r.replica_id: r.deployment for r in self._replicas.fresh()}
         chosen = self.recycler.request(known, replica_id, deployment, everyone, by)
         self._record("recycle_requested", by, replicas=chosen)
         return chosen
 
     def replica_status(self) -> dict[str, Any]:
         """Every reporting replica joined with its watchdog's view, plus the recycler's state."""
-        wds = {str(w.get("replica_id")): w for w in self._watchdogs.fresh()}
+        wds = {w.replica_id: w for w in self._watchdogs.fresh()}
         now = self._wall()
         rows = []
         for r in self._replicas.fresh():
-            rid = str(r.get("replica_id"))
-            wd = wds.get(rid, {})
+            rid = r.replica_id
+            wd = wds.get(rid)
             rows.append(
                 {
                     "replica_id": rid,
-                    "deployment": r.get("deployment"),
-                    "device": r.get("device"),  # "cpu" or "cuda:N": where its model runs
-                    "chaos_vram_leak": r.get("chaos_vram_leak"),  # None, "leaking", or "no_gpu" (a CPU replica)
-                    "chaos": r.get("chaos"),  # the chaos settings the replica applies, None when none
-                    "age_s": round(now - float(r.get("started_at_s") or now), 1),
-                    "queued": r.get("queued"),
-                    "running": r.get("running"),
+                    "deployment": r.deployment,
+                    "device": r.device,  # "cpu" or "cuda:N": where its model runs
+                    "chaos_vram_leak": r.chaos_vram_leak,  # None, "leaking", or "no_gpu" (a CPU replica)
+                    "chaos": r.chaos,  # the chaos settings the replica applies, None when none
+                    "age_s": round(now - float(r.started_at_s or now), 1),
+                    "queued": r.queued,
+                    "running": r.running,
                     # The KV token budget and the share of it the rows in flight reserve.
-                    "kv_util_pct": r.get("kv_util_pct"),
-                    "kv_tokens_reserved": r.get("kv_tokens_reserved"),
-                    "kv_tokens_budget": r.get("kv_tokens_budget"),
-                    "ready": bool(r.get("ready", True)) and bool(wd.get("ready", True)),
-                    "draining": bool(r.get("draining")),
+                    "kv_util_pct": r.kv_util_pct,
+                    "kv_tokens_reserved": r.kv_tokens_reserved,
+                    "kv_tokens_budget": r.kv_tokens_budget,
+                    "ready": r.ready and (wd is None or wd.ready),
+                    "draining": r.draining,
                     "manual_recycle": rid in self.recycler.manual,
-                    "watchdog": {k: wd.get(k) for k in (
-                        "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct",
-                        "heartbeat_age_s", "warming_up", "hung", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
-                        "actions_total",
-                    )} if wd else None,
+                    "watchdog": _watchdog_status(wd),
                 }
             )
         n = self._snapshot.running_replicas.get(MODEL_DEPLOYMENT, 0)
@@ -307,8 +278,8 @@ class ControllerCore:
         now = self._clock()
         sig = self.signals()
         routers, replicas_all = self._routers.fresh(), self._replicas.fresh()
-        running_n = sum(1 for r in replicas_all if r.get("deployment") == MODEL_DEPLOYMENT)
-        watchdogs = {str(w.get("replica_id")): w for w in self._watchdogs.fresh()}
+        running_n = len(control.of_deployment(replicas_all, MODEL_DEPLOYMENT))
+        watchdogs = {w.replica_id: w for w in self._watchdogs.fresh()}
         ongoing = control.ongoing_requests(routers, replicas_all, MODEL_DEPLOYMENT, sig.queue_length)
         step = self._policy.step(
             control.ControlInputs(
@@ -338,7 +309,7 @@ class ControllerCore:
                 MODEL_DEPLOYMENT: running_n,
                 ROUTER_DEPLOYMENT: len(self._routers.fresh()),
                 **(
-                    {FALLBACK_DEPLOYMENT: sum(1 for r in self._replicas.fresh() if r.get("deployment") == FALLBACK_DEPLOYMENT)}
+                    {FALLBACK_DEPLOYMENT: len(control.of_deployment(self._replicas.fresh(), FALLBACK_DEPLOYMENT))}
                     if self.cfg.fallback is not None
                     else {}
                 ),
@@ -598,15 +569,15 @@ class Controller:
             self._core.configure(new)
         self._ensure_loop()
 
-    async def report_router(self, report: dict[str, Any]) -> dict[str, Any]:
+    async def report_router(self, report: RouterReport) -> dict[str, Any]:
         self._ensure_loop()
         return self._core.report_router(report)
 
-    async def report_replica(self, report: dict[str, Any]) -> dict[str, Any]:
+    async def report_replica(self, report: ReplicaReport) -> dict[str, Any]:
         self._ensure_loop()
         return self._core.report_replica(report)
 
-    async def report_watchdog(self, report: dict[str, Any]) -> dict[str, Any]:
+    async def report_watchdog(self, report: WatchdogReport) -> dict[str, Any]:
         self._ensure_loop()
         return self._core.report_watchdog(report)
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 import ray
 
 from serve_app.config import BallastConfig
-from serve_app.control.snapshot import Snapshot, SnapshotCache, SnapshotExchange
+from serve_app.control.snapshot import Report, Snapshot, SnapshotCache, SnapshotExchange
 
 MODEL_DEPLOYMENT = "BallastModel"
 FALLBACK_DEPLOYMENT = "BallastFallbackModel"
@@ -61,7 +61,7 @@ class ControllerLink:
 def connect(
     cfg: BallastConfig,
     report_method: str,
-    make_report: Callable[[], dict[str, Any]],
+    make_report: Callable[[], Report],
     on_snapshot: Optional[Callable[[Snapshot], None]] = None,
     on_reply: Optional[Callable[[dict[str, Any]], None]] = None,
 ) -> tuple[ControllerLink, SnapshotCache, SnapshotExchange]:

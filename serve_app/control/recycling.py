@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 from policies import recycle
 from policies.lease import LeaseLost, LeaseTable
 from policies.recycle import InFlight, RecycleState
+from policies.reports import ReplicaReport, WatchdogReport
 
 from serve_app.config import RecycleSettings
 
@@ -150,8 +151,8 @@ class RecycleCoordinator:
     # -- the tick --------------------------------------------------------------------------
     def tick(
         self,
-        replicas: list[dict[str, Any]],
-        watchdogs: dict[str, dict[str, Any]],
+        replicas: list[ReplicaReport],
+        watchdogs: dict[str, WatchdogReport],
         targets: dict[str, int],
         level: int,
         ceilings: Optional[dict[str, int]] = None,
@@ -169,7 +170,7 @@ class RecycleCoordinator:
                 self._event("lease_expired", rid, d.get("deployment", "?"), d.get("reason", "?"), holder=lease.holder)
             self.leases_dirty = True
 
-        known = {str(r.get("replica_id")): str(r.get("deployment")) for r in replicas}
+        known = {r.replica_id: r.deployment for r in replicas}
         for r in [r for r in self.manual if r not in known]:
             del self.manual[r]
         views = recycle.replica_views(replicas, watchdogs, self.state, frozenset(self.manual), now)
@@ -181,8 +182,8 @@ class RecycleCoordinator:
             self.kill_orders.append(
                 {"replica_id": k.replica_id, "deployment": k.deployment, "actor_name": k.actor_name, "namespace": k.namespace}
             )
-            wd = watchdogs.get(k.replica_id, {})
-            self._event("killed_hung", k.replica_id, k.deployment, "hung", heartbeat_age_s=wd.get("heartbeat_age_s"))
+            age_s = watchdogs[k.replica_id].heartbeat_age_s  # a kill order comes from its watchdog's report
+            self._event("killed_hung", k.replica_id, k.deployment, "hung", heartbeat_age_s=age_s)
         plan = step.plan
         self.waiting = plan.waiting
         self.surging = step.surging

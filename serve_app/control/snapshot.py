@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Awaitable, Callable, Optional
 
 from policies.degradation import DegradationConfig, LevelConstraints, conservative_level
+from policies.reports import ReplicaReport, RouterReport
 
 log = logging.getLogger("ballast.snapshot")
 
@@ -123,6 +124,10 @@ class SnapshotCache:
         return EffectiveState(level, self._deg.constraints[level], "fail-static", age, snap.version if snap else None)
 
 
+#: What a router or a replica sends in each exchange (policies.reports).
+Report = RouterReport | ReplicaReport
+
+
 class SnapshotExchange:
     """Background loop: push ``make_report()`` to the controller, take the snapshot back.
 
@@ -134,8 +139,8 @@ class SnapshotExchange:
     def __init__(
         self,
         cache: SnapshotCache,
-        call: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
-        make_report: Callable[[], dict[str, Any]],
+        call: Callable[[Report], Awaitable[dict[str, Any]]],
+        make_report: Callable[[], Report],
         interval_s: float,
         timeout_s: float,
         on_snapshot: Optional[Callable[[Snapshot], None]] = None,

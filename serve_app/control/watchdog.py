@@ -21,7 +21,9 @@ Every ``watchdog.interval_s`` the watchdog
 - reports all of it to the controller and exports it as metrics, tagged by replica.
 
 The actions that must run inside the replica (gc, empty_cache, readiness) go back
-in the reply to ``beat``; the watchdog never reaches into the replica otherwise.
+in the reply to ``beat`` (``policies.reports.WatchdogOrders``); the watchdog never
+reaches into the replica otherwise. Its report to the controller is a
+``policies.reports.WatchdogReport`` about the ``WatchedReplica`` it was spawned with.
 ``WatchdogCore`` is the logic without Ray, tested with fake samplers and clocks.
 """
 
@@ -36,7 +38,10 @@ from typing import Any, Callable, Optional, Protocol
 
 import ray
 
+from dataclasses import replace
+
 from policies.leak import Action, LadderState, LeakDetector, SeriesSpec, Usage, assess, is_hung
+from policies.reports import SeriesTrend, WatchdogOrders, WatchdogReport, WatchedReplica
 
 from serve_app.config import BallastConfig, WatchdogSettings, load_config
 from serve_app.control.link import ControllerLink
@@ -103,7 +108,7 @@ class WatchdogCore:
     def __init__(
         self,
         settings: WatchdogSettings,
-        info: dict[str, Any],
+        info: WatchedReplica,
         process: ProcessSampler,
         gpu: Any = None,  # a ProcessGpuProbe, or None without a GPU
         memory_total_bytes: Optional[int] = None,
@@ -111,7 +116,7 @@ class WatchdogCore:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.settings = settings
-        self.info = dict(info)
+        self.info = info
         self._process = process
         self._gpu = gpu
         self._clock = clock
@@ -133,10 +138,10 @@ class WatchdogCore:
         self._last_progress_s = now
         self._progress: Optional[int] = None
         self._inflight = 0
-        self.last_report: dict[str, Any] = {}
+        self.last_report: Optional[WatchdogReport] = None
 
     # -- heartbeats from the replica -----------------------------------------------------
-    def beat(self, inflight: int, progress: int) -> dict[str, Any]:
+    def beat(self, inflight: int, progress: int) -> WatchdogOrders:
         """The replica's heartbeat; the reply carries what the replica must do now."""
         now = self._clock()
         self._last_beat_s = now
@@ -144,15 +149,15 @@ class WatchdogCore:
             self._last_progress_s = now  # idle, or the work loop moved: alive
         self._inflight = max(0, int(inflight))
         self._progress = int(progress)
-        actions = list(self._pending)
+        actions = tuple(self._pending)
         self._pending.clear()
-        return {"actions": actions, "ready": self.ready, "recycle": self.recycle_requested, "hung": self.hung}
+        return WatchdogOrders(actions=actions, ready=self.ready, recycle=self.recycle_requested, hung=self.hung)
 
     def heartbeat_age_s(self) -> float:
         return self._clock() - self._last_progress_s
 
     # -- one sampling round ----------------------------------------------------------------
-    def sample(self, wall_s: Optional[float] = None) -> dict[str, Any]:
+    def sample(self, wall_s: Optional[float] = None) -> WatchdogReport:
         now = self._clock()
         proc = self._process.sample()
         g = self._gpu.sample() if self._gpu is not None else None
@@ -178,42 +183,42 @@ class WatchdogCore:
         for a in verdict.actions:
             self._pending.append(a.value)
             self.actions_total[a.value] += 1
-            log.warning("watchdog %s: %s (%s)", self.info.get("replica_id"), a.value, verdict.reason)
+            log.warning("watchdog %s: %s (%s)", self.info.replica_id, a.value, verdict.reason)
         self.ready = verdict.ready
         self.recycle_requested = verdict.recycle
         age = self.heartbeat_age_s()
         self.hung = is_hung(age, self._inflight, self.settings.interval_s, self.settings.hang_missed_heartbeats)
-        self.last_report = {
-            **self.info,
-            "at_s": wall_s if wall_s is not None else time.time(),
+        self.last_report = WatchdogReport.of(
+            self.info,
+            at_s=wall_s if wall_s is not None else time.time(),
             **{k: values[k] for k in SERIES},
-            "rss_limit_bytes": self._rss_limit,
-            "vram_total_bytes": self._vram_limit,
-            "fd_limit": self._fd_limit,
-            "gpu_util_pct": g.util_pct if g is not None else None,
-            "cpu_pct": proc.get("cpu_pct"),
-            "heartbeat_age_s": round(age, 3),
-            "warming_up": warming_up,
-            "inflight": self._inflight,
-            "hung": self.hung,
-            "severity": verdict.severity,
-            "reason": verdict.reason,  # what this sample found
-            "action_reason": self._ladder.reason,  # what made the ladder take its last rung (sticks)
-            "ready": self.ready,
-            "recycle_requested": self.recycle_requested,
-            "critical": verdict.severity == "critical",
-            "trends": {
-                name: {
-                    "slope_per_h": t.slope_per_h,
-                    "r2": t.r2,
-                    "leaking": t.leaking,
-                    "time_to_limit_s": t.time_to_limit_s,
-                    "short_window": t.short,  # judged over the short (fast-burn) window
-                }
+            rss_limit_bytes=self._rss_limit,
+            vram_total_bytes=self._vram_limit,
+            fd_limit=self._fd_limit,
+            gpu_util_pct=g.util_pct if g is not None else None,
+            cpu_pct=proc.get("cpu_pct"),
+            heartbeat_age_s=round(age, 3),
+            warming_up=warming_up,
+            inflight=self._inflight,
+            hung=self.hung,
+            severity=verdict.severity,
+            reason=verdict.reason,  # what this sample found
+            action_reason=self._ladder.reason,  # what made the ladder take its last rung (sticks)
+            ready=self.ready,
+            recycle_requested=self.recycle_requested,
+            critical=verdict.severity == "critical",
+            trends={
+                name: SeriesTrend(
+                    slope_per_h=t.slope_per_h,
+                    r2=t.r2,
+                    leaking=t.leaking,
+                    time_to_limit_s=t.time_to_limit_s,
+                    short_window=t.short,
+                )
                 for name, t in trends.items()
             },
-            "actions_total": dict(self.actions_total),
-        }
+            actions_total=dict(self.actions_total),
+        )
         return self.last_report
 
 
@@ -221,24 +226,27 @@ class WatchdogCore:
 class Watchdog:
     """Ray actor around ``WatchdogCore``: a sampling loop and a ``beat`` endpoint."""
 
-    def __init__(self, cfg: dict[str, Any], info: dict[str, Any]):
+    def __init__(self, cfg: dict[str, Any], info: WatchedReplica):
         self._cfg: BallastConfig = load_config(cfg)
-        proc = PsutilSampler(int(info["pid"]))
+        if info.pid is None:  # spawn_watchdog sets it: the process this actor samples
+            raise ValueError("pid: the watchdog needs its replica's process id")
+        pid = info.pid
+        proc = PsutilSampler(pid)
         self._core = WatchdogCore(
             self._cfg.watchdog,
             info,
             proc,
-            gpu=make_process_gpu_probe(info.get("gpu_uuid"), int(info["pid"])),
+            gpu=make_process_gpu_probe(info.gpu_uuid, pid),
             memory_total_bytes=node_memory_bytes(),
             fd_limit=proc.fd_limit,
         )
         self._link = ControllerLink(self._cfg)
         self._task: Optional[asyncio.Task] = None
-        self._replica_actor = str(info.get("actor_name"))
+        self._replica_actor = str(info.actor_name)
         from ray.util import metrics  # created once, here (STYLE 8)
 
         tags = ("replica", "deployment")
-        self._tags = {"replica": str(info["replica_id"]), "deployment": str(info["deployment"])}
+        self._tags = {"replica": info.replica_id, "deployment": info.deployment}
         self._g = {
             k: metrics.Gauge(f"ballast_replica_{k}", f"Replica {k.replace('_', ' ')}, sampled by its watchdog.", tag_keys=tags)
             for k in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_seconds", "ready")
@@ -256,20 +264,21 @@ class Watchdog:
         self._hung = metrics.Gauge("ballast_replica_hung", "1 while the replica is hung.", tag_keys=tags)
         self._actions_seen = dict(self._core.actions_total)
 
-    def _export(self, r: dict[str, Any]) -> None:
-        for k in ("rss_bytes", "vram_bytes", "threads", "fds"):
-            if r.get(k) is not None:
-                self._g[k].set(float(r[k]), tags=self._tags)
-        self._g["heartbeat_age_seconds"].set(float(r["heartbeat_age_s"]), tags=self._tags)
-        self._g["ready"].set(1.0 if r["ready"] else 0.0, tags=self._tags)
-        self._hung.set(1.0 if r["hung"] else 0.0, tags=self._tags)
-        for series, t in r["trends"].items():
+    def _export(self, r: WatchdogReport) -> None:
+        for k in SERIES:
+            value = getattr(r, k)
+            if value is not None:
+                self._g[k].set(float(value), tags=self._tags)
+        self._g["heartbeat_age_seconds"].set(float(r.heartbeat_age_s or 0.0), tags=self._tags)
+        self._g["ready"].set(1.0 if r.ready else 0.0, tags=self._tags)
+        self._hung.set(1.0 if r.hung else 0.0, tags=self._tags)
+        for series, t in r.trends.items():
             tags = {**self._tags, "series": series}
-            self._slope.set(float(t["slope_per_h"]), tags=tags)
-            self._leaking.set(1.0 if t["leaking"] else 0.0, tags=tags)
-            tto = t["time_to_limit_s"]
+            self._slope.set(float(t.slope_per_h), tags=tags)
+            self._leaking.set(1.0 if t.leaking else 0.0, tags=tags)
+            tto = t.time_to_limit_s
             self._tto.set(float(tto) if tto is not None else -1.0, tags=tags)
-        for action, n in r["actions_total"].items():
+        for action, n in r.actions_total.items():
             if n > self._actions_seen.get(action, 0):
                 self._actions.inc(n - self._actions_seen.get(action, 0), tags={**self._tags, "action": action})
                 self._actions_seen[action] = n
@@ -297,15 +306,15 @@ class Watchdog:
     async def start(self) -> None:
         self._ensure_loop()
 
-    async def beat(self, inflight: int, progress: int) -> dict[str, Any]:
+    async def beat(self, inflight: int, progress: int) -> WatchdogOrders:
         self._ensure_loop()
         return self._core.beat(inflight, progress)
 
-    async def report(self) -> dict[str, Any]:
+    async def report(self) -> Optional[WatchdogReport]:
         return self._core.last_report
 
 
-def spawn_watchdog(cfg: BallastConfig, info: dict[str, Any]) -> Any:
+def spawn_watchdog(cfg: BallastConfig, info: WatchedReplica) -> Any:
     """Start this replica's watchdog on its node, owned by (so fate-shared with) the caller.
 
     ``info`` names the replica (replica_id, deployment, started_at_s, gpu_uuid); the
@@ -318,7 +327,7 @@ def spawn_watchdog(cfg: BallastConfig, info: dict[str, Any]) -> Any:
     from ray.serve._private.constants import SERVE_NAMESPACE  # replicas are named actors there
 
     ctx = ray.get_runtime_context()
-    info = {**info, "pid": os.getpid(), "actor_name": ctx.get_actor_name(), "actor_namespace": SERVE_NAMESPACE}
+    info = replace(info, pid=os.getpid(), actor_name=ctx.get_actor_name(), actor_namespace=SERVE_NAMESPACE)
     return Watchdog.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ctx.get_node_id(), soft=False)
     ).remote(cfg.model_dump(mode="json"), info)

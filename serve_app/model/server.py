@@ -42,6 +42,7 @@ from ray import serve
 
 from policies.admission import clamp_max_tokens
 from policies.deadline import replica_deadline_s
+from policies.reports import ReplicaReport, WatchdogOrders, WatchedReplica
 from policies.scheduler import DEADLINE, STALLED, SchedulerConfig, batch_row_limit, schedule, timeout_reason
 from policies.stats import nearest_rank
 from policies.window import CountWindow
@@ -238,12 +239,12 @@ class ModelServer:
         try:
             return spawn_watchdog(
                 self._cfg,
-                {
-                    "replica_id": self._replica_id,
-                    "deployment": self._deployment,
-                    "started_at_s": self._started_at_s,
-                    "gpu_uuid": visible_gpu_uuid() if self._backend.device.startswith("cuda") else None,
-                },
+                WatchedReplica(
+                    replica_id=self._replica_id,
+                    deployment=self._deployment,
+                    started_at_s=self._started_at_s,
+                    gpu_uuid=visible_gpu_uuid() if self._backend.device.startswith("cuda") else None,
+                ),
             )
         except Exception:  # a replica without its watchdog still serves; the gap is logged
             log.exception("could not start the watchdog for %s", self._replica_id)
@@ -271,15 +272,15 @@ class ModelServer:
                 log.debug("watchdog beat failed: %r", e)
             await asyncio.sleep(interval)
 
-    def _apply_watchdog(self, reply: dict[str, Any]) -> None:
-        for action in reply.get("actions", ()):
+    def _apply_watchdog(self, reply: WatchdogOrders) -> None:
+        for action in reply.actions:
             if action == "gc_collect":
                 gc.collect()
             elif action == "empty_cache" and self._backend.device.startswith("cuda"):
                 import torch
 
                 torch.cuda.empty_cache()
-        self._ready = bool(reply.get("ready", True))
+        self._ready = reply.ready
 
     def _draining(self) -> Optional[str]:
         """Why this replica is being recycled, while its order (lease) is live; else None."""
@@ -301,40 +302,41 @@ class ModelServer:
         self._chaos.apply(snap.chaos.get(self._role))
         self._recycle_order = snap.recycle_orders.get(self._replica_id)
 
-    def _report(self) -> dict[str, Any]:
+    def _report(self) -> ReplicaReport:
+        """This replica's report to the controller (every report interval)."""
         gpu = self._gpu.sample() if self._gpu is not None else None
         sizes = list(self._batch_sizes)
         self._m_queue.set(self._queued)
         kv_util = round(100.0 * self._kv_reserved / self._kv_budget, 2)
         self._m_kv.set(kv_util)
-        return {
-            "replica_id": self._replica_id,
-            "deployment": self._deployment,
-            "role": self._role,
-            "queued": self._queued,
-            "running": self._running,
-            "batches": self._batches,
-            "batch_size_avg": (sum(sizes) / len(sizes)) if sizes else None,
-            "batch_size_limit": self._batch_limit,
-            "kv_util_pct": kv_util,
-            "kv_tokens_reserved": self._kv_reserved,
-            "kv_tokens_budget": self._kv_budget,
-            "queue_wait_p95_ms": recent_percentile(self._waits_ms, time.monotonic(), WAIT_WINDOW_S, 0.95),
-            "gpu_util_pct": gpu.util_pct if gpu else None,
-            "vram_pct": gpu.vram_pct if gpu else None,
-            "vram_used_bytes": gpu.vram_used_bytes if gpu else None,
-            "vram_total_bytes": gpu.vram_total_bytes if gpu else None,
-            "device": self._backend.device,
-            "chaos_leaked_bytes": self._chaos.leaked_bytes,
-            "chaos_vram_leaked_bytes": self._chaos.vram_leaked_bytes,
-            "chaos_vram_leak": self._chaos.vram_leak_state,
+        return ReplicaReport(
+            replica_id=self._replica_id,
+            deployment=self._deployment,
+            role=self._role,
+            queued=self._queued,
+            running=self._running,
+            batches=self._batches,
+            batch_size_avg=(sum(sizes) / len(sizes)) if sizes else None,
+            batch_size_limit=self._batch_limit,
+            kv_util_pct=kv_util,
+            kv_tokens_reserved=self._kv_reserved,
+            kv_tokens_budget=self._kv_budget,
+            queue_wait_p95_ms=recent_percentile(self._waits_ms, time.monotonic(), WAIT_WINDOW_S, 0.95),
+            gpu_util_pct=gpu.util_pct if gpu else None,
+            vram_pct=gpu.vram_pct if gpu else None,
+            vram_used_bytes=gpu.vram_used_bytes if gpu else None,
+            vram_total_bytes=gpu.vram_total_bytes if gpu else None,
+            device=self._backend.device,
+            chaos_leaked_bytes=self._chaos.leaked_bytes,
+            chaos_vram_leaked_bytes=self._chaos.vram_leaked_bytes,
+            chaos_vram_leak=self._chaos.vram_leak_state,
             # The chaos settings this replica applies (None when none): tests and
             # operators wait on this rather than on a guess of when a snapshot arrived.
-            "chaos": asdict(self._chaos.settings) if self._chaos.settings.active else None,
-            "started_at_s": self._started_at_s,
-            "ready": self._ready,
-            "draining": self._draining() is not None,
-        }
+            chaos=asdict(self._chaos.settings) if self._chaos.settings.active else None,
+            started_at_s=self._started_at_s,
+            ready=self._ready,
+            draining=self._draining() is not None,
+        )
 
     async def check_health(self) -> None:
         # Serve calls this every health_check_period_s: a good place to make sure the
@@ -349,7 +351,7 @@ class ModelServer:
         return {"replica_id": self._replica_id, **self._backend.describe()}
 
     async def stats(self) -> dict[str, Any]:
-        return self._report()
+        return self._report().as_dict()
 
     # -- the engine: iteration-level batching ------------------------------------------
     async def _engine(self) -> None:

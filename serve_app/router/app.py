@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Optional
 
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -33,6 +34,7 @@ from policies.edge import EdgeThrottle
 from policies.gate import DemandWindow
 from policies.limiter import AimdLimit
 from policies.quota import Lease, TokenBucket
+from policies.reports import RouterReport
 from policies.stats import nearest_rank
 
 from serve_app.config import load_config
@@ -82,16 +84,17 @@ class _Stats:
         if len(self.waits_ms) < MAX_WAIT_SAMPLES:
             self.waits_ms.append(ms)
 
-    def drain(self) -> dict[str, Any]:
-        p95 = nearest_rank(self.waits_ms, 0.95)  # None with no samples
-        out = {
-            "inflight": self.inflight,
-            "requests": self.requests,
-            "errors": self.errors,
-            "shed": self.shed,
-            "lost_capacity": self.lost_capacity,
-            "queue_wait_p95_ms": p95,
-        }
+    def drain(self, router_id: str) -> RouterReport:
+        """The report of what was counted since the last one; the counts start again."""
+        out = RouterReport(
+            router_id=router_id,
+            inflight=self.inflight,
+            requests=self.requests,
+            errors=self.errors,
+            shed=self.shed,
+            lost_capacity=self.lost_capacity,
+            queue_wait_p95_ms=nearest_rank(self.waits_ms, 0.95),  # None with no samples
+        )
         self.requests = self.errors = self.shed = self.lost_capacity = 0
         self.waits_ms = []
         return out
@@ -244,8 +247,8 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
                     tenant, float(lease["rate_tokens_per_s"]), max(1.0, float(lease["burst_tokens"])), expires
                 )
 
-    def _report(self) -> dict[str, Any]:
-        """Called once per report interval, whether or not the controller answers."""
+    def _report(self) -> RouterReport:
+        """This router's report to the controller: called once per report interval, whether or not it answers."""
         age = self._cache.age_s()
         self._m_snapshot_age.set(age if age is not None else -1.0)
         # Gauges are re-set every interval, not only on change: a series Ray has not seen
@@ -259,17 +262,16 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
             self._m_gate.set(self._gate.in_flight, tags={"kind": "in_flight"})
             self._m_gate.set(self._gate.waiting, tags={"kind": "waiting"})
         self._sync_edge()
-        report = self._stats.drain()
+        report = self._stats.drain(self._router_id)
         if self._gate is not None:
             # Waiters at the gate are demand the autoscaler counts; the level does not count
             # them as queue (the gate refuses each by its deadline, most critical served
             # first): it sheds whole classes by demand against capacity instead.
-            report["gate_waiting"] = self._gate.waiting
             served, saturations = self._gate.served, self._gate.saturations
             self._demand.add(self._offered, served - self._gate_seen[0], saturations > self._gate_seen[1])
             self._gate_seen, self._offered = (served, saturations), {}
-            report.update(self._demand.rates())
-        return {"router_id": self._router_id, **report, **self._drain_demand()}
+            report = replace(report, gate_waiting=self._gate.waiting, **self._demand.rates())
+        return replace(report, demand_tokens_per_s=self._drain_demand())
 
     def _sync_edge(self) -> None:
         """The edge's map follows the level this router acts on (a snapshot, or fail-static);
@@ -302,12 +304,13 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         drops = {c.value: self._edge_throttle.drop_per_mille(now, c.value) for c in Criticality}
         self._edge.apply(shed_entries(eff.level, eff.constraints, drops))
 
-    def _drain_demand(self) -> dict[str, Any]:
+    def _drain_demand(self) -> dict[str, float]:
+        """Tokens per second asked for by each tenant since the last report (the quota leases' input)."""
         now = time.monotonic()
         elapsed = max(1e-3, now - self._demand_since)
         rates = {t: tokens / elapsed for t, tokens in self._demand_tokens.items()}
         self._demand_tokens, self._demand_since = {}, now
-        return {"demand_tokens_per_s": rates}
+        return rates
 
     def _on_snapshot(self, snap: Snapshot) -> None:
         if self._gate is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from policies.breaker import BreakerConfig, CircuitBreaker
+from policies.reports import ReplicaReport, RouterReport
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
 from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
@@ -27,8 +28,8 @@ SAMPLE = Path(__file__).parent / "data" / "status_sample.json"
 def live_document() -> dict[str, Any]:
     clock, wall = FakeClock(0), FakeClock(1_000_000)
     core = ControllerCore(load_config({"deployments": {"model": {"min_replicas": 1, "max_replicas": 4}}}), clock=clock, wall_clock=wall)
-    core.report_router({"router_id": "r1", "inflight": 0})
-    core.report_replica({"replica_id": "m1", "deployment": MODEL_DEPLOYMENT, "running": 8, "queued": 600})
+    core.report_router(RouterReport(router_id="r1", inflight=0))
+    core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, running=8, queued=600))
     clock.advance(1)
     wall.advance(1)
     core.tick()

@@ -8,21 +8,26 @@ from fakes import FakeClock
 from policies import control
 from policies.autoscale import AutoscaleConfig, AutoscaleState
 from policies.degradation import DegradationConfig
+from policies.reports import ReplicaReport, RouterReport
 
 P = "Primary"
 
 
-def replica(rid: str, queued: int = 0, running: int = 0, deployment: str = P, **more) -> dict:
-    return {"replica_id": rid, "deployment": deployment, "queued": queued, "running": running, **more}
+def replica(rid: str, queued: int = 0, running: int = 0, deployment: str = P, **more) -> ReplicaReport:
+    return ReplicaReport(replica_id=rid, deployment=deployment, queued=queued, running=running, **more)
+
+
+def router(rid: str = "r", **fields) -> RouterReport:
+    return RouterReport(router_id=rid, **fields)
 
 
 class TestFoldReports:
     def test_queue_is_router_inflight_minus_running_when_larger(self) -> None:
-        sig = control.fold_reports([{"inflight": 30}], [replica("a", queued=2, running=8)], P)
+        sig = control.fold_reports([router(inflight=30)], [replica("a", queued=2, running=8)], P)
         assert sig.queue_length == 22
 
     def test_queue_is_replica_queue_when_larger(self) -> None:
-        sig = control.fold_reports([{"inflight": 5}], [replica("a", queued=4, running=8)], P)
+        sig = control.fold_reports([router(inflight=5)], [replica("a", queued=4, running=8)], P)
         assert sig.queue_length == 4
 
     def test_fallback_replicas_do_not_count_in_the_queue_but_do_in_gpu_util(self) -> None:
@@ -33,7 +38,7 @@ class TestFoldReports:
 
     def test_worst_p95_and_highest_vram(self) -> None:
         reps = [replica("a", queue_wait_p95_ms=100.0, vram_pct=50.0), replica("b", queue_wait_p95_ms=300.0, vram_pct=70.0)]
-        sig = control.fold_reports([{"queue_wait_p95_ms": 200.0}], reps, P)
+        sig = control.fold_reports([router(queue_wait_p95_ms=200.0)], reps, P)
         assert (sig.queue_wait_p95_ms, sig.vram_pct) == (300.0, 70.0)
 
     def test_kv_is_the_mean_over_the_primary_replicas_only(self) -> None:
@@ -47,13 +52,13 @@ class TestFoldReports:
         assert control.fold_reports([], [replica("a")], P).kv_util_pct is None
 
     def test_capacity_only_while_some_gate_was_full(self) -> None:
-        routers = [{"served_rps": 10.0, "gate_full": False}, {"served_rps": 15.0, "gate_full": False}]
+        routers = [router("a", served_rps=10.0, gate_full=False), router("b", served_rps=15.0, gate_full=False)]
         assert control.fold_reports(routers, [], P).capacity_rps is None
-        routers[1]["gate_full"] = True
+        routers[1] = router("b", served_rps=15.0, gate_full=True)
         assert control.fold_reports(routers, [], P).capacity_rps == 25.0
 
     def test_demand_sums_over_routers_and_error_rate_over_the_window(self) -> None:
-        routers = [{"demand_rps": {"critical": 2.0}}, {"demand_rps": {"critical": 3.0, "sheddable": 1.0}}]
+        routers = [router("a", demand_rps={"critical": 2.0}), router("b", demand_rps={"critical": 3.0, "sheddable": 1.0})]
         sig = control.fold_reports(routers, [], P, requests=20, errors=5)
         assert sig.demand_rps == {"critical": 5.0, "sheddable": 1.0}
         assert (sig.error_rate, sig.request_count) == (0.25, 20)
@@ -67,7 +72,7 @@ class TestFoldReports:
 def test_ongoing_takes_gate_waiting_into_account() -> None:
     reps = [replica("a", queued=2, running=6)]
     assert control.ongoing_requests([], reps, P, queue_length=2) == 8
-    assert control.ongoing_requests([{"gate_waiting": 10}], reps, P, queue_length=2) == 18
+    assert control.ongoing_requests([router(gate_waiting=10)], reps, P, queue_length=2) == 18
 
 
 def test_current_target_is_the_last_decision_once_there_is_one() -> None:

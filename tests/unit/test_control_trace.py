@@ -20,12 +20,26 @@ from fakes import FakeClock
 from loadtest.sim.config import SimConfig
 from loadtest.sim.controllers import BallastController
 from policies import control, recycle
+from policies.reports import ReplicaReport, RouterReport, WatchdogReport
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
 from serve_app.control.link import MODEL_DEPLOYMENT
 from serve_app.control.recycling import _hour_of_day
 
-TRACE = json.loads((Path(__file__).parent / "data" / "control_trace.json").read_text())
+RAW = json.loads((Path(__file__).parent / "data" / "control_trace.json").read_text())
+# Each tick's reports as their senders build them.
+TRACE = {
+    **RAW,
+    "ticks": [
+        {
+            **t,
+            "routers": [RouterReport(**r) for r in t["routers"]],
+            "replicas": [ReplicaReport(**r) for r in t["replicas"]],
+            "watchdogs": [WatchdogReport(**w) for w in t["watchdogs"]],
+        }
+        for t in RAW["ticks"]
+    ],
+}
 ERROR_WINDOW_S = 10
 
 
@@ -79,14 +93,14 @@ def simulator_path() -> list[dict]:
     out = []
     for j, t in enumerate(TRACE["ticks"]):
         now, wall = j * TRACE["tick_s"], t["wall_s"]
-        outcomes += [(now, r["requests"], r["errors"]) for r in t["routers"]]
+        outcomes += [(now, r.requests, r.errors) for r in t["routers"]]
         window = [o for o in outcomes if o[0] >= now - ERROR_WINDOW_S]
-        watchdogs = {w["replica_id"]: w for w in t["watchdogs"]}
+        watchdogs = {w.replica_id: w for w in t["watchdogs"]}
         replicas = t["replicas"]
         views = recycle.replica_views(replicas, watchdogs, ctrl.rc_state, frozenset(), wall)
         dec, step = ctrl.policy_tick(
             t["routers"], replicas, sum(o[1] for o in window), sum(o[2] for o in window),
-            sum(1 for r in replicas if r["deployment"] == MODEL_DEPLOYMENT), now,
+            sum(1 for r in replicas if r.deployment == MODEL_DEPLOYMENT), now,
             views=views, watchdogs=watchdogs, wall_s=wall, hour_of_day=_hour_of_day(wall),
             serving_replicas=control.serving_replicas(replicas, watchdogs, MODEL_DEPLOYMENT),
         )

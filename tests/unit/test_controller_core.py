@@ -8,12 +8,14 @@ the ``Controller`` actor class but starts nothing.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import copy
+from typing import Any, Optional, TypeVar
 
 import json
 import pytest
 
 from fakes import FakeClock
+from policies.reports import ReplicaReport, RouterReport
 
 from serve_app.config import BallastConfig, load_config
 from serve_app.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
@@ -22,6 +24,17 @@ from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 EXPIRY_S = 3
 ERROR_WINDOW_S = 10
 DEG_WINDOW_S = 5
+
+T = TypeVar("T")
+
+
+def tampered(report: T, **fields: Any) -> T:
+    """A copy of ``report`` with ``fields`` set past its check, as a foreign sender's could arrive
+    (unpickling does not run ``__post_init__``)."""
+    bad = copy.copy(report)
+    for name, value in fields.items():
+        object.__setattr__(bad, name, value)
+    return bad
 
 
 def make_cfg(**over: Any) -> BallastConfig:
@@ -46,10 +59,10 @@ class Harness:
         self.wall.advance(seconds)
 
     def router(self, rid: str, **fields: Any) -> dict[str, Any]:
-        return self.core.report_router({"router_id": rid, **fields})
+        return self.core.report_router(RouterReport(router_id=rid, **fields))
 
     def replica(self, rid: str, **fields: Any) -> dict[str, Any]:
-        return self.core.report_replica({"replica_id": rid, "deployment": MODEL_DEPLOYMENT, **fields})
+        return self.core.report_replica(ReplicaReport(replica_id=rid, deployment=MODEL_DEPLOYMENT, **fields))
 
 
 @pytest.fixture
@@ -128,8 +141,10 @@ class TestSignals:
         assert sig.gpu_util_pct is None
         assert sig.vram_pct is None
 
-    def test_routers_gpu_fields_are_ignored(self, h: Harness) -> None:
-        h.router("r1", inflight=0, gpu_util_pct=99.0, vram_pct=99.0)
+    def test_routers_report_no_gpu_fields(self, h: Harness) -> None:
+        with pytest.raises(TypeError, match="gpu_util_pct"):
+            RouterReport(router_id="r1", gpu_util_pct=99.0)  # type: ignore[call-arg]
+        h.router("r1", inflight=0)
         sig = h.core.signals()
         assert (sig.gpu_util_pct, sig.vram_pct) == (None, None)
 
@@ -371,7 +386,7 @@ class TestDesiredReplicas:
         assert snap.inputs["queue_length"] == 0 and snap.level == 0
 
     def test_only_model_replicas_count_as_running_model_replicas(self, h: Harness) -> None:
-        h.core.report_replica({"replica_id": "x", "deployment": "Other", "queued": 0})
+        h.core.report_replica(ReplicaReport(replica_id="x", deployment="Other", queued=0))
         h.replica("m1")
         h.replica("m2")
         assert h.core.tick().running_replicas[MODEL_DEPLOYMENT] == 2
@@ -463,10 +478,13 @@ def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(
     assert h.core.signals().capacity_rps is None
 
 
-def test_malformed_demand_reports_are_dropped(h: Harness) -> None:
-    for bad in ({"nope": 1.0}, {"critical": -2.0}, {"critical": "x"}, ["critical"], {"critical": float("inf")}):
-        h.router("a", demand_rps=bad)
-    h.router("a", served_rps=-1.0)
+def test_malformed_demand_reports_are_refused_when_built_and_dropped_on_arrival(h: Harness) -> None:
+    bads = [("demand_rps", bad) for bad in ({"nope": 1.0}, {"critical": -2.0}, {"critical": "x"}, ["critical"],
+                                            {"critical": float("inf")})]
+    for name, bad in bads + [("served_rps", -1.0)]:
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            RouterReport(router_id="a", **{name: bad})
+        h.core.report_router(tampered(RouterReport(router_id="a"), **{name: bad}))
     assert h.core.rejected_reports == 6
     assert h.core.signals().demand_rps is None
 
@@ -477,12 +495,16 @@ def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
 
     t = [0.0]
     core = ControllerCore(load_config({}), clock=lambda: t[0], wall_clock=lambda: 1000.0 + t[0])
-    for bad in (None, {"replica_id": "r", "queued": None, "running": "x"}, {"replica_id": "r", "gpu_util_pct": float("nan")},
-                {"replica_id": "r", "queued": -3}):
-        core.report_replica(bad)
-    core.report_router({"router_id": "a", "inflight": [1]})
-    assert core.rejected_reports == 5
-    core.report_replica({"replica_id": "ok", "deployment": "BallastModel", "queued": "7", "running": 1})
+    good = ReplicaReport(replica_id="r", deployment="BallastModel")
+    for fields in ({"queued": None, "running": "x"}, {"gpu_util_pct": float("nan")}, {"queued": -3}):
+        with pytest.raises(ValueError, match="^(queued|gpu_util_pct):"):
+            ReplicaReport(replica_id="r", deployment="BallastModel", **fields)
+        core.report_replica(tampered(good, **fields))
+    core.report_replica(None)  # type: ignore[arg-type]
+    core.report_replica({"replica_id": "r", "deployment": "BallastModel", "queued": 1})  # type: ignore[arg-type]  # not a report
+    core.report_router(tampered(RouterReport(router_id="a"), inflight=[1]))
+    assert core.rejected_reports == 6
+    core.report_replica(ReplicaReport(replica_id="ok", deployment="BallastModel", queued=7, running=1))
     snap = core.tick()  # would raise if a malformed report had been kept
     assert snap.inputs["queue_length"] == 7
 
@@ -502,7 +524,7 @@ def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
 
     def replicas(n: int, running: int) -> None:
         for i in range(n):
-            core.report_replica({"replica_id": f"r{i}", "deployment": MODEL_DEPLOYMENT, "queued": 0, "running": running})
+            core.report_replica(ReplicaReport(replica_id=f"r{i}", deployment=MODEL_DEPLOYMENT, queued=0, running=running))
 
     desired = []
     for tick in range(40):  # a burst for 5 s, then quiet; both replicas keep reporting throughout
@@ -528,9 +550,8 @@ def test_leases_split_a_tenants_rate_by_demand_and_cap_borrowing():
     })
     t = [0.0]
     core = ControllerCore(cfg, clock=lambda: t[0], wall_clock=lambda: 1000.0 + t[0])
-    base = {"inflight": 0, "requests": 0, "errors": 0, "shed": 0}
-    core.report_router({**base, "router_id": "a", "demand_tokens_per_s": {"small": 900.0}})
-    leases = core.report_router({**base, "router_id": "b", "demand_tokens_per_s": {"small": 300.0}})["leases"]
+    core.report_router(RouterReport(router_id="a", demand_tokens_per_s={"small": 900.0}))
+    leases = core.report_router(RouterReport(router_id="b", demand_tokens_per_s={"small": 300.0}))["leases"]
     a = core.leases_for("a")
     # big is idle and lends, but small borrows at most half its own rate: 150 in all,
     # split 3:1 by the routers' demand; bursts split evenly.

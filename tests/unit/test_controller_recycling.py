@@ -1,18 +1,22 @@
 """The controller's recycling: watchdog reports in, orders, kills and leases out (no Ray).
 
 ``ControllerCore`` runs with two ``FakeClock``s (monotonic for report expiry, wall
-for leases and ages). Replicas and watchdogs are plain report dicts, re-sent every
-simulated second as the real ones are. A controller restart is a second
+for leases and ages). Replicas and watchdogs are their typed reports, re-sent every
+simulated second as the real ones are; a change is a new report (``Fleet.set``). A controller restart is a second
 ``ControllerCore`` adopting the lease table the first one persisted.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import pytest
 
+from dataclasses import replace
+
 from fakes import FakeClock
+from policies.reports import ReplicaReport, WatchdogReport
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
 from serve_app.control.link import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
@@ -38,17 +42,24 @@ class Fleet:
 
     def __init__(self, core: ControllerCore, clock: FakeClock, wall: FakeClock, n: int = 2) -> None:
         self.core, self.clock, self.wall = core, clock, wall
-        self.replicas: dict[str, dict[str, Any]] = {}
-        self.watchdogs: dict[str, dict[str, Any]] = {}
+        self.replicas: dict[str, ReplicaReport] = {}
+        self.watchdogs: dict[str, WatchdogReport] = {}
         for i in range(n):
             self.add(f"r{i}")
 
     def add(self, rid: str, ready: bool = True) -> None:
-        self.replicas[rid] = {"replica_id": rid, "deployment": MODEL_DEPLOYMENT, "queued": 0, "running": 0,
-                              "started_at_s": float(self.wall()), "ready": ready, "draining": False}
-        self.watchdogs[rid] = {"replica_id": rid, "deployment": MODEL_DEPLOYMENT, "actor_name": f"SERVE_REPLICA::ballast#BallastModel#{rid}",
-                               "actor_namespace": "serve", "ready": True, "hung": False, "recycle_requested": False,
-                               "critical": False, "reason": None, "rss_bytes": 1e9, "heartbeat_age_s": 0.1, "inflight": 0}
+        self.replicas[rid] = ReplicaReport(replica_id=rid, deployment=MODEL_DEPLOYMENT, queued=0, running=0,
+                                           started_at_s=float(self.wall()), ready=ready, draining=False)
+        self.watchdogs[rid] = WatchdogReport(
+            replica_id=rid, deployment=MODEL_DEPLOYMENT, actor_name=f"SERVE_REPLICA::ballast#BallastModel#{rid}",
+            actor_namespace="serve", ready=True, hung=False, recycle_requested=False, critical=False, reason=None,
+            rss_bytes=1e9, heartbeat_age_s=0.1, inflight=0,
+        )
+
+    def set(self, rid: str, replica: Optional[dict[str, Any]] = None, **watchdog: Any) -> None:
+        """What ``rid`` and its watchdog report from now on: these fields changed."""
+        self.replicas[rid] = replace(self.replicas[rid], **(replica or {}))
+        self.watchdogs[rid] = replace(self.watchdogs[rid], **watchdog)
 
     def step(self, seconds: int = 1) -> dict[str, Any]:
         snap: dict[str, Any] = {}
@@ -56,17 +67,17 @@ class Fleet:
             self.clock.advance(1)
             self.wall.advance(1)
             for rid, r in self.replicas.items():
-                self.core.report_replica(dict(r))
-                self.core.report_watchdog(dict(self.watchdogs[rid]))
+                self.core.report_replica(r)
+                self.core.report_watchdog(self.watchdogs[rid])
             snap = self.core.tick().to_dict()
             # A replica with an order drains: Serve replaces it once its health check has failed.
             for rid in list(snap["recycle_orders"]):
                 if rid in self.replicas:
-                    self.replicas[rid]["draining"] = True
+                    self.set(rid, {"draining": True})
         return snap
 
     def replace_draining(self, new_id: str) -> None:
-        (old,) = [rid for rid, r in self.replicas.items() if r["draining"]]
+        (old,) = [rid for rid, r in self.replicas.items() if r.draining]
         del self.replicas[old]
         del self.watchdogs[old]
         self.add(new_id)
@@ -84,7 +95,7 @@ def events(core: ControllerCore, outcome: Optional[str] = None) -> list[dict[str
 def test_a_hung_replica_gets_one_kill_order_and_an_event() -> None:
     f = harness()
     f.step()
-    f.watchdogs["r1"].update(hung=True, inflight=2, heartbeat_age_s=4.0)
+    f.set("r1", hung=True, inflight=2, heartbeat_age_s=4.0)
     f.step()
     orders = list(f.core.recycler.kill_orders)
     assert orders == [{"replica_id": "r1", "deployment": MODEL_DEPLOYMENT,
@@ -132,7 +143,7 @@ def test_a_critical_lone_replica_at_its_ceiling_is_recycled_at_once() -> None:
     # max_replicas 1: no replacement can come first, and the replica will go down anyway.
     f = harness(cfg((1, 1), min_available=1), n=1)
     f.step()
-    f.watchdogs["r0"].update(ready=False, recycle_requested=True, critical=True, reason="rss_bytes leak 900 MiB/h, limit in 0.4h")
+    f.set("r0", ready=False, recycle_requested=True, critical=True, reason="rss_bytes leak 900 MiB/h, limit in 0.4h")
     snap = f.step()
     assert snap["recycle_orders"]["r0"]["reason"] == "critical"
 
@@ -140,7 +151,7 @@ def test_a_critical_lone_replica_at_its_ceiling_is_recycled_at_once() -> None:
 def test_a_critical_lone_replica_below_its_ceiling_waits_for_its_replacement() -> None:
     f = harness(cfg((1, 2), min_available=1), n=1)
     f.step()
-    f.watchdogs["r0"].update(ready=False, recycle_requested=True, critical=True, reason="rss_bytes leak 900 MiB/h, limit in 0.4h")
+    f.set("r0", ready=False, recycle_requested=True, critical=True, reason="rss_bytes leak 900 MiB/h, limit in 0.4h")
     snap = f.step()
     assert snap["recycle_orders"] == {} and snap["desired_replicas"][MODEL_DEPLOYMENT] == 1
     snap = f.step()  # the surge from the last tick's plan: one replica more
@@ -169,12 +180,12 @@ def test_a_planned_recycle_starts_the_replacement_before_the_old_replica_stops( 
     draining_for: dict[str, int] = {}
     log: list[tuple[int, str]] = []
     seq = 1
-    f.watchdogs["r0"].update(ready=False, recycle_requested=True, reason="rss_bytes leak 750 MiB/h, limit in 3.0h")
-    f.replicas["r0"]["ready"] = False  # the ladder's stop_intake rung: the replica says so too
+    f.set("r0", ready=False, recycle_requested=True, reason="rss_bytes leak 750 MiB/h, limit in 3.0h")
+    f.set("r0", {"ready": False})  # the ladder's stop_intake rung: the replica says so too
     for tick in range(60):
-        serving = [r for r, rep in f.replicas.items() if not rep["draining"]]
-        for rep in f.replicas.values():
-            rep["queue_wait_p95_ms"] = None if serving else 3100.0
+        serving = [r for r, rep in f.replicas.items() if not rep.draining]
+        for rid in f.replicas:
+            f.set(rid, {"queue_wait_p95_ms": None if serving else 3100.0})
         snap = f.step()
         assert serving, f"tick {tick}: no replica serving"
         assert snap["level"] == 0, (tick, snap["reason"])
@@ -189,7 +200,7 @@ def test_a_planned_recycle_starts_the_replacement_before_the_old_replica_stops( 
                 log.append((tick, f"stopped {rid}"))
         # Serve: start what the desired count asks for beyond what runs or is starting.
         desired = snap["desired_replicas"][MODEL_DEPLOYMENT]
-        live = sum(1 for r in f.replicas.values() if not r["draining"])
+        live = sum(1 for r in f.replicas.values() if not r.draining)
         for _ in range(desired - live - len(starting)):
             starting.append(STARTUP_TICKS)
         starting = [t - 1 for t in starting]
@@ -199,7 +210,7 @@ def test_a_planned_recycle_starts_the_replacement_before_the_old_replica_stops( 
             log.append((tick, f"serving r{seq}"))
             seq += 1
         # ... and stop the extra one once the surge is given back (the newest, as Serve may).
-        extra = [r for r, rep in f.replicas.items() if not rep["draining"]][desired:]
+        extra = [r for r, rep in f.replicas.items() if not rep.draining][desired:]
         for rid in extra:
             del f.replicas[rid], f.watchdogs[rid]
             log.append((tick, f"scaled down {rid}"))
@@ -214,7 +225,7 @@ def test_a_planned_recycle_starts_the_replacement_before_the_old_replica_stops( 
 def test_a_controller_that_dies_mid_recycle_leaves_nothing_stuck() -> None:
     f = harness()
     f.step()
-    f.watchdogs["r0"].update(recycle_requested=True, reason="fds growth")
+    f.set("r0", recycle_requested=True, reason="fds growth")
     f.step()
     assert list(f.step()["recycle_orders"]) == ["r0"]
     persisted = f.core.recycler.leases_dict()  # what the actor wrote to Ray's KV store
@@ -225,7 +236,7 @@ def test_a_controller_that_dies_mid_recycle_leaves_nothing_stuck() -> None:
     assert new.epoch != f.core.epoch
     assert new.recycler.adopt(persisted) == 1
     f.core = new
-    f.watchdogs["r1"].update(recycle_requested=True, reason="thread growth")  # another one wants to go
+    f.set("r1", recycle_requested=True, reason="thread growth")  # another one wants to go
     expiry = lease_before.expires_at_s()
     while f.wall() < expiry:
         snap = f.step()
@@ -247,12 +258,19 @@ def test_expected_availability_follows_the_schedule() -> None:
     assert snap["recycle"]["availability"]["expected"] == pytest.approx(0.5 + (1 - 60 / 21600) / 2, abs=1e-6)
 
 
-def test_malformed_watchdog_reports_are_rejected() -> None:
+def test_malformed_watchdog_reports_are_refused_when_built_and_dropped_on_arrival() -> None:
     f = harness()
     before = f.core.rejected_reports
-    assert f.core.report_watchdog({"replica_id": "x", "rss_bytes": -5})["accepted"] is False
+    with pytest.raises(ValueError, match="^rss_bytes:"):
+        WatchdogReport(replica_id="x", deployment=MODEL_DEPLOYMENT, rss_bytes=-5)
+    with pytest.raises(ValueError, match="^replica_id:"):
+        WatchdogReport(replica_id="", deployment=MODEL_DEPLOYMENT, rss_bytes=5)
+    # What arrives is checked again (unpickling skips __post_init__): a bad field, or no report at all.
+    bad = copy.copy(WatchdogReport(replica_id="x", deployment=MODEL_DEPLOYMENT))
+    object.__setattr__(bad, "rss_bytes", -5)
+    assert f.core.report_watchdog(bad)["accepted"] is False
     assert f.core.report_watchdog("garbage")["accepted"] is False  # type: ignore[arg-type]
-    assert f.core.report_watchdog({"rss_bytes": 5})["accepted"] is False
+    assert f.core.report_watchdog({"replica_id": "x", "rss_bytes": 5})["accepted"] is False  # type: ignore[arg-type]
     assert f.core.rejected_reports == before + 3
 
 
@@ -292,7 +310,7 @@ def test_a_lone_replica_is_recycled_with_a_surge_of_one_and_never_leaves_none_se
     assert list(snap["recycle_orders"]) == ["r0"] and snap["desired_replicas"][MODEL_DEPLOYMENT] == 2
     for _ in range(3):  # r0 drains while r1 serves: the surge holds
         snap = f.step()
-        serving = [rid for rid, r in f.replicas.items() if not r["draining"]]
+        serving = [rid for rid, r in f.replicas.items() if not r.draining]
         assert serving == ["r1"] and snap["desired_replicas"][MODEL_DEPLOYMENT] == 2
     f.replace_draining("r2")  # Serve replaces r0 to keep two
     snap = f.step(5)
@@ -308,6 +326,6 @@ def test_without_the_surge_a_lone_replica_waits_and_a_watchdog_stop_surges_early
     # leak recycle) already gets its replacement started.
     g = harness(lone(max_age_s=None, forced_max_age_s=None), n=1)
     g.step(2)
-    g.watchdogs["r0"].update(ready=False, reason="rss_bytes leak 900 MiB/h, limit in 2.0h")
+    g.set("r0", ready=False, reason="rss_bytes leak 900 MiB/h, limit in 2.0h")
     snap = g.step(2)
     assert snap["desired_replicas"][MODEL_DEPLOYMENT] == 2 and not snap["recycle_orders"]

@@ -12,6 +12,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from fakes import FakeClock
+from policies.reports import ReplicaReport, RouterReport
 from routerkit import at_level, build_router, routed
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
@@ -47,13 +48,13 @@ def burst(router, primary, client, failure) -> list:
     return [client.post("/v1/generate", headers=GOLD, json={"prompt": "hi", "max_tokens": 4}) for _ in range(BURST)]
 
 
-def levels_after(report: dict, seconds: int) -> list[int]:
+def levels_after(report: RouterReport, seconds: int) -> list[int]:
     """The controller's level, tick by tick, after one router report carrying ``report``."""
     clock, wall = FakeClock(0), FakeClock(1_000_000)
     core = ControllerCore(load_config({}), clock=clock, wall_clock=wall)
     out = []
     for t in range(seconds):
-        core.report_replica({"replica_id": "m1", "deployment": MODEL_DEPLOYMENT, "queued": 0, "running": 0})
+        core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, queued=0, running=0))
         if t == 0:
             core.report_router(report)
         out.append(core.tick().level)
@@ -68,7 +69,7 @@ def test_a_burst_of_lost_replicas_leaves_the_level_alone(stack) -> None:
     assert {(r.status_code, r.json()["error"]["code"]) for r in answers} == {(503, "REPLICA_LOST")}
     assert all(r.headers.get("retry-after") for r in answers)
     report = router._report()
-    assert (report["requests"], report["errors"], report["lost_capacity"]) == (BURST, 0, BURST * 4)
+    assert (report.requests, report.errors, report.lost_capacity) == (BURST, 0, BURST * 4)
     assert len(primary.generate.calls) == BURST * 4  # each sent again three times (the limit)
     assert router._caller.lost == {"migrated": BURST * 3, "not_migrated": BURST, "streams_carried_on": 0}
     assert router._caller.backends[0].breaker.snapshot()["state"] == "closed"
@@ -80,7 +81,7 @@ def test_the_same_burst_of_model_errors_raises_the_level_as_before(stack) -> Non
     answers = burst(router, primary, client, lambda: RayTaskError("generate", "tb", RuntimeError("cuda error")))
     assert {r.json()["error"]["code"] for r in answers} == {"MODEL_UNAVAILABLE"}
     report = router._report()
-    assert (report["requests"], report["errors"], report["lost_capacity"]) == (BURST, BURST, 0)
+    assert (report.requests, report.errors, report.lost_capacity) == (BURST, BURST, 0)
     # One level on the first sample; the error rate still asks a second later: level 3.
     assert levels_after(report, 3) == [1, 3, 3]
 
@@ -93,6 +94,6 @@ def test_a_request_sent_again_after_a_lost_replica_says_so_and_counts_no_error(s
     assert r.status_code == 200 and r.json()["text"] == "answered"
     assert r.headers["x-ballast-migrations"] == "1"
     report = router._report()
-    assert (report["requests"], report["errors"], report["lost_capacity"]) == (1, 0, 1)
+    assert (report.requests, report.errors, report.lost_capacity) == (1, 0, 1)
     status = client.get("/v1/status", headers={"authorization": "Bearer admin-token"})
     assert status.json()["lost_capacity"] == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 0}

@@ -588,45 +588,59 @@ def test_measured_availability() -> None:
 # --------------------------------------------------------------------------- the controller's side
 
 from policies import recycle as _rc  # noqa: E402
+from policies.reports import ReplicaReport, WatchdogReport  # noqa: E402
+
+
+def replica_report(rid: str = "a", **fields) -> ReplicaReport:
+    return ReplicaReport(replica_id=rid, deployment="D", **fields)
+
+
+def watchdog_report(rid: str = "a", **fields) -> WatchdogReport:
+    return WatchdogReport(replica_id=rid, deployment="D", **fields)
 
 
 @pytest.mark.parametrize(
     "report, watchdog, in_flight, healthy",
     [
+        ({}, None, False, True),
         ({}, {}, False, True),
         ({"ready": False}, {}, False, False),
-        ({"draining": True}, {}, False, False),
+        ({"draining": True}, None, False, False),
         ({}, {"ready": False}, False, False),
         ({}, {"hung": True}, False, False),
         ({}, {}, True, False),
     ],
 )
 def test_replica_healthy(report, watchdog, in_flight, healthy) -> None:
-    assert _rc.replica_healthy(report, watchdog, in_flight) is healthy
+    wd = watchdog_report(**watchdog) if watchdog is not None else None  # None: no watchdog report
+    assert _rc.replica_healthy(replica_report(**report), wd, in_flight) is healthy
 
 
 def test_replica_view_carries_the_watchdog_request_and_a_zero_start() -> None:
     v = _rc.replica_view(
-        {"replica_id": "a", "deployment": "D", "started_at_s": 0.0},
-        {"recycle_requested": True, "reason": "rss_leak", "critical": True},
+        replica_report(started_at_s=0.0),
+        watchdog_report(recycle_requested=True, reason="rss_leak", critical=True),
         in_flight=False, manual=False, now_s=500.0,
     )
     assert (v.started_at_s, v.request, v.critical) == (0.0, "rss_leak", True)
-    v = _rc.replica_view({"replica_id": "a", "deployment": "D"}, {"started_at_s": 7.0}, False, True, 500.0)
+    v = _rc.replica_view(replica_report(), watchdog_report(started_at_s=7.0), False, True, 500.0)
     assert (v.started_at_s, v.request, v.critical, v.manual) == (7.0, None, False, True)
+    v = _rc.replica_view(replica_report(), None, False, False, 500.0)  # neither says: seen now
+    assert (v.started_at_s, v.request, v.healthy) == (500.0, None, True)
 
 
 def test_surging_names_stopped_waiting_and_in_flight_deployments() -> None:
     known = {"a": "A", "b": "B", "c": "C", "d": "D"}
     state = _rc.RecycleState(in_flight=(_rc.InFlight("c", "C", "max_age", 0.0, 1),))
-    got = _rc.surging(known, {"a": {"ready": False}, "x": {"ready": False}}, state, (("b", "min_available"), ("d", "level")))
+    stopped = {"a": watchdog_report("a", ready=False), "x": watchdog_report("x", ready=False)}
+    got = _rc.surging(known, stopped, state, (("b", "min_available"), ("d", "level")))
     assert got == frozenset({"A", "B", "C"})
-    assert _rc.surging(known, {"a": {"ready": False}}, state, (), enabled=False) == frozenset()
+    assert _rc.surging(known, {"a": watchdog_report("a", ready=False)}, state, (), enabled=False) == frozenset()
 
 
 def test_hung_kill_once_then_again_after_the_cooldown_tick_by_tick() -> None:
     clock = FakeClock(0)
-    hung = {"r": {"hung": True, "deployment": "D", "actor_name": "act"}}
+    hung = {"r": watchdog_report("r", hung=True, actor_name="act")}
     state = _rc.KillState()
     kills_at = []
     for _ in range(130):
@@ -639,11 +653,12 @@ def test_hung_kill_once_then_again_after_the_cooldown_tick_by_tick() -> None:
 
 
 def test_hung_without_an_actor_name_or_not_hung_is_not_killed() -> None:
-    kills, state = _rc.hung_kills({"a": {"hung": True}, "b": {"hung": False, "actor_name": "x"}}, _rc.KillState(), 0)
+    wds = {"a": watchdog_report("a", hung=True), "b": watchdog_report("b", hung=False, actor_name="x")}
+    kills, state = _rc.hung_kills(wds, _rc.KillState(), 0)
     assert kills == () and state.killed == ()
 
 
 def test_hung_kills_remember_at_most_max_killed() -> None:
-    wds = {f"r{i}": {"hung": True, "actor_name": f"a{i}"} for i in range(5)}
+    wds = {f"r{i}": watchdog_report(f"r{i}", hung=True, actor_name=f"a{i}") for i in range(5)}
     kills, state = _rc.hung_kills(wds, _rc.KillState(), 0, max_killed=3)
     assert len(kills) == 5 and [rid for rid, _ in state.killed] == ["r2", "r3", "r4"]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig
+from policies.reports import RouterReport
 from serve_app.control.snapshot import Snapshot, SnapshotCache, SnapshotExchange
 
 DEG = DegradationConfig()
@@ -209,10 +210,10 @@ class FakeController:
 
     def __init__(self, replies: list[Any]) -> None:
         self.replies = list(replies)
-        self.reports: list[dict[str, Any]] = []
+        self.reports: list[RouterReport] = []
         self.cancelled = 0
 
-    async def call(self, report: dict[str, Any]) -> dict[str, Any]:
+    async def call(self, report: RouterReport) -> dict[str, Any]:
         self.reports.append(report)
         reply = self.replies.pop(0)
         if reply == "hang":
@@ -230,9 +231,9 @@ class Reports:
     def __init__(self) -> None:
         self.n = 0
 
-    def __call__(self) -> dict[str, Any]:
+    def __call__(self) -> RouterReport:
         self.n += 1
-        return {"router_id": "r1", "seq": self.n}
+        return RouterReport(router_id="r1", requests=self.n)
 
 
 def make_exchange(
@@ -255,7 +256,7 @@ class TestSnapshotExchange:
         assert cache.snapshot == first
         assert seen == [first]
         assert ex.failures == 0
-        assert fake.reports == [{"router_id": "r1", "seq": 1}]
+        assert fake.reports == [RouterReport(router_id="r1", requests=1)]
 
     async def test_an_older_reply_is_not_passed_to_on_snapshot(self) -> None:
         cache = make_cache(FakeWallClock(1000))
@@ -300,7 +301,7 @@ class TestSnapshotExchange:
         cache = make_cache(FakeWallClock(1000))
         fake = FakeController([snap(1, 1000).to_dict()])
 
-        def broken_report() -> dict[str, Any]:
+        def broken_report() -> RouterReport:
             raise KeyError("stats")
 
         ex = SnapshotExchange(cache, fake.call, broken_report, interval_s=0.0, timeout_s=1.0)

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import pytest
 
+from policies.reports import SeriesTrend, WatchdogReport, WatchedReplica
 from serve_app.config import WatchdogSettings, load_config
 from serve_app.model.gpu import ProcessGpuSample
 from serve_app.control.watchdog import MB, PsutilSampler, WatchdogCore
@@ -48,7 +49,8 @@ class FakeGpu:
 
 
 SETTINGS = WatchdogSettings(interval_s=1.0, leak_window_s=60, step_interval_s=5, warmup_s=0)
-INFO = {"replica_id": "r1", "deployment": "BallastModel", "started_at_s": 1000.0}
+INFO = WatchedReplica(replica_id="r1", deployment="BallastModel", started_at_s=1000.0)
+NO_TREND = SeriesTrend(slope_per_h=0.0, r2=0.0, leaking=False, time_to_limit_s=None, short_window=False)  # not judged yet
 
 
 def core(process=None, gpu=None, clock: Optional[FakeClock] = None, settings: WatchdogSettings = SETTINGS) -> tuple[WatchdogCore, FakeClock]:
@@ -58,7 +60,7 @@ def core(process=None, gpu=None, clock: Optional[FakeClock] = None, settings: Wa
     return WatchdogCore(settings, INFO, proc, gpu=gpu, memory_total_bytes=24 * GIB, fd_limit=1024, clock=clock), clock
 
 
-def run(c: WatchdogCore, clock: FakeClock, seconds: int) -> list[dict]:
+def run(c: WatchdogCore, clock: FakeClock, seconds: int) -> list[WatchdogReport]:
     reports = []
     for _ in range(seconds):
         clock.advance(1)
@@ -70,40 +72,40 @@ def test_a_flat_replica_stays_ready_with_no_actions() -> None:
     c, clock = core()
     reports = run(c, clock, 120)
     last = reports[-1]
-    assert last["severity"] == "ok" and last["ready"] and not last["recycle_requested"]
-    assert last["trends"]["rss_bytes"]["leaking"] is False
-    assert sum(last["actions_total"].values()) == 0
-    assert c.beat(0, 0)["actions"] == []
-    assert last["rss_bytes"] == 700 * MB and last["threads"] == 40 and last["fds"] == 90
-    assert last["vram_bytes"] is None and last["gpu_util_pct"] is None  # no GPU: absent, not 0
+    assert last.severity == "ok" and last.ready and not last.recycle_requested
+    assert last.trends["rss_bytes"].leaking is False
+    assert sum(last.actions_total.values()) == 0
+    assert c.beat(0, 0).actions == ()
+    assert last.rss_bytes == 700 * MB and last.threads == 40 and last.fds == 90
+    assert last.vram_bytes is None and last.gpu_util_pct is None  # no GPU: absent, not 0
 
 
 def test_a_fast_leak_is_critical_and_the_replica_is_told_once() -> None:
     # 20 MB/s against 24 GiB: minutes to the limit, well under critical_tto_s (1 h).
     c, clock = core(FakeProcess(FakeClock(), leak_mb_per_s=20.0))
     reports = run(c, clock, 29)
-    assert all(r["severity"] == "ok" for r in reports), "no verdict before half the window"
+    assert all(r.severity == "ok" for r in reports), "no verdict before half the window"
     reports = run(c, clock, 2)
     last = reports[-1]
-    assert last["severity"] == "critical" and last["critical"]
-    assert last["trends"]["rss_bytes"]["leaking"]
-    tto = last["trends"]["rss_bytes"]["time_to_limit_s"]
+    assert last.severity == "critical" and last.critical
+    assert last.trends["rss_bytes"].leaking
+    tto = last.trends["rss_bytes"].time_to_limit_s
     expected = (24 * GIB - (700 * MB + 20 * MB * clock())) / (20 * MB)
     assert tto == pytest.approx(expected, rel=0.1)
-    assert last["trends"]["rss_bytes"]["slope_per_h"] == pytest.approx(20 * MB * 3600, rel=0.05)
+    assert last.trends["rss_bytes"].slope_per_h == pytest.approx(20 * MB * 3600, rel=0.05)
     reply = c.beat(0, 0)
-    assert reply["actions"] == ["gc_collect", "stop_intake", "request_recycle"]  # no GPU: no empty_cache
-    assert reply["ready"] is False and reply["recycle"] is True
-    assert c.beat(0, 0)["actions"] == [], "actions are delivered once"
-    assert last["actions_total"]["request_recycle"] == 1
+    assert reply.actions == ("gc_collect", "stop_intake", "request_recycle")  # no GPU: no empty_cache
+    assert reply.ready is False and reply.recycle is True
+    assert c.beat(0, 0).actions == (), "actions are delivered once"
+    assert last.actions_total["request_recycle"] == 1
 
 
 def test_vram_near_the_device_total_is_critical_and_empties_the_cache() -> None:
     c, clock = core(gpu=FakeGpu(int(79 * GIB)))  # 98.75 % of 80 GiB
     last = run(c, clock, 1)[-1]
-    assert last["severity"] == "critical"
-    assert last["vram_bytes"] == 79 * GIB and last["vram_total_bytes"] == 80 * GIB and last["gpu_util_pct"] == 55.0
-    assert c.beat(0, 0)["actions"] == ["gc_collect", "empty_cache", "stop_intake", "request_recycle"]
+    assert last.severity == "critical"
+    assert last.vram_bytes == 79 * GIB and last.vram_total_bytes == 80 * GIB and last.gpu_util_pct == 55.0
+    assert c.beat(0, 0).actions == ("gc_collect", "empty_cache", "stop_intake", "request_recycle")
 
 
 def test_no_progress_with_work_in_flight_is_a_hang_after_three_intervals() -> None:
@@ -112,10 +114,10 @@ def test_no_progress_with_work_in_flight_is_a_hang_after_three_intervals() -> No
     for _ in range(3):
         clock.advance(1)
         c.beat(inflight=2, progress=10)  # heartbeats arrive, the work loop does not move
-        assert not c.sample()["hung"]
+        assert not c.sample().hung
     clock.advance(1)
     r = c.sample()
-    assert r["hung"] and r["heartbeat_age_s"] == 4.0
+    assert r.hung and r.heartbeat_age_s == 4.0
 
 
 def test_progress_or_idleness_is_not_a_hang() -> None:
@@ -123,11 +125,11 @@ def test_progress_or_idleness_is_not_a_hang() -> None:
     for i in range(10):
         clock.advance(1)
         c.beat(inflight=3, progress=i)  # moving
-        assert not c.sample()["hung"]
+        assert not c.sample().hung
     for _ in range(10):
         clock.advance(1)
         c.beat(inflight=0, progress=9)  # idle: nothing to be stuck on
-        assert not c.sample()["hung"]
+        assert not c.sample().hung
 
 
 def test_silence_with_work_last_seen_in_flight_is_a_hang() -> None:
@@ -135,7 +137,7 @@ def test_silence_with_work_last_seen_in_flight_is_a_hang() -> None:
     c, clock = core()
     c.beat(inflight=1, progress=5)
     clock.advance(4)
-    assert c.sample()["hung"]
+    assert c.sample().hung
 
 
 def test_a_replica_that_is_gone_samples_as_absent() -> None:
@@ -144,7 +146,7 @@ def test_a_replica_that_is_gone_samples_as_absent() -> None:
     run(c, clock, 5)
     proc.gone = True
     last = run(c, clock, 1)[-1]
-    assert last["rss_bytes"] is None and last["severity"] == "ok"
+    assert last.rss_bytes is None and last.severity == "ok"
 
 
 def test_psutil_sampler_reads_a_real_process() -> None:
@@ -166,10 +168,10 @@ def test_growth_during_warm_up_is_not_sampled() -> None:
 
     c, clock = core(WarmingUp(clock), clock=clock, settings=SETTINGS.model_copy(update={"warmup_s": 30}))
     reports = run(c, clock, 120)
-    assert all(r["warming_up"] for r in reports[:29]) and not reports[-1]["warming_up"]
-    assert all(r["severity"] == "ok" and not r["trends"].get("rss_bytes", {}).get("leaking") for r in reports)
+    assert all(r.warming_up for r in reports[:29]) and not reports[-1].warming_up
+    assert all(r.severity == "ok" and not r.trends.get("rss_bytes", NO_TREND).leaking for r in reports)
     c2, clock2 = core(WarmingUp(FakeClock()), settings=SETTINGS)  # no warm-up: the same growth reads as a leak
-    assert any(r["trends"]["rss_bytes"]["leaking"] for r in run(c2, clock2, 40))
+    assert any(r.trends["rss_bytes"].leaking for r in run(c2, clock2, 40))
 
 
 # ----------------------------------------------------------------- the default local config, tick by tick
@@ -201,10 +203,10 @@ def walk_until_recycle(c: WatchdogCore, clock: FakeClock, ticks: int) -> tuple[i
     for _ in range(ticks):
         clock.advance(1)
         r = c.sample(wall_s=float(clock()))
-        if r["reason"] is not None:
+        if r.reason is not None:
             return int(clock()), r
-        assert (r["severity"], r["ready"], r["recycle_requested"]) == ("ok", True, False)
-        assert sum(r["actions_total"].values()) == 0
+        assert (r.severity, r.ready, r.recycle_requested) == ("ok", True, False)
+        assert sum(r.actions_total.values()) == 0
     raise AssertionError(f"nothing named in {ticks} ticks")
 
 
@@ -231,44 +233,44 @@ def test_a_leak_that_reaches_the_limit_within_the_hour_is_recycled_within_two_mi
     t, r = walk_until_recycle(c, clock, 600)
     # Named once 90 s of samples after warm-up show it (5 s buckets: t=214), within 2 min of warm-up.
     assert t == named_at_s and t - LOCAL.warmup_s <= 120
-    assert r["severity"] == "critical" and r["reason"].startswith("rss_bytes leak")
-    assert r["reason"].endswith("(short window)")
-    trend = r["trends"]["rss_bytes"]
-    assert trend["leaking"] and trend["short_window"]
-    assert trend["slope_per_h"] == pytest.approx(leak_mb_per_s * MB * 3600, rel=0.05)
+    assert r.severity == "critical" and r.reason.startswith("rss_bytes leak")
+    assert r.reason.endswith("(short window)")
+    trend = r.trends["rss_bytes"]
+    assert trend.leaking and trend.short_window
+    assert trend.slope_per_h == pytest.approx(leak_mb_per_s * MB * 3600, rel=0.05)
     limit_at_s = onset_s + (LIMIT_MB - 700.0) / leak_mb_per_s
-    assert trend["time_to_limit_s"] == pytest.approx(limit_at_s - t, rel=0.05)
+    assert trend.time_to_limit_s == pytest.approx(limit_at_s - t, rel=0.05)
     # Limit within the hour: every rung at once, the recycle rung included, before the limit.
-    assert (r["ready"], r["recycle_requested"]) == (False, True) and t < limit_at_s
-    assert c.beat(0, 0)["actions"] == ["gc_collect", "stop_intake", "request_recycle"]
+    assert (r.ready, r.recycle_requested) == (False, True) and t < limit_at_s
+    assert c.beat(0, 0).actions == ("gc_collect", "stop_intake", "request_recycle")
 
 
 def test_a_leak_faster_than_any_window_is_caught_by_the_ceiling_before_the_limit() -> None:
     # 20 MB/s from t=0 reaches 4 GiB at t=170 s, before the short window has 90 s of samples.
     c, clock = local_core(lambda t: 700.0 + 20.0 * t)
     t, r = walk_until_recycle(c, clock, 300)
-    assert t == 150 and (r["severity"], r["reason"]) == ("warning", "rss_bytes at 90% of limit")
-    assert c.beat(0, 0)["actions"] == ["gc_collect"]
+    assert t == 150 and (r.severity, r.reason) == ("warning", "rss_bytes at 90% of limit")
+    assert c.beat(0, 0).actions == ("gc_collect",)
     reports = run(c, clock, 14)  # t=164: 3980 MB, 97 % of the budget
-    assert [x["recycle_requested"] for x in reports] == [False] * 13 + [True]
-    assert reports[-1]["severity"] == "critical" and reports[-1]["rss_bytes"] < LIMIT_MB * MB
-    assert c.beat(0, 0)["actions"] == ["stop_intake", "request_recycle"]
+    assert [x.recycle_requested for x in reports] == [False] * 13 + [True]
+    assert reports[-1].severity == "critical" and reports[-1].rss_bytes < LIMIT_MB * MB
+    assert c.beat(0, 0).actions == ("stop_intake", "request_recycle")
 
 
 def test_the_absolute_ceiling_acts_on_a_flat_series_whatever_the_trend() -> None:
     # Flat at 3800 MB, 93 % of the budget: no trend, yet the ladder walks from the first sample.
     c, clock = local_core(lambda t: 3800.0)
     r = run(c, clock, 1)[-1]
-    assert (r["severity"], r["reason"], r["warming_up"]) == ("warning", "rss_bytes at 93% of limit", True)
-    assert c.beat(0, 0)["actions"] == ["gc_collect"]
+    assert (r.severity, r.reason, r.warming_up) == ("warning", "rss_bytes at 93% of limit", True)
+    assert c.beat(0, 0).actions == ("gc_collect",)
     for k, action in ((1, "stop_intake"), (2, "request_recycle")):
         reports = run(c, clock, 60)  # one rung per step_interval_s (60 s)
-        assert all(not x["trends"].get("rss_bytes", {}).get("leaking") for x in reports)
-        assert c.beat(0, 0)["actions"] == [action] and int(clock()) == 1 + 60 * k
-    assert (reports[-1]["ready"], reports[-1]["recycle_requested"]) == (False, True)
+        assert all(not x.trends.get("rss_bytes", NO_TREND).leaking for x in reports)
+        assert c.beat(0, 0).actions == (action,) and int(clock()) == 1 + 60 * k
+    assert (reports[-1].ready, reports[-1].recycle_requested) == (False, True)
     # Over the critical ratio: every rung at once.
     c, clock = local_core(lambda t: 0.98 * LIMIT_MB)
-    assert run(c, clock, 1)[-1]["recycle_requested"]
+    assert run(c, clock, 1)[-1].recycle_requested
 
 
 def saw(period_s: int) -> Callable[[int], float]:
@@ -293,13 +295,13 @@ def test_sawtooth_warm_up_growth_and_a_one_off_step_are_no_leak(shape: Callable[
     for _ in range(700):  # the short window fills, slides past the event, and keeps sliding
         clock.advance(1)
         r = c.sample()
-        assert (r["severity"], r["reason"], r["ready"]) == ("ok", None, True), f"t={clock()}"
-        assert not r["trends"].get("rss_bytes", {}).get("leaking"), f"t={clock()}"
-    assert sum(r["actions_total"].values()) == 0 and c.beat(0, 0)["actions"] == []
+        assert (r.severity, r.reason, r.ready) == ("ok", None, True), f"t={clock()}"
+        assert not r.trends.get("rss_bytes", NO_TREND).leaking, f"t={clock()}"
+    assert sum(r.actions_total.values()) == 0 and c.beat(0, 0).actions == ()
 
 
 def test_a_3_mb_per_s_leak_under_a_gc_sawtooth_is_still_named_within_two_minutes_of_warm_up() -> None:
     c, clock = local_core(lambda t: 700.0 + 3.0 * t + 200.0 * (t % 60) / 60)
     t, r = walk_until_recycle(c, clock, 600)
-    assert t == 215 and t - LOCAL.warmup_s <= 120 and r["trends"]["rss_bytes"]["short_window"]
-    assert r["severity"] == "critical" and r["recycle_requested"] and r["rss_bytes"] < LIMIT_MB * MB
+    assert t == 215 and t - LOCAL.warmup_s <= 120 and r.trends["rss_bytes"].short_window
+    assert r.severity == "critical" and r.recycle_requested and r.rss_bytes < LIMIT_MB * MB

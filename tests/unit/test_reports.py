@@ -1,0 +1,125 @@
+"""policies.reports: the typed messages routers, replicas and watchdogs send the controller
+(and a watchdog its replica).
+
+Each report checks itself when built, survives the pickling a Ray actor call does,
+is checked again by ``checked`` on arrival, and keeps the JSON shape the HTTP
+answers (``/admin/replicas``, a replica's ``stats``) have always had.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import pickle
+
+import pytest
+
+from fakes import FakeClock
+from policies.reports import (
+    ReplicaReport,
+    RouterReport,
+    SeriesTrend,
+    WatchdogOrders,
+    WatchdogReport,
+    WatchedReplica,
+    checked,
+)
+from serve_app.config import load_config
+from serve_app.control.controller import ControllerCore
+from serve_app.control.link import MODEL_DEPLOYMENT
+
+REPLICA = WatchedReplica("m1", MODEL_DEPLOYMENT, 1000.0, None, 4242, "SERVE_REPLICA::ballast#BallastModel#m1", "serve")
+TREND = SeriesTrend(slope_per_h=3.5, r2=0.9, leaking=True, time_to_limit_s=7200.0, short_window=False)
+
+
+def reports() -> list[object]:
+    return [
+        RouterReport(router_id="r1", inflight=3, requests=10, errors=1, gate_waiting=2, demand_rps={"critical": 4.0},
+                     served_rps=3.5, gate_full=True, demand_tokens_per_s={"gold": 120.0}),
+        ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, role="primary", queued=2, running=8,
+                      kv_util_pct=40.0, chaos={"latency_ms": 50}, started_at_s=1000.0),
+        WatchdogReport.of(REPLICA, at_s=1010.0, rss_bytes=1e9, heartbeat_age_s=0.5, trends={"rss_bytes": TREND},
+                          actions_total={"gc_collect": 1}),
+        REPLICA,
+        WatchdogOrders(actions=("gc_collect", "stop_intake"), ready=False),
+    ]
+
+
+@pytest.mark.parametrize("report", reports(), ids=lambda r: type(r).__name__)
+def test_a_report_crosses_a_process_unchanged_and_is_accepted_on_arrival(report) -> None:
+    arrived = pickle.loads(pickle.dumps(report))
+    assert arrived == report and type(arrived) is type(report)
+    assert checked(arrived, type(report)) == report
+
+
+def test_checked_drops_what_is_not_a_well_formed_report_of_its_kind() -> None:
+    report = RouterReport(router_id="r1")
+    bad = copy.copy(report)
+    object.__setattr__(bad, "requests", -1)  # past __post_init__, as unpickling would let through
+    assert checked(bad, RouterReport) is None
+    assert checked(report, ReplicaReport) is None
+    assert checked({"router_id": "r1"}, RouterReport) is None
+    assert checked(None, RouterReport) is None
+
+
+@pytest.mark.parametrize(
+    "build, field",
+    [
+        (lambda: RouterReport(router_id=""), "router_id"),
+        (lambda: RouterReport(router_id="r", inflight=-1), "inflight"),
+        (lambda: RouterReport(router_id="r", requests=True), "requests"),
+        (lambda: RouterReport(router_id="r", queue_wait_p95_ms=float("nan")), "queue_wait_p95_ms"),
+        (lambda: RouterReport(router_id="r", gate_full=1), "gate_full"),
+        (lambda: RouterReport(router_id="r", demand_tokens_per_s={"gold": float("inf")}), "demand_tokens_per_s"),
+        (lambda: ReplicaReport(replica_id="m", deployment=""), "deployment"),
+        (lambda: ReplicaReport(replica_id="m", deployment="D", running=-0.5), "running"),
+        (lambda: ReplicaReport(replica_id="m", deployment="D", vram_pct=-1.0), "vram_pct"),
+        (lambda: ReplicaReport(replica_id="m", deployment="D", started_at_s=float("inf")), "started_at_s"),
+        (lambda: WatchdogReport(replica_id="m", deployment="D", inflight=-2), "inflight"),
+        (lambda: WatchdogReport(replica_id="m", deployment="D", heartbeat_age_s=-1.0), "heartbeat_age_s"),
+        (lambda: WatchdogReport(replica_id="m", deployment="D", actor_namespace=""), "actor_namespace"),
+        (lambda: WatchdogReport(replica_id="m", deployment="D", hung=None), "hung"),
+        (lambda: WatchdogOrders(actions=["gc_collect"]), "actions"),
+        (lambda: WatchdogOrders(ready=None), "ready"),
+    ],
+)
+def test_a_malformed_report_is_refused_where_it_is_built_naming_the_field(build, field) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        build()
+
+
+def test_the_simulators_fluid_running_and_a_replica_started_before_the_epoch_are_reports() -> None:
+    r = ReplicaReport(replica_id="fleet", deployment="D", queued=3, running=2.5, started_at_s=-60.0)
+    assert (r.running, r.started_at_s) == (2.5, -60.0)
+
+
+def test_a_replicas_stats_keep_their_fields() -> None:
+    stats = ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT).as_dict()
+    assert list(stats) == [
+        "replica_id", "deployment", "role", "queued", "running", "batches", "batch_size_avg", "batch_size_limit",
+        "kv_util_pct", "kv_tokens_reserved", "kv_tokens_budget", "queue_wait_p95_ms", "gpu_util_pct", "vram_pct",
+        "vram_used_bytes", "vram_total_bytes", "device", "chaos_leaked_bytes", "chaos_vram_leaked_bytes",
+        "chaos_vram_leak", "chaos", "started_at_s", "ready", "draining",
+    ]
+    assert (stats["ready"], stats["draining"], stats["gpu_util_pct"]) == (True, False, None)
+
+
+def test_admin_replicas_shows_the_watchdog_report_as_json() -> None:
+    clock, wall = FakeClock(0), FakeClock(1_000_000)
+    core = ControllerCore(load_config({}), clock=clock, wall_clock=wall)
+    _, replica, watchdog, *_ = reports()
+    core.report_replica(replica)
+    assert core.replica_status()["replicas"][0]["watchdog"] is None  # no watchdog report yet
+    core.report_watchdog(watchdog)
+    (row,) = json.loads(json.dumps(core.replica_status()))["replicas"]
+    assert (row["replica_id"], row["queued"], row["running"], row["chaos"]) == ("m1", 2, 8, {"latency_ms": 50})
+    shown = row["watchdog"]
+    assert shown["trends"] == {
+        "rss_bytes": {"slope_per_h": 3.5, "r2": 0.9, "leaking": True, "time_to_limit_s": 7200.0, "short_window": False}
+    }
+    assert (shown["rss_bytes"], shown["heartbeat_age_s"], shown["actions_total"]) == (1e9, 0.5, {"gc_collect": 1})
+    assert set(shown) == {
+        "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct", "heartbeat_age_s",
+        "warming_up", "hung", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
+        "actions_total",
+    }
