@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 from policies.validation import check_finite, check_int, check_non_negative, check_positive
 
@@ -173,86 +174,15 @@ def decide(
     check_int("current_replicas", current_replicas, minimum=0)
     now_s = sample.t_s
     samples = _trim((*state.samples, sample), now_s, cfg)
-
-    # ---- stable window: concurrency, and utilization as a second signal
-    stable_avg = _mean([s.ongoing_requests for s in samples]) or 0.0
-    stable_desired = _ceil(stable_avg / cfg.target_ongoing_requests)
-    util_note = ""
-    if cfg.target_gpu_util_pct is not None:
-        avg_util = _mean([s.gpu_util_pct for s in samples if s.gpu_util_pct is not None])
-        if avg_util is not None:
-            util_desired = _ceil(current_replicas * avg_util / cfg.target_gpu_util_pct)
-            util_note = f", util {avg_util:.1f}%->{util_desired}"
-            stable_desired = max(stable_desired, util_desired)
-
-    # ---- panic window: concurrency only (see module docstring)
-    panic_horizon = now_s - cfg.panic_window_s
-    panic_avg = _mean([s.ongoing_requests for s in samples if s.t_s > panic_horizon]) or 0.0
-    panic_desired = _ceil(panic_avg / cfg.target_ongoing_requests)
-
-    panic_trigger_at = cfg.panic_threshold_ratio * max(current_replicas, 1)
-    triggered = panic_desired >= panic_trigger_at
-    prior_until_s = state.panic_until_s
-    # A deadline more than one stable window ahead can only come from a clock
-    # that went backwards; honouring it would pin the panic floor for that long.
-    if prior_until_s is not None and prior_until_s > now_s + cfg.stable_window_s:
-        prior_until_s = None
-    was_in_panic = prior_until_s is not None and now_s < prior_until_s
-    panic_until_s = now_s + cfg.stable_window_s if triggered else prior_until_s
-    in_panic = panic_until_s is not None and now_s < panic_until_s
-    if not in_panic:
-        panic_until_s = None
-
-    below_since_s: float | None
-    if in_panic:
-        # Never down in panic, not even below our own last answer while the
-        # replicas it asked for are still starting.
-        floor = current_replicas
-        if was_in_panic and state.last_desired is not None:
-            floor = max(floor, state.last_desired)
-        # Invariant: panic never desires fewer than stable mode would (Knative's
-        # max(stable, panic)); panic only adds urgency, it never hides a signal.
-        desired = cfg.clamp(max(panic_desired, stable_desired, floor))
-        below_since_s = None
-        mode = "panic"
-        why = (
-            f"panic_desired={panic_desired}>={panic_trigger_at:g}"
-            if triggered
-            else f"panic held until t={panic_until_s:g}s, panic_desired={panic_desired}"
-        )
-        why += f", stable_desired={stable_desired}"
-        reason = f"panic: {why} (avg {panic_avg:.1f} over {cfg.panic_window_s:g}s) -> {desired}"
+    stable = _stable_window(samples, current_replicas, cfg)
+    panic = _panic_window(samples, now_s, current_replicas, state, cfg)
+    if panic.until_s is not None:
+        desired, reason = _in_panic(panic, stable, current_replicas, state, cfg)
+        mode, below_since_s, panic_until_s = "panic", None, panic.until_s
     else:
-        mode = "stable"
-        want = cfg.clamp(stable_desired)
-        basis = f"avg {stable_avg:.1f} over {cfg.stable_window_s:g}s / {cfg.target_ongoing_requests:g}{util_note}"
-        if want >= current_replicas:
-            # Up at once (or hold); any down-streak is interrupted.
-            desired = cfg.clamp(want)
-            below_since_s = None
-            verb = "up" if desired > current_replicas else "hold"
-            reason = f"stable: {verb} {current_replicas}->{desired} ({basis})"
-        else:
-            start = state.below_since_s
-            if start is None or now_s < start:
-                start = now_s
-            held_s = now_s - start
-            if held_s >= cfg.scale_down_delay_s:
-                desired = cfg.clamp(max(want, current_replicas - cfg.max_scale_down_step))
-                # Still wanting fewer: the next step needs a fresh full delay.
-                below_since_s = now_s if want < desired else None
-                reason = (
-                    f"stable: down {current_replicas}->{desired} after {held_s:g}s"
-                    f">={cfg.scale_down_delay_s:g}s ({basis})"
-                )
-            else:
-                # Still clamp: a current count above max_replicas is cut at once.
-                desired = cfg.clamp(current_replicas)
-                below_since_s = start
-                reason = (
-                    f"stable: hold {desired}, want {want} for {held_s:g}s"
-                    f" of {cfg.scale_down_delay_s:g}s ({basis})"
-                )
+        desired, below_since_s, reason = _in_stable(stable, now_s, current_replicas, state, cfg)
+        mode, panic_until_s = "stable", None
+    stable_desired, panic_desired = stable.desired, panic.desired
 
     decision = AutoscaleDecision(
         desired_replicas=desired,
@@ -268,6 +198,94 @@ def decide(
         last_desired=desired,
     )
     return decision, new_state
+
+
+class _Stable(NamedTuple):
+    desired: int
+    basis: str  # how it was reached, for the reason
+
+
+class _Panic(NamedTuple):
+    desired: int
+    avg: float
+    trigger_at: float
+    triggered: bool
+    was_in_panic: bool
+    until_s: Optional[float]  # None: not in panic
+
+
+def _stable_window(samples: tuple, current_replicas: int, cfg: AutoscaleConfig) -> _Stable:
+    """Concurrency over the stable window, and utilization as a second signal."""
+    stable_avg = _mean([s.ongoing_requests for s in samples]) or 0.0
+    desired = _ceil(stable_avg / cfg.target_ongoing_requests)
+    util_note = ""
+    if cfg.target_gpu_util_pct is not None:
+        avg_util = _mean([s.gpu_util_pct for s in samples if s.gpu_util_pct is not None])
+        if avg_util is not None:
+            util_desired = _ceil(current_replicas * avg_util / cfg.target_gpu_util_pct)
+            util_note = f", util {avg_util:.1f}%->{util_desired}"
+            desired = max(desired, util_desired)
+    basis = f"avg {stable_avg:.1f} over {cfg.stable_window_s:g}s / {cfg.target_ongoing_requests:g}{util_note}"
+    return _Stable(desired, basis)
+
+
+def _panic_window(samples: tuple, now_s: float, current_replicas: int, state: AutoscaleState, cfg: AutoscaleConfig) -> _Panic:
+    """Concurrency over the panic window (see the module docstring), and whether panic holds."""
+    panic_avg = _mean([s.ongoing_requests for s in samples if s.t_s > now_s - cfg.panic_window_s]) or 0.0
+    desired = _ceil(panic_avg / cfg.target_ongoing_requests)
+    trigger_at = cfg.panic_threshold_ratio * max(current_replicas, 1)
+    triggered = desired >= trigger_at
+    prior_until_s = state.panic_until_s
+    # A deadline more than one stable window ahead can only come from a clock
+    # that went backwards; honouring it would pin the panic floor for that long.
+    if prior_until_s is not None and prior_until_s > now_s + cfg.stable_window_s:
+        prior_until_s = None
+    was_in_panic = prior_until_s is not None and now_s < prior_until_s
+    until_s = now_s + cfg.stable_window_s if triggered else prior_until_s
+    if until_s is not None and now_s >= until_s:
+        until_s = None
+    return _Panic(desired, panic_avg, trigger_at, triggered, was_in_panic, until_s)
+
+
+def _in_panic(panic: _Panic, stable: _Stable, current_replicas: int, state: AutoscaleState,
+              cfg: AutoscaleConfig) -> tuple[int, str]:
+    """Never down in panic, not even below the last answer while the replicas it asked
+    for are still starting; and never fewer than stable mode would ask (Knative's
+    max(stable, panic)): panic only adds urgency, it never hides a signal."""
+    floor = current_replicas
+    if panic.was_in_panic and state.last_desired is not None:
+        floor = max(floor, state.last_desired)
+    desired = cfg.clamp(max(panic.desired, stable.desired, floor))
+    why = (
+        f"panic_desired={panic.desired}>={panic.trigger_at:g}"
+        if panic.triggered
+        else f"panic held until t={panic.until_s:g}s, panic_desired={panic.desired}"
+    )
+    why += f", stable_desired={stable.desired}"
+    return desired, f"panic: {why} (avg {panic.avg:.1f} over {cfg.panic_window_s:g}s) -> {desired}"
+
+
+def _in_stable(stable: _Stable, now_s: float, current_replicas: int, state: AutoscaleState,
+               cfg: AutoscaleConfig) -> tuple[int, Optional[float], str]:
+    """(desired, below_since_s, reason): up at once, down one step after a full delay."""
+    want = cfg.clamp(stable.desired)
+    if want >= current_replicas:  # up at once (or hold); any down-streak is interrupted
+        desired = cfg.clamp(want)
+        verb = "up" if desired > current_replicas else "hold"
+        return desired, None, f"stable: {verb} {current_replicas}->{desired} ({stable.basis})"
+    start = state.below_since_s
+    if start is None or now_s < start:
+        start = now_s
+    held_s = now_s - start
+    if held_s >= cfg.scale_down_delay_s:
+        desired = cfg.clamp(max(want, current_replicas - cfg.max_scale_down_step))
+        # Still wanting fewer: the next step needs a fresh full delay.
+        return desired, (now_s if want < desired else None), (
+            f"stable: down {current_replicas}->{desired} after {held_s:g}s>={cfg.scale_down_delay_s:g}s ({stable.basis})")
+    # Still clamp: a current count above max_replicas is cut at once.
+    desired = cfg.clamp(current_replicas)
+    return desired, start, (
+        f"stable: hold {desired}, want {want} for {held_s:g}s of {cfg.scale_down_delay_s:g}s ({stable.basis})")
 
 
 def queue_length_fallback(total_requests: float, current_replicas: int, cfg: AutoscaleConfig) -> int:
