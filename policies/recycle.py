@@ -317,7 +317,26 @@ def plan(
     check_int("level", level, minimum=0)
     check_finite("now_s", now_s)
     _check_hour("hour_of_day", hour_of_day)
+    by_deployment = _by_deployment(replicas)
+    kept, completed, stuck = _settle(state.in_flight, by_deployment, targets, cfg, now_s)
+    in_flight_ids = {f.replica_id for f in kept}
+    start: list[Order] = []
+    waiting: list[tuple[str, str]] = []
+    new_in_flight: list[InFlight] = []
+    for dep in sorted(by_deployment):
+        rs = by_deployment[dep]
+        # A surge needs room under the deployment's ceiling.
+        can_surge = ceilings is None or ceilings.get(dep, len(rs) + 1) > len(rs)
+        slots = cfg.max_unavailable - sum(1 for f in kept if f.deployment == dep)
+        due_now, outside_window = _due(rs, in_flight_ids, cfg, now_s, hour_of_day)
+        _start_due(due_now, rs, in_flight_ids, slots, can_surge, level, cfg, now_s, start, waiting, new_in_flight)
+        waiting += [(r.replica_id, "window") for r in outside_window]
+    new_state = RecycleState(tuple(kept) + tuple(new_in_flight))
+    return Plan(tuple(start), tuple(completed), tuple(stuck), tuple(waiting)), new_state
 
+
+def _by_deployment(replicas: Sequence[ReplicaView]) -> dict[str, list[ReplicaView]]:
+    """The replicas by deployment; an id seen twice is an error."""
     by_deployment: dict[str, list[ReplicaView]] = {}
     present: set[str] = set()
     for r in replicas:
@@ -325,14 +344,23 @@ def plan(
             raise ValueError(f"replicas: replica_id {r.replica_id!r} appears twice")
         present.add(r.replica_id)
         by_deployment.setdefault(r.deployment, []).append(r)
-    healthy = {dep: sum(1 for r in rs if r.healthy) for dep, rs in by_deployment.items()}
+    return by_deployment
 
-    # 1. Settle the recycles in flight. Completion wins over a timeout on the same tick.
+
+def _settle(
+    in_flight: Sequence[InFlight], by_deployment: Mapping[str, list[ReplicaView]], targets: Mapping[str, int],
+    cfg: RecycleConfig, now_s: float,
+) -> tuple[list[InFlight], list[InFlight], list[InFlight]]:
+    """(kept, completed, stuck): the recycles in flight settled. A recycle completes once
+    its replica is gone and its deployment is back to as many healthy replicas as it had
+    (or its target, if lower); completion wins over a timeout on the same tick."""
+    present = {r.replica_id for rs in by_deployment.values() for r in rs}
+    healthy = {dep: sum(1 for r in rs if r.healthy) for dep, rs in by_deployment.items()}
     kept: list[InFlight] = []
     completed: list[InFlight] = []
     stuck: list[InFlight] = []
     seen: set[str] = set()
-    for f in state.in_flight:
+    for f in in_flight:
         if f.replica_id in seen:  # never two entries for one replica
             continue
         seen.add(f.replica_id)
@@ -345,53 +373,51 @@ def plan(
             stuck.append(f)
             continue
         kept.append(f)
+    return kept, completed, stuck
 
-    in_flight_ids = {f.replica_id for f in kept}
-    in_flight_count: dict[str, int] = {}
-    for f in kept:
-        in_flight_count[f.deployment] = in_flight_count.get(f.deployment, 0) + 1
 
-    # 2. Start what the guards allow, deployment by deployment.
-    start: list[Order] = []
-    waiting: list[tuple[str, str]] = []
-    new_in_flight: list[InFlight] = []
-    for dep in sorted(by_deployment):
-        rs = by_deployment[dep]
-        slots = cfg.max_unavailable - in_flight_count.get(dep, 0)
-        # Replicas that will still serve: those already recycling don't count.
-        serving = sum(1 for r in rs if r.serving and r.replica_id not in in_flight_ids)
-        can_surge = ceilings is None or ceilings.get(dep, len(rs) + 1) > len(rs)
-        candidates: list[tuple[int, float, str, Order, ReplicaView]] = []
-        outside_window: list[ReplicaView] = []
-        for r in rs:
-            if r.replica_id in in_flight_ids:
-                continue
-            order = due(r, cfg, now_s, hour_of_day)
-            if order is not None:
-                candidates.append((_PRIORITY[order.reason], r.started_at_s, r.replica_id, order, r))
-            elif _past_threshold(r, cfg, now_s):
-                outside_window.append(r)
-        candidates.sort(key=lambda c: c[:3])
-        for _, _, _, order, r in candidates:
-            if slots <= 0:
-                waiting.append((r.replica_id, "max_unavailable"))
-            elif level >= cfg.block_at_level and not order.forced:
-                waiting.append((r.replica_id, "level"))
-            elif r.serving and serving - 1 < cfg.min_available and (order.reason != "critical" or can_surge):
-                waiting.append((r.replica_id, "min_available"))
-            else:
-                start.append(order)
-                # The count to get back to includes this replica's replacement, healthy.
-                healthy_before = serving if r.serving else serving + 1
-                new_in_flight.append(InFlight(r.replica_id, dep, order.reason, now_s, healthy_before))
-                slots -= 1
-                if r.serving:
-                    serving -= 1
-        for r in sorted(outside_window, key=lambda r: (r.started_at_s, r.replica_id)):
-            waiting.append((r.replica_id, "window"))
+def _due(
+    rs: Sequence[ReplicaView], in_flight_ids: set[str], cfg: RecycleConfig, now_s: float, hour_of_day: float,
+) -> tuple[list[tuple[Order, ReplicaView]], list[ReplicaView]]:
+    """(due now by priority, then oldest, then id; past a threshold but outside the window, oldest first)."""
+    candidates: list[tuple[int, float, str, Order, ReplicaView]] = []
+    outside_window: list[ReplicaView] = []
+    for r in rs:
+        if r.replica_id in in_flight_ids:
+            continue
+        order = due(r, cfg, now_s, hour_of_day)
+        if order is not None:
+            candidates.append((_PRIORITY[order.reason], r.started_at_s, r.replica_id, order, r))
+        elif _past_threshold(r, cfg, now_s):
+            outside_window.append(r)
+    candidates.sort(key=lambda c: c[:3])
+    return [(order, r) for *_, order, r in candidates], sorted(outside_window, key=lambda r: (r.started_at_s, r.replica_id))
 
-    new_state = RecycleState(tuple(kept) + tuple(new_in_flight))
-    return Plan(tuple(start), tuple(completed), tuple(stuck), tuple(waiting)), new_state
+
+def _start_due(
+    due_now: Sequence[tuple[Order, ReplicaView]], rs: Sequence[ReplicaView], in_flight_ids: set[str], slots: int,
+    can_surge: bool, level: int, cfg: RecycleConfig, now_s: float,
+    start: list[Order], waiting: list[tuple[str, str]], new_in_flight: list[InFlight],
+) -> None:
+    """Start each due replica the guards allow (slots, the level, min_available), in order;
+    the others wait, with the guard that held them."""
+    # Replicas that will still serve: those already recycling don't count.
+    serving = sum(1 for r in rs if r.serving and r.replica_id not in in_flight_ids)
+    for order, r in due_now:
+        if slots <= 0:
+            waiting.append((r.replica_id, "max_unavailable"))
+        elif level >= cfg.block_at_level and not order.forced:
+            waiting.append((r.replica_id, "level"))
+        elif r.serving and serving - 1 < cfg.min_available and (order.reason != "critical" or can_surge):
+            waiting.append((r.replica_id, "min_available"))
+        else:
+            start.append(order)
+            # The count to get back to includes this replica's replacement, healthy.
+            healthy_before = serving if r.serving else serving + 1
+            new_in_flight.append(InFlight(r.replica_id, r.deployment, order.reason, now_s, healthy_before))
+            slots -= 1
+            if r.serving:
+                serving -= 1
 
 
 # --------------------------------------------------------------------------- availability
