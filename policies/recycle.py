@@ -1,7 +1,7 @@
 """Staggered replica recycling: which replicas to restart now, and which must wait.
 
 A model replica that runs for days rots: fragmented allocators, slow leaks,
-thread and fd growth. Seed 000 (16.2.5) restarts it periodically — every 6 h,
+thread and fd growth. It is restarted periodically — every 6 h by default,
 preferably in a low-traffic window (02:00–05:00), and at 24 h whatever the hour —
 one instance at a time, so N−1 keep serving. This module is that schedule as a
 pure function of what the controller sees; ``serve_app`` turns its orders into
@@ -63,7 +63,7 @@ Memory is bounded: the state holds only in-flight recycles, at most
 ``max_unavailable`` per deployment (one entry per replica id); completed and
 stuck ones leave it on the plan that reports them.
 
-Availability (seed 000): with one replica of N down for ``T_restart`` every
+Availability: with one replica of N down for ``T_restart`` every
 ``T_period``, ``A = (N−1)/N + A_restart/N`` where ``A_restart = 1 −
 T_restart/T_period`` — i.e. ``1 − T_restart/(N·T_period)`` of the capacity.
 ``measured_availability`` is the same quantity from observed replica-seconds out.
@@ -96,7 +96,7 @@ def _check_hour(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class RecycleConfig:
-    """Recycling settings. Defaults follow seed 000: 6 h, window 02:00–05:00, forced at 24 h."""
+    """Recycling settings. Defaults: 6 h, window 02:00–05:00, forced at 24 h."""
 
     #: None disables the age trigger.
     max_age_s: Optional[float] = 6 * 3600.0
@@ -424,7 +424,7 @@ def _start_due(
 
 
 def expected_availability(n_replicas: int, restart_s: float, period_s: float) -> Optional[float]:
-    """Seed 000: (N−1)/N + (1 − T_restart/T_period)/N, clamped to [0, 1].
+    """(N−1)/N + (1 − T_restart/T_period)/N, clamped to [0, 1].
 
     None when there is no replica or no period. N = 4, 60 s every 6 h:
     1 − 60/(4 × 21600) ≈ 0.99931.

@@ -477,7 +477,7 @@ class Controller:
             "ballast_recycle_oldest_seconds", "Age of the oldest recycle in progress (0 when none).", tag_keys=dep
         )
         self._m_avail = metrics.Gauge(
-            "ballast_availability", "Replica availability under recycling: expected (seed 000 formula) and measured.",
+            "ballast_availability", "Replica availability under recycling: expected (a rolling restart's formula) and measured.",
             tag_keys=("kind",),
         )
 

@@ -28,8 +28,8 @@ serving while the old one drains, and is given back when the recycle completes (
 rolling restart with a surge of one, as Kubernetes does it). ``recycle.surge: false``
 turns this off.
 
-It also keeps the availability account: the expected figure from seed 000's
-formula for the configured schedule, and the measured one (time replicas were
+It also keeps the availability account: the expected figure from a rolling
+restart's formula for the configured schedule, and the measured one (time replicas were
 out for recycles over replica-seconds observed). Everything here is bounded.
 """
 
@@ -157,19 +157,13 @@ class RecycleCoordinator:
         level: int,
         ceilings: Optional[dict[str, int]] = None,
     ) -> None:
+        """One recycling tick: leases that lapsed, the policy's step (hang kills, the plan,
+        the surge), then what it settled, what it starts, and the orders it leaves."""
         now = self._wall()
         if self._last_wall is not None:
             self._replica_s += len(replicas) * max(0.0, now - self._last_wall)
         self._last_wall = now
-
-        for lease in self.leases.expire(now):
-            d = dict(lease.data)
-            rid = d.get("replica_id", "?")
-            if any(f.replica_id == rid for f in self.state.in_flight):
-                self._drop(rid)
-                self._event("lease_expired", rid, d.get("deployment", "?"), d.get("reason", "?"), holder=lease.holder)
-            self.leases_dirty = True
-
+        self._expire_leases(now)
         known = {r.replica_id: r.deployment for r in replicas}
         for r in [r for r in self.manual if r not in known]:
             del self.manual[r]
@@ -184,9 +178,24 @@ class RecycleCoordinator:
             )
             age_s = watchdogs[k.replica_id].heartbeat_age_s  # a kill order comes from its watchdog's report
             self._event("killed_hung", k.replica_id, k.deployment, "hung", heartbeat_age_s=age_s)
-        plan = step.plan
-        self.waiting = plan.waiting
-        self.surging = step.surging
+        self.waiting, self.surging = step.plan.waiting, step.surging
+        self._settled(step.plan, now)
+        for o in step.plan.start:  # after the completions whose room they take
+            self._start(o, now)
+        self.orders = self._orders(now)
+
+    def _expire_leases(self, now: float) -> None:
+        """A recycle whose lease lapsed is dropped (another controller may own it now)."""
+        for lease in self.leases.expire(now):
+            d = dict(lease.data)
+            rid = d.get("replica_id", "?")
+            if any(f.replica_id == rid for f in self.state.in_flight):
+                self._drop(rid)
+                self._event("lease_expired", rid, d.get("deployment", "?"), d.get("reason", "?"), holder=lease.holder)
+            self.leases_dirty = True
+
+    def _settled(self, plan: Any, now: float) -> None:
+        """Recycles the plan found completed or stuck: their leases released, their events recorded."""
         for f in plan.completed:
             took = max(0.0, now - f.started_at_s)
             self._out_s += took
@@ -196,25 +205,29 @@ class RecycleCoordinator:
         for f in plan.stuck:
             self._release(f)
             self._event("stuck", f.replica_id, f.deployment, f.reason, duration_s=round(now - f.started_at_s, 3))
-        # Completions are recorded before the starts they make room for.
-        for o in plan.start:
-            f = next(f for f in self.state.in_flight if f.replica_id == o.replica_id)
-            lease = self.leases.acquire(
-                self._resource(o.deployment, o.replica_id),
-                self.holder,
-                now,
-                self.settings.lease_ttl_s,
-                self.settings.lease_heartbeat_s,
-                uuid.uuid4().hex[:12],
-                data=(("replica_id", o.replica_id), ("deployment", o.deployment), ("reason", o.reason), ("healthy_before", str(f.healthy_before))),
-            )
-            if lease is None:  # someone else's live lease on it: leave it to them
-                self._drop(o.replica_id)
-                continue
-            self.leases_dirty = True
-            self.manual.pop(o.replica_id, None)
-            self._event("started", o.replica_id, o.deployment, o.reason)
-        self.orders = {}
+
+    def _start(self, o: Any, now: float) -> None:
+        """A recycle the plan starts, under a lease; dropped when another holds a live one."""
+        f = next(f for f in self.state.in_flight if f.replica_id == o.replica_id)
+        lease = self.leases.acquire(
+            self._resource(o.deployment, o.replica_id),
+            self.holder,
+            now,
+            self.settings.lease_ttl_s,
+            self.settings.lease_heartbeat_s,
+            uuid.uuid4().hex[:12],
+            data=(("replica_id", o.replica_id), ("deployment", o.deployment), ("reason", o.reason), ("healthy_before", str(f.healthy_before))),
+        )
+        if lease is None:  # someone else's live lease on it: leave it to them
+            self._drop(o.replica_id)
+            return
+        self.leases_dirty = True
+        self.manual.pop(o.replica_id, None)
+        self._event("started", o.replica_id, o.deployment, o.reason)
+
+    def _orders(self, now: float) -> dict[str, dict[str, Any]]:
+        """Each recycle in flight with its live lease (heartbeaten when due): what replicas read."""
+        orders = {}
         for f in self.state.in_flight:
             lease = self.leases.get(self._resource(f.deployment, f.replica_id))
             if lease is None:
@@ -225,12 +238,13 @@ class RecycleCoordinator:
                     self.leases_dirty = True
                 except LeaseLost:
                     continue
-            self.orders[f.replica_id] = {
+            orders[f.replica_id] = {
                 "reason": f.reason,
                 "deployment": f.deployment,
                 "lease_id": lease.id,
                 "expires_at_s": lease.expires_at_s(),
             }
+        return orders
 
     # -- what the snapshot and /v1/status show ---------------------------------------------------
     def availability(self, n_replicas: int) -> dict[str, Optional[float]]:

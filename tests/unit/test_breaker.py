@@ -71,7 +71,7 @@ def test_state_values_are_the_gauge_values() -> None:
     assert [int(s) for s in (CLOSED, OPEN, HALF_OPEN)] == [0, 1, 2]
 
 
-def test_defaults_follow_the_seeds() -> None:
+def test_defaults() -> None:
     cfg = BreakerConfig()
     assert (cfg.failure_rate_threshold, cfg.window_size, cfg.window_s, cfg.min_calls) == (0.5, 100, 60.0, 10)
     assert (cfg.open_duration_s, cfg.half_open_max_probes) == (30.0, 5)

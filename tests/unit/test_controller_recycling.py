@@ -254,7 +254,7 @@ def test_a_controller_that_dies_mid_recycle_leaves_nothing_stuck() -> None:
 def test_expected_availability_follows_the_schedule() -> None:
     f = harness(cfg(max_age_s=6 * 3600, forced_max_age_s=24 * 3600, restart_estimate_s=60))
     snap = f.step()
-    # seed 000: (N-1)/N + (1 - T_restart/T_period)/N with N = 2, T = 60 s, period 6 h
+    # a rolling restart: (N-1)/N + (1 - T_restart/T_period)/N with N = 2, T = 60 s, period 6 h
     assert snap["recycle"]["availability"]["expected"] == pytest.approx(0.5 + (1 - 60 / 21600) / 2, abs=1e-6)
 
 

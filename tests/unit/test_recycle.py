@@ -559,7 +559,7 @@ def test_expected_availability_matches_hand_computed_values() -> None:
     assert a == pytest.approx(0.75 + 0.25 * (1 - 60 / 21600))
     assert a == pytest.approx(1 - 1 / 1440)
     assert round(a, 6) == 0.999306  # type: ignore[arg-type]
-    # Seed 000's own example: N = 3, 3 min every 6 h -> 99.72 %.
+    # N = 3, 3 min every 6 h -> 99.72 %.
     assert round(expected_availability(3, 180.0, 6 * HOUR_S), 4) == 0.9972  # type: ignore[arg-type]
     # One replica: the plain A_restart (99.17 % in the seed).
     assert round(expected_availability(1, 180.0, 6 * HOUR_S), 4) == 0.9917  # type: ignore[arg-type]
