@@ -387,56 +387,56 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | N
     ``load_cap``: the queue-derived signals (queue length, queue wait, KV, demand) ask
     for at most this level (a capacity gap; see the module docstring).
     """
-    best_level = 0
-    best_reason = "normal"
-
-    def consider(name: str, value: float | None, thresholds: tuple[float | None, ...], cap: int | None = None) -> None:
-        nonlocal best_level, best_reason
-        if value is None:
-            return
-        level, threshold = _level_for(value, thresholds)
-        if cap is not None and level > cap:
-            level = cap
-            threshold = thresholds[cap - 1] if cap > 0 else None
-        # Strict ">" keeps the earlier (higher-priority) signal on a tie.
-        if level > best_level and threshold is not None:
-            best_level = level
-            best_reason = f"{name}={_fmt(value)}>={_fmt(threshold)}"
-
-    consider("queue_length", signals.queue_length, cfg.queue_length_thresholds, load_cap)
-    consider("queue_wait_p95_ms", signals.queue_wait_p95_ms, cfg.queue_wait_ms_thresholds, load_cap)
-    consider("kv_util_pct", signals.kv_util_pct, cfg.kv_util_pct_thresholds, load_cap)
-    consider("gpu_util_pct", signals.gpu_util_pct, cfg.gpu_util_pct_thresholds)
-    consider("vram_pct", signals.vram_pct, cfg.vram_pct_thresholds)
-
-    # The deepest level whose admitted classes still fill the model by themselves.
-    if cfg.demand_shed_ratio is not None and signals.demand_rps and signals.capacity_rps:
-        top = MAX_LEVEL if load_cap is None else min(MAX_LEVEL, load_cap)
-        for level in range(top, best_level, -1):
-            admitted = cfg.constraints[level].admitted
-            demand = sum(rps for crit, rps in signals.demand_rps.items() if Criticality(crit) in admitted)
-            need = cfg.demand_shed_ratio * signals.capacity_rps
-            if admitted and demand >= need:
-                best_level = level
-                best_reason = (
-                    f"demand={_fmt(round(demand, 1))}>={_fmt(round(need, 1))} (capacity_rps) for "
-                    + ",".join(c.value for c in cfg.constraints[level].admitted_sorted())
-                )
-                break
-
+    best = (0, "normal")
+    for name, value, thresholds, capped in (
+        ("queue_length", signals.queue_length, cfg.queue_length_thresholds, True),
+        ("queue_wait_p95_ms", signals.queue_wait_p95_ms, cfg.queue_wait_ms_thresholds, True),
+        ("kv_util_pct", signals.kv_util_pct, cfg.kv_util_pct_thresholds, True),
+        ("gpu_util_pct", signals.gpu_util_pct, cfg.gpu_util_pct_thresholds, False),
+        ("vram_pct", signals.vram_pct, cfg.vram_pct_thresholds, False),
+    ):
+        asked = _asked(name, value, thresholds, load_cap if capped else None)
+        if asked is not None and asked[0] > best[0]:  # strict: the earlier signal keeps a tie
+            best = asked
+    best = _by_demand(signals, cfg, load_cap, best)
     # A handful of failures out of a handful of requests is noise, not overload.
     if (
         signals.error_rate is not None
         and signals.request_count >= cfg.error_rate_min_requests
         and signals.error_rate >= cfg.error_rate_threshold
-        and cfg.error_rate_level > best_level
+        and cfg.error_rate_level > best[0]
     ):
-        best_level = cfg.error_rate_level
-        best_reason = (
-            f"error_rate={_fmt(signals.error_rate)}>={_fmt(cfg.error_rate_threshold)}"
-            f" (n={signals.request_count})"
-        )
-    return best_level, best_reason
+        best = (cfg.error_rate_level,
+                f"error_rate={_fmt(signals.error_rate)}>={_fmt(cfg.error_rate_threshold)} (n={signals.request_count})")
+    return best
+
+
+def _asked(name: str, value: float | None, thresholds: tuple[float | None, ...], cap: int | None) -> tuple[int, str] | None:
+    """The level one signal asks for (at most ``cap``) and its reason; None when it asks for none."""
+    if value is None:
+        return None
+    level, threshold = _level_for(value, thresholds)
+    if cap is not None and level > cap:
+        level = cap
+        threshold = thresholds[cap - 1] if cap > 0 else None
+    if threshold is None:
+        return None
+    return level, f"{name}={_fmt(value)}>={_fmt(threshold)}"
+
+
+def _by_demand(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | None, best: tuple[int, str]) -> tuple[int, str]:
+    """The deepest level whose admitted classes still fill the model by themselves, if deeper than ``best``."""
+    if cfg.demand_shed_ratio is None or not signals.demand_rps or not signals.capacity_rps:
+        return best
+    top = MAX_LEVEL if load_cap is None else min(MAX_LEVEL, load_cap)
+    for level in range(top, best[0], -1):
+        admitted = cfg.constraints[level].admitted
+        demand = sum(rps for crit, rps in signals.demand_rps.items() if Criticality(crit) in admitted)
+        need = cfg.demand_shed_ratio * signals.capacity_rps
+        if admitted and demand >= need:
+            return level, (f"demand={_fmt(round(demand, 1))}>={_fmt(round(need, 1))} (capacity_rps) for "
+                           + ",".join(c.value for c in cfg.constraints[level].admitted_sorted()))
+    return best
 
 
 # --------------------------------------------------------------------------- decision
