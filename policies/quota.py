@@ -361,6 +361,17 @@ def effective_rates(
     ignored. The sum of own rates may exceed capacity (overcommit, see the
     module docstring). Pure.
     """
+    _check_rate_inputs(quotas, demand_tokens_per_s, level, level_factors)
+    factor = level_factors[level]
+    base = {name: q.rate_tokens_per_s * (factor if q.sheddable else 1.0) for name, q in quotas.items()}
+    if level not in lend_at_levels:
+        return base
+    return _lend(quotas, base, {name: float(demand_tokens_per_s.get(name, 0.0)) for name in quotas})
+
+
+def _check_rate_inputs(
+    quotas: Mapping[str, TenantQuota], demand_tokens_per_s: Mapping[str, float], level: int, level_factors: tuple[float, ...],
+) -> None:
     if not isinstance(level_factors, tuple) or not level_factors:
         raise ValueError(f"level_factors: must be a non-empty tuple, got {level_factors!r}")
     for i, factor in enumerate(level_factors):
@@ -374,18 +385,14 @@ def effective_rates(
     for name, demand in demand_tokens_per_s.items():
         check_non_negative(f"demand_tokens_per_s[{name!r}]", demand)
 
-    factor = level_factors[level]
-    base = {name: q.rate_tokens_per_s * (factor if q.sheddable else 1.0) for name, q in quotas.items()}
-    if level not in lend_at_levels:
-        return base
 
-    demand = {name: float(demand_tokens_per_s.get(name, 0.0)) for name in quotas}
+def _lend(quotas: Mapping[str, TenantQuota], base: dict[str, float], demand: dict[str, float]) -> dict[str, float]:
+    """Steps 2 and 3 of ``effective_rates``: unused base rate lent to those short of it, by weight."""
     unused = {name: max(0.0, base[name] - demand[name]) for name in quotas}
     needs = {name: max(0.0, demand[name] - base[name]) for name in quotas}
     pool = sum(unused.values())
     if pool <= 0 or not any(needs.values()):
         return base
-
     borrowed = _water_fill(pool, needs, {name: q.weight for name, q in quotas.items()})
     lent = min(pool, sum(borrowed.values()))
     rates: dict[str, float] = {}
