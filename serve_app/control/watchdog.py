@@ -158,6 +158,8 @@ class WatchdogCore:
 
     # -- one sampling round ----------------------------------------------------------------
     def sample(self, wall_s: Optional[float] = None) -> WatchdogReport:
+        """One sample: the replica's usage, its trends and the ladder's verdict, the hang
+        check, and the report for the controller."""
         now = self._clock()
         proc = self._process.sample()
         g = self._gpu.sample() if self._gpu is not None else None
@@ -169,23 +171,8 @@ class WatchdogCore:
         }
         if g is not None:
             self._vram_limit = float(g.vram_total_bytes)
-        if self._detector is None:
-            self._detector = LeakDetector(
-                leak_specs(self.settings, self._rss_limit, self._vram_limit, self._fd_limit), self._leak_cfg
-            )
         warming_up = now - self._created_s < self.settings.warmup_s
-        if not warming_up:
-            self._detector.observe(now, values)
-        trends = self._detector.trends(now)
-        limits = {"rss_bytes": self._rss_limit, "vram_bytes": self._vram_limit, "threads": float(self.settings.threads_limit), "fds": self._fd_limit}
-        usage = [Usage(k, float(v), limits[k]) for k, v in values.items() if v is not None]
-        verdict, self._ladder = assess(trends, usage, self._gpu is not None, self._ladder, self._ladder_cfg, now)
-        for a in verdict.actions:
-            self._pending.append(a.value)
-            self.actions_total[a.value] += 1
-            log.warning("watchdog %s: %s (%s)", self.info.replica_id, a.value, verdict.reason)
-        self.ready = verdict.ready
-        self.recycle_requested = verdict.recycle
+        trends, verdict = self._judge(now, values, warming_up)
         age = self.heartbeat_age_s()
         self.hung = is_hung(age, self._inflight, self.settings.interval_s, self.settings.hang_missed_heartbeats)
         self.last_report = WatchdogReport.of(
@@ -208,18 +195,34 @@ class WatchdogCore:
             recycle_requested=self.recycle_requested,
             critical=verdict.severity == "critical",
             trends={
-                name: SeriesTrend(
-                    slope_per_h=t.slope_per_h,
-                    r2=t.r2,
-                    leaking=t.leaking,
-                    time_to_limit_s=t.time_to_limit_s,
-                    short_window=t.short,
-                )
+                name: SeriesTrend(slope_per_h=t.slope_per_h, r2=t.r2, leaking=t.leaking,
+                                  time_to_limit_s=t.time_to_limit_s, short_window=t.short)
                 for name, t in trends.items()
             },
             actions_total=dict(self.actions_total),
         )
         return self.last_report
+
+    def _judge(self, now: float, values: dict[str, Optional[float]], warming_up: bool) -> tuple[dict, Any]:
+        """The trends (fed this sample unless warming up) and the ladder's verdict on them and
+        the usage; its actions queued for the replica."""
+        if self._detector is None:
+            self._detector = LeakDetector(
+                leak_specs(self.settings, self._rss_limit, self._vram_limit, self._fd_limit), self._leak_cfg
+            )
+        if not warming_up:
+            self._detector.observe(now, values)
+        trends = self._detector.trends(now)
+        limits = {"rss_bytes": self._rss_limit, "vram_bytes": self._vram_limit, "threads": float(self.settings.threads_limit), "fds": self._fd_limit}
+        usage = [Usage(k, float(v), limits[k]) for k, v in values.items() if v is not None]
+        verdict, self._ladder = assess(trends, usage, self._gpu is not None, self._ladder, self._ladder_cfg, now)
+        for a in verdict.actions:
+            self._pending.append(a.value)
+            self.actions_total[a.value] += 1
+            log.warning("watchdog %s: %s (%s)", self.info.replica_id, a.value, verdict.reason)
+        self.ready = verdict.ready
+        self.recycle_requested = verdict.recycle
+        return trends, verdict
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
