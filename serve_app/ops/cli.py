@@ -226,6 +226,17 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
     simply not shown.
     """
     out: list[str] = []
+    _status_level(doc, out)
+    _status_replicas(doc, out)
+    _status_health(doc, out)
+    _status_quotas(doc, out, near_quota_ratio)
+    _status_actions(doc, out)
+    _status_gate(doc, out)
+    return "\n".join(out)
+
+
+def _status_level(doc: dict[str, Any], out: list[str]) -> None:
+    """The level, why, what the router acts on, the inputs and constraints."""
     snap = doc.get("snapshot") or {}
     level = doc.get("level")
     source = doc.get("source", "?")
@@ -246,6 +257,9 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
     if cons:
         out.append("  constraints: " + ", ".join(f"{k} {v}" for k, v in cons.items()))
 
+
+def _status_replicas(doc: dict[str, Any], out: list[str]) -> None:
+    """Replicas desired and running per deployment, with the autoscaler's reason."""
     replicas = doc.get("replicas") or {}
     if replicas:
         out.append("replicas (desired / running):")
@@ -259,6 +273,9 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
                 line += "]"
             out.append(line)
 
+
+def _status_health(doc: dict[str, Any], out: list[str]) -> None:
+    """Capacity lost with replicas, and the breakers."""
     lost = doc.get("lost_capacity") or {}
     if any(lost.values()):
         out.append(f"lost capacity: {lost.get('migrated', 0)} carried on elsewhere, {lost.get('not_migrated', 0)} not "
@@ -275,6 +292,9 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
                 line += f", half-open in {b['retry_after_s']:.0f} s"
             out.append(line)
 
+
+def _status_quotas(doc: dict[str, Any], out: list[str], near_quota_ratio: float) -> None:
+    """Tenants near their quota."""
     quotas = doc.get("quotas") or {}
     near = [
         (t, q) for t, q in sorted(quotas.items())
@@ -285,6 +305,9 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
         lease = "" if q.get("lease", True) else ", no lease (safe share)"
         out.append(f"  {t}: {q.get('tokens')} of {q.get('burst_tokens')} tokens, refills {q.get('rate_tokens_per_s')}/s{lease}")
 
+
+def _status_actions(doc: dict[str, Any], out: list[str]) -> None:
+    """Recycles in flight and kill switches."""
     recycle = doc.get("recycle") or {}
     in_flight = recycle.get("in_flight") or []
     out.append(f"recycles in flight: {len(in_flight) if in_flight else 'none'}")
@@ -299,6 +322,9 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
         scope = k.get("scope", "?") + (f"={k['value']}" if k.get("value") else "")
         out.append(f"  {scope}: {k.get('reason')} (by {k.get('set_by')}, id {k.get('id')})")
 
+
+def _status_gate(doc: dict[str, Any], out: list[str]) -> None:
+    """The gate and chaos."""
     gate = doc.get("gate")
     if gate:
         line = f"gate: limit {_num(gate.get('limit'))}, {gate.get('in_flight', 0)} at the model, {gate.get('waiting', 0)} waiting"
@@ -311,7 +337,6 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
     chaos = doc.get("chaos") or {}
     if chaos:
         out.append("chaos: " + "; ".join(f"{t} {s}" for t, s in sorted(chaos.items())))
-    return "\n".join(out)
 
 
 @app.command()
