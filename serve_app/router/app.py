@@ -48,6 +48,7 @@ from serve_app.router.api import app
 from serve_app.router.gate import PriorityGate
 from serve_app.router.generate import GenerateRoutes
 from serve_app.router.idempotency import IdempotencyStore, SharedKeys
+from serve_app.router.metrics import RouterMetrics
 from serve_app.router.openai import OpenAIRoutes
 from serve_app.router.pipeline import Pipeline
 from serve_app.router.resilience import CallHooks, ResilientCaller
@@ -156,61 +157,14 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._gate_seen_by_class: dict[str, list[int]] = {}
         self._edge_throttle = EdgeThrottle()
 
-        from ray.serve import metrics  # created once, here (STYLE 8)
-
-        self._m_requests = metrics.Counter(
-            "ballast_requests_total", "Generate requests by outcome.", tag_keys=("tenant", "criticality", "code")
-        )
-        self._m_latency = metrics.Histogram(
-            "ballast_request_latency_ms",
-            "Generate latency as the router sees it.",
-            boundaries=[5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000],
-            tag_keys=("criticality",),
-        )
-        self._m_level = metrics.Gauge("ballast_router_level", "Degradation level this router acts on.")
-        self._m_breaker = metrics.Gauge(
-            "ballast_breaker_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.", tag_keys=("backend",)
-        )
-        self._m_trips = metrics.Counter("ballast_breaker_trips_total", "Breaker openings.", tag_keys=("backend",))
-        self._m_fallbacks = metrics.Counter("ballast_fallbacks_total", "Answers served by a fallback.", tag_keys=("kind",))
-        self._m_retries = metrics.Counter("ballast_retries_total", "Retried attempts.", tag_keys=("backend", "kind"))
-        self._m_lost = metrics.Counter(
-            "ballast_requests_lost_capacity_total",
-            "Attempts whose replica or node went away, by what became of the request: migrated "
-            "(sent again or carried on elsewhere) or not_migrated (to the fallback, else 503 REPLICA_LOST). "
-            "Not model errors.",
-            tag_keys=("backend", "outcome"),
-        )
-        self._m_deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")
-        self._m_replays = metrics.Counter("ballast_idempotent_replays_total", "Answers replayed for an Idempotency-Key.")
-        self._m_kill = metrics.Gauge("ballast_kill_switch_active", "Active kill switch entries.")
-        self._m_gate = metrics.Gauge(
-            "ballast_gate", "This router's gate to the model: limit, in_flight, waiting.", tag_keys=("kind",)
-        )
-        self._m_gate_refused = metrics.Counter(
-            "ballast_gate_refused_total", "Requests refused at the gate (503 OVERLOADED).", tag_keys=("reason", "criticality")
-        )
-        self._m_edge = metrics.Counter(
-            "ballast_edge_refused_total",
-            "Requests HAProxy refused (503 OVERLOADED) for a class the level sheds, before the router.",
-            tag_keys=("criticality",),
-        )
-        self._m_snapshot_age = metrics.Gauge(
-            "ballast_snapshot_age_s", "Age of the controller snapshot this router acts on (-1: none yet)."
-        )
-        self._m_tenant_tokens = metrics.Counter(
-            "ballast_tenant_tokens_total", "Tokens charged to a tenant (prompt + generated).", tag_keys=("tenant",)
-        )
-        self._m_tenant_rate = metrics.Gauge(
-            "ballast_tenant_rate_tokens_per_s", "A tenant's token rate at this router (its share).", tag_keys=("tenant",)
-        )
+        self._metrics = RouterMetrics()
         self._caller = ResilientCaller(
             self._cfg,
             model,
             fallback,
             hooks=CallHooks(
-                on_retry=lambda backend, kind: self._m_retries.inc(tags={"backend": backend, "kind": kind}),
-                on_fallback=lambda kind: self._m_fallbacks.inc(tags={"kind": kind}),
+                on_retry=lambda backend, kind: self._metrics.retries.inc(tags={"backend": backend, "kind": kind}),
+                on_fallback=lambda kind: self._metrics.fallbacks.inc(tags={"kind": kind}),
                 on_breaker_event=self._on_breaker_event,
                 on_lost_capacity=self._on_lost_capacity,
             ),
@@ -230,12 +184,12 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
 
     def _on_lost_capacity(self, backend: str, outcome: str) -> None:
         self._stats.lost_capacity += 1
-        self._m_lost.inc(tags={"backend": backend, "outcome": outcome})
+        self._metrics.lost.inc(tags={"backend": backend, "outcome": outcome})
 
     def _on_breaker_event(self, event: BreakerEvent) -> None:
-        self._m_breaker.set(int(event.to_state), tags={"backend": event.backend})
+        self._metrics.breaker.set(int(event.to_state), tags={"backend": event.backend})
         if int(event.to_state) == 1:
-            self._m_trips.inc(tags={"backend": event.backend})
+            self._metrics.trips.inc(tags={"backend": event.backend})
         log.warning("breaker %s: %s -> %s (%s)", event.backend, event.from_state.name, event.to_state.name, event.reason)
 
     def _on_reply(self, raw: dict[str, Any]) -> None:
@@ -250,17 +204,17 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
     def _report(self) -> RouterReport:
         """This router's report to the controller: called once per report interval, whether or not it answers."""
         age = self._cache.age_s()
-        self._m_snapshot_age.set(age if age is not None else -1.0)
+        self._metrics.snapshot_age.set(age if age is not None else -1.0)
         # Gauges are re-set every interval, not only on change: a series Ray has not seen
         # updated for a while may stop being exported.
         for b in self._caller.backends:
-            self._m_breaker.set(int(b.breaker.state), tags={"backend": b.role})
-        self._m_kill.set(len(self._kill_switches))
-        self._m_level.set(self._cache.effective().level)
+            self._metrics.breaker.set(int(b.breaker.state), tags={"backend": b.role})
+        self._metrics.kill.set(len(self._kill_switches))
+        self._metrics.level.set(self._cache.effective().level)
         if self._gate is not None:
-            self._m_gate.set(self._gate.limit.value, tags={"kind": "limit"})
-            self._m_gate.set(self._gate.in_flight, tags={"kind": "in_flight"})
-            self._m_gate.set(self._gate.waiting, tags={"kind": "waiting"})
+            self._metrics.gate.set(self._gate.limit.value, tags={"kind": "limit"})
+            self._metrics.gate.set(self._gate.in_flight, tags={"kind": "in_flight"})
+            self._metrics.gate.set(self._gate.waiting, tags={"kind": "waiting"})
         self._sync_edge()
         report = self._stats.drain(self._router_id)
         if self._gate is not None:
@@ -284,7 +238,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         for crit, n in refused.items():
             self._offered[crit] = self._offered.get(crit, 0) + n
             self._stats.shed += n
-            self._m_edge.inc(n, tags={"criticality": crit})
+            self._metrics.edge.inc(n, tags={"criticality": crit})
         admitted = {c.value for c in self._cache.effective().constraints.admitted}
         for c in Criticality:
             if c.value not in admitted:  # the level refuses it whole: nothing to learn, and a
@@ -322,7 +276,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
             except (TypeError, ValueError):
                 log.warning("ignoring a malformed kill switch entry: %r", raw)
         self._kill_switches = entries
-        self._m_kill.set(len(entries))
+        self._metrics.kill.set(len(entries))
         if self._edge is not None:  # at once, not at the next report: the level may have changed
             self._apply_edge(time.monotonic())
 
@@ -364,7 +318,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         return JSONResponse({"status": "ready", "level": self._cache.effective().level})
 
     def _count(self, tenant: str, criticality: str, code: str) -> None:
-        self._m_requests.inc(tags={"tenant": tenant, "criticality": criticality, "code": code})
+        self._metrics.requests.inc(tags={"tenant": tenant, "criticality": criticality, "code": code})
 
 
 def router_deployment(cfg):

@@ -157,7 +157,7 @@ class Pipeline:
                 retry_after_s=max(1.0, blocked.expires_at_s - now_wall),
             )
         eff = self._cache.effective()
-        self._m_level.set(eff.level)
+        self._metrics.level.set(eff.level)
         decision = admit(criticality, eff.level, eff.constraints)
         fallback_only = not decision.admitted and self._fallback_may_answer(criticality, now_wall)
         if not decision.admitted and not fallback_only:
@@ -228,7 +228,7 @@ class Pipeline:
         try:
             await self._gate.acquire(criticality.rank, ticket.deadline.gate_until_s)
         except GateRefused as g:
-            self._m_gate_refused.inc(tags={"reason": g.reason, "criticality": criticality.value})
+            self._metrics.gate_refused.inc(tags={"reason": g.reason, "criticality": criticality.value})
             if self._fallback_may_answer(criticality, time.time()):
                 ticket.fallback_only = True
                 return
@@ -257,17 +257,17 @@ class Pipeline:
         if outcome.generated is not None:
             used = ticket.prompt_tokens + outcome.generated
             if used:
-                self._m_tenant_tokens.inc(used, tags={"tenant": ticket.tenant})
+                self._metrics.tenant_tokens.inc(used, tags={"tenant": ticket.tenant})
         if not outcome.model_called:
             self._count(ticket.tenant, ticket.criticality, outcome.code)
             return
         self._stats.requests += 1
         if outcome.code == "DEADLINE_EXCEEDED":
-            self._m_deadline.inc()
+            self._metrics.deadline.inc()
         if outcome.error:
             self._stats.errors += 1
         self._count(ticket.tenant, ticket.criticality, outcome.code)
-        self._m_latency.observe((time.monotonic() - ticket.deadline.started_s) * 1000.0, tags={"criticality": ticket.criticality})
+        self._metrics.latency.observe((time.monotonic() - ticket.deadline.started_s) * 1000.0, tags={"criticality": ticket.criticality})
 
     def _bucket(self, tenant: str) -> Optional[TokenBucket]:
         bucket = self._buckets.get(tenant)
@@ -279,7 +279,7 @@ class Pipeline:
         rate, burst, _ = lease_rate(self._leases.get(tenant), time.monotonic(), t.rate_tokens_per_s, t.burst, n_routers)
         if rate != bucket.rate_tokens_per_s or burst != bucket.burst_tokens:
             bucket.set_rate(rate, burst)
-            self._m_tenant_rate.set(rate, tags={"tenant": tenant})
+            self._metrics.tenant_rate.set(rate, tags={"tenant": tenant})
         return bucket
 
     # -- 3. the model call ----------------------------------------------------------------
@@ -317,7 +317,7 @@ class Pipeline:
                 left = ticket.deadline.at_s - time.monotonic()
                 answer, replayed = await self._idem.run(ticket.tenant, key, work, within_s=left)
                 if replayed:
-                    self._m_replays.inc()
+                    self._metrics.replays.inc()
         except asyncio.CancelledError:  # the client went away
             ticket.finish(Outcome("CANCELLED"))
             raise

@@ -1,0 +1,59 @@
+"""The router's metrics: one object, built once per router replica, that the request
+path and the router's reports update (Ray Serve's ``ray.serve.metrics``, exported as
+``ray_ballast_*``)."""
+
+from __future__ import annotations
+
+
+class RouterMetrics:
+    """Every metric a router replica exports."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        self.requests = metrics.Counter(
+            "ballast_requests_total", "Requests by outcome, every front.", tag_keys=("tenant", "criticality", "code")
+        )
+        self.latency = metrics.Histogram(
+            "ballast_request_latency_ms",
+            "Request latency as the router sees it, every front.",
+            boundaries=[5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000],
+            tag_keys=("criticality",),
+        )
+        self.level = metrics.Gauge("ballast_router_level", "Degradation level this router acts on.")
+        self.breaker = metrics.Gauge(
+            "ballast_breaker_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.", tag_keys=("backend",)
+        )
+        self.trips = metrics.Counter("ballast_breaker_trips_total", "Breaker openings.", tag_keys=("backend",))
+        self.fallbacks = metrics.Counter("ballast_fallbacks_total", "Answers served by a fallback.", tag_keys=("kind",))
+        self.retries = metrics.Counter("ballast_retries_total", "Retried attempts.", tag_keys=("backend", "kind"))
+        self.lost = metrics.Counter(
+            "ballast_requests_lost_capacity_total",
+            "Attempts whose replica or node went away, by what became of the request: migrated "
+            "(sent again or carried on elsewhere) or not_migrated (to the fallback, else 503 REPLICA_LOST). "
+            "Not model errors.",
+            tag_keys=("backend", "outcome"),
+        )
+        self.deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")
+        self.replays = metrics.Counter("ballast_idempotent_replays_total", "Answers replayed for an Idempotency-Key.")
+        self.kill = metrics.Gauge("ballast_kill_switch_active", "Active kill switch entries.")
+        self.gate = metrics.Gauge(
+            "ballast_gate", "This router's gate to the model: limit, in_flight, waiting.", tag_keys=("kind",)
+        )
+        self.gate_refused = metrics.Counter(
+            "ballast_gate_refused_total", "Requests refused at the gate (503 OVERLOADED).", tag_keys=("reason", "criticality")
+        )
+        self.edge = metrics.Counter(
+            "ballast_edge_refused_total",
+            "Requests HAProxy refused (503 OVERLOADED) for a class the level sheds, before the router.",
+            tag_keys=("criticality",),
+        )
+        self.snapshot_age = metrics.Gauge(
+            "ballast_snapshot_age_s", "Age of the controller snapshot this router acts on (-1: none yet)."
+        )
+        self.tenant_tokens = metrics.Counter(
+            "ballast_tenant_tokens_total", "Tokens charged to a tenant (prompt + generated).", tag_keys=("tenant",)
+        )
+        self.tenant_rate = metrics.Gauge(
+            "ballast_tenant_rate_tokens_per_s", "A tenant's token rate at this router (its share).", tag_keys=("tenant",)
+        )
