@@ -69,6 +69,22 @@ def model_ceiling(cfg: Any, snap: Snapshot) -> Optional[int]:
     )
 
 
+def tenant_buckets(cfg: Any) -> dict[str, TokenBucket]:
+    """A token bucket per tenant with a rate, at the safe share (1/N of the routers) until a lease arrives."""
+    n = cfg.deployments.router.num_replicas
+    return {name: TokenBucket(t.rate_tokens_per_s / n, t.burst / n)
+            for name, t in cfg.tenants.items() if t.rate_tokens_per_s is not None}
+
+
+def priority_gate(g: Any) -> Optional[PriorityGate]:
+    """The gate to the model ``resilience.gate`` describes; None when it is off."""
+    if not g.enabled:
+        return None
+    return PriorityGate(AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s,
+                        reserve_ratio=g.critical_reserve_ratio, reserve_hold_s=g.critical_reserve_hold_s,
+                        miss_service_factor=g.miss_service_factor)
+
+
 class _Stats:
     """Per-router accounting between two reports (bounded)."""
 
@@ -121,12 +137,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._tenant_inflight: dict[str, int] = {}  # keys: configured tenants only (bounded)
         # Token quotas: one bucket per tenant with a rate, its rate from the controller's
         # lease for this router, or the safe share (1/N) when the lease has lapsed.
-        n = self._cfg.deployments.router.num_replicas  # the safe share until a lease arrives
-        self._buckets = {
-            name: TokenBucket(t.rate_tokens_per_s / n, t.burst / n)
-            for name, t in self._cfg.tenants.items()
-            if t.rate_tokens_per_s is not None
-        }
+        self._buckets = tenant_buckets(self._cfg)
         self._leases: dict[str, Lease] = {}
         self._demand_tokens: dict[str, float] = {}
         self._demand_since = time.monotonic()
@@ -139,12 +150,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         self._text = model_text(self._cfg.model)  # the model's tokenizer, template and context
         self._model_max_tokens = self._text.context - 1
         self._limits = self._cfg.limits
-        g = r.gate
-        self._gate = PriorityGate(
-            AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s,
-            reserve_ratio=g.critical_reserve_ratio, reserve_hold_s=g.critical_reserve_hold_s,
-            miss_service_factor=g.miss_service_factor,
-        ) if g.enabled else None
+        self._gate = priority_gate(r.gate)
         # Demand by criticality (turned away by the level, or within quota) and the gate's
         # answer rate: the controller sheds a whole class only when the others fill the model.
         self._offered: dict[str, int] = {}  # keys: the four criticalities (bounded)
