@@ -149,22 +149,10 @@ class Pipeline:
         criticality, lowered = request_policy.lower_criticality(claimed, tenant_cfg.max_criticality)
         crit = criticality.value
         now_wall = time.time()
-        blocked = killswitch.blocking(self._kill_switches, now_wall, tenant, crit)
-        if blocked is not None:
-            self._count(tenant, crit, "KILL_SWITCH")
-            raise KillSwitchActive(
-                f"kill switch {blocked.id} ({blocked.scope}): {blocked.reason}",
-                retry_after_s=max(1.0, blocked.expires_at_s - now_wall),
-            )
+        self._refuse_if_switched_off(tenant, crit, now_wall)
         eff = self._cache.effective()
         self._metrics.level.set(eff.level)
-        decision = admit(criticality, eff.level, eff.constraints)
-        fallback_only = not decision.admitted and self._fallback_may_answer(criticality, now_wall)
-        if not decision.admitted and not fallback_only:
-            self._offered[crit] = self._offered.get(crit, 0) + 1  # demand the level turned away
-            self._stats.shed += 1
-            self._count(tenant, crit, "OVERLOADED")
-            raise Overloaded(f"degradation level {eff.level} does not admit criticality '{crit}'", decision.retry_after_s)
+        fallback_only = self._level_admits(tenant, criticality, eff, now_wall)
         cap = tenant_cfg.max_concurrent or self._cfg.resilience.bulkhead.per_tenant
         if self._tenant_inflight.get(tenant, 0) >= cap:
             self._count(tenant, crit, "CONCURRENCY_LIMIT")
@@ -172,16 +160,7 @@ class Pipeline:
         ticket = Ticket(tenant, crit, deadline, self._tenant_inflight, self._ticket_finished)
         ticket.fallback_only = fallback_only
         clamped, _ = clamp_max_tokens(max_tokens, eff.constraints, self._model_max_tokens)
-        cost = request_policy.token_cost(prompt_tokens, clamped)
-        bucket = self._bucket(tenant)
-        if bucket is not None:
-            self._demand_tokens[tenant] = self._demand_tokens.get(tenant, 0.0) + cost
-        if not ticket.charge(bucket, cost, prompt_tokens):
-            ticket.refuse("QUOTA_EXCEEDED")
-            raise QuotaExceeded(
-                f"tenant '{tenant}' is over its quota of {tenant_cfg.rate_tokens_per_s:g} tokens/s",
-                retry_after_s=request_policy.quota_retry_after_s(bucket.retry_after_s(cost)),
-            )
+        self._charge_quota(ticket, tenant_cfg.rate_tokens_per_s, prompt_tokens, clamped)
         # Demand within quota: a tenant over its quota must not degrade everyone else.
         self._offered[crit] = self._offered.get(crit, 0) + 1
         if not fallback_only:
@@ -206,6 +185,43 @@ class Pipeline:
                 streaming_allowed=eff.constraints.streaming,
             ),
         )
+
+    def _refuse_if_switched_off(self, tenant: str, crit: str, now_wall: float) -> None:
+        blocked = killswitch.blocking(self._kill_switches, now_wall, tenant, crit)
+        if blocked is not None:
+            self._count(tenant, crit, "KILL_SWITCH")
+            raise KillSwitchActive(
+                f"kill switch {blocked.id} ({blocked.scope}): {blocked.reason}",
+                retry_after_s=max(1.0, blocked.expires_at_s - now_wall),
+            )
+
+    def _level_admits(self, tenant: str, criticality: Criticality, eff: Any, now_wall: float) -> bool:
+        """Whether the level admits the class: False when it does; True when only the
+        fallback may answer it; refused (503 OVERLOADED, counted as demand turned away) else."""
+        decision = admit(criticality, eff.level, eff.constraints)
+        if decision.admitted:
+            return False
+        if self._fallback_may_answer(criticality, now_wall):
+            return True
+        crit = criticality.value
+        self._offered[crit] = self._offered.get(crit, 0) + 1  # demand the level turned away
+        self._stats.shed += 1
+        self._count(tenant, crit, "OVERLOADED")
+        raise Overloaded(f"degradation level {eff.level} does not admit criticality '{crit}'", decision.retry_after_s)
+
+    def _charge_quota(self, ticket: Ticket, rate: Optional[float], prompt_tokens: int, max_tokens: int) -> None:
+        """The request's tokens from its tenant's bucket (counted as demand either way); 429 when it cannot pay."""
+        tenant = ticket.tenant
+        cost = request_policy.token_cost(prompt_tokens, max_tokens)
+        bucket = self._bucket(tenant)
+        if bucket is not None:
+            self._demand_tokens[tenant] = self._demand_tokens.get(tenant, 0.0) + cost
+        if not ticket.charge(bucket, cost, prompt_tokens):
+            ticket.refuse("QUOTA_EXCEEDED")
+            raise QuotaExceeded(
+                f"tenant '{tenant}' is over its quota of {rate:g} tokens/s",
+                retry_after_s=request_policy.quota_retry_after_s(bucket.retry_after_s(cost)),
+            )
 
     def _fallback_may_answer(self, criticality: Criticality, now_wall: float) -> bool:
         """critical_plus that the primary will not take goes to the fallback alone, if it can answer."""
