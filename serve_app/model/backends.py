@@ -705,9 +705,9 @@ class LiveBatch:
     ) -> None:
         k, v, valid, lengths, last = part
         width = max(self.width, int(valid.shape[1]))
-        self._k = torch.cat([_left_pad(self._k, width, 3), _left_pad(k, width, 3)], dim=1)
-        self._v = torch.cat([_left_pad(self._v, width, 3), _left_pad(v, width, 3)], dim=1)
-        self._valid = torch.cat([_left_pad(self._valid, width, 1), _left_pad(valid, width, 1)], dim=0)
+        self._k = torch.cat([left_pad(self._k, width, 3), left_pad(k, width, 3)], dim=1)
+        self._v = torch.cat([left_pad(self._v, width, 3), left_pad(v, width, 3)], dim=1)
+        self._valid = torch.cat([left_pad(self._valid, width, 1), left_pad(valid, width, 1)], dim=0)
         self._lengths = torch.cat([self._lengths, lengths])
         self._last = torch.cat([self._last, last])
         self._keys += keys
@@ -735,7 +735,7 @@ class LiveBatch:
             self._valid = self._valid[:, start:]
 
 
-def _left_pad(x: Tensor, width: int, dim: int) -> Tensor:
+def left_pad(x: Tensor, width: int, dim: int) -> Tensor:
     """``x`` padded on the left along ``dim`` to ``width`` with zeros (False for masks)."""
     missing = width - x.shape[dim]
     if missing == 0:

@@ -45,6 +45,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from serve_app.model.backends import left_pad
 from serve_app.model.hf import LoadedModel
 
 __all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowSampling"]
@@ -366,9 +367,9 @@ class HFBatch:
         else:
             w = max(self.width, width)
             for mine, theirs in zip(self._cache.layers, cache.layers):
-                mine.keys = torch.cat([_left_pad(mine.keys, w, 2), _left_pad(theirs.keys, w, 2)], dim=0)
-                mine.values = torch.cat([_left_pad(mine.values, w, 2), _left_pad(theirs.values, w, 2)], dim=0)
-            self._mask = torch.cat([_left_pad(self._mask, w, 1), _left_pad(mask, w, 1)], dim=0)
+                mine.keys = torch.cat([left_pad(mine.keys, w, 2), left_pad(theirs.keys, w, 2)], dim=0)
+                mine.values = torch.cat([left_pad(mine.values, w, 2), left_pad(theirs.values, w, 2)], dim=0)
+            self._mask = torch.cat([left_pad(self._mask, w, 1), left_pad(mask, w, 1)], dim=0)
             self._lengths = torch.cat([self._lengths, lengths])
             self._last = torch.cat([self._last, first])
         self._rows += rows
@@ -417,15 +418,6 @@ class HFBatch:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]
         self._mask = self._mask[:, start:]
-
-
-def _left_pad(x: Tensor, width: int, dim: int) -> Tensor:
-    missing = width - x.shape[dim]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 def _top_p(probs: Tensor, top_p: float) -> Tensor:
