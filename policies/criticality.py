@@ -52,3 +52,26 @@ class Criticality(str, enum.Enum):
 _RANK: dict[Criticality, int] = {c: i for i, c in enumerate(Criticality)}
 
 DEFAULT_CRITICALITY: Criticality = Criticality.CRITICAL
+
+
+class ClaimError(ValueError):
+    """A class claim that cannot stand, with the request field to name."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def claimed(header: str | None, from_body: Criticality | None) -> Criticality:
+    """The class a request claims: the ``X-Ballast-Criticality`` header or the body's
+    field (both must agree when both are given), else the default."""
+    if header is None:
+        return from_body or DEFAULT_CRITICALITY
+    try:
+        from_header = Criticality(header.strip())
+    except ValueError:
+        allowed = ", ".join(c.value for c in Criticality)
+        raise ClaimError(f"X-Ballast-Criticality: must be one of {allowed}", "X-Ballast-Criticality") from None
+    if from_body is not None and from_body is not from_header:
+        raise ClaimError("criticality: the body and the X-Ballast-Criticality header disagree", "criticality")
+    return from_header

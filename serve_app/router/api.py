@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality, claimed
+
 from serve_app.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
 from serve_app.router.openai_api import openai_error_body
 
@@ -96,3 +98,12 @@ MIGRATIONS_HEADER = "X-Ballast-Migrations"
 def migrated_header(answer: dict[str, Any]) -> dict[str, str]:
     n = int(answer.get("migrations") or 0)
     return {MIGRATIONS_HEADER: str(n)} if n else {}
+
+
+def claimed_criticality(request: Request, from_body: Optional[Criticality], error: type = InvalidRequest) -> Criticality:
+    """The class the request claims (``policies.criticality.claimed``); a bad claim is
+    ``error`` (the native front's 422, the OpenAI front's 400) naming the field."""
+    try:
+        return claimed(request.headers.get(CRITICALITY_HEADER), from_body)
+    except ClaimError as e:
+        raise error(str(e), field=e.field) from None

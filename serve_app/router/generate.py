@@ -24,10 +24,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.criticality import CRITICALITY_HEADER, DEFAULT_CRITICALITY, Criticality
+from policies.criticality import Criticality
 
 from serve_app.errors import BallastError, InvalidRequest, PayloadTooLarge
-from serve_app.router.api import app, migrated_header, read_body, sse_event, validate_body
+from serve_app.router.api import app, claimed_criticality, migrated_header, read_body, sse_event, validate_body
 from serve_app.router.pipeline import Admitted, StreamEnd
 
 
@@ -50,21 +50,6 @@ class GenerateRequest(BaseModel):
     criticality: Optional[Criticality] = None
     stream: bool = False
     resume: Optional[Resume] = None  # a cut stream sent again (the module's docstring)
-
-
-def claimed_criticality(request: Request, from_body: Optional[Criticality]) -> Criticality:
-    """The X-Ballast-Criticality header or the body's field, else the default; both must agree."""
-    header = request.headers.get(CRITICALITY_HEADER)
-    if header is None:
-        return from_body or DEFAULT_CRITICALITY
-    try:
-        from_header = Criticality(header.strip())
-    except ValueError:
-        allowed = ", ".join(c.value for c in Criticality)
-        raise InvalidRequest(f"X-Ballast-Criticality: must be one of {allowed}", field="X-Ballast-Criticality") from None
-    if from_body is not None and from_body is not from_header:
-        raise InvalidRequest("criticality: the body and the X-Ballast-Criticality header disagree", field="criticality")
-    return from_header
 
 
 class GenerateRoutes:

@@ -31,12 +31,10 @@ from typing import Any, AsyncGenerator, Optional, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from policies.criticality import CRITICALITY_HEADER, DEFAULT_CRITICALITY, Criticality
-
 from serve_app.errors import BallastError, PayloadTooLarge
 from serve_app.router import openai_api as oa
 from serve_app.stops import StopScanner, cut_at_stop
-from serve_app.router.api import app, migrated_header, read_body
+from serve_app.router.api import app, claimed_criticality, migrated_header, read_body
 from serve_app.router.pipeline import Admitted, StreamEnd
 
 
@@ -86,7 +84,7 @@ class OpenAIRoutes:
         if asked is not None and asked > self._limits.max_tokens_limit:
             field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise oa.BadRequest(f"{field}: must be <= {self._limits.max_tokens_limit}", field=field)
-        claimed = self._claimed_criticality(request, req)
+        claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
         key = self._idempotency_key(request)
         # A chat prompt holds its template's special tokens already; a raw prompt gets them.
         prompt_tokens = self._text.count(prompt, add_special_tokens=not chat)
@@ -125,20 +123,6 @@ class OpenAIRoutes:
         # Streaming is off at this level: the whole answer as one stream event, then [DONE].
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return Response(self._one_event_stream(body, chat, usage), media_type="text/event-stream", headers=headers)
-
-    def _claimed_criticality(self, request: Request, req: Parsed) -> Criticality:
-        """The header or the body field (the SDK's ``extra_body``); both must agree."""
-        header = request.headers.get(CRITICALITY_HEADER)
-        from_header: Optional[Criticality] = None
-        if header is not None:
-            try:
-                from_header = Criticality(header.strip())
-            except ValueError:
-                allowed = ", ".join(c.value for c in Criticality)
-                raise oa.BadRequest(f"X-Ballast-Criticality: must be one of {allowed}", field="X-Ballast-Criticality") from None
-        if from_header is not None and req.criticality is not None and from_header is not req.criticality:
-            raise oa.BadRequest("criticality: the body and the X-Ballast-Criticality header disagree", field="criticality")
-        return from_header or req.criticality or DEFAULT_CRITICALITY
 
     @staticmethod
     def _openai_headers(admitted: Admitted) -> dict[str, str]:
