@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from policies.criticality import Criticality
+from policies.throttle import reject_probability
 from policies.validation import check_positive
 from policies.window import TimeWindow
 
@@ -105,5 +106,5 @@ class EdgeThrottle:
         requests, accepts = self.window(now_s, criticality)
         if requests < self.cfg.min_requests:
             return 0
-        drop = max(0.0, (requests - self.cfg.k * accepts) / (requests + 1))
+        drop = reject_probability(requests, accepts, self.cfg.k)  # the client throttle's formula
         return int(min(drop, self.cfg.max_drop) * ALL)
