@@ -11,25 +11,16 @@ from typing import Any, Optional
 import httpx
 
 from serve_app.client.config import ClientConfig
-from serve_app.client.core import Call, ClientBase
+from serve_app.client.core import Call, ClientBase, StreamState
 from serve_app.client.protocol import GENERATE_PATH, Generation
 
 
-class AsyncTokenStream:
+class AsyncTokenStream(StreamState):
     """``TokenStream`` for the async client: ``async for``, ``aclose()``, ``async with``."""
 
     def __init__(self, gen: AsyncIterator[str], call: Call) -> None:
+        super().__init__(call)
         self._gen = gen
-        self._call = call
-
-    @property
-    def done(self) -> Optional[Generation]:
-        return self._call.done
-
-    @property
-    def resumes(self) -> int:
-        """Times the stream was cut and resumed (the caller read it as one)."""
-        return self._call.resumes
 
     def __aiter__(self) -> AsyncTokenStream:
         return self

@@ -372,6 +372,23 @@ class Call:
 
 
 
+class StreamState:
+    """What a token stream (sync or async) shows of its call besides its texts."""
+
+    def __init__(self, call: Call) -> None:
+        self._call = call
+
+    @property
+    def done(self) -> Optional[Generation]:
+        """The ``done`` payload as a ``Generation`` once the stream ended (its ``text`` the whole text)."""
+        return self._call.done
+
+    @property
+    def resumes(self) -> int:
+        """Times the stream was cut and resumed (the caller read it as one)."""
+        return self._call.resumes
+
+
 class ClientBase:
     """The surface both clients share; subclasses add only their I/O (send, read, sleep)."""
 

@@ -10,11 +10,11 @@ from typing import Any, Optional
 import httpx
 
 from serve_app.client.config import ClientConfig
-from serve_app.client.core import Call, ClientBase
+from serve_app.client.core import Call, ClientBase, StreamState
 from serve_app.client.protocol import GENERATE_PATH, Generation
 
 
-class TokenStream:
+class TokenStream(StreamState):
     """Iterates the token-batch texts of one streamed call (sync).
 
     Nothing is sent until the first ``next()``. After the iteration ends, ``done``
@@ -25,17 +25,8 @@ class TokenStream:
     """
 
     def __init__(self, gen: Iterator[str], call: Call) -> None:
+        super().__init__(call)
         self._gen = gen
-        self._call = call
-
-    @property
-    def done(self) -> Optional[Generation]:
-        return self._call.done
-
-    @property
-    def resumes(self) -> int:
-        """Times the stream was cut and resumed (the caller read it as one)."""
-        return self._call.resumes
 
     def __iter__(self) -> TokenStream:
         return self
