@@ -393,19 +393,10 @@ class ResilientCaller:
                 except Exception as exc:
                     response.cancel()
                     kind = self._failed(b, permit, exc, t0)
-                    if kind == "deadline_exceeded" or self._clock() >= deadline_s:
-                        raise DeadlineExceeded("the request's deadline passed") from None
                     if retrying:
                         self.budget.release_retry()
                         retrying = False
-                    if kind == migration.LOST_CAPACITY:
-                        # Sent again elsewhere; an ordinary attempt is not used up by it.
-                        pause = self._migration_pause(b, record, deadline_s, budget=True)
-                        retrying = True
-                    else:
-                        pause = self._retry_pause(b, kind, attempt, deadline_s)
-                        retrying = True
-                        attempt += 1
+                    pause, attempt, retrying = self._next_try(b, kind, attempt, deadline_s, record, unary=True)
                     await self._sleep(pause)
                     continue
                 b.breaker.record(permit, True, self._clock() - t0)
@@ -413,6 +404,20 @@ class ResilientCaller:
         finally:
             if retrying:
                 self.budget.release_retry()
+
+    def _next_try(
+        self, b: Backend, kind: str, attempt: int, deadline_s: float, record: CallRecord, unary: bool
+    ) -> tuple[float, int, bool]:
+        """After an attempt that failed with ``kind``: (the pause, the next attempt's number,
+        whether a retry slot is now held). A lost replica is sent again elsewhere without
+        using up an attempt (a unary re-send inside the retry budget; a stream's within its
+        migration limit); anything else is an ordinary retry. Raises DeadlineExceeded past
+        the deadline, _BackendFailed when no attempt may follow."""
+        if kind == "deadline_exceeded" or self._clock() >= deadline_s:
+            raise DeadlineExceeded("the request's deadline passed") from None
+        if kind == migration.LOST_CAPACITY:
+            return self._migration_pause(b, record, deadline_s, budget=unary), attempt, unary
+        return self._retry_pause(b, kind, attempt, deadline_s), attempt + 1, True
 
     def _retry_pause(self, b: Backend, kind: str, attempt: int, deadline_s: float) -> float:
         """The backoff before an ordinary retry of attempt ``attempt`` that failed with
@@ -515,17 +520,10 @@ class ResilientCaller:
                 except Exception as exc:
                     gen.cancel()
                     kind = self._failed(b, permit, exc, t0)
-                    if kind == "deadline_exceeded" or self._clock() >= deadline_s:
-                        raise DeadlineExceeded("the request's deadline passed") from None
                     if retrying:
                         self.budget.release_retry()
                         retrying = False
-                    if kind == migration.LOST_CAPACITY:
-                        pause = self._migration_pause(b, record, deadline_s, budget=False)
-                    else:
-                        pause = self._retry_pause(b, kind, attempt, deadline_s)
-                        retrying = True
-                        attempt += 1
+                    pause, attempt, retrying = self._next_try(b, kind, attempt, deadline_s, record, unary=False)
                     await self._sleep(pause)
                     continue
                 if resume is not None:
