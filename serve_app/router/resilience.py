@@ -367,6 +367,23 @@ class ResilientCaller:
             self.budget.on_request_end()
 
     async def _attempts(self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord) -> dict[str, Any]:
+        def send(left_s: float) -> tuple[Any, Any]:
+            response = b.handle.generate.remote({**call, **_deadline_fields(left_s, self._wall_clock())})
+            return response, response
+
+        _, result, permit, t0 = await self._first_answer(b, deadline_s, record, send, unary=True)
+        b.breaker.record(permit, True, self._clock() - t0)
+        return result
+
+    async def _first_answer(
+        self, b: Backend, deadline_s: float, record: CallRecord, send: Callable[[float], tuple[Any, Any]], unary: bool,
+    ) -> tuple[Any, Any, Permit, float]:
+        """Attempts on ``b`` until one answers: (its call, its first answer, its breaker
+        permit, its start). ``send(left_s)`` starts an attempt and returns (the call, which
+        can be cancelled; what to await for its first answer). What follows a failed
+        attempt is ``_next_try``'s; a call sent again after its replica went away waits for
+        its answer up to its deadline, not one attempt's timeout: the replica left to take
+        it may be the one Serve is starting, and a timeout then is capacity gone."""
         attempt = 1
         retrying = False
         try:
@@ -379,28 +396,22 @@ class ResilientCaller:
                     b.breaker.release(permit)
                     raise DeadlineExceeded("the request's deadline passed")
                 t0 = self._clock()
-                response = b.handle.generate.remote({**call, **_deadline_fields(left, self._wall_clock())})
-                # Sent again after its replica went away, a call waits for its answer up to its
-                # deadline, as a migrated stream does: the replica left to take it may be the
-                # one Serve is starting, and a timeout then is capacity gone, not a sick model.
+                handle, answer = send(left)
                 timeout_s = left if record.migrations else self._attempt_timeout(left)
                 try:
-                    result = await self._wait_for(response, timeout_s)
+                    return handle, await self._wait_for(answer, timeout_s), permit, t0
                 except asyncio.CancelledError:
-                    response.cancel()
+                    handle.cancel()
                     b.breaker.release(permit)
                     raise
                 except Exception as exc:
-                    response.cancel()
+                    handle.cancel()
                     kind = self._failed(b, permit, exc, t0)
                     if retrying:
                         self.budget.release_retry()
                         retrying = False
-                    pause, attempt, retrying = self._next_try(b, kind, attempt, deadline_s, record, unary=True)
+                    pause, attempt, retrying = self._next_try(b, kind, attempt, deadline_s, record, unary)
                     await self._sleep(pause)
-                    continue
-                b.breaker.record(permit, True, self._clock() - t0)
-                return result
         finally:
             if retrying:
                 self.budget.release_retry()
@@ -494,44 +505,14 @@ class ResilientCaller:
         (a migration); an attempt that failed otherwise (its first chunk timed out on a
         replica cut off from this router, say) is retried as a unary attempt is, inside the
         retry budget. ``resume``: the continuation fields of a migrated stream."""
-        attempt = 1
-        retrying = False
-        try:
-            while True:
-                permit = b.breaker.allow()
-                if permit is None:
-                    raise _BackendFailed("breaker_open", b.role)
-                left = deadline_s - self._clock()
-                if left <= MIN_ATTEMPT_S:
-                    b.breaker.release(permit)
-                    raise DeadlineExceeded("the request's deadline passed")
-                t0 = self._clock()
-                gen = b.stream_handle.generate_stream.remote({**call, **(resume or {}), **_deadline_fields(left, self._wall_clock())})
-                # A migrated stream waits for its first chunk up to its deadline, not one attempt's
-                # timeout: when the lost replica was the deployment's last, the next one to take it
-                # is the replacement Serve is starting, and the stream has nowhere else to go.
-                first_timeout_s = left if record.migrations else self._attempt_timeout(left)
-                try:
-                    first = await self._wait_for(gen.__anext__(), first_timeout_s)
-                except asyncio.CancelledError:
-                    gen.cancel()
-                    b.breaker.release(permit)
-                    raise
-                except Exception as exc:
-                    gen.cancel()
-                    kind = self._failed(b, permit, exc, t0)
-                    if retrying:
-                        self.budget.release_retry()
-                        retrying = False
-                    pause, attempt, retrying = self._next_try(b, kind, attempt, deadline_s, record, unary=False)
-                    await self._sleep(pause)
-                    continue
-                if resume is not None:
-                    first = {k: v for k, v in first.items() if k != "queue_wait_ms"}  # not a new request's wait
-                return _Open(gen, permit, first, t0)
-        finally:
-            if retrying:
-                self.budget.release_retry()
+        def send(left_s: float) -> tuple[Any, Any]:
+            gen = b.stream_handle.generate_stream.remote({**call, **(resume or {}), **_deadline_fields(left_s, self._wall_clock())})
+            return gen, gen.__anext__()
+
+        gen, first, permit, t0 = await self._first_answer(b, deadline_s, record, send, unary=False)
+        if resume is not None:
+            first = {k: v for k, v in first.items() if k != "queue_wait_ms"}  # not a new request's wait
+        return _Open(gen, permit, first, t0)
 
     async def _rest(self, b: Backend, opened: "_Open", call: dict[str, Any], deadline_s: float, record: CallRecord):
         gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
