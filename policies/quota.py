@@ -16,7 +16,7 @@ Five pieces, split as STYLE 4 asks (the limit math apart from the counting):
 * ``apportion`` — pure: one tenant's global rate split among routers by the
   demand each router saw, so a tenant whose traffic lands on one router is not
   held to 1/N of its quota there.
-* ``Lease`` / ``lease_rate`` — what a router enforces: the controller's share
+* ``RateLease`` / ``lease_rate`` — what a router enforces: the controller's share
   while its lease is fresh, else the safe share 1/N of the tenant's own rate
   (fail-static: a dead controller can never let a tenant exceed its quota in
   total, only under-use it).
@@ -409,7 +409,7 @@ def _lend(quotas: Mapping[str, TenantQuota], base: dict[str, float], demand: dic
 
 
 @dataclass(frozen=True)
-class Lease:
+class RateLease:
     """A router's share of one tenant's rate, granted by the controller until ``expires_at_s``.
 
     ``expires_at_s`` is on the *router's* clock: monotonic clocks of different
@@ -430,7 +430,7 @@ class Lease:
 
 
 def lease_rate(
-    lease: Lease | None,
+    lease: RateLease | None,
     now_s: float,
     tenant_rate: float,
     tenant_burst: float,

@@ -71,7 +71,8 @@ class NotFound(BallastError):
 
 
 class Overloaded(BallastError):
-    """Refused by admission: the degradation level does not admit this criticality."""
+    """No capacity for this request now: the level does not admit its class (at the router
+    or at the edge), or the gate cannot serve it within its deadline."""
 
     status, code = 503, "OVERLOADED"
 

@@ -2,13 +2,15 @@
 
 Where things are:
 
-- generate.py: ``POST /v1/generate``, where a request is authenticated, admitted,
-  gated and sent to the model (its docstring walks the request path);
+- pipeline.py: the request path every front shares, where a request is authenticated,
+  admitted, gated and sent to the model (its docstring walks it);
+- generate.py and openai.py: the native and OpenAI fronts on that pipeline;
 - admin.py: ``/v1/status`` and ``/admin/*``;
 - api.py: the FastAPI app, the error mapping, body and token helpers;
+- metrics.py: the router's metrics;
 - this module: the ``Router`` deployment that puts those routes together, its state
-  and metrics (built once, here), its lifecycle (health routes, snapshot and lease
-  updates from the controller) and its reports to the controller.
+  (built once, here), its lifecycle (health routes, snapshot and lease updates from the
+  controller) and its reports to the controller.
 
 Decisions are policies/'s: admission, quota, the gate (policies/gate.py) and the
 per-request rules (policies/request.py); this package gathers inputs and applies them.
@@ -33,7 +35,7 @@ from policies.criticality import Criticality
 from policies.edge import EdgeThrottle
 from policies.gate import DemandWindow
 from policies.limiter import AimdLimit
-from policies.quota import Lease, TokenBucket
+from policies.quota import RateLease, TokenBucket
 from policies.reports import RouterReport
 from policies.stats import nearest_rank
 
@@ -138,7 +140,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         # Token quotas: one bucket per tenant with a rate, its rate from the controller's
         # lease for this router, or the safe share (1/N) when the lease has lapsed.
         self._buckets = tenant_buckets(self._cfg)
-        self._leases: dict[str, Lease] = {}
+        self._leases: dict[str, RateLease] = {}
         self._demand_tokens: dict[str, float] = {}
         self._demand_since = time.monotonic()
         r = self._cfg.resilience
@@ -203,7 +205,7 @@ class Router(GenerateRoutes, OpenAIRoutes, AdminRoutes, Pipeline):
         expires = time.monotonic() + self._cfg.quota.lease_ttl_s
         for tenant, lease in (raw.get("leases") or {}).items():
             if tenant in self._buckets:
-                self._leases[tenant] = Lease(
+                self._leases[tenant] = RateLease(
                     tenant, float(lease["rate_tokens_per_s"]), max(1.0, float(lease["burst_tokens"])), expires
                 )
 

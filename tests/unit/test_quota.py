@@ -9,7 +9,7 @@ import random
 import pytest
 
 from policies.quota import (
-    Lease,
+    RateLease,
     TenantQuota,
     TokenBucket,
     apportion,
@@ -492,7 +492,7 @@ def test_effective_rates_validation(kwargs: dict, field: str) -> None:
 
 
 def test_lease_used_while_unexpired_then_safe_share_from_the_boundary() -> None:
-    lease = Lease(tenant="acme", rate_tokens_per_s=70, burst_tokens=300, expires_at_s=10)
+    lease = RateLease(tenant="acme", rate_tokens_per_s=70, burst_tokens=300, expires_at_s=10)
     assert lease_rate(lease, 0, tenant_rate=100, tenant_burst=400, n_routers=4) == (70, 300, "lease")
     assert lease_rate(lease, 9, tenant_rate=100, tenant_burst=400, n_routers=4) == (70, 300, "lease")
     assert lease_rate(lease, 10, tenant_rate=100, tenant_burst=400, n_routers=4) == (25, 100, "safe-share")
@@ -520,7 +520,7 @@ def test_unknown_router_count_counts_as_one(n_routers: int) -> None:
 def test_lease_validation(kwargs: dict, field: str) -> None:
     args = {"tenant": "acme", "rate_tokens_per_s": 1, "burst_tokens": 1, "expires_at_s": 1, **kwargs}
     with pytest.raises(ValueError, match=rf"^{field}: "):
-        Lease(**args)
+        RateLease(**args)
 
 
 def test_lease_rate_validation() -> None:
