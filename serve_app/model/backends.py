@@ -325,20 +325,46 @@ class ByteStreamDecoder:
 # ------------------------------------------------------------------------- backends
 
 
+class StreamDecoder(Protocol):
+    """Token ids to text as they come, holding back what is not yet whole."""
+
+    def feed(self, token_ids: Sequence[int], final: bool = False) -> str: ...
+
+
+class Batch(Protocol):
+    """One live batch the replica's engine loop drives a chunk at a time."""
+
+    def keys(self) -> list[Any]:
+        """The rows in the batch."""
+        ...
+
+    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+        """Rows that leave before the next chunk."""
+        ...
+
+    def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
+        """Admit ``joins`` (key, prompt ids, max new tokens, sampling), then up to ``steps``
+        tokens per row; the ids each row emitted."""
+        ...
+
+
 @runtime_checkable
 class ModelBackend(Protocol):
-    """What the Serve deployment needs from a model."""
+    """What the model replica (``server.py``) calls on an engine: the built-in decoder
+    (``TorchDecoderBackend``) and the Hugging Face one (``hf_engine.HFBackend``)."""
 
     name: str
     device: str  # "cpu" or "cuda:N"
     max_seq_len: int
-    parameter_count: int
+    eos_ids: frozenset[int]
 
-    def generate_chunks(
-        self, prompts: list[str], max_new_tokens: list[int], chunk_tokens: int = 4
-    ) -> Iterator[list[str]]:
-        """Yield, every ``chunk_tokens`` decode steps, one text piece per prompt."""
+    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        """The prompt's ids (its start cut to fit the context) and the max_tokens that fit."""
         ...
+
+    def stream_decoder(self) -> StreamDecoder: ...
+
+    def open_batch(self) -> Batch: ...
 
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None: ...
 
