@@ -179,7 +179,7 @@ def main(argv: "list[str] | None" = None) -> int:
     import torch
 
     from serve_app.config import load_config
-    from serve_app.model.gpu import make_gpu_probe, make_process_gpu_probe, visible_gpu_uuid
+    from serve_app.control.gpu import make_gpu_probe, make_process_gpu_probe, visible_gpu_uuid
     from serve_app.model.server import build_backend
 
     if not torch.cuda.is_available():

@@ -68,7 +68,7 @@ import httpx
 from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_uvloop
 from loadtest.machine_speed import SpeedProbeProcess
-from serve_app.control.link import ROUTER_DEPLOYMENT
+from serve_app.control.names import ROUTER_DEPLOYMENT
 
 PORT = 8124
 BASE = f"http://127.0.0.1:{PORT}"

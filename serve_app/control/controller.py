@@ -43,7 +43,7 @@ from policies.reports import ReplicaReport, RouterReport, WatchdogReport, checke
 
 from serve_app.config import BallastConfig, load_config
 from serve_app.control.recycling import RecycleCoordinator
-from serve_app.control.link import CHAOS_TARGETS, FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from serve_app.control.names import CHAOS_TARGETS, FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from serve_app.control.snapshot import Snapshot
 
 log = logging.getLogger("ballast.controller")

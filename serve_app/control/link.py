@@ -1,7 +1,7 @@
-"""How routers, replicas and watchdogs reach the controller, and the deployments' names.
+"""How routers, replicas and watchdogs reach the controller.
 
 Kept apart from the controller actor's module so that a replica or a router that
-only needs a name or the link does not import the actor (and its policies) for it.
+only needs the link does not import the actor (and its policies) for it.
 """
 
 from __future__ import annotations
@@ -13,12 +13,6 @@ import ray
 
 from serve_app.config import BallastConfig
 from serve_app.control.snapshot import Report, Snapshot, SnapshotCache, SnapshotExchange
-
-MODEL_DEPLOYMENT = "BallastModel"
-FALLBACK_DEPLOYMENT = "BallastFallbackModel"
-ROUTER_DEPLOYMENT = "BallastRouter"
-CHAOS_TARGETS = {"primary": MODEL_DEPLOYMENT, "fallback": FALLBACK_DEPLOYMENT}
-
 
 def lookup_controller(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":
     try:

@@ -45,7 +45,7 @@ from policies.reports import SeriesTrend, WatchdogOrders, WatchdogReport, Watche
 
 from serve_app.config import BallastConfig, WatchdogSettings, load_config
 from serve_app.control.link import ControllerLink
-from serve_app.model.gpu import make_process_gpu_probe
+from serve_app.control.gpu import make_process_gpu_probe
 
 log = logging.getLogger("ballast.watchdog")
 

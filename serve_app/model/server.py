@@ -50,10 +50,11 @@ from policies.window import CountWindow
 from serve_app.model.backends import BackendSpec, TinyDecoderConfig, load_backend
 from serve_app.model.chaos import ChaosAgent
 from serve_app.config import BallastConfig, ModelConfig, load_config
-from serve_app.control.link import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, connect
+from serve_app.control.link import connect
+from serve_app.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
 from serve_app.errors import DeadlineExceeded
 from serve_app.stops import StopScanner
-from serve_app.model.gpu import make_gpu_probe, visible_gpu_uuid
+from serve_app.control.gpu import make_gpu_probe, visible_gpu_uuid
 from serve_app.model.priority import yield_cpu_to
 from serve_app.model.routing import request_router_config
 from serve_app.control.snapshot import Snapshot

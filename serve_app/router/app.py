@@ -44,7 +44,8 @@ from serve_app.errors import NotFound
 from serve_app.router.auth import KeyStore
 from serve_app.router.contract import openapi_document
 from serve_app.router.edge import Edge, shed_entries
-from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT, connect
+from serve_app.control.link import connect
+from serve_app.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from serve_app.router.admin import AdminRoutes
 from serve_app.router.api import app
 from serve_app.router.gate import PriorityGate

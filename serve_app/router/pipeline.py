@@ -50,7 +50,7 @@ from policies.criticality import Criticality
 from policies.deadline import Deadline
 from policies.quota import TokenBucket, lease_rate
 
-from serve_app.control.link import ROUTER_DEPLOYMENT
+from serve_app.control.names import ROUTER_DEPLOYMENT
 from serve_app.errors import (
     BallastError,
     ConcurrencyLimited,

@@ -18,7 +18,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from policies.autoscale import AutoscaleConfig, queue_length_fallback
 from serve_app.control.autoscaling import ControllerDrivenPolicy, autoscaling_config
 from serve_app.config import load_config
-from serve_app.control.link import MODEL_DEPLOYMENT
+from serve_app.control.names import MODEL_DEPLOYMENT
 
 MAX_AGE_S = 5
 CREATED_AT_S = 1_000

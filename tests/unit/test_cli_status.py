@@ -18,7 +18,7 @@ from policies.breaker import BreakerConfig, CircuitBreaker
 from policies.reports import ReplicaReport, RouterReport
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
-from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from serve_app.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from serve_app.ops.cli import format_status, main
 from tests.unit.fakes import FakeClock
 

@@ -23,7 +23,7 @@ from policies import control, recycle
 from policies.reports import ReplicaReport, RouterReport, WatchdogReport
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
-from serve_app.control.link import MODEL_DEPLOYMENT
+from serve_app.control.names import MODEL_DEPLOYMENT
 from serve_app.control.recycling import _hour_of_day
 
 RAW = json.loads((Path(__file__).parent / "data" / "control_trace.json").read_text())

@@ -19,7 +19,7 @@ from policies.reports import ReplicaReport, RouterReport
 
 from serve_app.config import BallastConfig, load_config
 from serve_app.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
-from serve_app.control.link import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from serve_app.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 
 EXPIRY_S = 3
 ERROR_WINDOW_S = 10
@@ -513,7 +513,7 @@ def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
     """Running lags the target: a replica Serve has not stopped yet must not undo the decision."""
     from serve_app.config import load_config
     from serve_app.control.controller import ControllerCore
-    from serve_app.control.link import MODEL_DEPLOYMENT
+    from serve_app.control.names import MODEL_DEPLOYMENT
 
     cfg = load_config({
         "deployments": {"model": {"min_replicas": 1, "max_replicas": 2}},

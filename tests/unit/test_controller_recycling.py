@@ -19,7 +19,7 @@ from fakes import FakeClock
 from policies.reports import ReplicaReport, WatchdogReport
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
-from serve_app.control.link import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
+from serve_app.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
 
 WALL0 = 1_000_000
 

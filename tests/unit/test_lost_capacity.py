@@ -16,7 +16,7 @@ from policies.reports import ReplicaReport, RouterReport
 from routerkit import at_level, build_router, routed
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
-from serve_app.control.link import MODEL_DEPLOYMENT
+from serve_app.control.names import MODEL_DEPLOYMENT
 from test_resilient_caller import FakeHandle, FakeResponse, fails
 
 GOLD = {"authorization": "Bearer dev-key-gold"}

@@ -26,7 +26,7 @@ from policies.reports import (
 )
 from serve_app.config import load_config
 from serve_app.control.controller import ControllerCore
-from serve_app.control.link import MODEL_DEPLOYMENT
+from serve_app.control.names import MODEL_DEPLOYMENT
 
 REPLICA = WatchedReplica("m1", MODEL_DEPLOYMENT, 1000.0, None, 4242, "SERVE_REPLICA::ballast#BallastModel#m1", "serve")
 TREND = SeriesTrend(slope_per_h=3.5, r2=0.9, leaking=True, time_to_limit_s=7200.0, short_window=False)

@@ -15,7 +15,7 @@ import pytest
 
 from policies.reports import SeriesTrend, WatchdogReport, WatchedReplica
 from serve_app.config import WatchdogSettings, load_config
-from serve_app.model.gpu import ProcessGpuSample
+from serve_app.control.gpu import ProcessGpuSample
 from serve_app.control.watchdog import MB, PsutilSampler, WatchdogCore
 
 from fakes import FakeClock
@@ -39,7 +39,7 @@ class FakeProcess:
 
 
 class FakeGpu:
-    """Stands in for serve_app.model.gpu.ProcessGpuProbe: a fixed share of an 80 GiB device."""
+    """Stands in for serve_app.control.gpu.ProcessGpuProbe: a fixed share of an 80 GiB device."""
 
     def __init__(self, used_bytes: int, total_bytes: int = 80 * GIB) -> None:
         self.used, self.total = used_bytes, total_bytes
