@@ -52,7 +52,7 @@ class BallastClientError(Exception):
         return f"{where}{self.code}: {self.message}"
 
 
-class Unauthorized(BallastClientError):
+class Unauthenticated(BallastClientError):
     default_status, default_code = 401, "UNAUTHENTICATED"
 
 
@@ -94,7 +94,7 @@ class Overloaded(BallastClientError):
     default_status, default_code = 503, "OVERLOADED"
 
 
-class KillSwitched(BallastClientError):
+class KillSwitchActive(BallastClientError):
     default_status, default_code = 503, "KILL_SWITCH"
 
 
@@ -132,14 +132,14 @@ class ThrottledLocally(BallastClientError):
 
 #: The server's codes (serve_app/errors.py and the README table), mapped once.
 _BY_CODE: dict[str, type[BallastClientError]] = {
-    "UNAUTHENTICATED": Unauthorized,
+    "UNAUTHENTICATED": Unauthenticated,
     "FORBIDDEN": Forbidden,
     "INVALID_REQUEST": InvalidRequest,
     "PAYLOAD_TOO_LARGE": PayloadTooLarge,
     "QUOTA_EXCEEDED": QuotaExceeded,
     "CONCURRENCY_LIMIT": ConcurrencyLimited,
     "OVERLOADED": Overloaded,
-    "KILL_SWITCH": KillSwitched,
+    "KILL_SWITCH": KillSwitchActive,
     "MODEL_UNAVAILABLE": ModelUnavailable,
     "REPLICA_LOST": ReplicaLost,
     "DEADLINE_EXCEEDED": DeadlineExceeded,
@@ -147,7 +147,7 @@ _BY_CODE: dict[str, type[BallastClientError]] = {
 #: Only for answers without an error code (e.g. a proxy in front of Ballast):
 #: a bare 429 is a rate limit, a bare 503 is backpressure (Serve's proxy answers so).
 _BY_STATUS: dict[int, type[BallastClientError]] = {
-    401: Unauthorized,
+    401: Unauthenticated,
     403: Forbidden,
     413: PayloadTooLarge,
     422: InvalidRequest,
@@ -226,5 +226,10 @@ def is_overload_refusal(err: BallastClientError) -> bool:
 
 def is_retryable_answer(err: BallastClientError) -> bool:
     """429/503 with a Retry-After, except a kill switch (an operator's decision)."""
-    return err.status in _RETRYABLE_STATUSES and err.retry_after_s is not None and not isinstance(err, KillSwitched)
+    return err.status in _RETRYABLE_STATUSES and err.retry_after_s is not None and not isinstance(err, KillSwitchActive)
 
+
+# The SDK's first names for two of these, kept for callers written against it; the
+# names above are the server's (serve_app.errors).
+Unauthorized = Unauthenticated
+KillSwitched = KillSwitchActive

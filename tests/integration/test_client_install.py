@@ -102,7 +102,7 @@ def test_the_console_script_without_the_server_extra_says_how_to_install_it(clie
 
 _SDK_SCRIPT = """
 import asyncio, json, sys
-from serve_app.client import AsyncBallastClient, BallastClient, ClientConfig, Unauthorized
+from serve_app.client import AsyncBallastClient, BallastClient, ClientConfig, Unauthenticated
 
 base = sys.argv[1]
 out = {}
@@ -117,7 +117,7 @@ with BallastClient(ClientConfig(base, "not-a-key", max_attempts=1)) as client:
     try:
         client.generate("hello", max_tokens=4)
         out["wrong_key"] = "answered"
-    except Unauthorized as e:
+    except Unauthenticated as e:
         out["wrong_key"] = e.status
 
 async def main():

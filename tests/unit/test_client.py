@@ -32,7 +32,7 @@ from serve_app.client import (
     Forbidden,
     Generation,
     InvalidRequest,
-    KillSwitched,
+    KillSwitchActive,
     ModelUnavailable,
     Overloaded,
     PayloadTooLarge,
@@ -41,7 +41,7 @@ from serve_app.client import (
     ServerError,
     SSEDecoder,
     ThrottledLocally,
-    Unauthorized,
+    Unauthenticated,
     error_from_answer,
 )
 
@@ -257,13 +257,13 @@ def test_a_malformed_answer_is_a_server_error() -> None:
 @pytest.mark.parametrize(
     ("answer", "cls", "status", "code", "retry_after_s"),
     [
-        (error(401, "UNAUTHENTICATED"), Unauthorized, 401, "UNAUTHENTICATED", None),
+        (error(401, "UNAUTHENTICATED"), Unauthenticated, 401, "UNAUTHENTICATED", None),
         (error(403, "FORBIDDEN"), Forbidden, 403, "FORBIDDEN", None),
         (error(413, "PAYLOAD_TOO_LARGE"), PayloadTooLarge, 413, "PAYLOAD_TOO_LARGE", None),
         (error(429, "QUOTA_EXCEEDED", retry_after_s=2.5), QuotaExceeded, 429, "QUOTA_EXCEEDED", 2.5),
         (error(429, "CONCURRENCY_LIMIT", retry_after_s=1.0), ConcurrencyLimited, 429, "CONCURRENCY_LIMIT", 1.0),
         (error(503, "OVERLOADED", retry_after_s=4.0), Overloaded, 503, "OVERLOADED", 4.0),
-        (error(503, "KILL_SWITCH", retry_after_s=600.0), KillSwitched, 503, "KILL_SWITCH", 600.0),
+        (error(503, "KILL_SWITCH", retry_after_s=600.0), KillSwitchActive, 503, "KILL_SWITCH", 600.0),
         (error(503, "MODEL_UNAVAILABLE", retry_after_s=3.0), ModelUnavailable, 503, "MODEL_UNAVAILABLE", 3.0),
         (error(504, "DEADLINE_EXCEEDED"), DeadlineExceeded, 504, "DEADLINE_EXCEEDED", None),
         (error(500, "INTERNAL"), ServerError, 500, "INTERNAL", None),
@@ -308,10 +308,10 @@ def test_the_body_retry_after_wins_over_the_rounded_header() -> None:
 @pytest.mark.parametrize(
     "err",
     [
-        Unauthorized("no key", 401, "UNAUTHENTICATED"),
+        Unauthenticated("no key", 401, "UNAUTHENTICATED"),
         InvalidRequest("bad", 422, "INVALID_REQUEST", None, "prompt"),
         Overloaded("busy", 503, "OVERLOADED", 1.5),
-        KillSwitched("off"),
+        KillSwitchActive("off"),
         ConnectionFailed("ConnectError: refused"),
         ThrottledLocally("p=0.9"),
         DeadlineExceeded("client deadline", None),
@@ -369,8 +369,8 @@ def test_a_503_without_retry_after_is_not_retried() -> None:
     ("answer", "cls"),
     [
         (error(422, "INVALID_REQUEST", field="prompt"), InvalidRequest),
-        (error(401, "UNAUTHENTICATED"), Unauthorized),
-        (error(503, "KILL_SWITCH", "tenant free: abuse", retry_after_s=5.0), KillSwitched),
+        (error(401, "UNAUTHENTICATED"), Unauthenticated),
+        (error(503, "KILL_SWITCH", "tenant free: abuse", retry_after_s=5.0), KillSwitchActive),
         (error(504, "DEADLINE_EXCEEDED"), DeadlineExceeded),
         (error(500, "INTERNAL", retry_after_s=1.0), ServerError),
     ],
@@ -686,7 +686,7 @@ def test_stream_is_retried_before_it_starts() -> None:
 
 def test_stream_refused_before_it_starts_raises_the_typed_error() -> None:
     h = harness(error(401, "UNAUTHENTICATED", "unknown key"))
-    with pytest.raises(Unauthorized):
+    with pytest.raises(Unauthenticated):
         list(h.client.stream("Hello"))
 
 
@@ -838,7 +838,7 @@ async def test_async_stream_error_event_raises() -> None:
         scripted_server(sse(("error", {"error": {"code": "KILL_SWITCH", "message": "model off"}}))),
         is_async=True,
     )
-    with pytest.raises(KillSwitched, match="model off"):
+    with pytest.raises(KillSwitchActive, match="model off"):
         async with h.client.stream("Hello") as stream:
             async for _ in stream:
                 pass
@@ -917,3 +917,12 @@ def test_sync_and_async_clients_send_the_same_requests_and_wait_the_same_times()
         assert s_headers == a_headers  # Idempotency-Key, X-Request-Timeout-Ms and User-Agent included
     assert sync_wire[4][2]["accept"] == "text/event-stream" and "idempotency-key" not in sync_wire[4][2]
     assert sync_h.client.retry_budget.snapshot() == async_h.client.retry_budget.snapshot()
+
+
+def test_the_sdk_names_errors_as_the_server_does_and_keeps_its_first_names() -> None:
+    import serve_app.client as sdk
+    from serve_app import errors as server
+
+    assert sdk.Unauthenticated.default_code == server.Unauthenticated.code
+    assert sdk.KillSwitchActive.default_code == server.KillSwitchActive.code
+    assert sdk.Unauthorized is sdk.Unauthenticated and sdk.KillSwitched is sdk.KillSwitchActive
