@@ -14,9 +14,8 @@
   through than is accepted, so the gate's line stays full (it still picks by class and
   deadline) and the drop falls as soon as the model takes more.
 - The window's accepts are held down by what the edge lets through: once the model
-  can take more, the formula alone would open the class by only a factor K per window
-  (over a minute from 95 % at K 1.1, measured: the edge kept refusing a third of the
-  lowest class at 1 C after a probe at 1.1 C). So when the gate took every request of
+  can take more, the formula alone would open the class by only a factor K per window.
+  So when the gate took every request of
   a class that reached it since the last record, with a free slot and no one waiting
   (``room``), the class's window starts afresh from what the gate took (not from what
   the edge refused): nothing is refused until it holds ``min_requests`` again, measured
@@ -26,9 +25,8 @@
   it: it may go to the fallback at any level).
 
 The window is a ``policies.window.TimeWindow`` of ``window_s`` one-second buckets per
-class (bounded; 3 s: with 10 s, a class the model had taken whole went on reaching the
-router for ~5 s once the load rose, and the gate refused it there); time comes in as an
-argument.
+class (bounded; short, so that a class the model took whole stops reaching the router
+soon after the load rises); time comes in as an argument.
 """
 
 from __future__ import annotations

@@ -4,22 +4,15 @@ Ray starts every worker process at nice 15 (its ``worker_niceness``), behind its
 and GCS. Ballast's front runs in Ray workers too: the router replicas, Serve's proxy and
 HAProxy manager, and the HAProxy they start inherit the 15. On a host whose cores are
 saturated by anything at the normal priority (another job, a load generator, the test
-that is calling) the front then waits for the CPU: measured here, a hung primary with a
-1.5 s deadline answered its 504 up to 1.78 s after the client sent it, p99 1.73 s, 47 of
-120 past 1.6 s, with two busy loops beside it; up to 0.17 s of that before the router's
-handler ran, up to 0.15 s after its deadline timer was due. With the workers at nice 0:
-p99 1.516 s, none past 1.6 s, same load.
+that is calling) the front then waits for the CPU, and deadlines are answered late.
 
 So Ballast starts Ray's workers at the host's normal priority (``RAY_worker_niceness=0``,
 ``serve_app.router.ingress.WORKER_NICENESS_ENV``, set before Ray starts, and in
 cluster/cluster.yaml), and each model replica moves itself to ``model.niceness``. That is
 0 by default, not Ray's 15: a replica is not only torch's compute but its own Ray and
 asyncio threads, which hand batches in and answers out, and at 15 they waited behind
-every wake-up of the front and the load generator. Measured (`bench_overload --only
-ballast --capacity 57.7 --multiples 1,10`, two runs each, alternated): at 15 the replica
-got 0.90-0.92 of a core at 10 C and served 0.80/0.89 C; at 0, 0.93/0.93 C (1 C:
-0.90/0.97 against 1.00/0.99). The deadline probe above held at 0 as well. A node that
-runs batch work beside the model can still set 15. Raising one's own niceness needs no
+every wake-up of the front and the load generator. A node that runs batch work beside
+the model can still set 15. Raising one's own niceness needs no
 privilege, lowering it does, so nothing here lowers it.
 """
 

@@ -122,9 +122,8 @@ def recent_percentile(samples: CountWindow[float], now_s: float, window_s: float
 def warmup_batch_sizes(max_batch_size: int) -> list[int]:
     """The batch sizes a replica runs before it reports ready: powers of two, and the most.
 
-    A cold replica's first large batches were slow (TorchScript specialising its graph,
-    kernels and allocator on first use): on the H200 they pushed the queue wait over its
-    threshold and held the level at 2 for 30 s after a replica started."""
+    A cold replica's first large batches are slow (TorchScript specialising its graph,
+    kernels and allocator on first use); run at start, they do not count as queue wait."""
     sizes, n = [], 1
     while n < max_batch_size:
         sizes.append(n)

@@ -2,9 +2,9 @@
 
 Under overload most requests are refusals, and on a host where the ingress shares
 cores with the model every millisecond a refusal costs is taken from the model. A
-refusal in the router costs the router's HTTP server, FastAPI and the pipeline (about
-0.7 ms of CPU here); HAProxy, a C program already in front of every router, answers
-one for a few microseconds. So the classes the current degradation level does not
+refusal in the router costs the router's HTTP server, FastAPI and the pipeline;
+HAProxy, a C program already in front of every router, answers one for a few
+microseconds. So the classes the current degradation level does not
 admit are refused there:
 
 * ``haproxy_edge.sh`` is Serve's HAProxy binary (``RAY_SERVE_HAPROXY_BINARY_PATH``):

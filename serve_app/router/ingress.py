@@ -1,15 +1,5 @@
 """How HTTP reaches the router: Serve's HAProxy mode or its Python proxy.
 
-Measured on this project's 2-core test machine (closed loop, concurrency 8, every
-request refused by a tenant quota, so it is the cost of an answer without model work):
-
-===================  =====================  =======================  ============
-ingress              server CPU / request   (proxy or HAProxy part)  refusals / s
-===================  =====================  =======================  ============
-Serve's proxy actor  11 ms                  5.7 ms                   ~115
-HAProxy mode         1.2 ms                 0.2 ms                   ~490
-===================  =====================  =======================  ============
-
 With the proxy actor every request crosses two Python processes and a Ray actor
 call each way (plus one more from the router back to the proxy to watch for a
 client disconnect); in HAProxy mode the router replica runs its own HTTP server
