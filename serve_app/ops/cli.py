@@ -30,6 +30,23 @@ def pidfile(port: int) -> Path:
     return Path(f".run/ballast-{port}.pid")
 
 
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def default_url(run_dir: Path = Path(".run")) -> str:
+    """Where the admin commands go without ``--url``: the stack ``make serve`` started
+    here (its pid file: the default config's port, else the only stack running), else
+    the default port."""
+    found = sorted(run_dir.glob("ballast-*.pid"))
+    default = run_dir / pidfile(8000).name
+    for path in ([default] if default in found else found if len(found) == 1 else []):
+        try:
+            return str(json.loads(path.read_text())["url"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return DEFAULT_URL
+
+
 def _wait_ready(url: str, timeout_s: float) -> bool:
     import httpx
 
@@ -158,12 +175,7 @@ def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict]
     import httpx
 
     t: _Target = ctx.obj
-    url = t.url
-    if url is None:
-        try:
-            url = json.loads(pid_path.read_text())["url"]
-        except (OSError, ValueError, KeyError):
-            url = "http://127.0.0.1:8000"
+    url = t.url or default_url()
     token = t.token or os.environ.get("BALLAST_ADMIN_TOKEN")
     if not token:
         typer.echo("set BALLAST_ADMIN_TOKEN (or --token) to the admin token", err=True)

@@ -162,3 +162,26 @@ def test_an_answer_that_is_not_ballasts_is_a_clear_error_not_a_traceback(capsys)
         server.server_close()
     err = capsys.readouterr().err
     assert "answered 404 with no JSON document" in err and "not found" in err
+
+
+def test_without_url_the_commands_go_to_the_stack_make_serve_started(tmp_path: Path) -> None:
+    from serve_app.ops.cli import DEFAULT_URL, default_url
+
+    run = tmp_path / ".run"
+    assert default_url(run) == DEFAULT_URL  # nothing started here
+    run.mkdir()
+    (run / "ballast-8123.pid").write_text(json.dumps({"pid": 1, "url": "http://127.0.0.1:8123"}))
+    assert default_url(run) == "http://127.0.0.1:8123"  # the only stack running
+    (run / "ballast-8000.pid").write_text(json.dumps({"pid": 2, "url": "http://127.0.0.1:8000"}))
+    assert default_url(run) == "http://127.0.0.1:8000"  # make serve's, of two
+    (run / "ballast-8000.pid").write_text("not json")
+    assert default_url(run) == DEFAULT_URL
+
+
+def test_status_without_url_reads_the_pid_file_and_says_when_nothing_answers(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".run").mkdir()
+    (tmp_path / ".run" / "ballast-8123.pid").write_text(json.dumps({"pid": 1, "url": "http://127.0.0.1:9"}))
+    monkeypatch.setenv("BALLAST_ADMIN_TOKEN", "t")
+    assert main(["status"]) != 0
+    assert "cannot reach Ballast at http://127.0.0.1:9" in capsys.readouterr().err
