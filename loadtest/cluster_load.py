@@ -255,8 +255,9 @@ class ClusterLoad:
         if key:
             headers["Idempotency-Key"] = key
         body: dict = {"prompt": "cluster", "max_tokens": self.max_tokens, "stream": stream}
-        if got.resume() is not None:
-            body["resume"] = got.resume()
+        resume = got.resume()
+        if resume is not None:
+            body["resume"] = resume
         try:
             timeout = httpx.Timeout(self.timeout_s, connect=CONNECT_TIMEOUT_S)
             async with client.stream("POST", f"{endpoint}/v1/generate", headers=headers, json=body,

@@ -36,13 +36,19 @@ class NvmlGpuProbe:
         self._nvml = nvml
         self._handle = handle
 
-    def sample(self) -> Optional[GpuSample]:
+    def _query(self, *calls: str) -> Optional[list[Any]]:
+        """Each NVML device call's answer for this device; None (and a warning) when one fails."""
         try:
-            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-            mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+            return [getattr(self._nvml, call)(self._handle) for call in calls]
         except Exception as e:  # a GPU that falls off the bus: absent, and say so once per call
             log.warning("NVML sample failed: %r", e)
             return None
+
+    def sample(self) -> Optional[GpuSample]:
+        got = self._query("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo")
+        if got is None:
+            return None
+        util, mem = got
         return GpuSample(util_pct=float(util.gpu), vram_used_bytes=int(mem.used), vram_total_bytes=int(mem.total))
 
     def close(self) -> None:
@@ -65,16 +71,26 @@ def _visible_device(nvml: Any) -> Any:
     return nvml.nvmlDeviceGetHandleByUUID(visible)
 
 
+def _nvml(given: Any = None, warn: bool = False) -> Any:
+    """``given`` (a fake in tests), else the ``pynvml`` module nvidia-ml-py installs; None without it."""
+    if given is not None:
+        return given
+    try:
+        import pynvml
+    except ImportError:
+        if warn:
+            log.warning("nvidia-ml-py is not installed: GPU metrics absent")
+        return None
+    return pynvml
+
+
 def make_gpu_probe(device: str, nvml: Any = None) -> Optional[NvmlGpuProbe]:
     """A probe for ``device`` ("cuda:0", "cpu"), or None when GPU metrics are absent."""
     if not device.startswith("cuda"):
         return None
+    nvml = _nvml(nvml, warn=True)
     if nvml is None:
-        try:
-            import pynvml as nvml  # from nvidia-ml-py
-        except ImportError:
-            log.warning("nvidia-ml-py is not installed: GPU metrics absent")
-            return None
+        return None
     try:
         nvml.nvmlInit()
         return NvmlGpuProbe(nvml, _visible_device(nvml))
@@ -90,7 +106,7 @@ class ProcessGpuSample:
     vram_total_bytes: int
 
 
-class ProcessGpuProbe:
+class ProcessGpuProbe(NvmlGpuProbe):
     """What one process uses of one GPU, sampled from outside the process (the watchdog).
 
     The device is named by UUID because the watchdog has no GPU of its own and so
@@ -98,18 +114,14 @@ class ProcessGpuProbe:
     """
 
     def __init__(self, nvml: Any, handle: Any, pid: int):
-        self._nvml = nvml
-        self._handle = handle
+        super().__init__(nvml, handle)
         self._pid = pid
 
-    def sample(self) -> Optional[ProcessGpuSample]:
-        try:
-            util = self._nvml.nvmlDeviceGetUtilizationRates(self._handle)
-            mem = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
-            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        except Exception as e:
-            log.warning("NVML sample failed: %r", e)
+    def sample(self) -> Optional[ProcessGpuSample]:  # type: ignore[override]
+        got = self._query("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetComputeRunningProcesses")
+        if got is None:
             return None
+        util, mem, procs = got
         used: Optional[int] = None
         for p in procs:
             if int(p.pid) == self._pid:
@@ -117,20 +129,12 @@ class ProcessGpuProbe:
                 used = None if p.usedGpuMemory is None else int(p.usedGpuMemory)
         return ProcessGpuSample(float(util.gpu), used, int(mem.total))
 
-    def close(self) -> None:
-        try:
-            self._nvml.nvmlShutdown()
-        except Exception:
-            pass
-
 
 def visible_gpu_uuid(nvml: Any = None) -> Optional[str]:
     """The UUID of this process's cuda:0, for a watchdog to find the same device; None without one."""
+    nvml = _nvml(nvml)
     if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return None
+        return None
     try:
         nvml.nvmlInit()
         try:
@@ -147,11 +151,9 @@ def make_process_gpu_probe(gpu_uuid: Optional[str], pid: int, nvml: Any = None) 
     """A probe of ``pid`` on the GPU ``gpu_uuid``, or None (no GPU: VRAM metrics absent)."""
     if not gpu_uuid:
         return None
+    nvml = _nvml(nvml)
     if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return None
+        return None
     try:
         nvml.nvmlInit()
         return ProcessGpuProbe(nvml, nvml.nvmlDeviceGetHandleByUUID(gpu_uuid), pid)
