@@ -3,12 +3,12 @@ recycles, replicas), all behind the admin token (401 without a token, 403 with a
 
 Each admin action is a call to the controller (never on the generate path), answered
 422 when the controller refuses the input and 503 when it cannot be reached.
-``AdminRoutes`` is a part of the Router deployment (app.py).
+``Admin`` holds what those routes read: the controller link, the snapshot cache and
+the pipeline's own status; the Router deployment (app.py) declares the routes.
 """
 
 import asyncio
 import json
-import time
 from typing import Any, Optional
 
 from fastapi import Request
@@ -25,7 +25,7 @@ from serve_app.errors import (
     NotFound,
     Unauthenticated,
 )
-from serve_app.router.api import app, bearer_token, read_body, validate_body
+from serve_app.router.api import bearer_token, read_body, validate_body
 from serve_app.router.ingress import running_fast_path, running_ingress
 
 
@@ -59,10 +59,19 @@ class RecycleRequest(BaseModel):
     all: bool = False  # every replica of the deployment (or of both), in turn
 
 
-class AdminRoutes:
-    """Admin and status routes (a part of ``Router``)."""
+class Admin:
+    """``/v1/status`` and ``/admin/*``: every handler checks the admin token first."""
 
-    @app.get("/v1/status")
+    def __init__(self, cfg: Any, keys: Any, link: Any, exchange: Any, cache: Any, pipeline: Any, router_id: str) -> None:
+        self._cfg = cfg
+        self._limits = cfg.limits
+        self._keys = keys
+        self._link = link  # calls to the controller
+        self._exchange = exchange  # the snapshot exchange: a change is fetched at once
+        self._cache = cache
+        self._pipeline = pipeline
+        self._router_id = router_id
+
     async def status(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)
         eff = self._cache.effective()
@@ -71,9 +80,7 @@ class AdminRoutes:
             "level": eff.level,
             "source": eff.source,
             "constraints": eff.constraints.to_dict(),
-            "snapshot": None
-            if snap is None
-            else {
+            "snapshot": None if snap is None else {
                 "epoch": snap.epoch,
                 "version": snap.version,
                 "age_s": round(self._cache.age_s() or 0.0, 3),
@@ -81,40 +88,32 @@ class AdminRoutes:
                 "reason": snap.reason,
                 "inputs": snap.inputs,
             },
-            "replicas": {
-                dep: {
-                    "desired": (snap.desired_replicas.get(dep) if snap else None),
-                    "running": (snap.running_replicas.get(dep) if snap else None),
-                    **({"autoscale": snap.autoscale[dep]} if snap and dep in snap.autoscale else {}),
-                }
-                for dep in sorted(set(snap.desired_replicas) | set(snap.running_replicas) if snap else ())
-            },
+            "replicas": self._replicas(snap),
             "router_id": self._router_id,
             "ingress": running_ingress(),
             "fast_path": running_fast_path(),
-            "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in self._caller.backends},
-            "retry_budget": self._caller.budget.snapshot(),
-            # Attempts whose replica or node went away, since this router started: carried on
-            # elsewhere, or not (to the fallback, else 503 REPLICA_LOST). Not model errors:
-            # no breaker or level counts them.
-            "lost_capacity": dict(self._caller.lost),
-            "kill_switches": [e.to_dict() for e in self._kill_switches],
-            "quotas": {
-                t: {"rate_tokens_per_s": b.rate_tokens_per_s, "burst_tokens": b.burst_tokens, "tokens": round(b.tokens, 1),
-                    "lease": t in self._leases and self._leases[t].expires_at_s > time.monotonic()}
-                for t, b in self._buckets.items()
-            },
+            **self._pipeline.status(),
             "chaos": snap.chaos if snap else {},
             "recycle": snap.recycle if snap else {},
-            "gate": self._gate.snapshot() if self._gate is not None else None,
-            "tenant_inflight": dict(self._tenant_inflight),  # admitted, waiting at the gate or at the model
+        }
+
+    @staticmethod
+    def _replicas(snap: Any) -> dict[str, Any]:
+        if snap is None:
+            return {}
+        return {
+            dep: {
+                "desired": snap.desired_replicas.get(dep),
+                "running": snap.running_replicas.get(dep),
+                **({"autoscale": snap.autoscale[dep]} if dep in snap.autoscale else {}),
+            }
+            for dep in sorted(set(snap.desired_replicas) | set(snap.running_replicas))
         }
 
     # -- admin: kill switch and chaos ------------------------------------------------
     def _operator(self, request: Request) -> str:
         return (request.headers.get("x-ballast-operator") or "admin")[:64]
 
-    @app.post("/admin/kill-switch", status_code=201)
     async def set_kill_switch(self, request: Request) -> JSONResponse:
         self._require_admin(request)
         body = validate_body(KillSwitchRequest, await self._read_json(request))
@@ -124,12 +123,10 @@ class AdminRoutes:
         await self._exchange.exchange_once()  # this router enforces it at once
         return JSONResponse(entry, status_code=201)
 
-    @app.get("/admin/kill-switch")
     async def list_kill_switches(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)
         return await self._controller("kill_switches")
 
-    @app.delete("/admin/kill-switch/{entry_id}")
     async def delete_kill_switch(self, entry_id: str, request: Request) -> dict[str, Any]:
         self._require_admin(request)
         if not await self._controller("delete_kill_switch", entry_id, self._operator(request)):
@@ -137,7 +134,6 @@ class AdminRoutes:
         await self._exchange.exchange_once()
         return {"deleted": entry_id}
 
-    @app.post("/admin/chaos")
     async def set_chaos(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)
         if not self._cfg.chaos.enabled:
@@ -147,7 +143,6 @@ class AdminRoutes:
         chaos = await self._controller("set_chaos", body.target, settings, self._operator(request))
         return {"chaos": chaos}
 
-    @app.post("/admin/recycle", status_code=202)
     async def recycle(self, request: Request) -> JSONResponse:
         """Ask for replicas to be recycled: they go in turn, under the planner's rules."""
         self._require_admin(request)
@@ -157,13 +152,11 @@ class AdminRoutes:
         marked = await self._controller("request_recycle", body.replica_id, body.deployment, body.all, self._operator(request))
         return JSONResponse({"accepted": marked}, status_code=202)
 
-    @app.get("/admin/replicas")
     async def replicas(self, request: Request) -> dict[str, Any]:
         """Every replica as its watchdog sees it, plus recycles in flight and recent events."""
         self._require_admin(request)
         return await self._controller("replica_status")
 
-    @app.delete("/admin/chaos")
     async def clear_chaos(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)
         if not self._cfg.chaos.enabled:

@@ -1,10 +1,10 @@
 """The router's FastAPI app and what every route shares: the error mapping (each
 BallastError to its status, code and Retry-After, once), body reading and validation,
-the bearer token, SSE framing.
+the bearer token, SSE framing, and the streaming response that settles its stream.
 
-The routes themselves are methods of the Router deployment's classes, registered on
-``app`` here: /v1/generate in generate.py, admin and status in admin.py, health in
-app.py, which puts them together under ``serve.ingress(app)``.
+The routes are declared on ``app`` by the Router deployment (app.py, under
+``serve.ingress(app)``); each hands its request to a front (generate.py, openai.py,
+admin.py).
 """
 
 import json
@@ -12,7 +12,7 @@ import math
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -42,6 +42,24 @@ def error_response(err: BallastError, openai: bool = False) -> JSONResponse:
     if openai:
         return JSONResponse(openai_error_body(err), status_code=err.status, headers=headers)
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+class StreamResponse(StreamingResponse):
+    """Server-sent events from ``body``, then ``stream.aclose()``, however the response
+    ends: sent whole, cut by the client, or never begun (the client left before the
+    first event). It is awaited as soon as the route returns it, so its ``finally``
+    always runs: a stream's ticket never waits for garbage collection."""
+
+    def __init__(self, body: Any, stream: Any, headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={**(headers or {}), "Cache-Control": "no-cache"})
+        self._stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._stream.aclose()
 
 
 def sse_event(event: str, data: dict[str, Any]) -> bytes:
@@ -95,9 +113,15 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 MIGRATIONS_HEADER = "X-Ballast-Migrations"
 
 
-def migrated_header(answer: dict[str, Any]) -> dict[str, str]:
-    n = int(answer.get("migrations") or 0)
-    return {MIGRATIONS_HEADER: str(n)} if n else {}
+def answer_headers(answer: Any) -> dict[str, str]:
+    """What every unary answer says in its headers: who answered, whether it was sent
+    again after its replica went away, whether it is a replay of an Idempotency-Key."""
+    headers = {"X-Ballast-Fallback": answer.fallback or "none"}
+    if answer.migrations:
+        headers[MIGRATIONS_HEADER] = str(answer.migrations)
+    if answer.replayed:
+        headers["X-Ballast-Idempotent-Replay"] = "true"
+    return headers
 
 
 def claimed_criticality(request: Request, from_body: Optional[Criticality], error: type = InvalidRequest) -> Criticality:

@@ -227,8 +227,7 @@ class PriorityGate:
 
 
 class GateSlot:
-    """One held slot, given back exactly once: by ``release`` or, for a response that was
-    never iterated (a stream whose client left before it began), when it is collected."""
+    """One held slot (or none: ``GateSlot(None)``), given back exactly once by ``release``."""
 
     __slots__ = ("_gate",)
 
@@ -239,6 +238,3 @@ class GateSlot:
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.release(service_s)
-
-    def __del__(self) -> None:
-        self.release()

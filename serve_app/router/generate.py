@@ -1,34 +1,32 @@
 """``POST /v1/generate``: Ballast's native front on the shared request pipeline.
 
-The front reads and bounds its body (413, 422 naming the field), then hands the
-request to ``pipeline.Pipeline`` (identity, kill switch, admission, the ticket, the
-gate, the resilient call; its docstring walks the path) and formats the answer: one
-JSON object, or server-sent events ``token`` … ``done`` (or ``error``). At a level
-that does not allow streaming, a stream request gets one ``token`` event with the
-whole text, then ``done``.
+``NativeFront`` reads and bounds its body (413, 422 naming the field), hands the
+request to the ``Pipeline`` it holds (identity, kill switch, admission, the ticket,
+the gate, the resilient call; pipeline.py's docstring walks the path) and formats
+what comes back: one JSON object, or server-sent events ``token`` … ``done`` (or
+``error``). At a level that does not allow streaming, a stream request gets one
+``token`` event with the whole text, then ``done``.
 
 A stream cut on its way to the client (its router's node lost: no router can carry it
 on, only the client can) is resumed by sending the same request again with
 ``resume``: the token ids the ``token`` events carried and the characters the client
 got. The model prefills the prompt and those ids and goes on; the client gets only
 the text it does not have, and ``done`` counts the whole generation.
-
-``GenerateRoutes`` is a part of the Router deployment (app.py).
 """
 
 import json
-import time
 from typing import Annotated, Any, AsyncGenerator, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.criticality import Criticality
 
 from serve_app.errors import BallastError, InvalidRequest, PayloadTooLarge
-from serve_app.router.api import app, claimed_criticality, migrated_header, read_body, sse_event, validate_body
-from serve_app.router.pipeline import Admitted, StreamEnd
+from serve_app.router.api import StreamResponse, answer_headers, claimed_criticality, read_body, sse_event, validate_body
+from serve_app.router.pipeline import Answer, ModelRequest, Pipeline, Stream
+from serve_app.router.tokens import ModelText
 
 
 class Resume(BaseModel):
@@ -52,58 +50,54 @@ class GenerateRequest(BaseModel):
     resume: Optional[Resume] = None  # a cut stream sent again (the module's docstring)
 
 
-class GenerateRoutes:
-    """The native generate route (a part of ``Router``)."""
+class NativeFront:
+    """``POST /v1/generate`` on the pipeline it holds."""
 
-    @app.post("/v1/generate")
-    async def generate(self, request: Request):
-        self._exchange.start()
-        started = time.monotonic()
-        tenant = self._tenant(request)
-        deadline = self._deadline(request, started)
+    def __init__(self, pipeline: Pipeline, text: ModelText, limits: Any) -> None:
+        self._pipeline = pipeline
+        self._text = text
+        self._limits = limits
+
+    async def generate(self, request: Request) -> Response:
+        caller = self._pipeline.identify(request)
         req = self._parse(await read_body(request, self._limits.max_body_bytes))
-        key = self._idempotency_key(request)
-        resumed = self._resume_fields(req, key)
+        resumed = self._resume_fields(req, caller.idempotency_key)
         prompt_tokens = self._text.count(req.prompt)
-        max_tokens = self._text.fit(prompt_tokens, req.max_tokens)
         # A resumed stream prefills the ids it brings beside its prompt.
         kv_prompt = prompt_tokens + len(resumed.get("continue_ids", ()))
-        admitted = await self._admit(tenant, claimed_criticality(request, req.criticality), kv_prompt, max_tokens, req.stream, deadline)
-        meta = admitted.meta(self._cfg.model.name)
-        call = {"prompt": req.prompt, "max_tokens": admitted.max_tokens, **resumed}
-        if req.stream and admitted.streaming:
-            return StreamingResponse(
-                self._native_stream(admitted, call, meta), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
-        answer, replayed = await self._answer_unary(admitted, call, key)
-        generated = answer["tokens"] + len(resumed.get("continue_ids", ()))
-        body = {"text": answer["text"], "tokens_generated": generated, **meta, "fallback": answer["fallback"], "model": answer["model"]}
-        headers = {"X-Ballast-Fallback": answer["fallback"] or "none", **migrated_header(answer)}
-        if replayed:
-            headers["X-Ballast-Idempotent-Replay"] = "true"
-        if req.stream:  # streaming is off at this level: one token event, then done
+        served = await self._pipeline.serve(ModelRequest(
+            caller, claimed_criticality(request, req.criticality), kv_prompt,
+            self._text.fit(prompt_tokens, req.max_tokens), req.stream, {"prompt": req.prompt, **resumed},
+        ))
+        resumed_tokens = len(resumed.get("continue_ids", ()))
+        if isinstance(served, Stream):
+            return StreamResponse(self._events(served, resumed_tokens), served)
+        return self._answer(served, resumed_tokens, req.stream)
+
+    def _answer(self, answer: Answer, resumed_tokens: int, stream: bool) -> Response:
+        meta = answer.admission.meta(answer.model)
+        body = {"text": answer.text, "tokens_generated": answer.tokens + resumed_tokens, **meta, "fallback": answer.fallback}
+        headers = answer_headers(answer)
+        if stream:  # streaming is off at this level: one token event, then done
             done = {k: v for k, v in body.items() if k != "text"}
             events = sse_event("token", {"text": body["text"], "tokens": body["tokens_generated"]}) + sse_event("done", done)
             return Response(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(body, headers=headers)
 
-    async def _native_stream(self, admitted: Admitted, call: dict[str, Any], meta: dict[str, Any]) -> AsyncGenerator[bytes, None]:
-        end = StreamEnd()
-        chunks = self._answer_stream(admitted, call, end)
+    async def _events(self, stream: Stream, resumed_tokens: int) -> AsyncGenerator[bytes, None]:
         try:
-            async for chunk in chunks:
+            async for chunk in stream:
                 event = {"text": chunk["text"], "tokens": chunk["tokens"]}
-                if end.fallback is None:  # the primary's ids: the client resumes a cut stream with them
+                if stream.fallback is None:  # the primary's ids: the client resumes a cut stream with them
                     event["ids"] = chunk.get("ids", [])
                 yield sse_event("token", event)
-            resumed = len(call.get("continue_ids", ()))
-            yield sse_event("done", {"tokens_generated": resumed + end.tokens, **meta, "fallback": end.fallback,
-                                     "model": self._answered_by(end.fallback), "migrations": end.migrations,
-                                     **({"resumed_tokens": resumed} if resumed else {})})
+            yield sse_event("done", {"tokens_generated": resumed_tokens + stream.tokens, **stream.admission.meta(stream.model),
+                                     "fallback": stream.fallback, "migrations": stream.migrations,
+                                     **({"resumed_tokens": resumed_tokens} if resumed_tokens else {})})
         except BallastError as err:
             yield sse_event("error", err.body())
         finally:
-            await chunks.aclose()  # a client that left mid-stream: settled now, not when collected
+            await stream.aclose()  # a client that left mid-stream: settled now, not when collected
 
     def _resume_fields(self, req: GenerateRequest, key: Optional[str]) -> dict[str, Any]:
         """The call's continuation fields for a resumed stream (checked here: a bad id

@@ -18,8 +18,6 @@ the request, hands it to ``pipeline.Pipeline`` and formats what comes back.
 * Errors: ``{"error": {"message", "type", "param", "code"}}`` with Ballast's stable code
   in ``code`` and Retry-After on 429/503, so the SDK raises its typed errors and its
   own retries wait as told (``api.py`` picks the shape by route).
-
-``OpenAIRoutes`` is a part of the Router deployment (app.py).
 """
 
 from __future__ import annotations
@@ -29,46 +27,58 @@ import time
 from typing import Any, AsyncGenerator, Optional, Union
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from serve_app.errors import BallastError, PayloadTooLarge
 from serve_app.router import openai_api as oa
 from serve_app.stops import StopScanner, cut_at_stop
-from serve_app.router.api import app, claimed_criticality, migrated_header, read_body
-from serve_app.router.pipeline import Admitted, StreamEnd
+from serve_app.router.api import StreamResponse, answer_headers, claimed_criticality, read_body
+from serve_app.router.pipeline import Admission, Answer, ModelRequest, Pipeline, Stream
+from serve_app.router.tokens import ModelText
 
 
 Parsed = Union[oa.ChatCompletionRequest, oa.CompletionRequest]
 
 
-class OpenAIRoutes:
-    """The OpenAI-compatible routes (a part of ``Router``)."""
+class OpenAIFront:
+    """The OpenAI-compatible routes on the pipeline it holds."""
 
-    @app.get("/v1/models")
-    async def list_models(self, request: Request):
-        self._tenant(request)  # a key is needed here as on every model route
-        return JSONResponse(oa.models_list(self._served_models(), self._created_s))
+    def __init__(self, pipeline: Pipeline, cfg: Any, text: ModelText, created_s: int) -> None:
+        self._pipeline = pipeline
+        self._cfg = cfg
+        self._limits = cfg.limits
+        self._text = text
+        self._created_s = created_s  # /v1/models' "created"
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
-        return await self._openai(request, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(self, request: Request):
-        return await self._openai(request, chat=False)
-
-    # -- the shared part of both ----------------------------------------------------------
-    def _served_models(self) -> list[str]:
+    def models(self, request: Request) -> JSONResponse:
+        self._pipeline.identify(request)  # a key is needed here as on every model route
         names = [self._cfg.model.name]
         if self._cfg.fallback is not None and self._cfg.fallback.model.name not in names:
             names.append(self._cfg.fallback.model.name)
-        return names
+        return JSONResponse(oa.models_list(names, self._created_s))
 
-    async def _openai(self, request: Request, chat: bool) -> Response:
-        self._exchange.start()
-        started = time.monotonic()
-        tenant = self._tenant(request)
-        deadline = self._deadline(request, started)
+    async def complete(self, request: Request, chat: bool) -> Response:
+        """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``."""
+        caller = self._pipeline.identify(request)
+        req = await self._parse(request, chat)
+        prompt = self._text.render_chat(req.messages) if chat else req.prompt
+        if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
+            raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
+        claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
+        # A chat prompt holds its template's special tokens already; a raw prompt gets them.
+        prompt_tokens = self._text.count(prompt, add_special_tokens=not chat)
+        max_tokens = self._text.fit(prompt_tokens, oa.max_tokens_of(req))
+        stops = oa.stops_of(req)
+        served = await self._pipeline.serve(ModelRequest(caller, claimed, prompt_tokens, max_tokens, req.stream,
+                                                         self._call(req, prompt, chat, stops)))
+        answer_id = oa.Identity(oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()))
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        headers = self._headers(served.admission)
+        if isinstance(served, Stream):
+            return StreamResponse(self._events(served, chat, answer_id, stops, usage), served, headers)
+        return self._answer(served, chat, answer_id, stops, req.stream and usage, req.stream, headers)
+
+    async def _parse(self, request: Request, chat: bool) -> Parsed:
         raw = await read_body(request, self._limits.max_body_bytes)
         try:
             data = json.loads(raw)
@@ -77,21 +87,15 @@ class OpenAIRoutes:
         req: Parsed = oa.parse_chat(data) if chat else oa.parse_completion(data)
         if req.model != self._cfg.model.name:
             raise oa.unknown_model(req.model, [self._cfg.model.name])
-        prompt = self._text.render_chat(req.messages) if chat else req.prompt
-        if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
-            raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         asked = oa.max_tokens_of(req)
         if asked is not None and asked > self._limits.max_tokens_limit:
             field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise oa.BadRequest(f"{field}: must be <= {self._limits.max_tokens_limit}", field=field)
-        claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
-        key = self._idempotency_key(request)
-        # A chat prompt holds its template's special tokens already; a raw prompt gets them.
-        prompt_tokens = self._text.count(prompt, add_special_tokens=not chat)
-        max_tokens = self._text.fit(prompt_tokens, asked)
-        admitted = await self._admit(tenant, claimed, prompt_tokens, max_tokens, req.stream, deadline)
-        stops = oa.stops_of(req)
-        call: dict[str, Any] = {"prompt": prompt, "max_tokens": admitted.max_tokens}
+        return req
+
+    @staticmethod
+    def _call(req: Parsed, prompt: str, chat: bool, stops: tuple[str, ...]) -> dict[str, Any]:
+        call: dict[str, Any] = {"prompt": prompt}
         if chat:
             call["add_special_tokens"] = False
         if stops:
@@ -99,86 +103,59 @@ class OpenAIRoutes:
         for name in ("temperature", "top_p", "seed"):
             if getattr(req, name) is not None:
                 call[name] = getattr(req, name)
-        ids = (oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()))
-        headers = self._openai_headers(admitted)
-        if req.stream and admitted.streaming:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(
-                self._openai_stream(admitted, call, chat, ids, stops, usage),
-                media_type="text/event-stream",
-                headers={**headers, "Cache-Control": "no-cache"},
-            )
-        answer, replayed = await self._answer_unary(admitted, call, key)
-        text, stopped = cut_at_stop(answer["text"], stops)
-        usage = (admitted.ticket.prompt_tokens, int(answer["tokens"]))
-        finish = oa.finish_reason(usage[1], admitted.max_tokens, stopped or answer.get("finish_reason") == "stop")
-        headers["X-Ballast-Fallback"] = answer["fallback"] or "none"
-        headers.update(migrated_header(answer))
-        if replayed:
-            headers["X-Ballast-Idempotent-Replay"] = "true"
-        build = oa.chat_completion if chat else oa.completion
-        body = build(ids[0], ids[1], answer["model"], text, finish, usage[0], usage[1])
-        if not req.stream:
-            return JSONResponse(body, headers=headers)
-        # Streaming is off at this level: the whole answer as one stream event, then [DONE].
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Response(self._one_event_stream(body, chat, usage), media_type="text/event-stream", headers=headers)
+        return call
 
     @staticmethod
-    def _openai_headers(admitted: Admitted) -> dict[str, str]:
-        headers = {"X-Ballast-Criticality": admitted.criticality.value, "X-Ballast-Level": str(admitted.level)}
-        if admitted.degraded_reasons:
-            headers["X-Ballast-Degraded"] = ",".join(admitted.degraded_reasons)
+    def _headers(admission: Admission) -> dict[str, str]:
+        headers = {"X-Ballast-Criticality": admission.criticality.value, "X-Ballast-Level": str(admission.level)}
+        if admission.degraded_reasons:
+            headers["X-Ballast-Degraded"] = ",".join(admission.degraded_reasons)
         return headers
 
-    async def _openai_stream(
-        self, admitted: Admitted, call: dict[str, Any], chat: bool, ids: tuple[str, int], stops: tuple[str, ...], usage: bool
+    @staticmethod
+    def _answer(answer: Answer, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], usage: bool,
+                stream: bool, headers: dict[str, str]) -> Response:
+        text, stopped = cut_at_stop(answer.text, stops)
+        a = answer.admission
+        finish = oa.finish_reason(answer.tokens, a.max_tokens, stopped or answer.finish_reason == "stop")
+        headers = {**headers, **answer_headers(answer)}
+        ident = answer_id.of(answer.model)
+        counts = oa.Counts(a.prompt_tokens, answer.tokens)
+        if not stream:
+            build = oa.chat_completion if chat else oa.completion
+            return JSONResponse(build(ident, text, finish, counts), headers=headers)
+        # Streaming is off at this level: the whole answer as one stream event, then [DONE].
+        events = oa.one_event_stream(ident, chat, text, finish, counts if usage else None)
+        return Response(events, media_type="text/event-stream", headers=headers)
+
+    async def _events(
+        self, stream: Stream, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], usage: bool
     ) -> AsyncGenerator[bytes, None]:
-        end = StreamEnd()
         scanner = StopScanner(stops)
         chunk = oa.chat_chunk if chat else oa.completion_chunk
-        model = self._cfg.model.name
-        parts = self._answer_stream(admitted, call, end)
+        ident = answer_id.of(self._cfg.model.name)
         try:
             if chat:
-                yield oa.sse_data(chunk(ids[0], ids[1], model, {"role": "assistant", "content": ""}, None))
-            async for part in parts:
-                model = self._answered_by(end.fallback)
+                yield oa.sse_data(oa.chat_chunk(ident, oa.ChunkDelta(role="assistant", content=""), None))
+            async for part in stream:
+                ident = answer_id.of(stream.model)
                 text = scanner.feed(part["text"])
                 if text:
-                    yield oa.sse_data(chunk(ids[0], ids[1], model, {"content": text} if chat else text, None))
+                    yield oa.sse_data(chunk(ident, oa.delta(chat, text), None))
                 if scanner.stopped:  # a stop string: the answer is complete, the model stops now
-                    end.enough = True
-                    await parts.aclose()
+                    stream.enough()
+                    await stream.aclose()
                     break
             rest = scanner.finish()
             if rest:
-                yield oa.sse_data(chunk(ids[0], ids[1], model, {"content": rest} if chat else rest, None))
-            finish = oa.finish_reason(end.tokens, admitted.max_tokens, scanner.stopped or end.finish == "stop")
-            yield oa.sse_data(chunk(ids[0], ids[1], model, {} if chat else "", finish))
+                yield oa.sse_data(chunk(ident, oa.delta(chat, rest), None))
+            a = stream.admission
+            finish = oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop")
+            yield oa.sse_data(chunk(ident, oa.delta(chat, None), finish))
             if usage:
-                usage_chunk = oa.chat_usage_chunk if chat else oa.completion_usage_chunk
-                yield oa.sse_data(usage_chunk(ids[0], ids[1], model, admitted.ticket.prompt_tokens, end.tokens))
+                yield oa.sse_data(oa.usage_chunk(ident, chat, oa.Counts(a.prompt_tokens, stream.tokens)))
         except BallastError as err:
             yield oa.sse_data(oa.openai_error_body(err))
         finally:
-            await parts.aclose()  # a client that left mid-stream: the model stops within a step
+            await stream.aclose()  # a client that left mid-stream: the model stops within a step
         yield oa.SSE_DONE
-
-    @staticmethod
-    def _one_event_stream(body: dict[str, Any], chat: bool, usage: bool) -> bytes:
-        """A unary answer as a stream: its text in one event, the finish, the usage, [DONE]."""
-        choice = body["choices"][0]
-        ids = (body["id"], body["created"], body["model"])
-        if chat:
-            events = [
-                oa.chat_chunk(*ids, {"role": "assistant", "content": choice["message"]["content"]}),
-                oa.chat_chunk(*ids, {}, choice["finish_reason"]),
-            ]
-        else:
-            events = [oa.completion_chunk(*ids, choice["text"]), oa.completion_chunk(*ids, "", choice["finish_reason"])]
-        if usage:
-            u = body["usage"]
-            usage_chunk = oa.chat_usage_chunk if chat else oa.completion_usage_chunk
-            events.append(usage_chunk(*ids, u["prompt_tokens"], u["completion_tokens"]))
-        return b"".join(oa.sse_data(e) for e in events) + oa.SSE_DONE

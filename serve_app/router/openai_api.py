@@ -5,7 +5,8 @@ the OpenAI API so that every OpenAI client works against Ballast unchanged. This
 module is the protocol only (DESIGN.md "A front per protocol"): what a body may hold,
 the answers' exact shapes, the SSE framing, the error body. It runs nothing; the
 routes parse with ``parse_chat`` / ``parse_completion``, hand one request to the
-same pipeline as ``/v1/generate``, and build their answers with the functions below.
+same pipeline as ``/v1/generate``, and build their answers from the response models
+below (the ones ``/openapi.json`` publishes).
 
 Requests. A field Ballast does not serve is refused with 400 naming it, never
 ignored: a client that sends ``tools`` or ``logprobs`` expects their effect, and an
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Annotated, Any, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Literal, NamedTuple, Optional, Sequence, Union
 
 from pydantic import (
     BaseModel,
@@ -417,80 +418,104 @@ def finish_reason(completion_tokens: int, max_tokens: int, stopped: bool) -> str
     return "length" if not stopped and completion_tokens >= max_tokens else "stop"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+# The answers below are the models above, built and dumped with ``exclude_unset``: a
+# field is in the JSON when the answer sets it (``usage`` only where it is given), so
+# what is sent is what the contract publishes and nothing can drift from it.
 
 
-def chat_completion(
-    id: str, created: int, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
-) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text, "refusal": None}
-    return {
-        "id": id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
-        "usage": _usage(prompt_tokens, completion_tokens),
-    }
+class Ident(NamedTuple):
+    """What every event of one answer repeats: its id, its creation time, the model."""
+
+    id: str
+    created: int
+    model: str
 
 
-def completion(
-    id: str, created: int, model: str, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
-) -> dict[str, Any]:
-    out = completion_chunk(id, created, model, text, finish_reason)
-    out["usage"] = _usage(prompt_tokens, completion_tokens)
-    return out
+class Identity(NamedTuple):
+    """An answer's id and creation time, before the model that answers is known."""
+
+    id: str
+    created: int
+
+    def of(self, model: str) -> Ident:
+        return Ident(self.id, self.created, model)
 
 
-def chat_chunk(
-    id: str, created: int, model: str, delta: dict[str, Any], finish_reason: Optional[str] = None
-) -> dict[str, Any]:
+class Counts(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+
+    def usage(self) -> Usage:
+        p, c = self
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def chat_completion(ident: Ident, text: str, finish: str, counts: Counts) -> dict[str, Any]:
+    message = AssistantMessage(role="assistant", content=text, refusal=None)
+    choice = ChatChoice(index=0, message=message, finish_reason=finish, logprobs=None)
+    return _dump(ChatCompletion(**ident._asdict(), object="chat.completion", choices=[choice], usage=counts.usage()))
+
+
+def completion(ident: Ident, text: str, finish: str, counts: Counts) -> dict[str, Any]:
+    choice = CompletionChoice(index=0, text=text, finish_reason=finish, logprobs=None)
+    return _dump(Completion(**ident._asdict(), object="text_completion", choices=[choice], usage=counts.usage()))
+
+
+def delta(chat: bool, text: Optional[str]) -> Union[ChunkDelta, str]:
+    """A streamed piece of text: a chat delta (``{}`` with no text: the last one), or a
+    completion's text."""
+    if not chat:
+        return text or ""
+    return ChunkDelta() if text is None else ChunkDelta(content=text)
+
+
+def chat_chunk(ident: Ident, piece: ChunkDelta, finish: Optional[str] = None) -> ChatCompletionChunk:
     """One streamed chat event. Deltas: ``{"role": "assistant", "content": ""}`` first,
     then ``{"content": text}``, and ``{}`` with the finish reason last."""
-    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-    return {"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+    choice = ChunkChoice(index=0, delta=piece, finish_reason=finish, logprobs=None)
+    return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice])
 
 
-def completion_chunk(
-    id: str, created: int, model: str, text: str, finish_reason: Optional[str] = None
-) -> dict[str, Any]:
+def completion_chunk(ident: Ident, text: str, finish: Optional[str] = None) -> Completion:
     """One streamed completion event; its last one carries the finish reason."""
-    choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-    return {"id": id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+    choice = CompletionChoice(index=0, text=text, finish_reason=finish, logprobs=None)
+    return Completion(**ident._asdict(), object="text_completion", choices=[choice])
 
 
-def chat_usage_chunk(id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The last chat event when ``stream_options.include_usage``: no choices, the usage."""
-    return _usage_chunk("chat.completion.chunk", id, created, model, prompt_tokens, completion_tokens)
+def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> Union[ChatCompletionChunk, Completion]:
+    """The last event when ``stream_options.include_usage``: no choices, the usage."""
+    model = ChatCompletionChunk if chat else Completion
+    return model(**ident._asdict(), object="chat.completion.chunk" if chat else "text_completion",
+                 choices=[], usage=counts.usage())
 
 
-def completion_usage_chunk(
-    id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int
-) -> dict[str, Any]:
-    """The last completion event when ``stream_options.include_usage``: no choices, the usage."""
-    return _usage_chunk("text_completion", id, created, model, prompt_tokens, completion_tokens)
+def one_event_stream(ident: Ident, chat: bool, text: str, finish: str, counts: Optional[Counts]) -> bytes:
+    """A unary answer as a stream: its text in one event, the finish, the usage (when
+    ``counts``), [DONE]."""
+    if chat:
+        events: list[BaseModel] = [chat_chunk(ident, ChunkDelta(role="assistant", content=text)),
+                                   chat_chunk(ident, ChunkDelta(), finish)]
+    else:
+        events = [completion_chunk(ident, text), completion_chunk(ident, "", finish)]
+    if counts is not None:
+        events.append(usage_chunk(ident, chat, counts))
+    return b"".join(sse_data(e) for e in events) + SSE_DONE
 
 
-def _usage_chunk(
-    obj: str, id: str, created: int, model: str, prompt_tokens: int, completion_tokens: int
-) -> dict[str, Any]:
-    usage = _usage(prompt_tokens, completion_tokens)
-    return {"id": id, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+def _dump(answer: BaseModel) -> dict[str, Any]:
+    return answer.model_dump(mode="json", exclude_unset=True)
 
 
-def sse_data(obj: dict[str, Any]) -> bytes:
+def sse_data(event: Union[BaseModel, dict[str, Any]]) -> bytes:
     """One SSE event as OpenAI sends it: a data line, no event name."""
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    if isinstance(event, BaseModel):
+        return b"data: " + event.model_dump_json(exclude_unset=True).encode() + b"\n\n"
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
 def models_list(names: list[str], created: int) -> dict[str, Any]:
-    cards = [{"id": name, "object": "model", "created": created, "owned_by": "ballast"} for name in names]
-    return {"object": "list", "data": cards}
+    cards = [ModelCard(id=name, object="model", created=created, owned_by="ballast") for name in names]
+    return _dump(ModelList(object="list", data=cards))
 
 
 # ------------------------------------------------------------------------------- errors

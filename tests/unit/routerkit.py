@@ -34,9 +34,14 @@ def build_router(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> Any
     return router
 
 
+def build_pipeline(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> Any:
+    """A router's ``Pipeline`` alone, as the router builds it (the router holds the rest)."""
+    return build_router(cfg, primary, fallback).pipeline
+
+
 def at_level(router: Any, level: int) -> None:
     constraints = load_config({}).degradation_config().constraints[level].to_dict()
-    router._cache.offer(
+    router.snapshots.offer(
         Snapshot(epoch=uuid.uuid4().hex[:12], version=1, created_at_s=time.time(), level=level, target_level=level,
                  reason="test", constraints=constraints)
     )

@@ -252,16 +252,16 @@ def test_the_router_keeps_the_map_at_its_level_and_counts_the_edges_refusals_as_
     from routerkit import at_level
 
     d, port, _ = haproxy
-    router._edge = Edge(str(d), str(d / "admin.sock"))
+    router.reporter.edge = Edge(str(d), str(d / "admin.sock"))
     at_level(router, 2)
-    router._sync_edge()
-    assert router._edge.shedding == {"sheddable": "2:2:1000", "sheddable_plus": "2:2:1000"}
+    router.reporter.sync_edge()
+    assert router.reporter.edge.shedding == {"sheddable": "2:2:1000", "sheddable_plus": "2:2:1000"}
     for _ in range(3):
         assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503
     assert _post(port, "/v1/generate", "critical")[0] == 200
-    router._sync_edge()
-    assert router._offered == {"sheddable_plus": 3} and router._stats.shed == 3
+    router.reporter.sync_edge()
+    assert router.tally.offered == {"sheddable_plus": 3} and router.tally.shed == 3
     at_level(router, 0)
-    router._sync_edge()
-    assert router._edge.shedding == {} and (d / MAP_NAME).read_text() == ""
+    router.reporter.sync_edge()
+    assert router.reporter.edge.shedding == {} and (d / MAP_NAME).read_text() == ""
     assert _post(port, "/v1/generate", "sheddable")[0] == 200

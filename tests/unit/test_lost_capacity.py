@@ -36,7 +36,7 @@ async def no_pause(seconds: float) -> None:
 def stack():
     primary = FakeHandle()
     router = build_router(CFG, primary)
-    router._caller._sleep = no_pause
+    router.pipeline.caller._sleep = no_pause
     at_level(router, 0)
     with routed(router) as client:
         yield router, primary, client
@@ -68,11 +68,11 @@ def test_a_burst_of_lost_replicas_leaves_the_level_alone(stack) -> None:
     answers = burst(router, primary, client, ActorDiedError)
     assert {(r.status_code, r.json()["error"]["code"]) for r in answers} == {(503, "REPLICA_LOST")}
     assert all(r.headers.get("retry-after") for r in answers)
-    report = router._report()
+    report = router.reporter.report()
     assert (report.requests, report.errors, report.lost_capacity) == (BURST, 0, BURST * 4)
     assert len(primary.generate.calls) == BURST * 4  # each sent again three times (the limit)
-    assert router._caller.lost == {"migrated": BURST * 3, "not_migrated": BURST, "streams_carried_on": 0}
-    assert router._caller.backends[0].breaker.snapshot()["state"] == "closed"
+    assert router.pipeline.caller.lost == {"migrated": BURST * 3, "not_migrated": BURST, "streams_carried_on": 0}
+    assert router.pipeline.caller.backends[0].breaker.snapshot()["state"] == "closed"
     assert levels_after(report, 4) == [0, 0, 0, 0]
 
 
@@ -80,7 +80,7 @@ def test_the_same_burst_of_model_errors_raises_the_level_as_before(stack) -> Non
     router, primary, client = stack
     answers = burst(router, primary, client, lambda: RayTaskError("generate", "tb", RuntimeError("cuda error")))
     assert {r.json()["error"]["code"] for r in answers} == {"MODEL_UNAVAILABLE"}
-    report = router._report()
+    report = router.reporter.report()
     assert (report.requests, report.errors, report.lost_capacity) == (BURST, BURST, 0)
     # One level on the first sample; the error rate still asks a second later: level 3.
     assert levels_after(report, 3) == [1, 3, 3]
@@ -93,7 +93,7 @@ def test_a_request_sent_again_after_a_lost_replica_says_so_and_counts_no_error(s
     r = client.post("/v1/generate", headers=GOLD, json={"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["text"] == "answered"
     assert r.headers["x-ballast-migrations"] == "1"
-    report = router._report()
+    report = router.reporter.report()
     assert (report.requests, report.errors, report.lost_capacity) == (1, 0, 1)
     status = client.get("/v1/status", headers={"authorization": "Bearer admin-token"})
     assert status.json()["lost_capacity"] == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 0}

@@ -368,13 +368,18 @@ def test_cut_at_stop_without_a_stop():
 USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
 
 
+def wire(event) -> dict:
+    """A streamed event as the client reads it."""
+    return json.loads(oa.sse_data(event)[len(b"data: "):])
+
+
 def round_trips(model, answer):
     """``answer`` is exactly what ``model`` documents: no key missing, none extra."""
     return model.model_validate(answer).model_dump(exclude_unset=True) == answer
 
 
 def test_chat_completion_shape():
-    answer = oa.chat_completion("chatcmpl-1", 1700000000, "toy", "Hi!", "stop", 3, 4)
+    answer = oa.chat_completion(oa.Ident("chatcmpl-1", 1700000000, "toy"), "Hi!", "stop", oa.Counts(3, 4))
     assert answer == {
         "id": "chatcmpl-1",
         "object": "chat.completion",
@@ -394,7 +399,7 @@ def test_chat_completion_shape():
 
 
 def test_completion_shape():
-    answer = oa.completion("cmpl-1", 1700000000, "toy", " there", "length", 3, 4)
+    answer = oa.completion(oa.Ident("cmpl-1", 1700000000, "toy"), " there", "length", oa.Counts(3, 4))
     assert answer == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -407,7 +412,7 @@ def test_completion_shape():
 
 
 def test_chat_chunk_shapes():
-    first = oa.chat_chunk("chatcmpl-1", 5, "toy", {"role": "assistant", "content": ""})
+    first = wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, "toy"), oa.ChunkDelta(role="assistant", content="")))
     assert first == {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
@@ -417,9 +422,9 @@ def test_chat_chunk_shapes():
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
         ],
     }
-    last = oa.chat_chunk("chatcmpl-1", 5, "toy", {}, "length")
+    last = wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, "toy"), oa.ChunkDelta(), "length"))
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
-    usage = oa.chat_usage_chunk("chatcmpl-1", 5, "toy", 3, 4)
+    usage = wire(oa.usage_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, oa.Counts(3, 4)))
     assert usage == {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
@@ -428,12 +433,12 @@ def test_chat_chunk_shapes():
         "choices": [],
         "usage": USAGE,
     }
-    for chunk in (first, oa.chat_chunk("chatcmpl-1", 5, "toy", {"content": "x"}), last, usage):
+    for chunk in (first, wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, "toy"), oa.ChunkDelta(content="x"))), last, usage):
         assert round_trips(oa.ChatCompletionChunk, chunk)
 
 
 def test_completion_chunk_shapes():
-    chunk = oa.completion_chunk("cmpl-1", 5, "toy", "tok")
+    chunk = wire(oa.completion_chunk(oa.Ident("cmpl-1", 5, "toy"), "tok"))
     assert chunk == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -441,7 +446,7 @@ def test_completion_chunk_shapes():
         "model": "toy",
         "choices": [{"index": 0, "text": "tok", "finish_reason": None, "logprobs": None}],
     }
-    usage = oa.completion_usage_chunk("cmpl-1", 5, "toy", 3, 4)
+    usage = wire(oa.usage_chunk(oa.Ident("cmpl-1", 5, "toy"), False, oa.Counts(3, 4)))
     assert usage == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -450,15 +455,16 @@ def test_completion_chunk_shapes():
         "choices": [],
         "usage": USAGE,
     }
-    for c in (chunk, oa.completion_chunk("cmpl-1", 5, "toy", "", "stop"), usage):
+    for c in (chunk, wire(oa.completion_chunk(oa.Ident("cmpl-1", 5, "toy"), "", "stop")), usage):
         assert round_trips(oa.Completion, c)
 
 
 def test_sse_framing():
     assert oa.sse_data({"a": 1, "b": [1, "é"]}) == b'data: {"a":1,"b":[1,"\\u00e9"]}\n\n'
     assert oa.SSE_DONE == b"data: [DONE]\n\n"
-    chunk = oa.chat_chunk("chatcmpl-1", 5, "toy", {"content": "x"})
-    assert json.loads(oa.sse_data(chunk)[len(b"data: ") :]) == chunk
+    chunk = oa.chat_chunk(oa.Ident("chatcmpl-1", 5, "toy"), oa.ChunkDelta(content="x"))
+    assert oa.sse_data(chunk) == (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"toy",'
+                                  b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null,"logprobs":null}]}\n\n')
 
 
 def test_finish_reason():
@@ -495,7 +501,7 @@ def fake_front(request) -> tuple[int, bytes]:
         return 200, json.dumps(oa.models_list(["toy"], 5)).encode()
     if path == "/v1/completions":
         req = oa.parse_completion(body)
-        return 200, json.dumps(oa.completion("cmpl-1", 5, req.model, req.prompt[::-1], "stop", 3, 4)).encode()
+        return 200, json.dumps(oa.completion(oa.Ident("cmpl-1", 5, req.model), req.prompt[::-1], "stop", oa.Counts(3, 4))).encode()
     req = oa.parse_chat(body)
     if req.model != "toy":
         raise oa.unknown_model(req.model, ["toy"])
@@ -504,12 +510,12 @@ def fake_front(request) -> tuple[int, bytes]:
     text, stopped = cut_at_stop("Hi there. Bye.", oa.stops_of(req))
     reason = oa.finish_reason(len(text), oa.max_tokens_of(req) or 64, stopped)
     if not req.stream:
-        return 200, json.dumps(oa.chat_completion("chatcmpl-1", 5, req.model, text, reason, 3, len(text))).encode()
+        return 200, json.dumps(oa.chat_completion(oa.Ident("chatcmpl-1", 5, req.model), text, reason, oa.Counts(3, len(text)))).encode()
     events = [
-        oa.chat_chunk("chatcmpl-1", 5, req.model, {"role": "assistant", "content": ""}),
-        *(oa.chat_chunk("chatcmpl-1", 5, req.model, {"content": word}) for word in text.split(" ")),
-        oa.chat_chunk("chatcmpl-1", 5, req.model, {}, reason),
-        oa.chat_usage_chunk("chatcmpl-1", 5, req.model, 3, len(text)),
+        wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, req.model), oa.ChunkDelta(role="assistant", content=""))),
+        *(wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, req.model), oa.ChunkDelta(content=word))) for word in text.split(" ")),
+        wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, req.model), oa.ChunkDelta(), reason)),
+        wire(oa.usage_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, oa.Counts(3, len(text)))),
     ]
     return 200, b"".join(map(oa.sse_data, events)) + oa.SSE_DONE
 
@@ -564,9 +570,9 @@ def test_the_openai_sdk_is_the_contract():
 
     # The typed models, validated (the stream above is only constructed by the SDK);
     # its Completion type has a non-null finish_reason, which OpenAI's own chunks break.
-    openai.types.chat.ChatCompletionChunk.model_validate(oa.chat_chunk("c", 5, "toy", {"content": "x"}))
-    openai.types.Completion.model_validate(oa.completion_usage_chunk("c", 5, "toy", 3, 4))
-    openai.types.Completion.model_validate(oa.completion_chunk("c", 5, "toy", "x", "length"))
+    openai.types.chat.ChatCompletionChunk.model_validate(wire(oa.chat_chunk(oa.Ident("c", 5, "toy"), oa.ChunkDelta(content="x"))))
+    openai.types.Completion.model_validate(wire(oa.usage_chunk(oa.Ident("c", 5, "toy"), False, oa.Counts(3, 4))))
+    openai.types.Completion.model_validate(wire(oa.completion_chunk(oa.Ident("c", 5, "toy"), "x", "length")))
 
 
 # -------------------------------------------------------------------------------- errors

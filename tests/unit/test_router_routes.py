@@ -1,20 +1,17 @@
 """The router's route table and its refusals before any model work, without Ray.
 
-The routes live in generate.py, admin.py and app.py as methods of one ``Router``
-class; Serve's ``ingress`` finds them through the class's MRO. Here a stub router
-(no controller, no model) stands in for the Serve replica, so the refusals that need
-no state (401, 403, 404, 405, 413, 422) are checked through FastAPI itself.
+The routes are declared on the ``Router`` class (app.py), each handing its request to
+a front; Serve's ``ingress`` finds them on the class. Here a router object without
+Ray, a controller or a model answers through FastAPI itself the refusals that need
+no model work (401, 403, 404, 405, 413, 422).
 """
 
-import inspect
-import types
-
 import pytest
-from fastapi.testclient import TestClient
 from ray.serve._private.http_util import _walk_fastapi_routes
 
-from serve_app.config import load_config
+from routerkit import build_router, routed
 from serve_app.router import app as router_app
+from test_resilient_caller import FakeHandle
 
 ROUTES = {
     ("/v1/generate", "POST", None),
@@ -48,20 +45,11 @@ def test_every_route_is_registered_once_on_the_router():
 
 @pytest.fixture()
 def client():
-    # Serve injects the replica instance through a dependency on ``self``; the stub
-    # takes its place with only what the refusals below read.
-    dep = inspect.signature(routes()[0].endpoint).parameters["self"].default.dependency
-    router_cls = next(c for c in router_app.Router.__mro__ if c.__name__ == "Router" and "__init__" in c.__dict__)
-    stub = object.__new__(router_cls)
-    cfg = load_config({})
-    stub._cfg, stub._limits = cfg, cfg.limits
-    stub._exchange = types.SimpleNamespace(start=lambda: None)
-    stub._keys = types.SimpleNamespace(tenant_for=lambda token: None, is_admin=lambda token: token == "admin-token")
-    router_app.app.dependency_overrides[dep] = lambda: stub
-    try:
-        yield TestClient(router_app.app, raise_server_exceptions=False)
-    finally:
-        router_app.app.dependency_overrides.clear()
+    # A real router object without Ray or a controller: none of these refusals gets as
+    # far as the model or the controller.
+    router = build_router({"auth": {"demo_admin_token": "admin-token"}}, FakeHandle())
+    with routed(router) as c:
+        yield c
 
 
 ADMIN = {"authorization": "Bearer admin-token"}
