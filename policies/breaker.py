@@ -1,89 +1,39 @@
 """Circuit breaker: one per backend, judged on failure rate and slow-call rate.
 
-States and their Prometheus gauge values: CLOSED=0, OPEN=1, HALF_OPEN=2.
+States (the ``ballast_breaker_state`` gauge values): CLOSED=0, OPEN=1, HALF_OPEN=2.
 
-* **CLOSED.** Every call passes. Outcomes go into a bounded sliding window —
-  the last ``window_size`` calls (``window_kind="count"``) or the last
-  ``window_s`` seconds in one-second buckets (``window_kind="time"``), the
-  ``CountWindow`` or ``TimeWindow`` of ``policies.window``. Once the
-  window holds at least ``min_calls`` calls, the breaker opens when the failure
+* **CLOSED.** Every call passes; outcomes go into a ``policies.window`` window, the
+  last ``window_size`` calls (``window_kind="count"``) or ``window_s`` seconds
+  (``"time"``). Once it holds ``min_calls`` calls, the breaker opens when the failure
   ratio reaches ``failure_rate_threshold`` or the slow-call ratio reaches
-  ``slow_call_rate_threshold``. A *slow call* is any call that took strictly
-  longer than ``slow_call_duration_s``, whatever its outcome (as resilience4j
-  counts them): a slow failure counts both as a failure and as slow. Counting
-  only slow *successes* let a backend that answers every call after 12 s with
-  10 % failures stay closed forever (90 % slow, 10 % failed: neither reaches
-  its threshold), though every caller waited too long.
-* **OPEN.** Every call is refused for ``open_duration_s`` stretched by a
-  jitter of ±``open_jitter_ratio`` drawn from the injected rng — many routers
-  each hold their own breaker for the same backend, and without jitter they
-  would all probe it in the same second (a thundering herd). The window is
-  emptied on opening.
-* **HALF_OPEN.** Entered lazily, by the first ``allow()``/``state``/
-  ``snapshot()``/``retry_after_s()`` after the open period ends. At most
-  ``half_open_max_probes`` probes are handed out in total, so never more than
-  that are in flight at once; everything else is refused.
-* **Half-open ends by itself.** A probe permit that is never recorded or
-  released (a cancelled task, a lost call, a bug in the caller) would keep its
-  slot forever and the breaker half-open, refusing every call. So once the
-  first probe of a half-open period is handed out, the period must reach its
-  decision within ``half_open_max_wait_s`` (resilience4j's
-  ``maxWaitDurationInHalfOpenState``); when it has not, the breaker goes back
-  to OPEN (a fresh jittered open period, then a fresh half-open with fresh
-  probes), and the outcomes of the old period's probes, should they come, are
-  stale and ignored. Back to OPEN rather than handing out fresh probes at once
-  because an unanswered probe is itself no sign of health, and the open period
-  keeps the routers' probes jittered apart. The clock starts at the first probe,
-  not on entering HALF_OPEN, so a backend nobody called while it was half-open
-  is not reopened for nothing; a period whose probes were all released starts
-  over. The default (120 s) is the longest deadline a request may carry
-  (``resilience.max_deadline_s``), so no probe that could still answer is cut.
+  ``slow_call_rate_threshold``. A call longer than ``slow_call_duration_s`` is slow
+  whatever its outcome (as resilience4j counts): a slow failure is a failure and slow.
+* **OPEN.** Every call is refused for ``open_duration_s`` ± ``open_jitter_ratio``
+  (injected rng), so the routers' breakers for one backend do not probe it together.
+* **HALF_OPEN.** Entered lazily, by the first ``allow()``/``state``/``snapshot()``/
+  ``retry_after_s()`` after the open period. At most N = ``half_open_max_probes``
+  probes are handed out in all. With ``required = ceil(half_open_success_threshold ×
+  N)``: reopen as soon as more than ``N - required`` probes failed (the threshold is
+  out of reach); else, once all N reported, reopen if their slow-call ratio reaches
+  ``slow_call_rate_threshold``, otherwise close.
+* **A half-open period ends by itself** ``half_open_max_wait_s`` after its first probe
+  (resilience4j's ``maxWaitDurationInHalfOpenState``): back to OPEN, since an
+  unanswered probe is no sign of health, so a permit never handed back cannot hold the
+  breaker half-open. A period nobody probed never times out; one whose probes were all
+  released starts over. The default, ``resilience.max_deadline_s``, cuts no probe that
+  could still answer.
 
-**The half-open rule.** With N = ``half_open_max_probes`` and
-``required = ceil(half_open_success_threshold × N)`` successes needed:
+Invariants. Every transition empties the window and starts a new epoch; an outcome
+whose permit is from an older epoch is ignored. ``record()`` and ``release()`` act
+once per permit (record in one branch, release in a ``finally``); ``release()`` frees
+a probe slot and counts nothing. No method awaits and the router calls from its one
+event-loop thread, so ``allow()``'s check-then-increment of the probe count cannot
+interleave: that bounds the probes without a lock (threads would need one around
+every method). ``on_event`` runs synchronously, once per state change, after the
+state is updated (it may read ``snapshot()``); it must not raise.
 
-* reopen *at once* when the failed probes exceed ``N - required`` — from then
-  on the success ratio cannot reach the threshold, so waiting for the other
-  probes would only keep traffic away from the fallback for nothing
-  (defaults 5 probes / 0.8: one failed probe is tolerated, the second reopens);
-* otherwise decide when all N probes have reported: reopen if the slow-call
-  ratio over the probes reaches ``slow_call_rate_threshold`` (the same rule as
-  in CLOSED: a backend that answers everything too slowly is not healthy),
-  else close. The window starts empty on closing.
-
-A probe that was handed out but never made (``release()``) frees its slot and
-counts as nothing, so a bulkhead rejection after ``allow()`` cannot wedge the
-breaker half-open.
-
-**Stale outcomes.** Every permit remembers the state period (epoch) it was
-issued in. An outcome reported after the breaker has changed state since —
-a slow call admitted while CLOSED that finishes after the breaker opened, or a
-probe still in flight when an earlier probe already reopened it — describes the
-backend as it was before the last transition; it is ignored (and its permit
-marked done). This is also why the window can simply be reset on every
-transition: nothing from an older period leaks into the new one.
-
-**Idempotency.** ``record()`` and ``release()`` act once per permit; any later
-call with the same permit is ignored. A router can therefore record in one
-branch and release in a ``finally`` without double counting.
-
-**Concurrency invariants.** The router calls the breaker from its single
-asyncio event-loop thread, and no method here awaits: each ``allow()``,
-``record()`` and ``release()`` runs to completion before any other coroutine
-touches the breaker. The check-then-increment of the probe counter in
-``allow()`` therefore cannot interleave with another ``allow()``, which is the
-whole reason only the bounded number of probes passes — no lock is needed, and
-none must be added around an ``await``. Calling one breaker from several
-threads would need an external lock around every method.
-
-``on_event`` is called synchronously, exactly once per state change, after the
-breaker's state is fully updated (so the hook may read ``snapshot()``). It must
-not raise: it runs on the request path.
-
-Written by hand rather than taken from a library: pybreaker counts consecutive
-failures (no rate window, no slow calls, one trial call, wall-clock time) and
-Resilience4j is Java; none offers an injected clock and rng with these
-semantics.
+Written by hand: pybreaker counts consecutive failures (no rate window, no slow calls,
+one trial call, wall clock), resilience4j is Java; neither takes an injected clock.
 """
 
 from __future__ import annotations

@@ -1,66 +1,40 @@
 """Degradation level: how far the service steps down its quality under load.
 
-Five levels, 0 (normal) … 4 (emergency). Each level carries constraints that the
-router and the model replicas apply: the largest ``max_tokens`` granted, the
-largest batch, whether streaming is allowed, and which criticalities are still
-admitted. Default thresholds and constraints follow the seed document's
-degradation table (queue length 50/100/200/500, GPU util 85/92/97, VRAM 99 %
-emergency, error rate > 10 % critical); queue-wait thresholds are ours, and the KV
-cache's utilisation (the share of the replicas' KV token budget reserved by rows
-in flight) enters level 1 at 80 %, as llm-d's saturation detector sheds at 0.8.
+Five levels, 0 (normal) … 4 (emergency), each with constraints the router and the
+replicas apply (largest ``max_tokens``, largest batch, streaming, criticalities
+admitted). Each load signal (queue length, queue wait, KV cache use, GPU util, VRAM,
+error rate, demand by criticality) asks for a level through its thresholds (the KV
+cache enters level 1 at 80 %, as llm-d's saturation detector sheds at 0.8); the target
+is the highest asked for. The level moves fast both ways, but only on evidence:
 
-The level moves fast both ways, but only on evidence:
+* **Up one level on one sample**, in the same tick, so shedding starts within one
+  control tick. Further only once a target above the level has been asked for on every
+  tick for ``up_confirm_s``: then straight to the lowest target of that streak. One slow
+  report costs at most one level, for a moment.
+* **Down after one stable window**: a lower target held, uninterrupted, for
+  ``stable_window_s`` drops the level to the highest target of that window; a tick whose
+  target is back at or above the level breaks the streak. This hysteresis keeps the
+  level from flapping when shedding itself makes the signals look healthy.
 
-* **One sample moves it one level.** When the signals ask for a higher level, the
-  level rises by one in the same tick: shedding starts within one control tick of
-  overload. It goes further only when the evidence persists: once a target above
-  the level has been asked for on every tick for ``up_confirm_s`` (two report
-  intervals), the level jumps straight to the lowest target of that streak. So one
-  slow report (a replica restarting, one unlucky batch) costs at most one level
-  for a moment, and a real overload reaches its level one second later.
-* **Down to the target within one stable window.** A lower target must hold,
-  uninterrupted, for ``stable_window_s``; the level then drops to the highest
-  target seen during that window, not one level per window. A single tick whose
-  target is back at (or above) the current level breaks the streak. This is the
-  hysteresis that keeps the level from flapping when shedding itself makes the
-  load signals look healthy, without holding a calm service at level 4 for four
-  windows.
+**Missing capacity is not demand.** While the primary serves with fewer replicas than it
+had (``DegradationState.serving_high``, never above the autoscaler's target) or one of
+the controller's recycles is under way, and for ``capacity_gap_settle_s`` after, the
+signals that waiting for the replacement inflates (queue length, queue wait, KV cache,
+demand over capacity) may hold the level but not raise it: the replacement cures them,
+shedding does not. A gap longer than ``capacity_gap_max_s`` is the new capacity. GPU
+util, VRAM and the error rate are never held. A scale-up is no gap.
 
-**Missing capacity is not demand.** While the primary has fewer replicas serving
-than it had (a replica recycled, killed or crashed, and its replacement not yet
-serving; ``DegradationState.serving_high`` remembers what it had, never more than
-the autoscaler's target), or while one of the controller's own recycles is under way
-(its surge replica starting, the old replica draining), requests wait for the
-replacement or for the switch, and the signals
-that wait inflates (queue length, queue wait, demand over the capacity measured)
-say "overload" although nothing sheds the cause: the replacement does. During
-such a gap, and for ``capacity_gap_settle_s`` after it (the replicas' wait window),
-those signals may hold the level but not raise it; the router's gate still serves
-the line in class order and refuses what cannot finish in time, and the fallback
-answers what the primary cannot. A gap longer than ``capacity_gap_max_s`` is the
-new capacity, and the signals act on it again. The KV cache's utilisation is held
-too: the replicas left take the missing one's rows, so their caches fill for the
-same reason their queues do. GPU utilisation, VRAM and the error rate are never held. A scale-up is not a gap: replicas the deployment never had
-are wanted because of demand, and demand is what the level sheds.
+**Demand by criticality** picks which classes to shed. The gate already serves classes
+in order while the model is full, so refusing a class at the door pays only when the
+classes left fill the model by themselves: level ``k`` is asked for when the demand of
+the classes it admits is at least ``demand_shed_ratio`` × the capacity (the gate's
+answer rate while full). The ratio is above 1 because classes that are all served offer
+about what is answered and must not read as filling the model.
 
-**Demand by criticality** is the signal that picks *which* classes to shed. The
-router's gate already serves the classes in order of criticality while the model is
-full, so shedding a whole class at the door only pays when the classes that would
-remain fill the model by themselves: then the shed class would get nothing anyway,
-and refusing it at the door is cheaper and clearer than refusing it in line. So a
-level ``k`` is asked for when the demand of the classes level ``k`` admits is at
-least ``demand_shed_ratio`` (1.1) × the capacity (the rate the model answers while
-the gate is full). The ratio is above 1 on purpose: classes that are all being
-served offer about what is answered, and must not read as filling the model. At four times capacity with 20 % critical traffic this asks for
-level 1 (sheddable out) and not level 2, which would idle the fifth of the model
-that sheddable_plus fills.
-
-Signals that are absent (``None``: no GPU, no traffic yet, a watchdog that has
-not reported) are ignored, never treated as zero (which would hide overload) or
-as the maximum (which would shed everything on a CPU-only host).
-
-Written by hand rather than taken from a library: no library offers a
-multi-signal, multi-level hysteresis with injected time and these semantics.
+Absent signals (``None``: no GPU, no traffic yet, a silent watchdog) are ignored, never
+read as zero (hiding overload) nor as the maximum (shedding all on a CPU-only host).
+Written by hand: no library offers a multi-signal, multi-level hysteresis with injected
+time and these semantics.
 """
 
 from __future__ import annotations
@@ -145,7 +119,7 @@ class LevelConstraints:
 
 _ALL = frozenset(Criticality)
 
-#: Seed table: level 0 … 4. Level 4 admits nothing new; in-flight work finishes.
+#: Default constraints, level 0 … 4. Level 4 admits nothing new; in-flight work finishes.
 DEFAULT_CONSTRAINTS: tuple[LevelConstraints, ...] = (
     LevelConstraints(max_tokens=8192, max_batch_size=32, streaming=True, admitted=_ALL),
     LevelConstraints(
@@ -201,7 +175,7 @@ class DegradationConfig:
     gpu_util_pct_thresholds: tuple[float | None, ...] = (85.0, 92.0, 97.0, None)
     vram_pct_thresholds: tuple[float | None, ...] = (None, None, 97.0, 99.0)
     error_rate_threshold: float = 0.1
-    #: The level an error rate at or above the threshold asks for (seed: critical).
+    #: The level an error rate at or above the threshold asks for (3: critical).
     error_rate_level: int = 3
     #: Below this many requests in the window the error rate is noise; ignored.
     error_rate_min_requests: int = 20
@@ -378,7 +352,7 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | N
     """The level the current signals ask for, and which signal asked.
 
     The result is the maximum over the present signals. Signals are checked in
-    the DESIGN priority order — queue length, queue wait p95, KV utilisation, GPU
+    priority order — queue length, queue wait p95, KV utilisation, GPU
     util, VRAM, error rate — and on a tie the first in that order names the reason, so the
     reason points at the most direct overload signal (queue) rather than the
     lagging ones (GPU duty cycle, errors). Reason looks like

@@ -23,8 +23,7 @@ or an injected clock, so the fleet simulator and the unit tests run the same rul
   (expired). That is a critical waiter that waited to the edge of the mean (a sheddable
   one stops waiting at the p90, unless the p90 grew meanwhile). The mean is for a critical
   request the slot would otherwise not serve at all; when its own class waits behind it,
-  a slot spent on a likely miss is a slot taken from a likely answer (at 10x capacity
-  ~100 critical requests a phase were let through at the mean and missed).
+  a slot spent on a likely miss is a slot taken from a likely answer.
 - **Misses** (``miss_is_congestion``): whether an admitted request that ran out of
   time at the model should cut the limit.
 - **DemandWindow**: what was offered per criticality and what the gate let through.

@@ -1,73 +1,40 @@
 """Leak detection and the watchdog's action ladder.
 
-**Trend.** A replica that leaks fails hours later, all at once (OOM, fd limit).
-The watchdog samples rss/vram/threads/fds about once a second; this module
-turns each series into a trend and asks two questions: is the rise *credible*
-(a fit quality R² of at least ``r2_threshold``, 0.7) and *steep*
-(a slope at or above the series' ``slope_threshold_per_h``)? If so, it is a
-leak, and with a limit we can say when the replica will hit it.
+**Trend.** The watchdog samples rss/vram/threads/fds about once a second. A series whose
+fitted rise is *credible* (R² ≥ ``r2_threshold``) and *steep* (slope ≥ its
+``slope_threshold_per_h``) leaks, and has a time to its limit where it has one. The
+slope is Theil–Sen's (the median of pairwise slopes: up to ~29 % wild points ignored),
+not least squares', which a GC sawtooth or one spike pulls wherever it falls; R² is
+``1 - SS_res/SS_tot`` around that line (it can be negative). Time-to-limit starts from
+the fitted value at the newest sample, so one GC tooth does not move it.
 
-The slope is Theil–Sen's (the median of all pairwise slopes), not ordinary
-least squares'. Allocator memory is not a line plus white noise: the
-GC sawtooth (a slow ramp, a sudden drop) and a few huge transient spikes (one
-batch of long prompts) pull a least-squares slope wherever they fall, most of
-all near the ends of the window; the median ignores up to ~29 % of wild points.
-R² is ``1 - SS_res/SS_tot`` around the robust line, so it can
-be negative; only ``>= r2_threshold`` matters. Time-to-limit starts from the
-fitted value at the newest sample, not the noisy last sample, so the ETA does
-not jump by one GC tooth from one tick to the next.
+**Bounded window.** Samples fall into a ``policies.window.TimeWindow`` of ``max_points``
+buckets, each fitted as one point (mean time, mean value): memory and the O(n²) fit are
+bounded by ``max_points`` whatever the sampling rate. A sample whose time steps back
+lands at the start of the newest bucket. No verdict before the samples span
+``min_span_ratio`` of the window in ``min_points`` buckets.
 
-**Bounded window.** Samples fall into a ``policies.window.TimeWindow`` of
-``max_points`` buckets of width ``window_s / max_points``; a bucket keeps the sum
-and count of its samples and fits as one point (mean time, mean value). Memory is bounded per series
-whatever the sampling rate, and Theil–Sen, O(n²), stays at n ≤ ``max_points``
-(120 → 7,140 pairs, ~1 ms in pure Python; scipy's ``theilslopes`` does the
-same maths, but scipy is no dependency of this project). A bucket is dropped
-once it is ``max_points`` buckets behind the newest: the window is ``window_s``
-in whole buckets. A sample whose time steps back lands in the newest bucket, at
-its start, so buckets stay in time order. No verdict before the samples span
-``min_span_ratio`` of the window in ``min_points`` buckets: over a short span
-any slope looks credible.
+**Two windows** (SRE's fast and slow burn). A short window (``short_window_s``), fitted
+the same way, names a leak once its samples span ``short_min_span_s``, if the limit is
+less than ``short_horizon_s`` away and the rise is *sustained*: each half, fitted alone,
+rises at least half as fast as the whole (a one-off step or growth that stopped leaves
+one half flat; a sawtooth with teeth shorter than the span drops in both; raise
+``short_min_span_s`` where teeth are longer). The trend reported is the window whose
+limit comes sooner.
 
-**Two windows (SRE's fast and slow burn).** The long window alone names a leak
-only after half an hour (half of the default hour): a replica leaking 3 MB/s
-against a 4 GiB budget would be at its limit by then. So a second, short window
-(``short_window_s``, 300 s in 5 s buckets) is fitted the same way and names a
-leak once its samples span ``short_min_span_s`` (90 s), if the time to the limit
-is under ``short_horizon_s`` (the hour) and the rise is *sustained*: each half
-of the short window, fitted alone, rises at least half as fast as the whole.
-That is what tells a leak from what only looks like one over 90 s: a one-off
-step (a line through a step scores R² up to 0.75) or growth that has just
-stopped (warm-up) leaves one half flat, and a GC sawtooth whose teeth are
-shorter than the span has its drops in both halves (R² near 0). A tooth longer
-than the span is a ramp as far as any 90 s of evidence can tell; raise
-``short_min_span_s`` where teeth are that long. Whichever window says the limit
-comes sooner is the trend reported; the slow leaks, far from their limit, stay
-the long window's.
+**Ladder**: gc, empty the CUDA cache (skipped without a GPU), refuse new work, restart.
+One rung per ``step_interval_s`` while the problem is a *warning*, so each cheaper remedy
+shows its effect first; every remaining rung at once when it is *critical*. Whatever the
+trends, usage at ``warning_ratio`` of a limit is a warning and at ``critical_ratio``
+critical (uWSGI's reload-on-rss). When the problem clears the ladder resets and the
+replica is ready again, unless a recycle was requested: that is never taken back (the
+controller may hold its lease), and the replica stays not ready. A leak further than
+``warn_tto_s`` from its limit (or without one) is named with severity "ok": slow leaks
+are the max-age recycle's.
 
-**Absolute ceiling.** Whatever the trends say, usage at ``warning_ratio`` of a
-limit walks the ladder and at ``critical_ratio`` takes every rung at once
-(uWSGI's reload-on-rss): a flat replica over its ceiling is recycled too, and a
-leak faster than any window can judge is still caught before the limit.
-
-**Ladder.** The escalation — gc, clear the CUDA cache, refuse new work,
-restart — one rung per ``step_interval_s`` while the problem is a *warning*,
-so each cheap remedy gets time to show its effect before a dearer one is
-taken; all remaining rungs at once when it is *critical* (the limit is minutes
-away, there is no time to wait). EMPTY_CACHE is skipped without a GPU. When
-the problem clears, the ladder resets and the replica is ready again — unless
-a recycle was already requested: that is not taken back (the controller may
-already hold a recycle lease for it), and the replica stays not ready.
-
-A leak whose limit is further away than ``warn_tto_s`` (or that has no limit)
-is named in the verdict's reason but is severity "ok": a slow leak is what the
-scheduled max-age recycle is for, and stopping intake days ahead of an OOM
-would cost capacity for nothing.
-
-**Hang.** A replica with work in flight and no heartbeat for more than
-``missed`` intervals is hung (the controller kills it outright). Idle replicas are
-never hung (nothing to be stuck on), nor is one whose first heartbeat has not
-arrived yet: that is a starting replica, which Serve's own health check owns.
+**Hang.** Work in flight and no heartbeat for more than ``missed`` intervals is hung (the
+controller kills it); an idle replica, or one with no first heartbeat yet (starting,
+Serve's health check's), never is.
 """
 
 from __future__ import annotations

@@ -7,13 +7,13 @@ first is still running. A plain lock gives one of the two; a lease gives both:
 
 * **Hard TTL.** A lease is held at most ``ttl_s`` after it was acquired, however
   faithfully it is heartbeated. A holder stuck in a loop that still heartbeats
-  cannot keep a resource forever (the seed's "final safety net").
+  cannot keep a resource forever: the TTL is the last safety net.
 * **Heartbeat.** The holder renews ``last_heartbeat_s`` every
   ``heartbeat_interval_s``. After ``missed_allowed`` (default 3) missed
   heartbeats the lease is expired: a crashed holder releases its claim within
   ``missed_allowed × heartbeat_interval_s`` instead of the whole TTL.
-  The comparison is strict, as in the seed (``elapsed > 3 × interval``): at
-  exactly three intervals without a heartbeat the lease is still held; a
+  The comparison is strict (``elapsed > missed_allowed × interval``): at
+  exactly ``missed_allowed`` intervals without a heartbeat the lease is still held; a
   heartbeat landing on that instant still counts.
 * **Health** (``heartbeat_health``) shows how close a lease is to
   lapsing: ``healthy`` while the last heartbeat is at most one interval old,
@@ -30,7 +30,7 @@ never moves ``last_heartbeat_s`` backwards.
 None while a live lease exists — even to the same holder, so a caller can never
 silently stack two recycles — and replaces an expired one: that is how "a new
 controller carries on" after the old one died. The table is bounded by
-``max_leases`` (memory bound, DESIGN "Budgets").
+``max_leases`` (a memory bound).
 
 Written by hand: the semantics (strict heartbeat grace, hard TTL, health levels,
 a pure table the controller persists itself) are a few lines, and no lock

@@ -1,75 +1,39 @@
 """Staggered replica recycling: which replicas to restart now, and which must wait.
 
-A model replica that runs for days rots: fragmented allocators, slow leaks,
-thread and fd growth. It is restarted periodically — every 6 h by default,
-preferably in a low-traffic window (02:00–05:00), and at 24 h whatever the hour —
-one instance at a time, so N−1 keep serving. This module is that schedule as a
-pure function of what the controller sees; ``serve_app`` turns its orders into
-drains (the replica's health check fails, Serve stops it gracefully and starts a
-replacement) and holds each recycle under a lease (``policies.lease``) so that a
-crashed controller never leaves one half done.
+A long-running replica rots (fragmented allocators, slow leaks, thread and fd growth),
+so each is restarted periodically, a deployment's replicas one at a time, preferably in
+a low-traffic window. This is that schedule as a pure function of what the controller
+sees; ``serve_app`` turns its orders into drains, each under a lease (``policies.lease``)
+so that a crashed controller leaves no recycle half done.
 
-**Triggers**, in priority order (``due``):
-
-1. ``critical`` — a watchdog verdict that cannot wait (time-to-OOM short, VRAM
-   critical). Forced.
-2. ``forced_max_age`` — the replica is ``forced_max_age_s`` old. Forced.
-3. ``manual`` — an operator asked. Forced.
-4. ``watchdog`` — a non-critical watchdog request (leak trend, thread/fd growth).
-5. ``max_age`` — the replica is past its own age threshold *and* the clock is in
-   the window. Each replica's threshold is ``max_age_s`` stretched by up to
-   ±``jitter_ratio``, stable per replica id: replicas started together (a deploy,
-   a scale-up) would otherwise all come due in the same tick and queue up behind
-   ``max_unavailable`` in lockstep, every 6 h. The spread comes from
-   ``zlib.crc32`` of the id, not ``hash()``, which is salted per process: a
-   restarted controller must compute the same thresholds.
-
-"Forced" orders pass the degradation-level block; nothing passes the other two
-guards. A replica past its threshold but outside the window is listed in
-``Plan.waiting`` with "window" so the operator sees it is pending.
+**Triggers** (``due``), highest priority first: ``critical`` (a watchdog verdict that
+cannot wait), ``forced_max_age`` (``forced_max_age_s`` old), ``manual``: these three are
+forced; then ``watchdog`` (a non-critical request) and ``max_age`` (past the replica's
+own threshold *and* inside the window; outside it, in ``Plan.waiting`` as "window").
+The threshold is ``max_age_s`` × (1 ± ``jitter_ratio``), stable per id through
+``zlib.crc32`` (``hash()`` is salted per process), so replicas started together do not
+come due together and a restarted controller computes the same thresholds.
 
 **Guards** (``plan``), per deployment, in this order for each due replica:
 
-* ``max_unavailable`` — at most this many recycles of one deployment at a time.
-  A recycle occupies its slot from the order until the replica is gone *and*
-  the deployment is back to the healthy count it had when the recycle started
-  (capped by the autoscaler's current target, so a deployment that shrank
-  meanwhile still completes). Hence the next replica starts only after the
-  previous replacement is healthy: a rolling restart, never a rolling outage.
-* ``level`` — at degradation level ``block_at_level`` or above the service is
-  short of capacity; a scheduled recycle would take more away. Forced orders
-  still go: a replica about to OOM will go down anyway, better drained.
-* ``min_available`` — the replicas left serving, not counting those already
-  recycling nor this one, must stay ≥ ``min_available``. A replica whose
-  watchdog stopped its intake still serves (the request router falls back to it
-  when no ready replica is left), so its recycle waits for its replacement too:
-  the replacement takes traffic before the old replica stops taking it. Only a
-  replica that serves nothing (draining, hung) is recycled without a
-  replacement. A ``critical`` verdict (time-to-OOM short, VRAM critical) waits
-  for its replacement only where one can come (``ceilings``: the deployment is
-  below its most replicas); at the ceiling it goes at once, since that replica
-  will go down anyway and is better drained now.
+* ``max_unavailable`` recycles at a time. A recycle holds its slot until its replica is
+  gone *and* the deployment is back to ``healthy_before``, its healthy count when the
+  recycle started, the recycled replica counted healthy (capped by the autoscaler's
+  current target): the next starts only after the previous replacement is healthy.
+* ``level``: at degradation level ``block_at_level`` or above only forced orders pass.
+* ``min_available``: the replicas serving, less those recycling and this one, stay ≥
+  ``min_available``. A replica that still serves (intake stopped by its watchdog
+  included) waits for its replacement, one serving nothing (draining, hung) does not,
+  and a ``critical`` one waits only where a replacement can come (``ceilings``).
 
-**Stuck recycles.** A recycle still open ``recycle_timeout_s`` after it started
-is reported in ``Plan.stuck`` (an alert) and its slot freed, so one replacement
-that never becomes healthy cannot wedge recycling forever. ``min_available``
-remains the floor under whatever follows.
+A recycle open ``recycle_timeout_s`` after it started goes to ``Plan.stuck`` and frees
+its slot. The state holds only recycles in flight, at most ``max_unavailable`` per
+deployment. Availability with one of N replicas down ``T_restart`` every ``T_period``
+is ``1 − T_restart/(N·T_period)``; ``measured_availability`` is the same from observed
+replica-seconds out.
 
-A recycle's ``healthy_before`` counts its own replica as healthy even when it
-was not: a replica recycled while unhealthy must still be followed by a
-*healthy* replacement before the next recycle of that deployment starts.
-
-Memory is bounded: the state holds only in-flight recycles, at most
-``max_unavailable`` per deployment (one entry per replica id); completed and
-stuck ones leave it on the plan that reports them.
-
-Availability: with one replica of N down for ``T_restart`` every
-``T_period``, ``A = (N−1)/N + A_restart/N`` where ``A_restart = 1 −
-T_restart/T_period`` — i.e. ``1 − T_restart/(N·T_period)`` of the capacity.
-``measured_availability`` is the same quantity from observed replica-seconds out.
-
-Written by hand: Serve has no recycling of healthy replicas, and a Kubernetes
-rolling update knows neither our degradation level nor the watchdog verdicts.
+Written by hand: Serve does not recycle healthy replicas, and a Kubernetes rolling
+update knows neither the degradation level nor the watchdog verdicts.
 """
 
 from __future__ import annotations

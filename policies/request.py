@@ -22,12 +22,12 @@ QUOTA_RETRY_AFTER_CAP_S = 3600.0
 # - DEADLINE_EXCEEDED: a deadline that ran out is load (the queue signals measure it)
 #   or a slow model (its breaker counts the attempt timeouts and takes it out).
 #   Counted as an error, the first burst of expired requests at the onset of overload
-#   read as a failing model: level 3, and critical traffic shed for a whole stable window.
+#   would read as a failing model: level 3, critical traffic shed for a stable window.
 # - KILL_SWITCH: an operator's refusal, not a failing model.
 # - REPLICA_LOST: the replica or node that held the request went away and it could not be
 #   carried on elsewhere (policies/migration.py): capacity that is gone, not a sick model.
-#   Counted as an error, the requests in flight on a lost node took the level to 3 and the
-#   survivors shed healthy traffic for a whole stable window.
+#   Counted as an error, the requests in flight on a lost node would take the level to 3
+#   and the survivors would shed healthy traffic for a whole stable window.
 NOT_LEVEL_ERRORS = frozenset({"DEADLINE_EXCEEDED", "KILL_SWITCH", "REPLICA_LOST"})
 
 

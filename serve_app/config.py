@@ -47,7 +47,7 @@ class HttpConfig(_Strict):
     ingress: Literal["haproxy", "proxy"] = "haproxy"
     # Serve's per-request access log lines from the router and model replicas. Ballast's
     # own metrics count every request by tenant, criticality and code; the lines cost
-    # ~0.4 ms of CPU per request here (README, "What runs"), so they are off by default.
+    # CPU on every request (docs/benchmarks.md), so they are off by default.
     access_log: bool = False
     # GET /docs, the browsable page of the contract; GET /openapi.json is always served.
     docs_page: bool = True
@@ -99,13 +99,13 @@ class ModelConfig(_Strict):
     # How long an idle replica waits to gather its first rows before the first chunk.
     batch_wait_timeout_s: float = Field(0.005, ge=0, le=1)
     # Torch intra-op threads for a replica on CPU (GPU replicas are not affected). One per
-    # replica: the replica shares its cores with Serve's proxy and the routers, and two
-    # spinning torch threads per process cost 2-3x the CPU per request under load here.
+    # replica: the replica shares its cores with Serve's proxy and the routers, and
+    # spinning torch threads multiply the CPU a request costs under load (docs/benchmarks.md).
     cpu_threads: Optional[PositiveInt] = 1
     # The replica's CPU priority (Unix niceness, 0..19). Ballast starts Ray's workers at
     # the host's normal priority (serve_app/model/priority.py); a replica may move itself
-    # lower. 0 by default: at Ray's 15 its own Ray and asyncio threads waited behind the
-    # front and the load, and it served 0.80-0.89 C at 10 C where at 0 it served 0.93.
+    # lower. 0 by default: at Ray's 15 its own Ray and asyncio threads wait behind the
+    # front and the load, and it serves less (docs/benchmarks.md).
     niceness: int = Field(0, ge=0, le=19)
 
     @model_validator(mode="after")
@@ -276,7 +276,7 @@ class LimitsConfig(_Strict):
 
 
 class BreakerSettings(_Strict):
-    """Seed defaults: 50 % failures over 100 calls / 60 s, at least 10 calls, open 30 s, 5 probes."""
+    """Defaults: 50 % failures over 100 calls / 60 s, at least 10 calls, open 30 s, 5 probes."""
 
     window_kind: Literal["count", "time"] = "count"
     window_size: PositiveInt = 100

@@ -1,75 +1,40 @@
 """The shared core of the sync and async clients: every decision, no I/O (sans-I/O).
 
-``ClientCore`` is what lives across calls (config, retry budget, throttles,
-injected clock and rand); ``Call`` is one call's attempts (throttle check,
-deadline, retry decision, throttle bookkeeping, SSE parsing); ``ClientBase`` is
-the surface both clients share. ``BallastClient`` (sync.py) and
-``AsyncBallastClient`` (aio.py) only send, read and sleep.
+``ClientCore`` lives across calls (config, retry budget, throttles, injected clock and
+rand); ``Call`` is one call's attempts; ``ClientBase`` is the surface both clients share.
+``BallastClient`` (sync.py) and ``AsyncBallastClient`` (aio.py) only send, read and sleep.
 
-Retry rules (why each):
+* Retried: 429 and 503 with Retry-After, but not 503 ``KILL_SWITCH`` (an operator's
+  decision); ``ConnectError``/``ConnectTimeout`` (the server never saw it);
+  ``RemoteProtocolError`` before a complete answer (a stale pooled connection, which
+  httpx discards). A stream, only until its 200 head.
+* Retried only with an ``idempotency_key``: ``ReadTimeout``, ``ReadError``,
+  ``WriteTimeout``, ``WriteError`` (the server may have started; it would run twice).
+* A stream cut after its 200 is resumed: the next attempt carries ``resume`` (the token
+  ids and characters the caller has), so no text is read twice; not after a token event
+  without ids (the fallback's). A resume counts as an attempt and a retry.
+* Never retried: 4xx validation/auth, 504, other 5xx, an ``error`` event in a stream.
+* Wait = max(Retry-After, ``policies.retry.backoff_s``'s full jitter). No retry when the
+  wait ends at or past the deadline or exceeds ``max_retry_wait_s``, at
+  ``max_attempts``, or when the budget or the throttle says no: the call then raises the
+  last answer's typed error. Retry-After is the body's ``retry_after_s``, else the
+  header's delta-seconds (not an HTTP-date: the client's clock is monotonic).
 
-* Retried: 429 and 503 answers that carry Retry-After (the server says "later
-  works"), except 503 ``KILL_SWITCH`` (an operator's decision; retrying it is
-  pressure on a switch someone pulled on purpose); ``ConnectError`` /
-  ``ConnectTimeout`` (the request never reached the server) and
-  ``RemoteProtocolError`` before a complete answer (the server dropped the
-  connection without answering, typically a stale pooled connection; httpx
-  discards it, so the retry goes out on a fresh one). For a stream only until
-  the 200 head arrived.
-* Retried only with an ``idempotency_key``: a read timeout or a broken read/write
-  (``ReadTimeout``, ``ReadError``, ``WriteTimeout``, ``WriteError``) — the
-  server may have started generating; without a key a retry runs it twice.
-* A stream cut after it answered 200 (its router's node lost, a dropped
-  connection, the body ended without ``done``) is resumed, not sent again: the
-  next attempt carries ``resume`` (the token ids the ``token`` events carried and
-  the characters the caller has), the server prefills them and goes on, and the
-  caller reads one stream with no text twice. Not when a token event came without
-  ids (the fallback model answered: its tokens are not the primary's). Resumes
-  count as attempts and retries (the rules below).
-* Never retried: 4xx validation/auth answers, 504, other 5xx, and an ``error``
-  event in a stream.
-* Wait = max(Retry-After, full-jitter backoff (``policies.retry.backoff_s``)).
-  No retry when that wait ends at or past the call's deadline
-  (``request_timeout_ms``) or exceeds ``max_retry_wait_s``, when
-  ``max_attempts`` is reached, or when the retry budget says no. A retry that is
-  refused ends the call with the typed error of the last answer.
-* Retry-After is read from the body's ``retry_after_s`` (Ballast's precise value)
-  and, when absent, from the ``Retry-After`` header (delta-seconds; the HTTP-date
-  form is ignored: the client's clock is monotonic, not wall time).
+Retry budget (``RetryBudgetWindow``): retries ≤ ``retry_budget_ratio`` of the last
+``retry_budget_window`` calls (not attempts), and at least ``retry_budget_min_retries``;
+count-based, so bounded and without a clock. Adaptive throttle (SRE book,
+``policies.throttle``): ``should_send()`` before each attempt, False on the first raising
+``ThrottledLocally`` (nothing left the process); ``record_accept()`` after every answer
+but an overload refusal (429 ``QUOTA_EXCEEDED``/``CONCURRENCY_LIMIT``, 503
+``OVERLOADED``/``MODEL_UNAVAILABLE``), never after a transport error; a stream is judged
+by its first event. Deadline: each attempt sends the time left of ``request_timeout_ms``
+as ``X-Request-Timeout-Ms`` and clamps its httpx timeouts to it; a read timeout past the
+deadline raises ``DeadlineExceeded`` with ``status=None``.
 
-Retry budget (``RetryBudgetWindow``): retries are at most ``retry_budget_ratio``
-of the requests (calls, not attempts) counted over the last
-``retry_budget_window`` requests (1000 by default), with a floor of
-``retry_budget_min_retries`` (1) so a fresh client, which has seen fewer than 10
-requests, can still retry once. Count-based, not time-based: the structure is
-bounded (an int and a deque of at most the limit's stamps) and needs no clock.
-
-Adaptive throttling (SRE book, "Handling Overload"): ``policies.throttle``
-holds the math. Before each attempt ``should_send()``; False on the first
-attempt raises ``ThrottledLocally`` — nothing left the process, guaranteed —
-and False on a retry ends the call with the last answer's error (as a budget
-denial does). After an answer ``record_accept()`` unless it was an overload
-refusal (429 ``QUOTA_EXCEEDED`` / ``CONCURRENCY_LIMIT``, 503 ``OVERLOADED`` /
-``MODEL_UNAVAILABLE``) or there was no answer (transport error). A stream is
-counted when its first event arrives: an ``error`` event with an overload code
-is a refusal, any other event is an accept.
-
-Deadline: with ``request_timeout_ms`` the call has a deadline on the injected
-clock; each attempt sends the time *left* as ``X-Request-Timeout-Ms`` and clamps
-its httpx timeouts to it. A read timeout after the deadline is spent raises
-``DeadlineExceeded`` with ``status=None`` (made by the client, not the server).
-
-Thread and task safety: one lock in ``ClientCore`` guards the budget and the
-throttles (a sync client may be shared by threads; the async client never awaits
-while holding it). ``client.last_done`` is a convenience for single-caller use;
-with concurrent streams read ``TokenStream.done`` instead.
-
-Written by hand rather than with tenacity: the loop itself is a few lines per
-client; what matters is the decision between attempts (answer-based
-retryability, Retry-After floor, deadline, a budget shared across calls, the
-throttle consulted per attempt, a refused retry re-raising the previous answer),
-all of which needs the injected clock and rand and would be hooks around
-tenacity anyway; tenacity is also not among the installed packages.
+One lock in ``ClientCore`` guards budget and throttles (threads may share a sync client;
+the async client never awaits holding it). ``client.last_done`` is for a single caller;
+concurrent streams read ``TokenStream.done``. Not tenacity: the decisions between
+attempts need the injected clock and rand, so they would be hooks around it anyway.
 """
 
 from __future__ import annotations

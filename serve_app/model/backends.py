@@ -977,8 +977,7 @@ def _script(model: nn.Module, source: str) -> nn.Module:
     """``torch.jit.script(model)`` for serving, or a :class:`ModelLoadError` saying why not.
 
     Why: the decoder is small, so an eager decode step is mostly Python dispatch
-    (measured on CPU: 2.3 ms eager against 1.5 ms scripted per step at batch 1,
-    6.5 against 4.4 at batch 8), and that Python holds the GIL the replica's event
+    (docs/benchmarks.md, TorchScript), and that Python holds the GIL the replica's event
     loop needs to take requests and hand out chunks. Outputs are the same tokens.
     torch.jit warns that it is deprecated; the warning is silenced here only.
     """

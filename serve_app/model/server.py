@@ -63,7 +63,7 @@ log = logging.getLogger("ballast.model")
 
 WINDOW = 512  # bounded windows for batch sizes and queue waits
 # Queue waits count for this long. Without an age bound, a replica that saw a burst of
-# long waits kept reporting them while the level it caused shed everything (no new
+# long waits would keep reporting them while the level it caused sheds everything (no new
 # waits arrive at level 4), and the level could not come down until the replica died.
 # Short, too: a report is one sample for the level (one sample moves it one level,
 # policies/degradation.py), so one slow request must not be reported for ten seconds.

@@ -6,8 +6,8 @@ client disconnect); in HAProxy mode the router replica runs its own HTTP server
 ("direct ingress") and HAProxy, a C program, only forwards bytes. Under overload
 most answers are refusals, and on a machine where the proxy shares cores with the
 model every millisecond of a refusal is taken from the model, so this is what
-keeps goodput up at 4x capacity and a noisy tenant's 429s from slowing its
-neighbours (see README, "Overload").
+keeps goodput up under overload and a noisy tenant's 429s from slowing its
+neighbours (figures in docs/benchmarks.md).
 
 The choice is made through environment variables that Serve reads when its
 processes start, so it must be applied before ``ray.init`` (local) or in the

@@ -6,7 +6,7 @@ retry budget, and the optional response cache. It is the only layer that
 retries: the model replicas never retry, and the Serve handle is given one
 attempt at a time.
 
-Chain for a unary request (DESIGN.md step 6–8):
+Chain for a unary request:
   for each backend not taken out by a model kill switch:
       bulkhead full or breaker open → next backend
       attempt with timeout min(attempt_timeout_s, deadline left); on a retryable

@@ -1,6 +1,6 @@
 """What the router knows of the model's text: its context, its tokenizer, its chat template.
 
-Tokens are the model's tokens (DESIGN.md, Contracts): the quota, the answer's usage
+Tokens are the model's tokens: the quota, the answer's usage
 and the metrics count with the model's own tokenizer, and chat messages become a
 prompt through the model's own chat template. The router therefore loads the
 primary model's tokenizer (not its weights) at start, from the same local directory
