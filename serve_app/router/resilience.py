@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
@@ -64,6 +63,7 @@ from policies import migration
 from policies.breaker import BreakerEvent, CircuitBreaker, Permit
 from policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
 from policies.retry import RetryBudget, backoff_s, should_retry
+from policies.ttlmap import TTLMap
 
 from serve_app.config import BallastConfig
 from serve_app.errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable, ReplicaLost
@@ -97,30 +97,21 @@ class ResponseCache:
     answer; a cached sampled one is one fair sample, which is what a fallback can give."""
 
     def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
-        self._max, self._ttl_s, self._clock = max_entries, ttl_s, clock
-        self._entries: "OrderedDict[tuple, tuple[float, dict[str, Any]]]" = OrderedDict()
+        self._clock = clock
+        # Least recently used first: a hit or a put makes an entry the newest.
+        self._entries: "TTLMap[tuple, dict[str, Any]]" = TTLMap(ttl_s, max_entries)
 
     @staticmethod
     def key(call: dict[str, Any]) -> tuple:
         return tuple(sorted((k, repr(v)) for k, v in call.items()))
 
     def get(self, call: dict[str, Any]) -> Optional[dict[str, Any]]:
-        key = self.key(call)
-        hit = self._entries.get(key)
-        if hit is None:
-            return None
-        if self._clock() - hit[0] > self._ttl_s:
-            del self._entries[key]
-            return None
-        self._entries.move_to_end(key)
-        return hit[1]
+        """The answer stored for ``call`` within ``ttl_s``, or None; a hit refreshes recency, not age."""
+        return self._entries.get(self.key(call), self._clock(), touch=True)
 
     def put(self, call: dict[str, Any], result: dict[str, Any]) -> None:
-        key = self.key(call)
-        self._entries[key] = (self._clock(), result)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
+        """Store ``result`` for ``call``, its TTL starting now; the least recently used goes when full."""
+        self._entries.put(self.key(call), result, done_at_s=self._clock())
 
     def __len__(self) -> int:
         return len(self._entries)
