@@ -311,6 +311,43 @@ class ResilientCaller:
             return [] if fallback_only else [b for b in self.backends if b.role == "primary"]
         return [b for b in self.backends if b.role == "fallback"] if fallback_only else self.backends
 
+    async def _first_backend(
+        self,
+        chain: list[Backend],
+        kill_switches: list,
+        now_wall_s: float,
+        skipped: list[tuple[str, Any]],
+        start: Callable[[Backend], Awaitable[Any]],
+        hold: bool,
+    ) -> Optional[tuple[Backend, Any]]:
+        """The first backend of ``chain`` whose ``start(b)`` answers, with that answer;
+        None when none does (``skipped`` says why each was passed over). Each backend is
+        entered first (kill switch, breaker, bulkhead). Its bulkhead slot is left when it
+        fails, and when it answers unless ``hold`` (a stream keeps it until it ends)."""
+        for b in chain:
+            if not self._enter(b, kill_switches, now_wall_s, skipped):
+                continue
+            try:
+                answer = await start(b)
+            except _BackendFailed as f:
+                b.bulkhead.leave()
+                skipped.append((f.kind, b.role))
+                continue
+            except BaseException:
+                b.bulkhead.leave()
+                raise
+            if not hold:
+                b.bulkhead.leave()
+            return b, answer
+        return None
+
+    def _fallback_kind(self, b: Backend) -> Optional[str]:
+        """The fallback kind of an answer from ``b`` (None for the primary), reported."""
+        kind = self.fallback_name(b)
+        if kind:
+            self._hooks.on_fallback(kind)
+        return kind
+
     # -- unary -----------------------------------------------------------------------
     async def unary(
         self,
@@ -330,22 +367,15 @@ class ResilientCaller:
         self.budget.on_request_start()
         skipped: list[tuple[str, Any]] = []
         try:
-            for b in self._chain(fallback_only, call):
-                if not self._enter(b, kill_switches, now_wall_s, skipped):
-                    continue
-                try:
-                    result = await self._attempts(b, call, deadline_s, record)
-                except _BackendFailed as f:
-                    skipped.append((f.kind, b.role))
-                    continue
-                finally:
-                    b.bulkhead.leave()
+            found = await self._first_backend(
+                self._chain(fallback_only, call), kill_switches, now_wall_s, skipped,
+                lambda b: self._attempts(b, call, deadline_s, record), hold=False,
+            )
+            if found is not None:
+                b, result = found
                 if self.cache is not None:
                     self.cache.put(call, result)
-                kind = self.fallback_name(b)
-                if kind:
-                    self._hooks.on_fallback(kind)
-                return result, kind
+                return result, self._fallback_kind(b)
             # The cache holds the models' earlier answers: a model an operator switched
             # off must not keep answering through it.
             if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
@@ -469,21 +499,13 @@ class ResilientCaller:
         skipped: list[tuple[str, Any]] = []
         self.budget.on_request_start()  # until the stream is open: its retries are the budget's
         try:
-            for b in self._chain(fallback_only, call):
-                if not self._enter(b, kill_switches, now_wall_s, skipped):
-                    continue
-                try:
-                    opened = await self._open(b, call, deadline_s, record)
-                except _BackendFailed as f:
-                    b.bulkhead.leave()
-                    skipped.append((f.kind, b.role))
-                    continue
-                except BaseException:
-                    b.bulkhead.leave()
-                    raise
-                kind = self.fallback_name(b)
-                if kind:
-                    self._hooks.on_fallback(kind)
+            found = await self._first_backend(
+                self._chain(fallback_only, call), kill_switches, now_wall_s, skipped,
+                lambda b: self._open(b, call, deadline_s, record), hold=True,
+            )
+            if found is not None:
+                b, opened = found
+                kind = self._fallback_kind(b)
                 return self._rest(b, opened, call, deadline_s, record), kind
             raise self._unavailable(skipped)
         finally:
