@@ -50,7 +50,9 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 MB = 1024 * 1024  # as serve_app.control.watchdog: "MB" is MiB throughout the project
 STATS_CSV = "locust_stats.csv"
@@ -624,6 +626,18 @@ def _read_text(path: Path, notes: list[str], what: str) -> Optional[list[str]]:
         return None
 
 
+def _read_csv(path: Path, notes: list[str], what: str, parse: Callable[[list[str]], T]) -> Optional[T]:
+    """``parse`` of the file's lines; None, with a note, when it is missing, unreadable or malformed."""
+    lines = _read_text(path, notes, what)
+    if lines is None:
+        return None
+    try:
+        return parse(lines)
+    except (ValueError, csv.Error) as e:
+        notes.append(f"`{path.name}` could not be parsed ({e}).")
+        return None
+
+
 def _read_json(path: Path, notes: list[str], what: str) -> Optional[dict[str, Any]]:
     lines = _read_text(path, notes, what)
     if lines is None:
@@ -646,24 +660,9 @@ def load(out_dir: Path | str) -> SoakData:
         raise ReportError(str(out), "no such directory (a soak writes its files there: python -m loadtest.soak)")
     data = SoakData(out)
     notes = data.notes
-    lines = _read_text(out / STATS_CSV, notes, "per-tenant requests, latency and sheds")
-    if lines is not None:
-        try:
-            data.stats = parse_stats(lines)
-        except (ValueError, csv.Error) as e:
-            notes.append(f"`{STATS_CSV}` could not be parsed ({e}).")
-    lines = _read_text(out / HISTORY_CSV, notes, "requests and latency over time")
-    if lines is not None:
-        try:
-            data.history = parse_history(lines)
-        except (ValueError, csv.Error) as e:
-            notes.append(f"`{HISTORY_CSV}` could not be parsed ({e}).")
-    lines = _read_text(out / FAILURES_CSV, notes, "the failure list")
-    if lines is not None:
-        try:
-            data.failures = parse_failures(lines)
-        except (ValueError, csv.Error) as e:
-            notes.append(f"`{FAILURES_CSV}` could not be parsed ({e}).")
+    data.stats = _read_csv(out / STATS_CSV, notes, "per-tenant requests, latency and sheds", parse_stats) or []
+    data.history = _read_csv(out / HISTORY_CSV, notes, "requests and latency over time", parse_history) or []
+    data.failures = _read_csv(out / FAILURES_CSV, notes, "the failure list", parse_failures) or []
     lines = _read_text(out / STATUS_JSONL, notes, "level, replicas, RSS and recycle events")
     if lines is not None:
         data.samples, bad = parse_status_lines(lines)
