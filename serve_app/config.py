@@ -16,8 +16,9 @@ exist for the local demo only and are refused when ``environment`` is
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
@@ -36,6 +37,22 @@ from serve_app.errors import ConfigError
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+PolicyConfig = TypeVar("PolicyConfig")
+
+
+def _policy_config(config_cls: "type[PolicyConfig]", settings: BaseModel, **given: Any) -> PolicyConfig:
+    """A policy's frozen config from ``settings``: each of its fields that ``given`` does
+    not name (renamed or derived values) is the setting of the same name, a list made a
+    tuple; a field with no such setting keeps the policy's default."""
+    taken = {
+        f.name: getattr(settings, f.name)
+        for f in dataclasses.fields(config_cls)  # type: ignore[arg-type]
+        if f.name not in given and f.name in type(settings).model_fields
+    }
+    taken = {name: tuple(v) if isinstance(v, list) else v for name, v in taken.items()}
+    return config_cls(**taken, **given)
 
 
 class HttpConfig(_Strict):
@@ -357,15 +374,7 @@ class GateSettings(_Strict):
         return self
 
     def limiter_config(self) -> LimiterConfig:
-        return LimiterConfig(
-            initial=self.initial_limit,
-            min_limit=self.min_limit,
-            max_limit=self.max_limit,
-            target_wait_ms=self.target_wait_ms,
-            interval_s=self.adjust_interval_s,
-            decrease_factor=self.decrease_factor,
-            target_service_ratio=self.target_service_ratio,
-        )
+        return _policy_config(LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s)
 
 
 class CacheSettings(_Strict):
@@ -483,13 +492,7 @@ class WatchdogSettings(_Strict):
         )
 
     def ladder_config(self) -> LadderConfig:
-        return LadderConfig(
-            step_interval_s=self.step_interval_s,
-            warn_tto_s=self.warn_tto_s,
-            critical_tto_s=self.critical_tto_s,
-            warning_ratio=self.warning_ratio,
-            critical_ratio=self.critical_ratio,
-        )
+        return _policy_config(LadderConfig, self)
 
 
 class RecycleSettings(_Strict):
@@ -524,16 +527,11 @@ class RecycleSettings(_Strict):
 
     def recycle_config(self) -> RecycleConfig:
         """The planner's config; with ``enabled: false`` no age triggers (requested recycles still go)."""
-        return RecycleConfig(
+        return _policy_config(
+            RecycleConfig,
+            self,
             max_age_s=self.max_age_s if self.enabled else None,
-            jitter_ratio=self.jitter_ratio,
-            window_start_hour=self.window_start_hour,
-            window_end_hour=self.window_end_hour,
             forced_max_age_s=self.forced_max_age_s if self.enabled else None,
-            max_unavailable=self.max_unavailable,
-            min_available=self.min_available,
-            block_at_level=self.block_at_level,
-            recycle_timeout_s=self.recycle_timeout_s,
         )
 
 
@@ -628,35 +626,12 @@ class BallastConfig(_Strict):
     # -- conversions to the pure policies' frozen configs ------------------------------
     def degradation_config(self) -> DegradationConfig:
         d = self.degradation
-        return DegradationConfig(
-            queue_length_thresholds=tuple(d.queue_length_thresholds),
-            queue_wait_ms_thresholds=tuple(d.queue_wait_ms_thresholds),
-            kv_util_pct_thresholds=tuple(d.kv_util_pct_thresholds),
-            gpu_util_pct_thresholds=tuple(d.gpu_util_pct_thresholds),
-            vram_pct_thresholds=tuple(d.vram_pct_thresholds),
-            error_rate_threshold=d.error_rate_threshold,
-            error_rate_min_requests=d.error_rate_min_requests,
-            demand_shed_ratio=d.demand_shed_ratio,
-            stable_window_s=d.stable_window_s,
-            up_confirm_s=d.up_confirm_s,
-            capacity_gap_max_s=d.capacity_gap_max_s,
-            capacity_gap_settle_s=d.capacity_gap_settle_s,
-            constraints=tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels),
-        )
+        constraints = tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels)
+        return _policy_config(DegradationConfig, d, constraints=constraints)
 
     def autoscale_config(self) -> AutoscaleConfig:
-        a, m = self.autoscale, self.deployments.model
-        return AutoscaleConfig(
-            min_replicas=m.min_replicas,
-            max_replicas=m.max_replicas,
-            target_ongoing_requests=a.target_ongoing_requests,
-            target_gpu_util_pct=a.target_gpu_util_pct,
-            stable_window_s=a.stable_window_s,
-            panic_window_s=a.panic_window_s,
-            panic_threshold_ratio=a.panic_threshold_ratio,
-            scale_down_delay_s=a.scale_down_delay_s,
-            max_scale_down_step=a.max_scale_down_step,
-        )
+        m = self.deployments.model
+        return _policy_config(AutoscaleConfig, self.autoscale, min_replicas=m.min_replicas, max_replicas=m.max_replicas)
 
 
 def load_config(
