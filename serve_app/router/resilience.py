@@ -313,33 +313,39 @@ class ResilientCaller:
 
     async def _first_backend(
         self,
-        chain: list[Backend],
+        call: dict[str, Any],
+        fallback_only: bool,
         kill_switches: list,
         now_wall_s: float,
-        skipped: list[tuple[str, Any]],
         start: Callable[[Backend], Awaitable[Any]],
         hold: bool,
-    ) -> Optional[tuple[Backend, Any]]:
-        """The first backend of ``chain`` whose ``start(b)`` answers, with that answer;
-        None when none does (``skipped`` says why each was passed over). Each backend is
-        entered first (kill switch, breaker, bulkhead). Its bulkhead slot is left when it
-        fails, and when it answers unless ``hold`` (a stream keeps it until it ends)."""
-        for b in chain:
-            if not self._enter(b, kill_switches, now_wall_s, skipped):
-                continue
-            try:
-                answer = await start(b)
-            except _BackendFailed as f:
-                b.bulkhead.leave()
-                skipped.append((f.kind, b.role))
-                continue
-            except BaseException:
-                b.bulkhead.leave()
-                raise
-            if not hold:
-                b.bulkhead.leave()
-            return b, answer
-        return None
+    ) -> tuple[Optional[tuple[Backend, Any]], list[tuple[str, Any]]]:
+        """(the first backend of the call's chain whose ``start(b)`` answers, with that
+        answer, or None; why each backend before it was passed over). Each backend is
+        entered first (kill switch, breaker, bulkhead); its bulkhead slot is left when it
+        fails, and when it answers unless ``hold`` (a stream keeps it until it ends). The
+        walk counts as one active request in the retry budget."""
+        skipped: list[tuple[str, Any]] = []
+        self.budget.on_request_start()
+        try:
+            for b in self._chain(fallback_only, call):
+                if not self._enter(b, kill_switches, now_wall_s, skipped):
+                    continue
+                try:
+                    answer = await start(b)
+                except _BackendFailed as f:
+                    b.bulkhead.leave()
+                    skipped.append((f.kind, b.role))
+                    continue
+                except BaseException:
+                    b.bulkhead.leave()
+                    raise
+                if not hold:
+                    b.bulkhead.leave()
+                return (b, answer), skipped
+            return None, skipped
+        finally:
+            self.budget.on_request_end()
 
     def _fallback_kind(self, b: Backend) -> Optional[str]:
         """The fallback kind of an answer from ``b`` (None for the primary), reported."""
@@ -364,28 +370,22 @@ class ResilientCaller:
         this request there); only the fallback model may answer. ``record`` is filled
         with what the call went through (its migrations)."""
         record = record if record is not None else CallRecord()
-        self.budget.on_request_start()
-        skipped: list[tuple[str, Any]] = []
-        try:
-            found = await self._first_backend(
-                self._chain(fallback_only, call), kill_switches, now_wall_s, skipped,
-                lambda b: self._attempts(b, call, deadline_s, record), hold=False,
-            )
-            if found is not None:
-                b, result = found
-                if self.cache is not None:
-                    self.cache.put(call, result)
-                return result, self._fallback_kind(b)
-            # The cache holds the models' earlier answers: a model an operator switched
-            # off must not keep answering through it.
-            if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
-                hit = self.cache.get(call)
-                if hit is not None:
-                    self._hooks.on_fallback("cache")
-                    return hit, "cache"
-            raise self._unavailable(skipped)
-        finally:
-            self.budget.on_request_end()
+        found, skipped = await self._first_backend(
+            call, fallback_only, kill_switches, now_wall_s, lambda b: self._attempts(b, call, deadline_s, record), hold=False
+        )
+        if found is not None:
+            b, result = found
+            if self.cache is not None:
+                self.cache.put(call, result)
+            return result, self._fallback_kind(b)
+        # The cache holds the models' earlier answers: a model an operator switched
+        # off must not keep answering through it.
+        if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
+            hit = self.cache.get(call)
+            if hit is not None:
+                self._hooks.on_fallback("cache")
+                return hit, "cache"
+        raise self._unavailable(skipped)
 
     async def _attempts(self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord) -> dict[str, Any]:
         def send(left_s: float) -> tuple[Any, Any]:
@@ -496,20 +496,15 @@ class ResilientCaller:
         counted in ``record``). ``fallback_only`` as for ``unary``.
         """
         record = record if record is not None else CallRecord()
-        skipped: list[tuple[str, Any]] = []
-        self.budget.on_request_start()  # until the stream is open: its retries are the budget's
-        try:
-            found = await self._first_backend(
-                self._chain(fallback_only, call), kill_switches, now_wall_s, skipped,
-                lambda b: self._open(b, call, deadline_s, record), hold=True,
-            )
-            if found is not None:
-                b, opened = found
-                kind = self._fallback_kind(b)
-                return self._rest(b, opened, call, deadline_s, record), kind
+        # An active request in the retry budget until the stream is open.
+        found, skipped = await self._first_backend(
+            call, fallback_only, kill_switches, now_wall_s, lambda b: self._open(b, call, deadline_s, record), hold=True
+        )
+        if found is None:
             raise self._unavailable(skipped)
-        finally:
-            self.budget.on_request_end()
+        b, opened = found
+        kind = self._fallback_kind(b)
+        return self._rest(b, opened, call, deadline_s, record), kind
 
     async def _open(
         self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord, resume: Optional[dict] = None
