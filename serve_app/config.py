@@ -39,6 +39,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _ordered(settings: BaseModel, *names: str) -> None:
+    """Raise ValueError ("a must be <= b") unless the named settings do not decrease."""
+    for low, high in zip(names, names[1:]):
+        if getattr(settings, low) > getattr(settings, high):
+            raise ValueError(f"{low} must be <= {high}")
+
+
 PolicyConfig = TypeVar("PolicyConfig")
 
 
@@ -170,8 +177,7 @@ class ModelDeploymentConfig(_DeploymentSettings):
 
     @model_validator(mode="after")
     def _bounds(self) -> "ModelDeploymentConfig":
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must be <= max_replicas")
+        _ordered(self, "min_replicas", "max_replicas")
         if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
             raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
         return self
@@ -217,8 +223,7 @@ class ControllerConfig(_Strict):
 
     @model_validator(mode="after")
     def _stale_order(self) -> "ControllerConfig":
-        if self.snapshot_stale_s > self.snapshot_max_stale_s:
-            raise ValueError("snapshot_stale_s must be <= snapshot_max_stale_s")
+        _ordered(self, "snapshot_stale_s", "snapshot_max_stale_s")
         return self
 
 
@@ -410,8 +415,7 @@ class ResilienceConfig(_Strict):
 
     @model_validator(mode="after")
     def _deadlines(self) -> "ResilienceConfig":
-        if self.deadline_s > self.max_deadline_s:
-            raise ValueError("deadline_s must be <= max_deadline_s")
+        _ordered(self, "deadline_s", "max_deadline_s")
         return self
 
 
@@ -474,10 +478,8 @@ class WatchdogSettings(_Strict):
 
     @model_validator(mode="after")
     def _order(self) -> "WatchdogSettings":
-        if self.warning_ratio > self.critical_ratio:
-            raise ValueError("warning_ratio must be <= critical_ratio")
-        if self.critical_tto_s > self.warn_tto_s:
-            raise ValueError("critical_tto_s must be <= warn_tto_s")
+        _ordered(self, "warning_ratio", "critical_ratio")
+        _ordered(self, "critical_tto_s", "warn_tto_s")
         return self
 
     def leak_config(self) -> LeakConfig:
