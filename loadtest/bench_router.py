@@ -14,9 +14,10 @@ Loopback only; bounded in time. Run: ``make bench-router``.
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 
@@ -81,6 +82,28 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+@contextlib.contextmanager
+def local_stack(cfg: Any) -> Iterator[None]:
+    """The Ballast stack on this machine for the block: the ingress settings applied, Ray
+    started, the application on ``PORT``; then the application shut down, and Ray, however
+    the block ends."""
+    import ray
+
+    from serve_app.ops.app import shutdown, start
+    from serve_app.router.ingress import apply_ingress_env
+
+    apply_ingress_env(cfg)
+    ray.init(include_dashboard=False, logging_level="ERROR")
+    try:
+        start(cfg, "127.0.0.1", PORT)
+        yield
+    finally:
+        try:
+            shutdown(cfg)
+        finally:
+            ray.shutdown()
+
+
 def main(argv: "list[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="cluster/local.yaml")
@@ -91,19 +114,12 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=3.0)
     args = parser.parse_args(argv)
 
-    import ray
     from ray import serve
 
-    from serve_app.ops.app import shutdown, start
     from serve_app.config import load_config
 
-    from serve_app.router.ingress import apply_ingress_env
-
     cfg = load_config(args.config)
-    apply_ingress_env(cfg)
-    ray.init(include_dashboard=False, logging_level="ERROR")
-    try:
-        start(cfg, "127.0.0.1", PORT)
+    with local_stack(cfg):
         serve.run(plain_ingress_app(cfg.app_name), name="plain", route_prefix="/plain", blocking=False)
         key = next(iter(cfg.auth.demo_keys), None)
         if key is None:
@@ -125,11 +141,6 @@ def main(argv: "list[str] | None" = None) -> int:
                 results[name]["lat"] += lat
                 results[name]["err"] += err
                 results[name]["s"] += elapsed
-    finally:
-        try:
-            shutdown(cfg)
-        finally:
-            ray.shutdown()
 
     print(
         f"\nrouter overhead: concurrency={args.concurrency} max_tokens={args.max_tokens} "
