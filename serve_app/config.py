@@ -46,13 +46,13 @@ def _ordered(settings: BaseModel, *names: str) -> None:
             raise ValueError(f"{low} must be <= {high}")
 
 
-PolicyConfig = TypeVar("PolicyConfig")
+FrozenConfig = TypeVar("FrozenConfig")
 
 
-def _policy_config(config_cls: "type[PolicyConfig]", settings: BaseModel, **given: Any) -> PolicyConfig:
-    """A policy's frozen config from ``settings``: each of its fields that ``given`` does
-    not name (renamed or derived values) is the setting of the same name, a list made a
-    tuple; a field with no such setting keeps the policy's default."""
+def frozen_config(config_cls: "type[FrozenConfig]", settings: BaseModel, **given: Any) -> FrozenConfig:
+    """A frozen config dataclass (a policy's, an engine's) from ``settings``: each of its
+    fields that ``given`` does not name (renamed or derived values) is the setting of the
+    same name, a list made a tuple; a field with no such setting keeps its default."""
     taken = {
         f.name: getattr(settings, f.name)
         for f in dataclasses.fields(config_cls)  # type: ignore[arg-type]
@@ -379,7 +379,7 @@ class GateSettings(_Strict):
         return self
 
     def limiter_config(self) -> LimiterConfig:
-        return _policy_config(LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s)
+        return frozen_config(LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s)
 
 
 class CacheSettings(_Strict):
@@ -494,7 +494,7 @@ class WatchdogSettings(_Strict):
         )
 
     def ladder_config(self) -> LadderConfig:
-        return _policy_config(LadderConfig, self)
+        return frozen_config(LadderConfig, self)
 
 
 class RecycleSettings(_Strict):
@@ -529,7 +529,7 @@ class RecycleSettings(_Strict):
 
     def recycle_config(self) -> RecycleConfig:
         """The planner's config; with ``enabled: false`` no age triggers (requested recycles still go)."""
-        return _policy_config(
+        return frozen_config(
             RecycleConfig,
             self,
             max_age_s=self.max_age_s if self.enabled else None,
@@ -629,11 +629,11 @@ class BallastConfig(_Strict):
     def degradation_config(self) -> DegradationConfig:
         d = self.degradation
         constraints = tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels)
-        return _policy_config(DegradationConfig, d, constraints=constraints)
+        return frozen_config(DegradationConfig, d, constraints=constraints)
 
     def autoscale_config(self) -> AutoscaleConfig:
         m = self.deployments.model
-        return _policy_config(AutoscaleConfig, self.autoscale, min_replicas=m.min_replicas, max_replicas=m.max_replicas)
+        return frozen_config(AutoscaleConfig, self.autoscale, min_replicas=m.min_replicas, max_replicas=m.max_replicas)
 
 
 def load_config(
