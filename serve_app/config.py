@@ -147,15 +147,20 @@ class ModelConfig(_Strict):
 class _DeploymentSettings(_Strict):
     """What every Ballast deployment sets in Serve, built into options in one place."""
 
+    max_ongoing_requests: PositiveInt = 32
+    # Bounded: requests beyond this wait nowhere, the handle refuses them at once.
+    max_queued_requests: PositiveInt = 64
+    num_cpus: float = Field(0, ge=0)
+
     def serve_options(self, name: str, access_log: bool, **own: Any) -> dict[str, Any]:
         """Keyword arguments for ``serve.deployment``: the shared ones, then ``own``."""
-        resources = {"num_cpus": self.num_cpus}  # type: ignore[attr-defined]
+        resources = {"num_cpus": self.num_cpus}
         if hasattr(self, "num_gpus"):
             resources["num_gpus"] = self.num_gpus  # type: ignore[attr-defined]
         return dict(
             name=name,
-            max_ongoing_requests=self.max_ongoing_requests,  # type: ignore[attr-defined]
-            max_queued_requests=self.max_queued_requests,  # type: ignore[attr-defined]
+            max_ongoing_requests=self.max_ongoing_requests,
+            max_queued_requests=self.max_queued_requests,
             ray_actor_options=resources,
             logging_config={"enable_access_log": access_log},
             **own,
@@ -166,10 +171,6 @@ class ModelDeploymentConfig(_DeploymentSettings):
     min_replicas: int = Field(1, ge=1)
     max_replicas: PositiveInt = 2
     initial_replicas: Optional[PositiveInt] = None
-    max_ongoing_requests: PositiveInt = 32
-    # Bounded: requests beyond this wait nowhere, the handle refuses them at once.
-    max_queued_requests: PositiveInt = 64
-    num_cpus: float = Field(0, ge=0)
     num_gpus: float = Field(0, ge=0)
     health_check_period_s: PositiveFloat = 2.0
     health_check_timeout_s: PositiveFloat = 10.0
@@ -187,7 +188,6 @@ class RouterDeploymentConfig(_DeploymentSettings):
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 512
     max_queued_requests: PositiveInt = 256
-    num_cpus: float = Field(0, ge=0)
     # 1: at most one router per node, so num_replicas routers sit on as many nodes. Serve
     # starts its proxy (and HAProxy) only on nodes that run a replica: a node that lost
     # its router, or one that replaces a lost node, serves HTTP again once a router lands
@@ -421,9 +421,6 @@ class ResilienceConfig(_Strict):
 
 class FallbackDeploymentConfig(_DeploymentSettings):
     replicas: PositiveInt = 1
-    max_ongoing_requests: PositiveInt = 32
-    max_queued_requests: PositiveInt = 64
-    num_cpus: float = Field(0, ge=0)
     num_gpus: float = Field(0, ge=0)
 
 
