@@ -11,13 +11,12 @@ the client's own work could count against "beside". Loopback only; bounded in ti
 Run: ``make bench-fairness``.
 """
 
-import argparse
 import asyncio
 import time
 from collections import Counter
 from typing import Any
 
-from loadtest.bench_router import PORT, _pct, local_stack
+from loadtest.bench_router import PORT, _pct, bench_parser, local_stack
 from loadtest.lean_http import LeanClient, LeanHttpError, install_uvloop
 
 
@@ -86,14 +85,11 @@ def ratio_interval(
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="cluster/local.yaml")
+    parser = bench_parser(__doc__.splitlines()[0], rounds=4, round_s=15.0)
     parser.add_argument("--quiet-tenant", default="gold")
     parser.add_argument("--noisy-tenant", default="free")
     parser.add_argument("--quiet-workers", type=int, default=2)
     parser.add_argument("--noise-factor", type=float, default=10.0)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--round-s", type=float, default=15.0)
     args = parser.parse_args(argv)
 
     from serve_app.config import load_config

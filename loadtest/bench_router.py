@@ -82,6 +82,16 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def bench_parser(description: str, rounds: int, round_s: float) -> argparse.ArgumentParser:
+    """The options every local benchmark takes: its config, and its rounds (sides
+    alternating, each round ``round_s`` seconds per side)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", default="cluster/local.yaml")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--round-s", type=float, default=round_s)
+    return parser
+
+
 @contextlib.contextmanager
 def local_stack(cfg: Any) -> Iterator[None]:
     """The Ballast stack on this machine for the block: the ingress settings applied, Ray
@@ -105,12 +115,9 @@ def local_stack(cfg: Any) -> Iterator[None]:
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="cluster/local.yaml")
+    parser = bench_parser(__doc__.splitlines()[0], rounds=3, round_s=8.0)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--round-s", type=float, default=8.0)
     parser.add_argument("--warmup-s", type=float, default=3.0)
     args = parser.parse_args(argv)
 
