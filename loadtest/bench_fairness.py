@@ -11,13 +11,12 @@ the client's own work could count against "beside". Loopback only; bounded in ti
 Run: ``make bench-fairness``.
 """
 
-import argparse
 import asyncio
 import time
 from collections import Counter
 from typing import Any
 
-from loadtest.bench_router import PORT, _pct
+from loadtest.bench_router import PORT, _pct, bench_parser, local_stack
 from loadtest.lean_http import LeanClient, LeanHttpError, install_uvloop
 
 
@@ -86,19 +85,13 @@ def ratio_interval(
 
 
 def main(argv: "list[str] | None" = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="cluster/local.yaml")
+    parser = bench_parser(__doc__.splitlines()[0], rounds=4, round_s=15.0)
     parser.add_argument("--quiet-tenant", default="gold")
     parser.add_argument("--noisy-tenant", default="free")
     parser.add_argument("--quiet-workers", type=int, default=2)
     parser.add_argument("--noise-factor", type=float, default=10.0)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--round-s", type=float, default=15.0)
     args = parser.parse_args(argv)
 
-    import ray
-
-    from serve_app.ops.app import shutdown, start
     from serve_app.config import load_config
 
     cfg = load_config(args.config)
@@ -109,14 +102,9 @@ def main(argv: "list[str] | None" = None) -> int:
         raise SystemExit(f"tenant {args.noisy_tenant!r} has no token quota in {args.config}")
     noisy_rps = args.noise_factor * noisy_rate / (28 + 32)
 
-    from serve_app.router.ingress import apply_ingress_env
-
-    apply_ingress_env(cfg)
-    ray.init(include_dashboard=False, logging_level="ERROR")
     results: dict[str, dict[str, Any]] = {k: {"lat": [], "codes": Counter()} for k in ("alone", "beside")}
     noisy_codes: Counter = Counter()
-    try:
-        start(cfg, "127.0.0.1", PORT)
+    with local_stack(cfg):
 
         async def run() -> None:
             async with LeanClient("127.0.0.1", PORT, max_connections=400, timeout_s=60.0) as c:
@@ -137,11 +125,6 @@ def main(argv: "list[str] | None" = None) -> int:
 
         install_uvloop()
         asyncio.run(run())
-    finally:
-        try:
-            shutdown(cfg)
-        finally:
-            ray.shutdown()
 
     print(
         f"\nfairness: quiet={args.quiet_tenant} ({args.quiet_workers} closed-loop workers), "

@@ -14,9 +14,10 @@ Loopback only; bounded in time. Run: ``make bench-router``.
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 
@@ -81,29 +82,51 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main(argv: "list[str] | None" = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_parser(description: str, rounds: int, round_s: float) -> argparse.ArgumentParser:
+    """The options every local benchmark takes: its config, and its rounds (sides
+    alternating, each round ``round_s`` seconds per side)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", default="cluster/local.yaml")
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--round-s", type=float, default=8.0)
-    parser.add_argument("--warmup-s", type=float, default=3.0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--round-s", type=float, default=round_s)
+    return parser
 
+
+@contextlib.contextmanager
+def local_stack(cfg: Any) -> Iterator[None]:
+    """The Ballast stack on this machine for the block: the ingress settings applied, Ray
+    started, the application on ``PORT``; then the application shut down, and Ray, however
+    the block ends."""
     import ray
-    from ray import serve
 
     from serve_app.ops.app import shutdown, start
-    from serve_app.config import load_config
-
     from serve_app.router.ingress import apply_ingress_env
 
-    cfg = load_config(args.config)
     apply_ingress_env(cfg)
     ray.init(include_dashboard=False, logging_level="ERROR")
     try:
         start(cfg, "127.0.0.1", PORT)
+        yield
+    finally:
+        try:
+            shutdown(cfg)
+        finally:
+            ray.shutdown()
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    parser = bench_parser(__doc__.splitlines()[0], rounds=3, round_s=8.0)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    args = parser.parse_args(argv)
+
+    from ray import serve
+
+    from serve_app.config import load_config
+
+    cfg = load_config(args.config)
+    with local_stack(cfg):
         serve.run(plain_ingress_app(cfg.app_name), name="plain", route_prefix="/plain", blocking=False)
         key = next(iter(cfg.auth.demo_keys), None)
         if key is None:
@@ -125,11 +148,6 @@ def main(argv: "list[str] | None" = None) -> int:
                 results[name]["lat"] += lat
                 results[name]["err"] += err
                 results[name]["s"] += elapsed
-    finally:
-        try:
-            shutdown(cfg)
-        finally:
-            ray.shutdown()
 
     print(
         f"\nrouter overhead: concurrency={args.concurrency} max_tokens={args.max_tokens} "

@@ -50,7 +50,9 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
 
 MB = 1024 * 1024  # as serve_app.control.watchdog: "MB" is MiB throughout the project
 STATS_CSV = "locust_stats.csv"
@@ -624,6 +626,18 @@ def _read_text(path: Path, notes: list[str], what: str) -> Optional[list[str]]:
         return None
 
 
+def _read_csv(path: Path, notes: list[str], what: str, parse: Callable[[list[str]], T]) -> Optional[T]:
+    """``parse`` of the file's lines; None, with a note, when it is missing, unreadable or malformed."""
+    lines = _read_text(path, notes, what)
+    if lines is None:
+        return None
+    try:
+        return parse(lines)
+    except (ValueError, csv.Error) as e:
+        notes.append(f"`{path.name}` could not be parsed ({e}).")
+        return None
+
+
 def _read_json(path: Path, notes: list[str], what: str) -> Optional[dict[str, Any]]:
     lines = _read_text(path, notes, what)
     if lines is None:
@@ -646,24 +660,9 @@ def load(out_dir: Path | str) -> SoakData:
         raise ReportError(str(out), "no such directory (a soak writes its files there: python -m loadtest.soak)")
     data = SoakData(out)
     notes = data.notes
-    lines = _read_text(out / STATS_CSV, notes, "per-tenant requests, latency and sheds")
-    if lines is not None:
-        try:
-            data.stats = parse_stats(lines)
-        except (ValueError, csv.Error) as e:
-            notes.append(f"`{STATS_CSV}` could not be parsed ({e}).")
-    lines = _read_text(out / HISTORY_CSV, notes, "requests and latency over time")
-    if lines is not None:
-        try:
-            data.history = parse_history(lines)
-        except (ValueError, csv.Error) as e:
-            notes.append(f"`{HISTORY_CSV}` could not be parsed ({e}).")
-    lines = _read_text(out / FAILURES_CSV, notes, "the failure list")
-    if lines is not None:
-        try:
-            data.failures = parse_failures(lines)
-        except (ValueError, csv.Error) as e:
-            notes.append(f"`{FAILURES_CSV}` could not be parsed ({e}).")
+    data.stats = _read_csv(out / STATS_CSV, notes, "per-tenant requests, latency and sheds", parse_stats) or []
+    data.history = _read_csv(out / HISTORY_CSV, notes, "requests and latency over time", parse_history) or []
+    data.failures = _read_csv(out / FAILURES_CSV, notes, "the failure list", parse_failures) or []
     lines = _read_text(out / STATUS_JSONL, notes, "level, replicas, RSS and recycle events")
     if lines is not None:
         data.samples, bad = parse_status_lines(lines)
@@ -757,168 +756,144 @@ def _settings_section(data: SoakData, duration_s: Optional[float]) -> list[str]:
     return lines
 
 
+def _section(
+    title: str, body: list[str], empty: str, plots: Mapping[str, Optional[str]], *drawn: tuple[str, str]
+) -> list[str]:
+    """A report section: its heading, ``body`` (the ``empty`` line when there is none),
+    then a line per plot in ``drawn`` (its file name and what it shows), a blank line last."""
+    lines = [f"## {title}", ""] + (body or [empty])
+    for name, what in drawn:
+        lines += ["", _plot_line(plots, name, what)]
+    return lines + [""]
+
+
 def _requests_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## Requests per tenant and kind", ""]
     table = tenant_kind_table(data.stats, duration_s)
-    if table:
-        lines.append(
-            "requests = answers + failures + sheds; success = ok / requests; "
-            "latency of answers and failures (not sheds); goodput = ok per second."
-        )
-        lines.append("")
-        lines += _table(
+    body = [
+        "requests = answers + failures + sheds; success = ok / requests; "
+        "latency of answers and failures (not sheds); goodput = ok per second.",
+        "",
+        *_table(
             ("tenant", "kind", "requests", "ok", "shed", "failed", "success", "shed ratio", "p50 ms", "p95 ms", "p99 ms", "goodput /s"),
             (
                 (r.tenant, r.kind, r.requests, r.ok, r.shed, r.failed, _pct(r.success_ratio), _pct(r.shed_ratio),
                  _fmt(r.p50_ms), _fmt(r.p95_ms), _fmt(r.p99_ms), _fmt(r.goodput_per_s, 2))
                 for r in table
             ),
-        )
-    else:
-        lines.append("_No request data (see the missing inputs above)._")
-    lines += ["", _plot_line(plots, "requests.png", "requests, sheds and failures per second"), "",
-              _plot_line(plots, "latency.png", "latency p50/p95/p99 (rolling window)"), ""]
-    return lines
+        ),
+    ] if table else []
+    return _section(
+        "Requests per tenant and kind", body, "_No request data (see the missing inputs above)._", plots,
+        ("requests.png", "requests, sheds and failures per second"), ("latency.png", "latency p50/p95/p99 (rolling window)"),
+    )
 
 
 def _sheds_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## Sheds by reason", ""]
     table = tenant_kind_table(data.stats, duration_s)
     totals = shed_totals(data.stats)
     all_requests = sum(r.requests for r in table if r.tenant == "all")
+    body: list[str] = []
     if totals:
-        lines += _table(
+        body += _table(
             ("reason", "sheds", "share of all requests"),
             ((code, n, _pct(n / all_requests if all_requests else None)) for code, n in totals.items()),
         )
-        lines += ["", "By tenant and kind:", ""]
-        lines += _table(("reason", "tenant", "kind", "sheds"), ((s.code, s.tenant, s.kind, s.count) for s in shed_rows(data.stats)))
-    else:
-        lines.append("_No sheds recorded._" if data.stats else "_No request data._")
-    lines += ["", _plot_line(plots, "sheds.png", "sheds per second by reason"), ""]
-    return lines
+        body += ["", "By tenant and kind:", ""]
+        body += _table(("reason", "tenant", "kind", "sheds"), ((s.code, s.tenant, s.kind, s.count) for s in shed_rows(data.stats)))
+    empty = "_No sheds recorded._" if data.stats else "_No request data._"
+    return _section("Sheds by reason", body, empty, plots, ("sheds.png", "sheds per second by reason"))
 
 
 def _criticality_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## Sheds by criticality", ""]
     by_crit = sheds_by_criticality(data.report)
+    body: list[str] = []
     if by_crit:
         codes = sorted({c for per in by_crit.values() for c in per})
-        lines += _table(
+        body += _table(
             ("criticality (claimed)", *codes, "total"),
             ((crit, *(per.get(c, 0) for c in codes), sum(per.values())) for crit, per in by_crit.items()),
         )
-        lines += ["", "Criticality as the client claimed it (the server lowers a claim above the tenant's maximum)."]
-    elif data.report is None:
-        lines.append("_No `report.json` (the locustfile writes it when `$BALLAST_REPORT_JSON` is set)._")
-    else:
-        lines.append("_No sheds recorded._")
-    lines.append("")
-    return lines
+        body += ["", "Criticality as the client claimed it (the server lowers a claim above the tenant's maximum)."]
+    no_report = "_No `report.json` (the locustfile writes it when `$BALLAST_REPORT_JSON` is set)._"
+    return _section("Sheds by criticality", body, no_report if data.report is None else "_No sheds recorded._", plots)
 
 
 def _level_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## Degradation level", ""]
     lvl = level_summary(data.samples)
+    body: list[str] = []
     if lvl.samples:
         total = lvl.total_s
-        lines += _table(
+        body += _table(
             ("level", "time", "share"),
             ((f"L{level}", _duration(s), _pct(s / total if total else None)) for level, s in lvl.seconds_by_level.items()),
         )
-        lines += ["", f"Highest level: L{lvl.max_level}; level changes: {lvl.changes}; samples: {lvl.samples}."]
-    else:
-        lines.append("_No status samples with a level._")
-    lines += ["", _plot_line(plots, "level.png", "degradation level over time"), ""]
-    return lines
+        body += ["", f"Highest level: L{lvl.max_level}; level changes: {lvl.changes}; samples: {lvl.samples}."]
+    return _section(
+        "Degradation level", body, "_No status samples with a level._", plots, ("level.png", "degradation level over time")
+    )
 
 
 def _replicas_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## Replicas", ""]
     counts = replica_count_table(data.samples)
-    if counts:
-        lines += _table(
-            ("deployment", "desired min–max", "running min–max", "time running < desired"),
-            ((c.deployment, _span(c.desired_min, c.desired_max), _span(c.running_min, c.running_max), _duration(c.short_s)) for c in counts),
-        )
-    else:
-        lines.append("_No replica counts in the status samples._")
-    lines += ["", _plot_line(plots, "replicas.png", "replicas desired vs running"), ""]
-    return lines
+    body = _table(
+        ("deployment", "desired min–max", "running min–max", "time running < desired"),
+        ((c.deployment, _span(c.desired_min, c.desired_max), _span(c.running_min, c.running_max), _duration(c.short_s)) for c in counts),
+    ) if counts else []
+    return _section(
+        "Replicas", body, "_No replica counts in the status samples._", plots, ("replicas.png", "replicas desired vs running")
+    )
 
 
 def _rss_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## RSS per replica", ""]
     rss = rss_table(data.samples)
-    if rss:
-        lines += _table(
-            ("replica", "deployment", "samples", "min MB", "max MB", "growth MB", "last MB", "seen from", "seen until", "max age"),
-            ((r.replica_id, r.deployment, r.samples, _fmt(r.min_mb, 1), _fmt(r.max_mb, 1), _fmt(r.growth_mb, 1), _fmt(r.last_mb, 1),
-              _offset(data, r.first_seen_s), _offset(data, r.last_seen_s), _duration(r.max_age_s)) for r in rss),
-        )
-    else:
-        lines.append("_No replica RSS in the status samples._")
-    lines += ["", _plot_line(plots, "rss.png", "RSS per replica"), ""]
-    return lines
+    body = _table(
+        ("replica", "deployment", "samples", "min MB", "max MB", "growth MB", "last MB", "seen from", "seen until", "max age"),
+        ((r.replica_id, r.deployment, r.samples, _fmt(r.min_mb, 1), _fmt(r.max_mb, 1), _fmt(r.growth_mb, 1), _fmt(r.last_mb, 1),
+          _offset(data, r.first_seen_s), _offset(data, r.last_seen_s), _duration(r.max_age_s)) for r in rss),
+    ) if rss else []
+    return _section("RSS per replica", body, "_No replica RSS in the status samples._", plots, ("rss.png", "RSS per replica"))
 
 
 def _recycle_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## Recycle events", ""]
     events = recycle_events(data.samples)
-    if events:
-        lines += _table(
-            ("when", "outcome", "deployment", "replica", "reason", "took"),
-            ((_offset(data, _num(e.get("at_s"))), e.get("outcome", "—"), e.get("deployment", "—"), e.get("replica_id", "—"),
-              e.get("reason", "—"), _duration(_num(e.get("duration_s")))) for e in events),
-        )
-    else:
-        lines.append("_No recycle events in the status samples._")
-    lines.append("")
-    return lines
+    body = _table(
+        ("when", "outcome", "deployment", "replica", "reason", "took"),
+        ((_offset(data, _num(e.get("at_s"))), e.get("outcome", "—"), e.get("deployment", "—"), e.get("replica_id", "—"),
+          e.get("reason", "—"), _duration(_num(e.get("duration_s")))) for e in events),
+    ) if events else []
+    return _section("Recycle events", body, "_No recycle events in the status samples._", plots)
 
 
 def _lost_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## Replicas lost under requests", ""]
     lost = lost_capacity(data.samples)
-    if lost:
-        lines.append(
-            f"{lost.get('migrated', 0)} requests sent again or carried on elsewhere after their replica went away "
-            f"({lost.get('streams_carried_on', 0)} of them streams continued mid-way); {lost.get('not_migrated', 0)} were not "
-            "(the migration limit, the deadline or the retry budget: the fallback answered, else 503 `REPLICA_LOST`, "
-            "counted under Failures). Counted by the router the sampler reached, since it started."
-        )
-    else:
-        lines.append("_None: no request was in flight on a replica that went away (or no status samples)._")
-    lines.append("")
-    return lines
+    body = [
+        f"{lost.get('migrated', 0)} requests sent again or carried on elsewhere after their replica went away "
+        f"({lost.get('streams_carried_on', 0)} of them streams continued mid-way); {lost.get('not_migrated', 0)} were not "
+        "(the migration limit, the deadline or the retry budget: the fallback answered, else 503 `REPLICA_LOST`, "
+        "counted under Failures). Counted by the router the sampler reached, since it started."
+    ] if lost else []
+    empty = "_None: no request was in flight on a replica that went away (or no status samples)._"
+    return _section("Replicas lost under requests", body, empty, plots)
 
 
 def _faults_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## Faults injected", ""]
     faults = (data.report or {}).get("faults") or []
-    if faults:
-        lines += _table(
-            ("sim hour", "real offset", "action", "step", "status", "error"),
-            ((_fmt((_num(f.get("at_sim_s")) or 0.0) / 3600.0, 2), _duration(_num(f.get("real_offset_s"))), f.get("action", "—"),
-              f.get("step", "—"), f.get("status") if f.get("status") is not None else "no answer", (f.get("error") or "")[:120])
-             for f in faults if isinstance(f, Mapping)),
-        )
-    else:
-        lines.append("_No fault records._")
-    lines.append("")
-    return lines
+    body = _table(
+        ("sim hour", "real offset", "action", "step", "status", "error"),
+        ((_fmt((_num(f.get("at_sim_s")) or 0.0) / 3600.0, 2), _duration(_num(f.get("real_offset_s"))), f.get("action", "—"),
+          f.get("step", "—"), f.get("status") if f.get("status") is not None else "no answer", (f.get("error") or "")[:120])
+         for f in faults if isinstance(f, Mapping)),
+    ) if faults else []
+    return _section("Faults injected", body, "_No fault records._", plots)
 
 
 def _failures_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
-    lines = ["## Failures", ""]
+    body: list[str] = []
     if data.failures:
-        lines += _table(("name", "error", "occurrences"), ((f["name"], f["error"][:160], f["occurrences"]) for f in data.failures[:MAX_FAILURE_ROWS]))
+        body += _table(("name", "error", "occurrences"), ((f["name"], f["error"][:160], f["occurrences"]) for f in data.failures[:MAX_FAILURE_ROWS]))
         if len(data.failures) > MAX_FAILURE_ROWS:
-            lines += ["", f"…and {len(data.failures) - MAX_FAILURE_ROWS} more kinds in `{FAILURES_CSV}`."]
-    else:
-        lines.append("_No failures recorded._")
-    lines.append("")
-    return lines
+            body += ["", f"…and {len(data.failures) - MAX_FAILURE_ROWS} more kinds in `{FAILURES_CSV}`."]
+    return _section("Failures", body, "_No failures recorded._", plots)
 
 
 #: The report's sections after its settings, in order.

@@ -17,21 +17,19 @@ Pure: the caller passes the time (``now_s``, monotonic in one process).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from policies.validation import check_int, check_positive
+from policies.ttlmap import Held, TTLMap
+from policies.validation import check_positive
 
 MINE, RUNNING, DONE = "mine", "running", "done"
 
 
 @dataclass
-class _Entry:
+class _Key:
     owner: str
-    lease_until_s: float
     result: Optional[dict[str, Any]] = None
-    done_at_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -42,68 +40,58 @@ class Claim:
 
 
 class KeyTable:
+    """Claims and answers per (tenant, key), held in a ``TTLMap``: a claim is a pending
+    entry whose lease is the claim's, an answer a finished one. When full, the expired
+    go first, then the oldest answers, then the oldest claims."""
+
     def __init__(self, ttl_s: float, max_entries: int) -> None:
-        check_positive("ttl_s", ttl_s)
-        check_int("max_entries", max_entries, minimum=1)
+        self._keys: TTLMap[tuple[str, str], _Key] = TTLMap(ttl_s, max_entries, keep_pending=True)
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._entries: "OrderedDict[tuple[str, str], _Entry]" = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._entries)
-
-    def _live(self, slot: tuple[str, str], now_s: float) -> Optional[_Entry]:
-        e = self._entries.get(slot)
-        if e is None:
-            return None
-        gone = (e.done_at_s is not None and now_s - e.done_at_s > self.ttl_s) or (
-            e.done_at_s is None and now_s >= e.lease_until_s
-        )
-        if gone:
-            del self._entries[slot]
-            return None
-        return e
+        return len(self._keys)
 
     def claim(self, slot: tuple[str, str], owner: str, lease_s: float, now_s: float) -> Claim:
         """The first live claim wins; a repeat by the same owner is still its own."""
         check_positive("lease_s", lease_s)
-        e = self._live(slot, now_s)
+        e = self._keys.lookup(slot, now_s)
         if e is None:
-            self._make_room(now_s)
-            self._entries[slot] = _Entry(owner, now_s + lease_s)
+            if self._keys.full:
+                self._keys.expire(now_s)
+            self._keys.put(slot, _Key(owner), lease_until_s=now_s + lease_s)
             return Claim(MINE, owner)
-        if e.done_at_s is not None:
-            return Claim(DONE, e.owner, e.result)
-        return Claim(MINE if e.owner == owner else RUNNING, e.owner)
+        if e.done:
+            return Claim(DONE, e.value.owner, e.value.result)
+        return Claim(MINE if e.value.owner == owner else RUNNING, e.value.owner)
 
     def peek(self, slot: tuple[str, str], now_s: float) -> Optional[Claim]:
         """The key's state without claiming it; None when free."""
-        e = self._live(slot, now_s)
+        e = self._keys.lookup(slot, now_s)
         if e is None:
             return None
-        return Claim(DONE, e.owner, e.result) if e.done_at_s is not None else Claim(RUNNING, e.owner)
+        return Claim(DONE, e.value.owner, e.value.result) if e.done else Claim(RUNNING, e.value.owner)
 
     def complete(self, slot: tuple[str, str], owner: str, result: dict[str, Any], now_s: float) -> bool:
         """Keep the owner's answer; False when the claim was no longer its own (lease lost)."""
-        e = self._live(slot, now_s)
-        if e is None or e.owner != owner or e.done_at_s is not None:
+        e = self._owned_claim(slot, owner, now_s)
+        if e is None:
             return False
-        e.result, e.done_at_s = result, now_s
+        e.value.result = result
+        e.finish(now_s)
         return True
 
     def release(self, slot: tuple[str, str], owner: str, now_s: float) -> bool:
         """The owner's attempt failed: the key is free for the next claim."""
-        e = self._live(slot, now_s)
-        if e is None or e.owner != owner or e.done_at_s is not None:
+        e = self._owned_claim(slot, owner, now_s)
+        if e is None:
             return False
-        del self._entries[slot]
+        self._keys.remove(slot)
         return True
 
-    def _make_room(self, now_s: float) -> None:
-        if len(self._entries) < self.max_entries:
-            return
-        for slot in list(self._entries):
-            self._live(slot, now_s)  # drops what expired
-        while len(self._entries) >= self.max_entries:
-            done = next((s for s, e in self._entries.items() if e.done_at_s is not None), None)
-            del self._entries[done if done is not None else next(iter(self._entries))]
+    def _owned_claim(self, slot: tuple[str, str], owner: str, now_s: float) -> Optional[Held[_Key]]:
+        """``owner``'s live, unanswered claim on ``slot``, or None."""
+        e = self._keys.lookup(slot, now_s)
+        if e is None or e.value.owner != owner or e.done:
+            return None
+        return e

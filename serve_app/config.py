@@ -16,8 +16,9 @@ exist for the local demo only and are refused when ``environment`` is
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
@@ -36,6 +37,29 @@ from serve_app.errors import ConfigError
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _ordered(settings: BaseModel, *names: str) -> None:
+    """Raise ValueError ("a must be <= b") unless the named settings do not decrease."""
+    for low, high in zip(names, names[1:]):
+        if getattr(settings, low) > getattr(settings, high):
+            raise ValueError(f"{low} must be <= {high}")
+
+
+FrozenConfig = TypeVar("FrozenConfig")
+
+
+def frozen_config(config_cls: "type[FrozenConfig]", settings: BaseModel, **given: Any) -> FrozenConfig:
+    """A frozen config dataclass (a policy's, an engine's) from ``settings``: each of its
+    fields that ``given`` does not name (renamed or derived values) is the setting of the
+    same name, a list made a tuple; a field with no such setting keeps its default."""
+    taken = {
+        f.name: getattr(settings, f.name)
+        for f in dataclasses.fields(config_cls)  # type: ignore[arg-type]
+        if f.name not in given and f.name in type(settings).model_fields
+    }
+    taken = {name: tuple(v) if isinstance(v, list) else v for name, v in taken.items()}
+    return config_cls(**taken, **given)
 
 
 class HttpConfig(_Strict):
@@ -123,15 +147,20 @@ class ModelConfig(_Strict):
 class _DeploymentSettings(_Strict):
     """What every Ballast deployment sets in Serve, built into options in one place."""
 
+    max_ongoing_requests: PositiveInt = 32
+    # Bounded: requests beyond this wait nowhere, the handle refuses them at once.
+    max_queued_requests: PositiveInt = 64
+    num_cpus: float = Field(0, ge=0)
+
     def serve_options(self, name: str, access_log: bool, **own: Any) -> dict[str, Any]:
         """Keyword arguments for ``serve.deployment``: the shared ones, then ``own``."""
-        resources = {"num_cpus": self.num_cpus}  # type: ignore[attr-defined]
+        resources = {"num_cpus": self.num_cpus}
         if hasattr(self, "num_gpus"):
             resources["num_gpus"] = self.num_gpus  # type: ignore[attr-defined]
         return dict(
             name=name,
-            max_ongoing_requests=self.max_ongoing_requests,  # type: ignore[attr-defined]
-            max_queued_requests=self.max_queued_requests,  # type: ignore[attr-defined]
+            max_ongoing_requests=self.max_ongoing_requests,
+            max_queued_requests=self.max_queued_requests,
             ray_actor_options=resources,
             logging_config={"enable_access_log": access_log},
             **own,
@@ -142,10 +171,6 @@ class ModelDeploymentConfig(_DeploymentSettings):
     min_replicas: int = Field(1, ge=1)
     max_replicas: PositiveInt = 2
     initial_replicas: Optional[PositiveInt] = None
-    max_ongoing_requests: PositiveInt = 32
-    # Bounded: requests beyond this wait nowhere, the handle refuses them at once.
-    max_queued_requests: PositiveInt = 64
-    num_cpus: float = Field(0, ge=0)
     num_gpus: float = Field(0, ge=0)
     health_check_period_s: PositiveFloat = 2.0
     health_check_timeout_s: PositiveFloat = 10.0
@@ -153,8 +178,7 @@ class ModelDeploymentConfig(_DeploymentSettings):
 
     @model_validator(mode="after")
     def _bounds(self) -> "ModelDeploymentConfig":
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must be <= max_replicas")
+        _ordered(self, "min_replicas", "max_replicas")
         if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
             raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
         return self
@@ -164,7 +188,6 @@ class RouterDeploymentConfig(_DeploymentSettings):
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 512
     max_queued_requests: PositiveInt = 256
-    num_cpus: float = Field(0, ge=0)
     # 1: at most one router per node, so num_replicas routers sit on as many nodes. Serve
     # starts its proxy (and HAProxy) only on nodes that run a replica: a node that lost
     # its router, or one that replaces a lost node, serves HTTP again once a router lands
@@ -200,8 +223,7 @@ class ControllerConfig(_Strict):
 
     @model_validator(mode="after")
     def _stale_order(self) -> "ControllerConfig":
-        if self.snapshot_stale_s > self.snapshot_max_stale_s:
-            raise ValueError("snapshot_stale_s must be <= snapshot_max_stale_s")
+        _ordered(self, "snapshot_stale_s", "snapshot_max_stale_s")
         return self
 
 
@@ -357,15 +379,7 @@ class GateSettings(_Strict):
         return self
 
     def limiter_config(self) -> LimiterConfig:
-        return LimiterConfig(
-            initial=self.initial_limit,
-            min_limit=self.min_limit,
-            max_limit=self.max_limit,
-            target_wait_ms=self.target_wait_ms,
-            interval_s=self.adjust_interval_s,
-            decrease_factor=self.decrease_factor,
-            target_service_ratio=self.target_service_ratio,
-        )
+        return frozen_config(LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s)
 
 
 class CacheSettings(_Strict):
@@ -401,16 +415,12 @@ class ResilienceConfig(_Strict):
 
     @model_validator(mode="after")
     def _deadlines(self) -> "ResilienceConfig":
-        if self.deadline_s > self.max_deadline_s:
-            raise ValueError("deadline_s must be <= max_deadline_s")
+        _ordered(self, "deadline_s", "max_deadline_s")
         return self
 
 
 class FallbackDeploymentConfig(_DeploymentSettings):
     replicas: PositiveInt = 1
-    max_ongoing_requests: PositiveInt = 32
-    max_queued_requests: PositiveInt = 64
-    num_cpus: float = Field(0, ge=0)
     num_gpus: float = Field(0, ge=0)
 
 
@@ -465,10 +475,8 @@ class WatchdogSettings(_Strict):
 
     @model_validator(mode="after")
     def _order(self) -> "WatchdogSettings":
-        if self.warning_ratio > self.critical_ratio:
-            raise ValueError("warning_ratio must be <= critical_ratio")
-        if self.critical_tto_s > self.warn_tto_s:
-            raise ValueError("critical_tto_s must be <= warn_tto_s")
+        _ordered(self, "warning_ratio", "critical_ratio")
+        _ordered(self, "critical_tto_s", "warn_tto_s")
         return self
 
     def leak_config(self) -> LeakConfig:
@@ -483,13 +491,7 @@ class WatchdogSettings(_Strict):
         )
 
     def ladder_config(self) -> LadderConfig:
-        return LadderConfig(
-            step_interval_s=self.step_interval_s,
-            warn_tto_s=self.warn_tto_s,
-            critical_tto_s=self.critical_tto_s,
-            warning_ratio=self.warning_ratio,
-            critical_ratio=self.critical_ratio,
-        )
+        return frozen_config(LadderConfig, self)
 
 
 class RecycleSettings(_Strict):
@@ -524,16 +526,11 @@ class RecycleSettings(_Strict):
 
     def recycle_config(self) -> RecycleConfig:
         """The planner's config; with ``enabled: false`` no age triggers (requested recycles still go)."""
-        return RecycleConfig(
+        return frozen_config(
+            RecycleConfig,
+            self,
             max_age_s=self.max_age_s if self.enabled else None,
-            jitter_ratio=self.jitter_ratio,
-            window_start_hour=self.window_start_hour,
-            window_end_hour=self.window_end_hour,
             forced_max_age_s=self.forced_max_age_s if self.enabled else None,
-            max_unavailable=self.max_unavailable,
-            min_available=self.min_available,
-            block_at_level=self.block_at_level,
-            recycle_timeout_s=self.recycle_timeout_s,
         )
 
 
@@ -628,35 +625,12 @@ class BallastConfig(_Strict):
     # -- conversions to the pure policies' frozen configs ------------------------------
     def degradation_config(self) -> DegradationConfig:
         d = self.degradation
-        return DegradationConfig(
-            queue_length_thresholds=tuple(d.queue_length_thresholds),
-            queue_wait_ms_thresholds=tuple(d.queue_wait_ms_thresholds),
-            kv_util_pct_thresholds=tuple(d.kv_util_pct_thresholds),
-            gpu_util_pct_thresholds=tuple(d.gpu_util_pct_thresholds),
-            vram_pct_thresholds=tuple(d.vram_pct_thresholds),
-            error_rate_threshold=d.error_rate_threshold,
-            error_rate_min_requests=d.error_rate_min_requests,
-            demand_shed_ratio=d.demand_shed_ratio,
-            stable_window_s=d.stable_window_s,
-            up_confirm_s=d.up_confirm_s,
-            capacity_gap_max_s=d.capacity_gap_max_s,
-            capacity_gap_settle_s=d.capacity_gap_settle_s,
-            constraints=tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels),
-        )
+        constraints = tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels)
+        return frozen_config(DegradationConfig, d, constraints=constraints)
 
     def autoscale_config(self) -> AutoscaleConfig:
-        a, m = self.autoscale, self.deployments.model
-        return AutoscaleConfig(
-            min_replicas=m.min_replicas,
-            max_replicas=m.max_replicas,
-            target_ongoing_requests=a.target_ongoing_requests,
-            target_gpu_util_pct=a.target_gpu_util_pct,
-            stable_window_s=a.stable_window_s,
-            panic_window_s=a.panic_window_s,
-            panic_threshold_ratio=a.panic_threshold_ratio,
-            scale_down_delay_s=a.scale_down_delay_s,
-            max_scale_down_step=a.max_scale_down_step,
-        )
+        m = self.deployments.model
+        return frozen_config(AutoscaleConfig, self.autoscale, min_replicas=m.min_replicas, max_replicas=m.max_replicas)
 
 
 def load_config(

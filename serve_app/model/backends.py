@@ -28,9 +28,9 @@ import codecs
 import math
 import os
 import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -478,13 +478,7 @@ class TorchDecoderBackend:
                     pass
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "device": self.device,
-            "params": self.parameter_count,
-            "max_seq_len": self.max_seq_len,
-            "source": self.source,
-        }
+        return describe_engine(self)
 
     # ------------------------------------------------------------------ internals
 
@@ -648,9 +642,8 @@ class LiveBatch:
 
     def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
         """Drop these rows (cancelled, past their deadline); unknown keys are ignored."""
-        gone = set(keys)
-        keep = [i for i, key in enumerate(self._keys) if key not in gone]
-        if len(keep) != len(self._keys):
+        keep = rows_to_keep(self._keys, keys)
+        if keep is not None:
             self._select(keep)
 
     def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
@@ -688,16 +681,7 @@ class LiveBatch:
                 break
             emitted.append((list(self._keys), self._decode()))
             self._drop_finished()
-        out: dict[Any, list[int]] = {key: [] for key, *_ in joins}
-        if emitted:
-            # One device->host copy per chunk rather than per token.
-            flat = torch.cat([ids for _, ids in emitted]).tolist()
-            i = 0
-            for keys, _ in emitted:
-                for key in keys:
-                    out.setdefault(key, []).append(flat[i])
-                    i += 1
-        return out
+        return ids_by_row(emitted, {key: [] for key, *_ in joins})
 
     # ------------------------------------------------------------------ internals
 
@@ -759,6 +743,37 @@ class LiveBatch:
             self._k = self._k[:, :, :, start:]
             self._v = self._v[:, :, :, start:]
             self._valid = self._valid[:, start:]
+
+
+def describe_engine(engine: Any) -> dict[str, Any]:
+    """What every engine says of itself (``describe``): name, device, size, context, source."""
+    return {
+        "name": engine.name,
+        "device": engine.device,
+        "params": engine.parameter_count,
+        "max_seq_len": engine.max_seq_len,
+        "source": engine.source,
+    }
+
+
+def ids_by_row(steps: Sequence[tuple[list[Any], Tensor]], out: dict[Any, list[int]]) -> dict[Any, list[int]]:
+    """``out`` with each decode step's ids appended to its row's list, ``steps`` being
+    (the rows' keys, their new ids [B]) per step; one device->host copy for them all."""
+    if steps:
+        flat = torch.cat([ids for _, ids in steps]).tolist()
+        i = 0
+        for keys, _ in steps:
+            for key in keys:
+                out.setdefault(key, []).append(flat[i])
+                i += 1
+    return out
+
+
+def rows_to_keep(row_keys: Sequence[Any], gone: Iterable[Any]) -> Optional[list[int]]:
+    """The indices of the rows whose key is not in ``gone``; None when no row goes."""
+    dropped = set(gone)
+    keep = [i for i, key in enumerate(row_keys) if key not in dropped]
+    return keep if len(keep) != len(row_keys) else None
 
 
 def left_pad(x: Tensor, width: int, dim: int) -> Tensor:

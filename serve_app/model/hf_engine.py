@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from serve_app.model.backends import left_pad
+from serve_app.model.backends import describe_engine, ids_by_row, left_pad, rows_to_keep
 from serve_app.model.hf import LoadedModel
 
 __all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowSampling"]
@@ -197,11 +197,7 @@ class HFBackend:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "device": self.device,
-            "params": self.parameter_count,
-            "max_seq_len": self.max_seq_len,
-            "source": self.source,
+            **describe_engine(self),
             "backend": "transformers",
             "architecture": self.loaded.info.architecture,
             "dtype": str(self.loaded.dtype).replace("torch.", ""),
@@ -280,9 +276,8 @@ class HFBatch:
         return [r.key for r in self._rows]
 
     def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
-        gone = set(keys)
-        keep = [i for i, r in enumerate(self._rows) if r.key not in gone]
-        if len(keep) != len(self._rows):
+        keep = rows_to_keep(self.keys(), keys)
+        if keep is not None:
             self._select(keep)
 
     def run_chunk(self, joins: Sequence[tuple], steps: int) -> dict[Any, list[int]]:
@@ -315,15 +310,7 @@ class HFBatch:
                 break
             emitted.append((self.keys(), self._decode()))
             self._drop_finished(emitted)
-        out: dict[Any, list[int]] = {k: [] for k, _, _, _ in parsed}
-        if emitted:
-            flat = torch.cat([ids for _, ids in emitted]).tolist()  # one device->host copy
-            i = 0
-            for keys, _ in emitted:
-                for key in keys:
-                    out.setdefault(key, []).append(flat[i])
-                    i += 1
-        return out
+        return ids_by_row(emitted, {k: [] for k, _, _, _ in parsed})
 
     # ------------------------------------------------------------------ internals
 

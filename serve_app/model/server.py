@@ -49,7 +49,7 @@ from policies.window import CountWindow
 
 from serve_app.model.backends import BackendSpec, TinyDecoderConfig, load_backend
 from serve_app.model.chaos import ChaosAgent
-from serve_app.config import BallastConfig, ModelConfig, load_config
+from serve_app.config import BallastConfig, ModelConfig, frozen_config, load_config
 from serve_app.control.link import connect
 from serve_app.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
 from serve_app.errors import DeadlineExceeded
@@ -143,18 +143,7 @@ def build_backend(m: ModelConfig):
         if device == "cpu" and m.cpu_threads is not None:
             torch.set_num_threads(m.cpu_threads)
         return HFBackend(load_checkpoint(m.path, device, m.dtype), name=m.name)
-    a = m.architecture
-    spec = BackendSpec(
-        name=m.name,
-        seed=m.seed,
-        checkpoint_path=m.checkpoint_path,
-        checkpoint_format=m.checkpoint_format,
-        device=m.device,
-        compile=m.compile,
-        config=TinyDecoderConfig(
-            d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads, d_ff=a.d_ff, max_seq_len=a.max_seq_len
-        ),
-    )
+    spec = frozen_config(BackendSpec, m, config=frozen_config(TinyDecoderConfig, m.architecture))
     backend = load_backend(spec)
     if backend.device == "cpu" and m.cpu_threads is not None:
         import torch

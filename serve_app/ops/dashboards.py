@@ -139,6 +139,16 @@ PER_REPLICA = "{{deployment}} {{replica}}"
 EVENTS = "15m"  # window of the event panels: counters that move rarely read as counts
 
 
+def _events_panel(title: str, counter: str, by: tuple[str, ...], description: str = "") -> Panel:
+    """A rarely moving counter as counts per ``EVENTS`` window, one series per ``by`` labels."""
+    labels = ", ".join(by)
+    return Panel(
+        f"{title} (per 15 min)",
+        (Target(f"sum by ({labels}) (increase(ray_ballast_{counter}[{EVENTS}]))", " ".join(f"{{{{{b}}}}}" for b in by)),),
+        description=description,
+    )
+
+
 def _replica_gauge(title: str, metric: str, unit: str = "short", description: str = "", sparse: str = "") -> Panel:
     return Panel(
         title,
@@ -211,28 +221,17 @@ REPLICAS = Dashboard(
             ),
             description="ready 0: the watchdog stopped intake (or a recycle was asked for); hung 1: killed by the controller",
         ),
-        Panel(
-            "Watchdog actions (per 15 min)",
-            (Target(f"sum by (deployment, action) (increase(ray_ballast_watchdog_actions_total[{EVENTS}]))", "{{deployment}} {{action}}"),),
+        _events_panel(
+            "Watchdog actions", "watchdog_actions_total", ("deployment", "action"),
             description="The action ladder: gc_collect, empty_cache, stop_intake, request_recycle",
         ),
-        Panel(
-            "Hung replicas killed (per 15 min)",
-            (Target(f"sum by (deployment) (increase(ray_ballast_hung_replicas_killed_total[{EVENTS}]))", "{{deployment}}"),),
-        ),
-        Panel(
-            "Recycles by outcome (per 15 min)",
-            (Target(f"sum by (deployment, outcome) (increase(ray_ballast_recycles_total[{EVENTS}]))", "{{deployment}} {{outcome}}"),),
+        _events_panel("Hung replicas killed", "hung_replicas_killed_total", ("deployment",)),
+        _events_panel(
+            "Recycles by outcome", "recycles_total", ("deployment", "outcome"),
             description="started, completed, stuck (past recycle.recycle_timeout_s), lease_expired, killed_hung",
         ),
-        Panel(
-            "Recycles started by reason (per 15 min)",
-            (
-                Target(
-                    f'sum by (deployment, reason) (increase(ray_ballast_recycles_total{{outcome="started"}}[{EVENTS}]))',
-                    "{{deployment}} {{reason}}",
-                ),
-            ),
+        _events_panel(
+            "Recycles started by reason", 'recycles_total{outcome="started"}', ("deployment", "reason"),
             description="critical, forced_max_age, manual, watchdog, max_age, hung",
         ),
         Panel("Recycles in flight", (Target("max by (deployment) (ray_ballast_recycle_in_flight)", "{{deployment}}"),)),

@@ -25,22 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
 from policies.idempotency import DONE, MINE
+from policies.ttlmap import TTLMap
 from serve_app.errors import DeadlineExceeded
 
 
 class _FirstCancelled(Exception):
     """The first request for a key was cancelled (its client left): waiters run it themselves."""
-
-
-@dataclass
-class _Entry:
-    future: "asyncio.Future[dict[str, Any]]"
-    done_at_s: Optional[float] = None
 
 
 #: Tries to hand an answer or a release to the table, the timeout doubling each time.
@@ -113,12 +106,12 @@ class IdempotencyStore:
         clock: Callable[[], float] = time.monotonic,
         shared: Optional[SharedKeys] = None,
     ):
-        self._ttl_s = ttl_s
-        self._max = max_entries
         self._clock = clock
         self._shared = shared
-        # Insertion order == age order; only touched from the router's event loop.
-        self._entries: "OrderedDict[tuple[str, str], _Entry]" = OrderedDict()
+        # Each key's first attempt (its future), pending until it answers; insertion
+        # order == age order, and a full store drops the oldest, running or not. Only
+        # touched from the router's event loop.
+        self._entries: "TTLMap[tuple[str, str], asyncio.Future[dict[str, Any]]]" = TTLMap(ttl_s, max_entries)
         self.replays = 0
         # Answers and releases on their way to the shared table (each ends within
         # SETTLE_ATTEMPTS calls); held so that they are not collected mid-way.
@@ -132,13 +125,6 @@ class IdempotencyStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _evict(self) -> None:
-        now = self._clock()
-        for key in [k for k, e in self._entries.items() if e.done_at_s is not None and now - e.done_at_s > self._ttl_s]:
-            del self._entries[key]
-        while len(self._entries) >= self._max:
-            self._entries.popitem(last=False)
-
     async def run(
         self, tenant: str, key: str, fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float = 60.0
     ) -> tuple[dict[str, Any], bool]:
@@ -148,16 +134,13 @@ class IdempotencyStore:
         this request waits for another router's first attempt."""
         slot = (tenant, key)
         while True:
-            entry = self._entries.get(slot)
-            if entry is not None and entry.done_at_s is not None and self._clock() - entry.done_at_s > self._ttl_s:
-                del self._entries[slot]
-                entry = None
-            if entry is None:
+            first = self._entries.get(slot, self._clock())
+            if first is None:
                 return await self._first(slot, fn, within_s)
             self.replays += 1
             try:
                 # shield: a repeat that gives up must not cancel the first request's work
-                return await asyncio.shield(entry.future), True
+                return await asyncio.shield(first), True
             except _FirstCancelled:
                 self.replays -= 1
                 continue  # the first one's client left; this one still wants an answer
@@ -165,21 +148,19 @@ class IdempotencyStore:
     async def _first(
         self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float
     ) -> tuple[dict[str, Any], bool]:
-        self._evict()
+        self._entries.expire(self._clock())
         future: "asyncio.Future[dict[str, Any]]" = asyncio.get_running_loop().create_future()
-        entry = _Entry(future)
-        self._entries[slot] = entry
+        entry = self._entries.put(slot, future)
         try:
             result, replayed = await self._shared_first(slot, fn, within_s)
         except BaseException as exc:
-            if self._entries.get(slot) is entry:
-                del self._entries[slot]  # failed: a retry must run for real
+            self._entries.remove(slot, entry)  # failed: a retry must run for real
             if not future.done():
                 future.set_exception(exc if isinstance(exc, Exception) else _FirstCancelled())
                 future.exception()  # retrieved: no "never retrieved" warning when nobody waits
             raise
         future.set_result(result)
-        entry.done_at_s = self._clock()
+        entry.finish(self._clock())
         return result, replayed
 
     async def _shared_first(

@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
@@ -64,6 +63,7 @@ from policies import migration
 from policies.breaker import BreakerEvent, CircuitBreaker, Permit
 from policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
 from policies.retry import RetryBudget, backoff_s, should_retry
+from policies.ttlmap import TTLMap
 
 from serve_app.config import BallastConfig
 from serve_app.errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable, ReplicaLost
@@ -97,30 +97,21 @@ class ResponseCache:
     answer; a cached sampled one is one fair sample, which is what a fallback can give."""
 
     def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
-        self._max, self._ttl_s, self._clock = max_entries, ttl_s, clock
-        self._entries: "OrderedDict[tuple, tuple[float, dict[str, Any]]]" = OrderedDict()
+        self._clock = clock
+        # Least recently used first: a hit or a put makes an entry the newest.
+        self._entries: "TTLMap[tuple, dict[str, Any]]" = TTLMap(ttl_s, max_entries)
 
     @staticmethod
     def key(call: dict[str, Any]) -> tuple:
         return tuple(sorted((k, repr(v)) for k, v in call.items()))
 
     def get(self, call: dict[str, Any]) -> Optional[dict[str, Any]]:
-        key = self.key(call)
-        hit = self._entries.get(key)
-        if hit is None:
-            return None
-        if self._clock() - hit[0] > self._ttl_s:
-            del self._entries[key]
-            return None
-        self._entries.move_to_end(key)
-        return hit[1]
+        """The answer stored for ``call`` within ``ttl_s``, or None; a hit refreshes recency, not age."""
+        return self._entries.get(self.key(call), self._clock(), touch=True)
 
     def put(self, call: dict[str, Any], result: dict[str, Any]) -> None:
-        key = self.key(call)
-        self._entries[key] = (self._clock(), result)
-        self._entries.move_to_end(key)
-        while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
+        """Store ``result`` for ``call``, its TTL starting now; the least recently used goes when full."""
+        self._entries.put(self.key(call), result, done_at_s=self._clock())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -320,6 +311,49 @@ class ResilientCaller:
             return [] if fallback_only else [b for b in self.backends if b.role == "primary"]
         return [b for b in self.backends if b.role == "fallback"] if fallback_only else self.backends
 
+    async def _first_backend(
+        self,
+        call: dict[str, Any],
+        fallback_only: bool,
+        kill_switches: list,
+        now_wall_s: float,
+        start: Callable[[Backend], Awaitable[Any]],
+        hold: bool,
+    ) -> tuple[Optional[tuple[Backend, Any]], list[tuple[str, Any]]]:
+        """(the first backend of the call's chain whose ``start(b)`` answers, with that
+        answer, or None; why each backend before it was passed over). Each backend is
+        entered first (kill switch, breaker, bulkhead); its bulkhead slot is left when it
+        fails, and when it answers unless ``hold`` (a stream keeps it until it ends). The
+        walk counts as one active request in the retry budget."""
+        skipped: list[tuple[str, Any]] = []
+        self.budget.on_request_start()
+        try:
+            for b in self._chain(fallback_only, call):
+                if not self._enter(b, kill_switches, now_wall_s, skipped):
+                    continue
+                try:
+                    answer = await start(b)
+                except _BackendFailed as f:
+                    b.bulkhead.leave()
+                    skipped.append((f.kind, b.role))
+                    continue
+                except BaseException:
+                    b.bulkhead.leave()
+                    raise
+                if not hold:
+                    b.bulkhead.leave()
+                return (b, answer), skipped
+            return None, skipped
+        finally:
+            self.budget.on_request_end()
+
+    def _fallback_kind(self, b: Backend) -> Optional[str]:
+        """The fallback kind of an answer from ``b`` (None for the primary), reported."""
+        kind = self.fallback_name(b)
+        if kind:
+            self._hooks.on_fallback(kind)
+        return kind
+
     # -- unary -----------------------------------------------------------------------
     async def unary(
         self,
@@ -336,35 +370,22 @@ class ResilientCaller:
         this request there); only the fallback model may answer. ``record`` is filled
         with what the call went through (its migrations)."""
         record = record if record is not None else CallRecord()
-        self.budget.on_request_start()
-        skipped: list[tuple[str, Any]] = []
-        try:
-            for b in self._chain(fallback_only, call):
-                if not self._enter(b, kill_switches, now_wall_s, skipped):
-                    continue
-                try:
-                    result = await self._attempts(b, call, deadline_s, record)
-                except _BackendFailed as f:
-                    skipped.append((f.kind, b.role))
-                    continue
-                finally:
-                    b.bulkhead.leave()
-                if self.cache is not None:
-                    self.cache.put(call, result)
-                kind = self.fallback_name(b)
-                if kind:
-                    self._hooks.on_fallback(kind)
-                return result, kind
-            # The cache holds the models' earlier answers: a model an operator switched
-            # off must not keep answering through it.
-            if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
-                hit = self.cache.get(call)
-                if hit is not None:
-                    self._hooks.on_fallback("cache")
-                    return hit, "cache"
-            raise self._unavailable(skipped)
-        finally:
-            self.budget.on_request_end()
+        found, skipped = await self._first_backend(
+            call, fallback_only, kill_switches, now_wall_s, lambda b: self._attempts(b, call, deadline_s, record), hold=False
+        )
+        if found is not None:
+            b, result = found
+            if self.cache is not None:
+                self.cache.put(call, result)
+            return result, self._fallback_kind(b)
+        # The cache holds the models' earlier answers: a model an operator switched
+        # off must not keep answering through it.
+        if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
+            hit = self.cache.get(call)
+            if hit is not None:
+                self._hooks.on_fallback("cache")
+                return hit, "cache"
+        raise self._unavailable(skipped)
 
     async def _attempts(self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord) -> dict[str, Any]:
         def send(left_s: float) -> tuple[Any, Any]:
@@ -475,28 +496,15 @@ class ResilientCaller:
         counted in ``record``). ``fallback_only`` as for ``unary``.
         """
         record = record if record is not None else CallRecord()
-        skipped: list[tuple[str, Any]] = []
-        self.budget.on_request_start()  # until the stream is open: its retries are the budget's
-        try:
-            for b in self._chain(fallback_only, call):
-                if not self._enter(b, kill_switches, now_wall_s, skipped):
-                    continue
-                try:
-                    opened = await self._open(b, call, deadline_s, record)
-                except _BackendFailed as f:
-                    b.bulkhead.leave()
-                    skipped.append((f.kind, b.role))
-                    continue
-                except BaseException:
-                    b.bulkhead.leave()
-                    raise
-                kind = self.fallback_name(b)
-                if kind:
-                    self._hooks.on_fallback(kind)
-                return self._rest(b, opened, call, deadline_s, record), kind
+        # An active request in the retry budget until the stream is open.
+        found, skipped = await self._first_backend(
+            call, fallback_only, kill_switches, now_wall_s, lambda b: self._open(b, call, deadline_s, record), hold=True
+        )
+        if found is None:
             raise self._unavailable(skipped)
-        finally:
-            self.budget.on_request_end()
+        b, opened = found
+        kind = self._fallback_kind(b)
+        return self._rest(b, opened, call, deadline_s, record), kind
 
     async def _open(
         self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord, resume: Optional[dict] = None
