@@ -2,7 +2,7 @@
 
 ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models`` speak
 the OpenAI API so that every OpenAI client works against Ballast unchanged. This
-module is the protocol only (DESIGN.md "A front per protocol"): what a body may hold,
+module is the protocol only: what a body may hold,
 the answers' exact shapes, the SSE framing, the error body. It runs nothing; the
 routes parse with ``parse_chat`` / ``parse_completion``, hand one request to the
 same pipeline as ``/v1/generate``, and build their answers from the response models
