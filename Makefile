@@ -18,16 +18,16 @@ install: $(STAMP)
 
 ## Run the service in the foreground: embedded local Ray + the app (Ctrl-C stops both).
 serve: $(STAMP)
-	$(PY) -m serve_app.ops.cli serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL))
+	$(PY) -m ballast.ops.cli serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL))
 
 ## A small random-weight Llama (real architecture, tokenizer and chat template) to try MODEL= with.
 DEMO_MODEL ?= models/demo
 demo-model: $(STAMP)
-	$(PY) -m serve_app.model.demo $(DEMO_MODEL)
+	$(PY) -m ballast.model.demo $(DEMO_MODEL)
 
 ## Stop a stack started by `make serve` in another shell (signals its own process only).
 stop: $(STAMP)
-	$(PY) -m serve_app.ops.cli stop --config $(CONFIG)
+	$(PY) -m ballast.ops.cli stop --config $(CONFIG)
 
 ## promtool (Debian's prometheus package) for the alert-rule tests; skipped where apt cannot run.
 tools:
@@ -38,11 +38,11 @@ tools:
 ## A head and two workers, each a real `ray start` in its own network namespace (needs root),
 ## Ballast deployed with `serve deploy`; REDIS=1 adds GCS fault tolerance on a local redis-server.
 cluster-up: $(STAMP)
-	$(PY) -m serve_app.ops.netcluster up $(if $(REDIS),--redis)
+	$(PY) -m loadtest.netcluster up $(if $(REDIS),--redis)
 
 ## Remove every process and namespace cluster-up made (nothing else).
 cluster-down: $(STAMP)
-	$(PY) -m serve_app.ops.netcluster down
+	$(PY) -m loadtest.netcluster down
 
 ## The whole fault suite on the local cluster (its own, or the one cluster-up left), with its report.
 test-cluster: $(STAMP)

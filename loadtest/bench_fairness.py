@@ -92,7 +92,7 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--noise-factor", type=float, default=10.0)
     args = parser.parse_args(argv)
 
-    from serve_app.config import load_config
+    from ballast.config import load_config
 
     cfg = load_config(args.config)
     keys = {tenant: key for key, tenant in cfg.auth.demo_keys.items()}

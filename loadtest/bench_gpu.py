@@ -94,7 +94,7 @@ def watchdog_case(
     """Sample this process ``samples`` times, allocating ``mb_per_sample`` of CUDA memory between samples."""
     import torch
 
-    from serve_app.control.watchdog import PsutilSampler, WatchdogCore
+    from ballast.control.watchdog import PsutilSampler, WatchdogCore
 
     clock = [0.0]
     core = WatchdogCore(settings, {"replica_id": f"bench-{name}"}, PsutilSampler(os.getpid()), gpu=probe,
@@ -178,9 +178,9 @@ def main(argv: "list[str] | None" = None) -> int:
 
     import torch
 
-    from serve_app.config import load_config
-    from serve_app.control.gpu import make_gpu_probe, make_process_gpu_probe, visible_gpu_uuid
-    from serve_app.model.server import build_backend
+    from ballast.config import load_config
+    from ballast.control.gpu import make_gpu_probe, make_process_gpu_probe, visible_gpu_uuid
+    from ballast.model.server import build_backend
 
     if not torch.cuda.is_available():
         print("bench-gpu needs a CUDA device: torch.cuda.is_available() is False", file=sys.stderr)

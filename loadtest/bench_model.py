@@ -3,7 +3,7 @@
 ``make bench-model`` (issue 18, section 3). One process, one model, one list of
 requests, three ways of serving it, at each concurrency C (default 1, 8, 32):
 
-- **ballast**: :class:`serve_app.model.hf_engine.HFBatch` driven as the replica's
+- **ballast**: :class:`ballast.model.hf_engine.HFBatch` driven as the replica's
   engine (``server._engine``) drives it: chunk after chunk of ``--chunk-tokens``
   steps; a request waiting joins at the next chunk boundary (up to C rows) and
   leaves when it has its tokens. C closed-loop clients: each sends its next
@@ -525,8 +525,8 @@ def run_all(
     log: Callable[[str], None] = lambda s: None,
 ) -> Report:
     """Every stack at every concurrency, then the short-beside-long figures, on one loaded model."""
-    from serve_app.model.hf import load_checkpoint
-    from serve_app.model.hf_engine import HFBackend
+    from ballast.model.hf import load_checkpoint
+    from ballast.model.hf_engine import HFBackend
 
     loaded = load_checkpoint(path, device)
     backend = HFBackend(loaded, name="bench")
@@ -675,7 +675,7 @@ def main(argv: "list[str] | None" = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-model-") as tmp:
         path = args.model
         if path is None:
-            from serve_app.model.demo import DEMO_GEOMETRY, make_llama
+            from ballast.model.demo import DEMO_GEOMETRY, make_llama
 
             path = make_llama(Path(tmp) / "demo", **DEMO_GEOMETRY)
         report = run_all(

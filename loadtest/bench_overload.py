@@ -40,7 +40,7 @@ scheduled send time, so a slow client does not hide queueing; the generator is
 which at 4 C took a third of a core from the server it was measuring), and each row
 prints the p99 of how late it sent (``lag p99 ms``) so a lagging client shows.
 With ``--sdk`` a third set of rows sends the same requests through the SDK
-(``serve_app.client``, httpx): not by default, because on this machine the SDK's
+(``ballast.client``, httpx): not by default, because on this machine the SDK's
 httpx costs ~2.8 ms of CPU per request on the cores the server runs on (a third of
 a core at 4 C), so those rows measured the client's cost more than Ballast's.
 
@@ -68,7 +68,7 @@ import httpx
 from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_uvloop
 from loadtest.machine_speed import SpeedProbeProcess
-from serve_app.control.names import ROUTER_DEPLOYMENT
+from ballast.control.names import ROUTER_DEPLOYMENT
 
 PORT = 8124
 BASE = f"http://127.0.0.1:{PORT}"
@@ -169,7 +169,7 @@ class Stack:
     url: str
     headers: dict[str, str]
     body: Callable[[str], dict[str, Any]]
-    # When set, requests go through Ballast's SDK (serve_app/client/) made by this:
+    # When set, requests go through Ballast's SDK (ballast/client/) made by this:
     # one client for all the phases, as a long-lived caller has, so its per-criticality
     # adaptive throttle (2-minute window) carries what it learnt from one phase into the next.
     sdk: Optional[Callable[[], Any]] = None
@@ -269,7 +269,7 @@ async def offer(
 
 
 async def _one_sdk(sdk: Any, stack: Stack, crit: str, scheduled: float, sent_s: float, phase: Phase) -> None:
-    from serve_app.client import BallastClientError
+    from ballast.client import BallastClientError
 
     body = stack.body(crit)
     try:
@@ -402,7 +402,7 @@ def plain_serve_app(model_cfg: dict[str, Any], bounded: Optional[tuple[int, int]
     from ray.serve.config import BackpressureConfig
     from starlette.requests import Request
 
-    from serve_app.config import ModelConfig
+    from ballast.config import ModelConfig
 
     m = ModelConfig(**model_cfg)
     options: dict[str, Any] = {"name": "PlainModel"}
@@ -413,7 +413,7 @@ def plain_serve_app(model_cfg: dict[str, Any], bounded: Optional[tuple[int, int]
     @serve.deployment(**options)
     class PlainModel:
         def __init__(self, cfg: dict[str, Any]) -> None:
-            from serve_app.model.server import build_backend
+            from ballast.model.server import build_backend
 
             self._m = ModelConfig(**cfg)
             self._backend = build_backend(self._m)
@@ -529,7 +529,7 @@ def bench_config(path: str, model_replicas: int = 1) -> Any:
     """
     import yaml
 
-    from serve_app.config import load_config
+    from ballast.config import load_config
 
     with open(path, encoding="utf-8") as f:
         data = yaml.safe_load(f)
@@ -648,8 +648,8 @@ def main(argv: "list[str] | None" = None) -> int:
     import ray
     from ray import serve
 
-    from serve_app.ops.app import shutdown, start
-    from serve_app.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, ingress_env
+    from ballast.ops.app import shutdown, start
+    from ballast.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, ingress_env
 
     cfg = bench_config(args.config, args.model_replicas)
     speed = SpeedProbeProcess(cfg.model.architecture.model_dump(), cfg.model.seed)
@@ -666,7 +666,7 @@ def main(argv: "list[str] | None" = None) -> int:
                          class_header=True),
     }
     def sdk_client() -> Any:
-        from serve_app.client import AsyncBallastClient, ClientConfig
+        from ballast.client import AsyncBallastClient, ClientConfig
 
         return AsyncBallastClient(ClientConfig(
             base_url=f"{BASE}{cfg.route_prefix.rstrip('/')}", api_key=BENCH_KEY, max_attempts=1,
@@ -849,7 +849,7 @@ def main(argv: "list[str] | None" = None) -> int:
 
     # One Ray per stack, because the ingress is chosen when Ray starts: plain Ray Serve
     # with its defaults (the Python proxy actor), Ballast with its configured ingress
-    # (serve_app.router.ingress). The SDK rows use the same Ballast server as the plain HTTP rows.
+    # (ballast.router.ingress). The SDK rows use the same Ballast server as the plain HTTP rows.
     sessions = [(s, [n for n in names if n.startswith("plain") == (s == "plain")]) for s in ("plain", "ballast")]
     try:
         for session, members in sessions:

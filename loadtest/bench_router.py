@@ -99,8 +99,8 @@ def local_stack(cfg: Any) -> Iterator[None]:
     the block ends."""
     import ray
 
-    from serve_app.ops.app import shutdown, start
-    from serve_app.router.ingress import apply_ingress_env
+    from ballast.ops.app import shutdown, start
+    from ballast.router.ingress import apply_ingress_env
 
     apply_ingress_env(cfg)
     ray.init(include_dashboard=False, logging_level="ERROR")
@@ -123,7 +123,7 @@ def main(argv: "list[str] | None" = None) -> int:
 
     from ray import serve
 
-    from serve_app.config import load_config
+    from ballast.config import load_config
 
     cfg = load_config(args.config)
     with local_stack(cfg):

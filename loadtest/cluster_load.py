@@ -28,7 +28,7 @@ to. Streams that the server carried on elsewhere say so in their last event
 
 Bounded: a fixed number of callers, stopped by ``duration_s`` or ``stop()``, at most
 ``MAX_RECORDS`` outcomes kept. Targets: loopback or the local cluster's own
-namespaces (``serve_app.ops.netcluster.SUBNET``) only.
+namespaces (``loadtest.netcluster.SUBNET``) only.
 """
 
 from __future__ import annotations

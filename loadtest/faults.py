@@ -60,13 +60,13 @@ from urllib.parse import urlsplit
 import httpx
 
 from loadtest.shapes import TimeScale
-from policies.validation import check_non_negative, check_positive, is_finite
+from ballast.policies.validation import check_non_negative, check_positive, is_finite
 
 DEMO_ADMIN_TOKEN = "dev-admin-token"
 OPERATOR = "loadtest-faults"
 MAX_EVENTS = 1000
 MAX_RECORDS = 512
-MAX_KILL_SWITCH_EXPIRES_S = 7 * 24 * 3600  # policies.killswitch's limit
+MAX_KILL_SWITCH_EXPIRES_S = 7 * 24 * 3600  # ballast.policies.killswitch's limit
 KILL_SWITCH_SCOPES = ("global", "tenant", "model", "criticality")
 CHAOS_TARGETS = ("primary", "fallback")
 

@@ -67,7 +67,7 @@ from typing import Any, ClassVar, Optional, Union
 
 from loadtest.faults import DEFAULT_SOAK, FaultRunner, FaultSchedule, is_loopback_host
 from loadtest.shapes import DiurnalShape, StepShape, TimeScale, step_burst
-from serve_app.client import CRITICALITIES, GENERATE_PATH, SSEDecoder
+from ballast.client import CRITICALITIES, GENERATE_PATH, SSEDecoder
 
 log = logging.getLogger("ballast.loadtest")
 

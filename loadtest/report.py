@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
-MB = 1024 * 1024  # as serve_app.control.watchdog: "MB" is MiB throughout the project
+MB = 1024 * 1024  # as ballast.control.watchdog: "MB" is MiB throughout the project
 STATS_CSV = "locust_stats.csv"
 HISTORY_CSV = "locust_stats_history.csv"
 FAILURES_CSV = "locust_failures.csv"

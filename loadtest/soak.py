@@ -109,7 +109,7 @@ def compressed_config(data: Mapping[str, Any], time_scale: float) -> dict[str, A
     returns the config unchanged. Field defaults are read from the config's models,
     so a config that does not set a field is compressed too.
     """
-    from serve_app.config import RecycleSettings, WatchdogSettings
+    from ballast.config import RecycleSettings, WatchdogSettings
 
     out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in data.items()}
     if time_scale == 1:
@@ -323,8 +323,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import yaml
 
-    from serve_app.config import load_config
-    from serve_app.errors import ConfigError
+    from ballast.config import load_config
+    from ballast.errors import ConfigError
 
     try:
         with open(args.config, encoding="utf-8") as f:
@@ -355,8 +355,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     import ray
 
-    from serve_app.ops.app import shutdown, start
-    from serve_app.router.ingress import apply_ingress_env
+    from ballast.ops.app import shutdown, start
+    from ballast.router.ingress import apply_ingress_env
 
     stop = threading.Event()
     apply_ingress_env(cfg)

@@ -4,11 +4,11 @@
 loadtest.sim`` runs all four on the same seeded arrivals and prints the
 comparison (``make sim``). Arms (``ARMS``):
 
-* ``ballast`` — ``policies.degradation`` + ``policies.admission`` (shedding by
-  criticality, batch and ``max_tokens`` constraints), ``policies.autoscale``,
-  the watchdog ladder (``policies.leak.assess``) and staggered recycling
-  (``policies.recycle.recycle_step`` under ``policies.lease`` leases, with the
-  recycle surge), through the controller's own policy code (``policies.control``;
+* ``ballast`` — ``ballast.policies.degradation`` + ``ballast.policies.admission`` (shedding by
+  criticality, batch and ``max_tokens`` constraints), ``ballast.policies.autoscale``,
+  the watchdog ladder (``ballast.policies.leak.assess``) and staggered recycling
+  (``ballast.policies.recycle.recycle_step`` under ``ballast.policies.lease`` leases, with the
+  recycle surge), through the controller's own policy code (``ballast.policies.control``;
   ``controllers.BallastController`` keeps no copy of the controller's tick);
 * ``ballast_no_recycle`` — the same without watchdog and recycling: leaks run to OOM;
 * ``ray_serve_default`` — Ray Serve's queue-length autoscaling, no shedding;

@@ -1,6 +1,6 @@
 """The simulator's configuration, and the policy configs each arm runs with.
 
-Ballast's arms use the production defaults (``serve_app.config``'s seeds, built
+Ballast's arms use the production defaults (``ballast.config``'s seeds, built
 here as the same frozen policy dataclasses) except for the few settings that
 are *absolute counts* and so cannot be right for both a 4-replica deployment and
 a 1,000-replica fleet. Those are scaled with the fleet and listed by
@@ -25,11 +25,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from policies.autoscale import AutoscaleConfig
-from policies.degradation import DegradationConfig
-from policies.leak import LadderConfig, LeakConfig
-from policies.recycle import RecycleConfig
-from policies.validation import check_fraction, check_positive
+from ballast.policies.autoscale import AutoscaleConfig
+from ballast.policies.degradation import DegradationConfig
+from ballast.policies.leak import LadderConfig, LeakConfig
+from ballast.policies.recycle import RecycleConfig
+from ballast.policies.validation import check_fraction, check_positive
 
 from .model import LoadProfile, ServiceModel
 

@@ -8,16 +8,16 @@ and asserts identical decisions). What is the simulator's own is only how inputs
 are gathered and outputs applied:
 
 * the fleet's totals are one replica report (``fleet_report``): the policies sum
-  over reports, so ``policies.control.fold_reports`` and ``ongoing_requests``
+  over reports, so ``ballast.policies.control.fold_reports`` and ``ongoing_requests``
   give the inputs a thousand reports would (queue length, queue-wait p95, error
   rate; no GPU util or VRAM, see ``loadtest.sim``);
-* ``policies.control.ControlPolicy.step`` runs ``policies.degradation.decide``
+* ``ballast.policies.control.ControlPolicy.step`` runs ``ballast.policies.degradation.decide``
   (the level, whose constraints the routers and replicas apply from the next
-  tick on: ``policies.admission.admit`` per criticality, ``max_batch_size``, and
+  tick on: ``ballast.policies.admission.admit`` per criticality, ``max_batch_size``, and
   the ``max_tokens`` clamp as less work per request, ``ServiceModel.work_ratio``),
-  ``policies.autoscale.decide`` fed its own last decision as the current target,
+  ``ballast.policies.autoscale.decide`` fed its own last decision as the current target,
   and the recycle surge;
-* the watchdog: ``policies.leak.assess`` walks each leaking replica's action
+* the watchdog: ``ballast.policies.leak.assess`` walks each leaking replica's action
   ladder. Its trend input is built **analytically** from the replica's known
   leak (a noise-free line: slope = the leak rate, R² = 1, judged once the
   samples after warm-up span ``min_span_ratio`` of the long window, or
@@ -27,11 +27,11 @@ are gathered and outputs applied:
   the time budget. A replica is only assessed when the verdict can be other
   than "ok, nothing to do" (within ``warn_tto_s`` of OOM, above the warning
   usage ratio, or already on the ladder), which skips no decision;
-* ``policies.recycle.recycle_step`` (hung kills, ``plan``, ``surging``) on one
-  ``policies.recycle.replica_view`` per ready replica, built from the same report
+* ``ballast.policies.recycle.recycle_step`` (hung kills, ``plan``, ``surging``) on one
+  ``ballast.policies.recycle.replica_view`` per ready replica, built from the same report
   fields production reads (cached per replica while they do not change); the
   target it plans against includes the surge, as in production. Each recycle it
-  starts drains the replica (Serve replaces it) and holds a ``policies.lease``
+  starts drains the replica (Serve replaces it) and holds a ``ballast.policies.lease``
   lease, heartbeated every tick and released when the plan reports it completed
   or stuck. The simulator has no controller crashes, so leases never lapse here,
   and no hangs, so no kill is ever ordered. To fit the time budget the planner
@@ -54,12 +54,12 @@ from typing import Optional
 
 import numpy as np
 
-from policies import admission, control, leak, recycle
-from policies.lease import LeaseTable
-from policies.autoscale import AutoscaleConfig
-from policies.degradation import DegradationConfig
-from policies.recycle import RecycleConfig, RecycleState, ReplicaView
-from policies.reports import ReplicaReport, RouterReport, WatchdogReport
+from ballast.policies import admission, control, leak, recycle
+from ballast.policies.lease import LeaseTable
+from ballast.policies.autoscale import AutoscaleConfig
+from ballast.policies.degradation import DegradationConfig
+from ballast.policies.recycle import RecycleConfig, RecycleState, ReplicaView
+from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
 
 from .baselines import HpaUtilization, RayServeDefault
 from .config import SimConfig, WatchdogModel, autoscale_config, degradation_config, recycle_config
@@ -157,10 +157,10 @@ class BallastController:
     ) -> tuple[control.ControlDecision, Optional[recycle.RecycleStep]]:
         """The controller's decisions on one tick's reports, through the production policies.
 
-        ``policies.control`` folds the reports and runs the level, the autoscaler and the
-        surge; ``policies.recycle.recycle_step`` (only when ``views`` is given) the hung
+        ``ballast.policies.control`` folds the reports and runs the level, the autoscaler and the
+        surge; ``ballast.policies.recycle.recycle_step`` (only when ``views`` is given) the hung
         kills, the plan and the surge for the next tick. The same calls, in the same
-        order, as ``serve_app.control.controller.ControllerCore.tick``; the trace test
+        order, as ``ballast.control.controller.ControllerCore.tick``; the trace test
         (tests/unit/test_control_trace.py) holds the two to identical decisions.
         """
         sig = control.fold_reports(routers, replicas, DEPLOYMENT, requests=requests, errors=errors)
@@ -224,7 +224,7 @@ class BallastController:
         span = np.minimum(lk.window_s, age)
         points = np.minimum(lk.max_points, np.floor(np.maximum(span, 0.0) / (lk.window_s / lk.max_points)) + 1)
         judged_long = (span >= lk.min_span_ratio * lk.window_s - 1e-9) & (points >= lk.min_points)
-        # The short (fast-burn) window, as policies.leak.LeakDetector judges it: once its
+        # The short (fast-burn) window, as ballast.policies.leak.LeakDetector judges it: once its
         # samples span short_min_span_s, for a leak within short_horizon_s of its limit.
         short_span = np.minimum(lk.short_window_s, age)
         short_points = np.minimum(lk.short_max_points, np.floor(np.maximum(short_span, 0.0) / (lk.short_window_s / lk.short_max_points)) + 1)
@@ -260,7 +260,7 @@ class BallastController:
             if verdict.recycle:
                 self.requests[s] = (verdict.reason or "watchdog", verdict.severity == "critical")
 
-    # ---- recycling (serve_app.control.recycling.RecycleCoordinator.tick, minus Ray and metrics)
+    # ---- recycling (ballast.control.recycling.RecycleCoordinator.tick, minus Ray and metrics)
     def _hour(self, now_s: float) -> float:
         return (self.cfg.start_hour + now_s / 3600.0) % 24.0
 
@@ -287,14 +287,14 @@ class BallastController:
                 self.leases.heartbeat(lease.id, HOLDER, now_s)
 
     def _recycle_views(self, now_s: float) -> tuple[Optional[list[ReplicaView]], dict[str, int]]:
-        """Every ready replica's view (``policies.recycle.replica_view``), or None when the plan may be skipped."""
+        """Every ready replica's view (``ballast.policies.recycle.replica_view``), or None when the plan may be skipped."""
         f = self.fleet
         if now_s + 1e-9 < self._next_plan_s:
             return None, {}
         present = np.flatnonzero(f.state == READY)  # starting replicas do not report yet
         if not self._plan_can_act(now_s, present):
             # Nothing in flight, asked, stopped or due: the plan would start nothing and
-            # nothing surges (policies.recycle.surging over such a fleet is empty).
+            # nothing surges (ballast.policies.recycle.surging over such a fleet is empty).
             self.surging = frozenset()
             return None, {}
         self._next_plan_s = now_s + self.cfg.recycle_interval_s

@@ -39,8 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.criticality import Criticality
-from policies.validation import check_positive
+from ballast.policies.criticality import Criticality
+from ballast.policies.validation import check_positive
 
 #: Criticalities in rank order (critical_plus first); every per-class tuple in
 #: the simulator uses this order.

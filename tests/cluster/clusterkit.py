@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import httpx
 
 from loadtest.cluster_load import ClusterLoad
-from serve_app.ops import netcluster
+from loadtest import netcluster
 
 REPORT: list[dict[str, Any]] = []
 

@@ -1,4 +1,4 @@
-"""A real three-node Ray cluster on this machine (serve_app/ops/netcluster.py) for fault tests.
+"""A real three-node Ray cluster on this machine (loadtest/netcluster.py) for fault tests.
 
 Made here (about 30 s: three ``ray start`` in their own network namespaces, then
 ``serve deploy``) and removed when the module's tests end, before the integration
@@ -17,7 +17,7 @@ from typing import Optional
 import pytest
 
 from clusterkit import REPORT, Cluster
-from serve_app.ops import netcluster
+from loadtest import netcluster
 
 
 class _Clusters:

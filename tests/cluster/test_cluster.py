@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from clusterkit import REPORT, report_row, wait_clean, wait_until
-from serve_app.ops import netcluster
+from loadtest import netcluster
 
 FULL = os.environ.get("BALLAST_CLUSTER_SUITE") == "full"
 full_suite = pytest.mark.skipif(not FULL, reason="the whole fault suite runs with `make test-cluster`")

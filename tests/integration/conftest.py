@@ -58,10 +58,10 @@ def pytest_collection_modifyitems(config, items):
 def ballast():
     import ray
 
-    from serve_app.ops.app import shutdown, start
-    from serve_app.config import load_config
+    from ballast.ops.app import shutdown, start
+    from ballast.config import load_config
 
-    from serve_app.router.ingress import apply_ingress_env
+    from ballast.router.ingress import apply_ingress_env
 
     cfg = load_config(test_config_dict())
     apply_ingress_env(cfg)

@@ -1,7 +1,7 @@
 """The client SDK from the default install (`pip install <repo>`, no extras), in a fresh venv.
 
 The default install must pull only what the client imports (httpx and the
-standard-library ``policies``), never Ray, torch or NVML, and the client from it
+standard-library ``ballast.policies``), never Ray, torch or NVML, and the client from it
 must talk to the real stack. The venv is built once per module (~15 s here:
 venv, then pip resolving httpx and its few dependencies from the index; it needs
 the package index, as any install does). The source is copied to a temporary
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 
 #: What the default install carries: the packages setuptools finds, plus the files pyproject names.
 _SOURCE_FILES = ("pyproject.toml", "README.md", "constraints.txt")
-_SOURCE_DIRS = ("serve_app", "policies", "loadtest")
+_SOURCE_DIRS = ("ballast",)
 
 
 def _bin(venv: Path, name: str) -> Path:
@@ -66,7 +66,7 @@ def client_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _python(venv: Path, code: str) -> subprocess.CompletedProcess[str]:
-    # cwd is the venv's parent, never the checkout, so `import serve_app` finds the installed copy.
+    # cwd is the venv's parent, never the checkout, so `import ballast` finds the installed copy.
     return _run([str(_bin(venv, "python")), "-c", code], venv.parent, 120)
 
 
@@ -76,7 +76,7 @@ def test_the_default_install_pulls_no_server_package(client_venv: Path) -> None:
         """
 import importlib, json
 out = {}
-for name in ("ray", "torch", "pynvml", "yaml", "typer", "psutil", "httpx", "serve_app.client"):
+for name in ("ray", "torch", "pynvml", "yaml", "typer", "psutil", "httpx", "ballast.client"):
     try:
         mod = importlib.import_module(name)
         out[name] = getattr(mod, "__file__", "") or "imported"
@@ -90,7 +90,7 @@ print(json.dumps(out))
     for server_only in ("ray", "torch", "pynvml", "yaml", "typer", "psutil"):
         assert found[server_only] is None, f"{server_only} is importable from the client-only install"
     assert found["httpx"] is not None
-    assert str(client_venv) in found["serve_app.client"], found["serve_app.client"]  # the installed copy
+    assert str(client_venv) in found["ballast.client"], found["ballast.client"]  # the installed copy
 
 
 def test_the_console_script_without_the_server_extra_says_how_to_install_it(client_venv: Path) -> None:
@@ -102,7 +102,7 @@ def test_the_console_script_without_the_server_extra_says_how_to_install_it(clie
 
 _SDK_SCRIPT = """
 import asyncio, json, sys
-from serve_app.client import AsyncBallastClient, BallastClient, ClientConfig, Unauthenticated
+from ballast.client import AsyncBallastClient, BallastClient, ClientConfig, Unauthenticated
 
 base = sys.argv[1]
 out = {}

@@ -18,7 +18,7 @@ import pytest
 
 import conftest as integration
 from conftest import ADMIN, BASE, GOLD, _merge, status, wait_until
-from serve_app.model.demo import make_tiny_llama
+from ballast.model.demo import make_tiny_llama
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,7 @@ def _deploy(cfg, model_name: str) -> None:
     until the models route lists ``model_name``. The controller actor stays: it loads no model."""
     from ray import serve
 
-    from serve_app.ops.app import build
+    from ballast.ops.app import build
 
     serve.run(build(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
 
@@ -48,7 +48,7 @@ def _deploy(cfg, model_name: str) -> None:
 
 @pytest.fixture(scope="module")
 def hf_stack(ballast, tmp_path_factory):
-    from serve_app.config import load_config
+    from ballast.config import load_config
 
     ckpt = make_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
     over = {"model": {"name": MODEL, "backend": "transformers", "path": str(ckpt)}}

@@ -73,7 +73,7 @@ def _query(url: str, expr: str) -> dict:
 
 
 def test_every_panel_and_alert_finds_series(prometheus, client, ballast):
-    from serve_app.ops.dashboards import panel_queries
+    from ballast.ops.dashboards import panel_queries
 
     # One retry for the retries panel: a hung primary, a deadline with room for a second
     # attempt after the first attempt's timeout (the fallback answers in the end).

@@ -160,7 +160,7 @@ def test_controller_killed_mid_traffic_fails_no_request_and_comes_back(client, b
 
     NOISY = {"Authorization": "Bearer dev-key-noisy"}
 
-    from serve_app.control.link import lookup_controller
+    from ballast.control.link import lookup_controller
 
     wait_quiet(client)
     # What operators set must survive the restart: a kill switch (on a tenant the load

@@ -137,7 +137,7 @@ def test_hung_primary_keeps_p99_within_the_deadline(client, chaos):
 
 
 def test_the_front_runs_at_the_normal_cpu_priority_and_a_model_at_its_own(ballast):
-    """Why the hung-primary test keeps its deadline on a busy host (serve_app/model/priority.py):
+    """Why the hung-primary test keeps its deadline on a busy host (ballast/model/niceness.py):
     Ray starts its workers at nice 15, so the router and its HAProxy waited behind any
     ordinary process; Ballast starts them at 0 and each model replica moves to its
     ``model.niceness`` (the primary's default 0; this suite's fallback 15)."""
@@ -234,7 +234,7 @@ def test_an_idempotency_key_answered_by_another_router_is_replayed_here(client, 
     for that router's answer and replays it, generating nothing itself."""
     import concurrent.futures
 
-    from serve_app.control.keys import keys_actor
+    from ballast.control.keys import keys_actor
 
     keys = keys_actor(ballast)
     key = f"elsewhere-{uuid.uuid4().hex}"
@@ -367,7 +367,7 @@ def test_request_timeout_header_is_validated(client):
 def test_operator_cli(client, capsys):
     import json
 
-    from serve_app.ops.cli import main
+    from ballast.ops.cli import main
 
     common = ["--url", BASE, "--token", "dev-admin-token", "--operator", "cli-test"]
     assert main([*common, "kill-switch", "on", "--scope", "tenant", "--value", "free", "--reason", "cli", "--expires-in-s", "30"]) == 0

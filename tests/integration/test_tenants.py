@@ -88,7 +88,7 @@ def test_a_claim_above_the_tenants_criticality_is_lowered(client):
 
 
 def test_sdk_adaptive_throttling_cuts_what_reaches_the_server(client, ballast):
-    from serve_app.client import BallastClient, ClientConfig, QuotaExceeded, ThrottledLocally
+    from ballast.client import BallastClient, ClientConfig, QuotaExceeded, ThrottledLocally
 
     wait_quiet(client)  # the refusals counted below are the quota's, not a raised level's
 
@@ -116,9 +116,9 @@ def test_sdk_adaptive_throttling_cuts_what_reaches_the_server(client, ballast):
 def test_two_routers_enforce_one_global_quota_within_5_percent(client, ballast):
     from ray import serve
 
-    from serve_app.ops.app import build
-    from serve_app.config import load_config
-    from serve_app.control.controller import ensure_controller
+    from ballast.ops.app import build
+    from ballast.config import load_config
+    from ballast.control.controller import ensure_controller
 
     data = ballast.model_dump(mode="json")
     data["deployments"]["router"]["num_replicas"] = 2

@@ -4,7 +4,7 @@ Serve's HAProxy mode binds a stats and a metrics listener, a fallback proxy and 
 router replicas' direct-ingress ports besides the HTTP port; at Serve's defaults two
 stacks on one host collide on them (a `make test` beside `make serve` failed 53
 tests at set-up). Each stack's ports now follow its HTTP port
-(``serve_app.router.ingress.stack_ports``): here a second stack, with its own local
+(``ballast.router.ingress.stack_ports``): here a second stack, with its own local
 Ray, starts through the CLI on port 8126 while the session's stack keeps serving,
 both answer, and each HAProxy answers on its own stats and metrics ports.
 """
@@ -22,7 +22,7 @@ import yaml
 
 import conftest as integration
 from conftest import BASE, GOLD, ROOT, _merge, wait_until
-from serve_app.router.ingress import stack_ports
+from ballast.router.ingress import stack_ports
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +43,7 @@ def other_stack(ballast, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_"))}
     log = (tmp / "serve.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serve_app.ops.cli", "serve", "--config", str(cfg), "--no-dashboard"],
+        [sys.executable, "-m", "ballast.ops.cli", "serve", "--config", str(cfg), "--no-dashboard"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
 

@@ -17,9 +17,9 @@ from typing import Any
 from fastapi.testclient import TestClient
 from ray.serve._private.http_util import _walk_fastapi_routes
 
-from serve_app.config import load_config
-from serve_app.control.snapshot import Snapshot
-from serve_app.router import app as router_app
+from ballast.config import load_config
+from ballast.control.snapshot import Snapshot
+from ballast.router import app as router_app
 
 
 def build_router(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> Any:

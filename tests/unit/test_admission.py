@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from policies.admission import OVERLOADED, RETRY_AFTER_CAP_S, AdmissionDecision, admit, clamp_max_tokens, retry_after_s
-from policies.criticality import Criticality
-from policies.degradation import DEFAULT_CONSTRAINTS, LevelConstraints
+from ballast.policies.admission import OVERLOADED, RETRY_AFTER_CAP_S, AdmissionDecision, admit, clamp_max_tokens, retry_after_s
+from ballast.policies.criticality import Criticality
+from ballast.policies.degradation import DEFAULT_CONSTRAINTS, LevelConstraints
 
 CP, C, SP, S = (
     Criticality.CRITICAL_PLUS,

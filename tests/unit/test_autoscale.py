@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from policies.autoscale import (
+from ballast.policies.autoscale import (
     AutoscaleConfig,
     AutoscaleDecision,
     AutoscaleSample,

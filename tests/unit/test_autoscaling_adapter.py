@@ -1,4 +1,4 @@
-"""serve_app.control.autoscaling: the Serve policy that follows the controller, and its config.
+"""ballast.control.autoscaling: the Serve policy that follows the controller, and its config.
 
 ``ControllerDrivenPolicy(..., start_poller=False)`` starts no thread and touches no
 Ray; ``decide(snapshot, now_s, ctx)`` takes the time as an argument, so freshness
@@ -15,10 +15,10 @@ import pytest
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from policies.autoscale import AutoscaleConfig, queue_length_fallback
-from serve_app.control.autoscaling import ControllerDrivenPolicy, autoscaling_config
-from serve_app.config import load_config
-from serve_app.control.names import MODEL_DEPLOYMENT
+from ballast.policies.autoscale import AutoscaleConfig, queue_length_fallback
+from ballast.control.autoscaling import ControllerDrivenPolicy, autoscaling_config
+from ballast.config import load_config
+from ballast.control.names import MODEL_DEPLOYMENT
 
 MAX_AGE_S = 5
 CREATED_AT_S = 1_000
@@ -187,7 +187,7 @@ class TestAutoscalingConfig:
         d = autoscaling_config(self.cfg())
         assert d["upscale_delay_s"] == 0
         assert d["downscale_delay_s"] == 0
-        assert d["policy"]["policy_function"] == "serve_app.control.autoscaling:ControllerDrivenPolicy"
+        assert d["policy"]["policy_function"] == "ballast.control.autoscaling:ControllerDrivenPolicy"
 
     def test_values_are_carried_through(self) -> None:
         d = autoscaling_config(self.cfg())
@@ -211,7 +211,7 @@ class TestAutoscalingConfig:
         assert (ac.min_replicas, ac.max_replicas, ac.initial_replicas) == (2, 5, 3)
         assert ac.upscale_delay_s == 0
         assert ac.downscale_delay_s == 0
-        assert ac.policy.policy_function == "serve_app.control.autoscaling:ControllerDrivenPolicy"
+        assert ac.policy.policy_function == "ballast.control.autoscaling:ControllerDrivenPolicy"
 
     def test_ray_resolves_the_policy_to_our_class(self) -> None:
         ac = AutoscalingConfig(**autoscaling_config(self.cfg()))

@@ -1,4 +1,4 @@
-"""Unit tests for serve_app.model.backends: real torch on CPU, small configs for speed."""
+"""Unit tests for ballast.model.backends: real torch on CPU, small configs for speed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from serve_app.model.backends import (
+from ballast.model.backends import (
     BackendSpec,
     ByteStreamDecoder,
     ModelBackend,
@@ -462,7 +462,7 @@ def test_backend_protocol_describe_and_warmup():
 
 
 def test_a_replica_warms_the_batch_sizes_it_will_run():
-    from serve_app.model.server import warmup_batch_sizes
+    from ballast.model.server import warmup_batch_sizes
 
     assert warmup_batch_sizes(1) == [1]
     assert warmup_batch_sizes(32) == [1, 2, 4, 8, 16, 32]

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from loadtest import bench_model as bm
-from serve_app.model.demo import make_tiny_llama
+from ballast.model.demo import make_tiny_llama
 
 CONCURRENCY = [1, 2]
 N_REQUESTS = 4

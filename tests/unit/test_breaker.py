@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from policies.breaker import (
+from ballast.policies.breaker import (
     BreakerConfig,
     BreakerEvent,
     BreakerState,

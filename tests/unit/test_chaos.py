@@ -1,4 +1,4 @@
-"""Fault injection (serve_app/model/chaos.py): settings validation and the agent's faults.
+"""Fault injection (ballast/model/chaos.py): settings validation and the agent's faults.
 
 The error draw is injected (``rand``), and so is the sleep: latency and the leak's
 ticks go through ``fakes.FakeSleep``, which lets a tick pass only on ``wake()``, so
@@ -12,8 +12,8 @@ import pickle
 
 import pytest
 
-from serve_app.model.chaos import LEAK_TICK_S, MB, ChaosAgent, ChaosSettings, InjectedFault
-from serve_app.errors import BallastError
+from ballast.model.chaos import LEAK_TICK_S, MB, ChaosAgent, ChaosSettings, InjectedFault
+from ballast.errors import BallastError
 
 from fakes import FakeSleep
 

@@ -1,7 +1,7 @@
-"""`ballast status`'s summary (serve_app.ops.cli.format_status) against a /v1/status document.
+"""`ballast status`'s summary (ballast.ops.cli.format_status) against a /v1/status document.
 
 The document is assembled the way the router's status route assembles it
-(serve_app/router/app.py), from the real pieces on fake clocks: a ControllerCore fed an
+(ballast/router/app.py), from the real pieces on fake clocks: a ControllerCore fed an
 overloaded replica and a kill switch, a CircuitBreaker tripped by failures, and a quota
 table with one tenant's bucket nearly empty. A sample document written by hand in the
 route's shape (tests/unit/data/status_sample.json) checks the fail-static, recycle and
@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from policies.breaker import BreakerConfig, CircuitBreaker
-from policies.reports import ReplicaReport, RouterReport
-from serve_app.config import load_config
-from serve_app.control.controller import ControllerCore
-from serve_app.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
-from serve_app.ops.cli import format_status, main
+from ballast.policies.breaker import BreakerConfig, CircuitBreaker
+from ballast.policies.reports import ReplicaReport, RouterReport
+from ballast.config import load_config
+from ballast.control.controller import ControllerCore
+from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.ops.cli import format_status, main
 from tests.unit.fakes import FakeClock
 
 SAMPLE = Path(__file__).parent / "data" / "status_sample.json"
@@ -42,7 +42,7 @@ def live_document() -> dict[str, Any]:
         assert permit is not None
         breaker.record(permit, False, 0.1)
 
-    # The route's shape (serve_app/router/app.py, GET /v1/status), from the pieces above.
+    # The route's shape (ballast/router/app.py, GET /v1/status), from the pieces above.
     return {
         "level": snap["level"],
         "source": "snapshot",
@@ -126,7 +126,7 @@ def test_recorded_document_fail_static_recycle_and_gate() -> None:
 
 def test_json_flag_prints_the_raw_document(monkeypatch, capsys) -> None:
     doc = json.loads(SAMPLE.read_text())
-    import serve_app.ops.cli as cli
+    import ballast.ops.cli as cli
 
     monkeypatch.setattr(cli, "_admin_call", lambda ctx, method, path, body=None, show=True: doc)
     assert main(["--token", "t", "status", "--json"]) == 0
@@ -165,7 +165,7 @@ def test_an_answer_that_is_not_ballasts_is_a_clear_error_not_a_traceback(capsys)
 
 
 def test_without_url_the_commands_go_to_the_stack_make_serve_started(tmp_path: Path) -> None:
-    from serve_app.ops.cli import DEFAULT_URL, default_url
+    from ballast.ops.cli import DEFAULT_URL, default_url
 
     run = tmp_path / ".run"
     assert default_url(run) == DEFAULT_URL  # nothing started here

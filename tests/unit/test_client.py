@@ -20,8 +20,8 @@ import httpx
 import pytest
 from fakes import FakeClock
 
-from policies.throttle import ThrottleConfig
-from serve_app.client import (
+from ballast.policies.throttle import ThrottleConfig
+from ballast.client import (
     AsyncBallastClient,
     BallastClient,
     BallastClientError,
@@ -920,8 +920,8 @@ def test_sync_and_async_clients_send_the_same_requests_and_wait_the_same_times()
 
 
 def test_the_sdk_names_errors_as_the_server_does_and_keeps_its_first_names() -> None:
-    import serve_app.client as sdk
-    from serve_app import errors as server
+    import ballast.client as sdk
+    from ballast import errors as server
 
     assert sdk.Unauthenticated.default_code == server.Unauthenticated.code
     assert sdk.KillSwitchActive.default_code == server.KillSwitchActive.code

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.config import load_config
-from serve_app.router.ingress import SERVE_PORTS, ingress_env, stack_ports
+from ballast.config import load_config
+from ballast.router.ingress import SERVE_PORTS, ingress_env, stack_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def test_local_config_loads_with_demo_tenants():
 def test_production_serve_config_has_no_default_keys():
     serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
     (app,) = serve_cfg["applications"]
-    assert app["import_path"] == "serve_app.ops.app:build_app"
+    assert app["import_path"] == "ballast.ops.app:build_app"
     cfg = load_config(app["args"]["config"])
     assert cfg.environment == "production"
     assert cfg.auth.demo_keys == {} and cfg.auth.demo_admin_token is None
@@ -34,7 +34,7 @@ def test_production_serve_config_has_no_default_keys():
 def test_chaos_is_on_locally_and_refused_in_production():
     import pytest
 
-    from serve_app.errors import ConfigError
+    from ballast.errors import ConfigError
 
     assert load_config(ROOT / "cluster/local.yaml").chaos.enabled is True
     serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
@@ -77,7 +77,7 @@ def test_cluster_yaml_passes_rays_own_validation():
         words = c.split("ray start")[0].replace(";", " ").split()
         assert all(f"{k}={v}" in words for k, v in exported.items()), c
         # The edge: Serve's HAProxy is the checkout's wrapper, running the venv's HAProxy.
-        assert "RAY_SERVE_HAPROXY_BINARY_PATH=~/ballast/serve_app/router/haproxy_edge.sh" in words, c
+        assert "RAY_SERVE_HAPROXY_BINARY_PATH=~/ballast/ballast/router/haproxy_edge.sh" in words, c
         assert any(w.startswith("BALLAST_HAPROXY_REAL=$(~/ballast/.venv/bin/python") for w in words), c
     assert any("-c constraints.txt" in c for c in cfg["setup_commands"])
     broken = {**cfg, "max_workerz": 3}
@@ -91,7 +91,7 @@ def test_serve_config_builds_through_the_apps_own_builder_with_production_settin
     The config goes through the app's pydantic model and deployment factories, so a
     field renamed or a default changed in code fails here, not on the cluster.
     """
-    from serve_app.ops.app import build
+    from ballast.ops.app import build
 
     serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
     cfg = load_config(serve_cfg["applications"][0]["args"]["config"])
@@ -101,10 +101,10 @@ def test_serve_config_builds_through_the_apps_own_builder_with_production_settin
     assert model.name == "BallastModel"
     assert model.ray_actor_options["num_gpus"] == 1
     dc = model._deployment_config
-    assert dc.autoscaling_config.policy.policy_function == "serve_app.control.autoscaling:ControllerDrivenPolicy"
+    assert dc.autoscaling_config.policy.policy_function == "ballast.control.autoscaling:ControllerDrivenPolicy"
     assert dc.autoscaling_config.min_replicas == cfg.deployments.model.min_replicas
     assert dc.autoscaling_config.max_replicas == cfg.deployments.model.max_replicas == 8
-    assert dc.request_router_config.request_router_class == "serve_app.model.routing:ReadinessAwareRouter"
+    assert dc.request_router_config.request_router_class == "ballast.model.routing:ReadinessAwareRouter"
     assert dc.max_queued_requests == cfg.deployments.model.max_queued_requests > 0  # bounded
     assert router.init_args[1] == cfg.model_dump(mode="json")  # what every replica loads
     assert cfg.chaos.enabled is False and cfg.watchdog.enabled and cfg.recycle.enabled

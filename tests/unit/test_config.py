@@ -1,4 +1,4 @@
-"""serve_app.config: load_config (YAML, dicts, errors that name the field) and KeyStore.
+"""ballast.config: load_config (YAML, dicts, errors that name the field) and KeyStore.
 
 No clock is involved; secrets come from an explicit ``environ`` dict and files
 under ``tmp_path``, never from the real environment.
@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from policies.autoscale import AutoscaleConfig
-from policies.criticality import Criticality
-from policies.degradation import DegradationConfig
-from serve_app.config import BallastConfig, load_config
-from serve_app.router.auth import KeyStore
-from serve_app.errors import ConfigError
+from ballast.policies.autoscale import AutoscaleConfig
+from ballast.policies.criticality import Criticality
+from ballast.policies.degradation import DegradationConfig
+from ballast.config import BallastConfig, load_config
+from ballast.router.auth import KeyStore
+from ballast.errors import ConfigError
 
 LOCAL_YAML = Path(__file__).resolve().parents[2] / "cluster" / "local.yaml"
 

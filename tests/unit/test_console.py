@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from serve_app.ops import console
+from ballast.ops import console
 
 
 def _without(monkeypatch: pytest.MonkeyPatch, module: str) -> None:
-    monkeypatch.delitem(sys.modules, "serve_app.ops.cli", raising=False)  # re-run its imports
+    monkeypatch.delitem(sys.modules, "ballast.ops.cli", raising=False)  # re-run its imports
     monkeypatch.setitem(sys.modules, module, None)
 
 
@@ -28,8 +28,8 @@ def test_a_missing_server_package_prints_the_install_command(monkeypatch, capsys
 
 
 def test_a_missing_module_that_is_not_a_server_package_keeps_its_traceback(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "serve_app.ops.cli", None)  # our own module gone: a bug, not a missing extra
-    with pytest.raises(ModuleNotFoundError, match="serve_app.ops.cli"):
+    monkeypatch.setitem(sys.modules, "ballast.ops.cli", None)  # our own module gone: a bug, not a missing extra
+    with pytest.raises(ModuleNotFoundError, match="ballast.ops.cli"):
         console.main(["status"])
 
 

@@ -1,4 +1,4 @@
-"""The served contract (serve_app/router/contract.py): every route with its schemas."""
+"""The served contract (ballast/router/contract.py): every route with its schemas."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from ray.serve._private.http_util import _walk_fastapi_routes
 
 from routerkit import build_router, routed
-from serve_app.router import app as router_app
-from serve_app.router.contract import openapi_document
+from ballast.router import app as router_app
+from ballast.router.contract import openapi_document
 from test_resilient_caller import FakeHandle
 
 

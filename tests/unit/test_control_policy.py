@@ -1,14 +1,14 @@
-"""policies.control: how reports become the level's and the autoscaler's inputs, and the tick."""
+"""ballast.policies.control: how reports become the level's and the autoscaler's inputs, and the tick."""
 
 from __future__ import annotations
 
 import pytest
 from fakes import FakeClock
 
-from policies import control
-from policies.autoscale import AutoscaleConfig, AutoscaleState
-from policies.degradation import DegradationConfig
-from policies.reports import ReplicaReport, RouterReport
+from ballast.policies import control
+from ballast.policies.autoscale import AutoscaleConfig, AutoscaleState
+from ballast.policies.degradation import DegradationConfig
+from ballast.policies.reports import ReplicaReport, RouterReport
 
 P = "Primary"
 

@@ -19,12 +19,12 @@ from fakes import FakeClock
 
 from loadtest.sim.config import SimConfig
 from loadtest.sim.controllers import BallastController
-from policies import control, recycle
-from policies.reports import ReplicaReport, RouterReport, WatchdogReport
-from serve_app.config import load_config
-from serve_app.control.controller import ControllerCore
-from serve_app.control.names import MODEL_DEPLOYMENT
-from serve_app.control.recycling import _hour_of_day
+from ballast.policies import control, recycle
+from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
+from ballast.config import load_config
+from ballast.control.controller import ControllerCore
+from ballast.control.names import MODEL_DEPLOYMENT
+from ballast.control.recycling import _hour_of_day
 
 RAW = json.loads((Path(__file__).parent / "data" / "control_trace.json").read_text())
 # Each tick's reports as their senders build them.

@@ -1,4 +1,4 @@
-"""serve_app.control.controller.ControllerCore: reports in, signals and snapshots out, no Ray.
+"""ballast.control.controller.ControllerCore: reports in, signals and snapshots out, no Ray.
 
 Both clocks are ``FakeClock`` instances moved in whole seconds: ``clock`` (the
 monotonic clock that ages reports and outcomes, and drives the policies) and
@@ -15,11 +15,11 @@ import json
 import pytest
 
 from fakes import FakeClock
-from policies.reports import ReplicaReport, RouterReport
+from ballast.policies.reports import ReplicaReport, RouterReport
 
-from serve_app.config import BallastConfig, load_config
-from serve_app.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
-from serve_app.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.config import BallastConfig, load_config
+from ballast.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
+from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 
 EXPIRY_S = 3
 ERROR_WINDOW_S = 10
@@ -341,7 +341,7 @@ class TestSnapshots:
         assert b.core.snapshot()["version"] == 1
 
     def test_snapshot_dict_round_trips(self, h: Harness) -> None:
-        from serve_app.control.snapshot import Snapshot
+        from ballast.control.snapshot import Snapshot
 
         h.replica("m1", queued=120, running=4)
         snap = h.core.tick()
@@ -490,8 +490,8 @@ def test_malformed_demand_reports_are_refused_when_built_and_dropped_on_arrival(
 
 
 def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
-    from serve_app.config import load_config
-    from serve_app.control.controller import ControllerCore
+    from ballast.config import load_config
+    from ballast.control.controller import ControllerCore
 
     t = [0.0]
     core = ControllerCore(load_config({}), clock=lambda: t[0], wall_clock=lambda: 1000.0 + t[0])
@@ -511,9 +511,9 @@ def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
 
 def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
     """Running lags the target: a replica Serve has not stopped yet must not undo the decision."""
-    from serve_app.config import load_config
-    from serve_app.control.controller import ControllerCore
-    from serve_app.control.names import MODEL_DEPLOYMENT
+    from ballast.config import load_config
+    from ballast.control.controller import ControllerCore
+    from ballast.control.names import MODEL_DEPLOYMENT
 
     cfg = load_config({
         "deployments": {"model": {"min_replicas": 1, "max_replicas": 2}},
@@ -538,8 +538,8 @@ def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
 
 
 def test_leases_split_a_tenants_rate_by_demand_and_cap_borrowing():
-    from serve_app.config import load_config
-    from serve_app.control.controller import ControllerCore
+    from ballast.config import load_config
+    from ballast.control.controller import ControllerCore
 
     cfg = load_config({
         "tenants": {

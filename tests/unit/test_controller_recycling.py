@@ -16,10 +16,10 @@ import pytest
 from dataclasses import replace
 
 from fakes import FakeClock
-from policies.reports import ReplicaReport, WatchdogReport
-from serve_app.config import load_config
-from serve_app.control.controller import ControllerCore
-from serve_app.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
+from ballast.policies.reports import ReplicaReport, WatchdogReport
+from ballast.config import load_config
+from ballast.control.controller import ControllerCore
+from ballast.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
 
 WALL0 = 1_000_000
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.criticality import ClaimError, Criticality, claimed
+from ballast.policies.criticality import ClaimError, Criticality, claimed
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve_app.ops.dashboards import DASHBOARDS, REPLICAS, panel_queries, render_all
+from ballast.ops.dashboards import DASHBOARDS, REPLICAS, panel_queries, render_all
 
 ROOT = Path(__file__).resolve().parents[2]
 promtool = shutil.which("promtool")
@@ -21,9 +21,9 @@ HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 
 
 def exported_metrics() -> set[str]:
-    """Metric names serve_app registers: literals, and families built as f"ballast_x_{k}" for k in (...)."""
+    """Metric names ballast registers: literals, and families built as f"ballast_x_{k}" for k in (...)."""
     names = set()
-    for path in (ROOT / "serve_app").rglob("*.py"):
+    for path in (ROOT / "ballast").rglob("*.py"):
         text = path.read_text()
         names |= set(re.findall(r'"(ballast_[a-z_]+)"', text))
         for prefix, var, keys in re.findall(r'f"(ballast_[a-z_]*)\{(\w+)\}".*?for \2 in \(([^)]*)\)', text, flags=re.S):

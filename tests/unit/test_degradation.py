@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from policies.criticality import DEFAULT_CRITICALITY, Criticality
-from policies.degradation import (
+from ballast.policies.criticality import DEFAULT_CRITICALITY, Criticality
+from ballast.policies.degradation import (
     DEFAULT_CONSTRAINTS,
     MAX_LEVEL,
     DegradationConfig,

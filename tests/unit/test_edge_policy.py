@@ -1,8 +1,8 @@
-"""policies/edge.py: the share of an admitted class the edge refuses, second by second."""
+"""ballast/policies/edge.py: the share of an admitted class the edge refuses, second by second."""
 
 import pytest
 
-from policies.edge import ALL, EdgeThrottle, EdgeThrottleConfig
+from ballast.policies.edge import ALL, EdgeThrottle, EdgeThrottleConfig
 
 
 def test_nothing_is_dropped_while_the_gate_accepts_what_arrives():

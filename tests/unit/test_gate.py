@@ -7,8 +7,8 @@ from typing import Any, Awaitable
 
 import pytest
 
-from policies.limiter import AimdLimit, LimiterConfig
-from serve_app.router.gate import GateRefused, GateSlot, PriorityGate
+from ballast.policies.limiter import AimdLimit, LimiterConfig
+from ballast.router.gate import GateRefused, GateSlot, PriorityGate
 from tests.unit.fakes import FakeClock
 
 

@@ -1,9 +1,9 @@
-"""policies/gate.py: the gate's rules on numbers and a fake clock, no event loop."""
+"""ballast/policies/gate.py: the gate's rules on numbers and a fake clock, no event loop."""
 
 import pytest
 
-from policies import gate as rules
-from policies.gate import CriticalReserve, DemandWindow, ServiceTime
+from ballast.policies import gate as rules
+from ballast.policies.gate import CriticalReserve, DemandWindow, ServiceTime
 from tests.unit.fakes import FakeClock
 
 CRITICAL = 1  # Criticality.CRITICAL.rank: ranks 0 and 1 are critical, 2 and 3 sheddable

@@ -1,4 +1,4 @@
-"""serve_app.control.gpu: the NVML probe, driven by a FakeNvml (this machine has no GPU).
+"""ballast.control.gpu: the NVML probe, driven by a FakeNvml (this machine has no GPU).
 
 ``FakeNvml`` stands in for the ``pynvml`` module (nvidia-ml-py): it knows a few
 GPUs by index and UUID, answers utilization and memory per handle, and can be
@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import pytest
 
-from serve_app.control.gpu import GpuSample, NvmlGpuProbe, make_gpu_probe, make_process_gpu_probe, visible_gpu_uuid
+from ballast.control.gpu import GpuSample, NvmlGpuProbe, make_gpu_probe, make_process_gpu_probe, visible_gpu_uuid
 
 
 class FakeNvmlError(Exception):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve_app.model.hf import load_checkpoint
-from serve_app.model.hf_engine import ContextTooLong, HFBackend, IncrementalDetokenizer, RowSampling
+from ballast.model.hf import load_checkpoint
+from ballast.model.hf_engine import ContextTooLong, HFBackend, IncrementalDetokenizer, RowSampling
 from tests.unit.hf_fixture import make_tiny_llama
 
 PROMPTS = [

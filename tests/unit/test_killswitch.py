@@ -1,4 +1,4 @@
-"""Kill switch entries (policies/killswitch.py): validation, expiry and matching.
+"""Kill switch entries (ballast/policies/killswitch.py): validation, expiry and matching.
 
 Wall times are integers here, so every boundary is exact: ``expired`` flips at
 ``expires_at_s`` itself, never a float's width before or after.
@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import pytest
 
-from policies import killswitch
-from policies.killswitch import (
+from ballast.policies import killswitch
+from ballast.policies.killswitch import (
     MAX_EXPIRES_IN_S,
     MAX_REASON_CHARS,
     SCOPES,

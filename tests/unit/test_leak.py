@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import pytest
 
-from policies.leak import (
+from ballast.policies.leak import (
     Action,
     LadderConfig,
     LadderState,

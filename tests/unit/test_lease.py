@@ -1,4 +1,4 @@
-"""Leases (policies/lease.py): heartbeat grace, hard TTL, health, ownership, persistence.
+"""Leases (ballast/policies/lease.py): heartbeat grace, hard TTL, health, ownership, persistence.
 
 Wall times are integers advanced by a FakeClock, so every boundary is exact: a
 lease with a 2 s interval and 3 missed heartbeats allowed is still held at
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from policies.lease import MAX_DATA_ITEMS, Health, Lease, LeaseLost, LeaseTable
+from ballast.policies.lease import MAX_DATA_ITEMS, Health, Lease, LeaseLost, LeaseTable
 from fakes import FakeClock
 
 NOW_S = 1_700_000_000  # an integer wall time

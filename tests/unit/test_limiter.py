@@ -2,7 +2,7 @@
 
 import pytest
 
-from policies.limiter import AimdLimit, LimiterConfig
+from ballast.policies.limiter import AimdLimit, LimiterConfig
 
 
 class Clock:
@@ -71,7 +71,7 @@ def test_idle_gap_is_one_window_not_many():
 
 
 def test_samples_per_window_are_bounded():
-    from policies.limiter import MAX_SAMPLES
+    from ballast.policies.limiter import MAX_SAMPLES
 
     lim, _ = make()
     for _ in range(MAX_SAMPLES + 500):

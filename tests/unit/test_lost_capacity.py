@@ -12,11 +12,11 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from fakes import FakeClock
-from policies.reports import ReplicaReport, RouterReport
+from ballast.policies.reports import ReplicaReport, RouterReport
 from routerkit import at_level, build_router, routed
-from serve_app.config import load_config
-from serve_app.control.controller import ControllerCore
-from serve_app.control.names import MODEL_DEPLOYMENT
+from ballast.config import load_config
+from ballast.control.controller import ControllerCore
+from ballast.control.names import MODEL_DEPLOYMENT
 from test_resilient_caller import FakeHandle, FakeResponse, fails
 
 GOLD = {"authorization": "Bearer dev-key-gold"}

@@ -1,7 +1,7 @@
 """Migration after a lost replica: the policy tick by tick, and the continuation on real engines.
 
 A stream whose replica goes away is carried on by another replica from the token ids
-already delivered (``serve_app.model.server.resume``). These tests cut real streams
+already delivered (``ballast.model.server.resume``). These tests cut real streams
 (the built-in byte decoder and the Hugging Face engine on a tiny Llama built here) at
 every point and check that the continuation generates the same tokens and that the
 client's text, the part it had plus the part it gets, is the uninterrupted text:
@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from policies.migration import MAX_PAUSE_S, MigrationConfig, pause_s, should_migrate
-from serve_app.model.backends import ByteStreamDecoder
-from serve_app.model.server import _Item, resume, row_text
-from serve_app.stops import StopScanner
+from ballast.policies.migration import MAX_PAUSE_S, MigrationConfig, pause_s, should_migrate
+from ballast.model.backends import ByteStreamDecoder
+from ballast.model.server import _Item, resume, row_text
+from ballast.stops import StopScanner
 
 # -- the policy ---------------------------------------------------------------------------
 
@@ -112,7 +112,7 @@ def test_a_stop_string_held_back_at_the_cut_is_still_honoured(chunk: int) -> Non
 
 @pytest.fixture(scope="module")
 def tiny_decoder():
-    from serve_app.model.backends import BackendSpec, TinyDecoderConfig, load_backend
+    from ballast.model.backends import BackendSpec, TinyDecoderConfig, load_backend
 
     cfg = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
     return load_backend(BackendSpec(name="tiny", seed=7, config=cfg, device="cpu"))
@@ -120,8 +120,8 @@ def tiny_decoder():
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    from serve_app.model.hf import load_checkpoint
-    from serve_app.model.hf_engine import HFBackend
+    from ballast.model.hf import load_checkpoint
+    from ballast.model.hf_engine import HFBackend
     from tests.unit.hf_fixture import make_tiny_llama
 
     b = HFBackend(load_checkpoint(make_tiny_llama(tmp_path_factory.mktemp("tiny")), "cpu"), name="tiny")
@@ -152,7 +152,7 @@ def test_a_continuation_generates_the_tokens_the_lost_replica_would_have(engine,
 
 
 def test_a_continuation_on_the_hf_engine_reads_as_the_uninterrupted_text(hf) -> None:
-    from serve_app.model.hf_engine import IncrementalDetokenizer
+    from ballast.model.hf_engine import IncrementalDetokenizer
 
     prompt, n = hf.fit("東京 and Café", 30)
     ids = generate(hf, prompt, n)

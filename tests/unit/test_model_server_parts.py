@@ -1,7 +1,7 @@
-"""Pure parts of serve_app.model.server (the replica itself runs in the integration suite)."""
+"""Pure parts of ballast.model.server (the replica itself runs in the integration suite)."""
 
-from policies.window import CountWindow
-from serve_app.model.server import WAIT_WINDOW_S, WINDOW, recent_percentile
+from ballast.policies.window import CountWindow
+from ballast.model.server import WAIT_WINDOW_S, WINDOW, recent_percentile
 
 
 def stamped(samples: list[tuple[float, float]]) -> CountWindow[float]:
@@ -30,8 +30,8 @@ def test_queue_wait_p95_of_recent_samples():
 def test_a_cpu_replica_takes_its_configured_torch_threads():
     import torch
 
-    from serve_app.config import ModelConfig
-    from serve_app.model.server import build_backend
+    from ballast.config import ModelConfig
+    from ballast.model.server import build_backend
 
     before = torch.get_num_threads()
     small = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq_len": 64}
@@ -46,7 +46,7 @@ def test_a_cpu_replica_takes_its_configured_torch_threads():
         torch.set_num_threads(before)
 
 
-# -- the replica carries out its scheduler's decision (policies/scheduler.py) ----------------
+# -- the replica carries out its scheduler's decision (ballast/policies/scheduler.py) ----------------
 
 
 class _Decoder:
@@ -56,8 +56,8 @@ class _Decoder:
 
 def _bare_replica(kv_budget_tokens: int, batch_limit: int):
     """A ModelServer with only what ``_step`` and ``_timed_out`` read (no Ray, no model)."""
-    from policies.scheduler import SchedulerConfig
-    from serve_app.model.server import ModelServer
+    from ballast.policies.scheduler import SchedulerConfig
+    from ballast.model.server import ModelServer
 
     s = ModelServer.__new__(ModelServer)
     s._sched = SchedulerConfig(kv_budget_tokens=kv_budget_tokens, context_tokens=64)
@@ -70,7 +70,7 @@ def _bare_replica(kv_budget_tokens: int, batch_limit: int):
 
 
 def _enqueue(s, key: int, prompt: int, max_tokens: int, at_s: float, deadline_s: float):
-    from serve_app.model.server import _Item
+    from ballast.model.server import _Item
 
     it = _Item(list(range(prompt)), max_tokens, enqueued_at_s=at_s, deadline_s=deadline_s, decoder=_Decoder(), key=key)
     s._waiting[key] = it
@@ -79,7 +79,7 @@ def _enqueue(s, key: int, prompt: int, max_tokens: int, at_s: float, deadline_s:
 
 
 def test_the_replica_moves_rows_and_reserves_kv_as_its_scheduler_decides():
-    from serve_app.model.server import _DEADLINE_MARK
+    from ballast.model.server import _DEADLINE_MARK
 
     s = _bare_replica(kv_budget_tokens=100, batch_limit=2)
     first = _enqueue(s, 1, 10, 30, at_s=0.0, deadline_s=10.0)
@@ -108,9 +108,9 @@ def test_the_replica_moves_rows_and_reserves_kv_as_its_scheduler_decides():
 
 
 def test_a_timed_out_request_is_a_stall_only_when_no_step_came_for_stall_s():
-    from policies.scheduler import STALL_S
-    from serve_app.errors import DeadlineExceeded
-    from serve_app.model.server import ModelStalled
+    from ballast.policies.scheduler import STALL_S
+    from ballast.errors import DeadlineExceeded
+    from ballast.model.server import ModelStalled
 
     s = _bare_replica(kv_budget_tokens=100, batch_limit=1)
     it = _enqueue(s, 1, 10, 30, at_s=100.0, deadline_s=105.0)

@@ -1,4 +1,4 @@
-"""The local cluster's plan (serve_app/ops/netcluster.py): cluster.yaml's own start
+"""The local cluster's plan (loadtest/netcluster.py): cluster.yaml's own start
 commands as one machine runs them, the deploy config, and where load may go.
 
 The cluster itself (namespaces, ``ray start``, faults) runs in tests/cluster.
@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from loadtest.cluster_load import ClusterLoad, LevelSample, LoadReport, Outcome, _Progress, check_own, message_kind
-from serve_app.config import load_config
-from serve_app.ops import netcluster
+from ballast.config import load_config
+from loadtest import netcluster
 
 NODES = netcluster.nodes(2)
 HEAD, W1 = NODES[0], NODES[1]
@@ -81,7 +81,7 @@ def test_the_deploy_config_is_serve_config_yaml_with_keys_from_files(tmp_path):
     assert spec["proxy_location"] == "EveryNode"
     # A router on each worker, so each worker runs Serve's proxy (Serve starts one only
     # where a replica runs), the one that replaces a lost worker too.
-    from serve_app.router.app import router_deployment
+    from ballast.router.app import router_deployment
 
     assert cfg.deployments.router.max_replicas_per_node == 1
     assert router_deployment(cfg)._replica_config.max_replicas_per_node == 1

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from policies.criticality import Criticality
-from serve_app.errors import (
+from ballast.policies.criticality import Criticality
+from ballast.errors import (
     BallastError,
     ChaosDisabled,
     ConcurrencyLimited,
@@ -24,8 +24,8 @@ from serve_app.errors import (
     QuotaExceeded,
     Unauthenticated,
 )
-from serve_app.router import openai_api as oa
-from serve_app.stops import StopScanner, cut_at_stop
+from ballast.router import openai_api as oa
+from ballast.stops import StopScanner, cut_at_stop
 
 CHAT = {"model": "toy", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "toy", "prompt": "once upon"}

@@ -1,4 +1,4 @@
-"""The shared request pipeline (serve_app/router/pipeline.py): one acquire gives a whole
+"""The shared request pipeline (ballast/router/pipeline.py): one acquire gives a whole
 ticket or a refusal, and every way out settles it exactly once.
 
 The ``Pipeline`` a real router builds (tests/unit/routerkit.py), driven through its
@@ -16,13 +16,13 @@ import pytest
 from ray.exceptions import RayTaskError
 from starlette.requests import ClientDisconnect
 
-from policies.criticality import Criticality
-from policies.deadline import Deadline
+from ballast.policies.criticality import Criticality
+from ballast.policies.deadline import Deadline
 from routerkit import at_level, build_router
-from serve_app.errors import ConcurrencyLimited, DeadlineExceeded, ModelUnavailable, Overloaded, QuotaExceeded
-from serve_app.router.api import StreamResponse
-from serve_app.router.pipeline import Answer, Caller, ModelRequest, Stream
-from serve_app.router.ticket import Outcome
+from ballast.errors import ConcurrencyLimited, DeadlineExceeded, ModelUnavailable, Overloaded, QuotaExceeded
+from ballast.router.api import StreamResponse
+from ballast.router.pipeline import Answer, Caller, ModelRequest, Stream
+from ballast.router.ticket import Outcome
 from test_resilient_caller import FakeHandle, FakeResponse, FakeStream, fails
 
 PROMPT = "hello"  # 5 prompt tokens (bytes)

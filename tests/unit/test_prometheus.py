@@ -49,7 +49,7 @@ def test_every_alert_has_a_runbook_section():
 def test_alerts_only_use_metrics_ballast_exports():
     """Names in the expressions must be ones the code registers (Ray prefixes them with ray_)."""
     exported = set()
-    for path in (ROOT / "serve_app").rglob("*.py"):
+    for path in (ROOT / "ballast").rglob("*.py"):
         exported |= set(re.findall(r'"(ballast_[a-z_]+)"', path.read_text()))
     rules = (PROM / "alerts.yml").read_text()
     used = set(re.findall(r"ray_(ballast_[a-z_]+)", rules))

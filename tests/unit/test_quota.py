@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from policies.quota import (
+from ballast.policies.quota import (
     RateLease,
     TenantQuota,
     TokenBucket,

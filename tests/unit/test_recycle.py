@@ -1,4 +1,4 @@
-"""Staggered recycling (policies/recycle.py): triggers, guards and rolling walks.
+"""Staggered recycling (ballast/policies/recycle.py): triggers, guards and rolling walks.
 
 The walks drive ``plan`` tick by tick against a small fake deployment that
 behaves like Serve: an ordered replica drains (unhealthy at once), is gone two
@@ -17,7 +17,7 @@ from typing import Any, Optional
 import pytest
 
 from fakes import FakeClock
-from policies.recycle import (
+from ballast.policies.recycle import (
     REASONS,
     InFlight,
     Order,
@@ -587,8 +587,8 @@ def test_measured_availability() -> None:
 
 # --------------------------------------------------------------------------- the controller's side
 
-from policies import recycle as _rc  # noqa: E402
-from policies.reports import ReplicaReport, WatchdogReport  # noqa: E402
+from ballast.policies import recycle as _rc  # noqa: E402
+from ballast.policies.reports import ReplicaReport, WatchdogReport  # noqa: E402
 
 
 def replica_report(rid: str = "a", **fields) -> ReplicaReport:

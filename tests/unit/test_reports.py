@@ -1,4 +1,4 @@
-"""policies.reports: the typed messages routers, replicas and watchdogs send the controller
+"""ballast.policies.reports: the typed messages routers, replicas and watchdogs send the controller
 (and a watchdog its replica).
 
 Each report checks itself when built, survives the pickling a Ray actor call does,
@@ -15,7 +15,7 @@ import pickle
 import pytest
 
 from fakes import FakeClock
-from policies.reports import (
+from ballast.policies.reports import (
     ReplicaReport,
     RouterReport,
     SeriesTrend,
@@ -24,9 +24,9 @@ from policies.reports import (
     WatchedReplica,
     checked,
 )
-from serve_app.config import load_config
-from serve_app.control.controller import ControllerCore
-from serve_app.control.names import MODEL_DEPLOYMENT
+from ballast.config import load_config
+from ballast.control.controller import ControllerCore
+from ballast.control.names import MODEL_DEPLOYMENT
 
 REPLICA = WatchedReplica("m1", MODEL_DEPLOYMENT, 1000.0, None, 4242, "SERVE_REPLICA::ballast#BallastModel#m1", "serve")
 TREND = SeriesTrend(slope_per_h=3.5, r2=0.9, leaking=True, time_to_limit_s=7200.0, short_window=False)

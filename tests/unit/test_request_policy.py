@@ -1,9 +1,9 @@
-"""policies/request.py: the router's per-request decisions."""
+"""ballast/policies/request.py: the router's per-request decisions."""
 
 import pytest
 
-from policies import request as rp
-from policies.criticality import Criticality
+from ballast.policies import request as rp
+from ballast.policies.criticality import Criticality
 
 
 def test_a_claim_above_the_tenants_cap_is_lowered_to_it():

@@ -1,4 +1,4 @@
-"""The pure parts of serve_app/router/resilience.py: Bulkhead, ResponseCache, classify().
+"""The pure parts of ballast/router/resilience.py: Bulkhead, ResponseCache, classify().
 
 No Ray is started: the Ray and Serve exception classes are constructed directly,
 as their public constructors allow.
@@ -20,11 +20,11 @@ from ray.exceptions import (
 from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-from policies.migration import LOST_CAPACITY
-from policies.retry import FAILURE_KINDS
-from serve_app.model.chaos import InjectedFault
-from serve_app.errors import DeadlineExceeded, ModelUnavailable
-from serve_app.router.resilience import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
+from ballast.policies.migration import LOST_CAPACITY
+from ballast.policies.retry import FAILURE_KINDS
+from ballast.model.chaos import InjectedFault
+from ballast.errors import DeadlineExceeded, ModelUnavailable
+from ballast.router.resilience import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
 
 from fakes import FakeClock
 

@@ -1,4 +1,4 @@
-"""ResilientCaller (serve_app/router/resilience.py) walked on a fake clock.
+"""ResilientCaller (ballast/router/resilience.py) walked on a fake clock.
 
 The Serve handles are the boundary, so they are fakes here: each call to
 ``generate.remote`` / ``generate_stream.remote`` takes the next scripted response,
@@ -24,10 +24,10 @@ from typing import Any, Optional
 import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from policies.killswitch import KillSwitchEntry
-from serve_app.config import load_config
-from serve_app.errors import DeadlineExceeded, ModelUnavailable, ReplicaLost
-from serve_app.router.resilience import CallHooks, CallRecord, ResilientCaller
+from ballast.policies.killswitch import KillSwitchEntry
+from ballast.config import load_config
+from ballast.errors import DeadlineExceeded, ModelUnavailable, ReplicaLost
+from ballast.router.resilience import CallHooks, CallRecord, ResilientCaller
 
 from fakes import FakeClock
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from policies.retry import (
+from ballast.policies.retry import (
     FAILURE_KINDS,
     NON_RETRYABLE_KINDS,
     RETRYABLE_KINDS,

@@ -10,7 +10,7 @@ import pytest
 from ray.serve._private.http_util import _walk_fastapi_routes
 
 from routerkit import build_router, routed
-from serve_app.router import app as router_app
+from ballast.router import app as router_app
 from test_resilient_caller import FakeHandle
 
 ROUTES = {

@@ -1,4 +1,4 @@
-"""The replica's scheduler (policies/scheduler.py), walked chunk boundary by chunk boundary.
+"""The replica's scheduler (ballast/policies/scheduler.py), walked chunk boundary by chunk boundary.
 
 Each test holds the replica's side by hand: a line and a batch of plain ``Row``s, and
 an integer clock. ``Replica.tick`` asks the scheduler once and applies the decision the
@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from policies.scheduler import (
+from ballast.policies.scheduler import (
     CANCELLED,
     DEADLINE,
     STALL_S,

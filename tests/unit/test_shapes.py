@@ -710,7 +710,7 @@ def test_remote_hosts_are_refused_unless_allowed(lf):
 
 
 def test_tenants_and_criticality_mix_are_data(lf):
-    from serve_app.client import CRITICALITIES
+    from ballast.client import CRITICALITIES
 
     by_name = {t.name: t for t in lf.TENANTS}
     assert set(by_name) == {"gold", "free"}

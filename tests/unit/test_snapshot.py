@@ -1,4 +1,4 @@
-"""serve_app.control.snapshot: ordering, the fail-static cache walked second by second, the exchange.
+"""ballast.control.snapshot: ordering, the fail-static cache walked second by second, the exchange.
 
 The cache's wall clock is a ``FakeWallClock`` advanced in whole seconds; the
 exchange's controller call is an async fake. Nothing here sleeps on real time
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig
-from policies.reports import RouterReport
-from serve_app.control.snapshot import Snapshot, SnapshotCache, SnapshotExchange
+from ballast.policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig
+from ballast.policies.reports import RouterReport
+from ballast.control.snapshot import Snapshot, SnapshotCache, SnapshotExchange
 
 DEG = DegradationConfig()
 STALE_S = 3

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from loadtest.soak import COMPRESSED, compressed_config, history_interval_s, sample_interval_s
-from serve_app.config import load_config
+from ballast.config import load_config
 
 
 def local() -> dict:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from policies.throttle import AdaptiveThrottle, ThrottleConfig, reject_probability
+from ballast.policies.throttle import AdaptiveThrottle, ThrottleConfig, reject_probability
 
 from fakes import FakeClock
 

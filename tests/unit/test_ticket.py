@@ -1,14 +1,14 @@
-"""The admission ticket (serve_app/router/ticket.py): everything given back exactly once."""
+"""The admission ticket (ballast/router/ticket.py): everything given back exactly once."""
 
 from __future__ import annotations
 
 from fakes import FakeClock
 
-from policies.deadline import Deadline
-from policies.limiter import AimdLimit, LimiterConfig
-from policies.quota import TokenBucket
-from serve_app.router.gate import GateSlot, PriorityGate
-from serve_app.router.ticket import Charge, Outcome, TenantPlaces, Ticket
+from ballast.policies.deadline import Deadline
+from ballast.policies.limiter import AimdLimit, LimiterConfig
+from ballast.policies.quota import TokenBucket
+from ballast.router.gate import GateSlot, PriorityGate
+from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
 
 
 def make(places: TenantPlaces, seen: list, charge: Charge = Charge(None, 0, 0), slot: GateSlot = None) -> Ticket:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from policies.request import fit_context
-from serve_app.config import ModelConfig
-from serve_app.errors import ContextLengthExceeded
-from serve_app.router.openai_api import BadRequest, ChatMessage
-from serve_app.router.tokens import ModelText, TokenizerText, model_text
+from ballast.policies.request import fit_context
+from ballast.config import ModelConfig
+from ballast.errors import ContextLengthExceeded
+from ballast.router.openai_api import BadRequest, ChatMessage
+from ballast.router.tokens import ModelText, TokenizerText, model_text
 from tests.unit.hf_fixture import make_tiny_llama
 
 
@@ -89,7 +89,7 @@ def test_a_model_without_a_chat_template_answers_chat_with_400(tmp_path):
 
 
 def test_serving_a_model_dir_replaces_the_primary_model_only(tmp_path):
-    from serve_app.config import load_config
+    from ballast.config import load_config
 
     d = tmp_path / "my-llama"
     cfg = load_config("cluster/local.yaml", model_dir=d)

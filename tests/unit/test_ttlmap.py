@@ -1,10 +1,10 @@
-"""policies/ttlmap.py: the bounded TTL map, walked tick by tick."""
+"""ballast/policies/ttlmap.py: the bounded TTL map, walked tick by tick."""
 
 from __future__ import annotations
 
 import pytest
 
-from policies.ttlmap import TTLMap
+from ballast.policies.ttlmap import TTLMap
 
 
 def test_a_finished_entry_lives_ttl_s_the_boundary_included() -> None:

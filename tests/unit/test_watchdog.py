@@ -1,4 +1,4 @@
-"""serve_app.control.watchdog.WatchdogCore: sampling, leak verdicts, the ladder and hangs, without Ray.
+"""ballast.control.watchdog.WatchdogCore: sampling, leak verdicts, the ladder and hangs, without Ray.
 
 The replica process is a ``FakeProcess`` or ``FakeShapedProcess`` (it cannot be a real
 leaking process in a unit test) and the GPU a ``FakeGpu`` (this machine has no GPU); time is a
@@ -13,10 +13,10 @@ from typing import Callable, Optional
 
 import pytest
 
-from policies.reports import SeriesTrend, WatchdogReport, WatchedReplica
-from serve_app.config import WatchdogSettings, load_config
-from serve_app.control.gpu import ProcessGpuSample
-from serve_app.control.watchdog import MB, PsutilSampler, WatchdogCore
+from ballast.policies.reports import SeriesTrend, WatchdogReport, WatchedReplica
+from ballast.config import WatchdogSettings, load_config
+from ballast.control.gpu import ProcessGpuSample
+from ballast.control.watchdog import MB, PsutilSampler, WatchdogCore
 
 from fakes import FakeClock
 
@@ -39,7 +39,7 @@ class FakeProcess:
 
 
 class FakeGpu:
-    """Stands in for serve_app.control.gpu.ProcessGpuProbe: a fixed share of an 80 GiB device."""
+    """Stands in for ballast.control.gpu.ProcessGpuProbe: a fixed share of an 80 GiB device."""
 
     def __init__(self, used_bytes: int, total_bytes: int = 80 * GIB) -> None:
         self.used, self.total = used_bytes, total_bytes

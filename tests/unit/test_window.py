@@ -1,8 +1,8 @@
-"""policies/window.py: the count and time windows, walked tick by tick on a fake clock."""
+"""ballast/policies/window.py: the count and time windows, walked tick by tick on a fake clock."""
 
 import pytest
 
-from policies.window import CountWindow, TimeWindow
+from ballast.policies.window import CountWindow, TimeWindow
 from tests.unit.fakes import FakeClock
 
 # --------------------------------------------------------------------------- CountWindow

@@ -1,0 +1,691 @@
+"""Ballast configuration: one pydantic model, loadable from YAML, validated where it is built.
+
+The same model is carried by ``cluster/local.yaml`` (embedded local Ray) and by the
+Serve config for ``serve deploy`` (``cluster/serve_config.yaml``, under the
+application's ``args``). Policies get frozen dataclasses built from it, one way
+only: the settings model that holds a policy's fields has a ``<policy>_config()``
+method returning that policy's config (``BallastConfig.degradation_config()``,
+``GateSettings.limiter_config()``, ``BreakerSettings.breaker_config()``, ...); they
+never see pydantic, and nothing else builds a policy config from settings.
+
+Secrets (API keys, admin token) never need to sit in a config file: they come
+from the environment or from a file named here. ``demo_keys`` / ``demo_admin_token``
+exist for the local demo only and are refused when ``environment`` is
+``production``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal, Optional, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+
+from ballast.policies.autoscale import AutoscaleConfig
+from ballast.policies.breaker import BreakerConfig
+from ballast.policies.retry import RetryConfig
+from ballast.policies.limiter import LimiterConfig
+from ballast.policies.criticality import Criticality
+from ballast.policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig, LevelConstraints
+from ballast.policies.leak import LadderConfig, LeakConfig
+from ballast.policies.recycle import RecycleConfig
+
+from ballast.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _ordered(settings: BaseModel, *names: str) -> None:
+    """Raise ValueError ("a must be <= b") unless the named settings do not decrease."""
+    for low, high in zip(names, names[1:]):
+        if getattr(settings, low) > getattr(settings, high):
+            raise ValueError(f"{low} must be <= {high}")
+
+
+FrozenConfig = TypeVar("FrozenConfig")
+
+
+def frozen_config(config_cls: "type[FrozenConfig]", settings: BaseModel, **given: Any) -> FrozenConfig:
+    """A frozen config dataclass (a policy's, an engine's) from ``settings``: each of its
+    fields that ``given`` does not name (renamed or derived values) is the setting of the
+    same name, a list made a tuple; a field with no such setting keeps its default."""
+    taken = {
+        f.name: getattr(settings, f.name)
+        for f in dataclasses.fields(config_cls)  # type: ignore[arg-type]
+        if f.name not in given and f.name in type(settings).model_fields
+    }
+    taken = {name: tuple(v) if isinstance(v, list) else v for name, v in taken.items()}
+    return config_cls(**taken, **given)
+
+
+class HttpConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    # What listens on host:port. "haproxy": Serve's HAProxy mode (an HAProxy per node in
+    # front of the router replicas, which serve HTTP themselves); "proxy": Serve's
+    # Python HTTP proxy actor. Fixed when Ray starts (environment of Ray's processes).
+    ingress: Literal["haproxy", "proxy"] = "haproxy"
+    # Serve's per-request access log lines from the router and model replicas. Ballast's
+    # own metrics count every request by tenant, criticality and code; the lines cost
+    # CPU on every request (docs/benchmarks.md), so they are off by default.
+    access_log: bool = False
+    # GET /docs, the browsable page of the contract; GET /openapi.json is always served.
+    docs_page: bool = True
+    # Serve's replica fast path: user code and the handles' request routing run on the
+    # replica's own event loop instead of threads of their own, and replica logs go to
+    # their files only, not also to stderr. Fixed when Ray starts, like ``ingress``.
+    fast_path: bool = True
+    # HAProxy refuses the classes the degradation level sheds (by the request's
+    # X-Ballast-Criticality header) before Python runs: ballast/router/edge.py. Only
+    # with ingress "haproxy"; fixed when Ray starts, like ``ingress``.
+    edge: bool = True
+
+
+class ModelArchitecture(_Strict):
+    d_model: PositiveInt = 256
+    n_layers: PositiveInt = 4
+    n_heads: PositiveInt = 4
+    d_ff: PositiveInt = 1024
+    max_seq_len: PositiveInt = 512
+
+
+class ModelConfig(_Strict):
+    name: str = Field("tiny-decoder", min_length=1, max_length=64)
+    # Which engine serves the model. "builtin": the random-weight byte-level decoder
+    # (architecture, seed, checkpoint_path below), the fast default for tests and the
+    # embedded `make serve`. "transformers": a local Hugging Face causal-LM directory at
+    # `path` (config.json, safetensors, tokenizer, chat template), never downloaded.
+    backend: Literal["builtin", "transformers"] = "builtin"
+    path: Optional[str] = None
+    # transformers only: the weights' dtype; null is bfloat16 on CUDA, float32 on CPU.
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    # The KV-cache budget of one replica, in tokens: a request joins the batch only while
+    # every row's prompt + max_tokens together stay within it, and the replica reports
+    # its use as kv_util_pct (a degradation input). null: max_batch_size x the context.
+    kv_cache_tokens: Optional[PositiveInt] = None
+    seed: int = 0
+    checkpoint_path: Optional[str] = None
+    checkpoint_format: Literal["auto", "state_dict", "torchscript"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    architecture: ModelArchitecture = ModelArchitecture()
+    # "torchscript" compiles the model for serving (less Python per decode step, and the
+    # GIL is free for the replica's event loop meanwhile); "eager" runs the nn.Module.
+    compile: Literal["torchscript", "eager"] = "torchscript"
+    # Decode steps per streamed event: one server-sent event per token batch.
+    stream_chunk_tokens: PositiveInt = 4
+    # Most requests decoding together. Batching is per iteration: a request joins the
+    # running batch at the next chunk boundary and leaves when it has its tokens.
+    max_batch_size: PositiveInt = 32
+    # How long an idle replica waits to gather its first rows before the first chunk.
+    batch_wait_timeout_s: float = Field(0.005, ge=0, le=1)
+    # Torch intra-op threads for a replica on CPU (GPU replicas are not affected). One per
+    # replica: the replica shares its cores with Serve's proxy and the routers, and
+    # spinning torch threads multiply the CPU a request costs under load (docs/benchmarks.md).
+    cpu_threads: Optional[PositiveInt] = 1
+    # The replica's CPU priority (Unix niceness, 0..19). Ballast starts Ray's workers at
+    # the host's normal priority (ballast/model/niceness.py); a replica may move itself
+    # lower. 0 by default: at Ray's 15 its own Ray and asyncio threads wait behind the
+    # front and the load, and it serves less (docs/benchmarks.md).
+    niceness: int = Field(0, ge=0, le=19)
+
+    @model_validator(mode="after")
+    def _engine_fields(self) -> "ModelConfig":
+        if self.backend == "transformers":
+            if not self.path:
+                raise ValueError("backend 'transformers' needs path: a local Hugging Face model directory")
+            if self.checkpoint_path is not None:
+                raise ValueError("checkpoint_path is the builtin model's; a transformers model is read from path")
+        elif self.path is not None or self.dtype is not None:
+            raise ValueError("path and dtype are for backend 'transformers' (the builtin model uses checkpoint_path)")
+        return self
+
+
+class _DeploymentSettings(_Strict):
+    """What every Ballast deployment sets in Serve, built into options in one place."""
+
+    max_ongoing_requests: PositiveInt = 32
+    # Bounded: requests beyond this wait nowhere, the handle refuses them at once.
+    max_queued_requests: PositiveInt = 64
+    num_cpus: float = Field(0, ge=0)
+
+    def serve_options(self, name: str, access_log: bool, **own: Any) -> dict[str, Any]:
+        """Keyword arguments for ``serve.deployment``: the shared ones, then ``own``."""
+        resources = {"num_cpus": self.num_cpus}
+        if hasattr(self, "num_gpus"):
+            resources["num_gpus"] = self.num_gpus  # type: ignore[attr-defined]
+        return dict(
+            name=name,
+            max_ongoing_requests=self.max_ongoing_requests,
+            max_queued_requests=self.max_queued_requests,
+            ray_actor_options=resources,
+            logging_config={"enable_access_log": access_log},
+            **own,
+        )
+
+
+class ModelDeploymentConfig(_DeploymentSettings):
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: PositiveInt = 2
+    initial_replicas: Optional[PositiveInt] = None
+    num_gpus: float = Field(0, ge=0)
+    health_check_period_s: PositiveFloat = 2.0
+    health_check_timeout_s: PositiveFloat = 10.0
+    graceful_shutdown_timeout_s: PositiveFloat = 10.0
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "ModelDeploymentConfig":
+        _ordered(self, "min_replicas", "max_replicas")
+        if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
+            raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
+        return self
+
+
+class RouterDeploymentConfig(_DeploymentSettings):
+    num_replicas: PositiveInt = 1
+    max_ongoing_requests: PositiveInt = 512
+    max_queued_requests: PositiveInt = 256
+    # 1: at most one router per node, so num_replicas routers sit on as many nodes. Serve
+    # starts its proxy (and HAProxy) only on nodes that run a replica: a node that lost
+    # its router, or one that replaces a lost node, serves HTTP again once a router lands
+    # there. A router for which no node has room waits, pending, for one.
+    max_replicas_per_node: Optional[PositiveInt] = None
+
+
+class DeploymentsConfig(_Strict):
+    model: ModelDeploymentConfig = ModelDeploymentConfig()
+    router: RouterDeploymentConfig = RouterDeploymentConfig()
+
+
+class ControllerConfig(_Strict):
+    name: str = "ballast-controller"
+    namespace: str = "ballast"
+    tick_s: float = Field(0.5, gt=0, le=1.0)
+    # How often routers and replicas push a report (and pull the snapshot back).
+    report_interval_s: float = Field(0.5, gt=0, le=5)
+    # A report older than this no longer counts (its sender is gone or stuck).
+    report_expiry_s: PositiveFloat = 3.0
+    # A snapshot older than this is stale: keep it up to max_stale_s, then fail static.
+    snapshot_stale_s: PositiveFloat = 3.0
+    snapshot_max_stale_s: PositiveFloat = 15.0
+    # The conservative level used once the snapshot is older than snapshot_max_stale_s.
+    fail_static_level: int = Field(1, ge=0, le=4)
+    # Outcome window for the error rate.
+    error_window_s: PositiveFloat = 10.0
+    call_timeout_s: PositiveFloat = 1.0
+    # Ray CPUs the controller and the shared idempotency key table ask for. Above 0 they
+    # cannot land on a head started with --num-cpus=0 (cluster/cluster.yaml), so they
+    # live on a worker and keep working while the head is down.
+    num_cpus: float = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _stale_order(self) -> "ControllerConfig":
+        _ordered(self, "snapshot_stale_s", "snapshot_max_stale_s")
+        return self
+
+
+class LevelConstraintsModel(_Strict):
+    max_tokens: PositiveInt
+    max_batch_size: PositiveInt
+    streaming: bool
+    admitted: list[Criticality]
+
+
+def _default_levels() -> list[LevelConstraintsModel]:
+    return [LevelConstraintsModel(**c.to_dict()) for c in DEFAULT_CONSTRAINTS]
+
+
+class DegradationSettings(_Strict):
+    queue_length_thresholds: tuple[int, int, int, int] = (50, 100, 200, 500)
+    queue_wait_ms_thresholds: tuple[float, float, float, float] = (250.0, 500.0, 1000.0, 2000.0)
+    # The primary replicas' KV token budget reserved, percent (llm-d sheds at 80).
+    kv_util_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
+        80.0,
+        90.0,
+        97.0,
+        None,
+    )
+    gpu_util_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
+        85.0,
+        92.0,
+        97.0,
+        None,
+    )
+    vram_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
+        None,
+        None,
+        97.0,
+        99.0,
+    )
+    error_rate_threshold: float = Field(0.1, gt=0, le=1)
+    error_rate_min_requests: PositiveInt = 20
+    # Shed a whole class at the door only when the classes kept fill the model by
+    # themselves: level k when the demand of what it admits >= ratio x capacity
+    # (ballast/policies/degradation.py). null: demand never asks for a level.
+    demand_shed_ratio: Optional[float] = Field(1.1, gt=0)
+    # Routers measure demand by criticality and the gate's throughput over this window.
+    demand_window_s: PositiveFloat = 5.0
+    stable_window_s: PositiveFloat = 30.0  # a lower target must hold this long; then the level drops to it
+    # One report moves the level one up; a higher target asked for this long moves it all the way.
+    up_confirm_s: PositiveFloat = 1.0
+    # While fewer primary replicas serve than wanted (recycle, kill, crash, scale-up), queue
+    # length, queue wait and demand hold the level but do not raise it, for at most
+    # capacity_gap_max_s and capacity_gap_settle_s after (ballast/policies/degradation.py).
+    capacity_gap_max_s: float = Field(120.0, ge=0)
+    capacity_gap_settle_s: float = Field(10.0, ge=0)
+    levels: list[LevelConstraintsModel] = Field(default_factory=_default_levels, min_length=5, max_length=5)
+
+
+class AutoscaleSettings(_Strict):
+    target_ongoing_requests: PositiveFloat = 8.0
+    target_gpu_util_pct: Optional[float] = Field(80.0, gt=0, le=100)
+    stable_window_s: PositiveFloat = 60.0
+    panic_window_s: PositiveFloat = 6.0
+    panic_threshold_ratio: PositiveFloat = 2.0
+    scale_down_delay_s: float = Field(30.0, ge=0)
+    max_scale_down_step: PositiveInt = 1
+    # The Serve policy adapter trusts the controller's decision while it is younger than this.
+    decision_max_age_s: PositiveFloat = 5.0
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: PositiveInt = 64 * 1024
+    max_prompt_bytes: PositiveInt = 16 * 1024
+    max_tokens_limit: PositiveInt = 8192
+
+
+class BreakerSettings(_Strict):
+    """Defaults: 50 % failures over 100 calls / 60 s, at least 10 calls, open 30 s, 5 probes."""
+
+    window_kind: Literal["count", "time"] = "count"
+    window_size: PositiveInt = 100
+    window_s: PositiveFloat = 60.0
+    min_calls: PositiveInt = 10
+    failure_rate_threshold: float = Field(0.5, gt=0, le=1)
+    slow_call_duration_s: PositiveFloat = 10.0
+    slow_call_rate_threshold: float = Field(1.0, gt=0, le=1)
+    open_duration_s: PositiveFloat = 30.0
+    open_jitter_ratio: float = Field(0.1, ge=0, lt=1)
+    half_open_max_probes: PositiveInt = 5
+    half_open_success_threshold: float = Field(0.8, gt=0, le=1)
+    # Once a half-open period has handed out its first probe it must decide within
+    # this long, else back to open: a lost probe cannot wedge the breaker half-open.
+    # At least resilience.max_deadline_s, so no probe that could still answer is cut.
+    half_open_max_wait_s: PositiveFloat = 120.0
+
+    def breaker_config(self) -> BreakerConfig:
+        return BreakerConfig(**self.model_dump())
+
+
+class RetrySettings(_Strict):
+    max_attempts: int = Field(3, ge=1, le=10)
+    base_backoff_s: float = Field(0.05, ge=0)
+    max_backoff_s: float = Field(1.0, ge=0)
+    budget_ratio: float = Field(0.2, ge=0, le=1)
+    budget_min_concurrent: int = Field(3, ge=0)
+
+    def retry_config(self) -> RetryConfig:
+        return RetryConfig(**self.model_dump())
+
+
+class BulkheadSettings(_Strict):
+    # Concurrent calls per backend from one router: a hung fallback cannot starve the primary.
+    primary: PositiveInt = 256
+    fallback: PositiveInt = 64
+    # Concurrent requests per tenant in one router (429 CONCURRENCY_LIMIT beyond it).
+    per_tenant: PositiveInt = 128
+
+
+class GateSettings(_Strict):
+    """Per router: an adaptive limit on requests at the primary model, and a priority
+    wait line for the rest (ballast/router/gate.py, ballast/policies/limiter.py)."""
+
+    enabled: bool = True
+    # A slow start: the limit climbs from here (one per window while reached), so the
+    # first burst after a quiet spell meets a batch the model can answer in time.
+    initial_limit: PositiveInt = 16
+    min_limit: PositiveInt = 4
+    max_limit: PositiveInt = 256
+    # The wait for the model (router to compute start: Serve's queue and the batch queue)
+    # the limit steers to, as the p90 of a window. Below degradation's second queue-wait
+    # threshold, so that the gate, not a whole criticality class, takes the overflow.
+    target_wait_ms: PositiveFloat = 300.0
+    # Back off when the p90 answered request spent more than this share of its own time
+    # budget (arrival to deadline) at the model: before its deadlines are missed. null: off.
+    # 0.4: past the model's knee a bigger batch is only slower, and the wait line, where
+    # criticality orders requests, keeps the rest of the budget.
+    target_service_ratio: Optional[float] = Field(0.4, gt=0, le=1)
+    adjust_interval_s: PositiveFloat = 0.5
+    decrease_factor: float = Field(0.9, gt=0, lt=1)  # gentle: each cut below the knee costs throughput
+    # The wait line: bounded in count; each waiter by its deadline (less the expected
+    # service time) and by this.
+    max_waiting: PositiveInt = 512
+    max_wait_s: PositiveFloat = 30.0
+    # Slots kept for critical traffic: while critical requests lately needed the top of
+    # the limit (within the last hold), sheddable classes fill at most limit - ceil(ratio x limit).
+    critical_reserve_ratio: float = Field(0.25, ge=0, lt=1)
+    critical_reserve_hold_s: PositiveFloat = 1.0
+    # A deadline missed at the model cuts the limit only when the model held the request
+    # longer than this x the recent p90 service time; one admitted near its deadline and
+    # served in the usual time missed because it waited. null: every miss cuts the limit.
+    miss_service_factor: Optional[PositiveFloat] = 1.5
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "GateSettings":
+        self.limiter_config()  # the policy's own checks, with their message
+        return self
+
+    def limiter_config(self) -> LimiterConfig:
+        return frozen_config(LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s)
+
+
+class CacheSettings(_Strict):
+    """Bounded cache of answers to identical requests: the last fallback before a 503."""
+
+    enabled: bool = False
+    max_entries: PositiveInt = 1024
+    ttl_s: PositiveFloat = 300.0
+
+
+class IdempotencySettings(_Strict):
+    ttl_s: PositiveFloat = 600.0
+    max_entries: PositiveInt = 10000
+    max_key_chars: PositiveInt = 200
+
+
+class ResilienceConfig(_Strict):
+    # Overall deadline per request; a client may lower it with X-Request-Timeout-Ms,
+    # never raise it past max_deadline_s.
+    deadline_s: PositiveFloat = 30.0
+    max_deadline_s: PositiveFloat = 120.0
+    # Each attempt's own timeout (bounded by what is left of the deadline).
+    attempt_timeout_s: PositiveFloat = 15.0
+    # Times a request whose replica or node went away is sent again (unary) or carried on
+    # elsewhere from the tokens already delivered (streams), within its deadline.
+    migration_limit: int = Field(3, ge=0, le=10)
+    breaker: BreakerSettings = BreakerSettings()
+    retry: RetrySettings = RetrySettings()
+    bulkhead: BulkheadSettings = BulkheadSettings()
+    gate: GateSettings = GateSettings()
+    cache: CacheSettings = CacheSettings()
+    idempotency: IdempotencySettings = IdempotencySettings()
+
+    @model_validator(mode="after")
+    def _deadlines(self) -> "ResilienceConfig":
+        _ordered(self, "deadline_s", "max_deadline_s")
+        return self
+
+
+class FallbackDeploymentConfig(_DeploymentSettings):
+    replicas: PositiveInt = 1
+    num_gpus: float = Field(0, ge=0)
+
+
+class FallbackConfig(_Strict):
+    """A smaller model in its own deployment, with its own breaker."""
+
+    model: ModelConfig = ModelConfig(
+        name="tiny-decoder-small", architecture=ModelArchitecture(d_model=64, n_layers=2, n_heads=4, d_ff=256)
+    )
+    deployment: FallbackDeploymentConfig = FallbackDeploymentConfig()
+
+
+class ChaosConfig(_Strict):
+    """Fault injection in the model deployments: compiled in, off unless enabled here."""
+
+    enabled: bool = False
+    max_leak_mb: PositiveInt = 1024  # the injected leak stops growing here
+
+
+class WatchdogSettings(_Strict):
+    """One watchdog actor per model replica: memory, threads, fds, heartbeats."""
+
+    enabled: bool = True
+    interval_s: PositiveFloat = 1.0  # sampling and heartbeat interval
+    # Growth while a replica loads and serves its first batches is not a leak: trends
+    # start after this many seconds of the replica's life.
+    warmup_s: float = Field(120.0, ge=0)
+    hang_missed_heartbeats: PositiveInt = 3  # no work-loop progress for this many intervals with work in flight: hung
+    leak_window_s: PositiveFloat = 3600.0  # trend window for leak slopes
+    leak_min_span_ratio: float = Field(0.5, gt=0, le=1)  # no leak verdict before samples span this much of the window
+    leak_r2_threshold: float = Field(0.7, gt=0, le=1)  # fit quality below which a slope is noise
+    # Fast burn (SRE's short window): a leak that would reach its limit within
+    # leak_short_horizon_s is named once leak_short_min_span_s of samples after warm-up
+    # show it rising, instead of waiting for half the long window. Clamped to the long
+    # window where that is shorter (test and compressed configs).
+    leak_short_window_s: PositiveFloat = 300.0
+    leak_short_min_span_s: PositiveFloat = 90.0  # evidence needed; longer than a GC tooth
+    leak_short_horizon_s: PositiveFloat = 3600.0
+    # Slopes (per hour) at or above which a credible trend is a leak. RSS/VRAM in MB.
+    rss_leak_mb_per_h: PositiveFloat = 30.0
+    vram_leak_mb_per_h: PositiveFloat = 30.0
+    threads_leak_per_h: PositiveFloat = 60.0
+    fds_leak_per_h: PositiveFloat = 120.0
+    rss_limit_mb: Optional[PositiveFloat] = None  # default: the node's total memory
+    threads_limit: PositiveInt = 4096
+    # The fd limit is the replica process's own RLIMIT_NOFILE soft limit; VRAM's is the GPU's total.
+    step_interval_s: PositiveFloat = 60.0  # time one rung of the action ladder gets before the next
+    warn_tto_s: PositiveFloat = 6 * 3600.0  # a leak reaching its limit sooner starts the ladder
+    critical_tto_s: PositiveFloat = 3600.0  # sooner than this: stop intake and ask for a recycle at once
+    warning_ratio: float = Field(0.90, gt=0, le=1)  # usage / limit (seed: VRAM warning 90 %)
+    critical_ratio: float = Field(0.97, gt=0, le=1)  # usage / limit (seed: VRAM critical 97 %)
+
+    @model_validator(mode="after")
+    def _order(self) -> "WatchdogSettings":
+        _ordered(self, "warning_ratio", "critical_ratio")
+        _ordered(self, "critical_tto_s", "warn_tto_s")
+        return self
+
+    def leak_config(self) -> LeakConfig:
+        short_window_s = min(self.leak_short_window_s, self.leak_window_s)
+        return LeakConfig(
+            window_s=self.leak_window_s,
+            min_span_ratio=self.leak_min_span_ratio,
+            r2_threshold=self.leak_r2_threshold,
+            short_window_s=short_window_s,
+            short_min_span_s=min(self.leak_short_min_span_s, short_window_s),
+            short_horizon_s=self.leak_short_horizon_s,
+        )
+
+    def ladder_config(self) -> LadderConfig:
+        return frozen_config(LadderConfig, self)
+
+
+class RecycleSettings(_Strict):
+    """Staggered replica recycling run by the controller: a rolling restart, each recycle under a lease."""
+
+    enabled: bool = True
+    max_age_s: Optional[PositiveFloat] = 6 * 3600.0  # null: no age trigger
+    jitter_ratio: float = Field(0.1, ge=0, lt=1)  # each replica's age threshold spread by ± this
+    window_start_hour: Optional[float] = Field(2.0, ge=0, lt=24)  # preferred low-traffic window (local time); null: any time
+    window_end_hour: Optional[float] = Field(5.0, ge=0, lt=24)
+    forced_max_age_s: Optional[PositiveFloat] = 24 * 3600.0  # recycled at this age whatever the window or level
+    max_unavailable: PositiveInt = 1
+    min_available: int = Field(1, ge=0)
+    # One replica more (within max_replicas) while a recycle of the primary waits on
+    # min_available or is in flight: a lone replica can then be recycled, never leaving none.
+    surge: bool = True
+    block_at_level: int = Field(3, ge=0, le=5)  # no scheduled recycles at this level or above
+    recycle_timeout_s: PositiveFloat = 600.0  # a recycle not complete by then is stuck (alert), its slot freed
+    lease_ttl_s: PositiveFloat = 1800.0  # hard TTL of a recycle lease
+    lease_heartbeat_s: PositiveFloat = 2.0  # the controller heartbeats its lease; 3 missed: expired
+    restart_estimate_s: PositiveFloat = 60.0  # T_restart for the expected availability until one is measured
+
+    @model_validator(mode="after")
+    def _ages(self) -> "RecycleSettings":
+        if self.max_age_s and self.forced_max_age_s and self.forced_max_age_s < self.max_age_s:
+            raise ValueError("forced_max_age_s must be >= max_age_s")
+        if (self.window_start_hour is None) != (self.window_end_hour is None):
+            raise ValueError("window_start_hour and window_end_hour are set together (or both null)")
+        if self.window_start_hour is not None and self.window_start_hour == self.window_end_hour:
+            raise ValueError("window_start_hour must differ from window_end_hour (null both for any time)")
+        return self
+
+    def recycle_config(self) -> RecycleConfig:
+        """The planner's config; with ``enabled: false`` no age triggers (requested recycles still go)."""
+        return frozen_config(
+            RecycleConfig,
+            self,
+            max_age_s=self.max_age_s if self.enabled else None,
+            forced_max_age_s=self.forced_max_age_s if self.enabled else None,
+        )
+
+
+class TenantConfig(_Strict):
+    """A tenant's quota, in tokens (prompt + generated): a resource unit, not requests.
+
+    No rate means no token quota (the concurrency cap still applies). The sum of all
+    tenants' rates may exceed what the model can do (overcommit).
+    """
+
+    description: str = ""
+    rate_tokens_per_s: Optional[PositiveFloat] = None
+    burst_tokens: Optional[PositiveFloat] = None  # default: 2 s of rate
+    max_concurrent: Optional[PositiveInt] = None  # default: resilience.bulkhead.per_tenant
+    max_criticality: Criticality = Criticality.CRITICAL_PLUS  # a higher claim is lowered to this
+    weight: PositiveFloat = 1.0  # share of idle capacity lent at level 0
+    sheddable: bool = False  # its rate shrinks with the degradation level
+
+    @property
+    def burst(self) -> Optional[float]:
+        if self.rate_tokens_per_s is None:
+            return None
+        return self.burst_tokens if self.burst_tokens is not None else 2.0 * self.rate_tokens_per_s
+
+
+class QuotaSettings(_Strict):
+    # A router's share of a tenant's rate, granted by the controller, lapses after this.
+    lease_ttl_s: PositiveFloat = 3.0
+    # Sheddable tenants' rate multiplier per degradation level 0..4.
+    level_factors: tuple[float, float, float, float, float] = (1.0, 0.75, 0.5, 0.25, 0.0)
+    # Levels at which idle tenants' unused rate is lent to busy ones, by weight ([] = never).
+    lend_at_levels: list[int] = Field(default_factory=lambda: [0])
+    # A tenant borrows at most this multiple of its own rate (so a small quota stays small).
+    max_borrow_ratio: float = Field(1.0, ge=0)
+    # Every router keeps at least this fraction of an equal share (so it can admit a first request).
+    min_share_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class AuthConfig(_Strict):
+    # "key=tenant" entries separated by commas or newlines; a key may be given as
+    # "sha256:<hex>" so that plaintext keys never sit anywhere.
+    api_keys_env: str = "BALLAST_API_KEYS"
+    api_keys_file: Optional[str] = None
+    admin_token_env: str = "BALLAST_ADMIN_TOKEN"
+    admin_token_file: Optional[str] = None
+    # Local demo only; refused in production.
+    demo_keys: dict[str, str] = Field(default_factory=dict)
+    demo_admin_token: Optional[str] = None
+
+
+class BallastConfig(_Strict):
+    environment: Literal["local", "production"] = "local"
+    app_name: str = "ballast"
+    route_prefix: str = "/"
+    http: HttpConfig = HttpConfig()
+    model: ModelConfig = ModelConfig()
+    deployments: DeploymentsConfig = DeploymentsConfig()
+    controller: ControllerConfig = ControllerConfig()
+    degradation: DegradationSettings = DegradationSettings()
+    autoscale: AutoscaleSettings = AutoscaleSettings()
+    limits: LimitsConfig = LimitsConfig()
+    resilience: ResilienceConfig = ResilienceConfig()
+    fallback: Optional[FallbackConfig] = None
+    chaos: ChaosConfig = ChaosConfig()
+    watchdog: WatchdogSettings = WatchdogSettings()
+    recycle: RecycleSettings = RecycleSettings()
+    auth: AuthConfig = AuthConfig()
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    quota: QuotaSettings = QuotaSettings()
+
+    @model_validator(mode="after")
+    def _production_has_no_demo_secrets(self) -> "BallastConfig":
+        if self.environment == "production" and self.chaos.enabled:
+            raise ValueError("chaos.enabled: fault injection is for local and test stacks, never production")
+        if self.fallback is not None and self.fallback.model.name == self.model.name:
+            raise ValueError("fallback.model.name must differ from model.name (kill switches and metrics tell them apart)")
+        if self.environment == "production" and (self.auth.demo_keys or self.auth.demo_admin_token):
+            raise ValueError("auth.demo_keys / auth.demo_admin_token are for local use only; production takes keys from the environment or a file")
+        unknown = sorted(set(self.auth.demo_keys.values()) - set(self.tenants))
+        if unknown:
+            raise ValueError(f"auth.demo_keys name tenants not in tenants: {unknown}")
+        return self
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        for name in v:
+            if not name or len(name) > 64 or not name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"tenant name {name!r} must be 1-64 letters, digits, '-' or '_'")
+        return v
+
+    # -- conversions to the pure policies' frozen configs ------------------------------
+    def degradation_config(self) -> DegradationConfig:
+        d = self.degradation
+        constraints = tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels)
+        return frozen_config(DegradationConfig, d, constraints=constraints)
+
+    def autoscale_config(self) -> AutoscaleConfig:
+        m = self.deployments.model
+        return frozen_config(AutoscaleConfig, self.autoscale, min_replicas=m.min_replicas, max_replicas=m.max_replicas)
+
+
+def load_config(
+    source: "str | Path | dict[str, Any] | BallastConfig | None" = None, *, model_dir: "str | Path | None" = None
+) -> BallastConfig:
+    """Build the config from a YAML path, a dict, or defaults; errors name the field.
+
+    ``model_dir`` (``ballast serve --model DIR``, ``make serve MODEL=DIR``) serves that
+    Hugging Face directory as the primary model, named after the directory, with the
+    rest of the config as it is (the fallback keeps its own model)."""
+    if isinstance(source, BallastConfig) and model_dir is None:
+        return source
+    if isinstance(source, BallastConfig):
+        source = source.model_dump(mode="json")
+    data: dict[str, Any]
+    where = "config"
+    if source is None:
+        data = {}
+    elif isinstance(source, dict):
+        data = source
+    else:
+        where = str(source)
+        try:
+            data = yaml.safe_load(read_text(source)) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(where, f"not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(where, "top level must be a mapping")
+    if model_dir is not None:
+        data = with_model_dir(data, model_dir)
+    try:
+        cfg = BallastConfig.model_validate(data)
+        cfg.degradation_config()
+        cfg.autoscale_config()
+        cfg.recycle.recycle_config()
+        cfg.watchdog.leak_config()
+        cfg.watchdog.ladder_config()
+    except ValueError as e:  # pydantic.ValidationError is a ValueError
+        raise ConfigError(where, str(e)) from None
+    return cfg
+
+
+def with_model_dir(data: dict[str, Any], model_dir: "str | Path") -> dict[str, Any]:
+    """``data`` with its primary model replaced by the Hugging Face directory ``model_dir``."""
+    path = Path(model_dir).expanduser().resolve()
+    model = {k: v for k, v in (data.get("model") or {}).items() if k not in ("checkpoint_path", "checkpoint_format", "seed")}
+    model.update(backend="transformers", path=str(path), name=path.name[:64] or "model")
+    return {**data, "model": model}
+
+
+def read_text(path: "str | Path", what: str = "") -> str:
+    """A config or secret file as UTF-8 text; any failure is a ConfigError naming the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(str(path), f"cannot read {what or 'file'}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), f"{what or 'file'} is not UTF-8 text") from None

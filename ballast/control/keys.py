@@ -1,0 +1,95 @@
+"""The idempotency keys every router shares: a detached actor around ``ballast.policies.idempotency``.
+
+A client that retries a request with the same ``Idempotency-Key`` through another
+node's endpoint reaches another router; this actor tells that router the key is
+being answered (wait) or was answered (here is the answer), so the model generates
+once. Routers call it only for requests that carry a key, with a short timeout;
+when it cannot be reached they honour the key on their own (per router, as before),
+and count it. It keeps no durable state: restarted by Ray (``max_restarts=-1``)
+after its node is lost, it starts empty, and keys in flight then may run twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Optional
+
+import ray
+
+from ballast.policies.idempotency import DONE, KeyTable
+from ballast.config import BallastConfig
+
+#: The actor's name, beside the controller's (``<controller.name>-keys``).
+SUFFIX = "-keys"
+
+
+class KeyService:
+    """The actor's body (``IdempotencyKeys`` is this class as a Ray actor)."""
+
+    def __init__(self, ttl_s: float, max_entries: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._table = KeyTable(ttl_s, max_entries)
+        self._clock = clock
+        # Routers waiting for a key another router is answering; an event per key
+        # that has waiters, dropped when it fires (bounded by the requests waiting).
+        self._changed: dict[tuple[str, str], asyncio.Event] = {}
+
+    def _fire(self, slot: tuple[str, str]) -> None:
+        event = self._changed.pop(slot, None)
+        if event is not None:
+            event.set()
+
+    async def claim(self, tenant: str, key: str, owner: str, lease_s: float) -> dict[str, Any]:
+        return asdict(self._table.claim((tenant, key), owner, lease_s, self._clock()))
+
+    async def wait(self, tenant: str, key: str, timeout_s: float) -> Optional[dict[str, Any]]:
+        """The key's state once it is answered or freed, or after ``timeout_s``; None when free."""
+        slot = (tenant, key)
+        now = self._clock()
+        seen = self._table.peek(slot, now)
+        if seen is None or seen.state == DONE:
+            return None if seen is None else asdict(seen)
+        event = self._changed.setdefault(slot, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), timeout=max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            pass
+        seen = self._table.peek(slot, self._clock())
+        return None if seen is None else asdict(seen)
+
+    async def complete(self, tenant: str, key: str, owner: str, result: dict[str, Any]) -> bool:
+        ok = self._table.complete((tenant, key), owner, result, self._clock())
+        self._fire((tenant, key))
+        return ok
+
+    async def release(self, tenant: str, key: str, owner: str) -> bool:
+        ok = self._table.release((tenant, key), owner, self._clock())
+        self._fire((tenant, key))
+        return ok
+
+    async def size(self) -> int:
+        return len(self._table)
+
+
+IdempotencyKeys = ray.remote(num_cpus=0)(KeyService)
+
+
+def keys_name(cfg: BallastConfig) -> str:
+    return cfg.controller.name + SUFFIX
+
+
+def keys_actor(cfg: BallastConfig) -> "ray.actor.ActorHandle":
+    """The shared key table, created by whichever router asks first (``get_if_exists``)."""
+    idem = cfg.resilience.idempotency
+    return IdempotencyKeys.options(
+        name=keys_name(cfg), namespace=cfg.controller.namespace, lifetime="detached",
+        max_restarts=-1, get_if_exists=True, num_cpus=cfg.controller.num_cpus,
+    ).remote(idem.ttl_s, idem.max_entries)
+
+
+def lookup_keys(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":
+    try:
+        return ray.get_actor(keys_name(cfg), namespace=cfg.controller.namespace)
+    except ValueError:
+        return None

@@ -1,0 +1,336 @@
+"""One watchdog actor per model replica: samples it, judges leaks and hangs, reports.
+
+The replica spawns its watchdog (``spawn_watchdog``) on its own node with
+``num_cpus=0``. The watchdog is an ordinary (non-detached) actor owned by the
+replica, so it shares the replica's fate: when the replica dies, Ray kills it.
+
+Every ``watchdog.interval_s`` the watchdog
+
+- samples the replica *process* from outside (psutil: RSS, threads, open fds, CPU)
+  and, where the replica has a GPU, that GPU through NVML (device utilization,
+  this process's memory, total memory);
+- feeds the series (after ``warmup_s``) to ``ballast.policies.leak.LeakDetector``: robust
+  trends over a short (fast-burn) and a long (slow-burn) window, time to limit;
+  the usage ratios act on absolute ceilings from the first sample, warm-up or not;
+  and walks ``ballast.policies.leak.assess``'s action ladder: gc.collect → empty the CUDA
+  cache → stop taking new work → ask the controller for a recycle;
+- checks the replica's heartbeats: the replica calls ``beat(inflight, progress)``
+  every interval, where ``progress`` counts decode steps of its work loop. No
+  progress for ``hang_missed_heartbeats`` intervals while work is in flight is a
+  hang (``ballast.policies.leak.is_hung``), reported so the controller kills the replica;
+- reports all of it to the controller and exports it as metrics, tagged by replica.
+
+The actions that must run inside the replica (gc, empty_cache, readiness) go back
+in the reply to ``beat`` (``ballast.policies.reports.WatchdogOrders``); the watchdog never
+reaches into the replica otherwise. Its report to the controller is a
+``ballast.policies.reports.WatchdogReport`` about the ``WatchedReplica`` it was spawned with.
+``WatchdogCore`` is the logic without Ray, tested with fake samplers and clocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from typing import Any, Callable, Optional, Protocol
+
+import ray
+
+from dataclasses import replace
+
+from ballast.policies.leak import Action, LadderState, LeakDetector, SeriesSpec, Usage, assess, is_hung
+from ballast.policies.reports import SeriesTrend, WatchdogOrders, WatchdogReport, WatchedReplica
+
+from ballast.config import BallastConfig, WatchdogSettings, load_config
+from ballast.control.link import ControllerLink
+from ballast.control.gpu import make_process_gpu_probe
+
+log = logging.getLogger("ballast.watchdog")
+
+MB = 1024 * 1024
+MAX_PENDING_ACTIONS = 16
+SERIES = ("rss_bytes", "vram_bytes", "threads", "fds")
+
+
+class ProcessSampler(Protocol):
+    def sample(self) -> dict[str, Optional[float]]: ...  # rss_bytes, threads, fds, cpu_pct
+
+
+class PsutilSampler:
+    """The replica process as psutil sees it from the watchdog's process."""
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self._p = psutil.Process(pid)
+        self._p.cpu_percent(None)  # the first call only starts the measurement
+        try:
+            soft, _ = self._p.rlimit(psutil.RLIMIT_NOFILE)
+            self.fd_limit: Optional[int] = soft if soft > 0 else None
+        except (AttributeError, OSError, psutil.Error):
+            self.fd_limit = None
+
+    def sample(self) -> dict[str, Optional[float]]:
+        import psutil
+
+        try:
+            with self._p.oneshot():
+                return {
+                    "rss_bytes": float(self._p.memory_info().rss),
+                    "threads": float(self._p.num_threads()),
+                    "fds": float(self._p.num_fds()),
+                    "cpu_pct": float(self._p.cpu_percent(None)),
+                }
+        except psutil.Error:  # the replica is gone: its fate-shared watchdog follows shortly
+            return {}
+
+
+def node_memory_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def leak_specs(w: WatchdogSettings, rss_limit: Optional[float], vram_limit: Optional[float], fd_limit: Optional[float]) -> list[SeriesSpec]:
+    return [
+        SeriesSpec("rss_bytes", w.rss_leak_mb_per_h * MB, rss_limit),
+        SeriesSpec("vram_bytes", w.vram_leak_mb_per_h * MB, vram_limit),
+        SeriesSpec("threads", w.threads_leak_per_h, float(w.threads_limit)),
+        SeriesSpec("fds", w.fds_leak_per_h, fd_limit),
+    ]
+
+
+class WatchdogCore:
+    """Sampling, leak trends, the action ladder and hang detection for one replica."""
+
+    def __init__(
+        self,
+        settings: WatchdogSettings,
+        info: WatchedReplica,
+        process: ProcessSampler,
+        gpu: Any = None,  # a ProcessGpuProbe, or None without a GPU
+        memory_total_bytes: Optional[int] = None,
+        fd_limit: Optional[int] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.settings = settings
+        self.info = info
+        self._process = process
+        self._gpu = gpu
+        self._clock = clock
+        self._rss_limit = settings.rss_limit_mb * MB if settings.rss_limit_mb else memory_total_bytes
+        self._fd_limit = fd_limit
+        self._vram_limit: Optional[float] = None
+        self._leak_cfg = settings.leak_config()
+        self._ladder_cfg = settings.ladder_config()
+        self._detector: Optional[LeakDetector] = None  # built at the first sample (VRAM limit known then)
+        self._ladder = LadderState()
+        self.ready = True
+        self.recycle_requested = False
+        self.hung = False
+        self._pending: deque[str] = deque(maxlen=MAX_PENDING_ACTIONS)
+        self.actions_total: dict[str, int] = {a.value: 0 for a in Action}
+        now = clock()
+        self._created_s = now
+        self._last_beat_s: Optional[float] = None
+        self._last_progress_s = now
+        self._progress: Optional[int] = None
+        self._inflight = 0
+        self.last_report: Optional[WatchdogReport] = None
+
+    # -- heartbeats from the replica -----------------------------------------------------
+    def beat(self, inflight: int, progress: int) -> WatchdogOrders:
+        """The replica's heartbeat; the reply carries what the replica must do now."""
+        now = self._clock()
+        self._last_beat_s = now
+        if inflight <= 0 or progress != self._progress:
+            self._last_progress_s = now  # idle, or the work loop moved: alive
+        self._inflight = max(0, int(inflight))
+        self._progress = int(progress)
+        actions = tuple(self._pending)
+        self._pending.clear()
+        return WatchdogOrders(actions=actions, ready=self.ready, recycle=self.recycle_requested, hung=self.hung)
+
+    def heartbeat_age_s(self) -> float:
+        return self._clock() - self._last_progress_s
+
+    # -- one sampling round ----------------------------------------------------------------
+    def sample(self, wall_s: Optional[float] = None) -> WatchdogReport:
+        """One sample: the replica's usage, its trends and the ladder's verdict, the hang
+        check, and the report for the controller."""
+        now = self._clock()
+        proc = self._process.sample()
+        g = self._gpu.sample() if self._gpu is not None else None
+        values: dict[str, Optional[float]] = {
+            "rss_bytes": proc.get("rss_bytes"),
+            "threads": proc.get("threads"),
+            "fds": proc.get("fds"),
+            "vram_bytes": float(g.process_vram_bytes) if g is not None and g.process_vram_bytes is not None else None,
+        }
+        if g is not None:
+            self._vram_limit = float(g.vram_total_bytes)
+        warming_up = now - self._created_s < self.settings.warmup_s
+        trends, verdict = self._judge(now, values, warming_up)
+        age = self.heartbeat_age_s()
+        self.hung = is_hung(age, self._inflight, self.settings.interval_s, self.settings.hang_missed_heartbeats)
+        self.last_report = WatchdogReport.of(
+            self.info,
+            at_s=wall_s if wall_s is not None else time.time(),
+            **{k: values[k] for k in SERIES},
+            rss_limit_bytes=self._rss_limit,
+            vram_total_bytes=self._vram_limit,
+            fd_limit=self._fd_limit,
+            gpu_util_pct=g.util_pct if g is not None else None,
+            cpu_pct=proc.get("cpu_pct"),
+            heartbeat_age_s=round(age, 3),
+            warming_up=warming_up,
+            inflight=self._inflight,
+            hung=self.hung,
+            severity=verdict.severity,
+            reason=verdict.reason,  # what this sample found
+            action_reason=self._ladder.reason,  # what made the ladder take its last rung (sticks)
+            ready=self.ready,
+            recycle_requested=self.recycle_requested,
+            critical=verdict.severity == "critical",
+            trends={
+                name: SeriesTrend(slope_per_h=t.slope_per_h, r2=t.r2, leaking=t.leaking,
+                                  time_to_limit_s=t.time_to_limit_s, short_window=t.short)
+                for name, t in trends.items()
+            },
+            actions_total=dict(self.actions_total),
+        )
+        return self.last_report
+
+    def _judge(self, now: float, values: dict[str, Optional[float]], warming_up: bool) -> tuple[dict, Any]:
+        """The trends (fed this sample unless warming up) and the ladder's verdict on them and
+        the usage; its actions queued for the replica."""
+        if self._detector is None:
+            self._detector = LeakDetector(
+                leak_specs(self.settings, self._rss_limit, self._vram_limit, self._fd_limit), self._leak_cfg
+            )
+        if not warming_up:
+            self._detector.observe(now, values)
+        trends = self._detector.trends(now)
+        limits = {"rss_bytes": self._rss_limit, "vram_bytes": self._vram_limit, "threads": float(self.settings.threads_limit), "fds": self._fd_limit}
+        usage = [Usage(k, float(v), limits[k]) for k, v in values.items() if v is not None]
+        verdict, self._ladder = assess(trends, usage, self._gpu is not None, self._ladder, self._ladder_cfg, now)
+        for a in verdict.actions:
+            self._pending.append(a.value)
+            self.actions_total[a.value] += 1
+            log.warning("watchdog %s: %s (%s)", self.info.replica_id, a.value, verdict.reason)
+        self.ready = verdict.ready
+        self.recycle_requested = verdict.recycle
+        return trends, verdict
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class Watchdog:
+    """Ray actor around ``WatchdogCore``: a sampling loop and a ``beat`` endpoint."""
+
+    def __init__(self, cfg: dict[str, Any], info: WatchedReplica):
+        self._cfg: BallastConfig = load_config(cfg)
+        if info.pid is None:  # spawn_watchdog sets it: the process this actor samples
+            raise ValueError("pid: the watchdog needs its replica's process id")
+        pid = info.pid
+        proc = PsutilSampler(pid)
+        self._core = WatchdogCore(
+            self._cfg.watchdog,
+            info,
+            proc,
+            gpu=make_process_gpu_probe(info.gpu_uuid, pid),
+            memory_total_bytes=node_memory_bytes(),
+            fd_limit=proc.fd_limit,
+        )
+        self._link = ControllerLink(self._cfg)
+        self._task: Optional[asyncio.Task] = None
+        self._replica_actor = str(info.actor_name)
+        from ray.util import metrics  # created once, here (STYLE 8)
+
+        tags = ("replica", "deployment")
+        self._tags = {"replica": info.replica_id, "deployment": info.deployment}
+        self._g = {
+            k: metrics.Gauge(f"ballast_replica_{k}", f"Replica {k.replace('_', ' ')}, sampled by its watchdog.", tag_keys=tags)
+            for k in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_seconds", "ready")
+        }
+        self._slope = metrics.Gauge(
+            "ballast_replica_leak_slope_per_hour", "Robust trend of a series (units per hour).", tag_keys=tags + ("series",)
+        )
+        self._leaking = metrics.Gauge("ballast_replica_leaking", "1 when the series' trend is a leak.", tag_keys=tags + ("series",))
+        self._tto = metrics.Gauge(
+            "ballast_replica_time_to_limit_seconds",
+            "Time until the series reaches its limit at its trend; -1 when it is not rising credibly.",
+            tag_keys=tags + ("series",),
+        )
+        self._actions = metrics.Counter("ballast_watchdog_actions_total", "Watchdog ladder actions.", tag_keys=tags + ("action",))
+        self._hung = metrics.Gauge("ballast_replica_hung", "1 while the replica is hung.", tag_keys=tags)
+        self._actions_seen = dict(self._core.actions_total)
+
+    def _export(self, r: WatchdogReport) -> None:
+        for k in SERIES:
+            value = getattr(r, k)
+            if value is not None:
+                self._g[k].set(float(value), tags=self._tags)
+        self._g["heartbeat_age_seconds"].set(float(r.heartbeat_age_s or 0.0), tags=self._tags)
+        self._g["ready"].set(1.0 if r.ready else 0.0, tags=self._tags)
+        self._hung.set(1.0 if r.hung else 0.0, tags=self._tags)
+        for series, t in r.trends.items():
+            tags = {**self._tags, "series": series}
+            self._slope.set(float(t.slope_per_h), tags=tags)
+            self._leaking.set(1.0 if t.leaking else 0.0, tags=tags)
+            tto = t.time_to_limit_s
+            self._tto.set(float(tto) if tto is not None else -1.0, tags=tags)
+        for action, n in r.actions_total.items():
+            if n > self._actions_seen.get(action, 0):
+                self._actions.inc(n - self._actions_seen.get(action, 0), tags={**self._tags, "action": action})
+                self._actions_seen[action] = n
+
+    def __repr__(self) -> str:
+        # Ray's state API shows it (repr_name): which replica actor this watchdog watches.
+        return f"Watchdog({self._replica_actor})"
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        interval = self._cfg.watchdog.interval_s
+        timeout = self._cfg.controller.call_timeout_s
+        while True:
+            try:
+                report = self._core.sample()
+                self._export(report)
+                await asyncio.wait_for(self._link.call("report_watchdog", report), timeout)
+            except Exception as e:  # the controller may be restarting: keep sampling
+                log.debug("watchdog report failed: %r", e)
+            await asyncio.sleep(interval)
+
+    async def start(self) -> None:
+        self._ensure_loop()
+
+    async def beat(self, inflight: int, progress: int) -> WatchdogOrders:
+        self._ensure_loop()
+        return self._core.beat(inflight, progress)
+
+    async def report(self) -> Optional[WatchdogReport]:
+        return self._core.last_report
+
+
+def spawn_watchdog(cfg: BallastConfig, info: WatchedReplica) -> Any:
+    """Start this replica's watchdog on its node, owned by (so fate-shared with) the caller.
+
+    ``info`` names the replica (replica_id, deployment, started_at_s, gpu_uuid); the
+    pid, actor name and namespace are added here. None outside a Ray worker.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not cfg.watchdog.enabled or not ray.is_initialized():
+        return None
+    from ray.serve._private.constants import SERVE_NAMESPACE  # replicas are named actors there
+
+    ctx = ray.get_runtime_context()
+    info = replace(info, pid=os.getpid(), actor_name=ctx.get_actor_name(), actor_namespace=SERVE_NAMESPACE)
+    return Watchdog.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ctx.get_node_id(), soft=False)
+    ).remote(cfg.model_dump(mode="json"), info)

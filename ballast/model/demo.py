@@ -1,0 +1,207 @@
+"""A small Hugging Face causal-LM directory with random weights, built here, downloading nothing.
+
+For tests (``make_tiny_llama``: a few thousand parameters, built in well under a
+second) and for newcomers with no weights at hand (``make demo-model``, i.e.
+``python -m ballast.model.demo DIR``: a few million). Either writes what a team would bring: a Llama-architecture
+``config.json``, safetensors weights (one file, or an index and shards), a
+byte-level BPE tokenizer with bos/eos/pad tokens and a Jinja chat template, all
+through ``save_pretrained`` so the layout is exactly what transformers writes.
+
+The tokenizer is trained here with the ``tokenizers`` package on a small
+built-in corpus, and the weights are random from a fixed seed: the directory
+is byte-for-byte reproducible and takes well under a second to build.
+
+The weights are drawn wider than Llama's training init (``initializer_range``
+0.2, not 0.02): with the training init an untrained model's logits are nearly
+flat and greedy decoding repeats one token whatever the prompt, so a test that
+batching or the KV cache is right would pass vacuously. At 0.2 greedy output
+depends on the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["CHAT_TEMPLATE", "CORPUS", "DEMO_GEOMETRY", "SEED", "make_llama", "make_tiny_llama", "train_tokenizer"]
+
+SEED = 1234
+
+# Plain ASCII and a little multi-byte text (so streaming tests can cut a
+# character in two), chat-shaped lines so the template's markers become merges.
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A replica serves requests; the router sends each one to the least loaded replica.",
+    "Tokens per second, time to first token, and the p99 latency of short requests.",
+    "The KV cache grows by one token per step for every row in the running batch.",
+    "Hello! How are you today? I am fine, thank you.",
+    "<|system|>\nYou are a helpful assistant.",
+    "<|user|>\nWhat is the capital of France?",
+    "<|assistant|>\nThe capital of France is Paris.",
+    "Café, naïve, über, 東京, Ελληνικά, emoji 🙂 and more.",
+    "def add(a, b):\n    return a + b\n",
+    "0 1 2 3 4 5 6 7 8 9 10 100 1000",
+)
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+
+# Jinja, in the shape real templates have: bos once, a role marker per message,
+# eos after each turn, and the assistant marker when a reply is asked for.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_TARGET_VOCAB = 384
+
+
+def train_tokenizer(*, chat_template: bool = True, context: int = 128):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on :data:`CORPUS`.
+
+    Byte-level, so any text encodes (no unknown token) and decoding is exact.
+    Encoding adds ``<s>`` in front, as Llama's tokenizer does.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TARGET_VOCAB,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        padding_side="left",
+        model_max_length=context,  # the config's max_position_embeddings
+        chat_template=CHAT_TEMPLATE if chat_template else None,
+    )
+
+
+def _shard_size_bytes(model, shards: int) -> int:
+    """The smallest ``max_shard_size`` for which ``save_pretrained`` writes ``shards`` files.
+
+    save_pretrained packs tensors with huggingface_hub's
+    ``split_torch_state_dict_into_shards`` (next-fit in state-dict order, whose
+    file count only falls as the size limit grows), so a bisection on that same
+    function finds the size; it only reads tensor sizes, nothing is written.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    state = model.state_dict()
+
+    def count(size: int) -> int:
+        return len(split_torch_state_dict_into_shards(state, max_shard_size=size).filename_to_tensors)
+
+    lo, hi = 1, sum(t.numel() * t.element_size() for t in state.values())
+    while lo < hi:  # smallest size with count(size) <= shards
+        mid = (lo + hi) // 2
+        if count(mid) <= shards:
+            hi = mid
+        else:
+            lo = mid + 1
+    if count(lo) != shards:
+        raise ValueError(f"cannot split the model's {len(state)} tensors into exactly {shards} shards")
+    return lo
+
+
+# Geometry of ``make tiny`` (tests) and of ``make demo-model``.
+TINY_GEOMETRY = dict(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, context=128)
+DEMO_GEOMETRY = dict(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4, context=1024)
+
+
+def make_tiny_llama(dir: Path, *, shards: int = 1, chat_template: bool = True) -> Path:
+    """Write a tiny random Llama checkpoint and its tokenizer into ``dir``; return ``dir``.
+
+    Hidden 32, 2 layers, 4 heads (2 KV heads, so grouped-query attention is
+    exercised), context 128, vocabulary the tokenizer's. ``shards > 1`` writes
+    ``model.safetensors.index.json`` and exactly that many shard files.
+    ``chat_template=False`` leaves the template out.
+    """
+    return make_llama(dir, shards=shards, chat_template=chat_template, **TINY_GEOMETRY)
+
+
+def make_llama(
+    dir: Path,
+    *,
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    context: int,
+    shards: int = 1,
+    chat_template: bool = True,
+) -> Path:
+    """Write a random Llama checkpoint of this geometry and its tokenizer into ``dir``."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+        raise ValueError(f"shards must be an int >= 1, got {shards!r}")
+    dir = Path(dir)
+    tokenizer = train_tokenizer(chat_template=chat_template, context=context)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=context,
+        initializer_range=0.2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    # fork_rng: seed the init without disturbing the caller's global RNG.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    max_shard_size = _shard_size_bytes(model, shards) if shards > 1 else "1GB"
+    dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dir, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(dir)
+    if shards > 1:
+        index = json.loads((dir / "model.safetensors.index.json").read_text())
+        written = set(index["weight_map"].values())
+        if len(written) != shards:  # the bisection above mirrors save_pretrained; check it did
+            raise AssertionError(f"wanted {shards} shards, save_pretrained wrote {sorted(written)}")
+    return dir
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    """``python -m ballast.model.demo DIR``: write the demo model (``make demo-model``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path, help="where to write the checkpoint (created if missing)")
+    args = parser.parse_args(argv)
+    make_llama(args.dir, **DEMO_GEOMETRY)
+    print(f"wrote a random-weight Llama ({DEMO_GEOMETRY}) to {args.dir}")
+    print(f"serve it with: make serve MODEL={args.dir}  (or: ballast serve --model {args.dir})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

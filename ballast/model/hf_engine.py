@@ -1,0 +1,415 @@
+"""The Hugging Face engine: iteration-level batching over a transformers causal LM.
+
+:func:`ballast.model.hf.load_checkpoint` gives a model and its tokenizer; this
+module serves them the way the built-in model is served (``backends.LiveBatch``):
+a request joins the running batch at the next chunk boundary and leaves it when
+it is done, and the KV cache is kept across steps.
+
+**Which batching path.** transformers 5 has its own continuous batching
+(``generate_batch`` / ``ContinuousBatchingManager``, a paged cache), but it runs
+its own thread and scheduler, takes whole requests rather than one step at a
+time, and on CPU falls back to eager attention over the paged cache; the
+replica needs to admit, drop and bound rows between steps itself (deadlines,
+clients that leave, the KV budget, the level's batch limit). So the batch loop
+here is the project's own, over the model's ``forward`` and a transformers
+``DynamicCache``: the same loop on CPU and CUDA, and the model's own attention
+kernels (SDPA). ``make bench-model`` measures it against ``generate``.
+
+**Layout.** One ``DynamicCache`` for the rows in the batch, ``[B, H_kv, W, D]``
+per layer. Every row's real tokens are a suffix of the W columns (left padding,
+``mask[b, j] == 0`` on padding), so with explicit position ids a row computes
+the same alone or batched. Joining rows are prefilled as their own left-padded
+batch, then both caches are left-padded to a common width and stacked; leaving
+rows are dropped and columns no row uses any more are trimmed. Each row holds
+its last sampled token, not yet fed to the model.
+
+**Sampling** is per row: greedy at temperature 0, else temperature and top_p
+with the row's own ``torch.Generator`` seeded from its ``seed``, so the same
+seed gives the same text whatever else is in the batch. A row ends at its
+``max_new_tokens`` or when it samples an end-of-sequence token (which is
+emitted, so it is counted, and decodes to no text).
+
+**The KV budget.** A row reserves its whole context (prompt + max_new_tokens)
+when it joins; :attr:`HFBatch.reserved_tokens` is what the replica bounds and
+reports (``kv_cache_tokens``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ballast.model.backends import describe_engine, ids_by_row, left_pad, rows_to_keep
+from ballast.model.hf import LoadedModel
+
+__all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowSampling"]
+
+
+class ContextTooLong(ValueError):
+    """A prompt and its max_new_tokens do not fit the model's context (or the prompt is empty)."""
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How one row picks its tokens. temperature 0 is greedy; seed None draws a fresh one."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        t, p = self.temperature, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def of(cls, req: dict[str, Any]) -> "RowSampling":
+        """The sampling fields of a request dict (absent fields take the defaults)."""
+        return cls(
+            temperature=float(req.get("temperature") if req.get("temperature") is not None else 0.0),
+            top_p=float(req.get("top_p") if req.get("top_p") is not None else 1.0),
+            seed=req.get("seed"),
+        )
+
+
+GREEDY = RowSampling()
+
+
+class IncrementalDetokenizer:
+    """Text for a growing list of token ids, emitted piece by piece.
+
+    A byte-level BPE token can hold part of a multi-byte character, so decoding
+    each new token alone would print U+FFFD halves. As vLLM and TGI do, the new
+    text is the decode of a short window of ids minus the decode of its prefix,
+    held back while it ends in U+FFFD (an incomplete character) unless this is
+    the last piece. Special tokens (bos, eos, turn markers) decode to nothing.
+    The window keeps the last few ids only, so each step costs O(1).
+    """
+
+    WINDOW = 6  # ids of context kept before the unread ones (spacing, merges)
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0  # ids[prefix:read] were emitted and give the context
+        self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def feed(self, ids: Sequence[int], final: bool = False) -> str:
+        self._ids.extend(int(i) for i in ids)
+        window = self._ids[self._prefix :]
+        before = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(window)
+        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
+            return ""  # nothing new yet, or a character still incomplete
+        # A window's decode starts with its prefix's for byte-level and sentencepiece
+        # tokenizers alike; what is past it is new.
+        new = text[len(before) :] if len(text) > len(before) else ""
+        self._read = len(self._ids)
+        self._prefix = max(0, self._read - self.WINDOW)
+        # Drop ids before the window for good: the list stays bounded.
+        if self._prefix > 0:
+            del self._ids[: self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+        return new
+
+
+class HFBackend:
+    """A loaded Hugging Face causal LM, served with :class:`HFBatch`.
+
+    Thread safety as the built-in backend: the module is only read; each batch
+    is used by one thread at a time (the replica's engine loop).
+    """
+
+    def __init__(self, loaded: LoadedModel, *, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        self.name = name
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = loaded.device
+        self.max_seq_len = int(loaded.info.context_length)
+        self.parameter_count = sum(p.numel() for p in self.model.parameters())
+        self.eos_ids = frozenset(int(i) for i in loaded.eos_token_ids)
+        self.source = str(loaded.info.path)
+        pad = self.tokenizer.pad_token_id
+        self._pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
+        self._logits_to_keep = "logits_to_keep" in _forward_parameters(self.model)
+
+    # ---------------------------------------------------------------- text side
+
+    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed the context."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise ContextTooLong("the prompt is empty: there is no token to generate from")
+        if len(ids) + max_new_tokens > self.max_seq_len:
+            raise ContextTooLong(
+                f"the prompt is {len(ids)} tokens and max_tokens {max_new_tokens}: together more than "
+                f"the model's context of {self.max_seq_len} tokens"
+            )
+        return ids
+
+    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        """(prompt ids, max new tokens) for a row: max_new_tokens shortened to what the context
+        leaves. The router refuses what does not fit with a 400 first; this is for a fallback
+        whose context is shorter than the primary's. ContextTooLong when nothing is left."""
+        ids = self.encode(prompt, 0, add_special_tokens)
+        room = self.max_seq_len - len(ids)
+        if room < 1:
+            raise ContextTooLong(f"the prompt is {len(ids)} tokens: no room left in the context of {self.max_seq_len}")
+        return ids, min(max_new_tokens, room)
+
+    def stream_decoder(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer)
+
+    # ------------------------------------------------------------------ batches
+
+    def open_batch(self) -> "HFBatch":
+        return HFBatch(self)
+
+    def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
+        """Short generations at these batch sizes: allocator, kernels and (on CUDA) context warm."""
+        steps = max(1, min(4, self.max_seq_len - 2))
+        for n in batch_sizes:
+            batch = self.open_batch()
+            joins = [(i, self.encode("Hello", steps), steps) for i in range(n)]
+            with torch.inference_mode():
+                batch.run_chunk(joins, steps)
+                while batch.size:
+                    batch.run_chunk([], steps)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **describe_engine(self),
+            "backend": "transformers",
+            "architecture": self.loaded.info.architecture,
+            "dtype": str(self.loaded.dtype).replace("torch.", ""),
+        }
+
+    def generate_chunks(
+        self, prompts: list[str], max_new_tokens: list[int], chunk_tokens: int = 4
+    ) -> Iterator[list[str]]:
+        """Every prompt joins at once; yields one text piece per prompt per chunk (ModelBackend)."""
+        batch = self.open_batch()
+        decoders = [self.stream_decoder() for _ in prompts]
+        joins = [(i, self.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
+        while joins or batch.size:
+            with torch.inference_mode():
+                out = batch.run_chunk(joins, chunk_tokens)
+            joins = []
+            live = set(batch.keys())
+            yield [decoders[i].feed(out.get(i, []), final=i not in live) for i in range(len(prompts))]
+
+
+def _forward_parameters(model: Any) -> frozenset[str]:
+    import inspect
+
+    try:
+        return frozenset(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+class _Row:
+    __slots__ = ("key", "remaining", "reserved", "sampling", "gen")
+
+    def __init__(self, key: Any, remaining: int, reserved: int, sampling: RowSampling, device: str) -> None:
+        self.key = key
+        self.remaining = remaining
+        self.reserved = reserved
+        self.sampling = sampling
+        self.gen: Optional[torch.Generator] = None
+        if sampling.temperature > 0:
+            seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+            self.gen = torch.Generator(device=device).manual_seed(seed)
+
+
+class HFBatch:
+    """The running batch of an :class:`HFBackend` (see the module docstring for its layout).
+
+    ``run_chunk(joins, steps)`` has ``backends.LiveBatch``'s contract; a join is
+    ``(key, ids, max_new_tokens)`` or ``(key, ids, max_new_tokens, RowSampling)``.
+    Not thread-safe: one caller at a time, under ``torch.inference_mode()``.
+    """
+
+    def __init__(self, backend: HFBackend) -> None:
+        self._b = backend
+        self._rows: list[_Row] = []
+        self._cache: Any = None  # transformers DynamicCache, None while empty
+        dev = backend.device
+        self._mask = torch.zeros(0, 0, dtype=torch.long, device=dev)
+        self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
+        self._last = torch.zeros(0, dtype=torch.long, device=dev)
+
+    @property
+    def size(self) -> int:
+        return len(self._rows)
+
+    @property
+    def width(self) -> int:
+        """Columns in the KV cache (the longest row's tokens so far)."""
+        return int(self._mask.shape[1])
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens the rows in the batch may reach: each row's prompt + max_new_tokens."""
+        return sum(r.reserved for r in self._rows)
+
+    def keys(self) -> list[Any]:
+        return [r.key for r in self._rows]
+
+    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+        keep = rows_to_keep(self.keys(), keys)
+        if keep is not None:
+            self._select(keep)
+
+    def run_chunk(self, joins: Sequence[tuple], steps: int) -> dict[Any, list[int]]:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        parsed = []
+        seen = {r.key for r in self._rows}
+        for join in joins:
+            key, ids, n = join[0], list(join[1]), join[2]
+            sampling = join[3] if len(join) > 3 and join[3] is not None else GREEDY
+            if key in seen:
+                raise ValueError(f"key {key!r} is already in the batch")
+            seen.add(key)
+            if not ids or n < 0 or len(ids) + n > self._b.max_seq_len:
+                raise ContextTooLong(
+                    f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {self._b.max_seq_len}"
+                )
+            parsed.append((key, ids, n, sampling))
+        emitted: list[tuple[list[Any], Tensor]] = []
+        if self._rows:
+            emitted.append((self.keys(), self._decode()))
+        live = [j for j in parsed if j[2] > 0]
+        if live:
+            rows = [_Row(k, n - 1, len(ids) + n, s, self._b.device) for k, ids, n, s in live]
+            first = self._prefill([ids for _, ids, _, _ in live], rows)
+            emitted.append(([r.key for r in rows], first))
+        self._drop_finished(emitted)
+        for _ in range(steps - 1):
+            if not self._rows:
+                break
+            emitted.append((self.keys(), self._decode()))
+            self._drop_finished(emitted)
+        return ids_by_row(emitted, {k: [] for k, _, _, _ in parsed})
+
+    # ------------------------------------------------------------------ internals
+
+    def _forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
+        kwargs = {"logits_to_keep": 1} if self._b._logits_to_keep else {}
+        out = self._b.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs
+        )
+        return out.logits[:, -1, :]
+
+    def _decode(self) -> Tensor:
+        """One step for every row: feed its last token; the new tokens [B]."""
+        b = self.size
+        mask = torch.cat([self._mask, torch.ones(b, 1, dtype=torch.long, device=self._b.device)], dim=1)
+        logits = self._forward(self._last[:, None], mask, self._lengths[:, None], self._cache)
+        self._mask = mask
+        self._lengths = self._lengths + 1
+        self._last = self._pick(logits, self._rows)
+        for r in self._rows:
+            r.remaining -= 1
+        return self._last
+
+    def _prefill(self, prompts: list[list[int]], rows: list[_Row]) -> Tensor:
+        """Prefill the joiners as their own left-padded batch, then stack them under the running rows."""
+        from transformers import DynamicCache
+
+        dev = self._b.device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self._b._pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=dev)
+            mask[i, width - len(p) :] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, positions, cache)
+        first = self._pick(logits, rows)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
+        if not self._rows:
+            self._cache, self._mask, self._lengths, self._last = cache, mask, lengths, first
+        else:
+            w = max(self.width, width)
+            for mine, theirs in zip(self._cache.layers, cache.layers):
+                mine.keys = torch.cat([left_pad(mine.keys, w, 2), left_pad(theirs.keys, w, 2)], dim=0)
+                mine.values = torch.cat([left_pad(mine.values, w, 2), left_pad(theirs.values, w, 2)], dim=0)
+            self._mask = torch.cat([left_pad(self._mask, w, 1), left_pad(mask, w, 1)], dim=0)
+            self._lengths = torch.cat([self._lengths, lengths])
+            self._last = torch.cat([self._last, first])
+        self._rows += rows
+        return first
+
+    def _pick(self, logits: Tensor, rows: Sequence[_Row]) -> Tensor:
+        """One id per row from last-position logits [B, V]: argmax, or the row's own draw."""
+        picked = logits.argmax(dim=-1)
+        for i, r in enumerate(rows):
+            if r.gen is None:
+                continue
+            probs = torch.softmax(logits[i].float() / r.sampling.temperature, dim=-1)
+            if r.sampling.top_p < 1.0:
+                probs = _top_p(probs, r.sampling.top_p)
+            picked[i] = torch.multinomial(probs, 1, generator=r.gen)[0]
+        return picked
+
+    def _drop_finished(self, emitted: list[tuple[list[Any], Tensor]]) -> None:
+        """Rows out of tokens, or whose last token was an end-of-sequence, leave now."""
+        eos = self._b.eos_ids
+        if eos and self._rows:
+            last = self._last.tolist()
+            for r, tok in zip(self._rows, last):
+                if tok in eos:
+                    r.remaining = 0
+        if any(r.remaining <= 0 for r in self._rows):
+            self._select([i for i, r in enumerate(self._rows) if r.remaining > 0])
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep these rows, then trim leading columns no remaining row uses."""
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._cache = None
+            dev = self._b.device
+            self._mask = torch.zeros(0, 0, dtype=torch.long, device=dev)
+            self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
+            self._last = torch.zeros(0, dtype=torch.long, device=dev)
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self._b.device)
+        self._mask = self._mask.index_select(0, index)
+        self._lengths = self._lengths.index_select(0, index)
+        self._last = self._last.index_select(0, index)
+        used = self._mask.any(dim=0)
+        start = int(used.long().argmax())
+        for layer in self._cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, start:]
+            layer.values = layer.values.index_select(0, index)[:, :, start:]
+        self._mask = self._mask[:, start:]
+
+
+def _top_p(probs: Tensor, top_p: float) -> Tensor:
+    """``probs`` with the tail beyond the smallest set of mass >= top_p zeroed (renormalised by multinomial)."""
+    sorted_p, order = probs.sort(descending=True)
+    outside = sorted_p.cumsum(dim=-1) - sorted_p >= top_p  # the first token always stays
+    sorted_p = sorted_p.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter(-1, order, sorted_p)

@@ -1,0 +1,49 @@
+"""CPU priority of Ballast's processes on a host whose cores are busy.
+
+Ray starts every worker process at nice 15 (its ``worker_niceness``), behind its raylet
+and GCS. Ballast's front runs in Ray workers too: the router replicas, Serve's proxy and
+HAProxy manager, and the HAProxy they start inherit the 15. On a host whose cores are
+saturated by anything at the normal priority (another job, a load generator, the test
+that is calling) the front then waits for the CPU, and deadlines are answered late.
+
+So Ballast starts Ray's workers at the host's normal priority (``RAY_worker_niceness=0``,
+``ballast.router.ingress.WORKER_NICENESS_ENV``, set before Ray starts, and in
+cluster/cluster.yaml), and each model replica moves itself to ``model.niceness``. That is
+0 by default, not Ray's 15: a replica is not only torch's compute but its own Ray and
+asyncio threads, which hand batches in and answers out, and at 15 they waited behind
+every wake-up of the front and the load generator. A node that runs batch work beside
+the model can still set 15. Raising one's own niceness needs no
+privilege, lowering it does, so nothing here lowers it.
+"""
+
+from __future__ import annotations
+
+import os
+
+def niceness(tid: int = 0) -> int:
+    """The niceness of thread ``tid`` (Linux: a task; 0 is the calling thread)."""
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def yield_cpu_to(target: int) -> int:
+    """Every thread of this process at niceness ``target`` or above; returns how many moved.
+
+    On Linux niceness is per thread, and a thread started later takes its starter's, so
+    each of the process's threads is set (the torch and Ray threads already running
+    included). Where ``/proc/self/task`` is missing, the calling process is set.
+    """
+    if not 0 <= target <= 19:
+        raise ValueError(f"niceness: must be in 0..19, got {target!r}")
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except FileNotFoundError:
+        tids = [0]
+    moved = 0
+    for tid in tids:
+        try:
+            if niceness(tid) < target:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
+                moved += 1
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+    return moved

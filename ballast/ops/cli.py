@@ -1,0 +1,453 @@
+"""``ballast`` (``python -m ballast.ops.cli``): the local stack behind ``make serve`` / ``make stop``,
+and the operator's commands over the admin API: ``status`` (a summary; ``--json`` the
+document), ``tenants``,
+``kill-switch on|off|list``, ``chaos on|off`` (admin token from ``$BALLAST_ADMIN_TOKEN``).
+
+``serve`` starts a local Ray inside this process, the controller actor and the app,
+waits until ``/healthz/ready`` answers, prints the URL and a curl example, and stays
+in the foreground. SIGINT (Ctrl-C) or SIGTERM shuts Serve, the controller and Ray
+down cleanly. ``stop`` signals only the process recorded in ``.run/ballast-<port>.pid``
+(one file per HTTP port: stacks on other ports, a test run beside ``make serve``,
+are left alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+def pidfile(port: int) -> Path:
+    return Path(f".run/ballast-{port}.pid")
+
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def default_url(run_dir: Path = Path(".run")) -> str:
+    """Where the admin commands go without ``--url``: the stack ``make serve`` started
+    here (its pid file: the default config's port, else the only stack running), else
+    the default port."""
+    found = sorted(run_dir.glob("ballast-*.pid"))
+    default = run_dir / pidfile(8000).name
+    for path in ([default] if default in found else found if len(found) == 1 else []):
+        try:
+            return str(json.loads(path.read_text())["url"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return DEFAULT_URL
+
+
+def _wait_ready(url: str, timeout_s: float) -> bool:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ballast.config import load_config
+
+    cfg = load_config(args.config, model_dir=getattr(args, "model", None) or None)
+    pid_path = pidfile(cfg.http.port)
+    if pid_path.exists():
+        try:
+            other = json.loads(pid_path.read_text())["pid"]
+            os.kill(other, 0)
+            print(f"a Ballast stack is already running (pid {other}); `make stop` first", file=sys.stderr)
+            return 1
+        except (OSError, ValueError, KeyError):
+            pid_path.unlink(missing_ok=True)  # left behind by a stack that died
+
+    import ray
+
+    from ballast.ops.app import shutdown, start
+    from ballast.router.ingress import apply_ingress_env
+
+    apply_ingress_env(cfg)
+    ray.init(include_dashboard=args.dashboard, logging_level="WARNING")
+    # After ray.init: Ray's core installs its own SIGTERM handler (it aborts the
+    # process); ours replaces it so that both signals shut down cleanly.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        start(cfg, cfg.http.host, cfg.http.port)
+        base = f"http://{cfg.http.host}:{cfg.http.port}"
+        pid_path.parent.mkdir(exist_ok=True)
+        pid_path.write_text(json.dumps({"pid": os.getpid(), "url": base}))
+        ready = _wait_ready(f"{base}/healthz/ready", 120)
+        print(f"\nBallast is {'ready' if ready else 'up (not ready yet)'} at {base}")
+        if cfg.auth.demo_keys:
+            key = next(iter(cfg.auth.demo_keys))
+            print(
+                f"  curl -s {base}/v1/generate -H 'Authorization: Bearer {key}' "
+                "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 32}'"
+            )
+            print(
+                f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+                f"-d '{{\"model\": \"{cfg.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 32}}'"
+            )
+        print("Ctrl-C (or `make stop` from another shell) stops Serve and Ray.\n", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("stopping Ballast...", flush=True)
+    finally:
+        try:
+            shutdown(cfg)
+        finally:
+            ray.shutdown()
+            pid_path.unlink(missing_ok=True)
+    print("stopped.")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from ballast.config import load_config
+
+    pid_path = pidfile(load_config(args.config).http.port)
+    try:
+        pid = json.loads(pid_path.read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        print("no Ballast stack started by `make serve` is running here")
+        return 0
+    try:
+        os.kill(pid, signal.SIGINT)  # what Ctrl-C sends: the same clean shutdown
+    except ProcessLookupError:
+        pid_path.unlink(missing_ok=True)
+        print("the recorded stack was already gone")
+        return 0
+    deadline = time.monotonic() + args.timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"stopped Ballast (pid {pid})")
+            return 0
+        time.sleep(0.5)
+    print(f"pid {pid} did not stop within {args.timeout_s:g}s", file=sys.stderr)
+    return 1
+
+
+# -- the operator's commands: they talk to the admin API of a running stack -------------
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Ballast: run the local stack, operate a running one.")
+ks_app = typer.Typer(no_args_is_help=True, help="Kill switches: refuse traffic by scope, with a reason and an expiry.")
+chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection (only where the config enables chaos).")
+app.add_typer(ks_app, name="kill-switch")
+app.add_typer(chaos_app, name="chaos")
+
+
+@dataclass
+class _Target:
+    url: Optional[str]
+    token: Optional[str]
+    operator: str
+
+
+@app.callback()
+def _options(
+    ctx: typer.Context,
+    url: Optional[str] = typer.Option(None, help="Ballast's URL (default: the stack `make serve` started, else :8000)"),
+    token: Optional[str] = typer.Option(None, help="admin token (default: $BALLAST_ADMIN_TOKEN)"),
+    operator: str = typer.Option(os.environ.get("USER", "cli"), help="recorded in the audit trail"),
+) -> None:
+    ctx.obj = _Target(url, token, operator)
+
+
+def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict] = None, show: bool = True) -> Any:
+    """One admin request; clear errors when the server is unreachable or the token is refused."""
+    import httpx
+
+    t: _Target = ctx.obj
+    url = t.url or default_url()
+    token = t.token or os.environ.get("BALLAST_ADMIN_TOKEN")
+    if not token:
+        typer.echo("set BALLAST_ADMIN_TOKEN (or --token) to the admin token", err=True)
+        raise typer.Exit(2)
+    headers = {"Authorization": f"Bearer {token}", "X-Ballast-Operator": t.operator}
+    try:
+        r = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=10)
+    except httpx.HTTPError as e:
+        typer.echo(f"cannot reach Ballast at {url}: {e}", err=True)
+        raise typer.Exit(2) from None
+    if r.status_code in (401, 403):
+        typer.echo(f"the admin token was refused ({r.status_code}): {r.text}", err=True)
+        raise typer.Exit(1)
+    try:
+        doc = r.json()
+    except ValueError:  # not Ballast answering (e.g. Serve's 404 while the app deploys)
+        typer.echo(f"{url}{path} answered {r.status_code} with no JSON document: {r.text[:200]}", err=True)
+        raise typer.Exit(1) from None
+    if show or r.status_code >= 400:
+        typer.echo(json.dumps(doc, indent=2))
+    if r.status_code >= 400:
+        raise typer.Exit(1)
+    return doc
+
+
+@app.command()
+def serve(
+    config: str = typer.Option("cluster/local.yaml", help="the Ballast config (YAML)"),
+    dashboard: bool = typer.Option(True, help="start the Ray dashboard (and its metrics agent)"),
+    model: str = typer.Option("", help="serve this local Hugging Face model directory as the primary model"),
+) -> None:
+    """Run the local stack in the foreground (embedded Ray); Ctrl-C stops it."""
+    raise typer.Exit(cmd_serve(argparse.Namespace(config=config, dashboard=dashboard, model=model)))
+
+
+@app.command()
+def stop(
+    config: str = typer.Option("cluster/local.yaml", help="the config it was started with (its HTTP port names it)"),
+    timeout_s: float = typer.Option(60.0, help="how long to wait for it to exit"),
+) -> None:
+    """Stop the stack `ballast serve` / `make serve` started here on the config's port."""
+    raise typer.Exit(cmd_stop(argparse.Namespace(config=config, timeout_s=timeout_s)))
+
+
+# -- `ballast status`: GET /v1/status as an operator reads it -----------------------------
+# A tenant whose bucket holds at most this share of its burst is "near its quota": the
+# next few requests of a typical size would be refused with 429 QUOTA_EXCEEDED.
+NEAR_QUOTA_RATIO = 0.2
+
+
+def _num(v: Any, fmt: str = "g") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATIO) -> str:
+    """The /v1/status document as text (pure: document in, text out; `--json` prints the document).
+
+    Every section is optional, so a router that answers without a snapshot (a controller
+    never seen) or without a gate still gets a summary, and a newer router's extra keys are
+    simply not shown.
+    """
+    out: list[str] = []
+    _status_level(doc, out)
+    _status_replicas(doc, out)
+    _status_health(doc, out)
+    _status_quotas(doc, out, near_quota_ratio)
+    _status_actions(doc, out)
+    _status_gate(doc, out)
+    return "\n".join(out)
+
+
+def _status_level(doc: dict[str, Any], out: list[str]) -> None:
+    """The level, why, what the router acts on, the inputs and constraints."""
+    snap = doc.get("snapshot") or {}
+    level = doc.get("level")
+    source = doc.get("source", "?")
+    head = f"level {level}"
+    if snap.get("target_level") is not None and snap.get("target_level") != level:
+        head += f" (target {snap['target_level']})"
+    head += f": {snap.get('reason') or 'no snapshot'}"
+    out.append(head)
+    if source != "snapshot":  # stale or fail-static: the router is acting on its own
+        out.append(f"  acting on: {source} (the controller's snapshot is not fresh)")
+    if snap:
+        out.append(f"  snapshot v{snap.get('version')} ({snap.get('epoch')}), age {_num(snap.get('age_s'), '.1f')} s")
+    inputs = snap.get("inputs") or {}
+    if inputs:
+        shown = ("queue_length", "queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct", "error_rate")
+        out.append("  inputs: " + ", ".join(f"{k} {_num(inputs.get(k))}" for k in shown if k in inputs))
+    cons = doc.get("constraints") or {}
+    if cons:
+        out.append("  constraints: " + ", ".join(f"{k} {v}" for k, v in cons.items()))
+
+
+def _status_replicas(doc: dict[str, Any], out: list[str]) -> None:
+    """Replicas desired and running per deployment, with the autoscaler's reason."""
+    replicas = doc.get("replicas") or {}
+    if replicas:
+        out.append("replicas (desired / running):")
+        for dep, r in replicas.items():
+            line = f"  {dep}: {_num(r.get('desired'))} / {_num(r.get('running'))}"
+            auto = r.get("autoscale") or {}
+            if auto:
+                line += f"  [{auto.get('reason') or auto.get('mode')}"
+                if auto.get("recycle_surge"):
+                    line += f", +{auto['recycle_surge']} recycle surge"
+                line += "]"
+            out.append(line)
+
+
+def _status_health(doc: dict[str, Any], out: list[str]) -> None:
+    """Capacity lost with replicas, and the breakers."""
+    lost = doc.get("lost_capacity") or {}
+    if any(lost.values()):
+        out.append(f"lost capacity: {lost.get('migrated', 0)} carried on elsewhere, {lost.get('not_migrated', 0)} not "
+                   "(to the fallback, else 503 REPLICA_LOST): replicas or nodes that went away, not model errors")
+
+    breakers = doc.get("breakers") or {}
+    if breakers:
+        out.append("breakers:")
+        for role, b in breakers.items():
+            line = f"  {role}: {b.get('state', '?')}"
+            if b.get("calls"):
+                line += f", {b.get('failures', 0)} failed and {b.get('slow_calls', 0)} slow of {b['calls']} calls"
+            if b.get("state") == "open" and b.get("retry_after_s"):
+                line += f", half-open in {b['retry_after_s']:.0f} s"
+            out.append(line)
+
+
+def _status_quotas(doc: dict[str, Any], out: list[str], near_quota_ratio: float) -> None:
+    """Tenants near their quota."""
+    quotas = doc.get("quotas") or {}
+    near = [
+        (t, q) for t, q in sorted(quotas.items())
+        if q.get("burst_tokens") and q.get("tokens", 0) <= near_quota_ratio * q["burst_tokens"]
+    ]
+    out.append(f"tenants near their quota (bucket <= {near_quota_ratio:.0%} of burst): {len(near) if near else 'none'}")
+    for t, q in near:
+        lease = "" if q.get("lease", True) else ", no lease (safe share)"
+        out.append(f"  {t}: {q.get('tokens')} of {q.get('burst_tokens')} tokens, refills {q.get('rate_tokens_per_s')}/s{lease}")
+
+
+def _status_actions(doc: dict[str, Any], out: list[str]) -> None:
+    """Recycles in flight and kill switches."""
+    recycle = doc.get("recycle") or {}
+    in_flight = recycle.get("in_flight") or []
+    out.append(f"recycles in flight: {len(in_flight) if in_flight else 'none'}")
+    for f in in_flight:
+        out.append(f"  {f.get('replica_id')} ({f.get('deployment')}): {f.get('reason')}, {_num(f.get('age_s'), '.0f')} s")
+    if recycle.get("waiting"):
+        out.append(f"  waiting: {len(recycle['waiting'])}")
+
+    switches = doc.get("kill_switches") or []
+    out.append(f"kill switches: {len(switches) if switches else 'none'}")
+    for k in switches:
+        scope = k.get("scope", "?") + (f"={k['value']}" if k.get("value") else "")
+        out.append(f"  {scope}: {k.get('reason')} (by {k.get('set_by')}, id {k.get('id')})")
+
+
+def _status_gate(doc: dict[str, Any], out: list[str]) -> None:
+    """The gate and chaos."""
+    gate = doc.get("gate")
+    if gate:
+        line = f"gate: limit {_num(gate.get('limit'))}, {gate.get('in_flight', 0)} at the model, {gate.get('waiting', 0)} waiting"
+        if gate.get("reserving"):
+            line += ", reserving slots for critical"
+        refused = {k: v for k, v in (gate.get("refused") or {}).items() if v}
+        if refused:
+            line += ", refused " + ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))
+        out.append(line)
+    chaos = doc.get("chaos") or {}
+    if chaos:
+        out.append("chaos: " + "; ".join(f"{t} {s}" for t, s in sorted(chaos.items())))
+
+
+@app.command()
+def status(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="print the raw /v1/status document"),
+) -> None:
+    """Level and why, replicas desired/running, breakers, tenants near quota, recycles, kill switches."""
+    doc = _admin_call(ctx, "GET", "/v1/status", show=False)
+    typer.echo(json.dumps(doc, indent=2) if as_json else format_status(doc))
+
+
+@app.command()
+def tenants(ctx: typer.Context) -> None:
+    """Each tenant's token rate at the answering router, its bucket and whether a lease backs it."""
+    typer.echo(json.dumps(_admin_call(ctx, "GET", "/v1/status", show=False)["quotas"], indent=2))
+
+
+@app.command()
+def replicas(ctx: typer.Context) -> None:
+    """Every replica as its watchdog sees it (RSS, VRAM, threads, fds, leak trends), recycles and events."""
+    _admin_call(ctx, "GET", "/admin/replicas")
+
+
+@app.command()
+def recycle(
+    ctx: typer.Context,
+    replica_id: Optional[str] = typer.Argument(None, help="one replica (ids: `ballast replicas`)"),
+    all_: bool = typer.Option(False, "--all", help="every replica, one at a time"),
+    deployment: Optional[str] = typer.Option(None, help="with --all: only BallastModel or BallastFallbackModel"),
+) -> None:
+    """Recycle replicas gracefully, in turn, under the planner's limits (max_unavailable, min_available)."""
+    if replica_id is None and not all_:
+        typer.echo("name a replica id, or pass --all", err=True)
+        raise typer.Exit(2)
+    _admin_call(ctx, "POST", "/admin/recycle", {"replica_id": replica_id, "deployment": deployment, "all": all_})
+
+
+@ks_app.command("on")
+def kill_switch_on(
+    ctx: typer.Context,
+    scope: str = typer.Option(..., help="global | tenant | model | criticality"),
+    reason: str = typer.Option(..., help="why (shown to refused clients)"),
+    expires_in_s: int = typer.Option(..., help="mandatory expiry"),
+    value: Optional[str] = typer.Option(None, help="the tenant, model or criticality (none for global)"),
+) -> None:
+    """Set a kill switch."""
+    _admin_call(ctx, "POST", "/admin/kill-switch", {"scope": scope, "value": value, "reason": reason, "expires_in_s": expires_in_s})
+
+
+@ks_app.command("off")
+def kill_switch_off(ctx: typer.Context, entry_id: str = typer.Argument(..., help="the id `on` printed")) -> None:
+    """Lift a kill switch."""
+    _admin_call(ctx, "DELETE", f"/admin/kill-switch/{entry_id}")
+
+
+@ks_app.command("list")
+def kill_switch_list(ctx: typer.Context) -> None:
+    """Active kill switches and the audit trail."""
+    _admin_call(ctx, "GET", "/admin/kill-switch")
+
+
+@chaos_app.command("on")
+def chaos_on(
+    ctx: typer.Context,
+    target: str = typer.Option("primary", help="primary | fallback"),
+    error_ratio: float = typer.Option(0.0),
+    latency_ms: int = typer.Option(0),
+    hang: bool = typer.Option(False),
+    stall: bool = typer.Option(False, help="stop the work loop mid-batch (the watchdog kills the replica)"),
+    step_delay_ms: int = typer.Option(0, help="before each decode step: a slow device"),
+    leak_mb_per_s: float = typer.Option(0.0, help="host memory (RSS)"),
+    vram_leak_mb_per_s: float = typer.Option(0.0, help="GPU memory, on replicas whose model is on a GPU"),
+) -> None:
+    """Inject faults into every replica of a model deployment."""
+    body = {"target": target, "error_ratio": error_ratio, "latency_ms": latency_ms, "hang": hang, "stall": stall,
+            "step_delay_ms": step_delay_ms, "leak_mb_per_s": leak_mb_per_s, "vram_leak_mb_per_s": vram_leak_mb_per_s}
+    _admin_call(ctx, "POST", "/admin/chaos", body)
+
+
+@chaos_app.command("off")
+def chaos_off(ctx: typer.Context) -> None:
+    """Lift all injected faults."""
+    _admin_call(ctx, "DELETE", "/admin/chaos")
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    """Run the CLI; returns the exit code (tests call this directly)."""
+    import click
+
+    try:
+        result = typer.main.get_command(app).main(args=argv, prog_name="ballast", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Grafana dashboards as code: Panel/Target dataclasses rendered to committed JSON.
+
+``python -m ballast.ops.dashboards`` writes ``cluster/grafana/dashboards/*.json``; a unit
+test regenerates them and fails on any difference, and an integration test runs
+every panel's query against a real Prometheus scraping a live local Ray.
+
+Two dashboards: the service overview, and "Ballast replicas" (one line per model
+replica from its watchdog, and the controller's recycling). A target that a healthy
+stack may rightly answer with nothing (VRAM without a GPU; time-to-limit while no
+series is rising) says why in ``sparse``; ``panel_queries()`` leaves those out unless
+asked, so the integration test's "every query finds series" stays a real check.
+
+Ray exports a counter only after its first increment, so the event panels (recycles,
+watchdog actions, hung replicas killed) show ``increase`` over 15 minutes: rare events
+read as counts, and an event stays visible for a while after its replica is gone.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[2] / "cluster/grafana/dashboards"
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+
+
+@dataclass(frozen=True)
+class Target:
+    expr: str
+    legend: str = ""
+    sparse: str = ""  # why a healthy stack may answer this with no series ("" = it must not)
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    targets: tuple[Target, ...]
+    unit: str = "short"
+    kind: str = "timeseries"  # or "stat"
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    uid: str
+    title: str
+    panels: tuple[Panel, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict:
+        panels = []
+        for i, p in enumerate(self.panels):
+            panels.append(
+                {
+                    "id": i + 1,
+                    "type": p.kind,
+                    "title": p.title,
+                    "description": p.description,
+                    "datasource": DATASOURCE,
+                    "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
+                    "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+                    "targets": [
+                        {"refId": chr(ord("A") + j), "datasource": DATASOURCE, "expr": t.expr, "legendFormat": t.legend}
+                        for j, t in enumerate(p.targets)
+                    ],
+                }
+            )
+        return {
+            "uid": self.uid,
+            "title": self.title,
+            "schemaVersion": 39,
+            "version": 1,
+            "editable": True,
+            "time": {"from": "now-1h", "to": "now"},
+            "refresh": "10s",
+            "tags": ["ballast"],
+            "templating": {
+                "list": [{"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"}]
+            },
+            "panels": panels,
+        }
+
+
+REQ = "ray_ballast_requests_total"
+
+OVERVIEW = Dashboard(
+    uid="ballast-overview",
+    title="Ballast overview",
+    panels=(
+        Panel("Degradation level", (Target("max(ray_ballast_degradation_level)", "level"),), description="0 normal … 4 nothing new admitted"),
+        Panel(
+            "Replicas: desired vs running",
+            (
+                Target("max by (deployment) (ray_ballast_desired_replicas)", "desired {{deployment}}"),
+                Target('sum by (deployment) (ray_serve_deployment_replica_healthy{application="ballast"})', "running {{deployment}}"),
+            ),
+        ),
+        Panel("Goodput (answered OK)", (Target(f'sum(rate({REQ}{{code="OK"}}[1m]))', "ok/s"),), unit="reqps"),
+        Panel("Shed by criticality", (Target(f'sum by (criticality) (rate({REQ}{{code="OVERLOADED"}}[1m]))', "{{criticality}}"),), unit="reqps"),
+        Panel("Tokens per tenant", (Target("sum by (tenant) (rate(ray_ballast_tenant_tokens_total[1m]))", "{{tenant}}"),), unit="short"),
+        Panel(
+            "Refusals per tenant",
+            (Target(f'sum by (tenant, code) (rate({REQ}{{code=~"QUOTA_EXCEEDED|CONCURRENCY_LIMIT|KILL_SWITCH"}}[1m]))', "{{tenant}} {{code}}"),),
+            unit="reqps",
+        ),
+        Panel("Breaker state", (Target("max by (backend) (ray_ballast_breaker_state)", "{{backend}}"),), description="0 closed, 1 open, 2 half-open"),
+        Panel("Fallbacks", (Target("sum by (kind) (rate(ray_ballast_fallbacks_total[5m]))", "{{kind}}"),), unit="reqps"),
+        Panel("Retries", (Target("sum by (backend, kind) (rate(ray_ballast_retries_total[5m]))", "{{backend}} {{kind}}"),), unit="reqps"),
+        Panel(
+            "Latency percentiles",
+            tuple(
+                Target(f"histogram_quantile({q}, sum by (le) (rate(ray_ballast_request_latency_ms_bucket[1m])))", f"p{int(q * 100)}")
+                for q in (0.5, 0.95, 0.99)
+            ),
+            unit="ms",
+        ),
+        Panel("Queue length", (Target("max(ray_ballast_queue_length)", "queue"),)),
+        Panel(
+            "Gate to the model",
+            (
+                Target("sum by (kind) (ray_ballast_gate)", "{{kind}}"),
+                Target(
+                    "sum by (reason, criticality) (rate(ray_ballast_gate_refused_total[1m]))",
+                    "refused {{criticality}} {{reason}}",
+                    sparse="no series until a request is refused at the gate",
+                ),
+            ),
+            description="Per-router adaptive limit, requests at the model, requests waiting (summed over routers); refusals per second",
+        ),
+        Panel("Controller snapshot age", (Target("max(ray_ballast_snapshot_age_s)", "age"),), unit="s"),
+        Panel(
+            "Recycles (per 15 min)",
+            (Target("sum by (outcome) (increase(ray_ballast_recycles_total[15m]))", "{{outcome}}"),),
+            description="Replica recycles by outcome; per replica on the Ballast replicas dashboard",
+        ),
+    ),
+)
+
+BY_REPLICA = "deployment, replica"
+PER_REPLICA = "{{deployment}} {{replica}}"
+EVENTS = "15m"  # window of the event panels: counters that move rarely read as counts
+
+
+def _events_panel(title: str, counter: str, by: tuple[str, ...], description: str = "") -> Panel:
+    """A rarely moving counter as counts per ``EVENTS`` window, one series per ``by`` labels."""
+    labels = ", ".join(by)
+    return Panel(
+        f"{title} (per 15 min)",
+        (Target(f"sum by ({labels}) (increase(ray_ballast_{counter}[{EVENTS}]))", " ".join(f"{{{{{b}}}}}" for b in by)),),
+        description=description,
+    )
+
+
+def _replica_gauge(title: str, metric: str, unit: str = "short", description: str = "", sparse: str = "") -> Panel:
+    return Panel(
+        title,
+        (Target(f"max by ({BY_REPLICA}) (ray_ballast_replica_{metric})", PER_REPLICA, sparse=sparse),),
+        unit=unit,
+        description=description,
+    )
+
+
+REPLICAS = Dashboard(
+    uid="ballast-replicas",
+    title="Ballast replicas",
+    panels=(
+        _replica_gauge("RSS per replica", "rss_bytes", "bytes"),
+        _replica_gauge(
+            "VRAM per replica", "vram_bytes", "bytes", "Only replicas that hold a GPU report VRAM", sparse="needs a GPU"
+        ),
+        _replica_gauge("Threads per replica", "threads"),
+        _replica_gauge("Open file descriptors per replica", "fds"),
+        Panel(
+            "Leak slope: memory (per hour)",
+            (
+                Target(
+                    f'max by ({BY_REPLICA}, series) (ray_ballast_replica_leak_slope_per_hour{{series=~"rss_bytes|vram_bytes"}})',
+                    "{{deployment}} {{replica}} {{series}}",
+                ),
+            ),
+            unit="bytes",
+            description="Robust trend over watchdog.leak_window_s, or leak_short_window_s when that one names a leak sooner, in bytes per hour",
+        ),
+        Panel(
+            "Leak slope: threads and fds (per hour)",
+            (
+                Target(
+                    f'max by ({BY_REPLICA}, series) (ray_ballast_replica_leak_slope_per_hour{{series=~"threads|fds"}})',
+                    "{{deployment}} {{replica}} {{series}}",
+                ),
+            ),
+            description="Robust trend over watchdog.leak_window_s, or leak_short_window_s when that one names a leak sooner, per hour",
+        ),
+        Panel(
+            "Leaking series",
+            (Target(f"max by ({BY_REPLICA}, series) (ray_ballast_replica_leaking)", "{{deployment}} {{replica}} {{series}}"),),
+            description="1 while the watchdog reads the series' trend as a leak (BallastLeakDetected after 10 min)",
+        ),
+        Panel(
+            "Time to limit (rising series)",
+            (
+                Target(
+                    f"min by ({BY_REPLICA}, series) (ray_ballast_replica_time_to_limit_seconds >= 0)",
+                    "{{deployment}} {{replica}} {{series}}",
+                    sparse="empty while no series rises credibly (-1 is hidden)",
+                ),
+            ),
+            unit="s",
+            description="Series not rising credibly (-1) are hidden. Under watchdog.critical_tto_s (1 h) the watchdog "
+            "stops intake and asks for a recycle; BallastTimeToOOMUnderOneHour if that does not help",
+        ),
+        _replica_gauge(
+            "Heartbeat age",
+            "heartbeat_age_seconds",
+            "s",
+            "Time since the replica's work loop last beat; hung past a few intervals with work in flight",
+        ),
+        Panel(
+            "Ready and hung",
+            (
+                Target(f"max by ({BY_REPLICA}) (ray_ballast_replica_ready)", "ready {{deployment}} {{replica}}"),
+                Target(f"max by ({BY_REPLICA}) (ray_ballast_replica_hung)", "hung {{deployment}} {{replica}}"),
+            ),
+            description="ready 0: the watchdog stopped intake (or a recycle was asked for); hung 1: killed by the controller",
+        ),
+        _events_panel(
+            "Watchdog actions", "watchdog_actions_total", ("deployment", "action"),
+            description="The action ladder: gc_collect, empty_cache, stop_intake, request_recycle",
+        ),
+        _events_panel("Hung replicas killed", "hung_replicas_killed_total", ("deployment",)),
+        _events_panel(
+            "Recycles by outcome", "recycles_total", ("deployment", "outcome"),
+            description="started, completed, stuck (past recycle.recycle_timeout_s), lease_expired, killed_hung",
+        ),
+        _events_panel(
+            "Recycles started by reason", 'recycles_total{outcome="started"}', ("deployment", "reason"),
+            description="critical, forced_max_age, manual, watchdog, max_age, hung",
+        ),
+        Panel("Recycles in flight", (Target("max by (deployment) (ray_ballast_recycle_in_flight)", "{{deployment}}"),)),
+        Panel(
+            "Oldest recycle in progress",
+            (Target("max by (deployment) (ray_ballast_recycle_oldest_seconds)", "{{deployment}}"),),
+            unit="s",
+            description="0 when none; stuck past recycle.recycle_timeout_s (600 s by default): BallastRecycleStuck",
+        ),
+        Panel(
+            "Availability under recycling",
+            (Target("max by (kind) (ray_ballast_availability)", "{{kind}}"),),
+            unit="percentunit",
+            description="expected: a rolling restart's availability for the schedule (absent without max_age_s); "
+            "measured: 1 - replica time out for recycles / replica time",
+        ),
+    ),
+)
+
+DASHBOARDS = (OVERVIEW, REPLICAS)
+
+
+def render_all() -> dict[str, str]:
+    return {f"{d.uid}.json": json.dumps(d.to_json(), indent=2, sort_keys=True) + "\n" for d in DASHBOARDS}
+
+
+def panel_queries(sparse: bool = False) -> list[str]:
+    """Every target's query; with ``sparse=False``, only those a healthy stack must answer."""
+    return [t.expr for d in DASHBOARDS for p in d.panels for t in p.targets if sparse or not t.sparse]
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, text in render_all().items():
+        (OUT / name).write_text(text)
+        print(f"wrote {OUT / name}")

@@ -1,0 +1,241 @@
+"""What routers, model replicas and watchdogs report to the controller: typed messages.
+
+Each report is a frozen dataclass built where it is sent (the router's report loop,
+the replica's report loop, the watchdog's sampling loop), pickled by Ray across the
+actor call, kept by the controller and read by the policies as fields
+(``ballast.policies.control``, ``ballast.policies.recycle``). Nothing on the way parses a dict.
+
+Every report checks itself when built (``__post_init__``): counts are numbers >= 0,
+measures are finite numbers >= 0 or None (absent, never a made-up zero), names are
+non-empty. Unpickling does not run ``__post_init__``, so the controller checks what
+arrives once more (``checked``) and drops, and counts, anything else: a malformed
+report never reaches a tick.
+
+A field a sender may leave out has an explicit default here; ``as_dict`` gives the
+JSON shape where a report is shown (``/admin/replicas``, a replica's ``stats``).
+``WatchdogOrders`` goes the other way on the same node: a watchdog's answer to its
+replica's heartbeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Mapping, Optional, TypeVar
+
+from ballast.policies.criticality import Criticality
+from ballast.policies.validation import check_finite, check_int, check_name, check_non_negative, is_finite
+
+#: Serve's namespace, where it names replica actors (what a hung replica is killed by).
+SERVE_NAMESPACE = "serve"
+
+R = TypeVar("R")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be a bool, got {value!r}")
+
+
+def _check_optional_str(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name}: must be a str or None, got {value!r}")
+
+
+def _check_rates(name: str, rates: object, *, criticalities: bool) -> None:
+    """A mapping of names to finite rates >= 0 (criticality names where ``criticalities``)."""
+    if not isinstance(rates, Mapping):
+        raise ValueError(f"{name}: must be a mapping, got {rates!r}")
+    for key, rate in rates.items():
+        if criticalities:
+            try:
+                Criticality(key)
+            except ValueError:
+                raise ValueError(f"{name}: unknown criticality {key!r}") from None
+        elif not isinstance(key, str):
+            raise ValueError(f"{name}: keys must be str, got {key!r}")
+        if not is_finite(rate) or rate < 0:  # type: ignore[operator]
+            raise ValueError(f"{name}: {key!r} must be a finite number >= 0, got {rate!r}")
+
+
+def checked(report: Any, kind: type[R]) -> Optional[R]:
+    """``report`` checked again as a ``kind`` (its ``__post_init__`` run anew); None if it is not one."""
+    if type(report) is not kind:
+        return None
+    try:
+        return replace(report)  # type: ignore[type-var]
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class RouterReport:
+    """One router replica's report, every report interval: its load since the last one."""
+
+    router_id: str
+    inflight: int = 0  # requests this router holds now
+    # Outcomes since the last report (the controller's error window sums them).
+    requests: int = 0
+    errors: int = 0
+    shed: int = 0
+    lost_capacity: int = 0  # attempts lost with their replica or node: not model errors
+    queue_wait_p95_ms: Optional[float] = None  # None: no request waited at the gate
+    # The gate's view over its demand window (ballast.policies.gate.DemandWindow); a router
+    # without a gate leaves them at their defaults.
+    gate_waiting: int = 0
+    demand_rps: Mapping[str, float] = field(default_factory=dict)  # offered, by criticality
+    served_rps: float = 0.0
+    gate_full: bool = False  # the gate was full for most of the window: served_rps is capacity
+    demand_tokens_per_s: Mapping[str, float] = field(default_factory=dict)  # by tenant (quota leases)
+
+    def __post_init__(self) -> None:
+        check_name("router_id", self.router_id)
+        for name in ("inflight", "requests", "errors", "shed", "lost_capacity", "gate_waiting"):
+            check_int(name, getattr(self, name), minimum=0)
+        check_non_negative("queue_wait_p95_ms", self.queue_wait_p95_ms, optional=True)
+        check_non_negative("served_rps", self.served_rps)
+        _check_bool("gate_full", self.gate_full)
+        _check_rates("demand_rps", self.demand_rps, criticalities=True)
+        _check_rates("demand_tokens_per_s", self.demand_tokens_per_s, criticalities=False)
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """One model replica's report, every report interval: its batch, KV budget and device."""
+
+    replica_id: str
+    deployment: str
+    role: Optional[str] = None  # "primary" or "fallback"
+    # Counts; the fleet simulator's fluid model sends running as a fraction.
+    queued: float = 0
+    running: float = 0
+    batches: int = 0
+    batch_size_avg: Optional[float] = None
+    batch_size_limit: int = 0
+    kv_util_pct: Optional[float] = None
+    kv_tokens_reserved: Optional[int] = None
+    kv_tokens_budget: Optional[int] = None
+    queue_wait_p95_ms: Optional[float] = None
+    # None where the replica has no GPU (absent, not 0).
+    gpu_util_pct: Optional[float] = None
+    vram_pct: Optional[float] = None
+    vram_used_bytes: Optional[int] = None
+    vram_total_bytes: Optional[int] = None
+    device: Optional[str] = None  # "cpu" or "cuda:N"
+    chaos_leaked_bytes: int = 0
+    chaos_vram_leaked_bytes: int = 0
+    chaos_vram_leak: Optional[str] = None  # None, "leaking", or "no_gpu"
+    chaos: Optional[Mapping[str, Any]] = None  # the chaos settings it applies; None when none
+    started_at_s: Optional[float] = None  # wall clock
+    ready: bool = True  # its watchdog's verdict as the replica applies it
+    draining: bool = False  # a recycle order is live: its health check fails
+
+    def __post_init__(self) -> None:
+        check_name("replica_id", self.replica_id)
+        check_name("deployment", self.deployment)
+        for name in ("queued", "running"):
+            check_non_negative(name, getattr(self, name))
+        for name in ("queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct"):
+            check_non_negative(name, getattr(self, name), optional=True)
+        check_finite("started_at_s", self.started_at_s, optional=True)
+        _check_bool("ready", self.ready)
+        _check_bool("draining", self.draining)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class WatchedReplica:
+    """The replica a watchdog watches: what the replica tells its watchdog when it spawns it."""
+
+    replica_id: str
+    deployment: str
+    started_at_s: Optional[float] = None  # wall clock
+    gpu_uuid: Optional[str] = None  # the replica's GPU; None without one
+    pid: Optional[int] = None
+    actor_name: Optional[str] = None  # None outside Ray: then nothing can be killed
+    actor_namespace: str = SERVE_NAMESPACE
+
+    def __post_init__(self) -> None:
+        check_name("replica_id", self.replica_id)
+        check_name("deployment", self.deployment)
+        check_finite("started_at_s", self.started_at_s, optional=True)
+        _check_optional_str("actor_name", self.actor_name)
+        check_name("actor_namespace", self.actor_namespace)
+
+
+@dataclass(frozen=True)
+class SeriesTrend:
+    """One watched series' trend (ballast.policies.leak.Trend) as the watchdog reports it."""
+
+    slope_per_h: float
+    r2: float
+    leaking: bool
+    time_to_limit_s: Optional[float]
+    short_window: bool  # judged over the short (fast-burn) window
+
+
+@dataclass(frozen=True)
+class WatchdogReport(WatchedReplica):
+    """One watchdog's report, every watchdog interval: the replica it watches (its fields
+    first), that replica's process and the watchdog's verdicts."""
+
+    at_s: Optional[float] = None  # wall clock of the sample
+    # The sampled series; None where they could not be read (absent, not 0).
+    rss_bytes: Optional[float] = None
+    vram_bytes: Optional[float] = None
+    threads: Optional[float] = None
+    fds: Optional[float] = None
+    rss_limit_bytes: Optional[float] = None
+    vram_total_bytes: Optional[float] = None
+    fd_limit: Optional[int] = None
+    gpu_util_pct: Optional[float] = None
+    cpu_pct: Optional[float] = None
+    heartbeat_age_s: Optional[float] = None  # since the replica's work loop last moved
+    warming_up: bool = False
+    inflight: int = 0
+    hung: bool = False  # no progress for hang_missed_heartbeats intervals with work in flight
+    severity: str = "ok"
+    reason: Optional[str] = None  # what this sample found
+    action_reason: Optional[str] = None  # what made the ladder take its last rung
+    ready: bool = True  # False: the ladder stopped the replica's intake
+    recycle_requested: bool = False
+    critical: bool = False  # the request cannot wait (time-to-OOM short, VRAM critical)
+    trends: Mapping[str, SeriesTrend] = field(default_factory=dict)
+    actions_total: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("inflight", self.inflight, minimum=0)
+        for name in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_s"):
+            check_non_negative(name, getattr(self, name), optional=True)
+        for name in ("warming_up", "hung", "ready", "recycle_requested", "critical"):
+            _check_bool(name, getattr(self, name))
+
+    @classmethod
+    def of(cls, replica: WatchedReplica, **fields: Any) -> "WatchdogReport":
+        """A report about ``replica``: its identity, then the sample's ``fields``."""
+        return cls(**asdict(replica), **fields)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class WatchdogOrders:
+    """A watchdog's answer to its replica's heartbeat: what the replica must do now.
+
+    ``actions`` (``ballast.policies.leak.Action`` values: gc_collect, empty_cache, ...) are
+    delivered once each; ``ready`` False stops the replica's intake.
+    """
+
+    actions: tuple[str, ...] = ()
+    ready: bool = True
+    recycle: bool = False  # the watchdog asked the controller for a recycle
+    hung: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.actions, tuple) or not all(isinstance(a, str) for a in self.actions):
+            raise ValueError(f"actions: must be a tuple of str, got {self.actions!r}")
+        for name in ("ready", "recycle", "hung"):
+            _check_bool(name, getattr(self, name))

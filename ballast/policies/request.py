@@ -1,0 +1,114 @@
+"""The router's per-request decisions on the native generate path.
+
+ballast/router/ gathers a request's inputs (its tenant's config, the level's
+constraints, the snapshot's replica counts) and applies what these return; each is a
+pure function of its arguments, so the fleet simulator and the unit tests use the
+same rules as the router.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ballast.policies.criticality import Criticality
+
+# The quota's Retry-After: the bucket may be a hair short of a refill when it answers
+# ("retry in 0 s" helps nobody), and a rate so low that the wait is hours is better
+# answered with a bounded hint than with a figure nobody will honour.
+QUOTA_RETRY_AFTER_FLOOR_S = 0.01
+QUOTA_RETRY_AFTER_CAP_S = 3600.0
+
+# Outcomes that are not errors for the level's error rate, whatever their status:
+# - DEADLINE_EXCEEDED: a deadline that ran out is load (the queue signals measure it)
+#   or a slow model (its breaker counts the attempt timeouts and takes it out).
+#   Counted as an error, the first burst of expired requests at the onset of overload
+#   would read as a failing model: level 3, critical traffic shed for a stable window.
+# - KILL_SWITCH: an operator's refusal, not a failing model.
+# - REPLICA_LOST: the replica or node that held the request went away and it could not be
+#   carried on elsewhere (ballast/policies/migration.py): capacity that is gone, not a sick model.
+#   Counted as an error, the requests in flight on a lost node would take the level to 3
+#   and the survivors would shed healthy traffic for a whole stable window.
+NOT_LEVEL_ERRORS = frozenset({"DEADLINE_EXCEEDED", "KILL_SWITCH", "REPLICA_LOST"})
+
+
+def lower_criticality(claimed: Criticality, cap: Criticality) -> tuple[Criticality, bool]:
+    """(granted, lowered): a claim above what the tenant may claim is lowered to its cap
+    (rank 0 is the most critical), and the router says so in the answer."""
+    if claimed.rank < cap.rank:
+        return cap, True
+    return claimed, False
+
+
+def prompt_tokens(prompt: str, model_max_tokens: int) -> int:
+    """The prompt's tokens as the quota counts them: the built-in model is byte-level, one
+    token per UTF-8 byte, at most the model's context."""
+    return min(len(prompt.encode("utf-8")), model_max_tokens)
+
+
+def token_cost(prompt_token_count: int, granted_max_tokens: int) -> int:
+    """What the quota charges up front: the prompt and every token the request may
+    generate; settled to the real count when the request ends."""
+    return prompt_token_count + granted_max_tokens
+
+
+def degraded_reasons(
+    *,
+    requested_max_tokens: int,
+    level_max_tokens: int,
+    model_max_tokens: int,
+    lowered: bool,
+    stream_requested: bool,
+    streaming_allowed: bool,
+) -> list[str]:
+    """Why the answer is less than what was asked, in this order. Clamped by the level is
+    degradation; clamped by the model's context is not."""
+    reasons = ["max_tokens_clamped"] if level_max_tokens < min(requested_max_tokens, model_max_tokens) else []
+    if lowered:
+        reasons.append("criticality_lowered")
+    if stream_requested and not streaming_allowed:
+        reasons.append("streaming_disabled")
+    return reasons
+
+
+def quota_retry_after_s(bucket_wait_s: float) -> float:
+    """The Retry-After for a tenant over its quota: the bucket's own wait, floored and capped."""
+    return min(max(bucket_wait_s, QUOTA_RETRY_AFTER_FLOOR_S), QUOTA_RETRY_AFTER_CAP_S)
+
+
+def counts_as_error(code: str, status: int) -> bool:
+    """Whether an outcome counts as an error for the level's error rate: a 5xx, less the
+    outcomes in ``NOT_LEVEL_ERRORS``. The same rule for unary answers and streams (a
+    kill switch that ends a stream is still an operator's refusal)."""
+    return status >= 500 and code not in NOT_LEVEL_ERRORS
+
+
+def model_ceiling(model_replicas: int, router_replicas: int, max_ongoing_per_replica: int) -> Optional[int]:
+    """This router's share of what the primary's replicas take at once (None: unknown yet).
+
+    Replicas x ``max_ongoing_requests``, split evenly among the routers the controller
+    hears from (at least one each: a ceiling of 0 would close the gate for good).
+    """
+    if model_replicas <= 0:
+        return None
+    return max(1, model_replicas * max_ongoing_per_replica // max(1, router_replicas))
+
+
+def fit_context(prompt_tokens: int, asked: Optional[int], context: int) -> tuple[int, Optional[str]]:
+    """(max_tokens, None) when the prompt and ``asked`` fit a model of ``context`` tokens, else
+    (0, why not). No ``asked``: all the context the prompt leaves, as OpenAI's API does.
+
+    Checked at the router, before any work, with the model's own tokenizer; the replica
+    never has to cut an answer short for lack of context."""
+    if prompt_tokens < 1:
+        return 0, "the prompt has no tokens; send at least one"
+    room = context - prompt_tokens
+    if asked is None:
+        if room < 1:
+            return 0, f"the model's context is {context} tokens and the prompt alone is {prompt_tokens}"
+        return room, None
+    if asked > room:
+        return 0, (
+            f"the model's context is {context} tokens, but {prompt_tokens + asked} were asked for "
+            f"({prompt_tokens} in the prompt, {asked} for the completion)"
+        )
+    return asked, None

@@ -1,0 +1,133 @@
+"""The router's FastAPI app and what every route shares: the error mapping (each
+BallastError to its status, code and Retry-After, once), body reading and validation,
+the bearer token, SSE framing, and the streaming response that settles its stream.
+
+The routes are declared on ``app`` by the Router deployment (app.py, under
+``serve.ingress(app)``); each hands its request to a front (generate.py, openai.py,
+admin.py).
+"""
+
+import json
+import math
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality, claimed
+
+from ballast.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
+from ballast.router.openai_api import openai_error_body
+
+
+def validate_body(model: type, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object", field="body")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        raise InvalidRequest(f"{field}: {first['msg']}", field=field) from None
+
+
+def error_response(err: BallastError, openai: bool = False) -> JSONResponse:
+    """The error's status and body (Ballast's shape, or OpenAI's on the OpenAI routes),
+    with Retry-After when the error says when to come back."""
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
+    if openai:
+        return JSONResponse(openai_error_body(err), status_code=err.status, headers=headers)
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+class StreamResponse(StreamingResponse):
+    """Server-sent events from ``body``, then ``stream.aclose()``, however the response
+    ends: sent whole, cut by the client, or never begun (the client left before the
+    first event). It is awaited as soon as the route returns it, so its ``finally``
+    always runs: a stream's ticket never waits for garbage collection."""
+
+    def __init__(self, body: Any, stream: Any, headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={**(headers or {}), "Cache-Control": "no-cache"})
+        self._stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._stream.aclose()
+
+
+def sse_event(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def bearer_token(request: Request) -> Optional[str]:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+async def read_body(request: Request, limit_bytes: int) -> bytes:
+    """The request's body, refused with 413 past ``limit_bytes`` (declared or streamed)."""
+    limit = limit_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise PayloadTooLarge(f"body exceeds {limit} bytes")
+    return bytes(body)
+
+
+app = FastAPI(title="Ballast", docs_url=None, redoc_url=None, openapi_url=None)
+
+#: Routes whose errors take OpenAI's shape (ballast/router/openai.py).
+OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+
+
+@app.exception_handler(BallastError)
+async def _ballast_error(request: Request, exc: BallastError) -> JSONResponse:
+    return error_response(exc, openai=request.url.path in OPENAI_ROUTES)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    openai = request.url.path in OPENAI_ROUTES
+    if exc.status_code == 404:
+        return error_response(NotFound("no such route"), openai)
+    err = BallastError(str(exc.detail))
+    err.status, err.code = exc.status_code, "METHOD_NOT_ALLOWED" if exc.status_code == 405 else "HTTP_ERROR"
+    return error_response(err, openai)
+
+
+#: On a unary answer that was sent again after its replica or node went away: how many times.
+MIGRATIONS_HEADER = "X-Ballast-Migrations"
+
+
+def answer_headers(answer: Any) -> dict[str, str]:
+    """What every unary answer says in its headers: who answered, whether it was sent
+    again after its replica went away, whether it is a replay of an Idempotency-Key."""
+    headers = {"X-Ballast-Fallback": answer.fallback or "none"}
+    if answer.migrations:
+        headers[MIGRATIONS_HEADER] = str(answer.migrations)
+    if answer.replayed:
+        headers["X-Ballast-Idempotent-Replay"] = "true"
+    return headers
+
+
+def claimed_criticality(request: Request, from_body: Optional[Criticality], error: type = InvalidRequest) -> Criticality:
+    """The class the request claims (``ballast.policies.criticality.claimed``); a bad claim is
+    ``error`` (the native front's 422, the OpenAI front's 400) naming the field."""
+    try:
+        return claimed(request.headers.get(CRITICALITY_HEADER), from_body)
+    except ClaimError as e:
+        raise error(str(e), field=e.field) from None

@@ -1,0 +1,234 @@
+"""The router deployment: Ballast's HTTP ingress (FastAPI under Ray Serve).
+
+Where things are:
+
+- pipeline.py: the request path every front shares, where a request is identified,
+  admitted, given its ticket (ticket.py: tenant place, quota charge, gate slot) and
+  sent to the model (its docstring walks it);
+- generate.py and openai.py: the native and OpenAI fronts, each holding the pipeline;
+  openai_api.py: the OpenAI protocol's models, which its answers are built from;
+- admin.py: ``/v1/status`` and ``/admin/*``;
+- reporter.py: the router's side of the control loop (reports out; snapshots, leases
+  and the edge's map in); tally.py: what it counts between two reports;
+- gate.py, quotas.py, idempotency.py, resilience.py: the pieces the pipeline holds;
+- api.py: the FastAPI app, the error mapping, body and SSE helpers; metrics.py: the
+  router's metrics;
+- this module: the ``Router`` deployment, which builds those parts once and declares
+  the routes, each handing its request to its front.
+
+Decisions are ballast/policies/'s: admission, quota, the gate (ballast/policies/gate.py) and the
+per-request rules (ballast/policies/request.py); this package gathers inputs and applies them.
+"""
+
+
+import asyncio
+import time
+import uuid
+from typing import Any, Optional
+
+from fastapi import Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from ballast.policies.breaker import BreakerEvent
+from ballast.policies.limiter import AimdLimit
+
+from ballast.config import load_config
+from ballast.control.link import connect
+from ballast.control.names import ROUTER_DEPLOYMENT
+from ballast.errors import NotFound
+from ballast.router.admin import Admin
+from ballast.router.api import app
+from ballast.router.auth import KeyStore
+from ballast.router.contract import openapi_document
+from ballast.router.edge import Edge
+from ballast.router.gate import PriorityGate
+from ballast.router.generate import NativeFront
+from ballast.router.idempotency import IdempotencyStore, SharedKeys
+from ballast.router.metrics import RouterMetrics
+from ballast.router.openai import OpenAIFront
+from ballast.router.pipeline import Pipeline
+from ballast.router.quotas import Quotas
+from ballast.router.reporter import Reporter, log
+from ballast.router.resilience import CallHooks, ResilientCaller
+from ballast.router.tally import Tally
+from ballast.router.tokens import model_text
+
+
+def priority_gate(g: Any) -> Optional[PriorityGate]:
+    """The gate to the model ``resilience.gate`` describes; None when it is off."""
+    if not g.enabled:
+        return None
+    return PriorityGate(AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s,
+                        reserve_ratio=g.critical_reserve_ratio, reserve_hold_s=g.critical_reserve_hold_s,
+                        miss_service_factor=g.miss_service_factor)
+
+
+@serve.ingress(app)
+class Router:
+    """One router replica: builds the pipeline, the fronts and the reporter; declares the routes."""
+
+    def __init__(self, model: Any, cfg: dict[str, Any], fallback: Any = None):
+        self._cfg = cfg = load_config(cfg)
+        self.router_id = f"router-{uuid.uuid4().hex[:8]}"
+        self._model = model
+        self._key_table: Any = None  # the shared idempotency key table's handle, once needed
+        self._openapi: Optional[dict[str, Any]] = None  # built at the first GET /openapi.json
+        keys = KeyStore.from_config(cfg)
+        self.tally, self.metrics = Tally(), RouterMetrics()
+        self._link, self.snapshots, self._exchange = connect(
+            cfg, "report_router", lambda: self.reporter.report(),
+            on_snapshot=lambda snap: self.reporter.on_snapshot(snap), on_reply=lambda raw: self.reporter.on_reply(raw),
+        )
+        text = model_text(cfg.model)  # the model's tokenizer, template and context
+        self.pipeline = Pipeline(
+            cfg, keys, self.snapshots, self._resilient_caller(model, fallback),
+            Quotas(cfg, self._routers, on_rate=lambda t, rate: self.metrics.tenant_rate.set(rate, tags={"tenant": t})),
+            # Keys shared by every router (a retry through another node's endpoint gets the
+            # first answer); the actor is looked up or created at the first keyed request.
+            IdempotencyStore(cfg.resilience.idempotency.ttl_s, cfg.resilience.idempotency.max_entries,
+                             shared=SharedKeys(self._keys_handle, self.router_id)),
+            priority_gate(cfg.resilience.gate), self.metrics, self.tally, model_max_tokens=text.context - 1,
+        )
+        self.reporter = Reporter(cfg, self.router_id, self.snapshots, self.pipeline, self.tally, self.metrics,
+                                 Edge.from_env() if cfg.http.edge else None)
+        self._native = NativeFront(self.pipeline, text, cfg.limits)
+        self._openai = OpenAIFront(self.pipeline, cfg, text, created_s=int(time.time()))
+        self._admin = Admin(cfg, keys, self._link, self._exchange, self.snapshots, self.pipeline, self.router_id)
+
+    def _resilient_caller(self, model: Any, fallback: Any) -> ResilientCaller:
+        m = self.metrics
+        return ResilientCaller(self._cfg, model, fallback, hooks=CallHooks(
+            on_retry=lambda backend, kind: m.retries.inc(tags={"backend": backend, "kind": kind}),
+            on_fallback=lambda kind: m.fallbacks.inc(tags={"kind": kind}),
+            on_breaker_event=self._on_breaker_event,
+            on_lost_capacity=self._on_lost_capacity,
+        ))
+
+    def _routers(self) -> int:
+        """Routers sharing each tenant's rate: the snapshot's count, else the configured one."""
+        snap = self.snapshots.snapshot
+        running = snap.running_replicas.get(ROUTER_DEPLOYMENT) if snap else None
+        return running or self._cfg.deployments.router.num_replicas
+
+    def _keys_handle(self) -> Any:
+        if self._key_table is None:
+            import ray
+
+            from ballast.control.keys import keys_actor
+
+            if not ray.is_initialized():  # a router object outside Ray (tests): keys stay per router
+                raise RuntimeError("no Ray: the shared key table is unreachable")
+
+            self._key_table = keys_actor(self._cfg)
+        return self._key_table
+
+    def _on_lost_capacity(self, backend: str, outcome: str) -> None:
+        self.tally.lost_capacity += 1
+        self.metrics.lost.inc(tags={"backend": backend, "outcome": outcome})
+
+    def _on_breaker_event(self, event: BreakerEvent) -> None:
+        self.metrics.breaker.set(int(event.to_state), tags={"backend": event.backend})
+        if int(event.to_state) == 1:
+            self.metrics.trips.inc(tags={"backend": event.backend})
+        log.warning("breaker %s: %s -> %s (%s)", event.backend, event.from_state.name, event.to_state.name, event.reason)
+
+    async def check_health(self) -> None:
+        self._exchange.start()
+
+    # -- the model routes: each hands its request to its front ------------------------------
+    @app.post("/v1/generate")
+    async def generate(self, request: Request):
+        self._exchange.start()
+        return await self._native.generate(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._exchange.start()
+        return await self._openai.complete(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        self._exchange.start()
+        return await self._openai.complete(request, chat=False)
+
+    @app.get("/v1/models")
+    async def list_models(self, request: Request):
+        return self._openai.models(request)
+
+    # -- status and admin ----------------------------------------------------------------
+    @app.get("/v1/status")
+    async def status(self, request: Request) -> dict[str, Any]:
+        return await self._admin.status(request)
+
+    @app.post("/admin/kill-switch", status_code=201)
+    async def set_kill_switch(self, request: Request) -> JSONResponse:
+        return await self._admin.set_kill_switch(request)
+
+    @app.get("/admin/kill-switch")
+    async def list_kill_switches(self, request: Request) -> dict[str, Any]:
+        return await self._admin.list_kill_switches(request)
+
+    @app.delete("/admin/kill-switch/{entry_id}")
+    async def delete_kill_switch(self, entry_id: str, request: Request) -> dict[str, Any]:
+        return await self._admin.delete_kill_switch(entry_id, request)
+
+    @app.post("/admin/chaos")
+    async def set_chaos(self, request: Request) -> dict[str, Any]:
+        return await self._admin.set_chaos(request)
+
+    @app.delete("/admin/chaos")
+    async def clear_chaos(self, request: Request) -> dict[str, Any]:
+        return await self._admin.clear_chaos(request)
+
+    @app.post("/admin/recycle", status_code=202)
+    async def recycle(self, request: Request) -> JSONResponse:
+        """Ask for replicas to be recycled: they go in turn, under the planner's rules."""
+        return await self._admin.recycle(request)
+
+    @app.get("/admin/replicas")
+    async def replicas(self, request: Request) -> dict[str, Any]:
+        """Every replica as its watchdog sees it, plus recycles in flight and recent events."""
+        return await self._admin.replicas(request)
+
+    # -- the contract and health ----------------------------------------------------------
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        if self._openapi is None:
+            self._openapi = openapi_document(app.routes)
+        return JSONResponse(self._openapi)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self):
+        if not self._cfg.http.docs_page:
+            raise NotFound("the docs page is off here (http.docs_page); the contract is at /openapi.json")
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Ballast API")
+
+    @app.get("/healthz/live")
+    async def live(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/healthz/ready")
+    async def ready(self) -> JSONResponse:
+        self._exchange.start()
+        problems = []
+        try:
+            await asyncio.wait_for(self._model.ping.remote(), timeout=2.0)
+        except Exception as e:
+            problems.append(f"model deployment unreachable: {type(e).__name__}")
+        if not self.snapshots.is_fresh():
+            age = self.snapshots.age_s()
+            problems.append("controller snapshot " + ("missing" if age is None else f"stale ({age:.1f}s old)"))
+        if problems:
+            return JSONResponse(
+                {"error": {"code": "NOT_READY", "message": "; ".join(problems)}}, status_code=503
+            )
+        return JSONResponse({"status": "ready", "level": self.snapshots.effective().level})
+
+
+def router_deployment(cfg):
+    r = cfg.deployments.router
+    spread = {} if r.max_replicas_per_node is None else {"max_replicas_per_node": r.max_replicas_per_node}
+    return serve.deployment(Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log,
+                                                      num_replicas=r.num_replicas, **spread))

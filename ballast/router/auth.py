@@ -1,0 +1,98 @@
+"""API keys and the admin token: who a request is, from the key it presents.
+
+A tenant is what its key maps to, never something the client names. Keys come from
+the config's demo keys (local only), a keys file or the environment, and are held
+only as SHA-256 digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from typing import Optional
+
+from ballast.config import BallastConfig, read_text
+from ballast.errors import ConfigError
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8")).digest()
+
+
+def _parse_key_entries(text: str, where: str) -> dict[bytes, str]:
+    out: dict[bytes, str] = {}
+    # Comments are whole lines, dropped *before* splitting on commas, so that a
+    # commented-out line never yields a live key.
+    lines = [ln for ln in text.splitlines() if not ln.strip().startswith("#")]
+    for raw in ",".join(lines).split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        key, sep, tenant = entry.rpartition("=")
+        key, tenant = key.strip(), tenant.strip()
+        if not sep or not key or not tenant:
+            raise ConfigError(where, "each API key entry must read 'key=tenant' or 'sha256:<hex>=tenant'")
+        if key.startswith("sha256:"):
+            try:
+                digest = bytes.fromhex(key[len("sha256:"):])
+            except ValueError:
+                raise ConfigError(where, "a sha256: key must be 64 hex digits") from None
+            if len(digest) != 32:
+                raise ConfigError(where, "a sha256: key must be 64 hex digits")
+        else:
+            digest = _digest(key)
+        out[digest] = tenant
+    return out
+
+
+class KeyStore:
+    """API keys and the admin token, held only as SHA-256 digests.
+
+    A presented key is hashed, its bucket found by the digest's first 4 bytes (an
+    attacker cannot steer a digest, so the bucket leaks nothing), and every entry of
+    the bucket is compared with ``hmac.compare_digest``: constant time per
+    comparison, and O(1) per request however many keys there are.
+    """
+
+    def __init__(self, keys: dict[bytes, str], admin_digest: Optional[bytes]):
+        self._buckets: dict[bytes, list[tuple[bytes, str]]] = {}
+        for digest, tenant in keys.items():
+            self._buckets.setdefault(digest[:4], []).append((digest, tenant))
+        self._count = len(keys)
+        self._admin = admin_digest
+
+    @classmethod
+    def from_config(cls, cfg: BallastConfig, environ: "Optional[dict[str, str]]" = None) -> "KeyStore":
+        env = os.environ if environ is None else environ
+        a = cfg.auth
+        keys: dict[bytes, str] = {}
+        for key, tenant in a.demo_keys.items():
+            keys[_digest(key)] = tenant
+        if a.api_keys_file:
+            keys.update(_parse_key_entries(read_text(a.api_keys_file, "API keys file"), a.api_keys_file))
+        if env.get(a.api_keys_env):
+            keys.update(_parse_key_entries(env[a.api_keys_env], f"${a.api_keys_env}"))
+        unknown = sorted(set(keys.values()) - set(cfg.tenants))
+        if unknown:
+            raise ConfigError("auth", f"API keys map to tenants not in the config: {unknown}")
+        admin: Optional[str] = a.demo_admin_token
+        if a.admin_token_file:
+            admin = read_text(a.admin_token_file, "admin token file").strip() or None
+        if env.get(a.admin_token_env, "").strip():  # blank means unset, never "admin off"
+            admin = env[a.admin_token_env].strip()
+        return cls(keys, _digest(admin) if admin else None)
+
+    def tenant_for(self, presented: str) -> Optional[str]:
+        digest = _digest(presented)
+        found: Optional[str] = None
+        for stored, tenant in self._buckets.get(digest[:4], ()):
+            if hmac.compare_digest(stored, digest):
+                found = tenant
+        return found
+
+    def is_admin(self, presented: str) -> bool:
+        return self._admin is not None and hmac.compare_digest(self._admin, _digest(presented))
+
+    def __len__(self) -> int:
+        return self._count

@@ -1,0 +1,178 @@
+"""The router's HTTP contract: every route's request and response schemas, served as
+``GET /openapi.json`` and browsable at ``GET /docs``.
+
+The handlers read their bodies themselves (bounded reads, errors naming the field,
+OpenAI's error shape on the OpenAI routes), so FastAPI cannot infer their schemas;
+``CONTRACT`` names them, one entry per route, and ``openapi_document`` puts them into
+the document FastAPI generates from the route table. A route without an entry is an
+error when the document is built (and in tests/unit/test_contract.py), so a new route
+cannot ship without its contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from ballast.router import openai_api as oa
+
+VERSION = "0.1.0"
+
+
+# --------------------------------------------------------------------------- answers
+
+
+class NativeErrorDetail(BaseModel):
+    code: str = Field(description="Ballast's stable error code, e.g. QUOTA_EXCEEDED.")
+    message: str
+    retry_after_s: Optional[float] = Field(None, description="Also sent as the Retry-After header.")
+    field: Optional[str] = Field(None, description="The invalid field (INVALID_REQUEST).")
+
+
+class NativeError(BaseModel):
+    error: NativeErrorDetail
+
+
+class GenerateAnswer(BaseModel):
+    text: str
+    tokens_generated: int
+    model: str = Field(description="The model that answered (the fallback's name when it did).")
+    criticality: str = Field(description="The class granted (a claim above the tenant's cap is lowered).")
+    degradation_level: int
+    degraded: bool
+    degraded_reasons: list[str]
+    max_tokens: int = Field(description="max_tokens after the level's clamp.")
+    fallback: Optional[str] = Field(description="null (the primary), fallback_model or cache.")
+
+
+class GenerateEvent(BaseModel):
+    """One server-sent event of a streamed /v1/generate: ``event: token`` data, or
+    ``event: done`` (the fields of GenerateAnswer but text), or ``event: error``."""
+
+    model_config = ConfigDict(extra="allow")
+    text: Optional[str] = None
+    tokens: Optional[int] = None
+
+
+class Health(BaseModel):
+    status: str
+    level: Optional[int] = None
+
+
+class Status(BaseModel):
+    """``GET /v1/status``: the level and its inputs, replicas, breakers, retry budget, kill
+    switches, quotas, chaos, recycling, the gate, tenants in flight (docs/operations.md)."""
+
+    model_config = ConfigDict(extra="allow")
+    level: int
+    source: str = Field(description="snapshot, stale or fail_static: where the level comes from.")
+
+
+class AdminAnswer(BaseModel):
+    """An admin route's answer (see docs/api.md)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class KillSwitchEntry(BaseModel):
+    id: str
+    scope: str
+    value: Optional[str]
+    reason: str
+    set_by: str
+    created_at_s: float
+    expires_at_s: float
+
+
+class RecycleAccepted(BaseModel):
+    accepted: list[str] = Field(description="The replicas marked for a recycle, in turn.")
+
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class RouteContract:
+    response: Any  # a pydantic model (or a type TypeAdapter takes)
+    request: Optional[type[BaseModel]] = None
+    stream: Optional[type[BaseModel]] = None  # one text/event-stream event
+    openai: bool = False  # errors in OpenAI's shape
+    status: int = 200
+
+
+def _contract() -> dict[tuple[str, str], RouteContract]:
+    from ballast.router.admin import ChaosRequest, KillSwitchRequest, RecycleRequest
+    from ballast.router.generate import GenerateRequest
+
+    return {
+        ("POST", "/v1/chat/completions"): RouteContract(
+            oa.ChatCompletion, oa.ChatCompletionRequest, oa.ChatCompletionChunk, openai=True
+        ),
+        ("POST", "/v1/completions"): RouteContract(oa.Completion, oa.CompletionRequest, oa.Completion, openai=True),
+        ("GET", "/v1/models"): RouteContract(oa.ModelList, openai=True),
+        ("POST", "/v1/generate"): RouteContract(GenerateAnswer, GenerateRequest, GenerateEvent),
+        ("GET", "/v1/status"): RouteContract(Status),
+        ("GET", "/healthz/live"): RouteContract(Health),
+        ("GET", "/healthz/ready"): RouteContract(Health),
+        ("POST", "/admin/kill-switch"): RouteContract(KillSwitchEntry, KillSwitchRequest, status=201),
+        ("GET", "/admin/kill-switch"): RouteContract(AdminAnswer),
+        ("DELETE", "/admin/kill-switch/{entry_id}"): RouteContract(AdminAnswer),
+        ("POST", "/admin/chaos"): RouteContract(AdminAnswer, ChaosRequest),
+        ("DELETE", "/admin/chaos"): RouteContract(AdminAnswer),
+        ("POST", "/admin/recycle"): RouteContract(RecycleAccepted, RecycleRequest, status=202),
+        ("GET", "/admin/replicas"): RouteContract(AdminAnswer),
+    }
+
+
+class _Schemas:
+    """Component schemas gathered while the document is built."""
+
+    def __init__(self) -> None:
+        self.components: dict[str, Any] = {}
+
+    def ref(self, tp: Any) -> dict[str, Any]:
+        schema = TypeAdapter(tp).json_schema(ref_template="#/components/schemas/{model}")
+        self.components.update(schema.pop("$defs", {}))
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            self.components[tp.__name__] = schema
+            return {"$ref": f"#/components/schemas/{tp.__name__}"}
+        return schema
+
+
+def openapi_document(routes: list[Any]) -> dict[str, Any]:
+    """The OpenAPI document for ``routes`` (FastAPI's), with each route's contract in it."""
+    doc = get_openapi(
+        title="Ballast",
+        version=VERSION,
+        description="A self-protecting Ray Serve deployment for GPU models: an OpenAI-compatible "
+        "API and a native one, with admission by criticality, quotas, fallbacks and deadlines. "
+        "Every route needs Authorization: Bearer <key> (admin routes: the admin token).",
+        routes=routes,
+    )
+    table = _contract()
+    schemas = _Schemas()
+    error_native, error_openai = schemas.ref(NativeError), schemas.ref(oa.ErrorResponse)
+    for path, item in doc.get("paths", {}).items():
+        for method, op in item.items():
+            contract = table.get((method.upper(), path))
+            if contract is None:
+                raise ValueError(f"{method.upper()} {path}: no contract in ballast/router/contract.py")
+            if contract.request is not None:
+                op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schemas.ref(contract.request)}}}
+            content: dict[str, Any] = {"application/json": {"schema": schemas.ref(contract.response)}}
+            if contract.stream is not None:
+                content["text/event-stream"] = {"schema": schemas.ref(contract.stream)}
+            params = [p for p in op.get("parameters", []) if p.get("in") == "path"]
+            op["parameters"] = params  # FastAPI lists the handler's Request as nothing; keep path params only
+            op["responses"] = {
+                str(contract.status): {"description": "OK", "content": content},
+                "default": {
+                    "description": "An error: its status, Retry-After on 429/503",
+                    "content": {"application/json": {"schema": error_openai if contract.openai else error_native}},
+                },
+            }
+    doc.setdefault("components", {})["schemas"] = dict(sorted(schemas.components.items()))
+    return doc

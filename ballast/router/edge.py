@@ -1,0 +1,203 @@
+"""Refusals before Python runs: Serve's HAProxy sheds the classes the level does not admit.
+
+Under overload most requests are refusals, and on a host where the ingress shares
+cores with the model every millisecond a refusal costs is taken from the model. A
+refusal in the router costs the router's HTTP server, FastAPI and the pipeline;
+HAProxy, a C program already in front of every router, answers one for a few
+microseconds. So the classes the current degradation level does not
+admit are refused there:
+
+* ``haproxy_edge.sh`` is Serve's HAProxy binary (``RAY_SERVE_HAPROXY_BINARY_PATH``):
+  it adds ``haproxy_edge.cfg``'s rules to the config Serve writes, then runs HAProxy.
+  A request whose ``X-Ballast-Criticality`` header names a class in the node's map
+  file (``ballast-shed.map``, beside Serve's config) gets the router's own 503
+  OVERLOADED (same body, Ballast's or OpenAI's shape by route, and Retry-After),
+  plus ``X-Ballast-Edge: refused``.
+* Each router keeps the map equal to what its level sheds (:func:`shed_entries`):
+  the file (HAProxy reads it when Serve reloads it) and HAProxy's copy in memory
+  (the admin socket), whenever it changes. A class the level admits but the model
+  cannot take all of is refused in part, at random, in the share the gate would refuse
+  anyway (``ballast/policies/edge.py``: SRE's adaptive throttling, run at the edge); that
+  refusal says so ("no model capacity"), as the gate's does.
+* HAProxy counts its refusals per class in a stick table; a router drains it once per
+  report (:meth:`Edge.drain`, under a lock shared with the node's other routers) and
+  adds them to the demand the level turned away, so the controller sees the demand
+  it shed at the edge as it sees the demand shed in Python, and the level does not
+  fall because the edge hid it.
+
+Refusing by the claimed class before authentication is safe: a tenant's class is
+only ever lowered to its cap (``max_criticality``), and every level admits an
+upward-closed set of classes, so a claim the level refuses is refused whatever the
+key. critical_plus is never in the map: it may be answered by the fallback at any
+level, which only the pipeline can decide. A request without the header (or with a
+value that is not a class) goes to the router as before.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import math
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+from ballast.policies.admission import retry_after_s
+from ballast.policies.criticality import Criticality
+from ballast.policies.edge import ALL
+from ballast.policies.degradation import LevelConstraints
+
+log = logging.getLogger("ballast.edge")
+
+HERE = Path(__file__).resolve().parent
+WRAPPER = HERE / "haproxy_edge.sh"
+MAP_NAME = "ballast-shed.map"
+LOCK_NAME = "ballast-edge.lock"
+TABLE = "ballast_edge"
+SOCKET_TIMEOUT_S = 0.5
+
+
+def shed_entries(level: int, constraints: LevelConstraints, drops: Optional[Mapping[str, int]] = None) -> dict[str, str]:
+    """The map at ``level``: class -> "retry_after:level:per_mille" for each class the edge refuses.
+
+    A class the level does not admit: all of it, with the router's Retry-After for that
+    refusal (whole seconds, at least 1). A class it admits: ``drops[class]`` per mille
+    (``ballast.policies.edge.EdgeThrottle``), with the gate's Retry-After (1 s). Never critical_plus.
+    """
+    retry = max(1, math.ceil(retry_after_s(level)))
+    out = {}
+    for c in Criticality:
+        if c is Criticality.CRITICAL_PLUS:
+            continue
+        if c not in constraints.admitted:
+            out[c.value] = f"{retry}:{level}:{ALL}"
+        elif drops and drops.get(c.value, 0) > 0:
+            out[c.value] = f"1:{level}:{min(int(drops[c.value]), ALL - 1)}"
+    return out
+
+
+def render_map(entries: Mapping[str, str]) -> str:
+    return "".join(f"{k} {v}\n" for k, v in sorted(entries.items()))
+
+
+def parse_table(text: str) -> dict[str, int]:
+    """``show table ballast_edge`` -> refusals per class (lines ``0x..: key=<class> ... http_req_cnt=<n>``)."""
+    counts: dict[str, int] = {}
+    for line in text.splitlines():
+        if not line.startswith("0x"):
+            continue
+        fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+        key, n = fields.get("key"), fields.get("http_req_cnt")
+        if key in _CLASSES and n is not None and n.isdigit():
+            counts[key] = counts.get(key, 0) + int(n)
+    return counts
+
+
+_CLASSES = frozenset(c.value for c in Criticality)
+
+
+def admin_command(socket_path: str, command: str, timeout_s: float = SOCKET_TIMEOUT_S) -> str:
+    """One command (or several, ``;``-separated) on HAProxy's admin socket; its answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(socket_path)
+        s.sendall(command.encode() + b"\n")
+        chunks = []
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
+class Edge:
+    """One node's HAProxy edge, as a router drives it: the map and the refusal counts."""
+
+    def __init__(self, haproxy_dir: str, socket_path: str, send: Callable[[str, str], str] = admin_command) -> None:
+        self.dir = Path(haproxy_dir)
+        self.map_path = str(self.dir / MAP_NAME)
+        self.socket_path = socket_path
+        self._send = send
+        self._applied: Optional[dict[str, str]] = None
+        self._warned = False
+
+    @classmethod
+    def from_env(cls) -> Optional["Edge"]:
+        """The edge of this process's node when its HAProxy runs ``haproxy_edge.sh``; else None."""
+        if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
+            return None
+        if os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH") != str(WRAPPER):
+            return None
+        import ray
+        from ray.serve._private.constants import RAY_SERVE_HAPROXY_CONFIG_FILE_LOC, RAY_SERVE_HAPROXY_SOCKET_PATH
+
+        # Serve puts each node's HAProxy files (config, admin socket) in a directory
+        # named by the node's id beside the configured paths; the wrapper puts the map
+        # beside the config.
+        node = ray.get_runtime_context().get_node_id()
+
+        def per_node(path: str) -> str:
+            d, f = os.path.split(path)
+            return os.path.join(d, node, f)
+
+        return cls(os.path.dirname(per_node(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)), per_node(RAY_SERVE_HAPROXY_SOCKET_PATH))
+
+    @property
+    def shedding(self) -> dict[str, str]:
+        return dict(self._applied or {})
+
+    def apply(self, entries: Mapping[str, str]) -> bool:
+        """Make the node's map ``entries`` (file and HAProxy's memory) if it is not already.
+
+        True when it was changed. A failure is logged once and tried again at the next
+        call: the router refuses the same classes in Python meanwhile.
+        """
+        entries = dict(entries)
+        if entries == self._applied:
+            return False
+        try:
+            self._write_file(entries)
+            commands = [f"clear map {self.map_path}"] + [f"add map {self.map_path} {k} {v}" for k, v in sorted(entries.items())]
+            answer = self._send(self.socket_path, "; ".join(commands))
+            if "Unknown map" in answer or "not found" in answer.lower():
+                raise RuntimeError(answer.strip())
+        except (OSError, RuntimeError) as e:
+            if not self._warned:
+                log.warning("edge: could not set HAProxy's shed map %s (%s); refusing in the router", self.map_path, e)
+                self._warned = True
+            self._applied = None
+            return False
+        self._applied, self._warned = entries, False
+        return True
+
+    def drain(self) -> dict[str, int]:
+        """Refusals at the edge since the last drain on this node, per class.
+
+        Read and cleared under a file lock, so two routers on one node never count the
+        same refusals; a refusal landing between the read and the clear is lost (the
+        two commands are one socket write: microseconds).
+        """
+        try:
+            with open(self.dir / LOCK_NAME, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                answer = self._send(self.socket_path, f"show table {TABLE}; clear table {TABLE}")
+        except OSError:
+            return {}
+        return parse_table(answer)
+
+    def _write_file(self, entries: Mapping[str, str]) -> None:
+        """Atomically: HAProxy reads the file whenever Serve reloads it."""
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".shed-")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(render_map(entries))
+            os.replace(tmp, self.map_path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise

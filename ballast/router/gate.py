@@ -1,0 +1,240 @@
+"""The router's gate to the primary model: the glue around ballast/policies/gate.py.
+
+At most ``limit.value`` requests from this router are at the model at once
+(ballast/policies/limiter.py moves the limit). A request that finds it reached waits here,
+most critical first, then oldest first, for as long as its deadline still leaves time
+to be served, and never longer than ``max_wait_s``; past that it is refused with 503
+OVERLOADED rather than sent to the model to miss its deadline there. The rules (the
+reserve for critical traffic, the drain estimate, the refusals, displacement, the
+service-time estimate, whether a miss cuts the limit) are ballast/policies/gate.py's; this
+module holds the waiters' futures and applies what those rules decide.
+
+Waits go through an injected ``wait_for`` (``asyncio.wait_for`` by default) so that
+tests advance a fake clock instead of sleeping.
+
+Everything runs on the router's event loop; no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from typing import Any, Awaitable, Callable, Optional
+
+from ballast.policies import gate as rules
+from ballast.policies.criticality import Criticality
+from ballast.policies.gate import REFUSALS
+from ballast.policies.limiter import AimdLimit
+
+# ``asyncio.wait_for``'s shape: await ``aw`` for at most ``timeout`` seconds, else raise
+# asyncio.TimeoutError.
+WaitFor = Callable[[Awaitable[Any], float], Awaitable[Any]]
+
+
+class GateRefused(Exception):
+    """No slot in time: ``reason`` is one of ``REFUSALS``."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PriorityGate:
+    def __init__(
+        self,
+        limit: AimdLimit,
+        max_waiting: int,
+        max_wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        critical_rank: int = Criticality.CRITICAL.rank,
+        reserve_ratio: float = 0.0,
+        reserve_hold_s: float = 1.0,
+        miss_service_factor: Optional[float] = None,
+        wait_for: WaitFor = asyncio.wait_for,
+    ):
+        if miss_service_factor is not None and not miss_service_factor > 0:
+            raise ValueError(f"miss_service_factor must be > 0 or None, got {miss_service_factor}")
+        self.limit = limit
+        self.miss_service_factor = miss_service_factor
+        self.critical_rank = critical_rank
+        self._reserve = rules.CriticalReserve(reserve_ratio, reserve_hold_s, clock)
+        self.max_waiting = max_waiting
+        self.max_wait_s = max_wait_s
+        self._clock = clock
+        self._wait_for = wait_for
+        self.in_flight = 0
+        self.waiting = 0  # live waiters (the heap may also hold finished ones)
+        # Invariant: every live waiter is one heap entry whose future is not done, and is
+        # counted once in ``waiting`` and ``_waiting_by_rank``; whoever finishes a future
+        # (grant, displacement, expiry, cancel) takes it off those counts.
+        self._heap: list[tuple[int, int, float, asyncio.Future]] = []  # (rank, seq, deadline_s, future)
+        self._seq = itertools.count()
+        self._service = rules.ServiceTime()
+        self._waiting_by_rank: dict[int, int] = {}
+        self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
+        self.saturations = 0  # requests that found the limit reached, ever
+        self.misses_counted = 0  # deadlines missed at the model that cut the limit, ever
+        self.misses_not_congestion = 0  # missed in about the usual service time: the wait's doing
+
+    @property
+    def served(self) -> int:
+        """Slots given back with a service time (model work done), ever."""
+        return self._service.served
+
+    @property
+    def expected_service_s(self) -> float:
+        """EWMA of time from slot to answer."""
+        return self._service.mean_s
+
+    async def acquire(self, rank: int, deadline_s: float) -> None:
+        """Hold a slot on return, or raise GateRefused. ``rank`` 0 is the most critical."""
+        limit = self.limit.value
+        self._reserve.note_arrival(rank, self.critical_rank, self.in_flight, limit, self._waiting_at_most(rank))
+        if self.waiting == 0 and self.in_flight < self._room(rank, limit):
+            self.in_flight += 1
+            return
+        # Held back by the limit, or by the reserve (whose share of the limit grows with it):
+        # either way there may be room to grow. Counting only the limit let the reserve
+        # pin it: with sheddable traffic held at limit - reserve and critical traffic
+        # using little of its reserve, in_flight never reached the limit, the limit never
+        # grew, and sheddable requests expired in line beside idle capacity.
+        self.limit.saturated()
+        self.saturations += 1
+        wait_s = rules.wait_budget_s(
+            deadline_s, self._clock(), self._service.needed_s(rank, self.critical_rank), self.max_wait_s
+        )
+        drain = rules.drain_s(self._waiting_at_most(rank), self._service.mean_s, self._room(rank, self.limit.value))
+        decision = rules.line_decision(wait_s, drain, self.waiting, self.max_waiting)
+        if decision == rules.DISPLACE and not self._displace(rank):
+            decision = "queue_full"
+        if decision not in (rules.WAIT, rules.DISPLACE):
+            return self._refuse(decision)
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (rank, next(self._seq), deadline_s, fut))
+        self._add_waiting(rank, 1)
+        self._grant()
+        try:
+            await self._wait_for(asyncio.shield(fut), wait_s)
+        except asyncio.TimeoutError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                return  # granted in the same instant the wait ran out: the slot is ours
+            if not fut.done():
+                fut.cancel()
+                self._add_waiting(rank, -1)
+            if fut.cancelled():
+                return self._refuse("expired")
+            raise fut.exception() from None  # displaced, or yielded its turn (expired)
+        except asyncio.CancelledError:  # the client left while waiting
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release()  # a slot was granted but will never be used
+            elif not fut.done():
+                fut.cancel()
+                self._add_waiting(rank, -1)
+            raise
+
+    def _add_waiting(self, rank: int, n: int) -> None:
+        self.waiting += n
+        self._waiting_by_rank[rank] = self._waiting_by_rank.get(rank, 0) + n
+
+    def _waiting_at_most(self, rank: int) -> int:
+        """Waiters as critical as ``rank`` or more."""
+        return sum(n for r, n in self._waiting_by_rank.items() if r <= rank)
+
+    def _room(self, rank: int, limit: int) -> int:
+        return self._reserve.room(rank, self.critical_rank, limit)
+
+    def reserving(self) -> bool:
+        return self._reserve.active()
+
+    def _refuse(self, reason: str) -> None:
+        self.refused[reason] += 1
+        raise GateRefused(reason)
+
+    def _displace(self, rank: int) -> bool:
+        """Make room for a waiter of ``rank`` by refusing the one ballast/policies/gate.py picks."""
+        live = {(r, seq): fut for r, seq, _, fut in self._heap if not fut.done()}
+        victim = rules.displaced(live, rank)
+        if victim is None:
+            return False
+        live[victim].set_exception(GateRefused("displaced"))
+        self.refused["displaced"] += 1
+        self._add_waiting(victim[0], -1)
+        return True
+
+    def release(self, service_s: Optional[float] = None) -> None:
+        """Give a slot back; ``service_s`` (slot to answer) feeds the service-time estimate."""
+        self.in_flight -= 1
+        if service_s is not None:
+            self._service.add(service_s)
+        self._grant()
+
+    def observe_wait(self, wait_ms: float) -> None:
+        self.limit.observe(wait_ms)
+        self._grant()  # the limit may have grown
+
+    def observe_service(self, service_s: float, budget_s: float) -> None:
+        """An answered request held its slot ``service_s`` of its ``budget_s`` (arrival to deadline)."""
+        if budget_s > 0:
+            self.limit.observe_service(service_s / budget_s)
+
+    def observe_miss(self, held_ms: float) -> None:
+        """An admitted request ran out of time at the model after ``held_ms``: the limit goes
+        down if ballast/policies/gate.py's ``miss_is_congestion`` says so. It still counts as a wait."""
+        if rules.miss_is_congestion(held_ms, self.miss_service_factor, self._service.served, self._service.p90_s):
+            self.limit.missed()
+            self.misses_counted += 1
+        else:
+            self.misses_not_congestion += 1
+        self.observe_wait(held_ms)
+
+    def _grant(self) -> None:
+        limit = self.limit.value
+        while self._heap:
+            rank, _, deadline_s, fut = self._heap[0]
+            if fut.done():
+                heapq.heappop(self._heap)
+                continue
+            if self.in_flight >= self._room(rank, limit):
+                break  # the most critical waiter cannot go: nobody behind it can
+            heapq.heappop(self._heap)
+            behind = self._waiting_by_rank.get(rank, 0) - 1
+            if rules.yields_slot(deadline_s - self._clock(), self._service.p90_s, behind):
+                fut.set_exception(GateRefused("expired"))
+                self.refused["expired"] += 1
+                self._add_waiting(rank, -1)
+                continue
+            fut.set_result(True)
+            self._add_waiting(rank, -1)
+            self.in_flight += 1
+        # Finished entries at the top were dropped above; the rest are compacted now and then.
+        if len(self._heap) > 4 * max(1, self.max_waiting):
+            self._heap = [e for e in self._heap if not e[3].done()]
+            heapq.heapify(self._heap)
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            **self.limit.snapshot(),
+            "in_flight": self.in_flight,
+            "waiting": self.waiting,
+            "expected_service_ms": round(self._service.mean_s * 1000.0, 1),
+            "service_p90_ms": round(self._service.p90_s * 1000.0, 1),
+            "reserving": self.reserving(),
+            "refused": dict(self.refused),
+            "misses": {"congestion": self.misses_counted, "late_admission": self.misses_not_congestion},
+        }
+
+
+class GateSlot:
+    """One held slot (or none: ``GateSlot(None)``), given back exactly once by ``release``."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: Optional[PriorityGate]):
+        self._gate = gate
+
+    def release(self, service_s: Optional[float] = None) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.release(service_s)

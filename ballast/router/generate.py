@@ -1,0 +1,129 @@
+"""``POST /v1/generate``: Ballast's native front on the shared request pipeline.
+
+``NativeFront`` reads and bounds its body (413, 422 naming the field), hands the
+request to the ``Pipeline`` it holds (identity, kill switch, admission, the ticket,
+the gate, the resilient call; pipeline.py's docstring walks the path) and formats
+what comes back: one JSON object, or server-sent events ``token`` … ``done`` (or
+``error``). At a level that does not allow streaming, a stream request gets one
+``token`` event with the whole text, then ``done``.
+
+A stream cut on its way to the client (its router's node lost: no router can carry it
+on, only the client can) is resumed by sending the same request again with
+``resume``: the token ids the ``token`` events carried and the characters the client
+got. The model prefills the prompt and those ids and goes on; the client gets only
+the text it does not have, and ``done`` counts the whole generation.
+"""
+
+import json
+from typing import Annotated, Any, AsyncGenerator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from ballast.policies.criticality import Criticality
+
+from ballast.errors import BallastError, InvalidRequest, PayloadTooLarge
+from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_body, sse_event, validate_body
+from ballast.router.pipeline import Answer, ModelRequest, Pipeline, Stream
+from ballast.router.tokens import ModelText
+
+
+class Resume(BaseModel):
+    """Where a cut stream's client stands: the ids of the tokens it got, and its text's
+    length in characters (Unicode code points)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+    text_chars: int = Field(ge=0)
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str
+    max_tokens: int = Field(64, ge=1)
+    # Or the X-Ballast-Criticality header (which HAProxy reads: edge.py); both must agree.
+    criticality: Optional[Criticality] = None
+    stream: bool = False
+    resume: Optional[Resume] = None  # a cut stream sent again (the module's docstring)
+
+
+class NativeFront:
+    """``POST /v1/generate`` on the pipeline it holds."""
+
+    def __init__(self, pipeline: Pipeline, text: ModelText, limits: Any) -> None:
+        self._pipeline = pipeline
+        self._text = text
+        self._limits = limits
+
+    async def generate(self, request: Request) -> Response:
+        caller = self._pipeline.identify(request)
+        req = self._parse(await read_body(request, self._limits.max_body_bytes))
+        resumed = self._resume_fields(req, caller.idempotency_key)
+        prompt_tokens = self._text.count(req.prompt)
+        # A resumed stream prefills the ids it brings beside its prompt.
+        kv_prompt = prompt_tokens + len(resumed.get("continue_ids", ()))
+        served = await self._pipeline.serve(ModelRequest(
+            caller, claimed_criticality(request, req.criticality), kv_prompt,
+            self._text.fit(prompt_tokens, req.max_tokens), req.stream, {"prompt": req.prompt, **resumed},
+        ))
+        resumed_tokens = len(resumed.get("continue_ids", ()))
+        if isinstance(served, Stream):
+            return StreamResponse(self._events(served, resumed_tokens), served)
+        return self._answer(served, resumed_tokens, req.stream)
+
+    def _answer(self, answer: Answer, resumed_tokens: int, stream: bool) -> Response:
+        meta = answer.admission.meta(answer.model)
+        body = {"text": answer.text, "tokens_generated": answer.tokens + resumed_tokens, **meta, "fallback": answer.fallback}
+        headers = answer_headers(answer)
+        if stream:  # streaming is off at this level: one token event, then done
+            done = {k: v for k, v in body.items() if k != "text"}
+            events = sse_event("token", {"text": body["text"], "tokens": body["tokens_generated"]}) + sse_event("done", done)
+            return Response(events, media_type="text/event-stream", headers=headers)
+        return JSONResponse(body, headers=headers)
+
+    async def _events(self, stream: Stream, resumed_tokens: int) -> AsyncGenerator[bytes, None]:
+        try:
+            async for chunk in stream:
+                event = {"text": chunk["text"], "tokens": chunk["tokens"]}
+                if stream.fallback is None:  # the primary's ids: the client resumes a cut stream with them
+                    event["ids"] = chunk.get("ids", [])
+                yield sse_event("token", event)
+            yield sse_event("done", {"tokens_generated": resumed_tokens + stream.tokens, **stream.admission.meta(stream.model),
+                                     "fallback": stream.fallback, "migrations": stream.migrations,
+                                     **({"resumed_tokens": resumed_tokens} if resumed_tokens else {})})
+        except BallastError as err:
+            yield sse_event("error", err.body())
+        finally:
+            await stream.aclose()  # a client that left mid-stream: settled now, not when collected
+
+    def _resume_fields(self, req: GenerateRequest, key: Optional[str]) -> dict[str, Any]:
+        """The call's continuation fields for a resumed stream (checked here: a bad id
+        would otherwise fail in the model as the model's error); {} for a new request."""
+        if req.resume is None:
+            return {}
+        if not req.stream:
+            raise InvalidRequest("resume: only a stream is resumed (a unary answer comes whole or not at all)", field="resume")
+        if key is not None:
+            raise InvalidRequest("resume: a resumed stream takes no Idempotency-Key", field="Idempotency-Key")
+        ids = req.resume.ids
+        if len(ids) > req.max_tokens:
+            raise InvalidRequest(f"resume.ids: {len(ids)} ids, more than max_tokens {req.max_tokens}", field="resume.ids")
+        if max(ids) >= self._text.vocab_size:
+            raise InvalidRequest(f"resume.ids: token ids must be below the model's vocabulary size {self._text.vocab_size}",
+                                 field="resume.ids")
+        return {"continue_ids": list(ids), "continue_text_chars": req.resume.text_chars}
+
+    def _parse(self, body: bytes) -> GenerateRequest:
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidRequest("body must be a JSON object", field="body") from None
+        req = validate_body(GenerateRequest, data)
+        if req.max_tokens > self._limits.max_tokens_limit:
+            raise InvalidRequest(f"max_tokens: must be <= {self._limits.max_tokens_limit}", field="max_tokens")
+        if len(req.prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
+            raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
+        return req

@@ -1,0 +1,55 @@
+#!/bin/sh
+# Serve's HAProxy with Ballast's edge rules (haproxy_edge.cfg, ballast/router/edge.py).
+#
+# Serve starts HAProxy as `<binary> -db -f <config> [...]` (RAY_SERVE_HAPROXY_BINARY_PATH
+# names this script). The config Serve wrote is copied to <config>.edge with the rules
+# inserted after the bind line of its http_frontend and the table's backend appended,
+# and the real HAProxy ($BALLAST_HAPROXY_REAL) runs on the copy, as this process.
+#
+# Two changes to how HAProxy treats a router replica it judges down (its node lost or
+# cut off): the sessions it holds there are shut (`on-marked-down shutdown-sessions`),
+# so their clients resend or resume them elsewhere at once instead of waiting out their
+# timeouts, and a health check gets `timeout check 5s` to answer once connected (a
+# check's connect still times out at `inter`: a cut-off node is seen at once, a busy
+# router is not taken for a dead one).
+set -eu
+real="${BALLAST_HAPROXY_REAL:?BALLAST_HAPROXY_REAL: the HAProxy binary to run}"
+rules="$(dirname "$0")/haproxy_edge.cfg"
+cfg=""
+prev=""
+for a in "$@"; do
+    if [ "$prev" = "-f" ]; then cfg="$a"; fi
+    prev="$a"
+done
+if [ -z "$cfg" ]; then exec "$real" "$@"; fi
+dir="$(dirname "$cfg")"
+out="$cfg.edge"
+[ -f "$dir/ballast-shed.map" ] || : > "$dir/ballast-shed.map"
+if ! awk -v rules="$rules" -v dir="$dir" '
+    BEGIN { n = 0; m = 0; part = 0
+            while ((getline line < rules) > 0) {
+                gsub(/@EDGE_DIR@/, dir, line)
+                if (line == "#@backend") { part = 1; continue }
+                if (part == 0) front[n++] = line; else back[m++] = line } }
+    /^[ \t]*default-server / { print $0 " on-marked-down shutdown-sessions"; next }
+    { print }
+    /^defaults/ { print "    timeout check 5s" }
+    /^frontend http_frontend/ { infront = 1; next }
+    infront && !done && /^[ \t]*bind / { for (i = 0; i < n; i++) print front[i]; done = 1 }
+    END { if (!done) { print "haproxy_edge.sh: no bind line in frontend http_frontend" > "/dev/stderr"; exit 3 }
+          for (i = 0; i < m; i++) print back[i] }
+' "$cfg" > "$out.tmp"; then
+    # HAProxy without the edge rather than no HAProxy: the router still refuses in Python.
+    echo "haproxy_edge.sh: edge rules not added to $cfg; running it as Serve wrote it" >&2
+    rm -f "$out.tmp"
+    exec "$real" "$@"
+fi
+mv "$out.tmp" "$out"
+n=$#
+prev=""
+for a in "$@"; do
+    if [ "$prev" = "-f" ]; then set -- "$@" "$out"; else set -- "$@" "$a"; fi
+    prev="$a"
+done
+shift "$n"
+exec "$real" "$@"

@@ -1,0 +1,161 @@
+"""The OpenAI-compatible front on the shared request pipeline.
+
+``POST /v1/chat/completions``, ``POST /v1/completions`` (unary, or server-sent events
+``data: {chunk}`` … ``data: [DONE]``) and ``GET /v1/models``, so that the official
+``openai`` SDK, LangChain, LiteLLM and every other OpenAI client can use Ballast. The
+protocol itself (bodies, fields refused by name, the chat template, stop strings, the
+answers' shapes, errors in OpenAI's shape) is ``openai_api.py``; this module reads
+the request, hands it to ``pipeline.Pipeline`` and formats what comes back.
+
+* Identity: the tenant is the API key (``Authorization: Bearer``), as on every route.
+* Class: the ``X-Ballast-Criticality`` header or a ``criticality`` body field (the SDK
+  sends it with ``extra_body``); default ``critical``. A claim above the tenant's cap
+  is lowered; ``X-Ballast-Criticality`` on the answer says what was granted and
+  ``X-Ballast-Degraded`` why the answer is smaller than asked (level, cap, context).
+* Which model answered: the answer's ``model`` field and ``X-Ballast-Fallback``.
+* Sampling fields (temperature, top_p, seed) are passed to the model; the built-in
+  byte model decodes greedily whatever they say (documented in the README).
+* Errors: ``{"error": {"message", "type", "param", "code"}}`` with Ballast's stable code
+  in ``code`` and Retry-After on 429/503, so the SDK raises its typed errors and its
+  own retries wait as told (``api.py`` picks the shape by route).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncGenerator, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ballast.errors import BallastError, PayloadTooLarge
+from ballast.router import openai_api as oa
+from ballast.stops import StopScanner, cut_at_stop
+from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_body
+from ballast.router.pipeline import Admission, Answer, ModelRequest, Pipeline, Stream
+from ballast.router.tokens import ModelText
+
+
+Parsed = Union[oa.ChatCompletionRequest, oa.CompletionRequest]
+
+
+class OpenAIFront:
+    """The OpenAI-compatible routes on the pipeline it holds."""
+
+    def __init__(self, pipeline: Pipeline, cfg: Any, text: ModelText, created_s: int) -> None:
+        self._pipeline = pipeline
+        self._cfg = cfg
+        self._limits = cfg.limits
+        self._text = text
+        self._created_s = created_s  # /v1/models' "created"
+
+    def models(self, request: Request) -> JSONResponse:
+        self._pipeline.identify(request)  # a key is needed here as on every model route
+        names = [self._cfg.model.name]
+        if self._cfg.fallback is not None and self._cfg.fallback.model.name not in names:
+            names.append(self._cfg.fallback.model.name)
+        return JSONResponse(oa.models_list(names, self._created_s))
+
+    async def complete(self, request: Request, chat: bool) -> Response:
+        """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``."""
+        caller = self._pipeline.identify(request)
+        req = await self._parse(request, chat)
+        prompt = self._text.render_chat(req.messages) if chat else req.prompt
+        if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
+            raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
+        claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
+        # A chat prompt holds its template's special tokens already; a raw prompt gets them.
+        prompt_tokens = self._text.count(prompt, add_special_tokens=not chat)
+        max_tokens = self._text.fit(prompt_tokens, oa.max_tokens_of(req))
+        stops = oa.stops_of(req)
+        served = await self._pipeline.serve(ModelRequest(caller, claimed, prompt_tokens, max_tokens, req.stream,
+                                                         self._call(req, prompt, chat, stops)))
+        answer_id = oa.Identity(oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()))
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        headers = self._headers(served.admission)
+        if isinstance(served, Stream):
+            return StreamResponse(self._events(served, chat, answer_id, stops, usage), served, headers)
+        return self._answer(served, chat, answer_id, stops, req.stream and usage, req.stream, headers)
+
+    async def _parse(self, request: Request, chat: bool) -> Parsed:
+        raw = await read_body(request, self._limits.max_body_bytes)
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise oa.BadRequest("body must be a JSON object", field="body") from None
+        req: Parsed = oa.parse_chat(data) if chat else oa.parse_completion(data)
+        if req.model != self._cfg.model.name:
+            raise oa.unknown_model(req.model, [self._cfg.model.name])
+        asked = oa.max_tokens_of(req)
+        if asked is not None and asked > self._limits.max_tokens_limit:
+            field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise oa.BadRequest(f"{field}: must be <= {self._limits.max_tokens_limit}", field=field)
+        return req
+
+    @staticmethod
+    def _call(req: Parsed, prompt: str, chat: bool, stops: tuple[str, ...]) -> dict[str, Any]:
+        call: dict[str, Any] = {"prompt": prompt}
+        if chat:
+            call["add_special_tokens"] = False
+        if stops:
+            call["stop"] = list(stops)  # the model ends the row there; the front cuts too
+        for name in ("temperature", "top_p", "seed"):
+            if getattr(req, name) is not None:
+                call[name] = getattr(req, name)
+        return call
+
+    @staticmethod
+    def _headers(admission: Admission) -> dict[str, str]:
+        headers = {"X-Ballast-Criticality": admission.criticality.value, "X-Ballast-Level": str(admission.level)}
+        if admission.degraded_reasons:
+            headers["X-Ballast-Degraded"] = ",".join(admission.degraded_reasons)
+        return headers
+
+    @staticmethod
+    def _answer(answer: Answer, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], usage: bool,
+                stream: bool, headers: dict[str, str]) -> Response:
+        text, stopped = cut_at_stop(answer.text, stops)
+        a = answer.admission
+        finish = oa.finish_reason(answer.tokens, a.max_tokens, stopped or answer.finish_reason == "stop")
+        headers = {**headers, **answer_headers(answer)}
+        ident = answer_id.of(answer.model)
+        counts = oa.Counts(a.prompt_tokens, answer.tokens)
+        if not stream:
+            build = oa.chat_completion if chat else oa.completion
+            return JSONResponse(build(ident, text, finish, counts), headers=headers)
+        # Streaming is off at this level: the whole answer as one stream event, then [DONE].
+        events = oa.one_event_stream(ident, chat, text, finish, counts if usage else None)
+        return Response(events, media_type="text/event-stream", headers=headers)
+
+    async def _events(
+        self, stream: Stream, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], usage: bool
+    ) -> AsyncGenerator[bytes, None]:
+        scanner = StopScanner(stops)
+        chunk = oa.chat_chunk if chat else oa.completion_chunk
+        ident = answer_id.of(self._cfg.model.name)
+        try:
+            if chat:
+                yield oa.sse_data(oa.chat_chunk(ident, oa.ChunkDelta(role="assistant", content=""), None))
+            async for part in stream:
+                ident = answer_id.of(stream.model)
+                text = scanner.feed(part["text"])
+                if text:
+                    yield oa.sse_data(chunk(ident, oa.delta(chat, text), None))
+                if scanner.stopped:  # a stop string: the answer is complete, the model stops now
+                    stream.enough()
+                    await stream.aclose()
+                    break
+            rest = scanner.finish()
+            if rest:
+                yield oa.sse_data(chunk(ident, oa.delta(chat, rest), None))
+            a = stream.admission
+            finish = oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop")
+            yield oa.sse_data(chunk(ident, oa.delta(chat, None), finish))
+            if usage:
+                yield oa.sse_data(oa.usage_chunk(ident, chat, oa.Counts(a.prompt_tokens, stream.tokens)))
+        except BallastError as err:
+            yield oa.sse_data(oa.openai_error_body(err))
+        finally:
+            await stream.aclose()  # a client that left mid-stream: the model stops within a step
+        yield oa.SSE_DONE

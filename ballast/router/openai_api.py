@@ -1,0 +1,538 @@
+"""The OpenAI protocol: request and response models of Ballast's OpenAI-compatible front.
+
+``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models`` speak
+the OpenAI API so that every OpenAI client works against Ballast unchanged. This
+module is the protocol only: what a body may hold,
+the answers' exact shapes, the SSE framing, the error body. It runs nothing; the
+routes parse with ``parse_chat`` / ``parse_completion``, hand one request to the
+same pipeline as ``/v1/generate``, and build their answers from the response models
+below (the ones ``/openapi.json`` publishes).
+
+Requests. A field Ballast does not serve is refused with 400 naming it, never
+ignored: a client that sends ``tools`` or ``logprobs`` expects their effect, and an
+answer without it would look like the model's fault. A field set to its neutral value
+(``logprobs: false``, ``presence_penalty: 0``, any field ``null``) asks for nothing and
+passes. Unknown fields (typos) are refused too.
+
+The built-in model's chat template (``render_chat``), one block per message and an
+open assistant block for the model to continue::
+
+    <|system|>
+    You are terse.
+    <|user|>
+    Hi
+    <|assistant|>
+
+``developer`` messages render as ``system``. A Hugging Face model brings its own
+tokenizer's template; the router picks the renderer, this one is the default.
+
+Stop strings go to the model, which ends the row where one completes (no step spent
+past it), and the front cuts what it sends as well (``ballast.stops``: a stop can
+straddle two streamed chunks, and a fallback may not know stops). A stop string ends
+the answer where it *completes* first, so a stream and a unary answer cut the same
+text at the same place whatever the chunking.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Annotated, Any, Literal, NamedTuple, Optional, Sequence, Union
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ballast.policies.criticality import Criticality
+from ballast.errors import BallastError, InvalidRequest, NotFound
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+# OpenAI fields Ballast knows and does not serve, each with the one value that asks
+# for nothing (None: only absent or null). One table for both endpoints: a field of
+# the other endpoint is refused just as clearly.
+_UNSUPPORTED: dict[str, Any] = {
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "parallel_tool_calls": None,
+    "logprobs": False,
+    "top_logprobs": None,
+    "logit_bias": None,
+    "response_format": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "best_of": 1,
+    "echo": False,
+    "suffix": None,
+    "audio": None,
+    "modalities": None,
+    "prediction": None,
+    "service_tier": None,
+    "store": False,
+    "metadata": None,
+    "reasoning_effort": None,
+    "web_search_options": None,
+}
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+}
+
+
+class BadRequest(InvalidRequest):
+    """An invalid OpenAI request: 400, as OpenAI clients expect, with the native code."""
+
+    status = 400
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(_Strict):
+    """One part of a message's content; only text parts are served."""
+
+    type: str = Field(description="Always 'text'.")
+    text: str = Field(description="The part's text.")
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise PydanticCustomError("part_type", "only 'text' parts are served; got {got}", {"got": repr(v)})
+        return v
+
+
+_TEXT_PARTS = TypeAdapter(list[TextPart])
+_STOP = Annotated[str, Field(min_length=1)]
+_STOP_LIST = Annotated[list[_STOP], Field(max_length=4)]
+_ONE_STOP, _STOPS = TypeAdapter(_STOP), TypeAdapter(_STOP_LIST)
+
+
+# The str-or-list fields below are checked by before-validators rather than by their
+# unions, so that an error names the field's path (``messages.1.content.0.type``), not
+# a union branch (``messages.1.content.list[TextPart].0.type``); the unions stay in the
+# type for the OpenAPI document.
+
+
+def _join_text_parts(value: Any) -> Any:
+    """A list of text parts becomes their joined text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "".join(part.text for part in _TEXT_PARTS.validate_python(value))
+    raise PydanticCustomError("content_type", "must be a string or a list of text parts")
+
+
+def _one_prompt(value: Any) -> Any:
+    """A prompt is a string, or a list holding exactly one string (token ids are not served)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    raise PydanticCustomError("prompt_type", "must be a string or a list holding exactly one string")
+
+
+def _stop_value(value: Any) -> Any:
+    if value is None:
+        return value
+    if isinstance(value, str):
+        return _ONE_STOP.validate_python(value)
+    if isinstance(value, list):
+        return _STOPS.validate_python(value)
+    raise PydanticCustomError("stop_type", "must be a string or a list of at most 4 non-empty strings")
+
+
+class ChatMessage(_Strict):
+    """One message of the conversation. After validation ``content`` is always a str."""
+
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="Who speaks; 'developer' is treated as 'system'. Tool and function roles are not served."
+    )
+    content: Annotated[Union[str, list[TextPart]], BeforeValidator(_join_text_parts)] = Field(
+        description="The text, or a list of text parts (joined)."
+    )
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v in ("tool", "function"):
+            raise PydanticCustomError(
+                "role_tool",
+                "role {role} is not served (no tool calling); use system, developer, user or assistant",
+                {"role": repr(v)},
+            )
+        return v
+
+
+class StreamOptions(_Strict):
+    """Options of a streamed answer."""
+
+    include_usage: bool = Field(False, description="Send a last chunk with the usage and no choices.")
+
+
+class _Sampling(_Strict):
+    """What both endpoints share: the model, the length, sampling, streaming, Ballast's criticality."""
+
+    model: str = Field(min_length=1, description="The served model's name (GET /v1/models lists them).")
+    max_tokens: Optional[int] = Field(None, ge=1, description="At most this many tokens are generated.")
+    temperature: Optional[float] = Field(None, ge=0, le=2, description="Sampling temperature, 0 to 2.")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus sampling mass, above 0 and at most 1.")
+    seed: Optional[int] = Field(None, description="Seed for reproducible sampling.")
+    stop: Annotated[Union[_STOP, _STOP_LIST, None], BeforeValidator(_stop_value)] = Field(
+        None, description="A string, or up to 4 strings, that end the answer (not included in it)."
+    )
+    stream: bool = Field(False, description="Answer as server-sent events, ending with 'data: [DONE]'.")
+    stream_options: Optional[StreamOptions] = Field(None, description="Only with stream=true.")
+    user: Optional[str] = Field(None, max_length=256, description="The end user's id, for abuse tracking.")
+    n: Optional[Literal[1]] = Field(None, description="Choices per request; only 1 is served.")
+    criticality: Optional[Criticality] = Field(
+        None,
+        description="Ballast extension: how much the request matters under overload, as the "
+        "X-Ballast-Criticality header (both must agree); default critical, lowered to the "
+        "tenant's cap when above it.",
+    )
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v: Optional[StreamOptions], info: ValidationInfo) -> Optional[StreamOptions]:
+        if v is not None and info.data.get("stream") is not True:
+            raise PydanticCustomError("stream_options", "only allowed when stream is true")
+        return v
+
+
+class ChatCompletionRequest(_Sampling):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far, oldest first.")
+    max_completion_tokens: Optional[int] = Field(
+        None, ge=1, description="The newer name of max_tokens; both given, they must agree."
+    )
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _agrees_with_max_tokens(cls, v: Optional[int], info: ValidationInfo) -> Optional[int]:
+        other = info.data.get("max_tokens")
+        if v is not None and other is not None and v != other:
+            raise PydanticCustomError(
+                "max_tokens_conflict",
+                "{v} disagrees with max_tokens {other}; send one of them",
+                {"v": v, "other": other},
+            )
+        return v
+
+
+class CompletionRequest(_Sampling):
+    """Body of ``POST /v1/completions``."""
+
+    prompt: Annotated[Union[str, list[str]], BeforeValidator(_one_prompt)] = Field(
+        description="The text to continue: a string, or a list holding exactly one string. After validation a str."
+    )
+
+
+def parse_chat(data: Any) -> ChatCompletionRequest:
+    """A decoded body as a chat request, or ``BadRequest`` naming the field."""
+    return _parse(ChatCompletionRequest, data)
+
+
+def parse_completion(data: Any) -> CompletionRequest:
+    """A decoded body as a completion request, or ``BadRequest`` naming the field."""
+    return _parse(CompletionRequest, data)
+
+
+def _parse(model: type[_Sampling], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise BadRequest("body: must be a JSON object", field="body")
+    try:
+        return model.model_validate(_served_fields(data))
+    except ValidationError as e:
+        first = e.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "body"
+        reason = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+        raise BadRequest(f"{field}: {reason}", field=field) from None
+
+
+def _served_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` less the unsupported fields that ask for nothing; ``BadRequest`` for one that asks."""
+    for name, neutral in _UNSUPPORTED.items():
+        value = data.get(name)
+        if value is not None and not _same(value, neutral):
+            allowed = "leave it out" if neutral is None else f"leave it out or send {json.dumps(neutral)}"
+            raise BadRequest(f"{name}: not supported by Ballast; {allowed}", field=name)
+    return {k: v for k, v in data.items() if k not in _UNSUPPORTED}
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    # bool is an int in Python: logprobs=0 (a count on /v1/completions) is not false.
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+def max_tokens_of(req: _Sampling) -> Optional[int]:
+    """The requested length: max_completion_tokens, else max_tokens, else None."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def stops_of(req: _Sampling) -> tuple[str, ...]:
+    """The request's stop strings, however it sent them."""
+    if req.stop is None:
+        return ()
+    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+
+
+def render_chat(messages: Sequence[ChatMessage]) -> str:
+    """The built-in model's prompt for a conversation (template in the module docstring)."""
+    blocks = [f"<|{'system' if m.role == 'developer' else m.role}|>\n{m.content}\n" for m in messages]
+    return "".join(blocks) + "<|assistant|>\n"
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    """A unary answer of ``POST /v1/chat/completions``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int = Field(description="Unix time, seconds.")
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: Optional[Literal["stop", "length"]]
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a streamed chat answer; the last one, with include_usage, has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Optional[Literal["stop", "length"]]
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """An answer of ``POST /v1/completions``, unary or one streamed chunk (the same shape)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    """The answer of ``GET /v1/models``."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="OpenAI's error type, from the status.")
+    param: Optional[str] = Field(description="The request field at fault, if one is.")
+    code: str = Field(description="Ballast's stable error code, e.g. QUOTA_EXCEEDED.")
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal of the OpenAI front; Retry-After, when there is one, is a header."""
+
+    error: ErrorDetail
+
+
+def new_id(prefix: str) -> str:
+    """A fresh answer id, e.g. ``chatcmpl-`` and 24 hex digits."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def finish_reason(completion_tokens: int, max_tokens: int, stopped: bool) -> str:
+    """"length" when the answer used all of max_tokens without a stop string, else "stop"."""
+    return "length" if not stopped and completion_tokens >= max_tokens else "stop"
+
+
+# The answers below are the models above, built and dumped with ``exclude_unset``: a
+# field is in the JSON when the answer sets it (``usage`` only where it is given), so
+# what is sent is what the contract publishes and nothing can drift from it.
+
+
+class Ident(NamedTuple):
+    """What every event of one answer repeats: its id, its creation time, the model."""
+
+    id: str
+    created: int
+    model: str
+
+
+class Identity(NamedTuple):
+    """An answer's id and creation time, before the model that answers is known."""
+
+    id: str
+    created: int
+
+    def of(self, model: str) -> Ident:
+        return Ident(self.id, self.created, model)
+
+
+class Counts(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+
+    def usage(self) -> Usage:
+        p, c = self
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def chat_completion(ident: Ident, text: str, finish: str, counts: Counts) -> dict[str, Any]:
+    message = AssistantMessage(role="assistant", content=text, refusal=None)
+    choice = ChatChoice(index=0, message=message, finish_reason=finish, logprobs=None)
+    return _dump(ChatCompletion(**ident._asdict(), object="chat.completion", choices=[choice], usage=counts.usage()))
+
+
+def completion(ident: Ident, text: str, finish: str, counts: Counts) -> dict[str, Any]:
+    choice = CompletionChoice(index=0, text=text, finish_reason=finish, logprobs=None)
+    return _dump(Completion(**ident._asdict(), object="text_completion", choices=[choice], usage=counts.usage()))
+
+
+def delta(chat: bool, text: Optional[str]) -> Union[ChunkDelta, str]:
+    """A streamed piece of text: a chat delta (``{}`` with no text: the last one), or a
+    completion's text."""
+    if not chat:
+        return text or ""
+    return ChunkDelta() if text is None else ChunkDelta(content=text)
+
+
+def chat_chunk(ident: Ident, piece: ChunkDelta, finish: Optional[str] = None) -> ChatCompletionChunk:
+    """One streamed chat event. Deltas: ``{"role": "assistant", "content": ""}`` first,
+    then ``{"content": text}``, and ``{}`` with the finish reason last."""
+    choice = ChunkChoice(index=0, delta=piece, finish_reason=finish, logprobs=None)
+    return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice])
+
+
+def completion_chunk(ident: Ident, text: str, finish: Optional[str] = None) -> Completion:
+    """One streamed completion event; its last one carries the finish reason."""
+    choice = CompletionChoice(index=0, text=text, finish_reason=finish, logprobs=None)
+    return Completion(**ident._asdict(), object="text_completion", choices=[choice])
+
+
+def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> Union[ChatCompletionChunk, Completion]:
+    """The last event when ``stream_options.include_usage``: no choices, the usage."""
+    model = ChatCompletionChunk if chat else Completion
+    return model(**ident._asdict(), object="chat.completion.chunk" if chat else "text_completion",
+                 choices=[], usage=counts.usage())
+
+
+def one_event_stream(ident: Ident, chat: bool, text: str, finish: str, counts: Optional[Counts]) -> bytes:
+    """A unary answer as a stream: its text in one event, the finish, the usage (when
+    ``counts``), [DONE]."""
+    if chat:
+        events: list[BaseModel] = [chat_chunk(ident, ChunkDelta(role="assistant", content=text)),
+                                   chat_chunk(ident, ChunkDelta(), finish)]
+    else:
+        events = [completion_chunk(ident, text), completion_chunk(ident, "", finish)]
+    if counts is not None:
+        events.append(usage_chunk(ident, chat, counts))
+    return b"".join(sse_data(e) for e in events) + SSE_DONE
+
+
+def _dump(answer: BaseModel) -> dict[str, Any]:
+    return answer.model_dump(mode="json", exclude_unset=True)
+
+
+def sse_data(event: Union[BaseModel, dict[str, Any]]) -> bytes:
+    """One SSE event as OpenAI sends it: a data line, no event name."""
+    if isinstance(event, BaseModel):
+        return b"data: " + event.model_dump_json(exclude_unset=True).encode() + b"\n\n"
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def models_list(names: list[str], created: int) -> dict[str, Any]:
+    cards = [ModelCard(id=name, object="model", created=created, owned_by="ballast") for name in names]
+    return _dump(ModelList(object="list", data=cards))
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+def openai_error_body(err: BallastError) -> dict[str, Any]:
+    """``err`` in OpenAI's shape: its four keys exactly, Ballast's code as ``code``."""
+    param = (err.field or None) if isinstance(err, InvalidRequest) else None
+    return {"error": {"message": err.message, "type": _error_type(err), "param": param, "code": err.code}}
+
+
+def _error_type(err: BallastError) -> str:
+    if err.status == 503:
+        return "overloaded_error" if err.code == "OVERLOADED" else "service_unavailable_error"
+    return _ERROR_TYPES.get(err.status, "api_error")
+
+
+def unknown_model(name: str, served: list[str]) -> NotFound:
+    """404 for a model this deployment does not serve, naming the ones it does."""
+    return NotFound(f"model {name!r} is not served here; served: {', '.join(served) or 'none'}")

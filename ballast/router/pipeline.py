@@ -1,0 +1,482 @@
+"""The request pipeline every front shares: from an authenticated tenant to an answer.
+
+A front (generate.py's ``/v1/generate``, openai.py's OpenAI routes) reads and bounds
+its own body and formats its own answers; everything between is the ``Pipeline``,
+which the router builds once (app.py) and the fronts hold. Its public face:
+
+1. ``identify(request)``: ``Authorization: Bearer <key>`` → the tenant (401; the tenant
+   is what the key says, never a header the client picks), the deadline (the route's
+   default, or ``X-Request-Timeout-Ms`` up to ``resilience.max_deadline_s``) and the
+   ``Idempotency-Key``, all checked before anything is charged.
+2. ``serve(ModelRequest)``: an ``Answer``, a ``Stream``, or a ``BallastError`` raised.
+   a. the criticality claim is lowered to the tenant's cap (the answer says so);
+   b. kill switch (global / tenant / criticality scope: 503 KILL_SWITCH with the reason);
+   c. admission: degradation level × criticality (503 OVERLOADED + Retry-After);
+      critical_plus that the level (or, in d., the gate) will not give the primary goes
+      to the fallback model alone while that one can answer;
+   d. ``acquire``: the whole ticket (ticket.py) or a refusal: a place in the tenant's
+      concurrency cap (429 CONCURRENCY_LIMIT), the tenant's token quota charged with the
+      estimate (429 QUOTA_EXCEEDED), a slot at the gate (gate.py, ballast/policies/gate.py;
+      503 OVERLOADED). A refusal gives back what was taken before it.
+   e. the model call: ``resilience.ResilientCaller`` (per-backend bulkhead and breaker,
+      attempts with timeouts inside the deadline (504), retries within a budget, the
+      fallback chain: fallback model → cache → 503 MODEL_UNAVAILABLE). A unary call with
+      an Idempotency-Key answers a repeat with the first answer.
+
+Every way out settles the ticket exactly once: the unary path in a ``finally``, a stream
+in ``Stream.aclose`` (which the response calls however it ends, ``api.StreamResponse``).
+The deadline is one ``ballast.policies.deadline.Deadline`` that every layer reads.
+
+Everything before the model call is in-process and I/O-free: the level comes from the
+``SnapshotCache`` that a background exchange keeps fresh, so the controller is never on
+the request path and a dead controller fails nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import Request
+
+from ballast.policies import killswitch
+from ballast.policies import request as request_policy
+from ballast.policies.admission import admit, clamp_max_tokens
+from ballast.policies.criticality import Criticality
+from ballast.policies.deadline import Deadline
+
+from ballast.errors import (
+    BallastError,
+    ConcurrencyLimited,
+    DeadlineExceeded,
+    InvalidRequest,
+    KillSwitchActive,
+    Overloaded,
+    Unauthenticated,
+)
+from ballast.router.api import bearer_token
+from ballast.router.auth import KeyStore
+from ballast.router.gate import GateRefused, GateSlot, PriorityGate
+from ballast.router.idempotency import IdempotencyStore
+from ballast.router.metrics import RouterMetrics
+from ballast.router.quotas import Quotas
+from ballast.router.resilience import CallRecord, ResilientCaller
+from ballast.router.tally import Tally
+from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks (the tenant its key names), until when, and under which Idempotency-Key."""
+
+    tenant: str
+    deadline: Deadline
+    idempotency_key: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    """One request as every front hands it to the pipeline.
+
+    ``prompt_tokens``: what the model prefills, counted by its tokenizer (a resumed
+    stream adds the ids it brings). ``call``: what the model is sent, without
+    ``max_tokens`` (the pipeline sets the admitted one)."""
+
+    caller: Caller
+    claimed: Criticality
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    call: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the level made of an admitted request."""
+
+    criticality: Criticality
+    level: int
+    max_tokens: int  # clamped
+    streaming: bool  # the level allows streaming
+    prompt_tokens: int
+    degraded_reasons: tuple[str, ...] = ()
+
+    def meta(self, model: str) -> dict[str, Any]:
+        """What every native answer says about how it was admitted."""
+        return {
+            "model": model,
+            "criticality": self.criticality.value,
+            "degradation_level": self.level,
+            "degraded": bool(self.degraded_reasons),
+            "degraded_reasons": list(self.degraded_reasons),
+            "max_tokens": self.max_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A unary answer: ``fallback`` names the backend that answered (None: the primary);
+    ``migrations``: times it was sent again after its replica went away; ``replayed``:
+    the first answer to its Idempotency-Key, given again."""
+
+    admission: Admission
+    text: str
+    tokens: int
+    finish_reason: Optional[str]
+    fallback: Optional[str]
+    model: str
+    migrations: int = 0
+    replayed: bool = False
+
+
+@dataclass
+class _StreamState:
+    fallback: Optional[str] = None
+    tokens: int = 0
+    enough: bool = False
+    finish: Optional[str] = None  # the model's: "stop" (end of sequence, a stop string) or "length"
+    call: CallRecord = field(default_factory=CallRecord)  # migrations: replicas lost mid-stream
+
+
+class Stream:
+    """An admitted stream: ``async for chunk in stream`` (``text``, ``tokens``, ``ids``).
+
+    As it runs it says who answers (``fallback``, ``model``) and how much (``tokens``,
+    ``finish``, ``migrations``). ``aclose`` settles its ticket, whether the stream was
+    read whole, cut, or never begun; ``enough`` first, when the front closes it because
+    it has all it wants (a stop string): that close is an answer, not a client that left."""
+
+    def __init__(self, pipeline: "Pipeline", admission: Admission, ticket: Ticket, call: dict[str, Any]) -> None:
+        self.admission = admission
+        self._pipeline = pipeline
+        self._ticket = ticket
+        self._state = _StreamState()
+        self._chunks = pipeline._stream_chunks(ticket, call, self._state)
+
+    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        return self._chunks
+
+    @property
+    def fallback(self) -> Optional[str]:
+        return self._state.fallback
+
+    @property
+    def model(self) -> str:
+        return self._pipeline.answered_by(self._state.fallback)
+
+    @property
+    def tokens(self) -> int:
+        return self._state.tokens
+
+    @property
+    def finish(self) -> Optional[str]:
+        return self._state.finish
+
+    @property
+    def migrations(self) -> int:
+        return self._state.call.migrations
+
+    def enough(self) -> None:
+        self._state.enough = True
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()  # a stream that ran settles in its own finally
+        self._ticket.finish(Outcome("OK" if self._state.enough else "CANCELLED"))  # one never begun: here
+
+
+class Pipeline:
+    """The shared request path: ``identify``, then ``serve``."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        keys: KeyStore,
+        cache: Any,
+        caller: ResilientCaller,
+        quotas: Quotas,
+        idempotency: IdempotencyStore,
+        gate: Optional[PriorityGate],
+        metrics: RouterMetrics,
+        tally: Tally,
+        model_max_tokens: int,
+    ) -> None:
+        self._cfg = cfg
+        self._keys = keys
+        self.snapshots = cache  # the controller's snapshot (the level), kept fresh off the request path
+        self.caller = caller
+        self.quotas = quotas
+        self.gate = gate
+        self._idem = idempotency
+        self._metrics = metrics
+        self._tally = tally
+        self._model_max_tokens = model_max_tokens
+        self.places = TenantPlaces()
+        self.kill_switches: list[killswitch.KillSwitchEntry] = []  # from the latest snapshot
+
+    # -- 1. identity, deadline, idempotency key ---------------------------------------
+    def identify(self, request: Request) -> Caller:
+        """The tenant, the deadline and the Idempotency-Key of ``request`` (401, 422)."""
+        started = time.monotonic()
+        token = bearer_token(request)
+        if token is None:
+            raise Unauthenticated("missing 'Authorization: Bearer <key>' header")
+        tenant = self._keys.tenant_for(token)
+        if tenant is None:
+            raise Unauthenticated("unknown API key")
+        return Caller(tenant, self._deadline(request, started), self._idempotency_key(request))
+
+    def _deadline(self, request: Request, started: float) -> Deadline:
+        r = self._cfg.resilience
+        raw = request.headers.get("x-request-timeout-ms")
+        if raw is None:
+            return Deadline.starting(started, r.deadline_s)
+        if not raw.strip().isdigit() or int(raw) <= 0:
+            raise InvalidRequest("X-Request-Timeout-Ms: must be a positive integer", field="X-Request-Timeout-Ms")
+        return Deadline.starting(started, min(int(raw) / 1000.0, r.max_deadline_s))
+
+    def _idempotency_key(self, request: Request) -> Optional[str]:
+        key = request.headers.get("idempotency-key")
+        limit = self._cfg.resilience.idempotency.max_key_chars
+        if key is not None and not (0 < len(key) <= limit):
+            raise InvalidRequest(f"Idempotency-Key: 1 to {limit} characters", field="Idempotency-Key")
+        return key
+
+    # -- 2. admission ---------------------------------------------------------------------
+    async def serve(self, req: ModelRequest) -> Union[Answer, Stream]:
+        """The request admitted and sent: a ``Stream`` when it asked for one and the level
+        allows streaming, else an ``Answer``; a refusal or failure as a BallastError."""
+        admission, ticket = await self.acquire(req)
+        call = {**req.call, "max_tokens": admission.max_tokens}
+        if req.stream and admission.streaming:
+            return Stream(self, admission, ticket, call)
+        return await self._unary(admission, ticket, call, req.caller.idempotency_key)
+
+    async def acquire(self, req: ModelRequest) -> tuple[Admission, Ticket]:
+        """The admission and its whole ticket, or a refusal with nothing held."""
+        tenant = req.caller.tenant
+        tenant_cfg = self._cfg.tenants[tenant]
+        criticality, lowered = request_policy.lower_criticality(req.claimed, tenant_cfg.max_criticality)
+        crit = criticality.value
+        now_wall = time.time()
+        self._refuse_if_switched_off(tenant, crit, now_wall)
+        eff = self.snapshots.effective()
+        self._metrics.level.set(eff.level)
+        fallback_only = self._level_admits(tenant, criticality, eff, now_wall)
+        clamped, _ = clamp_max_tokens(req.max_tokens, eff.constraints, self._model_max_tokens)
+        ticket = await self._ticket(req, criticality, clamped, fallback_only)
+        reasons = request_policy.degraded_reasons(
+            requested_max_tokens=req.max_tokens,
+            level_max_tokens=eff.constraints.max_tokens,
+            model_max_tokens=self._model_max_tokens,
+            lowered=lowered,
+            stream_requested=req.stream,
+            streaming_allowed=eff.constraints.streaming,
+        )
+        admission = Admission(criticality, eff.level, clamped, eff.constraints.streaming, req.prompt_tokens, tuple(reasons))
+        return admission, ticket
+
+    async def _ticket(self, req: ModelRequest, criticality: Criticality, max_tokens: int, fallback_only: bool) -> Ticket:
+        """The tenant's place, the quota charge, the gate slot: all three, or a refusal
+        that gives back what it had taken (counted under its code)."""
+        tenant, crit = req.caller.tenant, criticality.value
+        cap = self._cfg.tenants[tenant].max_concurrent or self._cfg.resilience.bulkhead.per_tenant
+        if not self.places.take(tenant, cap):
+            self._count(tenant, crit, "CONCURRENCY_LIMIT")
+            raise ConcurrencyLimited(f"tenant '{tenant}' has {cap} requests in flight", retry_after_s=1.0)
+        charge: Optional[Charge] = None
+        try:
+            charge = self.quotas.charge(tenant, req.prompt_tokens, max_tokens)
+            self._tally.offer(crit)  # demand within quota: a tenant over its quota must not degrade everyone else
+            slot = GateSlot(None)
+            if not fallback_only:
+                slot, fallback_only = await self._gate_slot(criticality, req.caller.deadline)
+        except BaseException as err:
+            self.places.give_back(tenant)
+            if charge is not None:
+                charge.settle(None)
+            self._count(tenant, crit, err.code if isinstance(err, BallastError) else "CANCELLED")
+            raise
+        return Ticket(tenant, crit, req.caller.deadline, self.places, charge, slot, fallback_only, self._finished)
+
+    def _refuse_if_switched_off(self, tenant: str, crit: str, now_wall: float) -> None:
+        blocked = killswitch.blocking(self.kill_switches, now_wall, tenant, crit)
+        if blocked is not None:
+            self._count(tenant, crit, "KILL_SWITCH")
+            raise KillSwitchActive(
+                f"kill switch {blocked.id} ({blocked.scope}): {blocked.reason}",
+                retry_after_s=max(1.0, blocked.expires_at_s - now_wall),
+            )
+
+    def _level_admits(self, tenant: str, criticality: Criticality, eff: Any, now_wall: float) -> bool:
+        """Whether the level admits the class: False when it does; True when only the
+        fallback may answer it; refused (503 OVERLOADED, counted as demand turned away) else."""
+        decision = admit(criticality, eff.level, eff.constraints)
+        if decision.admitted:
+            return False
+        if self._fallback_may_answer(criticality, now_wall):
+            return True
+        crit = criticality.value
+        self._tally.offer(crit)  # demand the level turned away
+        self._tally.shed += 1
+        self._count(tenant, crit, "OVERLOADED")
+        raise Overloaded(f"degradation level {eff.level} does not admit criticality '{crit}'", decision.retry_after_s)
+
+    def _fallback_may_answer(self, criticality: Criticality, now_wall: float) -> bool:
+        """critical_plus that the primary will not take goes to the fallback alone, if it can answer."""
+        return criticality is Criticality.CRITICAL_PLUS and self.caller.can_fall_back(self.kill_switches, now_wall)
+
+    async def _gate_slot(self, criticality: Criticality, deadline: Deadline) -> tuple[GateSlot, bool]:
+        """(a slot at the model, False); refused: (no slot, True) when the fallback alone
+        may answer (critical_plus it can answer), else 503 OVERLOADED. Counted in the
+        report interval the gate decided in."""
+        if self.gate is None:
+            return GateSlot(None), False
+        try:
+            await self.gate.acquire(criticality.rank, deadline.gate_until_s)
+        except GateRefused as g:
+            self._metrics.gate_refused.inc(tags={"reason": g.reason, "criticality": criticality.value})
+            if self._fallback_may_answer(criticality, time.time()):
+                self._tally.decided(criticality.value, through=True)  # answered, by the fallback
+                return GateSlot(None), True
+            self._tally.decided(criticality.value, through=False)
+            self._tally.shed += 1
+            raise Overloaded(
+                f"no model capacity for '{criticality.value}' within the request's deadline ({g.reason})",
+                retry_after_s=1.0,
+            ) from None
+        self._tally.decided(criticality.value, through=True)
+        return GateSlot(self.gate), False
+
+    def _finished(self, ticket: Ticket, outcome: Outcome) -> None:
+        """A ticket's outcome, once: the gate's service sample, tokens and the request counted."""
+        if self.gate is not None and not ticket.fallback_only and outcome.service_s is not None:
+            if outcome.timed_out:
+                # The model could not answer in time: at least that long a wait. Counting
+                # only answered requests would hide the overload from the gate.
+                self.gate.observe_miss(outcome.service_s * 1000.0)
+            elif outcome.generated is not None:
+                self.gate.observe_service(outcome.service_s, ticket.deadline.gate_budget_s)
+        if outcome.generated is not None:
+            used = ticket.prompt_tokens + outcome.generated
+            if used:
+                self._metrics.tenant_tokens.inc(used, tags={"tenant": ticket.tenant})
+        self._tally.requests += 1
+        if outcome.code == "DEADLINE_EXCEEDED":
+            self._metrics.deadline.inc()
+        if outcome.error:
+            self._tally.errors += 1
+        self._count(ticket.tenant, ticket.criticality, outcome.code)
+        self._metrics.latency.observe((time.monotonic() - ticket.deadline.started_s) * 1000.0, tags={"criticality": ticket.criticality})
+
+    def _count(self, tenant: str, criticality: str, code: str) -> None:
+        self._metrics.requests.inc(tags={"tenant": tenant, "criticality": criticality, "code": code})
+
+    # -- 3. the model call ----------------------------------------------------------------
+    def answered_by(self, fallback: Optional[str]) -> str:
+        """The model that answered: the fallback model's name, or the primary's."""
+        if fallback == "fallback_model" and self._cfg.fallback is not None:
+            return self._cfg.fallback.model.name
+        return self._cfg.model.name
+
+    async def _unary(self, admission: Admission, ticket: Ticket, call: dict[str, Any], key: Optional[str]) -> Answer:
+        """The answer, settled here whatever happens. With an Idempotency-Key a repeat gets
+        the first answer whole; a replay did no model work, so it costs no quota."""
+        t0 = time.monotonic()
+
+        async def work() -> dict[str, Any]:
+            record = CallRecord()
+            result, fallback = await self._call_unary(ticket, call, record)
+            return {"text": result["text"], "tokens": result["tokens"], "finish_reason": result.get("finish_reason"),
+                    "fallback": fallback, "migrations": record.migrations}
+
+        outcome = Outcome("CANCELLED")  # the client went away, unless something below says otherwise
+        try:
+            if key is None:
+                raw, replayed = await work(), False
+            else:
+                raw, replayed = await self._idem.run(ticket.tenant, key, work, within_s=ticket.deadline.at_s - time.monotonic())
+                if replayed:
+                    self._metrics.replays.inc()
+            generated = None if replayed else int(raw["tokens"])
+            outcome = Outcome("OK", generated=generated, service_s=time.monotonic() - t0 if generated is not None else None)
+        except DeadlineExceeded as err:
+            outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status),
+                              service_s=time.monotonic() - t0, timed_out=True)
+            raise
+        except BallastError as err:
+            outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status))
+            raise
+        finally:
+            ticket.finish(outcome)
+        return Answer(admission, raw["text"], int(raw["tokens"]), raw.get("finish_reason"), raw["fallback"],
+                      self.answered_by(raw["fallback"]), int(raw.get("migrations") or 0), replayed)
+
+    async def _call_unary(
+        self, ticket: Ticket, call: dict[str, Any], record: CallRecord
+    ) -> tuple[dict[str, Any], Optional[str]]:
+        self._tally.inflight += 1
+        sent = time.monotonic()
+        at = ticket.deadline.at_s
+        try:
+            result, fallback = await asyncio.wait_for(
+                self.caller.unary(call, at, self.kill_switches, time.time(), ticket.fallback_only, record),
+                timeout=max(0.001, at - sent),
+            )
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"no answer within {ticket.deadline.budget_s:.3f}s") from None
+        finally:
+            self._tally.inflight -= 1
+        # Everything but the replica's compute time was waiting: handle queue + batch queue.
+        elapsed_ms = (time.monotonic() - sent) * 1000.0
+        self._add_wait(max(0.0, elapsed_ms - float(result.get("compute_ms", 0.0))), fallback)
+        return result, fallback
+
+    async def _stream_chunks(self, ticket: Ticket, call: dict[str, Any], state: _StreamState) -> AsyncIterator[dict[str, Any]]:
+        """The model's chunks; ``state`` says who answered and how much. The ticket is
+        settled here once the stream has begun, however it ends."""
+        self._tally.inflight += 1
+        sent = time.monotonic()
+        outcome = Outcome("OK")
+        try:
+            chunks, state.fallback = await self.caller.stream(
+                call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call
+            )
+            async for chunk in chunks:
+                if "queue_wait_ms" in chunk:
+                    self._add_wait((time.monotonic() - sent) * 1000.0, state.fallback)
+                state.tokens += chunk["tokens"]
+                state.finish = chunk.get("finish_reason", state.finish)
+                yield chunk
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the front has enough)
+            outcome = Outcome("OK" if state.enough else "CANCELLED")
+            raise
+        except BallastError as err:
+            outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status))
+            raise
+        finally:
+            self._tally.inflight -= 1
+            # A stream's length is the client's reading too: no service-time sample.
+            ticket.finish(Outcome(outcome.code, error=outcome.error, generated=state.tokens or None))
+
+    def _add_wait(self, wait_ms: float, fallback: Optional[str]) -> None:
+        """A wait for the model: for the controller's report, and (primary only) the gate's limit."""
+        self._tally.add_wait(wait_ms)
+        if self.gate is not None and fallback is None:
+            self.gate.observe_wait(wait_ms)
+
+    # -- what /v1/status shows of the request path ------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return {
+            "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in self.caller.backends},
+            "retry_budget": self.caller.budget.snapshot(),
+            # Attempts whose replica or node went away, since this router started: carried on
+            # elsewhere, or not (to the fallback, else 503 REPLICA_LOST). Not model errors:
+            # no breaker or level counts them.
+            "lost_capacity": dict(self.caller.lost),
+            "kill_switches": [e.to_dict() for e in self.kill_switches],
+            "quotas": self.quotas.status(),
+            "gate": self.gate.snapshot() if self.gate is not None else None,
+            "tenant_inflight": dict(self.places.held),  # admitted, waiting at the gate or at the model
+        }

@@ -1,0 +1,146 @@
+"""The router's side of the control loop: its report to the controller each interval,
+and what it applies from the controller's answers.
+
+Out, once per report interval, whether or not the controller answers: a
+``RouterReport`` (tally.py's counts since the last one, the gate's line, demand by class
+against the gate's answer rate, each tenant's token demand). Gauges are re-set each
+interval, not only on change: a series Ray has not seen updated for a while may stop
+being exported.
+
+In: a snapshot (the kill switches and the gate's ceiling go to the pipeline, the level
+to the edge at once) and a reply (quota leases for this router).
+
+The edge (HAProxy's map of refused classes, edge.py) follows the level this router acts
+on, a snapshot's or fail-static's; its refusals count as demand the level turned away,
+and its throttle of the admitted classes learns from the gate's decisions per class.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+from ballast.policies import killswitch
+from ballast.policies import request as request_policy
+from ballast.policies.criticality import Criticality
+from ballast.policies.edge import EdgeThrottle
+from ballast.policies.gate import DemandWindow
+from ballast.policies.reports import RouterReport
+
+from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.control.snapshot import Snapshot
+from ballast.router.edge import Edge, shed_entries
+from ballast.router.metrics import RouterMetrics
+from ballast.router.pipeline import Pipeline
+from ballast.router.tally import Tally
+
+log = logging.getLogger("ballast.router")
+
+
+def model_ceiling(cfg: Any, snap: Snapshot) -> Optional[int]:
+    """The gate's ceiling from a snapshot: ballast/policies/request.py's ``model_ceiling``."""
+    return request_policy.model_ceiling(
+        snap.running_replicas.get(MODEL_DEPLOYMENT, 0),
+        snap.running_replicas.get(ROUTER_DEPLOYMENT, 0),
+        cfg.deployments.model.max_ongoing_requests,
+    )
+
+
+class Reporter:
+    """Builds this router's reports; applies snapshots and replies."""
+
+    def __init__(self, cfg: Any, router_id: str, cache: Any, pipeline: Pipeline, tally: Tally,
+                 metrics: RouterMetrics, edge: Optional[Edge]) -> None:
+        self._cfg = cfg
+        self._router_id = router_id
+        self._cache = cache
+        self._pipeline = pipeline
+        self._tally = tally
+        self._metrics = metrics
+        self.edge = edge  # HAProxy refuses the classes the level sheds, when it runs the edge's rules
+        self._edge_throttle = EdgeThrottle()  # the edge's share to refuse of the classes the level admits
+        self._demand = DemandWindow(cfg.degradation.demand_window_s)
+        self._gate_seen = (0, 0)  # the gate's (served, saturations) at the last report
+
+    def report(self) -> RouterReport:
+        """This router's report: called once per report interval, whether or not it answers."""
+        self._set_gauges()
+        self.sync_edge()
+        report = self._tally.drain(self._router_id)
+        gate = self._pipeline.gate
+        offered = self._tally.take_offered()
+        if gate is not None:
+            # Waiters at the gate are demand the autoscaler counts; the level does not count
+            # them as queue (the gate refuses each by its deadline, most critical first): it
+            # sheds whole classes by demand against capacity instead.
+            served, saturations = gate.served, gate.saturations
+            self._demand.add(offered, served - self._gate_seen[0], saturations > self._gate_seen[1])
+            self._gate_seen = (served, saturations)
+            report = replace(report, gate_waiting=gate.waiting, **self._demand.rates())
+        return replace(report, demand_tokens_per_s=self._pipeline.quotas.drain_demand())
+
+    def _set_gauges(self) -> None:
+        age = self._cache.age_s()
+        m = self._metrics
+        m.snapshot_age.set(age if age is not None else -1.0)
+        for b in self._pipeline.caller.backends:
+            m.breaker.set(int(b.breaker.state), tags={"backend": b.role})
+        m.kill.set(len(self._pipeline.kill_switches))
+        m.level.set(self._cache.effective().level)
+        gate = self._pipeline.gate
+        if gate is not None:
+            m.gate.set(gate.limit.value, tags={"kind": "limit"})
+            m.gate.set(gate.in_flight, tags={"kind": "in_flight"})
+            m.gate.set(gate.waiting, tags={"kind": "waiting"})
+
+    def sync_edge(self) -> None:
+        """The edge's map follows the level this router acts on; its refusals since the
+        last report count as demand the level turned away."""
+        seen = self._tally.take_gate_decided()
+        if self.edge is None:
+            return
+        now = time.monotonic()
+        refused = self.edge.drain()
+        for crit, n in refused.items():
+            self._tally.offer(crit, n)
+            self._tally.shed += n
+            self._metrics.edge.inc(n, tags={"criticality": crit})
+        admitted = {c.value for c in self._cache.effective().constraints.admitted}
+        for c in Criticality:
+            if c.value not in admitted:  # the level refuses it whole: nothing to learn, and a
+                self._edge_throttle.forget(c.value)  # class admitted again starts afresh
+                continue
+            decided, through = seen.get(c.value, (0, 0))
+            room = decided > 0 and through >= decided and self._gate_has_room()
+            self._edge_throttle.record(now, c.value, decided + refused.get(c.value, 0), through, room)
+        self._apply_edge(now)
+
+    def _gate_has_room(self) -> bool:
+        g = self._pipeline.gate
+        return g is None or (g.waiting == 0 and g.in_flight < g.limit.value)
+
+    def _apply_edge(self, now: float) -> None:
+        eff = self._cache.effective()
+        drops = {c.value: self._edge_throttle.drop_per_mille(now, c.value) for c in Criticality}
+        self.edge.apply(shed_entries(eff.level, eff.constraints, drops))
+
+    def on_snapshot(self, snap: Snapshot) -> None:
+        gate = self._pipeline.gate
+        if gate is not None:
+            gate.limit.set_ceiling(model_ceiling(self._cfg, snap))
+        entries = []
+        for raw in snap.kill_switches:
+            try:
+                entries.append(killswitch.KillSwitchEntry.from_dict(raw))
+            except (TypeError, ValueError):
+                log.warning("ignoring a malformed kill switch entry: %r", raw)
+        self._pipeline.kill_switches = entries
+        self._metrics.kill.set(len(entries))
+        if self.edge is not None:  # at once, not at the next report: the level may have changed
+            self._apply_edge(time.monotonic())
+
+    def on_reply(self, raw: dict[str, Any]) -> None:
+        """Leases for this router."""
+        self._pipeline.quotas.on_leases(raw.get("leases") or {})

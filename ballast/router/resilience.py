@@ -1,0 +1,602 @@
+"""The router's way to a model: bulkhead → breaker → attempt with timeout → retry → fallback.
+
+``ResilientCaller`` holds one ``Backend`` per model deployment (primary, then the
+optional fallback), each with its own circuit breaker and bulkhead, a shared
+retry budget, and the optional response cache. It is the only layer that
+retries: the model replicas never retry, and the Serve handle is given one
+attempt at a time.
+
+Chain for a unary request:
+  for each backend not taken out by a model kill switch:
+      bulkhead full or breaker open → next backend
+      attempt with timeout min(attempt_timeout_s, deadline left); on a retryable
+      failure (backpressure, attempt timeout) retry with full-jitter backoff while
+      the retry budget, the attempt limit and the deadline allow; on a lost replica
+      (its actor or node gone) send it again at once, within the migration limit,
+      the retry budget and the deadline (ballast/policies/migration.py)
+      → success: the answer (and the cache is fed)
+  then the cache (identical request, where enabled) → else 503 MODEL_UNAVAILABLE
+  (503 REPLICA_LOST when what failed was lost capacity).
+
+Streaming follows the same chain up to the first chunk; after that the stream
+is committed to its backend. A lost replica mid-stream is a migration: the prompt
+and the token ids already delivered go to another replica of the same backend,
+which prefills them and continues (the first ``continue_text_chars`` characters of
+its text are the client's already, so it sends only what follows); the client sees
+one stream. Any other failure, or a migration past the limit or the deadline, ends
+the stream with an error event.
+
+A lost replica is capacity that is gone, not a sick model: its attempts neither
+trip the breaker nor count toward the level's error rate (``on_lost_capacity``
+counts them on their own).
+
+Everything here runs on the router's event loop thread; breakers, bulkheads and
+the budget are touched only between awaits, never across one.
+
+Time comes in through the constructor (STYLE 2): ``clock`` for deadlines and
+durations, ``wall_clock`` for the instant the replica is given, ``sleep`` for the
+backoff and ``wait_for`` for each attempt's timeout (asyncio's by default). The unit
+tests pass fakes that move one fake clock, so a 15 s attempt timeout takes no time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    NodeDiedError,
+    OwnerDiedError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+from ballast.policies import killswitch
+from ballast.policies import migration
+from ballast.policies.breaker import BreakerEvent, CircuitBreaker, Permit
+from ballast.policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
+from ballast.policies.retry import RetryBudget, backoff_s, should_retry
+from ballast.policies.ttlmap import TTLMap
+
+from ballast.config import BallastConfig
+from ballast.errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable, ReplicaLost
+
+
+
+class Bulkhead:
+    """A concurrency limit without a queue: full means "try elsewhere", at once."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_flight = 0
+        self.rejected = 0
+
+    def try_enter(self) -> bool:
+        if self.in_flight >= self.limit:
+            self.rejected += 1
+            return False
+        self.in_flight += 1
+        return True
+
+    def leave(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+
+
+class ResponseCache:
+    """Answers to identical calls, bounded in count and age.
+
+    Identical means the whole call: prompt, max_tokens, sampling (temperature, top_p,
+    seed), stop strings, how the prompt is tokenized. A cached greedy answer is the
+    answer; a cached sampled one is one fair sample, which is what a fallback can give."""
+
+    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        # Least recently used first: a hit or a put makes an entry the newest.
+        self._entries: "TTLMap[tuple, dict[str, Any]]" = TTLMap(ttl_s, max_entries)
+
+    @staticmethod
+    def key(call: dict[str, Any]) -> tuple:
+        return tuple(sorted((k, repr(v)) for k, v in call.items()))
+
+    def get(self, call: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The answer stored for ``call`` within ``ttl_s``, or None; a hit refreshes recency, not age."""
+        return self._entries.get(self.key(call), self._clock(), touch=True)
+
+    def put(self, call: dict[str, Any], result: dict[str, Any]) -> None:
+        """Store ``result`` for ``call``, its TTL starting now; the least recently used goes when full."""
+        self._entries.put(self.key(call), result, done_at_s=self._clock())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _deadline_fields(left_s: float, now_wall_s: float) -> dict[str, float]:
+    """The attempt's deadline for the replica: relative, and as a wall-clock instant.
+
+    The instant lets the replica count the time the call spent in transit and in
+    Serve's queues, so its own answer (``ballast.policies.deadline.REPLICA_LEAD_S`` before
+    the deadline) still reaches the router before the router's timeout fires. Across
+    nodes it relies on synchronized clocks (NTP: milliseconds against a 50 ms lead);
+    the replica takes the stricter of the two.
+    """
+    return {"timeout_s": left_s, "deadline_at_s": now_wall_s + left_s}
+
+
+def classify(exc: BaseException) -> str:
+    """Map a failed attempt to the kinds ``ballast.policies.retry.should_retry`` knows."""
+    if isinstance(exc, RayTaskError):
+        # Raised inside the replica (Ray re-raises it as a subclass of the cause's type,
+        # so this comes first: a TimeoutError *in the model* is not our attempt timeout).
+        # Judge by the cause: a replica that died under the call is still a replica death.
+        cause = exc.cause
+        if isinstance(cause, DeadlineExceeded):
+            return "deadline_exceeded"
+        if isinstance(cause, (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)):
+            return "replica_died"
+        return "model_error"
+    if isinstance(exc, asyncio.TimeoutError):
+        return "attempt_timeout"
+    if isinstance(exc, BackPressureError):
+        return "backpressure"
+    if isinstance(exc, (ActorDiedError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)):
+        return "replica_died"
+    if isinstance(exc, DeadlineExceeded):
+        return "deadline_exceeded"
+    if isinstance(exc, (RayActorError, NodeDiedError, WorkerCrashedError, OwnerDiedError)):
+        return "replica_died"
+    return "model_error"
+
+
+# Failures that say the backend is unhealthy. Backpressure is load, which the
+# degradation level handles; a lost replica is capacity that is gone (Serve replaces
+# it): neither trips nor heals a breaker.
+BREAKER_FAILURES = {"attempt_timeout", "model_error"}
+
+
+@dataclass
+class Backend:
+    role: str  # "primary" | "fallback"
+    model_name: str
+    handle: Any
+    breaker: CircuitBreaker
+    bulkhead: Bulkhead
+    stream_handle: Any = field(init=False)
+    # Failed attempts by kind since start (keys: classify()'s few kinds): what a breaker
+    # counted, and what it was spared, for /v1/status.
+    failed: dict[str, int] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.stream_handle = self.handle.options(stream=True)
+
+
+class _BackendFailed(Exception):
+    def __init__(self, kind: str, detail: str):
+        super().__init__(kind, detail)
+        self.kind, self.detail = kind, detail
+
+
+@dataclass(frozen=True)
+class CallHooks:
+    """Metrics hooks; the defaults do nothing (STYLE 8)."""
+
+    on_retry: Callable[[str, str], None] = lambda backend, kind: None
+    on_fallback: Callable[[str], None] = lambda kind: None
+    on_breaker_event: Callable[[BreakerEvent], None] = lambda e: None
+    # An attempt lost with its replica: (backend, "migrated" | "not_migrated").
+    on_lost_capacity: Callable[[str, str], None] = lambda backend, outcome: None
+
+
+@dataclass
+class CallRecord:
+    """What one call went through, for its answer: migrations after a lost replica."""
+
+    migrations: int = 0
+
+
+class ResilientCaller:
+    def __init__(
+        self,
+        cfg: BallastConfig,
+        primary: Any,
+        fallback: Any = None,
+        hooks: CallHooks = CallHooks(),
+        clock: Callable[[], float] = time.monotonic,
+        rng: Optional[random.Random] = None,
+        wall_clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        wait_for: Callable[[Awaitable[Any], float], Awaitable[Any]] = asyncio.wait_for,
+    ):
+        r = cfg.resilience
+        self._cfg = cfg
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._sleep = sleep
+        self._wait_for = wait_for
+        self._rng = rng or random.Random()
+        self._hooks = hooks
+        bcfg = r.breaker.breaker_config()
+        self.retry_cfg = r.retry.retry_config()
+        self.budget = RetryBudget(self.retry_cfg)
+        self.migration_cfg = migration.MigrationConfig(limit=r.migration_limit)
+        # Attempts lost with their replica since start: sent again or carried on elsewhere
+        # ("migrated"; "streams_carried_on" of them continued a stream mid-way), or not
+        # (the limit, the deadline or the retry budget said no: the fallback, else 503).
+        self.lost = {"migrated": 0, "not_migrated": 0, "streams_carried_on": 0}
+        self.backends = [
+            Backend(
+                "primary",
+                cfg.model.name,
+                primary,
+                CircuitBreaker("primary", bcfg, clock=clock, rng=self._rng, on_event=hooks.on_breaker_event),
+                Bulkhead(r.bulkhead.primary),
+            )
+        ]
+        if fallback is not None and cfg.fallback is not None:
+            self.backends.append(
+                Backend(
+                    "fallback",
+                    cfg.fallback.model.name,
+                    fallback,
+                    CircuitBreaker("fallback", bcfg, clock=clock, rng=self._rng, on_event=hooks.on_breaker_event),
+                    Bulkhead(r.bulkhead.fallback),
+                )
+            )
+        self.cache = ResponseCache(r.cache.max_entries, r.cache.ttl_s, clock) if r.cache.enabled else None
+
+    # -- helpers ---------------------------------------------------------------------
+    @staticmethod
+    def _enter(b: Backend, kill_switches: list, now_wall_s: float, skipped: list[tuple[str, Any]]) -> bool:
+        """May this request use ``b``? Not if a model kill switch covers it or its bulkhead is
+        full (then ``skipped`` says why); True means a bulkhead slot is now held."""
+        entry = killswitch.model_blocked(kill_switches, now_wall_s, b.model_name)
+        if entry is not None:
+            skipped.append(("kill_switch", entry))
+            return False
+        if not b.bulkhead.try_enter():
+            skipped.append(("bulkhead_full", b.role))
+            return False
+        return True
+
+    def _unavailable(self, skipped: list[tuple[str, Any]]) -> BallastError:
+        kills = [e for kind, e in skipped if kind == "kill_switch"]
+        if kills and len(kills) == len(self.backends):
+            return KillSwitchActive(f"model '{kills[0].value}' is switched off: {kills[0].reason}")
+        reasons = ", ".join(f"{k}:{e}" for k, e in skipped if k != "kill_switch") or "no backend"
+        kinds = {k for k, _ in skipped}
+        if migration.LOST_CAPACITY in kinds and not kinds & BREAKER_FAILURES:
+            # Capacity that went away, not a model that failed: the level does not count it.
+            return ReplicaLost(f"the replica holding the request went away and no other could take it ({reasons})",
+                               retry_after_s=1.0)
+        waits = [b.breaker.retry_after_s() for b in self.backends if b.breaker.retry_after_s() > 0]
+        return ModelUnavailable(f"no model backend could answer ({reasons})", retry_after_s=min(waits, default=1.0))
+
+    def _failed(self, b: Backend, permit: Permit, exc: BaseException, t0: float) -> str:
+        """Tell the breaker about a failed attempt (health failures count, load does not)."""
+        kind = classify(exc)
+        b.failed[kind] = b.failed.get(kind, 0) + 1
+        if kind in BREAKER_FAILURES:
+            b.breaker.record(permit, False, self._clock() - t0)
+        else:
+            b.breaker.release(permit)
+        return kind
+
+    def _attempt_timeout(self, left_s: float) -> float:
+        return attempt_timeout_s(left_s, self._cfg.resilience.attempt_timeout_s)
+
+    def fallback_name(self, backend: Backend) -> Optional[str]:
+        return None if backend.role == "primary" else "fallback_model"
+
+    def can_fall_back(self, kill_switches: list, now_wall_s: float) -> bool:
+        """A fallback model that could take a call now: configured, not switched off, its
+        breaker not open and its bulkhead not full. What lets the router send a
+        critical_plus request that the primary cannot take to the fallback alone."""
+        for b in self.backends:
+            if b.role == "fallback":
+                return (
+                    killswitch.model_blocked(kill_switches, now_wall_s, b.model_name) is None
+                    and b.breaker.retry_after_s() <= 0
+                    and b.bulkhead.in_flight < b.bulkhead.limit
+                )
+        return False
+
+    def _chain(self, fallback_only: bool, call: dict[str, Any]) -> list[Backend]:
+        if call.get("continue_ids"):  # a client's resume: its ids are the primary model's tokens
+            return [] if fallback_only else [b for b in self.backends if b.role == "primary"]
+        return [b for b in self.backends if b.role == "fallback"] if fallback_only else self.backends
+
+    async def _first_backend(
+        self,
+        call: dict[str, Any],
+        fallback_only: bool,
+        kill_switches: list,
+        now_wall_s: float,
+        start: Callable[[Backend], Awaitable[Any]],
+        hold: bool,
+    ) -> tuple[Optional[tuple[Backend, Any]], list[tuple[str, Any]]]:
+        """(the first backend of the call's chain whose ``start(b)`` answers, with that
+        answer, or None; why each backend before it was passed over). Each backend is
+        entered first (kill switch, breaker, bulkhead); its bulkhead slot is left when it
+        fails, and when it answers unless ``hold`` (a stream keeps it until it ends). The
+        walk counts as one active request in the retry budget."""
+        skipped: list[tuple[str, Any]] = []
+        self.budget.on_request_start()
+        try:
+            for b in self._chain(fallback_only, call):
+                if not self._enter(b, kill_switches, now_wall_s, skipped):
+                    continue
+                try:
+                    answer = await start(b)
+                except _BackendFailed as f:
+                    b.bulkhead.leave()
+                    skipped.append((f.kind, b.role))
+                    continue
+                except BaseException:
+                    b.bulkhead.leave()
+                    raise
+                if not hold:
+                    b.bulkhead.leave()
+                return (b, answer), skipped
+            return None, skipped
+        finally:
+            self.budget.on_request_end()
+
+    def _fallback_kind(self, b: Backend) -> Optional[str]:
+        """The fallback kind of an answer from ``b`` (None for the primary), reported."""
+        kind = self.fallback_name(b)
+        if kind:
+            self._hooks.on_fallback(kind)
+        return kind
+
+    # -- unary -----------------------------------------------------------------------
+    async def unary(
+        self,
+        call: dict[str, Any],
+        deadline_s: float,
+        kill_switches: list,
+        now_wall_s: float,
+        fallback_only: bool = False,
+        record: Optional[CallRecord] = None,
+    ) -> tuple[dict[str, Any], Optional[str]]:
+        """(result, fallback kind or None); raises a BallastError when nothing can answer.
+
+        ``fallback_only``: the primary is not to be asked (the level or the gate refused
+        this request there); only the fallback model may answer. ``record`` is filled
+        with what the call went through (its migrations)."""
+        record = record if record is not None else CallRecord()
+        found, skipped = await self._first_backend(
+            call, fallback_only, kill_switches, now_wall_s, lambda b: self._attempts(b, call, deadline_s, record), hold=False
+        )
+        if found is not None:
+            b, result = found
+            if self.cache is not None:
+                self.cache.put(call, result)
+            return result, self._fallback_kind(b)
+        # The cache holds the models' earlier answers: a model an operator switched
+        # off must not keep answering through it.
+        if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
+            hit = self.cache.get(call)
+            if hit is not None:
+                self._hooks.on_fallback("cache")
+                return hit, "cache"
+        raise self._unavailable(skipped)
+
+    async def _attempts(self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord) -> dict[str, Any]:
+        def send(left_s: float) -> tuple[Any, Any]:
+            response = b.handle.generate.remote({**call, **_deadline_fields(left_s, self._wall_clock())})
+            return response, response
+
+        _, result, permit, t0 = await self._first_answer(b, deadline_s, record, send, unary=True)
+        b.breaker.record(permit, True, self._clock() - t0)
+        return result
+
+    async def _first_answer(
+        self, b: Backend, deadline_s: float, record: CallRecord, send: Callable[[float], tuple[Any, Any]], unary: bool,
+    ) -> tuple[Any, Any, Permit, float]:
+        """Attempts on ``b`` until one answers: (its call, its first answer, its breaker
+        permit, its start). ``send(left_s)`` starts an attempt and returns (the call, which
+        can be cancelled; what to await for its first answer). What follows a failed
+        attempt is ``_next_try``'s; a call sent again after its replica went away waits for
+        its answer up to its deadline, not one attempt's timeout: the replica left to take
+        it may be the one Serve is starting, and a timeout then is capacity gone."""
+        attempt = 1
+        retrying = False
+        try:
+            while True:
+                permit = b.breaker.allow()
+                if permit is None:
+                    raise _BackendFailed("breaker_open", b.role)
+                left = deadline_s - self._clock()
+                if left <= MIN_ATTEMPT_S:
+                    b.breaker.release(permit)
+                    raise DeadlineExceeded("the request's deadline passed")
+                t0 = self._clock()
+                handle, answer = send(left)
+                timeout_s = left if record.migrations else self._attempt_timeout(left)
+                try:
+                    return handle, await self._wait_for(answer, timeout_s), permit, t0
+                except asyncio.CancelledError:
+                    handle.cancel()
+                    b.breaker.release(permit)
+                    raise
+                except Exception as exc:
+                    handle.cancel()
+                    kind = self._failed(b, permit, exc, t0)
+                    if retrying:
+                        self.budget.release_retry()
+                        retrying = False
+                    pause, attempt, retrying = self._next_try(b, kind, attempt, deadline_s, record, unary)
+                    await self._sleep(pause)
+        finally:
+            if retrying:
+                self.budget.release_retry()
+
+    def _next_try(
+        self, b: Backend, kind: str, attempt: int, deadline_s: float, record: CallRecord, unary: bool
+    ) -> tuple[float, int, bool]:
+        """After an attempt that failed with ``kind``: (the pause, the next attempt's number,
+        whether a retry slot is now held). A lost replica is sent again elsewhere without
+        using up an attempt (a unary re-send inside the retry budget; a stream's within its
+        migration limit); anything else is an ordinary retry. Raises DeadlineExceeded past
+        the deadline, _BackendFailed when no attempt may follow."""
+        if kind == "deadline_exceeded" or self._clock() >= deadline_s:
+            raise DeadlineExceeded("the request's deadline passed") from None
+        if kind == migration.LOST_CAPACITY:
+            return self._migration_pause(b, record, deadline_s, budget=unary), attempt, unary
+        return self._retry_pause(b, kind, attempt, deadline_s), attempt + 1, True
+
+    def _retry_pause(self, b: Backend, kind: str, attempt: int, deadline_s: float) -> float:
+        """The backoff before an ordinary retry of attempt ``attempt`` that failed with
+        ``kind``; raises _BackendFailed when the retry policy, the deadline or the retry
+        budget says no. On return a retry slot is held: the caller releases it."""
+        pause = backoff_s(attempt, self.retry_cfg, self._rng.random)
+        ok, _ = should_retry(kind, attempt, deadline_s - self._clock(), pause, MIN_ATTEMPT_S, self.retry_cfg)
+        if not ok or not self.budget.try_acquire_retry():
+            raise _BackendFailed(kind, b.role)
+        self._hooks.on_retry(b.role, kind)
+        return pause
+
+    def _migration_pause(self, b: Backend, record: CallRecord, deadline_s: float, budget: bool) -> float:
+        """The pause before migrating a call that lost its replica; raises _BackendFailed
+        when the limit, the deadline or (``budget``: a unary re-send) the retry budget says no.
+        On True with ``budget``, a retry slot is held: the caller releases it."""
+        pause = migration.pause_s(record.migrations + 1, self._rng.random())
+        ok, _ = migration.should_migrate(
+            record.migrations, self.migration_cfg, deadline_s - self._clock(), pause, MIN_ATTEMPT_S
+        )
+        if not ok or (budget and not self.budget.try_acquire_retry()):
+            self.lost["not_migrated"] += 1
+            self._hooks.on_lost_capacity(b.role, "not_migrated")
+            raise _BackendFailed(migration.LOST_CAPACITY, b.role)
+        record.migrations += 1
+        self.lost["migrated"] += 1
+        self._hooks.on_lost_capacity(b.role, "migrated")
+        return pause
+
+    # -- streaming -------------------------------------------------------------------
+    async def stream(
+        self,
+        call: dict[str, Any],
+        deadline_s: float,
+        kill_switches: list,
+        now_wall_s: float,
+        fallback_only: bool = False,
+        record: Optional[CallRecord] = None,
+    ) -> tuple[AsyncIterator[dict[str, Any]], Optional[str]]:
+        """An iterator over chunks (the first already fetched) and the fallback kind.
+
+        The chain applies until a backend yields its first chunk; from then on the
+        stream belongs to that backend, whose replicas may carry it on (migrations,
+        counted in ``record``). ``fallback_only`` as for ``unary``.
+        """
+        record = record if record is not None else CallRecord()
+        # An active request in the retry budget until the stream is open.
+        found, skipped = await self._first_backend(
+            call, fallback_only, kill_switches, now_wall_s, lambda b: self._open(b, call, deadline_s, record), hold=True
+        )
+        if found is None:
+            raise self._unavailable(skipped)
+        b, opened = found
+        kind = self._fallback_kind(b)
+        return self._rest(b, opened, call, deadline_s, record), kind
+
+    async def _open(
+        self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord, resume: Optional[dict] = None
+    ) -> "_Open":
+        """A stream on ``b`` with its first chunk. A lost replica is tried again elsewhere
+        (a migration); an attempt that failed otherwise (its first chunk timed out on a
+        replica cut off from this router, say) is retried as a unary attempt is, inside the
+        retry budget. ``resume``: the continuation fields of a migrated stream."""
+        def send(left_s: float) -> tuple[Any, Any]:
+            gen = b.stream_handle.generate_stream.remote({**call, **(resume or {}), **_deadline_fields(left_s, self._wall_clock())})
+            return gen, gen.__anext__()
+
+        gen, first, permit, t0 = await self._first_answer(b, deadline_s, record, send, unary=False)
+        if resume is not None:
+            first = {k: v for k, v in first.items() if k != "queue_wait_ms"}  # not a new request's wait
+        return _Open(gen, permit, first, t0)
+
+    async def _rest(self, b: Backend, opened: "_Open", call: dict[str, Any], deadline_s: float, record: CallRecord):
+        gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
+        # The stream's token ids and characters so far (a client's resume brings its own):
+        # what a migration prefills and does not send again.
+        delivered_ids: list[int] = [int(i) for i in call.get("continue_ids") or ()]
+        delivered_chars = int(call.get("continue_text_chars") or 0)
+        outcome: Optional[bool] = None  # None: the client left, which says nothing about the backend
+        try:
+            while True:
+                delivered_ids.extend(chunk.get("ids", ()))
+                delivered_chars += len(chunk.get("text", ""))
+                yield chunk
+                try:
+                    chunk = await self._wait_for(gen.__anext__(), max(0.001, deadline_s - self._clock()))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise
+                except Exception as exc:
+                    if classify(exc) != migration.LOST_CAPACITY:
+                        raise
+                    gen.cancel()
+                    b.failed[migration.LOST_CAPACITY] = b.failed.get(migration.LOST_CAPACITY, 0) + 1
+                    b.breaker.release(permit)
+                    permit = None
+                    resume = {"continue_ids": list(delivered_ids), "continue_text_chars": delivered_chars}
+                    try:
+                        await self._sleep(self._migration_pause(b, record, deadline_s, budget=False))
+                        opened = await self._open(b, call, deadline_s, record, resume)
+                    except _BackendFailed as f:
+                        raise _StreamEnded(ReplicaLost(
+                            f"the stream's replica went away and it could not be carried on ({f.kind})", retry_after_s=1.0
+                        )) from None
+                    except DeadlineExceeded:
+                        raise _StreamEnded(DeadlineExceeded("the request's deadline passed while streaming")) from None
+                    gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
+                    self.lost["streams_carried_on"] += 1
+            outcome = True
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except asyncio.TimeoutError:
+            outcome = False
+            raise DeadlineExceeded("the request's deadline passed while streaming") from None
+        except _StreamEnded as end:  # a migration that could not go on: its attempts are settled
+            raise end.error from None
+        except Exception as exc:
+            kind = classify(exc)
+            outcome = kind not in BREAKER_FAILURES
+            if kind == "deadline_exceeded" or isinstance(exc, DeadlineExceeded):
+                raise DeadlineExceeded("the request's deadline passed while streaming") from None
+            raise ModelUnavailable(f"the model stream failed: {kind}", retry_after_s=1.0) from None
+        finally:
+            if outcome is not True:
+                gen.cancel()
+            if permit is not None:
+                if outcome is None:
+                    b.breaker.release(permit)
+                else:
+                    b.breaker.record(permit, outcome, self._clock() - t0)
+            b.bulkhead.leave()
+
+
+class _StreamEnded(Exception):
+    """A stream's migration ended it with ``error`` (its breaker permit already given back)."""
+
+    def __init__(self, error: BallastError):
+        super().__init__(error)
+        self.error = error
+
+
+@dataclass
+class _Open:
+    """A stream on a backend: its generator, breaker permit, first chunk and start time."""
+
+    gen: Any
+    permit: Permit
+    first: dict[str, Any]
+    t0: float

@@ -1,0 +1,91 @@
+"""What the router knows of the model's text: its context, its tokenizer, its chat template.
+
+Tokens are the model's tokens: the quota, the answer's usage
+and the metrics count with the model's own tokenizer, and chat messages become a
+prompt through the model's own chat template. The router therefore loads the
+primary model's tokenizer (not its weights) at start, from the same local directory
+the replicas load, and checks each prompt against the context before any work.
+
+* ``builtin``: one token per UTF-8 byte, the built-in template
+  (``openai_api.render_chat``); a prompt longer than the context loses its start at
+  the replica, as it always has (``backends.encode_prompt``), so nothing is refused.
+* ``transformers``: the tokenizer and template of ``model.path``; prompt + max_tokens
+  beyond the context is ``400 CONTEXT_LENGTH_EXCEEDED``.
+
+A chat prompt already holds its special tokens (the template wrote them): it is
+counted and encoded without adding more (``add_special_tokens`` False in the call).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from ballast.policies import request as request_policy
+
+from ballast.config import ModelConfig
+from ballast.errors import ContextLengthExceeded
+
+__all__ = ["ModelText", "model_text"]
+
+
+class ModelText:
+    """The built-in byte model's text: bytes are tokens, the built-in chat template."""
+
+    strict = False  # the replica keeps the end of a prompt that is too long
+
+    def __init__(self, context: int, vocab_size: int = 256) -> None:
+        self.context = context
+        self.vocab_size = vocab_size  # token ids a resumed stream may carry are below it
+
+    def render_chat(self, messages: Sequence[Any]) -> str:
+        from ballast.router.openai_api import render_chat
+
+        return render_chat(messages)
+
+    def count(self, prompt: str, add_special_tokens: bool = True) -> int:
+        return request_policy.prompt_tokens(prompt, self.context - 1)
+
+    def fit(self, prompt_tokens: int, asked: Optional[int]) -> int:
+        """The max_tokens to ask for: what was asked, else all the model allows."""
+        if not self.strict:
+            return asked if asked is not None else self.context - 1
+        max_tokens, why = request_policy.fit_context(prompt_tokens, asked, self.context)
+        if why is not None:
+            raise ContextLengthExceeded(why, field="max_tokens" if asked is not None and prompt_tokens < self.context else "prompt")
+        return max_tokens
+
+
+class TokenizerText(ModelText):
+    """A Hugging Face model's text: its tokenizer, its chat template, its context."""
+
+    strict = True
+
+    def __init__(self, path: str) -> None:
+        from ballast.model.hf import load_tokenizer
+
+        tokenizer, info = load_tokenizer(path)
+        super().__init__(info.context_length, info.vocab_size)
+        self._tokenizer = tokenizer
+
+    def render_chat(self, messages: Sequence[Any]) -> str:
+        from ballast.model.hf import ChatTemplateError, render_chat
+        from ballast.router.openai_api import BadRequest
+
+        if not getattr(self._tokenizer, "chat_template", None):  # a base model: completions only
+            raise BadRequest("this model has no chat template; send a prompt to /v1/completions", field="messages")
+        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in messages]
+        try:
+            return render_chat(self._tokenizer, turns)
+        except ChatTemplateError as e:
+            raise BadRequest(f"messages: {e.reason}", field="messages") from None
+
+    def count(self, prompt: str, add_special_tokens: bool = True) -> int:
+        return len(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+
+def model_text(m: ModelConfig) -> ModelText:
+    """The router's view of the model ``m`` names (its tokenizer is loaded here, at start)."""
+    if m.backend == "transformers":
+        assert m.path is not None  # the config's validator
+        return TokenizerText(m.path)
+    return ModelText(m.architecture.max_seq_len)
