@@ -613,7 +613,24 @@ def check_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dic
     return out
 
 
-def main(argv: "list[str] | None" = None) -> int:
+@dataclass(frozen=True)
+class _Settings:
+    """The command line, read and checked: the flags as given, the lists parsed."""
+
+    args: argparse.Namespace
+    multiples: tuple[float, ...]
+    queue_factors: tuple[float, ...]
+    ongoing_options: tuple[int, ...]
+    mix: dict[str, float] = field(default_factory=lambda: DEFAULT_MIX)
+
+    @property
+    def names(self) -> list[str]:
+        """The stacks to run, in order."""
+        args = self.args
+        return [args.only] if args.only else ["plain", "plain-bounded", "ballast"] + (["ballast+sdk"] if args.sdk else [])
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="cluster/local.yaml")
     parser.add_argument("--slo-s", type=float, default=1.0)
@@ -636,14 +653,39 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--trace", action="store_true",
                         help="print each phase second by second: sent, good, critical misses by code, level and gate")
     parser.add_argument("--model-replicas", type=int, default=1, help="Ballast's model replicas, fixed (plain Serve has 1)")
-    args = parser.parse_args(argv)
-    mix = DEFAULT_MIX
+    return parser
+
+
+def _comma_list(parser: argparse.ArgumentParser, flag: str, raw: str, cast: Callable[[str], Any], kind: str,
+                valid: Callable[[tuple[Any, ...]], bool], need: str) -> tuple[Any, ...]:
+    """``raw`` split on commas and cast; a usage error naming ``flag`` where it is not ``valid``."""
     try:
-        multiples = tuple(float(k) for k in args.multiples.split(","))
+        values = tuple(cast(v) for v in raw.split(","))
     except ValueError:
-        parser.error(f"--multiples: not a comma-separated list of numbers: {args.multiples!r}")
-    if not multiples or any(k <= 0 for k in multiples) or list(multiples) != sorted(multiples):
-        parser.error(f"--multiples: need positive multiples in ascending order, got {args.multiples!r}")
+        parser.error(f"{flag}: not a comma-separated list of {kind}: {raw!r}")
+    if not values or not valid(values):
+        parser.error(f"{flag}: need {need}, got {raw!r}")
+    return values
+
+
+def parse_settings(argv: "list[str] | None" = None) -> _Settings:
+    """The command line, checked before anything starts (Ray, the speed probe)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    multiples = _comma_list(parser, "--multiples", args.multiples, float, "numbers",
+                            lambda ks: all(k > 0 for k in ks) and list(ks) == sorted(ks),
+                            "positive multiples in ascending order")
+    queue_factors = _comma_list(parser, "--queue-factors", args.queue_factors, float, "numbers",
+                                lambda fs: all(f > 0 for f in fs), "positive factors")
+    ongoing_options = _comma_list(parser, "--ongoing", args.ongoing, int, "integers",
+                                  lambda ns: all(n >= 1 for n in ns), "positive integers")
+    return _Settings(args, multiples, queue_factors, ongoing_options)
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    settings = parse_settings(argv)
+    args, mix, multiples = settings.args, settings.mix, settings.multiples
+    queue_factors, ongoing_options = settings.queue_factors, settings.ongoing_options
 
     import ray
     from ray import serve
@@ -674,19 +716,7 @@ def main(argv: "list[str] | None" = None) -> int:
         ))
 
     stacks["ballast+sdk"] = Stack("ballast+sdk", stacks["ballast"].url, {}, stacks["ballast"].body, sdk=sdk_client)
-    names = [args.only] if args.only else ["plain", "plain-bounded", "ballast"] + (["ballast+sdk"] if args.sdk else [])
-    try:
-        queue_factors = tuple(float(f) for f in args.queue_factors.split(","))
-    except ValueError:
-        parser.error(f"--queue-factors: not a comma-separated list of numbers: {args.queue_factors!r}")
-    if not queue_factors or any(f <= 0 for f in queue_factors):
-        parser.error(f"--queue-factors: need positive factors, got {args.queue_factors!r}")
-    try:
-        ongoing_options = tuple(int(n) for n in args.ongoing.split(","))
-    except ValueError:
-        parser.error(f"--ongoing: not a comma-separated list of integers: {args.ongoing!r}")
-    if not ongoing_options or any(n < 1 for n in ongoing_options):
-        parser.error(f"--ongoing: need positive integers, got {args.ongoing!r}")
+    names = settings.names
     model_cfg = cfg.model.model_dump(mode="json")
     max_ongoing = cfg.deployments.model.max_ongoing_requests  # Ballast's replica's (C is measured with it)
 
