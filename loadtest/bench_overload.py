@@ -613,7 +613,24 @@ def check_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dic
     return out
 
 
-def main(argv: "list[str] | None" = None) -> int:
+@dataclass(frozen=True)
+class _Settings:
+    """The command line, read and checked: the flags as given, the lists parsed."""
+
+    args: argparse.Namespace
+    multiples: tuple[float, ...]
+    queue_factors: tuple[float, ...]
+    ongoing_options: tuple[int, ...]
+    mix: dict[str, float] = field(default_factory=lambda: DEFAULT_MIX)
+
+    @property
+    def names(self) -> list[str]:
+        """The stacks to run, in order."""
+        args = self.args
+        return [args.only] if args.only else ["plain", "plain-bounded", "ballast"] + (["ballast+sdk"] if args.sdk else [])
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="cluster/local.yaml")
     parser.add_argument("--slo-s", type=float, default=1.0)
@@ -636,265 +653,345 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--trace", action="store_true",
                         help="print each phase second by second: sent, good, critical misses by code, level and gate")
     parser.add_argument("--model-replicas", type=int, default=1, help="Ballast's model replicas, fixed (plain Serve has 1)")
-    args = parser.parse_args(argv)
-    mix = DEFAULT_MIX
+    return parser
+
+
+def _comma_list(parser: argparse.ArgumentParser, flag: str, raw: str, cast: Callable[[str], Any], kind: str,
+                valid: Callable[[tuple[Any, ...]], bool], need: str) -> tuple[Any, ...]:
+    """``raw`` split on commas and cast; a usage error naming ``flag`` where it is not ``valid``."""
     try:
-        multiples = tuple(float(k) for k in args.multiples.split(","))
+        values = tuple(cast(v) for v in raw.split(","))
     except ValueError:
-        parser.error(f"--multiples: not a comma-separated list of numbers: {args.multiples!r}")
-    if not multiples or any(k <= 0 for k in multiples) or list(multiples) != sorted(multiples):
-        parser.error(f"--multiples: need positive multiples in ascending order, got {args.multiples!r}")
+        parser.error(f"{flag}: not a comma-separated list of {kind}: {raw!r}")
+    if not values or not valid(values):
+        parser.error(f"{flag}: need {need}, got {raw!r}")
+    return values
 
-    import ray
-    from ray import serve
 
-    from ballast.ops.app import shutdown, start
-    from ballast.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, ingress_env
+def parse_settings(argv: "list[str] | None" = None) -> _Settings:
+    """The command line, checked before anything starts (Ray, the speed probe)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    multiples = _comma_list(parser, "--multiples", args.multiples, float, "numbers",
+                            lambda ks: all(k > 0 for k in ks) and list(ks) == sorted(ks),
+                            "positive multiples in ascending order")
+    queue_factors = _comma_list(parser, "--queue-factors", args.queue_factors, float, "numbers",
+                                lambda fs: all(f > 0 for f in fs), "positive factors")
+    ongoing_options = _comma_list(parser, "--ongoing", args.ongoing, int, "integers",
+                                  lambda ns: all(n >= 1 for n in ns), "positive integers")
+    return _Settings(args, multiples, queue_factors, ongoing_options)
 
-    cfg = bench_config(args.config, args.model_replicas)
-    speed = SpeedProbeProcess(cfg.model.architecture.model_dump(), cfg.model.seed)
+
+def _stacks(cfg: Any, args: argparse.Namespace) -> dict[str, Stack]:
+    """The stacks under test, each sending the same requests (the SDK's through its client)."""
     prompt = "The quick brown fox jumps over the lazy dog"
     timeout_header = {"X-Request-Timeout-Ms": str(int(args.slo_s * 1000))}
-    stacks = {
-        "plain": Stack("plain", f"{BASE}/plain", dict(timeout_header),
-                       lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
-        "plain-bounded": Stack("plain-bounded", f"{BASE}/plain-bounded", dict(timeout_header),
-                               lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}),
-        "ballast": Stack("ballast", f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/generate",
-                         {"Authorization": f"Bearer {BENCH_KEY}", **timeout_header},
-                         lambda crit: {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit},
-                         class_header=True),
-    }
+    prefix = f"{BASE}{cfg.route_prefix.rstrip('/')}"
+
+    def body(crit: str) -> dict[str, Any]:
+        return {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}
+
     def sdk_client() -> Any:
         from ballast.client import AsyncBallastClient, ClientConfig
 
         return AsyncBallastClient(ClientConfig(
-            base_url=f"{BASE}{cfg.route_prefix.rstrip('/')}", api_key=BENCH_KEY, max_attempts=1,
+            base_url=prefix, api_key=BENCH_KEY, max_attempts=1,
             request_timeout_ms=int(args.slo_s * 1000), connect_timeout_s=CLIENT_TIMEOUT_S, read_timeout_s=CLIENT_TIMEOUT_S,
         ))
 
-    stacks["ballast+sdk"] = Stack("ballast+sdk", stacks["ballast"].url, {}, stacks["ballast"].body, sdk=sdk_client)
-    names = [args.only] if args.only else ["plain", "plain-bounded", "ballast"] + (["ballast+sdk"] if args.sdk else [])
-    try:
-        queue_factors = tuple(float(f) for f in args.queue_factors.split(","))
-    except ValueError:
-        parser.error(f"--queue-factors: not a comma-separated list of numbers: {args.queue_factors!r}")
-    if not queue_factors or any(f <= 0 for f in queue_factors):
-        parser.error(f"--queue-factors: need positive factors, got {args.queue_factors!r}")
-    try:
-        ongoing_options = tuple(int(n) for n in args.ongoing.split(","))
-    except ValueError:
-        parser.error(f"--ongoing: not a comma-separated list of integers: {args.ongoing!r}")
-    if not ongoing_options or any(n < 1 for n in ongoing_options):
-        parser.error(f"--ongoing: need positive integers, got {args.ongoing!r}")
-    model_cfg = cfg.model.model_dump(mode="json")
-    max_ongoing = cfg.deployments.model.max_ongoing_requests  # Ballast's replica's (C is measured with it)
+    return {
+        "plain": Stack("plain", f"{BASE}/plain", dict(timeout_header), body),
+        "plain-bounded": Stack("plain-bounded", f"{BASE}/plain-bounded", dict(timeout_header), body),
+        "ballast": Stack("ballast", f"{prefix}/v1/generate", {"Authorization": f"Bearer {BENCH_KEY}", **timeout_header},
+                         body, class_header=True),
+        "ballast+sdk": Stack("ballast+sdk", f"{prefix}/v1/generate", {}, body, sdk=sdk_client),
+    }
 
-    haproxy_cfg = ingress_env(cfg).get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC")
-    cpu = ServerCpu(os.path.dirname(haproxy_cfg) if haproxy_cfg else None)
 
-    admin = {"Authorization": f"Bearer {cfg.auth.demo_admin_token}"}
+class _Bench:
+    """One run of the benchmark: the stacks, the speed probe, the server's CPU and the results.
 
-    async def level() -> int:
-        async with httpx.AsyncClient(timeout=5) as c:
-            r = await c.get(f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/status", headers=admin)
-            return int(r.json()["level"])
+    ``run_sessions`` starts one Ray per session and, in it, takes each stack through the
+    module docstring's steps (``_one_stack``): its capacity C, its idle CPU, then each
+    multiple of C offered and printed as it ends. ``results`` holds, per stack, C, its
+    phases, the queue bound it was given (plain-bounded) and the machine's speed at C.
+    """
 
-    async def sample_status(into: list[dict[str, Any]]) -> None:
-        t0 = time.perf_counter()
-        async with httpx.AsyncClient(timeout=5) as c:
-            while True:
-                try:
-                    r = await c.get(f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/status", headers=admin)
-                    into.append({**r.json(), "_t": time.perf_counter() - t0})
-                except (httpx.HTTPError, ValueError):
-                    pass
-                await asyncio.sleep(0.5)
+    def __init__(self, s: _Settings) -> None:
+        from ballast.router.ingress import ingress_env
 
-    def settler(name: str) -> Callable[[], Any]:
-        async def settle() -> None:
-            # Each probe and phase starts from a quiet stack: backlog drained, Ballast at level 0.
-            await asyncio.sleep(2.0)
-            if not name.startswith("plain"):
-                stop = time.monotonic() + 180.0
-                while time.monotonic() < stop and await level() != 0:
-                    await asyncio.sleep(1.0)
-        return settle
+        self.s, self.args, self.mix = s, s.args, s.mix
+        self.cfg = cfg = bench_config(self.args.config, self.args.model_replicas)
+        self.speed = SpeedProbeProcess(cfg.model.architecture.model_dump(), cfg.model.seed)
+        self.stacks = _stacks(cfg, self.args)
+        self.model_cfg = cfg.model.model_dump(mode="json")
+        self.max_ongoing = cfg.deployments.model.max_ongoing_requests  # Ballast's replica's (C is measured with it)
+        haproxy_cfg = ingress_env(cfg).get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC")
+        self.cpu = ServerCpu(os.path.dirname(haproxy_cfg) if haproxy_cfg else None)
+        self.admin = {"Authorization": f"Bearer {cfg.auth.demo_admin_token}"}
+        self.status_url = f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/status"
+        self.results: dict[str, dict[str, Any]] = {}
+        self.machine_at_c: dict[str, float] = {}  # each stack's machine speed while its C was measured
 
-    results: dict[str, dict[str, Any]] = {}
-    machine_at_c: dict[str, float] = {}  # each stack's machine speed while its C was measured
+    # -- sessions: one Ray per stack kind ------------------------------------------------------
+    def run_sessions(self) -> None:
+        """One Ray per stack kind, because the ingress is chosen when Ray starts: plain Ray Serve
+        with its defaults (the Python proxy actor), Ballast with its configured ingress
+        (ballast.router.ingress). The SDK rows use the same Ballast server as the plain HTTP rows."""
+        names = self.s.names
+        sessions = [(s, [n for n in names if n.startswith("plain") == (s == "plain")]) for s in ("plain", "ballast")]
+        try:
+            for session, members in sessions:
+                if members:
+                    self._session(session, members)
+        finally:
+            self.speed.close()
 
-    async def timed_machine(work: Callable[[], Awaitable[Any]], drain_s: float) -> tuple[Any, float]:
-        """``work``'s result and the machine's speed around it (rows/s, before and after,
-        averaged), the second timing ``drain_s`` after it so its stragglers are done."""
-        before = await asyncio.to_thread(speed.rows_per_second)
-        out = await work()
-        await asyncio.sleep(drain_s)
-        return out, (before + await asyncio.to_thread(speed.rows_per_second)) / 2
+    def _session(self, session: str, members: list[str]) -> None:
+        import ray
+        from ray import serve
 
-    async def run(members: list[str]) -> None:
-        for name in members:
-            stack = stacks[name]
-            settle = settler(name)
-            if args.capacity is not None:
-                cap = args.capacity
-                print(f"{name}: C = {cap:.1f} req/s, as given (--capacity)", flush=True)
-            elif stack.sdk is not None and "ballast" in results:
-                cap = results["ballast"]["C"]  # the same server: its capacity, measured above
-                print(f"{name}: the same Ballast stack through the SDK; C = {cap:.1f} req/s", flush=True)
+        from ballast.ops.app import shutdown, start
+
+        self._session_env(session)
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        try:
+            if session == "plain":
+                serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+                if "plain" in members:
+                    self.swap_plain_app(None)
             else:
-                if name == "plain-bounded":  # a provisional C with a queue that bounds nothing below C
-                    await asyncio.to_thread(swap_plain_app, 100_000)
-                cap = await capacity(stack, settle)
-            queue = None
-            if name == "plain-bounded":
-                # Its best bound at 4 x the provisional C, then its C again with that bound:
-                # each stack is measured against its own C, as it is configured.
-                queue = await choose_queue(stack, cap, settle)
-                if args.capacity is None:
-                    cap = await capacity(stack, settle)
-            found = cpu.find()
-            await settle()
-            idle0 = cpu.total_s()
-            await asyncio.sleep(IDLE_S)
-            idle_cores = (cpu.total_s() - idle0) / IDLE_S
-            print(f"  {name}: server CPU read from {found}; {idle_cores:.3f} cores with no traffic", flush=True)
-            phases = []
-            sdk = stack.sdk() if stack.sdk is not None else None
+                start(self.cfg, "127.0.0.1", PORT)
+            install_uvloop()
+            asyncio.run(self.run(members))
+        finally:
             try:
-                for k in multiples:
-                    if k == multiples[0]:
-                        await settle()
-                    trace: list[dict[str, Any]] = []
-                    sampler = asyncio.create_task(sample_status(trace)) if not name.startswith("plain") else None
-
-                    async def one_phase() -> Phase:
-                        cpu0, client0 = cpu.total_s(), time.process_time()
-                        p = await offer(stack, k * cap, args.phase_s, args.slo_s, mix, args.seed + 100, sdk)
-                        p.server_cpu_s, p.client_cpu_s = cpu.total_s() - cpu0, time.process_time() - client0
-                        return p
-
-                    phase, machine_rps = await timed_machine(one_phase, 2.0)
-                    phase.machine_rps = machine_rps
-                    phase.idle_cores = idle_cores
-                    if sampler is not None:
-                        sampler.cancel()
-                    phase.trace = trace
-                    phases.append(phase)
-                    by_crit = {c: dict(Counter(o.code for o in phase.outcomes if o.criticality == c)) for c in mix}
-                    print(f"  {name} {k:g} C: goodput/C {phase.goodput() / cap:.3f} {by_crit}; "
-                          f"send lag p99 {phase.send_lag_p99_ms():.0f} ms", flush=True)
-                    if trace:
-                        levels = Counter(t["level"] for t in trace)
-                        limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
-                        print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
-                              f"last gate {trace[-1].get('gate')}", flush=True)
-                        reasons = Counter(reason_kind((t.get("snapshot") or {}).get("reason")) for t in trace)
-                        breakers = Counter(f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items())
-                        print(f"    level reasons {dict(reasons)}; breakers {dict(breakers)}", flush=True)
-                    if args.trace:
-                        print(format_trace(phase), flush=True)
+                if session == "plain":
+                    serve.shutdown()
+                else:
+                    shutdown(self.cfg)
             finally:
-                if sdk is not None:
-                    await sdk.aclose()
-            results[name] = {"C": cap, "phases": phases, "queue": queue, "machine_at_c": machine_at_c.get(name)}
+                ray.shutdown()
 
-    async def capacity(stack: Stack, settle: Callable[[], Any]) -> float:
-        probe = stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
+    def _session_env(self, session: str) -> None:
+        from ballast.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, ingress_env
+
+        if session == "plain":  # Serve's defaults: its proxy actor, no fast path
+            for key in FAST_PATH_ENV:
+                os.environ.pop(key, None)
+            os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
+            # Ray's workers at the normal CPU priority as in Ballast's session (Ray's own
+            # default is nice 15, behind this generator): priority is not what is compared.
+            os.environ.update(WORKER_NICENESS_ENV)
+        else:
+            os.environ.update(ingress_env(self.cfg))
+
+    # -- per stack: capacity, idle CPU, the multiples --------------------------------------------
+    async def run(self, members: list[str]) -> None:
+        for name in members:
+            await self._one_stack(name)
+
+    async def _one_stack(self, name: str) -> None:
+        stack = self.stacks[name]
+        settle = self._settler(name)
+        cap, queue = await self._stack_capacity(stack, settle)
+        idle_cores = await self._idle_cores(name, settle)
+        phases = await self._offer_multiples(stack, cap, idle_cores, settle)
+        self.results[name] = {"C": cap, "phases": phases, "queue": queue, "machine_at_c": self.machine_at_c.get(name)}
+
+    async def _stack_capacity(self, stack: Stack, settle: Callable[[], Any]) -> tuple[float, Optional[dict[str, Any]]]:
+        """C as given, as Ballast's (the SDK rows), or measured; plain-bounded's queue bound with it."""
+        name = stack.name
+        if self.args.capacity is not None:
+            cap = self.args.capacity
+            print(f"{name}: C = {cap:.1f} req/s, as given (--capacity)", flush=True)
+        elif stack.sdk is not None and "ballast" in self.results:
+            cap = self.results["ballast"]["C"]  # the same server: its capacity, measured above
+            print(f"{name}: the same Ballast stack through the SDK; C = {cap:.1f} req/s", flush=True)
+        else:
+            if name == "plain-bounded":  # a provisional C with a queue that bounds nothing below C
+                await asyncio.to_thread(self.swap_plain_app, 100_000)
+            cap = await self.capacity(stack, settle)
+        queue = None
+        if name == "plain-bounded":
+            # Its best bound at 4 x the provisional C, then its C again with that bound:
+            # each stack is measured against its own C, as it is configured.
+            queue = await self.choose_queue(stack, cap, settle)
+            if self.args.capacity is None:
+                cap = await self.capacity(stack, settle)
+        return cap, queue
+
+    async def _idle_cores(self, name: str, settle: Callable[[], Any]) -> float:
+        """What the processes in front of the model use with no traffic, per second."""
+        found = self.cpu.find()
+        await settle()
+        idle0 = self.cpu.total_s()
+        await asyncio.sleep(IDLE_S)
+        idle_cores = (self.cpu.total_s() - idle0) / IDLE_S
+        print(f"  {name}: server CPU read from {found}; {idle_cores:.3f} cores with no traffic", flush=True)
+        return idle_cores
+
+    async def _offer_multiples(self, stack: Stack, cap: float, idle_cores: float,
+                               settle: Callable[[], Any]) -> list[Phase]:
+        """Each multiple of C, from a settled stack, through one SDK client for all of them."""
+        phases = []
+        sdk = stack.sdk() if stack.sdk is not None else None
+        try:
+            for k in self.s.multiples:
+                if k == self.s.multiples[0]:
+                    await settle()
+                phase = await self._phase(stack, k * cap, sdk)
+                phase.idle_cores = idle_cores
+                phases.append(phase)
+                self._print_phase(stack.name, k, cap, phase)
+        finally:
+            if sdk is not None:
+                await sdk.aclose()
+        return phases
+
+    async def _phase(self, stack: Stack, rate: float, sdk: Any) -> Phase:
+        """One phase at ``rate``, with its server and client CPU, the machine's speed around it
+        and (Ballast) its /v1/status sampled."""
+        args = self.args
+        trace: list[dict[str, Any]] = []
+        sampler = asyncio.create_task(self.sample_status(trace)) if not stack.name.startswith("plain") else None
+
+        async def one_phase() -> Phase:
+            cpu0, client0 = self.cpu.total_s(), time.process_time()
+            p = await offer(stack, rate, args.phase_s, args.slo_s, self.mix, args.seed + 100, sdk)
+            p.server_cpu_s, p.client_cpu_s = self.cpu.total_s() - cpu0, time.process_time() - client0
+            return p
+
+        phase, machine_rps = await self.timed_machine(one_phase, 2.0)
+        phase.machine_rps = machine_rps
+        if sampler is not None:
+            sampler.cancel()
+        phase.trace = trace
+        return phase
+
+    def _print_phase(self, name: str, k: float, cap: float, phase: Phase) -> None:
+        """A phase as it ends: goodput / C and codes per class; Ballast's levels, gate and breakers."""
+        by_crit = {c: dict(Counter(o.code for o in phase.outcomes if o.criticality == c)) for c in self.mix}
+        print(f"  {name} {k:g} C: goodput/C {phase.goodput() / cap:.3f} {by_crit}; "
+              f"send lag p99 {phase.send_lag_p99_ms():.0f} ms", flush=True)
+        trace = phase.trace
+        if trace:
+            levels = Counter(t["level"] for t in trace)
+            limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
+            print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
+                  f"last gate {trace[-1].get('gate')}", flush=True)
+            reasons = Counter(reason_kind((t.get("snapshot") or {}).get("reason")) for t in trace)
+            breakers = Counter(f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items())
+            print(f"    level reasons {dict(reasons)}; breakers {dict(breakers)}", flush=True)
+        if self.args.trace:
+            print(format_trace(phase), flush=True)
+
+    # -- capacity and plain-bounded's queue ------------------------------------------------------
+    async def capacity(self, stack: Stack, settle: Callable[[], Any]) -> float:
+        args = self.args
+        probe = self.stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
         await closed_loop_rate(probe, 4, 3.0)  # warm-up
         guess = await closed_loop_rate(probe, 8, 6.0)
 
         async def good_fraction(rate: float, seconds: float, i: int) -> float:
-            return (await offer(probe, rate, seconds, args.slo_s, mix, args.seed + i)).good_fraction()
+            return (await offer(probe, rate, seconds, args.slo_s, self.mix, args.seed + i)).good_fraction()
 
         try:
-            (cap, probes), machine_at_c[stack.name] = await timed_machine(
+            (cap, probes), self.machine_at_c[stack.name] = await self.timed_machine(
                 lambda: measure_capacity(good_fraction, guess, args.probe_s, args.phase_s, settle), 1.0)
         except RuntimeError as err:
             raise RuntimeError(f"{stack.name}: {err}") from None
         print(f"{stack.name}: closed-loop {guess:.1f} req/s; probes " +
               ", ".join(f"{r:.1f}/s" + (f" for {t:g} s" if t != args.probe_s else "") + f"->{f:.2f}" for r, t, f in probes)
-              + f"; C = {cap:.1f} req/s; machine {machine_at_c[stack.name]:.1f} rows/s", flush=True)
+              + f"; C = {cap:.1f} req/s; machine {self.machine_at_c[stack.name]:.1f} rows/s", flush=True)
         return cap
 
-    def swap_plain_app(queue: Optional[int], ongoing: int = max_ongoing) -> None:
-        """The plain Serve app under test: Serve's defaults (None) or bounded at ``queue``."""
+    def swap_plain_app(self, queue: Optional[int], ongoing: Optional[int] = None) -> None:
+        """The plain Serve app under test: Serve's defaults (None) or bounded at ``queue``
+        (``ongoing`` defaults to Ballast's replica's ``max_ongoing_requests``)."""
         from ray import serve
 
         if queue is None:
-            serve.run(plain_serve_app(model_cfg), name="plain", route_prefix="/plain", blocking=False)
+            serve.run(plain_serve_app(self.model_cfg), name="plain", route_prefix="/plain", blocking=False)
             return
         if "plain" in serve.status().applications:
             serve.delete("plain")  # one model replica at a time: they would share the cores
-        serve.run(plain_serve_app(model_cfg, bounded=(ongoing, queue)), name="plain-bounded",
+        bounded = (self.max_ongoing if ongoing is None else ongoing, queue)
+        serve.run(plain_serve_app(self.model_cfg, bounded=bounded), name="plain-bounded",
                   route_prefix="/plain-bounded", blocking=False)
 
-    async def choose_queue(stack: Stack, cap: float, settle: Callable[[], Any]) -> dict[str, Any]:
+    async def choose_queue(self, stack: Stack, cap: float, settle: Callable[[], Any]) -> dict[str, Any]:
         """The (max_ongoing_requests, max_queued_requests) that give plain Serve its best
         goodput at 4 C: each pair of ``ongoing_options`` x ``queue_factors`` tried for a
         half-length phase; the best stays deployed."""
+        args = self.args
         tried = []
-        for ongoing in ongoing_options:
-            for f in queue_factors:
+        for ongoing in self.s.ongoing_options:
+            for f in self.s.queue_factors:
                 q = bounded_queue(cap, args.slo_s, f)
-                await asyncio.to_thread(swap_plain_app, q, ongoing)
+                await asyncio.to_thread(self.swap_plain_app, q, ongoing)
                 await settle()
-                phase = await offer(stack, 4 * cap, args.phase_s / 2, args.slo_s, mix, args.seed + 50)
+                phase = await offer(stack, 4 * cap, args.phase_s / 2, args.slo_s, self.mix, args.seed + 50)
                 tried.append((phase.goodput() / cap, ongoing, q))
                 print(f"  plain-bounded at 4 C, max_ongoing_requests {ongoing}, max_queued_requests {q} "
                       f"({f:g} x C x SLO): goodput/C {tried[-1][0]:.3f}", flush=True)
         best = max(tried)
-        await asyncio.to_thread(swap_plain_app, best[2], best[1])
+        await asyncio.to_thread(self.swap_plain_app, best[2], best[1])
         return {"max_ongoing_requests": best[1], "max_queued_requests": best[2], "tried": tried}
 
-    # One Ray per stack, because the ingress is chosen when Ray starts: plain Ray Serve
-    # with its defaults (the Python proxy actor), Ballast with its configured ingress
-    # (ballast.router.ingress). The SDK rows use the same Ballast server as the plain HTTP rows.
-    sessions = [(s, [n for n in names if n.startswith("plain") == (s == "plain")]) for s in ("plain", "ballast")]
-    try:
-        for session, members in sessions:
-            if not members:
-                continue
-            if session == "plain":  # Serve's defaults: its proxy actor, no fast path
-                for key in FAST_PATH_ENV:
-                    os.environ.pop(key, None)
-                os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
-                # Ray's workers at the normal CPU priority as in Ballast's session (Ray's own
-                # default is nice 15, behind this generator): priority is not what is compared.
-                os.environ.update(WORKER_NICENESS_ENV)
-            else:
-                os.environ.update(ingress_env(cfg))
-            ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-            try:
-                if session == "plain":
-                    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-                    if "plain" in members:
-                        swap_plain_app(None)
-                else:
-                    start(cfg, "127.0.0.1", PORT)
-                install_uvloop()
-                asyncio.run(run(members))
-            finally:
-                try:
-                    if session == "plain":
-                        serve.shutdown()
-                    else:
-                        shutdown(cfg)
-                finally:
-                    ray.shutdown()
-    finally:
-        speed.close()
+    # -- Ballast's status, settling and the machine's speed --------------------------------------
+    async def level(self) -> int:
+        async with httpx.AsyncClient(timeout=5) as c:
+            r = await c.get(self.status_url, headers=self.admin)
+            return int(r.json()["level"])
 
+    async def sample_status(self, into: list[dict[str, Any]]) -> None:
+        t0 = time.perf_counter()
+        async with httpx.AsyncClient(timeout=5) as c:
+            while True:
+                try:
+                    r = await c.get(self.status_url, headers=self.admin)
+                    into.append({**r.json(), "_t": time.perf_counter() - t0})
+                except (httpx.HTTPError, ValueError):
+                    pass
+                await asyncio.sleep(0.5)
+
+    def _settler(self, name: str) -> Callable[[], Any]:
+        async def settle() -> None:
+            # Each probe and phase starts from a quiet stack: backlog drained, Ballast at level 0.
+            await asyncio.sleep(2.0)
+            if not name.startswith("plain"):
+                stop = time.monotonic() + 180.0
+                while time.monotonic() < stop and await self.level() != 0:
+                    await asyncio.sleep(1.0)
+        return settle
+
+    async def timed_machine(self, work: Callable[[], Awaitable[Any]], drain_s: float) -> tuple[Any, float]:
+        """``work``'s result and the machine's speed around it (rows/s, before and after,
+        averaged), the second timing ``drain_s`` after it so its stragglers are done."""
+        before = await asyncio.to_thread(self.speed.rows_per_second)
+        out = await work()
+        await asyncio.sleep(drain_s)
+        return out, (before + await asyncio.to_thread(self.speed.rows_per_second)) / 2
+
+
+# -- the report: each section a function of the results, printed in order --------------------------
+def _print_settings(results: dict[str, dict[str, Any]], s: _Settings) -> None:
+    args, mix = s.args, s.mix
     print(
         f"\noverload: SLO {args.slo_s:g} s, max_tokens {args.max_tokens}, {args.phase_s:g} s per phase, "
         f"mix " + "/".join(f"{c} {mix[c]:.0%}" for c in CRITICALITIES)
     )
+
+
+def _print_results(results: dict[str, dict[str, Any]], s: _Settings) -> None:
+    """One row per stack and multiple: goodput / C, success by class, latency and CPU."""
     head = f"{'stack':<13} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} " + " ".join(
         f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10} {'ans p99 ms':>10} {'lag p99 ms':>10} {'cli cores':>9} {'srv cores':>9} {'ms/refusal':>10} {'at edge':>7} {'machine':>7}"
     print(head)
     for name, r in results.items():
         costs = refusal_cpu_ms(r["phases"])
-        for k, phase, cost in zip(multiples, r["phases"], costs):
+        for k, phase, cost in zip(s.multiples, r["phases"], costs):
             cores = "-" if phase.server_cpu_s is None else f"{phase.server_cpu_s / phase.duration_s:.2f}"
             client = "-" if phase.client_cpu_s is None else f"{phase.client_cpu_s / phase.duration_s:.2f}"
             print(
@@ -911,32 +1008,59 @@ def main(argv: "list[str] | None" = None) -> int:
           "429/503 refusals; at edge: the share of those HAProxy answered (Ballast's edge); machine: the host's speed "
           "around the phase over its speed while C was measured (loadtest.machine_speed: the replica's batch "
           "in a process of its own; rows/s where C was given)")
+
+
+def _print_feasible(results: dict[str, dict[str, Any]], s: _Settings) -> None:
+    """Each class's success over what strict class order allows it (``feasible_shares``)."""
     print("\nshare of the feasible (what strict class order allows each class; - where it allows nothing)")
     print(f"{'stack':<13} {'offered':>8} " + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES))
     for name, r in results.items():
-        for k, phase in zip(multiples, r["phases"]):
-            feasible = feasible_shares(mix, k)
+        for k, phase in zip(s.multiples, r["phases"]):
+            feasible = feasible_shares(s.mix, k)
             cells = []
             for c in CRITICALITIES:
                 share = share_of_feasible(phase.good_fraction(c), feasible[c])
                 cells.append(f"{'-' if share is None else format(share, '.3f'):>10}")
             print(f"{name:<13} {k:>7g}C " + " ".join(cells))
+
+
+def _print_bounded(results: dict[str, dict[str, Any]], s: _Settings) -> None:
+    """The queue bound plain-bounded ran with, and every pair it was chosen from."""
     bounded = results.get("plain-bounded")
     if bounded is not None and bounded.get("queue"):
         q = bounded["queue"]
         print(f"\nplain-bounded: max_ongoing_requests {q['max_ongoing_requests']}, max_queued_requests "
               f"{q['max_queued_requests']}: the best goodput/C at 4 C of (ongoing, queued) "
               + ", ".join(f"({n}, {qq}) -> {g:.3f}" for g, n, qq in q["tried"]))
+
+
+def _print_targets(results: dict[str, dict[str, Any]], s: _Settings) -> None:
+    """Ballast's targets (``check_targets``), against plain-bounded where it ran, and goodput / C
+    at the host's speed while C was measured (not a target)."""
+    bounded = results.get("plain-bounded")
     for name in ("ballast", "ballast+sdk"):
         if name not in results:
             continue
         print(f"\n{name}: targets")
-        for what, ok, detail in check_targets(results[name], multiples, mix, bounded):
+        for what, ok, detail in check_targets(results[name], s.multiples, s.mix, bounded):
             print(f"  [{'ok' if ok else 'MISSED'}] {what}: {detail}")
         adjusted = machine_adjusted(results[name])
         if any(a is not None for a in adjusted):
             print("  (not a target) goodput / C at the speed the host had while C was measured: "
-                  + " ".join(f"{k:g}C:{a:.3f}" for k, a in zip(multiples, adjusted) if a is not None))
+                  + " ".join(f"{k:g}C:{a:.3f}" for k, a in zip(s.multiples, adjusted) if a is not None))
+
+
+REPORT = (_print_settings, _print_results, _print_feasible, _print_bounded, _print_targets)
+
+
+def main(argv: "list[str] | None" = None) -> int:
+    """Parse the command line; per stack, measure C, offer the multiples and collect the
+    phases (``_Bench``); then print the report and Ballast's targets (``REPORT``)."""
+    settings = parse_settings(argv)
+    bench = _Bench(settings)
+    bench.run_sessions()
+    for section in REPORT:
+        section(bench.results, settings)
     return 0
 
 

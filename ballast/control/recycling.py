@@ -46,6 +46,7 @@ from ballast.policies import recycle
 from ballast.policies.lease import LeaseLost, LeaseTable
 from ballast.policies.recycle import InFlight, RecycleState
 from ballast.policies.reports import ReplicaReport, WatchdogReport
+from ballast.policies.window import CountWindow
 
 from ballast.config import RecycleSettings
 
@@ -53,6 +54,7 @@ log = logging.getLogger("ballast.recycle")
 
 MAX_EVENTS = 200
 LEASE_PREFIX = "recycle/"
+RESTART_SAMPLES = 64  # recycle durations averaged into the restart time
 
 
 def _hour_of_day(wall_s: float) -> float:
@@ -77,7 +79,9 @@ class RecycleCoordinator:
         self.orders: dict[str, dict[str, Any]] = {}
         self._out_s = 0.0
         self._replica_s = 0.0
-        self._durations: deque[float] = deque(maxlen=64)
+        # The last RESTART_SAMPLES recycle durations: their mean is the restart time the
+        # expected availability uses (the configured estimate until one has completed).
+        self._durations: CountWindow[float] = CountWindow(RESTART_SAMPLES)
         self._last_wall: Optional[float] = None
         self.configure(settings)
 
@@ -199,7 +203,7 @@ class RecycleCoordinator:
         for f in plan.completed:
             took = max(0.0, now - f.started_at_s)
             self._out_s += took
-            self._durations.append(took)
+            self._durations.add(took, now)
             self._release(f)
             self._event("completed", f.replica_id, f.deployment, f.reason, duration_s=round(took, 3))
         for f in plan.stuck:

@@ -137,6 +137,8 @@ def test_manual_recycle_of_every_replica_goes_one_at_a_time_with_a_lease() -> No
     assert f.step()["recycle_orders"] == {}
     avail = f.core.replica_status()["availability"]
     assert 0 < avail["measured"] < 1 and avail["out_s"] > 0
+    took = [e["duration_s"] for e in events(f.core, "completed")]
+    assert avail["restart_s"] == pytest.approx(sum(took) / len(took), abs=1e-3)  # the recycles' mean, not the estimate
 
 
 def test_a_critical_lone_replica_at_its_ceiling_is_recycled_at_once() -> None:
