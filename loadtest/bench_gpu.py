@@ -180,7 +180,7 @@ def main(argv: "list[str] | None" = None) -> int:
 
     from ballast.config import load_config
     from ballast.control.gpu import make_gpu_probe, make_process_gpu_probe, visible_gpu_uuid
-    from ballast.model.server import build_backend
+    from ballast.model.engine import build_engine
 
     if not torch.cuda.is_available():
         print("bench-gpu needs a CUDA device: torch.cuda.is_available() is False", file=sys.stderr)
@@ -190,8 +190,8 @@ def main(argv: "list[str] | None" = None) -> int:
     print(f"device: {props.name}, {props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs; "
           f"torch {torch.__version__} (CUDA {torch.version.cuda}); CPU threads {torch.get_num_threads()}")
 
-    cpu = build_backend(cfg.model.model_copy(update={"device": "cpu"}))
-    gpu = build_backend(cfg.model.model_copy(update={"device": "cuda"}))
+    cpu = build_engine(cfg.model.model_copy(update={"device": "cpu"}))
+    gpu = build_engine(cfg.model.model_copy(update={"device": "cuda"}))
     for b in (cpu, gpu):
         b.warmup()
     rows_list = [int(r) for r in args.rows.split(",")]

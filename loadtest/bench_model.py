@@ -525,7 +525,7 @@ def run_all(
     log: Callable[[str], None] = lambda s: None,
 ) -> Report:
     """Every stack at every concurrency, then the short-beside-long figures, on one loaded model."""
-    from ballast.model.hf import load_checkpoint
+    from ballast.model.hf_checkpoint import load_checkpoint
     from ballast.model.hf_engine import HFBackend
 
     loaded = load_checkpoint(path, device)

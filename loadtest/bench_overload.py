@@ -413,10 +413,10 @@ def plain_serve_app(model_cfg: dict[str, Any], bounded: Optional[tuple[int, int]
     @serve.deployment(**options)
     class PlainModel:
         def __init__(self, cfg: dict[str, Any]) -> None:
-            from ballast.model.server import build_backend
+            from ballast.model.engine import build_engine
 
             self._m = ModelConfig(**cfg)
-            self._backend = build_backend(self._m)
+            self._backend = build_engine(self._m)
             self._backend.warmup()
 
         @serve.batch(max_batch_size=m.max_batch_size, batch_wait_timeout_s=m.batch_wait_timeout_s)

@@ -64,7 +64,7 @@ class SpeedProbe:
     def __init__(self, architecture: dict[str, Any], seed: int = 0) -> None:
         import torch
 
-        from ballast.model.backends import TinyDecoderConfig, TorchDecoderBackend, build_tiny_decoder
+        from ballast.model.builtin_engine import TinyDecoderConfig, TorchDecoderBackend, build_tiny_decoder
 
         self._torch = torch
         cfg = TinyDecoderConfig(**architecture)

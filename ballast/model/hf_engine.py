@@ -1,7 +1,7 @@
 """The Hugging Face engine: iteration-level batching over a transformers causal LM.
 
-:func:`ballast.model.hf.load_checkpoint` gives a model and its tokenizer; this
-module serves them the way the built-in model is served (``backends.LiveBatch``):
+:func:`ballast.model.hf_checkpoint.load_checkpoint` gives a model and its tokenizer; this
+module serves them the way the built-in model is served (``builtin_engine.LiveBatch``):
 a request joins the running batch at the next chunk boundary and leaves it when
 it is done, and the KV cache is kept across steps.
 
@@ -45,8 +45,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ballast.model.backends import describe_engine, ids_by_row, left_pad, rows_to_keep
-from ballast.model.hf import LoadedModel
+from ballast.model.batching import describe_engine, ids_by_row, left_pad, rows_to_keep
+from ballast.model.hf_checkpoint import LoadedModel
 
 __all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowSampling"]
 
@@ -244,7 +244,7 @@ class _Row:
 class HFBatch:
     """The running batch of an :class:`HFBackend` (see the module docstring for its layout).
 
-    ``run_chunk(joins, steps)`` has ``backends.LiveBatch``'s contract; a join is
+    ``run_chunk(joins, steps)`` has ``builtin_engine.LiveBatch``'s contract; a join is
     ``(key, ids, max_new_tokens)`` or ``(key, ids, max_new_tokens, RowSampling)``.
     Not thread-safe: one caller at a time, under ``torch.inference_mode()``.
     """

@@ -1,7 +1,7 @@
 """The model deployment: a torch model with iteration-level batching, streaming token batches.
 
 One replica holds one backend (GPU when present, else CPU) and one engine loop
-that runs a :class:`~ballast.model.backends.LiveBatch` chunk by chunk
+that runs a :class:`~ballast.model.builtin_engine.LiveBatch` chunk by chunk
 (``stream_chunk_tokens`` decode steps each). A request from the router waits in
 the replica's line until the next chunk boundary, joins the running batch there
 and leaves it as soon as it has its own tokens, so a short request never waits
@@ -47,7 +47,7 @@ from ballast.policies.scheduler import DEADLINE, STALLED, SchedulerConfig, batch
 from ballast.policies.stats import nearest_rank
 from ballast.policies.window import CountWindow
 
-from ballast.model.backends import BackendSpec, TinyDecoderConfig, load_backend
+from ballast.model.engine import build_engine
 from ballast.model.chaos import ChaosAgent
 from ballast.config import BallastConfig, ModelConfig, frozen_config, load_config
 from ballast.control.link import connect
@@ -131,27 +131,6 @@ def warmup_batch_sizes(max_batch_size: int) -> list[int]:
     return [*sizes, max_batch_size]
 
 
-def build_backend(m: ModelConfig):
-    """The engine the config names: the built-in decoder, or a Hugging Face directory."""
-    if m.backend == "transformers":
-        import torch
-
-        from ballast.model.hf import load_checkpoint
-        from ballast.model.hf_engine import HFBackend
-
-        device = m.device if m.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cpu" and m.cpu_threads is not None:
-            torch.set_num_threads(m.cpu_threads)
-        return HFBackend(load_checkpoint(m.path, device, m.dtype), name=m.name)
-    spec = frozen_config(BackendSpec, m, config=frozen_config(TinyDecoderConfig, m.architecture))
-    backend = load_backend(spec)
-    if backend.device == "cpu" and m.cpu_threads is not None:
-        import torch
-
-        torch.set_num_threads(m.cpu_threads)  # per process: this replica's own setting
-    return backend
-
-
 def scheduler_config(m: ModelConfig, context_tokens: int) -> SchedulerConfig:
     """The replica's scheduling limits: ``model.kv_cache_tokens`` as its KV budget, by
     default room for ``max_batch_size`` rows that each fill the context."""
@@ -169,7 +148,7 @@ class ModelServer:
         self._model_cfg = self._cfg.model if role == "primary" else self._cfg.fallback.model
         self._deployment = MODEL_DEPLOYMENT if role == "primary" else FALLBACK_DEPLOYMENT
         yield_cpu_to(self._model_cfg.niceness)  # before torch starts its threads
-        self._backend = build_backend(self._model_cfg)
+        self._backend = build_engine(self._model_cfg)
         warm_started = time.monotonic()
         self._backend.warmup(warmup_batch_sizes(self._model_cfg.max_batch_size))
         log.info(

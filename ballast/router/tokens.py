@@ -8,7 +8,7 @@ the replicas load, and checks each prompt against the context before any work.
 
 * ``builtin``: one token per UTF-8 byte, the built-in template
   (``openai_api.render_chat``); a prompt longer than the context loses its start at
-  the replica, as it always has (``backends.encode_prompt``), so nothing is refused.
+  the replica, as it always has (``builtin_engine.encode_prompt``), so nothing is refused.
 * ``transformers``: the tokenizer and template of ``model.path``; prompt + max_tokens
   beyond the context is ``400 CONTEXT_LENGTH_EXCEEDED``.
 
@@ -61,14 +61,14 @@ class TokenizerText(ModelText):
     strict = True
 
     def __init__(self, path: str) -> None:
-        from ballast.model.hf import load_tokenizer
+        from ballast.model.hf_checkpoint import load_tokenizer
 
         tokenizer, info = load_tokenizer(path)
         super().__init__(info.context_length, info.vocab_size)
         self._tokenizer = tokenizer
 
     def render_chat(self, messages: Sequence[Any]) -> str:
-        from ballast.model.hf import ChatTemplateError, render_chat
+        from ballast.model.hf_checkpoint import ChatTemplateError, render_chat
         from ballast.router.openai_api import BadRequest
 
         if not getattr(self._tokenizer, "chat_template", None):  # a base model: completions only

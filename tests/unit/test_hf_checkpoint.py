@@ -1,4 +1,4 @@
-"""ballast.model.hf: a Hugging Face checkpoint directory loads, or fails at start naming the file.
+"""ballast.model.hf_checkpoint: a Hugging Face checkpoint directory loads, or fails at start naming the file.
 
 Every checkpoint here is the tiny random Llama of ``hf_fixture``, written to a
 temporary directory and then broken one way per test. Nothing is downloaded:
@@ -21,8 +21,8 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from ballast.model.backends import ModelLoadError  # noqa: E402
-from ballast.model.hf import (  # noqa: E402
+from ballast.model.engine import ModelLoadError  # noqa: E402
+from ballast.model.hf_checkpoint import (  # noqa: E402
     ChatTemplateError,
     CheckpointError,
     count_tokens,

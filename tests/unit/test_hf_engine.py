@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ballast.model.hf import load_checkpoint
+from ballast.model.hf_checkpoint import load_checkpoint
 from ballast.model.hf_engine import ContextTooLong, HFBackend, IncrementalDetokenizer, RowSampling
 from tests.unit.hf_fixture import make_tiny_llama
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ballast.policies.migration import MAX_PAUSE_S, MigrationConfig, pause_s, should_migrate
-from ballast.model.backends import ByteStreamDecoder
+from ballast.model.builtin_engine import ByteStreamDecoder
 from ballast.model.server import _Item, resume, row_text
 from ballast.stops import StopScanner
 
@@ -112,7 +112,7 @@ def test_a_stop_string_held_back_at_the_cut_is_still_honoured(chunk: int) -> Non
 
 @pytest.fixture(scope="module")
 def tiny_decoder():
-    from ballast.model.backends import BackendSpec, TinyDecoderConfig, load_backend
+    from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
 
     cfg = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
     return load_backend(BackendSpec(name="tiny", seed=7, config=cfg, device="cpu"))
@@ -120,7 +120,7 @@ def tiny_decoder():
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    from ballast.model.hf import load_checkpoint
+    from ballast.model.hf_checkpoint import load_checkpoint
     from ballast.model.hf_engine import HFBackend
     from tests.unit.hf_fixture import make_tiny_llama
 

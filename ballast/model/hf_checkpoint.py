@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ballast.model.backends import ModelLoadError
+from ballast.model.engine import ModelLoadError
 
 __all__ = [
     "CheckpointError",

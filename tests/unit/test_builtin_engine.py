@@ -1,4 +1,4 @@
-"""Unit tests for ballast.model.backends: real torch on CPU, small configs for speed."""
+"""Unit tests for ballast.model.builtin_engine: real torch on CPU, small configs for speed."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ballast.model.backends import (
+from ballast.model.builtin_engine import (
     BackendSpec,
     ByteStreamDecoder,
-    ModelBackend,
-    ModelLoadError,
     SamplingConfig,
     TinyDecoderConfig,
     TorchDecoderBackend,
@@ -26,6 +24,7 @@ from ballast.model.backends import (
     save_state_dict,
     save_torchscript,
 )
+from ballast.model.engine import ModelBackend, ModelLoadError
 
 SMALL = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
 PROMPTS = ["hi", "The quick brown fox jumps", "", "zz top"]

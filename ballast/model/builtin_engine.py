@@ -1,4 +1,4 @@
-"""Model backends: the interface the Serve deployment talks to, and a built-in model.
+"""The built-in engine: a random-weight byte-level decoder, batched by Ballast's own loop.
 
 Why a hand-written model: the serving stack has to be exercised end to end (GPU
 memory, batching, streaming, recycling) on machines that may not download
@@ -30,19 +30,20 @@ import os
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ballast.model.batching import describe_engine, ids_by_row, left_pad, rows_to_keep
+from ballast.model.engine import ModelLoadError
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
     "BackendSpec",
     "ByteStreamDecoder",
     "LiveBatch",
-    "ModelBackend",
-    "ModelLoadError",
     "SamplingConfig",
     "TinyDecoder",
     "TinyDecoderConfig",
@@ -60,22 +61,6 @@ BYTE_VOCAB_SIZE = 256
 # An empty prompt still needs one token to condition on.
 _EMPTY_PROMPT_BYTES = b"\n"
 _PRINTABLE_IDS = (10, *range(32, 127))  # "\n" and printable ASCII
-
-
-class ModelLoadError(ValueError):
-    """A checkpoint could not be turned into a runnable model.
-
-    Both fields go to ``super().__init__`` so the error pickles intact across
-    Ray process boundaries (a replica failing to load reports to the controller).
-    """
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(path, reason)
-        self.path = path
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"cannot load model from {self.path!r}: {self.reason}"
 
 
 # --------------------------------------------------------------------------- config
@@ -320,55 +305,6 @@ class ByteStreamDecoder:
     def feed(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Decode more bytes; ``final=True`` flushes a dangling partial char as U+FFFD."""
         return self._decoder.decode(bytes(token_ids), final=final)
-
-
-# ------------------------------------------------------------------------- backends
-
-
-class StreamDecoder(Protocol):
-    """Token ids to text as they come, holding back what is not yet whole."""
-
-    def feed(self, token_ids: Sequence[int], final: bool = False) -> str: ...
-
-
-class Batch(Protocol):
-    """One live batch the replica's engine loop drives a chunk at a time."""
-
-    def keys(self) -> list[Any]:
-        """The rows in the batch."""
-        ...
-
-    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
-        """Rows that leave before the next chunk."""
-        ...
-
-    def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
-        """Admit ``joins`` (key, prompt ids, max new tokens, sampling), then up to ``steps``
-        tokens per row; the ids each row emitted."""
-        ...
-
-
-@runtime_checkable
-class ModelBackend(Protocol):
-    """What the model replica (``server.py``) calls on an engine: the built-in decoder
-    (``TorchDecoderBackend``) and the Hugging Face one (``hf_engine.HFBackend``)."""
-
-    name: str
-    device: str  # "cpu" or "cuda:N"
-    max_seq_len: int
-    eos_ids: frozenset[int]
-
-    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
-        """The prompt's ids (its start cut to fit the context) and the max_tokens that fit."""
-        ...
-
-    def stream_decoder(self) -> StreamDecoder: ...
-
-    def open_batch(self) -> Batch: ...
-
-    def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None: ...
-
-    def describe(self) -> dict[str, Any]: ...
 
 
 _REQUIRED_MODEL_ATTRS = ("vocab_size", "n_layers", "n_heads", "head_dim", "max_seq_len")
@@ -743,47 +679,6 @@ class LiveBatch:
             self._k = self._k[:, :, :, start:]
             self._v = self._v[:, :, :, start:]
             self._valid = self._valid[:, start:]
-
-
-def describe_engine(engine: Any) -> dict[str, Any]:
-    """What every engine says of itself (``describe``): name, device, size, context, source."""
-    return {
-        "name": engine.name,
-        "device": engine.device,
-        "params": engine.parameter_count,
-        "max_seq_len": engine.max_seq_len,
-        "source": engine.source,
-    }
-
-
-def ids_by_row(steps: Sequence[tuple[list[Any], Tensor]], out: dict[Any, list[int]]) -> dict[Any, list[int]]:
-    """``out`` with each decode step's ids appended to its row's list, ``steps`` being
-    (the rows' keys, their new ids [B]) per step; one device->host copy for them all."""
-    if steps:
-        flat = torch.cat([ids for _, ids in steps]).tolist()
-        i = 0
-        for keys, _ in steps:
-            for key in keys:
-                out.setdefault(key, []).append(flat[i])
-                i += 1
-    return out
-
-
-def rows_to_keep(row_keys: Sequence[Any], gone: Iterable[Any]) -> Optional[list[int]]:
-    """The indices of the rows whose key is not in ``gone``; None when no row goes."""
-    dropped = set(gone)
-    keep = [i for i, key in enumerate(row_keys) if key not in dropped]
-    return keep if len(keep) != len(row_keys) else None
-
-
-def left_pad(x: Tensor, width: int, dim: int) -> Tensor:
-    """``x`` padded on the left along ``dim`` to ``width`` with zeros (False for masks)."""
-    missing = width - x.shape[dim]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 def _prefill_mask(valid: Tensor) -> Tensor:

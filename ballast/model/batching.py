@@ -1,0 +1,52 @@
+"""What the two engines Ballast batches itself (builtin_engine, hf_engine) share: the
+ids a chunk's decode steps emitted per row, the rows a batch keeps, left padding, and
+how an engine describes itself."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+
+def describe_engine(engine: Any) -> dict[str, Any]:
+    """What every engine says of itself (``describe``): name, device, size, context, source."""
+    return {
+        "name": engine.name,
+        "device": engine.device,
+        "params": engine.parameter_count,
+        "max_seq_len": engine.max_seq_len,
+        "source": engine.source,
+    }
+
+
+def ids_by_row(steps: Sequence[tuple[list[Any], Tensor]], out: dict[Any, list[int]]) -> dict[Any, list[int]]:
+    """``out`` with each decode step's ids appended to its row's list, ``steps`` being
+    (the rows' keys, their new ids [B]) per step; one device->host copy for them all."""
+    if steps:
+        flat = torch.cat([ids for _, ids in steps]).tolist()
+        i = 0
+        for keys, _ in steps:
+            for key in keys:
+                out.setdefault(key, []).append(flat[i])
+                i += 1
+    return out
+
+
+def rows_to_keep(row_keys: Sequence[Any], gone: Iterable[Any]) -> Optional[list[int]]:
+    """The indices of the rows whose key is not in ``gone``; None when no row goes."""
+    dropped = set(gone)
+    keep = [i for i, key in enumerate(row_keys) if key not in dropped]
+    return keep if len(keep) != len(row_keys) else None
+
+
+def left_pad(x: Tensor, width: int, dim: int) -> Tensor:
+    """``x`` padded on the left along ``dim`` to ``width`` with zeros (False for masks)."""
+    missing = width - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)

@@ -1,0 +1,108 @@
+"""Where an engine is plugged in: the interface the model replica calls, and
+``build_engine``, which turns ``model.backend`` into an engine.
+
+An engine turns prompts into token ids and runs batches: ``fit`` a prompt to the
+context, ``open_batch``, then the replica's loop (``server.py``) drives the batch a
+chunk at a time with the rows the scheduler (``ballast/policies/scheduler.py``)
+admits. Two engines exist:
+
+- ``builtin``: ``builtin_engine.TorchDecoderBackend``, a random-weight byte-level
+  decoder built from a seed (no download, the cost profile of a real decoder);
+- ``transformers``: ``hf_engine.HFBackend`` over a local Hugging Face directory
+  (``hf_checkpoint.load_checkpoint``), with its tokenizer and chat template.
+
+A new engine implements ``ModelBackend`` (and its ``Batch`` and ``StreamDecoder``) and
+gets a branch in ``build_engine``; a directory it cannot load fails there, at the
+replica's start, with a ``ModelLoadError`` naming the file and the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint could not be turned into a runnable model.
+
+    Both fields go to ``super().__init__`` so the error pickles intact across
+    Ray process boundaries (a replica failing to load reports to the controller).
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(path, reason)
+        self.path = path
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"cannot load model from {self.path!r}: {self.reason}"
+
+
+class StreamDecoder(Protocol):
+    """Token ids to text as they come, holding back what is not yet whole."""
+
+    def feed(self, token_ids: Sequence[int], final: bool = False) -> str: ...
+
+
+class Batch(Protocol):
+    """One live batch the replica's engine loop drives a chunk at a time."""
+
+    def keys(self) -> list[Any]:
+        """The rows in the batch."""
+        ...
+
+    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+        """Rows that leave before the next chunk."""
+        ...
+
+    def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
+        """Admit ``joins`` (key, prompt ids, max new tokens, sampling), then up to ``steps``
+        tokens per row; the ids each row emitted."""
+        ...
+
+
+@runtime_checkable
+class ModelBackend(Protocol):
+    """What the model replica (``server.py``) calls on an engine: the built-in decoder
+    (``builtin_engine.TorchDecoderBackend``) and the Hugging Face one
+    (``hf_engine.HFBackend``)."""
+
+    name: str
+    device: str  # "cpu" or "cuda:N"
+    max_seq_len: int
+    eos_ids: frozenset[int]
+
+    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        """The prompt's ids (its start cut to fit the context) and the max_tokens that fit."""
+        ...
+
+    def stream_decoder(self) -> StreamDecoder: ...
+
+    def open_batch(self) -> Batch: ...
+
+    def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def build_engine(m: Any) -> ModelBackend:
+    """The engine the model config ``m`` names, loaded on its device."""
+    if m.backend == "transformers":
+        import torch
+
+        from ballast.model.hf_checkpoint import load_checkpoint
+        from ballast.model.hf_engine import HFBackend
+
+        device = m.device if m.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu" and m.cpu_threads is not None:
+            torch.set_num_threads(m.cpu_threads)
+        return HFBackend(load_checkpoint(m.path, device, m.dtype), name=m.name)
+    from ballast.config import frozen_config
+    from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
+
+    backend = load_backend(frozen_config(BackendSpec, m, config=frozen_config(TinyDecoderConfig, m.architecture)))
+    if backend.device == "cpu" and m.cpu_threads is not None:
+        import torch
+
+        torch.set_num_threads(m.cpu_threads)  # per process: this replica's own setting
+    return backend
