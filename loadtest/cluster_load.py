@@ -267,8 +267,9 @@ class ClusterLoad:
                     try:
                         err = r.json()
                         code = err["error"]["code"]
-                    except (ValueError, KeyError, TypeError):
-                        err, code = None, "?"
+                    except (ValueError, KeyError, TypeError):  # not a router's answer: say what it was
+                        err = {"error": {"message": f"{endpoint}: {r.text[:200]!r}"}}
+                        code = "?"
                     return f"http_{r.status_code}_{code}", err
                 if not stream:
                     await r.aread()
