@@ -23,11 +23,12 @@ batch, then both caches are left-padded to a common width and stacked; leaving
 rows are dropped and columns no row uses any more are trimmed. Each row holds
 its last sampled token, not yet fed to the model.
 
-**Sampling** is per row: greedy at temperature 0, else temperature and top_p
-with the row's own ``torch.Generator`` seeded from its ``seed``, so the same
+**Sampling** is per row: greedy at temperature 0, else temperature, top_k and
+top_p with the row's own ``torch.Generator`` seeded from its ``seed``, so the same
 seed gives the same text whatever else is in the batch. A row ends at its
 ``max_new_tokens`` or when it samples an end-of-sequence token (which is
-emitted, so it is counted, and decodes to no text).
+emitted, so it is counted, and decodes to no text); with ``ignore_eos`` only at its
+``max_new_tokens``; before ``min_tokens`` tokens it cannot pick one.
 
 **The KV budget.** A row reserves its whole context (prompt + max_new_tokens)
 when it joins; :attr:`HFBatch.reserved_tokens` is what the replica bounds and
@@ -57,11 +58,16 @@ class ContextTooLong(ValueError):
 
 @dataclass(frozen=True)
 class RowSampling:
-    """How one row picks its tokens. temperature 0 is greedy; seed None draws a fresh one."""
+    """How one row picks its tokens. temperature 0 is greedy; seed None draws a fresh one;
+    top_k None: every token; ``min_tokens``: no end of sequence before that many;
+    ``ignore_eos``: an end-of-sequence token does not end the row."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: Optional[int] = None
+    top_k: Optional[int] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -71,6 +77,10 @@ class RowSampling:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be an int >= 1 or None, got {self.top_k!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
 
     @classmethod
     def of(cls, req: dict[str, Any]) -> "RowSampling":
@@ -79,6 +89,9 @@ class RowSampling:
             temperature=float(req.get("temperature") if req.get("temperature") is not None else 0.0),
             top_p=float(req.get("top_p") if req.get("top_p") is not None else 1.0),
             seed=req.get("seed"),
+            top_k=req.get("top_k"),
+            min_tokens=int(req.get("min_tokens") or 0),
+            ignore_eos=bool(req.get("ignore_eos")),
         )
 
 
@@ -228,7 +241,7 @@ def _forward_parameters(model: Any) -> frozenset[str]:
 
 
 class _Row:
-    __slots__ = ("key", "remaining", "reserved", "sampling", "gen")
+    __slots__ = ("key", "remaining", "reserved", "sampling", "gen", "made")
 
     def __init__(self, key: Any, remaining: int, reserved: int, sampling: RowSampling, device: str) -> None:
         self.key = key
@@ -236,6 +249,7 @@ class _Row:
         self.reserved = reserved
         self.sampling = sampling
         self.gen: Optional[torch.Generator] = None
+        self.made = 0  # tokens picked so far
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
             self.gen = torch.Generator(device=device).manual_seed(seed)
@@ -363,12 +377,20 @@ class HFBatch:
         return first
 
     def _pick(self, logits: Tensor, rows: Sequence[_Row]) -> Tensor:
-        """One id per row from last-position logits [B, V]: argmax, or the row's own draw."""
+        """One id per row from last-position logits [B, V]: argmax, or the row's own draw;
+        end-of-sequence ids are out of reach of a row short of its ``min_tokens``."""
+        for i, r in enumerate(rows):
+            if r.made < r.sampling.min_tokens and self._b.eos_ids:
+                logits[i, list(self._b.eos_ids)] = float("-inf")
+            r.made += 1
         picked = logits.argmax(dim=-1)
         for i, r in enumerate(rows):
             if r.gen is None:
                 continue
-            probs = torch.softmax(logits[i].float() / r.sampling.temperature, dim=-1)
+            scores = logits[i].float()
+            if r.sampling.top_k is not None and r.sampling.top_k < scores.shape[-1]:
+                scores = _top_k(scores, r.sampling.top_k)
+            probs = torch.softmax(scores / r.sampling.temperature, dim=-1)
             if r.sampling.top_p < 1.0:
                 probs = _top_p(probs, r.sampling.top_p)
             picked[i] = torch.multinomial(probs, 1, generator=r.gen)[0]
@@ -380,7 +402,7 @@ class HFBatch:
         if eos and self._rows:
             last = self._last.tolist()
             for r, tok in zip(self._rows, last):
-                if tok in eos:
+                if tok in eos and not r.sampling.ignore_eos:
                     r.remaining = 0
         if any(r.remaining <= 0 for r in self._rows):
             self._select([i for i, r in enumerate(self._rows) if r.remaining > 0])
@@ -405,6 +427,12 @@ class HFBatch:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]
         self._mask = self._mask[:, start:]
+
+
+def _top_k(scores: Tensor, k: int) -> Tensor:
+    """``scores`` with all but the ``k`` highest set to -inf."""
+    kth = torch.topk(scores, k).values[-1]
+    return scores.masked_fill(scores < kth, float("-inf"))
 
 
 def _top_p(probs: Tensor, top_p: float) -> Tensor:

@@ -373,7 +373,7 @@ class ModelServer:
         # The ids let the router carry the stream on elsewhere if this replica goes away.
         chunk: dict[str, Any] = {"text": text, "tokens": len(ids), "ids": ids}
         if stopped or done:
-            eos = bool(ids) and ids[-1] in self._backend.eos_ids
+            eos = bool(ids) and ids[-1] in self._backend.eos_ids and not (it.sampling and it.sampling.ignore_eos)
             chunk["finish_reason"] = "stop" if stopped or eos else "length"
             if not done:
                 self._evict.append(it.key)
@@ -578,8 +578,10 @@ def _unsent(it: _Item, text: str) -> str:
 
 def _sampling(req: dict[str, Any]) -> Any:
     """The request's sampling fields as the HF engine takes them; None when it asked for none
-    (the built-in model ignores sampling and decodes greedily)."""
-    if all(req.get(k) is None for k in ("temperature", "top_p", "seed")):
+    (the built-in model ignores sampling and decodes greedily; it has no end of sequence,
+    so ``ignore_eos`` and ``min_tokens`` hold on it by themselves)."""
+    if all(not req.get(k) for k in ("temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos")) \
+            and req.get("seed") is None:
         return None
     from ballast.model.hf_engine import RowSampling
 

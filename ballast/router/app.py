@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from fastapi import Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from ballast.policies.breaker import BreakerEvent
@@ -41,7 +41,7 @@ from ballast.errors import NotFound
 from ballast.router.admin import Admin
 from ballast.router.api import app
 from ballast.router.auth import KeyStore
-from ballast.router.contract import openapi_document
+from ballast.router.contract import VERSION, openapi_document
 from ballast.router.edge import Edge
 from ballast.router.gate import PriorityGate
 from ballast.router.generate import NativeFront
@@ -211,6 +211,25 @@ class Router:
 
     @app.get("/healthz/ready")
     async def ready(self) -> JSONResponse:
+        problems = await self._unready()
+        if problems:
+            return JSONResponse(
+                {"error": {"code": "NOT_READY", "message": "; ".join(problems)}}, status_code=503
+            )
+        return JSONResponse({"status": "ready", "level": self.snapshots.effective().level})
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """vLLM's readiness probe, which its tools call first: 200 and no body when ready."""
+        problems = await self._unready()
+        return Response(status_code=503 if problems else 200)
+
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        return {"version": VERSION}
+
+    async def _unready(self) -> list[str]:
+        """Why this router cannot serve now: the model unreachable, the snapshot stale."""
         self._exchange.start()
         problems = []
         try:
@@ -220,11 +239,7 @@ class Router:
         if not self.snapshots.is_fresh():
             age = self.snapshots.age_s()
             problems.append("controller snapshot " + ("missing" if age is None else f"stale ({age:.1f}s old)"))
-        if problems:
-            return JSONResponse(
-                {"error": {"code": "NOT_READY", "message": "; ".join(problems)}}, status_code=503
-            )
-        return JSONResponse({"status": "ready", "level": self.snapshots.effective().level})
+        return problems
 
 
 def router_deployment(cfg):

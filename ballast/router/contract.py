@@ -87,6 +87,10 @@ class KillSwitchEntry(BaseModel):
     expires_at_s: float
 
 
+class Version(BaseModel):
+    version: str = Field(description="Ballast's version (vLLM's /version answers the same way).")
+
+
 class RecycleAccepted(BaseModel):
     accepted: list[str] = Field(description="The replicas marked for a recycle, in turn.")
 
@@ -96,7 +100,7 @@ class RecycleAccepted(BaseModel):
 
 @dataclass(frozen=True)
 class RouteContract:
-    response: Any  # a pydantic model (or a type TypeAdapter takes)
+    response: Any  # a pydantic model (or a type TypeAdapter takes); None: no body
     request: Optional[type[BaseModel]] = None
     stream: Optional[type[BaseModel]] = None  # one text/event-stream event
     openai: bool = False  # errors in OpenAI's shape
@@ -117,6 +121,8 @@ def _contract() -> dict[tuple[str, str], RouteContract]:
         ("GET", "/v1/status"): RouteContract(Status),
         ("GET", "/healthz/live"): RouteContract(Health),
         ("GET", "/healthz/ready"): RouteContract(Health),
+        ("GET", "/health"): RouteContract(None),
+        ("GET", "/version"): RouteContract(Version),
         ("POST", "/admin/kill-switch"): RouteContract(KillSwitchEntry, KillSwitchRequest, status=201),
         ("GET", "/admin/kill-switch"): RouteContract(AdminAnswer),
         ("DELETE", "/admin/kill-switch/{entry_id}"): RouteContract(AdminAnswer),
@@ -162,7 +168,9 @@ def openapi_document(routes: list[Any]) -> dict[str, Any]:
                 raise ValueError(f"{method.upper()} {path}: no contract in ballast/router/contract.py")
             if contract.request is not None:
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schemas.ref(contract.request)}}}
-            content: dict[str, Any] = {"application/json": {"schema": schemas.ref(contract.response)}}
+            content: dict[str, Any] = {}  # no body (GET /health)
+            if contract.response is not None:
+                content["application/json"] = {"schema": schemas.ref(contract.response)}
             if contract.stream is not None:
                 content["text/event-stream"] = {"schema": schemas.ref(contract.stream)}
             params = [p for p in op.get("parameters", []) if p.get("in") == "path"]

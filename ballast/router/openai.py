@@ -72,11 +72,11 @@ class OpenAIFront:
         served = await self._pipeline.serve(ModelRequest(caller, claimed, prompt_tokens, max_tokens, req.stream,
                                                          self._call(req, prompt, chat, stops)))
         answer_id = oa.Identity(oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()))
-        usage = bool(req.stream_options and req.stream_options.include_usage)
+        opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
         if isinstance(served, Stream):
-            return StreamResponse(self._events(served, chat, answer_id, stops, usage), served, headers)
-        return self._answer(served, chat, answer_id, stops, req.stream and usage, req.stream, headers)
+            return StreamResponse(self._events(served, chat, answer_id, stops, opts), served, headers)
+        return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers)
 
     async def _parse(self, request: Request, chat: bool) -> Parsed:
         raw = await read_body(request, self._limits.max_body_bytes)
@@ -87,6 +87,7 @@ class OpenAIFront:
         req: Parsed = oa.parse_chat(data) if chat else oa.parse_completion(data)
         if req.model != self._cfg.model.name:
             raise oa.unknown_model(req.model, [self._cfg.model.name])
+        oa.refuse_unhonoured(req, self._cfg.model.backend)
         asked = oa.max_tokens_of(req)
         if asked is not None and asked > self._limits.max_tokens_limit:
             field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
@@ -100,9 +101,7 @@ class OpenAIFront:
             call["add_special_tokens"] = False
         if stops:
             call["stop"] = list(stops)  # the model ends the row there; the front cuts too
-        for name in ("temperature", "top_p", "seed"):
-            if getattr(req, name) is not None:
-                call[name] = getattr(req, name)
+        call.update(oa.sampling_fields(req))
         return call
 
     @staticmethod
@@ -113,46 +112,50 @@ class OpenAIFront:
         return headers
 
     @staticmethod
-    def _answer(answer: Answer, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], usage: bool,
-                stream: bool, headers: dict[str, str]) -> Response:
+    def _answer(answer: Answer, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...],
+                stream: Optional["oa.Streaming"], headers: dict[str, str]) -> Response:
+        """A unary answer; or, asked as a stream at a level that does not stream, the
+        whole answer as one stream event."""
         text, stopped = cut_at_stop(answer.text, stops)
         a = answer.admission
         finish = oa.finish_reason(answer.tokens, a.max_tokens, stopped or answer.finish_reason == "stop")
         headers = {**headers, **answer_headers(answer)}
         ident = answer_id.of(answer.model)
         counts = oa.Counts(a.prompt_tokens, answer.tokens)
-        if not stream:
+        if stream is None:
             build = oa.chat_completion if chat else oa.completion
             return JSONResponse(build(ident, text, finish, counts), headers=headers)
-        # Streaming is off at this level: the whole answer as one stream event, then [DONE].
-        events = oa.one_event_stream(ident, chat, text, finish, counts if usage else None)
+        events = oa.one_event_stream(ident, chat, text, finish, counts, stream)
         return Response(events, media_type="text/event-stream", headers=headers)
 
     async def _events(
-        self, stream: Stream, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], usage: bool
+        self, stream: Stream, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], opts: "oa.Streaming"
     ) -> AsyncGenerator[bytes, None]:
         scanner = StopScanner(stops)
-        chunk = oa.chat_chunk if chat else oa.completion_chunk
         ident = answer_id.of(self._cfg.model.name)
+        a = stream.admission
+
+        def event(piece: Optional[str], finish: Optional[str] = None, role: bool = False) -> bytes:
+            counts = oa.Counts(a.prompt_tokens, stream.tokens) if opts.running_usage else None
+            return oa.sse_data(oa.stream_chunk(ident, chat, piece, finish, role=role, usage=counts))
+
         try:
             if chat:
-                yield oa.sse_data(oa.chat_chunk(ident, oa.ChunkDelta(role="assistant", content=""), None))
+                yield event("", role=True)
             async for part in stream:
                 ident = answer_id.of(stream.model)
                 text = scanner.feed(part["text"])
                 if text:
-                    yield oa.sse_data(chunk(ident, oa.delta(chat, text), None))
+                    yield event(text)
                 if scanner.stopped:  # a stop string: the answer is complete, the model stops now
                     stream.enough()
                     await stream.aclose()
                     break
             rest = scanner.finish()
             if rest:
-                yield oa.sse_data(chunk(ident, oa.delta(chat, rest), None))
-            a = stream.admission
-            finish = oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop")
-            yield oa.sse_data(chunk(ident, oa.delta(chat, None), finish))
-            if usage:
+                yield event(rest)
+            yield event(None, oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop"))
+            if opts.final_usage:
                 yield oa.sse_data(oa.usage_chunk(ident, chat, oa.Counts(a.prompt_tokens, stream.tokens)))
         except BallastError as err:
             yield oa.sse_data(oa.openai_error_body(err))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple, Optional, Sequence, Union
 
 from pydantic import (
@@ -189,6 +190,9 @@ class StreamOptions(_Strict):
     """Options of a streamed answer."""
 
     include_usage: bool = Field(False, description="Send a last chunk with the usage and no choices.")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's extension: every chunk carries the usage so far."
+    )
 
 
 class _Sampling(_Strict):
@@ -205,6 +209,13 @@ class _Sampling(_Strict):
     stream: bool = Field(False, description="Answer as server-sent events, ending with 'data: [DONE]'.")
     stream_options: Optional[StreamOptions] = Field(None, description="Only with stream=true.")
     user: Optional[str] = Field(None, max_length=256, description="The end user's id, for abuse tracking.")
+    # vLLM's extensions, which the tools that measure LLM servers send (guidellm, vllm bench).
+    ignore_eos: bool = Field(False, description="vLLM's extension: go on past the end-of-sequence token.")
+    min_tokens: int = Field(0, ge=0, description="vLLM's extension: no end of sequence before this many tokens.")
+    top_k: Optional[int] = Field(None, ge=-1, description="vLLM's extension: sample among the k likeliest; 0 or -1: all.")
+    repetition_penalty: Optional[float] = Field(
+        None, gt=0, le=2, description="vLLM's extension: above 1 penalises repeated tokens; 1 is neutral."
+    )
     n: Optional[Literal[1]] = Field(None, description="Choices per request; only 1 is served.")
     criticality: Optional[Criticality] = Field(
         None,
@@ -264,12 +275,48 @@ def _parse(model: type[_Sampling], data: Any) -> Any:
     if not isinstance(data, dict):
         raise BadRequest("body: must be a JSON object", field="body")
     try:
-        return model.model_validate(_served_fields(data))
+        req = model.model_validate(_served_fields(data))
     except ValidationError as e:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "body"
         reason = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
         raise BadRequest(f"{field}: {reason}", field=field) from None
+    most = max_tokens_of(req)
+    if most is not None and req.min_tokens > most:
+        raise BadRequest(f"min_tokens: {req.min_tokens} is above the maximum of {most} tokens asked for", field="min_tokens")
+    return req
+
+
+#: The optional fields an engine honours (``model.backend``), with each one's neutral
+#: value: a field an engine cannot honour is refused with 400 naming it, unless it is
+#: neutral (it asks for nothing). Every engine honours the rest of the request.
+ENGINE_LIMITS: dict[str, dict[str, Any]] = {
+    "builtin": {"repetition_penalty": 1.0},
+    "transformers": {"repetition_penalty": 1.0},
+}
+
+
+def refuse_unhonoured(req: _Sampling, engine: str) -> None:
+    """400 naming the first field ``req`` asks of an engine that cannot honour it."""
+    for name, neutral in ENGINE_LIMITS.get(engine, {}).items():
+        value = getattr(req, name)
+        if value is not None and value != neutral:
+            raise BadRequest(f"{name}: not honoured by the {engine!r} engine; leave it out or send {neutral}", field=name)
+
+
+def sampling_fields(req: _Sampling) -> dict[str, Any]:
+    """What the model is sent of the request's sampling (fields left at their neutral value are not sent)."""
+    out: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "seed", "repetition_penalty"):
+        if getattr(req, name) is not None:
+            out[name] = getattr(req, name)
+    if req.top_k is not None and req.top_k > 0:
+        out["top_k"] = req.top_k
+    if req.min_tokens:
+        out["min_tokens"] = req.min_tokens
+    if req.ignore_eos:
+        out["ignore_eos"] = True
+    return out
 
 
 def _served_fields(data: dict[str, Any]) -> dict[str, Any]:
@@ -461,25 +508,34 @@ def completion(ident: Ident, text: str, finish: str, counts: Counts) -> dict[str
     return _dump(Completion(**ident._asdict(), object="text_completion", choices=[choice], usage=counts.usage()))
 
 
-def delta(chat: bool, text: Optional[str]) -> Union[ChunkDelta, str]:
-    """A streamed piece of text: a chat delta (``{}`` with no text: the last one), or a
-    completion's text."""
-    if not chat:
-        return text or ""
-    return ChunkDelta() if text is None else ChunkDelta(content=text)
+@dataclass(frozen=True)
+class Streaming:
+    """What a streamed answer carries besides its text: the usage in a last chunk
+    (``include_usage``), and the usage so far in every chunk (``continuous_usage_stats``)."""
+
+    final_usage: bool = False
+    running_usage: bool = False
+
+    @classmethod
+    def of(cls, req: _Sampling) -> "Streaming":
+        o = req.stream_options
+        return cls(bool(o and o.include_usage), bool(o and o.continuous_usage_stats))
 
 
-def chat_chunk(ident: Ident, piece: ChunkDelta, finish: Optional[str] = None) -> ChatCompletionChunk:
-    """One streamed chat event. Deltas: ``{"role": "assistant", "content": ""}`` first,
-    then ``{"content": text}``, and ``{}`` with the finish reason last."""
-    choice = ChunkChoice(index=0, delta=piece, finish_reason=finish, logprobs=None)
-    return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice])
+def stream_chunk(ident: Ident, chat: bool, piece: Optional[str], finish: Optional[str] = None,
+                 role: bool = False, usage: Optional[Counts] = None) -> Union[ChatCompletionChunk, Completion]:
+    """One streamed event: a piece of text (None: the last event, with ``finish``).
 
-
-def completion_chunk(ident: Ident, text: str, finish: Optional[str] = None) -> Completion:
-    """One streamed completion event; its last one carries the finish reason."""
-    choice = CompletionChoice(index=0, text=text, finish_reason=finish, logprobs=None)
-    return Completion(**ident._asdict(), object="text_completion", choices=[choice])
+    Chat deltas: ``{"role": "assistant", "content": ""}`` first (``role``), then
+    ``{"content": text}``, and ``{}`` with the finish reason last. ``usage``: the usage
+    so far, on every event when the client asked for it."""
+    fields: dict[str, Any] = {} if usage is None else {"usage": usage.usage()}
+    if chat:
+        delta = ChunkDelta() if piece is None else ChunkDelta(content=piece, **({"role": "assistant"} if role else {}))
+        choice = ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=None)
+        return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice], **fields)
+    text_choice = CompletionChoice(index=0, text=piece or "", finish_reason=finish, logprobs=None)
+    return Completion(**ident._asdict(), object="text_completion", choices=[text_choice], **fields)
 
 
 def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> Union[ChatCompletionChunk, Completion]:
@@ -489,15 +545,13 @@ def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> Union[ChatCompletio
                  choices=[], usage=counts.usage())
 
 
-def one_event_stream(ident: Ident, chat: bool, text: str, finish: str, counts: Optional[Counts]) -> bytes:
+def one_event_stream(ident: Ident, chat: bool, text: str, finish: str, counts: Counts, opts: Streaming) -> bytes:
     """A unary answer as a stream: its text in one event, the finish, the usage (when
-    ``counts``), [DONE]."""
-    if chat:
-        events: list[BaseModel] = [chat_chunk(ident, ChunkDelta(role="assistant", content=text)),
-                                   chat_chunk(ident, ChunkDelta(), finish)]
-    else:
-        events = [completion_chunk(ident, text), completion_chunk(ident, "", finish)]
-    if counts is not None:
+    asked for), [DONE]."""
+    running = counts if opts.running_usage else None
+    events: list[BaseModel] = [stream_chunk(ident, chat, text, role=True, usage=running),
+                               stream_chunk(ident, chat, None, finish, usage=running)]
+    if opts.final_usage:
         events.append(usage_chunk(ident, chat, counts))
     return b"".join(sse_data(e) for e in events) + SSE_DONE
 

@@ -112,6 +112,30 @@ def test_eos_ends_a_row_at_that_token_and_it_is_emitted(backend):
     assert got["x"] == full[: first + 1]
 
 
+def test_ignore_eos_goes_on_to_max_tokens_past_the_end_of_sequence(backend):
+    b = no_eos(backend)
+    full = alone(b, PROMPTS[0], 12)
+    b.eos_ids = frozenset({full[4]})
+    assert len(alone(b, PROMPTS[0], 12)) < 12  # it ends there by default
+    assert alone(b, PROMPTS[0], 12, RowSampling(ignore_eos=True)) == full  # the same greedy tokens, all of them
+
+
+def test_min_tokens_keeps_the_end_of_sequence_out_of_reach_until_then(backend):
+    b = no_eos(backend)
+    full = alone(b, PROMPTS[0], 12)
+    stopper = full[1]
+    b.eos_ids = frozenset({stopper})
+    assert alone(b, PROMPTS[0], 12) == full[:2]  # greedy picks the eos second, and ends
+    got = alone(b, PROMPTS[0], 12, RowSampling(min_tokens=6))
+    assert got[0] == full[0] and stopper not in got[:6] and len(got) >= 6
+
+
+def test_top_k_of_one_is_greedy_whatever_the_temperature(backend):
+    b = no_eos(backend)
+    assert alone(b, PROMPTS[2], 10, RowSampling(temperature=2.0, top_k=1, seed=5)) == alone(b, PROMPTS[2], 10)
+    assert alone(b, PROMPTS[2], 10, RowSampling(temperature=2.0, top_k=50, seed=5)) != alone(b, PROMPTS[2], 10)
+
+
 def test_the_same_seed_gives_the_same_tokens_alone_and_beside_others(backend):
     b = no_eos(backend)
     s = RowSampling(temperature=1.0, top_p=0.95, seed=7)
@@ -142,7 +166,8 @@ def test_context_and_empty_prompts_are_refused_before_any_work(backend):
     assert batch.size == 0
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(seed="x"), dict(temperature=float("nan"))])
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(seed="x"), dict(temperature=float("nan")),
+                                 dict(top_k=0), dict(top_k=True), dict(min_tokens=-1)])
 def test_row_sampling_refuses_bad_values(bad):
     with pytest.raises(ValueError):
         RowSampling(**bad)
@@ -152,6 +177,7 @@ def test_row_sampling_of_a_request_dict():
     assert RowSampling.of({}) == RowSampling()
     assert RowSampling.of({"temperature": 0.5, "top_p": 0.9, "seed": 4}) == RowSampling(0.5, 0.9, 4)
     assert RowSampling.of({"temperature": None}) == RowSampling()
+    assert RowSampling.of({"top_k": 3, "min_tokens": 2, "ignore_eos": True}) == RowSampling(top_k=3, min_tokens=2, ignore_eos=True)
 
 
 def test_incremental_text_is_correct_across_multi_byte_characters(backend):

@@ -412,7 +412,7 @@ def test_completion_shape():
 
 
 def test_chat_chunk_shapes():
-    first = wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, "toy"), oa.ChunkDelta(role="assistant", content="")))
+    first = wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, "", role=True))
     assert first == {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
@@ -422,7 +422,7 @@ def test_chat_chunk_shapes():
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
         ],
     }
-    last = wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, "toy"), oa.ChunkDelta(), "length"))
+    last = wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, None, "length"))
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
     usage = wire(oa.usage_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, oa.Counts(3, 4)))
     assert usage == {
@@ -433,12 +433,12 @@ def test_chat_chunk_shapes():
         "choices": [],
         "usage": USAGE,
     }
-    for chunk in (first, wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, "toy"), oa.ChunkDelta(content="x"))), last, usage):
+    for chunk in (first, wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, "x")), last, usage):
         assert round_trips(oa.ChatCompletionChunk, chunk)
 
 
 def test_completion_chunk_shapes():
-    chunk = wire(oa.completion_chunk(oa.Ident("cmpl-1", 5, "toy"), "tok"))
+    chunk = wire(oa.stream_chunk(oa.Ident("cmpl-1", 5, "toy"), False, "tok"))
     assert chunk == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -455,14 +455,14 @@ def test_completion_chunk_shapes():
         "choices": [],
         "usage": USAGE,
     }
-    for c in (chunk, wire(oa.completion_chunk(oa.Ident("cmpl-1", 5, "toy"), "", "stop")), usage):
+    for c in (chunk, wire(oa.stream_chunk(oa.Ident("cmpl-1", 5, "toy"), False, None, "stop")), usage):
         assert round_trips(oa.Completion, c)
 
 
 def test_sse_framing():
     assert oa.sse_data({"a": 1, "b": [1, "é"]}) == b'data: {"a":1,"b":[1,"\\u00e9"]}\n\n'
     assert oa.SSE_DONE == b"data: [DONE]\n\n"
-    chunk = oa.chat_chunk(oa.Ident("chatcmpl-1", 5, "toy"), oa.ChunkDelta(content="x"))
+    chunk = oa.stream_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, "x")
     assert oa.sse_data(chunk) == (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"toy",'
                                   b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null,"logprobs":null}]}\n\n')
 
@@ -512,9 +512,9 @@ def fake_front(request) -> tuple[int, bytes]:
     if not req.stream:
         return 200, json.dumps(oa.chat_completion(oa.Ident("chatcmpl-1", 5, req.model), text, reason, oa.Counts(3, len(text)))).encode()
     events = [
-        wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, req.model), oa.ChunkDelta(role="assistant", content=""))),
-        *(wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, req.model), oa.ChunkDelta(content=word))) for word in text.split(" ")),
-        wire(oa.chat_chunk(oa.Ident("chatcmpl-1", 5, req.model), oa.ChunkDelta(), reason)),
+        wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, "", role=True)),
+        *(wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, word)) for word in text.split(" ")),
+        wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, None, reason)),
         wire(oa.usage_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, oa.Counts(3, len(text)))),
     ]
     return 200, b"".join(map(oa.sse_data, events)) + oa.SSE_DONE
@@ -570,9 +570,9 @@ def test_the_openai_sdk_is_the_contract():
 
     # The typed models, validated (the stream above is only constructed by the SDK);
     # its Completion type has a non-null finish_reason, which OpenAI's own chunks break.
-    openai.types.chat.ChatCompletionChunk.model_validate(wire(oa.chat_chunk(oa.Ident("c", 5, "toy"), oa.ChunkDelta(content="x"))))
+    openai.types.chat.ChatCompletionChunk.model_validate(wire(oa.stream_chunk(oa.Ident("c", 5, "toy"), True, "x")))
     openai.types.Completion.model_validate(wire(oa.usage_chunk(oa.Ident("c", 5, "toy"), False, oa.Counts(3, 4))))
-    openai.types.Completion.model_validate(wire(oa.completion_chunk(oa.Ident("c", 5, "toy"), "x", "length")))
+    openai.types.Completion.model_validate(wire(oa.stream_chunk(oa.Ident("c", 5, "toy"), False, "x", "length")))
 
 
 # -------------------------------------------------------------------------------- errors
@@ -611,3 +611,53 @@ def test_unknown_model_names_it_and_the_served_ones():
     assert err.message == "model 'gpt-4o' is not served here; served: toy, toy-fallback"
     assert oa.openai_error_body(err)["error"]["type"] == "not_found_error"
     assert oa.unknown_model("x", []).message == "model 'x' is not served here; served: none"
+
+
+# -------------------------------------------------------------------- vLLM's dialect
+
+
+def test_the_body_guidellm_sends_is_served():
+    # What guidellm 0.8.1 sends (vLLM's extensions beside OpenAI's fields).
+    req = oa.parse_chat({**CHAT, "stream": True, "stop": None, "ignore_eos": True, "max_completion_tokens": 32,
+                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert req.ignore_eos and req.stop is None and oa.max_tokens_of(req) == 32
+    assert oa.Streaming.of(req) == oa.Streaming(final_usage=True, running_usage=True)
+    assert oa.sampling_fields(req) == {"ignore_eos": True}
+
+
+def test_vllms_sampling_extensions_go_to_the_model_when_they_ask_for_something():
+    req = oa.parse_completion({**COMPLETION, "top_k": 5, "min_tokens": 3, "max_tokens": 8, "repetition_penalty": 1.2,
+                               "temperature": 0.7, "seed": 1})
+    assert oa.sampling_fields(req) == {"temperature": 0.7, "seed": 1, "repetition_penalty": 1.2, "top_k": 5, "min_tokens": 3}
+    neutral = oa.parse_completion({**COMPLETION, "top_k": -1, "min_tokens": 0, "ignore_eos": False})
+    assert oa.sampling_fields(neutral) == {}  # -1 and 0 mean every token, as in vLLM
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"top_k": -2}, "top_k"), ({"min_tokens": -1}, "min_tokens"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"), ({"ignore_eos": "maybe"}, "ignore_eos"),
+])
+def test_vllms_extensions_are_bounded(fields, field):
+    assert completion_error(**fields).field == field
+    if "max_tokens" in fields:  # the chat endpoint's newer name counts the same
+        assert chat_error(min_tokens=9, max_completion_tokens=8).field == "min_tokens"
+
+
+def test_an_engine_that_cannot_honour_a_field_refuses_it_by_name():
+    asks = oa.parse_chat({**CHAT, "repetition_penalty": 1.3})
+    for engine in ("builtin", "transformers"):
+        with pytest.raises(oa.BadRequest) as e:
+            oa.refuse_unhonoured(asks, engine)
+        assert e.value.field == "repetition_penalty" and engine in e.value.message
+    oa.refuse_unhonoured(asks, "vllm")  # vLLM honours it
+    oa.refuse_unhonoured(oa.parse_chat({**CHAT, "repetition_penalty": 1.0}), "transformers")  # neutral: asks for nothing
+
+
+def test_every_chunk_carries_the_usage_so_far_when_asked():
+    ident = oa.Ident("c", 5, "toy")
+    chunk = wire(oa.stream_chunk(ident, True, "hi", usage=oa.Counts(3, 2)))
+    assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert "usage" not in wire(oa.stream_chunk(ident, True, "hi"))
+    events = oa.one_event_stream(ident, False, "hi", "stop", oa.Counts(3, 2), oa.Streaming(running_usage=True))
+    datas = [json.loads(line[len(b"data: "):]) for line in events.split(b"\n\n") if line and line != b"data: [DONE]"]
+    assert [d["usage"]["completion_tokens"] for d in datas] == [2, 2]

@@ -6,6 +6,8 @@ Ray, a controller or a model answers through FastAPI itself the refusals that ne
 no model work (401, 403, 404, 405, 413, 422).
 """
 
+import types
+
 import pytest
 from ray.serve._private.http_util import _walk_fastapi_routes
 
@@ -23,6 +25,8 @@ ROUTES = {
     ("/v1/status", "GET", None),
     ("/healthz/live", "GET", None),
     ("/healthz/ready", "GET", None),
+    ("/health", "GET", None),
+    ("/version", "GET", None),
     ("/admin/kill-switch", "POST", 201),
     ("/admin/kill-switch", "GET", None),
     ("/admin/kill-switch/{entry_id}", "DELETE", None),
@@ -86,3 +90,27 @@ def test_the_field_is_named_in_a_validation_error(client):
 def test_liveness_needs_nothing(client):
     r = client.get("/healthz/live")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_vllms_probes_answer_without_a_key(client):
+    # /health is vLLM's readiness: no body; here the model cannot be reached (the fake has no ping).
+    r = client.get("/health")
+    assert r.status_code == 503 and r.content == b""
+    v = client.get("/version")
+    assert v.status_code == 200 and v.json()["version"]
+
+
+def test_health_is_200_when_the_model_answers_and_the_snapshot_is_fresh():
+    from routerkit import at_level
+
+    async def pong():
+        return {}
+
+    handle = FakeHandle()
+    handle.ping = types.SimpleNamespace(remote=pong)
+    router = build_router({}, handle)
+    with routed(router) as c:
+        assert c.get("/health").status_code == 503  # no snapshot yet
+        at_level(router, 0)
+        r = c.get("/health")
+        assert r.status_code == 200 and r.content == b""
