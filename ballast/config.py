@@ -99,8 +99,13 @@ class ModelConfig(_Strict):
     # (architecture, seed, checkpoint_path below), the fast default for tests and the
     # embedded `make serve`. "transformers": a local Hugging Face causal-LM directory at
     # `path` (config.json, safetensors, tokenizer, chat template), never downloaded.
-    backend: Literal["builtin", "transformers"] = "builtin"
+    # "vllm": the same kind of directory served by vLLM (its CPU build here, the `vllm`
+    # package on CUDA), which schedules its own batch and KV cache.
+    backend: Literal["builtin", "transformers", "vllm"] = "builtin"
     path: Optional[str] = None
+    # vllm only: passed to vLLM's engine as they are (dtype, max_model_len, max_num_seqs,
+    # enable_prefix_caching, gpu_memory_utilization, enforce_eager, ...).
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     # transformers only: the weights' dtype; null is bfloat16 on CUDA, float32 on CPU.
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     # The KV-cache budget of one replica, in tokens: a request joins the batch only while
@@ -134,13 +139,15 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _engine_fields(self) -> "ModelConfig":
-        if self.backend == "transformers":
+        if self.backend in ("transformers", "vllm"):
             if not self.path:
-                raise ValueError("backend 'transformers' needs path: a local Hugging Face model directory")
+                raise ValueError(f"backend '{self.backend}' needs path: a local Hugging Face model directory")
             if self.checkpoint_path is not None:
-                raise ValueError("checkpoint_path is the builtin model's; a transformers model is read from path")
+                raise ValueError(f"checkpoint_path is the builtin model's; a {self.backend} model is read from path")
         elif self.path is not None or self.dtype is not None:
-            raise ValueError("path and dtype are for backend 'transformers' (the builtin model uses checkpoint_path)")
+            raise ValueError("path and dtype are for backends 'transformers' and 'vllm' (the builtin model uses checkpoint_path)")
+        if self.engine_kwargs and self.backend != "vllm":
+            raise ValueError("engine_kwargs are vLLM's (backend 'vllm')")
         return self
 
 
@@ -634,13 +641,15 @@ class BallastConfig(_Strict):
 
 
 def load_config(
-    source: "str | Path | dict[str, Any] | BallastConfig | None" = None, *, model_dir: "str | Path | None" = None
+    source: "str | Path | dict[str, Any] | BallastConfig | None" = None, *, model_dir: "str | Path | None" = None,
+    engine: str = "transformers",
 ) -> BallastConfig:
     """Build the config from a YAML path, a dict, or defaults; errors name the field.
 
     ``model_dir`` (``ballast serve --model DIR``, ``make serve MODEL=DIR``) serves that
-    Hugging Face directory as the primary model, named after the directory, with the
-    rest of the config as it is (the fallback keeps its own model)."""
+    Hugging Face directory as the primary model, named after the directory, by ``engine``
+    (``--engine``, ``ENGINE=``), with the rest of the config as it is (the fallback
+    keeps its own model)."""
     if isinstance(source, BallastConfig) and model_dir is None:
         return source
     if isinstance(source, BallastConfig):
@@ -660,7 +669,7 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(where, "top level must be a mapping")
     if model_dir is not None:
-        data = with_model_dir(data, model_dir)
+        data = with_model_dir(data, model_dir, engine)
     try:
         cfg = BallastConfig.model_validate(data)
         cfg.degradation_config()
@@ -673,11 +682,14 @@ def load_config(
     return cfg
 
 
-def with_model_dir(data: dict[str, Any], model_dir: "str | Path") -> dict[str, Any]:
-    """``data`` with its primary model replaced by the Hugging Face directory ``model_dir``."""
+def with_model_dir(data: dict[str, Any], model_dir: "str | Path", engine: str = "transformers") -> dict[str, Any]:
+    """``data`` with its primary model replaced by the Hugging Face directory ``model_dir``,
+    served by ``engine`` ("transformers" or "vllm")."""
     path = Path(model_dir).expanduser().resolve()
     model = {k: v for k, v in (data.get("model") or {}).items() if k not in ("checkpoint_path", "checkpoint_format", "seed")}
-    model.update(backend="transformers", path=str(path), name=path.name[:64] or "model")
+    if engine != "vllm":
+        model.pop("engine_kwargs", None)
+    model.update(backend=engine, path=str(path), name=path.name[:64] or "model")
     return {**data, "model": model}
 
 

@@ -59,13 +59,16 @@ class ProcessSampler(Protocol):
 
 
 class PsutilSampler:
-    """The replica process as psutil sees it from the watchdog's process."""
+    """The replica's processes as psutil sees them from the watchdog's process: the
+    replica and every process under it (an engine that runs its core in child
+    processes, as vLLM does, is watched whole). RSS, threads and fds are summed."""
 
     def __init__(self, pid: int):
         import psutil
 
         self._p = psutil.Process(pid)
         self._p.cpu_percent(None)  # the first call only starts the measurement
+        self._children: dict[int, Any] = {}  # pid -> psutil.Process, kept for cpu_percent's baseline
         try:
             soft, _ = self._p.rlimit(psutil.RLIMIT_NOFILE)
             self.fd_limit: Optional[int] = soft if soft > 0 else None
@@ -77,14 +80,26 @@ class PsutilSampler:
 
         try:
             with self._p.oneshot():
-                return {
+                out = {
                     "rss_bytes": float(self._p.memory_info().rss),
                     "threads": float(self._p.num_threads()),
                     "fds": float(self._p.num_fds()),
                     "cpu_pct": float(self._p.cpu_percent(None)),
                 }
+            children = self._p.children(recursive=True)
         except psutil.Error:  # the replica is gone: its fate-shared watchdog follows shortly
             return {}
+        self._children = {c.pid: self._children.get(c.pid, c) for c in children}
+        for child in self._children.values():
+            try:
+                with child.oneshot():
+                    out["rss_bytes"] += child.memory_info().rss
+                    out["threads"] += child.num_threads()
+                    out["fds"] += child.num_fds()
+                    out["cpu_pct"] += child.cpu_percent(None)
+            except psutil.Error:  # a child that ended between the listing and now
+                continue
+        return out
 
 
 def node_memory_bytes() -> int:

@@ -4,12 +4,15 @@
 An engine turns prompts into token ids and runs batches: ``fit`` a prompt to the
 context, ``open_batch``, then the replica's loop (``server.py``) drives the batch a
 chunk at a time with the rows the scheduler (``ballast/policies/scheduler.py``)
-admits. Two engines exist:
+admits. Three engines exist:
 
 - ``builtin``: ``builtin_engine.TorchDecoderBackend``, a random-weight byte-level
   decoder built from a seed (no download, the cost profile of a real decoder);
 - ``transformers``: ``hf_engine.HFBackend`` over a local Hugging Face directory
-  (``hf_checkpoint.load_checkpoint``), with its tokenizer and chat template.
+  (``hf_checkpoint.load_checkpoint``), with its tokenizer and chat template;
+- ``vllm``: ``vllm_engine.VLLMBackend``, the same kind of directory served by vLLM, which
+  batches and manages its KV cache itself: the replica only bounds how many rows are in
+  the engine and aborts the ones that leave.
 
 A new engine implements ``ModelBackend`` (and its ``Batch`` and ``StreamDecoder``) and
 gets a branch in ``build_engine``; a directory it cannot load fails there, at the
@@ -87,6 +90,10 @@ class ModelBackend(Protocol):
 
 def build_engine(m: Any) -> ModelBackend:
     """The engine the model config ``m`` names, loaded on its device."""
+    if m.backend == "vllm":
+        from ballast.model.vllm_engine import VLLMBackend
+
+        return VLLMBackend(m.path, name=m.name, engine_kwargs=dict(m.engine_kwargs))
     if m.backend == "transformers":
         import torch
 

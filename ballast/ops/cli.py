@@ -64,7 +64,8 @@ def _wait_ready(url: str, timeout_s: float) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ballast.config import load_config
 
-    cfg = load_config(args.config, model_dir=getattr(args, "model", None) or None)
+    cfg = load_config(args.config, model_dir=getattr(args, "model", None) or None,
+                      engine=getattr(args, "engine", None) or "transformers")
     pid_path = pidfile(cfg.http.port)
     if pid_path.exists():
         try:
@@ -206,9 +207,12 @@ def serve(
     config: str = typer.Option("cluster/local.yaml", help="the Ballast config (YAML)"),
     dashboard: bool = typer.Option(True, help="start the Ray dashboard (and its metrics agent)"),
     model: str = typer.Option("", help="serve this local Hugging Face model directory as the primary model"),
+    engine: str = typer.Option("transformers", help="the engine for --model: transformers or vllm"),
 ) -> None:
     """Run the local stack in the foreground (embedded Ray); Ctrl-C stops it."""
-    raise typer.Exit(cmd_serve(argparse.Namespace(config=config, dashboard=dashboard, model=model)))
+    if engine not in ("transformers", "vllm"):
+        raise typer.BadParameter(f"{engine!r}: transformers or vllm", param_hint="--engine")
+    raise typer.Exit(cmd_serve(argparse.Namespace(config=config, dashboard=dashboard, model=model, engine=engine)))
 
 
 @app.command()

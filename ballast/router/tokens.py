@@ -60,11 +60,11 @@ class TokenizerText(ModelText):
 
     strict = True
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, context: Optional[int] = None) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer
 
         tokenizer, info = load_tokenizer(path)
-        super().__init__(info.context_length, info.vocab_size)
+        super().__init__(min(context or info.context_length, info.context_length), info.vocab_size)
         self._tokenizer = tokenizer
 
     def render_chat(self, messages: Sequence[Any]) -> str:
@@ -85,7 +85,8 @@ class TokenizerText(ModelText):
 
 def model_text(m: ModelConfig) -> ModelText:
     """The router's view of the model ``m`` names (its tokenizer is loaded here, at start)."""
-    if m.backend == "transformers":
+    if m.backend in ("transformers", "vllm"):
         assert m.path is not None  # the config's validator
-        return TokenizerText(m.path)
+        # vLLM serves at most its max_model_len, which may be shorter than the model's.
+        return TokenizerText(m.path, m.engine_kwargs.get("max_model_len"))
     return ModelText(m.architecture.max_seq_len)

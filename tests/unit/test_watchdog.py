@@ -156,6 +156,27 @@ def test_psutil_sampler_reads_a_real_process() -> None:
     assert s.fd_limit is None or s.fd_limit >= 64
 
 
+def test_psutil_sampler_counts_the_processes_under_the_replica() -> None:
+    # An engine that runs its core in a child process (vLLM) is watched whole: a child
+    # holding 64 MB shows in the replica's RSS, and its exit takes it out again.
+    import subprocess
+    import sys
+
+    s = PsutilSampler(os.getpid())
+    alone = s.sample()
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; b = bytearray(64 << 20); sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(60)"],
+                             stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"up\n"
+        with_child = s.sample()
+        assert with_child["rss_bytes"] - alone["rss_bytes"] > 60 * MB
+        assert with_child["threads"] > alone["threads"] and with_child["fds"] > alone["fds"]
+    finally:
+        child.kill()
+        child.wait()
+    assert s.sample()["rss_bytes"] - alone["rss_bytes"] < 30 * MB
+
+
 def test_growth_during_warm_up_is_not_sampled() -> None:
     # A replica loading and serving its first batches grows fast; after warm-up it is flat.
     clock = FakeClock()
