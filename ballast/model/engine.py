@@ -93,7 +93,9 @@ def build_engine(m: Any) -> ModelBackend:
     if m.backend == "vllm":
         from ballast.model.vllm_engine import VLLMBackend
 
-        return VLLMBackend(m.path, name=m.name, engine_kwargs=dict(m.engine_kwargs))
+        # The replica bounds the rows in the engine by max_batch_size (and the level): vLLM
+        # gets room for as many, unless the config says otherwise.
+        return VLLMBackend(m.path, name=m.name, engine_kwargs={"max_num_seqs": m.max_batch_size, **m.engine_kwargs})
     if m.backend == "transformers":
         import torch
 

@@ -133,7 +133,10 @@ def warmup_batch_sizes(max_batch_size: int) -> list[int]:
 
 def scheduler_config(m: ModelConfig, context_tokens: int) -> SchedulerConfig:
     """The replica's scheduling limits: ``model.kv_cache_tokens`` as its KV budget, by
-    default room for ``max_batch_size`` rows that each fill the context."""
+    default room for ``max_batch_size`` rows that each fill the context; none for vLLM,
+    which manages its own KV cache (the replica only bounds the rows in the engine)."""
+    if m.backend == "vllm":
+        return SchedulerConfig(kv_budget_tokens=None, context_tokens=context_tokens)
     return SchedulerConfig(kv_budget_tokens=m.kv_cache_tokens or m.max_batch_size * context_tokens, context_tokens=context_tokens)
 
 
@@ -198,7 +201,11 @@ class ModelServer:
         )
         self._m_tokens = metrics.Counter("ballast_model_tokens_total", "Tokens generated.")
         self._m_queue = metrics.Gauge("ballast_model_queued", "Requests in this replica waiting for a batch.")
-        self._m_kv = metrics.Gauge("ballast_model_kv_util_pct", "This replica's KV token budget reserved by rows in flight, percent.")
+        self._m_kv = metrics.Gauge(
+            "ballast_model_kv_util_pct",
+            "This replica's KV cache in use, percent: the rows' reservation against its budget, or vLLM's own KV cache.")
+        self._m_engine_waiting = metrics.Gauge("ballast_model_engine_waiting", "Requests waiting inside a self-scheduling engine (vLLM).")
+        self._m_prefix_hits = metrics.Gauge("ballast_model_prefix_cache_hit_pct", "Prompt tokens found in vLLM's prefix cache, percent.")
 
     # -- watchdog, readiness and recycling ---------------------------------------------
     def _spawn_watchdog(self) -> Any:
@@ -270,22 +277,39 @@ class ModelServer:
         self._chaos.apply(snap.chaos.get(self._role))
         self._recycle_order = snap.recycle_orders.get(self._replica_id)
 
+    def _engine_load(self) -> tuple[int, float, Optional[int], Optional[float]]:
+        """(queued, KV use in percent, waiting in the engine, prefix-cache hit percent).
+
+        An engine that schedules itself (vLLM) reports its own KV cache use and its own
+        line, which counts as queue beside the replica's; for the engines Ballast batches,
+        the KV use is the rows' reservation against the replica's budget."""
+        stats = getattr(self._backend, "stats", None)
+        if stats is None:
+            return self._queued, round(100.0 * self._kv_reserved / self._kv_budget, 2), None, None
+        s = stats()
+        hit_pct = round(100.0 * s.prefix_cache_hit_rate, 2)
+        self._m_engine_waiting.set(s.waiting)
+        self._m_prefix_hits.set(hit_pct)
+        return self._queued + s.waiting, round(100.0 * s.kv_cache_usage, 2), s.waiting, hit_pct
+
     def _report(self) -> ReplicaReport:
         """This replica's report to the controller (every report interval)."""
         gpu = self._gpu.sample() if self._gpu is not None else None
         sizes = list(self._batch_sizes)
-        self._m_queue.set(self._queued)
-        kv_util = round(100.0 * self._kv_reserved / self._kv_budget, 2)
+        queued, kv_util, engine_waiting, prefix_hit_pct = self._engine_load()
+        self._m_queue.set(queued)
         self._m_kv.set(kv_util)
         return ReplicaReport(
             replica_id=self._replica_id,
             deployment=self._deployment,
             role=self._role,
-            queued=self._queued,
+            queued=queued,
             running=self._running,
             batches=self._batches,
             batch_size_avg=(sum(sizes) / len(sizes)) if sizes else None,
             batch_size_limit=self._batch_limit,
+            engine_waiting=engine_waiting,
+            prefix_cache_hit_pct=prefix_hit_pct,
             kv_util_pct=kv_util,
             kv_tokens_reserved=self._kv_reserved,
             kv_tokens_budget=self._kv_budget,
@@ -348,8 +372,9 @@ class ModelServer:
                     self._finish(it, exc)
                 self._batch = self._backend.open_batch()
                 continue
-            self._progress += 1
-            self._progress_at_s = time.monotonic()
+            if any(out.values()):  # tokens came: the engine made progress (vLLM may return none within its wait)
+                self._progress += 1
+                self._progress_at_s = time.monotonic()
             self._batches += 1
             self._batch_sizes.add(len(self._active))
             self._m_batch.observe(len(self._active))

@@ -115,6 +115,10 @@ class ReplicaReport:
     kv_tokens_reserved: Optional[int] = None
     kv_tokens_budget: Optional[int] = None
     queue_wait_p95_ms: Optional[float] = None
+    # An engine that schedules itself (vLLM): the requests waiting inside it (counted in
+    # queued too) and its prefix cache's hit rate; None for engines Ballast batches.
+    engine_waiting: Optional[int] = None
+    prefix_cache_hit_pct: Optional[float] = None
     # None where the replica has no GPU (absent, not 0).
     gpu_util_pct: Optional[float] = None
     vram_pct: Optional[float] = None
@@ -134,7 +138,7 @@ class ReplicaReport:
         check_name("deployment", self.deployment)
         for name in ("queued", "running"):
             check_non_negative(name, getattr(self, name))
-        for name in ("queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct"):
+        for name in ("queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct", "engine_waiting", "prefix_cache_hit_pct"):
             check_non_negative(name, getattr(self, name), optional=True)
         check_finite("started_at_s", self.started_at_s, optional=True)
         _check_bool("ready", self.ready)

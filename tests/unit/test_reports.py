@@ -97,7 +97,8 @@ def test_a_replicas_stats_keep_their_fields() -> None:
     stats = ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT).as_dict()
     assert list(stats) == [
         "replica_id", "deployment", "role", "queued", "running", "batches", "batch_size_avg", "batch_size_limit",
-        "kv_util_pct", "kv_tokens_reserved", "kv_tokens_budget", "queue_wait_p95_ms", "gpu_util_pct", "vram_pct",
+        "kv_util_pct", "kv_tokens_reserved", "kv_tokens_budget", "queue_wait_p95_ms", "engine_waiting",
+        "prefix_cache_hit_pct", "gpu_util_pct", "vram_pct",
         "vram_used_bytes", "vram_total_bytes", "device", "chaos_leaked_bytes", "chaos_vram_leaked_bytes",
         "chaos_vram_leak", "chaos", "started_at_s", "ready", "draining",
     ]
