@@ -42,7 +42,6 @@ token-level chunks, aborts and admission under its own control, which
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import Coroutine, Sequence
