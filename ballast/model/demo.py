@@ -23,7 +23,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "CORPUS", "DEMO_GEOMETRY", "SEED", "make_llama", "make_tiny_llama", "train_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE", "CORPUS", "DEMO_GEOMETRY", "SEED", "VLLM_GEOMETRY", "make_llama", "make_tiny_llama", "train_tokenizer",
+]
 
 SEED = 1234
 
@@ -122,6 +124,8 @@ def _shard_size_bytes(model, shards: int) -> int:
 # Geometry of ``make tiny`` (tests) and of ``make demo-model``.
 TINY_GEOMETRY = dict(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, context=128)
 DEMO_GEOMETRY = dict(hidden=256, intermediate=688, layers=4, heads=8, kv_heads=4, context=1024)
+# The smallest model the vLLM engine's tests serve: head size 64 is one vLLM's CPU attention supports.
+VLLM_GEOMETRY = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, context=512)
 
 
 def make_tiny_llama(dir: Path, *, shards: int = 1, chat_template: bool = True) -> Path:

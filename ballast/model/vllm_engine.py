@@ -1,0 +1,496 @@
+"""The vLLM engine: a local checkpoint served by vLLM's ``AsyncLLM`` behind the model replica.
+
+**Who schedules.** The other two engines are batched by Ballast's own loop, a
+decode step at a time. vLLM schedules itself (continuous batching, a paged KV
+cache, prefix caching, chunked prefill): the replica hands it requests and
+reads their tokens back; how many requests are in the engine at once is the
+one thing the replica bounds (``max_num_seqs`` caps it from vLLM's side).
+
+**Threads.** :class:`VLLMBackend` owns one ``AsyncLLM`` and the event loop it runs
+on, in a daemon thread of its own; vLLM's engine core runs in a child process
+(and on CPU a worker process under it), see :meth:`VLLMBackend.engine_pids`.
+The replica drives a batch from a worker thread (``asyncio.to_thread``); each
+batch call is a coroutine handed to the engine loop with
+``asyncio.run_coroutine_threadsafe`` and waited for with a bound.
+
+**A batch.** Every row is one vLLM request whose outputs (``DELTA``: the new
+token ids only) a task on the engine loop appends to the row's buffer, setting
+an event the batch waits on, so nothing polls. ``run_chunk`` submits the joins,
+then waits until every row that has produced tokens has ``steps`` unread ones or
+has finished, bounded by ``max_wait_s``; a row still queued in vLLM (no token
+yet) does not hold back the rows that have tokens to hand over. A row's buffer
+holds at most its ``max_new_tokens`` ids. ``remove`` cancels the row's task,
+which makes vLLM abort the request: its slot and KV blocks are free at the
+engine's next step. An error inside vLLM for any row aborts every row of the
+batch and fails the call, which the replica answers as a failed chunk.
+
+**Tokens.** Prompts arrive as token ids (the replica tokenizes with the
+checkpoint's tokenizer, :func:`ballast.model.hf_checkpoint.load_tokenizer`), and
+the replica turns ids back into text (``stream_decoder``), so vLLM is told not
+to detokenize. An end-of-sequence token is emitted (counted) as with the other
+engines; vLLM stops at the tokenizer's and ``generation_config.json``'s eos ids.
+
+**Stats** come from vLLM's own scheduler through a ``StatLoggerBase`` registered
+at start (one record per engine step): running and waiting requests, KV-cache
+usage, cumulative prefix-cache queries and hits (:class:`VLLMStats`).
+
+Written here rather than taken from vLLM's OpenAI server: the replica needs
+token-level chunks, aborts and admission under its own control, which
+``AsyncLLM`` gives directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from ballast.model.batching import describe_engine
+from ballast.model.engine import ModelLoadError
+from ballast.model.hf_engine import GREEDY, ContextTooLong, IncrementalDetokenizer, RowSampling
+
+__all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
+
+# vLLM options Ballast sets unless engine_kwargs says otherwise.
+_DEFAULT_ENGINE_KWARGS = {"enable_prefix_caching": True}
+_CALL_SLACK_S = 30.0  # beyond a call's own bound: the engine loop itself is stuck
+_SHUTDOWN_WAIT_S = 15.0
+
+
+class VLLMRequestError(RuntimeError):
+    """vLLM failed a request of the batch (a validation error, a dead engine core)."""
+
+
+@dataclass(frozen=True)
+class VLLMStats:
+    """The engine's own view, as of its last step.
+
+    ``kv_cache_usage`` is the used fraction of the KV cache (0-1);
+    ``prefix_cache_queries``/``hits`` are prompt tokens looked up in the prefix
+    cache and found there, cumulative since start; ``steps`` counts the steps
+    the engine reported (its heartbeat while it has work)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    steps: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class _StatsSink:
+    """The latest :class:`VLLMStats`, written on the engine loop, read from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = VLLMStats()
+
+    def get(self) -> VLLMStats:
+        with self._lock:
+            return self._stats
+
+    def record(self, s: Any) -> None:
+        """One step's ``SchedulerStats``; its prefix-cache figures are that step's delta."""
+        with self._lock:
+            old = self._stats
+            pcs = s.prefix_cache_stats
+            queries, hits = (0, 0) if pcs.reset else (old.prefix_cache_queries, old.prefix_cache_hits)
+            self._stats = VLLMStats(
+                running=int(s.num_running_reqs),
+                waiting=int(s.num_waiting_reqs),
+                kv_cache_usage=float(s.kv_cache_usage),
+                prefix_cache_queries=queries + int(pcs.queries),
+                prefix_cache_hits=hits + int(pcs.hits),
+                steps=old.steps + 1,
+            )
+
+
+def _stat_logger_factory(sink: _StatsSink) -> Any:
+    """A ``StatLoggerBase`` class feeding ``sink`` (vLLM calls it as ``cls(vllm_config, engine_index)``)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _SinkLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                sink.record(scheduler_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return _SinkLogger
+
+
+def _parameter_count(weight_files: Sequence[Path]) -> Optional[int]:
+    """Parameters in the safetensors files, from their headers (no tensor is read)."""
+    try:
+        from safetensors import safe_open
+
+        total = 0
+        for f in weight_files:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    n = 1
+                    for d in st.get_slice(name).get_shape():
+                        n *= int(d)
+                    total += n
+        return total
+    except Exception:  # a count is descriptive only: never a reason not to serve
+        return None
+
+
+class VLLMBackend:
+    """A local checkpoint served by one vLLM ``AsyncLLM`` (see the module docstring).
+
+    ``engine_kwargs`` go to ``vllm.engine.arg_utils.AsyncEngineArgs`` (dtype,
+    max_model_len, max_num_seqs, enable_prefix_caching, enforce_eager,
+    gpu_memory_utilization, ...); ``model`` and ``tokenizer`` are ``path``.
+    A directory vLLM cannot serve raises :class:`ModelLoadError` here, naming the
+    file and vLLM's reason. ``max_wait_s`` bounds one ``run_chunk``'s wait.
+    """
+
+    def __init__(self, path: str, *, name: str, engine_kwargs: Optional[dict[str, Any]] = None, max_wait_s: float = 0.5) -> None:
+        from ballast.model.hf_checkpoint import load_tokenizer
+
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        if not (max_wait_s > 0):
+            raise ValueError(f"max_wait_s must be > 0, got {max_wait_s!r}")
+        self.name = name
+        self.max_wait_s = float(max_wait_s)
+        self.tokenizer, self.info = load_tokenizer(path)  # ModelLoadError naming the file
+        self.source = str(self.info.path)
+        eos = set(self.info.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_ids = frozenset(eos)
+        self.parameter_count = _parameter_count(self.info.weight_files)
+        self._stats = _StatsSink()
+        self._batches = 0
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"vllm-{name}", daemon=True)
+        self._thread.start()
+        started = time.monotonic()
+        try:
+            self._llm = self._call(self._start(dict(engine_kwargs or {})), None)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.start_s = time.monotonic() - started
+        cfg = self._llm.vllm_config
+        self.max_seq_len = int(cfg.model_config.max_model_len)
+        self.device = _device_name(cfg)
+
+    # ---------------------------------------------------------------- start, stop
+
+    async def _start(self, engine_kwargs: dict[str, Any]) -> Any:
+        """The engine config (faults blamed on config.json), then the engine itself."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = {**_DEFAULT_ENGINE_KWARGS, **engine_kwargs, "model": self.source, "tokenizer": self.source}
+        kwargs.setdefault("disable_log_stats", True)  # no default loggers; ours still turns stats on
+        try:
+            args = AsyncEngineArgs(**kwargs)
+        except TypeError as e:
+            raise ModelLoadError(self.source, f"engine_kwargs: {e}") from e
+        try:
+            vllm_config = args.create_engine_config()
+        except Exception as e:  # vLLM's own validation: architecture, context, dtype, kwargs
+            raise ModelLoadError(str(self.info.path / "config.json"), f"vLLM cannot serve it: {type(e).__name__}: {e}") from e
+        try:
+            return AsyncLLM.from_vllm_config(
+                vllm_config, stat_loggers=[_stat_logger_factory(self._stats)], disable_log_stats=args.disable_log_stats
+            )
+        except Exception as e:  # the engine core failed to start (its log has the detail)
+            raise ModelLoadError(self.source, f"vLLM's engine did not start: {type(e).__name__}: {e}") from e
+
+    def shutdown(self) -> None:
+        """Stop the engine and its processes, then the engine loop. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        pids = self.engine_pids()
+        try:
+            self._call(self._shutdown_llm(), _SHUTDOWN_WAIT_S)
+        finally:
+            self._stop_loop()
+            self._llm = None
+            _reap(pids, _SHUTDOWN_WAIT_S)
+
+    async def _shutdown_llm(self) -> None:
+        self._llm.shutdown()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=_SHUTDOWN_WAIT_S)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def _call(self, coro: Coroutine[Any, Any, Any], timeout: Optional[float]) -> Any:
+        """Run ``coro`` on the engine loop and wait for its result (at most ``timeout`` s)."""
+        if self._closed and self._llm is None:
+            coro.close()
+            raise RuntimeError(f"engine {self.name!r} is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ---------------------------------------------------------------- text side
+
+    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed the context."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise ContextTooLong("the prompt is empty: there is no token to generate from")
+        if len(ids) + max_new_tokens > self.max_seq_len:
+            raise ContextTooLong(
+                f"the prompt is {len(ids)} tokens and max_tokens {max_new_tokens}: together more than "
+                f"the model's context of {self.max_seq_len} tokens"
+            )
+        return ids
+
+    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        """(prompt ids, max new tokens) with max_new_tokens shortened to what the context leaves;
+        ContextTooLong when nothing is left."""
+        ids = self.encode(prompt, 0, add_special_tokens)
+        room = self.max_seq_len - len(ids)
+        if room < 1:
+            raise ContextTooLong(f"the prompt is {len(ids)} tokens: no room left in the context of {self.max_seq_len}")
+        return ids, min(max_new_tokens, room)
+
+    def stream_decoder(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer)
+
+    # ------------------------------------------------------------------ engine side
+
+    def open_batch(self) -> "VLLMBatch":
+        self._batches += 1
+        return VLLMBatch(self, f"{self.name}-b{self._batches}")
+
+    def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
+        """Short generations at these batch sizes, through a batch as the replica runs one."""
+        steps = max(1, min(4, self.max_seq_len - 2))
+        for n in batch_sizes:
+            batch = self.open_batch()
+            joins = [(i, self.encode("Hello", steps), steps) for i in range(n)]
+            batch.run_chunk(joins, steps)
+            while batch.keys():
+                batch.run_chunk([], steps)
+
+    def stats(self) -> VLLMStats:
+        return self._stats.get()
+
+    def engine_pids(self) -> list[int]:
+        """The engine-core process(es) and every process under them (on CPU, the worker)."""
+        import psutil
+
+        manager = getattr(getattr(self._llm, "engine_core", None), "resources", None)
+        manager = getattr(manager, "engine_manager", None)
+        pids: list[int] = []
+        for proc in getattr(manager, "processes", None) or []:
+            if proc.pid is None:
+                continue
+            pids.append(proc.pid)
+            try:
+                pids += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        return pids
+
+    def describe(self) -> dict[str, Any]:
+        import vllm
+
+        cfg = self._llm.vllm_config if self._llm is not None else None
+        out = {**describe_engine(self), "backend": "vllm", "architecture": self.info.architecture, "vllm": vllm.__version__}
+        if cfg is not None:
+            out.update(
+                dtype=str(cfg.model_config.dtype).replace("torch.", ""),
+                max_num_seqs=cfg.scheduler_config.max_num_seqs,
+                kv_cache_blocks=cfg.cache_config.num_gpu_blocks,
+                kv_block_size=cfg.cache_config.block_size,
+                prefix_caching=bool(cfg.cache_config.enable_prefix_caching),
+            )
+        return out
+
+
+def _device_name(vllm_config: Any) -> str:
+    device = getattr(vllm_config.device_config, "device_type", None) or str(vllm_config.device_config.device)
+    return "cpu" if str(device).startswith("cpu") else str(device)
+
+
+def _reap(pids: Sequence[int], timeout: float) -> None:
+    """Wait for ``pids`` to exit; kill what is left after ``timeout``."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+class _Row:
+    __slots__ = ("key", "rid", "unread", "made", "finished", "error", "task")
+
+    def __init__(self, key: Any, rid: str) -> None:
+        self.key = key
+        self.rid = rid
+        self.unread: list[int] = []  # ids not yet returned by run_chunk; at most max_new_tokens
+        self.made = 0
+        self.finished = False
+        self.error: Optional[BaseException] = None
+        self.task: Optional[asyncio.Task] = None
+
+
+class VLLMBatch:
+    """The rows one replica loop has in the engine (see the module docstring).
+
+    ``run_chunk`` and ``remove`` have the contract of ``ballast.model.engine.Batch``;
+    a join is ``(key, prompt ids, max_new_tokens)`` or with a 4th item, a
+    :class:`RowSampling` (None: greedy). One caller at a time; the state lives on
+    the backend's engine loop and is only touched there.
+    """
+
+    def __init__(self, backend: VLLMBackend, prefix: str) -> None:
+        self._b = backend
+        self._prefix = prefix
+        self._rows: dict[Any, _Row] = {}
+        self._changed = asyncio.Event()  # created here, only waited on the engine loop
+
+    def keys(self) -> list[Any]:
+        return list(self._rows)
+
+    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+        """Abort these rows in vLLM and drop them."""
+        gone = [self._rows.pop(k) for k in keys if k in self._rows]
+        if gone:
+            self._b._call(self._abort(gone), _CALL_SLACK_S)
+
+    def run_chunk(self, joins: Sequence[tuple], steps: int) -> dict[Any, list[int]]:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        parsed = self._parse(joins)
+        return self._b._call(self._chunk(parsed, steps), self._b.max_wait_s + _CALL_SLACK_S)
+
+    # ------------------------------------------------------------------ internals
+
+    def _parse(self, joins: Sequence[tuple]) -> list[tuple[Any, list[int], int, RowSampling]]:
+        parsed = []
+        seen = set(self._rows)
+        limit = self._b.max_seq_len
+        for join in joins:
+            key, ids, n = join[0], [int(i) for i in join[1]], join[2]
+            sampling = join[3] if len(join) > 3 and join[3] is not None else GREEDY
+            if key in seen:
+                raise ValueError(f"key {key!r} is already in the batch")
+            seen.add(key)
+            if not ids or isinstance(n, bool) or not isinstance(n, int) or n < 0 or len(ids) + n > limit:
+                raise ContextTooLong(f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {limit}")
+            parsed.append((key, ids, n, sampling))
+        return parsed
+
+    async def _chunk(self, parsed: list[tuple[Any, list[int], int, RowSampling]], steps: int) -> dict[Any, list[int]]:
+        out: dict[Any, list[int]] = {key: [] for key, _, _, _ in parsed}
+        for key, ids, n, sampling in parsed:
+            if n > 0:
+                self._submit(key, ids, n, sampling)
+        deadline = time.monotonic() + self._b.max_wait_s
+        while not self._ready(steps):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        failed = next((r for r in self._rows.values() if r.error is not None), None)
+        if failed is not None:
+            rows = list(self._rows.values())
+            self._rows.clear()
+            await self._abort(rows)
+            raise VLLMRequestError(f"vLLM failed request {failed.rid}: {type(failed.error).__name__}: {failed.error}") from failed.error
+        for key, row in list(self._rows.items()):
+            out[key] = row.unread
+            row.unread = []
+            if row.finished:
+                del self._rows[key]
+        return out
+
+    def _ready(self, steps: int) -> bool:
+        """Whether the chunk can end: every row with tokens has ``steps`` unread or finished
+        (and at least one row has something), or a row failed."""
+        rows = self._rows.values()
+        if not rows or any(r.error is not None for r in rows):
+            return True
+        done = [r.finished or len(r.unread) >= steps for r in rows]
+        if all(done):
+            return True
+        return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
+
+    def _submit(self, key: Any, ids: list[int], n: int, s: RowSampling) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._b._llm
+        row = _Row(key, f"{self._prefix}-{key}")
+        params = SamplingParams(
+            max_tokens=n,
+            temperature=float(s.temperature),
+            top_p=float(s.top_p),
+            top_k=int(s.top_k or 0),  # 0: every token
+            seed=s.seed,
+            min_tokens=min(int(s.min_tokens), n),
+            ignore_eos=bool(s.ignore_eos),
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,  # the replica decodes ids itself
+        )
+        prompt = llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=ids)])[0]
+        row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params))
+        self._rows[key] = row
+
+    async def _pump(self, row: _Row, prompt: Any, params: Any) -> None:
+        """Append the request's new ids to ``row`` as vLLM produces them."""
+        try:
+            async for output in self._b._llm.generate(prompt, params, row.rid):
+                new = output.outputs[0].token_ids
+                row.unread.extend(new)
+                row.made += len(new)
+                if output.finished:
+                    row.finished = True
+                self._changed.set()
+        except asyncio.CancelledError:
+            raise  # remove(): generate() aborts the request in vLLM on the way out
+        except Exception as e:
+            row.error = e
+        row.finished = True
+        self._changed.set()
+
+    async def _abort(self, rows: Sequence[_Row]) -> None:
+        """Cancel the rows' tasks and wait for them: each one's abort has reached vLLM."""
+        tasks = [r.task for r in rows if r.task is not None and not r.task.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

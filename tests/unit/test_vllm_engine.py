@@ -1,0 +1,249 @@
+"""The vLLM engine on a tiny random Llama built here: greedy equals transformers, rows join
+and leave, abort frees the slot, EOS / ignore_eos / min_tokens / max_tokens, prefix-cache
+stats, load errors, the engine's processes. One engine for the module."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import psutil  # noqa: E402
+
+from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
+from ballast.model.engine import ModelLoadError  # noqa: E402
+from ballast.model.hf_engine import ContextTooLong, RowSampling  # noqa: E402
+from ballast.model.vllm_engine import VLLMBackend, VLLMRequestError, VLLMStats  # noqa: E402
+
+ENGINE_KWARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, enable_prefix_caching=True)
+PROMPTS = ["The quick brown fox", "Hello!", "A replica serves requests; the router sends each one to"]
+LONG = RowSampling(ignore_eos=True)
+
+
+def random_contexts(vocab_size, bos_id, n=2000):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab_size, (n, 3), generator=gen)
+    return torch.cat([torch.full((n, 1), bos_id), ids], dim=1)
+
+
+def make_eos_reachable(d):
+    """Give EOS the output row of a rarely predicted token, a little larger: random weights
+    never pick EOS, and the EOS tests need contexts where greedy decoding does."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(d)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype="float32").eval()
+    with torch.inference_mode():
+        picks = model(random_contexts(model.config.vocab_size, tok.bos_token_id)).logits[:, -1, :].argmax(-1)
+    counts = torch.bincount(picks, minlength=model.config.vocab_size)
+    counts[counts < 5] = 1 << 30
+    rare = int(counts.argmin())
+    state = load_file(str(d / "model.safetensors"))
+    state["lm_head.weight"][tok.eos_token_id] = state["lm_head.weight"][rare] * 1.05
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = make_llama(tmp_path_factory.mktemp("vllm-llama"), **VLLM_GEOMETRY)
+    make_eos_reachable(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def backend(ckpt):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of CPU KV cache
+        b = VLLMBackend(str(ckpt), name="tiny-vllm", engine_kwargs=ENGINE_KWARGS)
+    yield b
+    b.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype="float32").eval()
+
+
+def drain(batch, joins_by_chunk, steps=4, max_chunks=200):
+    """Drive ``batch``: ``joins_by_chunk[i]`` join before chunk i; every row's ids, to the end."""
+    got: dict = {}
+    i = 0
+    while i < len(joins_by_chunk) or batch.keys():
+        assert i < max_chunks, f"rows {batch.keys()} still running after {max_chunks} chunks"
+        joins = joins_by_chunk[i] if i < len(joins_by_chunk) else []
+        out = batch.run_chunk(joins, steps)
+        assert {j[0] for j in joins} <= set(out)
+        for key, ids in out.items():
+            got.setdefault(key, []).extend(ids)
+        i += 1
+    return got
+
+
+def hf_greedy(hf_model, ids, n, eos_id):
+    import torch
+
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos_id, pad_token_id=eos_id)
+    return out[0, len(ids) :].tolist()
+
+
+def test_describes_itself_and_fits_prompts(backend):
+    d = backend.describe()
+    assert d["backend"] == "vllm" and d["device"] == "cpu" and d["max_seq_len"] == 512
+    assert d["params"] and d["params"] > 100_000
+    assert backend.eos_ids == {backend.tokenizer.eos_token_id}
+    ids, n = backend.fit("Hello", 10_000)
+    assert ids[0] == backend.tokenizer.bos_token_id and n == 512 - len(ids)
+    with pytest.raises(ContextTooLong):
+        backend.encode("", 4, add_special_tokens=False)
+    with pytest.raises(ContextTooLong):
+        backend.encode("Hello", 512)
+    assert isinstance(backend.stats(), VLLMStats)
+    text = "".join(backend.stream_decoder().feed([i], final=False) for i in ids[1:])
+    assert text == "Hello"
+
+
+def test_greedy_equals_transformers_generate_alone_and_batched(backend, hf_model):
+    eos = backend.tokenizer.eos_token_id
+    prompts = [backend.encode(p, 24) for p in PROMPTS]
+    expected = [hf_greedy(hf_model, ids, 24, eos) for ids in prompts]
+    assert max(len(e) for e in expected) == 24  # not a vacuous comparison of EOS-only answers
+    alone = drain(backend.open_batch(), [[(0, prompts[0], 24)]])
+    assert alone[0] == expected[0]
+    together = drain(backend.open_batch(), [[(i, ids, 24, None) for i, ids in enumerate(prompts)]])
+    assert [together[i] for i in range(len(prompts))] == expected
+
+
+def test_rows_join_and_leave_across_chunks(backend):
+    ids = backend.encode("Hello!", 0)
+    batch = backend.open_batch()
+    first = batch.run_chunk([("a", ids, 6, LONG)], 4)
+    assert set(first) == {"a"} and len(first["a"]) >= 1
+    got = {"a": list(first["a"])}
+    joins = [[("b", ids, 10, LONG), ("z", ids, 0, LONG)], [("c", ids, 3, LONG)]]
+    seen_done: set = set()
+    for chunk in range(100):
+        if not (batch.keys() or joins):
+            break
+        out = batch.run_chunk(joins.pop(0) if joins else [], 2)
+        for key, new in out.items():
+            assert key not in seen_done, f"{key} got ids after it finished"
+            got.setdefault(key, []).extend(new)
+        seen_done |= set(out) - set(batch.keys())
+    assert not batch.keys()
+    assert {k: len(v) for k, v in got.items()} == {"a": 6, "b": 10, "c": 3, "z": 0}
+
+
+def test_max_tokens_eos_ignore_eos_and_min_tokens(backend, hf_model):
+    import torch
+
+    eos = backend.tokenizer.eos_token_id
+    # A prompt whose greedy next token is EOS, by the widest margin among many random ones.
+    cands = random_contexts(hf_model.config.vocab_size, backend.tokenizer.bos_token_id)
+    with torch.inference_mode():
+        logits = hf_model(cands).logits[:, -1, :]
+    top2 = logits.topk(2, dim=-1)
+    margin = torch.where(top2.indices[:, 0] == eos, top2.values[:, 0] - top2.values[:, 1], torch.tensor(-1.0))
+    assert float(margin.max()) > 0, "no random prompt predicts EOS next"
+    prompt = cands[int(margin.argmax())].tolist()
+
+    got = drain(
+        backend.open_batch(),
+        [[
+            ("eos", prompt, 20, None),
+            ("ignore", prompt, 20, RowSampling(ignore_eos=True)),
+            ("min", prompt, 20, RowSampling(min_tokens=5)),
+            ("short", backend.encode("Hello!", 0), 7, LONG),
+        ]],
+    )
+    assert got["eos"] == [eos]
+    assert len(got["ignore"]) == 20 and got["ignore"][0] == eos
+    assert len(got["min"]) >= 5 and eos not in got["min"][:5]
+    assert len(got["short"]) == 7
+
+
+def test_same_seed_same_tokens(backend):
+    ids = backend.encode("Seeded sampling, please.", 0)
+    s = RowSampling(temperature=1.0, top_p=0.9, top_k=50, seed=42)
+    one = drain(backend.open_batch(), [[(0, ids, 24, s)]])[0]
+    two = drain(backend.open_batch(), [[(0, ids, 24, s), (1, ids, 24, RowSampling(temperature=1.0, seed=7))]])
+    assert one == two[0] and len(one) > 0
+    assert two[1] != one
+
+
+def test_remove_aborts_the_row_and_frees_its_slot(backend):
+    ids = backend.encode("Stream A keeps going.", 0)
+    batch = backend.open_batch()
+    batch.run_chunk([("a", ids, 400, LONG), ("b", ids, 400, LONG)], 4)
+    for _ in range(20):
+        if backend.stats().running == 2:
+            break
+        batch.run_chunk([], 4)
+    assert backend.stats().running == 2
+    batch.remove(["b"])
+    assert batch.keys() == ["a"]
+    for chunks in range(1, 6):
+        out = batch.run_chunk([], 4)
+        assert "b" not in out
+        if backend.stats().running == 1:
+            break
+    assert backend.stats().running == 1, backend.stats()
+    batch.remove(batch.keys())
+    assert batch.keys() == [] and batch.run_chunk([], 4) == {}
+
+
+def test_a_row_vllm_refuses_fails_the_chunk_and_aborts_the_batch(backend):
+    batch = backend.open_batch()
+    ok = backend.encode("Hello!", 0)
+    batch.run_chunk([("ok", ok, 300, LONG)], 2)
+    with pytest.raises(VLLMRequestError, match="bad"):
+        batch.run_chunk([("bad", [10**6], 4, None)], 2)  # a token id past the vocabulary
+    assert batch.keys() == []
+    with pytest.raises(ContextTooLong):
+        batch.run_chunk([("long", ok * 200, 4, None)], 2)
+
+
+def test_prefix_cache_hits_for_a_repeated_long_prompt(backend):
+    ids = backend.encode(" ".join(PROMPTS) * 8, 0)[:300]  # more than two KV blocks of 128
+    before = backend.stats()
+    drain(backend.open_batch(), [[(0, ids, 2, LONG)]])
+    drain(backend.open_batch(), [[(0, ids, 2, LONG)]])
+    after = backend.stats()
+    assert after.prefix_cache_queries - before.prefix_cache_queries >= 2 * len(ids)
+    assert after.prefix_cache_hits - before.prefix_cache_hits >= 256
+    assert 0.0 <= after.kv_cache_usage <= 1.0 and after.steps > before.steps
+
+
+def test_a_bad_directory_fails_at_construction(tmp_path, ckpt):
+    with pytest.raises(ModelLoadError) as e:
+        VLLMBackend(str(tmp_path / "missing"), name="x", engine_kwargs=ENGINE_KWARGS)
+    assert str(tmp_path / "missing") in str(e.value)
+    # The files are fine for transformers; vLLM refuses the context asked for, naming config.json.
+    with pytest.raises(ModelLoadError) as e:
+        VLLMBackend(str(ckpt), name="x", engine_kwargs={**ENGINE_KWARGS, "max_model_len": 100_000})
+    assert e.value.path == os.path.join(str(ckpt), "config.json")
+    assert "100000" in e.value.reason
+
+
+def test_engine_processes_live_then_gone_after_shutdown(backend):
+    """Runs last in the module: it shuts the module's engine down."""
+    pids = backend.engine_pids()
+    assert len(pids) >= 1
+    for pid in pids:
+        p = psutil.Process(pid)
+        assert p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        assert pid != os.getpid()
+    backend.shutdown()
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    with pytest.raises(RuntimeError):
+        backend.open_batch().run_chunk([(0, [1, 2], 2)], 2)
+    backend.shutdown()  # idempotent
