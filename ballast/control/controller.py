@@ -242,10 +242,13 @@ class ControllerCore:
                     "age_s": round(now - float(r.started_at_s or now), 1),
                     "queued": r.queued,
                     "running": r.running,
-                    # The KV token budget and the share of it the rows in flight reserve.
+                    # The KV token budget and the share of it the rows in flight reserve
+                    # (vLLM: its own KV cache's use, and no budget of Ballast's).
                     "kv_util_pct": r.kv_util_pct,
                     "kv_tokens_reserved": r.kv_tokens_reserved,
                     "kv_tokens_budget": r.kv_tokens_budget,
+                    "engine_waiting": r.engine_waiting,  # inside a self-scheduling engine (vLLM); in queued too
+                    "prefix_cache_hit_pct": r.prefix_cache_hit_pct,
                     "ready": r.ready and (wd is None or wd.ready),
                     "draining": r.draining,
                     "manual_recycle": rid in self.recycler.manual,

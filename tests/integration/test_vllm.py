@@ -1,0 +1,139 @@
+"""The stack serving a Hugging Face directory with vLLM (its CPU build), no download.
+
+For this module the session's stack is replaced by one whose primary model is
+``backend: vllm`` on a tiny random Llama built here (a head size vLLM's CPU attention
+serves), and put back after. vLLM starts once, for the module. Through the real HTTP
+endpoint and the official ``openai`` client: usage in the model's tokens through its
+chat template, unary and streamed answers, stop strings, seeded answers that repeat,
+a 400 past the context, vLLM's own sampling extensions, and a client that leaves
+freeing the engine's slot.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("vllm")
+
+import conftest as integration  # noqa: E402
+from conftest import ADMIN, BASE, GOLD, _merge, wait_until  # noqa: E402
+from test_hf_model import _deploy  # noqa: E402
+
+from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny-vllm"
+KEY = GOLD["Authorization"].split()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_stack(ballast, tmp_path_factory):
+    from ballast.config import load_config
+
+    ckpt = make_llama(tmp_path_factory.mktemp("vllm") / MODEL, **VLLM_GEOMETRY)
+    over = {"model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8,
+                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
+                                        "kv_cache_memory_bytes": 1 << 30}}}
+    _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)
+    try:
+        yield ckpt
+    finally:
+        _deploy(ballast, ballast.model.name)
+
+
+@pytest.fixture(scope="module")
+def tok(vllm_stack):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(vllm_stack, local_files_only=True)
+
+
+@pytest.fixture
+def oai(vllm_stack):
+    with openai.OpenAI(base_url=f"{BASE}/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture
+def http(vllm_stack):
+    with httpx.Client(base_url=BASE, timeout=60) as c:
+        yield c
+
+
+def replica(http) -> dict:
+    """The primary replica's last report, as the controller has it."""
+    rows = http.get("/admin/replicas", headers=ADMIN).json()["replicas"]
+    return next(r for r in rows if r["deployment"] == "BallastModel")
+
+
+def test_chat_usage_is_the_templated_prompt_in_the_models_tokens(oai, tok):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.choices[0].finish_reason == ("length" if r.usage.completion_tokens == 12 else "stop")
+
+
+def test_a_stream_is_the_unary_answer_and_ends_with_usage(oai):
+    kw = dict(model=MODEL, prompt="A replica serves requests", max_tokens=20)
+    unary = oai.completions.create(**kw)
+    chunks = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == unary.choices[0].text
+    assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens
+
+
+def test_the_same_seed_gives_the_same_text(oai):
+    kw = dict(model=MODEL, prompt="Hello!", max_tokens=24, temperature=1.0, top_p=0.95)
+    a = oai.completions.create(**kw, seed=5).choices[0].text
+    assert oai.completions.create(**kw, seed=5).choices[0].text == a
+    assert {oai.completions.create(**kw, seed=s).choices[0].text for s in (6, 7, 8)} != {a}
+
+
+def test_a_stop_string_ends_the_answer_where_it_starts(oai):
+    kw = dict(model=MODEL, prompt="Tokens per second", max_tokens=30, extra_body={"ignore_eos": True})
+    text = oai.completions.create(**kw).choices[0].text
+    assert len(text) >= 6, text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = oai.completions.create(**kw, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_vllms_extensions_are_honoured(oai):
+    # ignore_eos: every token asked for; repetition_penalty is vLLM's to honour.
+    r = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=16,
+                               extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "top_k": 5, "min_tokens": 4})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_past_the_context_is_a_400_before_any_work(oai):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=255)
+    assert e.value.code == "CONTEXT_LENGTH_EXCEEDED" and "context is 256 tokens" in e.value.message
+
+
+def test_a_client_that_leaves_frees_its_slot_in_the_engine(http):
+    body = {"prompt": "Hello", "max_tokens": 200, "stream": True}
+    with http.stream("POST", "/v1/generate", headers=GOLD, json={**body, "max_tokens": 200}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: token"):
+                break  # the first token came: the row is in the engine; leave
+    # The router aborts the call, the replica aborts the row in vLLM: nothing runs there.
+    wait_until(lambda: replica(http)["running"] == 0, 30, 0.5, "the replica's rows back to 0")
+    assert replica(http)["engine_waiting"] == 0
+
+
+def test_the_replica_reports_the_engines_own_kv_and_prefix_cache(http, oai):
+    prompt = "The same long prompt, again and again, " * 8
+    for _ in range(3):
+        oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    time.sleep(1.5)  # a report interval
+    row = replica(http)
+    assert row["kv_tokens_budget"] is None  # vLLM's own KV cache, not Ballast's budget
+    assert row["prefix_cache_hit_pct"] > 0
