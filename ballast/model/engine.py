@@ -91,11 +91,9 @@ class ModelBackend(Protocol):
 def build_engine(m: Any) -> ModelBackend:
     """The engine the model config ``m`` names, loaded on its device."""
     if m.backend == "vllm":
-        from ballast.model.vllm_engine import VLLMBackend
+        from ballast.model.vllm_engine import VLLMBackend, default_engine_kwargs
 
-        # The replica bounds the rows in the engine by max_batch_size (and the level): vLLM
-        # gets room for as many, unless the config says otherwise.
-        return VLLMBackend(m.path, name=m.name, engine_kwargs={"max_num_seqs": m.max_batch_size, **m.engine_kwargs})
+        return VLLMBackend(m.path, name=m.name, engine_kwargs=default_engine_kwargs(m.path, dict(m.engine_kwargs), m.max_batch_size))
     if m.backend == "transformers":
         import torch
 

@@ -149,6 +149,42 @@ def _parameter_count(weight_files: Sequence[Path]) -> Optional[int]:
         return None
 
 
+def default_engine_kwargs(path: str, engine_kwargs: dict[str, Any], rows: int) -> dict[str, Any]:
+    """``engine_kwargs`` with Ballast's defaults for what it leaves out: room in the engine
+    for ``rows`` requests (``max_num_seqs``, the replica bounds them), and on CPU a KV cache
+    with room for ``rows`` rows that each fill the context, as Ballast's own engines are
+    sized. vLLM's CPU default (``gpu_memory_utilization`` 0.92 of the host's memory) is
+    refused by a host that runs anything else; an explicit size, or
+    ``VLLM_CPU_KVCACHE_SPACE``, is kept."""
+    import json
+    import os
+
+    out = {"max_num_seqs": rows, **engine_kwargs}
+    sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(out) or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if sized or _cuda_visible():
+        return out
+    try:
+        c = json.loads((Path(path) / "config.json").read_text())
+        heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        context = int(out.get("max_model_len") or c.get("max_position_embeddings") or 2048)
+        per_token = 2 * int(c["num_hidden_layers"]) * kv_heads * head_dim * (2 if out.get("dtype") in ("bfloat16", "float16", "half") else 4)
+    except (OSError, ValueError, KeyError, TypeError):  # vLLM names what is wrong with the directory at start
+        return out
+    out["kv_cache_memory_bytes"] = max(64 << 20, rows * context * per_token)
+    return out
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
 class VLLMBackend:
     """A local checkpoint served by one vLLM ``AsyncLLM`` (see the module docstring).
 

@@ -37,8 +37,7 @@ def vllm_stack(ballast, tmp_path_factory):
 
     ckpt = make_llama(tmp_path_factory.mktemp("vllm") / MODEL, **VLLM_GEOMETRY)
     over = {"model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8,
-                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
-                                        "kv_cache_memory_bytes": 1 << 30}}}
+                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256}}}  # the KV cache: Ballast's CPU default
     _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)
     try:
         yield ckpt

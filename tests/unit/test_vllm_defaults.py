@@ -1,0 +1,42 @@
+"""Ballast's defaults for the vLLM engine's arguments (ballast/model/vllm_engine.py): room
+for the replica's rows, and on CPU a KV cache sized for them rather than vLLM's 92 % of
+the host's memory. Pure: reads config.json, starts nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ballast.model.vllm_engine import default_engine_kwargs
+
+CONFIG = {"num_attention_heads": 4, "hidden_size": 256, "num_key_value_heads": 2, "num_hidden_layers": 2,
+          "max_position_embeddings": 512}
+
+
+@pytest.fixture()
+def model(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    return str(tmp_path)
+
+
+def test_the_kv_cache_holds_every_row_at_the_full_context(model):
+    got = default_engine_kwargs(model, {"max_model_len": 256}, rows=256)
+    per_token = 2 * 2 * 2 * 64 * 4  # K and V, layers, KV heads, head size, float32
+    assert got == {"max_num_seqs": 256, "max_model_len": 256, "kv_cache_memory_bytes": 256 * 256 * per_token}
+    half = default_engine_kwargs(model, {"dtype": "bfloat16"}, rows=256)["kv_cache_memory_bytes"]
+    assert half == 256 * 512 * per_token // 2  # the model's context, two bytes a value
+    assert default_engine_kwargs(model, {}, rows=2)["kv_cache_memory_bytes"] == 64 << 20  # at least 64 MiB
+
+
+def test_a_size_the_operator_gave_is_kept(model, monkeypatch):
+    assert default_engine_kwargs(model, {"kv_cache_memory_bytes": 5, "max_num_seqs": 3}, rows=8) == {
+        "kv_cache_memory_bytes": 5, "max_num_seqs": 3}
+    assert "kv_cache_memory_bytes" not in default_engine_kwargs(model, {"gpu_memory_utilization": 0.5}, rows=8)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert "kv_cache_memory_bytes" not in default_engine_kwargs(model, {}, rows=8)
+
+
+def test_a_directory_without_a_readable_config_is_left_to_vllm_to_name(tmp_path):
+    assert default_engine_kwargs(str(tmp_path), {}, rows=4) == {"max_num_seqs": 4}
