@@ -5,8 +5,8 @@ For this module the session's stack is replaced by one whose primary model is
 serves), and put back after. vLLM starts once, for the module. Through the real HTTP
 endpoint and the official ``openai`` client: usage in the model's tokens through its
 chat template, unary and streamed answers, stop strings, seeded answers that repeat,
-a 400 past the context, vLLM's own sampling extensions, and a client that leaves
-freeing the engine's slot.
+a 400 past the context, vLLM's own sampling extensions, a client that leaves freeing
+the engine's slot, shedding under overload, and a recycle under load.
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ def vllm_stack(ballast, tmp_path_factory):
     from ballast.config import load_config
 
     ckpt = make_llama(tmp_path_factory.mktemp("vllm") / MODEL, **VLLM_GEOMETRY)
-    over = {"model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8,
+    # One engine at a time (the autoscaler would start a second on these 2 cores); a
+    # recycle still starts the replacement beside the one it drains.
+    over = {"deployments": {"model": {"max_replicas": 1}},
+            "model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8,
                       "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256}}}  # the KV cache: Ballast's CPU default
     _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)
     try:
@@ -136,3 +139,29 @@ def test_the_replica_reports_the_engines_own_kv_and_prefix_cache(http, oai):
     row = replica(http)
     assert row["kv_tokens_budget"] is None  # vLLM's own KV cache, not Ballast's budget
     assert row["prefix_cache_hit_pct"] > 0
+
+
+def test_overload_sheds_sheddable_and_critical_keeps_succeeding(vllm_stack):
+    from test_overload import run_load
+
+    result = run_load({"critical": 12, "sheddable": 12}, duration_s=10, max_tokens=24)
+    critical, sheddable = result.by("critical"), result.by("sheddable")
+    assert set(critical) == {(200, "OK")}, critical
+    assert sheddable[(503, "OVERLOADED")] > 0, sheddable
+
+
+def test_recycling_the_vllm_replica_under_load_fails_no_request(http):
+    # The replacement starts its own engine while the old one drains: no request fails.
+    from test_recycling import SteadyLoad, events, ids, settled
+
+    wait_until(lambda: http.get("/v1/status", headers=ADMIN).json()["level"] == 0, 30, 0.5, "level back to 0")
+    settled(http)
+    (rid,) = ids(http, "BallastModel")
+    with SteadyLoad() as load:
+        time.sleep(1.0)
+        r = http.post("/admin/recycle", headers=ADMIN, json={"replica_id": rid})
+        assert r.status_code == 202, r.text
+        wait_until(lambda: rid in {e["replica_id"] for e in events(http, "completed")}, 180, 1.0, "the vLLM replica recycled")
+        time.sleep(1.0)
+    assert load.statuses and not load.errors, f"{len(load.errors)} failed of {len(load.statuses)}: {load.errors[:5]}"
+    assert rid not in ids(http, "BallastModel")
