@@ -68,6 +68,9 @@ class RowSampling:
     top_k: Optional[int] = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    # vLLM's only (the router refuses any other value for the other engines): above 1
+    # penalises tokens already in the prompt or the answer.
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -81,6 +84,9 @@ class RowSampling:
             raise ValueError(f"top_k must be an int >= 1 or None, got {self.top_k!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 < r <= 2):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {r!r}")
 
     @classmethod
     def of(cls, req: dict[str, Any]) -> "RowSampling":
@@ -92,6 +98,7 @@ class RowSampling:
             top_k=req.get("top_k"),
             min_tokens=int(req.get("min_tokens") or 0),
             ignore_eos=bool(req.get("ignore_eos")),
+            repetition_penalty=float(req.get("repetition_penalty") or 1.0),
         )
 
 

@@ -605,7 +605,7 @@ def _sampling(req: dict[str, Any]) -> Any:
     """The request's sampling fields as the HF engine takes them; None when it asked for none
     (the built-in model ignores sampling and decodes greedily; it has no end of sequence,
     so ``ignore_eos`` and ``min_tokens`` hold on it by themselves)."""
-    if all(not req.get(k) for k in ("temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos")) \
+    if all(not req.get(k) for k in ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "repetition_penalty")) \
             and req.get("seed") is None:
         return None
     from ballast.model.hf_engine import RowSampling

@@ -499,6 +499,7 @@ class VLLMBatch:
             seed=s.seed,
             min_tokens=min(int(s.min_tokens), n),
             ignore_eos=bool(s.ignore_eos),
+            repetition_penalty=float(s.repetition_penalty),
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,  # the replica decodes ids itself
         )

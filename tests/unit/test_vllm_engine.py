@@ -179,6 +179,14 @@ def test_same_seed_same_tokens(backend):
     assert two[1] != one
 
 
+def test_a_repetition_penalty_reaches_the_engine(backend):
+    # A strong penalty on the prompt's and the answer's tokens changes greedy tokens.
+    ids = backend.encode("Hello there, hello there", 32)
+    plain, penalised = (drain(backend.open_batch(), [[(0, ids, 32, RowSampling(ignore_eos=True, repetition_penalty=r))]])[0]
+                        for r in (1.0, 2.0))
+    assert len(plain) == len(penalised) == 32 and penalised != plain
+
+
 def test_remove_aborts_the_row_and_frees_its_slot(backend):
     ids = backend.encode("Stream A keeps going.", 0)
     batch = backend.open_batch()
