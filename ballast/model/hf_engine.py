@@ -147,6 +147,32 @@ class IncrementalDetokenizer:
         return new
 
 
+def encode_prompt(tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
+    """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed ``context``."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    if not ids:
+        raise ContextTooLong("the prompt is empty: there is no token to generate from")
+    if len(ids) + max_new_tokens > context:
+        raise ContextTooLong(
+            f"the prompt is {len(ids)} tokens and max_tokens {max_new_tokens}: together more than "
+            f"the model's context of {context} tokens"
+        )
+    return ids
+
+
+def fit_prompt(tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
+    """(prompt ids, max new tokens) for a row: max_new_tokens shortened to what the context
+    leaves. The router refuses what does not fit with a 400 first; this is for a fallback
+    whose context is shorter than the primary's. ContextTooLong when nothing is left."""
+    ids = encode_prompt(tokenizer, context, prompt, 0, add_special_tokens)
+    room = context - len(ids)
+    if room < 1:
+        raise ContextTooLong(f"the prompt is {len(ids)} tokens: no room left in the context of {context}")
+    return ids, min(max_new_tokens, room)
+
+
 class HFBackend:
     """A loaded Hugging Face causal LM, served with :class:`HFBatch`.
 
@@ -173,28 +199,10 @@ class HFBackend:
     # ---------------------------------------------------------------- text side
 
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed the context."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if not ids:
-            raise ContextTooLong("the prompt is empty: there is no token to generate from")
-        if len(ids) + max_new_tokens > self.max_seq_len:
-            raise ContextTooLong(
-                f"the prompt is {len(ids)} tokens and max_tokens {max_new_tokens}: together more than "
-                f"the model's context of {self.max_seq_len} tokens"
-            )
-        return ids
+        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
     def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
-        """(prompt ids, max new tokens) for a row: max_new_tokens shortened to what the context
-        leaves. The router refuses what does not fit with a 400 first; this is for a fallback
-        whose context is shorter than the primary's. ContextTooLong when nothing is left."""
-        ids = self.encode(prompt, 0, add_special_tokens)
-        room = self.max_seq_len - len(ids)
-        if room < 1:
-            raise ContextTooLong(f"the prompt is {len(ids)} tokens: no room left in the context of {self.max_seq_len}")
-        return ids, min(max_new_tokens, room)
+        return fit_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
     def stream_decoder(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer)

@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 from ballast.model.batching import describe_engine
 from ballast.model.engine import ModelLoadError
-from ballast.model.hf_engine import GREEDY, ContextTooLong, IncrementalDetokenizer, RowSampling
+from ballast.model.hf_engine import GREEDY, ContextTooLong, IncrementalDetokenizer, RowSampling, encode_prompt, fit_prompt
 
 __all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
 
@@ -284,27 +284,10 @@ class VLLMBackend:
     # ---------------------------------------------------------------- text side
 
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed the context."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if not ids:
-            raise ContextTooLong("the prompt is empty: there is no token to generate from")
-        if len(ids) + max_new_tokens > self.max_seq_len:
-            raise ContextTooLong(
-                f"the prompt is {len(ids)} tokens and max_tokens {max_new_tokens}: together more than "
-                f"the model's context of {self.max_seq_len} tokens"
-            )
-        return ids
+        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
     def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
-        """(prompt ids, max new tokens) with max_new_tokens shortened to what the context leaves;
-        ContextTooLong when nothing is left."""
-        ids = self.encode(prompt, 0, add_special_tokens)
-        room = self.max_seq_len - len(ids)
-        if room < 1:
-            raise ContextTooLong(f"the prompt is {len(ids)} tokens: no room left in the context of {self.max_seq_len}")
-        return ids, min(max_new_tokens, room)
+        return fit_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
     def stream_decoder(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer)
