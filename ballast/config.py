@@ -455,7 +455,13 @@ class WatchdogSettings(_Strict):
     # Growth while a replica loads and serves its first batches is not a leak: trends
     # start after this many seconds of the replica's life.
     warmup_s: float = Field(120.0, ge=0)
-    hang_missed_heartbeats: PositiveInt = 3  # no work-loop progress for this many intervals with work in flight: hung
+    # Hung: the replica's work loop has not moved for this many intervals with work in
+    # flight (measured by the replica on its own clock) ...
+    hang_missed_heartbeats: PositiveInt = 3
+    # ... or no heartbeat arrived for this many intervals, work last seen in flight (an
+    # event loop blocked solid). More: a heartbeat crosses processes, and on a busy node
+    # it can arrive late while the replica is still working.
+    silent_missed_heartbeats: PositiveInt = 10
     leak_window_s: PositiveFloat = 3600.0  # trend window for leak slopes
     leak_min_span_ratio: float = Field(0.5, gt=0, le=1)  # no leak verdict before samples span this much of the window
     leak_r2_threshold: float = Field(0.7, gt=0, le=1)  # fit quality below which a slope is noise

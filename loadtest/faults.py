@@ -6,7 +6,7 @@ offset from the start of the run (the same clock as the diurnal shape, so
 
 * ``kill_replica`` — ``POST /admin/chaos {"target", "stall": true}``, hold it for
   ``stall_s`` *real* seconds (the watchdog's hang rule runs on real time: work in
-  flight and no progress for ``hang_missed_heartbeats`` intervals), then
+  flight and its work loop still for ``hang_missed_heartbeats`` intervals), then
   ``DELETE /admin/chaos``. The controller kills the hung replica and Serve starts a
   replacement. ``POST /admin/recycle`` is not a kill (it drains gracefully), and
   there is no ``ray`` here: HTTP only. The stall applies to every replica of the

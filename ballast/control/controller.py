@@ -55,7 +55,7 @@ MAX_AUDIT = 1000
 #: What /admin/replicas shows of a replica's watchdog report.
 WATCHDOG_STATUS_KEYS = (
     "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct", "heartbeat_age_s",
-    "warming_up", "hung", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
+    "stalled_s", "warming_up", "hung", "hung_reason", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
     "actions_total",
 )
 

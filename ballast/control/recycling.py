@@ -180,8 +180,9 @@ class RecycleCoordinator:
             self.kill_orders.append(
                 {"replica_id": k.replica_id, "deployment": k.deployment, "actor_name": k.actor_name, "namespace": k.namespace}
             )
-            age_s = watchdogs[k.replica_id].heartbeat_age_s  # a kill order comes from its watchdog's report
-            self._event("killed_hung", k.replica_id, k.deployment, "hung", heartbeat_age_s=age_s)
+            wd = watchdogs[k.replica_id]  # a kill order comes from its watchdog's report
+            self._event("killed_hung", k.replica_id, k.deployment, wd.hung_reason or "hung",
+                        heartbeat_age_s=wd.heartbeat_age_s, stalled_s=wd.stalled_s)
         self.waiting, self.surging = step.plan.waiting, step.surging
         self._settled(step.plan, now)
         for o in step.plan.start:  # after the completions whose room they take

@@ -14,10 +14,12 @@ Every ``watchdog.interval_s`` the watchdog
   the usage ratios act on absolute ceilings from the first sample, warm-up or not;
   and walks ``ballast.policies.leak.assess``'s action ladder: gc.collect → empty the CUDA
   cache → stop taking new work → ask the controller for a recycle;
-- checks the replica's heartbeats: the replica calls ``beat(inflight, progress)``
-  every interval, where ``progress`` counts decode steps of its work loop. No
-  progress for ``hang_missed_heartbeats`` intervals while work is in flight is a
-  hang (``ballast.policies.leak.is_hung``), reported so the controller kills the replica;
+- checks the replica's heartbeats: the replica calls ``beat(inflight, stalled_s)``
+  every interval, where ``stalled_s`` is how long, on its own clock, its work loop
+  has not moved with work in flight. A stall past ``hang_missed_heartbeats``
+  intervals, or no heartbeat for ``silent_missed_heartbeats`` intervals with work
+  last seen in flight, is a hang (``ballast.policies.leak.hang_reason``), reported so
+  the controller kills the replica;
 - reports all of it to the controller and exports it as metrics, tagged by replica.
 
 The actions that must run inside the replica (gc, empty_cache, readiness) go back
@@ -40,7 +42,7 @@ import ray
 
 from dataclasses import replace
 
-from ballast.policies.leak import Action, LadderState, LeakDetector, SeriesSpec, Usage, assess, is_hung
+from ballast.policies.leak import Action, LadderState, LeakDetector, SeriesSpec, Usage, assess, hang_reason
 from ballast.policies.reports import SeriesTrend, WatchdogOrders, WatchdogReport, WatchedReplica
 
 from ballast.config import BallastConfig, WatchdogSettings, load_config
@@ -61,7 +63,12 @@ class ProcessSampler(Protocol):
 class PsutilSampler:
     """The replica's processes as psutil sees them from the watchdog's process: the
     replica and every process under it (an engine that runs its core in child
-    processes, as vLLM does, is watched whole). RSS, threads and fds are summed."""
+    processes, as vLLM does, is watched whole). Threads, fds and CPU are summed.
+
+    Memory: a lone replica's RSS. With child processes, the sum of each one's PSS
+    (proportional set size): the libraries they all map (torch, CUDA) are counted once
+    between them, where summed RSS would count them in every process (a vLLM replica
+    on CPU here: 1.93 GB of RSS, 1.53 GB of PSS)."""
 
     def __init__(self, pid: int):
         import psutil
@@ -79,27 +86,34 @@ class PsutilSampler:
         import psutil
 
         try:
-            with self._p.oneshot():
-                out = {
-                    "rss_bytes": float(self._p.memory_info().rss),
-                    "threads": float(self._p.num_threads()),
-                    "fds": float(self._p.num_fds()),
-                    "cpu_pct": float(self._p.cpu_percent(None)),
-                }
             children = self._p.children(recursive=True)
+            out = _usage(self._p, proportional=bool(children))
         except psutil.Error:  # the replica is gone: its fate-shared watchdog follows shortly
             return {}
         self._children = {c.pid: self._children.get(c.pid, c) for c in children}
         for child in self._children.values():
             try:
-                with child.oneshot():
-                    out["rss_bytes"] += child.memory_info().rss
-                    out["threads"] += child.num_threads()
-                    out["fds"] += child.num_fds()
-                    out["cpu_pct"] += child.cpu_percent(None)
+                for k, v in _usage(child, proportional=True).items():
+                    out[k] += v
             except psutil.Error:  # a child that ended between the listing and now
                 continue
         return out
+
+
+def _usage(p: Any, proportional: bool) -> dict[str, float]:
+    """One process: memory (its PSS where ``proportional`` and readable, else RSS),
+    threads, fds, CPU %."""
+    import psutil
+
+    with p.oneshot():
+        memory = float(p.memory_info().rss)
+        if proportional:
+            try:
+                memory = float(p.memory_full_info().pss)
+            except (psutil.AccessDenied, AttributeError):  # no smaps to read: RSS stands
+                pass
+        return {"rss_bytes": memory, "threads": float(p.num_threads()), "fds": float(p.num_fds()),
+                "cpu_pct": float(p.cpu_percent(None))}
 
 
 def node_memory_bytes() -> int:
@@ -145,31 +159,30 @@ class WatchdogCore:
         self.ready = True
         self.recycle_requested = False
         self.hung = False
+        self.hung_reason: Optional[str] = None
         self._pending: deque[str] = deque(maxlen=MAX_PENDING_ACTIONS)
         self.actions_total: dict[str, int] = {a.value: 0 for a in Action}
         now = clock()
         self._created_s = now
         self._last_beat_s: Optional[float] = None
-        self._last_progress_s = now
-        self._progress: Optional[int] = None
+        self._stalled_s = 0.0  # the replica's own figure, from its last heartbeat
         self._inflight = 0
         self.last_report: Optional[WatchdogReport] = None
 
     # -- heartbeats from the replica -----------------------------------------------------
-    def beat(self, inflight: int, progress: int) -> WatchdogOrders:
-        """The replica's heartbeat; the reply carries what the replica must do now."""
-        now = self._clock()
-        self._last_beat_s = now
-        if inflight <= 0 or progress != self._progress:
-            self._last_progress_s = now  # idle, or the work loop moved: alive
+    def beat(self, inflight: int, stalled_s: float) -> WatchdogOrders:
+        """The replica's heartbeat: its work in flight, and how long its work loop has not
+        moved with that work (its own clock). The reply carries what it must do now."""
+        self._last_beat_s = self._clock()
         self._inflight = max(0, int(inflight))
-        self._progress = int(progress)
+        self._stalled_s = max(0.0, float(stalled_s))
         actions = tuple(self._pending)
         self._pending.clear()
         return WatchdogOrders(actions=actions, ready=self.ready, recycle=self.recycle_requested, hung=self.hung)
 
-    def heartbeat_age_s(self) -> float:
-        return self._clock() - self._last_progress_s
+    def heartbeat_age_s(self) -> Optional[float]:
+        """Since the last heartbeat arrived; None before the first."""
+        return None if self._last_beat_s is None else self._clock() - self._last_beat_s
 
     # -- one sampling round ----------------------------------------------------------------
     def sample(self, wall_s: Optional[float] = None) -> WatchdogReport:
@@ -189,7 +202,11 @@ class WatchdogCore:
         warming_up = now - self._created_s < self.settings.warmup_s
         trends, verdict = self._judge(now, values, warming_up)
         age = self.heartbeat_age_s()
-        self.hung = is_hung(age, self._inflight, self.settings.interval_s, self.settings.hang_missed_heartbeats)
+        s = self.settings
+        self.hung_reason = hang_reason(
+            self._stalled_s, age, self._inflight, s.interval_s, s.hang_missed_heartbeats, s.silent_missed_heartbeats
+        )
+        self.hung = self.hung_reason is not None
         self.last_report = WatchdogReport.of(
             self.info,
             at_s=wall_s if wall_s is not None else time.time(),
@@ -199,10 +216,12 @@ class WatchdogCore:
             fd_limit=self._fd_limit,
             gpu_util_pct=g.util_pct if g is not None else None,
             cpu_pct=proc.get("cpu_pct"),
-            heartbeat_age_s=round(age, 3),
+            heartbeat_age_s=None if age is None else round(age, 3),
+            stalled_s=round(self._stalled_s, 3),
             warming_up=warming_up,
             inflight=self._inflight,
             hung=self.hung,
+            hung_reason=self.hung_reason,
             severity=verdict.severity,
             reason=verdict.reason,  # what this sample found
             action_reason=self._ladder.reason,  # what made the ladder take its last rung (sticks)
@@ -267,7 +286,7 @@ class Watchdog:
         self._tags = {"replica": info.replica_id, "deployment": info.deployment}
         self._g = {
             k: metrics.Gauge(f"ballast_replica_{k}", f"Replica {k.replace('_', ' ')}, sampled by its watchdog.", tag_keys=tags)
-            for k in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_seconds", "ready")
+            for k in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_seconds", "stalled_seconds", "ready")
         }
         self._slope = metrics.Gauge(
             "ballast_replica_leak_slope_per_hour", "Robust trend of a series (units per hour).", tag_keys=tags + ("series",)
@@ -288,6 +307,7 @@ class Watchdog:
             if value is not None:
                 self._g[k].set(float(value), tags=self._tags)
         self._g["heartbeat_age_seconds"].set(float(r.heartbeat_age_s or 0.0), tags=self._tags)
+        self._g["stalled_seconds"].set(r.stalled_s, tags=self._tags)
         self._g["ready"].set(1.0 if r.ready else 0.0, tags=self._tags)
         self._hung.set(1.0 if r.hung else 0.0, tags=self._tags)
         for series, t in r.trends.items():
@@ -324,9 +344,9 @@ class Watchdog:
     async def start(self) -> None:
         self._ensure_loop()
 
-    async def beat(self, inflight: int, progress: int) -> WatchdogOrders:
+    async def beat(self, inflight: int, stalled_s: float) -> WatchdogOrders:
         self._ensure_loop()
-        return self._core.beat(inflight, progress)
+        return self._core.beat(inflight, stalled_s)
 
     async def report(self) -> Optional[WatchdogReport]:
         return self._core.last_report

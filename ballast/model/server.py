@@ -186,8 +186,8 @@ class ModelServer:
         self._batch_limit = 0
         self._chaos = ChaosAgent(self._cfg.chaos.enabled, self._cfg.chaos.max_leak_mb, device=self._backend.device)
         self._started_at_s = time.time()
-        self._progress = 0  # decode steps taken: the work loop's heartbeat
-        self._progress_at_s = time.monotonic()  # when the last chunk finished
+        self._progress_at_s = time.monotonic()  # when the work loop last moved (a chunk brought tokens)
+        self._busy_since_s = self._progress_at_s  # when work last arrived at an idle replica
         self._ready = True  # the watchdog's verdict: keep taking new work
         self._recycle_order: Optional[dict[str, Any]] = None
         self._beat_task: Optional[asyncio.Task] = None
@@ -240,12 +240,20 @@ class ModelServer:
         while True:
             try:
                 reply = await asyncio.wait_for(
-                    self._watchdog.beat.remote(self._queued + self._running, self._progress), interval * 2
+                    self._watchdog.beat.remote(self._queued + self._running, self._stalled_s(time.monotonic())),
+                    interval * 2,
                 )
                 self._apply_watchdog(reply)
             except Exception as e:  # a watchdog that died with its node: keep serving
                 log.debug("watchdog beat failed: %r", e)
             await asyncio.sleep(interval)
+
+    def _stalled_s(self, now: float) -> float:
+        """How long the work loop has not moved with work in flight, on this replica's
+        clock (the watchdog judges a hang from it; a late heartbeat does not add to it)."""
+        if self._queued + self._running == 0:
+            return 0.0
+        return max(0.0, now - max(self._progress_at_s, self._busy_since_s))
 
     def _apply_watchdog(self, reply: WatchdogOrders) -> None:
         for action in reply.actions:
@@ -373,7 +381,6 @@ class ModelServer:
                 self._batch = self._backend.open_batch()
                 continue
             if any(out.values()):  # tokens came: the engine made progress (vLLM may return none within its wait)
-                self._progress += 1
                 self._progress_at_s = time.monotonic()
             self._batches += 1
             self._batch_sizes.add(len(self._active))
@@ -485,6 +492,8 @@ class ModelServer:
                 yield {"text": item.pending, "tokens": 0, "ids": [], "finish_reason": "length",
                        "queue_wait_ms": 0.0, "max_tokens": max_tokens}
                 return
+        if self._queued + self._running == 0:
+            self._busy_since_s = now
         self._waiting[item.key] = item
         self._queued += 1
         assert self._wake is not None

@@ -208,10 +208,18 @@ REPLICAS = Dashboard(
             "stops intake and asks for a recycle; BallastTimeToOOMUnderOneHour if that does not help",
         ),
         _replica_gauge(
+            "Work loop stalled",
+            "stalled_seconds",
+            "s",
+            "How long the replica's work loop has not moved with work in flight, on its own clock; "
+            "hung past watchdog.hang_missed_heartbeats intervals",
+        ),
+        _replica_gauge(
             "Heartbeat age",
             "heartbeat_age_seconds",
             "s",
-            "Time since the replica's work loop last beat; hung past a few intervals with work in flight",
+            "Time since the replica's last heartbeat reached its watchdog; hung past "
+            "watchdog.silent_missed_heartbeats intervals with work last seen in flight",
         ),
         Panel(
             "Ready and hung",

@@ -448,8 +448,32 @@ def assess(
     return Verdict(severity, reason, tuple(taken), ready=new.rung < 3, recycle=new.rung == 4), new
 
 
-def is_hung(heartbeat_age_s: Optional[float], inflight: int, interval_s: float, missed: int = 3) -> bool:
-    """Work in flight and no heartbeat for more than ``missed × interval_s`` (exactly that is not yet hung)."""
+STALLED = "stalled"  # the replica says its work loop has not moved, work in flight
+SILENT = "silent"  # no heartbeat arrives, work last seen in flight
+
+
+def hang_reason(
+    stalled_s: float, silent_s: Optional[float], inflight: int, interval_s: float, stall_missed: int = 3, silent_missed: int = 10
+) -> Optional[str]:
+    """Why a replica is hung, or None.
+
+    - ``STALLED``: its last heartbeat said its work loop had not moved for more than
+      ``stall_missed × interval_s`` with work in flight. The replica measures that on its
+      own clock, so a heartbeat that arrives late (a busy node, a slow RPC) is not
+      taken for a stall.
+    - ``SILENT``: no heartbeat for more than ``silent_missed × interval_s`` while work
+      was last seen in flight: an event loop blocked solid sends none. Heartbeats cross
+      processes, so this needs more intervals than a stall the replica reports itself.
+
+    ``silent_s`` is None before the first heartbeat. Exactly a limit is not yet hung.
+    """
     check_positive("interval_s", interval_s)
-    check_int("missed", missed, minimum=1)
-    return inflight > 0 and heartbeat_age_s is not None and heartbeat_age_s > missed * interval_s
+    check_int("stall_missed", stall_missed, minimum=1)
+    check_int("silent_missed", silent_missed, minimum=1)
+    if inflight <= 0:
+        return None  # idle: nothing to be stuck on
+    if stalled_s > stall_missed * interval_s:
+        return STALLED
+    if silent_s is not None and silent_s > silent_missed * interval_s:
+        return SILENT
+    return None

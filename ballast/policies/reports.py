@@ -195,10 +195,12 @@ class WatchdogReport(WatchedReplica):
     fd_limit: Optional[int] = None
     gpu_util_pct: Optional[float] = None
     cpu_pct: Optional[float] = None
-    heartbeat_age_s: Optional[float] = None  # since the replica's work loop last moved
+    heartbeat_age_s: Optional[float] = None  # since its last heartbeat arrived; None before the first
+    stalled_s: float = 0.0  # the replica's work loop has not moved with work in flight (its own clock)
     warming_up: bool = False
     inflight: int = 0
-    hung: bool = False  # no progress for hang_missed_heartbeats intervals with work in flight
+    hung: bool = False  # stalled past hang_missed_heartbeats, or silent past silent_missed_heartbeats
+    hung_reason: Optional[str] = None  # "stalled", "silent" (ballast.policies.leak.hang_reason)
     severity: str = "ok"
     reason: Optional[str] = None  # what this sample found
     action_reason: Optional[str] = None  # what made the ladder take its last rung
@@ -211,7 +213,7 @@ class WatchdogReport(WatchedReplica):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_int("inflight", self.inflight, minimum=0)
-        for name in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_s"):
+        for name in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_s", "stalled_s"):
             check_non_negative(name, getattr(self, name), optional=True)
         for name in ("warming_up", "hung", "ready", "recycle_requested", "critical"):
             _check_bool(name, getattr(self, name))

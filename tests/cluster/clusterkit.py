@@ -108,10 +108,12 @@ class Cluster:
         """Replicas the controller killed as hung, and how many of them were on the lost
         node (whose heartbeats stopped with it) rather than on a node still serving."""
         try:
-            hung = [e.get("replica_id") for e in self.events(endpoint) if e.get("outcome") == "killed_hung"]
+            hung = [e for e in self.events(endpoint) if e.get("outcome") == "killed_hung"]
         except (httpx.HTTPError, KeyError, ValueError):
             return "?"
-        return f"{len(hung)} ({sum(r in lost for r in hung)} on the lost node)"
+        why = ", ".join(f"{e.get('replica_id')} {e.get('reason')} (stalled {e.get('stalled_s')} s, "
+                        f"last heartbeat {e.get('heartbeat_age_s')} s ago)" for e in hung)
+        return f"{len(hung)} ({sum(e.get('replica_id') in lost for e in hung)} on the lost node){': ' + why if why else ''}"
 
     def router_views(self, endpoints: list[str], asks: int = 6) -> str:
         """What the routers behind ``endpoints`` saw of the primary: failed attempts by

@@ -271,7 +271,8 @@ def test_a_hung_replica_is_killed_and_replaced(client):
         )
     finally:
         client.delete("/admin/chaos", headers=ADMIN)
-    assert killed[0]["heartbeat_age_s"] >= 3 * 0.5, killed
+    # The replica's own clock says its work loop stood still; its heartbeats kept coming.
+    assert killed[0]["reason"] == "stalled" and killed[0]["stalled_s"] > 3 * 0.5, killed
     wait_until(lambda: ids(client, PRIMARY) - {victim}, 60, 1.0, "a replacement replica")
     ok = wait_until(
         lambda: client.post("/v1/generate", headers=GOLD, json={"prompt": "after the hang", "max_tokens": 4}).status_code == 200,

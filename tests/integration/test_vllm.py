@@ -38,7 +38,10 @@ def vllm_stack(ballast, tmp_path_factory):
     ckpt = make_llama(tmp_path_factory.mktemp("vllm") / MODEL, **VLLM_GEOMETRY)
     # One engine at a time (the autoscaler would start a second on these 2 cores); a
     # recycle still starts the replacement beside the one it drains.
-    over = {"deployments": {"model": {"max_replicas": 1}},
+    # The watchdog's memory limit fits a vLLM replica: three processes (the replica,
+    # vLLM's engine core and its worker) over 2 GB together, where the suite's limit is
+    # sized for one process of the built-in engine.
+    over = {"deployments": {"model": {"max_replicas": 1}}, "watchdog": {"rss_limit_mb": 6000},
             "model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8,
                       "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256}}}  # the KV cache: Ballast's CPU default
     _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)

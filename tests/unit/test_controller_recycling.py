@@ -95,7 +95,7 @@ def events(core: ControllerCore, outcome: Optional[str] = None) -> list[dict[str
 def test_a_hung_replica_gets_one_kill_order_and_an_event() -> None:
     f = harness()
     f.step()
-    f.set("r1", hung=True, inflight=2, heartbeat_age_s=4.0)
+    f.set("r1", hung=True, hung_reason="stalled", inflight=2, heartbeat_age_s=0.4, stalled_s=4.0)
     f.step()
     orders = list(f.core.recycler.kill_orders)
     assert orders == [{"replica_id": "r1", "deployment": MODEL_DEPLOYMENT,
@@ -103,7 +103,7 @@ def test_a_hung_replica_gets_one_kill_order_and_an_event() -> None:
     f.step(5)  # still reported hung (the kill takes a moment): no second order within the cooldown
     assert len(f.core.recycler.kill_orders) == 1
     (e,) = events(f.core, "killed_hung")
-    assert e["replica_id"] == "r1" and e["heartbeat_age_s"] == 4.0
+    assert (e["replica_id"], e["reason"], e["stalled_s"], e["heartbeat_age_s"]) == ("r1", "stalled", 4.0, 0.4)
 
 
 def test_manual_recycle_of_every_replica_goes_one_at_a_time_with_a_lease() -> None:

@@ -14,6 +14,8 @@ from typing import Optional, Sequence
 import pytest
 
 from ballast.policies.leak import (
+    SILENT,
+    STALLED,
     Action,
     LadderConfig,
     LadderState,
@@ -26,7 +28,7 @@ from ballast.policies.leak import (
     assess,
     fit,
     fit_short,
-    is_hung,
+    hang_reason,
     theil_sen,
 )
 
@@ -447,13 +449,28 @@ def test_slow_or_unbounded_leaks_are_named_but_ok() -> None:
 # ----------------------------------------------------------------- hang
 
 
-def test_is_hung_boundaries() -> None:
-    assert not is_hung(3.0, inflight=1, interval_s=1.0)  # exactly 3 missed intervals: not yet
-    assert is_hung(3.001, inflight=1, interval_s=1.0)
-    assert is_hung(11, inflight=2, interval_s=2, missed=5) and not is_hung(10, inflight=2, interval_s=2, missed=5)
-    assert not is_hung(1e9, inflight=0, interval_s=1.0)  # idle: nothing to be stuck on
-    assert not is_hung(None, inflight=4, interval_s=1.0)  # no heartbeat seen yet
+def test_a_stall_the_replica_reports_is_a_hang_past_its_limit() -> None:
+    assert hang_reason(3.0, 0.1, inflight=1, interval_s=1.0) is None  # exactly 3 intervals: not yet
+    assert hang_reason(3.001, 0.1, inflight=1, interval_s=1.0) == STALLED
+    assert hang_reason(11, 0.1, inflight=2, interval_s=2, stall_missed=5) == STALLED
+    assert hang_reason(10, 0.1, inflight=2, interval_s=2, stall_missed=5) is None
+    assert hang_reason(1e9, 1e9, inflight=0, interval_s=1.0) is None  # idle: nothing to be stuck on
+
+
+def test_silence_is_a_hang_only_past_its_own_longer_limit() -> None:
+    # A late heartbeat from a replica whose work loop moves is not a stall.
+    assert hang_reason(0.2, 9.0, inflight=3, interval_s=1.0) is None
+    assert hang_reason(0.2, 10.0, inflight=3, interval_s=1.0) is None  # exactly 10 intervals: not yet
+    assert hang_reason(0.2, 10.001, inflight=3, interval_s=1.0) == SILENT
+    assert hang_reason(0.2, 4.1, inflight=3, interval_s=1.0, silent_missed=4) == SILENT
+    assert hang_reason(0.0, None, inflight=4, interval_s=1.0) is None  # no heartbeat seen yet
+    assert hang_reason(5.0, 20.0, inflight=1, interval_s=1.0) == STALLED  # the replica's own word first
+
+
+def test_hang_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="interval_s"):
-        is_hung(1.0, 1, 0)
-    with pytest.raises(ValueError, match="missed"):
-        is_hung(1.0, 1, 1.0, missed=0)
+        hang_reason(1.0, 1.0, 1, 0)
+    with pytest.raises(ValueError, match="stall_missed"):
+        hang_reason(1.0, 1.0, 1, 1.0, stall_missed=0)
+    with pytest.raises(ValueError, match="silent_missed"):
+        hang_reason(1.0, 1.0, 1, 1.0, silent_missed=0)

@@ -121,6 +121,6 @@ def test_admin_replicas_shows_the_watchdog_report_as_json() -> None:
     assert (shown["rss_bytes"], shown["heartbeat_age_s"], shown["actions_total"]) == (1e9, 0.5, {"gc_collect": 1})
     assert set(shown) == {
         "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct", "heartbeat_age_s",
-        "warming_up", "hung", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
+        "stalled_s", "warming_up", "hung", "hung_reason", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
         "actions_total",
     }

@@ -75,7 +75,7 @@ def test_a_flat_replica_stays_ready_with_no_actions() -> None:
     assert last.severity == "ok" and last.ready and not last.recycle_requested
     assert last.trends["rss_bytes"].leaking is False
     assert sum(last.actions_total.values()) == 0
-    assert c.beat(0, 0).actions == ()
+    assert c.beat(0, 0.0).actions == ()
     assert last.rss_bytes == 700 * MB and last.threads == 40 and last.fds == 90
     assert last.vram_bytes is None and last.gpu_util_pct is None  # no GPU: absent, not 0
 
@@ -93,10 +93,10 @@ def test_a_fast_leak_is_critical_and_the_replica_is_told_once() -> None:
     expected = (24 * GIB - (700 * MB + 20 * MB * clock())) / (20 * MB)
     assert tto == pytest.approx(expected, rel=0.1)
     assert last.trends["rss_bytes"].slope_per_h == pytest.approx(20 * MB * 3600, rel=0.05)
-    reply = c.beat(0, 0)
+    reply = c.beat(0, 0.0)
     assert reply.actions == ("gc_collect", "stop_intake", "request_recycle")  # no GPU: no empty_cache
     assert reply.ready is False and reply.recycle is True
-    assert c.beat(0, 0).actions == (), "actions are delivered once"
+    assert c.beat(0, 0.0).actions == (), "actions are delivered once"
     assert last.actions_total["request_recycle"] == 1
 
 
@@ -105,39 +105,55 @@ def test_vram_near_the_device_total_is_critical_and_empties_the_cache() -> None:
     last = run(c, clock, 1)[-1]
     assert last.severity == "critical"
     assert last.vram_bytes == 79 * GIB and last.vram_total_bytes == 80 * GIB and last.gpu_util_pct == 55.0
-    assert c.beat(0, 0).actions == ("gc_collect", "empty_cache", "stop_intake", "request_recycle")
+    assert c.beat(0, 0.0).actions == ("gc_collect", "empty_cache", "stop_intake", "request_recycle")
 
 
-def test_no_progress_with_work_in_flight_is_a_hang_after_three_intervals() -> None:
+def test_a_stall_the_replica_reports_is_a_hang_after_three_intervals() -> None:
     c, clock = core()
-    c.beat(inflight=2, progress=10)
-    for _ in range(3):
+    for stalled_s in (1.0, 2.0, 3.0):
         clock.advance(1)
-        c.beat(inflight=2, progress=10)  # heartbeats arrive, the work loop does not move
+        c.beat(inflight=2, stalled_s=stalled_s)  # heartbeats arrive, the work loop does not move
         assert not c.sample().hung
     clock.advance(1)
+    c.beat(inflight=2, stalled_s=4.0)
     r = c.sample()
-    assert r.hung and r.heartbeat_age_s == 4.0
+    assert r.hung and r.hung_reason == "stalled" and r.stalled_s == 4.0 and r.heartbeat_age_s == 0.0
 
 
 def test_progress_or_idleness_is_not_a_hang() -> None:
     c, clock = core()
-    for i in range(10):
+    for _ in range(10):
         clock.advance(1)
-        c.beat(inflight=3, progress=i)  # moving
+        c.beat(inflight=3, stalled_s=0.3)  # moving
         assert not c.sample().hung
     for _ in range(10):
         clock.advance(1)
-        c.beat(inflight=0, progress=9)  # idle: nothing to be stuck on
+        c.beat(inflight=0, stalled_s=0.0)  # idle: nothing to be stuck on
         assert not c.sample().hung
 
 
-def test_silence_with_work_last_seen_in_flight_is_a_hang() -> None:
+def test_late_heartbeats_from_a_replica_that_moves_are_not_a_hang() -> None:
+    # A busy node delays the heartbeats themselves (4 s apart, past the stall limit);
+    # each says the work loop moved moments ago.
+    c, clock = core()
+    for _ in range(5):
+        c.beat(inflight=2, stalled_s=0.2)
+        for _ in range(4):
+            clock.advance(1)
+            r = c.sample()
+            assert not r.hung, r
+    assert r.heartbeat_age_s == 4.0 and r.stalled_s == 0.2
+
+
+def test_silence_with_work_last_seen_in_flight_is_a_hang_after_ten_intervals() -> None:
     # An event loop blocked solid sends no beats at all; the last known in-flight count stands.
     c, clock = core()
-    c.beat(inflight=1, progress=5)
-    clock.advance(4)
-    assert c.sample().hung
+    c.beat(inflight=1, stalled_s=0.0)
+    clock.advance(10)
+    assert not c.sample().hung
+    clock.advance(1)
+    r = c.sample()
+    assert r.hung and r.hung_reason == "silent" and r.heartbeat_age_s == 11.0
 
 
 def test_a_replica_that_is_gone_samples_as_absent() -> None:
@@ -175,6 +191,29 @@ def test_psutil_sampler_counts_the_processes_under_the_replica() -> None:
         child.kill()
         child.wait()
     assert s.sample()["rss_bytes"] - alone["rss_bytes"] < 30 * MB
+
+
+def test_psutil_sampler_counts_pages_shared_with_a_child_once() -> None:
+    # A forked child maps the replica's pages: summed RSS would count them twice, the
+    # processes' PSS once between them.
+    import multiprocessing
+
+    import psutil
+
+    s = PsutilSampler(os.getpid())
+    alone = s.sample()
+    ctx = multiprocessing.get_context("fork")
+    release = ctx.Event()
+    child = ctx.Process(target=release.wait, args=(60,))
+    child.start()
+    try:
+        child_rss = psutil.Process(child.pid).memory_info().rss
+        with_child = s.sample()
+    finally:
+        release.set()
+        child.join()
+    assert child_rss > alone["rss_bytes"] / 2  # the child maps most of the replica's pages
+    assert with_child["rss_bytes"] < alone["rss_bytes"] + child_rss / 4
 
 
 def test_growth_during_warm_up_is_not_sampled() -> None:
@@ -263,7 +302,7 @@ def test_a_leak_that_reaches_the_limit_within_the_hour_is_recycled_within_two_mi
     assert trend.time_to_limit_s == pytest.approx(limit_at_s - t, rel=0.05)
     # Limit within the hour: every rung at once, the recycle rung included, before the limit.
     assert (r.ready, r.recycle_requested) == (False, True) and t < limit_at_s
-    assert c.beat(0, 0).actions == ("gc_collect", "stop_intake", "request_recycle")
+    assert c.beat(0, 0.0).actions == ("gc_collect", "stop_intake", "request_recycle")
 
 
 def test_a_leak_faster_than_any_window_is_caught_by_the_ceiling_before_the_limit() -> None:
@@ -271,11 +310,11 @@ def test_a_leak_faster_than_any_window_is_caught_by_the_ceiling_before_the_limit
     c, clock = local_core(lambda t: 700.0 + 20.0 * t)
     t, r = walk_until_recycle(c, clock, 300)
     assert t == 150 and (r.severity, r.reason) == ("warning", "rss_bytes at 90% of limit")
-    assert c.beat(0, 0).actions == ("gc_collect",)
+    assert c.beat(0, 0.0).actions == ("gc_collect",)
     reports = run(c, clock, 14)  # t=164: 3980 MB, 97 % of the budget
     assert [x.recycle_requested for x in reports] == [False] * 13 + [True]
     assert reports[-1].severity == "critical" and reports[-1].rss_bytes < LIMIT_MB * MB
-    assert c.beat(0, 0).actions == ("stop_intake", "request_recycle")
+    assert c.beat(0, 0.0).actions == ("stop_intake", "request_recycle")
 
 
 def test_the_absolute_ceiling_acts_on_a_flat_series_whatever_the_trend() -> None:
@@ -283,11 +322,11 @@ def test_the_absolute_ceiling_acts_on_a_flat_series_whatever_the_trend() -> None
     c, clock = local_core(lambda t: 3800.0)
     r = run(c, clock, 1)[-1]
     assert (r.severity, r.reason, r.warming_up) == ("warning", "rss_bytes at 93% of limit", True)
-    assert c.beat(0, 0).actions == ("gc_collect",)
+    assert c.beat(0, 0.0).actions == ("gc_collect",)
     for k, action in ((1, "stop_intake"), (2, "request_recycle")):
         reports = run(c, clock, 60)  # one rung per step_interval_s (60 s)
         assert all(not x.trends.get("rss_bytes", NO_TREND).leaking for x in reports)
-        assert c.beat(0, 0).actions == (action,) and int(clock()) == 1 + 60 * k
+        assert c.beat(0, 0.0).actions == (action,) and int(clock()) == 1 + 60 * k
     assert (reports[-1].ready, reports[-1].recycle_requested) == (False, True)
     # Over the critical ratio: every rung at once.
     c, clock = local_core(lambda t: 0.98 * LIMIT_MB)
@@ -318,7 +357,7 @@ def test_sawtooth_warm_up_growth_and_a_one_off_step_are_no_leak(shape: Callable[
         r = c.sample()
         assert (r.severity, r.reason, r.ready) == ("ok", None, True), f"t={clock()}"
         assert not r.trends.get("rss_bytes", NO_TREND).leaking, f"t={clock()}"
-    assert sum(r.actions_total.values()) == 0 and c.beat(0, 0).actions == ()
+    assert sum(r.actions_total.values()) == 0 and c.beat(0, 0.0).actions == ()
 
 
 def test_a_3_mb_per_s_leak_under_a_gc_sawtooth_is_still_named_within_two_minutes_of_warm_up() -> None:
