@@ -62,6 +62,14 @@ class ContextLengthExceeded(InvalidRequest):
     status, code = 400, "CONTEXT_LENGTH_EXCEEDED"
 
 
+class EngineRefused(InvalidRequest):
+    """The model's engine refused the request as sent (vLLM's own validation, say of a
+    ``response_format`` schema it cannot compile): refused before any work; no retry,
+    no fallback, nothing counted against the model's health."""
+
+    status, code = 400, "ENGINE_REFUSED"
+
+
 class PayloadTooLarge(BallastError):
     status, code = 413, "PAYLOAD_TOO_LARGE"
 

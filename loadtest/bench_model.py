@@ -1,7 +1,7 @@
 """Ballast's batching against transformers' ``generate`` on the same model and prompts.
 
-``make bench-model`` (issue 18, section 3). One process, one model, one list of
-requests, three ways of serving it, at each concurrency C (default 1, 8, 32):
+``make bench-model``. One process, one model, one list of
+requests, four ways of serving it, at each concurrency C (default 1, 8, 32):
 
 - **ballast**: :class:`ballast.model.hf_engine.HFBatch` driven as the replica's
   engine (``server._engine``) drives it: chunk after chunk of ``--chunk-tokens``
@@ -18,12 +18,17 @@ requests, three ways of serving it, at each concurrency C (default 1, 8, 32):
   (``init_continuous_batching``: its own scheduler thread over a paged cache),
   C closed-loop clients through ``add_request`` / ``get_result``. When it does
   not run here the table says why in one line and the other two stacks go on.
+- **vllm**: vLLM's engine (:class:`ballast.model.vllm_engine.VLLMBackend`, its
+  ``AsyncLLM``) on the same directory, driven chunk by chunk as the replica drives
+  it, with the same closed-loop clients (``--no-vllm`` leaves it out; when it cannot
+  start, one line says why). vLLM schedules its rows itself: paged KV cache, prefix
+  caching (on, Ballast's default: the workload's prompts repeat), its own CPU threads.
 
 The requests are seeded: half short (8 tokens), half long (``--max-tokens`` / 2
 up to ``--max-tokens``), prompts drawn from the demo corpus; the same sequence for
 every stack. No EOS: every request runs to its max_tokens in every stack (the
 backend's ``eos_ids`` is emptied, ``generate`` gets ``min_new_tokens``, the
-continuous batcher ``eos_token_id=-1``), so all stacks produce the same tokens.
+continuous batcher ``eos_token_id=-1``, vLLM ``ignore_eos``), so all stacks produce as many tokens.
 
 **Latency** is from a request's submission to its last token. A ballast client
 whose request ends in a chunk submits its next one at the end of that chunk, and
@@ -153,16 +158,24 @@ class ShortBeside:
 
 
 def run_ballast(
-    backend: Any, requests: Sequence[Request], concurrency: int, chunk_tokens: int, clock: Clock = time.perf_counter
+    backend: Any,
+    requests: Sequence[Request],
+    concurrency: int,
+    chunk_tokens: int,
+    clock: Clock = time.perf_counter,
+    stack: str = "ballast",
+    sampling: Any = None,
 ) -> StackRun:
-    """C closed-loop clients over one HFBatch, chunk by chunk, as the replica's engine runs it.
+    """C closed-loop clients over one engine batch, chunk by chunk, as the replica's
+    engine loop runs it: an HFBatch (``ballast``), or a VLLMBatch (``vllm``: vLLM
+    schedules its own rows; the replica's loop only hands them over and collects).
 
-    The batch's ``run_chunk`` ends with one device-to-host copy, so the clock
-    read after it sees the work done on CUDA too.
+    The batch's ``run_chunk`` ends with one device-to-host copy (or vLLM's own
+    outputs), so the clock read after it sees the work done on CUDA too.
     """
     import torch
 
-    run = StackRun("ballast", concurrency)
+    run = StackRun(stack, concurrency)
     batch = backend.open_batch()
     todo = deque(range(len(requests)))
     waiting: deque[int] = deque()
@@ -174,12 +187,12 @@ def run_ballast(
         waiting.append(key)
         submitted[key] = start
     with torch.inference_mode():
-        while waiting or batch.size:
+        while waiting or batch.keys():
             joins = []
-            while waiting and batch.size + len(joins) < concurrency:
+            while waiting and len(batch.keys()) + len(joins) < concurrency:
                 key = waiting.popleft()
                 req = requests[key]
-                joins.append((key, backend.encode(req.prompt, req.max_tokens), req.max_tokens))
+                joins.append((key, backend.encode(req.prompt, req.max_tokens), req.max_tokens, sampling))
                 got[key] = 0
             out = batch.run_chunk(joins, chunk_tokens)
             now = clock()
@@ -205,6 +218,8 @@ def short_beside_long_ballast(
     chunk_tokens: int,
     seed: int,
     clock: Clock = time.perf_counter,
+    stack: str = "ballast",
+    sampling: Any = None,
 ) -> ShortBeside:
     """A short request alone, then beside ``beside`` long rows kept running (a closed loop of their own).
 
@@ -214,14 +229,14 @@ def short_beside_long_ballast(
     import torch
 
     rng = random.Random(seed)
-    res = ShortBeside("ballast", beside)
+    res = ShortBeside(stack, beside)
     short_ids = backend.encode(prompt, SHORT_TOKENS)
     with torch.inference_mode():
         for i in range(trials):  # alone: an idle batch takes it at once
             batch = backend.open_batch()
             t0 = clock()
-            batch.run_chunk([(("s", i), short_ids, SHORT_TOKENS)], chunk_tokens)
-            while batch.size:
+            batch.run_chunk([(("s", i), short_ids, SHORT_TOKENS, sampling)], chunk_tokens)
+            while batch.keys():
                 batch.run_chunk([], chunk_tokens)
             res.alone_s.append(clock() - t0)
 
@@ -234,7 +249,7 @@ def short_beside_long_ballast(
             live = sum(1 for k in batch.keys() if k[0] == "l")
             for _ in range(beside - live):
                 n = long_tokens[next_long % len(long_tokens)]
-                joins.append((("l", next_long), backend.encode(prompt, n), n))
+                joins.append((("l", next_long), backend.encode(prompt, n), n, sampling))
                 next_long += 1
             return joins
 
@@ -249,7 +264,7 @@ def short_beside_long_ballast(
             t1 = clock()
             submitted = t0 + rng.random() * (t1 - t0)  # arrived during that chunk
             key = ("s", i)
-            joins = refill() + [(key, short_ids, SHORT_TOKENS)]
+            joins = refill() + [(key, short_ids, SHORT_TOKENS, sampling)]
             got = 0
             while True:
                 out = batch.run_chunk(joins, chunk_tokens)
@@ -260,6 +275,7 @@ def short_beside_long_ballast(
                     res.from_join_s.append(done - t1)
                     break
                 joins = refill()
+        batch.remove(batch.keys())  # the long rows left (vLLM would go on running them)
     return res
 
 
@@ -521,10 +537,14 @@ def run_all(
     seed: int,
     short_trials: int,
     with_cb: bool = True,
+    with_vllm: bool = False,
     clock: Clock = time.perf_counter,
     log: Callable[[str], None] = lambda s: None,
 ) -> Report:
-    """Every stack at every concurrency, then the short-beside-long figures, on one loaded model."""
+    """Every stack at every concurrency, then the short-beside-long figures, on one loaded model.
+
+    ``with_vllm``: vLLM's engine (``VLLMBackend``) on the same directory beside the
+    others, started once; when it cannot start here the table says why in one line."""
     from ballast.model.hf_checkpoint import load_checkpoint
     from ballast.model.hf_engine import HFBackend
 
@@ -544,11 +564,68 @@ def run_all(
         f"ballast chunks of {chunk_tokens} steps",
     ]
     notes: list[str] = []
+    vllm = _start_vllm(path, loaded, max(concurrency), notes, log) if with_vllm else None
+    if vllm is not None:
+        header.append(_vllm_line(vllm))
+    try:
+        return _run_stacks(backend, vllm, loaded, requests, header, notes, concurrency, max_tokens, chunk_tokens, seed,
+                           short_trials, with_cb, clock, log)
+    finally:
+        if vllm is not None:
+            vllm.shutdown()
 
-    # Warm-up: allocator and kernels at each batch size, for both stacks.
+
+def _start_vllm(path: Path, loaded: Any, rows: int, notes: list[str], log: Callable[[str], None]) -> Any:
+    """vLLM's engine on ``path`` with the transformers model's dtype, or None (the reason in ``notes``)."""
+    log("starting vLLM")
+    try:
+        from ballast.model.vllm_engine import VLLMBackend, default_engine_kwargs
+
+        kwargs = {"dtype": str(loaded.dtype).replace("torch.", "")}
+        return VLLMBackend(str(path), name="bench-vllm", engine_kwargs=default_engine_kwargs(str(path), kwargs, rows))
+    except Exception as exc:  # noqa: BLE001 - any failure is reported, and the others go on
+        notes.append(f"vllm did not run: {type(exc).__name__}: {str(exc)[:300]}")
+        return None
+
+
+def _vllm_line(vllm: Any) -> str:
+    import vllm as vllm_pkg
+
+    cfg = vllm._llm.vllm_config
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    where = f"CPU, OpenMP threads bound {bind!r} (vLLM's default keeps a core for its front)" if vllm.device == "cpu" else vllm.device
+    return (f"vllm: {vllm_pkg.__version__} on {where}; max_num_seqs {cfg.scheduler_config.max_num_seqs}, "
+            f"prefix caching {cfg.cache_config.enable_prefix_caching}; started in {vllm.start_s:.0f} s; "
+            f"driven as the replica drives it (chunks of the same steps)")
+
+
+def _run_stacks(
+    backend: Any,
+    vllm: Any,
+    loaded: Any,
+    requests: list[Request],
+    header: list[str],
+    notes: list[str],
+    concurrency: Sequence[int],
+    max_tokens: int,
+    chunk_tokens: int,
+    seed: int,
+    short_trials: int,
+    with_cb: bool,
+    clock: Clock,
+    log: Callable[[str], None],
+) -> Report:
+    from ballast.model.hf_engine import RowSampling
+
+    model, tokenizer = loaded.model, loaded.tokenizer
+    to_the_end = RowSampling(ignore_eos=True)  # vLLM's rows run to max_tokens, as the others' do
+
+    # Warm-up: allocator and kernels at each batch size, for every stack.
     backend.warmup(sorted(set(concurrency)))
     for c in sorted(set(concurrency)):
         _generate(model, tokenizer, [PROMPTS[0]] * c, 4, loaded.device)
+    if vllm is not None:
+        vllm.warmup(sorted(set(concurrency)))
 
     runs: list[StackRun] = []
     cb_ok = with_cb
@@ -564,6 +641,9 @@ def run_all(
             except Exception as exc:  # noqa: BLE001 - any failure is reported, and the others go on
                 notes.append(f"transformers-cb did not run: {type(exc).__name__}: {exc}")
                 cb_ok = False
+        if vllm is not None:
+            log(f"concurrency {c}: vllm")
+            runs.append(run_ballast(vllm, requests, c, chunk_tokens, clock, stack="vllm", sampling=to_the_end))
 
     beside = max(concurrency) - 1
     longs = [r.max_tokens for r in requests if r.max_tokens != SHORT_TOKENS] or [max_tokens]
@@ -587,6 +667,10 @@ def run_all(
                 shorts.append(short_beside_long_cb(model, tokenizer, beside, longs, prompt, short_trials, seed, clock))
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"transformers-cb short-beside-long did not run: {type(exc).__name__}: {exc}")
+        if vllm is not None:
+            log("short beside long: vllm")
+            shorts.append(short_beside_long_ballast(vllm, beside, longs, prompt, short_trials, chunk_tokens, seed, clock,
+                                                    stack="vllm", sampling=to_the_end))
     return Report(header, runs, shorts, notes)
 
 
@@ -655,6 +739,7 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     parser.add_argument("--no-cb", action="store_true", help="leave transformers' continuous batching out")
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM's engine out")
     args = parser.parse_args(argv)
 
     import torch
@@ -688,6 +773,7 @@ def main(argv: "list[str] | None" = None) -> int:
             args.seed,
             args.short_trials,
             with_cb=not args.no_cb,
+            with_vllm=not args.no_vllm,
             log=lambda s: print(f"... {s}", file=sys.stderr, flush=True),
         )
     print("\n".join(render(report)))

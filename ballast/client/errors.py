@@ -135,6 +135,8 @@ _BY_CODE: dict[str, type[BallastClientError]] = {
     "UNAUTHENTICATED": Unauthenticated,
     "FORBIDDEN": Forbidden,
     "INVALID_REQUEST": InvalidRequest,
+    "CONTEXT_LENGTH_EXCEEDED": InvalidRequest,
+    "ENGINE_REFUSED": InvalidRequest,
     "PAYLOAD_TOO_LARGE": PayloadTooLarge,
     "QUOTA_EXCEEDED": QuotaExceeded,
     "CONCURRENCY_LIMIT": ConcurrencyLimited,

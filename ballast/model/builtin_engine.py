@@ -477,6 +477,9 @@ class TorchDecoderBackend:
     # Byte-level tokens have no end-of-sequence: every row runs to its max_new_tokens.
     eos_ids: frozenset[int] = frozenset()
 
+    def check(self, sampling: Any) -> None:
+        """Nothing to refuse here: the router refuses what this engine cannot honour."""
+
     def stream_decoder(self) -> ByteStreamDecoder:
         """Text for a row's ids, piece by piece (the replica holds one per request)."""
         return ByteStreamDecoder()

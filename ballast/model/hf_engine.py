@@ -71,6 +71,9 @@ class RowSampling:
     # vLLM's only (the router refuses any other value for the other engines): above 1
     # penalises tokens already in the prompt or the answer.
     repetition_penalty: float = 1.0
+    # vLLM's only, as repetition_penalty: the answer is JSON following this JSON Schema
+    # (its text), by the engine's guided decoding.
+    json_schema: Optional[str] = None
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -99,6 +102,7 @@ class RowSampling:
             min_tokens=int(req.get("min_tokens") or 0),
             ignore_eos=bool(req.get("ignore_eos")),
             repetition_penalty=float(req.get("repetition_penalty") or 1.0),
+            json_schema=req.get("json_schema"),
         )
 
 
@@ -203,6 +207,9 @@ class HFBackend:
 
     def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
         return fit_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+
+    def check(self, sampling: Any) -> None:
+        """Nothing to refuse here: the router refuses what this engine cannot honour."""
 
     def stream_decoder(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer)

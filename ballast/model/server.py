@@ -474,6 +474,8 @@ class ModelServer:
         if req.get("deadline_at_s") is not None:  # counts the time the call took to get here
             timeout_s = min(timeout_s, float(req["deadline_at_s"]) - time.time())
         ids, max_tokens = self._backend.fit(str(req["prompt"]), max_tokens, bool(req.get("add_special_tokens", True)))
+        sampling = _sampling(req)
+        self._backend.check(sampling)  # EngineRefused: this request alone, before any work
         self._next_key += 1
         deadline_s = replica_deadline_s(now, timeout_s)
         item = _Item(
@@ -482,7 +484,7 @@ class ModelServer:
             enqueued_at_s=now,
             deadline_s=deadline_s,
             decoder=self._backend.stream_decoder(),
-            sampling=_sampling(req),
+            sampling=sampling,
             stops=StopScanner(req["stop"]) if req.get("stop") else None,
             key=self._next_key,
         )
@@ -614,7 +616,8 @@ def _sampling(req: dict[str, Any]) -> Any:
     """The request's sampling fields as the HF engine takes them; None when it asked for none
     (the built-in model ignores sampling and decodes greedily; it has no end of sequence,
     so ``ignore_eos`` and ``min_tokens`` hold on it by themselves)."""
-    if all(not req.get(k) for k in ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "repetition_penalty")) \
+    if all(not req.get(k) for k in ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "repetition_penalty",
+                                    "json_schema")) \
             and req.get("seed") is None:
         return None
     from ballast.model.hf_engine import RowSampling

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ballast.model.batching import describe_engine
+from ballast.errors import EngineRefused
 from ballast.model.engine import ModelLoadError
 from ballast.model.hf_engine import GREEDY, ContextTooLong, IncrementalDetokenizer, RowSampling, encode_prompt, fit_prompt
 
@@ -185,6 +186,37 @@ def _cuda_visible() -> bool:
         return False
 
 
+def sampling_params(s: RowSampling, n: int) -> Any:
+    """vLLM's parameters for a row of ``n`` new tokens sampled as ``s``."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    return SamplingParams(
+        max_tokens=n,
+        temperature=float(s.temperature),
+        top_p=float(s.top_p),
+        top_k=int(s.top_k or 0),  # 0: every token
+        seed=s.seed,
+        min_tokens=min(int(s.min_tokens), n),
+        ignore_eos=bool(s.ignore_eos),
+        repetition_penalty=float(s.repetition_penalty),
+        structured_outputs=StructuredOutputsParams(json=s.json_schema) if s.json_schema else None,
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,  # the replica decodes ids itself
+    )
+
+
+def _config_sections(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the config sections that ``AsyncEngineArgs`` takes only as objects
+    built from the mappings a YAML config gives (it builds the others itself)."""
+    from vllm.config import StructuredOutputsConfig
+
+    out = dict(kwargs)
+    if isinstance(out.get("structured_outputs_config"), dict):
+        out["structured_outputs_config"] = StructuredOutputsConfig(**out["structured_outputs_config"])
+    return out
+
+
 class VLLMBackend:
     """A local checkpoint served by one vLLM ``AsyncLLM`` (see the module docstring).
 
@@ -238,8 +270,8 @@ class VLLMBackend:
         kwargs = {**_DEFAULT_ENGINE_KWARGS, **engine_kwargs, "model": self.source, "tokenizer": self.source}
         kwargs.setdefault("disable_log_stats", True)  # no default loggers; ours still turns stats on
         try:
-            args = AsyncEngineArgs(**kwargs)
-        except TypeError as e:
+            args = AsyncEngineArgs(**_config_sections(kwargs))
+        except (TypeError, ValueError) as e:
             raise ModelLoadError(self.source, f"engine_kwargs: {e}") from e
         try:
             vllm_config = args.create_engine_config()
@@ -288,6 +320,22 @@ class VLLMBackend:
 
     def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
         return fit_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+
+    def check(self, sampling: Optional[RowSampling]) -> None:
+        """vLLM's own validation of the request (a ``response_format`` schema its guided
+        decoding cannot compile, say), run here so that the request fails alone: a row
+        vLLM refuses once it is in the batch fails the batch."""
+        from vllm.exceptions import VLLMClientError
+
+        if sampling is None or sampling.json_schema is None:
+            return
+        cfg = self._llm.vllm_config
+        try:
+            sampling_params(sampling, 1).verify(
+                cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, self._llm.tokenizer
+            )
+        except (VLLMClientError, ValueError) as e:
+            raise EngineRefused(f"response_format: vLLM refuses it: {e}", field="response_format") from None
 
     def stream_decoder(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer)
@@ -468,24 +516,11 @@ class VLLMBatch:
         return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
 
     def _submit(self, key: Any, ids: list[int], n: int, s: RowSampling) -> None:
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
         llm = self._b._llm
         row = _Row(key, f"{self._prefix}-{key}")
-        params = SamplingParams(
-            max_tokens=n,
-            temperature=float(s.temperature),
-            top_p=float(s.top_p),
-            top_k=int(s.top_k or 0),  # 0: every token
-            seed=s.seed,
-            min_tokens=min(int(s.min_tokens), n),
-            ignore_eos=bool(s.ignore_eos),
-            repetition_penalty=float(s.repetition_penalty),
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=False,  # the replica decodes ids itself
-        )
+        params = sampling_params(s, n)
         prompt = llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=ids)])[0]
         row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params))
         self._rows[key] = row

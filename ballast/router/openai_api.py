@@ -49,6 +49,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -69,7 +70,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "logprobs": False,
     "top_logprobs": None,
     "logit_bias": None,
-    "response_format": None,
     "presence_penalty": 0,
     "frequency_penalty": 0,
     "best_of": 1,
@@ -195,6 +195,39 @@ class StreamOptions(_Strict):
     )
 
 
+class JsonSchemaFormat(_Strict):
+    """The schema the answer must follow (``response_format.json_schema``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="The schema's name.")
+    description: Optional[str] = Field(None, description="What the answer is for.")
+    schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema, as an object.")
+    strict: Optional[bool] = Field(None, description="Follow the schema exactly (the engine always does).")
+
+
+class ResponseFormat(_Strict):
+    """The answer's format: text, any JSON object, or JSON following a schema. The
+    vLLM engine honours it by guided decoding; the others refuse anything but text."""
+
+    type: Literal["text", "json_object", "json_schema"] = Field(description="text, json_object or json_schema.")
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description="With type json_schema, and only then.")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("json_schema", "json_schema is given with type json_schema, and only then")
+        return self
+
+    def schema_text(self) -> Optional[str]:
+        """The JSON Schema the answer must follow, as JSON text; None for text."""
+        if self.type == "json_object":
+            return json.dumps({"type": "object"})
+        if self.json_schema is not None:
+            return json.dumps(self.json_schema.schema_, separators=(",", ":"))
+        return None
+
+
 class _Sampling(_Strict):
     """What both endpoints share: the model, the length, sampling, streaming, Ballast's criticality."""
 
@@ -216,6 +249,9 @@ class _Sampling(_Strict):
     repetition_penalty: Optional[float] = Field(
         None, gt=0, le=2, description="vLLM's extension: above 1 penalises repeated tokens; 1 is neutral."
     )
+    response_format: Optional[ResponseFormat] = Field(
+        None, description="The answer's format: text, json_object or json_schema (the vLLM engine)."
+    )
     n: Optional[Literal[1]] = Field(None, description="Choices per request; only 1 is served.")
     criticality: Optional[Criticality] = Field(
         None,
@@ -223,6 +259,11 @@ class _Sampling(_Strict):
         "X-Ballast-Criticality header (both must agree); default critical, lowered to the "
         "tenant's cap when above it.",
     )
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_asks_for_nothing(cls, v: Optional[ResponseFormat]) -> Optional[ResponseFormat]:
+        return None if v is not None and v.type == "text" else v
 
     @field_validator("stream_options")
     @classmethod
@@ -291,8 +332,8 @@ def _parse(model: type[_Sampling], data: Any) -> Any:
 #: value: a field an engine cannot honour is refused with 400 naming it, unless it is
 #: neutral (it asks for nothing). Every engine honours the rest of the request.
 ENGINE_LIMITS: dict[str, dict[str, Any]] = {
-    "builtin": {"repetition_penalty": 1.0},
-    "transformers": {"repetition_penalty": 1.0},
+    "builtin": {"repetition_penalty": 1.0, "response_format": None},
+    "transformers": {"repetition_penalty": 1.0, "response_format": None},
 }
 
 
@@ -301,7 +342,8 @@ def refuse_unhonoured(req: _Sampling, engine: str) -> None:
     for name, neutral in ENGINE_LIMITS.get(engine, {}).items():
         value = getattr(req, name)
         if value is not None and value != neutral:
-            raise BadRequest(f"{name}: not honoured by the {engine!r} engine; leave it out or send {neutral}", field=name)
+            allowed = "leave it out" if neutral is None else f"leave it out or send {neutral}"
+            raise BadRequest(f"{name}: not honoured by the {engine!r} engine; {allowed}", field=name)
 
 
 def sampling_fields(req: _Sampling) -> dict[str, Any]:
@@ -316,6 +358,8 @@ def sampling_fields(req: _Sampling) -> dict[str, Any]:
         out["min_tokens"] = req.min_tokens
     if req.ignore_eos:
         out["ignore_eos"] = True
+    if req.response_format is not None:
+        out["json_schema"] = req.response_format.schema_text()
     return out
 
 

@@ -66,7 +66,7 @@ from ballast.policies.retry import RetryBudget, backoff_s, should_retry
 from ballast.policies.ttlmap import TTLMap
 
 from ballast.config import BallastConfig
-from ballast.errors import BallastError, DeadlineExceeded, KillSwitchActive, ModelUnavailable, ReplicaLost
+from ballast.errors import BallastError, DeadlineExceeded, InvalidRequest, KillSwitchActive, ModelUnavailable, ReplicaLost
 
 
 
@@ -152,6 +152,13 @@ def classify(exc: BaseException) -> str:
     if isinstance(exc, (RayActorError, NodeDiedError, WorkerCrashedError, OwnerDiedError)):
         return "replica_died"
     return "model_error"
+
+
+def refused_by_engine(exc: BaseException) -> Optional[InvalidRequest]:
+    """The replica's refusal of the request as sent (``EngineRefused``: its engine's own
+    validation), which the client gets as it is; None for any other failure."""
+    cause = exc.cause if isinstance(exc, RayTaskError) else None
+    return cause if isinstance(cause, InvalidRequest) else None
 
 
 # Failures that say the backend is unhealthy. Backpressure is load, which the
@@ -427,6 +434,10 @@ class ResilientCaller:
                     raise
                 except Exception as exc:
                     handle.cancel()
+                    refused = refused_by_engine(exc)
+                    if refused is not None:  # this request as sent: no retry, no fallback, not a health failure
+                        b.breaker.release(permit)
+                        raise refused from None
                     kind = self._failed(b, permit, exc, t0)
                     if retrying:
                         self.budget.release_retry()

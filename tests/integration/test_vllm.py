@@ -5,12 +5,16 @@ For this module the session's stack is replaced by one whose primary model is
 serves), and put back after. vLLM starts once, for the module. Through the real HTTP
 endpoint and the official ``openai`` client: usage in the model's tokens through its
 chat template, unary and streamed answers, stop strings, seeded answers that repeat,
-a 400 past the context, vLLM's own sampling extensions, a client that leaves freeing
-the engine's slot, and a recycle under load.
+a 400 past the context, vLLM's own sampling extensions, JSON that follows a
+``response_format`` schema (and a schema vLLM refuses: a 400 that costs the model
+nothing), a client that leaves freeing the engine's slot, a stalled replica killed
+with its engine's processes, and a recycle under load.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import httpx
@@ -43,7 +47,9 @@ def vllm_stack(ballast, tmp_path_factory):
     # sized for one process of the built-in engine.
     over = {"deployments": {"model": {"max_replicas": 1}}, "watchdog": {"rss_limit_mb": 6000},
             "model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8,
-                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256}}}  # the KV cache: Ballast's CPU default
+                      # the KV cache: Ballast's CPU default; compact guided JSON, so that random weights end it
+                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
+                                        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}}}
     _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)
     try:
         yield ckpt
@@ -122,6 +128,46 @@ def test_past_the_context_is_a_400_before_any_work(oai):
     assert e.value.code == "CONTEXT_LENGTH_EXCEEDED" and "context is 256 tokens" in e.value.message
 
 
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}},
+           "required": ["ok", "colour"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_response_format_gives_json_that_follows_it(oai, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True}}
+    messages = [{"role": "user", "content": "Is the sky green? Answer in JSON."}]
+    if stream:
+        chunks = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, response_format=fmt,
+                                             temperature=1.0, seed=3, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, response_format=fmt,
+                                        temperature=1.0, seed=3)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"  # the grammar ended it, not max_tokens
+    value = json.loads(text)
+    assert set(value) == {"ok", "colour"} and isinstance(value["ok"], bool) and value["colour"] in ("red", "green")
+
+
+def test_a_schema_the_engine_refuses_is_a_400_that_costs_the_model_nothing(oai, http):
+    def model_failures() -> dict:
+        return http.get("/v1/status", headers=ADMIN).json()["breakers"]["primary"]["failed_attempts"]
+
+    before = model_failures()
+    fmt = {"type": "json_schema", "json_schema": {"name": "either", "schema": {"allOf": [{"type": "string"}, {"enum": ["a", "b"]}]}}}
+    for stream in (False, True):
+        # unary: a 400; a stream has begun (200) and carries it as its error event
+        with pytest.raises(openai.APIError) as e:
+            r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                            response_format=fmt, stream=stream)
+            list(r) if stream else None
+        assert isinstance(e.value, openai.BadRequestError) != stream
+        assert e.value.code == "ENGINE_REFUSED" and "response_format" in e.value.message
+    assert model_failures() == before  # no retry, no breaker failure: the request, not the model
+    ok = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    assert ok.usage.completion_tokens >= 1
+
+
 def test_a_client_that_leaves_frees_its_slot_in_the_engine(http):
     body = {"prompt": "Hello", "max_tokens": 200, "stream": True}
     with http.stream("POST", "/v1/generate", headers=GOLD, json={**body, "max_tokens": 200}) as r:
@@ -142,6 +188,55 @@ def test_the_replica_reports_the_engines_own_kv_and_prefix_cache(http, oai):
     row = replica(http)
     assert row["kv_tokens_budget"] is None  # vLLM's own KV cache, not Ballast's budget
     assert row["prefix_cache_hit_pct"] > 0
+
+
+def engine_processes() -> dict[int, list[int]]:
+    """The vLLM replica's process (Ray titles it) and the engine processes under it."""
+    import psutil
+
+    out = {}
+    for p in psutil.process_iter(["cmdline"]):
+        if (p.info["cmdline"] or [""])[0].startswith("ray::ServeReplica:ballast:BallastModel"):
+            try:
+                out[p.pid] = [c.pid for c in p.children(recursive=True)]
+            except psutil.Error:
+                continue
+    return out
+
+
+def test_a_stalled_vllm_replica_is_killed_and_leaves_no_engine_process(http, oai):
+    # Chaos works on a vLLM replica as on any: its work loop stalls with work in flight,
+    # the watchdog (watching the engine's processes with it) says so, the controller
+    # kills it, and vLLM's engine core and worker go with it.
+    import psutil
+
+    from test_recycling import events, ids
+
+    (rid,) = ids(http, "BallastModel")
+    (engine,) = engine_processes().values()
+    assert len(engine) >= 2  # vLLM's engine core and, on CPU, its worker
+    r = http.post("/admin/chaos", headers=ADMIN, json={"target": "primary", "stall": True})
+    assert r.status_code == 200, r.text
+    try:
+        integration.wait_chaos(http, "primary", {"stall": True})
+        stuck = [threading.Thread(target=lambda: httpx.post(f"{BASE}/v1/generate", headers={**GOLD, "X-Request-Timeout-Ms": "15000"},
+                                                            json={"prompt": "stall", "max_tokens": 8}, timeout=30), daemon=True)]
+        stuck[0].start()
+        (killed,) = wait_until(lambda: [e for e in events(http, "killed_hung") if e["replica_id"] == rid], 30, 0.3,
+                               "the stalled vLLM replica killed")
+    finally:
+        http.delete("/admin/chaos", headers=ADMIN)
+    assert killed["reason"] == "stalled", killed
+    wait_until(lambda: not any(psutil.pid_exists(p) for p in engine), 30, 0.5, "the engine's processes gone with it")
+    wait_until(lambda: ids(http, "BallastModel") - {rid}, 120, 1.0, "a replacement replica")
+    def vllm_answers() -> bool:  # not the fallback model, which answers meanwhile
+        try:
+            return oai.completions.create(model=MODEL, prompt="Hello", max_tokens=2).model == MODEL
+        except openai.APIError:
+            return False
+
+    wait_until(vllm_answers, 120, 1.0, "the replacement vLLM replica serving")
+    stuck[0].join(timeout=30)
 
 
 def test_recycling_the_vllm_replica_under_load_fails_no_request(http):

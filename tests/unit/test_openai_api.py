@@ -55,7 +55,6 @@ ASKING = {
     "logprobs": True,
     "top_logprobs": 2,
     "logit_bias": {"50256": -100},
-    "response_format": {"type": "json_object"},
     "presence_penalty": 0.5,
     "frequency_penalty": -1,
     "best_of": 2,
@@ -651,6 +650,42 @@ def test_an_engine_that_cannot_honour_a_field_refuses_it_by_name():
         assert e.value.field == "repetition_penalty" and engine in e.value.message
     oa.refuse_unhonoured(asks, "vllm")  # vLLM honours it
     oa.refuse_unhonoured(oa.parse_chat({**CHAT, "repetition_penalty": 1.0}), "transformers")  # neutral: asks for nothing
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+def test_response_format_goes_to_the_model_as_a_json_schema():
+    asks = oa.parse_chat({**CHAT, "response_format": {"type": "json_schema",
+                                                      "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}})
+    assert json.loads(oa.sampling_fields(asks)["json_schema"]) == SCHEMA
+    any_object = oa.parse_completion({**COMPLETION, "response_format": {"type": "json_object"}})
+    assert json.loads(oa.sampling_fields(any_object)["json_schema"]) == {"type": "object"}
+    text = oa.parse_chat({**CHAT, "response_format": {"type": "text"}})
+    assert text.response_format is None and oa.sampling_fields(text) == {}  # text asks for nothing
+
+
+@pytest.mark.parametrize("fmt,field", [
+    ({"type": "json_schema"}, "response_format"),  # the schema is missing
+    ({"type": "json_object", "json_schema": {"name": "v", "schema": SCHEMA}}, "response_format"),
+    ({"type": "yaml"}, "response_format.type"),
+    ({"type": "json_schema", "json_schema": {"name": "v"}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"name": "v w", "schema": SCHEMA}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "v", "schema": ["not", "an", "object"]}}, "response_format.json_schema.schema"),
+])
+def test_a_malformed_response_format_is_refused_by_its_field(fmt, field):
+    assert chat_error(response_format=fmt).field == field
+
+
+def test_only_the_vllm_engine_honours_a_response_format():
+    asks = oa.parse_chat({**CHAT, "response_format": {"type": "json_object"}})
+    for engine in ("builtin", "transformers"):
+        with pytest.raises(oa.BadRequest) as e:
+            oa.refuse_unhonoured(asks, engine)
+        assert e.value.field == "response_format"
+        assert e.value.message == f"response_format: not honoured by the {engine!r} engine; leave it out"
+    oa.refuse_unhonoured(asks, "vllm")
+    oa.refuse_unhonoured(oa.parse_chat({**CHAT, "response_format": {"type": "text"}}), "builtin")
 
 
 def test_every_chunk_carries_the_usage_so_far_when_asked():

@@ -26,7 +26,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from ballast.policies.killswitch import KillSwitchEntry
 from ballast.config import load_config
-from ballast.errors import DeadlineExceeded, ModelUnavailable, ReplicaLost
+from ballast.errors import DeadlineExceeded, EngineRefused, ModelUnavailable, ReplicaLost
 from ballast.router.resilience import CallHooks, CallRecord, ResilientCaller
 
 from fakes import FakeClock
@@ -380,6 +380,27 @@ async def test_a_stream_failing_before_its_first_chunk_falls_back_without_a_retr
     assert dead.cancelled
     assert timer.slept_s == []
     assert ("fallback", "fallback_model") in events
+
+
+async def test_a_request_its_engine_refuses_fails_alone_with_the_refusal() -> None:
+    # vLLM's own validation in the replica: the client's request as sent, not the model's
+    # health: no retry, no fallback, nothing on the breaker, the bulkhead and budget freed.
+    refusal = EngineRefused("response_format: vLLM refuses it: bad schema", field="response_format")
+    primary = FakeHandle(fails(RayTaskError("generate", "traceback", refusal)),
+                         streams=(FakeStream(fails(RayTaskError("generate_stream", "traceback", refusal))),))
+    fallback = FakeHandle(ok("never"), streams=(FakeStream(ok("never")),))
+    caller, clock, timer, events = make(primary, fallback)
+    with pytest.raises(EngineRefused) as unary_refusal:
+        await unary(caller, clock)
+    with pytest.raises(EngineRefused) as stream_refusal:
+        await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    for e in (unary_refusal.value, stream_refusal.value):
+        assert (e.status, e.code, e.field) == (400, "ENGINE_REFUSED", "response_format")
+    assert (len(primary.generate.calls), len(primary.generate_stream.calls)) == (1, 1)
+    assert (fallback.generate.calls, fallback.generate_stream.calls, timer.slept_s, events) == ([], [], [], [])
+    b = breaker_of(caller, "primary")
+    assert (b["calls"], b["failures"]) == (0, 0)
+    assert caller.backends[0].bulkhead.in_flight == 0 and caller.budget.snapshot()["active"] == 0
 
 
 async def test_a_stream_whose_replica_died_before_its_first_chunk_goes_to_another_replica() -> None:

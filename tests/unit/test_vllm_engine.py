@@ -4,6 +4,7 @@ stats, load errors, the engine's processes. One engine for the module."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -13,11 +14,14 @@ pytest.importorskip("vllm")
 import psutil  # noqa: E402
 
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
+from ballast.errors import EngineRefused  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_engine import ContextTooLong, RowSampling  # noqa: E402
 from ballast.model.vllm_engine import VLLMBackend, VLLMRequestError, VLLMStats  # noqa: E402
 
-ENGINE_KWARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, enable_prefix_caching=True)
+ENGINE_KWARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, enable_prefix_caching=True,
+                     # as a YAML config gives it; compact JSON, so that random weights end their answer
+                     structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
 PROMPTS = ["The quick brown fox", "Hello!", "A replica serves requests; the router sends each one to"]
 LONG = RowSampling(ignore_eos=True)
 
@@ -217,6 +221,47 @@ def test_a_row_vllm_refuses_fails_the_chunk_and_aborts_the_batch(backend):
     assert batch.keys() == []
     with pytest.raises(ContextTooLong):
         batch.run_chunk([("long", ok * 200, 4, None)], 2)
+
+
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}},
+           "required": ["ok", "colour"], "additionalProperties": False}
+
+
+def test_a_json_schema_guides_the_answer_to_json_that_follows_it(backend):
+    s = RowSampling(temperature=1.0, seed=7, json_schema=json.dumps(VERDICT))
+    backend.check(s)
+    ids = backend.encode("Answer in JSON:", 64)
+    batch = backend.open_batch()
+    got = drain(batch, [[(i, ids, 64, s) for i in range(3)]])
+    for i in range(3):
+        value = json.loads(backend.tokenizer.decode(got[i], skip_special_tokens=True))
+        assert set(value) == {"ok", "colour"} and isinstance(value["ok"], bool) and value["colour"] in ("red", "green")
+        assert len(got[i]) < 64  # the grammar ended the answer, not max_tokens
+
+
+def test_a_schema_vllm_cannot_compile_is_refused_before_the_batch(backend):
+    with pytest.raises(EngineRefused) as e:
+        # vLLM knows its xgrammar backend does not serve a multi-branch allOf
+        backend.check(RowSampling(json_schema=json.dumps({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]})))
+    assert e.value.field == "response_format" and e.value.status == 400
+    backend.check(None)
+    backend.check(LONG)  # nothing to refuse
+
+
+def test_the_model_benchmark_drives_vllm_as_the_replica_does(backend):
+    # make bench-model's vllm rows: closed-loop clients, rows to their max_tokens, the
+    # short request beside long ones; the long rows are taken out of the engine after.
+    import itertools
+
+    from loadtest import bench_model as bm
+
+    counter = itertools.count()
+    clock = lambda: float(next(counter))  # noqa: E731 - a tick per read: no timing here
+    requests = bm.workload(4, 12, seed=0)
+    run = bm.run_ballast(backend, requests, 2, 4, clock, stack="vllm", sampling=LONG)
+    assert (run.stack, run.tokens, len(run.latencies_s)) == ("vllm", sum(r.max_tokens for r in requests), 4)
+    short = bm.short_beside_long_ballast(backend, 1, [12], bm.PROMPTS[4], 2, 4, 0, clock, stack="vllm", sampling=LONG)
+    assert short.stack == "vllm" and len(short.alone_s) == len(short.beside_s) == 2
 
 
 def test_prefix_cache_hits_for_a_repeated_long_prompt(backend):

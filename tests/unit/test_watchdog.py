@@ -193,27 +193,46 @@ def test_psutil_sampler_counts_the_processes_under_the_replica() -> None:
     assert s.sample()["rss_bytes"] - alone["rss_bytes"] < 30 * MB
 
 
+SHARES_WITH_ITS_CHILD = """
+import os, sys, time
+block = bytearray(256 << 20)
+block[::4096] = b"x" * (len(block) // 4096)  # every page touched: resident
+print("alloc", flush=True)
+sys.stdin.readline()
+if os.fork() == 0:  # the child maps the same pages, copy-on-write
+    time.sleep(60)
+    os._exit(0)
+print("forked", flush=True)
+time.sleep(60)
+"""
+
+
 def test_psutil_sampler_counts_pages_shared_with_a_child_once() -> None:
-    # A forked child maps the replica's pages: summed RSS would count them twice, the
-    # processes' PSS once between them.
-    import multiprocessing
+    # A replica whose child maps 256 MB of its pages (as a forked one does): summed RSS
+    # would count them twice; the processes' PSS counts them once between them.
+    import signal
+    import subprocess
+    import sys
 
     import psutil
 
-    s = PsutilSampler(os.getpid())
-    alone = s.sample()
-    ctx = multiprocessing.get_context("fork")
-    release = ctx.Event()
-    child = ctx.Process(target=release.wait, args=(60,))
-    child.start()
+    replica = subprocess.Popen([sys.executable, "-c", SHARES_WITH_ITS_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               start_new_session=True)
     try:
-        child_rss = psutil.Process(child.pid).memory_info().rss
+        assert replica.stdout.readline() == b"alloc\n"
+        s = PsutilSampler(replica.pid)
+        alone = s.sample()
+        replica.stdin.write(b"\n")
+        replica.stdin.flush()
+        assert replica.stdout.readline() == b"forked\n"
+        (child,) = psutil.Process(replica.pid).children()
         with_child = s.sample()
+        child_rss = child.memory_info().rss
     finally:
-        release.set()
-        child.join()
-    assert child_rss > alone["rss_bytes"] / 2  # the child maps most of the replica's pages
-    assert with_child["rss_bytes"] < alone["rss_bytes"] + child_rss / 4
+        os.killpg(replica.pid, signal.SIGKILL)
+        replica.wait()
+    assert alone["rss_bytes"] > 256 * MB and child_rss > 200 * MB  # summed RSS would be over 456 MB more
+    assert with_child["rss_bytes"] < alone["rss_bytes"] + 64 * MB
 
 
 def test_growth_during_warm_up_is_not_sampled() -> None:
