@@ -564,15 +564,49 @@ def run_all(
         f"ballast chunks of {chunk_tokens} steps",
     ]
     notes: list[str] = []
+    report = _run_stacks(backend, loaded, requests, header, notes, concurrency, max_tokens, chunk_tokens, seed,
+                         short_trials, with_cb, clock, log)
+    # vLLM after the others, alone: its CPU worker polls for work (about a fifth of a
+    # core while idle, measured here), which would slow the stacks beside it.
     vllm = _start_vllm(path, loaded, max(concurrency), notes, log) if with_vllm else None
     if vllm is not None:
-        header.append(_vllm_line(vllm))
-    try:
-        return _run_stacks(backend, vllm, loaded, requests, header, notes, concurrency, max_tokens, chunk_tokens, seed,
-                           short_trials, with_cb, clock, log)
-    finally:
-        if vllm is not None:
+        try:
+            header.append(_vllm_line(vllm))
+            _run_vllm(report, vllm, requests, concurrency, max_tokens, chunk_tokens, seed, short_trials, clock, log)
+        finally:
             vllm.shutdown()
+    return report
+
+
+def _run_vllm(
+    report: Report,
+    vllm: Any,
+    requests: list[Request],
+    concurrency: Sequence[int],
+    max_tokens: int,
+    chunk_tokens: int,
+    seed: int,
+    short_trials: int,
+    clock: Clock,
+    log: Callable[[str], None],
+) -> None:
+    """vLLM's rows at every concurrency and its short-beside-long figures, into ``report``
+    (each row after the other stacks' rows at its concurrency)."""
+    from ballast.model.hf_engine import RowSampling
+
+    to_the_end = RowSampling(ignore_eos=True)  # its rows run to max_tokens, as the others' do
+    vllm.warmup(sorted(set(concurrency)))
+    for c in concurrency:
+        log(f"concurrency {c}: vllm")
+        run = run_ballast(vllm, requests, c, chunk_tokens, clock, stack="vllm", sampling=to_the_end)
+        last = max(i for i, r in enumerate(report.runs) if r.concurrency == c)
+        report.runs.insert(last + 1, run)
+    beside = max(concurrency) - 1
+    if beside >= 1:
+        longs = [r.max_tokens for r in requests if r.max_tokens != SHORT_TOKENS] or [max_tokens]
+        log("short beside long: vllm")
+        report.shorts.append(short_beside_long_ballast(vllm, beside, longs, PROMPTS[4], short_trials, chunk_tokens, seed,
+                                                       clock, stack="vllm", sampling=to_the_end))
 
 
 def _start_vllm(path: Path, loaded: Any, rows: int, notes: list[str], log: Callable[[str], None]) -> Any:
@@ -596,12 +630,11 @@ def _vllm_line(vllm: Any) -> str:
     where = f"CPU, OpenMP threads bound {bind!r} (vLLM's default keeps a core for its front)" if vllm.device == "cpu" else vllm.device
     return (f"vllm: {vllm_pkg.__version__} on {where}; max_num_seqs {cfg.scheduler_config.max_num_seqs}, "
             f"prefix caching {cfg.cache_config.enable_prefix_caching}; started in {vllm.start_s:.0f} s; "
-            f"driven as the replica drives it (chunks of the same steps)")
+            f"driven as the replica drives it (chunks of the same steps); run after the others, alone")
 
 
 def _run_stacks(
     backend: Any,
-    vllm: Any,
     loaded: Any,
     requests: list[Request],
     header: list[str],
@@ -615,17 +648,12 @@ def _run_stacks(
     clock: Clock,
     log: Callable[[str], None],
 ) -> Report:
-    from ballast.model.hf_engine import RowSampling
-
     model, tokenizer = loaded.model, loaded.tokenizer
-    to_the_end = RowSampling(ignore_eos=True)  # vLLM's rows run to max_tokens, as the others' do
 
-    # Warm-up: allocator and kernels at each batch size, for every stack.
+    # Warm-up: allocator and kernels at each batch size, for both stacks.
     backend.warmup(sorted(set(concurrency)))
     for c in sorted(set(concurrency)):
         _generate(model, tokenizer, [PROMPTS[0]] * c, 4, loaded.device)
-    if vllm is not None:
-        vllm.warmup(sorted(set(concurrency)))
 
     runs: list[StackRun] = []
     cb_ok = with_cb
@@ -641,9 +669,6 @@ def _run_stacks(
             except Exception as exc:  # noqa: BLE001 - any failure is reported, and the others go on
                 notes.append(f"transformers-cb did not run: {type(exc).__name__}: {exc}")
                 cb_ok = False
-        if vllm is not None:
-            log(f"concurrency {c}: vllm")
-            runs.append(run_ballast(vllm, requests, c, chunk_tokens, clock, stack="vllm", sampling=to_the_end))
 
     beside = max(concurrency) - 1
     longs = [r.max_tokens for r in requests if r.max_tokens != SHORT_TOKENS] or [max_tokens]
@@ -667,10 +692,6 @@ def _run_stacks(
                 shorts.append(short_beside_long_cb(model, tokenizer, beside, longs, prompt, short_trials, seed, clock))
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"transformers-cb short-beside-long did not run: {type(exc).__name__}: {exc}")
-        if vllm is not None:
-            log("short beside long: vllm")
-            shorts.append(short_beside_long_ballast(vllm, beside, longs, prompt, short_trials, chunk_tokens, seed, clock,
-                                                    stack="vllm", sampling=to_the_end))
     return Report(header, runs, shorts, notes)
 
 
