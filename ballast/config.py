@@ -83,6 +83,11 @@ class HttpConfig(_Strict):
     # X-Ballast-Criticality header) before Python runs: ballast/router/edge.py. Only
     # with ingress "haproxy"; fixed when Ray starts, like ``ingress``.
     edge: bool = True
+    # With ingress "haproxy": how long a stopping router replica stays reachable so that
+    # HAProxy drops it before it refuses new connections (HAProxy then retries another);
+    # None: Serve's default, 30 s. Every redeploy, recycle and stop of a router waits
+    # this long. Fixed when Ray starts, like ``ingress``.
+    router_drain_s: Optional[float] = Field(None, ge=0)
 
 
 class ModelArchitecture(_Strict):

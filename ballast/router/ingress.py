@@ -80,6 +80,8 @@ def ingress_env(cfg: BallastConfig) -> dict[str, str]:
     base = f"/tmp/ballast-haproxy-{cfg.http.port}"
     if cfg.http.edge:
         env.update(edge_env())
+    if cfg.http.router_drain_s is not None:
+        env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = str(cfg.http.router_drain_s)
     return {
         **env,
         **stack_ports(cfg.http.port),

