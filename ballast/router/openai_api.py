@@ -330,7 +330,8 @@ def _parse(model: type[_Sampling], data: Any) -> Any:
 
 #: The optional fields an engine honours (``model.backend``), with each one's neutral
 #: value: a field an engine cannot honour is refused with 400 naming it, unless it is
-#: neutral (it asks for nothing). Every engine honours the rest of the request.
+#: neutral (it asks for nothing). Every engine honours the rest of the request. The
+#: same knowledge by call field, for the fallback: ``ballast.policies.engines``.
 ENGINE_LIMITS: dict[str, dict[str, Any]] = {
     "builtin": {"repetition_penalty": 1.0, "response_format": None},
     "transformers": {"repetition_penalty": 1.0, "response_format": None},
@@ -349,9 +350,11 @@ def refuse_unhonoured(req: _Sampling, engine: str) -> None:
 def sampling_fields(req: _Sampling) -> dict[str, Any]:
     """What the model is sent of the request's sampling (fields left at their neutral value are not sent)."""
     out: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "seed", "repetition_penalty"):
+    for name in ("temperature", "top_p", "seed"):
         if getattr(req, name) is not None:
             out[name] = getattr(req, name)
+    if req.repetition_penalty is not None and req.repetition_penalty != 1.0:  # 1 is neutral
+        out["repetition_penalty"] = req.repetition_penalty
     if req.top_k is not None and req.top_k > 0:
         out["top_k"] = req.top_k
     if req.min_tokens:

@@ -62,6 +62,7 @@ from ballast.policies import killswitch
 from ballast.policies import migration
 from ballast.policies.breaker import BreakerEvent, CircuitBreaker, Permit
 from ballast.policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
+from ballast.policies.engines import honours
 from ballast.policies.retry import RetryBudget, backoff_s, should_retry
 from ballast.policies.ttlmap import TTLMap
 
@@ -174,6 +175,7 @@ class Backend:
     handle: Any
     breaker: CircuitBreaker
     bulkhead: Bulkhead
+    engine: str = "builtin"  # its model.backend: what it honours of a call (ballast.policies.engines)
     stream_handle: Any = field(init=False)
     # Failed attempts by kind since start (keys: classify()'s few kinds): what a breaker
     # counted, and what it was spared, for /v1/status.
@@ -243,6 +245,7 @@ class ResilientCaller:
                 primary,
                 CircuitBreaker("primary", bcfg, clock=clock, rng=self._rng, on_event=hooks.on_breaker_event),
                 Bulkhead(r.bulkhead.primary),
+                cfg.model.backend,
             )
         ]
         if fallback is not None and cfg.fallback is not None:
@@ -253,6 +256,7 @@ class ResilientCaller:
                     fallback,
                     CircuitBreaker("fallback", bcfg, clock=clock, rng=self._rng, on_event=hooks.on_breaker_event),
                     Bulkhead(r.bulkhead.fallback),
+                    cfg.fallback.model.backend,
                 )
             )
         self.cache = ResponseCache(r.cache.max_entries, r.cache.ttl_s, clock) if r.cache.enabled else None
@@ -314,9 +318,13 @@ class ResilientCaller:
         return False
 
     def _chain(self, fallback_only: bool, call: dict[str, Any]) -> list[Backend]:
+        """The backends this call may try, in order: none whose engine would ignore part of
+        it (a fallback model never answers a JSON-schema request with free text)."""
         if call.get("continue_ids"):  # a client's resume: its ids are the primary model's tokens
-            return [] if fallback_only else [b for b in self.backends if b.role == "primary"]
-        return [b for b in self.backends if b.role == "fallback"] if fallback_only else self.backends
+            chain = [] if fallback_only else [b for b in self.backends if b.role == "primary"]
+        else:
+            chain = [b for b in self.backends if b.role == "fallback"] if fallback_only else self.backends
+        return [b for b in chain if honours(b.engine, call)]
 
     async def _first_backend(
         self,

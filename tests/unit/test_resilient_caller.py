@@ -127,9 +127,11 @@ def make(
     retry: Optional[dict] = None,
     cache: bool = False,
     bulkhead: Optional[dict] = None,
+    model: Optional[dict] = None,
 ) -> tuple[ResilientCaller, FakeClock, FakeTimer, list]:
     cfg = load_config(
         {
+            "model": model or {},
             "resilience": {
                 "attempt_timeout_s": 4,
                 "retry": {"max_attempts": 3, "base_backoff_s": 2, "max_backoff_s": 8, **(retry or {})},
@@ -401,6 +403,25 @@ async def test_a_request_its_engine_refuses_fails_alone_with_the_refusal() -> No
     b = breaker_of(caller, "primary")
     assert (b["calls"], b["failures"]) == (0, 0)
     assert caller.backends[0].bulkhead.in_flight == 0 and caller.budget.snapshot()["active"] == 0
+
+
+async def test_a_call_the_fallbacks_engine_would_not_honour_never_goes_to_it() -> None:
+    # A JSON-schema request on a vLLM primary: the built-in fallback would answer it with
+    # free text, so a primary that cannot answer is a 503, not a wrong answer.
+    vllm = {"backend": "vllm", "path": "/models/m"}
+    schema_call = {**CALL, "json_schema": '{"type":"object"}'}
+    dead = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
+    primary, fallback = FakeHandle(fails(dead)), FakeHandle()
+    caller, clock, _, events = make(primary, fallback, model=vllm)
+    with pytest.raises(ModelUnavailable):
+        await unary(caller, clock, call=schema_call)
+    assert fallback.generate.calls == [] and ("fallback", "fallback_model") not in events
+    with pytest.raises(ModelUnavailable):  # the level sent it to the fallback alone: nothing may take it
+        await caller.unary(dict(schema_call), clock() + 30, [], WALL_S, fallback_only=True)
+    # The same request without the schema falls back as usual.
+    primary, fallback = FakeHandle(fails(dead)), FakeHandle(ok("small"))
+    caller, clock, _, _ = make(primary, fallback, model=vllm)
+    assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
 
 
 async def test_a_stream_whose_replica_died_before_its_first_chunk_goes_to_another_replica() -> None:
