@@ -7,8 +7,9 @@ endpoint and the official ``openai`` client: usage in the model's tokens through
 chat template, unary and streamed answers, stop strings, seeded answers that repeat,
 a 400 past the context, vLLM's own sampling extensions, JSON that follows a
 ``response_format`` schema (and a schema vLLM refuses: a 400 that costs the model
-nothing), a client that leaves freeing the engine's slot, a stalled replica killed
-with its engine's processes, and a recycle under load.
+nothing), a client that leaves freeing the engine's slot, shedding under overload with
+critical whole, a stalled replica killed with its engine's processes, and a recycle
+under load.
 """
 
 from __future__ import annotations
@@ -188,6 +189,39 @@ def test_the_replica_reports_the_engines_own_kv_and_prefix_cache(http, oai):
     row = replica(http)
     assert row["kv_tokens_budget"] is None  # vLLM's own KV cache, not Ballast's budget
     assert row["prefix_cache_hit_pct"] > 0
+
+
+def test_overload_sheds_sheddable_and_keeps_critical_whole_on_vllm(http):
+    # The engine must be the bottleneck, not the router's HTTP on these two cores: rows of
+    # 96 tokens, at most 4 in the engine at a time (the level's batch limit), 24 clients
+    # where the replica takes 16, so Ballast's line in front of the engine passes the
+    # level's thresholds (6, then 12) and the level sheds sheddable at the gate.
+    from test_overload import run_load
+
+    wait_until(lambda: http.get("/v1/status", headers=ADMIN).json()["level"] == 0, 30, 0.5, "level back to 0")
+    levels: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        with httpx.Client(base_url=BASE, timeout=10) as c:
+            while not done.is_set():
+                levels.append(c.get("/v1/status", headers=ADMIN).json()["level"])
+                time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = run_load({"critical": 12, "sheddable": 12}, duration_s=12, max_tokens=96)
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+    critical, sheddable = result.by("critical"), result.by("sheddable")
+    seen = f"levels seen {sorted(set(levels))}; critical {dict(critical)}; sheddable {dict(sheddable)}"
+    print(seen)
+    assert max(levels) >= 1, seen
+    assert set(critical) == {(200, "OK")} and critical[(200, "OK")] >= 10, seen
+    assert sheddable[(503, "OVERLOADED")] > 0 and set(sheddable) <= {(200, "OK"), (503, "OVERLOADED")}, seen
+    wait_until(lambda: http.get("/v1/status", headers=ADMIN).json()["level"] == 0, 30, 0.5, "level back to 0")
 
 
 def engine_processes() -> dict[int, list[int]]:
