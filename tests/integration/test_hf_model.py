@@ -10,8 +10,6 @@ unary answers, stop strings, shedding under overload and a recycle under load.
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
@@ -166,16 +164,6 @@ def test_overload_sheds_sheddable_and_critical_keeps_succeeding(hf_stack):
 
 
 def test_recycling_the_hf_replica_under_load_fails_no_request(http):
-    from test_recycling import SteadyLoad, events, ids, settled
+    from test_recycling import recycle_under_load
 
-    wait_until(lambda: status(http)["level"] == 0, 30, 0.5, "level back to 0")
-    settled(http)  # the overload test above may have left the autoscaler's second replica
-    (rid,) = ids(http, "BallastModel")
-    with SteadyLoad() as load:
-        time.sleep(1.0)
-        r = http.post("/admin/recycle", headers=ADMIN, json={"replica_id": rid})
-        assert r.status_code == 202, r.text
-        wait_until(lambda: rid in {e["replica_id"] for e in events(http, "completed")}, 120, 1.0, "the HF replica recycled")
-        time.sleep(1.0)
-    assert load.statuses and not load.errors, f"{len(load.errors)} failed of {len(load.statuses)}: {load.errors[:5]}"
-    assert rid not in ids(http, "BallastModel")
+    recycle_under_load(http, "HF", 120)

@@ -64,6 +64,23 @@ def events(client: httpx.Client, outcome: str, deployment: str | None = None) ->
     ]
 
 
+def recycle_under_load(client: httpx.Client, what: str, timeout_s: float) -> None:
+    """Recycle the one primary replica under a steady load (level 0, settled first):
+    the recycle completes within ``timeout_s``, no request fails, the replica is gone."""
+    wait_until(lambda: status(client)["level"] == 0, 30, 0.5, "level back to 0")
+    settled(client)  # an earlier test may have left the autoscaler's second replica
+    (rid,) = ids(client, "BallastModel")
+    with SteadyLoad() as load:
+        time.sleep(1.0)
+        r = client.post("/admin/recycle", headers=ADMIN, json={"replica_id": rid})
+        assert r.status_code == 202, r.text
+        wait_until(lambda: rid in {e["replica_id"] for e in events(client, "completed")}, timeout_s, 1.0,
+                   f"the {what} replica recycled")
+        time.sleep(1.0)
+    assert load.statuses and not load.errors, f"{len(load.errors)} failed of {len(load.statuses)}: {load.errors[:5]}"
+    assert rid not in ids(client, "BallastModel")
+
+
 class SteadyLoad:
     """A bounded background stream of small gold requests; records every status."""
 

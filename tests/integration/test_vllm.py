@@ -275,16 +275,6 @@ def test_a_stalled_vllm_replica_is_killed_and_leaves_no_engine_process(http, oai
 
 def test_recycling_the_vllm_replica_under_load_fails_no_request(http):
     # The replacement starts its own engine while the old one drains: no request fails.
-    from test_recycling import SteadyLoad, events, ids, settled
+    from test_recycling import recycle_under_load
 
-    wait_until(lambda: http.get("/v1/status", headers=ADMIN).json()["level"] == 0, 30, 0.5, "level back to 0")
-    settled(http)
-    (rid,) = ids(http, "BallastModel")
-    with SteadyLoad() as load:
-        time.sleep(1.0)
-        r = http.post("/admin/recycle", headers=ADMIN, json={"replica_id": rid})
-        assert r.status_code == 202, r.text
-        wait_until(lambda: rid in {e["replica_id"] for e in events(http, "completed")}, 180, 1.0, "the vLLM replica recycled")
-        time.sleep(1.0)
-    assert load.statuses and not load.errors, f"{len(load.errors)} failed of {len(load.statuses)}: {load.errors[:5]}"
-    assert rid not in ids(http, "BallastModel")
+    recycle_under_load(http, "vLLM", 180)
