@@ -268,7 +268,7 @@ class ClusterLoad:
                         err = r.json()
                         code = err["error"]["code"]
                     except (ValueError, KeyError, TypeError):  # not a router's answer: say what it was
-                        err = {"error": {"message": f"{endpoint}: {r.text[:200]!r}"}}
+                        err = {"error": {"message": f"not a router's answer: {' '.join(r.text[:200].split())}"}}
                         code = "?"
                     return f"http_{r.status_code}_{code}", err
                 if not stream:

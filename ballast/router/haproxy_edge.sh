@@ -6,12 +6,23 @@
 # inserted after the bind line of its http_frontend and the table's backend appended,
 # and the real HAProxy ($BALLAST_HAPROXY_REAL) runs on the copy, as this process.
 #
-# Two changes to how HAProxy treats a router replica it judges down (its node lost or
-# cut off): the sessions it holds there are shut (`on-marked-down shutdown-sessions`),
-# so their clients resend or resume them elsewhere at once instead of waiting out their
-# timeouts, and a health check gets `timeout check 5s` to answer once connected (a
-# check's connect still times out at `inter`: a cut-off node is seen at once, a busy
-# router is not taken for a dead one).
+# Three changes to how HAProxy treats a router replica that goes away (its process
+# killed, its node lost or cut off):
+# - the sessions it holds when HAProxy judges it down are shut (`on-marked-down
+#   shutdown-sessions`), so their clients resend or resume them elsewhere at once
+#   instead of waiting out their timeouts;
+# - a health check gets `timeout check 5s` to answer once connected (a check's connect
+#   still times out at `inter`: a cut-off node is seen at once, a busy router is not
+#   taken for a dead one);
+# - a request it took and closed with nothing answered is sent to another router
+#   (`retry-on ... empty-response`, which needs the whole request in HAProxy's buffer
+#   before it is forwarded: `option http-buffer-request`). Serve retries only a
+#   connection that failed and answers the rest with its 502, rewritten to a plain
+#   "500 Internal Server Error" that no client can tell from a model error. Every
+#   Ballast route may be sent twice: a generation has no side effects, an admin change
+#   sets a state, a keyed request is answered once wherever it lands. A router that
+#   answered anything, an error included, is never asked again; a request larger than
+#   HAProxy's buffer (tune.bufsize, 16 KiB in Serve's config) is not sent again.
 set -eu
 real="${BALLAST_HAPROXY_REAL:?BALLAST_HAPROXY_REAL: the HAProxy binary to run}"
 rules="$(dirname "$0")/haproxy_edge.cfg"
@@ -32,8 +43,9 @@ if ! awk -v rules="$rules" -v dir="$dir" '
                 if (line == "#@backend") { part = 1; continue }
                 if (part == 0) front[n++] = line; else back[m++] = line } }
     /^[ \t]*default-server / { print $0 " on-marked-down shutdown-sessions"; next }
+    /^[ \t]*retry-on / && $0 !~ /empty-response/ { print $0 " empty-response"; next }
     { print }
-    /^defaults/ { print "    timeout check 5s" }
+    /^defaults/ { print "    timeout check 5s"; print "    option http-buffer-request" }
     /^frontend http_frontend/ { infront = 1; next }
     infront && !done && /^[ \t]*bind / { for (i = 0; i < n; i++) print front[i]; done = 1 }
     END { if (!done) { print "haproxy_edge.sh: no bind line in frontend http_frontend" > "/dev/stderr"; exit 3 }
