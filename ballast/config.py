@@ -111,6 +111,11 @@ class ModelConfig(_Strict):
     # vllm only: passed to vLLM's engine as they are (dtype, max_model_len, max_num_seqs,
     # enable_prefix_caching, gpu_memory_utilization, enforce_eager, ...).
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # vllm only: vLLM's tool parser for this model (e.g. hermes, llama3_json, mistral): with
+    # it, tool_choice "auto" (the default when a request gives tools) finds the model's
+    # calls in its answer; without it, "auto" is a 400 and "required" or a named function
+    # still work (guided decoding). Loaded when the router starts.
+    tool_parser: Optional[str] = Field(None, min_length=1)
     # transformers only: the weights' dtype; null is bfloat16 on CUDA, float32 on CPU.
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     # The KV-cache budget of one replica, in tokens: a request joins the batch only while
@@ -153,6 +158,8 @@ class ModelConfig(_Strict):
             raise ValueError("path and dtype are for backends 'transformers' and 'vllm' (the builtin model uses checkpoint_path)")
         if self.engine_kwargs and self.backend != "vllm":
             raise ValueError("engine_kwargs are vLLM's (backend 'vllm')")
+        if self.tool_parser is not None and self.backend != "vllm":
+            raise ValueError("tool_parser is vLLM's (backend 'vllm'); the other engines do not call tools")
         return self
 
 

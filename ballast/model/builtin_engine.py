@@ -480,8 +480,9 @@ class TorchDecoderBackend:
     def check(self, sampling: Any) -> None:
         """Nothing to refuse here: the router refuses what this engine cannot honour."""
 
-    def stream_decoder(self) -> ByteStreamDecoder:
-        """Text for a row's ids, piece by piece (the replica holds one per request)."""
+    def stream_decoder(self, keep_special_tokens: bool = False) -> ByteStreamDecoder:
+        """Text for a row's ids, piece by piece (the replica holds one per request); bytes
+        have no special tokens to keep."""
         return ByteStreamDecoder()
 
     def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:

@@ -48,11 +48,21 @@ CORPUS = (
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
 # Jinja, in the shape real templates have: bos once, a role marker per message,
-# eos after each turn, and the assistant marker when a reply is asked for.
+# eos after each turn, and the assistant marker when a reply is asked for. Tools as
+# Hermes-style templates (Qwen2.5, Hermes 2 Pro) show them, so that vLLM's ``hermes``
+# tool parser reads the calls: the tools listed in a system turn first, an assistant's
+# calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a tool's result
+# as a turn of role tool. Without tools the text is what it always was.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}<|system|>\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>{{ eos_token }}\n{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "<|{{ message['role'] }}|>\n{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}{% endif %}"
+    "{{ eos_token }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )

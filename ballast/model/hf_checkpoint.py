@@ -40,7 +40,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ballast.model.engine import ModelLoadError
 
@@ -550,8 +550,10 @@ def _file_holding(info: CheckpointInfo, tensor: str) -> Path:
 # ------------------------------------------------------------------------ text side
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str:
-    """The prompt text for ``messages``, through the tokenizer's chat template.
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                tools: Optional[Sequence[Mapping[str, Any]]] = None) -> str:
+    """The prompt text for ``messages`` (and the ``tools`` the model may call, when
+    given), through the tokenizer's chat template.
 
     The generation prompt (the assistant's turn header) is appended. The text
     already holds the template's special tokens (a bos, turn markers), so count
@@ -567,7 +569,8 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str:
             "has no chat template, so chat messages cannot be turned into a prompt",
         )
     try:
-        text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                             tokenize=False, add_generation_prompt=True)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
         raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
     if not isinstance(text, str):  # a batch of conversations was passed

@@ -74,6 +74,10 @@ class RowSampling:
     # vLLM's only, as repetition_penalty: the answer is JSON following this JSON Schema
     # (its text), by the engine's guided decoding.
     json_schema: Optional[str] = None
+    json_schema_of: str = "response_format"  # the request field it came from (or "tools"), for a refusal
+    # vLLM's only, as json_schema: the answer's text keeps the special tokens (a tool
+    # parser looks for its markers among them).
+    keep_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -103,6 +107,8 @@ class RowSampling:
             ignore_eos=bool(req.get("ignore_eos")),
             repetition_penalty=float(req.get("repetition_penalty") or 1.0),
             json_schema=req.get("json_schema"),
+            json_schema_of=str(req.get("json_schema_of") or "response_format"),
+            keep_special_tokens=bool(req.get("keep_special_tokens")),
         )
 
 
@@ -122,14 +128,15 @@ class IncrementalDetokenizer:
 
     WINDOW = 6  # ids of context kept before the unread ones (spacing, merges)
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # ids[prefix:read] were emitted and give the context
         self._read = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
 
     def feed(self, ids: Sequence[int], final: bool = False) -> str:
         self._ids.extend(int(i) for i in ids)
@@ -211,8 +218,8 @@ class HFBackend:
     def check(self, sampling: Any) -> None:
         """Nothing to refuse here: the router refuses what this engine cannot honour."""
 
-    def stream_decoder(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer)
+    def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special_tokens)
 
     # ------------------------------------------------------------------ batches
 

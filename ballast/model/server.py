@@ -483,7 +483,7 @@ class ModelServer:
             max_tokens,
             enqueued_at_s=now,
             deadline_s=deadline_s,
-            decoder=self._backend.stream_decoder(),
+            decoder=self._backend.stream_decoder(keep_special_tokens=bool(sampling and sampling.keep_special_tokens)),
             sampling=sampling,
             stops=StopScanner(req["stop"]) if req.get("stop") else None,
             key=self._next_key,
@@ -617,7 +617,7 @@ def _sampling(req: dict[str, Any]) -> Any:
     (the built-in model ignores sampling and decodes greedily; it has no end of sequence,
     so ``ignore_eos`` and ``min_tokens`` hold on it by themselves)."""
     if all(not req.get(k) for k in ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "repetition_penalty",
-                                    "json_schema")) \
+                                    "json_schema", "keep_special_tokens")) \
             and req.get("seed") is None:
         return None
     from ballast.model.hf_engine import RowSampling

@@ -322,8 +322,8 @@ class VLLMBackend:
         return fit_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
     def check(self, sampling: Optional[RowSampling]) -> None:
-        """vLLM's own validation of the request (a ``response_format`` schema its guided
-        decoding cannot compile, say), run here so that the request fails alone: a row
+        """vLLM's own validation of the request (a ``response_format`` schema, or a forced
+        tool call's, that its guided decoding cannot compile, say), run here so that the request fails alone: a row
         vLLM refuses once it is in the batch fails the batch."""
         from vllm.exceptions import VLLMClientError
 
@@ -335,10 +335,11 @@ class VLLMBackend:
                 cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, self._llm.tokenizer
             )
         except (VLLMClientError, ValueError) as e:
-            raise EngineRefused(f"response_format: vLLM refuses it: {e}", field="response_format") from None
+            field = sampling.json_schema_of
+            raise EngineRefused(f"{field}: vLLM refuses the JSON schema: {e}", field=field) from None
 
-    def stream_decoder(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer)
+    def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special_tokens)
 
     # ------------------------------------------------------------------ engine side
 

@@ -1,8 +1,9 @@
 """What an engine honours of a call to the model, beyond what every engine does.
 
 A call (``/v1/generate``'s or the OpenAI fronts' body as the replica gets it) may carry
-fields only some engines honour: ``repetition_penalty`` and ``json_schema`` (from
-``response_format``) only vLLM's. The router's fronts refuse them for a primary engine
+fields only some engines honour: ``repetition_penalty``, ``json_schema`` (from
+``response_format`` and forced tool calls) and ``keep_special_tokens`` (tool_choice
+"auto") only vLLM's. The router's fronts refuse them for a primary engine
 that cannot honour them (``ballast.router.openai_api.ENGINE_LIMITS``, by request field);
 the resilient caller keeps a call off any backend whose engine would ignore them, so a
 fallback model never answers a JSON-schema request with free text.
@@ -17,6 +18,7 @@ from typing import Any, Mapping
 ENGINE_ONLY_FIELDS: Mapping[str, frozenset[str]] = {
     "repetition_penalty": frozenset({"vllm"}),
     "json_schema": frozenset({"vllm"}),
+    "keep_special_tokens": frozenset({"vllm"}),  # tool_choice "auto": the tool parser reads them
 }
 
 

@@ -35,6 +35,9 @@ from ballast.stops import StopScanner, cut_at_stop
 from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_body
 from ballast.router.pipeline import Admission, Answer, ModelRequest, Pipeline, Stream
 from ballast.router.tokens import ModelText
+from ballast.router.tool_calls import ToolPlan, ToolRequestError, plan
+
+NO_TOOLS = ToolPlan("none")
 
 
 Parsed = Union[oa.ChatCompletionRequest, oa.CompletionRequest]
@@ -61,7 +64,8 @@ class OpenAIFront:
         """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``."""
         caller = self._pipeline.identify(request)
         req = await self._parse(request, chat)
-        prompt = self._text.render_chat(req.messages) if chat else req.prompt
+        tools = self._tool_plan(req) if isinstance(req, oa.ChatCompletionRequest) else NO_TOOLS
+        prompt = self._text.render_chat(req.messages, tools.template_tools()) if chat else req.prompt
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
@@ -70,13 +74,15 @@ class OpenAIFront:
         max_tokens = self._text.fit(prompt_tokens, oa.max_tokens_of(req))
         stops = oa.stops_of(req)
         served = await self._pipeline.serve(ModelRequest(caller, claimed, prompt_tokens, max_tokens, req.stream,
-                                                         self._call(req, prompt, chat, stops)))
+                                                         self._call(req, prompt, chat, stops, tools)))
         answer_id = oa.Identity(oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()))
         opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
         if isinstance(served, Stream):
-            return StreamResponse(self._events(served, chat, answer_id, stops, opts), served, headers)
-        return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers)
+            events = (self._tool_events(served, chat, answer_id, stops, opts, tools) if tools.may_call
+                      else self._events(served, chat, answer_id, stops, opts))
+            return StreamResponse(events, served, headers)
+        return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers, tools)
 
     async def _parse(self, request: Request, chat: bool) -> Parsed:
         raw = await read_body(request, self._limits.max_body_bytes)
@@ -94,14 +100,31 @@ class OpenAIFront:
             raise oa.BadRequest(f"{field}: must be <= {self._limits.max_tokens_limit}", field=field)
         return req
 
+    def _tool_plan(self, req: oa.ChatCompletionRequest) -> ToolPlan:
+        """What the request asks of tools (ballast.router.tool_calls); 400 naming the field
+        where it cannot be served."""
+        try:
+            tools = plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._text.tool_parser)
+        except ToolRequestError as e:
+            raise oa.BadRequest(str(e), field=e.field) from None
+        if tools.schema is not None and req.response_format is not None:
+            raise oa.BadRequest("response_format: a forced tool call's answer is its arguments' JSON; "
+                                "leave response_format out", field="response_format")
+        return tools
+
     @staticmethod
-    def _call(req: Parsed, prompt: str, chat: bool, stops: tuple[str, ...]) -> dict[str, Any]:
+    def _call(req: Parsed, prompt: str, chat: bool, stops: tuple[str, ...], tools: ToolPlan) -> dict[str, Any]:
         call: dict[str, Any] = {"prompt": prompt}
         if chat:
             call["add_special_tokens"] = False
         if stops:
             call["stop"] = list(stops)  # the model ends the row there; the front cuts too
         call.update(oa.sampling_fields(req))
+        if tools.schema is not None:  # a forced call: its arguments by guided decoding
+            call["json_schema"] = json.dumps(tools.schema, separators=(",", ":"))
+            call["json_schema_of"] = "tools"
+        elif tools.mode == "auto":
+            call["keep_special_tokens"] = True  # the tool parser reads the model's markers
         return call
 
     @staticmethod
@@ -113,20 +136,49 @@ class OpenAIFront:
 
     @staticmethod
     def _answer(answer: Answer, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...],
-                stream: Optional["oa.Streaming"], headers: dict[str, str]) -> Response:
+                stream: Optional["oa.Streaming"], headers: dict[str, str], tools: ToolPlan) -> Response:
         """A unary answer; or, asked as a stream at a level that does not stream, the
         whole answer as one stream event."""
         text, stopped = cut_at_stop(answer.text, stops)
         a = answer.admission
         finish = oa.finish_reason(answer.tokens, a.max_tokens, stopped or answer.finish_reason == "stop")
+        content, calls = tools.answer(text)
+        finish = tools.finish(calls, finish)
         headers = {**headers, **answer_headers(answer)}
         ident = answer_id.of(answer.model)
         counts = oa.Counts(a.prompt_tokens, answer.tokens)
         if stream is None:
-            build = oa.chat_completion if chat else oa.completion
-            return JSONResponse(build(ident, text, finish, counts), headers=headers)
-        events = oa.one_event_stream(ident, chat, text, finish, counts, stream)
+            body = oa.chat_completion(ident, content, finish, counts, calls) if chat else oa.completion(ident, text, finish, counts)
+            return JSONResponse(body, headers=headers)
+        events = oa.one_event_stream(ident, chat, content, finish, counts, stream, calls)
         return Response(events, media_type="text/event-stream", headers=headers)
+
+    async def _tool_events(
+        self, stream: Stream, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], opts: "oa.Streaming",
+        tools: ToolPlan,
+    ) -> AsyncGenerator[bytes, None]:
+        """A stream that may call tools: sent whole when the model has finished (its content,
+        each call, the finish), since its calls are known only from the whole text."""
+        scanner = StopScanner(stops)
+        parts: list[str] = []
+        try:
+            async for part in stream:
+                parts.append(scanner.feed(part["text"]))
+                if scanner.stopped:
+                    stream.enough()
+                    break
+            parts.append(scanner.finish())
+            content, calls = tools.answer("".join(parts))
+            a = stream.admission
+            finish = tools.finish(calls, oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop"))
+            counts = oa.Counts(a.prompt_tokens, stream.tokens)
+            yield oa.one_event_stream(answer_id.of(stream.model), chat, content, finish, counts, opts, calls)
+            return
+        except BallastError as err:
+            yield oa.sse_data(oa.openai_error_body(err))
+        finally:
+            await stream.aclose()  # a client that left: the model stops within a step
+        yield oa.SSE_DONE
 
     async def _events(
         self, stream: Stream, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], opts: "oa.Streaming"

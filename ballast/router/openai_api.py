@@ -9,8 +9,9 @@ same pipeline as ``/v1/generate``, and build their answers from the response mod
 below (the ones ``/openapi.json`` publishes).
 
 Requests. A field Ballast does not serve is refused with 400 naming it, never
-ignored: a client that sends ``tools`` or ``logprobs`` expects their effect, and an
-answer without it would look like the model's fault. A field set to its neutral value
+ignored: a client that sends ``logprobs`` (or ``tools`` to an engine without tool
+calling) expects their effect, and an answer without it would look like the model's
+fault. A field set to its neutral value
 (``logprobs: false``, ``presence_penalty: 0``, any field ``null``) asks for nothing and
 passes. Unknown fields (typos) are refused too.
 
@@ -55,6 +56,7 @@ from pydantic_core import PydanticCustomError
 
 from ballast.policies.criticality import Criticality
 from ballast.errors import BallastError, InvalidRequest, NotFound
+from ballast.router.tool_calls import ToolCall, ToolCallDelta, ToolChoice, ToolSpec
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -62,11 +64,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 # for nothing (None: only absent or null). One table for both endpoints: a field of
 # the other endpoint is refused just as clearly.
 _UNSUPPORTED: dict[str, Any] = {
-    "tools": None,
-    "tool_choice": None,
     "functions": None,
     "function_call": None,
-    "parallel_tool_calls": None,
     "logprobs": False,
     "top_logprobs": None,
     "logit_bias": None,
@@ -138,7 +137,7 @@ _ONE_STOP, _STOPS = TypeAdapter(_STOP), TypeAdapter(_STOP_LIST)
 
 def _join_text_parts(value: Any) -> Any:
     """A list of text parts becomes their joined text."""
-    if isinstance(value, str):
+    if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
         return "".join(part.text for part in _TEXT_PARTS.validate_python(value))
@@ -165,25 +164,42 @@ def _stop_value(value: Any) -> Any:
 
 
 class ChatMessage(_Strict):
-    """One message of the conversation. After validation ``content`` is always a str."""
+    """One message of the conversation. After validation ``content`` is a str, or None
+    in an assistant message that only calls tools."""
 
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="Who speaks; 'developer' is treated as 'system'. Tool and function roles are not served."
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="Who speaks; 'developer' is treated as 'system'; 'tool' is a tool's result "
+        "(the vLLM engine). The deprecated 'function' role is not served."
     )
-    content: Annotated[Union[str, list[TextPart]], BeforeValidator(_join_text_parts)] = Field(
-        description="The text, or a list of text parts (joined)."
+    content: Annotated[Union[str, list[TextPart], None], BeforeValidator(_join_text_parts)] = Field(
+        None, description="The text, or a list of text parts (joined); may be null in an assistant message with tool_calls."
     )
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's calls of tools.")
+    tool_call_id: Optional[str] = Field(None, min_length=1, description="A tool message's call, answered.")
 
     @field_validator("role", mode="before")
     @classmethod
-    def _no_tools(cls, v: Any) -> Any:
-        if v in ("tool", "function"):
-            raise PydanticCustomError(
-                "role_tool",
-                "role {role} is not served (no tool calling); use system, developer, user or assistant",
-                {"role": repr(v)},
-            )
+    def _no_function_role(cls, v: Any) -> Any:
+        if v == "function":
+            raise PydanticCustomError("role_function", "role 'function' is not served (deprecated); use 'tool'")
         return v
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self) -> "ChatMessage":
+        # "field" names the field at fault: the error's path ends there (``_parse``).
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("role_field", "tool_calls are an assistant message's", {"field": "tool_calls"})
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise PydanticCustomError("role_field", "a tool message has a tool_call_id, and only a tool message",
+                                      {"field": "tool_call_id"})
+        if self.content is None and not self.tool_calls:
+            raise PydanticCustomError("role_field", "must be a string or a list of text parts (null only in an "
+                                      "assistant message with tool_calls)", {"field": "content"})
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        return self.role == "tool" or bool(self.tool_calls)
 
 
 class StreamOptions(_Strict):
@@ -277,6 +293,13 @@ class ChatCompletionRequest(_Sampling):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far, oldest first.")
+    tools: Optional[list[ToolSpec]] = Field(
+        None, max_length=128, description="Functions the model may call (the vLLM engine; ballast.router.tool_calls)."
+    )
+    tool_choice: Optional[ToolChoice] = Field(
+        None, description="'none', 'auto' (the default with tools; needs model.tool_parser), 'required', or a named function."
+    )
+    parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call with 'required'.")
     max_completion_tokens: Optional[int] = Field(
         None, ge=1, description="The newer name of max_tokens; both given, they must agree."
     )
@@ -319,7 +342,8 @@ def _parse(model: type[_Sampling], data: Any) -> Any:
         req = model.model_validate(_served_fields(data))
     except ValidationError as e:
         first = e.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or "body"
+        loc = (*first["loc"], first["ctx"]["field"]) if first["type"] == "role_field" else first["loc"]
+        field = ".".join(str(p) for p in loc) or "body"
         reason = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
         raise BadRequest(f"{field}: {reason}", field=field) from None
     most = max_tokens_of(req)
@@ -333,18 +357,25 @@ def _parse(model: type[_Sampling], data: Any) -> Any:
 #: neutral (it asks for nothing). Every engine honours the rest of the request. The
 #: same knowledge by call field, for the fallback: ``ballast.policies.engines``.
 ENGINE_LIMITS: dict[str, dict[str, Any]] = {
-    "builtin": {"repetition_penalty": 1.0, "response_format": None},
-    "transformers": {"repetition_penalty": 1.0, "response_format": None},
+    "builtin": {"repetition_penalty": 1.0, "response_format": None, "tools": None},
+    "transformers": {"repetition_penalty": 1.0, "response_format": None, "tools": None},
 }
 
 
 def refuse_unhonoured(req: _Sampling, engine: str) -> None:
-    """400 naming the first field ``req`` asks of an engine that cannot honour it."""
-    for name, neutral in ENGINE_LIMITS.get(engine, {}).items():
-        value = getattr(req, name)
+    """400 naming the first field ``req`` asks of an engine that cannot honour it (tool
+    calls and results in the messages are asked of the engine that calls tools)."""
+    limits = ENGINE_LIMITS.get(engine, {})
+    for name, neutral in limits.items():
+        value = getattr(req, name, None)
         if value is not None and value != neutral:
             allowed = "leave it out" if neutral is None else f"leave it out or send {neutral}"
             raise BadRequest(f"{name}: not honoured by the {engine!r} engine; {allowed}", field=name)
+    if "tools" in limits and isinstance(req, ChatCompletionRequest):
+        for i, m in enumerate(req.messages):
+            if m.calls_tools:
+                field = f"messages.{i}.{'role' if m.role == 'tool' else 'tool_calls'}"
+                raise BadRequest(f"{field}: tool calls and results are not honoured by the {engine!r} engine", field=field)
 
 
 def sampling_fields(req: _Sampling) -> dict[str, Any]:
@@ -412,14 +443,18 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str] = Field(description="The text; null when the answer only calls tools.")
     refusal: None = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="The tools the model calls, when it calls any.")
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     logprobs: None = None
 
 
@@ -437,12 +472,13 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
-    finish_reason: Optional[Literal["stop", "length"]]
+    finish_reason: Optional[FinishReason]
     logprobs: None = None
 
 
@@ -544,8 +580,9 @@ class Counts(NamedTuple):
         return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
-def chat_completion(ident: Ident, text: str, finish: str, counts: Counts) -> dict[str, Any]:
-    message = AssistantMessage(role="assistant", content=text, refusal=None)
+def chat_completion(ident: Ident, text: Optional[str], finish: str, counts: Counts,
+                    calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+    message = AssistantMessage(role="assistant", content=text, refusal=None, **({"tool_calls": list(calls)} if calls else {}))
     choice = ChatChoice(index=0, message=message, finish_reason=finish, logprobs=None)
     return _dump(ChatCompletion(**ident._asdict(), object="chat.completion", choices=[choice], usage=counts.usage()))
 
@@ -592,12 +629,23 @@ def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> Union[ChatCompletio
                  choices=[], usage=counts.usage())
 
 
-def one_event_stream(ident: Ident, chat: bool, text: str, finish: str, counts: Counts, opts: Streaming) -> bytes:
-    """A unary answer as a stream: its text in one event, the finish, the usage (when
-    asked for), [DONE]."""
+def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Optional[Counts] = None) -> ChatCompletionChunk:
+    """A streamed chat event carrying the answer's tool calls, each whole."""
+    deltas = [ToolCallDelta(index=i, id=c.id, type=c.type, function=c.function) for i, c in enumerate(calls)]
+    choice = ChunkChoice(index=0, delta=ChunkDelta(tool_calls=deltas), finish_reason=None, logprobs=None)
+    fields: dict[str, Any] = {} if usage is None else {"usage": usage.usage()}
+    return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice], **fields)
+
+
+def one_event_stream(ident: Ident, chat: bool, text: Optional[str], finish: str, counts: Counts, opts: Streaming,
+                     calls: Sequence[ToolCall] = ()) -> bytes:
+    """A whole answer as a stream: its text in one event, its tool calls in the next
+    (when it calls any), the finish, the usage (when asked for), [DONE]."""
     running = counts if opts.running_usage else None
-    events: list[BaseModel] = [stream_chunk(ident, chat, text, role=True, usage=running),
-                               stream_chunk(ident, chat, None, finish, usage=running)]
+    events: list[BaseModel] = [stream_chunk(ident, chat, text or "", role=True, usage=running)]
+    if calls:
+        events.append(tool_calls_chunk(ident, calls, running))
+    events.append(stream_chunk(ident, chat, None, finish, usage=running))
     if opts.final_usage:
         events.append(usage_chunk(ident, chat, counts))
     return b"".join(sse_data(e) for e in events) + SSE_DONE

@@ -18,6 +18,7 @@ counted and encoded without adding more (``add_special_tokens`` False in the cal
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional, Sequence
 
 from ballast.policies import request as request_policy
@@ -37,7 +38,11 @@ class ModelText:
         self.context = context
         self.vocab_size = vocab_size  # token ids a resumed stream may carry are below it
 
-    def render_chat(self, messages: Sequence[Any]) -> str:
+    tool_parser: Optional[Any] = None  # the model's tool parser (ballast.router.tool_calls), vLLM's only
+
+    def render_chat(self, messages: Sequence[Any], tools: Optional[list[dict[str, Any]]] = None) -> str:
+        """The prompt for ``messages``; ``tools`` (None here: the built-in template shows
+        none, and the fronts refuse them for this engine)."""
         from ballast.router.openai_api import render_chat
 
         return render_chat(messages)
@@ -60,22 +65,25 @@ class TokenizerText(ModelText):
 
     strict = True
 
-    def __init__(self, path: str, context: Optional[int] = None) -> None:
+    def __init__(self, path: str, context: Optional[int] = None, tool_parser: Optional[str] = None) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer
 
         tokenizer, info = load_tokenizer(path)
         super().__init__(min(context or info.context_length, info.context_length), info.vocab_size)
         self._tokenizer = tokenizer
+        if tool_parser is not None:
+            from ballast.router.tool_calls import ToolParser
 
-    def render_chat(self, messages: Sequence[Any]) -> str:
+            self.tool_parser = ToolParser(tool_parser, tokenizer)
+
+    def render_chat(self, messages: Sequence[Any], tools: Optional[list[dict[str, Any]]] = None) -> str:
         from ballast.model.hf_checkpoint import ChatTemplateError, render_chat
         from ballast.router.openai_api import BadRequest
 
         if not getattr(self._tokenizer, "chat_template", None):  # a base model: completions only
             raise BadRequest("this model has no chat template; send a prompt to /v1/completions", field="messages")
-        turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in messages]
         try:
-            return render_chat(self._tokenizer, turns)
+            return render_chat(self._tokenizer, [_turn(m) for m in messages], tools)
         except ChatTemplateError as e:
             raise BadRequest(f"messages: {e.reason}", field="messages") from None
 
@@ -83,10 +91,31 @@ class TokenizerText(ModelText):
         return len(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
 
+def _turn(m: Any) -> dict[str, Any]:
+    """A message as chat templates take it: developer as system; a tool call's arguments
+    as a mapping (templates write them out; the request carries JSON text), as vLLM
+    passes them."""
+    turn: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+    if m.tool_calls:
+        turn["tool_calls"] = [{"id": c.id, "type": c.type,
+                               "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                              for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        turn["tool_call_id"] = m.tool_call_id
+    return turn
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template gets the text as it came
+
+
 def model_text(m: ModelConfig) -> ModelText:
     """The router's view of the model ``m`` names (its tokenizer is loaded here, at start)."""
     if m.backend in ("transformers", "vllm"):
         assert m.path is not None  # the config's validator
         # vLLM serves at most its max_model_len, which may be shorter than the model's.
-        return TokenizerText(m.path, m.engine_kwargs.get("max_model_len"))
+        return TokenizerText(m.path, m.engine_kwargs.get("max_model_len"), m.tool_parser)
     return ModelText(m.architecture.max_seq_len)

@@ -7,13 +7,15 @@ endpoint and the official ``openai`` client: usage in the model's tokens through
 chat template, unary and streamed answers, stop strings, seeded answers that repeat,
 a 400 past the context, vLLM's own sampling extensions, JSON that follows a
 ``response_format`` schema (and a schema vLLM refuses: a 400 that costs the model
-nothing), a client that leaves freeing the engine's slot, shedding under overload with
+nothing), tool calls (a named function and "required" by guided decoding, "auto"
+through vLLM's hermes parser, a tool's result sent back), a client that leaves freeing the engine's slot, shedding under overload with
 critical whole, a stalled replica killed with its engine's processes, and a recycle
 under load.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
@@ -47,9 +49,9 @@ def vllm_stack(ballast, tmp_path_factory):
     # vLLM's engine core and its worker) over 2 GB together, where the suite's limit is
     # sized for one process of the built-in engine.
     over = {"deployments": {"model": {"max_replicas": 1}}, "watchdog": {"rss_limit_mb": 6000},
-            "model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8,
+            "model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8, "tool_parser": "hermes",
                       # the KV cache: Ballast's CPU default; compact guided JSON, so that random weights end it
-                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 256,
+                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 512,
                                         "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}}}
     _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)
     try:
@@ -125,8 +127,8 @@ def test_vllms_extensions_are_honoured(oai):
 
 def test_past_the_context_is_a_400_before_any_work(oai):
     with pytest.raises(openai.BadRequestError) as e:
-        oai.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=255)
-    assert e.value.code == "CONTEXT_LENGTH_EXCEEDED" and "context is 256 tokens" in e.value.message
+        oai.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=511)
+    assert e.value.code == "CONTEXT_LENGTH_EXCEEDED" and "context is 512 tokens" in e.value.message
 
 
 VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}},
@@ -167,6 +169,61 @@ def test_a_schema_the_engine_refuses_is_a_400_that_costs_the_model_nothing(oai, 
     assert model_failures() == before  # no retry, no breaker failure: the request, not the model
     ok = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
     assert ok.usage.completion_tokens >= 1
+
+
+# Small (the test tokenizer spends a token on most JSON characters: two tools make a
+# prompt of 438 tokens of the 512), with values from enums and a boolean, so that random
+# weights end the arguments within max_tokens.
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "metric": {"type": "boolean"}},
+    "required": ["city", "metric"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _weather_args(arguments: str) -> None:
+    value = json.loads(arguments)
+    assert set(value) == {"city", "metric"} and value["city"] in ("Paris", "Oslo") and isinstance(value["metric"], bool)
+
+
+def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(oai):
+    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=64, temperature=1.0, seed=2,
+                                    tool_choice={"type": "function", "function": {"name": "weather"}})
+    message = r.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    _weather_args(call.function.arguments)
+    assert r.choices[0].finish_reason == "stop"  # OpenAI's finish for a forced call
+
+
+def test_required_tool_calls_stream_whole_and_end_with_tool_calls(oai):
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                              parallel_tool_calls=False, max_tokens=64, temperature=1.0, seed=4,
+                                              stream=True, stream_options={"include_usage": True}))
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name in ("weather", "time")
+    args = json.loads(calls[0].function.arguments)
+    assert set(args) == ({"city", "metric"} if calls[0].function.name == "weather" else {"zone"})
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens >= 1
+
+
+def test_a_tools_result_goes_back_to_the_model_and_auto_answers_through_the_parser(oai, tok):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris", "metric": true}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "20 degrees and sunny"},
+    ]
+    # tool_choice auto (the default): vLLM's hermes parser reads the answer; random
+    # weights write no call, so the answer is its text.
+    r = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=8)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    turns = copy.deepcopy(messages)
+    turns[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris", "metric": True}  # as vLLM hands them to templates
+    rendered = tok.apply_chat_template(turns, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))  # the template saw it all
 
 
 def test_a_client_that_leaves_frees_its_slot_in_the_engine(http):

@@ -47,11 +47,8 @@ def completion_error(**fields) -> oa.BadRequest:
 
 # A value that asks for the field's effect, for every field Ballast does not serve.
 ASKING = {
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto",
     "functions": [{"name": "f"}],
     "function_call": "auto",
-    "parallel_tool_calls": True,
     "logprobs": True,
     "top_logprobs": 2,
     "logit_bias": {"50256": -100},
@@ -83,7 +80,7 @@ def test_an_unsupported_field_is_refused_with_its_name(name):
 
 
 def test_an_unsupported_field_at_its_neutral_value_or_null_asks_for_nothing():
-    neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "store": False, "tools": None}
+    neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "store": False, "functions": None}
     req = oa.parse_chat({**CHAT, **neutral})
     assert req.messages[0].content == "hi"
     assert oa.parse_completion({**COMPLETION, "best_of": 1, "echo": False, "suffix": None}).prompt == "once upon"
@@ -211,15 +208,12 @@ def test_message_parts_are_joined():
     assert req.messages[0].content == "Hello, world"
 
 
-def test_tool_and_function_roles_are_refused_at_the_role():
-    err = chat_error(messages=[{"role": "tool", "content": "42", "tool_call_id": "call_1"}])
+def test_the_function_role_is_refused_at_the_role():
+    err = chat_error(messages=[{"role": "function", "content": "42"}])
     assert err.field == "messages.0.role"
-    assert err.message == (
-        "messages.0.role: role 'tool' is not served (no tool calling); use system, developer, user or assistant"
-    )
-    assert chat_error(messages=[{"role": "function", "content": "42", "name": "f"}]).field == "messages.0.role"
+    assert err.message == "messages.0.role: role 'function' is not served (deprecated); use 'tool'"
     err = chat_error(messages=[{"role": "robot", "content": "x"}])
-    assert err.message == "messages.0.role: Input should be 'system', 'developer', 'user' or 'assistant'"
+    assert err.message == "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'"
 
 
 def test_a_part_that_is_not_text_is_refused_at_its_type():
@@ -231,7 +225,7 @@ def test_a_part_that_is_not_text_is_refused_at_its_type():
     err = chat_error(messages=[{"role": "assistant", "content": None}])
     assert (err.field, err.message) == (
         "messages.0.content",
-        "messages.0.content: must be a string or a list of text parts",
+        "messages.0.content: must be a string or a list of text parts (null only in an assistant message with tool_calls)",
     )
 
 
@@ -249,7 +243,7 @@ def test_every_request_field_is_described_for_the_openapi_document():
         undescribed = [name for name, prop in schema["properties"].items() if not prop.get("description")]
         assert undescribed == [], model.__name__
     content = oa.ChatMessage.model_json_schema()["properties"]["content"]
-    assert [branch.get("type") for branch in content["anyOf"]] == ["string", "array"]
+    assert [branch.get("type") for branch in content["anyOf"]] == ["string", "array", "null"]
 
 
 # ---------------------------------------------------------------------------- template

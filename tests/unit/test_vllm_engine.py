@@ -240,10 +240,14 @@ def test_a_json_schema_guides_the_answer_to_json_that_follows_it(backend):
 
 
 def test_a_schema_vllm_cannot_compile_is_refused_before_the_batch(backend):
+    schema = json.dumps({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]})
     with pytest.raises(EngineRefused) as e:
         # vLLM knows its xgrammar backend does not serve a multi-branch allOf
-        backend.check(RowSampling(json_schema=json.dumps({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]})))
+        backend.check(RowSampling(json_schema=schema))
     assert e.value.field == "response_format" and e.value.status == 400
+    with pytest.raises(EngineRefused) as e:  # a forced tool call's schema: the refusal names tools
+        backend.check(RowSampling(json_schema=schema, json_schema_of="tools"))
+    assert e.value.field == "tools" and e.value.message.startswith("tools: vLLM refuses the JSON schema")
     backend.check(None)
     backend.check(LONG)  # nothing to refuse
 
