@@ -155,9 +155,12 @@ class GracefulStack:
     def __init__(self, sustained: float, short_s: float, short_bonus: float) -> None:
         self.sustained, self.short_s, self.short_bonus = sustained, short_s, short_bonus
         self.calls: list[tuple[str, float]] = []
+        self.long_rates: list[float] = []  # the rates offered over more than a short probe
 
     async def probe(self, rate: float, seconds: float, index: int) -> float:
         self.calls.append(("probe", seconds))
+        if seconds > self.short_s:
+            self.long_rates.append(rate)
         served = self.sustained * (self.short_bonus if seconds <= self.short_s else 1.0)
         return min(1.0, served / rate)
 
@@ -186,7 +189,9 @@ def test_capacity_that_no_long_probe_confirms_is_an_error():
     stack = GracefulStack(sustained=10.0, short_s=8.0, short_bonus=6.0)  # short probes read 6x what it serves
     with pytest.raises(RuntimeError, match="no rung kept 90 % over 20 s"):
         asyncio.run(measure_capacity(stack.probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
-    assert [c for c in stack.calls if c == ("probe", 20.0)] == [("probe", 20.0)] * 3
+    # Every rung the ladder passed (25.5 to 63.1 req/s) was tried over 20 s, from the top
+    # down to the ladder's first, and no lower.
+    assert [round(r, 1) for r in stack.long_rates] == [round(25.5 * 1.12 ** i, 1) for i in range(8, -1, -1)]
     with pytest.raises(RuntimeError, match="even 25.5 req/s misses the SLO"):
         asyncio.run(measure_capacity(GracefulStack(10.0, 8.0, 1.0).probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
 
