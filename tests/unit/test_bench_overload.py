@@ -295,10 +295,18 @@ def test_the_vllm_stacks_send_greedy_completions_to_their_openai_routes():
     assert not stacks["ballast"].completions and not stacks["plain"].completions
 
 
-def test_the_vllm_stacks_run_after_the_others_unless_left_out():
+def a_model_dir(tmp_path) -> list[str]:
+    """``--vllm-model`` naming a directory the check accepts (a config.json): a clean
+    clone has no models/demo until ``make demo-model``."""
+    (tmp_path / "config.json").write_text("{}")
+    return ["--vllm-model", str(tmp_path)]
+
+
+def test_the_vllm_stacks_run_after_the_others_unless_left_out(tmp_path):
     from loadtest.bench_overload import parse_settings, sessions
 
-    s = parse_settings([])
+    model = a_model_dir(tmp_path)
+    s = parse_settings(model)
     assert s.names == ["plain", "plain-bounded", "ballast", "llm", "llm-bounded", "ballast-vllm"] and s.vllm
     assert sessions(s.names) == [("plain", ["plain", "plain-bounded"]), ("ballast", ["ballast"]),
                                  ("llm", ["llm", "llm-bounded"]), ("ballast-vllm", ["ballast-vllm"])]
@@ -306,7 +314,7 @@ def test_the_vllm_stacks_run_after_the_others_unless_left_out():
     assert s.names == ["plain", "plain-bounded", "ballast", "ballast+sdk"] and not s.vllm
     assert sessions(s.names) == [("plain", ["plain", "plain-bounded"]), ("ballast", ["ballast", "ballast+sdk"])]
     for name, session in (("llm-bounded", "llm"), ("ballast-vllm", "ballast-vllm"), ("plain", "plain")):
-        s = parse_settings(["--only", name])
+        s = parse_settings(["--only", name, *model])
         assert s.names == [name] and sessions(s.names) == [(session, [name])]
         assert s.vllm == (name != "plain")
 
@@ -322,7 +330,9 @@ def test_the_vllm_flags_are_checked_before_anything_starts(tmp_path, capsys):
         parse_settings(["--llm-queue-factor", "0"])
     with pytest.raises(SystemExit):
         parse_settings(["--only", "vllm"])
-    assert parse_settings(["--only", "llm-bounded", "--llm-queue-factor", "0.5"]).args.llm_queue_factor == 0.5
+    (tmp_path / "m").mkdir()
+    model = a_model_dir(tmp_path / "m")
+    assert parse_settings(["--only", "llm-bounded", "--llm-queue-factor", "0.5", *model]).args.llm_queue_factor == 0.5
 
 
 def test_llm_bounded_queues_a_fixed_share_of_what_the_engine_serves_in_one_slo():
@@ -396,10 +406,10 @@ def test_ballast_on_vllm_is_judged_on_goodput_critical_plus_and_against_plain_ll
     assert ahead not in {w for w, _, _ in check_vllm_targets(ours, MULTIPLES, DEFAULT_MIX)}
 
 
-def test_the_report_prints_the_vllm_stacks_and_their_targets(capsys):
+def test_the_report_prints_the_vllm_stacks_and_their_targets(capsys, tmp_path):
     from loadtest.bench_overload import REPORT, parse_settings
 
-    s = parse_settings(["--multiples", "1,10"])
+    s = parse_settings(["--multiples", "1,10", *a_model_dir(tmp_path)])
     results = {
         "llm": _run(12.0, (12.0, 0.4), multiples=(1.0, 10.0)),
         "llm-bounded": {**_run(11.0, (11.0, 10.5), multiples=(1.0, 10.0)),
