@@ -323,8 +323,8 @@ class VLLMBackend:
 
     def check(self, sampling: Optional[RowSampling]) -> None:
         """vLLM's own validation of the request (a ``response_format`` schema, or a forced
-        tool call's, that its guided decoding cannot compile, say), run here so that the request fails alone: a row
-        vLLM refuses once it is in the batch fails the batch."""
+        tool call's, that its guided decoding cannot compile, say), run here so that the
+        request fails alone: a row vLLM refuses once it is in the batch fails the batch."""
         from vllm.exceptions import VLLMClientError
 
         if sampling is None or sampling.json_schema is None:

@@ -141,9 +141,8 @@ class OpenAIFront:
         whole answer as one stream event."""
         text, stopped = cut_at_stop(answer.text, stops)
         a = answer.admission
-        finish = oa.finish_reason(answer.tokens, a.max_tokens, stopped or answer.finish_reason == "stop")
-        content, calls = tools.answer(text)
-        finish = tools.finish(calls, finish)
+        content, calls, finish = tools.settle(
+            text, oa.finish_reason(answer.tokens, a.max_tokens, stopped or answer.finish_reason == "stop"))
         headers = {**headers, **answer_headers(answer)}
         ident = answer_id.of(answer.model)
         counts = oa.Counts(a.prompt_tokens, answer.tokens)
@@ -168,9 +167,9 @@ class OpenAIFront:
                     stream.enough()
                     break
             parts.append(scanner.finish())
-            content, calls = tools.answer("".join(parts))
             a = stream.admission
-            finish = tools.finish(calls, oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop"))
+            content, calls, finish = tools.settle(
+                "".join(parts), oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop"))
             counts = oa.Counts(a.prompt_tokens, stream.tokens)
             yield oa.one_event_stream(answer_id.of(stream.model), chat, content, finish, counts, opts, calls)
             return

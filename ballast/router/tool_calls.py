@@ -157,6 +157,11 @@ class ToolPlan:
             return content, [_call(f) for f in found]
         return text, []
 
+    def settle(self, text: str, finish: str) -> tuple[Optional[str], list[ToolCall], str]:
+        """The whole answer: its content, its calls and its finish reason."""
+        content, calls = self.answer(text)
+        return content, calls, self.finish(calls, finish)
+
     def finish(self, calls: list[ToolCall], finish: str) -> str:
         """OpenAI's finish reason: "tool_calls" when the model chose to call ("required",
         "auto"); a forced function's call ends with "stop"."""
