@@ -303,8 +303,10 @@ def _generate(model: Any, tokenizer: Any, prompts: list[str], n: int, device: st
     """One static batch through ``model.generate``; the new tokens per row."""
     import torch
 
+    from ballast.model.hf_checkpoint import attention_kernels
+
     enc = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt").to(device)
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_kernels(device):  # the kernels ballast's batch uses
         out = model.generate(
             input_ids=enc["input_ids"],
             attention_mask=enc["attention_mask"],

@@ -13,7 +13,9 @@ replica needs to admit, drop and bound rows between steps itself (deadlines,
 clients that leave, the KV budget, the level's batch limit). So the batch loop
 here is the project's own, over the model's ``forward`` and a transformers
 ``DynamicCache``: the same loop on CPU and CUDA, and the model's own attention
-kernels (SDPA). ``make bench-model`` measures it against ``generate``.
+kernels (SDPA; on CUDA not cuDNN's, see
+:func:`~ballast.model.hf_checkpoint.attention_kernels`). ``make bench-model``
+measures it against ``generate``.
 
 **Layout.** One ``DynamicCache`` for the rows in the batch, ``[B, H_kv, W, D]``
 per layer. Every row's real tokens are a suffix of the W columns (left padding,
@@ -47,7 +49,7 @@ import torch
 from torch import Tensor
 
 from ballast.model.batching import describe_engine, ids_by_row, left_pad, rows_to_keep
-from ballast.model.hf_checkpoint import LoadedModel
+from ballast.model.hf_checkpoint import LoadedModel, attention_kernels
 
 __all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowSampling"]
 
@@ -359,9 +361,10 @@ class HFBatch:
 
     def _forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
         kwargs = {"logits_to_keep": 1} if self._b._logits_to_keep else {}
-        out = self._b.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs
-        )
+        with attention_kernels(self._b.device):
+            out = self._b.model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs
+            )
         return out.logits[:, -1, :]
 
     def _decode(self) -> Tensor:

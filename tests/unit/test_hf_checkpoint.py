@@ -25,6 +25,7 @@ from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_checkpoint import (  # noqa: E402
     ChatTemplateError,
     CheckpointError,
+    attention_kernels,
     count_tokens,
     inspect_checkpoint,
     load_checkpoint,
@@ -424,3 +425,23 @@ def test_checkpoint_error_is_a_picklable_model_load_error(tmp_path: Path) -> Non
     back = pickle.loads(pickle.dumps(err))
     assert (back.path, back.reason) == (err.path, err.reason)
     assert str(back) == f"cannot load model from '{tmp_path / 'config.json'}': is missing (the model config)"
+
+
+def _sdp_backends() -> dict[str, bool]:
+    cuda = torch.backends.cuda
+    return {
+        "cudnn": cuda.cudnn_sdp_enabled(),
+        "flash": cuda.flash_sdp_enabled(),
+        "efficient": cuda.mem_efficient_sdp_enabled(),
+        "math": cuda.math_sdp_enabled(),
+    }
+
+
+def test_a_cuda_forward_leaves_cudnn_attention_out_and_puts_the_setting_back() -> None:
+    before = _sdp_backends()
+    assert before["cudnn"], "PyTorch's default has cuDNN attention on; this test checks it is turned off"
+    with attention_kernels("cuda:0"):
+        assert _sdp_backends() == {"cudnn": False, "flash": True, "efficient": True, "math": True}
+    assert _sdp_backends() == before
+    with attention_kernels("cpu"):
+        assert _sdp_backends() == before  # CPU kernels are PyTorch's own choice
