@@ -432,12 +432,11 @@ def attention_kernels(device: str) -> AbstractContextManager[Any]:
     on CUDA every backend but cuDNN's; elsewhere whatever PyTorch picks.
 
     cuDNN's attention builds an execution plan for each new shape, and a decoding
-    batch has a new shape at every step (its KV cache is one column wider), so it
-    paid for a plan per step: on an H100 (torch 2.11, CUDA 13) the demo model's
-    decode step took 32-48 ms with PyTorch's default choice against 4 ms without
-    cuDNN, at 1, 8 and 32 rows alike (2026-11-26). Flash, memory-efficient and math
-    kernels need no plan. Scoped to the forward it wraps: the process's own
-    setting is left as it was.
+    batch has a new shape at every step (its KV cache is one column wider), so with
+    it every step pays for a plan, whatever the rows (docs/benchmarks.md, "The
+    transformers engine on an H100"). Flash, memory-efficient and math kernels need
+    no plan. Scoped to the forward it wraps: the process's own setting is left as it
+    was.
     """
     if not str(device).startswith("cuda"):
         return nullcontext()
