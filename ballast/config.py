@@ -29,6 +29,7 @@ from ballast.policies.retry import RetryConfig
 from ballast.policies.limiter import LimiterConfig
 from ballast.policies.criticality import Criticality
 from ballast.policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig, LevelConstraints
+from ballast.policies.fairness import FairnessConfig
 from ballast.policies.leak import LadderConfig, LeakConfig
 from ballast.policies.recycle import RecycleConfig
 
@@ -571,7 +572,9 @@ class TenantConfig(_Strict):
     burst_tokens: Optional[PositiveFloat] = None  # default: 2 s of rate
     max_concurrent: Optional[PositiveInt] = None  # default: resilience.bulkhead.per_tenant
     max_criticality: Criticality = Criticality.CRITICAL_PLUS  # a higher claim is lowered to this
-    weight: PositiveFloat = 1.0  # share of idle capacity lent at level 0
+    # Share of idle capacity lent at level 0, and of the model among tenants waiting in
+    # the same class (fairness).
+    weight: PositiveFloat = 1.0
     sheddable: bool = False  # its rate shrinks with the degradation level
 
     @property
@@ -592,6 +595,25 @@ class QuotaSettings(_Strict):
     max_borrow_ratio: float = Field(1.0, ge=0)
     # Every router keeps at least this fraction of an equal share (so it can admit a first request).
     min_share_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class FairnessSettings(_Strict):
+    """Fair shares among tenants inside a criticality class (ballast/policies/fairness.py):
+    at the gate, the tenant with the lowest virtual token counter goes first."""
+
+    enabled: bool = True
+    # A request's cost on its tenant's counter: these weights x its prompt and output
+    # tokens, over the tenant's ``weight``.
+    input_weight: float = Field(1.0, ge=0)
+    output_weight: float = Field(2.0, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "FairnessSettings":
+        self.policy_config()  # the policy's own checks, with their message
+        return self
+
+    def policy_config(self) -> FairnessConfig:
+        return frozen_config(FairnessConfig, self)
 
 
 class AuthConfig(_Strict):
@@ -625,6 +647,7 @@ class BallastConfig(_Strict):
     auth: AuthConfig = AuthConfig()
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     quota: QuotaSettings = QuotaSettings()
+    fairness: FairnessSettings = FairnessSettings()
 
     @model_validator(mode="after")
     def _production_has_no_demo_secrets(self) -> "BallastConfig":

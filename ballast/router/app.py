@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from ballast.policies.breaker import BreakerEvent
+from ballast.policies.fairness import TenantCounters
 from ballast.policies.limiter import AimdLimit
 
 from ballast.config import load_config
@@ -56,13 +57,18 @@ from ballast.router.tally import Tally
 from ballast.router.tokens import model_text
 
 
-def priority_gate(g: Any) -> Optional[PriorityGate]:
-    """The gate to the model ``resilience.gate`` describes; None when it is off."""
+def priority_gate(cfg: Any) -> Optional[PriorityGate]:
+    """The gate to the model ``resilience.gate`` describes, ordering tenants inside a class
+    by ``fairness``; None when the gate is off."""
+    g = cfg.resilience.gate
     if not g.enabled:
         return None
+    fair = None
+    if cfg.fairness.enabled:
+        fair = TenantCounters({t: tc.weight for t, tc in cfg.tenants.items()}, cfg.fairness.policy_config())
     return PriorityGate(AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s,
                         reserve_ratio=g.critical_reserve_ratio, reserve_hold_s=g.critical_reserve_hold_s,
-                        miss_service_factor=g.miss_service_factor)
+                        miss_service_factor=g.miss_service_factor, fair=fair)
 
 
 @serve.ingress(app)
@@ -89,7 +95,7 @@ class Router:
             # first answer); the actor is looked up or created at the first keyed request.
             IdempotencyStore(cfg.resilience.idempotency.ttl_s, cfg.resilience.idempotency.max_entries,
                              shared=SharedKeys(self._keys_handle, self.router_id)),
-            priority_gate(cfg.resilience.gate), self.metrics, self.tally, model_max_tokens=text.context - 1,
+            priority_gate(cfg), self.metrics, self.tally, model_max_tokens=text.context - 1,
         )
         self.reporter = Reporter(cfg, self.router_id, self.snapshots, self.pipeline, self.tally, self.metrics,
                                  Edge.from_env() if cfg.http.edge else None)

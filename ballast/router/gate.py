@@ -2,7 +2,9 @@
 
 At most ``limit.value`` requests from this router are at the model at once
 (ballast/policies/limiter.py moves the limit). A request that finds it reached waits here,
-most critical first, then oldest first, for as long as its deadline still leaves time
+most critical first; inside a class, the oldest request of the tenant with the lowest
+virtual token counter (ballast/policies/fairness.py; without counters, the oldest
+request), for as long as its deadline still leaves time
 to be served, and never longer than ``max_wait_s``; past that it is refused with 503
 OVERLOADED rather than sent to the model to miss its deadline there. The rules (the
 reserve for critical traffic, the drain estimate, the refusals, displacement, the
@@ -18,13 +20,14 @@ Everything runs on the router's event loop; no locks.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import time
+from collections import deque
 from typing import Any, Awaitable, Callable, Optional
 
 from ballast.policies import gate as rules
 from ballast.policies.criticality import Criticality
+from ballast.policies.fairness import Charge, TenantCounters
 from ballast.policies.gate import REFUSALS
 from ballast.policies.limiter import AimdLimit
 
@@ -41,6 +44,13 @@ class GateRefused(Exception):
         self.reason = reason
 
 
+class _Waiter:
+    __slots__ = ("rank", "seq", "tenant", "deadline_s", "cost", "fut")
+
+    def __init__(self, rank: int, seq: int, tenant: str, deadline_s: float, cost: tuple[int, int], fut: asyncio.Future):
+        self.rank, self.seq, self.tenant, self.deadline_s, self.cost, self.fut = rank, seq, tenant, deadline_s, cost, fut
+
+
 class PriorityGate:
     def __init__(
         self,
@@ -53,6 +63,7 @@ class PriorityGate:
         reserve_hold_s: float = 1.0,
         miss_service_factor: Optional[float] = None,
         wait_for: WaitFor = asyncio.wait_for,
+        fair: Optional[TenantCounters] = None,
     ):
         if miss_service_factor is not None and not miss_service_factor > 0:
             raise ValueError(f"miss_service_factor must be > 0 or None, got {miss_service_factor}")
@@ -64,15 +75,19 @@ class PriorityGate:
         self.max_wait_s = max_wait_s
         self._clock = clock
         self._wait_for = wait_for
+        self.fair = fair
         self.in_flight = 0
-        self.waiting = 0  # live waiters (the heap may also hold finished ones)
-        # Invariant: every live waiter is one heap entry whose future is not done, and is
-        # counted once in ``waiting`` and ``_waiting_by_rank``; whoever finishes a future
-        # (grant, displacement, expiry, cancel) takes it off those counts.
-        self._heap: list[tuple[int, int, float, asyncio.Future]] = []  # (rank, seq, deadline_s, future)
+        self.waiting = 0  # live waiters (the lines may also hold finished ones)
+        # Invariant: every live waiter is one entry of ``_lines[rank][tenant]`` (oldest
+        # first) whose future is not done, and is counted once in ``waiting``,
+        # ``_waiting_by_rank`` and ``_waiting_by_tenant``; whoever finishes a future (grant,
+        # displacement, expiry, cancel) takes it off those counts (``_add_waiting``).
+        self._lines: dict[int, dict[str, deque[_Waiter]]] = {}
+        self._entries = 0  # entries in the lines, finished ones included (bounded by compaction)
         self._seq = itertools.count()
         self._service = rules.ServiceTime()
         self._waiting_by_rank: dict[int, int] = {}
+        self._waiting_by_tenant: dict[str, int] = {}
         self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
         self.saturations = 0  # requests that found the limit reached, ever
         self.misses_counted = 0  # deadlines missed at the model that cut the limit, ever
@@ -88,13 +103,16 @@ class PriorityGate:
         """EWMA of time from slot to answer."""
         return self._service.mean_s
 
-    async def acquire(self, rank: int, deadline_s: float) -> None:
-        """Hold a slot on return, or raise GateRefused. ``rank`` 0 is the most critical."""
+    async def acquire(self, rank: int, deadline_s: float, tenant: str = "", cost: tuple[int, int] = (0, 0)) -> Optional[Charge]:
+        """Hold a slot on return, or raise GateRefused. ``rank`` 0 is the most critical.
+
+        ``cost`` is (prompt tokens, max_tokens): with tenant counters, what the slot
+        charges ``tenant``; the charge is returned, to settle when the request ends."""
         limit = self.limit.value
         self._reserve.note_arrival(rank, self.critical_rank, self.in_flight, limit, self._waiting_at_most(rank))
         if self.waiting == 0 and self.in_flight < self._room(rank, limit):
             self.in_flight += 1
-            return
+            return self._charge(tenant, cost)
         # Held back by the limit, or by the reserve (whose share of the limit grows with it):
         # either way there may be room to grow. Counting only the limit let the reserve
         # pin it: with sheddable traffic held at limit - reserve and critical traffic
@@ -112,31 +130,57 @@ class PriorityGate:
         if decision not in (rules.WAIT, rules.DISPLACE):
             return self._refuse(decision)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (rank, next(self._seq), deadline_s, fut))
-        self._add_waiting(rank, 1)
+        waiter = _Waiter(rank, next(self._seq), tenant, deadline_s, cost, fut)
+        self._lines.setdefault(rank, {}).setdefault(tenant, deque()).append(waiter)
+        self._entries += 1
+        self._add_waiting(waiter, 1)
         self._grant()
         try:
             await self._wait_for(asyncio.shield(fut), wait_s)
         except asyncio.TimeoutError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                return  # granted in the same instant the wait ran out: the slot is ours
+                return fut.result()  # granted in the same instant the wait ran out: the slot is ours
             if not fut.done():
                 fut.cancel()
-                self._add_waiting(rank, -1)
+                self._add_waiting(waiter, -1)
             if fut.cancelled():
                 return self._refuse("expired")
             raise fut.exception() from None  # displaced, or yielded its turn (expired)
         except asyncio.CancelledError:  # the client left while waiting
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release()  # a slot was granted but will never be used
+                if self.fair is not None and fut.result() is not None:
+                    self.fair.refund(fut.result())
             elif not fut.done():
                 fut.cancel()
-                self._add_waiting(rank, -1)
+                self._add_waiting(waiter, -1)
             raise
+        return fut.result()
 
-    def _add_waiting(self, rank: int, n: int) -> None:
+    def _charge(self, tenant: str, cost: tuple[int, int]) -> Optional[Charge]:
+        if self.fair is None or not tenant:
+            return None
+        return self.fair.charge(tenant, *cost)
+
+    def settle(self, charge: Optional[Charge], generated: Optional[int]) -> None:
+        """A request that held a slot ended with ``generated`` output tokens (None: unknown)."""
+        if self.fair is not None and charge is not None:
+            self.fair.settle(charge, generated)
+
+    def _add_waiting(self, waiter: _Waiter, n: int) -> None:
         self.waiting += n
-        self._waiting_by_rank[rank] = self._waiting_by_rank.get(rank, 0) + n
+        self._waiting_by_rank[waiter.rank] = self._waiting_by_rank.get(waiter.rank, 0) + n
+        before = self._waiting_by_tenant.get(waiter.tenant, 0)
+        after = before + n
+        if after:
+            self._waiting_by_tenant[waiter.tenant] = after
+        else:
+            self._waiting_by_tenant.pop(waiter.tenant, None)
+        if self.fair is not None and waiter.tenant:
+            if before == 0 and after > 0:
+                self.fair.backlogged(waiter.tenant)
+            elif after == 0:
+                self.fair.drained(waiter.tenant)
 
     def _waiting_at_most(self, rank: int) -> int:
         """Waiters as critical as ``rank`` or more."""
@@ -154,13 +198,14 @@ class PriorityGate:
 
     def _displace(self, rank: int) -> bool:
         """Make room for a waiter of ``rank`` by refusing the one ballast/policies/gate.py picks."""
-        live = {(r, seq): fut for r, seq, _, fut in self._heap if not fut.done()}
+        live = {(w.rank, w.seq): w for line in self._lines.values() for q in line.values() for w in q if not w.fut.done()}
         victim = rules.displaced(live, rank)
         if victim is None:
             return False
-        live[victim].set_exception(GateRefused("displaced"))
+        waiter = live[victim]
+        waiter.fut.set_exception(GateRefused("displaced"))
         self.refused["displaced"] += 1
-        self._add_waiting(victim[0], -1)
+        self._add_waiting(waiter, -1)
         return True
 
     def release(self, service_s: Optional[float] = None) -> None:
@@ -191,27 +236,54 @@ class PriorityGate:
 
     def _grant(self) -> None:
         limit = self.limit.value
-        while self._heap:
-            rank, _, deadline_s, fut = self._heap[0]
-            if fut.done():
-                heapq.heappop(self._heap)
-                continue
+        while self.waiting:
+            rank = min(r for r, n in self._waiting_by_rank.items() if n > 0)
             if self.in_flight >= self._room(rank, limit):
-                break  # the most critical waiter cannot go: nobody behind it can
-            heapq.heappop(self._heap)
+                break  # the most critical class cannot go: no class behind it can
+            waiter = self._next(rank)
             behind = self._waiting_by_rank.get(rank, 0) - 1
-            if rules.yields_slot(deadline_s - self._clock(), self._service.p90_s, behind):
-                fut.set_exception(GateRefused("expired"))
+            if rules.yields_slot(waiter.deadline_s - self._clock(), self._service.p90_s, behind):
+                waiter.fut.set_exception(GateRefused("expired"))
                 self.refused["expired"] += 1
-                self._add_waiting(rank, -1)
+                self._add_waiting(waiter, -1)
                 continue
-            fut.set_result(True)
-            self._add_waiting(rank, -1)
+            self._add_waiting(waiter, -1)  # first: a tenant leaving the backlog is not lifted by its own charge
             self.in_flight += 1
-        # Finished entries at the top were dropped above; the rest are compacted now and then.
-        if len(self._heap) > 4 * max(1, self.max_waiting):
-            self._heap = [e for e in self._heap if not e[3].done()]
-            heapq.heapify(self._heap)
+            waiter.fut.set_result(self._charge(waiter.tenant, waiter.cost))
+        # Finished entries at the heads of the lines were dropped in _next; the rest are
+        # compacted now and then.
+        if self._entries > 4 * max(1, self.max_waiting):
+            self._compact()
+
+    def _next(self, rank: int) -> _Waiter:
+        """Take the next live waiter of ``rank``: the oldest of the tenant the counters pick
+        (without counters, the oldest). There is one: ``_waiting_by_rank[rank] > 0``."""
+        heads: dict[str, _Waiter] = {}
+        line = self._lines[rank]
+        for tenant, q in list(line.items()):
+            while q and q[0].fut.done():
+                q.popleft()
+                self._entries -= 1
+            if q:
+                heads[tenant] = q[0]
+            else:
+                del line[tenant]
+        oldest_first = sorted(heads, key=lambda t: heads[t].seq)
+        tenant = self.fair.pick(oldest_first) if self.fair is not None else oldest_first[0]
+        self._entries -= 1
+        return line[tenant].popleft()
+
+    def _compact(self) -> None:
+        for rank, line in list(self._lines.items()):
+            for tenant, q in list(line.items()):
+                live = deque(w for w in q if not w.fut.done())
+                if live:
+                    line[tenant] = live
+                else:
+                    del line[tenant]
+            if not line:
+                del self._lines[rank]
+        self._entries = sum(len(q) for line in self._lines.values() for q in line.values())
 
     def snapshot(self) -> dict[str, object]:
         return {
@@ -229,12 +301,14 @@ class PriorityGate:
 class GateSlot:
     """One held slot (or none: ``GateSlot(None)``), given back exactly once by ``release``."""
 
-    __slots__ = ("_gate",)
+    __slots__ = ("_gate", "_share")
 
-    def __init__(self, gate: Optional[PriorityGate]):
+    def __init__(self, gate: Optional[PriorityGate], share: Optional[Charge] = None):
         self._gate = gate
+        self._share = share  # what the slot charged its tenant's counter, if anything
 
-    def release(self, service_s: Optional[float] = None) -> None:
+    def release(self, service_s: Optional[float] = None, generated: Optional[int] = None) -> None:
         gate, self._gate = self._gate, None
         if gate is not None:
+            gate.settle(self._share, generated)
             gate.release(service_s)

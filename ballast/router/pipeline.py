@@ -291,7 +291,7 @@ class Pipeline:
             self._tally.offer(crit)  # demand within quota: a tenant over its quota must not degrade everyone else
             slot = GateSlot(None)
             if not fallback_only:
-                slot, fallback_only = await self._gate_slot(criticality, req.caller.deadline)
+                slot, fallback_only = await self._gate_slot(criticality, req.caller.deadline, tenant, (req.prompt_tokens, max_tokens))
         except BaseException as err:
             self.places.give_back(tenant)
             if charge is not None:
@@ -327,14 +327,16 @@ class Pipeline:
         """critical_plus that the primary will not take goes to the fallback alone, if it can answer."""
         return criticality is Criticality.CRITICAL_PLUS and self.caller.can_fall_back(self.kill_switches, now_wall)
 
-    async def _gate_slot(self, criticality: Criticality, deadline: Deadline) -> tuple[GateSlot, bool]:
+    async def _gate_slot(self, criticality: Criticality, deadline: Deadline, tenant: str,
+                         cost: tuple[int, int]) -> tuple[GateSlot, bool]:
         """(a slot at the model, False); refused: (no slot, True) when the fallback alone
         may answer (critical_plus it can answer), else 503 OVERLOADED. Counted in the
-        report interval the gate decided in."""
+        report interval the gate decided in. ``cost`` (prompt tokens, max_tokens) is what
+        the slot charges the tenant's fair-share counter."""
         if self.gate is None:
             return GateSlot(None), False
         try:
-            await self.gate.acquire(criticality.rank, deadline.gate_until_s)
+            share = await self.gate.acquire(criticality.rank, deadline.gate_until_s, tenant, cost)
         except GateRefused as g:
             self._metrics.gate_refused.inc(tags={"reason": g.reason, "criticality": criticality.value})
             if self._fallback_may_answer(criticality, time.time()):
@@ -347,7 +349,7 @@ class Pipeline:
                 retry_after_s=1.0,
             ) from None
         self._tally.decided(criticality.value, through=True)
-        return GateSlot(self.gate), False
+        return GateSlot(self.gate, share), False
 
     def _finished(self, ticket: Ticket, outcome: Outcome) -> None:
         """A ticket's outcome, once: the gate's service sample, tokens and the request counted."""

@@ -124,7 +124,7 @@ class Ticket:
         self._places.give_back(self.tenant)
         self.charge.settle(outcome.generated)
         self._on_finish(self, outcome)  # first: the gate learns from the sample before the slot frees
-        self.slot.release(outcome.service_s)
+        self.slot.release(outcome.service_s, outcome.generated)
         return True
 
     def __repr__(self) -> str:
