@@ -606,6 +606,9 @@ class FairnessSettings(_Strict):
     # tokens, over the tenant's ``weight``.
     input_weight: float = Field(1.0, ge=0)
     output_weight: float = Field(2.0, ge=0)
+    # Routers report what they charged each tenant and order by the controller's merged,
+    # cluster-wide counters; false: each router orders by its own view alone.
+    shared: bool = True
 
     @model_validator(mode="after")
     def _bounds(self) -> "FairnessSettings":

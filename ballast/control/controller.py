@@ -35,6 +35,7 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 import ray
 
 from ballast.policies import control
+from ballast.policies.fairness import merge_reports
 from ballast.policies.killswitch import KillSwitchEntry
 from ballast.policies.quota import TenantQuota, apportion, effective_rates
 from ballast.policies.degradation import LoadSignals
@@ -130,6 +131,10 @@ class ControllerCore:
             self.recycler.configure(cfg.recycle)
         # (requests, errors) per router report, stamped when it came: the error window.
         self._outcomes: CountWindow[tuple[int, int]] = CountWindow(MAX_OUTCOME_BUCKETS, fields=2)
+        # Cluster-wide fair-share counters (ballast.policies.fairness): every router's charges
+        # merged as they arrive; one entry per configured tenant, kept across a redeploy.
+        old = getattr(self, "_fair_counters", {})
+        self._fair_counters: dict[str, float] = {t: old.get(t, 0.0) for t in cfg.tenants}
         self._quotas = {
             name: TenantQuota(
                 rate_tokens_per_s=t.rate_tokens_per_s,
@@ -154,7 +159,12 @@ class ControllerCore:
         self._routers.put(got.router_id, got)
         if got.requests:
             self._outcomes.add((got.requests, got.errors), self._clock())
-        return {**self._snapshot.to_dict(), "leases": self.leases_for(got.router_id)}
+        reply = {**self._snapshot.to_dict(), "leases": self.leases_for(got.router_id)}
+        if self.cfg.fairness.enabled and self.cfg.fairness.shared:
+            known = {t: v for t, v in got.fair_charged.items() if t in self._fair_counters}
+            self._fair_counters = merge_reports(self._fair_counters, [known])
+            reply["fair_counters"] = dict(self._fair_counters)
+        return reply
 
     def leases_for(self, router_id: str) -> dict[str, dict[str, float]]:
         """This router's share of every tenant's global rate, by the routers' recent demand.

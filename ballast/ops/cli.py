@@ -350,6 +350,11 @@ def _status_gate(doc: dict[str, Any], out: list[str]) -> None:
         if refused:
             line += ", refused " + ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))
         out.append(line)
+        fair = gate.get("fairness")
+        if fair:
+            whose = "cluster-wide counters" if fair.get("view") == "cluster" else "this router's own counters (no controller reply)"
+            waiting = ", ".join(fair.get("backlogged") or []) or "none"
+            out.append(f"fair shares: {whose}; tenants waiting: {waiting}")
     chaos = doc.get("chaos") or {}
     if chaos:
         out.append("chaos: " + "; ".join(f"{t} {s}" for t, s in sorted(chaos.items())))
@@ -367,8 +372,11 @@ def status(
 
 @app.command()
 def tenants(ctx: typer.Context) -> None:
-    """Each tenant's token rate at the answering router, its bucket and whether a lease backs it."""
-    typer.echo(json.dumps(_admin_call(ctx, "GET", "/v1/status", show=False)["quotas"], indent=2))
+    """Each tenant's token rate at the answering router, its bucket and whether a lease backs
+    it; and the fair-share counters that order the tenants waiting inside a class."""
+    doc = _admin_call(ctx, "GET", "/v1/status", show=False)
+    fair = (doc.get("gate") or {}).get("fairness")
+    typer.echo(json.dumps({"quotas": doc["quotas"], "fair_shares": fair}, indent=2))
 
 
 @app.command()

@@ -21,6 +21,11 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[2] / "cluster/grafana/dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+# Each waiting tenant's weighted service per second (the fairness panel's series).
+FAIR_WAITING = (
+    "sum by (tenant) (rate(ray_ballast_fair_served_tokens_total[1m]))"
+    " and on (tenant) (max by (tenant) (ray_ballast_fair_backlogged) == 1)"
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,14 @@ OVERVIEW = Dashboard(
         Panel("Goodput (answered OK)", (Target(f'sum(rate({REQ}{{code="OK"}}[1m]))', "ok/s"),), unit="reqps"),
         Panel("Shed by criticality", (Target(f'sum by (criticality) (rate({REQ}{{code="OVERLOADED"}}[1m]))', "{{criticality}}"),), unit="reqps"),
         Panel("Tokens per tenant", (Target("sum by (tenant) (rate(ray_ballast_tenant_tokens_total[1m]))", "{{tenant}}"),), unit="short"),
+        Panel(
+            "Fairness among waiting tenants (Jain's index)",
+            (Target(f"(sum({FAIR_WAITING}))^2 / (count({FAIR_WAITING}) * sum(({FAIR_WAITING})^2))", "Jain's index",
+                    sparse="no series while no tenant waits at a gate"),
+             Target(f"{FAIR_WAITING}", "{{tenant}} weighted tokens/s", sparse="no series while no tenant waits at a gate")),
+            description="Over the tenants waiting at a gate: each one's service, weighted as its fair-share counter "
+                        "weighs it. 1: shares exactly by weight; 1/n: one tenant takes all.",
+        ),
         Panel(
             "Refusals per tenant",
             (Target(f'sum by (tenant, code) (rate({REQ}{{code=~"QUOTA_EXCEEDED|CONCURRENCY_LIMIT|KILL_SWITCH"}}[1m]))', "{{tenant}} {{code}}"),),

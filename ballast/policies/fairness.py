@@ -95,6 +95,14 @@ class TenantCounters:
     def counters(self) -> dict[str, float]:
         return {t: self._base[t] + self._local[t] for t in self._weights}
 
+    def view(self) -> dict[str, object]:
+        """For status: whose counters order the line, each tenant's counter, who waits."""
+        return {
+            "view": "cluster" if self.shared else "router",
+            "counters": {t: round(v, 1) for t, v in self.counters().items()},
+            "backlogged": sorted(self._backlogged),
+        }
+
     def pick(self, candidates: Iterable[str]) -> Optional[str]:
         """The candidate with the lowest counter; the first given among equals."""
         best, best_c = None, 0.0

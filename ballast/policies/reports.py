@@ -57,6 +57,17 @@ def _check_rates(name: str, rates: object, *, criticalities: bool) -> None:
             raise ValueError(f"{name}: {key!r} must be a finite number >= 0, got {rate!r}")
 
 
+def _check_amounts(name: str, amounts: object) -> None:
+    """A mapping of names to finite numbers (of any sign)."""
+    if not isinstance(amounts, Mapping):
+        raise ValueError(f"{name}: must be a mapping, got {amounts!r}")
+    for key, amount in amounts.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{name}: keys must be str, got {key!r}")
+        if not is_finite(amount):
+            raise ValueError(f"{name}: {key!r} must be a finite number, got {amount!r}")
+
+
 def checked(report: Any, kind: type[R]) -> Optional[R]:
     """``report`` checked again as a ``kind`` (its ``__post_init__`` run anew); None if it is not one."""
     if type(report) is not kind:
@@ -86,6 +97,9 @@ class RouterReport:
     served_rps: float = 0.0
     gate_full: bool = False  # the gate was full for most of the window: served_rps is capacity
     demand_tokens_per_s: Mapping[str, float] = field(default_factory=dict)  # by tenant (quota leases)
+    # What the gate charged each tenant's fair-share counter since the last report
+    # (ballast.policies.fairness; negative where refunds outweighed charges).
+    fair_charged: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_name("router_id", self.router_id)
@@ -96,6 +110,7 @@ class RouterReport:
         _check_bool("gate_full", self.gate_full)
         _check_rates("demand_rps", self.demand_rps, criticalities=True)
         _check_rates("demand_tokens_per_s", self.demand_tokens_per_s, criticalities=False)
+        _check_amounts("fair_charged", self.fair_charged)
 
 
 @dataclass(frozen=True)

@@ -295,6 +295,7 @@ class PriorityGate:
             "reserving": self.reserving(),
             "refused": dict(self.refused),
             "misses": {"congestion": self.misses_counted, "late_admission": self.misses_not_congestion},
+            **({"fairness": self.fair.view()} if self.fair is not None else {}),
         }
 
 

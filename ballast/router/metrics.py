@@ -54,6 +54,20 @@ class RouterMetrics:
         self.tenant_tokens = metrics.Counter(
             "ballast_tenant_tokens_total", "Tokens charged to a tenant (prompt + generated).", tag_keys=("tenant",)
         )
+        self.fair_served = metrics.Counter(
+            "ballast_fair_served_tokens_total",
+            "Service a tenant got, as its fair-share counter weighs it: (input_weight x prompt + "
+            "output_weight x generated tokens) / the tenant's weight.",
+            tag_keys=("tenant",),
+        )
+        self.fair_counter = metrics.Gauge(
+            "ballast_fair_counter",
+            "A tenant's fair-share counter as this router orders its gate by it (cluster-wide when shared).",
+            tag_keys=("tenant",),
+        )
+        self.fair_backlogged = metrics.Gauge(
+            "ballast_fair_backlogged", "1 while a tenant has requests waiting at this router's gate.", tag_keys=("tenant",)
+        )
         self.tenant_rate = metrics.Gauge(
             "ballast_tenant_rate_tokens_per_s", "A tenant's token rate at this router (its share).", tag_keys=("tenant",)
         )

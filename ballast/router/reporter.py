@@ -26,6 +26,7 @@ from ballast.policies import killswitch
 from ballast.policies import request as request_policy
 from ballast.policies.criticality import Criticality
 from ballast.policies.edge import EdgeThrottle
+from ballast.policies.fairness import TenantCounters
 from ballast.policies.gate import DemandWindow
 from ballast.policies.reports import RouterReport
 
@@ -79,7 +80,23 @@ class Reporter:
             self._demand.add(offered, served - self._gate_seen[0], saturations > self._gate_seen[1])
             self._gate_seen = (served, saturations)
             report = replace(report, gate_waiting=gate.waiting, **self._demand.rates())
-        return replace(report, demand_tokens_per_s=self._pipeline.quotas.drain_demand())
+        return replace(report, demand_tokens_per_s=self._pipeline.quotas.drain_demand(), fair_charged=self._fair_charged())
+
+    def _fair_charged(self) -> dict[str, float]:
+        """What the gate charged each tenant since the last report, when counters are shared.
+        Without a fresh snapshot the controller is away: order by this router's view alone."""
+        fair = self._fair()
+        if fair is None:
+            return {}
+        if self._cache.effective().source != "snapshot":
+            fair.adopt(None)
+        return fair.take_report()
+
+    def _fair(self) -> Optional[TenantCounters]:
+        gate = self._pipeline.gate
+        if gate is None or gate.fair is None or not self._cfg.fairness.shared:
+            return None
+        return gate.fair
 
     def _set_gauges(self) -> None:
         age = self._cache.age_s()
@@ -94,6 +111,10 @@ class Reporter:
             m.gate.set(gate.limit.value, tags={"kind": "limit"})
             m.gate.set(gate.in_flight, tags={"kind": "in_flight"})
             m.gate.set(gate.waiting, tags={"kind": "waiting"})
+            if gate.fair is not None:
+                for tenant, value in gate.fair.counters().items():
+                    m.fair_counter.set(value, tags={"tenant": tenant})
+                    m.fair_backlogged.set(int(gate.fair.is_backlogged(tenant)), tags={"tenant": tenant})
 
     def sync_edge(self) -> None:
         """The edge's map follows the level this router acts on; its refusals since the
@@ -142,5 +163,9 @@ class Reporter:
             self._apply_edge(time.monotonic())
 
     def on_reply(self, raw: dict[str, Any]) -> None:
-        """Leases for this router."""
+        """Leases for this router; the cluster's fair-share counters, this report merged in."""
         self._pipeline.quotas.on_leases(raw.get("leases") or {})
+        fair = self._fair()
+        counters = raw.get("fair_counters")
+        if fair is not None and isinstance(counters, dict):
+            fair.adopt(counters)

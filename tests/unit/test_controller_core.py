@@ -602,3 +602,46 @@ def test_an_expiring_kill_switch_marks_the_state_to_persist(h: Harness) -> None:
     h.wall.advance(6)
     assert h.core.kill_switches()["entries"] == []
     assert h.core.admin_dirty
+
+
+# --------------------------------------------------------------------------- fair shares
+
+
+def _fair_cfg(**fairness: Any) -> BallastConfig:
+    tenants = {"a": {"weight": 2.0}, "b": {"weight": 1.0}}
+    return make_cfg(tenants=tenants, fairness=fairness)
+
+
+def test_routers_fair_charges_merge_into_cluster_counters_handed_back_to_each_router() -> None:
+    """Tenant a comes only through router 1, b only through router 2 (skewed ingress): each
+    router's reply carries both tenants' cluster-wide counters, so router 2 orders b
+    against what router 1 served a."""
+    from ballast.policies.fairness import FairnessConfig, TenantCounters
+
+    h = Harness(_fair_cfg())
+    r1 = TenantCounters({"a": 2.0, "b": 1.0}, FairnessConfig())
+    r2 = TenantCounters({"a": 2.0, "b": 1.0}, FairnessConfig())
+    r1.charge("a", 400, 0)  # a's weight 2: 200 on its counter
+    r2.charge("b", 50, 0)
+    reply1 = h.router("r1", fair_charged=r1.take_report())
+    assert reply1["fair_counters"] == {"a": 200.0, "b": 0.0}
+    reply2 = h.router("r2", fair_charged=r2.take_report())
+    assert reply2["fair_counters"] == {"a": 200.0, "b": 50.0}
+    r2.adopt(reply2["fair_counters"])
+    assert r2.counters() == {"a": 200.0, "b": 50.0}
+    # An unknown tenant's charge (a router with another config) is ignored; a bad one refused.
+    assert h.router("r1", fair_charged={"zed": 5.0, "a": -20.0})["fair_counters"] == {"a": 180.0, "b": 50.0}
+    with pytest.raises(ValueError, match="^fair_charged:"):
+        RouterReport(router_id="r1", fair_charged={"a": float("nan")})
+    h.core.report_router(tampered(RouterReport(router_id="r1"), fair_charged={"a": "x"}))
+    assert h.core.rejected_reports == 1
+    # A redeploy keeps the counters of tenants still configured.
+    h.core.configure(_fair_cfg())
+    assert h.router("r1")["fair_counters"] == {"a": 180.0, "b": 50.0}
+
+
+def test_without_sharing_the_controller_hands_back_no_counters() -> None:
+    h = Harness(_fair_cfg(shared=False))
+    assert "fair_counters" not in h.router("r1", fair_charged={"a": 5.0})
+    h = Harness(_fair_cfg(enabled=False))
+    assert "fair_counters" not in h.router("r1", fair_charged={"a": 5.0})
