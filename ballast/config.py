@@ -607,8 +607,15 @@ class FairnessSettings(_Strict):
     input_weight: float = Field(1.0, ge=0)
     output_weight: float = Field(2.0, ge=0)
     # Routers report what they charged each tenant and order by the controller's merged,
-    # cluster-wide counters; false: each router orders by its own view alone.
+    # cluster-wide counters, and the model's slots are apportioned among routers by the
+    # tenants waiting at each; false: each router orders by its own view and takes an
+    # even split of the model.
     shared: bool = True
+    # How far (weighted tokens) a waiting tenant's counter may lead the lowest waiting one
+    # before its routers' share of the model falls by a factor e.
+    lag_tokens: PositiveFloat = 2048.0
+    # The share of the model every router keeps, split evenly, whoever waits where.
+    router_floor_ratio: float = Field(0.1, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> "FairnessSettings":

@@ -35,7 +35,7 @@ from typing import Any, Callable, Generic, Optional, TypeVar
 import ray
 
 from ballast.policies import control
-from ballast.policies.fairness import merge_reports
+from ballast.policies.fairness import merge_reports, router_shares
 from ballast.policies.killswitch import KillSwitchEntry
 from ballast.policies.quota import TenantQuota, apportion, effective_rates
 from ballast.policies.degradation import LoadSignals
@@ -164,7 +164,17 @@ class ControllerCore:
             known = {t: v for t, v in got.fair_charged.items() if t in self._fair_counters}
             self._fair_counters = merge_reports(self._fair_counters, [known])
             reply["fair_counters"] = dict(self._fair_counters)
+            reply["fair_share"] = self.fair_share(got.router_id)
         return reply
+
+    def fair_share(self, router_id: str) -> Optional[float]:
+        """This router's share of the model's slots by the tenants waiting at each router
+        (ballast.policies.fairness.router_shares); None while nobody waits anywhere."""
+        f = self.cfg.fairness
+        backlogs = {r.router_id: r.fair_backlogged for r in self._routers.fresh()}
+        weights = {t: tc.weight for t, tc in self.cfg.tenants.items()}
+        shares = router_shares(backlogs, self._fair_counters, weights, f.lag_tokens, f.router_floor_ratio)
+        return shares.get(router_id)
 
     def leases_for(self, router_id: str) -> dict[str, dict[str, float]]:
         """This router's share of every tenant's global rate, by the routers' recent demand.

@@ -31,13 +31,25 @@ charged since. ``take_report()`` gives what was charged since the last report an
 ``adopt(cluster)`` takes the controller's merged counters, which include every
 reported charge; only what was charged after the report was taken stays local. With no
 cluster counters (the controller is away), base stays as it was and every router
-orders by its own view: fail-static.
+orders by its own view: fail-static. A report lost on the way loses its interval's
+charges from the cluster view; a tenant lifted at two routers at once is lifted twice
+for one report interval.
+
+Ordering a router's own line cannot share the model among tenants that wait at
+different routers: with skewed ingress each router sees one tenant, and an even split
+of the model's slots among routers is a split among those tenants whatever their
+weights. So the controller also apportions the slots (``router_shares``): each router
+gets a share in proportion to the fair weight of the tenants waiting at it,
+``weight[t] x exp(-(counter[t] - lowest counter waiting) / lag_tokens)``. A tenant ahead
+of the others loses share smoothly until its counter grows no faster than theirs, per
+unit of weight; that is the fair split, whatever its requests cost.
 
 Bounded: one entry per configured tenant (``weights``); an unknown tenant is refused.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -133,6 +145,10 @@ class TenantCounters:
     def is_backlogged(self, tenant: str) -> bool:
         return tenant in self._backlogged
 
+    def backlog(self) -> tuple[str, ...]:
+        """The tenants waiting now, sorted."""
+        return tuple(sorted(self._backlogged))
+
     # -- charging ------------------------------------------------------------------------
     def charge(self, tenant: str, prompt_tokens: int, max_tokens: int) -> Charge:
         """A request of ``tenant`` got its slot: its prompt and its max_tokens, weighted."""
@@ -180,6 +196,45 @@ class TenantCounters:
     def _check(self, tenant: str) -> None:
         if tenant not in self._weights:
             raise KeyError(f"unknown tenant {tenant!r}")
+
+
+def router_shares(
+    backlogs: Mapping[str, Iterable[str]],
+    counters: Mapping[str, float],
+    weights: Mapping[str, float],
+    lag_tokens: float,
+    floor_ratio: float,
+) -> dict[str, float]:
+    """Each router's share of the model's slots (summing to 1), by the tenants waiting at it.
+
+    ``backlogs``: router -> tenants waiting at its gate. Every router gets
+    ``floor_ratio / n`` (so one with nobody waiting can still admit an arrival); the rest
+    goes by the fair weight of the tenants waiting at each router (see the module
+    docstring), a tenant waiting at several routers split evenly among them. With nobody
+    waiting anywhere, {}: the caller keeps its even split.
+    """
+    check_finite("lag_tokens", lag_tokens)
+    if lag_tokens <= 0:
+        raise ValueError(f"lag_tokens must be > 0, got {lag_tokens!r}")
+    if not 0 <= floor_ratio < 1:
+        raise ValueError(f"floor_ratio must be in [0, 1), got {floor_ratio!r}")
+    where: dict[str, list[str]] = {}
+    for router, tenants in backlogs.items():
+        for t in set(tenants):
+            if t in weights:
+                where.setdefault(t, []).append(router)
+    if not where or not backlogs:
+        return {}
+    lowest = min(counters.get(t, 0.0) for t in where)
+    fair = {router: 0.0 for router in backlogs}
+    for t, routers in where.items():
+        lead = max(0.0, counters.get(t, 0.0) - lowest)
+        phi = weights[t] * math.exp(-min(lead / lag_tokens, 50.0))
+        for router in routers:
+            fair[router] += phi / len(routers)
+    total = sum(fair.values())
+    n = len(backlogs)
+    return {router: floor_ratio / n + (1.0 - floor_ratio) * fair[router] / total for router in backlogs}
 
 
 def merge_reports(counters: Mapping[str, float], reports: Iterable[Mapping[str, float]]) -> dict[str, float]:

@@ -100,6 +100,7 @@ class RouterReport:
     # What the gate charged each tenant's fair-share counter since the last report
     # (ballast.policies.fairness; negative where refunds outweighed charges).
     fair_charged: Mapping[str, float] = field(default_factory=dict)
+    fair_backlogged: tuple[str, ...] = ()  # tenants waiting at the gate now
 
     def __post_init__(self) -> None:
         check_name("router_id", self.router_id)
@@ -111,6 +112,8 @@ class RouterReport:
         _check_rates("demand_rps", self.demand_rps, criticalities=True)
         _check_rates("demand_tokens_per_s", self.demand_tokens_per_s, criticalities=False)
         _check_amounts("fair_charged", self.fair_charged)
+        if not isinstance(self.fair_backlogged, tuple) or not all(isinstance(t, str) and t for t in self.fair_backlogged):
+            raise ValueError(f"fair_backlogged: must be a tuple of tenant names, got {self.fair_backlogged!r}")
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class Reporter:
         self._edge_throttle = EdgeThrottle()  # the edge's share to refuse of the classes the level admits
         self._demand = DemandWindow(cfg.degradation.demand_window_s)
         self._gate_seen = (0, 0)  # the gate's (served, saturations) at the last report
+        self._fair_share: Optional[float] = None  # this router's share of the model, from the controller
 
     def report(self) -> RouterReport:
         """This router's report: called once per report interval, whether or not it answers."""
@@ -80,7 +81,9 @@ class Reporter:
             self._demand.add(offered, served - self._gate_seen[0], saturations > self._gate_seen[1])
             self._gate_seen = (served, saturations)
             report = replace(report, gate_waiting=gate.waiting, **self._demand.rates())
-        return replace(report, demand_tokens_per_s=self._pipeline.quotas.drain_demand(), fair_charged=self._fair_charged())
+        fair = self._fair()
+        return replace(report, demand_tokens_per_s=self._pipeline.quotas.drain_demand(), fair_charged=self._fair_charged(),
+                       fair_backlogged=fair.backlog() if fair is not None else ())
 
     def _fair_charged(self) -> dict[str, float]:
         """What the gate charged each tenant since the last report, when counters are shared.
@@ -148,9 +151,7 @@ class Reporter:
         self.edge.apply(shed_entries(eff.level, eff.constraints, drops))
 
     def on_snapshot(self, snap: Snapshot) -> None:
-        gate = self._pipeline.gate
-        if gate is not None:
-            gate.limit.set_ceiling(model_ceiling(self._cfg, snap))
+        self._set_ceiling(snap)
         entries = []
         for raw in snap.kill_switches:
             try:
@@ -169,3 +170,20 @@ class Reporter:
         counters = raw.get("fair_counters")
         if fair is not None and isinstance(counters, dict):
             fair.adopt(counters)
+        share = raw.get("fair_share")
+        self._fair_share = float(share) if fair is not None and isinstance(share, (int, float)) else None
+        snap = self._cache.snapshot()
+        if snap is not None:
+            self._set_ceiling(snap)
+
+    def _set_ceiling(self, snap: Snapshot) -> None:
+        """The gate's ceiling: this router's fair share of the model's slots while tenants
+        wait (the controller apportions them), else an even split among routers."""
+        gate = self._pipeline.gate
+        if gate is None:
+            return
+        ceiling = model_ceiling(self._cfg, snap)
+        replicas = snap.running_replicas.get(MODEL_DEPLOYMENT, 0)
+        if self._fair_share is not None and replicas > 0:
+            ceiling = max(1, int(replicas * self._cfg.deployments.model.max_ongoing_requests * self._fair_share))
+        gate.limit.set_ceiling(ceiling)

@@ -2,6 +2,7 @@
 ordering tenants inside a class by them (ballast/router/gate.py) on a fake clock."""
 
 import asyncio
+import math
 import random
 
 import pytest
@@ -266,3 +267,63 @@ def test_without_counters_the_gate_keeps_first_come_first_served_inside_a_class(
         assert order == ["a1", "a2", "b1"]
 
     asyncio.run(main())
+
+
+# -- the model's slots among routers -------------------------------------------------------
+
+from ballast.policies.fairness import router_shares  # noqa: E402
+
+
+def test_with_nobody_waiting_the_even_split_stands():
+    assert router_shares({"r1": (), "r2": ()}, {}, {"a": 1.0}, 2048.0, 0.1) == {}
+    assert router_shares({}, {}, {"a": 1.0}, 2048.0, 0.1) == {}
+
+
+def test_routers_share_the_model_by_the_weights_of_the_tenants_waiting_at_them():
+    w = {"a": 2.0, "b": 1.0, "c": 1.0}
+    shares = router_shares({"r1": ("a",), "r2": ("b",), "r3": ()}, {"a": 0.0, "b": 0.0}, w, 2048.0, 0.3)
+    assert shares == pytest.approx({"r1": 0.1 + 0.7 * 2 / 3, "r2": 0.1 + 0.7 / 3, "r3": 0.1})
+    assert sum(shares.values()) == pytest.approx(1.0)
+    # c waits at both routers: its weight is split between them.
+    shares = router_shares({"r1": ("a", "c"), "r2": ("c",)}, {}, w, 2048.0, 0.0)
+    assert shares == pytest.approx({"r1": 2.5 / 3, "r2": 0.5 / 3})
+
+
+def test_a_tenant_ahead_of_the_others_loses_share_by_a_factor_e_per_lag():
+    w = {"a": 1.0, "b": 1.0}
+    even = router_shares({"r1": ("a",), "r2": ("b",)}, {"a": 0.0, "b": 0.0}, w, 100.0, 0.0)
+    ahead = router_shares({"r1": ("a",), "r2": ("b",)}, {"a": 100.0, "b": 0.0}, w, 100.0, 0.0)
+    assert even["r1"] == pytest.approx(0.5)
+    assert ahead["r1"] == pytest.approx(math.exp(-1) / (1 + math.exp(-1)))
+    far_ahead = router_shares({"r1": ("a",), "r2": ("b",)}, {"a": 1e9, "b": 0.0}, w, 100.0, 0.0)
+    assert far_ahead["r1"] >= 0.0 and far_ahead["r2"] == pytest.approx(1.0)  # no overflow, no NaN
+    with pytest.raises(ValueError, match="lag_tokens"):
+        router_shares({"r1": ("a",)}, {}, w, 0.0, 0.1)
+    with pytest.raises(ValueError, match="floor_ratio"):
+        router_shares({"r1": ("a",)}, {}, w, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("wa, wb", [(1.0, 1.0), (2.0, 1.0)])
+def test_skewed_ingress_shares_by_weight_only_with_shared_counters(wa: float, wb: float):
+    """Tenant a only through router 1, b only through router 2, both always waiting; a's
+    requests cost 2.3x b's per slot-second (4x the prompt). Tick by tick (1 s): the
+    controller's shares set each router's slots; each tenant's counter grows by what its
+    slots served. With the counters shared, served service per unit of weight evens out
+    (within 10 %); with an even split of the slots it follows the request costs instead."""
+    slots, cost = 32, {"a": 2.3 * 40.0, "b": 40.0}  # weighted tokens per slot-second, before the weight
+    weights = {"a": wa, "b": wb}
+
+    def run(shared: bool) -> float:
+        counters = {"a": 0.0, "b": 0.0}
+        served = {"a": 0.0, "b": 0.0}
+        for tick in range(600):
+            shares = router_shares({"r1": ("a",), "r2": ("b",)}, counters, weights, 2048.0, 0.1) if shared else {}
+            for t, r in (("a", "r1"), ("b", "r2")):
+                got = slots * shares.get(r, 0.5) * cost[t]
+                counters[t] += got / weights[t]
+                if tick >= 100:  # after the first lead built up
+                    served[t] += got
+        return (served["a"] / wa) / (served["b"] / wb)
+
+    assert run(shared=True) == pytest.approx(1.0, abs=0.1)
+    assert run(shared=False) == pytest.approx(2.3 * wb / wa, rel=0.01)  # what sharing fixes
