@@ -172,7 +172,7 @@ class Reporter:
             fair.adopt(counters)
         share = raw.get("fair_share")
         self._fair_share = float(share) if fair is not None and isinstance(share, (int, float)) else None
-        snap = self._cache.snapshot()
+        snap = self._cache.snapshot
         if snap is not None:
             self._set_ceiling(snap)
 

@@ -11,11 +11,14 @@ for garbage collection.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from ray.exceptions import RayTaskError
 from starlette.requests import ClientDisconnect
 
+from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.control.snapshot import Snapshot
 from ballast.policies.criticality import Criticality
 from ballast.policies.deadline import Deadline
 from routerkit import at_level, build_router
@@ -220,3 +223,41 @@ async def test_the_gate_counts_a_request_in_the_report_it_was_decided_in(pipelin
     pipeline.gate.release(None)
     await waiting
     assert router.tally.gate_decided == {"critical": [1, 1]}
+
+
+# -- fair shares ---------------------------------------------------------------------------
+
+FAIR_CFG = {
+    "tenants": {"gold": {"weight": 2.0}, "free": {"weight": 1.0}},
+    "auth": {"demo_keys": {"dev-key-gold": "gold", "dev-key-free": "free"}},
+    "deployments": {"model": {"max_ongoing_requests": 10}},
+    "resilience": {"gate": {"initial_limit": 4, "min_limit": 1, "max_limit": 64}},
+}
+
+
+async def test_an_answer_charges_its_tenant_and_the_reports_carry_it_to_the_controller() -> None:
+    """The router's own wiring: an answered request is on its tenant's counter as prompt +
+    2 x generated over the weight; the report carries that charge; the controller's reply
+    (cluster counters and this router's share of the model) is adopted and sets the
+    gate's ceiling."""
+    router = build_router(FAIR_CFG, FakeHandle())
+    at_level(router, 0)
+    pipeline = router.pipeline
+    primary(pipeline).generate.script.append(reply(7))
+    await pipeline.serve(request(max_tokens=20))
+    fair = pipeline.gate.fair
+    assert fair.counter("gold") == pytest.approx((5 + 2 * 7) / 2.0)  # the upfront 20 settled to 7
+    report = router.reporter.report()
+    assert report.fair_charged == pytest.approx({"gold": 9.5})
+    assert report.fair_backlogged == ()
+    snap = Snapshot(epoch="e", version=2, created_at_s=time.time(), level=0, target_level=0, reason="test",
+                    constraints=router.snapshots.snapshot.constraints, running_replicas={MODEL_DEPLOYMENT: 2, ROUTER_DEPLOYMENT: 2})
+    router.snapshots.offer(snap)
+    router.reporter.on_snapshot(snap)
+    pipeline.gate.limit._value = 64.0  # climbed: the ceiling is what binds
+    assert pipeline.gate.limit.value == 10  # 2 replicas x 10, split evenly between 2 routers
+    router.reporter.on_reply({"fair_counters": {"gold": 100.0, "free": 40.0}, "fair_share": 0.25})
+    assert fair.shared and fair.counters() == {"gold": 100.0, "free": 40.0}
+    assert pipeline.gate.limit.value == 5  # a quarter of 2 x 10
+    router.reporter.on_reply({})  # nobody waits anywhere: the even split again
+    assert pipeline.gate.limit.value == 10
