@@ -83,7 +83,7 @@ test-unit: $(STAMP)
 bench-router: $(STAMP)
 	$(PY) -m loadtest.bench_router
 
-## Quiet tenant alone vs beside a noisy tenant at 10x its quota: p99 ratio with a bootstrap interval (~3 min).
+## Quiet tenant alone vs beside a noisy tenant at 10x its quota (p99 ratio), then two backlogged tenants through one router and through two routers with skewed ingress (shares by weight) (~10 min).
 bench-fairness: $(STAMP)
 	$(PY) -m loadtest.bench_fairness
 

@@ -1,14 +1,20 @@
-"""Fairness benchmark: a quiet tenant alone, then beside a noisy one at 10x its quota.
+"""Fairness benchmark: a quiet tenant beside a noisy one, and shares between two backlogged tenants.
 
-Prints, from one run, the quiet tenant's success rate and p50/p99 latency alone and
-beside the noisy tenant, the noisy tenant's outcomes, and the quiet p99 ratio
-(target: beside / alone <= 1.2) with a bootstrap interval. Alternates alone/beside
-rounds so drift lands on both. Requests go out through ``loadtest.lean_http`` on
-uvloop: with httpx (~2.8 ms of client CPU per request), the noisy tenant's 17 requests
-a second ran in the loop that times the quiet tenant and on the same two cores, so
-the client's own work could count against "beside". Loopback only; bounded in time
-(about 3 minutes).
-Run: ``make bench-fairness``.
+Part 1: a quiet tenant alone, then beside a noisy one at 10x its quota. Prints, from one
+run, the quiet tenant's success rate and p50/p99 latency alone and beside the noisy
+tenant, the noisy tenant's outcomes, and the quiet p99 ratio (target: beside / alone
+<= 1.1) with a bootstrap interval. Alternates alone/beside rounds so drift lands on
+both. Requests go out through ``loadtest.lean_http`` on uvloop: with httpx (~2.8 ms of
+client CPU per request), the noisy tenant's 17 requests a second ran in the loop that
+times the quiet tenant and on the same two cores, so the client's own work could count
+against "beside".
+
+Parts 2 and 3 (``loadtest.fair_shares``): two tenants backlogged through one router
+(weights 1:1, then 2:1, one sending 4x longer prompts), then through two routers with
+skewed ingress, each beside the setting it improves on (first come, first served;
+counters not shared).
+
+Loopback only; bounded in time (about 10 minutes). Run: ``make bench-fairness``.
 """
 
 import asyncio
