@@ -74,7 +74,7 @@ class FairnessConfig:
 
 
 @dataclass(frozen=True)
-class Charge:
+class FairCharge:
     """What one admitted request added to its tenant's counter (to correct at its end)."""
 
     tenant: str
@@ -150,15 +150,15 @@ class TenantCounters:
         return tuple(sorted(self._backlogged))
 
     # -- charging ------------------------------------------------------------------------
-    def charge(self, tenant: str, prompt_tokens: int, max_tokens: int) -> Charge:
+    def charge(self, tenant: str, prompt_tokens: int, max_tokens: int) -> FairCharge:
         """A request of ``tenant`` got its slot: its prompt and its max_tokens, weighted."""
         self._check(tenant)
         c = self.cfg
         amount = (c.input_weight * max(0, prompt_tokens) + c.output_weight * max(0, max_tokens)) / self._weights[tenant]
         self._add(tenant, amount)
-        return Charge(tenant, amount, max(0, max_tokens))
+        return FairCharge(tenant, amount, max(0, max_tokens))
 
-    def settle(self, charge: Charge, generated: Optional[int]) -> None:
+    def settle(self, charge: FairCharge, generated: Optional[int]) -> None:
         """The request ended with ``generated`` output tokens (None: unknown, keep the charge)."""
         if generated is None:
             return
@@ -166,7 +166,7 @@ class TenantCounters:
         if unused:
             self._add(charge.tenant, -self.cfg.output_weight * unused / self._weights[charge.tenant])
 
-    def refund(self, charge: Charge) -> None:
+    def refund(self, charge: FairCharge) -> None:
         """The slot was never used (its client left as it was granted): no service given."""
         self._add(charge.tenant, -charge.amount)
 

@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from ballast.policies import gate as rules
 from ballast.policies.criticality import Criticality
-from ballast.policies.fairness import Charge, TenantCounters
+from ballast.policies.fairness import FairCharge, TenantCounters
 from ballast.policies.gate import REFUSALS
 from ballast.policies.limiter import AimdLimit
 
@@ -103,7 +103,7 @@ class PriorityGate:
         """EWMA of time from slot to answer."""
         return self._service.mean_s
 
-    async def acquire(self, rank: int, deadline_s: float, tenant: str = "", cost: tuple[int, int] = (0, 0)) -> Optional[Charge]:
+    async def acquire(self, rank: int, deadline_s: float, tenant: str = "", cost: tuple[int, int] = (0, 0)) -> Optional[FairCharge]:
         """Hold a slot on return, or raise GateRefused. ``rank`` 0 is the most critical.
 
         ``cost`` is (prompt tokens, max_tokens): with tenant counters, what the slot
@@ -157,12 +157,12 @@ class PriorityGate:
             raise
         return fut.result()
 
-    def _charge(self, tenant: str, cost: tuple[int, int]) -> Optional[Charge]:
+    def _charge(self, tenant: str, cost: tuple[int, int]) -> Optional[FairCharge]:
         if self.fair is None or not tenant:
             return None
         return self.fair.charge(tenant, *cost)
 
-    def settle(self, charge: Optional[Charge], generated: Optional[int]) -> None:
+    def settle(self, charge: Optional[FairCharge], generated: Optional[int]) -> None:
         """A request that held a slot ended with ``generated`` output tokens (None: unknown)."""
         if self.fair is not None and charge is not None:
             self.fair.settle(charge, generated)
@@ -304,7 +304,7 @@ class GateSlot:
 
     __slots__ = ("_gate", "_share")
 
-    def __init__(self, gate: Optional[PriorityGate], share: Optional[Charge] = None):
+    def __init__(self, gate: Optional[PriorityGate], share: Optional[FairCharge] = None):
         self._gate = gate
         self._share = share  # what the slot charged its tenant's counter, if anything
 
