@@ -87,12 +87,16 @@ class Reporter:
 
     def _fair_charged(self) -> dict[str, float]:
         """What the gate charged each tenant since the last report, when counters are shared.
-        Without a fresh snapshot the controller is away: order by this router's view alone."""
+        Without a fresh snapshot the controller is away: order by this router's view alone,
+        and take an even split of the model again."""
         fair = self._fair()
         if fair is None:
             return {}
         if self._cache.effective().source != "snapshot":
             fair.adopt(None)
+            if self._fair_share is not None and self._cache.snapshot is not None:
+                self._fair_share = None
+                self._set_ceiling(self._cache.snapshot)
         return fair.take_report()
 
     def _fair(self) -> Optional[TenantCounters]:

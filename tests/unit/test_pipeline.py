@@ -231,7 +231,7 @@ FAIR_CFG = {
     "tenants": {"gold": {"weight": 2.0}, "free": {"weight": 1.0}},
     "auth": {"demo_keys": {"dev-key-gold": "gold", "dev-key-free": "free"}},
     "deployments": {"model": {"max_ongoing_requests": 10}},
-    "resilience": {"gate": {"initial_limit": 4, "min_limit": 1, "max_limit": 64}},
+    "resilience": {"gate": {"initial_limit": 64, "min_limit": 1, "max_limit": 64}},
 }
 
 
@@ -254,7 +254,6 @@ async def test_an_answer_charges_its_tenant_and_the_reports_carry_it_to_the_cont
                     constraints=router.snapshots.snapshot.constraints, running_replicas={MODEL_DEPLOYMENT: 2, ROUTER_DEPLOYMENT: 2})
     router.snapshots.offer(snap)
     router.reporter.on_snapshot(snap)
-    pipeline.gate.limit._value = 64.0  # climbed: the ceiling is what binds
     assert pipeline.gate.limit.value == 10  # 2 replicas x 10, split evenly between 2 routers
     router.reporter.on_reply({"fair_counters": {"gold": 100.0, "free": 40.0}, "fair_share": 0.25})
     assert fair.shared and fair.counters() == {"gold": 100.0, "free": 40.0}
