@@ -44,17 +44,25 @@ gets a share in proportion to the fair weight of the tenants waiting at it,
 of the others loses share smoothly until its counter grows no faster than theirs, per
 unit of weight; that is the fair split, whatever its requests cost.
 
-Bounded: one entry per configured tenant (``weights``); an unknown tenant is refused.
+**Served per second.** What each tenant was served (its settled charges, weighted as
+the counters weigh them) over the last ``SERVED_WINDOW_S``, for ``ballast tenants``.
+
+Bounded: one entry per configured tenant (``weights``); an unknown tenant is refused;
+the served window holds ``SERVED_WINDOW_S`` one-second buckets.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional
 
 from ballast.policies.validation import check_finite
+from ballast.policies.window import TimeWindow
+
+SERVED_WINDOW_S = 30  # one-second buckets
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,8 @@ class FairCharge:
 class TenantCounters:
     """Virtual token counters for a fixed set of tenants (see the module docstring)."""
 
-    def __init__(self, weights: Mapping[str, float], cfg: FairnessConfig = FairnessConfig()) -> None:
+    def __init__(self, weights: Mapping[str, float], cfg: FairnessConfig = FairnessConfig(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         for tenant, w in weights.items():
             check_finite(f"weight of {tenant!r}", w)
             if w <= 0:
@@ -98,6 +107,9 @@ class TenantCounters:
         self._backlogged: set[str] = set()
         self._last_left = 0.0  # counter of the last tenant to leave the backlog
         self.shared = False  # whether base came from cluster counters (else: this router's own view)
+        self._clock = clock
+        self._order = list(self._weights)  # the served window's fields
+        self._served = TimeWindow(1.0, SERVED_WINDOW_S, max(1, len(self._order)))
 
     # -- reading -------------------------------------------------------------------------
     def counter(self, tenant: str) -> float:
@@ -112,6 +124,7 @@ class TenantCounters:
         return {
             "view": "cluster" if self.shared else "router",
             "counters": {t: round(v, 1) for t, v in self.counters().items()},
+            "served_per_s": {t: round(v, 1) for t, v in self.served_per_s().items()},
             "backlogged": sorted(self._backlogged),
         }
 
@@ -160,11 +173,21 @@ class TenantCounters:
 
     def settle(self, charge: FairCharge, generated: Optional[int]) -> None:
         """The request ended with ``generated`` output tokens (None: unknown, keep the charge)."""
-        if generated is None:
-            return
-        unused = charge.output_tokens - max(0, generated)
-        if unused:
-            self._add(charge.tenant, -self.cfg.output_weight * unused / self._weights[charge.tenant])
+        served = charge.amount
+        if generated is not None:
+            unused = charge.output_tokens - max(0, generated)
+            if unused:
+                refund = self.cfg.output_weight * unused / self._weights[charge.tenant]
+                self._add(charge.tenant, -refund)
+                served -= refund
+        sample = [0.0] * len(self._order)
+        sample[self._order.index(charge.tenant)] = served
+        self._served.add(tuple(sample), self._clock())
+
+    def served_per_s(self) -> dict[str, float]:
+        """Each tenant's settled service per second over the last ``SERVED_WINDOW_S``."""
+        totals = self._served.totals(self._clock()) if self._order else ()
+        return {t: v / SERVED_WINDOW_S for t, v in zip(self._order, totals)}
 
     def refund(self, charge: FairCharge) -> None:
         """The slot was never used (its client left as it was granted): no service given."""

@@ -327,3 +327,21 @@ def test_skewed_ingress_shares_by_weight_only_with_shared_counters(wa: float, wb
 
     assert run(shared=True) == pytest.approx(1.0, abs=0.1)
     assert run(shared=False) == pytest.approx(2.3 * wb / wa, rel=0.01)  # what sharing fixes
+
+
+def test_served_per_second_counts_settled_service_over_the_last_30_s():
+    from tests.unit.fakes import FakeClock
+
+    clock = FakeClock(100)
+    c = TenantCounters({"a": 2.0, "b": 1.0}, CFG, clock=clock)
+    c.settle(c.charge("a", 10, 20), 5)  # served (10 + 2 x 5) / 2 = 10
+    c.settle(c.charge("b", 4, 3), None)  # unknown: the charge, 10
+    assert c.served_per_s() == pytest.approx({"a": 10 / 30, "b": 10 / 30})
+    clock.advance(29)
+    c.settle(c.charge("a", 60, 0), 0)
+    assert c.served_per_s() == pytest.approx({"a": 40 / 30, "b": 10 / 30})
+    clock.advance(1)  # the first second's samples leave
+    assert c.served_per_s() == pytest.approx({"a": 30 / 30, "b": 0.0})
+    assert c.view()["served_per_s"] == {"a": 1.0, "b": 0.0}
+    clock.advance(30)
+    assert c.served_per_s() == {"a": 0.0, "b": 0.0}
