@@ -373,10 +373,24 @@ def status(
 @app.command()
 def tenants(ctx: typer.Context) -> None:
     """Each tenant's token rate at the answering router, its bucket and whether a lease backs
-    it; and the fair-share counters that order the tenants waiting inside a class."""
+    it; its fair-share counter, its service per second and whether it waits at the gate."""
     doc = _admin_call(ctx, "GET", "/v1/status", show=False)
+    typer.echo(json.dumps(tenant_rows(doc), indent=2))
+
+
+def tenant_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``ballast tenants``: one row per tenant, its quota fields and, where the gate orders
+    tenants, its fair-share fields (``fair_view``: whose counters, the cluster's or this
+    router's own)."""
+    rows = {t: dict(q) for t, q in (doc.get("quotas") or {}).items()}
     fair = (doc.get("gate") or {}).get("fairness")
-    typer.echo(json.dumps({"quotas": doc["quotas"], "fair_shares": fair}, indent=2))
+    if fair:
+        waiting = set(fair.get("backlogged") or ())
+        served = fair.get("served_per_s") or {}
+        for t, counter in (fair.get("counters") or {}).items():
+            rows.setdefault(t, {}).update(fair_counter=counter, served_per_s=served.get(t), waiting=t in waiting,
+                                          fair_view=fair.get("view"))
+    return rows
 
 
 @app.command()

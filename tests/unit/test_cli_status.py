@@ -185,3 +185,35 @@ def test_status_without_url_reads_the_pid_file_and_says_when_nothing_answers(tmp
     monkeypatch.setenv("BALLAST_ADMIN_TOKEN", "t")
     assert main(["status"]) != 0
     assert "cannot reach Ballast at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def _fair_gate() -> dict[str, Any]:
+    """The gate's part of /v1/status with fair shares, from a real TenantCounters."""
+    from ballast.policies.fairness import TenantCounters
+
+    clock = FakeClock(0)
+    fair = TenantCounters({"gold": 3.0, "free": 1.0, "batch": 1.0}, clock=clock)
+    fair.backlogged("free")
+    fair.settle(fair.charge("free", 30, 10), 10)
+    fair.adopt({"gold": 5.0, "free": 0.0, "batch": 0.0})
+    return {"limit": 16, "in_flight": 3, "waiting": 2, "fairness": fair.view()}
+
+
+def test_tenants_rows_join_quotas_and_fair_shares() -> None:
+    from ballast.ops.cli import tenant_rows
+
+    doc = live_document() | {"gate": _fair_gate()}
+    rows = tenant_rows(doc)
+    assert rows["free"]["tokens"] == 12.5  # the quota fields are kept as they were
+    assert rows["free"]["waiting"] is True
+    assert (rows["gold"]["fair_counter"], rows["gold"]["waiting"], rows["gold"]["fair_view"]) == (5.0, False, "cluster")
+    assert rows["free"]["served_per_s"] == round(50 / 30, 1)
+    assert rows["batch"] == {"fair_counter": 0.0, "served_per_s": 0.0, "waiting": False, "fair_view": "cluster"}
+    assert tenant_rows(live_document()) == live_document()["quotas"]  # no gate: the quotas alone
+
+
+def test_summary_says_whose_counters_order_the_line() -> None:
+    doc = live_document() | {"gate": _fair_gate()}
+    assert "fair shares: cluster-wide counters; tenants waiting: free" in format_status(doc)
+    doc["gate"]["fairness"]["view"] = "router"
+    assert "fair shares: this router's own counters (no controller reply)" in format_status(doc)
