@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ballast.policies.fairness import jain_index
+from ballast.policies.fairness import FairnessConfig, jain_index
 from loadtest.lean_http import LeanClient, LeanHttpError
 
 KEYS = {"a": "dev-key-fair-a", "b": "dev-key-fair-b"}
@@ -60,9 +60,6 @@ class Served:
     prompt_tokens: int = 0
     generated: int = 0
     codes: Counter = field(default_factory=Counter)
-
-    def weighted(self, input_weight: float, output_weight: float) -> float:
-        return input_weight * self.prompt_tokens + output_weight * self.generated
 
 
 async def closed_loop(c: LeanClient, path: str, key: str, prompt: str, prompt_tokens: int, workers: int,
@@ -104,13 +101,13 @@ class ShareRow:
     weights: tuple[float, float]
     a: Served
     b: Served
-    input_weight: float
-    output_weight: float
+    fair: FairnessConfig  # how the counters weigh the tokens
 
     def per_weight(self) -> tuple[float, float]:
+        """Each tenant's service as its counter weighs it."""
         wa, wb = self.weights
-        return (self.a.weighted(self.input_weight, self.output_weight) / wa,
-                self.b.weighted(self.input_weight, self.output_weight) / wb)
+        return (self.fair.cost(self.a.prompt_tokens, self.a.generated, wa),
+                self.fair.cost(self.b.prompt_tokens, self.b.generated, wb))
 
     def ratio(self) -> float:
         pa, pb = self.per_weight()
@@ -208,7 +205,7 @@ def run(base: dict[str, Any], port: int, warmup_s: float, measure_s: float, log:
                     )
 
             a, b = asyncio.run(measure())
-            rows.append(ShareRow(part, setting, weights, a, b, f.input_weight, f.output_weight))
+            rows.append(ShareRow(part, setting, weights, a, b, f.policy_config()))
             log("  " + render(rows[-1:])[1])
         _without_second_router()
     return rows

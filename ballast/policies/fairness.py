@@ -80,6 +80,10 @@ class FairnessConfig:
         if self.input_weight == 0 and self.output_weight == 0:
             raise ValueError("input_weight and output_weight cannot both be 0")
 
+    def cost(self, prompt_tokens: int, output_tokens: int, weight: float) -> float:
+        """What serving these tokens adds to a counter of ``weight``."""
+        return (self.input_weight * max(0, prompt_tokens) + self.output_weight * max(0, output_tokens)) / weight
+
 
 @dataclass(frozen=True)
 class FairCharge:
@@ -166,8 +170,7 @@ class TenantCounters:
     def charge(self, tenant: str, prompt_tokens: int, max_tokens: int) -> FairCharge:
         """A request of ``tenant`` got its slot: its prompt and its max_tokens, weighted."""
         self._check(tenant)
-        c = self.cfg
-        amount = (c.input_weight * max(0, prompt_tokens) + c.output_weight * max(0, max_tokens)) / self._weights[tenant]
+        amount = self.cfg.cost(prompt_tokens, max_tokens, self._weights[tenant])
         self._add(tenant, amount)
         return FairCharge(tenant, amount, max(0, max_tokens))
 
@@ -177,7 +180,7 @@ class TenantCounters:
         if generated is not None:
             unused = charge.output_tokens - max(0, generated)
             if unused:
-                refund = self.cfg.output_weight * unused / self._weights[charge.tenant]
+                refund = self.cfg.cost(0, unused, self._weights[charge.tenant])
                 self._add(charge.tenant, -refund)
                 served -= refund
         sample = [0.0] * len(self._order)

@@ -364,8 +364,9 @@ class Pipeline:
             used = ticket.prompt_tokens + outcome.generated
             if used:
                 self._metrics.tenant_tokens.inc(used, tags={"tenant": ticket.tenant})
-            fair = self._cfg.fairness
-            served = (fair.input_weight * ticket.prompt_tokens + fair.output_weight * outcome.generated) / self._cfg.tenants[ticket.tenant].weight
+            served = self._cfg.fairness.policy_config().cost(
+                ticket.prompt_tokens, outcome.generated, self._cfg.tenants[ticket.tenant].weight
+            )
             if served:
                 self._metrics.fair_served.inc(served, tags={"tenant": ticket.tenant})
         self._tally.requests += 1

@@ -40,12 +40,14 @@ from ballast.router.tally import Tally
 log = logging.getLogger("ballast.router")
 
 
-def model_ceiling(cfg: Any, snap: Snapshot) -> Optional[int]:
-    """The gate's ceiling from a snapshot: ballast/policies/request.py's ``model_ceiling``."""
+def model_ceiling(cfg: Any, snap: Snapshot, share: Optional[float] = None) -> Optional[int]:
+    """The gate's ceiling from a snapshot (and this router's fair share of the model, when
+    the controller gave one): ballast/policies/request.py's ``model_ceiling``."""
     return request_policy.model_ceiling(
         snap.running_replicas.get(MODEL_DEPLOYMENT, 0),
         snap.running_replicas.get(ROUTER_DEPLOYMENT, 0),
         cfg.deployments.model.max_ongoing_requests,
+        share,
     )
 
 
@@ -186,8 +188,4 @@ class Reporter:
         gate = self._pipeline.gate
         if gate is None:
             return
-        ceiling = model_ceiling(self._cfg, snap)
-        replicas = snap.running_replicas.get(MODEL_DEPLOYMENT, 0)
-        if self._fair_share is not None and replicas > 0:
-            ceiling = max(1, int(replicas * self._cfg.deployments.model.max_ongoing_requests * self._fair_share))
-        gate.limit.set_ceiling(ceiling)
+        gate.limit.set_ceiling(model_ceiling(self._cfg, snap, self._fair_share))
