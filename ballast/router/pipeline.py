@@ -203,6 +203,7 @@ class Pipeline:
         model_max_tokens: int,
     ) -> None:
         self._cfg = cfg
+        self._fair_cost = cfg.fairness.policy_config()  # the counters' cost rule, for the served metric
         self._keys = keys
         self.snapshots = cache  # the controller's snapshot (the level), kept fresh off the request path
         self.caller = caller
@@ -364,9 +365,7 @@ class Pipeline:
             used = ticket.prompt_tokens + outcome.generated
             if used:
                 self._metrics.tenant_tokens.inc(used, tags={"tenant": ticket.tenant})
-            served = self._cfg.fairness.policy_config().cost(
-                ticket.prompt_tokens, outcome.generated, self._cfg.tenants[ticket.tenant].weight
-            )
+            served = self._fair_cost.cost(ticket.prompt_tokens, outcome.generated, self._cfg.tenants[ticket.tenant].weight)
             if served:
                 self._metrics.fair_served.inc(served, tags={"tenant": ticket.tenant})
         self._tally.requests += 1
