@@ -194,7 +194,11 @@ class ModelServer:
         self._watchdog = self._spawn_watchdog()
         self._apply_batch_limit(self._cache.effective().constraints.max_batch_size)
 
-        from ray.serve import metrics  # created once, here (STYLE 8)
+        self._create_metrics()
+
+    def _create_metrics(self) -> None:
+        """The replica's metrics, created once, at construction (STYLE 8)."""
+        from ray.serve import metrics
 
         self._m_batch = metrics.Histogram(
             "ballast_model_batch_size", "Rows in the live batch per generated chunk.", boundaries=[1, 2, 4, 8, 16, 24, 32, 64]
@@ -563,6 +567,7 @@ class ModelServer:
             yield chunk
 
     def __del__(self) -> None:
+        # Serve calls a deployment's __del__ when it stops the replica: its shutdown hook.
         if getattr(self, "_gpu", None) is not None:
             self._gpu.close()
 

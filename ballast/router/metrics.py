@@ -11,6 +11,12 @@ class RouterMetrics:
     def __init__(self) -> None:
         from ray.serve import metrics
 
+        self._requests(metrics)
+        self._protection(metrics)
+        self._tenants(metrics)
+
+    def _requests(self, metrics) -> None:
+        """What became of each request, and how long it took."""
         self.requests = metrics.Counter(
             "ballast_requests_total", "Requests by outcome, every front.", tag_keys=("tenant", "criticality", "code")
         )
@@ -20,6 +26,9 @@ class RouterMetrics:
             boundaries=[5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000],
             tag_keys=("criticality",),
         )
+
+    def _protection(self, metrics) -> None:
+        """The level, breakers, fallbacks, retries, gate and edge this router acts through."""
         self.level = metrics.Gauge("ballast_router_level", "Degradation level this router acts on.")
         self.breaker = metrics.Gauge(
             "ballast_breaker_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.", tag_keys=("backend",)
@@ -51,6 +60,9 @@ class RouterMetrics:
         self.snapshot_age = metrics.Gauge(
             "ballast_snapshot_age_s", "Age of the controller snapshot this router acts on (-1: none yet)."
         )
+
+    def _tenants(self, metrics) -> None:
+        """What each tenant was charged and served, and its fair-share counter."""
         self.tenant_tokens = metrics.Counter(
             "ballast_tenant_tokens_total", "Tokens charged to a tenant (prompt + generated).", tag_keys=("tenant",)
         )
