@@ -137,3 +137,19 @@ class ConfigError(ValueError):
 
     def __str__(self) -> str:
         return f"{self.where}: {self.reason}"
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint could not be turned into a runnable model.
+
+    Both fields go to ``super().__init__`` so the error pickles intact across
+    Ray process boundaries (a replica failing to load reports to the controller).
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(path, reason)
+        self.path = path
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"cannot load model from {self.path!r}: {self.reason}"

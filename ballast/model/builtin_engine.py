@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ballast.model.batching import describe_engine, ids_by_row, left_pad, rows_to_keep
-from ballast.model.engine import ModelLoadError
+from ballast.errors import ModelLoadError
 
 __all__ = [
     "BYTE_VOCAB_SIZE",

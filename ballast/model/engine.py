@@ -24,21 +24,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from ballast.errors import ModelLoadError  # what a directory an engine cannot load raises
 
-class ModelLoadError(ValueError):
-    """A checkpoint could not be turned into a runnable model.
-
-    Both fields go to ``super().__init__`` so the error pickles intact across
-    Ray process boundaries (a replica failing to load reports to the controller).
-    """
-
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(path, reason)
-        self.path = path
-        self.reason = reason
-
-    def __str__(self) -> str:
-        return f"cannot load model from {self.path!r}: {self.reason}"
+__all__ = ["Batch", "ModelBackend", "ModelLoadError", "StreamDecoder", "build_engine"]
 
 
 class StreamDecoder(Protocol):

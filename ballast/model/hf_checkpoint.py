@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ballast.model.engine import ModelLoadError
+from ballast.errors import ModelLoadError
 
 __all__ = [
     "CheckpointError",

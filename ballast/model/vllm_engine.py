@@ -50,8 +50,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ballast.model.batching import describe_engine
-from ballast.errors import EngineRefused
-from ballast.model.engine import ModelLoadError
+from ballast.errors import EngineRefused, ModelLoadError
 from ballast.model.hf_engine import GREEDY, ContextTooLong, IncrementalDetokenizer, RowSampling, encode_prompt, fit_prompt
 
 __all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
