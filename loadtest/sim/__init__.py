@@ -36,7 +36,12 @@ comparison (``make sim``). Arms (``ARMS``):
   over its saturated throughput as its utilization;
 * the watchdog's leak trend is computed analytically from the known leak
   (noise-free: R² = 1) rather than fitted by ``LeakDetector`` per sample;
-* absolute-count settings are scaled to the fleet (``config.fleet_scaled_settings``).
+* absolute-count settings are scaled to the fleet (``config.fleet_scaled_settings``);
+* tenants are off by default: then requests have none and the fleet serves one FIFO
+  with no class order. With ``SimConfig.tenancy`` they belong to tenants and wait at
+  routers' gates, most critical class first and, inside a class, in fair-share order
+  by ``ballast.policies.fairness`` (``tenants``); ``python -m loadtest.sim.fairness``
+  runs that scenario (``make sim-fairness``).
 
 Deterministic for a seed: arrivals and each arm's fleet draw from numpy
 generators seeded from it; the arms' results do not depend on each other.

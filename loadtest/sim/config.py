@@ -13,6 +13,10 @@ a 1,000-replica fleet. Those are scaled with the fleet and listed by
 * recycle ``max_unavailable`` (default 1, i.e. ~40 recycles/h at a 90 s cold
   start): ``ceil(replicas_peak / 100)``.
 
+With ``tenancy`` set (``TenancyConfig``), the requests belong to tenants and wait at
+routers' gates in fair-share order (``tenants``); its ``lag_tokens`` is an absolute count
+too and is scaled like the queue thresholds. Without it (the default) there is one FIFO.
+
 The baselines get the same target load per replica as Ballast so that the
 comparison is about the policies, not the targets: Ray Serve's queue-length
 rule uses ``target_ongoing_requests = 8`` (Ray's own default is 2, which on a
@@ -25,8 +29,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ballast.config import FairnessSettings
 from ballast.policies.autoscale import AutoscaleConfig
 from ballast.policies.degradation import DegradationConfig
+from ballast.policies.fairness import FairnessConfig
 from ballast.policies.leak import LadderConfig, LeakConfig
 from ballast.policies.recycle import RecycleConfig
 from ballast.policies.validation import check_fraction, check_positive
@@ -43,7 +49,69 @@ RAY_SERVE = "ray_serve_default"
 HPA = "hpa_utilization"
 ARMS: tuple[str, ...] = (BALLAST, BALLAST_NO_RECYCLE, RAY_SERVE, HPA)
 
+#: Production's fair-share settings (``fairness:`` in the deployment config).
+PRODUCTION_FAIRNESS = FairnessSettings()
 
+
+@dataclass(frozen=True)
+class TenantSpec:
+    """A tenant: its weight, its share of the arrivals, what each of its requests costs,
+    and the routers its traffic enters (split evenly among them)."""
+
+    name: str
+    weight: float = 1.0
+    #: Relative to the other tenants' (normalized over them), in every class.
+    arrival_share: float = 1.0
+    prompt_tokens: int = 100
+    #: Its max_tokens; every request generates all of them.
+    output_tokens: int = 100
+    routers: tuple[int, ...] = (0,)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("tenant name: must not be empty")
+        for name in ("weight", "arrival_share"):
+            check_positive(f"{self.name}.{name}", getattr(self, name))
+        for name in ("prompt_tokens", "output_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{self.name}.{name}: must be an int >= 0, got {v!r}")
+        if not self.routers or len(set(self.routers)) != len(self.routers):
+            raise ValueError(f"{self.name}.routers: must be distinct router indices, got {self.routers!r}")
+
+
+@dataclass(frozen=True)
+class TenancyConfig:
+    """Tenants at routers' gates (``tenants.TenantLines``), with production's fairness knobs."""
+
+    tenants: tuple[TenantSpec, ...]
+    routers: int = 1
+    #: ``fairness.enabled``: the counters order each class's waiters; off, the oldest goes first.
+    enabled: bool = PRODUCTION_FAIRNESS.enabled
+    #: ``fairness.shared``: the controller merges the counters and apportions the fleet among routers.
+    shared: bool = PRODUCTION_FAIRNESS.shared
+    fairness: FairnessConfig = field(default_factory=PRODUCTION_FAIRNESS.policy_config)
+    #: None: production's ``fairness.lag_tokens`` scaled to the fleet (``SimConfig.fair_lag_tokens``).
+    lag_tokens: float | None = None
+    router_floor_ratio: float = PRODUCTION_FAIRNESS.router_floor_ratio
+    #: Quanta a router grants per tick (at most, plus one per line it empties).
+    grants_per_router: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.tenants or len({t.name for t in self.tenants}) != len(self.tenants):
+            raise ValueError("tenancy.tenants: must be one or more tenants with distinct names")
+        if isinstance(self.routers, bool) or not isinstance(self.routers, int) or self.routers < 1:
+            raise ValueError(f"tenancy.routers: must be an int >= 1, got {self.routers!r}")
+        for t in self.tenants:
+            if any(not isinstance(r, int) or not 0 <= r < self.routers for r in t.routers):
+                raise ValueError(f"{t.name}.routers: must be in [0, {self.routers}), got {t.routers!r}")
+        if self.lag_tokens is not None:
+            check_positive("tenancy.lag_tokens", self.lag_tokens)
+        if not 0 <= self.router_floor_ratio < 1:
+            raise ValueError(f"tenancy.router_floor_ratio: must be in [0, 1), got {self.router_floor_ratio!r}")
+        if isinstance(self.grants_per_router, bool) or not isinstance(self.grants_per_router, int) \
+                or self.grants_per_router < 1:
+            raise ValueError(f"tenancy.grants_per_router: must be an int >= 1, got {self.grants_per_router!r}")
 
 
 @dataclass(frozen=True)
@@ -114,6 +182,9 @@ class SimConfig:
     #: Keep one ``TickRecord`` per tick in the Result (tests, plots); off for long runs.
     record_ticks: bool = False
 
+    #: Tenants in fair-share order at routers' gates; None: the fleet's one FIFO.
+    tenancy: TenancyConfig | None = None
+
     def __post_init__(self) -> None:
         if isinstance(self.replicas_peak, bool) or not isinstance(self.replicas_peak, int) or self.replicas_peak < 1:
             raise ValueError(f"replicas_peak: must be an int >= 1, got {self.replicas_peak!r}")
@@ -178,6 +249,12 @@ class SimConfig:
 
     def queue_scale(self) -> float:
         return self.queue_length_scale if self.queue_length_scale is not None else max(1.0, self.replicas_peak / 4)
+
+    def fair_lag_tokens(self) -> float:
+        """``tenancy.lag_tokens``, else production's scaled like the queue thresholds."""
+        if self.tenancy is not None and self.tenancy.lag_tokens is not None:
+            return self.tenancy.lag_tokens
+        return PRODUCTION_FAIRNESS.lag_tokens * self.queue_scale()
 
 
 # --------------------------------------------------------------------------- policy configs

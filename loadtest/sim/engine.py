@@ -10,9 +10,11 @@ A tick ``[t, t + T)``:
    admission at the level decided at the end of the previous tick (Ballast;
    the baselines admit everything);
 3. requests queued longer than ``timeout_s`` are given up; the fleet starts
-   what its serving replicas can at the level's batch size (``fleet.RequestQueue``);
-4. at ``t + T`` the arm's control loop decides (``controllers``) and Serve
-   reconciles the fleet to the target.
+   what its serving replicas can at the level's batch size (``fleet.RequestQueue``;
+   with ``SimConfig.tenancy``, ``tenants.TenantLines``: routers' lines in fair-share
+   order);
+4. at ``t + T`` the arm's control loop decides (``controllers``; with tenants, the
+   controller's fair-share step too) and Serve reconciles the fleet to the target.
 
 Cost is replica-time allocated (starting, ready or draining), measured per tick.
 Memory is bounded: the fleet's slot arrays, a queue of at most
@@ -32,6 +34,7 @@ from .config import ARMS, BALLAST, BALLAST_NO_RECYCLE, HPA, RAY_SERVE, SimConfig
 from .controllers import BallastController, HpaController, RayServeController, TickView
 from .fleet import DRAINING, READY, Fleet, RequestQueue, split
 from .model import CLASSES
+from .tenants import TenantLines, TenantStats
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ class Result:
     #: Seconds spent at each degradation level 0–4 (baselines: all at 0).
     level_seconds: tuple[float, ...]
     ticks: tuple[TickRecord, ...] = ()
+    #: Per tenant, with ``SimConfig.tenancy`` (else empty).
+    tenants: tuple[TenantStats, ...] = ()
     #: Wall time of the run; not part of equality (it is the only non-deterministic field).
     wall_s: float = field(default=0.0, compare=False)
 
@@ -158,7 +163,8 @@ class _Run:
         ages = self.fleet.rng.uniform(0.0, cfg.initial_age_max_h * 3600.0, n0)
         self.fleet.start(n0, 0.0, age_s=ages)
         self.target = self.peak = n0
-        self.queue = RequestQueue()
+        self.tenants = None if cfg.tenancy is None else TenantLines(cfg.tenancy, cfg.fair_lag_tokens(), seed)
+        self.queue: RequestQueue | TenantLines = RequestQueue() if self.tenants is None else self.tenants
         self.wants_p95 = isinstance(self.ctrl, BallastController)
         self.arrivals_c, self.shed_c, self.served_c = [0] * 4, [0] * 4, [0] * 4
         self.in_slo_c = [0.0] * 4
@@ -240,7 +246,7 @@ class _Run:
         cap_f = mu * T + self.cap_carry
         cap = int(cap_f)
         demand = queue.total
-        started = min(demand, cap)
+        started = queue.startable(cap)
         self.cap_carry = cap_f - cap if demand >= cap else 0.0
         rate_per_replica = started / (serving * T) if serving else 0.0
         batch = svc.batch_for_rate(rate_per_replica, max_batch, work)
@@ -257,6 +263,8 @@ class _Run:
     def _control(self, t: float, got, started: int, batch: float, serving: int, errors: int) -> None:
         """4. The control loop at t + T, then Serve reconciles the fleet to its target."""
         T, queue = self.T, self.queue
+        if self.tenants is not None:
+            self.tenants.control()
         wait_p95 = None
         if self.wants_p95:
             wait_p95 = got.wait_quantile_s(0.95)
@@ -310,5 +318,6 @@ class _Run:
             hard_failures=self.hard,
             level_seconds=tuple(self.level_s),
             ticks=tuple(self.ticks),
+            tenants=() if self.tenants is None else self.tenants.stats(),
             wall_s=wall_s,
         )

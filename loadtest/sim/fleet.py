@@ -120,6 +120,14 @@ class RequestQueue:
     def head_wait_s(self, now_s: float) -> float:
         return max(0.0, now_s - self._cohorts[0][2]) if self._cohorts else 0.0
 
+    def head_arrival_s(self) -> float:
+        """When the oldest request waiting arrived (inf when none waits)."""
+        return self._cohorts[0][2] if self._cohorts else math.inf
+
+    def startable(self, capacity: int) -> int:
+        """How many ``serve(…, capacity, …)`` would start now."""
+        return min(self.total, capacity)
+
     def expire(self, cutoff_s: float) -> list[int]:
         """Drop requests that arrived before ``cutoff_s``; their per-class counts."""
         out = [0, 0, 0, 0]
@@ -142,11 +150,14 @@ class RequestQueue:
             break
         return out
 
-    def serve(self, now_s: float, capacity: int, rate_per_s: float, wait_budget_s: float) -> Served:
+    def serve(self, now_s: float, capacity: int, rate_per_s: float, wait_budget_s: float,
+              start: int = 0) -> Served:
         """Start up to ``capacity`` requests in FIFO order in the tick beginning at ``now_s``.
 
-        ``rate_per_s`` is the fleet's start rate while it has a backlog. A request
-        meets the SLO when its wait is at most ``wait_budget_s`` (SLO − service time).
+        ``rate_per_s`` is the start rate while there is a backlog; ``start`` is how many
+        starts of the tick at that rate came before these (another line's), so the first
+        one here starts at ``now_s + start / rate_per_s``. A request meets the SLO when
+        its wait is at most ``wait_budget_s`` (SLO − service time).
         """
         counts = [0, 0, 0, 0]
         in_slo = [0.0, 0.0, 0.0, 0.0]
@@ -157,8 +168,8 @@ class RequestQueue:
             c = self._cohorts[0]
             n, cc, a0, dt = c
             m = min(n, capacity - pos)
-            # Member i starts at max(arrival_i, now + (pos+i)/mu): its wait is linear in i.
-            w0 = now_s + pos * inv_mu - a0
+            # Member i starts at max(arrival_i, now + (start+pos+i)/mu): its wait is linear in i.
+            w0 = now_s + (start + pos) * inv_mu - a0
             slope = inv_mu - dt
             ok = _count_at_most(w0, slope, m, wait_budget_s)
             take = split(m, cc)
