@@ -62,7 +62,7 @@ from ballast.router.gate import GateRefused, GateSlot, PriorityGate
 from ballast.router.idempotency import IdempotencyStore
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
-from ballast.router.resilience import CallRecord, ResilientCaller
+from ballast.router.resilience import CallRecord, CallSpec, ResilientCaller
 from ballast.router.tally import Tally
 from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
 
@@ -427,7 +427,7 @@ class Pipeline:
         at = ticket.deadline.at_s
         try:
             result, fallback = await asyncio.wait_for(
-                self.caller.unary(call, at, self.kill_switches, time.time(), ticket.fallback_only, record),
+                self.caller.unary(CallSpec(call, at, self.kill_switches, time.time(), ticket.fallback_only, record)),
                 timeout=max(0.001, at - sent),
             )
         except asyncio.TimeoutError:
@@ -447,7 +447,7 @@ class Pipeline:
         outcome = Outcome("OK")
         try:
             chunks, state.fallback = await self.caller.stream(
-                call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call
+                CallSpec(call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call)
             )
             async for chunk in chunks:
                 if "queue_wait_ms" in chunk:
