@@ -60,7 +60,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from loadtest.shapes import TimeScale
-from ballast.policies.validation import check_non_negative, check_positive, is_finite
+from ballast.policies.validation import check_fields, check_non_negative, check_positive, is_finite
 
 DEMO_ADMIN_TOKEN = "dev-admin-token"
 OPERATOR = "loadtest-faults"
@@ -123,7 +123,7 @@ class FaultEvent:
     args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_non_negative("at_sim_s", self.at_sim_s)
+        check_fields(self, check_non_negative, "at_sim_s")
         if self.action not in ACTIONS:
             raise ValueError(f"action: must be one of {ACTIONS}, got {self.action!r}")
         if not isinstance(self.args, Mapping):

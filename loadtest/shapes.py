@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ballast.policies.validation import check_finite, check_int, check_non_negative, check_positive, is_finite
+from ballast.policies.validation import check_fields, check_finite, check_int, check_non_negative, check_positive, is_finite
 
 DAY_S = 86_400.0
 HOUR_S = 3_600.0
@@ -163,15 +163,15 @@ class DiurnalShape:
     start_hour: float = 0.0
 
     def __post_init__(self) -> None:
-        check_int("peak_users", self.peak_users, minimum=1)
-        check_int("min_users", self.min_users, minimum=0)
+        check_fields(self, check_int, "peak_users", minimum=1)
+        check_fields(self, check_int, "min_users", minimum=0)
         if self.min_users > self.peak_users:
             raise ValueError(f"min_users: must be <= peak_users ({self.peak_users}), got {self.min_users}")
         if not isinstance(self.time_scale, TimeScale):
             raise ValueError(f"time_scale: must be a TimeScale, got {self.time_scale!r}")
         if not isinstance(self.profile, DiurnalProfile):
             raise ValueError(f"profile: must be a DiurnalProfile, got {self.profile!r}")
-        check_non_negative("spawn_rate_per_s", self.spawn_rate_per_s)
+        check_fields(self, check_non_negative, "spawn_rate_per_s")
         if not is_finite(self.start_hour) or not 0 <= self.start_hour < 24:
             raise ValueError(f"start_hour: must be within [0, 24), got {self.start_hour!r}")
 
@@ -208,9 +208,9 @@ class Stage:
     spawn_rate: float
 
     def __post_init__(self) -> None:
-        check_positive("duration_s", self.duration_s)
-        check_int("users", self.users, minimum=0)
-        check_positive("spawn_rate", self.spawn_rate)
+        check_fields(self, check_positive, "duration_s")
+        check_fields(self, check_int, "users", minimum=0)
+        check_fields(self, check_positive, "spawn_rate")
 
 
 @dataclass(frozen=True)

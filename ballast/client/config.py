@@ -7,7 +7,7 @@ from typing import Optional
 
 from ballast.policies.retry import RetryConfig
 from ballast.policies.throttle import ThrottleConfig
-from ballast.policies.validation import check_int, check_non_negative, check_positive, is_number
+from ballast.policies.validation import check_fields, check_int, check_non_negative, check_positive, is_number
 
 @dataclass(frozen=True)
 class ClientConfig:
@@ -43,22 +43,20 @@ class ClientConfig:
             raise ValueError(f"base_url: must be an http(s) URL, got {self.base_url!r}")
         if not isinstance(self.api_key, str) or not self.api_key.strip() or any(c in self.api_key for c in "\r\n "):
             raise ValueError("api_key: must be a non-empty string without spaces or newlines")
-        check_positive("connect_timeout_s", self.connect_timeout_s)
-        check_positive("read_timeout_s", self.read_timeout_s)
-        check_int("max_attempts", self.max_attempts, minimum=1)
-        check_non_negative("base_backoff_s", self.base_backoff_s)
-        check_non_negative("max_backoff_s", self.max_backoff_s)
+        check_fields(self, check_positive, "connect_timeout_s", "read_timeout_s")
+        check_fields(self, check_int, "max_attempts", minimum=1)
+        check_fields(self, check_non_negative, "base_backoff_s", "max_backoff_s")
         if self.max_backoff_s < self.base_backoff_s:
             raise ValueError(f"max_backoff_s: must be >= base_backoff_s ({self.base_backoff_s}), got {self.max_backoff_s!r}")
         if not is_number(self.retry_budget_ratio) or not 0 <= self.retry_budget_ratio <= 1:
             raise ValueError(f"retry_budget_ratio: must be in [0, 1], got {self.retry_budget_ratio!r}")
-        check_int("retry_budget_window", self.retry_budget_window, minimum=1)
-        check_int("retry_budget_min_retries", self.retry_budget_min_retries, minimum=0)
-        check_positive("max_retry_wait_s", self.max_retry_wait_s)
+        check_fields(self, check_int, "retry_budget_window", minimum=1)
+        check_fields(self, check_int, "retry_budget_min_retries", minimum=0)
+        check_fields(self, check_positive, "max_retry_wait_s")
         if self.throttle is not None and not isinstance(self.throttle, ThrottleConfig):
             raise ValueError(f"throttle: must be a ThrottleConfig or None, got {self.throttle!r}")
         if self.request_timeout_ms is not None:
-            check_int("request_timeout_ms", self.request_timeout_ms, minimum=1)
+            check_fields(self, check_int, "request_timeout_ms", minimum=1)
 
     def retry_config(self) -> RetryConfig:
         """The backoff math's config (``ballast.policies.retry``); its budget fields are unused here."""

@@ -65,16 +65,10 @@ class InvalidRequest(BallastClientError):
 
     default_status, default_code = 422, "INVALID_REQUEST"
 
-    def __init__(
-        self,
-        message: str,
-        status: Optional[int] = _CLASS_STATUS,
-        code: Optional[str] = None,
-        retry_after_s: Optional[float] = None,
-        field: str = "",
-    ) -> None:
-        super().__init__(message, status, code, retry_after_s)
-        self.args = (message, self.status, self.code, retry_after_s, field)
+    def __init__(self, *args: Any, field: str = "", **kwargs: Any) -> None:
+        """The base's arguments, and ``field``: kept out of ``args`` (which rebuild the error
+        when it is unpickled) and restored with the rest of its attributes."""
+        super().__init__(*args, **kwargs)
         self.field = field
 
 
@@ -207,7 +201,7 @@ def error_from_payload(
         cls = ServerError
     if cls is InvalidRequest:
         field_name = err.get("field") if isinstance(err.get("field"), str) else ""
-        return InvalidRequest(message, status, code, retry_after_s, field_name)
+        return InvalidRequest(message, status, code, retry_after_s, field=field_name)
     return cls(message, status, code, retry_after_s)
 
 

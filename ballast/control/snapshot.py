@@ -128,6 +128,7 @@ class SnapshotCache:
 Report = RouterReport | ReplicaReport
 
 
+@dataclass(eq=False)
 class SnapshotExchange:
     """Background loop: push ``make_report()`` to the controller, take the snapshot back.
 
@@ -136,25 +137,16 @@ class SnapshotExchange:
     is skipped — the cache keeps serving fail-static.
     """
 
-    def __init__(
-        self,
-        cache: SnapshotCache,
-        call: Callable[[Report], Awaitable[dict[str, Any]]],
-        make_report: Callable[[], Report],
-        interval_s: float,
-        timeout_s: float,
-        on_snapshot: Optional[Callable[[Snapshot], None]] = None,
-        on_reply: Optional[Callable[[dict[str, Any]], None]] = None,
-    ):
-        self._cache = cache
-        self._call = call
-        self._make_report = make_report
-        self._interval_s = interval_s
-        self._timeout_s = timeout_s
-        self._on_snapshot = on_snapshot
-        self._on_reply = on_reply  # sees every reply, for per-sender extras (leases)
-        self._task: Optional[asyncio.Task] = None
-        self.failures = 0
+    cache: SnapshotCache
+    call: Callable[[Report], Awaitable[dict[str, Any]]]
+    make_report: Callable[[], Report]
+    interval_s: float
+    timeout_s: float
+    on_snapshot: Optional[Callable[[Snapshot], None]] = None
+    #: Sees every reply, for per-sender extras (leases).
+    on_reply: Optional[Callable[[dict[str, Any]], None]] = None
+    failures: int = field(default=0, init=False)
+    _task: Optional[asyncio.Task] = field(default=None, init=False, repr=False)
 
     def start(self) -> None:
         if self._task is None:
@@ -171,12 +163,12 @@ class SnapshotExchange:
 
     async def exchange_once(self) -> bool:
         try:
-            raw = await asyncio.wait_for(self._call(self._make_report()), self._timeout_s)
+            raw = await asyncio.wait_for(self.call(self.make_report()), self.timeout_s)
             snap = Snapshot.from_dict(raw)
-            if self._cache.offer(snap) and self._on_snapshot is not None:
-                self._on_snapshot(snap)
-            if self._on_reply is not None:
-                self._on_reply(raw)
+            if self.cache.offer(snap) and self.on_snapshot is not None:
+                self.on_snapshot(snap)
+            if self.on_reply is not None:
+                self.on_reply(raw)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # any failure (dead controller, bad reply): keep the last snapshot
@@ -189,4 +181,4 @@ class SnapshotExchange:
     async def _run(self) -> None:
         while True:
             await self.exchange_once()
-            await asyncio.sleep(self._interval_s)
+            await asyncio.sleep(self.interval_s)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ballast.policies.criticality import Criticality
 from ballast.policies.degradation import MAX_LEVEL, LevelConstraints
-from ballast.policies.validation import check_int, check_non_negative, check_positive
+from ballast.policies.validation import check_fields, check_int, check_non_negative, check_positive
 
 OVERLOADED = "OVERLOADED"
 #: Upper bound on Retry-After so a client never parks for minutes on one refusal.
@@ -38,7 +38,7 @@ class AdmissionDecision:
             raise ValueError("code: an admitted decision carries no code or retry_after_s")
         if not self.admitted and self.code is None:
             raise ValueError("code: a refusal must carry an error code")
-        check_non_negative("retry_after_s", self.retry_after_s, optional=True)
+        check_fields(self, check_non_negative, "retry_after_s", optional=True)
 
 
 def retry_after_s(level: int, base_s: float = 1.0, cap_s: float = RETRY_AFTER_CAP_S) -> float:

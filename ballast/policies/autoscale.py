@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-from ballast.policies.validation import check_finite, check_int, check_non_negative, check_positive
+from ballast.policies.validation import check_fields, check_finite, check_int, check_non_negative, check_positive
 
 # Averages of float samples divided by the target can land a hair above an
 # integer (24.000000000000004 / 8); without this tolerance ceil() adds a replica.
@@ -75,30 +75,28 @@ class AutoscaleConfig:
     max_samples: int = 4096
 
     def __post_init__(self) -> None:
-        check_int("min_replicas", self.min_replicas, minimum=0)
-        check_int("max_replicas", self.max_replicas, minimum=1)
+        check_fields(self, check_int, "min_replicas", minimum=0)
+        check_fields(self, check_int, "max_replicas", minimum=1)
         if self.min_replicas > self.max_replicas:
             raise ValueError(
                 f"min_replicas: must be <= max_replicas ({self.max_replicas}), got {self.min_replicas}"
             )
-        check_positive("target_ongoing_requests", self.target_ongoing_requests)
+        check_fields(self, check_positive, "target_ongoing_requests")
         if self.target_gpu_util_pct is not None:
-            check_finite("target_gpu_util_pct", self.target_gpu_util_pct)
+            check_fields(self, check_finite, "target_gpu_util_pct")
             if not 0 < self.target_gpu_util_pct <= 100:
                 raise ValueError(f"target_gpu_util_pct: must be in (0, 100], got {self.target_gpu_util_pct!r}")
-        check_positive("stable_window_s", self.stable_window_s)
-        check_positive("panic_window_s", self.panic_window_s)
+        check_fields(self, check_positive, "stable_window_s", "panic_window_s")
         if self.panic_window_s > self.stable_window_s:
             raise ValueError(
                 f"panic_window_s: must be <= stable_window_s ({self.stable_window_s}), got {self.panic_window_s}"
             )
-        check_finite("panic_threshold_ratio", self.panic_threshold_ratio)
+        check_fields(self, check_finite, "panic_threshold_ratio")
         # Below 1.0 the policy would be in panic at steady state.
         if self.panic_threshold_ratio < 1.0:
             raise ValueError(f"panic_threshold_ratio: must be >= 1.0, got {self.panic_threshold_ratio!r}")
-        check_non_negative("scale_down_delay_s", self.scale_down_delay_s)
-        check_int("max_scale_down_step", self.max_scale_down_step, minimum=1)
-        check_int("max_samples", self.max_samples, minimum=1)
+        check_fields(self, check_non_negative, "scale_down_delay_s")
+        check_fields(self, check_int, "max_scale_down_step", "max_samples", minimum=1)
 
     def clamp(self, replicas: int) -> int:
         return min(max(replicas, self.min_replicas), self.max_replicas)
@@ -113,9 +111,9 @@ class AutoscaleSample:
     gpu_util_pct: float | None = None
 
     def __post_init__(self) -> None:
-        check_finite("t_s", self.t_s)
-        check_non_negative("ongoing_requests", self.ongoing_requests)
-        check_non_negative("gpu_util_pct", self.gpu_util_pct, optional=True)
+        check_fields(self, check_finite, "t_s")
+        check_fields(self, check_non_negative, "ongoing_requests")
+        check_fields(self, check_non_negative, "gpu_util_pct", optional=True)
 
 
 @dataclass(frozen=True)
@@ -134,10 +132,9 @@ class AutoscaleState:
         for s in self.samples:
             if not isinstance(s, AutoscaleSample):
                 raise ValueError(f"samples: entries must be AutoscaleSample, got {s!r}")
-        check_finite("panic_until_s", self.panic_until_s, optional=True)
-        check_finite("below_since_s", self.below_since_s, optional=True)
+        check_fields(self, check_finite, "panic_until_s", "below_since_s", optional=True)
         if self.last_desired is not None:
-            check_int("last_desired", self.last_desired, minimum=0)
+            check_fields(self, check_int, "last_desired", minimum=0)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ballast.policies.validation import check_int, check_name, check_positive, check_ratio, is_number
+from ballast.policies.validation import check_fields, check_int, check_name, check_positive, check_ratio, is_number
 from ballast.policies.window import CountWindow, TimeWindow
 
 # Ratios are compared as ``count >= threshold × total``; the product of a
@@ -103,25 +103,25 @@ class BreakerConfig:
     def __post_init__(self) -> None:
         if self.window_kind not in WINDOW_KINDS:
             raise ValueError(f"window_kind: must be one of {WINDOW_KINDS}, got {self.window_kind!r}")
-        check_int("window_size", self.window_size, minimum=1)
-        check_positive("window_s", self.window_s)
-        check_int("min_calls", self.min_calls, minimum=1)
+        check_fields(self, check_int, "window_size", minimum=1)
+        check_fields(self, check_positive, "window_s")
+        check_fields(self, check_int, "min_calls", minimum=1)
         # A count window smaller than min_calls could never be judged: the breaker
         # would silently never open.
         if self.window_kind == "count" and self.min_calls > self.window_size:
             raise ValueError(
                 f"min_calls: must be <= window_size ({self.window_size}) for a count window, got {self.min_calls}"
             )
-        check_ratio("failure_rate_threshold", self.failure_rate_threshold)
-        check_positive("slow_call_duration_s", self.slow_call_duration_s)
-        check_ratio("slow_call_rate_threshold", self.slow_call_rate_threshold)
-        check_positive("open_duration_s", self.open_duration_s)
+        check_fields(self, check_ratio, "failure_rate_threshold")
+        check_fields(self, check_positive, "slow_call_duration_s")
+        check_fields(self, check_ratio, "slow_call_rate_threshold")
+        check_fields(self, check_positive, "open_duration_s")
         if not is_number(self.open_jitter_ratio) or not 0 <= self.open_jitter_ratio < 1:
             raise ValueError(f"open_jitter_ratio: must be in [0, 1), got {self.open_jitter_ratio!r}")
-        check_int("half_open_max_probes", self.half_open_max_probes, minimum=1)
-        check_ratio("half_open_success_threshold", self.half_open_success_threshold)
-        check_positive("half_open_max_wait_s", self.half_open_max_wait_s)
-        check_int("max_time_window_buckets", self.max_time_window_buckets, minimum=1)
+        check_fields(self, check_int, "half_open_max_probes", minimum=1)
+        check_fields(self, check_ratio, "half_open_success_threshold")
+        check_fields(self, check_positive, "half_open_max_wait_s")
+        check_fields(self, check_int, "max_time_window_buckets", minimum=1)
         if self.window_kind == "time" and math.ceil(self.window_s) > self.max_time_window_buckets:
             raise ValueError(
                 f"window_s: needs {math.ceil(self.window_s)} one-second buckets, more than "

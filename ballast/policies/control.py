@@ -23,7 +23,7 @@ from ballast.policies import autoscale, degradation, recycle
 from ballast.policies.autoscale import AutoscaleConfig, AutoscaleDecision, AutoscaleSample, AutoscaleState
 from ballast.policies.degradation import DegradationConfig, DegradationDecision, DegradationState, LoadSignals
 from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
-from ballast.policies.validation import check_int, check_non_negative
+from ballast.policies.validation import check_fields, check_int, check_non_negative
 
 
 def of_deployment(replicas: Sequence[ReplicaReport], deployment: str) -> list[ReplicaReport]:
@@ -133,10 +133,10 @@ class ControlInputs:
     serving_replicas: Optional[int] = None  # primary replicas taking traffic (serving_replicas); None: unknown
 
     def __post_init__(self) -> None:
-        check_non_negative("ongoing_requests", self.ongoing_requests)
-        check_int("running_replicas", self.running_replicas, minimum=0)
+        check_fields(self, check_non_negative, "ongoing_requests")
+        check_fields(self, check_int, "running_replicas", minimum=0)
         if self.serving_replicas is not None:
-            check_int("serving_replicas", self.serving_replicas, minimum=0)
+            check_fields(self, check_int, "serving_replicas", minimum=0)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ballast.policies.validation import check_finite, check_positive
+from ballast.policies.validation import check_fields, check_finite, check_positive
 
 #: The replica answers this much before the attempt's deadline.
 REPLICA_LEAD_S = 0.1
@@ -40,8 +40,7 @@ class Deadline:
     at_s: float
 
     def __post_init__(self) -> None:
-        check_finite("started_s", self.started_s)
-        check_finite("at_s", self.at_s)
+        check_fields(self, check_finite, "started_s", "at_s")
         if self.at_s < self.started_s:
             raise ValueError(f"at_s: must not be before started_s ({self.started_s}), got {self.at_s}")
 

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple, Optional
 
 from ballast.policies.criticality import Criticality
 
-from ballast.policies.validation import check_finite, check_int, check_non_negative, check_positive, check_ratio, is_finite
+from ballast.policies.validation import check_fields, check_finite, check_int, check_non_negative, check_positive, check_ratio, is_finite
 
 #: Levels are 0 … MAX_LEVEL inclusive.
 MAX_LEVEL = 4
@@ -80,8 +80,7 @@ class LevelConstraints:
     admitted: frozenset[Criticality]
 
     def __post_init__(self) -> None:
-        check_int("max_tokens", self.max_tokens, minimum=1)
-        check_int("max_batch_size", self.max_batch_size, minimum=1)
+        check_fields(self, check_int, "max_tokens", "max_batch_size", minimum=1)
         if not isinstance(self.streaming, bool):
             raise ValueError(f"streaming: must be a bool, got {self.streaming!r}")
         if isinstance(self.admitted, (str, bytes)) or not isinstance(self.admitted, Iterable):
@@ -195,16 +194,14 @@ class DegradationConfig:
     def __post_init__(self) -> None:
         for name in _THRESHOLD_FIELDS:
             self._validate_thresholds(name)
-        check_ratio("error_rate_threshold", self.error_rate_threshold)
-        _check_level("error_rate_level", self.error_rate_level)
+        check_fields(self, check_ratio, "error_rate_threshold")
+        check_fields(self, _check_level, "error_rate_level")
         if self.error_rate_level == 0:
             raise ValueError("error_rate_level: must be >= 1, got 0")
-        check_int("error_rate_min_requests", self.error_rate_min_requests, minimum=0)
-        check_positive("demand_shed_ratio", self.demand_shed_ratio, optional=True)
-        check_positive("stable_window_s", self.stable_window_s)
-        check_positive("up_confirm_s", self.up_confirm_s)
-        check_non_negative("capacity_gap_max_s", self.capacity_gap_max_s)
-        check_non_negative("capacity_gap_settle_s", self.capacity_gap_settle_s)
+        check_fields(self, check_int, "error_rate_min_requests", minimum=0)
+        check_fields(self, check_positive, "demand_shed_ratio", optional=True)
+        check_fields(self, check_positive, "stable_window_s", "up_confirm_s")
+        check_fields(self, check_non_negative, "capacity_gap_max_s", "capacity_gap_settle_s")
         self._validate_constraints()
 
     def _validate_thresholds(self, name: str) -> None:
@@ -312,20 +309,19 @@ class LoadSignals:
     kv_util_pct: float | None = None
 
     def __post_init__(self) -> None:
-        check_int("queue_length", self.queue_length, minimum=0)
-        check_non_negative("queue_wait_p95_ms", self.queue_wait_p95_ms, optional=True)
-        check_non_negative("gpu_util_pct", self.gpu_util_pct, optional=True)
-        check_non_negative("kv_util_pct", self.kv_util_pct, optional=True)
-        check_non_negative("vram_pct", self.vram_pct, optional=True)
-        check_non_negative("error_rate", self.error_rate, optional=True)
+        check_fields(self, check_int, "queue_length", minimum=0)
+        check_fields(
+            self, check_non_negative, "queue_wait_p95_ms", "gpu_util_pct", "kv_util_pct", "vram_pct", "error_rate",
+            optional=True,
+        )
         if self.error_rate is not None and self.error_rate > 1:
             raise ValueError(f"error_rate: must be in [0, 1], got {self.error_rate!r}")
-        check_int("request_count", self.request_count, minimum=0)
-        check_non_negative("capacity_rps", self.capacity_rps, optional=True)
+        check_fields(self, check_int, "request_count", minimum=0)
+        check_fields(self, check_non_negative, "capacity_rps", optional=True)
         if self.replicas_serving is not None:
-            check_int("replicas_serving", self.replicas_serving, minimum=0)
+            check_fields(self, check_int, "replicas_serving", minimum=0)
         if self.replicas_target is not None:
-            check_int("replicas_target", self.replicas_target, minimum=0)
+            check_fields(self, check_int, "replicas_target", minimum=0)
         if self.demand_rps is not None:
             if not isinstance(self.demand_rps, Mapping):
                 raise ValueError(f"demand_rps: must be a mapping, got {self.demand_rps!r}")
@@ -441,14 +437,13 @@ class DegradationState:
     serving_high: int | None = None
 
     def __post_init__(self) -> None:
-        _check_level("level", self.level)
-        for name in ("lower_since_s", "up_since_s", "gap_since_s", "gap_last_s"):
-            check_finite(name, getattr(self, name), optional=True)
+        check_fields(self, _check_level, "level")
+        check_fields(self, check_finite, "lower_since_s", "up_since_s", "gap_since_s", "gap_last_s", optional=True)
         for name in ("lower_max", "up_min"):
             if getattr(self, name) is not None:
                 _check_level(name, getattr(self, name))
         if self.serving_high is not None:
-            check_int("serving_high", self.serving_high, minimum=0)
+            check_fields(self, check_int, "serving_high", minimum=0)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from ballast.policies.criticality import Criticality
 from ballast.policies.throttle import reject_probability
-from ballast.policies.validation import check_positive
+from ballast.policies.validation import check_fields, check_positive
 from ballast.policies.window import TimeWindow
 
 ALL = 1000  # per mille: the whole class
@@ -54,7 +54,7 @@ class EdgeThrottleConfig:
     min_requests: int = 20
 
     def __post_init__(self) -> None:
-        check_positive("window_s", self.window_s)
+        check_fields(self, check_positive, "window_s")
         if not self.k >= 1.0:
             raise ValueError(f"k: must be >= 1, got {self.k!r}")
         if not 0.0 <= self.max_drop < 1.0:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping, Optional, Sequence
 
-from ballast.policies.validation import check_finite, check_int, check_name, check_positive, check_ratio, is_finite
+from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_positive, check_ratio, is_finite
 from ballast.policies.window import TimeWindow
 
 _EPSILON = 1e-9  # span / ratio comparisons: 0.97 × limit must not need one more byte
@@ -61,9 +61,9 @@ class SeriesSpec:
     limit: Optional[float] = None  # where the replica fails; None: no time-to-limit
 
     def __post_init__(self) -> None:
-        check_name("name", self.name)
-        check_positive("slope_threshold_per_h", self.slope_threshold_per_h)
-        check_positive("limit", self.limit, optional=True)
+        check_fields(self, check_name, "name")
+        check_fields(self, check_positive, "slope_threshold_per_h")
+        check_fields(self, check_positive, "limit", optional=True)
 
 
 @dataclass(frozen=True)
@@ -81,18 +81,15 @@ class LeakConfig:
     short_horizon_s: float = 3600.0  # the short window names only leaks this close to their limit
 
     def __post_init__(self) -> None:
-        check_positive("window_s", self.window_s)
-        check_ratio("min_span_ratio", self.min_span_ratio)
-        check_int("min_points", self.min_points, minimum=3)  # R² of fewer than 3 points is always 1
-        check_int("max_points", self.max_points, minimum=3)
-        check_int("short_max_points", self.short_max_points, minimum=3)
+        check_fields(self, check_positive, "window_s")
+        check_fields(self, check_ratio, "min_span_ratio")
+        check_fields(self, check_int, "min_points", minimum=3)  # R² of fewer than 3 points is always 1
+        check_fields(self, check_int, "max_points", "short_max_points", minimum=3)
         if self.min_points > min(self.max_points, self.short_max_points):  # a window that could never be judged
             bound = min(self.max_points, self.short_max_points)
             raise ValueError(f"min_points: must be <= max_points and short_max_points ({bound}), got {self.min_points}")
-        check_ratio("r2_threshold", self.r2_threshold)
-        check_positive("short_window_s", self.short_window_s)
-        check_positive("short_min_span_s", self.short_min_span_s)
-        check_positive("short_horizon_s", self.short_horizon_s)
+        check_fields(self, check_ratio, "r2_threshold")
+        check_fields(self, check_positive, "short_window_s", "short_min_span_s", "short_horizon_s")
         if self.short_window_s > self.window_s:
             raise ValueError(f"short_window_s: must be <= window_s ({self.window_s}), got {self.short_window_s}")
         if self.short_min_span_s > self.short_window_s:
@@ -336,8 +333,8 @@ class Usage:
     limit: Optional[float]
 
     def __post_init__(self) -> None:
-        check_finite("value", self.value)
-        check_positive("limit", self.limit, optional=True)
+        check_fields(self, check_finite, "value")
+        check_fields(self, check_positive, "limit", optional=True)
 
 
 @dataclass(frozen=True)
@@ -349,13 +346,10 @@ class LadderConfig:
     critical_ratio: float = 0.97
 
     def __post_init__(self) -> None:
-        check_positive("step_interval_s", self.step_interval_s)
-        check_positive("warn_tto_s", self.warn_tto_s)
-        check_positive("critical_tto_s", self.critical_tto_s)
+        check_fields(self, check_positive, "step_interval_s", "warn_tto_s", "critical_tto_s")
         if self.critical_tto_s > self.warn_tto_s:
             raise ValueError(f"critical_tto_s: must be <= warn_tto_s ({self.warn_tto_s}), got {self.critical_tto_s}")
-        check_ratio("warning_ratio", self.warning_ratio)
-        check_ratio("critical_ratio", self.critical_ratio)
+        check_fields(self, check_ratio, "warning_ratio", "critical_ratio")
         if self.warning_ratio > self.critical_ratio:
             raise ValueError(
                 f"warning_ratio: must be <= critical_ratio ({self.critical_ratio}), got {self.warning_ratio}"
@@ -369,7 +363,7 @@ class LadderState:
     reason: Optional[str] = None  # the verdict that took the last rung
 
     def __post_init__(self) -> None:
-        check_int("rung", self.rung, minimum=0, maximum=4)
+        check_fields(self, check_int, "rung", minimum=0, maximum=4)
 
 
 @dataclass(frozen=True)

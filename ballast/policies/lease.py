@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Mapping, Optional
 
-from ballast.policies.validation import check_finite, check_int, check_name, check_positive
+from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_positive
 
 MAX_DATA_ITEMS = 16  # "a small payload": the lease is persisted on every heartbeat
 MAX_DATA_CHARS = 256  # per key and per value
@@ -85,18 +85,14 @@ class Lease:
     data: tuple[tuple[str, str], ...] = ()  # small payload, e.g. (("replica_id", "abc"), ("reason", "max_age"))
 
     def __post_init__(self) -> None:
-        check_name("id", self.id)
-        check_name("resource", self.resource)
-        check_name("holder", self.holder)
-        check_finite("acquired_at_s", self.acquired_at_s)
-        check_finite("last_heartbeat_s", self.last_heartbeat_s)
+        check_fields(self, check_name, "id", "resource", "holder")
+        check_fields(self, check_finite, "acquired_at_s", "last_heartbeat_s")
         if self.last_heartbeat_s < self.acquired_at_s:
             raise ValueError(
                 f"last_heartbeat_s: must be >= acquired_at_s ({self.acquired_at_s!r}), got {self.last_heartbeat_s!r}"
             )
-        check_positive("ttl_s", self.ttl_s)
-        check_positive("heartbeat_interval_s", self.heartbeat_interval_s)
-        check_int("missed_allowed", self.missed_allowed, minimum=1)
+        check_fields(self, check_positive, "ttl_s", "heartbeat_interval_s")
+        check_fields(self, check_int, "missed_allowed", minimum=1)
         _check_data(self.data)
 
     # ------------------------------------------------------------------ timing

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ballast.policies.stats import nearest_rank
-from ballast.policies.validation import check_int, check_positive, check_ratio
+from ballast.policies.validation import check_fields, check_int, check_positive, check_ratio
 
 MAX_SAMPLES = 1024  # queue-wait samples kept per window (bounded)
 
@@ -55,13 +55,12 @@ class LimiterConfig:
     target_service_ratio: Optional[float] = 0.4
 
     def __post_init__(self) -> None:
-        check_int("min_limit", self.min_limit, minimum=1)
-        check_int("initial", self.initial, minimum=self.min_limit)
-        check_int("max_limit", self.max_limit, minimum=self.initial)
-        check_positive("target_wait_ms", self.target_wait_ms)
-        check_positive("interval_s", self.interval_s)
-        check_ratio("target_service_ratio", self.target_service_ratio, optional=True)
-        check_ratio("decrease_factor", self.decrease_factor)
+        check_fields(self, check_int, "min_limit", minimum=1)
+        check_fields(self, check_int, "initial", minimum=self.min_limit)
+        check_fields(self, check_int, "max_limit", minimum=self.initial)
+        check_fields(self, check_positive, "target_wait_ms", "interval_s")
+        check_fields(self, check_ratio, "target_service_ratio", optional=True)
+        check_fields(self, check_ratio, "decrease_factor")
         if self.decrease_factor == 1:  # (0, 1]: a factor of 1 would never decrease
             raise ValueError(f"decrease_factor: must be in (0, 1), got {self.decrease_factor!r}")
 

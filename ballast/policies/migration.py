@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ballast.policies.validation import check_int, check_non_negative, is_number
+from ballast.policies.validation import check_fields, check_int, check_non_negative, is_number
 
 #: The failure kind (``ballast.router.resilience.classify``) of an attempt whose
 #: replica or node went away.
@@ -42,7 +42,7 @@ class MigrationConfig:
     limit: int = 3
 
     def __post_init__(self) -> None:
-        check_int("limit", self.limit, minimum=0)
+        check_fields(self, check_int, "limit", minimum=0)
 
 
 def pause_s(migration: int, rand: float) -> float:

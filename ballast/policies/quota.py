@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 
-from ballast.policies.validation import check_finite, check_int, check_name, check_non_negative, check_positive, is_int, is_number
+from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_non_negative, check_positive, is_int, is_number
 
 # Token counts are floats refilled by ``elapsed × rate``; a bucket that the
 # arithmetic leaves a hair short of a cost it should now afford (retry_after_s
@@ -83,10 +83,9 @@ class TenantQuota:
     def __post_init__(self) -> None:
         # A zero rate would be a disabled tenant; that is the kill switch's job,
         # with its own error code, not a quota that silently refuses everything.
-        check_positive("rate_tokens_per_s", self.rate_tokens_per_s)
-        check_positive("burst_tokens", self.burst_tokens)
-        check_int("max_concurrent", self.max_concurrent, minimum=1)
-        check_positive("weight", self.weight)
+        check_fields(self, check_positive, "rate_tokens_per_s", "burst_tokens")
+        check_fields(self, check_int, "max_concurrent", minimum=1)
+        check_fields(self, check_positive, "weight")
         if not isinstance(self.sheddable, bool):
             raise ValueError(f"sheddable: must be a bool, got {self.sheddable!r}")
 
@@ -423,10 +422,10 @@ class RateLease:
     expires_at_s: float
 
     def __post_init__(self) -> None:
-        check_name("tenant", self.tenant)
-        check_non_negative("rate_tokens_per_s", self.rate_tokens_per_s)
-        check_positive("burst_tokens", self.burst_tokens)
-        check_finite("expires_at_s", self.expires_at_s)
+        check_fields(self, check_name, "tenant")
+        check_fields(self, check_non_negative, "rate_tokens_per_s")
+        check_fields(self, check_positive, "burst_tokens")
+        check_fields(self, check_finite, "expires_at_s")
 
 
 def lease_rate(

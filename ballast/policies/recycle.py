@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from ballast.policies.reports import ReplicaReport, WatchdogReport
-from ballast.policies.validation import check_finite, check_int, check_name, check_positive, is_number
+from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_positive, is_number
 
 #: Order reasons, highest priority first.
 REASONS = ("critical", "forced_max_age", "manual", "watchdog", "max_age")
@@ -82,20 +82,19 @@ class RecycleConfig:
     recycle_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        check_positive("max_age_s", self.max_age_s, optional=True)
+        check_fields(self, check_positive, "max_age_s", optional=True)
         if not is_number(self.jitter_ratio) or not 0 <= self.jitter_ratio < 1:
             raise ValueError(f"jitter_ratio: must be in [0, 1), got {self.jitter_ratio!r}")
         if (self.window_start_hour is None) != (self.window_end_hour is None):
             raise ValueError("window_end_hour: window_start_hour and window_end_hour are set together (or both None)")
         if self.window_start_hour is not None:
-            _check_hour("window_start_hour", self.window_start_hour)
-            _check_hour("window_end_hour", self.window_end_hour)
+            check_fields(self, _check_hour, "window_start_hour", "window_end_hour")
             # start == end could mean "never" or "always"; neither is worth guessing.
             if self.window_start_hour == self.window_end_hour:
                 raise ValueError(
                     "window_end_hour: must differ from window_start_hour (set both to None for any time)"
                 )
-        check_positive("forced_max_age_s", self.forced_max_age_s, optional=True)
+        check_fields(self, check_positive, "forced_max_age_s", optional=True)
         if (
             self.max_age_s is not None
             and self.forced_max_age_s is not None
@@ -104,10 +103,9 @@ class RecycleConfig:
             raise ValueError(
                 f"forced_max_age_s: must be >= max_age_s ({self.max_age_s}), got {self.forced_max_age_s}"
             )
-        check_int("max_unavailable", self.max_unavailable, minimum=1)
-        check_int("min_available", self.min_available, minimum=0)
-        check_int("block_at_level", self.block_at_level, minimum=0)
-        check_positive("recycle_timeout_s", self.recycle_timeout_s)
+        check_fields(self, check_int, "max_unavailable", minimum=1)
+        check_fields(self, check_int, "min_available", "block_at_level", minimum=0)
+        check_fields(self, check_positive, "recycle_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -125,9 +123,8 @@ class ReplicaView:
     serving: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        check_name("replica_id", self.replica_id)
-        check_name("deployment", self.deployment)
-        check_finite("started_at_s", self.started_at_s)
+        check_fields(self, check_name, "replica_id", "deployment")
+        check_fields(self, check_finite, "started_at_s")
         if self.serving is None:
             object.__setattr__(self, "serving", self.healthy)
 
@@ -153,12 +150,11 @@ class InFlight:
     healthy_before: int  # healthy count of its deployment to get back to (see the module docstring)
 
     def __post_init__(self) -> None:
-        check_name("replica_id", self.replica_id)
-        check_name("deployment", self.deployment)
+        check_fields(self, check_name, "replica_id", "deployment")
         if self.reason not in REASONS:
             raise ValueError(f"reason: must be one of {REASONS}, got {self.reason!r}")
-        check_finite("started_at_s", self.started_at_s)
-        check_int("healthy_before", self.healthy_before, minimum=0)
+        check_fields(self, check_finite, "started_at_s")
+        check_fields(self, check_int, "healthy_before", minimum=0)
 
     def to_dict(self) -> dict[str, Any]:
         return {

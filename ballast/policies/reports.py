@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Mapping, Optional, TypeVar
 
 from ballast.policies.criticality import Criticality
-from ballast.policies.validation import check_finite, check_int, check_name, check_non_negative, is_finite
+from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_non_negative, is_finite
 
 #: Serve's namespace, where it names replica actors (what a hung replica is killed by).
 SERVE_NAMESPACE = "serve"
@@ -103,15 +103,14 @@ class RouterReport:
     fair_backlogged: tuple[str, ...] = ()  # tenants waiting at the gate now
 
     def __post_init__(self) -> None:
-        check_name("router_id", self.router_id)
-        for name in ("inflight", "requests", "errors", "shed", "lost_capacity", "gate_waiting"):
-            check_int(name, getattr(self, name), minimum=0)
-        check_non_negative("queue_wait_p95_ms", self.queue_wait_p95_ms, optional=True)
-        check_non_negative("served_rps", self.served_rps)
-        _check_bool("gate_full", self.gate_full)
-        _check_rates("demand_rps", self.demand_rps, criticalities=True)
-        _check_rates("demand_tokens_per_s", self.demand_tokens_per_s, criticalities=False)
-        _check_amounts("fair_charged", self.fair_charged)
+        check_fields(self, check_name, "router_id")
+        check_fields(self, check_int, "inflight", "requests", "errors", "shed", "lost_capacity", "gate_waiting", minimum=0)
+        check_fields(self, check_non_negative, "queue_wait_p95_ms", optional=True)
+        check_fields(self, check_non_negative, "served_rps")
+        check_fields(self, _check_bool, "gate_full")
+        check_fields(self, _check_rates, "demand_rps", criticalities=True)
+        check_fields(self, _check_rates, "demand_tokens_per_s", criticalities=False)
+        check_fields(self, _check_amounts, "fair_charged")
         if not isinstance(self.fair_backlogged, tuple) or not all(isinstance(t, str) and t for t in self.fair_backlogged):
             raise ValueError(f"fair_backlogged: must be a tuple of tenant names, got {self.fair_backlogged!r}")
 
@@ -152,15 +151,14 @@ class ReplicaReport:
     draining: bool = False  # a recycle order is live: its health check fails
 
     def __post_init__(self) -> None:
-        check_name("replica_id", self.replica_id)
-        check_name("deployment", self.deployment)
-        for name in ("queued", "running"):
-            check_non_negative(name, getattr(self, name))
-        for name in ("queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct", "engine_waiting", "prefix_cache_hit_pct"):
-            check_non_negative(name, getattr(self, name), optional=True)
-        check_finite("started_at_s", self.started_at_s, optional=True)
-        _check_bool("ready", self.ready)
-        _check_bool("draining", self.draining)
+        check_fields(self, check_name, "replica_id", "deployment")
+        check_fields(self, check_non_negative, "queued", "running")
+        check_fields(
+            self, check_non_negative, "queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct", "engine_waiting",
+            "prefix_cache_hit_pct", optional=True,
+        )
+        check_fields(self, check_finite, "started_at_s", optional=True)
+        check_fields(self, _check_bool, "ready", "draining")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,11 +177,10 @@ class WatchedReplica:
     actor_namespace: str = SERVE_NAMESPACE
 
     def __post_init__(self) -> None:
-        check_name("replica_id", self.replica_id)
-        check_name("deployment", self.deployment)
-        check_finite("started_at_s", self.started_at_s, optional=True)
-        _check_optional_str("actor_name", self.actor_name)
-        check_name("actor_namespace", self.actor_namespace)
+        check_fields(self, check_name, "replica_id", "deployment")
+        check_fields(self, check_finite, "started_at_s", optional=True)
+        check_fields(self, _check_optional_str, "actor_name")
+        check_fields(self, check_name, "actor_namespace")
 
 
 @dataclass(frozen=True)
@@ -230,11 +227,12 @@ class WatchdogReport(WatchedReplica):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("inflight", self.inflight, minimum=0)
-        for name in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_s", "stalled_s"):
-            check_non_negative(name, getattr(self, name), optional=True)
-        for name in ("warming_up", "hung", "ready", "recycle_requested", "critical"):
-            _check_bool(name, getattr(self, name))
+        check_fields(self, check_int, "inflight", minimum=0)
+        check_fields(
+            self, check_non_negative, "rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_s", "stalled_s",
+            optional=True,
+        )
+        check_fields(self, _check_bool, "warming_up", "hung", "ready", "recycle_requested", "critical")
 
     @classmethod
     def of(cls, replica: WatchedReplica, **fields: Any) -> "WatchdogReport":
@@ -261,5 +259,4 @@ class WatchdogOrders:
     def __post_init__(self) -> None:
         if not isinstance(self.actions, tuple) or not all(isinstance(a, str) for a in self.actions):
             raise ValueError(f"actions: must be a tuple of str, got {self.actions!r}")
-        for name in ("ready", "recycle", "hung"):
-            _check_bool(name, getattr(self, name))
+        check_fields(self, _check_bool, "ready", "recycle", "hung")

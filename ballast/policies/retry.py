@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ballast.policies.validation import check_fraction, check_int, check_non_negative, is_number
+from ballast.policies.validation import check_fields, check_fraction, check_int, check_non_negative, is_number
 
 # floor(ratio × active) where the product lands a hair below an integer
 # (0.29 × 100 = 28.999999999999996) would lose a whole retry slot.
@@ -73,15 +73,14 @@ class RetryConfig:
     budget_min_concurrent: int = 3
 
     def __post_init__(self) -> None:
-        check_int("max_attempts", self.max_attempts, minimum=1)
-        check_non_negative("base_backoff_s", self.base_backoff_s)
-        check_non_negative("max_backoff_s", self.max_backoff_s)
+        check_fields(self, check_int, "max_attempts", minimum=1)
+        check_fields(self, check_non_negative, "base_backoff_s", "max_backoff_s")
         if self.max_backoff_s < self.base_backoff_s:
             raise ValueError(
                 f"max_backoff_s: must be >= base_backoff_s ({self.base_backoff_s}), got {self.max_backoff_s!r}"
             )
-        check_fraction("budget_ratio", self.budget_ratio)
-        check_int("budget_min_concurrent", self.budget_min_concurrent, minimum=0)
+        check_fields(self, check_fraction, "budget_ratio")
+        check_fields(self, check_int, "budget_min_concurrent", minimum=0)
 
 
 # --------------------------------------------------------------------------- backoff

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, Iterable, Optional, Protocol, TypeVar
 
-from ballast.policies.validation import check_int, check_positive
+from ballast.policies.validation import check_fields, check_int, check_positive
 
 #: No decode step for this long while a request waits: the engine is stuck, not busy
 #: (a chunk takes milliseconds to tens of milliseconds).
@@ -98,10 +98,10 @@ class SchedulerConfig:
     stall_s: float = STALL_S
 
     def __post_init__(self) -> None:
-        check_int("context_tokens", self.context_tokens, minimum=1)
-        check_positive("stall_s", self.stall_s)
+        check_fields(self, check_int, "context_tokens", minimum=1)
+        check_fields(self, check_positive, "stall_s")
         if self.kv_budget_tokens is not None:
-            check_int("kv_budget_tokens", self.kv_budget_tokens, minimum=1)
+            check_fields(self, check_int, "kv_budget_tokens", minimum=1)
             if self.kv_budget_tokens < self.context_tokens:
                 raise ValueError(
                     f"kv_budget_tokens: {self.kv_budget_tokens} is smaller than the model's context of "

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ballast.policies.validation import check_non_negative, check_positive
+from ballast.policies.validation import check_fields, check_non_negative, check_positive
 from ballast.policies.window import TimeWindow
 
 # window_s / bucket_s can land a hair above the integer it means (a window of
@@ -62,13 +62,12 @@ class ThrottleConfig:
     bucket_s: float = 1.0
 
     def __post_init__(self) -> None:
-        check_positive("k", self.k)
+        check_fields(self, check_positive, "k")
         # Below 1 the client would reject its own traffic while the backend
         # accepts all of it (requests = accepts > k × accepts).
         if self.k < 1:
             raise ValueError(f"k: must be >= 1, got {self.k!r}")
-        check_positive("window_s", self.window_s)
-        check_positive("bucket_s", self.bucket_s)
+        check_fields(self, check_positive, "window_s", "bucket_s")
         if self.bucket_s > self.window_s:
             raise ValueError(f"bucket_s: must be <= window_s ({self.window_s}), got {self.bucket_s!r}")
 

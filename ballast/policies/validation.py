@@ -9,7 +9,7 @@ config bug, not 1.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Callable, Optional
 
 
 def is_number(value: object) -> bool:
@@ -71,6 +71,13 @@ def check_fraction(name: str, value: object) -> None:
 def check_name(name: str, value: object) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name}: must be a non-empty str, got {value!r}")
+
+
+def check_fields(config: object, check: Callable[..., None], *names: str, **bounds: Any) -> None:
+    """``check(name, config.<name>, **bounds)`` for each of ``names``, in order: a config's
+    ``__post_init__`` names each field once, and each message still names its field."""
+    for name in names:
+        check(name, getattr(config, name), **bounds)
 
 
 def _or_none(optional: bool) -> str:

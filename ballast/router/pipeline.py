@@ -62,7 +62,7 @@ from ballast.router.gate import GateRefused, GateSlot, PriorityGate
 from ballast.router.idempotency import IdempotencyStore
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
-from ballast.router.resilience import CallRecord, ResilientCaller
+from ballast.router.resilience import CallRecord, CallSpec, ResilientCaller
 from ballast.router.tally import Tally
 from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
 
@@ -210,8 +210,8 @@ class Pipeline:
         self.quotas = quotas
         self.gate = gate
         self._idem = idempotency
-        self._metrics = metrics
-        self._tally = tally
+        self.metrics = metrics
+        self.tally = tally
         self._model_max_tokens = model_max_tokens
         self.places = TenantPlaces()
         self.kill_switches: list[killswitch.KillSwitchEntry] = []  # from the latest snapshot
@@ -263,7 +263,7 @@ class Pipeline:
         now_wall = time.time()
         self._refuse_if_switched_off(tenant, crit, now_wall)
         eff = self.snapshots.effective()
-        self._metrics.level.set(eff.level)
+        self.metrics.level.set(eff.level)
         fallback_only = self._level_admits(tenant, criticality, eff, now_wall)
         clamped, _ = clamp_max_tokens(req.max_tokens, eff.constraints, self._model_max_tokens)
         ticket = await self._ticket(req, criticality, clamped, fallback_only)
@@ -289,7 +289,7 @@ class Pipeline:
         charge: Optional[Charge] = None
         try:
             charge = self.quotas.charge(tenant, req.prompt_tokens, max_tokens)
-            self._tally.offer(crit)  # demand within quota: a tenant over its quota must not degrade everyone else
+            self.tally.offer(crit)  # demand within quota: a tenant over its quota must not degrade everyone else
             slot = GateSlot(None)
             if not fallback_only:
                 slot, fallback_only = await self._gate_slot(criticality, req.caller.deadline, tenant, (req.prompt_tokens, max_tokens))
@@ -319,8 +319,8 @@ class Pipeline:
         if self._fallback_may_answer(criticality, now_wall):
             return True
         crit = criticality.value
-        self._tally.offer(crit)  # demand the level turned away
-        self._tally.shed += 1
+        self.tally.offer(crit)  # demand the level turned away
+        self.tally.shed += 1
         self._count(tenant, crit, "OVERLOADED")
         raise Overloaded(f"degradation level {eff.level} does not admit criticality '{crit}'", decision.retry_after_s)
 
@@ -339,17 +339,17 @@ class Pipeline:
         try:
             share = await self.gate.acquire(criticality.rank, deadline.gate_until_s, tenant, cost)
         except GateRefused as g:
-            self._metrics.gate_refused.inc(tags={"reason": g.reason, "criticality": criticality.value})
+            self.metrics.gate_refused.inc(tags={"reason": g.reason, "criticality": criticality.value})
             if self._fallback_may_answer(criticality, time.time()):
-                self._tally.decided(criticality.value, through=True)  # answered, by the fallback
+                self.tally.decided(criticality.value, through=True)  # answered, by the fallback
                 return GateSlot(None), True
-            self._tally.decided(criticality.value, through=False)
-            self._tally.shed += 1
+            self.tally.decided(criticality.value, through=False)
+            self.tally.shed += 1
             raise Overloaded(
                 f"no model capacity for '{criticality.value}' within the request's deadline ({g.reason})",
                 retry_after_s=1.0,
             ) from None
-        self._tally.decided(criticality.value, through=True)
+        self.tally.decided(criticality.value, through=True)
         return GateSlot(self.gate, share), False
 
     def _finished(self, ticket: Ticket, outcome: Outcome) -> None:
@@ -364,20 +364,20 @@ class Pipeline:
         if outcome.generated is not None:
             used = ticket.prompt_tokens + outcome.generated
             if used:
-                self._metrics.tenant_tokens.inc(used, tags={"tenant": ticket.tenant})
+                self.metrics.tenant_tokens.inc(used, tags={"tenant": ticket.tenant})
             served = self._fair_cost.cost(ticket.prompt_tokens, outcome.generated, self._cfg.tenants[ticket.tenant].weight)
             if served:
-                self._metrics.fair_served.inc(served, tags={"tenant": ticket.tenant})
-        self._tally.requests += 1
+                self.metrics.fair_served.inc(served, tags={"tenant": ticket.tenant})
+        self.tally.requests += 1
         if outcome.code == "DEADLINE_EXCEEDED":
-            self._metrics.deadline.inc()
+            self.metrics.deadline.inc()
         if outcome.error:
-            self._tally.errors += 1
+            self.tally.errors += 1
         self._count(ticket.tenant, ticket.criticality, outcome.code)
-        self._metrics.latency.observe((time.monotonic() - ticket.deadline.started_s) * 1000.0, tags={"criticality": ticket.criticality})
+        self.metrics.latency.observe((time.monotonic() - ticket.deadline.started_s) * 1000.0, tags={"criticality": ticket.criticality})
 
     def _count(self, tenant: str, criticality: str, code: str) -> None:
-        self._metrics.requests.inc(tags={"tenant": tenant, "criticality": criticality, "code": code})
+        self.metrics.requests.inc(tags={"tenant": tenant, "criticality": criticality, "code": code})
 
     # -- 3. the model call ----------------------------------------------------------------
     def answered_by(self, fallback: Optional[str]) -> str:
@@ -404,7 +404,7 @@ class Pipeline:
             else:
                 raw, replayed = await self._idem.run(ticket.tenant, key, work, within_s=ticket.deadline.at_s - time.monotonic())
                 if replayed:
-                    self._metrics.replays.inc()
+                    self.metrics.replays.inc()
             generated = None if replayed else int(raw["tokens"])
             outcome = Outcome("OK", generated=generated, service_s=time.monotonic() - t0 if generated is not None else None)
         except DeadlineExceeded as err:
@@ -422,18 +422,18 @@ class Pipeline:
     async def _call_unary(
         self, ticket: Ticket, call: dict[str, Any], record: CallRecord
     ) -> tuple[dict[str, Any], Optional[str]]:
-        self._tally.inflight += 1
+        self.tally.inflight += 1
         sent = time.monotonic()
         at = ticket.deadline.at_s
         try:
             result, fallback = await asyncio.wait_for(
-                self.caller.unary(call, at, self.kill_switches, time.time(), ticket.fallback_only, record),
+                self.caller.unary(CallSpec(call, at, self.kill_switches, time.time(), ticket.fallback_only, record)),
                 timeout=max(0.001, at - sent),
             )
         except asyncio.TimeoutError:
             raise DeadlineExceeded(f"no answer within {ticket.deadline.budget_s:.3f}s") from None
         finally:
-            self._tally.inflight -= 1
+            self.tally.inflight -= 1
         # Everything but the replica's compute time was waiting: handle queue + batch queue.
         elapsed_ms = (time.monotonic() - sent) * 1000.0
         self._add_wait(max(0.0, elapsed_ms - float(result.get("compute_ms", 0.0))), fallback)
@@ -442,12 +442,12 @@ class Pipeline:
     async def _stream_chunks(self, ticket: Ticket, call: dict[str, Any], state: _StreamState) -> AsyncIterator[dict[str, Any]]:
         """The model's chunks; ``state`` says who answered and how much. The ticket is
         settled here once the stream has begun, however it ends."""
-        self._tally.inflight += 1
+        self.tally.inflight += 1
         sent = time.monotonic()
         outcome = Outcome("OK")
         try:
             chunks, state.fallback = await self.caller.stream(
-                call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call
+                CallSpec(call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call)
             )
             async for chunk in chunks:
                 if "queue_wait_ms" in chunk:
@@ -462,13 +462,13 @@ class Pipeline:
             outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status))
             raise
         finally:
-            self._tally.inflight -= 1
+            self.tally.inflight -= 1
             # A stream's length is the client's reading too: no service-time sample.
             ticket.finish(Outcome(outcome.code, error=outcome.error, generated=state.tokens or None))
 
     def _add_wait(self, wait_ms: float, fallback: Optional[str]) -> None:
         """A wait for the model: for the controller's report, and (primary only) the gate's limit."""
-        self._tally.add_wait(wait_ms)
+        self.tally.add_wait(wait_ms)
         if self.gate is not None and fallback is None:
             self.gate.observe_wait(wait_ms)
 

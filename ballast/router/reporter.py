@@ -33,9 +33,7 @@ from ballast.policies.reports import RouterReport
 from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot
 from ballast.router.edge import Edge, shed_entries
-from ballast.router.metrics import RouterMetrics
 from ballast.router.pipeline import Pipeline
-from ballast.router.tally import Tally
 
 log = logging.getLogger("ballast.router")
 
@@ -54,14 +52,14 @@ def model_ceiling(cfg: Any, snap: Snapshot, share: Optional[float] = None) -> Op
 class Reporter:
     """Builds this router's reports; applies snapshots and replies."""
 
-    def __init__(self, cfg: Any, router_id: str, cache: Any, pipeline: Pipeline, tally: Tally,
-                 metrics: RouterMetrics, edge: Optional[Edge]) -> None:
+    def __init__(self, cfg: Any, router_id: str, pipeline: Pipeline, edge: Optional[Edge]) -> None:
         self._cfg = cfg
         self._router_id = router_id
-        self._cache = cache
         self._pipeline = pipeline
-        self._tally = tally
-        self._metrics = metrics
+        # What it reports is what the pipeline counts and acts on: its snapshots, tally, metrics.
+        self._cache = pipeline.snapshots
+        self._tally = pipeline.tally
+        self._metrics = pipeline.metrics
         self.edge = edge  # HAProxy refuses the classes the level sheds, when it runs the edge's rules
         self._edge_throttle = EdgeThrottle()  # the edge's share to refuse of the classes the level admits
         self._demand = DemandWindow(cfg.degradation.demand_window_s)

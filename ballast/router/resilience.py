@@ -209,6 +209,22 @@ class CallRecord:
     migrations: int = 0
 
 
+@dataclass(frozen=True)
+class CallSpec:
+    """One call as the router hands it to ``unary`` or ``stream``: its body, its deadline
+    (on the caller's clock), the kill switches in force and the wall time to read them at.
+    ``fallback_only``: the primary is not to be asked (the level or the gate refused this
+    request there); only the fallback model may answer. ``record`` is filled with what the
+    call went through (its migrations)."""
+
+    call: dict[str, Any]
+    deadline_s: float
+    kill_switches: list
+    now_wall_s: float
+    fallback_only: bool = False
+    record: CallRecord = field(default_factory=CallRecord)
+
+
 class ResilientCaller:
     def __init__(
         self,
@@ -327,13 +343,7 @@ class ResilientCaller:
         return [b for b in chain if honours(b.engine, call)]
 
     async def _first_backend(
-        self,
-        call: dict[str, Any],
-        fallback_only: bool,
-        kill_switches: list,
-        now_wall_s: float,
-        start: Callable[[Backend], Awaitable[Any]],
-        hold: bool,
+        self, spec: CallSpec, start: Callable[[Backend], Awaitable[Any]], hold: bool
     ) -> tuple[Optional[tuple[Backend, Any]], list[tuple[str, Any]]]:
         """(the first backend of the call's chain whose ``start(b)`` answers, with that
         answer, or None; why each backend before it was passed over). Each backend is
@@ -343,8 +353,8 @@ class ResilientCaller:
         skipped: list[tuple[str, Any]] = []
         self.budget.on_request_start()
         try:
-            for b in self._chain(fallback_only, call):
-                if not self._enter(b, kill_switches, now_wall_s, skipped):
+            for b in self._chain(spec.fallback_only, spec.call):
+                if not self._enter(b, spec.kill_switches, spec.now_wall_s, skipped):
                     continue
                 try:
                     answer = await start(b)
@@ -370,49 +380,34 @@ class ResilientCaller:
         return kind
 
     # -- unary -----------------------------------------------------------------------
-    async def unary(
-        self,
-        call: dict[str, Any],
-        deadline_s: float,
-        kill_switches: list,
-        now_wall_s: float,
-        fallback_only: bool = False,
-        record: Optional[CallRecord] = None,
-    ) -> tuple[dict[str, Any], Optional[str]]:
-        """(result, fallback kind or None); raises a BallastError when nothing can answer.
-
-        ``fallback_only``: the primary is not to be asked (the level or the gate refused
-        this request there); only the fallback model may answer. ``record`` is filled
-        with what the call went through (its migrations)."""
-        record = record if record is not None else CallRecord()
-        found, skipped = await self._first_backend(
-            call, fallback_only, kill_switches, now_wall_s, lambda b: self._attempts(b, call, deadline_s, record), hold=False
-        )
+    async def unary(self, spec: CallSpec) -> tuple[dict[str, Any], Optional[str]]:
+        """(result, fallback kind or None); raises a BallastError when nothing can answer."""
+        found, skipped = await self._first_backend(spec, lambda b: self._attempts(b, spec), hold=False)
         if found is not None:
             b, result = found
             if self.cache is not None:
-                self.cache.put(call, result)
+                self.cache.put(spec.call, result)
             return result, self._fallback_kind(b)
         # The cache holds the models' earlier answers: a model an operator switched
         # off must not keep answering through it.
         if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
-            hit = self.cache.get(call)
+            hit = self.cache.get(spec.call)
             if hit is not None:
                 self._hooks.on_fallback("cache")
                 return hit, "cache"
         raise self._unavailable(skipped)
 
-    async def _attempts(self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord) -> dict[str, Any]:
+    async def _attempts(self, b: Backend, spec: CallSpec) -> dict[str, Any]:
         def send(left_s: float) -> tuple[Any, Any]:
-            response = b.handle.generate.remote({**call, **_deadline_fields(left_s, self._wall_clock())})
+            response = b.handle.generate.remote({**spec.call, **_deadline_fields(left_s, self._wall_clock())})
             return response, response
 
-        _, result, permit, t0 = await self._first_answer(b, deadline_s, record, send, unary=True)
+        _, result, permit, t0 = await self._first_answer(b, spec, send, unary=True)
         b.breaker.record(permit, True, self._clock() - t0)
         return result
 
     async def _first_answer(
-        self, b: Backend, deadline_s: float, record: CallRecord, send: Callable[[float], tuple[Any, Any]], unary: bool,
+        self, b: Backend, spec: CallSpec, send: Callable[[float], tuple[Any, Any]], unary: bool,
     ) -> tuple[Any, Any, Permit, float]:
         """Attempts on ``b`` until one answers: (its call, its first answer, its breaker
         permit, its start). ``send(left_s)`` starts an attempt and returns (the call, which
@@ -427,13 +422,13 @@ class ResilientCaller:
                 permit = b.breaker.allow()
                 if permit is None:
                     raise _BackendFailed("breaker_open", b.role)
-                left = deadline_s - self._clock()
+                left = spec.deadline_s - self._clock()
                 if left <= MIN_ATTEMPT_S:
                     b.breaker.release(permit)
                     raise DeadlineExceeded("the request's deadline passed")
                 t0 = self._clock()
                 handle, answer = send(left)
-                timeout_s = left if record.migrations else self._attempt_timeout(left)
+                timeout_s = left if spec.record.migrations else self._attempt_timeout(left)
                 try:
                     return handle, await self._wait_for(answer, timeout_s), permit, t0
                 except asyncio.CancelledError:
@@ -450,25 +445,23 @@ class ResilientCaller:
                     if retrying:
                         self.budget.release_retry()
                         retrying = False
-                    pause, attempt, retrying = self._next_try(b, kind, attempt, deadline_s, record, unary)
+                    pause, attempt, retrying = self._next_try(b, kind, attempt, spec, unary)
                     await self._sleep(pause)
         finally:
             if retrying:
                 self.budget.release_retry()
 
-    def _next_try(
-        self, b: Backend, kind: str, attempt: int, deadline_s: float, record: CallRecord, unary: bool
-    ) -> tuple[float, int, bool]:
+    def _next_try(self, b: Backend, kind: str, attempt: int, spec: CallSpec, unary: bool) -> tuple[float, int, bool]:
         """After an attempt that failed with ``kind``: (the pause, the next attempt's number,
         whether a retry slot is now held). A lost replica is sent again elsewhere without
         using up an attempt (a unary re-send inside the retry budget; a stream's within its
         migration limit); anything else is an ordinary retry. Raises DeadlineExceeded past
         the deadline, _BackendFailed when no attempt may follow."""
-        if kind == "deadline_exceeded" or self._clock() >= deadline_s:
+        if kind == "deadline_exceeded" or self._clock() >= spec.deadline_s:
             raise DeadlineExceeded("the request's deadline passed") from None
         if kind == migration.LOST_CAPACITY:
-            return self._migration_pause(b, record, deadline_s, budget=unary), attempt, unary
-        return self._retry_pause(b, kind, attempt, deadline_s), attempt + 1, True
+            return self._migration_pause(b, spec, budget=unary), attempt, unary
+        return self._retry_pause(b, kind, attempt, spec.deadline_s), attempt + 1, True
 
     def _retry_pause(self, b: Backend, kind: str, attempt: int, deadline_s: float) -> float:
         """The backoff before an ordinary retry of attempt ``attempt`` that failed with
@@ -481,13 +474,14 @@ class ResilientCaller:
         self._hooks.on_retry(b.role, kind)
         return pause
 
-    def _migration_pause(self, b: Backend, record: CallRecord, deadline_s: float, budget: bool) -> float:
+    def _migration_pause(self, b: Backend, spec: CallSpec, budget: bool) -> float:
         """The pause before migrating a call that lost its replica; raises _BackendFailed
         when the limit, the deadline or (``budget``: a unary re-send) the retry budget says no.
         On True with ``budget``, a retry slot is held: the caller releases it."""
+        record = spec.record
         pause = migration.pause_s(record.migrations + 1, self._rng.random())
         ok, _ = migration.should_migrate(
-            record.migrations, self.migration_cfg, deadline_s - self._clock(), pause, MIN_ATTEMPT_S
+            record.migrations, self.migration_cfg, spec.deadline_s - self._clock(), pause, MIN_ATTEMPT_S
         )
         if not ok or (budget and not self.budget.try_acquire_retry()):
             self.lost["not_migrated"] += 1
@@ -499,54 +493,43 @@ class ResilientCaller:
         return pause
 
     # -- streaming -------------------------------------------------------------------
-    async def stream(
-        self,
-        call: dict[str, Any],
-        deadline_s: float,
-        kill_switches: list,
-        now_wall_s: float,
-        fallback_only: bool = False,
-        record: Optional[CallRecord] = None,
-    ) -> tuple[AsyncIterator[dict[str, Any]], Optional[str]]:
+    async def stream(self, spec: CallSpec) -> tuple[AsyncIterator[dict[str, Any]], Optional[str]]:
         """An iterator over chunks (the first already fetched) and the fallback kind.
 
         The chain applies until a backend yields its first chunk; from then on the
         stream belongs to that backend, whose replicas may carry it on (migrations,
-        counted in ``record``). ``fallback_only`` as for ``unary``.
+        counted in ``spec.record``).
         """
-        record = record if record is not None else CallRecord()
         # An active request in the retry budget until the stream is open.
-        found, skipped = await self._first_backend(
-            call, fallback_only, kill_switches, now_wall_s, lambda b: self._open(b, call, deadline_s, record), hold=True
-        )
+        found, skipped = await self._first_backend(spec, lambda b: self._open(b, spec), hold=True)
         if found is None:
             raise self._unavailable(skipped)
         b, opened = found
         kind = self._fallback_kind(b)
-        return self._rest(b, opened, call, deadline_s, record), kind
+        return self._rest(b, opened, spec), kind
 
-    async def _open(
-        self, b: Backend, call: dict[str, Any], deadline_s: float, record: CallRecord, resume: Optional[dict] = None
-    ) -> "_Open":
+    async def _open(self, b: Backend, spec: CallSpec, resume: Optional[dict] = None) -> "_Open":
         """A stream on ``b`` with its first chunk. A lost replica is tried again elsewhere
         (a migration); an attempt that failed otherwise (its first chunk timed out on a
         replica cut off from this router, say) is retried as a unary attempt is, inside the
         retry budget. ``resume``: the continuation fields of a migrated stream."""
         def send(left_s: float) -> tuple[Any, Any]:
-            gen = b.stream_handle.generate_stream.remote({**call, **(resume or {}), **_deadline_fields(left_s, self._wall_clock())})
+            gen = b.stream_handle.generate_stream.remote(
+                {**spec.call, **(resume or {}), **_deadline_fields(left_s, self._wall_clock())}
+            )
             return gen, gen.__anext__()
 
-        gen, first, permit, t0 = await self._first_answer(b, deadline_s, record, send, unary=False)
+        gen, first, permit, t0 = await self._first_answer(b, spec, send, unary=False)
         if resume is not None:
             first = {k: v for k, v in first.items() if k != "queue_wait_ms"}  # not a new request's wait
         return _Open(gen, permit, first, t0)
 
-    async def _rest(self, b: Backend, opened: "_Open", call: dict[str, Any], deadline_s: float, record: CallRecord):
+    async def _rest(self, b: Backend, opened: "_Open", spec: CallSpec):
         gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
         # The stream's token ids and characters so far (a client's resume brings its own):
         # what a migration prefills and does not send again.
-        delivered_ids: list[int] = [int(i) for i in call.get("continue_ids") or ()]
-        delivered_chars = int(call.get("continue_text_chars") or 0)
+        delivered_ids: list[int] = [int(i) for i in spec.call.get("continue_ids") or ()]
+        delivered_chars = int(spec.call.get("continue_text_chars") or 0)
         outcome: Optional[bool] = None  # None: the client left, which says nothing about the backend
         try:
             while True:
@@ -554,7 +537,7 @@ class ResilientCaller:
                 delivered_chars += len(chunk.get("text", ""))
                 yield chunk
                 try:
-                    chunk = await self._wait_for(gen.__anext__(), max(0.001, deadline_s - self._clock()))
+                    chunk = await self._wait_for(gen.__anext__(), max(0.001, spec.deadline_s - self._clock()))
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
@@ -568,8 +551,8 @@ class ResilientCaller:
                     permit = None
                     resume = {"continue_ids": list(delivered_ids), "continue_text_chars": delivered_chars}
                     try:
-                        await self._sleep(self._migration_pause(b, record, deadline_s, budget=False))
-                        opened = await self._open(b, call, deadline_s, record, resume)
+                        await self._sleep(self._migration_pause(b, spec, budget=False))
+                        opened = await self._open(b, spec, resume)
                     except _BackendFailed as f:
                         raise _StreamEnded(ReplicaLost(
                             f"the stream's replica went away and it could not be carried on ({f.kind})", retry_after_s=1.0

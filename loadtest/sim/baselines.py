@@ -25,28 +25,30 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Optional
 
 
+@dataclass
 class RayServeDefault:
-    def __init__(self, target_ongoing_requests: float, min_replicas: int, max_replicas: int,
-                 upscale_delay_s: float, downscale_delay_s: float, look_back_s: float) -> None:
-        self.target = target_ongoing_requests
-        self.min_replicas = min_replicas
-        self.max_replicas = max_replicas
-        self.upscale_delay_s = upscale_delay_s
-        self.downscale_delay_s = downscale_delay_s
-        self.look_back_s = look_back_s
-        self._samples: deque[tuple[float, float]] = deque()  # bounded by the look-back window
-        self._direction = 0  # >0 wants up, <0 wants down (Ray's decision_counter sign)
-        self._since_s: Optional[float] = None
+    target_ongoing_requests: float
+    min_replicas: int
+    max_replicas: int
+    upscale_delay_s: float
+    downscale_delay_s: float
+    look_back_s: float
+    # Bounded by the look-back window.
+    _samples: deque[tuple[float, float]] = field(default_factory=deque, init=False, repr=False)
+    # >0 wants up, <0 wants down (Ray's decision_counter sign).
+    _direction: int = field(default=0, init=False, repr=False)
+    _since_s: Optional[float] = field(default=None, init=False, repr=False)
 
     def decide(self, now_s: float, total_ongoing: float, target_replicas: int) -> int:
         self._samples.append((now_s, total_ongoing))
         while self._samples and self._samples[0][0] <= now_s - self.look_back_s:
             self._samples.popleft()
         avg = sum(v for _, v in self._samples) / len(self._samples)
-        desired = min(max(math.ceil(avg / self.target - 1e-9), self.min_replicas), self.max_replicas)
+        desired = min(max(math.ceil(avg / self.target_ongoing_requests - 1e-9), self.min_replicas), self.max_replicas)
         if desired > target_replicas:
             if self._direction <= 0:
                 self._direction, self._since_s = 1, now_s
@@ -64,19 +66,20 @@ class RayServeDefault:
         return target_replicas
 
 
+@dataclass
 class HpaUtilization:
-    def __init__(self, target_util_pct: float, min_replicas: int, max_replicas: int, sync_s: float,
-                 stabilization_s: float, tolerance: float, metric_window_s: float) -> None:
-        self.target = target_util_pct
-        self.min_replicas = min_replicas
-        self.max_replicas = max_replicas
-        self.sync_s = sync_s
-        self.stabilization_s = stabilization_s
-        self.tolerance = tolerance
-        self.metric_window_s = metric_window_s
-        self._util: deque[tuple[float, float, int]] = deque()  # (t, util sum over ready, ready), windowed
-        self._recommendations: deque[tuple[float, int]] = deque()  # windowed by stabilization_s
-        self._next_sync_s: Optional[float] = None
+    target_util_pct: float
+    min_replicas: int
+    max_replicas: int
+    sync_s: float
+    stabilization_s: float
+    tolerance: float
+    metric_window_s: float
+    # (t, util sum over ready, ready), windowed by metric_window_s.
+    _util: deque[tuple[float, float, int]] = field(default_factory=deque, init=False, repr=False)
+    # Windowed by stabilization_s.
+    _recommendations: deque[tuple[float, int]] = field(default_factory=deque, init=False, repr=False)
+    _next_sync_s: Optional[float] = field(default=None, init=False, repr=False)
 
     def decide(self, now_s: float, util_sum_pct: float, ready: int, current: int) -> int:
         """``util_sum_pct``: the sum over ready replicas of their utilization (%)."""
@@ -95,14 +98,14 @@ class HpaUtilization:
             raw = current
         else:
             avg = sum_util / n_ready
-            ratio = avg / self.target
+            ratio = avg / self.target_util_pct
             if abs(ratio - 1.0) <= self.tolerance:
                 raw = current
             elif ratio > 1.0:
                 # Scaling up, pods without metrics (starting) count as 0 %: the ratio is
                 # recomputed over all ``current`` pods and must still clear the tolerance.
-                if sum_util / (current * self.target) > 1.0 + self.tolerance:
-                    raw = math.ceil(sum_util / self.target - 1e-9)
+                if sum_util / (current * self.target_util_pct) > 1.0 + self.tolerance:
+                    raw = math.ceil(sum_util / self.target_util_pct - 1e-9)
                 else:
                     raw = current
             else:

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 from ballast.policies.criticality import Criticality
-from ballast.policies.validation import check_positive
+from ballast.policies.validation import check_fields, check_positive
 
 #: Criticalities in rank order (critical_plus first); every per-class tuple in
 #: the simulator uses this order.
@@ -56,10 +56,7 @@ class ServiceModel:
     model_max_tokens: int = 8192
 
     def __post_init__(self) -> None:
-        check_positive("t0_s", self.t0_s)
-        check_positive("t1_s", self.t1_s)
-        check_positive("mean_tokens", self.mean_tokens)
-        check_positive("model_max_tokens", self.model_max_tokens)
+        check_fields(self, check_positive, "t0_s", "t1_s", "mean_tokens", "model_max_tokens")
 
     def work_ratio(self, max_tokens: int) -> float:
         """Expected work under a ``max_tokens`` clamp, relative to the model's own limit."""
@@ -97,8 +94,7 @@ class Spike:
     def __post_init__(self) -> None:
         if not 0 <= self.start_hour < 24:
             raise ValueError(f"start_hour: must be in [0, 24), got {self.start_hour!r}")
-        check_positive("ramp_up_s", self.ramp_up_s)
-        check_positive("ramp_down_s", self.ramp_down_s)
+        check_fields(self, check_positive, "ramp_up_s", "ramp_down_s")
         if self.hold_s < 0 or self.ratio < 0:
             raise ValueError("hold_s, ratio: must be >= 0")
 
@@ -127,7 +123,7 @@ class LoadProfile:
     def __post_init__(self) -> None:
         if not 0 <= self.trough_ratio <= 1:
             raise ValueError(f"trough_ratio: must be in [0, 1], got {self.trough_ratio!r}")
-        check_positive("peak_width_h", self.peak_width_h)
+        check_fields(self, check_positive, "peak_width_h")
 
     def ratio(self, hour_of_day: float) -> float:
         """Arrival rate at ``hour_of_day`` as a ratio of the noon peak's (1.0 at ``peak_hour``)."""

@@ -309,7 +309,7 @@ def test_the_body_retry_after_wins_over_the_rounded_header() -> None:
     "err",
     [
         Unauthenticated("no key", 401, "UNAUTHENTICATED"),
-        InvalidRequest("bad", 422, "INVALID_REQUEST", None, "prompt"),
+        InvalidRequest("bad", 422, "INVALID_REQUEST", None, field="prompt"),
         Overloaded("busy", 503, "OVERLOADED", 1.5),
         KillSwitchActive("off"),
         ConnectionFailed("ConnectError: refused"),

@@ -27,7 +27,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from ballast.policies.killswitch import KillSwitchEntry
 from ballast.config import load_config
 from ballast.errors import DeadlineExceeded, EngineRefused, ModelUnavailable, ReplicaLost
-from ballast.router.resilience import CallHooks, CallRecord, ResilientCaller
+from ballast.router.resilience import CallHooks, CallRecord, CallSpec, ResilientCaller
 
 from fakes import FakeClock
 
@@ -172,7 +172,7 @@ def make(
 
 
 async def unary(caller: ResilientCaller, clock: FakeClock, deadline_in_s: float = 30, call: dict = CALL):
-    return await caller.unary(dict(call), clock() + deadline_in_s, [], WALL_S)
+    return await caller.unary(CallSpec(dict(call), clock() + deadline_in_s, [], WALL_S))
 
 
 def breaker_of(caller: ResilientCaller, role: str) -> dict[str, Any]:
@@ -240,7 +240,7 @@ async def test_a_lost_replica_is_sent_again_without_using_an_attempt_or_the_brea
     primary = FakeHandle(fails(ActorDiedError()), fails(ActorDiedError()), ok("answered"))
     caller, clock, timer, events = make(primary, retry={"max_attempts": 1})
     record = CallRecord()
-    result = await caller.unary(dict(CALL), clock() + 30, [], WALL_S, record=record)
+    result = await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, record=record))
     assert result == ({"text": "answered"}, None)
     assert record.migrations == 2 and len(primary.generate.calls) == 3
     assert timer.slept_s == [0.025, 0.025]
@@ -358,7 +358,7 @@ async def test_a_stream_yields_the_first_chunk_then_the_rest_and_counts_one_succ
     stream = FakeStream(ok("a"), ok("b"), ok("c"))
     primary = FakeHandle(streams=(stream,))
     caller, clock, _, _ = make(primary)
-    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     assert kind is None
     assert clock() == 101  # only the first chunk is fetched before the stream is handed back
     assert caller.backends[0].bulkhead.in_flight == 1  # held for the stream's life
@@ -375,7 +375,7 @@ async def test_a_stream_failing_before_its_first_chunk_falls_back_without_a_retr
     primary = FakeHandle(streams=(dead,))
     fallback = FakeHandle(streams=(FakeStream(ok("x"), ok("y")),))
     caller, clock, timer, events = make(primary, fallback)
-    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     assert kind == "fallback_model"
     assert await collect(it) == [{"text": "x"}, {"text": "y"}]
     assert len(primary.generate_stream.calls) == 1  # a model error is not retried on a backend
@@ -395,7 +395,7 @@ async def test_a_request_its_engine_refuses_fails_alone_with_the_refusal() -> No
     with pytest.raises(EngineRefused) as unary_refusal:
         await unary(caller, clock)
     with pytest.raises(EngineRefused) as stream_refusal:
-        await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+        await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     for e in (unary_refusal.value, stream_refusal.value):
         assert (e.status, e.code, e.field) == (400, "ENGINE_REFUSED", "response_format")
     assert (len(primary.generate.calls), len(primary.generate_stream.calls)) == (1, 1)
@@ -417,7 +417,7 @@ async def test_a_call_the_fallbacks_engine_would_not_honour_never_goes_to_it() -
         await unary(caller, clock, call=schema_call)
     assert fallback.generate.calls == [] and ("fallback", "fallback_model") not in events
     with pytest.raises(ModelUnavailable):  # the level sent it to the fallback alone: nothing may take it
-        await caller.unary(dict(schema_call), clock() + 30, [], WALL_S, fallback_only=True)
+        await caller.unary(CallSpec(dict(schema_call), clock() + 30, [], WALL_S, fallback_only=True))
     # The same request without the schema falls back as usual.
     primary, fallback = FakeHandle(fails(dead)), FakeHandle(ok("small"))
     caller, clock, _, _ = make(primary, fallback, model=vllm)
@@ -430,7 +430,7 @@ async def test_a_stream_whose_replica_died_before_its_first_chunk_goes_to_anothe
     fallback = FakeHandle(streams=(FakeStream(ok("x")),))
     caller, clock, timer, events = make(primary, fallback)
     record = CallRecord()
-    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S, record=record)
+    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S, record=record))
     assert kind is None and await collect(it) == [{"text": "a"}, {"text": "b"}]
     assert dead.cancelled and record.migrations == 1
     assert "continue_ids" not in primary.generate_stream.calls[1]  # nothing was delivered: a plain re-send
@@ -445,7 +445,7 @@ async def test_a_stream_whose_first_chunk_times_out_is_retried_like_a_unary_atte
     primary = FakeHandle(streams=(hung, FakeStream(ok("a"), ok("b"))))
     fallback = FakeHandle(streams=(FakeStream(ok("x")),))
     caller, clock, timer, events = make(primary, fallback)
-    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     assert clock() == 100 + 4 + 1 + 1  # the 4 s attempt timeout, a 1 s backoff, the first chunk
     assert kind is None and await collect(it) == [{"text": "a"}, {"text": "b"}]
     assert hung.cancelled
@@ -458,7 +458,7 @@ async def test_a_stream_whose_first_chunk_times_out_on_every_attempt_falls_back(
     primary = FakeHandle(streams=tuple(FakeStream(FakeResponse(HANG)) for _ in range(3)))
     fallback = FakeHandle(streams=(FakeStream(ok("x")),))
     caller, clock, _, events = make(primary, fallback, retry={"max_attempts": 2})
-    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     assert kind == "fallback_model"
     assert len(primary.generate_stream.calls) == 2  # max_attempts
     assert clock() == 100 + 4 + 1 + 4 + 1  # two attempt timeouts, a backoff, the fallback's chunk
@@ -470,7 +470,7 @@ async def test_a_stream_with_no_backend_left_is_503() -> None:
     primary = FakeHandle(streams=(FakeStream(fails(RayTaskError("g", "tb", RuntimeError("bad")))),))
     caller, clock, _, _ = make(primary)
     with pytest.raises(ModelUnavailable, match="model_error:primary"):
-        await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+        await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     assert caller.backends[0].bulkhead.in_flight == 0
 
 
@@ -478,7 +478,7 @@ async def test_a_stream_whose_replicas_keep_dying_is_replica_lost_after_the_migr
     primary = FakeHandle(streams=tuple(FakeStream(fails(ActorDiedError())) for _ in range(4)))
     caller, clock, _, events = make(primary)
     with pytest.raises(ReplicaLost, match="replica_died:primary") as info:
-        await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+        await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     assert (info.value.status, info.value.code) == (503, "REPLICA_LOST")
     assert len(primary.generate_stream.calls) == 4  # the first and three migrations (the limit)
     assert events == [("lost", "primary", "migrated")] * 3 + [("lost", "primary", "not_migrated")]
@@ -491,7 +491,7 @@ async def test_a_model_error_after_its_first_chunk_ends_the_stream_with_503_and_
     primary = FakeHandle(streams=(stream,))
     fallback = FakeHandle(streams=(FakeStream(ok("x")),))
     caller, clock, _, _ = make(primary, fallback)
-    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     assert kind is None
     assert await it.__anext__() == {"text": "a"}
     with pytest.raises(ModelUnavailable, match="model_error"):
@@ -515,7 +515,7 @@ async def test_a_stream_whose_replica_dies_mid_way_carries_on_from_what_was_deli
     fallback = FakeHandle(streams=(FakeStream(ok("x")),))
     caller, clock, timer, events = make(primary, fallback)
     record = CallRecord()
-    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S, record=record)
+    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S, record=record))
     chunks = await collect(it)
     assert kind is None and "".join(c["text"] for c in chunks) == "hello world"
     assert sum(c["tokens"] for c in chunks) == 11
@@ -538,7 +538,7 @@ async def test_a_stream_cut_once_more_than_the_limit_ends_with_replica_lost() ->
     streams = [FakeStream(piece("a", [97]), fails(ActorDiedError())) for _ in range(4)]
     primary = FakeHandle(streams=tuple(streams))
     caller, clock, _, events = make(primary)
-    it, _ = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     got = []
     with pytest.raises(ReplicaLost):
         async for chunk in it:
@@ -555,7 +555,7 @@ async def test_a_stream_cut_with_no_room_left_before_its_deadline_is_not_migrate
     primary = FakeHandle(streams=(FakeStream(piece("a", [97], takes_s=1), fails(ActorDiedError(), takes_s=2)),
                                   FakeStream(ok("never"))))
     caller, clock, _, events = make(primary)
-    it, _ = await caller.stream(dict(CALL), clock() + 3.04, [], WALL_S)
+    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 3.04, [], WALL_S))
     assert (await it.__anext__())["text"] == "a"
     with pytest.raises(ReplicaLost):
         await it.__anext__()
@@ -567,7 +567,7 @@ async def test_a_stream_stalling_past_the_deadline_ends_with_504() -> None:
     stream = FakeStream(ok("a"), FakeResponse(HANG))
     primary = FakeHandle(streams=(stream,))
     caller, clock, _, _ = make(primary)
-    it, _ = await caller.stream(dict(CALL), clock() + 10, [], WALL_S)
+    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 10, [], WALL_S))
     assert await it.__anext__() == {"text": "a"}
     with pytest.raises(DeadlineExceeded):
         await it.__anext__()
@@ -579,7 +579,7 @@ async def test_a_client_leaving_mid_stream_counts_nothing_against_the_backend() 
     stream = FakeStream(ok("a"), ok("b"))
     primary = FakeHandle(streams=(stream,))
     caller, clock, _, _ = make(primary)
-    it, _ = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)
+    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
     assert await it.__anext__() == {"text": "a"}
     await it.aclose()
     assert stream.cancelled
@@ -591,7 +591,7 @@ async def test_a_full_primary_bulkhead_sends_the_next_request_to_the_fallback() 
     primary = FakeHandle(streams=(FakeStream(ok("a"), ok("b")),))
     fallback = FakeHandle(ok("small"))
     caller, clock, _, _ = make(primary, fallback, bulkhead={"primary": 1})
-    it, _ = await caller.stream(dict(CALL), clock() + 30, [], WALL_S)  # holds the primary's one slot
+    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))  # holds the primary's one slot
     assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
     assert primary.generate.calls == []
     assert await collect(it) == [{"text": "a"}, {"text": "b"}]
@@ -605,8 +605,8 @@ async def test_fallback_only_never_calls_the_primary() -> None:
     fallback = FakeHandle(ok("small"), streams=(FakeStream(ok("s")),))
     caller, clock, _, events = make(primary, fallback)
     assert caller.can_fall_back([], WALL_S)
-    assert await caller.unary(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True) == ({"text": "small"}, "fallback_model")
-    it, kind = await caller.stream(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)
+    assert await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)) == ({"text": "small"}, "fallback_model")
+    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True))
     assert kind == "fallback_model" and await collect(it) == [{"text": "s"}]
     assert primary.generate.calls == [] and primary.generate_stream.calls == []
     assert events == [("fallback", "fallback_model"), ("fallback", "fallback_model")]
@@ -618,7 +618,7 @@ async def test_fallback_only_with_the_fallback_failing_is_503_not_a_primary_call
     fallback = FakeHandle(fails(error))
     caller, clock, _, _ = make(primary, fallback)
     with pytest.raises(ModelUnavailable, match="model_error:fallback"):
-        await caller.unary(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)
+        await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True))
     assert primary.generate.calls == []
 
 
@@ -640,7 +640,7 @@ async def test_can_fall_back_needs_a_fallback_that_could_answer_now() -> None:
     # Its breaker open: not until it half-opens.
     for _ in range(3):
         with pytest.raises(ModelUnavailable):
-            await caller.unary(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)
+            await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True))
     assert breaker_of(caller, "fallback")["state"] == "open"
     assert not caller.can_fall_back([], WALL_S)
     clock.now_s += 10
@@ -654,7 +654,7 @@ async def test_a_unary_call_sent_again_after_its_replica_died_waits_up_to_its_de
     caller, clock, timer, events = make(primary)
     record = CallRecord()
     with pytest.raises(DeadlineExceeded):
-        await caller.unary(dict(CALL), clock() + 10, [], WALL_S, record=record)
+        await caller.unary(CallSpec(dict(CALL), clock() + 10, [], WALL_S, record=record))
     assert record.migrations == 1 and len(primary.generate.calls) == 2
     assert clock() == pytest.approx(100 + 10)  # the second attempt waited to the deadline, not 4 s
     assert events == [("lost", "primary", "migrated")]
