@@ -35,7 +35,7 @@ from ballast.policies.degradation import DegradationConfig
 from ballast.policies.fairness import FairnessConfig
 from ballast.policies.leak import LadderConfig, LeakConfig
 from ballast.policies.recycle import RecycleConfig
-from ballast.policies.validation import check_fraction, check_positive
+from ballast.policies.validation import check_fields, check_fraction, check_int, check_positive
 
 from .model import LoadProfile, ServiceModel
 
@@ -73,9 +73,7 @@ class TenantSpec:
         for name in ("weight", "arrival_share"):
             check_positive(f"{self.name}.{name}", getattr(self, name))
         for name in ("prompt_tokens", "output_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{self.name}.{name}: must be an int >= 0, got {v!r}")
+            check_int(f"{self.name}.{name}", getattr(self, name), minimum=0)
         if not self.routers or len(set(self.routers)) != len(self.routers):
             raise ValueError(f"{self.name}.routers: must be distinct router indices, got {self.routers!r}")
 
@@ -100,18 +98,14 @@ class TenancyConfig:
     def __post_init__(self) -> None:
         if not self.tenants or len({t.name for t in self.tenants}) != len(self.tenants):
             raise ValueError("tenancy.tenants: must be one or more tenants with distinct names")
-        if isinstance(self.routers, bool) or not isinstance(self.routers, int) or self.routers < 1:
-            raise ValueError(f"tenancy.routers: must be an int >= 1, got {self.routers!r}")
+        check_int("tenancy.routers", self.routers, minimum=1)
         for t in self.tenants:
             if any(not isinstance(r, int) or not 0 <= r < self.routers for r in t.routers):
                 raise ValueError(f"{t.name}.routers: must be in [0, {self.routers}), got {t.routers!r}")
-        if self.lag_tokens is not None:
-            check_positive("tenancy.lag_tokens", self.lag_tokens)
+        check_positive("tenancy.lag_tokens", self.lag_tokens, optional=True)
         if not 0 <= self.router_floor_ratio < 1:
             raise ValueError(f"tenancy.router_floor_ratio: must be in [0, 1), got {self.router_floor_ratio!r}")
-        if isinstance(self.grants_per_router, bool) or not isinstance(self.grants_per_router, int) \
-                or self.grants_per_router < 1:
-            raise ValueError(f"tenancy.grants_per_router: must be an int >= 1, got {self.grants_per_router!r}")
+        check_int("tenancy.grants_per_router", self.grants_per_router, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -186,16 +180,14 @@ class SimConfig:
     tenancy: TenancyConfig | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.replicas_peak, bool) or not isinstance(self.replicas_peak, int) or self.replicas_peak < 1:
-            raise ValueError(f"replicas_peak: must be an int >= 1, got {self.replicas_peak!r}")
+        check_fields(self, check_int, "replicas_peak", minimum=1)
         if self.max_replicas_ratio < 1:
             raise ValueError(f"max_replicas_ratio: must be >= 1, got {self.max_replicas_ratio!r}")
         if not isinstance(self.min_replicas, int) or not 0 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"min_replicas: must be an int in [0, max_replicas], got {self.min_replicas!r}")
-        for name in ("hours", "tick_s", "slo_s", "timeout_s", "target_ongoing_requests", "mtbf_h",
-                     "leak_tto_median_h", "mem_limit_bytes", "ray_look_back_s", "hpa_sync_s",
-                     "hpa_metric_window_s", "recycle_interval_s"):
-            check_positive(name, getattr(self, name))
+        check_fields(self, check_positive, "hours", "tick_s", "slo_s", "timeout_s", "target_ongoing_requests",
+                     "mtbf_h", "leak_tto_median_h", "mem_limit_bytes", "ray_look_back_s", "hpa_sync_s",
+                     "hpa_metric_window_s", "recycle_interval_s")
         if not 0 <= self.start_hour < 24:
             raise ValueError(f"start_hour: must be in [0, 24), got {self.start_hour!r}")
         if len(self.mix) != 4 or any(x < 0 for x in self.mix) or abs(sum(self.mix) - 1.0) > 1e-9:
@@ -203,9 +195,7 @@ class SimConfig:
         lo, hi = self.cold_start_s
         if not 0 < lo <= hi:
             raise ValueError(f"cold_start_s: must be (lo, hi) with 0 < lo <= hi, got {self.cold_start_s!r}")
-        check_fraction("leak_fraction", self.leak_fraction)
-        check_fraction("mem_base_ratio", self.mem_base_ratio)
-        check_fraction("hpa_tolerance", self.hpa_tolerance)
+        check_fields(self, check_fraction, "leak_fraction", "mem_base_ratio", "hpa_tolerance")
         if self.leak_tto_sigma < 0 or self.initial_age_max_h < 0:
             raise ValueError("leak_tto_sigma, initial_age_max_h: must be >= 0")
         if self.max_batch_size < 1 or self.ray_upscale_delay_s < 0 or self.ray_downscale_delay_s < 0:
@@ -216,8 +206,7 @@ class SimConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}: must be an int >= 1 or None, got {v!r}")
-        if self.queue_length_scale is not None:
-            check_positive("queue_length_scale", self.queue_length_scale)
+        check_fields(self, check_positive, "queue_length_scale", optional=True)
 
     # ---- derived
     @property
