@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from ballast.model.batching import describe_engine, ids_by_row, left_pad, rows_to_keep
 from ballast.errors import ModelLoadError
+from ballast.policies.validation import check_int, check_name
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
@@ -66,12 +67,6 @@ _PRINTABLE_IDS = (10, *range(32, 127))  # "\n" and printable ASCII
 # --------------------------------------------------------------------------- config
 
 
-def _require_positive_int(owner: str, name: str, value: object) -> None:
-    # bool is an int subclass; True as a layer count is a bug, not a 1.
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
-
-
 @dataclass(frozen=True)
 class TinyDecoderConfig:
     """Geometry of :class:`TinyDecoder`. The default is about 3.4M parameters."""
@@ -85,7 +80,7 @@ class TinyDecoderConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
-            _require_positive_int("TinyDecoderConfig", name, getattr(self, name))
+            check_int(f"TinyDecoderConfig.{name}", getattr(self, name), minimum=1)
         if self.vocab_size != BYTE_VOCAB_SIZE:
             raise ValueError(
                 f"TinyDecoderConfig.vocab_size must be {BYTE_VOCAB_SIZE} "
@@ -761,10 +756,8 @@ class BackendSpec:
     compile: str = "torchscript"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"BackendSpec.name must be a non-empty str, got {self.name!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            raise ValueError(f"BackendSpec.seed must be an int >= 0, got {self.seed!r}")
+        check_name("BackendSpec.name", self.name)
+        check_int("BackendSpec.seed", self.seed, minimum=0)
         if self.checkpoint_path is not None and (
             not isinstance(self.checkpoint_path, str) or not self.checkpoint_path
         ):
