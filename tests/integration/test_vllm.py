@@ -38,22 +38,24 @@ MODEL = "tiny-vllm"
 KEY = GOLD["Authorization"].split()[1]
 
 
+def vllm_overrides(ckpt) -> dict:
+    # One engine at a time (the autoscaler would start a second on these 2 cores).
+    # The watchdog's memory limit fits a vLLM replica: three processes (the replica,
+    # vLLM's engine core and its worker) over 2 GB together, where the suite's limit is
+    # sized for one process of the built-in engine.
+    return {"deployments": {"model": {"max_replicas": 1}}, "watchdog": {"rss_limit_mb": 6000},
+            "model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8, "tool_parser": "hermes",
+                      # the KV cache: Ballast's CPU default; compact guided JSON, so that random weights end it
+                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 512,
+                                        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}}}
+
+
 @pytest.fixture(scope="module")
 def vllm_stack(ballast, tmp_path_factory):
     from ballast.config import load_config
 
     ckpt = make_llama(tmp_path_factory.mktemp("vllm") / MODEL, **VLLM_GEOMETRY)
-    # One engine at a time (the autoscaler would start a second on these 2 cores); a
-    # recycle still starts the replacement beside the one it drains.
-    # The watchdog's memory limit fits a vLLM replica: three processes (the replica,
-    # vLLM's engine core and its worker) over 2 GB together, where the suite's limit is
-    # sized for one process of the built-in engine.
-    over = {"deployments": {"model": {"max_replicas": 1}}, "watchdog": {"rss_limit_mb": 6000},
-            "model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8, "tool_parser": "hermes",
-                      # the KV cache: Ballast's CPU default; compact guided JSON, so that random weights end it
-                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 512,
-                                        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}}}
-    _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)
+    _deploy(load_config(_merge(integration.test_config_dict(), vllm_overrides(ckpt))), MODEL)
     try:
         yield ckpt
     finally:
@@ -330,8 +332,20 @@ def test_a_stalled_vllm_replica_is_killed_and_leaves_no_engine_process(http, oai
     stuck[0].join(timeout=30)
 
 
-def test_recycling_the_vllm_replica_under_load_fails_no_request(http):
-    # The replacement starts its own engine while the old one drains: no request fails.
+def test_recycling_the_vllm_replica_under_load_fails_no_request(vllm_stack, http):
+    # Recycled as production recycles (recycle.surge on, min_available 1, the default
+    # recycle_timeout_s): a surge replica starts its own engine and serves while the
+    # recycled one drains, and its replacement starts beside it. The suite's own settings
+    # (no surge, min_available 0) let the only replica go before its replacement serves;
+    # a vLLM replica takes 20-55 s to start here, as long as a request's deadline, so
+    # requests would wait out their deadline. The autoscaler keeps to one replica (a
+    # target no test load reaches): the second place under max_replicas is the surge's.
+    from ballast.config import RecycleSettings, load_config
     from test_recycling import recycle_under_load
 
-    recycle_under_load(http, "vLLM", 180)
+    production = RecycleSettings()
+    surge = {"recycle": {"surge": production.surge, "min_available": production.min_available,
+                         "recycle_timeout_s": production.recycle_timeout_s},
+             "autoscale": {"target_ongoing_requests": 1000}, "deployments": {"model": {"max_replicas": 2}}}
+    _deploy(load_config(_merge(_merge(integration.test_config_dict(), vllm_overrides(vllm_stack)), surge)), MODEL)
+    recycle_under_load(http, "vLLM", 240)
