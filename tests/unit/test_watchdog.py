@@ -172,25 +172,52 @@ def test_psutil_sampler_reads_a_real_process() -> None:
     assert s.fd_limit is None or s.fd_limit >= 64
 
 
+# A stand-in replica: a quiet process (one thread, a few fds) that starts a child holding
+# 64 MB on "spawn" and stops it on "stop". The test samples it, not the test process,
+# whose own threads, fds and RSS move with whatever ran before in the same session.
+REPLICA_WITH_A_CHILD = """
+import subprocess, sys
+child = None
+for line in sys.stdin:
+    if line.strip() == "spawn":
+        child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); print('up', flush=True); time.sleep(60)"],
+                                 stdout=subprocess.PIPE)
+        child.stdout.readline()
+        print("up", flush=True)
+    elif line.strip() == "stop":
+        child.kill()
+        child.wait()
+        child.stdout.close()
+        print("gone", flush=True)
+"""
+
+
 def test_psutil_sampler_counts_the_processes_under_the_replica() -> None:
     # An engine that runs its core in a child process (vLLM) is watched whole: a child
-    # holding 64 MB shows in the replica's RSS, and its exit takes it out again.
+    # holding 64 MB shows in the replica's RSS, threads and fds, and its exit takes it out again.
     import subprocess
     import sys
 
-    s = PsutilSampler(os.getpid())
-    alone = s.sample()
-    child = subprocess.Popen([sys.executable, "-c", "import sys, time; b = bytearray(64 << 20); sys.stdout.write('up\\n'); sys.stdout.flush(); time.sleep(60)"],
-                             stdout=subprocess.PIPE)
+    replica = subprocess.Popen([sys.executable, "-c", REPLICA_WITH_A_CHILD], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+
+    def say(command: str, answer: str) -> None:
+        replica.stdin.write(command + "\n")
+        replica.stdin.flush()
+        assert replica.stdout.readline().strip() == answer
+
     try:
-        assert child.stdout.readline() == b"up\n"
+        s = PsutilSampler(replica.pid)
+        alone = s.sample()
+        say("spawn", "up")
         with_child = s.sample()
         assert with_child["rss_bytes"] - alone["rss_bytes"] > 60 * MB
         assert with_child["threads"] > alone["threads"] and with_child["fds"] > alone["fds"]
+        say("stop", "gone")
+        assert s.sample()["rss_bytes"] - alone["rss_bytes"] < 30 * MB
     finally:
-        child.kill()
-        child.wait()
-    assert s.sample()["rss_bytes"] - alone["rss_bytes"] < 30 * MB
+        replica.kill()
+        replica.wait()
 
 
 SHARES_WITH_ITS_CHILD = """
