@@ -150,13 +150,11 @@ def _deploy(cfg: Any, second_router: bool) -> None:
     SECOND_PREFIX in front of the same model deployment."""
     from ray import serve
 
-    from ballast.control.controller import ensure_controller
     from ballast.control.names import MODEL_DEPLOYMENT
-    from ballast.ops.app import build
+    from ballast.ops.app import deploy
     from ballast.router.app import router_deployment
 
-    ensure_controller(cfg)
-    serve.run(build(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+    deploy(cfg)
     if second_router:
         model = serve.get_deployment_handle(MODEL_DEPLOYMENT, app_name=cfg.app_name)
         app = router_deployment(cfg).bind(model, cfg.model_dump(mode="json"), None)

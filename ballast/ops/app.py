@@ -36,11 +36,20 @@ def build_app(args: dict[str, Any]) -> Application:
 
 def start(cfg: BallastConfig, host: str, port: int) -> None:
     """Serve's HTTP proxy, the controller and the app, on an already initialised Ray."""
-    import ray
     from ray import serve
 
     serve.start(http_options={"host": host, "port": port})
-    ray.get(ensure_controller(cfg).start.remote())
+    deploy(cfg)
+
+
+def deploy(cfg: BallastConfig) -> None:
+    """The controller takes ``cfg`` (created if absent), then the app is (re)deployed with
+    it. A redeploy through ``build`` alone would leave the controller planning recycles
+    and replica counts by the config it had."""
+    import ray
+    from ray import serve
+
+    ray.get(ensure_controller(cfg).start.remote())  # after its configure: one caller's calls run in order
     serve.run(build(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
 
 

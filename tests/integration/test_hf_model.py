@@ -25,18 +25,13 @@ KEY = GOLD["Authorization"].split()[1]
 
 
 def _deploy(cfg, model_name: str) -> None:
-    """Redeploy the app with ``cfg`` in place (Serve rolls every replica over) and wait
-    until the models route lists ``model_name``. The controller actor stays (it loads no
-    model) and takes ``cfg`` first, as a deploy through ``build_app`` gives it: without
-    it, the controller would go on planning recycles and replica counts by the old one."""
-    import ray
+    """Redeploy the app with ``cfg`` in place, the controller's config included (Serve
+    rolls every replica over), and wait until the models route lists ``model_name``."""
     from ray import serve
 
-    from ballast.control.controller import ensure_controller
-    from ballast.ops.app import build
+    from ballast.ops.app import deploy
 
-    ray.get(ensure_controller(cfg).start.remote())  # after its configure: one caller's calls run in order
-    serve.run(build(cfg), name=cfg.app_name, route_prefix=cfg.route_prefix, blocking=False)
+    deploy(cfg)
 
     def serving() -> bool:
         try:

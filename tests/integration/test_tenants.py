@@ -114,19 +114,15 @@ def test_sdk_adaptive_throttling_cuts_what_reaches_the_server(client, ballast):
 
 
 def test_two_routers_enforce_one_global_quota_within_5_percent(client, ballast):
-    from ray import serve
-
-    from ballast.ops.app import build
     from ballast.config import load_config
-    from ballast.control.controller import ensure_controller
+    from ballast.ops.app import deploy
 
     data = ballast.model_dump(mode="json")
     data["deployments"]["router"]["num_replicas"] = 2
     # Lending off: gold's idle quota would otherwise (rightly, at level 0) be lent to noisy.
     data["quota"]["lend_at_levels"] = []
     two = load_config(data)
-    ensure_controller(two)  # the controller takes the new config too
-    serve.run(build(two), name=two.app_name, route_prefix="/", blocking=False)
+    deploy(two)  # the controller takes the new config too
     try:
         wait_until(lambda: status(client)["replicas"]["BallastRouter"]["running"] == 2, 60, 0.5, "two routers reporting")
         time.sleep(2 * ballast.quota.lease_ttl_s)  # every router holds a fresh lease
@@ -159,6 +155,5 @@ def test_two_routers_enforce_one_global_quota_within_5_percent(client, ballast):
         # One quota across both routers: what was admitted is within 5 % of what the quota allows.
         assert abs(admitted_tokens - allowed) / allowed <= 0.05, (admitted_tokens, allowed, views)
     finally:
-        ensure_controller(ballast)
-        serve.run(build(ballast), name=ballast.app_name, route_prefix="/", blocking=False)
+        deploy(ballast)
         wait_until(lambda: status(client)["replicas"]["BallastRouter"]["running"] == 1, 60, 0.5, "back to one router")
