@@ -70,6 +70,15 @@ class EngineRefused(InvalidRequest):
     status, code = 400, "ENGINE_REFUSED"
 
 
+class SchemaTooComplex(InvalidRequest):
+    """A ``response_format`` schema or the tools' schemas are past the bounds Ballast sets
+    (depth, size, count), or their grammar did not compile within its time limit:
+    refused for this request alone, before any model work, nothing counted against the
+    model's health."""
+
+    status, code = 400, "SCHEMA_TOO_COMPLEX"
+
+
 class PayloadTooLarge(BallastError):
     status, code = 413, "PAYLOAD_TOO_LARGE"
 

@@ -131,6 +131,7 @@ _BY_CODE: dict[str, type[BallastClientError]] = {
     "INVALID_REQUEST": InvalidRequest,
     "CONTEXT_LENGTH_EXCEEDED": InvalidRequest,
     "ENGINE_REFUSED": InvalidRequest,
+    "SCHEMA_TOO_COMPLEX": InvalidRequest,
     "PAYLOAD_TOO_LARGE": PayloadTooLarge,
     "QUOTA_EXCEEDED": QuotaExceeded,
     "CONCURRENCY_LIMIT": ConcurrencyLimited,

@@ -233,7 +233,9 @@ class Pipeline:
         raw = request.headers.get("x-request-timeout-ms")
         if raw is None:
             return Deadline.starting(started, r.deadline_s)
-        if not raw.strip().isdigit() or int(raw) <= 0:
+        # ASCII digits only: str.isdigit() also takes "²" and other digits int() refuses.
+        raw = raw.strip()
+        if not (raw.isascii() and raw.isdigit() and 0 < len(raw) <= 12) or int(raw) <= 0:
             raise InvalidRequest("X-Request-Timeout-Ms: must be a positive integer", field="X-Request-Timeout-Ms")
         return Deadline.starting(started, min(int(raw) / 1000.0, r.max_deadline_s))
 
