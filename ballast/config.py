@@ -563,19 +563,32 @@ class RecycleSettings(_Strict):
 class TenantConfig(_Strict):
     """A tenant's quota, in tokens (prompt + generated): a resource unit, not requests.
 
-    No rate means no token quota (the concurrency cap still applies). The sum of all
+    What is not written grants the least: a tenant's claims are capped at ``critical``
+    unless ``max_criticality`` says more, and in production a tenant needs a rate, or
+    ``unlimited: true`` to have no token quota at all (the concurrency cap still
+    applies). Locally a tenant without a rate has no token quota. The sum of all
     tenants' rates may exceed what the model can do (overcommit).
     """
 
     description: str = ""
     rate_tokens_per_s: Optional[PositiveFloat] = None
     burst_tokens: Optional[PositiveFloat] = None  # default: 2 s of rate
+    # No token quota, said explicitly (production refuses a tenant with neither this nor a rate).
+    unlimited: bool = False
     max_concurrent: Optional[PositiveInt] = None  # default: resilience.bulkhead.per_tenant
-    max_criticality: Criticality = Criticality.CRITICAL_PLUS  # a higher claim is lowered to this
+    # A higher claim is lowered to this; critical_plus (ahead of critical at the gate,
+    # admitted at every level but 4) is granted only where written.
+    max_criticality: Criticality = Criticality.CRITICAL
     # Share of idle capacity lent at level 0, and of the model among tenants waiting in
     # the same class (fairness).
     weight: PositiveFloat = 1.0
     sheddable: bool = False  # its rate shrinks with the degradation level
+
+    @model_validator(mode="after")
+    def _rate_or_unlimited(self) -> "TenantConfig":
+        if self.unlimited and (self.rate_tokens_per_s is not None or self.burst_tokens is not None):
+            raise ValueError("unlimited: a tenant with no token quota takes no rate_tokens_per_s or burst_tokens")
+        return self
 
     @property
     def burst(self) -> Optional[float]:
@@ -667,6 +680,10 @@ class BallastConfig(_Strict):
             raise ValueError("fallback.model.name must differ from model.name (kill switches and metrics tell them apart)")
         if self.environment == "production" and (self.auth.demo_keys or self.auth.demo_admin_token):
             raise ValueError("auth.demo_keys / auth.demo_admin_token are for local use only; production takes keys from the environment or a file")
+        unquoted = sorted(t for t, tc in self.tenants.items() if tc.rate_tokens_per_s is None and not tc.unlimited)
+        if self.environment == "production" and unquoted:
+            raise ValueError(f"tenants: {unquoted} have no rate_tokens_per_s; production grants no unlimited quota "
+                             "unless the tenant says unlimited: true")
         unknown = sorted(set(self.auth.demo_keys.values()) - set(self.tenants))
         if unknown:
             raise ValueError(f"auth.demo_keys name tenants not in tenants: {unknown}")
@@ -676,7 +693,7 @@ class BallastConfig(_Strict):
     @classmethod
     def _tenant_names(cls, v: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
         for name in v:
-            if not name or len(name) > 64 or not name.replace("-", "").replace("_", "").isalnum():
+            if not name or len(name) > 64 or not (name.isascii() and name.replace("-", "").replace("_", "").isalnum()):
                 raise ValueError(f"tenant name {name!r} must be 1-64 letters, digits, '-' or '_'")
         return v
 

@@ -591,6 +591,7 @@ def _bench_data(path: str, model_replicas: int) -> dict[str, Any]:
     data.setdefault("tenants", {})["bench"] = {
         "description": "overload benchmark: no token quota, criticality as sent",
         "max_concurrent": 100000,
+        "max_criticality": "critical_plus",  # granted in writing: the default cap is critical
     }
     data.setdefault("auth", {}).setdefault("demo_keys", {})[BENCH_KEY] = "bench"
     model = data.setdefault("deployments", {}).setdefault("model", {})

@@ -22,6 +22,7 @@ from ballast.errors import ConfigError
 LOCAL_YAML = Path(__file__).resolve().parents[2] / "cluster" / "local.yaml"
 
 TENANTS = {"gold": {}, "free": {}}
+GRANTED = {"gold": {"rate_tokens_per_s": 1000}, "free": {"unlimited": True}}  # what production takes
 
 
 def sha256_hex(secret: str) -> str:
@@ -253,7 +254,7 @@ class TestDemoSecrets:
         assert "demo_admin_token" in info.value.reason
 
     def test_production_without_demo_secrets_loads(self) -> None:
-        cfg = load_config({"environment": "production", "tenants": TENANTS})
+        cfg = load_config({"environment": "production", "tenants": GRANTED})
         assert cfg.environment == "production"
 
     def test_local_yaml_switched_to_production_is_refused(self) -> None:
@@ -456,3 +457,46 @@ class TestKeyStore:
         digests = {leaf for leaf in leaves if isinstance(leaf, bytes) and len(leaf) == 32}
         assert hashlib.sha256(b"env-secret-key").digest() in digests
         assert hashlib.sha256(b"admin-secret-token").digest() in digests
+
+
+class TestTenantGrants:
+    """What a tenant's config does not write grants the least (fail closed)."""
+
+    def test_a_tenant_with_nothing_written_is_capped_at_critical(self) -> None:
+        from ballast.policies.criticality import Criticality
+
+        assert load_config({"tenants": {"free": {}}}).tenants["free"].max_criticality is Criticality.CRITICAL
+
+    def test_critical_plus_is_granted_only_where_written(self) -> None:
+        cfg = load_config({"tenants": {"gold": {"max_criticality": "critical_plus"}}})
+        assert cfg.tenants["gold"].max_criticality.value == "critical_plus"
+
+    def test_production_refuses_a_tenant_without_a_rate(self) -> None:
+        with pytest.raises(ConfigError) as info:
+            load_config({"environment": "production", "tenants": {**GRANTED, "free": {}}})
+        assert "tenants: ['free'] have no rate_tokens_per_s" in info.value.reason
+
+    def test_production_takes_an_explicit_unlimited_tenant(self) -> None:
+        cfg = load_config({"environment": "production", "tenants": {"ops": {"unlimited": True}}})
+        assert cfg.tenants["ops"].unlimited and cfg.tenants["ops"].rate_tokens_per_s is None
+
+    def test_local_keeps_a_tenant_without_a_rate(self) -> None:
+        assert load_config({"tenants": {"free": {}}}).tenants["free"].rate_tokens_per_s is None
+
+    def test_unlimited_with_a_rate_is_refused(self) -> None:
+        with pytest.raises(ConfigError) as info:
+            load_config({"tenants": {"free": {"unlimited": True, "rate_tokens_per_s": 10}}})
+        assert "unlimited" in info.value.reason
+
+    def test_the_production_serve_config_grants_every_tenant_a_class_and_a_rate(self) -> None:
+        import yaml
+
+        serve_cfg = yaml.safe_load((Path(__file__).resolve().parents[2] / "cluster/serve_config.yaml").read_text())
+        cfg = load_config(serve_cfg["applications"][0]["args"]["config"])
+        assert cfg.environment == "production"
+        grants = {t: (tc.max_criticality.value, tc.rate_tokens_per_s) for t, tc in cfg.tenants.items()}
+        assert grants == {"gold": ("critical_plus", 20000.0), "free": ("sheddable_plus", 500.0)}
+
+    def test_a_tenant_name_is_ascii(self) -> None:
+        with pytest.raises(ConfigError):
+            load_config({"tenants": {"gold\u00b2": {}}})
