@@ -36,6 +36,8 @@ import ray
 
 from ballast.policies import control
 from ballast.policies.fairness import merge_reports, router_shares
+from ballast.policies import killswitch
+from ballast.policies.criticality import Criticality
 from ballast.policies.killswitch import KillSwitchEntry
 from ballast.policies.quota import TenantQuota, apportion, effective_rates
 from ballast.policies.degradation import LoadSignals
@@ -431,6 +433,7 @@ class ControllerCore:
         self, scope: str, value: Optional[str], reason: str, expires_in_s: float, set_by: str
     ) -> dict[str, Any]:
         """Add an entry; ValueError (naming the field) when it is malformed or the table is full."""
+        killswitch.check_value(scope, value, self._kill_switch_names())
         self._expire_kill_switches()
         if len(self._kill_switches) >= MAX_KILL_SWITCHES:
             raise ValueError(f"scope: at most {MAX_KILL_SWITCHES} kill switches may be active")
@@ -441,6 +444,11 @@ class ControllerCore:
         self._record("kill_switch_set", set_by, entry=entry.to_dict())
         self._republish()
         return entry.to_dict()
+
+    def _kill_switch_names(self) -> dict[str, list[str]]:
+        """What a valued kill switch may name: the configured tenants, models and classes."""
+        models = [self.cfg.model.name] + ([self.cfg.fallback.model.name] if self.cfg.fallback is not None else [])
+        return {"tenant": list(self.cfg.tenants), "model": models, "criticality": [c.value for c in Criticality]}
 
     def delete_kill_switch(self, entry_id: str, by: str) -> bool:
         entry = self._kill_switches.pop(entry_id, None)

@@ -61,6 +61,21 @@ class KillSwitchEntry:
         return cls(**d)
 
 
+def check_value(scope: str, value: Optional[str], allowed: dict[str, Iterable[str]]) -> None:
+    """Refuse a value that names nothing: ``allowed`` maps each valued scope (``tenant``,
+    ``model``, ``criticality``) to the names that exist. An entry for an unknown name
+    would be accepted and block nothing, while the operator believes traffic is off;
+    so the value must equal a name exactly (no trimming, no case folding).
+    ValueError naming the field and the allowed values."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope: must be one of {', '.join(SCOPES)}")
+    if scope == "global":
+        return
+    names = sorted(allowed.get(scope, ()))
+    if value not in names:
+        raise ValueError(f"value: no {scope} {value!r}; one of {', '.join(names) or '(none configured)'}")
+
+
 def active(entries: Iterable[KillSwitchEntry], now_s: float) -> list[KillSwitchEntry]:
     return [e for e in entries if not e.expired(now_s)]
 

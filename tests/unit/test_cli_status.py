@@ -27,7 +27,8 @@ SAMPLE = Path(__file__).parent / "data" / "status_sample.json"
 
 def live_document() -> dict[str, Any]:
     clock, wall = FakeClock(0), FakeClock(1_000_000)
-    core = ControllerCore(load_config({"deployments": {"model": {"min_replicas": 1, "max_replicas": 4}}}), clock=clock, wall_clock=wall)
+    cfg = {"deployments": {"model": {"min_replicas": 1, "max_replicas": 4}}, "tenants": {"free": {}}}  # a kill switch names a tenant that exists
+    core = ControllerCore(load_config(cfg), clock=clock, wall_clock=wall)
     core.report_router(RouterReport(router_id="r1", inflight=0))
     core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, running=8, queued=600))
     clock.advance(1)

@@ -565,7 +565,7 @@ def test_leases_split_a_tenants_rate_by_demand_and_cap_borrowing():
 
 def test_kill_switches_chaos_and_audit_are_taken_back_by_a_restarted_controller(h: Harness) -> None:
     assert not h.core.admin_dirty
-    keep = h.core.set_kill_switch("tenant", "free", "runaway client", 600, "ops")
+    keep = h.core.set_kill_switch("criticality", "sheddable_plus", "runaway clients", 600, "ops")
     short = h.core.set_kill_switch("global", None, "maintenance", 5, "ops")
     h.core.set_chaos("primary", {"latency_ms": 50}, "ops")
     assert h.core.admin_dirty  # the actor writes it before the admin call answers
@@ -645,3 +645,13 @@ def test_without_sharing_the_controller_hands_back_no_counters() -> None:
     assert "fair_counters" not in h.router("r1", fair_charged={"a": 5.0})
     h = Harness(_fair_cfg(enabled=False))
     assert "fair_counters" not in h.router("r1", fair_charged={"a": 5.0})
+
+
+def test_a_kill_switch_naming_no_tenant_model_or_class_is_refused_and_nothing_is_set(h: Harness) -> None:
+    for scope, value in [("criticality", "sheddable "), ("tenant", "nobody"), ("model", "not-served")]:
+        with pytest.raises(ValueError, match="^value: "):
+            h.core.set_kill_switch(scope, value, "incident", 60, "ops")
+    assert h.core.kill_switches()["entries"] == []
+    assert not h.core.admin_dirty
+    model = h.core.cfg.model.name
+    assert h.core.set_kill_switch("model", model, "incident", 60, "ops")["value"] == model

@@ -309,3 +309,36 @@ def test_model_blocked_only_by_a_live_model_entry_for_that_model() -> None:
 
 def test_module_exports_the_limits() -> None:
     assert killswitch.MAX_REASON_CHARS == 500
+
+
+# --------------------------------------------------------------------------- values that name nothing
+
+NAMES = {"tenant": ["gold", "free"], "model": ["m", "m-small"], "criticality": ["critical_plus", "critical", "sheddable_plus", "sheddable"]}
+
+
+@pytest.mark.parametrize("scope,value", [
+    ("criticality", "sheddable "),  # a trailing space: blocked nothing, answered 201
+    ("criticality", "SHEDDABLE"),
+    ("criticality", "low"),
+    ("tenant", "ghost"),
+    ("tenant", " gold"),
+    ("model", "gpt-4"),
+])
+def test_a_value_that_names_nothing_is_refused_with_the_allowed_values(scope, value):
+    with pytest.raises(ValueError) as e:
+        killswitch.check_value(scope, value, NAMES)
+    msg = str(e.value)
+    assert msg.startswith("value: ")
+    assert all(name in msg for name in NAMES[scope])
+
+
+@pytest.mark.parametrize("scope,value", [
+    ("global", None), ("tenant", "free"), ("model", "m-small"), ("criticality", "sheddable"),
+])
+def test_a_value_that_names_something_is_taken(scope, value):
+    killswitch.check_value(scope, value, NAMES)  # no error
+
+
+def test_an_unknown_scope_is_refused_before_its_value():
+    with pytest.raises(ValueError, match="^scope: "):
+        killswitch.check_value("galaxy", "free", NAMES)
