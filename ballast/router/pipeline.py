@@ -429,7 +429,7 @@ class Pipeline:
         at = ticket.deadline.at_s
         try:
             result, fallback = await asyncio.wait_for(
-                self.caller.unary(CallSpec(call, at, self.kill_switches, time.time(), ticket.fallback_only, record)),
+                self.caller.unary(CallSpec(call, at, self.kill_switches, time.time(), ticket.fallback_only, record, ticket.tenant)),
                 timeout=max(0.001, at - sent),
             )
         except asyncio.TimeoutError:
@@ -449,7 +449,8 @@ class Pipeline:
         outcome = Outcome("OK")
         try:
             chunks, state.fallback = await self.caller.stream(
-                CallSpec(call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call)
+                CallSpec(call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call,
+                         ticket.tenant)
             )
             async for chunk in chunks:
                 if "queue_wait_ms" in chunk:
