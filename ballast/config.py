@@ -403,16 +403,30 @@ class GateSettings(_Strict):
 
 
 class CacheSettings(_Strict):
-    """Bounded cache of answers to identical requests: the last fallback before a 503."""
+    """Bounded cache of answers to identical requests: the last fallback before a 503.
+    Keyed by tenant: a tenant gets only its own earlier answers."""
 
     enabled: bool = False
     max_entries: PositiveInt = 1024
+    # A tenant past it loses its own least recently used answers, never another's
+    # (max_entries stays the bound over all tenants).
+    max_entries_per_tenant: PositiveInt = 256
     ttl_s: PositiveFloat = 300.0
 
 
 class IdempotencySettings(_Strict):
+    """The Idempotency-Key stores (each router's, and the key table they share)."""
+
     ttl_s: PositiveFloat = 600.0
+    # The backstop over all tenants.
     max_entries: PositiveInt = 10000
+    # Per tenant: keys held (a tenant at the bound loses its own oldest answers; with
+    # all of them still running, a new key is refused 429), and bytes of answers kept.
+    # 1000 keys cover a tenant sending 1.6 keyed requests/s over the default ttl_s; 8 MiB
+    # keeps about 1000 answers of 2000 tokens' text, and ten such tenants fill the
+    # backstop, so a tenant's flood of new keys ages out only its own.
+    max_entries_per_tenant: PositiveInt = 1000
+    max_answer_bytes_per_tenant: PositiveInt = 8 * 1024 * 1024
     max_key_chars: PositiveInt = 200
 
 

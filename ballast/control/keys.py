@@ -7,6 +7,10 @@ once. Routers call it only for requests that carry a key, with a short timeout;
 when it cannot be reached they honour the key on their own (per router, as before),
 and count it. It keeps no durable state: restarted by Ray (``max_restarts=-1``)
 after its node is lost, it starts empty, and keys in flight then may run twice.
+
+Bounded per tenant and overall as ``resilience.idempotency`` says (the table's
+``max_entries_per_tenant``, ``max_answer_bytes_per_tenant``, ``max_entries``); a claim
+that finds no room answers ``full`` and the router refuses the request (429).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Callable, Optional
 import ray
 
 from ballast.policies.idempotency import DONE, KeyTable
-from ballast.config import BallastConfig
+from ballast.config import BallastConfig, IdempotencySettings
 
 #: The actor's name, beside the controller's (``<controller.name>-keys``).
 SUFFIX = "-keys"
@@ -28,8 +32,9 @@ SUFFIX = "-keys"
 class KeyService:
     """The actor's body (``IdempotencyKeys`` is this class as a Ray actor)."""
 
-    def __init__(self, ttl_s: float, max_entries: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._table = KeyTable(ttl_s, max_entries)
+    def __init__(self, settings: IdempotencySettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self._table = KeyTable(settings.ttl_s, settings.max_entries, settings.max_entries_per_tenant,
+                               settings.max_answer_bytes_per_tenant)
         self._clock = clock
         # Routers waiting for a key another router is answering; an event per key
         # that has waiters, dropped when it fires (bounded by the requests waiting).
@@ -40,8 +45,8 @@ class KeyService:
         if event is not None:
             event.set()
 
-    async def claim(self, tenant: str, key: str, owner: str, lease_s: float) -> dict[str, Any]:
-        return asdict(self._table.claim((tenant, key), owner, lease_s, self._clock()))
+    async def claim(self, tenant: str, key: str, owner: str, lease_s: float, fingerprint: str) -> dict[str, Any]:
+        return asdict(self._table.claim((tenant, key), owner, lease_s, self._clock(), fingerprint))
 
     async def wait(self, tenant: str, key: str, timeout_s: float) -> Optional[dict[str, Any]]:
         """The key's state once it is answered or freed, or after ``timeout_s``; None when free."""
@@ -81,11 +86,10 @@ def keys_name(cfg: BallastConfig) -> str:
 
 def keys_actor(cfg: BallastConfig) -> "ray.actor.ActorHandle":
     """The shared key table, created by whichever router asks first (``get_if_exists``)."""
-    idem = cfg.resilience.idempotency
     return IdempotencyKeys.options(
         name=keys_name(cfg), namespace=cfg.controller.namespace, lifetime="detached",
         max_restarts=-1, get_if_exists=True, num_cpus=cfg.controller.num_cpus,
-    ).remote(idem.ttl_s, idem.max_entries)
+    ).remote(cfg.resilience.idempotency)
 
 
 def lookup_keys(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":

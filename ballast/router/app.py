@@ -93,8 +93,7 @@ class Router:
             Quotas(cfg, self._routers, on_rate=lambda t, rate: self.metrics.tenant_rate.set(rate, tags={"tenant": t})),
             # Keys shared by every router (a retry through another node's endpoint gets the
             # first answer); the actor is looked up or created at the first keyed request.
-            IdempotencyStore(cfg.resilience.idempotency.ttl_s, cfg.resilience.idempotency.max_entries,
-                             shared=SharedKeys(self._keys_handle, self.router_id)),
+            IdempotencyStore(cfg.resilience.idempotency, shared=SharedKeys(self._keys_handle, self.router_id)),
             priority_gate(cfg), self.metrics, self.tally, model_max_tokens=text.context - 1,
         )
         self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None)

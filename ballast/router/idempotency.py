@@ -1,10 +1,30 @@
 """Idempotency-Key: a repeat gets the first answer, never a second generation.
 
-Keys are scoped by tenant (two tenants may pick the same key). A repeat within
-``ttl_s`` of the first answer gets that answer; a repeat while the first is still
-running waits for it. A first attempt that *fails* is forgotten, so the client's
-retry runs for real. The store is bounded: expired entries go first, then the
-oldest; an evicted key simply runs again.
+Procedure for a request with a key (``IdempotencyStore.run``), the key looked up before
+the request takes anything:
+
+1. a key held here for a *different* request (another ``fingerprint``: a hash of what
+   it asks the model) is refused, 422 INVALID_REQUEST on ``Idempotency-Key``;
+2. a key answered within ``ttl_s`` is answered again (a replay);
+3. a key whose first attempt is running is waited for, at most until the repeat's own
+   deadline (then 504 DEADLINE_EXCEEDED for the repeat; the first goes on); the first
+   attempt's failure is the repeat's too, and a first whose client left lets the
+   repeat run it;
+4. a new key is claimed (here, then in the shared table) and only then is ``fn``
+   called: ``fn`` is the first attempt whole, acquiring whatever the request needs.
+   A first attempt that *fails*, or is refused before it runs, is forgotten, so the
+   client's retry runs for real.
+
+So a repeat holds nothing but its wait: no tenant place, quota, gate slot or model
+capacity (the caller acquires those inside ``fn``).
+
+Keys are scoped by tenant (two tenants may pick the same key) and bounded per tenant
+(``ballast.policies.ttlmap``): a tenant past ``max_entries_per_tenant`` keys or
+``max_answer_bytes_per_tenant`` bytes of answers loses its own oldest answers, never
+another tenant's; ``max_entries`` bounds them all. A running first attempt is never
+evicted: a new key of a tenant whose keys all run (or of a store that is all running)
+is refused 429 CONCURRENCY_LIMIT rather than run without the store, which would let a
+retry generate twice. An evicted answer's key simply runs again.
 
 Across routers: a key seen for the first time at this router is claimed in the
 key table every router shares (``ballast.control.keys``, over
@@ -24,12 +44,16 @@ request's whole deadline). So a claim whose call timed out is settled too.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional
 
-from ballast.policies.idempotency import DONE, MINE
+from ballast.config import IdempotencySettings
+from ballast.policies.idempotency import DONE, FULL, MINE, RUNNING, answer_bytes
 from ballast.policies.ttlmap import TTLMap
-from ballast.errors import DeadlineExceeded
+from ballast.errors import ConcurrencyLimited, DeadlineExceeded, InvalidRequest
 
 
 class _FirstCancelled(Exception):
@@ -60,7 +84,7 @@ class SharedKeys:
             self.unreachable += 1
             return _UNREACHABLE
 
-    async def claim(self, slot: tuple[str, str], lease_s: float, within_s: float = float("inf")) -> Any:
+    async def claim(self, slot: tuple[str, str], lease_s: float, fingerprint: str, within_s: float = float("inf")) -> Any:
         """The table's answer to this router's claim. A call that got no answer is made
         again (its timeout doubling, at most ``SETTLE_ATTEMPTS`` calls, their timeouts
         within ``within_s``): the table may have taken the first, and a repeat by the same
@@ -72,7 +96,7 @@ class SharedKeys:
             timeout_s = min(self.timeout_s * 2**attempt, within_s - spent_s)
             if timeout_s <= 0:
                 break
-            answer = await self._call("claim", *slot, self.owner, lease_s, timeout_s=timeout_s)
+            answer = await self._call("claim", *slot, self.owner, lease_s, fingerprint, timeout_s=timeout_s)
             if answer is not _UNREACHABLE:
                 return answer
             spent_s += timeout_s
@@ -98,20 +122,56 @@ class SharedKeys:
 _UNREACHABLE = object()
 
 
+def request_fingerprint(call: dict[str, Any], max_tokens: int) -> str:
+    """The request a key stands for: a hash of the model call as the client asked it
+    (its ``max_tokens`` before any level clamps it), keys in sorted order."""
+    raw = json.dumps([call, max_tokens], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def _reused() -> InvalidRequest:
+    return InvalidRequest(
+        "Idempotency-Key: already used for a different request (another body) by this tenant; "
+        "a key names one request", field="Idempotency-Key")
+
+
+def _full(tenant: str, where: str) -> ConcurrencyLimited:
+    return ConcurrencyLimited(f"tenant '{tenant}': every Idempotency-Key {where} holds is still running", retry_after_s=1.0)
+
+
+@dataclass
+class _First:
+    """A key's first attempt here: its answer to come, and the request it stands for."""
+
+    answer: "asyncio.Future[dict[str, Any]]"
+    fingerprint: str
+
+
+def _tenant(slot: tuple[str, str]) -> str:
+    return slot[0]
+
+
 class IdempotencyStore:
+    """This router's keys, one ``TTLMap`` grouped by tenant (see the module docstring).
+
+    ``clock`` and ``sleep`` are injected (a repeat's bounded wait is on them). Only
+    touched from the router's event loop."""
+
     def __init__(
         self,
-        ttl_s: float,
-        max_entries: int,
+        settings: IdempotencySettings,
         clock: Callable[[], float] = time.monotonic,
         shared: Optional[SharedKeys] = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         self._clock = clock
+        self._sleep = sleep
         self._shared = shared
-        # Each key's first attempt (its future), pending until it answers; insertion
-        # order == age order, and a full store drops the oldest, running or not. Only
-        # touched from the router's event loop.
-        self._entries: "TTLMap[tuple[str, str], asyncio.Future[dict[str, Any]]]" = TTLMap(ttl_s, max_entries)
+        # Each key's first attempt, pending until it answers (never evicted while pending).
+        self._entries: "TTLMap[tuple[str, str], _First]" = TTLMap(
+            settings.ttl_s, settings.max_entries, max_entries_per_group=settings.max_entries_per_tenant,
+            max_bytes_per_group=settings.max_answer_bytes_per_tenant, group=_tenant,
+        )
         self.replays = 0
         # Answers and releases on their way to the shared table (each ends within
         # SETTLE_ATTEMPTS calls); held so that they are not collected mid-way.
@@ -125,58 +185,90 @@ class IdempotencyStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def visited(self) -> int:
+        """Entries the store's sweeps and evictions looked at, since it started."""
+        return self._entries.visited
+
+    def tenant_len(self, tenant: str) -> int:
+        return self._entries.group_len(tenant)
+
     async def run(
-        self, tenant: str, key: str, fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float = 60.0
+        self, tenant: str, key: str, fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float = 60.0,
+        fingerprint: str = "",
     ) -> tuple[dict[str, Any], bool]:
         """``fn()``'s result, or the earlier one for the same (tenant, key); True when replayed.
 
-        ``within_s``: the request's time left; the shared claim's lease, and how long
-        this request waits for another router's first attempt."""
+        ``within_s``: the request's time left: how long a repeat waits for the first
+        attempt (here or at another router), and the shared claim's lease.
+        ``fingerprint``: the request the key stands for (a repeat must match it)."""
         slot = (tenant, key)
+        end_s = self._clock() + within_s
         while True:
-            first = self._entries.get(slot, self._clock())
-            if first is None:
-                return await self._first(slot, fn, within_s)
-            self.replays += 1
+            held = self._entries.lookup(slot, self._clock())
+            if held is None:
+                return await self._first(slot, fn, end_s, fingerprint)
+            if held.value.fingerprint != fingerprint:
+                raise _reused()
             try:
-                # shield: a repeat that gives up must not cancel the first request's work
-                return await asyncio.shield(first), True
+                result = await self._wait(held.value.answer, end_s)
             except _FirstCancelled:
-                self.replays -= 1
                 continue  # the first one's client left; this one still wants an answer
+            self.replays += 1
+            return result, True
+
+    async def _wait(self, answer: "asyncio.Future[dict[str, Any]]", end_s: float) -> dict[str, Any]:
+        """The first attempt's answer (or its failure), waited for until ``end_s`` on the
+        injected clock. Waiting never cancels the first attempt: ``asyncio.wait`` leaves
+        ``answer`` alone when this repeat times out or its client leaves."""
+        while not answer.done():
+            left_s = end_s - self._clock()
+            if left_s <= 0:
+                raise DeadlineExceeded("waited for the first attempt of this Idempotency-Key past the request's deadline")
+            timer = asyncio.ensure_future(self._sleep(left_s))
+            try:
+                await asyncio.wait({answer, timer}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                timer.cancel()
+        return answer.result()
 
     async def _first(
-        self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float
+        self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]], end_s: float, fingerprint: str
     ) -> tuple[dict[str, Any], bool]:
-        self._entries.expire(self._clock())
-        future: "asyncio.Future[dict[str, Any]]" = asyncio.get_running_loop().create_future()
-        entry = self._entries.put(slot, future)
+        answer: "asyncio.Future[dict[str, Any]]" = asyncio.get_running_loop().create_future()
+        entry = self._entries.put(slot, _First(answer, fingerprint), self._clock())
+        if entry is None:
+            raise _full(slot[0], "this router")
         try:
-            result, replayed = await self._shared_first(slot, fn, within_s)
+            result, replayed = await self._shared_first(slot, fn, end_s, fingerprint)
         except BaseException as exc:
             self._entries.remove(slot, entry)  # failed: a retry must run for real
-            if not future.done():
-                future.set_exception(exc if isinstance(exc, Exception) else _FirstCancelled())
-                future.exception()  # retrieved: no "never retrieved" warning when nobody waits
+            if not answer.done():
+                answer.set_exception(exc if isinstance(exc, Exception) else _FirstCancelled())
+                answer.exception()  # retrieved: no "never retrieved" warning when nobody waits
             raise
-        future.set_result(result)
-        entry.finish(self._clock())
+        answer.set_result(result)
+        self._entries.finish(slot, entry, self._clock(), answer_bytes(result))
         return result, replayed
 
     async def _shared_first(
-        self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float
+        self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]], end_s: float, fingerprint: str
     ) -> tuple[dict[str, Any], bool]:
         """Claim the key in the shared table: run ``fn`` when the claim is ours, take the
         answer another router gave, or wait for the one it is giving (then claim again)."""
         shared = self._shared
         if shared is None:
             return await fn(), False
-        end = self._clock() + within_s
         while True:
-            left = end - self._clock()
-            claim = await shared.claim(slot, max(left, 0.001) + shared.timeout_s, within_s=max(left, shared.timeout_s))
+            left = end_s - self._clock()
+            claim = await shared.claim(slot, max(left, 0.001) + shared.timeout_s, fingerprint,
+                                       within_s=max(left, shared.timeout_s))
             if claim is _UNREACHABLE:
                 break  # honoured here alone; settled below in case the table took the claim
+            if claim["state"] == FULL:
+                raise _full(slot[0], "the shared table")
+            if claim["state"] in (DONE, RUNNING) and claim["fingerprint"] != fingerprint:
+                raise _reused()
             if claim["state"] == DONE:
                 self.replays += 1
                 return claim["result"], True
@@ -185,10 +277,11 @@ class IdempotencyStore:
             if left <= 0:
                 raise DeadlineExceeded("waited for the first attempt of this Idempotency-Key (another router) past the deadline")
             seen = await shared.wait(slot, min(left, 5.0))
-            if isinstance(seen, dict) and seen["state"] == DONE:
+            if isinstance(seen, dict) and seen["state"] == DONE and seen["fingerprint"] == fingerprint:
                 self.replays += 1
                 return seen["result"], True
-            # freed (its attempt failed or its router died), unreachable, or still running: claim again
+            # freed (its attempt failed or its router died), unreachable, still running,
+            # or answered for another request (the next claim says so): claim again
         try:
             result = await fn()
         except BaseException:

@@ -20,8 +20,13 @@ which the router builds once (app.py) and the fronts hold. Its public face:
       503 OVERLOADED). A refusal gives back what was taken before it.
    e. the model call: ``resilience.ResilientCaller`` (per-backend bulkhead and breaker,
       attempts with timeouts inside the deadline (504), retries within a budget, the
-      fallback chain: fallback model → cache → 503 MODEL_UNAVAILABLE). A unary call with
-      an Idempotency-Key answers a repeat with the first answer.
+      fallback chain: fallback model → cache → 503 MODEL_UNAVAILABLE).
+
+   A unary request with an Idempotency-Key looks its key up after c. and before d.
+   (``router/idempotency.py``): the same key for another request is 422; a repeat of an
+   answered key is replayed, of a running one (here or at another router) waits for it
+   up to its own deadline (504); neither takes a place, quota or gate slot. Only the
+   key's first attempt goes on to d. and e.; if it is refused there, the key is freed.
 
 Every way out settles the ticket exactly once: the unary path in a ``finally``, a stream
 in ``Stream.aclose`` (which the response calls however it ends, ``api.StreamResponse``).
@@ -59,7 +64,7 @@ from ballast.errors import (
 from ballast.router.api import bearer_token
 from ballast.router.auth import KeyStore
 from ballast.router.gate import GateRefused, GateSlot, PriorityGate
-from ballast.router.idempotency import IdempotencyStore
+from ballast.router.idempotency import IdempotencyStore, request_fingerprint
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
 from ballast.router.resilience import CallRecord, CallSpec, ResilientCaller
@@ -249,15 +254,25 @@ class Pipeline:
     # -- 2. admission ---------------------------------------------------------------------
     async def serve(self, req: ModelRequest) -> Union[Answer, Stream]:
         """The request admitted and sent: a ``Stream`` when it asked for one and the level
-        allows streaming, else an ``Answer``; a refusal or failure as a BallastError."""
+        allows streaming, else an ``Answer``; a refusal or failure as a BallastError. A
+        unary request with an Idempotency-Key goes through ``_keyed``."""
+        key = req.caller.idempotency_key
+        if key is not None and not (req.stream and self.snapshots.effective().constraints.streaming):
+            return await self._keyed(req, key)
         admission, ticket = await self.acquire(req)
         call = {**req.call, "max_tokens": admission.max_tokens}
         if req.stream and admission.streaming:
             return Stream(self, admission, ticket, call)
-        return await self._unary(admission, ticket, call, req.caller.idempotency_key)
+        return self._answer(admission, await self._settled_unary(ticket, call), replayed=False)
 
     async def acquire(self, req: ModelRequest) -> tuple[Admission, Ticket]:
         """The admission and its whole ticket, or a refusal with nothing held."""
+        admission, fallback_only = self._admit(req)
+        return admission, await self._ticket(req, admission.criticality, admission.max_tokens, fallback_only)
+
+    def _admit(self, req: ModelRequest) -> tuple[Admission, bool]:
+        """What the level makes of the request (and whether only the fallback may answer
+        it), or a refusal (kill switch, level), counted; nothing is held either way."""
         tenant = req.caller.tenant
         tenant_cfg = self._cfg.tenants[tenant]
         criticality, lowered = request_policy.lower_criticality(req.claimed, tenant_cfg.max_criticality)
@@ -268,7 +283,6 @@ class Pipeline:
         self.metrics.level.set(eff.level)
         fallback_only = self._level_admits(tenant, criticality, eff, now_wall)
         clamped, _ = clamp_max_tokens(req.max_tokens, eff.constraints, self._model_max_tokens)
-        ticket = await self._ticket(req, criticality, clamped, fallback_only)
         reasons = request_policy.degraded_reasons(
             requested_max_tokens=req.max_tokens,
             level_max_tokens=eff.constraints.max_tokens,
@@ -278,7 +292,7 @@ class Pipeline:
             streaming_allowed=eff.constraints.streaming,
         )
         admission = Admission(criticality, eff.level, clamped, eff.constraints.streaming, req.prompt_tokens, tuple(reasons))
-        return admission, ticket
+        return admission, fallback_only
 
     async def _ticket(self, req: ModelRequest, criticality: Criticality, max_tokens: int, fallback_only: bool) -> Ticket:
         """The tenant's place, the quota charge, the gate slot: all three, or a refusal
@@ -388,27 +402,59 @@ class Pipeline:
             return self._cfg.fallback.model.name
         return self._cfg.model.name
 
-    async def _unary(self, admission: Admission, ticket: Ticket, call: dict[str, Any], key: Optional[str]) -> Answer:
-        """The answer, settled here whatever happens. With an Idempotency-Key a repeat gets
-        the first answer whole; a replay did no model work, so it costs no quota."""
+    async def _keyed(self, req: ModelRequest, key: str) -> Answer:
+        """A unary request with an Idempotency-Key: admitted by the level first (kill
+        switch, class), then the key is looked up (``IdempotencyStore.run``) before anything
+        is taken. Only the key's first attempt acquires a ticket and calls the model; a
+        repeat holds no place, quota, gate slot or model capacity while it waits (up to its
+        own deadline) and none when it is replayed. A repeat is counted in the request
+        metrics under its outcome, not in the level's tally (it asked nothing of the model:
+        neither its replays nor its waits may move the level)."""
+        admission, fallback_only = self._admit(req)
+        call = {**req.call, "max_tokens": admission.max_tokens}
+        ran = False
+
+        async def first_attempt() -> dict[str, Any]:
+            nonlocal ran
+            ran = True  # counted from here on by the ticket (or its refusal)
+            ticket = await self._ticket(req, admission.criticality, admission.max_tokens, fallback_only)
+            return await self._settled_unary(ticket, call)
+
+        started_s = time.monotonic()
+        outcome = "CANCELLED"  # the client went away, unless something below says otherwise
+        try:
+            raw, replayed = await self._idem.run(
+                req.caller.tenant, key, first_attempt, within_s=req.caller.deadline.left_s(started_s),
+                fingerprint=request_fingerprint(req.call, req.max_tokens),
+            )
+            outcome = "OK"
+        except BallastError as err:
+            outcome = err.code
+            raise
+        finally:
+            if not ran:
+                self._count(req.caller.tenant, admission.criticality.value, outcome)
+                self.metrics.latency.observe((time.monotonic() - req.caller.deadline.started_s) * 1000.0,
+                                             tags={"criticality": admission.criticality.value})
+        if replayed:
+            self.metrics.replays.inc()
+        return self._answer(admission, raw, replayed)
+
+    def _answer(self, admission: Admission, raw: dict[str, Any], replayed: bool) -> Answer:
+        return Answer(admission, raw["text"], int(raw["tokens"]), raw.get("finish_reason"), raw["fallback"],
+                      self.answered_by(raw["fallback"]), int(raw.get("migrations") or 0), replayed)
+
+    async def _settled_unary(self, ticket: Ticket, call: dict[str, Any]) -> dict[str, Any]:
+        """The model's answer as an Idempotency-Key keeps it (text, tokens, finish reason,
+        fallback, migrations); the ticket settled here whatever happens."""
         t0 = time.monotonic()
-
-        async def work() -> dict[str, Any]:
-            record = CallRecord()
-            result, fallback = await self._call_unary(ticket, call, record)
-            return {"text": result["text"], "tokens": result["tokens"], "finish_reason": result.get("finish_reason"),
-                    "fallback": fallback, "migrations": record.migrations}
-
         outcome = Outcome("CANCELLED")  # the client went away, unless something below says otherwise
         try:
-            if key is None:
-                raw, replayed = await work(), False
-            else:
-                raw, replayed = await self._idem.run(ticket.tenant, key, work, within_s=ticket.deadline.at_s - time.monotonic())
-                if replayed:
-                    self.metrics.replays.inc()
-            generated = None if replayed else int(raw["tokens"])
-            outcome = Outcome("OK", generated=generated, service_s=time.monotonic() - t0 if generated is not None else None)
+            record = CallRecord()
+            result, fallback = await self._call_unary(ticket, call, record)
+            raw = {"text": result["text"], "tokens": result["tokens"], "finish_reason": result.get("finish_reason"),
+                   "fallback": fallback, "migrations": record.migrations}
+            outcome = Outcome("OK", generated=int(raw["tokens"]), service_s=time.monotonic() - t0)
         except DeadlineExceeded as err:
             outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status),
                               service_s=time.monotonic() - t0, timed_out=True)
@@ -418,8 +464,7 @@ class Pipeline:
             raise
         finally:
             ticket.finish(outcome)
-        return Answer(admission, raw["text"], int(raw["tokens"]), raw.get("finish_reason"), raw["fallback"],
-                      self.answered_by(raw["fallback"]), int(raw.get("migrations") or 0), replayed)
+        return raw
 
     async def _call_unary(
         self, ticket: Ticket, call: dict[str, Any], record: CallRecord
@@ -429,7 +474,7 @@ class Pipeline:
         at = ticket.deadline.at_s
         try:
             result, fallback = await asyncio.wait_for(
-                self.caller.unary(CallSpec(call, at, self.kill_switches, time.time(), ticket.fallback_only, record)),
+                self.caller.unary(CallSpec(call, at, self.kill_switches, time.time(), ticket.fallback_only, record, ticket.tenant)),
                 timeout=max(0.001, at - sent),
             )
         except asyncio.TimeoutError:
@@ -449,7 +494,8 @@ class Pipeline:
         outcome = Outcome("OK")
         try:
             chunks, state.fallback = await self.caller.stream(
-                CallSpec(call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call)
+                CallSpec(call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call,
+                         ticket.tenant)
             )
             async for chunk in chunks:
                 if "queue_wait_ms" in chunk:

@@ -15,7 +15,7 @@ Chain for a unary request:
       (its actor or node gone) send it again at once, within the migration limit,
       the retry budget and the deadline (ballast/policies/migration.py)
       → success: the answer (and the cache is fed)
-  then the cache (identical request, where enabled) → else 503 MODEL_UNAVAILABLE
+  then the cache (the same tenant's identical call, where enabled) → else 503 MODEL_UNAVAILABLE
   (503 REPLICA_LOST when what failed was lost capacity).
 
 Streaming follows the same chain up to the first chunk; after that the stream
@@ -91,28 +91,36 @@ class Bulkhead:
 
 
 class ResponseCache:
-    """Answers to identical calls, bounded in count and age.
+    """Answers to identical calls by the same tenant, bounded in count (overall and per
+    tenant) and age.
 
-    Identical means the whole call: prompt, max_tokens, sampling (temperature, top_p,
-    seed), stop strings, how the prompt is tokenized. A cached greedy answer is the
-    answer; a cached sampled one is one fair sample, which is what a fallback can give."""
+    Identical means the same tenant and the whole call: prompt, max_tokens, sampling
+    (temperature, top_p, seed), stop strings, how the prompt is tokenized. A tenant gets
+    only its own earlier answers (another's would tell it what someone asked), and a
+    tenant past ``max_entries_per_tenant`` loses its own least recently used answers,
+    never another's. A cached greedy answer is the answer; a cached sampled one is one
+    fair sample, which is what a fallback can give."""
 
-    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_entries_per_tenant: Optional[int] = None):
         self._clock = clock
         # Least recently used first: a hit or a put makes an entry the newest.
-        self._entries: "TTLMap[tuple, dict[str, Any]]" = TTLMap(ttl_s, max_entries)
+        self._entries: "TTLMap[tuple[str, tuple], dict[str, Any]]" = TTLMap(
+            ttl_s, max_entries, max_entries_per_group=max_entries_per_tenant, group=lambda k: k[0])
 
     @staticmethod
-    def key(call: dict[str, Any]) -> tuple:
-        return tuple(sorted((k, repr(v)) for k, v in call.items()))
+    def key(tenant: str, call: dict[str, Any]) -> tuple[str, tuple]:
+        return tenant, tuple(sorted((k, repr(v)) for k, v in call.items()))
 
-    def get(self, call: dict[str, Any]) -> Optional[dict[str, Any]]:
-        """The answer stored for ``call`` within ``ttl_s``, or None; a hit refreshes recency, not age."""
-        return self._entries.get(self.key(call), self._clock(), touch=True)
+    def get(self, tenant: str, call: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """The answer stored for ``tenant``'s ``call`` within ``ttl_s``, or None; a hit
+        refreshes recency, not age."""
+        return self._entries.get(self.key(tenant, call), self._clock(), touch=True)
 
-    def put(self, call: dict[str, Any], result: dict[str, Any]) -> None:
-        """Store ``result`` for ``call``, its TTL starting now; the least recently used goes when full."""
-        self._entries.put(self.key(call), result, done_at_s=self._clock())
+    def put(self, tenant: str, call: dict[str, Any], result: dict[str, Any]) -> None:
+        """Store ``result`` for ``tenant``'s ``call``, its TTL starting now; the least
+        recently used (the tenant's own, at its bound) goes when full."""
+        self._entries.put(self.key(tenant, call), result, self._clock(), done=True)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -215,7 +223,9 @@ class CallSpec:
     (on the caller's clock), the kill switches in force and the wall time to read them at.
     ``fallback_only``: the primary is not to be asked (the level or the gate refused this
     request there); only the fallback model may answer. ``record`` is filled with what the
-    call went through (its migrations)."""
+    call went through (its migrations). ``tenant``: whose call it is; the answer cache
+    keeps and gives answers per tenant, and a call without one is neither cached nor
+    answered from the cache."""
 
     call: dict[str, Any]
     deadline_s: float
@@ -223,6 +233,7 @@ class CallSpec:
     now_wall_s: float
     fallback_only: bool = False
     record: CallRecord = field(default_factory=CallRecord)
+    tenant: Optional[str] = None
 
 
 class ResilientCaller:
@@ -275,7 +286,8 @@ class ResilientCaller:
                     cfg.fallback.model.backend,
                 )
             )
-        self.cache = ResponseCache(r.cache.max_entries, r.cache.ttl_s, clock) if r.cache.enabled else None
+        self.cache = (ResponseCache(r.cache.max_entries, r.cache.ttl_s, clock, r.cache.max_entries_per_tenant)
+                      if r.cache.enabled else None)
 
     # -- helpers ---------------------------------------------------------------------
     @staticmethod
@@ -385,13 +397,13 @@ class ResilientCaller:
         found, skipped = await self._first_backend(spec, lambda b: self._attempts(b, spec), hold=False)
         if found is not None:
             b, result = found
-            if self.cache is not None:
-                self.cache.put(spec.call, result)
+            if self.cache is not None and spec.tenant is not None:
+                self.cache.put(spec.tenant, spec.call, result)
             return result, self._fallback_kind(b)
         # The cache holds the models' earlier answers: a model an operator switched
         # off must not keep answering through it.
-        if self.cache is not None and not any(kind == "kill_switch" for kind, _ in skipped):
-            hit = self.cache.get(spec.call)
+        if self.cache is not None and spec.tenant is not None and not any(kind == "kill_switch" for kind, _ in skipped):
+            hit = self.cache.get(spec.tenant, spec.call)
             if hit is not None:
                 self._hooks.on_fallback("cache")
                 return hit, "cache"

@@ -235,10 +235,12 @@ def test_an_idempotency_key_answered_by_another_router_is_replayed_here(client, 
     import concurrent.futures
 
     from ballast.control.keys import keys_actor
+    from ballast.router.idempotency import request_fingerprint
 
     keys = keys_actor(ballast)
     key = f"elsewhere-{uuid.uuid4().hex}"
-    assert ray.get(keys.claim.remote("gold", key, "router-on-another-node", 30.0))["state"] == "mine"
+    same = request_fingerprint({"prompt": "one"}, 6)  # the request this router will be sent
+    assert ray.get(keys.claim.remote("gold", key, "router-on-another-node", 30.0, same))["state"] == "mine"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(
             client.post, "/v1/generate", headers={**GOLD, "Idempotency-Key": key}, json={"prompt": "one", "max_tokens": 6}
@@ -253,7 +255,7 @@ def test_an_idempotency_key_answered_by_another_router_is_replayed_here(client, 
     assert r.json()["text"] == "answered elsewhere"
     # A key another router claimed and then gave up is run here for real.
     key = f"released-{uuid.uuid4().hex}"
-    ray.get(keys.claim.remote("gold", key, "router-on-another-node", 30.0))
+    ray.get(keys.claim.remote("gold", key, "router-on-another-node", 30.0, same))
     ray.get(keys.release.remote("gold", key, "router-on-another-node"))
     r = client.post("/v1/generate", headers={**GOLD, "Idempotency-Key": key}, json={"prompt": "one", "max_tokens": 6})
     assert r.status_code == 200 and "x-ballast-idempotent-replay" not in r.headers

@@ -12,9 +12,11 @@ from typing import Any, Awaitable
 
 import pytest
 
+from ballast.config import IdempotencySettings
+from ballast.errors import ConcurrencyLimited, DeadlineExceeded, InvalidRequest
 from ballast.router.idempotency import IdempotencyStore
 
-from fakes import FakeClock
+from fakes import FakeClock, FakeSleep
 
 
 class Counted:
@@ -36,9 +38,10 @@ class Counted:
         return {"text": f"answer {self.calls}"}
 
 
-def make(ttl_s: int = 10, max_entries: int = 100) -> tuple[IdempotencyStore, FakeClock]:
+def make(ttl_s: int = 10, max_entries: int = 100, **per_tenant: int) -> tuple[IdempotencyStore, FakeClock]:
     clock = FakeClock()
-    return IdempotencyStore(ttl_s, max_entries, clock=clock), clock
+    settings = IdempotencySettings(ttl_s=ttl_s, max_entries=max_entries, **per_tenant)
+    return IdempotencyStore(settings, clock=clock), clock
 
 
 async def settle() -> None:
@@ -153,6 +156,7 @@ async def test_concurrent_repeat_waits_for_the_first_and_gets_its_result() -> No
     assert r1 is r2
     assert (replay1, replay2) == (False, True)
     assert fn.calls == 1
+    assert store.replays == 1
 
 
 async def test_failing_first_call_propagates_to_its_waiter_and_is_forgotten() -> None:
@@ -331,3 +335,103 @@ async def test_in_flight_entries_never_expire_by_age() -> None:
     gate.set()
     assert (await first)[0] is (await waiter)[0]
     assert fn.calls == 1
+
+
+# -- a repeat's wait is bounded by its own deadline ---------------------------------------
+
+
+async def test_a_repeat_waits_for_the_first_until_its_own_deadline_second_by_second() -> None:
+    clock, sleep = FakeClock(), FakeSleep()
+    store = IdempotencyStore(IdempotencySettings(ttl_s=60, max_entries=100), clock=clock, sleep=sleep)
+    gate = asyncio.Event()
+    fn = Counted(gate)
+    first = spawn(store.run("acme", "k1", fn, within_s=120))
+    await fn.started.wait()
+    repeat = spawn(store.run("acme", "k1", fn, within_s=3))
+    await sleep.settle()
+    for now in (1, 2):
+        clock.now_s = now
+        await sleep.wake()
+        assert not repeat.done(), now  # still within its 3 s
+    clock.now_s = 3
+    await sleep.wake()
+    with pytest.raises(DeadlineExceeded):
+        await repeat
+    assert not first.done()  # the first goes on ...
+    late = spawn(store.run("acme", "k1", fn, within_s=10))  # ... and a later repeat still waits for it
+    await sleep.settle()
+    gate.set()
+    assert await first == ({"text": "answer 1"}, False)
+    assert await late == ({"text": "answer 1"}, True)
+    assert fn.calls == 1 and store.replays == 1
+
+
+async def test_a_repeat_with_no_time_left_is_refused_at_once() -> None:
+    store, _ = make()
+    gate = asyncio.Event()
+    fn = Counted(gate)
+    first = spawn(store.run("acme", "k1", fn))
+    await fn.started.wait()
+    with pytest.raises(DeadlineExceeded):
+        await store.run("acme", "k1", fn, within_s=0)
+    gate.set()
+    await first
+
+
+# -- a key stands for one request -----------------------------------------------------------
+
+
+async def test_the_same_key_for_another_request_is_refused_while_running_and_once_answered() -> None:
+    store, _ = make()
+    gate = asyncio.Event()
+    fn = Counted(gate)
+    first = spawn(store.run("acme", "k1", fn, fingerprint="long"))
+    await fn.started.wait()
+    for _ in range(3):
+        with pytest.raises(InvalidRequest) as refused:
+            await store.run("acme", "k1", fn, fingerprint="short")
+        assert refused.value.field == "Idempotency-Key"
+    gate.set()
+    await first
+    with pytest.raises(InvalidRequest):
+        await store.run("acme", "k1", fn, fingerprint="short")
+    assert await store.run("acme", "k1", fn, fingerprint="long") == ({"text": "answer 1"}, True)
+    assert await store.run("globex", "k1", Counted(), fingerprint="short") == ({"text": "answer 1"}, False)
+    assert fn.calls == 1
+
+
+# -- per-tenant bounds ---------------------------------------------------------------------
+
+
+async def test_one_tenants_flood_of_keys_evicts_only_its_own() -> None:
+    store, clock = make(ttl_s=600, max_entries=10_000, max_entries_per_tenant=100)
+    quiet = Counted()
+    answer, _ = await store.run("quiet", "mine", quiet)
+    for i in range(10_000):
+        await store.run("loud", f"k{i}", Counted())
+    assert store.tenant_len("loud") == 100 and store.tenant_len("quiet") == 1
+    assert await store.run("quiet", "mine", quiet) == (answer, True)  # still replayed
+    assert quiet.calls == 1
+
+
+async def test_a_tenant_whose_keys_all_run_is_refused_a_new_one_and_none_is_evicted() -> None:
+    store, _ = make(max_entries=100, max_entries_per_tenant=2)
+    gate = asyncio.Event()
+    running = [Counted(gate), Counted(gate)]
+    firsts = [spawn(store.run("loud", f"k{i}", fn)) for i, fn in enumerate(running)]
+    await settle()
+    with pytest.raises(ConcurrencyLimited):
+        await store.run("loud", "k2", Counted())
+    assert (await store.run("quiet", "k2", Counted()))[1] is False  # another tenant is not held up
+    gate.set()
+    assert [(await f)[1] for f in firsts] == [False, False]
+    assert (await store.run("loud", "k0", Counted()))[1] is True  # kept, and replayed
+    assert (await store.run("loud", "k2", Counted()))[1] is False  # room again: k0 or k1's answer went
+
+
+async def test_a_tenants_answers_are_bounded_in_bytes() -> None:
+    store, _ = make(max_entries=100, max_answer_bytes_per_tenant=64)
+    for i in range(4):
+        await store.run("loud", f"k{i}", Counted())  # {"text":"answer N"}: 19 bytes each
+    assert store.tenant_len("loud") == 3  # 4 x 19 > 64: the oldest went
+    assert (await store.run("loud", "k0", Counted()))[1] is False

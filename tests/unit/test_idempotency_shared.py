@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from fakes import FakeClock
 
-from ballast.policies.idempotency import DONE, MINE, RUNNING, KeyTable
+from ballast.config import IdempotencySettings
+from ballast.policies.idempotency import DONE, FULL, MINE, RUNNING, KeyTable
 from ballast.control.keys import KeyService
-from ballast.errors import DeadlineExceeded
+from ballast.errors import ConcurrencyLimited, DeadlineExceeded, InvalidRequest
 from ballast.router.idempotency import SETTLE_ATTEMPTS, IdempotencyStore, SharedKeys
 
 from test_idempotency import Counted, settle, spawn
@@ -20,11 +21,15 @@ from test_idempotency import Counted, settle, spawn
 S = ("gold", "k1")
 
 
+def table(ttl_s: float = 60, max_entries: int = 10, per_tenant: int = 10, bytes_per_tenant: int = 1 << 20) -> KeyTable:
+    return KeyTable(ttl_s, max_entries, per_tenant, bytes_per_tenant)
+
+
 # -- the table ------------------------------------------------------------------------
 
 
 def test_the_first_claim_wins_and_the_others_wait_for_its_answer() -> None:
-    t = KeyTable(ttl_s=60, max_entries=10)
+    t = table()
     assert t.claim(S, "a", lease_s=5, now_s=0).state == MINE
     assert t.claim(S, "b", lease_s=5, now_s=1).state == RUNNING
     assert t.claim(S, "a", lease_s=5, now_s=1).state == MINE  # its own claim, still
@@ -36,7 +41,7 @@ def test_the_first_claim_wins_and_the_others_wait_for_its_answer() -> None:
 
 
 def test_a_failed_attempt_frees_the_key_for_the_retry() -> None:
-    t = KeyTable(ttl_s=60, max_entries=10)
+    t = table()
     t.claim(S, "a", 5, 0)
     assert t.release(S, "b", 1) is False and t.peek(S, 1).state == RUNNING
     assert t.release(S, "a", 1) is True and t.peek(S, 1) is None
@@ -44,7 +49,7 @@ def test_a_failed_attempt_frees_the_key_for_the_retry() -> None:
 
 
 def test_a_lease_that_runs_out_frees_the_key_second_by_second() -> None:
-    t = KeyTable(ttl_s=60, max_entries=10)
+    t = table()
     t.claim(S, "a", lease_s=3, now_s=0)  # a's router dies with the request
     for now in (1, 2):
         assert t.claim(S, "b", 3, now).state == RUNNING, now
@@ -53,29 +58,87 @@ def test_a_lease_that_runs_out_frees_the_key_second_by_second() -> None:
 
 
 def test_answers_are_kept_ttl_s_after_they_complete() -> None:
-    t = KeyTable(ttl_s=10, max_entries=10)
+    t = table(ttl_s=10)
     t.claim(S, "a", 5, 0)
     t.complete(S, "a", {"text": "x"}, 4)
     assert t.peek(S, 14).state == DONE
     assert t.peek(S, 14.5) is None
 
 
-def test_the_table_is_bounded_finished_answers_evicted_before_claims() -> None:
-    t = KeyTable(ttl_s=600, max_entries=3)
+def test_the_table_is_bounded_finished_answers_evicted_claims_never() -> None:
+    t = table(ttl_s=600, max_entries=3)
     t.claim(("t", "running"), "a", 60, 0)
     t.claim(("t", "done"), "a", 60, 1)
     t.complete(("t", "done"), "a", {"text": "x"}, 1)
     t.claim(("t", "c"), "a", 60, 2)
     t.claim(("t", "d"), "a", 60, 3)  # full: the finished one goes, not the older claim
     assert len(t) == 3 and t.peek(("t", "done"), 3) is None and t.peek(("t", "running"), 3) is not None
-    t.claim(("t", "e"), "a", 60, 4)  # no finished one left: the oldest claim goes
-    assert len(t) == 3 and t.peek(("t", "running"), 4) is None
+    assert t.claim(("t", "e"), "a", 60, 4).state == FULL  # no finished one left: refused
+    assert len(t) == 3 and t.peek(("t", "running"), 4).state == RUNNING
+    assert t.claim(("t", "e"), "a", 60, 60).state == MINE  # the leases ran out: room again
+
+
+def test_a_tenants_flood_of_keys_evicts_only_its_own_answers() -> None:
+    t = table(ttl_s=600, max_entries=10_000, per_tenant=100)
+    t.claim(("quiet", "q"), "a", 60, 0)
+    t.complete(("quiet", "q"), "a", {"text": "mine"}, 0)
+    for i in range(10_000):
+        assert t.claim(("loud", f"k{i}"), "a", 60, 1).state == MINE
+        t.complete(("loud", f"k{i}"), "a", {"text": "x"}, 1)
+    assert len(t) == 101 and t.peek(("quiet", "q"), 1).result == {"text": "mine"}
+
+
+def test_a_tenant_whose_claims_all_run_is_full_the_others_are_not() -> None:
+    t = table(per_tenant=2)
+    t.claim(("loud", "a"), "r", 60, 0)
+    t.claim(("loud", "b"), "r", 60, 0)
+    assert t.claim(("loud", "c"), "r", 60, 0).state == FULL
+    assert t.claim(("quiet", "c"), "r", 60, 0).state == MINE
+    assert t.peek(("loud", "a"), 0).state == RUNNING  # none evicted
+
+
+def test_a_tenants_answers_are_bounded_in_bytes_an_answer_alone_over_frees_its_key() -> None:
+    t = table(bytes_per_tenant=40)
+    for key in ("a", "b"):
+        t.claim(("loud", key), "r", 60, 0)
+        assert t.complete(("loud", key), "r", {"text": "x" * 10}, 0)  # 21 bytes as JSON
+    assert t.peek(("loud", "a"), 0) is None and t.peek(("loud", "b"), 0).state == DONE
+    t.claim(("loud", "big"), "r", 60, 0)
+    assert t.complete(("loud", "big"), "r", {"text": "x" * 100}, 0)
+    assert t.peek(("loud", "big"), 0) is None  # not kept: the next claim runs it again
+
+
+def test_every_claim_carries_the_first_requests_fingerprint() -> None:
+    t = table()
+    assert t.claim(S, "a", 5, 0, "long").fingerprint == "long"
+    running = t.claim(S, "b", 5, 1, "short")
+    assert (running.state, running.fingerprint) == (RUNNING, "long")
+    t.complete(S, "a", {"text": "x"}, 2)
+    assert (t.claim(S, "b", 5, 3, "short").fingerprint, t.peek(S, 3).fingerprint) == ("long", "long")
+
+
+def test_a_claim_into_a_full_table_visits_a_bounded_number_of_entries() -> None:
+    """10,000 live keys, half of them claims still running: each new claim looks at the
+    head of the finish order and of the lease heap and evicts one answer, however many
+    keys are held (the table used to sweep all of them per claim when full)."""
+    n = 10_000
+    t = table(ttl_s=600, max_entries=n, per_tenant=n)
+    for i in range(n // 2):
+        t.claim(("t", f"run{i}"), "a", 60, 0)
+        t.claim(("t", f"done{i}"), "a", 60, 0)
+        t.complete(("t", f"done{i}"), "a", {"text": "x"}, 0)
+    costs = []
+    for i in range(100):
+        before = t.visited
+        assert t.claim(("t", f"new{i}"), "a", 60, 1).state == MINE
+        costs.append(t.visited - before)
+    assert len(t) == n and max(costs) <= 2
 
 
 @pytest.mark.parametrize(("kw", "field"), [({"ttl_s": 0, "max_entries": 1}, "ttl_s"), ({"ttl_s": 1, "max_entries": 0}, "max_entries")])
 def test_bad_settings_name_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        KeyTable(**kw)
+        KeyTable(max_entries_per_tenant=1, max_answer_bytes_per_tenant=1, **kw)
 
 
 # -- two routers over one key service -----------------------------------------------------
@@ -118,10 +181,11 @@ async def _reply_lost(call: "asyncio.Future[Any]") -> Any:
     raise asyncio.TimeoutError()  # ... but the caller never heard
 
 
-def routers(clock: FakeClock) -> tuple[IdempotencyStore, IdempotencyStore, FakeActorHandle]:
-    actor = FakeActorHandle(KeyService(ttl_s=60, max_entries=100, clock=clock))
-    a = IdempotencyStore(60, 100, clock=clock, shared=SharedKeys(lambda: actor, "router-a"))
-    b = IdempotencyStore(60, 100, clock=clock, shared=SharedKeys(lambda: actor, "router-b"))
+def routers(clock: FakeClock, **shared_settings: int) -> tuple[IdempotencyStore, IdempotencyStore, FakeActorHandle]:
+    actor = FakeActorHandle(KeyService(IdempotencySettings(ttl_s=60, max_entries=100, **shared_settings), clock=clock))
+    settings = IdempotencySettings(ttl_s=60, max_entries=100)
+    a = IdempotencyStore(settings, clock=clock, shared=SharedKeys(lambda: actor, "router-a"))
+    b = IdempotencyStore(settings, clock=clock, shared=SharedKeys(lambda: actor, "router-b"))
     return a, b, actor
 
 
@@ -231,3 +295,36 @@ async def test_two_routers_whose_claims_got_no_reply_ask_again_and_only_one_runs
     assert await tb == ({"text": "answer 1"}, True)
     assert (first.calls, second.calls) == (1, 0)
     assert actor.calls.count("claim") == 4  # each router's lost claim and its repeat
+
+
+async def test_the_same_key_for_another_request_at_another_router_is_refused() -> None:
+    clock = FakeClock()
+    a, b, _ = routers(clock)
+    gate = asyncio.Event()
+    ta = spawn(a.run("gold", "k1", Counted(gate), within_s=30, fingerprint="long"))
+    await settle()
+    other = Counted()
+    with pytest.raises(InvalidRequest):  # running at a
+        await b.run("gold", "k1", other, within_s=30, fingerprint="short")
+    gate.set()
+    await ta
+    with pytest.raises(InvalidRequest):  # answered at a
+        await b.run("gold", "k1", other, within_s=30, fingerprint="short")
+    assert other.calls == 0 and len(b) == 0  # b holds nothing of it
+    assert await b.run("gold", "k1", other, within_s=30, fingerprint="long") == ({"text": "answer 1"}, True)
+
+
+async def test_a_tenant_whose_keys_all_run_across_routers_is_refused_and_its_key_freed() -> None:
+    clock = FakeClock()
+    a, b, _ = routers(clock, max_entries_per_tenant=1)
+    gate = asyncio.Event()
+    ta = spawn(a.run("gold", "k1", Counted(gate), within_s=30))
+    await settle()
+    refused = Counted()
+    with pytest.raises(ConcurrencyLimited):
+        await b.run("gold", "k2", refused, within_s=30)
+    assert refused.calls == 0 and len(b) == 0
+    assert await b.run("free", "k2", Counted(), within_s=30) == ({"text": "answer 1"}, False)
+    gate.set()
+    await ta
+    assert (await b.run("gold", "k2", Counted(), within_s=30))[1] is False  # a's answer made room

@@ -22,7 +22,8 @@ from ballast.control.snapshot import Snapshot
 from ballast.policies.criticality import Criticality
 from ballast.policies.deadline import Deadline
 from routerkit import at_level, build_router
-from ballast.errors import ConcurrencyLimited, DeadlineExceeded, ModelUnavailable, Overloaded, QuotaExceeded
+from ballast.errors import (ConcurrencyLimited, DeadlineExceeded, InvalidRequest, ModelUnavailable, Overloaded,
+                            QuotaExceeded)
 from ballast.router.api import StreamResponse
 from ballast.router.pipeline import Answer, Caller, ModelRequest, Stream
 from ballast.router.ticket import Outcome
@@ -67,8 +68,9 @@ def settled(pipeline, full: float, used: int) -> None:
     assert bucket_tokens(pipeline) == pytest.approx(full - used, abs=0.01)
 
 
-def request(max_tokens: int = 20, stream: bool = False, key: str | None = None) -> ModelRequest:
-    caller = Caller("gold", Deadline.starting(asyncio.get_running_loop().time(), 30), key)
+def request(max_tokens: int = 20, stream: bool = False, key: str | None = None,
+            deadline: Deadline | None = None) -> ModelRequest:
+    caller = Caller("gold", deadline or Deadline.starting(asyncio.get_running_loop().time(), 30), key)
     return ModelRequest(caller, Criticality.CRITICAL, len(PROMPT.encode()), max_tokens, stream, {"prompt": PROMPT})
 
 
@@ -119,6 +121,89 @@ async def test_a_replay_costs_nothing(pipeline) -> None:
     assert again.replayed and again.tokens == 4
     settled(pipeline, full, 5 + 4)  # only the first answer's tokens
     assert len(primary(pipeline).generate.calls) == 1
+
+
+class Blocked(FakeResponse):
+    """A reply that comes only once the test sets ``go``: the first attempt of a key, running."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(0, result={"text": "x" * tokens, "tokens": tokens})
+        self.go = asyncio.Event()
+
+    def __await__(self):
+        yield from self.go.wait().__await__()
+        return self.result
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+async def test_repeats_of_a_running_key_hold_no_place_quota_or_gate_slot(pipeline, router) -> None:
+    full = bucket_tokens(pipeline)
+    first_reply = Blocked(7)
+    primary(pipeline).generate.script.append(first_reply)
+    first = asyncio.ensure_future(pipeline.serve(request(key="key-1")))
+    await settle()
+    assert (pipeline.places.held["gold"], pipeline.gate.in_flight) == (1, 1)
+    assert bucket_tokens(pipeline) == pytest.approx(full - 25, abs=0.01)
+    repeats = [asyncio.ensure_future(pipeline.serve(request(key="key-1"))) for _ in range(5)]  # the tenant's cap is 2
+    await settle()
+    assert not any(r.done() for r in repeats)  # waiting for the first ...
+    assert (pipeline.places.held["gold"], pipeline.gate.in_flight, pipeline.gate.waiting) == (1, 1, 0)  # ... holding nothing
+    assert bucket_tokens(pipeline) == pytest.approx(full - 25, abs=0.01)
+    first_reply.go.set()
+    answers = [await first] + [await r for r in repeats]
+    assert [(a.tokens, a.replayed) for a in answers] == [(7, False)] + [(7, True)] * 5
+    settled(pipeline, full, 5 + 7)
+    assert len(primary(pipeline).generate.calls) == 1
+    assert router.tally.requests == 1  # repeats asked nothing of the model: not in the level's counts
+
+
+async def test_a_repeat_waits_no_longer_than_its_own_deadline_and_the_first_goes_on(pipeline) -> None:
+    full = bucket_tokens(pipeline)
+    first_reply = Blocked(3)
+    primary(pipeline).generate.script.append(first_reply)
+    first = asyncio.ensure_future(pipeline.serve(request(key="key-1")))
+    await settle()
+    spent = Deadline.starting(asyncio.get_running_loop().time() - 2, 1)  # its deadline has passed
+    with pytest.raises(DeadlineExceeded):
+        await pipeline.serve(request(key="key-1", deadline=spent))
+    assert not first.done()
+    first_reply.go.set()
+    assert (await first).tokens == 3
+    settled(pipeline, full, 5 + 3)
+
+
+async def test_the_same_key_with_another_body_is_refused_422(pipeline) -> None:
+    full = bucket_tokens(pipeline)
+    first_reply = Blocked(3)
+    primary(pipeline).generate.script.append(first_reply)
+    first = asyncio.ensure_future(pipeline.serve(request(max_tokens=20, key="key-1")))
+    await settle()
+    with pytest.raises(InvalidRequest) as refused:
+        await pipeline.serve(request(max_tokens=1, key="key-1"))
+    assert refused.value.field == "Idempotency-Key"
+    first_reply.go.set()
+    await first
+    with pytest.raises(InvalidRequest):  # answered: still another request's key
+        await pipeline.serve(request(max_tokens=1, key="key-1"))
+    assert (await pipeline.serve(request(max_tokens=20, key="key-1"))).replayed
+    settled(pipeline, full, 5 + 3)
+
+
+async def test_a_first_attempt_refused_at_the_gate_frees_its_key_so_the_retry_runs(pipeline) -> None:
+    full = bucket_tokens(pipeline)
+    await pipeline.gate.acquire(0, asyncio.get_running_loop().time() + 60)  # the one slot is taken
+    short = Deadline.starting(asyncio.get_running_loop().time(), 0.001)
+    with pytest.raises(Overloaded):
+        await pipeline.serve(request(key="key-1", deadline=short))
+    pipeline.gate.release(None)
+    primary(pipeline).generate.script.append(reply(4))
+    again = await pipeline.serve(request(key="key-1"))
+    assert (again.tokens, again.replayed) == (4, False)
+    settled(pipeline, full, 5 + 4)
 
 
 async def test_over_quota_is_refused_with_nothing_held(pipeline) -> None:

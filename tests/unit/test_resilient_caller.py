@@ -27,7 +27,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from ballast.policies.killswitch import KillSwitchEntry
 from ballast.config import load_config
 from ballast.errors import DeadlineExceeded, EngineRefused, ModelUnavailable, ReplicaLost
-from ballast.router.resilience import CallHooks, CallRecord, CallSpec, ResilientCaller
+from ballast.router.resilience import CallHooks, CallRecord, CallSpec, ResilientCaller, ResponseCache
 
 from fakes import FakeClock
 
@@ -171,8 +171,9 @@ def make(
     return caller, clock, timer, events
 
 
-async def unary(caller: ResilientCaller, clock: FakeClock, deadline_in_s: float = 30, call: dict = CALL):
-    return await caller.unary(CallSpec(dict(call), clock() + deadline_in_s, [], WALL_S))
+async def unary(caller: ResilientCaller, clock: FakeClock, deadline_in_s: float = 30, call: dict = CALL,
+                tenant: Optional[str] = "acme"):
+    return await caller.unary(CallSpec(dict(call), clock() + deadline_in_s, [], WALL_S, tenant=tenant))
 
 
 def breaker_of(caller: ResilientCaller, role: str) -> dict[str, Any]:
@@ -302,6 +303,37 @@ async def test_fallback_failing_too_answers_from_the_cache_then_503_for_an_unsee
     assert events[-1] == ("fallback", "cache")
     with pytest.raises(ModelUnavailable, match="model_error:primary, model_error:fallback"):
         await unary(caller, clock, call={"prompt": "never seen", "max_tokens": 8})
+
+
+async def test_the_cache_answers_a_tenant_only_with_its_own_earlier_answers() -> None:
+    error = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
+    primary = FakeHandle(ok("for acme"), fails(error), fails(error), fails(error), fails(error))
+    caller, clock, _, events = make(primary, cache=True)
+    assert await unary(caller, clock, tenant="acme") == ({"text": "for acme"}, None)
+    with pytest.raises(ModelUnavailable):  # the same call from another tenant: no answer of acme's
+        await unary(caller, clock, tenant="globex")
+    assert ("fallback", "cache") not in events
+    assert await unary(caller, clock, tenant="acme") == ({"text": "for acme"}, "cache")
+
+
+async def test_a_call_without_a_tenant_is_neither_cached_nor_answered_from_the_cache() -> None:
+    error = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
+    primary = FakeHandle(ok("anonymous"), fails(error), fails(error))
+    caller, clock, _, _ = make(primary, cache=True)
+    await unary(caller, clock, tenant=None)
+    assert len(caller.cache) == 0
+    with pytest.raises(ModelUnavailable):
+        await unary(caller, clock, tenant=None)
+
+
+def test_a_tenants_flood_of_calls_evicts_only_its_own_cached_answers() -> None:
+    clock = FakeClock()
+    cache = ResponseCache(max_entries=1024, ttl_s=300, clock=clock, max_entries_per_tenant=4)
+    cache.put("quiet", CALL, {"text": "mine"})
+    for i in range(1000):
+        cache.put("loud", {**CALL, "prompt": f"p{i}"}, {"text": str(i)})
+    assert len(cache) == 5 and cache.get("quiet", CALL) == {"text": "mine"}
+    assert cache.get("loud", {**CALL, "prompt": "p999"}) == {"text": "999"}
 
 
 async def test_the_deadline_running_out_mid_retry_is_504_and_the_fallback_is_not_tried() -> None:
