@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from conftest import ADMIN, BASE, FREE, GOLD, breaker, status, wait_quiet, wait_until
+from conftest import ADMIN, BASE, FREE, GOLD, breaker, clear_chaos, set_chaos, status, wait_quiet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -97,6 +97,40 @@ def test_a_kill_switch_that_would_block_nothing_is_refused_naming_the_allowed_va
     assert allowed in _error(r)["message"]
     entries = client.get("/admin/kill-switch", headers=ADMIN).json()["entries"]
     assert all(e["value"] != value for e in entries)
+
+
+# -- 4. repeats of a running Idempotency-Key hold nothing ---------------------------------
+
+
+def test_repeats_of_a_running_key_hold_no_place_and_a_reused_key_is_refused(client):
+    """A long first request and 20 repeats of its key: gold holds one place in flight, not
+    21; a repeat with another body is 422; every repeat gets the first answer."""
+    wait_quiet(client)
+    set_chaos(client, "primary", step_delay_ms=40)  # ~5 s for the first answer's 120 steps
+    key = f"hostile-{time.monotonic_ns()}"
+    body = {"prompt": "the first of its key", "max_tokens": 120}
+    headers = {**GOLD, "Idempotency-Key": key}
+    try:
+        async def run() -> tuple[list, list, httpx.Response]:
+            async with httpx.AsyncClient(base_url=BASE, timeout=60) as c:
+                first = asyncio.create_task(c.post("/v1/generate", headers=headers, json=body))
+                await asyncio.sleep(0.5)
+                repeats = [asyncio.create_task(c.post("/v1/generate", headers=headers, json=body)) for _ in range(20)]
+                await asyncio.sleep(1.0)
+                held = []
+                for _ in range(3):
+                    held.append((await c.get("/v1/status", headers=ADMIN)).json()["tenant_inflight"].get("gold", 0))
+                    await asyncio.sleep(0.3)
+                reused = await c.post("/v1/generate", headers=headers, json={**body, "max_tokens": 1})
+                return [await first, *await asyncio.gather(*repeats)], held, reused
+
+        answers, held, reused = asyncio.run(run())
+    finally:
+        clear_chaos(client)
+    assert held == [1, 1, 1], held
+    assert_refused(reused, 422, "INVALID_REQUEST", "Idempotency-Key")
+    assert all(a.status_code == 200 for a in answers), [a.text[:100] for a in answers if a.status_code != 200]
+    assert len({a.json()["text"] for a in answers}) == 1
 
 
 # -- 11. runtime files are private -----------------------------------------------------
