@@ -25,8 +25,11 @@ import ray
 from ballast.policies.idempotency import DONE, KeyTable
 from ballast.config import BallastConfig, IdempotencySettings
 
-#: The actor's name, beside the controller's (``<controller.name>-keys``).
-SUFFIX = "-keys"
+#: The actor's name, beside the controller's (``<controller.name>-keys-v2``). The version
+#: is the claim protocol's (v2: claims carry the request's fingerprint): a detached table
+#: left by a router of another protocol is never called by this one, so an upgrade gets
+#: a fresh table instead of calls that fail and leave keys honoured per router.
+SUFFIX = "-keys-v2"
 
 
 class KeyService:
