@@ -89,6 +89,10 @@ class HttpConfig(_Strict):
     # None: Serve's default, 30 s. Every redeploy, recycle and stop of a router waits
     # this long. Fixed when Ray starts, like ``ingress``.
     router_drain_s: Optional[float] = Field(None, ge=0)
+    # /health and /healthz/ready answer from the router's cached readiness: the model is
+    # pinged at most once per this interval, one ping in flight however many callers,
+    # a failed ping cached as well (ballast/router/readiness.py).
+    ready_probe_interval_s: float = Field(1.0, gt=0, le=60)
 
 
 class ModelArchitecture(_Strict):

@@ -21,7 +21,6 @@ per-request rules (ballast/policies/request.py); this package gathers inputs and
 """
 
 
-import asyncio
 import time
 import uuid
 from typing import Any, Optional
@@ -51,6 +50,7 @@ from ballast.router.metrics import RouterMetrics
 from ballast.router.openai import OpenAIFront
 from ballast.router.pipeline import Pipeline
 from ballast.router.quotas import Quotas
+from ballast.router.readiness import CachedProbe
 from ballast.router.reporter import Reporter, log
 from ballast.router.resilience import CallHooks, ResilientCaller
 from ballast.router.tally import Tally
@@ -101,6 +101,8 @@ class Router:
         self._native = NativeFront(self.pipeline, text, cfg.limits)
         self._openai = OpenAIFront(self.pipeline, cfg, text, created_s=int(time.time()))
         self._admin = Admin(cfg, keys, self._link, self._exchange, self.snapshots, self.pipeline, self.router_id)
+        # Health routes need no key: they answer from one model ping per interval at most.
+        self.readiness = CachedProbe(lambda: self._model.ping.remote(), cfg.http.ready_probe_interval_s)
 
     def _resilient_caller(self, model: Any, fallback: Any) -> ResilientCaller:
         m = self.metrics
@@ -234,13 +236,13 @@ class Router:
         return {"version": VERSION}
 
     async def _unready(self) -> list[str]:
-        """Why this router cannot serve now: the model unreachable, the snapshot stale."""
+        """Why this router cannot serve now: the model unreachable (the cached probe's
+        answer, ``http.ready_probe_interval_s``), the snapshot stale."""
         self._exchange.start()
         problems = []
-        try:
-            await asyncio.wait_for(self._model.ping.remote(), timeout=2.0)
-        except Exception as e:
-            problems.append(f"model deployment unreachable: {type(e).__name__}")
+        model = await self.readiness.problem()
+        if model is not None:
+            problems.append(model)
         if not self.snapshots.is_fresh():
             age = self.snapshots.age_s()
             problems.append("controller snapshot " + ("missing" if age is None else f"stale ({age:.1f}s old)"))
