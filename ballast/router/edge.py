@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import socket
+import stat
 import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Optional
@@ -143,7 +144,21 @@ class Edge:
             d, f = os.path.split(path)
             return os.path.join(d, node, f)
 
-        return cls(os.path.dirname(per_node(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)), per_node(RAY_SERVE_HAPROXY_SOCKET_PATH))
+        edge = cls(os.path.dirname(per_node(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)), per_node(RAY_SERVE_HAPROXY_SOCKET_PATH))
+        if not edge.private():
+            log.warning("edge: %s is not a directory of this user's that only it may write; "
+                        "refusing in the router instead", edge.dir)
+            return None
+        return edge
+
+    def private(self) -> bool:
+        """Whether the edge's directory is a directory (not a symlink) owned by this user
+        that no one else may write (the wrapper adds the edge only to such a one)."""
+        try:
+            st = os.lstat(self.dir)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o022 == 0
 
     @property
     def shedding(self) -> dict[str, str]:
@@ -181,7 +196,9 @@ class Edge:
         two commands are one socket write: microseconds).
         """
         try:
-            with open(self.dir / LOCK_NAME, "a") as lock:
+            # O_NOFOLLOW: a symlink in its place is an error, never a file elsewhere opened.
+            fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "r+b") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 answer = self._send(self.socket_path, f"show table {TABLE}; clear table {TABLE}")
         except OSError:
@@ -189,7 +206,8 @@ class Edge:
         return parse_table(answer)
 
     def _write_file(self, entries: Mapping[str, str]) -> None:
-        """Atomically: HAProxy reads the file whenever Serve reloads it."""
+        """Atomically: HAProxy reads the file whenever Serve reloads it. A new file (mode
+        0600, O_EXCL) renamed over the map: a symlink there is replaced, never followed."""
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".shed-")
         try:
             with os.fdopen(fd, "w") as f:

@@ -8,6 +8,7 @@ passes the edge is told apart from what it refuses without a router behind it.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -84,27 +85,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def haproxy(tmp_path: Path):
+@contextlib.contextmanager
+def started(d: Path):
+    """HAProxy through the wrapper on a Serve-like config in ``d``: (d, port, process)."""
     port = _free_port()
-    cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(SERVE_LIKE.format(dir=tmp_path, port=port))
+    cfg = d / "haproxy.cfg"
+    cfg.write_text(SERVE_LIKE.format(dir=d, port=port))
     log = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # where Serve's config sends its metrics lines
-    log.bind(str(tmp_path / "log.sock"))
-    LOGS[str(tmp_path)] = log
+    log.bind(str(d / "log.sock"))
+    LOGS[str(d)] = log
     env = {**os.environ, "BALLAST_HAPROXY_REAL": HAPROXY}
     proc = subprocess.Popen([str(WRAPPER), "-db", "-f", str(cfg)], env=env, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 10.0
-        while not (tmp_path / "admin.sock").exists():  # a process starting, not a clock under test
+        while not (d / "admin.sock").exists():  # a process starting, not a clock under test
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline, "HAProxy did not start"
             time.sleep(0.02)
-        yield tmp_path, port, proc
+        yield d, port, proc
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-        LOGS.pop(str(tmp_path)).close()
+        LOGS.pop(str(d)).close()
+
+
+@pytest.fixture
+def haproxy(tmp_path: Path):
+    with started(tmp_path) as running:
+        yield running
 
 
 LOGS: dict[str, socket.socket] = {}  # the fixture's log socket per HAProxy directory
@@ -204,6 +212,81 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
     assert refused[0] == {"code": "OVERLOADED", "retry_after_s": 1, "message":
                           "no model capacity for 'critical' at level 2 (the edge refuses 500 per mille of it)"}
     assert {s for s, _, _ in answers} == {200, 503} and edge.drain() == {"critical": len(refused)}
+
+
+# ------------------------------------------------------------------ runtime files
+
+
+def _connect_as_nobody(path: Path) -> str:
+    """Another local user (``nobody``) connecting to HAProxy's admin socket: its error, or "connected"."""
+    import shutil
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("su") is None:
+        pytest.skip("needs root and su to act as another user")
+    code = ("import socket,sys\ns=socket.socket(socket.AF_UNIX)\ntry:\n s.connect(sys.argv[1]); print('connected')\n"
+            "except OSError as e:\n print(type(e).__name__)")
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable  # one that user may run
+    out = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c", '"$0" -c "$1" "$2"', python, code, str(path)],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        pytest.skip(f"cannot run Python as nobody: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def test_the_admin_socket_is_this_users_alone_in_the_stacks_private_directory():
+    import stat
+    import tempfile
+
+    from ballast.router.ingress import run_dir
+
+    # Serve's layout: <the stack's private directory>/<node id>/, the node's directory made
+    # by Serve with the usual umask.
+    node = Path(run_dir(_free_port())) / ("n" * 56)
+    node.mkdir()
+    with started(node) as (d, _, _):
+        sock = d / "admin.sock"
+        assert " mode 600 " in (d / "haproxy.cfg.edge").read_text() and " mode 666 " in (d / "haproxy.cfg").read_text()
+        assert stat.S_IMODE(os.stat(sock).st_mode) & 0o077 == 0
+        assert _connect_as_nobody(sock) == "PermissionError"  # the private directory stops it
+    # The socket's own mode stops it too, in a directory others may enter (not write).
+    open_dir = Path(tempfile.mkdtemp())
+    try:
+        open_dir.chmod(0o755)
+        with started(open_dir) as (d, _, _):
+            assert _connect_as_nobody(d / "admin.sock") == "PermissionError"
+    finally:
+        import shutil
+
+        shutil.rmtree(open_dir, ignore_errors=True)
+
+
+def test_the_wrapper_adds_no_edge_in_a_directory_others_may_write(tmp_path: Path):
+    d = tmp_path / "shared"
+    d.mkdir()
+    d.chmod(0o777)
+    with started(d) as (_, port, _):
+        assert not (d / "haproxy.cfg.edge").exists() and not (d / MAP_NAME).exists()
+        assert _post(port, "/v1/generate", "sheddable")[0] == 200  # HAProxy as Serve wrote it
+    assert not Edge(str(d), str(d / "admin.sock")).private()
+    assert Edge(str(tmp_path), str(tmp_path / "admin.sock")).private()
+
+
+def test_a_symlink_in_place_of_a_runtime_file_is_replaced_or_refused_never_followed(tmp_path: Path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    d = tmp_path / "node"
+    d.mkdir()
+    (d / MAP_NAME).symlink_to(victim)
+    (d / "haproxy.cfg.edge").symlink_to(victim)
+    (d / "ballast-edge.lock").symlink_to(victim)
+    with started(d) as (_, port, _):
+        assert not (d / MAP_NAME).is_symlink() and not (d / "haproxy.cfg.edge").is_symlink()
+        edge = Edge(str(d), str(d / "admin.sock"))
+        assert edge.apply(shed_entries(1, DEFAULT_CONSTRAINTS[1])) is True
+        assert _post(port, "/v1/generate", "sheddable")[0] == 503
+        assert edge.drain() == {}  # its lock is a symlink: not opened, nothing read
+    assert victim.read_text() == "precious\n"
 
 
 def test_an_unreachable_haproxy_leaves_the_refusals_to_the_router(tmp_path: Path):
