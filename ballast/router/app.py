@@ -97,7 +97,7 @@ class Router:
                              shared=SharedKeys(self._keys_handle, self.router_id)),
             priority_gate(cfg), self.metrics, self.tally, model_max_tokens=text.context - 1,
         )
-        self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None)
+        self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None, keys)
         self._native = NativeFront(self.pipeline, text, cfg.limits)
         self._openai = OpenAIFront(self.pipeline, cfg, text, created_s=int(time.time()))
         self._admin = Admin(cfg, keys, self._link, self._exchange, self.snapshots, self.pipeline, self.router_id)
