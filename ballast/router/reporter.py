@@ -60,6 +60,7 @@ class Reporter:
                  keys: Optional[KeyStore] = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._cfg = cfg
         self._keys = keys  # the API keys the edge may vouch for (none: it counts no refusal)
+        self._vouched_map: Optional[tuple[frozenset[str], dict[str, str]]] = None  # (tenants off, key map)
         self._clock = clock
         self._router_id = router_id
         self._pipeline = pipeline
@@ -172,11 +173,14 @@ class Reporter:
         return tenants, classes
 
     def _vouched(self, tenants_off: set[str]) -> dict[str, str]:
-        """The edge's key map: each key of a tenant no kill switch turns off -> its cap rank."""
-        if self._keys is None:
-            return {}
-        caps = {t: tc.max_criticality for t, tc in self._cfg.tenants.items()}
-        return key_entries(self._keys.digests(), caps, tenants_off)
+        """The edge's key map: each key of a tenant no kill switch turns off -> its cap rank
+        (built again only when that set of tenants changes)."""
+        off = frozenset(tenants_off)
+        if self._vouched_map is None or self._vouched_map[0] != off:
+            caps = {t: tc.max_criticality for t, tc in self._cfg.tenants.items()}
+            digests = self._keys.digests() if self._keys is not None else []
+            self._vouched_map = (off, key_entries(digests, caps, off))
+        return self._vouched_map[1]
 
     def _gate_has_room(self) -> bool:
         g = self._pipeline.gate

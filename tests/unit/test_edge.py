@@ -472,3 +472,16 @@ def test_a_switched_off_tenant_or_class_counts_no_demand_at_the_edge(tenants_rou
     assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503
     reporter.sync_edge()
     assert tenants_router.tally.offered == {"sheddable_plus": 1}
+
+
+def test_a_key_map_longer_than_one_socket_write_reaches_haproxy_whole(haproxy):
+    from ballast.router.edge import MAP_COMMANDS_PER_WRITE, admin_command
+
+    d, _, _ = haproxy
+    edge = Edge(str(d), str(d / "admin.sock"))
+    n = 3 * MAP_COMMANDS_PER_WRITE + 7
+    digests = [(hashlib.sha256(f"key-{i}".encode()).digest(), "gold") for i in range(n)]
+    assert edge.apply_keys(key_entries(digests, {"gold": Criticality.CRITICAL}))
+    shown = admin_command(edge.socket_path, f"show map {edge.keys_path}")
+    assert sum(1 for line in shown.splitlines() if line.startswith("0x")) == n
+    assert (d / KEYS_MAP_NAME).read_text().count(" 1\n") == n
