@@ -387,6 +387,7 @@ def test_only_refusals_whose_key_the_edge_vouches_for_are_counted(haproxy):
     ]
     for auth in refused_uncounted:
         assert _post(port, "/v1/generate", "sheddable_plus", auth)[0] == 503, auth
+    assert _post(port, "/v1/generate", "critical, sheddable_plus")[0] == 503  # two claims: the router answers 422
     assert edge.drain() == {}
     assert _post(port, "/v1/generate", "sheddable_plus", f"bearer   {KEY}")[0] == 503  # as the router parses it
     assert _post(port, "/v1/generate", "sheddable", f"Bearer {FREE_KEY}")[0] == 503
