@@ -7,7 +7,9 @@ Where things are:
   sent to the model (its docstring walks it);
 - generate.py and openai.py: the native and OpenAI fronts, each holding the pipeline;
   openai_api.py: the OpenAI protocol's models, which its answers are built from;
-- admin.py: ``/v1/status`` and ``/admin/*``;
+- admin.py: ``/v1/status`` and ``/admin/*``; admin_port.py: those routes on a local-only
+  port instead (``http.admin_port``);
+- readiness.py: the cached model probe the health routes answer from;
 - reporter.py: the router's side of the control loop (reports out; snapshots, leases
   and the edge's map in); tally.py: what it counts between two reports;
 - gate.py, quotas.py, idempotency.py, resilience.py: the pieces the pipeline holds;
