@@ -9,20 +9,32 @@ in the foreground. SIGINT (Ctrl-C) or SIGTERM shuts Serve, the controller and Ra
 down cleanly. ``stop`` signals only the process recorded in ``.run/ballast-<port>.pid``
 (one file per HTTP port: stacks on other ports, a test run beside ``make serve``,
 are left alone).
+
+The admin token goes only where the operator points: ``--url``, else ``$BALLAST_URL``,
+else the stack ``serve`` started here, else ``http://127.0.0.1:8000``. A pid file is
+believed (for its URL, and by ``stop`` for its pid) only when it is the operator's own
+(:func:`read_pid`): a regular file, not a symlink, owned by this user and writable by no
+one else, in a ``.run`` directory that is the same, naming a loopback URL. ``serve``
+makes ``.run`` mode 0700 and its pid file 0600 (O_EXCL, O_NOFOLLOW). With
+``http.admin_port`` the pid file names the admin port's URL too, and the admin
+commands use it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import typer
 
@@ -31,19 +43,72 @@ def pidfile(port: int) -> Path:
 
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+MAX_PID_FILE_BYTES = 4096
+
+
+def _owned(st: os.stat_result, kind: int) -> bool:
+    """Of this kind (stat.S_IFDIR / S_IFREG), this user's, writable by no one else."""
+    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o022 == 0
+
+
+def is_loopback_url(url: str) -> bool:
+    """An http(s) URL whose host is this machine's loopback (127.0.0.0/8, ::1, localhost)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        if parts.scheme not in ("http", "https") or host is None:
+            return False
+        parts.port  # noqa: B018 -- raises ValueError on a bad port
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_pid(path: Path) -> Optional[dict[str, Any]]:
+    """The pid file's document when it is the operator's own, else None: ``path`` and its
+    directory are this user's, writable by no one else, not symlinks (the file is opened
+    O_NOFOLLOW and checked on the open descriptor), and it holds a pid and a URL."""
+    try:
+        if not _owned(os.lstat(path.parent), stat.S_IFDIR):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not _owned(os.fstat(f.fileno()), stat.S_IFREG):
+                return None
+            doc = json.loads(f.read(MAX_PID_FILE_BYTES + 1)[:MAX_PID_FILE_BYTES])
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("pid"), int) or not isinstance(doc.get("url"), str):
+        return None
+    return doc
+
+
+def write_pid(path: Path, doc: dict[str, Any]) -> None:
+    """``doc`` as a new pid file (mode 0600, O_EXCL, O_NOFOLLOW) in a ``.run`` made 0700;
+    raises OSError when either is not this user's own or the file exists."""
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    if not _owned(os.lstat(path.parent), stat.S_IFDIR):
+        raise PermissionError(f"{path.parent} is not a directory of this user's that only it may write")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(doc))
 
 
 def default_url(run_dir: Path = Path(".run")) -> str:
-    """Where the admin commands go without ``--url``: the stack ``make serve`` started
-    here (its pid file: the default config's port, else the only stack running), else
-    the default port."""
-    found = sorted(run_dir.glob("ballast-*.pid"))
+    """Where the admin commands go without ``--url`` or ``$BALLAST_URL``: the stack
+    ``make serve`` started here (its pid file, if :func:`read_pid` believes it and its URL
+    is a loopback one: the default config's port, else the only stack running; its admin
+    port's URL when it has one), else the default port."""
+    try:
+        found = sorted(run_dir.glob("ballast-*.pid"))
+    except OSError:
+        found = []
     default = run_dir / pidfile(8000).name
     for path in ([default] if default in found else found if len(found) == 1 else []):
-        try:
-            return str(json.loads(path.read_text())["url"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        doc = read_pid(path)
+        url = doc.get("admin_url") or doc["url"] if doc is not None else None
+        if isinstance(url, str) and is_loopback_url(url):
+            return url
     return DEFAULT_URL
 
 
@@ -67,13 +132,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, model_dir=getattr(args, "model", None) or None,
                       engine=getattr(args, "engine", None) or "transformers")
     pid_path = pidfile(cfg.http.port)
-    if pid_path.exists():
-        try:
-            other = json.loads(pid_path.read_text())["pid"]
-            os.kill(other, 0)
-            print(f"a Ballast stack is already running (pid {other}); `make stop` first", file=sys.stderr)
+    if os.path.lexists(pid_path):
+        doc = read_pid(pid_path)
+        if doc is None:
+            print(f"{pid_path} is not this user's own pid file (owner, mode, symlink or URL); "
+                  "remove it if it is stale", file=sys.stderr)
             return 1
-        except (OSError, ValueError, KeyError):
+        try:
+            os.kill(doc["pid"], 0)
+            print(f"a Ballast stack is already running (pid {doc['pid']}); `make stop` first", file=sys.stderr)
+            return 1
+        except OSError:
             pid_path.unlink(missing_ok=True)  # left behind by a stack that died
 
     import ray
@@ -91,8 +160,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         start(cfg, cfg.http.host, cfg.http.port)
         base = f"http://{cfg.http.host}:{cfg.http.port}"
-        pid_path.parent.mkdir(exist_ok=True)
-        pid_path.write_text(json.dumps({"pid": os.getpid(), "url": base}))
+        local = f"http://127.0.0.1:{cfg.http.port}" if cfg.http.host in ("0.0.0.0", "::", "") else base
+        record: dict[str, Any] = {"pid": os.getpid(), "url": local}
+        if cfg.http.admin_port is not None:
+            record["admin_url"] = f"http://127.0.0.1:{cfg.http.admin_port}"
+        write_pid(pid_path, record)
         ready = _wait_ready(f"{base}/healthz/ready", 120)
         print(f"\nBallast is {'ready' if ready else 'up (not ready yet)'} at {base}")
         if cfg.auth.demo_keys:
@@ -123,11 +195,15 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from ballast.config import load_config
 
     pid_path = pidfile(load_config(args.config).http.port)
-    try:
-        pid = json.loads(pid_path.read_text())["pid"]
-    except (OSError, ValueError, KeyError):
+    doc = read_pid(pid_path)
+    if doc is None:
+        if os.path.lexists(pid_path):
+            print(f"{pid_path} is not this user's own pid file (owner, mode, symlink or URL): not signalling it",
+                  file=sys.stderr)
+            return 1
         print("no Ballast stack started by `make serve` is running here")
         return 0
+    pid = doc["pid"]
     try:
         os.kill(pid, signal.SIGINT)  # what Ctrl-C sends: the same clean shutdown
     except ProcessLookupError:
@@ -164,7 +240,9 @@ class _Target:
 @app.callback()
 def _options(
     ctx: typer.Context,
-    url: Optional[str] = typer.Option(None, help="Ballast's URL (default: the stack `make serve` started, else :8000)"),
+    url: Optional[str] = typer.Option(None, envvar="BALLAST_URL",
+                                      help="Ballast's URL, where the admin token goes (default: the stack `make serve` "
+                                           "started here, its admin port if it has one, else http://127.0.0.1:8000)"),
     token: Optional[str] = typer.Option(None, help="admin token (default: $BALLAST_ADMIN_TOKEN)"),
     operator: str = typer.Option(os.environ.get("USER", "cli"), help="recorded in the audit trail"),
 ) -> None:

@@ -7,7 +7,9 @@ Where things are:
   sent to the model (its docstring walks it);
 - generate.py and openai.py: the native and OpenAI fronts, each holding the pipeline;
   openai_api.py: the OpenAI protocol's models, which its answers are built from;
-- admin.py: ``/v1/status`` and ``/admin/*``;
+- admin.py: ``/v1/status`` and ``/admin/*``; admin_port.py: those routes on a local-only
+  port instead (``http.admin_port``);
+- readiness.py: the cached model probe the health routes answer from;
 - reporter.py: the router's side of the control loop (reports out; snapshots, leases
   and the edge's map in); tally.py: what it counts between two reports;
 - gate.py, quotas.py, idempotency.py, resilience.py: the pieces the pipeline holds;
@@ -21,7 +23,6 @@ per-request rules (ballast/policies/request.py); this package gathers inputs and
 """
 
 
-import asyncio
 import time
 import uuid
 from typing import Any, Optional
@@ -40,6 +41,7 @@ from ballast.control.link import connect
 from ballast.control.names import ROUTER_DEPLOYMENT
 from ballast.errors import NotFound
 from ballast.router.admin import Admin
+from ballast.router.admin_port import AdminListener, admin_app
 from ballast.router.api import app
 from ballast.router.auth import KeyStore
 from ballast.router.contract import VERSION, openapi_document
@@ -51,6 +53,7 @@ from ballast.router.metrics import RouterMetrics
 from ballast.router.openai import OpenAIFront
 from ballast.router.pipeline import Pipeline
 from ballast.router.quotas import Quotas
+from ballast.router.readiness import CachedProbe
 from ballast.router.reporter import Reporter, log
 from ballast.router.resilience import CallHooks, ResilientCaller
 from ballast.router.tally import Tally
@@ -96,10 +99,29 @@ class Router:
             IdempotencyStore(cfg.resilience.idempotency, shared=SharedKeys(self._keys_handle, self.router_id)),
             priority_gate(cfg), self.metrics, self.tally, model_max_tokens=text.context - 1,
         )
-        self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None)
+        self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None, keys)
         self._native = NativeFront(self.pipeline, text, cfg.limits)
         self._openai = OpenAIFront(self.pipeline, cfg, text, created_s=int(time.time()))
         self._admin = Admin(cfg, keys, self._link, self._exchange, self.snapshots, self.pipeline, self.router_id)
+        # Health routes need no key: they answer from one model ping per interval at most.
+        self.readiness = CachedProbe(lambda: self._model.ping.remote(), cfg.http.ready_probe_interval_s)
+        # http.admin_port: the admin routes on 127.0.0.1 alone (admin_port.py), not on the public port.
+        self.admin_listener: Optional[AdminListener] = None
+        if cfg.http.admin_port is not None:
+            self.admin_listener = AdminListener(admin_app(self._admin), cfg.http.admin_port)
+
+    def _start(self) -> None:
+        """What runs on the replica's event loop, started at the first call that has one."""
+        self._exchange.start()
+        if self.admin_listener is not None:
+            self.admin_listener.start()
+
+    def _public_admin(self) -> Admin:
+        """The admin routes' handler on the public port; 404, as for an unknown route, when
+        they are served on the admin port instead."""
+        if self.admin_listener is not None:
+            raise NotFound("no such route")
+        return self._admin
 
     def _resilient_caller(self, model: Any, fallback: Any) -> ResilientCaller:
         m = self.metrics
@@ -139,22 +161,22 @@ class Router:
         log.warning("breaker %s: %s -> %s (%s)", event.backend, event.from_state.name, event.to_state.name, event.reason)
 
     async def check_health(self) -> None:
-        self._exchange.start()
+        self._start()
 
     # -- the model routes: each hands its request to its front ------------------------------
     @app.post("/v1/generate")
     async def generate(self, request: Request):
-        self._exchange.start()
+        self._start()
         return await self._native.generate(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        self._exchange.start()
+        self._start()
         return await self._openai.complete(request, chat=True)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        self._exchange.start()
+        self._start()
         return await self._openai.complete(request, chat=False)
 
     @app.get("/v1/models")
@@ -164,37 +186,37 @@ class Router:
     # -- status and admin ----------------------------------------------------------------
     @app.get("/v1/status")
     async def status(self, request: Request) -> dict[str, Any]:
-        return await self._admin.status(request)
+        return await self._public_admin().status(request)
 
     @app.post("/admin/kill-switch", status_code=201)
     async def set_kill_switch(self, request: Request) -> JSONResponse:
-        return await self._admin.set_kill_switch(request)
+        return await self._public_admin().set_kill_switch(request)
 
     @app.get("/admin/kill-switch")
     async def list_kill_switches(self, request: Request) -> dict[str, Any]:
-        return await self._admin.list_kill_switches(request)
+        return await self._public_admin().list_kill_switches(request)
 
     @app.delete("/admin/kill-switch/{entry_id}")
     async def delete_kill_switch(self, entry_id: str, request: Request) -> dict[str, Any]:
-        return await self._admin.delete_kill_switch(entry_id, request)
+        return await self._public_admin().delete_kill_switch(entry_id, request)
 
     @app.post("/admin/chaos")
     async def set_chaos(self, request: Request) -> dict[str, Any]:
-        return await self._admin.set_chaos(request)
+        return await self._public_admin().set_chaos(request)
 
     @app.delete("/admin/chaos")
     async def clear_chaos(self, request: Request) -> dict[str, Any]:
-        return await self._admin.clear_chaos(request)
+        return await self._public_admin().clear_chaos(request)
 
     @app.post("/admin/recycle", status_code=202)
     async def recycle(self, request: Request) -> JSONResponse:
         """Ask for replicas to be recycled: they go in turn, under the planner's rules."""
-        return await self._admin.recycle(request)
+        return await self._public_admin().recycle(request)
 
     @app.get("/admin/replicas")
     async def replicas(self, request: Request) -> dict[str, Any]:
         """Every replica as its watchdog sees it, plus recycles in flight and recent events."""
-        return await self._admin.replicas(request)
+        return await self._public_admin().replicas(request)
 
     # -- the contract and health ----------------------------------------------------------
     @app.get("/openapi.json", include_in_schema=False)
@@ -233,13 +255,13 @@ class Router:
         return {"version": VERSION}
 
     async def _unready(self) -> list[str]:
-        """Why this router cannot serve now: the model unreachable, the snapshot stale."""
-        self._exchange.start()
+        """Why this router cannot serve now: the model unreachable (the cached probe's
+        answer, ``http.ready_probe_interval_s``), the snapshot stale."""
+        self._start()
         problems = []
-        try:
-            await asyncio.wait_for(self._model.ping.remote(), timeout=2.0)
-        except Exception as e:
-            problems.append(f"model deployment unreachable: {type(e).__name__}")
+        model = await self.readiness.problem()
+        if model is not None:
+            problems.append(model)
         if not self.snapshots.is_fresh():
             age = self.snapshots.age_s()
             problems.append("controller snapshot " + ("missing" if age is None else f"stale ({age:.1f}s old)"))

@@ -96,3 +96,7 @@ class KeyStore:
 
     def __len__(self) -> int:
         return self._count
+
+    def digests(self) -> list[tuple[bytes, str]]:
+        """(SHA-256 digest, tenant) of every API key (the edge vouches for these)."""
+        return [entry for bucket in self._buckets.values() for entry in bucket]

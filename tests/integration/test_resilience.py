@@ -150,7 +150,7 @@ def test_the_front_runs_at_the_normal_cpu_priority_and_a_model_at_its_own(ballas
         line = " ".join(p.info["cmdline"] or [])
         if "ServeReplica:ballast:BallastRouter" in line:
             procs["router"].append(p)
-        elif "haproxy" in line and f"ballast-haproxy-{ballast.http.port}/" in line:
+        elif "haproxy" in line and f"/ballast-{ballast.http.port}-" in line:
             procs["haproxy"].append(p)
         elif "ServeReplica:ballast:BallastModel" in line:
             procs["model"].append(p)

@@ -8,6 +8,8 @@ passes the edge is told apart from what it refuses without a router behind it.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import http.client
 import json
 import os
@@ -21,7 +23,7 @@ import pytest
 from ballast.policies.criticality import Criticality
 from ballast.policies.degradation import DEFAULT_CONSTRAINTS
 from ballast.errors import Overloaded
-from ballast.router.edge import MAP_NAME, WRAPPER, Edge, parse_table, render_map, shed_entries
+from ballast.router.edge import KEYS_MAP_NAME, MAP_NAME, WRAPPER, Edge, key_entries, parse_table, render_map, shed_entries
 from ballast.router.ingress import edge_env
 from ballast.router.openai_api import openai_error_body
 
@@ -51,18 +53,18 @@ backend app
 
 def test_the_map_sheds_what_the_level_does_not_admit_and_never_critical_plus():
     assert shed_entries(0, DEFAULT_CONSTRAINTS[0]) == {}
-    assert shed_entries(1, DEFAULT_CONSTRAINTS[1]) == {"sheddable": "1:1:1000"}
-    assert shed_entries(2, DEFAULT_CONSTRAINTS[2]) == {"sheddable": "2:2:1000", "sheddable_plus": "2:2:1000"}
+    assert shed_entries(1, DEFAULT_CONSTRAINTS[1]) == {"sheddable": "1:1:1000:3"}
+    assert shed_entries(2, DEFAULT_CONSTRAINTS[2]) == {"sheddable": "2:2:1000:3", "sheddable_plus": "2:2:1000:2"}
     assert shed_entries(3, DEFAULT_CONSTRAINTS[3]) == {
-        "sheddable": "4:3:1000", "sheddable_plus": "4:3:1000", "critical": "4:3:1000"}
+        "sheddable": "4:3:1000:3", "sheddable_plus": "4:3:1000:2", "critical": "4:3:1000:1"}
     # Level 4 admits nothing new, but critical_plus may still go to the fallback: the router decides.
     assert set(shed_entries(4, DEFAULT_CONSTRAINTS[4])) == {"sheddable", "sheddable_plus", "critical"}
     # A class the level admits: the throttle's share of it, with the gate's Retry-After;
     # a whole class stays whole, and critical_plus is never in the map.
     drops = {"critical_plus": 900, "critical": 629, "sheddable_plus": 0, "sheddable": 300}
     assert shed_entries(2, DEFAULT_CONSTRAINTS[2], drops) == {
-        "critical": "1:2:629", "sheddable_plus": "2:2:1000", "sheddable": "2:2:1000"}
-    assert shed_entries(0, DEFAULT_CONSTRAINTS[0], {"critical": 5000}) == {"critical": "1:0:999"}
+        "critical": "1:2:629:1", "sheddable_plus": "2:2:1000:2", "sheddable": "2:2:1000:3"}
+    assert shed_entries(0, DEFAULT_CONSTRAINTS[0], {"critical": 5000}) == {"critical": "1:0:999:1"}
     assert render_map({"sheddable": "2:2:1000", "critical": "2:2:1000"}) == "critical 2:2:1000\nsheddable 2:2:1000\n"
 
 
@@ -84,27 +86,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def haproxy(tmp_path: Path):
+@contextlib.contextmanager
+def started(d: Path):
+    """HAProxy through the wrapper on a Serve-like config in ``d``: (d, port, process)."""
     port = _free_port()
-    cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(SERVE_LIKE.format(dir=tmp_path, port=port))
+    cfg = d / "haproxy.cfg"
+    cfg.write_text(SERVE_LIKE.format(dir=d, port=port))
     log = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # where Serve's config sends its metrics lines
-    log.bind(str(tmp_path / "log.sock"))
-    LOGS[str(tmp_path)] = log
+    log.bind(str(d / "log.sock"))
+    LOGS[str(d)] = log
     env = {**os.environ, "BALLAST_HAPROXY_REAL": HAPROXY}
     proc = subprocess.Popen([str(WRAPPER), "-db", "-f", str(cfg)], env=env, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 10.0
-        while not (tmp_path / "admin.sock").exists():  # a process starting, not a clock under test
+        while not (d / "admin.sock").exists():  # a process starting, not a clock under test
             assert proc.poll() is None, proc.stderr.read().decode()
             assert time.monotonic() < deadline, "HAProxy did not start"
             time.sleep(0.02)
-        yield tmp_path, port, proc
+        yield d, port, proc
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-        LOGS.pop(str(tmp_path)).close()
+        LOGS.pop(str(d)).close()
+
+
+@pytest.fixture
+def haproxy(tmp_path: Path):
+    with started(tmp_path) as running:
+        yield running
 
 
 LOGS: dict[str, socket.socket] = {}  # the fixture's log socket per HAProxy directory
@@ -130,12 +139,22 @@ def _log_lines(d: Path, until: bytes | None = None, count: int = 1, timeout_s: f
             return lines
 
 
-def _post(port: int, path: str, crit: str | None) -> tuple[int, dict[str, str], bytes]:
+KEY = "dev-key-gold"  # gold's key in ROUTER_CFG below
+BEARER = f"Bearer {KEY}"
+
+
+def _post(port: int, path: str, crit: str | None, auth: str | list[str] | None = BEARER) -> tuple[int, dict[str, str], bytes]:
+    """One request; ``auth``: its Authorization header (a list: one header each)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    headers = {"Content-Type": "application/json"}
+    conn.putrequest("POST", path)
+    headers = {"Content-Type": "application/json", "Content-Length": "2"}
     if crit is not None:
         headers["X-Ballast-Criticality"] = crit
-    conn.request("POST", path, body=b"{}", headers=headers)
+    for k, v in headers.items():
+        conn.putheader(k, v)
+    for a in [auth] if isinstance(auth, str) else auth or []:
+        conn.putheader("Authorization", a)
+    conn.endheaders(b"{}")
     r = conn.getresponse()
     out = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
     conn.close()
@@ -161,9 +180,10 @@ def test_the_wrapper_runs_serves_config_with_the_edge_rules_and_the_same_process
 def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(haproxy):
     d, port, _ = haproxy
     edge = Edge(str(d), str(d / "admin.sock"))
+    assert edge.apply_keys(key_entries([(hashlib.sha256(KEY.encode()).digest(), "gold")], {"gold": Criticality.CRITICAL_PLUS}))
     assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is True
     assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is False  # unchanged: no command sent
-    assert "critical 4:3:1000" in (d / MAP_NAME).read_text()  # the file too: what a reload reads
+    assert "critical 4:3:1000:1" in (d / MAP_NAME).read_text()  # the file too: what a reload reads
 
     status, headers, body = _post(port, "/v1/generate", "sheddable")
     router = Overloaded("degradation level 3 does not admit criticality 'sheddable'", 4.0)
@@ -204,6 +224,81 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
     assert refused[0] == {"code": "OVERLOADED", "retry_after_s": 1, "message":
                           "no model capacity for 'critical' at level 2 (the edge refuses 500 per mille of it)"}
     assert {s for s, _, _ in answers} == {200, 503} and edge.drain() == {"critical": len(refused)}
+
+
+# ------------------------------------------------------------------ runtime files
+
+
+def _connect_as_nobody(path: Path) -> str:
+    """Another local user (``nobody``) connecting to HAProxy's admin socket: its error, or "connected"."""
+    import shutil
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("su") is None:
+        pytest.skip("needs root and su to act as another user")
+    code = ("import socket,sys\ns=socket.socket(socket.AF_UNIX)\ntry:\n s.connect(sys.argv[1]); print('connected')\n"
+            "except OSError as e:\n print(type(e).__name__)")
+    python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable  # one that user may run
+    out = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c", '"$0" -c "$1" "$2"', python, code, str(path)],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        pytest.skip(f"cannot run Python as nobody: {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def test_the_admin_socket_is_this_users_alone_in_the_stacks_private_directory():
+    import stat
+    import tempfile
+
+    from ballast.router.ingress import run_dir
+
+    # Serve's layout: <the stack's private directory>/<node id>/, the node's directory made
+    # by Serve with the usual umask.
+    node = Path(run_dir(_free_port())) / ("n" * 56)
+    node.mkdir()
+    with started(node) as (d, _, _):
+        sock = d / "admin.sock"
+        assert " mode 600 " in (d / "haproxy.cfg.edge").read_text() and " mode 666 " in (d / "haproxy.cfg").read_text()
+        assert stat.S_IMODE(os.stat(sock).st_mode) & 0o077 == 0
+        assert _connect_as_nobody(sock) == "PermissionError"  # the private directory stops it
+    # The socket's own mode stops it too, in a directory others may enter (not write).
+    open_dir = Path(tempfile.mkdtemp())
+    try:
+        open_dir.chmod(0o755)
+        with started(open_dir) as (d, _, _):
+            assert _connect_as_nobody(d / "admin.sock") == "PermissionError"
+    finally:
+        import shutil
+
+        shutil.rmtree(open_dir, ignore_errors=True)
+
+
+def test_the_wrapper_adds_no_edge_in_a_directory_others_may_write(tmp_path: Path):
+    d = tmp_path / "shared"
+    d.mkdir()
+    d.chmod(0o777)
+    with started(d) as (_, port, _):
+        assert not (d / "haproxy.cfg.edge").exists() and not (d / MAP_NAME).exists()
+        assert _post(port, "/v1/generate", "sheddable")[0] == 200  # HAProxy as Serve wrote it
+    assert not Edge(str(d), str(d / "admin.sock")).private()
+    assert Edge(str(tmp_path), str(tmp_path / "admin.sock")).private()
+
+
+def test_a_symlink_in_place_of_a_runtime_file_is_replaced_or_refused_never_followed(tmp_path: Path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    d = tmp_path / "node"
+    d.mkdir()
+    (d / MAP_NAME).symlink_to(victim)
+    (d / "haproxy.cfg.edge").symlink_to(victim)
+    (d / "ballast-edge.lock").symlink_to(victim)
+    with started(d) as (_, port, _):
+        assert not (d / MAP_NAME).is_symlink() and not (d / "haproxy.cfg.edge").is_symlink()
+        edge = Edge(str(d), str(d / "admin.sock"))
+        assert edge.apply(shed_entries(1, DEFAULT_CONSTRAINTS[1])) is True
+        assert _post(port, "/v1/generate", "sheddable")[0] == 503
+        assert edge.drain() == {}  # its lock is a symlink: not opened, nothing read
+    assert victim.read_text() == "precious\n"
 
 
 def test_an_unreachable_haproxy_leaves_the_refusals_to_the_router(tmp_path: Path):
@@ -255,7 +350,7 @@ def test_the_router_keeps_the_map_at_its_level_and_counts_the_edges_refusals_as_
     router.reporter.edge = Edge(str(d), str(d / "admin.sock"))
     at_level(router, 2)
     router.reporter.sync_edge()
-    assert router.reporter.edge.shedding == {"sheddable": "2:2:1000", "sheddable_plus": "2:2:1000"}
+    assert router.reporter.edge.shedding == {"sheddable": "2:2:1000:3", "sheddable_plus": "2:2:1000:2"}
     for _ in range(3):
         assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503
     assert _post(port, "/v1/generate", "critical")[0] == 200
@@ -265,3 +360,129 @@ def test_the_router_keeps_the_map_at_its_level_and_counts_the_edges_refusals_as_
     router.reporter.sync_edge()
     assert router.reporter.edge.shedding == {} and (d / MAP_NAME).read_text() == ""
     assert _post(port, "/v1/generate", "sheddable")[0] == 200
+
+
+# ------------------------------------------------------------------ only authenticated demand counts
+
+FREE_KEY = "dev-key-free"
+TENANTS_CFG = {"auth": {"demo_keys": {KEY: "gold", FREE_KEY: "free"}},
+               "tenants": {"gold": {"max_criticality": "critical_plus"}, "free": {"max_criticality": "sheddable"}}}
+
+
+def test_only_refusals_whose_key_the_edge_vouches_for_are_counted(haproxy):
+    d, port, _ = haproxy
+    edge = Edge(str(d), str(d / "admin.sock"))
+    caps = {"gold": Criticality.CRITICAL_PLUS, "free": Criticality.SHEDDABLE}
+    digests = [(hashlib.sha256(k.encode()).digest(), t) for k, t in ((KEY, "gold"), (FREE_KEY, "free"))]
+    assert edge.apply_keys(key_entries(digests, caps)) is True
+    assert (d / KEYS_MAP_NAME).read_text().count("\n") == 2 and KEY not in (d / KEYS_MAP_NAME).read_text()
+    edge.apply(shed_entries(2, DEFAULT_CONSTRAINTS[2]))  # sheddable_plus and sheddable refused whole
+    refused_uncounted = [
+        None,  # no key
+        "Bearer not-a-key",
+        KEY,  # no scheme: the router would answer 401
+        "Basic " + KEY,
+        ["Bearer not-a-key", BEARER],  # two headers: the router reads the first
+        f"Bearer {FREE_KEY}",  # free may claim sheddable at most: the router would lower the claim
+    ]
+    for auth in refused_uncounted:
+        assert _post(port, "/v1/generate", "sheddable_plus", auth)[0] == 503, auth
+    assert _post(port, "/v1/generate", "critical, sheddable_plus")[0] == 503  # two claims: the router answers 422
+    assert edge.drain() == {}
+    assert _post(port, "/v1/generate", "sheddable_plus", f"bearer   {KEY}")[0] == 503  # as the router parses it
+    assert _post(port, "/v1/generate", "sheddable", f"Bearer {FREE_KEY}")[0] == 503
+    assert edge.drain() == {"sheddable_plus": 1, "sheddable": 1}
+    # A tenant left out of the map (a kill switch) is no longer vouched for.
+    assert edge.apply_keys(key_entries(digests, caps, switched_off={"gold"})) is True
+    assert edge.apply_keys(key_entries(digests, caps, switched_off={"gold"})) is False  # unchanged
+    _post(port, "/v1/generate", "sheddable_plus")
+    assert edge.drain() == {}
+
+
+@pytest.fixture
+def tenants_router():
+    from routerkit import at_level, build_router
+    from test_resilient_caller import FakeHandle
+
+    r = build_router(TENANTS_CFG, FakeHandle())
+    at_level(r, 0)
+    return r
+
+
+def _walked(router, d: Path):
+    """The router's reporter on a clock the test walks, with the edge in ``d``."""
+    from fakes import FakeClock
+
+    from ballast.router.reporter import Reporter
+
+    clock = FakeClock(1000)
+    router.reporter = Reporter(router._cfg, "r", router.pipeline, Edge(str(d), str(d / "admin.sock")),
+                               router.pipeline._keys, clock=clock)
+    return router.reporter, clock
+
+
+def test_a_keyless_loop_moves_neither_demand_nor_the_edge_throttle(tenants_router, haproxy):
+    d, port, _ = haproxy
+    reporter, clock = _walked(tenants_router, d)
+    tally = tenants_router.tally
+    # t=1000: the gate let 50 of 100 critical through: the edge refuses a share of critical.
+    for i in range(100):
+        tally.decided("critical", through=i % 2 == 0)
+    reporter.sync_edge()
+    share = reporter.edge.shedding["critical"]
+    assert share == "1:0:445:1"  # (100 - 1.1 x 50) / 101 per mille
+    # t=1001: 400 keyless requests claim critical; the edge refuses its share of them, counts none.
+    clock.advance()
+    answers = [_post(port, "/v1/generate", "critical", None)[0] for _ in range(400)]
+    assert answers.count(503) > 100  # 445 per mille of 400 (a binomial: outside this ~1e-20)
+    reporter.sync_edge()
+    assert tally.offered == {} and tally.shed == 0
+    assert reporter.edge.shedding["critical"] == share  # the throttle learned nothing from them
+    # t=1002: gold's refused requests are its demand, counted as before.
+    clock.advance()
+    gold = [_post(port, "/v1/generate", "critical")[0] for _ in range(40)]
+    reporter.sync_edge()
+    assert tally.offered == {"critical": gold.count(503)} == {"critical": tally.shed}
+
+
+def test_a_switched_off_tenant_or_class_counts_no_demand_at_the_edge(tenants_router, haproxy):
+    import time as wall
+
+    from routerkit import at_level
+
+    from ballast.policies.killswitch import KillSwitchEntry
+
+    d, port, _ = haproxy
+    reporter, _ = _walked(tenants_router, d)
+    at_level(tenants_router, 2)
+    reporter.sync_edge()
+    now = wall.time()
+    tenants_router.pipeline.kill_switches = [
+        KillSwitchEntry.create("k1", "tenant", "gold", "abuse", "op", now, 3600),
+        KillSwitchEntry.create("k2", "criticality", "sheddable", "batch off", "op", now, 3600)]
+    reporter.sync_edge()
+    assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503  # gold: switched off
+    assert _post(port, "/v1/generate", "sheddable", f"Bearer {FREE_KEY}")[0] == 503  # sheddable: switched off
+    reporter.sync_edge()
+    assert tenants_router.tally.offered == {}
+    tenants_router.pipeline.kill_switches = [KillSwitchEntry.create("k3", "global", None, "all off", "op", now, 3600)]
+    reporter.sync_edge()
+    assert (d / KEYS_MAP_NAME).read_text() == ""  # nothing vouched for
+    tenants_router.pipeline.kill_switches = []
+    reporter.sync_edge()
+    assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503
+    reporter.sync_edge()
+    assert tenants_router.tally.offered == {"sheddable_plus": 1}
+
+
+def test_a_key_map_longer_than_one_socket_write_reaches_haproxy_whole(haproxy):
+    from ballast.router.edge import MAP_COMMANDS_PER_WRITE, admin_command
+
+    d, _, _ = haproxy
+    edge = Edge(str(d), str(d / "admin.sock"))
+    n = 3 * MAP_COMMANDS_PER_WRITE + 7
+    digests = [(hashlib.sha256(f"key-{i}".encode()).digest(), "gold") for i in range(n)]
+    assert edge.apply_keys(key_entries(digests, {"gold": Criticality.CRITICAL}))
+    shown = admin_command(edge.socket_path, f"show map {edge.keys_path}")
+    assert sum(1 for line in shown.splitlines() if line.startswith("0x")) == n
+    assert (d / KEYS_MAP_NAME).read_text().count(" 1\n") == n

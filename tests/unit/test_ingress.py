@@ -11,14 +11,52 @@ from ballast.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, apply_ing
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _paths(env: dict[str, str]) -> list[str]:
+    edge = ("RAY_SERVE_HAPROXY_BINARY_PATH", "BALLAST_HAPROXY_REAL")
+    return [v for k, v in env.items() if k.startswith("RAY_SERVE_HAPROXY_") and not k.endswith("_PORT") and k not in edge]
+
+
 def test_haproxy_is_the_default_with_files_of_its_own_per_port():
     env = ingress_env(load_config({"http": {"port": 8123}}))
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    edge = ("RAY_SERVE_HAPROXY_BINARY_PATH", "BALLAST_HAPROXY_REAL")
-    paths = [v for k, v in env.items() if k.startswith("RAY_SERVE_HAPROXY_") and not k.endswith("_PORT") and k not in edge]
-    assert len(paths) == 5 and all(p.startswith("/tmp/ballast-haproxy-8123") for p in paths)
+    paths = _paths(env)
+    base = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
+    assert len(paths) == 5 and all(p == base or p.startswith(base + "/") for p in paths)
     other = ingress_env(load_config({"http": {"port": 8000}}))
     assert set(other.values()).isdisjoint(paths)
+
+
+def test_haproxys_files_are_in_a_private_directory_no_one_can_guess():
+    import os
+    import stat
+
+    from ballast.router.ingress import is_private_dir
+
+    env = ingress_env(load_config({"http": {"port": 8123}}))
+    base = env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]
+    st = os.lstat(base)
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+    assert os.path.basename(base).startswith("ballast-8123-") and base != "/tmp/ballast-haproxy-8123"
+    assert is_private_dir(base)
+    # The same stack in this process keeps its directory (a second call, a benchmark's sessions).
+    assert ingress_env(load_config({"http": {"port": 8123}}))["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] == base
+    # Serve adds a 56-character node id; HAProxy binds a UNIX socket path of 97 characters at most.
+    for key in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH"):
+        d, f = os.path.split(env[key])
+        assert len(os.path.join(d, "n" * 56, f)) <= 97
+    # A directory others may enter is not private; nor is a symlink to a private one.
+    os.chmod(base, 0o755)
+    try:
+        assert not is_private_dir(base)
+        assert ingress_env(load_config({"http": {"port": 8123}}))["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] != base
+    finally:
+        os.chmod(base, 0o700)
+    link = base + "-link"
+    os.symlink(base, link)
+    try:
+        assert not is_private_dir(link)
+    finally:
+        os.unlink(link)
 
 
 def test_a_router_drain_is_serves_own_unless_set():
