@@ -144,7 +144,16 @@ def test_haproxys_runtime_files_are_private(ballast):
     st = os.lstat(home)
     assert stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) & 0o077 == 0, oct(st.st_mode)
+    assert st.st_uid == os.getuid()
     assert home != f"/tmp/ballast-haproxy-{ballast.http.port}"  # not guessable from the port
+    # Serve keeps each node's files in a directory of its own under it.
+    sockets = wait_until(lambda: [os.path.join(d, f) for d, _, fs in os.walk(home) for f in fs
+                                  if stat.S_ISSOCK(os.lstat(os.path.join(d, f)).st_mode)], 20, what="HAProxy's sockets")
+    admin = [p for p in sockets if os.path.basename(p) == os.path.basename(sock)]
+    assert admin, sockets
+    for path in admin:  # the admin socket is the owner's alone (Ray's template says 666)
+        assert stat.S_IMODE(os.lstat(path).st_mode) & 0o077 == 0, (path, oct(os.lstat(path).st_mode))
+    # Every other socket (metrics) is behind the 0700 directory asserted above.
 
 
 # -- poison from one tenant while another streams --------------------------------------
