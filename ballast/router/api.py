@@ -2,6 +2,13 @@
 BallastError to its status, code and Retry-After, once), body reading and validation,
 the bearer token, SSE framing, and the streaming response that settles its stream.
 
+Every JSON body is read by ``read_json``: at most ``limits.max_body_bytes`` (413), UTF-8,
+nested at most ``limits.max_json_depth`` deep (checked by a linear scan before the
+parse, which recurses once per level), one JSON object whose keys are unique, whose
+numbers are finite and within int64, and whose strings are Unicode (no lone UTF-16
+surrogate). Anything else is the route's 4xx naming the field; no body reaches a
+handler that could make it a 500.
+
 The routes are declared on ``app`` by the Router deployment (app.py, under
 ``serve.ingress(app)``); each hands its request to a front (generate.py, openai.py,
 admin.py).
@@ -9,6 +16,7 @@ admin.py).
 
 import json
 import math
+import re
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -17,6 +25,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality, claimed
+from ballast.policies.request import json_nesting
 
 from ballast.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
 from ballast.router.openai_api import openai_error_body
@@ -86,6 +95,92 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
         if len(body) > limit:
             raise PayloadTooLarge(f"body exceeds {limit} bytes")
     return bytes(body)
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair is decoded to one code point: what is left is alone
+
+
+class _Duplicated(dict):  # type: ignore[type-arg]
+    """An object in which ``key`` was given more than once."""
+
+    def __init__(self, pairs: list[tuple[str, Any]], key: str) -> None:
+        super().__init__(pairs)
+        self.key = key
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) == len(pairs):
+        return out
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return _Duplicated(pairs, key)
+        seen.add(key)
+    raise AssertionError("unreachable: fewer keys than pairs means a key repeats")
+
+
+def _value_fault(node: Any) -> Optional[tuple[list[str], str]]:
+    """(the path, what is wrong) of the first value JSON cannot mean or the model cannot
+    take; None when there is none. Recursion is bounded by the nesting, checked before."""
+    if isinstance(node, str):
+        return ([], "a lone UTF-16 surrogate is not Unicode text") if _LONE_SURROGATE.search(node) else None
+    if isinstance(node, float):
+        return None if math.isfinite(node) else ([], "numbers must be finite (no NaN, Infinity or overflow)")
+    if isinstance(node, int) and not isinstance(node, bool):
+        return None if INT64_MIN <= node <= INT64_MAX else ([], "integers must be within int64")
+    if isinstance(node, dict):
+        if isinstance(node, _Duplicated):
+            return [node.key], "the key is given twice"
+        for key, value in node.items():
+            if _LONE_SURROGATE.search(key):  # named by its escape: the answer is UTF-8
+                return [key.encode("utf-8", "backslashreplace").decode()], "a lone UTF-16 surrogate is not Unicode text"
+            fault = _value_fault(value)
+            if fault is not None:
+                return [key, *fault[0]], fault[1]
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            fault = _value_fault(value)
+            if fault is not None:
+                return [str(i), *fault[0]], fault[1]
+    return None
+
+
+def _int_literal(text: str) -> int:
+    # Longer than any int64 (sign, 19 digits): not converted (Python refuses past 4300
+    # digits, and its conversion is quadratic below that); it is refused by its path.
+    return int(text) if len(text) <= 20 else INT64_MAX + 1
+
+
+def parse_json_object(raw: bytes, max_depth: int, error: type[InvalidRequest] = InvalidRequest) -> dict[str, Any]:
+    """``raw`` as one JSON object (procedure in the module docstring), or ``error`` naming
+    the field at fault ("body" when it is the whole)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"body: not UTF-8 (byte {e.start})", field="body") from None
+    depth = json_nesting(text)
+    if depth > max_depth:
+        raise error(f"body: nested {depth} deep; the limit is {max_depth}", field="body")
+    try:  # NaN, Infinity and 1e999 are read as non-finite floats, and refused below by their path
+        data = json.loads(text, object_pairs_hook=_object, parse_int=_int_literal)
+    except json.JSONDecodeError as e:
+        raise error(f"body: not JSON ({e.msg} at line {e.lineno} column {e.colno})", field="body") from None
+    except (ValueError, RecursionError):  # neither is reachable past the checks above; kept as a floor
+        raise error("body: not JSON", field="body") from None
+    if not isinstance(data, dict):
+        raise error("body: must be a JSON object", field="body")
+    fault = _value_fault(data)
+    if fault is not None:
+        field = ".".join(fault[0])
+        raise error(f"{field}: {fault[1]}", field=field)
+    return data
+
+
+async def read_json(request: Request, limits: Any, error: type[InvalidRequest] = InvalidRequest) -> dict[str, Any]:
+    """The request's body as one JSON object, within ``limits`` (``parse_json_object``)."""
+    return parse_json_object(await read_body(request, limits.max_body_bytes), limits.max_json_depth, error)
 
 
 app = FastAPI(title="Ballast", docs_url=None, redoc_url=None, openapi_url=None)
