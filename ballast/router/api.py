@@ -84,11 +84,14 @@ def bearer_token(request: Request) -> Optional[str]:
 
 
 async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The request's body, refused with 413 past ``limit_bytes`` (declared or streamed)."""
+    """The request's body, refused with 413 past ``limit_bytes`` (declared or streamed).
+    A declared length that is not ASCII digits is left to the streamed count; one of
+    more digits than any int64 is past every limit (``int`` refuses 4300 digits)."""
     limit = limit_bytes
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}")
+    if declared is not None and declared.isascii() and declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
+        size = declared if len(declared) <= 19 else f"a {len(declared)}-digit number of"
+        raise PayloadTooLarge(f"body is {size} bytes; the limit is {limit}")
     body = bytearray()
     async for part in request.stream():
         body += part

@@ -347,7 +347,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Annotated[Union[str, list[str]], BeforeValidator(_one_prompt)] = Field(
+    prompt: Annotated[Union[str, Annotated[list[str], Field(min_length=1, max_length=1)]], BeforeValidator(_one_prompt)] = Field(
         description="The text to continue: a string, or a list holding exactly one string. After validation a str."
     )
 

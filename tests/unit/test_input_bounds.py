@@ -8,15 +8,17 @@ requests reaches it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from starlette.requests import Request
 
 from ballast.config import load_config
-from ballast.errors import InvalidRequest, SchemaTooComplex
+from ballast.errors import InvalidRequest, PayloadTooLarge, SchemaTooComplex
 from ballast.policies import request as rp
 from ballast.router import openai_api as oa
-from ballast.router.api import parse_json_object
+from ballast.router.api import parse_json_object, read_body
 from ballast.router.openai import OpenAIFront
 from ballast.router.tokens import ModelText
 from ballast.router.tool_calls import ToolSchemaTooComplex, ToolSpec, plan
@@ -127,6 +129,26 @@ def test_a_malformed_body_is_a_4xx_naming_the_field_on_every_route(client, path,
         r = client.post(path, headers=headers, content=body)
         assert (r.status_code, field_of(r), r.json()["error"]["code"]) == (status, field, "INVALID_REQUEST"), (body, r.text)
         assert says in r.json()["error"]["message"], (body, r.text)
+
+
+def body_read_with(content_length: bytes) -> bytes:
+    """``read_body`` on a Starlette request declaring ``content_length`` and carrying ``{}``."""
+    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
+             "headers": [(b"content-length", content_length)]}
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    return asyncio.run(read_body(Request(scope, receive), 100))
+
+
+def test_a_declared_length_that_is_not_a_number_is_left_to_the_count_and_a_huge_one_is_413():
+    assert body_read_with(b"\xb2") == b"{}"  # Latin-1 "²": isdigit() holds, int() raises
+    assert body_read_with(b"2") == b"{}"
+    for declared, says in ((b"101", "body is 101 bytes"), (b"9" * 5000, "a 5000-digit number of bytes")):
+        with pytest.raises(PayloadTooLarge) as e:
+            body_read_with(declared)
+        assert says in e.value.message
 
 
 def test_int64_edges_and_a_surrogate_pair_pass_the_reader():
