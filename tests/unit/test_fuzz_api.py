@@ -205,3 +205,35 @@ def test_no_body_route_answers_5xx_for_arbitrary_bytes_or_json(stack, path):
             send(router, client, "POST", path, {**auth, "content-type": "application/json"}, content=body)
 
     run()
+
+
+HEADER_VALUE = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=40).map(
+    lambda v: v.strip().encode("latin-1"))  # what HTTP carries: Latin-1 bytes (a server strips the edges)
+HEADERS = st.dictionaries(
+    st.sampled_from(["x-ballast-criticality", "x-request-timeout-ms", "idempotency-key", "x-ballast-operator",
+                     "authorization", "content-length"]),
+    HEADER_VALUE, max_size=4,
+)
+VALID = {
+    "/v1/generate": {"prompt": "hi", "max_tokens": 4},
+    "/v1/chat/completions": {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/completions": {"model": SERVED_MODEL, "prompt": "hi", "max_tokens": 4, "stream": True},
+    "/admin/recycle": {"all": True},
+}
+
+
+@pytest.mark.parametrize("path", sorted(VALID))
+def test_no_route_answers_5xx_for_arbitrary_header_values(stack, path):
+    router, client, _, _ = stack
+    body = json.dumps(VALID[path]).encode()
+
+    @fuzz_settings(60)
+    @given(headers=HEADERS)
+    def run(headers: dict[str, bytes]) -> None:
+        auth = ADMIN if path.startswith("/admin") else KEY
+        headers = {"authorization": auth["Authorization"].encode(), **headers}
+        if "content-length" in headers:  # a declared length that is not the body's is the server's to refuse
+            headers["content-length"] = str(len(body)).encode()
+        send(router, client, "POST", path, headers, content=body)
+
+    run()
