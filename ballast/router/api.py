@@ -102,6 +102,7 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair is decoded to one code point: what is left is alone
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class _Duplicated(dict):  # type: ignore[type-arg]
@@ -112,16 +113,44 @@ class _Duplicated(dict):  # type: ignore[type-arg]
         self.key = key
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) == len(pairs):
-        return out
-    seen: set[str] = set()
-    for key, _ in pairs:
-        if key in seen:
-            return _Duplicated(pairs, key)
-        seen.add(key)
-    raise AssertionError("unreachable: fewer keys than pairs means a key repeats")
+class _Hooks:
+    """The parser's hooks: each object as a dict, each number as Python's, and whether
+    any value was seen that ``_value_fault`` refuses (a repeated key, NaN or Infinity, a
+    float that overflowed, an int past int64). Only then are the values walked for its
+    path: a body without one costs a hook per object and per number, no walk."""
+
+    def __init__(self) -> None:
+        self.faulty = False
+
+    def objects(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) == len(pairs):
+            return out
+        self.faulty = True
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                return _Duplicated(pairs, key)
+            seen.add(key)
+        raise AssertionError("unreachable: fewer keys than pairs means a key repeats")
+
+    def integer(self, text: str) -> int:
+        # Longer than any int64 (sign, 19 digits): not converted (Python refuses past 4300
+        # digits, and its conversion is quadratic below that).
+        value = int(text) if len(text) <= 20 else INT64_MAX + 1
+        if not INT64_MIN <= value <= INT64_MAX:
+            self.faulty = True
+        return value
+
+    def number(self, text: str) -> float:
+        value = float(text)  # 1e999 is inf
+        if not math.isfinite(value):
+            self.faulty = True
+        return value
+
+    def constant(self, text: str) -> float:  # NaN, Infinity, -Infinity: Python's, not JSON
+        self.faulty = True
+        return float(text)
 
 
 def _value_fault(node: Any) -> Optional[tuple[list[str], str]]:
@@ -150,12 +179,6 @@ def _value_fault(node: Any) -> Optional[tuple[list[str], str]]:
     return None
 
 
-def _int_literal(text: str) -> int:
-    # Longer than any int64 (sign, 19 digits): not converted (Python refuses past 4300
-    # digits, and its conversion is quadratic below that); it is refused by its path.
-    return int(text) if len(text) <= 20 else INT64_MAX + 1
-
-
 def parse_json_object(raw: bytes, max_depth: int, error: type[InvalidRequest] = InvalidRequest) -> dict[str, Any]:
     """``raw`` as one JSON object (procedure in the module docstring), or ``error`` naming
     the field at fault ("body" when it is the whole)."""
@@ -166,15 +189,20 @@ def parse_json_object(raw: bytes, max_depth: int, error: type[InvalidRequest] = 
     depth = json_nesting(text)
     if depth > max_depth:
         raise error(f"body: nested {depth} deep; the limit is {max_depth}", field="body")
-    try:  # NaN, Infinity and 1e999 are read as non-finite floats, and refused below by their path
-        data = json.loads(text, object_pairs_hook=_object, parse_int=_int_literal)
+    hooks = _Hooks()
+    try:  # a value refused below by its path is read first (NaN, Infinity, 1e999 as floats)
+        data = json.loads(text, object_pairs_hook=hooks.objects, parse_int=hooks.integer, parse_float=hooks.number,
+                          parse_constant=hooks.constant)
     except json.JSONDecodeError as e:
         raise error(f"body: not JSON ({e.msg} at line {e.lineno} column {e.colno})", field="body") from None
     except (ValueError, RecursionError):  # neither is reachable past the checks above; kept as a floor
         raise error("body: not JSON", field="body") from None
     if not isinstance(data, dict):
         raise error("body: must be a JSON object", field="body")
-    fault = _value_fault(data)
+    # A lone surrogate comes only from an escape (strict UTF-8 has none); a pair's escapes
+    # are found too, and the walk tells them apart.
+    faulty = hooks.faulty or ("\\u" in text and _SURROGATE_ESCAPE.search(text) is not None)
+    fault = _value_fault(data) if faulty else None
     if fault is not None:
         field = ".".join(fault[0])
         raise error(f"{field}: {fault[1]}", field=field)
