@@ -40,7 +40,7 @@ from typing import Any, Literal, Optional, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from ballast.config import LimitsConfig
-from ballast.policies.request import json_extent
+from ballast.policies.request import json_extent, json_nesting
 
 __all__ = [
     "MAX_TOOLS", "CalledFunction", "NamedToolChoice", "ToolCall", "ToolCallDelta", "ToolChoice",
@@ -48,6 +48,11 @@ __all__ = [
 ]
 
 MAX_TOOLS = 128  # OpenAI's limit
+# How deep a "required" answer's JSON may nest to be read as calls (the parser recurses
+# once per level). Its array, a call and parameters that follow a schema of at most
+# limits.max_schema_depth levels nest far less; only a recursive schema ($ref) allows
+# more, and an answer past this is taken as text.
+MAX_ANSWER_NESTING = 256
 _DEFAULT_LIMITS = LimitsConfig()
 
 
@@ -253,7 +258,9 @@ def _array_schema(tools: Sequence[ToolSpec], parallel: Optional[bool]) -> dict[s
 
 def _required_calls(text: str) -> list[CalledFunction]:
     """The calls in a "required" answer's JSON array; none where the text is not one
-    (cut short by max_tokens)."""
+    (cut short by max_tokens, or nested past ``MAX_ANSWER_NESTING``)."""
+    if json_nesting(text) > MAX_ANSWER_NESTING:
+        return []
     try:
         items = json.loads(text)
     except ValueError:
