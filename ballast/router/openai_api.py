@@ -31,7 +31,8 @@ Bounds. Every field is bounded in size and in the work it causes (docs/api.md,
 "Limits"): the models below carry the fixed bounds (OpenAI's: 4 stop strings, 128
 tools; a seed within int64; finite sampling values), ``check_limits`` the configured
 ones (``limits``: a stop's length, a schema's nesting and nodes). A schema past its
-bounds is 400 ``SCHEMA_TOO_COMPLEX`` naming ``response_format`` or ``tools``; any
+bounds is 400 ``SCHEMA_TOO_COMPLEX`` naming ``response_format`` or ``tools``; an earlier
+tool call's ``arguments`` (JSON text the template decodes) nest at most as the body; any
 other bound, 400 ``INVALID_REQUEST`` naming the field. A temperature below
 ``GREEDY_BELOW_TEMPERATURE`` is served as 0 (greedy).
 
@@ -64,7 +65,7 @@ from pydantic_core import PydanticCustomError
 
 from ballast.config import LimitsConfig
 from ballast.policies.criticality import Criticality
-from ballast.policies.request import MAX_SEED, MIN_SEED, json_extent, sampling_temperature
+from ballast.policies.request import MAX_SEED, MIN_SEED, json_extent, json_nesting, sampling_temperature
 from ballast.errors import BallastError, InvalidRequest, NotFound, SchemaTooComplex
 from ballast.router.tool_calls import MAX_TOOLS, ToolCall, ToolCallDelta, ToolChoice, ToolSpec, schema_fault
 
@@ -397,8 +398,21 @@ def check_limits(req: _Sampling, limits: LimitsConfig) -> None:
         fault = schema_fault(req.response_format.json_schema.schema_, limits.max_schema_depth, limits.max_schema_nodes)
         if fault is not None:
             raise SchemaTooComplex(f"response_format: the schema {fault}", field="response_format")
-    if isinstance(req, ChatCompletionRequest) and req.tools:
-        _check_tools(req.tools, limits)
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            _check_tools(req.tools, limits)
+        _check_call_arguments(req.messages, limits)
+
+
+def _check_call_arguments(messages: Sequence[ChatMessage], limits: LimitsConfig) -> None:
+    """Earlier calls' arguments are JSON text that the chat template is given decoded:
+    nested at most ``max_json_depth``, as the body itself."""
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.tool_calls or ()):
+            depth = json_nesting(call.function.arguments)
+            if depth > limits.max_json_depth:
+                field = f"messages.{i}.tool_calls.{j}.function.arguments"
+                raise BadRequest(f"{field}: nested {depth} deep; the limit is {limits.max_json_depth}", field=field)
 
 
 def _check_tools(tools: Sequence[ToolSpec], limits: LimitsConfig) -> None:

@@ -318,3 +318,17 @@ def test_chat_lists_and_ids_are_bounded():
     with pytest.raises(oa.BadRequest) as e:
         oa.parse_chat({**CHAT, "messages": [{"role": "tool", "content": "x", "tool_call_id": "c" * 257}]})
     assert e.value.field == "messages.0.tool_call_id"
+
+
+def test_an_earlier_calls_arguments_nest_at_most_as_the_body():
+    def call(arguments: str) -> dict:
+        return {**CHAT, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1"}]}
+
+    oa.parse_chat(call("[" * 64 + "]" * 64))
+    with pytest.raises(oa.BadRequest) as e:
+        oa.parse_chat(call("[" * 50_000))  # a string: the body itself nests 5 deep
+    assert e.value.field == "messages.1.tool_calls.0.function.arguments"
