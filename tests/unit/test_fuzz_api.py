@@ -43,7 +43,7 @@ CFG = {
     "chaos": {"enabled": True},
 }
 # Per operation and generation mode (16 operations x 2 modes x 2 credentials): about
-# 2,400 requests in all, 25 s on a 2-core machine.
+# 2,400 requests in all, within a minute on two cores.
 EXAMPLES = 40
 BODY_ROUTES = ("/v1/generate", "/v1/chat/completions", "/v1/completions", "/admin/kill-switch", "/admin/chaos",
                "/admin/recycle")
