@@ -4,6 +4,11 @@ ballast/router/ gathers a request's inputs (its tenant's config, the level's
 constraints, the snapshot's replica counts) and applies what these return; each is a
 pure function of its arguments, so the fleet simulator and the unit tests use the
 same rules as the router.
+
+Input bounds: how deep a JSON text nests (``json_nesting``: a linear scan, no parse)
+and how big a decoded value is (``json_extent``: nesting and nodes, no recursion), the
+measures the fronts compare with ``limits``; the temperature served (greedy below
+``GREEDY_BELOW_TEMPERATURE``) and the seeds' range.
 """
 
 from __future__ import annotations
