@@ -326,9 +326,25 @@ class AutoscaleSettings(_Strict):
 
 
 class LimitsConfig(_Strict):
+    """What one request may ask (docs/api.md, "Limits"); past a bound, a 4xx naming the field."""
+
     max_body_bytes: PositiveInt = 64 * 1024
     max_prompt_bytes: PositiveInt = 16 * 1024
     max_tokens_limit: PositiveInt = 8192
+    # Arrays and objects nested in a body. The deepest real body is a schema inside
+    # response_format or a tool (4-5 levels down, itself at most max_schema_depth);
+    # the parse, validation and serializers recurse once per level, Python's limit is 1000.
+    max_json_depth: int = Field(64, ge=8, le=256)
+    # Characters in one stop string (at most 4 strings, OpenAI's limit). Stops are
+    # markers ("\n\n", "</answer>", "User:"); the held-back check on each streamed piece
+    # grows with the square of the longest stop, on the router's and the replica's loops.
+    max_stop_chars: int = Field(256, ge=1, le=4096)
+    # A schema guided decoding compiles (response_format, a tool's parameters, the array
+    # tool_choice "required" builds over every tool): its nesting, and its nodes (every
+    # object, array and value). OpenAI allows 10 levels of nested objects (~20 JSON levels).
+    # 4096 nodes take ~0.4 s to compile on one core with a 32k vocabulary.
+    max_schema_depth: int = Field(32, ge=2, le=128)
+    max_schema_nodes: int = Field(4096, ge=16, le=1_000_000)
 
 
 class BreakerSettings(_Strict):

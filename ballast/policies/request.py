@@ -4,11 +4,19 @@ ballast/router/ gathers a request's inputs (its tenant's config, the level's
 constraints, the snapshot's replica counts) and applies what these return; each is a
 pure function of its arguments, so the fleet simulator and the unit tests use the
 same rules as the router.
+
+Input bounds: how deep a JSON text nests (``json_nesting``: a linear scan, no parse)
+and how big a decoded value is (``json_extent``: nesting and nodes, no recursion), the
+measures the fronts compare with ``limits``; the temperature served (greedy below
+``GREEDY_BELOW_TEMPERATURE``) and the seeds' range.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+import re
+from itertools import accumulate
+from typing import Any, NamedTuple, Optional
 
 from ballast.policies.criticality import Criticality
 
@@ -117,3 +125,62 @@ def fit_context(prompt_tokens: int, asked: Optional[int], context: int) -> tuple
             f"({prompt_tokens} in the prompt, {asked} for the completion)"
         )
     return asked, None
+
+
+# ------------------------------------------------------------------- input bounds
+
+# A JSON string literal, escapes included; an unterminated one runs to the end of the
+# text. Possessive, so the scan is linear whatever the text: it never backtracks.
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_NESTING_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def json_nesting(text: str) -> int:
+    """How deep the arrays and objects of the JSON ``text`` nest (0: a scalar), by a linear
+    scan that recurses nowhere: string literals are dropped, then the running count of
+    brackets is taken. Exact for valid JSON; for invalid JSON a count the parser will
+    refuse anyway. Run before ``json.loads``, whose C parser recurses once per level."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    return max(accumulate(map(_NESTING_STEP.__getitem__, brackets)), default=0)
+
+
+class Extent(NamedTuple):
+    """The size of a decoded JSON value: its containers' nesting (0: a scalar) and its
+    node count (every object, array and scalar; an object's keys are not counted)."""
+
+    depth: int
+    nodes: int
+
+
+def json_extent(value: Any) -> Extent:
+    """The ``Extent`` of a decoded JSON value, walked with an explicit stack (no recursion)."""
+    depth = nodes = 0
+    stack = [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        nodes += 1
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is not None:
+            depth = max(depth, level)
+            stack.extend((child, level + 1) for child in children)
+    return Extent(depth, nodes)
+
+
+#: Below this a temperature samples the argmax anyway (a logit gap of 0.001 becomes a
+#: factor e^100), and logits / temperature heads for overflow (float16 ends at 65504):
+#: such a temperature is served as 0, greedy.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+def sampling_temperature(asked: float) -> float:
+    """The temperature the engines are sent: ``asked``, or 0 (greedy) below
+    ``GREEDY_BELOW_TEMPERATURE``. ``asked`` is finite and >= 0 (checked where it is read)."""
+    if not math.isfinite(asked) or asked < 0:
+        raise ValueError(f"temperature: must be a finite number >= 0, got {asked!r}")
+    return 0.0 if asked < GREEDY_BELOW_TEMPERATURE else asked
+
+
+#: Seeds as every engine takes them: an int64 (OpenAI's and vLLM's range; torch's
+#: generators take any int64 and wrap a negative one).
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1

@@ -8,7 +8,6 @@ the pipeline's own status; the Router deployment (app.py) declares the routes.
 """
 
 import asyncio
-import json
 from typing import Any, Optional
 
 from fastapi import Request
@@ -25,7 +24,7 @@ from ballast.errors import (
     NotFound,
     Unauthenticated,
 )
-from ballast.router.api import bearer_token, read_body, validate_body
+from ballast.router.api import bearer_token, read_json, validate_body
 from ballast.router.ingress import running_fast_path, running_ingress
 
 
@@ -173,10 +172,7 @@ class Admin:
             raise Forbidden("this route needs the admin token")
 
     async def _read_json(self, request: Request) -> Any:
-        try:
-            return json.loads(await read_body(request, self._limits.max_body_bytes))
-        except (ValueError, UnicodeDecodeError):
-            raise InvalidRequest("body must be a JSON object", field="body") from None
+        return await read_json(request, self._limits)
 
     async def _controller(self, method: str, *args: Any) -> Any:
         """An admin call to the controller (never on the generate path)."""

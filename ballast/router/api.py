@@ -2,6 +2,13 @@
 BallastError to its status, code and Retry-After, once), body reading and validation,
 the bearer token, SSE framing, and the streaming response that settles its stream.
 
+Every JSON body is read by ``read_json``: at most ``limits.max_body_bytes`` (413), UTF-8,
+nested at most ``limits.max_json_depth`` deep (checked by a linear scan before the
+parse, which recurses once per level), one JSON object whose keys are unique, whose
+numbers are finite and within int64, and whose strings are Unicode (no lone UTF-16
+surrogate). Anything else is the route's 4xx naming the field; no body reaches a
+handler that could make it a 500.
+
 The routes are declared on ``app`` by the Router deployment (app.py, under
 ``serve.ingress(app)``); each hands its request to a front (generate.py, openai.py,
 admin.py).
@@ -9,6 +16,7 @@ admin.py).
 
 import json
 import math
+import re
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -17,6 +25,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality, claimed
+from ballast.policies.request import json_nesting
 
 from ballast.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
 from ballast.router.openai_api import openai_error_body
@@ -75,17 +84,134 @@ def bearer_token(request: Request) -> Optional[str]:
 
 
 async def read_body(request: Request, limit_bytes: int) -> bytes:
-    """The request's body, refused with 413 past ``limit_bytes`` (declared or streamed)."""
+    """The request's body, refused with 413 past ``limit_bytes`` (declared or streamed).
+    A declared length that is not ASCII digits is left to the streamed count; one of
+    more digits than any int64 is past every limit (``int`` refuses 4300 digits)."""
     limit = limit_bytes
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}")
+    if declared is not None and declared.isascii() and declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
+        size = declared if len(declared) <= 19 else f"a {len(declared)}-digit number of"
+        raise PayloadTooLarge(f"body is {size} bytes; the limit is {limit}")
     body = bytearray()
     async for part in request.stream():
         body += part
         if len(body) > limit:
             raise PayloadTooLarge(f"body exceeds {limit} bytes")
     return bytes(body)
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair is decoded to one code point: what is left is alone
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+class _Duplicated(dict):  # type: ignore[type-arg]
+    """An object in which ``key`` was given more than once."""
+
+    def __init__(self, pairs: list[tuple[str, Any]], key: str) -> None:
+        super().__init__(pairs)
+        self.key = key
+
+
+class _Hooks:
+    """The parser's hooks: each object as a dict, each number as Python's, and whether
+    any value was seen that ``_value_fault`` refuses (a repeated key, NaN or Infinity, a
+    float that overflowed, an int past int64). Only then are the values walked for its
+    path: a body without one costs a hook per object and per number, no walk."""
+
+    def __init__(self) -> None:
+        self.faulty = False
+
+    def objects(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) == len(pairs):
+            return out
+        self.faulty = True
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                return _Duplicated(pairs, key)
+            seen.add(key)
+        raise AssertionError("unreachable: fewer keys than pairs means a key repeats")
+
+    def integer(self, text: str) -> int:
+        # Longer than any int64 (sign, 19 digits): not converted (Python refuses past 4300
+        # digits, and its conversion is quadratic below that).
+        value = int(text) if len(text) <= 20 else INT64_MAX + 1
+        if not INT64_MIN <= value <= INT64_MAX:
+            self.faulty = True
+        return value
+
+    def number(self, text: str) -> float:
+        value = float(text)  # 1e999 is inf
+        if not math.isfinite(value):
+            self.faulty = True
+        return value
+
+    def constant(self, text: str) -> float:  # NaN, Infinity, -Infinity: Python's, not JSON
+        self.faulty = True
+        return float(text)
+
+
+def _value_fault(node: Any) -> Optional[tuple[list[str], str]]:
+    """(the path, what is wrong) of the first value JSON cannot mean or the model cannot
+    take; None when there is none. Recursion is bounded by the nesting, checked before."""
+    if isinstance(node, str):
+        return ([], "a lone UTF-16 surrogate is not Unicode text") if _LONE_SURROGATE.search(node) else None
+    if isinstance(node, float):
+        return None if math.isfinite(node) else ([], "numbers must be finite (no NaN, Infinity or overflow)")
+    if isinstance(node, int) and not isinstance(node, bool):
+        return None if INT64_MIN <= node <= INT64_MAX else ([], "integers must be within int64")
+    if isinstance(node, dict):
+        if isinstance(node, _Duplicated):
+            return [node.key], "the key is given twice"
+        for key, value in node.items():
+            if _LONE_SURROGATE.search(key):  # named by its escape: the answer is UTF-8
+                return [key.encode("utf-8", "backslashreplace").decode()], "a lone UTF-16 surrogate is not Unicode text"
+            fault = _value_fault(value)
+            if fault is not None:
+                return [key, *fault[0]], fault[1]
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            fault = _value_fault(value)
+            if fault is not None:
+                return [str(i), *fault[0]], fault[1]
+    return None
+
+
+def parse_json_object(raw: bytes, max_depth: int, error: type[InvalidRequest] = InvalidRequest) -> dict[str, Any]:
+    """``raw`` as one JSON object (procedure in the module docstring), or ``error`` naming
+    the field at fault ("body" when it is the whole)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"body: not UTF-8 (byte {e.start})", field="body") from None
+    depth = json_nesting(text)
+    if depth > max_depth:
+        raise error(f"body: nested {depth} deep; the limit is {max_depth}", field="body")
+    hooks = _Hooks()
+    try:  # a value refused below by its path is read first (NaN, Infinity, 1e999 as floats)
+        data = json.loads(text, object_pairs_hook=hooks.objects, parse_int=hooks.integer, parse_float=hooks.number,
+                          parse_constant=hooks.constant)
+    except json.JSONDecodeError as e:
+        raise error(f"body: not JSON ({e.msg} at line {e.lineno} column {e.colno})", field="body") from None
+    except (ValueError, RecursionError):  # neither is reachable past the checks above; kept as a floor
+        raise error("body: not JSON", field="body") from None
+    if not isinstance(data, dict):
+        raise error("body: must be a JSON object", field="body")
+    # A lone surrogate comes only from an escape (strict UTF-8 has none); a pair's escapes
+    # are found too, and the walk tells them apart.
+    faulty = hooks.faulty or ("\\u" in text and _SURROGATE_ESCAPE.search(text) is not None)
+    fault = _value_fault(data) if faulty else None
+    if fault is not None:
+        field = ".".join(fault[0])
+        raise error(f"{field}: {fault[1]}", field=field)
+    return data
+
+
+async def read_json(request: Request, limits: Any, error: type[InvalidRequest] = InvalidRequest) -> dict[str, Any]:
+    """The request's body as one JSON object, within ``limits`` (``parse_json_object``)."""
+    return parse_json_object(await read_body(request, limits.max_body_bytes), limits.max_json_depth, error)
 
 
 app = FastAPI(title="Ballast", docs_url=None, redoc_url=None, openapi_url=None)

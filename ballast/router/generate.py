@@ -14,7 +14,6 @@ got. The model prefills the prompt and those ids and goes on; the client gets on
 the text it does not have, and ``done`` counts the whole generation.
 """
 
-import json
 from typing import Annotated, Any, AsyncGenerator, Optional
 
 from fastapi import Request
@@ -24,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ballast.policies.criticality import Criticality
 
 from ballast.errors import BallastError, InvalidRequest, PayloadTooLarge
-from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_body, sse_event, validate_body
+from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json, sse_event, validate_body
 from ballast.router.pipeline import Answer, ModelRequest, Pipeline, Stream
 from ballast.router.tokens import ModelText
 
@@ -60,7 +59,7 @@ class NativeFront:
 
     async def generate(self, request: Request) -> Response:
         caller = self._pipeline.identify(request)
-        req = self._parse(await read_body(request, self._limits.max_body_bytes))
+        req = self._parse(await read_json(request, self._limits))
         resumed = self._resume_fields(req, caller.idempotency_key)
         prompt_tokens = self._text.count(req.prompt)
         # A resumed stream prefills the ids it brings beside its prompt.
@@ -116,11 +115,7 @@ class NativeFront:
                                  field="resume.ids")
         return {"continue_ids": list(ids), "continue_text_chars": req.resume.text_chars}
 
-    def _parse(self, body: bytes) -> GenerateRequest:
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise InvalidRequest("body must be a JSON object", field="body") from None
+    def _parse(self, data: dict[str, Any]) -> GenerateRequest:
         req = validate_body(GenerateRequest, data)
         if req.max_tokens > self._limits.max_tokens_limit:
             raise InvalidRequest(f"max_tokens: must be <= {self._limits.max_tokens_limit}", field="max_tokens")

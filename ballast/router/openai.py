@@ -29,13 +29,13 @@ from typing import Any, AsyncGenerator, Optional, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ballast.errors import BallastError, PayloadTooLarge
+from ballast.errors import BallastError, PayloadTooLarge, SchemaTooComplex
 from ballast.router import openai_api as oa
 from ballast.stops import StopScanner, cut_at_stop
-from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_body
+from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json
 from ballast.router.pipeline import Admission, Answer, ModelRequest, Pipeline, Stream
 from ballast.router.tokens import ModelText
-from ballast.router.tool_calls import ToolPlan, ToolRequestError, plan
+from ballast.router.tool_calls import ToolPlan, ToolRequestError, ToolSchemaTooComplex, plan
 
 NO_TOOLS = ToolPlan("none")
 
@@ -85,12 +85,8 @@ class OpenAIFront:
         return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers, tools)
 
     async def _parse(self, request: Request, chat: bool) -> Parsed:
-        raw = await read_body(request, self._limits.max_body_bytes)
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise oa.BadRequest("body must be a JSON object", field="body") from None
-        req: Parsed = oa.parse_chat(data) if chat else oa.parse_completion(data)
+        data = await read_json(request, self._limits, oa.BadRequest)
+        req: Parsed = oa.parse_chat(data, self._limits) if chat else oa.parse_completion(data, self._limits)
         if req.model != self._cfg.model.name:
             raise oa.unknown_model(req.model, [self._cfg.model.name])
         oa.refuse_unhonoured(req, self._cfg.model.backend)
@@ -98,13 +94,17 @@ class OpenAIFront:
         if asked is not None and asked > self._limits.max_tokens_limit:
             field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise oa.BadRequest(f"{field}: must be <= {self._limits.max_tokens_limit}", field=field)
+        if req.top_k is not None and req.top_k > self._text.vocab_size:  # more is every token: a mistake
+            raise oa.BadRequest(f"top_k: must be <= the model's vocabulary size {self._text.vocab_size}", field="top_k")
         return req
 
     def _tool_plan(self, req: oa.ChatCompletionRequest) -> ToolPlan:
         """What the request asks of tools (ballast.router.tool_calls); 400 naming the field
         where it cannot be served."""
         try:
-            tools = plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._text.tool_parser)
+            tools = plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._text.tool_parser, self._limits)
+        except ToolSchemaTooComplex as e:
+            raise SchemaTooComplex(str(e), field=e.field) from None
         except ToolRequestError as e:
             raise oa.BadRequest(str(e), field=e.field) from None
         if tools.schema is not None and req.response_format is not None:

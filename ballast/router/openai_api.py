@@ -27,6 +27,15 @@ open assistant block for the model to continue::
 ``developer`` messages render as ``system``. A Hugging Face model brings its own
 tokenizer's template; the router picks the renderer, this one is the default.
 
+Bounds. Every field is bounded in size and in the work it causes (docs/api.md,
+"Limits"): the models below carry the fixed bounds (OpenAI's: 4 stop strings, 128
+tools; a seed within int64; finite sampling values), ``check_limits`` the configured
+ones (``limits``: a stop's length, a schema's nesting and nodes). A schema past its
+bounds is 400 ``SCHEMA_TOO_COMPLEX`` naming ``response_format`` or ``tools``; an earlier
+tool call's ``arguments`` (JSON text the template decodes) nest at most as the body; any
+other bound, 400 ``INVALID_REQUEST`` naming the field. A temperature below
+``GREEDY_BELOW_TEMPERATURE`` is served as 0 (greedy).
+
 Stop strings go to the model, which ends the row where one completes (no step spent
 past it), and the front cuts what it sends as well (``ballast.stops``: a stop can
 straddle two streamed chunks, and a fallback may not know stops). A stop string ends
@@ -54,9 +63,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from ballast.config import LimitsConfig
 from ballast.policies.criticality import Criticality
-from ballast.errors import BallastError, InvalidRequest, NotFound
-from ballast.router.tool_calls import ToolCall, ToolCallDelta, ToolChoice, ToolSpec
+from ballast.policies.request import MAX_SEED, MIN_SEED, json_extent, json_nesting, sampling_temperature
+from ballast.errors import BallastError, InvalidRequest, NotFound, SchemaTooComplex
+from ballast.router.tool_calls import MAX_TOOLS, ToolCall, ToolCallDelta, ToolChoice, ToolSpec, schema_fault
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -119,13 +130,15 @@ class TextPart(_Strict):
     @classmethod
     def _text_only(cls, v: str) -> str:
         if v != "text":
-            raise PydanticCustomError("part_type", "only 'text' parts are served; got {got}", {"got": repr(v)})
+            raise PydanticCustomError("part_type", "only 'text' parts are served; got {got}", {"got": repr(v[:40])})
         return v
 
 
 _TEXT_PARTS = TypeAdapter(list[TextPart])
 _STOP = Annotated[str, Field(min_length=1)]
-_STOP_LIST = Annotated[list[_STOP], Field(max_length=4)]
+MAX_STOPS = 4  # OpenAI's limit; each stop's length is limits.max_stop_chars
+MAX_MESSAGES = 2048
+_STOP_LIST = Annotated[list[_STOP], Field(max_length=MAX_STOPS)]
 _ONE_STOP, _STOPS = TypeAdapter(_STOP), TypeAdapter(_STOP_LIST)
 
 
@@ -175,7 +188,7 @@ class ChatMessage(_Strict):
         None, description="The text, or a list of text parts (joined); may be null in an assistant message with tool_calls."
     )
     tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's calls of tools.")
-    tool_call_id: Optional[str] = Field(None, min_length=1, description="A tool message's call, answered.")
+    tool_call_id: Optional[str] = Field(None, min_length=1, max_length=256, description="A tool message's call, answered.")
 
     @field_validator("role", mode="before")
     @classmethod
@@ -217,7 +230,7 @@ class JsonSchemaFormat(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="The schema's name.")
-    description: Optional[str] = Field(None, description="What the answer is for.")
+    description: Optional[str] = Field(None, max_length=1024, description="What the answer is for.")
     schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema, as an object.")
     strict: Optional[bool] = Field(None, description="Follow the schema exactly (the engine always does).")
 
@@ -247,11 +260,15 @@ class ResponseFormat(_Strict):
 class _Sampling(_Strict):
     """What both endpoints share: the model, the length, sampling, streaming, Ballast's criticality."""
 
-    model: str = Field(min_length=1, description="The served model's name (GET /v1/models lists them).")
-    max_tokens: Optional[int] = Field(None, ge=1, description="At most this many tokens are generated.")
-    temperature: Optional[float] = Field(None, ge=0, le=2, description="Sampling temperature, 0 to 2.")
-    top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus sampling mass, above 0 and at most 1.")
-    seed: Optional[int] = Field(None, description="Seed for reproducible sampling.")
+    model: str = Field(min_length=1, max_length=256, description="The served model's name (GET /v1/models lists them).")
+    max_tokens: Optional[int] = Field(None, ge=1, description="At most this many tokens are generated (limits.max_tokens_limit).")
+    temperature: Optional[float] = Field(
+        None, ge=0, le=2, allow_inf_nan=False, description="Sampling temperature, 0 to 2; below 1e-5 it is 0 (greedy)."
+    )
+    top_p: Optional[float] = Field(
+        None, gt=0, le=1, allow_inf_nan=False, description="Nucleus sampling mass, above 0 and at most 1."
+    )
+    seed: Optional[int] = Field(None, ge=MIN_SEED, le=MAX_SEED, description="Seed for reproducible sampling: an int64.")
     stop: Annotated[Union[_STOP, _STOP_LIST, None], BeforeValidator(_stop_value)] = Field(
         None, description="A string, or up to 4 strings, that end the answer (not included in it)."
     )
@@ -260,10 +277,14 @@ class _Sampling(_Strict):
     user: Optional[str] = Field(None, max_length=256, description="The end user's id, for abuse tracking.")
     # vLLM's extensions, which the tools that measure LLM servers send (guidellm, vllm bench).
     ignore_eos: bool = Field(False, description="vLLM's extension: go on past the end-of-sequence token.")
-    min_tokens: int = Field(0, ge=0, description="vLLM's extension: no end of sequence before this many tokens.")
-    top_k: Optional[int] = Field(None, ge=-1, description="vLLM's extension: sample among the k likeliest; 0 or -1: all.")
+    min_tokens: int = Field(
+        0, ge=0, description="vLLM's extension: no end of sequence before this many tokens (at most max_tokens)."
+    )
+    top_k: Optional[int] = Field(
+        None, ge=-1, description="vLLM's extension: sample among the k likeliest; 0 or -1: all; at most the vocabulary's size."
+    )
     repetition_penalty: Optional[float] = Field(
-        None, gt=0, le=2, description="vLLM's extension: above 1 penalises repeated tokens; 1 is neutral."
+        None, gt=0, le=2, allow_inf_nan=False, description="vLLM's extension: above 1 penalises repeated tokens; 1 is neutral."
     )
     response_format: Optional[ResponseFormat] = Field(
         None, description="The answer's format: text, json_object or json_schema (the vLLM engine)."
@@ -275,6 +296,11 @@ class _Sampling(_Strict):
         "X-Ballast-Criticality header (both must agree); default critical, lowered to the "
         "tenant's cap when above it.",
     )
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_below_the_floor(cls, v: Optional[float]) -> Optional[float]:
+        return None if v is None else sampling_temperature(v)
 
     @field_validator("response_format")
     @classmethod
@@ -292,9 +318,11 @@ class _Sampling(_Strict):
 class ChatCompletionRequest(_Sampling):
     """Body of ``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far, oldest first.")
+    messages: list[ChatMessage] = Field(
+        min_length=1, max_length=MAX_MESSAGES, description="The conversation so far, oldest first."
+    )
     tools: Optional[list[ToolSpec]] = Field(
-        None, max_length=128, description="Functions the model may call (the vLLM engine; ballast.router.tool_calls)."
+        None, max_length=MAX_TOOLS, description="Functions the model may call (the vLLM engine; ballast.router.tool_calls)."
     )
     tool_choice: Optional[ToolChoice] = Field(
         None, description="'none', 'auto' (the default with tools; needs model.tool_parser), 'required', or a named function."
@@ -320,22 +348,25 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Annotated[Union[str, list[str]], BeforeValidator(_one_prompt)] = Field(
+    prompt: Annotated[Union[str, Annotated[list[str], Field(min_length=1, max_length=1)]], BeforeValidator(_one_prompt)] = Field(
         description="The text to continue: a string, or a list holding exactly one string. After validation a str."
     )
 
 
-def parse_chat(data: Any) -> ChatCompletionRequest:
-    """A decoded body as a chat request, or ``BadRequest`` naming the field."""
-    return _parse(ChatCompletionRequest, data)
+_DEFAULT_LIMITS = LimitsConfig()
 
 
-def parse_completion(data: Any) -> CompletionRequest:
-    """A decoded body as a completion request, or ``BadRequest`` naming the field."""
-    return _parse(CompletionRequest, data)
+def parse_chat(data: Any, limits: LimitsConfig = _DEFAULT_LIMITS) -> ChatCompletionRequest:
+    """A decoded body as a chat request within ``limits``, or ``BadRequest`` naming the field."""
+    return _parse(ChatCompletionRequest, data, limits)
 
 
-def _parse(model: type[_Sampling], data: Any) -> Any:
+def parse_completion(data: Any, limits: LimitsConfig = _DEFAULT_LIMITS) -> CompletionRequest:
+    """A decoded body as a completion request within ``limits``, or ``BadRequest`` naming the field."""
+    return _parse(CompletionRequest, data, limits)
+
+
+def _parse(model: type[_Sampling], data: Any, limits: LimitsConfig) -> Any:
     if not isinstance(data, dict):
         raise BadRequest("body: must be a JSON object", field="body")
     try:
@@ -344,12 +375,62 @@ def _parse(model: type[_Sampling], data: Any) -> Any:
         first = e.errors()[0]
         loc = (*first["loc"], first["ctx"]["field"]) if first["type"] == "role_field" else first["loc"]
         field = ".".join(str(p) for p in loc) or "body"
+        if field == "tools" and first["type"] == "too_long":
+            raise SchemaTooComplex(f"tools: at most {MAX_TOOLS} tools", field="tools") from None
         reason = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
         raise BadRequest(f"{field}: {reason}", field=field) from None
     most = max_tokens_of(req)
     if most is not None and req.min_tokens > most:
         raise BadRequest(f"min_tokens: {req.min_tokens} is above the maximum of {most} tokens asked for", field="min_tokens")
+    check_limits(req, limits)
     return req
+
+
+def check_limits(req: _Sampling, limits: LimitsConfig) -> None:
+    """The configured bounds (the module docstring): ``BadRequest`` or ``SchemaTooComplex`` naming the field."""
+    if req.min_tokens > limits.max_tokens_limit:
+        raise BadRequest(f"min_tokens: must be <= {limits.max_tokens_limit}", field="min_tokens")
+    longest = max((len(s) for s in stops_of(req)), default=0)
+    if longest > limits.max_stop_chars:
+        raise BadRequest(f"stop: a stop string of {longest} characters; the limit is {limits.max_stop_chars}",
+                         field="stop")
+    if req.response_format is not None and req.response_format.json_schema is not None:
+        fault = schema_fault(req.response_format.json_schema.schema_, limits.max_schema_depth, limits.max_schema_nodes)
+        if fault is not None:
+            raise SchemaTooComplex(f"response_format: the schema {fault}", field="response_format")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            _check_tools(req.tools, limits)
+        _check_call_arguments(req.messages, limits)
+
+
+def _check_call_arguments(messages: Sequence[ChatMessage], limits: LimitsConfig) -> None:
+    """Earlier calls' arguments are JSON text that the chat template is given decoded:
+    nested at most ``max_json_depth``, as the body itself."""
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.tool_calls or ()):
+            depth = json_nesting(call.function.arguments)
+            if depth > limits.max_json_depth:
+                field = f"messages.{i}.tool_calls.{j}.function.arguments"
+                raise BadRequest(f"{field}: nested {depth} deep; the limit is {limits.max_json_depth}", field=field)
+
+
+def _check_tools(tools: Sequence[ToolSpec], limits: LimitsConfig) -> None:
+    """Each tool's parameters nested at most ``max_schema_depth``; all of them together
+    at most ``max_schema_nodes`` (what tool_choice "required" compiles at once)."""
+    nodes = 0
+    for i, tool in enumerate(tools):
+        params = tool.function.parameters
+        if params is None:
+            continue
+        extent = json_extent(params)
+        if extent.depth > limits.max_schema_depth:
+            raise SchemaTooComplex(f"tools: tool {i}'s parameters nest {extent.depth} deep; "
+                                   f"the limit is {limits.max_schema_depth}", field="tools")
+        nodes += extent.nodes
+    if nodes > limits.max_schema_nodes:
+        raise SchemaTooComplex(f"tools: the tools' parameters have {nodes} nodes; the limit is "
+                               f"{limits.max_schema_nodes}", field="tools")
 
 
 #: The optional fields an engine honours (``model.backend``), with each one's neutral

@@ -17,6 +17,12 @@ vLLM's own way, so that a client gets from Ballast what it gets from ``vllm serv
   ``--tool-call-parser``). The text keeps the special tokens the parser looks for.
 * ``"none"``: a plain answer; the tools are still shown to the model's template.
 
+Bounds: at most ``MAX_TOOLS`` tools (OpenAI's limit); the schema guided decoding
+compiles for "required" (an array of ``anyOf`` over every tool) holds every tool's
+parameters and grows with their number, so it is measured as built (``schema_fault``:
+nesting and nodes) and refused as ``tool_choice``'s when past the bounds; the
+front bounds each tool's parameters and response_format's schema the same way.
+
 The tools and any earlier tool calls and tool results go to the model's chat template
 (``ballast.model.hf_checkpoint.render_chat``), which shows them to the model as it was
 trained to see them. A streamed answer that may call a tool (every choice but "none")
@@ -33,10 +39,31 @@ from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ballast.config import LimitsConfig
+from ballast.policies.request import json_extent, json_nesting
+
 __all__ = [
-    "CalledFunction", "NamedToolChoice", "ToolCall", "ToolCallDelta", "ToolChoice", "ToolParser", "ToolPlan",
-    "ToolRequestError", "ToolSpec", "plan",
+    "MAX_TOOLS", "CalledFunction", "NamedToolChoice", "ToolCall", "ToolCallDelta", "ToolChoice",
+    "ToolParser", "ToolPlan", "ToolRequestError", "ToolSchemaTooComplex", "ToolSpec", "plan", "schema_fault",
 ]
+
+MAX_TOOLS = 128  # OpenAI's limit
+# How deep a "required" answer's JSON may nest to be read as calls (the parser recurses
+# once per level). Its array, a call and parameters that follow a schema of at most
+# limits.max_schema_depth levels nest far less; only a recursive schema ($ref) allows
+# more, and an answer past this is taken as text.
+MAX_ANSWER_NESTING = 256
+_DEFAULT_LIMITS = LimitsConfig()
+
+
+def schema_fault(schema: Any, max_depth: int, max_nodes: int) -> Optional[str]:
+    """Why ``schema`` is past the bounds (a phrase: "nests 40 deep; the limit is 32"), or None."""
+    extent = json_extent(schema)
+    if extent.depth > max_depth:
+        return f"nests {extent.depth} deep; the limit is {max_depth}"
+    if extent.nodes > max_nodes:
+        return f"has {extent.nodes} nodes; the limit is {max_nodes}"
+    return None
 
 
 class _Strict(BaseModel):
@@ -171,9 +198,10 @@ class ToolPlan:
 
 
 def plan(tools: Optional[Sequence[ToolSpec]], choice: Optional[ToolChoice], parallel: Optional[bool],
-         parser: Optional[ToolParser] = None) -> ToolPlan:
+         parser: Optional[ToolParser] = None, limits: LimitsConfig = _DEFAULT_LIMITS) -> ToolPlan:
     """The plan for a request's tools; :class:`ToolRequestError` (naming the field)
-    where it asks what cannot be done."""
+    where it asks what cannot be done, :class:`ToolSchemaTooComplex` where the schema
+    "required" builds is past ``limits.max_schema_depth`` / ``max_schema_nodes``."""
     tools = tuple(tools or ())
     if not tools:
         if choice not in (None, "none"):
@@ -190,7 +218,12 @@ def plan(tools: Optional[Sequence[ToolSpec]], choice: Optional[ToolChoice], para
             raise ToolRequestError("tool_choice", f"no tool named {choice.function.name!r} in tools")
         return ToolPlan("named", tools, name=chosen.function.name, schema=_parameters(chosen))
     if choice == "required":
-        return ToolPlan("required", tools, schema=_array_schema(tools, parallel))
+        schema = _array_schema(tools, parallel)
+        fault = schema_fault(schema, limits.max_schema_depth, limits.max_schema_nodes)
+        if fault is not None:
+            raise ToolSchemaTooComplex("tool_choice", f"'required' over these tools builds a schema that {fault}; "
+                                       "send fewer or smaller tools, or name one function")
+        return ToolPlan("required", tools, schema=schema)
     if parser is None:
         raise ToolRequestError("tool_choice", "'auto' (the default with tools) needs the model's tool parser "
                                "(model.tool_parser, e.g. hermes); or send 'required' or a named function")
@@ -203,6 +236,10 @@ class ToolRequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class ToolSchemaTooComplex(ToolRequestError):
+    """The schema a request's tools would have guided decoding compile is past the bounds."""
 
 
 def _parameters(tool: ToolSpec) -> dict[str, Any]:
@@ -221,7 +258,9 @@ def _array_schema(tools: Sequence[ToolSpec], parallel: Optional[bool]) -> dict[s
 
 def _required_calls(text: str) -> list[CalledFunction]:
     """The calls in a "required" answer's JSON array; none where the text is not one
-    (cut short by max_tokens)."""
+    (cut short by max_tokens, or nested past ``MAX_ANSWER_NESTING``)."""
+    if json_nesting(text) > MAX_ANSWER_NESTING:
+        return []
     try:
         items = json.loads(text)
     except ValueError:

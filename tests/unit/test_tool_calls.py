@@ -223,3 +223,10 @@ def test_a_row_that_keeps_special_tokens_decodes_them():
     assert IncrementalDetokenizer(tok).feed(ids, final=True) == "hi"
     assert IncrementalDetokenizer(tok, skip_special_tokens=False).feed(ids, final=True) == "hi</s>"
     assert RowSampling.of({"keep_special_tokens": True}).keep_special_tokens is True
+
+
+def test_a_required_answer_nested_past_any_schema_is_no_call_not_a_recursion_error():
+    p = plan(tools(WEATHER, TIME), "required", None)
+    text = "[" * 100_000
+    assert p.answer(text) == (text, [])
+    assert p.answer('[{"name": "get_time", "parameters": ' + "[" * 200 + "]" * 200 + "}]")[1][0].function.name == "get_time"

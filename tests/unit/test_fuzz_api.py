@@ -1,0 +1,240 @@
+"""Property-based pass over the contract the router serves: no input makes a 5xx.
+
+Schemathesis reads ``GET /openapi.json`` from a real Router object without Ray
+(tests/unit/routerkit.py) and generates, for every operation, requests that follow the
+schemas (positive) and requests that break them (negative); besides, raw bytes and
+arbitrary JSON go to every route that reads a body. Each request is sent with a
+tenant's key and again with the admin token, and every answer must be below 500.
+
+What cannot run here is faked, and named so: the model deployment (``AnsweringHandle``:
+every call answers at once) and the controller actor (``CoreLink``: the admin calls go
+to a real ``ControllerCore`` on a fake clock, in process). Nothing moves the level or
+sets a kill switch the router enforces (the snapshot is offered at level 0 before each
+request), so a 503 here can only be a fault.
+
+Deterministic: hypothesis runs derandomized with no example database, so a clean clone
+sends the same requests; the counts run are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import GenerationMode
+
+from ballast.config import load_config
+from ballast.control.controller import ControllerCore
+from fakes import FakeClock
+from routerkit import at_level, build_router, routed
+from test_resilient_caller import FakeResponse, FakeStream
+
+KEY = {"Authorization": "Bearer dev-key-gold"}
+SERVED_MODEL = "tiny-decoder"  # the built-in model's name
+ADMIN = {"Authorization": "Bearer admin-token"}
+CFG = {
+    "tenants": {"gold": {}},
+    "auth": {"demo_keys": {"dev-key-gold": "gold"}, "demo_admin_token": "admin-token"},
+    "chaos": {"enabled": True},
+}
+# Per operation and generation mode (16 operations x 2 modes x 2 credentials): about
+# 2,400 requests in all, within a minute on two cores.
+EXAMPLES = 40
+BODY_ROUTES = ("/v1/generate", "/v1/chat/completions", "/v1/completions", "/admin/kill-switch", "/admin/chaos",
+               "/admin/recycle")
+
+
+def fuzz_settings(examples: int) -> settings:
+    return settings(max_examples=examples, derandomize=True, database=None, deadline=None,
+                    suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+
+
+class AnsweringMethod:
+    """A fake Serve handle method (the model deployment cannot run here): every call answers."""
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self.calls = 0
+
+    def remote(self, call: dict[str, Any]) -> Any:
+        self.calls += 1
+        if self.stream:
+            return FakeStream(FakeResponse(0, result={"text": "ok", "tokens": 1, "ids": [1]}),
+                              FakeResponse(0, result={"text": "", "tokens": 0, "ids": [], "finish_reason": "stop"}))
+        return FakeResponse(0, result={"text": "ok", "tokens": 1, "finish_reason": "stop"})
+
+
+class AnsweringHandle:
+    """A fake model deployment handle: unary calls, streams and pings all answer."""
+
+    def __init__(self) -> None:
+        self.generate = AnsweringMethod(stream=False)
+        self.generate_stream = AnsweringMethod(stream=True)
+        self.ping = self
+
+    def options(self, stream: bool = False) -> "AnsweringHandle":
+        return self
+
+    async def _pong(self) -> dict[str, Any]:
+        return {}
+
+    def remote(self) -> Any:  # ping.remote()
+        return self._pong()
+
+
+class CoreLink:
+    """A fake controller link (the actor needs Ray): each admin call goes to a real
+    ``ControllerCore`` in process, as the actor would hand it on."""
+
+    def __init__(self) -> None:
+        self.core = ControllerCore(load_config(CFG), clock=FakeClock(0), wall_clock=FakeClock(1_000_000))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.core, method)(*args)
+
+    async def exchange_once(self) -> None:
+        """The snapshot exchange: the router keeps the snapshot the test offers."""
+
+
+@pytest.fixture(scope="module")
+def stack():
+    handle = AnsweringHandle()
+    router = build_router(CFG, handle)
+    link = CoreLink()
+    router._admin._link = router._admin._exchange = link
+    at_level(router, 0)
+    with routed(router) as client:
+        doc = client.get("/openapi.json").json()
+        yield router, client, schemathesis.openapi.from_dict(doc), handle
+
+
+class Tally:
+    """Requests sent and answers by status, across the module; printed at its end."""
+
+    sent: Counter = Counter()
+    fives: list[str] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    print(f"\nfuzz: {sum(Tally.sent.values())} requests, by status {dict(sorted(Tally.sent.items()))}")
+
+
+def send(router, client, method: str, path: str, headers: dict[str, str], **kw: Any) -> None:
+    at_level(router, 0)  # a fresh snapshot: /health and /healthz/ready answer from it
+    r = client.request(method, path, headers=headers, **kw)
+    Tally.sent[r.status_code] += 1
+    if r.status_code >= 500:
+        Tally.fives.append(f"{method} {path} {kw!r:.300} -> {r.status_code} {r.text[:300]}")
+    assert r.status_code < 500, Tally.fives[-1]
+
+
+def served_variant(path: str, body: Any) -> Any:
+    """An OpenAI body as generated, naming the served model and leaving the lengths to
+    the context (a generated body rarely names it, and rarely fits the model's context)."""
+    if path not in ("/v1/chat/completions", "/v1/completions") or not isinstance(body, dict):
+        return None
+    lengths = ("max_tokens", "max_completion_tokens", "min_tokens")
+    return {**{k: v for k, v in body.items() if k not in lengths}, "model": SERVED_MODEL}
+
+
+def operations(schema) -> list:
+    return [result.ok() for result in schema.get_all_operations()]
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
+def test_no_operation_answers_5xx_for_what_its_schema_generates(stack, mode):
+    router, client, schema, handle = stack
+    ops = operations(schema)
+    assert len(ops) == 16
+    if mode is GenerationMode.NEGATIVE:  # what a schema can break: a body (a path's string takes any string)
+        ops = [op for op in ops if op.method.upper() == "POST"]
+    for op in ops:
+
+        @fuzz_settings(EXAMPLES)
+        @given(case=op.as_strategy(generation_mode=mode))
+        def run(case) -> None:
+            kw = case.as_transport_kwargs(base_url="http://testserver")
+            body = {"json": kw["json"]} if "json" in kw else {"content": kw["data"]} if "data" in kw else {}
+            path = kw["url"].removeprefix("http://testserver")
+            for auth in (KEY, ADMIN):
+                headers = {**{k: str(v) for k, v in kw.get("headers", {}).items()}, **auth}
+                send(router, client, kw["method"], path, headers, params=kw.get("params") or None, **body)
+            served = served_variant(path, body.get("json"))
+            if served is not None:  # deeper: past the model's name and the length checks
+                send(router, client, kw["method"], path, {**headers, **KEY}, json=served)
+
+        run()
+    if mode is GenerationMode.POSITIVE:
+        assert handle.generate.calls + handle.generate_stream.calls > 0  # valid requests reached the model
+
+
+# Leaves include what JSON itself does not have but Python writes (NaN, Infinity), ints
+# past int64 and lone surrogates (written as \ud800 escapes).
+TEXT = st.text(st.characters(exclude_categories=()), max_size=20)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=2**63 - 2) | st.floats() | TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+    max_leaves=12,
+)
+# Keys the bodies take, so that arbitrary values reach the fields' validation too.
+KEYS = st.sampled_from(["model", "messages", "prompt", "max_tokens", "stop", "stream", "stream_options", "tools",
+                        "tool_choice", "response_format", "resume", "seed", "temperature", "top_k", "scope", "value",
+                        "reason", "expires_in_s", "target", "replica_id", "criticality", "content", "role"])
+BODIES = st.one_of(
+    st.binary(max_size=64),
+    st.integers(1, 60_000).map(lambda n: b"[" * n),  # nesting past any parser's recursion
+    JSON.map(lambda v: json.dumps(v).encode()),
+    st.dictionaries(KEYS, JSON, max_size=5).map(lambda v: json.dumps(v).encode()),
+)
+
+
+@pytest.mark.parametrize("path", BODY_ROUTES)
+def test_no_body_route_answers_5xx_for_arbitrary_bytes_or_json(stack, path):
+    router, client, _, _ = stack
+
+    @fuzz_settings(80)
+    @given(body=BODIES)
+    def run(body: bytes) -> None:
+        for auth in (KEY, ADMIN):
+            send(router, client, "POST", path, {**auth, "content-type": "application/json"}, content=body)
+
+    run()
+
+
+HEADER_VALUE = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=40).map(
+    lambda v: v.strip().encode("latin-1"))  # what HTTP carries: Latin-1 bytes (a server strips the edges)
+HEADERS = st.dictionaries(
+    st.sampled_from(["x-ballast-criticality", "x-request-timeout-ms", "idempotency-key", "x-ballast-operator",
+                     "authorization", "content-length"]),
+    HEADER_VALUE, max_size=4,
+)
+VALID = {
+    "/v1/generate": {"prompt": "hi", "max_tokens": 4},
+    "/v1/chat/completions": {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    "/v1/completions": {"model": SERVED_MODEL, "prompt": "hi", "max_tokens": 4, "stream": True},
+    "/admin/recycle": {"all": True},
+}
+
+
+@pytest.mark.parametrize("path", sorted(VALID))
+def test_no_route_answers_5xx_for_arbitrary_header_values(stack, path):
+    router, client, _, _ = stack
+    body = json.dumps(VALID[path]).encode()
+
+    @fuzz_settings(60)
+    @given(headers=HEADERS)
+    def run(headers: dict[str, bytes]) -> None:
+        auth = ADMIN if path.startswith("/admin") else KEY
+        headers = {"authorization": auth["Authorization"].encode(), **headers}
+        if "content-length" in headers:  # a declared length that is not the body's is the server's to refuse
+            headers["content-length"] = str(len(body)).encode()
+        send(router, client, "POST", path, headers, content=body)
+
+    run()
