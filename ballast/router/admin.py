@@ -28,10 +28,14 @@ from ballast.router.api import bearer_token, read_json, validate_body
 from ballast.router.ingress import running_fast_path, running_ingress
 
 
+#: A kill switch's id is 12 hex characters; a longer one names none (404, never sent on).
+MAX_ENTRY_ID_CHARS = 64
+
+
 class KillSwitchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    scope: str
+    scope: str = Field(max_length=32)  # which ones exist: checked by the controller, 422 naming them
     value: Optional[str] = Field(None, max_length=200)
     reason: str = Field(min_length=1, max_length=killswitch.MAX_REASON_CHARS)
     expires_in_s: int = Field(gt=0, le=killswitch.MAX_EXPIRES_IN_S)
@@ -128,7 +132,7 @@ class Admin:
 
     async def delete_kill_switch(self, entry_id: str, request: Request) -> dict[str, Any]:
         self._require_admin(request)
-        if not await self._controller("delete_kill_switch", entry_id, self._operator(request)):
+        if len(entry_id) > MAX_ENTRY_ID_CHARS or not await self._controller("delete_kill_switch", entry_id, self._operator(request)):
             raise NotFound(f"no active kill switch {entry_id!r}")
         await self._exchange.exchange_once()
         return {"deleted": entry_id}

@@ -114,3 +114,11 @@ def test_health_is_200_when_the_model_answers_and_the_snapshot_is_fresh():
         at_level(router, 0)
         r = c.get("/health")
         assert r.status_code == 200 and r.content == b""
+
+
+def test_a_kill_switch_scope_or_id_past_its_length_is_refused_before_the_controller(client):
+    r = client.post("/admin/kill-switch", headers=ADMIN,
+                    json={"scope": "s" * 10_000, "value": "x", "reason": "r", "expires_in_s": 60})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "scope"
+    r = client.delete("/admin/kill-switch/" + "a" * 10_000, headers=ADMIN)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND"
