@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ballast.model.batching import describe_engine, ids_by_row, left_pad, rows_to_keep
+from ballast.model.batching import describe_engine, ids_by_row, left_pad, refuse_bad_ids, rows_to_keep
 from ballast.errors import ModelLoadError
 from ballast.policies.validation import check_int, check_name
 
@@ -471,9 +471,12 @@ class TorchDecoderBackend:
 
     # Byte-level tokens have no end-of-sequence: every row runs to its max_new_tokens.
     eos_ids: frozenset[int] = frozenset()
+    vocab_size: int = BYTE_VOCAB_SIZE
 
-    def check(self, sampling: Any) -> None:
-        """Nothing to refuse here: the router refuses what this engine cannot honour."""
+    async def check(self, sampling: Any) -> Any:
+        """``sampling`` as sent: this engine samples as its config says, and the router
+        refuses what it cannot honour."""
+        return sampling
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> ByteStreamDecoder:
         """Text for a row's ids, piece by piece (the replica holds one per request); bytes
@@ -527,6 +530,18 @@ class TorchDecoderBackend:
         return torch.multinomial(probs, 1, generator=gen).squeeze(1)
 
 
+def _split_refused(joins: Sequence[tuple], vocab_size: int) -> tuple[list[tuple], dict[Any, BaseException]]:
+    """The joins whose ids are all in the vocabulary, and the others' refusals by key."""
+    ok, refused = [], {}
+    for join in joins:
+        why = refuse_bad_ids(join[0], join[1], vocab_size)
+        if why is None:
+            ok.append(join)
+        else:
+            refused[join[0]] = why
+    return ok, refused
+
+
 class LiveBatch:
     """Iteration-level ("continuous") batching: sequences join and leave between chunks.
 
@@ -561,6 +576,7 @@ class LiveBatch:
         self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
         self._last = torch.zeros(0, dtype=torch.long, device=dev)
         self._gen = backend._generator()
+        self._failed: dict[Any, BaseException] = {}  # rows refused alone, until take_failed
 
     @property
     def size(self) -> int:
@@ -601,6 +617,8 @@ class LiveBatch:
                     f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit "
                     f"max_seq_len {self._backend.max_seq_len} (use encode())"
                 )
+        joins, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
+        self._failed.update(refused)
         emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward
         if self._keys:
             emitted.append((list(self._keys), self._decode()))
@@ -617,6 +635,12 @@ class LiveBatch:
             emitted.append((list(self._keys), self._decode()))
             self._drop_finished()
         return ids_by_row(emitted, {key: [] for key, *_ in joins})
+
+    def take_failed(self) -> dict[Any, BaseException]:
+        """Rows refused alone since the last call (a prompt id outside the vocabulary),
+        with their errors; they never shared a step with the other rows."""
+        out, self._failed = self._failed, {}
+        return out
 
     # ------------------------------------------------------------------ internals
 
