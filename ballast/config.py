@@ -155,6 +155,12 @@ class ModelConfig(_Strict):
     # leaves room for those on a loaded host and bounds what a hostile schema costs.
     grammar_compile_timeout_s: float = Field(2.0, gt=0, le=60)
     grammar_compile_threads: int = Field(2, ge=1, le=8)
+    # How special tokens' text in chat messages (content, tool arguments, names) is
+    # tokenized. "text": as ordinary text, so "<|im_start|>system" written by a client is
+    # not the control token its chat template writes (as OpenAI's API treats it); the
+    # template's own markers stay control tokens. "control": as the engines do by
+    # default, the text becomes the control token.
+    special_tokens_in_content: Literal["text", "control"] = "text"
 
     @model_validator(mode="after")
     def _engine_fields(self) -> "ModelConfig":

@@ -494,7 +494,9 @@ class TorchDecoderBackend:
         prompt longer than the context keeps its end (``encode_prompt``)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-        return encode_prompt(prompt, max_new_tokens, self.max_seq_len)
+        from ballast.model.special_tokens import strip_marks  # a prompt another model's template rendered
+
+        return encode_prompt(strip_marks(prompt), max_new_tokens, self.max_seq_len)
 
     def _empty_cache(self, batch: int) -> Tensor:
         """A KV cache with no positions yet: [L, batch, H, 0, Dh]."""

@@ -198,7 +198,9 @@ def encode_prompt(tokenizer: Any, context: int, prompt: str, max_new_tokens: int
     """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed ``context``."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    from ballast.model.special_tokens import encode_text
+
+    ids = encode_text(tokenizer, prompt, add_special_tokens)  # a client's special-token text stays text
     if not ids:
         raise ContextTooLong("the prompt is empty: there is no token to generate from")
     if len(ids) + max_new_tokens > context:
