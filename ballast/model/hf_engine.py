@@ -31,6 +31,15 @@ seed gives the same text whatever else is in the batch. A row ends at its
 ``max_new_tokens`` or when it samples an end-of-sequence token (which is
 emitted, so it is counted, and decodes to no text); with ``ignore_eos`` only at its
 ``max_new_tokens``; before ``min_tokens`` tokens it cannot pick one.
+:meth:`RowSampling.of` bounds what a request sends (a seed is an int64, a
+temperature below ``MIN_TEMPERATURE`` is greedy, NaN and infinities are refused).
+
+**One row's fault.** A join whose ids are outside the vocabulary is refused before its
+prefill; a row whose logits are not finite (``RowFailed``), or whose own draw fails
+(``EngineRefused``; a distribution that is not finite never reaches ``multinomial``),
+leaves the batch alone. :meth:`HFBatch.take_failed` hands those rows to the replica;
+the other rows go on. An exception out of ``run_chunk`` is the step's own (the
+forward pass) and fails the batch.
 
 **The KV budget.** A row reserves its whole context (prompt + max_new_tokens)
 when it joins; :attr:`HFBatch.reserved_tokens` is what the replica bounds and
