@@ -1,5 +1,7 @@
 """Pure parts of ballast.model.server (the replica itself runs in the integration suite)."""
 
+import pytest
+
 from ballast.policies.window import CountWindow
 from ballast.model.server import WAIT_WINDOW_S, WINDOW, recent_percentile
 
@@ -237,3 +239,19 @@ async def test_a_row_the_batch_fails_alone_fails_its_request_only_and_the_others
         assert not s._active and s._running == 0
     finally:
         engine.cancel()
+
+
+def test_a_requests_own_values_are_refused_at_submit_naming_the_field():
+    from ballast.errors import EngineRefused
+    from ballast.model.server import _sampling, continue_ids
+
+    assert continue_ids([0, 5, 255], 256) == [0, 5, 255]
+    for bad in ([0, 256], [-1], [True], ["7"], "12"):
+        with pytest.raises(EngineRefused) as e:
+            continue_ids(bad, 256)
+        assert e.value.field == "continue_ids" and e.value.status == 400
+    for req, field in (({"temperature": float("nan")}, "temperature"), ({"seed": 2**64}, "seed"), ({"top_p": 1.5}, "top_p")):
+        with pytest.raises(EngineRefused) as e:
+            _sampling(req)
+        assert e.value.field == field
+    assert _sampling({"temperature": 1e-40}).temperature == 0.0 and _sampling({}) is None
