@@ -404,7 +404,10 @@ class VLLMBackend:
         return VLLMBatch(self, f"{self.name}-b{self._batches}")
 
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
-        """Short generations at these batch sizes, through a batch as the replica runs one."""
+        """Short generations at these batch sizes, through a batch as the replica runs one;
+        and the grammar compiler's view of the vocabulary (seconds on a large one), so
+        that no request's compile limit pays for it."""
+        self._xgrammar()
         steps = max(1, min(4, self.max_seq_len - 2))
         for n in batch_sizes:
             batch = self.open_batch()

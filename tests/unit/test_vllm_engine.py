@@ -276,6 +276,7 @@ async def test_a_schema_slow_to_compile_is_refused_at_its_limit_while_the_replic
     from tests.unit.test_grammar import nested_any_of
 
     kept = backend.grammars
+    backend._xgrammar()  # built at warmup in a replica
     backend.grammars = GrammarCompiles(backend._compile_schema, threads=1, timeout_s=0.05)
     try:
         batch = backend.open_batch()
