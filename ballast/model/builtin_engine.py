@@ -563,8 +563,10 @@ class LiveBatch:
 
     Greedy output of a row equals generating it alone. With temperature > 0 the
     draws come from one generator per batch, seeded once, so samples depend on
-    what else is in the batch. Not thread-safe: one caller at a time (the
-    replica's engine loop runs one chunk at a time in a worker thread).
+    what else is in the batch. A join whose ids are not bytes (0-255) is refused
+    alone before its prefill and handed back by ``take_failed``; the other rows go
+    on. Not thread-safe: one caller at a time (the replica's engine loop runs one
+    chunk at a time in a worker thread).
     """
 
     def __init__(self, backend: TorchDecoderBackend) -> None:
