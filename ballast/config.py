@@ -161,6 +161,20 @@ class ModelConfig(_Strict):
     # lower. 0 by default: at Ray's 15 its own Ray and asyncio threads wait behind the
     # front and the load, and it serves less (docs/benchmarks.md).
     niceness: int = Field(0, ge=0, le=19)
+    # vllm only: a guided-decoding grammar (a response_format schema, a forced tool call's)
+    # is compiled by the replica off its event loop before the request reaches vLLM, on at
+    # most grammar_compile_threads threads; one that has not compiled after
+    # grammar_compile_timeout_s is 400 SCHEMA_TOO_COMPLEX, for that request alone. Real
+    # schemas compile in milliseconds to a few hundred on a 150k-token vocabulary: 2 s
+    # leaves room for those on a loaded host and bounds what a hostile schema costs.
+    grammar_compile_timeout_s: float = Field(2.0, gt=0, le=60)
+    grammar_compile_threads: int = Field(2, ge=1, le=8)
+    # How special tokens' text in chat messages (content, tool arguments, names) is
+    # tokenized. "text": as ordinary text, so "<|im_start|>system" written by a client is
+    # not the control token its chat template writes (as OpenAI's API treats it); the
+    # template's own markers stay control tokens. "control": as the engines do by
+    # default, the text becomes the control token.
+    special_tokens_in_content: Literal["text", "control"] = "text"
 
     @model_validator(mode="after")
     def _engine_fields(self) -> "ModelConfig":

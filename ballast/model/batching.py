@@ -1,6 +1,13 @@
-"""What the two engines Ballast batches itself (builtin_engine, hf_engine) share: the
-ids a chunk's decode steps emitted per row, the rows a batch keeps, left padding, and
-how an engine describes itself."""
+"""What the engines share: the ids a chunk's decode steps emitted per row, the rows a
+batch keeps, left padding, how an engine describes itself, and the per-row checks a
+join passes before it shares a step with other rows (``refuse_bad_ids``).
+
+**One row's fault fails that row only.** A batch checks each join before it runs
+(ids inside the vocabulary); a join that fails the check, and a row whose own step
+fails later (its sampling, non-finite logits), leaves the batch alone and is handed
+to the replica by ``take_failed`` with its error, while the other rows go on. What
+is left to raise out of ``run_chunk`` is a fault of the step itself (a device out of
+memory, a dead engine), which fails every row as before."""
 
 from __future__ import annotations
 
@@ -9,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from ballast.errors import EngineRefused
 
 
 def describe_engine(engine: Any) -> dict[str, Any]:
@@ -50,3 +59,12 @@ def left_pad(x: Tensor, width: int, dim: int) -> Tensor:
     shape = list(x.shape)
     shape[dim] = missing
     return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def refuse_bad_ids(key: Any, ids: Sequence[int], vocab_size: int) -> Optional[EngineRefused]:
+    """The refusal of a join whose prompt ids are not all in ``[0, vocab_size)`` (a resumed
+    stream's ids come from the client's side); None when they are."""
+    bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size), None)
+    if bad is None:
+        return None
+    return EngineRefused(f"prompt: token id {bad!r} of row {key!r} is outside the vocabulary of {vocab_size}", field="prompt")

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ballast.model.batching import describe_engine, ids_by_row, left_pad, rows_to_keep
+from ballast.model.batching import describe_engine, ids_by_row, left_pad, refuse_bad_ids, rows_to_keep
 from ballast.errors import ModelLoadError
 from ballast.policies.validation import check_int, check_name
 
@@ -471,9 +471,12 @@ class TorchDecoderBackend:
 
     # Byte-level tokens have no end-of-sequence: every row runs to its max_new_tokens.
     eos_ids: frozenset[int] = frozenset()
+    vocab_size: int = BYTE_VOCAB_SIZE
 
-    def check(self, sampling: Any) -> None:
-        """Nothing to refuse here: the router refuses what this engine cannot honour."""
+    async def check(self, sampling: Any) -> Any:
+        """``sampling`` as sent: this engine samples as its config says, and the router
+        refuses what it cannot honour."""
+        return sampling
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> ByteStreamDecoder:
         """Text for a row's ids, piece by piece (the replica holds one per request); bytes
@@ -491,7 +494,9 @@ class TorchDecoderBackend:
         prompt longer than the context keeps its end (``encode_prompt``)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-        return encode_prompt(prompt, max_new_tokens, self.max_seq_len)
+        from ballast.model.special_tokens import strip_marks  # a prompt another model's template rendered
+
+        return encode_prompt(strip_marks(prompt), max_new_tokens, self.max_seq_len)
 
     def _empty_cache(self, batch: int) -> Tensor:
         """A KV cache with no positions yet: [L, batch, H, 0, Dh]."""
@@ -527,6 +532,18 @@ class TorchDecoderBackend:
         return torch.multinomial(probs, 1, generator=gen).squeeze(1)
 
 
+def _split_refused(joins: Sequence[tuple], vocab_size: int) -> tuple[list[tuple], dict[Any, BaseException]]:
+    """The joins whose ids are all in the vocabulary, and the others' refusals by key."""
+    ok, refused = [], {}
+    for join in joins:
+        why = refuse_bad_ids(join[0], join[1], vocab_size)
+        if why is None:
+            ok.append(join)
+        else:
+            refused[join[0]] = why
+    return ok, refused
+
+
 class LiveBatch:
     """Iteration-level ("continuous") batching: sequences join and leave between chunks.
 
@@ -546,8 +563,10 @@ class LiveBatch:
 
     Greedy output of a row equals generating it alone. With temperature > 0 the
     draws come from one generator per batch, seeded once, so samples depend on
-    what else is in the batch. Not thread-safe: one caller at a time (the
-    replica's engine loop runs one chunk at a time in a worker thread).
+    what else is in the batch. A join whose ids are not bytes (0-255) is refused
+    alone before its prefill and handed back by ``take_failed``; the other rows go
+    on. Not thread-safe: one caller at a time (the replica's engine loop runs one
+    chunk at a time in a worker thread).
     """
 
     def __init__(self, backend: TorchDecoderBackend) -> None:
@@ -561,6 +580,7 @@ class LiveBatch:
         self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
         self._last = torch.zeros(0, dtype=torch.long, device=dev)
         self._gen = backend._generator()
+        self._failed: dict[Any, BaseException] = {}  # rows refused alone, until take_failed
 
     @property
     def size(self) -> int:
@@ -601,6 +621,8 @@ class LiveBatch:
                     f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit "
                     f"max_seq_len {self._backend.max_seq_len} (use encode())"
                 )
+        joins, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
+        self._failed.update(refused)
         emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward
         if self._keys:
             emitted.append((list(self._keys), self._decode()))
@@ -617,6 +639,12 @@ class LiveBatch:
             emitted.append((list(self._keys), self._decode()))
             self._drop_finished()
         return ids_by_row(emitted, {key: [] for key, *_ in joins})
+
+    def take_failed(self) -> dict[Any, BaseException]:
+        """Rows refused alone since the last call (a prompt id outside the vocabulary),
+        with their errors; they never shared a step with the other rows."""
+        out, self._failed = self._failed, {}
+        return out
 
     # ------------------------------------------------------------------ internals
 

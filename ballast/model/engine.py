@@ -48,7 +48,14 @@ class Batch(Protocol):
 
     def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
         """Admit ``joins`` (key, prompt ids, max new tokens, sampling), then up to ``steps``
-        tokens per row; the ids each row emitted."""
+        tokens per row; the ids each row emitted. What it raises is a fault of the step
+        itself, and fails every row; a row's own fault is in ``take_failed``."""
+        ...
+
+    def take_failed(self) -> dict[Any, BaseException]:
+        """Rows that failed alone since the last call (refused at their join, or their own
+        step failed), with the error each request gets; they have left the batch, the
+        other rows went on."""
         ...
 
 
@@ -61,16 +68,19 @@ class ModelBackend(Protocol):
     name: str
     device: str  # "cpu" or "cuda:N"
     max_seq_len: int
+    vocab_size: int
     eos_ids: frozenset[int]
 
     def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
         """The prompt's ids (its start cut to fit the context) and the max_tokens that fit."""
         ...
 
-    def check(self, sampling: Any) -> None:
-        """Raise ``ballast.errors.EngineRefused`` for a request this engine refuses as sent
-        (before it joins a batch, so that it fails alone); the router refuses what an
-        engine cannot honour at all."""
+    async def check(self, sampling: Any) -> Any:
+        """``sampling`` as this engine runs it (a top_k past the vocabulary is every token),
+        or ``ballast.errors.EngineRefused`` / ``SchemaTooComplex`` for a request this
+        engine refuses as sent: before it joins a batch, so that it fails alone, and
+        without blocking the event loop; the router refuses what an engine cannot honour
+        at all."""
         ...
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> StreamDecoder:
@@ -89,7 +99,10 @@ def build_engine(m: Any) -> ModelBackend:
     if m.backend == "vllm":
         from ballast.model.vllm_engine import VLLMBackend, default_engine_kwargs
 
-        return VLLMBackend(m.path, name=m.name, engine_kwargs=default_engine_kwargs(m.path, dict(m.engine_kwargs), m.max_batch_size))
+        return VLLMBackend(
+            m.path, name=m.name, engine_kwargs=default_engine_kwargs(m.path, dict(m.engine_kwargs), m.max_batch_size),
+            grammar_compile_timeout_s=m.grammar_compile_timeout_s, grammar_compile_threads=m.grammar_compile_threads,
+        )
     if m.backend == "transformers":
         import torch
 

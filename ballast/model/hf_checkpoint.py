@@ -570,17 +570,26 @@ def _file_holding(info: CheckpointInfo, tensor: str) -> Path:
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                tools: Optional[Sequence[Mapping[str, Any]]] = None) -> str:
+                tools: Optional[Sequence[Mapping[str, Any]]] = None, special_tokens_in_content: str = "text") -> str:
     """The prompt text for ``messages`` (and the ``tools`` the model may call, when
     given), through the tokenizer's chat template.
 
     The generation prompt (the assistant's turn header) is appended. The text
     already holds the template's special tokens (a bos, turn markers), so count
-    or encode it with ``add_special_tokens=False``. A template that refuses the
-    messages raises :class:`ChatTemplateError`; a tokenizer with no template
-    raises :class:`CheckpointError`.
+    or encode it with ``add_special_tokens=False``, through
+    ``special_tokens.encode_text``. With ``special_tokens_in_content`` "text", a
+    special token's text in the messages and tools is escaped first
+    (``special_tokens.escape_content``), so that it is encoded as text; "control": as
+    it is. A template that refuses the messages raises :class:`ChatTemplateError`; a
+    tokenizer with no template raises :class:`CheckpointError`.
     """
     import jinja2
+
+    from ballast.model.special_tokens import escape_content
+
+    if special_tokens_in_content == "text":
+        messages = escape_content(list(messages), tokenizer)
+        tools = escape_content(list(tools), tokenizer) if tools else None
 
     if not getattr(tokenizer, "chat_template", None):
         raise CheckpointError(
@@ -604,4 +613,6 @@ def count_tokens(tokenizer: Any, text: str, *, add_special_tokens: bool = False)
     tokens the template already wrote; pass True for a raw prompt that will be
     encoded with them (a Llama tokenizer then adds the bos).
     """
-    return len(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    from ballast.model.special_tokens import encode_text
+
+    return len(encode_text(tokenizer, text, add_special_tokens))

@@ -31,6 +31,15 @@ seed gives the same text whatever else is in the batch. A row ends at its
 ``max_new_tokens`` or when it samples an end-of-sequence token (which is
 emitted, so it is counted, and decodes to no text); with ``ignore_eos`` only at its
 ``max_new_tokens``; before ``min_tokens`` tokens it cannot pick one.
+:meth:`RowSampling.of` bounds what a request sends (a seed is an int64, a
+temperature below ``MIN_TEMPERATURE`` is greedy, NaN and infinities are refused).
+
+**One row's fault.** A join whose ids are outside the vocabulary is refused before its
+prefill; a row whose logits are not finite (``RowFailed``), or whose own draw fails
+(``EngineRefused``; a distribution that is not finite never reaches ``multinomial``),
+leaves the batch alone. :meth:`HFBatch.take_failed` hands those rows to the replica;
+the other rows go on. An exception out of ``run_chunk`` is the step's own (the
+forward pass) and fails the batch.
 
 **The KV budget.** A row reserves its whole context (prompt + max_new_tokens)
 when it joins; :attr:`HFBatch.reserved_tokens` is what the replica bounds and
@@ -42,16 +51,27 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from ballast.model.batching import describe_engine, ids_by_row, left_pad, rows_to_keep
+from ballast.model.batching import describe_engine, ids_by_row, left_pad, refuse_bad_ids, rows_to_keep
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels
 
-__all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowSampling"]
+__all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowFailed", "RowSampling"]
+
+
+# Sampling bounds (``RowSampling``): a seed is an int64, as torch's and vLLM's generators
+# take it; below MIN_TEMPERATURE a row decodes greedily.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MIN_TEMPERATURE = 1e-5
+
+
+class RowFailed(RuntimeError):
+    """A step failed for one row alone (the model's logits for it are not finite): that
+    row fails as a model failure, the other rows of the batch go on."""
 
 
 class ContextTooLong(ValueError):
@@ -85,33 +105,56 @@ class RowSampling:
         t, p = self.temperature, self.top_p
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if t < MIN_TEMPERATURE:  # logits / 1e-40 overflow: a temperature this low is greedy
+            object.__setattr__(self, "temperature", 0.0)
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise ValueError(f"seed must be an int in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k must be an int >= 1 or None, got {self.top_k!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 < r <= 2):
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not (0 < r <= 2):
             raise ValueError(f"repetition_penalty must be in (0, 2], got {r!r}")
+
+    def for_vocab(self, vocab_size: int) -> "RowSampling":
+        """This sampling for a model of ``vocab_size`` tokens: a top_k at or past it is every token."""
+        if self.top_k is not None and self.top_k >= vocab_size:
+            return replace(self, top_k=None)
+        return self
 
     @classmethod
     def of(cls, req: dict[str, Any]) -> "RowSampling":
-        """The sampling fields of a request dict (absent fields take the defaults)."""
-        return cls(
-            temperature=float(req.get("temperature") if req.get("temperature") is not None else 0.0),
-            top_p=float(req.get("top_p") if req.get("top_p") is not None else 1.0),
-            seed=req.get("seed"),
-            top_k=req.get("top_k"),
-            min_tokens=int(req.get("min_tokens") or 0),
-            ignore_eos=bool(req.get("ignore_eos")),
-            repetition_penalty=float(req.get("repetition_penalty") or 1.0),
-            json_schema=req.get("json_schema"),
-            json_schema_of=str(req.get("json_schema_of") or "response_format"),
-            keep_special_tokens=bool(req.get("keep_special_tokens")),
-        )
+        """The sampling fields of a request dict (absent fields take the defaults), checked
+        and normalised; a value out of range is ``EngineRefused`` naming its field."""
+        from ballast.errors import EngineRefused
+
+        def number(name: str, default: float) -> float:
+            v = req.get(name)
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise EngineRefused(f"{name} must be a number, got {v!r}", field=name)
+            return float(v)
+
+        try:
+            return cls(
+                temperature=number("temperature", 0.0),
+                top_p=number("top_p", 1.0),
+                seed=req.get("seed"),
+                top_k=req.get("top_k"),
+                min_tokens=req.get("min_tokens") or 0,
+                ignore_eos=bool(req.get("ignore_eos")),
+                repetition_penalty=number("repetition_penalty", 1.0) or 1.0,
+                json_schema=req.get("json_schema"),
+                json_schema_of=str(req.get("json_schema_of") or "response_format"),
+                keep_special_tokens=bool(req.get("keep_special_tokens")),
+            )
+        except ValueError as e:  # every message starts with the field's name
+            raise EngineRefused(str(e), field=str(e).split(" ", 1)[0]) from None
 
 
 GREEDY = RowSampling()
@@ -164,7 +207,9 @@ def encode_prompt(tokenizer: Any, context: int, prompt: str, max_new_tokens: int
     """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed ``context``."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    from ballast.model.special_tokens import encode_text
+
+    ids = encode_text(tokenizer, prompt, add_special_tokens)  # a client's special-token text stays text
     if not ids:
         raise ContextTooLong("the prompt is empty: there is no token to generate from")
     if len(ids) + max_new_tokens > context:
@@ -208,6 +253,7 @@ class HFBackend:
         pad = self.tokenizer.pad_token_id
         self._pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
         self._logits_to_keep = "logits_to_keep" in _forward_parameters(self.model)
+        self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
 
     # ---------------------------------------------------------------- text side
 
@@ -217,8 +263,10 @@ class HFBackend:
     def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
         return fit_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
-    def check(self, sampling: Any) -> None:
-        """Nothing to refuse here: the router refuses what this engine cannot honour."""
+    async def check(self, sampling: Optional[RowSampling]) -> Optional[RowSampling]:
+        """``sampling`` for this model (a top_k past the vocabulary is every token); the
+        router refuses what this engine cannot honour."""
+        return sampling.for_vocab(self.vocab_size) if sampling is not None else None
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special_tokens)
@@ -302,10 +350,18 @@ class HFBatch:
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=dev)
         self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
         self._last = torch.zeros(0, dtype=torch.long, device=dev)
+        self._failed: dict[Any, BaseException] = {}  # rows failed alone, until take_failed
 
     @property
     def size(self) -> int:
         return len(self._rows)
+
+    def take_failed(self) -> dict[Any, BaseException]:
+        """Rows that failed alone since the last call, with their errors: a join refused
+        before its prefill (an id outside the vocabulary), a row whose own sampling failed
+        or whose logits were not finite. They left the batch; the others went on."""
+        out, self._failed = self._failed, {}
+        return out
 
     @property
     def width(self) -> int:
@@ -340,6 +396,10 @@ class HFBatch:
                 raise ContextTooLong(
                     f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {self._b.max_seq_len}"
                 )
+            refused = refuse_bad_ids(key, ids, self._b.vocab_size)
+            if refused is not None:
+                self._failed[key] = refused
+                continue
             parsed.append((key, ids, n, sampling))
         emitted: list[tuple[list[Any], Tensor]] = []
         if self._rows:
@@ -355,7 +415,10 @@ class HFBatch:
                 break
             emitted.append((self.keys(), self._decode()))
             self._drop_finished(emitted)
-        return ids_by_row(emitted, {k: [] for k, _, _, _ in parsed})
+        out = ids_by_row(emitted, {k: [] for k, _, _, _ in parsed})
+        for key in self._failed:
+            out.pop(key, None)  # a failed row's ids are not an answer
+        return out
 
     # ------------------------------------------------------------------ internals
 
@@ -410,23 +473,37 @@ class HFBatch:
 
     def _pick(self, logits: Tensor, rows: Sequence[_Row]) -> Tensor:
         """One id per row from last-position logits [B, V]: argmax, or the row's own draw;
-        end-of-sequence ids are out of reach of a row short of its ``min_tokens``."""
+        end-of-sequence ids are out of reach of a row short of its ``min_tokens``.
+
+        A row fails alone here (``_fail``; it leaves at the next ``_drop_finished``) when
+        its logits are not finite (``RowFailed``: the model's fault), or when its own draw
+        raises (``EngineRefused``: its parameters). The finite check runs before any draw,
+        so ``multinomial`` never sees a NaN (on CUDA a device assert, fatal to the
+        process)."""
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # one device->host copy per step
         for i, r in enumerate(rows):
             if r.made < r.sampling.min_tokens and self._b.eos_ids:
                 logits[i, list(self._b.eos_ids)] = float("-inf")
             r.made += 1
         picked = logits.argmax(dim=-1)
         for i, r in enumerate(rows):
+            if not finite[i]:
+                self._fail(r, RowFailed(f"row {r.key!r}: the model's logits are not finite"))
+                continue
             if r.gen is None:
                 continue
-            scores = logits[i].float()
-            if r.sampling.top_k is not None and r.sampling.top_k < scores.shape[-1]:
-                scores = _top_k(scores, r.sampling.top_k)
-            probs = torch.softmax(scores / r.sampling.temperature, dim=-1)
-            if r.sampling.top_p < 1.0:
-                probs = _top_p(probs, r.sampling.top_p)
-            picked[i] = torch.multinomial(probs, 1, generator=r.gen)[0]
+            try:
+                picked[i] = _draw(logits[i], r)
+            except (RuntimeError, ValueError) as e:
+                from ballast.errors import EngineRefused
+
+                self._fail(r, EngineRefused(f"temperature: sampling failed for these parameters: {e}", field="temperature"))
         return picked
+
+    def _fail(self, row: _Row, error: BaseException) -> None:
+        """``row`` fails alone: it leaves the batch at the next ``_drop_finished``."""
+        self._failed[row.key] = error
+        row.remaining = 0
 
     def _drop_finished(self, emitted: list[tuple[list[Any], Tensor]]) -> None:
         """Rows out of tokens, or whose last token was an end-of-sequence, leave now."""
@@ -459,6 +536,19 @@ class HFBatch:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]
         self._mask = self._mask[:, start:]
+
+
+def _draw(logits: Tensor, r: _Row) -> Tensor:
+    """The row's own draw from its logits [V]: top_k, temperature, top_p, its generator."""
+    scores = logits.float()
+    if r.sampling.top_k is not None and r.sampling.top_k < scores.shape[-1]:
+        scores = _top_k(scores, r.sampling.top_k)
+    probs = torch.softmax(scores / r.sampling.temperature, dim=-1)
+    if r.sampling.top_p < 1.0:
+        probs = _top_p(probs, r.sampling.top_p)
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:  # never a NaN into multinomial
+        raise ValueError(f"no distribution to draw from (temperature {r.sampling.temperature!r})")
+    return torch.multinomial(probs, 1, generator=r.gen)[0]
 
 
 def _top_k(scores: Tensor, k: int) -> Tensor:

@@ -10,6 +10,17 @@ longest member; under a noisy tenant's long requests that doubled a quiet
 tenant's p99). Each chunk is handed to its request as soon as it is decoded, so
 streaming and unary calls share one code path (unary collects the chunks).
 
+One request's fault fails that request only. Before a request joins, its sampling
+is checked and normalised (``hf_engine.RowSampling.of``: a seed is an int64, a
+temperature below 1e-5 is greedy, NaN and infinities are refused), its engine checks
+it (``check``: vLLM's own validation; a guided-decoding grammar compiled off the event
+loop within ``model.grammar_compile_timeout_s``) and a resumed stream's ids are checked
+against the vocabulary: a refusal is a 400 for that request (``EngineRefused``,
+``SchemaTooComplex``), no model failure. A row that fails inside the batch (refused at
+its join, its own sampling, non-finite logits, vLLM failing that request) leaves alone
+(``Batch.take_failed``) and the others go on; an exception out of a chunk is a fault
+of the step itself and fails every row in the batch.
+
 Degradation constraints reach the replica through its snapshot cache: the batch
 size limit follows ``max_batch_size`` of the current level and ``max_tokens`` is
 clamped again here (the router already clamped; a replica never trusts that).
@@ -378,12 +389,13 @@ class ModelServer:
                 # Torch runs in a worker thread: the event loop stays free for new
                 # requests, health checks and the report loop.
                 out = await asyncio.to_thread(self._run_chunk, leaving, joins, chunk_tokens)
-            except Exception as exc:  # e.g. CUDA OOM: every row in the batch fails with it
+            except Exception as exc:  # the step itself (e.g. CUDA OOM): every row in the batch fails with it
                 log.exception("a chunk failed; failing the %d rows in the batch", len(self._active))
                 for it in list(self._active.values()):
                     self._finish(it, exc)
                 self._batch = self._backend.open_batch()
                 continue
+            self._fail_rows(self._batch.take_failed())
             if any(out.values()):  # tokens came: the engine made progress (vLLM may return none within its wait)
                 self._progress_at_s = time.monotonic()
             self._batches += 1
@@ -399,6 +411,16 @@ class ModelServer:
                 tokens += len(ids)
                 self._deliver(it, ids, done=key not in in_batch)
             self._m_tokens.inc(tokens)
+
+    def _fail_rows(self, failed: dict[int, BaseException]) -> None:
+        """Rows the batch failed alone (its per-row checks, a row's own step): each request
+        gets its own error (``EngineRefused``: a 400, no model failure; any other: a model
+        failure of that request); the other rows go on."""
+        for key, exc in failed.items():
+            it = self._active.get(key)
+            if it is not None:
+                log.warning("row %s failed alone: %s: %s", key, type(exc).__name__, exc)
+                self._finish(it, exc)
 
     def _deliver(self, it: _Item, ids: list[int], done: bool) -> None:
         """A row's ids of this chunk as text to its caller; the last chunk says why it ended.
@@ -478,10 +500,14 @@ class ModelServer:
         if req.get("deadline_at_s") is not None:  # counts the time the call took to get here
             timeout_s = min(timeout_s, float(req["deadline_at_s"]) - time.time())
         ids, max_tokens = self._backend.fit(str(req["prompt"]), max_tokens, bool(req.get("add_special_tokens", True)))
-        sampling = _sampling(req)
-        self._backend.check(sampling)  # EngineRefused: this request alone, before any work
-        self._next_key += 1
         deadline_s = replica_deadline_s(now, timeout_s)
+        # EngineRefused / SchemaTooComplex: this request alone, before any work; a grammar
+        # compile waits for its thread no longer than the request's own deadline.
+        try:
+            sampling = await asyncio.wait_for(self._backend.check(_sampling(req)), max(0.0, deadline_s - now))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"deadline of {timeout_s:.3f}s passed before its schema compiled") from None
+        self._next_key += 1
         item = _Item(
             ids,
             max_tokens,
@@ -493,7 +519,7 @@ class ModelServer:
             key=self._next_key,
         )
         if req.get("continue_ids"):
-            resume(item, [int(i) for i in req["continue_ids"]], int(req.get("continue_text_chars") or 0))
+            resume(item, continue_ids(req["continue_ids"], self._backend.vocab_size), int(req.get("continue_text_chars") or 0))
             if item.max_tokens <= 0:  # the lost replica had delivered every token: nothing is left
                 yield {"text": item.pending, "tokens": 0, "ids": [], "finish_reason": "length",
                        "queue_wait_ms": 0.0, "max_tokens": max_tokens}
@@ -617,10 +643,20 @@ def _unsent(it: _Item, text: str) -> str:
     return text
 
 
+def continue_ids(ids: Any, vocab_size: int) -> list[int]:
+    """A resumed stream's delivered ids, each an int in the vocabulary; else EngineRefused."""
+    from ballast.errors import EngineRefused
+
+    if not isinstance(ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
+        raise EngineRefused(f"continue_ids: must be token ids in [0, {vocab_size})", field="continue_ids")
+    return list(ids)
+
+
 def _sampling(req: dict[str, Any]) -> Any:
-    """The request's sampling fields as the HF engine takes them; None when it asked for none
-    (the built-in model ignores sampling and decodes greedily; it has no end of sequence,
-    so ``ignore_eos`` and ``min_tokens`` hold on it by themselves)."""
+    """The request's sampling fields as the HF engine takes them, checked and normalised
+    (``RowSampling.of``: EngineRefused naming a field out of range); None when it asked for
+    none (the built-in model ignores sampling and decodes greedily; it has no end of
+    sequence, so ``ignore_eos`` and ``min_tokens`` hold on it by themselves)."""
     if all(not req.get(k) for k in ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "repetition_penalty",
                                     "json_schema", "keep_special_tokens")) \
             and req.get("seed") is None:

@@ -21,8 +21,15 @@ has finished, bounded by ``max_wait_s``; a row still queued in vLLM (no token
 yet) does not hold back the rows that have tokens to hand over. A row's buffer
 holds at most its ``max_new_tokens`` ids. ``remove`` cancels the row's task,
 which makes vLLM abort the request: its slot and KV blocks are free at the
-engine's next step. An error inside vLLM for any row aborts every row of the
-batch and fails the call, which the replica answers as a failed chunk.
+engine's next step. A request vLLM fails (its validation refusing the row's
+parameters or prompt ids, or any error of that request alone) leaves the batch by
+itself and is handed to the replica by ``take_failed`` (``EngineRefused`` when vLLM
+refused it as sent, a 400 that is no model failure; ``VLLMRequestError`` otherwise);
+the other rows go on.
+
+**Guided decoding.** A row's JSON schema is checked and compiled by the replica
+before the row joins (:meth:`VLLMBackend.check`, ``ballast.model.grammar``): off the
+event loop, on a bounded pool, within ``model.grammar_compile_timeout_s``.
 
 **Tokens.** Prompts arrive as token ids (the replica tokenizes with the
 checkpoint's tokenizer, :func:`ballast.model.hf_checkpoint.load_tokenizer`), and
@@ -45,12 +52,13 @@ import asyncio
 import threading
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from ballast.model.batching import describe_engine
 from ballast.errors import EngineRefused, ModelLoadError
+from ballast.model.grammar import GrammarCompiles
 from ballast.model.hf_engine import GREEDY, ContextTooLong, IncrementalDetokenizer, RowSampling, encode_prompt, fit_prompt
 
 __all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
@@ -226,7 +234,10 @@ class VLLMBackend:
     file and vLLM's reason. ``max_wait_s`` bounds one ``run_chunk``'s wait.
     """
 
-    def __init__(self, path: str, *, name: str, engine_kwargs: Optional[dict[str, Any]] = None, max_wait_s: float = 0.5) -> None:
+    def __init__(
+        self, path: str, *, name: str, engine_kwargs: Optional[dict[str, Any]] = None, max_wait_s: float = 0.5,
+        grammar_compile_timeout_s: float = 2.0, grammar_compile_threads: int = 2,
+    ) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer
 
         if not isinstance(name, str) or not name:
@@ -257,7 +268,11 @@ class VLLMBackend:
         self.start_s = time.monotonic() - started
         cfg = self._llm.vllm_config
         self.max_seq_len = int(cfg.model_config.max_model_len)
+        self.vocab_size = int(cfg.model_config.get_vocab_size())
         self.device = _device_name(cfg)
+        self._xgr_lock = threading.Lock()
+        self._xgr_compiler: Any = None  # built at the first schema, in a grammar thread
+        self.grammars = GrammarCompiles(self._compile_schema, threads=grammar_compile_threads, timeout_s=grammar_compile_timeout_s)
 
     # ---------------------------------------------------------------- start, stop
 
@@ -288,6 +303,7 @@ class VLLMBackend:
         if self._closed:
             return
         self._closed = True
+        self.grammars.close()
         pids = self.engine_pids()
         try:
             self._call(self._shutdown_llm(), _SHUTDOWN_WAIT_S)
@@ -320,22 +336,63 @@ class VLLMBackend:
     def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
         return fit_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
-    def check(self, sampling: Optional[RowSampling]) -> None:
-        """vLLM's own validation of the request (a ``response_format`` schema, or a forced
-        tool call's, that its guided decoding cannot compile, say), run here so that the
-        request fails alone: a row vLLM refuses once it is in the batch fails the batch."""
+    async def check(self, sampling: Optional[RowSampling]) -> Optional[RowSampling]:
+        """``sampling`` for this model once vLLM's own validation passes, run here so that
+        the request fails alone (``EngineRefused``), before it joins the batch.
+
+        A JSON schema (``response_format``, a forced tool call's) is compiled to its
+        grammar by :attr:`grammars` (``ballast.model.grammar``): off the event loop, on a
+        bounded pool, within ``grammar_compile_timeout_s`` (``SchemaTooComplex`` past
+        it). Only a schema that compiled in time reaches vLLM, whose engine compiles it
+        again in its own process (vLLM's own compile has no time limit)."""
         from vllm.exceptions import VLLMClientError
 
-        if sampling is None or sampling.json_schema is None:
-            return
-        cfg = self._llm.vllm_config
+        if sampling is None:
+            return None
+        sampling = sampling.for_vocab(self.vocab_size)
         try:
-            sampling_params(sampling, 1).verify(
-                cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, self._llm.tokenizer
-            )
+            self._verify(sampling_params(replace(sampling, json_schema=None), 1))
         except (VLLMClientError, ValueError) as e:
-            field = sampling.json_schema_of
-            raise EngineRefused(f"{field}: vLLM refuses the JSON schema: {e}", field=field) from None
+            field = str(getattr(e, "parameter", None) or "sampling")
+            raise EngineRefused(f"{field}: vLLM refuses the request's sampling parameters: {e}", field=field) from None
+        if sampling.json_schema is not None:
+            await self.grammars.check(sampling.json_schema, sampling.json_schema_of)
+        return sampling
+
+    def _verify(self, params: Any) -> None:
+        cfg = self._llm.vllm_config
+        params.verify(cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, self._llm.tokenizer)
+
+    def _compile_schema(self, schema: str) -> None:
+        """vLLM's validation of ``schema``, then its grammar compiled as vLLM's xgrammar
+        backend compiles it (in a grammar thread); ValueError: vLLM refuses it."""
+        from vllm.exceptions import VLLMClientError
+
+        params = sampling_params(RowSampling(json_schema=schema), 1)
+        try:
+            self._verify(params)
+        except (VLLMClientError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        if str(params.structured_outputs._backend or "").startswith("xgrammar"):
+            so = self._llm.vllm_config.structured_outputs_config
+            try:
+                self._xgrammar().compile_json_schema(
+                    schema, any_whitespace=not so.disable_any_whitespace,
+                    separators=(",", ":") if so.disable_any_whitespace else None,
+                )
+            except RuntimeError as e:  # xgrammar's refusal of a schema its parser took
+                raise ValueError(str(e)) from None
+
+    def _xgrammar(self) -> Any:
+        """An xgrammar compiler over this model's vocabulary, as vLLM's backend builds one (no cache:
+        the verdicts are remembered by ``grammars``)."""
+        with self._xgr_lock:
+            if self._xgr_compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
+                self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._xgr_compiler
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special_tokens)
@@ -347,7 +404,10 @@ class VLLMBackend:
         return VLLMBatch(self, f"{self.name}-b{self._batches}")
 
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
-        """Short generations at these batch sizes, through a batch as the replica runs one."""
+        """Short generations at these batch sizes, through a batch as the replica runs one;
+        and the grammar compiler's view of the vocabulary (seconds on a large one), so
+        that no request's compile limit pays for it."""
+        self._xgrammar()
         steps = max(1, min(4, self.max_seq_len - 2))
         for n in batch_sizes:
             batch = self.open_batch()
@@ -416,12 +476,27 @@ def _reap(pids: Sequence[int], timeout: float) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
-class _Row:
-    __slots__ = ("key", "rid", "unread", "made", "finished", "error", "task")
+def _row_error(row: "_Row", e: BaseException) -> BaseException:
+    """What a row vLLM failed alone answers: ``EngineRefused`` when vLLM refused the request
+    as sent (its validation: a client error, a ValueError), naming the schema's field when
+    the row has one and vLLM blamed structured outputs; else ``VLLMRequestError``."""
+    from vllm.exceptions import VLLMClientError
 
-    def __init__(self, key: Any, rid: str) -> None:
+    if isinstance(e, (VLLMClientError, ValueError)):
+        field = str(getattr(e, "parameter", None) or "prompt")
+        if row.sampling.json_schema is not None and ("structured" in str(e) or "schema" in str(e)):
+            field = row.sampling.json_schema_of
+        return EngineRefused(f"{field}: vLLM refuses the request: {e}", field=field)
+    return VLLMRequestError(f"vLLM failed request {row.rid}: {type(e).__name__}: {e}")
+
+
+class _Row:
+    __slots__ = ("key", "rid", "sampling", "unread", "made", "finished", "error", "task")
+
+    def __init__(self, key: Any, rid: str, sampling: RowSampling) -> None:
         self.key = key
         self.rid = rid
+        self.sampling = sampling
         self.unread: list[int] = []  # ids not yet returned by run_chunk; at most max_new_tokens
         self.made = 0
         self.finished = False
@@ -443,9 +518,17 @@ class VLLMBatch:
         self._prefix = prefix
         self._rows: dict[Any, _Row] = {}
         self._changed = asyncio.Event()  # created here, only waited on the engine loop
+        self._failed: dict[Any, BaseException] = {}  # rows failed alone, until take_failed
 
     def keys(self) -> list[Any]:
         return list(self._rows)
+
+    def take_failed(self) -> dict[Any, BaseException]:
+        """Rows vLLM failed alone since the last call, with their errors: ``EngineRefused``
+        for a request vLLM refused as sent (its validation), ``VLLMRequestError`` for any
+        other failure of that request. The other rows went on."""
+        out, self._failed = self._failed, {}
+        return out
 
     def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
         """Abort these rows in vLLM and drop them."""
@@ -481,6 +564,8 @@ class VLLMBatch:
         for key, ids, n, sampling in parsed:
             if n > 0:
                 self._submit(key, ids, n, sampling)
+        for key in self._failed:
+            out.pop(key, None)
         deadline = time.monotonic() + self._b.max_wait_s
         while not self._ready(steps):
             left = deadline - time.monotonic()
@@ -491,12 +576,12 @@ class VLLMBatch:
                 await asyncio.wait_for(self._changed.wait(), left)
             except asyncio.TimeoutError:
                 break
-        failed = next((r for r in self._rows.values() if r.error is not None), None)
-        if failed is not None:
-            rows = list(self._rows.values())
-            self._rows.clear()
-            await self._abort(rows)
-            raise VLLMRequestError(f"vLLM failed request {failed.rid}: {type(failed.error).__name__}: {failed.error}") from failed.error
+        failed = [r for r in self._rows.values() if r.error is not None]
+        for row in failed:  # each alone: the other rows go on
+            del self._rows[row.key]
+            out.pop(row.key, None)
+            self._failed[row.key] = _row_error(row, row.error)
+        await self._abort(failed)
         for key, row in list(self._rows.items()):
             out[key] = row.unread
             row.unread = []
@@ -518,10 +603,16 @@ class VLLMBatch:
     def _submit(self, key: Any, ids: list[int], n: int, s: RowSampling) -> None:
         from vllm.inputs import TokensPrompt
 
+        from vllm.exceptions import VLLMClientError
+
         llm = self._b._llm
-        row = _Row(key, f"{self._prefix}-{key}")
-        params = sampling_params(s, n)
-        prompt = llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=ids)])[0]
+        row = _Row(key, f"{self._prefix}-{key}", s)
+        try:
+            params = sampling_params(s, n)
+            prompt = llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=ids)])[0]
+        except (VLLMClientError, ValueError) as e:  # this row's own: it fails alone
+            self._failed[key] = _row_error(row, e)
+            return
         row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params))
         self._rows[key] = row
 

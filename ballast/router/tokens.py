@@ -14,6 +14,10 @@ the replicas load, and checks each prompt against the context before any work.
 
 A chat prompt already holds its special tokens (the template wrote them): it is
 counted and encoded without adding more (``add_special_tokens`` False in the call).
+A special token's text in the messages themselves (content, tool arguments, names,
+tools) is text, not a control token, unless ``model.special_tokens_in_content`` is
+"control" (``ballast.model.special_tokens``); the count here and the replica's ids
+come from the same ``encode_text``, so they agree.
 """
 
 from __future__ import annotations
@@ -65,12 +69,14 @@ class TokenizerText(ModelText):
 
     strict = True
 
-    def __init__(self, path: str, context: Optional[int] = None, tool_parser: Optional[str] = None) -> None:
+    def __init__(self, path: str, context: Optional[int] = None, tool_parser: Optional[str] = None,
+                 special_tokens_in_content: str = "text") -> None:
         from ballast.model.hf_checkpoint import load_tokenizer
 
         tokenizer, info = load_tokenizer(path)
         super().__init__(min(context or info.context_length, info.context_length), info.vocab_size)
         self._tokenizer = tokenizer
+        self._special_tokens_in_content = special_tokens_in_content
         if tool_parser is not None:
             from ballast.router.tool_calls import ToolParser
 
@@ -83,12 +89,15 @@ class TokenizerText(ModelText):
         if not getattr(self._tokenizer, "chat_template", None):  # a base model: completions only
             raise BadRequest("this model has no chat template; send a prompt to /v1/completions", field="messages")
         try:
-            return render_chat(self._tokenizer, [_turn(m) for m in messages], tools)
+            return render_chat(self._tokenizer, [_turn(m) for m in messages], tools, self._special_tokens_in_content)
         except ChatTemplateError as e:
             raise BadRequest(f"messages: {e.reason}", field="messages") from None
 
     def count(self, prompt: str, add_special_tokens: bool = True) -> int:
-        return len(self._tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+        """The prompt's tokens as the replica encodes them (``special_tokens.encode_text``)."""
+        from ballast.model.special_tokens import encode_text
+
+        return len(encode_text(self._tokenizer, prompt, add_special_tokens))
 
 
 def _turn(m: Any) -> dict[str, Any]:
@@ -117,5 +126,5 @@ def model_text(m: ModelConfig) -> ModelText:
     if m.backend in ("transformers", "vllm"):
         assert m.path is not None  # the config's validator
         # vLLM serves at most its max_model_len, which may be shorter than the model's.
-        return TokenizerText(m.path, m.engine_kwargs.get("max_model_len"), m.tool_parser)
+        return TokenizerText(m.path, m.engine_kwargs.get("max_model_len"), m.tool_parser, m.special_tokens_in_content)
     return ModelText(m.architecture.max_seq_len)

@@ -589,3 +589,25 @@ def test_tiny_decoder_is_scriptable_with_geometry_attributes():
     assert (scripted.n_layers, scripted.n_heads, scripted.head_dim, scripted.max_seq_len) == (
         SMALL.n_layers, SMALL.n_heads, SMALL.head_dim, SMALL.max_seq_len,
     )
+
+
+def test_a_join_with_ids_that_are_not_bytes_fails_alone_and_the_three_others_finish_whole():
+    from ballast.errors import EngineRefused
+    from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
+
+    b = load_backend(BackendSpec(config=TinyDecoderConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64),
+                                 device="cpu", compile="eager"))
+    prompts = {"a": [72, 105], "b": [65, 66, 67], "poison": [300, 1], "d": [120]}
+    batch = b.open_batch()
+    got: dict = {}
+    joins = [(k, ids, 8) for k, ids in prompts.items()]
+    with torch.inference_mode():
+        while joins or batch.size:
+            for key, ids in batch.run_chunk(joins, 3).items():
+                got.setdefault(key, []).extend(ids)
+            if joins:
+                failed = batch.take_failed()
+            joins = []
+        for k in ("a", "b", "d"):
+            assert got[k] == b.open_batch().run_chunk([(k, prompts[k], 8)], 8)[k]
+    assert set(failed) == {"poison"} and isinstance(failed["poison"], EngineRefused) and "poison" not in got

@@ -180,6 +180,83 @@ def test_row_sampling_of_a_request_dict():
     assert RowSampling.of({"top_k": 3, "min_tokens": 2, "ignore_eos": True}) == RowSampling(top_k=3, min_tokens=2, ignore_eos=True)
 
 
+@pytest.mark.parametrize("req, field", [({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
+                                        ({"temperature": float("inf")}, "temperature"), ({"top_p": float("nan")}, "top_p"),
+                                        ({"temperature": "hot"}, "temperature"), ({"top_k": 0}, "top_k"),
+                                        ({"repetition_penalty": float("nan")}, "repetition_penalty")])
+def test_a_request_with_sampling_out_of_range_is_refused_naming_the_field(req, field):
+    from ballast.errors import EngineRefused
+
+    with pytest.raises(EngineRefused) as e:
+        RowSampling.of(req)
+    assert e.value.field == field and e.value.status == 400
+
+
+async def test_sampling_at_the_edge_of_range_is_normalised(backend):
+    assert RowSampling.of({"temperature": 1e-40}).temperature == 0.0  # greedy: logits / 1e-40 overflow
+    assert RowSampling.of({"temperature": 1e-5}).temperature == 1e-5
+    assert RowSampling.of({"seed": 2**63 - 1}).seed == 2**63 - 1 and RowSampling.of({"seed": -(2**63)}).seed == -(2**63)
+    capped = await backend.check(RowSampling(temperature=1.0, top_k=10**9))
+    assert capped.top_k is None  # past the vocabulary: every token
+    assert (await backend.check(RowSampling(temperature=1.0, top_k=5))).top_k == 5
+    b = no_eos(backend)
+    assert alone(b, PROMPTS[1], 8, RowSampling.of({"temperature": 1e-40, "seed": 2**63 - 1})) == alone(b, PROMPTS[1], 8)
+
+
+def test_one_poisoned_row_among_four_fails_alone_and_the_three_others_finish_whole(backend):
+    # Four rows join one chunk. One samples with a top_k of -5 (a value the replica's
+    # checks refuse; here it reaches the batch as a poison would): its own draw raises and
+    # it leaves with EngineRefused. The three others get the same tokens as each alone.
+    from ballast.errors import EngineRefused
+
+    b = no_eos(backend)
+    poison = RowSampling(temperature=1.0, seed=1)
+    object.__setattr__(poison, "top_k", -5)
+    seeded = RowSampling(temperature=1.0, seed=7)
+    enc = [b.encode(p, 12) for p in PROMPTS]
+    batch = b.open_batch()
+    got: dict = {}
+    failed: dict = {}
+    joins = [("a", enc[0], 12, None), ("poison", enc[1], 12, poison), ("c", enc[2], 12, seeded), ("d", enc[3], 12, None)]
+    with torch.inference_mode():
+        while joins or batch.size:
+            for key, ids in batch.run_chunk(joins, 3).items():
+                got.setdefault(key, []).extend(ids)
+            failed.update(batch.take_failed())
+            joins = []
+    assert set(failed) == {"poison"} and isinstance(failed["poison"], EngineRefused) and failed["poison"].status == 400
+    assert "poison" not in got
+    assert got["a"] == alone(b, PROMPTS[0], 12) and got["d"] == alone(b, PROMPTS[3], 12)
+    assert got["c"] == alone(b, PROMPTS[2], 12, seeded) and len(got["c"]) == 12
+
+
+def test_a_row_with_ids_outside_the_vocabulary_is_refused_at_its_join(backend):
+    from ballast.errors import EngineRefused
+
+    batch = backend.open_batch()
+    ok = backend.encode(PROMPTS[0], 4)
+    with torch.inference_mode():
+        out = batch.run_chunk([("ok", ok, 4), ("bad", [1, backend.vocab_size], 4)], 2)
+    failed = batch.take_failed()
+    assert list(out) == ["ok"] and len(out["ok"]) == 2 and batch.keys() == ["ok"]
+    assert isinstance(failed["bad"], EngineRefused) and failed["bad"].field == "prompt"
+    assert batch.take_failed() == {}
+
+
+def test_a_row_whose_logits_are_not_finite_fails_alone_as_a_model_failure(backend):
+    # The model's fault for one row (its logits): that row fails, not as a refusal of the request.
+    from ballast.model.hf_engine import HFBatch, RowFailed, _Row
+
+    batch = HFBatch(backend)
+    rows = [_Row(k, 4, 8, RowSampling(temperature=1.0, seed=k), "cpu") for k in range(3)]
+    logits = torch.randn(3, backend.vocab_size)
+    logits[1, 5] = float("nan")
+    picked = batch._pick(logits, rows)
+    failed = batch.take_failed()
+    assert set(failed) == {1} and isinstance(failed[1], RowFailed) and rows[1].remaining == 0
+    assert rows[0].remaining == rows[2].remaining == 4 and picked.shape == (3,)
+
+
 def test_incremental_text_is_correct_across_multi_byte_characters(backend):
     text = "Café, naïve, über, 東京, Ελληνικά, emoji 🙂 and more."
     ids = backend.tokenizer.encode(text, add_special_tokens=False)

@@ -1,5 +1,7 @@
 """Pure parts of ballast.model.server (the replica itself runs in the integration suite)."""
 
+import pytest
+
 from ballast.policies.window import CountWindow
 from ballast.model.server import WAIT_WINDOW_S, WINDOW, recent_percentile
 
@@ -134,6 +136,9 @@ class _FakeBatch:
     def remove(self, keys) -> None:
         self.removed += [k for k in keys if self.rows.pop(k, None) is not None]
 
+    def take_failed(self) -> dict:
+        return {}
+
     def run_chunk(self, joins, steps: int) -> dict[int, list[int]]:
         self.rows.update((key, n) for key, _ids, n, *_ in joins)
         out = {}
@@ -197,3 +202,56 @@ async def test_a_row_that_leaves_an_otherwise_empty_batch_is_dropped_before_the_
         assert list(s._batch_sizes)[-2:] == [1, 1]
     finally:
         engine.cancel()
+
+
+async def test_a_row_the_batch_fails_alone_fails_its_request_only_and_the_others_finish_whole():
+    # The real built-in engine's batch: four rows join one chunk, one of them with a prompt id
+    # outside the vocabulary (a batch-level poison the replica's own checks would refuse
+    # first). That request gets a 400 ENGINE_REFUSED; the other three get every token,
+    # the same tokens as each alone.
+    import asyncio
+
+    from ballast.errors import EngineRefused
+    from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
+
+    backend = load_backend(BackendSpec(config=TinyDecoderConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64),
+                                       device="cpu", compile="eager"))
+    s = _looping_replica()
+    s._backend, s._batch = backend, backend.open_batch()
+    s._run_chunk = lambda leaving, joins, steps: (s._batch.remove(leaving), s._batch.run_chunk(joins, steps))[1]
+    prompts = {1: [72, 105], 2: [65, 66, 67], 3: [999, 1], 4: [120]}
+    rows = {k: _enqueue(s, k, 0, 6, at_s=0.0, deadline_s=1e12) for k in prompts}
+    for k, it in rows.items():
+        it.ids = prompts[k]
+    engine = asyncio.get_running_loop().create_task(s._engine())
+    try:
+        s._wake.set()
+        got = {}
+        for k, it in rows.items():
+            chunks = []
+            while (c := await asyncio.wait_for(it.out.get(), 30)) is not None and not isinstance(c, BaseException):
+                chunks.append(c)
+            got[k] = c if isinstance(c, BaseException) else [i for ch in chunks for i in ch["ids"]]
+        assert isinstance(got[3], EngineRefused) and got[3].field == "prompt" and got[3].status == 400
+        for k in (1, 2, 4):
+            alone = backend.open_batch()
+            assert got[k] == alone.run_chunk([(k, prompts[k], 6)], 6)[k], k
+        assert not s._active and s._running == 0
+    finally:
+        engine.cancel()
+
+
+def test_a_requests_own_values_are_refused_at_submit_naming_the_field():
+    from ballast.errors import EngineRefused
+    from ballast.model.server import _sampling, continue_ids
+
+    assert continue_ids([0, 5, 255], 256) == [0, 5, 255]
+    for bad in ([0, 256], [-1], [True], ["7"], "12"):
+        with pytest.raises(EngineRefused) as e:
+            continue_ids(bad, 256)
+        assert e.value.field == "continue_ids" and e.value.status == 400
+    for req, field in (({"temperature": float("nan")}, "temperature"), ({"seed": 2**64}, "seed"), ({"top_p": 1.5}, "top_p")):
+        with pytest.raises(EngineRefused) as e:
+            _sampling(req)
+        assert e.value.field == field
+    assert _sampling({"temperature": 1e-40}).temperature == 0.0 and _sampling({}) is None

@@ -17,7 +17,7 @@ from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.errors import EngineRefused  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_engine import ContextTooLong, RowSampling  # noqa: E402
-from ballast.model.vllm_engine import VLLMBackend, VLLMRequestError, VLLMStats  # noqa: E402
+from ballast.model.vllm_engine import VLLMBackend, VLLMStats  # noqa: E402
 
 ENGINE_KWARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, enable_prefix_caching=True,
                      # as a YAML config gives it; compact JSON, so that random weights end their answer
@@ -212,13 +212,25 @@ def test_remove_aborts_the_row_and_frees_its_slot(backend):
     assert batch.keys() == [] and batch.run_chunk([], 4) == {}
 
 
-def test_a_row_vllm_refuses_fails_the_chunk_and_aborts_the_batch(backend):
+def test_a_request_vllm_refuses_fails_alone_and_the_others_go_on(backend):
+    # vLLM's own validation, for one row of a running batch: a prompt id past the vocabulary
+    # (its renderer), a schema its xgrammar backend does not serve (SamplingParams' verify).
+    # Each fails alone with a 400; the row beside them runs to its max_tokens.
     batch = backend.open_batch()
     ok = backend.encode("Hello!", 0)
-    batch.run_chunk([("ok", ok, 300, LONG)], 2)
-    with pytest.raises(VLLMRequestError, match="bad"):
-        batch.run_chunk([("bad", [10**6], 4, None)], 2)  # a token id past the vocabulary
-    assert batch.keys() == []
+    allof = RowSampling(json_schema=json.dumps({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}), json_schema_of="tools")
+    joins = [[("ok", ok, 40, LONG)], [("bad-id", [10**6], 4, None), ("bad-schema", ok, 4, allof)]]
+    got, failed = [], {}
+    for i in range(200):
+        out = batch.run_chunk(joins[i] if i < len(joins) else [], 2)
+        assert set(out) <= {"ok"}
+        got += out.get("ok", [])
+        failed.update(batch.take_failed())
+        if i >= len(joins) and not batch.keys():
+            break
+    assert isinstance(failed["bad-id"], EngineRefused) and failed["bad-id"].status == 400
+    assert isinstance(failed["bad-schema"], EngineRefused) and failed["bad-schema"].field == "tools"
+    assert len(got) == 40
     with pytest.raises(ContextTooLong):
         batch.run_chunk([("long", ok * 200, 4, None)], 2)
 
@@ -227,9 +239,9 @@ VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour":
            "required": ["ok", "colour"], "additionalProperties": False}
 
 
-def test_a_json_schema_guides_the_answer_to_json_that_follows_it(backend):
+async def test_a_json_schema_guides_the_answer_to_json_that_follows_it(backend):
     s = RowSampling(temperature=1.0, seed=7, json_schema=json.dumps(VERDICT))
-    backend.check(s)
+    assert await backend.check(s) == s
     ids = backend.encode("Answer in JSON:", 64)
     batch = backend.open_batch()
     got = drain(batch, [[(i, ids, 64, s) for i in range(3)]])
@@ -239,17 +251,47 @@ def test_a_json_schema_guides_the_answer_to_json_that_follows_it(backend):
         assert len(got[i]) < 64  # the grammar ended the answer, not max_tokens
 
 
-def test_a_schema_vllm_cannot_compile_is_refused_before_the_batch(backend):
+async def test_a_schema_vllm_cannot_compile_is_refused_before_the_batch(backend):
     schema = json.dumps({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]})
     with pytest.raises(EngineRefused) as e:
         # vLLM knows its xgrammar backend does not serve a multi-branch allOf
-        backend.check(RowSampling(json_schema=schema))
+        await backend.check(RowSampling(json_schema=schema))
     assert e.value.field == "response_format" and e.value.status == 400
     with pytest.raises(EngineRefused) as e:  # a forced tool call's schema: the refusal names tools
-        backend.check(RowSampling(json_schema=schema, json_schema_of="tools"))
+        await backend.check(RowSampling(json_schema=schema, json_schema_of="tools"))
     assert e.value.field == "tools" and e.value.message.startswith("tools: vLLM refuses the JSON schema")
-    backend.check(None)
-    backend.check(LONG)  # nothing to refuse
+    assert await backend.check(None) is None
+    assert await backend.check(LONG) == LONG  # nothing to refuse
+    assert (await backend.check(RowSampling(temperature=1.0, top_k=10**9))).top_k is None  # past the vocabulary
+
+
+async def test_a_schema_slow_to_compile_is_refused_at_its_limit_while_the_replica_serves_others(backend):
+    # A nested anyOf whose grammar takes about a second to compile here, with a 50 ms limit:
+    # 400 SCHEMA_TOO_COMPLEX for it, while a plain request on the same engine runs to its end
+    # (the compile is in a grammar thread, not on the event loop nor the engine's loop).
+    import asyncio
+
+    from ballast.errors import SchemaTooComplex
+    from ballast.model.grammar import GrammarCompiles
+    from tests.unit.test_grammar import nested_any_of
+
+    kept = backend.grammars
+    backend._xgrammar()  # built at warmup in a replica
+    backend.grammars = GrammarCompiles(backend._compile_schema, threads=1, timeout_s=0.05)
+    try:
+        batch = backend.open_batch()
+        plain = asyncio.ensure_future(asyncio.to_thread(drain, batch, [[("plain", backend.encode("Hello!", 24), 24, LONG)]]))
+        with pytest.raises(SchemaTooComplex) as e:
+            await backend.check(RowSampling(json_schema=nested_any_of(7), json_schema_of="tools"))
+        assert e.value.field == "tools" and e.value.status == 400
+        assert len((await plain)["plain"]) == 24
+        for _ in range(6000):
+            if backend.grammars.running == 0:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        backend.grammars.close()
+        backend.grammars = kept
 
 
 def test_the_model_benchmark_drives_vllm_as_the_replica_does(backend):
