@@ -82,6 +82,37 @@ def test_a_bad_timeout_header_is_a_422_naming_it(client, raw):
     assert_refused(r, 422, "INVALID_REQUEST", "X-Request-Timeout-Ms")
 
 
+# -- 8, 12, 14. schemas, stops and sampling values are bounded ---------------------------
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("extra,status_code,code,field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _nested_schema(20)}}},
+     400, "SCHEMA_TOO_COMPLEX", "response_format"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "INVALID_REQUEST", "stop"),
+    ({"stop": ["s" * 2000]}, 400, "INVALID_REQUEST", "stop"),
+    ({"seed": 2**70}, 400, "INVALID_REQUEST", "seed"),
+    ({"temperature": 3.5}, 400, "INVALID_REQUEST", "temperature"),
+])
+def test_a_field_past_its_bound_is_refused_naming_it(client, extra, status_code, code, field):
+    r = client.post("/v1/chat/completions", headers=GOLD, json={"model": MODEL, "messages": CHAT, "max_tokens": 2, **extra})
+    assert_refused(r, status_code, code, field)
+
+
+def test_a_temperature_at_the_edge_of_range_is_answered_greedy(client):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 6}
+    greedy = client.post("/v1/chat/completions", headers=GOLD, json={**body, "temperature": 0})
+    tiny = client.post("/v1/chat/completions", headers=GOLD, json={**body, "temperature": 1e-40, "seed": 2**63 - 1})
+    assert greedy.status_code == tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["message"]["content"] == greedy.json()["choices"][0]["message"]["content"]
+
+
 # -- 3. the kill switch checks what the operator names ---------------------------------
 
 
