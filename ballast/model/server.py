@@ -501,12 +501,7 @@ class ModelServer:
             timeout_s = min(timeout_s, float(req["deadline_at_s"]) - time.time())
         ids, max_tokens = self._backend.fit(str(req["prompt"]), max_tokens, bool(req.get("add_special_tokens", True)))
         deadline_s = replica_deadline_s(now, timeout_s)
-        # EngineRefused / SchemaTooComplex: this request alone, before any work; a grammar
-        # compile waits for its thread no longer than the request's own deadline.
-        try:
-            sampling = await asyncio.wait_for(self._backend.check(_sampling(req)), max(0.0, deadline_s - now))
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"deadline of {timeout_s:.3f}s passed before its schema compiled") from None
+        sampling = await self._checked_sampling(req, deadline_s - now, timeout_s)
         self._next_key += 1
         item = _Item(
             ids,
@@ -553,6 +548,15 @@ class ModelServer:
                 self._leave_line(item)
             elif item.key in self._active:
                 self._wake.set()
+
+    async def _checked_sampling(self, req: dict[str, Any], left_s: float, timeout_s: float) -> Any:
+        """The request's sampling as the engine checked and normalised it. EngineRefused /
+        SchemaTooComplex: this request alone, before any work; a grammar compile waits for
+        its thread no longer than the request's own deadline (``left_s``)."""
+        try:
+            return await asyncio.wait_for(self._backend.check(_sampling(req)), max(0.0, left_s))
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"deadline of {timeout_s:.3f}s passed before its schema compiled") from None
 
     def _timed_out(self, item: _Item, timeout_s: float, now: float) -> Exception:
         """The error for a request whose deadline passed before its last chunk: the

@@ -126,24 +126,33 @@ def _wait_ready(url: str, timeout_s: float) -> bool:
     return False
 
 
+def _held_by_another(pid_path: Path) -> bool:
+    """Whether ``pid_path`` stops this stack from starting (said on stderr): a pid file
+    that is not this user's own, or a stack still running. A stale one is removed."""
+    if not os.path.lexists(pid_path):
+        return False
+    doc = read_pid(pid_path)
+    if doc is None:
+        print(f"{pid_path} is not this user's own pid file (owner, mode, symlink or URL); "
+              "remove it if it is stale", file=sys.stderr)
+        return True
+    try:
+        os.kill(doc["pid"], 0)
+    except OSError:
+        pid_path.unlink(missing_ok=True)  # left behind by a stack that died
+        return False
+    print(f"a Ballast stack is already running (pid {doc['pid']}); `make stop` first", file=sys.stderr)
+    return True
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ballast.config import load_config
 
     cfg = load_config(args.config, model_dir=getattr(args, "model", None) or None,
                       engine=getattr(args, "engine", None) or "transformers")
     pid_path = pidfile(cfg.http.port)
-    if os.path.lexists(pid_path):
-        doc = read_pid(pid_path)
-        if doc is None:
-            print(f"{pid_path} is not this user's own pid file (owner, mode, symlink or URL); "
-                  "remove it if it is stale", file=sys.stderr)
-            return 1
-        try:
-            os.kill(doc["pid"], 0)
-            print(f"a Ballast stack is already running (pid {doc['pid']}); `make stop` first", file=sys.stderr)
-            return 1
-        except OSError:
-            pid_path.unlink(missing_ok=True)  # left behind by a stack that died
+    if _held_by_another(pid_path):
+        return 1
 
     import ray
 
