@@ -29,9 +29,19 @@ def build_router(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> Any
         c for c in router_app.Router.__mro__
         if "__init__" in c.__dict__ and c.__dict__["__init__"].__qualname__ == "Router.__init__"
     )
-    router = cls(primary, cfg, fallback)
+    router = cls.__new__(cls)
+    # No shared key table: each router object keeps its Idempotency-Keys alone, as a router
+    # outside Ray does. A Ray left running by an earlier test (the integration session's)
+    # would otherwise give every router object of the run one detached table, and a key
+    # one test used would answer in the next.
+    router._keys_handle = _no_key_table
+    cls.__init__(router, primary, cfg, fallback)
     router._exchange = types.SimpleNamespace(start=lambda: None)  # no controller: snapshots are offered
     return router
+
+
+def _no_key_table() -> Any:
+    raise RuntimeError("no Ray here: the shared key table is unreachable")
 
 
 def build_pipeline(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> Any:
