@@ -164,6 +164,25 @@ def test_repeats_of_a_running_key_hold_no_place_and_a_reused_key_is_refused(clie
     assert len({a.json()["text"] for a in answers}) == 1
 
 
+# -- 6. one tenant's keys evict only its own -------------------------------------------
+
+
+def test_a_flood_of_one_tenants_keys_evicts_none_of_another_tenants(client, ballast):
+    """free sends more unique keys than the store holds in all (its bound and the global
+    one): gold's key, the oldest of all, still replays."""
+    idem = ballast.resilience.idempotency
+    gold = {**GOLD, "Idempotency-Key": f"gold-{time.monotonic_ns()}"}
+    first = client.post("/v1/generate", headers=gold, json={"prompt": "keep me", "max_tokens": 4})
+    assert first.status_code == 200, first.text
+    for i in range(idem.max_entries + 10):
+        r = client.post("/v1/generate", headers={**FREE, "Idempotency-Key": f"flood-{i}-{time.monotonic_ns()}"},
+                        json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    again = client.post("/v1/generate", headers=gold, json={"prompt": "keep me", "max_tokens": 4})
+    assert again.status_code == 200 and again.headers.get("x-ballast-idempotent-replay") == "true", again.headers
+    assert again.json()["text"] == first.json()["text"]
+
+
 # -- 11. runtime files are private -----------------------------------------------------
 
 

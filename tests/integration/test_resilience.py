@@ -58,6 +58,9 @@ def test_both_backends_failing_is_a_clear_503_or_a_cached_answer(client, chaos, 
     chaos("fallback", error_ratio=1.0)
     r = client.post("/v1/generate", headers=GOLD, json={"prompt": "cache me", "max_tokens": 5})
     assert r.status_code == 200 and r.json()["fallback"] == "cache" and r.json()["text"] == cached["text"]
+    # The cache is per tenant: another tenant sending gold's exact call learns nothing of it.
+    r = client.post("/v1/generate", headers=FREE, json={"prompt": "cache me", "max_tokens": 5})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "MODEL_UNAVAILABLE", r.text
     r = client.post("/v1/generate", headers=GOLD, json={"prompt": "never seen", "max_tokens": 5})
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "MODEL_UNAVAILABLE" and int(r.headers["retry-after"]) >= 1
