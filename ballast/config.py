@@ -184,7 +184,9 @@ class ModelConfig(_Strict):
             if self.checkpoint_path is not None:
                 raise ValueError(f"checkpoint_path is the builtin model's; a {self.backend} model is read from path")
         elif self.path is not None or self.dtype is not None:
-            raise ValueError("path and dtype are for backends 'transformers' and 'vllm' (the builtin model uses checkpoint_path)")
+            raise ValueError(
+                "path and dtype are for backends 'transformers' and 'vllm' (the builtin model uses checkpoint_path)"
+            )
         if self.engine_kwargs and self.backend != "vllm":
             raise ValueError("engine_kwargs are vLLM's (backend 'vllm')")
         if self.tool_parser is not None and self.backend != "vllm":
@@ -584,7 +586,9 @@ class RecycleSettings(_Strict):
     enabled: bool = True
     max_age_s: Optional[PositiveFloat] = 6 * 3600.0  # null: no age trigger
     jitter_ratio: float = Field(0.1, ge=0, lt=1)  # each replica's age threshold spread by ± this
-    window_start_hour: Optional[float] = Field(2.0, ge=0, lt=24)  # preferred low-traffic window (local time); null: any time
+    window_start_hour: Optional[float] = Field(
+        2.0, ge=0, lt=24
+    )  # preferred low-traffic window (local time); null: any time
     window_end_hour: Optional[float] = Field(5.0, ge=0, lt=24)
     forced_max_age_s: Optional[PositiveFloat] = 24 * 3600.0  # recycled at this age whatever the window or level
     max_unavailable: PositiveInt = 1
@@ -735,13 +739,19 @@ class BallastConfig(_Strict):
         if self.environment == "production" and self.chaos.enabled:
             raise ValueError("chaos.enabled: fault injection is for local and test stacks, never production")
         if self.fallback is not None and self.fallback.model.name == self.model.name:
-            raise ValueError("fallback.model.name must differ from model.name (kill switches and metrics tell them apart)")
+            raise ValueError(
+                "fallback.model.name must differ from model.name (kill switches and metrics tell them apart)"
+            )
         if self.environment == "production" and (self.auth.demo_keys or self.auth.demo_admin_token):
-            raise ValueError("auth.demo_keys / auth.demo_admin_token are for local use only; production takes keys from the environment or a file")
+            raise ValueError(
+                "auth.demo_keys / auth.demo_admin_token are for local use only; production takes keys from the environment or a file"
+            )
         unquoted = sorted(t for t, tc in self.tenants.items() if tc.rate_tokens_per_s is None and not tc.unlimited)
         if self.environment == "production" and unquoted:
-            raise ValueError(f"tenants: {unquoted} have no rate_tokens_per_s; production grants no unlimited quota "
-                             "unless the tenant says unlimited: true")
+            raise ValueError(
+                f"tenants: {unquoted} have no rate_tokens_per_s; production grants no unlimited quota "
+                "unless the tenant says unlimited: true"
+            )
         unknown = sorted(set(self.auth.demo_keys.values()) - set(self.tenants))
         if unknown:
             raise ValueError(f"auth.demo_keys name tenants not in tenants: {unknown}")
@@ -767,7 +777,9 @@ class BallastConfig(_Strict):
 
 
 def load_config(
-    source: "str | Path | dict[str, Any] | BallastConfig | None" = None, *, model_dir: "str | Path | None" = None,
+    source: "str | Path | dict[str, Any] | BallastConfig | None" = None,
+    *,
+    model_dir: "str | Path | None" = None,
     engine: str = "transformers",
 ) -> BallastConfig:
     """Build the config from a YAML path, a dict, or defaults; errors name the field.
@@ -812,7 +824,9 @@ def with_model_dir(data: dict[str, Any], model_dir: "str | Path", engine: str = 
     """``data`` with its primary model replaced by the Hugging Face directory ``model_dir``,
     served by ``engine`` ("transformers" or "vllm")."""
     path = Path(model_dir).expanduser().resolve()
-    model = {k: v for k, v in (data.get("model") or {}).items() if k not in ("checkpoint_path", "checkpoint_format", "seed")}
+    model = {
+        k: v for k, v in (data.get("model") or {}).items() if k not in ("checkpoint_path", "checkpoint_format", "seed")
+    }
     if engine != "vllm":
         model.pop("engine_kwargs", None)
     model.update(backend=engine, path=str(path), name=path.name[:64] or "model")

@@ -11,7 +11,6 @@ from typing import Optional, Sequence
 __all__ = ["StopScanner", "cut_at_stop"]
 
 
-
 def _stop_start(text: str, stops: Sequence[str]) -> Optional[int]:
     """Where the stop string that completes first in ``text`` starts (None: none does);
     of two completing at once, the longer (it started first)."""

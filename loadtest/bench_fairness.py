@@ -35,7 +35,9 @@ async def _quiet(c: LeanClient, key: str, workers: int, duration_s: float) -> tu
         while time.monotonic() < stop:
             t0 = time.perf_counter()
             try:
-                r = await c.post_json("/v1/generate", {"prompt": "quiet tenant", "max_tokens": 16}, {"Authorization": f"Bearer {key}"})
+                r = await c.post_json(
+                    "/v1/generate", {"prompt": "quiet tenant", "max_tokens": 16}, {"Authorization": f"Bearer {key}"}
+                )
             except LeanHttpError as e:  # no answer: counted, and the worker goes on
                 codes[e.kind] += 1
                 continue
@@ -136,7 +138,10 @@ def quiet_beside_noisy(args: Any) -> None:
         total = sum(r["codes"].values())
         ok = r["codes"][200] / total if total else float("nan")
         print(f"{side:<14} {total:>6} {ok:>8.3f} {_pct(r['lat'], 0.5):>9.1f} {_pct(r['lat'], 0.99):>9.1f}")
-    print("noisy tenant outcomes: " + ", ".join(f"{s} {c}: {n}" for (s, c), n in sorted(noisy_codes.items(), key=lambda kv: str(kv[0]))))
+    print(
+        "noisy tenant outcomes: "
+        + ", ".join(f"{s} {c}: {n}" for (s, c), n in sorted(noisy_codes.items(), key=lambda kv: str(kv[0])))
+    )
     ratio = _pct(results["beside"]["lat"], 0.99) / _pct(results["alone"]["lat"], 0.99)
     low, high = ratio_interval(results["beside"]["lat"], results["alone"]["lat"])
     print(f"quiet p99 beside / alone: {ratio:.3f} (90 % bootstrap interval {low:.3f}..{high:.3f}; target <= 1.1)")
@@ -149,7 +154,9 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--quiet-workers", type=int, default=2)
     parser.add_argument("--noise-factor", type=float, default=10.0)
     parser.add_argument("--no-shares", action="store_true", help="the quiet tenant only (part 1)")
-    parser.add_argument("--shares-only", action="store_true", help="the shares between two backlogged tenants only (parts 2 and 3)")
+    parser.add_argument(
+        "--shares-only", action="store_true", help="the shares between two backlogged tenants only (parts 2 and 3)"
+    )
     parser.add_argument("--shares-warmup-s", type=float, default=8.0)
     parser.add_argument("--shares-measure-s", type=float, default=20.0)
     args = parser.parse_args(argv)
@@ -165,9 +172,12 @@ def main(argv: "list[str] | None" = None) -> int:
 
     with open(args.config) as f:
         base = yaml.safe_load(f)
-    rows = fair_shares.run(base, PORT, args.shares_warmup_s, args.shares_measure_s,
-                           log=lambda s: print(f"... {s}", flush=True))
-    print(f"\nfair shares between two backlogged tenants (a's prompts 4x b's; {args.shares_measure_s:g} s measured each)")
+    rows = fair_shares.run(
+        base, PORT, args.shares_warmup_s, args.shares_measure_s, log=lambda s: print(f"... {s}", flush=True)
+    )
+    print(
+        f"\nfair shares between two backlogged tenants (a's prompts 4x b's; {args.shares_measure_s:g} s measured each)"
+    )
     print("\n".join(fair_shares.render(rows)))
     return 0
 

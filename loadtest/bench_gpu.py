@@ -97,8 +97,9 @@ def watchdog_case(
     from ballast.control.watchdog import PsutilSampler, WatchdogCore
 
     clock = [0.0]
-    core = WatchdogCore(settings, {"replica_id": f"bench-{name}"}, PsutilSampler(os.getpid()), gpu=probe,
-                        clock=lambda: clock[0])
+    core = WatchdogCore(
+        settings, {"replica_id": f"bench-{name}"}, PsutilSampler(os.getpid()), gpu=probe, clock=lambda: clock[0]
+    )
     leak: list[Any] = []
     first_leak_at: Optional[float] = None
     rungs: list[tuple[float, str]] = []
@@ -187,8 +188,10 @@ def main(argv: "list[str] | None" = None) -> int:
         return 1
     cfg = load_config(args.config)
     props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name}, {props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs; "
-          f"torch {torch.__version__} (CUDA {torch.version.cuda}); CPU threads {torch.get_num_threads()}")
+    print(
+        f"device: {props.name}, {props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs; "
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}); CPU threads {torch.get_num_threads()}"
+    )
 
     cpu = build_engine(cfg.model.model_copy(update={"device": "cpu"}))
     gpu = build_engine(cfg.model.model_copy(update={"device": "cuda"}))
@@ -196,10 +199,14 @@ def main(argv: "list[str] | None" = None) -> int:
         b.warmup()
     rows_list = [int(r) for r in args.rows.split(",")]
     no_sync = lambda: None  # noqa: E731
-    costs = {"cpu": decode_costs(cpu, rows_list, args.reps, no_sync),
-             "cuda": decode_costs(gpu, rows_list, args.reps, torch.cuda.synchronize)}
+    costs = {
+        "cpu": decode_costs(cpu, rows_list, args.reps, no_sync),
+        "cuda": decode_costs(gpu, rows_list, args.reps, torch.cuda.synchronize),
+    }
     a = cfg.model.architecture
-    print(f"\n1. decode, 4-step chunk, model d_model={a.d_model} n_layers={a.n_layers} ({cpu.parameter_count:,} params)")
+    print(
+        f"\n1. decode, 4-step chunk, model d_model={a.d_model} n_layers={a.n_layers} ({cpu.parameter_count:,} params)"
+    )
     print(f"{'rows':>5} | {'cpu ms':>8} {'cpu tok/s':>10} | {'cuda ms':>8} {'cuda tok/s':>10} | cpu/cuda")
     for rows in rows_list:
         c, g = costs["cpu"][rows], costs["cuda"][rows]
@@ -221,29 +228,37 @@ def main(argv: "list[str] | None" = None) -> int:
     print(f"   replica probe: {s}")
     print(f"   GPU uuid: {uuid}")
     print(f"   watchdog probe (pid {os.getpid()}): {p}")
-    print(f"   torch: allocated {torch.cuda.memory_allocated() / MB:.0f} MiB, reserved {torch.cuda.memory_reserved() / MB:.0f} MiB"
-          f" (NVML's per-process figure adds the CUDA context)")
+    print(
+        f"   torch: allocated {torch.cuda.memory_allocated() / MB:.0f} MiB, reserved {torch.cuda.memory_reserved() / MB:.0f} MiB"
+        f" (NVML's per-process figure adds the CUDA context)"
+    )
     if proc_probe is None or p is None or p.process_vram_bytes is None:
         print("   no per-process VRAM from NVML: the watchdog's VRAM series would be absent here")
         return 1
 
     settings = cfg.watchdog.model_copy(update={"warmup_s": 0.0})
-    print(f"\n3. VRAM watchdog, real NVML and real allocations; {args.samples} samples, {args.sample_s:g} simulated s apart "
-          f"(long window {settings.leak_window_s:g} s, verdict after {settings.leak_window_s * settings.leak_min_span_ratio:g} s; "
-          f"short window {settings.leak_short_window_s:g} s, verdict after {settings.leak_short_min_span_s:g} s within "
-          f"{_fmt_s(settings.leak_short_horizon_s)} of the limit; "
-          f"leak at >= {settings.vram_leak_mb_per_h:g} MB/h; ladder when time-to-limit < {_fmt_s(settings.warn_tto_s)})")
+    print(
+        f"\n3. VRAM watchdog, real NVML and real allocations; {args.samples} samples, {args.sample_s:g} simulated s apart "
+        f"(long window {settings.leak_window_s:g} s, verdict after {settings.leak_window_s * settings.leak_min_span_ratio:g} s; "
+        f"short window {settings.leak_short_window_s:g} s, verdict after {settings.leak_short_min_span_s:g} s within "
+        f"{_fmt_s(settings.leak_short_horizon_s)} of the limit; "
+        f"leak at >= {settings.vram_leak_mb_per_h:g} MB/h; ladder when time-to-limit < {_fmt_s(settings.warn_tto_s)})"
+    )
     cases = [("steady", 0.0), ("slow leak", args.slow_mb), ("fast leak", args.fast_mb)]
     for name, mb in cases:
         r = watchdog_case(name, settings, proc_probe, gpu, mb, args.samples, args.sample_s)
         slope = "-" if r["slope_mb_per_h"] is None else f"{r['slope_mb_per_h']:,.0f}"
-        print(f"   {name:<10} allocated {r['rate_mb_per_h']:>9,.0f} MB/h | measured {slope:>9} MB/h (r2 {r['r2'] if r['r2'] is None else round(r['r2'], 3)}) "
-              f"| leaking {r['leaking']} (first at {_fmt_s(r['first_leak_at_s'])}) | time-to-limit {_fmt_s(r['tto_s'])} "
-              f"(truth {_fmt_s(r['true_tto_s'])})")
+        print(
+            f"   {name:<10} allocated {r['rate_mb_per_h']:>9,.0f} MB/h | measured {slope:>9} MB/h (r2 {r['r2'] if r['r2'] is None else round(r['r2'], 3)}) "
+            f"| leaking {r['leaking']} (first at {_fmt_s(r['first_leak_at_s'])}) | time-to-limit {_fmt_s(r['tto_s'])} "
+            f"(truth {_fmt_s(r['true_tto_s'])})"
+        )
         rungs = ", ".join(f"{a} at {_fmt_s(t)}" for t, a in r["rungs"]) or "none"
         print(f"   {'':<10} rungs: {rungs}; ready {r['ready']}, recycle {r['recycle']}; reason {r['reason']!r}")
-        print(f"   {'':<10} process VRAM {r['vram_end_mb']:,.0f} MiB at the end, {r['vram_after_free_mb']:,.0f} MiB after freeing "
-              f"{r['leaked_mb']:,.0f} MiB; {r['sim_s'] / 3600:.2f} simulated h in {r['wall_s']:.1f} s")
+        print(
+            f"   {'':<10} process VRAM {r['vram_end_mb']:,.0f} MiB at the end, {r['vram_after_free_mb']:,.0f} MiB after freeing "
+            f"{r['leaked_mb']:,.0f} MiB; {r['sim_s'] / 3600:.2f} simulated h in {r['wall_s']:.1f} s"
+        )
     proc_probe.close()
     if dev_probe:
         dev_probe.close()

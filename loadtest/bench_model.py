@@ -60,7 +60,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 Clock = Callable[[], float]
 
@@ -102,7 +102,9 @@ def workload(
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        tokens = short_tokens if rng.random() < short_ratio else rng.randint(max(short_tokens, max_tokens // 2), max_tokens)
+        tokens = (
+            short_tokens if rng.random() < short_ratio else rng.randint(max(short_tokens, max_tokens // 2), max_tokens)
+        )
         out.append(Request(rng.choice(PROMPTS), tokens))
     return out
 
@@ -320,7 +322,12 @@ def _generate(model: Any, tokenizer: Any, prompts: list[str], n: int, device: st
 
 
 def run_generate(
-    model: Any, tokenizer: Any, device: str, requests: Sequence[Request], concurrency: int, clock: Clock = time.perf_counter
+    model: Any,
+    tokenizer: Any,
+    device: str,
+    requests: Sequence[Request],
+    concurrency: int,
+    clock: Clock = time.perf_counter,
 ) -> StackRun:
     """C requests at a time as a static batch; each request's latency is its batch's."""
     run = StackRun("generate", concurrency)
@@ -553,7 +560,7 @@ def run_all(
     loaded = load_checkpoint(path, device)
     backend = HFBackend(loaded, name="bench")
     backend.eos_ids = frozenset()  # every row runs to its max_tokens, as generate's do with min_new_tokens
-    model, tokenizer = loaded.model, loaded.tokenizer
+    tokenizer = loaded.tokenizer
     if tokenizer.pad_token_id is None:  # generate's left padding needs one; the backend pads with the same
         tokenizer.pad_token_id = backend._pad_id
     requests = workload(n_requests, max_tokens, seed)
@@ -566,8 +573,21 @@ def run_all(
         f"ballast chunks of {chunk_tokens} steps",
     ]
     notes: list[str] = []
-    report = _run_stacks(backend, loaded, requests, header, notes, concurrency, max_tokens, chunk_tokens, seed,
-                         short_trials, with_cb, clock, log)
+    report = _run_stacks(
+        backend,
+        loaded,
+        requests,
+        header,
+        notes,
+        concurrency,
+        max_tokens,
+        chunk_tokens,
+        seed,
+        short_trials,
+        with_cb,
+        clock,
+        log,
+    )
     # vLLM after the others, alone: its CPU worker polls for work (about a fifth of a
     # core while idle, measured here), which would slow the stacks beside it.
     vllm = _start_vllm(path, loaded, max(concurrency), notes, log) if with_vllm else None
@@ -607,8 +627,20 @@ def _run_vllm(
     if beside >= 1:
         longs = [r.max_tokens for r in requests if r.max_tokens != SHORT_TOKENS] or [max_tokens]
         log("short beside long: vllm")
-        report.shorts.append(short_beside_long_ballast(vllm, beside, longs, PROMPTS[4], short_trials, chunk_tokens, seed,
-                                                       clock, stack="vllm", sampling=to_the_end))
+        report.shorts.append(
+            short_beside_long_ballast(
+                vllm,
+                beside,
+                longs,
+                PROMPTS[4],
+                short_trials,
+                chunk_tokens,
+                seed,
+                clock,
+                stack="vllm",
+                sampling=to_the_end,
+            )
+        )
 
 
 def _start_vllm(path: Path, loaded: Any, rows: int, notes: list[str], log: Callable[[str], None]) -> Any:
@@ -629,10 +661,16 @@ def _vllm_line(vllm: Any) -> str:
 
     cfg = vllm._llm.vllm_config
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    where = f"CPU, OpenMP threads bound {bind!r} (vLLM's default keeps a core for its front)" if vllm.device == "cpu" else vllm.device
-    return (f"vllm: {vllm_pkg.__version__} on {where}; max_num_seqs {cfg.scheduler_config.max_num_seqs}, "
-            f"prefix caching {cfg.cache_config.enable_prefix_caching}; started in {vllm.start_s:.0f} s; "
-            f"driven as the replica drives it (chunks of the same steps); run after the others, alone")
+    where = (
+        f"CPU, OpenMP threads bound {bind!r} (vLLM's default keeps a core for its front)"
+        if vllm.device == "cpu"
+        else vllm.device
+    )
+    return (
+        f"vllm: {vllm_pkg.__version__} on {where}; max_num_seqs {cfg.scheduler_config.max_num_seqs}, "
+        f"prefix caching {cfg.cache_config.enable_prefix_caching}; started in {vllm.start_s:.0f} s; "
+        f"driven as the replica drives it (chunks of the same steps); run after the others, alone"
+    )
 
 
 def _run_stacks(
@@ -700,7 +738,9 @@ def _run_stacks(
 def render(report: Report) -> list[str]:
     lines = list(report.header)
     lines.append("")
-    lines.append(f"{'conc':>5} | {'stack':<16} | {'tokens':>7} {'tok/s':>8} | {'p50 ms':>8} {'p99 ms':>8} | vs generate")
+    lines.append(
+        f"{'conc':>5} | {'stack':<16} | {'tokens':>7} {'tok/s':>8} | {'p50 ms':>8} {'p99 ms':>8} | vs generate"
+    )
     by = {(r.concurrency, r.stack): r for r in report.runs}
     for r in report.runs:
         gen = by.get((r.concurrency, "generate"))
@@ -722,7 +762,9 @@ def render(report: Report) -> list[str]:
         for s in report.shorts:
             target = ""
             if s.stack == "ballast":
-                target = f"  target <= {SHORT_P99_TARGET_RATIO}x: {'ok' if s.ratio <= SHORT_P99_TARGET_RATIO else 'MISSED'}"
+                target = (
+                    f"  target <= {SHORT_P99_TARGET_RATIO}x: {'ok' if s.ratio <= SHORT_P99_TARGET_RATIO else 'MISSED'}"
+                )
             lines.append(
                 f"  {s.stack:<16} alone {pct(s.alone_s, 0.99) * 1e3:7.1f} ms (n={len(s.alone_s)}), beside "
                 f"{pct(s.beside_s, 0.99) * 1e3:7.1f} ms (n={len(s.beside_s)}): {s.ratio:5.2f}x{target}"
@@ -752,11 +794,15 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: "list[str] | None" = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="a checkpoint directory (default: build the demo model)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="a checkpoint directory (default: build the demo model)"
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--concurrency", type=_ints, default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=96, help="requests per row")
-    parser.add_argument("--max-tokens", type=int, default=128, help="the longest request's tokens (long: half to all of it)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=128, help="the longest request's tokens (long: half to all of it)"
+    )
     parser.add_argument("--chunk-tokens", type=int, default=4, help="ballast's steps per chunk (stream_chunk_tokens)")
     parser.add_argument("--short-trials", type=int, default=30, help="short requests alone and beside long ones")
     parser.add_argument("--seed", type=int, default=0)

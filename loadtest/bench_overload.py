@@ -147,7 +147,8 @@ class Phase:
 
     def good(self, criticality: Optional[str] = None) -> int:
         return sum(
-            1 for o in self.outcomes
+            1
+            for o in self.outcomes
             if o.status == 200 and o.latency_s <= self.slo_s and (criticality is None or o.criticality == criticality)
         )
 
@@ -177,7 +178,9 @@ class Phase:
         of critical misses, and Ballast's level and gate (last /v1/status sample in it)."""
         rows: dict[int, dict[str, Any]] = {}
         for o in self.outcomes:
-            row = rows.setdefault(int(o.sent_s), {"sent": 0, "good": 0, "crit": 0, "crit_good": 0, "crit_miss": Counter()})
+            row = rows.setdefault(
+                int(o.sent_s), {"sent": 0, "good": 0, "crit": 0, "crit_good": 0, "crit_miss": Counter()}
+            )
             good = o.status == 200 and o.latency_s <= self.slo_s
             row["sent"] += 1
             row["good"] += good
@@ -255,7 +258,9 @@ def criticality_sequence(n: int, mix: dict[str, float], seed: int) -> list[str]:
 
 def _client(stack: "Stack", max_connections: int) -> LeanClient:
     u = urlsplit(stack.url)
-    return LeanClient(u.hostname or "127.0.0.1", u.port or 80, max_connections=max_connections, timeout_s=CLIENT_TIMEOUT_S)
+    return LeanClient(
+        u.hostname or "127.0.0.1", u.port or 80, max_connections=max_connections, timeout_s=CLIENT_TIMEOUT_S
+    )
 
 
 async def offer(
@@ -345,8 +350,12 @@ LADDER_RUNGS = 20  # short probes at most on the ladder
 
 
 async def measure_capacity(
-    probe: Callable[[float, float, int], Awaitable[float]], guess: float, probe_s: float, confirm_s: float,
-    settle: Callable[[], Any], drain: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+    probe: Callable[[float, float, int], Awaitable[float]],
+    guess: float,
+    probe_s: float,
+    confirm_s: float,
+    settle: Callable[[], Any],
+    drain: Callable[[float], Awaitable[Any]] = asyncio.sleep,
 ) -> tuple[float, list[tuple[float, float, float]]]:
     """Highest rate with >= 90 % good: ``probe(rate, seconds, index)`` -> the good fraction.
 
@@ -456,8 +465,11 @@ def plain_serve_app(model_cfg: dict[str, Any], bounded: Optional[tuple[int, int]
     m = ModelConfig(**model_cfg)
     options: dict[str, Any] = {"name": "PlainModel"}
     if bounded is not None:
-        options.update(max_ongoing_requests=bounded[0], max_queued_requests=bounded[1],
-                       backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1))
+        options.update(
+            max_ongoing_requests=bounded[0],
+            max_queued_requests=bounded[1],
+            backpressure_config=BackpressureConfig(status_code=503, retry_after_s=1),
+        )
 
     @serve.deployment(**options)
     class PlainModel:
@@ -507,9 +519,15 @@ class ServerCpu:
         pids: dict[int, str] = {}
         for a in ray.util.list_named_actors(all_namespaces=True):
             name = a["name"]
-            role = ("proxy" if name.startswith("SERVE_PROXY_ACTOR")
-                    else "router" if f"#{ROUTER_DEPLOYMENT}#" in name
-                    else "ingress" if f"#{LLM_INGRESS_DEPLOYMENT}#" in name else None)
+            role = (
+                "proxy"
+                if name.startswith("SERVE_PROXY_ACTOR")
+                else "router"
+                if f"#{ROUTER_DEPLOYMENT}#" in name
+                else "ingress"
+                if f"#{LLM_INGRESS_DEPLOYMENT}#" in name
+                else None
+            )
             if role is None:
                 continue
             try:
@@ -540,8 +558,10 @@ def format_trace(phase: Phase) -> str:
     gate's limit, waiters and mean service at the second's last sample, and, since the
     previous line, the limit's decreases by signal (missed/slow/wait) and the gate's
     refusals by reason (only those that happened)."""
-    lines = [f"    {'s':>3} {'sent':>5} {'good':>5} {'crit':>9}  {'lvl':>3} {'limit':>5} {'wait':>4} {'svc ms':>6}  "
-             "critical misses | limit decreases | gate refusals"]
+    lines = [
+        f"    {'s':>3} {'sent':>5} {'good':>5} {'crit':>9}  {'lvl':>3} {'limit':>5} {'wait':>4} {'svc ms':>6}  "
+        "critical misses | limit decreases | gate refusals"
+    ]
     prev: dict[str, Any] = next((t["gate"] for t in phase.trace if t.get("gate")), {})  # counts before the phase
     for row in phase.per_second():
         st = row.get("status") or {}
@@ -623,8 +643,9 @@ def vllm_engine_kwargs(model_dir: str, rows: int) -> dict[str, Any]:
     return default_engine_kwargs(model_dir, dict(VLLM_ENGINE_KWARGS), rows)
 
 
-def llm_serve_app(model_id: str, model_dir: str, engine_kwargs: dict[str, Any],
-                  bounded: Optional[tuple[int, int]] = None) -> Any:
+def llm_serve_app(
+    model_id: str, model_dir: str, engine_kwargs: dict[str, Any], bounded: Optional[tuple[int, int]] = None
+) -> Any:
     """Plain ``ray.serve.llm``: its OpenAI app on one vLLM engine for ``model_dir``.
 
     ``bounded=None``: its defaults (ingress and LLM server take any number of requests,
@@ -645,8 +666,10 @@ def llm_serve_app(model_id: str, model_dir: str, engine_kwargs: dict[str, Any],
     builder: dict[str, Any] = {"llm_configs": [llm_config]}
     if bounded is not None:
         builder["ingress_deployment_config"] = {
-            "max_ongoing_requests": bounded[0], "max_queued_requests": bounded[1],
-            "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=1)}
+            "max_ongoing_requests": bounded[0],
+            "max_queued_requests": bounded[1],
+            "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=1),
+        }
     return build_openai_app(builder)
 
 
@@ -665,8 +688,9 @@ def machine_adjusted(result: dict[str, Any]) -> list[Optional[float]]:
     Printed beside the targets, never instead of them (the probe times the model
     alone; it says how much the host drifted, not how the stack shares it)."""
     at_c = result.get("machine_at_c")
-    return [p.goodput() / (result["C"] * p.machine_rps / at_c) if at_c and p.machine_rps else None
-            for p in result["phases"]]
+    return [
+        p.goodput() / (result["C"] * p.machine_rps / at_c) if at_c and p.machine_rps else None for p in result["phases"]
+    ]
 
 
 GOODPUT_TARGET = 0.9
@@ -676,10 +700,11 @@ REFUSAL_CPU_TARGET_MS = 0.2
 DEADLINE_SLACK_MS = 100.0
 
 
-def check_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dict[str, float],
-                  peer: Optional[dict[str, Any]] = None) -> list[tuple[str, bool, str]]:
+def check_targets(
+    result: dict[str, Any], multiples: tuple[float, ...], mix: dict[str, float], peer: Optional[dict[str, Any]] = None
+) -> list[tuple[str, bool, str]]:
     """The overload targets (issue 21) for one stack's run: (target, met, figures)."""
-    cap, phases = result["C"], result["phases"]
+    phases = result["phases"]
     out = [_goodput_target(result, multiples), _critical_plus_target(result, multiples, mix)]
     worst: list[str] = []
     met = True
@@ -692,19 +717,29 @@ def check_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dic
                 worst.append(f"{k:g}C {c}:{share:.3f}")
     out.append((f"every other class >= {FEASIBLE_TARGET} of its feasible share", met, " ".join(worst) or "all met"))
     costs = [(k, c) for k, c in zip(multiples, refusal_cpu_ms(phases)) if c is not None]
-    out.append((f"a refusal <= {REFUSAL_CPU_TARGET_MS} ms of server CPU", bool(costs) and all(c <= REFUSAL_CPU_TARGET_MS for _, c in costs),
-                " ".join(f"{k:g}C:{c:.2f}ms" for k, c in costs) or "no phase refused enough to tell"))
+    out.append(
+        (
+            f"a refusal <= {REFUSAL_CPU_TARGET_MS} ms of server CPU",
+            bool(costs) and all(c <= REFUSAL_CPU_TARGET_MS for _, c in costs),
+            " ".join(f"{k:g}C:{c:.2f}ms" for k, c in costs) or "no phase refused enough to tell",
+        )
+    )
     late = [(k, p.answer_p99_ms()) for k, p in zip(multiples, phases)]
-    out.append((f"every answer within its deadline + {DEADLINE_SLACK_MS:g} ms at p99",
-                all(ms <= p.slo_s * 1000.0 + DEADLINE_SLACK_MS for (_, ms), p in zip(late, phases)),
-                " ".join(f"{k:g}C:{ms:.0f}ms" for k, ms in late)))
+    out.append(
+        (
+            f"every answer within its deadline + {DEADLINE_SLACK_MS:g} ms at p99",
+            all(ms <= p.slo_s * 1000.0 + DEADLINE_SLACK_MS for (_, ms), p in zip(late, phases)),
+            " ".join(f"{k:g}C:{ms:.0f}ms" for k, ms in late),
+        )
+    )
     if peer is not None:
         out.append(_ahead_target(result, peer, multiples, "plain Serve with a bounded queue"))
     return out
 
 
-def check_vllm_targets(result: dict[str, Any], multiples: tuple[float, ...], mix: dict[str, float],
-                       llm: Optional[dict[str, Any]] = None) -> list[tuple[str, bool, str]]:
+def check_vllm_targets(
+    result: dict[str, Any], multiples: tuple[float, ...], mix: dict[str, float], llm: Optional[dict[str, Any]] = None
+) -> list[tuple[str, bool, str]]:
     """The targets for Ballast on vLLM: goodput >= 0.9 C at every multiple,
     critical_plus where its demand fits, and ahead of plain ``ray.serve.llm`` (``llm``,
     where it ran) in answers within the SLO per second at every multiple."""
@@ -716,31 +751,46 @@ def check_vllm_targets(result: dict[str, Any], multiples: tuple[float, ...], mix
 
 def _goodput_target(result: dict[str, Any], multiples: tuple[float, ...]) -> tuple[str, bool, str]:
     goodputs = [p.goodput() / result["C"] for p in result["phases"]]
-    return (f"goodput >= {GOODPUT_TARGET} C at every multiple", all(g >= GOODPUT_TARGET for g in goodputs),
-            " ".join(f"{k:g}C:{g:.3f}" for k, g in zip(multiples, goodputs)))
+    return (
+        f"goodput >= {GOODPUT_TARGET} C at every multiple",
+        all(g >= GOODPUT_TARGET for g in goodputs),
+        " ".join(f"{k:g}C:{g:.3f}" for k, g in zip(multiples, goodputs)),
+    )
 
 
-def _critical_plus_target(result: dict[str, Any], multiples: tuple[float, ...],
-                          mix: dict[str, float]) -> tuple[str, bool, str]:
-    cp = [(k, p.good_fraction("critical_plus")) for k, p in zip(multiples, result["phases"])
-          if mix["critical_plus"] * k <= 1.0]
-    return (f"critical_plus >= {CRITICAL_PLUS_TARGET} where its demand fits in C",
-            all(f >= CRITICAL_PLUS_TARGET for _, f in cp), " ".join(f"{k:g}C:{f:.4f}" for k, f in cp))
+def _critical_plus_target(
+    result: dict[str, Any], multiples: tuple[float, ...], mix: dict[str, float]
+) -> tuple[str, bool, str]:
+    cp = [
+        (k, p.good_fraction("critical_plus"))
+        for k, p in zip(multiples, result["phases"])
+        if mix["critical_plus"] * k <= 1.0
+    ]
+    return (
+        f"critical_plus >= {CRITICAL_PLUS_TARGET} where its demand fits in C",
+        all(f >= CRITICAL_PLUS_TARGET for _, f in cp),
+        " ".join(f"{k:g}C:{f:.4f}" for k, f in cp),
+    )
 
 
-def _ahead_target(result: dict[str, Any], peer: dict[str, Any], multiples: tuple[float, ...],
-                  peer_name: str) -> tuple[str, bool, str]:
+def _ahead_target(
+    result: dict[str, Any], peer: dict[str, Any], multiples: tuple[float, ...], peer_name: str
+) -> tuple[str, bool, str]:
     """Ahead of ``peer`` in requests a second answered within the SLO at the same multiple of
     each stack's own C (the offered rate is the higher one wherever C is), not on goodput / C:
     a bounded queue's C probe stops where Poisson bursts overflow its small queue (>= 10 %
     503s), below the rate it serves once the queue is always full, so its ratio passes
     1.2-1.4 past 1 C and would reward a C probed short. The ratios are printed beside."""
     cap = result["C"]
-    ahead = [(k, p.goodput() / cap, q.goodput() / peer["C"], p.goodput(), q.goodput())
-             for k, p, q in zip(multiples, result["phases"], peer["phases"])]
-    return (f"ahead of {peer_name} at every multiple (answers within the SLO per second)",
-            all(x > y for _, _, _, x, y in ahead),
-            " ".join(f"{k:g}C:{x:.1f}/{y:.1f} req/s (goodput/C {a:.3f}/{b:.3f})" for k, a, b, x, y in ahead))
+    ahead = [
+        (k, p.goodput() / cap, q.goodput() / peer["C"], p.goodput(), q.goodput())
+        for k, p, q in zip(multiples, result["phases"], peer["phases"])
+    ]
+    return (
+        f"ahead of {peer_name} at every multiple (answers within the SLO per second)",
+        all(x > y for _, _, _, x, y in ahead),
+        " ".join(f"{k:g}C:{x:.1f}/{y:.1f} req/s (goodput/C {a:.3f}/{b:.3f})" for k, a, b, x, y in ahead),
+    )
 
 
 @dataclass(frozen=True)
@@ -759,8 +809,11 @@ class _Settings:
         args = self.args
         if args.only:
             return [args.only]
-        return (["plain", "plain-bounded", "ballast"] + (["ballast+sdk"] if args.sdk else [])
-                + ([] if args.no_vllm else list(VLLM_STACKS)))
+        return (
+            ["plain", "plain-bounded", "ballast"]
+            + (["ballast+sdk"] if args.sdk else [])
+            + ([] if args.no_vllm else list(VLLM_STACKS))
+        )
 
     @property
     def vllm(self) -> bool:
@@ -793,35 +846,72 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default="cluster/local.yaml")
     parser.add_argument("--slo-s", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--probe-s", type=float, default=8.0,
-                        help="length of each capacity probe on the ladder (the last passing rung is confirmed over --phase-s)")
+    parser.add_argument(
+        "--probe-s",
+        type=float,
+        default=8.0,
+        help="length of each capacity probe on the ladder (the last passing rung is confirmed over --phase-s)",
+    )
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each phase (1/2/4/10 C by default)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--only", choices=STACK_NAMES, default=None)
-    parser.add_argument("--no-vllm", action="store_true",
-                        help="leave out the vLLM stacks (llm, llm-bounded, ballast-vllm)")
-    parser.add_argument("--vllm-model", default="models/demo",
-                        help="the vLLM stacks' Hugging Face directory (make demo-model writes models/demo)")
-    parser.add_argument("--llm-queue-factor", type=float, default=0.25,
-                        help="llm-bounded: max_queued_requests as a factor of C x SLO (bounded_queue), fixed")
-    parser.add_argument("--queue-factors", default="0.1,0.25,0.5",
-                        help="plain-bounded: max_queued_requests tried at 4 C, as factors of C x SLO "
-                             "(bounded_queue); the best pair with --ongoing is kept for its phases")
-    parser.add_argument("--ongoing", default="8,16,32",
-                        help="plain-bounded: max_ongoing_requests tried at 4 C with each queue bound")
-    parser.add_argument("--sdk", action="store_true", help="also run the Ballast rows through the SDK (its httpx shares the cores)")
-    parser.add_argument("--capacity", type=float, default=None,
-                        help="take C as given (req/s) instead of measuring it: for quick re-runs of the phases")
-    parser.add_argument("--multiples", default=",".join(f"{k:g}" for k in MULTIPLES),
-                        help="the phases, as multiples of C (comma-separated, ascending), e.g. 2,4 for a quick re-run")
-    parser.add_argument("--trace", action="store_true",
-                        help="print each phase second by second: sent, good, critical misses by code, level and gate")
-    parser.add_argument("--model-replicas", type=int, default=1, help="Ballast's model replicas, fixed (plain Serve has 1)")
+    parser.add_argument(
+        "--no-vllm", action="store_true", help="leave out the vLLM stacks (llm, llm-bounded, ballast-vllm)"
+    )
+    parser.add_argument(
+        "--vllm-model",
+        default="models/demo",
+        help="the vLLM stacks' Hugging Face directory (make demo-model writes models/demo)",
+    )
+    parser.add_argument(
+        "--llm-queue-factor",
+        type=float,
+        default=0.25,
+        help="llm-bounded: max_queued_requests as a factor of C x SLO (bounded_queue), fixed",
+    )
+    parser.add_argument(
+        "--queue-factors",
+        default="0.1,0.25,0.5",
+        help="plain-bounded: max_queued_requests tried at 4 C, as factors of C x SLO "
+        "(bounded_queue); the best pair with --ongoing is kept for its phases",
+    )
+    parser.add_argument(
+        "--ongoing", default="8,16,32", help="plain-bounded: max_ongoing_requests tried at 4 C with each queue bound"
+    )
+    parser.add_argument(
+        "--sdk", action="store_true", help="also run the Ballast rows through the SDK (its httpx shares the cores)"
+    )
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        default=None,
+        help="take C as given (req/s) instead of measuring it: for quick re-runs of the phases",
+    )
+    parser.add_argument(
+        "--multiples",
+        default=",".join(f"{k:g}" for k in MULTIPLES),
+        help="the phases, as multiples of C (comma-separated, ascending), e.g. 2,4 for a quick re-run",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="print each phase second by second: sent, good, critical misses by code, level and gate",
+    )
+    parser.add_argument(
+        "--model-replicas", type=int, default=1, help="Ballast's model replicas, fixed (plain Serve has 1)"
+    )
     return parser
 
 
-def _comma_list(parser: argparse.ArgumentParser, flag: str, raw: str, cast: Callable[[str], Any], kind: str,
-                valid: Callable[[tuple[Any, ...]], bool], need: str) -> tuple[Any, ...]:
+def _comma_list(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    raw: str,
+    cast: Callable[[str], Any],
+    kind: str,
+    valid: Callable[[tuple[Any, ...]], bool],
+    need: str,
+) -> tuple[Any, ...]:
     """``raw`` split on commas and cast; a usage error naming ``flag`` where it is not ``valid``."""
     try:
         values = tuple(cast(v) for v in raw.split(","))
@@ -836,13 +926,27 @@ def parse_settings(argv: "list[str] | None" = None) -> _Settings:
     """The command line, checked before anything starts (Ray, the speed probe)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    multiples = _comma_list(parser, "--multiples", args.multiples, float, "numbers",
-                            lambda ks: all(k > 0 for k in ks) and list(ks) == sorted(ks),
-                            "positive multiples in ascending order")
-    queue_factors = _comma_list(parser, "--queue-factors", args.queue_factors, float, "numbers",
-                                lambda fs: all(f > 0 for f in fs), "positive factors")
-    ongoing_options = _comma_list(parser, "--ongoing", args.ongoing, int, "integers",
-                                  lambda ns: all(n >= 1 for n in ns), "positive integers")
+    multiples = _comma_list(
+        parser,
+        "--multiples",
+        args.multiples,
+        float,
+        "numbers",
+        lambda ks: all(k > 0 for k in ks) and list(ks) == sorted(ks),
+        "positive multiples in ascending order",
+    )
+    queue_factors = _comma_list(
+        parser,
+        "--queue-factors",
+        args.queue_factors,
+        float,
+        "numbers",
+        lambda fs: all(f > 0 for f in fs),
+        "positive factors",
+    )
+    ongoing_options = _comma_list(
+        parser, "--ongoing", args.ongoing, int, "integers", lambda ns: all(n >= 1 for n in ns), "positive integers"
+    )
     if not args.llm_queue_factor > 0:
         parser.error(f"--llm-queue-factor: need a positive factor, got {args.llm_queue_factor!r}")
     settings = _Settings(args, multiples, queue_factors, ongoing_options)
@@ -858,8 +962,14 @@ def completion_body(model: str, max_tokens: int, crit: str) -> dict[str, Any]:
     """A ``/v1/completions`` request as the vLLM stacks get it: greedy and to ``max_tokens``
     (``ignore_eos``, vLLM's extension, which Ballast passes on), so that every answer is the
     same work whichever stack serves it; ``criticality`` is Ballast's (vLLM ignores it)."""
-    return {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "criticality": crit}
+    return {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "criticality": crit,
+    }
 
 
 def _stacks(cfg: Any, args: argparse.Namespace, model: Optional[str] = None) -> dict[str, Stack]:
@@ -878,10 +988,16 @@ def _stacks(cfg: Any, args: argparse.Namespace, model: Optional[str] = None) -> 
     def sdk_client() -> Any:
         from ballast.client import AsyncBallastClient, ClientConfig
 
-        return AsyncBallastClient(ClientConfig(
-            base_url=prefix, api_key=BENCH_KEY, max_attempts=1,
-            request_timeout_ms=int(args.slo_s * 1000), connect_timeout_s=CLIENT_TIMEOUT_S, read_timeout_s=CLIENT_TIMEOUT_S,
-        ))
+        return AsyncBallastClient(
+            ClientConfig(
+                base_url=prefix,
+                api_key=BENCH_KEY,
+                max_attempts=1,
+                request_timeout_ms=int(args.slo_s * 1000),
+                connect_timeout_s=CLIENT_TIMEOUT_S,
+                read_timeout_s=CLIENT_TIMEOUT_S,
+            )
+        )
 
     return {
         "plain": Stack("plain", f"{BASE}/plain", dict(timeout_header), body),
@@ -890,8 +1006,9 @@ def _stacks(cfg: Any, args: argparse.Namespace, model: Optional[str] = None) -> 
         "ballast+sdk": Stack("ballast+sdk", f"{prefix}/v1/generate", {}, body, sdk=sdk_client),
         "llm": Stack("llm", f"{BASE}/llm/v1/completions", dict(timeout_header), completion),
         "llm-bounded": Stack("llm-bounded", f"{BASE}/llm-bounded/v1/completions", dict(timeout_header), completion),
-        "ballast-vllm": Stack("ballast-vllm", f"{prefix}/v1/completions", {**key, **timeout_header}, completion,
-                              class_header=True),
+        "ballast-vllm": Stack(
+            "ballast-vllm", f"{prefix}/v1/completions", {**key, **timeout_header}, completion, class_header=True
+        ),
     }
 
 
@@ -912,7 +1029,9 @@ class _Bench:
         self.cfg = cfg = bench_config(self.args.config, self.args.model_replicas)
         self.speed = SpeedProbeProcess(cfg.model.architecture.model_dump(), cfg.model.seed)
         # Ballast on vLLM; its model, name and engine settings are the llm stacks' too.
-        self.vllm_cfg = bench_vllm_config(self.args.config, self.args.vllm_model, self.args.model_replicas) if s.vllm else None
+        self.vllm_cfg = (
+            bench_vllm_config(self.args.config, self.args.vllm_model, self.args.model_replicas) if s.vllm else None
+        )
         self.stacks = _stacks(cfg, self.args, self.vllm_cfg.model.name if self.vllm_cfg else None)
         if self.vllm_cfg is not None:
             m = self.vllm_cfg.model
@@ -1047,8 +1166,9 @@ class _Bench:
         print(f"  {name}: server CPU read from {found}; {idle_cores:.3f} cores with no traffic", flush=True)
         return idle_cores
 
-    async def _offer_multiples(self, stack: Stack, cap: float, idle_cores: float,
-                               settle: Callable[[], Any]) -> list[Phase]:
+    async def _offer_multiples(
+        self, stack: Stack, cap: float, idle_cores: float, settle: Callable[[], Any]
+    ) -> list[Phase]:
         """Each multiple of C, from a settled stack, through one SDK client for all of them."""
         phases = []
         sdk = stack.sdk() if stack.sdk is not None else None
@@ -1088,16 +1208,24 @@ class _Bench:
     def _print_phase(self, name: str, k: float, cap: float, phase: Phase) -> None:
         """A phase as it ends: goodput / C and codes per class; Ballast's levels, gate and breakers."""
         by_crit = {c: dict(Counter(o.code for o in phase.outcomes if o.criticality == c)) for c in self.mix}
-        print(f"  {name} {k:g} C: goodput/C {phase.goodput() / cap:.3f} {by_crit}; "
-              f"send lag p99 {phase.send_lag_p99_ms():.0f} ms", flush=True)
+        print(
+            f"  {name} {k:g} C: goodput/C {phase.goodput() / cap:.3f} {by_crit}; "
+            f"send lag p99 {phase.send_lag_p99_ms():.0f} ms",
+            flush=True,
+        )
         trace = phase.trace
         if trace:
             levels = Counter(t["level"] for t in trace)
             limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
-            print(f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
-                  f"last gate {trace[-1].get('gate')}", flush=True)
+            print(
+                f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
+                f"last gate {trace[-1].get('gate')}",
+                flush=True,
+            )
             reasons = Counter(reason_kind((t.get("snapshot") or {}).get("reason")) for t in trace)
-            breakers = Counter(f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items())
+            breakers = Counter(
+                f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items()
+            )
             print(f"    level reasons {dict(reasons)}; breakers {dict(breakers)}", flush=True)
         if self.args.trace:
             print(format_trace(phase), flush=True)
@@ -1114,12 +1242,18 @@ class _Bench:
 
         try:
             (cap, probes), self.machine_at_c[stack.name] = await self.timed_machine(
-                lambda: measure_capacity(good_fraction, guess, args.probe_s, args.phase_s, settle), 1.0)
+                lambda: measure_capacity(good_fraction, guess, args.probe_s, args.phase_s, settle), 1.0
+            )
         except RuntimeError as err:
             raise RuntimeError(f"{stack.name}: {err}") from None
-        print(f"{stack.name}: closed-loop {guess:.1f} req/s; probes " +
-              ", ".join(f"{r:.1f}/s" + (f" for {t:g} s" if t != args.probe_s else "") + f"->{f:.2f}" for r, t, f in probes)
-              + f"; C = {cap:.1f} req/s; machine {self.machine_at_c[stack.name]:.1f} rows/s", flush=True)
+        print(
+            f"{stack.name}: closed-loop {guess:.1f} req/s; probes "
+            + ", ".join(
+                f"{r:.1f}/s" + (f" for {t:g} s" if t != args.probe_s else "") + f"->{f:.2f}" for r, t, f in probes
+            )
+            + f"; C = {cap:.1f} req/s; machine {self.machine_at_c[stack.name]:.1f} rows/s",
+            flush=True,
+        )
         return cap
 
     def swap_plain_app(self, queue: Optional[int], ongoing: Optional[int] = None) -> None:
@@ -1133,8 +1267,12 @@ class _Bench:
         if "plain" in serve.status().applications:
             serve.delete("plain")  # one model replica at a time: they would share the cores
         bounded = (self.max_ongoing if ongoing is None else ongoing, queue)
-        serve.run(plain_serve_app(self.model_cfg, bounded=bounded), name="plain-bounded",
-                  route_prefix="/plain-bounded", blocking=False)
+        serve.run(
+            plain_serve_app(self.model_cfg, bounded=bounded),
+            name="plain-bounded",
+            route_prefix="/plain-bounded",
+            blocking=False,
+        )
 
     def swap_llm_app(self, queue: Optional[int]) -> None:
         """The ray.serve.llm app under test: its defaults (None, deployed as "llm") or, as
@@ -1149,10 +1287,17 @@ class _Bench:
         m = self.vllm_cfg.model
         name, bounded = ("llm", None) if queue is None else ("llm-bounded", (self.llm_ongoing, queue))
         t0 = time.monotonic()
-        serve.run(llm_serve_app(m.name, str(m.path), m.engine_kwargs, bounded), name=name,
-                  route_prefix=f"/{name}", blocking=False)
-        print(f"  {name}: ray.serve.llm on vLLM ready in {time.monotonic() - t0:.0f} s"
-              + (f" (max_ongoing_requests {bounded[0]}, max_queued_requests {bounded[1]})" if bounded else ""), flush=True)
+        serve.run(
+            llm_serve_app(m.name, str(m.path), m.engine_kwargs, bounded),
+            name=name,
+            route_prefix=f"/{name}",
+            blocking=False,
+        )
+        print(
+            f"  {name}: ray.serve.llm on vLLM ready in {time.monotonic() - t0:.0f} s"
+            + (f" (max_ongoing_requests {bounded[0]}, max_queued_requests {bounded[1]})" if bounded else ""),
+            flush=True,
+        )
 
     @property
     def llm_ongoing(self) -> int:
@@ -1179,8 +1324,11 @@ class _Bench:
                 await settle()
                 phase = await offer(stack, 4 * cap, args.phase_s / 2, args.slo_s, self.mix, args.seed + 50)
                 tried.append((phase.goodput() / cap, ongoing, q))
-                print(f"  plain-bounded at 4 C, max_ongoing_requests {ongoing}, max_queued_requests {q} "
-                      f"({f:g} x C x SLO): goodput/C {tried[-1][0]:.3f}", flush=True)
+                print(
+                    f"  plain-bounded at 4 C, max_ongoing_requests {ongoing}, max_queued_requests {q} "
+                    f"({f:g} x C x SLO): goodput/C {tried[-1][0]:.3f}",
+                    flush=True,
+                )
         best = max(tried)
         await asyncio.to_thread(self.swap_plain_app, best[2], best[1])
         return {"max_ongoing_requests": best[1], "max_queued_requests": best[2], "tried": tried}
@@ -1210,6 +1358,7 @@ class _Bench:
                 stop = time.monotonic() + 180.0
                 while time.monotonic() < stop and await self.level() != 0:
                     await asyncio.sleep(1.0)
+
         return settle
 
     async def timed_machine(self, work: Callable[[], Awaitable[Any]], drain_s: float) -> tuple[Any, float]:
@@ -1232,8 +1381,11 @@ def _print_settings(results: dict[str, dict[str, Any]], s: _Settings) -> None:
 
 def _print_results(results: dict[str, dict[str, Any]], s: _Settings) -> None:
     """One row per stack and multiple: goodput / C, success by class, latency and CPU."""
-    head = f"{'stack':<13} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} " + " ".join(
-        f"{c[:10]:>10}" for c in CRITICALITIES) + f" {'adm p99 ms':>10} {'ans p99 ms':>10} {'lag p99 ms':>10} {'cli cores':>9} {'srv cores':>9} {'ms/refusal':>10} {'at edge':>7} {'machine':>7}"
+    head = (
+        f"{'stack':<13} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} "
+        + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES)
+        + f" {'adm p99 ms':>10} {'ans p99 ms':>10} {'lag p99 ms':>10} {'cli cores':>9} {'srv cores':>9} {'ms/refusal':>10} {'at edge':>7} {'machine':>7}"
+    )
     print(head)
     for name, r in results.items():
         costs = refusal_cpu_ms(r["phases"])
@@ -1248,12 +1400,14 @@ def _print_results(results: dict[str, dict[str, Any]], s: _Settings) -> None:
                 + f"{'-' if not phase.refused() else format(phase.edge_refused / phase.refused(), '.2f'):>7} "
                 + f"{machine_ratio(r, phase):>7}"
             )
-    print("adm p99: of the 200s; ans p99: of every answer (200, 429/503, 504), each request's deadline being the SLO; "
-          "cli cores: the load generator's CPU per second (it shares the host); srv cores: CPU of the processes in front of the model (proxy, routers or ray.serve.llm's ingress, HAProxy) per second of the phase; "
-          "ms/refusal: their CPU less their idle use and the answers' (at the first phase's cost each), over the "
-          "429/503 refusals; at edge: the share of those HAProxy answered (Ballast's edge); machine: the host's speed "
-          "around the phase over its speed while C was measured (loadtest.machine_speed: the replica's batch "
-          "in a process of its own; rows/s where C was given)")
+    print(
+        "adm p99: of the 200s; ans p99: of every answer (200, 429/503, 504), each request's deadline being the SLO; "
+        "cli cores: the load generator's CPU per second (it shares the host); srv cores: CPU of the processes in front of the model (proxy, routers or ray.serve.llm's ingress, HAProxy) per second of the phase; "
+        "ms/refusal: their CPU less their idle use and the answers' (at the first phase's cost each), over the "
+        "429/503 refusals; at edge: the share of those HAProxy answered (Ballast's edge); machine: the host's speed "
+        "around the phase over its speed while C was measured (loadtest.machine_speed: the replica's batch "
+        "in a process of its own; rows/s where C was given)"
+    )
 
 
 def _print_feasible(results: dict[str, dict[str, Any]], s: _Settings) -> None:
@@ -1275,14 +1429,18 @@ def _print_bounded(results: dict[str, dict[str, Any]], s: _Settings) -> None:
     bounded = results.get("plain-bounded")
     if bounded is not None and bounded.get("queue"):
         q = bounded["queue"]
-        print(f"\nplain-bounded: max_ongoing_requests {q['max_ongoing_requests']}, max_queued_requests "
-              f"{q['max_queued_requests']}: the best goodput/C at 4 C of (ongoing, queued) "
-              + ", ".join(f"({n}, {qq}) -> {g:.3f}" for g, n, qq in q["tried"]))
+        print(
+            f"\nplain-bounded: max_ongoing_requests {q['max_ongoing_requests']}, max_queued_requests "
+            f"{q['max_queued_requests']}: the best goodput/C at 4 C of (ongoing, queued) "
+            + ", ".join(f"({n}, {qq}) -> {g:.3f}" for g, n, qq in q["tried"])
+        )
     llm = results.get("llm-bounded")
     if llm is not None and llm.get("queue"):
         q = llm["queue"]
-        print(f"\nllm-bounded: the ingress's max_ongoing_requests {q['max_ongoing_requests']} (the engine's "
-              f"max_num_seqs), max_queued_requests {q['max_queued_requests']} ({q['factor']:g} x C x SLO, fixed)")
+        print(
+            f"\nllm-bounded: the ingress's max_ongoing_requests {q['max_ongoing_requests']} (the engine's "
+            f"max_num_seqs), max_queued_requests {q['max_queued_requests']} ({q['factor']:g} x C x SLO, fixed)"
+        )
 
 
 def _print_targets(results: dict[str, dict[str, Any]], s: _Settings) -> None:
@@ -1310,8 +1468,10 @@ def _print_targets(results: dict[str, dict[str, Any]], s: _Settings) -> None:
 def _print_adjusted(result: dict[str, Any], s: _Settings) -> None:
     adjusted = machine_adjusted(result)
     if any(a is not None for a in adjusted):
-        print("  (not a target) goodput / C at the speed the host had while C was measured: "
-              + " ".join(f"{k:g}C:{a:.3f}" for k, a in zip(s.multiples, adjusted) if a is not None))
+        print(
+            "  (not a target) goodput / C at the speed the host had while C was measured: "
+            + " ".join(f"{k:g}C:{a:.3f}" for k, a in zip(s.multiples, adjusted) if a is not None)
+        )
 
 
 REPORT = (_print_settings, _print_results, _print_feasible, _print_bounded, _print_targets)

@@ -11,7 +11,6 @@ Closed-loop load at a fixed concurrency, alternating A/B in rounds so that drift
 Loopback only; bounded in time. Run: ``make bench-router``.
 """
 
-
 import argparse
 import asyncio
 import contextlib

@@ -102,8 +102,9 @@ class LoadReport:
 
     def failures(self, keyed: Optional[bool] = None, since: float = 0.0) -> Counter:
         """Failed requests by cause: keyed ones, unkeyed ones (streams included), or all (None)."""
-        return Counter(o.cause for o in self.outcomes
-                       if (keyed is None or o.keyed == keyed) and o.cause != "ok" and o.t >= since)
+        return Counter(
+            o.cause for o in self.outcomes if (keyed is None or o.keyed == keyed) and o.cause != "ok" and o.t >= since
+        )
 
     def migrated(self, since: float = 0.0) -> tuple[int, int]:
         """(requests carried on after losing their replica or router, moves in all): the
@@ -155,8 +156,16 @@ class _Progress:
 class ClusterLoad:
     """``callers`` closed-loop callers over ``endpoints`` in a thread of its own."""
 
-    def __init__(self, endpoints: list[str], api_key: str, callers: int = 6, max_tokens: int = 8,
-                 timeout_s: float = 10.0, duration_s: float = 120.0, admin_token: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        endpoints: list[str],
+        api_key: str,
+        callers: int = 6,
+        max_tokens: int = 8,
+        timeout_s: float = 10.0,
+        duration_s: float = 120.0,
+        admin_token: Optional[str] = None,
+    ) -> None:
         self.endpoints = [check_own(e) for e in endpoints]
         self.api_key = api_key
         self.admin_token = admin_token  # when given, the level is sampled from /v1/status each second
@@ -183,7 +192,9 @@ class ClusterLoad:
 
     # -- the endpoints (the balancer) ---------------------------------------------
     def _pick(self, avoid: Optional[str] = None) -> str:
-        up = [e for e in self.endpoints if not self._down[e] and e != avoid] or [e for e in self.endpoints if e != avoid]
+        up = [e for e in self.endpoints if not self._down[e] and e != avoid] or [
+            e for e in self.endpoints if e != avoid
+        ]
         self._next += 1
         return up[self._next % len(up)] if up else self.endpoints[0]
 
@@ -220,8 +231,11 @@ class ClusterLoad:
                 r = await client.get(f"{self._pick()}/v1/status", headers=headers, timeout=2.0)
                 st = r.json()
                 if len(self.report.levels) < MAX_RECORDS:
-                    self.report.levels.append(LevelSample(time.monotonic(), int(st["level"]),
-                                                          str((st.get("snapshot") or {}).get("reason") or "")))
+                    self.report.levels.append(
+                        LevelSample(
+                            time.monotonic(), int(st["level"]), str((st.get("snapshot") or {}).get("reason") or "")
+                        )
+                    )
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 pass  # a node down: the next sample goes to another one
             await asyncio.sleep(1.0)
@@ -231,8 +245,9 @@ class ClusterLoad:
         if len(self.report.outcomes) < MAX_RECORDS:
             self.report.outcomes.append(outcome)
 
-    async def _send(self, client: httpx.AsyncClient, endpoint: str, key: Optional[str], stream: bool,
-                    got: _Progress) -> tuple[str, Optional[dict]]:
+    async def _send(
+        self, client: httpx.AsyncClient, endpoint: str, key: Optional[str], stream: bool, got: _Progress
+    ) -> tuple[str, Optional[dict]]:
         """One send, a session the balancer may shut (the endpoint marked down): then
         "dropped", or "cut" when tokens had reached the client (``got``)."""
         task = asyncio.ensure_future(self._exchange(client, endpoint, key, stream, got))
@@ -247,8 +262,9 @@ class ClusterLoad:
         finally:
             self._sessions[endpoint].discard(task)
 
-    async def _exchange(self, client: httpx.AsyncClient, endpoint: str, key: Optional[str], stream: bool,
-                        got: _Progress) -> tuple[str, Optional[dict]]:
+    async def _exchange(
+        self, client: httpx.AsyncClient, endpoint: str, key: Optional[str], stream: bool, got: _Progress
+    ) -> tuple[str, Optional[dict]]:
         """(cause, body): the body of a 200 (a stream's last event), or of an error answer;
         None where none came. "cut": a stream that ended early after tokens had arrived."""
         headers = {"Authorization": f"Bearer {self.api_key}", "X-Request-Timeout-Ms": str(int(self.timeout_s * 800))}
@@ -260,8 +276,9 @@ class ClusterLoad:
             body["resume"] = resume
         try:
             timeout = httpx.Timeout(self.timeout_s, connect=CONNECT_TIMEOUT_S)
-            async with client.stream("POST", f"{endpoint}/v1/generate", headers=headers, json=body,
-                                     timeout=timeout) as r:
+            async with client.stream(
+                "POST", f"{endpoint}/v1/generate", headers=headers, json=body, timeout=timeout
+            ) as r:
                 if r.status_code != 200:
                     await r.aread()
                     try:
@@ -320,8 +337,20 @@ class ClusterLoad:
             level = body.get("degradation_level") if body and cause == "ok" else None
             why = message_kind(str(body["error"].get("message", ""))) if body and cause != "ok" else ""
             migrations = int(body.get("migrations") or 0) if body and cause == "ok" else 0
-            self._record(Outcome(sent, endpoint, keyed, cause, attempts, level, why=why, stream=stream,
-                                 migrations=migrations, resumed=resumed))
+            self._record(
+                Outcome(
+                    sent,
+                    endpoint,
+                    keyed,
+                    cause,
+                    attempts,
+                    level,
+                    why=why,
+                    stream=stream,
+                    migrations=migrations,
+                    resumed=resumed,
+                )
+            )
             if cause != "ok":
                 await asyncio.sleep(0.1)
 

@@ -47,8 +47,12 @@ def shares_config(base: dict[str, Any], weights: tuple[float, float], enabled: b
     data["auth"] = {**base.get("auth", {}), "demo_keys": {key: t for t, key in KEYS.items()}}
     data["fallback"] = None
     deployments = {**base.get("deployments", {})}
-    deployments["model"] = {**deployments.get("model", {}), "min_replicas": 1, "max_replicas": 1,
-                            "max_ongoing_requests": MODEL_SLOTS}
+    deployments["model"] = {
+        **deployments.get("model", {}),
+        "min_replicas": 1,
+        "max_replicas": 1,
+        "max_ongoing_requests": MODEL_SLOTS,
+    }
     data["deployments"] = deployments
     data["fairness"] = {**base.get("fairness", {}), "enabled": enabled, "shared": shared}
     return data
@@ -62,8 +66,9 @@ class Served:
     codes: Counter = field(default_factory=Counter)
 
 
-async def closed_loop(c: LeanClient, path: str, key: str, prompt: str, prompt_tokens: int, workers: int,
-                      warmup_s: float, measure_s: float) -> Served:
+async def closed_loop(
+    c: LeanClient, path: str, key: str, prompt: str, prompt_tokens: int, workers: int, warmup_s: float, measure_s: float
+) -> Served:
     """``workers`` clients sending one request after another; what was answered inside the
     measured window (after ``warmup_s``) is counted."""
     served = Served()
@@ -106,8 +111,10 @@ class ShareRow:
     def per_weight(self) -> tuple[float, float]:
         """Each tenant's service as its counter weighs it."""
         wa, wb = self.weights
-        return (self.fair.cost(self.a.prompt_tokens, self.a.generated, wa),
-                self.fair.cost(self.b.prompt_tokens, self.b.generated, wb))
+        return (
+            self.fair.cost(self.a.prompt_tokens, self.a.generated, wa),
+            self.fair.cost(self.b.prompt_tokens, self.b.generated, wb),
+        )
 
     def ratio(self) -> float:
         pa, pb = self.per_weight()
@@ -126,8 +133,10 @@ class ShareRow:
 
 
 def render(rows: list[ShareRow]) -> list[str]:
-    out = [f"{'part':<22} {'setting':<24} {'w a:b':>6} {'a answers':>9} {'b answers':>9} "
-           f"{'a tokens':>9} {'b tokens':>9} {'(a/wa)/(b/wb)':>13} {'Jain':>6}  target"]
+    out = [
+        f"{'part':<22} {'setting':<24} {'w a:b':>6} {'a answers':>9} {'b answers':>9} "
+        f"{'a tokens':>9} {'b tokens':>9} {'(a/wa)/(b/wb)':>13} {'Jain':>6}  target"
+    ]
     for r in rows:
         wa, wb = r.weights
         out.append(
@@ -135,8 +144,10 @@ def render(rows: list[ShareRow]) -> list[str]:
             f"{r.a.prompt_tokens + r.a.generated:>9} {r.b.prompt_tokens + r.b.generated:>9} "
             f"{r.ratio():>13.3f} {r.jain():>6.3f}  {'(what it improves on)' if r.baseline else 'ok' if r.meets() else 'MISSED'}"
         )
-    out.append("tokens: prompt + generated, raw; the ratio and Jain's index weigh them as the counters do "
-               "(1 x prompt + 2 x generated) over each tenant's weight; target: ratio within 10 % of 1, Jain >= 0.95")
+    out.append(
+        "tokens: prompt + generated, raw; the ratio and Jain's index weigh them as the counters do "
+        "(1 x prompt + 2 x generated) over each tenant's weight; target: ratio within 10 % of 1, Jain >= 0.95"
+    )
     return out
 
 
@@ -179,10 +190,12 @@ def run(base: dict[str, Any], port: int, warmup_s: float, measure_s: float, log:
     tokens = {"a": text.count(LONG_PROMPT), "b": text.count(SHORT_PROMPT)}
     settings = []
     for weights in ((1.0, 1.0), (2.0, 1.0)):
-        settings += [("one router", "fair shares", weights, True, True, False),
-                     ("one router", "first come, first served", weights, False, True, False),
-                     ("two routers, skewed", "counters shared", weights, True, True, True),
-                     ("two routers, skewed", "not shared", weights, True, False, True)]
+        settings += [
+            ("one router", "fair shares", weights, True, True, False),
+            ("one router", "first come, first served", weights, False, True, False),
+            ("two routers, skewed", "counters shared", weights, True, True, True),
+            ("two routers, skewed", "not shared", weights, True, False, True),
+        ]
     rows: list[ShareRow] = []
     with local_stack(first):
         for part, setting, weights, enabled, shared, two in settings:
@@ -196,9 +209,13 @@ def run(base: dict[str, Any], port: int, warmup_s: float, measure_s: float, log:
             async def measure() -> tuple[Served, Served]:
                 async with LeanClient("127.0.0.1", port, max_connections=200, timeout_s=60.0) as c:
                     # One router: 24 workers each. Two: a 4x b's offered load, each through its own router.
-                    a_workers, b_workers, b_path = (48, 12, f"{SECOND_PREFIX}/v1/generate") if two else (24, 24, "/v1/generate")
+                    a_workers, b_workers, b_path = (
+                        (48, 12, f"{SECOND_PREFIX}/v1/generate") if two else (24, 24, "/v1/generate")
+                    )
                     return await asyncio.gather(
-                        closed_loop(c, "/v1/generate", KEYS["a"], LONG_PROMPT, tokens["a"], a_workers, warmup_s, measure_s),
+                        closed_loop(
+                            c, "/v1/generate", KEYS["a"], LONG_PROMPT, tokens["a"], a_workers, warmup_s, measure_s
+                        ),
                         closed_loop(c, b_path, KEYS["b"], SHORT_PROMPT, tokens["b"], b_workers, warmup_s, measure_s),
                     )
 

@@ -182,7 +182,9 @@ class FaultEvent:
             raise ValueError(f"reason: must be a non-empty string, got {reason!r}")
         expires = self.args.get("expires_in_s")
         if not isinstance(expires, int) or isinstance(expires, bool) or not 0 < expires <= MAX_KILL_SWITCH_EXPIRES_S:
-            raise ValueError(f"expires_in_s: must be an integer within (0, {MAX_KILL_SWITCH_EXPIRES_S}], got {expires!r}")
+            raise ValueError(
+                f"expires_in_s: must be an integer within (0, {MAX_KILL_SWITCH_EXPIRES_S}], got {expires!r}"
+            )
 
     def _check_kill_switch_off(self) -> None:
         self._check_label()
@@ -251,7 +253,13 @@ DEFAULT_SOAK = FaultSchedule(
         FaultEvent(
             _h(17.0),
             "kill_switch_on",
-            {"label": "free-off", "scope": "tenant", "value": "free", "reason": "soak: free tenant paused", "expires_in_s": 900},
+            {
+                "label": "free-off",
+                "scope": "tenant",
+                "value": "free",
+                "reason": "soak: free tenant paused",
+                "expires_in_s": 900,
+            },
         ),
         FaultEvent(_h(18.0), "kill_switch_off", {"label": "free-off"}),
         FaultEvent(_h(23.0), "clear_chaos"),
@@ -381,7 +389,9 @@ class FaultRunner:
             self._http.close()
             self.done.set()
 
-    def _call(self, event: Optional[FaultEvent], step: str, method: str, path: str, body: Any = None) -> Optional[httpx.Response]:
+    def _call(
+        self, event: Optional[FaultEvent], step: str, method: str, path: str, body: Any = None
+    ) -> Optional[httpx.Response]:
         action = event.action if event is not None else "cleanup"
         at_sim_s = event.at_sim_s if event is not None else self.time_scale.sim_s(max(0.0, self._offset_s()))
         offset_s = self._offset_s()
@@ -436,14 +446,22 @@ class FaultRunner:
         try:
             entry_id = resp.json()["id"]
         except (ValueError, KeyError, TypeError):
-            self._record(FaultRecord(event.action, "on", event.at_sim_s, self._offset_s(), resp.status_code, "answer without an id"))
+            self._record(
+                FaultRecord(
+                    event.action, "on", event.at_sim_s, self._offset_s(), resp.status_code, "answer without an id"
+                )
+            )
             return
         self._kill_switch_ids[event.args["label"]] = str(entry_id)
 
     def _do_kill_switch_off(self, event: FaultEvent) -> None:
         entry_id = self._kill_switch_ids.pop(event.args["label"], None)
         if entry_id is None:  # its kill_switch_on failed: nothing to delete
-            self._record(FaultRecord(event.action, "off", event.at_sim_s, self._offset_s(), None, "no id: the kill_switch_on failed"))
+            self._record(
+                FaultRecord(
+                    event.action, "off", event.at_sim_s, self._offset_s(), None, "no id: the kill_switch_on failed"
+                )
+            )
             return
         self._call(event, "off", "DELETE", f"/admin/kill-switch/{entry_id}")
 

@@ -50,8 +50,12 @@ class LeanClient:
 
     async def post_json(self, path: str, body: Any, headers: Optional[dict[str, str]] = None) -> LeanResponse:
         payload = json.dumps(body, separators=(",", ":")).encode()
-        head = [f"POST {path} HTTP/1.1", f"Host: {self.host}:{self.port}", "Content-Type: application/json",
-                f"Content-Length: {len(payload)}"]
+        head = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {self.host}:{self.port}",
+            "Content-Type: application/json",
+            f"Content-Length: {len(payload)}",
+        ]
         head += [f"{k}: {v}" for k, v in (headers or {}).items()]
         request = ("\r\n".join(head) + "\r\n\r\n").encode() + payload
         async with self._slots:
@@ -93,7 +97,9 @@ class LeanClient:
         self._open.add(writer)
         return reader, writer
 
-    async def _exchange(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], request: bytes) -> tuple[LeanResponse, bool]:
+    async def _exchange(
+        self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], request: bytes
+    ) -> tuple[LeanResponse, bool]:
         reader, writer = conn
         writer.write(request)
         try:
@@ -166,7 +172,7 @@ def install_uvloop() -> bool:
 
 # --- side-by-side cost: python -m loadtest.lean_http --compare ------------------------
 
-_FIXED_SERVER = r'''
+_FIXED_SERVER = r"""
 import asyncio, sys
 BODY = b'{"error":{"code":"OVERLOADED","message":"refused by the comparison server"}}'
 ANSWER = (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: "
@@ -188,7 +194,7 @@ async def main():
     print("ready", flush=True)
     await asyncio.sleep(float(sys.argv[2]))
 asyncio.run(main())
-'''
+"""
 
 
 def compare(requests: int = 3000, concurrency: int = 32, port: int = 8129) -> dict[str, float]:
@@ -203,7 +209,9 @@ def compare(requests: int = 3000, concurrency: int = 32, port: int = 8129) -> di
 
     import httpx
 
-    server = subprocess.Popen([sys.executable, "-c", _FIXED_SERVER, str(port), "120"], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", _FIXED_SERVER, str(port), "120"], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         body = {"prompt": "The quick brown fox", "max_tokens": 32, "criticality": "sheddable"}
@@ -212,14 +220,23 @@ def compare(requests: int = 3000, concurrency: int = 32, port: int = 8129) -> di
         async def with_httpx() -> int:
             limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=10) as c:
+
                 async def worker(k: int) -> int:
-                    return sum([(await c.post("/v1/generate", json=body, headers=headers)).status_code == 429 for _ in range(k)])
+                    return sum(
+                        [
+                            (await c.post("/v1/generate", json=body, headers=headers)).status_code == 429
+                            for _ in range(k)
+                        ]
+                    )
+
                 return sum(await asyncio.gather(*(worker(requests // concurrency) for _ in range(concurrency))))
 
         async def with_lean() -> int:
             async with LeanClient("127.0.0.1", port, max_connections=concurrency) as c:
+
                 async def worker(k: int) -> int:
                     return sum([(await c.post_json("/v1/generate", body, headers)).status == 429 for _ in range(k)])
+
                 return sum(await asyncio.gather(*(worker(requests // concurrency) for _ in range(concurrency))))
 
         out: dict[str, float] = {}

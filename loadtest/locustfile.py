@@ -143,7 +143,12 @@ TENANTS: tuple[TenantProfile, ...] = (
         key_env="BALLAST_KEY_GOLD",
         default_key="dev-key-gold",
         user_weight=3,
-        criticality_weights=(("critical_plus", 0.10), ("critical", 0.60), ("sheddable_plus", 0.20), ("sheddable", 0.10)),
+        criticality_weights=(
+            ("critical_plus", 0.10),
+            ("critical", 0.60),
+            ("sheddable_plus", 0.20),
+            ("sheddable", 0.10),
+        ),
         stream_ratio=0.3,
         max_tokens_range=(8, 32),
     ),
@@ -270,7 +275,11 @@ def classify_stream(status: int, headers: Optional[Mapping[str, Any]], body: Opt
         except ValueError:
             return _fail(f"malformed {name!r} event: {data[:120]!r}")
         if name == "token":
-            if not isinstance(payload, dict) or not isinstance(payload.get("text"), str) or not _is_count(payload.get("tokens")):
+            if (
+                not isinstance(payload, dict)
+                or not isinstance(payload.get("text"), str)
+                or not _is_count(payload.get("tokens"))
+            ):
                 return _fail(f"token event without text/tokens: {data[:120]!r}")
             tokens += payload["tokens"]
             token_events += 1
@@ -393,7 +402,12 @@ class BallastUser(FastHttpUser):
     def _body(self, stream: bool) -> tuple[dict[str, Any], str]:
         crit = self.tenant.pick_criticality(self._rng)
         lo, hi = self.tenant.max_tokens_range
-        body = {"prompt": self._rng.choice(PROMPTS), "max_tokens": self._rng.randint(lo, hi), "criticality": crit, "stream": stream}
+        body = {
+            "prompt": self._rng.choice(PROMPTS),
+            "max_tokens": self._rng.randint(lo, hi),
+            "criticality": crit,
+            "stream": stream,
+        }
         return body, crit
 
     @task
@@ -417,7 +431,12 @@ class BallastUser(FastHttpUser):
         headers = {**self._auth, "Accept": "text/event-stream", "Accept-Encoding": "identity"}
         started = time.perf_counter()
         with self.client.post(
-            GENERATE_PATH, json=body, headers=headers, name=f"{self.tenant.name} stream", catch_response=True, stream=True
+            GENERATE_PATH,
+            json=body,
+            headers=headers,
+            name=f"{self.tenant.name} stream",
+            catch_response=True,
+            stream=True,
         ) as resp:
             status = resp.status_code
             read_error = None
@@ -509,7 +528,15 @@ def _stop_faults(environment: Any, **_kw: Any) -> None:
     if _fault_runner is not None:
         _fault_runner.stop()
         for r in _fault_runner.records:
-            log.warning("fault %s/%s at sim %.0fs (real +%.1fs): %s %s", r.action, r.step, r.at_sim_s, r.real_offset_s, r.status, r.error or "")
+            log.warning(
+                "fault %s/%s at sim %.0fs (real +%.1fs): %s %s",
+                r.action,
+                r.step,
+                r.at_sim_s,
+                r.real_offset_s,
+                r.status,
+                r.error or "",
+            )
     for (tenant, crit, code), n in sorted(SHEDS.items()):
         log.warning("shed %s %s %s: %d", tenant, crit, code, n)
 
@@ -520,7 +547,9 @@ def _write_report(environment: Any, **_kw: Any) -> None:
     if not path:
         return
     report = {
-        "sheds": [{"tenant": t, "criticality": c, "code": code, "count": n} for (t, c, code), n in sorted(SHEDS.items())],
+        "sheds": [
+            {"tenant": t, "criticality": c, "code": code, "count": n} for (t, c, code), n in sorted(SHEDS.items())
+        ],
         "faults": [r.to_dict() for r in _fault_runner.records] if _fault_runner is not None else [],
     }
     with open(path, "w", encoding="utf-8") as f:

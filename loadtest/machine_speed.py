@@ -35,8 +35,11 @@ class SpeedProbeProcess:
         import multiprocessing
 
         self._pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_start_probe, initargs=(architecture, seed))
+            max_workers=1,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_start_probe,
+            initargs=(architecture, seed),
+        )
 
     def rows_per_second(self) -> float:
         return self._pool.submit(_probe_rows_per_second).result()

@@ -164,8 +164,12 @@ def serve_config(keys_file: Path, admin_file: Path, workers: int) -> dict[str, A
     app = spec["applications"][0]["args"]["config"]
     app["model"]["device"] = "cpu"
     app["deployments"]["model"].update(
-        min_replicas=workers, max_replicas=2 * workers, num_gpus=0, num_cpus=0.5,
-        max_ongoing_requests=16, max_queued_requests=32,
+        min_replicas=workers,
+        max_replicas=2 * workers,
+        num_gpus=0,
+        num_cpus=0.5,
+        max_ongoing_requests=16,
+        max_queued_requests=32,
     )
     app["deployments"]["router"].update(num_replicas=workers, num_cpus=0.25, max_replicas_per_node=1)
     app["auth"].update(api_keys_file=str(keys_file), admin_token_file=str(admin_file))
@@ -258,8 +262,14 @@ def start_node(node: Node, head: Node, redis: bool) -> None:
         with open(log, "a") as f:
             f.write(f"$ {cmd}\n")
             f.flush()
-            r = subprocess.run(["ip", "netns", "exec", node.netns, "bash", "-c", cmd],
-                               stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, check=False)
+            r = subprocess.run(
+                ["ip", "netns", "exec", node.netns, "bash", "-c", cmd],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=env,
+                check=False,
+            )
         if r.returncode != 0:
             raise ClusterError(f"{node.name}: `{cmd}` exited {r.returncode}; see {node.temp_dir / 'start.log'}")
 
@@ -269,14 +279,37 @@ def _start_redis() -> None:
     if shutil.which("redis-server") is None:
         if shutil.which("apt-get") is None:
             raise ClusterError("--redis needs redis-server (Debian: apt-get install redis-server)")
-        subprocess.run("apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server",
-                       shell=True, check=True, capture_output=True)
+        subprocess.run(
+            "apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server",
+            shell=True,
+            check=True,
+            capture_output=True,
+        )
     _make_node(redis)
     redis.temp_dir.mkdir(parents=True, exist_ok=True)
     subprocess.Popen(
-        ["ip", "netns", "exec", redis.netns, "redis-server", "--bind", REDIS_IP, "--port", str(GCS_PORT),
-         "--save", "", "--appendonly", "no", "--dir", str(redis.temp_dir), "--protected-mode", "no"],
-        stdout=open(redis.temp_dir / "redis.log", "a"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            "ip",
+            "netns",
+            "exec",
+            redis.netns,
+            "redis-server",
+            "--bind",
+            REDIS_IP,
+            "--port",
+            str(GCS_PORT),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(redis.temp_dir),
+            "--protected-mode",
+            "no",
+        ],
+        stdout=open(redis.temp_dir / "redis.log", "a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     _wait_tcp(REDIS_IP, GCS_PORT, 20, "redis")
 
@@ -333,8 +366,14 @@ def up(workers: int = 2, redis: bool = False, timeout_s: float = 300) -> dict[st
     keys_file.write_text("".join(f"{key}={tenant}\n" for tenant, key in tenants.items()))
     admin = "bk-admin-" + secrets.token_hex(8)
     admin_file.write_text(admin + "\n")
-    state = {"workers": workers, "redis": redis, "keys": tenants, "admin_token": admin,
-             "nodes": {n.name: n.ip for n in members}, "endpoints": [n.endpoint for n in members]}
+    state = {
+        "workers": workers,
+        "redis": redis,
+        "keys": tenants,
+        "admin_token": admin,
+        "nodes": {n.name: n.ip for n in members},
+        "endpoints": [n.endpoint for n in members],
+    }
     (STATE / "state.json").write_text(json.dumps(state, indent=2))
     started = time.monotonic()
     ensure_token()
@@ -346,15 +385,19 @@ def up(workers: int = 2, redis: bool = False, timeout_s: float = 300) -> dict[st
     config.write_text(yaml.safe_dump(serve_config(keys_file, admin_file, workers), sort_keys=False))
     r = subprocess.run(
         [str(REPO / ".venv" / "bin" / "serve"), "deploy", str(config), "-a", f"http://{head.ip}:{DASHBOARD_PORT}"],
-        capture_output=True, text=True, cwd=REPO, env={**_clean_env(), **CLIENT_ENV},
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**_clean_env(), **CLIENT_ENV},
     )
     if r.returncode != 0:
         raise ClusterError(f"serve deploy failed: {r.stdout[-2000:]}{r.stderr[-2000:]}")
     end = time.monotonic() + timeout_s
     while not all(ready(n) for n in members):
         if time.monotonic() > end:
-            raise ClusterError(f"not every endpoint was ready within {timeout_s:.0f} s: "
-                               f"{ {n.name: ready(n) for n in members} }")
+            raise ClusterError(
+                f"not every endpoint was ready within {timeout_s:.0f} s: { {n.name: ready(n) for n in members} }"
+            )
         time.sleep(2)
     state["up_s"] = round(time.monotonic() - started, 1)
     (STATE / "state.json").write_text(json.dumps(state, indent=2))
@@ -365,7 +408,7 @@ def down() -> list[str]:
     """Kill every process inside this module's namespaces, remove them and the bridge."""
     removed = []
     for netns in our_namespaces():
-        node = Node(netns[len(PREFIX):], "")
+        node = Node(netns[len(PREFIX) :], "")
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if not pids_in(netns):
                 break
@@ -411,9 +454,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"  {name:5s} {ip:12s} http://{ip}:{HTTP_PORT}")
             print(f"  dashboard: http://{state['nodes']['head']}:{DASHBOARD_PORT}")
             gold = state["keys"]["gold"]
-            print(f"  curl -s http://{state['nodes']['w1'] if 'w1' in state['nodes'] else state['nodes']['head']}:"
-                  f"{HTTP_PORT}/v1/generate -H 'Authorization: Bearer {gold}' "
-                  "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'")
+            print(
+                f"  curl -s http://{state['nodes']['w1'] if 'w1' in state['nodes'] else state['nodes']['head']}:"
+                f"{HTTP_PORT}/v1/generate -H 'Authorization: Bearer {gold}' "
+                '-H \'Content-Type: application/json\' -d \'{"prompt": "Hello", "max_tokens": 16}\''
+            )
         elif args.cmd == "down":
             removed = down()
             print("removed: " + (", ".join(removed) if removed else "nothing (no local cluster)"))
@@ -421,7 +466,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             state = load_state()
             for name, ip in state["nodes"].items():
                 node = Node(name, ip)
-                print(f"  {name:5s} {ip:12s} {'ready' if ready(node) else 'NOT ready'}  processes: {len(pids_in(node.netns))}")
+                print(
+                    f"  {name:5s} {ip:12s} {'ready' if ready(node) else 'NOT ready'}  processes: {len(pids_in(node.netns))}"
+                )
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -237,7 +237,9 @@ def lost_capacity(samples: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return {}
 
 
-def status_sample(t_s: float, status: Optional[Mapping[str, Any]], replicas: Optional[Mapping[str, Any]], error: Optional[str] = None) -> dict[str, Any]:
+def status_sample(
+    t_s: float, status: Optional[Mapping[str, Any]], replicas: Optional[Mapping[str, Any]], error: Optional[str] = None
+) -> dict[str, Any]:
     """One compact ``status.jsonl`` line from ``GET /v1/status`` and ``GET /admin/replicas``.
 
     Keeps only what the report uses, bounded (``MAX_SAMPLE_REPLICAS`` replicas,
@@ -252,7 +254,9 @@ def status_sample(t_s: float, status: Optional[Mapping[str, Any]], replicas: Opt
         out["target_level"] = snap.get("target_level")
         out["reason"] = str(snap.get("reason") or "")[:200]
         inputs = snap.get("inputs") or {}
-        out["inputs"] = {k: v for k, v in inputs.items() if isinstance(v, (int, float, type(None))) and not isinstance(v, bool)}
+        out["inputs"] = {
+            k: v for k, v in inputs.items() if isinstance(v, (int, float, type(None))) and not isinstance(v, bool)
+        }
         out["deployments"] = {
             str(dep): {"desired": d.get("desired"), "running": d.get("running")}
             for dep, d in (status.get("replicas") or {}).items()
@@ -348,7 +352,12 @@ def tenant_kind_table(rows: Sequence[StatsRow], duration_s: Optional[float]) -> 
         has_latency = b is not None and b.requests > 0
         out.append(
             TenantKindRow(
-                tenant, kind, answered + shed, ok, shed, failed,
+                tenant,
+                kind,
+                answered + shed,
+                ok,
+                shed,
+                failed,
                 b.p50_ms if has_latency else None,
                 b.p95_ms if has_latency else None,
                 b.p99_ms if has_latency else None,
@@ -359,8 +368,16 @@ def tenant_kind_table(rows: Sequence[StatsRow], duration_s: Optional[float]) -> 
     def total(tenant: str, part: list[TenantKindRow]) -> TenantKindRow:
         ok = sum(r.ok for r in part)
         return TenantKindRow(
-            tenant, "all", sum(r.requests for r in part), ok, sum(r.shed for r in part), sum(r.failed for r in part),
-            None, None, None, goodput(ok),
+            tenant,
+            "all",
+            sum(r.requests for r in part),
+            ok,
+            sum(r.shed for r in part),
+            sum(r.failed for r in part),
+            None,
+            None,
+            None,
+            goodput(ok),
         )
 
     per_tenant = list(out)
@@ -442,7 +459,11 @@ def level_summary(samples: Sequence[Mapping[str, Any]]) -> LevelSummary:
 
     Samples without a level (a failed poll) are skipped: the previous level runs on.
     """
-    points = [(float(s["t_s"]), int(s["level"])) for s in samples if isinstance(s.get("level"), int) and not isinstance(s.get("level"), bool)]
+    points = [
+        (float(s["t_s"]), int(s["level"]))
+        for s in samples
+        if isinstance(s.get("level"), int) and not isinstance(s.get("level"), bool)
+    ]
     seconds: dict[int, float] = defaultdict(float)
     changes = 0
     for (t0, lvl), (t1, nxt) in zip(points, points[1:]):
@@ -451,7 +472,9 @@ def level_summary(samples: Sequence[Mapping[str, Any]]) -> LevelSummary:
             changes += 1
     if points:
         seconds.setdefault(points[-1][1], 0.0)
-    return LevelSummary(dict(sorted(seconds.items())), changes, max((l for _, l in points), default=None), len(points))
+    return LevelSummary(
+        dict(sorted(seconds.items())), changes, max((level for _, level in points), default=None), len(points)
+    )
 
 
 def recycle_events(samples: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -494,7 +517,14 @@ def rss_table(samples: Sequence[Mapping[str, Any]]) -> list[RssRow]:
                 continue
             a = acc.setdefault(
                 r["id"],
-                {"deployment": str(r.get("deployment") or "?"), "n": 0, "min": rss, "max": rss, "first": t_s, "age": None},
+                {
+                    "deployment": str(r.get("deployment") or "?"),
+                    "n": 0,
+                    "min": rss,
+                    "max": rss,
+                    "first": t_s,
+                    "age": None,
+                },
             )
             a["n"] += 1
             a["min"], a["max"], a["last"], a["last_t"] = min(a["min"], rss), max(a["max"], rss), rss, t_s
@@ -523,7 +553,13 @@ def replica_count_table(samples: Sequence[Mapping[str, Any]]) -> list[ReplicaCou
     for s in samples:
         for dep, d in (s.get("deployments") or {}).items():
             desired, running = d.get("desired"), d.get("running")
-            series[dep].append((float(s["t_s"]), desired if isinstance(desired, int) else None, running if isinstance(running, int) else None))
+            series[dep].append(
+                (
+                    float(s["t_s"]),
+                    desired if isinstance(desired, int) else None,
+                    running if isinstance(running, int) else None,
+                )
+            )
     out = []
     for dep in sorted(series):
         pts = series[dep]
@@ -535,8 +571,10 @@ def replica_count_table(samples: Sequence[Mapping[str, Any]]) -> list[ReplicaCou
         out.append(
             ReplicaCountRow(
                 dep,
-                min(desired, default=None), max(desired, default=None),
-                min(running, default=None), max(running, default=None),
+                min(desired, default=None),
+                max(desired, default=None),
+                min(running, default=None),
+                max(running, default=None),
                 short,
             )
         )
@@ -674,7 +712,9 @@ def load(out_dir: Path | str) -> SoakData:
     data.report = _read_json(out / REPORT_JSON, notes, "sheds by criticality and the fault records")
     data.run = _read_json(out / RUN_JSON, notes, "the run's settings") or {}
     if data.stats and not any(parse_name(r.name) for r in data.stats):
-        notes.append(f"`{STATS_CSV}` has no Ballast request names (\"<tenant> <plain|stream>\"): did Locust run the Ballast locustfile?")
+        notes.append(
+            f'`{STATS_CSV}` has no Ballast request names ("<tenant> <plain|stream>"): did Locust run the Ballast locustfile?'
+        )
     return data
 
 
@@ -769,22 +809,55 @@ def _section(
 
 def _requests_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
     table = tenant_kind_table(data.stats, duration_s)
-    body = [
-        "requests = answers + failures + sheds; success = ok / requests; "
-        "latency of answers and failures (not sheds); goodput = ok per second.",
-        "",
-        *_table(
-            ("tenant", "kind", "requests", "ok", "shed", "failed", "success", "shed ratio", "p50 ms", "p95 ms", "p99 ms", "goodput /s"),
-            (
-                (r.tenant, r.kind, r.requests, r.ok, r.shed, r.failed, _pct(r.success_ratio), _pct(r.shed_ratio),
-                 _fmt(r.p50_ms), _fmt(r.p95_ms), _fmt(r.p99_ms), _fmt(r.goodput_per_s, 2))
-                for r in table
+    body = (
+        [
+            "requests = answers + failures + sheds; success = ok / requests; "
+            "latency of answers and failures (not sheds); goodput = ok per second.",
+            "",
+            *_table(
+                (
+                    "tenant",
+                    "kind",
+                    "requests",
+                    "ok",
+                    "shed",
+                    "failed",
+                    "success",
+                    "shed ratio",
+                    "p50 ms",
+                    "p95 ms",
+                    "p99 ms",
+                    "goodput /s",
+                ),
+                (
+                    (
+                        r.tenant,
+                        r.kind,
+                        r.requests,
+                        r.ok,
+                        r.shed,
+                        r.failed,
+                        _pct(r.success_ratio),
+                        _pct(r.shed_ratio),
+                        _fmt(r.p50_ms),
+                        _fmt(r.p95_ms),
+                        _fmt(r.p99_ms),
+                        _fmt(r.goodput_per_s, 2),
+                    )
+                    for r in table
+                ),
             ),
-        ),
-    ] if table else []
+        ]
+        if table
+        else []
+    )
     return _section(
-        "Requests per tenant and kind", body, "_No request data (see the missing inputs above)._", plots,
-        ("requests.png", "requests, sheds and failures per second"), ("latency.png", "latency p50/p95/p99 (rolling window)"),
+        "Requests per tenant and kind",
+        body,
+        "_No request data (see the missing inputs above)._",
+        plots,
+        ("requests.png", "requests, sheds and failures per second"),
+        ("latency.png", "latency p50/p95/p99 (rolling window)"),
     )
 
 
@@ -799,7 +872,9 @@ def _sheds_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_
             ((code, n, _pct(n / all_requests if all_requests else None)) for code, n in totals.items()),
         )
         body += ["", "By tenant and kind:", ""]
-        body += _table(("reason", "tenant", "kind", "sheds"), ((s.code, s.tenant, s.kind, s.count) for s in shed_rows(data.stats)))
+        body += _table(
+            ("reason", "tenant", "kind", "sheds"), ((s.code, s.tenant, s.kind, s.count) for s in shed_rows(data.stats))
+        )
     empty = "_No sheds recorded._" if data.stats else "_No request data._"
     return _section("Sheds by reason", body, empty, plots, ("sheds.png", "sheds per second by reason"))
 
@@ -825,72 +900,158 @@ def _level_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_
         total = lvl.total_s
         body += _table(
             ("level", "time", "share"),
-            ((f"L{level}", _duration(s), _pct(s / total if total else None)) for level, s in lvl.seconds_by_level.items()),
+            (
+                (f"L{level}", _duration(s), _pct(s / total if total else None))
+                for level, s in lvl.seconds_by_level.items()
+            ),
         )
         body += ["", f"Highest level: L{lvl.max_level}; level changes: {lvl.changes}; samples: {lvl.samples}."]
     return _section(
-        "Degradation level", body, "_No status samples with a level._", plots, ("level.png", "degradation level over time")
+        "Degradation level",
+        body,
+        "_No status samples with a level._",
+        plots,
+        ("level.png", "degradation level over time"),
     )
 
 
 def _replicas_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
     counts = replica_count_table(data.samples)
-    body = _table(
-        ("deployment", "desired min–max", "running min–max", "time running < desired"),
-        ((c.deployment, _span(c.desired_min, c.desired_max), _span(c.running_min, c.running_max), _duration(c.short_s)) for c in counts),
-    ) if counts else []
+    body = (
+        _table(
+            ("deployment", "desired min–max", "running min–max", "time running < desired"),
+            (
+                (
+                    c.deployment,
+                    _span(c.desired_min, c.desired_max),
+                    _span(c.running_min, c.running_max),
+                    _duration(c.short_s),
+                )
+                for c in counts
+            ),
+        )
+        if counts
+        else []
+    )
     return _section(
-        "Replicas", body, "_No replica counts in the status samples._", plots, ("replicas.png", "replicas desired vs running")
+        "Replicas",
+        body,
+        "_No replica counts in the status samples._",
+        plots,
+        ("replicas.png", "replicas desired vs running"),
     )
 
 
 def _rss_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
     rss = rss_table(data.samples)
-    body = _table(
-        ("replica", "deployment", "samples", "min MB", "max MB", "growth MB", "last MB", "seen from", "seen until", "max age"),
-        ((r.replica_id, r.deployment, r.samples, _fmt(r.min_mb, 1), _fmt(r.max_mb, 1), _fmt(r.growth_mb, 1), _fmt(r.last_mb, 1),
-          _offset(data, r.first_seen_s), _offset(data, r.last_seen_s), _duration(r.max_age_s)) for r in rss),
-    ) if rss else []
-    return _section("RSS per replica", body, "_No replica RSS in the status samples._", plots, ("rss.png", "RSS per replica"))
+    body = (
+        _table(
+            (
+                "replica",
+                "deployment",
+                "samples",
+                "min MB",
+                "max MB",
+                "growth MB",
+                "last MB",
+                "seen from",
+                "seen until",
+                "max age",
+            ),
+            (
+                (
+                    r.replica_id,
+                    r.deployment,
+                    r.samples,
+                    _fmt(r.min_mb, 1),
+                    _fmt(r.max_mb, 1),
+                    _fmt(r.growth_mb, 1),
+                    _fmt(r.last_mb, 1),
+                    _offset(data, r.first_seen_s),
+                    _offset(data, r.last_seen_s),
+                    _duration(r.max_age_s),
+                )
+                for r in rss
+            ),
+        )
+        if rss
+        else []
+    )
+    return _section(
+        "RSS per replica", body, "_No replica RSS in the status samples._", plots, ("rss.png", "RSS per replica")
+    )
 
 
 def _recycle_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
     events = recycle_events(data.samples)
-    body = _table(
-        ("when", "outcome", "deployment", "replica", "reason", "took"),
-        ((_offset(data, _num(e.get("at_s"))), e.get("outcome", "—"), e.get("deployment", "—"), e.get("replica_id", "—"),
-          e.get("reason", "—"), _duration(_num(e.get("duration_s")))) for e in events),
-    ) if events else []
+    body = (
+        _table(
+            ("when", "outcome", "deployment", "replica", "reason", "took"),
+            (
+                (
+                    _offset(data, _num(e.get("at_s"))),
+                    e.get("outcome", "—"),
+                    e.get("deployment", "—"),
+                    e.get("replica_id", "—"),
+                    e.get("reason", "—"),
+                    _duration(_num(e.get("duration_s"))),
+                )
+                for e in events
+            ),
+        )
+        if events
+        else []
+    )
     return _section("Recycle events", body, "_No recycle events in the status samples._", plots)
 
 
 def _lost_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
     lost = lost_capacity(data.samples)
-    body = [
-        f"{lost.get('migrated', 0)} requests sent again or carried on elsewhere after their replica went away "
-        f"({lost.get('streams_carried_on', 0)} of them streams continued mid-way); {lost.get('not_migrated', 0)} were not "
-        "(the migration limit, the deadline or the retry budget: the fallback answered, else 503 `REPLICA_LOST`, "
-        "counted under Failures). Counted by the router the sampler reached, since it started."
-    ] if lost else []
+    body = (
+        [
+            f"{lost.get('migrated', 0)} requests sent again or carried on elsewhere after their replica went away "
+            f"({lost.get('streams_carried_on', 0)} of them streams continued mid-way); {lost.get('not_migrated', 0)} were not "
+            "(the migration limit, the deadline or the retry budget: the fallback answered, else 503 `REPLICA_LOST`, "
+            "counted under Failures). Counted by the router the sampler reached, since it started."
+        ]
+        if lost
+        else []
+    )
     empty = "_None: no request was in flight on a replica that went away (or no status samples)._"
     return _section("Replicas lost under requests", body, empty, plots)
 
 
 def _faults_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
     faults = (data.report or {}).get("faults") or []
-    body = _table(
-        ("sim hour", "real offset", "action", "step", "status", "error"),
-        ((_fmt((_num(f.get("at_sim_s")) or 0.0) / 3600.0, 2), _duration(_num(f.get("real_offset_s"))), f.get("action", "—"),
-          f.get("step", "—"), f.get("status") if f.get("status") is not None else "no answer", (f.get("error") or "")[:120])
-         for f in faults if isinstance(f, Mapping)),
-    ) if faults else []
+    body = (
+        _table(
+            ("sim hour", "real offset", "action", "step", "status", "error"),
+            (
+                (
+                    _fmt((_num(f.get("at_sim_s")) or 0.0) / 3600.0, 2),
+                    _duration(_num(f.get("real_offset_s"))),
+                    f.get("action", "—"),
+                    f.get("step", "—"),
+                    f.get("status") if f.get("status") is not None else "no answer",
+                    (f.get("error") or "")[:120],
+                )
+                for f in faults
+                if isinstance(f, Mapping)
+            ),
+        )
+        if faults
+        else []
+    )
     return _section("Faults injected", body, "_No fault records._", plots)
 
 
 def _failures_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
     body: list[str] = []
     if data.failures:
-        body += _table(("name", "error", "occurrences"), ((f["name"], f["error"][:160], f["occurrences"]) for f in data.failures[:MAX_FAILURE_ROWS]))
+        body += _table(
+            ("name", "error", "occurrences"),
+            ((f["name"], f["error"][:160], f["occurrences"]) for f in data.failures[:MAX_FAILURE_ROWS]),
+        )
         if len(data.failures) > MAX_FAILURE_ROWS:
             body += ["", f"…and {len(data.failures) - MAX_FAILURE_ROWS} more kinds in `{FAILURES_CSV}`."]
     return _section("Failures", body, "_No failures recorded._", plots)
@@ -898,8 +1059,16 @@ def _failures_section(data: SoakData, plots: Mapping[str, Optional[str]], durati
 
 #: The report's sections after its settings, in order.
 SECTIONS = (
-    _requests_section, _sheds_section, _criticality_section, _level_section, _replicas_section,
-    _rss_section, _recycle_section, _lost_section, _faults_section, _failures_section,
+    _requests_section,
+    _sheds_section,
+    _criticality_section,
+    _level_section,
+    _replicas_section,
+    _rss_section,
+    _recycle_section,
+    _lost_section,
+    _faults_section,
+    _failures_section,
 )
 
 
@@ -995,6 +1164,7 @@ def _draw_traffic(c: _Canvas) -> Optional[str]:
     save("latency.png", fig)
     return None
 
+
 def _draw_sheds(c: _Canvas) -> Optional[str]:
     """sheds.png: sheds per second by reason and in total."""
     data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
@@ -1016,6 +1186,7 @@ def _draw_sheds(c: _Canvas) -> Optional[str]:
     save("sheds.png", fig)
     return None
 
+
 def _draw_level(c: _Canvas) -> Optional[str]:
     """level.png: the degradation level over time."""
     data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
@@ -1033,6 +1204,7 @@ def _draw_level(c: _Canvas) -> Optional[str]:
     save("level.png", fig)
     return None
 
+
 def _draw_replicas(c: _Canvas) -> Optional[str]:
     """replicas.png: replicas desired vs running per deployment."""
     data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
@@ -1049,7 +1221,14 @@ def _draw_replicas(c: _Canvas) -> Optional[str]:
         desired = [(x, v) for x, v, _ in pts if isinstance(v, int)]
         running = [(x, v) for x, _, v in pts if isinstance(v, int)]
         if desired:  # the controller sets a target only for the deployments it scales
-            ax.step([x for x, _ in desired], [v for _, v in desired], where="post", color="tab:blue", ls="--", label="desired")
+            ax.step(
+                [x for x, _ in desired],
+                [v for _, v in desired],
+                where="post",
+                color="tab:blue",
+                ls="--",
+                label="desired",
+            )
         ax.step([x for x, _ in running], [v for _, v in running], where="post", color="tab:green", label="running")
         top = max([v for _, v in desired + running], default=1)
         ax.set_ylim(0, top + 0.5)  # from zero: a replica count is read against none
@@ -1061,6 +1240,7 @@ def _draw_replicas(c: _Canvas) -> Optional[str]:
     fig.suptitle("Replicas desired vs running")
     save("replicas.png", fig)
     return None
+
 
 def _draw_rss(c: _Canvas) -> Optional[str]:
     """rss.png: RSS per replica, recycles marked."""
@@ -1120,7 +1300,10 @@ def build(out_dir: Path | str) -> Path:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0] in ("-h", "--help"):
-        print("usage: python -m loadtest.report <out_dir>   (a soak's output folder, e.g. .run/soak/<timestamp>)", file=sys.stderr)
+        print(
+            "usage: python -m loadtest.report <out_dir>   (a soak's output folder, e.g. .run/soak/<timestamp>)",
+            file=sys.stderr,
+        )
         return 2
     try:
         path = build(args[0])

@@ -28,7 +28,14 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ballast.policies.validation import check_fields, check_finite, check_int, check_non_negative, check_positive, is_finite
+from ballast.policies.validation import (
+    check_fields,
+    check_finite,
+    check_int,
+    check_non_negative,
+    check_positive,
+    is_finite,
+)
 
 DAY_S = 86_400.0
 HOUR_S = 3_600.0

@@ -148,14 +148,29 @@ def admin_token(cfg: Any, env: Mapping[str, str]) -> str:
 
 def locust_command(out: Path, base_url: str, history_s: float) -> list[str]:
     return [
-        sys.executable, "-c", _LOCUST_BOOT, f"{history_s:g}",
-        "-f", str(LOCUSTFILE), "--headless", "--host", base_url,
-        "--csv", str(out / "locust"), "--csv-full-history",
-        "--only-summary", "--logfile", str(out / "locust.log"), "--loglevel", "WARNING",
+        sys.executable,
+        "-c",
+        _LOCUST_BOOT,
+        f"{history_s:g}",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--host",
+        base_url,
+        "--csv",
+        str(out / "locust"),
+        "--csv-full-history",
+        "--only-summary",
+        "--logfile",
+        str(out / "locust.log"),
+        "--loglevel",
+        "WARNING",
     ]
 
 
-def locust_env(base: Mapping[str, str], out: Path, args: argparse.Namespace, base_url: str, token: str) -> dict[str, str]:
+def locust_env(
+    base: Mapping[str, str], out: Path, args: argparse.Namespace, base_url: str, token: str
+) -> dict[str, str]:
     env = dict(base)
     env.update(
         {
@@ -295,14 +310,23 @@ def run_locust(cmd: list[str], env: dict[str, str], limit_s: float, stop: thread
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-scale", type=float, default=96.0, help="simulated seconds per real second (96: 15 min; 1: 24 h)")
+    parser.add_argument(
+        "--time-scale", type=float, default=96.0, help="simulated seconds per real second (96: 15 min; 1: 24 h)"
+    )
     parser.add_argument("--peak-users", type=int, default=20, help="Locust users at the day's peak")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="the stack's HTTP port on 127.0.0.1")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default .run/soak/<UTC timestamp>)")
     parser.add_argument("--faults", choices=("soak", "none"), default="soak")
     parser.add_argument("--config", default="cluster/local.yaml")
-    parser.add_argument("--sample-interval-s", type=float, default=None, help="status poll interval (default: ~300 per day, 2-30 s)")
-    parser.add_argument("--margin-s", type=float, default=None, help="time past the scaled day before Locust is stopped (default 10 %%, at least 60 s)")
+    parser.add_argument(
+        "--sample-interval-s", type=float, default=None, help="status poll interval (default: ~300 per day, 2-30 s)"
+    )
+    parser.add_argument(
+        "--margin-s",
+        type=float,
+        default=None,
+        help="time past the scaled day before Locust is stopped (default 10 %%, at least 60 s)",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -350,8 +374,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     run_json = out / "run.json"
     run_json.write_text(json.dumps(run, indent=2), encoding="utf-8")
-    print(f"soak: one simulated day in {day_real_s / 60:.1f} min (scale {args.time_scale:g}), peak {args.peak_users} users, "
-          f"faults {args.faults}; output {out}", flush=True)
+    print(
+        f"soak: one simulated day in {day_real_s / 60:.1f} min (scale {args.time_scale:g}), peak {args.peak_users} users, "
+        f"faults {args.faults}; output {out}",
+        flush=True,
+    )
 
     import ray
 

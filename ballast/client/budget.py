@@ -74,4 +74,3 @@ class RetryBudgetWindow:
             "retries_granted": self.retries_granted,
             "retries_denied": self.retries_denied,
         }
-

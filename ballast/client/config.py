@@ -9,6 +9,7 @@ from ballast.policies.retry import RetryConfig
 from ballast.policies.throttle import ThrottleConfig
 from ballast.policies.validation import check_fields, check_int, check_non_negative, check_positive, is_number
 
+
 @dataclass(frozen=True)
 class ClientConfig:
     base_url: str
@@ -47,7 +48,9 @@ class ClientConfig:
         check_fields(self, check_int, "max_attempts", minimum=1)
         check_fields(self, check_non_negative, "base_backoff_s", "max_backoff_s")
         if self.max_backoff_s < self.base_backoff_s:
-            raise ValueError(f"max_backoff_s: must be >= base_backoff_s ({self.base_backoff_s}), got {self.max_backoff_s!r}")
+            raise ValueError(
+                f"max_backoff_s: must be >= base_backoff_s ({self.base_backoff_s}), got {self.max_backoff_s!r}"
+            )
         if not is_number(self.retry_budget_ratio) or not 0 <= self.retry_budget_ratio <= 1:
             raise ValueError(f"retry_budget_ratio: must be in [0, 1], got {self.retry_budget_ratio!r}")
         check_fields(self, check_int, "retry_budget_window", minimum=1)
@@ -63,4 +66,3 @@ class ClientConfig:
         return RetryConfig(
             max_attempts=self.max_attempts, base_backoff_s=self.base_backoff_s, max_backoff_s=self.max_backoff_s
         )
-

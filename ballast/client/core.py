@@ -336,7 +336,6 @@ class Call:
         return self.done
 
 
-
 class StreamState:
     """What a token stream (sync or async) shows of its call besides its texts."""
 

@@ -61,7 +61,6 @@ class Generation:
             raise ServerError(f"malformed answer: {type(e).__name__}: {e}", 200, "MALFORMED_RESPONSE") from None
 
 
-
 class SSEDecoder:
     """Server-sent events, fed one line at a time (line endings stripped).
 
@@ -90,4 +89,3 @@ class SSEDecoder:
         elif name == "data":
             self._data.append(value)
         return None
-

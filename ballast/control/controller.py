@@ -57,8 +57,25 @@ MAX_KILL_SWITCHES = 256
 MAX_AUDIT = 1000
 #: What /admin/replicas shows of a replica's watchdog report.
 WATCHDOG_STATUS_KEYS = (
-    "rss_bytes", "vram_bytes", "vram_total_bytes", "threads", "fds", "gpu_util_pct", "cpu_pct", "heartbeat_age_s",
-    "stalled_s", "warming_up", "hung", "hung_reason", "severity", "reason", "action_reason", "ready", "recycle_requested", "critical", "trends",
+    "rss_bytes",
+    "vram_bytes",
+    "vram_total_bytes",
+    "threads",
+    "fds",
+    "gpu_util_pct",
+    "cpu_pct",
+    "heartbeat_age_s",
+    "stalled_s",
+    "warming_up",
+    "hung",
+    "hung_reason",
+    "severity",
+    "reason",
+    "action_reason",
+    "ready",
+    "recycle_requested",
+    "critical",
+    "trends",
     "actions_total",
 )
 
@@ -101,7 +118,12 @@ def _watchdog_status(wd: Optional[WatchdogReport]) -> Optional[dict[str, Any]]:
 class ControllerCore:
     """The controller's logic without Ray: testable with a fake clock."""
 
-    def __init__(self, cfg: BallastConfig, clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        cfg: BallastConfig,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         self._clock = clock
         self._wall = wall_clock
         self.epoch = uuid.uuid4().hex[:12]
@@ -115,9 +137,7 @@ class ControllerCore:
         self._audit: deque[dict[str, Any]] = deque(maxlen=MAX_AUDIT)
         self._chaos: dict[str, dict[str, Any]] = {}
         self.recycler = RecycleCoordinator(cfg.recycle, self.epoch, self._wall)
-        self._snapshot = self._publish(
-            decision=None, signals=None, desired={}, running={}, autoscale_info={}
-        )
+        self._snapshot = self._publish(decision=None, signals=None, desired={}, running={}, autoscale_info={})
 
     def configure(self, cfg: BallastConfig) -> None:
         self.cfg = cfg
@@ -207,7 +227,9 @@ class ControllerCore:
         expires = self._wall() + q.lease_ttl_s
         leases: dict[str, dict[str, float]] = {}
         for tenant, quota in self._quotas.items():
-            shares = apportion(rates[tenant], {r: demand.get(tenant, {}).get(r, 0.0) for r in routers}, q.min_share_ratio)
+            shares = apportion(
+                rates[tenant], {r: demand.get(tenant, {}).get(r, 0.0) for r in routers}, q.min_share_ratio
+            )
             # The rate follows demand; the burst is split evenly and stays put, because a
             # bucket whose burst shrinks throws tokens away (and leases change every report).
             leases[tenant] = {
@@ -240,7 +262,9 @@ class ControllerCore:
         return int(self._snapshot.desired_replicas.get(deployment, 0))
 
     # -- recycling (ballast.control.recycling) ---------------------------------------------------
-    def request_recycle(self, replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str) -> list[str]:
+    def request_recycle(
+        self, replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str
+    ) -> list[str]:
         known = {r.replica_id: r.deployment for r in self._replicas.fresh()}
         chosen = self.recycler.request(known, replica_id, deployment, everyone, by)
         self._record("recycle_requested", by, replicas=chosen)
@@ -400,7 +424,9 @@ class ControllerCore:
             if target in CHAOS_TARGETS and isinstance(settings, dict):
                 self._chaos[target] = dict(settings)
         self._audit.extend(e for e in list(state.get("audit") or [])[-MAX_AUDIT:] if isinstance(e, dict))
-        self._record("admin_state_adopted", "controller", kill_switches=len(self._kill_switches), chaos=sorted(self._chaos))
+        self._record(
+            "admin_state_adopted", "controller", kill_switches=len(self._kill_switches), chaos=sorted(self._chaos)
+        )
         self._republish()
         return len(self._kill_switches)
 
@@ -499,7 +525,8 @@ class Controller:
         self._m_ticks = metrics.Counter("ballast_controller_ticks_total", "Controller ticks.")
         dep = ("deployment",)
         self._m_recycles = metrics.Counter(
-            "ballast_recycles_total", "Recycle events by outcome (started, completed, stuck, lease_expired, killed_hung).",
+            "ballast_recycles_total",
+            "Recycle events by outcome (started, completed, stuck, lease_expired, killed_hung).",
             tag_keys=dep + ("reason", "outcome"),
         )
         self._m_hung = metrics.Counter("ballast_hung_replicas_killed_total", "Hung replicas killed.", tag_keys=dep)
@@ -508,7 +535,8 @@ class Controller:
             "ballast_recycle_oldest_seconds", "Age of the oldest recycle in progress (0 when none).", tag_keys=dep
         )
         self._m_avail = metrics.Gauge(
-            "ballast_availability", "Replica availability under recycling: expected (a rolling restart's formula) and measured.",
+            "ballast_availability",
+            "Replica availability under recycling: expected (a rolling restart's formula) and measured.",
             tag_keys=("kind",),
         )
 
@@ -562,7 +590,9 @@ class Controller:
                 log.exception("could not kill hung replica %s", order["replica_id"])
         while rec.new_events:
             e = rec.new_events.popleft()
-            self._m_recycles.inc(tags={"deployment": str(e["deployment"]), "reason": str(e["reason"]), "outcome": e["outcome"]})
+            self._m_recycles.inc(
+                tags={"deployment": str(e["deployment"]), "reason": str(e["reason"]), "outcome": e["outcome"]}
+            )
         deps = [MODEL_DEPLOYMENT] + ([FALLBACK_DEPLOYMENT] if self._core.cfg.fallback is not None else [])
         for d in deps:
             self._m_in_flight.set(sum(1 for f in rec.state.in_flight if f.deployment == d), tags={"deployment": d})

@@ -118,7 +118,9 @@ class ProcessGpuProbe(NvmlGpuProbe):
         self._pid = pid
 
     def sample(self) -> Optional[ProcessGpuSample]:  # type: ignore[override]
-        got = self._query("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetComputeRunningProcesses")
+        got = self._query(
+            "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetComputeRunningProcesses"
+        )
         if got is None:
             return None
         util, mem, procs = got

@@ -36,8 +36,9 @@ class KeyService:
     """The actor's body (``IdempotencyKeys`` is this class as a Ray actor)."""
 
     def __init__(self, settings: IdempotencySettings, clock: Callable[[], float] = time.monotonic) -> None:
-        self._table = KeyTable(settings.ttl_s, settings.max_entries, settings.max_entries_per_tenant,
-                               settings.max_answer_bytes_per_tenant)
+        self._table = KeyTable(
+            settings.ttl_s, settings.max_entries, settings.max_entries_per_tenant, settings.max_answer_bytes_per_tenant
+        )
         self._clock = clock
         # Routers waiting for a key another router is answering; an event per key
         # that has waiters, dropped when it fires (bounded by the requests waiting).
@@ -90,8 +91,12 @@ def keys_name(cfg: BallastConfig) -> str:
 def keys_actor(cfg: BallastConfig) -> "ray.actor.ActorHandle":
     """The shared key table, created by whichever router asks first (``get_if_exists``)."""
     return IdempotencyKeys.options(
-        name=keys_name(cfg), namespace=cfg.controller.namespace, lifetime="detached",
-        max_restarts=-1, get_if_exists=True, num_cpus=cfg.controller.num_cpus,
+        name=keys_name(cfg),
+        namespace=cfg.controller.namespace,
+        lifetime="detached",
+        max_restarts=-1,
+        get_if_exists=True,
+        num_cpus=cfg.controller.num_cpus,
     ).remote(cfg.resilience.idempotency)
 
 

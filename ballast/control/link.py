@@ -14,6 +14,7 @@ import ray
 from ballast.config import BallastConfig
 from ballast.control.snapshot import Report, Snapshot, SnapshotCache, SnapshotExchange
 
+
 def lookup_controller(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":
     try:
         return ray.get_actor(cfg.controller.name, namespace=cfg.controller.namespace)

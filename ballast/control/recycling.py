@@ -91,7 +91,14 @@ class RecycleCoordinator:
 
     # -- events ------------------------------------------------------------------------
     def _event(self, outcome: str, replica_id: str, deployment: str, reason: str, **extra: Any) -> None:
-        e = {"at_s": round(self._wall(), 3), "outcome": outcome, "replica_id": replica_id, "deployment": deployment, "reason": reason, **extra}
+        e = {
+            "at_s": round(self._wall(), 3),
+            "outcome": outcome,
+            "replica_id": replica_id,
+            "deployment": deployment,
+            "reason": reason,
+            **extra,
+        }
         self.events.append(e)
         self.new_events.append(e)
         log.warning("ballast.recycle %s %s/%s (%s)", outcome, deployment, replica_id, reason)
@@ -137,7 +144,9 @@ class RecycleCoordinator:
         # A previous controller's lease is left to expire: only its holder may release it.
 
     # -- manual requests -------------------------------------------------------------------
-    def request(self, known: dict[str, str], replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str) -> list[str]:
+    def request(
+        self, known: dict[str, str], replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str
+    ) -> list[str]:
         """Mark replicas for a manual recycle; ``known`` maps replica_id -> deployment."""
         if replica_id is not None:
             if replica_id not in known:
@@ -173,16 +182,36 @@ class RecycleCoordinator:
             del self.manual[r]
         views = recycle.replica_views(replicas, watchdogs, self.state, frozenset(self.manual), now)
         step, self.state, self._kills = recycle.recycle_step(
-            views, watchdogs, targets, level, self.state, self._kills, self.cfg, now, _hour_of_day(now), self.settings.surge,
+            views,
+            watchdogs,
+            targets,
+            level,
+            self.state,
+            self._kills,
+            self.cfg,
+            now,
+            _hour_of_day(now),
+            self.settings.surge,
             ceilings,
         )
         for k in step.kills:
             self.kill_orders.append(
-                {"replica_id": k.replica_id, "deployment": k.deployment, "actor_name": k.actor_name, "namespace": k.namespace}
+                {
+                    "replica_id": k.replica_id,
+                    "deployment": k.deployment,
+                    "actor_name": k.actor_name,
+                    "namespace": k.namespace,
+                }
             )
             wd = watchdogs[k.replica_id]  # a kill order comes from its watchdog's report
-            self._event("killed_hung", k.replica_id, k.deployment, wd.hung_reason or "hung",
-                        heartbeat_age_s=wd.heartbeat_age_s, stalled_s=wd.stalled_s)
+            self._event(
+                "killed_hung",
+                k.replica_id,
+                k.deployment,
+                wd.hung_reason or "hung",
+                heartbeat_age_s=wd.heartbeat_age_s,
+                stalled_s=wd.stalled_s,
+            )
         self.waiting, self.surging = step.plan.waiting, step.surging
         self._settled(step.plan, now)
         for o in step.plan.start:  # after the completions whose room they take
@@ -221,7 +250,12 @@ class RecycleCoordinator:
             self.settings.lease_ttl_s,
             self.settings.lease_heartbeat_s,
             uuid.uuid4().hex[:12],
-            data=(("replica_id", o.replica_id), ("deployment", o.deployment), ("reason", o.reason), ("healthy_before", str(f.healthy_before))),
+            data=(
+                ("replica_id", o.replica_id),
+                ("deployment", o.deployment),
+                ("reason", o.reason),
+                ("healthy_before", str(f.healthy_before)),
+            ),
         )
         if lease is None:  # someone else's live lease on it: leave it to them
             self._drop(o.replica_id)
@@ -253,7 +287,9 @@ class RecycleCoordinator:
 
     # -- what the snapshot and /v1/status show ---------------------------------------------------
     def availability(self, n_replicas: int) -> dict[str, Optional[float]]:
-        restart_s = (sum(self._durations) / len(self._durations)) if self._durations else self.settings.restart_estimate_s
+        restart_s = (
+            (sum(self._durations) / len(self._durations)) if self._durations else self.settings.restart_estimate_s
+        )
         period = self.settings.max_age_s or self.settings.forced_max_age_s
         expected = recycle.expected_availability(n_replicas, restart_s, period) if period else None
         measured = recycle.measured_availability(self._out_s, self._replica_s)
@@ -269,7 +305,12 @@ class RecycleCoordinator:
         now = self._wall()
         return {
             "in_flight": [
-                {"replica_id": f.replica_id, "deployment": f.deployment, "reason": f.reason, "age_s": round(now - f.started_at_s, 3)}
+                {
+                    "replica_id": f.replica_id,
+                    "deployment": f.deployment,
+                    "reason": f.reason,
+                    "age_s": round(now - f.started_at_s, 3),
+                }
                 for f in self.state.in_flight
             ],
             "waiting": [list(w) for w in self.waiting[:20]],

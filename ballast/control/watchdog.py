@@ -112,8 +112,12 @@ def _usage(p: Any, proportional: bool) -> dict[str, float]:
                 memory = float(p.memory_full_info().pss)
             except (psutil.AccessDenied, AttributeError):  # no smaps to read: RSS stands
                 pass
-        return {"rss_bytes": memory, "threads": float(p.num_threads()), "fds": float(p.num_fds()),
-                "cpu_pct": float(p.cpu_percent(None))}
+        return {
+            "rss_bytes": memory,
+            "threads": float(p.num_threads()),
+            "fds": float(p.num_fds()),
+            "cpu_pct": float(p.cpu_percent(None)),
+        }
 
 
 def node_memory_bytes() -> int:
@@ -122,7 +126,9 @@ def node_memory_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
-def leak_specs(w: WatchdogSettings, rss_limit: Optional[float], vram_limit: Optional[float], fd_limit: Optional[float]) -> list[SeriesSpec]:
+def leak_specs(
+    w: WatchdogSettings, rss_limit: Optional[float], vram_limit: Optional[float], fd_limit: Optional[float]
+) -> list[SeriesSpec]:
     return [
         SeriesSpec("rss_bytes", w.rss_leak_mb_per_h * MB, rss_limit),
         SeriesSpec("vram_bytes", w.vram_leak_mb_per_h * MB, vram_limit),
@@ -229,8 +235,13 @@ class WatchdogCore:
             recycle_requested=self.recycle_requested,
             critical=verdict.severity == "critical",
             trends={
-                name: SeriesTrend(slope_per_h=t.slope_per_h, r2=t.r2, leaking=t.leaking,
-                                  time_to_limit_s=t.time_to_limit_s, short_window=t.short)
+                name: SeriesTrend(
+                    slope_per_h=t.slope_per_h,
+                    r2=t.r2,
+                    leaking=t.leaking,
+                    time_to_limit_s=t.time_to_limit_s,
+                    short_window=t.short,
+                )
                 for name, t in trends.items()
             },
             actions_total=dict(self.actions_total),
@@ -247,7 +258,12 @@ class WatchdogCore:
         if not warming_up:
             self._detector.observe(now, values)
         trends = self._detector.trends(now)
-        limits = {"rss_bytes": self._rss_limit, "vram_bytes": self._vram_limit, "threads": float(self.settings.threads_limit), "fds": self._fd_limit}
+        limits = {
+            "rss_bytes": self._rss_limit,
+            "vram_bytes": self._vram_limit,
+            "threads": float(self.settings.threads_limit),
+            "fds": self._fd_limit,
+        }
         usage = [Usage(k, float(v), limits[k]) for k, v in values.items() if v is not None]
         verdict, self._ladder = assess(trends, usage, self._gpu is not None, self._ladder, self._ladder_cfg, now)
         for a in verdict.actions:
@@ -285,19 +301,27 @@ class Watchdog:
         tags = ("replica", "deployment")
         self._tags = {"replica": info.replica_id, "deployment": info.deployment}
         self._g = {
-            k: metrics.Gauge(f"ballast_replica_{k}", f"Replica {k.replace('_', ' ')}, sampled by its watchdog.", tag_keys=tags)
+            k: metrics.Gauge(
+                f"ballast_replica_{k}", f"Replica {k.replace('_', ' ')}, sampled by its watchdog.", tag_keys=tags
+            )
             for k in ("rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_seconds", "stalled_seconds", "ready")
         }
         self._slope = metrics.Gauge(
-            "ballast_replica_leak_slope_per_hour", "Robust trend of a series (units per hour).", tag_keys=tags + ("series",)
+            "ballast_replica_leak_slope_per_hour",
+            "Robust trend of a series (units per hour).",
+            tag_keys=tags + ("series",),
         )
-        self._leaking = metrics.Gauge("ballast_replica_leaking", "1 when the series' trend is a leak.", tag_keys=tags + ("series",))
+        self._leaking = metrics.Gauge(
+            "ballast_replica_leaking", "1 when the series' trend is a leak.", tag_keys=tags + ("series",)
+        )
         self._tto = metrics.Gauge(
             "ballast_replica_time_to_limit_seconds",
             "Time until the series reaches its limit at its trend; -1 when it is not rising credibly.",
             tag_keys=tags + ("series",),
         )
-        self._actions = metrics.Counter("ballast_watchdog_actions_total", "Watchdog ladder actions.", tag_keys=tags + ("action",))
+        self._actions = metrics.Counter(
+            "ballast_watchdog_actions_total", "Watchdog ladder actions.", tag_keys=tags + ("action",)
+        )
         self._hung = metrics.Gauge("ballast_replica_hung", "1 while the replica is hung.", tag_keys=tags)
         self._actions_seen = dict(self._core.actions_total)
 

@@ -67,4 +67,6 @@ def refuse_bad_ids(key: Any, ids: Sequence[int], vocab_size: int) -> Optional[En
     bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size), None)
     if bad is None:
         return None
-    return EngineRefused(f"prompt: token id {bad!r} of row {key!r} is outside the vocabulary of {vocab_size}", field="prompt")
+    return EngineRefused(
+        f"prompt: token id {bad!r} of row {key!r} is outside the vocabulary of {vocab_size}", field="prompt"
+    )

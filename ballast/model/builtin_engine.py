@@ -28,9 +28,9 @@ import codecs
 import math
 import os
 import zipfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,8 +88,7 @@ class TinyDecoderConfig:
             )
         if self.d_model % self.n_heads != 0:
             raise ValueError(
-                f"TinyDecoderConfig.d_model ({self.d_model}) must be divisible by "
-                f"n_heads ({self.n_heads})"
+                f"TinyDecoderConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
             )
         if self.max_seq_len < 2:
             raise ValueError(
@@ -121,15 +120,11 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(
-                f"SamplingConfig.temperature must be a finite float >= 0, got {t!r}"
-            )
+            raise ValueError(f"SamplingConfig.temperature must be a finite float >= 0, got {t!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"SamplingConfig.seed must be an int >= 0, got {self.seed!r}")
         if not isinstance(self.printable_only, bool):
-            raise ValueError(
-                f"SamplingConfig.printable_only must be a bool, got {self.printable_only!r}"
-            )
+            raise ValueError(f"SamplingConfig.printable_only must be a bool, got {self.printable_only!r}")
 
 
 # ---------------------------------------------------------------------------- model
@@ -149,9 +144,7 @@ class _Block(nn.Module):
         self.mlp_in = nn.Linear(cfg.d_model, cfg.d_ff)
         self.mlp_out = nn.Linear(cfg.d_ff, cfg.d_model)
 
-    def forward(
-        self, x: Tensor, attn_mask: Tensor, past_k: Tensor, past_v: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, attn_mask: Tensor, past_k: Tensor, past_v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b = x.size(0)
         t = x.size(1)
         qkv = self.attn_qkv(self.ln1(x))
@@ -278,8 +271,7 @@ def encode_prompt(prompt: str, max_new_tokens: int, max_seq_len: int) -> list[in
     """
     if not 0 <= max_new_tokens <= max_seq_len - 1:
         raise ValueError(
-            f"max_new_tokens must be in [0, {max_seq_len - 1}] for max_seq_len "
-            f"{max_seq_len}, got {max_new_tokens}"
+            f"max_new_tokens must be in [0, {max_seq_len - 1}] for max_seq_len {max_seq_len}, got {max_new_tokens}"
         )
     data = prompt.encode("utf-8") or _EMPTY_PROMPT_BYTES
     keep = max_seq_len - max_new_tokens
@@ -330,9 +322,7 @@ class TorchDecoderBackend:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         if device != "cpu" and not (isinstance(device, str) and device.startswith("cuda:")):
             raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
-        missing = [
-            a for a in _REQUIRED_MODEL_ATTRS if not isinstance(getattr(model, a, None), int)
-        ]
+        missing = [a for a in _REQUIRED_MODEL_ATTRS if not isinstance(getattr(model, a, None), int)]
         if missing:
             raise ValueError(f"model lacks int attributes {missing} needed to shape the KV cache")
         if int(model.vocab_size) != BYTE_VOCAB_SIZE:
@@ -385,17 +375,13 @@ class TorchDecoderBackend:
         for tests and debugging only — it is the reference the cache must match.
         """
         if len(prompts) != len(max_new_tokens):
-            raise ValueError(
-                f"got {len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens"
-            )
+            raise ValueError(f"got {len(prompts)} prompts but {len(max_new_tokens)} max_new_tokens")
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be an int >= 1, got {chunk_tokens!r}")
         for n in max_new_tokens:
             if isinstance(n, bool) or not isinstance(n, int):
                 raise ValueError(f"max_new_tokens entries must be ints, got {n!r}")
-        encoded = [
-            encode_prompt(p, n, self.max_seq_len) for p, n in zip(prompts, max_new_tokens)
-        ]
+        encoded = [encode_prompt(p, n, self.max_seq_len) for p, n in zip(prompts, max_new_tokens)]
         return self._token_chunks(encoded, list(max_new_tokens), chunk_tokens, use_cache)
 
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
@@ -413,9 +399,7 @@ class TorchDecoderBackend:
 
     # ------------------------------------------------------------------ internals
 
-    def _decode_chunks(
-        self, token_chunks: Iterator[list[list[int]]], max_new_tokens: list[int]
-    ) -> Iterator[list[str]]:
+    def _decode_chunks(self, token_chunks: Iterator[list[list[int]]], max_new_tokens: list[int]) -> Iterator[list[str]]:
         decoders = [ByteStreamDecoder() for _ in max_new_tokens]
         produced = [0] * len(max_new_tokens)
         for chunk in token_chunks:
@@ -460,8 +444,7 @@ class TorchDecoderBackend:
                 steps = [state.step(s) for s in range(first, last)]
                 step_tokens = torch.stack(steps).tolist()
             yield [
-                [tokens[b] for s, tokens in zip(range(first, last), step_tokens)
-                 if s < max_new_tokens[b]]
+                [tokens[b] for s, tokens in zip(range(first, last), step_tokens) if s < max_new_tokens[b]]
                 for b in range(len(encoded))
             ]
 
@@ -786,34 +769,24 @@ class BackendSpec:
     def __post_init__(self) -> None:
         check_name("BackendSpec.name", self.name)
         check_int("BackendSpec.seed", self.seed, minimum=0)
-        if self.checkpoint_path is not None and (
-            not isinstance(self.checkpoint_path, str) or not self.checkpoint_path
-        ):
+        if self.checkpoint_path is not None and (not isinstance(self.checkpoint_path, str) or not self.checkpoint_path):
             raise ValueError(
-                f"BackendSpec.checkpoint_path must be None or a non-empty str, "
-                f"got {self.checkpoint_path!r}"
+                f"BackendSpec.checkpoint_path must be None or a non-empty str, got {self.checkpoint_path!r}"
             )
         if self.checkpoint_format not in _CHECKPOINT_FORMATS:
             raise ValueError(
-                f"BackendSpec.checkpoint_format must be one of {_CHECKPOINT_FORMATS}, "
-                f"got {self.checkpoint_format!r}"
+                f"BackendSpec.checkpoint_format must be one of {_CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}"
             )
         if self.checkpoint_format != "auto" and self.checkpoint_path is None:
-            raise ValueError(
-                f"BackendSpec.checkpoint_format={self.checkpoint_format!r} needs a checkpoint_path"
-            )
+            raise ValueError(f"BackendSpec.checkpoint_format={self.checkpoint_format!r} needs a checkpoint_path")
         if self.device not in _DEVICES:
             raise ValueError(f"BackendSpec.device must be one of {_DEVICES}, got {self.device!r}")
         if self.compile not in _COMPILE_MODES:
-            raise ValueError(
-                f"BackendSpec.compile must be one of {_COMPILE_MODES}, got {self.compile!r}"
-            )
+            raise ValueError(f"BackendSpec.compile must be one of {_COMPILE_MODES}, got {self.compile!r}")
         if not isinstance(self.config, TinyDecoderConfig):
             raise ValueError(f"BackendSpec.config must be a TinyDecoderConfig, got {self.config!r}")
         if not isinstance(self.sampling, SamplingConfig):
-            raise ValueError(
-                f"BackendSpec.sampling must be a SamplingConfig, got {self.sampling!r}"
-            )
+            raise ValueError(f"BackendSpec.sampling must be a SamplingConfig, got {self.sampling!r}")
 
 
 def _resolve_device(requested: str, path: str) -> str:
@@ -827,7 +800,7 @@ def _resolve_device(requested: str, path: str) -> str:
 
 
 def detect_checkpoint_format(path: str) -> str:
-    """"torchscript" or "state_dict", from the file's contents (not its name).
+    """ "torchscript" or "state_dict", from the file's contents (not its name).
 
     Both formats are zip archives; only a TorchScript archive holds the
     serialized code (``<root>/code/...``) and ``<root>/constants.pkl``. Anything
@@ -853,9 +826,7 @@ def _load_state_dict_model(path: str, cfg: TinyDecoderConfig, device: str) -> Ti
         # weights_only: a checkpoint must not be able to run code on load.
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as exc:  # corrupt zip, pickle error, wrong format...
-        raise ModelLoadError(
-            path, f"cannot read state_dict: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise ModelLoadError(path, f"cannot read state_dict: {type(exc).__name__}: {exc}") from exc
     if not isinstance(state, Mapping):
         raise ModelLoadError(path, f"expected a state_dict mapping, got {type(state).__name__}")
     model = _empty_decoder(cfg)
@@ -870,9 +841,7 @@ def _load_torchscript_model(path: str, device: str) -> nn.Module:
     try:
         model = torch.jit.load(path, map_location=device)
     except Exception as exc:
-        raise ModelLoadError(
-            path, f"cannot read TorchScript archive: {type(exc).__name__}: {exc}"
-        ) from exc
+        raise ModelLoadError(path, f"cannot read TorchScript archive: {type(exc).__name__}: {exc}") from exc
     return model
 
 
@@ -901,9 +870,7 @@ def load_backend(spec: BackendSpec) -> TorchDecoderBackend:
     if spec.compile == "torchscript" and not isinstance(model, torch.jit.ScriptModule):
         model = _script(model, source)
     try:
-        return TorchDecoderBackend(
-            model, name=spec.name, device=device, source=source, sampling=spec.sampling
-        )
+        return TorchDecoderBackend(model, name=spec.name, device=device, source=source, sampling=spec.sampling)
     except ValueError as exc:  # e.g. a TorchScript module without the geometry attrs
         raise ModelLoadError(source, str(exc)) from exc
 
@@ -924,8 +891,7 @@ def _script(model: nn.Module, source: str) -> nn.Module:
             return torch.jit.script(model)
     except Exception as exc:
         raise ModelLoadError(
-            source, f"cannot compile with TorchScript ({type(exc).__name__}: {exc}); "
-            "set model.compile: eager"
+            source, f"cannot compile with TorchScript ({type(exc).__name__}: {exc}); set model.compile: eager"
         ) from exc
 
 

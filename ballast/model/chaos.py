@@ -58,7 +58,19 @@ class ChaosSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ChaosSettings":
-        known = {k: d[k] for k in ("error_ratio", "latency_ms", "hang", "stall", "step_delay_ms", "leak_mb_per_s", "vram_leak_mb_per_s") if k in d}
+        known = {
+            k: d[k]
+            for k in (
+                "error_ratio",
+                "latency_ms",
+                "hang",
+                "stall",
+                "step_delay_ms",
+                "leak_mb_per_s",
+                "vram_leak_mb_per_s",
+            )
+            if k in d
+        }
         return cls(**known)
 
     @property
@@ -155,5 +167,7 @@ class ChaosAgent:
             if chunk > 0:
                 import torch
 
-                self._vram_leak.append(torch.ones(chunk, dtype=torch.uint8, device=self._cuda))  # a real cudaMalloc'd block
+                self._vram_leak.append(
+                    torch.ones(chunk, dtype=torch.uint8, device=self._cuda)
+                )  # a real cudaMalloc'd block
             await self._sleep(LEAK_TICK_S)

@@ -24,7 +24,14 @@ import json
 from pathlib import Path
 
 __all__ = [
-    "CHAT_TEMPLATE", "CORPUS", "DEMO_GEOMETRY", "SEED", "VLLM_GEOMETRY", "make_llama", "make_tiny_llama", "train_tokenizer",
+    "CHAT_TEMPLATE",
+    "CORPUS",
+    "DEMO_GEOMETRY",
+    "SEED",
+    "VLLM_GEOMETRY",
+    "make_llama",
+    "make_tiny_llama",
+    "train_tokenizer",
 ]
 
 SEED = 1234
@@ -133,7 +140,9 @@ def _shard_size_bytes(model, shards: int) -> int:
 
 # Geometry of ``make tiny`` (tests) and of ``make demo-model``.
 TINY_GEOMETRY = dict(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, context=128)
-DEMO_GEOMETRY = dict(hidden=256, intermediate=688, layers=4, heads=4, kv_heads=2, context=1024)  # head size 64: vLLM serves it too
+DEMO_GEOMETRY = dict(
+    hidden=256, intermediate=688, layers=4, heads=4, kv_heads=2, context=1024
+)  # head size 64: vLLM serves it too
 # The smallest model the vLLM engine's tests serve: head size 64 is one vLLM's CPU attention supports.
 VLLM_GEOMETRY = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, context=512)
 

@@ -100,8 +100,11 @@ def build_engine(m: Any) -> ModelBackend:
         from ballast.model.vllm_engine import VLLMBackend, default_engine_kwargs
 
         return VLLMBackend(
-            m.path, name=m.name, engine_kwargs=default_engine_kwargs(m.path, dict(m.engine_kwargs), m.max_batch_size),
-            grammar_compile_timeout_s=m.grammar_compile_timeout_s, grammar_compile_threads=m.grammar_compile_threads,
+            m.path,
+            name=m.name,
+            engine_kwargs=default_engine_kwargs(m.path, dict(m.engine_kwargs), m.max_batch_size),
+            grammar_compile_timeout_s=m.grammar_compile_timeout_s,
+            grammar_compile_threads=m.grammar_compile_threads,
         )
     if m.backend == "transformers":
         import torch

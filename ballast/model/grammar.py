@@ -46,7 +46,9 @@ class GrammarCompiles:
     message is the reason) and returns when the grammar is built. One event loop uses
     an instance (the replica's)."""
 
-    def __init__(self, compile: Callable[[str], None], *, threads: int, timeout_s: float, remembered: int = 1024) -> None:
+    def __init__(
+        self, compile: Callable[[str], None], *, threads: int, timeout_s: float, remembered: int = 1024
+    ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
         if not timeout_s > 0:

@@ -177,9 +177,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     text_config = config.get_text_config()
     vocab_size = getattr(text_config, "vocab_size", None)
     if not _is_positive_int(vocab_size):
-        raise CheckpointError(
-            str(root / CONFIG_FILE), f"vocab_size must be a positive int, got {vocab_size!r}"
-        )
+        raise CheckpointError(str(root / CONFIG_FILE), f"vocab_size must be a positive int, got {vocab_size!r}")
     context_length = _context_length(root / CONFIG_FILE, text_config)
     eos_token_ids = _eos_token_ids(root, config, vocab_size)
     has_chat_template = _check_tokenizer_files(root)
@@ -206,9 +204,7 @@ def _read_json_object(file: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise CheckpointError(
-            str(file), f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
-        ) from e
+        raise CheckpointError(str(file), f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(str(file), f"cannot be read: {e}") from e
     if not isinstance(data, dict):
@@ -224,9 +220,7 @@ def _causal_lm_architecture(config_file: Path, raw: Mapping[str, Any]) -> str:
 
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise CheckpointError(
-            str(config_file), "has no 'model_type' (transformers picks the architecture by it)"
-        )
+        raise CheckpointError(str(config_file), "has no 'model_type' (transformers picks the architecture by it)")
     if model_type not in CONFIG_MAPPING_NAMES:
         hint = (
             "; its 'auto_map' points at code shipped in the directory, which is never run"
@@ -273,9 +267,7 @@ def _context_length(config_file: Path, text_config: Any) -> int:
 
 
 def _eos_token_ids(root: Path, config: Any, vocab_size: int) -> tuple[int, ...]:
-    sources: list[tuple[Path, object]] = [
-        (root / CONFIG_FILE, getattr(config.get_text_config(), "eos_token_id", None))
-    ]
+    sources: list[tuple[Path, object]] = [(root / CONFIG_FILE, getattr(config.get_text_config(), "eos_token_id", None))]
     generation_file = root / GENERATION_CONFIG_FILE
     if generation_file.exists():
         generation = _read_json_object(generation_file, "generation defaults")
@@ -285,9 +277,7 @@ def _eos_token_ids(root: Path, config: Any, vocab_size: int) -> tuple[int, ...]:
         values = value if isinstance(value, list) else [] if value is None else [value]
         for v in values:
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < vocab_size:
-                raise CheckpointError(
-                    str(file), f"eos_token_id {v!r} is not a token id below vocab_size {vocab_size}"
-                )
+                raise CheckpointError(str(file), f"eos_token_id {v!r} is not a token id below vocab_size {vocab_size}")
             if v not in ids:
                 ids.append(v)
     return tuple(ids)
@@ -357,15 +347,11 @@ def _check_index(root: Path, index_file: Path) -> tuple[Path, ...]:
     for shard, tensors in by_shard.items():
         file = root / shard
         if not file.is_file():
-            raise CheckpointError(
-                str(file), f"is missing ({WEIGHTS_INDEX_FILE} places {len(tensors)} tensors in it)"
-            )
+            raise CheckpointError(str(file), f"is missing ({WEIGHTS_INDEX_FILE} places {len(tensors)} tensors in it)")
         present = _tensor_names(file)
         absent = [t for t in tensors if t not in present]
         if absent:
-            raise CheckpointError(
-                str(file), f"lacks {_name_some(absent)}, which {WEIGHTS_INDEX_FILE} places in it"
-            )
+            raise CheckpointError(str(file), f"lacks {_name_some(absent)}, which {WEIGHTS_INDEX_FILE} places in it")
         shards.append(file)
     return tuple(sorted(shards))
 
@@ -387,9 +373,7 @@ def _tensor_names(file: Path) -> set[str]:
         with safe_open(str(file), framework="numpy") as f:
             return set(f.keys())
     except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(
-            str(file), f"is not a readable safetensors file (truncated or corrupt?): {e}"
-        ) from e
+        raise CheckpointError(str(file), f"is not a readable safetensors file (truncated or corrupt?): {e}") from e
 
 
 def _name_some(names: Sequence[str]) -> str:
@@ -569,8 +553,12 @@ def _file_holding(info: CheckpointInfo, tensor: str) -> Path:
 # ------------------------------------------------------------------------ text side
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                tools: Optional[Sequence[Mapping[str, Any]]] = None, special_tokens_in_content: str = "text") -> str:
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Optional[Sequence[Mapping[str, Any]]] = None,
+    special_tokens_in_content: str = "text",
+) -> str:
     """The prompt text for ``messages`` (and the ``tools`` the model may call, when
     given), through the tokenizer's chat template.
 
@@ -597,8 +585,9 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
             "has no chat template, so chat messages cannot be turned into a prompt",
         )
     try:
-        text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                             tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            list(messages), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
+        )
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
         raise ChatTemplateError(f"the chat template refused the messages: {e}") from e
     if not isinstance(text, str):  # a batch of conversations was passed

@@ -109,10 +109,13 @@ class RowSampling:
             object.__setattr__(self, "temperature", 0.0)
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not INT64_MIN <= self.seed <= INT64_MAX):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX
+        ):
             raise ValueError(f"seed must be an int in [-2**63, 2**63 - 1], got {self.seed!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+        ):
             raise ValueError(f"top_k must be an int >= 1 or None, got {self.top_k!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
@@ -203,7 +206,9 @@ class IncrementalDetokenizer:
         return new
 
 
-def encode_prompt(tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True
+) -> list[int]:
     """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed ``context``."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -220,7 +225,9 @@ def encode_prompt(tokenizer: Any, context: int, prompt: str, max_new_tokens: int
     return ids
 
 
-def fit_prompt(tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
+def fit_prompt(
+    tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True
+) -> tuple[list[int], int]:
     """(prompt ids, max new tokens) for a row: max_new_tokens shortened to what the context
     leaves. The router refuses what does not fit with a 400 first; this is for a fallback
     whose context is shorter than the primary's. ContextTooLong when nothing is left."""
@@ -426,7 +433,12 @@ class HFBatch:
         kwargs = {"logits_to_keep": 1} if self._b._logits_to_keep else {}
         with attention_kernels(self._b.device):
             out = self._b.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                **kwargs,
             )
         return out.logits[:, -1, :]
 
@@ -497,7 +509,9 @@ class HFBatch:
             except (RuntimeError, ValueError) as e:
                 from ballast.errors import EngineRefused
 
-                self._fail(r, EngineRefused(f"temperature: sampling failed for these parameters: {e}", field="temperature"))
+                self._fail(
+                    r, EngineRefused(f"temperature: sampling failed for these parameters: {e}", field="temperature")
+                )
         return picked
 
     def _fail(self, row: _Row, error: BaseException) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 
+
 def niceness(tid: int = 0) -> int:
     """The niceness of thread ``tid`` (Linux: a task; 0 is the calling thread)."""
     return os.getpriority(os.PRIO_PROCESS, tid)

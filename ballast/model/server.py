@@ -45,7 +45,6 @@ import asyncio
 import gc
 import logging
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncGenerator, Optional
 
@@ -60,7 +59,7 @@ from ballast.policies.window import CountWindow
 
 from ballast.model.engine import build_engine
 from ballast.model.chaos import ChaosAgent
-from ballast.config import BallastConfig, ModelConfig, frozen_config, load_config
+from ballast.config import BallastConfig, ModelConfig, load_config
 from ballast.control.link import connect
 from ballast.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
 from ballast.errors import DeadlineExceeded
@@ -148,7 +147,9 @@ def scheduler_config(m: ModelConfig, context_tokens: int) -> SchedulerConfig:
     which manages its own KV cache (the replica only bounds the rows in the engine)."""
     if m.backend == "vllm":
         return SchedulerConfig(kv_budget_tokens=None, context_tokens=context_tokens)
-    return SchedulerConfig(kv_budget_tokens=m.kv_cache_tokens or m.max_batch_size * context_tokens, context_tokens=context_tokens)
+    return SchedulerConfig(
+        kv_budget_tokens=m.kv_cache_tokens or m.max_batch_size * context_tokens, context_tokens=context_tokens
+    )
 
 
 class ModelServer:
@@ -167,7 +168,9 @@ class ModelServer:
         self._backend.warmup(warmup_batch_sizes(self._model_cfg.max_batch_size))
         log.info(
             "%s warmed over batch sizes up to %d in %.1f s",
-            self._role, self._model_cfg.max_batch_size, time.monotonic() - warm_started,
+            self._role,
+            self._model_cfg.max_batch_size,
+            time.monotonic() - warm_started,
         )
         self._gpu = make_gpu_probe(self._backend.device)
         self._model_max_tokens = self._backend.max_seq_len - 1
@@ -212,15 +215,22 @@ class ModelServer:
         from ray.serve import metrics
 
         self._m_batch = metrics.Histogram(
-            "ballast_model_batch_size", "Rows in the live batch per generated chunk.", boundaries=[1, 2, 4, 8, 16, 24, 32, 64]
+            "ballast_model_batch_size",
+            "Rows in the live batch per generated chunk.",
+            boundaries=[1, 2, 4, 8, 16, 24, 32, 64],
         )
         self._m_tokens = metrics.Counter("ballast_model_tokens_total", "Tokens generated.")
         self._m_queue = metrics.Gauge("ballast_model_queued", "Requests in this replica waiting for a batch.")
         self._m_kv = metrics.Gauge(
             "ballast_model_kv_util_pct",
-            "This replica's KV cache in use, percent: the rows' reservation against its budget, or vLLM's own KV cache.")
-        self._m_engine_waiting = metrics.Gauge("ballast_model_engine_waiting", "Requests waiting inside a self-scheduling engine (vLLM).")
-        self._m_prefix_hits = metrics.Gauge("ballast_model_prefix_cache_hit_pct", "Prompt tokens found in vLLM's prefix cache, percent.")
+            "This replica's KV cache in use, percent: the rows' reservation against its budget, or vLLM's own KV cache.",
+        )
+        self._m_engine_waiting = metrics.Gauge(
+            "ballast_model_engine_waiting", "Requests waiting inside a self-scheduling engine (vLLM)."
+        )
+        self._m_prefix_hits = metrics.Gauge(
+            "ballast_model_prefix_cache_hit_pct", "Prompt tokens found in vLLM's prefix cache, percent."
+        )
 
     # -- watchdog, readiness and recycling ---------------------------------------------
     def _spawn_watchdog(self) -> Any:
@@ -514,17 +524,22 @@ class ModelServer:
             key=self._next_key,
         )
         if req.get("continue_ids"):
-            resume(item, continue_ids(req["continue_ids"], self._backend.vocab_size), int(req.get("continue_text_chars") or 0))
+            resume(
+                item,
+                continue_ids(req["continue_ids"], self._backend.vocab_size),
+                int(req.get("continue_text_chars") or 0),
+            )
             if item.max_tokens <= 0:  # the lost replica had delivered every token: nothing is left
-                yield {"text": item.pending, "tokens": 0, "ids": [], "finish_reason": "length",
-                       "queue_wait_ms": 0.0, "max_tokens": max_tokens}
+                yield {
+                    "text": item.pending,
+                    "tokens": 0,
+                    "ids": [],
+                    "finish_reason": "length",
+                    "queue_wait_ms": 0.0,
+                    "max_tokens": max_tokens,
+                }
                 return
-        if self._queued + self._running == 0:
-            self._busy_since_s = now
-        self._waiting[item.key] = item
-        self._queued += 1
-        assert self._wake is not None
-        self._wake.set()
+        self._enqueue(item, now)
         try:
             first = True
             while True:
@@ -548,6 +563,15 @@ class ModelServer:
                 self._leave_line(item)
             elif item.key in self._active:
                 self._wake.set()
+
+    def _enqueue(self, item: _Item, now: float) -> None:
+        """``item`` joins the waiting line and the engine loop is woken."""
+        if self._queued + self._running == 0:
+            self._busy_since_s = now
+        self._waiting[item.key] = item
+        self._queued += 1
+        assert self._wake is not None
+        self._wake.set()
 
     async def _checked_sampling(self, req: dict[str, Any], left_s: float, timeout_s: float) -> Any:
         """The request's sampling as the engine checked and normalised it. EngineRefused /
@@ -651,7 +675,9 @@ def continue_ids(ids: Any, vocab_size: int) -> list[int]:
     """A resumed stream's delivered ids, each an int in the vocabulary; else EngineRefused."""
     from ballast.errors import EngineRefused
 
-    if not isinstance(ids, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size for i in ids):
+    if not isinstance(ids, (list, tuple)) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size for i in ids
+    ):
         raise EngineRefused(f"continue_ids: must be token ids in [0, {vocab_size})", field="continue_ids")
     return list(ids)
 
@@ -661,9 +687,22 @@ def _sampling(req: dict[str, Any]) -> Any:
     (``RowSampling.of``: EngineRefused naming a field out of range); None when it asked for
     none (the built-in model ignores sampling and decodes greedily; it has no end of
     sequence, so ``ignore_eos`` and ``min_tokens`` hold on it by themselves)."""
-    if all(not req.get(k) for k in ("temperature", "top_p", "top_k", "min_tokens", "ignore_eos", "repetition_penalty",
-                                    "json_schema", "keep_special_tokens")) \
-            and req.get("seed") is None:
+    if (
+        all(
+            not req.get(k)
+            for k in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_tokens",
+                "ignore_eos",
+                "repetition_penalty",
+                "json_schema",
+                "keep_special_tokens",
+            )
+        )
+        and req.get("seed") is None
+    ):
         return None
     from ballast.model.hf_engine import RowSampling
 

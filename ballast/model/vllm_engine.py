@@ -59,7 +59,14 @@ from typing import Any, Optional
 from ballast.model.batching import describe_engine
 from ballast.errors import EngineRefused, ModelLoadError
 from ballast.model.grammar import GrammarCompiles
-from ballast.model.hf_engine import GREEDY, ContextTooLong, IncrementalDetokenizer, RowSampling, encode_prompt, fit_prompt
+from ballast.model.hf_engine import (
+    GREEDY,
+    ContextTooLong,
+    IncrementalDetokenizer,
+    RowSampling,
+    encode_prompt,
+    fit_prompt,
+)
 
 __all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
 
@@ -129,7 +136,9 @@ def _stat_logger_factory(sink: _StatsSink) -> Any:
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self.engine_index = engine_index
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
             if scheduler_stats is not None:
                 sink.record(scheduler_stats)
 
@@ -177,7 +186,13 @@ def default_engine_kwargs(path: str, engine_kwargs: dict[str, Any], rows: int) -
         head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
         kv_heads = int(c.get("num_key_value_heads") or heads)
         context = int(out.get("max_model_len") or c.get("max_position_embeddings") or 2048)
-        per_token = 2 * int(c["num_hidden_layers"]) * kv_heads * head_dim * (2 if out.get("dtype") in ("bfloat16", "float16", "half") else 4)
+        per_token = (
+            2
+            * int(c["num_hidden_layers"])
+            * kv_heads
+            * head_dim
+            * (2 if out.get("dtype") in ("bfloat16", "float16", "half") else 4)
+        )
     except (OSError, ValueError, KeyError, TypeError):  # vLLM names what is wrong with the directory at start
         return out
     out["kv_cache_memory_bytes"] = max(64 << 20, rows * context * per_token)
@@ -235,8 +250,14 @@ class VLLMBackend:
     """
 
     def __init__(
-        self, path: str, *, name: str, engine_kwargs: Optional[dict[str, Any]] = None, max_wait_s: float = 0.5,
-        grammar_compile_timeout_s: float = 2.0, grammar_compile_threads: int = 2,
+        self,
+        path: str,
+        *,
+        name: str,
+        engine_kwargs: Optional[dict[str, Any]] = None,
+        max_wait_s: float = 0.5,
+        grammar_compile_timeout_s: float = 2.0,
+        grammar_compile_threads: int = 2,
     ) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer
 
@@ -272,7 +293,9 @@ class VLLMBackend:
         self.device = _device_name(cfg)
         self._xgr_lock = threading.Lock()
         self._xgr_compiler: Any = None  # built at the first schema, in a grammar thread
-        self.grammars = GrammarCompiles(self._compile_schema, threads=grammar_compile_threads, timeout_s=grammar_compile_timeout_s)
+        self.grammars = GrammarCompiles(
+            self._compile_schema, threads=grammar_compile_threads, timeout_s=grammar_compile_timeout_s
+        )
 
     # ---------------------------------------------------------------- start, stop
 
@@ -290,7 +313,9 @@ class VLLMBackend:
         try:
             vllm_config = args.create_engine_config()
         except Exception as e:  # vLLM's own validation: architecture, context, dtype, kwargs
-            raise ModelLoadError(str(self.info.path / "config.json"), f"vLLM cannot serve it: {type(e).__name__}: {e}") from e
+            raise ModelLoadError(
+                str(self.info.path / "config.json"), f"vLLM cannot serve it: {type(e).__name__}: {e}"
+            ) from e
         try:
             return AsyncLLM.from_vllm_config(
                 vllm_config, stat_loggers=[_stat_logger_factory(self._stats)], disable_log_stats=args.disable_log_stats
@@ -377,7 +402,8 @@ class VLLMBackend:
             so = self._llm.vllm_config.structured_outputs_config
             try:
                 self._xgrammar().compile_json_schema(
-                    schema, any_whitespace=not so.disable_any_whitespace,
+                    schema,
+                    any_whitespace=not so.disable_any_whitespace,
                     separators=(",", ":") if so.disable_any_whitespace else None,
                 )
             except RuntimeError as e:  # xgrammar's refusal of a schema its parser took
@@ -440,7 +466,12 @@ class VLLMBackend:
         import vllm
 
         cfg = self._llm.vllm_config if self._llm is not None else None
-        out = {**describe_engine(self), "backend": "vllm", "architecture": self.info.architecture, "vllm": vllm.__version__}
+        out = {
+            **describe_engine(self),
+            "backend": "vllm",
+            "architecture": self.info.architecture,
+            "vllm": vllm.__version__,
+        }
         if cfg is not None:
             out.update(
                 dtype=str(cfg.model_config.dtype).replace("torch.", ""),
@@ -555,7 +586,9 @@ class VLLMBatch:
                 raise ValueError(f"key {key!r} is already in the batch")
             seen.add(key)
             if not ids or isinstance(n, bool) or not isinstance(n, int) or n < 0 or len(ids) + n > limit:
-                raise ContextTooLong(f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {limit}")
+                raise ContextTooLong(
+                    f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {limit}"
+                )
             parsed.append((key, ids, n, sampling))
         return parsed
 

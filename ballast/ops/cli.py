@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import typer
 
+
 def pidfile(port: int) -> Path:
     return Path(f".run/ballast-{port}.pid")
 
@@ -104,7 +105,7 @@ def default_url(run_dir: Path = Path(".run")) -> str:
     except OSError:
         found = []
     default = run_dir / pidfile(8000).name
-    for path in ([default] if default in found else found if len(found) == 1 else []):
+    for path in [default] if default in found else found if len(found) == 1 else []:
         doc = read_pid(path)
         url = doc.get("admin_url") or doc["url"] if doc is not None else None
         if isinstance(url, str) and is_loopback_url(url):
@@ -133,8 +134,10 @@ def _held_by_another(pid_path: Path) -> bool:
         return False
     doc = read_pid(pid_path)
     if doc is None:
-        print(f"{pid_path} is not this user's own pid file (owner, mode, symlink or URL); "
-              "remove it if it is stale", file=sys.stderr)
+        print(
+            f"{pid_path} is not this user's own pid file (owner, mode, symlink or URL); remove it if it is stale",
+            file=sys.stderr,
+        )
         return True
     try:
         os.kill(doc["pid"], 0)
@@ -148,8 +151,11 @@ def _held_by_another(pid_path: Path) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ballast.config import load_config
 
-    cfg = load_config(args.config, model_dir=getattr(args, "model", None) or None,
-                      engine=getattr(args, "engine", None) or "transformers")
+    cfg = load_config(
+        args.config,
+        model_dir=getattr(args, "model", None) or None,
+        engine=getattr(args, "engine", None) or "transformers",
+    )
     pid_path = pidfile(cfg.http.port)
     if _held_by_another(pid_path):
         return 1
@@ -180,11 +186,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             key = next(iter(cfg.auth.demo_keys))
             print(
                 f"  curl -s {base}/v1/generate -H 'Authorization: Bearer {key}' "
-                "-H 'Content-Type: application/json' -d '{\"prompt\": \"Hello\", \"max_tokens\": 32}'"
+                '-H \'Content-Type: application/json\' -d \'{"prompt": "Hello", "max_tokens": 32}\''
             )
             print(
                 f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
-                f"-d '{{\"model\": \"{cfg.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 32}}'"
+                f'-d \'{{"model": "{cfg.model.name}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}\''
             )
         print("Ctrl-C (or `make stop` from another shell) stops Serve and Ray.\n", flush=True)
         while not stop.wait(0.5):
@@ -207,8 +213,10 @@ def cmd_stop(args: argparse.Namespace) -> int:
     doc = read_pid(pid_path)
     if doc is None:
         if os.path.lexists(pid_path):
-            print(f"{pid_path} is not this user's own pid file (owner, mode, symlink or URL): not signalling it",
-                  file=sys.stderr)
+            print(
+                f"{pid_path} is not this user's own pid file (owner, mode, symlink or URL): not signalling it",
+                file=sys.stderr,
+            )
             return 1
         print("no Ballast stack started by `make serve` is running here")
         return 0
@@ -232,7 +240,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 # -- the operator's commands: they talk to the admin API of a running stack -------------
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Ballast: run the local stack, operate a running one.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Ballast: run the local stack, operate a running one."
+)
 ks_app = typer.Typer(no_args_is_help=True, help="Kill switches: refuse traffic by scope, with a reason and an expiry.")
 chaos_app = typer.Typer(no_args_is_help=True, help="Fault injection (only where the config enables chaos).")
 app.add_typer(ks_app, name="kill-switch")
@@ -249,9 +259,12 @@ class _Target:
 @app.callback()
 def _options(
     ctx: typer.Context,
-    url: Optional[str] = typer.Option(None, envvar="BALLAST_URL",
-                                      help="Ballast's URL, where the admin token goes (default: the stack `make serve` "
-                                           "started here, its admin port if it has one, else http://127.0.0.1:8000)"),
+    url: Optional[str] = typer.Option(
+        None,
+        envvar="BALLAST_URL",
+        help="Ballast's URL, where the admin token goes (default: the stack `make serve` "
+        "started here, its admin port if it has one, else http://127.0.0.1:8000)",
+    ),
     token: Optional[str] = typer.Option(None, help="admin token (default: $BALLAST_ADMIN_TOKEN)"),
     operator: str = typer.Option(os.environ.get("USER", "cli"), help="recorded in the audit trail"),
 ) -> None:
@@ -381,8 +394,10 @@ def _status_health(doc: dict[str, Any], out: list[str]) -> None:
     """Capacity lost with replicas, and the breakers."""
     lost = doc.get("lost_capacity") or {}
     if any(lost.values()):
-        out.append(f"lost capacity: {lost.get('migrated', 0)} carried on elsewhere, {lost.get('not_migrated', 0)} not "
-                   "(to the fallback, else 503 REPLICA_LOST): replicas or nodes that went away, not model errors")
+        out.append(
+            f"lost capacity: {lost.get('migrated', 0)} carried on elsewhere, {lost.get('not_migrated', 0)} not "
+            "(to the fallback, else 503 REPLICA_LOST): replicas or nodes that went away, not model errors"
+        )
 
     breakers = doc.get("breakers") or {}
     if breakers:
@@ -400,13 +415,16 @@ def _status_quotas(doc: dict[str, Any], out: list[str], near_quota_ratio: float)
     """Tenants near their quota."""
     quotas = doc.get("quotas") or {}
     near = [
-        (t, q) for t, q in sorted(quotas.items())
+        (t, q)
+        for t, q in sorted(quotas.items())
         if q.get("burst_tokens") and q.get("tokens", 0) <= near_quota_ratio * q["burst_tokens"]
     ]
     out.append(f"tenants near their quota (bucket <= {near_quota_ratio:.0%} of burst): {len(near) if near else 'none'}")
     for t, q in near:
         lease = "" if q.get("lease", True) else ", no lease (safe share)"
-        out.append(f"  {t}: {q.get('tokens')} of {q.get('burst_tokens')} tokens, refills {q.get('rate_tokens_per_s')}/s{lease}")
+        out.append(
+            f"  {t}: {q.get('tokens')} of {q.get('burst_tokens')} tokens, refills {q.get('rate_tokens_per_s')}/s{lease}"
+        )
 
 
 def _status_actions(doc: dict[str, Any], out: list[str]) -> None:
@@ -415,7 +433,9 @@ def _status_actions(doc: dict[str, Any], out: list[str]) -> None:
     in_flight = recycle.get("in_flight") or []
     out.append(f"recycles in flight: {len(in_flight) if in_flight else 'none'}")
     for f in in_flight:
-        out.append(f"  {f.get('replica_id')} ({f.get('deployment')}): {f.get('reason')}, {_num(f.get('age_s'), '.0f')} s")
+        out.append(
+            f"  {f.get('replica_id')} ({f.get('deployment')}): {f.get('reason')}, {_num(f.get('age_s'), '.0f')} s"
+        )
     if recycle.get("waiting"):
         out.append(f"  waiting: {len(recycle['waiting'])}")
 
@@ -439,7 +459,11 @@ def _status_gate(doc: dict[str, Any], out: list[str]) -> None:
         out.append(line)
         fair = gate.get("fairness")
         if fair:
-            whose = "cluster-wide counters" if fair.get("view") == "cluster" else "this router's own counters (no controller reply)"
+            whose = (
+                "cluster-wide counters"
+                if fair.get("view") == "cluster"
+                else "this router's own counters (no controller reply)"
+            )
             waiting = ", ".join(fair.get("backlogged") or []) or "none"
             out.append(f"fair shares: {whose}; tenants waiting: {waiting}")
     chaos = doc.get("chaos") or {}
@@ -475,8 +499,9 @@ def tenant_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         waiting = set(fair.get("backlogged") or ())
         served = fair.get("served_per_s") or {}
         for t, counter in (fair.get("counters") or {}).items():
-            rows.setdefault(t, {}).update(fair_counter=counter, served_per_s=served.get(t), waiting=t in waiting,
-                                          fair_view=fair.get("view"))
+            rows.setdefault(t, {}).update(
+                fair_counter=counter, served_per_s=served.get(t), waiting=t in waiting, fair_view=fair.get("view")
+            )
     return rows
 
 
@@ -509,7 +534,12 @@ def kill_switch_on(
     value: Optional[str] = typer.Option(None, help="the tenant, model or criticality (none for global)"),
 ) -> None:
     """Set a kill switch."""
-    _admin_call(ctx, "POST", "/admin/kill-switch", {"scope": scope, "value": value, "reason": reason, "expires_in_s": expires_in_s})
+    _admin_call(
+        ctx,
+        "POST",
+        "/admin/kill-switch",
+        {"scope": scope, "value": value, "reason": reason, "expires_in_s": expires_in_s},
+    )
 
 
 @ks_app.command("off")
@@ -537,8 +567,16 @@ def chaos_on(
     vram_leak_mb_per_s: float = typer.Option(0.0, help="GPU memory, on replicas whose model is on a GPU"),
 ) -> None:
     """Inject faults into every replica of a model deployment."""
-    body = {"target": target, "error_ratio": error_ratio, "latency_ms": latency_ms, "hang": hang, "stall": stall,
-            "step_delay_ms": step_delay_ms, "leak_mb_per_s": leak_mb_per_s, "vram_leak_mb_per_s": vram_leak_mb_per_s}
+    body = {
+        "target": target,
+        "error_ratio": error_ratio,
+        "latency_ms": latency_ms,
+        "hang": hang,
+        "stall": stall,
+        "step_delay_ms": step_delay_ms,
+        "leak_mb_per_s": leak_mb_per_s,
+        "vram_leak_mb_per_s": vram_leak_mb_per_s,
+    }
     _admin_call(ctx, "POST", "/admin/chaos", body)
 
 

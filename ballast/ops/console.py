@@ -14,7 +14,20 @@ import sys
 
 #: Top-level modules the ``serve`` extra provides (pyproject.toml); keep the two in step.
 SERVER_MODULES = frozenset(
-    {"ray", "torch", "pynvml", "psutil", "pydantic", "yaml", "prometheus_client", "typer", "click", "fastapi", "starlette", "numpy"}
+    {
+        "ray",
+        "torch",
+        "pynvml",
+        "psutil",
+        "pydantic",
+        "yaml",
+        "prometheus_client",
+        "typer",
+        "click",
+        "fastapi",
+        "starlette",
+        "numpy",
+    }
 )
 INSTALL_HINT = "pip install 'ballast[serve]'  (or `make install` in a checkout)"
 

@@ -90,37 +90,79 @@ OVERVIEW = Dashboard(
     uid="ballast-overview",
     title="Ballast overview",
     panels=(
-        Panel("Degradation level", (Target("max(ray_ballast_degradation_level)", "level"),), description="0 normal … 4 nothing new admitted"),
+        Panel(
+            "Degradation level",
+            (Target("max(ray_ballast_degradation_level)", "level"),),
+            description="0 normal … 4 nothing new admitted",
+        ),
         Panel(
             "Replicas: desired vs running",
             (
                 Target("max by (deployment) (ray_ballast_desired_replicas)", "desired {{deployment}}"),
-                Target('sum by (deployment) (ray_serve_deployment_replica_healthy{application="ballast"})', "running {{deployment}}"),
+                Target(
+                    'sum by (deployment) (ray_serve_deployment_replica_healthy{application="ballast"})',
+                    "running {{deployment}}",
+                ),
             ),
         ),
         Panel("Goodput (answered OK)", (Target(f'sum(rate({REQ}{{code="OK"}}[1m]))', "ok/s"),), unit="reqps"),
-        Panel("Shed by criticality", (Target(f'sum by (criticality) (rate({REQ}{{code="OVERLOADED"}}[1m]))', "{{criticality}}"),), unit="reqps"),
-        Panel("Tokens per tenant", (Target("sum by (tenant) (rate(ray_ballast_tenant_tokens_total[1m]))", "{{tenant}}"),), unit="short"),
+        Panel(
+            "Shed by criticality",
+            (Target(f'sum by (criticality) (rate({REQ}{{code="OVERLOADED"}}[1m]))', "{{criticality}}"),),
+            unit="reqps",
+        ),
+        Panel(
+            "Tokens per tenant",
+            (Target("sum by (tenant) (rate(ray_ballast_tenant_tokens_total[1m]))", "{{tenant}}"),),
+            unit="short",
+        ),
         Panel(
             "Fairness among waiting tenants (Jain's index)",
-            (Target(f"(sum({FAIR_WAITING}))^2 / (count({FAIR_WAITING}) * sum(({FAIR_WAITING})^2))", "Jain's index",
-                    sparse="no series while no tenant waits at a gate"),
-             Target(f"{FAIR_WAITING}", "{{tenant}} weighted tokens/s", sparse="no series while no tenant waits at a gate")),
+            (
+                Target(
+                    f"(sum({FAIR_WAITING}))^2 / (count({FAIR_WAITING}) * sum(({FAIR_WAITING})^2))",
+                    "Jain's index",
+                    sparse="no series while no tenant waits at a gate",
+                ),
+                Target(
+                    f"{FAIR_WAITING}",
+                    "{{tenant}} weighted tokens/s",
+                    sparse="no series while no tenant waits at a gate",
+                ),
+            ),
             description="Over the tenants waiting at a gate: each one's service, weighted as its fair-share counter "
-                        "weighs it. 1: shares exactly by weight; 1/n: one tenant takes all.",
+            "weighs it. 1: shares exactly by weight; 1/n: one tenant takes all.",
         ),
         Panel(
             "Refusals per tenant",
-            (Target(f'sum by (tenant, code) (rate({REQ}{{code=~"QUOTA_EXCEEDED|CONCURRENCY_LIMIT|KILL_SWITCH"}}[1m]))', "{{tenant}} {{code}}"),),
+            (
+                Target(
+                    f'sum by (tenant, code) (rate({REQ}{{code=~"QUOTA_EXCEEDED|CONCURRENCY_LIMIT|KILL_SWITCH"}}[1m]))',
+                    "{{tenant}} {{code}}",
+                ),
+            ),
             unit="reqps",
         ),
-        Panel("Breaker state", (Target("max by (backend) (ray_ballast_breaker_state)", "{{backend}}"),), description="0 closed, 1 open, 2 half-open"),
-        Panel("Fallbacks", (Target("sum by (kind) (rate(ray_ballast_fallbacks_total[5m]))", "{{kind}}"),), unit="reqps"),
-        Panel("Retries", (Target("sum by (backend, kind) (rate(ray_ballast_retries_total[5m]))", "{{backend}} {{kind}}"),), unit="reqps"),
+        Panel(
+            "Breaker state",
+            (Target("max by (backend) (ray_ballast_breaker_state)", "{{backend}}"),),
+            description="0 closed, 1 open, 2 half-open",
+        ),
+        Panel(
+            "Fallbacks", (Target("sum by (kind) (rate(ray_ballast_fallbacks_total[5m]))", "{{kind}}"),), unit="reqps"
+        ),
+        Panel(
+            "Retries",
+            (Target("sum by (backend, kind) (rate(ray_ballast_retries_total[5m]))", "{{backend}} {{kind}}"),),
+            unit="reqps",
+        ),
         Panel(
             "Latency percentiles",
             tuple(
-                Target(f"histogram_quantile({q}, sum by (le) (rate(ray_ballast_request_latency_ms_bucket[1m])))", f"p{int(q * 100)}")
+                Target(
+                    f"histogram_quantile({q}, sum by (le) (rate(ray_ballast_request_latency_ms_bucket[1m])))",
+                    f"p{int(q * 100)}",
+                )
                 for q in (0.5, 0.95, 0.99)
             ),
             unit="ms",
@@ -157,7 +199,11 @@ def _events_panel(title: str, counter: str, by: tuple[str, ...], description: st
     labels = ", ".join(by)
     return Panel(
         f"{title} (per 15 min)",
-        (Target(f"sum by ({labels}) (increase(ray_ballast_{counter}[{EVENTS}]))", " ".join(f"{{{{{b}}}}}" for b in by)),),
+        (
+            Target(
+                f"sum by ({labels}) (increase(ray_ballast_{counter}[{EVENTS}]))", " ".join(f"{{{{{b}}}}}" for b in by)
+            ),
+        ),
         description=description,
     )
 
@@ -204,7 +250,12 @@ REPLICAS = Dashboard(
         ),
         Panel(
             "Leaking series",
-            (Target(f"max by ({BY_REPLICA}, series) (ray_ballast_replica_leaking)", "{{deployment}} {{replica}} {{series}}"),),
+            (
+                Target(
+                    f"max by ({BY_REPLICA}, series) (ray_ballast_replica_leaking)",
+                    "{{deployment}} {{replica}} {{series}}",
+                ),
+            ),
             description="1 while the watchdog reads the series' trend as a leak (BallastLeakDetected after 10 min)",
         ),
         Panel(
@@ -243,16 +294,22 @@ REPLICAS = Dashboard(
             description="ready 0: the watchdog stopped intake (or a recycle was asked for); hung 1: killed by the controller",
         ),
         _events_panel(
-            "Watchdog actions", "watchdog_actions_total", ("deployment", "action"),
+            "Watchdog actions",
+            "watchdog_actions_total",
+            ("deployment", "action"),
             description="The action ladder: gc_collect, empty_cache, stop_intake, request_recycle",
         ),
         _events_panel("Hung replicas killed", "hung_replicas_killed_total", ("deployment",)),
         _events_panel(
-            "Recycles by outcome", "recycles_total", ("deployment", "outcome"),
+            "Recycles by outcome",
+            "recycles_total",
+            ("deployment", "outcome"),
             description="started, completed, stuck (past recycle.recycle_timeout_s), lease_expired, killed_hung",
         ),
         _events_panel(
-            "Recycles started by reason", 'recycles_total{outcome="started"}', ("deployment", "reason"),
+            "Recycles started by reason",
+            'recycles_total{outcome="started"}',
+            ("deployment", "reason"),
             description="critical, forced_max_age, manual, watchdog, max_age, hung",
         ),
         Panel("Recycles in flight", (Target("max by (deployment) (ray_ballast_recycle_in_flight)", "{{deployment}}"),)),

@@ -78,9 +78,7 @@ class AutoscaleConfig:
         check_fields(self, check_int, "min_replicas", minimum=0)
         check_fields(self, check_int, "max_replicas", minimum=1)
         if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas: must be <= max_replicas ({self.max_replicas}), got {self.min_replicas}"
-            )
+            raise ValueError(f"min_replicas: must be <= max_replicas ({self.max_replicas}), got {self.min_replicas}")
         check_fields(self, check_positive, "target_ongoing_requests")
         if self.target_gpu_util_pct is not None:
             check_fields(self, check_finite, "target_gpu_util_pct")
@@ -226,7 +224,9 @@ def _stable_window(samples: tuple, current_replicas: int, cfg: AutoscaleConfig) 
     return _Stable(desired, basis)
 
 
-def _panic_window(samples: tuple, now_s: float, current_replicas: int, state: AutoscaleState, cfg: AutoscaleConfig) -> _Panic:
+def _panic_window(
+    samples: tuple, now_s: float, current_replicas: int, state: AutoscaleState, cfg: AutoscaleConfig
+) -> _Panic:
     """Concurrency over the panic window (see the module docstring), and whether panic holds."""
     panic_avg = _mean([s.ongoing_requests for s in samples if s.t_s > now_s - cfg.panic_window_s]) or 0.0
     desired = _ceil(panic_avg / cfg.target_ongoing_requests)
@@ -244,8 +244,9 @@ def _panic_window(samples: tuple, now_s: float, current_replicas: int, state: Au
     return _Panic(desired, panic_avg, trigger_at, triggered, was_in_panic, until_s)
 
 
-def _in_panic(panic: _Panic, stable: _Stable, current_replicas: int, state: AutoscaleState,
-              cfg: AutoscaleConfig) -> tuple[int, str]:
+def _in_panic(
+    panic: _Panic, stable: _Stable, current_replicas: int, state: AutoscaleState, cfg: AutoscaleConfig
+) -> tuple[int, str]:
     """Never down in panic, not even below the last answer while the replicas it asked
     for are still starting; and never fewer than stable mode would ask (Knative's
     max(stable, panic)): panic only adds urgency, it never hides a signal."""
@@ -262,8 +263,9 @@ def _in_panic(panic: _Panic, stable: _Stable, current_replicas: int, state: Auto
     return desired, f"panic: {why} (avg {panic.avg:.1f} over {cfg.panic_window_s:g}s) -> {desired}"
 
 
-def _in_stable(stable: _Stable, now_s: float, current_replicas: int, state: AutoscaleState,
-               cfg: AutoscaleConfig) -> tuple[int, Optional[float], str]:
+def _in_stable(
+    stable: _Stable, now_s: float, current_replicas: int, state: AutoscaleState, cfg: AutoscaleConfig
+) -> tuple[int, Optional[float], str]:
     """(desired, below_since_s, reason): up at once, down one step after a full delay."""
     want = cfg.clamp(stable.desired)
     if want >= current_replicas:  # up at once (or hold); any down-streak is interrupted
@@ -277,12 +279,20 @@ def _in_stable(stable: _Stable, now_s: float, current_replicas: int, state: Auto
     if held_s >= cfg.scale_down_delay_s:
         desired = cfg.clamp(max(want, current_replicas - cfg.max_scale_down_step))
         # Still wanting fewer: the next step needs a fresh full delay.
-        return desired, (now_s if want < desired else None), (
-            f"stable: down {current_replicas}->{desired} after {held_s:g}s>={cfg.scale_down_delay_s:g}s ({stable.basis})")
+        return (
+            desired,
+            (now_s if want < desired else None),
+            (
+                f"stable: down {current_replicas}->{desired} after {held_s:g}s>={cfg.scale_down_delay_s:g}s ({stable.basis})"
+            ),
+        )
     # Still clamp: a current count above max_replicas is cut at once.
     desired = cfg.clamp(current_replicas)
-    return desired, start, (
-        f"stable: hold {desired}, want {want} for {held_s:g}s of {cfg.scale_down_delay_s:g}s ({stable.basis})")
+    return (
+        desired,
+        start,
+        (f"stable: hold {desired}, want {want} for {held_s:g}s of {cfg.scale_down_delay_s:g}s ({stable.basis})"),
+    )
 
 
 def queue_length_fallback(total_requests: float, current_replicas: int, cfg: AutoscaleConfig) -> int:

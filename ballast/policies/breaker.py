@@ -366,11 +366,7 @@ class CircuitBreaker:
                 f"{self._probes_in_flight} probe(s) never reported",
             )
             return
-        if (
-            self._state is BreakerState.OPEN
-            and self._opened_until_s is not None
-            and now_s >= self._opened_until_s
-        ):
+        if self._state is BreakerState.OPEN and self._opened_until_s is not None and now_s >= self._opened_until_s:
             self._opened_until_s = None
             self._reset_probes()
             self._transition(BreakerState.HALF_OPEN, now_s, f"open period over ({self._open_period_s:.1f}s)")

@@ -97,9 +97,7 @@ def ongoing_requests(
     return max(held, queue_length + waiting + running)
 
 
-def serving_replicas(
-    replicas: Sequence[ReplicaReport], watchdogs: Mapping[str, WatchdogReport], primary: str
-) -> int:
+def serving_replicas(replicas: Sequence[ReplicaReport], watchdogs: Mapping[str, WatchdogReport], primary: str) -> int:
     """Primary replicas taking traffic now (``ballast.policies.recycle.takes_traffic``): reporting,
     not draining for a recycle, not hung. Their shortfall against the target is the
     capacity gap the level does not shed for (ballast/policies/degradation.py)."""
@@ -174,7 +172,9 @@ def control_step(
         signals = replace(signals, recycling=True)
     level, deg_state = degradation.decide(signals, state.degradation, deg_cfg, now_s)
     scale, as_state = autoscale.decide(
-        AutoscaleSample(t_s=now_s, ongoing_requests=float(inputs.ongoing_requests), gpu_util_pct=inputs.signals.gpu_util_pct),
+        AutoscaleSample(
+            t_s=now_s, ongoing_requests=float(inputs.ongoing_requests), gpu_util_pct=inputs.signals.gpu_util_pct
+        ),
         target,
         state.autoscale,
         as_cfg,
@@ -183,7 +183,9 @@ def control_step(
     # recycle waiting on min_available or in flight, or a replica its watchdog stopped.
     desired = min(as_cfg.max_replicas, scale.desired_replicas + (1 if inputs.surging else 0))
     return (
-        ControlDecision(level=level, scale=scale, desired_replicas=desired, recycle_surge=desired - scale.desired_replicas),
+        ControlDecision(
+            level=level, scale=scale, desired_replicas=desired, recycle_surge=desired - scale.desired_replicas
+        ),
         ControlState(degradation=deg_state, autoscale=as_state),
     )
 
@@ -191,7 +193,9 @@ def control_step(
 class ControlPolicy:
     """``control_step`` with its state held: what a controller calls once per tick."""
 
-    def __init__(self, deg_cfg: DegradationConfig, as_cfg: AutoscaleConfig, state: Optional[ControlState] = None) -> None:
+    def __init__(
+        self, deg_cfg: DegradationConfig, as_cfg: AutoscaleConfig, state: Optional[ControlState] = None
+    ) -> None:
         self.deg_cfg = deg_cfg
         self.as_cfg = as_cfg
         self.state = state or ControlState()

@@ -45,7 +45,15 @@ from typing import Any, NamedTuple, Optional
 
 from ballast.policies.criticality import Criticality
 
-from ballast.policies.validation import check_fields, check_finite, check_int, check_non_negative, check_positive, check_ratio, is_finite
+from ballast.policies.validation import (
+    check_fields,
+    check_finite,
+    check_int,
+    check_non_negative,
+    check_positive,
+    check_ratio,
+    is_finite,
+)
 
 #: Levels are 0 … MAX_LEVEL inclusive.
 MAX_LEVEL = 4
@@ -276,8 +284,7 @@ class DegradationConfig:
         kwargs = dict(data)
         if "constraints" in kwargs:
             kwargs["constraints"] = tuple(
-                c if isinstance(c, LevelConstraints) else LevelConstraints.from_dict(c)
-                for c in kwargs["constraints"]
+                c if isinstance(c, LevelConstraints) else LevelConstraints.from_dict(c) for c in kwargs["constraints"]
             )
         return cls(**kwargs)
 
@@ -311,7 +318,13 @@ class LoadSignals:
     def __post_init__(self) -> None:
         check_fields(self, check_int, "queue_length", minimum=0)
         check_fields(
-            self, check_non_negative, "queue_wait_p95_ms", "gpu_util_pct", "kv_util_pct", "vram_pct", "error_rate",
+            self,
+            check_non_negative,
+            "queue_wait_p95_ms",
+            "gpu_util_pct",
+            "kv_util_pct",
+            "vram_pct",
+            "error_rate",
             optional=True,
         )
         if self.error_rate is not None and self.error_rate > 1:
@@ -376,12 +389,16 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | N
         and signals.error_rate >= cfg.error_rate_threshold
         and cfg.error_rate_level > best[0]
     ):
-        best = (cfg.error_rate_level,
-                f"error_rate={_fmt(signals.error_rate)}>={_fmt(cfg.error_rate_threshold)} (n={signals.request_count})")
+        best = (
+            cfg.error_rate_level,
+            f"error_rate={_fmt(signals.error_rate)}>={_fmt(cfg.error_rate_threshold)} (n={signals.request_count})",
+        )
     return best
 
 
-def _asked(name: str, value: float | None, thresholds: tuple[float | None, ...], cap: int | None) -> tuple[int, str] | None:
+def _asked(
+    name: str, value: float | None, thresholds: tuple[float | None, ...], cap: int | None
+) -> tuple[int, str] | None:
     """The level one signal asks for (at most ``cap``) and its reason; None when it asks for none."""
     if value is None:
         return None
@@ -394,7 +411,9 @@ def _asked(name: str, value: float | None, thresholds: tuple[float | None, ...],
     return level, f"{name}={_fmt(value)}>={_fmt(threshold)}"
 
 
-def _by_demand(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | None, best: tuple[int, str]) -> tuple[int, str]:
+def _by_demand(
+    signals: LoadSignals, cfg: DegradationConfig, load_cap: int | None, best: tuple[int, str]
+) -> tuple[int, str]:
     """The deepest level whose admitted classes still fill the model by themselves, if deeper than ``best``."""
     if cfg.demand_shed_ratio is None or not signals.demand_rps or not signals.capacity_rps:
         return best
@@ -404,8 +423,10 @@ def _by_demand(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | Non
         demand = sum(rps for crit, rps in signals.demand_rps.items() if Criticality(crit) in admitted)
         need = cfg.demand_shed_ratio * signals.capacity_rps
         if admitted and demand >= need:
-            return level, (f"demand={_fmt(round(demand, 1))}>={_fmt(round(need, 1))} (capacity_rps) for "
-                           + ",".join(c.value for c in cfg.constraints[level].admitted_sorted()))
+            return level, (
+                f"demand={_fmt(round(demand, 1))}>={_fmt(round(need, 1))} (capacity_rps) for "
+                + ",".join(c.value for c in cfg.constraints[level].admitted_sorted())
+            )
     return best
 
 
@@ -594,11 +615,17 @@ def _step_up(level: int, target: int, why: str, state: DegradationState, cfg: De
     if held_s >= cfg.up_confirm_s:
         new_level = max(level, up_min)
         return _Step(new_level, f"up {level}->{new_level}: {why} held {_fmt(round(held_s, 3))}s")
-    return _Step(level, f"hold {level}: target {target} ({why}) for {_fmt(round(held_s, 3))}s of {_fmt(cfg.up_confirm_s)}s",
-                 up_since, up_min)
+    return _Step(
+        level,
+        f"hold {level}: target {target} ({why}) for {_fmt(round(held_s, 3))}s of {_fmt(cfg.up_confirm_s)}s",
+        up_since,
+        up_min,
+    )
 
 
-def _step_down(level: int, target: int, why: str, state: DegradationState, cfg: DegradationConfig, now_s: float) -> _Step:
+def _step_down(
+    level: int, target: int, why: str, state: DegradationState, cfg: DegradationConfig, now_s: float
+) -> _Step:
     """Down to the highest target of the streak once it held one ``stable_window_s``."""
     if state.lower_since_s is None or state.lower_max is None or now_s < state.lower_since_s:
         lower_since, lower_max = now_s, target
@@ -606,8 +633,12 @@ def _step_down(level: int, target: int, why: str, state: DegradationState, cfg: 
         lower_since, lower_max = state.lower_since_s, max(state.lower_max, target)
     held_s = now_s - lower_since
     if held_s < cfg.stable_window_s:
-        return _Step(level, f"hold {level}: target {target} ({why}) for {_fmt(round(held_s, 3))}s of {_fmt(cfg.stable_window_s)}s",
-                     lower_since_s=lower_since, lower_max=lower_max)
+        return _Step(
+            level,
+            f"hold {level}: target {target} ({why}) for {_fmt(round(held_s, 3))}s of {_fmt(cfg.stable_window_s)}s",
+            lower_since_s=lower_since,
+            lower_max=lower_max,
+        )
     reason = f"down {level}->{lower_max}: target {target} ({why}) held {_fmt(round(held_s, 3))}s>={_fmt(cfg.stable_window_s)}s"
     # Still lower than the new level: the next step needs a fresh window.
     if target < lower_max:

@@ -97,8 +97,12 @@ class FairCharge:
 class TenantCounters:
     """Virtual token counters for a fixed set of tenants (see the module docstring)."""
 
-    def __init__(self, weights: Mapping[str, float], cfg: FairnessConfig = FairnessConfig(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        weights: Mapping[str, float],
+        cfg: FairnessConfig = FairnessConfig(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         for tenant, w in weights.items():
             check_finite(f"weight of {tenant!r}", w)
             if w <= 0:

@@ -83,10 +83,13 @@ def reserved_slots(limit: int, reserve_ratio: float) -> int:
 class CriticalReserve:
     """Whether critical traffic lately needed the reserved slots (on an injected clock)."""
 
-    def __init__(self, reserve_ratio: float = 0.0, reserve_hold_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, reserve_ratio: float = 0.0, reserve_hold_s: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not 0.0 <= reserve_ratio < 1.0 or reserve_hold_s < 0:
-            raise ValueError(f"need 0 <= reserve_ratio < 1 and reserve_hold_s >= 0, got {reserve_ratio}, {reserve_hold_s}")
+            raise ValueError(
+                f"need 0 <= reserve_ratio < 1 and reserve_hold_s >= 0, got {reserve_ratio}, {reserve_hold_s}"
+            )
         self.reserve_ratio = reserve_ratio
         self.reserve_hold_s = reserve_hold_s
         self._clock = clock
@@ -179,8 +182,13 @@ class DemandWindow:
     against says what was asked, not what the model can do.
     """
 
-    def __init__(self, window_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_entries: int = 512, min_saturated: float = 0.5) -> None:
+    def __init__(
+        self,
+        window_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_entries: int = 512,
+        min_saturated: float = 0.5,
+    ) -> None:
         check_positive("window_s", window_s)
         check_int("max_entries", max_entries, minimum=1)
         self.window_s = window_s

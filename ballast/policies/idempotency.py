@@ -62,11 +62,15 @@ class KeyTable:
     """Claims and answers per (tenant, key), held in a ``TTLMap`` grouped by tenant: a
     claim is a pending entry whose lease is the claim's, an answer a finished one."""
 
-    def __init__(self, ttl_s: float, max_entries: int, max_entries_per_tenant: int,
-                 max_answer_bytes_per_tenant: int) -> None:
+    def __init__(
+        self, ttl_s: float, max_entries: int, max_entries_per_tenant: int, max_answer_bytes_per_tenant: int
+    ) -> None:
         self._keys: TTLMap[tuple[str, str], _Key] = TTLMap(
-            ttl_s, max_entries, max_entries_per_group=max_entries_per_tenant,
-            max_bytes_per_group=max_answer_bytes_per_tenant, group=_tenant,
+            ttl_s,
+            max_entries,
+            max_entries_per_group=max_entries_per_tenant,
+            max_bytes_per_group=max_answer_bytes_per_tenant,
+            group=_tenant,
         )
         self.ttl_s = ttl_s
         self.max_entries = max_entries

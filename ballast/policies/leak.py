@@ -43,12 +43,18 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping, Optional, Sequence
 
-from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_positive, check_ratio, is_finite
+from ballast.policies.validation import (
+    check_fields,
+    check_finite,
+    check_int,
+    check_name,
+    check_positive,
+    check_ratio,
+    is_finite,
+)
 from ballast.policies.window import TimeWindow
 
 _EPSILON = 1e-9  # span / ratio comparisons: 0.97 × limit must not need one more byte
-
-
 
 
 # --------------------------------------------------------------------------- trend
@@ -447,7 +453,12 @@ SILENT = "silent"  # no heartbeat arrives, work last seen in flight
 
 
 def hang_reason(
-    stalled_s: float, silent_s: Optional[float], inflight: int, interval_s: float, stall_missed: int = 3, silent_missed: int = 10
+    stalled_s: float,
+    silent_s: Optional[float],
+    inflight: int,
+    interval_s: float,
+    stall_missed: int = 3,
+    silent_missed: int = 10,
 ) -> Optional[str]:
     """Why a replica is hung, or None.
 

@@ -195,7 +195,9 @@ def _check_data(data: object) -> None:
             or len(item) != 2
             or not all(isinstance(x, str) and len(x) <= MAX_DATA_CHARS for x in item)
         ):
-            raise ValueError(f"data: each item must be a (key, value) pair of str of at most {MAX_DATA_CHARS} chars, got {item!r}")
+            raise ValueError(
+                f"data: each item must be a (key, value) pair of str of at most {MAX_DATA_CHARS} chars, got {item!r}"
+            )
         if item[0] in keys:
             raise ValueError(f"data: duplicate key {item[0]!r}")
         keys.add(item[0])

@@ -128,7 +128,11 @@ class AimdLimit:
         if now < self._window_end:
             return
         c = self.cfg
-        slow = c.target_service_ratio is not None and bool(self._ratios) and nearest_rank(self._ratios, 0.9) > c.target_service_ratio
+        slow = (
+            c.target_service_ratio is not None
+            and bool(self._ratios)
+            and nearest_rank(self._ratios, 0.9) > c.target_service_ratio
+        )
         waited = bool(self._waits) and nearest_rank(self._waits, 0.9) > c.target_wait_ms
         if self._missed or slow or waited:
             self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
@@ -145,8 +149,11 @@ class AimdLimit:
         self._window_end = now + c.interval_s
 
     def snapshot(self) -> dict[str, float]:
-        return {"limit": self.value, "increases": self.increases, "decreases": self.decreases,
-                "decreases_by": dict(self.decreases_by),
-                # this window's samples so far, each list bounded by MAX_SAMPLES
-                "window_samples": max(len(self._waits), len(self._ratios))}
-
+        return {
+            "limit": self.value,
+            "increases": self.increases,
+            "decreases": self.decreases,
+            "decreases_by": dict(self.decreases_by),
+            # this window's samples so far, each list bounded by MAX_SAMPLES
+            "window_samples": max(len(self._waits), len(self._ratios)),
+        }

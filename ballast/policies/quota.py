@@ -41,7 +41,16 @@ import time
 from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 
-from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_non_negative, check_positive, is_int, is_number
+from ballast.policies.validation import (
+    check_fields,
+    check_finite,
+    check_int,
+    check_name,
+    check_non_negative,
+    check_positive,
+    is_int,
+    is_number,
+)
 
 # Token counts are floats refilled by ``elapsed × rate``; a bucket that the
 # arithmetic leaves a hair short of a cost it should now afford (retry_after_s
@@ -369,7 +378,10 @@ def effective_rates(
 
 
 def _check_rate_inputs(
-    quotas: Mapping[str, TenantQuota], demand_tokens_per_s: Mapping[str, float], level: int, level_factors: tuple[float, ...],
+    quotas: Mapping[str, TenantQuota],
+    demand_tokens_per_s: Mapping[str, float],
+    level: int,
+    level_factors: tuple[float, ...],
 ) -> None:
     if not isinstance(level_factors, tuple) or not level_factors:
         raise ValueError(f"level_factors: must be a non-empty tuple, got {level_factors!r}")

@@ -91,18 +91,10 @@ class RecycleConfig:
             check_fields(self, _check_hour, "window_start_hour", "window_end_hour")
             # start == end could mean "never" or "always"; neither is worth guessing.
             if self.window_start_hour == self.window_end_hour:
-                raise ValueError(
-                    "window_end_hour: must differ from window_start_hour (set both to None for any time)"
-                )
+                raise ValueError("window_end_hour: must differ from window_start_hour (set both to None for any time)")
         check_fields(self, check_positive, "forced_max_age_s", optional=True)
-        if (
-            self.max_age_s is not None
-            and self.forced_max_age_s is not None
-            and self.forced_max_age_s < self.max_age_s
-        ):
-            raise ValueError(
-                f"forced_max_age_s: must be >= max_age_s ({self.max_age_s}), got {self.forced_max_age_s}"
-            )
+        if self.max_age_s is not None and self.forced_max_age_s is not None and self.forced_max_age_s < self.max_age_s:
+            raise ValueError(f"forced_max_age_s: must be >= max_age_s ({self.max_age_s}), got {self.forced_max_age_s}")
         check_fields(self, check_int, "max_unavailable", minimum=1)
         check_fields(self, check_int, "min_available", "block_at_level", minimum=0)
         check_fields(self, check_positive, "recycle_timeout_s")
@@ -308,8 +300,11 @@ def _by_deployment(replicas: Sequence[ReplicaView]) -> dict[str, list[ReplicaVie
 
 
 def _settle(
-    in_flight: Sequence[InFlight], by_deployment: Mapping[str, list[ReplicaView]], targets: Mapping[str, int],
-    cfg: RecycleConfig, now_s: float,
+    in_flight: Sequence[InFlight],
+    by_deployment: Mapping[str, list[ReplicaView]],
+    targets: Mapping[str, int],
+    cfg: RecycleConfig,
+    now_s: float,
 ) -> tuple[list[InFlight], list[InFlight], list[InFlight]]:
     """(kept, completed, stuck): the recycles in flight settled. A recycle completes once
     its replica is gone and its deployment is back to as many healthy replicas as it had
@@ -337,7 +332,11 @@ def _settle(
 
 
 def _due(
-    rs: Sequence[ReplicaView], in_flight_ids: set[str], cfg: RecycleConfig, now_s: float, hour_of_day: float,
+    rs: Sequence[ReplicaView],
+    in_flight_ids: set[str],
+    cfg: RecycleConfig,
+    now_s: float,
+    hour_of_day: float,
 ) -> tuple[list[tuple[Order, ReplicaView]], list[ReplicaView]]:
     """(due now by priority, then oldest, then id; past a threshold but outside the window, oldest first)."""
     candidates: list[tuple[int, float, str, Order, ReplicaView]] = []
@@ -351,13 +350,23 @@ def _due(
         elif _past_threshold(r, cfg, now_s):
             outside_window.append(r)
     candidates.sort(key=lambda c: c[:3])
-    return [(order, r) for *_, order, r in candidates], sorted(outside_window, key=lambda r: (r.started_at_s, r.replica_id))
+    return [(order, r) for *_, order, r in candidates], sorted(
+        outside_window, key=lambda r: (r.started_at_s, r.replica_id)
+    )
 
 
 def _start_due(
-    due_now: Sequence[tuple[Order, ReplicaView]], rs: Sequence[ReplicaView], in_flight_ids: set[str], slots: int,
-    can_surge: bool, level: int, cfg: RecycleConfig, now_s: float,
-    start: list[Order], waiting: list[tuple[str, str]], new_in_flight: list[InFlight],
+    due_now: Sequence[tuple[Order, ReplicaView]],
+    rs: Sequence[ReplicaView],
+    in_flight_ids: set[str],
+    slots: int,
+    can_surge: bool,
+    level: int,
+    cfg: RecycleConfig,
+    now_s: float,
+    start: list[Order],
+    waiting: list[tuple[str, str]],
+    new_in_flight: list[InFlight],
 ) -> None:
     """Start each due replica the guards allow (slots, the level, min_available), in order;
     the others wait, with the guard that held them."""

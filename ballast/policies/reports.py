@@ -104,14 +104,18 @@ class RouterReport:
 
     def __post_init__(self) -> None:
         check_fields(self, check_name, "router_id")
-        check_fields(self, check_int, "inflight", "requests", "errors", "shed", "lost_capacity", "gate_waiting", minimum=0)
+        check_fields(
+            self, check_int, "inflight", "requests", "errors", "shed", "lost_capacity", "gate_waiting", minimum=0
+        )
         check_fields(self, check_non_negative, "queue_wait_p95_ms", optional=True)
         check_fields(self, check_non_negative, "served_rps")
         check_fields(self, _check_bool, "gate_full")
         check_fields(self, _check_rates, "demand_rps", criticalities=True)
         check_fields(self, _check_rates, "demand_tokens_per_s", criticalities=False)
         check_fields(self, _check_amounts, "fair_charged")
-        if not isinstance(self.fair_backlogged, tuple) or not all(isinstance(t, str) and t for t in self.fair_backlogged):
+        if not isinstance(self.fair_backlogged, tuple) or not all(
+            isinstance(t, str) and t for t in self.fair_backlogged
+        ):
             raise ValueError(f"fair_backlogged: must be a tuple of tenant names, got {self.fair_backlogged!r}")
 
 
@@ -154,8 +158,15 @@ class ReplicaReport:
         check_fields(self, check_name, "replica_id", "deployment")
         check_fields(self, check_non_negative, "queued", "running")
         check_fields(
-            self, check_non_negative, "queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct", "engine_waiting",
-            "prefix_cache_hit_pct", optional=True,
+            self,
+            check_non_negative,
+            "queue_wait_p95_ms",
+            "kv_util_pct",
+            "gpu_util_pct",
+            "vram_pct",
+            "engine_waiting",
+            "prefix_cache_hit_pct",
+            optional=True,
         )
         check_fields(self, check_finite, "started_at_s", optional=True)
         check_fields(self, _check_bool, "ready", "draining")
@@ -229,7 +240,14 @@ class WatchdogReport(WatchedReplica):
         super().__post_init__()
         check_fields(self, check_int, "inflight", minimum=0)
         check_fields(
-            self, check_non_negative, "rss_bytes", "vram_bytes", "threads", "fds", "heartbeat_age_s", "stalled_s",
+            self,
+            check_non_negative,
+            "rss_bytes",
+            "vram_bytes",
+            "threads",
+            "fds",
+            "heartbeat_age_s",
+            "stalled_s",
             optional=True,
         )
         check_fields(self, _check_bool, "warming_up", "hung", "ready", "recycle_requested", "critical")

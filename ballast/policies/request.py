@@ -90,8 +90,9 @@ def counts_as_error(code: str, status: int) -> bool:
     return status >= 500 and code not in NOT_LEVEL_ERRORS
 
 
-def model_ceiling(model_replicas: int, router_replicas: int, max_ongoing_per_replica: int,
-                  share: Optional[float] = None) -> Optional[int]:
+def model_ceiling(
+    model_replicas: int, router_replicas: int, max_ongoing_per_replica: int, share: Optional[float] = None
+) -> Optional[int]:
     """This router's share of what the primary's replicas take at once (None: unknown yet).
 
     Replicas x ``max_ongoing_requests``, times ``share`` where the controller apportions

@@ -155,7 +155,9 @@ def schedule(
     return SchedulerOutput(finished, dropped, admitted)
 
 
-def timeout_reason(cfg: SchedulerConfig, now_s: float, enqueued_at_s: float, last_step_at_s: float) -> tuple[str, float]:
+def timeout_reason(
+    cfg: SchedulerConfig, now_s: float, enqueued_at_s: float, last_step_at_s: float
+) -> tuple[str, float]:
     """``(STALLED or DEADLINE, idle_s)`` for a request whose deadline passed at ``now_s``.
 
     ``idle_s`` is the time since the later of its enqueue and the engine's last

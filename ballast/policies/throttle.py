@@ -175,6 +175,5 @@ class AdaptiveThrottle:
     def __repr__(self) -> str:
         requests, accepts = self._window.totals(self._clock())
         return (
-            f"AdaptiveThrottle(requests={requests}, accepts={accepts}, "
-            f"local_rejects_total={self._local_rejects_total})"
+            f"AdaptiveThrottle(requests={requests}, accepts={accepts}, local_rejects_total={self._local_rejects_total})"
         )

@@ -160,7 +160,13 @@ class TTLMap(Generic[K, V]):
         return None if held is None else held.value
 
     def put(
-        self, key: K, value: V, now_s: float, *, done: bool = False, lease_until_s: float = math.inf,
+        self,
+        key: K,
+        value: V,
+        now_s: float,
+        *,
+        done: bool = False,
+        lease_until_s: float = math.inf,
         size_bytes: int = 0,
     ) -> Optional[Held[V]]:
         """Hold ``value`` under ``key`` (replacing any), pending until ``finish`` or, with
@@ -265,8 +271,11 @@ class TTLMap(Generic[K, V]):
     def _rebuild_leases(self) -> None:
         """The heap without the records of entries that finished or left (amortised: it
         runs once the stale records outnumber the live ones)."""
-        live = [(lease, seq, key) for lease, seq, key in self._leases
-                if (h := self._entries.get(key)) is not None and h.seq == seq and not h.done]
+        live = [
+            (lease, seq, key)
+            for lease, seq, key in self._leases
+            if (h := self._entries.get(key)) is not None and h.seq == seq and not h.done
+        ]
         self.visited += len(self._leases)
         heapq.heapify(live)
         self._leases = live

@@ -65,7 +65,9 @@ class RecycleRequest(BaseModel):
 class Admin:
     """``/v1/status`` and ``/admin/*``: every handler checks the admin token first."""
 
-    def __init__(self, cfg: Any, keys: Any, link: Any, exchange: Any, cache: Any, pipeline: Any, router_id: str) -> None:
+    def __init__(
+        self, cfg: Any, keys: Any, link: Any, exchange: Any, cache: Any, pipeline: Any, router_id: str
+    ) -> None:
         self._cfg = cfg
         self._limits = cfg.limits
         self._keys = keys
@@ -83,7 +85,9 @@ class Admin:
             "level": eff.level,
             "source": eff.source,
             "constraints": eff.constraints.to_dict(),
-            "snapshot": None if snap is None else {
+            "snapshot": None
+            if snap is None
+            else {
                 "epoch": snap.epoch,
                 "version": snap.version,
                 "age_s": round(self._cache.age_s() or 0.0, 3),
@@ -132,7 +136,9 @@ class Admin:
 
     async def delete_kill_switch(self, entry_id: str, request: Request) -> dict[str, Any]:
         self._require_admin(request)
-        if len(entry_id) > MAX_ENTRY_ID_CHARS or not await self._controller("delete_kill_switch", entry_id, self._operator(request)):
+        if len(entry_id) > MAX_ENTRY_ID_CHARS or not await self._controller(
+            "delete_kill_switch", entry_id, self._operator(request)
+        ):
             raise NotFound(f"no active kill switch {entry_id!r}")
         await self._exchange.exchange_once()
         return {"deleted": entry_id}
@@ -152,7 +158,9 @@ class Admin:
         body = validate_body(RecycleRequest, await self._read_json(request))
         if body.replica_id is None and not body.all:
             raise InvalidRequest("name a replica_id, or set all: true", field="replica_id")
-        marked = await self._controller("request_recycle", body.replica_id, body.deployment, body.all, self._operator(request))
+        marked = await self._controller(
+            "request_recycle", body.replica_id, body.deployment, body.all, self._operator(request)
+        )
         return JSONResponse({"accepted": marked}, status_code=202)
 
     async def replicas(self, request: Request) -> dict[str, Any]:

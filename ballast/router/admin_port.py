@@ -78,12 +78,15 @@ def admin_app(admin: Any) -> FastAPI:
 
 def _endpoint(admin: Any, name: str, with_id: bool) -> Callable[..., Any]:
     if with_id:
+
         async def by_id(entry_id: str, request: Request) -> Any:
             return await getattr(admin, name)(entry_id, request)
+
         return by_id
 
     async def plain(request: Request) -> Any:
         return await getattr(admin, name)(request)
+
     return plain
 
 
@@ -112,7 +115,9 @@ class AdminListener:
     """The admin app served on ``127.0.0.1:port`` on the running event loop, started by
     :meth:`start` (idempotent; called from the replica's health checks and requests)."""
 
-    def __init__(self, app: FastAPI, port: int, retry_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, app: FastAPI, port: int, retry_s: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.app = app
         self.port = port
         self.retry_s = retry_s
@@ -132,7 +137,9 @@ class AdminListener:
             sock = reuseport_socket(self.port)
         except OSError as e:
             if self._failed_at is None:
-                log.warning("admin port %s:%d: %s; the admin routes are unreachable here until it binds", HOST, self.port, e)
+                log.warning(
+                    "admin port %s:%d: %s; the admin routes are unreachable here until it binds", HOST, self.port, e
+                )
             self._failed_at = now
             return
         self._failed_at = None

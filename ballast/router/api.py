@@ -89,7 +89,12 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
     more digits than any int64 is past every limit (``int`` refuses 4300 digits)."""
     limit = limit_bytes
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isascii() and declared.isdigit() and (len(declared) > 19 or int(declared) > limit):
+    if (
+        declared is not None
+        and declared.isascii()
+        and declared.isdigit()
+        and (len(declared) > 19 or int(declared) > limit)
+    ):
         size = declared if len(declared) <= 19 else f"a {len(declared)}-digit number of"
         raise PayloadTooLarge(f"body is {size} bytes; the limit is {limit}")
     body = bytearray()
@@ -191,8 +196,13 @@ def parse_json_object(raw: bytes, max_depth: int, error: type[InvalidRequest] = 
         raise error(f"body: nested {depth} deep; the limit is {max_depth}", field="body")
     hooks = _Hooks()
     try:  # a value refused below by its path is read first (NaN, Infinity, 1e999 as floats)
-        data = json.loads(text, object_pairs_hook=hooks.objects, parse_int=hooks.integer, parse_float=hooks.number,
-                          parse_constant=hooks.constant)
+        data = json.loads(
+            text,
+            object_pairs_hook=hooks.objects,
+            parse_int=hooks.integer,
+            parse_float=hooks.number,
+            parse_constant=hooks.constant,
+        )
     except json.JSONDecodeError as e:
         raise error(f"body: not JSON ({e.msg} at line {e.lineno} column {e.colno})", field="body") from None
     except (ValueError, RecursionError):  # neither is reachable past the checks above; kept as a floor
@@ -250,7 +260,9 @@ def answer_headers(answer: Any) -> dict[str, str]:
     return headers
 
 
-def claimed_criticality(request: Request, from_body: Optional[Criticality], error: type = InvalidRequest) -> Criticality:
+def claimed_criticality(
+    request: Request, from_body: Optional[Criticality], error: type = InvalidRequest
+) -> Criticality:
     """The class the request claims (``ballast.policies.criticality.claimed``); a bad claim is
     ``error`` (the native front's 422, the OpenAI front's 400) naming the field."""
     try:

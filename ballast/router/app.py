@@ -22,7 +22,6 @@ Decisions are ballast/policies/'s: admission, quota, the gate (ballast/policies/
 per-request rules (ballast/policies/request.py); this package gathers inputs and applies them.
 """
 
-
 import time
 import uuid
 from typing import Any, Optional
@@ -69,9 +68,15 @@ def priority_gate(cfg: Any) -> Optional[PriorityGate]:
     fair = None
     if cfg.fairness.enabled:
         fair = TenantCounters({t: tc.weight for t, tc in cfg.tenants.items()}, cfg.fairness.policy_config())
-    return PriorityGate(AimdLimit(g.limiter_config()), g.max_waiting, g.max_wait_s,
-                        reserve_ratio=g.critical_reserve_ratio, reserve_hold_s=g.critical_reserve_hold_s,
-                        miss_service_factor=g.miss_service_factor, fair=fair)
+    return PriorityGate(
+        AimdLimit(g.limiter_config()),
+        g.max_waiting,
+        g.max_wait_s,
+        reserve_ratio=g.critical_reserve_ratio,
+        reserve_hold_s=g.critical_reserve_hold_s,
+        miss_service_factor=g.miss_service_factor,
+        fair=fair,
+    )
 
 
 @serve.ingress(app)
@@ -87,17 +92,26 @@ class Router:
         keys = KeyStore.from_config(cfg)
         self.tally, self.metrics = Tally(), RouterMetrics()
         self._link, self.snapshots, self._exchange = connect(
-            cfg, "report_router", lambda: self.reporter.report(),
-            on_snapshot=lambda snap: self.reporter.on_snapshot(snap), on_reply=lambda raw: self.reporter.on_reply(raw),
+            cfg,
+            "report_router",
+            lambda: self.reporter.report(),
+            on_snapshot=lambda snap: self.reporter.on_snapshot(snap),
+            on_reply=lambda raw: self.reporter.on_reply(raw),
         )
         text = model_text(cfg.model)  # the model's tokenizer, template and context
         self.pipeline = Pipeline(
-            cfg, keys, self.snapshots, self._resilient_caller(model, fallback),
+            cfg,
+            keys,
+            self.snapshots,
+            self._resilient_caller(model, fallback),
             Quotas(cfg, self._routers, on_rate=lambda t, rate: self.metrics.tenant_rate.set(rate, tags={"tenant": t})),
             # Keys shared by every router (a retry through another node's endpoint gets the
             # first answer); the actor is looked up or created at the first keyed request.
             IdempotencyStore(cfg.resilience.idempotency, shared=SharedKeys(self._keys_handle, self.router_id)),
-            priority_gate(cfg), self.metrics, self.tally, model_max_tokens=text.context - 1,
+            priority_gate(cfg),
+            self.metrics,
+            self.tally,
+            model_max_tokens=text.context - 1,
         )
         self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None, keys)
         self._native = NativeFront(self.pipeline, text, cfg.limits)
@@ -125,12 +139,17 @@ class Router:
 
     def _resilient_caller(self, model: Any, fallback: Any) -> ResilientCaller:
         m = self.metrics
-        return ResilientCaller(self._cfg, model, fallback, hooks=CallHooks(
-            on_retry=lambda backend, kind: m.retries.inc(tags={"backend": backend, "kind": kind}),
-            on_fallback=lambda kind: m.fallbacks.inc(tags={"kind": kind}),
-            on_breaker_event=self._on_breaker_event,
-            on_lost_capacity=self._on_lost_capacity,
-        ))
+        return ResilientCaller(
+            self._cfg,
+            model,
+            fallback,
+            hooks=CallHooks(
+                on_retry=lambda backend, kind: m.retries.inc(tags={"backend": backend, "kind": kind}),
+                on_fallback=lambda kind: m.fallbacks.inc(tags={"kind": kind}),
+                on_breaker_event=self._on_breaker_event,
+                on_lost_capacity=self._on_lost_capacity,
+            ),
+        )
 
     def _routers(self) -> int:
         """Routers sharing each tenant's rate: the snapshot's count, else the configured one."""
@@ -158,7 +177,9 @@ class Router:
         self.metrics.breaker.set(int(event.to_state), tags={"backend": event.backend})
         if int(event.to_state) == 1:
             self.metrics.trips.inc(tags={"backend": event.backend})
-        log.warning("breaker %s: %s -> %s (%s)", event.backend, event.from_state.name, event.to_state.name, event.reason)
+        log.warning(
+            "breaker %s: %s -> %s (%s)", event.backend, event.from_state.name, event.to_state.name, event.reason
+        )
 
     async def check_health(self) -> None:
         self._start()
@@ -239,9 +260,7 @@ class Router:
     async def ready(self) -> JSONResponse:
         problems = await self._unready()
         if problems:
-            return JSONResponse(
-                {"error": {"code": "NOT_READY", "message": "; ".join(problems)}}, status_code=503
-            )
+            return JSONResponse({"error": {"code": "NOT_READY", "message": "; ".join(problems)}}, status_code=503)
         return JSONResponse({"status": "ready", "level": self.snapshots.effective().level})
 
     @app.get("/health")
@@ -271,5 +290,6 @@ class Router:
 def router_deployment(cfg):
     r = cfg.deployments.router
     spread = {} if r.max_replicas_per_node is None else {"max_replicas_per_node": r.max_replicas_per_node}
-    return serve.deployment(Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log,
-                                                      num_replicas=r.num_replicas, **spread))
+    return serve.deployment(
+        Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log, num_replicas=r.num_replicas, **spread)
+    )

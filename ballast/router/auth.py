@@ -35,7 +35,7 @@ def _parse_key_entries(text: str, where: str) -> dict[bytes, str]:
             raise ConfigError(where, "each API key entry must read 'key=tenant' or 'sha256:<hex>=tenant'")
         if key.startswith("sha256:"):
             try:
-                digest = bytes.fromhex(key[len("sha256:"):])
+                digest = bytes.fromhex(key[len("sha256:") :])
             except ValueError:
                 raise ConfigError(where, "a sha256: key must be 64 hex digits") from None
             if len(digest) != 32:

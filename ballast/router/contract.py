@@ -167,7 +167,10 @@ def openapi_document(routes: list[Any]) -> dict[str, Any]:
             if contract is None:
                 raise ValueError(f"{method.upper()} {path}: no contract in ballast/router/contract.py")
             if contract.request is not None:
-                op["requestBody"] = {"required": True, "content": {"application/json": {"schema": schemas.ref(contract.request)}}}
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": schemas.ref(contract.request)}},
+                }
             content: dict[str, Any] = {}  # no body (GET /health)
             if contract.response is not None:
                 content["application/json"] = {"schema": schemas.ref(contract.response)}

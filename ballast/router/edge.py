@@ -71,7 +71,9 @@ TABLE = "ballast_edge"
 SOCKET_TIMEOUT_S = 0.5
 
 
-def shed_entries(level: int, constraints: LevelConstraints, drops: Optional[Mapping[str, int]] = None) -> dict[str, str]:
+def shed_entries(
+    level: int, constraints: LevelConstraints, drops: Optional[Mapping[str, int]] = None
+) -> dict[str, str]:
     """The map at ``level``: class -> "retry_after:level:per_mille:rank" for each class the edge refuses.
 
     A class the level does not admit: all of it, with the router's Retry-After for that
@@ -92,8 +94,9 @@ def shed_entries(level: int, constraints: LevelConstraints, drops: Optional[Mapp
     return out
 
 
-def key_entries(digests: Iterable[tuple[bytes, str]], caps: Mapping[str, Criticality],
-                switched_off: Collection[str] = ()) -> dict[str, str]:
+def key_entries(
+    digests: Iterable[tuple[bytes, str]], caps: Mapping[str, Criticality], switched_off: Collection[str] = ()
+) -> dict[str, str]:
     """The key map: the upper-case hex SHA-256 of each API key (as HAProxy's ``sha2(256),hex``
     writes it) -> its tenant's cap rank; none for a tenant in ``switched_off`` or not in ``caps``."""
     return {d.hex().upper(): str(caps[t].rank) for d, t in digests if t in caps and t not in switched_off}
@@ -166,10 +169,14 @@ class Edge:
             d, f = os.path.split(path)
             return os.path.join(d, node, f)
 
-        edge = cls(os.path.dirname(per_node(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)), per_node(RAY_SERVE_HAPROXY_SOCKET_PATH))
+        edge = cls(
+            os.path.dirname(per_node(RAY_SERVE_HAPROXY_CONFIG_FILE_LOC)), per_node(RAY_SERVE_HAPROXY_SOCKET_PATH)
+        )
         if not edge.private():
-            log.warning("edge: %s is not a directory of this user's that only it may write; "
-                        "refusing in the router instead", edge.dir)
+            log.warning(
+                "edge: %s is not a directory of this user's that only it may write; refusing in the router instead",
+                edge.dir,
+            )
             return None
         return edge
 
@@ -214,7 +221,7 @@ class Edge:
             self._write_file(path, entries)
             commands = [f"clear map {path}"] + [f"add map {path} {k} {v}" for k, v in sorted(entries.items())]
             for i in range(0, len(commands), MAP_COMMANDS_PER_WRITE):
-                answer = self._send(self.socket_path, "; ".join(commands[i:i + MAP_COMMANDS_PER_WRITE]))
+                answer = self._send(self.socket_path, "; ".join(commands[i : i + MAP_COMMANDS_PER_WRITE]))
                 if "Unknown map" in answer or "not found" in answer.lower():
                     raise RuntimeError(answer.strip())
         except (OSError, RuntimeError) as e:

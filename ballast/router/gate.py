@@ -48,7 +48,14 @@ class _Waiter:
     __slots__ = ("rank", "seq", "tenant", "deadline_s", "cost", "fut")
 
     def __init__(self, rank: int, seq: int, tenant: str, deadline_s: float, cost: tuple[int, int], fut: asyncio.Future):
-        self.rank, self.seq, self.tenant, self.deadline_s, self.cost, self.fut = rank, seq, tenant, deadline_s, cost, fut
+        self.rank, self.seq, self.tenant, self.deadline_s, self.cost, self.fut = (
+            rank,
+            seq,
+            tenant,
+            deadline_s,
+            cost,
+            fut,
+        )
 
 
 class PriorityGate:
@@ -103,7 +110,9 @@ class PriorityGate:
         """EWMA of time from slot to answer."""
         return self._service.mean_s
 
-    async def acquire(self, rank: int, deadline_s: float, tenant: str = "", cost: tuple[int, int] = (0, 0)) -> Optional[FairCharge]:
+    async def acquire(
+        self, rank: int, deadline_s: float, tenant: str = "", cost: tuple[int, int] = (0, 0)
+    ) -> Optional[FairCharge]:
         """Hold a slot on return, or raise GateRefused. ``rank`` 0 is the most critical.
 
         ``cost`` is (prompt tokens, max_tokens): with tenant counters, what the slot
@@ -198,7 +207,9 @@ class PriorityGate:
 
     def _displace(self, rank: int) -> bool:
         """Make room for a waiter of ``rank`` by refusing the one ballast/policies/gate.py picks."""
-        live = {(w.rank, w.seq): w for line in self._lines.values() for q in line.values() for w in q if not w.fut.done()}
+        live = {
+            (w.rank, w.seq): w for line in self._lines.values() for q in line.values() for w in q if not w.fut.done()
+        }
         victim = rules.displaced(live, rank)
         if victim is None:
             return False

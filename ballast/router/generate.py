@@ -64,10 +64,16 @@ class NativeFront:
         prompt_tokens = self._text.count(req.prompt)
         # A resumed stream prefills the ids it brings beside its prompt.
         kv_prompt = prompt_tokens + len(resumed.get("continue_ids", ()))
-        served = await self._pipeline.serve(ModelRequest(
-            caller, claimed_criticality(request, req.criticality), kv_prompt,
-            self._text.fit(prompt_tokens, req.max_tokens), req.stream, {"prompt": req.prompt, **resumed},
-        ))
+        served = await self._pipeline.serve(
+            ModelRequest(
+                caller,
+                claimed_criticality(request, req.criticality),
+                kv_prompt,
+                self._text.fit(prompt_tokens, req.max_tokens),
+                req.stream,
+                {"prompt": req.prompt, **resumed},
+            )
+        )
         resumed_tokens = len(resumed.get("continue_ids", ()))
         if isinstance(served, Stream):
             return StreamResponse(self._events(served, resumed_tokens), served)
@@ -75,11 +81,18 @@ class NativeFront:
 
     def _answer(self, answer: Answer, resumed_tokens: int, stream: bool) -> Response:
         meta = answer.admission.meta(answer.model)
-        body = {"text": answer.text, "tokens_generated": answer.tokens + resumed_tokens, **meta, "fallback": answer.fallback}
+        body = {
+            "text": answer.text,
+            "tokens_generated": answer.tokens + resumed_tokens,
+            **meta,
+            "fallback": answer.fallback,
+        }
         headers = answer_headers(answer)
         if stream:  # streaming is off at this level: one token event, then done
             done = {k: v for k, v in body.items() if k != "text"}
-            events = sse_event("token", {"text": body["text"], "tokens": body["tokens_generated"]}) + sse_event("done", done)
+            events = sse_event("token", {"text": body["text"], "tokens": body["tokens_generated"]}) + sse_event(
+                "done", done
+            )
             return Response(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(body, headers=headers)
 
@@ -90,9 +103,16 @@ class NativeFront:
                 if stream.fallback is None:  # the primary's ids: the client resumes a cut stream with them
                     event["ids"] = chunk.get("ids", [])
                 yield sse_event("token", event)
-            yield sse_event("done", {"tokens_generated": resumed_tokens + stream.tokens, **stream.admission.meta(stream.model),
-                                     "fallback": stream.fallback, "migrations": stream.migrations,
-                                     **({"resumed_tokens": resumed_tokens} if resumed_tokens else {})})
+            yield sse_event(
+                "done",
+                {
+                    "tokens_generated": resumed_tokens + stream.tokens,
+                    **stream.admission.meta(stream.model),
+                    "fallback": stream.fallback,
+                    "migrations": stream.migrations,
+                    **({"resumed_tokens": resumed_tokens} if resumed_tokens else {}),
+                },
+            )
         except BallastError as err:
             yield sse_event("error", err.body())
         finally:
@@ -104,15 +124,21 @@ class NativeFront:
         if req.resume is None:
             return {}
         if not req.stream:
-            raise InvalidRequest("resume: only a stream is resumed (a unary answer comes whole or not at all)", field="resume")
+            raise InvalidRequest(
+                "resume: only a stream is resumed (a unary answer comes whole or not at all)", field="resume"
+            )
         if key is not None:
             raise InvalidRequest("resume: a resumed stream takes no Idempotency-Key", field="Idempotency-Key")
         ids = req.resume.ids
         if len(ids) > req.max_tokens:
-            raise InvalidRequest(f"resume.ids: {len(ids)} ids, more than max_tokens {req.max_tokens}", field="resume.ids")
+            raise InvalidRequest(
+                f"resume.ids: {len(ids)} ids, more than max_tokens {req.max_tokens}", field="resume.ids"
+            )
         if max(ids) >= self._text.vocab_size:
-            raise InvalidRequest(f"resume.ids: token ids must be below the model's vocabulary size {self._text.vocab_size}",
-                                 field="resume.ids")
+            raise InvalidRequest(
+                f"resume.ids: token ids must be below the model's vocabulary size {self._text.vocab_size}",
+                field="resume.ids",
+            )
         return {"continue_ids": list(ids), "continue_text_chars": req.resume.text_chars}
 
     def _parse(self, data: dict[str, Any]) -> GenerateRequest:

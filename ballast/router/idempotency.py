@@ -84,7 +84,9 @@ class SharedKeys:
             self.unreachable += 1
             return _UNREACHABLE
 
-    async def claim(self, slot: tuple[str, str], lease_s: float, fingerprint: str, within_s: float = float("inf")) -> Any:
+    async def claim(
+        self, slot: tuple[str, str], lease_s: float, fingerprint: str, within_s: float = float("inf")
+    ) -> Any:
         """The table's answer to this router's claim. A call that got no answer is made
         again (its timeout doubling, at most ``SETTLE_ATTEMPTS`` calls, their timeouts
         within ``within_s``): the table may have taken the first, and a repeat by the same
@@ -131,12 +133,15 @@ def request_fingerprint(call: dict[str, Any], max_tokens: int) -> str:
 
 def _reused() -> InvalidRequest:
     return InvalidRequest(
-        "Idempotency-Key: already used for a different request (another body) by this tenant; "
-        "a key names one request", field="Idempotency-Key")
+        "Idempotency-Key: already used for a different request (another body) by this tenant; a key names one request",
+        field="Idempotency-Key",
+    )
 
 
 def _full(tenant: str, where: str) -> ConcurrencyLimited:
-    return ConcurrencyLimited(f"tenant '{tenant}': every Idempotency-Key {where} holds is still running", retry_after_s=1.0)
+    return ConcurrencyLimited(
+        f"tenant '{tenant}': every Idempotency-Key {where} holds is still running", retry_after_s=1.0
+    )
 
 
 @dataclass
@@ -169,8 +174,11 @@ class IdempotencyStore:
         self._shared = shared
         # Each key's first attempt, pending until it answers (never evicted while pending).
         self._entries: "TTLMap[tuple[str, str], _First]" = TTLMap(
-            settings.ttl_s, settings.max_entries, max_entries_per_group=settings.max_entries_per_tenant,
-            max_bytes_per_group=settings.max_answer_bytes_per_tenant, group=_tenant,
+            settings.ttl_s,
+            settings.max_entries,
+            max_entries_per_group=settings.max_entries_per_tenant,
+            max_bytes_per_group=settings.max_answer_bytes_per_tenant,
+            group=_tenant,
         )
         self.replays = 0
         # Answers and releases on their way to the shared table (each ends within
@@ -194,7 +202,11 @@ class IdempotencyStore:
         return self._entries.group_len(tenant)
 
     async def run(
-        self, tenant: str, key: str, fn: Callable[[], Awaitable[dict[str, Any]]], within_s: float = 60.0,
+        self,
+        tenant: str,
+        key: str,
+        fn: Callable[[], Awaitable[dict[str, Any]]],
+        within_s: float = 60.0,
         fingerprint: str = "",
     ) -> tuple[dict[str, Any], bool]:
         """``fn()``'s result, or the earlier one for the same (tenant, key); True when replayed.
@@ -224,7 +236,9 @@ class IdempotencyStore:
         while not answer.done():
             left_s = end_s - self._clock()
             if left_s <= 0:
-                raise DeadlineExceeded("waited for the first attempt of this Idempotency-Key past the request's deadline")
+                raise DeadlineExceeded(
+                    "waited for the first attempt of this Idempotency-Key past the request's deadline"
+                )
             timer = asyncio.ensure_future(self._sleep(left_s))
             try:
                 await asyncio.wait({answer, timer}, return_when=asyncio.FIRST_COMPLETED)
@@ -261,8 +275,9 @@ class IdempotencyStore:
             return await fn(), False
         while True:
             left = end_s - self._clock()
-            claim = await shared.claim(slot, max(left, 0.001) + shared.timeout_s, fingerprint,
-                                       within_s=max(left, shared.timeout_s))
+            claim = await shared.claim(
+                slot, max(left, 0.001) + shared.timeout_s, fingerprint, within_s=max(left, shared.timeout_s)
+            )
             if claim is _UNREACHABLE:
                 break  # honoured here alone; settled below in case the table took the claim
             if claim["state"] == FULL:
@@ -275,7 +290,9 @@ class IdempotencyStore:
             if claim["state"] == MINE:
                 break
             if left <= 0:
-                raise DeadlineExceeded("waited for the first attempt of this Idempotency-Key (another router) past the deadline")
+                raise DeadlineExceeded(
+                    "waited for the first attempt of this Idempotency-Key (another router) past the deadline"
+                )
             seen = await shared.wait(slot, min(left, 5.0))
             if isinstance(seen, dict) and seen["state"] == DONE and seen["fingerprint"] == fingerprint:
                 self.replays += 1

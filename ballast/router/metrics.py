@@ -50,7 +50,9 @@ class RouterMetrics:
             "ballast_gate", "This router's gate to the model: limit, in_flight, waiting.", tag_keys=("kind",)
         )
         self.gate_refused = metrics.Counter(
-            "ballast_gate_refused_total", "Requests refused at the gate (503 OVERLOADED).", tag_keys=("reason", "criticality")
+            "ballast_gate_refused_total",
+            "Requests refused at the gate (503 OVERLOADED).",
+            tag_keys=("reason", "criticality"),
         )
         self.edge = metrics.Counter(
             "ballast_edge_refused_total",
@@ -78,8 +80,12 @@ class RouterMetrics:
             tag_keys=("tenant",),
         )
         self.fair_backlogged = metrics.Gauge(
-            "ballast_fair_backlogged", "1 while a tenant has requests waiting at this router's gate.", tag_keys=("tenant",)
+            "ballast_fair_backlogged",
+            "1 while a tenant has requests waiting at this router's gate.",
+            tag_keys=("tenant",),
         )
         self.tenant_rate = metrics.Gauge(
-            "ballast_tenant_rate_tokens_per_s", "A tenant's token rate at this router (its share).", tag_keys=("tenant",)
+            "ballast_tenant_rate_tokens_per_s",
+            "A tenant's token rate at this router (its share).",
+            tag_keys=("tenant",),
         )

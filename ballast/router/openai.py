@@ -73,14 +73,20 @@ class OpenAIFront:
         prompt_tokens = self._text.count(prompt, add_special_tokens=not chat)
         max_tokens = self._text.fit(prompt_tokens, oa.max_tokens_of(req))
         stops = oa.stops_of(req)
-        served = await self._pipeline.serve(ModelRequest(caller, claimed, prompt_tokens, max_tokens, req.stream,
-                                                         self._call(req, prompt, chat, stops, tools)))
+        served = await self._pipeline.serve(
+            ModelRequest(
+                caller, claimed, prompt_tokens, max_tokens, req.stream, self._call(req, prompt, chat, stops, tools)
+            )
+        )
         answer_id = oa.Identity(oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()))
         opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
         if isinstance(served, Stream):
-            events = (self._tool_events(served, chat, answer_id, stops, opts, tools) if tools.may_call
-                      else self._events(served, chat, answer_id, stops, opts))
+            events = (
+                self._tool_events(served, chat, answer_id, stops, opts, tools)
+                if tools.may_call
+                else self._events(served, chat, answer_id, stops, opts)
+            )
             return StreamResponse(events, served, headers)
         return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers, tools)
 
@@ -108,8 +114,10 @@ class OpenAIFront:
         except ToolRequestError as e:
             raise oa.BadRequest(str(e), field=e.field) from None
         if tools.schema is not None and req.response_format is not None:
-            raise oa.BadRequest("response_format: a forced tool call's answer is its arguments' JSON; "
-                                "leave response_format out", field="response_format")
+            raise oa.BadRequest(
+                "response_format: a forced tool call's answer is its arguments' JSON; leave response_format out",
+                field="response_format",
+            )
         return tools
 
     @staticmethod
@@ -135,25 +143,42 @@ class OpenAIFront:
         return headers
 
     @staticmethod
-    def _answer(answer: Answer, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...],
-                stream: Optional["oa.Streaming"], headers: dict[str, str], tools: ToolPlan) -> Response:
+    def _answer(
+        answer: Answer,
+        chat: bool,
+        answer_id: "oa.Identity",
+        stops: tuple[str, ...],
+        stream: Optional["oa.Streaming"],
+        headers: dict[str, str],
+        tools: ToolPlan,
+    ) -> Response:
         """A unary answer; or, asked as a stream at a level that does not stream, the
         whole answer as one stream event."""
         text, stopped = cut_at_stop(answer.text, stops)
         a = answer.admission
         content, calls, finish = tools.settle(
-            text, oa.finish_reason(answer.tokens, a.max_tokens, stopped or answer.finish_reason == "stop"))
+            text, oa.finish_reason(answer.tokens, a.max_tokens, stopped or answer.finish_reason == "stop")
+        )
         headers = {**headers, **answer_headers(answer)}
         ident = answer_id.of(answer.model)
         counts = oa.Counts(a.prompt_tokens, answer.tokens)
         if stream is None:
-            body = oa.chat_completion(ident, content, finish, counts, calls) if chat else oa.completion(ident, text, finish, counts)
+            body = (
+                oa.chat_completion(ident, content, finish, counts, calls)
+                if chat
+                else oa.completion(ident, text, finish, counts)
+            )
             return JSONResponse(body, headers=headers)
         events = oa.one_event_stream(ident, chat, content, finish, counts, stream, calls)
         return Response(events, media_type="text/event-stream", headers=headers)
 
     async def _tool_events(
-        self, stream: Stream, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], opts: "oa.Streaming",
+        self,
+        stream: Stream,
+        chat: bool,
+        answer_id: "oa.Identity",
+        stops: tuple[str, ...],
+        opts: "oa.Streaming",
         tools: ToolPlan,
     ) -> AsyncGenerator[bytes, None]:
         """A stream that may call tools: sent whole when the model has finished (its content,
@@ -169,7 +194,9 @@ class OpenAIFront:
             parts.append(scanner.finish())
             a = stream.admission
             content, calls, finish = tools.settle(
-                "".join(parts), oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop"))
+                "".join(parts),
+                oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop"),
+            )
             counts = oa.Counts(a.prompt_tokens, stream.tokens)
             yield oa.one_event_stream(answer_id.of(stream.model), chat, content, finish, counts, opts, calls)
             return

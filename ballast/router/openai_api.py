@@ -185,10 +185,13 @@ class ChatMessage(_Strict):
         "(the vLLM engine). The deprecated 'function' role is not served."
     )
     content: Annotated[Union[str, list[TextPart], None], BeforeValidator(_join_text_parts)] = Field(
-        None, description="The text, or a list of text parts (joined); may be null in an assistant message with tool_calls."
+        None,
+        description="The text, or a list of text parts (joined); may be null in an assistant message with tool_calls.",
     )
     tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's calls of tools.")
-    tool_call_id: Optional[str] = Field(None, min_length=1, max_length=256, description="A tool message's call, answered.")
+    tool_call_id: Optional[str] = Field(
+        None, min_length=1, max_length=256, description="A tool message's call, answered."
+    )
 
     @field_validator("role", mode="before")
     @classmethod
@@ -203,11 +206,15 @@ class ChatMessage(_Strict):
         if self.tool_calls is not None and self.role != "assistant":
             raise PydanticCustomError("role_field", "tool_calls are an assistant message's", {"field": "tool_calls"})
         if (self.tool_call_id is not None) != (self.role == "tool"):
-            raise PydanticCustomError("role_field", "a tool message has a tool_call_id, and only a tool message",
-                                      {"field": "tool_call_id"})
+            raise PydanticCustomError(
+                "role_field", "a tool message has a tool_call_id, and only a tool message", {"field": "tool_call_id"}
+            )
         if self.content is None and not self.tool_calls:
-            raise PydanticCustomError("role_field", "must be a string or a list of text parts (null only in an "
-                                      "assistant message with tool_calls)", {"field": "content"})
+            raise PydanticCustomError(
+                "role_field",
+                "must be a string or a list of text parts (null only in an assistant message with tool_calls)",
+                {"field": "content"},
+            )
         return self
 
     @property
@@ -219,9 +226,7 @@ class StreamOptions(_Strict):
     """Options of a streamed answer."""
 
     include_usage: bool = Field(False, description="Send a last chunk with the usage and no choices.")
-    continuous_usage_stats: bool = Field(
-        False, description="vLLM's extension: every chunk carries the usage so far."
-    )
+    continuous_usage_stats: bool = Field(False, description="vLLM's extension: every chunk carries the usage so far.")
 
 
 class JsonSchemaFormat(_Strict):
@@ -261,7 +266,9 @@ class _Sampling(_Strict):
     """What both endpoints share: the model, the length, sampling, streaming, Ballast's criticality."""
 
     model: str = Field(min_length=1, max_length=256, description="The served model's name (GET /v1/models lists them).")
-    max_tokens: Optional[int] = Field(None, ge=1, description="At most this many tokens are generated (limits.max_tokens_limit).")
+    max_tokens: Optional[int] = Field(
+        None, ge=1, description="At most this many tokens are generated (limits.max_tokens_limit)."
+    )
     temperature: Optional[float] = Field(
         None, ge=0, le=2, allow_inf_nan=False, description="Sampling temperature, 0 to 2; below 1e-5 it is 0 (greedy)."
     )
@@ -281,10 +288,16 @@ class _Sampling(_Strict):
         0, ge=0, description="vLLM's extension: no end of sequence before this many tokens (at most max_tokens)."
     )
     top_k: Optional[int] = Field(
-        None, ge=-1, description="vLLM's extension: sample among the k likeliest; 0 or -1: all; at most the vocabulary's size."
+        None,
+        ge=-1,
+        description="vLLM's extension: sample among the k likeliest; 0 or -1: all; at most the vocabulary's size.",
     )
     repetition_penalty: Optional[float] = Field(
-        None, gt=0, le=2, allow_inf_nan=False, description="vLLM's extension: above 1 penalises repeated tokens; 1 is neutral."
+        None,
+        gt=0,
+        le=2,
+        allow_inf_nan=False,
+        description="vLLM's extension: above 1 penalises repeated tokens; 1 is neutral.",
     )
     response_format: Optional[ResponseFormat] = Field(
         None, description="The answer's format: text, json_object or json_schema (the vLLM engine)."
@@ -322,10 +335,13 @@ class ChatCompletionRequest(_Sampling):
         min_length=1, max_length=MAX_MESSAGES, description="The conversation so far, oldest first."
     )
     tools: Optional[list[ToolSpec]] = Field(
-        None, max_length=MAX_TOOLS, description="Functions the model may call (the vLLM engine; ballast.router.tool_calls)."
+        None,
+        max_length=MAX_TOOLS,
+        description="Functions the model may call (the vLLM engine; ballast.router.tool_calls).",
     )
     tool_choice: Optional[ToolChoice] = Field(
-        None, description="'none', 'auto' (the default with tools; needs model.tool_parser), 'required', or a named function."
+        None,
+        description="'none', 'auto' (the default with tools; needs model.tool_parser), 'required', or a named function.",
     )
     parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call with 'required'.")
     max_completion_tokens: Optional[int] = Field(
@@ -348,7 +364,9 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Annotated[Union[str, Annotated[list[str], Field(min_length=1, max_length=1)]], BeforeValidator(_one_prompt)] = Field(
+    prompt: Annotated[
+        Union[str, Annotated[list[str], Field(min_length=1, max_length=1)]], BeforeValidator(_one_prompt)
+    ] = Field(
         description="The text to continue: a string, or a list holding exactly one string. After validation a str."
     )
 
@@ -381,7 +399,9 @@ def _parse(model: type[_Sampling], data: Any, limits: LimitsConfig) -> Any:
         raise BadRequest(f"{field}: {reason}", field=field) from None
     most = max_tokens_of(req)
     if most is not None and req.min_tokens > most:
-        raise BadRequest(f"min_tokens: {req.min_tokens} is above the maximum of {most} tokens asked for", field="min_tokens")
+        raise BadRequest(
+            f"min_tokens: {req.min_tokens} is above the maximum of {most} tokens asked for", field="min_tokens"
+        )
     check_limits(req, limits)
     return req
 
@@ -392,8 +412,9 @@ def check_limits(req: _Sampling, limits: LimitsConfig) -> None:
         raise BadRequest(f"min_tokens: must be <= {limits.max_tokens_limit}", field="min_tokens")
     longest = max((len(s) for s in stops_of(req)), default=0)
     if longest > limits.max_stop_chars:
-        raise BadRequest(f"stop: a stop string of {longest} characters; the limit is {limits.max_stop_chars}",
-                         field="stop")
+        raise BadRequest(
+            f"stop: a stop string of {longest} characters; the limit is {limits.max_stop_chars}", field="stop"
+        )
     if req.response_format is not None and req.response_format.json_schema is not None:
         fault = schema_fault(req.response_format.json_schema.schema_, limits.max_schema_depth, limits.max_schema_nodes)
         if fault is not None:
@@ -425,12 +446,15 @@ def _check_tools(tools: Sequence[ToolSpec], limits: LimitsConfig) -> None:
             continue
         extent = json_extent(params)
         if extent.depth > limits.max_schema_depth:
-            raise SchemaTooComplex(f"tools: tool {i}'s parameters nest {extent.depth} deep; "
-                                   f"the limit is {limits.max_schema_depth}", field="tools")
+            raise SchemaTooComplex(
+                f"tools: tool {i}'s parameters nest {extent.depth} deep; the limit is {limits.max_schema_depth}",
+                field="tools",
+            )
         nodes += extent.nodes
     if nodes > limits.max_schema_nodes:
-        raise SchemaTooComplex(f"tools: the tools' parameters have {nodes} nodes; the limit is "
-                               f"{limits.max_schema_nodes}", field="tools")
+        raise SchemaTooComplex(
+            f"tools: the tools' parameters have {nodes} nodes; the limit is {limits.max_schema_nodes}", field="tools"
+        )
 
 
 #: The optional fields an engine honours (``model.backend``), with each one's neutral
@@ -456,7 +480,9 @@ def refuse_unhonoured(req: _Sampling, engine: str) -> None:
         for i, m in enumerate(req.messages):
             if m.calls_tools:
                 field = f"messages.{i}.{'role' if m.role == 'tool' else 'tool_calls'}"
-                raise BadRequest(f"{field}: tool calls and results are not honoured by the {engine!r} engine", field=field)
+                raise BadRequest(
+                    f"{field}: tool calls and results are not honoured by the {engine!r} engine", field=field
+                )
 
 
 def sampling_fields(req: _Sampling) -> dict[str, Any]:
@@ -625,7 +651,7 @@ def new_id(prefix: str) -> str:
 
 
 def finish_reason(completion_tokens: int, max_tokens: int, stopped: bool) -> str:
-    """"length" when the answer used all of max_tokens without a stop string, else "stop"."""
+    """ "length" when the answer used all of max_tokens without a stop string, else "stop"."""
     return "length" if not stopped and completion_tokens >= max_tokens else "stop"
 
 
@@ -661,9 +687,12 @@ class Counts(NamedTuple):
         return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
-def chat_completion(ident: Ident, text: Optional[str], finish: str, counts: Counts,
-                    calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
-    message = AssistantMessage(role="assistant", content=text, refusal=None, **({"tool_calls": list(calls)} if calls else {}))
+def chat_completion(
+    ident: Ident, text: Optional[str], finish: str, counts: Counts, calls: Sequence[ToolCall] = ()
+) -> dict[str, Any]:
+    message = AssistantMessage(
+        role="assistant", content=text, refusal=None, **({"tool_calls": list(calls)} if calls else {})
+    )
     choice = ChatChoice(index=0, message=message, finish_reason=finish, logprobs=None)
     return _dump(ChatCompletion(**ident._asdict(), object="chat.completion", choices=[choice], usage=counts.usage()))
 
@@ -687,8 +716,14 @@ class Streaming:
         return cls(bool(o and o.include_usage), bool(o and o.continuous_usage_stats))
 
 
-def stream_chunk(ident: Ident, chat: bool, piece: Optional[str], finish: Optional[str] = None,
-                 role: bool = False, usage: Optional[Counts] = None) -> Union[ChatCompletionChunk, Completion]:
+def stream_chunk(
+    ident: Ident,
+    chat: bool,
+    piece: Optional[str],
+    finish: Optional[str] = None,
+    role: bool = False,
+    usage: Optional[Counts] = None,
+) -> Union[ChatCompletionChunk, Completion]:
     """One streamed event: a piece of text (None: the last event, with ``finish``).
 
     Chat deltas: ``{"role": "assistant", "content": ""}`` first (``role``), then
@@ -706,8 +741,12 @@ def stream_chunk(ident: Ident, chat: bool, piece: Optional[str], finish: Optiona
 def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> Union[ChatCompletionChunk, Completion]:
     """The last event when ``stream_options.include_usage``: no choices, the usage."""
     model = ChatCompletionChunk if chat else Completion
-    return model(**ident._asdict(), object="chat.completion.chunk" if chat else "text_completion",
-                 choices=[], usage=counts.usage())
+    return model(
+        **ident._asdict(),
+        object="chat.completion.chunk" if chat else "text_completion",
+        choices=[],
+        usage=counts.usage(),
+    )
 
 
 def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Optional[Counts] = None) -> ChatCompletionChunk:
@@ -718,8 +757,15 @@ def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Optional[Co
     return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice], **fields)
 
 
-def one_event_stream(ident: Ident, chat: bool, text: Optional[str], finish: str, counts: Counts, opts: Streaming,
-                     calls: Sequence[ToolCall] = ()) -> bytes:
+def one_event_stream(
+    ident: Ident,
+    chat: bool,
+    text: Optional[str],
+    finish: str,
+    counts: Counts,
+    opts: Streaming,
+    calls: Sequence[ToolCall] = (),
+) -> bytes:
     """A whole answer as a stream: its text in one event, its tool calls in the next
     (when it calls any), the finish, the usage (when asked for), [DONE]."""
     running = counts if opts.running_usage else None

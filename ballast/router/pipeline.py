@@ -291,10 +291,14 @@ class Pipeline:
             stream_requested=req.stream,
             streaming_allowed=eff.constraints.streaming,
         )
-        admission = Admission(criticality, eff.level, clamped, eff.constraints.streaming, req.prompt_tokens, tuple(reasons))
+        admission = Admission(
+            criticality, eff.level, clamped, eff.constraints.streaming, req.prompt_tokens, tuple(reasons)
+        )
         return admission, fallback_only
 
-    async def _ticket(self, req: ModelRequest, criticality: Criticality, max_tokens: int, fallback_only: bool) -> Ticket:
+    async def _ticket(
+        self, req: ModelRequest, criticality: Criticality, max_tokens: int, fallback_only: bool
+    ) -> Ticket:
         """The tenant's place, the quota charge, the gate slot: all three, or a refusal
         that gives back what it had taken (counted under its code)."""
         tenant, crit = req.caller.tenant, criticality.value
@@ -308,7 +312,9 @@ class Pipeline:
             self.tally.offer(crit)  # demand within quota: a tenant over its quota must not degrade everyone else
             slot = GateSlot(None)
             if not fallback_only:
-                slot, fallback_only = await self._gate_slot(criticality, req.caller.deadline, tenant, (req.prompt_tokens, max_tokens))
+                slot, fallback_only = await self._gate_slot(
+                    criticality, req.caller.deadline, tenant, (req.prompt_tokens, max_tokens)
+                )
         except BaseException as err:
             self.places.give_back(tenant)
             if charge is not None:
@@ -344,8 +350,9 @@ class Pipeline:
         """critical_plus that the primary will not take goes to the fallback alone, if it can answer."""
         return criticality is Criticality.CRITICAL_PLUS and self.caller.can_fall_back(self.kill_switches, now_wall)
 
-    async def _gate_slot(self, criticality: Criticality, deadline: Deadline, tenant: str,
-                         cost: tuple[int, int]) -> tuple[GateSlot, bool]:
+    async def _gate_slot(
+        self, criticality: Criticality, deadline: Deadline, tenant: str, cost: tuple[int, int]
+    ) -> tuple[GateSlot, bool]:
         """(a slot at the model, False); refused: (no slot, True) when the fallback alone
         may answer (critical_plus it can answer), else 503 OVERLOADED. Counted in the
         report interval the gate decided in. ``cost`` (prompt tokens, max_tokens) is what
@@ -381,7 +388,9 @@ class Pipeline:
             used = ticket.prompt_tokens + outcome.generated
             if used:
                 self.metrics.tenant_tokens.inc(used, tags={"tenant": ticket.tenant})
-            served = self._fair_cost.cost(ticket.prompt_tokens, outcome.generated, self._cfg.tenants[ticket.tenant].weight)
+            served = self._fair_cost.cost(
+                ticket.prompt_tokens, outcome.generated, self._cfg.tenants[ticket.tenant].weight
+            )
             if served:
                 self.metrics.fair_served.inc(served, tags={"tenant": ticket.tenant})
         self.tally.requests += 1
@@ -390,7 +399,9 @@ class Pipeline:
         if outcome.error:
             self.tally.errors += 1
         self._count(ticket.tenant, ticket.criticality, outcome.code)
-        self.metrics.latency.observe((time.monotonic() - ticket.deadline.started_s) * 1000.0, tags={"criticality": ticket.criticality})
+        self.metrics.latency.observe(
+            (time.monotonic() - ticket.deadline.started_s) * 1000.0, tags={"criticality": ticket.criticality}
+        )
 
     def _count(self, tenant: str, criticality: str, code: str) -> None:
         self.metrics.requests.inc(tags={"tenant": tenant, "criticality": criticality, "code": code})
@@ -424,7 +435,10 @@ class Pipeline:
         outcome = "CANCELLED"  # the client went away, unless something below says otherwise
         try:
             raw, replayed = await self._idem.run(
-                req.caller.tenant, key, first_attempt, within_s=req.caller.deadline.left_s(started_s),
+                req.caller.tenant,
+                key,
+                first_attempt,
+                within_s=req.caller.deadline.left_s(started_s),
                 fingerprint=request_fingerprint(req.call, req.max_tokens),
             )
             outcome = "OK"
@@ -434,15 +448,25 @@ class Pipeline:
         finally:
             if not ran:
                 self._count(req.caller.tenant, admission.criticality.value, outcome)
-                self.metrics.latency.observe((time.monotonic() - req.caller.deadline.started_s) * 1000.0,
-                                             tags={"criticality": admission.criticality.value})
+                self.metrics.latency.observe(
+                    (time.monotonic() - req.caller.deadline.started_s) * 1000.0,
+                    tags={"criticality": admission.criticality.value},
+                )
         if replayed:
             self.metrics.replays.inc()
         return self._answer(admission, raw, replayed)
 
     def _answer(self, admission: Admission, raw: dict[str, Any], replayed: bool) -> Answer:
-        return Answer(admission, raw["text"], int(raw["tokens"]), raw.get("finish_reason"), raw["fallback"],
-                      self.answered_by(raw["fallback"]), int(raw.get("migrations") or 0), replayed)
+        return Answer(
+            admission,
+            raw["text"],
+            int(raw["tokens"]),
+            raw.get("finish_reason"),
+            raw["fallback"],
+            self.answered_by(raw["fallback"]),
+            int(raw.get("migrations") or 0),
+            replayed,
+        )
 
     async def _settled_unary(self, ticket: Ticket, call: dict[str, Any]) -> dict[str, Any]:
         """The model's answer as an Idempotency-Key keeps it (text, tokens, finish reason,
@@ -452,12 +476,21 @@ class Pipeline:
         try:
             record = CallRecord()
             result, fallback = await self._call_unary(ticket, call, record)
-            raw = {"text": result["text"], "tokens": result["tokens"], "finish_reason": result.get("finish_reason"),
-                   "fallback": fallback, "migrations": record.migrations}
+            raw = {
+                "text": result["text"],
+                "tokens": result["tokens"],
+                "finish_reason": result.get("finish_reason"),
+                "fallback": fallback,
+                "migrations": record.migrations,
+            }
             outcome = Outcome("OK", generated=int(raw["tokens"]), service_s=time.monotonic() - t0)
         except DeadlineExceeded as err:
-            outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status),
-                              service_s=time.monotonic() - t0, timed_out=True)
+            outcome = Outcome(
+                err.code,
+                error=request_policy.counts_as_error(err.code, err.status),
+                service_s=time.monotonic() - t0,
+                timed_out=True,
+            )
             raise
         except BallastError as err:
             outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status))
@@ -474,7 +507,9 @@ class Pipeline:
         at = ticket.deadline.at_s
         try:
             result, fallback = await asyncio.wait_for(
-                self.caller.unary(CallSpec(call, at, self.kill_switches, time.time(), ticket.fallback_only, record, ticket.tenant)),
+                self.caller.unary(
+                    CallSpec(call, at, self.kill_switches, time.time(), ticket.fallback_only, record, ticket.tenant)
+                ),
                 timeout=max(0.001, at - sent),
             )
         except asyncio.TimeoutError:
@@ -486,7 +521,9 @@ class Pipeline:
         self._add_wait(max(0.0, elapsed_ms - float(result.get("compute_ms", 0.0))), fallback)
         return result, fallback
 
-    async def _stream_chunks(self, ticket: Ticket, call: dict[str, Any], state: _StreamState) -> AsyncIterator[dict[str, Any]]:
+    async def _stream_chunks(
+        self, ticket: Ticket, call: dict[str, Any], state: _StreamState
+    ) -> AsyncIterator[dict[str, Any]]:
         """The model's chunks; ``state`` says who answered and how much. The ticket is
         settled here once the stream has begun, however it ends."""
         self.tally.inflight += 1
@@ -494,8 +531,15 @@ class Pipeline:
         outcome = Outcome("OK")
         try:
             chunks, state.fallback = await self.caller.stream(
-                CallSpec(call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, state.call,
-                         ticket.tenant)
+                CallSpec(
+                    call,
+                    ticket.deadline.at_s,
+                    self.kill_switches,
+                    time.time(),
+                    ticket.fallback_only,
+                    state.call,
+                    ticket.tenant,
+                )
             )
             async for chunk in chunks:
                 if "queue_wait_ms" in chunk:
@@ -523,7 +567,9 @@ class Pipeline:
     # -- what /v1/status shows of the request path ------------------------------------------
     def status(self) -> dict[str, Any]:
         return {
-            "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in self.caller.backends},
+            "breakers": {
+                b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in self.caller.backends
+            },
             "retry_budget": self.caller.budget.snapshot(),
             # Attempts whose replica or node went away, since this router started: carried on
             # elsewhere, or not (to the fallback, else 503 REPLICA_LOST). Not model errors:

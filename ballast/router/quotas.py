@@ -33,8 +33,11 @@ class Quotas:
         self._on_rate = on_rate
         self._clock = clock
         n = cfg.deployments.router.num_replicas
-        self.buckets = {name: TokenBucket(t.rate_tokens_per_s / n, t.burst / n)
-                        for name, t in cfg.tenants.items() if t.rate_tokens_per_s is not None}
+        self.buckets = {
+            name: TokenBucket(t.rate_tokens_per_s / n, t.burst / n)
+            for name, t in cfg.tenants.items()
+            if t.rate_tokens_per_s is not None
+        }
         self._leases: dict[str, RateLease] = {}
         self._demand: dict[str, float] = {}
         self._demand_since = clock()
@@ -59,7 +62,9 @@ class Quotas:
         if bucket is None:
             return None
         t = self._cfg.tenants[tenant]
-        rate, burst, _ = lease_rate(self._leases.get(tenant), self._clock(), t.rate_tokens_per_s, t.burst, self._routers())
+        rate, burst, _ = lease_rate(
+            self._leases.get(tenant), self._clock(), t.rate_tokens_per_s, t.burst, self._routers()
+        )
         if rate != bucket.rate_tokens_per_s or burst != bucket.burst_tokens:
             bucket.set_rate(rate, burst)
             self._on_rate(tenant, rate)
@@ -86,7 +91,11 @@ class Quotas:
     def status(self) -> dict[str, Any]:
         now = self._clock()
         return {
-            t: {"rate_tokens_per_s": b.rate_tokens_per_s, "burst_tokens": b.burst_tokens, "tokens": round(b.tokens, 1),
-                "lease": t in self._leases and self._leases[t].expires_at_s > now}
+            t: {
+                "rate_tokens_per_s": b.rate_tokens_per_s,
+                "burst_tokens": b.burst_tokens,
+                "tokens": round(b.tokens, 1),
+                "lease": t in self._leases and self._leases[t].expires_at_s > now,
+            }
             for t, b in self.buckets.items()
         }

@@ -27,8 +27,13 @@ from ballast.policies.validation import check_positive
 class CachedProbe:
     """The last probe's problem (None: healthy), refreshed at most once per ``interval_s``."""
 
-    def __init__(self, probe: Callable[[], Awaitable[object]], interval_s: float, timeout_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        probe: Callable[[], Awaitable[object]],
+        interval_s: float,
+        timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         check_positive("interval_s", interval_s)
         check_positive("timeout_s", timeout_s)
         self._probe = probe

@@ -56,8 +56,15 @@ def model_ceiling(cfg: Any, snap: Snapshot, share: Optional[float] = None) -> Op
 class Reporter:
     """Builds this router's reports; applies snapshots and replies."""
 
-    def __init__(self, cfg: Any, router_id: str, pipeline: Pipeline, edge: Optional[Edge],
-                 keys: Optional[KeyStore] = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        router_id: str,
+        pipeline: Pipeline,
+        edge: Optional[Edge],
+        keys: Optional[KeyStore] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._cfg = cfg
         self._keys = keys  # the API keys the edge may vouch for (none: it counts no refusal)
         self._vouched_map: Optional[tuple[frozenset[str], dict[str, str]]] = None  # (tenants off, key map)
@@ -90,8 +97,12 @@ class Reporter:
             self._gate_seen = (served, saturations)
             report = replace(report, gate_waiting=gate.waiting, **self._demand.rates())
         fair = self._fair()
-        return replace(report, demand_tokens_per_s=self._pipeline.quotas.drain_demand(), fair_charged=self._fair_charged(),
-                       fair_backlogged=fair.backlog() if fair is not None else ())
+        return replace(
+            report,
+            demand_tokens_per_s=self._pipeline.quotas.drain_demand(),
+            fair_charged=self._fair_charged(),
+            fair_backlogged=fair.backlog() if fair is not None else (),
+        )
 
     def _fair_charged(self) -> dict[str, float]:
         """What the gate charged each tenant since the last report, when counters are shared.

@@ -67,8 +67,14 @@ from ballast.policies.retry import RetryBudget, backoff_s, should_retry
 from ballast.policies.ttlmap import TTLMap
 
 from ballast.config import BallastConfig
-from ballast.errors import BallastError, DeadlineExceeded, InvalidRequest, KillSwitchActive, ModelUnavailable, ReplicaLost
-
+from ballast.errors import (
+    BallastError,
+    DeadlineExceeded,
+    InvalidRequest,
+    KillSwitchActive,
+    ModelUnavailable,
+    ReplicaLost,
+)
 
 
 class Bulkhead:
@@ -101,12 +107,18 @@ class ResponseCache:
     never another's. A cached greedy answer is the answer; a cached sampled one is one
     fair sample, which is what a fallback can give."""
 
-    def __init__(self, max_entries: int, ttl_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_entries_per_tenant: Optional[int] = None):
+    def __init__(
+        self,
+        max_entries: int,
+        ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_entries_per_tenant: Optional[int] = None,
+    ):
         self._clock = clock
         # Least recently used first: a hit or a put makes an entry the newest.
         self._entries: "TTLMap[tuple[str, tuple], dict[str, Any]]" = TTLMap(
-            ttl_s, max_entries, max_entries_per_group=max_entries_per_tenant, group=lambda k: k[0])
+            ttl_s, max_entries, max_entries_per_group=max_entries_per_tenant, group=lambda k: k[0]
+        )
 
     @staticmethod
     def key(tenant: str, call: dict[str, Any]) -> tuple[str, tuple]:
@@ -286,8 +298,11 @@ class ResilientCaller:
                     cfg.fallback.model.backend,
                 )
             )
-        self.cache = (ResponseCache(r.cache.max_entries, r.cache.ttl_s, clock, r.cache.max_entries_per_tenant)
-                      if r.cache.enabled else None)
+        self.cache = (
+            ResponseCache(r.cache.max_entries, r.cache.ttl_s, clock, r.cache.max_entries_per_tenant)
+            if r.cache.enabled
+            else None
+        )
 
     # -- helpers ---------------------------------------------------------------------
     @staticmethod
@@ -311,8 +326,9 @@ class ResilientCaller:
         kinds = {k for k, _ in skipped}
         if migration.LOST_CAPACITY in kinds and not kinds & BREAKER_FAILURES:
             # Capacity that went away, not a model that failed: the level does not count it.
-            return ReplicaLost(f"the replica holding the request went away and no other could take it ({reasons})",
-                               retry_after_s=1.0)
+            return ReplicaLost(
+                f"the replica holding the request went away and no other could take it ({reasons})", retry_after_s=1.0
+            )
         waits = [b.breaker.retry_after_s() for b in self.backends if b.breaker.retry_after_s() > 0]
         return ModelUnavailable(f"no model backend could answer ({reasons})", retry_after_s=min(waits, default=1.0))
 
@@ -419,7 +435,11 @@ class ResilientCaller:
         return result
 
     async def _first_answer(
-        self, b: Backend, spec: CallSpec, send: Callable[[float], tuple[Any, Any]], unary: bool,
+        self,
+        b: Backend,
+        spec: CallSpec,
+        send: Callable[[float], tuple[Any, Any]],
+        unary: bool,
     ) -> tuple[Any, Any, Permit, float]:
         """Attempts on ``b`` until one answers: (its call, its first answer, its breaker
         permit, its start). ``send(left_s)`` starts an attempt and returns (the call, which
@@ -525,6 +545,7 @@ class ResilientCaller:
         (a migration); an attempt that failed otherwise (its first chunk timed out on a
         replica cut off from this router, say) is retried as a unary attempt is, inside the
         retry budget. ``resume``: the continuation fields of a migrated stream."""
+
         def send(left_s: float) -> tuple[Any, Any]:
             gen = b.stream_handle.generate_stream.remote(
                 {**spec.call, **(resume or {}), **_deadline_fields(left_s, self._wall_clock())}
@@ -535,6 +556,22 @@ class ResilientCaller:
         if resume is not None:
             first = {k: v for k, v in first.items() if k != "queue_wait_ms"}  # not a new request's wait
         return _Open(gen, permit, first, t0)
+
+    async def _carry_on(self, b: Backend, spec: CallSpec, ids: list[int], chars: int) -> "_Open":
+        """The stream opened again, after the migration pause, from the ``ids`` and ``chars``
+        it delivered; one that cannot go on ends the stream (``_StreamEnded``)."""
+        resume = {"continue_ids": list(ids), "continue_text_chars": chars}
+        try:
+            await self._sleep(self._migration_pause(b, spec, budget=False))
+            return await self._open(b, spec, resume)
+        except _BackendFailed as f:
+            raise _StreamEnded(
+                ReplicaLost(
+                    f"the stream's replica went away and it could not be carried on ({f.kind})", retry_after_s=1.0
+                )
+            ) from None
+        except DeadlineExceeded:
+            raise _StreamEnded(DeadlineExceeded("the request's deadline passed while streaming")) from None
 
     async def _rest(self, b: Backend, opened: "_Open", spec: CallSpec):
         gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
@@ -561,16 +598,7 @@ class ResilientCaller:
                     b.failed[migration.LOST_CAPACITY] = b.failed.get(migration.LOST_CAPACITY, 0) + 1
                     b.breaker.release(permit)
                     permit = None
-                    resume = {"continue_ids": list(delivered_ids), "continue_text_chars": delivered_chars}
-                    try:
-                        await self._sleep(self._migration_pause(b, spec, budget=False))
-                        opened = await self._open(b, spec, resume)
-                    except _BackendFailed as f:
-                        raise _StreamEnded(ReplicaLost(
-                            f"the stream's replica went away and it could not be carried on ({f.kind})", retry_after_s=1.0
-                        )) from None
-                    except DeadlineExceeded:
-                        raise _StreamEnded(DeadlineExceeded("the request's deadline passed while streaming")) from None
+                    opened = await self._carry_on(b, spec, delivered_ids, delivered_chars)
                     gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
                     self.lost["streams_carried_on"] += 1
             outcome = True

@@ -60,7 +60,9 @@ class ModelText:
             return asked if asked is not None else self.context - 1
         max_tokens, why = request_policy.fit_context(prompt_tokens, asked, self.context)
         if why is not None:
-            raise ContextLengthExceeded(why, field="max_tokens" if asked is not None and prompt_tokens < self.context else "prompt")
+            raise ContextLengthExceeded(
+                why, field="max_tokens" if asked is not None and prompt_tokens < self.context else "prompt"
+            )
         return max_tokens
 
 
@@ -69,8 +71,13 @@ class TokenizerText(ModelText):
 
     strict = True
 
-    def __init__(self, path: str, context: Optional[int] = None, tool_parser: Optional[str] = None,
-                 special_tokens_in_content: str = "text") -> None:
+    def __init__(
+        self,
+        path: str,
+        context: Optional[int] = None,
+        tool_parser: Optional[str] = None,
+        special_tokens_in_content: str = "text",
+    ) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer
 
         tokenizer, info = load_tokenizer(path)
@@ -106,9 +113,14 @@ def _turn(m: Any) -> dict[str, Any]:
     passes them."""
     turn: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content}
     if m.tool_calls:
-        turn["tool_calls"] = [{"id": c.id, "type": c.type,
-                               "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                              for c in m.tool_calls]
+        turn["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": c.type,
+                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+            }
+            for c in m.tool_calls
+        ]
     if m.tool_call_id is not None:
         turn["tool_call_id"] = m.tool_call_id
     return turn

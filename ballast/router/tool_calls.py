@@ -43,8 +43,19 @@ from ballast.config import LimitsConfig
 from ballast.policies.request import json_extent, json_nesting
 
 __all__ = [
-    "MAX_TOOLS", "CalledFunction", "NamedToolChoice", "ToolCall", "ToolCallDelta", "ToolChoice",
-    "ToolParser", "ToolPlan", "ToolRequestError", "ToolSchemaTooComplex", "ToolSpec", "plan", "schema_fault",
+    "MAX_TOOLS",
+    "CalledFunction",
+    "NamedToolChoice",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
+    "ToolParser",
+    "ToolPlan",
+    "ToolRequestError",
+    "ToolSchemaTooComplex",
+    "ToolSpec",
+    "plan",
+    "schema_fault",
 ]
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -144,8 +155,12 @@ class ToolParser:
         """(the content before the calls or None, the calls) in ``text``."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-        request = ChatCompletionRequest(model="-", messages=[{"role": "user", "content": ""}],
-                                        tools=[t.model_dump(exclude_none=True) for t in tools], tool_choice="auto")
+        request = ChatCompletionRequest(
+            model="-",
+            messages=[{"role": "user", "content": ""}],
+            tools=[t.model_dump(exclude_none=True) for t in tools],
+            tool_choice="auto",
+        )
         got = self._parser.extract_tool_calls(text, request)
         if not got.tools_called:
             return text, []
@@ -197,8 +212,13 @@ class ToolPlan:
         return finish
 
 
-def plan(tools: Optional[Sequence[ToolSpec]], choice: Optional[ToolChoice], parallel: Optional[bool],
-         parser: Optional[ToolParser] = None, limits: LimitsConfig = _DEFAULT_LIMITS) -> ToolPlan:
+def plan(
+    tools: Optional[Sequence[ToolSpec]],
+    choice: Optional[ToolChoice],
+    parallel: Optional[bool],
+    parser: Optional[ToolParser] = None,
+    limits: LimitsConfig = _DEFAULT_LIMITS,
+) -> ToolPlan:
     """The plan for a request's tools; :class:`ToolRequestError` (naming the field)
     where it asks what cannot be done, :class:`ToolSchemaTooComplex` where the schema
     "required" builds is past ``limits.max_schema_depth`` / ``max_schema_nodes``."""
@@ -221,12 +241,18 @@ def plan(tools: Optional[Sequence[ToolSpec]], choice: Optional[ToolChoice], para
         schema = _array_schema(tools, parallel)
         fault = schema_fault(schema, limits.max_schema_depth, limits.max_schema_nodes)
         if fault is not None:
-            raise ToolSchemaTooComplex("tool_choice", f"'required' over these tools builds a schema that {fault}; "
-                                       "send fewer or smaller tools, or name one function")
+            raise ToolSchemaTooComplex(
+                "tool_choice",
+                f"'required' over these tools builds a schema that {fault}; "
+                "send fewer or smaller tools, or name one function",
+            )
         return ToolPlan("required", tools, schema=schema)
     if parser is None:
-        raise ToolRequestError("tool_choice", "'auto' (the default with tools) needs the model's tool parser "
-                               "(model.tool_parser, e.g. hermes); or send 'required' or a named function")
+        raise ToolRequestError(
+            "tool_choice",
+            "'auto' (the default with tools) needs the model's tool parser "
+            "(model.tool_parser, e.g. hermes); or send 'required' or a named function",
+        )
     return ToolPlan("auto", tools, parser=parser)
 
 
@@ -248,8 +274,13 @@ def _parameters(tool: ToolSpec) -> dict[str, Any]:
 
 def _array_schema(tools: Sequence[ToolSpec], parallel: Optional[bool]) -> dict[str, Any]:
     """vLLM's schema for "required": an array of calls, each one tool's name and parameters."""
-    each = [{"properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _parameters(t)},
-             "required": ["name", "parameters"]} for t in tools]
+    each = [
+        {
+            "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _parameters(t)},
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": each}}
     if parallel is False:
         schema["maxItems"] = 1
@@ -267,8 +298,11 @@ def _required_calls(text: str) -> list[CalledFunction]:
         return []
     if not isinstance(items, list):
         return []
-    return [CalledFunction(name=i["name"], arguments=json.dumps(i["parameters"], ensure_ascii=False))
-            for i in items if isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i]
+    return [
+        CalledFunction(name=i["name"], arguments=json.dumps(i["parameters"], ensure_ascii=False))
+        for i in items
+        if isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i
+    ]
 
 
 def _call(f: CalledFunction) -> ToolCall:

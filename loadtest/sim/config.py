@@ -185,9 +185,22 @@ class SimConfig:
             raise ValueError(f"max_replicas_ratio: must be >= 1, got {self.max_replicas_ratio!r}")
         if not isinstance(self.min_replicas, int) or not 0 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"min_replicas: must be an int in [0, max_replicas], got {self.min_replicas!r}")
-        check_fields(self, check_positive, "hours", "tick_s", "slo_s", "timeout_s", "target_ongoing_requests",
-                     "mtbf_h", "leak_tto_median_h", "mem_limit_bytes", "ray_look_back_s", "hpa_sync_s",
-                     "hpa_metric_window_s", "recycle_interval_s")
+        check_fields(
+            self,
+            check_positive,
+            "hours",
+            "tick_s",
+            "slo_s",
+            "timeout_s",
+            "target_ongoing_requests",
+            "mtbf_h",
+            "leak_tto_median_h",
+            "mem_limit_bytes",
+            "ray_look_back_s",
+            "hpa_sync_s",
+            "hpa_metric_window_s",
+            "recycle_interval_s",
+        )
         if not 0 <= self.start_hour < 24:
             raise ValueError(f"start_hour: must be in [0, 24), got {self.start_hour!r}")
         if len(self.mix) != 4 or any(x < 0 for x in self.mix) or abs(sum(self.mix) - 1.0) > 1e-9:

@@ -167,7 +167,11 @@ class BallastController:
         ongoing = control.ongoing_requests(routers, replicas, DEPLOYMENT, sig.queue_length)
         dec = self.policy.step(
             control.ControlInputs(
-                sig, float(ongoing), running_replicas, surging=DEPLOYMENT in self.surging, serving_replicas=serving_replicas
+                sig,
+                float(ongoing),
+                running_replicas,
+                surging=DEPLOYMENT in self.surging,
+                serving_replicas=serving_replicas,
             ),
             now_s,
         )
@@ -177,8 +181,16 @@ class BallastController:
             return dec, None
         wall_s = now_s if wall_s is None else wall_s
         step, self.rc_state, self.kill_state = recycle.recycle_step(
-            views, watchdogs or {}, {DEPLOYMENT: dec.desired_replicas}, self.level, self.rc_state, self.kill_state,
-            self.rc_cfg, wall_s, self._hour(wall_s) if hour_of_day is None else hour_of_day, self.surge,
+            views,
+            watchdogs or {},
+            {DEPLOYMENT: dec.desired_replicas},
+            self.level,
+            self.rc_state,
+            self.kill_state,
+            self.rc_cfg,
+            wall_s,
+            self._hour(wall_s) if hour_of_day is None else hour_of_day,
+            self.surge,
             {DEPLOYMENT: self.policy.as_cfg.max_replicas},
         )
         self.surging = step.surging
@@ -195,14 +207,23 @@ class BallastController:
             queue_wait_p95_ms=None if v.wait_p95_s is None else float(v.wait_p95_s) * 1000.0,
         )
         if not self.recycling:
-            dec, _ = self.policy_tick([], [fleet_report], v.outcomes, v.errors, v.ready, v.now_s, serving_replicas=v.ready)
+            dec, _ = self.policy_tick(
+                [], [fleet_report], v.outcomes, v.errors, v.ready, v.now_s, serving_replicas=v.ready
+            )
             return dec.desired_replicas
         # The watchdog runs before the plan, as it reports before the controller's tick.
         self._watchdog(v.now_s)
         views, by_id = self._recycle_views(v.now_s)
         dec, step = self.policy_tick(
-            [], [fleet_report], v.outcomes, v.errors, v.ready, v.now_s, views=views, watchdogs=self._watchdog_reports(by_id)
-            if views is not None else None, serving_replicas=v.ready,
+            [],
+            [fleet_report],
+            v.outcomes,
+            v.errors,
+            v.ready,
+            v.now_s,
+            views=views,
+            watchdogs=self._watchdog_reports(by_id) if views is not None else None,
+            serving_replicas=v.ready,
         )
         if step is not None:
             self._apply(step, v.now_s, by_id)
@@ -227,8 +248,12 @@ class BallastController:
         # The short (fast-burn) window, as ballast.policies.leak.LeakDetector judges it: once its
         # samples span short_min_span_s, for a leak within short_horizon_s of its limit.
         short_span = np.minimum(lk.short_window_s, age)
-        short_points = np.minimum(lk.short_max_points, np.floor(np.maximum(short_span, 0.0) / (lk.short_window_s / lk.short_max_points)) + 1)
-        judged_short = (short_span >= lk.short_min_span_s - 1e-9) & (short_points >= lk.min_points) & (tto < lk.short_horizon_s)
+        short_points = np.minimum(
+            lk.short_max_points, np.floor(np.maximum(short_span, 0.0) / (lk.short_window_s / lk.short_max_points)) + 1
+        )
+        judged_short = (
+            (short_span >= lk.short_min_span_s - 1e-9) & (short_points >= lk.min_points) & (tto < lk.short_horizon_s)
+        )
         short = judged_short & ~judged_long
         span = np.where(short, short_span, span)
         points = np.where(short, short_points, points)
@@ -311,10 +336,16 @@ class BallastController:
             cached = self._views.get(s)
             if cached is None or cached[0] != key:
                 # Built from the same report fields production reads, so the health rule is the policy's.
-                cached = (key, recycle.replica_view(
-                    ReplicaReport(replica_id=rid, deployment=DEPLOYMENT, started_at_s=born),
-                    self._watchdog_report(rid, intake, req), rid in in_flight, False, now_s,
-                ))
+                cached = (
+                    key,
+                    recycle.replica_view(
+                        ReplicaReport(replica_id=rid, deployment=DEPLOYMENT, started_at_s=born),
+                        self._watchdog_report(rid, intake, req),
+                        rid in in_flight,
+                        False,
+                        now_s,
+                    ),
+                )
                 self._views[s] = cached
             views.append(cached[1])
         return views, by_id
@@ -325,7 +356,11 @@ class BallastController:
             return WatchdogReport(replica_id=rid, deployment=DEPLOYMENT, ready=bool(intake))
         reason, critical = req
         return WatchdogReport(
-            replica_id=rid, deployment=DEPLOYMENT, ready=bool(intake), recycle_requested=True, reason=reason,
+            replica_id=rid,
+            deployment=DEPLOYMENT,
+            ready=bool(intake),
+            recycle_requested=True,
+            reason=reason,
             critical=bool(critical),
         )
 
@@ -350,8 +385,12 @@ class BallastController:
             s = by_id[order.replica_id]
             self._lease_seq += 1
             self.leases.acquire(
-                f"recycle/{order.deployment}/{order.replica_id}", HOLDER, now_s,
-                ttl_s=1800.0, heartbeat_interval_s=self._lease_heartbeat_s, lease_id=f"l{self._lease_seq}",
+                f"recycle/{order.deployment}/{order.replica_id}",
+                HOLDER,
+                now_s,
+                ttl_s=1800.0,
+                heartbeat_interval_s=self._lease_heartbeat_s,
+                lease_id=f"l{self._lease_seq}",
                 data=(("replica_id", order.replica_id), ("reason", order.reason)),
             )
             f = self.fleet
@@ -364,8 +403,12 @@ class RayServeController:
         self.cfg = cfg
         self.level = 0
         self.policy = RayServeDefault(
-            cfg.target_ongoing_requests, cfg.min_replicas, cfg.max_replicas,
-            cfg.ray_upscale_delay_s, cfg.ray_downscale_delay_s, cfg.ray_look_back_s,
+            cfg.target_ongoing_requests,
+            cfg.min_replicas,
+            cfg.max_replicas,
+            cfg.ray_upscale_delay_s,
+            cfg.ray_downscale_delay_s,
+            cfg.ray_look_back_s,
         )
 
     def admitted(self) -> list[bool]:
@@ -387,8 +430,13 @@ class HpaController(RayServeController):
         self.level = 0
         self._max_rate = cfg.service.max_rate_per_s(cfg.max_batch_size)
         self.policy = HpaUtilization(
-            cfg.hpa_target(), cfg.min_replicas, cfg.max_replicas, cfg.hpa_sync_s,
-            cfg.hpa_stabilization_s, cfg.hpa_tolerance, cfg.hpa_metric_window_s,
+            cfg.hpa_target(),
+            cfg.min_replicas,
+            cfg.max_replicas,
+            cfg.hpa_sync_s,
+            cfg.hpa_stabilization_s,
+            cfg.hpa_tolerance,
+            cfg.hpa_metric_window_s,
         )
 
     def decide(self, v: TickView, current_target: int) -> int:

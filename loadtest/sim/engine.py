@@ -158,8 +158,13 @@ class _Run:
         # The fleet's own randomness is seeded apart from the arrivals, the same for every arm.
         self.fleet = Fleet(2 * cfg.max_replicas + 64, np.random.default_rng([seed, 1]), cfg)
         self.ctrl = _controller(cfg, arm, self.fleet)
-        n0 = min(cfg.max_replicas, max(cfg.min_replicas, math.ceil(
-            cfg.load.ratio(cfg.start_hour) * cfg.peak_rate_per_s / cfg.target_rate_per_replica)))
+        n0 = min(
+            cfg.max_replicas,
+            max(
+                cfg.min_replicas,
+                math.ceil(cfg.load.ratio(cfg.start_hour) * cfg.peak_rate_per_s / cfg.target_rate_per_replica),
+            ),
+        )
         ages = self.fleet.rng.uniform(0.0, cfg.initial_age_max_h * 3600.0, n0)
         self.fleet.start(n0, 0.0, age_s=ages)
         self.target = self.peak = n0
@@ -182,8 +187,18 @@ class _Run:
         errors += self._expire(t)
         got, started, batch, serving = self._serve(t, admitted)
         if self.cfg.record_ticks:
-            self.ticks.append(TickRecord(t, self.ctrl.level, self.target, self.live, serving, tuple(a),
-                                         tuple(a[i] - admitted[i] for i in range(4)), self.queue.total))
+            self.ticks.append(
+                TickRecord(
+                    t,
+                    self.ctrl.level,
+                    self.target,
+                    self.live,
+                    serving,
+                    tuple(a),
+                    tuple(a[i] - admitted[i] for i in range(4)),
+                    self.queue.total,
+                )
+            )
         self._control(t, got, started, batch, serving, errors)
 
     def _fleet_moves(self, t: float) -> int:

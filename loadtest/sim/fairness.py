@@ -64,7 +64,9 @@ def cases(weights: tuple[float, float], routers: int) -> list[Case]:
                 TenantSpec("a", wa, SKEW if skewed else 1.0, LONG_PROMPT_TOKENS, OUTPUT_TOKENS, a_via),
                 TenantSpec("b", wb, 1.0, SHORT_PROMPT_TOKENS, OUTPUT_TOKENS, b_via),
             ),
-            routers=routers if skewed else 1, enabled=enabled, shared=shared,
+            routers=routers if skewed else 1,
+            enabled=enabled,
+            shared=shared,
         )
 
     skewed = f"{routers} routers, skewed"
@@ -78,8 +80,14 @@ def cases(weights: tuple[float, float], routers: int) -> list[Case]:
 
 def fleet_config(replicas: int, minutes: float, tick_s: float = 1.0) -> SimConfig:
     """A fixed fleet of ``replicas``, every request critical (tenancy set per case)."""
-    return SimConfig(replicas_peak=replicas, max_replicas_ratio=1.0, min_replicas=replicas,
-                     hours=minutes / 60.0, tick_s=tick_s, mix=(0.0, 1.0, 0.0, 0.0))
+    return SimConfig(
+        replicas_peak=replicas,
+        max_replicas_ratio=1.0,
+        min_replicas=replicas,
+        hours=minutes / 60.0,
+        tick_s=tick_s,
+        mix=(0.0, 1.0, 0.0, 0.0),
+    )
 
 
 def overloaded_arrivals(cfg: SimConfig, overload: float, seed: int) -> np.ndarray:
@@ -102,13 +110,17 @@ def jain(r: Result, n_ticks: int) -> float:
 
 
 def table(rows: Sequence[tuple[Case, tuple[float, float], Result]], n_ticks: int) -> str:
-    out = ["| part | setting | weights a:b | requests a / b | raw tokens a / b | (a/wa) / (b/wb) | Jain |",
-           "|" + "---|" * 7]
+    out = [
+        "| part | setting | weights a:b | requests a / b | raw tokens a / b | (a/wa) / (b/wb) | Jain |",
+        "|" + "---|" * 7,
+    ]
     for case, (wa, wb), r in rows:
         a, b = r.tenants
         tok_a, tok_b = a.prompt_tokens + a.output_tokens, b.prompt_tokens + b.output_tokens
-        out.append(f"| {case.part} | {case.setting} | {wa:g}:{wb:g} | {a.served:,} / {b.served:,} "
-                   f"| {tok_a:,} / {tok_b:,} | {served_ratio(r):.3f} | {jain(r, n_ticks):.3f} |")
+        out.append(
+            f"| {case.part} | {case.setting} | {wa:g}:{wb:g} | {a.served:,} / {b.served:,} "
+            f"| {tok_a:,} / {tok_b:,} | {served_ratio(r):.3f} | {jain(r, n_ticks):.3f} |"
+        )
     return "\n".join(out)
 
 
@@ -118,8 +130,11 @@ def _run(args: tuple[SimConfig, np.ndarray, int]) -> Result:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.sim.fairness", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.sim.fairness",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--replicas", type=int, default=1000)
     p.add_argument("--minutes", type=float, default=20.0)
@@ -145,14 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     wall_s = time.perf_counter() - t0
 
     ten = plan[0][0].tenancy
-    print(f"## Fair shares in the fleet simulator: {a.replicas:,} replicas (fixed), {a.minutes:g} min, "
-          f"offered {a.overload:g}x what the fleet starts, seed {a.seed}\n")
-    print(f"Every request critical; a's prompts {LONG_PROMPT_TOKENS} tokens, b's {SHORT_PROMPT_TOKENS}, "
-          f"{OUTPUT_TOKENS} output tokens each; cost = {ten.fairness.input_weight:g} x prompt + "
-          f"{ten.fairness.output_weight:g} x output tokens, over the weight. Skewed ingress: a offered "
-          f"{SKEW:g}x b's requests. lag_tokens {base.fair_lag_tokens():,.0f} (production's, scaled to "
-          f"the fleet), router floor {ten.router_floor_ratio:g}, {ten.grants_per_router} grants per "
-          f"router per tick.\n")
+    print(
+        f"## Fair shares in the fleet simulator: {a.replicas:,} replicas (fixed), {a.minutes:g} min, "
+        f"offered {a.overload:g}x what the fleet starts, seed {a.seed}\n"
+    )
+    print(
+        f"Every request critical; a's prompts {LONG_PROMPT_TOKENS} tokens, b's {SHORT_PROMPT_TOKENS}, "
+        f"{OUTPUT_TOKENS} output tokens each; cost = {ten.fairness.input_weight:g} x prompt + "
+        f"{ten.fairness.output_weight:g} x output tokens, over the weight. Skewed ingress: a offered "
+        f"{SKEW:g}x b's requests. lag_tokens {base.fair_lag_tokens():,.0f} (production's, scaled to "
+        f"the fleet), router floor {ten.router_floor_ratio:g}, {ten.grants_per_router} grants per "
+        f"router per tick.\n"
+    )
     print(table([(c, w, r) for (c, w), r in zip(plan, results)], base.n_ticks))
     print(f"\nWall time {wall_s:.1f} s with {min(a.jobs, len(work))} process(es).")
     return 0

@@ -150,8 +150,7 @@ class RequestQueue:
             break
         return out
 
-    def serve(self, now_s: float, capacity: int, rate_per_s: float, wait_budget_s: float,
-              start: int = 0) -> Served:
+    def serve(self, now_s: float, capacity: int, rate_per_s: float, wait_budget_s: float, start: int = 0) -> Served:
         """Start up to ``capacity`` requests in FIFO order in the tick beginning at ``now_s``.
 
         ``rate_per_s`` is the start rate while there is a backlog; ``start`` is how many

@@ -47,7 +47,6 @@ from ballast.policies.validation import check_fields, check_positive
 CLASSES: tuple[Criticality, ...] = tuple(sorted(Criticality, key=lambda c: c.rank))
 
 
-
 @dataclass(frozen=True)
 class ServiceModel:
     t0_s: float = 0.4

@@ -117,8 +117,9 @@ class TenantLines:
         self._now_s = 0.0
         self.counters: list[TenantCounters] | None = None
         if ten.enabled:
-            self.counters = [TenantCounters(self.weights, ten.fairness, clock=lambda: self._now_s)
-                             for _ in range(ten.routers)]
+            self.counters = [
+                TenantCounters(self.weights, ten.fairness, clock=lambda: self._now_s) for _ in range(ten.routers)
+            ]
         self._lines = [[{t: RequestQueue() for t in self._tenants} for _ in range(4)] for _ in range(ten.routers)]
         self._waiting = [dict.fromkeys(self._tenants, 0) for _ in range(ten.routers)]
         self.total = 0
@@ -211,8 +212,9 @@ class TenantLines:
         n = self.spec.routers
         return apportion(capacity, self.shares if self.shares is not None else [1.0] * n)
 
-    def _serve_router(self, r: int, now_s: float, budget: int, rate_per_s: float, wait_budget_s: float,
-                      out: Served) -> None:
+    def _serve_router(
+        self, r: int, now_s: float, budget: int, rate_per_s: float, wait_budget_s: float, out: Served
+    ) -> None:
         quantum = math.ceil(budget / self.spec.grants_per_router)
         pos = 0  # starts this router made this tick
         while pos < budget:
@@ -220,8 +222,9 @@ class TenantLines:
             if nxt is None:
                 break
             rank, tenant = nxt
-            got = self._lines[r][rank][tenant].serve(now_s, min(quantum, budget - pos), rate_per_s,
-                                                     wait_budget_s, start=pos)
+            got = self._lines[r][rank][tenant].serve(
+                now_s, min(quantum, budget - pos), rate_per_s, wait_budget_s, start=pos
+            )
             n = sum(got.counts)
             pos += n
             self._add_waiting(r, tenant, -n)  # first: a tenant leaving the backlog is not lifted by its own charge

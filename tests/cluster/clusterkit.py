@@ -59,8 +59,13 @@ class Cluster:
     def load(self, endpoints: Optional[list[str]] = None, duration_s: float = 300) -> ClusterLoad:
         """Six closed-loop callers as gold through ``endpoints`` (every node's by default),
         the level sampled with the admin token; started."""
-        return ClusterLoad(endpoints or self.endpoints, self.gold, callers=6, duration_s=duration_s,
-                           admin_token=self.state["admin_token"]).start()
+        return ClusterLoad(
+            endpoints or self.endpoints,
+            self.gold,
+            callers=6,
+            duration_s=duration_s,
+            admin_token=self.state["admin_token"],
+        ).start()
 
     def node(self, ip: str) -> netcluster.Node:
         return next(n for n in self.nodes if n.ip == ip)
@@ -70,8 +75,12 @@ class Cluster:
         # Over HTTP with the cluster's token, not through ray.util.state: Ray reads
         # RAY_AUTH_MODE once per process, and a test session imports Ray long before.
         token = (Path.home() / ".ray" / "auth_token").read_text().strip()
-        r = httpx.get(f"{self.dashboard}/api/v0/{resource}", params={"limit": "1000", "detail": "true", **params},
-                      headers={"Authorization": f"Bearer {token}"}, timeout=30)
+        r = httpx.get(
+            f"{self.dashboard}/api/v0/{resource}",
+            params={"limit": "1000", "detail": "true", **params},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=30,
+        )
         r.raise_for_status()
         return [SimpleNamespace(**row) for row in r.json()["data"]["result"]["result"]]
 
@@ -93,12 +102,17 @@ class Cluster:
         return [ips.get(a.node_id, "?") for a in self.actors(class_prefix)]
 
     def generate(self, endpoint: str, headers: Optional[dict[str, str]] = None, max_tokens: int = 8) -> httpx.Response:
-        return httpx.post(f"{endpoint}/v1/generate", timeout=30,
-                          headers={"Authorization": f"Bearer {self.gold}", **(headers or {})},
-                          json={"prompt": "hello", "max_tokens": max_tokens})
+        return httpx.post(
+            f"{endpoint}/v1/generate",
+            timeout=30,
+            headers={"Authorization": f"Bearer {self.gold}", **(headers or {})},
+            json={"prompt": "hello", "max_tokens": max_tokens},
+        )
 
     def admin_call(self, method: str, path: str, endpoint: Optional[str] = None, **kw: Any) -> httpx.Response:
-        return httpx.request(method, f"{endpoint or self.workers[0].endpoint}{path}", headers=self.admin, timeout=30, **kw)
+        return httpx.request(
+            method, f"{endpoint or self.workers[0].endpoint}{path}", headers=self.admin, timeout=30, **kw
+        )
 
     def events(self, endpoint: str) -> list[dict[str, Any]]:
         """The controller's recent recycle/kill events (``/admin/replicas``)."""
@@ -111,8 +125,11 @@ class Cluster:
             hung = [e for e in self.events(endpoint) if e.get("outcome") == "killed_hung"]
         except (httpx.HTTPError, KeyError, ValueError):
             return "?"
-        why = ", ".join(f"{e.get('replica_id')} {e.get('reason')} (stalled {e.get('stalled_s')} s, "
-                        f"last heartbeat {e.get('heartbeat_age_s')} s ago)" for e in hung)
+        why = ", ".join(
+            f"{e.get('replica_id')} {e.get('reason')} (stalled {e.get('stalled_s')} s, "
+            f"last heartbeat {e.get('heartbeat_age_s')} s ago)"
+            for e in hung
+        )
         return f"{len(hung)} ({sum(e.get('replica_id') in lost for e in hung)} on the lost node){': ' + why if why else ''}"
 
     def router_views(self, endpoints: list[str], asks: int = 6) -> str:
@@ -123,8 +140,9 @@ class Cluster:
             try:
                 st = self.admin_call("GET", "/v1/status", endpoints[i % len(endpoints)]).json()
                 b = st["breakers"]["primary"]
-                seen[st["router_id"][-6:]] = (f"failed {b['failed_attempts']}, lost {st['lost_capacity']}, "
-                                               f"breaker {b['state']}")
+                seen[st["router_id"][-6:]] = (
+                    f"failed {b['failed_attempts']}, lost {st['lost_capacity']}, breaker {b['state']}"
+                )
             except (httpx.HTTPError, KeyError, ValueError, TypeError):
                 continue
         return "; ".join(f"router …{r}: {v}" for r, v in sorted(seen.items())) or "?"
@@ -136,7 +154,9 @@ class Cluster:
         try:
             lines.append(f"  ray: {[(n.node_id[:8], n.state) for n in self._state('nodes') if n.node_ip == node.ip]}")
             ips = self.node_ips()
-            lines.append(f"  actors there: {sorted(a.class_name for a in self.actors() if ips.get(a.node_id) == node.ip)}")
+            lines.append(
+                f"  actors there: {sorted(a.class_name for a in self.actors() if ips.get(a.node_id) == node.ip)}"
+            )
         except (httpx.HTTPError, KeyError, ValueError) as e:
             lines.append(f"  ray state API: {e!r}")
         try:
@@ -159,12 +179,20 @@ class Cluster:
 
     def replica_ids_on(self, ip: str) -> frozenset:
         ips = self.node_ips()
-        return frozenset(a.name.rsplit("#", 1)[1] for a in self.actors("ServeReplica:ballast:BallastModel")
-                         if ips.get(a.node_id) == ip)
+        return frozenset(
+            a.name.rsplit("#", 1)[1]
+            for a in self.actors("ServeReplica:ballast:BallastModel")
+            if ips.get(a.node_id) == ip
+        )
 
 
-def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 1.0, what: str = "condition",
-               diagnose: Optional[Callable[[], str]] = None) -> Any:
+def wait_until(
+    pred: Callable[[], Any],
+    timeout_s: float,
+    interval_s: float = 1.0,
+    what: str = "condition",
+    diagnose: Optional[Callable[[], str]] = None,
+) -> Any:
     """``pred()`` true within ``timeout_s``; if not, fail with its last answer and, when
     given, ``diagnose()``'s account of what was found instead."""
     deadline = time.monotonic() + timeout_s
@@ -232,11 +260,10 @@ def report_row(fault: str, load: Any, t_fault: float, t_recovered: Optional[floa
         # Why the level stood at 2 or above (2 sheds the sheddable classes, 3 all but critical_plus).
         "level_reasons": dict(rep.level_reasons(2, t_fault).most_common(3)),
         # The first samples at 2 or above with their numbers (s after the fault, level, reason).
-        "level_detail": [(round(x.t - t_fault, 1), x.level, x.reason) for x in rep.levels
-                         if x.level >= 2 and x.t >= t_fault][:6],
+        "level_detail": [
+            (round(x.t - t_fault, 1), x.level, x.reason) for x in rep.levels if x.level >= 2 and x.t >= t_fault
+        ][:6],
         **extra,
     }
     REPORT.append(row)
     return row
-
-

@@ -48,8 +48,12 @@ def test_every_watchdog_sits_on_its_replicas_node(cluster):
     ips = cluster.node_ips()
     replicas = {a.name: ips.get(a.node_id) for a in cluster.actors(MODEL)}
     # A replica starts its watchdog once its model is loaded: wait for each one's.
-    wait_until(lambda: {f"Watchdog({n})" for n in replicas} <= {a.repr_name for a in cluster.actors("Watchdog")},
-               60, 1, "a watchdog for every replica")
+    wait_until(
+        lambda: {f"Watchdog({n})" for n in replicas} <= {a.repr_name for a in cluster.actors("Watchdog")},
+        60,
+        1,
+        "a watchdog for every replica",
+    )
     watchdogs = {a.repr_name: ips.get(a.node_id) for a in cluster.actors("Watchdog")}
     # The head starts with --num-cpus=0: no model replica, router or controller there.
     assert replicas and cluster.head.ip not in replicas.values(), replicas
@@ -66,15 +70,19 @@ def test_an_idempotency_key_sent_through_every_node_is_answered_once(cluster):
         # Two at once through each node's endpoint: the retries a client sends when it
         # times out on one node and tries the next.
         with ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(
-                lambda e: cluster.generate(e, {"Idempotency-Key": key}, max_tokens=24), cluster.endpoints * 2))
+            answers = list(
+                pool.map(lambda e: cluster.generate(e, {"Idempotency-Key": key}, max_tokens=24), cluster.endpoints * 2)
+            )
         assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
         assert len({a.json()["text"] for a in answers}) == 1
         generated = [a for a in answers if a.headers.get("x-ballast-idempotent-replay") != "true"]
         assert len(generated) == 1, [dict(a.headers) for a in answers]
         # A retry later through another node: the first answer again, nothing generated.
         again = cluster.generate(cluster.head.endpoint, {"Idempotency-Key": key}, max_tokens=24)
-        assert again.headers.get("x-ballast-idempotent-replay") == "true" and again.json()["text"] == answers[0].json()["text"]
+        assert (
+            again.headers.get("x-ballast-idempotent-replay") == "true"
+            and again.json()["text"] == answers[0].json()["text"]
+        )
 
 
 def lost_nothing(rep, row) -> None:
@@ -99,8 +107,12 @@ def test_a_worker_killed_under_load_loses_no_request(cluster):
         cluster.broken = True
         killed = netcluster.kill_node(victim)
         # Serve starts the lost replicas again on the worker that is left.
-        wait_until(lambda: model_replicas_on(cluster, survivor.ip) >= MIN_REPLICAS, 180, 2,
-                   "the model's replicas back on the surviving worker")
+        wait_until(
+            lambda: model_replicas_on(cluster, survivor.ip) >= MIN_REPLICAS,
+            180,
+            2,
+            "the model's replicas back on the surviving worker",
+        )
         t_recovered = time.monotonic()
         # Others fail only around the loss (in flight there, or sent to its endpoint
         # before the balancer marked it down), then stop.
@@ -108,14 +120,22 @@ def test_a_worker_killed_under_load_loses_no_request(cluster):
     finally:
         load.stop()
     rep = load.report
-    row = report_row("worker killed", load, t_fault, t_recovered, notes=f"{killed} processes of {victim.name} killed; "
-                     f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}; "
-                     f"{cluster.router_views([survivor.endpoint, cluster.head.endpoint])}")
+    row = report_row(
+        "worker killed",
+        load,
+        t_fault,
+        t_recovered,
+        notes=f"{killed} processes of {victim.name} killed; "
+        f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}; "
+        f"{cluster.router_views([survivor.endpoint, cluster.head.endpoint])}",
+    )
     lost_nothing(rep, row)
     # The lost node's watchdogs died with it (once Ray has seen the node go); the new
     # replicas have theirs beside them.
     wait_until(lambda: victim.ip not in cluster.where("Watchdog"), 60, 1, "the lost node's watchdogs gone")
-    wait_until(lambda: cluster.where("Watchdog").count(survivor.ip) >= MIN_REPLICAS, 60, 1, "the new replicas' watchdogs")
+    wait_until(
+        lambda: cluster.where("Watchdog").count(survivor.ip) >= MIN_REPLICAS, 60, 1, "the new replicas' watchdogs"
+    )
 
 
 @full_suite
@@ -144,9 +164,13 @@ def test_a_partitioned_worker_loses_no_request_and_nothing_stays_stuck(cluster):
             t_dead = time.monotonic()
             netcluster.kill_node(victim)
             netcluster.start_node(victim, cluster.head, redis=False)
-        wait_until(lambda: netcluster.ready(victim) and cluster.ray_state(victim.ip) == "ALIVE", 180, 2,
-                   f"the partitioned node serving again ({'rejoined' if rejoined else 'started again'})",
-                   diagnose=lambda: cluster.diagnose(victim))
+        wait_until(
+            lambda: netcluster.ready(victim) and cluster.ray_state(victim.ip) == "ALIVE",
+            180,
+            2,
+            f"the partitioned node serving again ({'rejoined' if rejoined else 'started again'})",
+            diagnose=lambda: cluster.diagnose(victim),
+        )
         wait_until(lambda: len(cluster.where(MODEL)) >= MIN_REPLICAS, 180, 2, "the model's replicas")
         t_recovered = time.monotonic()
         wait_clean(load, t_fault)  # nothing stays stuck: failures stop
@@ -154,10 +178,15 @@ def test_a_partitioned_worker_loses_no_request_and_nothing_stays_stuck(cluster):
         load.stop()
     rep = load.report
     fate = "rejoined" if rejoined else f"declared dead {t_dead - t_healed:.0f} s after it, started again"
-    row = report_row("network partition (30 s)", load, t_fault, t_recovered,
-                     notes=f"link back after {t_healed - t_fault:.0f} s; {victim.name} {fate}; "
-                           f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}; "
-                           f"{cluster.router_views([survivor.endpoint, cluster.head.endpoint])}")
+    row = report_row(
+        "network partition (30 s)",
+        load,
+        t_fault,
+        t_recovered,
+        notes=f"link back after {t_healed - t_fault:.0f} s; {victim.name} {fate}; "
+        f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}; "
+        f"{cluster.router_views([survivor.endpoint, cluster.head.endpoint])}",
+    )
     lost_nothing(rep, row)
 
 
@@ -166,8 +195,12 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
     steady(cluster)
     home = cluster.node(cluster.where("Controller")[0])
     survivor = next(w for w in cluster.workers if w != home)
-    switch = cluster.admin_call("POST", "/admin/kill-switch", survivor.endpoint, json={
-        "scope": "tenant", "value": "free", "reason": "survives the controller's node", "expires_in_s": 600}).json()
+    switch = cluster.admin_call(
+        "POST",
+        "/admin/kill-switch",
+        survivor.endpoint,
+        json={"scope": "tenant", "value": "free", "reason": "survives the controller's node", "expires_in_s": 600},
+    ).json()
     epoch = cluster.admin_call("GET", "/v1/status", survivor.endpoint).json()["snapshot"]["epoch"]
     lost = cluster.replica_ids_on(home.ip)
     load = cluster.load(duration_s=300)
@@ -178,17 +211,26 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
         netcluster.kill_node(home)
         wait_until(lambda: cluster.where("Controller") == [survivor.ip], 120, 1, "the controller on the other worker")
         status = lambda: cluster.admin_call("GET", "/v1/status", survivor.endpoint).json()  # noqa: E731
-        wait_until(lambda: status()["snapshot"]["epoch"] != epoch and status()["source"] == "snapshot", 60, 1,
-                   "routers following the new controller")
+        wait_until(
+            lambda: status()["snapshot"]["epoch"] != epoch and status()["source"] == "snapshot",
+            60,
+            1,
+            "routers following the new controller",
+        )
         t_recovered = time.monotonic()
         wait_until(lambda: model_replicas_on(cluster, survivor.ip) >= MIN_REPLICAS, 180, 2, "replicas on the survivor")
         wait_clean(load, t_fault)
     finally:
         load.stop()
     after = status()
-    row = report_row("controller's node killed", load, t_fault, t_recovered,
-                     notes=f"controller back on {survivor.name}; "
-                           f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}")
+    row = report_row(
+        "controller's node killed",
+        load,
+        t_fault,
+        t_recovered,
+        notes=f"controller back on {survivor.name}; "
+        f"replicas killed as hung: {cluster.hung_kills(survivor.endpoint, lost)}",
+    )
     lost_nothing(load.report, row)
     # Its state came back: the kill switch is enforced, quota leases are issued again.
     assert [k["id"] for k in after["kill_switches"]] == [switch["id"]], after["kill_switches"]
@@ -221,10 +263,15 @@ def test_the_head_lost_with_gcs_fault_tolerance_workers_keep_answering(redis_clu
         load.stop()
     rep = load.report
     down = [o for o in rep.outcomes if t_fault <= o.t < t_back]
-    row = report_row("head killed (GCS on Redis), back after 20 s", load, t_fault, t_recovered,
-                     notes=f"{len(down)} requests while the head was down, "
-                           f"{sum(o.cause != 'ok' for o in down)} failed; "
-                           f"replicas killed as hung: {cluster.hung_kills(cluster.workers[0].endpoint)}")
+    row = report_row(
+        "head killed (GCS on Redis), back after 20 s",
+        load,
+        t_fault,
+        t_recovered,
+        notes=f"{len(down)} requests while the head was down, "
+        f"{sum(o.cause != 'ok' for o in down)} failed; "
+        f"replicas killed as hung: {cluster.hung_kills(cluster.workers[0].endpoint)}",
+    )
     assert len(down) > 0 and rep.failures(keyed=True) == {}, row
     assert all(o.cause == "ok" for o in down if not o.keyed), row
 
@@ -251,15 +298,29 @@ def test_a_recycle_in_flight_on_a_lost_worker_does_not_block_the_next(cluster):
     # The next recycle goes: the lost replica's lease was released or expired, not left to block it.
     ips = cluster.node_ips()
     nxt = next(a.name.rsplit("#", 1)[1] for a in cluster.actors(MODEL) if ips.get(a.node_id) == survivor.ip)
-    wait_until(lambda: nxt in repr(cluster.admin_call("GET", "/admin/replicas", survivor.endpoint).json()["replicas"]),
-               60, 1, "the new replica reporting to the controller")
+    wait_until(
+        lambda: nxt in repr(cluster.admin_call("GET", "/admin/replicas", survivor.endpoint).json()["replicas"]),
+        60,
+        1,
+        "the new replica reporting to the controller",
+    )
     t_asked = time.monotonic()
     r = cluster.admin_call("POST", "/admin/recycle", survivor.endpoint, json={"replica_id": nxt})
     assert r.status_code == 202 and r.json()["accepted"] == [nxt], r.text
     wait_until(lambda: nxt not in repr([a.name for a in cluster.actors(MODEL)]), 240, 2, "the next recycle done")
     took = time.monotonic() - t_asked
     events = [e["outcome"] for e in cluster.events(survivor.endpoint)]
-    REPORT.append({"fault": "worker killed mid-recycle", "requests": 0, "keyed_failures": {}, "other_failures": {},
-                   "per_10s": "-", "failures_stop_s": None, "recover_s": None, "max_level": "-",
-                   "notes": f"next recycle asked {t_asked - t_fault:.0f} s after the loss, its replica gone "
-                            f"{took:.0f} s later; controller events: {events}"})
+    REPORT.append(
+        {
+            "fault": "worker killed mid-recycle",
+            "requests": 0,
+            "keyed_failures": {},
+            "other_failures": {},
+            "per_10s": "-",
+            "failures_stop_s": None,
+            "recover_s": None,
+            "max_level": "-",
+            "notes": f"next recycle asked {t_asked - t_fault:.0f} s after the loss, its replica gone "
+            f"{took:.0f} s later; controller events: {events}",
+        }
+    )

@@ -33,13 +33,20 @@ def test_guidellm_runs_against_the_stack_with_no_errored_request(ballast, tmp_pa
     out = tmp_path / "guidellm.json"
     key = GOLD["Authorization"].split()[1]
     cmd = [
-        str(GUIDELLM), "run",
-        "--backend", f"kind=openai_http,target={BASE},model={ballast.model.name},api_key={key}",
-        "--profile", "kind=constant,rate=4",
-        "--constraint", "kind=max_duration,seconds=10",
-        "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
-        "--tokenizer", f"kind=hf_auto,model={tokenizer}",
-        "--output", f"kind=json,path={out}",
+        str(GUIDELLM),
+        "run",
+        "--backend",
+        f"kind=openai_http,target={BASE},model={ballast.model.name},api_key={key}",
+        "--profile",
+        "kind=constant,rate=4",
+        "--constraint",
+        "kind=max_duration,seconds=10",
+        "--data",
+        "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
+        "--tokenizer",
+        f"kind=hf_auto,model={tokenizer}",
+        "--output",
+        f"kind=json,path={out}",
         "--disable-console-interactive",
     ]
     # Two worker processes, not its default ten, on this machine's two cores.

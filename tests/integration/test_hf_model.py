@@ -15,7 +15,7 @@ import openai
 import pytest
 
 import conftest as integration
-from conftest import ADMIN, BASE, GOLD, _merge, status, wait_until
+from conftest import ADMIN, BASE, GOLD, _merge, wait_until
 from ballast.model.demo import make_tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -39,7 +39,9 @@ def _deploy(cfg, model_name: str) -> None:
         except httpx.HTTPError:
             return False
         app = serve.status().applications[cfg.app_name]
-        return r.status_code == 200 and model_name in r.text and str(getattr(app.status, "value", app.status)) == "RUNNING"
+        return (
+            r.status_code == 200 and model_name in r.text and str(getattr(app.status, "value", app.status)) == "RUNNING"
+        )
 
     wait_until(serving, 180, 0.5, f"the app serving {model_name}")
 
@@ -81,7 +83,10 @@ def test_models_lists_the_checkpoint_by_its_name(oai):
 
 
 def test_chat_usage_is_the_templated_prompt_in_the_models_tokens(oai, tok):
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is the capital of France?"}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)
     rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert r.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))

@@ -47,16 +47,25 @@ def assert_refused(r: httpx.Response, status_code: int, code: str, field: "str |
 def test_a_claim_above_the_tenants_grant_is_lowered_and_a_class_switch_still_catches_it(client):
     """free's grant is sheddable_plus: its critical_plus claim is lowered (said in the answer),
     so a kill switch on sheddable_plus covers it."""
-    r = client.post("/v1/generate", headers={**FREE, "X-Ballast-Criticality": "critical_plus"},
-                    json={"prompt": "hi", "max_tokens": 2})
+    r = client.post(
+        "/v1/generate",
+        headers={**FREE, "X-Ballast-Criticality": "critical_plus"},
+        json={"prompt": "hi", "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["criticality"] == "sheddable_plus"
     assert "criticality_lowered" in r.json()["degraded_reasons"]
-    entry = client.post("/admin/kill-switch", headers=ADMIN, json={
-        "scope": "criticality", "value": "sheddable_plus", "reason": "hostile probe", "expires_in_s": 60}).json()
+    entry = client.post(
+        "/admin/kill-switch",
+        headers=ADMIN,
+        json={"scope": "criticality", "value": "sheddable_plus", "reason": "hostile probe", "expires_in_s": 60},
+    ).json()
     try:
-        r = client.post("/v1/generate", headers={**FREE, "X-Ballast-Criticality": "critical_plus"},
-                        json={"prompt": "hi", "max_tokens": 2})
+        r = client.post(
+            "/v1/generate",
+            headers={**FREE, "X-Ballast-Criticality": "critical_plus"},
+            json={"prompt": "hi", "max_tokens": 2},
+        )
         assert_refused(r, 503, "KILL_SWITCH")
     finally:
         assert client.delete(f"/admin/kill-switch/{entry['id']}", headers=ADMIN).status_code == 200
@@ -77,8 +86,9 @@ def test_deeply_nested_json_is_a_422_not_a_500(client, ballast, path):
 
 @pytest.mark.parametrize("raw", [b"\xb2", b"1e3", b"-5", b"\xd9\xa3", b"0", b"9" * 40])
 def test_a_bad_timeout_header_is_a_422_naming_it(client, raw):
-    r = client.post("/v1/generate", headers=[*GOLD.items(), ("X-Request-Timeout-Ms", raw)],
-                    json={"prompt": "hi", "max_tokens": 2})
+    r = client.post(
+        "/v1/generate", headers=[*GOLD.items(), ("X-Request-Timeout-Ms", raw)], json={"prompt": "hi", "max_tokens": 2}
+    )
     assert_refused(r, 422, "INVALID_REQUEST", "X-Request-Timeout-Ms")
 
 
@@ -92,16 +102,25 @@ def _nested_schema(depth: int) -> dict:
     return schema
 
 
-@pytest.mark.parametrize("extra,status_code,code,field", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _nested_schema(20)}}},
-     400, "SCHEMA_TOO_COMPLEX", "response_format"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "INVALID_REQUEST", "stop"),
-    ({"stop": ["s" * 2000]}, 400, "INVALID_REQUEST", "stop"),
-    ({"seed": 2**70}, 400, "INVALID_REQUEST", "seed"),
-    ({"temperature": 3.5}, 400, "INVALID_REQUEST", "temperature"),
-])
+@pytest.mark.parametrize(
+    "extra,status_code,code,field",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _nested_schema(20)}}},
+            400,
+            "SCHEMA_TOO_COMPLEX",
+            "response_format",
+        ),
+        ({"stop": ["a", "b", "c", "d", "e"]}, 400, "INVALID_REQUEST", "stop"),
+        ({"stop": ["s" * 2000]}, 400, "INVALID_REQUEST", "stop"),
+        ({"seed": 2**70}, 400, "INVALID_REQUEST", "seed"),
+        ({"temperature": 3.5}, 400, "INVALID_REQUEST", "temperature"),
+    ],
+)
 def test_a_field_past_its_bound_is_refused_naming_it(client, extra, status_code, code, field):
-    r = client.post("/v1/chat/completions", headers=GOLD, json={"model": MODEL, "messages": CHAT, "max_tokens": 2, **extra})
+    r = client.post(
+        "/v1/chat/completions", headers=GOLD, json={"model": MODEL, "messages": CHAT, "max_tokens": 2, **extra}
+    )
     assert_refused(r, status_code, code, field)
 
 
@@ -116,14 +135,20 @@ def test_a_temperature_at_the_edge_of_range_is_answered_greedy(client):
 # -- 3. the kill switch checks what the operator names ---------------------------------
 
 
-@pytest.mark.parametrize("scope,value,allowed", [
-    ("criticality", "sheddable ", "sheddable_plus"),
-    ("tenant", "nobody", "gold"),
-    ("model", "gpt-4", MODEL),
-])
+@pytest.mark.parametrize(
+    "scope,value,allowed",
+    [
+        ("criticality", "sheddable ", "sheddable_plus"),
+        ("tenant", "nobody", "gold"),
+        ("model", "gpt-4", MODEL),
+    ],
+)
 def test_a_kill_switch_that_would_block_nothing_is_refused_naming_the_allowed_values(client, scope, value, allowed):
-    r = client.post("/admin/kill-switch", headers=ADMIN, json={
-        "scope": scope, "value": value, "reason": "typo in an incident", "expires_in_s": 60})
+    r = client.post(
+        "/admin/kill-switch",
+        headers=ADMIN,
+        json={"scope": scope, "value": value, "reason": "typo in an incident", "expires_in_s": 60},
+    )
     assert_refused(r, 422, "INVALID_REQUEST", "value")
     assert allowed in _error(r)["message"]
     entries = client.get("/admin/kill-switch", headers=ADMIN).json()["entries"]
@@ -142,6 +167,7 @@ def test_repeats_of_a_running_key_hold_no_place_and_a_reused_key_is_refused(clie
     body = {"prompt": "the first of its key", "max_tokens": 160}
     headers = {**GOLD, "Idempotency-Key": key}
     try:
+
         async def run() -> tuple[list, list, httpx.Response]:
             async with httpx.AsyncClient(base_url=BASE, timeout=60) as c:
                 first = asyncio.create_task(c.post("/v1/generate", headers=headers, json=body))
@@ -175,8 +201,11 @@ def test_a_flood_of_one_tenants_keys_evicts_none_of_another_tenants(client, ball
     first = client.post("/v1/generate", headers=gold, json={"prompt": "keep me", "max_tokens": 4})
     assert first.status_code == 200, first.text
     for i in range(idem.max_entries + 10):
-        r = client.post("/v1/generate", headers={**FREE, "Idempotency-Key": f"flood-{i}-{time.monotonic_ns()}"},
-                        json={"prompt": "x", "max_tokens": 1})
+        r = client.post(
+            "/v1/generate",
+            headers={**FREE, "Idempotency-Key": f"flood-{i}-{time.monotonic_ns()}"},
+            json={"prompt": "x", "max_tokens": 1},
+        )
         assert r.status_code == 200, r.text
     again = client.post("/v1/generate", headers=gold, json={"prompt": "keep me", "max_tokens": 4})
     assert again.status_code == 200 and again.headers.get("x-ballast-idempotent-replay") == "true", again.headers
@@ -197,8 +226,16 @@ def test_haproxys_runtime_files_are_private(ballast):
     assert st.st_uid == os.getuid()
     assert home != f"/tmp/ballast-haproxy-{ballast.http.port}"  # not guessable from the port
     # Serve keeps each node's files in a directory of its own under it.
-    sockets = wait_until(lambda: [os.path.join(d, f) for d, _, fs in os.walk(home) for f in fs
-                                  if stat.S_ISSOCK(os.lstat(os.path.join(d, f)).st_mode)], 20, what="HAProxy's sockets")
+    sockets = wait_until(
+        lambda: [
+            os.path.join(d, f)
+            for d, _, fs in os.walk(home)
+            for f in fs
+            if stat.S_ISSOCK(os.lstat(os.path.join(d, f)).st_mode)
+        ],
+        20,
+        what="HAProxy's sockets",
+    )
     admin = [p for p in sockets if os.path.basename(p) == os.path.basename(sock)]
     assert admin, sockets
     for path in admin:  # the admin socket is the owner's alone (Ray's template says 666)
@@ -230,8 +267,9 @@ def _poisons(limits) -> list[tuple[str, dict, "bytes | dict"]]:
 async def _stream_whole(c: httpx.AsyncClient, max_tokens: int) -> dict:
     """A gold stream read to its end: its token count and how it finished."""
     tokens, done = 0, None
-    async with c.stream("POST", "/v1/generate", headers=GOLD,
-                        json={"prompt": "a long story", "max_tokens": max_tokens, "stream": True}) as r:
+    async with c.stream(
+        "POST", "/v1/generate", headers=GOLD, json={"prompt": "a long story", "max_tokens": max_tokens, "stream": True}
+    ) as r:
         assert r.status_code == 200
         event = None
         async for line in r.aiter_lines():

@@ -53,14 +53,21 @@ def test_locust_smoke_has_no_unexpected_failure(client, tmp_path):
     env["BALLAST_REPORT_JSON"] = str(report)
     cmd = [
         str(_locust_bin()),
-        "-f", "loadtest/locustfile.py",
+        "-f",
+        "loadtest/locustfile.py",
         "--headless",
-        "--host", BASE,
-        "-u", "8",
-        "-r", "4",
-        "-t", f"{RUN_S}s",
-        "--csv", str(prefix),
-        "--exit-code-on-error", "1",
+        "--host",
+        BASE,
+        "-u",
+        "8",
+        "-r",
+        "4",
+        "-t",
+        f"{RUN_S}s",
+        "--csv",
+        str(prefix),
+        "--exit-code-on-error",
+        "1",
         "--only-summary",
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_S + 120)

@@ -28,8 +28,11 @@ MAX_TOKENS = 96  # 24 chunks of 4: about 2.4 s at 100 ms a step
 
 
 def primary_replica() -> Any:
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith("SERVE_REPLICA") and "BallastModel" in a["name"] and "Fallback" not in a["name"]]
+    names = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA") and "BallastModel" in a["name"] and "Fallback" not in a["name"]
+    ]
     assert len(names) == 1, names
     return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
 
@@ -41,9 +44,9 @@ def read_stream(events: list[tuple[str, dict]], arrivals: list[float], first: th
         name = None
         for line in r.iter_lines():
             if line.startswith("event: "):
-                name = line[len("event: "):]
+                name = line[len("event: ") :]
             elif line.startswith("data: "):
-                events.append((name, json.loads(line[len("data: "):])))
+                events.append((name, json.loads(line[len("data: ") :])))
                 arrivals.append(time.monotonic())
                 if name == "token" and sum(e[1].get("tokens", 0) for e in events) >= 12:
                     first.set()  # three chunks delivered: mid-way
@@ -64,9 +67,13 @@ def test_a_killed_replica_loses_neither_its_unary_request_nor_its_stream(client)
     try:
         stream = threading.Thread(target=read_stream, args=(events, arrivals, mid_way), daemon=True)
         stream.start()
+
         def send():
-            unary["r"] = httpx.post(f"{BASE}/v1/generate", headers=GOLD, json={"prompt": PROMPT, "max_tokens": MAX_TOKENS}, timeout=60)
+            unary["r"] = httpx.post(
+                f"{BASE}/v1/generate", headers=GOLD, json={"prompt": PROMPT, "max_tokens": MAX_TOKENS}, timeout=60
+            )
             unary["t"] = time.monotonic()
+
         sender = threading.Thread(target=send, daemon=True)
         sender.start()
         assert mid_way.wait(20), events
@@ -92,12 +99,17 @@ def test_a_killed_replica_loses_neither_its_unary_request_nor_its_stream(client)
     assert streamed == reference["text"]  # nothing duplicated, nothing missing
     assert max(levels, default=0) == 0, levels
     after = status(client)["lost_capacity"]
-    assert after["migrated"] >= before["migrated"] + 2 and after["not_migrated"] == before["not_migrated"], (before, after)
+    assert after["migrated"] >= before["migrated"] + 2 and after["not_migrated"] == before["not_migrated"], (
+        before,
+        after,
+    )
     assert after["streams_carried_on"] >= before["streams_carried_on"] + 1, (before, after)
     paused_s = max(b - a for a, b in zip(arrivals, arrivals[1:]))
-    print(f"\nreplica killed mid-stream: the stream paused {paused_s:.1f} s (a replacement starting), the unary "
-          f"request was answered {unary['t'] - t_kill:.1f} s after the kill; migrations: unary "
-          f"{r.headers['x-ballast-migrations']}, stream {done['migrations']}")
+    print(
+        f"\nreplica killed mid-stream: the stream paused {paused_s:.1f} s (a replacement starting), the unary "
+        f"request was answered {unary['t'] - t_kill:.1f} s after the kill; migrations: unary "
+        f"{r.headers['x-ballast-migrations']}, stream {done['migrations']}"
+    )
     wait_until(lambda: status(client)["replicas"]["BallastModel"]["running"] >= 1, 60, 0.5, "primary replaced")
 
 

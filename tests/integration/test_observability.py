@@ -45,9 +45,14 @@ def prometheus(ballast, tmp_path_factory):
     (work / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     port = _free_port()
     proc = subprocess.Popen(
-        [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            binary,
+            f"--config.file={work / 'prometheus.yml'}",
+            f"--storage.tsdb.path={work / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -95,7 +100,9 @@ def test_every_panel_and_alert_finds_series(prometheus, client, ballast):
     while time.monotonic() < stop:
         client.post("/v1/generate", headers=GOLD, json={"prompt": "observe", "max_tokens": 4})
         time.sleep(0.2)
-    wait_until(lambda: _query(prometheus, "count(ray_ballast_requests_total)")["result"], 60, 1, "ballast metrics scraped")
+    wait_until(
+        lambda: _query(prometheus, "count(ray_ballast_requests_total)")["result"], 60, 1, "ballast metrics scraped"
+    )
 
     def empty() -> list[str]:
         return [expr for expr in panel_queries() if not _query(prometheus, expr)["result"]]
@@ -112,7 +119,9 @@ def test_every_panel_and_alert_finds_series(prometheus, client, ballast):
     for rule in (r for g in rules["groups"] for r in g["rules"]):
         _query(prometheus, rule["expr"])  # parses and evaluates
         for metric in set(re.findall(r"\b(ray_[a-z_]+)", rule["expr"])):
-            assert _query(prometheus, f"count({metric})")["result"], f"{rule.get('alert') or rule.get('record')}: no {metric}"
+            assert _query(prometheus, f"count({metric})")["result"], (
+                f"{rule.get('alert') or rule.get('record')}: no {metric}"
+            )
 
     # the rules were loaded and evaluated by this Prometheus too
     groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]

@@ -40,9 +40,11 @@ def test_chat_completion_with_usage_and_headers(ballast):
 def test_completion_streams_to_done_and_equals_the_unary_text(ballast):
     client = sdk()
     unary = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=10)
-    chunks = list(client.completions.create(
-        model=MODEL, prompt="Once upon", max_tokens=10, stream=True, stream_options={"include_usage": True}
-    ))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="Once upon", max_tokens=10, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == unary.choices[0].text  # greedy: the same text either way
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -73,8 +75,11 @@ def test_stop_strings_end_the_answer(ballast):
     stop = full[5:7]  # a piece of the greedy answer that is sure to come
     cut = client.completions.create(model=MODEL, prompt="abc", max_tokens=24, stop=[stop]).choices[0]
     assert cut.text == full[: full.index(stop)] and cut.finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt="abc", max_tokens=24, stop=stop, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt="abc", max_tokens=24, stop=stop, stream=True)
+        if c.choices
+    )
     assert streamed == cut.text
 
 
@@ -94,12 +99,15 @@ def test_typed_errors(ballast):
         sdk().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=2)
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
-        sdk().chat.completions.create(model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}])
+        sdk().chat.completions.create(
+            model=MODEL, messages=MESSAGES, tools=[{"type": "function", "function": {"name": "f"}}]
+        )
     assert e.value.param == "tools"
 
 
 def noisy_bucket_at_least(tokens: float) -> None:
     """The noisy tenant's bucket (300 tokens/s, burst 300: tests/integration/test_config.yaml)."""
+
     def full() -> bool:
         return httpx.get(f"{BASE}/v1/status", headers=ADMIN).json()["quotas"]["noisy"]["tokens"] >= tokens
 
@@ -138,12 +146,17 @@ def test_criticality_header_or_body_and_a_lowered_claim(ballast):
 
 
 def test_kill_switch_and_a_raised_level_refuse_with_typed_errors(client, ballast):
-    r = client.post("/admin/kill-switch", headers=ADMIN, json={
-        "scope": "criticality", "value": "sheddable", "reason": "openai test", "expires_in_s": 60})
+    r = client.post(
+        "/admin/kill-switch",
+        headers=ADMIN,
+        json={"scope": "criticality", "value": "sheddable", "reason": "openai test", "expires_in_s": 60},
+    )
     assert r.status_code == 201, r.text
     try:
         with pytest.raises(openai.InternalServerError) as e:
-            sdk().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"criticality": "sheddable"})
+            sdk().chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"criticality": "sheddable"}
+            )
         assert e.value.status_code == 503 and e.value.code == "KILL_SWITCH"
         assert int(e.value.response.headers["retry-after"]) >= 1
     finally:
@@ -153,9 +166,11 @@ def test_kill_switch_and_a_raised_level_refuse_with_typed_errors(client, ballast
     # sheddable traffic through the OpenAI front is refused at the door.
     async def flood(stop: asyncio.Event) -> None:
         async with httpx.AsyncClient(base_url=BASE, timeout=60) as c:
+
             async def one() -> None:
                 while not stop.is_set():
                     await c.post("/v1/generate", headers=GOLD, json={"prompt": "load", "max_tokens": 200})
+
             await asyncio.gather(*(one() for _ in range(40)))
 
     async def main() -> openai.APIStatusError:
@@ -197,10 +212,14 @@ def test_a_fallback_answer_names_its_model(client, ballast):
         heal(client)  # the primary's breaker closed again for the tests after this one
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "stream": True}),
-    ("/v1/generate", {"prompt": "Hello", "max_tokens": 200, "stream": True}),
-], ids=["openai", "native"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 200, "stream": True}),
+        ("/v1/generate", {"prompt": "Hello", "max_tokens": 200, "stream": True}),
+    ],
+    ids=["openai", "native"],
+)
 def test_a_client_leaving_mid_stream_frees_its_place_at_once(client, ballast, path, body):
     def held() -> tuple[int, int]:
         s = status(client)

@@ -38,7 +38,9 @@ async def _worker(client, criticality, headers, max_tokens, stop_at, result, hea
     while time.monotonic() < stop_at:
         try:
             r = await client.post(
-                "/v1/generate", headers=headers, json={"prompt": "load", "max_tokens": max_tokens, "criticality": criticality}
+                "/v1/generate",
+                headers=headers,
+                json={"prompt": "load", "max_tokens": max_tokens, "criticality": criticality},
             )
         except httpx.HTTPError as e:  # counted, never hidden
             result.outcomes.append((time.monotonic(), criticality, 0, type(e).__name__))
@@ -62,7 +64,15 @@ def run_load(workers: dict[str, int], duration_s: float, max_tokens: int = 24, h
         limits = httpx.Limits(max_connections=sum(workers.values()) + 4)
         async with httpx.AsyncClient(base_url=BASE, timeout=60, limits=limits) as client:
             tasks = [
-                _worker(client, crit, GOLD if crit.startswith("critical") else FREE, max_tokens, stop_at, result, header and i % 2 == 1)
+                _worker(
+                    client,
+                    crit,
+                    GOLD if crit.startswith("critical") else FREE,
+                    max_tokens,
+                    stop_at,
+                    result,
+                    header and i % 2 == 1,
+                )
                 for crit, n in workers.items()
                 for i in range(n)
             ]
@@ -120,7 +130,9 @@ def test_overload_sheds_sheddable_first_and_critical_keeps_succeeding(client):
     r = client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 4, "criticality": "sheddable"})
     assert r.status_code == 200
     # The edge follows the level down: the class passes HAProxy again.
-    r = client.post("/v1/generate", headers={**FREE, "X-Ballast-Criticality": "sheddable"}, json={"prompt": "x", "max_tokens": 4})
+    r = client.post(
+        "/v1/generate", headers={**FREE, "X-Ballast-Criticality": "sheddable"}, json={"prompt": "x", "max_tokens": 4}
+    )
     assert r.status_code == 200, r.text
 
 
@@ -165,9 +177,16 @@ def test_controller_killed_mid_traffic_fails_no_request_and_comes_back(client, b
     wait_quiet(client)
     # What operators set must survive the restart: a kill switch (on a tenant the load
     # does not use: noisy) and a chaos setting (on the fallback, which the load does not reach).
-    switch = client.post("/admin/kill-switch", headers=ADMIN, json={
-        "scope": "tenant", "value": "noisy", "reason": "survives the controller", "expires_in_s": 300,
-    }).json()
+    switch = client.post(
+        "/admin/kill-switch",
+        headers=ADMIN,
+        json={
+            "scope": "tenant",
+            "value": "noisy",
+            "reason": "survives the controller",
+            "expires_in_s": 300,
+        },
+    ).json()
     assert client.post("/admin/chaos", headers=ADMIN, json={"target": "fallback", "latency_ms": 1}).status_code == 200
     try:
         epoch_before = status(client)["snapshot"]["epoch"]
@@ -180,7 +199,12 @@ def test_controller_killed_mid_traffic_fails_no_request_and_comes_back(client, b
         assert {k for k in result.by("critical")} == {(200, "OK")}, result.by("critical")
         assert {k for k in result.by("sheddable_plus")} == {(200, "OK")}, result.by("sheddable_plus")
         # Ray restarted it (max_restarts=-1) and the routers follow its new epoch.
-        wait_until(lambda: status(client)["snapshot"]["epoch"] != epoch_before, 30, 0.5, "a snapshot from the restarted controller")
+        wait_until(
+            lambda: status(client)["snapshot"]["epoch"] != epoch_before,
+            30,
+            0.5,
+            "a snapshot from the restarted controller",
+        )
         wait_until(lambda: status(client)["source"] == "snapshot", 10, 0.5, "fresh snapshot")
         # ... and it took back the kill switch and the chaos setting: the routers still enforce them.
         after = status(client)

@@ -59,7 +59,8 @@ def settled(client: httpx.Client) -> None:
 
 def events(client: httpx.Client, outcome: str, deployment: str | None = None) -> list[dict[str, Any]]:
     return [
-        e for e in replicas(client)["events"]
+        e
+        for e in replicas(client)["events"]
         if e["outcome"] == outcome and (deployment is None or e["deployment"] == deployment)
     ]
 
@@ -74,8 +75,12 @@ def recycle_under_load(client: httpx.Client, what: str, timeout_s: float) -> Non
         time.sleep(1.0)
         r = client.post("/admin/recycle", headers=ADMIN, json={"replica_id": rid})
         assert r.status_code == 202, r.text
-        wait_until(lambda: rid in {e["replica_id"] for e in events(client, "completed")}, timeout_s, 1.0,
-                   f"the {what} replica recycled")
+        wait_until(
+            lambda: rid in {e["replica_id"] for e in events(client, "completed")},
+            timeout_s,
+            1.0,
+            f"the {what} replica recycled",
+        )
         time.sleep(1.0)
     assert load.statuses and not load.errors, f"{len(load.errors)} failed of {len(load.statuses)}: {load.errors[:5]}"
     assert rid not in ids(client, "BallastModel")
@@ -173,7 +178,10 @@ def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
     # A fresh replica (the last test's replacement) first finishes its warm-up: growth
     # while loading and serving its first batches is not a leak and is not sampled.
     wait_until(
-        lambda: watchdog_of(client, victim).get("warming_up") is False, 60, 0.5, "the victim past its warm-up",
+        lambda: watchdog_of(client, victim).get("warming_up") is False,
+        60,
+        0.5,
+        "the victim past its warm-up",
     )
     seen: dict[str, Any] = {}
     try:
@@ -190,11 +198,17 @@ def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
 
             wait_until(leak_verdict, 40, 0.25, "the watchdog's leak verdict and recycle request")
             started = wait_until(
-                lambda: [e for e in events(client, "started", PRIMARY) if e["replica_id"] == victim], 30, 0.5, "a recycle order"
+                lambda: [e for e in events(client, "started", PRIMARY) if e["replica_id"] == victim],
+                30,
+                0.5,
+                "a recycle order",
             )
             client.delete("/admin/chaos", headers=ADMIN)  # the replacement must not leak too
             wait_until(
-                lambda: any(e["replica_id"] == victim for e in events(client, "completed", PRIMARY)), 90, 1.0, "the recycle done"
+                lambda: any(e["replica_id"] == victim for e in events(client, "completed", PRIMARY)),
+                90,
+                1.0,
+                "the recycle done",
             )
             time.sleep(1.0)
     finally:
@@ -209,8 +223,10 @@ def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
     assert started[0]["reason"] in ("critical", "watchdog"), started
     assert seen["actions_total"]["gc_collect"] >= 1 and seen["actions_total"]["stop_intake"] >= 1, seen["actions_total"]
     assert not load.errors, f"{len(load.errors)} failed of {len(load.statuses)}: {load.errors[:5]}"
-    print(f"\nleak: {seen['action_reason']} at rss {seen['rss_bytes'] / 2**20:.0f} MiB; recycle reason {started[0]['reason']}; "
-          f"{len(load.statuses)} requests, 0 failed")
+    print(
+        f"\nleak: {seen['action_reason']} at rss {seen['rss_bytes'] / 2**20:.0f} MiB; recycle reason {started[0]['reason']}; "
+        f"{len(load.statuses)} requests, 0 failed"
+    )
 
 
 def test_a_vram_leak_is_measured_by_the_watchdog_on_a_gpu_and_refused_on_a_cpu(client):
@@ -224,16 +240,27 @@ def test_a_vram_leak_is_measured_by_the_watchdog_on_a_gpu_and_refused_on_a_cpu(c
             r = client.post("/admin/chaos", headers=ADMIN, json={"target": "primary", "vram_leak_mb_per_s": 50})
             assert r.status_code == 200, r.text
             wait_until(
-                lambda: [r for r in replicas(client)["replicas"] if r["replica_id"] == victim and r["chaos_vram_leak"] == "no_gpu"],
-                10, 0.25, "the CPU replica saying it has no GPU to leak into",
+                lambda: [
+                    r
+                    for r in replicas(client)["replicas"]
+                    if r["replica_id"] == victim and r["chaos_vram_leak"] == "no_gpu"
+                ],
+                10,
+                0.25,
+                "the CPU replica saying it has no GPU to leak into",
             )
         finally:
             client.delete("/admin/chaos", headers=ADMIN)
-        wait_until(lambda: all(r["chaos_vram_leak"] is None for r in replicas(client)["replicas"]), 10, 0.25, "chaos lifted")
+        wait_until(
+            lambda: all(r["chaos_vram_leak"] is None for r in replicas(client)["replicas"]), 10, 0.25, "chaos lifted"
+        )
         return
     assert row["device"].startswith("cuda"), row
     wait_until(
-        lambda: watchdog_of(client, victim).get("warming_up") is False, 60, 0.5, "the victim past its warm-up",
+        lambda: watchdog_of(client, victim).get("warming_up") is False,
+        60,
+        0.5,
+        "the victim past its warm-up",
     )
     rate = 50 * 2**20  # bytes/s; chaos.max_leak_mb (800) caps it after 16 s
     seen: dict[str, Any] = {}
@@ -258,9 +285,11 @@ def test_a_vram_leak_is_measured_by_the_watchdog_on_a_gpu_and_refused_on_a_cpu(c
     truth = (seen["vram_total_bytes"] - seen["vram_bytes"]) / rate
     assert 0.5 * truth <= trend["time_to_limit_s"] <= 2.0 * truth, (trend, truth)
     assert trend["r2"] >= 0.7, trend
-    print(f"\nVRAM leak at {rate / 2**20:.0f} MiB/s: watchdog slope {slope / 2**20:.1f} MiB/s (r2 {trend['r2']:.3f}), "
-          f"process VRAM {seen['vram_bytes'] / 2**20:.0f} MiB of {seen['vram_total_bytes'] / 2**30:.0f} GiB, "
-          f"time to limit {trend['time_to_limit_s']:.0f} s (truth {truth:.0f} s); severity {seen['severity']}")
+    print(
+        f"\nVRAM leak at {rate / 2**20:.0f} MiB/s: watchdog slope {slope / 2**20:.1f} MiB/s (r2 {trend['r2']:.3f}), "
+        f"process VRAM {seen['vram_bytes'] / 2**20:.0f} MiB of {seen['vram_total_bytes'] / 2**30:.0f} GiB, "
+        f"time to limit {trend['time_to_limit_s']:.0f} s (truth {truth:.0f} s); severity {seen['severity']}"
+    )
 
 
 def test_a_hung_replica_is_killed_and_replaced(client):
@@ -274,8 +303,10 @@ def test_a_hung_replica_is_killed_and_replaced(client):
         threads = [
             threading.Thread(
                 target=lambda i=i: httpx.post(
-                    f"{BASE}/v1/generate", headers={**GOLD, "X-Request-Timeout-Ms": "15000"},
-                    json={"prompt": f"stall {i}", "max_tokens": 8}, timeout=30,
+                    f"{BASE}/v1/generate",
+                    headers={**GOLD, "X-Request-Timeout-Ms": "15000"},
+                    json={"prompt": f"stall {i}", "max_tokens": 8},
+                    timeout=30,
                 ),
                 daemon=True,
             )
@@ -284,7 +315,10 @@ def test_a_hung_replica_is_killed_and_replaced(client):
         for t in threads:
             t.start()
         killed = wait_until(
-            lambda: [e for e in events(client, "killed_hung", PRIMARY) if e["replica_id"] == victim], 30, 0.3, "the hung replica killed"
+            lambda: [e for e in events(client, "killed_hung", PRIMARY) if e["replica_id"] == victim],
+            30,
+            0.3,
+            "the hung replica killed",
         )
     finally:
         client.delete("/admin/chaos", headers=ADMIN)
@@ -292,8 +326,13 @@ def test_a_hung_replica_is_killed_and_replaced(client):
     assert killed[0]["reason"] == "stalled" and killed[0]["stalled_s"] > 3 * 0.5, killed
     wait_until(lambda: ids(client, PRIMARY) - {victim}, 60, 1.0, "a replacement replica")
     ok = wait_until(
-        lambda: client.post("/v1/generate", headers=GOLD, json={"prompt": "after the hang", "max_tokens": 4}).status_code == 200,
-        60, 1.0, "the replacement serving",
+        lambda: (
+            client.post("/v1/generate", headers=GOLD, json={"prompt": "after the hang", "max_tokens": 4}).status_code
+            == 200
+        ),
+        60,
+        1.0,
+        "the replacement serving",
     )
     assert ok
     for t in threads:

@@ -192,7 +192,11 @@ def test_a_deadline_that_runs_out_at_the_replica_is_not_a_breaker_failure(client
 
 
 def _primary_replica_handles():
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "BallastModel" in a["name"] and "Fallback" not in a["name"]]
+    names = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "BallastModel" in a["name"] and "Fallback" not in a["name"]
+    ]
     return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in names if a["name"].startswith("SERVE_REPLICA")]
 
 
@@ -224,10 +228,14 @@ def test_replica_killed_mid_traffic_fails_no_idempotent_request(client, ballast)
             return [r for lst in lists for r in lst]
 
     responses = asyncio.run(run())
-    assert [r.status_code for r in responses] == [200] * len(responses), [r.text for r in responses if r.status_code != 200]
+    assert [r.status_code for r in responses] == [200] * len(responses), [
+        r.text for r in responses if r.status_code != 200
+    ]
     budget = status(client)["retry_budget"]
-    print(f"\nreplica kill: retries granted {budget['retries_granted']}, denied {budget['retries_denied']}, "
-          f"fallbacks {sum(r.json()['fallback'] is not None for r in responses)}/{len(responses)}")
+    print(
+        f"\nreplica kill: retries granted {budget['retries_granted']}, denied {budget['retries_denied']}, "
+        f"fallbacks {sum(r.json()['fallback'] is not None for r in responses)}/{len(responses)}"
+    )
     wait_until(lambda: status(client)["replicas"]["BallastModel"]["running"] >= 1, 60, 0.5, "primary replaced")
 
 
@@ -246,11 +254,20 @@ def test_an_idempotency_key_answered_by_another_router_is_replayed_here(client, 
     assert ray.get(keys.claim.remote("gold", key, "router-on-another-node", 30.0, same))["state"] == "mine"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(
-            client.post, "/v1/generate", headers={**GOLD, "Idempotency-Key": key}, json={"prompt": "one", "max_tokens": 6}
+            client.post,
+            "/v1/generate",
+            headers={**GOLD, "Idempotency-Key": key},
+            json={"prompt": "one", "max_tokens": 6},
         )
         time.sleep(1.0)
         assert not pending.done()  # waiting for the other router's attempt, not generating its own
-        answer = {"text": "answered elsewhere", "tokens": 2, "finish_reason": "length", "fallback": None, "model": ballast.model.name}
+        answer = {
+            "text": "answered elsewhere",
+            "tokens": 2,
+            "finish_reason": "length",
+            "fallback": None,
+            "model": ballast.model.name,
+        }
         assert ray.get(keys.complete.remote("gold", key, "router-on-another-node", answer)) is True
         r = pending.result(timeout=30)
     assert r.status_code == 200, r.text
@@ -274,7 +291,9 @@ def test_idempotency_key_replays_the_first_answer(client):
     assert "x-ballast-idempotent-replay" not in first.headers
     assert again.json() == first.json()
     # Another tenant's identical key is another request.
-    other = client.post("/v1/generate", headers={**FREE, "Idempotency-Key": key}, json={"prompt": "one", "max_tokens": 6})
+    other = client.post(
+        "/v1/generate", headers={**FREE, "Idempotency-Key": key}, json={"prompt": "one", "max_tokens": 6}
+    )
     assert "x-ballast-idempotent-replay" not in other.headers
 
     async def concurrent() -> list[httpx.Response]:
@@ -300,7 +319,9 @@ def test_kill_switch_scopes_expiry_and_audit(client, ballast):
         return r.json()
 
     def gen(headers=GOLD, criticality="critical"):
-        return client.post("/v1/generate", headers=headers, json={"prompt": "k", "max_tokens": 4, "criticality": criticality})
+        return client.post(
+            "/v1/generate", headers=headers, json={"prompt": "k", "max_tokens": 4, "criticality": criticality}
+        )
 
     # tenant scope, expiring by itself
     e = ks("tenant", "free", reason="abuse from free", expires_in_s=2)
@@ -375,7 +396,24 @@ def test_operator_cli(client, capsys):
     from ballast.ops.cli import main
 
     common = ["--url", BASE, "--token", "dev-admin-token", "--operator", "cli-test"]
-    assert main([*common, "kill-switch", "on", "--scope", "tenant", "--value", "free", "--reason", "cli", "--expires-in-s", "30"]) == 0
+    assert (
+        main(
+            [
+                *common,
+                "kill-switch",
+                "on",
+                "--scope",
+                "tenant",
+                "--value",
+                "free",
+                "--reason",
+                "cli",
+                "--expires-in-s",
+                "30",
+            ]
+        )
+        == 0
+    )
     entry = json.loads(capsys.readouterr().out)
     assert entry["set_by"] == "cli-test" and entry["scope"] == "tenant"
     r = client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 2})

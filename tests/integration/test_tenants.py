@@ -32,7 +32,9 @@ async def _open_loop(c, headers, rate_per_s, duration_s, out, criticality="shedd
 
         async def one():
             r = await c.post(
-                "/v1/generate", headers=headers, json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "criticality": criticality}
+                "/v1/generate",
+                headers=headers,
+                json={"prompt": PROMPT, "max_tokens": MAX_TOKENS, "criticality": criticality},
             )
             out.append((time.monotonic(), r.status_code, r.json()))
 
@@ -78,7 +80,9 @@ def test_a_claim_above_the_tenants_criticality_is_lowered(client):
     # two, and the lowered claim (sheddable_plus) is admitted only at levels 0 and 1.
     wait_quiet(client)
     wait_until(lambda: status(client)["quotas"]["noisy"]["tokens"] >= 60, 10, 0.5, "noisy bucket to refill")
-    r = client.post("/v1/generate", headers=NOISY, json={"prompt": "x", "max_tokens": 4, "criticality": "critical_plus"})
+    r = client.post(
+        "/v1/generate", headers=NOISY, json={"prompt": "x", "max_tokens": 4, "criticality": "critical_plus"}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["criticality"] == "sheddable_plus"
@@ -124,7 +128,9 @@ def test_two_routers_enforce_one_global_quota_within_5_percent(client, ballast):
     two = load_config(data)
     deploy(two)  # the controller takes the new config too
     try:
-        wait_until(lambda: status(client)["replicas"]["BallastRouter"]["running"] == 2, 60, 0.5, "two routers reporting")
+        wait_until(
+            lambda: status(client)["replicas"]["BallastRouter"]["running"] == 2, 60, 0.5, "two routers reporting"
+        )
         time.sleep(2 * ballast.quota.lease_ttl_s)  # every router holds a fresh lease
         quota = ballast.tenants["noisy"].rate_tokens_per_s
         burst = ballast.tenants["noisy"].burst
@@ -151,7 +157,9 @@ def test_two_routers_enforce_one_global_quota_within_5_percent(client, ballast):
         admitted_tokens = sum(len(PROMPT) + b["tokens_generated"] for _, s, b in noisy if s == 200)
         allowed = quota * duration_s + burst
         assert Counter(s for _, s, _ in noisy)[429] > 0
-        print(f"\ntwo routers: admitted {admitted_tokens} tokens, quota allows {allowed:g} ({admitted_tokens / allowed:.3f})")
+        print(
+            f"\ntwo routers: admitted {admitted_tokens} tokens, quota allows {allowed:g} ({admitted_tokens / allowed:.3f})"
+        )
         # One quota across both routers: what was admitted is within 5 % of what the quota allows.
         assert abs(admitted_tokens - allowed) / allowed <= 0.05, (admitted_tokens, allowed, views)
     finally:

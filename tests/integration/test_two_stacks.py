@@ -44,12 +44,17 @@ def other_stack(ballast, tmp_path_factory):
     log = (tmp / "serve.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "ballast.ops.cli", "serve", "--config", str(cfg), "--no-dashboard"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
     def ready() -> bool:
         if proc.poll() is not None:
-            raise AssertionError(f"the second stack exited ({proc.returncode}):\n{(tmp / 'serve.log').read_text()[-3000:]}")
+            raise AssertionError(
+                f"the second stack exited ({proc.returncode}):\n{(tmp / 'serve.log').read_text()[-3000:]}"
+            )
         try:
             return httpx.get(f"http://127.0.0.1:{OTHER_PORT}/healthz/ready", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -76,7 +81,9 @@ def other_stack(ballast, tmp_path_factory):
 def test_two_stacks_answer_side_by_side_each_on_its_own_ports(other_stack):
     other, _ = other_stack
     for base in (BASE, other):
-        r = httpx.post(f"{base}/v1/generate", headers=GOLD, json={"prompt": "side by side", "max_tokens": 4}, timeout=30)
+        r = httpx.post(
+            f"{base}/v1/generate", headers=GOLD, json={"prompt": "side by side", "max_tokens": 4}, timeout=30
+        )
         assert r.status_code == 200, (base, r.text)
     seen = set()
     for port in (integration.PORT, OTHER_PORT):

@@ -43,11 +43,24 @@ def vllm_overrides(ckpt) -> dict:
     # The watchdog's memory limit fits a vLLM replica: three processes (the replica,
     # vLLM's engine core and its worker) over 2 GB together, where the suite's limit is
     # sized for one process of the built-in engine.
-    return {"deployments": {"model": {"max_replicas": 1}}, "watchdog": {"rss_limit_mb": 6000},
-            "model": {"name": MODEL, "backend": "vllm", "path": str(ckpt), "max_batch_size": 8, "tool_parser": "hermes",
-                      # the KV cache: Ballast's CPU default; compact guided JSON, so that random weights end it
-                      "engine_kwargs": {"dtype": "float32", "enforce_eager": True, "max_model_len": 512,
-                                        "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}}}
+    return {
+        "deployments": {"model": {"max_replicas": 1}},
+        "watchdog": {"rss_limit_mb": 6000},
+        "model": {
+            "name": MODEL,
+            "backend": "vllm",
+            "path": str(ckpt),
+            "max_batch_size": 8,
+            "tool_parser": "hermes",
+            # the KV cache: Ballast's CPU default; compact guided JSON, so that random weights end it
+            "engine_kwargs": {
+                "dtype": "float32",
+                "enforce_eager": True,
+                "max_model_len": 512,
+                "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+            },
+        },
+    }
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +128,19 @@ def test_a_stop_string_ends_the_answer_where_it_starts(oai):
     kw = dict(model=MODEL, prompt="Tokens per second", max_tokens=30, extra_body={"ignore_eos": True})
     text = oai.completions.create(**kw).choices[0].text
     assert len(text) >= 6, text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = oai.completions.create(**kw, stop=[stop])
     assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
 
 
 def test_vllms_extensions_are_honoured(oai):
     # ignore_eos: every token asked for; repetition_penalty is vLLM's to honour.
-    r = oai.completions.create(model=MODEL, prompt="Hello", max_tokens=16,
-                               extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "top_k": 5, "min_tokens": 4})
+    r = oai.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=16,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.2, "top_k": 5, "min_tokens": 4},
+    )
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
@@ -133,8 +150,12 @@ def test_past_the_context_is_a_400_before_any_work(oai):
     assert e.value.code == "CONTEXT_LENGTH_EXCEEDED" and "context is 512 tokens" in e.value.message
 
 
-VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}},
-           "required": ["ok", "colour"], "additionalProperties": False}
+VERDICT = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}},
+    "required": ["ok", "colour"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -142,12 +163,14 @@ def test_a_json_schema_response_format_gives_json_that_follows_it(oai, stream):
     fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT, "strict": True}}
     messages = [{"role": "user", "content": "Is the sky green? Answer in JSON."}]
     if stream:
-        chunks = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, response_format=fmt,
-                                             temperature=1.0, seed=3, stream=True)
+        chunks = oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=64, response_format=fmt, temperature=1.0, seed=3, stream=True
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     else:
-        r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=64, response_format=fmt,
-                                        temperature=1.0, seed=3)
+        r = oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=64, response_format=fmt, temperature=1.0, seed=3
+        )
         text = r.choices[0].message.content
         assert r.choices[0].finish_reason == "stop"  # the grammar ended it, not max_tokens
     value = json.loads(text)
@@ -159,12 +182,20 @@ def test_a_schema_the_engine_refuses_is_a_400_that_costs_the_model_nothing(oai, 
         return http.get("/v1/status", headers=ADMIN).json()["breakers"]["primary"]["failed_attempts"]
 
     before = model_failures()
-    fmt = {"type": "json_schema", "json_schema": {"name": "either", "schema": {"allOf": [{"type": "string"}, {"enum": ["a", "b"]}]}}}
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {"name": "either", "schema": {"allOf": [{"type": "string"}, {"enum": ["a", "b"]}]}},
+    }
     for stream in (False, True):
         # unary: a 400; a stream has begun (200) and carries it as its error event
         with pytest.raises(openai.APIError) as e:
-            r = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                                            response_format=fmt, stream=stream)
+            r = oai.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=8,
+                response_format=fmt,
+                stream=stream,
+            )
             list(r) if stream else None
         assert isinstance(e.value, openai.BadRequestError) != stream
         assert e.value.code == "ENGINE_REFUSED" and "response_format" in e.value.message
@@ -176,11 +207,30 @@ def test_a_schema_the_engine_refuses_is_a_400_that_costs_the_model_nothing(oai, 
 # Small (the test tokenizer spends a token on most JSON characters: two tools make a
 # prompt of 438 tokens of the 512), with values from enums and a boolean, so that random
 # weights end the arguments within max_tokens.
-WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "metric": {"type": "boolean"}},
-    "required": ["city", "metric"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "time", "parameters": {
-    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "metric": {"type": "boolean"}},
+            "required": ["city", "metric"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -190,8 +240,15 @@ def _weather_args(arguments: str) -> None:
 
 
 def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(oai):
-    r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=64, temperature=1.0, seed=2,
-                                    tool_choice={"type": "function", "function": {"name": "weather"}})
+    r = oai.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        max_tokens=64,
+        temperature=1.0,
+        seed=2,
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+    )
     message = r.choices[0].message
     assert message.content is None and len(message.tool_calls) == 1
     call = message.tool_calls[0]
@@ -201,9 +258,20 @@ def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(oai):
 
 
 def test_required_tool_calls_stream_whole_and_end_with_tool_calls(oai):
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                              parallel_tool_calls=False, max_tokens=64, temperature=1.0, seed=4,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=64,
+            temperature=1.0,
+            seed=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name in ("weather", "time")
     args = json.loads(calls[0].function.arguments)
@@ -214,8 +282,17 @@ def test_required_tool_calls_stream_whole_and_end_with_tool_calls(oai):
 
 def test_a_tools_result_goes_back_to_the_model_and_auto_answers_through_the_parser(oai, tok):
     messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris", "metric": true}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Paris", "metric": true}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "20 degrees and sunny"},
     ]
     # tool_choice auto (the default): vLLM's hermes parser reads the answer; random
@@ -223,7 +300,10 @@ def test_a_tools_result_goes_back_to_the_model_and_auto_answers_through_the_pars
     r = oai.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=8)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
     turns = copy.deepcopy(messages)
-    turns[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris", "metric": True}  # as vLLM hands them to templates
+    turns[1]["tool_calls"][0]["function"]["arguments"] = {
+        "city": "Paris",
+        "metric": True,
+    }  # as vLLM hands them to templates
     rendered = tok.apply_chat_template(turns, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
     assert r.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))  # the template saw it all
 
@@ -312,16 +392,30 @@ def test_a_stalled_vllm_replica_is_killed_and_leaves_no_engine_process(http, oai
     assert r.status_code == 200, r.text
     try:
         integration.wait_chaos(http, "primary", {"stall": True})
-        stuck = [threading.Thread(target=lambda: httpx.post(f"{BASE}/v1/generate", headers={**GOLD, "X-Request-Timeout-Ms": "15000"},
-                                                            json={"prompt": "stall", "max_tokens": 8}, timeout=30), daemon=True)]
+        stuck = [
+            threading.Thread(
+                target=lambda: httpx.post(
+                    f"{BASE}/v1/generate",
+                    headers={**GOLD, "X-Request-Timeout-Ms": "15000"},
+                    json={"prompt": "stall", "max_tokens": 8},
+                    timeout=30,
+                ),
+                daemon=True,
+            )
+        ]
         stuck[0].start()
-        (killed,) = wait_until(lambda: [e for e in events(http, "killed_hung") if e["replica_id"] == rid], 30, 0.3,
-                               "the stalled vLLM replica killed")
+        (killed,) = wait_until(
+            lambda: [e for e in events(http, "killed_hung") if e["replica_id"] == rid],
+            30,
+            0.3,
+            "the stalled vLLM replica killed",
+        )
     finally:
         http.delete("/admin/chaos", headers=ADMIN)
     assert killed["reason"] == "stalled", killed
     wait_until(lambda: not any(psutil.pid_exists(p) for p in engine), 30, 0.5, "the engine's processes gone with it")
     wait_until(lambda: ids(http, "BallastModel") - {rid}, 120, 1.0, "a replacement replica")
+
     def vllm_answers() -> bool:  # not the fallback model, which answers meanwhile
         try:
             return oai.completions.create(model=MODEL, prompt="Hello", max_tokens=2).model == MODEL
@@ -344,8 +438,14 @@ def test_recycling_the_vllm_replica_under_load_fails_no_request(vllm_stack, http
     from test_recycling import recycle_under_load
 
     production = RecycleSettings()
-    surge = {"recycle": {"surge": production.surge, "min_available": production.min_available,
-                         "recycle_timeout_s": production.recycle_timeout_s},
-             "autoscale": {"target_ongoing_requests": 1000}, "deployments": {"model": {"max_replicas": 2}}}
+    surge = {
+        "recycle": {
+            "surge": production.surge,
+            "min_available": production.min_available,
+            "recycle_timeout_s": production.recycle_timeout_s,
+        },
+        "autoscale": {"target_ongoing_requests": 1000},
+        "deployments": {"model": {"max_replicas": 2}},
+    }
     _deploy(load_config(_merge(_merge(integration.test_config_dict(), vllm_overrides(vllm_stack)), surge)), MODEL)
     recycle_under_load(http, "vLLM", 240)

@@ -26,7 +26,8 @@ def build_router(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> Any
     # Serve's ingress wraps the class (its wrapper serves ASGI inside a replica); the
     # class app.py defines holds the routes and builds the state.
     cls = next(
-        c for c in router_app.Router.__mro__
+        c
+        for c in router_app.Router.__mro__
         if "__init__" in c.__dict__ and c.__dict__["__init__"].__qualname__ == "Router.__init__"
     )
     router = cls.__new__(cls)
@@ -52,8 +53,15 @@ def build_pipeline(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> A
 def at_level(router: Any, level: int) -> None:
     constraints = load_config({}).degradation_config().constraints[level].to_dict()
     router.snapshots.offer(
-        Snapshot(epoch=uuid.uuid4().hex[:12], version=1, created_at_s=time.time(), level=level, target_level=level,
-                 reason="test", constraints=constraints)
+        Snapshot(
+            epoch=uuid.uuid4().hex[:12],
+            version=1,
+            created_at_s=time.time(),
+            level=level,
+            target_level=level,
+            reason="test",
+            constraints=constraints,
+        )
     )
 
 

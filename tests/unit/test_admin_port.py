@@ -38,8 +38,12 @@ def _path(path: str) -> str:
 
 
 def test_the_admin_port_serves_every_admin_route_of_the_public_app():
-    public = {(m, route.path) for route, _, _ in _walk_fastapi_routes(router_app.app) for m in route.methods
-              if route.path.startswith("/admin/") or route.path == "/v1/status"}
+    public = {
+        (m, route.path)
+        for route, _, _ in _walk_fastapi_routes(router_app.app)
+        for m in route.methods
+        if route.path.startswith("/admin/") or route.path == "/v1/status"
+    }
     assert {(m, p) for m, p, _, _ in ADMIN_ROUTES} == public
 
 
@@ -132,11 +136,17 @@ def test_another_local_user_cannot_bind_the_port_beside_the_routers():
         pytest.skip("needs root and su to act as another user")
     sock = reuseport_socket(_free_port())
     try:
-        code = ("import socket,sys\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEPORT,1)\n"
-                "try:\n s.bind(('127.0.0.1',int(sys.argv[1]))); print('bound')\nexcept OSError as e:\n print(e.errno)")
+        code = (
+            "import socket,sys\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEPORT,1)\n"
+            "try:\n s.bind(('127.0.0.1',int(sys.argv[1]))); print('bound')\nexcept OSError as e:\n print(e.errno)"
+        )
         python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable
-        out = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c", '"$0" -c "$1" "$2"', python, code,
-                              str(sock.getsockname()[1])], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["su", "nobody", "-s", "/bin/sh", "-c", '"$0" -c "$1" "$2"', python, code, str(sock.getsockname()[1])],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if out.returncode != 0:
             pytest.skip(f"cannot run Python as nobody: {out.stderr.strip()}")
         import errno

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ballast.policies.admission import OVERLOADED, RETRY_AFTER_CAP_S, AdmissionDecision, admit, clamp_max_tokens, retry_after_s
+from ballast.policies.admission import (
+    OVERLOADED,
+    RETRY_AFTER_CAP_S,
+    AdmissionDecision,
+    admit,
+    clamp_max_tokens,
+    retry_after_s,
+)
 from ballast.policies.criticality import Criticality
 from ballast.policies.degradation import DEFAULT_CONSTRAINTS, LevelConstraints
 

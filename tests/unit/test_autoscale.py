@@ -215,9 +215,7 @@ def test_max_scale_down_step() -> None:
 
 
 def test_zero_delay_scales_down_on_the_first_tick() -> None:
-    cfg = AutoscaleConfig(
-        target_gpu_util_pct=None, stable_window_s=1.0, panic_window_s=1.0, scale_down_delay_s=0.0
-    )
+    cfg = AutoscaleConfig(target_gpu_util_pct=None, stable_window_s=1.0, panic_window_s=1.0, scale_down_delay_s=0.0)
     d, _ = tick(0, 0.0, 3, AutoscaleState(), cfg)
     assert d.desired_replicas == 2
 

@@ -98,7 +98,9 @@ class TestDecide:
         assert seen == expected
 
     def test_absent_snapshot_falls_back(self) -> None:
-        desired, info = make_policy().decide(None, CREATED_AT_S, make_ctx(total_num_requests=17, current_num_replicas=2))
+        desired, info = make_policy().decide(
+            None, CREATED_AT_S, make_ctx(total_num_requests=17, current_num_replicas=2)
+        )
         assert desired == 5  # ceil(17 / 4)
         assert info == {"source": "fallback"}
 

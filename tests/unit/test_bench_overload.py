@@ -91,10 +91,17 @@ def test_the_trace_groups_outcomes_by_second_of_sending():
     p.trace = [
         {"_t": 0.1, "level": 0, "gate": {"limit": 8, "waiting": 0, "refused": {"drain": 5}}},  # before the phase
         {"_t": 0.4, "level": 0, "gate": {"limit": 8, "waiting": 0, "refused": {"drain": 6}}},
-        {"_t": 1.5, "level": 1, "gate": {"limit": 6, "decreases_by": {"slow": 1}, "refused": {"drain": 8, "expired": 0}}},
+        {
+            "_t": 1.5,
+            "level": 1,
+            "gate": {"limit": 6, "decreases_by": {"slow": 1}, "refused": {"drain": 8, "expired": 0}},
+        },
     ]
     rows = p.per_second()
-    assert [(r["s"], r["sent"], r["good"], r["crit"], r["crit_good"]) for r in rows] == [(0, 3, 1, 2, 1), (1, 2, 1, 1, 0)]
+    assert [(r["s"], r["sent"], r["good"], r["crit"], r["crit_good"]) for r in rows] == [
+        (0, 3, 1, 2, 1),
+        (1, 2, 1, 1, 0),
+    ]
     assert rows[0]["crit_miss"] == {"LATE": 1} and rows[1]["crit_miss"] == {"OVERLOADED": 1}
     assert rows[0]["status"]["level"] == 0 and rows[1]["status"]["level"] == 1
     text = format_trace(p)
@@ -125,8 +132,12 @@ def test_feasible_shares_follow_strict_class_order():
 
 def _phase(rate, answered, refused, cpu_s, duration_s=10.0, late=0):
     p = Phase(rate=rate, duration_s=duration_s, slo_s=1.0)
-    p.outcomes = ([Outcome("critical", 200, "OK", 0.1)] * answered + [Outcome("critical", 200, "OK", 2.0)] * late
-                  + [Outcome("sheddable", 503, "OVERLOADED", 0.001)] * refused + [Outcome("sheddable", 0, "timeout", 10.0)])
+    p.outcomes = (
+        [Outcome("critical", 200, "OK", 0.1)] * answered
+        + [Outcome("critical", 200, "OK", 2.0)] * late
+        + [Outcome("sheddable", 503, "OVERLOADED", 0.001)] * refused
+        + [Outcome("sheddable", 0, "timeout", 10.0)]
+    )
     p.server_cpu_s = cpu_s
     return p
 
@@ -176,10 +187,13 @@ def test_capacity_is_the_last_rung_that_also_passes_over_a_phase():
     cap, probes = asyncio.run(measure_capacity(stack.probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
     ladder = [p for p in probes if p[1] == 8.0]
     # The short ladder from 25.5 passes 63.1 (60 / 63.1 = 0.95) and stops at 70.7 (0.85) ...
-    assert ladder[-2][0] == pytest.approx(25.5 * 1.12 ** 8) and ladder[-2][2] >= 0.9 > ladder[-1][2]
+    assert ladder[-2][0] == pytest.approx(25.5 * 1.12**8) and ladder[-2][2] >= 0.9 > ladder[-1][2]
     # ... but over 20 s 63.1 keeps 55 / 63.1 = 0.87: one rung down, 56.4, keeps 0.976.
-    assert [(round(r, 1), t, round(f, 3)) for r, t, f in probes[len(ladder):]] == [(63.1, 20.0, 0.871), (56.4, 20.0, 0.976)]
-    assert cap == pytest.approx(25.5 * 1.12 ** 7)
+    assert [(round(r, 1), t, round(f, 3)) for r, t, f in probes[len(ladder) :]] == [
+        (63.1, 20.0, 0.871),
+        (56.4, 20.0, 0.976),
+    ]
+    assert cap == pytest.approx(25.5 * 1.12**7)
     # Each confirmation starts from a settled stack; the ladder's probes are only drained.
     assert stack.calls[0] == ("settle", 0.0)
     assert stack.calls[-4:] == [("settle", 0.0), ("probe", 20.0), ("settle", 0.0), ("probe", 20.0)]
@@ -191,7 +205,7 @@ def test_capacity_that_no_long_probe_confirms_is_an_error():
         asyncio.run(measure_capacity(stack.probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
     # Every rung the ladder passed (25.5 to 63.1 req/s) was tried over 20 s, from the top
     # down to the ladder's first, and no lower.
-    assert [round(r, 1) for r in stack.long_rates] == [round(25.5 * 1.12 ** i, 1) for i in range(8, -1, -1)]
+    assert [round(r, 1) for r in stack.long_rates] == [round(25.5 * 1.12**i, 1) for i in range(8, -1, -1)]
     with pytest.raises(RuntimeError, match="even 25.5 req/s misses the SLO"):
         asyncio.run(measure_capacity(GracefulStack(10.0, 8.0, 1.0).probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
 
@@ -286,11 +300,19 @@ def test_the_vllm_stacks_send_greedy_completions_to_their_openai_routes():
     for name in ("llm", "llm-bounded", "ballast-vllm"):
         st = stacks[name]
         assert st.completions and st.path.endswith("/v1/completions")
-        assert st.body("critical") == {"model": "demo", "prompt": st.body("sheddable")["prompt"], "max_tokens": 16,
-                                       "temperature": 0, "ignore_eos": True, "criticality": "critical"}
+        assert st.body("critical") == {
+            "model": "demo",
+            "prompt": st.body("sheddable")["prompt"],
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "criticality": "critical",
+        }
         assert st.headers["X-Request-Timeout-Ms"] == "1000"
     assert stacks["llm"].path == "/llm/v1/completions" and stacks["llm-bounded"].path == "/llm-bounded/v1/completions"
-    assert stacks["ballast-vllm"].class_header and stacks["ballast-vllm"].headers["Authorization"] == f"Bearer {BENCH_KEY}"
+    assert (
+        stacks["ballast-vllm"].class_header and stacks["ballast-vllm"].headers["Authorization"] == f"Bearer {BENCH_KEY}"
+    )
     assert not stacks["llm"].class_header and "Authorization" not in stacks["llm"].headers
     assert not stacks["ballast"].completions and not stacks["plain"].completions
 
@@ -308,8 +330,12 @@ def test_the_vllm_stacks_run_after_the_others_unless_left_out(tmp_path):
     model = a_model_dir(tmp_path)
     s = parse_settings(model)
     assert s.names == ["plain", "plain-bounded", "ballast", "llm", "llm-bounded", "ballast-vllm"] and s.vllm
-    assert sessions(s.names) == [("plain", ["plain", "plain-bounded"]), ("ballast", ["ballast"]),
-                                 ("llm", ["llm", "llm-bounded"]), ("ballast-vllm", ["ballast-vllm"])]
+    assert sessions(s.names) == [
+        ("plain", ["plain", "plain-bounded"]),
+        ("ballast", ["ballast"]),
+        ("llm", ["llm", "llm-bounded"]),
+        ("ballast-vllm", ["ballast-vllm"]),
+    ]
     s = parse_settings(["--no-vllm", "--sdk"])
     assert s.names == ["plain", "plain-bounded", "ballast", "ballast+sdk"] and not s.vllm
     assert sessions(s.names) == [("plain", ["plain", "plain-bounded"]), ("ballast", ["ballast", "ballast+sdk"])]
@@ -365,8 +391,17 @@ def _vllm_model_dir(tmp_path):
 
     d = tmp_path / "demo-vllm"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"num_attention_heads": 4, "hidden_size": 256, "num_key_value_heads": 2,
-                                               "num_hidden_layers": 4, "max_position_embeddings": 1024}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "num_attention_heads": 4,
+                "hidden_size": 256,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 4,
+                "max_position_embeddings": 1024,
+            }
+        )
+    )
     return str(d)
 
 
@@ -390,15 +425,24 @@ def test_ballast_on_vllm_is_judged_on_goodput_critical_plus_and_against_plain_ll
     checks = check_vllm_targets(ours, MULTIPLES, DEFAULT_MIX, llm)
     results = {what: ok for what, ok, _ in checks}
     ahead = "ahead of plain ray.serve.llm at every multiple (answers within the SLO per second)"
-    assert list(results) == ["goodput >= 0.9 C at every multiple", "critical_plus >= 0.999 where its demand fits in C", ahead]
+    assert list(results) == [
+        "goodput >= 0.9 C at every multiple",
+        "critical_plus >= 0.999 where its demand fits in C",
+        ahead,
+    ]
     assert all(results.values())
     detail = dict((what, d) for what, _, d in checks)
     assert detail[ahead].startswith("1C:19.5/12.0 req/s (goodput/C 0.975/1.000)")
     # 10 C: critical_plus asks 0.5 C, which fits; one miss in 182 is below 99.9 %.
-    results = {w: ok for w, ok, _ in check_vllm_targets(_run(20.0, (19.5, 19.0, 18.4, 18.1), {10.0: 1}), MULTIPLES, DEFAULT_MIX, llm)}
+    results = {
+        w: ok
+        for w, ok, _ in check_vllm_targets(_run(20.0, (19.5, 19.0, 18.4, 18.1), {10.0: 1}), MULTIPLES, DEFAULT_MIX, llm)
+    }
     assert not results["critical_plus >= 0.999 where its demand fits in C"]
     # 4 C at 0.88 of C misses goodput; behind plain llm at 1 C misses "ahead".
-    results = {w: ok for w, ok, _ in check_vllm_targets(_run(20.0, (19.5, 19.0, 17.6, 18.1)), MULTIPLES, DEFAULT_MIX, llm)}
+    results = {
+        w: ok for w, ok, _ in check_vllm_targets(_run(20.0, (19.5, 19.0, 17.6, 18.1)), MULTIPLES, DEFAULT_MIX, llm)
+    }
     assert not results["goodput >= 0.9 C at every multiple"] and results[ahead]
     behind = {w: ok for w, ok, _ in check_vllm_targets(ours, MULTIPLES, DEFAULT_MIX, _run(12.0, (19.6, 3.0, 1.0, 0.4)))}
     assert not behind[ahead]
@@ -412,8 +456,10 @@ def test_the_report_prints_the_vllm_stacks_and_their_targets(capsys, tmp_path):
     s = parse_settings(["--multiples", "1,10", *a_model_dir(tmp_path)])
     results = {
         "llm": _run(12.0, (12.0, 0.4), multiples=(1.0, 10.0)),
-        "llm-bounded": {**_run(11.0, (11.0, 10.5), multiples=(1.0, 10.0)),
-                        "queue": {"max_ongoing_requests": 32, "max_queued_requests": 3, "factor": 0.25}},
+        "llm-bounded": {
+            **_run(11.0, (11.0, 10.5), multiples=(1.0, 10.0)),
+            "queue": {"max_ongoing_requests": 32, "max_queued_requests": 3, "factor": 0.25},
+        },
         "ballast-vllm": _run(20.0, (19.5, 18.1), multiples=(1.0, 10.0)),
     }
     for section in REPORT:
@@ -421,6 +467,9 @@ def test_the_report_prints_the_vllm_stacks_and_their_targets(capsys, tmp_path):
     out = capsys.readouterr().out
     for name in results:
         assert f"\n{name} " in out
-    assert "llm-bounded: the ingress's max_ongoing_requests 32" in out and "max_queued_requests 3 (0.25 x C x SLO, fixed)" in out
+    assert (
+        "llm-bounded: the ingress's max_ongoing_requests 32" in out
+        and "max_queued_requests 3 (0.25 x C x SLO, fixed)" in out
+    )
     assert "ballast-vllm: targets" in out and "[ok] ahead of plain ray.serve.llm" in out
     assert "(not a target) against llm-bounded: 1C:19.5/11.0 req/s" in out

@@ -512,7 +512,11 @@ def test_half_open_reopens_when_every_probe_is_slow() -> None:
 
 
 WAIT = BreakerConfig(
-    window_size=10, min_calls=4, open_duration_s=10, open_jitter_ratio=0.0, half_open_max_probes=5,
+    window_size=10,
+    min_calls=4,
+    open_duration_s=10,
+    open_jitter_ratio=0.0,
+    half_open_max_probes=5,
     half_open_max_wait_s=20,
 )
 

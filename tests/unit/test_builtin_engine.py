@@ -37,9 +37,7 @@ def make_backend(
     sampling: SamplingConfig = SamplingConfig(),
 ) -> TorchDecoderBackend:
     model = build_tiny_decoder(cfg, seed)
-    return TorchDecoderBackend(
-        model, name="t", device="cpu", source=f"seed:{seed}", sampling=sampling
-    )
+    return TorchDecoderBackend(model, name="t", device="cpu", source=f"seed:{seed}", sampling=sampling)
 
 
 def all_tokens(backend: TorchDecoderBackend, prompts, max_new, chunk=4, use_cache=True):
@@ -101,9 +99,7 @@ def test_backend_spec_validation(kwargs, fragment):
         BackendSpec(**kwargs)
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"temperature": -0.1}, {"temperature": float("nan")}, {"seed": -3}]
-)
+@pytest.mark.parametrize("kwargs", [{"temperature": -0.1}, {"temperature": float("nan")}, {"seed": -3}])
 def test_sampling_config_validation(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)
@@ -416,7 +412,10 @@ def test_printable_mask_can_be_disabled():
     masked = TorchDecoderBackend(ScriptedBytes(script, 1), name="f", device="cpu", source="f")
     assert all(32 <= t <= 126 or t == 10 for t in all_tokens(masked, ["p"], [3])[0])
     unmasked = TorchDecoderBackend(
-        ScriptedBytes(script, 1), name="f", device="cpu", source="f",
+        ScriptedBytes(script, 1),
+        name="f",
+        device="cpu",
+        source="f",
         sampling=SamplingConfig(printable_only=False),
     )
     assert all_tokens(unmasked, ["p"], [3])[0] == [200, 201, 202]
@@ -568,9 +567,7 @@ def test_state_dict_forced_as_torchscript_raises(tmp_path):
     path = tmp_path / "sd.pt"
     save_state_dict(build_tiny_decoder(SMALL, 0), path)
     with pytest.raises(ModelLoadError, match="TorchScript") as info:
-        load_backend(
-            BackendSpec(checkpoint_path=str(path), checkpoint_format="torchscript", config=SMALL)
-        )
+        load_backend(BackendSpec(checkpoint_path=str(path), checkpoint_format="torchscript", config=SMALL))
     assert str(path) in str(info.value)
 
 
@@ -587,7 +584,10 @@ def test_detect_format_non_zip_is_state_dict(tmp_path):
 def test_tiny_decoder_is_scriptable_with_geometry_attributes():
     scripted = torch.jit.script(build_tiny_decoder(SMALL, 0))
     assert (scripted.n_layers, scripted.n_heads, scripted.head_dim, scripted.max_seq_len) == (
-        SMALL.n_layers, SMALL.n_heads, SMALL.head_dim, SMALL.max_seq_len,
+        SMALL.n_layers,
+        SMALL.n_heads,
+        SMALL.head_dim,
+        SMALL.max_seq_len,
     )
 
 
@@ -595,8 +595,13 @@ def test_a_join_with_ids_that_are_not_bytes_fails_alone_and_the_three_others_fin
     from ballast.errors import EngineRefused
     from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
 
-    b = load_backend(BackendSpec(config=TinyDecoderConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64),
-                                 device="cpu", compile="eager"))
+    b = load_backend(
+        BackendSpec(
+            config=TinyDecoderConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64),
+            device="cpu",
+            compile="eager",
+        )
+    )
     prompts = {"a": [72, 105], "b": [65, 66, 67], "poison": [300, 1], "d": [120]}
     batch = b.open_batch()
     got: dict = {}

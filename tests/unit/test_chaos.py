@@ -82,8 +82,15 @@ def test_settings_are_frozen() -> None:
 
 def test_from_dict_reads_the_known_keys_and_ignores_the_rest() -> None:
     s = ChaosSettings.from_dict(
-        {"error_ratio": 0.25, "latency_ms": 40, "hang": True, "leak_mb_per_s": 2.0, "vram_leak_mb_per_s": 3.0,
-         "target": "primary", "set_by": "x"}
+        {
+            "error_ratio": 0.25,
+            "latency_ms": 40,
+            "hang": True,
+            "leak_mb_per_s": 2.0,
+            "vram_leak_mb_per_s": 3.0,
+            "target": "primary",
+            "set_by": "x",
+        }
     )
     assert s == ChaosSettings(error_ratio=0.25, latency_ms=40, hang=True, leak_mb_per_s=2.0, vram_leak_mb_per_s=3.0)
 

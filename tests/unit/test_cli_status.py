@@ -27,7 +27,10 @@ SAMPLE = Path(__file__).parent / "data" / "status_sample.json"
 
 def live_document() -> dict[str, Any]:
     clock, wall = FakeClock(0), FakeClock(1_000_000)
-    cfg = {"deployments": {"model": {"min_replicas": 1, "max_replicas": 4}}, "tenants": {"free": {}}}  # a kill switch names a tenant that exists
+    cfg = {
+        "deployments": {"model": {"min_replicas": 1, "max_replicas": 4}},
+        "tenants": {"free": {}},
+    }  # a kill switch names a tenant that exists
     core = ControllerCore(load_config(cfg), clock=clock, wall_clock=wall)
     core.report_router(RouterReport(router_id="r1", inflight=0))
     core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, running=8, queued=600))
@@ -37,7 +40,9 @@ def live_document() -> dict[str, Any]:
     core.set_kill_switch("tenant", "free", "abuse from one key", 600, "alice")
     snap = core.snapshot()
 
-    breaker = CircuitBreaker("primary", BreakerConfig(window_size=100, min_calls=10, failure_rate_threshold=0.5), clock=clock)
+    breaker = CircuitBreaker(
+        "primary", BreakerConfig(window_size=100, min_calls=10, failure_rate_threshold=0.5), clock=clock
+    )
     for _ in range(10):
         permit = breaker.allow()
         assert permit is not None
@@ -50,8 +55,11 @@ def live_document() -> dict[str, Any]:
         "constraints": snap["constraints"],
         "snapshot": {k: snap[k] for k in ("epoch", "version", "target_level", "reason", "inputs")} | {"age_s": 0.4},
         "replicas": {
-            dep: {"desired": snap["desired_replicas"].get(dep), "running": snap["running_replicas"].get(dep),
-                  **({"autoscale": snap["autoscale"][dep]} if dep in snap["autoscale"] else {})}
+            dep: {
+                "desired": snap["desired_replicas"].get(dep),
+                "running": snap["running_replicas"].get(dep),
+                **({"autoscale": snap["autoscale"][dep]} if dep in snap["autoscale"] else {}),
+            }
             for dep in sorted(set(snap["desired_replicas"]) | set(snap["running_replicas"]))
         },
         "breakers": {"primary": {**breaker.snapshot(), "failed_attempts": {"timeout": 10}}},
@@ -120,7 +128,9 @@ def test_recorded_document_fail_static_recycle_and_gate() -> None:
     assert "recycles in flight: 1" in lines
     assert "  BallastModel#a1b2 (BallastModel): max_age, 14 s" in lines
     assert "  BallastModel: 3 / 2  [stable: desired 2 -> 2, +1 recycle surge]" in lines
-    assert "gate: limit 12, 12 at the model, 30 waiting, reserving slots for critical, refused drain 4, no_time 7" in lines
+    assert (
+        "gate: limit 12, 12 at the model, 30 waiting, reserving slots for critical, refused drain 4, no_time 7" in lines
+    )
     assert "kill switches: none" in lines
     assert "tenants near their quota (bucket <= 20% of burst): none" in lines
 
@@ -179,7 +189,9 @@ def test_without_url_the_commands_go_to_the_stack_make_serve_started(tmp_path: P
     assert default_url(run) == DEFAULT_URL
 
 
-def test_status_without_url_reads_the_pid_file_and_says_when_nothing_answers(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_status_without_url_reads_the_pid_file_and_says_when_nothing_answers(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / ".run").mkdir()
     (tmp_path / ".run" / "ballast-8123.pid").write_text(json.dumps({"pid": 1, "url": "http://127.0.0.1:9"}))

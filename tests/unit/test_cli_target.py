@@ -60,7 +60,12 @@ def test_a_symlink_is_never_followed_for_a_pid_file_or_its_directory(tmp_path: P
 
 def test_only_a_loopback_url_of_a_pid_file_is_used(tmp_path: Path) -> None:
     run = tmp_path / ".run"
-    for url in ("http://attacker.example:8000", "http://10.0.0.5:8000", "file:///etc/passwd", "http://127.0.0.1:notaport"):
+    for url in (
+        "http://attacker.example:8000",
+        "http://10.0.0.5:8000",
+        "file:///etc/passwd",
+        "http://127.0.0.1:notaport",
+    ):
         _pid(run, 8123, url)
         assert default_url(run) == DEFAULT_URL, url
     _pid(run, 8123, "http://localhost:8123", admin_url="http://127.0.0.1:9123")
@@ -101,7 +106,8 @@ def recorder() -> Iterator[str]:
 
 
 def test_the_token_goes_to_the_url_the_operator_named_never_to_a_planted_pid_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorder: str) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorder: str
+) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(cli, "DEFAULT_URL", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setenv("BALLAST_ADMIN_TOKEN", "secret")
@@ -139,7 +145,9 @@ def test_serve_writes_its_pid_file_privately_and_refuses_a_symlink(tmp_path: Pat
         write_pid(shared / "ballast-8123.pid", {"pid": 8, "url": "http://127.0.0.1:8123"})
 
 
-def test_stop_signals_no_process_a_pid_file_it_does_not_believe_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stop_signals_no_process_a_pid_file_it_does_not_believe_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

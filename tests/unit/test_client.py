@@ -732,9 +732,11 @@ class BreakingByteStream(httpx.SyncByteStream):
 
 
 def test_a_stream_cut_after_its_tokens_is_resumed_with_the_ids_the_caller_has() -> None:
-    cut = httpx.Response(200, stream=BreakingByteStream(
-        b'event: token\ndata: {"text": "h\u00e9", "tokens": 3, "ids": [104, 195, 169]}\n\n'),
-        headers={"Content-Type": "text/event-stream"})
+    cut = httpx.Response(
+        200,
+        stream=BreakingByteStream(b'event: token\ndata: {"text": "h\u00e9", "tokens": 3, "ids": [104, 195, 169]}\n\n'),
+        headers={"Content-Type": "text/event-stream"},
+    )
     rest = sse(("token", {"text": "llo", "tokens": 3, "ids": [108, 108, 111]}), ("done", {**DONE, "resumed_tokens": 3}))
     h = harness(cut, rest, request_timeout_ms=10_000)
     stream = h.client.stream("Hello", max_tokens=6)
@@ -813,7 +815,9 @@ async def test_async_throttle_rejects_locally() -> None:
 
 async def test_async_stream_yields_tokens_and_done() -> None:
     h = Harness(
-        scripted_server(sse(("token", {"text": "a", "tokens": 1}), ("token", {"text": "b", "tokens": 1}), ("done", DONE))),
+        scripted_server(
+            sse(("token", {"text": "a", "tokens": 1}), ("token", {"text": "b", "tokens": 1}), ("done", DONE))
+        ),
         is_async=True,
     )
     stream = h.client.stream("Hello")

@@ -65,12 +65,16 @@ def test_cluster_yaml_passes_rays_own_validation():
     # for stacks sharing a host).
     assert prod.http.port == 8000 and stack_ports(8000) == {
         **{k: str(v) for k, v in SERVE_PORTS.items()},
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000", "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30039",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "40000", "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "40039",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30039",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "40000",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "40039",
     }
     edge = {"RAY_SERVE_HAPROXY_BINARY_PATH", "BALLAST_HAPROXY_REAL"}  # paths of this checkout here
     exported = {
-        k: v for k, v in env.items() if not k.startswith("RAY_SERVE_HAPROXY_") and k not in stack_ports(8000) and k not in edge
+        k: v
+        for k, v in env.items()
+        if not k.startswith("RAY_SERVE_HAPROXY_") and k not in stack_ports(8000) and k not in edge
     }
     assert len(exported) == 5 and exported["RAY_worker_niceness"] == "0" and edge <= set(env)
     for c in (c for c in starts if "ray start" in c):

@@ -438,9 +438,7 @@ class TestKeyStore:
         p.write_text("file-secret-key=free\n")
         admin_file = tmp_path / "admin.txt"
         admin_file.write_text("admin-secret-token\n")
-        cfg = cfg_with(
-            demo_keys={"demo-secret-key": "gold"}, api_keys_file=str(p), admin_token_file=str(admin_file)
-        )
+        cfg = cfg_with(demo_keys={"demo-secret-key": "gold"}, api_keys_file=str(p), admin_token_file=str(admin_file))
         store = KeyStore.from_config(cfg, environ={"BALLAST_API_KEYS": "env-secret-key=gold"})
         secrets = ["demo-secret-key", "file-secret-key", "env-secret-key", "admin-secret-token"]
         # The store does work: every secret is recognised ...

@@ -59,9 +59,9 @@ def test_the_schemas_say_what_the_routes_take(doc):
     assert {"prompt", "max_tokens", "criticality", "stream", "resume"} == set(schemas["GenerateRequest"]["properties"])
     generate = doc["paths"]["/v1/generate"]["post"]
     assert "text/event-stream" in generate["responses"]["200"]["content"]
-    assert doc["paths"]["/v1/chat/completions"]["post"]["responses"]["default"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/ErrorResponse"
-    }
+    assert doc["paths"]["/v1/chat/completions"]["post"]["responses"]["default"]["content"]["application/json"][
+        "schema"
+    ] == {"$ref": "#/components/schemas/ErrorResponse"}
     json.dumps(doc)  # serializable as served
 
 

@@ -31,13 +31,19 @@ class TestFoldReports:
         assert sig.queue_length == 4
 
     def test_fallback_replicas_do_not_count_in_the_queue_but_do_in_gpu_util(self) -> None:
-        reps = [replica("a", queued=1, gpu_util_pct=20.0), replica("f", queued=50, deployment="Fallback", gpu_util_pct=60.0)]
+        reps = [
+            replica("a", queued=1, gpu_util_pct=20.0),
+            replica("f", queued=50, deployment="Fallback", gpu_util_pct=60.0),
+        ]
         sig = control.fold_reports([], reps, P)
         assert sig.queue_length == 1
         assert sig.gpu_util_pct == 40.0  # the mean over every replica
 
     def test_worst_p95_and_highest_vram(self) -> None:
-        reps = [replica("a", queue_wait_p95_ms=100.0, vram_pct=50.0), replica("b", queue_wait_p95_ms=300.0, vram_pct=70.0)]
+        reps = [
+            replica("a", queue_wait_p95_ms=100.0, vram_pct=50.0),
+            replica("b", queue_wait_p95_ms=300.0, vram_pct=70.0),
+        ]
         sig = control.fold_reports([router(queue_wait_p95_ms=200.0)], reps, P)
         assert (sig.queue_wait_p95_ms, sig.vram_pct) == (300.0, 70.0)
 
@@ -58,7 +64,10 @@ class TestFoldReports:
         assert control.fold_reports(routers, [], P).capacity_rps == 25.0
 
     def test_demand_sums_over_routers_and_error_rate_over_the_window(self) -> None:
-        routers = [router("a", demand_rps={"critical": 2.0}), router("b", demand_rps={"critical": 3.0, "sheddable": 1.0})]
+        routers = [
+            router("a", demand_rps={"critical": 2.0}),
+            router("b", demand_rps={"critical": 3.0, "sheddable": 1.0}),
+        ]
         sig = control.fold_reports(routers, [], P, requests=20, errors=5)
         assert sig.demand_rps == {"critical": 5.0, "sheddable": 1.0}
         assert (sig.error_rate, sig.request_count) == (0.25, 20)

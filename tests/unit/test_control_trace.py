@@ -44,15 +44,22 @@ ERROR_WINDOW_S = 10
 
 
 def make_cfg():
-    return load_config({
-        "deployments": {"model": {"min_replicas": 1, "max_replicas": 4}},
-        # Reports live 2 s and ticks are 3 s apart: each tick sees exactly its own reports.
-        "controller": {"report_expiry_s": 2, "error_window_s": ERROR_WINDOW_S},
-        "watchdog": {"interval_s": 0.5},
-        "degradation": {"stable_window_s": 5},
-        "autoscale": {"stable_window_s": 20, "panic_window_s": 4, "scale_down_delay_s": 5},
-        "recycle": {"max_age_s": None, "window_start_hour": None, "window_end_hour": None, "forced_max_age_s": None},
-    })
+    return load_config(
+        {
+            "deployments": {"model": {"min_replicas": 1, "max_replicas": 4}},
+            # Reports live 2 s and ticks are 3 s apart: each tick sees exactly its own reports.
+            "controller": {"report_expiry_s": 2, "error_window_s": ERROR_WINDOW_S},
+            "watchdog": {"interval_s": 0.5},
+            "degradation": {"stable_window_s": 5},
+            "autoscale": {"stable_window_s": 20, "panic_window_s": 4, "scale_down_delay_s": 5},
+            "recycle": {
+                "max_age_s": None,
+                "window_start_hour": None,
+                "window_end_hour": None,
+                "forced_max_age_s": None,
+            },
+        }
+    )
 
 
 def controller_path() -> list[dict]:
@@ -71,13 +78,15 @@ def controller_path() -> list[dict]:
         kills = []
         while core.recycler.kill_orders:
             kills.append(core.recycler.kill_orders.popleft()["replica_id"])
-        out.append({
-            "level": snap.level,
-            "desired": snap.desired_replicas[MODEL_DEPLOYMENT],
-            "surge": snap.autoscale[MODEL_DEPLOYMENT]["recycle_surge"],
-            "recycling": sorted(snap.recycle_orders),
-            "kills": kills,
-        })
+        out.append(
+            {
+                "level": snap.level,
+                "desired": snap.desired_replicas[MODEL_DEPLOYMENT],
+                "surge": snap.autoscale[MODEL_DEPLOYMENT]["recycle_surge"],
+                "recycling": sorted(snap.recycle_orders),
+                "kills": kills,
+            }
+        )
         clock.advance(TRACE["tick_s"])
         wall.advance(TRACE["tick_s"])
     return out
@@ -86,8 +95,12 @@ def controller_path() -> list[dict]:
 def simulator_path() -> list[dict]:
     cfg = make_cfg()
     ctrl = BallastController(
-        SimConfig(), fleet=None, recycling=True,
-        deg_cfg=cfg.degradation_config(), as_cfg=cfg.autoscale_config(), rc_cfg=cfg.recycle.recycle_config(),
+        SimConfig(),
+        fleet=None,
+        recycling=True,
+        deg_cfg=cfg.degradation_config(),
+        as_cfg=cfg.autoscale_config(),
+        rc_cfg=cfg.recycle.recycle_config(),
     )
     outcomes: list[tuple[int, int, int]] = []  # (at, requests, errors): the error window, as the glue keeps it
     out = []
@@ -99,18 +112,27 @@ def simulator_path() -> list[dict]:
         replicas = t["replicas"]
         views = recycle.replica_views(replicas, watchdogs, ctrl.rc_state, frozenset(), wall)
         dec, step = ctrl.policy_tick(
-            t["routers"], replicas, sum(o[1] for o in window), sum(o[2] for o in window),
-            sum(1 for r in replicas if r.deployment == MODEL_DEPLOYMENT), now,
-            views=views, watchdogs=watchdogs, wall_s=wall, hour_of_day=_hour_of_day(wall),
+            t["routers"],
+            replicas,
+            sum(o[1] for o in window),
+            sum(o[2] for o in window),
+            sum(1 for r in replicas if r.deployment == MODEL_DEPLOYMENT),
+            now,
+            views=views,
+            watchdogs=watchdogs,
+            wall_s=wall,
+            hour_of_day=_hour_of_day(wall),
             serving_replicas=control.serving_replicas(replicas, watchdogs, MODEL_DEPLOYMENT),
         )
-        out.append({
-            "level": dec.level.level,
-            "desired": dec.desired_replicas,
-            "surge": dec.recycle_surge,
-            "recycling": sorted(f.replica_id for f in ctrl.rc_state.in_flight),
-            "kills": [k.replica_id for k in step.kills],
-        })
+        out.append(
+            {
+                "level": dec.level.level,
+                "desired": dec.desired_replicas,
+                "surge": dec.recycle_surge,
+                "recycling": sorted(f.replica_id for f in ctrl.rc_state.in_flight),
+                "kills": [k.replica_id for k in step.kills],
+            }
+        )
     return out
 
 

@@ -464,7 +464,9 @@ class TestConfigure:
 
 
 def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(h: Harness) -> None:
-    h.router("a", demand_rps={"critical": 20.0, "sheddable_plus": 40.0, "sheddable": 70.0}, served_rps=20.0, gate_full=True)
+    h.router(
+        "a", demand_rps={"critical": 20.0, "sheddable_plus": 40.0, "sheddable": 70.0}, served_rps=20.0, gate_full=True
+    )
     h.router("b", demand_rps={"critical": 8.0, "sheddable_plus": 2.0}, served_rps=15.0, gate_full=False)
     h.replica("m1")  # serving: no capacity gap
     sig = h.core.signals()
@@ -479,8 +481,10 @@ def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(
 
 
 def test_malformed_demand_reports_are_refused_when_built_and_dropped_on_arrival(h: Harness) -> None:
-    bads = [("demand_rps", bad) for bad in ({"nope": 1.0}, {"critical": -2.0}, {"critical": "x"}, ["critical"],
-                                            {"critical": float("inf")})]
+    bads = [
+        ("demand_rps", bad)
+        for bad in ({"nope": 1.0}, {"critical": -2.0}, {"critical": "x"}, ["critical"], {"critical": float("inf")})
+    ]
     for name, bad in bads + [("served_rps", -1.0)]:
         with pytest.raises(ValueError, match=f"^{name}:"):
             RouterReport(router_id="a", **{name: bad})
@@ -515,16 +519,25 @@ def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
     from ballast.control.controller import ControllerCore
     from ballast.control.names import MODEL_DEPLOYMENT
 
-    cfg = load_config({
-        "deployments": {"model": {"min_replicas": 1, "max_replicas": 2}},
-        "autoscale": {"target_ongoing_requests": 4, "stable_window_s": 4, "panic_window_s": 1, "scale_down_delay_s": 2},
-    })
+    cfg = load_config(
+        {
+            "deployments": {"model": {"min_replicas": 1, "max_replicas": 2}},
+            "autoscale": {
+                "target_ongoing_requests": 4,
+                "stable_window_s": 4,
+                "panic_window_s": 1,
+                "scale_down_delay_s": 2,
+            },
+        }
+    )
     t = [0.0]
     core = ControllerCore(cfg, clock=lambda: t[0], wall_clock=lambda: 1000.0 + t[0])
 
     def replicas(n: int, running: int) -> None:
         for i in range(n):
-            core.report_replica(ReplicaReport(replica_id=f"r{i}", deployment=MODEL_DEPLOYMENT, queued=0, running=running))
+            core.report_replica(
+                ReplicaReport(replica_id=f"r{i}", deployment=MODEL_DEPLOYMENT, queued=0, running=running)
+            )
 
     desired = []
     for tick in range(40):  # a burst for 5 s, then quiet; both replicas keep reporting throughout
@@ -541,13 +554,15 @@ def test_leases_split_a_tenants_rate_by_demand_and_cap_borrowing():
     from ballast.config import load_config
     from ballast.control.controller import ControllerCore
 
-    cfg = load_config({
-        "tenants": {
-            "small": {"rate_tokens_per_s": 100, "burst_tokens": 200},
-            "big": {"rate_tokens_per_s": 10000, "burst_tokens": 10000},
-        },
-        "quota": {"lend_at_levels": [0], "max_borrow_ratio": 0.5, "min_share_ratio": 0.0},
-    })
+    cfg = load_config(
+        {
+            "tenants": {
+                "small": {"rate_tokens_per_s": 100, "burst_tokens": 200},
+                "big": {"rate_tokens_per_s": 10000, "burst_tokens": 10000},
+            },
+            "quota": {"lend_at_levels": [0], "max_borrow_ratio": 0.5, "min_share_ratio": 0.0},
+        }
+    )
     t = [0.0]
     core = ControllerCore(cfg, clock=lambda: t[0], wall_clock=lambda: 1000.0 + t[0])
     core.report_router(RouterReport(router_id="a", demand_tokens_per_s={"small": 900.0}))

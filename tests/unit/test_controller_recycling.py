@@ -30,8 +30,13 @@ def cfg(replicas: tuple[int, int] = (2, 2), **recycle: Any):
             "deployments": {"model": {"min_replicas": replicas[0], "max_replicas": replicas[1]}},
             "controller": {"report_expiry_s": 3},
             "recycle": {
-                "max_age_s": None, "forced_max_age_s": None, "window_start_hour": None, "window_end_hour": None,
-                "lease_heartbeat_s": 2, "recycle_timeout_s": 120, **recycle,
+                "max_age_s": None,
+                "forced_max_age_s": None,
+                "window_start_hour": None,
+                "window_end_hour": None,
+                "lease_heartbeat_s": 2,
+                "recycle_timeout_s": 120,
+                **recycle,
             },
         }
     )
@@ -48,12 +53,28 @@ class Fleet:
             self.add(f"r{i}")
 
     def add(self, rid: str, ready: bool = True) -> None:
-        self.replicas[rid] = ReplicaReport(replica_id=rid, deployment=MODEL_DEPLOYMENT, queued=0, running=0,
-                                           started_at_s=float(self.wall()), ready=ready, draining=False)
+        self.replicas[rid] = ReplicaReport(
+            replica_id=rid,
+            deployment=MODEL_DEPLOYMENT,
+            queued=0,
+            running=0,
+            started_at_s=float(self.wall()),
+            ready=ready,
+            draining=False,
+        )
         self.watchdogs[rid] = WatchdogReport(
-            replica_id=rid, deployment=MODEL_DEPLOYMENT, actor_name=f"SERVE_REPLICA::ballast#BallastModel#{rid}",
-            actor_namespace="serve", ready=True, hung=False, recycle_requested=False, critical=False, reason=None,
-            rss_bytes=1e9, heartbeat_age_s=0.1, inflight=0,
+            replica_id=rid,
+            deployment=MODEL_DEPLOYMENT,
+            actor_name=f"SERVE_REPLICA::ballast#BallastModel#{rid}",
+            actor_namespace="serve",
+            ready=True,
+            hung=False,
+            recycle_requested=False,
+            critical=False,
+            reason=None,
+            rss_bytes=1e9,
+            heartbeat_age_s=0.1,
+            inflight=0,
         )
 
     def set(self, rid: str, replica: Optional[dict[str, Any]] = None, **watchdog: Any) -> None:
@@ -98,8 +119,14 @@ def test_a_hung_replica_gets_one_kill_order_and_an_event() -> None:
     f.set("r1", hung=True, hung_reason="stalled", inflight=2, heartbeat_age_s=0.4, stalled_s=4.0)
     f.step()
     orders = list(f.core.recycler.kill_orders)
-    assert orders == [{"replica_id": "r1", "deployment": MODEL_DEPLOYMENT,
-                       "actor_name": "SERVE_REPLICA::ballast#BallastModel#r1", "namespace": "serve"}]
+    assert orders == [
+        {
+            "replica_id": "r1",
+            "deployment": MODEL_DEPLOYMENT,
+            "actor_name": "SERVE_REPLICA::ballast#BallastModel#r1",
+            "namespace": "serve",
+        }
+    ]
     f.step(5)  # still reported hung (the kill takes a moment): no second order within the cooldown
     assert len(f.core.recycler.kill_orders) == 1
     (e,) = events(f.core, "killed_hung")
@@ -292,8 +319,15 @@ def lone(**recycle: Any):
             "deployments": {"model": {"min_replicas": 1, "max_replicas": 2}},
             "controller": {"report_expiry_s": 3},
             "recycle": {
-                "max_age_s": 100, "jitter_ratio": 0, "forced_max_age_s": None, "window_start_hour": None,
-                "window_end_hour": None, "min_available": 1, "lease_heartbeat_s": 2, "recycle_timeout_s": 120, **recycle,
+                "max_age_s": 100,
+                "jitter_ratio": 0,
+                "forced_max_age_s": None,
+                "window_start_hour": None,
+                "window_end_hour": None,
+                "min_available": 1,
+                "lease_heartbeat_s": 2,
+                "recycle_timeout_s": 120,
+                **recycle,
             },
         }
     )
@@ -306,7 +340,9 @@ def test_a_lone_replica_is_recycled_with_a_surge_of_one_and_never_leaves_none_se
     snap = f.step(60)  # r0 is past its age: it may not go while it is the only one serving ...
     assert snap["recycle"]["waiting"] == [["r0", "min_available"]]
     assert snap["desired_replicas"][MODEL_DEPLOYMENT] == 2  # ... so the controller asks for one more
-    assert snap["autoscale"][MODEL_DEPLOYMENT]["recycle_surge"] == 1 and snap["recycle"]["surging"] == [MODEL_DEPLOYMENT]
+    assert snap["autoscale"][MODEL_DEPLOYMENT]["recycle_surge"] == 1 and snap["recycle"]["surging"] == [
+        MODEL_DEPLOYMENT
+    ]
     f.add("r1")  # Serve starts it
     snap = f.step()
     assert list(snap["recycle_orders"]) == ["r0"] and snap["desired_replicas"][MODEL_DEPLOYMENT] == 2

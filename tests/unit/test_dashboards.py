@@ -37,7 +37,11 @@ def used_metrics(exprs: list[str]) -> set[str]:
 
 def test_exported_metrics_include_the_watchdog_gauge_family():
     # the watchdog builds these names in a loop; the helper must see them or the checks below are hollow
-    assert {"ballast_replica_rss_bytes", "ballast_replica_heartbeat_age_seconds", "ballast_replica_ready"} <= exported_metrics()
+    assert {
+        "ballast_replica_rss_bytes",
+        "ballast_replica_heartbeat_age_seconds",
+        "ballast_replica_ready",
+    } <= exported_metrics()
 
 
 def test_dashboards_only_use_metrics_ballast_exports():
@@ -73,7 +77,11 @@ def test_dashboards_are_distinct_and_well_formed():
     import json
 
     rendered = render_all()
-    assert sorted(rendered) == sorted(f"{d.uid}.json" for d in DASHBOARDS) == ["ballast-overview.json", "ballast-replicas.json"]
+    assert (
+        sorted(rendered)
+        == sorted(f"{d.uid}.json" for d in DASHBOARDS)
+        == ["ballast-overview.json", "ballast-replicas.json"]
+    )
     assert len({d.title for d in DASHBOARDS}) == len(DASHBOARDS)
     for name, text in rendered.items():
         board = json.loads(text)
@@ -88,7 +96,16 @@ def test_dashboards_are_distinct_and_well_formed():
 @pytest.mark.skipif(promtool is None, reason="promtool not installed (apt-get install prometheus)")
 def test_every_panel_query_parses(tmp_path):
     """promtool parses each query as a recording rule: a typo fails here, not on a live Prometheus."""
-    rules = {"groups": [{"name": "panels", "rules": [{"record": f"panel:q{i}", "expr": e} for i, e in enumerate(panel_queries(sparse=True))]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "panels",
+                "rules": [{"record": f"panel:q{i}", "expr": e} for i, e in enumerate(panel_queries(sparse=True))],
+            }
+        ]
+    }
     (tmp_path / "panels.yml").write_text(yaml.safe_dump(rules))
-    result = subprocess.run([promtool, "check", "rules", "panels.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "rules", "panels.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr

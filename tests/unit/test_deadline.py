@@ -2,7 +2,14 @@
 
 import pytest
 
-from ballast.policies.deadline import ATTEMPT_MARGIN_S, MIN_ATTEMPT_S, REPLICA_LEAD_S, Deadline, attempt_timeout_s, replica_deadline_s
+from ballast.policies.deadline import (
+    ATTEMPT_MARGIN_S,
+    MIN_ATTEMPT_S,
+    REPLICA_LEAD_S,
+    Deadline,
+    attempt_timeout_s,
+    replica_deadline_s,
+)
 
 
 def test_the_layers_answer_in_order_before_the_deadline() -> None:

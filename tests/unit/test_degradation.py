@@ -561,10 +561,17 @@ def test_signals_validation() -> None:
 # ----------------------------------------------------------------- demand by criticality
 
 
-def demand(cp: float = 0.0, c: float = 0.0, sp: float = 0.0, s: float = 0.0, capacity: float | None = 35.0) -> LoadSignals:
+def demand(
+    cp: float = 0.0, c: float = 0.0, sp: float = 0.0, s: float = 0.0, capacity: float | None = 35.0
+) -> LoadSignals:
     return LoadSignals(
-        queue_length=0, queue_wait_p95_ms=None, gpu_util_pct=None, vram_pct=None, error_rate=None,
-        demand_rps={"critical_plus": cp, "critical": c, "sheddable_plus": sp, "sheddable": s}, capacity_rps=capacity,
+        queue_length=0,
+        queue_wait_p95_ms=None,
+        gpu_util_pct=None,
+        vram_pct=None,
+        error_rate=None,
+        demand_rps={"critical_plus": cp, "critical": c, "sheddable_plus": sp, "sheddable": s},
+        capacity_rps=capacity,
     )
 
 
@@ -592,8 +599,15 @@ def test_classes_that_are_all_served_never_read_as_filling_the_model() -> None:
 
 
 def test_demand_never_lowers_what_another_signal_asks_for() -> None:
-    s = LoadSignals(queue_length=250, queue_wait_p95_ms=None, gpu_util_pct=None, vram_pct=None, error_rate=None,
-                    demand_rps={"sheddable": 100.0, "sheddable_plus": 100.0}, capacity_rps=35.0)
+    s = LoadSignals(
+        queue_length=250,
+        queue_wait_p95_ms=None,
+        gpu_util_pct=None,
+        vram_pct=None,
+        error_rate=None,
+        demand_rps={"sheddable": 100.0, "sheddable_plus": 100.0},
+        capacity_rps=35.0,
+    )
     assert target_level(s, CFG) == (3, "queue_length=250>=200")
 
 

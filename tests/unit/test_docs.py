@@ -9,7 +9,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_configuration_reference_matches_the_config_model():
     committed = (ROOT / "docs/configuration.md").read_text()
-    assert committed == render(), "docs/configuration.md is stale: run `python -m ballast.ops.config_doc > docs/configuration.md`"
+    assert committed == render(), (
+        "docs/configuration.md is stale: run `python -m ballast.ops.config_doc > docs/configuration.md`"
+    )
 
 
 def test_every_config_field_is_documented():
@@ -18,7 +20,11 @@ def test_every_config_field_is_documented():
     text = render()
     for name in BallastConfig.model_fields:
         assert f"| `{name}` |" in text
-    for name in ("resilience.breaker.open_duration_s", "tenants.<name>.rate_tokens_per_s", "degradation.levels[].admitted"):
+    for name in (
+        "resilience.breaker.open_duration_s",
+        "tenants.<name>.rate_tokens_per_s",
+        "degradation.levels[].admitted",
+    ):
         assert f"| `{name}` |" in text
 
 

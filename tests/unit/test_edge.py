@@ -23,7 +23,16 @@ import pytest
 from ballast.policies.criticality import Criticality
 from ballast.policies.degradation import DEFAULT_CONSTRAINTS
 from ballast.errors import Overloaded
-from ballast.router.edge import KEYS_MAP_NAME, MAP_NAME, WRAPPER, Edge, key_entries, parse_table, render_map, shed_entries
+from ballast.router.edge import (
+    KEYS_MAP_NAME,
+    MAP_NAME,
+    WRAPPER,
+    Edge,
+    key_entries,
+    parse_table,
+    render_map,
+    shed_entries,
+)
 from ballast.router.ingress import edge_env
 from ballast.router.openai_api import openai_error_body
 
@@ -56,14 +65,20 @@ def test_the_map_sheds_what_the_level_does_not_admit_and_never_critical_plus():
     assert shed_entries(1, DEFAULT_CONSTRAINTS[1]) == {"sheddable": "1:1:1000:3"}
     assert shed_entries(2, DEFAULT_CONSTRAINTS[2]) == {"sheddable": "2:2:1000:3", "sheddable_plus": "2:2:1000:2"}
     assert shed_entries(3, DEFAULT_CONSTRAINTS[3]) == {
-        "sheddable": "4:3:1000:3", "sheddable_plus": "4:3:1000:2", "critical": "4:3:1000:1"}
+        "sheddable": "4:3:1000:3",
+        "sheddable_plus": "4:3:1000:2",
+        "critical": "4:3:1000:1",
+    }
     # Level 4 admits nothing new, but critical_plus may still go to the fallback: the router decides.
     assert set(shed_entries(4, DEFAULT_CONSTRAINTS[4])) == {"sheddable", "sheddable_plus", "critical"}
     # A class the level admits: the throttle's share of it, with the gate's Retry-After;
     # a whole class stays whole, and critical_plus is never in the map.
     drops = {"critical_plus": 900, "critical": 629, "sheddable_plus": 0, "sheddable": 300}
     assert shed_entries(2, DEFAULT_CONSTRAINTS[2], drops) == {
-        "critical": "1:2:629:1", "sheddable_plus": "2:2:1000:2", "sheddable": "2:2:1000:3"}
+        "critical": "1:2:629:1",
+        "sheddable_plus": "2:2:1000:2",
+        "sheddable": "2:2:1000:3",
+    }
     assert shed_entries(0, DEFAULT_CONSTRAINTS[0], {"critical": 5000}) == {"critical": "1:0:999:1"}
     assert render_map({"sheddable": "2:2:1000", "critical": "2:2:1000"}) == "critical 2:2:1000\nsheddable 2:2:1000\n"
 
@@ -143,7 +158,9 @@ KEY = "dev-key-gold"  # gold's key in ROUTER_CFG below
 BEARER = f"Bearer {KEY}"
 
 
-def _post(port: int, path: str, crit: str | None, auth: str | list[str] | None = BEARER) -> tuple[int, dict[str, str], bytes]:
+def _post(
+    port: int, path: str, crit: str | None, auth: str | list[str] | None = BEARER
+) -> tuple[int, dict[str, str], bytes]:
     """One request; ``auth``: its Authorization header (a list: one header each)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     conn.putrequest("POST", path)
@@ -180,7 +197,9 @@ def test_the_wrapper_runs_serves_config_with_the_edge_rules_and_the_same_process
 def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(haproxy):
     d, port, _ = haproxy
     edge = Edge(str(d), str(d / "admin.sock"))
-    assert edge.apply_keys(key_entries([(hashlib.sha256(KEY.encode()).digest(), "gold")], {"gold": Criticality.CRITICAL_PLUS}))
+    assert edge.apply_keys(
+        key_entries([(hashlib.sha256(KEY.encode()).digest(), "gold")], {"gold": Criticality.CRITICAL_PLUS})
+    )
     assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is True
     assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is False  # unchanged: no command sent
     assert "critical 4:3:1000:1" in (d / MAP_NAME).read_text()  # the file too: what a reload reads
@@ -221,8 +240,11 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
     answers = [_post(port, "/v1/generate", "critical") for _ in range(200)]
     refused = [json.loads(b)["error"] for s, _, b in answers if s == 503]
     assert 40 < len(refused) < 160  # 500 per mille of 200 (a binomial: outside this ~1e-17)
-    assert refused[0] == {"code": "OVERLOADED", "retry_after_s": 1, "message":
-                          "no model capacity for 'critical' at level 2 (the edge refuses 500 per mille of it)"}
+    assert refused[0] == {
+        "code": "OVERLOADED",
+        "retry_after_s": 1,
+        "message": "no model capacity for 'critical' at level 2 (the edge refuses 500 per mille of it)",
+    }
     assert {s for s, _, _ in answers} == {200, 503} and edge.drain() == {"critical": len(refused)}
 
 
@@ -236,11 +258,17 @@ def _connect_as_nobody(path: Path) -> str:
 
     if os.geteuid() != 0 or shutil.which("su") is None:
         pytest.skip("needs root and su to act as another user")
-    code = ("import socket,sys\ns=socket.socket(socket.AF_UNIX)\ntry:\n s.connect(sys.argv[1]); print('connected')\n"
-            "except OSError as e:\n print(type(e).__name__)")
+    code = (
+        "import socket,sys\ns=socket.socket(socket.AF_UNIX)\ntry:\n s.connect(sys.argv[1]); print('connected')\n"
+        "except OSError as e:\n print(type(e).__name__)"
+    )
     python = shutil.which("python3", path="/usr/bin:/bin") or sys.executable  # one that user may run
-    out = subprocess.run(["su", "nobody", "-s", "/bin/sh", "-c", '"$0" -c "$1" "$2"', python, code, str(path)],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["su", "nobody", "-s", "/bin/sh", "-c", '"$0" -c "$1" "$2"', python, code, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     if out.returncode != 0:
         pytest.skip(f"cannot run Python as nobody: {out.stderr.strip()}")
     return out.stdout.strip()
@@ -333,13 +361,19 @@ def test_the_native_route_takes_the_class_from_the_header_as_the_edge_does(route
         python = client.post("/v1/generate", json=body, headers={**GOLD, "X-Ballast-Criticality": "critical"})
         assert python.status_code == 503 and python.headers["retry-after"] == "4"
         assert python.json()["error"]["message"] == "degradation level 3 does not admit criticality 'critical'"
-        clash = client.post("/v1/generate", json={**body, "criticality": "critical_plus"},
-                            headers={**GOLD, "X-Ballast-Criticality": "sheddable"})
+        clash = client.post(
+            "/v1/generate",
+            json={**body, "criticality": "critical_plus"},
+            headers={**GOLD, "X-Ballast-Criticality": "sheddable"},
+        )
         assert clash.status_code == 422 and clash.json()["error"]["code"] == "INVALID_REQUEST"
         bogus = client.post("/v1/generate", json=body, headers={**GOLD, "X-Ballast-Criticality": "gold"})
         assert bogus.status_code == 422 and "X-Ballast-Criticality" in bogus.json()["error"]["message"]
-        agree = client.post("/v1/generate", json={**body, "criticality": "critical"},
-                            headers={**GOLD, "X-Ballast-Criticality": "critical"})
+        agree = client.post(
+            "/v1/generate",
+            json={**body, "criticality": "critical"},
+            headers={**GOLD, "X-Ballast-Criticality": "critical"},
+        )
         assert agree.json() == python.json()
 
 
@@ -365,8 +399,10 @@ def test_the_router_keeps_the_map_at_its_level_and_counts_the_edges_refusals_as_
 # ------------------------------------------------------------------ only authenticated demand counts
 
 FREE_KEY = "dev-key-free"
-TENANTS_CFG = {"auth": {"demo_keys": {KEY: "gold", FREE_KEY: "free"}},
-               "tenants": {"gold": {"max_criticality": "critical_plus"}, "free": {"max_criticality": "sheddable"}}}
+TENANTS_CFG = {
+    "auth": {"demo_keys": {KEY: "gold", FREE_KEY: "free"}},
+    "tenants": {"gold": {"max_criticality": "critical_plus"}, "free": {"max_criticality": "sheddable"}},
+}
 
 
 def test_only_refusals_whose_key_the_edge_vouches_for_are_counted(haproxy):
@@ -416,8 +452,9 @@ def _walked(router, d: Path):
     from ballast.router.reporter import Reporter
 
     clock = FakeClock(1000)
-    router.reporter = Reporter(router._cfg, "r", router.pipeline, Edge(str(d), str(d / "admin.sock")),
-                               router.pipeline._keys, clock=clock)
+    router.reporter = Reporter(
+        router._cfg, "r", router.pipeline, Edge(str(d), str(d / "admin.sock")), router.pipeline._keys, clock=clock
+    )
     return router.reporter, clock
 
 
@@ -459,7 +496,8 @@ def test_a_switched_off_tenant_or_class_counts_no_demand_at_the_edge(tenants_rou
     now = wall.time()
     tenants_router.pipeline.kill_switches = [
         KillSwitchEntry.create("k1", "tenant", "gold", "abuse", "op", now, 3600),
-        KillSwitchEntry.create("k2", "criticality", "sheddable", "batch off", "op", now, 3600)]
+        KillSwitchEntry.create("k2", "criticality", "sheddable", "batch off", "op", now, 3600),
+    ]
     reporter.sync_edge()
     assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503  # gold: switched off
     assert _post(port, "/v1/generate", "sheddable", f"Bearer {FREE_KEY}")[0] == 503  # sheddable: switched off

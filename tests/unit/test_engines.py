@@ -9,7 +9,11 @@ def test_every_engine_honours_a_plain_call():
 
 
 def test_vllms_own_fields_keep_a_call_on_vllm():
-    for field, value in (("json_schema", '{"type":"object"}'), ("repetition_penalty", 1.3), ("keep_special_tokens", True)):
+    for field, value in (
+        ("json_schema", '{"type":"object"}'),
+        ("repetition_penalty", 1.3),
+        ("keep_special_tokens", True),
+    ):
         call = {"prompt": "hi", field: value}
         assert honours("vllm", call)
         assert not honours("builtin", call) and not honours("transformers", call)

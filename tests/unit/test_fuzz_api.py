@@ -45,13 +45,25 @@ CFG = {
 # Per operation and generation mode (16 operations x 2 modes x 2 credentials): about
 # 2,400 requests in all, within a minute on two cores.
 EXAMPLES = 40
-BODY_ROUTES = ("/v1/generate", "/v1/chat/completions", "/v1/completions", "/admin/kill-switch", "/admin/chaos",
-               "/admin/recycle")
+BODY_ROUTES = (
+    "/v1/generate",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/admin/kill-switch",
+    "/admin/chaos",
+    "/admin/recycle",
+)
 
 
 def fuzz_settings(examples: int) -> settings:
-    return settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-                    suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+    return settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate],
+    )
 
 
 class AnsweringMethod:
@@ -64,8 +76,10 @@ class AnsweringMethod:
     def remote(self, call: dict[str, Any]) -> Any:
         self.calls += 1
         if self.stream:
-            return FakeStream(FakeResponse(0, result={"text": "ok", "tokens": 1, "ids": [1]}),
-                              FakeResponse(0, result={"text": "", "tokens": 0, "ids": [], "finish_reason": "stop"}))
+            return FakeStream(
+                FakeResponse(0, result={"text": "ok", "tokens": 1, "ids": [1]}),
+                FakeResponse(0, result={"text": "", "tokens": 0, "ids": [], "finish_reason": "stop"}),
+            )
         return FakeResponse(0, result={"text": "ok", "tokens": 1, "finish_reason": "stop"})
 
 
@@ -184,9 +198,33 @@ JSON = st.recursive(
     max_leaves=12,
 )
 # Keys the bodies take, so that arbitrary values reach the fields' validation too.
-KEYS = st.sampled_from(["model", "messages", "prompt", "max_tokens", "stop", "stream", "stream_options", "tools",
-                        "tool_choice", "response_format", "resume", "seed", "temperature", "top_k", "scope", "value",
-                        "reason", "expires_in_s", "target", "replica_id", "criticality", "content", "role"])
+KEYS = st.sampled_from(
+    [
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "stop",
+        "stream",
+        "stream_options",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "resume",
+        "seed",
+        "temperature",
+        "top_k",
+        "scope",
+        "value",
+        "reason",
+        "expires_in_s",
+        "target",
+        "replica_id",
+        "criticality",
+        "content",
+        "role",
+    ]
+)
 BODIES = st.one_of(
     st.binary(max_size=64),
     st.integers(1, 60_000).map(lambda n: b"[" * n),  # nesting past any parser's recursion
@@ -209,11 +247,21 @@ def test_no_body_route_answers_5xx_for_arbitrary_bytes_or_json(stack, path):
 
 
 HEADER_VALUE = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=40).map(
-    lambda v: v.strip().encode("latin-1"))  # what HTTP carries: Latin-1 bytes (a server strips the edges)
+    lambda v: v.strip().encode("latin-1")
+)  # what HTTP carries: Latin-1 bytes (a server strips the edges)
 HEADERS = st.dictionaries(
-    st.sampled_from(["x-ballast-criticality", "x-request-timeout-ms", "idempotency-key", "x-ballast-operator",
-                     "authorization", "content-length"]),
-    HEADER_VALUE, max_size=4,
+    st.sampled_from(
+        [
+            "x-ballast-criticality",
+            "x-request-timeout-ms",
+            "idempotency-key",
+            "x-ballast-operator",
+            "authorization",
+            "content-length",
+        ]
+    ),
+    HEADER_VALUE,
+    max_size=4,
 )
 VALID = {
     "/v1/generate": {"prompt": "hi", "max_tokens": 4},

@@ -58,7 +58,9 @@ CLOCK = FakeClock(1000)
 def gate(limit: int = 1, max_waiting: int = 8, max_wait_s: float = 2.0, clock: FakeClock = CLOCK, **kw) -> PriorityGate:
     cfg = LimiterConfig(initial=limit, min_limit=1, max_limit=limit, target_wait_ms=1e9, interval_s=3600)
     timer = kw.pop("timer", FakeTimer(clock))
-    return PriorityGate(AimdLimit(cfg, clock=clock), max_waiting, max_wait_s, clock=clock, wait_for=timer.wait_for, **kw)
+    return PriorityGate(
+        AimdLimit(cfg, clock=clock), max_waiting, max_wait_s, clock=clock, wait_for=timer.wait_for, **kw
+    )
 
 
 def far() -> float:
@@ -101,7 +103,13 @@ def test_waiters_are_served_most_critical_first_then_oldest_first():
             g.release()
 
         tasks = []
-        for name, rank in [("sheddable-1", 3), ("critical-1", 1), ("sheddable-2", 3), ("critical_plus", 0), ("critical-2", 1)]:
+        for name, rank in [
+            ("sheddable-1", 3),
+            ("critical-1", 1),
+            ("sheddable-2", 3),
+            ("critical_plus", 0),
+            ("critical-2", 1),
+        ]:
             tasks.append(asyncio.create_task(waiter(name, rank)))
             await asyncio.sleep(0)
         assert g.waiting == 5
@@ -311,8 +319,15 @@ def test_a_request_held_back_by_the_reserve_lets_the_limit_grow():
         clock = FakeClock(100)
         cfg = LimiterConfig(initial=8, min_limit=1, max_limit=64, target_wait_ms=1e9, interval_s=1)
         timer = FakeTimer(clock)
-        g = PriorityGate(AimdLimit(cfg, clock=clock), 8, 10.0, clock=clock, wait_for=timer.wait_for,
-                         reserve_ratio=0.25, reserve_hold_s=5.0)
+        g = PriorityGate(
+            AimdLimit(cfg, clock=clock),
+            8,
+            10.0,
+            clock=clock,
+            wait_for=timer.wait_for,
+            reserve_ratio=0.25,
+            reserve_hold_s=5.0,
+        )
         for _ in range(7):  # critical traffic into the top quarter: the reserve is on
             await g.acquire(1, clock() + 60)
         for _ in range(6):

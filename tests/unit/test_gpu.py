@@ -245,10 +245,15 @@ class TestProcessProbe:
     """The watchdog's view: one process's memory on a GPU named by UUID."""
 
     def test_samples_this_pids_memory_on_the_named_device(self, nvml: FakeNvml) -> None:
-        nvml.processes = [_Proc(pid=111, usedGpuMemory=5 * FakeNvml.GIB, device=1), _Proc(pid=222, usedGpuMemory=1, device=1)]
+        nvml.processes = [
+            _Proc(pid=111, usedGpuMemory=5 * FakeNvml.GIB, device=1),
+            _Proc(pid=222, usedGpuMemory=1, device=1),
+        ]
         probe = make_process_gpu_probe("GPU-bbbb-1111", 111, nvml=nvml)
         s = probe.sample()
-        assert s.process_vram_bytes == 5 * FakeNvml.GIB and s.vram_total_bytes == 80 * FakeNvml.GIB and s.util_pct == 55.0
+        assert (
+            s.process_vram_bytes == 5 * FakeNvml.GIB and s.vram_total_bytes == 80 * FakeNvml.GIB and s.util_pct == 55.0
+        )
 
     def test_a_process_nvml_does_not_list_has_absent_memory(self, nvml: FakeNvml) -> None:
         nvml.processes = [_Proc(pid=111, usedGpuMemory=None, device=0)]  # containers may hide it

@@ -34,7 +34,9 @@ def compile_schema():
     from tests.unit.hf_fixture import train_tokenizer
 
     tok = train_tokenizer()
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)), max_threads=1, cache_enabled=False)
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)), max_threads=1, cache_enabled=False
+    )
 
     def run(schema: str) -> None:
         try:
@@ -129,6 +131,10 @@ async def test_a_schema_the_engine_refuses_is_engine_refused_and_remembered(comp
 
 
 def test_settings_are_checked():
-    for bad in (dict(threads=0, timeout_s=1.0), dict(threads=1, timeout_s=0), dict(threads=1, timeout_s=1.0, remembered=0)):
+    for bad in (
+        dict(threads=0, timeout_s=1.0),
+        dict(threads=1, timeout_s=0),
+        dict(threads=1, timeout_s=1.0, remembered=0),
+    ):
         with pytest.raises(ValueError):
             GrammarCompiles(lambda s: None, **bad)

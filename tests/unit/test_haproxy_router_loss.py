@@ -47,7 +47,9 @@ class _Router(socketserver.BaseRequestHandler):
                 return
             data += chunk
         head, _, body = data.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0)
+        length = next(
+            (int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+        )
         while len(body) < length:
             body += conn.recv(65536)
         server = self.server
@@ -95,13 +97,22 @@ def _serves_config(d: Path, routers: list[_Server]) -> tuple[Path, int]:
 
     port = _free_port()
     cfg = HAProxyConfig(
-        http_options=HTTPOptions(host="127.0.0.1", port=port), socket_path=str(d / "admin.sock"),
-        stats_port=_free_port(), metrics_port=_free_port(), metrics_enabled=False, enable_hap_optimization=False,
-        has_received_routes=True, has_received_servers=True, health_check_inter="100ms",
+        http_options=HTTPOptions(host="127.0.0.1", port=port),
+        socket_path=str(d / "admin.sock"),
+        stats_port=_free_port(),
+        metrics_port=_free_port(),
+        metrics_enabled=False,
+        enable_hap_optimization=False,
+        has_received_routes=True,
+        has_received_servers=True,
+        health_check_inter="100ms",
     )
     servers = [ServerConfig(f"router{i}", "127.0.0.1", r.server_address[1]) for i, r in enumerate(routers)]
-    api = HAProxyApi(cfg, {"app": BackendConfig(name="app", path_prefix="/", app_name="app", servers=servers)},
-                     config_file_path=str(d / "haproxy.cfg"))
+    api = HAProxyApi(
+        cfg,
+        {"app": BackendConfig(name="app", path_prefix="/", app_name="app", servers=servers)},
+        config_file_path=str(d / "haproxy.cfg"),
+    )
     api._generate_config_file_internal()  # what HAProxyApi.start() writes before it runs HAProxy
     return d / "haproxy.cfg", port
 

@@ -181,12 +181,8 @@ def test_render_chat_uses_the_template_and_counts_match(loaded) -> None:
         {"role": "user", "content": "Café? 東京!"},
     ]
     text = render_chat(loaded.tokenizer, messages)
-    assert text == (
-        "<s><|system|>\nYou are brief.</s>\n<|user|>\nCafé? 東京!</s>\n<|assistant|>\n"
-    )
-    templated_ids = loaded.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_dict=False
-    )
+    assert text == ("<s><|system|>\nYou are brief.</s>\n<|user|>\nCafé? 東京!</s>\n<|assistant|>\n")
+    templated_ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     assert count_tokens(loaded.tokenizer, text) == len(templated_ids)
     # The template wrote the bos; encoding the text again must not add a second one.
     assert loaded.tokenizer.encode(text, add_special_tokens=False)[0] == loaded.tokenizer.bos_token_id
@@ -259,9 +255,7 @@ def _truncated(root: Path) -> None:
 
 
 def _lfs_pointer(root: Path) -> None:
-    (root / "model.safetensors").write_text(
-        "version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 174808\n"
-    )
+    (root / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 174808\n")
 
 
 def _tokenizer_too_big(root: Path) -> None:
@@ -348,9 +342,7 @@ def test_bad_directory_fails_at_load_naming_the_file(
 FILE_FAULTS = [case for case in BAD_DIRS if case[0] not in LOAD_ONLY]
 
 
-@pytest.mark.parametrize(
-    ("breaks", "file"), [case[1:3] for case in FILE_FAULTS], ids=[case[0] for case in FILE_FAULTS]
-)
+@pytest.mark.parametrize(("breaks", "file"), [case[1:3] for case in FILE_FAULTS], ids=[case[0] for case in FILE_FAULTS])
 def test_file_faults_are_found_by_inspection(
     tmp_path: Path, tiny_dir: Path, breaks: Callable[[Path], None], file: str
 ) -> None:

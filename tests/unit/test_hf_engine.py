@@ -51,7 +51,12 @@ def reference_generate(backend, prompt, n):
     ids = torch.tensor([backend.encode(prompt, n)])
     with torch.inference_mode():
         out = backend.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
     return out[0, ids.shape[1] :].tolist()
 
@@ -166,8 +171,19 @@ def test_context_and_empty_prompts_are_refused_before_any_work(backend):
     assert batch.size == 0
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(seed="x"), dict(temperature=float("nan")),
-                                 dict(top_k=0), dict(top_k=True), dict(min_tokens=-1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(seed="x"),
+        dict(temperature=float("nan")),
+        dict(top_k=0),
+        dict(top_k=True),
+        dict(min_tokens=-1),
+    ],
+)
 def test_row_sampling_refuses_bad_values(bad):
     with pytest.raises(ValueError):
         RowSampling(**bad)
@@ -177,13 +193,23 @@ def test_row_sampling_of_a_request_dict():
     assert RowSampling.of({}) == RowSampling()
     assert RowSampling.of({"temperature": 0.5, "top_p": 0.9, "seed": 4}) == RowSampling(0.5, 0.9, 4)
     assert RowSampling.of({"temperature": None}) == RowSampling()
-    assert RowSampling.of({"top_k": 3, "min_tokens": 2, "ignore_eos": True}) == RowSampling(top_k=3, min_tokens=2, ignore_eos=True)
+    assert RowSampling.of({"top_k": 3, "min_tokens": 2, "ignore_eos": True}) == RowSampling(
+        top_k=3, min_tokens=2, ignore_eos=True
+    )
 
 
-@pytest.mark.parametrize("req, field", [({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
-                                        ({"temperature": float("inf")}, "temperature"), ({"top_p": float("nan")}, "top_p"),
-                                        ({"temperature": "hot"}, "temperature"), ({"top_k": 0}, "top_k"),
-                                        ({"repetition_penalty": float("nan")}, "repetition_penalty")])
+@pytest.mark.parametrize(
+    "req, field",
+    [
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_k": 0}, "top_k"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+    ],
+)
 def test_a_request_with_sampling_out_of_range_is_refused_naming_the_field(req, field):
     from ballast.errors import EngineRefused
 
@@ -217,7 +243,12 @@ def test_one_poisoned_row_among_four_fails_alone_and_the_three_others_finish_who
     batch = b.open_batch()
     got: dict = {}
     failed: dict = {}
-    joins = [("a", enc[0], 12, None), ("poison", enc[1], 12, poison), ("c", enc[2], 12, seeded), ("d", enc[3], 12, None)]
+    joins = [
+        ("a", enc[0], 12, None),
+        ("poison", enc[1], 12, poison),
+        ("c", enc[2], 12, seeded),
+        ("d", enc[3], 12, None),
+    ]
     with torch.inference_mode():
         while joins or batch.size:
             for key, ids in batch.run_chunk(joins, 3).items():

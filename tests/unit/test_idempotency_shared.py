@@ -135,7 +135,9 @@ def test_a_claim_into_a_full_table_visits_a_bounded_number_of_entries() -> None:
     assert len(t) == n and max(costs) <= 2
 
 
-@pytest.mark.parametrize(("kw", "field"), [({"ttl_s": 0, "max_entries": 1}, "ttl_s"), ({"ttl_s": 1, "max_entries": 0}, "max_entries")])
+@pytest.mark.parametrize(
+    ("kw", "field"), [({"ttl_s": 0, "max_entries": 1}, "ttl_s"), ({"ttl_s": 1, "max_entries": 0}, "max_entries")]
+)
 def test_bad_settings_name_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         KeyTable(max_entries_per_tenant=1, max_answer_bytes_per_tenant=1, **kw)

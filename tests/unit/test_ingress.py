@@ -6,14 +6,23 @@ import pytest
 import yaml
 
 from ballast.config import load_config
-from ballast.router.ingress import FAST_PATH_ENV, WORKER_NICENESS_ENV, apply_ingress_env, ingress_env, running_fast_path, running_ingress
+from ballast.router.ingress import (
+    FAST_PATH_ENV,
+    WORKER_NICENESS_ENV,
+    apply_ingress_env,
+    ingress_env,
+    running_fast_path,
+    running_ingress,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _paths(env: dict[str, str]) -> list[str]:
     edge = ("RAY_SERVE_HAPROXY_BINARY_PATH", "BALLAST_HAPROXY_REAL")
-    return [v for k, v in env.items() if k.startswith("RAY_SERVE_HAPROXY_") and not k.endswith("_PORT") and k not in edge]
+    return [
+        v for k, v in env.items() if k.startswith("RAY_SERVE_HAPROXY_") and not k.endswith("_PORT") and k not in edge
+    ]
 
 
 def test_haproxy_is_the_default_with_files_of_its_own_per_port():

@@ -66,7 +66,7 @@ def field_of(r) -> str:
 
 
 def test_nesting_is_counted_exactly_for_valid_json_and_strings_do_not_count():
-    cases = ['1', '"[[["', '[]', '{"a": [1, {"b": "]]]{{"}]}', '[[["\\"[", "\\\\"]]]', '{"a": "\\u005b"}']
+    cases = ["1", '"[[["', "[]", '{"a": [1, {"b": "]]]{{"}]}', '[[["\\"[", "\\\\"]]]', '{"a": "\\u005b"}']
     for text in cases:
         assert rp.json_nesting(text) == rp.json_extent(json.loads(text)).depth, text
 
@@ -90,11 +90,11 @@ def test_fifty_thousand_brackets_are_a_4xx_naming_the_body_on_every_route(client
 
 
 def test_the_depth_limit_is_the_setting_and_its_edge_passes():
-    at_limit = '{"a":' * 63 + '{}' + "}" * 63  # 64 objects
+    at_limit = '{"a":' * 63 + "{}" + "}" * 63  # 64 objects
     assert rp.json_nesting(at_limit) == 64
     assert parse_json_object(at_limit.encode(), 64)
     with pytest.raises(InvalidRequest) as e:
-        parse_json_object(('[' + at_limit + ']').encode(), 64)
+        parse_json_object(("[" + at_limit + "]").encode(), 64)
     assert e.value.field == "body"
     with pytest.raises(InvalidRequest):
         parse_json_object(at_limit.encode(), 63)
@@ -127,14 +127,22 @@ MALFORMED = [
 def test_a_malformed_body_is_a_4xx_naming_the_field_on_every_route(client, path, headers, status):
     for body, field, says in MALFORMED:
         r = client.post(path, headers=headers, content=body)
-        assert (r.status_code, field_of(r), r.json()["error"]["code"]) == (status, field, "INVALID_REQUEST"), (body, r.text)
+        assert (r.status_code, field_of(r), r.json()["error"]["code"]) == (status, field, "INVALID_REQUEST"), (
+            body,
+            r.text,
+        )
         assert says in r.json()["error"]["message"], (body, r.text)
 
 
 def body_read_with(content_length: bytes) -> bytes:
     """``read_body`` on a Starlette request declaring ``content_length`` and carrying ``{}``."""
-    scope = {"type": "http", "method": "POST", "path": "/", "query_string": b"",
-             "headers": [(b"content-length", content_length)]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/",
+        "query_string": b"",
+        "headers": [(b"content-length", content_length)],
+    }
 
     async def receive() -> dict:
         return {"type": "http.request", "body": b"{}", "more_body": False}
@@ -162,8 +170,11 @@ def test_a_wrong_type_anywhere_is_a_4xx_naming_it(client):
         ("/v1/generate", {"prompt": "x", "resume": {"ids": "1", "text_chars": 0}}, "resume.ids"),
         ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": {"a": 1}}]}, "messages.0.content"),
         ("/v1/chat/completions", {**CHAT, "stream_options": []}, "stream_options"),
-        ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
-         "tools.0.function.parameters"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+            "tools.0.function.parameters",
+        ),
         ("/v1/completions", {**COMPLETION, "prompt": [[1, 2]]}, "prompt"),
         ("/v1/completions", {**COMPLETION, "stop": {"a": 1}}, "stop"),
     ]
@@ -227,7 +238,10 @@ def test_a_response_format_schema_past_its_depth_or_nodes_is_schema_too_complex(
     assert rp.json_extent(nested(32)).depth == 32 and rp.json_extent(wide(4096)).nodes == 4096
     oa.check_limits(oa.parse_chat({**CHAT, "response_format": response_format(nested(32))}), load_config({}).limits)
     oa.parse_chat({**CHAT, "response_format": response_format(wide(4096))})
-    for schema, says in ((nested(33), "nests 33 deep; the limit is 32"), (wide(4097), "has 4097 nodes; the limit is 4096")):
+    for schema, says in (
+        (nested(33), "nests 33 deep; the limit is 32"),
+        (wide(4097), "has 4097 nodes; the limit is 4096"),
+    ):
         r = client.post("/v1/chat/completions", headers=KEY, json={**CHAT, "response_format": response_format(schema)})
         assert (r.status_code, r.json()["error"]["code"], field_of(r)) == (400, "SCHEMA_TOO_COMPLEX", "response_format")
         assert says in r.text
@@ -322,11 +336,18 @@ def test_chat_lists_and_ids_are_bounded():
 
 def test_an_earlier_calls_arguments_nest_at_most_as_the_body():
     def call(arguments: str) -> dict:
-        return {**CHAT, "messages": [
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
-            {"role": "tool", "content": "42", "tool_call_id": "c1"}]}
+        return {
+            **CHAT,
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}],
+                },
+                {"role": "tool", "content": "42", "tool_call_id": "c1"},
+            ],
+        }
 
     oa.parse_chat(call("[" * 64 + "]" * 64))
     with pytest.raises(oa.BadRequest) as e:

@@ -53,7 +53,9 @@ def raw(**overrides: Any) -> dict[str, Any]:
 # -- validation ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scope,value", [("global", None), ("tenant", "acme"), ("model", "llama"), ("criticality", "sheddable")])
+@pytest.mark.parametrize(
+    "scope,value", [("global", None), ("tenant", "acme"), ("model", "llama"), ("criticality", "sheddable")]
+)
 def test_each_scope_is_accepted_with_its_value(scope: str, value: Optional[str]) -> None:
     e = entry(scope, value)
     assert (e.scope, e.value) == (scope, value)
@@ -199,7 +201,9 @@ def test_matching_is_exact_not_case_folded() -> None:
 # -- to_dict / from_dict -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scope,value", [("global", None), ("tenant", "acme"), ("model", "llama"), ("criticality", "sheddable")])
+@pytest.mark.parametrize(
+    "scope,value", [("global", None), ("tenant", "acme"), ("model", "llama"), ("criticality", "sheddable")]
+)
 def test_to_dict_from_dict_round_trip(scope: str, value: Optional[str]) -> None:
     e = entry(scope, value, id=f"ks-{scope}")
     d = e.to_dict()
@@ -313,17 +317,24 @@ def test_module_exports_the_limits() -> None:
 
 # --------------------------------------------------------------------------- values that name nothing
 
-NAMES = {"tenant": ["gold", "free"], "model": ["m", "m-small"], "criticality": ["critical_plus", "critical", "sheddable_plus", "sheddable"]}
+NAMES = {
+    "tenant": ["gold", "free"],
+    "model": ["m", "m-small"],
+    "criticality": ["critical_plus", "critical", "sheddable_plus", "sheddable"],
+}
 
 
-@pytest.mark.parametrize("scope,value", [
-    ("criticality", "sheddable "),  # a trailing space: blocked nothing, answered 201
-    ("criticality", "SHEDDABLE"),
-    ("criticality", "low"),
-    ("tenant", "ghost"),
-    ("tenant", " gold"),
-    ("model", "gpt-4"),
-])
+@pytest.mark.parametrize(
+    "scope,value",
+    [
+        ("criticality", "sheddable "),  # a trailing space: blocked nothing, answered 201
+        ("criticality", "SHEDDABLE"),
+        ("criticality", "low"),
+        ("tenant", "ghost"),
+        ("tenant", " gold"),
+        ("model", "gpt-4"),
+    ],
+)
 def test_a_value_that_names_nothing_is_refused_with_the_allowed_values(scope, value):
     with pytest.raises(ValueError) as e:
         killswitch.check_value(scope, value, NAMES)
@@ -332,9 +343,15 @@ def test_a_value_that_names_nothing_is_refused_with_the_allowed_values(scope, va
     assert all(name in msg for name in NAMES[scope])
 
 
-@pytest.mark.parametrize("scope,value", [
-    ("global", None), ("tenant", "free"), ("model", "m-small"), ("criticality", "sheddable"),
-])
+@pytest.mark.parametrize(
+    "scope,value",
+    [
+        ("global", None),
+        ("tenant", "free"),
+        ("model", "m-small"),
+        ("criticality", "sheddable"),
+    ],
+)
 def test_a_value_that_names_something_is_taken(scope, value):
     killswitch.check_value(scope, value, NAMES)  # no error
 

@@ -58,9 +58,18 @@ def ols_slope(points: list[tuple[float, float]]) -> float:
 def test_defaults_follow_the_seed() -> None:
     cfg, ladder = LeakConfig(), LadderConfig()
     assert (cfg.window_s, cfg.min_span_ratio, cfg.min_points, cfg.max_points, cfg.r2_threshold) == (
-        3600.0, 0.5, 10, 120, 0.7,
+        3600.0,
+        0.5,
+        10,
+        120,
+        0.7,
     )
-    assert (cfg.short_window_s, cfg.short_min_span_s, cfg.short_max_points, cfg.short_horizon_s) == (300.0, 90.0, 60, 3600.0)
+    assert (cfg.short_window_s, cfg.short_min_span_s, cfg.short_max_points, cfg.short_horizon_s) == (
+        300.0,
+        90.0,
+        60,
+        3600.0,
+    )
     assert (ladder.warning_ratio, ladder.critical_ratio) == (0.90, 0.97)
     assert [a.value for a in Action] == ["gc_collect", "empty_cache", "stop_intake", "request_recycle"]
 

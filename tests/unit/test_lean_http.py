@@ -57,10 +57,14 @@ class Server:
                 if path == "/slow":
                     await self.release_slow.wait()
                 if path == "/chunked":
-                    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
-                                 b"5\r\n{\"tex\r\n9;ext=1\r\nt\": \"hi\"}\r\n0\r\n\r\n")
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                        b'5\r\n{"tex\r\n9;ext=1\r\nt": "hi"}\r\n0\r\n\r\n'
+                    )
                 elif path == "/close":
-                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}")
+                    writer.write(
+                        b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
+                    )
                     await writer.drain()
                     break
                 elif path == "/drop-after":
@@ -71,8 +75,12 @@ class Server:
                     writer.write(b"SPDY/9 what\r\n\r\n")
                 else:
                     answer = json.dumps({"echo": json.loads(body or b"null")}).encode()
-                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                                 + str(len(answer)).encode() + b"\r\n\r\n" + answer)
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                        + str(len(answer)).encode()
+                        + b"\r\n\r\n"
+                        + answer
+                    )
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:

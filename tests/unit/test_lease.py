@@ -52,7 +52,7 @@ def acquire(table: LeaseTable, clock: FakeClock, **overrides: Any) -> Lease | No
 
 def test_expires_exactly_after_three_missed_heartbeats_and_health_walks_through_levels() -> None:
     clock = FakeClock(NOW_S)
-    l = lease()
+    ls = lease()
     # (seconds since the last heartbeat, health, expired)
     expected = [
         (0, Health.HEALTHY, False),
@@ -67,12 +67,12 @@ def test_expires_exactly_after_three_missed_heartbeats_and_health_walks_through_
     ]
     for age_s, health, expired in expected:
         assert clock() - NOW_S == age_s
-        assert l.heartbeat_age(clock()) == age_s
-        assert l.health(clock()) is health, age_s
-        assert l.expired(clock()) is expired, age_s
+        assert ls.heartbeat_age(clock()) == age_s
+        assert ls.health(clock()) is health, age_s
+        assert ls.expired(clock()) is expired, age_s
         clock.advance()
-    assert l.expired(NOW_S + 6 + 1e-6)
-    assert l.expires_at_s() == NOW_S + 6
+    assert ls.expired(NOW_S + 6 + 1e-6)
+    assert ls.expires_at_s() == NOW_S + 6
 
 
 def test_health_values_are_the_seed_strings() -> None:
@@ -81,26 +81,26 @@ def test_health_values_are_the_seed_strings() -> None:
 
 
 def test_missed_allowed_sets_the_grace() -> None:
-    l = lease(missed_allowed=1, heartbeat_interval_s=5)
-    assert not l.expired(NOW_S + 5) and l.health(NOW_S + 5) is Health.HEALTHY
-    assert l.expired(NOW_S + 6) and l.health(NOW_S + 6) is Health.CRITICAL
+    ls = lease(missed_allowed=1, heartbeat_interval_s=5)
+    assert not ls.expired(NOW_S + 5) and ls.health(NOW_S + 5) is Health.HEALTHY
+    assert ls.expired(NOW_S + 6) and ls.health(NOW_S + 6) is Health.CRITICAL
 
 
 def test_hard_ttl_expires_even_with_faithful_heartbeats() -> None:
     clock = FakeClock(NOW_S)
     table = LeaseTable()
-    l = acquire(table, clock, ttl_s=10)
-    assert l is not None
+    ls = acquire(table, clock, ttl_s=10)
+    assert ls is not None
     while clock() < NOW_S + 10:
         assert not table.get(RES).expired(clock())  # type: ignore[union-attr]
         clock.advance(2)
         if clock() < NOW_S + 10:
-            l = table.heartbeat("lease-1", "controller-1", clock())
-            assert l.health(clock()) is Health.HEALTHY
+            ls = table.heartbeat("lease-1", "controller-1", clock())
+            assert ls.health(clock()) is Health.HEALTHY
     # t = 10: heartbeats were never late, yet the TTL is reached (>=).
     assert clock() == NOW_S + 10
     assert table.get(RES).expired(clock())  # type: ignore[union-attr]
-    assert l.expires_at_s() == NOW_S + 10
+    assert ls.expires_at_s() == NOW_S + 10
     with pytest.raises(LeaseLost) as err:
         table.heartbeat("lease-1", "controller-1", clock())
     assert err.value.reason == "expired"
@@ -233,11 +233,11 @@ def test_expire_removes_and_returns_only_expired_leases() -> None:
         table.heartbeat("la", "controller-1", clock())
         table.heartbeat("lb", "controller-1", clock())
     clock.advance(2)  # t = 6: b reached its TTL; c is at exactly 3 intervals, still held
-    assert [l.id for l in table.expire(clock())] == ["lb"]
-    assert [l.resource for l in table.leases()] == ["a", "c"]
+    assert [ls.id for ls in table.expire(clock())] == ["lb"]
+    assert [ls.resource for ls in table.leases()] == ["a", "c"]
     clock.advance(1)  # t = 7: c 7 s without a heartbeat; a 3 s
-    assert [l.id for l in table.expire(clock())] == ["lc"]
-    assert [l.resource for l in table.leases()] == ["a"]
+    assert [ls.id for ls in table.expire(clock())] == ["lc"]
+    assert [ls.resource for ls in table.leases()] == ["a"]
     assert table.expire(clock()) == []
 
 
@@ -249,7 +249,7 @@ def test_a_lease_id_naming_another_live_lease_is_refused() -> None:
         acquire(table, clock, resource="b", lease_id="same")
     clock.advance(7)  # once "a" has expired, its id may be reused
     assert acquire(table, clock, resource="b", lease_id="same") is not None
-    assert [l.resource for l in table.leases()] == ["b"]
+    assert [ls.resource for ls in table.leases()] == ["b"]
 
 
 # -- bound --------------------------------------------------------------------------
@@ -267,7 +267,7 @@ def test_table_bound_refuses_when_full_of_live_leases_and_reuses_expired_room() 
     clock.advance(10)  # r0 reached its TTL; r1 and r2 are live
     assert acquire(table, clock, resource="r3", lease_id="l3") is not None
     assert len(table) == 3
-    assert [l.resource for l in table.leases()] == ["r1", "r2", "r3"]
+    assert [ls.resource for ls in table.leases()] == ["r1", "r2", "r3"]
     with pytest.raises(ValueError, match="^resource:"):
         acquire(table, clock, resource="r4", lease_id="l4")
     # Replacing an expired lease on the same resource needs no extra room.
@@ -315,9 +315,9 @@ def test_invalid_lease_fields_raise_value_error_naming_the_field(field: str, val
 
 
 def test_lease_round_trips_through_json() -> None:
-    l = lease(missed_allowed=4, data=(("replica_id", "abc"), ("reason", "max_age")), last_heartbeat_s=NOW_S + 2.5)
-    back = Lease.from_dict(json.loads(json.dumps(l.to_dict())))
-    assert back == l
+    ls = lease(missed_allowed=4, data=(("replica_id", "abc"), ("reason", "max_age")), last_heartbeat_s=NOW_S + 2.5)
+    back = Lease.from_dict(json.loads(json.dumps(ls.to_dict())))
+    assert back == ls
     assert isinstance(back.data, tuple) and all(isinstance(p, tuple) for p in back.data)
 
 

@@ -15,8 +15,17 @@ class Clock:
 
 def make(**kw) -> tuple[AimdLimit, Clock]:
     clock = Clock()
-    cfg = LimiterConfig(**{"initial": 10, "min_limit": 2, "max_limit": 12, "target_wait_ms": 100.0, "interval_s": 1.0,
-                           "decrease_factor": 0.8, **kw})
+    cfg = LimiterConfig(
+        **{
+            "initial": 10,
+            "min_limit": 2,
+            "max_limit": 12,
+            "target_wait_ms": 100.0,
+            "interval_s": 1.0,
+            "decrease_factor": 0.8,
+            **kw,
+        }
+    )
     return AimdLimit(cfg, clock), clock
 
 
@@ -81,20 +90,31 @@ def test_samples_per_window_are_bounded():
 
 @pytest.mark.parametrize(
     "kw",
-    [{"initial": 1, "min_limit": 2}, {"initial": 20}, {"decrease_factor": 1.0}, {"target_wait_ms": 0.0}, {"interval_s": 0.0}, {"target_service_ratio": 0.0}, {"target_service_ratio": 1.5}],
+    [
+        {"initial": 1, "min_limit": 2},
+        {"initial": 20},
+        {"decrease_factor": 1.0},
+        {"target_wait_ms": 0.0},
+        {"interval_s": 0.0},
+        {"target_service_ratio": 0.0},
+        {"target_service_ratio": 1.5},
+    ],
 )
 def test_bad_configs_are_refused(kw):
     with pytest.raises(ValueError):
         make(**kw)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("min_limit", True),  # a bool is not a count
-    ("initial", 4.5),
-    ("target_wait_ms", float("nan")),
-    ("interval_s", float("inf")),
-    ("decrease_factor", 0.0),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("min_limit", True),  # a bool is not a count
+        ("initial", 4.5),
+        ("target_wait_ms", float("nan")),
+        ("interval_s", float("inf")),
+        ("decrease_factor", 0.0),
+    ],
+)
 def test_a_bad_field_is_named_in_the_error(field, value):
     with pytest.raises(ValueError, match=f"^{field}: "):
         LimiterConfig(**{field: value})

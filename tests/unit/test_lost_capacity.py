@@ -88,8 +88,9 @@ def test_the_same_burst_of_model_errors_raises_the_level_as_before(stack) -> Non
 
 def test_a_request_sent_again_after_a_lost_replica_says_so_and_counts_no_error(stack) -> None:
     router, primary, client = stack
-    primary.generate.script.extend([fails(ActorDiedError(), takes_s=0),
-                                    FakeResponse(0, result={"text": "answered", "tokens": 3})])
+    primary.generate.script.extend(
+        [fails(ActorDiedError(), takes_s=0), FakeResponse(0, result={"text": "answered", "tokens": 3})]
+    )
     r = client.post("/v1/generate", headers=GOLD, json={"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["text"] == "answered"
     assert r.headers["x-ballast-migrations"] == "1"

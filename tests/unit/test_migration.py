@@ -55,8 +55,14 @@ def test_the_pause_is_short_and_jittered() -> None:
 
 
 def item(prompt_ids: list[int], max_tokens: int, decoder, stops=None) -> _Item:
-    return _Item(list(prompt_ids), max_tokens, enqueued_at_s=0.0, deadline_s=0.0, decoder=decoder,
-                 stops=StopScanner(stops) if stops else None)
+    return _Item(
+        list(prompt_ids),
+        max_tokens,
+        enqueued_at_s=0.0,
+        deadline_s=0.0,
+        decoder=decoder,
+        stops=StopScanner(stops) if stops else None,
+    )
 
 
 def stream_text(it: _Item, ids: list[int], chunk: int) -> tuple[str, list[int]]:

@@ -214,8 +214,13 @@ async def test_a_row_the_batch_fails_alone_fails_its_request_only_and_the_others
     from ballast.errors import EngineRefused
     from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
 
-    backend = load_backend(BackendSpec(config=TinyDecoderConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64),
-                                       device="cpu", compile="eager"))
+    backend = load_backend(
+        BackendSpec(
+            config=TinyDecoderConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64),
+            device="cpu",
+            compile="eager",
+        )
+    )
     s = _looping_replica()
     s._backend, s._batch = backend, backend.open_batch()
     s._run_chunk = lambda leaving, joins, steps: (s._batch.remove(leaving), s._batch.run_chunk(joins, steps))[1]
@@ -250,7 +255,11 @@ def test_a_requests_own_values_are_refused_at_submit_naming_the_field():
         with pytest.raises(EngineRefused) as e:
             continue_ids(bad, 256)
         assert e.value.field == "continue_ids" and e.value.status == 400
-    for req, field in (({"temperature": float("nan")}, "temperature"), ({"seed": 2**64}, "seed"), ({"top_p": 1.5}, "top_p")):
+    for req, field in (
+        ({"temperature": float("nan")}, "temperature"),
+        ({"seed": 2**64}, "seed"),
+        ({"top_p": 1.5}, "top_p"),
+    ):
         with pytest.raises(EngineRefused) as e:
             _sampling(req)
         assert e.value.field == field

@@ -106,13 +106,15 @@ def test_load_refuses_any_other_address(url):
 
 
 def test_the_load_report_counts_failures_by_cause_and_time():
-    rep = LoadReport([
-        Outcome(1.0, "a", True, "ok", level=1),
-        Outcome(2.0, "a", False, "connect"),
-        Outcome(3.0, "b", False, "http_503_OVERLOADED"),
-        Outcome(4.0, "b", True, "ok", attempts=2, level=2),
-        Outcome(5.0, "b", False, "ok"),
-    ])
+    rep = LoadReport(
+        [
+            Outcome(1.0, "a", True, "ok", level=1),
+            Outcome(2.0, "a", False, "connect"),
+            Outcome(3.0, "b", False, "http_503_OVERLOADED"),
+            Outcome(4.0, "b", True, "ok", attempts=2, level=2),
+            Outcome(5.0, "b", False, "ok"),
+        ]
+    )
     assert rep.failures(keyed=False) == {"connect": 1, "http_503_OVERLOADED": 1}
     assert rep.failures(keyed=False, since=2.5) == {"http_503_OVERLOADED": 1}
     assert rep.failures(keyed=True) == {}
@@ -133,11 +135,13 @@ def test_what_the_load_sends_again_as_a_balancer_and_the_sdk_would():
 
 
 def test_streams_resumed_by_the_client_count_as_migrated():
-    rep = LoadReport([
-        Outcome(1.0, "a", False, "ok", stream=True, migrations=1),
-        Outcome(2.0, "b", False, "ok", attempts=2, stream=True, resumed=1),
-        Outcome(3.0, "b", False, "ok", stream=True),
-    ])
+    rep = LoadReport(
+        [
+            Outcome(1.0, "a", False, "ok", stream=True, migrations=1),
+            Outcome(2.0, "b", False, "ok", attempts=2, stream=True, resumed=1),
+            Outcome(3.0, "b", False, "ok", stream=True),
+        ]
+    )
     assert rep.migrated() == (2, 2) and rep.migrated(since=1.5) == (1, 1)
     assert rep.resent() == 1 and rep.failures() == {}
 
@@ -147,22 +151,30 @@ def test_refusals_count_together_by_the_policy_that_refused():
     why_gate = message_kind("no model capacity for 'critical' within the request's deadline (slow)")
     assert why_level == message_kind("degradation level 3 does not admit criticality 'critical'")
     assert why_level != why_gate
-    rep = LoadReport([
-        Outcome(1.0, "a", False, "http_503_OVERLOADED", why=why_gate),
-        Outcome(2.0, "a", True, "http_503_OVERLOADED", why=why_gate),
-        Outcome(3.0, "b", False, "http_503_OVERLOADED", why=why_level),
-        Outcome(4.0, "b", False, "connect"),
-    ])
+    rep = LoadReport(
+        [
+            Outcome(1.0, "a", False, "http_503_OVERLOADED", why=why_gate),
+            Outcome(2.0, "a", True, "http_503_OVERLOADED", why=why_gate),
+            Outcome(3.0, "b", False, "http_503_OVERLOADED", why=why_level),
+            Outcome(4.0, "b", False, "connect"),
+        ]
+    )
     assert rep.refusals() == {f"http_503_OVERLOADED: {why_gate}": 2, f"http_503_OVERLOADED: {why_level}": 1}
     assert rep.refusals(since=2.5) == {f"http_503_OVERLOADED: {why_level}": 1}
 
 
 def test_the_level_counts_where_nothing_was_answered():
     # At level 4 no request is answered: only the sampled status sees it.
-    rep = LoadReport([Outcome(1.0, "a", True, "ok", level=1), Outcome(2.0, "a", True, "http_503_OVERLOADED")],
-                     levels=[LevelSample(1.5, 4, "up 3->4: queue_wait_ms_p95=900>=800"),
-                             LevelSample(2.5, 3, "up 2->3: error_rate=0.2>=0.1 (n=50)"),
-                             LevelSample(3.5, 1, "down 3->1")])
+    rep = LoadReport(
+        [Outcome(1.0, "a", True, "ok", level=1), Outcome(2.0, "a", True, "http_503_OVERLOADED")],
+        levels=[
+            LevelSample(1.5, 4, "up 3->4: queue_wait_ms_p95=900>=800"),
+            LevelSample(2.5, 3, "up 2->3: error_rate=0.2>=0.1 (n=50)"),
+            LevelSample(3.5, 1, "down 3->1"),
+        ],
+    )
     assert rep.max_level() == 4 and rep.max_level(since=2.0) == 3
-    assert rep.level_reasons(3) == {message_kind("up 3->4: queue_wait_ms_p95=900>=800"): 1,
-                                    message_kind("up 2->3: error_rate=0.2>=0.1 (n=50)"): 1}
+    assert rep.level_reasons(3) == {
+        message_kind("up 3->4: queue_wait_ms_p95=900>=800"): 1,
+        message_kind("up 2->3: error_rate=0.2>=0.1 (n=50)"): 1,
+    }

@@ -39,7 +39,9 @@ finally:
 
 
 def child(target: int) -> str:
-    out = subprocess.run([sys.executable, "-c", CHILD.format(target=target)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD.format(target=target)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

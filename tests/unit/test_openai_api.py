@@ -363,7 +363,7 @@ USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
 
 def wire(event) -> dict:
     """A streamed event as the client reads it."""
-    return json.loads(oa.sse_data(event)[len(b"data: "):])
+    return json.loads(oa.sse_data(event)[len(b"data: ") :])
 
 
 def round_trips(model, answer):
@@ -456,8 +456,10 @@ def test_sse_framing():
     assert oa.sse_data({"a": 1, "b": [1, "é"]}) == b'data: {"a":1,"b":[1,"\\u00e9"]}\n\n'
     assert oa.SSE_DONE == b"data: [DONE]\n\n"
     chunk = oa.stream_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, "x")
-    assert oa.sse_data(chunk) == (b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"toy",'
-                                  b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null,"logprobs":null}]}\n\n')
+    assert oa.sse_data(chunk) == (
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"toy",'
+        b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null,"logprobs":null}]}\n\n'
+    )
 
 
 def test_finish_reason():
@@ -494,7 +496,9 @@ def fake_front(request) -> tuple[int, bytes]:
         return 200, json.dumps(oa.models_list(["toy"], 5)).encode()
     if path == "/v1/completions":
         req = oa.parse_completion(body)
-        return 200, json.dumps(oa.completion(oa.Ident("cmpl-1", 5, req.model), req.prompt[::-1], "stop", oa.Counts(3, 4))).encode()
+        return 200, json.dumps(
+            oa.completion(oa.Ident("cmpl-1", 5, req.model), req.prompt[::-1], "stop", oa.Counts(3, 4))
+        ).encode()
     req = oa.parse_chat(body)
     if req.model != "toy":
         raise oa.unknown_model(req.model, ["toy"])
@@ -503,7 +507,9 @@ def fake_front(request) -> tuple[int, bytes]:
     text, stopped = cut_at_stop("Hi there. Bye.", oa.stops_of(req))
     reason = oa.finish_reason(len(text), oa.max_tokens_of(req) or 64, stopped)
     if not req.stream:
-        return 200, json.dumps(oa.chat_completion(oa.Ident("chatcmpl-1", 5, req.model), text, reason, oa.Counts(3, len(text)))).encode()
+        return 200, json.dumps(
+            oa.chat_completion(oa.Ident("chatcmpl-1", 5, req.model), text, reason, oa.Counts(3, len(text)))
+        ).encode()
     events = [
         wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, "", role=True)),
         *(wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, word)) for word in text.split(" ")),
@@ -611,25 +617,54 @@ def test_unknown_model_names_it_and_the_served_ones():
 
 def test_the_body_guidellm_sends_is_served():
     # What guidellm 0.8.1 sends (vLLM's extensions beside OpenAI's fields).
-    req = oa.parse_chat({**CHAT, "stream": True, "stop": None, "ignore_eos": True, "max_completion_tokens": 32,
-                         "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    req = oa.parse_chat(
+        {
+            **CHAT,
+            "stream": True,
+            "stop": None,
+            "ignore_eos": True,
+            "max_completion_tokens": 32,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+    )
     assert req.ignore_eos and req.stop is None and oa.max_tokens_of(req) == 32
     assert oa.Streaming.of(req) == oa.Streaming(final_usage=True, running_usage=True)
     assert oa.sampling_fields(req) == {"ignore_eos": True}
 
 
 def test_vllms_sampling_extensions_go_to_the_model_when_they_ask_for_something():
-    req = oa.parse_completion({**COMPLETION, "top_k": 5, "min_tokens": 3, "max_tokens": 8, "repetition_penalty": 1.2,
-                               "temperature": 0.7, "seed": 1})
-    assert oa.sampling_fields(req) == {"temperature": 0.7, "seed": 1, "repetition_penalty": 1.2, "top_k": 5, "min_tokens": 3}
+    req = oa.parse_completion(
+        {
+            **COMPLETION,
+            "top_k": 5,
+            "min_tokens": 3,
+            "max_tokens": 8,
+            "repetition_penalty": 1.2,
+            "temperature": 0.7,
+            "seed": 1,
+        }
+    )
+    assert oa.sampling_fields(req) == {
+        "temperature": 0.7,
+        "seed": 1,
+        "repetition_penalty": 1.2,
+        "top_k": 5,
+        "min_tokens": 3,
+    }
     neutral = oa.parse_completion({**COMPLETION, "top_k": -1, "min_tokens": 0, "ignore_eos": False})
     assert oa.sampling_fields(neutral) == {}  # -1 and 0 mean every token, as in vLLM
 
 
-@pytest.mark.parametrize("fields,field", [
-    ({"top_k": -2}, "top_k"), ({"min_tokens": -1}, "min_tokens"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"), ({"ignore_eos": "maybe"}, "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        ({"top_k": -2}, "top_k"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+        ({"ignore_eos": "maybe"}, "ignore_eos"),
+    ],
+)
 def test_vllms_extensions_are_bounded(fields, field):
     assert completion_error(**fields).field == field
     if "max_tokens" in fields:  # the chat endpoint's newer name counts the same
@@ -643,15 +678,24 @@ def test_an_engine_that_cannot_honour_a_field_refuses_it_by_name():
             oa.refuse_unhonoured(asks, engine)
         assert e.value.field == "repetition_penalty" and engine in e.value.message
     oa.refuse_unhonoured(asks, "vllm")  # vLLM honours it
-    oa.refuse_unhonoured(oa.parse_chat({**CHAT, "repetition_penalty": 1.0}), "transformers")  # neutral: asks for nothing
+    oa.refuse_unhonoured(
+        oa.parse_chat({**CHAT, "repetition_penalty": 1.0}), "transformers"
+    )  # neutral: asks for nothing
 
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
 def test_response_format_goes_to_the_model_as_a_json_schema():
-    asks = oa.parse_chat({**CHAT, "response_format": {"type": "json_schema",
-                                                      "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}})
+    asks = oa.parse_chat(
+        {
+            **CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True},
+            },
+        }
+    )
     assert json.loads(oa.sampling_fields(asks)["json_schema"]) == SCHEMA
     any_object = oa.parse_completion({**COMPLETION, "response_format": {"type": "json_object"}})
     assert json.loads(oa.sampling_fields(any_object)["json_schema"]) == {"type": "object"}
@@ -659,14 +703,20 @@ def test_response_format_goes_to_the_model_as_a_json_schema():
     assert text.response_format is None and oa.sampling_fields(text) == {}  # text asks for nothing
 
 
-@pytest.mark.parametrize("fmt,field", [
-    ({"type": "json_schema"}, "response_format"),  # the schema is missing
-    ({"type": "json_object", "json_schema": {"name": "v", "schema": SCHEMA}}, "response_format"),
-    ({"type": "yaml"}, "response_format.type"),
-    ({"type": "json_schema", "json_schema": {"name": "v"}}, "response_format.json_schema.schema"),
-    ({"type": "json_schema", "json_schema": {"name": "v w", "schema": SCHEMA}}, "response_format.json_schema.name"),
-    ({"type": "json_schema", "json_schema": {"name": "v", "schema": ["not", "an", "object"]}}, "response_format.json_schema.schema"),
-])
+@pytest.mark.parametrize(
+    "fmt,field",
+    [
+        ({"type": "json_schema"}, "response_format"),  # the schema is missing
+        ({"type": "json_object", "json_schema": {"name": "v", "schema": SCHEMA}}, "response_format"),
+        ({"type": "yaml"}, "response_format.type"),
+        ({"type": "json_schema", "json_schema": {"name": "v"}}, "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "v w", "schema": SCHEMA}}, "response_format.json_schema.name"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "v", "schema": ["not", "an", "object"]}},
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
 def test_a_malformed_response_format_is_refused_by_its_field(fmt, field):
     assert chat_error(response_format=fmt).field == field
 
@@ -688,5 +738,5 @@ def test_every_chunk_carries_the_usage_so_far_when_asked():
     assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     assert "usage" not in wire(oa.stream_chunk(ident, True, "hi"))
     events = oa.one_event_stream(ident, False, "hi", "stop", oa.Counts(3, 2), oa.Streaming(running_usage=True))
-    datas = [json.loads(line[len(b"data: "):]) for line in events.split(b"\n\n") if line and line != b"data: [DONE]"]
+    datas = [json.loads(line[len(b"data: ") :]) for line in events.split(b"\n\n") if line and line != b"data: [DONE]"]
     assert [d["usage"]["completion_tokens"] for d in datas] == [2, 2]

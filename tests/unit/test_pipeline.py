@@ -22,8 +22,14 @@ from ballast.control.snapshot import Snapshot
 from ballast.policies.criticality import Criticality
 from ballast.policies.deadline import Deadline
 from routerkit import at_level, build_router
-from ballast.errors import (ConcurrencyLimited, DeadlineExceeded, InvalidRequest, ModelUnavailable, Overloaded,
-                            QuotaExceeded)
+from ballast.errors import (
+    ConcurrencyLimited,
+    DeadlineExceeded,
+    InvalidRequest,
+    ModelUnavailable,
+    Overloaded,
+    QuotaExceeded,
+)
 from ballast.router.api import StreamResponse
 from ballast.router.pipeline import Answer, Caller, ModelRequest, Stream
 from ballast.router.ticket import Outcome
@@ -68,8 +74,9 @@ def settled(pipeline, full: float, used: int) -> None:
     assert bucket_tokens(pipeline) == pytest.approx(full - used, abs=0.01)
 
 
-def request(max_tokens: int = 20, stream: bool = False, key: str | None = None,
-            deadline: Deadline | None = None) -> ModelRequest:
+def request(
+    max_tokens: int = 20, stream: bool = False, key: str | None = None, deadline: Deadline | None = None
+) -> ModelRequest:
     caller = Caller("gold", deadline or Deadline.starting(asyncio.get_running_loop().time(), 30), key)
     return ModelRequest(caller, Criticality.CRITICAL, len(PROMPT.encode()), max_tokens, stream, {"prompt": PROMPT})
 
@@ -97,7 +104,9 @@ async def test_an_admitted_request_holds_its_place_its_estimate_and_a_gate_slot(
 
 async def test_a_model_error_gives_everything_back(pipeline, router) -> None:
     full = bucket_tokens(pipeline)
-    primary(pipeline).generate.script.append(fails(RayTaskError("generate", "tb", RuntimeError("cuda error")), takes_s=0))
+    primary(pipeline).generate.script.append(
+        fails(RayTaskError("generate", "tb", RuntimeError("cuda error")), takes_s=0)
+    )
     with pytest.raises(ModelUnavailable):
         await pipeline.serve(request())
     settled(pipeline, full, 0)
@@ -151,7 +160,11 @@ async def test_repeats_of_a_running_key_hold_no_place_quota_or_gate_slot(pipelin
     repeats = [asyncio.ensure_future(pipeline.serve(request(key="key-1"))) for _ in range(5)]  # the tenant's cap is 2
     await settle()
     assert not any(r.done() for r in repeats)  # waiting for the first ...
-    assert (pipeline.places.held["gold"], pipeline.gate.in_flight, pipeline.gate.waiting) == (1, 1, 0)  # ... holding nothing
+    assert (pipeline.places.held["gold"], pipeline.gate.in_flight, pipeline.gate.waiting) == (
+        1,
+        1,
+        0,
+    )  # ... holding nothing
     assert bucket_tokens(pipeline) == pytest.approx(full - 25, abs=0.01)
     first_reply.go.set()
     answers = [await first] + [await r for r in repeats]
@@ -217,8 +230,14 @@ async def test_over_quota_is_refused_with_nothing_held(pipeline) -> None:
 async def test_a_gate_refusal_gives_back_the_place_and_the_charge(pipeline) -> None:
     full = bucket_tokens(pipeline)
     await pipeline.gate.acquire(0, asyncio.get_running_loop().time() + 60)  # the one slot is taken
-    short = ModelRequest(Caller("gold", Deadline.starting(asyncio.get_running_loop().time(), 0.001)),
-                         Criticality.CRITICAL, 5, 20, False, {"prompt": PROMPT})
+    short = ModelRequest(
+        Caller("gold", Deadline.starting(asyncio.get_running_loop().time(), 0.001)),
+        Criticality.CRITICAL,
+        5,
+        20,
+        False,
+        {"prompt": PROMPT},
+    )
     with pytest.raises(Overloaded):
         await pipeline.serve(short)  # no time left to wait for the slot
     pipeline.gate.release(None)
@@ -335,8 +354,16 @@ async def test_an_answer_charges_its_tenant_and_the_reports_carry_it_to_the_cont
     report = router.reporter.report()
     assert report.fair_charged == pytest.approx({"gold": 9.5})
     assert report.fair_backlogged == ()
-    snap = Snapshot(epoch="e", version=2, created_at_s=time.time(), level=0, target_level=0, reason="test",
-                    constraints=router.snapshots.snapshot.constraints, running_replicas={MODEL_DEPLOYMENT: 2, ROUTER_DEPLOYMENT: 2})
+    snap = Snapshot(
+        epoch="e",
+        version=2,
+        created_at_s=time.time(),
+        level=0,
+        target_level=0,
+        reason="test",
+        constraints=router.snapshots.snapshot.constraints,
+        running_replicas={MODEL_DEPLOYMENT: 2, ROUTER_DEPLOYMENT: 2},
+    )
     router.snapshots.offer(snap)
     router.reporter.on_snapshot(snap)
     assert pipeline.gate.limit.value == 10  # 2 replicas x 10, split evenly between 2 routers

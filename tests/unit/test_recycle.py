@@ -95,9 +95,7 @@ class FakeDeployment:
                     new_id = f"new-{self._n}"
                     self._n += 1
                     self.replicas[new_id] = ReplicaView(new_id, old.deployment, now_s, False)
-                    self.ready_at[new_id] = (
-                        None if self.ready_ticks is None else now_s + self.ready_ticks * self.tick_s
-                    )
+                    self.ready_at[new_id] = None if self.ready_ticks is None else now_s + self.ready_ticks * self.tick_s
         for rid, at_s in list(self.ready_at.items()):
             if at_s is not None and now_s >= at_s:
                 r = self.replicas[rid]
@@ -175,14 +173,27 @@ def test_zero_jitter_gives_every_replica_max_age() -> None:
 def test_window_is_half_open() -> None:
     cfg = RecycleConfig()  # 02:00-05:00
     assert [in_window(h, cfg) for h in (0.0, 1.99, 2.0, 3.5, 4.99, 5.0, 12.0, 23.99)] == [
-        False, False, True, True, True, False, False, False,
+        False,
+        False,
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
     ]
 
 
 def test_window_wraps_around_midnight() -> None:
     cfg = RecycleConfig(window_start_hour=22.0, window_end_hour=4.0)
     assert [in_window(h, cfg) for h in (21.99, 22.0, 23.5, 0.0, 3.99, 4.0, 12.0)] == [
-        False, True, True, True, True, False, False,
+        False,
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
     ]
 
 
@@ -412,8 +423,12 @@ def test_due_replicas_are_taken_by_priority_then_oldest() -> None:
 
 
 def test_deployments_are_planned_independently() -> None:
-    reps = [view("a1", 7 * HOUR_S, deployment="A"), view("a2", 60, deployment="A"),
-            view("b1", 7 * HOUR_S, deployment="B"), view("b2", 60, deployment="B")]
+    reps = [
+        view("a1", 7 * HOUR_S, deployment="A"),
+        view("a2", 60, deployment="A"),
+        view("b1", 7 * HOUR_S, deployment="B"),
+        view("b2", 60, deployment="B"),
+    ]
     p, state = plan(reps, {"A": 2, "B": 2}, RecycleState(), 0, RecycleConfig(), T0, IN_WINDOW)
     assert [o.replica_id for o in p.start] == ["a1", "b1"]
     assert len(state.in_flight) == 2
@@ -506,9 +521,15 @@ def test_the_state_stays_bounded_under_random_churn() -> None:
                 del replicas[rid]
         while len(replicas) < rng.randint(3, 12):
             dep = rng.choice(["A", "B", "C"])
-            replicas[f"r{n}"] = ReplicaView(f"r{n}", dep, now_s - rng.uniform(0, 30 * HOUR_S), rng.random() < 0.8,
-                                            request="leak" if rng.random() < 0.1 else None,
-                                            critical=rng.random() < 0.05, manual=rng.random() < 0.02)
+            replicas[f"r{n}"] = ReplicaView(
+                f"r{n}",
+                dep,
+                now_s - rng.uniform(0, 30 * HOUR_S),
+                rng.random() < 0.8,
+                request="leak" if rng.random() < 0.1 else None,
+                critical=rng.random() < 0.05,
+                manual=rng.random() < 0.02,
+            )
             n += 1
         views = list(replicas.values())
         p, state = plan(views, {"A": 4, "B": 4, "C": 4}, state, rng.randint(0, 4), cfg, now_s, rng.uniform(0, 23.99))
@@ -620,7 +641,9 @@ def test_replica_view_carries_the_watchdog_request_and_a_zero_start() -> None:
     v = _rc.replica_view(
         replica_report(started_at_s=0.0),
         watchdog_report(recycle_requested=True, reason="rss_leak", critical=True),
-        in_flight=False, manual=False, now_s=500.0,
+        in_flight=False,
+        manual=False,
+        now_s=500.0,
     )
     assert (v.started_at_s, v.request, v.critical) == (0.0, "rss_leak", True)
     v = _rc.replica_view(replica_report(), watchdog_report(started_at_s=7.0), False, True, 500.0)

@@ -78,8 +78,13 @@ def test_duration_is_the_history_span(data) -> None:
 def test_tenant_kind_table(data) -> None:
     rows = {(r.tenant, r.kind): r for r in tenant_kind_table(data.stats, 100.0)}
     assert list(rows) == [
-        ("free", "plain"), ("free", "stream"), ("gold", "plain"), ("gold", "stream"),
-        ("free", "all"), ("gold", "all"), ("all", "all"),
+        ("free", "plain"),
+        ("free", "stream"),
+        ("gold", "plain"),
+        ("gold", "stream"),
+        ("free", "all"),
+        ("gold", "all"),
+        ("all", "all"),
     ]
     fp = rows[("free", "plain")]
     # 40 answered (2 of them failed) + 6 OVERLOADED + 10 QUOTA_EXCEEDED sheds
@@ -145,7 +150,9 @@ def test_sheds_by_criticality(data) -> None:
     # the locustfile's counts and Locust's shed names agree
     assert sum(sum(v.values()) for v in by_crit.values()) == sum(shed_totals(data.stats).values())
     assert sheds_by_criticality(None) == {}
-    assert sheds_by_criticality({"sheds": [{"criticality": "critical", "code": "OVERLOADED", "count": "x"}, "junk"]}) == {}
+    assert (
+        sheds_by_criticality({"sheds": [{"criticality": "critical", "code": "OVERLOADED", "count": "x"}, "junk"]}) == {}
+    )
 
 
 def test_level_summary_sample_by_sample(data) -> None:
@@ -161,7 +168,13 @@ def test_level_summary_sample_by_sample(data) -> None:
     assert level_summary([]).seconds_by_level == {}
     assert level_summary([s(0, 3)]).seconds_by_level == {3: 0.0}  # one sample: seen, no duration
     steps = [s(0, 0), s(1, 0), s(2, 1), s(3, 1), s(4, 0), s(5, 4)]
-    for n, expected in [(2, {0: 1.0}), (3, {0: 2.0, 1: 0.0}), (4, {0: 2.0, 1: 1.0}), (5, {0: 2.0, 1: 2.0}), (6, {0: 3.0, 1: 2.0, 4: 0.0})]:
+    for n, expected in [
+        (2, {0: 1.0}),
+        (3, {0: 2.0, 1: 0.0}),
+        (4, {0: 2.0, 1: 1.0}),
+        (5, {0: 2.0, 1: 2.0}),
+        (6, {0: 3.0, 1: 2.0, 4: 0.0}),
+    ]:
         assert level_summary(steps[:n]).seconds_by_level == expected
     assert level_summary(steps).changes == 3
 
@@ -179,7 +192,14 @@ def test_rss_per_replica(data) -> None:
     rows = {r.replica_id: r for r in rss_table(data.samples)}
     assert list(rows) == ["k3z9w1qp", "f5n1v3ue", "m2c7x0ad", "p8r4t6yb"]  # first seen first
     old = rows["k3z9w1qp"]
-    assert (old.deployment, old.samples, old.min_mb, old.max_mb, old.last_mb, old.growth_mb) == ("BallastModel", 5, 500.0, 560.0, 560.0, 60.0)
+    assert (old.deployment, old.samples, old.min_mb, old.max_mb, old.last_mb, old.growth_mb) == (
+        "BallastModel",
+        5,
+        500.0,
+        560.0,
+        560.0,
+        60.0,
+    )
     assert (old.first_seen_s - T0, old.last_seen_s - T0, old.max_age_s) == (5.25, 45.25, 21040.0)
     assert (rows["m2c7x0ad"].samples, rows["m2c7x0ad"].min_mb, rows["m2c7x0ad"].max_mb) == (4, 470.0, 479.0)
     assert (rows["p8r4t6yb"].samples, rows["p8r4t6yb"].min_mb, rows["p8r4t6yb"].max_mb) == (2, 480.0, 482.5)
@@ -219,8 +239,16 @@ def test_build_writes_markdown_and_plots(out: Path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = path.read_text()
     for section in (
-        "# Ballast soak report", "## Requests per tenant and kind", "## Sheds by reason", "## Sheds by criticality",
-        "## Degradation level", "## Replicas", "## RSS per replica", "## Recycle events", "## Faults injected", "## Failures",
+        "# Ballast soak report",
+        "## Requests per tenant and kind",
+        "## Sheds by reason",
+        "## Sheds by criticality",
+        "## Degradation level",
+        "## Replicas",
+        "## RSS per replica",
+        "## Recycle events",
+        "## Faults injected",
+        "## Failures",
     ):
         assert section in md, section
     for name in PLOTS:
@@ -250,7 +278,14 @@ def test_rebuild_drops_plots_that_lost_their_data(out: Path) -> None:
 
 def test_empty_folder_gives_a_report_that_says_what_is_missing(tmp_path: Path) -> None:
     md = build(tmp_path).read_text()
-    for name in ("locust_stats.csv", "locust_stats_history.csv", "locust_failures.csv", "status.jsonl", "report.json", "run.json"):
+    for name in (
+        "locust_stats.csv",
+        "locust_stats_history.csv",
+        "locust_failures.csv",
+        "status.jsonl",
+        "report.json",
+        "run.json",
+    ):
         assert f"`{name}` is missing" in md, name
     assert "_No request data (see the missing inputs above)._" in md
     assert "_No `report.json`" in md
@@ -291,22 +326,51 @@ def test_main_regenerates(out: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 def test_status_sample_compacts_the_admin_answers() -> None:
     status = {
-        "level": 1, "source": "snapshot",
+        "level": 1,
+        "source": "snapshot",
         "constraints": {"max_tokens": 256},
-        "snapshot": {"epoch": "e", "version": 7, "age_s": 0.4, "target_level": 2, "reason": "queue_length 120 >= 100",
-                     "inputs": {"queue_length": 120, "queue_wait_p95_ms": 310.5, "gpu_util_pct": None, "flag": True}},
+        "snapshot": {
+            "epoch": "e",
+            "version": 7,
+            "age_s": 0.4,
+            "target_level": 2,
+            "reason": "queue_length 120 >= 100",
+            "inputs": {"queue_length": 120, "queue_wait_p95_ms": 310.5, "gpu_util_pct": None, "flag": True},
+        },
         "replicas": {"BallastModel": {"desired": 2, "running": 1, "autoscale": {"mode": "panic"}}},
         "breakers": {"primary": {"state": "closed"}},
-        "recycle": {"in_flight": [{"replica_id": "a"}], "availability": {"expected": 0.99, "measured": 1.0, "out_s": 3.0}},
+        "recycle": {
+            "in_flight": [{"replica_id": "a"}],
+            "availability": {"expected": 0.99, "measured": 1.0, "out_s": 3.0},
+        },
     }
     replicas = {
         "replicas": [
-            {"replica_id": f"r{i}", "deployment": "BallastModel", "age_s": 12.5, "queued": 0, "running": 1, "ready": True,
-             "draining": False, "watchdog": {"rss_bytes": 512 * 1024 * 1024, "threads": 40, "trends": {"rss": {}}}}
+            {
+                "replica_id": f"r{i}",
+                "deployment": "BallastModel",
+                "age_s": 12.5,
+                "queued": 0,
+                "running": 1,
+                "ready": True,
+                "draining": False,
+                "watchdog": {"rss_bytes": 512 * 1024 * 1024, "threads": 40, "trends": {"rss": {}}},
+            }
             for i in range(100)
-        ] + [{"replica_id": "nowd", "deployment": "BallastModel", "watchdog": None}],
-        "events": [{"at_s": float(i), "outcome": "completed", "replica_id": f"r{i}", "deployment": "BallastModel",
-                    "reason": "max_age", "duration_s": 9.0, "extra": "x"} for i in range(30)],
+        ]
+        + [{"replica_id": "nowd", "deployment": "BallastModel", "watchdog": None}],
+        "events": [
+            {
+                "at_s": float(i),
+                "outcome": "completed",
+                "replica_id": f"r{i}",
+                "deployment": "BallastModel",
+                "reason": "max_age",
+                "duration_s": 9.0,
+                "extra": "x",
+            }
+            for i in range(30)
+        ],
         "leases": [{"id": "l"}],
     }
     s = status_sample(100.0, status, replicas)
@@ -315,18 +379,32 @@ def test_status_sample_compacts_the_admin_answers() -> None:
     assert s["deployments"] == {"BallastModel": {"desired": 2, "running": 1}}
     assert s["recycles_in_flight"] == 1 and s["availability"] == {"expected": 0.99, "measured": 1.0}
     assert len(s["replicas"]) == report.MAX_SAMPLE_REPLICAS
-    assert s["replicas"][0] == {"id": "r0", "deployment": "BallastModel", "rss_mb": 512.0, "age_s": 12.5, "ready": True, "draining": False}
+    assert s["replicas"][0] == {
+        "id": "r0",
+        "deployment": "BallastModel",
+        "rss_mb": 512.0,
+        "age_s": 12.5,
+        "ready": True,
+        "draining": False,
+    }
     assert [e["replica_id"] for e in s["events"]] == [f"r{i}" for i in range(20, 30)]
     assert "extra" not in s["events"][0]
     # a failed poll: the time and why, nothing else
-    assert status_sample(5.0, None, None, "/v1/status: ConnectError") == {"t_s": 5.0, "error": "/v1/status: ConnectError"}
+    assert status_sample(5.0, None, None, "/v1/status: ConnectError") == {
+        "t_s": 5.0,
+        "error": "/v1/status: ConnectError",
+    }
     # what the sampler writes, the report reads
     rows = rss_table([s])
     assert len(rows) == report.MAX_SAMPLE_REPLICAS and rows[0].max_mb == 512.0
 
 
 def test_lost_capacity_is_the_last_sample_that_saw_any() -> None:
-    samples = [{"lost_capacity": {"migrated": 0, "not_migrated": 0}}, {"lost_capacity": {"migrated": 3, "not_migrated": 1}},
-               {"level": 0}, {"error": "a poll failed"}]
+    samples = [
+        {"lost_capacity": {"migrated": 0, "not_migrated": 0}},
+        {"lost_capacity": {"migrated": 3, "not_migrated": 1}},
+        {"level": 0},
+        {"error": "a poll failed"},
+    ]
     assert lost_capacity(samples) == {"migrated": 3, "not_migrated": 1}
     assert lost_capacity([{"lost_capacity": {"migrated": 0}}, {}]) == {}

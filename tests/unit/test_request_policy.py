@@ -24,8 +24,14 @@ def test_the_token_cost_is_prompt_bytes_capped_by_the_context_plus_max_tokens():
 
 
 def reasons(**kw):
-    base = dict(requested_max_tokens=64, level_max_tokens=256, model_max_tokens=255,
-                lowered=False, stream_requested=False, streaming_allowed=True)
+    base = dict(
+        requested_max_tokens=64,
+        level_max_tokens=256,
+        model_max_tokens=255,
+        lowered=False,
+        stream_requested=False,
+        streaming_allowed=True,
+    )
     return rp.degraded_reasons(**{**base, **kw})
 
 
@@ -39,7 +45,10 @@ def test_degraded_reasons():
     assert reasons(stream_requested=True, streaming_allowed=False) == ["streaming_disabled"]
     assert reasons(stream_requested=False, streaming_allowed=False) == []
     assert reasons(level_max_tokens=8, lowered=True, stream_requested=True, streaming_allowed=False) == [
-        "max_tokens_clamped", "criticality_lowered", "streaming_disabled"]
+        "max_tokens_clamped",
+        "criticality_lowered",
+        "streaming_disabled",
+    ]
 
 
 def test_the_quota_retry_after_is_floored_and_capped():
@@ -49,15 +58,18 @@ def test_the_quota_retry_after_is_floored_and_capped():
     assert rp.quota_retry_after_s(1e9) == rp.QUOTA_RETRY_AFTER_CAP_S == 3600.0
 
 
-@pytest.mark.parametrize("code,status,expected", [
-    ("MODEL_UNAVAILABLE", 503, True),
-    ("INTERNAL", 500, True),
-    ("DEADLINE_EXCEEDED", 504, False),
-    ("KILL_SWITCH", 503, False),
-    ("OVERLOADED", 503, True),
-    ("QUOTA_EXCEEDED", 429, False),
-    ("INVALID_REQUEST", 422, False),
-])
+@pytest.mark.parametrize(
+    "code,status,expected",
+    [
+        ("MODEL_UNAVAILABLE", 503, True),
+        ("INTERNAL", 500, True),
+        ("DEADLINE_EXCEEDED", 504, False),
+        ("KILL_SWITCH", 503, False),
+        ("OVERLOADED", 503, True),
+        ("QUOTA_EXCEEDED", 429, False),
+        ("INVALID_REQUEST", 422, False),
+    ],
+)
 def test_which_outcomes_count_as_errors_for_the_level(code, status, expected):
     assert rp.counts_as_error(code, status) is expected
 

@@ -284,23 +284,31 @@ def test_classify_kinds_are_retry_kinds_and_three_spare_the_breaker() -> None:
     assert kinds - BREAKER_FAILURES == {"backpressure", "deadline_exceeded", "replica_died"}
 
 
-@pytest.mark.parametrize("error", [
-    ActorDiedError(),
-    ActorUnavailableError("the node is gone", b"\x00" * 16),
-    NodeDiedError("node lost"),
-    WorkerCrashedError(),
-    OwnerDiedError("00" * 28, None, "generate"),
-    RayTaskError("generate_stream", "traceback", ActorDiedError()),
-], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error",
+    [
+        ActorDiedError(),
+        ActorUnavailableError("the node is gone", b"\x00" * 16),
+        NodeDiedError("node lost"),
+        WorkerCrashedError(),
+        OwnerDiedError("00" * 28, None, "generate"),
+        RayTaskError("generate_stream", "traceback", ActorDiedError()),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 def test_every_way_a_replica_or_node_goes_away_is_lost_capacity(error) -> None:
     assert classify(error) == LOST_CAPACITY
 
 
-@pytest.mark.parametrize("error", [
-    RayTaskError("generate", "traceback", RuntimeError("CUDA error: an illegal memory access")),
-    RayTaskError("generate", "traceback", InjectedFault("chaos error")),
-    Exception("anything else"),
-], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error",
+    [
+        RayTaskError("generate", "traceback", RuntimeError("CUDA error: an illegal memory access")),
+        RayTaskError("generate", "traceback", InjectedFault("chaos error")),
+        Exception("anything else"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 def test_what_the_model_itself_got_wrong_is_a_model_error(error) -> None:
     assert classify(error) == "model_error"
     assert "model_error" in BREAKER_FAILURES

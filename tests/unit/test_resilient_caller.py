@@ -171,8 +171,13 @@ def make(
     return caller, clock, timer, events
 
 
-async def unary(caller: ResilientCaller, clock: FakeClock, deadline_in_s: float = 30, call: dict = CALL,
-                tenant: Optional[str] = "acme"):
+async def unary(
+    caller: ResilientCaller,
+    clock: FakeClock,
+    deadline_in_s: float = 30,
+    call: dict = CALL,
+    tenant: Optional[str] = "acme",
+):
     return await caller.unary(CallSpec(dict(call), clock() + deadline_in_s, [], WALL_S, tenant=tenant))
 
 
@@ -255,7 +260,10 @@ async def test_lost_replicas_past_the_limit_go_to_the_fallback_then_replica_lost
     primary = FakeHandle(*(fails(ActorDiedError()) for _ in range(4)))
     caller, clock, _, events = make(primary, FakeHandle(ok("small")))
     assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
-    assert len(primary.generate.calls) == 4 and events[-2:] == [("lost", "primary", "not_migrated"), ("fallback", "fallback_model")]
+    assert len(primary.generate.calls) == 4 and events[-2:] == [
+        ("lost", "primary", "not_migrated"),
+        ("fallback", "fallback_model"),
+    ]
     primary = FakeHandle(*(fails(ActorDiedError()) for _ in range(4)))
     caller, clock, _, _ = make(primary)
     with pytest.raises(ReplicaLost) as info:
@@ -420,8 +428,10 @@ async def test_a_request_its_engine_refuses_fails_alone_with_the_refusal() -> No
     # vLLM's own validation in the replica: the client's request as sent, not the model's
     # health: no retry, no fallback, nothing on the breaker, the bulkhead and budget freed.
     refusal = EngineRefused("response_format: vLLM refuses it: bad schema", field="response_format")
-    primary = FakeHandle(fails(RayTaskError("generate", "traceback", refusal)),
-                         streams=(FakeStream(fails(RayTaskError("generate_stream", "traceback", refusal))),))
+    primary = FakeHandle(
+        fails(RayTaskError("generate", "traceback", refusal)),
+        streams=(FakeStream(fails(RayTaskError("generate_stream", "traceback", refusal))),),
+    )
     fallback = FakeHandle(ok("never"), streams=(FakeStream(ok("never")),))
     caller, clock, timer, events = make(primary, fallback)
     with pytest.raises(EngineRefused) as unary_refusal:
@@ -470,6 +480,8 @@ async def test_a_stream_whose_replica_died_before_its_first_chunk_goes_to_anothe
     assert events == [("lost", "primary", "migrated")]
     b = breaker_of(caller, "primary")
     assert (b["calls"], b["failures"]) == (1, 0)  # the lost attempt is not the backend's failure
+
+
 async def test_a_stream_whose_first_chunk_times_out_is_retried_like_a_unary_attempt() -> None:
     # A replica cut off from this router (a partition) answers nothing until Ray calls its
     # node dead: the first chunk's attempt timeout sends the stream to another replica.
@@ -541,8 +553,10 @@ def piece(text: str, ids: list[int], takes_s: float = 1) -> FakeResponse:
 
 async def test_a_stream_whose_replica_dies_mid_way_carries_on_from_what_was_delivered() -> None:
     cut = FakeStream(piece("he", [104, 101]), piece("llo", [108, 108, 111]), fails(ActorDiedError()))
-    resumed = FakeStream(FakeResponse(1, result={"text": " wo", "tokens": 3, "ids": [32, 119, 111],
-                                                   "queue_wait_ms": 5.0}), piece("rld", [114, 108, 100]))
+    resumed = FakeStream(
+        FakeResponse(1, result={"text": " wo", "tokens": 3, "ids": [32, 119, 111], "queue_wait_ms": 5.0}),
+        piece("rld", [114, 108, 100]),
+    )
     primary = FakeHandle(streams=(cut, resumed))
     fallback = FakeHandle(streams=(FakeStream(ok("x")),))
     caller, clock, timer, events = make(primary, fallback)
@@ -555,8 +569,13 @@ async def test_a_stream_whose_replica_dies_mid_way_carries_on_from_what_was_deli
     first, second = primary.generate_stream.calls
     assert "continue_ids" not in first
     # t=100 open, 101 "he", 102 "llo", 103 the replica dies, 0.025 s pause, 104.025 " wo"
-    assert second == {**CALL, "continue_ids": [104, 101, 108, 108, 111], "continue_text_chars": 5,
-                      "timeout_s": pytest.approx(30 - 3.025), "deadline_at_s": pytest.approx(WALL_S + 30 - 3.025)}
+    assert second == {
+        **CALL,
+        "continue_ids": [104, 101, 108, 108, 111],
+        "continue_text_chars": 5,
+        "timeout_s": pytest.approx(30 - 3.025),
+        "deadline_at_s": pytest.approx(WALL_S + 30 - 3.025),
+    }
     assert cut.cancelled and not resumed.cancelled
     assert record.migrations == 1 and events == [("lost", "primary", "migrated")]
     assert caller.lost == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 1}
@@ -584,8 +603,9 @@ async def test_a_stream_cut_once_more_than_the_limit_ends_with_replica_lost() ->
 async def test_a_stream_cut_with_no_room_left_before_its_deadline_is_not_migrated() -> None:
     # Deadline 3.04 s: the replica dies at t=103, leaving 0.04 s; a pause and a useful
     # attempt (0.05 s) do not fit.
-    primary = FakeHandle(streams=(FakeStream(piece("a", [97], takes_s=1), fails(ActorDiedError(), takes_s=2)),
-                                  FakeStream(ok("never"))))
+    primary = FakeHandle(
+        streams=(FakeStream(piece("a", [97], takes_s=1), fails(ActorDiedError(), takes_s=2)), FakeStream(ok("never")))
+    )
     caller, clock, _, events = make(primary)
     it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 3.04, [], WALL_S))
     assert (await it.__anext__())["text"] == "a"
@@ -637,7 +657,10 @@ async def test_fallback_only_never_calls_the_primary() -> None:
     fallback = FakeHandle(ok("small"), streams=(FakeStream(ok("s")),))
     caller, clock, _, events = make(primary, fallback)
     assert caller.can_fall_back([], WALL_S)
-    assert await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)) == ({"text": "small"}, "fallback_model")
+    assert await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)) == (
+        {"text": "small"},
+        "fallback_model",
+    )
     it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True))
     assert kind == "fallback_model" and await collect(it) == [{"text": "s"}]
     assert primary.generate.calls == [] and primary.generate_stream.calls == []
@@ -662,8 +685,15 @@ async def test_can_fall_back_needs_a_fallback_that_could_answer_now() -> None:
     caller, clock, _, _ = make(FakeHandle(), fallback, bulkhead={"fallback": 1})
     assert caller.can_fall_back([], WALL_S)
     # Switched off by a model kill switch: not an answer.
-    off = KillSwitchEntry(id="k1", scope="model", value=caller.backends[1].model_name, reason="bad weights",
-                          set_by="ops", created_at_s=WALL_S - 1, expires_at_s=WALL_S + 60)
+    off = KillSwitchEntry(
+        id="k1",
+        scope="model",
+        value=caller.backends[1].model_name,
+        reason="bad weights",
+        set_by="ops",
+        created_at_s=WALL_S - 1,
+        expires_at_s=WALL_S + 60,
+    )
     assert not caller.can_fall_back([off], WALL_S)
     # Its bulkhead full: not now.
     assert caller.backends[1].bulkhead.try_enter()

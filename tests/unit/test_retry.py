@@ -188,9 +188,7 @@ def test_non_retryable_kinds_never_retry(kind: str) -> None:
 
 
 def test_attempt_limit() -> None:
-    decisions = [
-        should_retry("replica_died", attempt, 100.0, 0.1, 0.1, CFG)[0] for attempt in (1, 2, 3, 4)
-    ]
+    decisions = [should_retry("replica_died", attempt, 100.0, 0.1, 0.1, CFG)[0] for attempt in (1, 2, 3, 4)]
     assert decisions == [True, True, False, False]
     assert should_retry("replica_died", 3, 100.0, 0.1, 0.1, CFG)[1] == "replica_died: attempts exhausted (3/3)"
     assert should_retry("backpressure", 1, 100.0, 0.1, 0.1, RetryConfig(max_attempts=1))[0] is False

@@ -18,8 +18,15 @@ CFG = {
     "auth": {"demo_keys": {"dev-key-gold": "gold"}},
     "fallback": {},
     # Opens at 2 failures in a window of 3 calls, for 10 s.
-    "resilience": {"breaker": {"window_size": 3, "min_calls": 3, "failure_rate_threshold": 0.6,
-                               "open_duration_s": 10, "open_jitter_ratio": 0}},
+    "resilience": {
+        "breaker": {
+            "window_size": 3,
+            "min_calls": 3,
+            "failure_rate_threshold": 0.6,
+            "open_duration_s": 10,
+            "open_jitter_ratio": 0,
+        }
+    },
 }
 
 

@@ -59,22 +59,31 @@ def client():
 ADMIN = {"authorization": "Bearer admin-token"}
 
 
-@pytest.mark.parametrize("method,path,kw,status,code", [
-    ("POST", "/v1/generate", {}, 401, "UNAUTHENTICATED"),
-    ("POST", "/v1/generate", {"headers": {"authorization": "Bearer unknown"}}, 401, "UNAUTHENTICATED"),
-    ("POST", "/v1/generate", {"headers": {"authorization": "Basic x"}}, 401, "UNAUTHENTICATED"),
-    ("GET", "/v1/status", {}, 401, "UNAUTHENTICATED"),
-    ("GET", "/v1/status", {"headers": {"authorization": "Bearer unknown"}}, 403, "FORBIDDEN"),
-    ("POST", "/admin/kill-switch", {"headers": {"authorization": "Bearer unknown"}}, 403, "FORBIDDEN"),
-    ("POST", "/admin/recycle", {"headers": ADMIN, "content": b"[]"}, 422, "INVALID_REQUEST"),
-    ("POST", "/admin/recycle", {"headers": ADMIN, "content": b"{bad"}, 422, "INVALID_REQUEST"),
-    ("POST", "/admin/recycle", {"headers": ADMIN, "json": {"all": False}}, 422, "INVALID_REQUEST"),
-    ("POST", "/admin/recycle", {"headers": ADMIN, "json": {"zzz": 1}}, 422, "INVALID_REQUEST"),
-    ("POST", "/admin/recycle", {"headers": {**ADMIN, "content-length": "99999999"}, "content": b"{}"}, 413, "PAYLOAD_TOO_LARGE"),
-    ("GET", "/nope", {}, 404, "NOT_FOUND"),
-    ("PUT", "/admin/chaos", {}, 405, "METHOD_NOT_ALLOWED"),
-    ("GET", "/v1/generate", {}, 405, "METHOD_NOT_ALLOWED"),
-])
+@pytest.mark.parametrize(
+    "method,path,kw,status,code",
+    [
+        ("POST", "/v1/generate", {}, 401, "UNAUTHENTICATED"),
+        ("POST", "/v1/generate", {"headers": {"authorization": "Bearer unknown"}}, 401, "UNAUTHENTICATED"),
+        ("POST", "/v1/generate", {"headers": {"authorization": "Basic x"}}, 401, "UNAUTHENTICATED"),
+        ("GET", "/v1/status", {}, 401, "UNAUTHENTICATED"),
+        ("GET", "/v1/status", {"headers": {"authorization": "Bearer unknown"}}, 403, "FORBIDDEN"),
+        ("POST", "/admin/kill-switch", {"headers": {"authorization": "Bearer unknown"}}, 403, "FORBIDDEN"),
+        ("POST", "/admin/recycle", {"headers": ADMIN, "content": b"[]"}, 422, "INVALID_REQUEST"),
+        ("POST", "/admin/recycle", {"headers": ADMIN, "content": b"{bad"}, 422, "INVALID_REQUEST"),
+        ("POST", "/admin/recycle", {"headers": ADMIN, "json": {"all": False}}, 422, "INVALID_REQUEST"),
+        ("POST", "/admin/recycle", {"headers": ADMIN, "json": {"zzz": 1}}, 422, "INVALID_REQUEST"),
+        (
+            "POST",
+            "/admin/recycle",
+            {"headers": {**ADMIN, "content-length": "99999999"}, "content": b"{}"},
+            413,
+            "PAYLOAD_TOO_LARGE",
+        ),
+        ("GET", "/nope", {}, 404, "NOT_FOUND"),
+        ("PUT", "/admin/chaos", {}, 405, "METHOD_NOT_ALLOWED"),
+        ("GET", "/v1/generate", {}, 405, "METHOD_NOT_ALLOWED"),
+    ],
+)
 def test_refusals_before_any_model_work(client, method, path, kw, status, code):
     r = client.request(method, path, **kw)
     assert r.status_code == status
@@ -84,7 +93,11 @@ def test_refusals_before_any_model_work(client, method, path, kw, status, code):
 
 def test_the_field_is_named_in_a_validation_error(client):
     r = client.post("/admin/recycle", headers=ADMIN, json={"zzz": 1})
-    assert r.json()["error"] == {"code": "INVALID_REQUEST", "message": "zzz: Extra inputs are not permitted", "field": "zzz"}
+    assert r.json()["error"] == {
+        "code": "INVALID_REQUEST",
+        "message": "zzz: Extra inputs are not permitted",
+        "field": "zzz",
+    }
 
 
 def test_liveness_needs_nothing(client):
@@ -117,8 +130,11 @@ def test_health_is_200_when_the_model_answers_and_the_snapshot_is_fresh():
 
 
 def test_a_kill_switch_scope_or_id_past_its_length_is_refused_before_the_controller(client):
-    r = client.post("/admin/kill-switch", headers=ADMIN,
-                    json={"scope": "s" * 10_000, "value": "x", "reason": "r", "expires_in_s": 60})
+    r = client.post(
+        "/admin/kill-switch",
+        headers=ADMIN,
+        json={"scope": "s" * 10_000, "value": "x", "reason": "r", "expires_in_s": 60},
+    )
     assert r.status_code == 422 and r.json()["error"]["field"] == "scope"
     r = client.delete("/admin/kill-switch/" + "a" * 10_000, headers=ADMIN)
     assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND"

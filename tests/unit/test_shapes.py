@@ -218,7 +218,12 @@ def test_default_soak_fits_one_day_and_covers_every_action():
     times = [e.at_sim_s for e in DEFAULT_SOAK.events]
     assert times == sorted(times) and 0 <= times[0] and times[-1] < DAY_S
     assert {e.action for e in DEFAULT_SOAK.events} == {
-        "kill_replica", "start_leak", "fail_primary", "clear_chaos", "kill_switch_on", "kill_switch_off"
+        "kill_replica",
+        "start_leak",
+        "fail_primary",
+        "clear_chaos",
+        "kill_switch_on",
+        "kill_switch_off",
     }
     # At scale 96 the kill switch's real expiry outlasts its scheduled off.
     on = next(e for e in DEFAULT_SOAK.events if e.action == "kill_switch_on")
@@ -264,7 +269,9 @@ _ON = {"label": "x", "scope": "tenant", "value": "free", "reason": "r", "expires
         (lambda: FaultSchedule((FaultEvent(0, "kill_switch_off", {"label": "x"}),)), "label"),
         # Off listed first but scheduled after: fine. Off scheduled before on: refused.
         (
-            lambda: FaultSchedule((FaultEvent(5, "kill_switch_on", _ON), FaultEvent(1, "kill_switch_off", {"label": "x"}))),
+            lambda: FaultSchedule(
+                (FaultEvent(5, "kill_switch_on", _ON), FaultEvent(1, "kill_switch_off", {"label": "x"}))
+            ),
             "label",
         ),
         (lambda: FaultSchedule((FaultEvent(0, "kill_switch_on", _ON), FaultEvent(1, "kill_switch_on", _ON))), "label"),
@@ -282,14 +289,24 @@ def test_off_listed_before_on_but_scheduled_after_is_accepted():
 
 
 @pytest.mark.parametrize(
-    "url", ["http://127.0.0.1:8000", "http://localhost:8123/", "http://[::1]:8000", "http://127.0.0.2", "https://LOCALHOST"]
+    "url",
+    ["http://127.0.0.1:8000", "http://localhost:8123/", "http://[::1]:8000", "http://127.0.0.2", "https://LOCALHOST"],
 )
 def test_loopback_urls_are_accepted(url):
     assert check_loopback(url) == url.rstrip("/")
 
 
 @pytest.mark.parametrize(
-    "url", ["http://10.0.0.1:8000", "http://example.com", "http://0.0.0.0:8000", "http://[::]:8000", "ftp://127.0.0.1", "127.0.0.1:8000", ""]
+    "url",
+    [
+        "http://10.0.0.1:8000",
+        "http://example.com",
+        "http://0.0.0.0:8000",
+        "http://[::]:8000",
+        "ftp://127.0.0.1",
+        "127.0.0.1:8000",
+        "",
+    ],
 )
 def test_other_urls_are_refused_before_any_request(url):
     with pytest.raises(ValueError, match="^base_url:"):
@@ -463,7 +480,10 @@ def test_stop_interrupts_and_undoes_what_is_on(admin_server):
         ("DELETE", "/admin/chaos", None),
         ("DELETE", "/admin/kill-switch/ks-1", None),
     ]
-    assert [(r.action, r.step) for r in runner.records][2:] == [("cleanup", "clear_chaos"), ("cleanup", "kill_switch_off:x")]
+    assert [(r.action, r.step) for r in runner.records][2:] == [
+        ("cleanup", "clear_chaos"),
+        ("cleanup", "kill_switch_off:x"),
+    ]
 
 
 def test_refused_calls_are_recorded_and_an_off_without_an_id_is_skipped(admin_server):
@@ -495,7 +515,9 @@ def test_no_answer_is_recorded_and_the_record_list_is_bounded():
     with ThreadingHTTPServer(("127.0.0.1", 0), _Handler) as closed:
         port = closed.server_address[1]  # bound then closed: nothing listens there
     sched = FaultSchedule(tuple(FaultEvent(i, "clear_chaos") for i in range(5)))
-    runner = FaultRunner(sched, f"http://127.0.0.1:{port}", TimeScale(1000), admin_token="tok", max_records=3, timeout_s=2)
+    runner = FaultRunner(
+        sched, f"http://127.0.0.1:{port}", TimeScale(1000), admin_token="tok", max_records=3, timeout_s=2
+    )
     runner.start()
     assert runner.join(30)
     recs = runner.records
@@ -578,7 +600,13 @@ def test_unary_200_that_is_empty_or_malformed_is_a_failure(lf, body, why):
 
 @pytest.mark.parametrize(
     ("status", "code"),
-    [(429, "QUOTA_EXCEEDED"), (429, "CONCURRENCY_LIMIT"), (503, "OVERLOADED"), (503, "KILL_SWITCH"), (503, "MODEL_UNAVAILABLE")],
+    [
+        (429, "QUOTA_EXCEEDED"),
+        (429, "CONCURRENCY_LIMIT"),
+        (503, "OVERLOADED"),
+        (503, "KILL_SWITCH"),
+        (503, "MODEL_UNAVAILABLE"),
+    ],
 )
 def test_documented_refusals_are_sheds_by_code(lf, status, code):
     assert lf.classify_unary(status, JSON_H, _err(code)) == lf.Outcome("shed", code)
@@ -608,7 +636,11 @@ def test_anything_else_is_a_failure(lf, status, body, code):
 
 
 def test_stream_ok_with_tokens_then_done(lf):
-    body = _sse(("token", {"text": "ab", "tokens": 2}), ("token", {"text": "c", "tokens": 1}), ("done", {**GOOD, "tokens_generated": 3}))
+    body = _sse(
+        ("token", {"text": "ab", "tokens": 2}),
+        ("token", {"text": "c", "tokens": 1}),
+        ("done", {**GOOD, "tokens_generated": 3}),
+    )
     assert lf.classify_stream(200, SSE_H, body) == lf.OK
     assert lf.classify_stream(200, SSE_H, body.replace(b"\n", b"\r\n")) == lf.OK  # CRLF line ends
     # Streaming turned off by the level: one token event with the whole text, then done.
@@ -625,14 +657,23 @@ def test_stream_ok_with_tokens_then_done(lf):
         (b"", "without a done event"),
         (_sse(("token", {"text": "ab", "tokens": 2})), "without a done event"),
         # Cut mid-event: "done" never completed by its blank line.
-        (_sse(("token", {"text": "a", "tokens": 1})) + b'event: done\ndata: {"tokens_generated": 1}\n', "without a done event"),
+        (
+            _sse(("token", {"text": "a", "tokens": 1})) + b'event: done\ndata: {"tokens_generated": 1}\n',
+            "without a done event",
+        ),
         (_sse(("token", {"tokens": 2}), ("done", {"tokens_generated": 2})), "token event without"),
         (_sse(("token", "not json"), ("done", {"tokens_generated": 2})), "malformed 'token'"),
         (_sse(("done", {"text": "x"})), "done event without"),
         (_sse(("done", "{")), "malformed 'done'"),
         (_sse(("token", {"text": "a", "tokens": 1}), ("done", {"tokens_generated": 4})), "done says 4"),
         (_sse(("done", {"tokens_generated": 0}), ("token", {"text": "a", "tokens": 1})), "after done"),
-        (_sse(("token", {"text": "a", "tokens": 1}), ("error", {"error": {"code": "MODEL_UNAVAILABLE", "message": "m"}})), "after 1 token"),
+        (
+            _sse(
+                ("token", {"text": "a", "tokens": 1}),
+                ("error", {"error": {"code": "MODEL_UNAVAILABLE", "message": "m"}}),
+            ),
+            "after 1 token",
+        ),
         (_sse(("error", {"error": {"code": "MODEL_ERROR", "message": "m"}})), "MODEL_ERROR"),
         (_sse(("error", {"error": {"code": "DEADLINE_EXCEEDED", "message": "m"}})), "DEADLINE_EXCEEDED"),
         (b"\xff\xfe", "not UTF-8"),

@@ -99,8 +99,17 @@ def test_baselines_never_shed_and_ballast_protects_critical_traffic(spike_result
 
 def test_leaks_crash_replicas_without_recycling_and_not_with_it():
     # Half the replicas leak to OOM in about 2 h; no hard failures, no flash crowd.
-    cfg = SimConfig(replicas_peak=30, hours=6.0, start_hour=10.0, tick_s=5.0, leak_fraction=0.5,
-                    leak_tto_median_h=2.0, leak_tto_sigma=0.3, mtbf_h=1e6, load=LoadProfile(spike=None))
+    cfg = SimConfig(
+        replicas_peak=30,
+        hours=6.0,
+        start_hour=10.0,
+        tick_s=5.0,
+        leak_fraction=0.5,
+        leak_tto_median_h=2.0,
+        leak_tto_sigma=0.3,
+        mtbf_h=1e6,
+        load=LoadProfile(spike=None),
+    )
     without = simulate(cfg, BALLAST_NO_RECYCLE, 5)
     with_ = simulate(cfg, BALLAST, 5)
     assert without.oom_crashes >= 15

@@ -120,12 +120,26 @@ def test_no_tenants_gives_the_previous_results():
     """One short run per kind of arm, as the simulator gave it before tenants existed."""
     cfg = SimConfig(replicas_peak=40, hours=20 / 60, start_hour=19.9)
     want = {
-        BALLAST: ([(116935, 111803, 5132, 0, 110392.032), (466520, 429562, 36958, 0, 425042.829),
-                   (350611, 320518, 30093, 0, 319223.661), (233591, 212997, 20594, 0, 212727.478)],
-                  12.493611, (1115.0, 3.0, 8.0, 35.0, 39.0)),
-        RAY_SERVE: ([(116935, 115723, 0, 1212, 96474.393), (466520, 461569, 0, 4951, 385250.212),
-                     (350611, 346899, 0, 3712, 288850.347), (233591, 231122, 0, 2469, 192321.048)],
-                    12.269444, (1200.0, 0.0, 0.0, 0.0, 0.0)),
+        BALLAST: (
+            [
+                (116935, 111803, 5132, 0, 110392.032),
+                (466520, 429562, 36958, 0, 425042.829),
+                (350611, 320518, 30093, 0, 319223.661),
+                (233591, 212997, 20594, 0, 212727.478),
+            ],
+            12.493611,
+            (1115.0, 3.0, 8.0, 35.0, 39.0),
+        ),
+        RAY_SERVE: (
+            [
+                (116935, 115723, 0, 1212, 96474.393),
+                (466520, 461569, 0, 4951, 385250.212),
+                (350611, 346899, 0, 3712, 288850.347),
+                (233591, 231122, 0, 2469, 192321.048),
+            ],
+            12.269444,
+            (1200.0, 0.0, 0.0, 0.0, 0.0),
+        ),
     }
     for arm, (classes, replica_hours, levels) in want.items():
         r = simulate(cfg, arm, 5)
@@ -151,8 +165,12 @@ def test_a_quantum_starts_where_the_tick_reached():
 
 def lines(routers: int = 1, shared: bool = True, grants: int = 4) -> TenantLines:
     via = (0,) if routers == 1 else (1,)
-    ten = TenancyConfig((TenantSpec("a", 1.0, 1.0, 96, 16), TenantSpec("b", 1.0, 1.0, 24, 16, via)),
-                        routers=routers, shared=shared, grants_per_router=grants)
+    ten = TenancyConfig(
+        (TenantSpec("a", 1.0, 1.0, 96, 16), TenantSpec("b", 1.0, 1.0, 24, 16, via)),
+        routers=routers,
+        shared=shared,
+        grants_per_router=grants,
+    )
     return TenantLines(ten, lag_tokens=1000.0, seed=9)
 
 

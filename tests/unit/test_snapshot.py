@@ -239,9 +239,7 @@ class Reports:
 def make_exchange(
     fake: FakeController, cache: SnapshotCache, seen: list[Snapshot], timeout_s: float = 1.0
 ) -> SnapshotExchange:
-    return SnapshotExchange(
-        cache, fake.call, Reports(), interval_s=0.0, timeout_s=timeout_s, on_snapshot=seen.append
-    )
+    return SnapshotExchange(cache, fake.call, Reports(), interval_s=0.0, timeout_s=timeout_s, on_snapshot=seen.append)
 
 
 class TestSnapshotExchange:

@@ -28,9 +28,7 @@ def never_called() -> float:
     raise AssertionError("rng drawn while p == 0")
 
 
-def make(
-    cfg: ThrottleConfig | None = None, rng=never_called, now_s: int = 0
-) -> tuple[AdaptiveThrottle, FakeClock]:
+def make(cfg: ThrottleConfig | None = None, rng=never_called, now_s: int = 0) -> tuple[AdaptiveThrottle, FakeClock]:
     clock = FakeClock(now_s)
     return AdaptiveThrottle(cfg, clock=clock, rng=rng), clock
 

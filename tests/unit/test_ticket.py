@@ -13,8 +13,16 @@ from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
 
 def make(places: TenantPlaces, seen: list, charge: Charge = Charge(None, 0, 0), slot: GateSlot = None) -> Ticket:
     assert places.take("gold", cap=4)
-    return Ticket("gold", "critical", Deadline(0.0, 10.0), places, charge, slot or GateSlot(None), False,
-                  lambda t, o: seen.append((t.tenant, o.code)))
+    return Ticket(
+        "gold",
+        "critical",
+        Deadline(0.0, 10.0),
+        places,
+        charge,
+        slot or GateSlot(None),
+        False,
+        lambda t, o: seen.append((t.tenant, o.code)),
+    )
 
 
 def test_the_tenant_place_is_given_back_once() -> None:
@@ -58,8 +66,9 @@ def test_a_failed_or_replayed_request_uses_no_quota() -> None:
 
 
 async def test_the_gate_slot_goes_back_with_its_sample_once() -> None:
-    gate = PriorityGate(AimdLimit(LimiterConfig(initial=1, min_limit=1, max_limit=4)), max_waiting=4, max_wait_s=1.0,
-                        clock=FakeClock(0))
+    gate = PriorityGate(
+        AimdLimit(LimiterConfig(initial=1, min_limit=1, max_limit=4)), max_waiting=4, max_wait_s=1.0, clock=FakeClock(0)
+    )
     await gate.acquire(0, 10.0)
     assert gate.in_flight == 1
     t = make(TenantPlaces(), [], slot=GateSlot(gate))

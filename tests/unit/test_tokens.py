@@ -40,7 +40,11 @@ def test_fit_context_fits(prompt_tokens, asked, context, expected):
 
 @pytest.mark.parametrize(
     "prompt_tokens, asked, words",
-    [(10, 119, "129 were asked for (10 in the prompt, 119 for the completion)"), (128, None, "prompt alone is 128"), (0, 5, "no tokens")],
+    [
+        (10, 119, "129 were asked for (10 in the prompt, 119 for the completion)"),
+        (128, None, "prompt alone is 128"),
+        (0, 5, "no tokens"),
+    ],
 )
 def test_fit_context_refuses_with_a_reason(prompt_tokens, asked, words):
     n, why = fit_context(prompt_tokens, asked, 128)

@@ -181,11 +181,15 @@ def test_expiry_visits_each_entry_once_over_a_run() -> None:
     assert m.visited <= 3 * 2000
 
 
-@pytest.mark.parametrize(("kw", "field"), [
-    ({"ttl_s": 0, "max_entries": 1}, "ttl_s"), ({"ttl_s": 1, "max_entries": 0}, "max_entries"),
-    ({"ttl_s": 1, "max_entries": 1, "max_entries_per_group": 0}, "max_entries_per_group"),
-    ({"ttl_s": 1, "max_entries": 1, "max_bytes_per_group": 0}, "max_bytes_per_group"),
-])
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"ttl_s": 0, "max_entries": 1}, "ttl_s"),
+        ({"ttl_s": 1, "max_entries": 0}, "max_entries"),
+        ({"ttl_s": 1, "max_entries": 1, "max_entries_per_group": 0}, "max_entries_per_group"),
+        ({"ttl_s": 1, "max_entries": 1, "max_bytes_per_group": 0}, "max_bytes_per_group"),
+    ],
+)
 def test_bad_settings_name_the_field(kw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         TTLMap(**kw)

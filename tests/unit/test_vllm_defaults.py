@@ -10,8 +10,13 @@ import pytest
 
 from ballast.model.vllm_engine import default_engine_kwargs
 
-CONFIG = {"num_attention_heads": 4, "hidden_size": 256, "num_key_value_heads": 2, "num_hidden_layers": 2,
-          "max_position_embeddings": 512}
+CONFIG = {
+    "num_attention_heads": 4,
+    "hidden_size": 256,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 512,
+}
 
 
 @pytest.fixture()
@@ -32,7 +37,9 @@ def test_the_kv_cache_holds_every_row_at_the_full_context(model):
 
 def test_a_size_the_operator_gave_is_kept(model, monkeypatch):
     assert default_engine_kwargs(model, {"kv_cache_memory_bytes": 5, "max_num_seqs": 3}, rows=8) == {
-        "kv_cache_memory_bytes": 5, "max_num_seqs": 3}
+        "kv_cache_memory_bytes": 5,
+        "max_num_seqs": 3,
+    }
     assert "kv_cache_memory_bytes" not in default_engine_kwargs(model, {"gpu_memory_utilization": 0.5}, rows=8)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert "kv_cache_memory_bytes" not in default_engine_kwargs(model, {}, rows=8)

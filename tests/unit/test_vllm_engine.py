@@ -19,9 +19,15 @@ from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_engine import ContextTooLong, RowSampling  # noqa: E402
 from ballast.model.vllm_engine import VLLMBackend, VLLMStats  # noqa: E402
 
-ENGINE_KWARGS = dict(dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=8, enable_prefix_caching=True,
-                     # as a YAML config gives it; compact JSON, so that random weights end their answer
-                     structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
+ENGINE_KWARGS = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=512,
+    max_num_seqs=8,
+    enable_prefix_caching=True,
+    # as a YAML config gives it; compact JSON, so that random weights end their answer
+    structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+)
 PROMPTS = ["The quick brown fox", "Hello!", "A replica serves requests; the router sends each one to"]
 LONG = RowSampling(ignore_eos=True)
 
@@ -95,7 +101,9 @@ def hf_greedy(hf_model, ids, n, eos_id):
     import torch
 
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos_id, pad_token_id=eos_id)
+        out = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos_id, pad_token_id=eos_id
+        )
     return out[0, len(ids) :].tolist()
 
 
@@ -161,12 +169,14 @@ def test_max_tokens_eos_ignore_eos_and_min_tokens(backend, hf_model):
 
     got = drain(
         backend.open_batch(),
-        [[
-            ("eos", prompt, 20, None),
-            ("ignore", prompt, 20, RowSampling(ignore_eos=True)),
-            ("min", prompt, 20, RowSampling(min_tokens=5)),
-            ("short", backend.encode("Hello!", 0), 7, LONG),
-        ]],
+        [
+            [
+                ("eos", prompt, 20, None),
+                ("ignore", prompt, 20, RowSampling(ignore_eos=True)),
+                ("min", prompt, 20, RowSampling(min_tokens=5)),
+                ("short", backend.encode("Hello!", 0), 7, LONG),
+            ]
+        ],
     )
     assert got["eos"] == [eos]
     assert len(got["ignore"]) == 20 and got["ignore"][0] == eos
@@ -186,8 +196,10 @@ def test_same_seed_same_tokens(backend):
 def test_a_repetition_penalty_reaches_the_engine(backend):
     # A strong penalty on the prompt's and the answer's tokens changes greedy tokens.
     ids = backend.encode("Hello there, hello there", 32)
-    plain, penalised = (drain(backend.open_batch(), [[(0, ids, 32, RowSampling(ignore_eos=True, repetition_penalty=r))]])[0]
-                        for r in (1.0, 2.0))
+    plain, penalised = (
+        drain(backend.open_batch(), [[(0, ids, 32, RowSampling(ignore_eos=True, repetition_penalty=r))]])[0]
+        for r in (1.0, 2.0)
+    )
     assert len(plain) == len(penalised) == 32 and penalised != plain
 
 
@@ -218,7 +230,9 @@ def test_a_request_vllm_refuses_fails_alone_and_the_others_go_on(backend):
     # Each fails alone with a 400; the row beside them runs to its max_tokens.
     batch = backend.open_batch()
     ok = backend.encode("Hello!", 0)
-    allof = RowSampling(json_schema=json.dumps({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}), json_schema_of="tools")
+    allof = RowSampling(
+        json_schema=json.dumps({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}), json_schema_of="tools"
+    )
     joins = [[("ok", ok, 40, LONG)], [("bad-id", [10**6], 4, None), ("bad-schema", ok, 4, allof)]]
     got, failed = [], {}
     for i in range(200):
@@ -235,8 +249,12 @@ def test_a_request_vllm_refuses_fails_alone_and_the_others_go_on(backend):
         batch.run_chunk([("long", ok * 200, 4, None)], 2)
 
 
-VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}},
-           "required": ["ok", "colour"], "additionalProperties": False}
+VERDICT = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]}},
+    "required": ["ok", "colour"],
+    "additionalProperties": False,
+}
 
 
 async def test_a_json_schema_guides_the_answer_to_json_that_follows_it(backend):
@@ -280,7 +298,9 @@ async def test_a_schema_slow_to_compile_is_refused_at_its_limit_while_the_replic
     backend.grammars = GrammarCompiles(backend._compile_schema, threads=1, timeout_s=0.05)
     try:
         batch = backend.open_batch()
-        plain = asyncio.ensure_future(asyncio.to_thread(drain, batch, [[("plain", backend.encode("Hello!", 24), 24, LONG)]]))
+        plain = asyncio.ensure_future(
+            asyncio.to_thread(drain, batch, [[("plain", backend.encode("Hello!", 24), 24, LONG)]])
+        )
         with pytest.raises(SchemaTooComplex) as e:
             await backend.check(RowSampling(json_schema=nested_any_of(7), json_schema_of="tools"))
         assert e.value.field == "tools" and e.value.status == 400

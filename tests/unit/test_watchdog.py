@@ -50,10 +50,14 @@ class FakeGpu:
 
 SETTINGS = WatchdogSettings(interval_s=1.0, leak_window_s=60, step_interval_s=5, warmup_s=0)
 INFO = WatchedReplica(replica_id="r1", deployment="BallastModel", started_at_s=1000.0)
-NO_TREND = SeriesTrend(slope_per_h=0.0, r2=0.0, leaking=False, time_to_limit_s=None, short_window=False)  # not judged yet
+NO_TREND = SeriesTrend(
+    slope_per_h=0.0, r2=0.0, leaking=False, time_to_limit_s=None, short_window=False
+)  # not judged yet
 
 
-def core(process=None, gpu=None, clock: Optional[FakeClock] = None, settings: WatchdogSettings = SETTINGS) -> tuple[WatchdogCore, FakeClock]:
+def core(
+    process=None, gpu=None, clock: Optional[FakeClock] = None, settings: WatchdogSettings = SETTINGS
+) -> tuple[WatchdogCore, FakeClock]:
     clock = clock or FakeClock()
     proc = process or FakeProcess(clock)
     proc.clock = clock
@@ -198,8 +202,9 @@ def test_psutil_sampler_counts_the_processes_under_the_replica() -> None:
     import subprocess
     import sys
 
-    replica = subprocess.Popen([sys.executable, "-c", REPLICA_WITH_A_CHILD], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+    replica = subprocess.Popen(
+        [sys.executable, "-c", REPLICA_WITH_A_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
     def say(command: str, answer: str) -> None:
         replica.stdin.write(command + "\n")
@@ -243,8 +248,12 @@ def test_psutil_sampler_counts_pages_shared_with_a_child_once() -> None:
 
     import psutil
 
-    replica = subprocess.Popen([sys.executable, "-c", SHARES_WITH_ITS_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                               start_new_session=True)
+    replica = subprocess.Popen(
+        [sys.executable, "-c", SHARES_WITH_ITS_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         assert replica.stdout.readline() == b"alloc\n"
         s = PsutilSampler(replica.pid)
@@ -301,7 +310,9 @@ class FakeShapedProcess:
 
 def local_core(shape: Callable[[int], float]) -> tuple[WatchdogCore, FakeClock]:
     clock = FakeClock()
-    return WatchdogCore(LOCAL, INFO, FakeShapedProcess(clock, shape), memory_total_bytes=64 * GIB, fd_limit=1024, clock=clock), clock
+    return WatchdogCore(
+        LOCAL, INFO, FakeShapedProcess(clock, shape), memory_total_bytes=64 * GIB, fd_limit=1024, clock=clock
+    ), clock
 
 
 def walk_until_recycle(c: WatchdogCore, clock: FakeClock, ticks: int) -> tuple[int, dict]:

@@ -31,9 +31,15 @@ def tick(k: int) -> dict:
     else:
         inflight, p95, errors, full = 6, 30.0, 0, False
     router = {
-        "router_id": "rt1", "inflight": inflight, "requests": 50, "errors": errors,
-        "queue_wait_p95_ms": p95, "gate_waiting": 40 if full else 0, "gate_full": full,
-        "served_rps": 50.0, "demand_rps": {"critical": 60.0, "sheddable": 30.0} if k >= 10 else {"critical": 5.0},
+        "router_id": "rt1",
+        "inflight": inflight,
+        "requests": 50,
+        "errors": errors,
+        "queue_wait_p95_ms": p95,
+        "gate_waiting": 40 if full else 0,
+        "gate_full": full,
+        "served_rps": 50.0,
+        "demand_rps": {"critical": 60.0, "sheddable": 30.0} if k >= 10 else {"critical": 5.0},
     }
     names = ["r2"] + (["r1"] if k < 78 else []) + (["r3"] if k >= 48 else []) + (["r4"] if k >= 79 else [])
     started = {"r1": WALL0 - 3600, "r2": WALL0 - 3000, "r3": WALL0 + 48 * TICK_S, "r4": WALL0 + 79 * TICK_S}
@@ -43,12 +49,26 @@ def tick(k: int) -> dict:
     replicas, watchdogs = [], []
     for rid in sorted(names):
         hung = rid == "r2" and 45 <= k < 70
-        replicas.append({
-            "replica_id": rid, "deployment": MODEL, "queued": queued_each, "running": 0 if hung else running_each,
-            "queue_wait_p95_ms": p95, "started_at_s": float(started[rid]), "ready": True,
-        })
-        wd = {"replica_id": rid, "deployment": MODEL, "ready": True, "hung": hung,
-              "actor_name": f"SERVE_REPLICA::{MODEL}#{rid}", "actor_namespace": "serve", "heartbeat_age_s": 9.0 if hung else 0.5}
+        replicas.append(
+            {
+                "replica_id": rid,
+                "deployment": MODEL,
+                "queued": queued_each,
+                "running": 0 if hung else running_each,
+                "queue_wait_p95_ms": p95,
+                "started_at_s": float(started[rid]),
+                "ready": True,
+            }
+        )
+        wd = {
+            "replica_id": rid,
+            "deployment": MODEL,
+            "ready": True,
+            "hung": hung,
+            "actor_name": f"SERVE_REPLICA::{MODEL}#{rid}",
+            "actor_namespace": "serve",
+            "heartbeat_age_s": 9.0 if hung else 0.5,
+        }
         if rid == "r1" and 68 <= k < 78:
             wd.update(recycle_requested=True, reason="rss_leak", critical=False)
         watchdogs.append(wd)
@@ -57,5 +77,7 @@ def tick(k: int) -> dict:
 
 if __name__ == "__main__":
     out = Path(__file__).with_name("control_trace.json")
-    out.write_text(json.dumps({"tick_s": TICK_S, "wall0_s": WALL0, "ticks": [tick(k) for k in range(90)]}, indent=None) + "\n")
+    out.write_text(
+        json.dumps({"tick_s": TICK_S, "wall0_s": WALL0, "ticks": [tick(k) for k in range(90)]}, indent=None) + "\n"
+    )
     print(out)
