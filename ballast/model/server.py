@@ -223,7 +223,8 @@ class ModelServer:
         self._m_queue = metrics.Gauge("ballast_model_queued", "Requests in this replica waiting for a batch.")
         self._m_kv = metrics.Gauge(
             "ballast_model_kv_util_pct",
-            "This replica's KV cache in use, percent: the rows' reservation against its budget, or vLLM's own KV cache.",
+            "This replica's KV cache in use, percent: the rows' reservation against its budget, "
+            "or vLLM's own KV cache.",
         )
         self._m_engine_waiting = metrics.Gauge(
             "ballast_model_engine_waiting", "Requests waiting inside a self-scheduling engine (vLLM)."

@@ -341,7 +341,8 @@ class ChatCompletionRequest(_Sampling):
     )
     tool_choice: Optional[ToolChoice] = Field(
         None,
-        description="'none', 'auto' (the default with tools; needs model.tool_parser), 'required', or a named function.",
+        description="'none', 'auto' (the default with tools; needs model.tool_parser), 'required', "
+        "or a named function.",
     )
     parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call with 'required'.")
     max_completion_tokens: Optional[int] = Field(
