@@ -34,6 +34,7 @@ repository id; nothing is downloaded at run time (fetch weights elsewhere, with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -434,6 +435,25 @@ def load_tokenizer(path: str | os.PathLike[str]) -> tuple[Any, CheckpointInfo]:
     (the router counts tokens and renders chat templates with it)."""
     info = inspect_checkpoint(path)
     return _load_tokenizer(info), info
+
+
+# Files a tokenizer is built from (AutoTokenizer reads those present).
+_TOKENIZER_FILES = frozenset(
+    {"special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja"}
+)
+
+
+def tokenizer_id(path: str | os.PathLike[str]) -> str:
+    """Who made a prompt's token ids: a hash of the files ``path``'s tokenizer is built
+    from (``tokenizer*``, vocabularies, merges, sentencepiece models). Two directories
+    with the same id tokenize alike, so a replica takes the router's ids as they are
+    (``protocol.ModelCall.tokenizer``); any other encodes the prompt itself."""
+    root = Path(path)
+    digest = hashlib.sha256()
+    for f in sorted(root.iterdir()):
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in _TOKENIZER_FILES or f.suffix == ".model"):
+            digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return "hf:" + digest.hexdigest()[:24]
 
 
 def _resolve_device(root: Path, device: str) -> str:

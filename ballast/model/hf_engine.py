@@ -31,7 +31,7 @@ seed gives the same text whatever else is in the batch. A row ends at its
 ``max_new_tokens`` or when it samples an end-of-sequence token (which is
 emitted, so it is counted, and decodes to no text); with ``ignore_eos`` only at its
 ``max_new_tokens``; before ``min_tokens`` tokens it cannot pick one.
-:meth:`RowSampling.of` bounds what a request sends (a seed is an int64, a
+``protocol.RowSampling`` bounds what a request sends (a seed is an int64, a
 temperature below ``MIN_TEMPERATURE`` is greedy, NaN and infinities are refused).
 
 **One row's fault.** A join whose ids are outside the vocabulary is refused before its
@@ -48,10 +48,8 @@ reports (``kv_cache_tokens``).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -59,14 +57,9 @@ from torch import Tensor
 
 from ballast.model.batching import describe_engine, ids_by_row, left_pad, refuse_bad_ids, rows_to_keep
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels
+from ballast.model.protocol import GREEDY, RowSampling
 
 __all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowFailed", "RowSampling"]
-
-
-# Sampling bounds (``RowSampling``): a seed is an int64, as torch's and vLLM's generators
-# take it; below MIN_TEMPERATURE a row decodes greedily.
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-MIN_TEMPERATURE = 1e-5
 
 
 class RowFailed(RuntimeError):
@@ -78,89 +71,6 @@ class ContextTooLong(ValueError):
     """A prompt and its max_new_tokens do not fit the model's context (or the prompt is empty)."""
 
 
-@dataclass(frozen=True)
-class RowSampling:
-    """How one row picks its tokens. temperature 0 is greedy; seed None draws a fresh one;
-    top_k None: every token; ``min_tokens``: no end of sequence before that many;
-    ``ignore_eos``: an end-of-sequence token does not end the row."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    top_k: Optional[int] = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    # vLLM's only (the router refuses any other value for the other engines): above 1
-    # penalises tokens already in the prompt or the answer.
-    repetition_penalty: float = 1.0
-    # vLLM's only, as repetition_penalty: the answer is JSON following this JSON Schema
-    # (its text), by the engine's guided decoding.
-    json_schema: Optional[str] = None
-    json_schema_of: str = "response_format"  # the request field it came from (or "tools"), for a refusal
-    # vLLM's only, as json_schema: the answer's text keeps the special tokens (a tool
-    # parser looks for its markers among them).
-    keep_special_tokens: bool = False
-
-    def __post_init__(self) -> None:
-        t, p = self.temperature, self.top_p
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if t < MIN_TEMPERATURE:  # logits / 1e-40 overflow: a temperature this low is greedy
-            object.__setattr__(self, "temperature", 0.0)
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX
-        ):
-            raise ValueError(f"seed must be an int in [-2**63, 2**63 - 1], got {self.seed!r}")
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
-        ):
-            raise ValueError(f"top_k must be an int >= 1 or None, got {self.top_k!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
-        r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not (0 < r <= 2):
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {r!r}")
-
-    def for_vocab(self, vocab_size: int) -> "RowSampling":
-        """This sampling for a model of ``vocab_size`` tokens: a top_k at or past it is every token."""
-        if self.top_k is not None and self.top_k >= vocab_size:
-            return replace(self, top_k=None)
-        return self
-
-    @classmethod
-    def of(cls, req: dict[str, Any]) -> "RowSampling":
-        """The sampling fields of a request dict (absent fields take the defaults), checked
-        and normalised; a value out of range is ``EngineRefused`` naming its field."""
-        from ballast.errors import EngineRefused
-
-        def number(name: str, default: float) -> float:
-            v = req.get(name)
-            if v is None:
-                return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise EngineRefused(f"{name} must be a number, got {v!r}", field=name)
-            return float(v)
-
-        try:
-            return cls(
-                temperature=number("temperature", 0.0),
-                top_p=number("top_p", 1.0),
-                seed=req.get("seed"),
-                top_k=req.get("top_k"),
-                min_tokens=req.get("min_tokens") or 0,
-                ignore_eos=bool(req.get("ignore_eos")),
-                repetition_penalty=number("repetition_penalty", 1.0) or 1.0,
-                json_schema=req.get("json_schema"),
-                json_schema_of=str(req.get("json_schema_of") or "response_format"),
-                keep_special_tokens=bool(req.get("keep_special_tokens")),
-            )
-        except ValueError as e:  # every message starts with the field's name
-            raise EngineRefused(str(e), field=str(e).split(" ", 1)[0]) from None
-
-
-GREEDY = RowSampling()
 
 
 class IncrementalDetokenizer:

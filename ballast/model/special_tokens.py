@@ -30,9 +30,11 @@ import re
 from functools import lru_cache
 from typing import Any, Optional
 
-__all__ = ["MARK", "encode_text", "escape_content", "special_texts", "strip_marks"]
+__all__ = ["BYTES_TOKENIZER", "MARK", "encode_bytes", "encode_text", "escape_content", "special_texts", "strip_marks"]
 
 MARK = "\ufdd1"
+# The built-in byte model's tokenizer, as ``protocol.ModelCall.tokenizer`` names it.
+BYTES_TOKENIZER = "bytes"
 
 
 @lru_cache(maxsize=16)
@@ -72,6 +74,12 @@ def escape_content(value: Any, tokenizer: Any) -> Any:
 
 def strip_marks(text: str) -> str:
     return text.replace(MARK, "") if MARK in text else text
+
+
+def encode_bytes(text: str) -> list[int]:
+    """The built-in byte model's ids for ``text``: its UTF-8 bytes, without :data:`MARK`; an
+    empty prompt is one newline, so that there is something to condition on."""
+    return list(strip_marks(text).encode("utf-8") or b"\n")
 
 
 def encode_text(tokenizer: Any, text: str, add_special_tokens: bool) -> list[int]:

@@ -1,27 +1,54 @@
-"""What an engine honours of a call to the model, beyond what every engine does.
+"""What an engine honours of a call to the model, beyond what every engine does: one table.
 
-A call (``/v1/generate``'s or the OpenAI fronts' body as the replica gets it) may carry
-fields only some engines honour: ``repetition_penalty``, ``json_schema`` (from
-``response_format`` and forced tool calls) and ``keep_special_tokens`` (tool_choice
-"auto") only vLLM's. The router's fronts refuse them for a primary engine
-that cannot honour them (``ballast.router.openai_api.ENGINE_LIMITS``, by request field);
-the resilient caller keeps a call off any backend whose engine would ignore them, so a
-fallback model never answers a JSON-schema request with free text.
+A call (``ballast.model.protocol.ModelCall``) may ask for things only some engines
+honour: ``repetition_penalty``, ``json_schema`` (from ``response_format`` and forced
+tool calls) and ``keep_special_tokens`` (tool_choice "auto": the tool parser reads the
+model's markers), only vLLM's. ``ENGINE_ONLY`` says, by call field, which engines honour
+it and which request fields ask for it (with each one's neutral value, which asks for
+nothing). Two readers:
+
+* the fronts refuse a request field that asks for what the primary's engine cannot
+  honour, with 400 naming it (``unhonoured_request_fields``);
+* the resilient caller keeps a call off any backend whose engine would ignore part of
+  it (``honours``), so a fallback model never answers a JSON-schema request with free
+  text.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-#: Call fields that only these engines honour (any value sent asks for it: the fronts
-#: leave neutral values out). Every other field, every engine honours.
-ENGINE_ONLY_FIELDS: Mapping[str, frozenset[str]] = {
-    "repetition_penalty": frozenset({"vllm"}),
-    "json_schema": frozenset({"vllm"}),
-    "keep_special_tokens": frozenset({"vllm"}),  # tool_choice "auto": the tool parser reads them
+
+@dataclass(frozen=True)
+class EngineOnly:
+    """A call field only ``engines`` honour, and the request fields that ask for it
+    (each with its neutral value: sent at that value, it asks for nothing)."""
+
+    engines: frozenset[str]
+    asked_by: Mapping[str, Any]
+
+
+#: Call fields that only some engines honour. Every other field, every engine honours.
+ENGINE_ONLY: Mapping[str, EngineOnly] = {
+    "repetition_penalty": EngineOnly(frozenset({"vllm"}), {"repetition_penalty": 1.0}),
+    "json_schema": EngineOnly(frozenset({"vllm"}), {"response_format": None, "tools": None}),
+    "keep_special_tokens": EngineOnly(frozenset({"vllm"}), {"tools": None}),
 }
 
 
-def honours(engine: str, call: Mapping[str, Any]) -> bool:
-    """Whether ``engine`` honours every field of ``call``."""
-    return all(engine in engines for field, engines in ENGINE_ONLY_FIELDS.items() if call.get(field) is not None)
+def honours(engine: str, asks: Iterable[str]) -> bool:
+    """Whether ``engine`` honours every call field in ``asks`` (``ModelCall.asks``)."""
+    return all(engine in ENGINE_ONLY[f].engines for f in asks if f in ENGINE_ONLY)
+
+
+def unhonoured_request_fields(engine: str) -> dict[str, Any]:
+    """The request fields that ask for something ``engine`` cannot honour, each with its
+    neutral value, in the table's order (each field once)."""
+    fields: dict[str, Any] = {}
+    for only in ENGINE_ONLY.values():
+        if engine not in only.engines:
+            for name, neutral in only.asked_by.items():
+                fields.setdefault(name, neutral)
+    return fields

@@ -1,11 +1,12 @@
-"""ballast.policies.engines: which engine honours which call."""
+"""ballast.policies.engines: which engine honours which call, from one table."""
 
-from ballast.policies.engines import honours
+from ballast.model.protocol import ModelCall, RowSampling
+from ballast.policies.engines import honours, unhonoured_request_fields
 
 
 def test_every_engine_honours_a_plain_call():
-    call = {"prompt": "hi", "max_tokens": 8, "temperature": 0.7, "seed": 1, "top_k": 5, "ignore_eos": True}
-    assert all(honours(engine, call) for engine in ("builtin", "transformers", "vllm"))
+    call = ModelCall("hi", max_tokens=8, sampling=RowSampling(temperature=0.7, seed=1, top_k=5, ignore_eos=True))
+    assert all(honours(engine, call.asks) for engine in ("builtin", "transformers", "vllm"))
 
 
 def test_vllms_own_fields_keep_a_call_on_vllm():
@@ -14,7 +15,16 @@ def test_vllms_own_fields_keep_a_call_on_vllm():
         ("repetition_penalty", 1.3),
         ("keep_special_tokens", True),
     ):
-        call = {"prompt": "hi", field: value}
-        assert honours("vllm", call)
-        assert not honours("builtin", call) and not honours("transformers", call)
-    assert honours("builtin", {"prompt": "hi", "json_schema": None})  # absent in all but name
+        call = ModelCall("hi", sampling=RowSampling(**{field: value}))
+        assert call.asks == {field}
+        assert honours("vllm", call.asks)
+        assert not honours("builtin", call.asks) and not honours("transformers", call.asks)
+    # Neutral values ask for nothing.
+    assert ModelCall("hi", sampling=RowSampling(json_schema=None, repetition_penalty=1.0)).asks == frozenset()
+
+
+def test_the_fronts_refuse_the_request_fields_that_ask_for_what_the_engine_lacks():
+    expected = {"repetition_penalty": 1.0, "response_format": None, "tools": None}
+    assert unhonoured_request_fields("builtin") == expected
+    assert list(unhonoured_request_fields("transformers")) == list(expected)  # the order refusals are checked in
+    assert unhonoured_request_fields("vllm") == {}

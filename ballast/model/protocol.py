@@ -1,0 +1,245 @@
+"""What crosses the Serve boundary between a router and a model replica: typed messages.
+
+A front (``router/generate.py``, ``router/openai.py``) builds one ``ModelCall`` per
+request (``to_call``); the pipeline sets the admitted ``max_tokens`` once
+(``admitted``); the resilient caller stamps each attempt's deadline (``for_attempt``)
+and, when a replica is lost mid-stream, the ids already delivered (``resumed``). The
+replica answers a stream with ``ModelChunk``s and a unary call with one
+``ModelResult``. Nothing on the way re-reads a dict: a field a layer needs is a field
+here, defined once.
+
+Invariants (the replica checks them; the router builds them so):
+
+* ``prompt_ids`` are the prompt tokenized once, at the front, by the primary model's
+  tokenizer, whose identity is ``tokenizer``; a replica whose engine has another
+  tokenizer (a fallback model, or a caller that sent no ids) encodes ``prompt`` itself.
+  Both say the same prompt.
+* ``max_tokens`` is the admitted length (level, model limit and context already
+  applied by the router); 0 until the pipeline admits the call. A replica whose
+  context is shorter (a fallback model) shortens it to fit; it never lengthens it.
+* ``deadline`` is the attempt's: the time it has left when sent and the same instant
+  on the wall clock; the replica takes the stricter of the two (see
+  ``AttemptDeadline.left_s``).
+* ``resume`` carries the ids (and characters) a stream already delivered: the replica
+  prefills them after the prompt and sends only what follows.
+
+All messages are frozen and hashable (the answer cache keys on a call), and picklable
+(Ray ships them between processes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Optional
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Below this a temperature is greedy: logits / 1e-40 overflow to inf and the draw is NaN.
+MIN_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How one row picks its tokens. temperature 0 is greedy; seed None draws a fresh one;
+    top_k None: every token; ``min_tokens``: no end of sequence before that many;
+    ``ignore_eos``: an end-of-sequence token does not end the row."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    top_k: Optional[int] = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    # vLLM's only (the router refuses any other value for the other engines): above 1
+    # penalises tokens already in the prompt or the answer.
+    repetition_penalty: float = 1.0
+    # vLLM's only, as repetition_penalty: the answer is JSON following this JSON Schema
+    # (its text), by the engine's guided decoding.
+    json_schema: Optional[str] = None
+    json_schema_of: str = "response_format"  # the request field it came from (or "tools"), for a refusal
+    # vLLM's only, as json_schema: the answer's text keeps the special tokens (a tool
+    # parser looks for its markers among them).
+    keep_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        t, p = self.temperature, self.top_p
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if t < MIN_TEMPERATURE:  # logits / 1e-40 overflow: a temperature this low is greedy
+            object.__setattr__(self, "temperature", 0.0)
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX
+        ):
+            raise ValueError(f"seed must be an int in [-2**63, 2**63 - 1], got {self.seed!r}")
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+        ):
+            raise ValueError(f"top_k must be an int >= 1 or None, got {self.top_k!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not (0 < r <= 2):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {r!r}")
+
+    def for_vocab(self, vocab_size: int) -> "RowSampling":
+        """This sampling for a model of ``vocab_size`` tokens: a top_k at or past it is every token."""
+        if self.top_k is not None and self.top_k >= vocab_size:
+            return replace(self, top_k=None)
+        return self
+
+    @property
+    def asks(self) -> frozenset[str]:
+        """The fields only some engines honour that this sampling asks for
+        (``ballast.policies.engines.ENGINE_ONLY``): the neutral values ask for nothing."""
+        asked = set()
+        if self.repetition_penalty != 1.0:
+            asked.add("repetition_penalty")
+        if self.json_schema is not None:
+            asked.add("json_schema")
+        if self.keep_special_tokens:
+            asked.add("keep_special_tokens")
+        return frozenset(asked)
+
+    @classmethod
+    def of(cls, req: Mapping[str, Any]) -> "RowSampling":
+        """The sampling fields of a mapping (absent fields take the defaults), checked and
+        normalised; a value out of range is ``EngineRefused`` naming its field."""
+        from ballast.errors import EngineRefused
+
+        def number(name: str, default: float) -> float:
+            v = req.get(name)
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise EngineRefused(f"{name} must be a number, got {v!r}", field=name)
+            return float(v)
+
+        try:
+            return cls(
+                temperature=number("temperature", 0.0),
+                top_p=number("top_p", 1.0),
+                seed=req.get("seed"),
+                top_k=req.get("top_k"),
+                min_tokens=req.get("min_tokens") or 0,
+                ignore_eos=bool(req.get("ignore_eos")),
+                repetition_penalty=number("repetition_penalty", 1.0) or 1.0,
+                json_schema=req.get("json_schema"),
+                json_schema_of=str(req.get("json_schema_of") or "response_format"),
+                keep_special_tokens=bool(req.get("keep_special_tokens")),
+            )
+        except ValueError as e:  # every message starts with the field's name
+            raise EngineRefused(str(e), field=str(e).split(" ", 1)[0]) from None
+
+
+GREEDY = RowSampling()
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a stream stands when it is sent again: the token ids it delivered (the
+    primary model's) and the characters of text they gave (Unicode code points)."""
+
+    ids: tuple[int, ...]
+    text_chars: int = 0
+
+    def after(self, ids: tuple[int, ...], chars: int) -> "Resume":
+        """This resume with ``ids`` and ``chars`` more delivered."""
+        return Resume(self.ids + ids, self.text_chars + chars)
+
+
+@dataclass(frozen=True)
+class AttemptDeadline:
+    """One attempt's deadline: ``budget_s`` left when the router sent it, and the same
+    instant on the wall clock (``at_wall_s``)."""
+
+    budget_s: float
+    at_wall_s: float
+
+    @classmethod
+    def starting(cls, budget_s: float, now_wall_s: float) -> "AttemptDeadline":
+        return cls(budget_s, now_wall_s + budget_s)
+
+    def left_s(self, now_wall_s: float) -> float:
+        """Time left at the replica: the stricter of the budget (it cannot count the time
+        the call took to arrive) and the wall-clock instant (it can, but relies on clocks
+        in step across nodes: NTP's milliseconds against ``REPLICA_LEAD_S``)."""
+        return min(self.budget_s, self.at_wall_s - now_wall_s)
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One request as a model replica takes it (the module docstring's invariants)."""
+
+    prompt: str
+    prompt_ids: tuple[int, ...] = ()
+    tokenizer: str = ""  # whose tokens prompt_ids are ("" none: the replica encodes prompt)
+    add_special_tokens: bool = True  # for prompt: a chat prompt holds its template's already
+    max_tokens: int = 0
+    sampling: Optional[RowSampling] = None  # None: the engine's default (greedy)
+    stops: tuple[str, ...] = ()
+    resume: Optional[Resume] = None
+    deadline: Optional[AttemptDeadline] = None
+    # Which model and fine-tune the call is for (None: the deployment's own model).
+    model: Optional[str] = None
+    adapter: Optional[str] = None
+
+    @property
+    def asks(self) -> frozenset[str]:
+        """The call fields only some engines honour that this call asks for."""
+        return self.sampling.asks if self.sampling is not None else frozenset()
+
+    @property
+    def resumed_ids(self) -> tuple[int, ...]:
+        return self.resume.ids if self.resume is not None else ()
+
+    def admitted(self, max_tokens: int) -> "ModelCall":
+        """The call with the length the router admitted."""
+        return replace(self, max_tokens=max_tokens)
+
+    def for_attempt(self, left_s: float, now_wall_s: float) -> "ModelCall":
+        """The call as one attempt sends it: with that attempt's deadline."""
+        return replace(self, deadline=AttemptDeadline.starting(left_s, now_wall_s))
+
+    def resumed(self, resume: Resume) -> "ModelCall":
+        """The call carried on after ``resume`` (a lost replica's delivered ids)."""
+        return replace(self, resume=resume)
+
+
+@dataclass(frozen=True)
+class ModelChunk:
+    """A piece of a stream: its text (what the caller does not have yet) and token ids.
+
+    ``finish_reason`` on the last chunk ("stop": end of sequence or a stop string;
+    "length": max_tokens). ``queue_wait_ms`` and ``max_tokens`` (what the replica ran
+    with) on the first chunk of a new request; a resumed stream's first chunk has no
+    queue wait (not a new request's)."""
+
+    text: str
+    ids: tuple[int, ...] = ()
+    finish_reason: Optional[str] = None
+    queue_wait_ms: Optional[float] = None
+    max_tokens: Optional[int] = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    def without_wait(self) -> "ModelChunk":
+        return replace(self, queue_wait_ms=None) if self.queue_wait_ms is not None else self
+
+
+@dataclass(frozen=True)
+class ModelResult:
+    """A unary answer: the whole text, its token count, why it ended, what the replica
+    ran it with, and where its time went (``queue_wait_ms`` waiting for a batch,
+    ``compute_ms`` the rest)."""
+
+    text: str
+    tokens: int
+    finish_reason: Optional[str]
+    max_tokens: int = 0
+    queue_wait_ms: float = 0.0
+    compute_ms: float = 0.0
+    replica_id: str = ""
