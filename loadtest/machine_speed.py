@@ -67,7 +67,8 @@ class SpeedProbe:
     def __init__(self, architecture: dict[str, Any], seed: int = 0) -> None:
         import torch
 
-        from ballast.model.builtin_engine import TinyDecoderConfig, TorchDecoderBackend, build_tiny_decoder
+        from ballast.model.builtin_decoder import TinyDecoderConfig, build_tiny_decoder
+        from ballast.model.builtin_engine import TorchDecoderBackend
 
         self._torch = torch
         cfg = TinyDecoderConfig(**architecture)

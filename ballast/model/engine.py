@@ -117,7 +117,8 @@ def build_engine(m: Any) -> ModelBackend:
             torch.set_num_threads(m.cpu_threads)
         return HFBackend(load_checkpoint(m.path, device, m.dtype), name=m.name)
     from ballast.config import frozen_config
-    from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
+    from ballast.model.builtin_checkpoint import BackendSpec, load_backend
+    from ballast.model.builtin_decoder import TinyDecoderConfig
 
     backend = load_backend(frozen_config(BackendSpec, m, config=frozen_config(TinyDecoderConfig, m.architecture)))
     if backend.device == "cpu" and m.cpu_threads is not None:

@@ -1,7 +1,7 @@
 """The Hugging Face engine: iteration-level batching over a transformers causal LM.
 
 :func:`ballast.model.hf_checkpoint.load_checkpoint` gives a model and its tokenizer; this
-module serves them the way the built-in model is served (``builtin_engine.LiveBatch``):
+module serves them the way the built-in model is served (``builtin_batch.LiveBatch``):
 a request joins the running batch at the next chunk boundary and leaves it when
 it is done, and the KV cache is kept across steps.
 
@@ -254,7 +254,7 @@ class _Row:
 class HFBatch:
     """The running batch of an :class:`HFBackend` (see the module docstring for its layout).
 
-    ``run_chunk(joins, steps)`` has ``builtin_engine.LiveBatch``'s contract; a join is
+    ``run_chunk(joins, steps)`` has ``builtin_batch.LiveBatch``'s contract; a join is
     ``(key, ids, max_new_tokens)`` or ``(key, ids, max_new_tokens, RowSampling)``.
     Not thread-safe: one caller at a time, under ``torch.inference_mode()``.
     """

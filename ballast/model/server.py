@@ -1,7 +1,7 @@
 """The model deployment: a torch model with iteration-level batching, streaming token batches.
 
 One replica holds one backend (GPU when present, else CPU) and one engine loop
-that runs a :class:`~ballast.model.builtin_engine.LiveBatch` chunk by chunk
+that runs a :class:`~ballast.model.builtin_batch.LiveBatch` chunk by chunk
 (``stream_chunk_tokens`` decode steps each). A request from the router waits in
 the replica's line until the next chunk boundary, joins the running batch there
 and leaves it as soon as it has its own tokens, so a short request never waits

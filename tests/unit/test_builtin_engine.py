@@ -1,4 +1,5 @@
-"""Unit tests for ballast.model.builtin_engine: real torch on CPU, small configs for speed."""
+"""Unit tests for the built-in engine (ballast.model.builtin_engine, builtin_decoder, builtin_batch,
+builtin_checkpoint): real torch on CPU, small configs for speed."""
 
 from __future__ import annotations
 
@@ -11,19 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ballast.model.builtin_engine import (
+from ballast.model.builtin_checkpoint import (
     BackendSpec,
-    ByteStreamDecoder,
-    SamplingConfig,
-    TinyDecoderConfig,
-    TorchDecoderBackend,
-    build_tiny_decoder,
     detect_checkpoint_format,
-    encode_prompt,
     load_backend,
     save_state_dict,
     save_torchscript,
 )
+from ballast.model.builtin_decoder import TinyDecoderConfig, build_tiny_decoder
+from ballast.model.builtin_engine import ByteStreamDecoder, SamplingConfig, TorchDecoderBackend, encode_prompt
 from ballast.model.engine import ModelBackend, ModelLoadError
 
 SMALL = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
@@ -593,7 +590,8 @@ def test_tiny_decoder_is_scriptable_with_geometry_attributes():
 
 def test_a_join_with_ids_that_are_not_bytes_fails_alone_and_the_three_others_finish_whole():
     from ballast.errors import EngineRefused
-    from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
+    from ballast.model.builtin_checkpoint import BackendSpec, load_backend
+    from ballast.model.builtin_decoder import TinyDecoderConfig
 
     b = load_backend(
         BackendSpec(

@@ -118,7 +118,8 @@ def test_a_stop_string_held_back_at_the_cut_is_still_honoured(chunk: int) -> Non
 
 @pytest.fixture(scope="module")
 def tiny_decoder():
-    from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
+    from ballast.model.builtin_checkpoint import BackendSpec, load_backend
+    from ballast.model.builtin_decoder import TinyDecoderConfig
 
     cfg = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
     return load_backend(BackendSpec(name="tiny", seed=7, config=cfg, device="cpu"))

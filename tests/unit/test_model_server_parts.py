@@ -212,7 +212,8 @@ async def test_a_row_the_batch_fails_alone_fails_its_request_only_and_the_others
     import asyncio
 
     from ballast.errors import EngineRefused
-    from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
+    from ballast.model.builtin_checkpoint import BackendSpec, load_backend
+    from ballast.model.builtin_decoder import TinyDecoderConfig
 
     backend = load_backend(
         BackendSpec(

@@ -138,7 +138,8 @@ def test_add_special_tokens_adds_what_the_tokenizer_adds(ckpt):
 
 
 def test_the_builtin_model_drops_the_marks():
-    from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
+    from ballast.model.builtin_checkpoint import BackendSpec, load_backend
+    from ballast.model.builtin_decoder import TinyDecoderConfig
 
     b = load_backend(
         BackendSpec(

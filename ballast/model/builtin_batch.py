@@ -1,0 +1,256 @@
+"""The built-in engine's live batch: rows join and leave a KV-cached batch between chunks.
+
+:class:`LiveBatch` is what a replica runs (``TorchDecoderBackend.open_batch``);
+:class:`_DecodeState` is its no-cache reference, recomputing the whole batch
+every step, which the cache must reproduce token for token. Both build their
+prefill attention from the one :func:`_prefill_mask`, so a comparison between
+them tests the cache and not two masks.
+
+Invariants: a row's real tokens are a suffix of the cache's columns (left
+padding), so its positions and its greedy output are the same alone or batched;
+a join whose ids are not bytes is refused alone, before its prefill. The
+backend is only a parameter here (its ``_model``, ``_sample``, ``_empty_cache``,
+``_left_padded``, ``_generator``): this module imports it for type checking
+only, so :mod:`ballast.model.builtin_engine` can import this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ballast.model.batching import ids_by_row, left_pad, refuse_bad_ids, rows_to_keep
+from ballast.model.builtin_decoder import BYTE_VOCAB_SIZE
+
+if TYPE_CHECKING:
+    from ballast.model.builtin_engine import TorchDecoderBackend
+
+__all__ = ["LiveBatch"]
+
+
+def _split_refused(joins: Sequence[tuple], vocab_size: int) -> tuple[list[tuple], dict[Any, BaseException]]:
+    """The joins whose ids are all in the vocabulary, and the others' refusals by key."""
+    ok, refused = [], {}
+    for join in joins:
+        why = refuse_bad_ids(join[0], join[1], vocab_size)
+        if why is None:
+            ok.append(join)
+        else:
+            refused[join[0]] = why
+    return ok, refused
+
+
+class LiveBatch:
+    """Iteration-level ("continuous") batching: sequences join and leave between chunks.
+
+    A request that arrives while others are generating joins at the next chunk
+    instead of waiting for the whole batch to finish, and a finished sequence
+    leaves at once instead of idling to the batch's longest member. That is what
+    keeps a short request's latency independent of the long ones beside it.
+
+    Layout: one KV cache ``[L, B, H, T, Dh]`` for the rows in the batch. Every row's
+    real tokens are a *suffix* of the T columns (left padding, ``valid[b, j]``
+    False on padding), and ``lengths[b]`` counts them, so a row's positions are
+    the same alone or batched. Joining rows are prefilled on their own, then both
+    caches are left-padded to a common width and stacked; leaving rows are
+    dropped and columns no row uses are trimmed, so T never exceeds the longest
+    row (≤ ``max_seq_len``). Each row also holds its last sampled token, not yet
+    fed to the model; a decode step feeds it at position ``lengths[b]``.
+
+    Greedy output of a row equals generating it alone. With temperature > 0 the
+    draws come from one generator per batch, seeded once, so samples depend on
+    what else is in the batch. A join whose ids are not bytes (0-255) is refused
+    alone before its prefill and handed back by ``take_failed``; the other rows go
+    on. Not thread-safe: one caller at a time (the replica's engine loop runs one
+    chunk at a time in a worker thread).
+    """
+
+    def __init__(self, backend: TorchDecoderBackend) -> None:
+        self._backend = backend
+        self._keys: list[Any] = []
+        self._remaining: list[int] = []  # tokens each row still has to emit
+        dev = backend.device
+        self._k = backend._empty_cache(0)
+        self._v = self._k
+        self._valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)
+        self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
+        self._last = torch.zeros(0, dtype=torch.long, device=dev)
+        self._gen = backend._generator()
+        self._failed: dict[Any, BaseException] = {}  # rows refused alone, until take_failed
+
+    @property
+    def size(self) -> int:
+        """Rows generating now."""
+        return len(self._keys)
+
+    @property
+    def width(self) -> int:
+        """Columns in the KV cache (the longest row)."""
+        return int(self._valid.shape[1])
+
+    def keys(self) -> list[Any]:
+        return list(self._keys)
+
+    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+        """Drop these rows (cancelled, past their deadline); unknown keys are ignored."""
+        keep = rows_to_keep(self._keys, keys)
+        if keep is not None:
+            self._select(keep)
+
+    def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
+        """Admit ``joins`` (key, prompt ids, max new tokens), then up to ``steps`` tokens per row.
+
+        Returns the ids each row emitted in this chunk, for every row that was in
+        the batch or joined (a joiner's first token comes from its prefill). Rows
+        that emitted their last token have left the batch when this returns. Call
+        under ``torch.inference_mode()``.
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        seen = set(self._keys)
+        for key, ids, n, *_ in joins:  # a 4th item (per-row sampling) is the HF engine's
+            if key in seen:
+                raise ValueError(f"key {key!r} is already in the batch")
+            seen.add(key)
+            if not ids or len(ids) + n > self._backend.max_seq_len or n < 0:
+                raise ValueError(
+                    f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit "
+                    f"max_seq_len {self._backend.max_seq_len} (use encode())"
+                )
+        joins, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
+        self._failed.update(refused)
+        emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward
+        if self._keys:
+            emitted.append((list(self._keys), self._decode()))
+        live = [(key, ids, n) for key, ids, n, *_ in joins if n > 0]
+        if live:
+            part = self._prefill([ids for _, ids, _ in live])
+            emitted.append(([key for key, _, _ in live], part[-1]))
+            self._drop_finished()
+            self._append([key for key, _, _ in live], [n - 1 for _, _, n in live], part)
+        self._drop_finished()
+        for _ in range(steps - 1):
+            if not self._keys:
+                break
+            emitted.append((list(self._keys), self._decode()))
+            self._drop_finished()
+        return ids_by_row(emitted, {key: [] for key, *_ in joins})
+
+    def take_failed(self) -> dict[Any, BaseException]:
+        """Rows refused alone since the last call (a prompt id outside the vocabulary),
+        with their errors; they never shared a step with the other rows."""
+        out, self._failed = self._failed, {}
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _decode(self) -> Tensor:
+        """One decode step for every row: feed each row's last token; returns the new ones [B]."""
+        dev = self._backend.device
+        batch = len(self._keys)
+        valid = torch.cat([self._valid, torch.ones(batch, 1, dtype=torch.bool, device=dev)], dim=1)
+        logits, self._k, self._v = self._backend._model(
+            self._last[:, None], self._lengths[:, None], valid[:, None, :], self._k, self._v
+        )
+        self._valid = valid
+        self._lengths = self._lengths + 1
+        self._last = self._backend._sample(logits[:, -1, :], self._gen)
+        for i in range(batch):
+            self._remaining[i] -= 1
+        return self._last
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Prefill new rows as their own left-padded batch: (k, v, valid, lengths, first ids)."""
+        backend = self._backend
+        ids, valid = backend._left_padded(prompts)
+        positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        empty = backend._empty_cache(len(prompts))
+        logits, k, v = backend._model(ids, positions, _prefill_mask(valid), empty, empty)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=backend.device)
+        return k, v, valid, lengths, self._backend._sample(logits[:, -1, :], self._gen)
+
+    def _append(
+        self, keys: list[Any], remaining: list[int], part: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
+    ) -> None:
+        k, v, valid, lengths, last = part
+        width = max(self.width, int(valid.shape[1]))
+        self._k = torch.cat([left_pad(self._k, width, 3), left_pad(k, width, 3)], dim=1)
+        self._v = torch.cat([left_pad(self._v, width, 3), left_pad(v, width, 3)], dim=1)
+        self._valid = torch.cat([left_pad(self._valid, width, 1), left_pad(valid, width, 1)], dim=0)
+        self._lengths = torch.cat([self._lengths, lengths])
+        self._last = torch.cat([self._last, last])
+        self._keys += keys
+        self._remaining += remaining
+
+    def _drop_finished(self) -> None:
+        if any(r <= 0 for r in self._remaining):
+            self._select([i for i, r in enumerate(self._remaining) if r > 0])
+
+    def _select(self, keep: list[int]) -> None:
+        """Keep these rows, then trim leading columns that no remaining row uses."""
+        index = torch.tensor(keep, dtype=torch.long, device=self._backend.device)
+        self._k = self._k.index_select(1, index)
+        self._v = self._v.index_select(1, index)
+        self._valid = self._valid.index_select(0, index)
+        self._lengths = self._lengths.index_select(0, index)
+        self._last = self._last.index_select(0, index)
+        self._keys = [self._keys[i] for i in keep]
+        self._remaining = [self._remaining[i] for i in keep]
+        used = self._valid.any(dim=0)
+        start = int(used.long().argmax()) if bool(used.any()) else self.width
+        if start:
+            self._k = self._k[:, :, :, start:]
+            self._v = self._v[:, :, :, start:]
+            self._valid = self._valid[:, start:]
+
+
+def _prefill_mask(valid: Tensor) -> Tensor:
+    """[B, T, T]: causal, no padding keys, and the diagonal always open.
+
+    The diagonal keeps padding queries from having an all-False row. torch
+    2.13's CPU kernel returns zeros for such a row, but other SDPA kernels
+    and versions return NaN, and a NaN in a padded row's K/V would poison
+    real rows through 0 * NaN in the attention matmul. The padded rows'
+    outputs are never used, so letting them see themselves costs nothing.
+    """
+    upto = valid.shape[1]
+    dev = valid.device
+    causal = torch.ones(upto, upto, dtype=torch.bool, device=dev).tril()
+    mask = causal.unsqueeze(0) & valid[:, None, :]
+    return mask | torch.eye(upto, dtype=torch.bool, device=dev).unsqueeze(0)
+
+
+class _DecodeState:
+    """The no-cache reference: every step recomputes the whole left-padded batch.
+
+    Quadratic, for tests and debugging only (``use_cache=False``): it is what the
+    live batch's KV cache must reproduce. Prompts are left-padded to a common
+    width P; generated tokens fill columns P, P+1, ... for every row.
+    """
+
+    def __init__(self, backend: TorchDecoderBackend, encoded: list[list[int]], total_steps: int) -> None:
+        ids, valid = backend._left_padded(encoded, extra=total_steps)
+        self.backend = backend
+        self.width = max(len(e) for e in encoded)
+        self.ids = ids
+        self.key_valid = valid
+        # Rows that already finished keep decoding (the batch runs to the longest
+        # request) and could run past the position table; their output is
+        # discarded, so clamping them is harmless.
+        self.positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0, max=backend.max_seq_len - 1)
+        self.gen = backend._generator()
+
+    def step(self, s: int) -> Tensor:
+        """Recompute through decode step ``s`` (0 = prefill); the new token per row [B]."""
+        upto = self.width + s
+        b = self.backend
+        empty = b._empty_cache(self.ids.shape[0])
+        logits, _, _ = b._model(
+            self.ids[:, :upto], self.positions[:, :upto], _prefill_mask(self.key_valid[:, :upto]), empty, empty
+        )
+        token = b._sample(logits[:, -1, :], self.gen)
+        self.ids[:, upto] = token
+        return token
