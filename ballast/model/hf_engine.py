@@ -71,8 +71,6 @@ class ContextTooLong(ValueError):
     """A prompt and its max_new_tokens do not fit the model's context (or the prompt is empty)."""
 
 
-
-
 class IncrementalDetokenizer:
     """Text for a growing list of token ids, emitted piece by piece.
 

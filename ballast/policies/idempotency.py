@@ -24,7 +24,7 @@ Pure: the caller passes the time (``now_s``, monotonic in one process).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Optional
 
 from ballast.policies.ttlmap import Held, TTLMap
@@ -34,9 +34,13 @@ MINE, RUNNING, DONE, FULL = "mine", "running", "done", "full"
 
 
 def answer_bytes(result: Any) -> int:
-    """What an answer costs a tenant's store: its size as compact, ASCII-escaped JSON
-    (at least the UTF-8 size of its text)."""
-    return len(json.dumps(result, separators=(",", ":"), default=str))
+    """What an answer costs a tenant's store: its size as compact, ASCII-escaped JSON (a
+    dataclass as its fields; at least the UTF-8 size of its text)."""
+    return len(json.dumps(result, separators=(",", ":"), default=_fields))
+
+
+def _fields(value: Any) -> Any:
+    return asdict(value) if is_dataclass(value) and not isinstance(value, type) else str(value)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 from ballast.policies.validation import check_fields, check_fraction, check_int, check_non_negative, is_number
 
@@ -168,6 +169,11 @@ class RetryBudget:
     def release_retry(self) -> None:
         self.retries_in_flight = max(0, self.retries_in_flight - 1)
 
+    def retry_slot(self) -> Optional["RetrySlot"]:
+        """A retry slot that releases itself once (``RetrySlot.release``), or None when the
+        budget says no."""
+        return RetrySlot(self) if self.try_acquire_retry() else None
+
     def limit(self) -> int:
         """Concurrent retries allowed right now."""
         return retry_limit(self.active, self._cfg)
@@ -222,3 +228,24 @@ def should_retry(
             f"backoff {next_backoff_s:.3f}s + min attempt {min_attempt_s:.3f}s)"
         )
     return True, f"{kind}: retry {attempt + 1}/{cfg.max_attempts} after {next_backoff_s:.3f}s"
+
+
+class RetrySlot:
+    """One retry slot held from a ``RetryBudget`` (``NO_SLOT``: none held). ``release``
+    gives it back the first time and does nothing after, so every way out of an attempt
+    loop can call it."""
+
+    def __init__(self, budget: Optional[RetryBudget]) -> None:
+        self._budget = budget
+
+    @property
+    def held(self) -> bool:
+        return self._budget is not None
+
+    def release(self) -> None:
+        if self._budget is not None:
+            self._budget.release_retry()
+            self._budget = None
+
+
+NO_SLOT = RetrySlot(None)

@@ -25,10 +25,11 @@ from ballast.policies.criticality import Criticality
 from ballast.errors import BallastError, InvalidRequest, PayloadTooLarge
 from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json, sse_event, validate_body
 from ballast.router.pipeline import Answer, ModelRequest, Pipeline, Stream
+from ballast.model.protocol import ModelCall, Resume
 from ballast.router.tokens import ModelText
 
 
-class Resume(BaseModel):
+class ResumeBody(BaseModel):
     """Where a cut stream's client stands: the ids of the tokens it got, and its text's
     length in characters (Unicode code points)."""
 
@@ -46,7 +47,7 @@ class GenerateRequest(BaseModel):
     # Or the X-Ballast-Criticality header (which HAProxy reads: edge.py); both must agree.
     criticality: Optional[Criticality] = None
     stream: bool = False
-    resume: Optional[Resume] = None  # a cut stream sent again (the module's docstring)
+    resume: Optional[ResumeBody] = None  # a cut stream sent again (the module's docstring)
 
 
 class NativeFront:
@@ -60,21 +61,12 @@ class NativeFront:
     async def generate(self, request: Request) -> Response:
         caller = self._pipeline.identify(request)
         req = self._parse(await read_json(request, self._limits))
-        resumed = self._resume_fields(req, caller.idempotency_key)
-        prompt_tokens = self._text.count(req.prompt)
-        # A resumed stream prefills the ids it brings beside its prompt.
-        kv_prompt = prompt_tokens + len(resumed.get("continue_ids", ()))
+        call = self.to_call(req, caller.idempotency_key)
+        max_tokens = self._text.fit(len(call.prompt_ids), req.max_tokens)
         served = await self._pipeline.serve(
-            ModelRequest(
-                caller,
-                claimed_criticality(request, req.criticality),
-                kv_prompt,
-                self._text.fit(prompt_tokens, req.max_tokens),
-                req.stream,
-                {"prompt": req.prompt, **resumed},
-            )
+            ModelRequest(caller, claimed_criticality(request, req.criticality), max_tokens, req.stream, call)
         )
-        resumed_tokens = len(resumed.get("continue_ids", ()))
+        resumed_tokens = len(call.resumed_ids)
         if isinstance(served, Stream):
             return StreamResponse(self._events(served, resumed_tokens), served)
         return self._answer(served, resumed_tokens, req.stream)
@@ -99,9 +91,9 @@ class NativeFront:
     async def _events(self, stream: Stream, resumed_tokens: int) -> AsyncGenerator[bytes, None]:
         try:
             async for chunk in stream:
-                event = {"text": chunk["text"], "tokens": chunk["tokens"]}
+                event: dict[str, Any] = {"text": chunk.text, "tokens": chunk.tokens}
                 if stream.fallback is None:  # the primary's ids: the client resumes a cut stream with them
-                    event["ids"] = chunk.get("ids", [])
+                    event["ids"] = list(chunk.ids)
                 yield sse_event("token", event)
             yield sse_event(
                 "done",
@@ -118,11 +110,15 @@ class NativeFront:
         finally:
             await stream.aclose()  # a client that left mid-stream: settled now, not when collected
 
-    def _resume_fields(self, req: GenerateRequest, key: Optional[str]) -> dict[str, Any]:
-        """The call's continuation fields for a resumed stream (checked here: a bad id
-        would otherwise fail in the model as the model's error); {} for a new request."""
+    def to_call(self, req: GenerateRequest, key: Optional[str]) -> ModelCall:
+        """The model call for the request, its prompt tokenized once; a resumed stream's
+        ids and characters (checked here: a bad id would otherwise fail in the model as
+        the model's error) are prefilled after the prompt."""
+        return self._text.call(req.prompt, resume=self._resume(req, key))
+
+    def _resume(self, req: GenerateRequest, key: Optional[str]) -> Optional[Resume]:
         if req.resume is None:
-            return {}
+            return None
         if not req.stream:
             raise InvalidRequest(
                 "resume: only a stream is resumed (a unary answer comes whole or not at all)", field="resume"
@@ -139,7 +135,7 @@ class NativeFront:
                 f"resume.ids: token ids must be below the model's vocabulary size {self._text.vocab_size}",
                 field="resume.ids",
             )
-        return {"continue_ids": list(ids), "continue_text_chars": req.resume.text_chars}
+        return Resume(tuple(ids), req.resume.text_chars)
 
     def _parse(self, data: dict[str, Any]) -> GenerateRequest:
         req = validate_body(GenerateRequest, data)

@@ -47,13 +47,14 @@ import asyncio
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Awaitable, Callable, Optional
 
 from ballast.config import IdempotencySettings
 from ballast.policies.idempotency import DONE, FULL, MINE, RUNNING, answer_bytes
 from ballast.policies.ttlmap import TTLMap
 from ballast.errors import ConcurrencyLimited, DeadlineExceeded, InvalidRequest
+from ballast.model.protocol import ModelCall
 
 
 class _FirstCancelled(Exception):
@@ -107,7 +108,7 @@ class SharedKeys:
     async def wait(self, slot: tuple[str, str], timeout_s: float) -> Any:
         return await self._call("wait", *slot, timeout_s, timeout_s=timeout_s + self.timeout_s)
 
-    async def complete(self, slot: tuple[str, str], result: dict[str, Any]) -> bool:
+    async def complete(self, slot: tuple[str, str], result: Any) -> bool:
         return await self._settle("complete", *slot, self.owner, result)
 
     async def release(self, slot: tuple[str, str]) -> bool:
@@ -124,10 +125,12 @@ class SharedKeys:
 _UNREACHABLE = object()
 
 
-def request_fingerprint(call: dict[str, Any], max_tokens: int) -> str:
+def request_fingerprint(call: ModelCall, max_tokens: int) -> str:
     """The request a key stands for: a hash of the model call as the client asked it
-    (its ``max_tokens`` before any level clamps it), keys in sorted order."""
-    raw = json.dumps([call, max_tokens], sort_keys=True, separators=(",", ":"), default=str)
+    (its ``max_tokens`` before any level clamps it; not what the router adds: the
+    admitted length, the attempt's deadline, the prompt's ids), keys in sorted order."""
+    asked = asdict(replace(call, prompt_ids=(), tokenizer="", max_tokens=0, deadline=None))
+    raw = json.dumps([asked, max_tokens], sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
@@ -148,7 +151,7 @@ def _full(tenant: str, where: str) -> ConcurrencyLimited:
 class _First:
     """A key's first attempt here: its answer to come, and the request it stands for."""
 
-    answer: "asyncio.Future[dict[str, Any]]"
+    answer: "asyncio.Future[Any]"
     fingerprint: str
 
 
@@ -205,10 +208,10 @@ class IdempotencyStore:
         self,
         tenant: str,
         key: str,
-        fn: Callable[[], Awaitable[dict[str, Any]]],
+        fn: Callable[[], Awaitable[Any]],
         within_s: float = 60.0,
         fingerprint: str = "",
-    ) -> tuple[dict[str, Any], bool]:
+    ) -> tuple[Any, bool]:
         """``fn()``'s result, or the earlier one for the same (tenant, key); True when replayed.
 
         ``within_s``: the request's time left: how long a repeat waits for the first
@@ -229,7 +232,7 @@ class IdempotencyStore:
             self.replays += 1
             return result, True
 
-    async def _wait(self, answer: "asyncio.Future[dict[str, Any]]", end_s: float) -> dict[str, Any]:
+    async def _wait(self, answer: "asyncio.Future[Any]", end_s: float) -> Any:
         """The first attempt's answer (or its failure), waited for until ``end_s`` on the
         injected clock. Waiting never cancels the first attempt: ``asyncio.wait`` leaves
         ``answer`` alone when this repeat times out or its client leaves."""
@@ -247,9 +250,9 @@ class IdempotencyStore:
         return answer.result()
 
     async def _first(
-        self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]], end_s: float, fingerprint: str
-    ) -> tuple[dict[str, Any], bool]:
-        answer: "asyncio.Future[dict[str, Any]]" = asyncio.get_running_loop().create_future()
+        self, slot: tuple[str, str], fn: Callable[[], Awaitable[Any]], end_s: float, fingerprint: str
+    ) -> tuple[Any, bool]:
+        answer: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
         entry = self._entries.put(slot, _First(answer, fingerprint), self._clock())
         if entry is None:
             raise _full(slot[0], "this router")
@@ -266,8 +269,8 @@ class IdempotencyStore:
         return result, replayed
 
     async def _shared_first(
-        self, slot: tuple[str, str], fn: Callable[[], Awaitable[dict[str, Any]]], end_s: float, fingerprint: str
-    ) -> tuple[dict[str, Any], bool]:
+        self, slot: tuple[str, str], fn: Callable[[], Awaitable[Any]], end_s: float, fingerprint: str
+    ) -> tuple[Any, bool]:
         """Claim the key in the shared table: run ``fn`` when the claim is ours, take the
         answer another router gave, or wait for the one it is giving (then claim again)."""
         shared = self._shared

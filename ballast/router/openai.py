@@ -30,6 +30,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ballast.errors import BallastError, PayloadTooLarge, SchemaTooComplex
+from ballast.model.protocol import ModelCall
 from ballast.router import openai_api as oa
 from ballast.stops import StopScanner, cut_at_stop
 from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json
@@ -69,15 +70,10 @@ class OpenAIFront:
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
-        # A chat prompt holds its template's special tokens already; a raw prompt gets them.
-        prompt_tokens = self._text.count(prompt, add_special_tokens=not chat)
-        max_tokens = self._text.fit(prompt_tokens, oa.max_tokens_of(req))
-        stops = oa.stops_of(req)
-        served = await self._pipeline.serve(
-            ModelRequest(
-                caller, claimed, prompt_tokens, max_tokens, req.stream, self._call(req, prompt, chat, stops, tools)
-            )
-        )
+        call = self.to_call(req, prompt, chat, tools)
+        max_tokens = self._text.fit(len(call.prompt_ids), oa.max_tokens_of(req))
+        stops = call.stops
+        served = await self._pipeline.serve(ModelRequest(caller, claimed, max_tokens, req.stream, call))
         answer_id = oa.Identity(oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()))
         opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
@@ -120,20 +116,15 @@ class OpenAIFront:
             )
         return tools
 
-    @staticmethod
-    def _call(req: Parsed, prompt: str, chat: bool, stops: tuple[str, ...], tools: ToolPlan) -> dict[str, Any]:
-        call: dict[str, Any] = {"prompt": prompt}
-        if chat:
-            call["add_special_tokens"] = False
-        if stops:
-            call["stop"] = list(stops)  # the model ends the row there; the front cuts too
-        call.update(oa.sampling_fields(req))
-        if tools.schema is not None:  # a forced call: its arguments by guided decoding
-            call["json_schema"] = json.dumps(tools.schema, separators=(",", ":"))
-            call["json_schema_of"] = "tools"
-        elif tools.mode == "auto":
-            call["keep_special_tokens"] = True  # the tool parser reads the model's markers
-        return call
+    def to_call(self, req: Parsed, prompt: str, chat: bool, tools: ToolPlan) -> ModelCall:
+        """The model call for the request: the prompt tokenized once (a chat prompt holds its
+        template's special tokens already; a raw prompt gets them), its stop strings (the
+        model ends the row there; the front cuts too), its sampling; a forced tool call's
+        arguments by guided decoding; tool_choice "auto" keeps the markers the tool parser
+        reads."""
+        schema = json.dumps(tools.schema, separators=(",", ":")) if tools.schema is not None else None
+        sampling = oa.sampling_of(req, schema, keep_special_tokens=schema is None and tools.mode == "auto")
+        return self._text.call(prompt, add_special_tokens=not chat, sampling=sampling, stops=oa.stops_of(req))
 
     @staticmethod
     def _headers(admission: Admission) -> dict[str, str]:
@@ -187,7 +178,7 @@ class OpenAIFront:
         parts: list[str] = []
         try:
             async for part in stream:
-                parts.append(scanner.feed(part["text"]))
+                parts.append(scanner.feed(part.text))
                 if scanner.stopped:
                     stream.enough()
                     break
@@ -222,7 +213,7 @@ class OpenAIFront:
                 yield event("", role=True)
             async for part in stream:
                 ident = answer_id.of(stream.model)
-                text = scanner.feed(part["text"])
+                text = scanner.feed(part.text)
                 if text:
                     yield event(text)
                 if scanner.stopped:  # a stop string: the answer is complete, the model stops now

@@ -65,6 +65,7 @@ from pydantic_core import PydanticCustomError
 
 from ballast.config import LimitsConfig
 from ballast.policies.criticality import Criticality
+from ballast.policies.engines import unhonoured_request_fields
 from ballast.policies.request import MAX_SEED, MIN_SEED, json_extent, json_nesting, sampling_temperature
 from ballast.errors import BallastError, InvalidRequest, NotFound, SchemaTooComplex
 from ballast.router.tool_calls import MAX_TOOLS, ToolCall, ToolCallDelta, ToolChoice, ToolSpec, schema_fault
@@ -458,20 +459,10 @@ def _check_tools(tools: Sequence[ToolSpec], limits: LimitsConfig) -> None:
         )
 
 
-#: The optional fields an engine honours (``model.backend``), with each one's neutral
-#: value: a field an engine cannot honour is refused with 400 naming it, unless it is
-#: neutral (it asks for nothing). Every engine honours the rest of the request. The
-#: same knowledge by call field, for the fallback: ``ballast.policies.engines``.
-ENGINE_LIMITS: dict[str, dict[str, Any]] = {
-    "builtin": {"repetition_penalty": 1.0, "response_format": None, "tools": None},
-    "transformers": {"repetition_penalty": 1.0, "response_format": None, "tools": None},
-}
-
-
 def refuse_unhonoured(req: _Sampling, engine: str) -> None:
     """400 naming the first field ``req`` asks of an engine that cannot honour it (tool
     calls and results in the messages are asked of the engine that calls tools)."""
-    limits = ENGINE_LIMITS.get(engine, {})
+    limits = unhonoured_request_fields(engine)  # ballast.policies.engines' one table
     for name, neutral in limits.items():
         value = getattr(req, name, None)
         if value is not None and value != neutral:
@@ -486,23 +477,28 @@ def refuse_unhonoured(req: _Sampling, engine: str) -> None:
                 )
 
 
-def sampling_fields(req: _Sampling) -> dict[str, Any]:
-    """What the model is sent of the request's sampling (fields left at their neutral value are not sent)."""
-    out: dict[str, Any] = {}
-    for name in ("temperature", "top_p", "seed"):
-        if getattr(req, name) is not None:
-            out[name] = getattr(req, name)
+def sampling_of(req: _Sampling, json_schema: Optional[str] = None, keep_special_tokens: bool = False) -> Any:
+    """The model's sampling for the request (``protocol.RowSampling``), or None when it
+    asks for none (every field at its neutral value: the engine decodes greedily).
+    ``json_schema`` (a forced tool call's, else ``response_format``'s) and
+    ``keep_special_tokens`` (tool_choice "auto") come from the tool plan. A value the
+    sampling refuses is ``EngineRefused`` naming its field."""
+    from ballast.model.protocol import RowSampling
+
+    fields: dict[str, Any] = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
     if req.repetition_penalty is not None and req.repetition_penalty != 1.0:  # 1 is neutral
-        out["repetition_penalty"] = req.repetition_penalty
+        fields["repetition_penalty"] = req.repetition_penalty
     if req.top_k is not None and req.top_k > 0:
-        out["top_k"] = req.top_k
-    if req.min_tokens:
-        out["min_tokens"] = req.min_tokens
-    if req.ignore_eos:
-        out["ignore_eos"] = True
-    if req.response_format is not None:
-        out["json_schema"] = req.response_format.schema_text()
-    return out
+        fields["top_k"] = req.top_k
+    fields["min_tokens"], fields["ignore_eos"] = req.min_tokens, req.ignore_eos
+    if json_schema is not None:
+        fields["json_schema"], fields["json_schema_of"] = json_schema, "tools"
+    elif req.response_format is not None:
+        fields["json_schema"] = req.response_format.schema_text()
+    fields["keep_special_tokens"] = keep_special_tokens
+    if req.seed is None and not any(v for k, v in fields.items() if k != "seed"):
+        return None
+    return RowSampling.of(fields)
 
 
 def _served_fields(data: dict[str, Any]) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
 
 from fastapi import Request
 
@@ -67,7 +67,9 @@ from ballast.router.gate import GateRefused, GateSlot, PriorityGate
 from ballast.router.idempotency import IdempotencyStore, request_fingerprint
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
-from ballast.router.resilience import CallRecord, CallSpec, ResilientCaller
+from ballast.model.protocol import ModelCall, ModelChunk
+from ballast.router.accounts import Accounts
+from ballast.router.resilience import CallRecord, CallSpec, Reply, ResilientCaller
 from ballast.router.tally import Tally
 from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
 
@@ -83,18 +85,20 @@ class Caller:
 
 @dataclass(frozen=True)
 class ModelRequest:
-    """One request as every front hands it to the pipeline.
-
-    ``prompt_tokens``: what the model prefills, counted by its tokenizer (a resumed
-    stream adds the ids it brings). ``call``: what the model is sent, without
-    ``max_tokens`` (the pipeline sets the admitted one)."""
+    """One request as every front hands it to the pipeline: who asks, the class it
+    claims, the length it asks for (fitted to the model's context), whether it streams,
+    and the model call (``call.to_call`` of its front; the pipeline admits its length)."""
 
     caller: Caller
     claimed: Criticality
-    prompt_tokens: int
     max_tokens: int
     stream: bool
-    call: dict[str, Any]
+    call: ModelCall
+
+    @property
+    def prompt_tokens(self) -> int:
+        """What the model prefills: the prompt's ids and a resumed stream's."""
+        return len(self.call.prompt_ids) + len(self.call.resumed_ids)
 
 
 @dataclass(frozen=True)
@@ -121,23 +125,58 @@ class Admission:
 
 
 @dataclass(frozen=True)
-class Answer:
-    """A unary answer: ``fallback`` names the backend that answered (None: the primary);
-    ``migrations``: times it was sent again after its replica went away; ``replayed``:
-    the first answer to its Idempotency-Key, given again."""
+class Settled:
+    """A unary call's answer as an Idempotency-Key keeps it: the text, its tokens and
+    finish reason, who answered (``fallback``: None, the primary; ``model``), and how
+    many times it was sent again after its replica went away."""
 
-    admission: Admission
     text: str
     tokens: int
     finish_reason: Optional[str]
     fallback: Optional[str]
     model: str
     migrations: int = 0
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A unary answer as the fronts format it; ``replayed``: the first answer to its
+    Idempotency-Key, given again."""
+
+    admission: Admission
+    settled: Settled
     replayed: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.settled.text
+
+    @property
+    def tokens(self) -> int:
+        return self.settled.tokens
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.settled.finish_reason
+
+    @property
+    def fallback(self) -> Optional[str]:
+        return self.settled.fallback
+
+    @property
+    def model(self) -> str:
+        return self.settled.model
+
+    @property
+    def migrations(self) -> int:
+        return self.settled.migrations
 
 
 @dataclass
-class _StreamState:
+class StreamState:
+    """What a stream learns as it runs: who answers and how much."""
+
+    model: str
     fallback: Optional[str] = None
     tokens: int = 0
     enough: bool = False
@@ -146,21 +185,23 @@ class _StreamState:
 
 
 class Stream:
-    """An admitted stream: ``async for chunk in stream`` (``text``, ``tokens``, ``ids``).
+    """An admitted stream: ``async for chunk in stream`` (``ModelChunk``s).
 
-    As it runs it says who answers (``fallback``, ``model``) and how much (``tokens``,
-    ``finish``, ``migrations``). ``aclose`` settles its ticket, whether the stream was
-    read whole, cut, or never begun; ``enough`` first, when the front closes it because
-    it has all it wants (a stop string): that close is an answer, not a client that left."""
+    Built from its chunk iterator and the state that iterator keeps: as it runs it says
+    who answers (``fallback``, ``model``) and how much (``tokens``, ``finish``,
+    ``migrations``). ``aclose`` settles its ticket, whether the stream was read whole,
+    cut, or never begun; ``enough`` first, when the front closes it because it has all it
+    wants (a stop string): that close is an answer, not a client that left."""
 
-    def __init__(self, pipeline: "Pipeline", admission: Admission, ticket: Ticket, call: dict[str, Any]) -> None:
+    def __init__(
+        self, admission: Admission, ticket: Ticket, chunks: AsyncGenerator[ModelChunk, None], state: StreamState
+    ) -> None:
         self.admission = admission
-        self._pipeline = pipeline
         self._ticket = ticket
-        self._state = _StreamState()
-        self._chunks = pipeline._stream_chunks(ticket, call, self._state)
+        self._state = state
+        self._chunks = chunks
 
-    def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+    def __aiter__(self) -> AsyncIterator[ModelChunk]:
         return self._chunks
 
     @property
@@ -169,7 +210,7 @@ class Stream:
 
     @property
     def model(self) -> str:
-        return self._pipeline.answered_by(self._state.fallback)
+        return self._state.model
 
     @property
     def tokens(self) -> int:
@@ -208,7 +249,6 @@ class Pipeline:
         model_max_tokens: int,
     ) -> None:
         self._cfg = cfg
-        self._fair_cost = cfg.fairness.policy_config()  # the counters' cost rule, for the served metric
         self._keys = keys
         self.snapshots = cache  # the controller's snapshot (the level), kept fresh off the request path
         self.caller = caller
@@ -217,6 +257,7 @@ class Pipeline:
         self._idem = idempotency
         self.metrics = metrics
         self.tally = tally
+        self.accounts = Accounts(cfg, gate, metrics, tally)
         self._model_max_tokens = model_max_tokens
         self.places = TenantPlaces()
         self.kill_switches: list[killswitch.KillSwitchEntry] = []  # from the latest snapshot
@@ -260,10 +301,11 @@ class Pipeline:
         if key is not None and not (req.stream and self.snapshots.effective().constraints.streaming):
             return await self._keyed(req, key)
         admission, ticket = await self.acquire(req)
-        call = {**req.call, "max_tokens": admission.max_tokens}
+        call = req.call.admitted(admission.max_tokens)
         if req.stream and admission.streaming:
-            return Stream(self, admission, ticket, call)
-        return self._answer(admission, await self._settled_unary(ticket, call), replayed=False)
+            state = StreamState(self._cfg.model.name)
+            return Stream(admission, ticket, self._stream_chunks(ticket, call, state), state)
+        return Answer(admission, await self._settled_unary(ticket, call))
 
     async def acquire(self, req: ModelRequest) -> tuple[Admission, Ticket]:
         """The admission and its whole ticket, or a refusal with nothing held."""
@@ -304,7 +346,7 @@ class Pipeline:
         tenant, crit = req.caller.tenant, criticality.value
         cap = self._cfg.tenants[tenant].max_concurrent or self._cfg.resilience.bulkhead.per_tenant
         if not self.places.take(tenant, cap):
-            self._count(tenant, crit, "CONCURRENCY_LIMIT")
+            self.accounts.refused(tenant, crit, "CONCURRENCY_LIMIT")
             raise ConcurrencyLimited(f"tenant '{tenant}' has {cap} requests in flight", retry_after_s=1.0)
         charge: Optional[Charge] = None
         try:
@@ -319,14 +361,14 @@ class Pipeline:
             self.places.give_back(tenant)
             if charge is not None:
                 charge.settle(None)
-            self._count(tenant, crit, err.code if isinstance(err, BallastError) else "CANCELLED")
+            self.accounts.refused(tenant, crit, err.code if isinstance(err, BallastError) else "CANCELLED")
             raise
-        return Ticket(tenant, crit, req.caller.deadline, self.places, charge, slot, fallback_only, self._finished)
+        return Ticket(tenant, crit, req.caller.deadline, self.places, charge, slot, fallback_only, self.accounts)
 
     def _refuse_if_switched_off(self, tenant: str, crit: str, now_wall: float) -> None:
         blocked = killswitch.blocking(self.kill_switches, now_wall, tenant, crit)
         if blocked is not None:
-            self._count(tenant, crit, "KILL_SWITCH")
+            self.accounts.refused(tenant, crit, "KILL_SWITCH")
             raise KillSwitchActive(
                 f"kill switch {blocked.id} ({blocked.scope}): {blocked.reason}",
                 retry_after_s=max(1.0, blocked.expires_at_s - now_wall),
@@ -343,7 +385,7 @@ class Pipeline:
         crit = criticality.value
         self.tally.offer(crit)  # demand the level turned away
         self.tally.shed += 1
-        self._count(tenant, crit, "OVERLOADED")
+        self.accounts.refused(tenant, crit, "OVERLOADED")
         raise Overloaded(f"degradation level {eff.level} does not admit criticality '{crit}'", decision.retry_after_s)
 
     def _fallback_may_answer(self, criticality: Criticality, now_wall: float) -> bool:
@@ -375,44 +417,7 @@ class Pipeline:
         self.tally.decided(criticality.value, through=True)
         return GateSlot(self.gate, share), False
 
-    def _finished(self, ticket: Ticket, outcome: Outcome) -> None:
-        """A ticket's outcome, once: the gate's service sample, tokens and the request counted."""
-        if self.gate is not None and not ticket.fallback_only and outcome.service_s is not None:
-            if outcome.timed_out:
-                # The model could not answer in time: at least that long a wait. Counting
-                # only answered requests would hide the overload from the gate.
-                self.gate.observe_miss(outcome.service_s * 1000.0)
-            elif outcome.generated is not None:
-                self.gate.observe_service(outcome.service_s, ticket.deadline.gate_budget_s)
-        if outcome.generated is not None:
-            used = ticket.prompt_tokens + outcome.generated
-            if used:
-                self.metrics.tenant_tokens.inc(used, tags={"tenant": ticket.tenant})
-            served = self._fair_cost.cost(
-                ticket.prompt_tokens, outcome.generated, self._cfg.tenants[ticket.tenant].weight
-            )
-            if served:
-                self.metrics.fair_served.inc(served, tags={"tenant": ticket.tenant})
-        self.tally.requests += 1
-        if outcome.code == "DEADLINE_EXCEEDED":
-            self.metrics.deadline.inc()
-        if outcome.error:
-            self.tally.errors += 1
-        self._count(ticket.tenant, ticket.criticality, outcome.code)
-        self.metrics.latency.observe(
-            (time.monotonic() - ticket.deadline.started_s) * 1000.0, tags={"criticality": ticket.criticality}
-        )
-
-    def _count(self, tenant: str, criticality: str, code: str) -> None:
-        self.metrics.requests.inc(tags={"tenant": tenant, "criticality": criticality, "code": code})
-
     # -- 3. the model call ----------------------------------------------------------------
-    def answered_by(self, fallback: Optional[str]) -> str:
-        """The model that answered: the fallback model's name, or the primary's."""
-        if fallback == "fallback_model" and self._cfg.fallback is not None:
-            return self._cfg.fallback.model.name
-        return self._cfg.model.name
-
     async def _keyed(self, req: ModelRequest, key: str) -> Answer:
         """A unary request with an Idempotency-Key: admitted by the level first (kill
         switch, class), then the key is looked up (``IdempotencyStore.run``) before anything
@@ -422,10 +427,10 @@ class Pipeline:
         metrics under its outcome, not in the level's tally (it asked nothing of the model:
         neither its replays nor its waits may move the level)."""
         admission, fallback_only = self._admit(req)
-        call = {**req.call, "max_tokens": admission.max_tokens}
+        call = req.call.admitted(admission.max_tokens)
         ran = False
 
-        async def first_attempt() -> dict[str, Any]:
+        async def first_attempt() -> Settled:
             nonlocal ran
             ran = True  # counted from here on by the ticket (or its refusal)
             ticket = await self._ticket(req, admission.criticality, admission.max_tokens, fallback_only)
@@ -434,7 +439,7 @@ class Pipeline:
         started_s = time.monotonic()
         outcome = "CANCELLED"  # the client went away, unless something below says otherwise
         try:
-            raw, replayed = await self._idem.run(
+            settled, replayed = await self._idem.run(
                 req.caller.tenant,
                 key,
                 first_attempt,
@@ -447,43 +452,23 @@ class Pipeline:
             raise
         finally:
             if not ran:
-                self._count(req.caller.tenant, admission.criticality.value, outcome)
-                self.metrics.latency.observe(
-                    (time.monotonic() - req.caller.deadline.started_s) * 1000.0,
-                    tags={"criticality": admission.criticality.value},
+                self.accounts.answered(
+                    req.caller.tenant, admission.criticality.value, outcome, req.caller.deadline.started_s
                 )
         if replayed:
             self.metrics.replays.inc()
-        return self._answer(admission, raw, replayed)
+        return Answer(admission, settled, replayed)
 
-    def _answer(self, admission: Admission, raw: dict[str, Any], replayed: bool) -> Answer:
-        return Answer(
-            admission,
-            raw["text"],
-            int(raw["tokens"]),
-            raw.get("finish_reason"),
-            raw["fallback"],
-            self.answered_by(raw["fallback"]),
-            int(raw.get("migrations") or 0),
-            replayed,
-        )
-
-    async def _settled_unary(self, ticket: Ticket, call: dict[str, Any]) -> dict[str, Any]:
-        """The model's answer as an Idempotency-Key keeps it (text, tokens, finish reason,
-        fallback, migrations); the ticket settled here whatever happens."""
+    async def _settled_unary(self, ticket: Ticket, call: ModelCall) -> Settled:
+        """The model's answer, the ticket settled here whatever happens."""
         t0 = time.monotonic()
         outcome = Outcome("CANCELLED")  # the client went away, unless something below says otherwise
         try:
             record = CallRecord()
-            result, fallback = await self._call_unary(ticket, call, record)
-            raw = {
-                "text": result["text"],
-                "tokens": result["tokens"],
-                "finish_reason": result.get("finish_reason"),
-                "fallback": fallback,
-                "migrations": record.migrations,
-            }
-            outcome = Outcome("OK", generated=int(raw["tokens"]), service_s=time.monotonic() - t0)
+            reply = await self._call_unary(ticket, call, record)
+            r = reply.result
+            outcome = Outcome("OK", generated=r.tokens, service_s=time.monotonic() - t0)
+            return Settled(r.text, r.tokens, r.finish_reason, reply.fallback, reply.model, record.migrations)
         except DeadlineExceeded as err:
             outcome = Outcome(
                 err.code,
@@ -497,55 +482,42 @@ class Pipeline:
             raise
         finally:
             ticket.finish(outcome)
-        return raw
 
-    async def _call_unary(
-        self, ticket: Ticket, call: dict[str, Any], record: CallRecord
-    ) -> tuple[dict[str, Any], Optional[str]]:
+    def _spec(self, ticket: Ticket, call: ModelCall, record: CallRecord) -> CallSpec:
+        """The call as the resilient caller takes it: bounded by the request's one deadline
+        (the caller bounds every attempt, backoff and migration by it: no timer here)."""
+        return CallSpec(
+            call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, record, ticket.tenant
+        )
+
+    async def _call_unary(self, ticket: Ticket, call: ModelCall, record: CallRecord) -> Reply:
         self.tally.inflight += 1
         sent = time.monotonic()
-        at = ticket.deadline.at_s
         try:
-            result, fallback = await asyncio.wait_for(
-                self.caller.unary(
-                    CallSpec(call, at, self.kill_switches, time.time(), ticket.fallback_only, record, ticket.tenant)
-                ),
-                timeout=max(0.001, at - sent),
-            )
-        except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"no answer within {ticket.deadline.budget_s:.3f}s") from None
+            reply = await self.caller.unary(self._spec(ticket, call, record))
         finally:
             self.tally.inflight -= 1
         # Everything but the replica's compute time was waiting: handle queue + batch queue.
         elapsed_ms = (time.monotonic() - sent) * 1000.0
-        self._add_wait(max(0.0, elapsed_ms - float(result.get("compute_ms", 0.0))), fallback)
-        return result, fallback
+        self.accounts.waited(max(0.0, elapsed_ms - reply.result.compute_ms), primary=reply.fallback is None)
+        return reply
 
     async def _stream_chunks(
-        self, ticket: Ticket, call: dict[str, Any], state: _StreamState
-    ) -> AsyncIterator[dict[str, Any]]:
+        self, ticket: Ticket, call: ModelCall, state: StreamState
+    ) -> AsyncGenerator[ModelChunk, None]:
         """The model's chunks; ``state`` says who answered and how much. The ticket is
         settled here once the stream has begun, however it ends."""
         self.tally.inflight += 1
         sent = time.monotonic()
         outcome = Outcome("OK")
         try:
-            chunks, state.fallback = await self.caller.stream(
-                CallSpec(
-                    call,
-                    ticket.deadline.at_s,
-                    self.kill_switches,
-                    time.time(),
-                    ticket.fallback_only,
-                    state.call,
-                    ticket.tenant,
-                )
-            )
-            async for chunk in chunks:
-                if "queue_wait_ms" in chunk:
-                    self._add_wait((time.monotonic() - sent) * 1000.0, state.fallback)
-                state.tokens += chunk["tokens"]
-                state.finish = chunk.get("finish_reason", state.finish)
+            opened = await self.caller.stream(self._spec(ticket, call, state.call))
+            state.fallback, state.model = opened.fallback, opened.model
+            async for chunk in opened.chunks:
+                if chunk.queue_wait_ms is not None:  # a new request's first chunk: it waited until now
+                    self.accounts.waited((time.monotonic() - sent) * 1000.0, primary=state.fallback is None)
+                state.tokens += chunk.tokens
+                state.finish = chunk.finish_reason or state.finish
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the front has enough)
             outcome = Outcome("OK" if state.enough else "CANCELLED")
@@ -557,12 +529,6 @@ class Pipeline:
             self.tally.inflight -= 1
             # A stream's length is the client's reading too: no service-time sample.
             ticket.finish(Outcome(outcome.code, error=outcome.error, generated=state.tokens or None))
-
-    def _add_wait(self, wait_ms: float, fallback: Optional[str]) -> None:
-        """A wait for the model: for the controller's report, and (primary only) the gate's limit."""
-        self.tally.add_wait(wait_ms)
-        if self.gate is not None and fallback is None:
-            self.gate.observe_wait(wait_ms)
 
     # -- what /v1/status shows of the request path ------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -63,10 +63,11 @@ from ballast.policies import migration
 from ballast.policies.breaker import BreakerEvent, CircuitBreaker, Permit
 from ballast.policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
 from ballast.policies.engines import honours
-from ballast.policies.retry import RetryBudget, backoff_s, should_retry
+from ballast.policies.retry import NO_SLOT, RetryBudget, RetrySlot, backoff_s, should_retry
 from ballast.policies.ttlmap import TTLMap
 
 from ballast.config import BallastConfig
+from ballast.model.protocol import ModelCall, ModelChunk, ModelResult, Resume
 from ballast.errors import (
     BallastError,
     DeadlineExceeded,
@@ -116,38 +117,22 @@ class ResponseCache:
     ):
         self._clock = clock
         # Least recently used first: a hit or a put makes an entry the newest.
-        self._entries: "TTLMap[tuple[str, tuple], dict[str, Any]]" = TTLMap(
+        self._entries: "TTLMap[tuple[str, ModelCall], ModelResult]" = TTLMap(
             ttl_s, max_entries, max_entries_per_group=max_entries_per_tenant, group=lambda k: k[0]
         )
 
-    @staticmethod
-    def key(tenant: str, call: dict[str, Any]) -> tuple[str, tuple]:
-        return tenant, tuple(sorted((k, repr(v)) for k, v in call.items()))
-
-    def get(self, tenant: str, call: dict[str, Any]) -> Optional[dict[str, Any]]:
+    def get(self, tenant: str, call: ModelCall) -> Optional[ModelResult]:
         """The answer stored for ``tenant``'s ``call`` within ``ttl_s``, or None; a hit
         refreshes recency, not age."""
-        return self._entries.get(self.key(tenant, call), self._clock(), touch=True)
+        return self._entries.get((tenant, call), self._clock(), touch=True)
 
-    def put(self, tenant: str, call: dict[str, Any], result: dict[str, Any]) -> None:
+    def put(self, tenant: str, call: ModelCall, result: ModelResult) -> None:
         """Store ``result`` for ``tenant``'s ``call``, its TTL starting now; the least
         recently used (the tenant's own, at its bound) goes when full."""
-        self._entries.put(self.key(tenant, call), result, self._clock(), done=True)
+        self._entries.put((tenant, call), result, self._clock(), done=True)
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-def _deadline_fields(left_s: float, now_wall_s: float) -> dict[str, float]:
-    """The attempt's deadline for the replica: relative, and as a wall-clock instant.
-
-    The instant lets the replica count the time the call spent in transit and in
-    Serve's queues, so its own answer (``ballast.policies.deadline.REPLICA_LEAD_S`` before
-    the deadline) still reaches the router before the router's timeout fires. Across
-    nodes it relies on synchronized clocks (NTP: milliseconds against a 50 ms lead);
-    the replica takes the stricter of the two.
-    """
-    return {"timeout_s": left_s, "deadline_at_s": now_wall_s + left_s}
 
 
 def classify(exc: BaseException) -> str:
@@ -231,7 +216,7 @@ class CallRecord:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One call as the router hands it to ``unary`` or ``stream``: its body, its deadline
+    """One call as the router hands it to ``unary`` or ``stream``: the model call, its deadline
     (on the caller's clock), the kill switches in force and the wall time to read them at.
     ``fallback_only``: the primary is not to be asked (the level or the gate refused this
     request there); only the fallback model may answer. ``record`` is filled with what the
@@ -239,7 +224,7 @@ class CallSpec:
     keeps and gives answers per tenant, and a call without one is neither cached nor
     answered from the cache."""
 
-    call: dict[str, Any]
+    call: ModelCall
     deadline_s: float
     kill_switches: list
     now_wall_s: float
@@ -345,9 +330,6 @@ class ResilientCaller:
     def _attempt_timeout(self, left_s: float) -> float:
         return attempt_timeout_s(left_s, self._cfg.resilience.attempt_timeout_s)
 
-    def fallback_name(self, backend: Backend) -> Optional[str]:
-        return None if backend.role == "primary" else "fallback_model"
-
     def can_fall_back(self, kill_switches: list, now_wall_s: float) -> bool:
         """A fallback model that could take a call now: configured, not switched off, its
         breaker not open and its bulkhead not full. What lets the router send a
@@ -361,14 +343,14 @@ class ResilientCaller:
                 )
         return False
 
-    def _chain(self, fallback_only: bool, call: dict[str, Any]) -> list[Backend]:
+    def _chain(self, fallback_only: bool, call: ModelCall) -> list[Backend]:
         """The backends this call may try, in order: none whose engine would ignore part of
         it (a fallback model never answers a JSON-schema request with free text)."""
-        if call.get("continue_ids"):  # a client's resume: its ids are the primary model's tokens
+        if call.resume is not None:  # a client's resume: its ids are the primary model's tokens
             chain = [] if fallback_only else [b for b in self.backends if b.role == "primary"]
         else:
             chain = [b for b in self.backends if b.role == "fallback"] if fallback_only else self.backends
-        return [b for b in chain if honours(b.engine, call)]
+        return [b for b in chain if honours(b.engine, call.asks)]
 
     async def _first_backend(
         self, spec: CallSpec, start: Callable[[Backend], Awaitable[Any]], hold: bool
@@ -400,34 +382,35 @@ class ResilientCaller:
         finally:
             self.budget.on_request_end()
 
-    def _fallback_kind(self, b: Backend) -> Optional[str]:
-        """The fallback kind of an answer from ``b`` (None for the primary), reported."""
-        kind = self.fallback_name(b)
-        if kind:
-            self._hooks.on_fallback(kind)
-        return kind
+    def _answered_by(self, b: Backend) -> tuple[Optional[str], str]:
+        """(the fallback kind of an answer from ``b``: None for the primary, reported; the
+        model that answered)."""
+        if b.role == "primary":
+            return None, b.model_name
+        self._hooks.on_fallback(FALLBACK_MODEL)
+        return FALLBACK_MODEL, b.model_name
 
     # -- unary -----------------------------------------------------------------------
-    async def unary(self, spec: CallSpec) -> tuple[dict[str, Any], Optional[str]]:
-        """(result, fallback kind or None); raises a BallastError when nothing can answer."""
+    async def unary(self, spec: CallSpec) -> "Reply":
+        """The answer and who gave it; raises a BallastError when nothing can answer."""
         found, skipped = await self._first_backend(spec, lambda b: self._attempts(b, spec), hold=False)
         if found is not None:
             b, result = found
             if self.cache is not None and spec.tenant is not None:
                 self.cache.put(spec.tenant, spec.call, result)
-            return result, self._fallback_kind(b)
+            return Reply(result, *self._answered_by(b))
         # The cache holds the models' earlier answers: a model an operator switched
         # off must not keep answering through it.
         if self.cache is not None and spec.tenant is not None and not any(kind == "kill_switch" for kind, _ in skipped):
             hit = self.cache.get(spec.tenant, spec.call)
             if hit is not None:
-                self._hooks.on_fallback("cache")
-                return hit, "cache"
+                self._hooks.on_fallback(CACHE)
+                return Reply(hit, CACHE, self.backends[0].model_name)
         raise self._unavailable(skipped)
 
-    async def _attempts(self, b: Backend, spec: CallSpec) -> dict[str, Any]:
+    async def _attempts(self, b: Backend, spec: CallSpec) -> ModelResult:
         def send(left_s: float) -> tuple[Any, Any]:
-            response = b.handle.generate.remote({**spec.call, **_deadline_fields(left_s, self._wall_clock())})
+            response = b.handle.generate.remote(spec.call.for_attempt(left_s, self._wall_clock()))
             return response, response
 
         _, result, permit, t0 = await self._first_answer(b, spec, send, unary=True)
@@ -448,7 +431,7 @@ class ResilientCaller:
         its answer up to its deadline, not one attempt's timeout: the replica left to take
         it may be the one Serve is starting, and a timeout then is capacity gone."""
         attempt = 1
-        retrying = False
+        slot = NO_SLOT  # a retry's slot in the budget, while one is held
         try:
             while True:
                 permit = b.breaker.allow()
@@ -474,96 +457,94 @@ class ResilientCaller:
                         b.breaker.release(permit)
                         raise refused from None
                     kind = self._failed(b, permit, exc, t0)
-                    if retrying:
-                        self.budget.release_retry()
-                        retrying = False
-                    pause, attempt, retrying = self._next_try(b, kind, attempt, spec, unary)
+                    slot.release()
+                    pause, attempt, slot = self._next_try(b, kind, attempt, spec, unary)
                     await self._sleep(pause)
         finally:
-            if retrying:
-                self.budget.release_retry()
+            slot.release()
 
-    def _next_try(self, b: Backend, kind: str, attempt: int, spec: CallSpec, unary: bool) -> tuple[float, int, bool]:
+    def _next_try(
+        self, b: Backend, kind: str, attempt: int, spec: CallSpec, unary: bool
+    ) -> tuple[float, int, RetrySlot]:
         """After an attempt that failed with ``kind``: (the pause, the next attempt's number,
-        whether a retry slot is now held). A lost replica is sent again elsewhere without
+        the retry slot now held, if any). A lost replica is sent again elsewhere without
         using up an attempt (a unary re-send inside the retry budget; a stream's within its
         migration limit); anything else is an ordinary retry. Raises DeadlineExceeded past
         the deadline, _BackendFailed when no attempt may follow."""
         if kind == "deadline_exceeded" or self._clock() >= spec.deadline_s:
             raise DeadlineExceeded("the request's deadline passed") from None
         if kind == migration.LOST_CAPACITY:
-            return self._migration_pause(b, spec, budget=unary), attempt, unary
-        return self._retry_pause(b, kind, attempt, spec.deadline_s), attempt + 1, True
+            return *self._migration_pause(b, spec, budget=unary), attempt
+        pause, slot = self._retry_pause(b, kind, attempt, spec.deadline_s)
+        return pause, attempt + 1, slot
 
-    def _retry_pause(self, b: Backend, kind: str, attempt: int, deadline_s: float) -> float:
+    def _retry_pause(self, b: Backend, kind: str, attempt: int, deadline_s: float) -> tuple[float, RetrySlot]:
         """The backoff before an ordinary retry of attempt ``attempt`` that failed with
-        ``kind``; raises _BackendFailed when the retry policy, the deadline or the retry
-        budget says no. On return a retry slot is held: the caller releases it."""
+        ``kind``, and the retry slot it holds (the caller releases it); raises _BackendFailed
+        when the retry policy, the deadline or the retry budget says no."""
         pause = backoff_s(attempt, self.retry_cfg, self._rng.random)
         ok, _ = should_retry(kind, attempt, deadline_s - self._clock(), pause, MIN_ATTEMPT_S, self.retry_cfg)
-        if not ok or not self.budget.try_acquire_retry():
+        slot = self.budget.retry_slot() if ok else None
+        if slot is None:
             raise _BackendFailed(kind, b.role)
         self._hooks.on_retry(b.role, kind)
-        return pause
+        return pause, slot
 
-    def _migration_pause(self, b: Backend, spec: CallSpec, budget: bool) -> float:
-        """The pause before migrating a call that lost its replica; raises _BackendFailed
-        when the limit, the deadline or (``budget``: a unary re-send) the retry budget says no.
-        On True with ``budget``, a retry slot is held: the caller releases it."""
+    def _migration_pause(self, b: Backend, spec: CallSpec, budget: bool) -> tuple[float, RetrySlot]:
+        """The pause before migrating a call that lost its replica, and the retry slot it
+        holds (``budget``: a unary re-send takes one; the caller releases it); raises
+        _BackendFailed when the limit, the deadline or the retry budget says no."""
         record = spec.record
         pause = migration.pause_s(record.migrations + 1, self._rng.random())
         ok, _ = migration.should_migrate(
             record.migrations, self.migration_cfg, spec.deadline_s - self._clock(), pause, MIN_ATTEMPT_S
         )
-        if not ok or (budget and not self.budget.try_acquire_retry()):
+        slot = (self.budget.retry_slot() if budget else NO_SLOT) if ok else None
+        if slot is None:
             self.lost["not_migrated"] += 1
             self._hooks.on_lost_capacity(b.role, "not_migrated")
             raise _BackendFailed(migration.LOST_CAPACITY, b.role)
         record.migrations += 1
         self.lost["migrated"] += 1
         self._hooks.on_lost_capacity(b.role, "migrated")
-        return pause
+        return pause, slot
 
     # -- streaming -------------------------------------------------------------------
-    async def stream(self, spec: CallSpec) -> tuple[AsyncIterator[dict[str, Any]], Optional[str]]:
-        """An iterator over chunks (the first already fetched) and the fallback kind.
+    async def stream(self, spec: CallSpec) -> "Opened":
+        """The stream's chunks (the first already fetched) and who gives them.
 
         The chain applies until a backend yields its first chunk; from then on the
         stream belongs to that backend, whose replicas may carry it on (migrations,
         counted in ``spec.record``).
         """
         # An active request in the retry budget until the stream is open.
-        found, skipped = await self._first_backend(spec, lambda b: self._open(b, spec), hold=True)
+        found, skipped = await self._first_backend(spec, lambda b: self._open(b, spec, spec.call), hold=True)
         if found is None:
             raise self._unavailable(skipped)
         b, opened = found
-        kind = self._fallback_kind(b)
-        return self._rest(b, opened, spec), kind
+        return Opened(self._rest(b, opened, spec), *self._answered_by(b))
 
-    async def _open(self, b: Backend, spec: CallSpec, resume: Optional[dict] = None) -> "_Open":
-        """A stream on ``b`` with its first chunk. A lost replica is tried again elsewhere
-        (a migration); an attempt that failed otherwise (its first chunk timed out on a
-        replica cut off from this router, say) is retried as a unary attempt is, inside the
-        retry budget. ``resume``: the continuation fields of a migrated stream."""
+    async def _open(self, b: Backend, spec: CallSpec, call: ModelCall) -> "_Open":
+        """A stream of ``call`` on ``b`` with its first chunk. A lost replica is tried again
+        elsewhere (a migration); an attempt that failed otherwise (its first chunk timed out
+        on a replica cut off from this router, say) is retried as a unary attempt is, inside
+        the retry budget."""
 
         def send(left_s: float) -> tuple[Any, Any]:
-            gen = b.stream_handle.generate_stream.remote(
-                {**spec.call, **(resume or {}), **_deadline_fields(left_s, self._wall_clock())}
-            )
+            gen = b.stream_handle.generate_stream.remote(call.for_attempt(left_s, self._wall_clock()))
             return gen, gen.__anext__()
 
         gen, first, permit, t0 = await self._first_answer(b, spec, send, unary=False)
-        if resume is not None:
-            first = {k: v for k, v in first.items() if k != "queue_wait_ms"}  # not a new request's wait
+        if call is not spec.call:
+            first = first.without_wait()  # a migrated stream's: not a new request's wait
         return _Open(gen, permit, first, t0)
 
     async def _carry_on(self, b: Backend, spec: CallSpec, ids: list[int], chars: int) -> "_Open":
         """The stream opened again, after the migration pause, from the ``ids`` and ``chars``
         it delivered; one that cannot go on ends the stream (``_StreamEnded``)."""
-        resume = {"continue_ids": list(ids), "continue_text_chars": chars}
         try:
-            await self._sleep(self._migration_pause(b, spec, budget=False))
-            return await self._open(b, spec, resume)
+            await self._sleep(self._migration_pause(b, spec, budget=False)[0])
+            return await self._open(b, spec, spec.call.resumed(Resume(tuple(ids), chars)))
         except _BackendFailed as f:
             raise _StreamEnded(
                 ReplicaLost(
@@ -577,13 +558,14 @@ class ResilientCaller:
         gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
         # The stream's token ids and characters so far (a client's resume brings its own):
         # what a migration prefills and does not send again.
-        delivered_ids: list[int] = [int(i) for i in spec.call.get("continue_ids") or ()]
-        delivered_chars = int(spec.call.get("continue_text_chars") or 0)
+        resume = spec.call.resume
+        delivered_ids: list[int] = list(resume.ids) if resume is not None else []
+        delivered_chars = resume.text_chars if resume is not None else 0
         outcome: Optional[bool] = None  # None: the client left, which says nothing about the backend
         try:
             while True:
-                delivered_ids.extend(chunk.get("ids", ()))
-                delivered_chars += len(chunk.get("text", ""))
+                delivered_ids.extend(chunk.ids)
+                delivered_chars += len(chunk.text)
                 yield chunk
                 try:
                     chunk = await self._wait_for(gen.__anext__(), max(0.001, spec.deadline_s - self._clock()))
@@ -640,5 +622,28 @@ class _Open:
 
     gen: Any
     permit: Permit
-    first: dict[str, Any]
+    first: ModelChunk
     t0: float
+
+
+# The fallback kinds an answer names (``X-Ballast-Fallback``): the fallback model, the cache.
+FALLBACK_MODEL, CACHE = "fallback_model", "cache"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A unary answer and who gave it: ``fallback`` (None: the primary; FALLBACK_MODEL;
+    CACHE, an earlier answer of the primary's) and the model's name."""
+
+    result: ModelResult
+    fallback: Optional[str]
+    model: str
+
+
+@dataclass(frozen=True)
+class Opened:
+    """An open stream's chunks and who gives them (as ``Reply``)."""
+
+    chunks: AsyncIterator[ModelChunk]
+    fallback: Optional[str]
+    model: str

@@ -26,11 +26,14 @@ with requests that are still waiting in the gate's line.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ballast.policies.deadline import Deadline
 from ballast.policies.quota import TokenBucket
 from ballast.router.gate import GateSlot
+
+if TYPE_CHECKING:
+    from ballast.router.accounts import Accounts
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class Ticket:
         charge: Charge,
         slot: GateSlot,
         fallback_only: bool,
-        on_finish: Callable[["Ticket", Outcome], None],
+        accounts: "Accounts",
     ) -> None:
         self.tenant = tenant
         self.criticality = criticality
@@ -110,7 +113,7 @@ class Ticket:
         self.fallback_only = fallback_only  # only the fallback may answer (the level or the gate refused the primary)
         self.outcome: Optional[Outcome] = None
         self._places = places
-        self._on_finish = on_finish
+        self._accounts = accounts
 
     @property
     def prompt_tokens(self) -> int:
@@ -123,7 +126,7 @@ class Ticket:
         self.outcome = outcome
         self._places.give_back(self.tenant)
         self.charge.settle(outcome.generated)
-        self._on_finish(self, outcome)  # first: the gate learns from the sample before the slot frees
+        self._accounts.settled(self, outcome)  # first: the gate learns from the sample before the slot frees
         self.slot.release(outcome.service_s, outcome.generated)
         return True
 

@@ -7,13 +7,17 @@ primary model's tokenizer (not its weights) at start, from the same local direct
 the replicas load, and checks each prompt against the context before any work.
 
 * ``builtin``: one token per UTF-8 byte, the built-in template
-  (``openai_api.render_chat``); a prompt longer than the context loses its start at
-  the replica, as it always has (``builtin_engine.encode_prompt``), so nothing is refused.
+  (``openai_api.render_chat``); a prompt longer than the context loses its start (here
+  to ``context - 1`` bytes, at the replica to what its max_tokens leaves), so nothing
+  is refused.
 * ``transformers``: the tokenizer and template of ``model.path``; prompt + max_tokens
   beyond the context is ``400 CONTEXT_LENGTH_EXCEEDED``.
 
-A chat prompt already holds its special tokens (the template wrote them): it is
-counted and encoded without adding more (``add_special_tokens`` False in the call).
+The prompt is tokenized here, once: the call carries its ids (``ModelText.call``) and
+the replica prefills them as they are when its engine has the same tokenizer
+(``tokenizer_id``); the count is the number of those ids. A chat prompt already holds
+its special tokens (the template wrote them): it is encoded without adding more
+(``add_special_tokens`` False in the call).
 A special token's text in the messages themselves (content, tool arguments, names,
 tools) is text, not a control token, unless ``model.special_tokens_in_content`` is
 "control" (``ballast.model.special_tokens``); the count here and the replica's ids
@@ -29,6 +33,8 @@ from ballast.policies import request as request_policy
 
 from ballast.config import ModelConfig
 from ballast.errors import ContextLengthExceeded
+from ballast.model.protocol import ModelCall
+from ballast.model.special_tokens import BYTES_TOKENIZER, encode_bytes, encode_text
 
 __all__ = ["ModelText", "model_text"]
 
@@ -37,6 +43,7 @@ class ModelText:
     """The built-in byte model's text: bytes are tokens, the built-in chat template."""
 
     strict = False  # the replica keeps the end of a prompt that is too long
+    tokenizer_id = BYTES_TOKENIZER  # whose ids ``encode`` makes (``protocol.ModelCall.tokenizer``)
 
     def __init__(self, context: int, vocab_size: int = 256) -> None:
         self.context = context
@@ -51,8 +58,18 @@ class ModelText:
 
         return render_chat(messages)
 
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's ids as the replica prefills them: its bytes, at most its last
+        ``context - 1`` (the replica keeps the end of a prompt that is too long)."""
+        return encode_bytes(prompt)[-(self.context - 1) :]
+
     def count(self, prompt: str, add_special_tokens: bool = True) -> int:
-        return request_policy.prompt_tokens(prompt, self.context - 1)
+        return len(self.encode(prompt, add_special_tokens))
+
+    def call(self, prompt: str, add_special_tokens: bool = True, **fields: Any) -> ModelCall:
+        """The model call for ``prompt``, tokenized here once: the replica prefills these ids."""
+        ids = tuple(self.encode(prompt, add_special_tokens))
+        return ModelCall(prompt, ids, self.tokenizer_id, add_special_tokens, **fields)
 
     def fit(self, prompt_tokens: int, asked: Optional[int]) -> int:
         """The max_tokens to ask for: what was asked, else all the model allows."""
@@ -78,10 +95,11 @@ class TokenizerText(ModelText):
         tool_parser: Optional[str] = None,
         special_tokens_in_content: str = "text",
     ) -> None:
-        from ballast.model.hf_checkpoint import load_tokenizer
+        from ballast.model.hf_checkpoint import load_tokenizer, tokenizer_id
 
         tokenizer, info = load_tokenizer(path)
         super().__init__(min(context or info.context_length, info.context_length), info.vocab_size)
+        self.tokenizer_id = tokenizer_id(path)
         self._tokenizer = tokenizer
         self._special_tokens_in_content = special_tokens_in_content
         if tool_parser is not None:
@@ -100,11 +118,10 @@ class TokenizerText(ModelText):
         except ChatTemplateError as e:
             raise BadRequest(f"messages: {e.reason}", field="messages") from None
 
-    def count(self, prompt: str, add_special_tokens: bool = True) -> int:
-        """The prompt's tokens as the replica encodes them (``special_tokens.encode_text``)."""
-        from ballast.model.special_tokens import encode_text
-
-        return len(encode_text(self._tokenizer, prompt, add_special_tokens))
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's ids, as every engine of this tokenizer encodes text
+        (``special_tokens.encode_text``)."""
+        return encode_text(self._tokenizer, prompt, add_special_tokens)
 
 
 def _turn(m: Any) -> dict[str, Any]:
