@@ -21,8 +21,8 @@ Chain for a unary request:
 Streaming follows the same chain up to the first chunk; after that the stream
 is committed to its backend. A lost replica mid-stream is a migration: the prompt
 and the token ids already delivered go to another replica of the same backend,
-which prefills them and continues (the first ``continue_text_chars`` characters of
-its text are the client's already, so it sends only what follows); the client sees
+which prefills them and continues (``ModelCall.resumed``: the first ``text_chars``
+characters of its text are the client's already, so it sends only what follows); the client sees
 one stream. Any other failure, or a migration past the limit or the deadline, ends
 the stream with an error event.
 
