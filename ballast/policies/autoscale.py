@@ -283,7 +283,8 @@ def _in_stable(
             desired,
             (now_s if want < desired else None),
             (
-                f"stable: down {current_replicas}->{desired} after {held_s:g}s>={cfg.scale_down_delay_s:g}s ({stable.basis})"
+                f"stable: down {current_replicas}->{desired} "
+                f"after {held_s:g}s>={cfg.scale_down_delay_s:g}s ({stable.basis})"
             ),
         )
     # Still clamp: a current count above max_replicas is cut at once.
