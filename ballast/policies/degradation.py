@@ -223,7 +223,7 @@ class DegradationConfig:
         for value in values:
             if value is None:
                 continue
-            if not is_finite(value) or value < 0:  # type: ignore[operator]
+            if not is_finite(value) or value < 0:
                 raise ValueError(f"{name}: entries must be finite numbers >= 0 or None, got {value!r}")
             if previous is not None and value <= previous:
                 raise ValueError(f"{name}: must be strictly ascending, got {values!r}")
