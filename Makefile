@@ -72,10 +72,12 @@ cluster-down: $(STAMP)
 test-cluster: $(STAMP)
 	BALLAST_CLUSTER_SUITE=full $(PY) -m pytest -q -rs tests/cluster
 
-## Lint and format check (ruff, configured in pyproject.toml); `ruff format .` fixes the format.
+## Lint and format check (ruff), then strict type checks (mypy, on the files [tool.mypy] lists),
+## all configured in pyproject.toml; `ruff format .` fixes the format.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 ## The whole suite: unit tests, then integration tests against a real local Ray Serve.
 test: $(STAMP) $(GL_STAMP) tools

@@ -744,7 +744,8 @@ class BallastConfig(_Strict):
             )
         if self.environment == "production" and (self.auth.demo_keys or self.auth.demo_admin_token):
             raise ValueError(
-                "auth.demo_keys / auth.demo_admin_token are for local use only; production takes keys from the environment or a file"
+                "auth.demo_keys / auth.demo_admin_token are for local use only; "
+                "production takes keys from the environment or a file"
             )
         unquoted = sorted(t for t, tc in self.tenants.items() if tc.rate_tokens_per_s is None and not tc.unlimited)
         if self.environment == "production" and unquoted:

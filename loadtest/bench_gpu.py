@@ -229,7 +229,8 @@ def main(argv: "list[str] | None" = None) -> int:
     print(f"   GPU uuid: {uuid}")
     print(f"   watchdog probe (pid {os.getpid()}): {p}")
     print(
-        f"   torch: allocated {torch.cuda.memory_allocated() / MB:.0f} MiB, reserved {torch.cuda.memory_reserved() / MB:.0f} MiB"
+        f"   torch: allocated {torch.cuda.memory_allocated() / MB:.0f} MiB, "
+        f"reserved {torch.cuda.memory_reserved() / MB:.0f} MiB"
         f" (NVML's per-process figure adds the CUDA context)"
     )
     if proc_probe is None or p is None or p.process_vram_bytes is None:
@@ -238,8 +239,10 @@ def main(argv: "list[str] | None" = None) -> int:
 
     settings = cfg.watchdog.model_copy(update={"warmup_s": 0.0})
     print(
-        f"\n3. VRAM watchdog, real NVML and real allocations; {args.samples} samples, {args.sample_s:g} simulated s apart "
-        f"(long window {settings.leak_window_s:g} s, verdict after {settings.leak_window_s * settings.leak_min_span_ratio:g} s; "
+        f"\n3. VRAM watchdog, real NVML and real allocations; {args.samples} samples, "
+        f"{args.sample_s:g} simulated s apart "
+        f"(long window {settings.leak_window_s:g} s, "
+        f"verdict after {settings.leak_window_s * settings.leak_min_span_ratio:g} s; "
         f"short window {settings.leak_short_window_s:g} s, verdict after {settings.leak_short_min_span_s:g} s within "
         f"{_fmt_s(settings.leak_short_horizon_s)} of the limit; "
         f"leak at >= {settings.vram_leak_mb_per_h:g} MB/h; ladder when time-to-limit < {_fmt_s(settings.warn_tto_s)})"
@@ -249,14 +252,16 @@ def main(argv: "list[str] | None" = None) -> int:
         r = watchdog_case(name, settings, proc_probe, gpu, mb, args.samples, args.sample_s)
         slope = "-" if r["slope_mb_per_h"] is None else f"{r['slope_mb_per_h']:,.0f}"
         print(
-            f"   {name:<10} allocated {r['rate_mb_per_h']:>9,.0f} MB/h | measured {slope:>9} MB/h (r2 {r['r2'] if r['r2'] is None else round(r['r2'], 3)}) "
+            f"   {name:<10} allocated {r['rate_mb_per_h']:>9,.0f} MB/h | measured {slope:>9} MB/h "
+            f"(r2 {r['r2'] if r['r2'] is None else round(r['r2'], 3)}) "
             f"| leaking {r['leaking']} (first at {_fmt_s(r['first_leak_at_s'])}) | time-to-limit {_fmt_s(r['tto_s'])} "
             f"(truth {_fmt_s(r['true_tto_s'])})"
         )
         rungs = ", ".join(f"{a} at {_fmt_s(t)}" for t, a in r["rungs"]) or "none"
         print(f"   {'':<10} rungs: {rungs}; ready {r['ready']}, recycle {r['recycle']}; reason {r['reason']!r}")
         print(
-            f"   {'':<10} process VRAM {r['vram_end_mb']:,.0f} MiB at the end, {r['vram_after_free_mb']:,.0f} MiB after freeing "
+            f"   {'':<10} process VRAM {r['vram_end_mb']:,.0f} MiB at the end, "
+            f"{r['vram_after_free_mb']:,.0f} MiB after freeing "
             f"{r['leaked_mb']:,.0f} MiB; {r['sim_s'] / 3600:.2f} simulated h in {r['wall_s']:.1f} s"
         )
     proc_probe.close()

@@ -1218,7 +1218,8 @@ class _Bench:
             levels = Counter(t["level"] for t in trace)
             limits = [t["gate"]["limit"] for t in trace if t.get("gate")]
             print(
-                f"    levels {dict(sorted(levels.items()))}; gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
+                f"    levels {dict(sorted(levels.items()))}; "
+                f"gate limit {min(limits, default=0)}..{max(limits, default=0)}; "
                 f"last gate {trace[-1].get('gate')}",
                 flush=True,
             )
@@ -1384,7 +1385,8 @@ def _print_results(results: dict[str, dict[str, Any]], s: _Settings) -> None:
     head = (
         f"{'stack':<13} {'C req/s':>8} {'offered':>8} {'goodput/C':>9} "
         + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES)
-        + f" {'adm p99 ms':>10} {'ans p99 ms':>10} {'lag p99 ms':>10} {'cli cores':>9} {'srv cores':>9} {'ms/refusal':>10} {'at edge':>7} {'machine':>7}"
+        + f" {'adm p99 ms':>10} {'ans p99 ms':>10} {'lag p99 ms':>10} {'cli cores':>9} {'srv cores':>9} "
+        f"{'ms/refusal':>10} {'at edge':>7} {'machine':>7}"
     )
     print(head)
     for name, r in results.items():
@@ -1395,14 +1397,16 @@ def _print_results(results: dict[str, dict[str, Any]], s: _Settings) -> None:
             print(
                 f"{name:<13} {r['C']:>8.1f} {k:>7g}C {phase.goodput() / r['C']:>9.3f} "
                 + " ".join(f"{phase.good_fraction(c):>10.3f}" for c in CRITICALITIES)
-                + f" {phase.admitted_p99_ms():>10.0f} {phase.answer_p99_ms():>10.0f} {phase.send_lag_p99_ms():>10.0f} {client:>9} {cores:>9} "
+                + f" {phase.admitted_p99_ms():>10.0f} {phase.answer_p99_ms():>10.0f} {phase.send_lag_p99_ms():>10.0f} "
+                f"{client:>9} {cores:>9} "
                 + f"{'-' if cost is None else format(cost, '.2f'):>10} "
                 + f"{'-' if not phase.refused() else format(phase.edge_refused / phase.refused(), '.2f'):>7} "
                 + f"{machine_ratio(r, phase):>7}"
             )
     print(
         "adm p99: of the 200s; ans p99: of every answer (200, 429/503, 504), each request's deadline being the SLO; "
-        "cli cores: the load generator's CPU per second (it shares the host); srv cores: CPU of the processes in front of the model (proxy, routers or ray.serve.llm's ingress, HAProxy) per second of the phase; "
+        "cli cores: the load generator's CPU per second (it shares the host); srv cores: CPU of the processes "
+        "in front of the model (proxy, routers or ray.serve.llm's ingress, HAProxy) per second of the phase; "
         "ms/refusal: their CPU less their idle use and the answers' (at the first phase's cost each), over the "
         "429/503 refusals; at edge: the share of those HAProxy answered (Ballast's edge); machine: the host's speed "
         "around the phase over its speed while C was measured (loadtest.machine_speed: the replica's batch "

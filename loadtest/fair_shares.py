@@ -142,7 +142,8 @@ def render(rows: list[ShareRow]) -> list[str]:
         out.append(
             f"{r.part:<22} {r.setting:<24} {wa:g}:{wb:<4g} {r.a.answers:>9} {r.b.answers:>9} "
             f"{r.a.prompt_tokens + r.a.generated:>9} {r.b.prompt_tokens + r.b.generated:>9} "
-            f"{r.ratio():>13.3f} {r.jain():>6.3f}  {'(what it improves on)' if r.baseline else 'ok' if r.meets() else 'MISSED'}"
+            f"{r.ratio():>13.3f} {r.jain():>6.3f}  "
+            f"{'(what it improves on)' if r.baseline else 'ok' if r.meets() else 'MISSED'}"
         )
     out.append(
         "tokens: prompt + generated, raw; the ratio and Jain's index weigh them as the counters do "

@@ -467,7 +467,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             for name, ip in state["nodes"].items():
                 node = Node(name, ip)
                 print(
-                    f"  {name:5s} {ip:12s} {'ready' if ready(node) else 'NOT ready'}  processes: {len(pids_in(node.netns))}"
+                    f"  {name:5s} {ip:12s} {'ready' if ready(node) else 'NOT ready'}  "
+                    f"processes: {len(pids_in(node.netns))}"
                 )
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -713,7 +713,8 @@ def load(out_dir: Path | str) -> SoakData:
     data.run = _read_json(out / RUN_JSON, notes, "the run's settings") or {}
     if data.stats and not any(parse_name(r.name) for r in data.stats):
         notes.append(
-            f'`{STATS_CSV}` has no Ballast request names ("<tenant> <plain|stream>"): did Locust run the Ballast locustfile?'
+            f'`{STATS_CSV}` has no Ballast request names ("<tenant> <plain|stream>"): '
+            "did Locust run the Ballast locustfile?"
         )
     return data
 
@@ -1010,7 +1011,8 @@ def _lost_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s
     body = (
         [
             f"{lost.get('migrated', 0)} requests sent again or carried on elsewhere after their replica went away "
-            f"({lost.get('streams_carried_on', 0)} of them streams continued mid-way); {lost.get('not_migrated', 0)} were not "
+            f"({lost.get('streams_carried_on', 0)} of them streams continued mid-way); "
+            f"{lost.get('not_migrated', 0)} were not "
             "(the migration limit, the deadline or the retry budget: the fallback answered, else 503 `REPLICA_LOST`, "
             "counted under Failures). Counted by the router the sampler reached, since it started."
         ]

@@ -375,7 +375,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     run_json = out / "run.json"
     run_json.write_text(json.dumps(run, indent=2), encoding="utf-8")
     print(
-        f"soak: one simulated day in {day_real_s / 60:.1f} min (scale {args.time_scale:g}), peak {args.peak_users} users, "
+        f"soak: one simulated day in {day_real_s / 60:.1f} min (scale {args.time_scale:g}), "
+        f"peak {args.peak_users} users, "
         f"faults {args.faults}; output {out}",
         flush=True,
     )

@@ -198,7 +198,8 @@ class Call:
             if self.last_error is not None:
                 raise self.last_error
             raise ThrottledLocally(
-                f"adaptive throttle refused locally (reject probability {self._core.reject_probability(self._crit):.3f})"
+                "adaptive throttle refused locally "
+                f"(reject probability {self._core.reject_probability(self._crit):.3f})"
             )
         if self.attempts == 0:  # the budget counts calls that went out, not local refusals
             self._core.on_request()

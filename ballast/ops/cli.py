@@ -189,8 +189,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 '-H \'Content-Type: application/json\' -d \'{"prompt": "Hello", "max_tokens": 32}\''
             )
             print(
-                f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
-                f'-d \'{{"model": "{cfg.model.name}", "messages": [{{"role": "user", "content": "Hello"}}], "max_tokens": 32}}\''
+                f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+                "-H 'Content-Type: application/json' "
+                f'-d \'{{"model": "{cfg.model.name}", '
+                '"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 32}\''
             )
         print("Ctrl-C (or `make stop` from another shell) stops Serve and Ray.\n", flush=True)
         while not stop.wait(0.5):
@@ -450,7 +452,10 @@ def _status_gate(doc: dict[str, Any], out: list[str]) -> None:
     """The gate and chaos."""
     gate = doc.get("gate")
     if gate:
-        line = f"gate: limit {_num(gate.get('limit'))}, {gate.get('in_flight', 0)} at the model, {gate.get('waiting', 0)} waiting"
+        line = (
+            f"gate: limit {_num(gate.get('limit'))}, {gate.get('in_flight', 0)} at the model, "
+            f"{gate.get('waiting', 0)} waiting"
+        )
         if gate.get("reserving"):
             line += ", reserving slots for critical"
         refused = {k: v for k, v in (gate.get("refused") or {}).items() if v}

@@ -178,7 +178,10 @@ OVERVIEW = Dashboard(
                     sparse="no series until a request is refused at the gate",
                 ),
             ),
-            description="Per-router adaptive limit, requests at the model, requests waiting (summed over routers); refusals per second",
+            description=(
+                "Per-router adaptive limit, requests at the model, requests waiting (summed over routers); "
+                "refusals per second"
+            ),
         ),
         Panel("Controller snapshot age", (Target("max(ray_ballast_snapshot_age_s)", "age"),), unit="s"),
         Panel(
@@ -231,12 +234,16 @@ REPLICAS = Dashboard(
             "Leak slope: memory (per hour)",
             (
                 Target(
-                    f'max by ({BY_REPLICA}, series) (ray_ballast_replica_leak_slope_per_hour{{series=~"rss_bytes|vram_bytes"}})',
+                    f"max by ({BY_REPLICA}, series) "
+                    '(ray_ballast_replica_leak_slope_per_hour{series=~"rss_bytes|vram_bytes"})',
                     "{{deployment}} {{replica}} {{series}}",
                 ),
             ),
             unit="bytes",
-            description="Robust trend over watchdog.leak_window_s, or leak_short_window_s when that one names a leak sooner, in bytes per hour",
+            description=(
+                "Robust trend over watchdog.leak_window_s, or leak_short_window_s when that one names a leak sooner, "
+                "in bytes per hour"
+            ),
         ),
         Panel(
             "Leak slope: threads and fds (per hour)",
@@ -246,7 +253,10 @@ REPLICAS = Dashboard(
                     "{{deployment}} {{replica}} {{series}}",
                 ),
             ),
-            description="Robust trend over watchdog.leak_window_s, or leak_short_window_s when that one names a leak sooner, per hour",
+            description=(
+                "Robust trend over watchdog.leak_window_s, or leak_short_window_s when that one names a leak sooner, "
+                "per hour"
+            ),
         ),
         Panel(
             "Leaking series",
@@ -291,7 +301,9 @@ REPLICAS = Dashboard(
                 Target(f"max by ({BY_REPLICA}) (ray_ballast_replica_ready)", "ready {{deployment}} {{replica}}"),
                 Target(f"max by ({BY_REPLICA}) (ray_ballast_replica_hung)", "hung {{deployment}} {{replica}}"),
             ),
-            description="ready 0: the watchdog stopped intake (or a recycle was asked for); hung 1: killed by the controller",
+            description=(
+                "ready 0: the watchdog stopped intake (or a recycle was asked for); hung 1: killed by the controller"
+            ),
         ),
         _events_panel(
             "Watchdog actions",

@@ -209,7 +209,7 @@ class _Panic(NamedTuple):
     until_s: Optional[float]  # None: not in panic
 
 
-def _stable_window(samples: tuple, current_replicas: int, cfg: AutoscaleConfig) -> _Stable:
+def _stable_window(samples: tuple[AutoscaleSample, ...], current_replicas: int, cfg: AutoscaleConfig) -> _Stable:
     """Concurrency over the stable window, and utilization as a second signal."""
     stable_avg = _mean([s.ongoing_requests for s in samples]) or 0.0
     desired = _ceil(stable_avg / cfg.target_ongoing_requests)
@@ -225,7 +225,11 @@ def _stable_window(samples: tuple, current_replicas: int, cfg: AutoscaleConfig) 
 
 
 def _panic_window(
-    samples: tuple, now_s: float, current_replicas: int, state: AutoscaleState, cfg: AutoscaleConfig
+    samples: tuple[AutoscaleSample, ...],
+    now_s: float,
+    current_replicas: int,
+    state: AutoscaleState,
+    cfg: AutoscaleConfig,
 ) -> _Panic:
     """Concurrency over the panic window (see the module docstring), and whether panic holds."""
     panic_avg = _mean([s.ongoing_requests for s in samples if s.t_s > now_s - cfg.panic_window_s]) or 0.0
@@ -283,7 +287,8 @@ def _in_stable(
             desired,
             (now_s if want < desired else None),
             (
-                f"stable: down {current_replicas}->{desired} after {held_s:g}s>={cfg.scale_down_delay_s:g}s ({stable.basis})"
+                f"stable: down {current_replicas}->{desired} "
+                f"after {held_s:g}s>={cfg.scale_down_delay_s:g}s ({stable.basis})"
             ),
         )
     # Still clamp: a current count above max_replicas is cut at once.

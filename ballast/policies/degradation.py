@@ -223,7 +223,7 @@ class DegradationConfig:
         for value in values:
             if value is None:
                 continue
-            if not is_finite(value) or value < 0:  # type: ignore[operator]
+            if not is_finite(value) or value < 0:
                 raise ValueError(f"{name}: entries must be finite numbers >= 0 or None, got {value!r}")
             if previous is not None and value <= previous:
                 raise ValueError(f"{name}: must be strictly ascending, got {values!r}")
@@ -639,7 +639,10 @@ def _step_down(
             lower_since_s=lower_since,
             lower_max=lower_max,
         )
-    reason = f"down {level}->{lower_max}: target {target} ({why}) held {_fmt(round(held_s, 3))}s>={_fmt(cfg.stable_window_s)}s"
+    reason = (
+        f"down {level}->{lower_max}: target {target} ({why}) "
+        f"held {_fmt(round(held_s, 3))}s>={_fmt(cfg.stable_window_s)}s"
+    )
     # Still lower than the new level: the next step needs a fresh window.
     if target < lower_max:
         return _Step(lower_max, reason, lower_since_s=now_s, lower_max=target)

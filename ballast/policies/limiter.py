@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from ballast.policies.stats import nearest_rank
 from ballast.policies.validation import check_fields, check_int, check_positive, check_ratio
@@ -128,12 +128,14 @@ class AimdLimit:
         if now < self._window_end:
             return
         c = self.cfg
+        # nearest_rank is None for no samples.
         slow = (
             c.target_service_ratio is not None
-            and bool(self._ratios)
-            and nearest_rank(self._ratios, 0.9) > c.target_service_ratio
+            and (ratio_p90 := nearest_rank(self._ratios, 0.9)) is not None
+            and ratio_p90 > c.target_service_ratio
         )
-        waited = bool(self._waits) and nearest_rank(self._waits, 0.9) > c.target_wait_ms
+        wait_p90 = nearest_rank(self._waits, 0.9)
+        waited = wait_p90 is not None and wait_p90 > c.target_wait_ms
         if self._missed or slow or waited:
             self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
             self.decreases += 1
@@ -148,7 +150,7 @@ class AimdLimit:
         # Windows with no traffic at all are skipped, not replayed one by one.
         self._window_end = now + c.interval_s
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[str, Any]:
         return {
             "limit": self.value,
             "increases": self.increases,

@@ -54,7 +54,7 @@ WAIT_REASONS = ("max_unavailable", "level", "min_available", "window")
 
 
 def _check_hour(name: str, value: object) -> None:
-    if not is_number(value) or not 0 <= value < 24:  # type: ignore[operator]
+    if not is_number(value) or not 0 <= value < 24:
         raise ValueError(f"{name}: must be an hour of day in [0, 24), got {value!r}")
 
 

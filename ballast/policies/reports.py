@@ -20,7 +20,7 @@ replica's heartbeat.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, Optional, TypeVar
 
 from ballast.policies.criticality import Criticality
 from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_non_negative, is_finite
@@ -28,7 +28,10 @@ from ballast.policies.validation import check_fields, check_finite, check_int, c
 #: Serve's namespace, where it names replica actors (what a hung replica is killed by).
 SERVE_NAMESPACE = "serve"
 
-R = TypeVar("R")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+R = TypeVar("R", bound="DataclassInstance")
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -53,7 +56,7 @@ def _check_rates(name: str, rates: object, *, criticalities: bool) -> None:
                 raise ValueError(f"{name}: unknown criticality {key!r}") from None
         elif not isinstance(key, str):
             raise ValueError(f"{name}: keys must be str, got {key!r}")
-        if not is_finite(rate) or rate < 0:  # type: ignore[operator]
+        if not is_finite(rate) or rate < 0:
             raise ValueError(f"{name}: {key!r} must be a finite number >= 0, got {rate!r}")
 
 
@@ -73,7 +76,7 @@ def checked(report: Any, kind: type[R]) -> Optional[R]:
     if type(report) is not kind:
         return None
     try:
-        return replace(report)  # type: ignore[type-var]
+        return replace(report)
     except (TypeError, ValueError):
         return None
 

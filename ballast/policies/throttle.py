@@ -128,12 +128,14 @@ class AdaptiveThrottle:
     @property
     def requests(self) -> int:
         """Attempts in the window, locally rejected ones included."""
-        return self._window.totals(self._clock())[0]
+        requests: int = self._window.totals(self._clock())[0]
+        return requests
 
     @property
     def accepts(self) -> int:
         """Attempts the backend accepted, in the window."""
-        return self._window.totals(self._clock())[1]
+        accepts: int = self._window.totals(self._clock())[1]
+        return accepts
 
     @property
     def local_rejects_total(self) -> int:

@@ -9,24 +9,24 @@ config bug, not 1.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeGuard
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_finite(value: object) -> bool:
-    return is_number(value) and math.isfinite(value)  # type: ignore[arg-type]
+def is_finite(value: object) -> TypeGuard[float]:
+    return is_number(value) and math.isfinite(value)
 
 
 def check_int(name: str, value: object, *, minimum: int, maximum: Optional[int] = None) -> None:
     """An int in [minimum, maximum] (no upper bound when ``maximum`` is None)."""
-    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):  # type: ignore[operator]
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
         raise ValueError(f"{name}: must be an int {bound}, got {value!r}")
 
@@ -42,7 +42,7 @@ def check_positive(name: str, value: object, *, optional: bool = False) -> None:
     """A finite number > 0."""
     if optional and value is None:
         return
-    if not is_finite(value) or value <= 0:  # type: ignore[operator]
+    if not is_finite(value) or value <= 0:
         raise ValueError(f"{name}: must be a finite number > 0{_or_none(optional)}, got {value!r}")
 
 
@@ -50,7 +50,7 @@ def check_non_negative(name: str, value: object, *, optional: bool = False) -> N
     """A finite number >= 0."""
     if optional and value is None:
         return
-    if not is_finite(value) or value < 0:  # type: ignore[operator]
+    if not is_finite(value) or value < 0:
         raise ValueError(f"{name}: must be a finite number >= 0{_or_none(optional)}, got {value!r}")
 
 
@@ -58,13 +58,13 @@ def check_ratio(name: str, value: object, *, optional: bool = False) -> None:
     """A share in (0, 1]."""
     if optional and value is None:
         return
-    if not is_number(value) or not 0 < value <= 1:  # type: ignore[operator]
+    if not is_number(value) or not 0 < value <= 1:
         raise ValueError(f"{name}: must be in (0, 1]{_or_none(optional)}, got {value!r}")
 
 
 def check_fraction(name: str, value: object) -> None:
     """A share in [0, 1]: unlike ``check_ratio``, 0 (none of it) is allowed."""
-    if not is_number(value) or not 0 <= value <= 1:  # type: ignore[operator]
+    if not is_number(value) or not 0 <= value <= 1:
         raise ValueError(f"{name}: must be in [0, 1], got {value!r}")
 
 

@@ -57,6 +57,7 @@ class CountWindow(Generic[S]):
     @property
     def size(self) -> int:
         """The most samples held."""
+        # deque's maxlen is Optional; this one is always made with maxlen=size.
         return self._items.maxlen  # type: ignore[return-value]
 
     def add(self, sample: S, at_s: float = 0.0) -> None:
@@ -64,7 +65,8 @@ class CountWindow(Generic[S]):
         if self._fields:
             if len(self._items) == self._items.maxlen:
                 self._forget(self._items[0][1])  # about to be pushed out by maxlen
-            for i, v in enumerate(sample):  # type: ignore[arg-type]
+            numbers: Any = sample  # with fields, a tuple of numbers (S is not bound to say so)
+            for i, v in enumerate(numbers):
                 self._sums[i] += v
         self._items.append((at_s, sample))
 

@@ -312,7 +312,8 @@ class BallastController:
                 self.leases.heartbeat(lease.id, HOLDER, now_s)
 
     def _recycle_views(self, now_s: float) -> tuple[Optional[list[ReplicaView]], dict[str, int]]:
-        """Every ready replica's view (``ballast.policies.recycle.replica_view``), or None when the plan may be skipped."""
+        """Every ready replica's view (``ballast.policies.recycle.replica_view``), or None when the
+        plan may be skipped."""
         f = self.fleet
         if now_s + 1e-9 < self._next_plan_s:
             return None, {}

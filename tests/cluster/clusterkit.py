@@ -130,7 +130,10 @@ class Cluster:
             f"last heartbeat {e.get('heartbeat_age_s')} s ago)"
             for e in hung
         )
-        return f"{len(hung)} ({sum(e.get('replica_id') in lost for e in hung)} on the lost node){': ' + why if why else ''}"
+        return (
+            f"{len(hung)} ({sum(e.get('replica_id') in lost for e in hung)} on the lost node)"
+            f"{': ' + why if why else ''}"
+        )
 
     def router_views(self, endpoints: list[str], asks: int = 6) -> str:
         """What the routers behind ``endpoints`` saw of the primary: failed attempts by

@@ -85,8 +85,10 @@ def pytest_terminal_summary(terminalreporter):
     w = terminalreporter
     w.section("local cluster: faults under load")
     w.line(
-        "| fault | requests (streams) | keyed failures | other failures (cause: n) | migrated (requests / moves; resumed by clients) "
-        "| sent again by the balancer | failures per 10 s | failures stop after s | recovered after s | max level | notes |"
+        "| fault | requests (streams) | keyed failures | other failures (cause: n) "
+        "| migrated (requests / moves; resumed by clients) "
+        "| sent again by the balancer | failures per 10 s | failures stop after s | recovered after s "
+        "| max level | notes |"
     )
     w.line("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in REPORT:
@@ -94,7 +96,8 @@ def pytest_terminal_summary(terminalreporter):
         keyed = ", ".join(f"{k}: {v}" for k, v in sorted(r["keyed_failures"].items())) or "0"
         moved = r.get("migrated") or (0, 0)
         w.line(
-            f"| {r['fault']} | {r['requests']} ({r.get('streams', 0)}) | {keyed} | {other} | {moved[0]} / {moved[1]}; {r.get('resumed', 0)} "
+            f"| {r['fault']} | {r['requests']} ({r.get('streams', 0)}) | {keyed} | {other} "
+            f"| {moved[0]} / {moved[1]}; {r.get('resumed', 0)} "
             f"| {r.get('resent', 0)} | {r['per_10s']} | {r['failures_stop_s']} | {r['recover_s']} "
             f"| {r['max_level']} | {r.get('notes', '')}{_refused(r)} |"
         )

@@ -224,7 +224,8 @@ def test_a_leaking_replica_is_detected_and_recycled_before_its_limit(client):
     assert seen["actions_total"]["gc_collect"] >= 1 and seen["actions_total"]["stop_intake"] >= 1, seen["actions_total"]
     assert not load.errors, f"{len(load.errors)} failed of {len(load.statuses)}: {load.errors[:5]}"
     print(
-        f"\nleak: {seen['action_reason']} at rss {seen['rss_bytes'] / 2**20:.0f} MiB; recycle reason {started[0]['reason']}; "
+        f"\nleak: {seen['action_reason']} at rss {seen['rss_bytes'] / 2**20:.0f} MiB; "
+        f"recycle reason {started[0]['reason']}; "
         f"{len(load.statuses)} requests, 0 failed"
     )
 

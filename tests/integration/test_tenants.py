@@ -158,7 +158,8 @@ def test_two_routers_enforce_one_global_quota_within_5_percent(client, ballast):
         allowed = quota * duration_s + burst
         assert Counter(s for _, s, _ in noisy)[429] > 0
         print(
-            f"\ntwo routers: admitted {admitted_tokens} tokens, quota allows {allowed:g} ({admitted_tokens / allowed:.3f})"
+            f"\ntwo routers: admitted {admitted_tokens} tokens, "
+            f"quota allows {allowed:g} ({admitted_tokens / allowed:.3f})"
         )
         # One quota across both routers: what was admitted is within 5 % of what the quota allows.
         assert abs(admitted_tokens - allowed) / allowed <= 0.05, (admitted_tokens, allowed, views)

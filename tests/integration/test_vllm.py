@@ -8,9 +8,9 @@ chat template, unary and streamed answers, stop strings, seeded answers that rep
 a 400 past the context, vLLM's own sampling extensions, JSON that follows a
 ``response_format`` schema (and a schema vLLM refuses: a 400 that costs the model
 nothing), tool calls (a named function and "required" by guided decoding, "auto"
-through vLLM's hermes parser, a tool's result sent back), a client that leaves freeing the engine's slot, shedding under overload with
-critical whole, a stalled replica killed with its engine's processes, and a recycle
-under load.
+through vLLM's hermes parser, a tool's result sent back), a client that leaves
+freeing the engine's slot, shedding under overload with critical whole, a stalled
+replica killed with its engine's processes, and a recycle under load.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ class FakeSleep:
 
     Each call is recorded in ``slept_s`` and parks its task until ``wake()``, which
     first lets tasks that are about to sleep reach their sleep, then releases every
-    sleeper and lets the event loop run until they have all parked again or finished. No real time passes; a loop that sleeps once a tick
-    moves one tick per ``wake()``.
+    sleeper and lets the event loop run until they have all parked again or finished.
+    No real time passes; a loop that sleeps once a tick moves one tick per ``wake()``.
     """
 
     # Loop turns after a wake: a woken task needs one to be scheduled and one to run to

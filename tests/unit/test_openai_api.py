@@ -225,7 +225,8 @@ def test_a_part_that_is_not_text_is_refused_at_its_type():
     err = chat_error(messages=[{"role": "assistant", "content": None}])
     assert (err.field, err.message) == (
         "messages.0.content",
-        "messages.0.content: must be a string or a list of text parts (null only in an assistant message with tool_calls)",
+        "messages.0.content: must be a string or a list of text parts "
+        "(null only in an assistant message with tool_calls)",
     )
 
 

@@ -184,8 +184,10 @@ import subprocess, sys
 child = None
 for line in sys.stdin:
     if line.strip() == "spawn":
-        child = subprocess.Popen([sys.executable, "-c", "import time; b = bytearray(64 << 20); print('up', flush=True); time.sleep(60)"],
-                                 stdout=subprocess.PIPE)
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; b = bytearray(64 << 20); print('up', flush=True); time.sleep(60)"],
+            stdout=subprocess.PIPE,
+        )
         child.stdout.readline()
         print("up", flush=True)
     elif line.strip() == "stop":
