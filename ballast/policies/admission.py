@@ -48,7 +48,8 @@ def retry_after_s(level: int, base_s: float = 1.0, cap_s: float = RETRY_AFTER_CA
     if not cap_s >= base_s:
         raise ValueError(f"retry_after_cap_s: must be >= retry_after_base_s, got {cap_s!r}")
     # Level 0 refusals only happen with a custom level-0 table; treat them as level 1.
-    return min(base_s * 2 ** max(level - 1, 0), cap_s)
+    doubled: float = base_s * 2.0 ** max(level - 1, 0)
+    return min(doubled, cap_s)
 
 
 def admit(

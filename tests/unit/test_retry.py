@@ -9,6 +9,7 @@ import pytest
 
 from ballast.policies.retry import (
     FAILURE_KINDS,
+    NO_SLOT,
     NON_RETRYABLE_KINDS,
     RETRYABLE_KINDS,
     RetryBudget,
@@ -241,3 +242,20 @@ def test_a_retry_loop_walked_attempt_by_attempt() -> None:
     assert log == [True, True, False]
     assert reason == "replica_died: attempts exhausted (3/3)"
     assert (budget.active, budget.retries_in_flight, budget.retries_granted) == (0, 0, 2)
+
+
+def test_a_retry_slot_releases_itself_once() -> None:
+    budget = RetryBudget(RetryConfig(budget_ratio=0.1, budget_min_concurrent=1))
+    budget.on_request_start()
+    slot = budget.retry_slot()
+    assert slot is not None and slot.held and budget.retries_in_flight == 1
+    assert budget.retry_slot() is None  # the budget allows one: a second is refused, nothing held
+    slot.release()
+    assert not slot.held and budget.retries_in_flight == 0
+    slot.release()  # a second release gives back nothing more (no phantom slot)
+    other = budget.retry_slot()
+    assert other is not None and budget.retries_in_flight == 1
+    slot.release()
+    assert budget.retries_in_flight == 1  # the spent slot cannot release the other's
+    NO_SLOT.release()
+    assert budget.retries_in_flight == 1 and not NO_SLOT.held

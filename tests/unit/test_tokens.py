@@ -100,3 +100,32 @@ def test_serving_a_model_dir_replaces_the_primary_model_only(tmp_path):
     assert cfg.model.backend == "transformers" and cfg.model.path == str(d.resolve()) and cfg.model.name == "my-llama"
     assert cfg.model.max_batch_size == load_config("cluster/local.yaml").model.max_batch_size  # the rest as configured
     assert cfg.fallback is not None and cfg.fallback.model.backend == "builtin"
+
+
+def test_the_prompt_is_tokenized_once_at_the_front_and_the_call_carries_its_ids(text, ckpt):
+    from ballast.model.hf_checkpoint import tokenizer_id
+    from ballast.model.special_tokens import encode_text
+
+    call = text.call("The quick brown fox", add_special_tokens=False, stops=("fox",))
+    assert call.prompt_ids == tuple(encode_text(text._tokenizer, "The quick brown fox", False))
+    assert call.tokenizer == tokenizer_id(ckpt) == text.tokenizer_id and call.tokenizer.startswith("hf:")
+    assert call.prompt == "The quick brown fox" and call.stops == ("fox",) and call.max_tokens == 0  # not admitted
+
+
+def test_the_builtin_front_sends_bytes_and_keeps_the_end_of_a_long_prompt():
+    t = model_text(ModelConfig())
+    assert t.call("héllo").prompt_ids == tuple("héllo".encode()) and t.call("hi").tokenizer == "bytes"
+    long = t.call("ab" * 600)
+    assert len(long.prompt_ids) == 511 and long.prompt_ids[-2:] == tuple(b"ab")  # the replica keeps the end
+
+
+def test_the_tokenizer_id_changes_with_the_tokenizer_files(tmp_path, ckpt):
+    import shutil
+
+    from ballast.model.hf_checkpoint import tokenizer_id
+
+    copy = shutil.copytree(ckpt, tmp_path / "copy")
+    assert tokenizer_id(copy) == tokenizer_id(ckpt)  # the same files: the same ids
+    cfg = copy / "tokenizer_config.json"
+    cfg.write_text(cfg.read_text().replace("{", '{"model_max_length": 7, ', 1))
+    assert tokenizer_id(copy) != tokenizer_id(ckpt)
