@@ -510,7 +510,8 @@ class ModelServer:
         timeout_s = float(req.get("timeout_s") or self._cfg.resilience.max_deadline_s)
         if req.get("deadline_at_s") is not None:  # counts the time the call took to get here
             timeout_s = min(timeout_s, float(req["deadline_at_s"]) - time.time())
-        ids, max_tokens = self._backend.fit(str(req["prompt"]), max_tokens, bool(req.get("add_special_tokens", True)))
+        prompt_ids = self._backend.tokenize(str(req["prompt"]), bool(req.get("add_special_tokens", True)))
+        ids, max_tokens = self._backend.fit(prompt_ids, max_tokens)
         deadline_s = replica_deadline_s(now, timeout_s)
         sampling = await self._checked_sampling(req, deadline_s - now, timeout_s)
         self._next_key += 1
