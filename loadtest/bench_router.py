@@ -29,6 +29,8 @@ def plain_ingress_app(model_app: str):
     from pydantic import BaseModel
     from ray import serve
 
+    from ballast.model.protocol import ModelCall
+
     app = FastAPI()
 
     class Body(BaseModel):
@@ -43,8 +45,9 @@ def plain_ingress_app(model_app: str):
 
         @app.post("/generate")
         async def generate(self, body: Body) -> dict[str, Any]:
-            out = await self._model.generate.remote({"prompt": body.prompt, "max_tokens": body.max_tokens})
-            return {"text": out["text"], "tokens_generated": out["tokens"]}
+            # No ids: the replica tokenizes the prompt itself.
+            out = await self._model.generate.remote(ModelCall(prompt=body.prompt, max_tokens=body.max_tokens))
+            return {"text": out.text, "tokens_generated": out.tokens}
 
     return PlainIngress.bind()
 

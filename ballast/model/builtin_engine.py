@@ -269,6 +269,13 @@ class TorchDecoderBackend:
     eos_ids: frozenset[int] = frozenset()
     vocab_size: int = BYTE_VOCAB_SIZE
 
+    @property
+    def tokenizer_id(self) -> str:
+        """Bytes: ``special_tokens.BYTES_TOKENIZER``, whatever the weights."""
+        from ballast.model.special_tokens import BYTES_TOKENIZER
+
+        return BYTES_TOKENIZER
+
     async def check(self, sampling: Any) -> Any:
         """``sampling`` as sent: this engine samples as its config says, and the router
         refuses what it cannot honour."""
@@ -279,9 +286,23 @@ class TorchDecoderBackend:
         have no special tokens to keep."""
         return ByteStreamDecoder()
 
-    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
-        """(prompt ids, max new tokens) for a row: the prompt loses its start to fit the context."""
-        return self.encode(prompt, max_new_tokens, add_special_tokens), max_new_tokens
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's bytes (``special_tokens.encode_bytes``, as the router makes them: no
+        :data:`~ballast.model.special_tokens.MARK`, an empty prompt one newline); bytes have
+        no special tokens, so ``add_special_tokens`` changes nothing."""
+        from ballast.model.special_tokens import encode_bytes
+
+        return encode_bytes(prompt)
+
+    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
+        """(prompt ids, max new tokens) for a row: max_new_tokens at most ``max_seq_len - 1``
+        (shortened, never lengthened), and the prompt's last ``max_seq_len - max_new_tokens``
+        ids, as ``encode_prompt`` keeps a prompt's last bytes. No ids: one newline."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        n = min(max_new_tokens, self.max_seq_len - 1)
+        kept = [int(i) for i in ids] or list(_EMPTY_PROMPT_BYTES)
+        return kept[-(self.max_seq_len - n) :], n
 
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids as a live batch takes them (validated like generate).

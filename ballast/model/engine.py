@@ -1,10 +1,12 @@
 """Where an engine is plugged in: the interface the model replica calls, and
 ``build_engine``, which turns ``model.backend`` into an engine.
 
-An engine turns prompts into token ids and runs batches: ``fit`` a prompt to the
-context, ``open_batch``, then the replica's loop (``server.py``) drives the batch a
-chunk at a time with the rows the scheduler (``ballast/policies/scheduler.py``)
-admits. Three engines exist:
+An engine turns prompts into token ids and runs batches: ``tokenize`` a prompt (the
+router tokenizes it with the same function, so a replica whose ``tokenizer_id`` is
+the call's takes the router's ids as they are), ``fit`` the ids to the context,
+``open_batch``, then the replica's loop (``replica_loop.py``) drives the batch a chunk
+at a time with the rows the scheduler (``ballast/policies/scheduler.py``) admits. Three
+engines exist:
 
 - ``builtin``: ``builtin_engine.TorchDecoderBackend``, a random-weight byte-level
   decoder built from a seed (no download, the cost profile of a real decoder);
@@ -61,18 +63,29 @@ class Batch(Protocol):
 
 @runtime_checkable
 class ModelBackend(Protocol):
-    """What the model replica (``server.py``) calls on an engine: the built-in decoder
-    (``builtin_engine.TorchDecoderBackend``) and the Hugging Face one
-    (``hf_engine.HFBackend``)."""
+    """What the model replica (``replica_loop.py``, ``server.py``) calls on an engine: the
+    built-in decoder (``builtin_engine.TorchDecoderBackend``), the Hugging Face one
+    (``hf_engine.HFBackend``) and vLLM (``vllm_engine.VLLMBackend``)."""
 
     name: str
     device: str  # "cpu" or "cuda:N"
     max_seq_len: int
     vocab_size: int
     eos_ids: frozenset[int]
+    # Whose token ids this engine takes (``protocol.ModelCall.tokenizer``): a call whose
+    # ids are this tokenizer's is not tokenized again.
+    tokenizer_id: str
 
-    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
-        """The prompt's ids (its start cut to fit the context) and the max_tokens that fit."""
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids, by the function the router uses for this tokenizer
+        (``special_tokens.encode_bytes`` / ``encode_text``)."""
+        ...
+
+    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
+        """A row's prompt ids and max new tokens within the context: max_new_tokens is
+        shortened to what the context leaves, never lengthened; the built-in engine keeps
+        the prompt's end, the others refuse a prompt that leaves no room
+        (``hf_engine.ContextTooLong``)."""
         ...
 
     async def check(self, sampling: Any) -> Any:

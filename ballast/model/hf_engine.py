@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from ballast.model.batching import describe_engine, ids_by_row, left_pad, refuse_bad_ids, rows_to_keep
-from ballast.model.hf_checkpoint import LoadedModel, attention_kernels
+from ballast.model.hf_checkpoint import LoadedModel, attention_kernels, tokenizer_id
 from ballast.model.protocol import GREEDY, RowSampling
 
 __all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowFailed", "RowSampling"]
@@ -114,17 +114,24 @@ class IncrementalDetokenizer:
         return new
 
 
+def tokenize_prompt(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """The prompt's ids (``special_tokens.encode_text``, as the router makes them: a client's
+    special-token text stays text); ContextTooLong when there are none."""
+    from ballast.model.special_tokens import encode_text
+
+    ids = encode_text(tokenizer, prompt, add_special_tokens)
+    if not ids:
+        raise ContextTooLong("the prompt is empty: there is no token to generate from")
+    return ids
+
+
 def encode_prompt(
     tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True
 ) -> list[int]:
     """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed ``context``."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    from ballast.model.special_tokens import encode_text
-
-    ids = encode_text(tokenizer, prompt, add_special_tokens)  # a client's special-token text stays text
-    if not ids:
-        raise ContextTooLong("the prompt is empty: there is no token to generate from")
+    ids = tokenize_prompt(tokenizer, prompt, add_special_tokens)
     if len(ids) + max_new_tokens > context:
         raise ContextTooLong(
             f"the prompt is {len(ids)} tokens and max_tokens {max_new_tokens}: together more than "
@@ -133,13 +140,20 @@ def encode_prompt(
     return ids
 
 
-def fit_prompt(
-    tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True
-) -> tuple[list[int], int]:
+def fit_ids(context: int, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
     """(prompt ids, max new tokens) for a row: max_new_tokens shortened to what the context
-    leaves. The router refuses what does not fit with a 400 first; this is for a fallback
-    whose context is shorter than the primary's. ContextTooLong when nothing is left."""
-    ids = encode_prompt(tokenizer, context, prompt, 0, add_special_tokens)
+    leaves (never lengthened). The router refuses what does not fit with a 400 first; this
+    is for a fallback whose context is shorter than the primary's. ContextTooLong for no
+    ids, or when nothing is left."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    ids = [int(i) for i in ids]
+    if not ids:
+        raise ContextTooLong("the prompt is empty: there is no token to generate from")
+    if len(ids) > context:
+        raise ContextTooLong(
+            f"the prompt is {len(ids)} tokens and max_tokens 0: together more than the model's context of {context} tokens"
+        )
     room = context - len(ids)
     if room < 1:
         raise ContextTooLong(f"the prompt is {len(ids)} tokens: no room left in the context of {context}")
@@ -169,14 +183,20 @@ class HFBackend:
         self._pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
         self._logits_to_keep = "logits_to_keep" in _forward_parameters(self.model)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.tokenizer_id = tokenizer_id(loaded.info.path)
 
     # ---------------------------------------------------------------- text side
 
-    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
 
-    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
-        return fit_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
+        return fit_ids(self.max_seq_len, ids, max_new_tokens)
+
+    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's ids for a row of ``max_new_tokens`` (the benchmarks' and warmup's
+        joins); ContextTooLong when they do not fit together."""
+        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
     async def check(self, sampling: Optional[RowSampling]) -> Optional[RowSampling]:
         """``sampling`` for this model (a top_k past the vocabulary is every token); the

@@ -65,7 +65,8 @@ from ballast.model.hf_engine import (
     IncrementalDetokenizer,
     RowSampling,
     encode_prompt,
-    fit_prompt,
+    fit_ids,
+    tokenize_prompt,
 )
 
 __all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
@@ -259,7 +260,7 @@ class VLLMBackend:
         grammar_compile_timeout_s: float = 2.0,
         grammar_compile_threads: int = 2,
     ) -> None:
-        from ballast.model.hf_checkpoint import load_tokenizer
+        from ballast.model.hf_checkpoint import load_tokenizer, tokenizer_id
 
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
@@ -269,6 +270,7 @@ class VLLMBackend:
         self.max_wait_s = float(max_wait_s)
         self.tokenizer, self.info = load_tokenizer(path)  # ModelLoadError naming the file
         self.source = str(self.info.path)
+        self.tokenizer_id = tokenizer_id(self.info.path)
         eos = set(self.info.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -355,11 +357,16 @@ class VLLMBackend:
 
     # ---------------------------------------------------------------- text side
 
-    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
 
-    def fit(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> tuple[list[int], int]:
-        return fit_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
+        return fit_ids(self.max_seq_len, ids, max_new_tokens)
+
+    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's ids for a row of ``max_new_tokens`` (the benchmarks' and warmup's
+        joins); ContextTooLong when they do not fit together."""
+        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
     async def check(self, sampling: Optional[RowSampling]) -> Optional[RowSampling]:
         """``sampling`` for this model once vLLM's own validation passes, run here so that

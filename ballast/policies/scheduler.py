@@ -1,6 +1,6 @@
 """The replica's scheduler: at each chunk boundary, which rows leave, which join, in what order.
 
-The replica (``ballast/model/server.py``) holds a line of waiting rows and a batch
+The replica's loop (``ballast/model/replica_loop.py``) holds a line of waiting rows and a batch
 of running ones, and carries out what is decided here: it moves rows between the
 two, reserves and frees their KV tokens, and answers the rows that leave. The
 scheduler reads the rows' facts and never changes them; a row is anything with the

@@ -158,6 +158,26 @@ def test_a_tiny_top_p_keeps_only_the_most_likely_token(backend):
     assert alone(b, PROMPTS[1], 10, RowSampling(temperature=1.5, top_p=1e-6, seed=3)) == alone(b, PROMPTS[1], 10)
 
 
+def test_tokenize_is_the_routers_encode_and_fit_shortens_max_tokens_to_the_context(backend, ckpt):
+    from ballast.model.hf_checkpoint import tokenizer_id
+    from ballast.model.special_tokens import encode_text
+
+    assert backend.tokenizer_id == tokenizer_id(ckpt) and backend.tokenizer_id.startswith("hf:")
+    for prompt, special in ((PROMPTS[0], True), (PROMPTS[2], False)):
+        ids = backend.tokenize(prompt, special)
+        assert ids == encode_text(backend.tokenizer, prompt, special)
+        assert backend.fit(ids, 16) == (ids, 16) and ids == backend.encode(prompt, 16, special)
+    assert backend.fit([5] * 100, 126) == ([5] * 100, 28)  # shortened to the context of 128, never lengthened
+    with pytest.raises(ContextTooLong, match="empty"):
+        backend.tokenize("", add_special_tokens=False)
+    with pytest.raises(ContextTooLong, match="empty"):
+        backend.fit([], 4)
+    with pytest.raises(ContextTooLong, match="no room left in the context of 128"):
+        backend.fit([5] * 128, 4)
+    with pytest.raises(ContextTooLong, match="context of 128"):
+        backend.fit([5] * 129, 4)
+
+
 def test_context_and_empty_prompts_are_refused_before_any_work(backend):
     with pytest.raises(ContextTooLong, match="context of 128"):
         backend.encode("The quick brown fox", 126)

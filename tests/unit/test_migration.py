@@ -1,7 +1,7 @@
 """Migration after a lost replica: the policy tick by tick, and the continuation on real engines.
 
 A stream whose replica goes away is carried on by another replica from the token ids
-already delivered (``ballast.model.server.resume``). These tests cut real streams
+already delivered (``ballast.model.replica_loop.resume``). These tests cut real streams
 (the built-in byte decoder and the Hugging Face engine on a tiny Llama built here) at
 every point and check that the continuation generates the same tokens and that the
 client's text, the part it had plus the part it gets, is the uninterrupted text:
@@ -15,7 +15,7 @@ import torch
 
 from ballast.policies.migration import MAX_PAUSE_S, MigrationConfig, pause_s, should_migrate
 from ballast.model.builtin_engine import ByteStreamDecoder
-from ballast.model.server import _Item, resume, row_text
+from ballast.model.replica_loop import ReplicaRow, resume, row_text
 from ballast.stops import StopScanner
 
 # -- the policy ---------------------------------------------------------------------------
@@ -54,8 +54,8 @@ def test_the_pause_is_short_and_jittered() -> None:
 # -- the continuation's text ----------------------------------------------------------------
 
 
-def item(prompt_ids: list[int], max_tokens: int, decoder, stops=None) -> _Item:
-    return _Item(
+def item(prompt_ids: list[int], max_tokens: int, decoder, stops=None) -> ReplicaRow:
+    return ReplicaRow(
         list(prompt_ids),
         max_tokens,
         enqueued_at_s=0.0,
@@ -65,7 +65,7 @@ def item(prompt_ids: list[int], max_tokens: int, decoder, stops=None) -> _Item:
     )
 
 
-def stream_text(it: _Item, ids: list[int], chunk: int) -> tuple[str, list[int]]:
+def stream_text(it: ReplicaRow, ids: list[int], chunk: int) -> tuple[str, list[int]]:
     """Run ``ids`` through a row's text path ``chunk`` at a time: (text sent, ids sent)."""
     out, sent = [], []
     for i in range(0, len(ids), chunk):
@@ -151,7 +151,7 @@ def generate(backend, ids: list[int], n: int, chunk: int = 4) -> list[int]:
 def test_a_continuation_generates_the_tokens_the_lost_replica_would_have(engine, request) -> None:
     backend = request.getfixturevalue(engine)
     n = 24
-    prompt, n = backend.fit("A replica serves requests; the router sends each one to", n)
+    prompt, n = backend.fit(backend.tokenize("A replica serves requests; the router sends each one to"), n)
     whole = generate(backend, prompt, n)
     assert len(whole) == n
     for cut in (1, 5, 12, 23):
@@ -161,7 +161,7 @@ def test_a_continuation_generates_the_tokens_the_lost_replica_would_have(engine,
 def test_a_continuation_on_the_hf_engine_reads_as_the_uninterrupted_text(hf) -> None:
     from ballast.model.hf_engine import IncrementalDetokenizer
 
-    prompt, n = hf.fit("東京 and Café", 30)
+    prompt, n = hf.fit(hf.tokenize("東京 and Café"), 30)
     ids = generate(hf, prompt, n)
     whole, _ = stream_text(item(prompt, n, IncrementalDetokenizer(hf.tokenizer)), ids, 3)
     assert whole == hf.tokenizer.decode(ids, skip_special_tokens=True)

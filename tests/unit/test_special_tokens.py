@@ -69,7 +69,7 @@ def prompt_ids(ckpt, replica, content: str, mode: str) -> tuple[list[int], int]:
     """The replica's ids for a one-message chat the router rendered, and the router's count."""
     text = model_text(ModelConfig(backend="transformers", path=str(ckpt), special_tokens_in_content=mode))
     prompt = text.render_chat([ChatMessage(role="user", content=content)])
-    ids, _ = replica.fit(prompt, 4, add_special_tokens=False)
+    ids, _ = replica.fit(replica.tokenize(prompt, add_special_tokens=False), 4)
     return ids, text.count(prompt, add_special_tokens=False)
 
 

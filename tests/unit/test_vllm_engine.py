@@ -16,6 +16,7 @@ import psutil  # noqa: E402
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.errors import EngineRefused  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
+from ballast.model.hf_checkpoint import tokenizer_id  # noqa: E402
 from ballast.model.hf_engine import ContextTooLong, RowSampling  # noqa: E402
 from ballast.model.vllm_engine import VLLMBackend, VLLMStats  # noqa: E402
 
@@ -112,8 +113,13 @@ def test_describes_itself_and_fits_prompts(backend):
     assert d["backend"] == "vllm" and d["device"] == "cpu" and d["max_seq_len"] == 512
     assert d["params"] and d["params"] > 100_000
     assert backend.eos_ids == {backend.tokenizer.eos_token_id}
-    ids, n = backend.fit("Hello", 10_000)
+    ids, n = backend.fit(backend.tokenize("Hello"), 10_000)
     assert ids[0] == backend.tokenizer.bos_token_id and n == 512 - len(ids)
+    assert ids == backend.encode("Hello", 0) and backend.tokenizer_id == tokenizer_id(backend.source)
+    with pytest.raises(ContextTooLong):
+        backend.tokenize("", add_special_tokens=False)
+    with pytest.raises(ContextTooLong):
+        backend.fit([1] * 512, 4)
     with pytest.raises(ContextTooLong):
         backend.encode("", 4, add_special_tokens=False)
     with pytest.raises(ContextTooLong):
