@@ -474,7 +474,8 @@ class ResilientCaller:
         if kind == "deadline_exceeded" or self._clock() >= spec.deadline_s:
             raise DeadlineExceeded("the request's deadline passed") from None
         if kind == migration.LOST_CAPACITY:
-            return *self._migration_pause(b, spec, budget=unary), attempt
+            pause, slot = self._migration_pause(b, spec, budget=unary)
+            return pause, attempt, slot
         pause, slot = self._retry_pause(b, kind, attempt, spec.deadline_s)
         return pause, attempt + 1, slot
 

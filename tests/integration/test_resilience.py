@@ -246,11 +246,13 @@ def test_an_idempotency_key_answered_by_another_router_is_replayed_here(client, 
     import concurrent.futures
 
     from ballast.control.keys import keys_actor
+    from ballast.model.protocol import ModelCall
     from ballast.router.idempotency import request_fingerprint
+    from ballast.router.pipeline import Settled
 
     keys = keys_actor(ballast)
     key = f"elsewhere-{uuid.uuid4().hex}"
-    same = request_fingerprint({"prompt": "one"}, 6)  # the request this router will be sent
+    same = request_fingerprint(ModelCall("one"), 6)  # the request this router will be sent
     assert ray.get(keys.claim.remote("gold", key, "router-on-another-node", 30.0, same))["state"] == "mine"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(
@@ -261,13 +263,7 @@ def test_an_idempotency_key_answered_by_another_router_is_replayed_here(client, 
         )
         time.sleep(1.0)
         assert not pending.done()  # waiting for the other router's attempt, not generating its own
-        answer = {
-            "text": "answered elsewhere",
-            "tokens": 2,
-            "finish_reason": "length",
-            "fallback": None,
-            "model": ballast.model.name,
-        }
+        answer = Settled("answered elsewhere", 2, "length", fallback=None, model=ballast.model.name)
         assert ray.get(keys.complete.remote("gold", key, "router-on-another-node", answer)) is True
         r = pending.result(timeout=30)
     assert r.status_code == 200, r.text

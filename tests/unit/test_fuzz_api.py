@@ -30,6 +30,7 @@ from schemathesis import GenerationMode
 
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
+from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
 from fakes import FakeClock
 from routerkit import at_level, build_router, routed
 from test_resilient_caller import FakeResponse, FakeStream
@@ -73,14 +74,15 @@ class AnsweringMethod:
         self.stream = stream
         self.calls = 0
 
-    def remote(self, call: dict[str, Any]) -> Any:
+    def remote(self, call: ModelCall) -> Any:
+        assert isinstance(call, ModelCall), call
         self.calls += 1
         if self.stream:
             return FakeStream(
-                FakeResponse(0, result={"text": "ok", "tokens": 1, "ids": [1]}),
-                FakeResponse(0, result={"text": "", "tokens": 0, "ids": [], "finish_reason": "stop"}),
+                FakeResponse(0, result=ModelChunk("ok", (1,))),
+                FakeResponse(0, result=ModelChunk("", (), finish_reason="stop")),
             )
-        return FakeResponse(0, result={"text": "ok", "tokens": 1, "finish_reason": "stop"})
+        return FakeResponse(0, result=ModelResult("ok", 1, "stop"))
 
 
 class AnsweringHandle:

@@ -5,6 +5,7 @@ OpenAI routes alike, without a second generation."""
 
 from __future__ import annotations
 
+from ballast.model.protocol import ModelResult
 from routerkit import at_level, build_router, routed
 from test_resilient_caller import FakeHandle, FakeResponse
 
@@ -16,7 +17,7 @@ GOLD = {"authorization": "Bearer dev-key-gold", "Idempotency-Key": "order-42"}
 
 
 def router_answering(*texts: str):
-    handle = FakeHandle(*(FakeResponse(0, result={"text": t, "tokens": len(t)}) for t in texts))
+    handle = FakeHandle(*(FakeResponse(0, result=ModelResult(t, len(t), None)) for t in texts))
     router = build_router(CFG, handle)
     at_level(router, 0)
     return router, handle

@@ -16,6 +16,7 @@ from starlette.requests import Request
 
 from ballast.config import load_config
 from ballast.errors import InvalidRequest, PayloadTooLarge, SchemaTooComplex
+from ballast.model.protocol import GREEDY
 from ballast.policies import request as rp
 from ballast.router import openai_api as oa
 from ballast.router.api import parse_json_object, read_body
@@ -289,7 +290,8 @@ def test_required_over_tools_that_pass_alone_can_build_a_schema_too_complex():
 def test_a_temperature_below_the_greedy_floor_is_sent_as_zero():
     for asked, sent in ((1e-40, 0.0), (9.9e-6, 0.0), (1e-5, 1e-5), (0.7, 0.7), (0, 0.0)):
         req = oa.parse_chat({**CHAT, "temperature": asked})
-        assert oa.sampling_fields(req)["temperature"] == sent
+        sampling = oa.sampling_of(req) or GREEDY  # None: nothing asked, the engine's greedy default
+        assert sampling.temperature == sent
         assert rp.sampling_temperature(asked) == sent
 
 

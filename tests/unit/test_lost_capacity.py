@@ -17,6 +17,7 @@ from routerkit import at_level, build_router, routed
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
 from ballast.control.names import MODEL_DEPLOYMENT
+from ballast.model.protocol import ModelResult
 from test_resilient_caller import FakeHandle, FakeResponse, fails
 
 GOLD = {"authorization": "Bearer dev-key-gold"}
@@ -89,7 +90,7 @@ def test_the_same_burst_of_model_errors_raises_the_level_as_before(stack) -> Non
 def test_a_request_sent_again_after_a_lost_replica_says_so_and_counts_no_error(stack) -> None:
     router, primary, client = stack
     primary.generate.script.extend(
-        [fails(ActorDiedError(), takes_s=0), FakeResponse(0, result={"text": "answered", "tokens": 3})]
+        [fails(ActorDiedError(), takes_s=0), FakeResponse(0, result=ModelResult("answered", 3, None))]
     )
     r = client.post("/v1/generate", headers=GOLD, json={"prompt": "hi", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["text"] == "answered"

@@ -24,6 +24,7 @@ from ballast.errors import (
     QuotaExceeded,
     Unauthenticated,
 )
+from ballast.model.protocol import RowSampling
 from ballast.router import openai_api as oa
 from ballast.stops import StopScanner, cut_at_stop
 
@@ -630,7 +631,7 @@ def test_the_body_guidellm_sends_is_served():
     )
     assert req.ignore_eos and req.stop is None and oa.max_tokens_of(req) == 32
     assert oa.Streaming.of(req) == oa.Streaming(final_usage=True, running_usage=True)
-    assert oa.sampling_fields(req) == {"ignore_eos": True}
+    assert oa.sampling_of(req) == RowSampling(ignore_eos=True)
 
 
 def test_vllms_sampling_extensions_go_to_the_model_when_they_ask_for_something():
@@ -645,15 +646,9 @@ def test_vllms_sampling_extensions_go_to_the_model_when_they_ask_for_something()
             "seed": 1,
         }
     )
-    assert oa.sampling_fields(req) == {
-        "temperature": 0.7,
-        "seed": 1,
-        "repetition_penalty": 1.2,
-        "top_k": 5,
-        "min_tokens": 3,
-    }
+    assert oa.sampling_of(req) == RowSampling(temperature=0.7, seed=1, repetition_penalty=1.2, top_k=5, min_tokens=3)
     neutral = oa.parse_completion({**COMPLETION, "top_k": -1, "min_tokens": 0, "ignore_eos": False})
-    assert oa.sampling_fields(neutral) == {}  # -1 and 0 mean every token, as in vLLM
+    assert oa.sampling_of(neutral) is None  # -1 and 0 mean every token, as in vLLM
 
 
 @pytest.mark.parametrize(
@@ -697,11 +692,11 @@ def test_response_format_goes_to_the_model_as_a_json_schema():
             },
         }
     )
-    assert json.loads(oa.sampling_fields(asks)["json_schema"]) == SCHEMA
+    assert json.loads(oa.sampling_of(asks).json_schema) == SCHEMA
     any_object = oa.parse_completion({**COMPLETION, "response_format": {"type": "json_object"}})
-    assert json.loads(oa.sampling_fields(any_object)["json_schema"]) == {"type": "object"}
+    assert json.loads(oa.sampling_of(any_object).json_schema) == {"type": "object"}
     text = oa.parse_chat({**CHAT, "response_format": {"type": "text"}})
-    assert text.response_format is None and oa.sampling_fields(text) == {}  # text asks for nothing
+    assert text.response_format is None and oa.sampling_of(text) is None  # text asks for nothing
 
 
 @pytest.mark.parametrize(

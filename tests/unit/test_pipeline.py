@@ -22,6 +22,8 @@ from ballast.control.snapshot import Snapshot
 from ballast.policies.criticality import Criticality
 from ballast.policies.deadline import Deadline
 from routerkit import at_level, build_router
+from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
+from ballast.model.special_tokens import BYTES_TOKENIZER, encode_bytes
 from ballast.errors import (
     ConcurrencyLimited,
     DeadlineExceeded,
@@ -36,6 +38,7 @@ from ballast.router.ticket import Outcome
 from test_resilient_caller import FakeHandle, FakeResponse, FakeStream, fails
 
 PROMPT = "hello"  # 5 prompt tokens (bytes)
+CALL = ModelCall(PROMPT, tuple(encode_bytes(PROMPT)), BYTES_TOKENIZER)  # as the front tokenizes it
 CFG = {
     "tenants": {"gold": {"rate_tokens_per_s": 0.001, "burst_tokens": 1000, "max_concurrent": 2}},
     "auth": {"demo_keys": {"dev-key-gold": "gold"}},
@@ -44,7 +47,12 @@ CFG = {
 
 
 def reply(tokens: int) -> FakeResponse:
-    return FakeResponse(0, result={"text": "x" * tokens, "tokens": tokens})
+    return FakeResponse(0, result=ModelResult("x" * tokens, tokens, None))
+
+
+def piece(tokens: int) -> FakeResponse:
+    """A stream's piece of ``tokens`` tokens."""
+    return FakeResponse(0, result=ModelChunk("x" * tokens, tuple(range(tokens))))
 
 
 @pytest.fixture()
@@ -78,7 +86,7 @@ def request(
     max_tokens: int = 20, stream: bool = False, key: str | None = None, deadline: Deadline | None = None
 ) -> ModelRequest:
     caller = Caller("gold", deadline or Deadline.starting(asyncio.get_running_loop().time(), 30), key)
-    return ModelRequest(caller, Criticality.CRITICAL, len(PROMPT.encode()), max_tokens, stream, {"prompt": PROMPT})
+    return ModelRequest(caller, Criticality.CRITICAL, max_tokens, stream, CALL)
 
 
 async def test_an_answer_settles_the_quota_to_the_tokens_used(pipeline, router) -> None:
@@ -87,7 +95,7 @@ async def test_an_answer_settles_the_quota_to_the_tokens_used(pipeline, router) 
     answer = await pipeline.serve(request())
     assert isinstance(answer, Answer)
     assert (answer.tokens, answer.fallback, answer.replayed, answer.admission.max_tokens) == (7, None, False, 20)
-    assert primary(pipeline).generate.calls[0]["max_tokens"] == 20  # the admitted length is sent
+    assert primary(pipeline).generate.calls[0].max_tokens == 20  # the admitted length is sent
     settled(pipeline, full, 5 + 7)
     assert router.tally.requests == 1
 
@@ -136,7 +144,7 @@ class Blocked(FakeResponse):
     """A reply that comes only once the test sets ``go``: the first attempt of a key, running."""
 
     def __init__(self, tokens: int) -> None:
-        super().__init__(0, result={"text": "x" * tokens, "tokens": tokens})
+        super().__init__(0, result=ModelResult("x" * tokens, tokens, None))
         self.go = asyncio.Event()
 
     def __await__(self):
@@ -233,10 +241,9 @@ async def test_a_gate_refusal_gives_back_the_place_and_the_charge(pipeline) -> N
     short = ModelRequest(
         Caller("gold", Deadline.starting(asyncio.get_running_loop().time(), 0.001)),
         Criticality.CRITICAL,
-        5,
         20,
         False,
-        {"prompt": PROMPT},
+        CALL,
     )
     with pytest.raises(Overloaded):
         await pipeline.serve(short)  # no time left to wait for the slot
@@ -264,20 +271,20 @@ async def test_the_tenant_cap_counts_requests_waiting_at_the_gate(pipeline) -> N
 
 async def test_a_stream_settles_for_the_tokens_it_produced(pipeline) -> None:
     full = bucket_tokens(pipeline)
-    primary(pipeline).generate_stream.script.append(FakeStream(reply(3), reply(2)))
+    primary(pipeline).generate_stream.script.append(FakeStream(piece(3), piece(2)))
     stream = await pipeline.serve(request(stream=True))
     assert isinstance(stream, Stream)
     chunks = [c async for c in stream]
-    assert [c["tokens"] for c in chunks] == [3, 2] and stream.tokens == 5 and stream.fallback is None
+    assert [c.tokens for c in chunks] == [3, 2] and stream.tokens == 5 and stream.fallback is None
     settled(pipeline, full, 5 + 5)
 
 
 async def test_a_client_leaving_mid_stream_settles_what_was_produced(pipeline, router) -> None:
     full = bucket_tokens(pipeline)
-    primary(pipeline).generate_stream.script.append(FakeStream(reply(3), reply(2), reply(4)))
+    primary(pipeline).generate_stream.script.append(FakeStream(piece(3), piece(2), piece(4)))
     stream = await pipeline.serve(request(stream=True))
     chunks = stream.__aiter__()
-    assert (await chunks.__anext__())["tokens"] == 3
+    assert (await chunks.__anext__()).tokens == 3
     await stream.aclose()  # the client went away
     settled(pipeline, full, 5 + 3)
     assert router.tally.requests == 1
@@ -299,7 +306,7 @@ async def test_the_response_closes_a_stream_whose_client_left_before_the_first_e
 
     async def events():
         async for chunk in stream:
-            yield chunk["text"].encode()
+            yield chunk.text.encode()
 
     async def receive():
         return {"type": "http.disconnect"}

@@ -24,6 +24,7 @@ from ballast.policies.migration import LOST_CAPACITY
 from ballast.policies.retry import FAILURE_KINDS
 from ballast.model.chaos import InjectedFault
 from ballast.errors import DeadlineExceeded, ModelUnavailable
+from ballast.model.protocol import ModelCall, ModelResult, RowSampling
 from ballast.router.resilience import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
 
 from fakes import FakeClock
@@ -77,8 +78,12 @@ def test_bulkhead_of_zero_rejects_everything() -> None:
 # -- ResponseCache --------------------------------------------------------------------
 
 
-def call(prompt: str, max_tokens: int, **more) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, **more}
+def call(prompt: str, max_tokens: int, stops: tuple[str, ...] = (), **sampling) -> ModelCall:
+    return ModelCall(prompt, max_tokens=max_tokens, stops=stops, sampling=RowSampling(**sampling) if sampling else None)
+
+
+def answer(text: str) -> ModelResult:
+    return ModelResult(text, len(text), "stop")
 
 
 def make_cache(max_entries: int = 10, ttl_s: int = 5) -> tuple[ResponseCache, FakeClock]:
@@ -86,41 +91,41 @@ def make_cache(max_entries: int = 10, ttl_s: int = 5) -> tuple[ResponseCache, Fa
     return ResponseCache(max_entries, ttl_s, clock=clock), clock
 
 
-def test_cache_miss_then_hit_returns_the_stored_dict() -> None:
+def test_cache_miss_then_hit_returns_the_stored_result() -> None:
     cache, _ = make_cache()
     assert cache.get("acme", call("hi", 8)) is None
-    answer = {"text": "hello"}
-    cache.put("acme", call("hi", 8), answer)
-    assert cache.get("acme", call("hi", 8)) is answer
+    stored = answer("hello")
+    cache.put("acme", call("hi", 8), stored)
+    assert cache.get("acme", call("hi", 8)) is stored
     assert len(cache) == 1
 
 
 def test_cache_key_is_the_whole_call_sampling_and_stops_included() -> None:
     cache, _ = make_cache()
-    cache.put("acme", call("hi", 8, temperature=0.7, seed=1), {"text": "a"})
+    cache.put("acme", call("hi", 8, temperature=0.7, seed=1), answer("a"))
     assert cache.get("acme", call("hi", 8)) is None
     assert cache.get("acme", call("hi", 8, temperature=0.7, seed=2)) is None
-    assert cache.get("acme", call("hi", 8, temperature=0.7, seed=1, stop=["x"])) is None
-    assert cache.get("acme", call("hi", 8, seed=1, temperature=0.7)) == {"text": "a"}  # order does not matter
+    assert cache.get("acme", call("hi", 8, temperature=0.7, seed=1, stops=("x",))) is None
+    assert cache.get("acme", call("hi", 8, seed=1, temperature=0.7)) == answer("a")  # order does not matter
 
 
 def test_cache_key_is_prompt_and_max_tokens() -> None:
     cache, _ = make_cache()
-    cache.put("acme", call("hi", 8), {"text": "a"})
+    cache.put("acme", call("hi", 8), answer("a"))
     assert cache.get("acme", call("hi", 16)) is None
     assert cache.get("acme", call("Hi", 8)) is None
-    cache.put("acme", call("hi", 16), {"text": "b"})
-    assert cache.get("acme", call("hi", 8)) == {"text": "a"}
-    assert cache.get("acme", call("hi", 16)) == {"text": "b"}
+    cache.put("acme", call("hi", 16), answer("b"))
+    assert cache.get("acme", call("hi", 8)) == answer("a")
+    assert cache.get("acme", call("hi", 16)) == answer("b")
     assert len(cache) == 2
 
 
 def test_cache_ttl_walked_second_by_second() -> None:
     cache, clock = make_cache(ttl_s=3)
-    cache.put("acme", call("p", 1), {"text": "x"})  # stored at t=0
+    cache.put("acme", call("p", 1), answer("x"))  # stored at t=0
     for t in (1, 2, 3):  # age <= ttl: hit, the boundary included
         clock.now_s = t
-        assert cache.get("acme", call("p", 1)) == {"text": "x"}, t
+        assert cache.get("acme", call("p", 1)) == answer("x"), t
     clock.now_s = 4  # age 4 > 3: gone, and removed
     assert cache.get("acme", call("p", 1)) is None
     assert len(cache) == 0
@@ -128,7 +133,7 @@ def test_cache_ttl_walked_second_by_second() -> None:
 
 def test_cache_get_does_not_extend_the_ttl() -> None:
     cache, clock = make_cache(ttl_s=3)
-    cache.put("acme", call("p", 1), {"text": "x"})
+    cache.put("acme", call("p", 1), answer("x"))
     clock.now_s = 3
     assert cache.get("acme", call("p", 1)) is not None  # a hit refreshes recency, not age
     clock.now_s = 4
@@ -137,11 +142,11 @@ def test_cache_get_does_not_extend_the_ttl() -> None:
 
 def test_cache_put_again_restarts_the_ttl_and_replaces_the_value() -> None:
     cache, clock = make_cache(ttl_s=3)
-    cache.put("acme", call("p", 1), {"text": "old"})
+    cache.put("acme", call("p", 1), answer("old"))
     clock.now_s = 2
-    cache.put("acme", call("p", 1), {"text": "new"})
+    cache.put("acme", call("p", 1), answer("new"))
     clock.now_s = 5  # 5 from the first put, 3 from the second
-    assert cache.get("acme", call("p", 1)) == {"text": "new"}
+    assert cache.get("acme", call("p", 1)) == answer("new")
     assert len(cache) == 1
     clock.now_s = 6
     assert cache.get("acme", call("p", 1)) is None
@@ -149,43 +154,43 @@ def test_cache_put_again_restarts_the_ttl_and_replaces_the_value() -> None:
 
 def test_cache_evicts_least_recently_used_at_max_entries() -> None:
     cache, _ = make_cache(max_entries=2, ttl_s=100)
-    cache.put("acme", call("a", 1), {"text": "a"})
-    cache.put("acme", call("b", 1), {"text": "b"})
-    cache.put("acme", call("c", 1), {"text": "c"})  # a is the least recently used
+    cache.put("acme", call("a", 1), answer("a"))
+    cache.put("acme", call("b", 1), answer("b"))
+    cache.put("acme", call("c", 1), answer("c"))  # a is the least recently used
     assert len(cache) == 2
     assert cache.get("acme", call("a", 1)) is None
-    assert cache.get("acme", call("b", 1)) == {"text": "b"}
-    assert cache.get("acme", call("c", 1)) == {"text": "c"}
+    assert cache.get("acme", call("b", 1)) == answer("b")
+    assert cache.get("acme", call("c", 1)) == answer("c")
 
 
 def test_cache_get_refreshes_recency() -> None:
     cache, _ = make_cache(max_entries=2, ttl_s=100)
-    cache.put("acme", call("a", 1), {"text": "a"})
-    cache.put("acme", call("b", 1), {"text": "b"})
+    cache.put("acme", call("a", 1), answer("a"))
+    cache.put("acme", call("b", 1), answer("b"))
     assert cache.get("acme", call("a", 1)) is not None  # a becomes the most recent
-    cache.put("acme", call("c", 1), {"text": "c"})  # so b goes
+    cache.put("acme", call("c", 1), answer("c"))  # so b goes
     assert cache.get("acme", call("b", 1)) is None
-    assert cache.get("acme", call("a", 1)) == {"text": "a"}
-    assert cache.get("acme", call("c", 1)) == {"text": "c"}
+    assert cache.get("acme", call("a", 1)) == answer("a")
+    assert cache.get("acme", call("c", 1)) == answer("c")
 
 
 def test_cache_put_of_an_existing_key_refreshes_recency_without_growing() -> None:
     cache, _ = make_cache(max_entries=2, ttl_s=100)
-    cache.put("acme", call("a", 1), {"text": "a"})
-    cache.put("acme", call("b", 1), {"text": "b"})
-    cache.put("acme", call("a", 1), {"text": "a2"})
+    cache.put("acme", call("a", 1), answer("a"))
+    cache.put("acme", call("b", 1), answer("b"))
+    cache.put("acme", call("a", 1), answer("a2"))
     assert len(cache) == 2
-    cache.put("acme", call("c", 1), {"text": "c"})  # b is now the least recent
+    cache.put("acme", call("c", 1), answer("c"))  # b is now the least recent
     assert cache.get("acme", call("b", 1)) is None
-    assert cache.get("acme", call("a", 1)) == {"text": "a2"}
+    assert cache.get("acme", call("a", 1)) == answer("a2")
 
 
 def test_cache_a_miss_does_not_change_recency() -> None:
     cache, _ = make_cache(max_entries=2, ttl_s=100)
-    cache.put("acme", call("a", 1), {"text": "a"})
-    cache.put("acme", call("b", 1), {"text": "b"})
+    cache.put("acme", call("a", 1), answer("a"))
+    cache.put("acme", call("b", 1), answer("b"))
     assert cache.get("acme", call("a", 2)) is None  # different key: a is not touched
-    cache.put("acme", call("c", 1), {"text": "c"})
+    cache.put("acme", call("c", 1), answer("c"))
     assert cache.get("acme", call("a", 1)) is None
 
 
@@ -193,9 +198,9 @@ def test_cache_never_exceeds_max_entries() -> None:
     cache, clock = make_cache(max_entries=3, ttl_s=100)
     for i in range(10):
         clock.advance(1)
-        cache.put("acme", call(f"p{i}", 1), {"i": i})
+        cache.put("acme", call(f"p{i}", 1), answer(str(i)))
         assert len(cache) == min(i + 1, 3)
-    assert [cache.get("acme", call(f"p{i}", 1)) for i in (7, 8, 9)] == [{"i": 7}, {"i": 8}, {"i": 9}]
+    assert [cache.get("acme", call(f"p{i}", 1)) for i in (7, 8, 9)] == [answer("7"), answer("8"), answer("9")]
 
 
 # -- classify -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from dataclasses import replace
 from typing import Any, Optional
 
 import pytest
@@ -27,17 +28,20 @@ from ray.exceptions import ActorDiedError, RayTaskError
 from ballast.policies.killswitch import KillSwitchEntry
 from ballast.config import load_config
 from ballast.errors import DeadlineExceeded, EngineRefused, ModelUnavailable, ReplicaLost
-from ballast.router.resilience import CallHooks, CallRecord, CallSpec, ResilientCaller, ResponseCache
+from ballast.model.protocol import AttemptDeadline, ModelCall, ModelChunk, ModelResult, Resume, RowSampling
+from ballast.router.resilience import CallHooks, CallRecord, CallSpec, Reply, ResilientCaller, ResponseCache
 
 from fakes import FakeClock
 
 HANG = math.inf  # a response that never comes
 WALL_S = 1_000_000  # the fake wall clock (the replica's deadline instant is stamped with it)
-CALL = {"prompt": "hello", "max_tokens": 8}
+CALL = ModelCall("hello", max_tokens=8)
+PRIMARY, FALLBACK = "tiny-decoder", "tiny-decoder-small"  # the config's default model names
 
 
 class FakeResponse:
-    """One scripted reply: it takes ``takes_s`` of fake time, then returns ``result`` or raises ``error``."""
+    """One scripted reply: it takes ``takes_s`` of fake time, then returns ``result`` (a
+    ``ModelResult`` for a unary call, a ``ModelChunk`` for a stream's piece) or raises ``error``."""
 
     def __init__(self, takes_s: float = 1, result: Any = None, error: Optional[BaseException] = None) -> None:
         self.takes_s, self.result, self.error = takes_s, result, error
@@ -70,9 +74,10 @@ class FakeStream:
 class FakeMethod:
     def __init__(self, script: list) -> None:
         self.script = script
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[ModelCall] = []
 
-    def remote(self, call: dict[str, Any]) -> Any:
+    def remote(self, call: ModelCall) -> Any:
+        assert isinstance(call, ModelCall), call
         assert self.script, f"unexpected call {call}"
         self.calls.append(call)
         return self.script.pop(0)
@@ -113,8 +118,24 @@ class FixedRandom(random.Random):
         return 0.5
 
 
+def result(text: str) -> ModelResult:
+    return ModelResult(text, len(text), "stop")
+
+
 def ok(text: str, takes_s: float = 1) -> FakeResponse:
-    return FakeResponse(takes_s, result={"text": text})
+    """A unary answer of ``text``."""
+    return FakeResponse(takes_s, result=result(text))
+
+
+def chunk(text: str, takes_s: float = 1) -> FakeResponse:
+    """A stream's piece of ``text`` (no ids)."""
+    return FakeResponse(takes_s, result=ModelChunk(text))
+
+
+def answered(text: str, fallback: Optional[str] = None) -> Reply:
+    """The reply of a unary call answered with ``text`` by the primary (None), the fallback
+    model or the cache (the primary's earlier answer)."""
+    return Reply(result(text), fallback, FALLBACK if fallback == "fallback_model" else PRIMARY)
 
 
 def fails(error: BaseException, takes_s: float = 1) -> FakeResponse:
@@ -175,10 +196,10 @@ async def unary(
     caller: ResilientCaller,
     clock: FakeClock,
     deadline_in_s: float = 30,
-    call: dict = CALL,
+    call: ModelCall = CALL,
     tenant: Optional[str] = "acme",
-):
-    return await caller.unary(CallSpec(dict(call), clock() + deadline_in_s, [], WALL_S, tenant=tenant))
+) -> Reply:
+    return await caller.unary(CallSpec(call, clock() + deadline_in_s, [], WALL_S, tenant=tenant))
 
 
 def breaker_of(caller: ResilientCaller, role: str) -> dict[str, Any]:
@@ -191,10 +212,10 @@ def breaker_of(caller: ResilientCaller, role: str) -> dict[str, Any]:
 async def test_unary_success_answers_from_the_primary_with_the_deadline_passed_on() -> None:
     primary = FakeHandle(ok("hi", takes_s=2))
     caller, clock, timer, events = make(primary)
-    assert await unary(caller, clock, deadline_in_s=30) == ({"text": "hi"}, None)
+    assert await unary(caller, clock, deadline_in_s=30) == answered("hi")
     assert clock() == 102  # the one attempt's 2 s
     (sent,) = primary.generate.calls
-    assert sent == {**CALL, "timeout_s": 30, "deadline_at_s": WALL_S + 30}
+    assert sent == replace(CALL, deadline=AttemptDeadline(budget_s=30, at_wall_s=WALL_S + 30))
     assert (timer.slept_s, events) == ([], [])
     assert breaker_of(caller, "primary")["calls"] == 1 and breaker_of(caller, "primary")["failures"] == 0
     assert caller.budget.snapshot()["active"] == 0  # the request ended
@@ -204,12 +225,12 @@ async def test_attempt_timeout_then_a_retry_that_succeeds() -> None:
     hung = FakeResponse(HANG)
     primary = FakeHandle(hung, ok("second"))
     caller, clock, timer, events = make(primary)
-    assert await unary(caller, clock, deadline_in_s=30) == ({"text": "second"}, None)
+    assert await unary(caller, clock, deadline_in_s=30) == answered("second")
     # t=100 attempt 1 … t=104 its 4 s timeout, 1 s backoff, t=105 attempt 2 answers at t=106
     assert clock() == 106
     assert hung.cancelled
     assert timer.slept_s == [1.0]
-    assert [c["timeout_s"] for c in primary.generate.calls] == [30, 25]
+    assert [c.deadline.budget_s for c in primary.generate.calls] == [30, 25]
     assert events == [("retry", "primary", "attempt_timeout")]
     b = breaker_of(caller, "primary")
     assert (b["calls"], b["failures"]) == (2, 1)  # the timeout counted against the backend
@@ -220,7 +241,7 @@ async def test_attempts_exhausted_on_the_primary_go_to_the_fallback() -> None:
     primary = FakeHandle(FakeResponse(HANG), FakeResponse(HANG), FakeResponse(HANG))
     fallback = FakeHandle(ok("small"))
     caller, clock, timer, events = make(primary, fallback)
-    assert await unary(caller, clock, deadline_in_s=30) == ({"text": "small"}, "fallback_model")
+    assert await unary(caller, clock, deadline_in_s=30) == answered("small", "fallback_model")
     assert len(primary.generate.calls) == 3  # max_attempts, not one more
     assert timer.slept_s == [1.0, 2.0]  # full-jitter caps 2 s then 4 s, drawn at 0.5
     assert clock() == 100 + 4 + 1 + 4 + 2 + 4 + 1
@@ -235,7 +256,7 @@ async def test_an_exhausted_retry_budget_sends_a_retryable_failure_to_the_fallba
     primary = FakeHandle(fails(ActorDiedError()))
     fallback = FakeHandle(ok("small"))
     caller, clock, timer, events = make(primary, fallback, retry={"budget_ratio": 0, "budget_min_concurrent": 0})
-    assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
+    assert await unary(caller, clock) == answered("small", "fallback_model")
     assert len(primary.generate.calls) == 1
     assert timer.slept_s == []
     snap = caller.budget.snapshot()
@@ -246,8 +267,8 @@ async def test_a_lost_replica_is_sent_again_without_using_an_attempt_or_the_brea
     primary = FakeHandle(fails(ActorDiedError()), fails(ActorDiedError()), ok("answered"))
     caller, clock, timer, events = make(primary, retry={"max_attempts": 1})
     record = CallRecord()
-    result = await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, record=record))
-    assert result == ({"text": "answered"}, None)
+    result = await caller.unary(CallSpec(CALL, clock() + 30, [], WALL_S, record=record))
+    assert result == answered("answered")
     assert record.migrations == 2 and len(primary.generate.calls) == 3
     assert timer.slept_s == [0.025, 0.025]
     assert events == [("lost", "primary", "migrated")] * 2
@@ -259,7 +280,7 @@ async def test_a_lost_replica_is_sent_again_without_using_an_attempt_or_the_brea
 async def test_lost_replicas_past_the_limit_go_to_the_fallback_then_replica_lost() -> None:
     primary = FakeHandle(*(fails(ActorDiedError()) for _ in range(4)))
     caller, clock, _, events = make(primary, FakeHandle(ok("small")))
-    assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
+    assert await unary(caller, clock) == answered("small", "fallback_model")
     assert len(primary.generate.calls) == 4 and events[-2:] == [
         ("lost", "primary", "not_migrated"),
         ("fallback", "fallback_model"),
@@ -289,15 +310,15 @@ async def test_an_open_breaker_skips_the_primary_until_its_open_period_ends() ->
     caller, clock, _, _ = make(primary, fallback)
     for i in range(3):  # three failures in a window of three: the breaker opens at t=100
         assert breaker_of(caller, "primary")["state"] == "closed", i
-        assert await unary(caller, clock) == ({"text": f"small{i}"}, "fallback_model")
+        assert await unary(caller, clock) == answered(f"small{i}", "fallback_model")
     assert breaker_of(caller, "primary")["state"] == "open"
     for t in (100, 109):  # open for 10 s: the primary is not called, the fallback answers
         clock.now_s = t
-        result, kind = await unary(caller, clock)
-        assert kind == "fallback_model", t
+        reply = await unary(caller, clock)
+        assert reply.fallback == "fallback_model", t
         assert len(primary.generate.calls) == 3, t
     clock.now_s = 110  # half-open: one probe reaches the primary, and it answers
-    assert await unary(caller, clock) == ({"text": "back"}, None)
+    assert await unary(caller, clock) == answered("back")
     assert breaker_of(caller, "primary")["state"] == "closed"
 
 
@@ -306,22 +327,22 @@ async def test_fallback_failing_too_answers_from_the_cache_then_503_for_an_unsee
     primary = FakeHandle(ok("cached"), fails(error), fails(error))
     fallback = FakeHandle(fails(error), fails(error))
     caller, clock, _, events = make(primary, fallback, cache=True)
-    assert await unary(caller, clock) == ({"text": "cached"}, None)
-    assert await unary(caller, clock) == ({"text": "cached"}, "cache")
+    assert await unary(caller, clock) == answered("cached")
+    assert await unary(caller, clock) == answered("cached", "cache")
     assert events[-1] == ("fallback", "cache")
     with pytest.raises(ModelUnavailable, match="model_error:primary, model_error:fallback"):
-        await unary(caller, clock, call={"prompt": "never seen", "max_tokens": 8})
+        await unary(caller, clock, call=ModelCall("never seen", max_tokens=8))
 
 
 async def test_the_cache_answers_a_tenant_only_with_its_own_earlier_answers() -> None:
     error = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
     primary = FakeHandle(ok("for acme"), fails(error), fails(error), fails(error), fails(error))
     caller, clock, _, events = make(primary, cache=True)
-    assert await unary(caller, clock, tenant="acme") == ({"text": "for acme"}, None)
+    assert await unary(caller, clock, tenant="acme") == answered("for acme")
     with pytest.raises(ModelUnavailable):  # the same call from another tenant: no answer of acme's
         await unary(caller, clock, tenant="globex")
     assert ("fallback", "cache") not in events
-    assert await unary(caller, clock, tenant="acme") == ({"text": "for acme"}, "cache")
+    assert await unary(caller, clock, tenant="acme") == answered("for acme", "cache")
 
 
 async def test_a_call_without_a_tenant_is_neither_cached_nor_answered_from_the_cache() -> None:
@@ -337,11 +358,11 @@ async def test_a_call_without_a_tenant_is_neither_cached_nor_answered_from_the_c
 def test_a_tenants_flood_of_calls_evicts_only_its_own_cached_answers() -> None:
     clock = FakeClock()
     cache = ResponseCache(max_entries=1024, ttl_s=300, clock=clock, max_entries_per_tenant=4)
-    cache.put("quiet", CALL, {"text": "mine"})
+    cache.put("quiet", CALL, result("mine"))
     for i in range(1000):
-        cache.put("loud", {**CALL, "prompt": f"p{i}"}, {"text": str(i)})
-    assert len(cache) == 5 and cache.get("quiet", CALL) == {"text": "mine"}
-    assert cache.get("loud", {**CALL, "prompt": "p999"}) == {"text": "999"}
+        cache.put("loud", replace(CALL, prompt=f"p{i}"), result(str(i)))
+    assert len(cache) == 5 and cache.get("quiet", CALL) == result("mine")
+    assert cache.get("loud", replace(CALL, prompt="p999")) == result("999")
 
 
 async def test_the_deadline_running_out_mid_retry_is_504_and_the_fallback_is_not_tried() -> None:
@@ -355,7 +376,7 @@ async def test_the_deadline_running_out_mid_retry_is_504_and_the_fallback_is_not
         await unary(caller, clock, deadline_in_s=7)
     assert info.value.status == 504
     assert clock() == 106
-    assert [c["timeout_s"] for c in primary.generate.calls] == [7, 2]
+    assert [c.deadline.budget_s for c in primary.generate.calls] == [7, 2]
     assert fallback.generate.calls == []
     assert breaker_of(caller, "primary")["failures"] == 1  # the client's deadline is not the backend's fault
 
@@ -395,14 +416,14 @@ async def collect(it) -> list:
 
 
 async def test_a_stream_yields_the_first_chunk_then_the_rest_and_counts_one_success() -> None:
-    stream = FakeStream(ok("a"), ok("b"), ok("c"))
+    stream = FakeStream(chunk("a"), chunk("b"), chunk("c"))
     primary = FakeHandle(streams=(stream,))
     caller, clock, _, _ = make(primary)
-    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
-    assert kind is None
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
+    assert (opened.fallback, opened.model) == (None, PRIMARY)
     assert clock() == 101  # only the first chunk is fetched before the stream is handed back
     assert caller.backends[0].bulkhead.in_flight == 1  # held for the stream's life
-    assert await collect(it) == [{"text": "a"}, {"text": "b"}, {"text": "c"}]
+    assert await collect(opened.chunks) == [ModelChunk("a"), ModelChunk("b"), ModelChunk("c")]
     assert clock() == 103
     assert not stream.cancelled
     assert caller.backends[0].bulkhead.in_flight == 0
@@ -413,11 +434,11 @@ async def test_a_stream_yields_the_first_chunk_then_the_rest_and_counts_one_succ
 async def test_a_stream_failing_before_its_first_chunk_falls_back_without_a_retry() -> None:
     dead = FakeStream(fails(RayTaskError("generate_stream", "traceback", RuntimeError("cuda error"))))
     primary = FakeHandle(streams=(dead,))
-    fallback = FakeHandle(streams=(FakeStream(ok("x"), ok("y")),))
+    fallback = FakeHandle(streams=(FakeStream(chunk("x"), chunk("y")),))
     caller, clock, timer, events = make(primary, fallback)
-    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
-    assert kind == "fallback_model"
-    assert await collect(it) == [{"text": "x"}, {"text": "y"}]
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
+    assert (opened.fallback, opened.model) == ("fallback_model", FALLBACK)
+    assert await collect(opened.chunks) == [ModelChunk("x"), ModelChunk("y")]
     assert len(primary.generate_stream.calls) == 1  # a model error is not retried on a backend
     assert dead.cancelled
     assert timer.slept_s == []
@@ -432,12 +453,12 @@ async def test_a_request_its_engine_refuses_fails_alone_with_the_refusal() -> No
         fails(RayTaskError("generate", "traceback", refusal)),
         streams=(FakeStream(fails(RayTaskError("generate_stream", "traceback", refusal))),),
     )
-    fallback = FakeHandle(ok("never"), streams=(FakeStream(ok("never")),))
+    fallback = FakeHandle(ok("never"), streams=(FakeStream(chunk("never")),))
     caller, clock, timer, events = make(primary, fallback)
     with pytest.raises(EngineRefused) as unary_refusal:
         await unary(caller, clock)
     with pytest.raises(EngineRefused) as stream_refusal:
-        await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
+        await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
     for e in (unary_refusal.value, stream_refusal.value):
         assert (e.status, e.code, e.field) == (400, "ENGINE_REFUSED", "response_format")
     assert (len(primary.generate.calls), len(primary.generate_stream.calls)) == (1, 1)
@@ -451,7 +472,7 @@ async def test_a_call_the_fallbacks_engine_would_not_honour_never_goes_to_it() -
     # A JSON-schema request on a vLLM primary: the built-in fallback would answer it with
     # free text, so a primary that cannot answer is a 503, not a wrong answer.
     vllm = {"backend": "vllm", "path": "/models/m"}
-    schema_call = {**CALL, "json_schema": '{"type":"object"}'}
+    schema_call = replace(CALL, sampling=RowSampling(json_schema='{"type":"object"}'))
     dead = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
     primary, fallback = FakeHandle(fails(dead)), FakeHandle()
     caller, clock, _, events = make(primary, fallback, model=vllm)
@@ -459,23 +480,23 @@ async def test_a_call_the_fallbacks_engine_would_not_honour_never_goes_to_it() -
         await unary(caller, clock, call=schema_call)
     assert fallback.generate.calls == [] and ("fallback", "fallback_model") not in events
     with pytest.raises(ModelUnavailable):  # the level sent it to the fallback alone: nothing may take it
-        await caller.unary(CallSpec(dict(schema_call), clock() + 30, [], WALL_S, fallback_only=True))
+        await caller.unary(CallSpec(schema_call, clock() + 30, [], WALL_S, fallback_only=True))
     # The same request without the schema falls back as usual.
     primary, fallback = FakeHandle(fails(dead)), FakeHandle(ok("small"))
     caller, clock, _, _ = make(primary, fallback, model=vllm)
-    assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
+    assert await unary(caller, clock) == answered("small", "fallback_model")
 
 
 async def test_a_stream_whose_replica_died_before_its_first_chunk_goes_to_another_replica() -> None:
     dead = FakeStream(fails(ActorDiedError()))
-    primary = FakeHandle(streams=(dead, FakeStream(ok("a"), ok("b"))))
-    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    primary = FakeHandle(streams=(dead, FakeStream(chunk("a"), chunk("b"))))
+    fallback = FakeHandle(streams=(FakeStream(chunk("x")),))
     caller, clock, timer, events = make(primary, fallback)
     record = CallRecord()
-    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S, record=record))
-    assert kind is None and await collect(it) == [{"text": "a"}, {"text": "b"}]
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S, record=record))
+    assert opened.fallback is None and await collect(opened.chunks) == [ModelChunk("a"), ModelChunk("b")]
     assert dead.cancelled and record.migrations == 1
-    assert "continue_ids" not in primary.generate_stream.calls[1]  # nothing was delivered: a plain re-send
+    assert primary.generate_stream.calls[1].resume is None  # nothing was delivered: a plain re-send
     assert timer.slept_s == [0.025]  # half of MAX_PAUSE_S (the rng draws 0.5)
     assert events == [("lost", "primary", "migrated")]
     b = breaker_of(caller, "primary")
@@ -486,12 +507,12 @@ async def test_a_stream_whose_first_chunk_times_out_is_retried_like_a_unary_atte
     # A replica cut off from this router (a partition) answers nothing until Ray calls its
     # node dead: the first chunk's attempt timeout sends the stream to another replica.
     hung = FakeStream(FakeResponse(HANG))
-    primary = FakeHandle(streams=(hung, FakeStream(ok("a"), ok("b"))))
-    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    primary = FakeHandle(streams=(hung, FakeStream(chunk("a"), chunk("b"))))
+    fallback = FakeHandle(streams=(FakeStream(chunk("x")),))
     caller, clock, timer, events = make(primary, fallback)
-    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
     assert clock() == 100 + 4 + 1 + 1  # the 4 s attempt timeout, a 1 s backoff, the first chunk
-    assert kind is None and await collect(it) == [{"text": "a"}, {"text": "b"}]
+    assert opened.fallback is None and await collect(opened.chunks) == [ModelChunk("a"), ModelChunk("b")]
     assert hung.cancelled
     assert events == [("retry", "primary", "attempt_timeout")]
     assert breaker_of(caller, "primary")["failures"] == 1  # a timeout is the backend's failure
@@ -500,13 +521,13 @@ async def test_a_stream_whose_first_chunk_times_out_is_retried_like_a_unary_atte
 
 async def test_a_stream_whose_first_chunk_times_out_on_every_attempt_falls_back() -> None:
     primary = FakeHandle(streams=tuple(FakeStream(FakeResponse(HANG)) for _ in range(3)))
-    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    fallback = FakeHandle(streams=(FakeStream(chunk("x")),))
     caller, clock, _, events = make(primary, fallback, retry={"max_attempts": 2})
-    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
-    assert kind == "fallback_model"
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
+    assert (opened.fallback, opened.model) == ("fallback_model", FALLBACK)
     assert len(primary.generate_stream.calls) == 2  # max_attempts
     assert clock() == 100 + 4 + 1 + 4 + 1  # two attempt timeouts, a backoff, the fallback's chunk
-    assert await collect(it) == [{"text": "x"}]
+    assert await collect(opened.chunks) == [ModelChunk("x")]
     assert events == [("retry", "primary", "attempt_timeout"), ("fallback", "fallback_model")]
 
 
@@ -514,7 +535,7 @@ async def test_a_stream_with_no_backend_left_is_503() -> None:
     primary = FakeHandle(streams=(FakeStream(fails(RayTaskError("g", "tb", RuntimeError("bad")))),))
     caller, clock, _, _ = make(primary)
     with pytest.raises(ModelUnavailable, match="model_error:primary"):
-        await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
+        await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
     assert caller.backends[0].bulkhead.in_flight == 0
 
 
@@ -522,7 +543,7 @@ async def test_a_stream_whose_replicas_keep_dying_is_replica_lost_after_the_migr
     primary = FakeHandle(streams=tuple(FakeStream(fails(ActorDiedError())) for _ in range(4)))
     caller, clock, _, events = make(primary)
     with pytest.raises(ReplicaLost, match="replica_died:primary") as info:
-        await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
+        await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
     assert (info.value.status, info.value.code) == (503, "REPLICA_LOST")
     assert len(primary.generate_stream.calls) == 4  # the first and three migrations (the limit)
     assert events == [("lost", "primary", "migrated")] * 3 + [("lost", "primary", "not_migrated")]
@@ -531,15 +552,15 @@ async def test_a_stream_whose_replicas_keep_dying_is_replica_lost_after_the_migr
 
 
 async def test_a_model_error_after_its_first_chunk_ends_the_stream_with_503_and_no_fallback() -> None:
-    stream = FakeStream(ok("a"), fails(RayTaskError("generate_stream", "traceback", RuntimeError("cuda error"))))
+    stream = FakeStream(chunk("a"), fails(RayTaskError("generate_stream", "traceback", RuntimeError("cuda error"))))
     primary = FakeHandle(streams=(stream,))
-    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    fallback = FakeHandle(streams=(FakeStream(chunk("x")),))
     caller, clock, _, _ = make(primary, fallback)
-    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
-    assert kind is None
-    assert await it.__anext__() == {"text": "a"}
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
+    assert opened.fallback is None
+    assert await opened.chunks.__anext__() == ModelChunk("a")
     with pytest.raises(ModelUnavailable, match="model_error"):
-        await it.__anext__()
+        await opened.chunks.__anext__()
     assert stream.cancelled
     assert fallback.generate_stream.calls == []  # committed to its backend after the first chunk
     b = breaker_of(caller, "primary")
@@ -548,34 +569,32 @@ async def test_a_model_error_after_its_first_chunk_ends_the_stream_with_503_and_
 
 
 def piece(text: str, ids: list[int], takes_s: float = 1) -> FakeResponse:
-    return FakeResponse(takes_s, result={"text": text, "tokens": len(ids), "ids": ids})
+    return FakeResponse(takes_s, result=ModelChunk(text, tuple(ids)))
 
 
 async def test_a_stream_whose_replica_dies_mid_way_carries_on_from_what_was_delivered() -> None:
     cut = FakeStream(piece("he", [104, 101]), piece("llo", [108, 108, 111]), fails(ActorDiedError()))
     resumed = FakeStream(
-        FakeResponse(1, result={"text": " wo", "tokens": 3, "ids": [32, 119, 111], "queue_wait_ms": 5.0}),
+        FakeResponse(1, result=ModelChunk(" wo", (32, 119, 111), queue_wait_ms=5.0)),
         piece("rld", [114, 108, 100]),
     )
     primary = FakeHandle(streams=(cut, resumed))
-    fallback = FakeHandle(streams=(FakeStream(ok("x")),))
+    fallback = FakeHandle(streams=(FakeStream(chunk("x")),))
     caller, clock, timer, events = make(primary, fallback)
     record = CallRecord()
-    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S, record=record))
-    chunks = await collect(it)
-    assert kind is None and "".join(c["text"] for c in chunks) == "hello world"
-    assert sum(c["tokens"] for c in chunks) == 11
-    assert all("queue_wait_ms" not in c for c in chunks[2:])  # a continuation is not a new request's wait
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S, record=record))
+    chunks = await collect(opened.chunks)
+    assert opened.fallback is None and "".join(c.text for c in chunks) == "hello world"
+    assert sum(c.tokens for c in chunks) == 11
+    assert all(c.queue_wait_ms is None for c in chunks[2:])  # a continuation is not a new request's wait
     first, second = primary.generate_stream.calls
-    assert "continue_ids" not in first
+    assert first.resume is None
     # t=100 open, 101 "he", 102 "llo", 103 the replica dies, 0.025 s pause, 104.025 " wo"
-    assert second == {
-        **CALL,
-        "continue_ids": [104, 101, 108, 108, 111],
-        "continue_text_chars": 5,
-        "timeout_s": pytest.approx(30 - 3.025),
-        "deadline_at_s": pytest.approx(WALL_S + 30 - 3.025),
-    }
+    assert replace(second, deadline=None) == replace(CALL, resume=Resume((104, 101, 108, 108, 111), text_chars=5))
+    assert (second.deadline.budget_s, second.deadline.at_wall_s) == (
+        pytest.approx(30 - 3.025),
+        pytest.approx(WALL_S + 30 - 3.025),
+    )
     assert cut.cancelled and not resumed.cancelled
     assert record.migrations == 1 and events == [("lost", "primary", "migrated")]
     assert caller.lost == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 1}
@@ -589,13 +608,13 @@ async def test_a_stream_cut_once_more_than_the_limit_ends_with_replica_lost() ->
     streams = [FakeStream(piece("a", [97]), fails(ActorDiedError())) for _ in range(4)]
     primary = FakeHandle(streams=tuple(streams))
     caller, clock, _, events = make(primary)
-    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
     got = []
     with pytest.raises(ReplicaLost):
-        async for chunk in it:
-            got.append(chunk["text"])
+        async for chunk in opened.chunks:
+            got.append(chunk.text)
     assert got == ["a"] * 4  # each migration delivered its piece before its replica went too
-    assert [len(c.get("continue_ids", [])) for c in primary.generate_stream.calls] == [0, 1, 2, 3]
+    assert [len(c.resumed_ids) for c in primary.generate_stream.calls] == [0, 1, 2, 3]
     assert events[-1] == ("lost", "primary", "not_migrated")
     assert caller.backends[0].bulkhead.in_flight == 0
 
@@ -604,49 +623,52 @@ async def test_a_stream_cut_with_no_room_left_before_its_deadline_is_not_migrate
     # Deadline 3.04 s: the replica dies at t=103, leaving 0.04 s; a pause and a useful
     # attempt (0.05 s) do not fit.
     primary = FakeHandle(
-        streams=(FakeStream(piece("a", [97], takes_s=1), fails(ActorDiedError(), takes_s=2)), FakeStream(ok("never")))
+        streams=(
+            FakeStream(piece("a", [97], takes_s=1), fails(ActorDiedError(), takes_s=2)),
+            FakeStream(chunk("never")),
+        )
     )
     caller, clock, _, events = make(primary)
-    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 3.04, [], WALL_S))
-    assert (await it.__anext__())["text"] == "a"
+    opened = await caller.stream(CallSpec(CALL, clock() + 3.04, [], WALL_S))
+    assert (await opened.chunks.__anext__()).text == "a"
     with pytest.raises(ReplicaLost):
-        await it.__anext__()
+        await opened.chunks.__anext__()
     assert len(primary.generate_stream.calls) == 1
     assert events == [("lost", "primary", "not_migrated")]
 
 
 async def test_a_stream_stalling_past_the_deadline_ends_with_504() -> None:
-    stream = FakeStream(ok("a"), FakeResponse(HANG))
+    stream = FakeStream(chunk("a"), FakeResponse(HANG))
     primary = FakeHandle(streams=(stream,))
     caller, clock, _, _ = make(primary)
-    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 10, [], WALL_S))
-    assert await it.__anext__() == {"text": "a"}
+    opened = await caller.stream(CallSpec(CALL, clock() + 10, [], WALL_S))
+    assert await opened.chunks.__anext__() == ModelChunk("a")
     with pytest.raises(DeadlineExceeded):
-        await it.__anext__()
+        await opened.chunks.__anext__()
     assert clock() == 110  # waited exactly what was left of the deadline
     assert stream.cancelled
 
 
 async def test_a_client_leaving_mid_stream_counts_nothing_against_the_backend() -> None:
-    stream = FakeStream(ok("a"), ok("b"))
+    stream = FakeStream(chunk("a"), chunk("b"))
     primary = FakeHandle(streams=(stream,))
     caller, clock, _, _ = make(primary)
-    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))
-    assert await it.__anext__() == {"text": "a"}
-    await it.aclose()
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))
+    assert await opened.chunks.__anext__() == ModelChunk("a")
+    await opened.chunks.aclose()
     assert stream.cancelled
     assert breaker_of(caller, "primary")["calls"] == 0
     assert caller.backends[0].bulkhead.in_flight == 0
 
 
 async def test_a_full_primary_bulkhead_sends_the_next_request_to_the_fallback() -> None:
-    primary = FakeHandle(streams=(FakeStream(ok("a"), ok("b")),))
+    primary = FakeHandle(streams=(FakeStream(chunk("a"), chunk("b")),))
     fallback = FakeHandle(ok("small"))
     caller, clock, _, _ = make(primary, fallback, bulkhead={"primary": 1})
-    it, _ = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S))  # holds the primary's one slot
-    assert await unary(caller, clock) == ({"text": "small"}, "fallback_model")
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S))  # holds the primary's one slot
+    assert await unary(caller, clock) == answered("small", "fallback_model")
     assert primary.generate.calls == []
-    assert await collect(it) == [{"text": "a"}, {"text": "b"}]
+    assert await collect(opened.chunks) == [ModelChunk("a"), ModelChunk("b")]
 
 
 # -- fallback only (critical_plus the primary will not take) -------------------------------
@@ -654,15 +676,14 @@ async def test_a_full_primary_bulkhead_sends_the_next_request_to_the_fallback() 
 
 async def test_fallback_only_never_calls_the_primary() -> None:
     primary = FakeHandle()
-    fallback = FakeHandle(ok("small"), streams=(FakeStream(ok("s")),))
+    fallback = FakeHandle(ok("small"), streams=(FakeStream(chunk("s")),))
     caller, clock, _, events = make(primary, fallback)
     assert caller.can_fall_back([], WALL_S)
-    assert await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True)) == (
-        {"text": "small"},
-        "fallback_model",
+    assert await caller.unary(CallSpec(CALL, clock() + 30, [], WALL_S, fallback_only=True)) == answered(
+        "small", "fallback_model"
     )
-    it, kind = await caller.stream(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True))
-    assert kind == "fallback_model" and await collect(it) == [{"text": "s"}]
+    opened = await caller.stream(CallSpec(CALL, clock() + 30, [], WALL_S, fallback_only=True))
+    assert opened.fallback == "fallback_model" and await collect(opened.chunks) == [ModelChunk("s")]
     assert primary.generate.calls == [] and primary.generate_stream.calls == []
     assert events == [("fallback", "fallback_model"), ("fallback", "fallback_model")]
 
@@ -673,7 +694,7 @@ async def test_fallback_only_with_the_fallback_failing_is_503_not_a_primary_call
     fallback = FakeHandle(fails(error))
     caller, clock, _, _ = make(primary, fallback)
     with pytest.raises(ModelUnavailable, match="model_error:fallback"):
-        await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True))
+        await caller.unary(CallSpec(CALL, clock() + 30, [], WALL_S, fallback_only=True))
     assert primary.generate.calls == []
 
 
@@ -702,7 +723,7 @@ async def test_can_fall_back_needs_a_fallback_that_could_answer_now() -> None:
     # Its breaker open: not until it half-opens.
     for _ in range(3):
         with pytest.raises(ModelUnavailable):
-            await caller.unary(CallSpec(dict(CALL), clock() + 30, [], WALL_S, fallback_only=True))
+            await caller.unary(CallSpec(CALL, clock() + 30, [], WALL_S, fallback_only=True))
     assert breaker_of(caller, "fallback")["state"] == "open"
     assert not caller.can_fall_back([], WALL_S)
     clock.now_s += 10
@@ -716,7 +737,7 @@ async def test_a_unary_call_sent_again_after_its_replica_died_waits_up_to_its_de
     caller, clock, timer, events = make(primary)
     record = CallRecord()
     with pytest.raises(DeadlineExceeded):
-        await caller.unary(CallSpec(dict(CALL), clock() + 10, [], WALL_S, record=record))
+        await caller.unary(CallSpec(CALL, clock() + 10, [], WALL_S, record=record))
     assert record.migrations == 1 and len(primary.generate.calls) == 2
     assert clock() == pytest.approx(100 + 10)  # the second attempt waited to the deadline, not 4 s
     assert events == [("lost", "primary", "migrated")]

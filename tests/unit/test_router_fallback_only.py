@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import RayTaskError
 
+from ballast.model.protocol import ModelResult
 from routerkit import at_level, build_router, routed
 from test_resilient_caller import FakeHandle, FakeResponse, fails
 
@@ -31,7 +32,7 @@ CFG = {
 
 
 def answer(text: str) -> FakeResponse:
-    return FakeResponse(0, result={"text": text, "tokens": 3})
+    return FakeResponse(0, result=ModelResult(text, 3, None))
 
 
 @pytest.fixture()

@@ -11,6 +11,17 @@ from ballast.router.gate import GateSlot, PriorityGate
 from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
 
 
+class Seen:
+    """The ticket's ``Accounts`` as far as a ticket uses them: each settlement recorded
+    (the ticket's tenant, the outcome's code) in ``seen``."""
+
+    def __init__(self, seen: list) -> None:
+        self.seen = seen
+
+    def settled(self, ticket: Ticket, outcome: Outcome) -> None:
+        self.seen.append((ticket.tenant, outcome.code))
+
+
 def make(places: TenantPlaces, seen: list, charge: Charge = Charge(None, 0, 0), slot: GateSlot = None) -> Ticket:
     assert places.take("gold", cap=4)
     return Ticket(
@@ -21,7 +32,7 @@ def make(places: TenantPlaces, seen: list, charge: Charge = Charge(None, 0, 0), 
         charge,
         slot or GateSlot(None),
         False,
-        lambda t, o: seen.append((t.tenant, o.code)),
+        Seen(seen),
     )
 
 
