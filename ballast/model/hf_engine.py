@@ -152,7 +152,8 @@ def fit_ids(context: int, ids: Sequence[int], max_new_tokens: int) -> tuple[list
         raise ContextTooLong("the prompt is empty: there is no token to generate from")
     if len(ids) > context:
         raise ContextTooLong(
-            f"the prompt is {len(ids)} tokens and max_tokens 0: together more than the model's context of {context} tokens"
+            f"the prompt is {len(ids)} tokens and max_tokens 0: together more than "
+            f"the model's context of {context} tokens"
         )
     room = context - len(ids)
     if room < 1:

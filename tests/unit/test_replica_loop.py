@@ -12,7 +12,8 @@ import asyncio
 import pytest
 
 from ballast.errors import DeadlineExceeded, EngineRefused
-from ballast.model.builtin_engine import BackendSpec, TinyDecoderConfig, load_backend
+from ballast.model.builtin_checkpoint import BackendSpec, load_backend
+from ballast.model.builtin_decoder import TinyDecoderConfig
 from ballast.model.protocol import AttemptDeadline, ModelCall, Resume, RowSampling
 from ballast.model.replica_loop import (
     WAIT_WINDOW_S,
