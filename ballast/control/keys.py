@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import ray
 
-from ballast.policies.idempotency import DONE, KeyTable
+from ballast.policies.idempotency import DONE, Claim, KeyTable
 from ballast.config import BallastConfig, IdempotencySettings
 
-#: The actor's name, beside the controller's (``<controller.name>-keys-v2``). The version
-#: is the claim protocol's (v2: claims carry the request's fingerprint): a detached table
+#: The actor's name, beside the controller's (``<controller.name>-keys-v3``). The version
+#: is the claim protocol's (v2: claims carry the request's fingerprint; v3: a claim is a
+#: ``Claim`` carrying the router's typed answer, the fingerprint a ``ModelCall``'s): a detached table
 #: left by a router of another protocol is never called by this one, so an upgrade gets
 #: a fresh table instead of calls that fail and leave keys honoured per router.
-SUFFIX = "-keys-v2"
+SUFFIX = "-keys-v3"
 
 
 class KeyService:
@@ -49,25 +49,24 @@ class KeyService:
         if event is not None:
             event.set()
 
-    async def claim(self, tenant: str, key: str, owner: str, lease_s: float, fingerprint: str) -> dict[str, Any]:
-        return asdict(self._table.claim((tenant, key), owner, lease_s, self._clock(), fingerprint))
+    async def claim(self, tenant: str, key: str, owner: str, lease_s: float, fingerprint: str) -> Claim:
+        return self._table.claim((tenant, key), owner, lease_s, self._clock(), fingerprint)
 
-    async def wait(self, tenant: str, key: str, timeout_s: float) -> Optional[dict[str, Any]]:
+    async def wait(self, tenant: str, key: str, timeout_s: float) -> Optional[Claim]:
         """The key's state once it is answered or freed, or after ``timeout_s``; None when free."""
         slot = (tenant, key)
         now = self._clock()
         seen = self._table.peek(slot, now)
         if seen is None or seen.state == DONE:
-            return None if seen is None else asdict(seen)
+            return seen
         event = self._changed.setdefault(slot, asyncio.Event())
         try:
             await asyncio.wait_for(event.wait(), timeout=max(0.0, timeout_s))
         except asyncio.TimeoutError:
             pass
-        seen = self._table.peek(slot, self._clock())
-        return None if seen is None else asdict(seen)
+        return self._table.peek(slot, self._clock())
 
-    async def complete(self, tenant: str, key: str, owner: str, result: dict[str, Any]) -> bool:
+    async def complete(self, tenant: str, key: str, owner: str, result: Any) -> bool:
         ok = self._table.complete((tenant, key), owner, result, self._clock())
         self._fire((tenant, key))
         return ok

@@ -47,7 +47,7 @@ def _fields(value: Any) -> Any:
 class _Key:
     owner: str
     fingerprint: str
-    result: Optional[dict[str, Any]] = None
+    result: Any = None  # the answer, as the router keeps it (``router.pipeline.Settled``)
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Claim:
     state: str  # MINE, RUNNING, DONE or FULL
     owner: str  # who generates it (or generated it); "" when FULL
     fingerprint: str = ""  # the first claim's request
-    result: Optional[dict[str, Any]] = None
+    result: Any = None
 
 
 def _tenant(slot: tuple[str, str]) -> str:
@@ -110,7 +110,7 @@ class KeyTable:
             return Claim(DONE, k.owner, k.fingerprint, k.result)
         return Claim(MINE if k.owner == owner else RUNNING, k.owner, k.fingerprint)
 
-    def complete(self, slot: tuple[str, str], owner: str, result: dict[str, Any], now_s: float) -> bool:
+    def complete(self, slot: tuple[str, str], owner: str, result: Any, now_s: float) -> bool:
         """Keep the owner's answer (unless it alone is over its tenant's bytes: then the
         key is freed, as after a release); False when the claim was no longer its own."""
         e = self._owned_claim(slot, owner, now_s)

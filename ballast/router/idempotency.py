@@ -51,7 +51,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Awaitable, Callable, Optional
 
 from ballast.config import IdempotencySettings
-from ballast.policies.idempotency import DONE, FULL, MINE, RUNNING, answer_bytes
+from ballast.policies.idempotency import DONE, FULL, MINE, RUNNING, Claim, answer_bytes
 from ballast.policies.ttlmap import TTLMap
 from ballast.errors import ConcurrencyLimited, DeadlineExceeded, InvalidRequest
 from ballast.model.protocol import ModelCall
@@ -283,23 +283,23 @@ class IdempotencyStore:
             )
             if claim is _UNREACHABLE:
                 break  # honoured here alone; settled below in case the table took the claim
-            if claim["state"] == FULL:
+            if claim.state == FULL:
                 raise _full(slot[0], "the shared table")
-            if claim["state"] in (DONE, RUNNING) and claim["fingerprint"] != fingerprint:
+            if claim.state in (DONE, RUNNING) and claim.fingerprint != fingerprint:
                 raise _reused()
-            if claim["state"] == DONE:
+            if claim.state == DONE:
                 self.replays += 1
-                return claim["result"], True
-            if claim["state"] == MINE:
+                return claim.result, True
+            if claim.state == MINE:
                 break
             if left <= 0:
                 raise DeadlineExceeded(
                     "waited for the first attempt of this Idempotency-Key (another router) past the deadline"
                 )
             seen = await shared.wait(slot, min(left, 5.0))
-            if isinstance(seen, dict) and seen["state"] == DONE and seen["fingerprint"] == fingerprint:
+            if isinstance(seen, Claim) and seen.state == DONE and seen.fingerprint == fingerprint:
                 self.replays += 1
-                return seen["result"], True
+                return seen.result, True
             # freed (its attempt failed or its router died), unreachable, still running,
             # or answered for another request (the next claim says so): claim again
         try:

@@ -209,6 +209,26 @@ async def test_a_retry_through_another_router_gets_the_first_answer_once_generat
     assert await b.run("gold", "k1", Counted(), within_s=30) == ({"text": "answer 1"}, True)
 
 
+async def test_a_typed_answer_reaches_the_other_router_as_it_was_given() -> None:
+    # The table keeps the router's answer (pipeline.Settled) whole: a claim is a typed
+    # message, not a dict made of it (asdict would have turned the answer into a dict).
+    from ballast.router.pipeline import Settled
+
+    clock = FakeClock()
+    a, b, actor = routers(clock)
+    answer = Settled("answered", 2, "length", fallback=None, model="m")
+
+    async def first() -> Settled:
+        return answer
+
+    assert await a.run("gold", "k1", first, within_s=30) == (answer, False)
+    await settle()  # the answer reaches the table after the client has it
+    claim = await actor.service.claim("gold", "k1", "router-c", 5.0, "")
+    assert claim.state == DONE and claim.result == answer and isinstance(claim.result, Settled)
+    replayed, was_replay = await b.run("gold", "k1", Counted(), within_s=30)
+    assert was_replay and replayed == answer and isinstance(replayed, Settled)
+
+
 async def test_when_the_first_attempt_fails_the_retry_elsewhere_runs_for_real() -> None:
     clock = FakeClock()
     a, b, _ = routers(clock)
