@@ -5,10 +5,11 @@ at interpreter start. Standard library only; it does nothing unless
 ``BALLAST_TRACE_CTL`` (the control directory) is set.
 
 A thread polls ``<ctl>/state`` (JSON written by the tracer: ``rec``, ``window``,
-``marker``, ``idle``, ``dump``; on ``dump`` it writes ``<ctl>/dump-<pid>.json``). While ``rec`` is on, ``sys.setprofile`` runs in every event-loop
-thread (found through ``asyncio._set_running_loop``), in executor threads (at their
-next work item) and in threads started meanwhile; off, each thread drops it at its
-next call, so serving outside the recording runs at full speed.
+``marker``, ``idle``, ``dump``; on ``dump`` it writes ``<ctl>/dump-<pid>.json``). While
+``rec`` is on, ``sys.setprofile`` runs in every event-loop thread (found through
+``asyncio._set_running_loop``), in executor threads (at their next work item) and in
+threads started meanwhile; off, each thread drops it at its next call, so serving
+outside the recording runs at full speed.
 
 For each call of a function whose file is under ``BALLAST_TRACE_SRC`` (the traced
 tree's ``ballast/``), first entry or coroutine resumption, it records the time, the

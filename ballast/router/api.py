@@ -250,11 +250,13 @@ MIGRATIONS_HEADER = "X-Ballast-Migrations"
 
 
 def answer_headers(answer: Any) -> dict[str, str]:
-    """What every unary answer says in its headers: who answered, whether it was sent
-    again after its replica went away, whether it is a replay of an Idempotency-Key."""
-    headers = {"X-Ballast-Fallback": answer.fallback or "none"}
-    if answer.migrations:
-        headers[MIGRATIONS_HEADER] = str(answer.migrations)
+    """What every unary answer (``pipeline.Answer``) says in its headers: who answered,
+    whether it was sent again after its replica went away, whether it is a replay of an
+    Idempotency-Key."""
+    settled = answer.settled
+    headers = {"X-Ballast-Fallback": settled.fallback or "none"}
+    if settled.migrations:
+        headers[MIGRATIONS_HEADER] = str(settled.migrations)
     if answer.replayed:
         headers["X-Ballast-Idempotent-Replay"] = "true"
     return headers

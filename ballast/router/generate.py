@@ -72,12 +72,13 @@ class NativeFront:
         return self._answer(served, resumed_tokens, req.stream)
 
     def _answer(self, answer: Answer, resumed_tokens: int, stream: bool) -> Response:
-        meta = answer.admission.meta(answer.model)
+        settled = answer.settled
+        meta = answer.admission.meta(settled.model)
         body = {
-            "text": answer.text,
-            "tokens_generated": answer.tokens + resumed_tokens,
+            "text": settled.text,
+            "tokens_generated": settled.tokens + resumed_tokens,
             **meta,
-            "fallback": answer.fallback,
+            "fallback": settled.fallback,
         }
         headers = answer_headers(answer)
         if stream:  # streaming is off at this level: one token event, then done

@@ -145,14 +145,15 @@ class OpenAIFront:
     ) -> Response:
         """A unary answer; or, asked as a stream at a level that does not stream, the
         whole answer as one stream event."""
-        text, stopped = cut_at_stop(answer.text, stops)
+        settled = answer.settled
+        text, stopped = cut_at_stop(settled.text, stops)
         a = answer.admission
         content, calls, finish = tools.settle(
-            text, oa.finish_reason(answer.tokens, a.max_tokens, stopped or answer.finish_reason == "stop")
+            text, oa.finish_reason(settled.tokens, a.max_tokens, stopped or settled.finish_reason == "stop")
         )
         headers = {**headers, **answer_headers(answer)}
-        ident = answer_id.of(answer.model)
-        counts = oa.Counts(a.prompt_tokens, answer.tokens)
+        ident = answer_id.of(settled.model)
+        counts = oa.Counts(a.prompt_tokens, settled.tokens)
         if stream is None:
             body = (
                 oa.chat_completion(ident, content, finish, counts, calls)

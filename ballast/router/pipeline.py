@@ -140,36 +140,13 @@ class Settled:
 
 @dataclass(frozen=True)
 class Answer:
-    """A unary answer as the fronts format it; ``replayed``: the first answer to its
-    Idempotency-Key, given again."""
+    """A unary answer as the fronts format it: how it was admitted, what the model
+    answered (``settled``), and whether it is the first answer to its Idempotency-Key,
+    given again (``replayed``)."""
 
     admission: Admission
     settled: Settled
     replayed: bool = False
-
-    @property
-    def text(self) -> str:
-        return self.settled.text
-
-    @property
-    def tokens(self) -> int:
-        return self.settled.tokens
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return self.settled.finish_reason
-
-    @property
-    def fallback(self) -> Optional[str]:
-        return self.settled.fallback
-
-    @property
-    def model(self) -> str:
-        return self.settled.model
-
-    @property
-    def migrations(self) -> int:
-        return self.settled.migrations
 
 
 @dataclass

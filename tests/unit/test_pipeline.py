@@ -94,7 +94,12 @@ async def test_an_answer_settles_the_quota_to_the_tokens_used(pipeline, router) 
     primary(pipeline).generate.script.append(reply(7))
     answer = await pipeline.serve(request())
     assert isinstance(answer, Answer)
-    assert (answer.tokens, answer.fallback, answer.replayed, answer.admission.max_tokens) == (7, None, False, 20)
+    assert (answer.settled.tokens, answer.settled.fallback, answer.replayed, answer.admission.max_tokens) == (
+        7,
+        None,
+        False,
+        20,
+    )
     assert primary(pipeline).generate.calls[0].max_tokens == 20  # the admitted length is sent
     settled(pipeline, full, 5 + 7)
     assert router.tally.requests == 1
@@ -135,7 +140,7 @@ async def test_a_replay_costs_nothing(pipeline) -> None:
     primary(pipeline).generate.script.append(reply(4))
     await pipeline.serve(request(key="key-1"))
     again = await pipeline.serve(request(key="key-1"))
-    assert again.replayed and again.tokens == 4
+    assert again.replayed and again.settled.tokens == 4
     settled(pipeline, full, 5 + 4)  # only the first answer's tokens
     assert len(primary(pipeline).generate.calls) == 1
 
@@ -176,7 +181,7 @@ async def test_repeats_of_a_running_key_hold_no_place_quota_or_gate_slot(pipelin
     assert bucket_tokens(pipeline) == pytest.approx(full - 25, abs=0.01)
     first_reply.go.set()
     answers = [await first] + [await r for r in repeats]
-    assert [(a.tokens, a.replayed) for a in answers] == [(7, False)] + [(7, True)] * 5
+    assert [(a.settled.tokens, a.replayed) for a in answers] == [(7, False)] + [(7, True)] * 5
     settled(pipeline, full, 5 + 7)
     assert len(primary(pipeline).generate.calls) == 1
     assert router.tally.requests == 1  # repeats asked nothing of the model: not in the level's counts
@@ -193,7 +198,7 @@ async def test_a_repeat_waits_no_longer_than_its_own_deadline_and_the_first_goes
         await pipeline.serve(request(key="key-1", deadline=spent))
     assert not first.done()
     first_reply.go.set()
-    assert (await first).tokens == 3
+    assert (await first).settled.tokens == 3
     settled(pipeline, full, 5 + 3)
 
 
@@ -223,7 +228,7 @@ async def test_a_first_attempt_refused_at_the_gate_frees_its_key_so_the_retry_ru
     pipeline.gate.release(None)
     primary(pipeline).generate.script.append(reply(4))
     again = await pipeline.serve(request(key="key-1"))
-    assert (again.tokens, again.replayed) == (4, False)
+    assert (again.settled.tokens, again.replayed) == (4, False)
     settled(pipeline, full, 5 + 4)
 
 
