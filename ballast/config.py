@@ -21,9 +21,20 @@ from pathlib import Path
 from typing import Any, Literal, Optional, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ballast.policies.autoscale import AutoscaleConfig
+from ballast.policies.catalog import AdapterEntry, Catalog, ModelEntry, name_problem
 from ballast.policies.breaker import BreakerConfig
 from ballast.policies.retry import RetryConfig
 from ballast.policies.limiter import LimiterConfig
@@ -513,6 +524,58 @@ class FallbackConfig(_Strict):
     deployment: FallbackDeploymentConfig = FallbackDeploymentConfig()
 
 
+class AdapterConfig(_Strict):
+    """A LoRA adapter of a vLLM model: a local directory (never downloaded) and who may use it."""
+
+    path: str = Field(min_length=1)
+    # The tenants that may use it (within its model's); null: every tenant its model admits.
+    tenants: Optional[list[str]] = Field(None, min_length=1)
+
+
+class ServedModelConfig(ModelConfig):
+    """One entry of ``models``: a model as ``model`` takes it, and what serving several adds."""
+
+    # LoRA adapters (vLLM only): name -> a directory, or {path, tenants}. A request names
+    # one as "<adapter>" or "<model>:<adapter>".
+    adapters: dict[str, AdapterConfig] = Field(default_factory=dict)
+    # The tenants that may use this model and its adapters; null: every tenant.
+    tenants: Optional[list[str]] = Field(None, min_length=1)
+    # What one of its tokens costs in a tenant's token bucket and fair share (an adapter's
+    # token costs its model's).
+    cost_per_token: PositiveFloat = 1.0
+    # Its Serve deployment; null: deployments.model.
+    deployment: Optional[ModelDeploymentConfig] = None
+    # Its fallback model; null: none, but the first model's is the top-level ``fallback``.
+    fallback: Optional[FallbackConfig] = None
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapter_paths(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return {name: {"path": a} if isinstance(a, str) else a for name, a in v.items()}
+        return v
+
+    @model_validator(mode="after")
+    def _adapters_on_vllm(self) -> "ServedModelConfig":
+        if self.adapters and self.backend != "vllm":
+            raise ValueError(f"adapters: LoRA adapters are vLLM's (backend 'vllm'); this model is {self.backend!r}")
+        for name in self.adapters:
+            problem = name_problem(name)
+            if problem is not None:
+                raise ValueError(f"adapters: adapter name {problem}")
+        return self
+
+    def has_extras(self) -> bool:
+        """Whether it says more than ``model`` can (so that only ``models`` writes it)."""
+        return any(
+            getattr(self, f) != ServedModelConfig.model_fields[f].get_default(call_default_factory=True)
+            for f in _SERVED_ONLY
+        )
+
+
+_SERVED_ONLY = tuple(f for f in ServedModelConfig.model_fields if f not in ModelConfig.model_fields)
+
+
 class ChaosConfig(_Strict):
     """Fault injection in the model deployments: compiled in, off unless enabled here."""
 
@@ -645,6 +708,9 @@ class TenantConfig(_Strict):
     # the same class (fairness).
     weight: PositiveFloat = 1.0
     sheddable: bool = False  # its rate shrinks with the degradation level
+    # The models and adapters this tenant may use (a model's name covers its adapters,
+    # one added at run time included); null: any that the models' own tenants allow.
+    models: Optional[list[str]] = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _rate_or_unlimited(self) -> "TenantConfig":
@@ -718,7 +784,11 @@ class BallastConfig(_Strict):
     app_name: str = "ballast"
     route_prefix: str = "/"
     http: HttpConfig = HttpConfig()
+    # The one model served (the one-model form of ``models``); with ``models`` written,
+    # its first entry (the primary), as every reader of ``model`` takes it.
     model: ModelConfig = ModelConfig()
+    # The models served, in place of ``model``; the first is the primary. Not written: [model].
+    models: list[ServedModelConfig] = Field(default_factory=list)
     deployments: DeploymentsConfig = DeploymentsConfig()
     controller: ControllerConfig = ControllerConfig()
     degradation: DegradationSettings = DegradationSettings()
@@ -733,6 +803,44 @@ class BallastConfig(_Strict):
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     quota: QuotaSettings = QuotaSettings()
     fairness: FairnessSettings = FairnessSettings()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_model_form(cls, data: Any) -> Any:
+        """``model`` alone means ``models: [model]``; ``models`` alone sets ``model`` to its first."""
+        if not isinstance(data, dict):
+            return data
+        models = data.get("models")
+        if models is None:
+            model = data.get("model", {})
+            return {**data, "models": [_as_dict(model)]}
+        if not isinstance(models, list) or not models or not isinstance(models[0], (dict, BaseModel)):
+            return data  # the field's own validation says what is wrong
+        first = _as_dict(models[0])
+        primary = {k: v for k, v in first.items() if k in ModelConfig.model_fields}
+        if data.get("model") is not None and not _same_model(data["model"], primary):
+            raise ValueError("model and models: write the models list alone (model is the one-model form of models)")
+        return {**data, "model": primary}
+
+    @model_serializer(mode="wrap")
+    def _dump_one_form(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A dump writes ``model`` or ``models``, whichever says it all (so it loads back)."""
+        out: dict[str, Any] = handler(self)
+        one = len(self.models) == 1 and not self.models[0].has_extras()
+        out.pop("models" if one else "model", None)
+        return out
+
+    @model_validator(mode="after")
+    def _catalog_rules(self) -> "BallastConfig":
+        _check_catalog_names(self)
+        _check_grants(self)
+        if self.fallback is not None and self.models[0].fallback is not None:
+            raise ValueError("fallback and models[0].fallback: the first model's fallback is written twice")
+        try:
+            self.catalog()  # the policy's own checks
+        except ValueError as e:
+            raise ValueError(f"models: {e}") from None
+        return self
 
     @model_validator(mode="after")
     def _production_has_no_demo_secrets(self) -> "BallastConfig":
@@ -766,6 +874,37 @@ class BallastConfig(_Strict):
                 raise ValueError(f"tenant name {name!r} must be 1-64 letters, digits, '-' or '_'")
         return v
 
+    # -- the models served -------------------------------------------------------------
+    def served_model(self, name: str) -> ServedModelConfig:
+        """The entry of ``models`` called ``name`` (KeyError when there is none)."""
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def deployment_of(self, name: str) -> ModelDeploymentConfig:
+        """Model ``name``'s Serve deployment settings: its own, else ``deployments.model``."""
+        return self.served_model(name).deployment or self.deployments.model
+
+    def fallback_of(self, name: str) -> Optional[FallbackConfig]:
+        """Model ``name``'s fallback: its own, else (the first model only) ``fallback``."""
+        m = self.served_model(name)
+        return m.fallback if m.fallback is not None or m is not self.models[0] else self.fallback
+
+    def catalog(self) -> Catalog:
+        """The catalog policy: models, adapters, grants and costs, as plain data."""
+        entries = [
+            ModelEntry(
+                name=m.name,
+                backend=m.backend,
+                cost_per_token=m.cost_per_token,
+                tenants=_frozen(m.tenants),
+                adapters=tuple(AdapterEntry(n, a.path, _frozen(a.tenants)) for n, a in m.adapters.items()),
+            )
+            for m in self.models
+        ]
+        return Catalog.build(entries, {t: tc.models for t, tc in self.tenants.items()})
+
     # -- conversions to the pure policies' frozen configs ------------------------------
     def degradation_config(self) -> DegradationConfig:
         d = self.degradation
@@ -775,6 +914,68 @@ class BallastConfig(_Strict):
     def autoscale_config(self) -> AutoscaleConfig:
         m = self.deployments.model
         return frozen_config(AutoscaleConfig, self.autoscale, min_replicas=m.min_replicas, max_replicas=m.max_replicas)
+
+
+def _as_dict(model: Any) -> Any:
+    return model.model_dump() if isinstance(model, BaseModel) else model
+
+
+def _same_model(written: Any, primary: dict[str, Any]) -> bool:
+    """Whether ``model``, written beside ``models``, says nothing (defaults) or the first entry."""
+    try:
+        given = ModelConfig.model_validate(_as_dict(written))
+        return given == ModelConfig() or given == ModelConfig.model_validate(primary)
+    except ValueError:
+        return False
+
+
+def _frozen(names: Optional[list[str]]) -> Optional[frozenset[str]]:
+    return None if names is None else frozenset(names)
+
+
+def _check_catalog_names(cfg: BallastConfig) -> None:
+    """Model, adapter and fallback names: valid, and unique across all of them."""
+    seen: dict[str, str] = {}
+
+    def take(where: str, name: str) -> None:
+        if name in seen:
+            raise ValueError(f"{where}: {name!r} is already {seen[name]} (names are unique across models and adapters)")
+        seen[name] = where
+
+    for i, m in enumerate(cfg.models):
+        problem = name_problem(m.name)
+        if problem is not None:
+            raise ValueError(f"models[{i}].name: {problem}")
+        take(f"models[{i}].name", m.name)
+    for i, m in enumerate(cfg.models):
+        for adapter in m.adapters:
+            take(f"models[{i}].adapters.{adapter}", adapter)
+    fallbacks = [("fallback.model.name", cfg.fallback)] + [
+        (f"models[{i}].fallback.model.name", m.fallback) for i, m in enumerate(cfg.models)
+    ]
+    for where, fallback in fallbacks:
+        if fallback is not None and fallback.model.name != cfg.model.name:  # the same: refused below, as before
+            take(where, fallback.model.name)
+
+
+def _check_grants(cfg: BallastConfig) -> None:
+    """Grants name declared tenants, adapters' within their model's; tenants' lists name what exists."""
+    for i, m in enumerate(cfg.models):
+        grants = [(f"models[{i}].tenants", m.tenants)]
+        grants += [(f"models[{i}].adapters.{n}.tenants", a.tenants) for n, a in m.adapters.items()]
+        for where, tenants in grants:
+            unknown = sorted(set(tenants or ()) - set(cfg.tenants))
+            if unknown:
+                raise ValueError(f"{where}: {unknown} are not in tenants")
+            outside = sorted(set(tenants or ()) - set(m.tenants or tenants or ()))
+            if outside:
+                raise ValueError(f"{where}: {outside} are not in models[{i}].tenants")
+    names = {m.name for m in cfg.models} | {a for m in cfg.models for a in m.adapters}
+    names |= {f"{m.name}:{a}" for m in cfg.models for a in m.adapters}
+    for tenant, tc in cfg.tenants.items():
+        unknown = sorted(set(tc.models or ()) - names)
+        if unknown:
+            raise ValueError(f"tenants.{tenant}.models: {unknown} are no model or adapter served")
 
 
 def load_config(
@@ -811,6 +1012,10 @@ def load_config(
         data = with_model_dir(data, model_dir, engine)
     try:
         cfg = BallastConfig.model_validate(data)
+        if len(cfg.models) > 1:
+            raise ValueError(
+                f"models: {len(cfg.models)} models given; several models are not served yet (one entry only)"
+            )
         cfg.degradation_config()
         cfg.autoscale_config()
         cfg.recycle.recycle_config()
@@ -825,12 +1030,15 @@ def with_model_dir(data: dict[str, Any], model_dir: "str | Path", engine: str = 
     """``data`` with its primary model replaced by the Hugging Face directory ``model_dir``,
     served by ``engine`` ("transformers" or "vllm")."""
     path = Path(model_dir).expanduser().resolve()
-    model = {
-        k: v for k, v in (data.get("model") or {}).items() if k not in ("checkpoint_path", "checkpoint_format", "seed")
-    }
+    models = data.get("models")
+    first = models[0] if isinstance(models, list) and models else data.get("model")
+    model = {k: v for k, v in (first or {}).items() if k not in ("checkpoint_path", "checkpoint_format", "seed")}
     if engine != "vllm":
         model.pop("engine_kwargs", None)
+        model.pop("adapters", None)
     model.update(backend=engine, path=str(path), name=path.name[:64] or "model")
+    if isinstance(models, list) and models:
+        return {**{k: v for k, v in data.items() if k != "model"}, "models": [model, *models[1:]]}
     return {**data, "model": model}
 
 
