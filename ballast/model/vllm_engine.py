@@ -47,6 +47,9 @@ an adapter runs with it, and a row naming one that is not loaded is refused alon
 (``EngineRefused`` naming ``model``). vLLM keeps at most ``max_cpu_loras`` adapters in
 memory and ``max_loras`` in one step; one it evicted is read again from its directory
 when a row needs it. A removed adapter's rows already in the engine finish with it.
+On CPU, vLLM's LoRA ops (``vllm/lora/ops/torch_ops``) index a row without an adapter
+(index -1) as the last adapter slot, so a base-model row that shares a step with adapter
+rows runs with an adapter there; rows of adapters alone, or of the base alone, are right.
 
 **Stats** come from vLLM's own scheduler through a ``StatLoggerBase`` registered
 at start (one record per engine step): running and waiting requests, KV-cache
@@ -329,12 +332,7 @@ class VLLMBackend:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
         self.parameter_count = _parameter_count(self.info.weight_files)
-        for adapter, adapter_path in (adapters or {}).items():  # a name or path refused before vLLM starts
-            try:
-                _check_adapter_name(adapter, name, adapter_path)
-                _adapter_dir(adapter, adapter_path)
-            except AdapterRefused as e:
-                raise ModelLoadError(e.path, f"adapter {e.name!r}: {e.reason}") from None
+        _precheck_adapters(adapters or {}, name)  # a name or path refused before vLLM starts
         self._stats = _StatsSink()
         self._batches = 0
         self._closed = False
@@ -363,12 +361,7 @@ class VLLMBackend:
         self.grammars = GrammarCompiles(
             self._compile_schema, threads=grammar_compile_threads, timeout_s=grammar_compile_timeout_s
         )
-        try:
-            for adapter, adapter_path in (adapters or {}).items():
-                self.add_adapter(adapter, adapter_path)
-        except AdapterRefused as e:
-            self.shutdown()
-            raise ModelLoadError(e.path, f"adapter {e.name!r}: {e.reason}") from e
+        self._load_adapters(adapters or {})
 
     # ---------------------------------------------------------------- start, stop
 
@@ -455,6 +448,16 @@ class VLLMBackend:
             kept = self._adapters.setdefault(name, req)
         if kept is not req:  # a concurrent add of the same name won: unload this copy
             self._call(self._llm.remove_lora(req.lora_int_id), _CALL_SLACK_S)
+
+    def _load_adapters(self, adapters: Mapping[str, str]) -> None:
+        """The adapters served from the start; one vLLM refuses stops the engine and is a
+        ModelLoadError naming its directory."""
+        try:
+            for name, path in adapters.items():
+                self.add_adapter(name, path)
+        except AdapterRefused as e:
+            self.shutdown()
+            raise ModelLoadError(e.path, f"adapter {e.name!r}: {e.reason}") from e
 
     def remove_adapter(self, name: str) -> bool:
         """Stop serving ``name`` and unload it from vLLM; False when it was not loaded. Rows
@@ -614,6 +617,16 @@ class VLLMBackend:
                 adapters=sorted(self.adapters()),
             )
         return out
+
+
+def _precheck_adapters(adapters: Mapping[str, str], model: str) -> None:
+    """ModelLoadError for an adapter whose name or directory :meth:`VLLMBackend.add_adapter` refuses."""
+    for name, path in adapters.items():
+        try:
+            _check_adapter_name(name, model, path)
+            _adapter_dir(name, path)
+        except AdapterRefused as e:
+            raise ModelLoadError(e.path, f"adapter {e.name!r}: {e.reason}") from None
 
 
 def _adapter_dir(name: str, path: str) -> str:
