@@ -70,6 +70,21 @@ class EngineRefused(InvalidRequest):
     status, code = 400, "ENGINE_REFUSED"
 
 
+class AdapterRefused(InvalidRequest):
+    """A LoRA adapter the engine would not load (not a local directory, a name already
+    taken, vLLM's own refusal: a rank above ``max_lora_rank``, missing weights), with the
+    engine's reason: refused when it is added, never on a request."""
+
+    status, code = 400, "ADAPTER_REFUSED"
+
+    def __init__(self, name: str, path: str, reason: str):
+        super().__init__(f"adapter {name!r} ({path}): {reason}", field="adapters")
+        self.args = (name, path, reason)
+        self.name = name
+        self.path = path
+        self.reason = reason
+
+
 class SchemaTooComplex(InvalidRequest):
     """A ``response_format`` schema or the tools' schemas are past the bounds Ballast sets
     (depth, size, count), or their grammar did not compile within its time limit:

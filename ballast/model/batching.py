@@ -61,6 +61,15 @@ def left_pad(x: Tensor, width: int, dim: int) -> Tensor:
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
+def refuse_adapter(key: Any, join: Sequence[Any]) -> Optional[EngineRefused]:
+    """The refusal of a join that names a LoRA adapter (its 5th item) on an engine that
+    serves none (the built-in and Hugging Face ones); None when it names none."""
+    adapter = join[4] if len(join) > 4 else None
+    if adapter is None:
+        return None
+    return EngineRefused(f"model: adapter {adapter!r} of row {key!r}: this engine serves no adapters", field="model")
+
+
 def refuse_bad_ids(key: Any, ids: Sequence[int], vocab_size: int) -> Optional[EngineRefused]:
     """The refusal of a join whose prompt ids are not all in ``[0, vocab_size)`` (a resumed
     stream's ids come from the client's side); None when they are."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ballast.model.batching import ids_by_row, left_pad, refuse_bad_ids, rows_to_keep
+from ballast.model.batching import ids_by_row, left_pad, refuse_adapter, refuse_bad_ids, rows_to_keep
 from ballast.model.builtin_decoder import BYTE_VOCAB_SIZE
 
 if TYPE_CHECKING:
@@ -32,10 +32,11 @@ __all__ = ["LiveBatch"]
 
 
 def _split_refused(joins: Sequence[tuple], vocab_size: int) -> tuple[list[tuple], dict[Any, BaseException]]:
-    """The joins whose ids are all in the vocabulary, and the others' refusals by key."""
+    """The joins whose ids are all in the vocabulary and that name no adapter, and the
+    others' refusals by key."""
     ok, refused = [], {}
     for join in joins:
-        why = refuse_bad_ids(join[0], join[1], vocab_size)
+        why = refuse_adapter(join[0], join) or refuse_bad_ids(join[0], join[1], vocab_size)
         if why is None:
             ok.append(join)
         else:

@@ -49,7 +49,8 @@ class Batch(Protocol):
         ...
 
     def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
-        """Admit ``joins`` (key, prompt ids, max new tokens, sampling), then up to ``steps``
+        """Admit ``joins`` (key, prompt ids, max new tokens[, sampling[, adapter]]: a LoRA
+        adapter's name, which only vLLM serves; the others refuse such a row alone), then up to ``steps``
         tokens per row; the ids each row emitted. What it raises is a fault of the step
         itself, and fails every row; a row's own fault is in ``take_failed``."""
         ...
@@ -112,12 +113,14 @@ def build_engine(m: Any) -> ModelBackend:
     if m.backend == "vllm":
         from ballast.model.vllm_engine import VLLMBackend, default_engine_kwargs
 
+        adapters = dict(getattr(m, "adapters", None) or {})  # LoRA: name -> local directory
         return VLLMBackend(
             m.path,
             name=m.name,
-            engine_kwargs=default_engine_kwargs(m.path, dict(m.engine_kwargs), m.max_batch_size),
+            engine_kwargs=default_engine_kwargs(m.path, dict(m.engine_kwargs), m.max_batch_size, adapters),
             grammar_compile_timeout_s=m.grammar_compile_timeout_s,
             grammar_compile_threads=m.grammar_compile_threads,
+            adapters=adapters,
         )
     if m.backend == "transformers":
         import torch

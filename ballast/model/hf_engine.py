@@ -55,7 +55,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ballast.model.batching import describe_engine, ids_by_row, left_pad, refuse_bad_ids, rows_to_keep
+from ballast.model.batching import describe_engine, ids_by_row, left_pad, refuse_adapter, refuse_bad_ids, rows_to_keep
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels, tokenizer_id
 from ballast.model.protocol import GREEDY, RowSampling
 
@@ -332,7 +332,7 @@ class HFBatch:
                 raise ContextTooLong(
                     f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {self._b.max_seq_len}"
                 )
-            refused = refuse_bad_ids(key, ids, self._b.vocab_size)
+            refused = refuse_adapter(key, join) or refuse_bad_ids(key, ids, self._b.vocab_size)
             if refused is not None:
                 self._failed[key] = refused
                 continue

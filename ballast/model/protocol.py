@@ -187,8 +187,10 @@ class ModelCall:
 
     @property
     def asks(self) -> frozenset[str]:
-        """The call fields only some engines honour that this call asks for."""
-        return self.sampling.asks if self.sampling is not None else frozenset()
+        """The call fields only some engines honour that this call asks for (its sampling's,
+        and ``adapter`` when it names one)."""
+        asked = self.sampling.asks if self.sampling is not None else frozenset()
+        return asked | {"adapter"} if self.adapter is not None else asked
 
     @property
     def resumed_ids(self) -> tuple[int, ...]:

@@ -28,7 +28,10 @@ shorter than the primary's the router admitted for, takes any length and the
 engine's ``fit`` shortens it); ``prompt_ids`` are taken as they are when they are the
 engine's tokenizer's (``call.tokenizer == engine.tokenizer_id``), checked against the
 vocabulary, else the engine tokenizes ``prompt`` itself. The engine's ``fit`` may
-shorten max_tokens to the context, never lengthen it.
+shorten max_tokens to the context, never lengthen it. A call naming a LoRA adapter
+(``call.adapter``) is refused (``EngineRefused`` naming ``model``) unless the engine
+serves it now (``serves_adapter``: vLLM's only); its row joins with the adapter's name,
+and the batch refuses it alone if the adapter was removed in between.
 
 **Deadline.** A call's time is ``call.deadline.left_s(wall clock)`` (no deadline:
 ``max_deadline_s``); the row's own deadline ends ``REPLICA_LEAD_S`` before it
@@ -114,6 +117,7 @@ class ReplicaRow:
     decoder: StreamDecoder  # the engine's stream decoder: text piece by piece
     timeout_s: float = 0.0  # the time the call had when it arrived (for its error's message)
     sampling: Optional[RowSampling] = None  # None: greedy
+    adapter: Optional[str] = None  # the LoRA adapter the row runs with (None: the base model)
     stops: Optional[StopScanner] = None
     key: int = 0
     started: bool = False
@@ -278,6 +282,7 @@ class ReplicaLoop:
         engine within the call's deadline, and a resume applied. EngineRefused (a 400) or
         the engine's own refusal for a call refused as sent."""
         max_tokens = self._checked_max_tokens(call.max_tokens)
+        self._check_adapter(call.adapter)
         now = self._clock()
         timeout_s = call.deadline.left_s(self._wall_clock()) if call.deadline is not None else self._max_deadline_s
         ids, max_tokens = self._engine.fit(self._prompt_ids(call), max_tokens)
@@ -292,6 +297,7 @@ class ReplicaLoop:
             decoder=self._engine.stream_decoder(keep_special_tokens=bool(sampling and sampling.keep_special_tokens)),
             timeout_s=timeout_s,
             sampling=sampling,
+            adapter=call.adapter,
             stops=StopScanner(call.stops) if call.stops else None,
             key=self._next_key,
         )
@@ -309,6 +315,16 @@ class ReplicaLoop:
                 f"max_tokens must be at most {limit} for this model, got {max_tokens}", field="max_tokens"
             )
         return max_tokens
+
+    def _check_adapter(self, adapter: Optional[str]) -> None:
+        """A call's adapter, which this engine must serve now; else EngineRefused naming ``model``."""
+        if adapter is None:
+            return
+        serves = getattr(self._engine, "serves_adapter", None)  # only engines with adapters have it
+        if serves is None or not serves(adapter):
+            raise EngineRefused(
+                f"model: adapter {adapter!r} is not served by model {self._engine.name!r}", field="model"
+            )
 
     def _prompt_ids(self, call: ModelCall) -> list[int]:
         """The router's ids when they are this engine's tokenizer's, checked against the
@@ -480,6 +496,8 @@ class ReplicaLoop:
         self._waits_ms.add(row.queue_wait_ms, now)
         self._kv_reserved += row.reserved_tokens
         self._active[row.key] = row
+        if row.adapter is not None:
+            return (row.key, row.ids, row.max_tokens, row.sampling, row.adapter)
         return (row.key, row.ids, row.max_tokens, row.sampling)
 
     def _finish(self, row: ReplicaRow, last: Union[ModelChunk, BaseException]) -> None:

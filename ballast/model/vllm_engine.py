@@ -37,6 +37,20 @@ the replica turns ids back into text (``stream_decoder``), so vLLM is told not
 to detokenize. An end-of-sequence token is emitted (counted) as with the other
 engines; vLLM stops at the tokenizer's and ``generation_config.json``'s eos ids.
 
+**LoRA adapters.** A backend started with ``enable_lora`` serves named adapters (local
+directories in PEFT's format) beside its base model: :meth:`VLLMBackend.add_adapter`
+loads one into vLLM at once (``AsyncLLM.add_lora``), so that a bad directory is refused
+there with vLLM's reason (``AdapterRefused``), never on a request;
+:meth:`~VLLMBackend.remove_adapter` unloads it. Each adapter keeps one ``LoRARequest``
+(its name, an int id never reused by this backend, its directory); a row whose join names
+an adapter runs with it, and a row naming one that is not loaded is refused alone
+(``EngineRefused`` naming ``model``). vLLM keeps at most ``max_cpu_loras`` adapters in
+memory and ``max_loras`` in one step; one it evicted is read again from its directory
+when a row needs it. A removed adapter's rows already in the engine finish with it.
+On CPU, vLLM's LoRA ops (``vllm/lora/ops/torch_ops``) index a row without an adapter
+(index -1) as the last adapter slot, so a base-model row that shares a step with adapter
+rows runs with an adapter there; rows of adapters alone, or of the base alone, are right.
+
 **Stats** come from vLLM's own scheduler through a ``StatLoggerBase`` registered
 at start (one record per engine step): running and waiting requests, KV-cache
 usage, cumulative prefix-cache queries and hits (:class:`VLLMStats`).
@@ -51,13 +65,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from ballast.model.batching import describe_engine
-from ballast.errors import EngineRefused, ModelLoadError
+from ballast.errors import AdapterRefused, EngineRefused, ModelLoadError
 from ballast.model.grammar import GrammarCompiles
 from ballast.model.hf_engine import (
     GREEDY,
@@ -74,6 +88,14 @@ __all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
 # vLLM options Ballast sets unless engine_kwargs says otherwise.
 _DEFAULT_ENGINE_KWARGS = {"enable_prefix_caching": True}
 _CALL_SLACK_S = 30.0  # beyond a call's own bound: the engine loop itself is stuck
+_ADAPTER_LOAD_S = 120.0  # one adapter's load into vLLM (read from disk, checked, copied in)
+# LoRA settings Ballast sets when a model has adapters and leaves them out: vLLM's own
+# max_lora_rank (16, which covers the common r <= 16 fine-tunes; the LoRA buffers vLLM
+# allocates at start grow with it), raised to the largest rank among the adapters loaded at
+# start; an adapter added later above it is refused with vLLM's reason.
+_DEFAULT_MAX_LORA_RANK = 16
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM's max_lora_rank accepts
+_MAX_ADAPTER_NAME = 128
 _SHUTDOWN_WAIT_S = 15.0
 
 
@@ -167,9 +189,12 @@ def _parameter_count(weight_files: Sequence[Path]) -> Optional[int]:
         return None
 
 
-def default_engine_kwargs(path: str, engine_kwargs: dict[str, Any], rows: int) -> dict[str, Any]:
+def default_engine_kwargs(
+    path: str, engine_kwargs: dict[str, Any], rows: int, adapters: Optional[Mapping[str, str]] = None
+) -> dict[str, Any]:
     """``engine_kwargs`` with Ballast's defaults for what it leaves out: room in the engine
-    for ``rows`` requests (``max_num_seqs``, the replica bounds them), and on CPU a KV cache
+    for ``rows`` requests (``max_num_seqs``, the replica bounds them), LoRA when the model
+    has ``adapters`` (:func:`lora_engine_kwargs`), and on CPU a KV cache
     with room for ``rows`` rows that each fill the context, as Ballast's own engines are
     sized. vLLM's CPU default (``gpu_memory_utilization`` 0.92 of the host's memory) is
     refused by a host that runs anything else; an explicit size, or
@@ -177,7 +202,7 @@ def default_engine_kwargs(path: str, engine_kwargs: dict[str, Any], rows: int) -
     import json
     import os
 
-    out = {"max_num_seqs": rows, **engine_kwargs}
+    out = lora_engine_kwargs({"max_num_seqs": rows, **engine_kwargs}, adapters or {})
     sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(out) or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if sized or _cuda_visible():
         return out
@@ -198,6 +223,34 @@ def default_engine_kwargs(path: str, engine_kwargs: dict[str, Any], rows: int) -
         return out
     out["kv_cache_memory_bytes"] = max(64 << 20, rows * context * per_token)
     return out
+
+
+def lora_engine_kwargs(engine_kwargs: dict[str, Any], adapters: Mapping[str, str]) -> dict[str, Any]:
+    """``engine_kwargs`` with LoRA turned on when there are ``adapters`` (unless it says
+    ``enable_lora``), ``max_loras`` (adapters in one step) as many as the adapters up to 4,
+    and ``max_lora_rank`` vLLM's 16 or the smallest rank vLLM takes that holds the largest
+    adapter's (read from its ``adapter_config.json``; one that cannot be read is vLLM's to
+    refuse when it is loaded)."""
+    out = dict(engine_kwargs)
+    if not adapters or out.get("enable_lora") is False:
+        return out
+    out["enable_lora"] = True
+    out.setdefault("max_loras", max(1, min(len(adapters), 4)))
+    if "max_lora_rank" not in out:
+        rank = max([_DEFAULT_MAX_LORA_RANK, *(_adapter_rank(p) for p in adapters.values())])
+        out["max_lora_rank"] = next((r for r in _LORA_RANKS if r >= rank), _LORA_RANKS[-1])
+    return out
+
+
+def _adapter_rank(path: str) -> int:
+    """The largest rank in a PEFT adapter's ``adapter_config.json`` (0: none readable)."""
+    import json
+
+    try:
+        c = json.loads((Path(path) / "adapter_config.json").read_text())
+        return max([int(c.get("r") or 0), *(int(v) for v in (c.get("rank_pattern") or {}).values())])
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
 
 
 def _cuda_visible() -> bool:
@@ -248,6 +301,8 @@ class VLLMBackend:
     gpu_memory_utilization, ...); ``model`` and ``tokenizer`` are ``path``.
     A directory vLLM cannot serve raises :class:`ModelLoadError` here, naming the
     file and vLLM's reason. ``max_wait_s`` bounds one ``run_chunk``'s wait.
+    ``adapters`` (name: local directory) are loaded at start (``enable_lora`` in
+    ``engine_kwargs``); one vLLM refuses is a :class:`ModelLoadError` naming its directory.
     """
 
     def __init__(
@@ -259,6 +314,7 @@ class VLLMBackend:
         max_wait_s: float = 0.5,
         grammar_compile_timeout_s: float = 2.0,
         grammar_compile_threads: int = 2,
+        adapters: Optional[Mapping[str, str]] = None,
     ) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer, tokenizer_id
 
@@ -276,9 +332,16 @@ class VLLMBackend:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_ids = frozenset(eos)
         self.parameter_count = _parameter_count(self.info.weight_files)
+        _precheck_adapters(adapters or {}, name)  # a name or path refused before vLLM starts
         self._stats = _StatsSink()
         self._batches = 0
         self._closed = False
+        # Guards _adapters and _lora_ids: add/remove run on any thread, batches read the
+        # table on the engine loop. An adapter enters the table only once vLLM loaded it
+        # and leaves it before vLLM unloads it, so a row never runs with one vLLM refused.
+        self._adapter_lock = threading.Lock()
+        self._adapters: dict[str, Any] = {}  # name -> vLLM's LoRARequest
+        self._lora_ids = 0  # the last LoRARequest id handed out; ids are never reused
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"vllm-{name}", daemon=True)
         self._thread.start()
@@ -298,6 +361,7 @@ class VLLMBackend:
         self.grammars = GrammarCompiles(
             self._compile_schema, threads=grammar_compile_threads, timeout_s=grammar_compile_timeout_s
         )
+        self._load_adapters(adapters or {})
 
     # ---------------------------------------------------------------- start, stop
 
@@ -354,6 +418,70 @@ class VLLMBackend:
             coro.close()
             raise RuntimeError(f"engine {self.name!r} is shut down")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in the local directory ``path`` into vLLM now, served as
+        ``name``. AdapterRefused (nothing loaded) for a name that is not a plain one or is
+        taken by another directory, a path that is not a local directory, LoRA off, or
+        vLLM's own refusal, with its reason. Adding a loaded adapter again is a no-op."""
+        from vllm.lora.request import LoRARequest
+
+        _check_adapter_name(name, self.name, path)
+        where = _adapter_dir(name, path)
+        if self._llm.vllm_config.lora_config is None:
+            raise AdapterRefused(name, path, f"model {self.name!r} was started without enable_lora")
+        with self._adapter_lock:
+            held = self._adapters.get(name)
+            if held is not None:
+                if held.lora_path != where:
+                    raise AdapterRefused(name, path, f"the name is taken by {held.lora_path}; remove it first")
+                return
+            self._lora_ids += 1
+            req = LoRARequest(lora_name=name, lora_int_id=self._lora_ids, lora_path=where)
+        try:
+            self._call(self._llm.add_lora(req), _ADAPTER_LOAD_S)
+        except Exception as e:  # vLLM's reason, from its engine core (the adapter alone: the engine goes on)
+            raise AdapterRefused(name, path, f"vLLM refuses it: {e}") from None
+        with self._adapter_lock:
+            kept = self._adapters.setdefault(name, req)
+        if kept is not req:  # a concurrent add of the same name won: unload this copy
+            self._call(self._llm.remove_lora(req.lora_int_id), _CALL_SLACK_S)
+
+    def _load_adapters(self, adapters: Mapping[str, str]) -> None:
+        """The adapters served from the start; one vLLM refuses stops the engine and is a
+        ModelLoadError naming its directory."""
+        try:
+            for name, path in adapters.items():
+                self.add_adapter(name, path)
+        except AdapterRefused as e:
+            self.shutdown()
+            raise ModelLoadError(e.path, f"adapter {e.name!r}: {e.reason}") from e
+
+    def remove_adapter(self, name: str) -> bool:
+        """Stop serving ``name`` and unload it from vLLM; False when it was not loaded. Rows
+        already in the engine with it finish; a row that joins after is refused."""
+        with self._adapter_lock:
+            req = self._adapters.pop(name, None)
+        if req is None:
+            return False
+        self._call(self._llm.remove_lora(req.lora_int_id), _CALL_SLACK_S)
+        return True
+
+    def adapters(self) -> dict[str, str]:
+        """The adapters served, by name: their directories."""
+        with self._adapter_lock:
+            return {name: req.lora_path for name, req in self._adapters.items()}
+
+    def serves_adapter(self, name: str) -> bool:
+        with self._adapter_lock:
+            return name in self._adapters
+
+    def _lora_request(self, name: str) -> Any:
+        """The adapter's ``LoRARequest``; None when it is not loaded."""
+        with self._adapter_lock:
+            return self._adapters.get(name)
 
     # ---------------------------------------------------------------- text side
 
@@ -486,8 +614,41 @@ class VLLMBackend:
                 kv_cache_blocks=cfg.cache_config.num_gpu_blocks,
                 kv_block_size=cfg.cache_config.block_size,
                 prefix_caching=bool(cfg.cache_config.enable_prefix_caching),
+                adapters=sorted(self.adapters()),
             )
         return out
+
+
+def _precheck_adapters(adapters: Mapping[str, str], model: str) -> None:
+    """ModelLoadError for an adapter whose name or directory :meth:`VLLMBackend.add_adapter` refuses."""
+    for name, path in adapters.items():
+        try:
+            _check_adapter_name(name, model, path)
+            _adapter_dir(name, path)
+        except AdapterRefused as e:
+            raise ModelLoadError(e.path, f"adapter {e.name!r}: {e.reason}") from None
+
+
+def _adapter_dir(name: str, path: str) -> str:
+    """``path`` as an absolute local directory (vLLM would take anything else for a
+    Hugging Face repository id and download it: nothing is downloaded here)."""
+    p = Path(path).expanduser() if isinstance(path, str) and path else None
+    if p is None or not p.is_dir():
+        raise AdapterRefused(name, str(path), "not a local directory")
+    return str(p.resolve())
+
+
+def _check_adapter_name(name: str, model: str, path: str) -> None:
+    """A name a request can give as its ``model`` (alone or as ``<model>:<name>``): printable,
+    no whitespace or colon, at most ``_MAX_ADAPTER_NAME`` characters, not the model's own."""
+    ok = isinstance(name, str) and 0 < len(name) <= _MAX_ADAPTER_NAME and name.isprintable()
+    if not ok or name == model or any(c.isspace() or c == ":" for c in name):
+        raise AdapterRefused(
+            str(name),
+            path,
+            f"an adapter's name is 1-{_MAX_ADAPTER_NAME} printable characters, no whitespace or ':', "
+            f"and not the model's own name {model!r}",
+        )
 
 
 def _device_name(vllm_config: Any) -> str:
@@ -529,12 +690,13 @@ def _row_error(row: "_Row", e: BaseException) -> BaseException:
 
 
 class _Row:
-    __slots__ = ("key", "rid", "sampling", "unread", "made", "finished", "error", "task")
+    __slots__ = ("key", "rid", "sampling", "adapter", "unread", "made", "finished", "error", "task")
 
-    def __init__(self, key: Any, rid: str, sampling: RowSampling) -> None:
+    def __init__(self, key: Any, rid: str, sampling: RowSampling, adapter: Optional[str] = None) -> None:
         self.key = key
         self.rid = rid
         self.sampling = sampling
+        self.adapter = adapter
         self.unread: list[int] = []  # ids not yet returned by run_chunk; at most max_new_tokens
         self.made = 0
         self.finished = False
@@ -542,12 +704,17 @@ class _Row:
         self.task: Optional[asyncio.Task] = None
 
 
+# A parsed join: key, prompt ids, max new tokens, sampling, adapter name (None: the base model).
+_Join = tuple[Any, list[int], int, RowSampling, Optional[str]]
+
+
 class VLLMBatch:
     """The rows one replica loop has in the engine (see the module docstring).
 
     ``run_chunk`` and ``remove`` have the contract of ``ballast.model.engine.Batch``;
     a join is ``(key, prompt ids, max_new_tokens)`` or with a 4th item, a
-    :class:`RowSampling` (None: greedy). One caller at a time; the state lives on
+    :class:`RowSampling` (None: greedy), and a 5th, the name of a LoRA adapter the row
+    runs with (None: the base model). One caller at a time; the state lives on
     the backend's engine loop and is only touched there.
     """
 
@@ -582,13 +749,14 @@ class VLLMBatch:
 
     # ------------------------------------------------------------------ internals
 
-    def _parse(self, joins: Sequence[tuple]) -> list[tuple[Any, list[int], int, RowSampling]]:
+    def _parse(self, joins: Sequence[tuple]) -> list[_Join]:
         parsed = []
         seen = set(self._rows)
         limit = self._b.max_seq_len
         for join in joins:
             key, ids, n = join[0], [int(i) for i in join[1]], join[2]
             sampling = join[3] if len(join) > 3 and join[3] is not None else GREEDY
+            adapter = join[4] if len(join) > 4 else None
             if key in seen:
                 raise ValueError(f"key {key!r} is already in the batch")
             seen.add(key)
@@ -596,14 +764,14 @@ class VLLMBatch:
                 raise ContextTooLong(
                     f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {limit}"
                 )
-            parsed.append((key, ids, n, sampling))
+            parsed.append((key, ids, n, sampling, adapter))
         return parsed
 
-    async def _chunk(self, parsed: list[tuple[Any, list[int], int, RowSampling]], steps: int) -> dict[Any, list[int]]:
-        out: dict[Any, list[int]] = {key: [] for key, _, _, _ in parsed}
-        for key, ids, n, sampling in parsed:
+    async def _chunk(self, parsed: list[_Join], steps: int) -> dict[Any, list[int]]:
+        out: dict[Any, list[int]] = {join[0]: [] for join in parsed}
+        for key, ids, n, sampling, adapter in parsed:
             if n > 0:
-                self._submit(key, ids, n, sampling)
+                self._submit(key, ids, n, sampling, adapter)
         for key in self._failed:
             out.pop(key, None)
         deadline = time.monotonic() + self._b.max_wait_s
@@ -640,26 +808,33 @@ class VLLMBatch:
             return True
         return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
 
-    def _submit(self, key: Any, ids: list[int], n: int, s: RowSampling) -> None:
+    def _submit(self, key: Any, ids: list[int], n: int, s: RowSampling, adapter: Optional[str]) -> None:
         from vllm.inputs import TokensPrompt
 
         from vllm.exceptions import VLLMClientError
 
         llm = self._b._llm
-        row = _Row(key, f"{self._prefix}-{key}", s)
+        row = _Row(key, f"{self._prefix}-{key}", s, adapter)
+        lora = self._b._lora_request(adapter) if adapter is not None else None
+        if adapter is not None and lora is None:  # removed (or never added): this row alone
+            self._failed[key] = EngineRefused(
+                f"model: adapter {adapter!r} is not loaded on model {self._b.name!r}", field="model"
+            )
+            return
         try:
             params = sampling_params(s, n)
             prompt = llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=ids)])[0]
         except (VLLMClientError, ValueError) as e:  # this row's own: it fails alone
             self._failed[key] = _row_error(row, e)
             return
-        row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params))
+        row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params, lora))
         self._rows[key] = row
 
-    async def _pump(self, row: _Row, prompt: Any, params: Any) -> None:
-        """Append the request's new ids to ``row`` as vLLM produces them."""
+    async def _pump(self, row: _Row, prompt: Any, params: Any, lora: Any) -> None:
+        """Append the request's new ids to ``row`` as vLLM produces them (with the adapter's
+        ``LoRARequest`` ``lora``, None: the base model)."""
         try:
-            async for output in self._b._llm.generate(prompt, params, row.rid):
+            async for output in self._b._llm.generate(prompt, params, row.rid, lora_request=lora):
                 new = output.outputs[0].token_ids
                 row.unread.extend(new)
                 row.made += len(new)

@@ -2,10 +2,11 @@
 
 A call (``ballast.model.protocol.ModelCall``) may ask for things only some engines
 honour: ``repetition_penalty``, ``json_schema`` (from ``response_format`` and forced
-tool calls) and ``keep_special_tokens`` (tool_choice "auto": the tool parser reads the
-model's markers), only vLLM's. ``ENGINE_ONLY`` says, by call field, which engines honour
-it and which request fields ask for it (with each one's neutral value, which asks for
-nothing). Two readers:
+tool calls), ``keep_special_tokens`` (tool_choice "auto": the tool parser reads the
+model's markers) and ``adapter`` (a LoRA adapter, named by the request's ``model``: the
+router resolves that field itself, so no request field asks for it here), only vLLM's.
+``ENGINE_ONLY`` says, by call field, which engines honour it and which request fields ask
+for it (with each one's neutral value, which asks for nothing). Two readers:
 
 * the fronts refuse a request field that asks for what the primary's engine cannot
   honour, with 400 naming it (``unhonoured_request_fields``);
@@ -35,6 +36,7 @@ ENGINE_ONLY: Mapping[str, EngineOnly] = {
     "repetition_penalty": EngineOnly(frozenset({"vllm"}), {"repetition_penalty": 1.0}),
     "json_schema": EngineOnly(frozenset({"vllm"}), {"response_format": None, "tools": None}),
     "keep_special_tokens": EngineOnly(frozenset({"vllm"}), {"tools": None}),
+    "adapter": EngineOnly(frozenset({"vllm"}), {}),
 }
 
 

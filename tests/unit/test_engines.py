@@ -23,6 +23,15 @@ def test_vllms_own_fields_keep_a_call_on_vllm():
     assert ModelCall("hi", sampling=RowSampling(json_schema=None, repetition_penalty=1.0)).asks == frozenset()
 
 
+def test_a_calls_adapter_keeps_it_on_vllm_and_asks_no_request_field():
+    call = ModelCall("hi", adapter="sql", sampling=RowSampling(repetition_penalty=1.3))
+    assert call.asks == {"adapter", "repetition_penalty"}
+    assert ModelCall("hi", adapter="sql").asks == {"adapter"}
+    assert honours("vllm", call.asks)
+    assert not honours("builtin", call.asks) and not honours("transformers", call.asks)
+    assert "model" not in unhonoured_request_fields("builtin")  # the router resolves a request's model itself
+
+
 def test_the_fronts_refuse_the_request_fields_that_ask_for_what_the_engine_lacks():
     expected = {"repetition_penalty": 1.0, "response_format": None, "tools": None}
     assert unhonoured_request_fields("builtin") == expected

@@ -346,3 +346,18 @@ async def test_a_row_the_batch_fails_alone_fails_its_request_only_and_the_others
         assert loop.running == 0 and loop.kv_reserved_tokens == 0
     finally:
         loop.stop()
+
+
+async def test_a_call_naming_an_adapter_is_refused_by_an_engine_without_adapters(engine):
+    # The loop refuses it before it queues (EngineRefused naming model); a row that reaches
+    # the batch with an adapter all the same is refused there alone, and the others finish.
+    loop = make_loop(engine)
+    with pytest.raises(EngineRefused, match="adapter 'sql' is not served") as refused:
+        await loop.prepare(call([72, 105], 4, adapter="sql"))
+    assert refused.value.field == "model" and refused.value.status == 400 and loop.queued == 0
+
+    batch = engine.open_batch()
+    out = batch.run_chunk([(1, [72, 105], 4, None, "sql"), (2, [65], 4, None, None)], 4)
+    failed = batch.take_failed()
+    assert set(failed) == {1} and isinstance(failed[1], EngineRefused) and failed[1].field == "model"
+    assert 1 not in out and len(out[2]) >= 1
