@@ -20,7 +20,7 @@ replica's heartbeat.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Mapping, Optional, TypeVar
+from typing import Any, ClassVar, Mapping, Optional, Protocol, TypeVar
 
 from ballast.policies.criticality import Criticality
 from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_non_negative, is_finite
@@ -28,10 +28,14 @@ from ballast.policies.validation import check_fields, check_finite, check_int, c
 #: Serve's namespace, where it names replica actors (what a hung replica is killed by).
 SERVE_NAMESPACE = "serve"
 
-if TYPE_CHECKING:
-    from _typeshed import DataclassInstance
 
-R = TypeVar("R", bound="DataclassInstance")
+class _Dataclass(Protocol):
+    """Any dataclass instance (what ``dataclasses`` marks every one with), standard library only."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+R = TypeVar("R", bound=_Dataclass)
 
 
 def _check_bool(name: str, value: object) -> None:
