@@ -45,7 +45,7 @@ from ballast.policies.scheduler import SchedulerConfig, batch_row_limit
 from ballast.model.engine import build_engine
 from ballast.model.chaos import ChaosAgent
 from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
-from ballast.model.replica_loop import ModelStalled, ReplicaLoop
+from ballast.model.replica_loop import ReplicaLoop
 from ballast.config import BallastConfig, ModelConfig, load_config
 from ballast.control.link import connect
 from ballast.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
@@ -56,7 +56,6 @@ from ballast.control.snapshot import Snapshot
 
 __all__ = [
     "ModelServer",
-    "ModelStalled",
     "fallback_deployment",
     "model_deployment",
     "scheduler_config",

@@ -17,8 +17,10 @@ for it (with each one's neutral value, which asks for nothing). Two readers:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 
@@ -45,12 +47,13 @@ def honours(engine: str, asks: Iterable[str]) -> bool:
     return all(engine in ENGINE_ONLY[f].engines for f in asks if f in ENGINE_ONLY)
 
 
-def unhonoured_request_fields(engine: str) -> dict[str, Any]:
+@functools.cache  # a few engine names; read on every OpenAI request
+def unhonoured_request_fields(engine: str) -> Mapping[str, Any]:
     """The request fields that ask for something ``engine`` cannot honour, each with its
-    neutral value, in the table's order (each field once)."""
+    neutral value, in the table's order (each field once); read-only."""
     fields: dict[str, Any] = {}
     for only in ENGINE_ONLY.values():
         if engine not in only.engines:
             for name, neutral in only.asked_by.items():
                 fields.setdefault(name, neutral)
-    return fields
+    return MappingProxyType(fields)
