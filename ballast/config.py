@@ -45,6 +45,7 @@ from ballast.policies.leak import LadderConfig, LeakConfig
 from ballast.policies.recycle import RecycleConfig
 
 from ballast.errors import ConfigError
+from ballast.control.names import fallback_deployment_name, model_deployment_name
 
 
 class _Strict(BaseModel):
@@ -881,6 +882,14 @@ class BallastConfig(_Strict):
             if m.name == name:
                 return m
         raise KeyError(name)
+
+    def deployment_name(self, name: str) -> str:
+        """Model ``name``'s Serve deployment (the first model's is ``BallastModel``)."""
+        return model_deployment_name(name, self.models[0].name)
+
+    def fallback_deployment_name(self, name: str) -> str:
+        """Model ``name``'s fallback's Serve deployment (the first's is ``BallastFallbackModel``)."""
+        return fallback_deployment_name(name, self.models[0].name)
 
     def deployment_of(self, name: str) -> ModelDeploymentConfig:
         """Model ``name``'s Serve deployment settings: its own, else ``deployments.model``."""
