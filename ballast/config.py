@@ -1021,10 +1021,6 @@ def load_config(
         data = with_model_dir(data, model_dir, engine)
     try:
         cfg = BallastConfig.model_validate(data)
-        if len(cfg.models) > 1:
-            raise ValueError(
-                f"models: {len(cfg.models)} models given; several models are not served yet (one entry only)"
-            )
         cfg.degradation_config()
         cfg.autoscale_config()
         cfg.recycle.recycle_config()

@@ -102,6 +102,19 @@ class NotFound(BallastError):
     status, code = 404, "NOT_FOUND"
 
 
+class ModelNotFound(NotFound):
+    """A model or adapter this deployment does not serve, or that the caller's key may not
+    use (one answer for both: a tenant learns nothing of what it was not granted). The code
+    is OpenAI's own, which its clients test for."""
+
+    code = "model_not_found"
+
+    @classmethod
+    def named(cls, name: Optional[str], usable: "list[str]") -> "ModelNotFound":
+        """The refusal of ``name``, naming the models and adapters the caller may use."""
+        return cls(f"model {name!r} does not exist or this key may not use it; yours: {', '.join(usable) or 'none'}")
+
+
 class Overloaded(BallastError):
     """No capacity for this request now: the level does not admit its class (at the router
     or at the edge), or the gate cannot serve it within its deadline."""

@@ -113,7 +113,8 @@ def build_engine(m: Any) -> ModelBackend:
     if m.backend == "vllm":
         from ballast.model.vllm_engine import VLLMBackend, default_engine_kwargs
 
-        adapters = dict(getattr(m, "adapters", None) or {})  # LoRA: name -> local directory
+        # LoRA: name -> local directory (a ``models`` entry's adapters are {path, tenants}).
+        adapters = {n: getattr(a, "path", a) for n, a in (getattr(m, "adapters", None) or {}).items()}
         return VLLMBackend(
             m.path,
             name=m.name,

@@ -48,7 +48,6 @@ from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
 from ballast.model.replica_loop import ReplicaLoop
 from ballast.config import BallastConfig, ModelConfig, load_config
 from ballast.control.link import connect
-from ballast.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
 from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
 from ballast.model.niceness import yield_cpu_to
 from ballast.model.routing import request_router_config
@@ -89,15 +88,22 @@ def scheduler_config(m: ModelConfig, context_tokens: int) -> SchedulerConfig:
 
 
 class ModelServer:
-    """One model replica; ``role`` "primary" serves ``model``, "fallback" serves ``fallback.model``."""
+    """One model replica: of model ``model`` (None: the config's first), ``role`` "primary"
+    serving the model itself, "fallback" its fallback's model."""
 
-    def __init__(self, cfg: dict[str, Any], role: str = "primary"):
+    def __init__(self, cfg: dict[str, Any], role: str = "primary", model: Optional[str] = None):
         self._cfg = load_config(cfg)
-        if role not in ("primary", "fallback") or (role == "fallback" and self._cfg.fallback is None):
+        self._model = model if model is not None else self._cfg.models[0].name  # the level it acts on
+        fallback = self._cfg.fallback_of(self._model)
+        if role not in ("primary", "fallback") or (role == "fallback" and fallback is None):
             raise ValueError(f"role: {role!r} is not served by this config")
         self._role = role
-        self._model_cfg = self._cfg.model if role == "primary" else self._cfg.fallback.model
-        self._deployment = MODEL_DEPLOYMENT if role == "primary" else FALLBACK_DEPLOYMENT
+        self._model_cfg = self._cfg.served_model(self._model) if role == "primary" else fallback.model
+        self._deployment = (
+            self._cfg.deployment_name(self._model)
+            if role == "primary"
+            else self._cfg.fallback_deployment_name(self._model)
+        )
         yield_cpu_to(self._model_cfg.niceness)  # before torch starts its threads
         self._backend = build_engine(self._model_cfg)
         warm_started = time.monotonic()
@@ -234,7 +240,8 @@ class ModelServer:
     # -- control loop ------------------------------------------------------------------
     def _level_batch_limit(self) -> int:
         """Rows the batch may hold at the level the snapshot cache says (``batch_row_limit``)."""
-        return batch_row_limit(self._model_cfg.max_batch_size, self._cache.effective().constraints.max_batch_size)
+        limit = self._cache.effective(self._model).constraints.max_batch_size
+        return batch_row_limit(self._model_cfg.max_batch_size, limit)
 
     def _apply_snapshot(self, snap: Snapshot) -> None:
         self._loop.limit_rows(self._level_batch_limit())
@@ -348,17 +355,18 @@ class ModelServer:
             self._gpu.close()
 
 
-def model_deployment(cfg: BallastConfig):
-    """The Serve deployment for ``ModelServer`` with options from the config."""
+def model_deployment(cfg: BallastConfig, model: Optional[str] = None):
+    """The Serve deployment of model ``model`` (None: the first), options from the config."""
     from ballast.control.autoscaling import autoscaling_config
 
-    d = cfg.deployments.model
+    name = model if model is not None else cfg.models[0].name
+    d = cfg.deployment_of(name)
     return serve.deployment(
         ModelServer,
         **d.serve_options(
-            MODEL_DEPLOYMENT,
+            cfg.deployment_name(name),
             cfg.http.access_log,
-            autoscaling_config=autoscaling_config(cfg),
+            autoscaling_config=autoscaling_config(cfg, name),
             request_router_config=request_router_config(cfg.watchdog.interval_s),
             health_check_period_s=d.health_check_period_s,
             health_check_timeout_s=d.health_check_timeout_s,
@@ -367,16 +375,19 @@ def model_deployment(cfg: BallastConfig):
     )
 
 
-def fallback_deployment(cfg: BallastConfig):
-    """The smaller fallback model: a fixed number of replicas, its own bounded queue."""
-    assert cfg.fallback is not None
-    m = cfg.deployments.model  # health checks and shutdown as the primary's
+def fallback_deployment(cfg: BallastConfig, model: Optional[str] = None):
+    """Model ``model``'s (None: the first's) smaller fallback model: a fixed number of
+    replicas, its own bounded queue."""
+    name = model if model is not None else cfg.models[0].name
+    fallback = cfg.fallback_of(name)
+    assert fallback is not None
+    m = cfg.deployment_of(name)  # health checks and shutdown as its model's
     return serve.deployment(
         ModelServer,
-        **cfg.fallback.deployment.serve_options(
-            FALLBACK_DEPLOYMENT,
+        **fallback.deployment.serve_options(
+            cfg.fallback_deployment_name(name),
             cfg.http.access_log,
-            num_replicas=cfg.fallback.deployment.replicas,
+            num_replicas=fallback.deployment.replicas,
             request_router_config=request_router_config(cfg.watchdog.interval_s),
             health_check_period_s=m.health_check_period_s,
             health_check_timeout_s=m.health_check_timeout_s,

@@ -1,4 +1,4 @@
-"""Application builder: the model deployment behind the router ingress, plus the controller.
+"""Application builder: each model's deployment (and its fallback's) behind the router ingress, plus the controller.
 
 ``build(cfg)`` is for code that already holds a config (the CLI, tests, benchmarks).
 ``build_app(args)`` is the import path for ``serve run`` / ``serve deploy``
@@ -18,10 +18,14 @@ from ballast.router.app import router_deployment
 
 
 def build(cfg: BallastConfig) -> Application:
+    """The router bound to each model's deployment and each fallback's (by model name)."""
     data = cfg.model_dump(mode="json")
-    model = model_deployment(cfg).bind(data)
-    fallback = fallback_deployment(cfg).bind(data, "fallback") if cfg.fallback is not None else None
-    return router_deployment(cfg).bind(model, data, fallback)
+    models, fallbacks = {}, {}
+    for m in cfg.models:
+        models[m.name] = model_deployment(cfg, m.name).bind(data, "primary", m.name)
+        if cfg.fallback_of(m.name) is not None:
+            fallbacks[m.name] = fallback_deployment(cfg, m.name).bind(data, "fallback", m.name)
+    return router_deployment(cfg).bind(models, data, fallbacks)
 
 
 def build_app(args: dict[str, Any]) -> Application:

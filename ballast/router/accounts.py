@@ -38,7 +38,10 @@ class Accounts:
         metrics: RouterMetrics,
         tally: Tally,
         clock: Callable[[], float] = time.monotonic,
+        model: Optional[str] = None,
     ) -> None:
+        """The counters of the requests to model ``model`` (None: the config's first)."""
+        self.model = model if model is not None else cfg.models[0].name
         self._tenants = cfg.tenants
         self._fair_cost = cfg.fairness.policy_config()  # the counters' cost rule, for the served metric
         self._gate = gate
@@ -65,7 +68,7 @@ class Accounts:
     def _tokens(self, tenant: str, prompt_tokens: int, generated: int) -> None:
         used = prompt_tokens + generated
         if used:
-            self.metrics.tenant_tokens.inc(used, tags={"tenant": tenant})
+            self.metrics.tenant_tokens.inc(used, tags={"tenant": tenant, "model": self.model})
         served = self._fair_cost.cost(prompt_tokens, generated, self._tenants[tenant].weight)
         if served:
             self.metrics.fair_served.inc(served, tags={"tenant": tenant})
@@ -74,11 +77,15 @@ class Accounts:
         """A request that ends here under ``code`` (a ticket's, or an Idempotency-Key's
         repeat that took none), with its latency from ``started_s``."""
         self.refused(tenant, criticality, code)
-        self.metrics.latency.observe((self._clock() - started_s) * 1000.0, tags={"criticality": criticality})
+        self.metrics.latency.observe(
+            (self._clock() - started_s) * 1000.0, tags={"criticality": criticality, "model": self.model}
+        )
 
     def refused(self, tenant: str, criticality: str, code: str) -> None:
         """A request counted under ``code`` (a refusal before any ticket: no latency)."""
-        self.metrics.requests.inc(tags={"tenant": tenant, "criticality": criticality, "code": code})
+        self.metrics.requests.inc(
+            tags={"tenant": tenant, "criticality": criticality, "code": code, "model": self.model}
+        )
 
     def waited(self, wait_ms: float, primary: bool) -> None:
         """A wait for the model: for the controller's report, and (primary only) the gate's limit."""

@@ -32,8 +32,6 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from ballast.policies.breaker import BreakerEvent
-from ballast.policies.fairness import TenantCounters
-from ballast.policies.limiter import AimdLimit
 
 from ballast.config import load_config
 from ballast.control.link import connect
@@ -45,7 +43,6 @@ from ballast.router.api import app
 from ballast.router.auth import KeyStore
 from ballast.router.contract import VERSION, openapi_document
 from ballast.router.edge import Edge
-from ballast.router.gate import PriorityGate
 from ballast.router.generate import NativeFront
 from ballast.router.idempotency import IdempotencyStore, SharedKeys
 from ballast.router.metrics import RouterMetrics
@@ -54,43 +51,26 @@ from ballast.router.pipeline import Pipeline
 from ballast.router.quotas import Quotas
 from ballast.router.readiness import CachedProbe
 from ballast.router.reporter import Reporter, log
-from ballast.router.resilience import CallHooks, ResilientCaller
-from ballast.router.tally import Tally
-from ballast.router.tokens import model_text
-
-
-def priority_gate(cfg: Any) -> Optional[PriorityGate]:
-    """The gate to the model ``resilience.gate`` describes, ordering tenants inside a class
-    by ``fairness``; None when the gate is off."""
-    g = cfg.resilience.gate
-    if not g.enabled:
-        return None
-    fair = None
-    if cfg.fairness.enabled:
-        fair = TenantCounters({t: tc.weight for t, tc in cfg.tenants.items()}, cfg.fairness.policy_config())
-    return PriorityGate(
-        AimdLimit(g.limiter_config()),
-        g.max_waiting,
-        g.max_wait_s,
-        reserve_ratio=g.critical_reserve_ratio,
-        reserve_hold_s=g.critical_reserve_hold_s,
-        miss_service_factor=g.miss_service_factor,
-        fair=fair,
-    )
+from ballast.router.lanes import build_lanes
+from ballast.router.resilience import CallHooks
 
 
 @serve.ingress(app)
 class Router:
     """One router replica: builds the pipeline, the fronts and the reporter; declares the routes."""
 
-    def __init__(self, model: Any, cfg: dict[str, Any], fallback: Any = None):
+    def __init__(self, models: Any, cfg: dict[str, Any], fallbacks: Any = None):
+        """``models``: each model's Serve handle by name (one model: its handle alone);
+        ``fallbacks``: each fallback's handle by its model's name (one model: the handle)."""
         self._cfg = cfg = load_config(cfg)
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
-        self._model = model
+        primary = cfg.models[0].name
+        self._handles = models if isinstance(models, dict) else {primary: models}
+        fallbacks = fallbacks if isinstance(fallbacks, dict) else ({primary: fallbacks} if fallbacks else {})
         self._key_table: Any = None  # the shared idempotency key table's handle, once needed
         self._openapi: Optional[dict[str, Any]] = None  # built at the first GET /openapi.json
         keys = KeyStore.from_config(cfg)
-        self.tally, self.metrics = Tally(), RouterMetrics()
+        self.metrics = RouterMetrics(primary)
         self._link, self.snapshots, self._exchange = connect(
             cfg,
             "report_router",
@@ -98,27 +78,27 @@ class Router:
             on_snapshot=lambda snap: self.reporter.on_snapshot(snap),
             on_reply=lambda raw: self.reporter.on_reply(raw),
         )
-        text = model_text(cfg.model)  # the model's tokenizer, template and context
         self.pipeline = Pipeline(
             cfg,
             keys,
             self.snapshots,
-            self._resilient_caller(model, fallback),
+            build_lanes(cfg, self._handles, fallbacks, self.metrics, self._call_hooks),
             Quotas(cfg, self._routers, on_rate=lambda t, rate: self.metrics.tenant_rate.set(rate, tags={"tenant": t})),
             # Keys shared by every router (a retry through another node's endpoint gets the
             # first answer); the actor is looked up or created at the first keyed request.
             IdempotencyStore(cfg.resilience.idempotency, shared=SharedKeys(self._keys_handle, self.router_id)),
-            priority_gate(cfg),
             self.metrics,
-            self.tally,
-            model_max_tokens=text.context - 1,
         )
+        self.tally = self.pipeline.tally  # the first model's
         self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None, keys)
-        self._native = NativeFront(self.pipeline, text, cfg.limits)
-        self._openai = OpenAIFront(self.pipeline, cfg, text, created_s=int(time.time()))
+        self._native = NativeFront(self.pipeline, cfg.limits)
+        self._openai = OpenAIFront(self.pipeline, cfg, created_s=int(time.time()))
         self._admin = Admin(cfg, keys, self._link, self._exchange, self.snapshots, self.pipeline, self.router_id)
         # Health routes need no key: they answer from one model ping per interval at most.
-        self.readiness = CachedProbe(lambda: self._model.ping.remote(), cfg.http.ready_probe_interval_s)
+        self.readiness = {
+            name: CachedProbe(lambda h=handle: h.ping.remote(), cfg.http.ready_probe_interval_s)
+            for name, handle in self._handles.items()
+        }
         # http.admin_port: the admin routes on 127.0.0.1 alone (admin_port.py), not on the public port.
         self.admin_listener: Optional[AdminListener] = None
         if cfg.http.admin_port is not None:
@@ -137,18 +117,14 @@ class Router:
             raise NotFound("no such route")
         return self._admin
 
-    def _resilient_caller(self, model: Any, fallback: Any) -> ResilientCaller:
+    def _call_hooks(self, model: str) -> CallHooks:
+        """What model ``model``'s resilient caller tells the metrics and the tally."""
         m = self.metrics
-        return ResilientCaller(
-            self._cfg,
-            model,
-            fallback,
-            hooks=CallHooks(
-                on_retry=lambda backend, kind: m.retries.inc(tags={"backend": backend, "kind": kind}),
-                on_fallback=lambda kind: m.fallbacks.inc(tags={"kind": kind}),
-                on_breaker_event=self._on_breaker_event,
-                on_lost_capacity=self._on_lost_capacity,
-            ),
+        return CallHooks(
+            on_retry=lambda backend, kind: m.retries.inc(tags={"backend": backend, "kind": kind, "model": model}),
+            on_fallback=lambda kind: m.fallbacks.inc(tags={"kind": kind}),
+            on_breaker_event=lambda event: self._on_breaker_event(model, event),
+            on_lost_capacity=lambda backend, outcome: self._on_lost_capacity(model, backend, outcome),
         )
 
     def _routers(self) -> int:
@@ -169,16 +145,22 @@ class Router:
             self._key_table = keys_actor(self._cfg)
         return self._key_table
 
-    def _on_lost_capacity(self, backend: str, outcome: str) -> None:
-        self.tally.lost_capacity += 1
-        self.metrics.lost.inc(tags={"backend": backend, "outcome": outcome})
+    def _on_lost_capacity(self, model: str, backend: str, outcome: str) -> None:
+        self.pipeline.lanes[model].tally.lost_capacity += 1
+        self.metrics.lost.inc(tags={"backend": backend, "outcome": outcome, "model": model})
 
-    def _on_breaker_event(self, event: BreakerEvent) -> None:
-        self.metrics.breaker.set(int(event.to_state), tags={"backend": event.backend})
+    def _on_breaker_event(self, model: str, event: BreakerEvent) -> None:
+        tags = {"backend": event.backend, "model": model}
+        self.metrics.breaker.set(int(event.to_state), tags=tags)
         if int(event.to_state) == 1:
-            self.metrics.trips.inc(tags={"backend": event.backend})
+            self.metrics.trips.inc(tags=tags)
         log.warning(
-            "breaker %s: %s -> %s (%s)", event.backend, event.from_state.name, event.to_state.name, event.reason
+            "breaker %s of %s: %s -> %s (%s)",
+            event.backend,
+            model,
+            event.from_state.name,
+            event.to_state.name,
+            event.reason,
         )
 
     async def check_health(self) -> None:
@@ -274,13 +256,14 @@ class Router:
         return {"version": VERSION}
 
     async def _unready(self) -> list[str]:
-        """Why this router cannot serve now: the model unreachable (the cached probe's
-        answer, ``http.ready_probe_interval_s``), the snapshot stale."""
+        """Why this router cannot serve now: no model reachable (each model's cached probe,
+        ``http.ready_probe_interval_s``; a router that reaches one model still serves it),
+        the snapshot stale."""
         self._start()
         problems = []
-        model = await self.readiness.problem()
-        if model is not None:
-            problems.append(model)
+        unreachable = [p for p in [await probe.problem() for probe in self.readiness.values()] if p is not None]
+        if len(unreachable) == len(self.readiness):
+            problems.extend(unreachable)
         if not self.snapshots.is_fresh():
             age = self.snapshots.age_s()
             problems.append("controller snapshot " + ("missing" if age is None else f"stale ({age:.1f}s old)"))

@@ -27,6 +27,7 @@ from ballast.router.api import StreamResponse, answer_headers, claimed_criticali
 from ballast.router.pipeline import Answer, ModelRequest, Pipeline, Stream
 from ballast.model.protocol import ModelCall, Resume
 from ballast.router.tokens import ModelText
+from ballast.policies.catalog import Target
 
 
 class ResumeBody(BaseModel):
@@ -43,6 +44,8 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     prompt: str
+    # A model or adapter ("sql", "llama:sql") the caller's key may use; none: the first model.
+    model: Optional[str] = Field(None, min_length=1, max_length=256)
     max_tokens: int = Field(64, ge=1)
     # Or the X-Ballast-Criticality header (which HAProxy reads: edge.py); both must agree.
     criticality: Optional[Criticality] = None
@@ -53,16 +56,16 @@ class GenerateRequest(BaseModel):
 class NativeFront:
     """``POST /v1/generate`` on the pipeline it holds."""
 
-    def __init__(self, pipeline: Pipeline, text: ModelText, limits: Any) -> None:
+    def __init__(self, pipeline: Pipeline, limits: Any) -> None:
         self._pipeline = pipeline
-        self._text = text
         self._limits = limits
 
     async def generate(self, request: Request) -> Response:
         caller = self._pipeline.identify(request)
         req = self._parse(await read_json(request, self._limits))
-        call = self.to_call(req, caller.idempotency_key)
-        max_tokens = self._text.fit(len(call.prompt_ids), req.max_tokens)
+        lane, target = self._pipeline.target(caller, req.model)
+        call = self.to_call(req, caller.idempotency_key, lane.text, target)
+        max_tokens = lane.text.fit(len(call.prompt_ids), req.max_tokens)
         served = await self._pipeline.serve(
             ModelRequest(caller, claimed_criticality(request, req.criticality), max_tokens, req.stream, call)
         )
@@ -111,13 +114,16 @@ class NativeFront:
         finally:
             await stream.aclose()  # a client that left mid-stream: settled now, not when collected
 
-    def to_call(self, req: GenerateRequest, key: Optional[str]) -> ModelCall:
-        """The model call for the request, its prompt tokenized once; a resumed stream's
-        ids and characters (checked here: a bad id would otherwise fail in the model as
-        the model's error) are prefilled after the prompt."""
-        return self._text.call(req.prompt, resume=self._resume(req, key))
+    @classmethod
+    def to_call(cls, req: GenerateRequest, key: Optional[str], text: ModelText, target: Target) -> ModelCall:
+        """The model call for the request, its prompt tokenized once by the model's text; a
+        resumed stream's ids and characters (checked here: a bad id would otherwise fail in
+        the model as the model's error) are prefilled after the prompt."""
+        resume = cls._resume(req, key, text.vocab_size)
+        return text.call(req.prompt, resume=resume, model=target.model, adapter=target.adapter)
 
-    def _resume(self, req: GenerateRequest, key: Optional[str]) -> Optional[Resume]:
+    @staticmethod
+    def _resume(req: GenerateRequest, key: Optional[str], vocab_size: int) -> Optional[Resume]:
         if req.resume is None:
             return None
         if not req.stream:
@@ -131,9 +137,9 @@ class NativeFront:
             raise InvalidRequest(
                 f"resume.ids: {len(ids)} ids, more than max_tokens {req.max_tokens}", field="resume.ids"
             )
-        if max(ids) >= self._text.vocab_size:
+        if max(ids) >= vocab_size:
             raise InvalidRequest(
-                f"resume.ids: token ids must be below the model's vocabulary size {self._text.vocab_size}",
+                f"resume.ids: token ids must be below the model's vocabulary size {vocab_size}",
                 field="resume.ids",
             )
         return Resume(tuple(ids), req.resume.text_chars)

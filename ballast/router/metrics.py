@@ -8,51 +8,65 @@ from __future__ import annotations
 class RouterMetrics:
     """Every metric a router replica exports."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "") -> None:
+        """``model``: the first model's name, the ``model`` tag of every per-model metric
+        recorded without one (a router serving one model records none)."""
         from ray.serve import metrics
 
         self._requests(metrics)
         self._protection(metrics)
         self._tenants(metrics)
+        for m in (self.requests, self.latency, self.level, self.breaker, self.trips, self.retries, self.lost):
+            m.set_default_tags({"model": model})
+        for m in (self.gate, self.gate_refused, self.tenant_tokens):
+            m.set_default_tags({"model": model})
 
     def _requests(self, metrics) -> None:
         """What became of each request, and how long it took."""
         self.requests = metrics.Counter(
-            "ballast_requests_total", "Requests by outcome, every front.", tag_keys=("tenant", "criticality", "code")
+            "ballast_requests_total",
+            "Requests by outcome, every front.",
+            tag_keys=("tenant", "criticality", "code", "model"),
         )
         self.latency = metrics.Histogram(
             "ballast_request_latency_ms",
             "Request latency as the router sees it, every front.",
             boundaries=[5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000],
-            tag_keys=("criticality",),
+            tag_keys=("criticality", "model"),
         )
 
     def _protection(self, metrics) -> None:
         """The level, breakers, fallbacks, retries, gate and edge this router acts through."""
-        self.level = metrics.Gauge("ballast_router_level", "Degradation level this router acts on.")
-        self.breaker = metrics.Gauge(
-            "ballast_breaker_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.", tag_keys=("backend",)
+        self.level = metrics.Gauge(
+            "ballast_router_level", "Degradation level this router acts on, by model.", tag_keys=("model",)
         )
-        self.trips = metrics.Counter("ballast_breaker_trips_total", "Breaker openings.", tag_keys=("backend",))
+        self.breaker = metrics.Gauge(
+            "ballast_breaker_state",
+            "Circuit breaker state: 0 closed, 1 open, 2 half-open.",
+            tag_keys=("backend", "model"),
+        )
+        self.trips = metrics.Counter("ballast_breaker_trips_total", "Breaker openings.", tag_keys=("backend", "model"))
         self.fallbacks = metrics.Counter("ballast_fallbacks_total", "Answers served by a fallback.", tag_keys=("kind",))
-        self.retries = metrics.Counter("ballast_retries_total", "Retried attempts.", tag_keys=("backend", "kind"))
+        self.retries = metrics.Counter(
+            "ballast_retries_total", "Retried attempts.", tag_keys=("backend", "kind", "model")
+        )
         self.lost = metrics.Counter(
             "ballast_requests_lost_capacity_total",
             "Attempts whose replica or node went away, by what became of the request: migrated "
             "(sent again or carried on elsewhere) or not_migrated (to the fallback, else 503 REPLICA_LOST). "
             "Not model errors.",
-            tag_keys=("backend", "outcome"),
+            tag_keys=("backend", "outcome", "model"),
         )
         self.deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")
         self.replays = metrics.Counter("ballast_idempotent_replays_total", "Answers replayed for an Idempotency-Key.")
         self.kill = metrics.Gauge("ballast_kill_switch_active", "Active kill switch entries.")
         self.gate = metrics.Gauge(
-            "ballast_gate", "This router's gate to the model: limit, in_flight, waiting.", tag_keys=("kind",)
+            "ballast_gate", "This router's gate to a model: limit, in_flight, waiting.", tag_keys=("kind", "model")
         )
         self.gate_refused = metrics.Counter(
             "ballast_gate_refused_total",
             "Requests refused at the gate (503 OVERLOADED).",
-            tag_keys=("reason", "criticality"),
+            tag_keys=("reason", "criticality", "model"),
         )
         self.edge = metrics.Counter(
             "ballast_edge_refused_total",
@@ -66,7 +80,9 @@ class RouterMetrics:
     def _tenants(self, metrics) -> None:
         """What each tenant was charged and served, and its fair-share counter."""
         self.tenant_tokens = metrics.Counter(
-            "ballast_tenant_tokens_total", "Tokens charged to a tenant (prompt + generated).", tag_keys=("tenant",)
+            "ballast_tenant_tokens_total",
+            "Tokens charged to a tenant (prompt + generated), in the model's tokens.",
+            tag_keys=("tenant", "model"),
         )
         self.fair_served = metrics.Counter(
             "ballast_fair_served_tokens_total",

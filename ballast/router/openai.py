@@ -34,8 +34,10 @@ from ballast.model.protocol import ModelCall
 from ballast.router import openai_api as oa
 from ballast.stops import StopScanner, cut_at_stop
 from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json
-from ballast.router.pipeline import Admission, Answer, ModelRequest, Pipeline, Stream
+from ballast.router.lanes import Lane
+from ballast.router.pipeline import Admission, Answer, Caller, ModelRequest, Pipeline, Stream
 from ballast.router.tokens import ModelText
+from ballast.policies.catalog import Target
 from ballast.router.tool_calls import ToolPlan, ToolRequestError, ToolSchemaTooComplex, plan
 
 NO_TOOLS = ToolPlan("none")
@@ -47,34 +49,36 @@ Parsed = Union[oa.ChatCompletionRequest, oa.CompletionRequest]
 class OpenAIFront:
     """The OpenAI-compatible routes on the pipeline it holds."""
 
-    def __init__(self, pipeline: Pipeline, cfg: Any, text: ModelText, created_s: int) -> None:
+    def __init__(self, pipeline: Pipeline, cfg: Any, created_s: int) -> None:
         self._pipeline = pipeline
         self._cfg = cfg
         self._limits = cfg.limits
-        self._text = text
         self._created_s = created_s  # /v1/models' "created"
 
     def models(self, request: Request) -> JSONResponse:
-        self._pipeline.identify(request)  # a key is needed here as on every model route
-        names = [self._cfg.model.name]
-        if self._cfg.fallback is not None and self._cfg.fallback.model.name not in names:
-            names.append(self._cfg.fallback.model.name)
-        return JSONResponse(oa.models_list(names, self._created_s))
+        """Every model and adapter the caller's key may use (an adapter with its ``parent``)."""
+        caller = self._pipeline.identify(request)  # a key is needed here as on every model route
+        listed = self._pipeline.catalog.listed_for(caller.tenant)
+        return JSONResponse(oa.models_list([(e.id, e.parent) for e in listed], self._created_s))
 
     async def complete(self, request: Request, chat: bool) -> Response:
         """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``."""
         caller = self._pipeline.identify(request)
-        req = await self._parse(request, chat)
-        tools = self._tool_plan(req) if isinstance(req, oa.ChatCompletionRequest) else NO_TOOLS
-        prompt = self._text.render_chat(req.messages, tools.template_tools()) if chat else req.prompt
+        req, lane, target = await self._parse(request, chat, caller)
+        text = lane.text
+        tools = self._tool_plan(req, text) if isinstance(req, oa.ChatCompletionRequest) else NO_TOOLS
+        prompt = text.render_chat(req.messages, tools.template_tools()) if chat else req.prompt
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
-        call = self.to_call(req, prompt, chat, tools)
-        max_tokens = self._text.fit(len(call.prompt_ids), oa.max_tokens_of(req))
+        call = self.to_call(req, prompt, chat, tools, text, target)
+        max_tokens = text.fit(len(call.prompt_ids), oa.max_tokens_of(req))
         stops = call.stops
         served = await self._pipeline.serve(ModelRequest(caller, claimed, max_tokens, req.stream, call))
-        answer_id = oa.Identity(oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()))
+        # The answer names what was asked (an adapter as the request named it), or the fallback.
+        answer_id = oa.Identity(
+            oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), asked=(target.model, req.model)
+        )
         opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
         if isinstance(served, Stream):
@@ -86,25 +90,27 @@ class OpenAIFront:
             return StreamResponse(events, served, headers)
         return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers, tools)
 
-    async def _parse(self, request: Request, chat: bool) -> Parsed:
+    async def _parse(self, request: Request, chat: bool, caller: Caller) -> tuple[Parsed, Lane, Target]:
+        """The body, the lane of the model it names and what the name means (404
+        model_not_found for one the caller may not use), checked against that model."""
         data = await read_json(request, self._limits, oa.BadRequest)
         req: Parsed = oa.parse_chat(data, self._limits) if chat else oa.parse_completion(data, self._limits)
-        if req.model != self._cfg.model.name:
-            raise oa.unknown_model(req.model, [self._cfg.model.name])
-        oa.refuse_unhonoured(req, self._cfg.model.backend)
+        lane, target = self._pipeline.target(caller, req.model)
+        oa.refuse_unhonoured(req, lane.backend)
         asked = oa.max_tokens_of(req)
         if asked is not None and asked > self._limits.max_tokens_limit:
             field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
             raise oa.BadRequest(f"{field}: must be <= {self._limits.max_tokens_limit}", field=field)
-        if req.top_k is not None and req.top_k > self._text.vocab_size:  # more is every token: a mistake
-            raise oa.BadRequest(f"top_k: must be <= the model's vocabulary size {self._text.vocab_size}", field="top_k")
-        return req
+        vocab = lane.text.vocab_size
+        if req.top_k is not None and req.top_k > vocab:  # more is every token: a mistake
+            raise oa.BadRequest(f"top_k: must be <= the model's vocabulary size {vocab}", field="top_k")
+        return req, lane, target
 
-    def _tool_plan(self, req: oa.ChatCompletionRequest) -> ToolPlan:
+    def _tool_plan(self, req: oa.ChatCompletionRequest, text: ModelText) -> ToolPlan:
         """What the request asks of tools (ballast.router.tool_calls); 400 naming the field
         where it cannot be served."""
         try:
-            tools = plan(req.tools, req.tool_choice, req.parallel_tool_calls, self._text.tool_parser, self._limits)
+            tools = plan(req.tools, req.tool_choice, req.parallel_tool_calls, text.tool_parser, self._limits)
         except ToolSchemaTooComplex as e:
             raise SchemaTooComplex(str(e), field=e.field) from None
         except ToolRequestError as e:
@@ -116,15 +122,23 @@ class OpenAIFront:
             )
         return tools
 
-    def to_call(self, req: Parsed, prompt: str, chat: bool, tools: ToolPlan) -> ModelCall:
-        """The model call for the request: the prompt tokenized once (a chat prompt holds its
-        template's special tokens already; a raw prompt gets them), its stop strings (the
-        model ends the row there; the front cuts too), its sampling; a forced tool call's
-        arguments by guided decoding; tool_choice "auto" keeps the markers the tool parser
-        reads."""
+    @staticmethod
+    def to_call(req: Parsed, prompt: str, chat: bool, tools: ToolPlan, text: ModelText, target: Target) -> ModelCall:
+        """The model call for the request: the prompt tokenized once by the model's text (a
+        chat prompt holds its template's special tokens already; a raw prompt gets them),
+        its stop strings (the model ends the row there; the front cuts too), its sampling;
+        a forced tool call's arguments by guided decoding; tool_choice "auto" keeps the
+        markers the tool parser reads; the model and adapter it names."""
         schema = json.dumps(tools.schema, separators=(",", ":")) if tools.schema is not None else None
         sampling = oa.sampling_of(req, schema, keep_special_tokens=schema is None and tools.mode == "auto")
-        return self._text.call(prompt, add_special_tokens=not chat, sampling=sampling, stops=oa.stops_of(req))
+        return text.call(
+            prompt,
+            add_special_tokens=not chat,
+            sampling=sampling,
+            stops=oa.stops_of(req),
+            model=target.model,
+            adapter=target.adapter,
+        )
 
     @staticmethod
     def _headers(admission: Admission) -> dict[str, str]:
@@ -202,7 +216,7 @@ class OpenAIFront:
         self, stream: Stream, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], opts: "oa.Streaming"
     ) -> AsyncGenerator[bytes, None]:
         scanner = StopScanner(stops)
-        ident = answer_id.of(self._cfg.model.name)
+        ident = answer_id.of(stream.model)
         a = stream.admission
 
         def event(piece: Optional[str], finish: Optional[str] = None, role: bool = False) -> bytes:

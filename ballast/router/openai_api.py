@@ -67,7 +67,7 @@ from ballast.config import LimitsConfig
 from ballast.policies.criticality import Criticality
 from ballast.policies.engines import unhonoured_request_fields
 from ballast.policies.request import MAX_SEED, MIN_SEED, json_extent, json_nesting, sampling_temperature
-from ballast.errors import BallastError, InvalidRequest, NotFound, SchemaTooComplex
+from ballast.errors import BallastError, InvalidRequest, SchemaTooComplex
 from ballast.router.tool_calls import MAX_TOOLS, ToolCall, ToolCallDelta, ToolChoice, ToolSpec, schema_fault
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -616,10 +616,15 @@ class Completion(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """One model or adapter, as vLLM lists them: ``root`` is the model itself (an
+    adapter's: its own name), ``parent`` an adapter's base model (None for a model)."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str
+    parent: Optional[str] = None
 
 
 class ModelList(BaseModel):
@@ -666,12 +671,18 @@ class Ident(NamedTuple):
 
 
 class Identity(NamedTuple):
-    """An answer's id and creation time, before the model that answers is known."""
+    """An answer's id and creation time, before the model that answers is known;
+    ``asked``: (the model asked, the name the request gave it), so that an answer of that
+    model carries the request's name (an adapter's: ``sql`` or ``llama:sql``, as vLLM
+    answers), and a fallback's answer its own."""
 
     id: str
     created: int
+    asked: Optional[tuple[str, str]] = None
 
     def of(self, model: str) -> Ident:
+        if self.asked is not None and model == self.asked[0]:
+            model = self.asked[1]
         return Ident(self.id, self.created, model)
 
 
@@ -786,8 +797,12 @@ def sse_data(event: Union[BaseModel, dict[str, Any]]) -> bytes:
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
-def models_list(names: list[str], created: int) -> dict[str, Any]:
-    cards = [ModelCard(id=name, object="model", created=created, owned_by="ballast") for name in names]
+def models_list(listed: Sequence[tuple[str, Optional[str]]], created: int) -> dict[str, Any]:
+    """``GET /v1/models``: each (id, parent) the caller may use."""
+    cards = [
+        ModelCard(id=name, object="model", created=created, owned_by="ballast", root=name, parent=parent)
+        for name, parent in listed
+    ]
     return _dump(ModelList(object="list", data=cards))
 
 
@@ -804,8 +819,3 @@ def _error_type(err: BallastError) -> str:
     if err.status == 503:
         return "overloaded_error" if err.code == "OVERLOADED" else "service_unavailable_error"
     return _ERROR_TYPES.get(err.status, "api_error")
-
-
-def unknown_model(name: str, served: list[str]) -> NotFound:
-    """404 for a model this deployment does not serve, naming the ones it does."""
-    return NotFound(f"model {name!r} is not served here; served: {', '.join(served) or 'none'}")

@@ -58,12 +58,14 @@ from ballast.errors import (
     DeadlineExceeded,
     InvalidRequest,
     KillSwitchActive,
+    ModelNotFound,
     Overloaded,
     Unauthenticated,
 )
 from ballast.router.api import bearer_token
 from ballast.router.auth import KeyStore
 from ballast.router.gate import GateRefused, GateSlot, PriorityGate
+from ballast.router.lanes import Lane
 from ballast.router.idempotency import IdempotencyStore, request_fingerprint
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
@@ -71,6 +73,7 @@ from ballast.model.protocol import ModelCall, ModelChunk
 from ballast.router.accounts import Accounts
 from ballast.router.resilience import CallRecord, CallSpec, Reply, ResilientCaller
 from ballast.router.tally import Tally
+from ballast.policies.catalog import Target
 from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
 
 
@@ -217,25 +220,22 @@ class Pipeline:
         cfg: Any,
         keys: KeyStore,
         cache: Any,
-        caller: ResilientCaller,
+        lanes: dict[str, Lane],
         quotas: Quotas,
         idempotency: IdempotencyStore,
-        gate: Optional[PriorityGate],
         metrics: RouterMetrics,
-        tally: Tally,
-        model_max_tokens: int,
     ) -> None:
         self._cfg = cfg
         self._keys = keys
-        self.snapshots = cache  # the controller's snapshot (the level), kept fresh off the request path
-        self.caller = caller
+        self.snapshots = cache  # the controller's snapshot (the levels), kept fresh off the request path
+        self.lanes = lanes  # one per model, in the config's order (lanes.py)
+        self.primary = next(iter(lanes.values()))  # the first model's: a request naming none goes there
         self.quotas = quotas
-        self.gate = gate
         self._idem = idempotency
         self.metrics = metrics
-        self.tally = tally
-        self.accounts = Accounts(cfg, gate, metrics, tally)
-        self._model_max_tokens = model_max_tokens
+        # The models and adapters, and who may use which: the config's, and the adapters
+        # added at run time (the snapshot's, applied by the reporter).
+        self.base_catalog = self.catalog = cfg.catalog()
         self.places = TenantPlaces()
         self.kill_switches: list[killswitch.KillSwitchEntry] = []  # from the latest snapshot
 
@@ -269,18 +269,34 @@ class Pipeline:
             raise InvalidRequest(f"Idempotency-Key: 1 to {limit} characters", field="Idempotency-Key")
         return key
 
-    # -- 2. admission ---------------------------------------------------------------------
+    # -- 2. the model ----------------------------------------------------------------------
+    def target(self, caller: Caller, name: Optional[str]) -> tuple[Lane, Target]:
+        """The lane and the model/adapter that ``name`` (a request's ``model`` field; None:
+        the first model) means for the caller's tenant: 404 model_not_found when it names
+        nothing served or nothing the tenant may use (alike, ``policies/catalog.py``)."""
+        catalog = self.catalog
+        target = catalog.target_for(caller.tenant, name if name is not None else self.primary.name)
+        if target is None or target.model not in self.lanes:
+            raise ModelNotFound.named(name, [entry.id for entry in catalog.listed_for(caller.tenant)])
+        return self.lanes[target.model], target
+
+    def lane(self, call: ModelCall) -> Lane:
+        """The lane of the model ``call`` names (the first model's when it names none)."""
+        return self.lanes[call.model] if call.model is not None else self.primary
+
+    # -- 3. admission ---------------------------------------------------------------------
     async def serve(self, req: ModelRequest) -> Union[Answer, Stream]:
         """The request admitted and sent: a ``Stream`` when it asked for one and the level
         allows streaming, else an ``Answer``; a refusal or failure as a BallastError. A
         unary request with an Idempotency-Key goes through ``_keyed``."""
         key = req.caller.idempotency_key
-        if key is not None and not (req.stream and self.snapshots.effective().constraints.streaming):
+        lane = self.lane(req.call)
+        if key is not None and not (req.stream and self.snapshots.effective(lane.name).constraints.streaming):
             return await self._keyed(req, key)
         admission, ticket = await self.acquire(req)
         call = req.call.admitted(admission.max_tokens)
         if req.stream and admission.streaming:
-            state = StreamState(self._cfg.model.name)
+            state = StreamState(lane.name)
             return Stream(admission, ticket, self._stream_chunks(ticket, call, state), state)
         return Answer(admission, await self._settled_unary(ticket, call))
 
@@ -292,20 +308,20 @@ class Pipeline:
     def _admit(self, req: ModelRequest) -> tuple[Admission, bool]:
         """What the level makes of the request (and whether only the fallback may answer
         it), or a refusal (kill switch, level), counted; nothing is held either way."""
-        tenant = req.caller.tenant
+        tenant, lane = req.caller.tenant, self.lane(req.call)
         tenant_cfg = self._cfg.tenants[tenant]
         criticality, lowered = request_policy.lower_criticality(req.claimed, tenant_cfg.max_criticality)
         crit = criticality.value
         now_wall = time.time()
-        self._refuse_if_switched_off(tenant, crit, now_wall)
-        eff = self.snapshots.effective()
-        self.metrics.level.set(eff.level)
-        fallback_only = self._level_admits(tenant, criticality, eff, now_wall)
-        clamped, _ = clamp_max_tokens(req.max_tokens, eff.constraints, self._model_max_tokens)
+        self._refuse_if_switched_off(lane, tenant, crit, now_wall, req.call.adapter)
+        eff = self.snapshots.effective(lane.name)
+        self.metrics.level.set(eff.level, tags={"model": lane.name})
+        fallback_only = self._level_admits(lane, tenant, criticality, eff, now_wall)
+        clamped, _ = clamp_max_tokens(req.max_tokens, eff.constraints, lane.max_tokens)
         reasons = request_policy.degraded_reasons(
             requested_max_tokens=req.max_tokens,
             level_max_tokens=eff.constraints.max_tokens,
-            model_max_tokens=self._model_max_tokens,
+            model_max_tokens=lane.max_tokens,
             lowered=lowered,
             stream_requested=req.stream,
             streaming_allowed=eff.constraints.streaming,
@@ -320,79 +336,93 @@ class Pipeline:
     ) -> Ticket:
         """The tenant's place, the quota charge, the gate slot: all three, or a refusal
         that gives back what it had taken (counted under its code)."""
-        tenant, crit = req.caller.tenant, criticality.value
+        tenant, crit, lane = req.caller.tenant, criticality.value, self.lane(req.call)
         cap = self._cfg.tenants[tenant].max_concurrent or self._cfg.resilience.bulkhead.per_tenant
         if not self.places.take(tenant, cap):
-            self.accounts.refused(tenant, crit, "CONCURRENCY_LIMIT")
+            lane.accounts.refused(tenant, crit, "CONCURRENCY_LIMIT")
             raise ConcurrencyLimited(f"tenant '{tenant}' has {cap} requests in flight", retry_after_s=1.0)
         charge: Optional[Charge] = None
         try:
-            charge = self.quotas.charge(tenant, req.prompt_tokens, max_tokens)
-            self.tally.offer(crit)  # demand within quota: a tenant over its quota must not degrade everyone else
+            charge = self.quotas.charge(tenant, req.prompt_tokens, max_tokens, lane.cost_per_token)
+            lane.tally.offer(crit)  # demand within quota: a tenant over its quota must not degrade everyone else
             slot = GateSlot(None)
             if not fallback_only:
                 slot, fallback_only = await self._gate_slot(
-                    criticality, req.caller.deadline, tenant, (req.prompt_tokens, max_tokens)
+                    lane, criticality, req.caller.deadline, tenant, (req.prompt_tokens, max_tokens)
                 )
         except BaseException as err:
             self.places.give_back(tenant)
             if charge is not None:
                 charge.settle(None)
-            self.accounts.refused(tenant, crit, err.code if isinstance(err, BallastError) else "CANCELLED")
+            lane.accounts.refused(tenant, crit, err.code if isinstance(err, BallastError) else "CANCELLED")
             raise
-        return Ticket(tenant, crit, req.caller.deadline, self.places, charge, slot, fallback_only, self.accounts)
+        return Ticket(tenant, crit, req.caller.deadline, self.places, charge, slot, fallback_only, lane.accounts)
 
-    def _refuse_if_switched_off(self, tenant: str, crit: str, now_wall: float) -> None:
+    def _refuse_if_switched_off(
+        self, lane: Lane, tenant: str, crit: str, now_wall: float, adapter: Optional[str]
+    ) -> None:
+        """503 KILL_SWITCH for a request a live entry refuses outright: global, its tenant,
+        its class, or its adapter (a model's entry takes the model out of its fallback
+        chain instead: resilience.py)."""
         blocked = killswitch.blocking(self.kill_switches, now_wall, tenant, crit)
+        if blocked is None and adapter is not None:
+            blocked = killswitch.model_blocked(self.kill_switches, now_wall, adapter)
         if blocked is not None:
-            self.accounts.refused(tenant, crit, "KILL_SWITCH")
+            lane.accounts.refused(tenant, crit, "KILL_SWITCH")
             raise KillSwitchActive(
                 f"kill switch {blocked.id} ({blocked.scope}): {blocked.reason}",
                 retry_after_s=max(1.0, blocked.expires_at_s - now_wall),
             )
 
-    def _level_admits(self, tenant: str, criticality: Criticality, eff: Any, now_wall: float) -> bool:
-        """Whether the level admits the class: False when it does; True when only the
-        fallback may answer it; refused (503 OVERLOADED, counted as demand turned away) else."""
+    def _level_admits(self, lane: Lane, tenant: str, criticality: Criticality, eff: Any, now_wall: float) -> bool:
+        """Whether the model's level admits the class: False when it does; True when only
+        the fallback may answer it; refused (503 OVERLOADED, counted as demand turned away) else."""
         decision = admit(criticality, eff.level, eff.constraints)
         if decision.admitted:
             return False
-        if self._fallback_may_answer(criticality, now_wall):
+        if self._fallback_may_answer(lane, criticality, now_wall):
             return True
         crit = criticality.value
-        self.tally.offer(crit)  # demand the level turned away
-        self.tally.shed += 1
-        self.accounts.refused(tenant, crit, "OVERLOADED")
-        raise Overloaded(f"degradation level {eff.level} does not admit criticality '{crit}'", decision.retry_after_s)
+        lane.tally.offer(crit)  # demand the level turned away
+        lane.tally.shed += 1
+        lane.accounts.refused(tenant, crit, "OVERLOADED")
+        raise Overloaded(
+            f"model {lane.name!r}: degradation level {eff.level} does not admit criticality '{crit}'",
+            decision.retry_after_s,
+        )
 
-    def _fallback_may_answer(self, criticality: Criticality, now_wall: float) -> bool:
-        """critical_plus that the primary will not take goes to the fallback alone, if it can answer."""
-        return criticality is Criticality.CRITICAL_PLUS and self.caller.can_fall_back(self.kill_switches, now_wall)
+    def _fallback_may_answer(self, lane: Lane, criticality: Criticality, now_wall: float) -> bool:
+        """critical_plus that the model will not take goes to its fallback alone, if it can answer."""
+        return criticality is Criticality.CRITICAL_PLUS and lane.caller.can_fall_back(self.kill_switches, now_wall)
 
     async def _gate_slot(
-        self, criticality: Criticality, deadline: Deadline, tenant: str, cost: tuple[int, int]
+        self, lane: Lane, criticality: Criticality, deadline: Deadline, tenant: str, cost: tuple[int, int]
     ) -> tuple[GateSlot, bool]:
         """(a slot at the model, False); refused: (no slot, True) when the fallback alone
         may answer (critical_plus it can answer), else 503 OVERLOADED. Counted in the
         report interval the gate decided in. ``cost`` (prompt tokens, max_tokens) is what
         the slot charges the tenant's fair-share counter."""
-        if self.gate is None:
+        gate, tally = lane.gate, lane.tally
+        if gate is None:
             return GateSlot(None), False
         try:
-            share = await self.gate.acquire(criticality.rank, deadline.gate_until_s, tenant, cost)
+            share = await gate.acquire(criticality.rank, deadline.gate_until_s, tenant, cost)
         except GateRefused as g:
-            self.metrics.gate_refused.inc(tags={"reason": g.reason, "criticality": criticality.value})
-            if self._fallback_may_answer(criticality, time.time()):
-                self.tally.decided(criticality.value, through=True)  # answered, by the fallback
+            self.metrics.gate_refused.inc(
+                tags={"reason": g.reason, "criticality": criticality.value, "model": lane.name}
+            )
+            if self._fallback_may_answer(lane, criticality, time.time()):
+                tally.decided(criticality.value, through=True)  # answered, by the fallback
                 return GateSlot(None), True
-            self.tally.decided(criticality.value, through=False)
-            self.tally.shed += 1
+            tally.decided(criticality.value, through=False)
+            tally.shed += 1
             raise Overloaded(
-                f"no model capacity for '{criticality.value}' within the request's deadline ({g.reason})",
+                f"no capacity of model {lane.name!r} for '{criticality.value}' within the request's deadline "
+                f"({g.reason})",
                 retry_after_s=1.0,
             ) from None
-        self.tally.decided(criticality.value, through=True)
-        return GateSlot(self.gate, share), False
+        tally.decided(criticality.value, through=True)
+        return GateSlot(gate, share), False
 
     # -- 3. the model call ----------------------------------------------------------------
     async def _keyed(self, req: ModelRequest, key: str) -> Answer:
@@ -429,7 +459,7 @@ class Pipeline:
             raise
         finally:
             if not ran:
-                self.accounts.answered(
+                self.lane(req.call).accounts.answered(
                     req.caller.tenant, admission.criticality.value, outcome, req.caller.deadline.started_s
                 )
         if replayed:
@@ -468,15 +498,16 @@ class Pipeline:
         )
 
     async def _call_unary(self, ticket: Ticket, call: ModelCall, record: CallRecord) -> Reply:
-        self.tally.inflight += 1
+        lane = self.lane(call)
+        lane.tally.inflight += 1
         sent = time.monotonic()
         try:
-            reply = await self.caller.unary(self._spec(ticket, call, record))
+            reply = await lane.caller.unary(self._spec(ticket, call, record))
         finally:
-            self.tally.inflight -= 1
+            lane.tally.inflight -= 1
         # Everything but the replica's compute time was waiting: handle queue + batch queue.
         elapsed_ms = (time.monotonic() - sent) * 1000.0
-        self.accounts.waited(max(0.0, elapsed_ms - reply.result.compute_ms), primary=reply.fallback is None)
+        lane.accounts.waited(max(0.0, elapsed_ms - reply.result.compute_ms), primary=reply.fallback is None)
         return reply
 
     async def _stream_chunks(
@@ -484,15 +515,16 @@ class Pipeline:
     ) -> AsyncGenerator[ModelChunk, None]:
         """The model's chunks; ``state`` says who answered and how much. The ticket is
         settled here once the stream has begun, however it ends."""
-        self.tally.inflight += 1
+        lane = self.lane(call)
+        lane.tally.inflight += 1
         sent = time.monotonic()
         outcome = Outcome("OK")
         try:
-            opened = await self.caller.stream(self._spec(ticket, call, state.call))
+            opened = await lane.caller.stream(self._spec(ticket, call, state.call))
             state.fallback, state.model = opened.fallback, opened.model
             async for chunk in opened.chunks:
                 if chunk.queue_wait_ms is not None:  # a new request's first chunk: it waited until now
-                    self.accounts.waited((time.monotonic() - sent) * 1000.0, primary=state.fallback is None)
+                    lane.accounts.waited((time.monotonic() - sent) * 1000.0, primary=state.fallback is None)
                 state.tokens += chunk.tokens
                 state.finish = chunk.finish_reason or state.finish
                 yield chunk
@@ -503,23 +535,49 @@ class Pipeline:
             outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status))
             raise
         finally:
-            self.tally.inflight -= 1
+            lane.tally.inflight -= 1
             # A stream's length is the client's reading too: no service-time sample.
             ticket.finish(Outcome(outcome.code, error=outcome.error, generated=state.tokens or None))
 
     # -- what /v1/status shows of the request path ------------------------------------------
     def status(self) -> dict[str, Any]:
+        """The first model's breakers, retry budget and gate at the top (as with one model),
+        every model's under ``models``, and what the router shares across them."""
+        lanes = {name: self._lane_status(lane) for name, lane in self.lanes.items()}
         return {
-            "breakers": {
-                b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in self.caller.backends
-            },
-            "retry_budget": self.caller.budget.snapshot(),
+            **lanes[self.primary.name],
+            "models": lanes,
+            "kill_switches": [e.to_dict() for e in self.kill_switches],
+            "quotas": self.quotas.status(),
+            "tenant_inflight": dict(self.places.held),  # admitted, waiting at the gate or at the model
+        }
+
+    @staticmethod
+    def _lane_status(lane: Lane) -> dict[str, Any]:
+        caller = lane.caller
+        return {
+            "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in caller.backends},
+            "retry_budget": caller.budget.snapshot(),
             # Attempts whose replica or node went away, since this router started: carried on
             # elsewhere, or not (to the fallback, else 503 REPLICA_LOST). Not model errors:
             # no breaker or level counts them.
-            "lost_capacity": dict(self.caller.lost),
-            "kill_switches": [e.to_dict() for e in self.kill_switches],
-            "quotas": self.quotas.status(),
-            "gate": self.gate.snapshot() if self.gate is not None else None,
-            "tenant_inflight": dict(self.places.held),  # admitted, waiting at the gate or at the model
+            "lost_capacity": dict(caller.lost),
+            "gate": lane.gate.snapshot() if lane.gate is not None else None,
         }
+
+    # -- the first model's parts, as a one-model router has them ---------------------------
+    @property
+    def caller(self) -> ResilientCaller:
+        return self.primary.caller
+
+    @property
+    def gate(self) -> Optional[PriorityGate]:
+        return self.primary.gate
+
+    @property
+    def tally(self) -> Tally:
+        return self.primary.tally
+
+    @property
+    def accounts(self) -> Accounts:
+        return self.primary.accounts

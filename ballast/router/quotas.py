@@ -42,20 +42,21 @@ class Quotas:
         self._demand: dict[str, float] = {}
         self._demand_since = clock()
 
-    def charge(self, tenant: str, prompt_tokens: int, max_tokens: int) -> Charge:
-        """The estimate (prompt + max_tokens) from the tenant's bucket, counted as demand
-        either way; 429 QUOTA_EXCEEDED (nothing charged) when the bucket cannot pay it now."""
-        cost = request_policy.token_cost(prompt_tokens, max_tokens)
+    def charge(self, tenant: str, prompt_tokens: int, max_tokens: int, per_token: float = 1.0) -> Charge:
+        """The estimate (prompt + max_tokens, each token at the model's ``per_token`` cost)
+        from the tenant's bucket, counted as demand either way; 429 QUOTA_EXCEEDED (nothing
+        charged) when the bucket cannot pay it now. One bucket per tenant across models."""
+        cost = request_policy.token_cost(prompt_tokens, max_tokens) * per_token
         bucket = self._bucket(tenant)
         if bucket is None:
-            return Charge(None, cost, prompt_tokens)
+            return Charge(None, cost, prompt_tokens, per_token)
         self._demand[tenant] = self._demand.get(tenant, 0.0) + cost
         if not bucket.try_charge(cost):
             raise QuotaExceeded(
                 f"tenant '{tenant}' is over its quota of {self._cfg.tenants[tenant].rate_tokens_per_s:g} tokens/s",
                 retry_after_s=request_policy.quota_retry_after_s(bucket.retry_after_s(cost)),
             )
-        return Charge(bucket, cost, prompt_tokens)
+        return Charge(bucket, cost, prompt_tokens, per_token)
 
     def _bucket(self, tenant: str) -> Optional[TokenBucket]:
         bucket = self.buckets.get(tenant)

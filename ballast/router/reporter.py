@@ -31,24 +31,29 @@ from ballast.policies.criticality import Criticality
 from ballast.policies.edge import EdgeThrottle
 from ballast.policies.fairness import TenantCounters
 from ballast.policies.gate import DemandWindow
-from ballast.policies.reports import RouterReport
+from ballast.policies.reports import ModelLoad, RouterReport
 
-from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
-from ballast.control.snapshot import Snapshot
+from ballast.control.names import ROUTER_DEPLOYMENT
+from ballast.control.snapshot import EffectiveState, Snapshot
 from ballast.router.auth import KeyStore
 from ballast.router.edge import Edge, key_entries, shed_entries
+from ballast.router.lanes import Lane
 from ballast.router.pipeline import Pipeline
 
 log = logging.getLogger("ballast.router")
 
 
-def model_ceiling(cfg: Any, snap: Snapshot, share: Optional[float] = None) -> Optional[int]:
-    """The gate's ceiling from a snapshot (and this router's fair share of the model, when
-    the controller gave one): ballast/policies/request.py's ``model_ceiling``."""
+def model_ceiling(
+    cfg: Any, snap: Snapshot, share: Optional[float] = None, model: Optional[str] = None
+) -> Optional[int]:
+    """The ceiling of the gate to ``model`` (None: the first) from a snapshot (and this
+    router's fair share of the model, when the controller gave one):
+    ballast/policies/request.py's ``model_ceiling``."""
+    name = model if model is not None else cfg.models[0].name
     return request_policy.model_ceiling(
-        snap.running_replicas.get(MODEL_DEPLOYMENT, 0),
+        snap.running_replicas.get(cfg.deployment_name(name), 0),
         snap.running_replicas.get(ROUTER_DEPLOYMENT, 0),
-        cfg.deployments.model.max_ongoing_requests,
+        cfg.deployment_of(name).max_ongoing_requests,
         share,
     )
 
@@ -77,32 +82,42 @@ class Reporter:
         self._metrics = pipeline.metrics
         self.edge = edge  # HAProxy refuses the classes the level sheds, when it runs the edge's rules
         self._edge_throttle = EdgeThrottle()  # the edge's share to refuse of the classes the level admits
-        self._demand = DemandWindow(cfg.degradation.demand_window_s)
-        self._gate_seen = (0, 0)  # the gate's (served, saturations) at the last report
+        # Per model: the demand against its gate's answers, and the gate's (served,
+        # saturations) at the last report.
+        self._demand = {name: DemandWindow(cfg.degradation.demand_window_s) for name in pipeline.lanes}
+        self._gate_seen = dict.fromkeys(pipeline.lanes, (0, 0))
         self._fair_share: Optional[float] = None  # this router's share of the model, from the controller
 
     def report(self) -> RouterReport:
         """This router's report: called once per report interval, whether or not it answers."""
         self._set_gauges()
         self.sync_edge()
-        report = self._tally.drain(self._router_id)
-        gate = self._pipeline.gate
-        offered = self._tally.take_offered()
-        if gate is not None:
-            # Waiters at the gate are demand the autoscaler counts; the level does not count
-            # them as queue (the gate refuses each by its deadline, most critical first): it
-            # sheds whole classes by demand against capacity instead.
-            served, saturations = gate.served, gate.saturations
-            self._demand.add(offered, served - self._gate_seen[0], saturations > self._gate_seen[1])
-            self._gate_seen = (served, saturations)
-            report = replace(report, gate_waiting=gate.waiting, **self._demand.rates())
+        loads = {name: self._lane_report(lane) for name, lane in self._pipeline.lanes.items()}
+        report = loads.pop(self._pipeline.primary.name)  # the first model's load: the top-level fields
         fair = self._fair()
         return replace(
             report,
+            models={name: ModelLoad.of(r) for name, r in loads.items()},
             demand_tokens_per_s=self._pipeline.quotas.drain_demand(),
             fair_charged=self._fair_charged(),
             fair_backlogged=fair.backlog() if fair is not None else (),
         )
+
+    def _lane_report(self, lane: Lane) -> RouterReport:
+        """What the router counted for one model since the last report."""
+        report = lane.tally.drain(self._router_id)
+        offered = lane.tally.take_offered()
+        gate, demand = lane.gate, self._demand[lane.name]
+        if gate is None:
+            return report
+        # Waiters at the gate are demand the autoscaler counts; the level does not count
+        # them as queue (the gate refuses each by its deadline, most critical first): it
+        # sheds whole classes by demand against capacity instead.
+        served, saturations = gate.served, gate.saturations
+        seen = self._gate_seen[lane.name]
+        demand.add(offered, served - seen[0], saturations > seen[1])
+        self._gate_seen[lane.name] = (served, saturations)
+        return replace(report, gate_waiting=gate.waiting, **demand.rates())
 
     def _fair_charged(self) -> dict[str, float]:
         """What the gate charged each tenant since the last report, when counters are shared.
@@ -128,24 +143,36 @@ class Reporter:
         age = self._cache.age_s()
         m = self._metrics
         m.snapshot_age.set(age if age is not None else -1.0)
-        for b in self._pipeline.caller.backends:
-            m.breaker.set(int(b.breaker.state), tags={"backend": b.role})
         m.kill.set(len(self._pipeline.kill_switches))
-        m.level.set(self._cache.effective().level)
+        for name, lane in self._pipeline.lanes.items():
+            for b in lane.caller.backends:
+                m.breaker.set(int(b.breaker.state), tags={"backend": b.role, "model": name})
+            m.level.set(self._cache.effective(name).level, tags={"model": name})
+            if lane.gate is not None:
+                m.gate.set(lane.gate.limit.value, tags={"kind": "limit", "model": name})
+                m.gate.set(lane.gate.in_flight, tags={"kind": "in_flight", "model": name})
+                m.gate.set(lane.gate.waiting, tags={"kind": "waiting", "model": name})
         gate = self._pipeline.gate
         if gate is not None:
-            m.gate.set(gate.limit.value, tags={"kind": "limit"})
-            m.gate.set(gate.in_flight, tags={"kind": "in_flight"})
-            m.gate.set(gate.waiting, tags={"kind": "waiting"})
             if gate.fair is not None:
                 for tenant, value in gate.fair.counters().items():
                     m.fair_counter.set(value, tags={"tenant": tenant})
                     m.fair_backlogged.set(int(gate.fair.is_backlogged(tenant)), tags={"tenant": tenant})
 
+    def _edge_view(self) -> EffectiveState:
+        """The level the edge acts on. HAProxy reads no body, so it cannot tell models
+        apart: with several, it refuses a class only where every model's level does (the
+        lowest level's), and the router refuses the rest by each model's own level."""
+        states = [self._cache.effective(name) for name in self._pipeline.lanes]
+        return min(states, key=lambda eff: eff.level)
+
     def sync_edge(self) -> None:
         """The edge's map follows the level this router acts on; its refusals since the
-        last report count as demand the level turned away."""
+        last report count as demand the level turned away (with one model: with several,
+        a refusal's model is unknown, and it counts in no model's level)."""
         seen = self._tally.take_gate_decided()
+        for lane in self._pipeline.lanes.values():
+            lane.tally.take_gate_decided()  # the other models' gates: the edge learns from the first only
         if self.edge is None:
             return
         now = self._clock()
@@ -154,10 +181,11 @@ class Reporter:
         refused = {c: n for c, n in refused.items() if c not in classes_off}
         self.edge.apply_keys(self._vouched(tenants_off))
         for crit, n in refused.items():
-            self._tally.offer(crit, n)
-            self._tally.shed += n
+            if len(self._pipeline.lanes) == 1:
+                self._tally.offer(crit, n)
+                self._tally.shed += n
             self._metrics.edge.inc(n, tags={"criticality": crit})
-        admitted = {c.value for c in self._cache.effective().constraints.admitted}
+        admitted = {c.value for c in self._edge_view().constraints.admitted}
         for c in Criticality:
             if c.value not in admitted:  # the level refuses it whole: nothing to learn, and a
                 self._edge_throttle.forget(c.value)  # class admitted again starts afresh
@@ -198,8 +226,11 @@ class Reporter:
         return g is None or (g.waiting == 0 and g.in_flight < g.limit.value)
 
     def _apply_edge(self, now: float) -> None:
-        eff = self._cache.effective()
-        drops = {c.value: self._edge_throttle.drop_per_mille(now, c.value) for c in Criticality}
+        """The edge's map: the classes the level refuses, and (one model only: its throttle
+        learns from the first model's gate) the share it drops of the others."""
+        eff = self._edge_view()
+        one = len(self._pipeline.lanes) == 1
+        drops = {c.value: self._edge_throttle.drop_per_mille(now, c.value) if one else 0 for c in Criticality}
         self.edge.apply(shed_entries(eff.level, eff.constraints, drops))
 
     def on_snapshot(self, snap: Snapshot) -> None:
@@ -230,9 +261,10 @@ class Reporter:
             self._set_ceiling(snap)
 
     def _set_ceiling(self, snap: Snapshot) -> None:
-        """The gate's ceiling: this router's fair share of the model's slots while tenants
-        wait (the controller apportions them), else an even split among routers."""
-        gate = self._pipeline.gate
-        if gate is None:
-            return
-        gate.limit.set_ceiling(model_ceiling(self._cfg, snap, self._fair_share))
+        """Each gate's ceiling: an even split of its model's slots among routers; for the
+        first model's, this router's fair share of them while tenants wait (the controller
+        apportions them: its fair-share counters are the first model's)."""
+        for name, lane in self._pipeline.lanes.items():
+            if lane.gate is not None:
+                share = self._fair_share if lane is self._pipeline.primary else None
+                lane.gate.limit.set_ceiling(model_ceiling(self._cfg, snap, share, name))

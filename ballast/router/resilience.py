@@ -245,8 +245,12 @@ class ResilientCaller:
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         wait_for: Callable[[Awaitable[Any], float], Awaitable[Any]] = asyncio.wait_for,
+        model: Optional[str] = None,
     ):
+        """The caller to model ``model`` (None: the config's first) and its fallback."""
         r = cfg.resilience
+        served = cfg.served_model(model) if model is not None else cfg.models[0]
+        fallback_cfg = cfg.fallback_of(served.name)
         self._cfg = cfg
         self._clock = clock
         self._wall_clock = wall_clock
@@ -265,22 +269,22 @@ class ResilientCaller:
         self.backends = [
             Backend(
                 "primary",
-                cfg.model.name,
+                served.name,
                 primary,
                 CircuitBreaker("primary", bcfg, clock=clock, rng=self._rng, on_event=hooks.on_breaker_event),
                 Bulkhead(r.bulkhead.primary),
-                cfg.model.backend,
+                served.backend,
             )
         ]
-        if fallback is not None and cfg.fallback is not None:
+        if fallback is not None and fallback_cfg is not None:
             self.backends.append(
                 Backend(
                     "fallback",
-                    cfg.fallback.model.name,
+                    fallback_cfg.model.name,
                     fallback,
                     CircuitBreaker("fallback", bcfg, clock=clock, rng=self._rng, on_event=hooks.on_breaker_event),
                     Bulkhead(r.bulkhead.fallback),
-                    cfg.fallback.model.backend,
+                    fallback_cfg.model.backend,
                 )
             )
         self.cache = (

@@ -77,14 +77,16 @@ class Charge:
     """The estimate charged on a tenant's bucket (None: the tenant has no rate)."""
 
     bucket: Optional[TokenBucket]
-    cost: int
+    cost: float
     prompt_tokens: int
+    per_token: float = 1.0  # what one of the model's tokens costs (``cost_per_token``)
 
     def settle(self, generated: Optional[int]) -> None:
-        """Back to the tokens used: the prompt and ``generated`` (None: nothing used)."""
+        """Back to the tokens used: the prompt and ``generated`` (None: nothing used), at
+        the model's cost per token."""
         if self.bucket is None:
             return
-        used = 0 if generated is None else self.prompt_tokens + generated
+        used = 0.0 if generated is None else (self.prompt_tokens + generated) * self.per_token
         if used < self.cost:
             self.bucket.refund(self.cost - used)
         elif used > self.cost:

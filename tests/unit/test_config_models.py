@@ -115,9 +115,12 @@ class TestModelsList:
         with pytest.raises(KeyError):
             cfg.deployment_of("sql")
 
-    def test_load_config_refuses_several_models_for_now(self) -> None:
-        with pytest.raises(ConfigError, match="models: 2 models given; several models are not served yet"):
-            load_config(two())
+    def test_load_config_takes_several_models_and_names_their_deployments(self) -> None:
+        cfg = load_config(two())
+        assert [m.name for m in cfg.models] == ["llama", "qwen"] and cfg.model.name == "llama"
+        assert cfg.deployment_name("llama") == "BallastModel"  # the first keeps the one-model name
+        assert cfg.deployment_name("qwen") == "BallastModel-qwen"
+        assert cfg.fallback_deployment_name("qwen") == "BallastFallbackModel-qwen"
 
     def test_load_config_takes_one_model_with_adapters(self) -> None:
         cfg = load_config({"tenants": TENANTS, "models": [LLAMA]})

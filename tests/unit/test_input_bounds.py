@@ -277,10 +277,10 @@ def test_required_over_tools_that_pass_alone_can_build_a_schema_too_complex():
     assert e.value.field == "tool_choice" and "nodes; the limit is 400" in str(e.value)
     assert plan(tools[:8], "required", None, limits=limits).mode == "required"
     # The front answers it as 400 SCHEMA_TOO_COMPLEX naming tool_choice.
-    front = OpenAIFront(None, load_config({"limits": {"max_schema_nodes": 400}}), ModelText(64), created_s=0)
+    front = OpenAIFront(None, load_config({"limits": {"max_schema_nodes": 400}}), created_s=0)
     req = oa.parse_chat({**CHAT, "tools": [t.model_dump() for t in tools], "tool_choice": "required"}, limits)
     with pytest.raises(SchemaTooComplex) as err:
-        front._tool_plan(req)
+        front._tool_plan(req, ModelText(64))
     assert (err.value.status, err.value.code, err.value.field) == (400, "SCHEMA_TOO_COMPLEX", "tool_choice")
 
 

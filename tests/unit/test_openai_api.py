@@ -17,6 +17,7 @@ from ballast.errors import (
     Forbidden,
     InvalidRequest,
     KillSwitchActive,
+    ModelNotFound,
     ModelUnavailable,
     NotFound,
     Overloaded,
@@ -477,12 +478,13 @@ def test_new_id():
 
 
 def test_models_list():
-    answer = oa.models_list(["toy", "toy-fallback"], 1700000000)
+    answer = oa.models_list([("llama", None), ("sql", "llama")], 1700000000)
+    card = {"object": "model", "created": 1700000000, "owned_by": "ballast"}
     assert answer == {
         "object": "list",
         "data": [
-            {"id": "toy", "object": "model", "created": 1700000000, "owned_by": "ballast"},
-            {"id": "toy-fallback", "object": "model", "created": 1700000000, "owned_by": "ballast"},
+            {"id": "llama", **card, "root": "llama", "parent": None},
+            {"id": "sql", **card, "root": "sql", "parent": "llama"},  # an adapter, as vLLM lists it
         ],
     }
     assert round_trips(oa.ModelList, answer)
@@ -495,7 +497,7 @@ def fake_front(request) -> tuple[int, bytes]:
     body = json.loads(request.content or b"null")
     path = request.url.path
     if path == "/v1/models":
-        return 200, json.dumps(oa.models_list(["toy"], 5)).encode()
+        return 200, json.dumps(oa.models_list([("toy", None)], 5)).encode()
     if path == "/v1/completions":
         req = oa.parse_completion(body)
         return 200, json.dumps(
@@ -503,7 +505,7 @@ def fake_front(request) -> tuple[int, bytes]:
         ).encode()
     req = oa.parse_chat(body)
     if req.model != "toy":
-        raise oa.unknown_model(req.model, ["toy"])
+        raise ModelNotFound.named(req.model, ["toy"])
     if req.criticality is Criticality.SHEDDABLE:
         raise QuotaExceeded("tenant over its token quota", retry_after_s=2)
     text, stopped = cut_at_stop("Hi there. Bye.", oa.stops_of(req))
@@ -606,12 +608,13 @@ def test_openai_error_body(err, kind, param):
     assert round_trips(oa.ErrorResponse, body)
 
 
-def test_unknown_model_names_it_and_the_served_ones():
-    err = oa.unknown_model("gpt-4o", ["toy", "toy-fallback"])
+def test_unknown_model_names_it_and_the_ones_the_key_may_use():
+    err = ModelNotFound.named("gpt-4o", ["toy", "sql"])
     assert isinstance(err, NotFound) and err.status == 404
-    assert err.message == "model 'gpt-4o' is not served here; served: toy, toy-fallback"
-    assert oa.openai_error_body(err)["error"]["type"] == "not_found_error"
-    assert oa.unknown_model("x", []).message == "model 'x' is not served here; served: none"
+    assert err.message == "model 'gpt-4o' does not exist or this key may not use it; yours: toy, sql"
+    body = oa.openai_error_body(err)["error"]
+    assert (body["type"], body["code"]) == ("not_found_error", "model_not_found")  # OpenAI's own code
+    assert ModelNotFound.named("x", []).message.endswith("yours: none")
 
 
 # -------------------------------------------------------------------- vLLM's dialect

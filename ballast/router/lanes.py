@@ -1,0 +1,91 @@
+"""One lane per model: what a router keeps apart for each model it serves.
+
+A model is the unit of protection (docs/operations.md, "Several models"): each has its
+own gate (its concurrency limit and wait line), its own resilient caller (breaker,
+bulkheads, retry budget, fallback), its own tally for the controller (its level is
+computed from it) and its own text (tokenizer, template, context). What a router
+shares across its lanes is what belongs to the tenant (places, quota buckets, the
+Idempotency-Key store) and the router's own CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ballast.policies.fairness import TenantCounters
+from ballast.policies.limiter import AimdLimit
+
+from ballast.router.accounts import Accounts
+from ballast.router.gate import PriorityGate
+from ballast.router.metrics import RouterMetrics
+from ballast.router.resilience import CallHooks, ResilientCaller
+from ballast.router.tally import Tally
+from ballast.router.tokens import ModelText, model_text
+
+
+def priority_gate(cfg: Any) -> Optional[PriorityGate]:
+    """The gate to a model as ``resilience.gate`` describes it, ordering tenants inside a
+    class by ``fairness``; None when the gate is off."""
+    g = cfg.resilience.gate
+    if not g.enabled:
+        return None
+    fair = None
+    if cfg.fairness.enabled:
+        fair = TenantCounters({t: tc.weight for t, tc in cfg.tenants.items()}, cfg.fairness.policy_config())
+    return PriorityGate(
+        AimdLimit(g.limiter_config()),
+        g.max_waiting,
+        g.max_wait_s,
+        reserve_ratio=g.critical_reserve_ratio,
+        reserve_hold_s=g.critical_reserve_hold_s,
+        miss_service_factor=g.miss_service_factor,
+        fair=fair,
+    )
+
+
+@dataclass(eq=False)
+class Lane:
+    """A model as one router serves it."""
+
+    name: str  # the model's name: the request's ``model`` field, the metrics' ``model`` tag
+    backend: str  # its engine: "builtin", "transformers" or "vllm"
+    deployment: str  # its Serve deployment (the controller's reports and replica counts)
+    cost_per_token: float  # what one of its tokens costs in a tenant's bucket
+    text: ModelText  # its tokenizer, chat template and context
+    caller: ResilientCaller
+    gate: Optional[PriorityGate]
+    tally: Tally
+    accounts: Accounts
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest answer the model can give (its context less one prompt token)."""
+        return self.text.context - 1
+
+
+def build_lanes(
+    cfg: Any,
+    handles: dict[str, Any],
+    fallbacks: dict[str, Any],
+    metrics: RouterMetrics,
+    hooks: Callable[[str], CallHooks],
+) -> dict[str, Lane]:
+    """One lane per served model, in the config's order (the first is the primary):
+    ``handles``/``fallbacks`` are the models' Serve handles by model name, ``hooks(name)``
+    the caller's hooks for model ``name``."""
+    lanes: dict[str, Lane] = {}
+    for m in cfg.models:
+        gate, tally = priority_gate(cfg), Tally()
+        lanes[m.name] = Lane(
+            name=m.name,
+            backend=m.backend,
+            deployment=cfg.deployment_name(m.name),
+            cost_per_token=m.cost_per_token,
+            text=model_text(m),
+            caller=ResilientCaller(cfg, handles[m.name], fallbacks.get(m.name), hooks=hooks(m.name), model=m.name),
+            gate=gate,
+            tally=tally,
+            accounts=Accounts(cfg, gate, metrics, tally, model=m.name),
+        )
+    return lanes
