@@ -920,8 +920,9 @@ class BallastConfig(_Strict):
         constraints = tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels)
         return frozen_config(DegradationConfig, d, constraints=constraints)
 
-    def autoscale_config(self) -> AutoscaleConfig:
-        m = self.deployments.model
+    def autoscale_config(self, name: Optional[str] = None) -> AutoscaleConfig:
+        """Model ``name``'s autoscaler (None: the first model's), within its deployment's bounds."""
+        m = self.deployment_of(self.models[0].name if name is None else name)
         return frozen_config(AutoscaleConfig, self.autoscale, min_replicas=m.min_replicas, max_replicas=m.max_replicas)
 
 

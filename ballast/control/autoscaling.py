@@ -100,8 +100,12 @@ class ControllerDrivenPolicy:
         return desired, {**ctx.policy_state, "ballast": info}
 
 
-def autoscaling_config(cfg: BallastConfig) -> dict[str, Any]:
-    d, c = cfg.deployments.model, cfg.controller
+def autoscaling_config(cfg: BallastConfig, model: Optional[str] = None) -> dict[str, Any]:
+    """Serve's autoscaling config for model ``model``'s deployment (None: the first model's).
+
+    The policy reads the controller's desired replicas for the deployment Serve calls it
+    for (``ctx.deployment_name``); the bounds and its fallback math are this model's own."""
+    d, c = cfg.deployment_of(cfg.models[0].name if model is None else model), cfg.controller
     return {
         "min_replicas": d.min_replicas,
         "max_replicas": d.max_replicas,

@@ -2,11 +2,13 @@
 
 Routers and model replicas push a report every ``report_interval_s`` and receive
 the newest ``Snapshot`` in the same call. Every ``tick_s`` the controller hands the
-fresh reports to ``ballast.policies.control`` (folding them into load signals, then
-degradation, autoscale and the recycle surge) and to ``ballast.policies.recycle.recycle_step``
-(through ``RecycleCoordinator``), and publishes a new snapshot. Every decision lives
-in those policies, which the fleet simulator runs too; this module only keeps the
-reports (expiry, bounds, the error window) and applies what the policies decide.
+fresh reports to ``ballast.policies.control`` once per model (folding that model's view
+of them into its load signals, then its degradation, autoscale and recycle surge) and to
+``ballast.policies.recycle.recycle_step`` (through ``RecycleCoordinator``, each deployment
+at its model's level), and publishes a new snapshot with every model's level. Every
+decision lives in those policies, which the fleet simulator runs too; this module only
+keeps the reports (expiry, bounds, each model's error window) and applies what the
+policies decide.
 
 It is a detached, named actor with ``max_restarts=-1``: when it dies Ray starts it
 again, on another node if its own is gone. Load state is not kept: it arrives again
@@ -29,8 +31,8 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import asdict, replace
-from typing import Any, Callable, Generic, Optional, TypeVar
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
 
 import ray
 
@@ -46,7 +48,7 @@ from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
 
 from ballast.config import BallastConfig, load_config
 from ballast.control.recycling import RecycleCoordinator
-from ballast.control.names import CHAOS_TARGETS, FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.control.names import CHAOS_TARGETS, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot
 
 log = logging.getLogger("ballast.controller")
@@ -115,8 +117,42 @@ def _watchdog_status(wd: Optional[WatchdogReport]) -> Optional[dict[str, Any]]:
     return {k: shown[k] for k in WATCHDOG_STATUS_KEYS}
 
 
+@dataclass
+class _ModelControl:
+    """One model's control state: its policy (level and autoscaler) and its error window.
+
+    A model is the unit of protection: each has its own, fed by its own signals. A
+    redeploy keeps a model's state while the model stays (same name, same deployment).
+    """
+
+    deployment: str
+    fallback_deployment: Optional[str]  # None: the model has no fallback
+    fallback_replicas: int  # the fallback's fixed replica count (0 without one)
+    policy: control.ControlPolicy
+    # (requests, errors) per router report, stamped when it came: the error window.
+    outcomes: CountWindow[tuple[int, int]]
+
+    def deployments(self) -> tuple[str, ...]:
+        return (self.deployment,) + ((self.fallback_deployment,) if self.fallback_deployment else ())
+
+
+@dataclass(frozen=True)
+class _ModelTick:
+    """What one tick decided for one model."""
+
+    deployment: str
+    signals: LoadSignals
+    step: control.ControlDecision
+    ongoing: float  # the autoscaler's input
+    running: int  # its deployment's replicas reporting now
+
+
 class ControllerCore:
-    """The controller's logic without Ray: testable with a fake clock."""
+    """The controller's logic without Ray: testable with a fake clock.
+
+    One level, autoscaler, error window and set of recycle targets per model
+    (``_ModelControl``); tenants' quotas and fair shares across models.
+    """
 
     def __init__(
         self,
@@ -137,13 +173,15 @@ class ControllerCore:
         self._audit: deque[dict[str, Any]] = deque(maxlen=MAX_AUDIT)
         self._chaos: dict[str, dict[str, Any]] = {}
         self.recycler = RecycleCoordinator(cfg.recycle, self.epoch, self._wall)
-        self._snapshot = self._publish(decision=None, signals=None, desired={}, running={}, autoscale_info={})
+        self._snapshot = self._publish({})
 
     def configure(self, cfg: BallastConfig) -> None:
         self.cfg = cfg
         self._deg_cfg = cfg.degradation_config()
-        self._as_cfg = cfg.autoscale_config()
-        self._policy = control.ControlPolicy(self._deg_cfg, self._as_cfg)
+        self._primary = cfg.models[0].name
+        # Models that stay keep their state; a removed model's goes with it.
+        old: dict[str, _ModelControl] = getattr(self, "_models", {})
+        self._models = {m.name: self._model_control(m.name, old.get(m.name)) for m in cfg.models}
         self._routers: _Reports[RouterReport] = _Reports(cfg.controller.report_expiry_s, self._clock)
         self._replicas: _Reports[ReplicaReport] = _Reports(cfg.controller.report_expiry_s, self._clock)
         # Watchdogs report every watchdog.interval_s, which may be longer than a replica's interval.
@@ -151,8 +189,6 @@ class ControllerCore:
         self._watchdogs: _Reports[WatchdogReport] = _Reports(watchdog_expiry_s, self._clock)
         if hasattr(self, "recycler"):
             self.recycler.configure(cfg.recycle)
-        # (requests, errors) per router report, stamped when it came: the error window.
-        self._outcomes: CountWindow[tuple[int, int]] = CountWindow(MAX_OUTCOME_BUCKETS, fields=2)
         # Cluster-wide fair-share counters (ballast.policies.fairness): every router's charges
         # merged as they arrive; one entry per configured tenant, kept across a redeploy.
         old = getattr(self, "_fair_counters", {})
@@ -169,6 +205,28 @@ class ControllerCore:
             if t.rate_tokens_per_s is not None
         }
 
+    def _model_control(self, name: str, old: Optional[_ModelControl]) -> _ModelControl:
+        """Model ``name``'s control under ``self.cfg``: ``old``'s state kept when its deployment is the same."""
+        dep = self.cfg.deployment_name(name)
+        fallback = self.cfg.fallback_of(name)
+        as_cfg = self.cfg.autoscale_config(name)
+        kept = old if old is not None and old.deployment == dep else None
+        state = kept.policy.state if kept is not None else None
+        if state is not None and state.autoscale.last_desired is not None:  # within the new bounds
+            autoscale = replace(state.autoscale, last_desired=as_cfg.clamp(state.autoscale.last_desired))
+            state = replace(state, autoscale=autoscale)
+        return _ModelControl(
+            deployment=dep,
+            fallback_deployment=self.cfg.fallback_deployment_name(name) if fallback is not None else None,
+            fallback_replicas=fallback.deployment.replicas if fallback is not None else 0,
+            policy=control.ControlPolicy(self._deg_cfg, as_cfg, state),
+            outcomes=kept.outcomes if kept is not None else CountWindow(MAX_OUTCOME_BUCKETS, fields=2),
+        )
+
+    def deployments(self) -> list[str]:
+        """Every model's deployment and its fallback's, the first model's first."""
+        return [d for mc in self._models.values() for d in mc.deployments()]
+
     # -- reports ---------------------------------------------------------------------
     # Each report is checked again on arrival (ballast.policies.reports.checked): anything that
     # is not a well-formed report of its kind is dropped and counted here, so it can
@@ -179,8 +237,10 @@ class ControllerCore:
             self.rejected_reports += 1
             return self._snapshot.to_dict()
         self._routers.put(got.router_id, got)
-        if got.requests:
-            self._outcomes.add((got.requests, got.errors), self._clock())
+        for name, mc in self._models.items():  # each model's outcomes into its own error window
+            load = got if name == self._primary else got.models.get(name)
+            if load is not None and load.requests:
+                mc.outcomes.add((load.requests, load.errors), self._clock())
         reply = {**self._snapshot.to_dict(), "leases": self.leases_for(got.router_id)}
         if self.cfg.fairness.enabled and self.cfg.fairness.shared:
             known = {t: v for t, v in got.fair_charged.items() if t in self._fair_counters}
@@ -221,9 +281,10 @@ class ControllerCore:
             t: min(sum(demand.get(t, {}).values()), quota.rate_tokens_per_s * (1.0 + q.max_borrow_ratio))
             for t, quota in self._quotas.items()
         }
-        rates = effective_rates(
-            self._quotas, totals, self._snapshot.level, tuple(q.level_factors), frozenset(q.lend_at_levels)
-        )
+        # A tenant's quota holds across models: it shrinks (and lends) by the highest level
+        # of any model, so a tenant flooding one model cannot keep its full rate there.
+        level = max((int(m["level"]) for m in self._snapshot.models.values()), default=self._snapshot.level)
+        rates = effective_rates(self._quotas, totals, level, tuple(q.level_factors), frozenset(q.lend_at_levels))
         expires = self._wall() + q.lease_ttl_s
         leases: dict[str, dict[str, float]] = {}
         for tenant, quota in self._quotas.items():
@@ -301,100 +362,142 @@ class ControllerCore:
                     "watchdog": _watchdog_status(wd),
                 }
             )
-        n = self._snapshot.running_replicas.get(MODEL_DEPLOYMENT, 0)
+        # The availability account for the first model's deployment (as before), and each
+        # model deployment's expected availability beside it.
+        running = self._snapshot.running_replicas
+        per_dep = {mc.deployment: running.get(mc.deployment, 0) for mc in self._models.values()}
         return {
             "replicas": rows,
-            **self.recycler.summary(n),
+            **self.recycler.summary(per_dep[self._models[self._primary].deployment], per_dep),
             "events": list(self.recycler.events)[-50:],
             "leases": [lease.to_dict() for lease in self.recycler.leases.leases()],
         }
 
     # -- the tick --------------------------------------------------------------------
-    def signals(self) -> LoadSignals:
-        """The level's inputs from the fresh reports (ballast.policies.control.fold_reports)."""
-        self._outcomes.expire(self._clock() - self.cfg.controller.error_window_s)
-        requests, errors = self._outcomes.totals()
+    def signals(self, model: Optional[str] = None) -> LoadSignals:
+        """Model ``model``'s level inputs (None: the first model's) from the fresh reports:
+        the routers' views of it, its own and its fallback's replicas, its error window
+        (ballast.policies.control.fold_reports)."""
+        name = self._primary if model is None else model
+        mc = self._models[name]
+        mc.outcomes.expire(self._clock() - self.cfg.controller.error_window_s)
+        requests, errors = mc.outcomes.totals()
         return control.fold_reports(
-            self._routers.fresh(),
-            self._replicas.fresh(),
-            MODEL_DEPLOYMENT,
+            control.model_views(self._routers.fresh(), name, self._primary),
+            control.of_deployments(self._replicas.fresh(), *mc.deployments()),
+            mc.deployment,
             requests=requests,
             errors=errors,
         )
 
     def tick(self) -> Snapshot:
+        """Each model's level and replicas from its own signals, then the recycler over
+        every deployment, then one snapshot."""
         self._expire_kill_switches()
         now = self._clock()
-        sig = self.signals()
-        routers, replicas_all = self._routers.fresh(), self._replicas.fresh()
-        running_n = len(control.of_deployment(replicas_all, MODEL_DEPLOYMENT))
         watchdogs = {w.replica_id: w for w in self._watchdogs.fresh()}
-        ongoing = control.ongoing_requests(routers, replicas_all, MODEL_DEPLOYMENT, sig.queue_length)
-        step = self._policy.step(
+        ticks = {name: self._tick_model(name, mc, watchdogs, now) for name, mc in self._models.items()}
+        self._tick_recycler(ticks, watchdogs)
+        self._snapshot = self._publish(ticks)
+        return self._snapshot
+
+    def _tick_model(self, name: str, mc: _ModelControl, watchdogs: dict[str, WatchdogReport], now: float) -> _ModelTick:
+        """One model's step (ballast.policies.control.ControlPolicy) on its own inputs."""
+        sig = self.signals(name)
+        routers = control.model_views(self._routers.fresh(), name, self._primary)
+        replicas = self._replicas.fresh()
+        running = len(control.of_deployment(replicas, mc.deployment))
+        ongoing = control.ongoing_requests(routers, replicas, mc.deployment, sig.queue_length)
+        step = mc.policy.step(
             control.ControlInputs(
                 signals=sig,
                 ongoing_requests=float(ongoing),
-                running_replicas=running_n,
+                running_replicas=running,
                 # The recycler's surge from the last tick (ballast.policies.recycle.surging).
-                surging=MODEL_DEPLOYMENT in self.recycler.surging,
-                serving_replicas=control.serving_replicas(replicas_all, watchdogs, MODEL_DEPLOYMENT),
+                surging=mc.deployment in self.recycler.surging,
+                serving_replicas=control.serving_replicas(replicas, watchdogs, mc.deployment),
             ),
             now,
         )
-        decision, as_decision, desired_model = step.level, step.scale, step.desired_replicas
-        targets = {MODEL_DEPLOYMENT: desired_model}
-        ceilings = {MODEL_DEPLOYMENT: self._as_cfg.max_replicas}
-        if self.cfg.fallback is not None:
-            targets[FALLBACK_DEPLOYMENT] = ceilings[FALLBACK_DEPLOYMENT] = self.cfg.fallback.deployment.replicas
+        return _ModelTick(mc.deployment, sig, step, ongoing, running)
+
+    def _tick_recycler(self, ticks: Mapping[str, _ModelTick], watchdogs: dict[str, WatchdogReport]) -> None:
+        """The recycler over every model's deployment and fallback: each deployment's target
+        and ceiling, and its model's level (a model in trouble holds its own recycles only)."""
+        targets: dict[str, int] = {}
+        ceilings: dict[str, int] = {}
+        levels: dict[str, int] = {}
+        for name, t in ticks.items():
+            mc = self._models[name]
+            targets[t.deployment] = t.step.desired_replicas
+            ceilings[t.deployment] = mc.policy.as_cfg.max_replicas
+            if mc.fallback_deployment is not None:
+                targets[mc.fallback_deployment] = ceilings[mc.fallback_deployment] = mc.fallback_replicas
+            for dep in mc.deployments():
+                levels[dep] = t.step.level.level
         try:
-            self.recycler.tick(self._replicas.fresh(), watchdogs, targets, decision.level, ceilings)
+            self.recycler.tick(self._replicas.fresh(), watchdogs, targets, levels, ceilings)
         except Exception:  # recycling must never stop the control loop
             log.exception("recycle tick failed")
-        self._snapshot = self._publish(
-            decision=decision,
-            signals=sig,
-            desired={MODEL_DEPLOYMENT: desired_model},
-            running={
-                MODEL_DEPLOYMENT: running_n,
-                ROUTER_DEPLOYMENT: len(self._routers.fresh()),
-                **(
-                    {FALLBACK_DEPLOYMENT: len(control.of_deployment(self._replicas.fresh(), FALLBACK_DEPLOYMENT))}
-                    if self.cfg.fallback is not None
-                    else {}
-                ),
-            },
-            autoscale_info={
-                MODEL_DEPLOYMENT: {
-                    "mode": as_decision.mode,
-                    "reason": as_decision.reason,
-                    "ongoing_requests": ongoing,
-                    "stable_desired": as_decision.stable_desired,
-                    "panic_desired": as_decision.panic_desired,
-                    "recycle_surge": step.recycle_surge,
-                }
-            },
-        )
-        return self._snapshot
 
-    def _publish(self, decision, signals, desired, running, autoscale_info) -> Snapshot:
+    def _model_entry(self, mc: _ModelControl, t: Optional[_ModelTick]) -> dict[str, Any]:
+        """One model's part of the snapshot (plain data); level 0, "starting", before its first tick."""
+        level = t.step.level.level if t else 0
+        return {
+            "deployment": mc.deployment,
+            "level": level,
+            "target_level": t.step.level.target_level if t else 0,
+            "reason": t.step.level.reason if t else "starting",
+            "constraints": self._deg_cfg.constraints[level].to_dict(),
+            "inputs": asdict(t.signals) if t else {},
+        }
+
+    def _replica_counts(self, ticks: Mapping[str, _ModelTick]) -> dict[str, int]:
+        """Replicas reporting now: every model's deployment and fallback, and the routers
+        (empty before the first tick)."""
+        if not ticks:
+            return {}
+        replicas = self._replicas.fresh()
+        running = {t.deployment: t.running for t in ticks.values()}
+        running[ROUTER_DEPLOYMENT] = len(self._routers.fresh())
+        for mc in self._models.values():
+            if mc.fallback_deployment is not None:
+                running[mc.fallback_deployment] = len(control.of_deployment(replicas, mc.fallback_deployment))
+        return running
+
+    def _publish(self, ticks: Mapping[str, _ModelTick]) -> Snapshot:
+        """A new snapshot: every model's entry, the first model's at top level too."""
         self._version += 1
-        level = decision.level if decision else 0
+        models = {name: self._model_entry(mc, ticks.get(name)) for name, mc in self._models.items()}
+        first = models[self._primary]
+        desired = {t.deployment: t.step.desired_replicas for t in ticks.values()}
         return Snapshot(
             epoch=self.epoch,
             version=self._version,
             created_at_s=self._wall(),
-            level=level,
-            target_level=decision.target_level if decision else 0,
-            reason=decision.reason if decision else "starting",
-            constraints=self._deg_cfg.constraints[level].to_dict(),
-            inputs=asdict(signals) if signals else {},
+            level=first["level"],
+            target_level=first["target_level"],
+            reason=first["reason"],
+            constraints=first["constraints"],
+            inputs=first["inputs"],
+            models=models,
             desired_replicas=desired,
-            running_replicas=running,
-            autoscale=autoscale_info,
+            running_replicas=self._replica_counts(ticks),
+            autoscale={
+                t.deployment: {
+                    "mode": t.step.scale.mode,
+                    "reason": t.step.scale.reason,
+                    "ongoing_requests": t.ongoing,
+                    "stable_desired": t.step.scale.stable_desired,
+                    "panic_desired": t.step.scale.panic_desired,
+                    "recycle_surge": t.step.recycle_surge,
+                }
+                for t in ticks.values()
+            },
             kill_switches=[e.to_dict() for e in self._kill_switches.values()],
             chaos=dict(self._chaos),
             recycle_orders=dict(self.recycler.orders),
-            recycle=self.recycler.summary(desired.get(MODEL_DEPLOYMENT, 0)),
+            recycle=self.recycler.summary(desired.get(first["deployment"], 0), desired),
         )
 
     # -- kill switch and chaos (admin, off the request path) -----------------------------
@@ -517,8 +620,9 @@ class Controller:
         self._adopt_admin()
         from ray.util import metrics  # created once, here (STYLE 8)
 
-        self._m_level = metrics.Gauge("ballast_degradation_level", "Current degradation level (0-4).")
-        self._m_queue = metrics.Gauge("ballast_queue_length", "Admitted requests not yet computing.")
+        model = ("model",)
+        self._m_level = metrics.Gauge("ballast_degradation_level", "Current degradation level (0-4).", tag_keys=model)
+        self._m_queue = metrics.Gauge("ballast_queue_length", "Admitted requests not yet computing.", tag_keys=model)
         self._m_desired = metrics.Gauge(
             "ballast_desired_replicas", "Replicas the controller wants per deployment.", tag_keys=("deployment",)
         )
@@ -593,11 +697,11 @@ class Controller:
             self._m_recycles.inc(
                 tags={"deployment": str(e["deployment"]), "reason": str(e["reason"]), "outcome": e["outcome"]}
             )
-        deps = [MODEL_DEPLOYMENT] + ([FALLBACK_DEPLOYMENT] if self._core.cfg.fallback is not None else [])
+        deps = self._core.deployments()
         for d in deps:
             self._m_in_flight.set(sum(1 for f in rec.state.in_flight if f.deployment == d), tags={"deployment": d})
             self._m_oldest.set(rec.oldest_in_flight_s(d), tags={"deployment": d})
-        avail = rec.availability(self._core.desired(MODEL_DEPLOYMENT))
+        avail = rec.availability(self._core.desired(deps[0]))  # the first model's deployment
         for kind in ("expected", "measured"):
             if avail[kind] is not None:
                 self._m_avail.set(avail[kind], tags={"kind": kind})
@@ -610,8 +714,9 @@ class Controller:
         while True:
             try:
                 snap = self._core.tick()
-                self._m_level.set(snap.level)
-                self._m_queue.set(snap.inputs.get("queue_length", 0))
+                for model, m in snap.models.items():
+                    self._m_level.set(m["level"], tags={"model": model})
+                    self._m_queue.set(m["inputs"].get("queue_length", 0), tags={"model": model})
                 for dep, n in snap.desired_replicas.items():
                     self._m_desired.set(n, tags={"deployment": dep})
                 self._m_ticks.inc()

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from ballast.policies import recycle
 from ballast.policies.lease import LeaseLost, LeaseTable
@@ -167,7 +167,7 @@ class RecycleCoordinator:
         replicas: list[ReplicaReport],
         watchdogs: dict[str, WatchdogReport],
         targets: dict[str, int],
-        level: int,
+        level: int | Mapping[str, int],
         ceilings: Optional[dict[str, int]] = None,
     ) -> None:
         """One recycling tick: leases that lapsed, the policy's step (hang kills, the plan,
@@ -301,9 +301,12 @@ class RecycleCoordinator:
             "replica_s": round(self._replica_s, 3),
         }
 
-    def summary(self, n_replicas: int) -> dict[str, Any]:
+    def summary(self, n_replicas: int, per_deployment: Optional[Mapping[str, int]] = None) -> dict[str, Any]:
+        """In flight, waiting, surging, and the availability account for ``n_replicas``
+        (the first model's deployment); ``per_deployment`` (deployment -> its replicas) adds
+        each deployment's expected availability (the measured one is the fleet's)."""
         now = self._wall()
-        return {
+        out = {
             "in_flight": [
                 {
                     "replica_id": f.replica_id,
@@ -317,6 +320,9 @@ class RecycleCoordinator:
             "surging": sorted(self.surging),
             "availability": self.availability(n_replicas),
         }
+        if per_deployment:
+            out["expected_availability"] = {d: self.availability(n)["expected"] for d, n in per_deployment.items()}
+        return out
 
     def oldest_in_flight_s(self, deployment: str) -> float:
         now = self._wall()

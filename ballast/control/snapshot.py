@@ -5,6 +5,11 @@ A ``Snapshot`` is plain data (it crosses process boundaries as a dict). A
 it has seen and answers "what level and constraints apply now" without I/O, so
 the hot path never waits on the controller.
 
+A snapshot carries one level per model (``models``: name -> level, target level,
+reason, constraints, inputs, deployment); its top-level level and constraints are the
+first model's, so a reader that knows one model reads them as before.
+``SnapshotCache.effective(model)`` gives that model's.
+
 Fail-static: while the newest snapshot is younger than ``max_stale_s`` it is used
 as is (even if the controller is briefly gone — a restarting controller must not
 fail a request). Past that, the cache serves a conservative level
@@ -33,11 +38,15 @@ class Snapshot:
     epoch: str  # changes when the controller restarts; versions restart with it
     version: int
     created_at_s: float  # wall clock (time.time()): compared across processes
+    # The first model's level, why, and its inputs (every model's is in ``models``).
     level: int
     target_level: int
     reason: str
     constraints: dict[str, Any]
     inputs: dict[str, Any] = field(default_factory=dict)
+    # Every model's, the first included: name -> {"level", "target_level", "reason",
+    # "constraints", "inputs", "deployment"}. Empty from a controller that predates it.
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
     desired_replicas: dict[str, int] = field(default_factory=dict)
     running_replicas: dict[str, int] = field(default_factory=dict)
     autoscale: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -115,13 +124,24 @@ class SnapshotCache:
         age = self.age_s()
         return age is not None and age <= self._stale_s
 
-    def effective(self) -> EffectiveState:
+    def effective(self, model: Optional[str] = None) -> EffectiveState:
+        """The level and constraints to act on for ``model`` (None, or a model the snapshot
+        does not name: the top level, the first model's). Fail-static from that model's
+        last level once the snapshot is older than ``max_stale_s``."""
         snap, age = self._snapshot, self.age_s()
-        if snap is not None and age is not None and age <= self._max_stale_s:
+        last = _level_of(snap, model) if snap is not None else None
+        if snap is not None and last is not None and age is not None and age <= self._max_stale_s:
             source = "snapshot" if age <= self._stale_s else "stale-snapshot"
-            return EffectiveState(snap.level, self._deg.constraints[snap.level], source, age, snap.version)
-        level = conservative_level(snap.level if snap else None, self._floor)
+            return EffectiveState(last, self._deg.constraints[last], source, age, snap.version)
+        level = conservative_level(last, self._floor)
         return EffectiveState(level, self._deg.constraints[level], "fail-static", age, snap.version if snap else None)
+
+
+def _level_of(snap: Snapshot, model: Optional[str]) -> int:
+    """``model``'s level in ``snap``, else the top-level one. The level's constraints are this
+    process's own config's (the controller publishes a level, the cache maps it)."""
+    entry = snap.models.get(model) if model is not None else None
+    return int(entry["level"]) if isinstance(entry, dict) and "level" in entry else snap.level
 
 
 #: What a router or a replica sends in each exchange (ballast.policies.reports).

@@ -345,6 +345,7 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
     """
     out: list[str] = []
     _status_level(doc, out)
+    _status_models(doc, out)
     _status_replicas(doc, out)
     _status_health(doc, out)
     _status_quotas(doc, out, near_quota_ratio)
@@ -374,6 +375,25 @@ def _status_level(doc: dict[str, Any], out: list[str]) -> None:
     cons = doc.get("constraints") or {}
     if cons:
         out.append("  constraints: " + ", ".join(f"{k} {v}" for k, v in cons.items()))
+
+
+def _status_models(doc: dict[str, Any], out: list[str]) -> None:
+    """One line per model: its level and why, its deployment's replicas running / desired.
+
+    The controller's level per model (the snapshot's ``models``); the first line above is
+    the level this router acts on for the first model."""
+    models = (doc.get("snapshot") or {}).get("models") or {}
+    if not models:
+        return
+    replicas = doc.get("replicas") or {}
+    out.append("models (level, replicas running / desired):")
+    for name, m in models.items():
+        r = replicas.get(m.get("deployment")) or {}
+        target = m.get("target_level")
+        level = f"level {m.get('level')}" + (f" (target {target})" if target not in (None, m.get("level")) else "")
+        out.append(
+            f"  {name}: {level}: {m.get('reason') or '-'}; replicas {_num(r.get('running'))} / {_num(r.get('desired'))}"
+        )
 
 
 def _status_replicas(doc: dict[str, Any], out: list[str]) -> None:

@@ -7,6 +7,11 @@ window's buckets) and applies the decision (snapshot, Serve's target).
 
 * ``fold_reports``: replica and router reports become the level's inputs.
 * ``ongoing_requests``: the autoscaler's concurrency input.
+
+Both are called once per model: with the routers' reports as that model sees them
+(``model_views``: ``RouterReport.for_model``), the replicas of that model's deployments
+(``of_deployments``: its own and its fallback's) and its own deployment's name. A
+model's level and replicas are then its own: flooding one model moves no other's.
 * ``ControlPolicy.step``: ``degradation.decide`` + ``autoscale.decide`` + the
   recycle surge, exactly in the order the controller always ran them.
 
@@ -29,6 +34,16 @@ from ballast.policies.validation import check_fields, check_int, check_non_negat
 def of_deployment(replicas: Sequence[ReplicaReport], deployment: str) -> list[ReplicaReport]:
     """The replicas of one deployment."""
     return [r for r in replicas if r.deployment == deployment]
+
+
+def of_deployments(replicas: Sequence[ReplicaReport], *deployments: str) -> list[ReplicaReport]:
+    """The replicas of any of ``deployments`` (a model's own and its fallback's)."""
+    return [r for r in replicas if r.deployment in deployments]
+
+
+def model_views(routers: Sequence[RouterReport], model: str, primary_model: str) -> list[RouterReport]:
+    """Every router's report as ``model`` sees it (``primary_model``: the config's first model)."""
+    return [r.for_model(model, primary_model) for r in routers]
 
 
 def fold_reports(

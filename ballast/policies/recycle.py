@@ -251,7 +251,7 @@ def plan(
     replicas: Sequence[ReplicaView],
     targets: Mapping[str, int],
     state: RecycleState,
-    level: int,
+    level: int | Mapping[str, int],
     cfg: RecycleConfig,
     now_s: float,
     hour_of_day: float,
@@ -263,10 +263,12 @@ def plan(
     ``targets``: each deployment's current target replica count (autoscaler);
     ``ceilings``: the most replicas each deployment may have (a surge needs room;
     a deployment not named may surge);
-    ``level``: the current degradation level. Deterministic: deployments in
-    name order, due replicas by priority, then oldest first, then id.
+    ``level``: the current degradation level, one for all deployments or one per
+    deployment (each model's level for its own and its fallback's; a deployment not
+    named takes the highest). Deterministic: deployments in name order, due replicas by
+    priority, then oldest first, then id.
     """
-    check_int("level", level, minimum=0)
+    _check_levels(level)
     check_finite("now_s", now_s)
     _check_hour("hour_of_day", hour_of_day)
     by_deployment = _by_deployment(replicas)
@@ -281,10 +283,26 @@ def plan(
         can_surge = ceilings is None or ceilings.get(dep, len(rs) + 1) > len(rs)
         slots = cfg.max_unavailable - sum(1 for f in kept if f.deployment == dep)
         due_now, outside_window = _due(rs, in_flight_ids, cfg, now_s, hour_of_day)
-        _start_due(due_now, rs, in_flight_ids, slots, can_surge, level, cfg, now_s, start, waiting, new_in_flight)
+        dep_level = _level_of(level, dep)
+        _start_due(due_now, rs, in_flight_ids, slots, can_surge, dep_level, cfg, now_s, start, waiting, new_in_flight)
         waiting += [(r.replica_id, "window") for r in outside_window]
     new_state = RecycleState(tuple(kept) + tuple(new_in_flight))
     return Plan(tuple(start), tuple(completed), tuple(stuck), tuple(waiting)), new_state
+
+
+def _check_levels(level: object) -> None:
+    if isinstance(level, Mapping):
+        for dep, lv in level.items():
+            check_int(f"level[{dep!r}]", lv, minimum=0)
+    else:
+        check_int("level", level, minimum=0)
+
+
+def _level_of(level: int | Mapping[str, int], deployment: str) -> int:
+    """``deployment``'s level: the one level, its own, or (not named) the highest of them."""
+    if not isinstance(level, Mapping):
+        return level
+    return level.get(deployment, max(level.values(), default=0))
 
 
 def _by_deployment(replicas: Sequence[ReplicaView]) -> dict[str, list[ReplicaView]]:
@@ -571,7 +589,7 @@ def recycle_step(
     views: Sequence[ReplicaView],
     watchdogs: Mapping[str, WatchdogReport],
     targets: Mapping[str, int],
-    level: int,
+    level: int | Mapping[str, int],
     state: RecycleState,
     kill_state: KillState,
     cfg: RecycleConfig,

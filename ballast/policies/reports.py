@@ -19,14 +19,17 @@ replica's heartbeat.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar, Mapping, Optional, Protocol, TypeVar
 
+from ballast.policies.catalog import name_problem
 from ballast.policies.criticality import Criticality
 from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_non_negative, is_finite
 
 #: Serve's namespace, where it names replica actors (what a hung replica is killed by).
 SERVE_NAMESPACE = "serve"
+#: The most models one router report may carry a load for (``RouterReport.models``).
+MAX_REPORTED_MODELS = 64
 
 
 class _Dataclass(Protocol):
@@ -85,9 +88,71 @@ def checked(report: Any, kind: type[R]) -> Optional[R]:
         return None
 
 
+def _check_load(load: "ModelLoad | RouterReport") -> None:
+    """The per-model load fields, as ``ModelLoad`` and ``RouterReport`` both carry them."""
+    check_fields(load, check_int, "inflight", "requests", "errors", "shed", "lost_capacity", "gate_waiting", minimum=0)
+    check_fields(load, check_non_negative, "queue_wait_p95_ms", optional=True)
+    check_fields(load, check_non_negative, "served_rps")
+    check_fields(load, _check_bool, "gate_full")
+    check_fields(load, _check_rates, "demand_rps", criticalities=True)
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model's load as a router saw it since its last report (the fields ``RouterReport``
+    carries at top level for the first model)."""
+
+    inflight: int = 0  # requests this router holds now
+    # Outcomes since the last report (the controller's error window sums them).
+    requests: int = 0
+    errors: int = 0
+    shed: int = 0
+    lost_capacity: int = 0  # attempts lost with their replica or node: not model errors
+    queue_wait_p95_ms: Optional[float] = None  # None: no request waited at the gate
+    # The gate's view over its demand window (ballast.policies.gate.DemandWindow); a router
+    # without a gate leaves them at their defaults.
+    gate_waiting: int = 0
+    demand_rps: Mapping[str, float] = field(default_factory=dict)  # offered, by criticality
+    served_rps: float = 0.0
+    gate_full: bool = False  # the gate was full for most of the window: served_rps is capacity
+
+    def __post_init__(self) -> None:
+        _check_load(self)
+
+
+#: The fields ``ModelLoad`` and ``RouterReport`` share (the first model's load at top level).
+LOAD_FIELDS = tuple(f.name for f in fields(ModelLoad))
+
+
+def _check_models(name: str, models: object) -> None:
+    """``RouterReport.models``: at most MAX_REPORTED_MODELS model names, each a ``ModelLoad``
+    checked anew (an unpickled one never ran its ``__post_init__``)."""
+    if not isinstance(models, Mapping):
+        raise ValueError(f"{name}: must be a mapping, got {models!r}")
+    if len(models) > MAX_REPORTED_MODELS:
+        raise ValueError(f"{name}: at most {MAX_REPORTED_MODELS} models, got {len(models)}")
+    for model, load in models.items():
+        problem = name_problem(model) if isinstance(model, str) else f"{model!r} must be a str"
+        if problem is not None:
+            raise ValueError(f"{name}: model name {problem}")
+        if type(load) is not ModelLoad:
+            raise ValueError(f"{name}: {model!r} must be a ModelLoad, got {type(load).__name__}")
+        try:
+            _check_load(load)
+        except ValueError as e:
+            raise ValueError(f"{name}.{model}.{e}") from None
+
+
 @dataclass(frozen=True)
 class RouterReport:
-    """One router replica's report, every report interval: its load since the last one."""
+    """One router replica's report, every report interval: its load since the last one.
+
+    The top-level load fields (``LOAD_FIELDS``) are the first model's; ``models`` holds
+    every other model's, by name (an entry for the first model is ignored). A one-model
+    router leaves ``models`` empty. ``for_model`` gives the report as one model sees it.
+    The tenant fields (demand by tenant, fair-share charges, tenants waiting) are the
+    router's across all models: a tenant's quota and fair share hold across models.
+    """
 
     router_id: str
     inflight: int = 0  # requests this router holds now
@@ -108,22 +173,32 @@ class RouterReport:
     # (ballast.policies.fairness; negative where refunds outweighed charges).
     fair_charged: Mapping[str, float] = field(default_factory=dict)
     fair_backlogged: tuple[str, ...] = ()  # tenants waiting at the gate now
+    models: Mapping[str, ModelLoad] = field(default_factory=dict)  # every model but the first: its load
 
     def __post_init__(self) -> None:
         check_fields(self, check_name, "router_id")
-        check_fields(
-            self, check_int, "inflight", "requests", "errors", "shed", "lost_capacity", "gate_waiting", minimum=0
-        )
-        check_fields(self, check_non_negative, "queue_wait_p95_ms", optional=True)
-        check_fields(self, check_non_negative, "served_rps")
-        check_fields(self, _check_bool, "gate_full")
-        check_fields(self, _check_rates, "demand_rps", criticalities=True)
+        _check_load(self)
         check_fields(self, _check_rates, "demand_tokens_per_s", criticalities=False)
         check_fields(self, _check_amounts, "fair_charged")
         if not isinstance(self.fair_backlogged, tuple) or not all(
             isinstance(t, str) and t for t in self.fair_backlogged
         ):
             raise ValueError(f"fair_backlogged: must be a tuple of tenant names, got {self.fair_backlogged!r}")
+        check_fields(self, _check_models, "models")
+
+    def for_model(self, name: str, primary: str) -> "RouterReport":
+        """This report as model ``name`` sees it (``primary``: the config's first model).
+
+        The primary's view is the report itself; another model's has that model's
+        ``ModelLoad`` at top level (an all-zero load when this router did not report the
+        model) and no ``models``. The tenant fields are kept as they are: they are the
+        router's across models, and nothing sums them over models' views (quota leases
+        and fair shares read the reports themselves, once per router).
+        """
+        if name == primary:
+            return self
+        load = self.models.get(name) or ModelLoad()
+        return replace(self, models={}, **{f: getattr(load, f) for f in LOAD_FIELDS})
 
 
 @dataclass(frozen=True)

@@ -448,7 +448,7 @@ class TestBounded:
 
 
 class TestConfigure:
-    def test_configure_swaps_thresholds_and_forgets_reports(self, h: Harness) -> None:
+    def test_configure_swaps_thresholds_forgets_reports_and_keeps_the_models_level(self, h: Harness) -> None:
         h.replica("m1", queued=60)
         assert h.core.tick().level == 1
         v = h.core.snapshot()["version"]
@@ -456,7 +456,7 @@ class TestConfigure:
         assert h.core.signals().queue_length == 0  # old reports gone
         h.replica("m1", queued=60)
         snap = h.core.tick()
-        assert (snap.level, snap.target_level) == (1, 4)  # a new policy starts at 0: one level up
+        assert (snap.level, snap.target_level) == (2, 4)  # the model stays: one level up from where it was
         assert snap.version == v + 1  # versions keep rising within the epoch
         h.advance()
         h.replica("m1", queued=60)
