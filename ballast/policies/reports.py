@@ -119,6 +119,11 @@ class ModelLoad:
     def __post_init__(self) -> None:
         _check_load(self)
 
+    @classmethod
+    def of(cls, report: "RouterReport") -> "ModelLoad":
+        """The load a router report holds at top level (what a router counted for one model)."""
+        return cls(**{name: getattr(report, name) for name in LOAD_FIELDS})
+
 
 #: The fields ``ModelLoad`` and ``RouterReport`` share (the first model's load at top level).
 LOAD_FIELDS = tuple(f.name for f in fields(ModelLoad))

@@ -94,6 +94,7 @@ class Admin:
                 "target_level": snap.target_level,
                 "reason": snap.reason,
                 "inputs": snap.inputs,
+                "models": snap.models,  # each model's level, reason and inputs
             },
             "replicas": self._replicas(snap),
             "router_id": self._router_id,

@@ -386,9 +386,10 @@ class Pipeline:
         lane.tally.offer(crit)  # demand the level turned away
         lane.tally.shed += 1
         lane.accounts.refused(tenant, crit, "OVERLOADED")
+        # With one model, the words HAProxy's edge answers with too (edge.py).
+        whose = f"model {lane.name!r}: " if len(self.lanes) > 1 else ""
         raise Overloaded(
-            f"model {lane.name!r}: degradation level {eff.level} does not admit criticality '{crit}'",
-            decision.retry_after_s,
+            f"{whose}degradation level {eff.level} does not admit criticality '{crit}'", decision.retry_after_s
         )
 
     def _fallback_may_answer(self, lane: Lane, criticality: Criticality, now_wall: float) -> bool:
@@ -552,10 +553,10 @@ class Pipeline:
             "tenant_inflight": dict(self.places.held),  # admitted, waiting at the gate or at the model
         }
 
-    @staticmethod
-    def _lane_status(lane: Lane) -> dict[str, Any]:
+    def _lane_status(self, lane: Lane) -> dict[str, Any]:
         caller = lane.caller
         return {
+            "level": self.snapshots.effective(lane.name).level,  # the level this router acts on for it
             "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in caller.backends},
             "retry_budget": caller.budget.snapshot(),
             # Attempts whose replica or node went away, since this router started: carried on

@@ -101,7 +101,7 @@ def test_serve_config_builds_through_the_apps_own_builder_with_production_settin
     cfg = load_config(serve_cfg["applications"][0]["args"]["config"])
     router = build(cfg)._bound_deployment
     assert router.name == "BallastRouter"
-    model = router.init_args[0]._bound_deployment
+    model = router.init_args[0][cfg.model.name]._bound_deployment  # each model by its name
     assert model.name == "BallastModel"
     assert model.ray_actor_options["num_gpus"] == 1
     dc = model._deployment_config

@@ -56,7 +56,9 @@ def test_the_schemas_say_what_the_routes_take(doc):
     assert {"model", "messages", "max_tokens", "stream", "criticality"} <= set(chat["properties"])
     assert set(chat["required"]) == {"model", "messages"}
     assert chat.get("additionalProperties") is False  # unknown fields are refused
-    assert {"prompt", "max_tokens", "criticality", "stream", "resume"} == set(schemas["GenerateRequest"]["properties"])
+    assert {"prompt", "model", "max_tokens", "criticality", "stream", "resume"} == set(
+        schemas["GenerateRequest"]["properties"]
+    )
     generate = doc["paths"]["/v1/generate"]["post"]
     assert "text/event-stream" in generate["responses"]["200"]["content"]
     assert doc["paths"]["/v1/chat/completions"]["post"]["responses"]["default"]["content"]["application/json"][

@@ -18,7 +18,7 @@ from fakes import FakeClock
 from ballast.policies.degradation import conservative_level
 from ballast.policies.reports import MAX_REPORTED_MODELS, ModelLoad, RouterReport, ReplicaReport, checked
 
-from ballast.config import BallastConfig, ConfigError, load_config
+from ballast.config import BallastConfig, load_config
 from ballast.control.autoscaling import autoscaling_config
 from ballast.control.controller import ControllerCore
 from ballast.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
@@ -90,12 +90,11 @@ def h() -> Harness:
 # --------------------------------------------------------------------------- config
 
 
-def test_model_validate_builds_two_models_and_only_load_config_refuses_them() -> None:
+def test_two_models_load_and_name_their_deployments() -> None:
     cfg = two_models()
     assert [m.name for m in cfg.models] == [A, B]
     assert (cfg.deployment_name(A), cfg.deployment_name(B)) == (A_DEP, B_DEP)
-    with pytest.raises(ConfigError, match="several models are not served yet"):
-        load_config(cfg.model_dump(mode="json"))
+    assert load_config(cfg.model_dump(mode="json")) == cfg
 
 
 def test_autoscale_config_and_serves_autoscaling_config_are_each_models_own() -> None:

@@ -566,7 +566,7 @@ def test_the_openai_sdk_is_the_contract():
     assert (e.value.param, e.value.code, e.value.type) == ("n", "INVALID_REQUEST", "invalid_request_error")
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=user)
-    assert e.value.body["message"] == "model 'gpt-4o' is not served here; served: toy"
+    assert e.value.body["message"] == "model 'gpt-4o' does not exist or this key may not use it; yours: toy"
     with pytest.raises(openai.RateLimitError) as e:
         client.chat.completions.create(model="toy", messages=user, extra_body={"criticality": "sheddable"})
     assert e.value.code == "QUOTA_EXCEEDED"
