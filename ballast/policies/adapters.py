@@ -93,6 +93,19 @@ class RuntimeAdapter:
         )
 
 
+def parse_runtime(raw_entries: Sequence[Any]) -> tuple[list[RuntimeAdapter], list[tuple[Any, Exception]]]:
+    """The records among a snapshot's ``adapters`` (the first ``MAX_RUNTIME_ADAPTERS``), and
+    the malformed ones with why."""
+    parsed: list[RuntimeAdapter] = []
+    malformed: list[tuple[Any, Exception]] = []
+    for raw in list(raw_entries)[:MAX_RUNTIME_ADAPTERS]:
+        try:
+            parsed.append(RuntimeAdapter.from_dict(raw))
+        except (TypeError, ValueError) as e:
+            malformed.append((raw, e))
+    return parsed, malformed
+
+
 def with_runtime(
     base: Catalog, entries: Sequence[RuntimeAdapter]
 ) -> tuple[Catalog, list[tuple[RuntimeAdapter, CatalogError]]]:
