@@ -215,9 +215,12 @@ class Admin:
         body = validate_body(AdapterRequest, await self._read_json(request))
         self._check_adapter(body)
         await self._trial_load(body.model, body.name, body.path)
-        entry = await self._controller(
-            "set_adapter", body.model, body.name, body.path, body.tenants, self._operator(request)
-        )
+        try:
+            entry = await self._controller(
+                "set_adapter", body.model, body.name, body.path, body.tenants, self._operator(request)
+            )
+        except InvalidRequest as e:  # another router added the name since this one's snapshot
+            raise AdapterRefused(body.name, body.path, e.message, e.field) from None
         await self._exchange.exchange_once()  # this router routes to it at once
         return JSONResponse(entry, status_code=201)
 

@@ -243,3 +243,12 @@ def test_past_the_bound_no_replica_is_asked_to_load_it(stack) -> None:
     assert r.status_code == 400 and r.json()["error"]["field"] == "name"
     assert f"at most {MAX_RUNTIME_ADAPTERS}" in r.json()["error"]["message"]
     assert stack.replica.loads == []
+
+
+def test_a_name_another_router_took_since_this_ones_snapshot_is_refused_by_the_controller(stack) -> None:
+    stack.core.set_adapter("llama", "late", "/adapters/elsewhere", None, "bob")  # not in this router's snapshot yet
+    r = add(stack, name="late")
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "ADAPTER_REFUSED" and err["field"] == "name" and "taken" in err["message"]
+    assert [a["path"] for a in stack.core.adapters()] == ["/adapters/elsewhere"]
