@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
+.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -45,6 +45,10 @@ serve: $(STAMP)
 DEMO_MODEL ?= models/demo
 demo-model: $(STAMP)
 	$(PY) -m ballast.model.demo $(DEMO_MODEL)
+
+## The demo model and two LoRA adapters beside it (models/demo-sql, models/demo-support): what cluster/local-models.yaml serves.
+demo-adapters: $(STAMP)
+	$(PY) -m ballast.model.demo $(DEMO_MODEL) --adapters sql,support
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
 	$(PY) -m ballast.model.demo $(DEMO_MODEL)

@@ -73,16 +73,25 @@ class EngineRefused(InvalidRequest):
 class AdapterRefused(InvalidRequest):
     """A LoRA adapter the engine would not load (not a local directory, a name already
     taken, vLLM's own refusal: a rank above ``max_lora_rank``, missing weights), with the
-    engine's reason: refused when it is added, never on a request."""
+    engine's reason, or one the catalog refuses at the admin API (an unknown or non-vLLM
+    model, a name taken, tenants outside the model's grant), ``field`` naming what: refused
+    when it is added, never on a request."""
 
     status, code = 400, "ADAPTER_REFUSED"
 
-    def __init__(self, name: str, path: str, reason: str):
-        super().__init__(f"adapter {name!r} ({path}): {reason}", field="adapters")
-        self.args = (name, path, reason)
+    def __init__(self, name: str, path: str, reason: str, field: str = "adapters"):
+        super().__init__(f"adapter {name!r} ({path}): {reason}", field=field)
+        self.args = (name, path, reason, field)
         self.name = name
         self.path = path
         self.reason = reason
+
+
+class AdapterInConfig(BallastError):
+    """An adapter the config declares, which the admin API cannot remove: it goes with the
+    config (a redeploy without it)."""
+
+    status, code = 409, "ADAPTER_IN_CONFIG"
 
 
 class SchemaTooComplex(InvalidRequest):

@@ -14,8 +14,9 @@ It is a detached, named actor with ``max_restarts=-1``: when it dies Ray starts 
 again, on another node if its own is gone. Load state is not kept: it arrives again
 in the next round of reports (a second or so). What operators and recycles set is
 kept in Ray's KV store (the GCS) and taken back by the restarted controller: the
-recycle leases, and the kill switches, chaos settings and audit trail (written
-before the admin call answers, so an acknowledged kill switch survives). Its
+recycle leases, and the kill switches, LoRA adapters added at run time, chaos
+settings and audit trail (written before the admin call answers, so an acknowledged
+kill switch or adapter survives). Its
 snapshots carry a new ``epoch`` so caches accept the restarted controller's
 versions, which start over at 1.
 
@@ -37,6 +38,8 @@ from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
 import ray
 
 from ballast.policies import control
+from ballast.policies.adapters import MAX_RUNTIME_ADAPTERS, RuntimeAdapter, with_runtime
+from ballast.policies.catalog import Catalog, CatalogError
 from ballast.policies.fairness import merge_reports, router_shares
 from ballast.policies import killswitch
 from ballast.policies.criticality import Criticality
@@ -170,6 +173,7 @@ class ControllerCore:
         # them (admin_state) so they survive a restart too.
         self.admin_dirty = False
         self._kill_switches: "OrderedDict[str, KillSwitchEntry]" = OrderedDict()
+        self._adapters: "OrderedDict[str, RuntimeAdapter]" = OrderedDict()  # LoRA adapters added at run time
         self._audit: deque[dict[str, Any]] = deque(maxlen=MAX_AUDIT)
         self._chaos: dict[str, dict[str, Any]] = {}
         self.recycler = RecycleCoordinator(cfg.recycle, self.epoch, self._wall)
@@ -495,6 +499,7 @@ class ControllerCore:
                 for t in ticks.values()
             },
             kill_switches=[e.to_dict() for e in self._kill_switches.values()],
+            adapters=[a.to_dict() for a in self._adapters.values()],
             chaos=dict(self._chaos),
             recycle_orders=dict(self.recycler.orders),
             recycle=self.recycler.summary(desired.get(first["deployment"], 0), desired),
@@ -502,16 +507,19 @@ class ControllerCore:
 
     # -- kill switch and chaos (admin, off the request path) -----------------------------
     def admin_state(self) -> dict[str, Any]:
-        """What operators set, to persist: kill switches, chaos settings, the audit trail."""
+        """What operators set, to persist: kill switches, run-time adapters, chaos settings,
+        the audit trail."""
         return {
             "kill_switches": [e.to_dict() for e in self._kill_switches.values()],
+            "adapters": [a.to_dict() for a in self._adapters.values()],
             "chaos": dict(self._chaos),
             "audit": list(self._audit),
         }
 
     def adopt_admin_state(self, state: Any) -> int:
         """Take back what a previous controller persisted; entries that are malformed or
-        expired are dropped (logged), never fatal. Returns the kill switches adopted."""
+        expired are dropped (logged), never fatal; a state written before adapters were
+        kept has none. Returns the kill switches adopted."""
         if not isinstance(state, dict):
             raise ValueError(f"admin state: want an object, got {type(state).__name__}")
         now = self._wall()
@@ -523,15 +531,34 @@ class ControllerCore:
                 continue
             if not entry.expired(now):
                 self._kill_switches[entry.id] = entry
+        self._adopt_adapters(state.get("adapters"))
         for target, settings in dict(state.get("chaos") or {}).items():
             if target in CHAOS_TARGETS and isinstance(settings, dict):
                 self._chaos[target] = dict(settings)
         self._audit.extend(e for e in list(state.get("audit") or [])[-MAX_AUDIT:] if isinstance(e, dict))
         self._record(
-            "admin_state_adopted", "controller", kill_switches=len(self._kill_switches), chaos=sorted(self._chaos)
+            "admin_state_adopted",
+            "controller",
+            kill_switches=len(self._kill_switches),
+            adapters=len(self._adapters),
+            chaos=sorted(self._chaos),
         )
         self._republish()
         return len(self._kill_switches)
+
+    def _adopt_adapters(self, raw_entries: Any) -> None:
+        """Take back the persisted run-time adapters (the first ``MAX_RUNTIME_ADAPTERS``);
+        a malformed one is dropped (logged). One that no longer fits this config (its model
+        gone) is kept: routers and replicas skip it, and an operator may delete it."""
+        if not isinstance(raw_entries, list):
+            return
+        for raw in raw_entries[:MAX_RUNTIME_ADAPTERS]:
+            try:
+                entry = RuntimeAdapter.from_dict(raw)
+            except (TypeError, ValueError) as exc:
+                log.warning("dropped a persisted adapter %r: %s", raw, exc)
+                continue
+            self._adapters[entry.name] = entry
 
     def _republish(self) -> None:
         """Admin changes go out at once, not at the next tick: same decision, new version."""
@@ -542,6 +569,7 @@ class ControllerCore:
             version=self._version,
             created_at_s=self._wall(),
             kill_switches=[e.to_dict() for e in self._kill_switches.values()],
+            adapters=[a.to_dict() for a in self._adapters.values()],
             chaos=dict(self._chaos),
         )
 
@@ -575,8 +603,13 @@ class ControllerCore:
         return entry.to_dict()
 
     def _kill_switch_names(self) -> dict[str, list[str]]:
-        """What a valued kill switch may name: the configured tenants, models and classes."""
-        models = [self.cfg.model.name] + ([self.cfg.fallback.model.name] if self.cfg.fallback is not None else [])
+        """What a valued kill switch may name: the configured tenants and classes; every
+        model, its fallback's model and its adapters (the config's and the run-time ones)."""
+        models: list[str] = []
+        for m in self.cfg.models:
+            fallback = self.cfg.fallback_of(m.name)
+            models += [m.name] + ([fallback.model.name] if fallback is not None else [])
+        models += [a.name for entry in self.runtime_catalog().models for a in entry.adapters]
         return {"tenant": list(self.cfg.tenants), "model": models, "criticality": [c.value for c in Criticality]}
 
     def delete_kill_switch(self, entry_id: str, by: str) -> bool:
@@ -592,6 +625,42 @@ class ControllerCore:
             "entries": [e.to_dict() for e in self._kill_switches.values()],
             "audit": list(self._audit),
         }
+
+    # -- LoRA adapters added at run time (the router's admin call loaded it on one replica first)
+    def set_adapter(self, model: str, name: str, path: str, tenants: Optional[list[str]], by: str) -> dict[str, Any]:
+        """Add a run-time adapter to the catalog every router and replica follows; ValueError
+        (naming the field) when the catalog refuses it (``Catalog.with_adapter``: an unknown
+        or non-vLLM model, a name taken or invalid, tenants outside the model's grant) or the
+        table is full."""
+        if name in self._adapters:
+            raise ValueError(f"name: {name!r} is taken by an adapter added at run time; delete it first")
+        if len(self._adapters) >= MAX_RUNTIME_ADAPTERS:
+            raise ValueError(f"name: at most {MAX_RUNTIME_ADAPTERS} adapters may be added at run time")
+        try:
+            self.runtime_catalog().with_adapter(model, name, path, tenants)
+        except CatalogError as e:
+            raise ValueError(str(e)) from None
+        entry = RuntimeAdapter.create(model, name, path, tenants, round(self._wall(), 3), by)
+        self._adapters[name] = entry
+        self._record("adapter_added", by, adapter=entry.to_dict())
+        self._republish()
+        return entry.to_dict()
+
+    def delete_adapter(self, name: str, by: str) -> bool:
+        """Remove a run-time adapter; False when none has that name (a config's adapter is
+        none: it goes with the config)."""
+        entry = self._adapters.pop(name, None)
+        if entry is not None:
+            self._record("adapter_deleted", by, adapter=entry.to_dict())
+            self._republish()
+        return entry is not None
+
+    def adapters(self) -> list[dict[str, Any]]:
+        return [a.to_dict() for a in self._adapters.values()]
+
+    def runtime_catalog(self) -> Catalog:
+        """The config's catalog with the run-time adapters that fit it."""
+        return with_runtime(self.cfg.catalog(), list(self._adapters.values()))[0]
 
     def set_chaos(self, target: str, settings: dict[str, Any], by: str) -> dict[str, Any]:
         if target not in CHAOS_TARGETS:
@@ -659,7 +728,7 @@ class Controller:
             raw = _kv_get(self._admin_key)
             if raw:
                 n = self._core.adopt_admin_state(json.loads(raw))
-                log.warning("adopted %d kill switch(es) and the chaos settings from a previous controller", n)
+                log.warning("adopted %d kill switch(es), the adapters and chaos settings from a previous controller", n)
         except Exception:
             log.exception("could not read the persisted kill switches and chaos; starting without them")
         self._core.admin_dirty = False
@@ -772,6 +841,19 @@ class Controller:
 
     async def kill_switches(self) -> dict[str, Any]:
         return self._core.kill_switches()
+
+    async def set_adapter(self, model, name, path, tenants, by) -> dict[str, Any]:
+        entry = self._core.set_adapter(model, name, path, tenants, by)
+        await self._persist_admin()
+        return entry
+
+    async def delete_adapter(self, name: str, by: str) -> bool:
+        deleted = self._core.delete_adapter(name, by)
+        await self._persist_admin()
+        return deleted
+
+    async def adapters(self) -> list[dict[str, Any]]:
+        return self._core.adapters()
 
     async def set_chaos(self, target: str, settings: dict[str, Any], by: str) -> dict[str, Any]:
         chaos = self._core.set_chaos(target, settings, by)

@@ -51,6 +51,9 @@ class Snapshot:
     running_replicas: dict[str, int] = field(default_factory=dict)
     autoscale: dict[str, dict[str, Any]] = field(default_factory=dict)
     kill_switches: list[dict[str, Any]] = field(default_factory=list)
+    # LoRA adapters added at run time (ballast.policies.adapters.RuntimeAdapter.to_dict): model,
+    # name, path, tenants (a list, or None: every tenant the model admits), added_at_s, added_by.
+    adapters: list[dict[str, Any]] = field(default_factory=list)
     chaos: dict[str, dict[str, Any]] = field(default_factory=dict)  # target -> settings
     # replica_id -> {"reason", "lease_id", "expires_at_s"}: these replicas drain (fail their
     # health check) until the order's lease expires or the order disappears.

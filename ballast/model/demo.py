@@ -213,15 +213,49 @@ def make_llama(
     return dir
 
 
+# The Llama projections an adapter changes (every one vLLM's LoRA layers take).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(base_dir: Path, out_dir: Path, seed: int, r: int = 8) -> Path:
+    """Write a random LoRA adapter of rank ``r`` for the Llama in ``base_dir`` into
+    ``out_dir`` (PEFT's ``adapter_config.json`` and ``adapter_model.safetensors``); return
+    ``out_dir``. ``init_lora_weights=False`` draws both matrices at random (PEFT's default
+    zeroes B, which changes nothing), so each ``seed`` gives its own output. Needs
+    ``peft`` (the ``test`` extra, which ``make install`` installs)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        config = LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False, target_modules=list(LORA_TARGETS))
+        peft_model = get_peft_model(model, config)
+    peft_model.save_pretrained(str(out_dir))
+    return Path(out_dir)
+
+
 def main(argv: "list[str] | None" = None) -> int:
     """``python -m ballast.model.demo DIR``: write the demo model (``make demo-model``)."""
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="where to write the checkpoint (created if missing)")
+    parser.add_argument(
+        "--adapters",
+        default="",
+        help="comma-separated names: a random LoRA adapter for each, written beside it as DIR-<name>",
+    )
     args = parser.parse_args(argv)
-    make_llama(args.dir, **DEMO_GEOMETRY)
-    print(f"wrote a random-weight Llama ({DEMO_GEOMETRY}) to {args.dir}")
+    if not (args.dir / "config.json").exists():
+        make_llama(args.dir, **DEMO_GEOMETRY)
+        print(f"wrote a random-weight Llama ({DEMO_GEOMETRY}) to {args.dir}")
+    names = [n for n in args.adapters.split(",") if n]
+    for seed, name in enumerate(names, start=1):
+        out = args.dir.parent / f"{args.dir.name}-{name}"
+        make_lora_adapter(args.dir, out, seed)
+        print(f"wrote LoRA adapter {name!r} (rank 8) to {out}")
     print(f"serve it with: make serve MODEL={args.dir}  (or: ballast serve --model {args.dir})")
     return 0
 

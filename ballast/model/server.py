@@ -42,6 +42,7 @@ from ray import serve
 from ballast.policies.reports import ReplicaReport, WatchdogOrders, WatchedReplica
 from ballast.policies.scheduler import SchedulerConfig, batch_row_limit
 
+from ballast.model.adapters import ReplicaAdapters
 from ballast.model.engine import build_engine
 from ballast.model.chaos import ChaosAgent
 from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
@@ -178,6 +179,10 @@ class ModelServer:
         self._m_prefix_hits = metrics.Gauge(
             "ballast_model_prefix_cache_hit_pct", "Prompt tokens found in vLLM's prefix cache, percent."
         )
+        self._m_adapter_failures = metrics.Counter(
+            "ballast_model_adapter_load_failures_total",
+            "Run-time LoRA adapters this replica could not load from the snapshot (tried again later).",
+        )
 
     # -- watchdog, readiness and recycling ---------------------------------------------
     def _spawn_watchdog(self) -> Any:
@@ -247,6 +252,28 @@ class ModelServer:
         self._loop.limit_rows(self._level_batch_limit())
         self._chaos.apply(snap.chaos.get(self._role))
         self._recycle_order = snap.recycle_orders.get(self._replica_id)
+        self._runtime_adapters().offer(snap.adapters)
+
+    # -- LoRA adapters added at run time (ballast.model.adapters) ------------------------
+    def _runtime_adapters(self) -> ReplicaAdapters:
+        """This replica's run-time adapters, made at first use (a trial load or a snapshot)."""
+        held: Optional[ReplicaAdapters] = getattr(self, "_adapters_at_run_time", None)
+        if held is None:
+            held = ReplicaAdapters(
+                self._backend, self._model_cfg.name, self._cfg.catalog(), on_failure=self._m_adapter_failures.inc
+            )
+            self._adapters_at_run_time = held
+        return held
+
+    async def add_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load a LoRA adapter now (the admin API's trial load, before the controller lists
+        it); AdapterRefused with the engine's reason, or for an engine without adapters.
+        Blocking engine work runs in a worker thread."""
+        return {"replica_id": self._replica_id, **await self._runtime_adapters().add(name, path)}
+
+    async def remove_adapter(self, name: str) -> bool:
+        """Unload an adapter this replica loaded at run time; False for any other."""
+        return await self._runtime_adapters().remove(name)
 
     def _engine_load(self) -> tuple[int, float, Optional[int], Optional[float]]:
         """(queued, KV use in percent, waiting in the engine, prefix-cache hit percent).

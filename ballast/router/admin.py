@@ -1,5 +1,5 @@
-"""Admin and status routes: ``/v1/status`` and ``/admin/*`` (kill switches, chaos,
-recycles, replicas), all behind the admin token (401 without a token, 403 with another).
+"""Admin and status routes: ``/v1/status`` and ``/admin/*`` (kill switches, LoRA adapters,
+chaos, recycles, replicas), all behind the admin token (401 without a token, 403 with another).
 
 Each admin action is a call to the controller (never on the generate path), answered
 422 when the controller refuses the input and 503 when it cannot be reached.
@@ -8,22 +8,28 @@ the pipeline's own status; the Router deployment (app.py) declares the routes.
 """
 
 import asyncio
-from typing import Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from ballast.policies import killswitch
+from ballast.policies.adapters import MAX_PATH_CHARS, MAX_RUNTIME_ADAPTERS, MAX_TENANTS
+from ballast.policies.catalog import MAX_NAME_CHARS, CatalogError
 
 from ballast.errors import (
+    AdapterInConfig,
+    AdapterRefused,
     ChaosDisabled,
     ControllerUnavailable,
     Forbidden,
     InvalidRequest,
+    ModelUnavailable,
     NotFound,
     Unauthenticated,
 )
+from ballast.router.adapters import runtime_catalog
 from ballast.router.api import bearer_token, read_json, validate_body
 from ballast.router.ingress import running_fast_path, running_ingress
 
@@ -62,11 +68,34 @@ class RecycleRequest(BaseModel):
     all: bool = False  # every replica of the deployment (or of both), in turn
 
 
+class AdapterRequest(BaseModel):
+    """``POST /admin/adapters``: a LoRA adapter of a vLLM model, from a local directory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)  # what requests name; checked by the catalog
+    path: str = Field(min_length=1, max_length=MAX_PATH_CHARS)  # a directory on every replica's node
+    tenants: Optional[list[Annotated[str, Field(max_length=64)]]] = Field(None, max_length=MAX_TENANTS)
+
+
+#: How long the trial load on one replica may take (vLLM reads, checks and copies it in).
+ADAPTER_TRIAL_LOAD_S = 150.0
+
+
 class Admin:
     """``/v1/status`` and ``/admin/*``: every handler checks the admin token first."""
 
     def __init__(
-        self, cfg: Any, keys: Any, link: Any, exchange: Any, cache: Any, pipeline: Any, router_id: str
+        self,
+        cfg: Any,
+        keys: Any,
+        link: Any,
+        exchange: Any,
+        cache: Any,
+        pipeline: Any,
+        router_id: str,
+        handle_for: Callable[[str], Any],
     ) -> None:
         self._cfg = cfg
         self._limits = cfg.limits
@@ -76,6 +105,7 @@ class Admin:
         self._cache = cache
         self._pipeline = pipeline
         self._router_id = router_id
+        self._handle_for = handle_for  # model name -> its deployment's handle (the adapters' trial load)
 
     async def status(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)
@@ -175,6 +205,78 @@ class Admin:
             raise ChaosDisabled("chaos hooks are disabled in this deployment's config (chaos.enabled)")
         await self._controller("clear_chaos", self._operator(request))
         return {"chaos": {}}
+
+    # -- admin: LoRA adapters added at run time ----------------------------------------
+    async def add_adapter(self, request: Request) -> JSONResponse:
+        """Add a LoRA adapter: the body, then the catalog's checks (the model, the name, the
+        tenants) against the config's catalog with the snapshot's run-time adapters, then a
+        trial load on one replica of the model, and only then the controller's record (every
+        replica loads it from the next snapshot). A refusal at any step records nothing."""
+        self._require_admin(request)
+        body = validate_body(AdapterRequest, await self._read_json(request))
+        self._check_adapter(body)
+        await self._trial_load(body.model, body.name, body.path)
+        try:
+            entry = await self._controller(
+                "set_adapter", body.model, body.name, body.path, body.tenants, self._operator(request)
+            )
+        except InvalidRequest as e:  # another router added the name since this one's snapshot
+            raise AdapterRefused(body.name, body.path, e.message, e.field) from None
+        await self._exchange.exchange_once()  # this router routes to it at once
+        return JSONResponse(entry, status_code=201)
+
+    def _check_adapter(self, body: AdapterRequest) -> None:
+        """The catalog's checks, in its order (model, name, path, tenants): 400 ADAPTER_REFUSED
+        naming the field; and the run-time table's bound."""
+        snap = self._cache.snapshot
+        running = list(snap.adapters) if snap is not None else []
+        try:
+            runtime_catalog(self._pipeline.base_catalog, running).with_adapter(
+                body.model, body.name, body.path, body.tenants
+            )
+        except CatalogError as e:
+            raise AdapterRefused(body.name, body.path, str(e), field=e.field) from None
+        if len(running) >= MAX_RUNTIME_ADAPTERS:
+            raise AdapterRefused(
+                body.name, body.path, f"name: at most {MAX_RUNTIME_ADAPTERS} adapters may be added at run time", "name"
+            )
+
+    async def _trial_load(self, model: str, name: str, path: str) -> None:
+        """Load the adapter on one replica of ``model`` now: vLLM's refusal of the directory is
+        this call's 400 ADAPTER_REFUSED, never a request's. The replica keeps it; the others
+        load it from the snapshot once the controller lists it."""
+        try:
+            await asyncio.wait_for(self._handle_for(model).add_adapter.remote(name, path), ADAPTER_TRIAL_LOAD_S)
+        except AdapterRefused as e:  # Ray re-raises the replica's error as a subclass of it
+            raise AdapterRefused(e.name, e.path, e.reason, e.field) from None
+        except Exception as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, AdapterRefused):
+                raise AdapterRefused(cause.name, cause.path, cause.reason, cause.field) from None
+            raise ModelUnavailable(
+                f"model {model!r}: no replica could try the adapter ({type(e).__name__})", retry_after_s=5.0
+            ) from None
+
+    async def list_adapters(self, request: Request) -> dict[str, Any]:
+        self._require_admin(request)
+        return {"adapters": await self._controller("adapters")}
+
+    async def delete_adapter(self, name: str, request: Request) -> dict[str, Any]:
+        """Remove a run-time adapter (every replica unloads it from the next snapshot); 409 for
+        one the config declares, 404 when no run-time adapter has that name."""
+        self._require_admin(request)
+        snap = self._cache.snapshot
+        running = {a.get("name") for a in snap.adapters if isinstance(a, dict)} if snap is not None else set()
+        target = self._pipeline.base_catalog.resolve(name) if len(name) <= MAX_NAME_CHARS else None
+        if target is not None and target.adapter == name and name not in running:
+            raise AdapterInConfig(
+                f"adapter {name!r} is declared in the config (models[].adapters); remove it from the config "
+                "and redeploy"
+            )
+        if len(name) > MAX_NAME_CHARS or not await self._controller("delete_adapter", name, self._operator(request)):
+            raise NotFound(f"no adapter {name!r} was added at run time")
+        await self._exchange.exchange_once()
+        return {"deleted": name}
 
     # -- helpers ---------------------------------------------------------------------
     def _require_admin(self, request: Request) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -45,6 +46,9 @@ ADMIN_ROUTES = (
     ("POST", "/admin/kill-switch", "set_kill_switch", 201),
     ("GET", "/admin/kill-switch", "list_kill_switches", 200),
     ("DELETE", "/admin/kill-switch/{entry_id}", "delete_kill_switch", 200),
+    ("POST", "/admin/adapters", "add_adapter", 201),
+    ("GET", "/admin/adapters", "list_adapters", 200),
+    ("DELETE", "/admin/adapters/{name}", "delete_adapter", 200),
     ("POST", "/admin/chaos", "set_chaos", 200),
     ("DELETE", "/admin/chaos", "clear_chaos", 200),
     ("POST", "/admin/recycle", "recycle", 202),
@@ -72,22 +76,20 @@ def admin_app(admin: Any) -> FastAPI:
     app.add_exception_handler(BallastError, ballast_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     for method, path, name, status in ADMIN_ROUTES:
-        app.add_api_route(path, _endpoint(admin, name, "{entry_id}" in path), methods=[method], status_code=status)
+        app.add_api_route(path, _endpoint(admin, name, _PATH_PARAM.findall(path)), methods=[method], status_code=status)
     return app
 
 
-def _endpoint(admin: Any, name: str, with_id: bool) -> Callable[..., Any]:
-    if with_id:
+_PATH_PARAM = re.compile(r"\{(\w+)\}")
 
-        async def by_id(entry_id: str, request: Request) -> Any:
-            return await getattr(admin, name)(entry_id, request)
 
-        return by_id
+def _endpoint(admin: Any, name: str, params: list[str]) -> Callable[..., Any]:
+    """The route's handler: ``admin.<name>(*path parameters, request)``."""
 
-    async def plain(request: Request) -> Any:
-        return await getattr(admin, name)(request)
+    async def endpoint(request: Request) -> Any:
+        return await getattr(admin, name)(*(request.path_params[p] for p in params), request)
 
-    return plain
+    return endpoint
 
 
 def reuseport_socket(port: int, host: str = HOST) -> socket.socket:

@@ -93,7 +93,16 @@ class Router:
         self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None, keys)
         self._native = NativeFront(self.pipeline, cfg.limits)
         self._openai = OpenAIFront(self.pipeline, cfg, created_s=int(time.time()))
-        self._admin = Admin(cfg, keys, self._link, self._exchange, self.snapshots, self.pipeline, self.router_id)
+        self._admin = Admin(
+            cfg,
+            keys,
+            self._link,
+            self._exchange,
+            self.snapshots,
+            self.pipeline,
+            self.router_id,
+            handle_for=lambda name: self._handles[name],  # each model's deployment, by its name
+        )
         # Health routes need no key: they answer from one model ping per interval at most.
         self.readiness = {
             name: CachedProbe(lambda h=handle: h.ping.remote(), cfg.http.ready_probe_interval_s)
@@ -202,6 +211,19 @@ class Router:
     @app.delete("/admin/kill-switch/{entry_id}")
     async def delete_kill_switch(self, entry_id: str, request: Request) -> dict[str, Any]:
         return await self._public_admin().delete_kill_switch(entry_id, request)
+
+    @app.post("/admin/adapters", status_code=201)
+    async def add_adapter(self, request: Request) -> JSONResponse:
+        """Add a LoRA adapter at run time: checked, loaded on one replica, then recorded."""
+        return await self._public_admin().add_adapter(request)
+
+    @app.get("/admin/adapters")
+    async def list_adapters(self, request: Request) -> dict[str, Any]:
+        return await self._public_admin().list_adapters(request)
+
+    @app.delete("/admin/adapters/{name}")
+    async def delete_adapter(self, name: str, request: Request) -> dict[str, Any]:
+        return await self._public_admin().delete_adapter(name, request)
 
     @app.post("/admin/chaos")
     async def set_chaos(self, request: Request) -> dict[str, Any]:

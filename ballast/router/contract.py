@@ -87,6 +87,17 @@ class KillSwitchEntry(BaseModel):
     expires_at_s: float
 
 
+class AdapterEntry(BaseModel):
+    """A LoRA adapter added at run time (``POST /admin/adapters``)."""
+
+    model: str
+    name: str
+    path: str
+    tenants: Optional[list[str]] = Field(description="null: every tenant the model admits.")
+    added_at_s: float
+    added_by: str
+
+
 class Version(BaseModel):
     version: str = Field(description="Ballast's version (vLLM's /version answers the same way).")
 
@@ -108,7 +119,7 @@ class RouteContract:
 
 
 def _contract() -> dict[tuple[str, str], RouteContract]:
-    from ballast.router.admin import ChaosRequest, KillSwitchRequest, RecycleRequest
+    from ballast.router.admin import AdapterRequest, ChaosRequest, KillSwitchRequest, RecycleRequest
     from ballast.router.generate import GenerateRequest
 
     return {
@@ -126,6 +137,9 @@ def _contract() -> dict[tuple[str, str], RouteContract]:
         ("POST", "/admin/kill-switch"): RouteContract(KillSwitchEntry, KillSwitchRequest, status=201),
         ("GET", "/admin/kill-switch"): RouteContract(AdminAnswer),
         ("DELETE", "/admin/kill-switch/{entry_id}"): RouteContract(AdminAnswer),
+        ("POST", "/admin/adapters"): RouteContract(AdapterEntry, AdapterRequest, status=201),
+        ("GET", "/admin/adapters"): RouteContract(AdminAnswer),
+        ("DELETE", "/admin/adapters/{name}"): RouteContract(AdminAnswer),
         ("POST", "/admin/chaos"): RouteContract(AdminAnswer, ChaosRequest),
         ("DELETE", "/admin/chaos"): RouteContract(AdminAnswer),
         ("POST", "/admin/recycle"): RouteContract(RecycleAccepted, RecycleRequest, status=202),

@@ -238,6 +238,8 @@ class Pipeline:
         self.base_catalog = self.catalog = cfg.catalog()
         self.places = TenantPlaces()
         self.kill_switches: list[killswitch.KillSwitchEntry] = []  # from the latest snapshot
+        # The config's catalog, and it with the snapshot's run-time adapters (the reporter sets it).
+        self.base_catalog = self.catalog = cfg.catalog()
 
     # -- 1. identity, deadline, idempotency key ---------------------------------------
     def identify(self, request: Request) -> Caller:

@@ -7,8 +7,9 @@ against the gate's answer rate, each tenant's token demand). Gauges are re-set e
 interval, not only on change: a series Ray has not seen updated for a while may stop
 being exported.
 
-In: a snapshot (the kill switches and the gate's ceiling go to the pipeline, the level
-to the edge at once) and a reply (quota leases for this router).
+In: a snapshot (the kill switches, the run-time adapters (as the pipeline's catalog) and
+the gate's ceiling go to the pipeline, the level to the edge at once) and a reply (quota
+leases for this router).
 
 The edge (HAProxy's map of refused classes, edge.py) follows the level this router acts
 on, a snapshot's or fail-static's; its refusals of keys it vouches for (its key map: the
@@ -35,6 +36,7 @@ from ballast.policies.reports import ModelLoad, RouterReport
 
 from ballast.control.names import ROUTER_DEPLOYMENT
 from ballast.control.snapshot import EffectiveState, Snapshot
+from ballast.router.adapters import runtime_catalog
 from ballast.router.auth import KeyStore
 from ballast.router.edge import Edge, key_entries, shed_entries
 from ballast.router.lanes import Lane
@@ -87,6 +89,7 @@ class Reporter:
         self._demand = {name: DemandWindow(cfg.degradation.demand_window_s) for name in pipeline.lanes}
         self._gate_seen = dict.fromkeys(pipeline.lanes, (0, 0))
         self._fair_share: Optional[float] = None  # this router's share of the model, from the controller
+        self._adapters_seen: list[dict[str, Any]] = []  # the run-time adapters the pipeline's catalog holds
 
     def report(self) -> RouterReport:
         """This router's report: called once per report interval, whether or not it answers."""
@@ -243,9 +246,18 @@ class Reporter:
                 log.warning("ignoring a malformed kill switch entry: %r", raw)
         self._pipeline.kill_switches = entries
         self._metrics.kill.set(len(entries))
+        self._apply_adapters(snap)
         if self.edge is not None:  # at once, not at the next report: the level and switches may have changed
             self.edge.apply_keys(self._vouched(self._switched_off()[0]))
             self._apply_edge(self._clock())
+
+    def _apply_adapters(self, snap: Snapshot) -> None:
+        """The pipeline's catalog: the config's with the snapshot's run-time adapters, built
+        again only when they changed (each snapshot carries them all)."""
+        if snap.adapters == self._adapters_seen:
+            return
+        self._pipeline.catalog = runtime_catalog(self._pipeline.base_catalog, snap.adapters)
+        self._adapters_seen = list(snap.adapters)
 
     def on_reply(self, raw: dict[str, Any]) -> None:
         """Leases for this router; the cluster's fair-share counters, this report merged in."""

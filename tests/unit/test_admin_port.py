@@ -34,7 +34,7 @@ def _router(**http):
 
 
 def _path(path: str) -> str:
-    return path.replace("{entry_id}", "no-such-id")
+    return path.replace("{entry_id}", "no-such-id").replace("{name}", "no-such-name")
 
 
 def test_the_admin_port_serves_every_admin_route_of_the_public_app():

@@ -3,24 +3,32 @@ base and two adapters give three greedy outputs, each the same every time, and a
 give theirs in a mixed batch (a base row beside them does not on CPU: vLLM's CPU LoRA ops,
 see the xfail); an adapter added at run time serves, and once removed its row alone is
 refused; a bad adapter is refused when it is added, with vLLM's reason; the replica loop
-runs a call's adapter. One engine for the module."""
+runs a call's adapter; a replica follows the snapshot's run-time adapters (ballast.model.adapters)
+and the admin route's trial load refuses a bad directory with vLLM's reason. One engine for the
+module."""
 
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
+
+from fakes import FakeClock
 
 pytest.importorskip("vllm")
 pytest.importorskip("peft")
 
 from ballast.errors import AdapterRefused, EngineRefused  # noqa: E402
+from ballast.model.adapters import ReplicaAdapters  # noqa: E402
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_engine import RowSampling  # noqa: E402
 from ballast.model.protocol import ModelCall  # noqa: E402
 from ballast.model.replica_loop import ReplicaLoop  # noqa: E402
 from ballast.model.vllm_engine import VLLMBackend, lora_engine_kwargs  # noqa: E402
+from ballast.policies.adapters import RuntimeAdapter  # noqa: E402
+from ballast.policies.catalog import AdapterEntry, Catalog, ModelEntry  # noqa: E402
 from ballast.policies.scheduler import SchedulerConfig  # noqa: E402
 from tests.unit.hf_fixture import make_lora_adapter  # noqa: E402
 
@@ -169,3 +177,96 @@ async def test_the_replica_loop_runs_a_calls_adapter(backend, alone):
         assert refused.value.field == "model"
     finally:
         loop.stop()
+
+
+# ---------------------------------------------------------------- run-time adapters on a replica
+
+
+def base_catalog(dirs) -> Catalog:
+    """The catalog of the engine's config: model "tiny" with its two adapters."""
+    configured = (AdapterEntry("sql", str(dirs["sql"])), AdapterEntry("support", str(dirs["support"])))
+    return Catalog.build([ModelEntry("tiny", "vllm", adapters=configured)], {"gold": None})
+
+
+def listing(*entries: tuple) -> list[dict]:
+    """A snapshot's ``adapters``: (name, directory[, model])."""
+    return [
+        RuntimeAdapter.create(e[2] if len(e) > 2 else "tiny", e[0], str(e[1]), None, 0, "ops").to_dict()
+        for e in entries
+    ]
+
+
+async def test_a_replica_follows_the_snapshots_run_time_adapters_tick_by_tick(backend, dirs):
+    clock = FakeClock(0)
+    replica = ReplicaAdapters(backend, "tiny", base_catalog(dirs), clock=clock, grace_s=3, retry_s=5)
+    late, wide = str(dirs["late"]), str(dirs["wide"])
+
+    # The admin API's trial load: kept for the grace while no snapshot lists it yet, then unloaded.
+    assert (await replica.add("late", late))["name"] == "late"
+    for _ in range(3):
+        assert not await replica.reconcile([])
+        assert backend.serves_adapter("late")
+        clock.advance()
+    assert (await replica.reconcile([])).remove == ("late",)
+    assert not backend.serves_adapter("late") and replica.added == {}
+
+    # Listed: loaded; a bad one beside it is logged and counted, and tried again after retry_s.
+    changes = await replica.reconcile(listing(("late", late), ("wide", wide)))
+    assert changes.add == (("late", late), ("wide", wide))
+    assert backend.serves_adapter("late") and not backend.serves_adapter("wide") and replica.failures == 1
+    for _ in range(4):
+        clock.advance()
+        assert not await replica.reconcile(listing(("late", late), ("wide", wide)))
+    clock.advance()
+    assert (await replica.reconcile(listing(("late", late), ("wide", wide)))).add == (("wide", wide),)
+    assert replica.failures == 2
+
+    # Entries that do not fit are skipped (another model's, the config's name); the config's
+    # adapters are never unloaded, not by a listing and not by remove_adapter.
+    assert not await replica.reconcile(listing(("late", late), ("other", late, "llama"), ("sql", late)))
+    assert not await replica.remove("sql")
+    with pytest.raises(AdapterRefused, match="the config serves"):
+        await replica.add("sql", str(dirs["sql"]))
+    assert (await replica.reconcile([])).remove == ("late",)  # listed once: no grace any more
+    assert backend.adapters().keys() == {"sql", "support"}
+
+
+def test_the_admin_route_refuses_a_bad_directory_with_vllms_reason_and_adds_a_good_one(backend, dirs):
+    """POST /admin/adapters on a real router object: the trial load goes to a stand-in handle
+    whose ``add_adapter.remote`` is the real replica's side (ReplicaAdapters on this engine)."""
+    from fakes import FakeClock as Clock
+    from routerkit import build_router, routed
+    from test_admin_adapters import ADMIN, CoreLink
+    from test_resilient_caller import FakeHandle
+
+    from ballast.control.snapshot import SnapshotExchange
+    from ballast.policies.reports import RouterReport
+
+    replica = ReplicaAdapters(backend, "tiny", base_catalog(dirs), clock=Clock(0))
+    model = {"name": "tiny", "backend": "vllm", "path": str(dirs["base"]), "adapters": {"sql": str(dirs["sql"])}}
+    router = build_router({"auth": {"demo_admin_token": "admin-token"}, "models": [model]}, FakeHandle())
+    link = CoreLink(router._cfg)
+    admin = router._admin
+    admin._link = link
+    admin._handle_for = lambda name: types.SimpleNamespace(add_adapter=types.SimpleNamespace(remote=replica.add))
+    admin._exchange = SnapshotExchange(
+        router.snapshots, link.report, lambda: RouterReport(router_id="r"), 1, 5, router.reporter.on_snapshot
+    )
+    with routed(router) as client:
+        for name, reason in (("wide", "greater than max_lora_rank 16"), ("empty", "No adapter found")):
+            r = client.post(
+                "/admin/adapters", headers=ADMIN, json={"model": "tiny", "name": name, "path": str(dirs[name])}
+            )
+            assert r.status_code == 400 and r.json()["error"]["code"] == "ADAPTER_REFUSED", r.text
+            assert reason in r.json()["error"]["message"]
+        assert link.core.adapters() == [] and replica.added == {}
+        r = client.post(
+            "/admin/adapters", headers=ADMIN, json={"model": "tiny", "name": "late", "path": str(dirs["late"])}
+        )
+        assert r.status_code == 201 and backend.serves_adapter("late")
+        assert router.pipeline.catalog.resolve("tiny:late") is not None
+        # The replica's next snapshot lists it (it holds it already), then no longer does.
+        assert not asyncio.run(replica.reconcile(link.core.snapshot()["adapters"]))
+        assert client.delete("/admin/adapters/late", headers=ADMIN).status_code == 200
+    assert asyncio.run(replica.reconcile(link.core.snapshot()["adapters"])).remove == ("late",)
+    assert backend.adapters().keys() == {"sql", "support"}
