@@ -49,7 +49,8 @@ memory and ``max_loras`` in one step; one it evicted is read again from its dire
 when a row needs it. A removed adapter's rows already in the engine finish with it.
 On CPU, vLLM's LoRA ops (``vllm/lora/ops/torch_ops``) index a row without an adapter
 (index -1) as the last adapter slot, so a base-model row that shares a step with adapter
-rows runs with an adapter there; rows of adapters alone, or of the base alone, are right.
+rows would run with an adapter there (vllm PR #48421): there, base rows run with a zero
+adapter instead (``_base_adapter``), which gives the base model's output exactly.
 
 **Stats** come from vLLM's own scheduler through a ``StatLoggerBase`` registered
 at start (one record per engine step): running and waiting requests, KV-cache
@@ -63,6 +64,9 @@ token-level chunks, aborts and admission under its own control, which
 from __future__ import annotations
 
 import asyncio
+import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
@@ -86,7 +90,12 @@ from ballast.model.hf_engine import (
 __all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
 
 # vLLM options Ballast sets unless engine_kwargs says otherwise.
+log = logging.getLogger("ballast.vllm")
+
 _DEFAULT_ENGINE_KWARGS = {"enable_prefix_caching": True}
+#: The zero adapter base-model rows run with on CPU (``VLLMBackend._base_adapter``); not a
+#: name a request or an operator can give (names are checked: ``_check_adapter_name``).
+BASE_ADAPTER = "ballast:base"
 _CALL_SLACK_S = 30.0  # beyond a call's own bound: the engine loop itself is stuck
 _ADAPTER_LOAD_S = 120.0  # one adapter's load into vLLM (read from disk, checked, copied in)
 # LoRA settings Ballast sets when a model has adapters and leaves them out: vLLM's own
@@ -202,7 +211,7 @@ def default_engine_kwargs(
     import json
     import os
 
-    out = lora_engine_kwargs({"max_num_seqs": rows, **engine_kwargs}, adapters or {})
+    out = lora_engine_kwargs({"max_num_seqs": rows, **engine_kwargs}, adapters or {}, base_slot=not _cuda_visible())
     sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(out) or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if sized or _cuda_visible():
         return out
@@ -225,17 +234,20 @@ def default_engine_kwargs(
     return out
 
 
-def lora_engine_kwargs(engine_kwargs: dict[str, Any], adapters: Mapping[str, str]) -> dict[str, Any]:
+def lora_engine_kwargs(
+    engine_kwargs: dict[str, Any], adapters: Mapping[str, str], base_slot: bool = False
+) -> dict[str, Any]:
     """``engine_kwargs`` with LoRA turned on when there are ``adapters`` (unless it says
-    ``enable_lora``), ``max_loras`` (adapters in one step) as many as the adapters up to 4,
-    and ``max_lora_rank`` vLLM's 16 or the smallest rank vLLM takes that holds the largest
-    adapter's (read from its ``adapter_config.json``; one that cannot be read is vLLM's to
-    refuse when it is loaded)."""
+    ``enable_lora``), ``max_loras`` (adapters in one step) as many as the adapters up to 4
+    (one more with ``base_slot``: on CPU, the zero adapter base rows run with,
+    ``VLLMBackend._base_adapter``), and ``max_lora_rank`` vLLM's 16 or the smallest rank
+    vLLM takes that holds the largest adapter's (read from its ``adapter_config.json``; one
+    that cannot be read is vLLM's to refuse when it is loaded)."""
     out = dict(engine_kwargs)
     if not adapters or out.get("enable_lora") is False:
         return out
     out["enable_lora"] = True
-    out.setdefault("max_loras", max(1, min(len(adapters), 4)))
+    out.setdefault("max_loras", max(1, min(len(adapters), 4)) + int(base_slot))
     if "max_lora_rank" not in out:
         rank = max([_DEFAULT_MAX_LORA_RANK, *(_adapter_rank(p) for p in adapters.values())])
         out["max_lora_rank"] = next((r for r in _LORA_RANKS if r >= rank), _LORA_RANKS[-1])
@@ -342,6 +354,9 @@ class VLLMBackend:
         self._adapter_lock = threading.Lock()
         self._adapters: dict[str, Any] = {}  # name -> vLLM's LoRARequest
         self._lora_ids = 0  # the last LoRARequest id handed out; ids are never reused
+        # On CPU with LoRA on: the zero adapter base-model rows run with (_base_adapter).
+        self._base_lora: Any = None
+        self._base_lora_dir: Optional[str] = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"vllm-{name}", daemon=True)
         self._thread.start()
@@ -362,6 +377,7 @@ class VLLMBackend:
             self._compile_schema, threads=grammar_compile_threads, timeout_s=grammar_compile_timeout_s
         )
         self._load_adapters(adapters or {})
+        self._base_adapter()
 
     # ---------------------------------------------------------------- start, stop
 
@@ -402,6 +418,8 @@ class VLLMBackend:
             self._stop_loop()
             self._llm = None
             _reap(pids, _SHUTDOWN_WAIT_S)
+            if self._base_lora_dir is not None:
+                shutil.rmtree(self._base_lora_dir, ignore_errors=True)
 
     async def _shutdown_llm(self) -> None:
         self._llm.shutdown()
@@ -448,6 +466,35 @@ class VLLMBackend:
             kept = self._adapters.setdefault(name, req)
         if kept is not req:  # a concurrent add of the same name won: unload this copy
             self._call(self._llm.remove_lora(req.lora_int_id), _CALL_SLACK_S)
+        if self._base_lora is None and not self._closed:
+            self._base_adapter()
+
+    def _base_adapter(self) -> None:
+        """On CPU with LoRA on, load a zero adapter (every LoRA weight 0: exactly the base
+        model's output) that base-model rows run with, so that no row in a step runs without
+        an adapter: vLLM's CPU LoRA ops take such a row's index (-1) for the last slot and
+        give it that adapter's output (vllm PR #48421). Its shapes are a loaded adapter's;
+        none loaded yet: the first one added makes it. Not on GPU, where rows without an
+        adapter are right. It takes one of the step's ``max_loras`` slots when base rows
+        share a step with adapter rows (``lora_engine_kwargs`` leaves one for it)."""
+        from vllm.lora.request import LoRARequest
+
+        if self.device != "cpu" or self._llm is None or self._llm.vllm_config.lora_config is None:
+            return
+        with self._adapter_lock:
+            source = next((req.lora_path for req in self._adapters.values()), None)
+        if source is None:
+            return
+        where = tempfile.mkdtemp(prefix="ballast-base-lora-")
+        if not _write_zero_adapter(Path(source), Path(where)):
+            shutil.rmtree(where, ignore_errors=True)
+            log.warning("model %r: no safetensors in %s to shape a zero adapter from", self.name, source)
+            return
+        with self._adapter_lock:
+            self._lora_ids += 1
+            req = LoRARequest(lora_name=BASE_ADAPTER, lora_int_id=self._lora_ids, lora_path=where)
+        self._call(self._llm.add_lora(req), _ADAPTER_LOAD_S)
+        self._base_lora, self._base_lora_dir = req, where
 
     def _load_adapters(self, adapters: Mapping[str, str]) -> None:
         """The adapters served from the start; one vLLM refuses stops the engine and is a
@@ -651,6 +698,20 @@ def _check_adapter_name(name: str, model: str, path: str) -> None:
         )
 
 
+def _write_zero_adapter(source: Path, out: Path) -> bool:
+    """A PEFT adapter in ``out`` shaped as the one in ``source``, every weight zero; False
+    when ``source`` holds no ``adapter_model.safetensors`` to shape it from."""
+    from safetensors.torch import load_file, save_file
+    import torch
+
+    weights = source / "adapter_model.safetensors"
+    if not weights.is_file():
+        return False
+    shutil.copyfile(source / "adapter_config.json", out / "adapter_config.json")
+    save_file({k: torch.zeros_like(v) for k, v in load_file(str(weights)).items()}, str(out / weights.name))
+    return True
+
+
 def _device_name(vllm_config: Any) -> str:
     device = getattr(vllm_config.device_config, "device_type", None) or str(vllm_config.device_config.device)
     return "cpu" if str(device).startswith("cpu") else str(device)
@@ -815,7 +876,7 @@ class VLLMBatch:
 
         llm = self._b._llm
         row = _Row(key, f"{self._prefix}-{key}", s, adapter)
-        lora = self._b._lora_request(adapter) if adapter is not None else None
+        lora = self._b._lora_request(adapter) if adapter is not None else self._b._base_lora
         if adapter is not None and lora is None:  # removed (or never added): this row alone
             self._failed[key] = EngineRefused(
                 f"model: adapter {adapter!r} is not loaded on model {self._b.name!r}", field="model"

@@ -55,7 +55,10 @@ def backend(dirs):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of CPU KV cache
         b = VLLMBackend(
-            str(dirs["base"]), name="tiny", engine_kwargs=lora_engine_kwargs(ENGINE_KWARGS, adapters), adapters=adapters
+            str(dirs["base"]),
+            name="tiny",
+            engine_kwargs=lora_engine_kwargs(ENGINE_KWARGS, adapters, base_slot=True),
+            adapters=adapters,
         )
     yield b
     b.shutdown()
@@ -86,6 +89,7 @@ def alone(backend):
 def test_lora_settings_follow_the_adapters(dirs):
     kw = lora_engine_kwargs({}, {"sql": str(dirs["sql"])})
     assert kw == {"enable_lora": True, "max_loras": 1, "max_lora_rank": 16}
+    assert lora_engine_kwargs({}, {"sql": str(dirs["sql"])}, base_slot=True)["max_loras"] == 2  # + the zero adapter
     assert lora_engine_kwargs({}, {"w": str(dirs["wide"])})["max_lora_rank"] == 32  # the widest adapter's
     assert lora_engine_kwargs({"max_lora_rank": 8}, {"w": str(dirs["wide"])})["max_lora_rank"] == 8  # as written
     assert lora_engine_kwargs({"dtype": "float32"}, {}) == {"dtype": "float32"}  # no adapters: LoRA stays off
@@ -105,15 +109,15 @@ def test_rows_of_two_adapters_share_a_batch(backend, alone):
     assert out == {"s": alone["sql"][0], "t": alone["support"][0], "s2": alone["sql"][0]}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="vLLM's CPU LoRA ops (vllm/lora/ops/torch_ops: lora_weights[lora_indices]) index a row without "
-    "an adapter (-1) as the last adapter slot: a base row that shares a step with adapter rows runs with one",
-)
 def test_a_base_row_beside_adapter_rows_gets_the_base_output(backend, alone):
-    out, failed = run(backend, {"b": None, "s": "sql", "t": "support"})
+    # vLLM's CPU LoRA ops (vllm/lora/ops/torch_ops: lora_weights[lora_indices]) take a row
+    # without an adapter (-1) for the last slot's adapter: on CPU a base row runs with the
+    # zero adapter instead, and gets the base output beside adapter rows.
+    assert backend._base_lora is not None and backend.device == "cpu"
+    out, failed = run(backend, {"b": None, "s": "sql", "t": "support", "b2": None})
     assert not failed and out["s"] == alone["sql"][0] and out["t"] == alone["support"][0]
-    assert out["b"] == alone[None][0]
+    assert out["b"] == out["b2"] == alone[None][0]
+    assert "ballast:base" not in backend.adapters()  # not an adapter a request or an operator can name
 
 
 def test_an_adapter_added_at_run_time_serves_until_removed(backend, dirs, alone):
