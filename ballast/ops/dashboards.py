@@ -91,9 +91,9 @@ OVERVIEW = Dashboard(
     title="Ballast overview",
     panels=(
         Panel(
-            "Degradation level",
-            (Target("max(ray_ballast_degradation_level)", "level"),),
-            description="0 normal … 4 nothing new admitted",
+            "Degradation level by model",
+            (Target("max by (model) (ray_ballast_degradation_level)", "{{model}}"),),
+            description="Each model's own level: 0 normal … 4 nothing new admitted",
         ),
         Panel(
             "Replicas: desired vs running",
@@ -105,7 +105,11 @@ OVERVIEW = Dashboard(
                 ),
             ),
         ),
-        Panel("Goodput (answered OK)", (Target(f'sum(rate({REQ}{{code="OK"}}[1m]))', "ok/s"),), unit="reqps"),
+        Panel(
+            "Goodput (answered OK) by model",
+            (Target(f'sum by (model) (rate({REQ}{{code="OK"}}[1m]))', "{{model}}"),),
+            unit="reqps",
+        ),
         Panel(
             "Shed by criticality",
             (Target(f'sum by (criticality) (rate({REQ}{{code="OVERLOADED"}}[1m]))', "{{criticality}}"),),
