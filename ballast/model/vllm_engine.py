@@ -354,8 +354,7 @@ class VLLMBackend:
         self._adapter_lock = threading.Lock()
         self._adapters: dict[str, Any] = {}  # name -> vLLM's LoRARequest
         self._lora_ids = 0  # the last LoRARequest id handed out; ids are never reused
-        # On CPU with LoRA on: the zero adapter base-model rows run with (_base_adapter).
-        self._base_lora: Any = None
+        self._base_lora: Any = None  # on CPU with LoRA on: the zero adapter base rows run with
         self._base_lora_dir: Optional[str] = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"vllm-{name}", daemon=True)
