@@ -149,7 +149,7 @@ def _check_models(name: str, models: object) -> None:
 
 
 @dataclass(frozen=True)
-class RouterReport:
+class RouterReport(ModelLoad):
     """One router replica's report, every report interval: its load since the last one.
 
     The top-level load fields (``LOAD_FIELDS``) are the first model's; ``models`` holds
@@ -159,20 +159,8 @@ class RouterReport:
     router's across all models: a tenant's quota and fair share hold across models.
     """
 
-    router_id: str
-    inflight: int = 0  # requests this router holds now
-    # Outcomes since the last report (the controller's error window sums them).
-    requests: int = 0
-    errors: int = 0
-    shed: int = 0
-    lost_capacity: int = 0  # attempts lost with their replica or node: not model errors
-    queue_wait_p95_ms: Optional[float] = None  # None: no request waited at the gate
-    # The gate's view over its demand window (ballast.policies.gate.DemandWindow); a router
-    # without a gate leaves them at their defaults.
-    gate_waiting: int = 0
-    demand_rps: Mapping[str, float] = field(default_factory=dict)  # offered, by criticality
-    served_rps: float = 0.0
-    gate_full: bool = False  # the gate was full for most of the window: served_rps is capacity
+    # ModelLoad's fields (the first model's load), then the router's own:
+    router_id: str = ""  # required: an empty one is refused
     demand_tokens_per_s: Mapping[str, float] = field(default_factory=dict)  # by tenant (quota leases)
     # What the gate charged each tenant's fair-share counter since the last report
     # (ballast.policies.fairness; negative where refunds outweighed charges).
