@@ -64,8 +64,10 @@ class RecycleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replica_id: Optional[str] = Field(None, min_length=1, max_length=200)
-    deployment: Optional[str] = Field(None, pattern="^(BallastModel|BallastFallbackModel)$")
-    all: bool = False  # every replica of the deployment (or of both), in turn
+    # A model deployment of this config (checked by the handler): BallastModel[-<model>],
+    # BallastFallbackModel[-<model>].
+    deployment: Optional[str] = Field(None, max_length=200, pattern="^(BallastModel|BallastFallbackModel)(-.+)?$")
+    all: bool = False  # every replica of the deployment (or of every one), in turn
 
 
 class AdapterRequest(BaseModel):
@@ -187,12 +189,24 @@ class Admin:
         """Ask for replicas to be recycled: they go in turn, under the planner's rules."""
         self._require_admin(request)
         body = validate_body(RecycleRequest, await self._read_json(request))
+        served = self._model_deployments()
+        if body.deployment is not None and body.deployment not in served:
+            raise InvalidRequest(f"deployment: not one of {', '.join(served)}", field="deployment")
         if body.replica_id is None and not body.all:
             raise InvalidRequest("name a replica_id, or set all: true", field="replica_id")
         marked = await self._controller(
             "request_recycle", body.replica_id, body.deployment, body.all, self._operator(request)
         )
         return JSONResponse({"accepted": marked}, status_code=202)
+
+    def _model_deployments(self) -> list[str]:
+        """Every model's deployment and its fallback's, in the config's order."""
+        out = []
+        for m in self._cfg.models:
+            out.append(self._cfg.deployment_name(m.name))
+            if self._cfg.fallback_of(m.name) is not None:
+                out.append(self._cfg.fallback_deployment_name(m.name))
+        return out
 
     async def replicas(self, request: Request) -> dict[str, Any]:
         """Every replica as its watchdog sees it, plus recycles in flight and recent events."""

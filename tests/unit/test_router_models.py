@@ -153,3 +153,13 @@ def test_a_one_model_router_keeps_its_one_model_shape():
     r = build_router({"auth": {"demo_keys": {"k": "t"}}, "tenants": {"t": {}}}, FakeHandle())
     assert list(r.pipeline.lanes) == [load_config({}).model.name]
     assert r.pipeline.gate is r.pipeline.primary.gate and r.tally is r.pipeline.primary.tally
+
+
+def test_a_recycle_names_any_models_deployment_and_nothing_else(handles):
+    cfg = {**CFG, "auth": {**CFG["auth"], "demo_admin_token": "admin"}, "fallback": {"model": {"name": "fb"}}}
+    router = build_router(cfg, handles)
+    with routed(router) as c:
+        bad = c.post("/admin/recycle", headers={"authorization": "Bearer admin"}, json={"deployment": "BallastModel-x"})
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "deployment"
+    served = "BallastModel, BallastFallbackModel, BallastModel-large"
+    assert bad.json()["error"]["message"] == f"deployment: not one of {served}"
