@@ -14,7 +14,7 @@ got. The model prefills the prompt and those ids and goes on; the client gets on
 the text it does not have, and ``done`` counts the whole generation.
 """
 
-from typing import Annotated, Any, AsyncGenerator, Optional
+from typing import Annotated, Any, AsyncGenerator, NamedTuple, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -53,6 +53,18 @@ class GenerateRequest(BaseModel):
     resume: Optional[ResumeBody] = None  # a cut stream sent again (the module's docstring)
 
 
+class Asked(NamedTuple):
+    """The model a request asked for, and the name it gave (None: it named none)."""
+
+    model: str
+    name: Optional[str]
+
+    def shown(self, answered_by: str) -> str:
+        """The ``model`` an answer shows: the name asked (an adapter as the request named
+        it) when that model answered; the fallback's own name when it did."""
+        return self.name if self.name is not None and answered_by == self.model else answered_by
+
+
 class NativeFront:
     """``POST /v1/generate`` on the pipeline it holds."""
 
@@ -70,13 +82,14 @@ class NativeFront:
             ModelRequest(caller, claimed_criticality(request, req.criticality), max_tokens, req.stream, call)
         )
         resumed_tokens = len(call.resumed_ids)
+        asked = Asked(target.model, req.model)
         if isinstance(served, Stream):
-            return StreamResponse(self._events(served, resumed_tokens), served)
-        return self._answer(served, resumed_tokens, req.stream)
+            return StreamResponse(self._events(served, resumed_tokens, asked), served)
+        return self._answer(served, resumed_tokens, req.stream, asked)
 
-    def _answer(self, answer: Answer, resumed_tokens: int, stream: bool) -> Response:
+    def _answer(self, answer: Answer, resumed_tokens: int, stream: bool, asked: "Asked") -> Response:
         settled = answer.settled
-        meta = answer.admission.meta(settled.model)
+        meta = answer.admission.meta(asked.shown(settled.model))
         body = {
             "text": settled.text,
             "tokens_generated": settled.tokens + resumed_tokens,
@@ -92,7 +105,7 @@ class NativeFront:
             return Response(events, media_type="text/event-stream", headers=headers)
         return JSONResponse(body, headers=headers)
 
-    async def _events(self, stream: Stream, resumed_tokens: int) -> AsyncGenerator[bytes, None]:
+    async def _events(self, stream: Stream, resumed_tokens: int, asked: "Asked") -> AsyncGenerator[bytes, None]:
         try:
             async for chunk in stream:
                 event: dict[str, Any] = {"text": chunk.text, "tokens": chunk.tokens}
@@ -103,7 +116,7 @@ class NativeFront:
                 "done",
                 {
                     "tokens_generated": resumed_tokens + stream.tokens,
-                    **stream.admission.meta(stream.model),
+                    **stream.admission.meta(asked.shown(stream.model)),
                     "fallback": stream.fallback,
                     "migrations": stream.migrations,
                     **({"resumed_tokens": resumed_tokens} if resumed_tokens else {}),

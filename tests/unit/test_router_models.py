@@ -163,3 +163,12 @@ def test_a_recycle_names_any_models_deployment_and_nothing_else(handles):
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "deployment"
     served = "BallastModel, BallastFallbackModel, BallastModel-large"
     assert bad.json()["error"]["message"] == f"deployment: not one of {served}"
+
+
+def test_a_native_answer_names_what_was_asked_or_the_fallback():
+    from ballast.router.generate import Asked
+
+    assert Asked("llama", "sql").shown("llama") == "sql"  # an adapter, as the request named it
+    assert Asked("llama", "llama:sql").shown("llama") == "llama:sql"
+    assert Asked("llama", "sql").shown("llama-small") == "llama-small"  # the fallback answered
+    assert Asked("llama", None).shown("llama") == "llama"  # no model named: the first
