@@ -252,7 +252,7 @@ def test_an_idempotency_key_answered_by_another_router_is_replayed_here(client, 
 
     keys = keys_actor(ballast)
     key = f"elsewhere-{uuid.uuid4().hex}"
-    same = request_fingerprint(ModelCall("one"), 6)  # the request this router will be sent
+    same = request_fingerprint(ModelCall("one", model=ballast.model.name), 6)  # the request this router will be sent
     assert ray.get(keys.claim.remote("gold", key, "router-on-another-node", 30.0, same)).state == "mine"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(
