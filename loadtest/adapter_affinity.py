@@ -26,6 +26,10 @@ vLLM engine per replica, two here, and a live run measures the engines and the c
 much as the routing; the simulation replays one sequence of requests through each rule,
 which a live run cannot.
 
+Both holdings-aware choosers see each replica's holdings as they are at each arrival;
+the real ones see them as of the last routing-stats poll (Ballast: every
+``watchdog.interval_s``), so the simulation is their best case alike.
+
 It prints, per chooser, adapter loads per 1,000 requests and the most loaded replica's
 time-averaged requests in flight over the mean of all replicas, and ends with the line
 ``affinity: loads_per_1000=<n> p2c_loads_per_1000=<n> max_over_mean=<x>`` (the affinity
