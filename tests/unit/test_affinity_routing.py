@@ -79,11 +79,14 @@ async def router_with(clock: FakeClock, *replicas: StandInReplica, loads: dict[s
 
 
 def test_the_adapter_is_read_from_the_model_call_alone() -> None:
-    assert adapter_of(request("sql")) == "sql"
-    assert adapter_of(request(None)) is None
-    assert adapter_of(None) is None
-    meta = RequestMetadata(request_id="r", internal_request_id="i")
-    assert adapter_of(PendingRequest(args=[{"adapter": "sql"}], kwargs={}, metadata=meta)) is None
+    async def walk() -> None:  # a PendingRequest makes its future on the running loop
+        assert adapter_of(request("sql")) == "sql"
+        assert adapter_of(request(None)) is None
+        assert adapter_of(None) is None
+        meta = RequestMetadata(request_id="r", internal_request_id="i")
+        assert adapter_of(PendingRequest(args=[{"adapter": "sql"}], kwargs={}, metadata=meta)) is None
+
+    asyncio.run(walk())
 
 
 def test_a_replica_reports_its_adapters_only_with_slots() -> None:
