@@ -39,6 +39,7 @@ from typing import Any, AsyncGenerator, Optional
 
 from ray import serve
 
+from ballast.policies.holdings import AdapterHoldings
 from ballast.policies.reports import ReplicaReport, WatchdogOrders, WatchedReplica
 from ballast.policies.scheduler import SchedulerConfig, batch_row_limit
 
@@ -51,7 +52,7 @@ from ballast.config import BallastConfig, ModelConfig, load_config
 from ballast.control.link import connect
 from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
 from ballast.model.niceness import yield_cpu_to
-from ballast.model.routing import request_router_config
+from ballast.model.routing import replica_routing_stats, request_router_config
 from ballast.control.snapshot import Snapshot
 
 __all__ = [
@@ -239,8 +240,20 @@ class ModelServer:
         return None
 
     def record_routing_stats(self) -> dict[str, Any]:
-        # Serve polls this and hands it to the request router (ballast.model.routing).
-        return {"ready": self._ready and self._draining() is None}
+        # Serve polls this and hands it to the request router (ballast.model.routing):
+        # readiness, and the adapters this replica holds (affinity).
+        ready = self._ready and self._draining() is None
+        return replica_routing_stats(ready, self._adapter_holdings(), time.time())
+
+    def _adapter_holdings(self) -> AdapterHoldings:
+        """The adapters in this engine's LoRA slots as the calls it ran say (the mirror of
+        vLLM's LRU of ``max_loras`` slots, ``ballast.policies.holdings``); made at first use,
+        with no slots for an engine without LoRA (nothing is reported then)."""
+        held: Optional[AdapterHoldings] = getattr(self, "_holdings_of_adapters", None)
+        if held is None:
+            held = AdapterHoldings(int(getattr(self._backend, "lora_slots", 0)))
+            self._holdings_of_adapters = held
+        return held
 
     # -- control loop ------------------------------------------------------------------
     def _level_batch_limit(self) -> int:
@@ -373,7 +386,11 @@ class ModelServer:
         """Streaming: one chunk per token batch (``ReplicaLoop.stream``: the first of a new
         request carries its queue wait and max_tokens)."""
         self._start_loops()
+        adapter = call.adapter  # counted at the first chunk: the row ran a step with it
         async for chunk in self._loop.stream(call):
+            if adapter is not None:
+                self._adapter_holdings().ran(adapter)
+                adapter = None
             yield chunk
 
     def __del__(self) -> None:

@@ -520,6 +520,12 @@ class VLLMBackend:
         with self._adapter_lock:
             return {name: req.lora_path for name, req in self._adapters.items()}
 
+    @property
+    def lora_slots(self) -> int:
+        """Adapters vLLM keeps in its batch slots (``max_loras``); 0 without LoRA."""
+        lora = self._llm.vllm_config.lora_config
+        return int(lora.max_loras) if lora is not None else 0
+
     def serves_adapter(self, name: str) -> bool:
         with self._adapter_lock:
             return name in self._adapters

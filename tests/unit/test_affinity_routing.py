@@ -1,0 +1,185 @@
+"""ReadinessAwareRouter's adapter affinity (ballast/model/routing.py), without Ray: Serve's
+own request router class, driven as Serve drives it, with stand-in replicas.
+
+``StandInReplica`` stands in for Serve's ``RunningReplica`` (which wraps a live actor
+handle): the attributes the router reads (``replica_id``, ``routing_stats``,
+``multiplexed_model_ids``, ``node_id``, ``availability_zone``, ``max_ongoing_requests``)
+and ``get_queue_len``, the probe Serve sends. The loads are set through
+``on_new_queue_len_info``, the hook Serve calls with a replica's answer."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Optional
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve._private.request_router.common import PendingRequest
+
+from fakes import FakeClock
+
+from ballast.model.protocol import ModelCall
+from ballast.model.routing import MAX_REPORT_AGE_S, ReadinessAwareRouter, adapter_of, replica_routing_stats
+from ballast.policies.holdings import AdapterHoldings
+
+DEPLOYMENT = DeploymentID(name="m", app_name="ballast")
+
+
+class StandInReplica:
+    """Stands in for Serve's RunningReplica (no actor here)."""
+
+    def __init__(self, name: str, stats: Optional[dict[str, Any]], load: int = 0) -> None:
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+        self.routing_stats = stats or {}
+        self.multiplexed_model_ids: set[str] = set()
+        self.node_id = None
+        self.availability_zone = None
+        self.max_ongoing_requests = 100
+        self.load = load
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self.load
+
+
+def stats(held: tuple[str, ...], demand: dict[str, int], at_s: float = 100.0, ready: bool = True) -> dict[str, Any]:
+    h = AdapterHoldings(slots=2, stamp_s=5.0)
+    for adapter, n in demand.items():
+        for _ in range(n):
+            h.ran(adapter)
+    for adapter in reversed(held):  # the held ones last, most recent first
+        h.ran(adapter)
+    return replica_routing_stats(ready, h, at_s)
+
+
+def request(adapter: Optional[str]) -> PendingRequest:
+    call = ModelCall(prompt="hi", max_tokens=4, adapter=adapter)
+    meta = RequestMetadata(request_id="r", internal_request_id="i", call_method="generate")
+    return PendingRequest(args=[call], kwargs={}, metadata=meta)
+
+
+def ids(ranks: list[list[Any]]) -> list[list[str]]:
+    return [[r.replica_id.unique_id for r in group] for group in ranks]
+
+
+async def router_with(clock: FakeClock, *replicas: StandInReplica, loads: dict[str, int]) -> ReadinessAwareRouter:
+    router = ReadinessAwareRouter(
+        deployment_id=DEPLOYMENT,
+        handle_source=DeploymentHandleSource.UNKNOWN,
+        use_replica_queue_len_cache=True,
+        get_curr_time_s=clock,
+    )
+    router.update_replicas(list(replicas))  # as Serve does; it probes the new replicas
+    for _ in range(3):
+        await asyncio.sleep(0)
+    for r in replicas:
+        if r.replica_id.unique_id in loads:
+            router.on_new_queue_len_info(r.replica_id, loads[r.replica_id.unique_id])
+        else:
+            router.replica_queue_len_cache.invalidate_key(r.replica_id)
+    return router
+
+
+def test_the_adapter_is_read_from_the_model_call_alone() -> None:
+    async def walk() -> None:  # a PendingRequest makes its future on the running loop
+        assert adapter_of(request("sql")) == "sql"
+        assert adapter_of(request(None)) is None
+        assert adapter_of(None) is None
+        meta = RequestMetadata(request_id="r", internal_request_id="i")
+        assert adapter_of(PendingRequest(args=[{"adapter": "sql"}], kwargs={}, metadata=meta)) is None
+
+    asyncio.run(walk())
+
+
+def test_a_replica_reports_its_adapters_only_with_slots() -> None:
+    assert replica_routing_stats(True, None, 1.0) == {"ready": True}
+    assert replica_routing_stats(False, AdapterHoldings(slots=0), 1.0) == {"ready": False}
+    h = AdapterHoldings(slots=2)
+    h.ran("sql")
+    assert replica_routing_stats(True, h, 7.0)["adapters"] == {
+        "held": ["sql"],
+        "slots": 2,
+        "demand": {"sql": 1},
+        "at_s": 5.0,
+    }
+
+
+def test_a_holder_within_the_bound_comes_first_then_the_rest_least_loaded() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", stats(("chat", "code"), {}))
+        b = StandInReplica("b", stats(("sql", "chat"), {}))
+        c = StandInReplica("c", stats(("code",), {}))
+        router = await router_with(clock, a, b, c, loads={"a": 0, "b": 2, "c": 1})
+        # Tick by tick on b's load: b + 1 against max(1.25 x mean, mean + 2), mean = (sum + 1) / 3.
+        for b_load, first in ((2, "b"), (3, "c"), (4, "c"), (2, "b")):  # bound 3.33, 3.67, 4.0, 3.33
+            router.on_new_queue_len_info(b.replica_id, b_load)
+            ranks = ids(await router.choose_replicas([a, b, c], request("sql")))
+            assert ranks[0] == [first], b_load  # past the bound: c, which has a free slot (a would evict)
+        router.on_new_queue_len_info(b.replica_id, 2)
+        assert ids(await router.choose_replicas([a, b, c], request("sql"))) == [["b"], ["a", "c"]]
+
+    asyncio.run(walk())
+
+
+def test_a_miss_evicts_the_least_demanded_adapter_across_the_fleet() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", stats(("x", "hot"), {"hot": 30}))
+        b = StandInReplica("b", stats(("hot", "cold"), {"cold": 1}))
+        router = await router_with(clock, a, b, loads={"a": 0, "b": 1})
+        assert ids(await router.choose_replicas([a, b], request("new"))) == [["b"], ["a"]]
+
+    asyncio.run(walk())
+
+
+def test_a_replica_not_ready_is_never_preferred_even_holding_the_adapter() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", stats(("sql",), {}, ready=False))
+        b = StandInReplica("b", stats(("chat",), {}))
+        c = StandInReplica("c", stats((), {}))
+        router = await router_with(clock, a, b, c, loads={"a": 0, "b": 1, "c": 1})
+        ranks = ids(await router.choose_replicas([a, b, c], request("sql")))
+        assert ranks == [["c"], ["b"]]  # a left out; both have a free slot: c, with fewer keys
+
+    asyncio.run(walk())
+
+
+def test_without_an_adapter_or_a_full_view_it_is_power_of_two() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", stats(("sql",), {}))
+        b = StandInReplica("b", stats(("chat",), {}))
+        router = await router_with(clock, a, b, loads={"a": 3, "b": 0})
+        for req in (request(None), None):
+            (pair,) = ids(await router.choose_replicas([a, b], req))
+            assert sorted(pair) == ["a", "b"]  # two choices, no affinity ranking
+        assert ids(await router.choose_replicas([a, b], request("sql"))) == [["a"], ["b"]]  # affinity
+
+        # Stale: the view is dated 100; past the max age on this router's clock it is not used.
+        clock.advance(int(MAX_REPORT_AGE_S))
+        router.on_new_queue_len_info(a.replica_id, 3)
+        router.on_new_queue_len_info(b.replica_id, 0)
+        assert ids(await router.choose_replicas([a, b], request("sql"))) == [["a"], ["b"]]
+        clock.advance()
+        router.on_new_queue_len_info(a.replica_id, 3)
+        router.on_new_queue_len_info(b.replica_id, 0)
+        (pair,) = ids(await router.choose_replicas([a, b], request("sql")))
+        assert sorted(pair) == ["a", "b"]
+
+    asyncio.run(walk())
+
+
+def test_a_missing_load_or_report_falls_back_to_power_of_two() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", stats(("sql",), {}))
+        b = StandInReplica("b", {"ready": True})  # no adapters reported (no slots, or not polled)
+        router = await router_with(clock, a, b, loads={"a": 0, "b": 0})
+        (pair,) = ids(await router.choose_replicas([a, b], request("sql")))
+        assert sorted(pair) == ["a", "b"]
+        c = StandInReplica("c", stats(("chat",), {}))
+        router = await router_with(clock, a, c, loads={"a": 0})  # c's load not cached
+        (pair,) = ids(await router.choose_replicas([a, c], request("sql")))
+        assert sorted(pair) == ["a", "c"]
+
+    asyncio.run(walk())
