@@ -7,7 +7,8 @@ In one run, each step from a settled stack (every model's level 0):
 
 1. C_B, then C_A: each model's capacity measured alone, the other idle, as the overload
    benchmark measures it (``bench_overload.find_capacity``: the highest open-loop rate
-   keeping >= 90 % within the SLO, with the criticality mix);
+   keeping >= 90 % within the SLO, with the criticality mix). With ``--c-a-beside-b``,
+   C_A is measured while B gets its phase load: what A can serve on the host B leaves it;
 2. phase 1: B alone at ``--b-multiple`` (0.5) x C_B;
 3. phase 2: A at ``--a-multiple`` (10) x C_A with the mix (5 % critical_plus), while B gets
    the same load as in phase 1 (the same seeded sequence).
@@ -82,6 +83,7 @@ from loadtest.bench_overload import (
     sample_status,
     timed_machine,
 )
+from loadtest.bench_router import _pct
 from loadtest.lean_http import install_uvloop
 from loadtest.machine_speed import SpeedProbeProcess
 
@@ -152,6 +154,22 @@ def levels_seen(trace: list[dict[str, Any]], model: str) -> list[int]:
         if lane is not None:
             out.append(int(lane["level"]))
     return out
+
+
+def gate_service_ms(trace: list[dict[str, Any]], model: str) -> float:
+    """The median of ``model``'s gate's ``expected_service_ms`` over the sampled ``/v1/status``."""
+    values = [
+        float(g["expected_service_ms"])
+        for t in trace
+        if (g := ((t.get("models") or {}).get(model) or {}).get("gate")) and g.get("expected_service_ms") is not None
+    ]
+    return _pct(values, 0.5)
+
+
+def class_order_held(phase: Phase) -> bool:
+    """Each class answered within the SLO at a share no higher than the class above it's."""
+    shares = [phase.good_fraction(c) for c in CRITICALITIES if phase.count(c)]
+    return all(hi >= lo for hi, lo in zip(shares, shares[1:]))
 
 
 class ReplicaCpu:
@@ -231,16 +249,24 @@ class _Bench:
                 self.caps[model] = given
                 print(f"{model}: C = {given:.1f} req/s, as given", flush=True)
                 continue
-            self.caps[model], self.machine_at_c[model] = await find_capacity(
-                self.stacks[model],
-                self.mix,
-                args.slo_s,
-                args.probe_s,
-                args.confirm_s,
-                args.seed,
-                self.settle,
-                self.speed,
-            )
+            beside = None
+            if model == A and args.c_a_beside_b:
+                beside = asyncio.create_task(self._b_steady(args.b_multiple * self.caps[B]))
+            try:
+                self.caps[model], self.machine_at_c[model] = await find_capacity(
+                    self.stacks[model],
+                    self.mix,
+                    args.slo_s,
+                    args.probe_s,
+                    args.confirm_s,
+                    args.seed,
+                    self.settle,
+                    self.speed,
+                )
+            finally:
+                if beside is not None:
+                    beside.cancel()
+                    await asyncio.gather(beside, return_exceptions=True)
         self.front.find()
         self.replicas = ReplicaCpu({m: self.cfg.deployment_name(m) for m in (A, B)})
         b_rate = args.b_multiple * self.caps[B]
@@ -248,6 +274,17 @@ class _Bench:
             await self.settle()
             self.phases.append(await self.phase(name, rates))
             self._print_phase(self.phases[-1])
+
+    async def _b_steady(self, rate: float) -> None:
+        """B's phase load, again and again in 10 s runs, until cancelled (``--c-a-beside-b``;
+        a run under way when cancelled finishes in its process, its outcomes unread)."""
+        i = 0
+        while True:
+            i += 1
+            future = self.pool.submit(
+                _offer_in_process, self.stack_args[B], rate, 10.0, self.mix, self.args.seed + 300 + i
+            )
+            await asyncio.wrap_future(future)
 
     async def settle(self) -> None:
         """A quiet stack: the last load's stragglers done, every model's level 0 (bounded)."""
@@ -323,6 +360,7 @@ class _Bench:
             + "; "
             + ", ".join(
                 f"C_{m.upper()} {self.caps[m]:.1f} req/s"
+                + (f" beside B at {args.b_multiple:g} C_B" if m == A and args.c_a_beside_b else "")
                 + (f" (machine {self.machine_at_c[m]:.1f} rows/s)" if m in self.machine_at_c else "")
                 for m in (B, A)
             )
@@ -330,7 +368,7 @@ class _Bench:
         print(
             f"{'phase':<10} {'model':<5} {'offered':>7} {'req/s':>6} {'goodput':>7} {'gp/C':>6} "
             + " ".join(f"{c[:10]:>10}" for c in CRITICALITIES)
-            + f" {'p99 ms':>6} {'lag p99':>7} {'levels':>11} {'replica':>7} {'gen':>5}"
+            + f" {'p99 ms':>6} {'svc ms':>6} {'lag p99':>7} {'levels':>11} {'replica':>7} {'gen':>5}"
         )
         for ph in self.phases:
             for model, p in ph["phases"].items():
@@ -340,7 +378,8 @@ class _Bench:
                     f"{ph['name']:<10} {model:<5} {p.rate / self.caps[model]:>6.1f}C {p.rate:>6.1f} "
                     f"{p.goodput():>7.1f} {p.goodput() / self.caps[model]:>6.3f} "
                     + " ".join(f"{p.good_fraction(c):>10.3f}" for c in CRITICALITIES)
-                    + f" {p.admitted_p99_ms():>6.0f} {p.send_lag_p99_ms():>7.0f} {span:>11} "
+                    + f" {p.admitted_p99_ms():>6.0f} {gate_service_ms(ph['trace'], model):>6.0f} "
+                    f"{p.send_lag_p99_ms():>7.0f} {span:>11} "
                     f"{ph['cpu'][model] / p.duration_s:>7.2f} {(p.client_cpu_s or 0.0) / p.duration_s:>5.2f}"
                 )
         for ph in self.phases:
@@ -352,8 +391,10 @@ class _Bench:
         print(
             "goodput: answers within the SLO per second (gp/C: over the model's own C); per class: the share "
             "answered within the SLO; p99: of the 200s, from each request's scheduled send time; lag p99: how "
-            "late its generator sent; levels: the model's levels in the sampled /v1/status (snapshot and the "
-            "router's view); replica, gen: cores used by the model's replica and by its load generator (A's "
+            "late its generator sent; svc ms: the median of the model's gate's mean service time (router to "
+            "replica and back, the gate's wait left out) in the sampled /v1/status; levels: the model's "
+            "levels there (the snapshot's and the router's view); replica, gen: cores used by the model's "
+            "replica and by its load generator (A's "
             "with the status sampler and Ray's driver); machine: loadtest.machine_speed around the phase"
         )
         alone, beside = self.phases[0]["phases"][B], self.phases[1]["phases"][B]
@@ -376,6 +417,7 @@ class _Bench:
             ("B's level 0 throughout", out["b_max_level"] == 0),
             (f"A's goodput >= {A_GOODPUT_TARGET} C_A", out["a_goodput_c"] >= A_GOODPUT_TARGET),
             (f"A's critical_plus >= {CRITICAL_PLUS_TARGET}", out["a_critical_plus"] >= CRITICAL_PLUS_TARGET),
+            ("A's classes served in order (critical_plus first)", class_order_held(a)),
         ]
         for what, ok in targets:
             print(f"  [{'ok' if ok else 'MISSED'}] {what}")
@@ -412,6 +454,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--b-multiple", type=float, default=0.5, help="B's load in both phases, in units of C_B")
     p.add_argument("--capacity-a", type=float, default=None, help="take C_A as given (req/s) instead of measuring it")
     p.add_argument("--capacity-b", type=float, default=None, help="take C_B as given (req/s) instead of measuring it")
+    p.add_argument(
+        "--c-a-beside-b",
+        action="store_true",
+        help="measure C_A while B gets its phase load (what A can serve on the host B leaves it), not alone",
+    )
     p.add_argument("--seed", type=int, default=7)
     return p
 
