@@ -267,6 +267,7 @@ class _Bench:
                 if beside is not None:
                     beside.cancel()
                     await asyncio.gather(beside, return_exceptions=True)
+                    await asyncio.wrap_future(self.pool.submit(_ready))  # its last run done in B's process
         self.front.find()
         self.replicas = ReplicaCpu({m: self.cfg.deployment_name(m) for m in (A, B)})
         b_rate = args.b_multiple * self.caps[B]
@@ -277,7 +278,8 @@ class _Bench:
 
     async def _b_steady(self, rate: float) -> None:
         """B's phase load, again and again in 10 s runs, until cancelled (``--c-a-beside-b``;
-        a run under way when cancelled finishes in its process, its outcomes unread)."""
+        a run under way when cancelled finishes in its process, its outcomes unread: the
+        caller waits for it)."""
         i = 0
         while True:
             i += 1
