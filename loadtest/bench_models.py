@@ -156,6 +156,18 @@ def levels_seen(trace: list[dict[str, Any]], model: str) -> list[int]:
     return out
 
 
+def level_rises(trace: list[dict[str, Any]], model: str) -> list[tuple[str, dict[str, Any]]]:
+    """Each distinct reason the snapshot gave for raising ``model``'s level ("up ..."), in
+    full, with that sample's signals (``snapshot.models.<model>.inputs``)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for t in trace:
+        entry = ((t.get("snapshot") or {}).get("models") or {}).get(model) or {}
+        why = entry.get("reason") or ""
+        if why.startswith("up ") and why not in seen:
+            seen[why] = entry.get("inputs") or {}
+    return list(seen.items())
+
+
 def gate_service_ms(trace: list[dict[str, Any]], model: str) -> float:
     """The median of ``model``'s gate's ``expected_service_ms`` over the sampled ``/v1/status``."""
     values = [
@@ -350,6 +362,8 @@ class _Bench:
                 f"level reasons {dict(reasons)}",
                 flush=True,
             )
+            for why, inputs in level_rises(ph["trace"], model):
+                print(f"    {model} {why}; inputs {inputs}", flush=True)
 
     # -- the report ---------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
