@@ -358,7 +358,8 @@ class _Bench:
             )
             print(
                 f"  {ph['name']}: {model} at {p.rate:.1f} req/s: goodput {p.goodput():.1f} req/s, "
-                f"p99 {p.admitted_p99_ms():.0f} ms, levels {dict(sorted(levels.items()))}; {codes}; "
+                f"p99 {p.admitted_p99_ms():.0f} ms, levels {dict(sorted(levels.items()))}; {codes} "
+                f"({p.edge_refused} refused at the edge); "
                 f"level reasons {dict(reasons)}",
                 flush=True,
             )
