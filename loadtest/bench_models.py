@@ -156,16 +156,17 @@ def levels_seen(trace: list[dict[str, Any]], model: str) -> list[int]:
     return out
 
 
-def level_rises(trace: list[dict[str, Any]], model: str) -> list[tuple[str, dict[str, Any]]]:
-    """Each distinct reason the snapshot gave for raising ``model``'s level ("up ..."), in
-    full, with that sample's signals (``snapshot.models.<model>.inputs``)."""
-    seen: dict[str, dict[str, Any]] = {}
+def level_rises(trace: list[dict[str, Any]], model: str) -> list[tuple[int, str, dict[str, Any]]]:
+    """The first sample at each level above 0 that ``model``'s snapshot entry showed: the
+    level, its reason in full and that sample's signals (``inputs``). Sampled every 0.5 s, so
+    the reason may already be a "hold" one: the signals are what kept it there."""
+    seen: dict[int, tuple[int, str, dict[str, Any]]] = {}
     for t in trace:
         entry = ((t.get("snapshot") or {}).get("models") or {}).get(model) or {}
-        why = entry.get("reason") or ""
-        if why.startswith("up ") and why not in seen:
-            seen[why] = entry.get("inputs") or {}
-    return list(seen.items())
+        level = int(entry.get("level") or 0)
+        if level > 0 and level not in seen:
+            seen[level] = (level, str(entry.get("reason")), entry.get("inputs") or {})
+    return [seen[lv] for lv in sorted(seen)]
 
 
 def gate_service_ms(trace: list[dict[str, Any]], model: str) -> float:
@@ -178,10 +179,10 @@ def gate_service_ms(trace: list[dict[str, Any]], model: str) -> float:
     return _pct(values, 0.5)
 
 
-def class_order_held(phase: Phase) -> bool:
-    """Each class answered within the SLO at a share no higher than the class above it's."""
-    shares = [phase.good_fraction(c) for c in CRITICALITIES if phase.count(c)]
-    return all(hi >= lo for hi, lo in zip(shares, shares[1:]))
+def critical_plus_first(phase: Phase) -> bool:
+    """critical_plus answered within the SLO at a share no lower than any other class's."""
+    top = phase.good_fraction("critical_plus")
+    return all(top >= phase.good_fraction(c) for c in CRITICALITIES[1:] if phase.count(c))
 
 
 class ReplicaCpu:
@@ -363,8 +364,8 @@ class _Bench:
                 f"level reasons {dict(reasons)}",
                 flush=True,
             )
-            for why, inputs in level_rises(ph["trace"], model):
-                print(f"    {model} {why}; inputs {inputs}", flush=True)
+            for level, why, inputs in level_rises(ph["trace"], model):
+                print(f"    {model} at level {level}: {why}; inputs {inputs}", flush=True)
 
     # -- the report ---------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
@@ -434,7 +435,7 @@ class _Bench:
             ("B's level 0 throughout", out["b_max_level"] == 0),
             (f"A's goodput >= {A_GOODPUT_TARGET} C_A", out["a_goodput_c"] >= A_GOODPUT_TARGET),
             (f"A's critical_plus >= {CRITICAL_PLUS_TARGET}", out["a_critical_plus"] >= CRITICAL_PLUS_TARGET),
-            ("A's classes served in order (critical_plus first)", class_order_held(a)),
+            ("A's critical_plus first (its share above every other class's)", critical_plus_first(a)),
         ]
         for what, ok in targets:
             print(f"  [{'ok' if ok else 'MISSED'}] {what}")
