@@ -419,6 +419,67 @@ async def closed_loop_rate(stack: Stack, concurrency: int, duration_s: float) ->
         return done / (time.monotonic() - t0)
 
 
+async def timed_machine(
+    speed: SpeedProbeProcess, work: Callable[[], Awaitable[Any]], drain_s: float
+) -> tuple[Any, float]:
+    """``work``'s result and the machine's speed around it (rows/s, before and after,
+    averaged), the second timing ``drain_s`` after it so its stragglers are done."""
+    before = await asyncio.to_thread(speed.rows_per_second)
+    out = await work()
+    await asyncio.sleep(drain_s)
+    return out, (before + await asyncio.to_thread(speed.rows_per_second)) / 2
+
+
+async def find_capacity(
+    stack: Stack,
+    mix: dict[str, float],
+    slo_s: float,
+    probe_s: float,
+    confirm_s: float,
+    seed: int,
+    settle: Callable[[], Any],
+    speed: SpeedProbeProcess,
+    name: Optional[str] = None,
+) -> tuple[float, float]:
+    """``stack``'s capacity C and the machine's speed while it was measured (rows/s):
+    a warm-up, a closed-loop guess, then ``measure_capacity`` with ``mix`` (probe ``i``
+    seeded ``seed + i``); printed with every probe, under ``name`` (default: the stack's)."""
+    name = name or stack.name
+    await closed_loop_rate(stack, 4, 3.0)  # warm-up
+    guess = await closed_loop_rate(stack, 8, 6.0)
+
+    async def good_fraction(rate: float, seconds: float, i: int) -> float:
+        return (await offer(stack, rate, seconds, slo_s, mix, seed + i)).good_fraction()
+
+    try:
+        (cap, probes), machine_rps = await timed_machine(
+            speed, lambda: measure_capacity(good_fraction, guess, probe_s, confirm_s, settle), 1.0
+        )
+    except RuntimeError as err:
+        raise RuntimeError(f"{name}: {err}") from None
+    print(
+        f"{name}: closed-loop {guess:.1f} req/s; probes "
+        + ", ".join(f"{r:.1f}/s" + (f" for {t:g} s" if t != probe_s else "") + f"->{f:.2f}" for r, t, f in probes)
+        + f"; C = {cap:.1f} req/s; machine {machine_rps:.1f} rows/s",
+        flush=True,
+    )
+    return cap, machine_rps
+
+
+async def sample_status(url: str, headers: dict[str, str], into: list[dict[str, Any]]) -> None:
+    """Ballast's ``/v1/status`` at ``url`` every 0.5 s into ``into``, each with ``_t`` (seconds
+    since the first); a failed read is skipped. Runs until cancelled."""
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=5) as c:
+        while True:
+            try:
+                r = await c.get(url, headers=headers)
+                into.append({**r.json(), "_t": time.perf_counter() - t0})
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.5)
+
+
 def refusal_cpu_ms(phases: list[Phase]) -> list[Optional[float]]:
     """Server CPU per refusal, per phase, in ms: the phase's CPU less what the processes
     use idle and what its answers cost (at the first phase's CPU per answer, where
@@ -599,10 +660,10 @@ def bench_config(path: str, model_replicas: int = 1) -> Any:
     """
     from ballast.config import load_config
 
-    return load_config(_bench_data(path, model_replicas))
+    return load_config(bench_data(path, model_replicas))
 
 
-def _bench_data(path: str, model_replicas: int) -> dict[str, Any]:
+def bench_data(path: str, model_replicas: int) -> dict[str, Any]:
     """The config file's mapping with ``bench_config``'s changes, before it is validated."""
     import yaml
 
@@ -627,7 +688,7 @@ def bench_vllm_config(path: str, model_dir: str, model_replicas: int = 1) -> Any
     engine core and its worker together (one built-in process is what the file sizes it for)."""
     from ballast.config import load_config, with_model_dir
 
-    data = with_model_dir(_bench_data(path, model_replicas), model_dir, "vllm")
+    data = with_model_dir(bench_data(path, model_replicas), model_dir, "vllm")
     data.setdefault("watchdog", {})["rss_limit_mb"] = VLLM_RSS_LIMIT_MB
     m = load_config(data).model
     data["model"]["engine_kwargs"] = vllm_engine_kwargs(str(m.path), m.max_batch_size)
@@ -1235,25 +1296,8 @@ class _Bench:
     async def capacity(self, stack: Stack, settle: Callable[[], Any]) -> float:
         args = self.args
         probe = self.stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
-        await closed_loop_rate(probe, 4, 3.0)  # warm-up
-        guess = await closed_loop_rate(probe, 8, 6.0)
-
-        async def good_fraction(rate: float, seconds: float, i: int) -> float:
-            return (await offer(probe, rate, seconds, args.slo_s, self.mix, args.seed + i)).good_fraction()
-
-        try:
-            (cap, probes), self.machine_at_c[stack.name] = await self.timed_machine(
-                lambda: measure_capacity(good_fraction, guess, args.probe_s, args.phase_s, settle), 1.0
-            )
-        except RuntimeError as err:
-            raise RuntimeError(f"{stack.name}: {err}") from None
-        print(
-            f"{stack.name}: closed-loop {guess:.1f} req/s; probes "
-            + ", ".join(
-                f"{r:.1f}/s" + (f" for {t:g} s" if t != args.probe_s else "") + f"->{f:.2f}" for r, t, f in probes
-            )
-            + f"; C = {cap:.1f} req/s; machine {self.machine_at_c[stack.name]:.1f} rows/s",
-            flush=True,
+        cap, self.machine_at_c[stack.name] = await find_capacity(
+            probe, self.mix, args.slo_s, args.probe_s, args.phase_s, args.seed, settle, self.speed, name=stack.name
         )
         return cap
 
@@ -1341,15 +1385,7 @@ class _Bench:
             return int(r.json()["level"])
 
     async def sample_status(self, into: list[dict[str, Any]]) -> None:
-        t0 = time.perf_counter()
-        async with httpx.AsyncClient(timeout=5) as c:
-            while True:
-                try:
-                    r = await c.get(self.status_url, headers=self.admin)
-                    into.append({**r.json(), "_t": time.perf_counter() - t0})
-                except (httpx.HTTPError, ValueError):
-                    pass
-                await asyncio.sleep(0.5)
+        await sample_status(self.status_url, self.admin, into)
 
     def _settler(self, name: str) -> Callable[[], Any]:
         async def settle() -> None:
@@ -1363,12 +1399,7 @@ class _Bench:
         return settle
 
     async def timed_machine(self, work: Callable[[], Awaitable[Any]], drain_s: float) -> tuple[Any, float]:
-        """``work``'s result and the machine's speed around it (rows/s, before and after,
-        averaged), the second timing ``drain_s`` after it so its stragglers are done."""
-        before = await asyncio.to_thread(self.speed.rows_per_second)
-        out = await work()
-        await asyncio.sleep(drain_s)
-        return out, (before + await asyncio.to_thread(self.speed.rows_per_second)) / 2
+        return await timed_machine(self.speed, work, drain_s)
 
 
 # -- the report: each section a function of the results, printed in order --------------------------
