@@ -1,11 +1,11 @@
 """LoRA adapters on the vLLM engine (CPU), built here with peft on a tiny random Llama: a
 base and two adapters give three greedy outputs, each the same every time, and adapter rows
 give theirs in a mixed batch, a base row beside them the base output (on CPU it runs with a
-zero adapter: vLLM's CPU LoRA ops take a row without one for the last slot's); an adapter added at run time serves, and once removed its row alone is
-refused; a bad adapter is refused when it is added, with vLLM's reason; the replica loop
-runs a call's adapter; a replica follows the snapshot's run-time adapters (ballast.model.adapters)
-and the admin route's trial load refuses a bad directory with vLLM's reason. One engine for the
-module."""
+zero adapter: vLLM's CPU LoRA ops take a row without one for the last slot's); an adapter
+added at run time serves, and once removed its row alone is refused; a bad adapter is
+refused when it is added, with vLLM's reason; the replica loop runs a call's adapter; a
+replica follows the snapshot's run-time adapters (ballast.model.adapters) and the admin
+route's trial load refuses a bad directory with vLLM's reason. One engine for the module."""
 
 from __future__ import annotations
 
