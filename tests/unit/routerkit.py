@@ -50,8 +50,13 @@ def build_pipeline(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> A
     return build_router(cfg, primary, fallback).pipeline
 
 
-def at_level(router: Any, level: int) -> None:
-    constraints = load_config({}).degradation_config().constraints[level].to_dict()
+def at_level(router: Any, level: int, models: "dict[str, int] | None" = None) -> None:
+    """A snapshot at ``level`` (the first model's), and ``models``' own levels by name."""
+    constraints = load_config({}).degradation_config().constraints
+    own = {
+        name: {"level": lv, "target_level": lv, "reason": "test", "constraints": constraints[lv].to_dict()}
+        for name, lv in (models or {}).items()
+    }
     router.snapshots.offer(
         Snapshot(
             epoch=uuid.uuid4().hex[:12],
@@ -60,7 +65,8 @@ def at_level(router: Any, level: int) -> None:
             level=level,
             target_level=level,
             reason="test",
-            constraints=constraints,
+            constraints=constraints[level].to_dict(),
+            models=own,
         )
     )
 

@@ -8,16 +8,13 @@ A real router object (tests/unit/routerkit.py) with one scripted Serve handle pe
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
 import pytest
 
 from ballast.config import load_config
-from ballast.control.snapshot import Snapshot
 from ballast.model.protocol import ModelResult
-from routerkit import build_router, routed
+from routerkit import at_level, build_router, routed
 from test_resilient_caller import FakeHandle, FakeResponse
 
 CFG: dict[str, Any] = {
@@ -42,24 +39,7 @@ def answer(text: str) -> FakeResponse:
 def at_levels(router: Any, levels: dict[str, int]) -> None:
     """A snapshot with each model's own level (the first model's at the top, as the
     controller publishes it)."""
-    constraints = load_config({}).degradation_config().constraints
-    models = {
-        name: {"level": lv, "target_level": lv, "reason": "test", "constraints": constraints[lv].to_dict()}
-        for name, lv in levels.items()
-    }
-    first = levels["small"]
-    router.snapshots.offer(
-        Snapshot(
-            epoch=uuid.uuid4().hex[:12],
-            version=1,
-            created_at_s=time.time(),
-            level=first,
-            target_level=first,
-            reason="test",
-            constraints=constraints[first].to_dict(),
-            models=models,
-        )
-    )
+    at_level(router, levels["small"], levels)
 
 
 @pytest.fixture()
