@@ -119,7 +119,7 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
     @classmethod
-    def named(cls, name: Optional[str], usable: "list[str]") -> "ModelNotFound":
+    def named(cls, name: str, usable: "list[str]") -> "ModelNotFound":
         """The refusal of ``name``, naming the models and adapters the caller may use."""
         return cls(f"model {name!r} does not exist or this key may not use it; yours: {', '.join(usable) or 'none'}")
 

@@ -238,8 +238,6 @@ class Pipeline:
         self.base_catalog = self.catalog = cfg.catalog()
         self.places = TenantPlaces()
         self.kill_switches: list[killswitch.KillSwitchEntry] = []  # from the latest snapshot
-        # The config's catalog, and it with the snapshot's run-time adapters (the reporter sets it).
-        self.base_catalog = self.catalog = cfg.catalog()
 
     # -- 1. identity, deadline, idempotency key ---------------------------------------
     def identify(self, request: Request) -> Caller:
@@ -276,10 +274,10 @@ class Pipeline:
         """The lane and the model/adapter that ``name`` (a request's ``model`` field; None:
         the first model) means for the caller's tenant: 404 model_not_found when it names
         nothing served or nothing the tenant may use (alike, ``policies/catalog.py``)."""
-        catalog = self.catalog
-        target = catalog.target_for(caller.tenant, name if name is not None else self.primary.name)
+        catalog, asked = self.catalog, name if name is not None else self.primary.name
+        target = catalog.target_for(caller.tenant, asked)
         if target is None or target.model not in self.lanes:
-            raise ModelNotFound.named(name, [entry.id for entry in catalog.listed_for(caller.tenant)])
+            raise ModelNotFound.named(asked, [entry.id for entry in catalog.listed_for(caller.tenant)])
         return self.lanes[target.model], target
 
     def lane(self, call: ModelCall) -> Lane:
