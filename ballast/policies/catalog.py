@@ -250,6 +250,24 @@ class Catalog:
             raise CatalogError("model", f"{name!r} is no model or adapter")
         return self._models[target.model].cost_per_token
 
+    def open_names(self) -> dict[str, str]:
+        """Every name any caller may use, whatever its key -> its model: the models and
+        adapters no ``tenants`` list and no tenant's own ``models`` list leaves anyone out
+        of, an adapter also as ``model:adapter``. What is said about one of these names
+        before a key is checked (HAProxy's edge) tells no caller what others are served."""
+        out: dict[str, str] = {}
+        for model in self.models:
+            if model.tenants is None and self._everyones(model.name, model.name):
+                out[model.name] = model.name
+            for a in model.adapters:
+                if model.tenants is None and a.tenants is None and self._everyones(model.name, a.name):
+                    out[a.name] = out[f"{model.name}:{a.name}"] = model.name
+        return out
+
+    def _everyones(self, model: str, name: str) -> bool:
+        """Whether every tenant's own list (where it has one) covers ``name`` of ``model``."""
+        return all(own is None or model in own or name in own for own in self._own.values())
+
     @property
     def primary(self) -> ModelEntry:
         return self.models[0]

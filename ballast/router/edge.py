@@ -25,6 +25,17 @@ admit are refused there:
   throttle's requests), so the controller sees the demand it shed at the edge as it
   sees the demand shed in Python, and the level does not fall because the edge hid it.
 
+With several models each has its own level, so the map is keyed "<model>:<class>" as
+well as "<class>": HAProxy reads the body's ``model`` (it buffers the body for its
+retries anyway) and looks it up in ``ballast-models.map`` (a name -> its model, kept by
+the routers: :func:`model_entries`). Only names every caller may use are there
+(``Catalog.open_names``): a refusal before the key is checked must not tell a caller
+that a model it may not use exists. A request whose model HAProxy cannot tell (none
+named, a name not in that map, a body it cannot parse or larger than its buffer) gets
+the "<class>" entries: with several models, what every model's level refuses; the
+router refuses the rest by its own model's level. Refusals are counted per key, so each
+model's are demand its own level turned away.
+
 Refusing by the claimed class before authentication is safe: a tenant's class is
 only ever lowered to its cap (``max_criticality``), and every level admits an
 upward-closed set of classes, so a claim the level refuses is refused whatever the
@@ -48,6 +59,7 @@ import fcntl
 import logging
 import math
 import os
+import re
 import socket
 import stat
 import tempfile
@@ -65,6 +77,7 @@ HERE = Path(__file__).resolve().parent
 WRAPPER = HERE / "haproxy_edge.sh"
 MAP_NAME = "ballast-shed.map"
 KEYS_MAP_NAME = "ballast-keys.map"
+MODELS_MAP_NAME = "ballast-models.map"
 MAP_COMMANDS_PER_WRITE = 50  # "add map" commands per socket write: HAProxy reads a line of 16 KiB at most
 LOCK_NAME = "ballast-edge.lock"
 TABLE = "ballast_edge"
@@ -102,21 +115,48 @@ def key_entries(
     return {d.hex().upper(): str(caps[t].rank) for d, t in digests if t in caps and t not in switched_off}
 
 
+# A name the models map may hold: one word in a map file and in an admin-socket command
+# (no whitespace, ";", "#" or "\\"). Any other name is still served; the edge only leaves
+# its requests to the router.
+_MAP_SAFE = re.compile(r"[A-Za-z0-9._:/+@=-]{1,160}")
+
+
+def model_entries(open_names: Mapping[str, str], models: Collection[str]) -> dict[str, str]:
+    """The models map: each name that every caller may use (``Catalog.open_names``) -> its
+    model, for the ``models`` this router serves, when it serves more than one (with one,
+    the "<class>" entries are that model's and the map stays empty)."""
+    if len(models) < 2:
+        return {}
+    return {n: m for n, m in open_names.items() if m in models and _MAP_SAFE.fullmatch(n) and _MAP_SAFE.fullmatch(m)}
+
+
+def model_shed_entries(model: str, entries: Mapping[str, str]) -> dict[str, str]:
+    """``shed_entries`` of one model's level, keyed "<model>:<class>" as HAProxy looks them up."""
+    return {f"{model}:{c}": v for c, v in entries.items()}
+
+
 def render_map(entries: Mapping[str, str]) -> str:
     return "".join(f"{k} {v}\n" for k, v in sorted(entries.items()))
 
 
 def parse_table(text: str) -> dict[str, int]:
-    """``show table ballast_edge`` -> refusals per class (lines ``0x..: key=<class> ... http_req_cnt=<n>``)."""
+    """``show table ballast_edge`` -> refusals per key (lines ``0x..: key=<key> ... http_req_cnt=<n>``):
+    "<class>", or "<model>:<class>" for a model's own entry (:func:`split_key`)."""
     counts: dict[str, int] = {}
     for line in text.splitlines():
         if not line.startswith("0x"):
             continue
         fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
         key, n = fields.get("key"), fields.get("http_req_cnt")
-        if key in _CLASSES and n is not None and n.isdigit():
+        if key is not None and split_key(key)[1] in _CLASSES and n is not None and n.isdigit():
             counts[key] = counts.get(key, 0) + int(n)
     return counts
+
+
+def split_key(key: str) -> tuple[Optional[str], str]:
+    """A table key as (model, class): (None, class) for a "<class>" key."""
+    model, sep, crit = key.rpartition(":")
+    return (model, crit) if sep else (None, key)
 
 
 _CLASSES = frozenset(c.value for c in Criticality)
@@ -144,10 +184,12 @@ class Edge:
         self.dir = Path(haproxy_dir)
         self.map_path = str(self.dir / MAP_NAME)
         self.keys_path = str(self.dir / KEYS_MAP_NAME)
+        self.models_path = str(self.dir / MODELS_MAP_NAME)
         self.socket_path = socket_path
         self._send = send
         self._applied: Optional[dict[str, str]] = None
         self._applied_keys: Optional[dict[str, str]] = None
+        self._applied_models: Optional[dict[str, str]] = None
         self._warned = False
 
     @classmethod
@@ -213,6 +255,18 @@ class Edge:
             return False
         self._applied_keys = entries if self._set_map(self.keys_path, entries, "its refusals are not counted") else None
         return self._applied_keys is not None
+
+    def apply_models(self, entries: Mapping[str, str]) -> bool:
+        """Make the node's models map ``entries`` (:func:`model_entries`) if it is not
+        already; True when it was changed. Until it is, every model's requests are refused
+        by what all the models' levels refuse (the "<class>" entries)."""
+        entries = dict(entries)
+        if entries == self._applied_models:
+            return False
+        self._applied_models = (
+            entries if self._set_map(self.models_path, entries, "refusing by model in the router") else None
+        )
+        return self._applied_models is not None
 
     def _set_map(self, path: str, entries: Mapping[str, str], meanwhile: str) -> bool:
         """The file, then HAProxy's copy in memory (cleared, then filled a few commands per

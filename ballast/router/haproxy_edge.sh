@@ -45,7 +45,7 @@ if [ -L "$dir" ] || [ ! -d "$dir" ] || [ ! -O "$dir" ] || [ -n "$(find "$dir" -m
     echo "haproxy_edge.sh: $dir is not a directory of this user's that only it may write; running $cfg as Serve wrote it" >&2
     exec "$real" "$@"
 fi
-for m in ballast-shed.map ballast-keys.map; do
+for m in ballast-shed.map ballast-keys.map ballast-models.map; do
     if [ -L "$dir/$m" ]; then rm -f "$dir/$m"; fi
     [ -f "$dir/$m" ] || ( set -C; : > "$dir/$m" )
 done

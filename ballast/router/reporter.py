@@ -38,7 +38,7 @@ from ballast.control.names import ROUTER_DEPLOYMENT
 from ballast.control.snapshot import EffectiveState, Snapshot
 from ballast.router.adapters import runtime_catalog
 from ballast.router.auth import KeyStore
-from ballast.router.edge import Edge, key_entries, shed_entries
+from ballast.router.edge import Edge, key_entries, model_entries, model_shed_entries, shed_entries, split_key
 from ballast.router.lanes import Lane
 from ballast.router.pipeline import Pipeline
 
@@ -83,13 +83,16 @@ class Reporter:
         self._tally = pipeline.tally
         self._metrics = pipeline.metrics
         self.edge = edge  # HAProxy refuses the classes the level sheds, when it runs the edge's rules
-        self._edge_throttle = EdgeThrottle()  # the edge's share to refuse of the classes the level admits
+        # Per model: the edge's share to refuse of the classes its level admits.
+        self._edge_throttles = {name: EdgeThrottle() for name in pipeline.lanes}
         # Per model: the demand against its gate's answers, and the gate's (served,
         # saturations) at the last report.
         self._demand = {name: DemandWindow(cfg.degradation.demand_window_s) for name in pipeline.lanes}
         self._gate_seen = dict.fromkeys(pipeline.lanes, (0, 0))
         self._fair_share: Optional[float] = None  # this router's share of the model, from the controller
         self._adapters_seen: list[dict[str, Any]] = []  # the run-time adapters the pipeline's catalog holds
+        self._models_of: Any = None  # the catalog the edge's models map was built from
+        self._models_map: dict[str, str] = {}
 
     def report(self) -> RouterReport:
         """This router's report: called once per report interval, whether or not it answers."""
@@ -163,56 +166,73 @@ class Reporter:
                     m.fair_backlogged.set(int(gate.fair.is_backlogged(tenant)), tags={"tenant": tenant})
 
     def _edge_view(self) -> EffectiveState:
-        """The level the edge acts on. HAProxy reads no body, so it cannot tell models
-        apart: with several, it refuses a class only where every model's level does (the
+        """The level of the edge's "<class>" entries, for a request whose model HAProxy
+        cannot tell (none named, a name not every caller may use): with one model its
+        level; with several, it refuses a class only where every model's level does (the
         lowest level's), and the router refuses the rest by each model's own level."""
         states = [self._cache.effective(name) for name in self._pipeline.lanes]
         return min(states, key=lambda eff: eff.level)
 
     def sync_edge(self) -> None:
-        """The edge's map follows the level this router acts on; its refusals since the
-        last report count as demand the level turned away (with one model: with several,
-        a refusal's model is unknown, and it counts in no model's level)."""
-        seen = self._tally.take_gate_decided()
-        for lane in self._pipeline.lanes.values():
-            lane.tally.take_gate_decided()  # the other models' gates: the edge learns from the first only
+        """The edge's maps follow the levels this router acts on; its refusals since the
+        last report count as demand each model's level turned away (a "<class>" refusal
+        with several models: its model is unknown, and it counts in no model's level)."""
+        seen = {name: lane.tally.take_gate_decided() for name, lane in self._pipeline.lanes.items()}
         if self.edge is None:
             return
         now = self._clock()
-        refused = self.edge.drain()
-        tenants_off, classes_off = self._switched_off()
-        refused = {c: n for c, n in refused.items() if c not in classes_off}
+        self._apply_models()
+        tenants_off, classes_off, models_off = self._switched_off()
         self.edge.apply_keys(self._vouched(tenants_off))
-        for crit, n in refused.items():
-            if len(self._pipeline.lanes) == 1:
-                self._tally.offer(crit, n)
-                self._tally.shed += n
-            self._metrics.edge.inc(n, tags={"criticality": crit})
-        admitted = {c.value for c in self._edge_view().constraints.admitted}
-        for c in Criticality:
-            if c.value not in admitted:  # the level refuses it whole: nothing to learn, and a
-                self._edge_throttle.forget(c.value)  # class admitted again starts afresh
+        refused: dict[str, dict[str, int]] = {name: {} for name in self._pipeline.lanes}
+        for key, n in self.edge.drain().items():
+            model, crit = split_key(key)
+            if crit in classes_off or model in models_off:
                 continue
-            decided, through = seen.get(c.value, (0, 0))
-            room = decided > 0 and through >= decided and self._gate_has_room()
-            self._edge_throttle.record(now, c.value, decided + refused.get(c.value, 0), through, room)
+            self._metrics.edge.inc(n, tags={"criticality": crit})
+            lane = self._edge_lane(model)
+            if lane is not None:
+                lane.tally.offer(crit, n)
+                lane.tally.shed += n
+                refused[lane.name][crit] = refused[lane.name].get(crit, 0) + n
+        for name, lane in self._pipeline.lanes.items():
+            self._learn(now, lane, seen[name], refused[name])
         self._apply_edge(now)
 
-    def _switched_off(self) -> tuple[set[str], set[str]]:
-        """(tenants, classes) that a live kill switch refuses; every one of each under a global one."""
+    def _edge_lane(self, model: Optional[str]) -> Optional[Lane]:
+        """The lane an edge refusal counts in: its model's; a "<class>" refusal (None) the
+        only model's, or none with several (a model no longer served: none)."""
+        lanes = self._pipeline.lanes
+        if model is None:
+            return self._pipeline.primary if len(lanes) == 1 else None
+        return lanes.get(model)
+
+    def _learn(self, now: float, lane: Lane, seen: dict[str, list[int]], refused: dict[str, int]) -> None:
+        """One model's edge throttle learns from its gate's decisions per class and the
+        edge's refusals of that model since the last report."""
+        throttle = self._edge_throttles[lane.name]
+        admitted = {c.value for c in self._cache.effective(lane.name).constraints.admitted}
+        for c in Criticality:
+            if c.value not in admitted:  # the level refuses it whole: nothing to learn, and a
+                throttle.forget(c.value)  # class admitted again starts afresh
+                continue
+            decided, through = seen.get(c.value, [0, 0])
+            room = decided > 0 and through >= decided and self._gate_has_room(lane)
+            throttle.record(now, c.value, decided + refused.get(c.value, 0), through, room)
+
+    def _switched_off(self) -> tuple[set[str], set[str], set[str]]:
+        """(tenants, classes, models) that a live kill switch refuses; every one of each
+        under a global one."""
         now_wall = time.time()
-        tenants: set[str] = set()
-        classes: set[str] = set()
+        off: dict[str, set[str]] = {"tenant": set(), "criticality": set(), "model": set()}
         for e in self._pipeline.kill_switches:
             if e.expired(now_wall):
                 continue
             if e.scope == "global":
-                return set(self._cfg.tenants), {c.value for c in Criticality}
-            if e.scope == "tenant":
-                tenants.add(e.value)
-            elif e.scope == "criticality":
-                classes.add(e.value)
-        return tenants, classes
+                return set(self._cfg.tenants), {c.value for c in Criticality}, set(self._pipeline.lanes)
+            if e.scope in off and e.value is not None:
+                off[e.scope].add(e.value)
+        return off["tenant"], off["criticality"], off["model"]
 
     def _vouched(self, tenants_off: set[str]) -> dict[str, str]:
         """The edge's key map: each key of a tenant no kill switch turns off -> its cap rank
@@ -224,17 +244,43 @@ class Reporter:
             self._vouched_map = (off, key_entries(digests, caps, off))
         return self._vouched_map[1]
 
-    def _gate_has_room(self) -> bool:
-        g = self._pipeline.gate
+    @staticmethod
+    def _gate_has_room(lane: Lane) -> bool:
+        g = lane.gate
         return g is None or (g.waiting == 0 and g.in_flight < g.limit.value)
 
+    def _drops(self, now: float, name: str) -> dict[str, int]:
+        throttle = self._edge_throttles[name]
+        return {c.value: throttle.drop_per_mille(now, c.value) for c in Criticality}
+
     def _apply_edge(self, now: float) -> None:
-        """The edge's map: the classes the level refuses, and (one model only: its throttle
-        learns from the first model's gate) the share it drops of the others."""
+        """The edge's map: per model, the classes its level refuses and the share its
+        throttle drops of the others ("<model>:<class>", several models only); and the
+        "<class>" entries: with one model its own, with several what every level refuses."""
+        if self.edge is None:
+            return
+        lanes = self._pipeline.lanes
         eff = self._edge_view()
-        one = len(self._pipeline.lanes) == 1
-        drops = {c.value: self._edge_throttle.drop_per_mille(now, c.value) if one else 0 for c in Criticality}
-        self.edge.apply(shed_entries(eff.level, eff.constraints, drops))
+        if len(lanes) == 1:
+            entries = shed_entries(eff.level, eff.constraints, self._drops(now, self._pipeline.primary.name))
+        else:
+            entries = shed_entries(eff.level, eff.constraints)
+            for name in lanes:
+                own = self._cache.effective(name)
+                entries.update(
+                    model_shed_entries(name, shed_entries(own.level, own.constraints, self._drops(now, name)))
+                )
+        self.edge.apply(entries)
+
+    def _apply_models(self) -> None:
+        """The edge's models map, from the pipeline's catalog (built again only when the
+        catalog is another one)."""
+        catalog = self._pipeline.catalog
+        if self._models_of is not catalog:
+            self._models_map = model_entries(catalog.open_names(), self._pipeline.lanes)
+            self._models_of = catalog
+        if self.edge is not None:
+            self.edge.apply_models(self._models_map)
 
     def on_snapshot(self, snap: Snapshot) -> None:
         self._set_ceiling(snap)
@@ -249,6 +295,7 @@ class Reporter:
         self._apply_adapters(snap)
         if self.edge is not None:  # at once, not at the next report: the level and switches may have changed
             self.edge.apply_keys(self._vouched(self._switched_off()[0]))
+            self._apply_models()
             self._apply_edge(self._clock())
 
     def _apply_adapters(self, snap: Snapshot) -> None:

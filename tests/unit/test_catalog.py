@@ -96,6 +96,31 @@ class TestGrants:
         assert catalog().target_for("free", "llama:sql") == Target("llama", "sql")
 
 
+class TestOpenNames:
+    """What HAProxy's edge may act on by name before a key is checked: only what every caller may use."""
+
+    def test_nothing_written_every_name_is_open_with_its_alias(self) -> None:
+        assert catalog(tenant_models={}).open_names() == {
+            "llama": "llama",
+            "sql": "llama",
+            "llama:sql": "llama",
+            "qwen": "qwen",
+        }  # support names gold alone
+
+    def test_a_model_some_tenants_may_not_use_is_not_open_nor_its_adapters(self) -> None:
+        assert catalog(tenants=frozenset({"gold", "silver"})).open_names() == {"qwen": "qwen"}
+
+    def test_a_tenants_own_list_closes_what_it_leaves_out(self) -> None:
+        assert catalog({"free": ["qwen"]}).open_names() == {"qwen": "qwen"}
+        assert catalog({"free": ["llama", "qwen"]}).open_names() == {
+            "llama": "llama",
+            "sql": "llama",
+            "llama:sql": "llama",
+            "qwen": "qwen",
+        }
+        assert catalog({"free": ["sql", "qwen"]}).open_names() == {"sql": "llama", "llama:sql": "llama", "qwen": "qwen"}
+
+
 class TestListed:
     def test_config_order_adapters_after_their_model_with_parent(self) -> None:
         assert catalog().listed_for("gold") == (

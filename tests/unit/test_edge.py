@@ -26,9 +26,12 @@ from ballast.errors import Overloaded
 from ballast.router.edge import (
     KEYS_MAP_NAME,
     MAP_NAME,
+    MODELS_MAP_NAME,
     WRAPPER,
     Edge,
     key_entries,
+    model_entries,
+    model_shed_entries,
     parse_table,
     render_map,
     shed_entries,
@@ -159,19 +162,19 @@ BEARER = f"Bearer {KEY}"
 
 
 def _post(
-    port: int, path: str, crit: str | None, auth: str | list[str] | None = BEARER
+    port: int, path: str, crit: str | None, auth: str | list[str] | None = BEARER, body: bytes = b"{}"
 ) -> tuple[int, dict[str, str], bytes]:
     """One request; ``auth``: its Authorization header (a list: one header each)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     conn.putrequest("POST", path)
-    headers = {"Content-Type": "application/json", "Content-Length": "2"}
+    headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
     if crit is not None:
         headers["X-Ballast-Criticality"] = crit
     for k, v in headers.items():
         conn.putheader(k, v)
     for a in [auth] if isinstance(auth, str) else auth or []:
         conn.putheader("Authorization", a)
-    conn.endheaders(b"{}")
+    conn.endheaders(body)
     r = conn.getresponse()
     out = r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
     conn.close()
@@ -246,6 +249,73 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
         "message": "no model capacity for 'critical' at level 2 (the edge refuses 500 per mille of it)",
     }
     assert {s for s, _, _ in answers} == {200, 503} and edge.drain() == {"critical": len(refused)}
+
+
+def _asking(model: str) -> bytes:
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+
+def test_with_several_models_the_edge_refuses_each_models_requests_by_its_own_level(haproxy):
+    d, port, _ = haproxy
+    edge = Edge(str(d), str(d / "admin.sock"))
+    edge.apply_keys(key_entries([(hashlib.sha256(KEY.encode()).digest(), "gold")], {"gold": Criticality.CRITICAL_PLUS}))
+    # Only names every caller may use, and only names a map line and a socket command hold whole.
+    names = {"a": "a", "b": "b", "sql": "b", "b:sql": "b", "odd;name": "b", "#x": "b"}
+    assert model_entries(names, ["a"]) == {}  # one model: the "<class>" entries are its own
+    assert edge.apply_models(model_entries(names, ["a", "b"])) is True
+    assert (d / MODELS_MAP_NAME).read_text() == "a a\nb b\nb:sql b\nsql b\n"
+    # a at level 3, b at level 1; the "<class>" entries: what both refuse (level 1's).
+    entries = shed_entries(1, DEFAULT_CONSTRAINTS[1])
+    entries.update(model_shed_entries("a", shed_entries(3, DEFAULT_CONSTRAINTS[3])))
+    entries.update(model_shed_entries("b", shed_entries(1, DEFAULT_CONSTRAINTS[1])))
+    edge.apply(entries)
+
+    status, _, body = _post(port, "/v1/chat/completions", "critical", body=_asking("a"))
+    assert status == 503 and "degradation level 3" in json.loads(body)["error"]["message"]
+    for name in ("b", "sql", "b:sql"):
+        assert _post(port, "/v1/chat/completions", "critical", body=_asking(name))[0] == 200, name
+        assert _post(port, "/v1/chat/completions", "sheddable", body=_asking(name))[0] == 503, name
+    # No model HAProxy can tell: refused by what every level refuses, and counted in none.
+    for body in (b"{}", _asking("secret"), _asking("odd;name"), b"not json", b'{"model": 7}'):
+        assert _post(port, "/v1/chat/completions", "critical", body=body)[0] == 200, body
+        assert _post(port, "/v1/chat/completions", "sheddable", body=body)[0] == 503, body
+    assert edge.drain() == {"a:critical": 1, "b:sheddable": 3, "sheddable": 5}
+    # The models map emptied (one model again): every request by the "<class>" entries.
+    assert edge.apply_models({}) is True
+    assert _post(port, "/v1/chat/completions", "critical", body=_asking("a"))[0] == 200
+
+
+def test_a_two_model_router_keeps_each_models_entries_and_counts_its_refusals_in_its_own_lane(haproxy):
+    from routerkit import at_level, build_router
+    from test_resilient_caller import FakeHandle
+
+    d, port, _ = haproxy
+    cfg = {**ROUTER_CFG, "models": [{"name": "small"}, {"name": "large"}, {"name": "gold-only", "tenants": ["gold"]}]}
+    router = build_router(cfg, {"small": FakeHandle(), "large": FakeHandle(), "gold-only": FakeHandle()})
+    router.reporter.edge = Edge(str(d), str(d / "admin.sock"))
+    at_level(router, 0, {"small": 0, "large": 3, "gold-only": 3})
+    router.reporter.sync_edge()
+    # gold-only is not in the models map (not every caller may use it): the router refuses it.
+    assert (d / MODELS_MAP_NAME).read_text() == "large large\nsmall small\n"
+    assert router.reporter.edge.shedding == {
+        f"{m}:{c}": f"4:3:1000:{Criticality(c).rank}"
+        for m in ("large", "gold-only")
+        for c in ("critical", "sheddable_plus", "sheddable")
+    }
+    assert _post(port, "/v1/chat/completions", "critical", body=_asking("large"))[0] == 503
+    assert _post(port, "/v1/chat/completions", "critical", body=_asking("gold-only"))[0] == 200
+    assert _post(port, "/v1/chat/completions", "sheddable", body=_asking("small"))[0] == 200
+    router.reporter.sync_edge()
+    lanes = router.pipeline.lanes
+    assert lanes["large"].tally.offered == {"critical": 1} and lanes["large"].tally.shed == 1
+    assert lanes["small"].tally.offered == {} and lanes["small"].tally.shed == 0
+    # A kill switch on large: its refusals are the switch's, not demand its level turned away.
+    from ballast.policies.killswitch import KillSwitchEntry
+
+    router.pipeline.kill_switches = [KillSwitchEntry.create("k", "model", "large", "test", "op", time.time(), 60)]
+    assert _post(port, "/v1/chat/completions", "critical", body=_asking("large"))[0] == 503
+    router.reporter.sync_edge()
+    assert lanes["large"].tally.shed == 1
 
 
 # ------------------------------------------------------------------ runtime files
