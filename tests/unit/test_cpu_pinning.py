@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from ballast.config import load_config
 from ballast.errors import ConfigError
@@ -109,3 +110,44 @@ class TestPinToCores:
         )
         assert done.returncode == 0, done.stderr
         assert f"refused: cpus: cores [0, {os.cpu_count()}]" in done.stdout
+
+
+class TestBenchModelsLayout:
+    """loadtest.bench_models: B's replica on the last core, everything else on the rest."""
+
+    def test_b_gets_the_last_core(self) -> None:
+        from loadtest.bench_models import core_layout
+
+        assert core_layout(True, 2) == ([1], "b on core 1; everything else on cores 0")
+        assert core_layout(True, 4) == ([3], "b on core 3; everything else on cores 0,1,2")
+
+    def test_nothing_pinned_when_turned_off_or_on_one_core(self) -> None:
+        from loadtest.bench_models import core_layout
+
+        assert core_layout(False, 4)[0] is None and "--no-own-core-b" in core_layout(False, 4)[1]
+        assert core_layout(True, 1)[0] is None
+
+    def test_only_b_lists_cores_in_the_config(self) -> None:
+        from loadtest.bench_models import A, B, models_data
+
+        path = str(ROOT / "cluster/local.yaml")
+        cfg = load_config(models_data(path, [1]))
+        assert cfg.served_model(B).cpus == [1] and cfg.served_model(A).cpus is None
+        unpinned = load_config(models_data(path))
+        assert unpinned.served_model(A).cpus is None and unpinned.served_model(B).cpus is None
+
+    def test_on_by_default_and_can_be_turned_off(self) -> None:
+        from loadtest.bench_models import _parser
+
+        assert _parser().parse_args([]).own_core_b is True
+        assert _parser().parse_args(["--no-own-core-b"]).own_core_b is False
+
+    def test_the_configs_own_cores_are_dropped(self, tmp_path: Path) -> None:
+        from loadtest.bench_models import A, B, models_data
+
+        data = yaml.safe_load((ROOT / "cluster/local.yaml").read_text())
+        data["model"]["cpus"] = [0]
+        path = tmp_path / "pinned.yaml"
+        path.write_text(yaml.safe_dump(data))
+        cfg = load_config(models_data(str(path), [1]))
+        assert cfg.served_model(A).cpus is None and cfg.served_model(B).cpus == [1]
