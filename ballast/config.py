@@ -173,6 +173,14 @@ class ModelConfig(_Strict):
     # lower. 0 by default: at Ray's 15 its own Ray and asyncio threads wait behind the
     # front and the load, and it serves less (docs/benchmarks.md).
     niceness: int = Field(0, ge=0, le=19)
+    # Linux: the CPU cores this model's replicas run on (each replica pins every one of its
+    # threads, and the threads and processes it starts later inherit it); null: wherever
+    # the OS puts them. On a CPU host it gives a model cores of its own, as a GPU host
+    # gives it its own device: another model's load, or Ballast's front, then cannot take
+    # that model's CPU when the other processes are kept off those cores (make
+    # bench-models does). Several replicas of one model on one node share the cores
+    # listed. Checked against the node's cores by the replica when it starts.
+    cpus: Optional[list[int]] = None
     # vllm only: a guided-decoding grammar (a response_format schema, a forced tool call's)
     # is compiled by the replica off its event loop before the request reaches vLLM, on at
     # most grammar_compile_threads threads; one that has not compiled after
@@ -187,6 +195,21 @@ class ModelConfig(_Strict):
     # template's own markers stay control tokens. "control": as the engines do by
     # default, the text becomes the control token.
     special_tokens_in_content: Literal["text", "control"] = "text"
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus_listed_once(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("cpus: list at least one core, or leave it null (no pinning)")
+        negative = sorted(c for c in v if c < 0)
+        if negative:
+            raise ValueError(f"cpus: core numbers start at 0, got {negative}")
+        repeated = sorted(c for c in set(v) if v.count(c) > 1)
+        if repeated:
+            raise ValueError(f"cpus: each core once, {repeated} listed more than once")
+        return v
 
     @model_validator(mode="after")
     def _engine_fields(self) -> "ModelConfig":

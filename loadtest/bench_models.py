@@ -31,23 +31,34 @@ every 0.5 s. ``a_goodput_c``: A's answers within the SLO per second over C_A.
 What is isolated: each model's level (from its own replicas' reports), its gate's limit
 and wait line, its breaker and retry budget, its replica's queue and batch. What is
 shared: the router (its event loop and CPU parse, authenticate and refuse A's flood
-before B's requests get their turn), Serve's proxy and HAProxy, the controller, and the
-host's two cores, on which both replicas, the router and the load generators run. The
-edge refuses in HAProxy only what every model's level refuses (it reads no body), so
-with B at level 0 every one of A's refusals is made in the router, in Python. The
-figures therefore show how much B loses to a flooded neighbour on the same CPU; on a
-cluster, where each model has its own node and accelerator, only the router is shared.
+before B's requests get their turn), Serve's proxy and HAProxy, the controller, and,
+with ``--no-own-core-b``, the host's cores, on which both replicas, the router and the
+load generators run. The edge refuses in HAProxy only what every model's level refuses
+(it reads no body), so with B at level 0 every one of A's refusals is made in the
+router, in Python.
+
+By default (``--own-core-b``) B's replica has a core of its own, the CPU-host stand-in
+for each model having its own accelerator: this process holds itself, before it starts
+anything, on every core but the last, so that the speed probe, B's load process and
+Ray (raylet, GCS, the front, A's replica) inherit that mask, and B's config lists the
+last core in ``model.cpus``, to which its replica moves itself
+(``ballast.model.niceness.pin_to_cores``). The run prints its layout first, and the
+report carries it. B's compute is then its own, and what B can still lose to A's flood
+is in the front (and the host's memory and caches), as on a cluster, where each model
+has its own node and accelerator and only the router is shared; on two cores, A, the
+front and the load share the one left, and C_A is measured there. With
+``--no-own-core-b`` the figures show how much B loses to a flooded neighbour on the
+same CPU.
 
 Choices: one replica per model, fixed (no replica starts mid-phase); no fallback model
 (it would be a third model process on two cores, and the question is the primary
-lanes); replicas not pinned to cores (a pinned replica would still share its core with
-the router, controller, HAProxy and the load, and only lose the kernel's choice of the
-idle one; each already decodes on one torch thread, ``model.cpu_threads`` 1); a tenant
-per model (``bench`` sends to A with critical_plus allowed, ``bench-b`` to B), neither
-with a token quota, so that only the levels and gates act; B's load comes from a
-process of its own, so that A's 10 C in the generator's event loop does not delay B's
-sends (each row prints its send lag p99). Loopback only; bounded in count and time
-(about 8 minutes). Run: ``make bench-models``.
+lanes); A's replica not pinned within its cores (it shares them with the front and the
+load, and keeps the kernel's choice of the idle one; each replica decodes on one torch
+thread, ``model.cpu_threads`` 1); a tenant per model (``bench`` sends to A with
+critical_plus allowed, ``bench-b`` to B), neither with a token quota, so that only the
+levels and gates act; B's load comes from a process of its own, so that A's 10 C in the
+generator's event loop does not delay B's sends (each row prints its send lag p99).
+Loopback only; bounded in count and time (about 8 minutes). Run: ``make bench-models``.
 """
 
 from __future__ import annotations
@@ -96,16 +107,29 @@ A_GOODPUT_TARGET = 0.9  # A's goodput at 10 C_A, in units of C_A
 SETTLE_MAX_S = 180.0  # the longest a settle waits for every model's level 0
 
 
-def models_data(path: str) -> dict[str, Any]:
+def core_layout(own_core_b: bool, n_cores: int) -> tuple[Optional[list[int]], str]:
+    """B's replica's cores, the last of ``n_cores`` (everything else goes on the others), and
+    the layout in words; None: nothing pinned (``--no-own-core-b``, or a single core)."""
+    if not own_core_b:
+        return None, "nothing pinned (--no-own-core-b): every process where the OS puts it"
+    if n_cores < 2:
+        return None, "nothing pinned: one core, none to give b alone"
+    rest = ",".join(str(c) for c in range(n_cores - 1))
+    return [n_cores - 1], f"b on core {n_cores - 1}; everything else on cores {rest}"
+
+
+def models_data(path: str, b_cores: Optional[list[int]] = None) -> dict[str, Any]:
     """The config at ``path`` as the overload benchmark takes it (``bench_data``: its
     quota-free ``bench`` tenant, one fixed replica, the bench port), its first model
-    served twice as ``a`` and ``b`` (seeds 0 and 1, no fallback), and B's own tenant."""
+    served twice as ``a`` and ``b`` (seeds 0 and 1, no fallback), and B's own tenant.
+    B's replica runs on ``b_cores`` (``model.cpus``); the first model's own ``cpus`` are
+    dropped: where each model runs is the benchmark's choice."""
     data = bench_data(path, 1)
     first = data.pop("model", None) or data["models"][0]
-    base = {k: v for k, v in first.items() if k not in ("adapters", "tenants", "deployment", "fallback")}
+    base = {k: v for k, v in first.items() if k not in ("adapters", "tenants", "deployment", "fallback", "cpus")}
     if base.get("backend", "builtin") != "builtin":
         raise ValueError(f"{path}: the first model is {base['backend']!r}; bench-models serves the built-in model")
-    data["models"] = [{**base, "name": A, "seed": 0}, {**base, "name": B, "seed": 1}]
+    data["models"] = [{**base, "name": A, "seed": 0}, {**base, "name": B, "seed": 1, "cpus": b_cores}]
     data["fallback"] = None
     data["tenants"][B_TENANT] = {
         "description": "model isolation benchmark: model b's tenant, no token quota",
@@ -210,11 +234,19 @@ class _Bench:
 
     def __init__(self, args: argparse.Namespace) -> None:
         from ballast.config import load_config
+        from ballast.model.niceness import pin_to_cores
         from ballast.router.ingress import ingress_env
 
         self.args = args
         self.mix = dict(DEFAULT_MIX)
-        self.cfg = cfg = load_config(models_data(args.config))
+        b_cores, self.layout = core_layout(args.own_core_b, os.cpu_count() or 1)
+        if b_cores is not None:
+            # Before any process is started: the speed probe, B's load process and Ray
+            # (raylet, GCS, every worker, the front and A's replica) inherit this mask; B's
+            # replica alone widens itself to its core, through its config.
+            pin_to_cores(range(b_cores[0]))
+        print(f"layout: {self.layout}", flush=True)
+        self.cfg = cfg = load_config(models_data(args.config, b_cores))
         prefix = f"{BASE}{cfg.route_prefix.rstrip('/')}"
         self.stack_args = {
             A: (A, BENCH_KEY, prefix, args.slo_s, args.max_tokens),
@@ -382,6 +414,7 @@ class _Bench:
                 + (f" (machine {self.machine_at_c[m]:.1f} rows/s)" if m in self.machine_at_c else "")
                 for m in (B, A)
             )
+            + f"; layout: {self.layout}"
         )
         print(
             f"{'phase':<10} {'model':<5} {'offered':>7} {'req/s':>6} {'goodput':>7} {'gp/C':>6} "
@@ -424,6 +457,7 @@ class _Bench:
             "b_max_level": max(b_levels) if b_levels else -1,
             "a_goodput_c": a.goodput() / self.caps[A],
             "a_critical_plus": a.good_fraction("critical_plus"),
+            "layout": self.layout,
         }
         print(
             "\nmachine: phase 2 / phase 1 "
@@ -476,6 +510,14 @@ def _parser() -> argparse.ArgumentParser:
         "--c-a-beside-b",
         action="store_true",
         help="measure C_A while B gets its phase load (what A can serve on the host B leaves it), not alone",
+    )
+    p.add_argument(
+        "--own-core-b",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="model B's replica on a core of its own (the last core), everything else (Ray, the front, model A, "
+        "the load generators, the speed probe) kept on the other cores: the CPU-host stand-in for each model "
+        "having its own accelerator",
     )
     p.add_argument("--seed", type=int, default=7)
     return p

@@ -51,7 +51,7 @@ from ballast.model.replica_loop import ReplicaLoop
 from ballast.config import BallastConfig, ModelConfig, load_config
 from ballast.control.link import connect
 from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
-from ballast.model.niceness import yield_cpu_to
+from ballast.model.niceness import pin_to_cores, yield_cpu_to
 from ballast.model.routing import replica_routing_stats, request_router_config
 from ballast.control.snapshot import Snapshot
 
@@ -107,6 +107,9 @@ class ModelServer:
             else self._cfg.fallback_deployment_name(self._model)
         )
         yield_cpu_to(self._model_cfg.niceness)  # before torch starts its threads
+        if self._model_cfg.cpus:  # likewise: torch's threads take the mask they start under
+            pinned = pin_to_cores(self._model_cfg.cpus)
+            log.info("%s pinned to cores %s (%d threads)", self._role, sorted(self._model_cfg.cpus), pinned)
         self._backend = build_engine(self._model_cfg)
         warm_started = time.monotonic()
         self._backend.warmup(warmup_batch_sizes(self._model_cfg.max_batch_size))

@@ -56,6 +56,9 @@ class TestOneModelConfigsUnchanged:
         dump = cfg.model_dump(mode="json")
         for tenant in dump["tenants"].values():
             assert tenant.pop("models") is None  # the one field added to a tenant
+        models = [dump["model"]] + ([dump["fallback"]["model"]] if dump.get("fallback") else [])
+        for model in models:
+            assert model.pop("cpus") is None  # the one field added to a model: not pinned
         assert dump == BEFORE[name]  # no `models` key: the one-model form dumps as model
         assert len(cfg.models) == 1 and not cfg.models[0].has_extras()
         assert cfg.models[0].model_dump(include=set(ModelConfig.model_fields)) == cfg.model.model_dump()
