@@ -33,9 +33,9 @@ and wait line, its breaker and retry budget, its replica's queue and batch. What
 shared: the router (its event loop and CPU parse, authenticate and refuse A's flood
 before B's requests get their turn), Serve's proxy and HAProxy, the controller, and,
 with ``--no-own-core-b``, the host's cores, on which both replicas, the router and the
-load generators run. The edge refuses in HAProxy only what every model's level refuses
-(it reads no body), so with B at level 0 every one of A's refusals is made in the
-router, in Python.
+load generators run. The edge refuses each model's requests in HAProxy by that model's
+own level (it reads the body's ``model``), so most of A's refusals never reach the
+router's Python.
 
 By default (``--own-core-b``) B's replica has a core of its own, the CPU-host stand-in
 for each model having its own accelerator: this process holds itself, before it starts
