@@ -173,6 +173,13 @@ class ModelConfig(_Strict):
     # lower. 0 by default: at Ray's 15 its own Ray and asyncio threads wait behind the
     # front and the load, and it serves less (docs/benchmarks.md).
     niceness: int = Field(0, ge=0, le=19)
+    # builtin and transformers: the niceness of the one thread that runs the engine's
+    # chunks (torch computes there, on model.cpu_threads 1); null: the replica's niceness.
+    # Above it, the model's compute yields a busy core to the replica's own event loop and
+    # Ray threads and to the front's hops (Serve's proxy, the router, HAProxy) when they
+    # wake, and still takes every cycle they leave (docs/benchmarks.md). At least
+    # `niceness` (raising a thread's niceness needs no privilege, lowering it does).
+    compute_niceness: Optional[int] = Field(None, ge=0, le=19)
     # Linux: the CPU cores this model's replicas run on (each replica pins every one of its
     # threads, and the threads and processes it starts later inherit it); null: wherever
     # the OS puts them. On a CPU host it gives a model cores of its own, as a GPU host
@@ -213,6 +220,11 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _engine_fields(self) -> "ModelConfig":
+        if self.compute_niceness is not None and self.compute_niceness < self.niceness:
+            raise ValueError(
+                f"compute_niceness {self.compute_niceness} is below niceness {self.niceness}: "
+                "a thread may raise its niceness, not lower it"
+            )
         if self.backend in ("transformers", "vllm"):
             if not self.path:
                 raise ValueError(f"backend '{self.backend}' needs path: a local Hugging Face model directory")

@@ -118,17 +118,22 @@ def core_layout(own_core_b: bool, n_cores: int) -> tuple[Optional[list[int]], st
     return [n_cores - 1], f"b on core {n_cores - 1}; everything else on cores {rest}"
 
 
-def models_data(path: str, b_cores: Optional[list[int]] = None) -> dict[str, Any]:
+def models_data(
+    path: str, b_cores: Optional[list[int]] = None, compute_niceness: Optional[int] = None
+) -> dict[str, Any]:
     """The config at ``path`` as the overload benchmark takes it (``bench_data``: its
     quota-free ``bench`` tenant, one fixed replica, the bench port), its first model
     served twice as ``a`` and ``b`` (seeds 0 and 1, no fallback), and B's own tenant.
     B's replica runs on ``b_cores`` (``model.cpus``); the first model's own ``cpus`` are
-    dropped: where each model runs is the benchmark's choice."""
+    dropped: where each model runs is the benchmark's choice. Both run their engine's
+    chunks at ``compute_niceness`` (``model.compute_niceness``; None: the config's)."""
     data = bench_data(path, 1)
     first = data.pop("model", None) or data["models"][0]
     base = {k: v for k, v in first.items() if k not in ("adapters", "tenants", "deployment", "fallback", "cpus")}
     if base.get("backend", "builtin") != "builtin":
         raise ValueError(f"{path}: the first model is {base['backend']!r}; bench-models serves the built-in model")
+    if compute_niceness is not None:
+        base["compute_niceness"] = compute_niceness
     data["models"] = [{**base, "name": A, "seed": 0}, {**base, "name": B, "seed": 1, "cpus": b_cores}]
     data["fallback"] = None
     data["tenants"][B_TENANT] = {
@@ -246,7 +251,7 @@ class _Bench:
             # replica alone widens itself to its core, through its config.
             pin_to_cores(range(b_cores[0]))
         print(f"layout: {self.layout}", flush=True)
-        self.cfg = cfg = load_config(models_data(args.config, b_cores))
+        self.cfg = cfg = load_config(models_data(args.config, b_cores, args.compute_niceness))
         prefix = f"{BASE}{cfg.route_prefix.rstrip('/')}"
         self.stack_args = {
             A: (A, BENCH_KEY, prefix, args.slo_s, args.max_tokens),
@@ -518,6 +523,13 @@ def _parser() -> argparse.ArgumentParser:
         help="model B's replica on a core of its own (the last core), everything else (Ray, the front, model A, "
         "the load generators, the speed probe) kept on the other cores: the CPU-host stand-in for each model "
         "having its own accelerator",
+    )
+    p.add_argument(
+        "--compute-niceness",
+        type=int,
+        default=None,
+        help="both models' model.compute_niceness (the engine's chunks at that niceness, the replica's other "
+        "threads at its own); default: the config's",
     )
     p.add_argument("--seed", type=int, default=7)
     return p

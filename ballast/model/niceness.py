@@ -25,6 +25,7 @@ bench-models does), since a pin only says where the replica runs, not who else m
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Collection
 
 
@@ -59,6 +60,20 @@ def yield_cpu_to(target: int) -> int:
         except ProcessLookupError:  # the thread ended meanwhile
             continue
     return moved
+
+
+def yield_this_thread_to(target: int) -> bool:
+    """The calling thread (alone) at niceness ``target`` or above; True when it moved.
+
+    For a thread that computes beside threads that must answer promptly: the compute
+    takes what the others leave, and each of them runs as soon as it wakes."""
+    if not 0 <= target <= 19:
+        raise ValueError(f"compute_niceness: must be in 0..19, got {target!r}")
+    tid = threading.get_native_id()
+    if niceness(tid) >= target:
+        return False
+    os.setpriority(os.PRIO_PROCESS, tid, target)
+    return True
 
 
 def pin_to_cores(cores: Collection[int]) -> int:

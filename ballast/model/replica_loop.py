@@ -59,6 +59,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
@@ -172,8 +173,10 @@ class ReplicaLoop:
         before_request: Callable[[], Awaitable[None]] = _nothing,
         stall_point: Callable[[], Awaitable[None]] = _nothing,
         on_chunk: Callable[[int, int], None] = _ignore,
+        compute: Optional[Executor] = None,
     ) -> None:
         self._engine = engine
+        self._compute = compute  # where chunks run (None: asyncio's default thread pool)
         self._sched = sched
         self._chunk_tokens = chunk_tokens
         self._batch_limit = batch_limit
@@ -405,7 +408,9 @@ class ReplicaLoop:
             try:
                 # Torch runs in a worker thread: the event loop stays free for new
                 # requests, health checks and the report loop.
-                out = await asyncio.to_thread(self._run_chunk, leaving, joins, self._chunk_tokens)
+                out = await asyncio.get_running_loop().run_in_executor(
+                    self._compute, self._run_chunk, leaving, joins, self._chunk_tokens
+                )
             except Exception as exc:  # the step itself (e.g. CUDA OOM): every row in the batch fails with it
                 log.exception("a chunk failed; failing the %d rows in the batch", len(self._active))
                 for row in list(self._active.values()):

@@ -34,6 +34,7 @@ import asyncio
 import gc
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, AsyncGenerator, Optional
 
@@ -51,7 +52,7 @@ from ballast.model.replica_loop import ReplicaLoop
 from ballast.config import BallastConfig, ModelConfig, load_config
 from ballast.control.link import connect
 from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
-from ballast.model.niceness import pin_to_cores, yield_cpu_to
+from ballast.model.niceness import pin_to_cores, yield_cpu_to, yield_this_thread_to
 from ballast.model.routing import replica_routing_stats, request_router_config
 from ballast.control.snapshot import Snapshot
 
@@ -159,7 +160,16 @@ class ModelServer:
             before_request=self._chaos.before_request,
             stall_point=self._chaos.stall_point,
             on_chunk=on_chunk,
+            compute=self._compute_thread(),
         )
+
+    def _compute_thread(self) -> Optional[ThreadPoolExecutor]:
+        """The one thread the engine's chunks run on, at ``model.compute_niceness``; None
+        (asyncio's default pool) when the model sets none."""
+        target = self._model_cfg.compute_niceness
+        if target is None:
+            return None
+        return ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=yield_this_thread_to, initargs=(target,))
 
     def _create_metrics(self) -> None:
         """The replica's metrics, created once, at construction (STYLE 8)."""

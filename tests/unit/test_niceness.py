@@ -69,3 +69,29 @@ def test_model_replicas_default_to_the_normal_priority():
     assert load_config({"model": {"niceness": 15}}).model.niceness == 15
     with pytest.raises(ValueError):
         load_config({"model": {"niceness": -1}})
+
+
+def test_only_the_compute_thread_yields():
+    """``model.compute_niceness``: the one thread the engine's chunks run on moves itself;
+    the thread that made it and its other threads keep theirs. (In this process: the
+    thread moved is the pool's own, and it ends with the pool.)"""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ballast.model.niceness import niceness, yield_this_thread_to
+
+    here = niceness(threading.get_native_id())
+    with ThreadPoolExecutor(1, initializer=yield_this_thread_to, initargs=(max(here, 7),)) as compute:
+        first = compute.submit(lambda: (threading.get_native_id(), niceness(threading.get_native_id()))).result()
+        again = compute.submit(lambda: yield_this_thread_to(max(here, 7))).result()
+    assert first[1] == max(here, 7) and again is False  # already there: nothing moved
+    assert first[0] != threading.get_native_id() and niceness(threading.get_native_id()) == here
+    with pytest.raises(ValueError, match="compute_niceness"):
+        yield_this_thread_to(20)
+
+
+def test_compute_niceness_may_not_be_below_the_replicas():
+    assert load_config({"model": {"niceness": 5, "compute_niceness": 10}}).model.compute_niceness == 10
+    assert load_config({}).model.compute_niceness is None
+    with pytest.raises(Exception, match="compute_niceness 3 is below niceness 5"):
+        load_config({"model": {"niceness": 5, "compute_niceness": 3}})

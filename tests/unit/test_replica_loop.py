@@ -361,3 +361,30 @@ async def test_a_call_naming_an_adapter_is_refused_by_an_engine_without_adapters
     failed = batch.take_failed()
     assert set(failed) == {1} and isinstance(failed[1], EngineRefused) and failed[1].field == "model"
     assert 1 not in out and len(out[2]) >= 1
+
+
+async def test_chunks_run_on_the_compute_thread_when_one_is_given(engine):
+    """``model.compute_niceness``: the replica gives its loop one thread for the engine's
+    chunks (ModelServer._compute_thread); every chunk runs there and nowhere else."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    seen: set[str] = set()
+
+    class Where(Recorded):
+        def open_batch(self):
+            batch = super().open_batch()
+            run = batch.run_chunk
+
+            def recorded(joins, steps):
+                seen.add(threading.current_thread().name)
+                return run(joins, steps)
+
+            batch.run_chunk = recorded
+            return batch
+
+    with ThreadPoolExecutor(1, thread_name_prefix="compute") as compute:
+        loop = make_loop(Where(engine), compute=compute)
+        chunks = await asyncio.gather(*(collect(loop, call([1, 2, 3], 6)) for _ in range(3)))
+    assert all(c[-1].finish_reason for c in chunks)
+    assert seen == {"compute_0"}
