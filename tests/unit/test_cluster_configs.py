@@ -1,4 +1,6 @@
-"""The shipped configs load, and the production one carries no secrets."""
+"""The shipped configs load, and the production one carries no secrets: the operations
+check (`ray up` and `serve deploy` read them, built through Ballast's own config model)
+and what the production config serves."""
 
 from pathlib import Path
 
@@ -6,9 +8,17 @@ import pytest
 import yaml
 
 from ballast.config import load_config
+from ballast.policies.catalog import Listed
 from ballast.router.ingress import SERVE_PORTS, ingress_env, stack_ports
 
 ROOT = Path(__file__).resolve().parents[2]
+SMALL, LARGE = "llama-3.1-8b-instruct", "llama-3.1-70b-instruct"
+
+
+def production() -> dict:
+    """cluster/serve_config.yaml's Ballast config, as written (before the config model's defaults)."""
+    serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
+    return serve_cfg["applications"][0]["args"]["config"]
 
 
 def test_local_config_loads_with_demo_tenants():
@@ -20,15 +30,56 @@ def test_local_config_loads_with_demo_tenants():
 
 
 def test_production_serve_config_has_no_default_keys():
+    from ray.serve.schema import ServeDeploySchema
+
     serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
+    ServeDeploySchema.model_validate(serve_cfg)  # what `serve deploy` checks before it sends the config
     (app,) = serve_cfg["applications"]
     assert app["import_path"] == "ballast.ops.app:build_app"
     cfg = load_config(app["args"]["config"])
     assert cfg.environment == "production"
     assert cfg.auth.demo_keys == {} and cfg.auth.demo_admin_token is None
-    assert cfg.deployments.model.num_gpus == 1
+    assert cfg.auth.api_keys_file == "/etc/ballast/api_keys" and cfg.auth.admin_token_file == "/etc/ballast/admin_token"
+    assert all(cfg.deployment_of(m.name).num_gpus == 1 for m in cfg.models)
     text = (ROOT / "cluster/serve_config.yaml").read_text()
     assert "dev-key" not in text and "dev-admin-token" not in text
+
+
+def test_production_serves_vllm_models_from_node_paths():
+    """An 8B model on one GPU a replica with two adapters, a 70B one over four GPUs."""
+    cfg = load_config(production())
+    assert [m.name for m in cfg.models] == [SMALL, LARGE]
+    for m in cfg.models:
+        assert m.backend == "vllm" and m.tool_parser  # not the built-in toy
+        assert m.path == f"/mnt/models/{m.name}"  # weights on the node: nothing is downloaded
+        assert all(a.path.startswith("/mnt/models/adapters/") for a in m.adapters.values())
+    small, large = cfg.served_model(SMALL), cfg.served_model(LARGE)
+    assert small.engine_kwargs.get("tensor_parallel_size", 1) == 1
+    assert large.engine_kwargs["tensor_parallel_size"] == 4
+    assert cfg.deployment_of(LARGE).num_gpus == 1  # per rank: the replica holds 4
+    assert sorted(small.adapters) == ["sql", "support"] and not large.adapters
+    assert small.adapters["sql"].tenants is None and small.adapters["support"].tenants == ["gold"]
+    assert large.cost_per_token > small.cost_per_token
+    assert cfg.fallback is None and cfg.chaos.enabled is False
+    # Who may use what: free the 8B and its sql adapter; gold everything.
+    catalog = cfg.catalog()
+    assert catalog.listed_for("free") == (Listed(SMALL), Listed("sql", SMALL))
+    gold = {Listed(SMALL), Listed("sql", SMALL), Listed("support", SMALL), Listed(LARGE)}
+    assert set(catalog.listed_for("gold")) == gold
+    # A long 70B answer fits an attempt.
+    assert cfg.resilience.attempt_timeout_s >= 60
+
+
+def test_production_tenants_write_out_their_caps_and_rates():
+    written = production()["tenants"]
+    assert set(written) == {"gold", "free", "batch"}
+    for name, tenant in written.items():
+        # Written, not left to defaults (a default grants the least, or the bulkhead's share).
+        assert {"rate_tokens_per_s", "burst_tokens", "max_concurrent", "max_criticality"} <= set(tenant), name
+        assert not tenant.get("unlimited"), name
+    cfg = load_config(production())
+    assert cfg.tenants["gold"].max_criticality.value == "critical_plus"
+    assert cfg.tenants["batch"].max_criticality.value == "sheddable" and cfg.tenants["batch"].sheddable
 
 
 def test_chaos_is_on_locally_and_refused_in_production():
@@ -101,14 +152,17 @@ def test_serve_config_builds_through_the_apps_own_builder_with_production_settin
     cfg = load_config(serve_cfg["applications"][0]["args"]["config"])
     router = build(cfg)._bound_deployment
     assert router.name == "BallastRouter"
-    model = router.init_args[0][cfg.model.name]._bound_deployment  # each model by its name
-    assert model.name == "BallastModel"
+    assert sorted(router.init_args[0]) == sorted([SMALL, LARGE])  # each model by its name
+    model = router.init_args[0][cfg.model.name]._bound_deployment
+    assert model.name == "BallastModel" and cfg.model.name == SMALL
     assert model.ray_actor_options["num_gpus"] == 1
     dc = model._deployment_config
+    small = cfg.deployment_of(SMALL)
     assert dc.autoscaling_config.policy.policy_function == "ballast.control.autoscaling:ControllerDrivenPolicy"
-    assert dc.autoscaling_config.min_replicas == cfg.deployments.model.min_replicas
-    assert dc.autoscaling_config.max_replicas == cfg.deployments.model.max_replicas == 8
+    assert dc.autoscaling_config.min_replicas == small.min_replicas
+    assert dc.autoscaling_config.max_replicas == small.max_replicas == 6
     assert dc.request_router_config.request_router_class == "ballast.model.routing:ReadinessAwareRouter"
-    assert dc.max_queued_requests == cfg.deployments.model.max_queued_requests > 0  # bounded
+    assert dc.max_queued_requests == small.max_queued_requests > 0  # bounded
+    assert router.init_args[0][LARGE]._bound_deployment.name == f"BallastModel-{LARGE}"
     assert router.init_args[1] == cfg.model_dump(mode="json")  # what every replica loads
     assert cfg.chaos.enabled is False and cfg.watchdog.enabled and cfg.recycle.enabled
