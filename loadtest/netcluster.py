@@ -152,9 +152,10 @@ def start_commands(kind: str, node: Node, head: Node, redis: bool) -> list[str]:
 
 
 def serve_config(keys_file: Path, admin_file: Path, workers: int) -> dict[str, Any]:
-    """cluster/serve_config.yaml with what a CPU-only laptop needs: the model on CPU (half
-    a Ray CPU a replica where a cloud gives it a GPU: a worker that is left can take the
-    lost worker's replicas), one replica per worker to start, keys from files.
+    """cluster/serve_config.yaml with what a CPU-only laptop needs: the built-in model on
+    CPU in place of its vLLM models on GPUs (half a Ray CPU a replica where a cloud gives
+    it a GPU: a worker that is left can take the lost worker's replicas), one replica per
+    worker to start, keys from files.
 
     One router per worker (``max_replicas_per_node: 1``): Serve runs its proxy and HAProxy
     only on nodes with a replica. In a cloud a replaced GPU worker gets a model replica
@@ -162,8 +163,10 @@ def serve_config(keys_file: Path, admin_file: Path, workers: int) -> dict[str, A
     and only a router kept off it makes the replacing node serve HTTP again."""
     spec = yaml.safe_load((REPO / "cluster" / "serve_config.yaml").read_text())
     app = spec["applications"][0]["args"]["config"]
-    app["model"]["device"] = "cpu"
-    app["deployments"]["model"].update(
+    # The faults are the cluster's, not the engine's: the built-in model, one deployment.
+    app.pop("models", None)
+    app["model"] = {"name": "tiny-decoder", "device": "cpu"}
+    app["deployments"]["model"] = dict(
         min_replicas=workers,
         max_replicas=2 * workers,
         num_gpus=0,

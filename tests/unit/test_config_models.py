@@ -41,10 +41,11 @@ def refused(data: dict[str, Any]) -> str:
 
 
 def cluster_configs() -> dict[str, dict[str, Any]]:
-    serve = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
+    """The one-model configs: cluster/local.yaml, and the production config as it was before
+    it served vLLM models (cluster/serve_config.yaml now writes ``models``)."""
     return {
         "cluster/local.yaml": yaml.safe_load((ROOT / "cluster/local.yaml").read_text()),
-        "cluster/serve_config.yaml": serve["applications"][0]["args"]["config"],
+        "cluster/serve_config.yaml": BEFORE["cluster/serve_config.yaml"],
     }
 
 
