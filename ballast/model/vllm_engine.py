@@ -662,15 +662,17 @@ class VLLMBackend:
         return pids
 
     def engine_processes(self) -> tuple[tuple[int, str], ...]:
-        """(pid, name) of the engine's processes on this node: its core and the processes
-        under it (on CPU, one worker per rank: ``VLLM::Worker_TP1``, ...), and with the ray
-        executor the rank actors of the replica's placement group on this node."""
+        """(pid, name) of the engine's own processes on this node: its core and its workers
+        (one per rank: ``VLLM::Worker_TP1``, ...) by the titles vLLM gives them (a helper
+        process that comes and goes under them, a compile pool say, is not one), and with
+        the ray executor the rank actors of the replica's placement group on this node."""
         from ballast.model.ranks import engine_processes, placement_group_actor_pids
 
-        pids = self.engine_pids()
-        if self._llm.vllm_config.parallel_config.distributed_executor_backend == "ray":
-            pids += [p for p in placement_group_actor_pids() if p not in pids]
-        return engine_processes(pids)
+        tree = self.engine_pids()
+        own = tuple(p for p in engine_processes(tree) if p[1].startswith("VLLM::"))
+        if self._llm.vllm_config.parallel_config.distributed_executor_backend != "ray":
+            return own
+        return own + engine_processes([p for p in placement_group_actor_pids() if p not in tree])
 
     @property
     def lost(self) -> Optional[str]:
