@@ -175,7 +175,8 @@ def test_a_rank_killed_under_load_recycles_the_replica_and_fails_no_request(http
     assert {p: a[1] for p, a in answers.items()} == reference  # greedy: the replacement answers the same
     assert all(a[2] >= 1 and a[3] == MODEL for a in answers.values()), answers  # sent again, not to the fallback
     lost = status(http)["lost_capacity"]
-    assert lost["migrated"] >= lost_before["migrated"] + len(PROMPTS) and lost["not_migrated"] == 0
+    assert lost["migrated"] >= lost_before["migrated"] + len(PROMPTS)
+    assert lost["not_migrated"] == lost_before["not_migrated"]
     new = wait_until(lambda: ids(http, "BallastModel") - {rid}, 120, 1.0, "a replacement replica")
     print(
         f"\nrank killed: replica killed {t_killed:.1f} s later ({killed['reason']}); every request answered "
