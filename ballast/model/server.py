@@ -23,6 +23,13 @@ recycle order for this replica in the snapshot makes ``check_health`` fail, so S
 drains it gracefully and starts a replacement (Serve has no restart API); the order
 lapses with its lease.
 
+A replica of a vLLM model of several ranks (``tensor_parallel_size`` x
+``pipeline_parallel_size``) is a placement group of one bundle per rank
+(``ballast.policies.placement``): before its engine starts it sets what the ranks need
+(``ballast.model.ranks``), and it hands the watchdog its engine's processes by name, so
+that a rank that goes away has the whole replica killed and its requests sent elsewhere;
+an engine that died fails no request here (its rows wait) and fails the health check.
+
 About once per ``report_interval_s`` the replica reports queue length, running
 requests, batch statistics and GPU utilization / VRAM (absent — ``None`` — without
 a GPU) to the controller, and takes the snapshot back in the same call.
