@@ -42,6 +42,7 @@ from ballast.policies.criticality import Criticality
 from ballast.policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig, LevelConstraints
 from ballast.policies.fairness import FairnessConfig
 from ballast.policies.leak import LadderConfig, LeakConfig
+from ballast.policies.placement import Placement
 from ballast.policies.recycle import RecycleConfig
 
 from ballast.errors import ConfigError
@@ -125,6 +126,51 @@ class ModelArchitecture(_Strict):
     max_seq_len: PositiveInt = 512
 
 
+class PlacementSettings(_Strict):
+    """Where the ranks of a model larger than one device go: its replica's placement group.
+
+    Only for a vLLM model whose ``engine_kwargs`` ask for more than one rank
+    (``tensor_parallel_size`` x ``pipeline_parallel_size``): each replica is then a Ray
+    placement group of one bundle per rank (ballast/policies/placement.py)."""
+
+    # How Ray places the bundles: STRICT_PACK (all on one node, the default), PACK (one
+    # node if it can, else several), SPREAD / STRICT_SPREAD (each on its own node, if it
+    # can / always). vLLM's "mp" executor (the CPU default) takes STRICT_PACK only.
+    strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    # Ray resources of one rank's bundle, e.g. {GPU: 1, "accelerator_type:H100": 0.001} or a
+    # custom resource; null: {GPU: <the deployment's num_gpus>} when it asks for GPUs, else
+    # {CPU: 1} (on CPU each rank is one logical CPU). A GPU amount here is the deployment's
+    # num_gpus, the GPUs per rank.
+    rank_resources: Optional[dict[str, float]] = None
+    # Deploying refuses a model whose group no node of the cluster (or node type its
+    # autoscaler may add) could hold, with what it needs and what the largest node has;
+    # false: deploy it anyway (its replicas wait, pending, for such a node).
+    check: bool = True
+
+    @field_validator("rank_resources")
+    @classmethod
+    def _amounts(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if v is None:
+            return v
+        bad = sorted(k for k, amount in v.items() if not k or not amount >= 0 or amount == float("inf"))
+        if bad:
+            raise ValueError(f"rank_resources: amounts are finite numbers >= 0; {bad} are not")
+        if not any(amount > 0 for amount in v.values()):
+            raise ValueError("rank_resources: a rank's bundle asks for some resource (GPU, CPU or a custom one)")
+        return v
+
+
+def parallel_sizes(engine_kwargs: dict[str, Any]) -> tuple[int, int]:
+    """(tensor_parallel_size, pipeline_parallel_size) as ``engine_kwargs`` give them (1 when absent)."""
+    sizes = []
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        n = engine_kwargs.get(key, 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"engine_kwargs.{key}: a whole number >= 1, got {n!r}")
+        sizes.append(n)
+    return sizes[0], sizes[1]
+
+
 class ModelConfig(_Strict):
     name: str = Field("tiny-decoder", min_length=1, max_length=64)
     # Which engine serves the model. "builtin": the random-weight byte-level decoder
@@ -138,6 +184,10 @@ class ModelConfig(_Strict):
     # vllm only: passed to vLLM's engine as they are (dtype, max_model_len, max_num_seqs,
     # enable_prefix_caching, gpu_memory_utilization, enforce_eager, ...).
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # vllm only, with more than one rank (engine_kwargs' tensor_parallel_size x
+    # pipeline_parallel_size): where its replica's ranks go. The deployment's num_gpus is
+    # then the GPUs of each rank.
+    placement: PlacementSettings = PlacementSettings()
     # vllm only: vLLM's tool parser for this model (e.g. hermes, llama3_json, mistral): with
     # it, tool_choice "auto" (the default when a request gives tools) finds the model's
     # calls in its answer; without it, "auto" is a 400 and "required" or a named function
@@ -234,11 +284,71 @@ class ModelConfig(_Strict):
             raise ValueError(
                 "path and dtype are for backends 'transformers' and 'vllm' (the builtin model uses checkpoint_path)"
             )
+        self._parallel_fields()
         if self.engine_kwargs and self.backend != "vllm":
             raise ValueError("engine_kwargs are vLLM's (backend 'vllm')")
         if self.tool_parser is not None and self.backend != "vllm":
             raise ValueError("tool_parser is vLLM's (backend 'vllm'); the other engines do not call tools")
         return self
+
+    def _parallel_fields(self) -> None:
+        """More than one rank is vLLM's, and the placement is for such a model only."""
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if key in self.engine_kwargs and self.backend != "vllm":
+                raise ValueError(
+                    f"engine_kwargs.{key}: tensor and pipeline parallelism are vLLM's (backend 'vllm'); "
+                    f"this model's backend is {self.backend!r}"
+                )
+        tp, pp = parallel_sizes(self.engine_kwargs)
+        if tp * pp == 1 and self.placement != PlacementSettings():
+            raise ValueError(
+                "placement: for a model of more than one rank (engine_kwargs' tensor_parallel_size x "
+                "pipeline_parallel_size above 1); this one has one"
+            )
+        executor = self.engine_kwargs.get("distributed_executor_backend")
+        if tp * pp > 1 and executor is not None and executor not in ("mp", "ray"):
+            raise ValueError(
+                f"engine_kwargs.distributed_executor_backend: 'mp' or 'ray' for a model of {tp * pp} ranks, "
+                f"got {executor!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of one replica's engine: tensor_parallel_size x pipeline_parallel_size."""
+        tp, pp = parallel_sizes(self.engine_kwargs)
+        return tp * pp
+
+
+def model_placement(m: ModelConfig, num_cpus: float, num_gpus: float) -> Optional[Placement]:
+    """The placement group of a replica of ``m`` on a deployment asking ``num_cpus`` for the
+    replica and ``num_gpus`` per rank; None for a model of one rank. ValueError naming the
+    field when the two cannot go together."""
+    tp, pp = parallel_sizes(m.engine_kwargs)
+    if tp * pp == 1:
+        return None
+    given = m.placement.rank_resources
+    rank = dict(given) if given is not None else ({"GPU": num_gpus} if num_gpus > 0 else {"CPU": 1.0})
+    if rank.get("GPU", 0.0) != num_gpus:
+        raise ValueError(
+            f"placement.rank_resources: GPU {rank.get('GPU', 0.0):g} per rank, but the deployment's num_gpus "
+            f"(the GPUs of each rank) is {num_gpus:g}: write the same in both, or leave rank_resources out"
+        )
+    executor = m.engine_kwargs.get("distributed_executor_backend") or ("ray" if num_gpus > 0 else "mp")
+    try:
+        return Placement(
+            model=m.name,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            rank_resources=tuple(rank.items()),
+            strategy=m.placement.strategy,
+            executor=executor,
+            replica_resources=(("CPU", float(num_cpus)),) if num_cpus > 0 else (),
+            check=m.placement.check,
+        )
+    except ValueError as e:  # the placement's own field, as the config writes it
+        field = str(e).split(":", 1)[0]
+        where = {"strategy": "placement.", "distributed_executor_backend": "engine_kwargs."}.get(field, "")
+        raise ValueError(f"{where}{e}") from None
 
 
 class _DeploymentSettings(_Strict):
@@ -249,11 +359,18 @@ class _DeploymentSettings(_Strict):
     max_queued_requests: PositiveInt = 64
     num_cpus: float = Field(0, ge=0)
 
-    def serve_options(self, name: str, access_log: bool, **own: Any) -> dict[str, Any]:
-        """Keyword arguments for ``serve.deployment``: the shared ones, then ``own``."""
+    def serve_options(
+        self, name: str, access_log: bool, placement: Optional[Placement] = None, **own: Any
+    ) -> dict[str, Any]:
+        """Keyword arguments for ``serve.deployment``: the shared ones, then ``own``. With a
+        ``placement`` (a model of several ranks), each replica is its placement group: one
+        bundle per rank, the replica actor in the first with its CPUs and no GPU (the
+        ranks hold the GPUs; ``num_gpus`` is theirs)."""
         resources = {"num_cpus": self.num_cpus}
         if hasattr(self, "num_gpus"):
-            resources["num_gpus"] = self.num_gpus  # type: ignore[attr-defined]
+            resources["num_gpus"] = 0 if placement is not None else self.num_gpus  # type: ignore[attr-defined]
+        if placement is not None:
+            own = dict(own, placement_group_bundles=placement.bundles(), placement_group_strategy=placement.strategy)
         return dict(
             name=name,
             max_ongoing_requests=self.max_ongoing_requests,
@@ -879,6 +996,20 @@ class BallastConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _placements(self) -> "BallastConfig":
+        """Each model's (and fallback's) ranks, its placement and its deployment go together."""
+        for i, m in enumerate(self.models):
+            for where, build in (
+                (f"models[{i}]", lambda: self.placement_of(m.name)),
+                (f"models[{i}].fallback.model", lambda: self.fallback_placement_of(m.name)),
+            ):
+                try:
+                    build()
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+        return self
+
+    @model_validator(mode="after")
     def _production_has_no_demo_secrets(self) -> "BallastConfig":
         if self.environment == "production" and self.chaos.enabled:
             raise ValueError("chaos.enabled: fault injection is for local and test stacks, never production")
@@ -929,6 +1060,18 @@ class BallastConfig(_Strict):
     def deployment_of(self, name: str) -> ModelDeploymentConfig:
         """Model ``name``'s Serve deployment settings: its own, else ``deployments.model``."""
         return self.served_model(name).deployment or self.deployments.model
+
+    def placement_of(self, name: str) -> Optional[Placement]:
+        """Model ``name``'s replica placement group (None: one rank, no group)."""
+        d = self.deployment_of(name)
+        return model_placement(self.served_model(name), d.num_cpus, d.num_gpus)
+
+    def fallback_placement_of(self, name: str) -> Optional[Placement]:
+        """The placement group of a replica of model ``name``'s fallback (None: one rank or no fallback)."""
+        fallback = self.fallback_of(name)
+        if fallback is None:
+            return None
+        return model_placement(fallback.model, fallback.deployment.num_cpus, fallback.deployment.num_gpus)
 
     def fallback_of(self, name: str) -> Optional[FallbackConfig]:
         """Model ``name``'s fallback: its own, else (the first model only) ``fallback``."""

@@ -82,6 +82,7 @@ WATCHDOG_STATUS_KEYS = (
     "critical",
     "trends",
     "actions_total",
+    "engine_processes",  # (pid, name) of each process of its engine it watches: every rank's
 )
 
 R = TypeVar("R")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Collection, Optional
 
 log = logging.getLogger("ballast.gpu")
 
@@ -106,16 +106,34 @@ class ProcessGpuSample:
     vram_total_bytes: int
 
 
+def _memory_of(procs: Any, pids: Collection[int]) -> tuple[bool, Optional[int]]:
+    """(whether any of ``pids`` runs on the device, the memory they use there: None when the
+    driver hides per-process figures, as some containers do)."""
+    found, used = False, 0
+    hidden = False
+    for p in procs:
+        if int(p.pid) in pids:
+            found = True
+            if p.usedGpuMemory is None:
+                hidden = True
+            else:
+                used += int(p.usedGpuMemory)
+    return found, (None if hidden or not found else used)
+
+
 class ProcessGpuProbe(NvmlGpuProbe):
-    """What one process uses of one GPU, sampled from outside the process (the watchdog).
+    """What a process (and the processes it names: its engine's) uses of one GPU, sampled
+    from outside the process (the watchdog).
 
     The device is named by UUID because the watchdog has no GPU of its own and so
     no CUDA_VISIBLE_DEVICES to go by; NVML enumerates physical devices regardless.
+    ``pids`` (called at each sample) gives every process whose memory counts; by default
+    ``pid`` alone.
     """
 
-    def __init__(self, nvml: Any, handle: Any, pid: int):
+    def __init__(self, nvml: Any, handle: Any, pid: int, pids: Optional[Callable[[], Collection[int]]] = None):
         super().__init__(nvml, handle)
-        self._pid = pid
+        self._pids = pids if pids is not None else (lambda: (pid,))
 
     def sample(self) -> Optional[ProcessGpuSample]:  # type: ignore[override]
         got = self._query(
@@ -124,12 +142,47 @@ class ProcessGpuProbe(NvmlGpuProbe):
         if got is None:
             return None
         util, mem, procs = got
-        used: Optional[int] = None
-        for p in procs:
-            if int(p.pid) == self._pid:
-                # usedGpuMemory is None where the driver hides per-process figures (some containers).
-                used = None if p.usedGpuMemory is None else int(p.usedGpuMemory)
+        _, used = _memory_of(procs, set(self._pids()))
         return ProcessGpuSample(float(util.gpu), used, int(mem.total))
+
+
+class RanksGpuProbe:
+    """What a replica's processes use of every GPU of the node: a replica whose engine runs
+    several ranks holds no GPU itself, its ranks (processes ``pids()`` names) hold one each.
+    Memory is summed over the GPUs they use, and so is the total; utilization is the
+    busiest of those GPUs'. None while no GPU runs any of them."""
+
+    def __init__(self, nvml: Any, pids: Callable[[], Collection[int]]):
+        self._nvml = nvml
+        self._pids = pids
+
+    def sample(self) -> Optional[ProcessGpuSample]:
+        pids = set(self._pids())
+        util, total, used = 0.0, 0, 0
+        hidden = any_found = False
+        try:
+            for i in range(int(self._nvml.nvmlDeviceGetCount())):
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(i)
+                found, mine = _memory_of(self._nvml.nvmlDeviceGetComputeRunningProcesses(handle), pids)
+                if not found:
+                    continue
+                any_found = True
+                hidden = hidden or mine is None
+                used += mine or 0
+                total += int(self._nvml.nvmlDeviceGetMemoryInfo(handle).total)
+                util = max(util, float(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+        except Exception as e:  # a GPU that falls off the bus: absent, and say so
+            log.warning("NVML sample failed: %r", e)
+            return None
+        if not any_found:
+            return None
+        return ProcessGpuSample(util, None if hidden else used, total)
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:
+            pass
 
 
 def visible_gpu_uuid(nvml: Any = None) -> Optional[str]:
@@ -149,16 +202,26 @@ def visible_gpu_uuid(nvml: Any = None) -> Optional[str]:
         return None
 
 
-def make_process_gpu_probe(gpu_uuid: Optional[str], pid: int, nvml: Any = None) -> Optional[ProcessGpuProbe]:
-    """A probe of ``pid`` on the GPU ``gpu_uuid``, or None (no GPU: VRAM metrics absent)."""
-    if not gpu_uuid:
+def make_process_gpu_probe(
+    gpu_uuid: Optional[str],
+    pid: int,
+    nvml: Any = None,
+    pids: Optional[Callable[[], Collection[int]]] = None,
+    rank_gpus: bool = False,
+) -> "ProcessGpuProbe | RanksGpuProbe | None":
+    """A probe of ``pid`` (and the processes ``pids()`` names) on the GPU ``gpu_uuid``; with
+    ``rank_gpus`` (a replica whose ranks hold the GPUs, it none), on every GPU of the node;
+    None without a GPU (VRAM metrics absent)."""
+    if not gpu_uuid and not rank_gpus:
         return None
     nvml = _nvml(nvml)
     if nvml is None:
         return None
     try:
         nvml.nvmlInit()
-        return ProcessGpuProbe(nvml, nvml.nvmlDeviceGetHandleByUUID(gpu_uuid), pid)
+        if rank_gpus:
+            return RanksGpuProbe(nvml, pids if pids is not None else (lambda: (pid,)))
+        return ProcessGpuProbe(nvml, nvml.nvmlDeviceGetHandleByUUID(gpu_uuid), pid, pids)
     except Exception as e:
         log.warning("NVML unavailable for the watchdog, VRAM metrics absent: %r", e)
         return None

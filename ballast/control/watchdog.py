@@ -6,9 +6,16 @@ replica, so it shares the replica's fate: when the replica dies, Ray kills it.
 
 Every ``watchdog.interval_s`` the watchdog
 
-- samples the replica *process* from outside (psutil: RSS, threads, open fds, CPU)
-  and, where the replica has a GPU, that GPU through NVML (device utilization,
-  this process's memory, total memory);
+- samples the replica *process* from outside (psutil: RSS, threads, open fds, CPU),
+  with every process of its engine (vLLM's engine core and one worker per rank), and,
+  where the replica or its ranks have GPUs, those GPUs through NVML (device utilization,
+  these processes' memory, total memory);
+- watches the engine's processes by name (``WatchedReplica.engine_processes``): one that
+  exits (or is stopped) makes the replica hung at once, the reason naming it ("engine
+  process VLLM::Worker_TP1 (pid 123) exited", ``ballast.policies.leak.engine_lost_reason``),
+  as does the replica's own word that its engine is dead: an engine of several ranks
+  serves only whole, so the replica goes as a whole (the controller kills it, its
+  requests are sent elsewhere, Serve starts another);
 - feeds the series (after ``warmup_s``) to ``ballast.policies.leak.LeakDetector``: robust
   trends over a short (fast-burn) and a long (slow-burn) window, time to limit;
   the usage ratios act on absolute ceilings from the first sample, warm-up or not;
@@ -42,7 +49,16 @@ import ray
 
 from dataclasses import replace
 
-from ballast.policies.leak import Action, LadderState, LeakDetector, SeriesSpec, Usage, assess, hang_reason
+from ballast.policies.leak import (
+    Action,
+    LadderState,
+    LeakDetector,
+    SeriesSpec,
+    Usage,
+    assess,
+    engine_lost_reason,
+    hang_reason,
+)
 from ballast.policies.reports import SeriesTrend, WatchdogOrders, WatchdogReport, WatchedReplica
 
 from ballast.config import BallastConfig, WatchdogSettings, load_config
@@ -59,23 +75,34 @@ SERIES = ("rss_bytes", "vram_bytes", "threads", "fds")
 class ProcessSampler(Protocol):
     def sample(self) -> dict[str, Optional[float]]: ...  # rss_bytes, threads, fds, cpu_pct
 
+    def engine_gone(self) -> list[str]: ...  # the engine processes gone, "NAME (pid N) exited"
+
 
 class PsutilSampler:
     """The replica's processes as psutil sees them from the watchdog's process: the
     replica and every process under it (an engine that runs its core in child
-    processes, as vLLM does, is watched whole). Threads, fds and CPU are summed.
+    processes, as vLLM does, is watched whole), and its engine's processes that are not
+    under it (vLLM's rank actors under its ray executor, on this node). Threads, fds and
+    CPU are summed. ``engine_gone()`` names the engine's processes that went away.
 
     Memory: a lone replica's RSS. With child processes, the sum of each one's PSS
     (proportional set size): the libraries they all map (torch, CUDA) are counted once
     between them, where summed RSS would count them in every process (a vLLM replica
     on CPU here: 1.93 GB of RSS, 1.53 GB of PSS)."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, engine_processes: tuple[tuple[int, str], ...] = ()):
         import psutil
 
         self._p = psutil.Process(pid)
         self._p.cpu_percent(None)  # the first call only starts the measurement
         self._children: dict[int, Any] = {}  # pid -> psutil.Process, kept for cpu_percent's baseline
+        self._engine = dict(engine_processes)  # pid -> the name it gave itself
+        self._engine_procs: dict[int, Any] = {}  # pid -> psutil.Process; None: gone before the first look
+        for epid in self._engine:
+            try:
+                self._engine_procs[epid] = psutil.Process(epid)
+            except psutil.Error:
+                self._engine_procs[epid] = None
         try:
             soft, _ = self._p.rlimit(psutil.RLIMIT_NOFILE)
             self.fd_limit: Optional[int] = soft if soft > 0 else None
@@ -87,6 +114,7 @@ class PsutilSampler:
 
         try:
             children = self._p.children(recursive=True)
+            children += self._outside({c.pid for c in children} | {self._p.pid})
             out = _usage(self._p, proportional=bool(children))
         except psutil.Error:  # the replica is gone: its fate-shared watchdog follows shortly
             return {}
@@ -98,6 +126,56 @@ class PsutilSampler:
             except psutil.Error:  # a child that ended between the listing and now
                 continue
         return out
+
+    def _outside(self, under: set[int]) -> list[Any]:
+        """The engine's processes not ``under`` the replica (rank actors), with theirs."""
+        import psutil
+
+        out = []
+        for epid, proc in self._engine_procs.items():
+            if epid in under or proc is None:
+                continue
+            try:
+                out += [proc, *proc.children(recursive=True)]
+            except psutil.Error:
+                continue
+        return out
+
+    def pids(self) -> set[int]:
+        """Every process sampled: the replica, those under it, the engine's (for the GPU probe)."""
+        return {self._p.pid, *self._children, *self._engine}
+
+    def engine_gone(self) -> list[str]:
+        """Each engine process that exited (or exited and waits to be reaped) or is stopped,
+        as "NAME (pid N) exited"; [] while the replica itself is gone or going (its own
+        end takes its engine with it: no rank is to blame then)."""
+        if _ended(self._p) is not None:
+            return []
+        out = []
+        for epid, name in self._engine.items():
+            state = _ended(self._engine_procs.get(epid))
+            if state is not None:
+                out.append(f"{name} (pid {epid}) {state}")
+        return out
+
+
+def _ended(p: Any) -> Optional[str]:
+    """How a process ended ("exited", "is stopped"); None while it runs."""
+    import psutil
+
+    if p is None:
+        return "exited"
+    try:
+        if not p.is_running():
+            return "exited"
+        status = p.status()
+    except psutil.Error:
+        return "exited"
+    if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+        return "exited"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "is stopped"
+    return None
 
 
 def _usage(p: Any, proportional: bool) -> dict[str, float]:
@@ -173,15 +251,20 @@ class WatchdogCore:
         self._last_beat_s: Optional[float] = None
         self._stalled_s = 0.0  # the replica's own figure, from its last heartbeat
         self._inflight = 0
+        self._engine_lost: Optional[str] = None  # the replica's word that its engine is dead
+        self._lost_reason: Optional[str] = None  # the first engine loss seen: it stands
         self.last_report: Optional[WatchdogReport] = None
 
     # -- heartbeats from the replica -----------------------------------------------------
-    def beat(self, inflight: int, stalled_s: float) -> WatchdogOrders:
-        """The replica's heartbeat: its work in flight, and how long its work loop has not
-        moved with that work (its own clock). The reply carries what it must do now."""
+    def beat(self, inflight: int, stalled_s: float, engine_lost: Optional[str] = None) -> WatchdogOrders:
+        """The replica's heartbeat: its work in flight, how long its work loop has not moved
+        with that work (its own clock), and why its engine is dead, if it is. The reply
+        carries what it must do now."""
         self._last_beat_s = self._clock()
         self._inflight = max(0, int(inflight))
         self._stalled_s = max(0.0, float(stalled_s))
+        if isinstance(engine_lost, str) and engine_lost:
+            self._engine_lost = engine_lost[:500]
         actions = tuple(self._pending)
         self._pending.clear()
         return WatchdogOrders(actions=actions, ready=self.ready, recycle=self.recycle_requested, hung=self.hung)
@@ -208,10 +291,7 @@ class WatchdogCore:
         warming_up = now - self._created_s < self.settings.warmup_s
         trends, verdict = self._judge(now, values, warming_up)
         age = self.heartbeat_age_s()
-        s = self.settings
-        self.hung_reason = hang_reason(
-            self._stalled_s, age, self._inflight, s.interval_s, s.hang_missed_heartbeats, s.silent_missed_heartbeats
-        )
+        self.hung_reason = self._hang(age)
         self.hung = self.hung_reason is not None
         self.last_report = WatchdogReport.of(
             self.info,
@@ -247,6 +327,19 @@ class WatchdogCore:
             actions_total=dict(self.actions_total),
         )
         return self.last_report
+
+    def _hang(self, age: Optional[float]) -> Optional[str]:
+        """Why the replica is hung: its engine lost a process (the first loss seen stands:
+        the rank that went first is the one named), else a stall or silence."""
+        gone = getattr(self._process, "engine_gone", None)
+        if self._lost_reason is None:
+            self._lost_reason = engine_lost_reason(gone() if gone is not None else [], self._engine_lost)
+        if self._lost_reason is not None:
+            return self._lost_reason
+        s = self.settings
+        return hang_reason(
+            self._stalled_s, age, self._inflight, s.interval_s, s.hang_missed_heartbeats, s.silent_missed_heartbeats
+        )
 
     def _judge(self, now: float, values: dict[str, Optional[float]], warming_up: bool) -> tuple[dict, Any]:
         """The trends (fed this sample unless warming up) and the ladder's verdict on them and
@@ -284,12 +377,12 @@ class Watchdog:
         if info.pid is None:  # spawn_watchdog sets it: the process this actor samples
             raise ValueError("pid: the watchdog needs its replica's process id")
         pid = info.pid
-        proc = PsutilSampler(pid)
+        proc = PsutilSampler(pid, info.engine_processes)
         self._core = WatchdogCore(
             self._cfg.watchdog,
             info,
             proc,
-            gpu=make_process_gpu_probe(info.gpu_uuid, pid),
+            gpu=make_process_gpu_probe(info.gpu_uuid, pid, pids=proc.pids, rank_gpus=info.rank_gpus),
             memory_total_bytes=node_memory_bytes(),
             fd_limit=proc.fd_limit,
         )
@@ -368,9 +461,9 @@ class Watchdog:
     async def start(self) -> None:
         self._ensure_loop()
 
-    async def beat(self, inflight: int, stalled_s: float) -> WatchdogOrders:
+    async def beat(self, inflight: int, stalled_s: float, engine_lost: Optional[str] = None) -> WatchdogOrders:
         self._ensure_loop()
-        return self._core.beat(inflight, stalled_s)
+        return self._core.beat(inflight, stalled_s, engine_lost)
 
     async def report(self) -> Optional[WatchdogReport]:
         return self._core.last_report

@@ -108,17 +108,20 @@ class ModelBackend(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-def build_engine(m: Any) -> ModelBackend:
-    """The engine the model config ``m`` names, loaded on its device."""
+def build_engine(m: Any, placement: Any = None) -> ModelBackend:
+    """The engine the model config ``m`` names, loaded on its device; a vLLM model of several
+    ranks runs them as its ``placement`` (``ballast.policies.placement.Placement``) says."""
     if m.backend == "vllm":
+        from ballast.model.ranks import with_executor
         from ballast.model.vllm_engine import VLLMBackend, default_engine_kwargs
 
         # LoRA: name -> local directory (a ``models`` entry's adapters are {path, tenants}).
         adapters = {n: getattr(a, "path", a) for n, a in (getattr(m, "adapters", None) or {}).items()}
+        kwargs = with_executor(m.engine_kwargs, placement)
         return VLLMBackend(
             m.path,
             name=m.name,
-            engine_kwargs=default_engine_kwargs(m.path, dict(m.engine_kwargs), m.max_batch_size, adapters),
+            engine_kwargs=default_engine_kwargs(m.path, kwargs, m.max_batch_size, adapters),
             grammar_compile_timeout_s=m.grammar_compile_timeout_s,
             grammar_compile_threads=m.grammar_compile_threads,
             adapters=adapters,

@@ -23,6 +23,13 @@ recycle order for this replica in the snapshot makes ``check_health`` fail, so S
 drains it gracefully and starts a replacement (Serve has no restart API); the order
 lapses with its lease.
 
+A replica of a vLLM model of several ranks (``tensor_parallel_size`` x
+``pipeline_parallel_size``) is a placement group of one bundle per rank
+(``ballast.policies.placement``): before its engine starts it sets what the ranks need
+(``ballast.model.ranks``), and it hands the watchdog its engine's processes by name, so
+that a rank that goes away has the whole replica killed and its requests sent elsewhere;
+an engine that died fails no request here (its rows wait) and fails the health check.
+
 About once per ``report_interval_s`` the replica reports queue length, running
 requests, batch statistics and GPU utilization / VRAM (absent — ``None`` — without
 a GPU) to the controller, and takes the snapshot back in the same call.
@@ -53,6 +60,7 @@ from ballast.config import BallastConfig, ModelConfig, load_config
 from ballast.control.link import connect
 from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
 from ballast.model.niceness import pin_to_cores, yield_cpu_to, yield_this_thread_to
+from ballast.model.ranks import prepare_ranks
 from ballast.model.routing import replica_routing_stats, request_router_config
 from ballast.control.snapshot import Snapshot
 
@@ -111,7 +119,11 @@ class ModelServer:
         if self._model_cfg.cpus:  # likewise: torch's threads take the mask they start under
             pinned = pin_to_cores(self._model_cfg.cpus)
             log.info("%s pinned to cores %s (%d threads)", self._role, sorted(self._model_cfg.cpus), pinned)
-        self._backend = build_engine(self._model_cfg)
+        self._placement = (
+            self._cfg.placement_of(self._model) if role == "primary" else self._cfg.fallback_placement_of(self._model)
+        )
+        prepare_ranks(self._placement)  # a model of several ranks: their cores (CPU), their GPU share
+        self._backend = build_engine(self._model_cfg, self._placement)
         warm_started = time.monotonic()
         self._backend.warmup(warmup_batch_sizes(self._model_cfg.max_batch_size))
         log.info(
@@ -202,6 +214,7 @@ class ModelServer:
     def _spawn_watchdog(self) -> Any:
         from ballast.control.watchdog import spawn_watchdog
 
+        rank_gpus = self._placement is not None and self._placement.gpus_per_rank > 0  # the ranks' GPUs, not its own
         try:
             return spawn_watchdog(
                 self._cfg,
@@ -209,12 +222,28 @@ class ModelServer:
                     replica_id=self._replica_id,
                     deployment=self._deployment,
                     started_at_s=self._started_at_s,
-                    gpu_uuid=visible_gpu_uuid() if self._backend.device.startswith("cuda") else None,
+                    gpu_uuid=visible_gpu_uuid() if self._backend.device.startswith("cuda") and not rank_gpus else None,
+                    engine_processes=self._engine_processes(),
+                    rank_gpus=rank_gpus,
                 ),
             )
         except Exception:  # a replica without its watchdog still serves; the gap is logged
             log.exception("could not start the watchdog for %s", self._replica_id)
             return None
+
+    def _engine_processes(self) -> tuple[tuple[int, str], ...]:
+        """The engine's own processes (pid, name) for the watchdog to watch by name: every
+        rank's, where the engine runs several (an engine in this process: none)."""
+        listed = getattr(self._backend, "engine_processes", None)
+        try:
+            return tuple(listed()) if listed is not None else ()
+        except Exception:  # a view for the watchdog: never a reason not to serve
+            log.exception("could not list the engine's processes")
+            return ()
+
+    def _engine_lost(self) -> Optional[str]:
+        """Why the engine can serve no more (a rank or its core went away); None while it serves."""
+        return getattr(self._backend, "lost", None)
 
     def _start_loops(self) -> None:
         self._exchange.start()
@@ -227,7 +256,7 @@ class ModelServer:
         while True:
             try:
                 reply = await asyncio.wait_for(
-                    self._watchdog.beat.remote(self._loop.in_flight, self._loop.stalled_s()),
+                    self._watchdog.beat.remote(self._loop.in_flight, self._loop.stalled_s(), self._engine_lost()),
                     interval * 2,
                 )
                 self._apply_watchdog(reply)
@@ -255,7 +284,7 @@ class ModelServer:
     def record_routing_stats(self) -> dict[str, Any]:
         # Serve polls this and hands it to the request router (ballast.model.routing):
         # readiness, and the adapters this replica holds (affinity).
-        ready = self._ready and self._draining() is None
+        ready = self._ready and self._draining() is None and self._engine_lost() is None
         return replica_routing_stats(ready, self._adapter_holdings(), time.time())
 
     def _adapter_holdings(self) -> AdapterHoldings:
@@ -359,6 +388,9 @@ class ModelServer:
         # Serve calls this every health_check_period_s: a good place to make sure the
         # report and heartbeat loops run even before the first request.
         self._start_loops()
+        lost = self._engine_lost()
+        if lost is not None:  # its watchdog has it killed first; this is the backstop without one
+            raise RuntimeError(f"engine lost ({lost}): the replica serves no more")
         why = self._draining()
         if why is not None:  # three failures in a row and Serve replaces this replica gracefully
             raise RuntimeError(f"recycling ({why}): draining for a replacement")
@@ -423,6 +455,7 @@ def model_deployment(cfg: BallastConfig, model: Optional[str] = None):
         **d.serve_options(
             cfg.deployment_name(name),
             cfg.http.access_log,
+            placement=cfg.placement_of(name),
             autoscaling_config=autoscaling_config(cfg, name),
             request_router_config=request_router_config(cfg.watchdog.interval_s),
             health_check_period_s=d.health_check_period_s,
@@ -444,6 +477,7 @@ def fallback_deployment(cfg: BallastConfig, model: Optional[str] = None):
         **fallback.deployment.serve_options(
             cfg.fallback_deployment_name(name),
             cfg.http.access_log,
+            placement=cfg.fallback_placement_of(name),
             num_replicas=fallback.deployment.replicas,
             request_router_config=request_router_config(cfg.watchdog.interval_s),
             health_check_period_s=m.health_check_period_s,

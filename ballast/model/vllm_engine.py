@@ -8,7 +8,7 @@ one thing the replica bounds (``max_num_seqs`` caps it from vLLM's side).
 
 **Threads.** :class:`VLLMBackend` owns one ``AsyncLLM`` and the event loop it runs
 on, in a daemon thread of its own; vLLM's engine core runs in a child process
-(and on CPU a worker process under it), see :meth:`VLLMBackend.engine_pids`.
+(and on CPU a worker process under it per rank), see :meth:`VLLMBackend.engine_pids`.
 The replica drives a batch from a worker thread (``asyncio.to_thread``); each
 batch call is a coroutine handed to the engine loop with
 ``asyncio.run_coroutine_threadsafe`` and waited for with a bound.
@@ -25,7 +25,9 @@ engine's next step. A request vLLM fails (its validation refusing the row's
 parameters or prompt ids, or any error of that request alone) leaves the batch by
 itself and is handed to the replica by ``take_failed`` (``EngineRefused`` when vLLM
 refused it as sent, a 400 that is no model failure; ``VLLMRequestError`` otherwise);
-the other rows go on.
+the other rows go on. A dead engine (vLLM's ``EngineDeadError``: a rank or the engine
+core went away) fails no row: the rows wait, the backend says why (:attr:`VLLMBackend.lost`)
+and the replica goes as a whole, its requests sent elsewhere (``ballast.model.server``).
 
 **Guided decoding.** A row's JSON schema is checked and compiled by the replica
 before the row joins (:meth:`VLLMBackend.check`, ``ballast.model.grammar``): off the
@@ -109,7 +111,7 @@ _SHUTDOWN_WAIT_S = 15.0
 
 
 class VLLMRequestError(RuntimeError):
-    """vLLM failed a request of the batch (a validation error, a dead engine core)."""
+    """vLLM failed a request of the batch alone (not its validation, not a dead engine)."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,8 @@ def default_engine_kwargs(
     for ``rows`` requests (``max_num_seqs``, the replica bounds them), LoRA when the model
     has ``adapters`` (:func:`lora_engine_kwargs`), and on CPU a KV cache
     with room for ``rows`` rows that each fill the context, as Ballast's own engines are
-    sized. vLLM's CPU default (``gpu_memory_utilization`` 0.92 of the host's memory) is
+    sized (vLLM's size is each rank's: with tensor or pipeline parallelism, that share of
+    it). vLLM's CPU default (``gpu_memory_utilization`` 0.92 of the host's memory) is
     refused by a host that runs anything else; an explicit size, or
     ``VLLM_CPU_KVCACHE_SPACE``, is kept."""
     import json
@@ -230,8 +233,17 @@ def default_engine_kwargs(
         )
     except (OSError, ValueError, KeyError, TypeError):  # vLLM names what is wrong with the directory at start
         return out
-    out["kv_cache_memory_bytes"] = max(64 << 20, rows * context * per_token)
+    out["kv_cache_memory_bytes"] = max(64 << 20, rows * context * per_token // _ranks_sharing_kv(out, c))
     return out
+
+
+def _ranks_sharing_kv(engine_kwargs: Mapping[str, Any], c: Mapping[str, Any]) -> int:
+    """How many ranks share one token's KV (vLLM's size is per rank): tensor parallel ranks
+    split the KV heads (each keeps at least one), pipeline ranks the layers."""
+    tp = int(engine_kwargs.get("tensor_parallel_size") or 1)
+    pp = int(engine_kwargs.get("pipeline_parallel_size") or 1)
+    heads = int(c.get("num_key_value_heads") or c["num_attention_heads"])
+    return min(tp, heads) * min(pp, int(c["num_hidden_layers"]))
 
 
 def lora_engine_kwargs(
@@ -345,9 +357,8 @@ class VLLMBackend:
         self.eos_ids = frozenset(eos)
         self.parameter_count = _parameter_count(self.info.weight_files)
         _precheck_adapters(adapters or {}, name)  # a name or path refused before vLLM starts
-        self._stats = _StatsSink()
-        self._batches = 0
-        self._closed = False
+        self._stats, self._batches, self._closed = _StatsSink(), 0, False
+        self._lost: Optional[str] = None  # why the engine is dead (vLLM said so); None while it serves
         # Guards _adapters and _lora_ids: add/remove run on any thread, batches read the
         # table on the engine loop. An adapter enters the table only once vLLM loaded it
         # and leaves it before vLLM unloads it, so a row never runs with one vLLM refused.
@@ -397,6 +408,7 @@ class VLLMBackend:
             raise ModelLoadError(
                 str(self.info.path / "config.json"), f"vLLM cannot serve it: {type(e).__name__}: {e}"
             ) from e
+        _in_replica_group(vllm_config.parallel_config)
         try:
             return AsyncLLM.from_vllm_config(
                 vllm_config, stat_loggers=[_stat_logger_factory(self._stats)], disable_log_stats=args.disable_log_stats
@@ -649,6 +661,26 @@ class VLLMBackend:
                 pass
         return pids
 
+    def engine_processes(self) -> tuple[tuple[int, str], ...]:
+        """(pid, name) of the engine's own processes on this node: its core and its workers
+        (one per rank: ``VLLM::Worker_TP1``, ...) by the titles vLLM gives them (a helper
+        process that comes and goes under them, a compile pool say, is not one), and with
+        the ray executor the rank actors of the replica's placement group on this node."""
+        from ballast.model.ranks import engine_processes, placement_group_actor_pids
+
+        tree = self.engine_pids()
+        own = tuple(p for p in engine_processes(tree) if p[1].startswith("VLLM::"))
+        if self._llm.vllm_config.parallel_config.distributed_executor_backend != "ray":
+            return own
+        return own + engine_processes([p for p in placement_group_actor_pids() if p not in tree])
+
+    @property
+    def lost(self) -> Optional[str]:
+        """Why the engine can serve no more (vLLM reported it dead: a rank or its core went
+        away); None while it serves. Its rows are held, not failed, from then on: the replica
+        goes as a whole (its watchdog has it killed) and the router sends them elsewhere."""
+        return self._lost
+
     def describe(self) -> dict[str, Any]:
         import vllm
 
@@ -717,6 +749,18 @@ def _write_zero_adapter(source: Path, out: Path) -> bool:
     return True
 
 
+def _in_replica_group(parallel_config: Any) -> None:
+    """vLLM's ray executor runs its ranks in the placement group it is handed: the replica's
+    own (Serve's), found here in the replica. The engine core that starts the ranks is a
+    child process, outside the replica's Ray worker, so it could not find the group itself."""
+    if parallel_config.distributed_executor_backend != "ray" or parallel_config.placement_group is not None:
+        return
+    import ray
+
+    if ray.is_initialized():
+        parallel_config.placement_group = ray.util.get_current_placement_group()
+
+
 def _device_name(vllm_config: Any) -> str:
     device = getattr(vllm_config.device_config, "device_type", None) or str(vllm_config.device_config.device)
     return "cpu" if str(device).startswith("cpu") else str(device)
@@ -753,6 +797,12 @@ def _row_error(row: "_Row", e: BaseException) -> BaseException:
             field = row.sampling.json_schema_of
         return EngineRefused(f"{field}: vLLM refuses the request: {e}", field=field)
     return VLLMRequestError(f"vLLM failed request {row.rid}: {type(e).__name__}: {e}")
+
+
+def _engine_dead(e: BaseException) -> bool:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(e, EngineDeadError)
 
 
 class _Row:
@@ -910,6 +960,10 @@ class VLLMBatch:
         except asyncio.CancelledError:
             raise  # remove(): generate() aborts the request in vLLM on the way out
         except Exception as e:
+            if _engine_dead(e):  # the engine's fault, not the row's: held until the replica goes
+                self._b._lost = self._b._lost or f"{type(e).__name__}: {e}"
+                log.error("engine of %r is dead (%s): its rows wait for the replica to go", self._b.name, e)
+                return
             row.error = e
         row.finished = True
         self._changed.set()

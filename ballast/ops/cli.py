@@ -347,6 +347,7 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
     _status_level(doc, out)
     _status_models(doc, out)
     _status_replicas(doc, out)
+    _status_deployments(doc, out)
     _status_health(doc, out)
     _status_quotas(doc, out, near_quota_ratio)
     _status_actions(doc, out)
@@ -410,6 +411,21 @@ def _status_replicas(doc: dict[str, Any], out: list[str]) -> None:
                     line += f", +{auto['recycle_surge']} recycle surge"
                 line += "]"
             out.append(line)
+
+
+def _status_deployments(doc: dict[str, Any], out: list[str]) -> None:
+    """Deployments Serve does not call healthy, with its replicas by state and its message:
+    a replica it cannot place yet (its placement group pending) says so, and why."""
+    deps = doc.get("deployments") or {}
+    unwell = {name: d for name, d in deps.items() if d.get("status") != "HEALTHY"}
+    if not unwell:
+        return
+    out.append("deployments not healthy (Serve's word):")
+    for name, d in sorted(unwell.items()):
+        states = ", ".join(f"{n} {s}" for s, n in sorted((d.get("replicas") or {}).items())) or "no replicas"
+        out.append(f"  {name}: {d.get('status', '?')} ({states})")
+        if d.get("message"):
+            out.append(f"    {d['message']}")
 
 
 def _status_health(doc: dict[str, Any], out: list[str]) -> None:
@@ -501,7 +517,8 @@ def status(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="print the raw /v1/status document"),
 ) -> None:
-    """Level and why, replicas desired/running, breakers, tenants near quota, recycles, kill switches."""
+    """Level and why, replicas desired/running, deployments Serve calls unhealthy (a replica it
+    cannot place yet, and why), breakers, tenants near quota, recycles, kill switches."""
     doc = _admin_call(ctx, "GET", "/v1/status", show=False)
     typer.echo(json.dumps(doc, indent=2) if as_json else format_status(doc))
 

@@ -483,3 +483,20 @@ def hang_reason(
     if silent_s is not None and silent_s > silent_missed * interval_s:
         return SILENT
     return None
+
+
+def engine_lost_reason(gone: Sequence[str], engine_error: Optional[str]) -> Optional[str]:
+    """Why a replica whose engine lost a process is hung, or None.
+
+    An engine of several ranks serves only whole: a rank (or the engine core) that went
+    away, or an engine that reported itself dead, leaves a replica that will answer
+    nothing more, idle or not, so it is killed as a hung one is, and its requests go
+    elsewhere. ``gone``: each engine process found gone, as "NAME (pid N) exited" (or
+    "is stopped"); ``engine_error``: what the replica's engine said of its own death.
+    A process named is the more precise of the two and goes first.
+    """
+    if gone:
+        return "engine process " + "; ".join(gone)
+    if engine_error:
+        return f"engine dead: {engine_error}"
+    return None

@@ -51,6 +51,22 @@ def _check_optional_str(name: str, value: object) -> None:
         raise ValueError(f"{name}: must be a str or None, got {value!r}")
 
 
+def _check_processes(name: str, value: object) -> None:
+    """A tuple of (pid, name) pairs: a positive int and a non-empty str each."""
+    ok = isinstance(value, tuple) and all(
+        isinstance(p, tuple)
+        and len(p) == 2
+        and isinstance(p[0], int)
+        and not isinstance(p[0], bool)
+        and p[0] > 0
+        and isinstance(p[1], str)
+        and p[1]
+        for p in value
+    )
+    if not ok:
+        raise ValueError(f"{name}: must be a tuple of (pid, name) pairs, got {value!r}")
+
+
 def _check_rates(name: str, rates: object, *, criticalities: bool) -> None:
     """A mapping of names to finite rates >= 0 (criticality names where ``criticalities``)."""
     if not isinstance(rates, Mapping):
@@ -261,12 +277,21 @@ class WatchedReplica:
     pid: Optional[int] = None
     actor_name: Optional[str] = None  # None outside Ray: then nothing can be killed
     actor_namespace: str = SERVE_NAMESPACE
+    # The engine's own processes on the replica's node, (pid, name) as they name themselves
+    # (vLLM: its engine core and one worker per rank, "VLLM::Worker_TP1"): sampled with the
+    # replica, and one that goes away is named. Empty for an engine in the replica's process.
+    engine_processes: tuple[tuple[int, str], ...] = ()
+    # The engine's ranks hold the GPUs, the replica none (a model of several ranks on GPUs):
+    # its VRAM is what those processes use of every GPU of the node.
+    rank_gpus: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, check_name, "replica_id", "deployment")
         check_fields(self, check_finite, "started_at_s", optional=True)
         check_fields(self, _check_optional_str, "actor_name")
         check_fields(self, check_name, "actor_namespace")
+        _check_processes("engine_processes", self.engine_processes)
+        check_fields(self, _check_bool, "rank_gpus")
 
 
 @dataclass(frozen=True)
@@ -301,7 +326,9 @@ class WatchdogReport(WatchedReplica):
     warming_up: bool = False
     inflight: int = 0
     hung: bool = False  # stalled past hang_missed_heartbeats, or silent past silent_missed_heartbeats
-    hung_reason: Optional[str] = None  # "stalled", "silent" (ballast.policies.leak.hang_reason)
+    # "stalled", "silent" (ballast.policies.leak.hang_reason), or an engine process gone
+    # ("engine process VLLM::Worker_TP1 (pid 123) exited": ballast.policies.leak.engine_lost_reason)
+    hung_reason: Optional[str] = None
     severity: str = "ok"
     reason: Optional[str] = None  # what this sample found
     action_reason: Optional[str] = None  # what made the ladder take its last rung

@@ -32,6 +32,7 @@ from ballast.errors import (
 from ballast.router.adapters import runtime_catalog
 from ballast.router.api import bearer_token, read_json, validate_body
 from ballast.router.ingress import running_fast_path, running_ingress
+from ballast.router.serve_status import ServeStatusView
 
 
 #: A kill switch's id is 12 hex characters; a longer one names none (404, never sent on).
@@ -98,6 +99,7 @@ class Admin:
         pipeline: Any,
         router_id: str,
         handle_for: Callable[[str], Any],
+        serve_status: Optional[ServeStatusView] = None,
     ) -> None:
         self._cfg = cfg
         self._limits = cfg.limits
@@ -108,6 +110,7 @@ class Admin:
         self._pipeline = pipeline
         self._router_id = router_id
         self._handle_for = handle_for  # model name -> its deployment's handle (the adapters' trial load)
+        self._serve_status = serve_status  # Serve's word on each deployment (a replica it cannot place yet)
 
     async def status(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)
@@ -135,7 +138,14 @@ class Admin:
             **self._pipeline.status(),
             "chaos": snap.chaos if snap else {},
             "recycle": snap.recycle if snap else {},
+            **await self._deployments(),
         }
+
+    async def _deployments(self) -> dict[str, Any]:
+        """``{"deployments": ...}``: Serve's status of each deployment (``ServeStatusView``);
+        nothing when it could not be read."""
+        got = await self._serve_status.get() if self._serve_status is not None else None
+        return {"deployments": got} if got is not None else {}
 
     @staticmethod
     def _replicas(snap: Any) -> dict[str, Any]:

@@ -53,6 +53,7 @@ from ballast.router.readiness import CachedProbe
 from ballast.router.reporter import Reporter, log
 from ballast.router.lanes import build_lanes
 from ballast.router.resilience import CallHooks
+from ballast.router.serve_status import ServeStatusView
 
 
 @serve.ingress(app)
@@ -102,6 +103,7 @@ class Router:
             self.pipeline,
             self.router_id,
             handle_for=lambda name: self._handles[name],  # each model's deployment, by its name
+            serve_status=ServeStatusView(cfg.app_name),
         )
         # Health routes need no key: they answer from one model ping per interval at most.
         self.readiness = {

@@ -105,6 +105,57 @@ def test_summary_shows_lost_capacity_apart_from_breakers_only_when_there_was_som
     assert "lost capacity: 7 carried on elsewhere, 1 not (to the fallback, else 503 REPLICA_LOST)" in text
 
 
+# Serve's message for a replica it could not place (deployment_state.py), here a group of
+# four one-GPU ranks on a cluster of one-GPU nodes, as serve.status() gives it.
+PENDING = (
+    "Deployment 'BallastModel' in application 'ballast' has 1 replicas that have taken more than 30s to be "
+    "scheduled. This may be due to waiting for the cluster to auto-scale or for a runtime environment to be "
+    'installed. Resources required for each replica: [{"GPU": 1, "CPU": 1}, {"GPU": 1}, {"GPU": 1}, '
+    '{"GPU": 1}], total resources available: {"CPU": 60.0, "GPU": 4.0}. Use `ray status` for more details.'
+)
+
+
+def test_summary_shows_a_replica_serve_cannot_place_and_why() -> None:
+    doc = live_document()
+    assert "deployments not healthy" not in format_status(doc)  # no section: nothing said
+    healthy = {"status": "HEALTHY", "message": "", "replicas": {"RUNNING": 1}}
+    doc["deployments"] = {"BallastRouter": healthy, "BallastModel": healthy}
+    assert "deployments not healthy" not in format_status(doc)
+    doc["deployments"]["BallastModel"] = {"status": "UPDATING", "message": PENDING, "replicas": {"STARTING": 1}}
+    lines = format_status(doc).splitlines()
+    at = lines.index("deployments not healthy (Serve's word):")
+    assert lines[at + 1 : at + 3] == ["  BallastModel: UPDATING (1 STARTING)", f"    {PENDING}"]
+
+
+def test_serves_word_is_read_at_most_once_per_interval_and_a_failure_leaves_it_out() -> None:
+    import asyncio
+
+    from ballast.router.serve_status import ServeStatusView
+
+    clock, reads = FakeClock(0), []
+
+    def read(app: str) -> dict[str, Any]:
+        reads.append(app)
+        if len(reads) == 2:
+            raise RuntimeError("Serve's controller is restarting")
+        return {"BallastModel": {"status": "HEALTHY", "message": "", "replicas": {"RUNNING": 1}}}
+
+    view = ServeStatusView("ballast", ttl_s=2.0, read=read, clock=clock)
+
+    async def walk() -> list[Any]:
+        got = [await view.get(), await view.get()]  # the second within the interval: not read again
+        clock.advance(2)
+        got.append(await view.get())
+        clock.advance(2)
+        got.append(await view.get())
+        return got
+
+    first, again, failed, later = asyncio.run(walk())
+    assert first == again and first["BallastModel"]["status"] == "HEALTHY"
+    assert failed is None and later == first and reads == ["ballast"] * 3
+    assert asyncio.run(ServeStatusView("ballast").get()) is None  # no Ray here: Serve is not asked
+
+
 def test_summary_lists_only_tenants_near_their_quota() -> None:
     text = format_status(live_document())
     assert "tenants near their quota (bucket <= 20% of burst): 1" in text

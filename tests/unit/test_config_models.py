@@ -59,8 +59,10 @@ class TestOneModelConfigsUnchanged:
             assert tenant.pop("models") is None  # the one field added to a tenant
         models = [dump["model"]] + ([dump["fallback"]["model"]] if dump.get("fallback") else [])
         for model in models:
-            assert model.pop("cpus") is None  # the fields added to a model: not pinned,
-            assert model.pop("compute_niceness") is None  # the compute at the replica's niceness
+            assert model.pop("cpus") is None  # fields added to a model: not pinned,
+            assert model.pop("compute_niceness") is None  # the compute at the replica's niceness,
+            # and where a model of several ranks places them (the default, unused with one)
+            assert model.pop("placement") == {"strategy": "STRICT_PACK", "rank_resources": None, "check": True}
         assert dump == BEFORE[name]  # no `models` key: the one-model form dumps as model
         assert len(cfg.models) == 1 and not cfg.models[0].has_extras()
         assert cfg.models[0].model_dump(include=set(ModelConfig.model_fields)) == cfg.model.model_dump()

@@ -184,4 +184,6 @@ def test_admin_replicas_shows_the_watchdog_report_as_json() -> None:
         "critical",
         "trends",
         "actions_total",
+        "engine_processes",
     }
+    assert shown["engine_processes"] == []  # an engine in the replica's own process: none listed

@@ -47,3 +47,17 @@ def test_a_size_the_operator_gave_is_kept(model, monkeypatch):
 
 def test_a_directory_without_a_readable_config_is_left_to_vllm_to_name(tmp_path):
     assert default_engine_kwargs(str(tmp_path), {}, rows=4) == {"max_num_seqs": 4}
+
+
+def test_with_several_ranks_the_kv_cache_is_each_ranks_share(model):
+    # vLLM's size is per rank: tensor-parallel ranks split the KV heads (2 here: a third
+    # and fourth rank hold a copy, not less), pipeline ranks the layers (2 here).
+    whole = default_engine_kwargs(model, {"max_model_len": 256}, rows=512)["kv_cache_memory_bytes"]
+
+    def share(**sizes):
+        return default_engine_kwargs(model, {"max_model_len": 256, **sizes}, rows=512)["kv_cache_memory_bytes"]
+
+    assert share(tensor_parallel_size=2) == whole // 2
+    assert share(tensor_parallel_size=4) == whole // 2  # one KV head each, replicated
+    assert share(pipeline_parallel_size=2) == whole // 2
+    assert share(tensor_parallel_size=2, pipeline_parallel_size=2) == whole // 4

@@ -362,6 +362,10 @@ def test_engine_processes_live_then_gone_after_shutdown(backend):
     """Runs last in the module: it shuts the module's engine down."""
     pids = backend.engine_pids()
     assert len(pids) >= 1
+    # What the replica hands its watchdog: vLLM's own processes, by the titles vLLM gives them.
+    named = dict(backend.engine_processes())
+    assert sorted(named.values()) == ["VLLM::EngineCore", "VLLM::Worker"] and set(named) <= set(pids)
+    assert backend.lost is None
     for pid in pids:
         p = psutil.Process(pid)
         assert p.is_running() and p.status() != psutil.STATUS_ZOMBIE
