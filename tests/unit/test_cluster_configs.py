@@ -202,14 +202,19 @@ def test_cuda_constraints_are_constraints_txt_but_the_two_pins_cuda_needs():
     assert pins("requirements/vllm-cuda.txt")["apache-tvm-ffi"] == cuda["apache-tvm-ffi"]
 
 
-def test_serve_config_builds_through_the_apps_own_builder_with_production_settings():
+def test_serve_config_builds_through_the_apps_own_builder_with_production_settings(monkeypatch):
     """`serve deploy` runs build_app(args): build the same graph here and read its deployments back.
 
     The config goes through the app's pydantic model and deployment factories, so a
     field renamed or a default changed in code fails here, not on the cluster.
     """
+    from ballast.ops import app
     from ballast.ops.app import build
 
+    # The cluster cluster.yaml makes (read only where Ray is up here: `make test` runs the
+    # unit tests after the integration session's CPU-only Ray): a 1-GPU and a 4-GPU node.
+    gpu_nodes = [{"CPU": 8.0, "GPU": 1.0}, {"CPU": 48.0, "GPU": 4.0}]
+    monkeypatch.setattr(app, "cluster_nodes", lambda: (gpu_nodes, []))
     serve_cfg = yaml.safe_load((ROOT / "cluster/serve_config.yaml").read_text())
     cfg = load_config(serve_cfg["applications"][0]["args"]["config"])
     router = build(cfg)._bound_deployment

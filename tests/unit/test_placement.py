@@ -203,7 +203,9 @@ class TestTheCheckAtDeploy:
         )
         assert placement_problem(p, [{"CPU": 4.0, "accelerator": 2.0}]) is None
 
-    def test_check_placements_refuses_with_the_models_reason_or_lets_it_go(self) -> None:
+    def test_check_placements_refuses_with_the_models_reason_or_lets_it_go(self, monkeypatch) -> None:
+        import ray
+
         cfg = config(vllm(tensor_parallel_size=8))
         with pytest.raises(ConfigError) as e:
             check_placements(cfg, nodes=[{"CPU": 4.0}])
@@ -214,4 +216,7 @@ class TestTheCheckAtDeploy:
         check_placements(cfg, nodes=[{"CPU": 8.0}])  # one node holds it
         check_placements(config({**vllm(tensor_parallel_size=8), "placement": {"check": False}}), nodes=[{"CPU": 4.0}])
         check_placements(config(vllm()), nodes=[])  # one rank: nothing to check
-        check_placements(cfg)  # no Ray here: nothing is read, nothing refused
+        # No Ray in this process (`make test` runs the unit tests after the integration
+        # session's Ray: it is taken away here, not assumed absent): nothing read, nothing refused.
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+        check_placements(cfg)
