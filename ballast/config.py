@@ -160,6 +160,28 @@ class PlacementSettings(_Strict):
         return v
 
 
+class RoutingSettings(_Strict):
+    """Which replica of the model a request goes to (ballast/model/routing.py): the one that
+    already holds what it needs, bounded by load (ballast/policies/affinity.py)."""
+
+    # vllm with enable_prefix_caching: each replica reports the prompt blocks its KV cache
+    # holds (from vLLM's own KV-cache events) and every router sends a request to the ready
+    # replica holding the longest prefix of its prompt (adapter included), or, for a prompt
+    # no replica holds, to the prefix's home (the same replica for every router). false:
+    # Serve's power of two choices (adapters still go where they are loaded).
+    prefix_affinity: bool = True
+    # A replica is passed over, whatever it holds, once its requests in flight (this one
+    # counted) would be past load_bound_ratio x the mean, and at least min_slack over it.
+    load_bound_ratio: float = Field(1.25, ge=1.0, le=10.0)
+    min_slack: int = Field(2, ge=1, le=1024)
+    # From this degradation level up the model is short of capacity: requests go to the
+    # least loaded ready replicas (power of two) and no longer by what they hold.
+    balance_from_level: int = Field(2, ge=0, le=5)
+    # The most KV blocks one replica reports (its most recently stored; 4 bytes each in
+    # Serve's routing stats, which every router polls).
+    report_blocks: int = Field(16384, ge=16, le=1 << 20)
+
+
 def parallel_sizes(engine_kwargs: dict[str, Any]) -> tuple[int, int]:
     """(tensor_parallel_size, pipeline_parallel_size) as ``engine_kwargs`` give them (1 when absent)."""
     sizes = []
@@ -188,6 +210,8 @@ class ModelConfig(_Strict):
     # pipeline_parallel_size): where its replica's ranks go. The deployment's num_gpus is
     # then the GPUs of each rank.
     placement: PlacementSettings = PlacementSettings()
+    # How the router picks one of this model's replicas for a request.
+    routing: RoutingSettings = RoutingSettings()
     # vllm only: vLLM's tool parser for this model (e.g. hermes, llama3_json, mistral): with
     # it, tool_choice "auto" (the default when a request gives tools) finds the model's
     # calls in its answer; without it, "auto" is a 400 and "required" or a named function

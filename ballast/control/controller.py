@@ -361,6 +361,9 @@ class ControllerCore:
                     "kv_tokens_budget": r.kv_tokens_budget,
                     "engine_waiting": r.engine_waiting,  # inside a self-scheduling engine (vLLM); in queued too
                     "prefix_cache_hit_pct": r.prefix_cache_hit_pct,
+                    "prefix_cache_queries": r.prefix_cache_queries,  # vLLM's counters since it started
+                    "prefix_cache_hits": r.prefix_cache_hits,
+                    "prefix_blocks": r.prefix_blocks,  # KV blocks it reports holding to the routers
                     "ready": r.ready and (wd is None or wd.ready),
                     "draining": r.draining,
                     "manual_recycle": rid in self.recycler.manual,

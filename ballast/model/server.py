@@ -346,6 +346,15 @@ class ModelServer:
         self._m_prefix_hits.set(hit_pct)
         return loop.queued + s.waiting, round(100.0 * s.kv_cache_usage, 2), s.waiting, hit_pct
 
+    def _prefix_counts(self) -> dict[str, Optional[int]]:
+        """vLLM's prefix-cache counters (prompt tokens looked up and found) and the blocks
+        this replica reports to the routers; empty for the engines Ballast batches."""
+        stats = getattr(self._backend, "stats", None)
+        if stats is None:
+            return {}
+        s = stats()
+        return {"prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits}
+
     def _report(self) -> ReplicaReport:
         """This replica's report to the controller (every report interval)."""
         gpu = self._gpu.sample() if self._gpu is not None else None
@@ -364,6 +373,7 @@ class ModelServer:
             batch_size_limit=loop.batch_limit,
             engine_waiting=engine_waiting,
             prefix_cache_hit_pct=prefix_hit_pct,
+            **self._prefix_counts(),
             kv_util_pct=kv_util,
             kv_tokens_reserved=loop.kv_reserved_tokens,
             kv_tokens_budget=loop.kv_budget_tokens,

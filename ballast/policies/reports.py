@@ -231,6 +231,13 @@ class ReplicaReport:
     # queued too) and its prefix cache's hit rate; None for engines Ballast batches.
     engine_waiting: Optional[int] = None
     prefix_cache_hit_pct: Optional[float] = None
+    # vLLM's own prefix-cache counters since its engine started: prompt tokens looked up,
+    # and found (a hit rate over any span is the difference of two reports).
+    prefix_cache_queries: Optional[int] = None
+    prefix_cache_hits: Optional[int] = None
+    # The KV blocks this replica reports holding to the routers (prefix affinity); None
+    # where it reports none.
+    prefix_blocks: Optional[int] = None
     # None where the replica has no GPU (absent, not 0).
     gpu_util_pct: Optional[float] = None
     vram_pct: Optional[float] = None
@@ -257,6 +264,9 @@ class ReplicaReport:
             "vram_pct",
             "engine_waiting",
             "prefix_cache_hit_pct",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "prefix_blocks",
             optional=True,
         )
         check_fields(self, check_finite, "started_at_s", optional=True)
