@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 class LeanHttpError(Exception):
@@ -48,7 +48,16 @@ class LeanClient:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._open: set[asyncio.StreamWriter] = set()
 
-    async def post_json(self, path: str, body: Any, headers: Optional[dict[str, str]] = None) -> LeanResponse:
+    async def post_json(
+        self,
+        path: str,
+        body: Any,
+        headers: Optional[dict[str, str]] = None,
+        on_chunk: Optional[Callable[[bytes], None]] = None,
+    ) -> LeanResponse:
+        """POST ``body`` as JSON; the whole answer. ``on_chunk`` is handed each piece of the
+        answer's body as it arrives (each chunk of a chunked answer; a sized body in one
+        piece), before the answer is complete: a stream's events can be timed by it."""
         payload = json.dumps(body, separators=(",", ":")).encode()
         head = [
             f"POST {path} HTTP/1.1",
@@ -66,14 +75,14 @@ class LeanClient:
                     if conn is None:
                         conn = await self._connect()
                     try:
-                        response, keep = await self._exchange(conn, request)
+                        response, keep = await self._exchange(conn, request, on_chunk)
                     except (LeanHttpError, ConnectionError) as e:
                         # A pooled connection the server closed while idle: once more on a new one.
                         if not (reused and (isinstance(e, ConnectionError) or e.kind == "closed")):
                             raise
                         self._close(conn)
                         conn = await self._connect()
-                        response, keep = await self._exchange(conn, request)
+                        response, keep = await self._exchange(conn, request, on_chunk)
             except TimeoutError:
                 if conn is not None:
                     self._close(conn)
@@ -98,7 +107,10 @@ class LeanClient:
         return reader, writer
 
     async def _exchange(
-        self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], request: bytes
+        self,
+        conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+        request: bytes,
+        on_chunk: Optional[Callable[[bytes], None]] = None,
     ) -> tuple[LeanResponse, bool]:
         reader, writer = conn
         writer.write(request)
@@ -119,19 +131,22 @@ class LeanClient:
                 headers[name.strip().lower()] = value.strip()
         try:
             if headers.get("transfer-encoding", "").lower() == "chunked":
-                body = await self._chunked(reader)
-            elif "content-length" in headers:
-                body = await reader.readexactly(int(headers["content-length"]))
-            else:  # HTTP/1.1 without a length: the body runs to the close
-                body = await reader.read()
-                headers["connection"] = "close"
+                body = await self._chunked(reader, on_chunk)
+            else:
+                if "content-length" in headers:
+                    body = await reader.readexactly(int(headers["content-length"]))
+                else:  # HTTP/1.1 without a length: the body runs to the close
+                    body = await reader.read()
+                    headers["connection"] = "close"
+                if on_chunk is not None and body:
+                    on_chunk(body)
         except (asyncio.IncompleteReadError, ValueError) as e:
             raise LeanHttpError("malformed", f"body: {e}") from None
         keep = headers.get("connection", "").lower() != "close" and parts[0] == "HTTP/1.1"
         return LeanResponse(int(parts[1]), headers, body), keep
 
     @staticmethod
-    async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    async def _chunked(reader: asyncio.StreamReader, on_chunk: Optional[Callable[[bytes], None]] = None) -> bytes:
         out = bytearray()
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
@@ -139,8 +154,10 @@ class LeanClient:
                 while (await reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, then the blank line
                     pass
                 return bytes(out)
-            out += await reader.readexactly(size + 2)
-            del out[-2:]
+            chunk = (await reader.readexactly(size + 2))[:-2]
+            out += chunk
+            if on_chunk is not None:
+                on_chunk(chunk)
 
     def _close(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
         writer = conn[1]

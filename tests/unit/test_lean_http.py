@@ -32,6 +32,8 @@ class Server:
         # /slow answers only once the test sets this: "slow" is as long as the test says,
         # with no real wait.
         self.release_slow = asyncio.Event()
+        # /stream sends its second chunk only once the test sets this.
+        self.release_stream = asyncio.Event()
         self._server: asyncio.base_events.Server | None = None
 
     async def __aenter__(self) -> "Server":
@@ -61,6 +63,11 @@ class Server:
                         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
                         b'5\r\n{"tex\r\n9;ext=1\r\nt": "hi"}\r\n0\r\n\r\n'
                     )
+                elif path == "/stream":
+                    writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\ndata:1\r\n")
+                    await writer.drain()
+                    await self.release_stream.wait()
+                    writer.write(b"6\r\ndata:2\r\n0\r\n\r\n")
                 elif path == "/close":
                     writer.write(
                         b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
@@ -105,6 +112,20 @@ async def test_decodes_a_chunked_answer_with_extensions():
         assert r.status == 200 and r.json() == {"text": "hi"}
         assert (await c.post_json("/echo", 1)).json() == {"echo": 1}
         assert srv.connections == 1  # the chunked answer was read to its end, so the connection was reusable
+
+
+async def test_each_chunk_is_handed_over_as_it_arrives_before_the_answer_ends():
+    async with Server() as srv, LeanClient("127.0.0.1", srv.port) as c:
+        seen: list[bytes] = []
+        post = asyncio.ensure_future(c.post_json("/stream", {}, on_chunk=seen.append))
+        await until(lambda: seen == [b"data:1"], "the first chunk, while the answer is still open")
+        assert not post.done()
+        srv.release_stream.set()
+        r = await post
+        assert seen == [b"data:1", b"data:2"] and r.status == 200 and r.body == b"data:1data:2"
+        sized: list[bytes] = []
+        assert (await c.post_json("/echo", 5, on_chunk=sized.append)).json() == {"echo": 5}
+        assert sized == [b'{"echo": 5}']  # a sized body: one piece
 
 
 async def test_connection_close_is_honoured_and_the_next_request_opens_a_new_one():
