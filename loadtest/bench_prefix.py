@@ -22,17 +22,23 @@ working set is twice one replica's cache), and Ballast's ``max_num_seqs`` and
 memory, is refused on a host that runs anything else).
 
 Workload (``WorkloadSpec``, seeded; the same requests for every row): ``TENANTS`` tenants, each
-with a system prompt of its own (``--system-words`` words, about 320 tokens); per tenant
-``--users-per-tenant`` closed-loop users, each in a conversation of ``--turns`` turns. A turn's
-messages are the system prompt, every earlier turn (its user message and the answer the model
-gave: a chat client resends its history) and a new user message; after the last turn a new
-conversation starts with the same system prompt. Requests go to ``POST /v1/chat/completions``:
-both fronts render the model's own chat template (ray.serve.llm through vLLM, Ballast through the
-tokenizer), which is what a chat client relies on; each row prints the prompt tokens its answers
-reported (``stream_options.include_usage``), so a difference in rendering would show. Streamed,
-greedy, ``--max-tokens`` with ``ignore_eos`` (every answer the same length). Ballast gets one API
-key per tenant; ray.serve.llm the same bodies with no key. A refused or failed turn is sent again
-after ``RETRY_PAUSE_S`` (the conversation goes on only with an answer). Loopback only.
+with a system prompt of its own (``system_words`` words of the demo tokenizer's corpus, about 300
+tokens); per tenant ``--users-per-tenant`` closed-loop users, each in a conversation of ``--turns``
+turns and pausing ``--think-ms`` after each answer (default ``THINK_MS``: on this host the load is
+then about 60 % of what back-to-back users get, so that TTFT reads prefill and scheduling more than
+a queue; 0: back to back). A turn's messages are the system prompt, every earlier turn (its user
+message and the answer the model gave: a chat client resends its history) and a new user message;
+after the last turn a new conversation starts with the same system prompt. The working set
+(``working_set_blocks``) and the hit rate a perfect router with an unbounded cache would get
+(``hit_ceiling``) are printed first, counted with the model's tokenizer and chat template.
+
+Requests go to ``POST /v1/chat/completions``: both fronts render the model's own chat template
+(ray.serve.llm through vLLM, Ballast through the tokenizer), which is what a chat client relies
+on; each row prints the prompt tokens its answers reported (``stream_options.include_usage``) and
+tenant 0's first turn, so a difference in rendering would show. Streamed, greedy,
+``--max-tokens`` with ``ignore_eos`` (every answer the same length). Ballast gets one API key per
+tenant; ray.serve.llm the same bodies with no key. A refused or failed turn is sent again after
+``RETRY_PAUSE_S`` (the conversation goes on only with an answer). Loopback only.
 
 Per row: start the stack and wait for it to answer; warm up (``--warmup-s``, the users starting
 staggered over its first half); let every user finish its turn and the counters settle
@@ -56,6 +62,11 @@ Figures per row (``Figures``):
 - ``max_over_mean``: the replica given the most prefill work (its prompt tokens looked up: its
   queries counter's difference) over the replicas' mean.
 
+Beside them: answers per second, the prompt tokens per answer as the stack reported them, errors
+by code, each replica's queries, and Ballast's degradation level over the span (its ``/v1/status``
+every 0.5 s; at a level whose settings turn streaming off, the first content comes with the whole
+answer, which TTFT then measures).
+
 A figure whose counters could not be read prints as ``nan``, with the reason in the table. The
 report ends with the targets (informational) and one line per row a script can read::
 
@@ -70,6 +81,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import random
@@ -104,6 +116,7 @@ VLLM_HITS = "ray_vllm_prefix_cache_hits"
 LLM_NUM_CPUS = 16  # logical, for ray.serve.llm's placement groups and ingress
 CLIENT_TIMEOUT_S = 30.0  # the longest one request is waited for
 RETRY_PAUSE_S = 0.5  # a user's pause after a refused or failed turn
+THINK_MS = 3000.0  # a user's pause after an answer: the load is then ~60 % of what back-to-back users get here
 READY_MAX_S = 300.0  # the longest a stack is waited for after its deploy returned
 SETTLE_MAX_S = 60.0  # the longest read_settled waits for the counters to stop moving
 BALLAST_QUIET_S = 2.0  # replicas report every 0.5 s
@@ -128,7 +141,7 @@ class WorkloadSpec:
     tenants: int = TENANTS
     users_per_tenant: int = 2
     turns: int = 4  # per conversation, then a new one
-    system_words: int = 115  # ~320 tokens of the demo tokenizer
+    system_words: int = 115  # ~300 tokens of the demo tokenizer
     user_words: int = 14  # ~40 tokens
     seed: int = 7
 
@@ -205,6 +218,26 @@ def working_set_blocks(
             conv.answered("")
         total += shared + spec.users_per_tenant * sum(private) / len(private)
     return total
+
+
+def hit_ceiling(
+    spec: WorkloadSpec, count: Callable[[list[dict[str, str]]], int], answer_tokens: int, block_size: int
+) -> float:
+    """The hit rate with a cache that never evicts and every turn on the replica of its last:
+    the first turn finds its system prompt's full blocks, each later turn the full blocks of the
+    turn before's prompt (its answer not counted: vLLM caches the tokens it generated, which the
+    answer's text need not tokenize back to). Prompts as in ``working_set_blocks``."""
+    found = looked_up = 0
+    for tenant in range(spec.tenants):
+        conv = Conversation(spec, tenant, 0)
+        cached = count(conv.messages()[:1])
+        for turn in range(spec.turns):
+            tokens = count(conv.messages()) + turn * answer_tokens
+            found += cached // block_size * block_size
+            looked_up += tokens
+            cached = tokens
+            conv.answered("")
+    return found / looked_up
 
 
 def default_kv_blocks(working_set: float, context: int, block_size: int) -> int:
@@ -349,8 +382,12 @@ class RowResult:
     outcomes: list[Outcome] = field(default_factory=list)
     deltas: Optional[Counters] = None  # None: the counters could not be read
     note: str = ""  # why a figure is missing, or what else the run showed
-    max_level: Optional[int] = None  # Ballast: the highest degradation level seen in the span
+    levels: dict[int, int] = field(default_factory=dict)  # Ballast: /v1/status samples at each level
     error: Optional[str] = None
+
+    @property
+    def max_level(self) -> Optional[int]:
+        return max(self.levels) if self.levels else None
 
     def ttfts_ms(self) -> list[float]:
         return [o.ttft_ms for o in self.outcomes if o.ok and o.ttft_ms is not None]
@@ -467,6 +504,19 @@ def prometheus_counters(text: str, queries: str = VLLM_QUERIES, hits: str = VLLM
                 pair = sums.setdefault(sample.labels.get("ReplicaId", ""), [0.0, 0.0])
                 pair[0 if name == queries else 1] += sample.value
     return {replica: (int(q), int(h)) for replica, (q, h) in sums.items()}
+
+
+def counter_series(text: str, names: tuple[str, ...] = (VLLM_QUERIES, VLLM_HITS)) -> list[str]:
+    """The series of ``names`` in a Prometheus text export as ``sample_name{label,...}`` (label
+    names only): what the counters were found as."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = set()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.removesuffix("_total") in names:
+                found.add(f"{sample.name}{{{','.join(sorted(sample.labels))}}}")
+    return sorted(found)
 
 
 Reader = Callable[[], Awaitable[Optional[Counters]]]
@@ -654,6 +704,7 @@ class Plan:
     model_dir: str
     engine_kwargs: dict[str, Any]
     working_set_blocks: float
+    hit_ceiling_ratio: float
     kv_blocks: int
     ballast_cfgs: dict[str, Any]  # per Ballast row
 
@@ -679,7 +730,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     from ballast.config import load_config
 
     spec = WorkloadSpec(users_per_tenant=args.users_per_tenant, turns=args.turns, seed=args.seed)
-    ws = working_set_blocks(spec, chat_token_counter(args.vllm_model), args.max_tokens, BLOCK_SIZE)
+    count = chat_token_counter(args.vllm_model)
+    ws = working_set_blocks(spec, count, args.max_tokens, BLOCK_SIZE)
+    ceiling = hit_ceiling(spec, count, args.max_tokens, BLOCK_SIZE)
     kv = args.kv_blocks or default_kv_blocks(ws, CONTEXT, BLOCK_SIZE)
     base = load_config(ballast_data(args.config, args.vllm_model, None, False, spec.tenants)).model
     kwargs = prefix_engine_kwargs(str(base.path), kv, base.max_batch_size)
@@ -687,7 +740,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         row: load_config(ballast_data(args.config, args.vllm_model, kwargs, affinity, spec.tenants))
         for row, affinity in PREFIX_AFFINITY.items()
     }
-    return Plan(args, spec, base.name, str(base.path), kwargs, ws, kv, cfgs)
+    return Plan(args, spec, base.name, str(base.path), kwargs, ws, ceiling, kv, cfgs)
 
 
 @dataclass(frozen=True)
@@ -700,6 +753,7 @@ class Probe:
     source: str  # where the counters come from, in words
     status_url: Optional[str] = None  # Ballast's /v1/status, sampled for its level
     admin: dict[str, str] = field(default_factory=dict)
+    metrics_url: Optional[str] = None  # Ray's metrics export, where the counters come from it
 
 
 def _wait_ready(url: str, headers: dict[str, str], max_s: float = READY_MAX_S) -> None:
@@ -752,7 +806,8 @@ def _start_serve_llm(plan: Plan) -> Probe:
         Target("127.0.0.1", PORT, "/v1/chat/completions", plan.model_name),
         http_reader(metrics_url, {}, prometheus_counters, False),
         LLM_QUIET_S,
-        f"Ray's metrics export ({metrics_url}: {VLLM_QUERIES}_total, {VLLM_HITS}_total)",
+        f"Ray's metrics export ({metrics_url})",
+        metrics_url=metrics_url,
     )
 
 
@@ -778,7 +833,6 @@ def row_session(name: str, plan: Plan) -> Iterator[Probe]:
 
     saved = dict(os.environ)
     llm = name not in PREFIX_AFFINITY
-    _row_env(name, plan)
     extra: dict[str, Any] = {}
     if llm:  # vLLM's counters reach Ray's export every second; its placement groups need logical CPUs
         extra = {
@@ -786,16 +840,19 @@ def row_session(name: str, plan: Plan) -> Iterator[Probe]:
             "_metrics_export_port": METRICS_PORT,
             "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
         }
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False, **extra)
     try:
-        yield _start_serve_llm(plan) if llm else _start_ballast(name, plan)
-    finally:
+        _row_env(name, plan)
+        ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False, **extra)
         try:
-            _stop(name, plan)
+            yield _start_serve_llm(plan) if llm else _start_ballast(name, plan)
         finally:
-            ray.shutdown()
-            os.environ.clear()
-            os.environ.update(saved)
+            try:
+                _stop(name, plan)
+            finally:
+                ray.shutdown()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _stop(name: str, plan: Plan) -> None:
@@ -819,6 +876,7 @@ async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
     stagger_s = args.warmup_s / 2 / len(convs)
     warm = await drive(probe.target, convs, args.warmup_s, args.max_tokens, stagger_s, think_s)
     print(f"  {name}: warm-up {sum(o.ok for o in warm)} answers, {_codes(warm)}", flush=True)
+    print(f"  {name}: tenant 0's first turn: {await sample_turn(probe.target, plan)}", flush=True)
     before = await read_settled(probe.read, probe.quiet_s)
     trace: list[dict[str, Any]] = []
     sampler = asyncio.create_task(sample_status(probe.status_url, probe.admin, trace)) if probe.status_url else None
@@ -828,14 +886,35 @@ async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
         if sampler is not None:
             sampler.cancel()
     after = await read_settled(probe.read, probe.quiet_s)
+    if probe.metrics_url is not None:
+        print(f"  {name}: counters found as {await _series(probe.metrics_url) or 'nothing'}", flush=True)
     result = RowResult(name, args.duration_s, outcomes)
     if before is None or not after:
         result.note = f"vLLM's prefix-cache counters not found in {probe.source}: hit and max_over_mean not measured"
     else:
         result.deltas = counter_deltas(before, after)
-    levels = [int(t["level"]) for t in trace if isinstance(t.get("level"), int)]
-    result.max_level = max(levels) if levels else None
+    for t in trace:
+        if isinstance(t.get("level"), int):
+            result.levels[t["level"]] = result.levels.get(t["level"], 0) + 1
     return result
+
+
+async def sample_turn(target: Target, plan: Plan) -> str:
+    """The first turn of tenant 0's first conversation, sent once more: the prompt tokens the stack
+    reports and the answer's start, for the rows' renderings and answers to be compared."""
+    async with LeanClient(target.host, target.port, max_connections=1, timeout_s=CLIENT_TIMEOUT_S) as c:
+        out, text = await one_turn(c, target, Conversation(plan.spec, 0, 0), plan.args.max_tokens, time.perf_counter)
+    return f"prompt_tokens={out.prompt_tokens}, answer {text[:40]!r}... ({out.code})"
+
+
+async def _series(url: str) -> str:
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=5.0) as c:
+            return ", ".join(counter_series((await c.get(url)).text))
+    except (httpx.HTTPError, ValueError) as e:
+        return f"(not read: {e})"
 
 
 def run_row(name: str, plan: Plan) -> RowResult:
@@ -870,7 +949,9 @@ def print_plan(plan: Plan) -> None:
         f"workload: {spec.tenants} tenants x {spec.users_per_tenant} users, {spec.turns} turns a conversation, "
         f"max_tokens {plan.args.max_tokens}, seed {spec.seed}; working set {ws:.0f} blocks of {BLOCK_SIZE} tokens; "
         f"KV cache {plan.kv_blocks} blocks per replica x {MODEL_REPLICAS} replicas "
-        f"(working set / one replica's cache = {ws / plan.kv_blocks:.2f})",
+        f"(working set / one replica's cache = {ws / plan.kv_blocks:.2f}); users pause {plan.args.think_ms:g} ms "
+        f"after an answer; hit ceiling {plan.hit_ceiling_ratio:.3f} (a cache that never evicts, each turn on the "
+        "replica of the turn before)",
         flush=True,
     )
 
@@ -894,6 +975,10 @@ def print_table(results: dict[str, RowResult], ttft_slo_ms: float) -> None:
             f"{(sum(prompts) / len(prompts) if prompts else float('nan')):>10.0f} "
             f"{'-' if r.max_level is None else r.max_level:>5}  {per_replica}; {_codes(r.outcomes)}"
         )
+        if r.levels:
+            n = sum(r.levels.values())
+            shares = ", ".join(f"{lv}: {k / n:.0%}" for lv, k in sorted(r.levels.items()))
+            print(f"{'':<17} Ballast's level over the span (its /v1/status every 0.5 s): {shares}")
         if r.note:
             print(f"{'':<17} {r.note}")
     print(
@@ -953,7 +1038,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--users-per-tenant", type=_bounded(int, 1, 64), default=2)
     p.add_argument("--turns", type=_bounded(int, 1, 16), default=4, help="per conversation")
     p.add_argument("--max-tokens", type=_bounded(int, 1, 256), default=24)
-    p.add_argument("--think-ms", type=_bounded(float, 0, 60000), default=0.0, help="a user's pause after an answer")
+    p.add_argument(
+        "--think-ms",
+        type=_bounded(float, 0, 60000),
+        default=THINK_MS,
+        help="a user's pause after an answer (0: back to back, every row saturated)",
+    )
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.vllm_model, "config.json")):
@@ -965,6 +1055,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """The plan, each row in turn, then the table, the targets and the summary lines; 1 where a
     row did not run."""
     args = parse_args(argv)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per counter read in Ray's log format
     plan = make_plan(args)
     print_plan(plan)
     results: dict[str, RowResult] = {}

@@ -18,6 +18,8 @@ from loadtest.bench_prefix import (
     chat_body,
     conversations,
     counter_deltas,
+    counter_series,
+    hit_ceiling,
     default_kv_blocks,
     hit_ratio,
     max_over_mean,
@@ -93,6 +95,18 @@ def test_the_working_set_counts_shared_system_blocks_once_and_each_users_convers
     # the user's. Per tenant: 2 + 3 users x (2 + 7) / 2 = 15.5.
     assert working_set_blocks(spec, count, 32, 32) == pytest.approx(31.0)
     assert working_set_blocks(spec, count, 0, 32) == pytest.approx(2 * (2 + 3 * (2 + 6) / 2))
+
+
+def test_the_hit_ceiling_finds_each_turns_earlier_full_blocks():
+    spec = WorkloadSpec(tenants=2, users_per_tenant=3, turns=2)
+
+    def count(messages):
+        return 64 * len(messages)
+
+    # Turn 1: 128 tokens, the system prompt's 64 found. Turn 2: 256 + 32, turn 1's 128 found.
+    assert hit_ceiling(spec, count, 32, 32) == pytest.approx((64 + 128) / (128 + 288))
+    # Only full blocks are found: 64 tokens are one block of 48 and a part.
+    assert hit_ceiling(spec, count, 32, 48) == pytest.approx((48 + 96) / (128 + 288))
 
 
 def test_one_replicas_cache_is_half_the_working_set_and_holds_a_full_context():
@@ -176,8 +190,9 @@ def test_the_figures_of_a_span():
     assert f.hit_ratio == pytest.approx(0.75) and f.max_over_mean == pytest.approx(1.5)
     missing = RowResult("x", duration_s=10.0, outcomes=outcomes).figures(1000.0)  # counters not read
     assert math.isnan(missing.hit_ratio) and math.isnan(missing.max_over_mean) and missing.slo_rps > 0
-    failed = RowResult("x", error="did not start: boom").figures(1000.0)
-    assert all(math.isnan(v) for v in vars(failed).values())
+    failed = RowResult("x", error="did not start: boom")
+    assert all(math.isnan(v) for v in vars(failed.figures(1000.0)).values())
+    assert failed.max_level is None and RowResult("x", levels={0: 40, 2: 3, 1: 7}).max_level == 2
 
 
 def test_the_summary_line_has_one_form_for_scripts():
@@ -217,6 +232,10 @@ def test_ray_metrics_are_read_per_replica_with_or_without_total():
         ]
     )
     assert prometheus_counters(text) == {"a": (1200, 600), "b": (900, 0)}
+    assert counter_series(text) == [
+        "ray_vllm_prefix_cache_hits_total{ReplicaId,WorkerId,engine}",
+        "ray_vllm_prefix_cache_queries_total{ReplicaId,WorkerId,engine}",
+    ]
     assert prometheus_counters("# nothing here\n") == {}
 
 
