@@ -383,6 +383,7 @@ class RowResult:
     deltas: Optional[Counters] = None  # None: the counters could not be read
     note: str = ""  # why a figure is missing, or what else the run showed
     levels: dict[int, int] = field(default_factory=dict)  # Ballast: /v1/status samples at each level
+    reasons: dict[str, tuple[int, str]] = field(default_factory=dict)  # its level's reason: kind -> (samples, last)
     error: Optional[str] = None
 
     @property
@@ -893,10 +894,25 @@ async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
         result.note = f"vLLM's prefix-cache counters not found in {probe.source}: hit and max_over_mean not measured"
     else:
         result.deltas = counter_deltas(before, after)
+    result.levels, result.reasons = level_summary(trace)
+    return result
+
+
+def level_summary(trace: list[dict[str, Any]]) -> tuple[dict[int, int], dict[str, tuple[int, str]]]:
+    """Ballast's ``/v1/status`` samples: how many at each level, and per kind of the controller's
+    reason (its words without the numbers, ``reason_kind``) how many and the last in full."""
+    from loadtest.bench_overload import reason_kind
+
+    levels: dict[int, int] = {}
+    reasons: dict[str, tuple[int, str]] = {}
     for t in trace:
         if isinstance(t.get("level"), int):
-            result.levels[t["level"]] = result.levels.get(t["level"], 0) + 1
-    return result
+            levels[t["level"]] = levels.get(t["level"], 0) + 1
+        reason = (t.get("snapshot") or {}).get("reason")
+        if isinstance(reason, str):
+            kind = reason_kind(reason) or reason
+            reasons[kind] = (reasons.get(kind, (0, ""))[0] + 1, reason)
+    return levels, reasons
 
 
 async def sample_turn(target: Target, plan: Plan) -> str:
@@ -951,7 +967,7 @@ def print_plan(plan: Plan) -> None:
         f"KV cache {plan.kv_blocks} blocks per replica x {MODEL_REPLICAS} replicas "
         f"(working set / one replica's cache = {ws / plan.kv_blocks:.2f}); users pause {plan.args.think_ms:g} ms "
         f"after an answer; hit ceiling {plan.hit_ceiling_ratio:.3f} (a cache that never evicts, each turn on the "
-        "replica of the turn before)",
+        "replica of the turn before; answers not counted)",
         flush=True,
     )
 
@@ -979,6 +995,9 @@ def print_table(results: dict[str, RowResult], ttft_slo_ms: float) -> None:
             n = sum(r.levels.values())
             shares = ", ".join(f"{lv}: {k / n:.0%}" for lv, k in sorted(r.levels.items()))
             print(f"{'':<17} Ballast's level over the span (its /v1/status every 0.5 s): {shares}")
+        if r.reasons:
+            kind, (k, last) = max(r.reasons.items(), key=lambda kv: kv[1][0])
+            print(f"{'':<17} its most frequent reason ({k / sum(c for c, _ in r.reasons.values()):.0%}): {last}")
         if r.note:
             print(f"{'':<17} {r.note}")
     print(

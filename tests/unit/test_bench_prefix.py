@@ -22,6 +22,7 @@ from loadtest.bench_prefix import (
     hit_ceiling,
     default_kv_blocks,
     hit_ratio,
+    level_summary,
     max_over_mean,
     parse_args,
     prometheus_counters,
@@ -193,6 +194,21 @@ def test_the_figures_of_a_span():
     failed = RowResult("x", error="did not start: boom")
     assert all(math.isnan(v) for v in vars(failed.figures(1000.0)).values())
     assert failed.max_level is None and RowResult("x", levels={0: 40, 2: 3, 1: 7}).max_level == 2
+
+
+def test_ballasts_levels_and_reasons_are_counted_from_its_status_samples():
+    trace = [
+        {"level": 0, "snapshot": {"reason": "hold 0: queue_wait_ms=120<250"}},
+        {"level": 1, "snapshot": {"reason": "up 0->1: queue_wait_ms=300>=250"}},
+        {"level": 2, "snapshot": {"reason": "up 1->2: queue_wait_ms=650>=500"}},
+        {"level": 2, "snapshot": {"reason": "up 1->2: queue_wait_ms=700>=500"}},
+        {"level": 2, "snapshot": None},
+        {"_t": 3.0},  # a failed read leaves no level
+    ]
+    levels, reasons = level_summary(trace)
+    assert levels == {0: 1, 1: 1, 2: 3}
+    assert reasons["up 1->2: queue_wait_ms"] == (2, "up 1->2: queue_wait_ms=700>=500")
+    assert sum(k for k, _ in reasons.values()) == 4
 
 
 def test_the_summary_line_has_one_form_for_scripts():
