@@ -41,11 +41,12 @@ tenant; ray.serve.llm the same bodies with no key. A refused or failed turn is s
 ``RETRY_PAUSE_S`` (the conversation goes on only with an answer). Loopback only.
 
 Per row: start the stack and wait for it to answer; warm up (``--warmup-s``, the users starting
-staggered over its first half); let every user finish its turn and the counters settle
-(``read_settled``), read them; run the users for ``--duration-s`` (a turn started in the span runs
-to its end, each bounded by ``CLIENT_TIMEOUT_S``); settle and read again. Conversations carry on
-from the warm-up into the span, the caches warm; the counters' difference covers exactly the
-span's requests.
+staggered over its first half); let every user finish its turn, Ballast step down to level 0
+(``settle_level``: the warm-up's cold start raises it, and it steps down one level a stable
+window) and the counters settle (``read_settled``), read them; run the users for ``--duration-s``
+(a turn started in the span runs to its end, each bounded by ``CLIENT_TIMEOUT_S``); settle and
+read again. Conversations carry on from the warm-up into the span, the caches warm; the counters'
+difference covers exactly the span's requests.
 
 Figures per row (``Figures``):
 
@@ -119,6 +120,7 @@ RETRY_PAUSE_S = 0.5  # a user's pause after a refused or failed turn
 THINK_MS = 3000.0  # a user's pause after an answer: the load is then ~60 % of what back-to-back users get here
 READY_MAX_S = 300.0  # the longest a stack is waited for after its deploy returned
 SETTLE_MAX_S = 60.0  # the longest read_settled waits for the counters to stop moving
+LEVEL_SETTLE_MAX_S = 150.0  # the longest Ballast is given to step down to level 0 before the span
 BALLAST_QUIET_S = 2.0  # replicas report every 0.5 s
 LLM_QUIET_S = 4.0  # Ray exports each second (METRICS_REPORT_INTERVAL_MS)
 
@@ -878,6 +880,8 @@ async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
     warm = await drive(probe.target, convs, args.warmup_s, args.max_tokens, stagger_s, think_s)
     print(f"  {name}: warm-up {sum(o.ok for o in warm)} answers, {_codes(warm)}", flush=True)
     print(f"  {name}: tenant 0's first turn: {await sample_turn(probe.target, plan)}", flush=True)
+    if probe.status_url is not None:
+        print(f"  {name}: {await settle_level(probe.status_url, probe.admin)}", flush=True)
     before = await read_settled(probe.read, probe.quiet_s)
     trace: list[dict[str, Any]] = []
     sampler = asyncio.create_task(sample_status(probe.status_url, probe.admin, trace)) if probe.status_url else None
@@ -896,6 +900,26 @@ async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
         result.deltas = counter_deltas(before, after)
     result.levels, result.reasons = level_summary(trace)
     return result
+
+
+async def settle_level(url: str, admin: dict[str, str], max_s: float = LEVEL_SETTLE_MAX_S) -> str:
+    """Wait, with no traffic, until Ballast's ``/v1/status`` says level 0 (it steps down one level a
+    stable window), at most ``max_s``: the span starts from a stack at rest, as the overload
+    benchmark's phases do, its caches as the warm-up left them. Says how it went."""
+    import httpx
+
+    t0 = time.monotonic()
+    level: Any = None
+    async with httpx.AsyncClient(timeout=5.0) as c:
+        while time.monotonic() - t0 < max_s:
+            try:
+                level = (await c.get(url, headers=admin)).json().get("level")
+            except (httpx.HTTPError, ValueError, AttributeError):
+                level = None
+            if level == 0:
+                return f"level 0 after {time.monotonic() - t0:.0f} s at rest"
+            await asyncio.sleep(1.0)
+    return f"still level {level} after {max_s:g} s at rest: the span starts there"
 
 
 def level_summary(trace: list[dict[str, Any]]) -> tuple[dict[int, int], dict[str, tuple[int, str]]]:
@@ -995,9 +1019,9 @@ def print_table(results: dict[str, RowResult], ttft_slo_ms: float) -> None:
             n = sum(r.levels.values())
             shares = ", ".join(f"{lv}: {k / n:.0%}" for lv, k in sorted(r.levels.items()))
             print(f"{'':<17} Ballast's level over the span (its /v1/status every 0.5 s): {shares}")
-        if r.reasons:
-            kind, (k, last) = max(r.reasons.items(), key=lambda kv: kv[1][0])
-            print(f"{'':<17} its most frequent reason ({k / sum(c for c, _ in r.reasons.values()):.0%}): {last}")
+        total = sum(c for c, _ in r.reasons.values())
+        for _, (k, last) in sorted(r.reasons.items(), key=lambda kv: -kv[1][0])[:3]:
+            print(f"{'':<17} reason in {k / total:.0%} of the samples, the last: {last}")
         if r.note:
             print(f"{'':<17} {r.note}")
     print(
