@@ -62,6 +62,7 @@ from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
 from ballast.model.niceness import pin_to_cores, yield_cpu_to, yield_this_thread_to
 from ballast.model.ranks import prepare_ranks
 from ballast.model.routing import replica_routing_stats, request_router_config
+from ballast.policies.prefix_cache import PrefixReport
 from ballast.control.snapshot import Snapshot
 
 __all__ = [
@@ -283,9 +284,15 @@ class ModelServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         # Serve polls this and hands it to the request router (ballast.model.routing):
-        # readiness, and the adapters this replica holds (affinity).
+        # readiness, and what this replica holds (affinity): adapters, prompt blocks.
         ready = self._ready and self._draining() is None and self._engine_lost() is None
-        return replica_routing_stats(ready, self._adapter_holdings(), time.time())
+        now_s = time.time()
+        return replica_routing_stats(ready, self._adapter_holdings(), now_s, self._prefix_report(now_s))
+
+    def _prefix_report(self, now_s: float) -> Optional[PrefixReport]:
+        """The blocks the engine's prefix cache holds (vLLM with prefix affinity on); else None."""
+        report = getattr(self._backend, "prefix_report", None)
+        return report(now_s) if report is not None else None
 
     def _adapter_holdings(self) -> AdapterHoldings:
         """The adapters in this engine's LoRA slots as the calls it ran say (the mirror of
@@ -352,8 +359,12 @@ class ModelServer:
         stats = getattr(self._backend, "stats", None)
         if stats is None:
             return {}
-        s = stats()
-        return {"prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits}
+        s, held = stats(), self._prefix_report(time.time())
+        return {
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_blocks": held.held_blocks if held is not None else None,
+        }
 
     def _report(self) -> ReplicaReport:
         """This replica's report to the controller (every report interval)."""
@@ -467,7 +478,7 @@ def model_deployment(cfg: BallastConfig, model: Optional[str] = None):
             cfg.http.access_log,
             placement=cfg.placement_of(name),
             autoscaling_config=autoscaling_config(cfg, name),
-            request_router_config=request_router_config(cfg.watchdog.interval_s),
+            request_router_config=request_router_config(cfg.watchdog.interval_s, cfg.served_model(name).routing, name),
             health_check_period_s=d.health_check_period_s,
             health_check_timeout_s=d.health_check_timeout_s,
             graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
@@ -489,7 +500,9 @@ def fallback_deployment(cfg: BallastConfig, model: Optional[str] = None):
             cfg.http.access_log,
             placement=cfg.fallback_placement_of(name),
             num_replicas=fallback.deployment.replicas,
-            request_router_config=request_router_config(cfg.watchdog.interval_s),
+            request_router_config=request_router_config(
+                cfg.watchdog.interval_s, fallback.model.routing, fallback.model.name
+            ),
             health_check_period_s=m.health_check_period_s,
             health_check_timeout_s=m.health_check_timeout_s,
             graceful_shutdown_timeout_s=m.graceful_shutdown_timeout_s,
