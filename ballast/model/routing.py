@@ -53,6 +53,7 @@ the same paths Serve's default uses, and ray is pinned in constraints.txt.
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any, List, Optional
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -68,6 +69,7 @@ from ballast.policies.affinity import (
 )
 from ballast.policies.holdings import AdapterHoldings, AdapterReport, fleet_demand
 from ballast.policies.prefix_cache import PrefixReport, block_keys, home_score, matched_blocks
+from ballast.policies.reports import ROUTE_REASONS
 
 ROUTER_PATH = "ballast.model.routing:ReadinessAwareRouter"
 #: A report stamped longer ago than this (three of the replicas' 5 s stamps) is stale.
@@ -138,7 +140,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         ready = [r for r in candidate_replicas if is_ready(r.routing_stats)]
         call = call_of(pending_request)
         if call is not None and ready and call.route != "balance":
-            ranked = self._by_what_they_hold(ready, call)
+            ranked = await self._by_what_they_hold(ready, call)
             if ranked is not None:
                 return ranked
         self._count("balance")
@@ -147,14 +149,14 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         # Two random ready candidates; Serve then probes both and takes the shorter queue.
         return [random.sample(ready, min(2, len(ready)))]
 
-    def _by_what_they_hold(self, ready: List[Any], call: ModelCall) -> Optional[List[List[Any]]]:
+    async def _by_what_they_hold(self, ready: List[Any], call: ModelCall) -> Optional[List[List[Any]]]:
         """The prompt's blocks first; a prompt no replica holds yet goes where its adapter
         is (a call naming one), else to its home; None when a view is missing."""
-        by_prefix = self._rank_by_prefix(ready, call) if self.prefix_affinity else None
+        by_prefix = await self._rank_by_prefix(ready, call) if self.prefix_affinity else None
         if by_prefix is not None and (by_prefix[0] == "prefix" or call.adapter is None):
             self._count(by_prefix[0])
             return by_prefix[1]
-        by_adapter = self._rank_for_adapter(ready, call.adapter) if call.adapter else None
+        by_adapter = await self._rank_for_adapter(ready, call.adapter) if call.adapter else None
         if by_adapter is not None:
             self._count("adapter")
             return by_adapter
@@ -167,18 +169,31 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         if self._decisions is not None:
             self._decisions.inc(reason)
 
-    def _views(self, ready: List[Any]) -> Optional[list[tuple[Any, int, PrefixReport]]]:
+    async def _loads(self, ready: List[Any]) -> Optional[dict[str, int]]:
+        """Each ready replica's requests in flight, by id, from Serve's queue-length cache;
+        the replicas the cache has no fresh entry for are probed first (affinity sends a
+        replica nothing for a while, and its entry expires). None when one does not answer."""
+        cache = self.replica_queue_len_cache
+        missing = [r for r in ready if cache.get(r.replica_id) is None]
+        if missing:
+            await self._probe_queue_lens(missing, 0)  # fills the cache with the answers
+        loads = {r.replica_id.unique_id: cache.get(r.replica_id) for r in ready}
+        return None if any(load is None for load in loads.values()) else loads
+
+    async def _views(self, ready: List[Any]) -> Optional[list[tuple[Any, int, PrefixReport]]]:
         """(replica, load, prefix report) for every ready replica, random order (random
-        ties); None when one has no fresh report or no cached load."""
+        ties); None when one has no fresh report or no load."""
         now_s = self._get_curr_time_s()  # RequestRouter's clock (its get_curr_time_s argument)
-        cache, views = self.replica_queue_len_cache, []
-        for r in random.sample(ready, len(ready)):
-            report = self._prefix_report_of(r)
-            load = cache.get(r.replica_id)
-            if report is None or load is None or not report.is_fresh(now_s, self.max_report_age_s):
-                return None
-            views.append((r, load, report))
-        return views
+        reports = {r.replica_id.unique_id: self._prefix_report_of(r) for r in ready}
+        if any(rep is None or not rep.is_fresh(now_s, self.max_report_age_s) for rep in reports.values()):
+            return None
+        loads = await self._loads(ready)
+        if loads is None:
+            return None
+        return [
+            (r, loads[r.replica_id.unique_id], reports[r.replica_id.unique_id])
+            for r in random.sample(ready, len(ready))
+        ]
 
     def _prefix_report_of(self, replica: Any) -> Optional[PrefixReport]:
         """The replica's prefix report, decoded once per report (by its stamp)."""
@@ -196,11 +211,11 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         self._decoded[rid] = report
         return report
 
-    def _rank_by_prefix(self, ready: List[Any], call: ModelCall) -> Optional[tuple[str, List[List[Any]]]]:
+    async def _rank_by_prefix(self, ready: List[Any], call: ModelCall) -> Optional[tuple[str, List[List[Any]]]]:
         """(reason, Serve's ranks) by the prompt blocks each ready replica holds
         (``affinity.rank_by_prefix``); None when a view is missing, the replicas' block
         sizes differ, or the prompt is shorter than one block."""
-        views = self._views(ready)
+        views = await self._views(ready)
         if views is None or len({report.block_size for _, _, report in views}) != 1:
             return None
         keys = block_keys(call.prompt_ids, views[0][2].block_size, call.adapter)
@@ -217,26 +232,43 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         ranked = [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]]
         return choice.reason, [group for group in ranked if group]
 
-    def _rank_for_adapter(self, ready: List[Any], adapter: str) -> Optional[List[List[Any]]]:
+    async def _rank_for_adapter(self, ready: List[Any], adapter: str) -> Optional[List[List[Any]]]:
         """The ready replicas by adapter affinity, as Serve's ranks; None when a view is missing."""
         now_s = self._get_curr_time_s()
-        cache = self.replica_queue_len_cache
         views, reports, by_id = [], {}, {}
         for r in random.sample(ready, len(ready)):  # random ties
             report = AdapterReport.of((r.routing_stats or {}).get("adapters"))
-            load = cache.get(r.replica_id)
-            if report is None or load is None or not report.is_fresh(now_s, self.max_report_age_s):
+            if report is None or not report.is_fresh(now_s, self.max_report_age_s):
                 return None
             rid = r.replica_id.unique_id
-            views.append(ReplicaView(rid, load, report.held, report.slots))
             reports[rid], by_id[rid] = report, r
+        loads = await self._loads(ready)
+        if loads is None:
+            return None
+        for rid, report in reports.items():
+            views.append(ReplicaView(rid, loads[rid], report.held, report.slots))
         order = rank(views, adapter, self.affinity, fleet_demand(reports))
         ranked = [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]]
         return [group for group in ranked if group]
 
 
+# Every model's route decisions in this process since it started, by reason: what the
+# router replica's reporter sends the controller (``routed_so_far``). Bounded: the models
+# this process routes to, times ROUTE_REASONS. Written on Serve's routing loop, read on the
+# router's: the lock guards it.
+_ROUTED: dict[str, dict[str, int]] = {}
+_ROUTED_LOCK = threading.Lock()
+
+
+def routed_so_far(model: str) -> dict[str, int]:
+    """Model ``model``'s route decisions made in this process, by reason (a copy)."""
+    with _ROUTED_LOCK:
+        return dict(_ROUTED.get(model, {}))
+
+
 class RouteCounter:
-    """``ballast_route_decisions_total{model, reason}``: how each request was placed."""
+    """``ballast_route_decisions_total{model, reason}``: how each request was placed (and
+    the same counts for ``routed_so_far``)."""
 
     def __init__(self, model: str) -> None:
         from ray.util import metrics
@@ -252,6 +284,9 @@ class RouteCounter:
 
     def inc(self, reason: str) -> None:
         self._counter.inc(1, tags={"model": self._model, "reason": reason})
+        with _ROUTED_LOCK:
+            counts = _ROUTED.setdefault(self._model, dict.fromkeys(ROUTE_REASONS, 0))
+            counts[reason] += 1
 
 
 def request_router_config(stats_period_s: float, routing: Any = None, model: str = "") -> Any:

@@ -41,6 +41,13 @@ class StandInReplica:
         return self.load
 
 
+class SilentReplica(StandInReplica):
+    """A replica whose queue-length probe fails (its actor gone, or too slow to answer)."""
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        raise TimeoutError("no answer")
+
+
 def stats(held: tuple[str, ...], demand: dict[str, int], at_s: float = 100.0, ready: bool = True) -> dict[str, Any]:
     h = AdapterHoldings(slots=2, stamp_s=5.0)
     for adapter, n in demand.items():
@@ -178,10 +185,14 @@ def test_a_missing_load_or_report_falls_back_to_power_of_two() -> None:
         router = await router_with(clock, a, b, loads={"a": 0, "b": 0})
         (pair,) = ids(await router.choose_replicas([a, b], request("sql")))
         assert sorted(pair) == ["a", "b"]
-        c = StandInReplica("c", stats(("chat",), {}))
-        router = await router_with(clock, a, c, loads={"a": 0})  # c's load not cached
-        (pair,) = ids(await router.choose_replicas([a, c], request("sql")))
-        assert sorted(pair) == ["a", "c"]
+        c = StandInReplica("c", stats(("chat",), {}), load=5)
+        router = await router_with(clock, a, c, loads={"a": 0})  # c's load not cached: probed
+        assert ids(await router.choose_replicas([a, c], request("sql"))) == [["a"], ["c"]]
+        assert router.replica_queue_len_cache.get(c.replica_id) == 5
+        d = SilentReplica("d", stats(("chat",), {}))
+        router = await router_with(clock, a, d, loads={"a": 0})  # d's load not cached, and d does not answer
+        (pair,) = ids(await router.choose_replicas([a, d], request("sql")))
+        assert sorted(pair) == ["a", "d"]
 
     asyncio.run(walk())
 
