@@ -110,6 +110,11 @@ class KVEventFeed:
         with self._lock:
             return self._holdings.report(now_s) if self._holdings is not None else None
 
+    def held_blocks(self) -> Optional[int]:
+        """How many blocks the engine holds now; None before ``start``."""
+        with self._lock:
+            return len(self._holdings) if self._holdings is not None else None
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:

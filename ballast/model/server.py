@@ -206,6 +206,13 @@ class ModelServer:
         self._m_prefix_hits = metrics.Gauge(
             "ballast_model_prefix_cache_hit_pct", "Prompt tokens found in vLLM's prefix cache, percent."
         )
+        self._m_prefix_queries_total = metrics.Counter(
+            "ballast_model_prefix_cache_queries_total", "Prompt tokens looked up in vLLM's prefix cache."
+        )
+        self._m_prefix_hits_total = metrics.Counter(
+            "ballast_model_prefix_cache_hits_total", "Prompt tokens found in vLLM's prefix cache."
+        )
+        self._prefix_counted = (0, 0)  # vLLM's (queries, hits) as last added to the counters
         self._m_adapter_failures = metrics.Counter(
             "ballast_model_adapter_load_failures_total",
             "Run-time LoRA adapters this replica could not load from the snapshot (tried again later).",
@@ -359,12 +366,25 @@ class ModelServer:
         stats = getattr(self._backend, "stats", None)
         if stats is None:
             return {}
-        s, held = stats(), self._prefix_report(time.time())
+        s, blocks = stats(), getattr(self._backend, "prefix_blocks", None)
+        self._count_prefix_cache(s.prefix_cache_queries, s.prefix_cache_hits)
         return {
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
-            "prefix_blocks": held.held_blocks if held is not None else None,
+            "prefix_blocks": blocks() if blocks is not None else None,
         }
+
+    def _count_prefix_cache(self, queries: int, hits: int) -> None:
+        """Add what vLLM counted since the last report (its own counters restart with a
+        reset of its cache: then the new counts are all new)."""
+        q0, h0 = self._prefix_counted
+        if queries < q0 or hits < h0:
+            q0 = h0 = 0
+        if queries > q0:
+            self._m_prefix_queries_total.inc(queries - q0)
+        if hits > h0:
+            self._m_prefix_hits_total.inc(hits - h0)
+        self._prefix_counted = (queries, hits)
 
     def _report(self) -> ReplicaReport:
         """This replica's report to the controller (every report interval)."""

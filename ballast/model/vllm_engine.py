@@ -658,6 +658,10 @@ class VLLMBackend:
         None without the feed (prefix caching off, or no ``prefix_report_blocks``)."""
         return self._kv_feed.report(now_s) if self._kv_feed is not None else None
 
+    def prefix_blocks(self) -> Optional[int]:
+        """How many blocks this engine's prefix cache holds, as its KV events say; None without the feed."""
+        return self._kv_feed.held_blocks() if self._kv_feed is not None else None
+
     def stats(self) -> VLLMStats:
         return self._stats.get()
 

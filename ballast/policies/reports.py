@@ -121,8 +121,9 @@ ROUTE_REASONS = ("prefix", "home", "adapter", "balance")
 def _check_routed(name: str, routed: object) -> None:
     if not isinstance(routed, Mapping) or not set(routed) <= set(ROUTE_REASONS):
         raise ValueError(f"{name}: a mapping of {ROUTE_REASONS} to counts, got {routed!r}")
-    for reason, n in routed.items():
-        check_int(f"{name}[{reason!r}]", n, minimum=0)
+    bad = {reason: n for reason, n in routed.items() if isinstance(n, bool) or not isinstance(n, int) or n < 0}
+    if bad:
+        raise ValueError(f"{name}: counts are ints >= 0, got {bad!r}")
 
 
 @dataclass(frozen=True)

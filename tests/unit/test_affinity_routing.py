@@ -18,7 +18,13 @@ from ray.serve._private.request_router.common import PendingRequest
 from fakes import FakeClock
 
 from ballast.model.protocol import ModelCall
-from ballast.model.routing import MAX_REPORT_AGE_S, ReadinessAwareRouter, adapter_of, replica_routing_stats
+from ballast.model.routing import (
+    MAX_REPORT_AGE_S,
+    ReadinessAwareRouter,
+    adapter_of,
+    replica_routing_stats,
+    routed_so_far,
+)
 from ballast.policies.holdings import AdapterHoldings
 from ballast.policies.prefix_cache import PrefixHoldings
 
@@ -320,5 +326,25 @@ def test_the_replica_chosen_for_a_request_serves_that_request() -> None:
             router._pending_requests_by_id[pr.metadata.internal_request_id] = pr
         router._fulfill_next_pending_request(a, newer.metadata)
         assert newer.future.done() and not older.future.done()  # not FIFO: by the request's id
+
+    asyncio.run(walk())
+
+
+def test_each_decision_is_counted_by_reason_for_the_controller() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", prefix_stats(SYSTEM))
+        b = StandInReplica("b", prefix_stats())
+        router = await router_with(clock, a, b, loads={"a": 0, "b": 0})
+        router.initialize_state(model="counted-model", prefix_affinity=True, load_bound_ratio=1.25, min_slack=2)
+        before = routed_so_far("counted-model")
+        await router.choose_replicas([a, b], prompt_request(SYSTEM))  # prefix
+        await router.choose_replicas([a, b], prompt_request(list(range(600, 624))))  # home
+        await router.choose_replicas([a, b], prompt_request(SYSTEM, "balance"))  # balance
+        after = routed_so_far("counted-model")
+        assert {k: after[k] - before.get(k, 0) for k in after} == {"prefix": 1, "home": 1, "adapter": 0, "balance": 1}
+        router.initialize_state(model="counted-model", prefix_affinity=False)
+        await router.choose_replicas([a, b], prompt_request(SYSTEM))  # affinity off: power of two
+        assert routed_so_far("counted-model")["balance"] == after["balance"] + 1
 
     asyncio.run(walk())
