@@ -374,15 +374,7 @@ class VLLMBackend:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"vllm-{name}", daemon=True)
         self._thread.start()
         started = time.monotonic()
-        engine_kwargs = dict(engine_kwargs or {})
-        self._kv_feed = _kv_feed(engine_kwargs, prefix_report_blocks)
-        try:
-            self._llm = self._call(self._start(engine_kwargs), None)
-        except BaseException:
-            self._stop_loop()
-            if self._kv_feed is not None:
-                self._kv_feed.close()
-            raise
+        self._llm = self._launch(dict(engine_kwargs or {}), prefix_report_blocks)
         self.start_s = time.monotonic() - started
         cfg = self._llm.vllm_config
         self.max_seq_len = int(cfg.model_config.max_model_len)
@@ -395,11 +387,24 @@ class VLLMBackend:
         )
         self._load_adapters(adapters or {})
         self._base_adapter()
-        if self._kv_feed is not None and prefix_report_blocks is not None:
-            cache = cfg.cache_config
-            self._kv_feed.start(int(cache.num_gpu_blocks), int(cache.block_size), prefix_report_blocks)
 
     # ---------------------------------------------------------------- start, stop
+
+    def _launch(self, engine_kwargs: dict[str, Any], report_blocks: Optional[int]) -> Any:
+        """The engine, started on the engine loop, and with ``report_blocks`` the feed of its
+        KV-cache events (``_kv_feed``); a failure stops the loop and the feed."""
+        self._kv_feed = _kv_feed(engine_kwargs, report_blocks)
+        try:
+            llm = self._call(self._start(engine_kwargs), None)
+        except BaseException:
+            self._stop_loop()
+            if self._kv_feed is not None:
+                self._kv_feed.close()
+            raise
+        if self._kv_feed is not None and report_blocks is not None:
+            cache = llm.vllm_config.cache_config
+            self._kv_feed.start(int(cache.num_gpu_blocks), int(cache.block_size), report_blocks)
+        return llm
 
     async def _start(self, engine_kwargs: dict[str, Any]) -> Any:
         """The engine config (faults blamed on config.json), then the engine itself."""
