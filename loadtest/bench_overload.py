@@ -681,7 +681,7 @@ def bench_data(path: str, model_replicas: int) -> dict[str, Any]:
     return data
 
 
-def bench_vllm_config(path: str, model_dir: str, model_replicas: int = 1) -> Any:
+def bench_vllm_config(path: str, model_dir: str, model_replicas: int = 1, prefix_affinity: bool = True) -> Any:
     """``bench_config`` with the primary model ``model_dir`` served by vLLM: the engine
     settings both vLLM stacks run with (``vllm_engine_kwargs``, for the config's
     ``max_batch_size`` rows), and a watchdog memory limit that fits the replica, vLLM's
@@ -689,6 +689,7 @@ def bench_vllm_config(path: str, model_dir: str, model_replicas: int = 1) -> Any
     from ballast.config import load_config, with_model_dir
 
     data = with_model_dir(bench_data(path, model_replicas), model_dir, "vllm")
+    data["model"].setdefault("routing", {})["prefix_affinity"] = prefix_affinity
     data.setdefault("watchdog", {})["rss_limit_mb"] = VLLM_RSS_LIMIT_MB
     m = load_config(data).model
     data["model"]["engine_kwargs"] = vllm_engine_kwargs(str(m.path), m.max_batch_size)
@@ -961,6 +962,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-replicas", type=int, default=1, help="Ballast's model replicas, fixed (plain Serve has 1)"
     )
+    parser.add_argument(
+        "--no-prefix-affinity",
+        action="store_true",
+        help="Ballast on vLLM routes by load alone (model.routing.prefix_affinity: false)",
+    )
     return parser
 
 
@@ -1091,7 +1097,11 @@ class _Bench:
         self.speed = SpeedProbeProcess(cfg.model.architecture.model_dump(), cfg.model.seed)
         # Ballast on vLLM; its model, name and engine settings are the llm stacks' too.
         self.vllm_cfg = (
-            bench_vllm_config(self.args.config, self.args.vllm_model, self.args.model_replicas) if s.vllm else None
+            bench_vllm_config(
+                self.args.config, self.args.vllm_model, self.args.model_replicas, not self.args.no_prefix_affinity
+            )
+            if s.vllm
+            else None
         )
         self.stacks = _stacks(cfg, self.args, self.vllm_cfg.model.name if self.vllm_cfg else None)
         if self.vllm_cfg is not None:

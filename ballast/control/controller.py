@@ -448,7 +448,7 @@ class ControllerCore:
         except Exception:  # recycling must never stop the control loop
             log.exception("recycle tick failed")
 
-    def _model_entry(self, mc: _ModelControl, t: Optional[_ModelTick]) -> dict[str, Any]:
+    def _model_entry(self, name: str, mc: _ModelControl, t: Optional[_ModelTick]) -> dict[str, Any]:
         """One model's part of the snapshot (plain data); level 0, "starting", before its first tick."""
         level = t.step.level.level if t else 0
         return {
@@ -458,6 +458,11 @@ class ControllerCore:
             "reason": t.step.level.reason if t else "starting",
             "constraints": self._deg_cfg.constraints[level].to_dict(),
             "inputs": asdict(t.signals) if t else {},
+            "routing": control.routing_summary(
+                control.model_views(self._routers.fresh(), name, self._primary),
+                self._replicas.fresh(),
+                mc.deployment,
+            ).as_dict(),
         }
 
     def _replica_counts(self, ticks: Mapping[str, _ModelTick]) -> dict[str, int]:
@@ -476,7 +481,7 @@ class ControllerCore:
     def _publish(self, ticks: Mapping[str, _ModelTick]) -> Snapshot:
         """A new snapshot: every model's entry, the first model's at top level too."""
         self._version += 1
-        models = {name: self._model_entry(mc, ticks.get(name)) for name, mc in self._models.items()}
+        models = {name: self._model_entry(name, mc, ticks.get(name)) for name, mc in self._models.items()}
         first = models[self._primary]
         desired = {t.deployment: t.step.desired_replicas for t in ticks.values()}
         return Snapshot(
@@ -696,6 +701,11 @@ class Controller:
         model = ("model",)
         self._m_level = metrics.Gauge("ballast_degradation_level", "Current degradation level (0-4).", tag_keys=model)
         self._m_queue = metrics.Gauge("ballast_queue_length", "Admitted requests not yet computing.", tag_keys=model)
+        self._m_imbalance = metrics.Gauge(
+            "ballast_model_load_imbalance_ratio",
+            "The model's most loaded replica's requests (running + queued) over the mean of its replicas.",
+            tag_keys=model,
+        )
         self._m_desired = metrics.Gauge(
             "ballast_desired_replicas", "Replicas the controller wants per deployment.", tag_keys=("deployment",)
         )
@@ -790,6 +800,8 @@ class Controller:
                 for model, m in snap.models.items():
                     self._m_level.set(m["level"], tags={"model": model})
                     self._m_queue.set(m["inputs"].get("queue_length", 0), tags={"model": model})
+                    imbalance = m["routing"]["load_max_over_mean"]
+                    self._m_imbalance.set(imbalance if imbalance is not None else 1.0, tags={"model": model})
                 for dep, n in snap.desired_replicas.items():
                     self._m_desired.set(n, tags={"deployment": dep})
                 self._m_ticks.inc()

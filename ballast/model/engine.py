@@ -125,6 +125,7 @@ def build_engine(m: Any, placement: Any = None) -> ModelBackend:
             grammar_compile_timeout_s=m.grammar_compile_timeout_s,
             grammar_compile_threads=m.grammar_compile_threads,
             adapters=adapters,
+            prefix_report_blocks=m.routing.report_blocks if m.routing.prefix_affinity else None,
         )
     if m.backend == "transformers":
         import torch

@@ -30,7 +30,7 @@ All messages are frozen and hashable (the answer cache keys on a call), and pick
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -184,6 +184,9 @@ class ModelCall:
     # Which model and fine-tune the call is for (None: the deployment's own model).
     model: Optional[str] = None
     adapter: Optional[str] = None
+    # How the request router may place it (``ballast.policies.affinity.route_mode``): set
+    # with the admitted length; not part of what the call asks (an answer cache ignores it).
+    route: str = field(default="affinity", compare=False)
 
     @property
     def asks(self) -> frozenset[str]:
@@ -196,9 +199,9 @@ class ModelCall:
     def resumed_ids(self) -> tuple[int, ...]:
         return self.resume.ids if self.resume is not None else ()
 
-    def admitted(self, max_tokens: int) -> "ModelCall":
-        """The call with the length the router admitted."""
-        return replace(self, max_tokens=max_tokens)
+    def admitted(self, max_tokens: int, route: str = "affinity") -> "ModelCall":
+        """The call with the length the router admitted and how it may be routed."""
+        return replace(self, max_tokens=max_tokens, route=route)
 
     def for_attempt(self, left_s: float, now_wall_s: float) -> "ModelCall":
         """The call as one attempt sends it: with that attempt's deadline."""

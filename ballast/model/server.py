@@ -62,6 +62,7 @@ from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
 from ballast.model.niceness import pin_to_cores, yield_cpu_to, yield_this_thread_to
 from ballast.model.ranks import prepare_ranks
 from ballast.model.routing import replica_routing_stats, request_router_config
+from ballast.policies.prefix_cache import PrefixReport
 from ballast.control.snapshot import Snapshot
 
 __all__ = [
@@ -205,6 +206,13 @@ class ModelServer:
         self._m_prefix_hits = metrics.Gauge(
             "ballast_model_prefix_cache_hit_pct", "Prompt tokens found in vLLM's prefix cache, percent."
         )
+        self._m_prefix_queries_total = metrics.Counter(
+            "ballast_model_prefix_cache_queries_total", "Prompt tokens looked up in vLLM's prefix cache."
+        )
+        self._m_prefix_hits_total = metrics.Counter(
+            "ballast_model_prefix_cache_hits_total", "Prompt tokens found in vLLM's prefix cache."
+        )
+        self._prefix_counted = (0, 0)  # vLLM's (queries, hits) as last added to the counters
         self._m_adapter_failures = metrics.Counter(
             "ballast_model_adapter_load_failures_total",
             "Run-time LoRA adapters this replica could not load from the snapshot (tried again later).",
@@ -283,9 +291,15 @@ class ModelServer:
 
     def record_routing_stats(self) -> dict[str, Any]:
         # Serve polls this and hands it to the request router (ballast.model.routing):
-        # readiness, and the adapters this replica holds (affinity).
+        # readiness, and what this replica holds (affinity): adapters, prompt blocks.
         ready = self._ready and self._draining() is None and self._engine_lost() is None
-        return replica_routing_stats(ready, self._adapter_holdings(), time.time())
+        now_s = time.time()
+        return replica_routing_stats(ready, self._adapter_holdings(), now_s, self._prefix_report(now_s))
+
+    def _prefix_report(self, now_s: float) -> Optional[PrefixReport]:
+        """The blocks the engine's prefix cache holds (vLLM with prefix affinity on); else None."""
+        report = getattr(self._backend, "prefix_report", None)
+        return report(now_s) if report is not None else None
 
     def _adapter_holdings(self) -> AdapterHoldings:
         """The adapters in this engine's LoRA slots as the calls it ran say (the mirror of
@@ -352,8 +366,25 @@ class ModelServer:
         stats = getattr(self._backend, "stats", None)
         if stats is None:
             return {}
-        s = stats()
-        return {"prefix_cache_queries": s.prefix_cache_queries, "prefix_cache_hits": s.prefix_cache_hits}
+        s, blocks = stats(), getattr(self._backend, "prefix_blocks", None)
+        self._count_prefix_cache(s.prefix_cache_queries, s.prefix_cache_hits)
+        return {
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "prefix_blocks": blocks() if blocks is not None else None,
+        }
+
+    def _count_prefix_cache(self, queries: int, hits: int) -> None:
+        """Add what vLLM counted since the last report (its own counters restart with a
+        reset of its cache: then the new counts are all new)."""
+        q0, h0 = self._prefix_counted
+        if queries < q0 or hits < h0:
+            q0 = h0 = 0
+        if queries > q0:
+            self._m_prefix_queries_total.inc(queries - q0)
+        if hits > h0:
+            self._m_prefix_hits_total.inc(hits - h0)
+        self._prefix_counted = (queries, hits)
 
     def _report(self) -> ReplicaReport:
         """This replica's report to the controller (every report interval)."""
@@ -467,7 +498,7 @@ def model_deployment(cfg: BallastConfig, model: Optional[str] = None):
             cfg.http.access_log,
             placement=cfg.placement_of(name),
             autoscaling_config=autoscaling_config(cfg, name),
-            request_router_config=request_router_config(cfg.watchdog.interval_s),
+            request_router_config=request_router_config(cfg.watchdog.interval_s, cfg.served_model(name).routing, name),
             health_check_period_s=d.health_check_period_s,
             health_check_timeout_s=d.health_check_timeout_s,
             graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
@@ -489,7 +520,9 @@ def fallback_deployment(cfg: BallastConfig, model: Optional[str] = None):
             cfg.http.access_log,
             placement=cfg.fallback_placement_of(name),
             num_replicas=fallback.deployment.replicas,
-            request_router_config=request_router_config(cfg.watchdog.interval_s),
+            request_router_config=request_router_config(
+                cfg.watchdog.interval_s, fallback.model.routing, fallback.model.name
+            ),
             health_check_period_s=m.health_check_period_s,
             health_check_timeout_s=m.health_check_timeout_s,
             graceful_shutdown_timeout_s=m.graceful_shutdown_timeout_s,

@@ -79,6 +79,8 @@ from typing import Any, Optional
 from ballast.model.batching import describe_engine
 from ballast.errors import AdapterRefused, EngineRefused, ModelLoadError
 from ballast.model.grammar import GrammarCompiles
+from ballast.model.kv_events import KVEventFeed, events_config
+from ballast.policies.prefix_cache import PrefixReport
 from ballast.model.hf_engine import (
     GREEDY,
     ContextTooLong,
@@ -339,6 +341,7 @@ class VLLMBackend:
         grammar_compile_timeout_s: float = 2.0,
         grammar_compile_threads: int = 2,
         adapters: Optional[Mapping[str, str]] = None,
+        prefix_report_blocks: Optional[int] = None,
     ) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer, tokenizer_id
 
@@ -371,11 +374,7 @@ class VLLMBackend:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"vllm-{name}", daemon=True)
         self._thread.start()
         started = time.monotonic()
-        try:
-            self._llm = self._call(self._start(dict(engine_kwargs or {})), None)
-        except BaseException:
-            self._stop_loop()
-            raise
+        self._llm = self._launch(dict(engine_kwargs or {}), prefix_report_blocks)
         self.start_s = time.monotonic() - started
         cfg = self._llm.vllm_config
         self.max_seq_len = int(cfg.model_config.max_model_len)
@@ -390,6 +389,22 @@ class VLLMBackend:
         self._base_adapter()
 
     # ---------------------------------------------------------------- start, stop
+
+    def _launch(self, engine_kwargs: dict[str, Any], report_blocks: Optional[int]) -> Any:
+        """The engine, started on the engine loop, and with ``report_blocks`` the feed of its
+        KV-cache events (``_kv_feed``); a failure stops the loop and the feed."""
+        self._kv_feed = _kv_feed(engine_kwargs, report_blocks)
+        try:
+            llm = self._call(self._start(engine_kwargs), None)
+        except BaseException:
+            self._stop_loop()
+            if self._kv_feed is not None:
+                self._kv_feed.close()
+            raise
+        if self._kv_feed is not None and report_blocks is not None:
+            cache = llm.vllm_config.cache_config
+            self._kv_feed.start(int(cache.num_gpu_blocks), int(cache.block_size), report_blocks)
+        return llm
 
     async def _start(self, engine_kwargs: dict[str, Any]) -> Any:
         """The engine config (faults blamed on config.json), then the engine itself."""
@@ -431,6 +446,8 @@ class VLLMBackend:
             _reap(pids, _SHUTDOWN_WAIT_S)
             if self._base_lora_dir is not None:
                 shutil.rmtree(self._base_lora_dir, ignore_errors=True)
+            if self._kv_feed is not None:
+                self._kv_feed.close()
 
     async def _shutdown_llm(self) -> None:
         self._llm.shutdown()
@@ -641,6 +658,15 @@ class VLLMBackend:
             while batch.keys():
                 batch.run_chunk([], steps)
 
+    def prefix_report(self, now_s: float) -> Optional[PrefixReport]:
+        """The blocks this engine's prefix cache holds, from its KV events (``KVEventFeed``);
+        None without the feed (prefix caching off, or no ``prefix_report_blocks``)."""
+        return self._kv_feed.report(now_s) if self._kv_feed is not None else None
+
+    def prefix_blocks(self) -> Optional[int]:
+        """How many blocks this engine's prefix cache holds, as its KV events say; None without the feed."""
+        return self._kv_feed.held_blocks() if self._kv_feed is not None else None
+
     def stats(self) -> VLLMStats:
         return self._stats.get()
 
@@ -701,6 +727,21 @@ class VLLMBackend:
                 adapters=sorted(self.adapters()),
             )
         return out
+
+
+def _kv_feed(engine_kwargs: dict[str, Any], report_blocks: Optional[int]) -> Optional[KVEventFeed]:
+    """A feed of the engine's KV-cache events when blocks are to be reported and the prefix
+    cache is on, its publisher added to ``engine_kwargs``; None otherwise, and where the
+    operator configured vLLM's events for a consumer of their own (left as they are)."""
+    caching = {**_DEFAULT_ENGINE_KWARGS, **engine_kwargs}.get("enable_prefix_caching")
+    if report_blocks is None or not caching:
+        return None
+    if "kv_events_config" in engine_kwargs:
+        log.info("engine_kwargs.kv_events_config is the operator's: no prefix report for the routers")
+        return None
+    feed = KVEventFeed(base_adapter=BASE_ADAPTER)
+    engine_kwargs["kv_events_config"] = events_config(feed.endpoint)
+    return feed
 
 
 def _precheck_adapters(adapters: Mapping[str, str], model: str) -> None:

@@ -395,6 +395,21 @@ def _status_models(doc: dict[str, Any], out: list[str]) -> None:
         out.append(
             f"  {name}: {level}: {m.get('reason') or '-'}; replicas {_num(r.get('running'))} / {_num(r.get('desired'))}"
         )
+        routing = _routing_line(m.get("routing") or {})
+        if routing:
+            out.append(f"    routing: {routing}")
+
+
+def _routing_line(routing: dict[str, Any]) -> str:
+    """A model's routing summary (the controller's ``RoutingSummary``): what is known of it."""
+    parts = []
+    if routing.get("prefix_hit_ratio") is not None:
+        parts.append(f"prefix-cache hits {routing['prefix_hit_ratio']:.0%}")
+    if routing.get("routed_by_prefix_ratio") is not None:
+        parts.append(f"routed by prefix {routing['routed_by_prefix_ratio']:.0%}")
+    if routing.get("load_max_over_mean") is not None:
+        parts.append(f"most loaded replica {routing['load_max_over_mean']:.2f}x the mean")
+    return ", ".join(parts)
 
 
 def _status_replicas(doc: dict[str, Any], out: list[str]) -> None:

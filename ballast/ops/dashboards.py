@@ -86,6 +86,11 @@ class Dashboard:
 
 REQ = "ray_ballast_requests_total"
 
+PREFIX_HITS = "rate(ray_ballast_model_prefix_cache_hits_total[5m])"
+PREFIX_QUERIES = "rate(ray_ballast_model_prefix_cache_queries_total[5m])"
+ROUTED = "ray_ballast_route_decisions_total"
+NEEDS_VLLM = "needs a vLLM model with prefix caching"
+
 OVERVIEW = Dashboard(
     uid="ballast-overview",
     title="Ballast overview",
@@ -172,6 +177,49 @@ OVERVIEW = Dashboard(
             unit="ms",
         ),
         Panel("Queue length", (Target("max(ray_ballast_queue_length)", "queue"),)),
+        Panel(
+            "Prefix-cache hit rate (vLLM)",
+            (
+                Target(
+                    f"sum by (deployment) ({PREFIX_HITS}) / sum by (deployment) ({PREFIX_QUERIES})",
+                    "{{deployment}}",
+                    sparse=NEEDS_VLLM,
+                ),
+                Target(
+                    f"sum by (deployment, replica) ({PREFIX_HITS}) / sum by (deployment, replica) ({PREFIX_QUERIES})",
+                    "{{deployment}} {{replica}}",
+                    sparse=NEEDS_VLLM,
+                ),
+            ),
+            unit="percentunit",
+            description="Prompt tokens found in vLLM's prefix cache over those looked up, per model deployment and "
+            "per replica (vLLM's own counters)",
+        ),
+        Panel(
+            "Requests routed, by why that replica",
+            (Target(f"sum by (model, reason) (rate({ROUTED}[1m]))", "{{model}} {{reason}}"),),
+            unit="reqps",
+            description="prefix: it holds the start of the prompt; home: a prompt no replica holds, to its home; "
+            "adapter: where its LoRA adapter is; balance: by load alone (no view, or the level at "
+            "model.routing.balance_from_level)",
+        ),
+        Panel(
+            "Share routed by prefix",
+            (
+                Target(
+                    f'sum by (model) (rate({ROUTED}{{reason="prefix"}}[5m])) / sum by (model) (rate({ROUTED}[5m]))',
+                    "{{model}}",
+                    sparse=NEEDS_VLLM,
+                ),
+            ),
+            unit="percentunit",
+        ),
+        Panel(
+            "Replica load imbalance",
+            (Target("max by (model) (ray_ballast_model_load_imbalance_ratio)", "{{model}}"),),
+            description="The most loaded replica's requests (running + queued) over the mean of the model's "
+            "replicas; affinity keeps it within model.routing.load_bound_ratio while the load bound binds",
+        ),
         Panel(
             "Gate to the model",
             (

@@ -156,3 +156,66 @@ def rank(
     first = choose(replicas, key, cfg, demand).replica_id
     rest = sorted((r for r in replicas if r.replica_id != first), key=lambda r: r.load)
     return [first, *(r.replica_id for r in rest)]
+
+
+# --------------------------------------------------------------------------- prompt prefixes
+
+#: How a request may be routed (``route_mode``): by what replicas hold, within the load
+#: bound ("affinity"); by what they hold among the least loaded only ("least_loaded");
+#: by load alone ("balance": Serve's power of two choices).
+ROUTE_MODES = ("affinity", "least_loaded", "balance")
+
+
+def route_mode(criticality: str, level: int, balance_from_level: int) -> str:
+    """How a request of ``criticality`` is routed at degradation ``level``.
+
+    From ``balance_from_level`` up the model is short of capacity: load alone decides, so
+    the shortest lines fill first. critical_plus never waits for affinity: it goes to a
+    least loaded replica, the one holding most of its prompt among those."""
+    if level >= balance_from_level:
+        return "balance"
+    return "least_loaded" if criticality == "critical_plus" else "affinity"
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """What the chooser knows of one replica for one request: its requests in flight, the
+    leading blocks of the request's prompt it holds, and its rendezvous score for the
+    request's first block no replica holds (``ballast.policies.prefix_cache.home_score``)."""
+
+    replica_id: str
+    load: int
+    matched: int
+    home: int
+
+
+def choose_by_prefix(replicas: Sequence[PrefixView], cfg: AffinityConfig, least_loaded: bool = False) -> Choice:
+    """The replica for a request by the prefix of its prompt each holds.
+
+    1. Eligible: within the load bound (``load_bound``); with ``least_loaded``, only the
+       replicas at the least load.
+    2. The most leading blocks held among them; ties (none holds any, or several hold
+       the same) go to the highest ``home`` score, which every router computes alike, so
+       a new prefix lands on one replica and copies of an old one stop being refreshed.
+
+    "prefix" when the choice holds at least one block of the prompt, else "home"."""
+    if not replicas:
+        raise ValueError("replicas: at least one is needed")
+    if least_loaded:
+        low = min(r.load for r in replicas)
+        eligible = [r for r in replicas if r.load == low]
+    else:
+        bound = load_bound([ReplicaView(r.replica_id, r.load) for r in replicas], cfg)
+        eligible = [r for r in replicas if r.load + 1 <= bound]
+    best = max(eligible, key=lambda r: (r.matched, r.home))
+    return Choice(best.replica_id, "prefix" if best.matched > 0 else "home", loads=False)
+
+
+def rank_by_prefix(
+    replicas: Sequence[PrefixView], cfg: AffinityConfig, least_loaded: bool = False
+) -> tuple[Choice, list[str]]:
+    """``choose_by_prefix``'s choice, and every replica's id in the order to try them: the
+    choice first, then the rest least loaded first (ties in the order listed)."""
+    choice = choose_by_prefix(replicas, cfg, least_loaded)
+    rest = sorted((r for r in replicas if r.replica_id != choice.replica_id), key=lambda r: r.load)
+    return choice, [choice.replica_id, *(r.replica_id for r in rest)]

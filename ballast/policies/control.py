@@ -7,6 +7,7 @@ window's buckets) and applies the decision (snapshot, Serve's target).
 
 * ``fold_reports``: replica and router reports become the level's inputs.
 * ``ongoing_requests``: the autoscaler's concurrency input.
+* ``routing_summary``: how the model's requests spread over its replicas (status, metrics).
 
 Both are called once per model: with the routers' reports as that model sees them
 (``model_views``: ``RouterReport.for_model``), the replicas of that model's deployments
@@ -110,6 +111,51 @@ def ongoing_requests(
     held = sum(r.running + r.queued for r in mine)
     waiting = sum(r.gate_waiting for r in routers)
     return max(held, queue_length + waiting + running)
+
+
+@dataclass(frozen=True)
+class RoutingSummary:
+    """How a model's requests are spread over its replicas, from the fresh reports.
+
+    ``prefix_hit_ratio``: prompt tokens its replicas found in their prefix caches over those
+    they looked up, since each started (vLLM's counters; None: no replica counts them).
+    ``routed_by_prefix_ratio``: the requests the routers sent to a replica holding the start
+    of their prompt over all they sent it, since each started (None: none sent yet).
+    ``load_max_over_mean``: the most loaded replica's requests (running + queued) over the
+    mean (None: fewer than two replicas, or none holds any)."""
+
+    prefix_hit_ratio: Optional[float] = None
+    routed_by_prefix_ratio: Optional[float] = None
+    load_max_over_mean: Optional[float] = None
+
+    def as_dict(self) -> dict[str, Optional[float]]:
+        return {
+            "prefix_hit_ratio": self.prefix_hit_ratio,
+            "routed_by_prefix_ratio": self.routed_by_prefix_ratio,
+            "load_max_over_mean": self.load_max_over_mean,
+        }
+
+
+def _ratio(part: float, whole: float) -> Optional[float]:
+    return round(part / whole, 3) if whole > 0 else None
+
+
+def routing_summary(routers: Sequence[RouterReport], replicas: Sequence[ReplicaReport], primary: str) -> RoutingSummary:
+    """The model's ``RoutingSummary``: its routers' views (``model_views``), the replicas of
+    its own deployment ``primary``."""
+    mine = of_deployment(replicas, primary)
+    counted = [r for r in mine if r.prefix_cache_queries is not None]
+    queries = sum(r.prefix_cache_queries or 0 for r in counted)
+    hits = sum(r.prefix_cache_hits or 0 for r in counted)
+    routed = sum(sum(r.routed.values()) for r in routers)
+    by_prefix = sum(r.routed.get("prefix", 0) for r in routers)
+    loads = [float(r.running + r.queued) for r in mine]
+    mean = sum(loads) / len(loads) if len(mine) >= 2 else 0.0
+    return RoutingSummary(
+        prefix_hit_ratio=_ratio(hits, queries) if counted else None,
+        routed_by_prefix_ratio=_ratio(by_prefix, routed),
+        load_max_over_mean=_ratio(max(loads), mean) if mean > 0 else None,
+    )
 
 
 def serving_replicas(replicas: Sequence[ReplicaReport], watchdogs: Mapping[str, WatchdogReport], primary: str) -> int:

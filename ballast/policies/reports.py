@@ -111,6 +111,19 @@ def _check_load(load: "ModelLoad | RouterReport") -> None:
     check_fields(load, check_non_negative, "served_rps")
     check_fields(load, _check_bool, "gate_full")
     check_fields(load, _check_rates, "demand_rps", criticalities=True)
+    check_fields(load, _check_routed, "routed")
+
+
+#: Why a request went to its replica (``ModelLoad.routed``'s keys).
+ROUTE_REASONS = ("prefix", "home", "adapter", "balance")
+
+
+def _check_routed(name: str, routed: object) -> None:
+    if not isinstance(routed, Mapping) or not set(routed) <= set(ROUTE_REASONS):
+        raise ValueError(f"{name}: a mapping of {ROUTE_REASONS} to counts, got {routed!r}")
+    bad = {reason: n for reason, n in routed.items() if isinstance(n, bool) or not isinstance(n, int) or n < 0}
+    if bad:
+        raise ValueError(f"{name}: counts are ints >= 0, got {bad!r}")
 
 
 @dataclass(frozen=True)
@@ -131,6 +144,9 @@ class ModelLoad:
     demand_rps: Mapping[str, float] = field(default_factory=dict)  # offered, by criticality
     served_rps: float = 0.0
     gate_full: bool = False  # the gate was full for most of the window: served_rps is capacity
+    # This router's requests to the model's replicas since it started, by why the replica
+    # (ballast.model.routing: prefix, home, adapter, balance).
+    routed: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_load(self)

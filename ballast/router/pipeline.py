@@ -49,6 +49,7 @@ from fastapi import Request
 from ballast.policies import killswitch
 from ballast.policies import request as request_policy
 from ballast.policies.admission import admit, clamp_max_tokens
+from ballast.policies.affinity import route_mode
 from ballast.policies.criticality import Criticality
 from ballast.policies.deadline import Deadline
 
@@ -294,11 +295,16 @@ class Pipeline:
         if key is not None and not (req.stream and self.snapshots.effective(lane.name).constraints.streaming):
             return await self._keyed(req, key)
         admission, ticket = await self.acquire(req)
-        call = req.call.admitted(admission.max_tokens)
+        call = req.call.admitted(admission.max_tokens, self._route(lane, admission))
         if req.stream and admission.streaming:
             state = StreamState(lane.name)
             return Stream(admission, ticket, self._stream_chunks(ticket, call, state), state)
         return Answer(admission, await self._settled_unary(ticket, call))
+
+    def _route(self, lane: Lane, admission: Admission) -> str:
+        """How the model's request router may place the call (``affinity.route_mode``)."""
+        routing = self._cfg.served_model(lane.name).routing
+        return route_mode(admission.criticality.value, admission.level, routing.balance_from_level)
 
     async def acquire(self, req: ModelRequest) -> tuple[Admission, Ticket]:
         """The admission and its whole ticket, or a refusal with nothing held."""
@@ -435,7 +441,7 @@ class Pipeline:
         metrics under its outcome, not in the level's tally (it asked nothing of the model:
         neither its replays nor its waits may move the level)."""
         admission, fallback_only = self._admit(req)
-        call = req.call.admitted(admission.max_tokens)
+        call = req.call.admitted(admission.max_tokens, self._route(self.lane(req.call), admission))
         ran = False
 
         async def first_attempt() -> Settled:

@@ -32,6 +32,7 @@ from ballast.policies.criticality import Criticality
 from ballast.policies.edge import EdgeThrottle
 from ballast.policies.fairness import TenantCounters
 from ballast.policies.gate import DemandWindow
+from ballast.model.routing import routed_so_far
 from ballast.policies.reports import ModelLoad, RouterReport
 
 from ballast.control.names import ROUTER_DEPLOYMENT
@@ -111,7 +112,7 @@ class Reporter:
 
     def _lane_report(self, lane: Lane) -> RouterReport:
         """What the router counted for one model since the last report."""
-        report = lane.tally.drain(self._router_id)
+        report = replace(lane.tally.drain(self._router_id), routed=routed_so_far(lane.name))
         offered = lane.tally.take_offered()
         gate, demand = lane.gate, self._demand[lane.name]
         if gate is None:

@@ -18,8 +18,15 @@ from ray.serve._private.request_router.common import PendingRequest
 from fakes import FakeClock
 
 from ballast.model.protocol import ModelCall
-from ballast.model.routing import MAX_REPORT_AGE_S, ReadinessAwareRouter, adapter_of, replica_routing_stats
+from ballast.model.routing import (
+    MAX_REPORT_AGE_S,
+    ReadinessAwareRouter,
+    adapter_of,
+    replica_routing_stats,
+    routed_so_far,
+)
 from ballast.policies.holdings import AdapterHoldings
+from ballast.policies.prefix_cache import PrefixHoldings
 
 DEPLOYMENT = DeploymentID(name="m", app_name="ballast")
 
@@ -38,6 +45,13 @@ class StandInReplica:
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
         return self.load
+
+
+class SilentReplica(StandInReplica):
+    """A replica whose queue-length probe fails (its actor gone, or too slow to answer)."""
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        raise TimeoutError("no answer")
 
 
 def stats(held: tuple[str, ...], demand: dict[str, int], at_s: float = 100.0, ready: bool = True) -> dict[str, Any]:
@@ -177,9 +191,160 @@ def test_a_missing_load_or_report_falls_back_to_power_of_two() -> None:
         router = await router_with(clock, a, b, loads={"a": 0, "b": 0})
         (pair,) = ids(await router.choose_replicas([a, b], request("sql")))
         assert sorted(pair) == ["a", "b"]
-        c = StandInReplica("c", stats(("chat",), {}))
-        router = await router_with(clock, a, c, loads={"a": 0})  # c's load not cached
-        (pair,) = ids(await router.choose_replicas([a, c], request("sql")))
-        assert sorted(pair) == ["a", "c"]
+        c = StandInReplica("c", stats(("chat",), {}), load=5)
+        router = await router_with(clock, a, c, loads={"a": 0})  # c's load not cached: probed
+        assert ids(await router.choose_replicas([a, c], request("sql"))) == [["a"], ["c"]]
+        assert router.replica_queue_len_cache.get(c.replica_id) == 5
+        d = SilentReplica("d", stats(("chat",), {}))
+        router = await router_with(clock, a, d, loads={"a": 0})  # d's load not cached, and d does not answer
+        (pair,) = ids(await router.choose_replicas([a, d], request("sql")))
+        assert sorted(pair) == ["a", "d"]
+
+    asyncio.run(walk())
+
+
+# -- prompt prefixes ----------------------------------------------------------------------
+BLOCK = 4
+
+
+def prefix_stats(*prompts: list[int], at_s: float = 100.0, adapter: Optional[str] = None) -> dict[str, Any]:
+    """A replica's routing stats holding ``prompts``' full blocks, as its KV events say."""
+    h = PrefixHoldings(capacity_blocks=256, block_size=BLOCK)
+    for n, ids in enumerate(prompts):
+        hashes = [f"{n}:{i}" for i in range(len(ids) // BLOCK)]
+        h.stored(hashes, None, ids, adapter)
+    return replica_routing_stats(True, None, at_s, h.report(at_s))
+
+
+def prompt_request(ids: list[int], route: str = "affinity", adapter: Optional[str] = None, rid: str = "i") -> Any:
+    call = ModelCall(prompt="", prompt_ids=tuple(ids), max_tokens=4, adapter=adapter, route=route)
+    meta = RequestMetadata(request_id="r", internal_request_id=rid, call_method="generate")
+    return PendingRequest(args=[call], kwargs={}, metadata=meta)
+
+
+SYSTEM = list(range(100, 124))  # six blocks a tenant's every prompt starts with
+
+
+def test_the_replica_holding_the_prompt_prefix_comes_first_while_fresh() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", prefix_stats(SYSTEM))
+        b = StandInReplica("b", prefix_stats(list(range(500, 524))))
+        router = await router_with(clock, a, b, loads={"a": 2, "b": 0})
+        turn = SYSTEM + [7, 8, 9, 10, 11]
+        assert ids(await router.choose_replicas([a, b], prompt_request(turn))) == [["a"], ["b"]]
+        # Tick by tick to the report's max age: used up to it, then power of two.
+        clock.advance(int(MAX_REPORT_AGE_S))
+        router.on_new_queue_len_info(a.replica_id, 2)
+        router.on_new_queue_len_info(b.replica_id, 0)
+        assert ids(await router.choose_replicas([a, b], prompt_request(turn))) == [["a"], ["b"]]
+        clock.advance()
+        router.on_new_queue_len_info(a.replica_id, 2)
+        router.on_new_queue_len_info(b.replica_id, 0)
+        (pair,) = ids(await router.choose_replicas([a, b], prompt_request(turn)))
+        assert sorted(pair) == ["a", "b"]
+
+    asyncio.run(walk())
+
+
+def test_a_holder_past_the_load_bound_gives_way_and_balance_skips_affinity() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", prefix_stats(SYSTEM))
+        b = StandInReplica("b", prefix_stats())
+        router = await router_with(clock, a, b, loads={"a": 3, "b": 0})
+        # a + 1 = 4 against max(1.25 x 2, 2 + 2) = 4: within; at 4 it is past (4.5).
+        assert ids(await router.choose_replicas([a, b], prompt_request(SYSTEM)))[0] == ["a"]
+        router.on_new_queue_len_info(a.replica_id, 4)
+        assert ids(await router.choose_replicas([a, b], prompt_request(SYSTEM)))[0] == ["b"]
+        router.on_new_queue_len_info(a.replica_id, 1)
+        assert ids(await router.choose_replicas([a, b], prompt_request(SYSTEM, "least_loaded")))[0] == ["b"]
+        (pair,) = ids(await router.choose_replicas([a, b], prompt_request(SYSTEM, "balance")))
+        assert sorted(pair) == ["a", "b"]  # the model short of capacity: power of two
+        router.on_new_queue_len_info(a.replica_id, 0)
+        assert ids(await router.choose_replicas([a, b], prompt_request(SYSTEM, "least_loaded")))[0] == ["a"]
+
+    asyncio.run(walk())
+
+
+def test_a_new_prompt_goes_to_the_same_home_on_every_router() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a, b, c = (StandInReplica(n, prefix_stats()) for n in "abc")
+        routers = [await router_with(clock, a, b, c, loads={"a": 1, "b": 1, "c": 1}) for _ in range(2)]
+        homes = set()
+        for tenant in range(12):
+            new = list(range(1000 * tenant, 1000 * tenant + 12))
+            firsts = [ids(await r.choose_replicas([a, b, c], prompt_request(new)))[0] for r in routers]
+            assert firsts[0] == firsts[1], tenant  # two routers, no shared state but the reports
+            homes.add(firsts[0][0])
+        assert homes == {"a", "b", "c"}
+
+    asyncio.run(walk())
+
+
+def test_an_adapter_call_whose_prompt_no_replica_holds_goes_where_its_adapter_is() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", {**prefix_stats(SYSTEM, adapter="sql"), "adapters": stats(("sql",), {})["adapters"]})
+        b = StandInReplica("b", {**prefix_stats(), "adapters": stats(("chat",), {})["adapters"]})
+        router = await router_with(clock, a, b, loads={"a": 1, "b": 0})
+        assert ids(await router.choose_replicas([a, b], prompt_request(SYSTEM, adapter="sql")))[0] == ["a"]
+        fresh = list(range(900, 924))
+        assert ids(await router.choose_replicas([a, b], prompt_request(fresh, adapter="sql")))[0] == ["a"]
+        assert ids(await router.choose_replicas([a, b], prompt_request(fresh, adapter="chat")))[0] == ["b"]
+        # The base model's blocks are not the adapter's: SYSTEM under "chat" is held nowhere.
+        assert ids(await router.choose_replicas([a, b], prompt_request(SYSTEM, adapter="chat")))[0] == ["b"]
+
+    asyncio.run(walk())
+
+
+def test_a_report_is_decoded_once_per_stamp() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", prefix_stats(SYSTEM))
+        b = StandInReplica("b", prefix_stats())
+        router = await router_with(clock, a, b, loads={"a": 0, "b": 0})
+        first = router._prefix_report_of(a)
+        assert first is not None and router._prefix_report_of(a) is first
+        a.routing_stats = prefix_stats(SYSTEM, at_s=101.0)
+        assert router._prefix_report_of(a) is not first
+        a.routing_stats = {"ready": True, "prefix": {"blocks": "not bytes"}}
+        assert router._prefix_report_of(a) is None
+
+    asyncio.run(walk())
+
+
+def test_the_replica_chosen_for_a_request_serves_that_request() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", prefix_stats())
+        router = await router_with(clock, a, loads={"a": 0})
+        older, newer = prompt_request(SYSTEM, rid="older"), prompt_request(SYSTEM, rid="newer")
+        for pr in (older, newer):
+            router._pending_requests_to_fulfill.append(pr)
+            router._pending_requests_by_id[pr.metadata.internal_request_id] = pr
+        router._fulfill_next_pending_request(a, newer.metadata)
+        assert newer.future.done() and not older.future.done()  # not FIFO: by the request's id
+
+    asyncio.run(walk())
+
+
+def test_each_decision_is_counted_by_reason_for_the_controller() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", prefix_stats(SYSTEM))
+        b = StandInReplica("b", prefix_stats())
+        router = await router_with(clock, a, b, loads={"a": 0, "b": 0})
+        router.initialize_state(model="counted-model", prefix_affinity=True, load_bound_ratio=1.25, min_slack=2)
+        before = routed_so_far("counted-model")
+        await router.choose_replicas([a, b], prompt_request(SYSTEM))  # prefix
+        await router.choose_replicas([a, b], prompt_request(list(range(600, 624))))  # home
+        await router.choose_replicas([a, b], prompt_request(SYSTEM, "balance"))  # balance
+        after = routed_so_far("counted-model")
+        assert {k: after[k] - before.get(k, 0) for k in after} == {"prefix": 1, "home": 1, "adapter": 0, "balance": 1}
+        router.initialize_state(model="counted-model", prefix_affinity=False)
+        await router.choose_replicas([a, b], prompt_request(SYSTEM))  # affinity off: power of two
+        assert routed_so_far("counted-model")["balance"] == after["balance"] + 1
 
     asyncio.run(walk())

@@ -286,3 +286,39 @@ def test_summary_says_whose_counters_order_the_line() -> None:
     assert "fair shares: cluster-wide counters; tenants waiting: free" in format_status(doc)
     doc["gate"]["fairness"]["view"] = "router"
     assert "fair shares: this router's own counters (no controller reply)" in format_status(doc)
+
+
+def test_each_model_says_how_its_requests_spread_over_its_replicas() -> None:
+    # The controller's routing summary from the replicas' vLLM counters and the routers'
+    # decisions (ballast.policies.control.routing_summary), as `ballast status` shows it.
+    clock, wall = FakeClock(0), FakeClock(1_000_000)
+    core = ControllerCore(load_config({}), clock=clock, wall_clock=wall)
+    core.report_router(RouterReport(router_id="r1", routed={"prefix": 6, "home": 1, "balance": 1}))
+    core.report_router(RouterReport(router_id="r2", routed={"prefix": 3, "home": 1}))
+    for rid, running, queries, hits in (("m1", 6, 1000, 900), ("m2", 2, 1000, 700)):
+        core.report_replica(
+            ReplicaReport(
+                replica_id=rid,
+                deployment=MODEL_DEPLOYMENT,
+                running=running,
+                prefix_cache_queries=queries,
+                prefix_cache_hits=hits,
+                prefix_blocks=40,
+            )
+        )
+    clock.advance(1)
+    wall.advance(1)
+    snap = core.tick()
+    (name,) = snap.models
+    routing = snap.models[name]["routing"]
+    assert routing == {"prefix_hit_ratio": 0.8, "routed_by_prefix_ratio": 0.75, "load_max_over_mean": 1.5}
+    doc = {"level": 0, "snapshot": {"models": snap.models}, "replicas": {}}
+    assert "    routing: prefix-cache hits 80%, routed by prefix 75%, most loaded replica 1.50x the mean" in (
+        format_status(doc).splitlines()
+    )
+    # A model with nothing to say (one replica, no vLLM counters, nothing routed) says nothing.
+    core = ControllerCore(load_config({}), clock=clock, wall_clock=wall)
+    core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, running=3))
+    snap = core.tick()
+    assert set(snap.models[name]["routing"].values()) == {None}
+    assert "routing:" not in format_status({"level": 0, "snapshot": {"models": snap.models}, "replicas": {}})

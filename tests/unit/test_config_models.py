@@ -63,6 +63,14 @@ class TestOneModelConfigsUnchanged:
             assert model.pop("compute_niceness") is None  # the compute at the replica's niceness,
             # and where a model of several ranks places them (the default, unused with one)
             assert model.pop("placement") == {"strategy": "STRICT_PACK", "rank_resources": None, "check": True}
+            # and how a replica is chosen (by what it holds: the defaults)
+            assert model.pop("routing") == {
+                "prefix_affinity": True,
+                "load_bound_ratio": 1.25,
+                "min_slack": 2,
+                "balance_from_level": 2,
+                "report_blocks": 16384,
+            }
         assert dump == BEFORE[name]  # no `models` key: the one-model form dumps as model
         assert len(cfg.models) == 1 and not cfg.models[0].has_extras()
         assert cfg.models[0].model_dump(include=set(ModelConfig.model_fields)) == cfg.model.model_dump()

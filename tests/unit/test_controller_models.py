@@ -320,6 +320,7 @@ class TestSnapshot:
                 "reason": "starting",
                 "constraints": snap.constraints,
                 "inputs": {},
+                "routing": {"prefix_hit_ratio": None, "routed_by_prefix_ratio": None, "load_max_over_mean": None},
             }
 
     def test_to_dict_from_dict_round_trip_carries_models(self, h: Harness) -> None:

@@ -71,7 +71,7 @@ def ckpt(tmp_path_factory):
 def backend(ckpt):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of CPU KV cache
-        b = VLLMBackend(str(ckpt), name="tiny-vllm", engine_kwargs=ENGINE_KWARGS)
+        b = VLLMBackend(str(ckpt), name="tiny-vllm", engine_kwargs=ENGINE_KWARGS, prefix_report_blocks=4096)
     yield b
     b.shutdown()
 
@@ -345,6 +345,28 @@ def test_prefix_cache_hits_for_a_repeated_long_prompt(backend):
     assert after.prefix_cache_queries - before.prefix_cache_queries >= 2 * len(ids)
     assert after.prefix_cache_hits - before.prefix_cache_hits >= 256
     assert 0.0 <= after.kv_cache_usage <= 1.0 and after.steps > before.steps
+
+
+def test_the_blocks_vllm_caches_are_reported_under_the_keys_a_router_computes(backend):
+    # The contract between vLLM's KV events (replica) and block_keys (router): a prompt the
+    # engine ran is held, block for block, under the keys a router computes from its ids.
+    import time
+
+    from ballast.policies.prefix_cache import PrefixReport, block_keys, matched_blocks
+
+    ids = backend.tokenize(" ".join(reversed(PROMPTS)) * 8)[:300]
+    size = backend.describe()["kv_block_size"]
+    keys = block_keys(ids, size)
+    assert matched_blocks(keys, backend.prefix_report(time.time()).keys) == 0
+    drain(backend.open_batch(), [[(0, ids, 2, LONG)]])
+    deadline = time.monotonic() + 10  # the events cross from the engine's process on its own socket
+    while matched_blocks(keys, backend.prefix_report(time.time()).keys) < len(keys) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    report = backend.prefix_report(time.time())
+    assert isinstance(report, PrefixReport) and report.block_size == size
+    assert matched_blocks(keys, report.keys) == len(keys) == 300 // size
+    other = block_keys(backend.tokenize("something else entirely " * 40)[:300], size)
+    assert matched_blocks(other, report.keys) == 0
 
 
 def test_a_bad_directory_fails_at_construction(tmp_path, ckpt):

@@ -59,6 +59,7 @@ def backend(dirs):
             name="tiny",
             engine_kwargs=lora_engine_kwargs(ENGINE_KWARGS, adapters, base_slot=True),
             adapters=adapters,
+            prefix_report_blocks=4096,
         )
     yield b
     b.shutdown()
@@ -84,6 +85,31 @@ def run(backend, rows: dict, steps: int = 4) -> tuple[dict, dict]:
 def alone(backend):
     """Each of the base and the two adapters in a batch of its own, twice."""
     return {a: [run(backend, {0: a})[0][0] for _ in range(2)] for a in (None, "sql", "support")}
+
+
+def test_an_adapters_blocks_are_keyed_with_its_name_and_the_base_rows_as_the_base_model(backend, alone):
+    # vLLM keys a block with the adapter that computed it; the report does too, and the zero
+    # adapter base rows run with on CPU is the base model: keyed with no adapter, as a router keys it.
+    import time
+
+    from ballast.policies.prefix_cache import block_keys, matched_blocks
+
+    ids, size = backend.tokenize(" ".join([PROMPT] * 120))[:300], backend.describe()["kv_block_size"]
+    batch, joins = backend.open_batch(), [(k, ids, 2, LONG, adapter) for k, adapter in enumerate((None, "sql"))]
+    for _ in range(50):
+        batch.run_chunk(joins, 4)
+        joins = []
+        if not batch.keys():
+            break
+    keys = {a: block_keys(ids, size, a) for a in (None, "sql", "support")}
+    deadline = time.monotonic() + 10  # the events cross from the engine's process on their own socket
+    while matched_blocks(keys["sql"], backend.prefix_report(time.time()).keys) < len(ids) // size:
+        assert time.monotonic() < deadline, "the adapter's blocks were never reported"
+        time.sleep(0.05)
+    held = backend.prefix_report(time.time()).keys
+    assert len(ids) // size >= 2
+    assert matched_blocks(keys[None], held) == matched_blocks(keys["sql"], held) == len(ids) // size
+    assert matched_blocks(keys["support"], held) == 0  # the same tokens under another adapter: another KV
 
 
 def test_lora_settings_follow_the_adapters(dirs):
