@@ -43,10 +43,11 @@ tenant; ray.serve.llm the same bodies with no key. A refused or failed turn is s
 Per row: start the stack and wait for it to answer; warm up (``--warmup-s``, the users starting
 staggered over its first half); let every user finish its turn, Ballast step down to level 0
 (``settle_level``: the warm-up's cold start raises it, and it steps down one level a stable
-window) and the counters settle (``read_settled``), read them; run the users for ``--duration-s``
-(a turn started in the span runs to its end, each bounded by ``CLIENT_TIMEOUT_S``); settle and
-read again. Conversations carry on from the warm-up into the span, the caches warm; the counters'
-difference covers exactly the span's requests.
+window) and the counters settle (``read_settled``), read them; run the users for ``--duration-s``,
+their first turns spread over one think time (not a burst of every user at once), a turn started
+in the span running to its end (each bounded by ``CLIENT_TIMEOUT_S``); settle and read again.
+Conversations carry on from the warm-up into the span, the caches warm; the counters' difference
+covers exactly the span's requests.
 
 Figures per row (``Figures``):
 
@@ -886,7 +887,8 @@ async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
     trace: list[dict[str, Any]] = []
     sampler = asyncio.create_task(sample_status(probe.status_url, probe.admin, trace)) if probe.status_url else None
     try:
-        outcomes = await drive(probe.target, convs, args.duration_s, args.max_tokens, 0.0, think_s)
+        # The users come back as from a pause each: spread over one think time, not all at once.
+        outcomes = await drive(probe.target, convs, args.duration_s, args.max_tokens, think_s / len(convs), think_s)
     finally:
         if sampler is not None:
             sampler.cancel()
