@@ -65,9 +65,11 @@ Figures per row (``Figures``):
   queries counter's difference) over the replicas' mean.
 
 Beside them: answers per second, the prompt tokens per answer as the stack reported them, errors
-by code, each replica's queries, and Ballast's degradation level over the span (its ``/v1/status``
-every 0.5 s; at a level whose settings turn streaming off, the first content comes with the whole
-answer, which TTFT then measures).
+by code, each replica's queries; for Ballast its route decisions in the span by reason
+(``ballast_route_decisions_total``: prefix, home, balance) and its degradation level (its
+``/v1/status`` every 0.5 s: from ``model.routing.balance_from_level`` up it routes by load alone,
+and at a level whose settings turn streaming off the first content comes with the whole answer,
+which TTFT then measures). Every row's Ray exports its metrics each second on ``METRICS_PORT``.
 
 A figure whose counters could not be read prints as ``nan``, with the reason in the table. The
 report ends with the targets (informational) and one line per row a script can read::
@@ -111,10 +113,12 @@ PREFIX_ENGINE_KWARGS = {
     "block_size": BLOCK_SIZE,
 }
 METRICS_PORT = 8139  # Ray's Prometheus export (ray.init's _metrics_export_port)
+METRICS_URL = f"http://127.0.0.1:{METRICS_PORT}/metrics"
 METRICS_REPORT_INTERVAL_MS = 1000  # how often Ray's workers push their metrics (Ray's default: 10 s)
 PREFIX_ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
 VLLM_QUERIES = "ray_vllm_prefix_cache_queries"  # vLLM's vllm:prefix_cache_queries through Ray's metrics
 VLLM_HITS = "ray_vllm_prefix_cache_hits"
+ROUTE_DECISIONS = "ray_ballast_route_decisions"  # Ballast's ballast_route_decisions_total{model, reason}
 LLM_NUM_CPUS = 16  # logical, for ray.serve.llm's placement groups and ingress
 CLIENT_TIMEOUT_S = 30.0  # the longest one request is waited for
 RETRY_PAUSE_S = 0.5  # a user's pause after a refused or failed turn
@@ -123,7 +127,7 @@ READY_MAX_S = 300.0  # the longest a stack is waited for after its deploy return
 SETTLE_MAX_S = 60.0  # the longest read_settled waits for the counters to stop moving
 LEVEL_SETTLE_MAX_S = 150.0  # the longest Ballast is given to step down to level 0 before the span
 BALLAST_QUIET_S = 2.0  # replicas report every 0.5 s
-LLM_QUIET_S = 4.0  # Ray exports each second (METRICS_REPORT_INTERVAL_MS)
+METRICS_QUIET_S = 4.0  # Ray exports each second (METRICS_REPORT_INTERVAL_MS)
 
 
 # -- the workload: pure and seeded ---------------------------------------------------------------
@@ -387,6 +391,7 @@ class RowResult:
     note: str = ""  # why a figure is missing, or what else the run showed
     levels: dict[int, int] = field(default_factory=dict)  # Ballast: /v1/status samples at each level
     reasons: dict[str, tuple[int, str]] = field(default_factory=dict)  # its level's reason: kind -> (samples, last)
+    routes: Optional[dict[str, int]] = None  # Ballast: its route decisions in the span, by reason
     error: Optional[str] = None
 
     @property
@@ -523,7 +528,21 @@ def counter_series(text: str, names: tuple[str, ...] = (VLLM_QUERIES, VLLM_HITS)
     return sorted(found)
 
 
-Reader = Callable[[], Awaitable[Optional[Counters]]]
+def route_counts(text: str, model: str, name: str = ROUTE_DECISIONS) -> dict[str, int]:
+    """Ballast's route decisions for ``model`` by ``reason`` in a Prometheus text export, summed
+    over its routers (a name matches with or without ``_total``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.removesuffix("_total") == name and sample.labels.get("model") == model:
+                reason = sample.labels.get("reason", "")
+                out[reason] = out.get(reason, 0) + int(sample.value)
+    return out
+
+
+Reader = Callable[[], Awaitable[Optional[Any]]]  # None: the read failed
 
 
 async def read_settled(
@@ -533,7 +552,7 @@ async def read_settled(
     poll_s: float = 0.5,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
-) -> Optional[Counters]:
+) -> Optional[Any]:
     """``read()`` every ``poll_s`` until it has not changed for ``quiet_s`` (the replicas' last
     reports are in), at most ``max_s``; the last read. A failed read (None) restarts the wait."""
     start = since = clock()
@@ -548,11 +567,11 @@ async def read_settled(
     return last
 
 
-def http_reader(url: str, headers: dict[str, str], parse: Callable[[Any], Counters], as_json: bool) -> Reader:
+def http_reader(url: str, headers: dict[str, str], parse: Callable[[Any], Any], as_json: bool) -> Reader:
     """A reader of ``url``: its answer (JSON or text) through ``parse``; None where it failed."""
     import httpx
 
-    async def read() -> Optional[Counters]:
+    async def read() -> Optional[Any]:
         try:
             async with httpx.AsyncClient(timeout=5.0) as c:
                 r = await c.get(url, headers=headers)
@@ -757,7 +776,7 @@ class Probe:
     source: str  # where the counters come from, in words
     status_url: Optional[str] = None  # Ballast's /v1/status, sampled for its level
     admin: dict[str, str] = field(default_factory=dict)
-    metrics_url: Optional[str] = None  # Ray's metrics export, where the counters come from it
+    routes: Optional[Reader] = None  # Ballast's route decisions by reason, from Ray's metrics export
 
 
 def _wait_ready(url: str, headers: dict[str, str], max_s: float = READY_MAX_S) -> None:
@@ -787,6 +806,7 @@ def _start_ballast(name: str, plan: Plan) -> Probe:
     admin = {"Authorization": f"Bearer {cfg.auth.demo_admin_token}"}
     deployment = cfg.deployment_name(cfg.models[0].name)
     keys = tuple(tenant_key(t) for t in range(plan.spec.tenants))
+    model = cfg.models[0].name
     return Probe(
         Target("127.0.0.1", PORT, f"{path}/v1/chat/completions", plan.model_name, keys),
         http_reader(f"{BASE}{path}/admin/replicas", admin, lambda d: ballast_counters(d, deployment), True),
@@ -794,6 +814,7 @@ def _start_ballast(name: str, plan: Plan) -> Probe:
         "GET /admin/replicas",
         status_url=f"{BASE}{path}/v1/status",
         admin=admin,
+        routes=http_reader(METRICS_URL, {}, lambda text: route_counts(text, model), False),
     )
 
 
@@ -805,13 +826,11 @@ def _start_serve_llm(plan: Plan) -> Probe:
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(serve_llm_app(plan.model_name, plan.model_dir, plan.engine_kwargs), name="llm", route_prefix="/")
     _wait_ready(f"{BASE}/v1/models", {})
-    metrics_url = f"http://127.0.0.1:{METRICS_PORT}/metrics"
     return Probe(
         Target("127.0.0.1", PORT, "/v1/chat/completions", plan.model_name),
-        http_reader(metrics_url, {}, prometheus_counters, False),
-        LLM_QUIET_S,
-        f"Ray's metrics export ({metrics_url})",
-        metrics_url=metrics_url,
+        http_reader(METRICS_URL, {}, prometheus_counters, False),
+        METRICS_QUIET_S,
+        f"Ray's metrics export ({METRICS_URL})",
     )
 
 
@@ -837,13 +856,15 @@ def row_session(name: str, plan: Plan) -> Iterator[Probe]:
 
     saved = dict(os.environ)
     llm = name not in PREFIX_AFFINITY
-    extra: dict[str, Any] = {}
-    if llm:  # vLLM's counters reach Ray's export every second; its placement groups need logical CPUs
-        extra = {
-            "num_cpus": LLM_NUM_CPUS,
-            "_metrics_export_port": METRICS_PORT,
-            "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
-        }
+    # Every row's Ray the same: its metrics exported each second on METRICS_PORT (vLLM's counters
+    # for ray.serve.llm, the route decisions for Ballast); ray.serve.llm's placement groups need
+    # logical CPUs.
+    extra: dict[str, Any] = {
+        "_metrics_export_port": METRICS_PORT,
+        "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
+    }
+    if llm:
+        extra["num_cpus"] = LLM_NUM_CPUS
     try:
         _row_env(name, plan)
         ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False, **extra)
@@ -884,6 +905,7 @@ async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
     if probe.status_url is not None:
         print(f"  {name}: {await settle_level(probe.status_url, probe.admin)}", flush=True)
     before = await read_settled(probe.read, probe.quiet_s)
+    routes_before = await read_settled(probe.routes, METRICS_QUIET_S) if probe.routes else None
     trace: list[dict[str, Any]] = []
     sampler = asyncio.create_task(sample_status(probe.status_url, probe.admin, trace)) if probe.status_url else None
     try:
@@ -893,14 +915,16 @@ async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
         if sampler is not None:
             sampler.cancel()
     after = await read_settled(probe.read, probe.quiet_s)
-    if probe.metrics_url is not None:
-        print(f"  {name}: counters found as {await _series(probe.metrics_url) or 'nothing'}", flush=True)
+    routes_after = await read_settled(probe.routes, METRICS_QUIET_S) if probe.routes else None
+    print(f"  {name}: in Ray's metrics export: {await _series(METRICS_URL) or 'none of ours'}", flush=True)
     result = RowResult(name, args.duration_s, outcomes)
     if before is None or not after:
         result.note = f"vLLM's prefix-cache counters not found in {probe.source}: hit and max_over_mean not measured"
     else:
         result.deltas = counter_deltas(before, after)
     result.levels, result.reasons = level_summary(trace)
+    if routes_before is not None and routes_after:
+        result.routes = {k: v - routes_before.get(k, 0) for k, v in routes_after.items()}
     return result
 
 
@@ -954,7 +978,7 @@ async def _series(url: str) -> str:
 
     try:
         async with httpx.AsyncClient(timeout=5.0) as c:
-            return ", ".join(counter_series((await c.get(url)).text))
+            return ", ".join(counter_series((await c.get(url)).text, (VLLM_QUERIES, VLLM_HITS, ROUTE_DECISIONS)))
     except (httpx.HTTPError, ValueError) as e:
         return f"(not read: {e})"
 
@@ -1021,6 +1045,10 @@ def print_table(results: dict[str, RowResult], ttft_slo_ms: float) -> None:
             n = sum(r.levels.values())
             shares = ", ".join(f"{lv}: {k / n:.0%}" for lv, k in sorted(r.levels.items()))
             print(f"{'':<17} Ballast's level over the span (its /v1/status every 0.5 s): {shares}")
+        if r.routes:
+            n = sum(r.routes.values())
+            shares = ", ".join(f"{k} {v / n:.0%}" for k, v in sorted(r.routes.items(), key=lambda kv: -kv[1]) if v)
+            print(f"{'':<17} routed in the span ({n}, ballast_route_decisions_total by reason): {shares}")
         total = sum(c for c, _ in r.reasons.values())
         for _, (k, last) in sorted(r.reasons.items(), key=lambda kv: -kv[1][0])[:3]:
             print(f"{'':<17} reason in {k / total:.0%} of the samples, the last: {last}")

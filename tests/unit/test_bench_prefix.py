@@ -27,6 +27,7 @@ from loadtest.bench_prefix import (
     parse_args,
     prometheus_counters,
     read_settled,
+    route_counts,
     summary_line,
     target_checks,
     tenant_key,
@@ -253,6 +254,23 @@ def test_ray_metrics_are_read_per_replica_with_or_without_total():
         "ray_vllm_prefix_cache_queries_total{ReplicaId,WorkerId,engine}",
     ]
     assert prometheus_counters("# nothing here\n") == {}
+
+
+def test_ballasts_route_decisions_are_counted_by_reason_for_its_model():
+    text = "\n".join(
+        [
+            "# TYPE ray_ballast_route_decisions counter",
+            'ray_ballast_route_decisions_total{model="demo",reason="prefix",WorkerId="r1"} 30.0',
+            'ray_ballast_route_decisions_total{model="demo",reason="prefix",WorkerId="r2"} 12.0',
+            'ray_ballast_route_decisions_total{model="demo",reason="balance",WorkerId="r1"} 5.0',
+            'ray_ballast_route_decisions_total{model="other",reason="home",WorkerId="r1"} 9.0',
+        ]
+    )
+    assert route_counts(text, "demo") == {"prefix": 42, "balance": 5}
+    assert route_counts(text, "absent") == {}
+    assert counter_series(text, ("ray_ballast_route_decisions",)) == [
+        "ray_ballast_route_decisions_total{WorkerId,model,reason}"
+    ]
 
 
 def test_counters_are_read_once_they_have_not_moved_for_the_quiet_time():
