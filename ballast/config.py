@@ -174,9 +174,11 @@ class RoutingSettings(_Strict):
     # counted) would be past load_bound_ratio x the mean, and at least min_slack over it.
     load_bound_ratio: float = Field(1.25, ge=1.0, le=10.0)
     min_slack: int = Field(2, ge=1, le=1024)
-    # From this degradation level up the model is short of capacity: requests go to the
-    # least loaded ready replicas (power of two) and no longer by what they hold.
-    balance_from_level: int = Field(2, ge=0, le=5)
+    # From this degradation level up requests go to the least loaded ready replicas (power
+    # of two) and no longer by what they hold. 3: the model is short of capacity for all but
+    # critical_plus (which is routed among the least loaded at every level). Below it a
+    # prefix hit is capacity (the prefill it saves), and the load bound keeps the spread.
+    balance_from_level: int = Field(3, ge=0, le=5)
     # The most KV blocks one replica reports (its most recently stored; 4 bytes each in
     # Serve's routing stats, which every router polls).
     report_blocks: int = Field(16384, ge=16, le=1 << 20)

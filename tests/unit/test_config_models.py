@@ -68,7 +68,7 @@ class TestOneModelConfigsUnchanged:
                 "prefix_affinity": True,
                 "load_bound_ratio": 1.25,
                 "min_slack": 2,
-                "balance_from_level": 2,
+                "balance_from_level": 3,
                 "report_blocks": 16384,
             }
         assert dump == BEFORE[name]  # no `models` key: the one-model form dumps as model

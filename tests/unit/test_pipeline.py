@@ -384,3 +384,23 @@ async def test_an_answer_charges_its_tenant_and_the_reports_carry_it_to_the_cont
     assert pipeline.gate.limit.value == 5  # a quarter of 2 x 10
     router.reporter.on_reply({})  # nobody waits anywhere: the even split again
     assert pipeline.gate.limit.value == 10
+
+
+@pytest.mark.parametrize(
+    ("level", "criticality", "route"),
+    [
+        (0, Criticality.CRITICAL, "affinity"),
+        (2, Criticality.CRITICAL, "affinity"),  # a queue wait alone can raise level 2: affinity holds
+        (0, Criticality.CRITICAL_PLUS, "least_loaded"),  # never waits behind a holder
+        (3, Criticality.CRITICAL_PLUS, "balance"),  # short of capacity: load alone
+    ],
+)
+async def test_the_call_says_how_the_model_router_may_place_it(level, criticality, route) -> None:
+    cfg = {**CFG, "tenants": {"gold": {**CFG["tenants"]["gold"], "max_criticality": "critical_plus"}}}
+    router = build_router(cfg, FakeHandle())
+    pipeline = router.pipeline
+    at_level(router, level)
+    primary(pipeline).generate.script.append(reply(3))
+    req = request()
+    await pipeline.serve(ModelRequest(req.caller, criticality, req.max_tokens, False, CALL))
+    assert primary(pipeline).generate.calls[0].route == route
