@@ -69,7 +69,8 @@ by code, each replica's queries; for Ballast its route decisions in the span by 
 (``ballast_route_decisions_total``: prefix, home, balance) and its degradation level (its
 ``/v1/status`` every 0.5 s: from ``model.routing.balance_from_level`` up it routes by load alone,
 and at a level whose settings turn streaming off the first content comes with the whole answer,
-which TTFT then measures). Every row's Ray exports its metrics each second on ``METRICS_PORT``.
+which TTFT then measures). Every row's Ray exports its metrics on ``METRICS_PORT`` (Ray's default
+interval, 10 s: a settled read waits ``METRICS_QUIET_S`` without a change).
 
 A figure whose counters could not be read prints as ``nan``, with the reason in the table. The
 report ends with the targets (informational) and one line per row a script can read::
@@ -114,7 +115,6 @@ PREFIX_ENGINE_KWARGS = {
 }
 METRICS_PORT = 8139  # Ray's Prometheus export (ray.init's _metrics_export_port)
 METRICS_URL = f"http://127.0.0.1:{METRICS_PORT}/metrics"
-METRICS_REPORT_INTERVAL_MS = 1000  # how often Ray's workers push their metrics (Ray's default: 10 s)
 PREFIX_ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
 VLLM_QUERIES = "ray_vllm_prefix_cache_queries"  # vLLM's vllm:prefix_cache_queries through Ray's metrics
 VLLM_HITS = "ray_vllm_prefix_cache_hits"
@@ -127,7 +127,7 @@ READY_MAX_S = 300.0  # the longest a stack is waited for after its deploy return
 SETTLE_MAX_S = 60.0  # the longest read_settled waits for the counters to stop moving
 LEVEL_SETTLE_MAX_S = 150.0  # the longest Ballast is given to step down to level 0 before the span
 BALLAST_QUIET_S = 2.0  # replicas report every 0.5 s
-METRICS_QUIET_S = 4.0  # Ray exports each second (METRICS_REPORT_INTERVAL_MS)
+METRICS_QUIET_S = 12.0  # Ray's workers push their metrics every 10 s (its metrics_report_interval_ms)
 
 
 # -- the workload: pure and seeded ---------------------------------------------------------------
@@ -856,13 +856,11 @@ def row_session(name: str, plan: Plan) -> Iterator[Probe]:
 
     saved = dict(os.environ)
     llm = name not in PREFIX_AFFINITY
-    # Every row's Ray the same: its metrics exported each second on METRICS_PORT (vLLM's counters
-    # for ray.serve.llm, the route decisions for Ballast); ray.serve.llm's placement groups need
-    # logical CPUs.
-    extra: dict[str, Any] = {
-        "_metrics_export_port": METRICS_PORT,
-        "_system_config": {"metrics_report_interval_ms": METRICS_REPORT_INTERVAL_MS},
-    }
+    # Every row's Ray the same, with Ray's defaults: its metrics exported on METRICS_PORT (vLLM's
+    # counters for ray.serve.llm, the route decisions for Ballast), pushed there every 10 s (a
+    # shorter interval costs every process CPU on this host); ray.serve.llm's placement groups
+    # need logical CPUs.
+    extra: dict[str, Any] = {"_metrics_export_port": METRICS_PORT}
     if llm:
         extra["num_cpus"] = LLM_NUM_CPUS
     try:
