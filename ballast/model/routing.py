@@ -52,6 +52,7 @@ the same paths Serve's default uses, and ray is pinned in constraints.txt.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from typing import Any, List, Optional
@@ -70,6 +71,8 @@ from ballast.policies.affinity import (
 from ballast.policies.holdings import AdapterHoldings, AdapterReport, fleet_demand
 from ballast.policies.prefix_cache import PrefixReport, block_keys, home_score, matched_blocks
 from ballast.policies.reports import ROUTE_REASONS
+
+log = logging.getLogger(__name__)
 
 ROUTER_PATH = "ballast.model.routing:ReadinessAwareRouter"
 #: A report stamped longer ago than this (three of the replicas' 5 s stamps) is stale.
@@ -283,10 +286,13 @@ class RouteCounter:
         )
 
     def inc(self, reason: str) -> None:
-        self._counter.inc(1, tags={"model": self._model, "reason": reason})
         with _ROUTED_LOCK:
             counts = _ROUTED.setdefault(self._model, dict.fromkeys(ROUTE_REASONS, 0))
             counts[reason] += 1
+        try:
+            self._counter.inc(1, tags={"model": self._model, "reason": reason})
+        except Exception as e:  # a metric must never fail a routing decision
+            log.debug("route decision metric not recorded: %r", e)
 
 
 def request_router_config(stats_period_s: float, routing: Any = None, model: str = "") -> Any:

@@ -102,17 +102,25 @@ def test_a_shared_prefix_lands_on_one_replica_through_both_routers_and_spreads_p
     http = stack
     complete(http, PREFIX + "first")  # the prefix's first request: to its home
     wait_until(lambda: max(r["prefix_blocks"] for r in reporting(http).values()) >= 4, 30, 0.25, "the prefix reported")
+
+    # Until both routers have the replicas' reports (Serve polls and broadcasts them), a
+    # request may still go by load: warm both up, until each has routed one by the prefix.
+    def both_route_by_prefix() -> bool:
+        complete(http, PREFIX + "warm")
+        return len(decisions_by_router("prefix")) >= 2
+
+    wait_until(both_route_by_prefix, 60, 1, "prefix decisions from both routers")
     before = queries(http)
     for i in range(10):  # one at a time: the holder is never past the bound
         complete(http, PREFIX + f"question {i}")
     after = queries(http)
     grew = {rid: after[rid] - before[rid] for rid in after}
     assert sorted(v > 0 for v in grew.values()) == [False, True], grew  # all on one replica
-    # Through both routers: each router process routed some of them by the prefix.
-    wait_until(lambda: len(decisions_by_router("prefix")) >= 2, 40, 1, "prefix decisions from both routers")
 
+    # Twelve at once, each decoding 200 tokens (seconds on this model): all in flight together
+    # however loaded the host is, so the holder is past the bound while the later ones route.
     before = queries(http)
-    threads = [threading.Thread(target=complete, args=(http, PREFIX + f"burst {i}", 48)) for i in range(12)]
+    threads = [threading.Thread(target=complete, args=(http, PREFIX + f"burst {i}", 200)) for i in range(12)]
     for t in threads:
         t.start()
     for t in threads:

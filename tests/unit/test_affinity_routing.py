@@ -342,6 +342,7 @@ def test_each_decision_is_counted_by_reason_for_the_controller() -> None:
         await router.choose_replicas([a, b], prompt_request(list(range(600, 624))))  # home
         await router.choose_replicas([a, b], prompt_request(SYSTEM, "balance"))  # balance
         after = routed_so_far("counted-model")
+        assert router._decisions is not None and router.model == "counted-model"
         assert {k: after[k] - before.get(k, 0) for k in after} == {"prefix": 1, "home": 1, "adapter": 0, "balance": 1}
         router.initialize_state(model="counted-model", prefix_affinity=False)
         await router.choose_replicas([a, b], prompt_request(SYSTEM))  # affinity off: power of two
