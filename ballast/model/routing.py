@@ -277,6 +277,7 @@ class RouteCounter:
         from ray.util import metrics
 
         self._model = model
+        self.counts: dict[str, int] = {}  # this router's decisions by reason (its own view)
         self._counter = metrics.Counter(
             "ballast_route_decisions_total",
             "Requests routed to a model replica, by why that one: prefix (it holds the start of the "
@@ -286,6 +287,7 @@ class RouteCounter:
         )
 
     def inc(self, reason: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
         with _ROUTED_LOCK:
             counts = _ROUTED.setdefault(self._model, dict.fromkeys(ROUTE_REASONS, 0))
             counts[reason] += 1
