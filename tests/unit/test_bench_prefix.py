@@ -111,9 +111,10 @@ def test_the_hit_ceiling_finds_each_turns_earlier_full_blocks():
     assert hit_ceiling(spec, count, 32, 48) == pytest.approx((48 + 96) / (128 + 288))
 
 
-def test_one_replicas_cache_is_half_the_working_set_and_holds_a_full_context():
-    assert default_kv_blocks(320.0, 1024, 32) == 160
-    assert default_kv_blocks(320.5, 1024, 32) == 161
+def test_one_replicas_cache_is_a_share_of_the_working_set_and_holds_a_full_context():
+    assert default_kv_blocks(320.0, 1024, 32, share=0.5) == 160
+    assert default_kv_blocks(320.5, 1024, 32, share=0.5) == 161
+    assert default_kv_blocks(400.0, 1024, 32) == 240  # KV_SHARE 0.6
     assert default_kv_blocks(31.0, 1024, 32) == 33  # 32 blocks for a 1024-token prompt, and one more
 
 
