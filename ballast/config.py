@@ -219,6 +219,10 @@ class ModelConfig(_Strict):
     # calls in its answer; without it, "auto" is a 400 and "required" or a named function
     # still work (guided decoding). Loaded when the router starts.
     tool_parser: Optional[str] = Field(None, min_length=1)
+    # vllm only: vLLM's reasoning parser for this model (e.g. qwen3, deepseek_r1): the
+    # answer's thinking goes to reasoning_content, and nothing in it is taken for a tool
+    # call. Loaded when the router starts.
+    reasoning_parser: Optional[str] = Field(None, min_length=1)
     # transformers only: the weights' dtype; null is bfloat16 on CUDA, float32 on CPU.
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
     # The KV-cache budget of one replica, in tokens: a request joins the batch only while
@@ -315,6 +319,8 @@ class ModelConfig(_Strict):
             raise ValueError("engine_kwargs are vLLM's (backend 'vllm')")
         if self.tool_parser is not None and self.backend != "vllm":
             raise ValueError("tool_parser is vLLM's (backend 'vllm'); the other engines do not call tools")
+        if self.reasoning_parser is not None and self.backend != "vllm":
+            raise ValueError("reasoning_parser is vLLM's (backend 'vllm')")
         return self
 
     def _parallel_fields(self) -> None:

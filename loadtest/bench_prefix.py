@@ -24,8 +24,9 @@ memory, is refused on a host that runs anything else).
 Workload (``WorkloadSpec``, seeded; the same requests for every row): ``TENANTS`` tenants, each
 with a system prompt of its own (``system_words`` words of the demo tokenizer's corpus, about 620
 tokens); per tenant ``--users-per-tenant`` closed-loop users, each in a conversation of ``--turns``
-turns and pausing ``--think-ms`` after each answer (default ``THINK_MS``: light enough that Ballast stays at level 0-1 here,
-so that TTFT reads prefill and scheduling more than a queue; 0: back to back). A turn's messages are the system prompt, every earlier turn (its user
+turns and pausing ``--think-ms`` after each answer (default ``THINK_MS``: light enough that
+Ballast stays at level 0-1 here, so that TTFT reads prefill and scheduling more than a queue;
+0: back to back). A turn's messages are the system prompt, every earlier turn (its user
 message and the answer the model gave: a chat client resends its history) and a new user message;
 after the last turn a new conversation starts with the same system prompt. The working set
 (``working_set_blocks``) and the hit rate a perfect router with an unbounded cache would get

@@ -578,9 +578,11 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     tools: Optional[Sequence[Mapping[str, Any]]] = None,
     special_tokens_in_content: str = "text",
+    template_kwargs: Optional[Mapping[str, Any]] = None,
 ) -> str:
     """The prompt text for ``messages`` (and the ``tools`` the model may call, when
-    given), through the tokenizer's chat template.
+    given), through the tokenizer's chat template; ``template_kwargs`` are the template's
+    own variables (``enable_thinking``), checked by the front (``openai_api``).
 
     The generation prompt (the assistant's turn header) is appended. The text
     already holds the template's special tokens (a bos, turn markers), so count
@@ -606,7 +608,11 @@ def render_chat(
         )
     try:
         text = tokenizer.apply_chat_template(
-            list(messages), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
+            list(messages),
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=True,
+            **dict(template_kwargs or {}),
         )
     except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
         raise ChatTemplateError(f"the chat template refused the messages: {e}") from e

@@ -53,10 +53,20 @@ class RowSampling:
     # vLLM's only (the router refuses any other value for the other engines): above 1
     # penalises tokens already in the prompt or the answer.
     repetition_penalty: float = 1.0
+    # vLLM's only, as repetition_penalty (OpenAI's): -2 to 2, 0 neutral; presence penalises a
+    # token once it appeared, frequency by how often.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's only, as repetition_penalty: (token id, bias -100 to 100) pairs added to those
+    # tokens' logits (OpenAI's logit_bias), at most MAX_LOGIT_BIAS.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's only, as repetition_penalty: the answer is JSON following this JSON Schema
     # (its text), by the engine's guided decoding.
     json_schema: Optional[str] = None
     json_schema_of: str = "response_format"  # the request field it came from (or "tools"), for a refusal
+    # vLLM's only, as json_schema (at most one of the two): xgrammar's structural tag (its
+    # JSON text) that vLLM's tool parser built for a request's tools.
+    structural_tag: Optional[str] = None
     # vLLM's only, as json_schema: the answer's text keeps the special tokens (a tool
     # parser looks for its markers among them).
     keep_special_tokens: bool = False
@@ -82,6 +92,13 @@ class RowSampling:
         r = self.repetition_penalty
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or not (0 < r <= 2):
             raise ValueError(f"repetition_penalty must be in (0, 2], got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        _check_logit_bias(self.logit_bias)
+        if self.json_schema is not None and self.structural_tag is not None:
+            raise ValueError("structural_tag: one grammar a row; json_schema is set too")
 
     def for_vocab(self, vocab_size: int) -> "RowSampling":
         """This sampling for a model of ``vocab_size`` tokens: a top_k at or past it is every token."""
@@ -96,8 +113,13 @@ class RowSampling:
         asked = set()
         if self.repetition_penalty != 1.0:
             asked.add("repetition_penalty")
+        asked |= {n for n in ("presence_penalty", "frequency_penalty") if getattr(self, n) != 0}
+        if self.logit_bias:
+            asked.add("logit_bias")
         if self.json_schema is not None:
             asked.add("json_schema")
+        if self.structural_tag is not None:
+            asked.add("structural_tag")
         if self.keep_special_tokens:
             asked.add("keep_special_tokens")
         return frozenset(asked)
@@ -125,12 +147,48 @@ class RowSampling:
                 min_tokens=req.get("min_tokens") or 0,
                 ignore_eos=bool(req.get("ignore_eos")),
                 repetition_penalty=number("repetition_penalty", 1.0) or 1.0,
+                presence_penalty=number("presence_penalty", 0.0),
+                frequency_penalty=number("frequency_penalty", 0.0),
+                logit_bias=_logit_bias_pairs(req.get("logit_bias")),
                 json_schema=req.get("json_schema"),
                 json_schema_of=str(req.get("json_schema_of") or "response_format"),
+                structural_tag=req.get("structural_tag"),
                 keep_special_tokens=bool(req.get("keep_special_tokens")),
             )
         except ValueError as e:  # every message starts with the field's name
             raise EngineRefused(str(e), field=str(e).split(" ", 1)[0]) from None
+
+
+MAX_LOGIT_BIAS = 300  # tokens one request may bias
+
+
+def _check_logit_bias(pairs: Any) -> None:
+    if not isinstance(pairs, tuple) or len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS} tokens")
+    for pair in pairs:
+        ok = isinstance(pair, tuple) and len(pair) == 2
+        tid, bias = pair if ok else (None, None)
+        if not ok or isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {pair!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) or abs(bias) > 100:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+
+
+def _logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
+    """A mapping of token ids (ints, or their decimal text as JSON keys are) to biases, as
+    sorted pairs; ValueError naming logit_bias for anything else."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {type(value).__name__}")
+    pairs = []
+    for k, v in value.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
+        pairs.append((tid, v))
+    return tuple(sorted(pairs))
 
 
 GREEDY = RowSampling()

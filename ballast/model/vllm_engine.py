@@ -56,7 +56,11 @@ adapter instead (``_base_adapter``), which gives the base model's output exactly
 
 **Stats** come from vLLM's own scheduler through a ``StatLoggerBase`` registered
 at start (one record per engine step): running and waiting requests, KV-cache
-usage, cumulative prefix-cache queries and hits (:class:`VLLMStats`).
+usage, cumulative prefix-cache queries and hits (:class:`VLLMStats`). Inside Ray, vLLM's
+own metrics go to Prometheus beside Ballast's as ``ray.serve.llm`` exports them
+(``RayPrometheusStatLogger``: ``ray_vllm_time_to_first_token_seconds``,
+``ray_vllm_inter_token_latency_seconds``, ``ray_vllm_num_preemptions_total``, ...,
+labelled ``model_name`` with the model's name).
 
 Written here rather than taken from vLLM's OpenAI server: the replica needs
 token-level chunks, aborts and admission under its own control, which
@@ -207,7 +211,9 @@ def default_engine_kwargs(
 ) -> dict[str, Any]:
     """``engine_kwargs`` with Ballast's defaults for what it leaves out: room in the engine
     for ``rows`` requests (``max_num_seqs``, the replica bounds them), LoRA when the model
-    has ``adapters`` (:func:`lora_engine_kwargs`), and on CPU a KV cache
+    has ``adapters`` (:func:`lora_engine_kwargs`), guided JSON without whitespace between
+    its tokens (``structured_outputs_config.disable_any_whitespace``; vLLM's default lets a
+    small model fill ``max_tokens`` with whitespace), and on CPU a KV cache
     with room for ``rows`` rows that each fill the context, as Ballast's own engines are
     sized (vLLM's size is each rank's: with tensor or pipeline parallelism, that share of
     it). vLLM's CPU default (``gpu_memory_utilization`` 0.92 of the host's memory) is
@@ -217,6 +223,9 @@ def default_engine_kwargs(
     import os
 
     out = lora_engine_kwargs({"max_num_seqs": rows, **engine_kwargs}, adapters or {}, base_slot=not _cuda_visible())
+    so = out.get("structured_outputs_config")
+    if so is None or isinstance(so, dict):  # compact JSON: a small model fills max_tokens with whitespace
+        out["structured_outputs_config"] = {"disable_any_whitespace": True, **(so or {})}
     sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(out) or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if sized or _cuda_visible():
         return out
@@ -302,10 +311,41 @@ def sampling_params(s: RowSampling, n: int) -> Any:
         min_tokens=min(int(s.min_tokens), n),
         ignore_eos=bool(s.ignore_eos),
         repetition_penalty=float(s.repetition_penalty),
-        structured_outputs=StructuredOutputsParams(json=s.json_schema) if s.json_schema else None,
+        presence_penalty=float(s.presence_penalty),
+        frequency_penalty=float(s.frequency_penalty),
+        logit_bias=dict(s.logit_bias) or None,
+        structured_outputs=(
+            StructuredOutputsParams(structural_tag=s.structural_tag)
+            if s.structural_tag
+            else StructuredOutputsParams(json=s.json_schema)
+            if s.json_schema
+            else None
+        ),
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,  # the replica decodes ids itself
     )
+
+
+def _engine_metrics() -> list[Any]:
+    """vLLM's own metrics (TTFT, inter-token latency, preemptions, ... as ``vllm_*``) through
+    Ray's metrics, as ``ray.serve.llm`` exports them (``log_engine_metrics``), in a replica;
+    none outside Ray (a test's engine)."""
+    import ray
+
+    if not ray.is_initialized():
+        return []
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return [RayPrometheusStatLogger]
+
+
+def _grammar_key(s: RowSampling) -> Optional[str]:
+    """The grammar a row decodes by, as ``GrammarCompiles`` remembers it: ``kind:text``."""
+    if s.structural_tag is not None:
+        return f"structural_tag:{s.structural_tag}"
+    if s.json_schema is not None:
+        return f"json_schema:{s.json_schema}"
+    return None
 
 
 def _config_sections(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -413,6 +453,7 @@ class VLLMBackend:
 
         kwargs = {**_DEFAULT_ENGINE_KWARGS, **engine_kwargs, "model": self.source, "tokenizer": self.source}
         kwargs.setdefault("disable_log_stats", True)  # no default loggers; ours still turns stats on
+        kwargs.setdefault("served_model_name", self.name)  # the model_name label of vLLM's own metrics
         try:
             args = AsyncEngineArgs(**_config_sections(kwargs))
         except (TypeError, ValueError) as e:
@@ -426,7 +467,9 @@ class VLLMBackend:
         _in_replica_group(vllm_config.parallel_config)
         try:
             return AsyncLLM.from_vllm_config(
-                vllm_config, stat_loggers=[_stat_logger_factory(self._stats)], disable_log_stats=args.disable_log_stats
+                vllm_config,
+                stat_loggers=[_stat_logger_factory(self._stats), *_engine_metrics()],
+                disable_log_stats=args.disable_log_stats,
             )
         except Exception as e:  # the engine core failed to start (its log has the detail)
             raise ModelLoadError(self.source, f"vLLM's engine did not start: {type(e).__name__}: {e}") from e
@@ -592,24 +635,27 @@ class VLLMBackend:
             return None
         sampling = sampling.for_vocab(self.vocab_size)
         try:
-            self._verify(sampling_params(replace(sampling, json_schema=None), 1))
+            self._verify(sampling_params(replace(sampling, json_schema=None, structural_tag=None), 1))
         except (VLLMClientError, ValueError) as e:
             field = str(getattr(e, "parameter", None) or "sampling")
             raise EngineRefused(f"{field}: vLLM refuses the request's sampling parameters: {e}", field=field) from None
-        if sampling.json_schema is not None:
-            await self.grammars.check(sampling.json_schema, sampling.json_schema_of)
+        grammar = _grammar_key(sampling)
+        if grammar is not None:
+            await self.grammars.check(grammar, sampling.json_schema_of)
         return sampling
 
     def _verify(self, params: Any) -> None:
         cfg = self._llm.vllm_config
         params.verify(cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, self._llm.tokenizer)
 
-    def _compile_schema(self, schema: str) -> None:
-        """vLLM's validation of ``schema``, then its grammar compiled as vLLM's xgrammar
-        backend compiles it (in a grammar thread); ValueError: vLLM refuses it."""
+    def _compile_schema(self, key: str) -> None:
+        """vLLM's validation of a row's grammar (``_grammar_key``: a JSON schema or a
+        structural tag), then the grammar compiled as vLLM's xgrammar backend compiles it
+        (in a grammar thread); ValueError: vLLM refuses it."""
         from vllm.exceptions import VLLMClientError
 
-        params = sampling_params(RowSampling(json_schema=schema), 1)
+        kind, text = key.split(":", 1)
+        params = sampling_params(RowSampling(**{kind: text}), 1)
         try:
             self._verify(params)
         except (VLLMClientError, ValueError) as e:
@@ -617,12 +663,15 @@ class VLLMBackend:
         if str(params.structured_outputs._backend or "").startswith("xgrammar"):
             so = self._llm.vllm_config.structured_outputs_config
             try:
-                self._xgrammar().compile_json_schema(
-                    schema,
-                    any_whitespace=not so.disable_any_whitespace,
-                    separators=(",", ":") if so.disable_any_whitespace else None,
-                )
-            except RuntimeError as e:  # xgrammar's refusal of a schema its parser took
+                if kind == "structural_tag":
+                    self._xgrammar().compile_structural_tag(text)
+                else:
+                    self._xgrammar().compile_json_schema(
+                        text,
+                        any_whitespace=not so.disable_any_whitespace,
+                        separators=(",", ":") if so.disable_any_whitespace else None,
+                    )
+            except RuntimeError as e:  # xgrammar's refusal of a grammar vLLM's validation took
                 raise ValueError(str(e)) from None
 
     def _xgrammar(self) -> Any:

@@ -90,6 +90,9 @@ PREFIX_HITS = "rate(ray_ballast_model_prefix_cache_hits_total[5m])"
 PREFIX_QUERIES = "rate(ray_ballast_model_prefix_cache_queries_total[5m])"
 ROUTED = "ray_ballast_route_decisions_total"
 NEEDS_VLLM = "needs a vLLM model with prefix caching"
+NEEDS_VLLM_ENGINE = "needs a vLLM model (its engine's own metrics)"
+VLLM_TTFT = "ray_vllm_time_to_first_token_seconds"
+VLLM_ITL = "ray_vllm_inter_token_latency_seconds"
 
 OVERVIEW = Dashboard(
     uid="ballast-overview",
@@ -213,6 +216,46 @@ OVERVIEW = Dashboard(
                 ),
             ),
             unit="percentunit",
+        ),
+        Panel(
+            "vLLM time to first token by model",
+            (
+                Target(
+                    f"histogram_quantile(0.5, sum by (model_name, le) (rate({VLLM_TTFT}_bucket[5m])))",
+                    "{{model_name}} p50",
+                    sparse=NEEDS_VLLM_ENGINE,
+                ),
+                Target(
+                    f"histogram_quantile(0.99, sum by (model_name, le) (rate({VLLM_TTFT}_bucket[5m])))",
+                    "{{model_name}} p99",
+                    sparse=NEEDS_VLLM_ENGINE,
+                ),
+            ),
+            unit="s",
+            description="vLLM's own figure, in the engine (from the request's arrival at the engine to its first "
+            "token); Ballast's queue before it is the gate panels'",
+        ),
+        Panel(
+            "vLLM inter-token latency and preemptions by model",
+            (
+                Target(
+                    f"histogram_quantile(0.5, sum by (model_name, le) (rate({VLLM_ITL}_bucket[5m])))",
+                    "{{model_name}} ITL p50 (s)",
+                    sparse=NEEDS_VLLM_ENGINE,
+                ),
+                Target(
+                    f"histogram_quantile(0.99, sum by (model_name, le) (rate({VLLM_ITL}_bucket[5m])))",
+                    "{{model_name}} ITL p99 (s)",
+                    sparse=NEEDS_VLLM_ENGINE,
+                ),
+                Target(
+                    "sum by (model_name) (rate(ray_vllm_num_preemptions_total[5m]))",
+                    "{{model_name}} preemptions /s",
+                    sparse=NEEDS_VLLM_ENGINE,
+                ),
+            ),
+            description="vLLM's own figures: the time between two tokens of a stream, and requests preempted "
+            "(their KV cache taken back) per second",
         ),
         Panel(
             "Replica load imbalance",

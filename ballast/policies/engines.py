@@ -1,10 +1,12 @@
 """What an engine honours of a call to the model, beyond what every engine does: one table.
 
 A call (``ballast.model.protocol.ModelCall``) may ask for things only some engines
-honour: ``repetition_penalty``, ``json_schema`` (from ``response_format`` and forced
-tool calls), ``keep_special_tokens`` (tool_choice "auto": the tool parser reads the
-model's markers) and ``adapter`` (a LoRA adapter, named by the request's ``model``: the
-router resolves that field itself, so no request field asks for it here), only vLLM's.
+honour: ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias``, ``json_schema`` (from ``response_format`` and forced
+tool calls), ``structural_tag`` (tool calls in the model's own format),
+``keep_special_tokens`` (the tool parser reads the model's markers) and ``adapter`` (a
+LoRA adapter, named by the request's ``model``: the router resolves that field itself,
+so no request field asks for it here), only vLLM's.
 ``ENGINE_ONLY`` says, by call field, which engines honour it and which request fields ask
 for it (with each one's neutral value, which asks for nothing). Two readers:
 
@@ -36,9 +38,16 @@ class EngineOnly:
 #: Call fields that only some engines honour. Every other field, every engine honours.
 ENGINE_ONLY: Mapping[str, EngineOnly] = {
     "repetition_penalty": EngineOnly(frozenset({"vllm"}), {"repetition_penalty": 1.0}),
+    "presence_penalty": EngineOnly(frozenset({"vllm"}), {"presence_penalty": 0}),
+    "frequency_penalty": EngineOnly(frozenset({"vllm"}), {"frequency_penalty": 0}),
+    "logit_bias": EngineOnly(frozenset({"vllm"}), {"logit_bias": None}),
     "json_schema": EngineOnly(frozenset({"vllm"}), {"response_format": None, "tools": None}),
+    "structural_tag": EngineOnly(frozenset({"vllm"}), {"tools": None}),
     "keep_special_tokens": EngineOnly(frozenset({"vllm"}), {"tools": None}),
     "adapter": EngineOnly(frozenset({"vllm"}), {}),
+    # No call field: the router renders the chat, through the model's own template (the
+    # transformers and vLLM engines'); the built-in template takes no variables.
+    "chat_template": EngineOnly(frozenset({"transformers", "vllm"}), {"chat_template_kwargs": None}),
 }
 
 

@@ -22,9 +22,8 @@ the request, hands it to ``pipeline.Pipeline`` and formats what comes back.
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Any, AsyncGenerator, Optional, Union
+from typing import Any, AsyncGenerator, Optional, Sequence, Union
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -38,6 +37,7 @@ from ballast.router.lanes import Lane
 from ballast.router.pipeline import Admission, Answer, Caller, ModelRequest, Pipeline, Stream
 from ballast.router.tokens import ModelText
 from ballast.policies.catalog import Target
+from ballast.router.chat_parsing import ParsedChat, StreamedChat
 from ballast.router.tool_calls import ToolPlan, ToolRequestError, ToolSchemaTooComplex, plan
 
 NO_TOOLS = ToolPlan("none")
@@ -66,12 +66,15 @@ class OpenAIFront:
         caller = self._pipeline.identify(request)
         req, lane, target = await self._parse(request, chat, caller)
         text = lane.text
-        tools = self._tool_plan(req, text) if isinstance(req, oa.ChatCompletionRequest) else NO_TOOLS
-        prompt = text.render_chat(req.messages, tools.template_tools()) if chat else req.prompt
+        parsed = self._parsed(req, text) if isinstance(req, oa.ChatCompletionRequest) else None
+        tools = parsed.tools if parsed is not None else NO_TOOLS
+        prompt = (
+            text.render_chat(req.messages, tools.template_tools(), req.chat_template_kwargs) if chat else req.prompt
+        )
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
-        call = self.to_call(req, prompt, chat, tools, text, target)
+        call = self.to_call(req, prompt, chat, parsed, text, target)
         max_tokens = text.fit(len(call.prompt_ids), oa.max_tokens_of(req))
         stops = call.stops
         served = await self._pipeline.serve(ModelRequest(caller, claimed, max_tokens, req.stream, call))
@@ -82,13 +85,9 @@ class OpenAIFront:
         opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
         if isinstance(served, Stream):
-            events = (
-                self._tool_events(served, chat, answer_id, stops, opts, tools)
-                if tools.may_call
-                else self._events(served, chat, answer_id, stops, opts)
-            )
-            return StreamResponse(events, served, headers)
-        return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers, tools)
+            reader = parsed.stream(call.prompt_ids) if parsed is not None and parsed.reads else None
+            return StreamResponse(self._events(served, chat, answer_id, stops, opts, reader), served, headers)
+        return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers, parsed)
 
     async def _parse(self, request: Request, chat: bool, caller: Caller) -> tuple[Parsed, Lane, Target]:
         """The body, the lane of the model it names and what the name means (404
@@ -104,33 +103,49 @@ class OpenAIFront:
         vocab = lane.text.vocab_size
         if req.top_k is not None and req.top_k > vocab:  # more is every token: a mistake
             raise oa.BadRequest(f"top_k: must be <= the model's vocabulary size {vocab}", field="top_k")
+        beyond = [
+            k for k in req.logit_bias or {} if not (k.isascii() and k.isdigit() and len(k) < 10) or int(k) >= vocab
+        ]
+        if beyond:
+            raise oa.BadRequest(
+                f"logit_bias: {beyond[0]!r} is not a token id of this model (0 to {vocab - 1})", field="logit_bias"
+            )
         return req, lane, target
 
-    def _tool_plan(self, req: oa.ChatCompletionRequest, text: ModelText) -> ToolPlan:
-        """What the request asks of tools (ballast.router.tool_calls); 400 naming the field
-        where it cannot be served."""
+    def _parsed(self, req: oa.ChatCompletionRequest, text: ModelText) -> Optional[ParsedChat]:
+        """What the request asks of tools (``ballast.router.tool_calls``), and on the vLLM
+        engine its parser (``ballast.router.chat_parsing``); 400 naming the field where it
+        cannot be served."""
+        parsing = text.parsing
         try:
-            tools = plan(req.tools, req.tool_choice, req.parallel_tool_calls, text.tool_parser, self._limits)
+            tools = plan(req.tools, req.tool_choice, req.parallel_tool_calls, parsing is not None and parsing.auto)
+            if parsing is None or not (tools.tools or parsing.reasoning_parser):
+                return None  # the other engines refused tools already (refuse_unhonoured)
+            parsed = parsing.start(tools, req.chat_template_kwargs)
+            parsed.check(self._limits.max_schema_depth, self._limits.max_schema_nodes)
         except ToolSchemaTooComplex as e:
             raise SchemaTooComplex(str(e), field=e.field) from None
         except ToolRequestError as e:
             raise oa.BadRequest(str(e), field=e.field) from None
-        if tools.schema is not None and req.response_format is not None:
+        if parsed.forced and req.response_format is not None:
             raise oa.BadRequest(
-                "response_format: a forced tool call's answer is its arguments' JSON; leave response_format out",
+                "response_format: a forced tool call's answer is the call; leave response_format out",
                 field="response_format",
             )
-        return tools
+        return parsed
 
     @staticmethod
-    def to_call(req: Parsed, prompt: str, chat: bool, tools: ToolPlan, text: ModelText, target: Target) -> ModelCall:
+    def to_call(
+        req: Parsed, prompt: str, chat: bool, parsed: Optional[ParsedChat], text: ModelText, target: Target
+    ) -> ModelCall:
         """The model call for the request: the prompt tokenized once by the model's text (a
         chat prompt holds its template's special tokens already; a raw prompt gets them),
         its stop strings (the model ends the row there; the front cuts too), its sampling;
-        a forced tool call's arguments by guided decoding; tool_choice "auto" keeps the
-        markers the tool parser reads; the model and adapter it names."""
-        schema = json.dumps(tools.schema, separators=(",", ":")) if tools.schema is not None else None
-        sampling = oa.sampling_of(req, schema, keep_special_tokens=schema is None and tools.mode == "auto")
+        what vLLM's parser asks for the tools (the grammar of a call, the special tokens
+        its markers are); the model and adapter it names."""
+        schema, tag = parsed.guided() if parsed is not None else (None, None)
+        keep = parsed.keep_special_tokens if parsed is not None else False
+        sampling = oa.sampling_of(req, schema, keep_special_tokens=keep, structural_tag=tag)
         return text.call(
             prompt,
             add_special_tokens=not chat,
@@ -155,90 +170,71 @@ class OpenAIFront:
         stops: tuple[str, ...],
         stream: Optional["oa.Streaming"],
         headers: dict[str, str],
-        tools: ToolPlan,
+        parsed: Optional[ParsedChat],
     ) -> Response:
         """A unary answer; or, asked as a stream at a level that does not stream, the
         whole answer as one stream event."""
         settled = answer.settled
         text, stopped = cut_at_stop(settled.text, stops)
         a = answer.admission
-        content, calls, finish = tools.settle(
-            text, oa.finish_reason(settled.tokens, a.max_tokens, stopped or settled.finish_reason == "stop")
-        )
+        finish = oa.finish_reason(settled.tokens, a.max_tokens, stopped or settled.finish_reason == "stop")
+        reasoning, content, calls = None, text, []
+        if parsed is not None:
+            reasoning, content, calls, finish = parsed.answer(text, finish)
         headers = {**headers, **answer_headers(answer)}
         ident = answer_id.of(settled.model)
         counts = oa.Counts(a.prompt_tokens, settled.tokens)
         if stream is None:
             body = (
-                oa.chat_completion(ident, content, finish, counts, calls)
+                oa.chat_completion(ident, content, finish, counts, calls, reasoning)
                 if chat
                 else oa.completion(ident, text, finish, counts)
             )
             return JSONResponse(body, headers=headers)
-        events = oa.one_event_stream(ident, chat, content, finish, counts, stream, calls)
+        events = oa.one_event_stream(ident, chat, content, finish, counts, stream, calls, reasoning)
         return Response(events, media_type="text/event-stream", headers=headers)
 
-    async def _tool_events(
+    async def _events(
         self,
         stream: Stream,
         chat: bool,
         answer_id: "oa.Identity",
         stops: tuple[str, ...],
         opts: "oa.Streaming",
-        tools: ToolPlan,
+        reader: Optional[StreamedChat] = None,
     ) -> AsyncGenerator[bytes, None]:
-        """A stream that may call tools: sent whole when the model has finished (its content,
-        each call, the finish), since its calls are known only from the whole text."""
-        scanner = StopScanner(stops)
-        parts: list[str] = []
-        try:
-            async for part in stream:
-                parts.append(scanner.feed(part.text))
-                if scanner.stopped:
-                    stream.enough()
-                    break
-            parts.append(scanner.finish())
-            a = stream.admission
-            content, calls, finish = tools.settle(
-                "".join(parts),
-                oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop"),
-            )
-            counts = oa.Counts(a.prompt_tokens, stream.tokens)
-            yield oa.one_event_stream(answer_id.of(stream.model), chat, content, finish, counts, opts, calls)
-            return
-        except BallastError as err:
-            yield oa.sse_data(oa.openai_error_body(err))
-        finally:
-            await stream.aclose()  # a client that left: the model stops within a step
-        yield oa.SSE_DONE
-
-    async def _events(
-        self, stream: Stream, chat: bool, answer_id: "oa.Identity", stops: tuple[str, ...], opts: "oa.Streaming"
-    ) -> AsyncGenerator[bytes, None]:
+        """The answer's events as the model writes them; with ``reader`` (vLLM's parser for
+        the request), each piece as the parser reads it: content, reasoning, tool calls."""
         scanner = StopScanner(stops)
         ident = answer_id.of(stream.model)
         a = stream.admission
 
-        def event(piece: Optional[str], finish: Optional[str] = None, role: bool = False) -> bytes:
+        def event(delta: Optional[dict[str, Any]], finish: Optional[str] = None, role: bool = False) -> bytes:
             counts = oa.Counts(a.prompt_tokens, stream.tokens) if opts.running_usage else None
-            return oa.sse_data(oa.stream_chunk(ident, chat, piece, finish, role=role, usage=counts))
+            return oa.sse_data(oa.delta_chunk(ident, chat, delta, finish, role=role, usage=counts))
+
+        def read(text: str, ids: Sequence[int], last: bool) -> Optional[dict[str, Any]]:
+            if reader is None:
+                return {"content": text} if text else None
+            return reader.feed(text, ids, last)
 
         try:
             if chat:
-                yield event("", role=True)
+                yield event({"content": ""}, role=True)
             async for part in stream:
                 ident = answer_id.of(stream.model)
-                text = scanner.feed(part.text)
-                if text:
-                    yield event(text)
+                delta = read(scanner.feed(part.text), part.ids, False)
+                if delta:
+                    yield event(delta)
                 if scanner.stopped:  # a stop string: the answer is complete, the model stops now
                     stream.enough()
                     await stream.aclose()
                     break
-            rest = scanner.finish()
-            if rest:
-                yield event(rest)
-            yield event(None, oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop"))
+            delta = read(scanner.finish(), (), True)
+            if delta:
+                yield event(delta)
+            finish = oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop")
+            yield event(None, reader.finish(finish) if reader is not None else finish)
             if opts.final_usage:
                 yield oa.sse_data(oa.usage_chunk(ident, chat, oa.Counts(a.prompt_tokens, stream.tokens)))
         except BallastError as err:

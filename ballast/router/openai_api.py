@@ -46,6 +46,7 @@ text at the same place whatever the chunking.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, NamedTuple, Optional, Sequence, Union
@@ -68,7 +69,16 @@ from ballast.policies.criticality import Criticality
 from ballast.policies.engines import unhonoured_request_fields
 from ballast.policies.request import MAX_SEED, MIN_SEED, json_extent, json_nesting, sampling_temperature
 from ballast.errors import BallastError, InvalidRequest, SchemaTooComplex
-from ballast.router.tool_calls import MAX_TOOLS, ToolCall, ToolCallDelta, ToolChoice, ToolSpec, schema_fault
+from ballast.model.protocol import MAX_LOGIT_BIAS
+from ballast.router.tool_calls import (
+    MAX_TOOLS,
+    FunctionDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolSpec,
+    schema_fault,
+)
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -80,9 +90,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "function_call": None,
     "logprobs": False,
     "top_logprobs": None,
-    "logit_bias": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
     "best_of": 1,
     "echo": False,
     "suffix": None,
@@ -138,6 +145,32 @@ class TextPart(_Strict):
 _TEXT_PARTS = TypeAdapter(list[TextPart])
 _STOP = Annotated[str, Field(min_length=1)]
 MAX_STOPS = 4  # OpenAI's limit; each stop's length is limits.max_stop_chars
+MAX_TEMPLATE_KWARGS = 16  # chat_template_kwargs' variables
+_TEMPLATE_VARIABLE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+# apply_chat_template's own arguments and the template's inputs: a request sets none of them
+# (a chat_template of its own least of all).
+_TEMPLATE_RESERVED = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "processor_kwargs",
+        "raise_exception",
+        "strftime_now",
+    }
+)
 MAX_MESSAGES = 2048
 _STOP_LIST = Annotated[list[_STOP], Field(max_length=MAX_STOPS)]
 _ONE_STOP, _STOPS = TypeAdapter(_STOP), TypeAdapter(_STOP_LIST)
@@ -300,6 +333,17 @@ class _Sampling(_Strict):
         allow_inf_nan=False,
         description="vLLM's extension: above 1 penalises repeated tokens; 1 is neutral.",
     )
+    presence_penalty: Optional[float] = Field(
+        None, ge=-2, le=2, allow_inf_nan=False, description="-2 to 2: above 0 favours tokens not yet used (vLLM)."
+    )
+    frequency_penalty: Optional[float] = Field(
+        None, ge=-2, le=2, allow_inf_nan=False, description="-2 to 2: above 0 penalises tokens by their count (vLLM)."
+    )
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]]] = Field(
+        None,
+        max_length=MAX_LOGIT_BIAS,
+        description="Token id (as a string key) to a bias of -100 to 100 added to its logit (vLLM).",
+    )
     response_format: Optional[ResponseFormat] = Field(
         None, description="The answer's format: text, json_object or json_schema (the vLLM engine)."
     )
@@ -346,9 +390,29 @@ class ChatCompletionRequest(_Sampling):
         "or a named function.",
     )
     parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call with 'required'.")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None,
+        max_length=MAX_TEMPLATE_KWARGS,
+        description='Variables for the model\'s chat template, e.g. {"enable_thinking": false} (the '
+        "transformers and vLLM engines); lower-case names, none of the template call's own.",
+    )
     max_completion_tokens: Optional[int] = Field(
         None, ge=1, description="The newer name of max_tokens; both given, they must agree."
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        for name in v or {}:
+            special = name.endswith(("_token", "_tokens"))
+            if not _TEMPLATE_VARIABLE.fullmatch(name) or name in _TEMPLATE_RESERVED or special:
+                raise PydanticCustomError(
+                    "template_variable",
+                    "{name} is not a chat template variable a request may set (lower-case, not one of the "
+                    "template call's own arguments nor a special token)",
+                    {"name": repr(name[:64])},
+                )
+        return v
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -422,6 +486,14 @@ def check_limits(req: _Sampling, limits: LimitsConfig) -> None:
         if fault is not None:
             raise SchemaTooComplex(f"response_format: the schema {fault}", field="response_format")
     if isinstance(req, ChatCompletionRequest):
+        if req.chat_template_kwargs:
+            extent = json_extent(req.chat_template_kwargs)
+            if extent.depth > limits.max_json_depth or extent.nodes > limits.max_schema_nodes:
+                raise BadRequest(
+                    f"chat_template_kwargs: nests {extent.depth} deep with {extent.nodes} values; the limits are "
+                    f"{limits.max_json_depth} and {limits.max_schema_nodes}",
+                    field="chat_template_kwargs",
+                )
         if req.tools:
             _check_tools(req.tools, limits)
         _check_call_arguments(req.messages, limits)
@@ -477,21 +549,34 @@ def refuse_unhonoured(req: _Sampling, engine: str) -> None:
                 )
 
 
-def sampling_of(req: _Sampling, json_schema: Optional[str] = None, keep_special_tokens: bool = False) -> Any:
+def sampling_of(
+    req: _Sampling,
+    json_schema: Optional[str] = None,
+    keep_special_tokens: bool = False,
+    structural_tag: Optional[str] = None,
+) -> Any:
     """The model's sampling for the request (``protocol.RowSampling``), or None when it
     asks for none (every field at its neutral value: the engine decodes greedily).
-    ``json_schema`` (a forced tool call's, else ``response_format``'s) and
-    ``keep_special_tokens`` (tool_choice "auto") come from the tool plan. A value the
+    ``json_schema`` or ``structural_tag`` (the grammar vLLM's parser built for the tools,
+    else ``response_format``'s schema) and ``keep_special_tokens`` (the parser reads
+    markers that are special tokens) come from the request's parser. A value the
     sampling refuses is ``EngineRefused`` naming its field."""
     from ballast.model.protocol import RowSampling
 
     fields: dict[str, Any] = {"temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
     if req.repetition_penalty is not None and req.repetition_penalty != 1.0:  # 1 is neutral
         fields["repetition_penalty"] = req.repetition_penalty
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):  # None and 0 are neutral
+            fields[name] = getattr(req, name)
+    if req.logit_bias:
+        fields["logit_bias"] = req.logit_bias
     if req.top_k is not None and req.top_k > 0:
         fields["top_k"] = req.top_k
     fields["min_tokens"], fields["ignore_eos"] = req.min_tokens, req.ignore_eos
-    if json_schema is not None:
+    if structural_tag is not None:
+        fields["structural_tag"], fields["json_schema_of"] = structural_tag, "tools"
+    elif json_schema is not None:
         fields["json_schema"], fields["json_schema_of"] = json_schema, "tools"
     elif req.response_format is not None:
         fields["json_schema"] = req.response_format.schema_text()
@@ -548,6 +633,9 @@ class Usage(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: Optional[str] = Field(description="The text; null when the answer only calls tools.")
+    reasoning_content: Optional[str] = Field(
+        None, description="The model's thinking (model.reasoning_parser), apart from its answer."
+    )
     refusal: None = None
     tool_calls: Optional[list[ToolCall]] = Field(None, description="The tools the model calls, when it calls any.")
 
@@ -576,6 +664,7 @@ class ChatCompletion(BaseModel):
 class ChunkDelta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[ToolCallDelta]] = None
 
 
@@ -696,11 +785,17 @@ class Counts(NamedTuple):
 
 
 def chat_completion(
-    ident: Ident, text: Optional[str], finish: str, counts: Counts, calls: Sequence[ToolCall] = ()
+    ident: Ident,
+    text: Optional[str],
+    finish: str,
+    counts: Counts,
+    calls: Sequence[ToolCall] = (),
+    reasoning: Optional[str] = None,
 ) -> dict[str, Any]:
-    message = AssistantMessage(
-        role="assistant", content=text, refusal=None, **({"tool_calls": list(calls)} if calls else {})
-    )
+    extra: dict[str, Any] = {"tool_calls": list(calls)} if calls else {}
+    if reasoning is not None:
+        extra["reasoning_content"] = reasoning
+    message = AssistantMessage(role="assistant", content=text, refusal=None, **extra)
     choice = ChatChoice(index=0, message=message, finish_reason=finish, logprobs=None)
     return _dump(ChatCompletion(**ident._asdict(), object="chat.completion", choices=[choice], usage=counts.usage()))
 
@@ -732,17 +827,31 @@ def stream_chunk(
     role: bool = False,
     usage: Optional[Counts] = None,
 ) -> Union[ChatCompletionChunk, Completion]:
-    """One streamed event: a piece of text (None: the last event, with ``finish``).
+    """One streamed event: a piece of text (None: the last event, with ``finish``)."""
+    return delta_chunk(ident, chat, None if piece is None else {"content": piece}, finish, role, usage)
 
-    Chat deltas: ``{"role": "assistant", "content": ""}`` first (``role``), then
-    ``{"content": text}``, and ``{}`` with the finish reason last. ``usage``: the usage
-    so far, on every event when the client asked for it."""
+
+def delta_chunk(
+    ident: Ident,
+    chat: bool,
+    delta: Optional[dict[str, Any]],
+    finish: Optional[str] = None,
+    role: bool = False,
+    usage: Optional[Counts] = None,
+) -> Union[ChatCompletionChunk, Completion]:
+    """One streamed event: ``delta`` (``ChunkDelta``'s fields: content, reasoning_content,
+    tool_calls; None: the last event, with ``finish``).
+
+    Chat deltas: ``{"role": "assistant", "content": ""}`` first (``role``), then the
+    pieces, and ``{}`` with the finish reason last; a completion's text is the content.
+    ``usage``: the usage so far, on every event when the client asked for it."""
     fields: dict[str, Any] = {} if usage is None else {"usage": usage.usage()}
     if chat:
-        delta = ChunkDelta() if piece is None else ChunkDelta(content=piece, **({"role": "assistant"} if role else {}))
-        choice = ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=None)
+        d = ChunkDelta.model_validate({**(delta or {}), **({"role": "assistant"} if role else {})})
+        choice = ChunkChoice(index=0, delta=d, finish_reason=finish, logprobs=None)
         return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice], **fields)
-    text_choice = CompletionChoice(index=0, text=piece or "", finish_reason=finish, logprobs=None)
+    text = (delta or {}).get("content") or ""
+    text_choice = CompletionChoice(index=0, text=text, finish_reason=finish, logprobs=None)
     return Completion(**ident._asdict(), object="text_completion", choices=[text_choice], **fields)
 
 
@@ -759,7 +868,12 @@ def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> Union[ChatCompletio
 
 def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Optional[Counts] = None) -> ChatCompletionChunk:
     """A streamed chat event carrying the answer's tool calls, each whole."""
-    deltas = [ToolCallDelta(index=i, id=c.id, type=c.type, function=c.function) for i, c in enumerate(calls)]
+    deltas = [
+        ToolCallDelta(
+            index=i, id=c.id, type=c.type, function=FunctionDelta(name=c.function.name, arguments=c.function.arguments)
+        )
+        for i, c in enumerate(calls)
+    ]
     choice = ChunkChoice(index=0, delta=ChunkDelta(tool_calls=deltas), finish_reason=None, logprobs=None)
     fields: dict[str, Any] = {} if usage is None else {"usage": usage.usage()}
     return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice], **fields)
@@ -773,11 +887,15 @@ def one_event_stream(
     counts: Counts,
     opts: Streaming,
     calls: Sequence[ToolCall] = (),
+    reasoning: Optional[str] = None,
 ) -> bytes:
-    """A whole answer as a stream: its text in one event, its tool calls in the next
-    (when it calls any), the finish, the usage (when asked for), [DONE]."""
+    """A whole answer as a stream: its reasoning and text in one event, its tool calls in
+    the next (when it calls any), the finish, the usage (when asked for), [DONE]."""
     running = counts if opts.running_usage else None
-    events: list[BaseModel] = [stream_chunk(ident, chat, text or "", role=True, usage=running)]
+    first: dict[str, Any] = {"content": text or ""}
+    if reasoning is not None:
+        first["reasoning_content"] = reasoning
+    events: list[BaseModel] = [delta_chunk(ident, chat, first, role=True, usage=running)]
     if calls:
         events.append(tool_calls_chunk(ident, calls, running))
     events.append(stream_chunk(ident, chat, None, finish, usage=running))

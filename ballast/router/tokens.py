@@ -49,11 +49,16 @@ class ModelText:
         self.context = context
         self.vocab_size = vocab_size  # token ids a resumed stream may carry are below it
 
-    tool_parser: Optional[Any] = None  # the model's tool parser (ballast.router.tool_calls), vLLM's only
+    parsing: Optional[Any] = None  # vLLM's parsers for the model (ballast.router.chat_parsing), vLLM's only
 
-    def render_chat(self, messages: Sequence[Any], tools: Optional[list[dict[str, Any]]] = None) -> str:
-        """The prompt for ``messages``; ``tools`` (None here: the built-in template shows
-        none, and the fronts refuse them for this engine)."""
+    def render_chat(
+        self,
+        messages: Sequence[Any],
+        tools: Optional[list[dict[str, Any]]] = None,
+        template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> str:
+        """The prompt for ``messages``; ``tools`` and ``template_kwargs`` (None here: the
+        built-in template takes neither, and the fronts refuse them for this engine)."""
         from ballast.router.openai_api import render_chat
 
         return render_chat(messages)
@@ -92,8 +97,8 @@ class TokenizerText(ModelText):
         self,
         path: str,
         context: Optional[int] = None,
-        tool_parser: Optional[str] = None,
         special_tokens_in_content: str = "text",
+        vllm_parsers: Optional[tuple[Optional[str], Optional[str]]] = None,
     ) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer, tokenizer_id
 
@@ -102,19 +107,25 @@ class TokenizerText(ModelText):
         self.tokenizer_id = tokenizer_id(path)
         self._tokenizer = tokenizer
         self._special_tokens_in_content = special_tokens_in_content
-        if tool_parser is not None:
-            from ballast.router.tool_calls import ToolParser
+        if vllm_parsers is not None:  # (tool parser, reasoning parser): vLLM's, loaded now (seconds)
+            from ballast.router.chat_parsing import ChatParsing
 
-            self.tool_parser = ToolParser(tool_parser, tokenizer)
+            self.parsing = ChatParsing(tokenizer, *vllm_parsers, model_name=path)
 
-    def render_chat(self, messages: Sequence[Any], tools: Optional[list[dict[str, Any]]] = None) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Any],
+        tools: Optional[list[dict[str, Any]]] = None,
+        template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> str:
         from ballast.model.hf_checkpoint import ChatTemplateError, render_chat
         from ballast.router.openai_api import BadRequest
 
         if not getattr(self._tokenizer, "chat_template", None):  # a base model: completions only
             raise BadRequest("this model has no chat template; send a prompt to /v1/completions", field="messages")
         try:
-            return render_chat(self._tokenizer, [_turn(m) for m in messages], tools, self._special_tokens_in_content)
+            turns = [_turn(m) for m in messages]
+            return render_chat(self._tokenizer, turns, tools, self._special_tokens_in_content, template_kwargs)
         except ChatTemplateError as e:
             raise BadRequest(f"messages: {e.reason}", field="messages") from None
 
@@ -155,5 +166,10 @@ def model_text(m: ModelConfig) -> ModelText:
     if m.backend in ("transformers", "vllm"):
         assert m.path is not None  # the config's validator
         # vLLM serves at most its max_model_len, which may be shorter than the model's.
-        return TokenizerText(m.path, m.engine_kwargs.get("max_model_len"), m.tool_parser, m.special_tokens_in_content)
+        return TokenizerText(
+            m.path,
+            m.engine_kwargs.get("max_model_len"),
+            m.special_tokens_in_content,
+            (m.tool_parser, m.reasoning_parser) if m.backend == "vllm" else None,
+        )
     return ModelText(m.architecture.max_seq_len)

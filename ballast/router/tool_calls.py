@@ -1,55 +1,52 @@
-"""Tool calling on the OpenAI chat front: what ``tools`` / ``tool_choice`` ask, how the
-answer becomes ``tool_calls``.
+"""Tool calling on the OpenAI chat front: what ``tools`` / ``tool_choice`` ask.
 
-Served with the vLLM engine (the others refuse ``tools`` with a 400 naming it), in
-vLLM's own way, so that a client gets from Ballast what it gets from ``vllm serve``:
+Served with the vLLM engine (the others refuse ``tools`` with a 400 naming it), by
+vLLM's own parsers (``ballast.router.chat_parsing``), so that a client gets from
+Ballast what it gets from ``vllm serve``:
 
-* ``tool_choice`` a named function: the answer is that function's arguments, made
-  JSON following its ``parameters`` schema by the engine's guided decoding; the
-  message carries one tool call, ``finish_reason`` "stop" (OpenAI's rule for a
-  forced function).
-* ``"required"``: guided decoding of a JSON array of ``{"name", "parameters"}``, one
-  object per call, each following one tool's schema (``parallel_tool_calls: false``:
-  at most one); ``finish_reason`` "tool_calls".
+* ``tool_choice`` a named function: the model writes one call of it, in its own
+  format, its arguments following the ``parameters`` schema (the engine's guided
+  decoding); ``finish_reason`` "stop" (OpenAI's rule for a forced function).
+* ``"required"``: at least one call (``parallel_tool_calls: false``: exactly one),
+  each following its tool's schema; ``finish_reason`` "tool_calls".
 * ``"auto"`` (the default when tools are given): the model answers freely and
   vLLM's tool parser for the model (``model.tool_parser``, e.g. ``hermes``) finds the
   calls in its text; without a parser configured, a 400 (as ``vllm serve`` without
-  ``--tool-call-parser``). The text keeps the special tokens the parser looks for.
+  ``--tool-call-parser``).
 * ``"none"``: a plain answer; the tools are still shown to the model's template.
 
-Bounds: at most ``MAX_TOOLS`` tools (OpenAI's limit); the schema guided decoding
-compiles for "required" (an array of ``anyOf`` over every tool) holds every tool's
-parameters and grows with their number, so it is measured as built (``schema_fault``:
-nesting and nodes) and refused as ``tool_choice``'s when past the bounds; the
-front bounds each tool's parameters and response_format's schema the same way.
+Streamed, the calls come as OpenAI streams them: index, id and name first, then the
+arguments in fragments. Ids are the parser's (Mistral's 9 characters, which its
+templates require on the next turn; vLLM's ``chatcmpl-tool-`` ids otherwise).
+
+Bounds: at most ``MAX_TOOLS`` tools (OpenAI's limit); each tool's parameters and all
+of them together are bounded (``openai_api.check_limits``), and the grammar the
+parser builds for them (every tool's schema in it) is measured as built
+(``schema_fault``: nesting and nodes) and refused as ``tool_choice``'s when past the
+bounds.
 
 The tools and any earlier tool calls and tool results go to the model's chat template
 (``ballast.model.hf_checkpoint.render_chat``), which shows them to the model as it was
-trained to see them. A streamed answer that may call a tool (every choice but "none")
-is sent when the model has finished: its content, then each call whole, then the
-finish; the arguments are not streamed piece by piece.
+trained to see them.
 """
 
 from __future__ import annotations
 
-import json
-import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ballast.config import LimitsConfig
-from ballast.policies.request import json_extent, json_nesting
+from ballast.policies.request import json_extent
 
 __all__ = [
     "MAX_TOOLS",
     "CalledFunction",
+    "FunctionDelta",
     "NamedToolChoice",
     "ToolCall",
     "ToolCallDelta",
     "ToolChoice",
-    "ToolParser",
     "ToolPlan",
     "ToolRequestError",
     "ToolSchemaTooComplex",
@@ -59,12 +56,6 @@ __all__ = [
 ]
 
 MAX_TOOLS = 128  # OpenAI's limit
-# How deep a "required" answer's JSON may nest to be read as calls (the parser recurses
-# once per level). Its array, a call and parameters that follow a schema of at most
-# limits.max_schema_depth levels nest far less; only a recursive schema ($ref) allows
-# more, and an answer past this is taken as text.
-MAX_ANSWER_NESTING = 256
-_DEFAULT_LIMITS = LimitsConfig()
 
 
 def schema_fault(schema: Any, max_depth: int, max_nodes: int) -> Optional[str]:
@@ -126,57 +117,30 @@ class ToolCall(BaseModel):
     function: CalledFunction
 
 
+class FunctionDelta(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = Field(None, description="The next fragment of the arguments' JSON text.")
+
+
 class ToolCallDelta(BaseModel):
-    """A call in a streamed chunk: whole, with its place among the answer's calls."""
+    """A call in a streamed chunk, as OpenAI streams it: its index among the answer's
+    calls always; its id, type and name in its first delta; argument fragments after."""
 
     index: int
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
-
-
-class ToolParser:
-    """vLLM's tool parser ``name`` for the model's tokenizer: the calls in a free answer.
-
-    Loaded when the router starts (vLLM's import takes seconds), so an unknown name
-    fails there with vLLM's list, never on a request."""
-
-    def __init__(self, name: str, tokenizer: Any) -> None:
-        from vllm.tool_parsers import ToolParserManager
-
-        try:
-            cls = ToolParserManager.get_tool_parser(name)
-        except KeyError as e:
-            raise ValueError(f"model.tool_parser: {e}") from None
-        self.name = name
-        self._parser = cls(tokenizer)
-
-    def extract(self, text: str, tools: Sequence[ToolSpec]) -> tuple[Optional[str], list[CalledFunction]]:
-        """(the content before the calls or None, the calls) in ``text``."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        request = ChatCompletionRequest(
-            model="-",
-            messages=[{"role": "user", "content": ""}],
-            tools=[t.model_dump(exclude_none=True) for t in tools],
-            tool_choice="auto",
-        )
-        got = self._parser.extract_tool_calls(text, request)
-        if not got.tools_called:
-            return text, []
-        calls = [CalledFunction(name=c.function.name, arguments=c.function.arguments) for c in got.tool_calls]
-        return got.content, calls
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[FunctionDelta] = None
 
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a chat request asks of tools, and how its answer's text becomes calls."""
+    """What a chat request asks of tools; vLLM's parser (``ballast.router.chat_parsing``)
+    turns it into the grammar the engine decodes by and reads the calls in the answer."""
 
     mode: Literal["none", "named", "required", "auto"]
     tools: tuple[ToolSpec, ...] = ()
     name: Optional[str] = None  # "named": the function
-    schema: Optional[dict[str, Any]] = None  # "named" / "required": what guided decoding follows
-    parser: Optional[ToolParser] = field(default=None, compare=False)  # "auto"
+    parallel: Optional[bool] = None  # parallel_tool_calls as sent
 
     @property
     def may_call(self) -> bool:
@@ -186,42 +150,24 @@ class ToolPlan:
         """The tools as the chat template takes them (None: no tools)."""
         return [t.model_dump(exclude_none=True) for t in self.tools] or None
 
-    def answer(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
-        """The answer's content and its calls, from the model's text."""
+    def vllm_choice(self) -> Any:
+        """``tool_choice`` as vLLM's request takes it (None: no tools)."""
+        if not self.tools:
+            return None
         if self.mode == "named":
-            assert self.name is not None
-            return None, [_call(CalledFunction(name=self.name, arguments=text))]
-        if self.mode == "required":
-            found = _required_calls(text)
-            return (None, [_call(f) for f in found]) if found else (text, [])
-        if self.mode == "auto" and self.parser is not None:
-            content, found = self.parser.extract(text, self.tools)
-            return content, [_call(f) for f in found]
-        return text, []
-
-    def settle(self, text: str, finish: str) -> tuple[Optional[str], list[ToolCall], str]:
-        """The whole answer: its content, its calls and its finish reason."""
-        content, calls = self.answer(text)
-        return content, calls, self.finish(calls, finish)
-
-    def finish(self, calls: list[ToolCall], finish: str) -> str:
-        """OpenAI's finish reason: "tool_calls" when the model chose to call ("required",
-        "auto"); a forced function's call ends with "stop"."""
-        if calls and self.mode in ("required", "auto") and finish == "stop":
-            return "tool_calls"
-        return finish
+            return {"type": "function", "function": {"name": self.name}}
+        return self.mode
 
 
 def plan(
     tools: Optional[Sequence[ToolSpec]],
     choice: Optional[ToolChoice],
     parallel: Optional[bool],
-    parser: Optional[ToolParser] = None,
-    limits: LimitsConfig = _DEFAULT_LIMITS,
+    auto: bool = False,
 ) -> ToolPlan:
     """The plan for a request's tools; :class:`ToolRequestError` (naming the field)
-    where it asks what cannot be done, :class:`ToolSchemaTooComplex` where the schema
-    "required" builds is past ``limits.max_schema_depth`` / ``max_schema_nodes``."""
+    where it asks what cannot be done. ``auto``: the model has a tool parser, which
+    tool_choice "auto" (the default with tools) needs."""
     tools = tuple(tools or ())
     if not tools:
         if choice not in (None, "none"):
@@ -236,24 +182,16 @@ def plan(
         chosen = next((t for t in tools if t.function.name == choice.function.name), None)
         if chosen is None:
             raise ToolRequestError("tool_choice", f"no tool named {choice.function.name!r} in tools")
-        return ToolPlan("named", tools, name=chosen.function.name, schema=_parameters(chosen))
+        return ToolPlan("named", tools, name=chosen.function.name, parallel=parallel)
     if choice == "required":
-        schema = _array_schema(tools, parallel)
-        fault = schema_fault(schema, limits.max_schema_depth, limits.max_schema_nodes)
-        if fault is not None:
-            raise ToolSchemaTooComplex(
-                "tool_choice",
-                f"'required' over these tools builds a schema that {fault}; "
-                "send fewer or smaller tools, or name one function",
-            )
-        return ToolPlan("required", tools, schema=schema)
-    if parser is None:
+        return ToolPlan("required", tools, parallel=parallel)
+    if not auto:
         raise ToolRequestError(
             "tool_choice",
             "'auto' (the default with tools) needs the model's tool parser "
             "(model.tool_parser, e.g. hermes); or send 'required' or a named function",
         )
-    return ToolPlan("auto", tools, parser=parser)
+    return ToolPlan("auto", tools, parallel=parallel)
 
 
 class ToolRequestError(ValueError):
@@ -266,44 +204,3 @@ class ToolRequestError(ValueError):
 
 class ToolSchemaTooComplex(ToolRequestError):
     """The schema a request's tools would have guided decoding compile is past the bounds."""
-
-
-def _parameters(tool: ToolSpec) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
-
-
-def _array_schema(tools: Sequence[ToolSpec], parallel: Optional[bool]) -> dict[str, Any]:
-    """vLLM's schema for "required": an array of calls, each one tool's name and parameters."""
-    each = [
-        {
-            "properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": _parameters(t)},
-            "required": ["name", "parameters"],
-        }
-        for t in tools
-    ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": each}}
-    if parallel is False:
-        schema["maxItems"] = 1
-    return schema
-
-
-def _required_calls(text: str) -> list[CalledFunction]:
-    """The calls in a "required" answer's JSON array; none where the text is not one
-    (cut short by max_tokens, or nested past ``MAX_ANSWER_NESTING``)."""
-    if json_nesting(text) > MAX_ANSWER_NESTING:
-        return []
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
-    if not isinstance(items, list):
-        return []
-    return [
-        CalledFunction(name=i["name"], arguments=json.dumps(i["parameters"], ensure_ascii=False))
-        for i in items
-        if isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i
-    ]
-
-
-def _call(f: CalledFunction) -> ToolCall:
-    return ToolCall(id=f"call_{secrets.token_hex(12)}", type="function", function=f)

@@ -7,8 +7,9 @@ endpoint and the official ``openai`` client: usage in the model's tokens through
 chat template, unary and streamed answers, stop strings, seeded answers that repeat,
 a 400 past the context, vLLM's own sampling extensions, JSON that follows a
 ``response_format`` schema (and a schema vLLM refuses: a 400 that costs the model
-nothing), tool calls (a named function and "required" by guided decoding, "auto"
-through vLLM's hermes parser, a tool's result sent back), a client that leaves
+nothing), tool calls read by vLLM's hermes parser (a named function and "required" in
+the model's own format by a structural tag, streamed in pieces as the unary answer, a
+schema with $defs, "auto", the parser's id and a tool's result sent back), a client that leaves
 freeing the engine's slot, shedding under overload with critical whole, a stalled
 replica killed with its engine's processes, and a recycle under load.
 """
@@ -16,6 +17,7 @@ replica killed with its engine's processes, and a recycle under load.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 import json
 import threading
 import time
@@ -144,6 +146,26 @@ def test_vllms_extensions_are_honoured(oai):
     assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
+def test_penalties_and_logit_bias_reach_vllms_sampling(oai, tok):
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias are vLLM's to honour: a
+    bias of 100 on one token makes a greedy answer that token, every time."""
+    token = tok.encode(" the", add_special_tokens=False)[-1]
+    r = oai.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=6,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={str(token): 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].text == tok.decode([token] * 6)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=MODEL, prompt="Hello", max_tokens=2, logit_bias={str(len(tok) + 5): 1})
+    assert e.value.code == "INVALID_REQUEST" and "logit_bias" in e.value.message
+
+
 def test_past_the_context_is_a_400_before_any_work(oai):
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=511)
@@ -239,8 +261,22 @@ def _weather_args(arguments: str) -> None:
     assert set(value) == {"city", "metric"} and value["city"] in ("Paris", "Oslo") and isinstance(value["metric"], bool)
 
 
-def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(oai):
-    r = oai.chat.completions.create(
+def _reassembled(chunks) -> list[dict]:
+    """A streamed answer's calls as the client reassembles them: by index, id and name
+    from the first delta, the argument fragments joined."""
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = d.id or call["id"]
+            if d.function is not None:
+                call["name"] = d.function.name or call["name"]
+                call["arguments"] += d.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+def test_a_named_tool_is_called_with_arguments_that_follow_its_schema_streamed_as_unary(oai):
+    asked = dict(
         model=MODEL,
         messages=ASK,
         tools=[WEATHER, TIME],
@@ -249,15 +285,23 @@ def test_a_named_tool_is_called_with_arguments_that_follow_its_schema(oai):
         seed=2,
         tool_choice={"type": "function", "function": {"name": "weather"}},
     )
+    r = oai.chat.completions.create(**asked)
     message = r.choices[0].message
-    assert message.content is None and len(message.tool_calls) == 1
+    assert not message.content and len(message.tool_calls) == 1
     call = message.tool_calls[0]
-    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("chatcmpl-tool-")
     _weather_args(call.function.arguments)
     assert r.choices[0].finish_reason == "stop"  # OpenAI's finish for a forced call
+    # Streamed: the call in pieces (id and name first, then argument fragments), the same call.
+    chunks = list(oai.chat.completions.create(**asked, stream=True))
+    streamed = _reassembled(chunks)
+    assert [(c["name"], c["arguments"]) for c in streamed] == [("weather", call.function.arguments)]
+    fragments = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert len(fragments) > 2 and fragments[0].id is not None and all(d.id is None for d in fragments[1:])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
-def test_required_tool_calls_stream_whole_and_end_with_tool_calls(oai):
+def test_required_tool_calls_stream_in_pieces_and_end_with_tool_calls(oai):
     chunks = list(
         oai.chat.completions.create(
             model=MODEL,
@@ -272,12 +316,54 @@ def test_required_tool_calls_stream_whole_and_end_with_tool_calls(oai):
             stream_options={"include_usage": True},
         )
     )
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name in ("weather", "time")
-    args = json.loads(calls[0].function.arguments)
-    assert set(args) == ({"city", "metric"} if calls[0].function.name == "weather" else {"zone"})
+    calls = _reassembled(chunks)
+    assert len(calls) == 1 and calls[0]["name"] in ("weather", "time")
+    args = json.loads(calls[0]["arguments"])
+    assert set(args) == ({"city", "metric"} if calls[0]["name"] == "weather" else {"zone"})
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.completion_tokens >= 1
+
+
+def test_a_schema_with_defs_is_followed_under_required(oai):
+    """A pydantic-made schema refers to its own $defs: each call's arguments follow it."""
+    book = {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {"room": {"$ref": "#/$defs/Room"}},
+                "required": ["room"],
+                "additionalProperties": False,
+                "$defs": {"Room": {"enum": ["red", "blue"]}},
+            },
+        },
+    }
+    r = oai.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[book], tool_choice="required", max_tokens=48, temperature=1.0, seed=3
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "book" and json.loads(call.function.arguments)["room"] in ("red", "blue")
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_the_parsers_call_id_is_taken_back_on_the_next_turn(oai):
+    first = oai.chat.completions.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        max_tokens=64,
+        temperature=1.0,
+        seed=2,
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+    )
+    (call,) = first.choices[0].message.tool_calls
+    turns = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "20 degrees and sunny"},
+    ]
+    r = oai.chat.completions.create(model=MODEL, messages=turns, tools=[WEATHER], max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_a_tools_result_goes_back_to_the_model_and_auto_answers_through_the_parser(oai, tok):
@@ -306,6 +392,27 @@ def test_a_tools_result_goes_back_to_the_model_and_auto_answers_through_the_pars
     }  # as vLLM hands them to templates
     rendered = tok.apply_chat_template(turns, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
     assert r.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))  # the template saw it all
+
+
+def test_vllms_own_ttft_itl_and_preemptions_reach_rays_metrics_export(oai):
+    """vLLM's engine metrics, as ray.serve.llm exports them, labelled with the model's name:
+    what Prometheus scrapes beside Ballast's own (the overview dashboard's vLLM panels)."""
+    oai.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    targets = json.loads(Path("/tmp/ray/prom_metrics_service_discovery.json").read_text())
+    urls = [f"http://{t}/metrics" for group in targets for t in group["targets"]]
+
+    def exported() -> str:
+        return "\n".join(httpx.get(u, timeout=5).text for u in urls)
+
+    wanted = (
+        "ray_vllm_time_to_first_token_seconds_bucket",
+        "ray_vllm_inter_token_latency_seconds_bucket",
+        "ray_vllm_num_preemptions_total",
+    )
+    wait_until(lambda: all(f"{w}{{" in exported() for w in wanted), 45, 1, "vLLM's metrics exported")
+    text = exported()
+    line = next(x for x in text.splitlines() if x.startswith("ray_vllm_time_to_first_token_seconds_count"))
+    assert f'model_name="{MODEL}"' in line
 
 
 def test_a_client_that_leaves_frees_its_slot_in_the_engine(http):

@@ -61,6 +61,7 @@ class TestOneModelConfigsUnchanged:
         for model in models:
             assert model.pop("cpus") is None  # fields added to a model: not pinned,
             assert model.pop("compute_niceness") is None  # the compute at the replica's niceness,
+            assert model.pop("reasoning_parser") is None  # no reasoning parser (vLLM's, by name),
             # and where a model of several ranks places them (the default, unused with one)
             assert model.pop("placement") == {"strategy": "STRICT_PACK", "rank_resources": None, "check": True}
             # and how a replica is chosen (by what it holds: the defaults)

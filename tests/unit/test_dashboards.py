@@ -109,3 +109,21 @@ def test_every_panel_query_parses(tmp_path):
         [promtool, "check", "rules", "panels.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_vllm_panels_read_vllms_own_metric_names():
+    """vLLM's names (``vllm:...`` in its PrometheusStatLogger) reach Prometheus through Ray's
+    metrics as ``ray_vllm_...``: every ``ray_vllm_`` name a panel reads is one vLLM defines."""
+    pytest.importorskip("vllm")
+    import inspect
+
+    from vllm.v1.metrics import loggers
+
+    defined = set(re.findall(r'"vllm:([a-z_]+)"', inspect.getsource(loggers)))
+    used = {
+        HISTOGRAM_SUFFIX.sub("", m).removesuffix("_total")
+        for e in panel_queries(sparse=True)
+        for m in re.findall(r"\bray_vllm_([a-z_]+)", e)
+    }
+    assert {"time_to_first_token_seconds", "inter_token_latency_seconds", "num_preemptions"} <= used
+    assert used <= defined, used - defined

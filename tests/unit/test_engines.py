@@ -13,6 +13,10 @@ def test_vllms_own_fields_keep_a_call_on_vllm():
     for field, value in (
         ("json_schema", '{"type":"object"}'),
         ("repetition_penalty", 1.3),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -0.5),
+        ("logit_bias", ((3, 5.0),)),
+        ("structural_tag", '{"type":"structural_tag"}'),
         ("keep_special_tokens", True),
     ):
         call = ModelCall("hi", sampling=RowSampling(**{field: value}))
@@ -33,7 +37,15 @@ def test_a_calls_adapter_keeps_it_on_vllm_and_asks_no_request_field():
 
 
 def test_the_fronts_refuse_the_request_fields_that_ask_for_what_the_engine_lacks():
-    expected = {"repetition_penalty": 1.0, "response_format": None, "tools": None}
-    assert unhonoured_request_fields("builtin") == expected
+    expected = {
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0,
+        "frequency_penalty": 0,
+        "logit_bias": None,
+        "response_format": None,
+        "tools": None,
+    }
     assert list(unhonoured_request_fields("transformers")) == list(expected)  # the order refusals are checked in
+    # The built-in template takes no variables; both Hugging Face engines' templates do.
+    assert unhonoured_request_fields("builtin") == {**expected, "chat_template_kwargs": None}
     assert unhonoured_request_fields("vllm") == {}

@@ -269,18 +269,29 @@ def test_tools_past_the_schema_bounds_are_schema_too_complex():
 
 
 def test_required_over_tools_that_pass_alone_can_build_a_schema_too_complex():
-    limits = load_config({"limits": {"max_schema_nodes": 400}}).limits
+    """The grammar vLLM's parser builds for "required" holds every tool's parameters: it is
+    measured as built (``ParsedChat.check``), with no tool parser (a JSON array of calls)
+    and with hermes (a structural tag, each tool's schema in it)."""
+    pytest.importorskip("vllm")
+    from ballast.model.demo import train_tokenizer
+    from ballast.router.chat_parsing import ChatParsing
+
     tools = [ToolSpec.model_validate(function(f"f{i}", wide(40))) for i in range(9)]  # 360 nodes of parameters
-    assert plan(tools, "none", None, limits=limits).mode == "none"
-    with pytest.raises(ToolSchemaTooComplex) as e:
-        plan(tools, "required", None, limits=limits)
-    assert e.value.field == "tool_choice" and "nodes; the limit is 400" in str(e.value)
-    assert plan(tools[:8], "required", None, limits=limits).mode == "required"
+    for parser in (None, "hermes"):
+        parsing = ChatParsing(train_tokenizer(), parser, None)
+        parsing.start(plan(tools, "none", None)).check(32, 400)  # no call forced: no grammar
+        with pytest.raises(ToolSchemaTooComplex) as e:
+            parsing.start(plan(tools, "required", None)).check(32, 400)
+        assert e.value.field == "tool_choice" and "nodes; the limit is 400" in str(e.value)
+        parsing.start(plan(tools[:2], "required", None)).check(32, 400)  # hermes writes each tool twice
     # The front answers it as 400 SCHEMA_TOO_COMPLEX naming tool_choice.
+    limits = load_config({"limits": {"max_schema_nodes": 400}}).limits
     front = OpenAIFront(None, load_config({"limits": {"max_schema_nodes": 400}}), created_s=0)
     req = oa.parse_chat({**CHAT, "tools": [t.model_dump() for t in tools], "tool_choice": "required"}, limits)
+    text = ModelText(64)
+    text.parsing = ChatParsing(train_tokenizer(), None, None)
     with pytest.raises(SchemaTooComplex) as err:
-        front._tool_plan(req, ModelText(64))
+        front._parsed(req, text)
     assert (err.value.status, err.value.code, err.value.field) == (400, "SCHEMA_TOO_COMPLEX", "tool_choice")
 
 

@@ -53,9 +53,6 @@ ASKING = {
     "function_call": "auto",
     "logprobs": True,
     "top_logprobs": 2,
-    "logit_bias": {"50256": -100},
-    "presence_penalty": 0.5,
-    "frequency_penalty": -1,
     "best_of": 2,
     "echo": True,
     "suffix": "end",
@@ -82,10 +79,26 @@ def test_an_unsupported_field_is_refused_with_its_name(name):
 
 
 def test_an_unsupported_field_at_its_neutral_value_or_null_asks_for_nothing():
-    neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "store": False, "functions": None}
+    neutral = {"logprobs": False, "store": False, "functions": None}
     req = oa.parse_chat({**CHAT, **neutral})
     assert req.messages[0].content == "hi"
     assert oa.parse_completion({**COMPLETION, "best_of": 1, "echo": False, "suffix": None}).prompt == "once upon"
+
+
+def test_penalties_and_logit_bias_are_the_vllm_engines_and_bounded():
+    req = oa.parse_chat({**CHAT, "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"7": -100}})
+    sampling = oa.sampling_of(req)
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias) == (0.5, -1.0, ((7, -100.0),))
+    assert sampling.asks == {"presence_penalty", "frequency_penalty", "logit_bias"}
+    assert oa.sampling_of(oa.parse_chat({**CHAT, "presence_penalty": 0, "frequency_penalty": 0.0})) is None  # neutral
+    for engine in ("builtin", "transformers"):
+        with pytest.raises(oa.BadRequest) as e:
+            oa.refuse_unhonoured(req, engine)
+        assert e.value.field == "presence_penalty"
+    oa.refuse_unhonoured(req, "vllm")
+    assert chat_error(presence_penalty=2.5).field == "presence_penalty"
+    assert chat_error(logit_bias={"1": 101}).field.startswith("logit_bias")
+    assert chat_error(logit_bias={str(i): 1 for i in range(301)}).field == "logit_bias"
 
 
 def test_the_refusal_says_which_value_is_allowed():

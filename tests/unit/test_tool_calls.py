@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ballast.router import openai_api as oa
-from ballast.router.tool_calls import NamedToolChoice, ToolPlan, ToolRequestError, ToolSpec, plan
+from ballast.router.tool_calls import NamedToolChoice, ToolCall, ToolPlan, ToolRequestError, ToolSpec, plan
 
 WEATHER = {
     "type": "function",
@@ -44,20 +44,14 @@ def test_no_tools_asks_for_nothing_and_a_choice_without_tools_is_refused():
     assert (err.field, str(err)) == ("tool_choice", "tool_choice: needs tools: name the functions in tools")
 
 
-def test_a_named_function_is_decoded_by_its_parameters_schema():
+def test_a_named_function_is_planned_by_its_name():
     p = plan(
         tools(WEATHER, TIME),
         NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}}),
         None,
     )
-    assert (p.mode, p.name, p.schema) == ("named", "get_weather", WEATHER["function"]["parameters"])
-    # A function without parameters: an empty object.
-    p = plan(
-        tools(WEATHER, TIME),
-        NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_time"}}),
-        None,
-    )
-    assert p.schema == {"type": "object", "properties": {}}
+    assert (p.mode, p.name, p.may_call) == ("named", "get_weather", True)
+    assert p.vllm_choice() == {"type": "function", "function": {"name": "get_weather"}}
     err = refused(
         tools=tools(WEATHER),
         choice=NamedToolChoice.model_validate({"type": "function", "function": {"name": "f"}}),
@@ -66,64 +60,19 @@ def test_a_named_function_is_decoded_by_its_parameters_schema():
     assert (err.field, str(err)) == ("tool_choice", "tool_choice: no tool named 'f' in tools")
 
 
-def test_required_is_an_array_of_calls_each_one_tools_name_and_parameters():
+def test_required_keeps_parallel_tool_calls_for_vllms_parser():
     p = plan(tools(WEATHER, TIME), "required", None)
-    assert p.mode == "required" and p.schema["type"] == "array" and p.schema["minItems"] == 1
-    names = [branch["properties"]["name"]["enum"] for branch in p.schema["items"]["anyOf"]]
-    assert names == [["get_weather"], ["get_time"]] and "maxItems" not in p.schema
-    assert plan(tools(WEATHER), "required", False).schema["maxItems"] == 1  # parallel_tool_calls false: one call
+    assert (p.mode, p.vllm_choice(), p.parallel) == ("required", "required", None)
+    assert plan(tools(WEATHER), "required", False).parallel is False
 
 
 def test_auto_needs_the_models_tool_parser_and_none_keeps_the_tools_for_the_template():
     err = refused(tools=tools(WEATHER), choice=None, parallel=None)  # auto is the default with tools
     assert err.field == "tool_choice" and "model.tool_parser" in str(err)
+    assert plan(tools(WEATHER), None, None, auto=True).mode == "auto"
     p = plan(tools(WEATHER), "none", None)
-    assert not p.may_call and p.template_tools() == [WEATHER]
+    assert not p.may_call and p.template_tools() == [WEATHER] and p.vllm_choice() == "none"
     assert refused(tools=tools(WEATHER, WEATHER), choice="required", parallel=None).field == "tools"
-
-
-# ------------------------------------------------------------------ the answer's calls
-
-
-def test_a_named_answer_is_one_call_of_that_function_ending_with_stop():
-    p = plan(
-        tools(WEATHER), NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_weather"}}), None
-    )
-    content, calls = p.answer('{"city":"Paris"}')
-    assert content is None and [(c.function.name, c.function.arguments) for c in calls] == [
-        ("get_weather", '{"city":"Paris"}')
-    ]
-    assert calls[0].id.startswith("call_") and p.finish(calls, "stop") == "stop"  # OpenAI: a forced call ends with stop
-
-
-def test_a_required_answer_is_its_arrays_calls_ending_with_tool_calls():
-    p = plan(tools(WEATHER, TIME), "required", None)
-    content, calls = p.answer(
-        '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{}}]'
-    )
-    assert content is None and [c.function.name for c in calls] == ["get_weather", "get_time"]
-    assert json.loads(calls[0].function.arguments) == {"city": "Paris"} and p.finish(calls, "stop") == "tool_calls"
-    assert len({c.id for c in calls}) == 2
-    # Cut short by max_tokens: no calls, the text as content, and "length".
-    content, calls = p.answer('[{"name":"get_wea')
-    assert (content, calls, p.finish(calls, "length")) == ('[{"name":"get_wea', [], "length")
-
-
-def test_auto_finds_the_calls_with_vllms_own_parser():
-    pytest.importorskip("vllm")
-    from ballast.model.demo import train_tokenizer
-    from ballast.router.tool_calls import ToolParser
-
-    parser = ToolParser("hermes", train_tokenizer())
-    p = plan(tools(WEATHER), "auto", None, parser)
-    content, calls = p.answer(
-        'Let me look. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    )
-    assert content == "Let me look. " and [c.function.name for c in calls] == ["get_weather"]
-    assert json.loads(calls[0].function.arguments) == {"city": "Paris"} and p.finish(calls, "stop") == "tool_calls"
-    assert p.answer("Sunny.") == ("Sunny.", []) and p.finish([], "stop") == "stop"
-    with pytest.raises(ValueError, match="model.tool_parser"):
-        ToolParser("no-such-parser", train_tokenizer())
 
 
 # ----------------------------------------------------------------------- the requests
@@ -220,8 +169,15 @@ def test_only_the_vllm_engine_calls_tools():
 
 
 def _calls():
-    p = plan(tools(WEATHER, TIME), "required", None)
-    return p.answer('[{"name":"get_weather","parameters":{"city":"Paris"}}]')[1]
+    return [
+        ToolCall.model_validate(
+            {
+                "id": "chatcmpl-tool-1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+            }
+        )
+    ]
 
 
 def test_an_answer_that_calls_tools_reads_as_openais():
@@ -295,6 +251,25 @@ def test_tools_and_their_results_go_to_the_models_chat_template(tmp_path):
     )  # no tools: as before
 
 
+def test_chat_template_kwargs_reach_the_template_and_only_its_own_variables_pass(tmp_path):
+    from ballast.model.demo import make_tiny_llama
+    from ballast.router.tokens import TokenizerText
+
+    text = TokenizerText(str(make_tiny_llama(tmp_path / "m")))
+    text._tokenizer.chat_template = "{{ bos_token }}{% if enable_thinking %}<think>{% endif %}{{ messages[0].content }}"
+    req = chat(chat_template_kwargs={"enable_thinking": True})
+    assert text.render_chat(req.messages, None, req.chat_template_kwargs) == "<s><think>Weather in Paris?"
+    assert text.render_chat(req.messages) == "<s>Weather in Paris?"
+    for bad in ({"chat_template": "{{ 7 }}"}, {"tokenize": True}, {"eos_token": "x"}, {"Enable": 1}, {"a-b": 1}):
+        with pytest.raises(oa.BadRequest) as e:
+            chat(chat_template_kwargs=bad)
+        assert e.value.field.startswith("chat_template_kwargs")
+    with pytest.raises(oa.BadRequest) as e:
+        oa.refuse_unhonoured(req, "builtin")
+    assert e.value.field == "chat_template_kwargs"
+    oa.refuse_unhonoured(req, "transformers")
+
+
 def test_a_row_that_keeps_special_tokens_decodes_them():
     """tool_choice "auto": the tool parser reads markers that some models make special tokens."""
     from ballast.model.demo import train_tokenizer
@@ -305,13 +280,3 @@ def test_a_row_that_keeps_special_tokens_decodes_them():
     assert IncrementalDetokenizer(tok).feed(ids, final=True) == "hi"
     assert IncrementalDetokenizer(tok, skip_special_tokens=False).feed(ids, final=True) == "hi</s>"
     assert RowSampling.of({"keep_special_tokens": True}).keep_special_tokens is True
-
-
-def test_a_required_answer_nested_past_any_schema_is_no_call_not_a_recursion_error():
-    p = plan(tools(WEATHER, TIME), "required", None)
-    text = "[" * 100_000
-    assert p.answer(text) == (text, [])
-    assert (
-        p.answer('[{"name": "get_time", "parameters": ' + "[" * 200 + "]" * 200 + "}]")[1][0].function.name
-        == "get_time"
-    )

@@ -10,6 +10,7 @@ import pytest
 
 from ballast.model.vllm_engine import default_engine_kwargs
 
+COMPACT_JSON = {"structured_outputs_config": {"disable_any_whitespace": True}}
 CONFIG = {
     "num_attention_heads": 4,
     "hidden_size": 256,
@@ -29,7 +30,12 @@ def model(tmp_path, monkeypatch):
 def test_the_kv_cache_holds_every_row_at_the_full_context(model):
     got = default_engine_kwargs(model, {"max_model_len": 256}, rows=256)
     per_token = 2 * 2 * 2 * 64 * 4  # K and V, layers, KV heads, head size, float32
-    assert got == {"max_num_seqs": 256, "max_model_len": 256, "kv_cache_memory_bytes": 256 * 256 * per_token}
+    assert got == {
+        "max_num_seqs": 256,
+        "max_model_len": 256,
+        "kv_cache_memory_bytes": 256 * 256 * per_token,
+        **COMPACT_JSON,
+    }
     half = default_engine_kwargs(model, {"dtype": "bfloat16"}, rows=256)["kv_cache_memory_bytes"]
     assert half == 256 * 512 * per_token // 2  # the model's context, two bytes a value
     assert default_engine_kwargs(model, {}, rows=2)["kv_cache_memory_bytes"] == 64 << 20  # at least 64 MiB
@@ -39,6 +45,7 @@ def test_a_size_the_operator_gave_is_kept(model, monkeypatch):
     assert default_engine_kwargs(model, {"kv_cache_memory_bytes": 5, "max_num_seqs": 3}, rows=8) == {
         "kv_cache_memory_bytes": 5,
         "max_num_seqs": 3,
+        **COMPACT_JSON,
     }
     assert "kv_cache_memory_bytes" not in default_engine_kwargs(model, {"gpu_memory_utilization": 0.5}, rows=8)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -46,7 +53,16 @@ def test_a_size_the_operator_gave_is_kept(model, monkeypatch):
 
 
 def test_a_directory_without_a_readable_config_is_left_to_vllm_to_name(tmp_path):
-    assert default_engine_kwargs(str(tmp_path), {}, rows=4) == {"max_num_seqs": 4}
+    assert default_engine_kwargs(str(tmp_path), {}, rows=4) == {"max_num_seqs": 4, **COMPACT_JSON}
+
+
+def test_guided_json_is_compact_unless_the_operator_says_otherwise(model):
+    """vLLM's default grammar allows any whitespace between JSON tokens, which a small model
+    fills max_tokens with; Ballast's default is compact JSON, an explicit setting kept."""
+    got = default_engine_kwargs(model, {"structured_outputs_config": {"backend": "xgrammar"}}, rows=4)
+    assert got["structured_outputs_config"] == {"disable_any_whitespace": True, "backend": "xgrammar"}
+    kept = {"structured_outputs_config": {"disable_any_whitespace": False}}
+    assert default_engine_kwargs(model, kept, rows=4)["structured_outputs_config"] == {"disable_any_whitespace": False}
 
 
 def test_with_several_ranks_the_kv_cache_is_each_ranks_share(model):

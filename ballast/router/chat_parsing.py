@@ -1,0 +1,246 @@
+"""A chat answer on the vLLM engine read by vLLM's own parsers: tool calls and reasoning,
+one parser per request, streamed as they come.
+
+The router builds, at start, vLLM's composed ``Parser`` class for the model
+(``vllm.parser.ParserManager.get_parser``: the tool parser ``model.tool_parser`` and the
+reasoning parser ``model.reasoning_parser``, as ``vllm serve`` composes them) and, for
+each chat request, one instance of it (parsers keep streaming state):
+
+* ``adjust_request`` decides what the engine decodes by: for ``tool_choice``
+  ``"required"`` or a named function (and ``"auto"`` once the model opens a call), the
+  structural tag or JSON schema vLLM builds from the tools (``$defs`` resolved
+  in each tool's own schema; ``parallel_tool_calls: false`` keeps one call). Every
+  call's arguments follow their schema (``TOOL_STRICT_LEVEL``, vLLM's
+  ``--tool-strict-level parameter``: what Ballast's forced calls always did), the
+  whitespace between JSON tokens bounded (``MAX_WHITESPACE``: a small model otherwise
+  fills ``max_tokens`` with it). It also says whether the text keeps special tokens.
+* ``parse`` reads a whole answer: its reasoning, content and calls, with the ids the
+  parser gives (Mistral's 9 characters; others vLLM's ``chatcmpl-tool-`` ids).
+* ``parse_delta`` reads a stream piece by piece: content, reasoning and the calls as
+  OpenAI streams them (``delta.tool_calls``: index, id and name first, then argument
+  fragments).
+
+A model without a tool parser still answers ``"required"`` and named functions, by
+grammar alone (``FORCED_ONLY``: ``ballast.router.forced_only_parser``, registered with
+vLLM's ``ToolParserManager``; it finds no call in free text, so ``"auto"`` needs
+``model.tool_parser`` and is refused without).
+
+vLLM symbols used: ``vllm.parser.ParserManager.get_parser``, ``Parser.adjust_request`` /
+``parse`` / ``parse_delta``, ``vllm.tool_parsers.ToolParserManager.register_lazy_module`` and
+``abstract_tool_parser.ToolParser``, ``vllm.entrypoints.openai.chat_completion.protocol.
+ChatCompletionRequest``, ``vllm.entrypoints.generate.base.protocol`` (``DeltaMessage``,
+``ExtractedToolCallInformation``), ``vllm.renderers.chat_utils.make_tool_call_id``; each
+is exercised by ``tests/unit/test_chat_parsing.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from ballast.router.tool_calls import ToolCall, ToolPlan, ToolSchemaTooComplex, schema_fault
+
+__all__ = ["FORCED_ONLY", "MAX_WHITESPACE", "TOOL_STRICT_LEVEL", "ChatParsing", "ParsedChat", "StreamedChat"]
+
+FORCED_ONLY = "ballast_forced_only"  # the tool parser of a model without one: forced calls only
+TOOL_STRICT_LEVEL = "parameter"  # vLLM's --tool-strict-level: arguments always follow their schema
+MAX_WHITESPACE = 1  # consecutive whitespace characters a call's JSON may hold between tokens
+
+
+def _register_forced_only() -> None:
+    """Register ``FORCED_ONLY`` (``ballast.router.forced_only_parser``) with vLLM once."""
+    from vllm.tool_parsers import ToolParserManager
+
+    if FORCED_ONLY not in ToolParserManager.list_registered():
+        ToolParserManager.register_lazy_module(FORCED_ONLY, "ballast.router.forced_only_parser", "ForcedOnlyToolParser")
+
+
+class ChatParsing:
+    """vLLM's parser class for one model (the module docstring); ``start`` makes each request's."""
+
+    def __init__(
+        self, tokenizer: Any, tool_parser: Optional[str], reasoning_parser: Optional[str], model_name: str = ""
+    ) -> None:
+        from vllm.parser import ParserManager
+
+        _register_forced_only()
+        self.tool_parser = tool_parser  # None: forced calls only
+        self.reasoning_parser = reasoning_parser
+        self._tokenizer = tokenizer
+        try:
+            self._cls = ParserManager.get_parser(
+                tool_parser_name=tool_parser or FORCED_ONLY,
+                reasoning_parser_name=reasoning_parser,
+                enable_auto_tools=True,
+                model_name=model_name,
+                tool_strict_level=TOOL_STRICT_LEVEL,
+                tokenizer=tokenizer,
+            )
+        except (TypeError, KeyError) as e:  # an unknown name, or a tokenizer without its markers
+            which = "model.reasoning_parser" if "reasoning" in str(e) else "model.tool_parser"
+            raise ValueError(f"{which}: {e}") from None
+
+    @property
+    def auto(self) -> bool:
+        """tool_choice "auto" can be served: the model has a tool parser."""
+        return self.tool_parser is not None
+
+    def start(self, tools: ToolPlan, template_kwargs: Optional[dict[str, Any]] = None) -> "ParsedChat":
+        """This request's parser and the request as vLLM adjusted it (what to decode by).
+
+        The conversation itself is not given: the router renders it (``render_chat``), and
+        vLLM's request would validate it again by rules of its own; the parsers read the
+        answer, the tools and the choice."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        request = ChatCompletionRequest(
+            model="-",
+            messages=[{"role": "user", "content": ""}],
+            tools=tools.template_tools(),
+            tool_choice=tools.vllm_choice(),
+            parallel_tool_calls=tools.parallel if tools.parallel is not None else True,
+            chat_template_kwargs=template_kwargs,
+        )
+        parser = self._cls(self._tokenizer, request.tools, chat_template_kwargs=template_kwargs or {})
+        if tools.may_call or self.reasoning_parser is not None:
+            request = parser.adjust_request(request)
+        return ParsedChat(request, parser, tools, reads=tools.may_call or self.reasoning_parser is not None)
+
+
+@dataclass
+class ParsedChat:
+    """One chat request as vLLM's parser reads it (``ChatParsing.start``)."""
+
+    request: Any  # vLLM's ChatCompletionRequest, adjusted
+    parser: Any  # vLLM's Parser, this request's own
+    tools: ToolPlan
+    reads: bool = True  # the answer goes through the parser (it may call tools, or reason)
+
+    @property
+    def forced(self) -> bool:
+        """A call is forced: tool_choice "required" or a named function."""
+        return self.tools.mode in ("named", "required")
+
+    @property
+    def keep_special_tokens(self) -> bool:
+        """The answer's text keeps special tokens (a parser reads its markers among them)."""
+        return not self.request.skip_special_tokens
+
+    def guided(self) -> tuple[Optional[str], Optional[str]]:
+        """(JSON schema, structural tag) the engine decodes by, as text: what vLLM's
+        parser asked for the tools (None, None: the request's own ``response_format``)."""
+        so = self.request.structured_outputs
+        if so is None or not self.tools.may_call:
+            return None, None
+        if so.structural_tag is not None:
+            tag = _bounded_whitespace(json.loads(so.structural_tag))
+            return None, json.dumps(tag, separators=(",", ":"))
+        if so.json is not None:
+            schema = so.json if isinstance(so.json, dict) else json.loads(so.json)
+            return json.dumps(schema, separators=(",", ":")), None
+        return None, None
+
+    def check(self, max_depth: int, max_nodes: int) -> None:
+        """``ToolSchemaTooComplex`` naming tool_choice when the grammar the tools built is past the bounds."""
+        schema, tag = self.guided()
+        built = schema or tag
+        if built is None:
+            return
+        fault = schema_fault(json.loads(built), max_depth, max_nodes)
+        if fault is not None:
+            raise ToolSchemaTooComplex(
+                "tool_choice",
+                f"{self.tools.mode!r} over these tools builds a grammar that {fault}; "
+                "send fewer or smaller tools, or name one function",
+            )
+
+    def answer(self, text: str, finish: str) -> tuple[Optional[str], Optional[str], list[ToolCall], str]:
+        """A whole answer: (reasoning, content, calls, finish reason), as vLLM's server answers."""
+        from vllm.renderers.chat_utils import make_tool_call_id
+
+        if not self.reads:
+            return None, text, [], finish
+        try:
+            reasoning, content, found = self.parser.parse(text, self.request, enable_auto_tools=True)
+        except RecursionError:  # an answer nested past Python's stack: text, no call
+            return None, text, [], finish
+        calls = [_tool_call(c.id or make_tool_call_id(), c.name, c.arguments) for c in found or ()]
+        if self.tools.mode in ("required", "auto") and calls and finish == "stop":
+            finish = "tool_calls"  # OpenAI's: a forced function's call ends with "stop"
+        if self.tools.mode in ("named", "required") and calls:
+            content = content or None
+        return reasoning, content, calls, finish
+
+    def stream(self, prompt_ids: Sequence[int]) -> "StreamedChat":
+        return StreamedChat(self, list(prompt_ids))
+
+
+@dataclass
+class StreamedChat:
+    """One streamed answer read piece by piece by its request's parser."""
+
+    chat: ParsedChat
+    prompt_ids: list[int]
+    called: bool = False  # a call was streamed
+    _first: bool = field(default=True, repr=False)
+    _broken: bool = field(default=False, repr=False)
+
+    def feed(self, text: str, ids: Sequence[int], finished: bool) -> Optional[dict[str, Any]]:
+        """The delta this piece makes (``content``, ``reasoning_content``, ``tool_calls`` as
+        OpenAI's chunk deltas carry them), or None when the parser holds it back."""
+        if self._broken:
+            return {"content": text} if text else None
+        try:
+            message = self.chat.parser.parse_delta(
+                text, list(ids), self.chat.request, self.prompt_ids if self._first else None, finished=finished
+            )
+        except RecursionError:  # an answer nested past Python's stack: the rest is text
+            self._broken = True
+            return {"content": text} if text else None
+        self._first = False
+        if message is None:
+            return None
+        delta: dict[str, Any] = {}
+        if message.reasoning:
+            delta["reasoning_content"] = message.reasoning
+        if message.content:
+            delta["content"] = message.content
+        if message.tool_calls:
+            self.called = True
+            delta["tool_calls"] = [_call_delta(c) for c in message.tool_calls]
+        return delta or None
+
+    def finish(self, finish: str) -> str:
+        if self.called and self.chat.tools.mode != "named" and finish == "stop":
+            return "tool_calls"
+        return finish
+
+
+def _tool_call(call_id: str, name: str, arguments: str) -> ToolCall:
+    function = {"name": name, "arguments": arguments}
+    return ToolCall.model_validate({"id": call_id, "type": "function", "function": function})
+
+
+def _call_delta(c: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": c.index}
+    if c.id is not None:
+        out["id"], out["type"] = c.id, "function"
+    if c.function is not None:
+        fn = {k: v for k, v in (("name", c.function.name), ("arguments", c.function.arguments)) if v is not None}
+        if fn:
+            out["function"] = fn
+    return out
+
+
+def _bounded_whitespace(node: Any) -> Any:
+    """``node`` (a structural tag) with every JSON content's whitespace runs capped at
+    ``MAX_WHITESPACE`` where it sets none."""
+    if isinstance(node, dict):  # a tool's own schema (under "json_schema") is left as it is
+        out = {k: v if k == "json_schema" else _bounded_whitespace(v) for k, v in node.items()}
+        if out.get("type") == "json_schema" and out.get("max_whitespace_cnt") is None:
+            out["max_whitespace_cnt"] = MAX_WHITESPACE
+        return out
+    if isinstance(node, list):
+        return [_bounded_whitespace(v) for v in node]
+    return node

@@ -1,0 +1,220 @@
+"""vLLM's own parsers read Ballast's chat answers on the vLLM engine (ballast.router.chat_parsing):
+real parsers (hermes, mistral, deepseek_r1 and Ballast's forced-only one) on the demo
+tokenizer, the answers written as the model would write them. Each vLLM symbol the module
+relies on is exercised here: ParserManager.get_parser, Parser.adjust_request / parse /
+parse_delta, ToolParserManager.register_lazy_module, ChatCompletionRequest,
+make_tool_call_id."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+import pytest
+
+from ballast.router.chat_parsing import MAX_WHITESPACE, ChatParsing, ParsedChat
+from ballast.router.tool_calls import NamedToolChoice, ToolSpec, plan
+
+pytest.importorskip("vllm")
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+# A pydantic-made schema: its own $defs, referred to from its properties.
+BOOK = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "properties": {"room": {"$ref": "#/$defs/Room"}},
+            "required": ["room"],
+            "$defs": {"Room": {"type": "string", "enum": ["a", "b"]}},
+        },
+    },
+}
+HERMES_CALL = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from ballast.model.demo import train_tokenizer
+
+    t = train_tokenizer()
+    t.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "<think>", "</think>"]})
+    return t
+
+
+def tools(*specs: dict) -> list[ToolSpec]:
+    return [ToolSpec.model_validate(s) for s in specs]
+
+
+def named(name: str) -> NamedToolChoice:
+    return NamedToolChoice.model_validate({"type": "function", "function": {"name": name}})
+
+
+def streamed(chat: ParsedChat, tok: Any, text: str, finish: str = "stop") -> tuple[dict[str, Any], list, str]:
+    """``text`` fed token by token as the replica streams it: (content and reasoning joined,
+    the calls reassembled as a client does, the finish reason)."""
+    reader = chat.stream([1, 2, 3])
+    ids = tok.encode(text, add_special_tokens=False)
+    joined: dict[str, Any] = {"content": "", "reasoning_content": ""}
+    calls: dict[int, dict[str, Any]] = {}
+    previous = ""
+    for i, token in enumerate(ids):
+        current = tok.decode(ids[: i + 1], skip_special_tokens=False)
+        delta = reader.feed(current[len(previous) :], [token], i == len(ids) - 1)
+        previous = current
+        for key in ("content", "reasoning_content"):
+            joined[key] += (delta or {}).get(key, "")
+        for d in (delta or {}).get("tool_calls", []):
+            call = calls.setdefault(d["index"], {"id": None, "name": None, "arguments": ""})
+            if "id" in d:
+                assert call["id"] is None and d["type"] == "function"  # id, type and name come first, once
+                call["id"] = d["id"]
+            fn = d.get("function", {})
+            call["name"] = fn.get("name", call["name"])
+            call["arguments"] += fn.get("arguments", "")
+    return joined, [calls[i] for i in sorted(calls)], reader.finish(finish)
+
+
+def unary(chat: ParsedChat, text: str, finish: str = "stop") -> tuple[Optional[str], Optional[str], list, str]:
+    return chat.answer(text, finish)
+
+
+def test_auto_streams_a_hermes_call_as_openai_does_and_matches_the_whole_answer(tok):
+    parsing = ChatParsing(tok, "hermes", None)
+    joined, calls, finish = streamed(parsing.start(plan(tools(WEATHER), None, None, auto=True)), tok, HERMES_CALL)
+    assert joined["content"] == "Let me look. " and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0]["id"].startswith("chatcmpl-tool-")  # vLLM's id, not one Ballast made up
+    reasoning, content, whole, finish = unary(parsing.start(plan(tools(WEATHER), None, None, auto=True)), HERMES_CALL)
+    assert (reasoning, content, finish) == (None, "Let me look. ", "tool_calls")
+    assert [(c.function.name, c.function.arguments) for c in whole] == [(calls[0]["name"], calls[0]["arguments"])]
+    # No call in the answer: plain content, "stop"; each request has its own parser.
+    assert unary(parsing.start(plan(tools(WEATHER), None, None, auto=True)), "Sunny.") == (None, "Sunny.", [], "stop")
+    a, b = (parsing.start(plan(tools(WEATHER), None, None, auto=True)) for _ in range(2))
+    assert a.parser is not b.parser
+
+
+def test_mistral_calls_carry_mistrals_nine_character_ids(tok):
+    """Mistral's templates refuse any other id on the next turn."""
+    parsing = ChatParsing(tok, "mistral", None)
+    text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    _, content, calls, finish = unary(parsing.start(plan(tools(WEATHER), None, None, auto=True)), text)
+    assert content is None and finish == "tool_calls" and len(calls) == 1
+    assert len(calls[0].id) == 9 and calls[0].id.isalnum()
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+
+
+def test_forced_calls_decode_by_each_tools_schema_with_its_defs_resolved(tok):
+    # No tool parser: vLLM's JSON schema for the calls, $defs hoisted to its root.
+    forced = ChatParsing(tok, None, None)
+    schema, tag = forced.start(plan(tools(WEATHER, BOOK), named("book"), None)).guided()
+    assert tag is None and json.loads(schema) == BOOK["function"]["parameters"]
+    schema, tag = forced.start(plan(tools(WEATHER, BOOK), "required", False)).guided()
+    built = json.loads(schema)
+    assert tag is None and built["type"] == "array" and built["maxItems"] == 1  # parallel_tool_calls false
+    assert _refs_resolve(built, built) and "Room" in built["$defs"]
+    # hermes: a structural tag in the model's own format, each tool's schema (its $defs in it)
+    # pinned, whitespace runs bounded.
+    hermes = ChatParsing(tok, "hermes", None)
+    schema, tag = hermes.start(plan(tools(WEATHER, BOOK), "required", None)).guided()
+    contents = _json_contents(json.loads(tag))
+    begins = [t["begin"] for t in json.loads(tag)["format"]["tags"]]
+    assert schema is None and '<tool_call>\n{"name": "book", "arguments": ' in begins
+    assert {json.dumps(c["json_schema"], sort_keys=True) for c in contents} == {
+        json.dumps(t["function"]["parameters"], sort_keys=True) for t in (WEATHER, BOOK)
+    }
+    assert all(
+        c["max_whitespace_cnt"] == MAX_WHITESPACE and _refs_resolve(c["json_schema"], c["json_schema"])
+        for c in contents
+    )
+    # "auto" and "none" force nothing: no grammar of the tools'.
+    assert hermes.start(plan(tools(WEATHER), None, None, auto=True)).guided()[0] is None
+    assert forced.start(plan(tools(WEATHER), "none", None)).guided() == (None, None)
+
+
+def test_required_and_named_stream_their_calls_and_match_the_whole_answer(tok):
+    forced = ChatParsing(tok, None, None)
+    text = '[{"name":"get_weather","parameters":{"city":"Paris"}},{"name":"get_time","parameters":{}}]'
+    _, calls, finish = streamed(forced.start(plan(tools(WEATHER, TIME), "required", None)), tok, text)
+    assert finish == "tool_calls" and [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c["arguments"]) for c in calls] == [{"city": "Paris"}, {}]
+    assert len({c["id"] for c in calls}) == 2
+    _, content, whole, finish = unary(forced.start(plan(tools(WEATHER, TIME), "required", None)), text)
+    assert content is None and finish == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {}),
+    ]
+    # A named function: one call, its arguments streamed in fragments, "stop" (OpenAI's rule).
+    _, calls, finish = streamed(forced.start(plan(tools(WEATHER), named("get_weather"), None)), tok, '{"city":"Paris"}')
+    assert finish == "stop" and [(c["name"], c["arguments"]) for c in calls] == [("get_weather", '{"city":"Paris"}')]
+
+
+def test_an_answer_cut_by_max_tokens_says_length(tok):
+    forced = ChatParsing(tok, None, None)
+    _, _, calls, finish = unary(forced.start(plan(tools(WEATHER), named("get_weather"), None)), '{"city":"Pa', "length")
+    assert finish == "length" and calls[0].function.arguments == '{"city":"Pa'  # what was written, cut
+    _, content, calls, finish = unary(
+        forced.start(plan(tools(WEATHER), "required", None)), '[{"name":"get_we', "length"
+    )
+    assert (calls, finish) == ([], "length")
+    _, _, finish = streamed(forced.start(plan(tools(WEATHER), "required", None)), tok, '[{"name":"get_we', "length")
+    assert finish == "length"
+
+
+def test_reasoning_goes_apart_and_a_call_written_while_thinking_is_not_a_call(tok):
+    parsing = ChatParsing(tok, "hermes", "deepseek_r1")
+    text = '<think>I could <tool_call>{"name": "get_weather", "arguments": {"city": "X"}}</tool_call></think>Sunny.'
+    reasoning, content, calls, finish = unary(parsing.start(plan(tools(WEATHER), None, None, auto=True)), text)
+    assert reasoning.startswith("I could <tool_call>") and (content, calls, finish) == ("Sunny.", [], "stop")
+    joined, calls, finish = streamed(parsing.start(plan(tools(WEATHER), None, None, auto=True)), tok, text)
+    assert (joined["reasoning_content"], joined["content"], calls, finish) == (reasoning, "Sunny.", [], "stop")
+    # Without tools, a reasoning parser still reads the answer.
+    assert unary(parsing.start(plan(None, None, None)), "<think>hm</think>Hi.")[:2] == ("hm", "Hi.")
+
+
+def test_unknown_parser_names_fail_when_the_router_starts(tok):
+    with pytest.raises(ValueError, match="model.tool_parser"):
+        ChatParsing(tok, "no-such-parser", None)
+    with pytest.raises(ValueError, match="model.reasoning_parser"):
+        ChatParsing(tok, None, "no-such-parser")
+
+
+def test_an_answer_nested_past_pythons_stack_is_text_not_an_error(tok):
+    forced = ChatParsing(tok, None, None)
+    text = "[" * 100_000
+    assert unary(forced.start(plan(tools(WEATHER), "required", None)), text, "length")[2] == []
+
+
+def _json_contents(node: Any) -> list[dict[str, Any]]:
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema":
+            return [node]
+        return [c for v in node.values() for c in _json_contents(v)]
+    if isinstance(node, list):
+        return [c for v in node for c in _json_contents(v)]
+    return []
+
+
+def _refs_resolve(node: Any, root: Any) -> bool:
+    """Every ``$ref`` under ``node`` names a path that exists from ``root``."""
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = root
+            for part in ref.removeprefix("#/").split("/"):
+                if not isinstance(target, dict) or part not in target:
+                    return False
+                target = target[part]
+        return all(_refs_resolve(v, root) for v in node.values())
+    if isinstance(node, list):
+        return all(_refs_resolve(v, root) for v in node)
+    return True
