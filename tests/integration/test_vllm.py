@@ -276,11 +276,13 @@ def _reassembled(chunks) -> list[dict]:
 
 
 def test_a_named_tool_is_called_with_arguments_that_follow_its_schema_streamed_as_unary(oai):
+    # The call is written in the model's own format (hermes: <tool_call>{"name": ..., "arguments":
+    # ...}</tool_call>, ~80 tokens of the test tokenizer): one tool leaves it room in the context.
     asked = dict(
         model=MODEL,
         messages=ASK,
-        tools=[WEATHER, TIME],
-        max_tokens=64,
+        tools=[WEATHER],
+        max_tokens=160,
         temperature=1.0,
         seed=2,
         tool_choice={"type": "function", "function": {"name": "weather"}},
@@ -306,10 +308,10 @@ def test_required_tool_calls_stream_in_pieces_and_end_with_tool_calls(oai):
         oai.chat.completions.create(
             model=MODEL,
             messages=ASK,
-            tools=[WEATHER, TIME],
+            tools=[TIME],
             tool_choice="required",
             parallel_tool_calls=False,
-            max_tokens=64,
+            max_tokens=160,
             temperature=1.0,
             seed=4,
             stream=True,
@@ -317,9 +319,8 @@ def test_required_tool_calls_stream_in_pieces_and_end_with_tool_calls(oai):
         )
     )
     calls = _reassembled(chunks)
-    assert len(calls) == 1 and calls[0]["name"] in ("weather", "time")
-    args = json.loads(calls[0]["arguments"])
-    assert set(args) == ({"city", "metric"} if calls[0]["name"] == "weather" else {"zone"})
+    assert len(calls) == 1 and calls[0]["name"] == "time"
+    assert json.loads(calls[0]["arguments"])["zone"] in ("UTC", "CET")
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage.completion_tokens >= 1
 
@@ -340,7 +341,7 @@ def test_a_schema_with_defs_is_followed_under_required(oai):
         },
     }
     r = oai.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[book], tool_choice="required", max_tokens=48, temperature=1.0, seed=3
+        model=MODEL, messages=ASK, tools=[book], tool_choice="required", max_tokens=160, temperature=1.0, seed=3
     )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "book" and json.loads(call.function.arguments)["room"] in ("red", "blue")
@@ -352,7 +353,7 @@ def test_the_parsers_call_id_is_taken_back_on_the_next_turn(oai):
         model=MODEL,
         messages=ASK,
         tools=[WEATHER],
-        max_tokens=64,
+        max_tokens=160,
         temperature=1.0,
         seed=2,
         tool_choice={"type": "function", "function": {"name": "weather"}},
