@@ -37,6 +37,15 @@ $(GL_STAMP): requirements/guidellm.txt
 	$(GL_VENV)/bin/python -m pip install -q -r requirements/guidellm.txt
 	touch $(GL_STAMP)
 
+# The openai-agents SDK, in an environment of its own (it pins websockets<17; Ray here has
+# 17): the integration suite runs a real agent with it.
+AG_VENV := .venv-agents
+AG_STAMP := $(AG_VENV)/.installed
+$(AG_STAMP): requirements/agents.txt
+	test -x $(AG_VENV)/bin/python || $(PYTHON) -m venv $(AG_VENV)
+	$(AG_VENV)/bin/python -m pip install -q -r requirements/agents.txt
+	touch $(AG_STAMP)
+
 ## Run the service in the foreground: embedded local Ray + the app (Ctrl-C stops both).
 serve: $(STAMP)
 	$(PY) -m ballast.ops.cli serve --config $(CONFIG) $(if $(MODEL),--model $(MODEL)) $(if $(ENGINE),--engine $(ENGINE))
@@ -84,7 +93,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 ## The whole suite: unit tests, then integration tests against a real local Ray Serve.
-test: $(STAMP) $(GL_STAMP) tools
+test: $(STAMP) $(GL_STAMP) $(AG_STAMP) tools
 	$(PY) -m pytest -q tests
 
 test-unit: $(STAMP)
@@ -139,7 +148,7 @@ soak-24h: $(STAMP)
 	$(PY) -m loadtest.soak --time-scale 1 --config $(CONFIG)
 
 clean:
-	rm -rf $(VENV) $(GL_VENV) .pytest_cache .run
+	rm -rf $(VENV) $(GL_VENV) $(AG_VENV) .pytest_cache .run
 
 ## Prometheus scraping the local stack (run beside `make serve`); UI on http://127.0.0.1:9090.
 ## Point a Grafana at it and load cluster/grafana (provisioning + dashboards).

@@ -345,7 +345,14 @@ def test_a_schema_with_defs_is_followed_under_required(oai):
         },
     }
     r = oai.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[book], tool_choice="required", max_tokens=160, temperature=1.0, seed=3
+        model=MODEL,
+        messages=ASK,
+        tools=[book],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=160,
+        temperature=1.0,
+        seed=3,
     )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "book" and json.loads(call.function.arguments)["room"] in ("red", "blue")
@@ -397,6 +404,30 @@ def test_a_tools_result_goes_back_to_the_model_and_auto_answers_through_the_pars
     }  # as vLLM hands them to templates
     rendered = tok.apply_chat_template(turns, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
     assert r.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))  # the template saw it all
+
+
+AGENTS_PYTHON = Path(__file__).resolve().parents[2] / ".venv-agents" / "bin" / "python"
+
+
+def test_a_real_agent_calls_a_local_tool_and_finishes(vllm_stack):
+    """The openai-agents SDK (its own environment, tests/integration/agent_client.py), unary
+    and streamed: the agent's tool call reaches its Python function and the run finishes."""
+    import subprocess
+
+    if not AGENTS_PYTHON.exists():
+        pytest.fail(f"{AGENTS_PYTHON} is missing: `make test` installs it (requirements/agents.txt)")
+    run = subprocess.run(
+        [str(AGENTS_PYTHON), str(Path(__file__).with_name("agent_client.py")), BASE, KEY, MODEL],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for mode in ("unary", "streamed"):
+        calls, final = out[mode]["calls"], out[mode]["final"]
+        assert len(calls) == 1 and calls[0] in ("Paris", "Oslo"), out
+        assert final == f"20 degrees and sunny in {calls[0]}", out
 
 
 def test_vllms_own_ttft_itl_and_preemptions_reach_rays_metrics_export(oai):
