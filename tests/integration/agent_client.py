@@ -44,7 +44,7 @@ async def main(base: str, key: str, model: str) -> dict:
         instructions="Answer with the weather tool.",
         tools=[weather],
         model=OpenAIChatCompletionsModel(model=model, openai_client=client),
-        model_settings=ModelSettings(tool_choice="required", max_tokens=160, temperature=1.0),
+        model_settings=ModelSettings(tool_choice="required", max_tokens=140, temperature=1.0),  # 359 + 140 <= 512
         tool_use_behavior="stop_on_first_tool",
     )
     out = {}
