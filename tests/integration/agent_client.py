@@ -44,7 +44,9 @@ async def main(base: str, key: str, model: str) -> dict:
         instructions="Answer with the weather tool.",
         tools=[weather],
         model=OpenAIChatCompletionsModel(model=model, openai_client=client),
-        model_settings=ModelSettings(tool_choice="required", max_tokens=140, temperature=1.0),  # 359 + 140 <= 512
+        model_settings=ModelSettings(  # 359 prompt tokens + 140 <= the test model's 512
+            tool_choice="required", parallel_tool_calls=False, max_tokens=140, temperature=1.0
+        ),
         tool_use_behavior="stop_on_first_tool",
     )
     out = {}
