@@ -212,8 +212,9 @@ def default_engine_kwargs(
     """``engine_kwargs`` with Ballast's defaults for what it leaves out: room in the engine
     for ``rows`` requests (``max_num_seqs``, the replica bounds them), LoRA when the model
     has ``adapters`` (:func:`lora_engine_kwargs`), guided JSON without whitespace between
-    its tokens (``structured_outputs_config.disable_any_whitespace``; vLLM's default lets a
-    small model fill ``max_tokens`` with whitespace), and on CPU a KV cache
+    its tokens (``structured_outputs_config``: backend xgrammar, ``disable_any_whitespace``;
+    vLLM's default lets a small model fill ``max_tokens`` with whitespace; another backend
+    named is left as it is), and on CPU a KV cache
     with room for ``rows`` rows that each fill the context, as Ballast's own engines are
     sized (vLLM's size is each rank's: with tensor or pipeline parallelism, that share of
     it). vLLM's CPU default (``gpu_memory_utilization`` 0.92 of the host's memory) is
@@ -225,7 +226,10 @@ def default_engine_kwargs(
     out = lora_engine_kwargs({"max_num_seqs": rows, **engine_kwargs}, adapters or {}, base_slot=not _cuda_visible())
     so = out.get("structured_outputs_config")
     if so is None or isinstance(so, dict):  # compact JSON: a small model fills max_tokens with whitespace
-        out["structured_outputs_config"] = {"disable_any_whitespace": True, **(so or {})}
+        so = dict(so or {})
+        if so.get("backend", "xgrammar") == "xgrammar":  # vLLM takes the setting with a named backend only
+            so = {"backend": "xgrammar", "disable_any_whitespace": True, **so}
+        out["structured_outputs_config"] = so
     sized = {"kv_cache_memory_bytes", "gpu_memory_utilization"} & set(out) or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if sized or _cuda_visible():
         return out

@@ -10,7 +10,7 @@ import pytest
 
 from ballast.model.vllm_engine import default_engine_kwargs
 
-COMPACT_JSON = {"structured_outputs_config": {"disable_any_whitespace": True}}
+COMPACT_JSON = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
 CONFIG = {
     "num_attention_heads": 4,
     "hidden_size": 256,
@@ -59,10 +59,14 @@ def test_a_directory_without_a_readable_config_is_left_to_vllm_to_name(tmp_path)
 def test_guided_json_is_compact_unless_the_operator_says_otherwise(model):
     """vLLM's default grammar allows any whitespace between JSON tokens, which a small model
     fills max_tokens with; Ballast's default is compact JSON, an explicit setting kept."""
-    got = default_engine_kwargs(model, {"structured_outputs_config": {"backend": "xgrammar"}}, rows=4)
-    assert got["structured_outputs_config"] == {"disable_any_whitespace": True, "backend": "xgrammar"}
-    kept = {"structured_outputs_config": {"disable_any_whitespace": False}}
-    assert default_engine_kwargs(model, kept, rows=4)["structured_outputs_config"] == {"disable_any_whitespace": False}
+
+    def so(given: dict) -> dict:
+        return default_engine_kwargs(model, {"structured_outputs_config": given}, rows=4)["structured_outputs_config"]
+
+    assert so({"backend": "xgrammar"}) == {"backend": "xgrammar", "disable_any_whitespace": True}
+    assert so({"disable_any_whitespace": False}) == {"backend": "xgrammar", "disable_any_whitespace": False}
+    # vLLM refuses disable_any_whitespace with "auto": another backend named is left alone.
+    assert so({"backend": "auto"}) == {"backend": "auto"} and so({"backend": "guidance"}) == {"backend": "guidance"}
 
 
 def test_with_several_ranks_the_kv_cache_is_each_ranks_share(model):
