@@ -430,21 +430,23 @@ def test_a_real_agent_calls_a_local_tool_and_finishes(vllm_stack):
         assert final == f"20 degrees and sunny in {calls[0]}", out
 
 
-def test_vllms_own_ttft_itl_and_preemptions_reach_rays_metrics_export(oai):
+def test_vllms_own_ttft_and_itl_reach_rays_metrics_export(oai):
     """vLLM's engine metrics, as ray.serve.llm exports them, labelled with the model's name:
-    what Prometheus scrapes beside Ballast's own (the overview dashboard's vLLM panels)."""
+    what Prometheus scrapes beside Ballast's own (the overview dashboard's vLLM panels). The
+    preemptions counter has a series once vLLM preempts a request (none does here)."""
     oai.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
-    targets = json.loads(Path("/tmp/ray/prom_metrics_service_discovery.json").read_text())
-    urls = [f"http://{t}/metrics" for group in targets for t in group["targets"]]
 
     def exported() -> str:
-        return "\n".join(httpx.get(u, timeout=5).text for u in urls)
+        targets = json.loads(Path("/tmp/ray/prom_metrics_service_discovery.json").read_text())
+        texts = []
+        for url in (f"http://{t}/metrics" for group in targets for t in group["targets"]):
+            try:
+                texts.append(httpx.get(url, timeout=5).text)
+            except httpx.HTTPError:  # a node's agent not (or no longer) listening
+                pass
+        return "\n".join(texts)
 
-    wanted = (
-        "ray_vllm_time_to_first_token_seconds_bucket",
-        "ray_vllm_inter_token_latency_seconds_bucket",
-        "ray_vllm_num_preemptions_total",
-    )
+    wanted = ("ray_vllm_time_to_first_token_seconds_bucket", "ray_vllm_inter_token_latency_seconds_bucket")
     wait_until(lambda: all(f"{w}{{" in exported() for w in wanted), 45, 1, "vLLM's metrics exported")
     text = exported()
     line = next(x for x in text.splitlines() if x.startswith("ray_vllm_time_to_first_token_seconds_count"))
