@@ -5,13 +5,18 @@ For each stack, in one run:
 
 1. measure its capacity C: the highest open-loop rate at which at least 90 % of
    requests get a 200 within the SLO (an ascending ladder of short probes, its last
-   passing rung confirmed over a phase's length: ``measure_capacity``);
+   passing rung confirmed over a phase's length: ``measure_capacity``); where no rate
+   keeps 90 %, the ladder's first rung stands in for C, and the report says so;
 2. offer 1 C, 2 C, 4 C and 10 C with a criticality mix, and print goodput / C
    (answers within the SLO per second, over C), success by criticality (the share
    answered within the SLO) and the p99 latency of the requests that were admitted;
 3. print, per class, the share it got of what strict class order allows it
    (``feasible_shares``: what is left of C after the classes above it, capped by its
    demand), so that "critical got 15 %" reads against what it could have had.
+
+A stack whose C was not found, or whose session failed, does not stop the run: every other
+stack's rows, the table and the targets are printed, then each such stack and why, and
+only then does the process exit with 1 (``report``).
 
 Three stacks, each measured against its own C:
 
@@ -387,7 +392,7 @@ async def measure_capacity(
         passed, rate = rate, rate * 1.12
         await drain(1.0)  # the last probe's stragglers
     if not passed:
-        raise RuntimeError(f"even {probes[0][0]:.1f} req/s misses the SLO: {probes}")
+        raise CapacityNotFound(f"even {probes[0][0]:.1f} req/s misses the SLO: {probes}", probes)
     floor, step = probes[0][0], 0
     while passed >= floor * (1.0 - 1e-9):
         await settle()
@@ -396,7 +401,17 @@ async def measure_capacity(
         if frac >= 0.9:
             return passed, probes
         passed, step = passed / 1.12, step + 1
-    raise RuntimeError(f"no rung kept 90 % over {confirm_s:g} s: {probes}")
+    raise CapacityNotFound(f"no rung kept 90 % over {confirm_s:g} s: {probes}", probes)
+
+
+class CapacityNotFound(RuntimeError):
+    """No rate kept 90 % within the SLO; ``lowest``: the ladder's first rung (req/s), the
+    rate the stack's phases are then offered multiples of (its row says so)."""
+
+    def __init__(self, message: str, probes: list[tuple[float, float, float]]) -> None:
+        super().__init__(message)
+        self.probes = probes
+        self.lowest = probes[0][0]
 
 
 async def closed_loop_rate(stack: Stack, concurrency: int, duration_s: float) -> float:
@@ -455,8 +470,8 @@ async def find_capacity(
         (cap, probes), machine_rps = await timed_machine(
             speed, lambda: measure_capacity(good_fraction, guess, probe_s, confirm_s, settle), 1.0
         )
-    except RuntimeError as err:
-        raise RuntimeError(f"{name}: {err}") from None
+    except CapacityNotFound as err:
+        raise CapacityNotFound(f"{name}: {err}", err.probes) from None
     print(
         f"{name}: closed-loop {guess:.1f} req/s; probes "
         + ", ".join(f"{r:.1f}/s" + (f" for {t:g} s" if t != probe_s else "") + f"->{f:.2f}" for r, t, f in probes)
@@ -1115,6 +1130,7 @@ class _Bench:
         self.status_url = f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/status"
         self.results: dict[str, dict[str, Any]] = {}
         self.machine_at_c: dict[str, float] = {}  # each stack's machine speed while its C was measured
+        self.unmeasured: dict[str, str] = {}  # stack: why its C, or its whole row, is not what it says
 
     # -- sessions: one Ray per stack kind ------------------------------------------------------
     def run_sessions(self) -> None:
@@ -1124,7 +1140,13 @@ class _Bench:
         SDK rows use the same Ballast server as the plain HTTP rows."""
         try:
             for session, members in sessions(self.s.names):
-                self._session(session, members)
+                try:
+                    self._session(session, members)
+                except Exception as err:  # the other sessions still run, and the report prints
+                    for name in members:
+                        if name not in self.results:
+                            self.unmeasured[name] = f"not measured: {type(err).__name__}: {err}"
+                    print(f"session {session} failed: {type(err).__name__}: {err}", flush=True)
         finally:
             self.speed.close()
 
@@ -1304,11 +1326,20 @@ class _Bench:
 
     # -- capacity and plain-bounded's queue ------------------------------------------------------
     async def capacity(self, stack: Stack, settle: Callable[[], Any]) -> float:
+        """C as ``find_capacity`` measures it; where no rate keeps 90 % within the SLO, the
+        ladder's first rung, the stack marked (``unmeasured``) and the run going on."""
         args = self.args
         probe = self.stacks["ballast"] if stack.sdk is not None else stack  # capacity is the server's
-        cap, self.machine_at_c[stack.name] = await find_capacity(
-            probe, self.mix, args.slo_s, args.probe_s, args.phase_s, args.seed, settle, self.speed, name=stack.name
-        )
+        try:
+            cap, self.machine_at_c[stack.name] = await find_capacity(
+                probe, self.mix, args.slo_s, args.probe_s, args.phase_s, args.seed, settle, self.speed, name=stack.name
+            )
+        except CapacityNotFound as err:
+            self.unmeasured[stack.name] = (
+                f"C not found ({err}); its phases are offered multiples of the lowest rung, {err.lowest:.1f} req/s"
+            )
+            print(f"{stack.name}: {self.unmeasured[stack.name]}", flush=True)
+            return err.lowest
         return cap
 
     def swap_plain_app(self, queue: Optional[int], ongoing: Optional[int] = None) -> None:
@@ -1522,15 +1553,25 @@ def _print_adjusted(result: dict[str, Any], s: _Settings) -> None:
 REPORT = (_print_settings, _print_results, _print_feasible, _print_bounded, _print_targets)
 
 
+def report(results: dict[str, dict[str, Any]], s: _Settings, unmeasured: dict[str, str]) -> int:
+    """Every section of ``REPORT`` over the stacks that ran, then each stack whose C was not
+    found or whose session failed, and why; 1 when there is one (after everything printed)."""
+    for section in REPORT:
+        section(results, s)
+    if unmeasured:
+        print("\nnot as measured (the table's C for these is not a capacity):")
+        for name, why in unmeasured.items():
+            print(f"  {name}: {why}")
+    return 1 if unmeasured else 0
+
+
 def main(argv: "list[str] | None" = None) -> int:
     """Parse the command line; per stack, measure C, offer the multiples and collect the
-    phases (``_Bench``); then print the report and Ballast's targets (``REPORT``)."""
+    phases (``_Bench``); then print the report and Ballast's targets (``report``)."""
     settings = parse_settings(argv)
     bench = _Bench(settings)
     bench.run_sessions()
-    for section in REPORT:
-        section(bench.results, settings)
-    return 0
+    return report(bench.results, settings, bench.unmeasured)
 
 
 if __name__ == "__main__":

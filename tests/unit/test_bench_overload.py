@@ -210,6 +210,51 @@ def test_capacity_that_no_long_probe_confirms_is_an_error():
         asyncio.run(measure_capacity(GracefulStack(10.0, 8.0, 1.0).probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
 
 
+def test_capacity_not_found_carries_the_lowest_rung_for_the_stacks_phases():
+    from loadtest.bench_overload import CapacityNotFound
+
+    stack = GracefulStack(sustained=10.0, short_s=8.0, short_bonus=6.0)
+    with pytest.raises(CapacityNotFound) as e:
+        asyncio.run(measure_capacity(stack.probe, 51.0, 8.0, 20.0, stack.settle, stack.drain))
+    assert e.value.lowest == pytest.approx(25.5) and e.value.probes[0][0] == e.value.lowest
+
+
+def test_a_stack_whose_c_is_not_found_runs_on_at_the_lowest_rung(monkeypatch, capsys):
+    import types
+
+    import loadtest.bench_overload as bo
+
+    async def not_found(*_a, **_k):
+        raise bo.CapacityNotFound("ballast-vllm: no rung kept 90 % over 20 s: [...]", [(7.6, 8.0, 0.8)])
+
+    monkeypatch.setattr(bo, "find_capacity", not_found)
+    bench = bo._Bench.__new__(bo._Bench)  # the wiring alone: no Ray, no speed probe
+    args = types.SimpleNamespace(slo_s=1.0, probe_s=8.0, phase_s=20.0, seed=1)
+    bench.args, bench.mix, bench.speed, bench.machine_at_c, bench.unmeasured = args, {}, None, {}, {}
+    stack = types.SimpleNamespace(name="ballast-vllm", sdk=None)
+    bench.stacks = {"ballast-vllm": stack}
+    assert asyncio.run(bench.capacity(stack, None)) == 7.6
+    assert bench.unmeasured["ballast-vllm"].startswith("C not found (ballast-vllm: no rung kept 90 %")
+    assert "lowest rung, 7.6 req/s" in capsys.readouterr().out
+
+
+def test_the_report_prints_every_stack_then_the_unmeasured_and_exits_1_after(capsys, tmp_path):
+    """A stack whose C was not found (or whose session failed) keeps the run: the others' rows
+    and targets print, then what was not measured and why; the exit status is 1 only then."""
+    from loadtest.bench_overload import parse_settings, report
+
+    s = parse_settings(["--multiples", "1,10", *a_model_dir(tmp_path)])
+    results = {"llm": _run(12.0, (12.0, 0.4), multiples=(1.0, 10.0))}
+    results["ballast-vllm"] = _run(7.6, (6.8, 6.0), multiples=(1.0, 10.0))
+    why = {"ballast-vllm": "C not found (no rung kept 90 % over 20 s); multiples of the lowest rung, 7.6 req/s"}
+    assert report(results, s, why) == 1
+    out = capsys.readouterr().out
+    assert "\nllm " in out and "\nballast-vllm " in out and "ballast-vllm: targets" in out
+    assert out.index("not as measured") > out.index("ballast-vllm: targets")
+    assert "  ballast-vllm: C not found (no rung kept 90 % over 20 s)" in out
+    assert report(results, s, {}) == 0 and "not as measured" not in capsys.readouterr().out
+
+
 def test_the_bounded_queue_is_what_the_replica_serves_within_the_slo():
     # 40 req/s for a 1 s SLO: a request queued behind more than 40 cannot make it.
     assert bounded_queue(40.0, 1.0, 1.0) == 40
