@@ -982,6 +982,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Ballast on vLLM routes by load alone (model.routing.prefix_affinity: false)",
     )
+    parser.add_argument(
+        "--slow-host",
+        type=int,
+        default=0,
+        help="a deliberately slowed host: this many busy processes, each pinned to one core, for the whole run "
+        "(loadtest.slow_host); the machine column shows the speed the host had",
+    )
     return parser
 
 
@@ -1031,6 +1038,13 @@ def parse_settings(argv: "list[str] | None" = None) -> _Settings:
     )
     if not args.llm_queue_factor > 0:
         parser.error(f"--llm-queue-factor: need a positive factor, got {args.llm_queue_factor!r}")
+    if args.slow_host:
+        from loadtest.slow_host import cores_for
+
+        try:
+            cores_for(args.slow_host)
+        except ValueError as e:
+            parser.error(str(e))
     settings = _Settings(args, multiples, queue_factors, ongoing_options)
     if settings.vllm and not os.path.isfile(os.path.join(args.vllm_model, "config.json")):
         parser.error(f"--vllm-model: no config.json in {args.vllm_model!r} (make demo-model writes models/demo)")
@@ -1568,9 +1582,12 @@ def report(results: dict[str, dict[str, Any]], s: _Settings, unmeasured: dict[st
 def main(argv: "list[str] | None" = None) -> int:
     """Parse the command line; per stack, measure C, offer the multiples and collect the
     phases (``_Bench``); then print the report and Ballast's targets (``report``)."""
+    from loadtest.slow_host import slowed
+
     settings = parse_settings(argv)
-    bench = _Bench(settings)
-    bench.run_sessions()
+    with slowed(settings.args.slow_host):
+        bench = _Bench(settings)
+        bench.run_sessions()
     return report(bench.results, settings, bench.unmeasured)
 
 
