@@ -118,6 +118,8 @@ def build_engine(m: Any, placement: Any = None) -> ModelBackend:
         # LoRA: name -> local directory (a ``models`` entry's adapters are {path, tenants}).
         adapters = {n: getattr(a, "path", a) for n, a in (getattr(m, "adapters", None) or {}).items()}
         kwargs = with_executor(m.engine_kwargs, placement)
+        if getattr(m, "reasoning_parser", None):  # the engine's grammar waits for the thinking to end
+            kwargs = {"reasoning_parser": m.reasoning_parser, **kwargs}
         return VLLMBackend(
             m.path,
             name=m.name,

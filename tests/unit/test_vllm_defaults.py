@@ -81,3 +81,31 @@ def test_with_several_ranks_the_kv_cache_is_each_ranks_share(model):
     assert share(tensor_parallel_size=4) == whole // 2  # one KV head each, replicated
     assert share(pipeline_parallel_size=2) == whole // 2
     assert share(tensor_parallel_size=2, pipeline_parallel_size=2) == whole // 4
+
+
+def test_a_reasoning_models_engine_applies_its_grammar_after_the_thinking(tmp_path, monkeypatch):
+    """model.reasoning_parser reaches vLLM's engine (its structured-output manager waits for
+    the end of the reasoning before a tool call's or response_format's grammar applies)."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    import ballast.model.vllm_engine as ve
+    from ballast.config import ModelConfig
+    from ballast.model.demo import VLLM_GEOMETRY, make_llama
+    from ballast.model.engine import build_engine
+
+    from transformers import AutoTokenizer
+
+    path = make_llama(tmp_path / "m", **VLLM_GEOMETRY)
+    tok = AutoTokenizer.from_pretrained(path)  # a thinking model's markers: deepseek_r1 looks for them
+    tok.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    tok.save_pretrained(path)
+    seen: dict = {}
+    monkeypatch.setattr(ve, "VLLMBackend", lambda *a, **k: seen.update(k) or "backend")
+    m = ModelConfig(name="m", backend="vllm", path=str(path), reasoning_parser="deepseek_r1")
+    assert build_engine(m) == "backend" and seen["engine_kwargs"]["reasoning_parser"] == "deepseek_r1"
+    args = AsyncEngineArgs(model=str(path), **ve._config_sections({**seen["engine_kwargs"], "max_model_len": 256}))
+    assert args.create_engine_config().structured_outputs_config.reasoning_parser == "deepseek_r1"
+    seen.clear()
+    build_engine(ModelConfig(name="m", backend="vllm", path=str(path)))
+    assert "reasoning_parser" not in seen["engine_kwargs"]
