@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional, Sequence
 
 from ballast.router.tool_calls import ToolCall, ToolPlan, ToolSchemaTooComplex, schema_fault
@@ -130,24 +131,29 @@ class ParsedChat:
     def guided(self) -> tuple[Optional[str], Optional[str]]:
         """(JSON schema, structural tag) the engine decodes by, as text: what vLLM's
         parser asked for the tools (None, None: the request's own ``response_format``)."""
+        schema, tag, _ = self._grammar
+        return schema, tag
+
+    @cached_property
+    def _grammar(self) -> tuple[Optional[str], Optional[str], Any]:
+        """``guided()``'s texts and the grammar as an object, built once a request."""
         so = self.request.structured_outputs
         if so is None or not self.tools.may_call:
-            return None, None
+            return None, None, None
         if so.structural_tag is not None:
             tag = _bounded_whitespace(json.loads(so.structural_tag))
-            return None, json.dumps(tag, separators=(",", ":"))
+            return None, json.dumps(tag, separators=(",", ":")), tag
         if so.json is not None:
             schema = so.json if isinstance(so.json, dict) else json.loads(so.json)
-            return json.dumps(schema, separators=(",", ":")), None
-        return None, None
+            return json.dumps(schema, separators=(",", ":")), None, schema
+        return None, None, None
 
     def check(self, max_depth: int, max_nodes: int) -> None:
         """``ToolSchemaTooComplex`` naming tool_choice when the grammar the tools built is past the bounds."""
-        schema, tag = self.guided()
-        built = schema or tag
+        built = self._grammar[2]
         if built is None:
             return
-        fault = schema_fault(json.loads(built), max_depth, max_nodes)
+        fault = schema_fault(built, max_depth, max_nodes)
         if fault is not None:
             raise ToolSchemaTooComplex(
                 "tool_choice",
