@@ -12,6 +12,8 @@ the replicas load, and checks each prompt against the context before any work.
   is refused.
 * ``transformers``: the tokenizer and template of ``model.path``; prompt + max_tokens
   beyond the context is ``400 CONTEXT_LENGTH_EXCEEDED``.
+* ``vllm``: the same tokenizer and context, the chat rendered by vLLM's own renderer
+  (``ballast.router.vllm_render``), as ``vllm serve`` renders it.
 
 The prompt is tokenized here, once: the call carries its ids (``ModelText.call``) and
 the replica prefills them as they are when its engine has the same tokenizer
@@ -98,7 +100,7 @@ class TokenizerText(ModelText):
         path: str,
         context: Optional[int] = None,
         special_tokens_in_content: str = "text",
-        vllm_parsers: Optional[tuple[Optional[str], Optional[str]]] = None,
+        vllm: Optional[ModelConfig] = None,
     ) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer, tokenizer_id
 
@@ -107,10 +109,13 @@ class TokenizerText(ModelText):
         self.tokenizer_id = tokenizer_id(path)
         self._tokenizer = tokenizer
         self._special_tokens_in_content = special_tokens_in_content
-        if vllm_parsers is not None:  # (tool parser, reasoning parser): vLLM's, loaded now (seconds)
+        self._vllm_renderer: Optional[Any] = None
+        if vllm is not None:  # vLLM's renderer and parsers for the model, loaded now (seconds)
             from ballast.router.chat_parsing import ChatParsing
+            from ballast.router.vllm_render import VllmRenderer
 
-            self.parsing = ChatParsing(tokenizer, *vllm_parsers, model_name=path)
+            self._vllm_renderer = VllmRenderer(path, tokenizer, vllm.engine_kwargs, special_tokens_in_content)
+            self.parsing = ChatParsing(tokenizer, vllm.tool_parser, vllm.reasoning_parser, model_name=path)
 
     def render_chat(
         self,
@@ -125,6 +130,8 @@ class TokenizerText(ModelText):
             raise BadRequest("this model has no chat template; send a prompt to /v1/completions", field="messages")
         try:
             turns = [_turn(m) for m in messages]
+            if self._vllm_renderer is not None:
+                return str(self._vllm_renderer.render(turns, tools, template_kwargs))
             return render_chat(self._tokenizer, turns, tools, self._special_tokens_in_content, template_kwargs)
         except ChatTemplateError as e:
             raise BadRequest(f"messages: {e.reason}", field="messages") from None
@@ -170,6 +177,6 @@ def model_text(m: ModelConfig) -> ModelText:
             m.path,
             m.engine_kwargs.get("max_model_len"),
             m.special_tokens_in_content,
-            (m.tool_parser, m.reasoning_parser) if m.backend == "vllm" else None,
+            m if m.backend == "vllm" else None,
         )
     return ModelText(m.architecture.max_seq_len)
