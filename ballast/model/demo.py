@@ -27,6 +27,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "CORPUS",
     "DEMO_GEOMETRY",
+    "FAMILIES",
     "SEED",
     "VLLM_GEOMETRY",
     "make_llama",
@@ -74,40 +75,80 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+# A second family, Llama 3.1's JSON tool calling (vLLM's ``llama3_json`` parser reads it):
+# header markers around each role, ``<|eot_id|>`` after each turn, the tools in the system
+# turn, an assistant's call as ``{"name": ..., "parameters": {...}}``, a tool's result as a
+# turn of role ``ipython``; ``<|python_tag|>`` is in the vocabulary as the parser requires.
+# And thinking as Qwen3's templates write it for a reasoning parser (``deepseek_r1``): the
+# generation prompt opens ``<think>``, or with ``enable_thinking: false`` writes it closed.
+# ``<think>`` and ``</think>`` are whole tokens but not special ones (as in Qwen3's and R1's
+# vocabularies): an answer's text keeps them, where a parser reads them.
+LLAMA3_SPECIAL = ("<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|python_tag|>")
+THINK_TOKENS = ("<think>", "</think>")
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% set header = '<|start_header_id|>{}<|end_header_id|>\n\n' %}"
+    "{% if tools %}{{ header.format('system') }}You may call these functions, answering with a JSON object "
+    '{"name": function name, "parameters": its arguments}:\n'
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|eot_id|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}{{ header.format('assistant') }}"
+    "{% for call in message['tool_calls'] %}"
+    '{"name": {{ call.function.name | tojson }}, "parameters": {{ call.function.arguments | tojson }}}'
+    "{% endfor %}<|eot_id|>"
+    "{% else %}{{ header.format('ipython' if message['role'] == 'tool' else message['role']) }}"
+    "{{ message['content'] or '' }}<|eot_id|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ header.format('assistant') }}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
+    "{% endif %}"
+)
+FAMILIES = {  # family: (bos, eos, pad, other special tokens, chat template)
+    "hermes": (BOS, EOS, PAD, (), CHAT_TEMPLATE),
+    "llama3": ("<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>", LLAMA3_SPECIAL, LLAMA3_TEMPLATE),
+}
+WORD_TOKENS = {  # family: whole tokens that are text, not special
+    "llama3": THINK_TOKENS,
+}
+
 _TARGET_VOCAB = 384
 
 
-def train_tokenizer(*, chat_template: bool = True, context: int = 128):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on :data:`CORPUS`.
+def train_tokenizer(*, chat_template: bool = True, context: int = 128, family: str = "hermes"):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` trained on :data:`CORPUS`, with the
+    special tokens and chat template of ``family`` (:data:`FAMILIES`).
 
     Byte-level, so any text encodes (no unknown token) and decoding is exact.
-    Encoding adds ``<s>`` in front, as Llama's tokenizer does.
+    Encoding adds the bos in front, as Llama's tokenizer does.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    bos, eos, pad, special, template = FAMILIES[family]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=_TARGET_VOCAB,
-        special_tokens=[BOS, EOS, PAD],
+        special_tokens=[bos, eos, pad, *special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer=trainer)
-    bos_id = tok.token_to_id(BOS)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in WORD_TOKENS.get(family, ())])
+    bos_id = tok.token_to_id(bos)
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
     )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=pad,
+        additional_special_tokens=list(special) or None,
         padding_side="left",
         model_max_length=context,  # the config's max_position_embeddings
-        chat_template=CHAT_TEMPLATE if chat_template else None,
+        chat_template=template if chat_template else None,
     )
 
 
@@ -169,15 +210,17 @@ def make_llama(
     context: int,
     shards: int = 1,
     chat_template: bool = True,
+    family: str = "hermes",
 ) -> Path:
-    """Write a random Llama checkpoint of this geometry and its tokenizer into ``dir``."""
+    """Write a random Llama checkpoint of this geometry and its tokenizer (of ``family``'s
+    special tokens and chat template, :data:`FAMILIES`) into ``dir``."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
         raise ValueError(f"shards must be an int >= 1, got {shards!r}")
     dir = Path(dir)
-    tokenizer = train_tokenizer(chat_template=chat_template, context=context)
+    tokenizer = train_tokenizer(chat_template=chat_template, context=context, family=family)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,

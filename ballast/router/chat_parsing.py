@@ -78,6 +78,19 @@ class ChatParsing:
                 tool_strict_level=TOOL_STRICT_LEVEL,
                 tokenizer=tokenizer,
             )
+            # A prompt whose template closed the thinking already (``enable_thinking: false``):
+            # the answer is read without the reasoning parser (the stream's parser sees the prompt).
+            self._content_cls = (
+                ParserManager.get_parser(
+                    tool_parser_name=tool_parser or FORCED_ONLY,
+                    enable_auto_tools=True,
+                    model_name=model_name,
+                    tool_strict_level=TOOL_STRICT_LEVEL,
+                    tokenizer=tokenizer,
+                )
+                if reasoning_parser is not None
+                else self._cls
+            )
         except (TypeError, KeyError) as e:  # an unknown name, or a tokenizer without its markers
             which = "model.reasoning_parser" if "reasoning" in str(e) else "model.tool_parser"
             raise ValueError(f"{which}: {e}") from None
@@ -103,10 +116,16 @@ class ChatParsing:
             parallel_tool_calls=tools.parallel if tools.parallel is not None else True,
             chat_template_kwargs=template_kwargs,
         )
-        parser = self._cls(self._tokenizer, request.tools, chat_template_kwargs=template_kwargs or {})
+        kwargs = template_kwargs or {}
+        parser = self._cls(self._tokenizer, request.tools, chat_template_kwargs=kwargs)
         if tools.may_call or self.reasoning_parser is not None:
             request = parser.adjust_request(request)
-        return ParsedChat(request, parser, tools, reads=tools.may_call or self.reasoning_parser is not None)
+        content = (
+            self._content_cls(self._tokenizer, request.tools, chat_template_kwargs=kwargs)
+            if self.reasoning_parser is not None
+            else None
+        )
+        return ParsedChat(request, parser, tools, tools.may_call or self.reasoning_parser is not None, content)
 
 
 @dataclass
@@ -117,6 +136,20 @@ class ParsedChat:
     parser: Any  # vLLM's Parser, this request's own
     tools: ToolPlan
     reads: bool = True  # the answer goes through the parser (it may call tools, or reason)
+    content_parser: Optional[Any] = None  # the tool parser alone, for a prompt that closed the thinking
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt as prefilled (``rendered``)
+
+    def rendered(self, prompt_ids: Sequence[int]) -> None:
+        """The prompt as the engine prefills it: the parsers' prefix state (vLLM's
+        ``set_prompt_token_ids``), and for a reasoning model whether its template closed the
+        thinking already (``Parser.is_reasoning_end`` on the prompt, as the engine and the
+        stream's parser decide it)."""
+        self.prompt_ids = list(prompt_ids)
+        self.parser.set_prompt_token_ids(self.prompt_ids)
+        if self.content_parser is not None:
+            if self.parser.is_reasoning_end(self.prompt_ids):
+                self.parser = self.content_parser
+            self.content_parser = None
 
     @property
     def forced(self) -> bool:
@@ -178,8 +211,8 @@ class ParsedChat:
             content = content or None
         return reasoning, content, calls, finish
 
-    def stream(self, prompt_ids: Sequence[int]) -> "StreamedChat":
-        return StreamedChat(self, list(prompt_ids))
+    def stream(self) -> "StreamedChat":
+        return StreamedChat(self, self.prompt_ids)
 
 
 @dataclass
@@ -191,15 +224,20 @@ class StreamedChat:
     called: bool = False  # a call was streamed
     _first: bool = field(default=True, repr=False)
     _broken: bool = field(default=False, repr=False)
+    _held: list[int] = field(default_factory=list, repr=False)  # ids whose text has not come yet
 
     def feed(self, text: str, ids: Sequence[int], finished: bool) -> Optional[dict[str, Any]]:
         """The delta this piece makes (``content``, ``reasoning_content``, ``tool_calls`` as
         OpenAI's chunk deltas carry them), or None when the parser holds it back."""
         if self._broken:
             return {"content": text} if text else None
+        if not text and not finished:  # the replica holds this text back (a character cut in two)
+            self._held.extend(ids)
+            return None
+        ids, self._held = [*self._held, *ids], []  # the ids of exactly this text: parsers read both
         try:
             message = self.chat.parser.parse_delta(
-                text, list(ids), self.chat.request, self.prompt_ids if self._first else None, finished=finished
+                text, ids, self.chat.request, self.prompt_ids if self._first else None, finished=finished
             )
         except RecursionError:  # an answer nested past Python's stack: the rest is text
             self._broken = True

@@ -75,6 +75,8 @@ class OpenAIFront:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
         call = self.to_call(req, prompt, chat, parsed, text, target)
+        if parsed is not None:
+            parsed.rendered(call.prompt_ids)
         max_tokens = text.fit(len(call.prompt_ids), oa.max_tokens_of(req))
         stops = call.stops
         served = await self._pipeline.serve(ModelRequest(caller, claimed, max_tokens, req.stream, call))
@@ -85,7 +87,7 @@ class OpenAIFront:
         opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
         if isinstance(served, Stream):
-            reader = parsed.stream(call.prompt_ids) if parsed is not None and parsed.reads else None
+            reader = parsed.stream() if parsed is not None and parsed.reads else None
             return StreamResponse(self._events(served, chat, answer_id, stops, opts, reader), served, headers)
         return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers, parsed)
 

@@ -8,7 +8,7 @@ make_tool_call_id."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import pytest
 
@@ -58,10 +58,13 @@ def named(name: str) -> NamedToolChoice:
     return NamedToolChoice.model_validate({"type": "function", "function": {"name": name}})
 
 
-def streamed(chat: ParsedChat, tok: Any, text: str, finish: str = "stop") -> tuple[dict[str, Any], list, str]:
-    """``text`` fed token by token as the replica streams it: (content and reasoning joined,
-    the calls reassembled as a client does, the finish reason)."""
-    reader = chat.stream([1, 2, 3])
+def streamed(
+    chat: ParsedChat, tok: Any, text: str, finish: str = "stop", prompt: Sequence[int] = (1, 2, 3)
+) -> tuple[dict[str, Any], list, str]:
+    """``text`` fed token by token as the replica streams it after ``prompt``: (content and
+    reasoning joined, the calls reassembled as a client does, the finish reason)."""
+    chat.rendered(prompt)
+    reader = chat.stream()
     ids = tok.encode(text, add_special_tokens=False)
     joined: dict[str, Any] = {"content": "", "reasoning_content": ""}
     calls: dict[int, dict[str, Any]] = {}
@@ -83,7 +86,10 @@ def streamed(chat: ParsedChat, tok: Any, text: str, finish: str = "stop") -> tup
     return joined, [calls[i] for i in sorted(calls)], reader.finish(finish)
 
 
-def unary(chat: ParsedChat, text: str, finish: str = "stop") -> tuple[Optional[str], Optional[str], list, str]:
+def unary(
+    chat: ParsedChat, text: str, finish: str = "stop", prompt: Sequence[int] = (1, 2, 3)
+) -> tuple[Optional[str], Optional[str], list, str]:
+    chat.rendered(prompt)
     return chat.answer(text, finish)
 
 
@@ -181,6 +187,22 @@ def test_reasoning_goes_apart_and_a_call_written_while_thinking_is_not_a_call(to
     assert unary(parsing.start(plan(None, None, None)), "<think>hm</think>Hi.")[:2] == ("hm", "Hi.")
 
 
+def test_a_prompt_whose_template_closed_the_thinking_is_answered_as_content_streamed_or_not(tok):
+    """R1's parser takes an answer without ``</think>`` for thinking; a template that wrote
+    ``<think></think>`` already (``enable_thinking: false``) asked for none: content, and a call
+    read as a call, in a whole answer as in a stream (vLLM's stream decides it from the prompt)."""
+    parsing = ChatParsing(tok, "hermes", "deepseek_r1")
+    think, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    closed, opened = (1, think, end, 5), (1, end, think)
+    start = lambda: parsing.start(plan(tools(WEATHER), None, None, auto=True))  # noqa: E731
+    for prompt, expected in ((closed, (None, "Let me look. ")), (opened, (HERMES_CALL, None))):
+        reasoning, content, calls, finish = unary(start(), HERMES_CALL, prompt=prompt)
+        joined, streamed_calls, _ = streamed(start(), tok, HERMES_CALL, prompt=prompt)
+        assert (reasoning, content) == expected
+        assert (joined["reasoning_content"] or None, joined["content"] or None) == expected
+        assert len(calls) == len(streamed_calls) == (1 if prompt == closed else 0)
+
+
 def test_unknown_parser_names_fail_when_the_router_starts(tok):
     with pytest.raises(ValueError, match="model.tool_parser"):
         ChatParsing(tok, "no-such-parser", None)
@@ -218,3 +240,47 @@ def _refs_resolve(node: Any, root: Any) -> bool:
     if isinstance(node, list):
         return all(_refs_resolve(v, root) for v in node)
     return True
+
+
+def test_a_second_family_llama3_json_calls_stream_as_the_whole_answer_with_the_parsers_ids():
+    """Llama 3.1's JSON calls (vLLM's llama3_json parser) on the demo's llama3 tokenizer: the
+    grammar is the model's own call format, a stream is the whole answer, R1's reasoning
+    parser beside it reads a prompt whose thinking is closed as content."""
+    from ballast.model.demo import train_tokenizer
+
+    tok = train_tokenizer(family="llama3")
+    parsing = ChatParsing(tok, "llama3_json", "deepseek_r1")
+    closed = tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    for choice in ("required", named("get_weather"), None):
+        chat = parsing.start(plan(tools(WEATHER), choice, None, auto=True))
+        assert '"begin":"{\\"name\\": \\"get_weather\\", \\"parameters\\": "' in chat.guided()[1]
+        reasoning, content, whole, finish = unary(chat, call, prompt=closed)
+        joined, calls, streamed_finish = streamed(
+            parsing.start(plan(tools(WEATHER), choice, None, auto=True)), tok, call, prompt=closed
+        )
+        assert reasoning is None and not joined["reasoning_content"]
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris"})]
+        assert whole[0].id.startswith("chatcmpl-tool-") and calls[0]["id"].startswith("chatcmpl-tool-")
+        assert finish == streamed_finish == ("stop" if choice not in ("required", None) else "tool_calls")
+
+
+def test_ids_whose_text_the_replica_held_back_go_to_the_parser_with_that_text():
+    """The replica holds a piece's text back while it ends in a cut character, and sends its
+    ids at once: the parser gets them with the text they make, so ``</think>`` in a held
+    piece still splits the thinking where its text is."""
+    from ballast.model.demo import train_tokenizer
+
+    tok = train_tokenizer(family="llama3")
+    chat = ChatParsing(tok, None, "deepseek_r1").start(plan(None, None, None))
+    chat.rendered(tok.encode("hi<think>\n", add_special_tokens=False))
+    reader = chat.stream()
+    held = tok.encode("<|</think>", add_special_tokens=False)
+    assert reader.feed("", held, False) is None
+    assert reader.feed("<|</think>ant", tok.encode("ant", add_special_tokens=False), False) == {
+        "reasoning_content": "<|",
+        "content": "ant",
+    }
