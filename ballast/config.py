@@ -620,6 +620,12 @@ class GateSettings(_Strict):
     # 0.4: past the model's knee a bigger batch is only slower, and the wait line, where
     # criticality orders requests, keeps the rest of the budget.
     target_service_ratio: Optional[float] = Field(0.4, gt=0, le=1)
+    # A slow cut is a trial: the window after next, the median service time per generated
+    # token must have fallen by this share of the cut's share of rows (0.8: a 10 % cut, 8 %
+    # faster; then the cut cost at most 2 % of throughput), else the cut is undone and the
+    # slow rule rests (an engine whose step time is the host's, a burst of long prompts).
+    # null: every slow cut stands.
+    slow_cut_min_gain: Optional[float] = Field(0.8, gt=0, le=1)
     adjust_interval_s: PositiveFloat = 0.5
     decrease_factor: float = Field(0.9, gt=0, lt=1)  # gentle: each cut below the knee costs throughput
     # The wait line: bounded in count; each waiter by its deadline (less the expected

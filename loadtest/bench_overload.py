@@ -632,7 +632,7 @@ class ServerCpu:
 def format_trace(phase: Phase) -> str:
     """``Phase.per_second`` as lines. Where Ballast's status was sampled: the level, the
     gate's limit, waiters and mean service at the second's last sample, and, since the
-    previous line, the limit's decreases by signal (missed/slow/wait) and the gate's
+    previous line, the limit's decreases by signal (missed/slow/wait, and slow ones undone) and the gate's
     refusals by reason (only those that happened)."""
     lines = [
         f"    {'s':>3} {'sent':>5} {'good':>5} {'crit':>9}  {'lvl':>3} {'limit':>5} {'wait':>4} {'svc ms':>6}  "
@@ -643,7 +643,7 @@ def format_trace(phase: Phase) -> str:
         st = row.get("status") or {}
         gate = st.get("gate") or {}
         misses = " ".join(f"{k}:{v}" for k, v in sorted(row["crit_miss"].items()))
-        dec = _delta(gate.get("decreases_by") or {}, prev.get("decreases_by") or {})
+        dec = _delta(_cuts(gate), _cuts(prev))
         ref = _delta(gate.get("refused") or {}, prev.get("refused") or {})
         if gate:
             prev = gate
@@ -653,6 +653,11 @@ def format_trace(phase: Phase) -> str:
             f"{gate.get('expected_service_ms', '-'):>6}  {misses} | {dec} | {ref}".rstrip(" |")
         )
     return "\n".join(lines)
+
+
+def _cuts(gate: dict[str, Any]) -> dict[str, int]:
+    """The limit's decreases by signal, and the slow ones undone (they made service no faster)."""
+    return {**(gate.get("decreases_by") or {}), "undone": int(gate.get("slow_cuts_undone") or 0)}
 
 
 def _delta(now: dict[str, int], before: dict[str, int]) -> str:

@@ -27,6 +27,24 @@ How the limit moves (per ``interval_s`` window, on an injected clock):
   add one: there may be room;
 - otherwise hold: a limit nobody reaches says nothing about the model.
 
+A cut by the slow rule is a trial (``slow_cut_min_gain``): it must make the engine's
+service faster. Past a batch's knee, fewer rows make each row's token come sooner; an
+engine whose step time is the host's (vLLM on a CPU) or a burst of long prompts does not
+speed up for fewer rows, and there each cut only lowers throughput. So the window after
+next (the one after is still mostly requests begun before the cut) compares the median
+time per generated token with the cut window's: a cut that did not buy at least
+``slow_cut_min_gain`` of the speedup its share of rows would (a cut of 10 % by 0.8: 8 %
+faster) is undone, and the slow rule rests while service stays within
+``SLOW_REARM`` of where the cut did not help, for at most ``SLOW_REST_S``. With a step
+time ``a + b x rows``, a 10 % cut speeds each token by ``10 % x b rows / (a + b rows)`` and
+costs ``10 % x a / (a + b rows)`` of throughput: 0.8 keeps only cuts that cost at most a
+fifth of their share, so the slow rule settles where the engine answers 0.8 or more of
+what it can, never lower. Only the slow
+rule is tried this way: a queue wait over target or a deadline missed at the model says
+the engine holds more than it serves, and those cuts stand. The latency budget still
+decides, at the wait line (``ballast.policies.gate``), which requests can make their
+deadline; the engine's answer to a cut decides how many rows it runs.
+
 So the model's own queue stays near the target, and what does not fit waits in an
 order that matters (criticality) instead of a FIFO that does not.
 """
@@ -42,6 +60,8 @@ from ballast.policies.stats import nearest_rank
 from ballast.policies.validation import check_fields, check_int, check_positive, check_ratio
 
 MAX_SAMPLES = 1024  # queue-wait samples kept per window (bounded)
+SLOW_REARM = 1.25  # the slow rule rests until service per token is this much slower than when a cut did not help
+SLOW_REST_S = 30.0  # ... or this long: the engine's answer to a cut is asked again
 
 
 @dataclass(frozen=True)
@@ -53,13 +73,14 @@ class LimiterConfig:
     interval_s: float = 0.5
     decrease_factor: float = 0.9
     target_service_ratio: Optional[float] = 0.4
+    slow_cut_min_gain: Optional[float] = 0.8  # None: a slow cut always stands
 
     def __post_init__(self) -> None:
         check_fields(self, check_int, "min_limit", minimum=1)
         check_fields(self, check_int, "initial", minimum=self.min_limit)
         check_fields(self, check_int, "max_limit", minimum=self.initial)
         check_fields(self, check_positive, "target_wait_ms", "interval_s")
-        check_fields(self, check_ratio, "target_service_ratio", optional=True)
+        check_fields(self, check_ratio, "target_service_ratio", "slow_cut_min_gain", optional=True)
         check_fields(self, check_ratio, "decrease_factor")
         if self.decrease_factor == 1:  # (0, 1]: a factor of 1 would never decrease
             raise ValueError(f"decrease_factor: must be in (0, 1), got {self.decrease_factor!r}")
@@ -74,6 +95,12 @@ class AimdLimit:
         self._value = float(cfg.initial)
         self._waits: list[float] = []
         self._ratios: list[float] = []
+        self._per_token: list[float] = []  # seconds of service per generated token
+        # A slow cut on trial: (limit before, service per token then, windows until judged).
+        self._trial: Optional[tuple[float, float, int]] = None
+        # The slow rule rests: (service per token where a cut did not help, until when).
+        self._rest: Optional[tuple[float, float]] = None
+        self.undone = 0  # slow cuts undone: they did not make service faster
         self._saturated = False
         self._missed = False
         self._window_end = clock() + cfg.interval_s
@@ -107,11 +134,14 @@ class AimdLimit:
         if len(self._waits) < MAX_SAMPLES:
             self._waits.append(wait_ms)
 
-    def observe_service(self, ratio: float) -> None:
-        """One answered request's service time over its own time budget (0..1+)."""
+    def observe_service(self, ratio: float, per_token_s: Optional[float] = None) -> None:
+        """One answered request's service time over its own time budget (0..1+), and its
+        service time per generated token (None: not known; the slow cut's trial reads it)."""
         self._tick()
         if len(self._ratios) < MAX_SAMPLES:
             self._ratios.append(ratio)
+        if per_token_s is not None and len(self._per_token) < MAX_SAMPLES:
+            self._per_token.append(per_token_s)
 
     def missed(self) -> None:
         """An admitted request ran out of its deadline at the model."""
@@ -129,26 +159,72 @@ class AimdLimit:
             return
         c = self.cfg
         # nearest_rank is None for no samples.
+        per_token = nearest_rank(self._per_token, 0.5)
+        undone = self._judge_trial(per_token)
         slow = (
             c.target_service_ratio is not None
             and (ratio_p90 := nearest_rank(self._ratios, 0.9)) is not None
             and ratio_p90 > c.target_service_ratio
+            and not undone
+            and self._trial is None  # a slow cut on trial: its verdict first
+            and not self._resting(now, per_token)
         )
         wait_p90 = nearest_rank(self._waits, 0.9)
         waited = wait_p90 is not None and wait_p90 > c.target_wait_ms
         if self._missed or slow or waited:
+            before = self._value
             self._value = max(float(c.min_limit), math.floor(self._value * c.decrease_factor))
             self.decreases += 1
             self.decreases_by["missed" if self._missed else "slow" if slow else "wait"] += 1
-        elif self._saturated and (self._ceiling is None or self._value < self._ceiling):
+            if self._missed or waited:
+                self._trial = None  # the engine holds more than it serves: the cut stands
+            elif c.slow_cut_min_gain is not None and per_token is not None and self._value < before:
+                self._trial = (before, per_token, 2)
+        elif (
+            self._saturated
+            and self._trial is None
+            and not undone
+            and (self._ceiling is None or self._value < self._ceiling)
+        ):
             self._value = min(float(c.max_limit), self._value + 1.0)
             self.increases += 1
         self._waits = []
         self._ratios = []
+        self._per_token = []
         self._saturated = False
         self._missed = False
         # Windows with no traffic at all are skipped, not replayed one by one.
         self._window_end = now + c.interval_s
+
+    def _judge_trial(self, per_token: Optional[float]) -> bool:
+        """The slow cut on trial, judged in the window after next: undone (True) when service
+        per token did not fall by ``slow_cut_min_gain`` of the cut's share of rows."""
+        if self._trial is None or per_token is None:
+            return False
+        before, then, windows = self._trial
+        if windows > 1:
+            self._trial = (before, then, windows - 1)
+            return False
+        self._trial = None
+        assert self.cfg.slow_cut_min_gain is not None  # a trial is only opened with it
+        expected = self.cfg.slow_cut_min_gain * (1.0 - self._value / before)
+        if per_token <= then * (1.0 - expected):
+            return False  # the cut made service faster: it stands
+        self._value = max(self._value, before)
+        self.undone += 1
+        self._rest = (then, self._clock() + SLOW_REST_S)
+        return True
+
+    def _resting(self, now: float, per_token: Optional[float]) -> bool:
+        """The slow rule rests after a cut it made did not help, until service per token
+        is ``SLOW_REARM`` slower than then or ``SLOW_REST_S`` have passed."""
+        if self._rest is None:
+            return False
+        then, until = self._rest
+        if now >= until or (per_token is not None and per_token > then * SLOW_REARM):
+            self._rest = None
+            return False
+        return True
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -156,6 +232,7 @@ class AimdLimit:
             "increases": self.increases,
             "decreases": self.decreases,
             "decreases_by": dict(self.decreases_by),
+            "slow_cuts_undone": self.undone,
             # this window's samples so far, each list bounded by MAX_SAMPLES
             "window_samples": max(len(self._waits), len(self._ratios)),
         }

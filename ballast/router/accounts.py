@@ -55,7 +55,7 @@ class Accounts:
             if outcome.timed_out:
                 self._gate.observe_miss(outcome.service_s * 1000.0)
             elif outcome.generated is not None:
-                self._gate.observe_service(outcome.service_s, ticket.deadline.gate_budget_s)
+                self._gate.observe_service(outcome.service_s, ticket.deadline.gate_budget_s, outcome.generated)
         if outcome.generated is not None:
             self._tokens(ticket.tenant, ticket.prompt_tokens, outcome.generated)
         self.tally.requests += 1

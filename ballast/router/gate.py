@@ -230,10 +230,11 @@ class PriorityGate:
         self.limit.observe(wait_ms)
         self._grant()  # the limit may have grown
 
-    def observe_service(self, service_s: float, budget_s: float) -> None:
-        """An answered request held its slot ``service_s`` of its ``budget_s`` (arrival to deadline)."""
+    def observe_service(self, service_s: float, budget_s: float, tokens: int = 0) -> None:
+        """An answered request held its slot ``service_s`` of its ``budget_s`` (arrival to
+        deadline) and generated ``tokens`` (0: not known)."""
         if budget_s > 0:
-            self.limit.observe_service(service_s / budget_s)
+            self.limit.observe_service(service_s / budget_s, service_s / tokens if tokens > 0 else None)
 
     def observe_miss(self, held_ms: float) -> None:
         """An admitted request ran out of time at the model after ``held_ms``: the limit goes

@@ -57,6 +57,7 @@ class TestOneModelConfigsUnchanged:
         dump = cfg.model_dump(mode="json")
         for tenant in dump["tenants"].values():
             assert tenant.pop("models") is None  # the one field added to a tenant
+        assert dump["resilience"]["gate"].pop("slow_cut_min_gain") == 0.8  # the gate's slow cuts on trial
         models = [dump["model"]] + ([dump["fallback"]["model"]] if dump.get("fallback") else [])
         for model in models:
             assert model.pop("cpus") is None  # fields added to a model: not pinned,

@@ -181,3 +181,60 @@ def test_service_near_the_requests_budgets_decreases_before_deadlines_are_missed
     off.observe_service(0.99)
     clock2.t = 1.0
     assert off.value == 11  # disabled: service ratios are ignored
+
+
+def window(lim, clock, t: float, ratio: float, per_token_s: float, n: int = 10, saturated: bool = True) -> int:
+    """One window of ``n`` answers, each ``ratio`` of its budget and ``per_token_s`` a token;
+    the limit after it closes at ``t``."""
+    for _ in range(n):
+        if saturated:
+            lim.saturated()
+        lim.observe(10.0)
+        lim.observe_service(ratio, per_token_s)
+    clock.t = t
+    return lim.value
+
+
+def test_a_slow_cut_that_does_not_speed_service_up_is_undone_and_the_slow_rule_rests():
+    """An engine whose step time is the host's: fewer rows, the same time per token."""
+    lim, clock = make(target_service_ratio=0.4)
+    assert window(lim, clock, 1.0, 0.6, 0.020) == 8  # slow: cut from 10 on trial
+    assert window(lim, clock, 2.0, 0.6, 0.020) == 8  # still mostly requests begun before the cut: no verdict
+    assert window(lim, clock, 3.0, 0.6, 0.0175) == 10  # the verdict: 12.5 % faster, not 16 %: undone
+    assert (lim.undone, lim.decreases_by["slow"]) == (1, 1)
+    for t in range(4, 10):  # the slow rule rests while service per token is where the cut did not help
+        assert window(lim, clock, float(t), 0.6, 0.021) == min(12, 10 + t - 3)
+    assert lim.decreases == 1
+    # Service 25 % slower than then: something changed, the slow rule cuts again (on trial).
+    assert window(lim, clock, 10.0, 0.6, 0.026) == 9
+    assert lim.decreases_by["slow"] == 2
+
+
+def test_a_slow_cut_that_speeds_service_up_stands():
+    """Past a batch's knee: 20 % fewer rows, each token 17 % sooner (>= 0.8 of 20 %)."""
+    lim, clock = make(target_service_ratio=0.4)
+    assert window(lim, clock, 1.0, 0.6, 0.020) == 8
+    assert window(lim, clock, 2.0, 0.3, 0.018, saturated=False) == 8
+    assert window(lim, clock, 3.0, 0.3, 0.0166, saturated=False) == 8  # 17 % faster: the cut stands
+    assert lim.undone == 0
+    # ... and the slow rule works on: slow again, cut again.
+    assert window(lim, clock, 4.0, 0.6, 0.017) == 6
+
+
+def test_a_burst_of_long_prompts_does_not_collapse_the_limit():
+    """Long prefills make every answer slow whatever the rows: one trial cut, undone; the
+    burst then meets a resting slow rule, and the limit stays where it was."""
+    lim, clock = make(target_service_ratio=0.4)
+    for t in range(1, 4):
+        lim.saturated()
+        window(lim, clock, float(t), 0.3, 0.010)
+    assert lim.value == 12
+    values = [window(lim, clock, float(t), 0.9, 0.030) for t in range(4, 20)]  # the burst
+    assert min(values) >= 9 and values[-1] == 12
+    assert lim.decreases_by["slow"] == 1 and lim.undone == 1
+
+
+def test_without_the_trial_every_slow_cut_stands():
+    lim, clock = make(target_service_ratio=0.4, slow_cut_min_gain=None)
+    values = [window(lim, clock, float(t), 0.9, 0.030) for t in range(1, 6)]
+    assert values == [8, 6, 4, 3, 2]
