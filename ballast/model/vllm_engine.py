@@ -914,6 +914,21 @@ class _Row:
         self.task: Optional[asyncio.Task] = None
 
 
+def chunk_ready(rows: Sequence[_Row], steps: int) -> bool:
+    """Whether a chunk can end: a row failed; a row has its first tokens (none returned
+    yet: its time to first token is not held for a whole chunk, as vLLM's own server sends
+    the first token when it comes); or every row with tokens has ``steps`` unread or
+    finished (and at least one row has something)."""
+    if not rows or any(r.error is not None for r in rows):
+        return True
+    if any(r.unread and r.made == len(r.unread) for r in rows):
+        return True
+    done = [r.finished or len(r.unread) >= steps for r in rows]
+    if all(done):
+        return True
+    return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
+
+
 # A parsed join: key, prompt ids, max new tokens, sampling, adapter name (None: the base model).
 _Join = tuple[Any, list[int], int, RowSampling, Optional[str]]
 
@@ -1008,15 +1023,7 @@ class VLLMBatch:
         return out
 
     def _ready(self, steps: int) -> bool:
-        """Whether the chunk can end: every row with tokens has ``steps`` unread or finished
-        (and at least one row has something), or a row failed."""
-        rows = self._rows.values()
-        if not rows or any(r.error is not None for r in rows):
-            return True
-        done = [r.finished or len(r.unread) >= steps for r in rows]
-        if all(done):
-            return True
-        return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
+        return chunk_ready(list(self._rows.values()), steps)
 
     def _submit(self, key: Any, ids: list[int], n: int, s: RowSampling, adapter: Optional[str]) -> None:
         from vllm.inputs import TokensPrompt

@@ -398,3 +398,22 @@ def test_engine_processes_live_then_gone_after_shutdown(backend):
     with pytest.raises(RuntimeError):
         backend.open_batch().run_chunk([(0, [1, 2], 2)], 2)
     backend.shutdown()  # idempotent
+
+
+def test_a_chunk_ends_when_a_row_has_its_first_tokens_not_after_a_whole_chunk():
+    """Rule by rule on rows as the pumps leave them (no engine): a new row's first token
+    ends the chunk (its time to first token is vLLM's, not vLLM's plus a chunk); then the
+    chunk waits for ``steps`` unread from every row that makes tokens."""
+    from ballast.model.vllm_engine import GREEDY, _Row, chunk_ready
+
+    def row(unread: int, made: int, finished: bool = False) -> _Row:
+        r = _Row(0, "r", GREEDY)
+        r.unread, r.made, r.finished = [7] * unread, made, finished
+        return r
+
+    assert chunk_ready([row(0, 10), row(1, 1)], 4)  # the new row's first token
+    assert not chunk_ready([row(2, 10), row(1, 3)], 4)  # its first tokens went out already: a whole chunk
+    assert not chunk_ready([row(4, 10), row(2, 6)], 4)  # one row short of 4
+    assert chunk_ready([row(4, 10), row(4, 6)], 4)
+    assert chunk_ready([row(4, 10), row(0, 0)], 4)  # a row still queued in vLLM does not hold the others
+    assert chunk_ready([row(1, 11, finished=True), row(4, 8)], 4)
