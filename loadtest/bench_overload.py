@@ -93,6 +93,7 @@ import httpx
 
 from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_uvloop
+from loadtest import stack_cpu
 from loadtest.machine_speed import SpeedProbeProcess
 from ballast.control.names import ROUTER_DEPLOYMENT
 
@@ -139,6 +140,7 @@ class Phase:
     edge_refused: int = 0  # refusals HAProxy answered (X-Ballast-Edge: refused), before the router
     client_cpu_s: Optional[float] = None  # CPU time of this process (the load generator, its Ray driver too)
     machine_rps: Optional[float] = None  # the machine's speed around the phase (loadtest.machine_speed), rows/s
+    stack_cpu: dict[str, float] = field(default_factory=dict)  # CPU s by role on the path (loadtest.stack_cpu)
 
     def answered(self) -> int:
         return sum(1 for o in self.outcomes if o.status == 200)
@@ -169,6 +171,9 @@ class Phase:
 
     def admitted_p99_ms(self) -> float:
         return _pct([o.latency_s * 1000.0 for o in self.outcomes if o.status == 200], 0.99)
+
+    def admitted_p50_ms(self) -> float:
+        return _pct([o.latency_s * 1000.0 for o in self.outcomes if o.status == 200], 0.50)
 
     def answer_p99_ms(self) -> float:
         """p99 of every answer the server gave (200, refusals, 504s): each request carries
@@ -1145,6 +1150,7 @@ class _Bench:
         self.max_ongoing = cfg.deployments.model.max_ongoing_requests  # Ballast's replica's (C is measured with it)
         haproxy_cfg = ingress_env(cfg).get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC")
         self.cpu = ServerCpu(os.path.dirname(haproxy_cfg) if haproxy_cfg else None)
+        self.roles = stack_cpu.StackCpu()
         self.admin = {"Authorization": f"Bearer {cfg.auth.demo_admin_token}"}
         self.status_url = f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/status"
         self.results: dict[str, dict[str, Any]] = {}
@@ -1305,9 +1311,10 @@ class _Bench:
         sampler = asyncio.create_task(self.sample_status(trace)) if is_ballast(stack.name) else None
 
         async def one_phase() -> Phase:
-            cpu0, client0 = self.cpu.total_s(), time.process_time()
+            cpu0, client0, roles0 = self.cpu.total_s(), time.process_time(), self.roles.read()
             p = await offer(stack, rate, args.phase_s, args.slo_s, self.mix, args.seed + 100, sdk)
             p.server_cpu_s, p.client_cpu_s = self.cpu.total_s() - cpu0, time.process_time() - client0
+            p.stack_cpu = stack_cpu.delta(self.roles.read(), roles0)
             return p
 
         phase, machine_rps = await self.timed_machine(one_phase, 2.0)
@@ -1538,6 +1545,28 @@ def _print_bounded(results: dict[str, dict[str, Any]], s: _Settings) -> None:
         )
 
 
+def _print_cost(results: dict[str, dict[str, Any]], s: _Settings) -> None:
+    """What an answer costs on the path and beside it (``loadtest.stack_cpu``): the
+    latency of the 200s, and each role's CPU per answer and in cores."""
+    roles = stack_cpu.ROLES
+    print("\ncost of an answer: latency of the 200s (ms), then each role's CPU per answer (ms) and in cores")
+    print(f"{'stack':<13} {'offered':>8} {'adm p50':>8} {'adm p99':>8}  " + " ".join(f"{r:>8}" for r in roles))
+    for name, r in results.items():
+        for k, phase in zip(s.multiples, r["phases"]):
+            if not phase.stack_cpu:
+                continue
+            answered = max(1, phase.answered())
+            per = " ".join(f"{phase.stack_cpu.get(role, 0.0) * 1000.0 / answered:>8.2f}" for role in roles)
+            cores = " ".join(f"{phase.stack_cpu.get(role, 0.0) / phase.duration_s:>8.2f}" for role in roles)
+            print(f"{name:<13} {k:>7g}C {phase.admitted_p50_ms():>8.0f} {phase.admitted_p99_ms():>8.0f}  {per}")
+            print(f"{'':<13} {'cores':>8} {'':>8} {'':>8}  {cores}")
+    print(
+        "roles: edge HAProxy; proxy Serve's proxies; router Ballast's routers or ray.serve.llm's ingress; front the "
+        "model replica around the engine (the built-in engine's forward pass too); engine vLLM's engine core and "
+        "worker; guards Ballast's watchdogs and controller; serve Serve's controller; ray Ray's daemons"
+    )
+
+
 def _print_targets(results: dict[str, dict[str, Any]], s: _Settings) -> None:
     """Ballast's targets (``check_targets``), against plain-bounded where it ran; on vLLM
     (``check_vllm_targets``) against llm; and goodput / C at the host's speed while C was
@@ -1569,7 +1598,7 @@ def _print_adjusted(result: dict[str, Any], s: _Settings) -> None:
         )
 
 
-REPORT = (_print_settings, _print_results, _print_feasible, _print_bounded, _print_targets)
+REPORT = (_print_settings, _print_results, _print_feasible, _print_bounded, _print_cost, _print_targets)
 
 
 def report(results: dict[str, dict[str, Any]], s: _Settings, unmeasured: dict[str, str]) -> int:

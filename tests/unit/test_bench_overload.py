@@ -518,3 +518,39 @@ def test_the_report_prints_the_vllm_stacks_and_their_targets(capsys, tmp_path):
     )
     assert "ballast-vllm: targets" in out and "[ok] ahead of plain ray.serve.llm" in out
     assert "(not a target) against llm-bounded: 1C:19.5/11.0 req/s" in out
+
+
+def test_each_process_of_a_stack_is_named_by_its_role_on_the_path():
+    from loadtest.stack_cpu import role_of
+
+    assert role_of("haproxy", "/usr/sbin/haproxy") == "edge"
+    assert role_of("python", "ray::ServeReplica:ballast:BallastRouter") == "router"
+    assert role_of("python", "ray::ServeReplica:default:OpenAiIngress") == "router"
+    assert role_of("python", "ray::ServeReplica:ballast:BallastModel") == "front"
+    assert role_of("python", "ray::ServeReplica:ballast:BallastModel-tiny") == "front"
+    assert role_of("python", "ray::ServeReplica:default:LLMServer:demo") == "front"
+    assert role_of("python", "ray::ServeReplica:ballast:BallastFallbackModel") == "fallback"
+    assert role_of("VLLM::EngineCor", "VLLM::EngineCore") == "engine"
+    assert role_of("VLLM::Worker", "VLLM::Worker_TP0") == "engine"
+    assert role_of("python", "ray::Watchdog.beat") == "guards"
+    assert role_of("python", "ray::Controller") == "guards"
+    assert role_of("python", "ray::ServeController") == "serve"
+    assert role_of("python", "ray::ProxyActor") == "proxy"
+    assert role_of("raylet", "/x/ray/core/src/ray/raylet/raylet") == "ray"
+    assert role_of("python", "python -m loadtest.bench_overload") is None  # the load generator is not the stack
+    assert role_of("python", "ray::ServeReplica:other:Thing") is None
+
+
+def test_the_cost_section_prints_each_roles_cpu_per_answer(capsys, tmp_path):
+    from loadtest.bench_overload import _print_cost, parse_settings
+
+    s = parse_settings(["--multiples", "1", *a_model_dir(tmp_path)])
+    p = Phase(rate=10.0, duration_s=10.0, slo_s=1.0)
+    p.outcomes = [Outcome("critical", 200, "OK", 0.1)] * 99 + [Outcome("critical", 200, "OK", 0.5)]
+    p.stack_cpu = {"router": 0.5, "engine": 8.0}
+    _print_cost({"ballast-vllm": {"C": 10.0, "phases": [p]}}, s)
+    row, cores = capsys.readouterr().out.splitlines()[3:5]
+    cells = row.split()
+    assert cells[:4] == ["ballast-vllm", "1C", "100", "500"]  # p50 and p99 of the 200s, ms
+    assert cells[4 + 2] == "5.00" and cells[4 + 4] == "80.00"  # router 0.5 s / 100 answers; the engine's
+    assert cores.split()[1 + 2] == "0.05" and cores.split()[1 + 4] == "0.80"
