@@ -951,7 +951,8 @@ class _Settings:
         """The stacks to run, in order."""
         args = self.args
         if args.only:
-            return [args.only]
+            only = args.only.split(",")
+            return [n for n in STACK_NAMES if n in only]
         return (
             ["plain", "plain-bounded", "ballast"]
             + (["ballast+sdk"] if args.sdk else [])
@@ -997,7 +998,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--phase-s", type=float, default=20.0, help="length of each phase (1/2/4/10 C by default)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--only", choices=STACK_NAMES, default=None)
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated stacks to run (in the usual order), of: " + ", ".join(STACK_NAMES),
+    )
     parser.add_argument(
         "--no-vllm", action="store_true", help="leave out the vLLM stacks (llm, llm-bounded, ballast-vllm)"
     )
@@ -1102,6 +1107,9 @@ def parse_settings(argv: "list[str] | None" = None) -> _Settings:
     ongoing_options = _comma_list(
         parser, "--ongoing", args.ongoing, int, "integers", lambda ns: all(n >= 1 for n in ns), "positive integers"
     )
+    unknown = [n for n in (args.only or "").split(",") if args.only and n not in STACK_NAMES]
+    if unknown:
+        parser.error(f"--only: {', '.join(map(repr, unknown))} is no stack; choose from {', '.join(STACK_NAMES)}")
     if not args.llm_queue_factor > 0:
         parser.error(f"--llm-queue-factor: need a positive factor, got {args.llm_queue_factor!r}")
     if args.slow_host:

@@ -395,6 +395,10 @@ def test_the_vllm_stacks_run_after_the_others_unless_left_out(tmp_path):
         s = parse_settings(["--only", name, *model])
         assert s.names == [name] and sessions(s.names) == [(session, [name])]
         assert s.vllm == (name != "plain")
+    # Several, in the run's order whatever order they are named in: the vLLM rows alone.
+    s = parse_settings(["--only", "ballast-vllm,llm,llm-bounded", *model])
+    assert s.names == ["llm", "llm-bounded", "ballast-vllm"]
+    assert sessions(s.names) == [("llm", ["llm", "llm-bounded"]), ("ballast-vllm", ["ballast-vllm"])]
 
 
 def test_the_vllm_flags_are_checked_before_anything_starts(tmp_path, capsys):
@@ -408,6 +412,9 @@ def test_the_vllm_flags_are_checked_before_anything_starts(tmp_path, capsys):
         parse_settings(["--llm-queue-factor", "0"])
     with pytest.raises(SystemExit):
         parse_settings(["--only", "vllm"])
+    with pytest.raises(SystemExit):
+        parse_settings(["--only", "llm,nope"])
+    assert "'nope' is no stack" in capsys.readouterr().err
     (tmp_path / "m").mkdir()
     model = a_model_dir(tmp_path / "m")
     assert parse_settings(["--only", "llm-bounded", "--llm-queue-factor", "0.5", *model]).args.llm_queue_factor == 0.5
