@@ -78,18 +78,24 @@ def replica_row(http) -> dict:
     return next(r for r in rows if r["deployment"] == "BallastModel")
 
 
-def ranks() -> dict[str, int]:
-    """The primary replica's vLLM rank processes on this machine, by the names vLLM gives them."""
+def ranks(http) -> dict[str, int]:
+    """The primary replica's vLLM rank processes, by the names vLLM gives them: as the replica
+    lists them to its watchdog, each a live process of that name on this machine under a
+    process Ray titled as a BallastModel replica. (Found by the replica's own list, not by a
+    scan of titles: a replica of an earlier stack still shutting down carries the same title.)"""
     import psutil
 
-    (engine,) = engine_processes().values()
+    listed = wait_until(lambda: replica_row(http)["watchdog"], 20, 0.25, "the watchdog's first report")
     out = {}
-    for pid in engine:
+    for pid, name in listed["engine_processes"]:
+        if not name.startswith("VLLM::Worker"):
+            continue
         try:
-            name = psutil.Process(pid).name()
+            proc = psutil.Process(pid)
+            titles = [(p.cmdline() or [""])[0] for p in proc.parents()]
         except psutil.Error:
             continue
-        if name.startswith("VLLM::Worker"):
+        if proc.name() == name and any(t.startswith("ray::ServeReplica:ballast:BallastModel") for t in titles):
             out[name] = pid
     return out
 
@@ -101,7 +107,7 @@ def test_one_replica_is_a_placement_group_of_two_ranks_each_watched(http):
     assert [(g["strategy"], list(g["bundles"].values())) for g in groups] == [
         ("STRICT_PACK", [{"CPU": 1.0}, {"CPU": 1.0}])
     ], groups
-    assert set(ranks()) == {"VLLM::Worker_TP0", "VLLM::Worker_TP1"}
+    assert set(ranks(http)) == {"VLLM::Worker_TP0", "VLLM::Worker_TP1"}, engine_processes()
     watchdog = wait_until(lambda: replica_row(http)["watchdog"], 20, 0.25, "the watchdog's first report")
     watched = {name for _, name in watchdog["engine_processes"]}
     assert {"VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"} <= watched
@@ -154,7 +160,7 @@ def test_a_rank_killed_under_load_recycles_the_replica_and_fails_no_request(http
     body = {"max_tokens": 160}
     reference = {p: http.post("/v1/generate", headers=GOLD, json={**body, "prompt": p}).json()["text"] for p in PROMPTS}
     lost_before = status(http)["lost_capacity"]
-    victim = ranks()["VLLM::Worker_TP1"]
+    victim = ranks(http)["VLLM::Worker_TP1"]
     answers: dict = {}
     senders = [
         threading.Thread(target=_generate, args=(p, i == 0, answers), daemon=True) for i, p in enumerate(PROMPTS)
