@@ -458,6 +458,7 @@ class ControllerCore:
             "reason": t.step.level.reason if t else "starting",
             "constraints": self._deg_cfg.constraints[level].to_dict(),
             "inputs": asdict(t.signals) if t else {},
+            "engine_rows": control.engine_rows(self._replicas.fresh(), mc.deployment),
             "routing": control.routing_summary(
                 control.model_views(self._routers.fresh(), name, self._primary),
                 self._replicas.fresh(),

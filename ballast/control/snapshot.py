@@ -45,7 +45,9 @@ class Snapshot:
     constraints: dict[str, Any]
     inputs: dict[str, Any] = field(default_factory=dict)
     # Every model's, the first included: name -> {"level", "target_level", "reason",
-    # "constraints", "inputs", "deployment"}. Empty from a controller that predates it.
+    # "constraints", "inputs", "deployment", "engine_rows" (the rows its engines run
+    # usefully together, None where not known), "routing"}. Empty from a controller that
+    # predates it.
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     desired_replicas: dict[str, int] = field(default_factory=dict)
     running_replicas: dict[str, int] = field(default_factory=dict)

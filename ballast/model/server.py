@@ -73,6 +73,8 @@ __all__ = [
     "warmup_batch_sizes",
 ]
 
+KV_FULL = 0.95  # a self-scheduling engine's KV use at which rows waiting inside it wait for room
+
 log = logging.getLogger("ballast.model")
 
 
@@ -360,6 +362,18 @@ class ModelServer:
         self._m_prefix_hits.set(hit_pct)
         return loop.queued + s.waiting, round(100.0 * s.kv_cache_usage, 2), s.waiting, hit_pct
 
+    def _engine_rows(self) -> Optional[int]:
+        """The rows an engine that schedules itself runs usefully (``VLLMStats.useful_rows``);
+        while requests wait inside it with its KV cache full (``KV_FULL``), no more than it
+        runs now. None for the engines Ballast batches: their rows are the replica's own."""
+        stats = getattr(self._backend, "stats", None)
+        if stats is None:
+            return None
+        s = stats()
+        if s.waiting > 0 and s.running > 0 and s.kv_cache_usage >= KV_FULL:
+            return min(s.running, s.useful_rows) if s.useful_rows is not None else s.running
+        return s.useful_rows
+
     def _prefix_counts(self) -> dict[str, Optional[int]]:
         """vLLM's prefix-cache counters (prompt tokens looked up and found) and the blocks
         this replica reports to the routers; empty for the engines Ballast batches."""
@@ -403,6 +417,7 @@ class ModelServer:
             batch_size_avg=loop.batch_size_avg(),
             batch_size_limit=loop.batch_limit,
             engine_waiting=engine_waiting,
+            engine_rows=self._engine_rows(),
             prefix_cache_hit_pct=prefix_hit_pct,
             **self._prefix_counts(),
             kv_util_pct=kv_util,

@@ -72,6 +72,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -84,6 +85,7 @@ from ballast.model.batching import describe_engine
 from ballast.errors import AdapterRefused, EngineRefused, ModelLoadError
 from ballast.model.grammar import GrammarCompiles
 from ballast.model.kv_events import KVEventFeed, events_config
+from ballast.policies.engine_curve import StepCurve
 from ballast.policies.prefix_cache import PrefixReport
 from ballast.model.hf_engine import (
     GREEDY,
@@ -127,7 +129,8 @@ class VLLMStats:
     ``kv_cache_usage`` is the used fraction of the KV cache (0-1);
     ``prefix_cache_queries``/``hits`` are prompt tokens looked up in the prefix
     cache and found there, cumulative since start; ``steps`` counts the steps
-    the engine reported (its heartbeat while it has work)."""
+    the engine reported (its heartbeat while it has work); ``useful_rows`` is where more
+    rows stop buying throughput, from its steps' times (``StepCurve``; None until known)."""
 
     running: int = 0
     waiting: int = 0
@@ -135,6 +138,7 @@ class VLLMStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     steps: int = 0
+    useful_rows: Optional[int] = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -142,29 +146,43 @@ class VLLMStats:
 
 
 class _StatsSink:
-    """The latest :class:`VLLMStats`, written on the engine loop, read from any thread."""
+    """The latest :class:`VLLMStats`, written on the engine loop, read from any thread, and
+    the engine's step curve (``StepCurve``): each step's time against the rows in it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = VLLMStats()
+        self._curve = StepCurve()
 
     def get(self) -> VLLMStats:
         with self._lock:
             return self._stats
 
-    def record(self, s: Any) -> None:
-        """One step's ``SchedulerStats``; its prefix-cache figures are that step's delta."""
+    def curve(self) -> dict[str, Any]:
+        with self._lock:
+            return self._curve.snapshot()
+
+    def record(self, s: Any, token_gaps: Sequence[float] = ()) -> None:
+        """One step's ``SchedulerStats`` (its prefix-cache figures are that step's delta) and
+        its rows' inter-token gaps (``IterationStats.inter_token_latencies_iter``: the engine's
+        own timestamps, so the step's time whatever the loop that reads it; a row that waited
+        to run again, a gap from before it idled, is as long as that wait: the median is the
+        step's time)."""
         with self._lock:
             old = self._stats
+            rows = int(s.num_running_reqs)
+            if token_gaps and rows > 0:
+                self._curve.observe(rows, statistics.median(token_gaps))
             pcs = s.prefix_cache_stats
             queries, hits = (0, 0) if pcs.reset else (old.prefix_cache_queries, old.prefix_cache_hits)
             self._stats = VLLMStats(
-                running=int(s.num_running_reqs),
+                running=rows,
                 waiting=int(s.num_waiting_reqs),
                 kv_cache_usage=float(s.kv_cache_usage),
                 prefix_cache_queries=queries + int(pcs.queries),
                 prefix_cache_hits=hits + int(pcs.hits),
                 steps=old.steps + 1,
+                useful_rows=self._curve.rows(),
             )
 
 
@@ -180,7 +198,7 @@ def _stat_logger_factory(sink: _StatsSink) -> Any:
             self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
         ) -> None:
             if scheduler_stats is not None:
-                sink.record(scheduler_stats)
+                sink.record(scheduler_stats, getattr(iteration_stats, "inter_token_latencies_iter", None) or ())
 
         def log_engine_initialized(self) -> None:
             pass

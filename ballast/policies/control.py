@@ -42,6 +42,16 @@ def of_deployments(replicas: Sequence[ReplicaReport], *deployments: str) -> list
     return [r for r in replicas if r.deployment in deployments]
 
 
+def engine_rows(replicas: Sequence[ReplicaReport], deployment: str) -> Optional[int]:
+    """The rows ``deployment``'s engines run usefully together (each replica's
+    ``engine_rows``); None unless every replica of it reports one (an engine Ballast
+    batches, or one whose steps do not say yet: the replicas' slots bound it alone)."""
+    rows = [r.engine_rows for r in of_deployment(replicas, deployment)]
+    if not rows or any(n is None for n in rows):
+        return None
+    return sum(n for n in rows if n is not None)
+
+
 def model_views(routers: Sequence[RouterReport], model: str, primary_model: str) -> list[RouterReport]:
     """Every router's report as ``model`` sees it (``primary_model``: the config's first model)."""
     return [r.for_model(model, primary_model) for r in routers]

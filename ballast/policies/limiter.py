@@ -229,6 +229,9 @@ class AimdLimit:
     def snapshot(self) -> dict[str, Any]:
         return {
             "limit": self.value,
+            # what the model takes from this caller (its replicas' slots, or the rows its
+            # engines run usefully, this router's share); None: not known yet
+            "ceiling": self._ceiling,
             "increases": self.increases,
             "decreases": self.decreases,
             "decreases_by": dict(self.decreases_by),

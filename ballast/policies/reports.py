@@ -247,6 +247,9 @@ class ReplicaReport:
     # queued too) and its prefix cache's hit rate; None for engines Ballast batches.
     engine_waiting: Optional[int] = None
     prefix_cache_hit_pct: Optional[float] = None
+    # ... and the rows it runs usefully: where more rows stop buying throughput, from its
+    # own steps' times (ballast/policies/engine_curve.py); None until its steps say so.
+    engine_rows: Optional[int] = None
     # vLLM's own prefix-cache counters since its engine started: prompt tokens looked up,
     # and found (a hit rate over any span is the difference of two reports).
     prefix_cache_queries: Optional[int] = None
@@ -279,6 +282,7 @@ class ReplicaReport:
             "gpu_util_pct",
             "vram_pct",
             "engine_waiting",
+            "engine_rows",
             "prefix_cache_hit_pct",
             "prefix_cache_queries",
             "prefix_cache_hits",

@@ -53,11 +53,13 @@ def model_ceiling(
     router's fair share of the model, when the controller gave one):
     ballast/policies/request.py's ``model_ceiling``."""
     name = model if model is not None else cfg.models[0].name
+    rows = (snap.models.get(name) or {}).get("engine_rows")
     return request_policy.model_ceiling(
         snap.running_replicas.get(cfg.deployment_name(name), 0),
         snap.running_replicas.get(ROUTER_DEPLOYMENT, 0),
         cfg.deployment_of(name).max_ongoing_requests,
         share,
+        int(rows) if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None,
     )
 
 

@@ -24,6 +24,7 @@ from ballast.control.controller import ControllerCore
 from ballast.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot, SnapshotCache
 from ballast.ops.cli import format_status
+from ballast.router import reporter
 
 EXPIRY_S = 3
 A, B = "a", "b"
@@ -189,6 +190,23 @@ class TestLevels:
         assert snap["models"][B]["reason"] == "normal"
         assert (snap["level"], snap["reason"]) == (4, snap["models"][A]["reason"])  # top level: the first model
 
+    def test_each_models_entry_carries_the_rows_its_engines_run_usefully(self, h: Harness) -> None:
+        h.replica("a1", A_DEP, engine_rows=14)
+        h.replica("a2", A_DEP, engine_rows=9)
+        h.replica("b1", B_DEP)  # an engine Ballast batches: its slots bound it
+        h.router()
+        h.core.tick()
+        snap = h.core.snapshot()
+        assert (snap["models"][A]["engine_rows"], snap["models"][B]["engine_rows"]) == (23, None)
+        ceiling = reporter.model_ceiling(h.core.cfg, Snapshot.from_dict(snap), model=A)
+        assert ceiling == 23  # not 2 replicas x max_ongoing_requests
+        h.replica("a2", A_DEP)  # a replica whose engine has not said yet: no cap from the engines
+        h.core.tick()
+        snap = h.core.snapshot()
+        assert snap["models"][A]["engine_rows"] is None
+        slots = 2 * h.core.cfg.deployment_of(A).max_ongoing_requests
+        assert reporter.model_ceiling(h.core.cfg, Snapshot.from_dict(snap), model=A) == slots
+
     def test_a_flooded_second_model_rises_while_the_first_stays_at_zero(self, h: Harness) -> None:
         seen = []
         for _ in range(3):
@@ -320,6 +338,7 @@ class TestSnapshot:
                 "reason": "starting",
                 "constraints": snap.constraints,
                 "inputs": {},
+                "engine_rows": None,
                 "routing": {"prefix_hit_ratio": None, "routed_by_prefix_ratio": None, "load_max_over_mean": None},
             }
 

@@ -136,6 +136,7 @@ def test_a_replicas_stats_keep_their_fields() -> None:
         "queue_wait_p95_ms",
         "engine_waiting",
         "prefix_cache_hit_pct",
+        "engine_rows",
         "prefix_cache_queries",
         "prefix_cache_hits",
         "prefix_blocks",

@@ -380,6 +380,20 @@ def test_a_bad_directory_fails_at_construction(tmp_path, ckpt):
     assert "100000" in e.value.reason
 
 
+def test_a_live_engine_reports_its_step_curve(backend):
+    """One row then eight, 40 tokens each: vLLM's steps reach the curve and its useful rows."""
+    ids = backend.encode("Hello!", 0)
+    for rows in (1, 8):
+        batch = backend.open_batch()
+        joins = [(f"r{rows}-{i}", ids, 40, LONG) for i in range(rows)]
+        while joins or batch.keys():
+            batch.run_chunk(joins, 4)
+            joins = []
+    curve = backend._stats.curve()
+    assert curve["step_base_ms"] is not None and curve["step_per_row_ms"] is not None
+    assert backend.stats().useful_rows == curve["rows"]
+
+
 def test_engine_processes_live_then_gone_after_shutdown(backend):
     """Runs last in the module: it shuts the module's engine down."""
     pids = backend.engine_pids()
@@ -417,3 +431,24 @@ def test_a_chunk_ends_when_a_row_has_its_first_tokens_not_after_a_whole_chunk():
     assert chunk_ready([row(4, 10), row(4, 6)], 4)
     assert chunk_ready([row(4, 10), row(0, 0)], 4)  # a row still queued in vLLM does not hold the others
     assert chunk_ready([row(1, 11, finished=True), row(4, 8)], 4)
+
+
+def test_the_engines_steps_give_its_curve_by_vllms_own_inter_token_gaps():
+    """Step by step as vLLM's stat loggers get them (no engine): the rows scheduled and the
+    rows' inter-token gaps, whose median is the step's time; a step with no gap (every row
+    new) says nothing of it. The useful rows are the curve's."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    from ballast.model.vllm_engine import _StatsSink
+    from ballast.policies.engine_curve import StepCurve
+
+    sink, curve = _StatsSink(), StepCurve()
+    for _ in range(8):
+        for rows in range(1, 17):
+            step = 0.004 + 0.0005 * rows
+            gaps = [step] * rows if rows < 3 else [step] * (rows - 1) + [0.9]  # one row of many waited
+            sink.record(SchedulerStats(num_running_reqs=rows), gaps)
+            curve.observe(rows, step)
+            sink.record(SchedulerStats(num_running_reqs=rows), [])  # new rows only: no step time
+    assert sink.curve() == curve.snapshot() and curve.rows() == 46
+    assert (sink.get().running, sink.get().useful_rows, sink.get().steps) == (16, 46, 256)
