@@ -61,6 +61,9 @@ def _ordered(settings: BaseModel, *names: str) -> None:
 
 
 FrozenConfig = TypeVar("FrozenConfig")
+#: Engines that batch and schedule their rows themselves: the replica only bounds how many
+#: are in them (ballast/model/engine.py).
+SELF_SCHEDULING = frozenset({"vllm"})
 
 
 def frozen_config(config_cls: "type[FrozenConfig]", settings: BaseModel, **given: Any) -> FrozenConfig:
@@ -626,6 +629,12 @@ class GateSettings(_Strict):
     # slow rule rests (an engine whose step time is the host's, a burst of long prompts).
     # null: every slow cut stands.
     slow_cut_min_gain: Optional[float] = Field(0.8, gt=0, le=1)
+    # For an engine that schedules itself (backend vllm) the slow rule is off: the limit
+    # follows the rows curve instead, capped where the answers' service per token against
+    # the rows at the model says throughput reaches this share of its asymptote (0.85: past
+    # it, more rows make every answer slower and few more of them). null: vLLM takes the
+    # slow rule, as Ballast's own engines do.
+    rows_curve_gain: Optional[float] = Field(0.85, gt=0, lt=1)
     adjust_interval_s: PositiveFloat = 0.5
     decrease_factor: float = Field(0.9, gt=0, lt=1)  # gentle: each cut below the knee costs throughput
     # The wait line: bounded in count; each waiter by its deadline (less the expected
@@ -646,8 +655,20 @@ class GateSettings(_Strict):
         self.limiter_config()  # the policy's own checks, with their message
         return self
 
-    def limiter_config(self) -> LimiterConfig:
-        return frozen_config(LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s)
+    def limiter_config(self, backend: str = "builtin") -> LimiterConfig:
+        """The limit for a model on ``backend``: an engine that schedules itself (vLLM)
+        takes the rows curve where ``rows_curve_gain`` is set, and then not the slow rule."""
+        if backend in SELF_SCHEDULING and self.rows_curve_gain is not None:
+            return frozen_config(
+                LimiterConfig,
+                self,
+                initial=self.initial_limit,
+                interval_s=self.adjust_interval_s,
+                target_service_ratio=None,
+            )
+        return frozen_config(
+            LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s, rows_curve_gain=None
+        )
 
 
 class CacheSettings(_Strict):

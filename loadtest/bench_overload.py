@@ -640,13 +640,14 @@ class ServerCpu:
 
 def format_trace(phase: Phase) -> str:
     """``Phase.per_second`` as lines. Where Ballast's status was sampled: the level, the
-    gate's limit and ceiling (the model's slots or the rows its engine runs usefully, this
-    router's share), waiters and mean service at the second's last sample, and, since the
+    gate's limit, ceiling (the model's slots or the rows its engine runs usefully, this
+    router's share) and rows curve's knee (vLLM), waiters and mean service at the second's
+    last sample, and, since the
     previous line, the limit's decreases by signal (missed/slow/wait, and slow ones undone) and the gate's
     refusals by reason (only those that happened)."""
     lines = [
-        f"    {'s':>3} {'sent':>5} {'good':>5} {'crit':>9}  {'lvl':>3} {'limit':>5} {'ceil':>4} {'wait':>4} "
-        f"{'svc ms':>6}  "
+        f"    {'s':>3} {'sent':>5} {'good':>5} {'crit':>9}  {'lvl':>3} {'limit':>5} {'ceil':>4} {'knee':>4} "
+        f"{'wait':>4} {'svc ms':>6}  "
         "critical misses | limit decreases | gate refusals"
     ]
     prev: dict[str, Any] = next((t["gate"] for t in phase.trace if t.get("gate")), {})  # counts before the phase
@@ -661,6 +662,7 @@ def format_trace(phase: Phase) -> str:
         lines.append(
             f"    {row['s']:>3} {row['sent']:>5} {row['good']:>5} {row['crit_good']:>4}/{row['crit']:<4}  "
             f"{st.get('level', '-'):>3} {gate.get('limit', '-'):>5} {_or_dash(gate.get('ceiling')):>4} "
+            f"{_or_dash((gate.get('rows_curve') or {}).get('rows')):>4} "
             f"{gate.get('waiting', '-'):>4} "
             f"{gate.get('expected_service_ms', '-'):>6}  {misses} | {dec} | {ref}".rstrip(" |")
         )

@@ -28,31 +28,43 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from ballast.policies.validation import check_int, check_ratio
+from ballast.policies.validation import check_int, check_positive, check_ratio
 
 MIN_WEIGHT = 50.0  # steps (decayed) before a fit is given
 MIN_SPREAD = 1.0  # variance of the steps' rows: a fit needs rows that vary
-MIN_ROWS = 4  # the knee is never put below this: a noisy fit must not close the engine
+MIN_ROWS = 4  # the knee is never put below this (by default): a noisy fit must not close the engine
 
 
 class StepCurve:
     """A decayed least-squares line through (rows, step time); bounded state (five sums)."""
 
-    def __init__(self, horizon: int = 2000, gain: float = 0.85, max_rows: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        horizon: int = 2000,
+        gain: float = 0.85,
+        max_rows: Optional[int] = None,
+        min_weight: float = MIN_WEIGHT,
+        min_rows: int = MIN_ROWS,
+    ) -> None:
         check_int("horizon", horizon, minimum=2)
         check_ratio("gain", gain)
         if gain == 1:  # the asymptote itself is never reached
             raise ValueError("gain: must be in (0, 1), got 1")
+        check_int("min_rows", min_rows, minimum=1)
         if max_rows is not None:
-            check_int("max_rows", max_rows, minimum=1)
+            check_int("max_rows", max_rows, minimum=min_rows)
+        check_positive("min_weight", min_weight)
         self._keep = 1.0 - 1.0 / horizon
         self._gain = gain
         self._max_rows = max_rows
+        self._min_weight = min_weight
+        self._min_rows = min_rows
         self._w = self._r = self._rr = self._t = self._rt = 0.0
 
-    def observe(self, rows: int, step_s: float, steps: int = 1) -> None:
-        """``steps`` engine steps of ``rows`` rows each took ``step_s`` seconds together."""
-        if rows < 1 or steps < 1 or not (step_s > 0 and math.isfinite(step_s)):
+    def observe(self, rows: float, step_s: float, steps: int = 1) -> None:
+        """``steps`` engine steps of ``rows`` rows each (a mean, where it varied) took
+        ``step_s`` seconds together."""
+        if not (rows > 0 and math.isfinite(rows)) or steps < 1 or not (step_s > 0 and math.isfinite(step_s)):
             return
         t = step_s / steps
         k = self._keep**steps
@@ -64,7 +76,7 @@ class StepCurve:
 
     def fit(self) -> Optional[tuple[float, float]]:
         """``(a, b)`` in seconds and seconds per row; None until the steps say enough."""
-        if self._w < MIN_WEIGHT:
+        if self._w < self._min_weight:
             return None
         mean_r, mean_t = self._r / self._w, self._t / self._w
         var = self._rr / self._w - mean_r * mean_r
@@ -74,7 +86,7 @@ class StepCurve:
         return mean_t - b * mean_r, b
 
     def rows(self) -> Optional[int]:
-        """Rows at which throughput reaches ``gain`` of the asymptote (at least ``MIN_ROWS``,
+        """Rows at which throughput reaches ``gain`` of the asymptote (at least ``min_rows``,
         at most ``max_rows``); None without a fit, or where rows cost nothing."""
         got = self.fit()
         if got is None:
@@ -83,7 +95,7 @@ class StepCurve:
         if b <= 0:
             return None
         knee = self._gain / (1.0 - self._gain) * max(a, 0.0) / b
-        rows = max(MIN_ROWS, math.ceil(knee)) if math.isfinite(knee) else None
+        rows = max(self._min_rows, math.ceil(round(knee, 6))) if math.isfinite(knee) else None
         if rows is not None and self._max_rows is not None:
             rows = min(rows, self._max_rows)
         return rows

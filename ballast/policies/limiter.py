@@ -45,6 +45,18 @@ the engine holds more than it serves, and those cuts stand. The latency budget s
 decides, at the wait line (``ballast.policies.gate``), which requests can make their
 deadline; the engine's answer to a cut decides how many rows it runs.
 
+For an engine that schedules itself (vLLM), the slow rule is off and the limit follows
+the engine's curve instead (``rows_curve_gain``): each window gives one point, the mean
+rows this caller had at the model and the median service time per generated token of
+the answers that came back, and a ``StepCurve`` (ballast/policies/engine_curve.py) fits
+``a + b x rows`` through them. Its knee, where more rows stop buying throughput (``gain``
+of the asymptote), caps the limit as a ceiling does: past it, more rows make every
+answer slower and no more of them. The knee is measured on this host, so a slower host
+moves ``a`` and ``b`` together and keeps it; the latency budget still decides, at the wait
+line, which requests can make their deadline. Ballast's own engines keep the slow rule:
+their batch is the replica's, sized by its scheduler's KV budget, and for them a cut
+does make each token sooner (the trial above checks that it does).
+
 So the model's own queue stays near the target, and what does not fit waits in an
 order that matters (criticality) instead of a FIFO that does not.
 """
@@ -56,12 +68,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ballast.policies.engine_curve import StepCurve
 from ballast.policies.stats import nearest_rank
 from ballast.policies.validation import check_fields, check_int, check_positive, check_ratio
 
 MAX_SAMPLES = 1024  # queue-wait samples kept per window (bounded)
 SLOW_REARM = 1.25  # the slow rule rests until service per token is this much slower than when a cut did not help
 SLOW_REST_S = 30.0  # ... or this long: the engine's answer to a cut is asked again
+CURVE_HORIZON = 240  # windows the rows curve remembers (older ones weigh less): 2 min at 0.5 s
+CURVE_MIN_WINDOWS = 20  # windows with answers before the curve caps the limit
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class LimiterConfig:
     decrease_factor: float = 0.9
     target_service_ratio: Optional[float] = 0.4
     slow_cut_min_gain: Optional[float] = 0.8  # None: a slow cut always stands
+    rows_curve_gain: Optional[float] = None  # the rows curve's knee caps the limit; None: off
 
     def __post_init__(self) -> None:
         check_fields(self, check_int, "min_limit", minimum=1)
@@ -81,6 +97,9 @@ class LimiterConfig:
         check_fields(self, check_int, "max_limit", minimum=self.initial)
         check_fields(self, check_positive, "target_wait_ms", "interval_s")
         check_fields(self, check_ratio, "target_service_ratio", "slow_cut_min_gain", optional=True)
+        check_fields(self, check_ratio, "rows_curve_gain", optional=True)
+        if self.rows_curve_gain == 1:  # the asymptote itself is never reached
+            raise ValueError("rows_curve_gain: must be in (0, 1), got 1")
         check_fields(self, check_ratio, "decrease_factor")
         if self.decrease_factor == 1:  # (0, 1]: a factor of 1 would never decrease
             raise ValueError(f"decrease_factor: must be in (0, 1), got {self.decrease_factor!r}")
@@ -105,6 +124,15 @@ class AimdLimit:
         self._missed = False
         self._window_end = clock() + cfg.interval_s
         self._ceiling: Optional[int] = None
+        self._curve = (
+            StepCurve(CURVE_HORIZON, cfg.rows_curve_gain, min_weight=CURVE_MIN_WINDOWS, min_rows=cfg.min_limit)
+            if cfg.rows_curve_gain is not None
+            else None
+        )
+        self._knee: Optional[int] = None  # the curve's, as of the last window
+        # Rows this caller has at the model now, and their integral over the window.
+        self._rows, self._rows_at, self._rows_area = 0, clock(), 0.0
+        self._window_start = clock()
         self.decreases = 0
         self.increases = 0
         # Why the limit went down, by signal (a window may carry more than one; the first
@@ -114,8 +142,20 @@ class AimdLimit:
     @property
     def value(self) -> int:
         self._tick()
-        v = int(self._value)
-        return v if self._ceiling is None else max(1, min(v, self._ceiling))
+        cap = self._cap()
+        return int(self._value) if cap is None else max(1, min(int(self._value), cap))
+
+    def _cap(self) -> Optional[int]:
+        """The ceiling and the rows curve's knee, the lower of those known."""
+        caps = [c for c in (self._ceiling, self._knee) if c is not None]
+        return min(caps) if caps else None
+
+    def rows_in_flight(self, rows: int) -> None:
+        """This caller's requests at the model now (the gate says so at every change)."""
+        now = self._clock()
+        self._tick()
+        self._rows_area += self._rows * (now - max(self._rows_at, self._window_start))
+        self._rows, self._rows_at = rows, now
 
     def set_ceiling(self, ceiling: Optional[int]) -> None:
         """What the model can take at once from this caller (None: no ceiling).
@@ -169,6 +209,7 @@ class AimdLimit:
             and self._trial is None  # a slow cut on trial: its verdict first
             and not self._resting(now, per_token)
         )
+        self._fit_rows(now, per_token)
         wait_p90 = nearest_rank(self._waits, 0.9)
         waited = wait_p90 is not None and wait_p90 > c.target_wait_ms
         if self._missed or slow or waited:
@@ -184,7 +225,7 @@ class AimdLimit:
             self._saturated
             and self._trial is None
             and not undone
-            and (self._ceiling is None or self._value < self._ceiling)
+            and ((cap := self._cap()) is None or self._value < cap)
         ):
             self._value = min(float(c.max_limit), self._value + 1.0)
             self.increases += 1
@@ -195,6 +236,17 @@ class AimdLimit:
         self._missed = False
         # Windows with no traffic at all are skipped, not replayed one by one.
         self._window_end = now + c.interval_s
+
+    def _fit_rows(self, now: float, per_token: Optional[float]) -> None:
+        """The window's point on the rows curve (its mean rows at the model, its answers'
+        median service per token), and the knee as of now; then a new window's rows."""
+        if self._curve is not None:
+            span = now - self._window_start
+            area = self._rows_area + self._rows * (now - max(self._rows_at, self._window_start))
+            if per_token is not None and span > 0:
+                self._curve.observe(area / span, per_token)
+            self._knee = self._curve.rows()
+        self._rows_area, self._window_start = 0.0, now
 
     def _judge_trial(self, per_token: Optional[float]) -> bool:
         """The slow cut on trial, judged in the window after next: undone (True) when service
@@ -236,6 +288,8 @@ class AimdLimit:
             "decreases": self.decreases,
             "decreases_by": dict(self.decreases_by),
             "slow_cuts_undone": self.undone,
+            # the rows curve (None where it is off): its fit and knee
+            "rows_curve": self._curve.snapshot() if self._curve is not None else None,
             # this window's samples so far, each list bounded by MAX_SAMPLES
             "window_samples": max(len(self._waits), len(self._ratios)),
         }

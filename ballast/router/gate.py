@@ -121,6 +121,7 @@ class PriorityGate:
         self._reserve.note_arrival(rank, self.critical_rank, self.in_flight, limit, self._waiting_at_most(rank))
         if self.waiting == 0 and self.in_flight < self._room(rank, limit):
             self.in_flight += 1
+            self.limit.rows_in_flight(self.in_flight)
             return self._charge(tenant, cost)
         # Held back by the limit, or by the reserve (whose share of the limit grows with it):
         # either way there may be room to grow. Counting only the limit let the reserve
@@ -222,6 +223,7 @@ class PriorityGate:
     def release(self, service_s: Optional[float] = None) -> None:
         """Give a slot back; ``service_s`` (slot to answer) feeds the service-time estimate."""
         self.in_flight -= 1
+        self.limit.rows_in_flight(self.in_flight)
         if service_s is not None:
             self._service.add(service_s)
         self._grant()
@@ -261,6 +263,7 @@ class PriorityGate:
                 continue
             self._add_waiting(waiter, -1)  # first: a tenant leaving the backlog is not lifted by its own charge
             self.in_flight += 1
+            self.limit.rows_in_flight(self.in_flight)
             waiter.fut.set_result(self._charge(waiter.tenant, waiter.cost))
         # Finished entries at the heads of the lines were dropped in _next; the rest are
         # compacted now and then.

@@ -24,9 +24,10 @@ from ballast.router.tally import Tally
 from ballast.router.tokens import ModelText, model_text
 
 
-def priority_gate(cfg: Any) -> Optional[PriorityGate]:
-    """The gate to a model as ``resilience.gate`` describes it, ordering tenants inside a
-    class by ``fairness``; None when the gate is off."""
+def priority_gate(cfg: Any, backend: str = "builtin") -> Optional[PriorityGate]:
+    """The gate to a model on ``backend`` as ``resilience.gate`` describes it (its limit's
+    rule is the engine's: ``GateSettings.limiter_config``), ordering tenants inside a class
+    by ``fairness``; None when the gate is off."""
     g = cfg.resilience.gate
     if not g.enabled:
         return None
@@ -34,7 +35,7 @@ def priority_gate(cfg: Any) -> Optional[PriorityGate]:
     if cfg.fairness.enabled:
         fair = TenantCounters({t: tc.weight for t, tc in cfg.tenants.items()}, cfg.fairness.policy_config())
     return PriorityGate(
-        AimdLimit(g.limiter_config()),
+        AimdLimit(g.limiter_config(backend)),
         g.max_waiting,
         g.max_wait_s,
         reserve_ratio=g.critical_reserve_ratio,
@@ -76,7 +77,7 @@ def build_lanes(
     the caller's hooks for model ``name``."""
     lanes: dict[str, Lane] = {}
     for m in cfg.models:
-        gate, tally = priority_gate(cfg), Tally()
+        gate, tally = priority_gate(cfg, m.backend), Tally()
         lanes[m.name] = Lane(
             name=m.name,
             backend=m.backend,

@@ -94,7 +94,13 @@ def test_the_trace_groups_outcomes_by_second_of_sending():
         {
             "_t": 1.5,
             "level": 1,
-            "gate": {"limit": 6, "ceiling": 14, "decreases_by": {"slow": 1}, "refused": {"drain": 8, "expired": 0}},
+            "gate": {
+                "limit": 6,
+                "ceiling": 14,
+                "rows_curve": {"rows": 11},
+                "decreases_by": {"slow": 1},
+                "refused": {"drain": 8, "expired": 0},
+            },
         },
     ]
     rows = p.per_second()
@@ -109,8 +115,8 @@ def test_the_trace_groups_outcomes_by_second_of_sending():
     assert text.splitlines()[1].endswith("| drain:1")
     last = text.splitlines()[-1]
     assert last.endswith("OVERLOADED:1 | slow:1 | drain:2")  # since the line before; zero deltas left out
-    assert last.split()[4:7] == ["1", "6", "14"]  # level, limit, ceiling
-    assert text.splitlines()[1].split()[4:7] == ["0", "8", "-"]  # no ceiling known
+    assert last.split()[4:8] == ["1", "6", "14", "11"]  # level, limit, ceiling, the rows curve's knee
+    assert text.splitlines()[1].split()[4:8] == ["0", "8", "-", "-"]  # none known
 
 
 def test_feasible_shares_follow_strict_class_order():

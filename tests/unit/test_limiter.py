@@ -238,3 +238,85 @@ def test_without_the_trial_every_slow_cut_stands():
     lim, clock = make(target_service_ratio=0.4, slow_cut_min_gain=None)
     values = [window(lim, clock, float(t), 0.9, 0.030) for t in range(1, 6)]
     assert values == [8, 6, 4, 3, 2]
+
+
+def curve_window(lim, clock, t: float, rows: int, a: float, b: float, held_s: float = 1.0) -> int:
+    """One window (1 s) with ``rows`` requests at the model for ``held_s`` of it (none for the
+    rest) and ten answers, each ``a + b x rows`` a token, every request held back (saturated);
+    the limit after it closes at ``t``."""
+    lim.rows_in_flight(rows)
+    for _ in range(10):
+        lim.saturated()
+        lim.observe_service(0.9, a + b * rows)  # far past any slow threshold: the slow rule is off
+    if held_s < 1.0:
+        clock.t = t - 1.0 + held_s
+        lim.rows_in_flight(0)
+    clock.t = t
+    value = lim.value
+    lim.rows_in_flight(0)  # the next window starts empty
+    return value
+
+
+def curve_limit(**kw):
+    return make(max_limit=64, initial=8, target_service_ratio=None, rows_curve_gain=0.8, **kw)
+
+
+def test_the_rows_curve_caps_the_limit_at_the_knee_of_the_answers_service_per_token():
+    """Service per token 4 ms + 1 ms a row: throughput reaches 0.8 of its asymptote at
+    0.8 / 0.2 x 4 = 16 rows. The limit climbs while held back, then stops at the knee."""
+    lim, clock = curve_limit()
+    seen = [curve_window(lim, clock, float(t), 2 + t % 12, 0.004, 0.001) for t in range(1, 60)]
+    assert lim.snapshot()["rows_curve"] == {"step_base_ms": 4.0, "step_per_row_ms": 1.0, "rows": 16}
+    assert seen[:19] == list(range(9, 28))  # no cap before CURVE_MIN_WINDOWS (20) windows: one a window
+    assert set(seen[20:]) == {16}
+
+
+def test_the_rows_curve_knee_is_the_same_on_a_slower_host():
+    knees = []
+    for slower in (1.0, 2.5):
+        lim, clock = curve_limit()
+        for t in range(1, 40):
+            curve_window(lim, clock, float(t), 2 + t % 12, 0.004 * slower, 0.001 * slower)
+        knees.append(lim.snapshot()["rows_curve"]["rows"])
+    assert knees == [16, 16]
+
+
+def test_the_mean_rows_of_a_window_are_weighed_by_time():
+    """Rows held for half of each window count as half as many."""
+    lim, clock = curve_limit()
+    for t in range(1, 40):
+        curve_window(lim, clock, float(t), 2 * (2 + t % 12), 0.004, 0.001 / 2, held_s=0.5)
+    assert lim.snapshot()["rows_curve"] == {"step_base_ms": 4.0, "step_per_row_ms": 1.0, "rows": 16}
+
+
+def test_rows_that_cost_nothing_leave_the_limit_uncapped_and_a_steep_curve_stops_at_the_floor():
+    free, clock = curve_limit()
+    seen = [curve_window(free, clock, float(t), 2 + t % 12, 0.010, 0.0) for t in range(1, 60)]
+    assert free.snapshot()["rows_curve"]["rows"] is None and seen[-1] == 64
+    steep, clock = curve_limit()
+    seen = [curve_window(steep, clock, float(t), 2 + t % 12, 0.0, 0.002) for t in range(1, 40)]
+    assert seen[-1] == 2  # min_limit: a curve never closes the gate
+
+
+def test_the_rows_curve_is_off_unless_asked_and_its_gain_is_checked():
+    lim, clock = make(max_limit=64)
+    for t in range(1, 40):
+        curve_window(lim, clock, float(t), 2 + t % 12, 0.004, 0.001)
+    assert lim.snapshot()["rows_curve"] is None
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="rows_curve_gain"):
+            make(rows_curve_gain=bad)
+
+
+def test_a_self_scheduling_engine_takes_the_rows_curve_and_not_the_slow_rule():
+    from ballast.config import GateSettings
+
+    g = GateSettings()
+    assert (g.limiter_config("vllm").target_service_ratio, g.limiter_config("vllm").rows_curve_gain) == (None, 0.85)
+    assert (g.limiter_config("builtin").target_service_ratio, g.limiter_config("builtin").rows_curve_gain) == (
+        0.4,
+        None,
+    )
+    assert g.limiter_config("transformers").rows_curve_gain is None
+    old = GateSettings(rows_curve_gain=None)
+    assert (old.limiter_config("vllm").target_service_ratio, old.limiter_config("vllm").rows_curve_gain) == (0.4, None)
