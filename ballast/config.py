@@ -658,17 +658,9 @@ class GateSettings(_Strict):
     def limiter_config(self, backend: str = "builtin") -> LimiterConfig:
         """The limit for a model on ``backend``: an engine that schedules itself (vLLM)
         takes the rows curve where ``rows_curve_gain`` is set, and then not the slow rule."""
-        if backend in SELF_SCHEDULING and self.rows_curve_gain is not None:
-            return frozen_config(
-                LimiterConfig,
-                self,
-                initial=self.initial_limit,
-                interval_s=self.adjust_interval_s,
-                target_service_ratio=None,
-            )
-        return frozen_config(
-            LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s, rows_curve_gain=None
-        )
+        by_curve = backend in SELF_SCHEDULING and self.rows_curve_gain is not None
+        rule: dict[str, Any] = {"target_service_ratio": None} if by_curve else {"rows_curve_gain": None}
+        return frozen_config(LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s, **rule)
 
 
 class CacheSettings(_Strict):

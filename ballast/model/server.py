@@ -346,41 +346,43 @@ class ModelServer:
         """Unload an adapter this replica loaded at run time; False for any other."""
         return await self._runtime_adapters().remove(name)
 
-    def _engine_load(self) -> tuple[int, float, Optional[int], Optional[float]]:
+    def _engine_stats(self) -> Any:
+        """The engine's own view (``VLLMStats``) for an engine that schedules itself, read
+        once per report; None for the engines Ballast batches."""
+        stats = getattr(self._backend, "stats", None)
+        return stats() if stats is not None else None
+
+    def _engine_load(self, s: Any) -> tuple[int, float, Optional[int], Optional[float]]:
         """(queued, KV use in percent, waiting in the engine, prefix-cache hit percent).
 
-        An engine that schedules itself (vLLM) reports its own KV cache use and its own
-        line, which counts as queue beside the replica's; for the engines Ballast batches,
-        the KV use is the rows' reservation against the replica's budget."""
-        stats = getattr(self._backend, "stats", None)
+        An engine that schedules itself (vLLM, ``s`` its stats) reports its own KV cache use
+        and its own line, which counts as queue beside the replica's; for the engines Ballast
+        batches, the KV use is the rows' reservation against the replica's budget."""
         loop = self._loop
-        if stats is None:
+        if s is None:
             return loop.queued, round(100.0 * loop.kv_reserved_tokens / loop.kv_budget_tokens, 2), None, None
-        s = stats()
         hit_pct = round(100.0 * s.prefix_cache_hit_rate, 2)
         self._m_engine_waiting.set(s.waiting)
         self._m_prefix_hits.set(hit_pct)
         return loop.queued + s.waiting, round(100.0 * s.kv_cache_usage, 2), s.waiting, hit_pct
 
-    def _engine_rows(self) -> Optional[int]:
+    @staticmethod
+    def _engine_rows(s: Any) -> Optional[int]:
         """The rows an engine that schedules itself runs usefully (``VLLMStats.useful_rows``);
         while requests wait inside it with its KV cache full (``KV_FULL``), no more than it
         runs now. None for the engines Ballast batches: their rows are the replica's own."""
-        stats = getattr(self._backend, "stats", None)
-        if stats is None:
+        if s is None:
             return None
-        s = stats()
         if s.waiting > 0 and s.running > 0 and s.kv_cache_usage >= KV_FULL:
             return min(s.running, s.useful_rows) if s.useful_rows is not None else s.running
         return s.useful_rows
 
-    def _prefix_counts(self) -> dict[str, Optional[int]]:
+    def _prefix_counts(self, s: Any) -> dict[str, Optional[int]]:
         """vLLM's prefix-cache counters (prompt tokens looked up and found) and the blocks
         this replica reports to the routers; empty for the engines Ballast batches."""
-        stats = getattr(self._backend, "stats", None)
-        if stats is None:
+        if s is None:
             return {}
-        s, blocks = stats(), getattr(self._backend, "prefix_blocks", None)
+        blocks = getattr(self._backend, "prefix_blocks", None)
         self._count_prefix_cache(s.prefix_cache_queries, s.prefix_cache_hits)
         return {
             "prefix_cache_queries": s.prefix_cache_queries,
@@ -404,7 +406,8 @@ class ModelServer:
         """This replica's report to the controller (every report interval)."""
         gpu = self._gpu.sample() if self._gpu is not None else None
         loop = self._loop
-        queued, kv_util, engine_waiting, prefix_hit_pct = self._engine_load()
+        engine = self._engine_stats()
+        queued, kv_util, engine_waiting, prefix_hit_pct = self._engine_load(engine)
         self._m_queue.set(queued)
         self._m_kv.set(kv_util)
         return ReplicaReport(
@@ -417,9 +420,9 @@ class ModelServer:
             batch_size_avg=loop.batch_size_avg(),
             batch_size_limit=loop.batch_limit,
             engine_waiting=engine_waiting,
-            engine_rows=self._engine_rows(),
+            engine_rows=self._engine_rows(engine),
             prefix_cache_hit_pct=prefix_hit_pct,
-            **self._prefix_counts(),
+            **self._prefix_counts(engine),
             kv_util_pct=kv_util,
             kv_tokens_reserved=loop.kv_reserved_tokens,
             kv_tokens_budget=loop.kv_budget_tokens,

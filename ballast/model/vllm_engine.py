@@ -155,8 +155,10 @@ class _StatsSink:
         self._curve = StepCurve()
 
     def get(self) -> VLLMStats:
+        """The last step's stats, with the curve's ``useful_rows`` as of now (fitted here,
+        when read, not at every step)."""
         with self._lock:
-            return self._stats
+            return replace(self._stats, useful_rows=self._curve.rows())
 
     def curve(self) -> dict[str, Any]:
         with self._lock:
@@ -182,7 +184,6 @@ class _StatsSink:
                 prefix_cache_queries=queries + int(pcs.queries),
                 prefix_cache_hits=hits + int(pcs.hits),
                 steps=old.steps + 1,
-                useful_rows=self._curve.rows(),
             )
 
 

@@ -42,7 +42,6 @@ class StepCurve:
         self,
         horizon: int = 2000,
         gain: float = 0.85,
-        max_rows: Optional[int] = None,
         min_weight: float = MIN_WEIGHT,
         min_rows: int = MIN_ROWS,
     ) -> None:
@@ -51,28 +50,23 @@ class StepCurve:
         if gain == 1:  # the asymptote itself is never reached
             raise ValueError("gain: must be in (0, 1), got 1")
         check_int("min_rows", min_rows, minimum=1)
-        if max_rows is not None:
-            check_int("max_rows", max_rows, minimum=min_rows)
         check_positive("min_weight", min_weight)
         self._keep = 1.0 - 1.0 / horizon
         self._gain = gain
-        self._max_rows = max_rows
         self._min_weight = min_weight
         self._min_rows = min_rows
         self._w = self._r = self._rr = self._t = self._rt = 0.0
 
-    def observe(self, rows: float, step_s: float, steps: int = 1) -> None:
-        """``steps`` engine steps of ``rows`` rows each (a mean, where it varied) took
-        ``step_s`` seconds together."""
-        if not (rows > 0 and math.isfinite(rows)) or steps < 1 or not (step_s > 0 and math.isfinite(step_s)):
+    def observe(self, rows: float, step_s: float) -> None:
+        """One step of ``rows`` rows (a mean, where it varied) took ``step_s`` seconds."""
+        if not (rows > 0 and math.isfinite(rows) and step_s > 0 and math.isfinite(step_s)):
             return
-        t = step_s / steps
-        k = self._keep**steps
-        self._w = self._w * k + steps
-        self._r = self._r * k + steps * rows
-        self._rr = self._rr * k + steps * rows * rows
-        self._t = self._t * k + steps * t
-        self._rt = self._rt * k + steps * rows * t
+        k = self._keep
+        self._w = self._w * k + 1.0
+        self._r = self._r * k + rows
+        self._rr = self._rr * k + rows * rows
+        self._t = self._t * k + step_s
+        self._rt = self._rt * k + rows * step_s
 
     def fit(self) -> Optional[tuple[float, float]]:
         """``(a, b)`` in seconds and seconds per row; None until the steps say enough."""
@@ -86,8 +80,8 @@ class StepCurve:
         return mean_t - b * mean_r, b
 
     def rows(self) -> Optional[int]:
-        """Rows at which throughput reaches ``gain`` of the asymptote (at least ``min_rows``,
-        at most ``max_rows``); None without a fit, or where rows cost nothing."""
+        """Rows at which throughput reaches ``gain`` of the asymptote (at least ``min_rows``);
+        None without a fit, or where rows cost nothing."""
         got = self.fit()
         if got is None:
             return None
@@ -95,10 +89,7 @@ class StepCurve:
         if b <= 0:
             return None
         knee = self._gain / (1.0 - self._gain) * max(a, 0.0) / b
-        rows = max(self._min_rows, math.ceil(round(knee, 6))) if math.isfinite(knee) else None
-        if rows is not None and self._max_rows is not None:
-            rows = min(rows, self._max_rows)
-        return rows
+        return max(self._min_rows, math.ceil(round(knee, 6))) if math.isfinite(knee) else None
 
     def snapshot(self) -> dict[str, Optional[float]]:
         got = self.fit()
