@@ -138,7 +138,8 @@ class Phase:
     slo_s: float
     outcomes: list[Outcome] = field(default_factory=list)
     trace: list[dict[str, Any]] = field(default_factory=list)  # Ballast's /v1/status, sampled
-    send_lags_s: list[float] = field(default_factory=list)  # how late the generator sent each request
+    # How late the generator sent each request: (scheduled send time from the phase's start, lag), s
+    send_lags: list[tuple[float, float]] = field(default_factory=list)
     server_cpu_s: Optional[float] = None  # CPU time of the processes in front of the model (ServerCpu)
     idle_cores: float = 0.0  # what those processes use with no traffic (their timers, metrics), per second
     edge_refused: int = 0  # refusals HAProxy answered (X-Ballast-Edge: refused), before the router
@@ -154,7 +155,7 @@ class Phase:
         return sum(1 for o in self.outcomes if o.status in (429, 503))
 
     def send_lag_p99_ms(self) -> float:
-        return _pct([x * 1000.0 for x in self.send_lags_s], 0.99)
+        return _pct([lag * 1000.0 for _, lag in self.send_lags], 0.99)
 
     def good(self, criticality: Optional[str] = None) -> int:
         return sum(
@@ -189,7 +190,8 @@ class Phase:
 
     def per_second(self) -> list[dict[str, Any]]:
         """By second of scheduled send time: offered, good, critical good/offered, the codes
-        of critical misses, and Ballast's level and gate (last /v1/status sample in it)."""
+        of critical misses, the generator's longest send lag (ms: a stall of this host shows
+        here as in the service), and Ballast's level and gate (last /v1/status sample in it)."""
         rows: dict[int, dict[str, Any]] = {}
         for o in self.outcomes:
             row = rows.setdefault(
@@ -203,6 +205,10 @@ class Phase:
                 row["crit_good"] += good
                 if not good:
                     row["crit_miss"][o.code if o.status != 200 else "LATE"] += 1
+        for sent_s, lag in self.send_lags:
+            row = rows.get(int(sent_s))
+            if row is not None:
+                row["lag_ms"] = max(row.get("lag_ms", 0.0), 1000.0 * lag)
         for t in self.trace:
             row = rows.get(int(t.get("_t", -1)))
             if row is not None:
@@ -317,7 +323,7 @@ async def offer(
                 phase.outcomes.append(Outcome(crit, 0, "client_drop", 0.0, scheduled - t0))
                 continue
             tasks.append(asyncio.create_task(one(client, crit, scheduled)))
-            phase.send_lags_s.append(time.perf_counter() - scheduled)
+            phase.send_lags.append((scheduled - t0, time.perf_counter() - scheduled))
         await asyncio.gather(*tasks)
     return phase
 
@@ -360,7 +366,7 @@ def _judge(r: LeanResponse, completions: bool = False) -> tuple[int, str]:
         return r.status, f"HTTP_{r.status}"
 
 
-LADDER_RUNGS = 20  # short probes at most on the ladder
+LADDER_RUNGS = 20  # rungs at most on the ladder (each probed at most twice)
 
 
 async def measure_capacity(
@@ -374,9 +380,12 @@ async def measure_capacity(
     """Highest rate with >= 90 % good: ``probe(rate, seconds, index)`` -> the good fraction.
 
     1. An ascending ladder (x1.12 per rung) of ``probe_s`` probes from ``guess / 2`` to the
-       first rung that keeps < 90 %. Ascending, so that no probe starts in the wake of an
-       overloaded one (Ballast's level steps down one per stable window; waiting for it
-       between probes would take minutes).
+       first rung that keeps < 90 % twice in a row (a rung that misses is probed once more:
+       this host's speed moves 10-30 % within minutes, and one probe on a slow minute
+       stopped a stack's ladder at a rate it then held at 2 C; every stack gets the second
+       try). Ascending, so that no probe starts in the wake of an overloaded one (Ballast's
+       level steps down one per stable window; waiting for it between probes would take
+       minutes).
     2. The last rung that passed is offered again for ``confirm_s`` (a phase's length),
        from a settled stack; if it keeps < 90 % there, the rung below, and so on down to
        the ladder's first rung (a stack with an unbounded queue passes short probes far
@@ -391,21 +400,23 @@ async def measure_capacity(
     (a probe's stragglers) and ``settle`` before the first and each confirmation.
     """
     probes: list[tuple[float, float, float]] = []
-    rate, passed = guess / 2.0, 0.0
+    rate, passed, missed = guess / 2.0, 0.0, False
     await settle()
-    for i in range(LADDER_RUNGS):
+    for i in range(2 * LADDER_RUNGS):
         frac = await probe(rate, probe_s, i)
         probes.append((rate, probe_s, frac))
-        if frac < 0.9:
+        if frac < 0.9 and missed:
             break
-        passed, rate = rate, rate * 1.12
+        if frac >= 0.9:
+            passed, rate = rate, rate * 1.12
+        missed = frac < 0.9
         await drain(1.0)  # the last probe's stragglers
     if not passed:
         raise CapacityNotFound(f"even {probes[0][0]:.1f} req/s misses the SLO: {probes}", probes)
     floor, step = probes[0][0], 0
     while passed >= floor * (1.0 - 1e-9):
         await settle()
-        frac = await probe(passed, confirm_s, LADDER_RUNGS + step)  # a seed of its own
+        frac = await probe(passed, confirm_s, 2 * LADDER_RUNGS + step)  # a seed of its own
         probes.append((passed, confirm_s, frac))
         if frac >= 0.9:
             return passed, probes
@@ -642,12 +653,12 @@ def format_trace(phase: Phase) -> str:
     """``Phase.per_second`` as lines. Where Ballast's status was sampled: the level, the
     gate's limit, ceiling (the model's slots or the rows its engine runs usefully, this
     router's share) and rows curve's knee (vLLM), waiters and mean service at the second's
-    last sample, and, since the
+    last sample, the generator's longest send lag in the second (``lag``, ms), and, since the
     previous line, the limit's decreases by signal (missed/slow/wait, and slow ones undone) and the gate's
     refusals by reason (only those that happened)."""
     lines = [
         f"    {'s':>3} {'sent':>5} {'good':>5} {'crit':>9}  {'lvl':>3} {'limit':>5} {'ceil':>4} {'knee':>4} "
-        f"{'wait':>4} {'svc ms':>6}  "
+        f"{'wait':>4} {'svc ms':>6} {'lag':>4}  "
         "critical misses | limit decreases | gate refusals"
     ]
     prev: dict[str, Any] = next((t["gate"] for t in phase.trace if t.get("gate")), {})  # counts before the phase
@@ -664,7 +675,8 @@ def format_trace(phase: Phase) -> str:
             f"{st.get('level', '-'):>3} {gate.get('limit', '-'):>5} {_or_dash(gate.get('ceiling')):>4} "
             f"{_or_dash((gate.get('rows_curve') or {}).get('rows')):>4} "
             f"{gate.get('waiting', '-'):>4} "
-            f"{gate.get('expected_service_ms', '-'):>6}  {misses} | {dec} | {ref}".rstrip(" |")
+            f"{gate.get('expected_service_ms', '-'):>6} {row.get('lag_ms', 0.0):>4.0f}  "
+            f"{misses} | {dec} | {ref}".rstrip(" |")
         )
     return "\n".join(lines)
 
