@@ -792,6 +792,10 @@ class WatchdogSettings(_Strict):
 
     enabled: bool = True
     interval_s: PositiveFloat = 1.0  # sampling and heartbeat interval
+    # A replica with child processes (vLLM) is measured by their PSS, read from smaps at most
+    # this often per process (a read walks the process's page tables: 16-22 ms per vLLM
+    # process on a 2-core host); between reads, the last PSS plus what RSS grew since.
+    pss_interval_s: PositiveFloat = 10.0
     # Growth while a replica loads and serves its first batches is not a leak: trends
     # start after this many seconds of the replica's life.
     warmup_s: float = Field(120.0, ge=0)

@@ -273,6 +273,66 @@ def test_psutil_sampler_counts_pages_shared_with_a_child_once() -> None:
     assert with_child["rss_bytes"] < alone["rss_bytes"] + 64 * MB
 
 
+GROWS_ON_COMMAND = """
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+blocks = []
+print("up", flush=True)
+for line in sys.stdin:
+    block = bytearray(64 << 20)
+    block[::4096] = b"x" * (len(block) // 4096)  # every page touched: resident
+    blocks.append(block)
+    print("grown", flush=True)
+"""
+
+
+def test_pss_is_read_every_few_samples_and_growth_shows_between_reads(monkeypatch) -> None:
+    # smaps is read once per process every pss_every samples; 64 MB the replica takes
+    # between two reads shows at the next sample, through its RSS.
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    reads: list[int] = []
+    full_info = psutil.Process.memory_full_info
+
+    def counted(self):  # the real read, counted
+        reads.append(self.pid)
+        return full_info(self)
+
+    monkeypatch.setattr(psutil.Process, "memory_full_info", counted)
+    replica = subprocess.Popen(
+        [sys.executable, "-c", GROWS_ON_COMMAND],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert replica.stdout.readline() == "up\n"
+        s = PsutilSampler(replica.pid, pss_every=4)
+        first = s.sample()
+        assert len(reads) == 2  # the replica and its child, once each
+        replica.stdin.write("grow\n")
+        replica.stdin.flush()
+        assert replica.stdout.readline() == "grown\n"
+        grown = s.sample()
+        assert len(reads) == 2  # not read again ...
+        assert grown["rss_bytes"] - first["rss_bytes"] > 60 * MB  # ... and the growth shows
+        s.sample(), s.sample()
+        assert len(reads) == 2
+        again = s.sample()  # the fourth sample since the last read: smaps again
+        assert len(reads) == 4
+        assert abs(again["rss_bytes"] - grown["rss_bytes"]) < 16 * MB  # the estimate was the PSS
+    finally:
+        os.killpg(replica.pid, signal.SIGKILL)
+        replica.wait()
+    with pytest.raises(ValueError, match="pss_every"):
+        PsutilSampler(os.getpid(), pss_every=0)
+
+
 def test_growth_during_warm_up_is_not_sampled() -> None:
     # A replica loading and serving its first batches grows fast; after warm-up it is flat.
     clock = FakeClock()
