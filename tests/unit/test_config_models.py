@@ -59,6 +59,7 @@ class TestOneModelConfigsUnchanged:
             assert tenant.pop("models") is None  # the one field added to a tenant
         assert dump["resilience"]["gate"].pop("slow_cut_min_gain") == 0.8  # the gate's slow cuts on trial
         assert dump["resilience"]["gate"].pop("rows_curve_gain") == 0.85  # vLLM's limit: the rows curve
+        assert dump["watchdog"].pop("pss_interval_s") == 10.0  # PSS read every 10 s, not every sample
         models = [dump["model"]] + ([dump["fallback"]["model"]] if dump.get("fallback") else [])
         for model in models:
             assert model.pop("cpus") is None  # fields added to a model: not pinned,
