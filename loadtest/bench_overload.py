@@ -653,12 +653,13 @@ def format_trace(phase: Phase) -> str:
     """``Phase.per_second`` as lines. Where Ballast's status was sampled: the level, the
     gate's limit, ceiling (the model's slots or the rows its engine runs usefully, this
     router's share) and rows curve's knee (vLLM), waiters and mean service at the second's
-    last sample, the generator's longest send lag in the second (``lag``, ms), and, since the
+    last sample, the generator's longest send lag in the second (``lag``, ms), critical_plus'
+    p90 wait in the gate's line (``cp wait``, ms, its last 64 admitted), and, since the
     previous line, the limit's decreases by signal (missed/slow/wait, and slow ones undone) and the gate's
     refusals by reason (only those that happened)."""
     lines = [
         f"    {'s':>3} {'sent':>5} {'good':>5} {'crit':>9}  {'lvl':>3} {'limit':>5} {'ceil':>4} {'knee':>4} "
-        f"{'wait':>4} {'svc ms':>6} {'lag':>4}  "
+        f"{'wait':>4} {'svc ms':>6} {'lag':>4} {'cp wait':>7}  "
         "critical misses | limit decreases | gate refusals"
     ]
     prev: dict[str, Any] = next((t["gate"] for t in phase.trace if t.get("gate")), {})  # counts before the phase
@@ -675,7 +676,8 @@ def format_trace(phase: Phase) -> str:
             f"{st.get('level', '-'):>3} {gate.get('limit', '-'):>5} {_or_dash(gate.get('ceiling')):>4} "
             f"{_or_dash((gate.get('rows_curve') or {}).get('rows')):>4} "
             f"{gate.get('waiting', '-'):>4} "
-            f"{gate.get('expected_service_ms', '-'):>6} {row.get('lag_ms', 0.0):>4.0f}  "
+            f"{gate.get('expected_service_ms', '-'):>6} {row.get('lag_ms', 0.0):>4.0f} "
+            f"{_or_dash((gate.get('wait_p90_ms') or {}).get('critical_plus')):>7}  "
             f"{misses} | {dec} | {ref}".rstrip(" |")
         )
     return "\n".join(lines)

@@ -30,6 +30,8 @@ from ballast.policies.criticality import Criticality
 from ballast.policies.fairness import FairCharge, TenantCounters
 from ballast.policies.gate import REFUSALS
 from ballast.policies.limiter import AimdLimit
+from ballast.policies.stats import nearest_rank
+from ballast.policies.window import CountWindow
 
 # ``asyncio.wait_for``'s shape: await ``aw`` for at most ``timeout`` seconds, else raise
 # asyncio.TimeoutError.
@@ -45,9 +47,18 @@ class GateRefused(Exception):
 
 
 class _Waiter:
-    __slots__ = ("rank", "seq", "tenant", "deadline_s", "cost", "fut")
+    __slots__ = ("rank", "seq", "tenant", "deadline_s", "cost", "fut", "since_s")
 
-    def __init__(self, rank: int, seq: int, tenant: str, deadline_s: float, cost: tuple[int, int], fut: asyncio.Future):
+    def __init__(
+        self,
+        rank: int,
+        seq: int,
+        tenant: str,
+        deadline_s: float,
+        cost: tuple[int, int],
+        fut: asyncio.Future,
+        since_s: float,
+    ):
         self.rank, self.seq, self.tenant, self.deadline_s, self.cost, self.fut = (
             rank,
             seq,
@@ -56,6 +67,11 @@ class _Waiter:
             cost,
             fut,
         )
+        self.since_s = since_s  # when it joined the line
+
+
+WAIT_SAMPLES = 64  # recent waits kept per class for the status' p90 (bounded)
+_CLASS_OF_RANK = {c.rank: c.value for c in Criticality}
 
 
 class PriorityGate:
@@ -99,6 +115,7 @@ class PriorityGate:
         self.saturations = 0  # requests that found the limit reached, ever
         self.misses_counted = 0  # deadlines missed at the model that cut the limit, ever
         self.misses_not_congestion = 0  # missed in about the usual service time: the wait's doing
+        self._waits: dict[int, CountWindow[float]] = {}  # rank -> its admitted requests' recent waits
 
     @property
     def served(self) -> int:
@@ -122,6 +139,7 @@ class PriorityGate:
         if self.waiting == 0 and self.in_flight < self._room(rank, limit):
             self.in_flight += 1
             self.limit.rows_in_flight(self.in_flight)
+            self._waited(rank, 0.0)
             return self._charge(tenant, cost)
         # Held back by the limit, or by the reserve (whose share of the limit grows with it):
         # either way there may be room to grow. Counting only the limit let the reserve
@@ -140,7 +158,7 @@ class PriorityGate:
         if decision not in (rules.WAIT, rules.DISPLACE):
             return self._refuse(decision)
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(rank, next(self._seq), tenant, deadline_s, cost, fut)
+        waiter = _Waiter(rank, next(self._seq), tenant, deadline_s, cost, fut, self._clock())
         self._lines.setdefault(rank, {}).setdefault(tenant, deque()).append(waiter)
         self._entries += 1
         self._add_waiting(waiter, 1)
@@ -166,6 +184,13 @@ class PriorityGate:
                 self._add_waiting(waiter, -1)
             raise
         return fut.result()
+
+    def _waited(self, rank: int, wait_s: float) -> None:
+        """A request of ``rank`` got its slot after ``wait_s`` in line (0: at once)."""
+        window = self._waits.get(rank)
+        if window is None:
+            window = self._waits[rank] = CountWindow(WAIT_SAMPLES)
+        window.add(wait_s)
 
     def _charge(self, tenant: str, cost: tuple[int, int]) -> Optional[FairCharge]:
         if self.fair is None or not tenant:
@@ -264,6 +289,7 @@ class PriorityGate:
             self._add_waiting(waiter, -1)  # first: a tenant leaving the backlog is not lifted by its own charge
             self.in_flight += 1
             self.limit.rows_in_flight(self.in_flight)
+            self._waited(rank, self._clock() - waiter.since_s)
             waiter.fut.set_result(self._charge(waiter.tenant, waiter.cost))
         # Finished entries at the heads of the lines were dropped in _next; the rest are
         # compacted now and then.
@@ -307,6 +333,11 @@ class PriorityGate:
             "waiting": self.waiting,
             "expected_service_ms": round(self._service.mean_s * 1000.0, 1),
             "service_p90_ms": round(self._service.p90_s * 1000.0, 1),
+            # The p90 of the last WAIT_SAMPLES waits of each class's admitted requests.
+            "wait_p90_ms": {
+                _CLASS_OF_RANK.get(rank, str(rank)): round(1000.0 * (nearest_rank(w, 0.9) or 0.0), 1)
+                for rank, w in sorted(self._waits.items())
+            },
             "reserving": self.reserving(),
             "refused": dict(self.refused),
             "misses": {"congestion": self.misses_counted, "late_admission": self.misses_not_congestion},

@@ -98,6 +98,7 @@ def test_the_trace_groups_outcomes_by_second_of_sending():
                 "limit": 6,
                 "ceiling": 14,
                 "rows_curve": {"rows": 11},
+                "wait_p90_ms": {"critical_plus": 42.5, "critical": 310.0},
                 "decreases_by": {"slow": 1},
                 "refused": {"drain": 8, "expired": 0},
             },
@@ -120,6 +121,7 @@ def test_the_trace_groups_outcomes_by_second_of_sending():
     assert last.split()[4:8] == ["1", "6", "14", "11"]  # level, limit, ceiling, the rows curve's knee
     assert text.splitlines()[1].split()[4:8] == ["0", "8", "-", "-"]  # none known
     assert text.splitlines()[1].split()[10] == "350" and last.split()[10] == "4"  # the send lag, ms
+    assert text.splitlines()[1].split()[11] == "-" and last.split()[11] == "42.5"  # critical_plus' p90 wait
 
 
 def test_feasible_shares_follow_strict_class_order():

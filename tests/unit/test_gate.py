@@ -121,6 +121,24 @@ def test_waiters_are_served_most_critical_first_then_oldest_first():
     asyncio.run(main())
 
 
+def test_the_status_shows_each_class_p90_wait_in_line():
+    async def main():
+        clock = FakeClock(1000)
+        timer = FakeTimer(clock)
+        g = gate(limit=1, clock=clock, timer=timer)
+        await g.acquire(3, clock() + 60.0)  # at once: no wait
+        assert g.snapshot()["wait_p90_ms"] == {"sheddable": 0.0}
+        critical_plus = asyncio.create_task(g.acquire(0, clock() + 60.0))
+        await settle()
+        clock.advance(0.25)  # the slot comes back a quarter second later
+        g.release()
+        await settle()
+        assert critical_plus.done()
+        assert g.snapshot()["wait_p90_ms"] == {"critical_plus": 250.0, "sheddable": 0.0}
+
+    asyncio.run(main())
+
+
 def served(g: PriorityGate, *service_s: float) -> None:
     """Requests that took a slot and were answered after ``service_s``."""
     for s in service_s:
