@@ -1644,7 +1644,8 @@ def _print_bounded(results: dict[str, dict[str, Any]], s: _Settings) -> None:
 
 def _print_cost(results: dict[str, dict[str, Any]], s: _Settings) -> None:
     """What an answer costs on the path and beside it (``loadtest.stack_cpu``): the
-    latency of the 200s, and each role's CPU per answer and in cores."""
+    latency of the 200s, each role's CPU per answer and in cores, and how long its threads
+    waited for a core (seconds a second: on a host short of cores, who is slowed)."""
     roles = stack_cpu.ROLES
     print("\ncost of an answer: latency of the 200s (ms), then each role's CPU per answer (ms) and in cores")
     print(f"{'stack':<13} {'offered':>8} {'adm p50':>8} {'adm p99':>8}  " + " ".join(f"{r:>8}" for r in roles))
@@ -1655,12 +1656,17 @@ def _print_cost(results: dict[str, dict[str, Any]], s: _Settings) -> None:
             answered = max(1, phase.answered())
             per = " ".join(f"{phase.stack_cpu.get(role, 0.0) * 1000.0 / answered:>8.2f}" for role in roles)
             cores = " ".join(f"{phase.stack_cpu.get(role, 0.0) / phase.duration_s:>8.2f}" for role in roles)
+            waits = " ".join(
+                f"{phase.stack_cpu.get(stack_cpu.wait_key(role), 0.0) / phase.duration_s:>8.2f}" for role in roles
+            )
             print(f"{name:<13} {k:>7g}C {phase.admitted_p50_ms():>8.0f} {phase.admitted_p99_ms():>8.0f}  {per}")
             print(f"{'':<13} {'cores':>8} {'':>8} {'':>8}  {cores}")
+            print(f"{'':<13} {'waiting':>8} {'':>8} {'':>8}  {waits}")
     print(
         "roles: edge HAProxy; proxy Serve's proxies; router Ballast's routers or ray.serve.llm's ingress; front the "
         "model replica around the engine (the built-in engine's forward pass too); engine vLLM's engine core and "
-        "worker; guards Ballast's watchdogs and controller; serve Serve's controller; ray Ray's daemons"
+        "worker; guards Ballast's watchdogs and controller; serve Serve's controller; ray Ray's daemons. "
+        "waiting: the seconds a second the role's threads were runnable and waited for a core"
     )
 
 

@@ -23,15 +23,22 @@ ray        Ray's own daemons (raylet, GCS, dashboard, log monitor, ...)
 ========== ===================================================================
 
 A process that ends between two reads counts what it had used when last read.
+
+Beside its CPU, each role's **wait for a core**: the seconds its threads were runnable and
+not running (Linux ``/proc/PID/task/TID/schedstat``, second field), summed over the role's
+threads. On a host whose cores are all busy, a role that waits is one that the others slow
+down: vLLM's worker waiting is the engine's throughput lost to the rest of the host.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 ROLES = ("edge", "proxy", "router", "front", "engine", "fallback", "guards", "serve", "ray")
 
 MAX_PIDS = 4096  # processes remembered (bounded)
+MAX_THREADS = 16384  # threads remembered for their waits (bounded)
 _RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env", "ray_client")
 
 
@@ -62,11 +69,35 @@ def role_of(name: str, title: str) -> Optional[str]:
     return None
 
 
+def thread_waits(pid: int) -> dict[int, float]:
+    """Each thread of ``pid`` and the seconds it has waited, runnable, for a core (Linux
+    ``/proc/PID/task/TID/schedstat``: run ns, wait ns, slices); empty where unreadable."""
+    out: dict[int, float] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):  # the thread ended, or no schedstats
+            continue
+    return out
+
+
+def wait_key(role: str) -> str:
+    """The key of ``role``'s wait for a core in ``StackCpu.read``'s dict."""
+    return f"{role} wait"
+
+
 class StackCpu:
-    """CPU seconds by role, read on demand (``read``); differences of two reads are a phase's."""
+    """CPU seconds by role, and each role's wait for a core (``wait_key``), read on demand
+    (``read``); differences of two reads are a phase's."""
 
     def __init__(self) -> None:
         self._last: dict[int, tuple[str, float]] = {}  # pid -> (role, cpu s at its last read)
+        self._waits: dict[int, tuple[str, float]] = {}  # tid -> (role, wait s at its last read)
 
     def read(self) -> dict[str, float]:
         import psutil
@@ -80,14 +111,19 @@ class StackCpu:
                 continue
             if role is not None and times is not None:
                 self._last[p.pid] = (role, times.user + times.system)
+                self._waits.update((tid, (role, w)) for tid, w in thread_waits(p.pid).items())
         if len(self._last) > MAX_PIDS:  # a long run's churn: forget the processes gone now
             self._last = {pid: v for pid, v in self._last.items() if psutil.pid_exists(pid)}
-        out = dict.fromkeys(ROLES, 0.0)
+        if len(self._waits) > MAX_THREADS:
+            self._waits = {tid: v for tid, v in self._waits.items() if os.path.exists(f"/proc/{tid}")}
+        out = dict.fromkeys((*ROLES, *map(wait_key, ROLES)), 0.0)
         for role, cpu in self._last.values():
             out[role] += cpu
+        for role, wait in self._waits.values():
+            out[wait_key(role)] += wait
         return out
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    """CPU seconds by role between two reads (a role that appeared counts from zero)."""
-    return {role: max(0.0, after.get(role, 0.0) - before.get(role, 0.0)) for role in ROLES}
+    """CPU seconds and waits by role between two reads (a role that appeared counts from zero)."""
+    return {key: max(0.0, after.get(key, 0.0) - before.get(key, 0.0)) for key in after}

@@ -2,6 +2,7 @@
 
 import asyncio
 import math
+import os
 
 import pytest
 
@@ -629,10 +630,26 @@ def test_the_cost_section_prints_each_roles_cpu_per_answer(capsys, tmp_path):
     s = parse_settings(["--multiples", "1", *a_model_dir(tmp_path)])
     p = Phase(rate=10.0, duration_s=10.0, slo_s=1.0)
     p.outcomes = [Outcome("critical", 200, "OK", 0.1)] * 99 + [Outcome("critical", 200, "OK", 0.5)]
-    p.stack_cpu = {"router": 0.5, "engine": 8.0}
+    p.stack_cpu = {"router": 0.5, "engine": 8.0, "engine wait": 3.0}
     _print_cost({"ballast-vllm": {"C": 10.0, "phases": [p]}}, s)
-    row, cores = capsys.readouterr().out.splitlines()[3:5]
+    row, cores, waits = capsys.readouterr().out.splitlines()[3:6]
     cells = row.split()
     assert cells[:4] == ["ballast-vllm", "1C", "100", "500"]  # p50 and p99 of the 200s, ms
     assert cells[4 + 2] == "5.00" and cells[4 + 4] == "80.00"  # router 0.5 s / 100 answers; the engine's
     assert cores.split()[1 + 2] == "0.05" and cores.split()[1 + 4] == "0.80"
+    assert waits.split()[0] == "waiting" and waits.split()[1 + 4] == "0.30"  # 3 s of the engine's wait in 10 s
+    assert waits.split()[1 + 2] == "0.00"
+
+
+def test_a_stacks_waits_for_a_core_are_read_from_its_threads_schedstat():
+    import threading
+
+    from loadtest.stack_cpu import StackCpu, delta, thread_waits, wait_key
+
+    waits = thread_waits(os.getpid())
+    assert threading.get_native_id() in waits and all(w >= 0.0 for w in waits.values())
+    assert thread_waits(2**22 + 7) == {}  # no such process: nothing, not an error
+    cpu = StackCpu()
+    first = cpu.read()
+    assert set(first) >= {"engine", wait_key("engine"), wait_key("router")}
+    assert all(v >= 0.0 for v in delta(cpu.read(), first).values())
