@@ -517,6 +517,10 @@ class DegradationSettings(_Strict):
     demand_shed_ratio: Optional[float] = Field(1.1, gt=0)
     # Routers measure demand by criticality and the gate's throughput over this window.
     demand_window_s: PositiveFloat = 5.0
+    # The capacity demand is held against: the most the gates answered while full over this
+    # long, so a host's stall of a few seconds does not read as a smaller model. 0: the
+    # latest window alone.
+    capacity_window_s: float = Field(30.0, ge=0)
     stable_window_s: PositiveFloat = 30.0  # a lower target must hold this long; then the level drops to it
     # One report moves the level one up; a higher target asked for this long moves it all the way.
     up_confirm_s: PositiveFloat = 1.0

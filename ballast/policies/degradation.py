@@ -29,7 +29,14 @@ in order while the model is full, so refusing a class at the door pays only when
 classes left fill the model by themselves: level ``k`` is asked for when the demand of
 the classes it admits is at least ``demand_shed_ratio`` × the capacity (the gate's
 answer rate while full). The ratio is above 1 because classes that are all served offer
-about what is answered and must not read as filling the model.
+about what is answered and must not read as filling the model. The capacity is the most
+the gate answered while full over ``capacity_window_s``, not the last window alone: a
+host that stalls for a few seconds answers less in that window, yet the model is no
+smaller, and reading the dip as capacity shed half the traffic at 1 C for a whole
+``stable_window_s`` (docs/benchmarks.md). BBR estimates a path's bottleneck bandwidth
+the same way, as a windowed maximum of its delivery rate. A model that did get smaller
+(a replica lost, a slower host) is read so once its old peak leaves the window; the
+gate's limit and line protect it meanwhile.
 
 Absent signals (``None``: no GPU, no traffic yet, a silent watchdog) are ignored, never
 read as zero (hiding overload) nor as the maximum (shedding all on a CPU-only host).
@@ -40,7 +47,7 @@ time and these semantics.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Optional
 
 from ballast.policies.criticality import Criticality
@@ -190,6 +197,9 @@ class DegradationConfig:
     #: (above 1, so that classes that are all being served never qualify).
     #: None: demand never asks for a level.
     demand_shed_ratio: float | None = 1.1
+    #: The demand rule's capacity: the highest answer rate measured while full over this
+    #: long (0: the latest measurement alone).
+    capacity_window_s: float = 30.0
     stable_window_s: float = 30.0
     #: A target two or more above the level must persist this long before the level follows it.
     up_confirm_s: float = 1.0
@@ -209,7 +219,7 @@ class DegradationConfig:
         check_fields(self, check_int, "error_rate_min_requests", minimum=0)
         check_fields(self, check_positive, "demand_shed_ratio", optional=True)
         check_fields(self, check_positive, "stable_window_s", "up_confirm_s")
-        check_fields(self, check_non_negative, "capacity_gap_max_s", "capacity_gap_settle_s")
+        check_fields(self, check_non_negative, "capacity_gap_max_s", "capacity_gap_settle_s", "capacity_window_s")
         self._validate_constraints()
 
     def _validate_thresholds(self, name: str) -> None:
@@ -263,6 +273,7 @@ class DegradationConfig:
             "error_rate_level": self.error_rate_level,
             "error_rate_min_requests": self.error_rate_min_requests,
             "demand_shed_ratio": self.demand_shed_ratio,
+            "capacity_window_s": self.capacity_window_s,
             "stable_window_s": self.stable_window_s,
             "up_confirm_s": self.up_confirm_s,
             "capacity_gap_max_s": self.capacity_gap_max_s,
@@ -446,6 +457,8 @@ class DegradationState:
       and the last tick it was seen; ``None`` when none is remembered.
     * ``serving_high``: the primary replicas the deployment had serving (at most its
       target); ``None`` before the first count.
+    * ``capacity_peak_rps``/``capacity_peak_s``: the highest capacity measured within
+      ``capacity_window_s`` and when; ``None`` when none is remembered.
     """
 
     level: int = 0
@@ -456,10 +469,22 @@ class DegradationState:
     gap_since_s: float | None = None
     gap_last_s: float | None = None
     serving_high: int | None = None
+    capacity_peak_rps: float | None = None
+    capacity_peak_s: float | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, _check_level, "level")
-        check_fields(self, check_finite, "lower_since_s", "up_since_s", "gap_since_s", "gap_last_s", optional=True)
+        check_fields(
+            self,
+            check_finite,
+            "lower_since_s",
+            "up_since_s",
+            "gap_since_s",
+            "gap_last_s",
+            "capacity_peak_rps",
+            "capacity_peak_s",
+            optional=True,
+        )
         for name in ("lower_max", "up_min"):
             if getattr(self, name) is not None:
                 _check_level(name, getattr(self, name))
@@ -543,6 +568,9 @@ def decide(
     """
     check_finite("now_s", now_s)
     level = state.level
+    peak = _capacity_peak(signals.capacity_rps, state, cfg, now_s)
+    if peak.rps is not None and signals.capacity_rps is not None:
+        signals = replace(signals, capacity_rps=peak.rps)
     gap = _gap(signals, state, cfg, now_s)
     target, target_reason = _target(signals, cfg, level, gap)
     if target > level:
@@ -571,8 +599,29 @@ def decide(
         gap_since_s=gap.since_s,
         gap_last_s=gap.last_s,
         serving_high=gap.serving_high,
+        capacity_peak_rps=peak.rps,
+        capacity_peak_s=peak.at_s,
     )
     return decision, new_state
+
+
+class _Peak(NamedTuple):
+    """The capacity the demand rule reads this tick (with ``capacity_rps`` measured), and when it was measured."""
+
+    rps: Optional[float]
+    at_s: Optional[float]
+
+
+def _capacity_peak(measured: Optional[float], state: DegradationState, cfg: DegradationConfig, now_s: float) -> _Peak:
+    """The highest capacity measured within ``capacity_window_s``: the new measurement when
+    it is at least the remembered peak, the peak while it is in the window; a peak older
+    than the window (or stamped after ``now_s``: a clock that went back) is forgotten."""
+    rps, at = state.capacity_peak_rps, state.capacity_peak_s
+    if rps is None or at is None or now_s < at or now_s - at > cfg.capacity_window_s:
+        rps = at = None
+    if measured is not None and (rps is None or measured >= rps):
+        return _Peak(measured, now_s)
+    return _Peak(rps, at)
 
 
 class _Step(NamedTuple):

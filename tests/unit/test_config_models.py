@@ -60,6 +60,7 @@ class TestOneModelConfigsUnchanged:
         assert dump["resilience"]["gate"].pop("slow_cut_min_gain") == 0.8  # the gate's slow cuts on trial
         assert dump["resilience"]["gate"].pop("rows_curve_gain") == 0.85  # vLLM's limit: the rows curve
         assert dump["watchdog"].pop("pss_interval_s") == 10.0  # PSS read every 10 s, not every sample
+        assert dump["degradation"].pop("capacity_window_s") == 30.0  # demand against a 30 s peak, not one window
         models = [dump["model"]] + ([dump["fallback"]["model"]] if dump.get("fallback") else [])
         for model in models:
             assert model.pop("cpus") is None  # fields added to a model: not pinned,

@@ -598,6 +598,53 @@ def test_classes_that_are_all_served_never_read_as_filling_the_model() -> None:
     assert target_level(demand(7.0, 21.0, 42.0, 70.0), off) == (0, "normal")
 
 
+def at_one_c(capacity: float | None) -> LoadSignals:
+    """1 C of the bench's mix (57 req/s: half of it sheddable) with the gate's answer rate ``capacity``."""
+    return demand(2.85, 8.55, 17.1, 28.5, capacity=capacity)
+
+
+def test_a_stall_that_halves_one_windows_answers_is_not_a_smaller_model() -> None:
+    # The gate answered 52 req/s while full; then a 3 s stall of the host: 25 req/s in the
+    # next window. The classes level 1 keeps (28.5 req/s) are >= 1.1 x 25, not 1.1 x 52.
+    d, state = decide(at_one_c(52.0), DegradationState(), CFG, now_s=0)
+    assert d.level == 0 and state.capacity_peak_rps == 52.0
+    for t in range(1, 31):
+        d, state = decide(at_one_c(25.0), state, CFG, now_s=t)
+        assert d.level == 0, t  # the peak holds for capacity_window_s (30)
+    assert (state.capacity_peak_rps, state.capacity_peak_s) == (52.0, 0)
+    # Past the window the model is read as smaller, and the level follows the demand.
+    d, state = decide(at_one_c(25.0), state, CFG, now_s=31)
+    assert d.level == 1 and d.reason.startswith("up 0->1: demand=28.5>=27.5 (capacity_rps)")
+    assert (state.capacity_peak_rps, state.capacity_peak_s) == (25.0, 31)
+
+
+def test_without_a_capacity_window_the_latest_answer_rate_is_the_capacity() -> None:
+    cfg = DegradationConfig(capacity_window_s=0.0)
+    _, state = decide(at_one_c(52.0), DegradationState(), cfg, now_s=0)
+    d, _ = decide(at_one_c(25.0), state, cfg, now_s=1)
+    assert d.level == 1
+
+
+def test_a_higher_answer_rate_replaces_the_peak_and_an_unmeasured_tick_keeps_it() -> None:
+    _, state = decide(at_one_c(40.0), DegradationState(), CFG, now_s=0)
+    _, state = decide(at_one_c(52.0), state, CFG, now_s=10)
+    assert (state.capacity_peak_rps, state.capacity_peak_s) == (52.0, 10)
+    d, state = decide(at_one_c(None), state, CFG, now_s=20)  # the gate not full: no capacity read
+    assert d.level == 0 and (state.capacity_peak_rps, state.capacity_peak_s) == (52.0, 10)
+    d, _ = decide(at_one_c(25.0), state, CFG, now_s=39)
+    assert d.level == 0  # 29 s after the peak: still in the window
+    # A clock that went back forgets the peak rather than keeping it for ever.
+    d, state = decide(at_one_c(25.0), state, CFG, now_s=5)
+    assert d.level == 1 and (state.capacity_peak_rps, state.capacity_peak_s) == (25.0, 5)
+
+
+def test_the_capacity_window_is_checked() -> None:
+    with pytest.raises(ValueError, match="capacity_window_s"):
+        DegradationConfig(capacity_window_s=-1.0)
+    with pytest.raises(ValueError, match="capacity_peak_rps"):
+        DegradationState(capacity_peak_rps=float("nan"))
+
+
 def test_demand_never_lowers_what_another_signal_asks_for() -> None:
     s = LoadSignals(
         queue_length=250,
