@@ -405,11 +405,12 @@ async def measure_capacity(
     for i in range(2 * LADDER_RUNGS):
         frac = await probe(rate, probe_s, i)
         probes.append((rate, probe_s, frac))
-        if frac < 0.9 and missed:
+        ok = frac >= 0.9
+        if not ok and missed:
             break
-        if frac >= 0.9:
+        if ok:
             passed, rate = rate, rate * 1.12
-        missed = frac < 0.9
+        missed = not ok
         await drain(1.0)  # the last probe's stragglers
     if not passed:
         raise CapacityNotFound(f"even {probes[0][0]:.1f} req/s misses the SLO: {probes}", probes)

@@ -569,7 +569,7 @@ def decide(
     check_finite("now_s", now_s)
     level = state.level
     peak = _capacity_peak(signals.capacity_rps, state, cfg, now_s)
-    if peak.rps is not None and signals.capacity_rps is not None:
+    if signals.capacity_rps is not None:  # measured this tick: held against the window's peak
         signals = replace(signals, capacity_rps=peak.rps)
     gap = _gap(signals, state, cfg, now_s)
     target, target_reason = _target(signals, cfg, level, gap)
