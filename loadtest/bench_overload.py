@@ -1663,6 +1663,8 @@ def _print_cost(results: dict[str, dict[str, Any]], s: _Settings) -> None:
             print(f"{name:<13} {k:>7g}C {phase.admitted_p50_ms():>8.0f} {phase.admitted_p99_ms():>8.0f}  {per}")
             print(f"{'':<13} {'cores':>8} {'':>8} {'':>8}  {cores}")
             print(f"{'':<13} {'waiting':>8} {'':>8} {'':>8}  {waits}")
+            if name in VLLM_STACKS and not phase.stack_cpu.get("engine"):  # seen once, cause not found
+                print(f"{'':<13} {'':>8} vLLM's processes (VLLM::*) were not found: its engine cells are not measured")
     print(
         "roles: edge HAProxy; proxy Serve's proxies; router Ballast's routers or ray.serve.llm's ingress; front the "
         "model replica around the engine (the built-in engine's forward pass too); engine vLLM's engine core and "

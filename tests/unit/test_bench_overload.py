@@ -641,6 +641,23 @@ def test_the_cost_section_prints_each_roles_cpu_per_answer(capsys, tmp_path):
     assert waits.split()[1 + 2] == "0.00"
 
 
+def test_the_cost_section_says_when_a_vllm_stacks_engine_was_not_counted(capsys, tmp_path):
+    from loadtest.bench_overload import _print_cost, parse_settings
+
+    s = parse_settings(["--multiples", "1", *a_model_dir(tmp_path)])
+    phases = {}
+    for name, engine in (("ballast-vllm", 0.0), ("llm", 8.0), ("ballast", 0.0)):
+        p = Phase(rate=10.0, duration_s=10.0, slo_s=1.0)
+        p.outcomes = [Outcome("critical", 200, "OK", 0.1)] * 10
+        p.stack_cpu = {"router": 0.5, "front": 2.0, "engine": engine}
+        phases[name] = {"C": 10.0, "phases": [p]}
+    _print_cost(phases, s)
+    lines = capsys.readouterr().out.splitlines()
+    flagged = [i for i, line in enumerate(lines) if "were not found: its engine cells are not measured" in line]
+    assert len(flagged) == 1  # the built-in engine runs in front; llm's engine was counted
+    assert lines[flagged[0] - 3].split()[0] == "ballast-vllm"
+
+
 def test_a_stacks_waits_for_a_core_are_read_from_its_threads_schedstat():
     import threading
 
