@@ -167,7 +167,9 @@ def test_a_rank_killed_under_load_recycles_the_replica_and_fails_no_request(http
     ]
     for t in senders:
         t.start()
-    wait_until(lambda: (replica_row(http).get("running") or 0) >= 2, 20, 0.1, "requests in the replica's engine")
+    wait_until(  # all three: one still on its way is not "sent again" (a clean clone saw it)
+        lambda: (replica_row(http).get("running") or 0) >= len(PROMPTS), 20, 0.1, "requests in the replica's engine"
+    )
     os.kill(victim, signal.SIGKILL)
     t_kill = time.monotonic()
     (killed,) = wait_until(
