@@ -348,8 +348,7 @@ def up(workers: int = 2, redis: bool = False, timeout_s: float = 300) -> dict[st
         raise ClusterError(f"cannot make the local cluster here: {why}")
     if our_namespaces():
         raise ClusterError("a local cluster is already up (`make cluster-down` first)")
-    for veth in our_links():  # a link an earlier cluster's namespace kept a while
-        _sh("ip", "link", "del", veth, check=False)
+    clear_links()  # what a cluster killed mid-way (not taken down) left outside namespaces
     for d in (STATE, TEMP):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
@@ -424,7 +423,15 @@ def down() -> list[str]:
         # a peer outlives its name for minutes, and would keep the link's name taken.
         _sh("ip", "link", "del", node.veth, check=False)
         removed.append(netns)
-    for veth in our_links():  # left by a namespace removed earlier, or a failed start
+    return removed + clear_links()
+
+
+def clear_links() -> list[str]:
+    """Remove this module's links outside any namespace (veths a namespace kept a while,
+    the bridge); the names removed. A cluster killed mid-way, its namespaces removed by
+    hand, leaves the bridge: the next ``up`` would fail to add it."""
+    removed = []
+    for veth in our_links():
         _sh("ip", "link", "del", veth, check=False)
         removed.append(veth)
     if _sh("ip", "link", "show", BRIDGE, check=False).returncode == 0:
