@@ -111,7 +111,7 @@ bench-fairness: $(STAMP)
 bench-overload: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m loadtest.bench_overload --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
 
-## Prefix-cache-aware routing on vLLM and the demo model, in one run: Ballast with power-of-two routing, Ballast with prefix affinity, and plain ray.serve.llm with its PrefixCacheAffinityRouter (2 model replicas and 2 routers each, each KV cache 0.6 of the working set); hit rate, TTFT p50/p99, answers within the TTFT SLO per second, the busiest replica's share (~14 min; ARGS=--rows ballast-p2c,serve-llm-prefix for a subset).
+## Prefix-cache-aware routing on vLLM and the demo model, in one run: Ballast with power-of-two routing, Ballast with prefix affinity (a cache group per tenant: the default isolation), the same with every tenant in one cache group, and plain ray.serve.llm with its PrefixCacheAffinityRouter (2 model replicas and 2 routers each, each KV cache 0.6 of the working set); hit rate, TTFT p50/p99, answers within the TTFT SLO per second, the busiest replica's share (~19 min; ARGS=--rows ballast-p2c,serve-llm-prefix for a subset, --common-words N for a preamble every tenant shares).
 bench-prefix: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m loadtest.bench_prefix --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
 

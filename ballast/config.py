@@ -184,7 +184,7 @@ class RoutingSettings(_Strict):
     balance_from_level: int = Field(3, ge=0, le=5)
     # The most KV blocks one replica reports (its most recently stored; 4 bytes each in
     # Serve's routing stats, which every router polls).
-    report_blocks: int = Field(16384, ge=16, le=1 << 20)
+    report_blocks: int = Field(16384, ge=16, le=1 << 16)
 
 
 def parallel_sizes(engine_kwargs: dict[str, Any]) -> tuple[int, int]:
@@ -923,6 +923,10 @@ class TenantConfig(_Strict):
     # The models and adapters this tenant may use (a model's name covers its adapters,
     # one added at run time included); null: any that the models' own tenants allow.
     models: Optional[list[str]] = Field(None, min_length=1)
+    # The prefix-cache group its prompts are cached in (ballast/policies/cache_groups.py):
+    # null, the tenant alone; tenants naming one group share cached prefixes (and can tell,
+    # by timing, what the others in it sent). Letters, digits, '-' or '_'.
+    cache_group: Optional[str] = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
 
     @model_validator(mode="after")
     def _rate_or_unlimited(self) -> "TenantConfig":
@@ -989,6 +993,10 @@ class AuthConfig(_Strict):
     # Local demo only; refused in production.
     demo_keys: dict[str, str] = Field(default_factory=dict)
     demo_admin_token: Optional[str] = None
+    # The secret prefix-cache salts are made with (HMAC of each tenant's cache group); the
+    # same on every router. Unset: derived from the admin token.
+    cache_salt_secret_env: str = "BALLAST_CACHE_SALT_SECRET"
+    cache_salt_secret_file: Optional[str] = None
 
 
 class BallastConfig(_Strict):

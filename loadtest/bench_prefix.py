@@ -7,7 +7,10 @@ Rows, each in a Ray of its own, one after the other, each torn down after:
 - ``ballast-p2c``: Ballast (the config's app, ``model.backend: vllm`` on ``--vllm-model``) with
   2 model replicas and 2 router replicas, ``model.routing.prefix_affinity: false``: Serve's
   power of two choices;
-- ``ballast-affinity``: the same with ``model.routing.prefix_affinity: true``;
+- ``ballast-affinity``: the same with ``model.routing.prefix_affinity: true``; every tenant in a
+  prefix-cache group of its own (the default: no tenant can time another's prefixes);
+- ``ballast-one-group``: ``ballast-affinity`` with every bench tenant in one cache group
+  (``tenants.<name>.cache_group``): what isolation costs is the difference between the two;
 - ``serve-llm-prefix``: plain ``ray.serve.llm`` (``build_openai_app``) on the same directory and
   engine settings: 2 ``LLMServer`` replicas routed by ``PrefixCacheAffinityRouter``
   (``ray.serve.llm.request_router``, the LLMConfig's ``deployment_config``
@@ -23,8 +26,9 @@ memory, is refused on a host that runs anything else).
 
 Workload (``WorkloadSpec``, seeded; the same requests for every row): ``TENANTS`` tenants, each
 with a system prompt of its own (``system_words`` words of the demo tokenizer's corpus, about 620
-tokens); per tenant ``--users-per-tenant`` closed-loop users, each in a conversation of ``--turns``
-turns and pausing ``--think-ms`` after each answer (default ``THINK_MS``: light enough that
+tokens), after ``--common-words`` words every tenant's starts with (default 0: tenants share
+nothing; a shared preamble is the sharing that cache isolation gives up); per tenant
+``--users-per-tenant`` closed-loop users, each in a conversation of ``--turns`` turns and pausing ``--think-ms`` after each answer (default ``THINK_MS``: light enough that
 Ballast stays at level 0-1 here, so that TTFT reads prefill and scheduling more than a queue;
 0: back to back). A turn's messages are the system prompt, every earlier turn (its user
 message and the answer the model gave: a chat client resends its history) and a new user message;
@@ -99,8 +103,9 @@ from typing import Any, Awaitable, Callable, Iterator, Optional
 from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, install_uvloop
 
-ROWS = ("ballast-p2c", "ballast-affinity", "serve-llm-prefix")
-PREFIX_AFFINITY = {"ballast-p2c": False, "ballast-affinity": True}  # the Ballast rows' routing
+ROWS = ("ballast-p2c", "ballast-affinity", "ballast-one-group", "serve-llm-prefix")
+PREFIX_AFFINITY = {"ballast-p2c": False, "ballast-affinity": True, "ballast-one-group": True}  # Ballast rows' routing
+ONE_GROUP = "bench-all"  # ballast-one-group's cache group, every bench tenant's
 MODEL_REPLICAS = 2
 ROUTER_REPLICAS = 2  # Ballast's routers; ray.serve.llm's OpenAI ingress replicas
 TENANTS = 16
@@ -152,11 +157,14 @@ class WorkloadSpec:
     system_words: int = 240  # ~620 tokens of the demo tokenizer
     user_words: int = 14  # ~40 tokens
     seed: int = 7
+    common_words: int = 0  # a preamble every tenant's system prompt starts with
 
     def __post_init__(self) -> None:
         for name in ("tenants", "users_per_tenant", "turns", "system_words", "user_words"):
             if not 1 <= getattr(self, name) <= 4096:
                 raise ValueError(f"{name}: 1 to 4096, got {getattr(self, name)!r}")
+        if not 0 <= self.common_words <= 4096:
+            raise ValueError(f"common_words: 0 to 4096, got {self.common_words!r}")
 
     def words(self, key: str, n: int) -> str:
         """``n`` words drawn by a generator seeded with ``seed`` and ``key`` (str seeds hash stably)."""
@@ -164,8 +172,10 @@ class WorkloadSpec:
         return " ".join(rng.choice(WORDS) for _ in range(n))
 
     def system_prompt(self, tenant: int) -> str:
-        """Tenant ``tenant``'s system prompt; its first words already differ from every other's."""
-        return f"Tenant {tenant} rules. " + self.words(f"system:{tenant}", self.system_words)
+        """Tenant ``tenant``'s system prompt: the common preamble (if any), then words that
+        differ from every other tenant's from their first."""
+        common = self.words("common", self.common_words) + " " if self.common_words else ""
+        return common + f"Tenant {tenant} rules. " + self.words(f"system:{tenant}", self.system_words)
 
     def user_message(self, tenant: int, user: int, conversation: int, turn: int) -> str:
         key = f"user:{tenant}:{user}:{conversation}:{turn}"
@@ -436,6 +446,10 @@ HIT_TARGET = 0.8
 HIT_OVER_P2C_TARGET = 1.5
 TTFT_P50_OVER_P2C_TARGET = 0.6
 MAX_OVER_MEAN_TARGET = 1.3
+# Isolation (a cache group per tenant) against every tenant in one group: on a workload whose
+# tenants share no prefix, within the run-to-run spread of the hit rate and of TTFT p50.
+ISOLATION_HIT_GAP = 0.05
+ISOLATION_TTFT_P50_RATIO = 1.15
 
 
 def _target(
@@ -455,8 +469,10 @@ def _target(
 
 
 def target_checks(figs: dict[str, Figures]) -> list[tuple[str, Optional[bool], str]]:
-    """ballast-affinity's targets against ballast-p2c and serve-llm-prefix: (target, met, figures)."""
+    """ballast-affinity's targets against ballast-p2c, ballast-one-group and serve-llm-prefix:
+    (target, met, figures)."""
     a, p2c, llm = figs.get("ballast-affinity"), figs.get("ballast-p2c"), figs.get("serve-llm-prefix")
+    one = figs.get("ballast-one-group")
     return [
         _target(
             f"hit >= {HIT_TARGET}",
@@ -485,6 +501,14 @@ def target_checks(figs: dict[str, Figures]) -> list[tuple[str, Optional[bool], s
             lambda: [a.hit_ratio, llm.hit_ratio, a.ttft_p99_ms, llm.ttft_p99_ms],
             lambda v: v[0] > v[1] and v[2] < v[3],
             lambda v: f"hit {v[0]:.3f} vs {v[1]:.3f}; TTFT p99 {v[2]:.0f} ms vs {v[3]:.0f} ms",
+        ),
+        _target(
+            f"isolation: hit >= ballast-one-group's - {ISOLATION_HIT_GAP} and TTFT p50 <= "
+            f"{ISOLATION_TTFT_P50_RATIO} x its (tenants sharing no prefix)",
+            (a, one),
+            lambda: [a.hit_ratio, one.hit_ratio, a.ttft_p50_ms, one.ttft_p50_ms],
+            lambda v: v[0] >= v[1] - ISOLATION_HIT_GAP and v[2] <= ISOLATION_TTFT_P50_RATIO * v[3],
+            lambda v: f"hit {v[0]:.3f} vs {v[1]:.3f}; TTFT p50 {v[2]:.0f} ms vs {v[3]:.0f} ms",
         ),
         _target(
             f"max_over_mean <= {MAX_OVER_MEAN_TARGET}",
@@ -678,12 +702,18 @@ def prefix_engine_kwargs(model_dir: str, kv_blocks: int, rows: int) -> dict[str,
 
 
 def ballast_data(
-    config_path: str, model_dir: str, engine_kwargs: Optional[dict[str, Any]], prefix_affinity: bool, tenants: int
+    config_path: str,
+    model_dir: str,
+    engine_kwargs: Optional[dict[str, Any]],
+    prefix_affinity: bool,
+    tenants: int,
+    one_group: bool = False,
 ) -> dict[str, Any]:
     """The config at ``config_path`` as the overload benchmark takes it (``bench_data``), its
     first model ``model_dir`` on vLLM with ``engine_kwargs``, ``MODEL_REPLICAS`` fixed replicas,
     ``ROUTER_REPLICAS`` routers, ``prefix_affinity``, no fallback model (a third model process on
-    the host; ray.serve.llm has none) and one quota-free tenant and key per bench tenant."""
+    the host; ray.serve.llm has none) and one quota-free tenant and key per bench tenant, each in
+    a cache group of its own or, ``one_group``, all in ``ONE_GROUP``."""
     from ballast.config import with_model_dir
 
     from loadtest.bench_overload import VLLM_RSS_LIMIT_MB, bench_data
@@ -698,6 +728,8 @@ def ballast_data(
     model["routing"] = {**(model.get("routing") or {}), "prefix_affinity": prefix_affinity}
     for t in range(tenants):
         data["tenants"][tenant_name(t)] = {"description": "prefix benchmark tenant", "max_concurrent": 100000}
+        if one_group:
+            data["tenants"][tenant_name(t)]["cache_group"] = ONE_GROUP
         data["auth"]["demo_keys"][tenant_key(t)] = tenant_name(t)
     return data
 
@@ -759,7 +791,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     the engine settings and each Ballast row's config, validated."""
     from ballast.config import load_config
 
-    spec = WorkloadSpec(users_per_tenant=args.users_per_tenant, turns=args.turns, seed=args.seed)
+    spec = WorkloadSpec(
+        users_per_tenant=args.users_per_tenant, turns=args.turns, seed=args.seed, common_words=args.common_words
+    )
     count = chat_token_counter(args.vllm_model)
     ws = working_set_blocks(spec, count, args.max_tokens, BLOCK_SIZE)
     ceiling = hit_ceiling(spec, count, args.max_tokens, BLOCK_SIZE)
@@ -767,7 +801,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
     base = load_config(ballast_data(args.config, args.vllm_model, None, False, spec.tenants)).model
     kwargs = prefix_engine_kwargs(str(base.path), kv, base.max_batch_size)
     cfgs = {
-        row: load_config(ballast_data(args.config, args.vllm_model, kwargs, affinity, spec.tenants))
+        row: load_config(
+            ballast_data(args.config, args.vllm_model, kwargs, affinity, spec.tenants, row == "ballast-one-group")
+        )
         for row, affinity in PREFIX_AFFINITY.items()
     }
     return Plan(args, spec, base.name, str(base.path), kwargs, ws, ceiling, kv, cfgs)
@@ -1123,6 +1159,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="a user's pause after an answer (0: back to back, every row saturated)",
     )
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument(
+        "--common-words",
+        type=_bounded(int, 0, 4096),
+        default=0,
+        help="a preamble every tenant's system prompt starts with (what isolation keeps apart)",
+    )
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.vllm_model, "config.json")):
         p.error(f"--vllm-model: no config.json in {args.vllm_model!r} (make demo-model writes models/demo)")

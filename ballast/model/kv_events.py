@@ -12,7 +12,9 @@ under a lock; the replica's event loop reads ``report`` for its routing stats.
 Only the device tier counts (``medium`` GPU, or none): blocks an offloading connector
 keeps in host memory are not what a prefill reuses for free. The zero adapter that base
 rows run with on CPU with LoRA on (``BASE_ADAPTER``) is the base model's KV: it is keyed
-as no adapter, as a router keys a call without one.
+as no adapter, as a router keys a call without one. A prompt's first block carries the
+request's ``cache_salt`` (its tenant's cache group) among its ``extra_keys``, after the
+adapter's name: it is keyed under that salt, as a router keys a call of that group.
 
 vLLM symbols relied on: ``vllm.distributed.kv_events.KVEventBatch``, ``BlockStored``,
 ``BlockRemoved``, ``AllBlocksCleared`` (msgspec structs on a multipart message whose last
@@ -41,6 +43,20 @@ _DEVICE_TIERS = (None, "GPU")
 def events_config(endpoint: str) -> dict[str, Any]:
     """vLLM's ``kv_events_config`` publishing on ``endpoint``."""
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": TOPIC}
+
+
+def first_block_salt(event: Any) -> Optional[str]:
+    """The ``cache_salt`` a ``BlockStored`` event's first block was hashed with; None without one.
+
+    vLLM publishes each block's extra keys untagged, in order: the LoRA adapter's name (when
+    the request has one), multimodal ``(identifier, offset)`` pairs, the cache salt (first
+    block only), prompt-embedding digests (bytes). Ballast sends no multimodal input or
+    embeddings, so the salt is the one string after the adapter's name."""
+    extra = getattr(event, "extra_keys", None)
+    keys = list(extra[0] or ()) if extra else []
+    if event.lora_name is not None and keys[:1] == [event.lora_name]:
+        keys = keys[1:]
+    return next((k for k in keys if isinstance(k, str)), None)
 
 
 class KVEventFeed:
@@ -99,7 +115,8 @@ class KVEventFeed:
             for e in events:
                 if isinstance(e, BlockStored) and e.medium in _DEVICE_TIERS:
                     adapter = None if e.lora_name == self._base_adapter else e.lora_name
-                    held.stored(e.block_hashes, e.parent_block_hash, e.token_ids, adapter)
+                    salt = first_block_salt(e) if e.parent_block_hash is None else None
+                    held.stored(e.block_hashes, e.parent_block_hash, e.token_ids, adapter, salt)
                 elif isinstance(e, BlockRemoved) and e.medium in _DEVICE_TIERS:
                     held.removed(e.block_hashes)
                 elif isinstance(e, AllBlocksCleared):

@@ -245,6 +245,10 @@ class ModelCall:
     # How the request router may place it (``ballast.policies.affinity.route_mode``): set
     # with the admitted length; not part of what the call asks (an answer cache ignores it).
     route: str = field(default="affinity", compare=False)
+    # The salt of the tenant's prefix-cache group (``ballast.policies.cache_groups``), set
+    # with the admitted length: the engine's prefix cache and the routers' view of it are
+    # shared only among calls of one salt. None: no group (a call built outside a router).
+    cache_salt: Optional[str] = None
 
     @property
     def asks(self) -> frozenset[str]:
@@ -257,9 +261,10 @@ class ModelCall:
     def resumed_ids(self) -> tuple[int, ...]:
         return self.resume.ids if self.resume is not None else ()
 
-    def admitted(self, max_tokens: int, route: str = "affinity") -> "ModelCall":
-        """The call with the length the router admitted and how it may be routed."""
-        return replace(self, max_tokens=max_tokens, route=route)
+    def admitted(self, max_tokens: int, route: str = "affinity", cache_salt: Optional[str] = None) -> "ModelCall":
+        """The call with the length the router admitted, how it may be routed, and the
+        salt of its tenant's cache group."""
+        return replace(self, max_tokens=max_tokens, route=route, cache_salt=cache_salt)
 
     def for_attempt(self, left_s: float, now_wall_s: float) -> "ModelCall":
         """The call as one attempt sends it: with that attempt's deadline."""
@@ -284,6 +289,9 @@ class ModelChunk:
     finish_reason: Optional[str] = None
     queue_wait_ms: Optional[float] = None
     max_tokens: Optional[int] = None
+    # How many prompt tokens the engine took from its prefix cache (its first tokens' chunk;
+    # None: not said, an engine without a prefix cache).
+    cached_tokens: Optional[int] = None
 
     @property
     def tokens(self) -> int:
@@ -306,3 +314,4 @@ class ModelResult:
     queue_wait_ms: float = 0.0
     compute_ms: float = 0.0
     replica_id: str = ""
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache

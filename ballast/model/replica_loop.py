@@ -119,6 +119,8 @@ class ReplicaRow:
     timeout_s: float = 0.0  # the time the call had when it arrived (for its error's message)
     sampling: Optional[RowSampling] = None  # None: greedy
     adapter: Optional[str] = None  # the LoRA adapter the row runs with (None: the base model)
+    cache_salt: Optional[str] = None  # its tenant's cache group's salt (ModelCall.cache_salt)
+    cached_tokens: Optional[int] = None  # prompt tokens the engine took from its prefix cache
     stops: Optional[StopScanner] = None
     key: int = 0
     started: bool = False
@@ -301,6 +303,7 @@ class ReplicaLoop:
             timeout_s=timeout_s,
             sampling=sampling,
             adapter=call.adapter,
+            cache_salt=call.cache_salt,
             stops=StopScanner(call.stops) if call.stops else None,
             key=self._next_key,
         )
@@ -371,7 +374,12 @@ class ReplicaLoop:
                 if isinstance(got, BaseException):
                     raise got
                 if first:
-                    got = replace(got, queue_wait_ms=round(row.queue_wait_ms, 3), max_tokens=row.max_tokens)
+                    got = replace(
+                        got,
+                        queue_wait_ms=round(row.queue_wait_ms, 3),
+                        max_tokens=row.max_tokens,
+                        cached_tokens=row.cached_tokens,
+                    )
                     first = False
                 yield got
         finally:
@@ -437,10 +445,13 @@ class ReplicaLoop:
         self._batch_sizes.add(rows)
         tokens = 0
         in_batch = set(self._batch.keys())
+        cached = getattr(self._batch, "cached_tokens", None)  # an engine with a prefix cache says
         for key, ids in out.items():
             row = self._active.get(key)
             if row is None:
                 continue
+            if cached is not None and row.cached_tokens is None and ids:
+                row.cached_tokens = cached(key)
             row.emitted += len(ids)
             tokens += len(ids)
             self._deliver(row, ids, done=key not in in_batch)
@@ -501,6 +512,8 @@ class ReplicaLoop:
         self._waits_ms.add(row.queue_wait_ms, now)
         self._kv_reserved += row.reserved_tokens
         self._active[row.key] = row
+        if row.cache_salt is not None:
+            return (row.key, row.ids, row.max_tokens, row.sampling, row.adapter, row.cache_salt)
         if row.adapter is not None:
             return (row.key, row.ids, row.max_tokens, row.sampling, row.adapter)
         return (row.key, row.ids, row.max_tokens, row.sampling)

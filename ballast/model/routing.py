@@ -221,7 +221,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         views = await self._views(ready)
         if views is None or len({report.block_size for _, _, report in views}) != 1:
             return None
-        keys = block_keys(call.prompt_ids, views[0][2].block_size, call.adapter)
+        keys = block_keys(call.prompt_ids, views[0][2].block_size, call.adapter, call.cache_salt)
         if not keys:
             return None
         matched = {r.replica_id.unique_id: matched_blocks(keys, report.keys) for r, _, report in views}

@@ -465,11 +465,13 @@ class ModelServer:
         """Unary: the whole text at once, with what the replica ran it with and where its
         time went (the first chunk's queue wait; the rest is compute)."""
         parts: list[str] = []
-        tokens, wait_ms, granted, finish = 0, 0.0, 0, "length"
+        tokens, wait_ms, granted, finish, cached = 0, 0.0, 0, "length", 0
         t0 = time.monotonic()
         async for chunk in self.generate_stream(call):
             if chunk.queue_wait_ms is not None:
                 wait_ms = chunk.queue_wait_ms
+            if chunk.cached_tokens is not None:
+                cached = chunk.cached_tokens
             if chunk.max_tokens is not None:
                 granted = chunk.max_tokens
             parts.append(chunk.text)
@@ -484,6 +486,7 @@ class ModelServer:
             queue_wait_ms=wait_ms,
             compute_ms=round(max(0.0, total_ms - wait_ms), 3),
             replica_id=self._replica_id,
+            cached_tokens=cached,
         )
 
     async def generate_stream(self, call: ModelCall) -> AsyncGenerator[ModelChunk, None]:

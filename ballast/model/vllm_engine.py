@@ -919,13 +919,14 @@ def _engine_dead(e: BaseException) -> bool:
 
 
 class _Row:
-    __slots__ = ("key", "rid", "sampling", "adapter", "unread", "made", "finished", "error", "task")
+    __slots__ = ("key", "rid", "sampling", "adapter", "unread", "made", "finished", "error", "task", "cached")
 
     def __init__(self, key: Any, rid: str, sampling: RowSampling, adapter: Optional[str] = None) -> None:
         self.key = key
         self.rid = rid
         self.sampling = sampling
         self.adapter = adapter
+        self.cached: Optional[int] = None  # prompt tokens vLLM took from its prefix cache (its first output)
         self.unread: list[int] = []  # ids not yet returned by run_chunk; at most max_new_tokens
         self.made = 0
         self.finished = False
@@ -948,8 +949,9 @@ def chunk_ready(rows: Sequence[_Row], steps: int) -> bool:
     return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
 
 
-# A parsed join: key, prompt ids, max new tokens, sampling, adapter name (None: the base model).
-_Join = tuple[Any, list[int], int, RowSampling, Optional[str]]
+# A parsed join: key, prompt ids, max new tokens, sampling, adapter name (None: the base
+# model), cache salt (None: none).
+_Join = tuple[Any, list[int], int, RowSampling, Optional[str], Optional[str]]
 
 
 class VLLMBatch:
@@ -957,9 +959,10 @@ class VLLMBatch:
 
     ``run_chunk`` and ``remove`` have the contract of ``ballast.model.engine.Batch``;
     a join is ``(key, prompt ids, max_new_tokens)`` or with a 4th item, a
-    :class:`RowSampling` (None: greedy), and a 5th, the name of a LoRA adapter the row
-    runs with (None: the base model). One caller at a time; the state lives on
-    the backend's engine loop and is only touched there.
+    :class:`RowSampling` (None: greedy), a 5th, the name of a LoRA adapter the row
+    runs with (None: the base model), and a 6th, the row's ``cache_salt`` (its tenant's
+    cache group: vLLM shares prefix blocks only among requests of one salt). One caller
+    at a time; the state lives on the backend's engine loop and is only touched there.
     """
 
     def __init__(self, backend: VLLMBackend, prefix: str) -> None:
@@ -968,6 +971,7 @@ class VLLMBatch:
         self._rows: dict[Any, _Row] = {}
         self._changed = asyncio.Event()  # created here, only waited on the engine loop
         self._failed: dict[Any, BaseException] = {}  # rows failed alone, until take_failed
+        self._cached: dict[Any, int] = {}  # the last chunk's rows' cached prompt tokens
 
     def keys(self) -> list[Any]:
         return list(self._rows)
@@ -978,6 +982,11 @@ class VLLMBatch:
         other failure of that request. The other rows went on."""
         out, self._failed = self._failed, {}
         return out
+
+    def cached_tokens(self, key: Any) -> Optional[int]:
+        """How many of the row's prompt tokens vLLM took from its prefix cache, for a row
+        that had tokens in the last chunk; None when vLLM has not said."""
+        return self._cached.get(key)
 
     def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
         """Abort these rows in vLLM and drop them."""
@@ -1001,6 +1010,7 @@ class VLLMBatch:
             key, ids, n = join[0], [int(i) for i in join[1]], join[2]
             sampling = join[3] if len(join) > 3 and join[3] is not None else GREEDY
             adapter = join[4] if len(join) > 4 else None
+            salt = join[5] if len(join) > 5 else None
             if key in seen:
                 raise ValueError(f"key {key!r} is already in the batch")
             seen.add(key)
@@ -1008,14 +1018,14 @@ class VLLMBatch:
                 raise ContextTooLong(
                     f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {limit}"
                 )
-            parsed.append((key, ids, n, sampling, adapter))
+            parsed.append((key, ids, n, sampling, adapter, salt))
         return parsed
 
     async def _chunk(self, parsed: list[_Join], steps: int) -> dict[Any, list[int]]:
         out: dict[Any, list[int]] = {join[0]: [] for join in parsed}
-        for key, ids, n, sampling, adapter in parsed:
+        for key, ids, n, sampling, adapter, salt in parsed:
             if n > 0:
-                self._submit(key, ids, n, sampling, adapter)
+                self._submit(key, ids, n, sampling, adapter, salt)
         for key in self._failed:
             out.pop(key, None)
         deadline = time.monotonic() + self._b.max_wait_s
@@ -1034,7 +1044,10 @@ class VLLMBatch:
             out.pop(row.key, None)
             self._failed[row.key] = _row_error(row, row.error)
         await self._abort(failed)
+        self._cached = {}
         for key, row in list(self._rows.items()):
+            if row.unread and row.cached is not None:
+                self._cached[key] = row.cached
             out[key] = row.unread
             row.unread = []
             if row.finished:
@@ -1044,7 +1057,9 @@ class VLLMBatch:
     def _ready(self, steps: int) -> bool:
         return chunk_ready(list(self._rows.values()), steps)
 
-    def _submit(self, key: Any, ids: list[int], n: int, s: RowSampling, adapter: Optional[str]) -> None:
+    def _submit(
+        self, key: Any, ids: list[int], n: int, s: RowSampling, adapter: Optional[str], salt: Optional[str] = None
+    ) -> None:
         from vllm.inputs import TokensPrompt
 
         from vllm.exceptions import VLLMClientError
@@ -1059,7 +1074,12 @@ class VLLMBatch:
             return
         try:
             params = sampling_params(s, n)
-            prompt = llm.renderer.render_cmpl([TokensPrompt(prompt_token_ids=ids)])[0]
+            tokens = (
+                TokensPrompt(prompt_token_ids=ids)
+                if salt is None
+                else TokensPrompt(prompt_token_ids=ids, cache_salt=salt)
+            )
+            prompt = llm.renderer.render_cmpl([tokens])[0]
         except (VLLMClientError, ValueError) as e:  # this row's own: it fails alone
             self._failed[key] = _row_error(row, e)
             return
@@ -1072,6 +1092,8 @@ class VLLMBatch:
         try:
             async for output in self._b._llm.generate(prompt, params, row.rid, lora_request=lora):
                 new = output.outputs[0].token_ids
+                if row.cached is None and output.num_cached_tokens is not None:
+                    row.cached = output.num_cached_tokens
                 row.unread.extend(new)
                 row.made += len(new)
                 if output.finished:

@@ -8,8 +8,10 @@ caches and a ``BlockRemoved`` for each it evicts); the routers know each request
 prompt ids. This module is the common language between the two.
 
 **Block keys.** A prompt's blocks are keyed by a hash chain: the first block's key
-hashes the adapter's name (the same tokens under another LoRA adapter are another KV)
-and its tokens, each next block's hashes the key before it and its tokens, so a key
+hashes the adapter's name (the same tokens under another LoRA adapter are another KV),
+the call's cache salt (its tenant's cache group, ``ballast.policies.cache_groups``: vLLM
+mixes the same salt into its own first block, so two groups never share a block) and its
+tokens, each next block's hashes the key before it and its tokens, so a key
 stands for the whole prefix up to its block. Only full blocks count, as in vLLM. The
 hash is BLAKE2b (the same in every process, unlike Python's ``hash``), reported in 32
 bits: a router asks whether a replica holds a key, and a false yes (odds of the keys
@@ -42,8 +44,11 @@ from typing import Any, Optional
 
 from ballast.policies.validation import check_int, is_finite, is_int
 
-#: The most blocks a report may carry (4 bytes each): a report past it is refused.
-MAX_REPORTED_BLOCKS = 1 << 20
+#: The most blocks a report may carry (4 bytes each, 256 KiB): a report past it is refused.
+MAX_REPORTED_BLOCKS = 1 << 16
+#: How far ahead of a router's clock a report's stamp may be (clocks a little apart across
+#: nodes) and still count: a report stamped later than that is not fresh, never fresh forever.
+MAX_FUTURE_S = 5.0
 #: The most leading blocks of one prompt a router hashes (a longer prompt's tail is not scored).
 MAX_PROMPT_BLOCKS = 1024
 _SEED = b"ballast-prefix-v1"
@@ -54,8 +59,10 @@ def _chain(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens), digest_size=8).digest()
 
 
-def _root(adapter: Optional[str]) -> bytes:
-    return hashlib.blake2b(_SEED + (adapter or "").encode(), digest_size=8).digest()
+def _root(adapter: Optional[str], salt: Optional[str] = None) -> bytes:
+    # Length-prefixed, so that no (adapter, salt) pair reads as another.
+    a, s = (adapter or "").encode(), (salt or "").encode()
+    return hashlib.blake2b(_SEED + struct.pack("<II", len(a), len(s)) + a + s, digest_size=8).digest()
 
 
 def _key32(digest: bytes) -> int:
@@ -63,11 +70,16 @@ def _key32(digest: bytes) -> int:
 
 
 def block_keys(
-    ids: Sequence[int], block_size: int, adapter: Optional[str] = None, limit: int = MAX_PROMPT_BLOCKS
+    ids: Sequence[int],
+    block_size: int,
+    adapter: Optional[str] = None,
+    salt: Optional[str] = None,
+    limit: int = MAX_PROMPT_BLOCKS,
 ) -> list[int]:
-    """The keys of the full blocks of ``ids`` (at most ``limit``), first block first."""
+    """The keys of the full blocks of ``ids`` (at most ``limit``) under ``adapter`` and the
+    cache ``salt``, first block first."""
     check_int("block_size", block_size, minimum=1)
-    keys, parent = [], _root(adapter)
+    keys, parent = [], _root(adapter, salt)
     for start in range(0, min(len(ids) // block_size, limit) * block_size, block_size):
         parent = _chain(parent, ids[start : start + block_size])
         keys.append(_key32(parent))
@@ -130,7 +142,8 @@ class PrefixReport:
         return len(self.blocks) // 4
 
     def is_fresh(self, now_s: float, max_age_s: float) -> bool:
-        return now_s - self.at_s <= max_age_s
+        """Stamped within ``max_age_s`` before ``now_s``, or at most ``MAX_FUTURE_S`` after it."""
+        return -MAX_FUTURE_S <= now_s - self.at_s <= max_age_s
 
 
 class PrefixHoldings:
@@ -148,14 +161,20 @@ class PrefixHoldings:
         return len(self._held)
 
     def stored(
-        self, engine_hashes: Sequence[Any], parent: Any, token_ids: Sequence[int], adapter: Optional[str] = None
+        self,
+        engine_hashes: Sequence[Any],
+        parent: Any,
+        token_ids: Sequence[int],
+        adapter: Optional[str] = None,
+        salt: Optional[str] = None,
     ) -> int:
         """Blocks the engine cached: ``engine_hashes`` in order, after the block ``parent``
-        (None: they start a prompt), holding ``token_ids`` (``block_size`` each). A parent
+        (None: they start a prompt, under ``adapter`` and the cache ``salt``), holding
+        ``token_ids`` (``block_size`` each). A parent
         this mirror does not know (its event was lost, or it aged out) leaves the chain
         unknowable: nothing is added. Returns the blocks added."""
         if parent is None:
-            digest = _root(adapter)
+            digest = _root(adapter, salt)
         elif parent in self._held:
             digest = self._held[parent][0]
         else:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Mapping
 from typing import Optional
 
 from ballast.config import BallastConfig, read_text
 from ballast.errors import ConfigError
+from ballast.policies.cache_groups import salts_of, secret_of
 
 
 def _digest(secret: str) -> bytes:
@@ -46,6 +48,31 @@ def _parse_key_entries(text: str, where: str) -> dict[bytes, str]:
     return out
 
 
+def _admin_token(cfg: BallastConfig, env: Mapping[str, str]) -> Optional[str]:
+    a = cfg.auth
+    admin: Optional[str] = a.demo_admin_token
+    if a.admin_token_file:
+        admin = read_text(a.admin_token_file, "admin token file").strip() or None
+    if env.get(a.admin_token_env, "").strip():  # blank means unset, never "admin off"
+        admin = env[a.admin_token_env].strip()
+    return admin
+
+
+def cache_salts(cfg: BallastConfig, environ: "Optional[Mapping[str, str]]" = None) -> dict[str, str]:
+    """Each tenant's prefix-cache salt (``ballast.policies.cache_groups``), from its cache
+    group and the salt secret: ``auth.cache_salt_secret_file`` or its environment variable,
+    else derived from the admin token."""
+    env = os.environ if environ is None else environ
+    a = cfg.auth
+    secret: Optional[str] = None
+    if a.cache_salt_secret_file:
+        secret = read_text(a.cache_salt_secret_file, "cache salt secret file").strip() or None
+    if env.get(a.cache_salt_secret_env, "").strip():
+        secret = env[a.cache_salt_secret_env].strip()
+    key = secret_of(secret, _admin_token(cfg, env), cfg.app_name)
+    return salts_of({name: t.cache_group for name, t in cfg.tenants.items()}, key)
+
+
 class KeyStore:
     """API keys and the admin token, held only as SHA-256 digests.
 
@@ -76,11 +103,7 @@ class KeyStore:
         unknown = sorted(set(keys.values()) - set(cfg.tenants))
         if unknown:
             raise ConfigError("auth", f"API keys map to tenants not in the config: {unknown}")
-        admin: Optional[str] = a.demo_admin_token
-        if a.admin_token_file:
-            admin = read_text(a.admin_token_file, "admin token file").strip() or None
-        if env.get(a.admin_token_env, "").strip():  # blank means unset, never "admin off"
-            admin = env[a.admin_token_env].strip()
+        admin = _admin_token(cfg, env)
         return cls(keys, _digest(admin) if admin else None)
 
     def tenant_for(self, presented: str) -> Optional[str]:

@@ -185,7 +185,7 @@ class OpenAIFront:
             reasoning, content, calls, finish = parsed.answer(text, finish)
         headers = {**headers, **answer_headers(answer)}
         ident = answer_id.of(settled.model)
-        counts = oa.Counts(a.prompt_tokens, settled.tokens)
+        counts = oa.Counts(a.prompt_tokens, settled.tokens, settled.cached_tokens)
         if stream is None:
             body = (
                 oa.chat_completion(ident, content, finish, counts, calls, reasoning)
@@ -212,7 +212,7 @@ class OpenAIFront:
         a = stream.admission
 
         def event(delta: Optional[dict[str, Any]], finish: Optional[str] = None, role: bool = False) -> bytes:
-            counts = oa.Counts(a.prompt_tokens, stream.tokens) if opts.running_usage else None
+            counts = oa.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens) if opts.running_usage else None
             return oa.sse_data(oa.delta_chunk(ident, chat, delta, finish, role=role, usage=counts))
 
         def read(text: str, ids: Sequence[int], last: bool) -> Optional[dict[str, Any]]:
@@ -238,7 +238,9 @@ class OpenAIFront:
             finish = oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop")
             yield event(None, reader.finish(finish) if reader is not None else finish)
             if opts.final_usage:
-                yield oa.sse_data(oa.usage_chunk(ident, chat, oa.Counts(a.prompt_tokens, stream.tokens)))
+                yield oa.sse_data(
+                    oa.usage_chunk(ident, chat, oa.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens))
+                )
         except BallastError as err:
             yield oa.sse_data(oa.openai_error_body(err))
         finally:

@@ -588,6 +588,11 @@ def sampling_of(
 
 def _served_fields(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` less the unsupported fields that ask for nothing; ``BadRequest`` for one that asks."""
+    if data.get("cache_salt") is not None:  # vLLM's field: here the tenant's key decides it
+        raise BadRequest(
+            "cache_salt: set by Ballast from the tenant's cache group (tenants.<name>.cache_group); leave it out",
+            field="cache_salt",
+        )
     for name, neutral in _UNSUPPORTED.items():
         value = data.get(name)
         if value is not None and not _same(value, neutral):
@@ -624,10 +629,18 @@ def render_chat(messages: Sequence[ChatMessage]) -> str:
 # ---------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        description="Prompt tokens the engine took from its prefix cache: only ever what the "
+        "caller's own cache group sent before."
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class AssistantMessage(BaseModel):
@@ -778,10 +791,12 @@ class Identity(NamedTuple):
 class Counts(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, from the engine's prefix cache
 
     def usage(self) -> Usage:
-        p, c = self
-        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        p, c = self.prompt_tokens, self.completion_tokens
+        details = PromptTokensDetails(cached_tokens=min(self.cached_tokens, p))
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details)
 
 
 def chat_completion(

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
 
 from fastapi import Request
@@ -64,7 +65,7 @@ from ballast.errors import (
     Unauthenticated,
 )
 from ballast.router.api import bearer_token
-from ballast.router.auth import KeyStore
+from ballast.router.auth import KeyStore, cache_salts
 from ballast.router.gate import GateRefused, GateSlot, PriorityGate
 from ballast.router.lanes import Lane
 from ballast.router.idempotency import IdempotencyStore, request_fingerprint
@@ -140,6 +141,7 @@ class Settled:
     fallback: Optional[str]
     model: str
     migrations: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ class StreamState:
     tokens: int = 0
     enough: bool = False
     finish: Optional[str] = None  # the model's: "stop" (end of sequence, a stop string) or "length"
+    cached_tokens: Optional[int] = None  # prompt tokens the engine took from its prefix cache (its first word)
     call: CallRecord = field(default_factory=CallRecord)  # migrations: replicas lost mid-stream
 
 
@@ -205,6 +208,10 @@ class Stream:
     def migrations(self) -> int:
         return self._state.call.migrations
 
+    @property
+    def cached_tokens(self) -> int:
+        return self._state.cached_tokens or 0
+
     def enough(self) -> None:
         self._state.enough = True
 
@@ -225,9 +232,13 @@ class Pipeline:
         quotas: Quotas,
         idempotency: IdempotencyStore,
         metrics: RouterMetrics,
+        salts: Optional[Mapping[str, str]] = None,
     ) -> None:
         self._cfg = cfg
         self._keys = keys
+        # Each tenant's prefix-cache salt (its cache group's, ``policies.cache_groups``): every
+        # call carries it, so no tenant's timing tells what another group's prompts hold.
+        self._salts = dict(salts) if salts is not None else cache_salts(cfg)
         self.snapshots = cache  # the controller's snapshot (the levels), kept fresh off the request path
         self.lanes = lanes  # one per model, in the config's order (lanes.py)
         self.primary = next(iter(lanes.values()))  # the first model's: a request naming none goes there
@@ -295,11 +306,15 @@ class Pipeline:
         if key is not None and not (req.stream and self.snapshots.effective(lane.name).constraints.streaming):
             return await self._keyed(req, key)
         admission, ticket = await self.acquire(req)
-        call = req.call.admitted(admission.max_tokens, self._route(lane, admission))
+        call = self._admitted(req, lane, admission)
         if req.stream and admission.streaming:
             state = StreamState(lane.name)
             return Stream(admission, ticket, self._stream_chunks(ticket, call, state), state)
         return Answer(admission, await self._settled_unary(ticket, call))
+
+    def _admitted(self, req: ModelRequest, lane: Lane, admission: Admission) -> ModelCall:
+        """The call as admitted: its length, how it may be routed, its tenant's cache salt."""
+        return req.call.admitted(admission.max_tokens, self._route(lane, admission), self._salts[req.caller.tenant])
 
     def _route(self, lane: Lane, admission: Admission) -> str:
         """How the model's request router may place the call (``affinity.route_mode``)."""
@@ -441,7 +456,7 @@ class Pipeline:
         metrics under its outcome, not in the level's tally (it asked nothing of the model:
         neither its replays nor its waits may move the level)."""
         admission, fallback_only = self._admit(req)
-        call = req.call.admitted(admission.max_tokens, self._route(self.lane(req.call), admission))
+        call = self._admitted(req, self.lane(req.call), admission)
         ran = False
 
         async def first_attempt() -> Settled:
@@ -482,7 +497,9 @@ class Pipeline:
             reply = await self._call_unary(ticket, call, record)
             r = reply.result
             outcome = Outcome("OK", generated=r.tokens, service_s=time.monotonic() - t0)
-            return Settled(r.text, r.tokens, r.finish_reason, reply.fallback, reply.model, record.migrations)
+            return Settled(
+                r.text, r.tokens, r.finish_reason, reply.fallback, reply.model, record.migrations, r.cached_tokens
+            )
         except DeadlineExceeded as err:
             outcome = Outcome(
                 err.code,
@@ -534,6 +551,8 @@ class Pipeline:
                     lane.accounts.waited((time.monotonic() - sent) * 1000.0, primary=state.fallback is None)
                 state.tokens += chunk.tokens
                 state.finish = chunk.finish_reason or state.finish
+                if state.cached_tokens is None:
+                    state.cached_tokens = chunk.cached_tokens
                 yield chunk
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (or the front has enough)
             outcome = Outcome("OK" if state.enough else "CANCELLED")

@@ -66,6 +66,16 @@ def test_each_tenant_has_its_own_system_prompt_from_its_first_words():
     assert a.messages()[0] == b.messages()[0] and a.messages()[1] != b.messages()[1]
 
 
+def test_a_common_preamble_is_the_same_start_of_every_tenants_system_prompt():
+    spec = WorkloadSpec(common_words=20)
+    prompts = [spec.system_prompt(t) for t in range(spec.tenants)]
+    assert len({" ".join(p.split()[:20]) for p in prompts}) == 1  # the preamble, shared
+    assert len({" ".join(p.split()[:22]) for p in prompts}) == spec.tenants  # then each its own
+    assert WorkloadSpec().system_prompt(3).startswith("Tenant 3 rules.")  # none by default
+    with pytest.raises(ValueError):
+        WorkloadSpec(common_words=-1)
+
+
 def test_a_conversation_grows_by_repeating_its_earlier_turns_then_starts_anew():
     spec = WorkloadSpec(turns=3)
     conv = Conversation(spec, 2, 1)
@@ -310,15 +320,16 @@ def test_the_targets_are_informational_and_say_what_was_not_measured():
     figs = {
         "ballast-p2c": Figures(0.40, 500.0, 3000.0, 5.0, 1.10),
         "ballast-affinity": Figures(0.85, 250.0, 1500.0, 8.0, 1.20),
+        "ballast-one-group": Figures(0.88, 230.0, 1400.0, 8.0, 1.20),
         "serve-llm-prefix": Figures(0.70, 300.0, 2500.0, 6.0, 1.40),
     }
-    assert [met for _, met, _ in target_checks(figs)] == [True, True, True, True, True]
+    assert [met for _, met, _ in target_checks(figs)] == [True, True, True, True, True, True]
     figs["ballast-affinity"] = Figures(0.55, 400.0, 2600.0, 6.0, 1.40)
-    assert [met for _, met, _ in target_checks(figs)] == [False, False, False, False, False]
+    assert [met for _, met, _ in target_checks(figs)] == [False, False, False, False, False, False]
     figs["serve-llm-prefix"] = Figures(nan, 300.0, 2500.0, 6.0, nan)  # its counters not read
     assert target_checks(figs)[3][1] is None and target_checks(figs)[3][2].startswith("not measured")
     only = target_checks({"ballast-affinity": figs["ballast-affinity"]})
-    assert [met for _, met, _ in only] == [False, None, None, None, False]
+    assert [met for _, met, _ in only] == [False, None, None, None, None, False]
     assert only[1][2] == "row not run"
 
 
@@ -327,8 +338,10 @@ def test_ballast_rows_have_a_key_per_tenant_two_routers_two_replicas_and_their_r
     from ballast.config import load_config
 
     kwargs = {"dtype": "float32", "num_gpu_blocks_override": 161, "block_size": 32}
-    for affinity in (False, True):
-        cfg = load_config(ballast_data("cluster/local.yaml", "models/demo", kwargs, affinity, 16))
+    for affinity, one_group in ((False, False), (True, False), (True, True)):
+        cfg = load_config(ballast_data("cluster/local.yaml", "models/demo", kwargs, affinity, 16, one_group))
+        groups = {cfg.tenants[tenant_name(t)].cache_group for t in range(16)}
+        assert groups == ({"bench-all"} if one_group else {None})  # one group, or each its own
         m = cfg.models[0]
         assert m.backend == "vllm" and m.engine_kwargs == kwargs and m.routing.prefix_affinity is affinity
         assert cfg.deployments.router.num_replicas == 2

@@ -56,7 +56,11 @@ class TestOneModelConfigsUnchanged:
         assert cfg == load_config(BEFORE[name])  # the old dump loads to the same config
         dump = cfg.model_dump(mode="json")
         for tenant in dump["tenants"].values():
-            assert tenant.pop("models") is None  # the one field added to a tenant
+            assert tenant.pop("models") is None  # the fields added to a tenant: the models it may use,
+            assert tenant.pop("cache_group") is None  # and its prefix-cache group (its own)
+        # the prefix-cache salts' secret, where it is read from
+        assert dump["auth"].pop("cache_salt_secret_env") == "BALLAST_CACHE_SALT_SECRET"
+        assert dump["auth"].pop("cache_salt_secret_file") is None
         assert dump["resilience"]["gate"].pop("slow_cut_min_gain") == 0.8  # the gate's slow cuts on trial
         assert dump["resilience"]["gate"].pop("rows_curve_gain") == 0.85  # vLLM's limit: the rows curve
         assert dump["watchdog"].pop("pss_interval_s") == 10.0  # PSS read every 10 s, not every sample

@@ -374,7 +374,7 @@ def test_cut_at_stop_without_a_stop():
 
 # ----------------------------------------------------------------------------- responses
 
-USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def wire(event) -> dict:
@@ -744,10 +744,32 @@ def test_only_the_vllm_engine_honours_a_response_format():
     oa.refuse_unhonoured(oa.parse_chat({**CHAT, "response_format": {"type": "text"}}), "builtin")
 
 
+def test_a_client_cannot_pick_its_cache_salt():
+    for parse, body in ((oa.parse_chat, CHAT), (oa.parse_completion, {"model": "toy", "prompt": "hi"})):
+        with pytest.raises(oa.BadRequest) as e:
+            parse({**body, "cache_salt": "another tenant's"})
+        assert e.value.field == "cache_salt" and "cache group" in str(e.value)
+
+
+def test_usage_says_the_cached_prompt_tokens_as_openai_does():
+    """``prompt_tokens_details.cached_tokens``: the engine's count, never more than the prompt."""
+    from openai.types.chat import ChatCompletion
+
+    answer = oa.chat_completion(oa.Ident("chatcmpl-1", 5, "toy"), "hi", "stop", oa.Counts(40, 2, 32))
+    assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert ChatCompletion.model_validate(answer).usage.prompt_tokens_details.cached_tokens == 32
+    assert oa.Counts(8, 2, 16).usage().prompt_tokens_details.cached_tokens == 8
+
+
 def test_every_chunk_carries_the_usage_so_far_when_asked():
     ident = oa.Ident("c", 5, "toy")
     chunk = wire(oa.stream_chunk(ident, True, "hi", usage=oa.Counts(3, 2)))
-    assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert chunk["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert "usage" not in wire(oa.stream_chunk(ident, True, "hi"))
     events = oa.one_event_stream(ident, False, "hi", "stop", oa.Counts(3, 2), oa.Streaming(running_usage=True))
     datas = [json.loads(line[len(b"data: ") :]) for line in events.split(b"\n\n") if line and line != b"data: [DONE]"]

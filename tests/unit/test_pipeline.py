@@ -404,3 +404,25 @@ async def test_the_call_says_how_the_model_router_may_place_it(level, criticalit
     req = request()
     await pipeline.serve(ModelRequest(req.caller, criticality, req.max_tokens, False, CALL))
     assert primary(pipeline).generate.calls[0].route == route
+
+
+async def test_each_call_carries_its_tenants_cache_salt_and_a_group_shares_one(monkeypatch) -> None:
+    # Prefix caches are shared within a cache group only: the call of gold (its own group)
+    # and of two tenants of one group carry the salts the secret makes of their groups, and
+    # the answer's cached prompt tokens come back as the engine said.
+    from ballast.policies.cache_groups import cache_group, cache_salt
+
+    monkeypatch.setenv("BALLAST_CACHE_SALT_SECRET", "salt-secret")
+    team = {"rate_tokens_per_s": None, "cache_group": "team"}
+    cfg = {**CFG, "tenants": {**CFG["tenants"], "ann": team, "bob": team}}
+    router = build_router(cfg, FakeHandle())
+    pipeline = router.pipeline
+    at_level(router, 0)
+    for tenant in ("gold", "ann", "bob"):
+        primary(pipeline).generate.script.append(FakeResponse(0, result=ModelResult("xxx", 3, None, cached_tokens=2)))
+        caller = Caller(tenant, Deadline.starting(asyncio.get_running_loop().time(), 30))
+        answer = await pipeline.serve(ModelRequest(caller, Criticality.CRITICAL, 20, False, CALL))
+        assert answer.settled.cached_tokens == 2
+    gold, ann, bob = (c.cache_salt for c in primary(pipeline).generate.calls)
+    assert gold == cache_salt(b"salt-secret", cache_group("gold", None))
+    assert ann == bob == cache_salt(b"salt-secret", "team") != gold

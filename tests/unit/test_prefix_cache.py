@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from ballast.policies.affinity import AffinityConfig, PrefixView, choose_by_prefix, rank_by_prefix, route_mode
+from ballast.policies.cache_groups import cache_group, cache_salt, salts_of, secret_of
 from ballast.policies.prefix_cache import (
+    MAX_FUTURE_S,
     MAX_REPORTED_BLOCKS,
     PrefixHoldings,
     PrefixReport,
@@ -45,6 +47,37 @@ def test_keys_chain_the_whole_prefix_and_count_full_blocks_only() -> None:
     assert block_keys(prompt(12), BS, adapter="sql")[0] != block_keys(prompt(12), BS)[0]
     assert len(block_keys(prompt(400), BS, limit=7)) == 7
     assert all(0 <= k < 2**32 for k in keys)
+
+
+def test_a_cache_salt_starts_another_chain_on_both_sides() -> None:
+    ids = prompt(12)
+    salted = {salt: block_keys(ids, BS, salt=salt) for salt in (None, "a", "b")}
+    assert len({keys[0] for keys in salted.values()}) == 3  # no block is shared across salts
+    assert all(len({keys[i] for keys in salted.values()}) == 3 for i in range(3))
+    assert block_keys(ids, BS, "a", None)[0] != block_keys(ids, BS, None, "a")[0]  # adapter "a" is not salt "a"
+    h = PrefixHoldings(capacity_blocks=16, block_size=BS)
+    hashes = [f"a:{i}" for i in range(3)]
+    h.stored(hashes[:1], None, ids[:BS], None, "a")  # vLLM's first block carries the salt,
+    h.stored(hashes[1:], hashes[0], ids[BS:], None)  # the blocks after it chain from it
+    held = h.report(1.0).keys
+    assert matched_blocks(salted["a"], held) == 3
+    assert matched_blocks(salted["b"], held) == matched_blocks(salted[None], held) == 0
+
+
+def test_cache_groups_and_their_salts() -> None:
+    assert cache_group("acme", None) == "tenant:acme" and cache_group("acme", "shared") == "shared"
+    assert cache_group("shared", None) != cache_group("acme", "shared")  # a tenant's own group is its own
+    key = secret_of("s3cret", "admin", "ballast")
+    salts = salts_of({"acme": "team", "beta": "team", "gamma": None}, key)
+    assert salts["acme"] == salts["beta"] != salts["gamma"]  # one group, one salt
+    assert len(salts["acme"]) == 32 and int(salts["acme"], 16) >= 0
+    assert cache_salt(secret_of("other", "admin", "ballast"), "team") != salts["acme"]  # the secret matters
+    # Without a configured secret: one derived from the admin token, else from the app's name,
+    # the same on every router that shares them, and never the bare input.
+    assert secret_of(None, "admin", "x") == secret_of(None, "admin", "y") != secret_of(None, "admin2", "x")
+    assert secret_of(None, None, "x") != secret_of(None, None, "y") and secret_of(None, "admin", "x") != b"admin"
+    with pytest.raises(ValueError):
+        cache_salt(b"", "team")
 
 
 def test_the_replica_mirror_keys_blocks_as_the_router_does() -> None:
@@ -111,6 +144,12 @@ def test_a_report_crosses_as_stats_and_a_malformed_one_is_refused() -> None:
     ):
         assert PrefixReport.of(bad) is None, bad
     assert r.is_fresh(10.0, 1.0) and not r.is_fresh(10.5, 1.0)
+    # A stamp ahead of the router's clock counts only within MAX_FUTURE_S (clocks a little
+    # apart): a report stamped far in the future is never fresh, rather than fresh forever.
+    assert r.is_fresh(9.0 - MAX_FUTURE_S, 1.0) and not r.is_fresh(9.0 - MAX_FUTURE_S - 0.5, 1.0)
+    assert not PrefixHoldings(1, BS).report(1e12).is_fresh(9.0, 1.0)
+    # The largest report is 256 KiB (MAX_REPORTED_BLOCKS keys), not megabytes.
+    assert 4 * MAX_REPORTED_BLOCKS == 256 * 1024
     with pytest.raises(ValueError):
         h.report(float("inf"))
     with pytest.raises(ValueError):

@@ -369,6 +369,58 @@ def test_the_blocks_vllm_caches_are_reported_under_the_keys_a_router_computes(ba
     assert matched_blocks(other, report.keys) == 0
 
 
+def cached_at_first_tokens(backend, ids, salt):
+    """How many of ``ids`` vLLM took from its prefix cache for a row of cache salt ``salt``
+    (the batch's word at the row's first tokens); the row is run to its end."""
+    batch = backend.open_batch()
+    out = batch.run_chunk([(0, ids, 2, LONG, None, salt)], 4)
+    while not out.get(0):
+        assert batch.keys(), "the row ended with no tokens"
+        out = batch.run_chunk([], 4)
+    cached = batch.cached_tokens(0)
+    drain(batch, [])
+    return cached
+
+
+def test_a_cache_salt_keeps_two_groups_apart_in_vllms_prefix_cache_and_in_its_report(backend):
+    # Two cache groups (two salts) send one prompt: each hits only its own blocks, and the
+    # replica reports each group's blocks under the keys a router computes for that group.
+    import time
+
+    from ballast.policies.prefix_cache import block_keys, matched_blocks
+
+    ids = backend.tokenize("salted " + " ".join(PROMPTS) * 8)[:300]
+    size = backend.describe()["kv_block_size"]
+    full = (len(ids) // size) * size
+    assert cached_at_first_tokens(backend, ids, "group-a") == 0  # a new prompt
+    assert cached_at_first_tokens(backend, ids, "group-a") == full  # its own group's blocks
+    assert cached_at_first_tokens(backend, ids, "group-b") == 0  # the other group's: none
+    assert cached_at_first_tokens(backend, ids, None) == 0  # nor a call with no group
+    keys = {salt: block_keys(ids, size, None, salt) for salt in ("group-a", "group-b", None)}
+    deadline = time.monotonic() + 10  # the events cross from the engine's process on its own socket
+    while matched_blocks(keys["group-b"], backend.prefix_report(time.time()).keys) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    held = backend.prefix_report(time.time()).keys
+    assert [matched_blocks(keys[s], held) for s in ("group-a", "group-b", None)] == [2, 2, 2]
+    assert len({k[0] for k in keys.values()}) == 3  # three groups, three chains
+
+
+def test_the_salt_is_read_from_vllms_own_event_after_the_adapters_name():
+    from vllm.distributed.kv_events import BlockStored
+
+    from ballast.model.kv_events import first_block_salt
+
+    def event(lora, extra):
+        return BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", lora, extra_keys=extra)
+
+    assert first_block_salt(event(None, None)) is None
+    assert first_block_salt(event(None, [None, None])) is None
+    assert first_block_salt(event(None, [("s1",), None])) == "s1"
+    assert first_block_salt(event("sql", [("sql",), ("sql",)])) is None  # the adapter's name is no salt
+    assert first_block_salt(event("sql", [("sql", "s1"), ("sql",)])) == "s1"
+    assert first_block_salt(event(None, [(("mm-1", 0), "s1", b"digest"), None])) == "s1"
+
+
 def test_a_bad_directory_fails_at_construction(tmp_path, ckpt):
     with pytest.raises(ModelLoadError) as e:
         VLLMBackend(str(tmp_path / "missing"), name="x", engine_kwargs=ENGINE_KWARGS)
