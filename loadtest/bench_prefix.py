@@ -28,7 +28,8 @@ Workload (``WorkloadSpec``, seeded; the same requests for every row): ``TENANTS`
 with a system prompt of its own (``system_words`` words of the demo tokenizer's corpus, about 620
 tokens), after ``--common-words`` words every tenant's starts with (default 0: tenants share
 nothing; a shared preamble is the sharing that cache isolation gives up); per tenant
-``--users-per-tenant`` closed-loop users, each in a conversation of ``--turns`` turns and pausing ``--think-ms`` after each answer (default ``THINK_MS``: light enough that
+``--users-per-tenant`` closed-loop users, each in a conversation of ``--turns`` turns and pausing
+``--think-ms`` after each answer (default ``THINK_MS``: light enough that
 Ballast stays at level 0-1 here, so that TTFT reads prefill and scheduling more than a queue;
 0: back to back). A turn's messages are the system prompt, every earlier turn (its user
 message and the answer the model gave: a chat client resends its history) and a new user message;
