@@ -754,3 +754,53 @@ def test_a_map_word_that_would_split_a_command_or_a_line_is_never_sent(haproxy):
     stray = Edge(str(d), str(d / "admin.sock"))
     stray.map_path = str(d / "not-loaded.map")
     assert stray.apply({"sheddable": "1:1:1000:3"}) is False
+
+
+def _outside_address() -> str | None:
+    """This host's address on its default route (not loopback), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: a UDP connect only picks a route
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_the_stats_page_and_metrics_port_answer_on_loopback_only(tmp_path: Path):
+    import http.server
+    import threading
+
+    live = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Live)
+    threading.Thread(target=live.serve_forever, daemon=True).start()
+    try:
+        with serves_haproxy(tmp_path, live.server_address[1]) as (_, stats_port, metrics_port):
+            served = (tmp_path / "haproxy.cfg").read_text()
+            edited = (tmp_path / "haproxy.cfg.edge").read_text()
+            # Serve's: on every interface; the wrapper's: on loopback.
+            assert f"bind *:{stats_port}\n" in served and f"bind :{metrics_port}\n" in served
+            assert f"bind 127.0.0.1:{stats_port}\n" in edited and f"bind 127.0.0.1:{metrics_port}\n" in edited
+            assert _post(stats_port, "/stats", None, None, method="GET")[0] == 200
+            assert _post(metrics_port, "/metrics", None, None, method="GET")[0] == 200
+            outside = _outside_address()
+            if outside is None:
+                pytest.skip("no address but loopback to try from")
+            for p in (stats_port, metrics_port):
+                with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+                    s.settimeout(5)
+                    s.connect((outside, p))
+    finally:
+        live.shutdown()
+        live.server_close()
+
+
+class _Live(__import__("http.server").server.BaseHTTPRequestHandler):
+    """A router's health check, and nothing else."""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/healthz/live" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
