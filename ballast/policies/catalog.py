@@ -5,10 +5,12 @@ Built once from plain data (``BallastConfig.catalog()``), never from pydantic ob
 adapters added or removed at run time give a new catalog (``with_adapter`` /
 ``without_adapter``), the old one unchanged, so a router swaps one reference.
 
-Names. Model and adapter names share one namespace: unique across both, 1-64 printable
-ASCII characters without whitespace or ``:``. A request names a model (``llama``), an
-adapter (``sql``) or an adapter as ``ray.serve.llm`` names it (``llama:sql``); the last
-two resolve to the same adapter.
+Names. Model and adapter names share one namespace: unique across both, 1-64 of
+``A-Z a-z 0-9 . _ - / + @ =``. A request names a model (``llama``), an adapter (``sql``)
+or an adapter as ``ray.serve.llm`` names it (``llama:sql``); the last two resolve to the
+same adapter. A name goes whole into HAProxy's maps and admin-socket commands
+(ballast/router/edge.py), where whitespace ends a word, ``;`` a command, a backslash escapes
+and ``#`` starts a comment; the few characters allowed hold there.
 
 Grants (deny unless allowed, but nothing written allows everything). A tenant may use
 a name when all three hold:
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
 MAX_NAME_CHARS = 64
+NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-/+@=")
 LORA_BACKEND = "vllm"
 
 
@@ -55,10 +58,14 @@ def name_problem(name: str) -> Optional[str]:
     """Why ``name`` cannot name a model or an adapter, or None when it can."""
     if not name or len(name) > MAX_NAME_CHARS:
         return f"{name!r} must be 1-{MAX_NAME_CHARS} characters"
-    if not (name.isascii() and name.isprintable()) or any(c.isspace() for c in name):
-        return f"{name!r} must be printable ASCII without spaces"
     if ":" in name:
         return f"{name!r} may not hold ':' (a request names an adapter as <model>:<adapter>)"
+    odd = sorted(set(name) - NAME_CHARS)
+    if odd:
+        return (
+            f"{name!r} may hold only letters, digits and . _ - / + @ =, not {''.join(odd)!r} "
+            "(a name goes whole into the edge's HAProxy maps and commands)"
+        )
     return None
 
 

@@ -19,22 +19,28 @@ admit are refused there:
   cannot take all of is refused in part, at random, in the share the gate would refuse
   anyway (``ballast/policies/edge.py``: SRE's adaptive throttling, run at the edge); that
   refusal says so ("no model capacity"), as the gate's does.
-* HAProxy counts the refusals it can vouch for per class in a stick table; a router
+* HAProxy counts the refusals it can vouch for per map key in a stick table; a router
   drains it once per report (:meth:`Edge.drain`, under a lock shared with the node's
   other routers) and adds them to the demand the level turned away (and to the
   throttle's requests), so the controller sees the demand it shed at the edge as it
   sees the demand shed in Python, and the level does not fall because the edge hid it.
 
-With several models each has its own level, so the map is keyed "<model>:<class>" as
-well as "<class>": HAProxy reads the body's ``model`` (it buffers the body for its
-retries anyway) and looks it up in ``ballast-models.map`` (a name -> its model, kept by
-the routers: :func:`model_entries`). Only names every caller may use are there
-(``Catalog.open_names``): a refusal before the key is checked must not tell a caller
-that a model it may not use exists. A request whose model HAProxy cannot tell (none
-named, a name not in that map, a body it cannot parse or larger than its buffer) gets
-the "<class>" entries: with several models, what every model's level refuses; the
-router refuses the rest by its own model's level. Refusals are counted per key, so each
-model's are demand its own level turned away.
+The edge reads only what it can trust. The class is the one ``X-Ballast-Criticality``
+header of a POST when its whole value is one of the four class names; anything else
+(another value, ``<model>:<class>``, a list, two headers) is not read at the edge and goes
+to the router, which answers it as it answers any bad claim. A request's model is known
+at the edge only through ``ballast-models.map`` (a name -> its model, kept by the routers:
+:func:`model_entries`), which holds only names every caller may use
+(``Catalog.open_names``): HAProxy reads the body's ``model`` (it buffers the body for its
+retries anyway) and looks it up there. So a "<model>:<class>" entry of the shed map is
+looked up only for a model taken from that map, and a refusal is counted as a model's
+demand only when its model came from there. With one model the map stays empty and the
+"<class>" entries are that model's; with several there are no "<class>" entries: a
+request whose model HAProxy cannot tell (none named, a name only some tenants may use, a
+body it cannot parse or larger than its buffer) goes to the router, which refuses it by
+its own model's level. What the edge answers thus depends on the open models alone:
+no answer there says whether a model only some tenants may use exists, or how loaded it
+is.
 
 Refusing by the claimed class before authentication is safe: a tenant's class is
 only ever lowered to its cap (``max_criticality``), and every level admits an
@@ -43,14 +49,20 @@ key. Counting it is not: only authenticated demand may move the level, the throt
 and the fair shares. So a refusal is counted only when HAProxy vouches for its key:
 the SHA-256 of the ``Authorization: Bearer`` key (one such header) is in the node's key
 map (``ballast-keys.map``: digest -> the tenant's cap rank, kept by the routers as the
-shed map is, without the tenants a kill switch turns off), and the claim is within
-the tenant's cap (a claim the router would lower is not counted: it would be counted
-under another class). A keyless or unknown-key request is refused just the same and
-counted nowhere; the edge's random share of a class falls on it and on the paying
-requests alike, so the counted refusals are the paying ones'. critical_plus is never
-in the map: it may be answered by the fallback at any level, which only the pipeline
-can decide. A request without the header (or with a value that is not a class) goes
-to the router as before.
+shed map is, with only the tenants that may use a model the edge judges and without the
+tenants a kill switch turns off), and the claim is within the tenant's cap (a claim the
+router would lower is not counted: it would be counted under another class). A keyless
+or unknown-key request is refused just the same and counted nowhere; the edge's random
+share of a class falls on it and on the paying requests alike, so the counted refusals
+are the paying ones'. critical_plus is never in the map: it may be answered by the
+fallback at any level, which only the pipeline can decide. A request without the header
+goes to the router as before.
+
+Every word the routers write into a map and send on the admin socket (a model's name, a
+class, a digest, an entry) is checked to be one word there: no whitespace, ``;`` (which
+ends a socket command), ``\\`` or ``#`` (:data:`_WORD`); model and adapter names are
+held to that when the config is loaded and when an adapter is added
+(``ballast.policies.catalog.name_problem``), so a map that breaks it is never sent.
 """
 
 from __future__ import annotations
@@ -115,19 +127,20 @@ def key_entries(
     return {d.hex().upper(): str(caps[t].rank) for d, t in digests if t in caps and t not in switched_off}
 
 
-# A name the models map may hold: one word in a map file and in an admin-socket command
-# (no whitespace, ";", "#" or "\\"). Any other name is still served; the edge only leaves
-# its requests to the router.
-_MAP_SAFE = re.compile(r"[A-Za-z0-9._:/+@=-]{1,160}")
+#: One word of a map line and of an admin-socket command: no whitespace (the end of a
+#: word), ";" (the end of a command), "\\" (an escape) or "#" (a comment in a map file).
+#: A catalog's names are held to it (``name_problem``); keys join them with ":".
+_WORD = re.compile(r"[A-Za-z0-9._:/+@=-]{1,160}")
 
 
 def model_entries(open_names: Mapping[str, str], models: Collection[str]) -> dict[str, str]:
     """The models map: each name that every caller may use (``Catalog.open_names``) -> its
     model, for the ``models`` this router serves, when it serves more than one (with one,
-    the "<class>" entries are that model's and the map stays empty)."""
+    the "<class>" entries are that model's and the map stays empty). A name that is not
+    one word (:data:`_WORD`; the catalog holds none) is left out: the router answers it."""
     if len(models) < 2:
         return {}
-    return {n: m for n, m in open_names.items() if m in models and _MAP_SAFE.fullmatch(n) and _MAP_SAFE.fullmatch(m)}
+    return {n: m for n, m in open_names.items() if m in models and _WORD.fullmatch(n) and _WORD.fullmatch(m)}
 
 
 def model_shed_entries(model: str, entries: Mapping[str, str]) -> dict[str, str]:
@@ -270,15 +283,21 @@ class Edge:
 
     def _set_map(self, path: str, entries: Mapping[str, str], meanwhile: str) -> bool:
         """The file, then HAProxy's copy in memory (cleared, then filled a few commands per
-        write). A failure is logged once and tried again at the next call."""
+        write). Refused whole, before anything is written or sent, when a key or value is
+        not one word (:data:`_WORD`): it would split a command or a map line. HAProxy
+        answers each map command it carries out with an empty line; any other answer is
+        a failure. A failure is logged once and tried again at the next call."""
         try:
+            broken = sorted(w for kv in entries.items() for w in kv if not _WORD.fullmatch(w))
+            if broken:
+                raise ValueError(f"{broken[0]!r} is not one word of a map line")
             self._write_file(path, entries)
             commands = [f"clear map {path}"] + [f"add map {path} {k} {v}" for k, v in sorted(entries.items())]
             for i in range(0, len(commands), MAP_COMMANDS_PER_WRITE):
                 answer = self._send(self.socket_path, "; ".join(commands[i : i + MAP_COMMANDS_PER_WRITE]))
-                if "Unknown map" in answer or "not found" in answer.lower():
-                    raise RuntimeError(answer.strip())
-        except (OSError, RuntimeError) as e:
+                if answer.strip():
+                    raise RuntimeError(answer.strip()[:200])
+        except (OSError, RuntimeError, ValueError) as e:
             if not self._warned:
                 log.warning("edge: could not set HAProxy's map %s (%s); %s", path, e, meanwhile)
                 self._warned = True

@@ -24,6 +24,11 @@
 #   answered anything, an error included, is never asked again; a request larger than
 #   HAProxy's buffer (tune.bufsize, 16 KiB in Serve's config) is not sent again.
 #
+# HAProxy's stats page (`listen stats`) and Prometheus exporter (`frontend prometheus`),
+# which Serve binds on every interface with no authentication, are bound to 127.0.0.1:
+# they show every router's address and state, and nothing of Ballast's reads them from
+# another host (docs/operations.md, "Fence the admin routes").
+#
 # Runtime files stay private: the edge is added only when the config's directory is a
 # directory (not a symlink) owned by this user that no one else may write; the files
 # written there are made with O_EXCL (mktemp, noclobber), never through a symlink; and
@@ -56,6 +61,9 @@ if ! awk -v rules="$rules" -v dir="$dir" '
                 gsub(/@EDGE_DIR@/, dir, line)
                 if (line == "#@backend") { part = 1; continue }
                 if (part == 0) front[n++] = line; else back[m++] = line } }
+    /^[^ \t#]/ { section = $1 " " $2 }
+    (section == "listen stats" || section == "frontend prometheus") && /^[ \t]*bind / {
+        sub(/bind +[^ ]*:/, "bind 127.0.0.1:"); print; next }
     /^[ \t]*default-server / { print $0 " on-marked-down shutdown-sessions"; next }
     /^[ \t]*stats socket / { gsub(/ mode [0-7]+/, " mode 600"); print; next }
     /^[ \t]*retry-on / && $0 !~ /empty-response/ { print $0 " empty-response"; next }

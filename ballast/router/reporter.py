@@ -11,12 +11,16 @@ In: a snapshot (the kill switches, the run-time adapters (as the pipeline's cata
 the gate's ceiling go to the pipeline, the level to the edge at once) and a reply (quota
 leases for this router).
 
-The edge (HAProxy's map of refused classes, edge.py) follows the level this router acts
-on, a snapshot's or fail-static's; its refusals of keys it vouches for (its key map: the
-API keys of the tenants no kill switch turns off) count as demand the level turned away,
-and its throttle of the admitted classes learns from the gate's decisions per class and
-those refusals. A refusal of a class a kill switch turns off is not counted (the router
-would refuse it as switched off, not as demand), nor is any while a global one is on.
+The edge (HAProxy's map of refused classes, edge.py) follows the levels this router acts
+on, a snapshot's or fail-static's, for the models HAProxy can tell: with one model, that
+model's (the "<class>" entries); with several, each model in the edge's models map (the
+names every tenant may use), keyed "<model>:<class>", and nothing for the others. Its
+refusals of keys it vouches for (its key map: the API keys of the tenants that may use a
+model it judges, less those a kill switch turns off) count as demand that model's level
+turned away, and only for a model the models map names; its throttle of the admitted
+classes learns from the gate's decisions per class and those refusals. A refusal of a
+class a kill switch turns off is not counted (the router would refuse it as switched
+off, not as demand), nor is any while a global one is on.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from ballast.model.routing import routed_so_far
 from ballast.policies.reports import ModelLoad, RouterReport
 
 from ballast.control.names import ROUTER_DEPLOYMENT
-from ballast.control.snapshot import EffectiveState, Snapshot
+from ballast.control.snapshot import Snapshot
 from ballast.router.adapters import runtime_catalog
 from ballast.router.auth import KeyStore
 from ballast.router.edge import Edge, key_entries, model_entries, model_shed_entries, shed_entries, split_key
@@ -77,7 +81,9 @@ class Reporter:
     ) -> None:
         self._cfg = cfg
         self._keys = keys  # the API keys the edge may vouch for (none: it counts no refusal)
-        self._vouched_map: Optional[tuple[frozenset[str], dict[str, str]]] = None  # (tenants off, key map)
+        # The edge's key map and what it was built from: (tenants off, models the edge judges, catalog)
+        self._vouched_map: dict[str, str] = {}
+        self._vouched_of: Optional[tuple[frozenset[str], frozenset[str], Any]] = None
         self._clock = clock
         self._router_id = router_id
         self._pipeline = pipeline
@@ -168,18 +174,18 @@ class Reporter:
                     m.fair_counter.set(value, tags={"tenant": tenant})
                     m.fair_backlogged.set(int(gate.fair.is_backlogged(tenant)), tags={"tenant": tenant})
 
-    def _edge_view(self) -> EffectiveState:
-        """The level of the edge's "<class>" entries, for a request whose model HAProxy
-        cannot tell (none named, a name not every caller may use): with one model its
-        level; with several, it refuses a class only where every model's level does (the
-        lowest level's), and the router refuses the rest by each model's own level."""
-        states = [self._cache.effective(name) for name in self._pipeline.lanes]
-        return min(states, key=lambda eff: eff.level)
+    def _judged(self) -> frozenset[str]:
+        """The models the edge refuses for: with one model, that one ("<class>" entries);
+        with several, those its models map names (the open ones). A request for any
+        other goes to the router."""
+        if len(self._pipeline.lanes) == 1:
+            return frozenset([self._pipeline.primary.name])
+        return frozenset(self._models_map.values())
 
     def sync_edge(self) -> None:
         """The edge's maps follow the levels this router acts on; its refusals since the
-        last report count as demand each model's level turned away (a "<class>" refusal
-        with several models: its model is unknown, and it counts in no model's level)."""
+        last report count as demand each model's level turned away (only for a model the
+        edge judges: a key naming any other counts in no model's level)."""
         seen = {name: lane.tally.take_gate_decided() for name, lane in self._pipeline.lanes.items()}
         if self.edge is None:
             return
@@ -203,12 +209,14 @@ class Reporter:
         self._apply_edge(now)
 
     def _edge_lane(self, model: Optional[str]) -> Optional[Lane]:
-        """The lane an edge refusal counts in: its model's; a "<class>" refusal (None) the
-        only model's, or none with several (a model no longer served: none)."""
+        """The lane an edge refusal counts in: a "<class>" refusal (None) the only model's,
+        or none with several; a "<model>:<class>" refusal its model's, only with several
+        and only for a model the models map names (HAProxy makes no other such key; one
+        the map no longer names, or a model no longer served: none)."""
         lanes = self._pipeline.lanes
         if model is None:
             return self._pipeline.primary if len(lanes) == 1 else None
-        return lanes.get(model)
+        return lanes.get(model) if len(lanes) > 1 and model in self._judged() else None
 
     def _learn(self, now: float, lane: Lane, seen: dict[str, list[int]], refused: dict[str, int]) -> None:
         """One model's edge throttle learns from its gate's decisions per class and the
@@ -238,14 +246,22 @@ class Reporter:
         return off["tenant"], off["criticality"], off["model"]
 
     def _vouched(self, tenants_off: set[str]) -> dict[str, str]:
-        """The edge's key map: each key of a tenant no kill switch turns off -> its cap rank
-        (built again only when that set of tenants changes)."""
-        off = frozenset(tenants_off)
-        if self._vouched_map is None or self._vouched_map[0] != off:
-            caps = {t: tc.max_criticality for t, tc in self._cfg.tenants.items()}
+        """The edge's key map: each key of a tenant that may use a model the edge judges
+        (a model, or an adapter of it, in the pipeline's catalog) and that no kill switch
+        turns off -> its cap rank. Built again only when those tenants, those models or the
+        catalog change (``_apply_models`` runs first: the models map is current)."""
+        off, judged, catalog = frozenset(tenants_off), self._judged(), self._pipeline.catalog
+        of = self._vouched_of
+        if of is None or of[0] != off or of[1] != judged or of[2] is not catalog:
+            caps = {
+                t: tc.max_criticality
+                for t, tc in self._cfg.tenants.items()
+                if any((n.parent or n.id) in judged for n in catalog.listed_for(t))
+            }
             digests = self._keys.digests() if self._keys is not None else []
-            self._vouched_map = (off, key_entries(digests, caps, off))
-        return self._vouched_map[1]
+            self._vouched_map = key_entries(digests, caps, off)
+            self._vouched_of = (off, judged, catalog)
+        return self._vouched_map
 
     @staticmethod
     def _gate_has_room(lane: Lane) -> bool:
@@ -257,18 +273,19 @@ class Reporter:
         return {c.value: throttle.drop_per_mille(now, c.value) for c in Criticality}
 
     def _apply_edge(self, now: float) -> None:
-        """The edge's map: per model, the classes its level refuses and the share its
-        throttle drops of the others ("<model>:<class>", several models only); and the
-        "<class>" entries: with one model its own, with several what every level refuses."""
+        """The edge's map: for each model it judges, the classes its level refuses and the
+        share its throttle drops of the others; "<class>" with one model, "<model>:<class>"
+        with several (no "<class>" entries then: a request for a model the models map
+        does not name is the router's to refuse, by that model's own level)."""
         if self.edge is None:
             return
-        lanes = self._pipeline.lanes
-        eff = self._edge_view()
-        if len(lanes) == 1:
-            entries = shed_entries(eff.level, eff.constraints, self._drops(now, self._pipeline.primary.name))
+        if len(self._pipeline.lanes) == 1:
+            name = self._pipeline.primary.name
+            own = self._cache.effective(name)
+            entries = shed_entries(own.level, own.constraints, self._drops(now, name))
         else:
-            entries = shed_entries(eff.level, eff.constraints)
-            for name in lanes:
+            entries = {}
+            for name in sorted(self._judged()):
                 own = self._cache.effective(name)
                 entries.update(
                     model_shed_entries(name, shed_entries(own.level, own.constraints, self._drops(now, name)))
@@ -297,8 +314,8 @@ class Reporter:
         self._metrics.kill.set(len(entries))
         self._apply_adapters(snap)
         if self.edge is not None:  # at once, not at the next report: the level and switches may have changed
-            self.edge.apply_keys(self._vouched(self._switched_off()[0]))
             self._apply_models()
+            self.edge.apply_keys(self._vouched(self._switched_off()[0]))
             self._apply_edge(self._clock())
 
     def _apply_adapters(self, snap: Snapshot) -> None:

@@ -156,8 +156,9 @@ class TestBuildRefuses:
             ([llama(None, SQL, SQL)], "llama.adapters: 'sql' is taken"),
             ([ModelEntry("qwen", "transformers", adapters=(SQL,))], "qwen.adapters: LoRA adapters are vLLM's"),
             ([ModelEntry("q:1", "builtin")], "may not hold ':'"),
-            ([ModelEntry("q 1", "builtin")], "printable ASCII"),
-            ([ModelEntry("qé", "builtin")], "printable ASCII"),
+            ([ModelEntry("q 1", "builtin")], "may hold only letters, digits"),
+            ([ModelEntry("qé", "builtin")], "not 'é'"),
+            ([ModelEntry("q;shutdown", "builtin")], "not ';'"),
             ([ModelEntry("x" * 65, "builtin")], "1-64 characters"),
             ([ModelEntry("q", "builtin", cost_per_token=0)], "q.cost_per_token: must be > 0"),
             ([llama(None, AdapterEntry("a", ""))], "llama.adapters.a.path"),
@@ -176,7 +177,14 @@ class TestBuildRefuses:
 
     def test_name_problem(self) -> None:
         assert name_problem("Qwen/Qwen2-0.5B_v1.2") is None
+        assert name_problem("org/m-1.5B_v2+fp8@rev=3") is None
         assert name_problem("a:b") is not None and name_problem("") is not None
+
+    @pytest.mark.parametrize("name", ["a;b", "#a", "a\\b", "a\tb", "a'b", 'a"b', "a,b", "a%b", "a~b", "é"])
+    def test_a_name_the_edge_could_not_hold_whole_is_refused(self, name: str) -> None:
+        """A name goes whole into HAProxy's maps and admin-socket commands (ballast/router/edge.py)."""
+        problem = name_problem(name)
+        assert problem is not None and "may hold only letters, digits and . _ - / + @ =" in problem
 
     def test_errors_pickle_with_their_fields(self) -> None:
         e = pickle.loads(pickle.dumps(CatalogError("name", "taken")))
@@ -209,6 +217,8 @@ class TestRunTimeAdapters:
             (("llama", "sql", "/x", None), "name: 'sql' is taken"),
             (("llama", "qwen", "/x", None), "name: 'qwen' is taken"),
             (("llama", "a:b", "/x", None), "name: .*':'"),
+            (("llama", "a;clear", "/x", None), "name: .*not ';'"),
+            (("llama", "#a", "/x", None), "name: .*not '#'"),
             (("llama", "x", "", None), "path: a local directory"),
             (("llama", "x", "/x", ["nobody"]), "tenants: .*not declared"),
             (("llama", "x", "/x", []), "tenants: names no tenant"),

@@ -162,16 +162,22 @@ BEARER = f"Bearer {KEY}"
 
 
 def _post(
-    port: int, path: str, crit: str | None, auth: str | list[str] | None = BEARER, body: bytes = b"{}"
+    port: int,
+    path: str,
+    crit: str | list[str] | None,
+    auth: str | list[str] | None = BEARER,
+    body: bytes = b"{}",
+    method: str = "POST",
 ) -> tuple[int, dict[str, str], bytes]:
-    """One request; ``auth``: its Authorization header (a list: one header each)."""
+    """One request; ``crit`` and ``auth``: its X-Ballast-Criticality and Authorization
+    headers (a list: one header each)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    conn.putrequest("POST", path)
+    conn.putrequest(method, path)
     headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
-    if crit is not None:
-        headers["X-Ballast-Criticality"] = crit
     for k, v in headers.items():
         conn.putheader(k, v)
+    for c in [crit] if isinstance(crit, str) else crit or []:
+        conn.putheader("X-Ballast-Criticality", c)
     for a in [auth] if isinstance(auth, str) else auth or []:
         conn.putheader("Authorization", a)
     conn.endheaders(body)
@@ -215,9 +221,11 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
     router = Overloaded("degradation level 3 does not admit criticality 'critical'", 4.0)
     assert status == 503 and json.loads(body) == openai_error_body(router)
 
-    # What the level admits, no header, or a value that is not a class: to the router.
-    for crit in ("critical_plus", None, "gold"):
-        assert _post(port, "/v1/generate", crit)[0] == 200
+    # What the level admits, no header, or anything but one header holding one class name
+    # whole: to the router (which answers a bad claim 422).
+    for crit in ("critical_plus", None, "gold", "Sheddable", "sheddable, critical", ["sheddable", "sheddable"]):
+        assert _post(port, "/v1/generate", crit)[0] == 200, crit
+    assert _post(port, "/v1/generate", "sheddable", method="GET")[0] == 200  # the edge judges POSTs only
     _post(port, "/v1/generate", "sheddable")
     assert edge.drain() == {"sheddable": 2, "critical": 1}
     assert edge.drain() == {}  # cleared: a second router on the node does not count them again
@@ -255,7 +263,7 @@ def _asking(model: str) -> bytes:
     return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def test_with_several_models_the_edge_refuses_each_models_requests_by_its_own_level(haproxy):
+def test_with_several_models_the_edge_refuses_each_open_models_requests_by_its_own_level(haproxy):
     d, port, _ = haproxy
     edge = Edge(str(d), str(d / "admin.sock"))
     edge.apply_keys(key_entries([(hashlib.sha256(KEY.encode()).digest(), "gold")], {"gold": Criticality.CRITICAL_PLUS}))
@@ -264,10 +272,11 @@ def test_with_several_models_the_edge_refuses_each_models_requests_by_its_own_le
     assert model_entries(names, ["a"]) == {}  # one model: the "<class>" entries are its own
     assert edge.apply_models(model_entries(names, ["a", "b"])) is True
     assert (d / MODELS_MAP_NAME).read_text() == "a a\nb b\nb:sql b\nsql b\n"
-    # a at level 3, b at level 1; the "<class>" entries: what both refuse (level 1's).
-    entries = shed_entries(1, DEFAULT_CONSTRAINTS[1])
-    entries.update(model_shed_entries("a", shed_entries(3, DEFAULT_CONSTRAINTS[3])))
+    # a at level 3, b at level 1, and a third model "secret" (in no models map: only some
+    # tenants may use it) at level 3. With several models the router writes no "<class>" entry.
+    entries = model_shed_entries("a", shed_entries(3, DEFAULT_CONSTRAINTS[3]))
     entries.update(model_shed_entries("b", shed_entries(1, DEFAULT_CONSTRAINTS[1])))
+    entries.update(model_shed_entries("secret", shed_entries(3, DEFAULT_CONSTRAINTS[3])))
     edge.apply(entries)
 
     status, _, body = _post(port, "/v1/chat/completions", "critical", body=_asking("a"))
@@ -275,11 +284,13 @@ def test_with_several_models_the_edge_refuses_each_models_requests_by_its_own_le
     for name in ("b", "sql", "b:sql"):
         assert _post(port, "/v1/chat/completions", "critical", body=_asking(name))[0] == 200, name
         assert _post(port, "/v1/chat/completions", "sheddable", body=_asking(name))[0] == 503, name
-    # No model HAProxy can tell: refused by what every level refuses, and counted in none.
+    # No model HAProxy can tell from its models map: the router's, whatever the shed map holds.
     for body in (b"{}", _asking("secret"), _asking("odd;name"), b"not json", b'{"model": 7}'):
-        assert _post(port, "/v1/chat/completions", "critical", body=body)[0] == 200, body
-        assert _post(port, "/v1/chat/completions", "sheddable", body=body)[0] == 503, body
-    assert edge.drain() == {"a:critical": 1, "b:sheddable": 3, "sheddable": 5}
+        assert _post(port, "/v1/chat/completions", "sheddable", body=body)[0] == 200, body
+    # "<model>:<class>" in the header is no class: not read, whatever model it names.
+    for crit in ("secret:sheddable", "a:critical", "b:sheddable"):
+        assert _post(port, "/v1/chat/completions", crit, body=_asking("a"))[0] == 200, crit
+    assert edge.drain() == {"a:critical": 1, "b:sheddable": 3}
     # The models map emptied (one model again): every request by the "<class>" entries.
     assert edge.apply_models({}) is True
     assert _post(port, "/v1/chat/completions", "critical", body=_asking("a"))[0] == 200
@@ -295,12 +306,11 @@ def test_a_two_model_router_keeps_each_models_entries_and_counts_its_refusals_in
     router.reporter.edge = Edge(str(d), str(d / "admin.sock"))
     at_level(router, 0, {"small": 0, "large": 3, "gold-only": 3})
     router.reporter.sync_edge()
-    # gold-only is not in the models map (not every caller may use it): the router refuses it.
+    # gold-only is not in the models map (not every caller may use it): the router refuses
+    # it, and the shed map holds nothing of it (nor a "<class>" entry, with several models).
     assert (d / MODELS_MAP_NAME).read_text() == "large large\nsmall small\n"
     assert router.reporter.edge.shedding == {
-        f"{m}:{c}": f"4:3:1000:{Criticality(c).rank}"
-        for m in ("large", "gold-only")
-        for c in ("critical", "sheddable_plus", "sheddable")
+        f"large:{c}": f"4:3:1000:{Criticality(c).rank}" for c in ("critical", "sheddable_plus", "sheddable")
     }
     assert _post(port, "/v1/chat/completions", "critical", body=_asking("large"))[0] == 503
     assert _post(port, "/v1/chat/completions", "critical", body=_asking("gold-only"))[0] == 200
@@ -493,7 +503,6 @@ def test_only_refusals_whose_key_the_edge_vouches_for_are_counted(haproxy):
     ]
     for auth in refused_uncounted:
         assert _post(port, "/v1/generate", "sheddable_plus", auth)[0] == 503, auth
-    assert _post(port, "/v1/generate", "critical, sheddable_plus")[0] == 503  # two claims: the router answers 422
     assert edge.drain() == {}
     assert _post(port, "/v1/generate", "sheddable_plus", f"bearer   {KEY}")[0] == 503  # as the router parses it
     assert _post(port, "/v1/generate", "sheddable", f"Bearer {FREE_KEY}")[0] == 503
@@ -594,3 +603,204 @@ def test_a_key_map_longer_than_one_socket_write_reaches_haproxy_whole(haproxy):
     shown = admin_command(edge.socket_path, f"show map {edge.keys_path}")
     assert sum(1 for line in shown.splitlines() if line.startswith("0x")) == n
     assert (d / KEYS_MAP_NAME).read_text().count(" 1\n") == n
+
+
+# ------------------------------------------------------------------ the edge reads only what it can trust
+
+
+@contextlib.contextmanager
+def serving(router):
+    """``router``'s FastAPI app served by uvicorn on a free loopback port, in a thread: its port."""
+    import threading
+
+    import uvicorn
+    from routerkit import routed
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config("ballast.router.app:app", log_level="warning", lifespan="off"))
+    with routed(router):  # the app's routes reach this router object
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 10.0
+            while not server.started:  # a server starting, not a clock under test
+                assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+                time.sleep(0.02)
+            yield sock.getsockname()[1]
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            sock.close()
+
+
+@contextlib.contextmanager
+def serves_haproxy(d: Path, router_port: int):
+    """HAProxy through the wrapper on the config Serve's HAProxy manager writes for one app
+    on one router (at ``router_port``, health-checked on /healthz/live): (port, stats port,
+    metrics port), once the router is up behind it."""
+    from ray.serve._private.haproxy import BackendConfig, HAProxyApi, HAProxyConfig, ServerConfig
+    from ray.serve.config import HTTPOptions
+
+    port, stats_port, metrics_port = _free_port(), _free_port(), _free_port()
+    cfg = HAProxyConfig(
+        http_options=HTTPOptions(host="127.0.0.1", port=port),
+        socket_path=str(d / "admin.sock"),
+        stats_port=stats_port,
+        metrics_port=metrics_port,
+        metrics_enabled=False,
+        enable_hap_optimization=False,
+        has_received_routes=True,
+        has_received_servers=True,
+        health_check_inter="100ms",
+    )
+    backend = BackendConfig(
+        name="app",
+        path_prefix="/",
+        app_name="app",
+        servers=[ServerConfig("router0", "127.0.0.1", router_port)],
+        http_health_check_path="/healthz/live",
+    )
+    HAProxyApi(cfg, {"app": backend}, config_file_path=str(d / "haproxy.cfg"))._generate_config_file_internal()
+    env = {**os.environ, "BALLAST_HAPROXY_REAL": HAPROXY}
+    proc = subprocess.Popen([str(WRAPPER), "-db", "-f", str(d / "haproxy.cfg")], env=env, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 10.0
+        while True:  # processes starting, not a clock under test
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "HAProxy did not reach the router"
+            try:
+                if _post(port, "/healthz/live", None, None, method="GET")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.02)
+        yield port, stats_port, metrics_port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+SHARED_CFG = {
+    **TENANTS_CFG,
+    "models": [{"name": "open"}, {"name": "gold-only", "tenants": ["gold"]}],
+}
+
+
+def test_a_model_key_in_the_header_is_answered_as_any_bad_class_and_counts_for_no_model(tmp_path: Path):
+    from routerkit import at_level, build_router
+    from test_resilient_caller import FakeHandle
+
+    router = build_router(SHARED_CFG, {"open": FakeHandle(), "gold-only": FakeHandle()})
+    router.reporter.edge = Edge(str(tmp_path), str(tmp_path / "admin.sock"))
+    with serving(router) as router_port, serves_haproxy(tmp_path, router_port) as (port, _, _):
+        at_level(router, 3, {"open": 3, "gold-only": 3})
+        router.reporter.sync_edge()
+        lanes = router.pipeline.lanes
+        # "<restricted model>:<class>" in the header, with no key and with a free tenant's
+        # key (free may claim sheddable): the router's answer, exactly as for a value that
+        # is no class at all; nothing says gold-only exists, nothing moves its counters.
+        for auth in (None, f"Bearer {FREE_KEY}"):
+            trick = _post(port, "/v1/chat/completions", "gold-only:sheddable", auth, body=_asking("open"))
+            nonsense = _post(port, "/v1/chat/completions", "nonsense", auth, body=_asking("open"))
+            assert trick[0] == nonsense[0] == (401 if auth is None else 400)
+            assert trick[2] == nonsense[2] and "x-ballast-edge" not in trick[1]
+        # A restricted model named in the body is answered as an unknown one is.
+        for auth in (None, f"Bearer {FREE_KEY}"):
+            restricted = _post(port, "/v1/chat/completions", "sheddable", auth, body=_asking("gold-only"))
+            unknown = _post(port, "/v1/chat/completions", "sheddable", auth, body=_asking("no-such-model"))
+            assert restricted[0] == unknown[0] and restricted[2] == unknown[2].replace(b"no-such-model", b"gold-only")
+            assert restricted[0] in (401, 404) and "x-ballast-edge" not in restricted[1]
+        # The same class for the open model: refused at the edge and counted as its demand.
+        free = f"Bearer {FREE_KEY}"
+        status, headers, _ = _post(port, "/v1/chat/completions", "sheddable", free, body=_asking("open"))
+        assert status == 503 and headers["x-ballast-edge"] == "refused"
+        router.reporter.sync_edge()
+    assert lanes["open"].tally.offered == {"sheddable": 1} and lanes["open"].tally.shed == 1
+    assert lanes["gold-only"].tally.offered == {} and lanes["gold-only"].tally.shed == 0
+
+
+def test_with_one_model_only_its_tenants_keys_are_vouched_for(haproxy):
+    from routerkit import at_level, build_router
+    from test_resilient_caller import FakeHandle
+
+    d, port, _ = haproxy
+    router = build_router({**TENANTS_CFG, "models": [{"name": "only", "tenants": ["gold"]}]}, FakeHandle())
+    router.reporter.edge = Edge(str(d), str(d / "admin.sock"))
+    at_level(router, 2, {"only": 2})
+    router.reporter.sync_edge()
+    assert (d / KEYS_MAP_NAME).read_text() == f"{hashlib.sha256(KEY.encode()).hexdigest().upper()} 0\n"
+    # Refused alike (the class is refused whatever the key), counted only for gold: free may
+    # not use the model, and its refusals are no demand of it.
+    assert _post(port, "/v1/generate", "sheddable", f"Bearer {FREE_KEY}")[0] == 503
+    assert _post(port, "/v1/generate", "sheddable")[0] == 503
+    router.reporter.sync_edge()
+    assert router.tally.offered == {"sheddable": 1} and router.tally.shed == 1
+
+
+def test_a_map_word_that_would_split_a_command_or_a_line_is_never_sent(haproxy):
+    from ballast.router.edge import admin_command
+
+    d, port, _ = haproxy
+    edge = Edge(str(d), str(d / "admin.sock"))
+    assert edge.apply({"sheddable": "1:1:1000:3"}) is True
+    for word in ("odd;name:sheddable", "#x:sheddable", "a\\b:sheddable", "a b:sheddable"):
+        assert edge.apply({"sheddable": "1:1:1000:3", word: "1:1:1000:3"}) is False, word
+    assert edge.shedding == {}  # not applied: the router refuses in Python meanwhile
+    assert (d / MAP_NAME).read_text() == "sheddable 1:1:1000:3\n"  # nothing written
+    shown = admin_command(edge.socket_path, f"show map {edge.map_path}")
+    assert [line.split()[1:] for line in shown.splitlines() if line.startswith("0x")] == [["sheddable", "1:1:1000:3"]]
+    # Any answer but HAProxy's empty lines is a failure: a map it does not know.
+    stray = Edge(str(d), str(d / "admin.sock"))
+    stray.map_path = str(d / "not-loaded.map")
+    assert stray.apply({"sheddable": "1:1:1000:3"}) is False
+
+
+def _outside_address() -> str | None:
+    """This host's address on its default route (not loopback), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: a UDP connect only picks a route
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_the_stats_page_and_metrics_port_answer_on_loopback_only(tmp_path: Path):
+    import http.server
+    import threading
+
+    live = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Live)
+    threading.Thread(target=live.serve_forever, daemon=True).start()
+    try:
+        with serves_haproxy(tmp_path, live.server_address[1]) as (_, stats_port, metrics_port):
+            served = (tmp_path / "haproxy.cfg").read_text()
+            edited = (tmp_path / "haproxy.cfg.edge").read_text()
+            # Serve's: on every interface; the wrapper's: on loopback.
+            assert f"bind *:{stats_port}\n" in served and f"bind :{metrics_port}\n" in served
+            assert f"bind 127.0.0.1:{stats_port}\n" in edited and f"bind 127.0.0.1:{metrics_port}\n" in edited
+            assert _post(stats_port, "/stats", None, None, method="GET")[0] == 200
+            assert _post(metrics_port, "/metrics", None, None, method="GET")[0] == 200
+            outside = _outside_address()
+            if outside is None:
+                pytest.skip("no address but loopback to try from")
+            for p in (stats_port, metrics_port):
+                with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+                    s.settimeout(5)
+                    s.connect((outside, p))
+    finally:
+        live.shutdown()
+        live.server_close()
+
+
+class _Live(__import__("http.server").server.BaseHTTPRequestHandler):
+    """A router's health check, and nothing else."""
+
+    def do_GET(self) -> None:
+        self.send_response(200 if self.path == "/healthz/live" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
