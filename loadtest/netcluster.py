@@ -48,6 +48,7 @@ BRIDGE = "blst0"
 SUBNET = "10.77.0"
 GATEWAY = f"{SUBNET}.1"
 REDIS_IP = f"{SUBNET}.5"  # the external store for GCS fault tolerance, in a namespace of its own
+REDIS_PASSWORD = STATE / "redis_password"  # its password (mode 0600), made by `up --redis`
 HTTP_PORT = 8000
 DASHBOARD_PORT = 8265
 GCS_PORT = 6379
@@ -120,7 +121,8 @@ def start_commands(kind: str, node: Node, head: Node, redis: bool) -> list[str]:
     - each node gets its own ``--temp-dir`` and HAProxy file directory (one filesystem
       here, a disk per machine there) and says its IP (``--node-ip-address``);
     - with ``redis``, the head's GCS keeps its tables in the external Redis
-      (``RAY_REDIS_ADDRESS``), Ray's GCS fault tolerance.
+      (``RAY_REDIS_ADDRESS``), Ray's GCS fault tolerance, with its password (read from
+      ``REDIS_PASSWORD`` when the command runs, so no command line written here holds it).
     """
     spec = yaml.safe_load((REPO / "cluster" / "cluster.yaml").read_text())
     out = []
@@ -138,15 +140,11 @@ def start_commands(kind: str, node: Node, head: Node, redis: bool) -> list[str]:
             f" RAY_SERVE_HAPROXY_SERVER_STATE_FILE={haproxy}/server-state"
             f" RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH={haproxy}/metrics.sock"
         )
+        flags = f"--node-ip-address={node.ip} --temp-dir={node.temp_dir / 'ray'} --disable-usage-stats"
         if redis and kind == "head":
             local_env += f" RAY_REDIS_ADDRESS={REDIS_IP}:{GCS_PORT} RAY_external_storage_namespace=ballast-local"
-        cmd = re.sub(
-            r"(\S*ray start)",
-            rf"mkdir -p {haproxy}; {local_env}; \1 --node-ip-address={node.ip} --temp-dir={node.temp_dir / 'ray'}"
-            " --disable-usage-stats",
-            cmd,
-            count=1,
-        )
+            flags += f' --redis-username=default --redis-password="$(cat {REDIS_PASSWORD})"'
+        cmd = re.sub(r"(\S*ray start)", rf"mkdir -p {haproxy}; {local_env}; \1 {flags}", cmd, count=1)
         out.append(cmd)
     return out
 
@@ -290,31 +288,31 @@ def _start_redis() -> None:
         )
     _make_node(redis)
     redis.temp_dir.mkdir(parents=True, exist_ok=True)
+    # A password, as production's Redis has one: in files only this user reads, never on a
+    # command line (which every local user can read).
+    password = secrets.token_hex(24)
+    _write_private(REDIS_PASSWORD, password + "\n")
+    conf = redis.temp_dir / "redis.conf"
+    _write_private(conf, redis_conf(password, redis.temp_dir))
     subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            redis.netns,
-            "redis-server",
-            "--bind",
-            REDIS_IP,
-            "--port",
-            str(GCS_PORT),
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(redis.temp_dir),
-            "--protected-mode",
-            "no",
-        ],
+        ["ip", "netns", "exec", redis.netns, "redis-server", str(conf)],
         stdout=open(redis.temp_dir / "redis.log", "a"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     _wait_tcp(REDIS_IP, GCS_PORT, 20, "redis")
+
+
+def redis_conf(password: str, data_dir: Path) -> str:
+    """The local GCS Redis's config: on its namespace's address, nothing saved to disk, a password."""
+    return f'bind {REDIS_IP}\nport {GCS_PORT}\nsave ""\nappendonly no\ndir {data_dir}\nrequirepass {password}\n'
+
+
+def _write_private(path: Path, text: str) -> None:
+    """``text`` into ``path``, created mode 0600 (readable by this user alone from the start)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _wait_tcp(ip: str, port: int, timeout_s: float, what: str) -> None:

@@ -10,8 +10,9 @@ Every ``watchdog.interval_s`` the watchdog
   with every process of its engine (vLLM's engine core and one worker per rank), and,
   where the replica or its ranks have GPUs, those GPUs through NVML (device utilization,
   these processes' memory, total memory);
-- watches the engine's processes by name (``WatchedReplica.engine_processes``): one that
-  exits (or is stopped) makes the replica hung at once, the reason naming it ("engine
+- watches the engine's processes by name (``WatchedReplica.engine_processes``: at most
+  ``MAX_ENGINE_PROCESSES``, the first ones the replica lists, checked again on arrival):
+  one that exits (or is stopped) makes the replica hung at once, the reason naming it ("engine
   process VLLM::Worker_TP1 (pid 123) exited", ``ballast.policies.leak.engine_lost_reason``),
   as does the replica's own word that its engine is dead: an engine of several ranks
   serves only whole, so the replica goes as a whole (the controller kills it, its
@@ -404,6 +405,9 @@ class Watchdog:
     """Ray actor around ``WatchdogCore``: a sampling loop and a ``beat`` endpoint."""
 
     def __init__(self, cfg: dict[str, Any], info: WatchedReplica):
+        # Ray unpickled ``info`` without its checks (``__post_init__``): run them again, so a
+        # list of engine processes past its bounds is refused here, naming the field.
+        info = replace(info)
         self._cfg: BallastConfig = load_config(cfg)
         if info.pid is None:  # spawn_watchdog sets it: the process this actor samples
             raise ValueError("pid: the watchdog needs its replica's process id")

@@ -26,6 +26,12 @@ whose prompt no replica holds yet is ranked by ``ballast.policies.affinity.rank`
 holder within the load bound, else the replica where loading it evicts the least
 demanded adapter, within the bound), with the demand summed over the reports.
 
+A report past its bounds (``AdapterReport.problem``: too many names, a name longer than an
+adapter's) is refused whole, and a router logs the first refusal of each replica; a stamp
+ahead of the router's clock is clamped to it where the router first sees it
+(``ballast.policies.holdings.SeenStamps``), so a report that stops changing goes stale
+however far ahead it was stamped.
+
 Serve then takes the first rank whose replica is not full, so a full choice gives way to
 the next; the replica chosen for a request serves that request (matched by its id, not
 handed to the oldest waiting request as Serve's FIFO matching would).
@@ -55,6 +61,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from dataclasses import replace
 from typing import Any, List, Optional
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -68,7 +75,7 @@ from ballast.policies.affinity import (
     rank,
     rank_by_prefix,
 )
-from ballast.policies.holdings import AdapterHoldings, AdapterReport, fleet_demand
+from ballast.policies.holdings import AdapterHoldings, AdapterReport, SeenStamps, fleet_demand
 from ballast.policies.prefix_cache import PrefixReport, block_keys, home_score, matched_blocks
 from ballast.policies.reports import ROUTE_REASONS
 
@@ -77,7 +84,8 @@ log = logging.getLogger(__name__)
 ROUTER_PATH = "ballast.model.routing:ReadinessAwareRouter"
 #: A report stamped longer ago than this (three of the replicas' 5 s stamps) is stale.
 MAX_REPORT_AGE_S = 15.0
-#: The most replicas' decoded prefix reports a router keeps (past it, it starts over).
+#: The most replicas' decoded prefix reports a router keeps (past it, it starts over); the
+#: same bound for the adapter reports' stamps and the replicas whose refused report was logged.
 MAX_DECODED = 1024
 
 
@@ -122,6 +130,8 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._decoded: dict[str, PrefixReport] = {}  # replica id -> its last report, decoded once
+        self._adapter_stamps = SeenStamps(MAX_DECODED)  # replica id -> its adapter report's stamp, clamped
+        self._refusals_logged: set[str] = set()  # replica ids whose refused adapter report was logged
         self._decisions: Optional[RouteCounter] = None  # made by initialize_state
 
     def initialize_state(self, **kwargs: Any) -> None:
@@ -240,7 +250,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         now_s = self._get_curr_time_s()
         views, reports, by_id = [], {}, {}
         for r in random.sample(ready, len(ready)):  # random ties
-            report = AdapterReport.of((r.routing_stats or {}).get("adapters"))
+            report = self._adapter_report_of(r, now_s)
             if report is None or not report.is_fresh(now_s, self.max_report_age_s):
                 return None
             rid = r.replica_id.unique_id
@@ -253,6 +263,26 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         order = rank(views, adapter, self.affinity, fleet_demand(reports))
         ranked = [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]]
         return [group for group in ranked if group]
+
+    def _adapter_report_of(self, replica: Any, now_s: float) -> Optional[AdapterReport]:
+        """The replica's adapter report with its stamp as this router takes it (clamped to
+        ``now_s`` when first seen); None when it sent none or it is refused (the first refusal
+        of each replica logged, with why)."""
+        stats = (replica.routing_stats or {}).get("adapters")
+        rid = replica.replica_id.unique_id
+        report = AdapterReport.of(stats)
+        if report is None:
+            if stats is not None and rid not in self._refusals_logged:
+                if len(self._refusals_logged) >= MAX_DECODED:  # replicas that left: start over
+                    self._refusals_logged.clear()
+                self._refusals_logged.add(rid)
+                log.warning(
+                    "replica %s's adapter report refused (%s): adapter affinity is off while it is",
+                    rid,
+                    AdapterReport.problem(stats),
+                )
+            return None
+        return replace(report, at_s=self._adapter_stamps.taken(rid, report.at_s, now_s))
 
 
 # Every model's route decisions in this process since it started, by reason: what the

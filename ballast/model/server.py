@@ -48,7 +48,13 @@ from typing import Any, AsyncGenerator, Optional
 from ray import serve
 
 from ballast.policies.holdings import AdapterHoldings
-from ballast.policies.reports import ReplicaReport, WatchdogOrders, WatchedReplica
+from ballast.policies.reports import (
+    MAX_PROCESS_NAME_CHARS,
+    ReplicaReport,
+    WatchdogOrders,
+    WatchedReplica,
+    bounded_processes,
+)
 from ballast.policies.scheduler import SchedulerConfig, batch_row_limit
 
 from ballast.model.adapters import ReplicaAdapters
@@ -243,13 +249,23 @@ class ModelServer:
 
     def _engine_processes(self) -> tuple[tuple[int, str], ...]:
         """The engine's own processes (pid, name) for the watchdog to watch by name: every
-        rank's, where the engine runs several (an engine in this process: none)."""
+        rank's, where the engine runs several (an engine in this process: none); within the
+        watchdog's bounds (``bounded_processes``: the first ones, names cut), a cut logged."""
         listed = getattr(self._backend, "engine_processes", None)
         try:
-            return tuple(listed()) if listed is not None else ()
+            found = tuple(listed()) if listed is not None else ()
         except Exception:  # a view for the watchdog: never a reason not to serve
             log.exception("could not list the engine's processes")
             return ()
+        kept = bounded_processes(found)
+        if kept != found:
+            log.warning(
+                "the engine lists %d processes: its watchdog watches the first %d (names cut to %d characters)",
+                len(found),
+                len(kept),
+                MAX_PROCESS_NAME_CHARS,
+            )
+        return kept
 
     def _engine_lost(self) -> Optional[str]:
         """Why the engine can serve no more (a rank or its core went away); None while it serves."""

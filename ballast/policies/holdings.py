@@ -19,7 +19,15 @@ can be wrong by the order of a few, never by what ran.
 ``stamp_s``: a report that has not changed still changes every ``stamp_s`` (so Serve
 rebroadcasts it at most that often), and a router takes a report older than its
 ``max_age_s`` as stale (a replica that stopped answering its stats poll; Serve keeps its
-last answer).
+last answer). A stamp ahead of the router's clock (a replica whose clock runs ahead, or a
+bad stamp) is clamped to the router's clock when the router first sees it
+(``SeenStamps``): the same stamp seen again keeps that value, so a report that stops
+changing goes stale ``max_age_s`` after it arrived, however far ahead it was stamped.
+
+**Bounds.** What a router reads is bounded before it is walked (``AdapterReport.problem``):
+at most ``MAX_REPORTED`` slots (``held`` no more than ``slots``) and ``demand`` names, each
+name 1-``MAX_NAME_CHARS`` characters, as the catalog names adapters. A report past one is
+refused whole (the router then routes by load and says so once).
 
 Plain data: the caller passes the time. Not thread-safe: one owner, on the replica's
 event loop. The demand count is a ``CountWindow`` of adapter names.
@@ -33,10 +41,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from ballast.policies.catalog import MAX_NAME_CHARS
 from ballast.policies.validation import check_int, check_positive, is_finite, is_int
 from ballast.policies.window import CountWindow
 
-#: The most adapters a report may list or count: a report past it is refused (fail closed).
+#: The most slots and demand names a report may carry: a report past it is refused (fail closed).
 MAX_REPORTED = 1024
 
 
@@ -54,22 +63,40 @@ class AdapterReport:
 
     @classmethod
     def of(cls, stats: object) -> Optional["AdapterReport"]:
-        """The report in a replica's routing stats entry; None when absent or malformed."""
+        """The report in a replica's routing stats entry; None when absent or refused (``problem``)."""
+        if cls.problem(stats) is not None or not isinstance(stats, Mapping):
+            return None
+        return cls(tuple(stats["held"]), stats["slots"], dict(stats["demand"]), float(stats["at_s"]))
+
+    @staticmethod
+    def problem(stats: object) -> Optional[str]:
+        """Why ``stats`` is no report (a field malformed or past its bound), None when it is one.
+
+        Each size is checked before its items are walked, so the work is bounded whatever
+        the entry holds."""
         if not isinstance(stats, Mapping):
-            return None
+            return "not a mapping"
         held, slots, demand, at_s = (stats.get(k) for k in ("held", "slots", "demand", "at_s"))
-        if not (isinstance(held, list) and all(isinstance(a, str) for a in held)):
-            return None
-        if not (is_int(slots) and 0 <= slots <= MAX_REPORTED and len(held) <= slots and is_finite(at_s)):
-            return None
+        if not (is_int(slots) and 0 <= slots <= MAX_REPORTED):
+            return f"slots: must be an int in [0, {MAX_REPORTED}]"
+        if not (isinstance(held, list) and len(held) <= slots and all(_is_name(a) for a in held)):
+            return f"held: must be a list of at most slots ({slots}) names of 1-{MAX_NAME_CHARS} characters"
         if not (isinstance(demand, Mapping) and len(demand) <= MAX_REPORTED):
-            return None
-        if not all(isinstance(a, str) and is_int(n) and n >= 0 for a, n in demand.items()):
-            return None
-        return cls(tuple(held), slots, dict(demand), float(at_s))
+            return f"demand: must be a mapping of at most {MAX_REPORTED} names"
+        if not all(_is_name(a) and is_int(n) and n >= 0 for a, n in demand.items()):
+            return f"demand: must map names of 1-{MAX_NAME_CHARS} characters to ints >= 0"
+        if not is_finite(at_s):
+            return "at_s: must be a finite number"
+        return None
 
     def is_fresh(self, now_s: float, max_age_s: float) -> bool:
+        """At most ``max_age_s`` old: a router passes the report with its stamp clamped
+        (``SeenStamps``), so one stamped ahead of its clock ages from when it arrived."""
         return now_s - self.at_s <= max_age_s
+
+
+def _is_name(name: object) -> bool:
+    return isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS
 
 
 class AdapterHoldings:
@@ -109,3 +136,37 @@ def fleet_demand(reports: Mapping[str, AdapterReport]) -> dict[str, int]:
     for r in reports.values():
         total.update(r.demand)
     return dict(total)
+
+
+class SeenStamps:
+    """Each replica's report stamp as a reader takes it: clamped to the reader's clock when
+    the reader first sees that stamp, and kept while the stamp stays the same.
+
+    Procedure: ``taken(key, at_s, now_s)`` answers the value kept for ``key`` if its stamp is
+    still ``at_s``; otherwise it keeps and answers ``min(at_s, now_s)``. A stamp at or behind
+    the reader's clock is taken as it is; one ahead of it is taken as "now", once, so a
+    report that stops changing ages from its arrival and never stays fresh on a stamp in the
+    future.
+
+    Bounded: at most ``capacity`` keys (replicas); a new key past it starts the map over (the
+    replicas that left are forgotten; a stamp still ahead is clamped again, to a later "now").
+    Plain data: the caller passes the time; not thread-safe (one owner).
+    """
+
+    def __init__(self, capacity: int = MAX_REPORTED) -> None:
+        check_int("capacity", capacity, minimum=1)
+        self._capacity = capacity
+        self._seen: dict[str, tuple[float, float]] = {}  # key -> (its stamp, that stamp as taken)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def taken(self, key: str, at_s: float, now_s: float) -> float:
+        seen = self._seen.get(key)
+        if seen is not None and seen[0] == at_s:
+            return seen[1]
+        if seen is None and len(self._seen) >= self._capacity:
+            self._seen.clear()
+        kept = min(at_s, now_s)
+        self._seen[key] = (at_s, kept)
+        return kept

@@ -19,8 +19,9 @@ replica's heartbeat.
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, ClassVar, Mapping, Optional, Protocol, TypeVar
+from typing import Any, ClassVar, Mapping, Optional, Protocol, Sequence, TypeVar
 
 from ballast.policies.catalog import name_problem
 from ballast.policies.criticality import Criticality
@@ -30,6 +31,12 @@ from ballast.policies.validation import check_fields, check_finite, check_int, c
 SERVE_NAMESPACE = "serve"
 #: The most models one router report may carry a load for (``RouterReport.models``).
 MAX_REPORTED_MODELS = 64
+#: The most engine processes a replica hands its watchdog (``WatchedReplica.engine_processes``:
+#: an engine core and a worker per rank, and its rank actors on the node), and the longest name
+#: each may carry. The replica cuts its list to them (``bounded_processes``); a list past them
+#: is refused where a report is built or checked.
+MAX_ENGINE_PROCESSES = 256
+MAX_PROCESS_NAME_CHARS = 128
 
 
 class _Dataclass(Protocol):
@@ -52,19 +59,34 @@ def _check_optional_str(name: str, value: object) -> None:
 
 
 def _check_processes(name: str, value: object) -> None:
-    """A tuple of (pid, name) pairs: a positive int and a non-empty str each."""
-    ok = isinstance(value, tuple) and all(
-        isinstance(p, tuple)
-        and len(p) == 2
-        and isinstance(p[0], int)
-        and not isinstance(p[0], bool)
-        and p[0] > 0
-        and isinstance(p[1], str)
-        and p[1]
-        for p in value
+    """A tuple of at most ``MAX_ENGINE_PROCESSES`` (pid, name) pairs: a positive int and a
+    str of 1-``MAX_PROCESS_NAME_CHARS`` characters each (the count checked before the pairs)."""
+    ok = (
+        isinstance(value, tuple)
+        and len(value) <= MAX_ENGINE_PROCESSES
+        and all(
+            isinstance(p, tuple)
+            and len(p) == 2
+            and isinstance(p[0], int)
+            and not isinstance(p[0], bool)
+            and p[0] > 0
+            and isinstance(p[1], str)
+            and 0 < len(p[1]) <= MAX_PROCESS_NAME_CHARS
+            for p in value
+        )
     )
     if not ok:
-        raise ValueError(f"{name}: must be a tuple of (pid, name) pairs, got {value!r}")
+        raise ValueError(
+            f"{name}: must be a tuple of at most {MAX_ENGINE_PROCESSES} (pid, name) pairs, names of "
+            f"1-{MAX_PROCESS_NAME_CHARS} characters, got {reprlib.repr(value)}"
+        )
+
+
+def bounded_processes(processes: Sequence[tuple[int, str]]) -> tuple[tuple[int, str], ...]:
+    """``processes`` within ``WatchedReplica``'s bounds: the first ``MAX_ENGINE_PROCESSES`` in
+    the order given (the engine's own first, as a replica lists them), each name cut to
+    ``MAX_PROCESS_NAME_CHARS`` characters."""
+    return tuple((pid, name[:MAX_PROCESS_NAME_CHARS]) for pid, name in processes[:MAX_ENGINE_PROCESSES])
 
 
 def _check_rates(name: str, rates: object, *, criticalities: bool) -> None:
@@ -310,6 +332,7 @@ class WatchedReplica:
     # The engine's own processes on the replica's node, (pid, name) as they name themselves
     # (vLLM: its engine core and one worker per rank, "VLLM::Worker_TP1"): sampled with the
     # replica, and one that goes away is named. Empty for an engine in the replica's process.
+    # At most MAX_ENGINE_PROCESSES, names of MAX_PROCESS_NAME_CHARS (``bounded_processes``).
     engine_processes: tuple[tuple[int, str], ...] = ()
     # The engine's ranks hold the GPUs, the replica none (a model of several ranks on GPUs):
     # its VRAM is what those processes use of every GPU of the node.

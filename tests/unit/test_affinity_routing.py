@@ -10,6 +10,7 @@ and ``get_queue_len``, the probe Serve sends. The loads are set through
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Optional
 
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
@@ -198,6 +199,55 @@ def test_a_missing_load_or_report_falls_back_to_power_of_two() -> None:
         router = await router_with(clock, a, d, loads={"a": 0})  # d's load not cached, and d does not answer
         (pair,) = ids(await router.choose_replicas([a, d], request("sql")))
         assert sorted(pair) == ["a", "d"]
+
+    asyncio.run(walk())
+
+
+def test_a_report_stamped_ahead_of_the_routers_clock_goes_stale_once_it_stops_changing() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a = StandInReplica("a", stats(("sql",), {}, at_s=10_000.0))  # its clock (or stamp) far ahead
+        b = StandInReplica("b", stats(("chat",), {}))
+        router = await router_with(clock, a, b, loads={"a": 3, "b": 0})
+
+        async def by_affinity() -> bool:
+            b.routing_stats = stats(("chat",), {}, at_s=float(clock()))  # b reports on: always fresh
+            router.on_new_queue_len_info(a.replica_id, 3)
+            router.on_new_queue_len_info(b.replica_id, 0)
+            return ids(await router.choose_replicas([a, b], request("sql"))) == [["a"], ["b"]]
+
+        # a's stamp is taken as of 100, when this router first saw it: stale MAX_REPORT_AGE_S
+        # later while it stays the same (a replica gone silent), not at 10,000 + 15.
+        assert await by_affinity()
+        clock.advance(int(MAX_REPORT_AGE_S))
+        assert await by_affinity()
+        clock.advance()
+        assert not await by_affinity()
+        # a reports again (a new stamp, still ahead): clamped to this router's clock, fresh.
+        a.routing_stats = stats(("sql",), {}, at_s=10_005.0)
+        assert await by_affinity()
+        clock.advance(int(MAX_REPORT_AGE_S) + 1)
+        assert not await by_affinity()
+
+    asyncio.run(walk())
+
+
+def test_a_report_past_its_bounds_is_refused_and_logged_once_per_replica(caplog) -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        long_name = stats(("sql",), {})
+        long_name["adapters"]["held"] = ["x" * 65]  # longer than any adapter's name
+        a = StandInReplica("a", long_name)
+        b = StandInReplica("b", stats(("chat",), {}))
+        router = await router_with(clock, a, b, loads={"a": 0, "b": 0})
+        with caplog.at_level(logging.WARNING, logger="ballast.model.routing"):
+            for _ in range(3):
+                (pair,) = ids(await router.choose_replicas([a, b], request("sql")))
+                assert sorted(pair) == ["a", "b"]  # no view of a: by load, never refused
+        refusals = [r.getMessage() for r in caplog.records if "adapter report refused" in r.getMessage()]
+        assert len(refusals) == 1 and "replica a's" in refusals[0] and "held:" in refusals[0]
+        a.routing_stats = stats(("sql",), {})  # a well-formed report again: affinity again
+        assert ids(await router.choose_replicas([a, b], request("sql"))) == [["a"], ["b"]]
 
     asyncio.run(walk())
 

@@ -233,3 +233,59 @@ def test_serve_config_builds_through_the_apps_own_builder_with_production_settin
     assert router.init_args[0][LARGE]._bound_deployment.name == f"BallastModel-{LARGE}"
     assert router.init_args[1] == cfg.model_dump(mode="json")  # what every replica loads
     assert cfg.chaos.enabled is False and cfg.watchdog.enabled and cfg.recycle.enabled
+
+
+def test_every_node_is_private_and_in_the_clusters_own_security_group():
+    """Ray's AWS defaults would give each node a public IP and, to each node type that names
+    no group, a group of Ray's with SSH open to 0.0.0.0/0 (ray.autoscaler._private.aws.config:
+    ``_configure_security_group``, ``_create_default_ssh_inbound_rules``; the rule is added
+    even beside ``provider.security_group`` rules). cluster.yaml asks for private addresses and
+    names the cluster's own group for every node type."""
+    cfg = yaml.safe_load((ROOT / "cluster/cluster.yaml").read_text())
+    assert cfg["provider"]["use_internal_ips"] is True
+    assert "security_group" not in cfg["provider"] and not any("/0" in v for v in strings(cfg))
+    types = cfg["available_node_types"]
+    assert {tuple(t["node_config"].get("SecurityGroupIds", ())) for t in types.values()} == {
+        ("sg-REPLACE-ballast-cluster",)
+    }
+    # Private subnets, one in each zone the provider names, the same for every node type.
+    (subnets,) = {tuple(t["node_config"]["SubnetIds"]) for t in types.values()}
+    zones = cfg["provider"]["availability_zone"].split(",")
+    assert list(subnets) == [f"subnet-REPLACE-private-{zone}" for zone in zones]
+    assert not any("NetworkInterfaces" in t["node_config"] for t in types.values())
+
+
+def test_the_security_group_opens_ssh_to_the_bastion_8000_to_the_balancer_and_every_port_within():
+    template = yaml.safe_load((ROOT / "cluster/security_group.yaml").read_text())
+    resources = template["Resources"]
+    assert {r["Type"] for r in resources.values()} == {"AWS::EC2::SecurityGroup", "AWS::EC2::SecurityGroupIngress"}
+    (group_name,) = [n for n, r in resources.items() if r["Type"] == "AWS::EC2::SecurityGroup"]
+    group = resources[group_name]["Properties"]
+    assert group["VpcId"] == {"Ref": "VpcId"} and template["Parameters"]["VpcId"]["Type"] == "AWS::EC2::VPC::Id"
+    port = load_config(production()).http.port  # HAProxy's, on every node
+    opened = {(r["IpProtocol"], r["FromPort"], r["ToPort"], r["CidrIp"]["Ref"]) for r in group["SecurityGroupIngress"]}
+    assert opened == {("tcp", 22, 22, "BastionCidr"), ("tcp", port, port, "BalancerCidr")}
+    assert "SecurityGroupEgress" not in group  # AWS's default: out to the NAT, for setup
+    (within,) = [r["Properties"] for r in resources.values() if r["Type"] == "AWS::EC2::SecurityGroupIngress"]
+    itself = {"Fn::GetAtt": [group_name, "GroupId"]}
+    assert within == {**within, "GroupId": itself, "SourceSecurityGroupId": itself, "IpProtocol": "-1"}
+    assert "CidrIp" not in within
+    assert template["Outputs"]["ClusterGroupId"]["Value"] == itself
+    # The CIDRs are the operator's, with no default; none wider than /8 passes CloudFormation.
+    for name in ("BastionCidr", "BalancerCidr"):
+        param = template["Parameters"][name]
+        assert "Default" not in param
+        pattern = re.compile(param["AllowedPattern"])
+        for cidr in ("10.0.0.10/32", "10.20.0.0/16", "10.0.0.0/8"):
+            assert pattern.fullmatch(cidr), (name, cidr)
+        for cidr in ("0.0.0.0/0", "10.0.0.0/7", "10.0.0.0", "10.0.0.0/33", "::/0"):
+            assert not pattern.fullmatch(cidr), (name, cidr)
+
+
+def strings(value: object) -> list[str]:
+    """Every string in a loaded YAML document, keys and values (its comments are gone)."""
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in strings(k) + strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in strings(v)]
+    return [value] if isinstance(value, str) else []

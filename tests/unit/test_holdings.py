@@ -3,7 +3,8 @@ and the report routers read (fail closed on anything malformed)."""
 
 import pytest
 
-from ballast.policies.holdings import MAX_REPORTED, AdapterHoldings, AdapterReport, fleet_demand
+from ballast.policies.catalog import MAX_NAME_CHARS
+from ballast.policies.holdings import MAX_REPORTED, AdapterHoldings, AdapterReport, SeenStamps, fleet_demand
 
 
 def test_the_mirror_is_the_lru_of_the_calls_as_many_as_the_slots_call_by_call() -> None:
@@ -61,10 +62,75 @@ def test_a_report_round_trips_through_the_routing_stats() -> None:
         {"held": [], "slots": 2, "demand": [], "at_s": 0.0},
         {"held": [], "slots": 2, "demand": {}, "at_s": float("nan")},
         {"held": [], "slots": 2, "demand": {}},
+        {"held": [""], "slots": 2, "demand": {}, "at_s": 0.0},  # no name
+        {"held": ["x" * (MAX_NAME_CHARS + 1)], "slots": 2, "demand": {}, "at_s": 0.0},
+        {"held": [], "slots": 2, "demand": {"x" * (MAX_NAME_CHARS + 1): 1}, "at_s": 0.0},
+        {"held": [], "slots": 2, "demand": {f"a{i}": 1 for i in range(MAX_REPORTED + 1)}, "at_s": 0.0},
     ],
 )
 def test_a_malformed_report_reads_as_none(stats: object) -> None:
     assert AdapterReport.of(stats) is None
+    assert AdapterReport.problem(stats)  # and says why
+
+
+def test_a_report_at_its_bounds_is_read_and_one_past_them_is_refused_naming_the_field() -> None:
+    longest = "x" * MAX_NAME_CHARS
+    at_bounds = {
+        "held": [longest, "sql"],
+        "slots": MAX_REPORTED,
+        "demand": {f"a{i}": 1 for i in range(MAX_REPORTED - 1)} | {longest: 2},
+        "at_s": 5.0,
+    }
+    report = AdapterReport.of(at_bounds)
+    assert AdapterReport.problem(at_bounds) is None and report is not None
+    assert report.held == (longest, "sql") and len(report.demand) == MAX_REPORTED
+    past = [
+        ({**at_bounds, "held": [longest + "x"]}, "held"),
+        ({**at_bounds, "slots": 1}, "held"),  # two held in one slot
+        ({**at_bounds, "demand": {**at_bounds["demand"], "one-more": 1}}, "demand"),
+        ({**at_bounds, "demand": {**at_bounds["demand"], longest: -1}}, "demand"),
+        ({**at_bounds, "slots": MAX_REPORTED + 1}, "slots"),
+    ]
+    for stats, field in past:
+        problem = AdapterReport.problem(stats)
+        assert AdapterReport.of(stats) is None and problem is not None and problem.startswith(f"{field}:"), field
+
+
+def test_a_held_list_longer_than_its_slots_is_refused_before_its_names_are_read() -> None:
+    class Unreadable(str):
+        def __len__(self) -> int:
+            raise AssertionError("a name was read")
+
+    held = ["sql"] * 3 + [Unreadable("x")]
+    assert AdapterReport.problem({"held": held, "slots": 2, "demand": {}, "at_s": 0.0}) is not None
+
+
+def test_a_stamp_ahead_of_the_readers_clock_ages_from_when_it_was_first_seen() -> None:
+    stamps = SeenStamps()
+    far_ahead = AdapterReport(("sql",), 2, {}, at_s=10_000.0)  # a replica's clock (or stamp) far ahead
+    # Read at the reader's 100, 105, ..., the same stamp each time: taken as 100, the first sight.
+    fresh = []
+    for now in range(100, 125, 5):
+        taken = stamps.taken("a", far_ahead.at_s, float(now))
+        assert taken == 100.0, now
+        fresh.append(AdapterReport(far_ahead.held, far_ahead.slots, {}, taken).is_fresh(float(now), 15.0))
+    assert fresh == [True, True, True, True, False]  # stale 15 s after it arrived
+    # A new stamp (the replica still reporting) is clamped afresh: fresh again.
+    assert stamps.taken("a", 10_005.0, 120.0) == 120.0
+    # A stamp behind the reader's clock is taken as it is, and ages as before.
+    assert stamps.taken("b", 95.0, 100.0) == 95.0 and stamps.taken("b", 95.0, 111.0) == 95.0
+
+
+def test_the_seen_stamps_are_bounded_and_start_over_past_their_capacity() -> None:
+    stamps = SeenStamps(capacity=2)
+    assert stamps.taken("a", 200.0, 100.0) == 100.0
+    assert stamps.taken("b", 200.0, 100.0) == 100.0
+    assert len(stamps) == 2
+    assert stamps.taken("a", 200.0, 101.0) == 100.0  # a key it holds: no room needed
+    assert stamps.taken("c", 200.0, 102.0) == 102.0 and len(stamps) == 1  # past it: started over
+    assert stamps.taken("a", 200.0, 103.0) == 103.0  # forgotten: clamped again, to a later now
+    with pytest.raises(ValueError):
+        SeenStamps(capacity=0)
 
 
 def test_the_fleet_demand_is_the_sum_of_the_reports() -> None:

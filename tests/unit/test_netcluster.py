@@ -52,6 +52,21 @@ def test_gcs_fault_tolerance_points_the_head_and_only_the_head_at_redis():
     assert f"RAY_REDIS_ADDRESS={netcluster.REDIS_IP}:{netcluster.GCS_PORT}" in head
     assert "RAY_REDIS_ADDRESS" not in worker
     assert f"--address={HEAD.ip}:{netcluster.GCS_PORT}" in worker
+    # The head authenticates to Redis with the password `up --redis` wrote, read when the
+    # command runs (the command itself, logged in start.log, holds no password).
+    assert f'--redis-username=default --redis-password="$(cat {netcluster.REDIS_PASSWORD})"' in head
+    assert "redis-password" not in worker
+    assert "redis-password" not in netcluster.start_commands("head", HEAD, HEAD, redis=False)[0]
+
+
+def test_the_gcs_redis_requires_its_password_and_its_files_are_private(tmp_path):
+    conf = netcluster.redis_conf("pw-123", tmp_path)
+    lines = conf.splitlines()
+    assert "requirepass pw-123" in lines and f"bind {netcluster.REDIS_IP}" in lines
+    assert f"port {netcluster.GCS_PORT}" in lines and "protected-mode no" not in lines
+    path = tmp_path / "redis.conf"
+    netcluster._write_private(path, conf)
+    assert path.read_text() == conf and path.stat().st_mode & 0o777 == 0o600
 
 
 def test_every_node_authenticates_and_the_head_runs_no_work():

@@ -9,6 +9,7 @@ answers (``/admin/replicas``, a replica's ``stats``) have always had.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import pickle
 
@@ -16,12 +17,15 @@ import pytest
 
 from fakes import FakeClock
 from ballast.policies.reports import (
+    MAX_ENGINE_PROCESSES,
+    MAX_PROCESS_NAME_CHARS,
     ReplicaReport,
     RouterReport,
     SeriesTrend,
     WatchdogOrders,
     WatchdogReport,
     WatchedReplica,
+    bounded_processes,
     checked,
 )
 from ballast.config import load_config
@@ -112,6 +116,50 @@ def test_checked_drops_what_is_not_a_well_formed_report_of_its_kind() -> None:
 def test_a_malformed_report_is_refused_where_it_is_built_naming_the_field(build, field) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
         build()
+
+
+def test_the_engine_process_list_is_bounded_in_count_and_name_where_it_is_built() -> None:
+    at_bounds = tuple((pid, "W" * MAX_PROCESS_NAME_CHARS) for pid in range(1, MAX_ENGINE_PROCESSES + 1))
+    assert WatchedReplica("m", "D", engine_processes=at_bounds).engine_processes == at_bounds
+    one_more = at_bounds + ((MAX_ENGINE_PROCESSES + 1, "VLLM::Worker_TP9"),)
+    long_name = ((1, "W" * (MAX_PROCESS_NAME_CHARS + 1)),)
+    for processes in (one_more, long_name, ((1, ""),)):
+        with pytest.raises(ValueError, match="^engine_processes:") as refused:
+            WatchedReplica("m", "D", engine_processes=processes)
+        assert len(str(refused.value)) < 400  # the message names the field, not the whole list
+        with pytest.raises(ValueError, match="^engine_processes:"):
+            WatchdogReport(replica_id="m", deployment="D", engine_processes=processes)
+
+
+def test_a_replica_cuts_its_engine_process_list_to_the_bounds_keeping_the_first() -> None:
+    listed = [(10, "VLLM::EngineCore"), (11, "/opt/venv/bin/" + "x" * 300)] + [
+        (100 + i, f"ray::RayWorkerWrapper{i}") for i in range(MAX_ENGINE_PROCESSES + 50)
+    ]
+    kept = bounded_processes(listed)
+    assert len(kept) == MAX_ENGINE_PROCESSES
+    assert kept[0] == (10, "VLLM::EngineCore")  # the engine's own come first and stay
+    assert kept[1] == (11, listed[1][1][:MAX_PROCESS_NAME_CHARS])
+    assert kept[2:] == tuple(listed[2:MAX_ENGINE_PROCESSES])
+    assert WatchedReplica("m", "D", engine_processes=kept).engine_processes == kept
+    within = ((10, "VLLM::EngineCore"), (11, "VLLM::Worker_TP0"))
+    assert bounded_processes(within) == within  # within them: unchanged
+
+
+def test_an_engine_process_list_past_the_bounds_is_refused_where_it_arrives() -> None:
+    """Ray unpickles a watchdog's ``WatchedReplica`` and the controller's reports without
+    ``__post_init__``: the watchdog checks its ``info`` again (``dataclasses.replace``) and
+    the controller each report (``checked``)."""
+    too_many = tuple((pid, "VLLM::Worker") for pid in range(1, MAX_ENGINE_PROCESSES + 2))
+    info = copy.copy(REPLICA)
+    object.__setattr__(info, "engine_processes", too_many)  # past __post_init__, as unpickling lets through
+    arrived = pickle.loads(pickle.dumps(info))
+    assert arrived.engine_processes == too_many
+    with pytest.raises(ValueError, match="^engine_processes:"):
+        dataclasses.replace(arrived)
+    assert checked(arrived, WatchedReplica) is None
+    report = WatchdogReport.of(REPLICA, at_s=1010.0)
+    object.__setattr__(report, "engine_processes", too_many)
+    assert checked(pickle.loads(pickle.dumps(report)), WatchdogReport) is None
 
 
 def test_the_simulators_fluid_running_and_a_replica_started_before_the_epoch_are_reports() -> None:

@@ -484,3 +484,27 @@ def test_a_3_mb_per_s_leak_under_a_gc_sawtooth_is_still_named_within_two_minutes
     t, r = walk_until_recycle(c, clock, 600)
     assert t == 215 and t - LOCAL.warmup_s <= 120 and r.trends["rss_bytes"].short_window
     assert r.severity == "critical" and r.recycle_requested and r.rss_bytes < LIMIT_MB * MB
+
+
+def test_a_replica_hands_its_watchdog_at_most_the_bound_of_engine_processes_and_says_so(caplog) -> None:
+    """ModelServer._engine_processes, with a stand-in backend listing more processes than a
+    test can start: the first MAX_ENGINE_PROCESSES go to the watchdog, names cut, the cut logged."""
+    import logging
+    import types
+
+    from ballast.model.server import ModelServer
+    from ballast.policies.reports import MAX_ENGINE_PROCESSES, MAX_PROCESS_NAME_CHARS
+
+    listed = [(10, "VLLM::EngineCore")] + [(100 + i, "w" * 200) for i in range(MAX_ENGINE_PROCESSES)]
+    server = ModelServer.__new__(ModelServer)  # only the backend is read
+    server._backend = types.SimpleNamespace(engine_processes=lambda: tuple(listed))
+    with caplog.at_level(logging.WARNING, logger="ballast.model.server"):
+        handed = server._engine_processes()
+    assert len(handed) == MAX_ENGINE_PROCESSES and handed[0] == (10, "VLLM::EngineCore")
+    assert all(len(name) == MAX_PROCESS_NAME_CHARS for _, name in handed[1:])
+    assert WatchedReplica("r1", "BallastModel", engine_processes=handed).engine_processes == handed
+    (said,) = [r.getMessage() for r in caplog.records if "watchdog watches the first" in r.getMessage()]
+    assert f"lists {MAX_ENGINE_PROCESSES + 1} processes" in said
+    caplog.clear()
+    server._backend = types.SimpleNamespace(engine_processes=lambda: ((10, "VLLM::EngineCore"),))
+    assert server._engine_processes() == ((10, "VLLM::EngineCore"),) and not caplog.records
