@@ -26,7 +26,7 @@ def sh(script: str) -> tuple[str, ...]:
 
 
 def test_the_plan_fits_the_budget_in_order(tmp_path):
-    sections = gc.plan("python3", tmp_path / "no-wheels", tmp_path / "site", tmp_path / "llama")
+    sections = gc.plan("python3", tmp_path / "no-wheels", tmp_path / "site", tmp_path / "llama", ["pydantic"])
     assert [s.name for s in sections] == [
         "wheels",
         "environment",
@@ -37,19 +37,21 @@ def test_the_plan_fits_the_budget_in_order(tmp_path):
     ]
     assert sum(s.bound_s for s in sections) == gc.BUDGET_S == 480
     assert [s.needs_cuda for s in sections] == [False, False, True, True, True, True]
-    assert "no wheels in" in sections[0].skip_reason
+    assert sections[0].skip_reason == f"no wheels in {tmp_path / 'no-wheels'}; pydantic will be missing"
     last = sections[-1]
     assert last.after == "0.7 B Llama, built"
     assert last.argv[-4:] == ("--concurrency", "8,32", "--model", str(tmp_path / "llama"))
     assert "--no-vllm" in last.argv and "cuda" in last.argv
 
 
-def test_wheels_there_are_installed_into_the_site_directory(tmp_path):
+def test_wheels_there_are_installed_into_the_site_directory_where_a_package_is_missing(tmp_path):
     wheels = tmp_path / "whl"
     wheels.mkdir()
     for name in ("b-1.0-py3-none-any.whl", "a-2.0-cp312-cp312-manylinux_2_17_x86_64.whl", "notes.txt"):
         (wheels / name).write_text("")
-    first = gc.plan("python3", wheels, tmp_path / "site", tmp_path / "llama")[0]
+    there = gc.plan("python3", wheels, tmp_path / "site", tmp_path / "llama", [])[0]
+    assert there.skip_reason == "pydantic and what it imports are importable here"
+    first = gc.plan("python3", wheels, tmp_path / "site", tmp_path / "llama", ["pydantic_core"])[0]
     assert first.skip_reason is None
     assert first.argv[:3] == ("python3", "-m", "pip")
     assert {"--no-index", "--no-deps", "--upgrade"} <= set(first.argv)
@@ -106,6 +108,9 @@ def test_cuda_sections_run_only_when_the_environment_says_so():
     assert said[1] == "[gpu-check] gpu: skipped: no CUDA (0 s)"
     with_cuda = gc.run_all(sections(True), {}, 100, say=lambda line: None)
     assert [o.status for o in with_cuda] == ["ok", "ok", "ok"] and with_cuda[1].output == "ran\n"
+    # CUDA there but a module missing: the environment fails, the CUDA sections still run (and say why they fail).
+    broken = [Section("environment", sh(f"echo '{gc.CUDA_LINE}True'; exit 1"), 30), *sections(True)[1:]]
+    assert [o.status for o in gc.run_all(broken, {}, 100, say=lambda line: None)] == ["failed (exit 1)", "ok", "ok"]
 
 
 def test_a_section_after_one_that_failed_is_skipped_and_the_budget_ends_the_run():
@@ -218,6 +223,21 @@ def test_what_the_sections_import_needs_no_ray_vllm_or_server_packages():
     code = f"import sys; sys.modules.update(dict.fromkeys({absent!r})); " + "; ".join(f"import {m}" for m in modules)
     done = subprocess.run([sys.executable, "-c", code], cwd=gc.ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_cpu_smoke_runs_the_benchmarks_parts(capsys):
+    assert gc._smoke() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "CPU smoke:"
+    steps = [line.split(":")[0].strip() for line in out[1:]]
+    assert steps == ["config", "watchdog sample", "decode", "bench-model stacks"]
+    assert "FAILED" not in "\n".join(out)
+    assert "2 rows (ballast, generate)" in out[-1]
+
+
+def test_packages_are_found_by_their_module_names():
+    # The test environment has pydantic and the rest; "annotated-types" is the module annotated_types.
+    assert gc.missing_packages() == []
 
 
 def test_a_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
