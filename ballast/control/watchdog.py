@@ -34,19 +34,20 @@ The actions that must run inside the replica (gc, empty_cache, readiness) go bac
 in the reply to ``beat`` (``ballast.policies.reports.WatchdogOrders``); the watchdog never
 reaches into the replica otherwise. Its report to the controller is a
 ``ballast.policies.reports.WatchdogReport`` about the ``WatchedReplica`` it was spawned with.
-``WatchdogCore`` is the logic without Ray, tested with fake samplers and clocks.
+``WatchdogCore`` is the logic without Ray, tested with fake samplers and clocks; this
+module imports Ray only where the actor is made (``spawn_watchdog``) or runs, so that the
+core imports on a machine without Ray (a GPU benchmark's, ``loadtest.bench_gpu``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 from collections import deque
 from typing import Any, Callable, Optional, Protocol
-
-import ray
 
 from dataclasses import replace
 
@@ -63,7 +64,6 @@ from ballast.policies.leak import (
 from ballast.policies.reports import SeriesTrend, WatchdogOrders, WatchdogReport, WatchedReplica
 
 from ballast.config import BallastConfig, WatchdogSettings, load_config
-from ballast.control.link import ControllerLink
 from ballast.control.gpu import make_process_gpu_probe
 
 log = logging.getLogger("ballast.watchdog")
@@ -400,9 +400,9 @@ class WatchdogCore:
         return trends, verdict
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
 class Watchdog:
-    """Ray actor around ``WatchdogCore``: a sampling loop and a ``beat`` endpoint."""
+    """Ray actor around ``WatchdogCore``: a sampling loop and a ``beat`` endpoint (made an
+    actor class by ``_watchdog_actor``)."""
 
     def __init__(self, cfg: dict[str, Any], info: WatchedReplica):
         # Ray unpickled ``info`` without its checks (``__post_init__``): run them again, so a
@@ -422,6 +422,8 @@ class Watchdog:
             memory_total_bytes=node_memory_bytes(),
             fd_limit=proc.fd_limit,
         )
+        from ballast.control.link import ControllerLink  # imports Ray: only where the actor runs
+
         self._link = ControllerLink(self._cfg)
         self._task: Optional[asyncio.Task] = None
         self._replica_actor = str(info.actor_name)
@@ -505,12 +507,21 @@ class Watchdog:
         return self._core.last_report
 
 
+@functools.cache
+def _watchdog_actor() -> Any:
+    """``Watchdog`` as a Ray actor class, made once, at the first spawn."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=0)(Watchdog)
+
+
 def spawn_watchdog(cfg: BallastConfig, info: WatchedReplica) -> Any:
     """Start this replica's watchdog on its node, owned by (so fate-shared with) the caller.
 
     ``info`` names the replica (replica_id, deployment, started_at_s, gpu_uuid); the
     pid, actor name and namespace are added here. None outside a Ray worker.
     """
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if not cfg.watchdog.enabled or not ray.is_initialized():
@@ -519,6 +530,8 @@ def spawn_watchdog(cfg: BallastConfig, info: WatchedReplica) -> Any:
 
     ctx = ray.get_runtime_context()
     info = replace(info, pid=os.getpid(), actor_name=ctx.get_actor_name(), actor_namespace=SERVE_NAMESPACE)
-    return Watchdog.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ctx.get_node_id(), soft=False)
-    ).remote(cfg.model_dump(mode="json"), info)
+    return (
+        _watchdog_actor()
+        .options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ctx.get_node_id(), soft=False))
+        .remote(cfg.model_dump(mode="json"), info)
+    )
