@@ -33,6 +33,7 @@ from pydantic import (
     model_validator,
 )
 
+from ballast.policies.adapters import MAX_PATH_CHARS
 from ballast.policies.autoscale import AutoscaleConfig
 from ballast.policies.catalog import AdapterEntry, Catalog, ModelEntry, name_problem
 from ballast.policies.breaker import BreakerConfig
@@ -1009,6 +1010,14 @@ class BallastConfig(_Strict):
     model: ModelConfig = ModelConfig()
     # The models served, in place of ``model``; the first is the primary. Not written: [model].
     models: list[ServedModelConfig] = Field(default_factory=list)
+    # LoRA adapters added at run time (POST /admin/adapters) load only from directories
+    # under this one, checked on the node that loads them: symlinks resolved, and the root,
+    # each directory down to the adapter and its files owned by the service user (or root)
+    # and writable by no one else. A relative path is taken from each process's working
+    # directory, as models' paths are. None: no adapter may be added at run time (409
+    # ADAPTERS_DISABLED). The config's own models[].adapters are the operator's, as the
+    # models' paths are, and are not held to it.
+    adapters_root: Optional[str] = Field(None, min_length=1, max_length=MAX_PATH_CHARS)
     deployments: DeploymentsConfig = DeploymentsConfig()
     controller: ControllerConfig = ControllerConfig()
     degradation: DegradationSettings = DegradationSettings()
@@ -1049,6 +1058,13 @@ class BallastConfig(_Strict):
         one = len(self.models) == 1 and not self.models[0].has_extras()
         out.pop("models" if one else "model", None)
         return out
+
+    @field_validator("adapters_root")
+    @classmethod
+    def _a_root(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and ("\x00" in v or v.startswith("~") or v.rstrip("/") == ""):
+            raise ValueError("write a directory other than / (no ~, no NUL), or null for no run-time adapters")
+        return v
 
     @model_validator(mode="after")
     def _catalog_rules(self) -> "BallastConfig":

@@ -94,6 +94,21 @@ class AdapterInConfig(BallastError):
     status, code = 409, "ADAPTER_IN_CONFIG"
 
 
+class AdapterConflict(BallastError):
+    """``POST /admin/adapters`` naming an adapter added at run time, or one whose add is in
+    flight: refused until that one is deleted (or its add ends), so that two adds of one
+    name never race to different replicas."""
+
+    status, code = 409, "ADAPTER_CONFLICT"
+
+
+class AdaptersDisabled(BallastError):
+    """``POST /admin/adapters`` where the config sets no ``adapters_root``: no adapter may be
+    added at run time."""
+
+    status, code = 409, "ADAPTERS_DISABLED"
+
+
 class SchemaTooComplex(InvalidRequest):
     """A ``response_format`` schema or the tools' schemas are past the bounds Ballast sets
     (depth, size, count), or their grammar did not compile within its time limit:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
 import ray
 
 from ballast.policies import control
+from ballast.policies import adapters as adapter_rule
 from ballast.policies.adapters import MAX_RUNTIME_ADAPTERS, RuntimeAdapter, with_runtime
 from ballast.policies.catalog import Catalog, CatalogError
 from ballast.policies.fairness import merge_reports, router_shares
@@ -50,6 +51,7 @@ from ballast.policies.window import CountWindow
 from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport, checked
 
 from ballast.config import BallastConfig, load_config
+from ballast.errors import AdapterConflict
 from ballast.control.recycling import RecycleCoordinator
 from ballast.control.names import CHAOS_TARGETS, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot
@@ -60,6 +62,12 @@ MAX_SENDERS = 4096
 MAX_OUTCOME_BUCKETS = 1024
 MAX_KILL_SWITCHES = 256
 MAX_AUDIT = 1000
+#: How long a name stays reserved for an add in flight (``reserve_adapter``): the router's
+#: trial load (150 s at most) and its calls here, with room.
+ADAPTER_RESERVE_S = 180.0
+#: Who an admin action is recorded as: the credential it proved (one shared admin token);
+#: the operator it names (``X-Ballast-Operator``) is its claim, recorded as such.
+ADMIN_CREDENTIAL = "admin_token"
 #: What /admin/replicas shows of a replica's watchdog report.
 WATCHDOG_STATUS_KEYS = (
     "rss_bytes",
@@ -175,6 +183,9 @@ class ControllerCore:
         self.admin_dirty = False
         self._kill_switches: "OrderedDict[str, KillSwitchEntry]" = OrderedDict()
         self._adapters: "OrderedDict[str, RuntimeAdapter]" = OrderedDict()  # LoRA adapters added at run time
+        # Names held for an add in flight: name -> (path, until, on self._clock). Bounded
+        # with _adapters by MAX_RUNTIME_ADAPTERS; never persisted (a restart drops them).
+        self._reserved: dict[str, tuple[str, float]] = {}
         self._audit: deque[dict[str, Any]] = deque(maxlen=MAX_AUDIT)
         self._chaos: dict[str, dict[str, Any]] = {}
         self.recycler = RecycleCoordinator(cfg.recycle, self.epoch, self._wall)
@@ -333,7 +344,7 @@ class ControllerCore:
     ) -> list[str]:
         known = {r.replica_id: r.deployment for r in self._replicas.fresh()}
         chosen = self.recycler.request(known, replica_id, deployment, everyone, by)
-        self._record("recycle_requested", by, replicas=chosen)
+        self._audit_admin("recycle_requested", by, replicas=chosen)
         return chosen
 
     def replica_status(self) -> dict[str, Any]:
@@ -527,21 +538,16 @@ class ControllerCore:
         }
 
     def adopt_admin_state(self, state: Any) -> int:
-        """Take back what a previous controller persisted; entries that are malformed or
-        expired are dropped (logged), never fatal; a state written before adapters were
-        kept has none. Returns the kill switches adopted."""
+        """Take back what a previous controller persisted, each record checked as a new
+        admin call would be: run-time adapters first (``adapter_rule.check`` against this
+        config), then kill switches (``killswitch.check_entry``: a value must name what
+        exists, the adapters just adopted included). A refused record is logged and
+        dropped, never applied; an expired kill switch is dropped quietly; a state written
+        before adapters were kept has none. Returns the kill switches adopted."""
         if not isinstance(state, dict):
             raise ValueError(f"admin state: want an object, got {type(state).__name__}")
-        now = self._wall()
-        for raw in list(state.get("kill_switches") or [])[:MAX_KILL_SWITCHES]:
-            try:
-                entry = KillSwitchEntry.from_dict(raw)
-            except (TypeError, ValueError) as exc:
-                log.warning("dropped a persisted kill switch %r: %s", raw, exc)
-                continue
-            if not entry.expired(now):
-                self._kill_switches[entry.id] = entry
         self._adopt_adapters(state.get("adapters"))
+        self._adopt_kill_switches(state.get("kill_switches"))
         for target, settings in dict(state.get("chaos") or {}).items():
             if target in CHAOS_TARGETS and isinstance(settings, dict):
                 self._chaos[target] = dict(settings)
@@ -556,16 +562,31 @@ class ControllerCore:
         self._republish()
         return len(self._kill_switches)
 
+    def _adopt_kill_switches(self, raw_entries: Any) -> None:
+        if not isinstance(raw_entries, list):
+            return
+        now, names = self._wall(), self._kill_switch_names()
+        for raw in raw_entries[:MAX_KILL_SWITCHES]:
+            try:
+                entry = KillSwitchEntry.from_dict(raw)
+                if entry.expired(now):
+                    continue
+                killswitch.check_entry(entry, names, now)
+            except (TypeError, ValueError) as exc:
+                log.warning("dropped a persisted kill switch %r: %s", raw, exc)
+                continue
+            self._kill_switches[entry.id] = entry
+
     def _adopt_adapters(self, raw_entries: Any) -> None:
-        """Take back the persisted run-time adapters (the first ``MAX_RUNTIME_ADAPTERS``);
-        a malformed one is dropped (logged). One that no longer fits this config (its model
-        gone) is kept: routers and replicas skip it, and an operator may delete it."""
+        """Take back the persisted run-time adapters (the first ``MAX_RUNTIME_ADAPTERS``),
+        each checked against the config's catalog with those adopted before it."""
         if not isinstance(raw_entries, list):
             return
         for raw in raw_entries[:MAX_RUNTIME_ADAPTERS]:
             try:
                 entry = RuntimeAdapter.from_dict(raw)
-            except (TypeError, ValueError) as exc:
+                adapter_rule.check(self.runtime_catalog(), entry, self.cfg.adapters_root)
+            except (TypeError, ValueError) as exc:  # CatalogError is a ValueError
                 log.warning("dropped a persisted adapter %r: %s", raw, exc)
                 continue
             self._adapters[entry.name] = entry
@@ -584,10 +605,17 @@ class ControllerCore:
         )
 
     def _record(self, action: str, by: str, **fields: Any) -> dict[str, Any]:
+        """An audit event of the controller's own (``by``: "controller")."""
         event = {"at_s": round(self._wall(), 3), "action": action, "by": by, **fields}
         self._audit.append(event)
         log.warning("ballast.audit %s", json.dumps(event, sort_keys=True))
         return event
+
+    def _audit_admin(self, action: str, claimed: str, **fields: Any) -> dict[str, Any]:
+        """An audit event of an admin call: ``by`` the credential it proved (the admin
+        token), ``operator_claimed`` the operator its ``X-Ballast-Operator`` header named
+        (unverified: any holder of the token may name anyone; null when none)."""
+        return self._record(action, ADMIN_CREDENTIAL, operator_claimed=claimed or None, **fields)
 
     def _expire_kill_switches(self) -> None:
         now = self._wall()
@@ -599,16 +627,18 @@ class ControllerCore:
     def set_kill_switch(
         self, scope: str, value: Optional[str], reason: str, expires_in_s: float, set_by: str
     ) -> dict[str, Any]:
-        """Add an entry; ValueError (naming the field) when it is malformed or the table is full."""
-        killswitch.check_value(scope, value, self._kill_switch_names())
+        """Add an entry; ValueError (naming the field) when it is malformed, fails
+        ``killswitch.check_entry`` (the check a persisted entry is read back with) or the
+        table is full."""
+        killswitch.check_value(scope, value, self._kill_switch_names())  # the value first: 422 listing the names
         self._expire_kill_switches()
         if len(self._kill_switches) >= MAX_KILL_SWITCHES:
             raise ValueError(f"scope: at most {MAX_KILL_SWITCHES} kill switches may be active")
-        entry = KillSwitchEntry.create(
-            uuid.uuid4().hex[:12], scope, value, reason, set_by, self._wall(), float(expires_in_s)
-        )
+        now = self._wall()
+        entry = KillSwitchEntry.create(uuid.uuid4().hex[:12], scope, value, reason, set_by, now, float(expires_in_s))
+        killswitch.check_entry(entry, self._kill_switch_names(), now)
         self._kill_switches[entry.id] = entry
-        self._record("kill_switch_set", set_by, entry=entry.to_dict())
+        self._audit_admin("kill_switch_set", set_by, entry=entry.to_dict())
         self._republish()
         return entry.to_dict()
 
@@ -625,7 +655,7 @@ class ControllerCore:
     def delete_kill_switch(self, entry_id: str, by: str) -> bool:
         entry = self._kill_switches.pop(entry_id, None)
         if entry is not None:
-            self._record("kill_switch_deleted", by, entry=entry.to_dict())
+            self._audit_admin("kill_switch_deleted", by, entry=entry.to_dict())
             self._republish()
         return entry is not None
 
@@ -636,32 +666,75 @@ class ControllerCore:
             "audit": list(self._audit),
         }
 
-    # -- LoRA adapters added at run time (the router's admin call loaded it on one replica first)
-    def set_adapter(self, model: str, name: str, path: str, tenants: Optional[list[str]], by: str) -> dict[str, Any]:
-        """Add a run-time adapter to the catalog every router and replica follows; ValueError
-        (naming the field) when the catalog refuses it (``Catalog.with_adapter``: an unknown
-        or non-vLLM model, a name taken or invalid, tenants outside the model's grant) or the
-        table is full."""
-        if name in self._adapters:
-            raise ValueError(f"name: {name!r} is taken by an adapter added at run time; delete it first")
-        if len(self._adapters) >= MAX_RUNTIME_ADAPTERS:
-            raise ValueError(f"name: at most {MAX_RUNTIME_ADAPTERS} adapters may be added at run time")
-        try:
-            self.runtime_catalog().with_adapter(model, name, path, tenants)
-        except CatalogError as e:
-            raise ValueError(str(e)) from None
-        entry = RuntimeAdapter.create(model, name, path, tenants, round(self._wall(), 3), by)
+    # -- LoRA adapters added at run time: reserve, the router's trial load, then set -----------
+    def reserve_adapter(self, model: str, name: str, path: str, tenants: list[str]) -> None:
+        """Hold ``name`` for an add in flight (the router's trial load comes next, then
+        ``set_adapter`` with the same path) for at most ``ADAPTER_RESERVE_S``.
+        AdapterConflict while a run-time adapter or another add in flight holds the name;
+        ValueError (naming the field) when ``set_adapter`` would refuse the add."""
+        self._expire_reservations()
+        self._check_free(name, path, reserved_ok=False)
+        self._checked(model, name, path, tenants, "")
+        self._reserved[name] = (path, self._clock() + ADAPTER_RESERVE_S)
+
+    def release_adapter(self, name: str, path: str) -> bool:
+        """Drop the reservation of ``name`` for ``path`` (its trial load failed); False
+        when there is none (expired, or another path's)."""
+        held = self._reserved.get(name)
+        if held is None or held[0] != path:
+            return False
+        del self._reserved[name]
+        return True
+
+    def set_adapter(self, model: str, name: str, path: str, tenants: list[str], by: str) -> dict[str, Any]:
+        """Add a run-time adapter to the catalog every router and replica follows, ending
+        its reservation. AdapterConflict when the name is a run-time adapter's or reserved
+        for another path; ValueError (naming the field) when ``adapter_rule.check`` refuses
+        it (no ``adapters_root``, a path outside it, the catalog: an unknown or non-vLLM
+        model, a name taken or invalid, tenants outside the model's grant) or the table is
+        full. ``tenants``: the names, or ``["*"]`` for every tenant the model admits."""
+        self._expire_reservations()
+        self._check_free(name, path, reserved_ok=True)
+        entry = self._checked(model, name, path, tenants, by)
+        self._reserved.pop(name, None)
         self._adapters[name] = entry
-        self._record("adapter_added", by, adapter=entry.to_dict())
+        self._audit_admin("adapter_added", by, adapter=entry.to_dict())
         self._republish()
         return entry.to_dict()
+
+    def _check_free(self, name: str, path: str, reserved_ok: bool) -> None:
+        """AdapterConflict while ``name`` is a run-time adapter's, or reserved (for another
+        path, or at all unless ``reserved_ok``)."""
+        if name in self._adapters:
+            raise AdapterConflict(f"name: {name!r} is an adapter added at run time; delete it first")
+        held = self._reserved.get(name)
+        if held is not None and not (reserved_ok and held[0] == path):
+            raise AdapterConflict(f"name: another add of {name!r} is in flight; try again once it ends")
+
+    def _checked(self, model: str, name: str, path: str, tenants: list[str], by: str) -> RuntimeAdapter:
+        """The record, once ``adapter_rule.check`` and the table's bound pass; ValueError
+        (naming the field) otherwise."""
+        others = sum(1 for n in self._reserved if n != name)
+        if len(self._adapters) + others >= MAX_RUNTIME_ADAPTERS:
+            raise ValueError(f"name: at most {MAX_RUNTIME_ADAPTERS} adapters may be added at run time")
+        entry = RuntimeAdapter.create(model, name, path, tenants, round(self._wall(), 3), by)
+        try:
+            adapter_rule.check(self.runtime_catalog(), entry, self.cfg.adapters_root)
+        except CatalogError as e:
+            raise ValueError(str(e)) from None  # one argument: "field: reason", as the router reads it
+        return entry
+
+    def _expire_reservations(self) -> None:
+        now = self._clock()
+        for name in [n for n, (_, until) in self._reserved.items() if now >= until]:
+            del self._reserved[name]
 
     def delete_adapter(self, name: str, by: str) -> bool:
         """Remove a run-time adapter; False when none has that name (a config's adapter is
         none: it goes with the config)."""
         entry = self._adapters.pop(name, None)
         if entry is not None:
-            self._record("adapter_deleted", by, adapter=entry.to_dict())
+            self._audit_admin("adapter_deleted", by, adapter=entry.to_dict())
             self._republish()
         return entry is not None
 
@@ -676,13 +749,13 @@ class ControllerCore:
         if target not in CHAOS_TARGETS:
             raise ValueError(f"target: must be one of {', '.join(CHAOS_TARGETS)}")
         self._chaos[target] = dict(settings)
-        self._record("chaos_set", by, target=target, settings=settings)
+        self._audit_admin("chaos_set", by, target=target, settings=settings)
         self._republish()
         return dict(self._chaos)
 
     def clear_chaos(self, by: str) -> None:
         self._chaos.clear()
-        self._record("chaos_cleared", by)
+        self._audit_admin("chaos_cleared", by)
         self._republish()
 
 
@@ -858,6 +931,12 @@ class Controller:
 
     async def kill_switches(self) -> dict[str, Any]:
         return self._core.kill_switches()
+
+    async def reserve_adapter(self, model, name, path, tenants) -> None:
+        self._core.reserve_adapter(model, name, path, tenants)  # not persisted: a restart drops it
+
+    async def release_adapter(self, name: str, path: str) -> bool:
+        return self._core.release_adapter(name, path)
 
     async def set_adapter(self, model, name, path, tenants, by) -> dict[str, Any]:
         entry = self._core.set_adapter(model, name, path, tenants, by)

@@ -279,6 +279,14 @@ def make_lora_adapter(base_dir: Path, out_dir: Path, seed: int, r: int = 8) -> P
     return Path(out_dir)
 
 
+def _no_write_for_others(*paths: Path) -> None:
+    """Take the group's and others' write bits off ``paths``: a replica loads an adapter
+    added at run time only from where no one but its user (or root) may write
+    (``adapters_root``), whatever the umask that wrote them."""
+    for p in paths:
+        p.chmod(p.stat().st_mode & 0o7755)
+
+
 def main(argv: "list[str] | None" = None) -> int:
     """``python -m ballast.model.demo DIR``: write the demo model (``make demo-model``)."""
     import argparse
@@ -298,7 +306,10 @@ def main(argv: "list[str] | None" = None) -> int:
     for seed, name in enumerate(names, start=1):
         out = args.dir.parent / f"{args.dir.name}-{name}"
         make_lora_adapter(args.dir, out, seed)
+        _no_write_for_others(out, *out.iterdir())
         print(f"wrote LoRA adapter {name!r} (rank 8) to {out}")
+    if names:  # the adapters_root of cluster/local-models.yaml holds them
+        _no_write_for_others(args.dir.parent)
     print(f"serve it with: make serve MODEL={args.dir}  (or: ballast serve --model {args.dir})")
     return 0
 

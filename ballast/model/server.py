@@ -347,7 +347,11 @@ class ModelServer:
         held: Optional[ReplicaAdapters] = getattr(self, "_adapters_at_run_time", None)
         if held is None:
             held = ReplicaAdapters(
-                self._backend, self._model_cfg.name, self._cfg.catalog(), on_failure=self._m_adapter_failures.inc
+                self._backend,
+                self._model_cfg.name,
+                self._cfg.catalog(),
+                self._cfg.adapters_root,
+                on_failure=self._m_adapter_failures.inc,
             )
             self._adapters_at_run_time = held
         return held

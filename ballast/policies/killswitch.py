@@ -9,6 +9,7 @@ holds the entries, routers receive them in the snapshot.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Optional
 
@@ -74,6 +75,26 @@ def check_value(scope: str, value: Optional[str], allowed: dict[str, Iterable[st
     names = sorted(allowed.get(scope, ()))
     if value not in names:
         raise ValueError(f"value: no {scope} {value!r}; one of {', '.join(names) or '(none configured)'}")
+
+
+#: An entry's id as ``KillSwitchEntry.create``'s caller makes it (12 hex characters).
+ID_PATTERN = re.compile(r"[0-9a-f]{12}")
+MAX_SET_BY_CHARS = 64
+
+
+def check_entry(entry: KillSwitchEntry, allowed: dict[str, Iterable[str]], now_s: float) -> None:
+    """Refuse an entry that a new admin call could not have made now: its value names
+    nothing (``check_value``), its id or ``set_by`` is not one the controller writes, or
+    it would last longer from ``now_s`` than ``MAX_EXPIRES_IN_S``. The controller runs it
+    on the entry an admin call makes and on each one read back from Ray's KV store (the
+    shape is ``KillSwitchEntry``'s own check). ValueError naming the field."""
+    check_value(entry.scope, entry.value, allowed)
+    if not isinstance(entry.id, str) or not ID_PATTERN.fullmatch(entry.id):
+        raise ValueError("id: want 12 hex characters")
+    if not isinstance(entry.set_by, str) or len(entry.set_by) > MAX_SET_BY_CHARS:
+        raise ValueError(f"set_by: a string of at most {MAX_SET_BY_CHARS} characters")
+    if entry.expires_at_s - now_s > MAX_EXPIRES_IN_S:
+        raise ValueError(f"expires_in_s: must be in (0, {MAX_EXPIRES_IN_S}] from now")
 
 
 def active(entries: Iterable[KillSwitchEntry], now_s: float) -> list[KillSwitchEntry]:

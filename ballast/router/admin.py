@@ -2,7 +2,10 @@
 chaos, recycles, replicas), all behind the admin token (401 without a token, 403 with another).
 
 Each admin action is a call to the controller (never on the generate path), answered
-422 when the controller refuses the input and 503 when it cannot be reached.
+422 when the controller refuses the input, with the controller's typed error where it
+raises one (409 ``ADAPTER_CONFLICT``), and 503 when it cannot be reached. The operator an
+action names (``X-Ballast-Operator``) is a claim: every holder of the one admin token may
+name anyone, so the audit trail records it as ``operator_claimed``.
 ``Admin`` holds what those routes read: the controller link, the snapshot cache and
 the pipeline's own status; the Router deployment (app.py) declares the routes.
 """
@@ -12,15 +15,19 @@ from typing import Annotated, Any, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ballast.policies import adapters as adapter_rule
 from ballast.policies import killswitch
-from ballast.policies.adapters import MAX_PATH_CHARS, MAX_RUNTIME_ADAPTERS, MAX_TENANTS
-from ballast.policies.catalog import MAX_NAME_CHARS, CatalogError
+from ballast.policies.adapters import EVERY_TENANT, MAX_PATH_CHARS, MAX_RUNTIME_ADAPTERS, MAX_TENANTS, RuntimeAdapter
+from ballast.policies.catalog import MAX_NAME_CHARS
 
 from ballast.errors import (
+    AdapterConflict,
     AdapterInConfig,
     AdapterRefused,
+    AdaptersDisabled,
+    BallastError,
     ChaosDisabled,
     ControllerUnavailable,
     Forbidden,
@@ -72,14 +79,24 @@ class RecycleRequest(BaseModel):
 
 
 class AdapterRequest(BaseModel):
-    """``POST /admin/adapters``: a LoRA adapter of a vLLM model, from a local directory."""
+    """``POST /admin/adapters``: a LoRA adapter of a vLLM model, from a directory under
+    ``adapters_root``, for the tenants it names (``["*"]`` or ``"*"``: every tenant the
+    model admits; never implied)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)  # what requests name; checked by the catalog
-    path: str = Field(min_length=1, max_length=MAX_PATH_CHARS)  # a directory on every replica's node
-    tenants: Optional[list[Annotated[str, Field(max_length=64)]]] = Field(None, max_length=MAX_TENANTS)
+    # Under adapters_root on every replica's node (a relative one: taken under it).
+    path: str = Field(min_length=1, max_length=MAX_PATH_CHARS)
+    tenants: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        min_length=1, max_length=MAX_TENANTS, description='Who may use it; ["*"]: every tenant the model admits.'
+    )
+
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _every_tenant(cls, v: Any) -> Any:
+        return [EVERY_TENANT] if v == EVERY_TENANT else v
 
 
 #: How long the trial load on one replica may take (vLLM reads, checks and copies it in).
@@ -162,7 +179,9 @@ class Admin:
 
     # -- admin: kill switch and chaos ------------------------------------------------
     def _operator(self, request: Request) -> str:
-        return (request.headers.get("x-ballast-operator") or "admin")[:64]
+        """The operator the call claims to act for (``X-Ballast-Operator``, unverified); ""
+        when it names none."""
+        return (request.headers.get("x-ballast-operator") or "")[:64]
 
     async def set_kill_switch(self, request: Request) -> JSONResponse:
         self._require_admin(request)
@@ -232,38 +251,66 @@ class Admin:
 
     # -- admin: LoRA adapters added at run time ----------------------------------------
     async def add_adapter(self, request: Request) -> JSONResponse:
-        """Add a LoRA adapter: the body, then the catalog's checks (the model, the name, the
-        tenants) against the config's catalog with the snapshot's run-time adapters, then a
-        trial load on one replica of the model, and only then the controller's record (every
-        replica loads it from the next snapshot). A refusal at any step records nothing."""
+        """Add a LoRA adapter, a step at a time, the first refusal answering and nothing
+        recorded: run-time adapters on (``adapters_root``: else 409 ADAPTERS_DISABLED); the
+        body; the name free among the snapshot's run-time adapters (409 ADAPTER_CONFLICT)
+        and ``adapter_rule.check`` against the config's catalog with them (400
+        ADAPTER_REFUSED naming the field); the controller reserves the name (409 while
+        another add of it runs); a trial load on one replica of the model, which checks
+        the directory on its node; then the controller's record, which ends the
+        reservation (every replica loads it from the next snapshot). A trial load that
+        fails gives the name back."""
         self._require_admin(request)
+        if self._cfg.adapters_root is None:
+            raise AdaptersDisabled("adapters may not be added at run time here: the config sets no adapters_root")
         body = validate_body(AdapterRequest, await self._read_json(request))
         self._check_adapter(body)
-        await self._trial_load(body.model, body.name, body.path)
+        await self._refused_as_adapter(body, "reserve_adapter", body.model, body.name, body.path, body.tenants)
         try:
-            entry = await self._controller(
-                "set_adapter", body.model, body.name, body.path, body.tenants, self._operator(request)
-            )
-        except InvalidRequest as e:  # another router added the name since this one's snapshot
-            raise AdapterRefused(body.name, body.path, e.message, e.field) from None
+            await self._trial_load(body.model, body.name, body.path)
+        except Exception:
+            await self._release(body.name, body.path)
+            raise
+        entry = await self._refused_as_adapter(
+            body, "set_adapter", body.model, body.name, body.path, body.tenants, self._operator(request)
+        )
         await self._exchange.exchange_once()  # this router routes to it at once
         return JSONResponse(entry, status_code=201)
 
     def _check_adapter(self, body: AdapterRequest) -> None:
-        """The catalog's checks, in its order (model, name, path, tenants): 400 ADAPTER_REFUSED
-        naming the field; and the run-time table's bound."""
+        """What this router can check without the node: the name not a run-time adapter's
+        already (409), ``adapter_rule.check`` (400 ADAPTER_REFUSED naming the field: the
+        path under ``adapters_root`` by its text, then the catalog's model, name, tenants),
+        and the run-time table's bound."""
         snap = self._cache.snapshot
         running = list(snap.adapters) if snap is not None else []
+        if body.name in {a.get("name") for a in running if isinstance(a, dict)}:
+            raise AdapterConflict(f"name: {body.name!r} is an adapter added at run time; delete it first")
         try:
-            runtime_catalog(self._pipeline.base_catalog, running).with_adapter(
-                body.model, body.name, body.path, body.tenants
-            )
-        except CatalogError as e:
-            raise AdapterRefused(body.name, body.path, str(e), field=e.field) from None
+            entry = RuntimeAdapter.create(body.model, body.name, body.path, body.tenants, 0.0, "")
+            adapter_rule.check(runtime_catalog(self._pipeline.base_catalog, running), entry, self._cfg.adapters_root)
+        except (TypeError, ValueError) as e:  # CatalogError is one: "field: reason"
+            raise AdapterRefused(body.name, body.path, str(e), field=str(e).split(":", 1)[0]) from None
         if len(running) >= MAX_RUNTIME_ADAPTERS:
             raise AdapterRefused(
                 body.name, body.path, f"name: at most {MAX_RUNTIME_ADAPTERS} adapters may be added at run time", "name"
             )
+
+    async def _refused_as_adapter(self, body: AdapterRequest, method: str, *args: Any) -> Any:
+        """A controller call of the add: its refusal of the input (the state moved since
+        this router's snapshot) is 400 ADAPTER_REFUSED naming the field; a conflict stays 409."""
+        try:
+            return await self._controller(method, *args)
+        except InvalidRequest as e:
+            raise AdapterRefused(body.name, body.path, e.message, e.field) from None
+
+    async def _release(self, name: str, path: str) -> None:
+        """Give the name back after a failed trial load; when the controller cannot be
+        reached, its reservation expires on its own."""
+        try:
+            await self._controller("release_adapter", name, path)
+        except BallastError:
+            pass
 
     async def _trial_load(self, model: str, name: str, path: str) -> None:
         """Load the adapter on one replica of ``model`` now: vLLM's refusal of the directory is
@@ -321,7 +368,9 @@ class Admin:
             msg = str(e.args[0] if e.args else e)
             raise InvalidRequest(msg, field=msg.split(":", 1)[0]) from None
         except Exception as e:
-            cause = getattr(e, "cause", None)
+            cause = getattr(e, "cause", None) or e  # Ray's RayTaskError carries the actor's error
+            if isinstance(cause, BallastError):  # a typed refusal (AdapterConflict): its own status
+                raise cause from None
             if isinstance(cause, ValueError):
                 msg = str(cause.args[0] if cause.args else cause)
                 raise InvalidRequest(msg, field=msg.split(":", 1)[0]) from None

@@ -93,9 +93,9 @@ class AdapterEntry(BaseModel):
     model: str
     name: str
     path: str
-    tenants: Optional[list[str]] = Field(description="null: every tenant the model admits.")
+    tenants: list[str] = Field(description='["*"]: every tenant the model admits.')
     added_at_s: float
-    added_by: str
+    added_by: str = Field(description="The operator the call claimed (X-Ballast-Operator, unverified); empty: none.")
 
 
 class Version(BaseModel):

@@ -57,6 +57,9 @@ def two_models_config(root) -> dict:
     cfg["models"] = [vllm_model, hf]
     # A tenant whose bucket hardly refills: what a request costs it can be read off the bucket.
     cfg["tenants"]["metered"] = {"rate_tokens_per_s": 0.001, "burst_tokens": 100000, "max_concurrent": 4}
+    cfg["adapters_root"] = str(root)  # POST /admin/adapters loads from under here only
+    (root / "empty").mkdir()  # under the root, but no adapter in it
+    (root / "link-out").symlink_to(root.parent)  # under the root by name, out of it once resolved
     cfg["auth"]["demo_keys"] = {**cfg["auth"]["demo_keys"], "dev-key-metered": "metered"}
     return cfg, adapters
 
@@ -110,14 +113,24 @@ def test_an_adapter_not_granted_is_404_while_another_tenant_uses_it(stack):
 
 
 def test_an_adapter_added_and_removed_at_run_time(stack):
-    with httpx.Client(base_url=BASE, timeout=120) as c:
-        bad = c.post("/admin/adapters", headers=ADMIN, json={"model": VLLM, "name": "broken", "path": "/tmp"})
-        assert bad.status_code == 400 and bad.json()["error"]["code"] == "ADAPTER_REFUSED"
-        assert "No adapter found" in bad.json()["error"]["message"]  # vLLM's own reason, at the admin call
-        added = c.post(
-            "/admin/adapters", headers=ADMIN, json={"model": VLLM, "name": "late", "path": str(stack["late"])}
+    def post(name: str, path: str):
+        return c.post(
+            "/admin/adapters", headers=ADMIN, json={"model": VLLM, "name": name, "path": path, "tenants": "*"}
         )
+
+    with httpx.Client(base_url=BASE, timeout=120) as c:
+        for path, field, why in (
+            ("/tmp", "path", "is not under adapters_root"),  # the router's check, by the text
+            ("link-out", "path", "resolves outside adapters_root"),  # the replica's, on its node
+            ("empty", "adapters", "No adapter found"),  # vLLM's own reason, at the admin call
+        ):
+            bad = post("broken", path)
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "ADAPTER_REFUSED", bad.text
+            assert bad.json()["error"]["field"] == field and why in bad.json()["error"]["message"]
+        added = post("late", str(stack["late"]))
         assert added.status_code == 201, added.text
+        again = post("late", "empty")  # one name, one directory: deleted first
+        assert again.status_code == 409 and again.json()["error"]["code"] == "ADAPTER_CONFLICT", again.text
         late = wait_until(lambda: _answer_or_none("late"), 30, 0.5, "the router's catalog to list 'late'")
         assert late != greedy(VLLM) and late == greedy("late")
         assert c.delete("/admin/adapters/late", headers=ADMIN).status_code == 200

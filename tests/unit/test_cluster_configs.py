@@ -83,6 +83,18 @@ def test_production_serves_vllm_models_from_node_paths():
     assert cfg.resilience.attempt_timeout_s >= 60
 
 
+def test_production_fences_the_admin_routes_and_roots_run_time_adapters():
+    """The admin routes off the public port (on each node's loopback), and adapters added
+    at run time only from under the directory the config's own adapters live in."""
+    cfg = load_config(production())
+    assert cfg.http.admin_port is not None and cfg.http.admin_port != cfg.http.port
+    assert cfg.adapters_root == "/mnt/models/adapters"
+    assert all(a.path.startswith(cfg.adapters_root + "/") for m in cfg.models for a in m.adapters.values())
+    local = load_config(ROOT / "cluster/local-models.yaml")
+    assert local.adapters_root == "models"  # where `make demo-adapters` writes
+    assert all(a.path.startswith("models/") for m in local.models for a in m.adapters.values())
+
+
 def test_production_tenants_write_out_their_caps_and_rates():
     written = production()["tenants"]
     assert set(written) == {"gold", "free", "batch"}

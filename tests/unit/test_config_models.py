@@ -65,6 +65,7 @@ class TestOneModelConfigsUnchanged:
         assert dump["resilience"]["gate"].pop("rows_curve_gain") == 0.85  # vLLM's limit: the rows curve
         assert dump["watchdog"].pop("pss_interval_s") == 10.0  # PSS read every 10 s, not every sample
         assert dump["degradation"].pop("capacity_window_s") == 30.0  # demand against a 30 s peak, not one window
+        assert dump.pop("adapters_root") is None  # no adapter added at run time unless a root is written
         models = [dump["model"]] + ([dump["fallback"]["model"]] if dump.get("fallback") else [])
         for model in models:
             assert model.pop("cpus") is None  # fields added to a model: not pinned,
@@ -215,3 +216,13 @@ class TestRefusals:
     def test_load_config_error_names_the_field(self) -> None:
         with pytest.raises(ConfigError, match=r"models\.0\n.*adapters: LoRA adapters are vLLM's"):
             load_config({"models": [{"name": "m", "adapters": {"a": "/a"}}]})
+
+
+class TestAdaptersRoot:
+    @pytest.mark.parametrize("root", ["/mnt/models/adapters", "models", None])
+    def test_a_directory_or_none(self, root: Any) -> None:
+        assert BallastConfig.model_validate(two(adapters_root=root)).adapters_root == root
+
+    @pytest.mark.parametrize("root", ["/", "//", "~/adapters", "~", "a\x00b", ""])
+    def test_the_whole_file_system_a_home_or_nothing_is_refused(self, root: str) -> None:
+        assert "adapters_root" in refused(two(adapters_root=root))

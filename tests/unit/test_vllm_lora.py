@@ -4,12 +4,16 @@ give theirs in a mixed batch, a base row beside them the base output (on CPU it 
 zero adapter: vLLM's CPU LoRA ops take a row without one for the last slot's); an adapter
 added at run time serves, and once removed its row alone is refused; a bad adapter is
 refused when it is added, with vLLM's reason; the replica loop runs a call's adapter; a
-replica follows the snapshot's run-time adapters (ballast.model.adapters) and the admin
-route's trial load refuses a bad directory with vLLM's reason. One engine for the module."""
+replica follows the snapshot's run-time adapters (ballast.model.adapters), loading only
+directories under its ``adapters_root`` that no one else may write, and the admin route's
+trial load refuses a bad directory with vLLM's reason. One engine for the module."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import shutil
 import types
 
 import pytest
@@ -42,7 +46,7 @@ PROMPT = "The quick brown fox"
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-lora")
     base = make_llama(root / "base", **VLLM_GEOMETRY)
-    out = {"base": base, "empty": root / "empty"}
+    out = {"root": root, "base": base, "empty": root / "empty"}
     out["empty"].mkdir()
     for name, seed, rank in (("sql", 1, 8), ("support", 2, 8), ("late", 3, 8), ("wide", 4, 32)):
         out[name] = make_lora_adapter(base, root / name, seed, r=rank)
@@ -221,14 +225,14 @@ def base_catalog(dirs) -> Catalog:
 def listing(*entries: tuple) -> list[dict]:
     """A snapshot's ``adapters``: (name, directory[, model])."""
     return [
-        RuntimeAdapter.create(e[2] if len(e) > 2 else "tiny", e[0], str(e[1]), None, 0, "ops").to_dict()
+        RuntimeAdapter.create(e[2] if len(e) > 2 else "tiny", e[0], str(e[1]), ["*"], 0, "ops").to_dict()
         for e in entries
     ]
 
 
 async def test_a_replica_follows_the_snapshots_run_time_adapters_tick_by_tick(backend, dirs):
     clock = FakeClock(0)
-    replica = ReplicaAdapters(backend, "tiny", base_catalog(dirs), clock=clock, grace_s=3, retry_s=5)
+    replica = ReplicaAdapters(backend, "tiny", base_catalog(dirs), str(dirs["root"]), clock=clock, grace_s=3, retry_s=5)
     late, wide = str(dirs["late"]), str(dirs["wide"])
 
     # The admin API's trial load: kept for the grace while no snapshot lists it yet, then unloaded.
@@ -272,9 +276,10 @@ def test_the_admin_route_refuses_a_bad_directory_with_vllms_reason_and_adds_a_go
     from ballast.control.snapshot import SnapshotExchange
     from ballast.policies.reports import RouterReport
 
-    replica = ReplicaAdapters(backend, "tiny", base_catalog(dirs), clock=Clock(0))
+    replica = ReplicaAdapters(backend, "tiny", base_catalog(dirs), str(dirs["root"]), clock=Clock(0))
     model = {"name": "tiny", "backend": "vllm", "path": str(dirs["base"]), "adapters": {"sql": str(dirs["sql"])}}
-    router = build_router({"auth": {"demo_admin_token": "admin-token"}, "models": [model]}, FakeHandle())
+    cfg = {"auth": {"demo_admin_token": "admin-token"}, "models": [model], "adapters_root": str(dirs["root"])}
+    router = build_router(cfg, FakeHandle())
     link = CoreLink(router._cfg)
     admin = router._admin
     admin._link = link
@@ -284,15 +289,13 @@ def test_the_admin_route_refuses_a_bad_directory_with_vllms_reason_and_adds_a_go
     )
     with routed(router) as client:
         for name, reason in (("wide", "greater than max_lora_rank 16"), ("empty", "No adapter found")):
-            r = client.post(
-                "/admin/adapters", headers=ADMIN, json={"model": "tiny", "name": name, "path": str(dirs[name])}
-            )
+            body = {"model": "tiny", "name": name, "path": str(dirs[name]), "tenants": ["*"]}
+            r = client.post("/admin/adapters", headers=ADMIN, json=body)
             assert r.status_code == 400 and r.json()["error"]["code"] == "ADAPTER_REFUSED", r.text
             assert reason in r.json()["error"]["message"]
         assert link.core.adapters() == [] and replica.added == {}
-        r = client.post(
-            "/admin/adapters", headers=ADMIN, json={"model": "tiny", "name": "late", "path": str(dirs["late"])}
-        )
+        body = {"model": "tiny", "name": "late", "path": "late", "tenants": ["*"]}  # relative: under the root
+        r = client.post("/admin/adapters", headers=ADMIN, json=body)
         assert r.status_code == 201 and backend.serves_adapter("late")
         assert router.pipeline.catalog.resolve("tiny:late") is not None
         # The replica's next snapshot lists it (it holds it already), then no longer does.
@@ -300,3 +303,43 @@ def test_the_admin_route_refuses_a_bad_directory_with_vllms_reason_and_adds_a_go
         assert client.delete("/admin/adapters/late", headers=ADMIN).status_code == 200
     assert asyncio.run(replica.reconcile(link.core.snapshot()["adapters"])).remove == ("late",)
     assert backend.adapters().keys() == {"sql", "support"}
+
+
+async def test_a_replica_loads_only_what_its_node_finds_under_the_root_and_no_one_else_may_write(
+    backend, dirs, tmp_path
+):
+    """The check runs where the adapter is read, for a trial load and for a listing alike
+    (a record planted in the snapshot included): outside the root, a symlink out of it, a
+    directory others may write are refused and vLLM never sees them; fixed, it loads."""
+    root = dirs["root"]
+    replica = ReplicaAdapters(backend, "tiny", base_catalog(dirs), str(root), clock=FakeClock(0), retry_s=5)
+    outside = shutil.copytree(dirs["late"], tmp_path / "planted")
+    (root / "link-out").symlink_to(outside)
+    shared = shutil.copytree(dirs["late"], root / "shared")
+    shared.chmod(0o775)
+    for path, why in (
+        (str(outside), "is not under adapters_root"),
+        ("link-out", "resolves outside adapters_root (a symlink out of it)"),
+        ("shared", "shared: writable by its group or by others"),
+    ):
+        with pytest.raises(AdapterRefused, match=re.escape(why)) as e:
+            await replica.add("x", path)
+        assert e.value.field == "path"
+        assert str(tmp_path) not in e.value.reason.replace(repr(path), "")  # beyond the path sent, none outside
+        assert not backend.serves_adapter("x") and replica.added == {}
+
+    changes = await replica.reconcile(listing(("x", outside)))  # listed: refused on this node too
+    assert changes.add == (("x", str(outside)),) and not backend.serves_adapter("x") and replica.failures == 1
+
+    shared.chmod(0o755)
+    assert (await replica.add("x", "shared"))["path"] == "shared"
+    assert backend.adapters()["x"] == str(shared)  # the engine reads the resolved directory
+    # A trial load never listed (its add failed after it) gives way to the next add of the name.
+    assert (await replica.add("x", "late"))["path"] == "late"
+    assert backend.adapters()["x"] == str(dirs["late"]) and replica.added == {"x": "late"}
+    assert await replica.remove("x") and not backend.serves_adapter("x")
+
+    off = ReplicaAdapters(backend, "tiny", base_catalog(dirs), None)
+    with pytest.raises(AdapterRefused, match="adapters_root is not set"):
+        await off.add("x", str(shared))
+    assert os.path.isdir(outside)  # nothing here touched the planted copy
