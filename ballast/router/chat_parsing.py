@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional, Sequence
 
-from ballast.router.tool_calls import ToolCall, ToolPlan, ToolSchemaTooComplex, schema_fault
+from ballast.policies.schema import SchemaBounds, schema_fault
+from ballast.router.tool_calls import ToolCall, ToolPlan, ToolSchemaTooComplex
 
 __all__ = ["FORCED_ONLY", "MAX_WHITESPACE", "TOOL_STRICT_LEVEL", "ChatParsing", "ParsedChat", "StreamedChat"]
 
@@ -181,12 +182,13 @@ class ParsedChat:
             return json.dumps(schema, separators=(",", ":")), None, schema
         return None, None, None
 
-    def check(self, max_depth: int, max_nodes: int) -> None:
-        """``ToolSchemaTooComplex`` naming tool_choice when the grammar the tools built is past the bounds."""
+    def check(self, bounds: SchemaBounds) -> None:
+        """``ToolSchemaTooComplex`` naming tool_choice when the grammar the tools built is
+        past the bounds (``ballast.policies.schema``)."""
         built = self._grammar[2]
         if built is None:
             return
-        fault = schema_fault(built, max_depth, max_nodes)
+        fault = schema_fault(bounds, built)
         if fault is not None:
             raise ToolSchemaTooComplex(
                 "tool_choice",
