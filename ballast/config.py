@@ -274,8 +274,10 @@ class ModelConfig(_Strict):
     cpus: Optional[list[int]] = None
     # vllm only: a guided-decoding grammar (a response_format schema, a forced tool call's)
     # is compiled by the replica off its event loop before the request reaches vLLM, on at
-    # most grammar_compile_threads threads; one that has not compiled after
-    # grammar_compile_timeout_s is 400 SCHEMA_TOO_COMPLEX, for that request alone. Real
+    # most grammar_compile_threads threads, of which one tenant's compiles hold at most half
+    # (at least one: with 1 thread, one tenant's slow compile makes the others wait); one
+    # that has not compiled after grammar_compile_timeout_s is 400 SCHEMA_TOO_COMPLEX, for
+    # that request alone, and compiles on to its end on its tenant's thread. Real
     # schemas compile in milliseconds to a few hundred on a 150k-token vocabulary: 2 s
     # leaves room for those on a loaded host and bounds what a hostile schema costs.
     grammar_compile_timeout_s: float = Field(2.0, gt=0, le=60)

@@ -295,7 +295,7 @@ class Pipeline:
         if key is not None and not (req.stream and self.snapshots.effective(lane.name).constraints.streaming):
             return await self._keyed(req, key)
         admission, ticket = await self.acquire(req)
-        call = req.call.admitted(admission.max_tokens, self._route(lane, admission))
+        call = req.call.admitted(admission.max_tokens, self._route(lane, admission), req.caller.tenant)
         if req.stream and admission.streaming:
             state = StreamState(lane.name)
             return Stream(admission, ticket, self._stream_chunks(ticket, call, state), state)
@@ -441,7 +441,7 @@ class Pipeline:
         metrics under its outcome, not in the level's tally (it asked nothing of the model:
         neither its replays nor its waits may move the level)."""
         admission, fallback_only = self._admit(req)
-        call = req.call.admitted(admission.max_tokens, self._route(self.lane(req.call), admission))
+        call = req.call.admitted(admission.max_tokens, self._route(self.lane(req.call), admission), req.caller.tenant)
         ran = False
 
         async def first_attempt() -> Settled:
