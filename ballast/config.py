@@ -45,6 +45,7 @@ from ballast.policies.fairness import FairnessConfig
 from ballast.policies.leak import LadderConfig, LeakConfig
 from ballast.policies.placement import Placement
 from ballast.policies.recycle import RecycleConfig
+from ballast.policies.schema import SchemaBounds
 
 from ballast.errors import ConfigError
 from ballast.control.names import fallback_deployment_name, model_deployment_name
@@ -274,8 +275,10 @@ class ModelConfig(_Strict):
     cpus: Optional[list[int]] = None
     # vllm only: a guided-decoding grammar (a response_format schema, a forced tool call's)
     # is compiled by the replica off its event loop before the request reaches vLLM, on at
-    # most grammar_compile_threads threads; one that has not compiled after
-    # grammar_compile_timeout_s is 400 SCHEMA_TOO_COMPLEX, for that request alone. Real
+    # most grammar_compile_threads threads, of which one tenant's compiles hold at most half
+    # (at least one: with 1 thread, one tenant's slow compile makes the others wait); one
+    # that has not compiled after grammar_compile_timeout_s is 400 SCHEMA_TOO_COMPLEX, for
+    # that request alone, and compiles on to its end on its tenant's thread. Real
     # schemas compile in milliseconds to a few hundred on a 150k-token vocabulary: 2 s
     # leaves room for those on a loaded host and bounds what a hostile schema costs.
     grammar_compile_timeout_s: float = Field(2.0, gt=0, le=60)
@@ -565,6 +568,26 @@ class LimitsConfig(_Strict):
     # 4096 nodes take ~0.4 s to compile on one core with a 32k vocabulary.
     max_schema_depth: int = Field(32, ge=2, le=128)
     max_schema_nodes: int = Field(4096, ge=16, le=1_000_000)
+    # What else the grammar spells out (ballast/policies/schema.py): each pattern, as written
+    # and with its counted repetitions unrolled ("(.{1,16}){1,16}" is 256); the counts the
+    # schema asks (minLength, maxLength, minItems, maxItems, min/maxProperties; each schema
+    # object its largest), summed; the characters of its property and definition names, enum
+    # and const strings and patterns, summed (OpenAI's own bound on names and values is 120,000).
+    # The tools' schemas count together. Within these a schema can still compile slowly (an
+    # ambiguous pattern grows much faster than its size): the replica's compile time limit
+    # and its threads' share per tenant (model.grammar_compile_*) answer for that.
+    max_schema_pattern_chars: int = Field(128, ge=8, le=4096)
+    max_schema_repeat: int = Field(1024, ge=16, le=1_000_000)
+    max_schema_literal_chars: int = Field(32768, ge=256, le=1 << 20)
+
+    def schema_bounds(self) -> SchemaBounds:
+        return SchemaBounds(
+            max_depth=self.max_schema_depth,
+            max_nodes=self.max_schema_nodes,
+            max_repeat=self.max_schema_repeat,
+            max_pattern_chars=self.max_schema_pattern_chars,
+            max_literal_chars=self.max_schema_literal_chars,
+        )
 
 
 class BreakerSettings(_Strict):

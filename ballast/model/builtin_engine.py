@@ -276,7 +276,7 @@ class TorchDecoderBackend:
 
         return BYTES_TOKENIZER
 
-    async def check(self, sampling: Any) -> Any:
+    async def check(self, sampling: Any, tenant: str = "") -> Any:
         """``sampling`` as sent: this engine samples as its config says, and the router
         refuses what it cannot honour."""
         return sampling

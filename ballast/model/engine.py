@@ -89,12 +89,12 @@ class ModelBackend(Protocol):
         (``hf_engine.ContextTooLong``)."""
         ...
 
-    async def check(self, sampling: Any) -> Any:
+    async def check(self, sampling: Any, tenant: str = "") -> Any:
         """``sampling`` as this engine runs it (a top_k past the vocabulary is every token),
         or ``ballast.errors.EngineRefused`` / ``SchemaTooComplex`` for a request this
         engine refuses as sent: before it joins a batch, so that it fails alone, and
         without blocking the event loop; the router refuses what an engine cannot honour
-        at all."""
+        at all. ``tenant``: whose request it is (what the engine shares among tenants)."""
         ...
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> StreamDecoder:

@@ -582,16 +582,18 @@ def render_chat(
 ) -> str:
     """The prompt text for ``messages`` (and the ``tools`` the model may call, when
     given), through the tokenizer's chat template; ``template_kwargs`` are the template's
-    own variables (``enable_thinking``), checked by the front (``openai_api``).
+    own variables (``enable_thinking``), checked by the front (``openai_api``), whose
+    values a client wrote as it wrote the messages.
 
     The generation prompt (the assistant's turn header) is appended. The text
     already holds the template's special tokens (a bos, turn markers), so count
     or encode it with ``add_special_tokens=False``, through
     ``special_tokens.encode_text``. With ``special_tokens_in_content`` "text", a
-    special token's text in the messages and tools is escaped first
-    (``special_tokens.escape_content``), so that it is encoded as text; "control": as
-    it is. A template that refuses the messages raises :class:`ChatTemplateError`; a
-    tokenizer with no template raises :class:`CheckpointError`.
+    special token's text in the messages, the tools and the template variables' values
+    is escaped first (``special_tokens.escape_content``), so that it is encoded as text
+    (a template that writes a variable into the prompt writes text); "control": as it is.
+    A template that refuses the messages raises :class:`ChatTemplateError`; a tokenizer
+    with no template raises :class:`CheckpointError`.
     """
     import jinja2
 
@@ -600,6 +602,7 @@ def render_chat(
     if special_tokens_in_content == "text":
         messages = escape_content(list(messages), tokenizer)
         tools = escape_content(list(tools), tokenizer) if tools else None
+        template_kwargs = {k: escape_content(v, tokenizer) for k, v in (template_kwargs or {}).items()}
 
     if not getattr(tokenizer, "chat_template", None):
         raise CheckpointError(

@@ -199,7 +199,7 @@ class HFBackend:
         joins); ContextTooLong when they do not fit together."""
         return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
-    async def check(self, sampling: Optional[RowSampling]) -> Optional[RowSampling]:
+    async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
         """``sampling`` for this model (a top_k past the vocabulary is every token); the
         router refuses what this engine cannot honour."""
         return sampling.for_vocab(self.vocab_size) if sampling is not None else None

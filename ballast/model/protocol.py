@@ -1,8 +1,8 @@
 """What crosses the Serve boundary between a router and a model replica: typed messages.
 
 A front (``router/generate.py``, ``router/openai.py``) builds one ``ModelCall`` per
-request (``to_call``); the pipeline sets the admitted ``max_tokens`` once
-(``admitted``); the resilient caller stamps each attempt's deadline (``for_attempt``)
+request (``to_call``); the pipeline sets the admitted ``max_tokens`` and the caller's
+tenant once (``admitted``); the resilient caller stamps each attempt's deadline (``for_attempt``)
 and, when a replica is lost mid-stream, the ids already delivered (``resumed``). The
 replica answers a stream with ``ModelChunk``s and a unary call with one
 ``ModelResult``. Nothing on the way re-reads a dict: a field a layer needs is a field
@@ -249,6 +249,10 @@ class ModelCall:
     # with the admitted length: the engine's prefix cache and the routers' view of it are
     # shared only among calls of one salt. None: no group (a call built outside a router).
     cache_salt: Optional[str] = None
+    # Whose request it is (the tenant its API key says), set with the admitted length: the
+    # replica shares what one tenant may hold of it (its grammar compile threads) by it.
+    # Not part of what the call asks ("": none named, one tenant for the replica).
+    tenant: str = field(default="", compare=False)
 
     @property
     def asks(self) -> frozenset[str]:
@@ -261,10 +265,12 @@ class ModelCall:
     def resumed_ids(self) -> tuple[int, ...]:
         return self.resume.ids if self.resume is not None else ()
 
-    def admitted(self, max_tokens: int, route: str = "affinity", cache_salt: Optional[str] = None) -> "ModelCall":
-        """The call with the length the router admitted, how it may be routed, and the
-        salt of its tenant's cache group."""
-        return replace(self, max_tokens=max_tokens, route=route, cache_salt=cache_salt)
+    def admitted(
+        self, max_tokens: int, route: str = "affinity", cache_salt: Optional[str] = None, tenant: str = ""
+    ) -> "ModelCall":
+        """The call with the length the router admitted, how it may be routed, the salt of its
+        tenant's cache group, and whose it is."""
+        return replace(self, max_tokens=max_tokens, route=route, cache_salt=cache_salt, tenant=tenant)
 
     def for_attempt(self, left_s: float, now_wall_s: float) -> "ModelCall":
         """The call as one attempt sends it: with that attempt's deadline."""

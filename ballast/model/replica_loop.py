@@ -292,7 +292,7 @@ class ReplicaLoop:
         timeout_s = call.deadline.left_s(self._wall_clock()) if call.deadline is not None else self._max_deadline_s
         ids, max_tokens = self._engine.fit(self._prompt_ids(call), max_tokens)
         deadline_s = replica_deadline_s(now, timeout_s)
-        sampling = await self._checked_sampling(call.sampling, deadline_s - now, timeout_s)
+        sampling = await self._checked_sampling(call.sampling, call.tenant, deadline_s - now, timeout_s)
         self._next_key += 1
         row = ReplicaRow(
             ids,
@@ -340,13 +340,14 @@ class ReplicaLoop:
         return self._engine.tokenize(call.prompt, call.add_special_tokens)
 
     async def _checked_sampling(
-        self, sampling: Optional[RowSampling], left_s: float, timeout_s: float
+        self, sampling: Optional[RowSampling], tenant: str, left_s: float, timeout_s: float
     ) -> Optional[RowSampling]:
-        """The call's sampling as the engine checked and normalised it. EngineRefused /
-        SchemaTooComplex: this request alone, before any work; a grammar compile waits for
-        its thread no longer than the request's own deadline (``left_s``)."""
+        """The call's sampling as the engine checked and normalised it (a grammar compile
+        counted to the call's ``tenant``). EngineRefused / SchemaTooComplex: this request
+        alone, before any work; a grammar compile waits for its thread no longer than the
+        request's own deadline (``left_s``)."""
         try:
-            return await asyncio.wait_for(self._engine.check(sampling), max(0.0, left_s))
+            return await asyncio.wait_for(self._engine.check(sampling, tenant), max(0.0, left_s))
         except asyncio.TimeoutError:
             raise DeadlineExceeded(f"deadline of {timeout_s:.3f}s passed before its schema compiled") from None
 

@@ -1,8 +1,9 @@
 """Special tokens' text in chat messages is text, not control tokens.
 
 A chat template writes its own special tokens (``<|im_start|>``, a bos, ``</s>``) into
-the prompt; a message's content, a tool call's arguments or a name may hold the same
-text. Tokenized as one string, the two are the same: a client writing
+the prompt; a message's content, a tool call's arguments, a name or a template
+variable's value (``chat_template_kwargs``, which a template may write into the prompt)
+may hold the same text. Tokenized as one string, the two are the same: a client writing
 ``<|im_start|>system`` in a user message would open a system turn. OpenAI's API
 tokenizes such text as text; so does Ballast (``model.special_tokens_in_content``
 "text", the default; "control" keeps the engines' own behaviour).

@@ -31,7 +31,8 @@ and the replica goes as a whole, its requests sent elsewhere (``ballast.model.se
 
 **Guided decoding.** A row's JSON schema is checked and compiled by the replica
 before the row joins (:meth:`VLLMBackend.check`, ``ballast.model.grammar``): off the
-event loop, on a bounded pool, within ``model.grammar_compile_timeout_s``.
+event loop, on a bounded pool of which one tenant holds at most half, within
+``model.grammar_compile_timeout_s``.
 
 **Tokens.** Prompts arrive as token ids (the replica tokenizes with the
 checkpoint's tokenizer, :func:`ballast.model.hf_checkpoint.load_tokenizer`), and
@@ -643,15 +644,16 @@ class VLLMBackend:
         joins); ContextTooLong when they do not fit together."""
         return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
 
-    async def check(self, sampling: Optional[RowSampling]) -> Optional[RowSampling]:
+    async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
         """``sampling`` for this model once vLLM's own validation passes, run here so that
         the request fails alone (``EngineRefused``), before it joins the batch.
 
         A JSON schema (``response_format``, a forced tool call's) is compiled to its
         grammar by :attr:`grammars` (``ballast.model.grammar``): off the event loop, on a
-        bounded pool, within ``grammar_compile_timeout_s`` (``SchemaTooComplex`` past
-        it). Only a schema that compiled in time reaches vLLM, whose engine compiles it
-        again in its own process (vLLM's own compile has no time limit)."""
+        bounded pool of which ``tenant`` holds at most its share, within
+        ``grammar_compile_timeout_s`` (``SchemaTooComplex`` past it). Only a schema that
+        compiled in time reaches vLLM, whose engine compiles it again in its own process
+        (vLLM's own compile has no time limit)."""
         from vllm.exceptions import VLLMClientError
 
         if sampling is None:
@@ -664,7 +666,7 @@ class VLLMBackend:
             raise EngineRefused(f"{field}: vLLM refuses the request's sampling parameters: {e}", field=field) from None
         grammar = _grammar_key(sampling)
         if grammar is not None:
-            await self.grammars.check(grammar, sampling.json_schema_of)
+            await self.grammars.check(grammar, sampling.json_schema_of, tenant)
         return sampling
 
     def _verify(self, params: Any) -> None:

@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Optional, Sequence
 
-from ballast.router.tool_calls import ToolCall, ToolPlan, ToolSchemaTooComplex, schema_fault
+from ballast.errors import EngineRefused
+from ballast.policies.schema import SchemaBounds, schema_fault
+from ballast.router.tool_calls import ToolCall, ToolPlan, ToolSchemaTooComplex
 
 __all__ = ["FORCED_ONLY", "MAX_WHITESPACE", "TOOL_STRICT_LEVEL", "ChatParsing", "ParsedChat", "StreamedChat"]
 
@@ -105,21 +107,27 @@ class ChatParsing:
 
         The conversation itself is not given: the router renders it (``render_chat``), and
         vLLM's request would validate it again by rules of its own; the parsers read the
-        answer, the tools and the choice."""
+        answer, the tools and the choice. What vLLM refuses of the tools as sent (its tool
+        utilities' ``VLLMValidationError``: a tool's ``$defs`` that is not an object, two
+        tools defining one name two ways) is ``EngineRefused`` naming the field."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.exceptions import VLLMClientError
 
-        request = ChatCompletionRequest(
-            model="-",
-            messages=[{"role": "user", "content": ""}],
-            tools=tools.template_tools(),
-            tool_choice=tools.vllm_choice(),
-            parallel_tool_calls=tools.parallel if tools.parallel is not None else True,
-            chat_template_kwargs=template_kwargs,
-        )
-        kwargs = template_kwargs or {}
-        parser = self._cls(self._tokenizer, request.tools, chat_template_kwargs=kwargs)
-        if tools.may_call or self.reasoning_parser is not None:
-            request = parser.adjust_request(request)
+        try:
+            request = ChatCompletionRequest(
+                model="-",
+                messages=[{"role": "user", "content": ""}],
+                tools=tools.template_tools(),
+                tool_choice=tools.vllm_choice(),
+                parallel_tool_calls=tools.parallel if tools.parallel is not None else True,
+                chat_template_kwargs=template_kwargs,
+            )
+            kwargs = template_kwargs or {}
+            parser = self._cls(self._tokenizer, request.tools, chat_template_kwargs=kwargs)
+            if tools.may_call or self.reasoning_parser is not None:
+                request = parser.adjust_request(request)
+        except VLLMClientError as e:
+            raise _refused(e) from None
         content = (
             self._content_cls(self._tokenizer, request.tools, chat_template_kwargs=kwargs)
             if self.reasoning_parser is not None
@@ -181,12 +189,13 @@ class ParsedChat:
             return json.dumps(schema, separators=(",", ":")), None, schema
         return None, None, None
 
-    def check(self, max_depth: int, max_nodes: int) -> None:
-        """``ToolSchemaTooComplex`` naming tool_choice when the grammar the tools built is past the bounds."""
+    def check(self, bounds: SchemaBounds) -> None:
+        """``ToolSchemaTooComplex`` naming tool_choice when the grammar the tools built is
+        past the bounds (``ballast.policies.schema``)."""
         built = self._grammar[2]
         if built is None:
             return
-        fault = schema_fault(built, max_depth, max_nodes)
+        fault = schema_fault(bounds, built)
         if fault is not None:
             raise ToolSchemaTooComplex(
                 "tool_choice",
@@ -259,6 +268,19 @@ class StreamedChat:
         if self.called and self.chat.tools.mode != "named" and finish == "stop":
             return "tool_calls"
         return finish
+
+
+#: The request's fields ``ChatParsing.start`` hands vLLM: a refusal names one of them.
+_GIVEN = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs")
+
+
+def _refused(e: Exception) -> EngineRefused:
+    """vLLM's refusal of what ``start`` gave it, naming the field its ``parameter`` says
+    (``tools`` when it names none of them), with vLLM's message."""
+    parameter = getattr(e, "parameter", None)
+    field = parameter if parameter in _GIVEN else "tools"
+    reason = e.args[0] if e.args else type(e).__name__
+    return EngineRefused(f"{field}: vLLM refuses the request's tools: {reason}", field=field)
 
 
 def _tool_call(call_id: str, name: str, arguments: str) -> ToolCall:

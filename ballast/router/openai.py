@@ -124,7 +124,7 @@ class OpenAIFront:
             if parsing is None or not (tools.tools or parsing.reasoning_parser):
                 return None  # the other engines refused tools already (refuse_unhonoured)
             parsed = parsing.start(tools, req.chat_template_kwargs)
-            parsed.check(self._limits.max_schema_depth, self._limits.max_schema_nodes)
+            parsed.check(self._limits.schema_bounds())
         except ToolSchemaTooComplex as e:
             raise SchemaTooComplex(str(e), field=e.field) from None
         except ToolRequestError as e:

@@ -30,7 +30,8 @@ tokenizer's template; the router picks the renderer, this one is the default.
 Bounds. Every field is bounded in size and in the work it causes (docs/api.md,
 "Limits"): the models below carry the fixed bounds (OpenAI's: 4 stop strings, 128
 tools; a seed within int64; finite sampling values), ``check_limits`` the configured
-ones (``limits``: a stop's length, a schema's nesting and nodes). A schema past its
+ones (``limits``: a stop's length, a schema's nesting, nodes, patterns, counts and
+literals: ``ballast.policies.schema``). A schema past its
 bounds is 400 ``SCHEMA_TOO_COMPLEX`` naming ``response_format`` or ``tools``; an earlier
 tool call's ``arguments`` (JSON text the template decodes) nest at most as the body; any
 other bound, 400 ``INVALID_REQUEST`` naming the field. A temperature below
@@ -68,6 +69,7 @@ from ballast.config import LimitsConfig
 from ballast.policies.criticality import Criticality
 from ballast.policies.engines import unhonoured_request_fields
 from ballast.policies.request import MAX_SEED, MIN_SEED, json_extent, json_nesting, sampling_temperature
+from ballast.policies.schema import schema_fault
 from ballast.errors import BallastError, InvalidRequest, SchemaTooComplex
 from ballast.model.protocol import MAX_LOGIT_BIAS
 from ballast.router.tool_calls import (
@@ -77,7 +79,6 @@ from ballast.router.tool_calls import (
     ToolCallDelta,
     ToolChoice,
     ToolSpec,
-    schema_fault,
 )
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -482,7 +483,7 @@ def check_limits(req: _Sampling, limits: LimitsConfig) -> None:
             f"stop: a stop string of {longest} characters; the limit is {limits.max_stop_chars}", field="stop"
         )
     if req.response_format is not None and req.response_format.json_schema is not None:
-        fault = schema_fault(req.response_format.json_schema.schema_, limits.max_schema_depth, limits.max_schema_nodes)
+        fault = schema_fault(limits.schema_bounds(), req.response_format.json_schema.schema_)
         if fault is not None:
             raise SchemaTooComplex(f"response_format: the schema {fault}", field="response_format")
     if isinstance(req, ChatCompletionRequest):
@@ -512,8 +513,9 @@ def _check_call_arguments(messages: Sequence[ChatMessage], limits: LimitsConfig)
 
 def _check_tools(tools: Sequence[ToolSpec], limits: LimitsConfig) -> None:
     """Each tool's parameters nested at most ``max_schema_depth``; all of them together
-    at most ``max_schema_nodes`` (what tool_choice "required" compiles at once)."""
-    nodes = 0
+    within the other schema bounds (``ballast.policies.schema``: what tool_choice
+    "required" compiles at once)."""
+    schemas = []
     for i, tool in enumerate(tools):
         params = tool.function.parameters
         if params is None:
@@ -524,11 +526,10 @@ def _check_tools(tools: Sequence[ToolSpec], limits: LimitsConfig) -> None:
                 f"tools: tool {i}'s parameters nest {extent.depth} deep; the limit is {limits.max_schema_depth}",
                 field="tools",
             )
-        nodes += extent.nodes
-    if nodes > limits.max_schema_nodes:
-        raise SchemaTooComplex(
-            f"tools: the tools' parameters have {nodes} nodes; the limit is {limits.max_schema_nodes}", field="tools"
-        )
+        schemas.append(params)
+    fault = schema_fault(limits.schema_bounds(), *schemas)
+    if fault is not None:
+        raise SchemaTooComplex(f"tools: the tools' parameters taken as one schema {fault}", field="tools")
 
 
 def refuse_unhonoured(req: _Sampling, engine: str) -> None:

@@ -313,8 +313,9 @@ class Pipeline:
         return Answer(admission, await self._settled_unary(ticket, call))
 
     def _admitted(self, req: ModelRequest, lane: Lane, admission: Admission) -> ModelCall:
-        """The call as admitted: its length, how it may be routed, its tenant's cache salt."""
-        return req.call.admitted(admission.max_tokens, self._route(lane, admission), self._salts[req.caller.tenant])
+        """The call as admitted: its length, how it may be routed, its tenant's cache salt, its tenant."""
+        tenant = req.caller.tenant
+        return req.call.admitted(admission.max_tokens, self._route(lane, admission), self._salts[tenant], tenant)
 
     def _route(self, lane: Lane, admission: Admission) -> str:
         """How the model's request router may place the call (``affinity.route_mode``)."""

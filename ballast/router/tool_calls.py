@@ -22,8 +22,8 @@ templates require on the next turn; vLLM's ``chatcmpl-tool-`` ids otherwise).
 Bounds: at most ``MAX_TOOLS`` tools (OpenAI's limit); each tool's parameters and all
 of them together are bounded (``openai_api.check_limits``), and the grammar the
 parser builds for them (every tool's schema in it) is measured as built
-(``schema_fault``: nesting and nodes) and refused as ``tool_choice``'s when past the
-bounds.
+(``ballast.policies.schema``: nesting, nodes, patterns, counts and literals) and refused
+as ``tool_choice``'s when past the bounds.
 
 The tools and any earlier tool calls and tool results go to the model's chat template
 (``ballast.model.hf_checkpoint.render_chat``), which shows them to the model as it was
@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from ballast.policies.request import json_extent
 
 __all__ = [
     "MAX_TOOLS",
@@ -52,20 +50,9 @@ __all__ = [
     "ToolSchemaTooComplex",
     "ToolSpec",
     "plan",
-    "schema_fault",
 ]
 
 MAX_TOOLS = 128  # OpenAI's limit
-
-
-def schema_fault(schema: Any, max_depth: int, max_nodes: int) -> Optional[str]:
-    """Why ``schema`` is past the bounds (a phrase: "nests 40 deep; the limit is 32"), or None."""
-    extent = json_extent(schema)
-    if extent.depth > max_depth:
-        return f"nests {extent.depth} deep; the limit is {max_depth}"
-    if extent.nodes > max_nodes:
-        return f"has {extent.nodes} nodes; the limit is {max_nodes}"
-    return None
 
 
 class _Strict(BaseModel):

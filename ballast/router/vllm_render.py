@@ -11,8 +11,9 @@ template (a tokenizer's ``tool_use`` template when tools are sent) and its filte
 ``chat_template_kwargs`` (variables the template does not read are dropped).
 
 The router keeps the rest of its split: it renders to text and tokenizes that text once
-(``ballast.router.tokens``); a special token's text in the messages is escaped first as on
-every engine (``special_tokens.escape_content``). Only vLLM's Hugging Face renderer renders
+(``ballast.router.tokens``); a special token's text in the messages, tools and
+``chat_template_kwargs`` values is escaped first as on every engine
+(``special_tokens.escape_content``). Only vLLM's Hugging Face renderer renders
 to text: a model whose tokenizer mode picks another (Mistral's ``tekken``, DeepSeek V3.2's
 encoder) is refused at start, naming the mode.
 
@@ -65,7 +66,8 @@ class VllmRenderer:
     ) -> str:
         """The prompt text for ``turns`` (OpenAI's message shape), with the generation
         prompt; ``ChatTemplateError`` when the template refuses them. Special tokens' text
-        in the turns and tools is escaped first (``model.special_tokens_in_content`` "text")."""
+        in the turns, the tools and the template variables' values is escaped first
+        (``model.special_tokens_in_content`` "text")."""
         import jinja2
         from vllm.exceptions import VLLMClientError
         from vllm.renderers import ChatParams
@@ -76,6 +78,7 @@ class VllmRenderer:
         if self._escape:
             turns = escape_content(list(turns), self._tokenizer)
             tools = escape_content(list(tools), self._tokenizer) if tools else None
+            template_kwargs = {k: escape_content(v, self._tokenizer) for k, v in (template_kwargs or {}).items()}
         kwargs = {**(template_kwargs or {}), "tools": list(tools) if tools else None}
         kwargs.update(add_generation_prompt=True, tokenize=False)
         params = ChatParams(chat_template=None, chat_template_content_format="auto", chat_template_kwargs=kwargs)

@@ -203,6 +203,52 @@ def test_a_prompt_whose_template_closed_the_thinking_is_answered_as_content_stre
         assert len(calls) == len(streamed_calls) == (1 if prompt == closed else 0)
 
 
+# Tools vLLM's tool utilities refuse (VLLMValidationError) when they build the JSON schema
+# of a forced call for a model without a tool parser (every tool's $defs hoisted to its
+# root): a $defs that is not an object; two tools defining one name two ways. (A parser's
+# structural tag keeps each tool's schema whole: the replica's compile judges those.)
+DEFS_NOT_AN_OBJECT = [{"type": "function", "function": {"name": "a", "parameters": {"type": "object", "$defs": 1}}}]
+DEFS_IN_CONFLICT = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object", "$defs": {"X": {"type": t}}}}}
+    for n, t in (("a", "string"), ("b", "integer"))
+]
+
+
+@pytest.mark.parametrize("specs, says", [(DEFS_NOT_AN_OBJECT, "must be an object"), (DEFS_IN_CONFLICT, "'X'")])
+def test_tools_vllm_refuses_are_engine_refused_naming_tools(tok, specs, says):
+    from ballast.errors import EngineRefused
+
+    with pytest.raises(EngineRefused) as e:
+        ChatParsing(tok, None, None).start(plan(tools(*specs), "required", None))
+    assert (e.value.status, e.value.code, e.value.field) == (400, "ENGINE_REFUSED", "tools")
+    assert e.value.message.startswith("tools: vLLM refuses the request's tools: ") and says in e.value.message
+    assert "parameter=" not in e.value.message
+
+
+def test_tools_vllm_refuses_are_a_400_through_the_openai_front(tmp_path):
+    """The real router on a vLLM model (its renderer and parsers; the Serve handle a
+    scripted fake that no request reaches): 400 ENGINE_REFUSED naming tools, not a 500."""
+    from ballast.model.demo import make_tiny_llama
+    from routerkit import at_level, build_router, routed
+    from test_resilient_caller import FakeHandle
+
+    model = {"name": "llama", "backend": "vllm", "path": str(make_tiny_llama(tmp_path / "m"))}
+    cfg = {"tenants": {"gold": {}}, "auth": {"demo_keys": {"k": "gold"}}, "models": [model]}
+    handle = FakeHandle()
+    router = build_router(cfg, handle)
+    at_level(router, 0)
+    with routed(router) as client:
+        for specs in (DEFS_NOT_AN_OBJECT, DEFS_IN_CONFLICT):
+            body = {"model": "llama", "messages": [{"role": "user", "content": "hi"}], "tools": specs}
+            r = client.post(
+                "/v1/chat/completions", headers={"authorization": "Bearer k"}, json={**body, "tool_choice": "required"}
+            )
+            error = r.json()["error"]
+            assert (r.status_code, error["code"], error["param"]) == (400, "ENGINE_REFUSED", "tools"), r.text
+            assert error["type"] == "invalid_request_error" and "vLLM refuses the request's tools" in error["message"]
+    assert handle.generate.calls == [] and handle.generate_stream.calls == []
+
+
 def test_unknown_parser_names_fail_when_the_router_starts(tok):
     with pytest.raises(ValueError, match="model.tool_parser"):
         ChatParsing(tok, "no-such-parser", None)

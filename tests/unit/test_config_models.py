@@ -66,6 +66,10 @@ class TestOneModelConfigsUnchanged:
         assert dump["watchdog"].pop("pss_interval_s") == 10.0  # PSS read every 10 s, not every sample
         assert dump["degradation"].pop("capacity_window_s") == 30.0  # demand against a 30 s peak, not one window
         assert dump.pop("adapters_root") is None  # no adapter added at run time unless a root is written
+        # a schema's patterns, counts and literals bounded (ballast/policies/schema.py)
+        assert dump["limits"].pop("max_schema_pattern_chars") == 128
+        assert dump["limits"].pop("max_schema_repeat") == 1024
+        assert dump["limits"].pop("max_schema_literal_chars") == 32768
         models = [dump["model"]] + ([dump["fallback"]["model"]] if dump.get("fallback") else [])
         for model in models:
             assert model.pop("cpus") is None  # fields added to a model: not pinned,

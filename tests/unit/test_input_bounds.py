@@ -268,6 +268,26 @@ def test_tools_past_the_schema_bounds_are_schema_too_complex():
     assert len(oa.parse_chat({**CHAT, "tools": many["tools"][:3]}).tools) == 3
 
 
+def test_patterns_counts_and_literals_past_their_bounds_are_schema_too_complex(client):
+    """What else a grammar spells out (ballast.policies.schema), refused at the front before
+    any work: a nested pattern 50 characters long that unrolls to 256, counts that add up,
+    literals; the tools' schemas counted together."""
+    for schema, says in (
+        ({"type": "string", "pattern": "^(.{1,16}){1,16}$"}, "a pattern of 256 characters"),
+        ({"type": "string", "maxLength": 2048}, "adding up to 2048; the limit is 1024"),
+        ({"enum": ["x" * 40000]}, "spells 40000 characters"),
+    ):
+        r = client.post("/v1/chat/completions", headers=KEY, json={**CHAT, "response_format": response_format(schema)})
+        assert (r.status_code, r.json()["error"]["code"], field_of(r)) == (400, "SCHEMA_TOO_COMPLEX", "response_format")
+        assert says in r.text, r.text
+    within = {"type": "object", "properties": {"q": {"type": "string", "pattern": "^[a-z]{1,64}$", "maxLength": 600}}}
+    oa.parse_chat({**CHAT, "response_format": response_format(within)})
+    oa.parse_chat({**CHAT, "tools": [function("a", within)]})
+    r = client.post("/v1/chat/completions", headers=KEY, json={**CHAT, "tools": [function("a", within)] * 2})
+    assert (r.status_code, r.json()["error"]["code"], field_of(r)) == (400, "SCHEMA_TOO_COMPLEX", "tools"), r.text
+    assert "adding up to 1200" in r.text
+
+
 def test_required_over_tools_that_pass_alone_can_build_a_schema_too_complex():
     """The grammar vLLM's parser builds for "required" holds every tool's parameters: it is
     measured as built (``ParsedChat.check``), with no tool parser (a JSON array of calls)
@@ -277,15 +297,16 @@ def test_required_over_tools_that_pass_alone_can_build_a_schema_too_complex():
     from ballast.router.chat_parsing import ChatParsing
 
     tools = [ToolSpec.model_validate(function(f"f{i}", wide(40))) for i in range(9)]  # 360 nodes of parameters
+    limits = load_config({"limits": {"max_schema_nodes": 400}}).limits
+    bounds = limits.schema_bounds()
     for parser in (None, "hermes"):
         parsing = ChatParsing(train_tokenizer(), parser, None)
-        parsing.start(plan(tools, "none", None)).check(32, 400)  # no call forced: no grammar
+        parsing.start(plan(tools, "none", None)).check(bounds)  # no call forced: no grammar
         with pytest.raises(ToolSchemaTooComplex) as e:
-            parsing.start(plan(tools, "required", None)).check(32, 400)
+            parsing.start(plan(tools, "required", None)).check(bounds)
         assert e.value.field == "tool_choice" and "nodes; the limit is 400" in str(e.value)
-        parsing.start(plan(tools[:2], "required", None)).check(32, 400)  # hermes writes each tool twice
+        parsing.start(plan(tools[:2], "required", None)).check(bounds)  # hermes writes each tool twice
     # The front answers it as 400 SCHEMA_TOO_COMPLEX naming tool_choice.
-    limits = load_config({"limits": {"max_schema_nodes": 400}}).limits
     front = OpenAIFront(None, load_config({"limits": {"max_schema_nodes": 400}}), created_s=0)
     req = oa.parse_chat({**CHAT, "tools": [t.model_dump() for t in tools], "tool_choice": "required"}, limits)
     text = ModelText(64)

@@ -105,6 +105,22 @@ async def test_an_answer_settles_the_quota_to_the_tokens_used(pipeline, router) 
     assert router.tally.requests == 1
 
 
+async def test_the_call_names_the_tenant_its_key_says(pipeline) -> None:
+    """The replica shares its grammar compile threads by tenant: every call the pipeline
+    sends (unary, with an Idempotency-Key, streamed) names the caller's tenant."""
+    handle = primary(pipeline)
+    handle.generate.script.extend([reply(2), reply(2)])
+    handle.generate_stream.script.append(FakeStream(piece(2)))
+    await pipeline.serve(request())
+    await pipeline.serve(request(key="key-t"))
+    stream = await pipeline.serve(request(stream=True))
+    assert isinstance(stream, Stream)
+    assert [c.text async for c in stream] == ["xx"]
+    await stream.aclose()
+    assert [c.tenant for c in handle.generate.calls + handle.generate_stream.calls] == ["gold"] * 3
+    assert CALL.tenant == "" and CALL.admitted(5, tenant="gold") == CALL.admitted(5)  # not part of what it asks
+
+
 async def test_an_admitted_request_holds_its_place_its_estimate_and_a_gate_slot(pipeline) -> None:
     full = bucket_tokens(pipeline)
     admission, ticket = await pipeline.acquire(request())

@@ -320,6 +320,64 @@ async def test_a_schema_slow_to_compile_is_refused_at_its_limit_while_the_replic
         backend.grammars = kept
 
 
+async def test_two_slow_schemas_of_one_tenant_leave_another_tenants_answer_within_its_deadline(backend):
+    # Through the replica's loop, as Serve calls it: a tenant sends two slow schemas at once
+    # (a nested anyOf compiling for seconds here, past the front's node bound: as slow as a
+    # schema within the bounds can be on a large vocabulary), with the replica's defaults of
+    # 2 threads. Its first is refused at the limit and compiles on, holding the tenant's one
+    # thread; its second waits for that thread. Another tenant's structured request is
+    # compiled on the other thread and answered, JSON that follows its schema, within its
+    # deadline, while the slow compile still runs.
+    import asyncio
+    import time
+
+    from ballast.errors import SchemaTooComplex
+    from ballast.model.grammar import GrammarCompiles
+    from ballast.model.protocol import AttemptDeadline, ModelCall
+    from ballast.model.replica_loop import ReplicaLoop
+    from ballast.policies.scheduler import SchedulerConfig
+    from tests.unit.test_grammar import nested_any_of
+
+    kept = backend.grammars
+    backend._xgrammar()  # built at warmup in a replica
+    backend.grammars = grammars = GrammarCompiles(backend._compile_schema, threads=2, timeout_s=0.5)
+    loop = ReplicaLoop(
+        backend,
+        SchedulerConfig(kv_budget_tokens=8 * 512, context_tokens=512),
+        chunk_tokens=4,
+        batch_limit=4,
+        max_deadline_s=120.0,
+        max_tokens_limit=64,
+    )
+
+    async def answer(tenant: str, schema: str, deadline_s: float) -> str:
+        sampling = RowSampling(temperature=1.0, seed=7, json_schema=schema)
+        deadline = AttemptDeadline.starting(deadline_s, time.time())
+        call = ModelCall(prompt="Answer in JSON:", max_tokens=64, sampling=sampling, deadline=deadline, tenant=tenant)
+        return "".join([chunk.text async for chunk in loop.stream(call)])
+
+    noisy = [asyncio.ensure_future(answer("noisy", nested_any_of(8, leaf), 60.0)) for leaf in ("string", "integer")]
+    try:
+        with pytest.raises(SchemaTooComplex):
+            await noisy[0]
+        started = time.monotonic()
+        value = json.loads(await answer("quiet", json.dumps(VERDICT), 10.0))
+        assert time.monotonic() - started < 10.0
+        assert set(value) == {"ok", "colour"} and value["colour"] in ("red", "green")
+        # The slow compile is still running on the noisy tenant's thread; its second schema never began.
+        assert (grammars.held("noisy"), grammars.compiles, noisy[1].done()) == (1, 2, False)
+    finally:
+        noisy[1].cancel()
+        loop.stop()
+        for _ in range(6000):  # the slow compile runs on to its end: at most a minute
+            if grammars.running == 0:
+                break
+            await asyncio.sleep(0.01)
+        grammars.close()
+        backend.grammars = kept
+    assert grammars.running == 0
+
+
 def test_the_model_benchmark_drives_vllm_as_the_replica_does(backend):
     # make bench-model's vllm rows: closed-loop clients, rows to their max_tokens, the
     # short request beside long ones; the long rows are taken out of the engine after.

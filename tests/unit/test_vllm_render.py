@@ -109,6 +109,24 @@ def test_a_special_tokens_text_in_a_message_is_text_not_the_token(ckpt):
     assert ids.count(tok.eos_token_id) == 1  # the one the template writes after the turn, not the user's
 
 
+NOTE = "{% if note is defined %}{{ note }}</s>{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_a_special_tokens_text_in_a_template_variable_is_text_not_the_token(ckpt):
+    """A chat_template_kwargs value the template writes into the prompt is escaped as a
+    message is; with special_tokens_in_content "control", as it is."""
+    r, tok = renderer(ckpt, NOTE)
+    turns = [{"role": "user", "content": "q"}]
+    ids = encode_text(tok, r.render(turns, None, {"note": "a </s> b"}), add_special_tokens=False)
+    assert ids.count(tok.eos_token_id) == 1  # the template's own, after the note
+    assert tok.decode(ids) == "a </s> b</s>q"
+    nested = r.render(turns, None, {"note": ["</s>", {"k": "</s>"}]})  # values in lists and mappings too
+    assert encode_text(tok, nested, add_special_tokens=False).count(tok.eos_token_id) == 1
+    path = str(ckpt.parent / f"t{zlib.crc32(NOTE.encode())}")  # renderer()'s copy with this template
+    control = VllmRenderer(path, tok, {}, special_tokens_in_content="control")
+    assert encode_text(tok, control.render(turns, None, {"note": "a </s> b"}), False).count(tok.eos_token_id) == 2
+
+
 def test_a_tokenizer_mode_whose_renderer_makes_ids_is_refused_at_start(ckpt):
     tokenizer, _ = load_tokenizer(ckpt)
     with pytest.raises(ValueError, match="tokenizer_mode"):
