@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from ballast.model.batching import ids_by_row, left_pad, refuse_adapter, refuse_bad_ids, rows_to_keep
+from ballast.model.batching import check_joins, ids_by_row, left_pad, refuse_adapter, refuse_bad_ids, rows_to_keep
 from ballast.model.builtin_decoder import BYTE_VOCAB_SIZE
+from ballast.model.protocol import Join
 
 if TYPE_CHECKING:
     from ballast.model.builtin_engine import TorchDecoderBackend
@@ -31,16 +32,16 @@ if TYPE_CHECKING:
 __all__ = ["LiveBatch"]
 
 
-def _split_refused(joins: Sequence[tuple], vocab_size: int) -> tuple[list[tuple], dict[Any, BaseException]]:
+def _split_refused(joins: Sequence[Join], vocab_size: int) -> tuple[list[Join], dict[Any, BaseException]]:
     """The joins whose ids are all in the vocabulary and that name no adapter, and the
     others' refusals by key."""
     ok, refused = [], {}
     for join in joins:
-        why = refuse_adapter(join[0], join) or refuse_bad_ids(join[0], join[1], vocab_size)
+        why = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, vocab_size)
         if why is None:
             ok.append(join)
         else:
-            refused[join[0]] = why
+            refused[join.key] = why
     return ok, refused
 
 
@@ -101,8 +102,9 @@ class LiveBatch:
         if keep is not None:
             self._select(keep)
 
-    def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
-        """Admit ``joins`` (key, prompt ids, max new tokens), then up to ``steps`` tokens per row.
+    def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
+        """Admit ``joins``, then up to ``steps`` tokens per row (``engine.Batch``); a join's
+        sampling is the engine's config, whatever the row's own says.
 
         Returns the ids each row emitted in this chunk, for every row that was in
         the batch or joined (a joiner's first token comes from its prefill). Rows
@@ -111,34 +113,32 @@ class LiveBatch:
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        seen = set(self._keys)
-        for key, ids, n, *_ in joins:  # a 4th item (per-row sampling) is the HF engine's
-            if key in seen:
-                raise ValueError(f"key {key!r} is already in the batch")
-            seen.add(key)
-            if not ids or len(ids) + n > self._backend.max_seq_len or n < 0:
+        check_joins(joins, self._keys)
+        limit = self._backend.max_seq_len
+        for join in joins:
+            if not join.ids or len(join.ids) + join.max_new_tokens > limit:
                 raise ValueError(
-                    f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit "
-                    f"max_seq_len {self._backend.max_seq_len} (use encode())"
+                    f"row {join.key!r}: {len(join.ids)} prompt ids + {join.max_new_tokens} new tokens must fit "
+                    f"max_seq_len {limit} (use encode())"
                 )
-        joins, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
+        admitted, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
         self._failed.update(refused)
         emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward
         if self._keys:
             emitted.append((list(self._keys), self._decode()))
-        live = [(key, ids, n) for key, ids, n, *_ in joins if n > 0]
+        live = [join for join in admitted if join.max_new_tokens > 0]
         if live:
-            part = self._prefill([ids for _, ids, _ in live])
-            emitted.append(([key for key, _, _ in live], part[-1]))
+            part = self._prefill([join.ids for join in live])
+            emitted.append(([join.key for join in live], part[-1]))
             self._drop_finished()
-            self._append([key for key, _, _ in live], [n - 1 for _, _, n in live], part)
+            self._append([join.key for join in live], [join.max_new_tokens - 1 for join in live], part)
         self._drop_finished()
         for _ in range(steps - 1):
             if not self._keys:
                 break
             emitted.append((list(self._keys), self._decode()))
             self._drop_finished()
-        return ids_by_row(emitted, {key: [] for key, *_ in joins})
+        return ids_by_row(emitted, {join.key: [] for join in admitted})
 
     def take_failed(self) -> dict[Any, BaseException]:
         """Rows refused alone since the last call (a prompt id outside the vocabulary),
@@ -163,7 +163,7 @@ class LiveBatch:
             self._remaining[i] -= 1
         return self._last
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _prefill(self, prompts: list[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Prefill new rows as their own left-padded batch: (k, v, valid, lengths, first ids)."""
         backend = self._backend
         ids, valid = backend._left_padded(prompts)
@@ -171,7 +171,7 @@ class LiveBatch:
         empty = backend._empty_cache(len(prompts))
         logits, k, v = backend._model(ids, positions, _prefill_mask(valid), empty, empty)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=backend.device)
-        return k, v, valid, lengths, self._backend._sample(logits[:, -1, :], self._gen)
+        return k, v, valid, lengths, backend._sample(logits[:, -1, :], self._gen)
 
     def _append(
         self, keys: list[Any], remaining: list[int], part: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]

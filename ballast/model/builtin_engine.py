@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from ballast.model.batching import describe_engine
 from ballast.model.builtin_batch import LiveBatch, _DecodeState
 from ballast.model.builtin_decoder import BYTE_VOCAB_SIZE
+from ballast.model.protocol import Join
 
 __all__ = [
     "ByteStreamDecoder",
@@ -241,7 +242,7 @@ class TorchDecoderBackend:
             pending = list(enumerate(zip(encoded, max_new_tokens)))
             while pending or batch.size:
                 with torch.inference_mode():  # per chunk, never across a yield
-                    out = batch.run_chunk([(i, e, n) for i, (e, n) in pending], chunk_tokens)
+                    out = batch.run_chunk([Join(i, e, n) for i, (e, n) in pending], chunk_tokens)
                 pending = []
                 yield [out.get(b, []) for b in range(len(encoded))]
             return

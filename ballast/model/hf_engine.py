@@ -55,9 +55,17 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ballast.model.batching import describe_engine, ids_by_row, left_pad, refuse_adapter, refuse_bad_ids, rows_to_keep
+from ballast.model.batching import (
+    check_joins,
+    describe_engine,
+    ids_by_row,
+    left_pad,
+    refuse_adapter,
+    refuse_bad_ids,
+    rows_to_keep,
+)
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels, tokenizer_id
-from ballast.model.protocol import GREEDY, RowSampling
+from ballast.model.protocol import GREEDY, Join, RowSampling
 
 __all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowFailed", "RowSampling"]
 
@@ -217,7 +225,7 @@ class HFBackend:
         steps = max(1, min(4, self.max_seq_len - 2))
         for n in batch_sizes:
             batch = self.open_batch()
-            joins = [(i, self.encode("Hello", steps), steps) for i in range(n)]
+            joins = [Join(i, self.encode("Hello", steps), steps) for i in range(n)]
             with torch.inference_mode():
                 batch.run_chunk(joins, steps)
                 while batch.size:
@@ -237,7 +245,7 @@ class HFBackend:
         """Every prompt joins at once; yields one text piece per prompt per chunk (ModelBackend)."""
         batch = self.open_batch()
         decoders = [self.stream_decoder() for _ in prompts]
-        joins = [(i, self.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
+        joins = [Join(i, self.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
         while joins or batch.size:
             with torch.inference_mode():
                 out = batch.run_chunk(joins, chunk_tokens)
@@ -273,8 +281,8 @@ class _Row:
 class HFBatch:
     """The running batch of an :class:`HFBackend` (see the module docstring for its layout).
 
-    ``run_chunk(joins, steps)`` has ``builtin_batch.LiveBatch``'s contract; a join is
-    ``(key, ids, max_new_tokens)`` or ``(key, ids, max_new_tokens, RowSampling)``.
+    ``run_chunk(joins, steps)`` has ``builtin_batch.LiveBatch``'s contract, each row
+    sampled by its join's :class:`RowSampling` (None: greedy).
     Not thread-safe: one caller at a time, under ``torch.inference_mode()``.
     """
 
@@ -317,33 +325,31 @@ class HFBatch:
         if keep is not None:
             self._select(keep)
 
-    def run_chunk(self, joins: Sequence[tuple], steps: int) -> dict[Any, list[int]]:
+    def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        parsed = []
-        seen = {r.key for r in self._rows}
+        check_joins(joins, self.keys())
+        limit = self._b.max_seq_len
         for join in joins:
-            key, ids, n = join[0], list(join[1]), join[2]
-            sampling = join[3] if len(join) > 3 and join[3] is not None else GREEDY
-            if key in seen:
-                raise ValueError(f"key {key!r} is already in the batch")
-            seen.add(key)
-            if not ids or n < 0 or len(ids) + n > self._b.max_seq_len:
+            if not join.ids or len(join.ids) + join.max_new_tokens > limit:
                 raise ContextTooLong(
-                    f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {self._b.max_seq_len}"
+                    f"row {join.key!r}: {len(join.ids)} prompt ids + {join.max_new_tokens} new tokens must fit "
+                    f"the context of {limit}"
                 )
-            refused = refuse_adapter(key, join) or refuse_bad_ids(key, ids, self._b.vocab_size)
+        admitted = []
+        for join in joins:
+            refused = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, self._b.vocab_size)
             if refused is not None:
-                self._failed[key] = refused
-                continue
-            parsed.append((key, ids, n, sampling))
+                self._failed[join.key] = refused
+            else:
+                admitted.append(join)
         emitted: list[tuple[list[Any], Tensor]] = []
         if self._rows:
             emitted.append((self.keys(), self._decode()))
-        live = [j for j in parsed if j[2] > 0]
+        live = [join for join in admitted if join.max_new_tokens > 0]
         if live:
-            rows = [_Row(k, n - 1, len(ids) + n, s, self._b.device) for k, ids, n, s in live]
-            first = self._prefill([ids for _, ids, _, _ in live], rows)
+            rows = [self._row(join) for join in live]
+            first = self._prefill([join.ids for join in live], rows)
             emitted.append(([r.key for r in rows], first))
         self._drop_finished(emitted)
         for _ in range(steps - 1):
@@ -351,12 +357,18 @@ class HFBatch:
                 break
             emitted.append((self.keys(), self._decode()))
             self._drop_finished(emitted)
-        out = ids_by_row(emitted, {k: [] for k, _, _, _ in parsed})
+        out = ids_by_row(emitted, {join.key: [] for join in admitted})
         for key in self._failed:
             out.pop(key, None)  # a failed row's ids are not an answer
         return out
 
     # ------------------------------------------------------------------ internals
+
+    def _row(self, join: Join) -> _Row:
+        """A joining row: its first token comes from the prefill, and it reserves its whole context."""
+        n = join.max_new_tokens
+        sampling = join.sampling if join.sampling is not None else GREEDY
+        return _Row(join.key, n - 1, len(join.ids) + n, sampling, self._b.device)
 
     def _forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
         kwargs = {"logits_to_keep": 1} if self._b._logits_to_keep else {}
@@ -383,7 +395,7 @@ class HFBatch:
             r.remaining -= 1
         return self._last
 
-    def _prefill(self, prompts: list[list[int]], rows: list[_Row]) -> Tensor:
+    def _prefill(self, prompts: list[Sequence[int]], rows: list[_Row]) -> Tensor:
         """Prefill the joiners as their own left-padded batch, then stack them under the running rows."""
         from transformers import DynamicCache
 

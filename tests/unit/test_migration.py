@@ -15,6 +15,7 @@ import torch
 
 from ballast.policies.migration import MAX_PAUSE_S, MigrationConfig, pause_s, should_migrate
 from ballast.model.builtin_engine import ByteStreamDecoder
+from ballast.model.protocol import Join
 from ballast.model.replica_loop import ReplicaRow, resume, row_text
 from ballast.stops import StopScanner
 
@@ -140,7 +141,7 @@ def generate(backend, ids: list[int], n: int, chunk: int = 4) -> list[int]:
     batch = backend.open_batch()
     out: list[int] = []
     with torch.inference_mode():
-        joins = [("x", ids, n)]
+        joins = [Join("x", ids, n)]
         while joins or batch.size:
             out.extend(batch.run_chunk(joins, chunk).get("x", []))
             joins = []
