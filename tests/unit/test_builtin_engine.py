@@ -254,6 +254,52 @@ def test_live_batch_removed_rows_stop_and_others_are_undisturbed():
     assert got["keep"] == all_tokens(backend, ["keep me"], [20])[0]
 
 
+class OnlySteps:
+    """The built-in engine seen through ``builtin_batch.DecoderSteps`` alone: a batch that
+    reached for any other part of it (a private attribute, say) fails with AttributeError."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: TorchDecoderBackend) -> None:
+        self._engine = engine
+
+    device = property(lambda self: self._engine.device)
+    max_seq_len = property(lambda self: self._engine.max_seq_len)
+
+    def forward(self, ids, positions, mask, k, v):
+        return self._engine.forward(ids, positions, mask, k, v)
+
+    def sample(self, logits, gen):
+        return self._engine.sample(logits, gen)
+
+    def empty_kv_cache(self, rows):
+        return self._engine.empty_kv_cache(rows)
+
+    def left_padded(self, prompts, extra=0):
+        return self._engine.left_padded(prompts, extra)
+
+    def sampler(self):
+        return self._engine.sampler()
+
+
+def test_a_live_batch_runs_on_the_engines_public_steps_alone():
+    from ballast.model.builtin_batch import LiveBatch, ReferenceDecode
+
+    backend = make_backend(seed=9, sampling=SamplingConfig(temperature=0.8, seed=3))
+    arrivals = [[("a", PROMPTS[1], 12)], [("b", PROMPTS[0], 7)]]
+    want, _ = run_live(backend, arrivals)
+    batch, got = LiveBatch(OnlySteps(backend)), {}
+    with torch.inference_mode():
+        for c in range(12):
+            chunk = arrivals[c] if c < len(arrivals) else []
+            for key, ids in batch.run_chunk([Join(k, backend.encode(p, n), n) for k, p, n in chunk], 3).items():
+                got.setdefault(key, []).extend(ids)
+    assert got == want and [len(got["a"]), len(got["b"])] == [12, 7] and batch.size == 0
+    reference = ReferenceDecode(OnlySteps(backend), [backend.encode("hi", 4)], 4)
+    with torch.inference_mode():
+        assert [int(reference.step(s)[0]) for s in range(4)] == all_tokens(backend, ["hi"], [4], use_cache=False)[0]
+
+
 def test_live_batch_zero_and_one_token_rows_and_validation():
     backend = make_backend()
     batch = backend.open_batch()
