@@ -89,7 +89,7 @@ class ModelBackend(Protocol):
         """A row's prompt ids and max new tokens within the context: max_new_tokens is
         shortened to what the context leaves, never lengthened; the built-in engine keeps
         the prompt's end, the others refuse a prompt that leaves no room
-        (``hf_engine.ContextTooLong``)."""
+        (``hf_text.ContextTooLong``)."""
         ...
 
     async def check(self, sampling: Any) -> Any:

@@ -65,108 +65,15 @@ from ballast.model.batching import (
     rows_to_keep,
 )
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels, tokenizer_id
+from ballast.model.hf_text import ContextTooLong, IncrementalDetokenizer, TokenizerText
 from ballast.model.protocol import GREEDY, Join, RowSampling
 
-__all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowFailed", "RowSampling"]
+__all__ = ["HFBackend", "HFBatch", "RowFailed", "RowSampling"]
 
 
 class RowFailed(RuntimeError):
     """A step failed for one row alone (the model's logits for it are not finite): that
     row fails as a model failure, the other rows of the batch go on."""
-
-
-class ContextTooLong(ValueError):
-    """A prompt and its max_new_tokens do not fit the model's context (or the prompt is empty)."""
-
-
-class IncrementalDetokenizer:
-    """Text for a growing list of token ids, emitted piece by piece.
-
-    A byte-level BPE token can hold part of a multi-byte character, so decoding
-    each new token alone would print U+FFFD halves. As vLLM and TGI do, the new
-    text is the decode of a short window of ids minus the decode of its prefix,
-    held back while it ends in U+FFFD (an incomplete character) unless this is
-    the last piece. Special tokens (bos, eos, turn markers) decode to nothing.
-    The window keeps the last few ids only, so each step costs O(1).
-    """
-
-    WINDOW = 6  # ids of context kept before the unread ones (spacing, merges)
-
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer
-        self._skip_special = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # ids[prefix:read] were emitted and give the context
-        self._read = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
-
-    def feed(self, ids: Sequence[int], final: bool = False) -> str:
-        self._ids.extend(int(i) for i in ids)
-        window = self._ids[self._prefix :]
-        before = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(window)
-        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
-            return ""  # nothing new yet, or a character still incomplete
-        # A window's decode starts with its prefix's for byte-level and sentencepiece
-        # tokenizers alike; what is past it is new.
-        new = text[len(before) :] if len(text) > len(before) else ""
-        self._read = len(self._ids)
-        self._prefix = max(0, self._read - self.WINDOW)
-        # Drop ids before the window for good: the list stays bounded.
-        if self._prefix > 0:
-            del self._ids[: self._prefix]
-            self._read -= self._prefix
-            self._prefix = 0
-        return new
-
-
-def tokenize_prompt(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
-    """The prompt's ids (``special_tokens.encode_text``, as the router makes them: a client's
-    special-token text stays text); ContextTooLong when there are none."""
-    from ballast.model.special_tokens import encode_text
-
-    ids = encode_text(tokenizer, prompt, add_special_tokens)
-    if not ids:
-        raise ContextTooLong("the prompt is empty: there is no token to generate from")
-    return ids
-
-
-def encode_prompt(
-    tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True
-) -> list[int]:
-    """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed ``context``."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    ids = tokenize_prompt(tokenizer, prompt, add_special_tokens)
-    if len(ids) + max_new_tokens > context:
-        raise ContextTooLong(
-            f"the prompt is {len(ids)} tokens and max_tokens {max_new_tokens}: together more than "
-            f"the model's context of {context} tokens"
-        )
-    return ids
-
-
-def fit_ids(context: int, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-    """(prompt ids, max new tokens) for a row: max_new_tokens shortened to what the context
-    leaves (never lengthened). The router refuses what does not fit with a 400 first; this
-    is for a fallback whose context is shorter than the primary's. ContextTooLong for no
-    ids, or when nothing is left."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    ids = [int(i) for i in ids]
-    if not ids:
-        raise ContextTooLong("the prompt is empty: there is no token to generate from")
-    if len(ids) > context:
-        raise ContextTooLong(
-            f"the prompt is {len(ids)} tokens and max_tokens 0: together more than "
-            f"the model's context of {context} tokens"
-        )
-    room = context - len(ids)
-    if room < 1:
-        raise ContextTooLong(f"the prompt is {len(ids)} tokens: no room left in the context of {context}")
-    return ids, min(max_new_tokens, room)
 
 
 class HFBackend:
@@ -193,19 +100,20 @@ class HFBackend:
         self._logits_to_keep = "logits_to_keep" in _forward_parameters(self.model)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.tokenizer_id = tokenizer_id(loaded.info.path)
+        self.text = TokenizerText(self.tokenizer, self.max_seq_len)
 
-    # ---------------------------------------------------------------- text side
+    # ------------------------------------------------- text side (``hf_text.TokenizerText``)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
+        return self.text.tokenize(prompt, add_special_tokens)
 
     def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-        return fit_ids(self.max_seq_len, ids, max_new_tokens)
+        return self.text.fit(ids, max_new_tokens)
 
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
         """The prompt's ids for a row of ``max_new_tokens`` (the benchmarks' and warmup's
         joins); ContextTooLong when they do not fit together."""
-        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
 
     async def check(self, sampling: Optional[RowSampling]) -> Optional[RowSampling]:
         """``sampling`` for this model (a top_k past the vocabulary is every token); the
@@ -213,7 +121,7 @@ class HFBackend:
         return sampling.for_vocab(self.vocab_size) if sampling is not None else None
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special_tokens)
+        return self.text.stream_decoder(keep_special_tokens)
 
     # ------------------------------------------------------------------ batches
 

@@ -87,16 +87,8 @@ from ballast.model.grammar import GrammarCompiles
 from ballast.model.kv_events import KVEventFeed, events_config
 from ballast.policies.engine_curve import StepCurve
 from ballast.policies.prefix_cache import PrefixReport
-from ballast.model.hf_engine import (
-    GREEDY,
-    ContextTooLong,
-    IncrementalDetokenizer,
-    RowSampling,
-    encode_prompt,
-    fit_ids,
-    tokenize_prompt,
-)
-from ballast.model.protocol import Join
+from ballast.model.hf_text import ContextTooLong, IncrementalDetokenizer, TokenizerText
+from ballast.model.protocol import GREEDY, Join, RowSampling
 
 __all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
 
@@ -442,6 +434,7 @@ class VLLMBackend:
         self.start_s = time.monotonic() - started
         cfg = self._llm.vllm_config
         self.max_seq_len = int(cfg.model_config.max_model_len)
+        self.text = TokenizerText(self.tokenizer, self.max_seq_len)
         self.vocab_size = int(cfg.model_config.get_vocab_size())
         self.device = _device_name(cfg)
         self._xgr_lock = threading.Lock()
@@ -631,18 +624,18 @@ class VLLMBackend:
         with self._adapter_lock:
             return self._adapters.get(name)
 
-    # ---------------------------------------------------------------- text side
+    # ------------------------------------------------- text side (``hf_text.TokenizerText``)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
+        return self.text.tokenize(prompt, add_special_tokens)
 
     def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-        return fit_ids(self.max_seq_len, ids, max_new_tokens)
+        return self.text.fit(ids, max_new_tokens)
 
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
         """The prompt's ids for a row of ``max_new_tokens`` (the benchmarks' and warmup's
         joins); ContextTooLong when they do not fit together."""
-        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
 
     async def check(self, sampling: Optional[RowSampling]) -> Optional[RowSampling]:
         """``sampling`` for this model once vLLM's own validation passes, run here so that
@@ -710,7 +703,7 @@ class VLLMBackend:
             return self._xgr_compiler
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special_tokens)
+        return self.text.stream_decoder(keep_special_tokens)
 
     # ------------------------------------------------------------------ engine side
 

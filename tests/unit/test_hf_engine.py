@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from ballast.model.hf_checkpoint import load_checkpoint
-from ballast.model.hf_engine import ContextTooLong, HFBackend, IncrementalDetokenizer, RowSampling
-from ballast.model.protocol import Join
+from ballast.model.hf_engine import HFBackend
+from ballast.model.hf_text import ContextTooLong, IncrementalDetokenizer, TokenizerText
+from ballast.model.protocol import Join, RowSampling
 from tests.unit.hf_fixture import make_tiny_llama
 
 PROMPTS = [
@@ -179,6 +180,9 @@ def test_tokenize_is_the_routers_encode_and_fit_shortens_max_tokens_to_the_conte
         backend.fit([5] * 128, 4)
     with pytest.raises(ContextTooLong, match="context of 128"):
         backend.fit([5] * 129, 4)
+    assert backend.text.fit([5] * 100, 126) == backend.fit([5] * 100, 126)  # one text side, held
+    with pytest.raises(ValueError, match="context must be an int >= 1"):
+        TokenizerText(backend.tokenizer, 0)
 
 
 def test_context_and_empty_prompts_are_refused_before_any_work(backend):

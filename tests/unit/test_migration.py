@@ -160,7 +160,7 @@ def test_a_continuation_generates_the_tokens_the_lost_replica_would_have(engine,
 
 
 def test_a_continuation_on_the_hf_engine_reads_as_the_uninterrupted_text(hf) -> None:
-    from ballast.model.hf_engine import IncrementalDetokenizer
+    from ballast.model.hf_text import IncrementalDetokenizer
 
     prompt, n = hf.fit(hf.tokenize("東京 and Café"), 30)
     ids = generate(hf, prompt, n)

@@ -17,7 +17,7 @@ from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.errors import EngineRefused  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_checkpoint import tokenizer_id  # noqa: E402
-from ballast.model.hf_engine import ContextTooLong  # noqa: E402
+from ballast.model.hf_text import ContextTooLong  # noqa: E402
 from ballast.model.protocol import Join, RowSampling  # noqa: E402
 from ballast.model.vllm_engine import VLLMBackend, VLLMStats  # noqa: E402
 
