@@ -34,7 +34,7 @@ from ballast.errors import (
 )
 from ballast.router.api import StreamResponse
 from ballast.router.pipeline import Answer, Caller, ModelRequest, Stream
-from ballast.router.ticket import Outcome
+from ballast.router.accounts import Outcome
 from test_resilient_caller import FakeHandle, FakeResponse, FakeStream, fails
 
 PROMPT = "hello"  # 5 prompt tokens (bytes)
