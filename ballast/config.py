@@ -47,7 +47,7 @@ from ballast.policies.placement import Placement
 from ballast.policies.recycle import RecycleConfig
 
 from ballast.errors import ConfigError
-from ballast.control.names import fallback_deployment_name, model_deployment_name
+from ballast.names import fallback_deployment_name, model_deployment_name
 
 
 class _Strict(BaseModel):

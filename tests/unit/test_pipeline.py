@@ -17,7 +17,7 @@ import pytest
 from ray.exceptions import RayTaskError
 from starlette.requests import ClientDisconnect
 
-from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot
 from ballast.policies.criticality import Criticality
 from ballast.policies.deadline import Deadline
