@@ -63,7 +63,8 @@ class DecoderSteps(Protocol):
 def _split_refused(joins: Sequence[Join], vocab_size: int) -> tuple[list[Join], dict[Any, BaseException]]:
     """The joins whose ids are all in the vocabulary and that name no adapter, and the
     others' refusals by key."""
-    ok, refused = [], {}
+    ok: list[Join] = []
+    refused: dict[Any, BaseException] = {}
     for join in joins:
         why = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, vocab_size)
         if why is None:

@@ -76,9 +76,12 @@ class ModelBackend(Protocol):
     max_seq_len: int
     vocab_size: int
     eos_ids: frozenset[int]
-    # Whose token ids this engine takes (``protocol.ModelCall.tokenizer``): a call whose
-    # ids are this tokenizer's is not tokenized again.
-    tokenizer_id: str
+
+    @property
+    def tokenizer_id(self) -> str:
+        """Whose token ids this engine takes (``protocol.ModelCall.tokenizer``): a call whose
+        ids are this tokenizer's is not tokenized again."""
+        ...
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids, by the function the router uses for this tokenizer
