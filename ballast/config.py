@@ -48,7 +48,7 @@ from ballast.policies.recycle import RecycleConfig
 from ballast.policies.schema import SchemaBounds
 
 from ballast.errors import ConfigError
-from ballast.control.names import fallback_deployment_name, model_deployment_name
+from ballast.names import fallback_deployment_name, model_deployment_name
 
 
 class _Strict(BaseModel):

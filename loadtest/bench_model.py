@@ -62,6 +62,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ballast.model.protocol import Join, RowSampling
+
 Clock = Callable[[], float]
 
 SHORT_TOKENS = 8
@@ -194,7 +196,7 @@ def run_ballast(
             while waiting and len(batch.keys()) + len(joins) < concurrency:
                 key = waiting.popleft()
                 req = requests[key]
-                joins.append((key, backend.encode(req.prompt, req.max_tokens), req.max_tokens, sampling))
+                joins.append(Join(key, backend.encode(req.prompt, req.max_tokens), req.max_tokens, sampling))
                 got[key] = 0
             out = batch.run_chunk(joins, chunk_tokens)
             now = clock()
@@ -237,7 +239,7 @@ def short_beside_long_ballast(
         for i in range(trials):  # alone: an idle batch takes it at once
             batch = backend.open_batch()
             t0 = clock()
-            batch.run_chunk([(("s", i), short_ids, SHORT_TOKENS, sampling)], chunk_tokens)
+            batch.run_chunk([Join(("s", i), short_ids, SHORT_TOKENS, sampling)], chunk_tokens)
             while batch.keys():
                 batch.run_chunk([], chunk_tokens)
             res.alone_s.append(clock() - t0)
@@ -245,13 +247,13 @@ def short_beside_long_ballast(
         batch = backend.open_batch()
         next_long = 0
 
-        def refill() -> list[tuple]:
+        def refill() -> list[Join]:
             nonlocal next_long
             joins = []
             live = sum(1 for k in batch.keys() if k[0] == "l")
             for _ in range(beside - live):
                 n = long_tokens[next_long % len(long_tokens)]
-                joins.append((("l", next_long), backend.encode(prompt, n), n, sampling))
+                joins.append(Join(("l", next_long), backend.encode(prompt, n), n, sampling))
                 next_long += 1
             return joins
 
@@ -266,7 +268,7 @@ def short_beside_long_ballast(
             t1 = clock()
             submitted = t0 + rng.random() * (t1 - t0)  # arrived during that chunk
             key = ("s", i)
-            joins = refill() + [(key, short_ids, SHORT_TOKENS, sampling)]
+            joins = refill() + [Join(key, short_ids, SHORT_TOKENS, sampling)]
             got = 0
             while True:
                 out = batch.run_chunk(joins, chunk_tokens)
@@ -292,7 +294,7 @@ def decode_step_s(backend: Any, rows: int, prompt: str, steps: int, clock: Clock
     ids = backend.encode(prompt, steps + 1)
     batch = backend.open_batch()
     with torch.inference_mode():
-        batch.run_chunk([(i, ids, steps + 1) for i in range(rows)], 1)
+        batch.run_chunk([Join(i, ids, steps + 1) for i in range(rows)], 1)
         t0 = clock()
         batch.run_chunk([], steps)
         return (clock() - t0) / steps
@@ -614,7 +616,6 @@ def _run_vllm(
 ) -> None:
     """vLLM's rows at every concurrency and its short-beside-long figures, into ``report``
     (each row after the other stacks' rows at its concurrency)."""
-    from ballast.model.hf_engine import RowSampling
 
     to_the_end = RowSampling(ignore_eos=True)  # its rows run to max_tokens, as the others' do
     vllm.warmup(sorted(set(concurrency)))

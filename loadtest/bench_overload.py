@@ -99,7 +99,7 @@ from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_uvloop
 from loadtest import stack_cpu
 from loadtest.machine_speed import SpeedProbeProcess
-from ballast.control.names import ROUTER_DEPLOYMENT
+from ballast.names import ROUTER_DEPLOYMENT
 
 PORT = 8124
 BASE = f"http://127.0.0.1:{PORT}"

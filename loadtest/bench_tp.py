@@ -26,12 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ballast.model.protocol import Join, RowSampling
+
 PROMPTS = ("The quick brown fox", "Hello!", "A replica serves requests; the router sends each one to", "Tokens per")
 
 
 def measure(path: str, tp: int) -> dict[str, Any]:
     """One engine of ``tp`` ranks on ``path``: its start, tokens/s and greedy ids."""
-    from ballast.model.hf_engine import RowSampling
     from ballast.model.ranks import prepare_ranks, with_executor
     from ballast.model.vllm_engine import VLLMBackend, default_engine_kwargs
     from ballast.policies.placement import Placement
@@ -57,7 +58,7 @@ def measure(path: str, tp: int) -> dict[str, Any]:
 
 def _run(backend: Any, rows: int, tokens: int, sampling: Any) -> dict[int, list[int]]:
     batch = backend.open_batch()
-    joins = [(i, backend.encode(PROMPTS[i % len(PROMPTS)], tokens), tokens, sampling) for i in range(rows)]
+    joins = [Join(i, backend.encode(PROMPTS[i % len(PROMPTS)], tokens), tokens, sampling) for i in range(rows)]
     got: dict[int, list[int]] = {}
     for key, ids in batch.run_chunk(joins, 8).items():
         got.setdefault(key, []).extend(ids)

@@ -162,7 +162,7 @@ def _deploy(cfg: Any, second_router: bool) -> None:
     SECOND_PREFIX in front of the same model deployment."""
     from ray import serve
 
-    from ballast.control.names import MODEL_DEPLOYMENT
+    from ballast.names import MODEL_DEPLOYMENT
     from ballast.ops.app import deploy
     from ballast.router.app import router_deployment
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ballast.model.protocol import Join
+
 ROWS = 16  # rows in the batch, about what the gate lets through at C on this host
 CHUNK_TOKENS = 4
 NEW_TOKENS = 32
@@ -86,7 +88,7 @@ class SpeedProbe:
             batch = self._backend.open_batch()
             # Staggered from the start: row j asks for 1 + 32 j / 16 tokens, so rows
             # finish in different chunks and each replacement keeps the stagger.
-            joins = [(j, self._ids, 1 + (NEW_TOKENS * j) // ROWS) for j in range(ROWS)]
+            joins = [Join(j, self._ids, 1 + (NEW_TOKENS * j) // ROWS) for j in range(ROWS)]
             key, done, started = ROWS, 0, None
             while done < ROWS + rows_done:
                 with torch.inference_mode():
@@ -100,7 +102,7 @@ class SpeedProbe:
                     if done == ROWS:  # the first batch's rows are out: steady from here
                         started = time.perf_counter()
                     key += 1
-                    joins.append((key, self._ids, NEW_TOKENS))
+                    joins.append(Join(key, self._ids, NEW_TOKENS))
             assert started is not None
             return rows_done / (time.perf_counter() - started)
         finally:

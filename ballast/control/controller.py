@@ -53,7 +53,7 @@ from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
 from ballast.config import BallastConfig, load_config
 from ballast.errors import AdapterConflict
 from ballast.control.recycling import RecycleCoordinator
-from ballast.control.names import CHAOS_TARGETS, ROUTER_DEPLOYMENT
+from ballast.names import CHAOS_TARGETS, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot
 
 log = logging.getLogger("ballast.controller")

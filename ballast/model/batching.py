@@ -1,6 +1,7 @@
 """What the engines share: the ids a chunk's decode steps emitted per row, the rows a
-batch keeps, left padding, how an engine describes itself, and the per-row checks a
-join passes before it shares a step with other rows (``refuse_bad_ids``).
+batch keeps, left padding, how an engine describes itself, and the checks a chunk's
+joins pass: all of them before it runs (``check_joins``), and each row's own before it
+shares a step with other rows (``refuse_adapter``, ``refuse_bad_ids``).
 
 **One row's fault fails that row only.** A batch checks each join before it runs
 (ids inside the vocabulary); a join that fails the check, and a row whose own step
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ballast.errors import EngineRefused
+from ballast.model.protocol import Join
 
 
 def describe_engine(engine: Any) -> dict[str, Any]:
@@ -61,13 +63,26 @@ def left_pad(x: Tensor, width: int, dim: int) -> Tensor:
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
-def refuse_adapter(key: Any, join: Sequence[Any]) -> Optional[EngineRefused]:
-    """The refusal of a join that names a LoRA adapter (its 5th item) on an engine that
-    serves none (the built-in and Hugging Face ones); None when it names none."""
-    adapter = join[4] if len(join) > 4 else None
-    if adapter is None:
+def check_joins(joins: Sequence[Join], keys: Iterable[Any]) -> None:
+    """Raises unless every join is a :class:`Join` (TypeError) whose key is neither among
+    ``keys`` (the rows in the batch) nor another join's (ValueError): before the chunk runs."""
+    seen = set(keys)
+    for join in joins:
+        if not isinstance(join, Join):
+            raise TypeError(f"a batch takes Join rows, got {type(join).__name__}")
+        if join.key in seen:
+            raise ValueError(f"key {join.key!r} is already in the batch")
+        seen.add(join.key)
+
+
+def refuse_adapter(join: Join) -> Optional[EngineRefused]:
+    """The refusal of a join that names a LoRA adapter on an engine that serves none (the
+    built-in and Hugging Face ones); None when it names none."""
+    if join.adapter is None:
         return None
-    return EngineRefused(f"model: adapter {adapter!r} of row {key!r}: this engine serves no adapters", field="model")
+    return EngineRefused(
+        f"model: adapter {join.adapter!r} of row {join.key!r}: this engine serves no adapters", field="model"
+    )
 
 
 def refuse_bad_ids(key: Any, ids: Sequence[int], vocab_size: int) -> Optional[EngineRefused]:

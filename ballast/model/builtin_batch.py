@@ -1,46 +1,76 @@
 """The built-in engine's live batch: rows join and leave a KV-cached batch between chunks.
 
 :class:`LiveBatch` is what a replica runs (``TorchDecoderBackend.open_batch``);
-:class:`_DecodeState` is its no-cache reference, recomputing the whole batch
+:class:`ReferenceDecode` is its no-cache reference, recomputing the whole batch
 every step, which the cache must reproduce token for token. Both build their
 prefill attention from the one :func:`_prefill_mask`, so a comparison between
 them tests the cache and not two masks.
 
 Invariants: a row's real tokens are a suffix of the cache's columns (left
 padding), so its positions and its greedy output are the same alone or batched;
-a join whose ids are not bytes is refused alone, before its prefill. The
-backend is only a parameter here (its ``_model``, ``_sample``, ``_empty_cache``,
-``_left_padded``, ``_generator``): this module imports it for type checking
-only, so :mod:`ballast.model.builtin_engine` can import this one.
+a join whose ids are not bytes is refused alone, before its prefill. The engine
+is a parameter here, seen through its public face (:class:`DecoderSteps`: one
+forward, one draw, the cache's shape), so this module does not import
+:mod:`ballast.model.builtin_engine`, which imports this one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from ballast.model.batching import ids_by_row, left_pad, refuse_adapter, refuse_bad_ids, rows_to_keep
+from ballast.model.batching import check_joins, ids_by_row, left_pad, refuse_adapter, refuse_bad_ids, rows_to_keep
 from ballast.model.builtin_decoder import BYTE_VOCAB_SIZE
+from ballast.model.protocol import Join
 
-if TYPE_CHECKING:
-    from ballast.model.builtin_engine import TorchDecoderBackend
-
-__all__ = ["LiveBatch"]
+__all__ = ["DecoderSteps", "LiveBatch", "ReferenceDecode"]
 
 
-def _split_refused(joins: Sequence[tuple], vocab_size: int) -> tuple[list[tuple], dict[Any, BaseException]]:
+class DecoderSteps(Protocol):
+    """What a live batch runs on: the built-in engine's public face for its steps
+    (``builtin_engine.TorchDecoderBackend``)."""
+
+    device: str
+    max_seq_len: int
+
+    def forward(
+        self, ids: Tensor, positions: Tensor, mask: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The decoder over ``ids`` [B, S] at ``positions`` [B, S], attending by ``mask``
+        [B, S, T] to the cache ``k``, ``v`` and themselves: (logits, k, v), the cache grown by S."""
+        ...
+
+    def sample(self, logits: Tensor, gen: Optional[torch.Generator]) -> Tensor:
+        """One id per row from last-position logits [B, V] -> [B]."""
+        ...
+
+    def empty_kv_cache(self, rows: int) -> Tensor:
+        """A KV cache of ``rows`` rows and no positions yet: [L, rows, H, 0, Dh]."""
+        ...
+
+    def left_padded(self, prompts: Sequence[Sequence[int]], extra: int = 0) -> tuple[Tensor, Tensor]:
+        """(ids, valid) [B, P + extra]: prompts right-aligned in P columns, ``valid`` False on padding."""
+        ...
+
+    def sampler(self) -> Optional[torch.Generator]:
+        """A generator for one batch's draws, seeded from the engine's config; None when greedy."""
+        ...
+
+
+def _split_refused(joins: Sequence[Join], vocab_size: int) -> tuple[list[Join], dict[Any, BaseException]]:
     """The joins whose ids are all in the vocabulary and that name no adapter, and the
     others' refusals by key."""
-    ok, refused = [], {}
+    ok: list[Join] = []
+    refused: dict[Any, BaseException] = {}
     for join in joins:
-        why = refuse_adapter(join[0], join) or refuse_bad_ids(join[0], join[1], vocab_size)
+        why = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, vocab_size)
         if why is None:
             ok.append(join)
         else:
-            refused[join[0]] = why
+            refused[join.key] = why
     return ok, refused
 
 
@@ -69,17 +99,17 @@ class LiveBatch:
     chunk at a time in a worker thread).
     """
 
-    def __init__(self, backend: TorchDecoderBackend) -> None:
+    def __init__(self, backend: DecoderSteps) -> None:
         self._backend = backend
         self._keys: list[Any] = []
         self._remaining: list[int] = []  # tokens each row still has to emit
         dev = backend.device
-        self._k = backend._empty_cache(0)
+        self._k = backend.empty_kv_cache(0)
         self._v = self._k
         self._valid = torch.zeros(0, 0, dtype=torch.bool, device=dev)
         self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
         self._last = torch.zeros(0, dtype=torch.long, device=dev)
-        self._gen = backend._generator()
+        self._gen = backend.sampler()
         self._failed: dict[Any, BaseException] = {}  # rows refused alone, until take_failed
 
     @property
@@ -101,8 +131,9 @@ class LiveBatch:
         if keep is not None:
             self._select(keep)
 
-    def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
-        """Admit ``joins`` (key, prompt ids, max new tokens), then up to ``steps`` tokens per row.
+    def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
+        """Admit ``joins``, then up to ``steps`` tokens per row (``engine.Batch``); a join's
+        sampling is the engine's config, whatever the row's own says.
 
         Returns the ids each row emitted in this chunk, for every row that was in
         the batch or joined (a joiner's first token comes from its prefill). Rows
@@ -111,34 +142,32 @@ class LiveBatch:
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        seen = set(self._keys)
-        for key, ids, n, *_ in joins:  # a 4th item (per-row sampling) is the HF engine's
-            if key in seen:
-                raise ValueError(f"key {key!r} is already in the batch")
-            seen.add(key)
-            if not ids or len(ids) + n > self._backend.max_seq_len or n < 0:
+        check_joins(joins, self._keys)
+        limit = self._backend.max_seq_len
+        for join in joins:
+            if not join.ids or len(join.ids) + join.max_new_tokens > limit:
                 raise ValueError(
-                    f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit "
-                    f"max_seq_len {self._backend.max_seq_len} (use encode())"
+                    f"row {join.key!r}: {len(join.ids)} prompt ids + {join.max_new_tokens} new tokens must fit "
+                    f"max_seq_len {limit} (use encode())"
                 )
-        joins, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
+        admitted, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
         self._failed.update(refused)
         emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward
         if self._keys:
             emitted.append((list(self._keys), self._decode()))
-        live = [(key, ids, n) for key, ids, n, *_ in joins if n > 0]
+        live = [join for join in admitted if join.max_new_tokens > 0]
         if live:
-            part = self._prefill([ids for _, ids, _ in live])
-            emitted.append(([key for key, _, _ in live], part[-1]))
+            part = self._prefill([join.ids for join in live])
+            emitted.append(([join.key for join in live], part[-1]))
             self._drop_finished()
-            self._append([key for key, _, _ in live], [n - 1 for _, _, n in live], part)
+            self._append([join.key for join in live], [join.max_new_tokens - 1 for join in live], part)
         self._drop_finished()
         for _ in range(steps - 1):
             if not self._keys:
                 break
             emitted.append((list(self._keys), self._decode()))
             self._drop_finished()
-        return ids_by_row(emitted, {key: [] for key, *_ in joins})
+        return ids_by_row(emitted, {join.key: [] for join in admitted})
 
     def take_failed(self) -> dict[Any, BaseException]:
         """Rows refused alone since the last call (a prompt id outside the vocabulary),
@@ -153,25 +182,25 @@ class LiveBatch:
         dev = self._backend.device
         batch = len(self._keys)
         valid = torch.cat([self._valid, torch.ones(batch, 1, dtype=torch.bool, device=dev)], dim=1)
-        logits, self._k, self._v = self._backend._model(
+        logits, self._k, self._v = self._backend.forward(
             self._last[:, None], self._lengths[:, None], valid[:, None, :], self._k, self._v
         )
         self._valid = valid
         self._lengths = self._lengths + 1
-        self._last = self._backend._sample(logits[:, -1, :], self._gen)
+        self._last = self._backend.sample(logits[:, -1, :], self._gen)
         for i in range(batch):
             self._remaining[i] -= 1
         return self._last
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _prefill(self, prompts: list[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Prefill new rows as their own left-padded batch: (k, v, valid, lengths, first ids)."""
         backend = self._backend
-        ids, valid = backend._left_padded(prompts)
+        ids, valid = backend.left_padded(prompts)
         positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        empty = backend._empty_cache(len(prompts))
-        logits, k, v = backend._model(ids, positions, _prefill_mask(valid), empty, empty)
+        empty = backend.empty_kv_cache(len(prompts))
+        logits, k, v = backend.forward(ids, positions, _prefill_mask(valid), empty, empty)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=backend.device)
-        return k, v, valid, lengths, self._backend._sample(logits[:, -1, :], self._gen)
+        return k, v, valid, lengths, backend.sample(logits[:, -1, :], self._gen)
 
     def _append(
         self, keys: list[Any], remaining: list[int], part: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
@@ -224,7 +253,7 @@ def _prefill_mask(valid: Tensor) -> Tensor:
     return mask | torch.eye(upto, dtype=torch.bool, device=dev).unsqueeze(0)
 
 
-class _DecodeState:
+class ReferenceDecode:
     """The no-cache reference: every step recomputes the whole left-padded batch.
 
     Quadratic, for tests and debugging only (``use_cache=False``): it is what the
@@ -232,8 +261,8 @@ class _DecodeState:
     width P; generated tokens fill columns P, P+1, ... for every row.
     """
 
-    def __init__(self, backend: TorchDecoderBackend, encoded: list[list[int]], total_steps: int) -> None:
-        ids, valid = backend._left_padded(encoded, extra=total_steps)
+    def __init__(self, backend: DecoderSteps, encoded: list[list[int]], total_steps: int) -> None:
+        ids, valid = backend.left_padded(encoded, extra=total_steps)
         self.backend = backend
         self.width = max(len(e) for e in encoded)
         self.ids = ids
@@ -242,16 +271,16 @@ class _DecodeState:
         # request) and could run past the position table; their output is
         # discarded, so clamping them is harmless.
         self.positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0, max=backend.max_seq_len - 1)
-        self.gen = backend._generator()
+        self.gen = backend.sampler()
 
     def step(self, s: int) -> Tensor:
         """Recompute through decode step ``s`` (0 = prefill); the new token per row [B]."""
         upto = self.width + s
         b = self.backend
-        empty = b._empty_cache(self.ids.shape[0])
-        logits, _, _ = b._model(
+        empty = b.empty_kv_cache(self.ids.shape[0])
+        logits, _, _ = b.forward(
             self.ids[:, :upto], self.positions[:, :upto], _prefill_mask(self.key_valid[:, :upto]), empty, empty
         )
-        token = b._sample(logits[:, -1, :], self.gen)
+        token = b.sample(logits[:, -1, :], self.gen)
         self.ids[:, upto] = token
         return token

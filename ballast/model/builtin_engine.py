@@ -27,8 +27,9 @@ import torch
 from torch import Tensor, nn
 
 from ballast.model.batching import describe_engine
-from ballast.model.builtin_batch import LiveBatch, _DecodeState
+from ballast.model.builtin_batch import LiveBatch, ReferenceDecode
 from ballast.model.builtin_decoder import BYTE_VOCAB_SIZE
+from ballast.model.protocol import Join
 
 __all__ = [
     "ByteStreamDecoder",
@@ -241,12 +242,12 @@ class TorchDecoderBackend:
             pending = list(enumerate(zip(encoded, max_new_tokens)))
             while pending or batch.size:
                 with torch.inference_mode():  # per chunk, never across a yield
-                    out = batch.run_chunk([(i, e, n) for i, (e, n) in pending], chunk_tokens)
+                    out = batch.run_chunk([Join(i, e, n) for i, (e, n) in pending], chunk_tokens)
                 pending = []
                 yield [out.get(b, []) for b in range(len(encoded))]
             return
         total_steps = max(max_new_tokens)
-        state = _DecodeState(self, encoded, total_steps)
+        state = ReferenceDecode(self, encoded, total_steps)
         for first in range(0, total_steps, chunk_tokens):
             last = min(first + chunk_tokens, total_steps)
             # inference_mode is entered per chunk, never held across a yield: a
@@ -315,30 +316,40 @@ class TorchDecoderBackend:
 
         return encode_prompt(strip_marks(prompt), max_new_tokens, self.max_seq_len)
 
-    def _empty_cache(self, batch: int) -> Tensor:
-        """A KV cache with no positions yet: [L, batch, H, 0, Dh]."""
+    # ------------------------------------------------- steps (a batch's ``DecoderSteps``)
+
+    def forward(
+        self, ids: Tensor, positions: Tensor, mask: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The module over ``ids`` [B, S] at ``positions`` [B, S], attending by ``mask``
+        [B, S, T] to the cache ``k``, ``v`` and themselves: (logits, k, v), the cache grown by S."""
+        logits, k, v = self._model(ids, positions, mask, k, v)
+        return logits, k, v
+
+    def empty_kv_cache(self, rows: int) -> Tensor:
+        """A KV cache of ``rows`` rows and no positions yet: [L, rows, H, 0, Dh]."""
         return torch.zeros(
-            self._n_layers, batch, self._n_heads, 0, self._head_dim, dtype=self._dtype, device=self.device
+            self._n_layers, rows, self._n_heads, 0, self._head_dim, dtype=self._dtype, device=self.device
         )
 
-    def _left_padded(self, encoded: list[list[int]], extra: int = 0) -> tuple[Tensor, Tensor]:
+    def left_padded(self, prompts: Sequence[Sequence[int]], extra: int = 0) -> tuple[Tensor, Tensor]:
         """(ids, valid) [B, P + extra]: prompts right-aligned in P columns, ``valid`` False on padding."""
-        width = max(len(e) for e in encoded)
-        ids = torch.zeros(len(encoded), width + extra, dtype=torch.long, device=self.device)
-        valid = torch.ones(len(encoded), width + extra, dtype=torch.bool, device=self.device)
-        for b, e in enumerate(encoded):
+        width = max(len(e) for e in prompts)
+        ids = torch.zeros(len(prompts), width + extra, dtype=torch.long, device=self.device)
+        valid = torch.ones(len(prompts), width + extra, dtype=torch.bool, device=self.device)
+        for b, e in enumerate(prompts):
             pad = width - len(e)
             ids[b, pad:width] = torch.tensor(e, dtype=torch.long, device=self.device)
             valid[b, :pad] = False
         return ids, valid
 
-    def _generator(self) -> torch.Generator | None:
-        """A sampler seeded from the config; None when greedy."""
+    def sampler(self) -> torch.Generator | None:
+        """A generator for one batch's draws, seeded from the config; None when greedy."""
         if self.sampling.temperature == 0:
             return None
         return torch.Generator(device=self.device).manual_seed(self.sampling.seed)
 
-    def _sample(self, logits: Tensor, gen: torch.Generator | None) -> Tensor:
+    def sample(self, logits: Tensor, gen: torch.Generator | None) -> Tensor:
         """Pick one id per row from last-position logits [B, V] -> [B]."""
         logits = logits.float()
         if self.sampling.printable_only:

@@ -5,8 +5,8 @@ An engine turns prompts into token ids and runs batches: ``tokenize`` a prompt (
 router tokenizes it with the same function, so a replica whose ``tokenizer_id`` is
 the call's takes the router's ids as they are), ``fit`` the ids to the context,
 ``open_batch``, then the replica's loop (``replica_loop.py``) drives the batch a chunk
-at a time with the rows the scheduler (``ballast/policies/scheduler.py``) admits. Three
-engines exist:
+at a time with the rows the scheduler (``ballast/policies/scheduler.py``) admits, each
+handed over as one ``protocol.Join``. Three engines exist:
 
 - ``builtin``: ``builtin_engine.TorchDecoderBackend``, a random-weight byte-level
   decoder built from a seed (no download, the cost profile of a real decoder);
@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ballast.errors import ModelLoadError  # what a directory an engine cannot load raises
+from ballast.model.protocol import Join
 
 __all__ = ["Batch", "ModelBackend", "ModelLoadError", "StreamDecoder", "build_engine"]
 
@@ -48,11 +49,13 @@ class Batch(Protocol):
         """Rows that leave before the next chunk."""
         ...
 
-    def run_chunk(self, joins: "Sequence[tuple]", steps: int) -> dict[Any, list[int]]:
-        """Admit ``joins`` (key, prompt ids, max new tokens[, sampling[, adapter]]: a LoRA
-        adapter's name, which only vLLM serves; the others refuse such a row alone), then up to ``steps``
-        tokens per row; the ids each row emitted. What it raises is a fault of the step
-        itself, and fails every row; a row's own fault is in ``take_failed``."""
+    def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
+        """Admit ``joins`` (a TypeError for anything but a ``Join``, a ValueError for a
+        key already in the batch, and the engine's own error for a row that does not fit
+        its context: the chunk does not run), then up to ``steps`` tokens per row; the ids
+        each row emitted. What it raises is a fault of the step itself, and fails every
+        row; a row's own fault (an id outside the vocabulary, an adapter the engine does
+        not serve, its own draw) is in ``take_failed``."""
         ...
 
     def take_failed(self) -> dict[Any, BaseException]:
@@ -73,9 +76,12 @@ class ModelBackend(Protocol):
     max_seq_len: int
     vocab_size: int
     eos_ids: frozenset[int]
-    # Whose token ids this engine takes (``protocol.ModelCall.tokenizer``): a call whose
-    # ids are this tokenizer's is not tokenized again.
-    tokenizer_id: str
+
+    @property
+    def tokenizer_id(self) -> str:
+        """Whose token ids this engine takes (``protocol.ModelCall.tokenizer``): a call whose
+        ids are this tokenizer's is not tokenized again."""
+        ...
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids, by the function the router uses for this tokenizer
@@ -86,7 +92,7 @@ class ModelBackend(Protocol):
         """A row's prompt ids and max new tokens within the context: max_new_tokens is
         shortened to what the context leaves, never lengthened; the built-in engine keeps
         the prompt's end, the others refuse a prompt that leaves no room
-        (``hf_engine.ContextTooLong``)."""
+        (``hf_text.ContextTooLong``)."""
         ...
 
     async def check(self, sampling: Any, tenant: str = "") -> Any:

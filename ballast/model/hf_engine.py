@@ -55,110 +55,25 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ballast.model.batching import describe_engine, ids_by_row, left_pad, refuse_adapter, refuse_bad_ids, rows_to_keep
+from ballast.model.batching import (
+    check_joins,
+    describe_engine,
+    ids_by_row,
+    left_pad,
+    refuse_adapter,
+    refuse_bad_ids,
+    rows_to_keep,
+)
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels, tokenizer_id
-from ballast.model.protocol import GREEDY, RowSampling
+from ballast.model.hf_text import ContextTooLong, IncrementalDetokenizer, TokenizerText
+from ballast.model.protocol import GREEDY, Join, RowSampling
 
-__all__ = ["ContextTooLong", "HFBackend", "HFBatch", "IncrementalDetokenizer", "RowFailed", "RowSampling"]
+__all__ = ["HFBackend", "HFBatch", "RowFailed", "RowSampling"]
 
 
 class RowFailed(RuntimeError):
     """A step failed for one row alone (the model's logits for it are not finite): that
     row fails as a model failure, the other rows of the batch go on."""
-
-
-class ContextTooLong(ValueError):
-    """A prompt and its max_new_tokens do not fit the model's context (or the prompt is empty)."""
-
-
-class IncrementalDetokenizer:
-    """Text for a growing list of token ids, emitted piece by piece.
-
-    A byte-level BPE token can hold part of a multi-byte character, so decoding
-    each new token alone would print U+FFFD halves. As vLLM and TGI do, the new
-    text is the decode of a short window of ids minus the decode of its prefix,
-    held back while it ends in U+FFFD (an incomplete character) unless this is
-    the last piece. Special tokens (bos, eos, turn markers) decode to nothing.
-    The window keeps the last few ids only, so each step costs O(1).
-    """
-
-    WINDOW = 6  # ids of context kept before the unread ones (spacing, merges)
-
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer
-        self._skip_special = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # ids[prefix:read] were emitted and give the context
-        self._read = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
-
-    def feed(self, ids: Sequence[int], final: bool = False) -> str:
-        self._ids.extend(int(i) for i in ids)
-        window = self._ids[self._prefix :]
-        before = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(window)
-        if not final and (len(text) <= len(before) or text.endswith("\ufffd")):
-            return ""  # nothing new yet, or a character still incomplete
-        # A window's decode starts with its prefix's for byte-level and sentencepiece
-        # tokenizers alike; what is past it is new.
-        new = text[len(before) :] if len(text) > len(before) else ""
-        self._read = len(self._ids)
-        self._prefix = max(0, self._read - self.WINDOW)
-        # Drop ids before the window for good: the list stays bounded.
-        if self._prefix > 0:
-            del self._ids[: self._prefix]
-            self._read -= self._prefix
-            self._prefix = 0
-        return new
-
-
-def tokenize_prompt(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
-    """The prompt's ids (``special_tokens.encode_text``, as the router makes them: a client's
-    special-token text stays text); ContextTooLong when there are none."""
-    from ballast.model.special_tokens import encode_text
-
-    ids = encode_text(tokenizer, prompt, add_special_tokens)
-    if not ids:
-        raise ContextTooLong("the prompt is empty: there is no token to generate from")
-    return ids
-
-
-def encode_prompt(
-    tokenizer: Any, context: int, prompt: str, max_new_tokens: int, add_special_tokens: bool = True
-) -> list[int]:
-    """The prompt's ids; ContextTooLong when it is empty or prompt + max_new_tokens exceed ``context``."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    ids = tokenize_prompt(tokenizer, prompt, add_special_tokens)
-    if len(ids) + max_new_tokens > context:
-        raise ContextTooLong(
-            f"the prompt is {len(ids)} tokens and max_tokens {max_new_tokens}: together more than "
-            f"the model's context of {context} tokens"
-        )
-    return ids
-
-
-def fit_ids(context: int, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-    """(prompt ids, max new tokens) for a row: max_new_tokens shortened to what the context
-    leaves (never lengthened). The router refuses what does not fit with a 400 first; this
-    is for a fallback whose context is shorter than the primary's. ContextTooLong for no
-    ids, or when nothing is left."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    ids = [int(i) for i in ids]
-    if not ids:
-        raise ContextTooLong("the prompt is empty: there is no token to generate from")
-    if len(ids) > context:
-        raise ContextTooLong(
-            f"the prompt is {len(ids)} tokens and max_tokens 0: together more than "
-            f"the model's context of {context} tokens"
-        )
-    room = context - len(ids)
-    if room < 1:
-        raise ContextTooLong(f"the prompt is {len(ids)} tokens: no room left in the context of {context}")
-    return ids, min(max_new_tokens, room)
 
 
 class HFBackend:
@@ -185,19 +100,20 @@ class HFBackend:
         self._logits_to_keep = "logits_to_keep" in _forward_parameters(self.model)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
         self.tokenizer_id = tokenizer_id(loaded.info.path)
+        self.text = TokenizerText(self.tokenizer, self.max_seq_len)
 
-    # ---------------------------------------------------------------- text side
+    # ------------------------------------------------- text side (``hf_text.TokenizerText``)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
+        return self.text.tokenize(prompt, add_special_tokens)
 
     def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-        return fit_ids(self.max_seq_len, ids, max_new_tokens)
+        return self.text.fit(ids, max_new_tokens)
 
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
         """The prompt's ids for a row of ``max_new_tokens`` (the benchmarks' and warmup's
         joins); ContextTooLong when they do not fit together."""
-        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
 
     async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
         """``sampling`` for this model (a top_k past the vocabulary is every token); the
@@ -205,7 +121,7 @@ class HFBackend:
         return sampling.for_vocab(self.vocab_size) if sampling is not None else None
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special_tokens)
+        return self.text.stream_decoder(keep_special_tokens)
 
     # ------------------------------------------------------------------ batches
 
@@ -217,7 +133,7 @@ class HFBackend:
         steps = max(1, min(4, self.max_seq_len - 2))
         for n in batch_sizes:
             batch = self.open_batch()
-            joins = [(i, self.encode("Hello", steps), steps) for i in range(n)]
+            joins = [Join(i, self.encode("Hello", steps), steps) for i in range(n)]
             with torch.inference_mode():
                 batch.run_chunk(joins, steps)
                 while batch.size:
@@ -237,7 +153,7 @@ class HFBackend:
         """Every prompt joins at once; yields one text piece per prompt per chunk (ModelBackend)."""
         batch = self.open_batch()
         decoders = [self.stream_decoder() for _ in prompts]
-        joins = [(i, self.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
+        joins = [Join(i, self.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
         while joins or batch.size:
             with torch.inference_mode():
                 out = batch.run_chunk(joins, chunk_tokens)
@@ -273,8 +189,8 @@ class _Row:
 class HFBatch:
     """The running batch of an :class:`HFBackend` (see the module docstring for its layout).
 
-    ``run_chunk(joins, steps)`` has ``builtin_batch.LiveBatch``'s contract; a join is
-    ``(key, ids, max_new_tokens)`` or ``(key, ids, max_new_tokens, RowSampling)``.
+    ``run_chunk(joins, steps)`` has ``builtin_batch.LiveBatch``'s contract, each row
+    sampled by its join's :class:`RowSampling` (None: greedy).
     Not thread-safe: one caller at a time, under ``torch.inference_mode()``.
     """
 
@@ -317,33 +233,31 @@ class HFBatch:
         if keep is not None:
             self._select(keep)
 
-    def run_chunk(self, joins: Sequence[tuple], steps: int) -> dict[Any, list[int]]:
+    def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        parsed = []
-        seen = {r.key for r in self._rows}
+        check_joins(joins, self.keys())
+        limit = self._b.max_seq_len
         for join in joins:
-            key, ids, n = join[0], list(join[1]), join[2]
-            sampling = join[3] if len(join) > 3 and join[3] is not None else GREEDY
-            if key in seen:
-                raise ValueError(f"key {key!r} is already in the batch")
-            seen.add(key)
-            if not ids or n < 0 or len(ids) + n > self._b.max_seq_len:
+            if not join.ids or len(join.ids) + join.max_new_tokens > limit:
                 raise ContextTooLong(
-                    f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {self._b.max_seq_len}"
+                    f"row {join.key!r}: {len(join.ids)} prompt ids + {join.max_new_tokens} new tokens must fit "
+                    f"the context of {limit}"
                 )
-            refused = refuse_adapter(key, join) or refuse_bad_ids(key, ids, self._b.vocab_size)
+        admitted = []
+        for join in joins:
+            refused = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, self._b.vocab_size)
             if refused is not None:
-                self._failed[key] = refused
-                continue
-            parsed.append((key, ids, n, sampling))
+                self._failed[join.key] = refused
+            else:
+                admitted.append(join)
         emitted: list[tuple[list[Any], Tensor]] = []
         if self._rows:
             emitted.append((self.keys(), self._decode()))
-        live = [j for j in parsed if j[2] > 0]
+        live = [join for join in admitted if join.max_new_tokens > 0]
         if live:
-            rows = [_Row(k, n - 1, len(ids) + n, s, self._b.device) for k, ids, n, s in live]
-            first = self._prefill([ids for _, ids, _, _ in live], rows)
+            rows = [self._row(join) for join in live]
+            first = self._prefill([join.ids for join in live], rows)
             emitted.append(([r.key for r in rows], first))
         self._drop_finished(emitted)
         for _ in range(steps - 1):
@@ -351,12 +265,18 @@ class HFBatch:
                 break
             emitted.append((self.keys(), self._decode()))
             self._drop_finished(emitted)
-        out = ids_by_row(emitted, {k: [] for k, _, _, _ in parsed})
+        out = ids_by_row(emitted, {join.key: [] for join in admitted})
         for key in self._failed:
             out.pop(key, None)  # a failed row's ids are not an answer
         return out
 
     # ------------------------------------------------------------------ internals
+
+    def _row(self, join: Join) -> _Row:
+        """A joining row: its first token comes from the prefill, and it reserves its whole context."""
+        n = join.max_new_tokens
+        sampling = join.sampling if join.sampling is not None else GREEDY
+        return _Row(join.key, n - 1, len(join.ids) + n, sampling, self._b.device)
 
     def _forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
         kwargs = {"logits_to_keep": 1} if self._b._logits_to_keep else {}
@@ -383,7 +303,7 @@ class HFBatch:
             r.remaining -= 1
         return self._last
 
-    def _prefill(self, prompts: list[list[int]], rows: list[_Row]) -> Tensor:
+    def _prefill(self, prompts: list[Sequence[int]], rows: list[_Row]) -> Tensor:
         """Prefill the joiners as their own left-padded batch, then stack them under the running rows."""
         from transformers import DynamicCache
 

@@ -5,7 +5,8 @@ request (``to_call``); the pipeline sets the admitted ``max_tokens`` and the cal
 tenant once (``admitted``); the resilient caller stamps each attempt's deadline (``for_attempt``)
 and, when a replica is lost mid-stream, the ids already delivered (``resumed``). The
 replica answers a stream with ``ModelChunk``s and a unary call with one
-``ModelResult``. Nothing on the way re-reads a dict: a field a layer needs is a field
+``ModelResult``. Inside the replica, each row it admits joins its engine's batch as one
+``Join``. Nothing on the way re-reads a dict: a field a layer needs is a field
 here, defined once.
 
 Invariants (the replica checks them; the router builds them so):
@@ -30,6 +31,7 @@ All messages are frozen and hashable (the answer cache keys on a call), and pick
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
@@ -192,6 +194,50 @@ def _logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
 
 
 GREEDY = RowSampling()
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """One row that joins its engine's batch at the next chunk (``engine.Batch.run_chunk``).
+
+    ``key`` names the row in its batch (hashable, unique among the batch's rows); ``ids``
+    its prompt ids as the engine's ``fit`` left them (kept as a tuple); ``max_new_tokens``
+    the most it emits (0: it joins and leaves at once, with no token); ``sampling`` how it
+    picks its tokens (None: greedy); ``adapter`` the LoRA adapter it runs with (None: the
+    base model; only vLLM serves adapters, the other engines refuse such a row alone);
+    ``cache_salt`` its tenant's cache group (None: none; vLLM shares prefix blocks only
+    among rows of one salt).
+
+    Checked where built: a field of the wrong type is a ValueError here. Whether the row
+    fits the context is the engine's to say (its ``run_chunk`` raises), and whether its ids
+    are in the vocabulary too (a row outside it is refused alone, ``take_failed``), so ids
+    are only made a tuple here: a resumed stream's ids come from the client's side.
+    """
+
+    key: Hashable
+    ids: Sequence[int]
+    max_new_tokens: int
+    sampling: Optional[RowSampling] = None
+    adapter: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        try:
+            hash(self.key)
+        except TypeError:
+            raise ValueError(f"Join.key must be hashable, got {self.key!r}") from None
+        if isinstance(self.ids, (str, bytes)) or not isinstance(self.ids, Sequence):
+            raise ValueError(f"Join.ids must be a sequence of token ids, got {type(self.ids).__name__}")
+        object.__setattr__(self, "ids", tuple(self.ids))
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"Join.max_new_tokens must be an int >= 0, got {n!r}")
+        if self.sampling is not None and not isinstance(self.sampling, RowSampling):
+            raise ValueError(f"Join.sampling must be a RowSampling or None, got {type(self.sampling).__name__}")
+        for name in ("adapter", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"Join.{name} must be a non-empty str or None, got {value!r}")
 
 
 @dataclass(frozen=True)

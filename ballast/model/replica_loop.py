@@ -65,7 +65,7 @@ from typing import Any, Optional, Union
 
 from ballast.errors import DeadlineExceeded, EngineRefused
 from ballast.model.engine import Batch, ModelBackend, StreamDecoder
-from ballast.model.protocol import ModelCall, ModelChunk, RowSampling
+from ballast.model.protocol import Join, ModelCall, ModelChunk, RowSampling
 from ballast.policies.deadline import replica_deadline_s
 from ballast.policies.scheduler import DEADLINE, STALLED, SchedulerConfig, schedule, timeout_reason
 from ballast.policies.stats import nearest_rank
@@ -428,7 +428,7 @@ class ReplicaLoop:
                 continue
             self._after_chunk(out)
 
-    def _run_chunk(self, leaving: list[int], joins: list[tuple], steps: int) -> dict[int, list[int]]:
+    def _run_chunk(self, leaving: list[int], joins: list[Join], steps: int) -> dict[int, list[int]]:
         import torch
 
         with torch.inference_mode():  # the worker thread's own mode, entered per chunk
@@ -485,7 +485,7 @@ class ReplicaLoop:
             self._evict.append(row.key)
         self._finish(row, ModelChunk(text, tuple(ids), finish_reason="stop" if stopped or eos else "length"))
 
-    def step(self) -> tuple[list[int], list[tuple]]:
+    def step(self) -> tuple[list[int], list[Join]]:
         """Carry out the scheduler's decision at a chunk boundary (``ballast.policies.scheduler``).
 
         Running rows it takes out are answered as past their deadline (nothing is sent
@@ -505,7 +505,7 @@ class ReplicaLoop:
         self._evict = []
         return leaving, [self._join(row, now) for row in decision.admitted]
 
-    def _join(self, row: ReplicaRow, now: float) -> tuple:
+    def _join(self, row: ReplicaRow, now: float) -> Join:
         """``row`` leaves the line for the batch: its queue wait is counted, its KV reserved."""
         self._waiting.pop(row.key, None)
         row.started = True
@@ -513,11 +513,7 @@ class ReplicaLoop:
         self._waits_ms.add(row.queue_wait_ms, now)
         self._kv_reserved += row.reserved_tokens
         self._active[row.key] = row
-        if row.cache_salt is not None:
-            return (row.key, row.ids, row.max_tokens, row.sampling, row.adapter, row.cache_salt)
-        if row.adapter is not None:
-            return (row.key, row.ids, row.max_tokens, row.sampling, row.adapter)
-        return (row.key, row.ids, row.max_tokens, row.sampling)
+        return Join(row.key, row.ids, row.max_tokens, row.sampling, row.adapter, row.cache_salt)
 
     def _finish(self, row: ReplicaRow, last: Union[ModelChunk, BaseException]) -> None:
         """The row leaves the batch's bookkeeping (its tensors leave at the next chunk) and,

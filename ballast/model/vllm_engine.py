@@ -82,21 +82,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
-from ballast.model.batching import describe_engine
+from ballast.model.batching import check_joins, describe_engine
 from ballast.errors import AdapterRefused, EngineRefused, ModelLoadError
 from ballast.model.grammar import GrammarCompiles
 from ballast.model.kv_events import KVEventFeed, events_config
 from ballast.policies.engine_curve import StepCurve
 from ballast.policies.prefix_cache import PrefixReport
-from ballast.model.hf_engine import (
-    GREEDY,
-    ContextTooLong,
-    IncrementalDetokenizer,
-    RowSampling,
-    encode_prompt,
-    fit_ids,
-    tokenize_prompt,
-)
+from ballast.model.hf_text import ContextTooLong, IncrementalDetokenizer, TokenizerText
+from ballast.model.protocol import GREEDY, Join, RowSampling
 
 __all__ = ["VLLMBackend", "VLLMBatch", "VLLMRequestError", "VLLMStats"]
 
@@ -442,6 +435,7 @@ class VLLMBackend:
         self.start_s = time.monotonic() - started
         cfg = self._llm.vllm_config
         self.max_seq_len = int(cfg.model_config.max_model_len)
+        self.text = TokenizerText(self.tokenizer, self.max_seq_len)
         self.vocab_size = int(cfg.model_config.get_vocab_size())
         self.device = _device_name(cfg)
         self._xgr_lock = threading.Lock()
@@ -631,18 +625,18 @@ class VLLMBackend:
         with self._adapter_lock:
             return self._adapters.get(name)
 
-    # ---------------------------------------------------------------- text side
+    # ------------------------------------------------- text side (``hf_text.TokenizerText``)
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return tokenize_prompt(self.tokenizer, prompt, add_special_tokens)
+        return self.text.tokenize(prompt, add_special_tokens)
 
     def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-        return fit_ids(self.max_seq_len, ids, max_new_tokens)
+        return self.text.fit(ids, max_new_tokens)
 
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
         """The prompt's ids for a row of ``max_new_tokens`` (the benchmarks' and warmup's
         joins); ContextTooLong when they do not fit together."""
-        return encode_prompt(self.tokenizer, self.max_seq_len, prompt, max_new_tokens, add_special_tokens)
+        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
 
     async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
         """``sampling`` for this model once vLLM's own validation passes, run here so that
@@ -711,7 +705,7 @@ class VLLMBackend:
             return self._xgr_compiler
 
     def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special_tokens)
+        return self.text.stream_decoder(keep_special_tokens)
 
     # ------------------------------------------------------------------ engine side
 
@@ -727,7 +721,7 @@ class VLLMBackend:
         steps = max(1, min(4, self.max_seq_len - 2))
         for n in batch_sizes:
             batch = self.open_batch()
-            joins = [(i, self.encode("Hello", steps), steps) for i in range(n)]
+            joins = [Join(i, self.encode("Hello", steps), steps) for i in range(n)]
             batch.run_chunk(joins, steps)
             while batch.keys():
                 batch.run_chunk([], steps)
@@ -951,20 +945,14 @@ def chunk_ready(rows: Sequence[_Row], steps: int) -> bool:
     return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
 
 
-# A parsed join: key, prompt ids, max new tokens, sampling, adapter name (None: the base
-# model), cache salt (None: none).
-_Join = tuple[Any, list[int], int, RowSampling, Optional[str], Optional[str]]
-
-
 class VLLMBatch:
     """The rows one replica loop has in the engine (see the module docstring).
 
-    ``run_chunk`` and ``remove`` have the contract of ``ballast.model.engine.Batch``;
-    a join is ``(key, prompt ids, max_new_tokens)`` or with a 4th item, a
-    :class:`RowSampling` (None: greedy), a 5th, the name of a LoRA adapter the row
-    runs with (None: the base model), and a 6th, the row's ``cache_salt`` (its tenant's
-    cache group: vLLM shares prefix blocks only among requests of one salt). One caller
-    at a time; the state lives on the backend's engine loop and is only touched there.
+    ``run_chunk`` and ``remove`` have the contract of ``ballast.model.engine.Batch``; a
+    row runs with its join's :class:`RowSampling` (None: greedy), its LoRA adapter (None:
+    the base model) and its ``cache_salt`` (vLLM shares prefix blocks only among requests
+    of one salt). One caller at a time; the state lives on the backend's engine loop and
+    is only touched there.
     """
 
     def __init__(self, backend: VLLMBackend, prefix: str) -> None:
@@ -996,38 +984,31 @@ class VLLMBatch:
         if gone:
             self._b._call(self._abort(gone), _CALL_SLACK_S)
 
-    def run_chunk(self, joins: Sequence[tuple], steps: int) -> dict[Any, list[int]]:
+    def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        parsed = self._parse(joins)
-        return self._b._call(self._chunk(parsed, steps), self._b.max_wait_s + _CALL_SLACK_S)
+        self._check(joins)
+        return self._b._call(self._chunk(joins, steps), self._b.max_wait_s + _CALL_SLACK_S)
 
     # ------------------------------------------------------------------ internals
 
-    def _parse(self, joins: Sequence[tuple]) -> list[_Join]:
-        parsed = []
-        seen = set(self._rows)
+    def _check(self, joins: Sequence[Join]) -> None:
+        """Raises before the chunk runs: not a Join, a key already in the batch, a row that
+        does not fit the context (``ContextTooLong``)."""
+        check_joins(joins, self._rows)
         limit = self._b.max_seq_len
         for join in joins:
-            key, ids, n = join[0], [int(i) for i in join[1]], join[2]
-            sampling = join[3] if len(join) > 3 and join[3] is not None else GREEDY
-            adapter = join[4] if len(join) > 4 else None
-            salt = join[5] if len(join) > 5 else None
-            if key in seen:
-                raise ValueError(f"key {key!r} is already in the batch")
-            seen.add(key)
-            if not ids or isinstance(n, bool) or not isinstance(n, int) or n < 0 or len(ids) + n > limit:
+            if not join.ids or len(join.ids) + join.max_new_tokens > limit:
                 raise ContextTooLong(
-                    f"row {key!r}: {len(ids)} prompt ids + {n} new tokens must fit the context of {limit}"
+                    f"row {join.key!r}: {len(join.ids)} prompt ids + {join.max_new_tokens} new tokens must fit "
+                    f"the context of {limit}"
                 )
-            parsed.append((key, ids, n, sampling, adapter, salt))
-        return parsed
 
-    async def _chunk(self, parsed: list[_Join], steps: int) -> dict[Any, list[int]]:
-        out: dict[Any, list[int]] = {join[0]: [] for join in parsed}
-        for key, ids, n, sampling, adapter, salt in parsed:
-            if n > 0:
-                self._submit(key, ids, n, sampling, adapter, salt)
+    async def _chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
+        out: dict[Any, list[int]] = {join.key: [] for join in joins}
+        for join in joins:
+            if join.max_new_tokens > 0:
+                self._submit(join)
         for key in self._failed:
             out.pop(key, None)
         deadline = time.monotonic() + self._b.max_wait_s
@@ -1059,14 +1040,15 @@ class VLLMBatch:
     def _ready(self, steps: int) -> bool:
         return chunk_ready(list(self._rows.values()), steps)
 
-    def _submit(
-        self, key: Any, ids: list[int], n: int, s: RowSampling, adapter: Optional[str], salt: Optional[str] = None
-    ) -> None:
+    def _submit(self, join: Join) -> None:
+        """``join`` into vLLM as a request of its own, or into ``take_failed`` when it is refused alone."""
         from vllm.inputs import TokensPrompt
 
         from vllm.exceptions import VLLMClientError
 
         llm = self._b._llm
+        key, adapter, salt = join.key, join.adapter, join.cache_salt
+        s = join.sampling if join.sampling is not None else GREEDY
         row = _Row(key, f"{self._prefix}-{key}", s, adapter)
         lora = self._b._lora_request(adapter) if adapter is not None else self._b._base_lora
         if adapter is not None and lora is None:  # removed (or never added): this row alone
@@ -1075,7 +1057,8 @@ class VLLMBatch:
             )
             return
         try:
-            params = sampling_params(s, n)
+            params = sampling_params(s, join.max_new_tokens)
+            ids = [int(i) for i in join.ids]
             tokens = (
                 TokensPrompt(prompt_token_ids=ids)
                 if salt is None

@@ -13,19 +13,62 @@ that the gate learns from the sample first):
 
 Refusals before a ticket exists (``refused``) and waits for the model (``waited``) are
 counted here too, so the metrics and the tally have one writer on the request path.
+
+A ticket holds its request's ``Accounts``; what ``settled`` reads of the ticket is
+:class:`Admitted`, and how it ended is an :class:`Outcome`, both defined here, so this
+module does not import the ticket's.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
+from ballast.policies.deadline import Deadline
 from ballast.router.metrics import RouterMetrics
 from ballast.router.tally import Tally
 
 if TYPE_CHECKING:
     from ballast.router.gate import PriorityGate
-    from ballast.router.ticket import Outcome, Ticket
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a ticket ends.
+
+    ``code``: "OK", "CANCELLED" or a Ballast error code. ``error``: the outcome counts
+    for the level. ``generated``: tokens produced (None: no model work, e.g. a replay).
+    ``service_s``: the time the gate slot was held, as a service sample (None: none).
+    ``timed_out``: the model could not answer in time (a gate miss).
+    """
+
+    code: str
+    error: bool = False
+    generated: Optional[int] = None
+    service_s: Optional[float] = None
+    timed_out: bool = False
+
+
+class Admitted(Protocol):
+    """What ``Accounts.settled`` reads of an admitted request (``ticket.Ticket``)."""
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def criticality(self) -> str: ...
+
+    @property
+    def deadline(self) -> Deadline: ...
+
+    @property
+    def fallback_only(self) -> bool:
+        """Only the fallback may answer it: its service is no sample for the gate."""
+        ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
 
 
 class Accounts:
@@ -49,7 +92,7 @@ class Accounts:
         self.tally = tally
         self._clock = clock
 
-    def settled(self, ticket: "Ticket", outcome: "Outcome") -> None:
+    def settled(self, ticket: Admitted, outcome: Outcome) -> None:
         """A ticket's outcome, once: the gate's service sample, tokens and the request counted."""
         if self._gate is not None and not ticket.fallback_only and outcome.service_s is not None:
             if outcome.timed_out:

@@ -35,7 +35,7 @@ from ballast.policies.breaker import BreakerEvent
 
 from ballast.config import load_config
 from ballast.control.link import connect
-from ballast.control.names import ROUTER_DEPLOYMENT
+from ballast.names import ROUTER_DEPLOYMENT
 from ballast.errors import NotFound
 from ballast.router.admin import Admin
 from ballast.router.admin_port import AdminListener, admin_app

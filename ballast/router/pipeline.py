@@ -72,11 +72,11 @@ from ballast.router.idempotency import IdempotencyStore, request_fingerprint
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
 from ballast.model.protocol import ModelCall, ModelChunk
-from ballast.router.accounts import Accounts
+from ballast.router.accounts import Accounts, Outcome
 from ballast.router.resilience import CallRecord, CallSpec, Reply, ResilientCaller
 from ballast.router.tally import Tally
 from ballast.policies.catalog import Target
-from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
+from ballast.router.ticket import Charge, TenantPlaces, Ticket
 
 
 @dataclass(frozen=True)

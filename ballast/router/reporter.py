@@ -39,7 +39,7 @@ from ballast.policies.gate import DemandWindow
 from ballast.model.routing import routed_so_far
 from ballast.policies.reports import ModelLoad, RouterReport
 
-from ballast.control.names import ROUTER_DEPLOYMENT
+from ballast.names import ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot
 from ballast.router.adapters import runtime_catalog
 from ballast.router.auth import KeyStore

@@ -26,31 +26,12 @@ with requests that are still waiting in the gate's line.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from ballast.policies.deadline import Deadline
 from ballast.policies.quota import TokenBucket
+from ballast.router.accounts import Accounts, Outcome
 from ballast.router.gate import GateSlot
-
-if TYPE_CHECKING:
-    from ballast.router.accounts import Accounts
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a ticket ends.
-
-    ``code``: "OK", "CANCELLED" or a Ballast error code. ``error``: the outcome counts
-    for the level. ``generated``: tokens produced (None: no model work, e.g. a replay).
-    ``service_s``: the time the gate slot was held, as a service sample (None: none).
-    ``timed_out``: the model could not answer in time (a gate miss).
-    """
-
-    code: str
-    error: bool = False
-    generated: Optional[int] = None
-    service_s: Optional[float] = None
-    timed_out: bool = False
 
 
 class TenantPlaces:
@@ -105,7 +86,7 @@ class Ticket:
         charge: Charge,
         slot: GateSlot,
         fallback_only: bool,
-        accounts: "Accounts",
+        accounts: Accounts,
     ) -> None:
         self.tenant = tenant
         self.criticality = criticality

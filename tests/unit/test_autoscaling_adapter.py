@@ -18,7 +18,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from ballast.policies.autoscale import AutoscaleConfig, queue_length_fallback
 from ballast.control.autoscaling import ControllerDrivenPolicy, autoscaling_config
 from ballast.config import load_config
-from ballast.control.names import MODEL_DEPLOYMENT
+from ballast.names import MODEL_DEPLOYMENT
 
 MAX_AGE_S = 5
 CREATED_AT_S = 1_000

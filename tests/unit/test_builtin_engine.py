@@ -22,6 +22,7 @@ from ballast.model.builtin_checkpoint import (
 from ballast.model.builtin_decoder import TinyDecoderConfig, build_tiny_decoder
 from ballast.model.builtin_engine import ByteStreamDecoder, SamplingConfig, TorchDecoderBackend, encode_prompt
 from ballast.model.engine import ModelBackend, ModelLoadError
+from ballast.model.protocol import Join
 
 SMALL = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
 PROMPTS = ["hi", "The quick brown fox jumps", "", "zz top"]
@@ -198,7 +199,7 @@ def run_live(backend, arrivals, steps=3, removals=None):
     while c < len(arrivals) or batch.size:
         if removals and c in removals:
             batch.remove(removals[c])
-        joins = [(key, backend.encode(p, n), n) for key, p, n in (arrivals[c] if c < len(arrivals) else [])]
+        joins = [Join(key, backend.encode(p, n), n) for key, p, n in (arrivals[c] if c < len(arrivals) else [])]
         with torch.inference_mode():
             out = batch.run_chunk(joins, steps)
         for key, ids in out.items():
@@ -226,10 +227,10 @@ def test_live_batch_short_row_leaves_without_waiting_for_long_one():
     backend = make_backend(seed=4)
     batch = backend.open_batch()
     with torch.inference_mode():
-        out = batch.run_chunk([("long", backend.encode("l", 40), 40), ("short", backend.encode("s", 4), 4)], 4)
+        out = batch.run_chunk([Join("long", backend.encode("l", 40), 40), Join("short", backend.encode("s", 4), 4)], 4)
         assert [len(out["long"]), len(out["short"])] == [4, 4]
         assert batch.keys() == ["long"]  # the short row emitted its last token and left
-        out = batch.run_chunk([("late", backend.encode("late", 2), 2)], 4)
+        out = batch.run_chunk([Join("late", backend.encode("late", 2), 2)], 4)
     assert out.keys() == {"long", "late"} and len(out["late"]) == 2 and len(out["long"]) == 4
     assert batch.keys() == ["long"]
 
@@ -253,21 +254,72 @@ def test_live_batch_removed_rows_stop_and_others_are_undisturbed():
     assert got["keep"] == all_tokens(backend, ["keep me"], [20])[0]
 
 
+class OnlySteps:
+    """The built-in engine seen through ``builtin_batch.DecoderSteps`` alone: a batch that
+    reached for any other part of it (a private attribute, say) fails with AttributeError."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: TorchDecoderBackend) -> None:
+        self._engine = engine
+
+    device = property(lambda self: self._engine.device)
+    max_seq_len = property(lambda self: self._engine.max_seq_len)
+
+    def forward(self, ids, positions, mask, k, v):
+        return self._engine.forward(ids, positions, mask, k, v)
+
+    def sample(self, logits, gen):
+        return self._engine.sample(logits, gen)
+
+    def empty_kv_cache(self, rows):
+        return self._engine.empty_kv_cache(rows)
+
+    def left_padded(self, prompts, extra=0):
+        return self._engine.left_padded(prompts, extra)
+
+    def sampler(self):
+        return self._engine.sampler()
+
+
+def test_a_live_batch_runs_on_the_engines_public_steps_alone():
+    from ballast.model.builtin_batch import LiveBatch, ReferenceDecode
+
+    backend = make_backend(seed=9, sampling=SamplingConfig(temperature=0.8, seed=3))
+    arrivals = [[("a", PROMPTS[1], 12)], [("b", PROMPTS[0], 7)]]
+    want, _ = run_live(backend, arrivals)
+    batch, got = LiveBatch(OnlySteps(backend)), {}
+    with torch.inference_mode():
+        for c in range(12):
+            chunk = arrivals[c] if c < len(arrivals) else []
+            for key, ids in batch.run_chunk([Join(k, backend.encode(p, n), n) for k, p, n in chunk], 3).items():
+                got.setdefault(key, []).extend(ids)
+    assert got == want and [len(got["a"]), len(got["b"])] == [12, 7] and batch.size == 0
+    reference = ReferenceDecode(OnlySteps(backend), [backend.encode("hi", 4)], 4)
+    with torch.inference_mode():
+        assert [int(reference.step(s)[0]) for s in range(4)] == all_tokens(backend, ["hi"], [4], use_cache=False)[0]
+
+
 def test_live_batch_zero_and_one_token_rows_and_validation():
     backend = make_backend()
     batch = backend.open_batch()
     with torch.inference_mode():
-        out = batch.run_chunk([("z", backend.encode("a", 0), 0), ("one", backend.encode("b", 1), 1)], 4)
+        out = batch.run_chunk([Join("z", backend.encode("a", 0), 0), Join("one", backend.encode("b", 1), 1)], 4)
     assert out == {"z": [], "one": all_tokens(backend, ["b"], [1])[0]}
     assert batch.size == 0 and batch.width == 0
     with pytest.raises(ValueError, match="steps"):
         batch.run_chunk([], 0)
     with pytest.raises(ValueError, match="max_seq_len"):
-        batch.run_chunk([("big", [1] * SMALL.max_seq_len, 1)], 1)
+        batch.run_chunk([Join("big", [1] * SMALL.max_seq_len, 1)], 1)
     with torch.inference_mode():
-        batch.run_chunk([("dup", [1], 5)], 1)
+        batch.run_chunk([Join("dup", [1], 5)], 1)
     with pytest.raises(ValueError, match="already in the batch"):
-        batch.run_chunk([("dup", [1], 5)], 1)
+        batch.run_chunk([Join("dup", [1], 5)], 1)
+    with pytest.raises(ValueError, match="already in the batch"):  # twice in one chunk
+        batch.run_chunk([Join("twin", [1], 5), Join("twin", [2], 5)], 1)
+    with pytest.raises(TypeError, match="Join rows, got tuple"):  # no positional rows
+        batch.run_chunk([("tuple", [1], 5)], 1)
+    assert batch.keys() == ["dup"]  # nothing refused above joined
     with pytest.raises(ValueError, match="max_new_tokens"):
         backend.encode("a", SMALL.max_seq_len)
 
@@ -620,7 +672,7 @@ def test_a_join_with_ids_that_are_not_bytes_fails_alone_and_the_three_others_fin
     prompts = {"a": [72, 105], "b": [65, 66, 67], "poison": [300, 1], "d": [120]}
     batch = b.open_batch()
     got: dict = {}
-    joins = [(k, ids, 8) for k, ids in prompts.items()]
+    joins = [Join(k, ids, 8) for k, ids in prompts.items()]
     with torch.inference_mode():
         while joins or batch.size:
             for key, ids in batch.run_chunk(joins, 3).items():
@@ -629,5 +681,5 @@ def test_a_join_with_ids_that_are_not_bytes_fails_alone_and_the_three_others_fin
                 failed = batch.take_failed()
             joins = []
         for k in ("a", "b", "d"):
-            assert got[k] == b.open_batch().run_chunk([(k, prompts[k], 8)], 8)[k]
+            assert got[k] == b.open_batch().run_chunk([Join(k, prompts[k], 8)], 8)[k]
     assert set(failed) == {"poison"} and isinstance(failed["poison"], EngineRefused) and "poison" not in got

@@ -18,7 +18,7 @@ from ballast.policies.breaker import BreakerConfig, CircuitBreaker
 from ballast.policies.reports import ReplicaReport, RouterReport
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
-from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.ops.cli import format_status, main
 from tests.unit.fakes import FakeClock
 

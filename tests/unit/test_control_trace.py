@@ -23,7 +23,7 @@ from ballast.policies import control, recycle
 from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
-from ballast.control.names import MODEL_DEPLOYMENT
+from ballast.names import MODEL_DEPLOYMENT
 from ballast.control.recycling import _hour_of_day
 
 RAW = json.loads((Path(__file__).parent / "data" / "control_trace.json").read_text())

@@ -19,7 +19,7 @@ from ballast.policies.reports import ReplicaReport, RouterReport
 
 from ballast.config import BallastConfig, load_config
 from ballast.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
-from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 
 EXPIRY_S = 3
 ERROR_WINDOW_S = 10
@@ -517,7 +517,7 @@ def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
     """Running lags the target: a replica Serve has not stopped yet must not undo the decision."""
     from ballast.config import load_config
     from ballast.control.controller import ControllerCore
-    from ballast.control.names import MODEL_DEPLOYMENT
+    from ballast.names import MODEL_DEPLOYMENT
 
     cfg = load_config(
         {

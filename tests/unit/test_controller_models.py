@@ -21,7 +21,7 @@ from ballast.policies.reports import MAX_REPORTED_MODELS, ModelLoad, RouterRepor
 from ballast.config import BallastConfig, load_config
 from ballast.control.autoscaling import autoscaling_config
 from ballast.control.controller import ControllerCore
-from ballast.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot, SnapshotCache
 from ballast.ops.cli import format_status
 from ballast.router import reporter

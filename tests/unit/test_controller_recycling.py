@@ -19,7 +19,7 @@ from fakes import FakeClock
 from ballast.policies.reports import ReplicaReport, WatchdogReport
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
-from ballast.control.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
+from ballast.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
 
 WALL0 = 1_000_000
 

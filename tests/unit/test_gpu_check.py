@@ -205,6 +205,7 @@ def test_the_big_llama_has_about_0_7_billion_parameters():
 def test_a_built_llama_loads_and_answers(tmp_path):
     from ballast.model.hf_checkpoint import load_checkpoint
     from ballast.model.hf_engine import HFBackend
+    from ballast.model.protocol import Join
 
     small = dict(gc.LLAMA_07B, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
     params, built_s, written_s = gc.build_llama(tmp_path / "m", small, device="cpu", dtype="bfloat16")
@@ -212,7 +213,7 @@ def test_a_built_llama_loads_and_answers(tmp_path):
     loaded = load_checkpoint(tmp_path / "m", "cpu", "bfloat16")
     assert next(loaded.model.parameters()).dtype == torch.bfloat16
     backend = HFBackend(loaded, name="m")
-    got = backend.open_batch().run_chunk([(0, backend.encode("Hello!", 4), 4)], 4)
+    got = backend.open_batch().run_chunk([Join(0, backend.encode("Hello!", 4), 4)], 4)
     assert len(got[0]) == 4
 
 

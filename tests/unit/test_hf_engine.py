@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from ballast.model.hf_checkpoint import load_checkpoint
-from ballast.model.hf_engine import ContextTooLong, HFBackend, IncrementalDetokenizer, RowSampling
+from ballast.model.hf_engine import HFBackend
+from ballast.model.hf_text import ContextTooLong, IncrementalDetokenizer, TokenizerText
+from ballast.model.protocol import Join, RowSampling
 from tests.unit.hf_fixture import make_tiny_llama
 
 PROMPTS = [
@@ -43,7 +45,7 @@ def run(backend, joins_by_chunk, steps=3):
 
 def alone(backend, prompt, n, sampling=None):
     ids = backend.encode(prompt, n)
-    return run(backend, [[("x", ids, n, sampling)]])["x"]
+    return run(backend, [[Join("x", ids, n, sampling)]])["x"]
 
 
 def reference_generate(backend, prompt, n):
@@ -86,7 +88,7 @@ def test_batched_greedy_equals_each_prompt_alone_with_rows_joining_and_leaving(b
     want = {i: alone(b, p, n) for i, (p, n) in enumerate(zip(PROMPTS, lengths))}
     enc = [b.encode(p, n) for p, n in zip(PROMPTS, lengths)]
     # Rows 0 and 1 start together; 2 joins at the second chunk, 3 at the fourth (after 0 left).
-    got = run(b, [[(0, enc[0], 5), (1, enc[1], 17)], [(2, enc[2], 9)], [], [(3, enc[3], 13)]])
+    got = run(b, [[Join(0, enc[0], 5), Join(1, enc[1], 17)], [Join(2, enc[2], 9)], [], [Join(3, enc[3], 13)]])
     assert got == want
 
 
@@ -96,7 +98,7 @@ def test_remove_drops_a_row_and_the_rest_continue_unchanged(backend):
     batch = b.open_batch()
     got = []
     with torch.inference_mode():
-        out = batch.run_chunk([("a", b.encode(PROMPTS[0], 20), 20), ("b", b.encode(PROMPTS[2], 10), 10)], 3)
+        out = batch.run_chunk([Join("a", b.encode(PROMPTS[0], 20), 20), Join("b", b.encode(PROMPTS[2], 10), 10)], 3)
         got += out["b"]
         assert batch.reserved_tokens == len(b.encode(PROMPTS[0], 20)) + 20 + len(b.encode(PROMPTS[2], 10)) + 10
         batch.remove({"a"})
@@ -113,7 +115,7 @@ def test_eos_ends_a_row_at_that_token_and_it_is_emitted(backend):
     stopper = full[4]
     first = full.index(stopper)  # the first time greedy output emits it
     b.eos_ids = frozenset({stopper})
-    got = run(b, [[("x", b.encode(PROMPTS[0], 12), 12), ("y", b.encode(PROMPTS[1], 30), 30)]])
+    got = run(b, [[Join("x", b.encode(PROMPTS[0], 12), 12), Join("y", b.encode(PROMPTS[1], 30), 30)]])
     assert got["x"] == full[: first + 1]
 
 
@@ -147,7 +149,9 @@ def test_the_same_seed_gives_the_same_tokens_alone_and_beside_others(backend):
     one = alone(b, PROMPTS[0], 16, s)
     assert alone(b, PROMPTS[0], 16, s) == one
     enc = [b.encode(p, 16) for p in PROMPTS]
-    beside = run(b, [[("x", enc[0], 16, s), ("g", enc[1], 16, None), ("h", enc[2], 16, RowSampling(1.0, seed=8))]])
+    beside = run(
+        b, [[Join("x", enc[0], 16, s), Join("g", enc[1], 16, None), Join("h", enc[2], 16, RowSampling(1.0, seed=8))]]
+    )
     assert beside["x"] == one
     assert alone(b, PROMPTS[0], 16, RowSampling(temperature=1.0, top_p=0.95, seed=8)) != one
     assert one != alone(b, PROMPTS[0], 16)  # sampled, not greedy
@@ -176,6 +180,9 @@ def test_tokenize_is_the_routers_encode_and_fit_shortens_max_tokens_to_the_conte
         backend.fit([5] * 128, 4)
     with pytest.raises(ContextTooLong, match="context of 128"):
         backend.fit([5] * 129, 4)
+    assert backend.text.fit([5] * 100, 126) == backend.fit([5] * 100, 126)  # one text side, held
+    with pytest.raises(ValueError, match="context must be an int >= 1"):
+        TokenizerText(backend.tokenizer, 0)
 
 
 def test_context_and_empty_prompts_are_refused_before_any_work(backend):
@@ -187,8 +194,10 @@ def test_context_and_empty_prompts_are_refused_before_any_work(backend):
     assert backend.encode("", 4) == [backend.tokenizer.bos_token_id]  # a raw prompt has its bos
     batch = backend.open_batch()
     with pytest.raises(ContextTooLong):
-        batch.run_chunk([("x", [1] * 100, 29)], 1)
-    assert batch.size == 0
+        batch.run_chunk([Join("x", [1] * 100, 29)], 1)
+    with pytest.raises(TypeError, match="Join rows, got tuple"):
+        batch.run_chunk([Join("y", [1], 2), ("x", [1], 2)], 1)
+    assert batch.size == 0 and batch.take_failed() == {}
 
 
 @pytest.mark.parametrize(
@@ -264,10 +273,10 @@ def test_one_poisoned_row_among_four_fails_alone_and_the_three_others_finish_who
     got: dict = {}
     failed: dict = {}
     joins = [
-        ("a", enc[0], 12, None),
-        ("poison", enc[1], 12, poison),
-        ("c", enc[2], 12, seeded),
-        ("d", enc[3], 12, None),
+        Join("a", enc[0], 12, None),
+        Join("poison", enc[1], 12, poison),
+        Join("c", enc[2], 12, seeded),
+        Join("d", enc[3], 12, None),
     ]
     with torch.inference_mode():
         while joins or batch.size:
@@ -287,7 +296,7 @@ def test_a_row_with_ids_outside_the_vocabulary_is_refused_at_its_join(backend):
     batch = backend.open_batch()
     ok = backend.encode(PROMPTS[0], 4)
     with torch.inference_mode():
-        out = batch.run_chunk([("ok", ok, 4), ("bad", [1, backend.vocab_size], 4)], 2)
+        out = batch.run_chunk([Join("ok", ok, 4), Join("bad", [1, backend.vocab_size], 4)], 2)
     failed = batch.take_failed()
     assert list(out) == ["ok"] and len(out["ok"]) == 2 and batch.keys() == ["ok"]
     assert isinstance(failed["bad"], EngineRefused) and failed["bad"].field == "prompt"

@@ -16,7 +16,7 @@ from ballast.policies.reports import ReplicaReport, RouterReport
 from routerkit import at_level, build_router, routed
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
-from ballast.control.names import MODEL_DEPLOYMENT
+from ballast.names import MODEL_DEPLOYMENT
 from ballast.model.protocol import ModelResult
 from test_resilient_caller import FakeHandle, FakeResponse, fails
 

@@ -15,6 +15,7 @@ import torch
 
 from ballast.policies.migration import MAX_PAUSE_S, MigrationConfig, pause_s, should_migrate
 from ballast.model.builtin_engine import ByteStreamDecoder
+from ballast.model.protocol import Join
 from ballast.model.replica_loop import ReplicaRow, resume, row_text
 from ballast.stops import StopScanner
 
@@ -140,7 +141,7 @@ def generate(backend, ids: list[int], n: int, chunk: int = 4) -> list[int]:
     batch = backend.open_batch()
     out: list[int] = []
     with torch.inference_mode():
-        joins = [("x", ids, n)]
+        joins = [Join("x", ids, n)]
         while joins or batch.size:
             out.extend(batch.run_chunk(joins, chunk).get("x", []))
             joins = []
@@ -159,7 +160,7 @@ def test_a_continuation_generates_the_tokens_the_lost_replica_would_have(engine,
 
 
 def test_a_continuation_on_the_hf_engine_reads_as_the_uninterrupted_text(hf) -> None:
-    from ballast.model.hf_engine import IncrementalDetokenizer
+    from ballast.model.hf_text import IncrementalDetokenizer
 
     prompt, n = hf.fit(hf.tokenize("東京 and Café"), 30)
     ids = generate(hf, prompt, n)

@@ -17,7 +17,7 @@ import pytest
 from ray.exceptions import RayTaskError
 from starlette.requests import ClientDisconnect
 
-from ballast.control.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot
 from ballast.policies.criticality import Criticality
 from ballast.policies.deadline import Deadline
@@ -34,7 +34,7 @@ from ballast.errors import (
 )
 from ballast.router.api import StreamResponse
 from ballast.router.pipeline import Answer, Caller, ModelRequest, Stream
-from ballast.router.ticket import Outcome
+from ballast.router.accounts import Outcome
 from test_resilient_caller import FakeHandle, FakeResponse, FakeStream, fails
 
 PROMPT = "hello"  # 5 prompt tokens (bytes)

@@ -14,7 +14,7 @@ import pytest
 from ballast.errors import DeadlineExceeded, EngineRefused
 from ballast.model.builtin_checkpoint import BackendSpec, load_backend
 from ballast.model.builtin_decoder import TinyDecoderConfig
-from ballast.model.protocol import AttemptDeadline, ModelCall, Resume, RowSampling
+from ballast.model.protocol import AttemptDeadline, Join, ModelCall, Resume, RowSampling
 from ballast.model.replica_loop import (
     WAIT_WINDOW_S,
     WINDOW,
@@ -83,7 +83,7 @@ def call(ids, max_tokens: int, budget_s: float | None = None, wall_s: float = 0.
 
 def alone(engine, ids: list[int], n: int) -> list[int]:
     """What the engine generates for ``ids`` in a batch of its own (greedy)."""
-    batch, out, joins = engine.open_batch(), [], [("x", ids, n)]
+    batch, out, joins = engine.open_batch(), [], [Join("x", ids, n)]
     while joins or batch.size:
         out += batch.run_chunk(joins, 4).get("x", [])
         joins = []
@@ -127,21 +127,21 @@ async def test_the_loop_moves_rows_and_reserves_kv_as_its_scheduler_decides(engi
     clock = FakeClock(0)
     loop = make_loop(engine, kv_budget_tokens=100, batch_limit=2, clock=clock, wall_clock=clock)
 
-    async def enqueue(prompt: int, max_tokens: int, budget_s: int) -> ReplicaRow:
-        row = await loop.prepare(call(range(prompt), max_tokens, budget_s, clock()))
+    async def enqueue(prompt: int, max_tokens: int, budget_s: int, **kw) -> ReplicaRow:
+        row = await loop.prepare(call(range(prompt), max_tokens, budget_s, clock(), **kw))
         loop.enqueue(row)
         return row
 
     first = await enqueue(10, 30, budget_s=10)  # deadline at 9.9 (the replica's lead is 0.1 s)
     late = await enqueue(10, 30, budget_s=1)  # deadline at 0.9
     clock.advance()
-    third = await enqueue(20, 40, budget_s=10)
+    third = await enqueue(20, 40, budget_s=10, cache_salt="group-a")  # the salt rides on its join
     assert (loop.queued, loop.running, loop.kv_reserved_tokens) == (3, 0, 0)
 
     clock.advance()  # t = 2
     leaving, joins = loop.step()
     assert leaving == []
-    assert [j[0] for j in joins] == [first.key, third.key] and joins[0] == (first.key, first.ids, 30, None)
+    assert joins == [Join(first.key, first.ids, 30), Join(third.key, third.ids, 40, cache_salt="group-a")]
     assert isinstance(late.out.get_nowait(), DeadlineExceeded) and not late.started  # dropped, no prefill
     assert (loop.queued, loop.running, loop.kv_reserved_tokens) == (0, 2, 100)
     assert third.started and third.queue_wait_ms == 1000.0 and loop.queue_wait_p95_ms() == 2000.0
@@ -151,7 +151,7 @@ async def test_the_loop_moves_rows_and_reserves_kv_as_its_scheduler_decides(engi
     fourth = await enqueue(10, 30, budget_s=10)  # deadline at 12.9
     clock.advance()  # t = 4
     leaving, joins = loop.step()
-    assert leaving == [first.key] and [j[0] for j in joins] == [fourth.key]
+    assert leaving == [first.key] and [j.key for j in joins] == [fourth.key]
     assert first.out.empty()
     assert (loop.queued, loop.running, loop.kv_reserved_tokens) == (0, 2, 100) and fourth.started
 
@@ -357,7 +357,7 @@ async def test_a_call_naming_an_adapter_is_refused_by_an_engine_without_adapters
     assert refused.value.field == "model" and refused.value.status == 400 and loop.queued == 0
 
     batch = engine.open_batch()
-    out = batch.run_chunk([(1, [72, 105], 4, None, "sql"), (2, [65], 4, None, None)], 4)
+    out = batch.run_chunk([Join(1, [72, 105], 4, adapter="sql"), Join(2, [65], 4)], 4)
     failed = batch.take_failed()
     assert set(failed) == {1} and isinstance(failed[1], EngineRefused) and failed[1].field == "model"
     assert 1 not in out and len(out[2]) >= 1

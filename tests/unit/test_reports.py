@@ -30,7 +30,7 @@ from ballast.policies.reports import (
 )
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
-from ballast.control.names import MODEL_DEPLOYMENT
+from ballast.names import MODEL_DEPLOYMENT
 
 REPLICA = WatchedReplica("m1", MODEL_DEPLOYMENT, 1000.0, None, 4242, "SERVE_REPLICA::ballast#BallastModel#m1", "serve")
 TREND = SeriesTrend(slope_per_h=3.5, r2=0.9, leaking=True, time_to_limit_s=7200.0, short_window=False)

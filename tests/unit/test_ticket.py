@@ -7,8 +7,9 @@ from fakes import FakeClock
 from ballast.policies.deadline import Deadline
 from ballast.policies.limiter import AimdLimit, LimiterConfig
 from ballast.policies.quota import TokenBucket
+from ballast.router.accounts import Outcome
 from ballast.router.gate import GateSlot, PriorityGate
-from ballast.router.ticket import Charge, Outcome, TenantPlaces, Ticket
+from ballast.router.ticket import Charge, TenantPlaces, Ticket
 
 
 class Seen:

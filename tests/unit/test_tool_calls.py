@@ -273,7 +273,8 @@ def test_chat_template_kwargs_reach_the_template_and_only_its_own_variables_pass
 def test_a_row_that_keeps_special_tokens_decodes_them():
     """tool_choice "auto": the tool parser reads markers that some models make special tokens."""
     from ballast.model.demo import train_tokenizer
-    from ballast.model.hf_engine import IncrementalDetokenizer, RowSampling
+    from ballast.model.hf_text import IncrementalDetokenizer
+    from ballast.model.protocol import RowSampling
 
     tok = train_tokenizer()
     ids = tok.encode("hi", add_special_tokens=False) + [tok.eos_token_id]

@@ -27,7 +27,7 @@ from ballast.config import load_config
 from ballast.control.autoscaling import autoscaling_config
 from ballast.control.controller import ControllerCore
 from ballast.control.gpu import ProcessGpuSample, RanksGpuProbe, make_process_gpu_probe
-from ballast.control.names import MODEL_DEPLOYMENT
+from ballast.names import MODEL_DEPLOYMENT
 from ballast.control.watchdog import PsutilSampler, WatchdogCore
 from ballast.policies.control import fold_reports, serving_replicas
 from ballast.policies.reports import ReplicaReport, WatchedReplica

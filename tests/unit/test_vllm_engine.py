@@ -17,7 +17,8 @@ from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.errors import EngineRefused  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_checkpoint import tokenizer_id  # noqa: E402
-from ballast.model.hf_engine import ContextTooLong, RowSampling  # noqa: E402
+from ballast.model.hf_text import ContextTooLong  # noqa: E402
+from ballast.model.protocol import Join, RowSampling  # noqa: E402
 from ballast.model.vllm_engine import VLLMBackend, VLLMStats  # noqa: E402
 
 ENGINE_KWARGS = dict(
@@ -91,7 +92,7 @@ def drain(batch, joins_by_chunk, steps=4, max_chunks=200):
         assert i < max_chunks, f"rows {batch.keys()} still running after {max_chunks} chunks"
         joins = joins_by_chunk[i] if i < len(joins_by_chunk) else []
         out = batch.run_chunk(joins, steps)
-        assert {j[0] for j in joins} <= set(out)
+        assert {j.key for j in joins} <= set(out)
         for key, ids in out.items():
             got.setdefault(key, []).extend(ids)
         i += 1
@@ -134,19 +135,19 @@ def test_greedy_equals_transformers_generate_alone_and_batched(backend, hf_model
     prompts = [backend.encode(p, 24) for p in PROMPTS]
     expected = [hf_greedy(hf_model, ids, 24, eos) for ids in prompts]
     assert max(len(e) for e in expected) == 24  # not a vacuous comparison of EOS-only answers
-    alone = drain(backend.open_batch(), [[(0, prompts[0], 24)]])
+    alone = drain(backend.open_batch(), [[Join(0, prompts[0], 24)]])
     assert alone[0] == expected[0]
-    together = drain(backend.open_batch(), [[(i, ids, 24, None) for i, ids in enumerate(prompts)]])
+    together = drain(backend.open_batch(), [[Join(i, ids, 24, None) for i, ids in enumerate(prompts)]])
     assert [together[i] for i in range(len(prompts))] == expected
 
 
 def test_rows_join_and_leave_across_chunks(backend):
     ids = backend.encode("Hello!", 0)
     batch = backend.open_batch()
-    first = batch.run_chunk([("a", ids, 6, LONG)], 4)
+    first = batch.run_chunk([Join("a", ids, 6, LONG)], 4)
     assert set(first) == {"a"} and len(first["a"]) >= 1
     got = {"a": list(first["a"])}
-    joins = [[("b", ids, 10, LONG), ("z", ids, 0, LONG)], [("c", ids, 3, LONG)]]
+    joins = [[Join("b", ids, 10, LONG), Join("z", ids, 0, LONG)], [Join("c", ids, 3, LONG)]]
     seen_done: set = set()
     for chunk in range(100):
         if not (batch.keys() or joins):
@@ -177,10 +178,10 @@ def test_max_tokens_eos_ignore_eos_and_min_tokens(backend, hf_model):
         backend.open_batch(),
         [
             [
-                ("eos", prompt, 20, None),
-                ("ignore", prompt, 20, RowSampling(ignore_eos=True)),
-                ("min", prompt, 20, RowSampling(min_tokens=5)),
-                ("short", backend.encode("Hello!", 0), 7, LONG),
+                Join("eos", prompt, 20, None),
+                Join("ignore", prompt, 20, RowSampling(ignore_eos=True)),
+                Join("min", prompt, 20, RowSampling(min_tokens=5)),
+                Join("short", backend.encode("Hello!", 0), 7, LONG),
             ]
         ],
     )
@@ -193,8 +194,8 @@ def test_max_tokens_eos_ignore_eos_and_min_tokens(backend, hf_model):
 def test_same_seed_same_tokens(backend):
     ids = backend.encode("Seeded sampling, please.", 0)
     s = RowSampling(temperature=1.0, top_p=0.9, top_k=50, seed=42)
-    one = drain(backend.open_batch(), [[(0, ids, 24, s)]])[0]
-    two = drain(backend.open_batch(), [[(0, ids, 24, s), (1, ids, 24, RowSampling(temperature=1.0, seed=7))]])
+    one = drain(backend.open_batch(), [[Join(0, ids, 24, s)]])[0]
+    two = drain(backend.open_batch(), [[Join(0, ids, 24, s), Join(1, ids, 24, RowSampling(temperature=1.0, seed=7))]])
     assert one == two[0] and len(one) > 0
     assert two[1] != one
 
@@ -203,7 +204,7 @@ def test_a_repetition_penalty_reaches_the_engine(backend):
     # A strong penalty on the prompt's and the answer's tokens changes greedy tokens.
     ids = backend.encode("Hello there, hello there", 32)
     plain, penalised = (
-        drain(backend.open_batch(), [[(0, ids, 32, RowSampling(ignore_eos=True, repetition_penalty=r))]])[0]
+        drain(backend.open_batch(), [[Join(0, ids, 32, RowSampling(ignore_eos=True, repetition_penalty=r))]])[0]
         for r in (1.0, 2.0)
     )
     assert len(plain) == len(penalised) == 32 and penalised != plain
@@ -212,7 +213,7 @@ def test_a_repetition_penalty_reaches_the_engine(backend):
 def test_remove_aborts_the_row_and_frees_its_slot(backend):
     ids = backend.encode("Stream A keeps going.", 0)
     batch = backend.open_batch()
-    batch.run_chunk([("a", ids, 400, LONG), ("b", ids, 400, LONG)], 4)
+    batch.run_chunk([Join("a", ids, 400, LONG), Join("b", ids, 400, LONG)], 4)
     for _ in range(20):
         if backend.stats().running == 2:
             break
@@ -239,7 +240,7 @@ def test_a_request_vllm_refuses_fails_alone_and_the_others_go_on(backend):
     allof = RowSampling(
         json_schema=json.dumps({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}), json_schema_of="tools"
     )
-    joins = [[("ok", ok, 40, LONG)], [("bad-id", [10**6], 4, None), ("bad-schema", ok, 4, allof)]]
+    joins = [[Join("ok", ok, 40, LONG)], [Join("bad-id", [10**6], 4, None), Join("bad-schema", ok, 4, allof)]]
     got, failed = [], {}
     for i in range(200):
         out = batch.run_chunk(joins[i] if i < len(joins) else [], 2)
@@ -252,7 +253,7 @@ def test_a_request_vllm_refuses_fails_alone_and_the_others_go_on(backend):
     assert isinstance(failed["bad-schema"], EngineRefused) and failed["bad-schema"].field == "tools"
     assert len(got) == 40
     with pytest.raises(ContextTooLong):
-        batch.run_chunk([("long", ok * 200, 4, None)], 2)
+        batch.run_chunk([Join("long", ok * 200, 4, None)], 2)
 
 
 VERDICT = {
@@ -268,7 +269,7 @@ async def test_a_json_schema_guides_the_answer_to_json_that_follows_it(backend):
     assert await backend.check(s) == s
     ids = backend.encode("Answer in JSON:", 64)
     batch = backend.open_batch()
-    got = drain(batch, [[(i, ids, 64, s) for i in range(3)]])
+    got = drain(batch, [[Join(i, ids, 64, s) for i in range(3)]])
     for i in range(3):
         value = json.loads(backend.tokenizer.decode(got[i], skip_special_tokens=True))
         assert set(value) == {"ok", "colour"} and isinstance(value["ok"], bool) and value["colour"] in ("red", "green")
@@ -305,7 +306,7 @@ async def test_a_schema_slow_to_compile_is_refused_at_its_limit_while_the_replic
     try:
         batch = backend.open_batch()
         plain = asyncio.ensure_future(
-            asyncio.to_thread(drain, batch, [[("plain", backend.encode("Hello!", 24), 24, LONG)]])
+            asyncio.to_thread(drain, batch, [[Join("plain", backend.encode("Hello!", 24), 24, LONG)]])
         )
         with pytest.raises(SchemaTooComplex) as e:
             await backend.check(RowSampling(json_schema=nested_any_of(7), json_schema_of="tools"))
@@ -397,8 +398,8 @@ def test_the_model_benchmark_drives_vllm_as_the_replica_does(backend):
 def test_prefix_cache_hits_for_a_repeated_long_prompt(backend):
     ids = backend.encode(" ".join(PROMPTS) * 8, 0)[:300]  # more than two KV blocks of 128
     before = backend.stats()
-    drain(backend.open_batch(), [[(0, ids, 2, LONG)]])
-    drain(backend.open_batch(), [[(0, ids, 2, LONG)]])
+    drain(backend.open_batch(), [[Join(0, ids, 2, LONG)]])
+    drain(backend.open_batch(), [[Join(0, ids, 2, LONG)]])
     after = backend.stats()
     assert after.prefix_cache_queries - before.prefix_cache_queries >= 2 * len(ids)
     assert after.prefix_cache_hits - before.prefix_cache_hits >= 256
@@ -416,7 +417,7 @@ def test_the_blocks_vllm_caches_are_reported_under_the_keys_a_router_computes(ba
     size = backend.describe()["kv_block_size"]
     keys = block_keys(ids, size)
     assert matched_blocks(keys, backend.prefix_report(time.time()).keys) == 0
-    drain(backend.open_batch(), [[(0, ids, 2, LONG)]])
+    drain(backend.open_batch(), [[Join(0, ids, 2, LONG)]])
     deadline = time.monotonic() + 10  # the events cross from the engine's process on its own socket
     while matched_blocks(keys, backend.prefix_report(time.time()).keys) < len(keys) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -431,7 +432,7 @@ def cached_at_first_tokens(backend, ids, salt):
     """How many of ``ids`` vLLM took from its prefix cache for a row of cache salt ``salt``
     (the batch's word at the row's first tokens); the row is run to its end."""
     batch = backend.open_batch()
-    out = batch.run_chunk([(0, ids, 2, LONG, None, salt)], 4)
+    out = batch.run_chunk([Join(0, ids, 2, LONG, cache_salt=salt)], 4)
     while not out.get(0):
         assert batch.keys(), "the row ended with no tokens"
         out = batch.run_chunk([], 4)
@@ -495,7 +496,7 @@ def test_a_live_engine_reports_its_step_curve(backend):
     ids = backend.encode("Hello!", 0)
     for rows in (1, 8):
         batch = backend.open_batch()
-        joins = [(f"r{rows}-{i}", ids, 40, LONG) for i in range(rows)]
+        joins = [Join(f"r{rows}-{i}", ids, 40, LONG) for i in range(rows)]
         while joins or batch.keys():
             batch.run_chunk(joins, 4)
             joins = []
@@ -520,7 +521,7 @@ def test_engine_processes_live_then_gone_after_shutdown(backend):
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
     with pytest.raises(RuntimeError):
-        backend.open_batch().run_chunk([(0, [1, 2], 2)], 2)
+        backend.open_batch().run_chunk([Join(0, [1, 2], 2)], 2)
     backend.shutdown()  # idempotent
 
 

@@ -27,8 +27,7 @@ from ballast.errors import AdapterRefused, EngineRefused  # noqa: E402
 from ballast.model.adapters import ReplicaAdapters  # noqa: E402
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
-from ballast.model.hf_engine import RowSampling  # noqa: E402
-from ballast.model.protocol import ModelCall  # noqa: E402
+from ballast.model.protocol import Join, ModelCall, RowSampling  # noqa: E402
 from ballast.model.replica_loop import ReplicaLoop  # noqa: E402
 from ballast.model.vllm_engine import VLLMBackend, lora_engine_kwargs  # noqa: E402
 from ballast.policies.adapters import RuntimeAdapter  # noqa: E402
@@ -74,7 +73,7 @@ def run(backend, rows: dict, steps: int = 4) -> tuple[dict, dict]:
     greedy tokens: the ids each row got, and the rows refused alone."""
     ids = backend.encode(PROMPT, N)
     batch, out, failed = backend.open_batch(), {k: [] for k in rows}, {}
-    joins = [(k, ids, N, LONG, adapter) for k, adapter in rows.items()]
+    joins = [Join(k, ids, N, LONG, adapter) for k, adapter in rows.items()]
     for _ in range(200):
         for key, got in batch.run_chunk(joins, steps).items():
             out[key] += got
@@ -99,7 +98,7 @@ def test_an_adapters_blocks_are_keyed_with_its_name_and_the_base_rows_as_the_bas
     from ballast.policies.prefix_cache import block_keys, matched_blocks
 
     ids, size = backend.tokenize(" ".join([PROMPT] * 120))[:300], backend.describe()["kv_block_size"]
-    batch, joins = backend.open_batch(), [(k, ids, 2, LONG, adapter) for k, adapter in enumerate((None, "sql"))]
+    batch, joins = backend.open_batch(), [Join(k, ids, 2, LONG, adapter) for k, adapter in enumerate((None, "sql"))]
     for _ in range(50):
         batch.run_chunk(joins, 4)
         joins = []
