@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import conftest as integration  # noqa: E402
-from conftest import ADMIN, BASE, FREE, GOLD, _merge, wait_until  # noqa: E402
+from conftest import ADMIN, BASE, GOLD, _merge, wait_until  # noqa: E402
 from test_hf_model import _deploy  # noqa: E402
 
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
@@ -31,7 +31,6 @@ from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 pytestmark = pytest.mark.integration
 
 MODEL = "tiny-vllm-prefix"
-NOISY = {"Authorization": "Bearer dev-key-noisy"}
 SD_FILE = Path("/tmp/ray/prom_metrics_service_discovery.json")  # Ray's list of its metrics endpoints
 PREFIX = "A tenant's long system prompt, the same at the start of every one of its requests. " * 4
 
@@ -45,11 +44,6 @@ def overrides(ckpt) -> dict:
         # host) can let a router's share through four or fewer at a time, within the bound
         # (the likely cause when a clean clone saw all twelve on the holder).
         "resilience": {"gate": {"enabled": False}},
-        # Prefix caches by group: gold alone (its own, the default), free and noisy in one.
-        "tenants": {
-            "free": {"cache_group": "team"},
-            "noisy": {"cache_group": "team", "rate_tokens_per_s": None, "burst_tokens": None},
-        },
         "model": {
             "name": MODEL,
             "backend": "vllm",
@@ -109,22 +103,18 @@ def decisions_by_router(reason: str) -> dict[str, float]:
     return out
 
 
-def route_by_prefix(http) -> None:
-    """Until both routers have the replicas' reports (Serve polls and broadcasts them), a
-    request may still go by load: warm both up, until each has routed one by the prefix."""
+def test_a_shared_prefix_lands_on_one_replica_through_both_routers_and_spreads_past_the_bound(stack):
+    http = stack
     complete(http, PREFIX + "first")  # the prefix's first request: to its home
     wait_until(lambda: max(r["prefix_blocks"] for r in reporting(http).values()) >= 4, 30, 0.25, "the prefix reported")
 
+    # Until both routers have the replicas' reports (Serve polls and broadcasts them), a
+    # request may still go by load: warm both up, until each has routed one by the prefix.
     def both_route_by_prefix() -> bool:
         complete(http, PREFIX + "warm")
         return len(decisions_by_router("prefix")) >= 2
 
     wait_until(both_route_by_prefix, 60, 1, "prefix decisions from both routers")
-
-
-def test_a_shared_prefix_lands_on_one_replica_through_both_routers_and_spreads_past_the_bound(stack):
-    http = stack
-    route_by_prefix(http)
     before = queries(http)
     for i in range(10):  # one at a time: the holder is never past the bound
         complete(http, PREFIX + f"question {i}")
@@ -143,45 +133,3 @@ def test_a_shared_prefix_lands_on_one_replica_through_both_routers_and_spreads_p
     after = queries(http)
     grew = {rid: after[rid] - before[rid] for rid in after}
     assert all(v > 0 for v in grew.values()), grew  # twelve at once: past the bound, both serve
-
-
-def cached_tokens(http, headers: dict, prompt: str, stream: bool = False) -> int:
-    """``usage.prompt_tokens_details.cached_tokens`` of one answer to ``prompt`` (streamed with
-    the usage in a last event, or unary)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
-    if stream:
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
-    r = http.post("/v1/completions", json=body, headers=headers)
-    assert r.status_code == 200, r.text
-    if not stream:
-        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-    return events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def test_a_prefix_is_shared_within_a_cache_group_and_never_across(stack):
-    # The prefix-cache side channel, probed as an attacker would: the victim (gold) sends a
-    # prompt; the attacker (free, another group) sends the same prompt and reads how much
-    # came from the cache. vLLM's own count says it: nothing, wherever the attacker's request
-    # lands (the routers key blocks by group too, so it is not even sent to the victim's
-    # replica by its prefix). Within one group (free and noisy) the prefix is shared.
-    http = stack
-    # By prefix, a request goes where its group's blocks are (or their home): once both routers
-    # route by prefix and the level is back to 0 (the burst before raises it, and from
-    # model.routing.balance_from_level a request goes by load alone).
-    route_by_prefix(http)
-    wait_until(lambda: http.get("/v1/status", headers=ADMIN).json()["level"] == 0, 60, 0.5, "level back to 0")
-    secret = "Victim's templated prompt, account 4417-2208, balance and notes follow. " * 6
-    before = queries(http)
-    got = [
-        cached_tokens(http, GOLD, secret),  # new
-        cached_tokens(http, GOLD, secret),  # its own group's blocks (block_size 32)
-        cached_tokens(http, FREE, secret),  # another group: nothing, unary
-        cached_tokens(http, FREE, secret + " again", stream=True),  # its own blocks now, streamed
-        cached_tokens(http, NOISY, secret, stream=True),  # free's group-mate shares them
-        cached_tokens(http, GOLD, secret),  # and the victim's blocks are still its own
-    ]
-    after = queries(http)  # each replica's prompt tokens looked up (as of its last report), for a failure
-    why = f"cached tokens {got}; prompt tokens per replica {[after[r] - before[r] for r in after]}"
-    assert got[0] == 0 and got[1] >= 64 and got[2] == 0, why
-    assert got[3] >= 64 and got[4] >= 64 and got[5] == got[1], why

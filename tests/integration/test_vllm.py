@@ -29,7 +29,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import conftest as integration  # noqa: E402
-from conftest import ADMIN, BASE, GOLD, _merge, wait_until  # noqa: E402
+from conftest import ADMIN, BASE, FREE, GOLD, _merge, wait_until  # noqa: E402
 from test_hf_model import _deploy  # noqa: E402
 
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
@@ -38,6 +38,7 @@ pytestmark = pytest.mark.integration
 
 MODEL = "tiny-vllm"
 KEY = GOLD["Authorization"].split()[1]
+NOISY = {"Authorization": "Bearer dev-key-noisy"}
 
 
 def vllm_overrides(ckpt) -> dict:
@@ -48,6 +49,11 @@ def vllm_overrides(ckpt) -> dict:
     return {
         "deployments": {"model": {"max_replicas": 1}},
         "watchdog": {"rss_limit_mb": 6000},
+        # Prefix caches by group: gold alone (its own, the default), free and noisy in one.
+        "tenants": {
+            "free": {"cache_group": "team"},
+            "noisy": {"cache_group": "team", "rate_tokens_per_s": None, "burst_tokens": None},
+        },
         "model": {
             "name": MODEL,
             "backend": "vllm",
@@ -117,6 +123,39 @@ def test_a_stream_is_the_unary_answer_and_ends_with_usage(oai):
     chunks = list(oai.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == unary.choices[0].text
     assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens
+
+
+def cached_tokens(http, headers: dict, prompt: str, stream: bool = False) -> int:
+    """``usage.prompt_tokens_details.cached_tokens`` of one answer to ``prompt`` (streamed with
+    the usage in a last event, or unary)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    r = http.post("/v1/completions", json=body, headers=headers)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    return events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_prefix_is_shared_within_a_cache_group_and_never_across(http):
+    # The prefix-cache side channel, probed as an attacker would, on one replica (every probe
+    # meets the victim's KV): the victim (gold) sends a prompt; the attacker (free, another
+    # group) sends the same prompt and reads how much came from the cache: vLLM's own count
+    # says nothing did, where a hit would have skipped the prefill. Within one group (free
+    # and noisy) the prefix is shared, unary and streamed.
+    secret = "Victim's templated prompt, account 4417-2208, balance and notes follow. " * 6
+    got = [
+        cached_tokens(http, GOLD, secret),  # new
+        cached_tokens(http, GOLD, secret),  # its own group's blocks
+        cached_tokens(http, FREE, secret),  # another group's: none
+        cached_tokens(http, FREE, secret + " again", stream=True),  # its own, streamed
+        cached_tokens(http, NOISY, secret, stream=True),  # its group-mate's
+        cached_tokens(http, GOLD, secret),  # and the victim's are still its own
+    ]
+    assert got[0] == 0 and got[1] > 0 and got[2] == 0, got
+    assert got[3] > 0 and got[4] > 0 and got[5] == got[1], got
 
 
 def test_the_same_seed_gives_the_same_text(oai):
