@@ -175,6 +175,10 @@ class LiveBatch:
         out, self._failed = self._failed, {}
         return out
 
+    def cached_tokens(self, key: Any) -> Optional[int]:
+        """None: the built-in engine keeps no prefix cache."""
+        return None
+
     # ------------------------------------------------------------------ internals
 
     def _decode(self) -> Tensor:

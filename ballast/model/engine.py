@@ -64,6 +64,11 @@ class Batch(Protocol):
         other rows went on."""
         ...
 
+    def cached_tokens(self, key: Any) -> "int | None":
+        """How many of the row's prompt tokens its engine took from a prefix cache, for a
+        row that had tokens in the last chunk; None for an engine without one."""
+        ...
+
 
 @runtime_checkable
 class ModelBackend(Protocol):

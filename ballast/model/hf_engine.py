@@ -215,6 +215,10 @@ class HFBatch:
         out, self._failed = self._failed, {}
         return out
 
+    def cached_tokens(self, key: Any) -> Optional[int]:
+        """None: the transformers engine keeps no prefix cache."""
+        return None
+
     @property
     def width(self) -> int:
         """Columns in the KV cache (the longest row's tokens so far)."""

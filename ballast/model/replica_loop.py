@@ -446,13 +446,12 @@ class ReplicaLoop:
         self._batch_sizes.add(rows)
         tokens = 0
         in_batch = set(self._batch.keys())
-        cached = getattr(self._batch, "cached_tokens", None)  # an engine with a prefix cache says
         for key, ids in out.items():
             row = self._active.get(key)
             if row is None:
                 continue
-            if cached is not None and row.cached_tokens is None and ids:
-                row.cached_tokens = cached(key)
+            if row.cached_tokens is None and ids:
+                row.cached_tokens = self._batch.cached_tokens(key)
             row.emitted += len(ids)
             tokens += len(ids)
             self._deliver(row, ids, done=key not in in_batch)
