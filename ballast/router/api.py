@@ -28,7 +28,7 @@ from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Critica
 from ballast.policies.request import json_nesting
 
 from ballast.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
-from ballast.router.openai_api import openai_error_body
+from ballast.router.openai_answers import openai_error_body
 
 
 def validate_body(model: type, data: Any) -> Any:
