@@ -117,7 +117,7 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair is decoded to one code
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-class _Duplicated(dict):  # type: ignore[type-arg]
+class _Duplicated(dict[str, Any]):
     """An object in which ``key`` was given more than once."""
 
     def __init__(self, pairs: list[tuple[str, Any]], key: str) -> None:
