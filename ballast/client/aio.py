@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Optional
 
 import httpx
@@ -18,7 +18,7 @@ from ballast.client.protocol import GENERATE_PATH, Generation
 class AsyncTokenStream(StreamState):
     """``TokenStream`` for the async client: ``async for``, ``aclose()``, ``async with``."""
 
-    def __init__(self, gen: AsyncIterator[str], call: Call) -> None:
+    def __init__(self, gen: AsyncGenerator[str, None], call: Call) -> None:
         super().__init__(call)
         self._gen = gen
 
@@ -29,7 +29,7 @@ class AsyncTokenStream(StreamState):
         return await self._gen.__anext__()
 
     async def aclose(self) -> None:
-        await self._gen.aclose()  # type: ignore[attr-defined]
+        await self._gen.aclose()
 
     async def __aenter__(self) -> AsyncTokenStream:
         return self
@@ -78,7 +78,7 @@ class AsyncBallastClient(ClientBase):
         call, payload = self._stream_call(prompt, max_tokens, criticality)
         return AsyncTokenStream(self._stream(call, payload), call)
 
-    async def _stream(self, call: Call, payload: dict[str, Any]) -> AsyncIterator[str]:
+    async def _stream(self, call: Call, payload: dict[str, Any]) -> AsyncGenerator[str, None]:
         while True:
             headers, timeout = call.begin_attempt()
             try:

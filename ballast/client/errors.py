@@ -201,8 +201,8 @@ def error_from_payload(
     else:
         cls = ServerError
     if cls is InvalidRequest:
-        field_name = err.get("field") if isinstance(err.get("field"), str) else ""
-        return InvalidRequest(message, status, code, retry_after_s, field=field_name)
+        field = err.get("field")
+        return InvalidRequest(message, status, code, retry_after_s, field=field if isinstance(field, str) else "")
     return cls(message, status, code, retry_after_s)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from typing import Any, Optional
 
 import httpx
@@ -24,7 +24,7 @@ class TokenStream(StreamState):
     early.
     """
 
-    def __init__(self, gen: Iterator[str], call: Call) -> None:
+    def __init__(self, gen: Generator[str, None, None], call: Call) -> None:
         super().__init__(call)
         self._gen = gen
 
@@ -35,7 +35,7 @@ class TokenStream(StreamState):
         return next(self._gen)
 
     def close(self) -> None:
-        self._gen.close()  # type: ignore[attr-defined]
+        self._gen.close()
 
     def __enter__(self) -> TokenStream:
         return self
@@ -86,7 +86,7 @@ class BallastClient(ClientBase):
         call, payload = self._stream_call(prompt, max_tokens, criticality)
         return TokenStream(self._stream(call, payload), call)
 
-    def _stream(self, call: Call, payload: dict[str, Any]) -> Iterator[str]:
+    def _stream(self, call: Call, payload: dict[str, Any]) -> Generator[str, None, None]:
         while True:
             headers, timeout = call.begin_attempt()
             try:
@@ -96,10 +96,11 @@ class BallastClient(ClientBase):
                         resp.read()
                         wait_s = call.on_error_answer(resp.status_code, resp.headers, resp.content)
                     else:
-                        wait_s = yield from self._events(call, resp)
-                        if wait_s is None:
+                        cut_wait_s = yield from self._events(call, resp)
+                        if cut_wait_s is None:
                             self.last_done = call.finish_stream()
                             return
+                        wait_s = cut_wait_s
             except httpx.TransportError as e:
                 wait_s = call.on_transport_error(e)
             self._sleep(wait_s)

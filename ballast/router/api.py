@@ -17,21 +17,25 @@ admin.py).
 import json
 import math
 import re
-from typing import Any, Optional
+from collections.abc import AsyncGenerator
+from typing import Any, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality, claimed
 from ballast.policies.request import json_nesting
 
 from ballast.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
-from ballast.router.openai_api import openai_error_body
+from ballast.router.openai_answers import openai_error_body
 
 
-def validate_body(model: type, data: Any) -> Any:
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def validate_body(model: type[Body], data: Any) -> Body:
     if not isinstance(data, dict):
         raise InvalidRequest("body must be a JSON object", field="body")
     try:
@@ -59,15 +63,18 @@ class StreamResponse(StreamingResponse):
     first event). It is awaited as soon as the route returns it, so its ``finally``
     always runs: a stream's ticket never waits for garbage collection."""
 
-    def __init__(self, body: Any, stream: Any, headers: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self, body: AsyncGenerator[bytes, None], stream: Any, headers: Optional[dict[str, str]] = None
+    ) -> None:
         super().__init__(body, media_type="text/event-stream", headers={**(headers or {}), "Cache-Control": "no-cache"})
+        self._body = body  # starlette's body_iterator, typed as the generator it is
         self._stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._body.aclose()
             await self._stream.aclose()
 
 
@@ -110,7 +117,7 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair is decoded to one code
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-class _Duplicated(dict):  # type: ignore[type-arg]
+class _Duplicated(dict[str, Any]):
     """An object in which ``key`` was given more than once."""
 
     def __init__(self, pairs: list[tuple[str, Any]], key: str) -> None:

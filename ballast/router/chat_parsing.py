@@ -42,6 +42,7 @@ from typing import Any, Optional, Sequence
 
 from ballast.errors import EngineRefused
 from ballast.policies.schema import SchemaBounds, schema_fault
+from ballast.router.openai_answers import FinishReason
 from ballast.router.tool_calls import ToolCall, ToolPlan, ToolSchemaTooComplex
 
 __all__ = ["FORCED_ONLY", "MAX_WHITESPACE", "TOOL_STRICT_LEVEL", "ChatParsing", "ParsedChat", "StreamedChat"]
@@ -72,7 +73,8 @@ class ChatParsing:
         self.reasoning_parser = reasoning_parser
         self._tokenizer = tokenizer
         try:
-            self._cls = ParserManager.get_parser(
+            # vLLM's Parser classes, found by name: Any at this boundary, as ParsedChat holds them.
+            self._cls: Any = ParserManager.get_parser(
                 tool_parser_name=tool_parser or FORCED_ONLY,
                 reasoning_parser_name=reasoning_parser,
                 enable_auto_tools=True,
@@ -82,7 +84,7 @@ class ChatParsing:
             )
             # A prompt whose template closed the thinking already (``enable_thinking: false``):
             # the answer is read without the reasoning parser (the stream's parser sees the prompt).
-            self._content_cls = (
+            self._content_cls: Any = (
                 ParserManager.get_parser(
                     tool_parser_name=tool_parser or FORCED_ONLY,
                     enable_auto_tools=True,
@@ -114,13 +116,15 @@ class ChatParsing:
         from vllm.exceptions import VLLMClientError
 
         try:
-            request = ChatCompletionRequest(
-                model="-",
-                messages=[{"role": "user", "content": ""}],
-                tools=tools.template_tools(),
-                tool_choice=tools.vllm_choice(),
-                parallel_tool_calls=tools.parallel if tools.parallel is not None else True,
-                chat_template_kwargs=template_kwargs,
+            request: Any = ChatCompletionRequest.model_validate(
+                {
+                    "model": "-",
+                    "messages": [{"role": "user", "content": ""}],
+                    "tools": tools.template_tools(),
+                    "tool_choice": tools.vllm_choice(),
+                    "parallel_tool_calls": tools.parallel if tools.parallel is not None else True,
+                    "chat_template_kwargs": template_kwargs,
+                }
             )
             kwargs = template_kwargs or {}
             parser = self._cls(self._tokenizer, request.tools, chat_template_kwargs=kwargs)
@@ -203,7 +207,9 @@ class ParsedChat:
                 "send fewer or smaller tools, or name one function",
             )
 
-    def answer(self, text: str, finish: str) -> tuple[Optional[str], Optional[str], list[ToolCall], str]:
+    def answer(
+        self, text: str, finish: FinishReason
+    ) -> tuple[Optional[str], Optional[str], list[ToolCall], FinishReason]:
         """A whole answer: (reasoning, content, calls, finish reason), as vLLM's server answers."""
         from vllm.renderers.chat_utils import make_tool_call_id
 
@@ -264,7 +270,7 @@ class StreamedChat:
             delta["tool_calls"] = [_call_delta(c) for c in message.tool_calls]
         return delta or None
 
-    def finish(self, finish: str) -> str:
+    def finish(self, finish: FinishReason) -> FinishReason:
         if self.called and self.chat.tools.mode != "named" and finish == "stop":
             return "tool_calls"
         return finish

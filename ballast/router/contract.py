@@ -17,6 +17,7 @@ from typing import Any, Optional
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
 
 VERSION = "0.1.0"
@@ -124,10 +125,12 @@ def _contract() -> dict[tuple[str, str], RouteContract]:
 
     return {
         ("POST", "/v1/chat/completions"): RouteContract(
-            oa.ChatCompletion, oa.ChatCompletionRequest, oa.ChatCompletionChunk, openai=True
+            answers.ChatCompletion, oa.ChatCompletionRequest, answers.ChatCompletionChunk, openai=True
         ),
-        ("POST", "/v1/completions"): RouteContract(oa.Completion, oa.CompletionRequest, oa.Completion, openai=True),
-        ("GET", "/v1/models"): RouteContract(oa.ModelList, openai=True),
+        ("POST", "/v1/completions"): RouteContract(
+            answers.Completion, oa.CompletionRequest, answers.Completion, openai=True
+        ),
+        ("GET", "/v1/models"): RouteContract(answers.ModelList, openai=True),
         ("POST", "/v1/generate"): RouteContract(GenerateAnswer, GenerateRequest, GenerateEvent),
         ("GET", "/v1/status"): RouteContract(Status),
         ("GET", "/healthz/live"): RouteContract(Health),
@@ -174,7 +177,7 @@ def openapi_document(routes: list[Any]) -> dict[str, Any]:
     )
     table = _contract()
     schemas = _Schemas()
-    error_native, error_openai = schemas.ref(NativeError), schemas.ref(oa.ErrorResponse)
+    error_native, error_openai = schemas.ref(NativeError), schemas.ref(answers.ErrorResponse)
     for path, item in doc.get("paths", {}).items():
         for method, op in item.items():
             contract = table.get((method.upper(), path))

@@ -4,6 +4,8 @@ path and the router's reports update (Ray Serve's ``ray.serve.metrics``, exporte
 
 from __future__ import annotations
 
+from types import ModuleType
+
 
 class RouterMetrics:
     """Every metric a router replica exports."""
@@ -21,7 +23,7 @@ class RouterMetrics:
         for m in (self.gate, self.gate_refused, self.tenant_tokens):
             m.set_default_tags({"model": model})
 
-    def _requests(self, metrics) -> None:
+    def _requests(self, metrics: ModuleType) -> None:
         """What became of each request, and how long it took."""
         self.requests = metrics.Counter(
             "ballast_requests_total",
@@ -35,7 +37,7 @@ class RouterMetrics:
             tag_keys=("criticality", "model"),
         )
 
-    def _protection(self, metrics) -> None:
+    def _protection(self, metrics: ModuleType) -> None:
         """The level, breakers, fallbacks, retries, gate and edge this router acts through."""
         self.level = metrics.Gauge(
             "ballast_router_level", "Degradation level this router acts on, by model.", tag_keys=("model",)
@@ -77,7 +79,7 @@ class RouterMetrics:
             "ballast_snapshot_age_s", "Age of the controller snapshot this router acts on (-1: none yet)."
         )
 
-    def _tenants(self, metrics) -> None:
+    def _tenants(self, metrics: ModuleType) -> None:
         """What each tenant was charged and served, and its fair-share counter."""
         self.tenant_tokens = metrics.Counter(
             "ballast_tenant_tokens_total",

@@ -3,9 +3,10 @@
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (unary, or server-sent events
 ``data: {chunk}`` … ``data: [DONE]``) and ``GET /v1/models``, so that the official
 ``openai`` SDK, LangChain, LiteLLM and every other OpenAI client can use Ballast. The
-protocol itself (bodies, fields refused by name, the chat template, stop strings, the
-answers' shapes, errors in OpenAI's shape) is ``openai_api.py``; this module reads
-the request, hands it to ``pipeline.Pipeline`` and formats what comes back.
+protocol itself is ``openai_api.py`` (bodies, fields refused by name, the chat template,
+stop strings) and ``openai_answers.py`` (the answers' shapes, the SSE framing, errors in
+OpenAI's shape); this module reads the request, hands it to ``pipeline.Pipeline`` and
+formats what comes back.
 
 * Identity: the tenant is the API key (``Authorization: Bearer``), as on every route.
 * Class: the ``X-Ballast-Criticality`` header or a ``criticality`` body field (the SDK
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ballast.errors import BallastError, PayloadTooLarge, SchemaTooComplex
 from ballast.model.protocol import ModelCall
+from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
 from ballast.stops import StopScanner, cut_at_stop
 from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json
@@ -38,7 +40,7 @@ from ballast.router.pipeline import Admission, Answer, Caller, ModelRequest, Pip
 from ballast.router.tokens import ModelText
 from ballast.policies.catalog import Target
 from ballast.router.chat_parsing import ParsedChat, StreamedChat
-from ballast.router.tool_calls import ToolPlan, ToolRequestError, ToolSchemaTooComplex, plan
+from ballast.router.tool_calls import ToolCall, ToolPlan, ToolRequestError, ToolSchemaTooComplex, plan
 
 NO_TOOLS = ToolPlan("none")
 
@@ -59,18 +61,20 @@ class OpenAIFront:
         """Every model and adapter the caller's key may use (an adapter with its ``parent``)."""
         caller = self._pipeline.identify(request)  # a key is needed here as on every model route
         listed = self._pipeline.catalog.listed_for(caller.tenant)
-        return JSONResponse(oa.models_list([(e.id, e.parent) for e in listed], self._created_s))
+        return JSONResponse(answers.models_list([(e.id, e.parent) for e in listed], self._created_s))
 
     async def complete(self, request: Request, chat: bool) -> Response:
         """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``."""
         caller = self._pipeline.identify(request)
         req, lane, target = await self._parse(request, chat, caller)
         text = lane.text
-        parsed = self._parsed(req, text) if isinstance(req, oa.ChatCompletionRequest) else None
-        tools = parsed.tools if parsed is not None else NO_TOOLS
-        prompt = (
-            text.render_chat(req.messages, tools.template_tools(), req.chat_template_kwargs) if chat else req.prompt
-        )
+        parsed: Optional[ParsedChat] = None
+        if isinstance(req, oa.ChatCompletionRequest):
+            parsed = self._parsed(req, text)
+            tools = parsed.tools if parsed is not None else NO_TOOLS
+            prompt = text.render_chat(req.messages, tools.template_tools(), req.chat_template_kwargs)
+        else:
+            prompt = req.prompt_text
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
@@ -81,8 +85,8 @@ class OpenAIFront:
         stops = call.stops
         served = await self._pipeline.serve(ModelRequest(caller, claimed, max_tokens, req.stream, call))
         # The answer names what was asked (an adapter as the request named it), or the fallback.
-        answer_id = oa.Identity(
-            oa.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), asked=(target.model, req.model)
+        answer_id = answers.Identity(
+            answers.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), asked=(target.model, req.model)
         )
         opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
@@ -168,7 +172,7 @@ class OpenAIFront:
     def _answer(
         answer: Answer,
         chat: bool,
-        answer_id: "oa.Identity",
+        answer_id: "answers.Identity",
         stops: tuple[str, ...],
         stream: Optional["oa.Streaming"],
         headers: dict[str, str],
@@ -179,28 +183,31 @@ class OpenAIFront:
         settled = answer.settled
         text, stopped = cut_at_stop(settled.text, stops)
         a = answer.admission
-        finish = oa.finish_reason(settled.tokens, a.max_tokens, stopped or settled.finish_reason == "stop")
-        reasoning, content, calls = None, text, []
+        ended = answers.finish_reason(settled.tokens, a.max_tokens, stopped or settled.finish_reason == "stop")
+        finish: answers.FinishReason = ended  # a chat answer's may become "tool_calls"; a completion's is ``ended``
+        reasoning: Optional[str] = None
+        content: Optional[str] = text
+        calls: list[ToolCall] = []
         if parsed is not None:
             reasoning, content, calls, finish = parsed.answer(text, finish)
         headers = {**headers, **answer_headers(answer)}
         ident = answer_id.of(settled.model)
-        counts = oa.Counts(a.prompt_tokens, settled.tokens, settled.cached_tokens)
+        counts = answers.Counts(a.prompt_tokens, settled.tokens, settled.cached_tokens)
         if stream is None:
             body = (
-                oa.chat_completion(ident, content, finish, counts, calls, reasoning)
+                answers.chat_completion(ident, content, finish, counts, calls, reasoning)
                 if chat
-                else oa.completion(ident, text, finish, counts)
+                else answers.completion(ident, text, ended, counts)
             )
             return JSONResponse(body, headers=headers)
-        events = oa.one_event_stream(ident, chat, content, finish, counts, stream, calls, reasoning)
+        events = answers.one_event_stream(ident, chat, content, finish, counts, stream, calls, reasoning)
         return Response(events, media_type="text/event-stream", headers=headers)
 
     async def _events(
         self,
         stream: Stream,
         chat: bool,
-        answer_id: "oa.Identity",
+        answer_id: "answers.Identity",
         stops: tuple[str, ...],
         opts: "oa.Streaming",
         reader: Optional[StreamedChat] = None,
@@ -211,9 +218,13 @@ class OpenAIFront:
         ident = answer_id.of(stream.model)
         a = stream.admission
 
-        def event(delta: Optional[dict[str, Any]], finish: Optional[str] = None, role: bool = False) -> bytes:
-            counts = oa.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens) if opts.running_usage else None
-            return oa.sse_data(oa.delta_chunk(ident, chat, delta, finish, role=role, usage=counts))
+        def event(
+            delta: Optional[dict[str, Any]], finish: Optional[answers.FinishReason] = None, role: bool = False
+        ) -> bytes:
+            counts = (
+                answers.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens) if opts.running_usage else None
+            )
+            return answers.sse_data(answers.delta_chunk(ident, chat, delta, finish, role=role, usage=counts))
 
         def read(text: str, ids: Sequence[int], last: bool) -> Optional[dict[str, Any]]:
             if reader is None:
@@ -235,14 +246,16 @@ class OpenAIFront:
             delta = read(scanner.finish(), (), True)
             if delta:
                 yield event(delta)
-            finish = oa.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop")
+            finish = answers.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop")
             yield event(None, reader.finish(finish) if reader is not None else finish)
             if opts.final_usage:
-                yield oa.sse_data(
-                    oa.usage_chunk(ident, chat, oa.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens))
+                yield answers.sse_data(
+                    answers.usage_chunk(
+                        ident, chat, answers.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens)
+                    )
                 )
         except BallastError as err:
-            yield oa.sse_data(oa.openai_error_body(err))
+            yield answers.sse_data(answers.openai_error_body(err))
         finally:
             await stream.aclose()  # a client that left mid-stream: the model stops within a step
-        yield oa.SSE_DONE
+        yield answers.SSE_DONE

@@ -45,7 +45,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional
 
 from ray.exceptions import (
     ActorDiedError,
@@ -226,7 +226,7 @@ class CallSpec:
 
     call: ModelCall
     deadline_s: float
-    kill_switches: list
+    kill_switches: list[killswitch.KillSwitchEntry]
     now_wall_s: float
     fallback_only: bool = False
     record: CallRecord = field(default_factory=CallRecord)
@@ -295,7 +295,9 @@ class ResilientCaller:
 
     # -- helpers ---------------------------------------------------------------------
     @staticmethod
-    def _enter(b: Backend, kill_switches: list, now_wall_s: float, skipped: list[tuple[str, Any]]) -> bool:
+    def _enter(
+        b: Backend, kill_switches: list[killswitch.KillSwitchEntry], now_wall_s: float, skipped: list[tuple[str, Any]]
+    ) -> bool:
         """May this request use ``b``? Not if a model kill switch covers it or its bulkhead is
         full (then ``skipped`` says why); True means a bulkhead slot is now held."""
         entry = killswitch.model_blocked(kill_switches, now_wall_s, b.model_name)
@@ -334,7 +336,7 @@ class ResilientCaller:
     def _attempt_timeout(self, left_s: float) -> float:
         return attempt_timeout_s(left_s, self._cfg.resilience.attempt_timeout_s)
 
-    def can_fall_back(self, kill_switches: list, now_wall_s: float) -> bool:
+    def can_fall_back(self, kill_switches: list[killswitch.KillSwitchEntry], now_wall_s: float) -> bool:
         """A fallback model that could take a call now: configured, not switched off, its
         breaker not open and its bulkhead not full. What lets the router send a
         critical_plus request that the primary cannot take to the fallback alone."""
@@ -417,8 +419,9 @@ class ResilientCaller:
             response = b.handle.generate.remote(spec.call.for_attempt(left_s, self._wall_clock()))
             return response, response
 
-        _, result, permit, t0 = await self._first_answer(b, spec, send, unary=True)
+        _, answer, permit, t0 = await self._first_answer(b, spec, send, unary=True)
         b.breaker.record(permit, True, self._clock() - t0)
+        result: ModelResult = answer  # the replica's generate answers a ModelResult (Any across Ray)
         return result
 
     async def _first_answer(
@@ -559,8 +562,9 @@ class ResilientCaller:
         except DeadlineExceeded:
             raise _StreamEnded(DeadlineExceeded("the request's deadline passed while streaming")) from None
 
-    async def _rest(self, b: Backend, opened: "_Open", spec: CallSpec):
-        gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
+    async def _rest(self, b: Backend, opened: "_Open", spec: CallSpec) -> AsyncGenerator[ModelChunk, None]:
+        gen, chunk, t0 = opened.gen, opened.first, opened.t0
+        permit: Optional[Permit] = opened.permit  # None once given back (a migration's lost attempt)
         # The stream's token ids and characters so far (a client's resume brings its own):
         # what a migration prefills and does not send again.
         resume = spec.call.resume
@@ -583,7 +587,7 @@ class ResilientCaller:
                         raise
                     gen.cancel()
                     b.failed[migration.LOST_CAPACITY] = b.failed.get(migration.LOST_CAPACITY, 0) + 1
-                    b.breaker.release(permit)
+                    b.breaker.release(opened.permit)  # the permit held: ``permit`` is opened's
                     permit = None
                     opened = await self._carry_on(b, spec, delivered_ids, delivered_chars)
                     gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0

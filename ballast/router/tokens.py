@@ -29,7 +29,7 @@ come from the same ``encode_text``, so they agree.
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from ballast.policies import request as request_policy
 
@@ -37,6 +37,9 @@ from ballast.config import ModelConfig
 from ballast.errors import ContextLengthExceeded
 from ballast.model.protocol import ModelCall
 from ballast.model.special_tokens import BYTES_TOKENIZER, encode_bytes, encode_text
+
+if TYPE_CHECKING:
+    from ballast.router.chat_parsing import ChatParsing
 
 __all__ = ["ModelText", "model_text"]
 
@@ -51,7 +54,7 @@ class ModelText:
         self.context = context
         self.vocab_size = vocab_size  # token ids a resumed stream may carry are below it
 
-    parsing: Optional[Any] = None  # vLLM's parsers for the model (ballast.router.chat_parsing), vLLM's only
+    parsing: Optional[ChatParsing] = None  # vLLM's parsers for the model, vLLM's only
 
     def render_chat(
         self,

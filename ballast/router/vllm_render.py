@@ -41,12 +41,16 @@ class VllmRenderer:
         from vllm.renderers.registry import RENDERER_REGISTRY
         from vllm.tokenizers.registry import tokenizer_args_from_config
 
+        # vLLM's own default (None: the model's context) where engine_kwargs give none; its
+        # field is annotated int, so it is passed only when given.
+        max_len = engine_kwargs.get("max_model_len")
+        given: dict[str, Any] = {} if max_len is None else {"max_model_len": max_len}
         config = ModelConfig(
             model=path,
             tokenizer=path,
             tokenizer_mode=str(engine_kwargs.get("tokenizer_mode", "auto")),
             trust_remote_code=bool(engine_kwargs.get("trust_remote_code", False)),
-            max_model_len=engine_kwargs.get("max_model_len"),
+            **given,
         )
         mode, *_ = tokenizer_args_from_config(config)
         if mode != "hf":

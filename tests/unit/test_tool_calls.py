@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
 from ballast.router.tool_calls import NamedToolChoice, ToolCall, ToolPlan, ToolRequestError, ToolSpec, plan
 
@@ -182,25 +183,25 @@ def _calls():
 
 def test_an_answer_that_calls_tools_reads_as_openais():
     openai = pytest.importorskip("openai")
-    ident = oa.Ident("chatcmpl-1", 1, "toy")
-    body = oa.chat_completion(ident, None, "tool_calls", oa.Counts(5, 9), _calls())
+    ident = answers.Ident("chatcmpl-1", 1, "toy")
+    body = answers.chat_completion(ident, None, "tool_calls", answers.Counts(5, 9), _calls())
     message = body["choices"][0]["message"]
     assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
     answer = openai.types.chat.ChatCompletion.model_validate(body)
     assert answer.choices[0].finish_reason == "tool_calls"
     assert json.loads(answer.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris"}
-    plain = oa.chat_completion(ident, "Sunny", "stop", oa.Counts(5, 1))
+    plain = answers.chat_completion(ident, "Sunny", "stop", answers.Counts(5, 1))
     assert "tool_calls" not in plain["choices"][0]["message"]  # no calls: no key, as before
 
 
 def test_a_streamed_answer_carries_its_calls_whole_before_the_finish():
     openai = pytest.importorskip("openai")
-    raw = oa.one_event_stream(
-        oa.Ident("chatcmpl-1", 1, "toy"),
+    raw = answers.one_event_stream(
+        answers.Ident("chatcmpl-1", 1, "toy"),
         True,
         None,
         "tool_calls",
-        oa.Counts(5, 9),
+        answers.Counts(5, 9),
         oa.Streaming(final_usage=True),
         _calls(),
     )

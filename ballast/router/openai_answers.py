@@ -1,0 +1,351 @@
+"""The OpenAI protocol's answers: what Ballast's OpenAI-compatible front sends back.
+
+The response models (the ones ``/openapi.json`` publishes), built and dumped with
+``exclude_unset`` so that what is sent is what the contract publishes; the events of a
+streamed answer and their SSE framing (``data: {chunk}`` ... ``data: [DONE]``); and
+every refusal in OpenAI's error shape, Ballast's stable code as ``code``. It runs
+nothing: ``ballast.router.openai`` builds its answers here from what the pipeline
+returns; the requests' side of the protocol is ``openai_api``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Literal, NamedTuple, Optional, Sequence, Union
+
+from pydantic import BaseModel, Field
+
+from ballast.errors import BallastError, InvalidRequest
+from ballast.router.openai_api import Streaming
+from ballast.router.tool_calls import FunctionDelta, ToolCall, ToolCallDelta
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    504: "timeout_error",
+}
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        description="Prompt tokens the engine took from its prefix cache: only ever what the "
+        "caller's own cache group sent before."
+    )
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: Optional[str] = Field(description="The text; null when the answer only calls tools.")
+    reasoning_content: Optional[str] = Field(
+        None, description="The model's thinking (model.reasoning_parser), apart from its answer."
+    )
+    refusal: None = None
+    tool_calls: Optional[list[ToolCall]] = Field(None, description="The tools the model calls, when it calls any.")
+
+
+#: Why an answer ended: a stop string or the end of sequence, max_tokens, or (chat) its tool calls.
+FinishReason = Literal["stop", "length", "tool_calls"]
+#: Why a completion ended: it calls no tools.
+TextFinish = Literal["stop", "length"]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    """A unary answer of ``POST /v1/chat/completions``."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int = Field(description="Unix time, seconds.")
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(BaseModel):
+    role: Optional[Literal["assistant"]] = None
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: Optional[FinishReason]
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a streamed chat answer; the last one, with include_usage, has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Optional[Usage] = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Optional[TextFinish]
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """An answer of ``POST /v1/completions``, unary or one streamed chunk (the same shape)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    """One model or adapter, as vLLM lists them: ``root`` is the model itself (an
+    adapter's: its own name), ``parent`` an adapter's base model (None for a model)."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: Optional[str] = None
+
+
+class ModelList(BaseModel):
+    """The answer of ``GET /v1/models``."""
+
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="OpenAI's error type, from the status.")
+    param: Optional[str] = Field(description="The request field at fault, if one is.")
+    code: str = Field(description="Ballast's stable error code, e.g. QUOTA_EXCEEDED.")
+
+
+class ErrorResponse(BaseModel):
+    """Every refusal of the OpenAI front; Retry-After, when there is one, is a header."""
+
+    error: ErrorDetail
+
+
+def new_id(prefix: str) -> str:
+    """A fresh answer id, e.g. ``chatcmpl-`` and 24 hex digits."""
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def finish_reason(completion_tokens: int, max_tokens: int, stopped: bool) -> TextFinish:
+    """ "length" when the answer used all of max_tokens without a stop string, else "stop"."""
+    return "length" if not stopped and completion_tokens >= max_tokens else "stop"
+
+
+# The answers below are the models above, built and dumped with ``exclude_unset``: a
+# field is in the JSON when the answer sets it (``usage`` only where it is given), so
+# what is sent is what the contract publishes and nothing can drift from it.
+
+
+class Ident(NamedTuple):
+    """What every event of one answer repeats: its id, its creation time, the model."""
+
+    id: str
+    created: int
+    model: str
+
+
+class Identity(NamedTuple):
+    """An answer's id and creation time, before the model that answers is known;
+    ``asked``: (the model asked, the name the request gave it), so that an answer of that
+    model carries the request's name (an adapter's: ``sql`` or ``llama:sql``, as vLLM
+    answers), and a fallback's answer its own."""
+
+    id: str
+    created: int
+    asked: Optional[tuple[str, str]] = None
+
+    def of(self, model: str) -> Ident:
+        if self.asked is not None and model == self.asked[0]:
+            model = self.asked[1]
+        return Ident(self.id, self.created, model)
+
+
+class Counts(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, from the engine's prefix cache
+
+    def usage(self) -> Usage:
+        p, c = self.prompt_tokens, self.completion_tokens
+        details = PromptTokensDetails(cached_tokens=min(self.cached_tokens, p))
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details)
+
+
+def chat_completion(
+    ident: Ident,
+    text: Optional[str],
+    finish: FinishReason,
+    counts: Counts,
+    calls: Sequence[ToolCall] = (),
+    reasoning: Optional[str] = None,
+) -> dict[str, Any]:
+    extra: dict[str, Any] = {"tool_calls": list(calls)} if calls else {}
+    if reasoning is not None:
+        extra["reasoning_content"] = reasoning
+    message = AssistantMessage(role="assistant", content=text, refusal=None, **extra)
+    choice = ChatChoice(index=0, message=message, finish_reason=finish, logprobs=None)
+    return _dump(ChatCompletion(**ident._asdict(), object="chat.completion", choices=[choice], usage=counts.usage()))
+
+
+def completion(ident: Ident, text: str, finish: TextFinish, counts: Counts) -> dict[str, Any]:
+    choice = CompletionChoice(index=0, text=text, finish_reason=finish, logprobs=None)
+    return _dump(Completion(**ident._asdict(), object="text_completion", choices=[choice], usage=counts.usage()))
+
+
+def stream_chunk(
+    ident: Ident,
+    chat: bool,
+    piece: Optional[str],
+    finish: Optional[FinishReason] = None,
+    role: bool = False,
+    usage: Optional[Counts] = None,
+) -> Union[ChatCompletionChunk, Completion]:
+    """One streamed event: a piece of text (None: the last event, with ``finish``)."""
+    return delta_chunk(ident, chat, None if piece is None else {"content": piece}, finish, role, usage)
+
+
+def delta_chunk(
+    ident: Ident,
+    chat: bool,
+    delta: Optional[dict[str, Any]],
+    finish: Optional[FinishReason] = None,
+    role: bool = False,
+    usage: Optional[Counts] = None,
+) -> Union[ChatCompletionChunk, Completion]:
+    """One streamed event: ``delta`` (``ChunkDelta``'s fields: content, reasoning_content,
+    tool_calls; None: the last event, with ``finish``).
+
+    Chat deltas: ``{"role": "assistant", "content": ""}`` first (``role``), then the
+    pieces, and ``{}`` with the finish reason last; a completion's text is the content.
+    ``usage``: the usage so far, on every event when the client asked for it."""
+    fields: dict[str, Any] = {} if usage is None else {"usage": usage.usage()}
+    if chat:
+        d = ChunkDelta.model_validate({**(delta or {}), **({"role": "assistant"} if role else {})})
+        choice = ChunkChoice(index=0, delta=d, finish_reason=finish, logprobs=None)
+        return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice], **fields)
+    text = (delta or {}).get("content") or ""
+    text_choice = CompletionChoice(index=0, text=text, finish_reason=_text_finish(finish), logprobs=None)
+    return Completion(**ident._asdict(), object="text_completion", choices=[text_choice], **fields)
+
+
+def _text_finish(finish: Optional[FinishReason]) -> Optional[TextFinish]:
+    """A completion's finish reason: never "tool_calls" (a completion calls no tools)."""
+    if finish == "tool_calls":
+        raise ValueError("finish_reason: a completion calls no tools")
+    return finish
+
+
+def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> Union[ChatCompletionChunk, Completion]:
+    """The last event when ``stream_options.include_usage``: no choices, the usage."""
+    if chat:
+        return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[], usage=counts.usage())
+    return Completion(**ident._asdict(), object="text_completion", choices=[], usage=counts.usage())
+
+
+def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Optional[Counts] = None) -> ChatCompletionChunk:
+    """A streamed chat event carrying the answer's tool calls, each whole."""
+    deltas = [
+        ToolCallDelta(
+            index=i, id=c.id, type=c.type, function=FunctionDelta(name=c.function.name, arguments=c.function.arguments)
+        )
+        for i, c in enumerate(calls)
+    ]
+    choice = ChunkChoice(index=0, delta=ChunkDelta(tool_calls=deltas), finish_reason=None, logprobs=None)
+    fields: dict[str, Any] = {} if usage is None else {"usage": usage.usage()}
+    return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice], **fields)
+
+
+def one_event_stream(
+    ident: Ident,
+    chat: bool,
+    text: Optional[str],
+    finish: FinishReason,
+    counts: Counts,
+    opts: Streaming,
+    calls: Sequence[ToolCall] = (),
+    reasoning: Optional[str] = None,
+) -> bytes:
+    """A whole answer as a stream: its reasoning and text in one event, its tool calls in
+    the next (when it calls any), the finish, the usage (when asked for), [DONE]."""
+    running = counts if opts.running_usage else None
+    first: dict[str, Any] = {"content": text or ""}
+    if reasoning is not None:
+        first["reasoning_content"] = reasoning
+    events: list[BaseModel] = [delta_chunk(ident, chat, first, role=True, usage=running)]
+    if calls:
+        events.append(tool_calls_chunk(ident, calls, running))
+    events.append(stream_chunk(ident, chat, None, finish, usage=running))
+    if opts.final_usage:
+        events.append(usage_chunk(ident, chat, counts))
+    return b"".join(sse_data(e) for e in events) + SSE_DONE
+
+
+def _dump(answer: BaseModel) -> dict[str, Any]:
+    return answer.model_dump(mode="json", exclude_unset=True)
+
+
+def sse_data(event: Union[BaseModel, dict[str, Any]]) -> bytes:
+    """One SSE event as OpenAI sends it: a data line, no event name."""
+    if isinstance(event, BaseModel):
+        return b"data: " + event.model_dump_json(exclude_unset=True).encode() + b"\n\n"
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def models_list(listed: Sequence[tuple[str, Optional[str]]], created: int) -> dict[str, Any]:
+    """``GET /v1/models``: each (id, parent) the caller may use."""
+    cards = [
+        ModelCard(id=name, object="model", created=created, owned_by="ballast", root=name, parent=parent)
+        for name, parent in listed
+    ]
+    return _dump(ModelList(object="list", data=cards))
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+def openai_error_body(err: BallastError) -> dict[str, Any]:
+    """``err`` in OpenAI's shape: its four keys exactly, Ballast's code as ``code``."""
+    param = (err.field or None) if isinstance(err, InvalidRequest) else None
+    return {"error": {"message": err.message, "type": _error_type(err), "param": param, "code": err.code}}
+
+
+def _error_type(err: BallastError) -> str:
+    if err.status == 503:
+        return "overloaded_error" if err.code == "OVERLOADED" else "service_unavailable_error"
+    return _ERROR_TYPES.get(err.status, "api_error")
