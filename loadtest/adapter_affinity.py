@@ -43,8 +43,8 @@ from __future__ import annotations
 import argparse
 import heapq
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from ballast.policies.affinity import AffinityConfig, ReplicaView, choose
 from ballast.policies.holdings import AdapterHoldings, fleet_demand
@@ -169,7 +169,7 @@ def multiplex_chooser(rng: random.Random) -> Chooser:
 CHOOSERS = ("affinity", "p2c", "serve-multiplex")
 
 
-def run(w: Workload, cfg: Optional[AffinityConfig] = None) -> dict[str, Result]:
+def run(w: Workload, cfg: AffinityConfig | None = None) -> dict[str, Result]:
     """Each chooser's result on the same workload, by name (``CHOOSERS``)."""
     return {
         "affinity": simulate(w, affinity_chooser(cfg or AffinityConfig(), random.Random(w.seed + 1))),
@@ -178,7 +178,7 @@ def run(w: Workload, cfg: Optional[AffinityConfig] = None) -> dict[str, Result]:
     }
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     d = Workload()
     for name in ("adapters", "replicas", "room", "requests", "seed"):

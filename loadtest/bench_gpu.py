@@ -45,7 +45,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from ballast.model.protocol import Join
 
@@ -119,7 +119,7 @@ class Leak:
         """Bytes asked for by the blocks held now."""
         return sum(int(b.numel()) for b in self._blocks)
 
-    def reserved_bytes(self) -> Optional[int]:
+    def reserved_bytes(self) -> int | None:
         import torch
 
         return int(torch.cuda.memory_reserved(self.device)) if self.device.startswith("cuda") else None
@@ -166,19 +166,19 @@ class CaseResult:
     samples: int
     sample_s: float
     asked_mb_per_h: float  # the rate the case allocated at
-    reserved_mb_per_h: Optional[float]  # the rate the allocator reserved at; None where it keeps no count
-    slope_mb_per_h: Optional[float]  # the watchdog's VRAM trend; None: no trend (no VRAM series)
-    r2: Optional[float]
+    reserved_mb_per_h: float | None  # the rate the allocator reserved at; None where it keeps no count
+    slope_mb_per_h: float | None  # the watchdog's VRAM trend; None: no trend (no VRAM series)
+    r2: float | None
     leaking: bool
-    first_leak_at_s: Optional[float]  # simulated seconds to the first leak verdict
-    tto_s: Optional[float]  # the watchdog's time to the limit at the end
-    true_tto_s: Optional[float]  # the truth: the room left at the end over the reserved (else asked) rate
+    first_leak_at_s: float | None  # simulated seconds to the first leak verdict
+    tto_s: float | None  # the watchdog's time to the limit at the end
+    true_tto_s: float | None  # the truth: the room left at the end over the reserved (else asked) rate
     rungs: tuple[tuple[float, str], ...]  # (simulated s, action) in the order taken
     ready: bool
     recycle: bool
-    reason: Optional[str]
+    reason: str | None
     vram_end_mb: float  # the process's VRAM at the last sample, as the probe read it
-    vram_after_free_mb: Optional[float]  # the same once the leak was freed
+    vram_after_free_mb: float | None  # the same once the leak was freed
     leaked_mb: float
     wall_s: float
 
@@ -210,7 +210,7 @@ def watchdog_case(
     clock = [0.0]
     replica = WatchedReplica(replica_id="bench-" + re.sub(r"[^a-z0-9]+", "-", name.lower()), deployment="bench-gpu")
     core = WatchdogCore(settings, replica, PsutilSampler(os.getpid()), gpu=probe, clock=lambda: clock[0])
-    first_leak_at: Optional[float] = None
+    first_leak_at: float | None = None
     rungs: list[tuple[float, str]] = []
     seen: dict[str, int] = {}
     leak.free()  # the device's cache of earlier work given back: the leak's blocks are new memory
@@ -269,13 +269,13 @@ def watchdog_case(
     )
 
 
-def _fmt_s(v: Optional[float]) -> str:
+def _fmt_s(v: float | None) -> str:
     if v is None:
         return "-"
     return f"{v / 3600:.2f} h" if v >= 3600 else f"{v:.0f} s"
 
 
-def _fmt_rate(v: Optional[float]) -> str:
+def _fmt_rate(v: float | None) -> str:
     return "-" if v is None else f"{v:,.0f}"
 
 
@@ -306,7 +306,7 @@ def watchdog_header(settings: Any, samples: int, sample_s: float) -> str:
     )
 
 
-def leak_room_problem(free_bytes: int, mb_per_sample: Sequence[float], samples: int) -> Optional[str]:
+def leak_room_problem(free_bytes: int, mb_per_sample: Sequence[float], samples: int) -> str | None:
     """Why the leaks asked for do not fit the device (None: they do): every leak case's
     memory together at most ``LEAK_SHARE_OF_FREE`` of what is free before the first."""
     want = sum(mb_per_sample) * samples * MB
@@ -331,7 +331,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 

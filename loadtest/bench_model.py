@@ -793,7 +793,7 @@ def _ints(text: str) -> list[int]:
     return out
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", type=Path, default=None, help="a checkpoint directory (default: build the demo model)"

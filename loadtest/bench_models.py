@@ -72,7 +72,7 @@ import os
 import time
 from collections import Counter
 from contextlib import redirect_stdout
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -107,7 +107,7 @@ A_GOODPUT_TARGET = 0.9  # A's goodput at 10 C_A, in units of C_A
 SETTLE_MAX_S = 180.0  # the longest a settle waits for every model's level 0
 
 
-def core_layout(own_core_b: bool, n_cores: int) -> tuple[Optional[list[int]], str]:
+def core_layout(own_core_b: bool, n_cores: int) -> tuple[list[int] | None, str]:
     """B's replica's cores, the last of ``n_cores`` (everything else goes on the others), and
     the layout in words; None: nothing pinned (``--no-own-core-b``, or a single core)."""
     if not own_core_b:
@@ -118,9 +118,7 @@ def core_layout(own_core_b: bool, n_cores: int) -> tuple[Optional[list[int]], st
     return [n_cores - 1], f"b on core {n_cores - 1}; everything else on cores {rest}"
 
 
-def models_data(
-    path: str, b_cores: Optional[list[int]] = None, compute_niceness: Optional[int] = None
-) -> dict[str, Any]:
+def models_data(path: str, b_cores: list[int] | None = None, compute_niceness: int | None = None) -> dict[str, Any]:
     """The config at ``path`` as the overload benchmark takes it (``bench_data``: its
     quota-free ``bench`` tenant, one fixed replica, the bench port), its first model
     served twice as ``a`` and ``b`` (seeds 0 and 1, no fallback), and B's own tenant.
@@ -272,7 +270,7 @@ class _Bench:
         self.caps: dict[str, float] = {}
         self.machine_at_c: dict[str, float] = {}
         self.phases: list[dict[str, Any]] = []
-        self.replicas: Optional[ReplicaCpu] = None  # found once the models are up
+        self.replicas: ReplicaCpu | None = None  # found once the models are up
 
     def run(self) -> None:
         import ray
@@ -538,7 +536,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for flag in ("slo_s", "probe_s", "confirm_s", "phase_s", "a_multiple", "b_multiple"):
         if not getattr(args, flag) > 0:

@@ -88,18 +88,18 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional
-
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+from ballast.names import ROUTER_DEPLOYMENT
+from loadtest import stack_cpu
 from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_uvloop
-from loadtest import stack_cpu
 from loadtest.machine_speed import SpeedProbeProcess
-from ballast.names import ROUTER_DEPLOYMENT
 
 PORT = 8124
 BASE = f"http://127.0.0.1:{PORT}"
@@ -140,11 +140,11 @@ class Phase:
     trace: list[dict[str, Any]] = field(default_factory=list)  # Ballast's /v1/status, sampled
     # How late the generator sent each request: (scheduled send time from the phase's start, lag), s
     send_lags: list[tuple[float, float]] = field(default_factory=list)
-    server_cpu_s: Optional[float] = None  # CPU time of the processes in front of the model (ServerCpu)
+    server_cpu_s: float | None = None  # CPU time of the processes in front of the model (ServerCpu)
     idle_cores: float = 0.0  # what those processes use with no traffic (their timers, metrics), per second
     edge_refused: int = 0  # refusals HAProxy answered (X-Ballast-Edge: refused), before the router
-    client_cpu_s: Optional[float] = None  # CPU time of this process (the load generator, its Ray driver too)
-    machine_rps: Optional[float] = None  # the machine's speed around the phase (loadtest.machine_speed), rows/s
+    client_cpu_s: float | None = None  # CPU time of this process (the load generator, its Ray driver too)
+    machine_rps: float | None = None  # the machine's speed around the phase (loadtest.machine_speed), rows/s
     stack_cpu: dict[str, float] = field(default_factory=dict)  # CPU s by role on the path (loadtest.stack_cpu)
 
     def answered(self) -> int:
@@ -157,17 +157,17 @@ class Phase:
     def send_lag_p99_ms(self) -> float:
         return _pct([lag * 1000.0 for _, lag in self.send_lags], 0.99)
 
-    def good(self, criticality: Optional[str] = None) -> int:
+    def good(self, criticality: str | None = None) -> int:
         return sum(
             1
             for o in self.outcomes
             if o.status == 200 and o.latency_s <= self.slo_s and (criticality is None or o.criticality == criticality)
         )
 
-    def count(self, criticality: Optional[str] = None) -> int:
+    def count(self, criticality: str | None = None) -> int:
         return sum(1 for o in self.outcomes if criticality is None or o.criticality == criticality)
 
-    def good_fraction(self, criticality: Optional[str] = None) -> float:
+    def good_fraction(self, criticality: str | None = None) -> float:
         n = self.count(criticality)
         return self.good(criticality) / n if n else float("nan")
 
@@ -225,7 +225,7 @@ class Stack:
     # When set, requests go through Ballast's SDK (ballast/client/) made by this:
     # one client for all the phases, as a long-lived caller has, so its per-criticality
     # adaptive throttle (2-minute window) carries what it learnt from one phase into the next.
-    sdk: Optional[Callable[[], Any]] = None
+    sdk: Callable[[], Any] | None = None
     # Name each request's class in X-Ballast-Criticality too (Ballast's edge reads it;
     # plain Serve has no use for it, and its HAProxy is the same one).
     class_header: bool = False
@@ -262,7 +262,7 @@ def feasible_shares(mix: dict[str, float], multiple: float) -> dict[str, float]:
     return out
 
 
-def share_of_feasible(got: float, feasible: float) -> Optional[float]:
+def share_of_feasible(got: float, feasible: float) -> float | None:
     """What a class got over what strict order allowed it; None where it was allowed nothing."""
     if not feasible or feasible != feasible:  # 0 or nan: nothing to get a share of
         return None
@@ -276,7 +276,7 @@ def criticality_sequence(n: int, mix: dict[str, float], seed: int) -> list[str]:
     return rng.choices(names, weights=[mix[c] for c in names], k=n)
 
 
-def _client(stack: "Stack", max_connections: int) -> LeanClient:
+def _client(stack: Stack, max_connections: int) -> LeanClient:
     u = urlsplit(stack.url)
     return LeanClient(
         u.hostname or "127.0.0.1", u.port or 80, max_connections=max_connections, timeout_s=CLIENT_TIMEOUT_S
@@ -339,7 +339,7 @@ async def _one_sdk(sdk: Any, stack: Stack, crit: str, scheduled: float, sent_s: 
         phase.outcomes.append(Outcome(crit, e.status or 0, e.code, time.perf_counter() - scheduled, sent_s))
 
 
-def answer_text(body: Any, completions: bool = False) -> Optional[str]:
+def answer_text(body: Any, completions: bool = False) -> str | None:
     """The answer's text in a 200's body, None where it carries none: ``text`` (/v1/generate,
     plain Serve), or ``choices[0].text`` for an OpenAI completion (``completions``)."""
     if completions:
@@ -475,7 +475,7 @@ async def find_capacity(
     seed: int,
     settle: Callable[[], Any],
     speed: SpeedProbeProcess,
-    name: Optional[str] = None,
+    name: str | None = None,
 ) -> tuple[float, float]:
     """``stack``'s capacity C and the machine's speed while it was measured (rows/s):
     a warm-up, a closed-loop guess, then ``measure_capacity`` with ``mix`` (probe ``i``
@@ -516,7 +516,7 @@ async def sample_status(url: str, headers: dict[str, str], into: list[dict[str, 
             await asyncio.sleep(0.5)
 
 
-def refusal_cpu_ms(phases: list[Phase]) -> list[Optional[float]]:
+def refusal_cpu_ms(phases: list[Phase]) -> list[float | None]:
     """Server CPU per refusal, per phase, in ms: the phase's CPU less what the processes
     use idle and what its answers cost (at the first phase's CPU per answer, where
     nearly nothing is refused), over its refusals. None where a phase refused too little
@@ -529,7 +529,7 @@ def refusal_cpu_ms(phases: list[Phase]) -> list[Optional[float]]:
     if first is None or first.server_cpu_s is None or not first.answered():
         return [None] * len(phases)
     per_answer = busy_s(first) / first.answered()
-    out: list[Optional[float]] = []
+    out: list[float | None] = []
     for p in phases:
         if p.server_cpu_s is None or p.refused() < 20:
             out.append(None)
@@ -545,7 +545,7 @@ def bounded_queue(capacity_rps: float, slo_s: float, factor: float) -> int:
     return max(1, round(factor * capacity_rps * slo_s))
 
 
-def plain_serve_app(model_cfg: dict[str, Any], bounded: Optional[tuple[int, int]] = None):
+def plain_serve_app(model_cfg: dict[str, Any], bounded: tuple[int, int] | None = None):
     """The same model and batching as Ballast's replica, as its own ingress.
 
     ``bounded=None``: Serve's defaults (``max_ongoing_requests`` 5, an unbounded queue).
@@ -603,7 +603,7 @@ class ServerCpu:
     replicas, and the stack's HAProxy (found by its per-port config directory). Read with
     psutil; a process gone since ``pids`` were taken counts what it had used when last read."""
 
-    def __init__(self, haproxy_dir: Optional[str]) -> None:
+    def __init__(self, haproxy_dir: str | None) -> None:
         self.haproxy_dir = haproxy_dir  # the stack's HAProxy config directory; None: no HAProxy
         self.pids: dict[int, str] = {}
         self._last: dict[int, float] = {}
@@ -697,7 +697,7 @@ def _delta(now: dict[str, int], before: dict[str, int]) -> str:
     return " ".join(f"{k}:{v - before.get(k, 0)}" for k, v in now.items() if v - before.get(k, 0) > 0)
 
 
-def reason_kind(reason: Optional[str]) -> Optional[str]:
+def reason_kind(reason: str | None) -> str | None:
     """A level reason without its numbers: "up 2->3: error_rate=0.11>=0.1 (n=211)" -> "up 2->3: error_rate"."""
     if reason is None:
         return None
@@ -759,7 +759,7 @@ def vllm_engine_kwargs(model_dir: str, rows: int) -> dict[str, Any]:
 
 
 def llm_serve_app(
-    model_id: str, model_dir: str, engine_kwargs: dict[str, Any], bounded: Optional[tuple[int, int]] = None
+    model_id: str, model_dir: str, engine_kwargs: dict[str, Any], bounded: tuple[int, int] | None = None
 ) -> Any:
     """Plain ``ray.serve.llm``: its OpenAI app on one vLLM engine for ``model_dir``.
 
@@ -797,7 +797,7 @@ def machine_ratio(result: dict[str, Any], phase: Phase) -> str:
     return f"{phase.machine_rps / at_c:.2f}" if at_c else f"{phase.machine_rps:.0f}/s"
 
 
-def machine_adjusted(result: dict[str, Any]) -> list[Optional[float]]:
+def machine_adjusted(result: dict[str, Any]) -> list[float | None]:
     """Each phase's goodput over C scaled to the host's speed around the phase: what
     goodput / C would read had the machine run as fast as while C was measured.
     Printed beside the targets, never instead of them (the probe times the model
@@ -818,7 +818,7 @@ DEADLINE_SLACK_MS = 100.0
 
 
 def check_targets(
-    result: dict[str, Any], multiples: tuple[float, ...], mix: dict[str, float], peer: Optional[dict[str, Any]] = None
+    result: dict[str, Any], multiples: tuple[float, ...], mix: dict[str, float], peer: dict[str, Any] | None = None
 ) -> list[tuple[str, bool, str]]:
     """The overload targets (issue 21) for one stack's run: (target, met, figures)."""
     phases = result["phases"]
@@ -859,8 +859,8 @@ def check_vllm_targets(
     result: dict[str, Any],
     multiples: tuple[float, ...],
     mix: dict[str, float],
-    llm: Optional[dict[str, Any]] = None,
-    llm_bounded: Optional[dict[str, Any]] = None,
+    llm: dict[str, Any] | None = None,
+    llm_bounded: dict[str, Any] | None = None,
 ) -> list[tuple[str, bool, str]]:
     """The targets for Ballast on vLLM (issue 47): goodput >= 0.95 C at every multiple,
     critical_plus where its demand fits, nothing refused and level 0 at 1 C; against plain
@@ -902,7 +902,7 @@ def _latency_target(result: dict[str, Any], llm: dict[str, Any], multiples: tupl
     """Ballast at ray.serve.llm's C (``at_llm_c``, the same requests at the same rate) against
     ray.serve.llm at its 1 C: the p50 and p99 of the 200s, each within 1.1x."""
     what = f"p50 and p99 within {LATENCY_RATIO_TARGET}x of plain ray.serve.llm's at its 1 C"
-    ours: Optional[Phase] = result.get("at_llm_c")
+    ours: Phase | None = result.get("at_llm_c")
     if ours is None or 1.0 not in multiples:
         return what, False, "not measured (no phase at ray.serve.llm's C)"
     theirs = llm["phases"][multiples.index(1.0)]
@@ -1106,7 +1106,7 @@ def _comma_list(
     return values
 
 
-def parse_settings(argv: "list[str] | None" = None) -> _Settings:
+def parse_settings(argv: list[str] | None = None) -> _Settings:
     """The command line, checked before anything starts (Ray, the speed probe)."""
     parser = _parser()
     args = parser.parse_args(argv)
@@ -1166,7 +1166,7 @@ def completion_body(model: str, max_tokens: int, crit: str) -> dict[str, Any]:
     }
 
 
-def _stacks(cfg: Any, args: argparse.Namespace, model: Optional[str] = None) -> dict[str, Stack]:
+def _stacks(cfg: Any, args: argparse.Namespace, model: str | None = None) -> dict[str, Stack]:
     """The stacks under test, each sending the same requests (the SDK's through its client);
     the vLLM stacks (``model``: the name they serve their directory as) theirs to /v1/completions."""
     timeout_header = {"X-Request-Timeout-Ms": str(int(args.slo_s * 1000))}
@@ -1340,7 +1340,7 @@ class _Bench:
                 flush=True,
             )
 
-    async def _stack_capacity(self, stack: Stack, settle: Callable[[], Any]) -> tuple[float, Optional[dict[str, Any]]]:
+    async def _stack_capacity(self, stack: Stack, settle: Callable[[], Any]) -> tuple[float, dict[str, Any] | None]:
         """C as given, as Ballast's (the SDK rows), or measured; plain-bounded's and
         llm-bounded's queue bound with it."""
         name = stack.name
@@ -1466,7 +1466,7 @@ class _Bench:
             return err.lowest
         return cap
 
-    def swap_plain_app(self, queue: Optional[int], ongoing: Optional[int] = None) -> None:
+    def swap_plain_app(self, queue: int | None, ongoing: int | None = None) -> None:
         """The plain Serve app under test: Serve's defaults (None) or bounded at ``queue``
         (``ongoing`` defaults to Ballast's replica's ``max_ongoing_requests``)."""
         from ray import serve
@@ -1484,7 +1484,7 @@ class _Bench:
             blocking=False,
         )
 
-    def swap_llm_app(self, queue: Optional[int]) -> None:
+    def swap_llm_app(self, queue: int | None) -> None:
         """The ray.serve.llm app under test: its defaults (None, deployed as "llm") or, as
         "llm-bounded", its ingress bounded at the engine's ``max_num_seqs`` in flight and
         ``queue`` queued. The other app goes first: one engine at a time (two would share
@@ -1719,7 +1719,7 @@ def report(results: dict[str, dict[str, Any]], s: _Settings, unmeasured: dict[st
     return 1 if unmeasured else 0
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Parse the command line; per stack, measure C, offer the multiples and collect the
     phases (``_Bench``); then print the report and Ballast's targets (``report``)."""
     from loadtest.slow_host import slowed

@@ -97,9 +97,10 @@ import os
 import random
 import re
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterator, Optional
+from typing import Any
 
 from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, install_uvloop
@@ -292,8 +293,8 @@ class Outcome:
     sent_s: float
     status: int
     code: str  # "OK", the server's error code, or why a 200 does not count
-    ttft_ms: Optional[float] = None
-    prompt_tokens: Optional[int] = None
+    ttft_ms: float | None = None
+    prompt_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -308,10 +309,10 @@ class StreamAnswer:
     def __init__(self) -> None:
         self._buf = b""
         self._parts: list[str] = []
-        self.first_content_s: Optional[float] = None
-        self.prompt_tokens: Optional[int] = None
+        self.first_content_s: float | None = None
+        self.prompt_tokens: int | None = None
         self.done = False
-        self.error: Optional[str] = None
+        self.error: str | None = None
 
     @property
     def text(self) -> str:
@@ -405,15 +406,15 @@ class RowResult:
     name: str
     duration_s: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
-    deltas: Optional[Counters] = None  # None: the counters could not be read
+    deltas: Counters | None = None  # None: the counters could not be read
     note: str = ""  # why a figure is missing, or what else the run showed
     levels: dict[int, int] = field(default_factory=dict)  # Ballast: /v1/status samples at each level
     reasons: dict[str, tuple[int, str]] = field(default_factory=dict)  # its level's reason: kind -> (samples, last)
-    routes: Optional[dict[str, int]] = None  # Ballast: its route decisions in the span, by reason
-    error: Optional[str] = None
+    routes: dict[str, int] | None = None  # Ballast: its route decisions in the span, by reason
+    error: str | None = None
 
     @property
-    def max_level(self) -> Optional[int]:
+    def max_level(self) -> int | None:
         return max(self.levels) if self.levels else None
 
     def ttfts_ms(self) -> list[float]:
@@ -455,11 +456,11 @@ ISOLATION_TTFT_P50_RATIO = 1.15
 
 def _target(
     what: str,
-    rows: tuple[Optional[Figures], ...],
+    rows: tuple[Figures | None, ...],
     values: Callable[[], list[float]],
     met: Callable[[list[float]], bool],
     detail: Callable[[list[float]], str],
-) -> tuple[str, Optional[bool], str]:
+) -> tuple[str, bool | None, str]:
     """One target: met or not; None where a row did not run or a figure is nan (not measured)."""
     if any(r is None for r in rows):
         return what, None, "row not run"
@@ -469,7 +470,7 @@ def _target(
     return what, met(v), detail(v)
 
 
-def target_checks(figs: dict[str, Figures]) -> list[tuple[str, Optional[bool], str]]:
+def target_checks(figs: dict[str, Figures]) -> list[tuple[str, bool | None, str]]:
     """ballast-affinity's targets against ballast-p2c, ballast-one-group and serve-llm-prefix:
     (target, met, figures)."""
     a, p2c, llm = figs.get("ballast-affinity"), figs.get("ballast-p2c"), figs.get("serve-llm-prefix")
@@ -574,7 +575,7 @@ def route_counts(text: str, model: str, name: str = ROUTE_DECISIONS) -> dict[str
     return out
 
 
-Reader = Callable[[], Awaitable[Optional[Any]]]  # None: the read failed
+Reader = Callable[[], Awaitable[Any | None]]  # None: the read failed
 
 
 async def read_settled(
@@ -584,7 +585,7 @@ async def read_settled(
     poll_s: float = 0.5,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
-) -> Optional[Any]:
+) -> Any | None:
     """``read()`` every ``poll_s`` until it has not changed for ``quiet_s`` (the replicas' last
     reports are in), at most ``max_s``; the last read. A failed read (None) restarts the wait."""
     start = since = clock()
@@ -603,7 +604,7 @@ def http_reader(url: str, headers: dict[str, str], parse: Callable[[Any], Any], 
     """A reader of ``url``: its answer (JSON or text) through ``parse``; None where it failed."""
     import httpx
 
-    async def read() -> Optional[Any]:
+    async def read() -> Any | None:
         try:
             async with httpx.AsyncClient(timeout=5.0) as c:
                 r = await c.get(url, headers=headers)
@@ -705,7 +706,7 @@ def prefix_engine_kwargs(model_dir: str, kv_blocks: int, rows: int) -> dict[str,
 def ballast_data(
     config_path: str,
     model_dir: str,
-    engine_kwargs: Optional[dict[str, Any]],
+    engine_kwargs: dict[str, Any] | None,
     prefix_affinity: bool,
     tenants: int,
     one_group: bool = False,
@@ -716,7 +717,6 @@ def ballast_data(
     the host; ray.serve.llm has none) and one quota-free tenant and key per bench tenant, each in
     a cache group of its own or, ``one_group``, all in ``ONE_GROUP``."""
     from ballast.config import with_model_dir
-
     from loadtest.bench_overload import VLLM_RSS_LIMIT_MB, bench_data
 
     data = with_model_dir(bench_data(config_path, MODEL_REPLICAS), model_dir, "vllm")
@@ -818,9 +818,9 @@ class Probe:
     read: Reader
     quiet_s: float  # how long the counters must stay still to count as settled
     source: str  # where the counters come from, in words
-    status_url: Optional[str] = None  # Ballast's /v1/status, sampled for its level
+    status_url: str | None = None  # Ballast's /v1/status, sampled for its level
     admin: dict[str, str] = field(default_factory=dict)
-    routes: Optional[Reader] = None  # Ballast's route decisions by reason, from Ray's metrics export
+    routes: Reader | None = None  # Ballast's route decisions by reason, from Ray's metrics export
 
 
 def _wait_ready(url: str, headers: dict[str, str], max_s: float = READY_MAX_S) -> None:
@@ -840,7 +840,6 @@ def _wait_ready(url: str, headers: dict[str, str], max_s: float = READY_MAX_S) -
 
 def _start_ballast(name: str, plan: Plan) -> Probe:
     from ballast.ops.app import start
-
     from loadtest.bench_overload import BASE, PORT
 
     cfg = plan.ballast_cfgs[name]
@@ -1141,7 +1140,7 @@ def _bounded(kind: Callable[[str], Any], low: float, high: float) -> Callable[[s
     return parse
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--config", default="cluster/local.yaml")
     p.add_argument("--vllm-model", default="models/demo", help="the Hugging Face directory (make demo-model)")
@@ -1172,7 +1171,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """The plan, each row in turn, then the table, the targets and the summary lines; 1 where a
     row did not run."""
     args = parse_args(argv)

@@ -68,7 +68,7 @@ def _run(backend: Any, rows: int, tokens: int, sampling: Any) -> dict[int, list[
     return got
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=2, help="the tensor-parallel size set beside one rank")
     ap.add_argument("--rounds", type=int, default=2)

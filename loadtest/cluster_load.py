@@ -42,7 +42,6 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
 from urllib.parse import urlsplit
 
 import httpx
@@ -70,7 +69,7 @@ class Outcome:
     keyed: bool
     cause: str  # "ok", "connect", "timeout", "dropped", "cut", "stream_<code>", "http_<status>_<code>"
     attempts: int = 1  # attempts until this outcome (sent again through another endpoint)
-    level: Optional[int] = None  # the degradation level the answer carried
+    level: int | None = None  # the degradation level the answer carried
     replayed: bool = False
     why: str = ""  # a refusal's message without its numbers: which policy refused
     stream: bool = False
@@ -100,7 +99,7 @@ class LoadReport:
     down_marks: list[tuple[float, str]] = field(default_factory=list)
     levels: list[LevelSample] = field(default_factory=list)  # sampled once a second, with an admin token
 
-    def failures(self, keyed: Optional[bool] = None, since: float = 0.0) -> Counter:
+    def failures(self, keyed: bool | None = None, since: float = 0.0) -> Counter:
         """Failed requests by cause: keyed ones, unkeyed ones (streams included), or all (None)."""
         return Counter(
             o.cause for o in self.outcomes if (keyed is None or o.keyed == keyed) and o.cause != "ok" and o.t >= since
@@ -117,7 +116,7 @@ class LoadReport:
         """Requests that got no answer from one endpoint and were answered through another."""
         return sum(1 for o in self.outcomes if o.cause == "ok" and o.attempts > 1 and o.t >= since)
 
-    def count(self, keyed: Optional[bool] = None, since: float = 0.0, until: float = float("inf")) -> int:
+    def count(self, keyed: bool | None = None, since: float = 0.0, until: float = float("inf")) -> int:
         return sum(1 for o in self.outcomes if (keyed is None or o.keyed == keyed) and since <= o.t < until)
 
     def refusals(self, since: float = 0.0) -> Counter:
@@ -135,7 +134,7 @@ class LoadReport:
         """Why the level stood at ``at_least`` or above: the controller's reasons, numbers out."""
         return Counter(message_kind(s.reason) for s in self.levels if s.level >= at_least and s.t >= since)
 
-    def last_failure(self, since: float = 0.0) -> Optional[float]:
+    def last_failure(self, since: float = 0.0) -> float | None:
         times = [o.t for o in self.outcomes if o.cause != "ok" and o.t >= since]
         return max(times) if times else None
 
@@ -149,7 +148,7 @@ class _Progress:
     chars: int = 0
     resumable: bool = True  # every token event carried its ids
 
-    def resume(self) -> Optional[dict]:
+    def resume(self) -> dict | None:
         return {"ids": list(self.ids), "text_chars": self.chars} if self.tokens else None
 
 
@@ -164,7 +163,7 @@ class ClusterLoad:
         max_tokens: int = 8,
         timeout_s: float = 10.0,
         duration_s: float = 120.0,
-        admin_token: Optional[str] = None,
+        admin_token: str | None = None,
     ) -> None:
         self.endpoints = [check_own(e) for e in endpoints]
         self.api_key = api_key
@@ -181,7 +180,7 @@ class ClusterLoad:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="cluster-load", daemon=True)
 
-    def start(self) -> "ClusterLoad":
+    def start(self) -> ClusterLoad:
         self._thread.start()
         return self
 
@@ -191,7 +190,7 @@ class ClusterLoad:
         return self.report
 
     # -- the endpoints (the balancer) ---------------------------------------------
-    def _pick(self, avoid: Optional[str] = None) -> str:
+    def _pick(self, avoid: str | None = None) -> str:
         up = [e for e in self.endpoints if not self._down[e] and e != avoid] or [
             e for e in self.endpoints if e != avoid
         ]
@@ -246,8 +245,8 @@ class ClusterLoad:
             self.report.outcomes.append(outcome)
 
     async def _send(
-        self, client: httpx.AsyncClient, endpoint: str, key: Optional[str], stream: bool, got: _Progress
-    ) -> tuple[str, Optional[dict]]:
+        self, client: httpx.AsyncClient, endpoint: str, key: str | None, stream: bool, got: _Progress
+    ) -> tuple[str, dict | None]:
         """One send, a session the balancer may shut (the endpoint marked down): then
         "dropped", or "cut" when tokens had reached the client (``got``)."""
         task = asyncio.ensure_future(self._exchange(client, endpoint, key, stream, got))
@@ -263,8 +262,8 @@ class ClusterLoad:
             self._sessions[endpoint].discard(task)
 
     async def _exchange(
-        self, client: httpx.AsyncClient, endpoint: str, key: Optional[str], stream: bool, got: _Progress
-    ) -> tuple[str, Optional[dict]]:
+        self, client: httpx.AsyncClient, endpoint: str, key: str | None, stream: bool, got: _Progress
+    ) -> tuple[str, dict | None]:
         """(cause, body): the body of a 200 (a stream's last event), or of an error answer;
         None where none came. "cut": a stream that ended early after tokens had arrived."""
         headers = {"Authorization": f"Bearer {self.api_key}", "X-Request-Timeout-Ms": str(int(self.timeout_s * 800))}

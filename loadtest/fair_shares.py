@@ -207,7 +207,7 @@ def run(base: dict[str, Any], port: int, warmup_s: float, measure_s: float, log:
             _deploy(cfg, two)
             f = cfg.fairness
 
-            async def measure() -> tuple[Served, Served]:
+            async def measure(two: bool) -> tuple[Served, Served]:
                 async with LeanClient("127.0.0.1", port, max_connections=200, timeout_s=60.0) as c:
                     # One router: 24 workers each. Two: a 4x b's offered load, each through its own router.
                     a_workers, b_workers, b_path = (
@@ -220,7 +220,7 @@ def run(base: dict[str, Any], port: int, warmup_s: float, measure_s: float, log:
                         closed_loop(c, b_path, KEYS["b"], SHORT_PROMPT, tokens["b"], b_workers, warmup_s, measure_s),
                     )
 
-            a, b = asyncio.run(measure())
+            a, b = asyncio.run(measure(two))
             rows.append(ShareRow(part, setting, weights, a, b, f.policy_config()))
             log("  " + render(rows[-1:])[1])
         _without_second_router()

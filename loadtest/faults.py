@@ -52,20 +52,22 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-from loadtest.shapes import TimeScale
 from ballast.policies.validation import check_fields, check_non_negative, check_positive, is_finite
+from loadtest.shapes import TimeScale
 
 DEMO_ADMIN_TOKEN = "dev-admin-token"
 OPERATOR = "loadtest-faults"
 MAX_EVENTS = 1000
 MAX_RECORDS = 512
+DAY_IN_15_MIN = TimeScale(96.0)  # the default: a day in 15 minutes
 MAX_KILL_SWITCH_EXPIRES_S = 7 * 24 * 3600  # ballast.policies.killswitch's limit
 KILL_SWITCH_SCOPES = ("global", "tenant", "model", "criticality")
 CHAOS_TARGETS = ("primary", "fallback")
@@ -104,7 +106,7 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
-def leak_mb_per_s(event: "FaultEvent", time_scale: TimeScale) -> float:
+def leak_mb_per_s(event: FaultEvent, time_scale: TimeScale) -> float:
     """The real rate of a ``start_leak`` (MB/s) at ``time_scale``, within the server's cap of 1024."""
     if "leak_mb_per_s" in event.args:
         return float(event.args["leak_mb_per_s"])
@@ -278,8 +280,8 @@ class FaultRecord:
     step: str
     at_sim_s: float
     real_offset_s: float
-    status: Optional[int]
-    error: Optional[str] = None
+    status: int | None
+    error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -306,12 +308,12 @@ class FaultRunner:
         self,
         schedule: FaultSchedule,
         base_url: str,
-        time_scale: TimeScale = TimeScale(96.0),
+        time_scale: TimeScale = DAY_IN_15_MIN,
         *,
-        admin_token: Optional[str] = None,
+        admin_token: str | None = None,
         timeout_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
-        transport: Optional[httpx.BaseTransport] = None,
+        transport: httpx.BaseTransport | None = None,
         max_records: int = MAX_RECORDS,
     ) -> None:
         if not isinstance(schedule, FaultSchedule):
@@ -337,7 +339,7 @@ class FaultRunner:
         self._records: deque[FaultRecord] = deque(maxlen=max_records)
         self._kill_switch_ids: dict[str, str] = {}  # label → id, only touched by the runner thread
         self._chaos_set = False  # only touched by the runner thread
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._started_at = 0.0
         self.done = threading.Event()
 
@@ -356,7 +358,7 @@ class FaultRunner:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def join(self, timeout_s: Optional[float] = None) -> bool:
+    def join(self, timeout_s: float | None = None) -> bool:
         """Wait for the end of the schedule; True when the runner has finished."""
         return self.done.wait(timeout_s)
 
@@ -390,8 +392,8 @@ class FaultRunner:
             self.done.set()
 
     def _call(
-        self, event: Optional[FaultEvent], step: str, method: str, path: str, body: Any = None
-    ) -> Optional[httpx.Response]:
+        self, event: FaultEvent | None, step: str, method: str, path: str, body: Any = None
+    ) -> httpx.Response | None:
         action = event.action if event is not None else "cleanup"
         at_sim_s = event.at_sim_s if event is not None else self.time_scale.sim_s(max(0.0, self._offset_s()))
         offset_s = self._offset_s()
@@ -412,7 +414,7 @@ class FaultRunner:
         self._chaos_set = True  # even if the call failed: cleanup clears regardless
         self._call(event, step, "POST", "/admin/chaos", settings)
 
-    def _clear_chaos(self, event: Optional[FaultEvent], step: str) -> None:
+    def _clear_chaos(self, event: FaultEvent | None, step: str) -> None:
         resp = self._call(event, step, "DELETE", "/admin/chaos")
         if resp is not None and resp.is_success:
             self._chaos_set = False

@@ -55,7 +55,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 480.0
@@ -111,8 +111,8 @@ class Section:
     argv: tuple[str, ...]
     bound_s: float
     needs_cuda: bool = False
-    after: Optional[str] = None  # a section that must have passed first
-    skip_reason: Optional[str] = None  # known before the run: said instead of running
+    after: str | None = None  # a section that must have passed first
+    skip_reason: str | None = None  # known before the run: said instead of running
 
     def __post_init__(self) -> None:
         if not self.name or not self.argv or not self.bound_s > 0:
@@ -148,7 +148,7 @@ def plan(python: str, wheels_dir: Path, site_dir: Path, llama_dir: Path, missing
     wheels are installed only where some of them are ``missing``."""
     wheels = sorted(wheels_dir.glob("*.whl")) if wheels_dir.is_dir() else []
     if not missing:
-        wheels_skipped: Optional[str] = "pydantic and what it imports are importable here"
+        wheels_skipped: str | None = "pydantic and what it imports are importable here"
     elif not wheels:
         wheels_skipped = f"no wheels in {wheels_dir}; {', '.join(missing)} will be missing"
     else:
@@ -273,7 +273,7 @@ def run_all(
     return list(done.values())
 
 
-def _skip_reason(s: Section, done: Mapping[str, Outcome], cuda: bool, left_s: float) -> Optional[str]:
+def _skip_reason(s: Section, done: Mapping[str, Outcome], cuda: bool, left_s: float) -> str | None:
     if s.skip_reason is not None:
         return s.skip_reason
     if s.needs_cuda and not cuda:
@@ -306,7 +306,7 @@ def render(outcomes: Sequence[Outcome], header: Sequence[str], last_line: str) -
     return "\n".join(lines) + "\n"
 
 
-def figures_path(out: Optional[str], environ: Mapping[str, str]) -> Path:
+def figures_path(out: str | None, environ: Mapping[str, str]) -> Path:
     if out:
         return Path(out)
     if environ.get("OUT"):
@@ -536,7 +536,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.probe:
         return probe()

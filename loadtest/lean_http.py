@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 
 class LeanHttpError(Exception):
@@ -52,8 +53,8 @@ class LeanClient:
         self,
         path: str,
         body: Any,
-        headers: Optional[dict[str, str]] = None,
-        on_chunk: Optional[Callable[[bytes], None]] = None,
+        headers: dict[str, str] | None = None,
+        on_chunk: Callable[[bytes], None] | None = None,
     ) -> LeanResponse:
         """POST ``body`` as JSON; the whole answer. ``on_chunk`` is handed each piece of the
         answer's body as it arrives (each chunk of a chunked answer; a sized body in one
@@ -110,7 +111,7 @@ class LeanClient:
         self,
         conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
         request: bytes,
-        on_chunk: Optional[Callable[[bytes], None]] = None,
+        on_chunk: Callable[[bytes], None] | None = None,
     ) -> tuple[LeanResponse, bool]:
         reader, writer = conn
         writer.write(request)
@@ -146,7 +147,7 @@ class LeanClient:
         return LeanResponse(int(parts[1]), headers, body), keep
 
     @staticmethod
-    async def _chunked(reader: asyncio.StreamReader, on_chunk: Optional[Callable[[bytes], None]] = None) -> bytes:
+    async def _chunked(reader: asyncio.StreamReader, on_chunk: Callable[[bytes], None] | None = None) -> bytes:
         out = bytearray()
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
@@ -170,7 +171,7 @@ class LeanClient:
             writer.close()
         self._open.clear()
 
-    async def __aenter__(self) -> "LeanClient":
+    async def __aenter__(self) -> LeanClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:

@@ -63,11 +63,11 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar
 
+from ballast.client import CRITICALITIES, GENERATE_PATH, SSEDecoder
 from loadtest.faults import DEFAULT_SOAK, FaultRunner, FaultSchedule, is_loopback_host
 from loadtest.shapes import DiurnalShape, StepShape, TimeScale, step_burst
-from ballast.client import CRITICALITIES, GENERATE_PATH, SSEDecoder
 
 log = logging.getLogger("ballast.loadtest")
 
@@ -173,24 +173,24 @@ class Outcome:
     """``kind``: "ok", "shed" (an expected refusal; ``code`` says which) or "fail" (``detail`` says why)."""
 
     kind: str
-    code: Optional[str] = None
+    code: str | None = None
     detail: str = ""
 
 
 OK = Outcome("ok")
 
 
-def _fail(detail: str, code: Optional[str] = None) -> Outcome:
+def _fail(detail: str, code: str | None = None) -> Outcome:
     return Outcome("fail", code, detail[:300])
 
 
-def _lower_keys(headers: Optional[Mapping[str, Any]]) -> dict[str, str]:
+def _lower_keys(headers: Mapping[str, Any] | None) -> dict[str, str]:
     if not headers:
         return {}
     return {str(k).lower(): str(v) for k, v in headers.items()}
 
 
-def _error_of(payload: object) -> tuple[Optional[str], str]:
+def _error_of(payload: object) -> tuple[str | None, str]:
     """``(code, message)`` of ``{"error": {"code", "message"}}``; ``(None, "")`` when not that shape."""
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
         err = payload["error"]
@@ -219,7 +219,7 @@ def classify_error_answer(status: int, body: bytes) -> Outcome:
     return _fail(f"{status} {what}: {message or body[:120]!r}", code)
 
 
-def classify_unary(status: int, headers: Optional[Mapping[str, Any]], body: Optional[bytes]) -> Outcome:
+def classify_unary(status: int, headers: Mapping[str, Any] | None, body: bytes | None) -> Outcome:
     """A ``POST /v1/generate`` answer (``stream: false``)."""
     body = body or b""
     if status != 200:
@@ -242,7 +242,7 @@ def classify_unary(status: int, headers: Optional[Mapping[str, Any]], body: Opti
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
-def classify_stream(status: int, headers: Optional[Mapping[str, Any]], body: Optional[bytes]) -> Outcome:
+def classify_stream(status: int, headers: Mapping[str, Any] | None, body: bytes | None) -> Outcome:
     """A ``POST /v1/generate`` answer with ``stream: true``: server-sent events when 200.
 
     Events are parsed with the SDK's ``SSEDecoder``; an event is complete only at its
@@ -261,7 +261,7 @@ def classify_stream(status: int, headers: Optional[Mapping[str, Any]], body: Opt
     decoder = SSEDecoder()
     tokens = 0
     token_events = 0
-    done: Optional[dict[str, Any]] = None
+    done: dict[str, Any] | None = None
     # The piece after the last line break is not a line (a cut stream ends mid-line): dropped.
     for line in _LINE_BREAK.split(text)[:-1]:
         event = decoder.feed(line)
@@ -309,7 +309,7 @@ def request_name(tenant: str, kind: str, outcome: Outcome) -> str:
 # =========================================================================== environment (pure)
 
 
-def _env_number(env: Mapping[str, str], name: str, default: float, *, integer: bool = False) -> Union[int, float]:
+def _env_number(env: Mapping[str, str], name: str, default: float, *, integer: bool = False) -> int | float:
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -330,7 +330,7 @@ def time_scale_from_env(env: Mapping[str, str]) -> TimeScale:
         raise ValueError(f"BALLAST_TIME_SCALE: {e}") from None
 
 
-def shape_from_env(env: Mapping[str, str]) -> Optional[Union[DiurnalShape, StepShape]]:
+def shape_from_env(env: Mapping[str, str]) -> DiurnalShape | StepShape | None:
     """``$BALLAST_SHAPE`` → the shape; None (unset or empty) for a constant-user run."""
     name = env.get("BALLAST_SHAPE", "").strip().lower()
     if not name:
@@ -343,7 +343,7 @@ def shape_from_env(env: Mapping[str, str]) -> Optional[Union[DiurnalShape, StepS
     raise ValueError(f"BALLAST_SHAPE: must be 'diurnal', 'step' or unset, got {name!r}")
 
 
-def faults_from_env(env: Mapping[str, str]) -> Optional[FaultSchedule]:
+def faults_from_env(env: Mapping[str, str]) -> FaultSchedule | None:
     name = env.get("BALLAST_FAULTS", "").strip().lower()
     if name in ("", "0", "off", "none"):
         return None
@@ -352,7 +352,7 @@ def faults_from_env(env: Mapping[str, str]) -> Optional[FaultSchedule]:
     raise ValueError(f"BALLAST_FAULTS: must be 'soak' or unset, got {name!r}")
 
 
-def check_host(host: Optional[str], env: Mapping[str, str]) -> str:
+def check_host(host: str | None, env: Mapping[str, str]) -> str:
     """The target host, or ValueError when it is not loopback and remote runs were not allowed."""
     from urllib.parse import urlsplit
 
@@ -379,7 +379,7 @@ FAULTS = faults_from_env(_ENV)
 TIME_SCALE = time_scale_from_env(_ENV)
 #: Expected refusals by (tenant, criticality claimed, code); per process, bounded by the product of those.
 SHEDS: Counter[tuple[str, str, str]] = Counter()
-_fault_runner: Optional[FaultRunner] = None
+_fault_runner: FaultRunner | None = None
 # The fault runner's calls are logged once each in its records; httpx's per-request INFO lines are noise.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -468,7 +468,7 @@ def _with_cause(outcome: Outcome, resp: Any) -> Outcome:
     return outcome
 
 
-def _read_stream(resp: Any) -> tuple[bytes, Optional[str]]:
+def _read_stream(resp: Any) -> tuple[bytes, str | None]:
     """The whole SSE body (at most ``MAX_STREAM_BYTES`` kept; the rest read and dropped
     so that the pooled connection stays clean), and an error when reading failed."""
     buf = bytearray()
@@ -502,7 +502,7 @@ class BallastShape(LoadTestShape):
 
     abstract = SHAPE is None
 
-    def tick(self) -> Optional[tuple[int, float]]:
+    def tick(self) -> tuple[int, float] | None:
         assert SHAPE is not None
         return SHAPE.tick(self.get_run_time())
 

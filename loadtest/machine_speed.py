@@ -50,7 +50,7 @@ class SpeedProbeProcess:
         self._pool.shutdown(wait=True)
 
 
-_PROBE: "SpeedProbe | None" = None  # the probe process's own
+_PROBE: SpeedProbe | None = None  # the probe process's own
 
 
 def _start_probe(architecture: dict[str, Any], seed: int) -> None:

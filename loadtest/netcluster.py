@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -96,7 +96,7 @@ def _sh(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProces
     return subprocess.run(list(args), check=check, capture_output=True, text=True, **kw)
 
 
-def can_make_namespaces() -> Optional[str]:
+def can_make_namespaces() -> str | None:
     """None when namespaces and links can be made here, else why not."""
     if shutil.which("ip") is None:
         return "the `ip` command (iproute2) is not installed"
@@ -445,7 +445,7 @@ def load_state() -> dict[str, Any]:
         raise ClusterError("no local cluster is up (`make cluster-up`)") from e
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="netcluster", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="start a head and workers in namespaces, deploy Ballast")

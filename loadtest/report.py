@@ -48,9 +48,10 @@ import math
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -91,7 +92,7 @@ class ReportError(Exception):
 # =========================================================================== parsing (pure)
 
 
-def _num(raw: Any) -> Optional[float]:
+def _num(raw: Any) -> float | None:
     """A CSV/JSON number; None for '', 'N/A', missing or non-finite."""
     if raw is None or isinstance(raw, bool):
         return None
@@ -107,7 +108,7 @@ def _int(raw: Any) -> int:
     return int(value) if value is not None else 0
 
 
-def parse_name(name: str) -> Optional[tuple[str, str, Optional[str]]]:
+def parse_name(name: str) -> tuple[str, str, str | None] | None:
     """``"gold plain shed:OVERLOADED"`` → ``("gold", "plain", "OVERLOADED")``; None for other names."""
     m = _NAME.match(name.strip())
     if m is None:
@@ -122,10 +123,10 @@ class StatsRow:
     name: str
     requests: int
     failures: int
-    rps: Optional[float]
-    p50_ms: Optional[float]
-    p95_ms: Optional[float]
-    p99_ms: Optional[float]
+    rps: float | None
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
 
 
 @dataclass(frozen=True)
@@ -137,12 +138,12 @@ class HistoryRow:
     name: str
     rps: float
     fail_per_s: float
-    p50_ms: Optional[float]
-    p95_ms: Optional[float]
-    p99_ms: Optional[float]
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
 
 
-def _check_header(fieldnames: Optional[Sequence[str]], needed: Sequence[str], what: str) -> None:
+def _check_header(fieldnames: Sequence[str] | None, needed: Sequence[str], what: str) -> None:
     missing = [c for c in needed if c not in (fieldnames or ())]
     if missing:
         raise ValueError(f"{what}: not Locust's layout, missing columns {missing}")
@@ -238,7 +239,7 @@ def lost_capacity(samples: Sequence[Mapping[str, Any]]) -> dict[str, int]:
 
 
 def status_sample(
-    t_s: float, status: Optional[Mapping[str, Any]], replicas: Optional[Mapping[str, Any]], error: Optional[str] = None
+    t_s: float, status: Mapping[str, Any] | None, replicas: Mapping[str, Any] | None, error: str | None = None
 ) -> dict[str, Any]:
     """One compact ``status.jsonl`` line from ``GET /v1/status`` and ``GET /admin/replicas``.
 
@@ -306,21 +307,21 @@ class TenantKindRow:
     ok: int
     shed: int
     failed: int
-    p50_ms: Optional[float]
-    p95_ms: Optional[float]
-    p99_ms: Optional[float]
-    goodput_per_s: Optional[float]
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    goodput_per_s: float | None
 
     @property
-    def success_ratio(self) -> Optional[float]:
+    def success_ratio(self) -> float | None:
         return self.ok / self.requests if self.requests else None
 
     @property
-    def shed_ratio(self) -> Optional[float]:
+    def shed_ratio(self) -> float | None:
         return self.shed / self.requests if self.requests else None
 
 
-def tenant_kind_table(rows: Sequence[StatsRow], duration_s: Optional[float]) -> list[TenantKindRow]:
+def tenant_kind_table(rows: Sequence[StatsRow], duration_s: float | None) -> list[TenantKindRow]:
     """Per tenant and kind, then one ``"all"`` row per tenant and an ``("all", "all")`` total.
 
     Percentiles come from the base name's row; the ``all`` rows have none (Locust's
@@ -338,7 +339,7 @@ def tenant_kind_table(rows: Sequence[StatsRow], duration_s: Optional[float]) -> 
         else:
             sheds[(tenant, kind)] += r.requests
 
-    def goodput(ok: int) -> Optional[float]:
+    def goodput(ok: int) -> float | None:
         return ok / duration_s if duration_s and duration_s > 0 else None
 
     out: list[TenantKindRow] = []
@@ -416,7 +417,7 @@ def shed_totals(rows: Sequence[StatsRow]) -> dict[str, int]:
     return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def sheds_by_criticality(report: Optional[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+def sheds_by_criticality(report: Mapping[str, Any] | None) -> dict[str, dict[str, int]]:
     """``report.json``'s sheds as criticality → code → count (summed over tenants)."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for s in (report or {}).get("sheds") or ():
@@ -430,7 +431,7 @@ def sheds_by_criticality(report: Optional[Mapping[str, Any]]) -> dict[str, dict[
     return {c: dict(sorted(out[c].items())) for c in keys}
 
 
-def run_duration_s(history: Sequence[HistoryRow], stats: Sequence[StatsRow]) -> Optional[float]:
+def run_duration_s(history: Sequence[HistoryRow], stats: Sequence[StatsRow]) -> float | None:
     """The run's length: the history's span, else the Aggregated count over its rate."""
     if history:
         span = max(h.t_s for h in history) - min(h.t_s for h in history)
@@ -446,7 +447,7 @@ def run_duration_s(history: Sequence[HistoryRow], stats: Sequence[StatsRow]) -> 
 class LevelSummary:
     seconds_by_level: dict[int, float]
     changes: int
-    max_level: Optional[int]
+    max_level: int | None
     samples: int
 
     @property
@@ -499,7 +500,7 @@ class RssRow:
     last_mb: float
     first_seen_s: float
     last_seen_s: float
-    max_age_s: Optional[float]
+    max_age_s: float | None
 
     @property
     def growth_mb(self) -> float:
@@ -540,16 +541,16 @@ def rss_table(samples: Sequence[Mapping[str, Any]]) -> list[RssRow]:
 @dataclass(frozen=True)
 class ReplicaCountRow:
     deployment: str
-    desired_min: Optional[int]
-    desired_max: Optional[int]
-    running_min: Optional[int]
-    running_max: Optional[int]
+    desired_min: int | None
+    desired_max: int | None
+    running_min: int | None
+    running_max: int | None
     short_s: float  # time with running < desired
 
 
 def replica_count_table(samples: Sequence[Mapping[str, Any]]) -> list[ReplicaCountRow]:
     """Desired vs running per deployment; ``short_s``: time running below desired (held until the next sample)."""
-    series: dict[str, list[tuple[float, Optional[int], Optional[int]]]] = defaultdict(list)
+    series: dict[str, list[tuple[float, int | None, int | None]]] = defaultdict(list)
     for s in samples:
         for dep, d in (s.get("deployments") or {}).items():
             desired, running = d.get("desired"), d.get("running")
@@ -635,12 +636,12 @@ class SoakData:
     history: list[HistoryRow] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
-    report: Optional[dict[str, Any]] = None
+    report: dict[str, Any] | None = None
     run: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
-    def t0_s(self) -> Optional[float]:
+    def t0_s(self) -> float | None:
         """The run's start (wall clock): run.json's, else the earliest timestamp seen."""
         start = _num(self.run.get("started_at_s"))
         if start is not None:
@@ -649,11 +650,11 @@ class SoakData:
         return min(times) if times else None
 
     @property
-    def time_scale(self) -> Optional[float]:
+    def time_scale(self) -> float | None:
         return _num(self.run.get("time_scale"))
 
 
-def _read_text(path: Path, notes: list[str], what: str) -> Optional[list[str]]:
+def _read_text(path: Path, notes: list[str], what: str) -> list[str] | None:
     if not path.is_file():
         notes.append(f"`{path.name}` is missing: {what} not available.")
         return None
@@ -664,7 +665,7 @@ def _read_text(path: Path, notes: list[str], what: str) -> Optional[list[str]]:
         return None
 
 
-def _read_csv(path: Path, notes: list[str], what: str, parse: Callable[[list[str]], T]) -> Optional[T]:
+def _read_csv(path: Path, notes: list[str], what: str, parse: Callable[[list[str]], T]) -> T | None:
     """``parse`` of the file's lines; None, with a note, when it is missing, unreadable or malformed."""
     lines = _read_text(path, notes, what)
     if lines is None:
@@ -676,7 +677,7 @@ def _read_csv(path: Path, notes: list[str], what: str, parse: Callable[[list[str
         return None
 
 
-def _read_json(path: Path, notes: list[str], what: str) -> Optional[dict[str, Any]]:
+def _read_json(path: Path, notes: list[str], what: str) -> dict[str, Any] | None:
     lines = _read_text(path, notes, what)
     if lines is None:
         return None
@@ -722,13 +723,13 @@ def load(out_dir: Path | str) -> SoakData:
 # =========================================================================== markdown
 
 
-def _fmt(value: Optional[float], digits: int = 0, suffix: str = "") -> str:
+def _fmt(value: float | None, digits: int = 0, suffix: str = "") -> str:
     if value is None:
         return "—"
     return f"{value:,.{digits}f}{suffix}"
 
 
-def _pct(ratio: Optional[float]) -> str:
+def _pct(ratio: float | None) -> str:
     return "—" if ratio is None else f"{ratio * 100:.2f} %"
 
 
@@ -738,11 +739,11 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     return lines
 
 
-def _span(lo: Optional[int], hi: Optional[int]) -> str:
+def _span(lo: int | None, hi: int | None) -> str:
     return "—" if lo is None or hi is None else f"{lo}–{hi}"
 
 
-def _duration(seconds: Optional[float]) -> str:
+def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "—"
     seconds = float(seconds)
@@ -753,7 +754,7 @@ def _duration(seconds: Optional[float]) -> str:
     return f"{seconds:.1f} s"
 
 
-def _offset(data: SoakData, t_s: Optional[float]) -> str:
+def _offset(data: SoakData, t_s: float | None) -> str:
     """A wall time as ``+real offset`` (and the simulated hour when the time scale is known)."""
     t0 = data.t0_s
     if t_s is None or t0 is None:
@@ -765,7 +766,7 @@ def _offset(data: SoakData, t_s: Optional[float]) -> str:
     return text
 
 
-def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
+def render_markdown(data: SoakData, plots: Mapping[str, str | None]) -> str:
     """The report's text; ``plots`` maps each PNG name to None (written) or why it was not."""
     duration_s = run_duration_s(data.history, data.stats)
     lines = _settings_section(data, duration_s)
@@ -774,7 +775,7 @@ def render_markdown(data: SoakData, plots: Mapping[str, Optional[str]]) -> str:
     return "\n".join(lines)
 
 
-def _settings_section(data: SoakData, duration_s: Optional[float]) -> list[str]:
+def _settings_section(data: SoakData, duration_s: float | None) -> list[str]:
     """The title, the run's settings and the inputs that were missing."""
     lines = ["# Ballast soak report", ""]
     run = data.run
@@ -798,7 +799,7 @@ def _settings_section(data: SoakData, duration_s: Optional[float]) -> list[str]:
 
 
 def _section(
-    title: str, body: list[str], empty: str, plots: Mapping[str, Optional[str]], *drawn: tuple[str, str]
+    title: str, body: list[str], empty: str, plots: Mapping[str, str | None], *drawn: tuple[str, str]
 ) -> list[str]:
     """A report section: its heading, ``body`` (the ``empty`` line when there is none),
     then a line per plot in ``drawn`` (its file name and what it shows), a blank line last."""
@@ -808,7 +809,7 @@ def _section(
     return lines + [""]
 
 
-def _requests_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _requests_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     table = tenant_kind_table(data.stats, duration_s)
     body = (
         [
@@ -862,7 +863,7 @@ def _requests_section(data: SoakData, plots: Mapping[str, Optional[str]], durati
     )
 
 
-def _sheds_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _sheds_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     table = tenant_kind_table(data.stats, duration_s)
     totals = shed_totals(data.stats)
     all_requests = sum(r.requests for r in table if r.tenant == "all")
@@ -880,7 +881,7 @@ def _sheds_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_
     return _section("Sheds by reason", body, empty, plots, ("sheds.png", "sheds per second by reason"))
 
 
-def _criticality_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _criticality_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     by_crit = sheds_by_criticality(data.report)
     body: list[str] = []
     if by_crit:
@@ -894,7 +895,7 @@ def _criticality_section(data: SoakData, plots: Mapping[str, Optional[str]], dur
     return _section("Sheds by criticality", body, no_report if data.report is None else "_No sheds recorded._", plots)
 
 
-def _level_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _level_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     lvl = level_summary(data.samples)
     body: list[str] = []
     if lvl.samples:
@@ -916,7 +917,7 @@ def _level_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_
     )
 
 
-def _replicas_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _replicas_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     counts = replica_count_table(data.samples)
     body = (
         _table(
@@ -943,7 +944,7 @@ def _replicas_section(data: SoakData, plots: Mapping[str, Optional[str]], durati
     )
 
 
-def _rss_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _rss_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     rss = rss_table(data.samples)
     body = (
         _table(
@@ -983,7 +984,7 @@ def _rss_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s:
     )
 
 
-def _recycle_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _recycle_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     events = recycle_events(data.samples)
     body = (
         _table(
@@ -1006,7 +1007,7 @@ def _recycle_section(data: SoakData, plots: Mapping[str, Optional[str]], duratio
     return _section("Recycle events", body, "_No recycle events in the status samples._", plots)
 
 
-def _lost_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _lost_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     lost = lost_capacity(data.samples)
     body = (
         [
@@ -1023,7 +1024,7 @@ def _lost_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s
     return _section("Replicas lost under requests", body, empty, plots)
 
 
-def _faults_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _faults_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     faults = (data.report or {}).get("faults") or []
     body = (
         _table(
@@ -1047,7 +1048,7 @@ def _faults_section(data: SoakData, plots: Mapping[str, Optional[str]], duration
     return _section("Faults injected", body, "_No fault records._", plots)
 
 
-def _failures_section(data: SoakData, plots: Mapping[str, Optional[str]], duration_s: Optional[float]) -> list[str]:
+def _failures_section(data: SoakData, plots: Mapping[str, str | None], duration_s: float | None) -> list[str]:
     body: list[str] = []
     if data.failures:
         body += _table(
@@ -1074,7 +1075,7 @@ SECTIONS = (
 )
 
 
-def _plot_line(plots: Mapping[str, Optional[str]], name: str, what: str) -> str:
+def _plot_line(plots: Mapping[str, str | None], name: str, what: str) -> str:
     if name not in plots:
         return f"_Plot `{name}` not drawn._"
     why = plots[name]
@@ -1090,7 +1091,7 @@ def _x(data: SoakData, t_s: float) -> float:
     return real * data.time_scale / 3600.0 if data.time_scale else real / 60.0
 
 
-def write_plots(data: SoakData) -> dict[str, Optional[str]]:
+def write_plots(data: SoakData) -> dict[str, str | None]:
     """Draw every PNG that has data; returns name → None (written) or the reason it was not."""
     try:
         import matplotlib
@@ -1113,7 +1114,7 @@ class _Canvas:
     def __init__(self, data: SoakData, plt: Any) -> None:
         self.data, self.plt = data, plt
         self.xlabel = "simulated hour of the day" if data.time_scale else "minutes since start"
-        self.result: dict[str, Optional[str]] = {}
+        self.result: dict[str, str | None] = {}
 
     def save(self, name: str, fig: Any) -> None:
         fig.tight_layout()
@@ -1122,7 +1123,7 @@ class _Canvas:
         self.result[name] = None
 
 
-def _draw_traffic(c: _Canvas) -> Optional[str]:
+def _draw_traffic(c: _Canvas) -> str | None:
     """requests.png and latency.png from Locust's history; None when drawn, else why not."""
     data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     agg = aggregated_timeline(data.history)
@@ -1167,7 +1168,7 @@ def _draw_traffic(c: _Canvas) -> Optional[str]:
     return None
 
 
-def _draw_sheds(c: _Canvas) -> Optional[str]:
+def _draw_sheds(c: _Canvas) -> str | None:
     """sheds.png: sheds per second by reason and in total."""
     data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     sheds = shed_timeline(data.history)
@@ -1189,7 +1190,7 @@ def _draw_sheds(c: _Canvas) -> Optional[str]:
     return None
 
 
-def _draw_level(c: _Canvas) -> Optional[str]:
+def _draw_level(c: _Canvas) -> str | None:
     """level.png: the degradation level over time."""
     data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     levels = [(float(s["t_s"]), s["level"]) for s in data.samples if isinstance(s.get("level"), int)]
@@ -1207,7 +1208,7 @@ def _draw_level(c: _Canvas) -> Optional[str]:
     return None
 
 
-def _draw_replicas(c: _Canvas) -> Optional[str]:
+def _draw_replicas(c: _Canvas) -> str | None:
     """replicas.png: replicas desired vs running per deployment."""
     data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     deps: dict[str, list[tuple[float, Any, Any]]] = defaultdict(list)
@@ -1244,7 +1245,7 @@ def _draw_replicas(c: _Canvas) -> Optional[str]:
     return None
 
 
-def _draw_rss(c: _Canvas) -> Optional[str]:
+def _draw_rss(c: _Canvas) -> str | None:
     """rss.png: RSS per replica, recycles marked."""
     data, plt, xlabel, save = c.data, c.plt, c.xlabel, c.save
     series: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -1299,7 +1300,7 @@ def build(out_dir: Path | str) -> Path:
     return path
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0] in ("-h", "--help"):
         print(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from ballast.policies.validation import (
     check_fields,
@@ -198,7 +197,7 @@ class DiurnalShape:
         frac = self.profile.fraction(self.sim_time_of_day_s(run_time_s))
         return max(self.min_users, round(self.peak_users * frac))
 
-    def tick(self, run_time_s: float) -> Optional[tuple[int, float]]:
+    def tick(self, run_time_s: float) -> tuple[int, float] | None:
         """``(users, spawn_rate)`` at ``run_time_s`` real seconds into the run, None once the day is over."""
         check_non_negative("run_time_s", run_time_s)
         if run_time_s >= self.duration_s:
@@ -236,7 +235,7 @@ class StepShape:
     def duration_s(self) -> float:
         return math.fsum(s.duration_s for s in self.stages)
 
-    def stage_at(self, run_time_s: float) -> Optional[Stage]:
+    def stage_at(self, run_time_s: float) -> Stage | None:
         check_non_negative("run_time_s", run_time_s)
         end_s = 0.0
         for stage in self.stages:
@@ -245,7 +244,7 @@ class StepShape:
                 return stage
         return None
 
-    def tick(self, run_time_s: float) -> Optional[tuple[int, float]]:
+    def tick(self, run_time_s: float) -> tuple[int, float] | None:
         stage = self.stage_at(run_time_s)
         return None if stage is None else (stage.users, stage.spawn_rate)
 

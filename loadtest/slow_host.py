@@ -16,8 +16,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 MAX_S = 4 * 3600.0  # a burner's longest life, whatever happens to its parent
 _CHECK_EVERY = 200_000  # spins between looks at the stop flag, the parent and the clock

@@ -48,9 +48,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import httpx
 
@@ -129,7 +130,7 @@ def compressed_config(data: Mapping[str, Any], time_scale: float) -> dict[str, A
     return out
 
 
-def default_out_dir(now: Optional[datetime] = None) -> Path:
+def default_out_dir(now: datetime | None = None) -> Path:
     now = now or datetime.now(timezone.utc)
     return REPO / ".run" / "soak" / now.strftime("%Y%m%dT%H%M%SZ")
 
@@ -236,7 +237,7 @@ class StatusSampler:
         self._thread.join(timeout_s)
         self._http.close()
 
-    def _get(self, path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    def _get(self, path: str) -> tuple[dict[str, Any] | None, str | None]:
         try:
             r = self._http.get(path)
         except httpx.HTTPError as e:
@@ -308,7 +309,7 @@ def run_locust(cmd: list[str], env: dict[str, str], limit_s: float, stop: thread
     return proc.returncode, reason
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--time-scale", type=float, default=96.0, help="simulated seconds per real second (96: 15 min; 1: 24 h)"
@@ -394,7 +395,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     # After ray.init (it installs its own SIGTERM handler): both signals end the soak cleanly.
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    sampler: Optional[StatusSampler] = None
+    sampler: StatusSampler | None = None
     rc = 1
     try:
         start(cfg, HOST, args.port)

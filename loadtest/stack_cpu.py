@@ -33,7 +33,6 @@ down: vLLM's worker waiting is the engine's throughput lost to the rest of the h
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 ROLES = ("edge", "proxy", "router", "front", "engine", "fallback", "guards", "serve", "ray")
 
@@ -42,7 +41,7 @@ MAX_THREADS = 16384  # threads remembered for their waits (bounded)
 _RAY_DAEMONS = ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env", "ray_client")
 
 
-def role_of(name: str, title: str) -> Optional[str]:
+def role_of(name: str, title: str) -> str | None:
     """The role of a process named ``name`` (psutil's) with ``title`` (its ``cmdline[0]``),
     None for a process that is not the stack's."""
     if name == "haproxy":

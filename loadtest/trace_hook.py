@@ -54,7 +54,7 @@ MAX_KEYS = 40  # a dict with more keys (or a key longer) is a map, not a record:
 
 REC = False
 IDLE = False  # an idle window: no request in flight
-MARKER: "str | None" = None
+MARKER: str | None = None
 CODES: dict = {}  # code -> Ballast name or "" (not Ballast)
 STACKS: dict = {}  # stack tuple -> id
 SHAPES: dict = {}  # frozenset of shapes -> id

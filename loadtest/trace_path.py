@@ -75,8 +75,9 @@ import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import httpx
 import yaml
@@ -457,7 +458,7 @@ def _alarm(signum: int, frame: Any) -> None:
     raise TimeoutError("trace_path ran past its time limit")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", default=".", help="the Ballast source tree to trace (default: .)")
     p.add_argument("--port", type=int, default=8131)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
@@ -41,7 +40,7 @@ class RayServeDefault:
     _samples: deque[tuple[float, float]] = field(default_factory=deque, init=False, repr=False)
     # >0 wants up, <0 wants down (Ray's decision_counter sign).
     _direction: int = field(default=0, init=False, repr=False)
-    _since_s: Optional[float] = field(default=None, init=False, repr=False)
+    _since_s: float | None = field(default=None, init=False, repr=False)
 
     def decide(self, now_s: float, total_ongoing: float, target_replicas: int) -> int:
         self._samples.append((now_s, total_ongoing))
@@ -79,7 +78,7 @@ class HpaUtilization:
     _util: deque[tuple[float, float, int]] = field(default_factory=deque, init=False, repr=False)
     # Windowed by stabilization_s.
     _recommendations: deque[tuple[float, int]] = field(default_factory=deque, init=False, repr=False)
-    _next_sync_s: Optional[float] = field(default=None, init=False, repr=False)
+    _next_sync_s: float | None = field(default=None, init=False, repr=False)
 
     def decide(self, now_s: float, util_sum_pct: float, ready: int, current: int) -> int:
         """``util_sum_pct``: the sum over ready replicas of their utilization (%)."""

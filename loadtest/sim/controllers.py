@@ -50,14 +50,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
 from ballast.policies import admission, control, leak, recycle
-from ballast.policies.lease import LeaseTable
 from ballast.policies.autoscale import AutoscaleConfig
 from ballast.policies.degradation import DegradationConfig
+from ballast.policies.lease import LeaseTable
 from ballast.policies.recycle import RecycleConfig, RecycleState, ReplicaView
 from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
 
@@ -77,7 +76,7 @@ class TickView:
     now_s: float
     queued: int  # admitted, not yet computing
     running: float  # computing (Little's law: serving replicas × batch)
-    wait_p95_s: Optional[float]
+    wait_p95_s: float | None
     outcomes: int  # requests finished, failed or timed out this tick
     errors: int  # failed or timed out this tick
     served_per_s: float
@@ -91,9 +90,9 @@ class BallastController:
         cfg: SimConfig,
         fleet: Fleet,
         recycling: bool,
-        deg_cfg: Optional[DegradationConfig] = None,
-        as_cfg: Optional[AutoscaleConfig] = None,
-        rc_cfg: Optional[RecycleConfig] = None,
+        deg_cfg: DegradationConfig | None = None,
+        as_cfg: AutoscaleConfig | None = None,
+        rc_cfg: RecycleConfig | None = None,
     ) -> None:
         """The policies' configs default to ``cfg``'s fleet-scaled ones; a test may pass production's."""
         self.cfg = cfg
@@ -149,12 +148,12 @@ class BallastController:
         errors: int,
         running_replicas: int,
         now_s: float,
-        views: Optional[list[ReplicaView]] = None,
-        watchdogs: Optional[dict[str, WatchdogReport]] = None,
-        wall_s: Optional[float] = None,
-        hour_of_day: Optional[float] = None,
-        serving_replicas: Optional[int] = None,
-    ) -> tuple[control.ControlDecision, Optional[recycle.RecycleStep]]:
+        views: list[ReplicaView] | None = None,
+        watchdogs: dict[str, WatchdogReport] | None = None,
+        wall_s: float | None = None,
+        hour_of_day: float | None = None,
+        serving_replicas: int | None = None,
+    ) -> tuple[control.ControlDecision, recycle.RecycleStep | None]:
         """The controller's decisions on one tick's reports, through the production policies.
 
         ``ballast.policies.control`` folds the reports and runs the level, the autoscaler and the
@@ -311,7 +310,7 @@ class BallastController:
             if now_s - lease.last_heartbeat_s >= self._lease_heartbeat_s:
                 self.leases.heartbeat(lease.id, HOLDER, now_s)
 
-    def _recycle_views(self, now_s: float) -> tuple[Optional[list[ReplicaView]], dict[str, int]]:
+    def _recycle_views(self, now_s: float) -> tuple[list[ReplicaView] | None, dict[str, int]]:
         """Every ready replica's view (``ballast.policies.recycle.replica_view``), or None when the
         plan may be skipped."""
         f = self.fleet
@@ -352,7 +351,7 @@ class BallastController:
         return views, by_id
 
     @staticmethod
-    def _watchdog_report(rid: str, intake: bool, req: Optional[tuple[str, bool]]) -> WatchdogReport:
+    def _watchdog_report(rid: str, intake: bool, req: tuple[str, bool] | None) -> WatchdogReport:
         if req is None:
             return WatchdogReport(replica_id=rid, deployment=DEPLOYMENT, ready=bool(intake))
         reason, critical = req
