@@ -111,7 +111,7 @@ class RowSampling:
     @property
     def asks(self) -> frozenset[str]:
         """The fields only some engines honour that this sampling asks for
-        (``ballast.policies.engines.ENGINE_ONLY``): the neutral values ask for nothing."""
+        (``ballast.policies.engines.ASKED_BY``): the neutral values ask for nothing."""
         asked = set()
         if self.repetition_penalty != 1.0:
             asked.add("repetition_penalty")

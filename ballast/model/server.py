@@ -47,6 +47,7 @@ from typing import Any, AsyncGenerator, Optional
 
 from ray import serve
 
+from ballast.policies.engines import capabilities
 from ballast.policies.holdings import AdapterHoldings
 from ballast.policies.reports import (
     MAX_PROCESS_NAME_CHARS,
@@ -98,9 +99,10 @@ def warmup_batch_sizes(max_batch_size: int) -> list[int]:
 
 def scheduler_config(m: ModelConfig, context_tokens: int) -> SchedulerConfig:
     """The replica's scheduling limits: ``model.kv_cache_tokens`` as its KV budget, by
-    default room for ``max_batch_size`` rows that each fill the context; none for vLLM,
-    which manages its own KV cache (the replica only bounds the rows in the engine)."""
-    if m.backend == "vllm":
+    default room for ``max_batch_size`` rows that each fill the context; none for an engine
+    that schedules itself (vLLM), which manages its own KV cache (the replica only bounds
+    the rows in the engine)."""
+    if capabilities(m.backend).self_scheduling:
         return SchedulerConfig(kv_budget_tokens=None, context_tokens=context_tokens)
     return SchedulerConfig(
         kv_budget_tokens=m.kv_cache_tokens or m.max_batch_size * context_tokens, context_tokens=context_tokens

@@ -86,7 +86,7 @@ from ballast.model.batching import check_joins, describe_engine
 from ballast.errors import AdapterRefused, EngineRefused, ModelLoadError
 from ballast.model.grammar import GrammarCompiles
 from ballast.model.kv_events import KVEventFeed, events_config
-from ballast.policies.engine_curve import StepCurve
+from ballast.policies.engines import StepCurve
 from ballast.policies.prefix_cache import PrefixReport
 from ballast.model.hf_text import ContextTooLong, IncrementalDetokenizer, TokenizerText
 from ballast.model.protocol import GREEDY, Join, RowSampling

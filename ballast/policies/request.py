@@ -90,31 +90,6 @@ def counts_as_error(code: str, status: int) -> bool:
     return status >= 500 and code not in NOT_LEVEL_ERRORS
 
 
-def model_ceiling(
-    model_replicas: int,
-    router_replicas: int,
-    max_ongoing_per_replica: int,
-    share: Optional[float] = None,
-    engine_rows: Optional[int] = None,
-) -> Optional[int]:
-    """This router's share of what the primary's replicas take at once (None: unknown yet).
-
-    Replicas x ``max_ongoing_requests``, or fewer where the engines say they run fewer rows
-    usefully (``engine_rows``: more would buy no throughput, only slower answers), times
-    ``share`` where the controller apportions the model among routers (fair shares), else
-    split evenly among the routers it hears from; at least one each: a ceiling of 0 would
-    close the gate for good.
-    """
-    if model_replicas <= 0:
-        return None
-    slots = model_replicas * max_ongoing_per_replica
-    if engine_rows is not None:
-        slots = max(1, min(slots, engine_rows))
-    if share is not None:
-        return max(1, int(slots * share))
-    return max(1, slots // max(1, router_replicas))
-
-
 def fit_context(prompt_tokens: int, asked: Optional[int], context: int) -> tuple[int, Optional[str]]:
     """(max_tokens, None) when the prompt and ``asked`` fit a model of ``context`` tokens, else
     (0, why not). No ``asked``: all the context the prompt leaves, as OpenAI's API does.

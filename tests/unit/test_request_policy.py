@@ -72,14 +72,3 @@ def test_the_quota_retry_after_is_floored_and_capped():
 )
 def test_which_outcomes_count_as_errors_for_the_level(code, status, expected):
     assert rp.counts_as_error(code, status) is expected
-
-
-def test_the_model_ceiling_is_an_even_share_of_replicas_times_max_ongoing():
-    assert rp.model_ceiling(0, 2, 16) is None  # no replica heard of yet
-    assert rp.model_ceiling(2, 1, 16) == 32
-    assert rp.model_ceiling(2, 3, 16) == 10  # 32 // 3
-    assert rp.model_ceiling(3, 0, 8) == 24  # no router heard of: this one
-    assert rp.model_ceiling(1, 100, 4) == 1  # never 0: that would close the gate
-    assert rp.model_ceiling(2, 2, 10, share=0.25) == 5  # the controller's fair share, not the even split
-    assert rp.model_ceiling(2, 2, 10, share=0.0) == 1
-    assert rp.model_ceiling(0, 2, 10, share=0.5) is None

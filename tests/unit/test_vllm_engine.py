@@ -551,7 +551,7 @@ def test_the_engines_steps_give_its_curve_by_vllms_own_inter_token_gaps():
     from vllm.v1.metrics.stats import SchedulerStats
 
     from ballast.model.vllm_engine import _StatsSink
-    from ballast.policies.engine_curve import StepCurve
+    from ballast.policies.engines import StepCurve
 
     sink, curve = _StatsSink(), StepCurve()
     for _ in range(8):
