@@ -32,7 +32,7 @@ seed gives the same text whatever else is in the batch. A row ends at its
 emitted, so it is counted, and decodes to no text); with ``ignore_eos`` only at its
 ``max_new_tokens``; before ``min_tokens`` tokens it cannot pick one.
 ``protocol.RowSampling`` bounds what a request sends (a seed is an int64, a
-temperature below ``MIN_TEMPERATURE`` is greedy, NaN and infinities are refused).
+temperature below ``GREEDY_BELOW_TEMPERATURE`` is greedy, NaN and infinities are refused).
 
 **One row's fault.** A join whose ids are outside the vocabulary is refused before its
 prefill; a row whose logits are not finite (``RowFailed``), or whose own draw fails

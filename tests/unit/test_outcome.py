@@ -1,26 +1,9 @@
-"""ballast/policies/request.py: the router's per-request decisions."""
+"""ballast.policies.outcome: why an answer is less than asked, and which outcomes count as the
+model's errors for the level."""
 
 import pytest
 
-from ballast.policies import request as rp
-from ballast.policies.criticality import Criticality
-
-
-def test_a_claim_above_the_tenants_cap_is_lowered_to_it():
-    assert rp.lower_criticality(Criticality.CRITICAL_PLUS, Criticality.CRITICAL) == (Criticality.CRITICAL, True)
-    assert rp.lower_criticality(Criticality.CRITICAL, Criticality.SHEDDABLE) == (Criticality.SHEDDABLE, True)
-
-
-def test_a_claim_at_or_below_the_cap_stands():
-    assert rp.lower_criticality(Criticality.CRITICAL, Criticality.CRITICAL) == (Criticality.CRITICAL, False)
-    assert rp.lower_criticality(Criticality.SHEDDABLE, Criticality.CRITICAL_PLUS) == (Criticality.SHEDDABLE, False)
-
-
-def test_the_token_cost_is_prompt_bytes_capped_by_the_context_plus_max_tokens():
-    assert rp.prompt_tokens("hello", 100) == 5
-    assert rp.prompt_tokens("é", 100) == 2  # UTF-8 bytes, not characters
-    assert rp.prompt_tokens("x" * 500, 100) == 100
-    assert rp.token_cost(rp.prompt_tokens("hello", 100), 64) == 69
+from ballast.policies.outcome import counts_as_error, degraded_reasons
 
 
 def reasons(**kw):
@@ -32,7 +15,7 @@ def reasons(**kw):
         stream_requested=False,
         streaming_allowed=True,
     )
-    return rp.degraded_reasons(**{**base, **kw})
+    return degraded_reasons(**{**base, **kw})
 
 
 def test_degraded_reasons():
@@ -51,13 +34,6 @@ def test_degraded_reasons():
     ]
 
 
-def test_the_quota_retry_after_is_floored_and_capped():
-    assert rp.quota_retry_after_s(0.0) == rp.QUOTA_RETRY_AFTER_FLOOR_S == 0.01
-    assert rp.quota_retry_after_s(-5.0) == 0.01
-    assert rp.quota_retry_after_s(2.5) == 2.5
-    assert rp.quota_retry_after_s(1e9) == rp.QUOTA_RETRY_AFTER_CAP_S == 3600.0
-
-
 @pytest.mark.parametrize(
     "code,status,expected",
     [
@@ -71,4 +47,4 @@ def test_the_quota_retry_after_is_floored_and_capped():
     ],
 )
 def test_which_outcomes_count_as_errors_for_the_level(code, status, expected):
-    assert rp.counts_as_error(code, status) is expected
+    assert counts_as_error(code, status) is expected
