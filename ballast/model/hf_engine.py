@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from ballast.model.batching import (
+    check_context,
     check_joins,
     describe_engine,
     ids_by_row,
@@ -63,9 +64,10 @@ from ballast.model.batching import (
     refuse_adapter,
     refuse_bad_ids,
     rows_to_keep,
+    warm_up,
 )
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels, tokenizer_id
-from ballast.model.hf_text import ContextTooLong, IncrementalDetokenizer, TokenizerText
+from ballast.model.hf_text import IncrementalDetokenizer, TokenizerText
 from ballast.model.protocol import GREEDY, Join, RowSampling
 
 __all__ = ["HFBackend", "HFBatch", "RowFailed", "RowSampling"]
@@ -129,15 +131,9 @@ class HFBackend:
         return HFBatch(self)
 
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
-        """Short generations at these batch sizes: allocator, kernels and (on CUDA) context warm."""
-        steps = max(1, min(4, self.max_seq_len - 2))
-        for n in batch_sizes:
-            batch = self.open_batch()
-            joins = [Join(i, self.encode("Hello", steps), steps) for i in range(n)]
-            with torch.inference_mode():
-                batch.run_chunk(joins, steps)
-                while batch.size:
-                    batch.run_chunk([], steps)
+        """Short generations at these batch sizes (``batching.warm_up``)."""
+        with torch.inference_mode():
+            warm_up(self, batch_sizes)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -241,13 +237,7 @@ class HFBatch:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         check_joins(joins, self.keys())
-        limit = self._b.max_seq_len
-        for join in joins:
-            if not join.ids or len(join.ids) + join.max_new_tokens > limit:
-                raise ContextTooLong(
-                    f"row {join.key!r}: {len(join.ids)} prompt ids + {join.max_new_tokens} new tokens must fit "
-                    f"the context of {limit}"
-                )
+        check_context(joins, self._b.max_seq_len)
         admitted = []
         for join in joins:
             refused = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, self._b.vocab_size)

@@ -45,6 +45,22 @@ def events_config(endpoint: str) -> dict[str, Any]:
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": TOPIC}
 
 
+def feed_for(engine_kwargs: dict[str, Any], report_blocks: Optional[int], base_adapter: str) -> Optional[KVEventFeed]:
+    """A feed of the engine's KV-cache events when blocks are to be reported
+    (``report_blocks``) and its prefix cache is on (``enable_prefix_caching`` in
+    ``engine_kwargs``, Ballast's defaults included), its publisher added to
+    ``engine_kwargs``; None otherwise, and where the operator configured vLLM's events for
+    a consumer of their own (left as they are). ``base_adapter``: the zero adapter's name."""
+    if report_blocks is None or not engine_kwargs.get("enable_prefix_caching"):
+        return None
+    if "kv_events_config" in engine_kwargs:
+        log.info("engine_kwargs.kv_events_config is the operator's: no prefix report for the routers")
+        return None
+    feed = KVEventFeed(base_adapter=base_adapter)
+    engine_kwargs["kv_events_config"] = events_config(feed.endpoint)
+    return feed
+
+
 def first_block_salt(event: Any) -> Optional[str]:
     """The ``cache_salt`` a ``BlockStored`` event's first block was hashed with; None without one.
 

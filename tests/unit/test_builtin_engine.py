@@ -22,6 +22,7 @@ from ballast.model.builtin_checkpoint import (
 from ballast.model.builtin_decoder import TinyDecoderConfig, build_tiny_decoder
 from ballast.model.builtin_engine import ByteStreamDecoder, SamplingConfig, TorchDecoderBackend, encode_prompt
 from ballast.model.engine import ModelBackend, ModelLoadError
+from ballast.model.hf_text import ContextTooLong
 from ballast.model.protocol import Join
 
 SMALL = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
@@ -309,7 +310,7 @@ def test_live_batch_zero_and_one_token_rows_and_validation():
     assert batch.size == 0 and batch.width == 0
     with pytest.raises(ValueError, match="steps"):
         batch.run_chunk([], 0)
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ContextTooLong, match=f"context of {SMALL.max_seq_len}"):  # a ValueError
         batch.run_chunk([Join("big", [1] * SMALL.max_seq_len, 1)], 1)
     with torch.inference_mode():
         batch.run_chunk([Join("dup", [1], 5)], 1)

@@ -529,10 +529,11 @@ def test_a_chunk_ends_when_a_row_has_its_first_tokens_not_after_a_whole_chunk():
     """Rule by rule on rows as the pumps leave them (no engine): a new row's first token
     ends the chunk (its time to first token is vLLM's, not vLLM's plus a chunk); then the
     chunk waits for ``steps`` unread from every row that makes tokens."""
-    from ballast.model.vllm_engine import GREEDY, _Row, chunk_ready
+    from ballast.model.protocol import GREEDY
+    from ballast.model.vllm_batch import Row, chunk_ready
 
-    def row(unread: int, made: int, finished: bool = False) -> _Row:
-        r = _Row(0, "r", GREEDY)
+    def row(unread: int, made: int, finished: bool = False) -> Row:
+        r = Row(0, "r", GREEDY)
         r.unread, r.made, r.finished = [7] * unread, made, finished
         return r
 
@@ -550,10 +551,10 @@ def test_the_engines_steps_give_its_curve_by_vllms_own_inter_token_gaps():
     new) says nothing of it. The useful rows are the curve's."""
     from vllm.v1.metrics.stats import SchedulerStats
 
-    from ballast.model.vllm_engine import _StatsSink
+    from ballast.model.vllm_stats import StatsSink
     from ballast.policies.engines import StepCurve
 
-    sink, curve = _StatsSink(), StepCurve()
+    sink, curve = StatsSink(), StepCurve()
     for _ in range(8):
         for rows in range(1, 17):
             step = 0.004 + 0.0005 * rows

@@ -142,7 +142,7 @@ def test_a_base_row_beside_adapter_rows_gets_the_base_output(backend, alone):
     # vLLM's CPU LoRA ops (vllm/lora/ops/torch_ops: lora_weights[lora_indices]) take a row
     # without an adapter (-1) for the last slot's adapter: on CPU a base row runs with the
     # zero adapter instead, and gets the base output beside adapter rows.
-    assert backend._base_lora is not None and backend.device == "cpu"
+    assert backend.lora.base is not None and backend.device == "cpu"
     out, failed = run(backend, {"b": None, "s": "sql", "t": "support", "b2": None})
     assert not failed and out["s"] == alone["sql"][0] and out["t"] == alone["support"][0]
     assert out["b"] == out["b2"] == alone[None][0]
