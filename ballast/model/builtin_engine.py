@@ -136,11 +136,12 @@ class TorchDecoderBackend:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         if device != "cpu" and not (isinstance(device, str) and device.startswith("cuda:")):
             raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
-        missing = [a for a in _REQUIRED_MODEL_ATTRS if not isinstance(getattr(model, a, None), int)]
+        sizes: dict[str, Any] = {a: getattr(model, a, None) for a in _REQUIRED_MODEL_ATTRS}
+        missing = [a for a, v in sizes.items() if not isinstance(v, int)]
         if missing:
             raise ValueError(f"model lacks int attributes {missing} needed to shape the KV cache")
-        if int(model.vocab_size) != BYTE_VOCAB_SIZE:
-            raise ValueError(f"model vocab_size must be {BYTE_VOCAB_SIZE}, got {model.vocab_size}")
+        if sizes["vocab_size"] != BYTE_VOCAB_SIZE:
+            raise ValueError(f"model vocab_size must be {BYTE_VOCAB_SIZE}, got {sizes['vocab_size']}")
         params = list(model.parameters())
         if not params:
             raise ValueError("model has no parameters; cannot infer its dtype")
@@ -148,12 +149,12 @@ class TorchDecoderBackend:
         self.device = device
         self.source = source
         self.sampling = sampling
-        self.max_seq_len = int(model.max_seq_len)
+        self.max_seq_len = int(sizes["max_seq_len"])
         self.parameter_count = sum(p.numel() for p in params)
         self._model = model.to(device).eval()
-        self._n_layers = int(model.n_layers)
-        self._n_heads = int(model.n_heads)
-        self._head_dim = int(model.head_dim)
+        self._n_layers = int(sizes["n_layers"])
+        self._n_heads = int(sizes["n_heads"])
+        self._head_dim = int(sizes["head_dim"])
         self._dtype = params[0].dtype
         allowed = torch.zeros(BYTE_VOCAB_SIZE, dtype=torch.bool, device=device)
         allowed[list(_PRINTABLE_IDS)] = True

@@ -283,7 +283,8 @@ class HFBatch:
                 use_cache=True,
                 **kwargs,
             )
-        return out.logits[:, -1, :]
+        logits: Tensor = out.logits[:, -1, :]
+        return logits
 
     def _decode(self) -> Tensor:
         """One step for every row: feed its last token; the new tokens [B]."""
@@ -299,7 +300,7 @@ class HFBatch:
 
     def _prefill(self, prompts: list[Sequence[int]], rows: list[_Row]) -> Tensor:
         """Prefill the joiners as their own left-padded batch, then stack them under the running rows."""
-        from transformers import DynamicCache
+        from ballast.model.untyped import transformers
 
         dev = self._b.device
         width = max(len(p) for p in prompts)
@@ -309,7 +310,7 @@ class HFBatch:
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=dev)
             mask[i, width - len(p) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = transformers().DynamicCache()  # its layers: one kind, keys and values
         logits = self._forward(ids, mask, positions, cache)
         first = self._pick(logits, rows)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)

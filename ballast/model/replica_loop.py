@@ -200,7 +200,7 @@ class ReplicaLoop:
         self.progress_at_s = clock()  # when the engine last moved (a chunk brought tokens)
         self._busy_since_s = self.progress_at_s  # when work last arrived at an idle loop
         self._wake: Optional[asyncio.Event] = None
-        self._task: Optional[asyncio.Task] = None
+        self._task: Optional[asyncio.Task[None]] = None
 
     # -- what the replica reads and sets ---------------------------------------------------
     @property

@@ -32,6 +32,7 @@ from typing import Any, Optional, Protocol
 from ballast.errors import EngineRefused
 from ballast.model.batching import check_context, check_joins
 from ballast.model.protocol import GREEDY, Join, RowSampling
+from ballast.model.untyped import VLLMObject
 from ballast.model.vllm_loop import CALL_SLACK_S, EngineLoop
 from ballast.model.vllm_lora import LoRATable
 
@@ -55,7 +56,7 @@ class RowEngine(Protocol):
     lora: LoRATable
 
     @property
-    def llm(self) -> Any:
+    def llm(self) -> VLLMObject:
         """vLLM's ``AsyncLLM``."""
         ...
 
@@ -98,7 +99,7 @@ def chunk_ready(rows: Sequence[Row], steps: int) -> bool:
     return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
 
 
-def sampling_params(s: RowSampling, n: int) -> Any:
+def sampling_params(s: RowSampling, n: int) -> VLLMObject:
     """vLLM's parameters for a row of ``n`` new tokens sampled as ``s``."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -217,12 +218,12 @@ class VLLMBatch:
                 await asyncio.wait_for(self._changed.wait(), left)
             except asyncio.TimeoutError:
                 break
-        failed = [r for r in self._rows.values() if r.error is not None]
-        for row in failed:  # each alone: the other rows go on
+        failed = [(r, r.error) for r in self._rows.values() if r.error is not None]
+        for row, error in failed:  # each alone: the other rows go on
             del self._rows[row.key]
             out.pop(row.key, None)
-            self._failed[row.key] = row_error(row, row.error)
-        await self._abort(failed)
+            self._failed[row.key] = row_error(row, error)
+        await self._abort([row for row, _ in failed])
         self._cached = {}
         for key, row in list(self._rows.items()):
             if row.unread and row.cached is not None:
@@ -238,9 +239,8 @@ class VLLMBatch:
 
     def _submit(self, join: Join) -> None:
         """``join`` into vLLM as a request of its own, or into ``take_failed`` when it is refused alone."""
-        from vllm.inputs import TokensPrompt
-
         from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
 
         llm = self._engine.llm
         key, adapter, salt = join.key, join.adapter, join.cache_salt
@@ -267,7 +267,7 @@ class VLLMBatch:
         row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params, lora))
         self._rows[key] = row
 
-    async def _pump(self, row: Row, prompt: Any, params: Any, lora: Any) -> None:
+    async def _pump(self, row: Row, prompt: VLLMObject, params: VLLMObject, lora: VLLMObject) -> None:
         """Append the request's new ids to ``row`` as vLLM produces them (with the adapter's
         ``LoRARequest`` ``lora``, None: the base model)."""
         try:

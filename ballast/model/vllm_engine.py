@@ -57,6 +57,7 @@ from ballast.model.grammar import GrammarCompiles
 from ballast.model.hf_text import IncrementalDetokenizer, TokenizerText
 from ballast.model.kv_events import feed_for
 from ballast.model.protocol import RowSampling
+from ballast.model.untyped import VLLMObject
 from ballast.model.vllm_args import DEFAULT_ENGINE_KWARGS, config_sections, default_engine_kwargs
 from ballast.model.vllm_batch import VLLMBatch, VLLMRequestError, sampling_params
 from ballast.model.vllm_loop import SHUTDOWN_WAIT_S, EngineLoop
@@ -123,7 +124,7 @@ class VLLMBackend:
         self._lost: Optional[str] = None  # why the engine is dead (vLLM said so); None while it serves
         self.loop = EngineLoop(name)
         started = time.monotonic()
-        self.llm: Any = self._launch(dict(engine_kwargs or {}), prefix_report_blocks)
+        self.llm: VLLMObject = self._launch(dict(engine_kwargs or {}), prefix_report_blocks)
         self.start_s = time.monotonic() - started
         cfg = self.llm.vllm_config
         self.max_seq_len = int(cfg.model_config.max_model_len)
@@ -140,7 +141,7 @@ class VLLMBackend:
 
     # ---------------------------------------------------------------- start, stop
 
-    def _launch(self, engine_kwargs: dict[str, Any], report_blocks: Optional[int]) -> Any:
+    def _launch(self, engine_kwargs: dict[str, Any], report_blocks: Optional[int]) -> VLLMObject:
         """The engine (Ballast's defaults under ``engine_kwargs``), started on the engine loop,
         and with ``report_blocks`` the feed of its KV-cache events (``kv_events.feed_for``);
         a failure stops the loop and the feed."""
@@ -158,7 +159,7 @@ class VLLMBackend:
             self._kv_feed.start(int(cache.num_gpu_blocks), int(cache.block_size), report_blocks)
         return llm
 
-    async def _start(self, engine_kwargs: dict[str, Any]) -> Any:
+    async def _start(self, engine_kwargs: dict[str, Any]) -> VLLMObject:
         """The engine config (faults blamed on config.json), then the engine itself."""
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -281,7 +282,7 @@ class VLLMBackend:
             await self.grammars.check(grammar, sampling.json_schema_of, tenant)
         return sampling
 
-    def _verify(self, params: Any) -> None:
+    def _verify(self, params: VLLMObject) -> None:
         cfg = self.llm.vllm_config
         params.verify(cfg.model_config, cfg.speculative_config, cfg.structured_outputs_config, self.llm.tokenizer)
 
@@ -292,7 +293,8 @@ class VLLMBackend:
         from vllm.exceptions import VLLMClientError
 
         kind, text = key.split(":", 1)
-        params = sampling_params(RowSampling(**{kind: text}), 1)
+        grammar = RowSampling(structural_tag=text) if kind == "structural_tag" else RowSampling(json_schema=text)
+        params = sampling_params(grammar, 1)
         try:
             self._verify(params)
         except (VLLMClientError, ValueError) as e:
@@ -436,7 +438,7 @@ def _grammar_key(s: RowSampling) -> Optional[str]:
     return None
 
 
-def _in_replica_group(parallel_config: Any) -> None:
+def _in_replica_group(parallel_config: VLLMObject) -> None:
     """vLLM's ray executor runs its ranks in the placement group it is handed: the replica's
     own (Serve's), found here in the replica. The engine core that starts the ranks is a
     child process, outside the replica's Ray worker, so it could not find the group itself."""
@@ -448,7 +450,7 @@ def _in_replica_group(parallel_config: Any) -> None:
         parallel_config.placement_group = ray.util.get_current_placement_group()
 
 
-def _device_name(vllm_config: Any) -> str:
+def _device_name(vllm_config: VLLMObject) -> str:
     device = getattr(vllm_config.device_config, "device_type", None) or str(vllm_config.device_config.device)
     return "cpu" if str(device).startswith("cpu") else str(device)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from ballast.errors import AdapterRefused, ModelLoadError
+from ballast.model.untyped import VLLMObject
 from ballast.model.vllm_loop import CALL_SLACK_S, EngineLoop
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ class LoRATable:
     and leaves it before vLLM unloads it, so a row never runs with one vLLM refused.
     ``llm`` is vLLM's ``AsyncLLM`` (``lora_config`` None: LoRA off, every add refused)."""
 
-    def __init__(self, loop: EngineLoop, llm: Any, *, model: str, device: str) -> None:
+    def __init__(self, loop: EngineLoop, llm: VLLMObject, *, model: str, device: str) -> None:
         self._loop = loop
         self._llm = llm
         self._model = model
@@ -242,8 +243,8 @@ def check_adapter_name(name: str, model: str, path: str) -> None:
 def write_zero_adapter(source: Path, out: Path) -> bool:
     """A PEFT adapter in ``out`` shaped as the one in ``source``, every weight zero; False
     when ``source`` holds no ``adapter_model.safetensors`` to shape it from."""
-    from safetensors.torch import load_file, save_file
     import torch
+    from safetensors.torch import load_file, save_file
 
     weights = source / "adapter_model.safetensors"
     if not weights.is_file():

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from ballast.model.untyped import VLLMObject
 from ballast.policies.engines import StepCurve
 
 __all__ = ["StatsSink", "VLLMStats", "engine_metrics", "stat_logger_factory"]
@@ -65,7 +66,7 @@ class StatsSink:
         with self._lock:
             return self._curve.snapshot()
 
-    def record(self, s: Any, token_gaps: Sequence[float] = ()) -> None:
+    def record(self, s: VLLMObject, token_gaps: Sequence[float] = ()) -> None:
         """One step's ``SchedulerStats`` (its prefix-cache figures are that step's delta) and
         its rows' inter-token gaps (``IterationStats.inter_token_latencies_iter``: the engine's
         own timestamps, so the step's time whatever the loop that reads it; a row that waited
@@ -88,16 +89,20 @@ class StatsSink:
             )
 
 
-def stat_logger_factory(sink: StatsSink) -> Any:
+def stat_logger_factory(sink: StatsSink) -> VLLMObject:
     """A ``StatLoggerBase`` class feeding ``sink`` (vLLM calls it as ``cls(vllm_config, engine_index)``)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class _SinkLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        def __init__(self, vllm_config: VLLMObject, engine_index: int = 0) -> None:
             self.engine_index = engine_index
 
         def record(
-            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+            self,
+            scheduler_stats: VLLMObject,
+            iteration_stats: VLLMObject,
+            mm_cache_stats: VLLMObject = None,
+            engine_idx: int = 0,
         ) -> None:
             if scheduler_stats is not None:
                 sink.record(scheduler_stats, getattr(iteration_stats, "inter_token_latencies_iter", None) or ())
@@ -108,7 +113,7 @@ def stat_logger_factory(sink: StatsSink) -> Any:
     return _SinkLogger
 
 
-def engine_metrics() -> list[Any]:
+def engine_metrics() -> list[VLLMObject]:
     """vLLM's own metrics (TTFT, inter-token latency, preemptions, ... as ``vllm_*``) through
     Ray's metrics, as ``ray.serve.llm`` exports them (``log_engine_metrics``), in a replica;
     none outside Ray (a test's engine)."""
