@@ -30,12 +30,17 @@ class _Chunks(Protocol):
     def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]: ...
 
 
+class _Encodes(Protocol):
+    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]: ...
+
+
 class _Warms(Protocol):
-    """What ``warm_up`` runs on: an engine's batches and its text side."""
+    """What ``warm_up`` runs on: an engine's batches and its text side (``engine.ModelBackend``)."""
 
     max_seq_len: int
 
-    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]: ...
+    @property
+    def text(self) -> _Encodes: ...
 
     def open_batch(self) -> _Chunks: ...
 
@@ -110,7 +115,7 @@ def warm_up(engine: _Warms, batch_sizes: Sequence[int]) -> None:
     steps = max(1, min(4, engine.max_seq_len - 2))
     for n in batch_sizes:
         batch = engine.open_batch()
-        batch.run_chunk([Join(i, engine.encode("Hello", steps), steps) for i in range(n)], steps)
+        batch.run_chunk([Join(i, engine.text.encode("Hello", steps), steps) for i in range(n)], steps)
         while batch.keys():
             batch.run_chunk([], steps)
 

@@ -67,7 +67,7 @@ from ballast.model.batching import (
     warm_up,
 )
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels, tokenizer_id
-from ballast.model.hf_text import IncrementalDetokenizer, TokenizerText
+from ballast.model.hf_text import TokenizerText
 from ballast.model.protocol import GREEDY, Join, RowSampling
 
 __all__ = ["HFBackend", "HFBatch", "RowFailed", "RowSampling"]
@@ -104,26 +104,14 @@ class HFBackend:
         self.tokenizer_id = tokenizer_id(loaded.info.path)
         self.text = TokenizerText(self.tokenizer, self.max_seq_len)
 
-    # ------------------------------------------------- text side (``hf_text.TokenizerText``)
-
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.text.tokenize(prompt, add_special_tokens)
-
-    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-        return self.text.fit(ids, max_new_tokens)
-
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's ids for a row of ``max_new_tokens`` (the benchmarks' and warmup's
-        joins); ContextTooLong when they do not fit together."""
+        """``text.encode``: the benchmarks' joins."""
         return self.text.encode(prompt, max_new_tokens, add_special_tokens)
 
     async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
         """``sampling`` for this model (a top_k past the vocabulary is every token); the
         router refuses what this engine cannot honour."""
         return sampling.for_vocab(self.vocab_size) if sampling is not None else None
-
-    def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
-        return self.text.stream_decoder(keep_special_tokens)
 
     # ------------------------------------------------------------------ batches
 
@@ -148,7 +136,7 @@ class HFBackend:
     ) -> Iterator[list[str]]:
         """Every prompt joins at once; yields one text piece per prompt per chunk (ModelBackend)."""
         batch = self.open_batch()
-        decoders = [self.stream_decoder() for _ in prompts]
+        decoders = [self.text.stream_decoder() for _ in prompts]
         joins = [Join(i, self.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
         while joins or batch.size:
             with torch.inference_mode():

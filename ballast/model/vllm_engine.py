@@ -33,7 +33,7 @@ event loop, on a bounded pool of which one tenant holds at most half, within
 **Tokens.** Prompts arrive as token ids (the replica tokenizes with the
 checkpoint's tokenizer, :func:`ballast.model.hf_checkpoint.load_tokenizer`, through the
 text side it shares with the transformers engine, ``hf_text.TokenizerText``), and
-the replica turns ids back into text (``stream_decoder``), so vLLM is told not
+the replica turns ids back into text (``text.stream_decoder``), so vLLM is told not
 to detokenize. An end-of-sequence token is emitted (counted) as with the other
 engines; vLLM stops at the tokenizer's and ``generation_config.json``'s eos ids.
 
@@ -54,7 +54,7 @@ from typing import Any, Optional
 from ballast.errors import AdapterRefused, EngineRefused, ModelLoadError
 from ballast.model.batching import describe_engine, warm_up
 from ballast.model.grammar import GrammarCompiles
-from ballast.model.hf_text import IncrementalDetokenizer, TokenizerText
+from ballast.model.hf_text import TokenizerText
 from ballast.model.kv_events import feed_for
 from ballast.model.protocol import RowSampling
 from ballast.model.untyped import VLLMObject
@@ -246,16 +246,11 @@ class VLLMBackend:
 
     # ------------------------------------------------- text side (``hf_text.TokenizerText``)
 
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.text.tokenize(prompt, add_special_tokens)
-
-    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-        return self.text.fit(ids, max_new_tokens)
-
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's ids for a row of ``max_new_tokens`` (the benchmarks' and warmup's
-        joins); ContextTooLong when they do not fit together."""
+        """``text.encode``: the benchmarks' joins."""
         return self.text.encode(prompt, max_new_tokens, add_special_tokens)
+
+    # ------------------------------------------------------- a row's checks and grammar
 
     async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
         """``sampling`` for this model once vLLM's own validation passes, run here so that
@@ -323,9 +318,6 @@ class VLLMBackend:
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size)
                 self._xgr_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._xgr_compiler
-
-    def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
-        return self.text.stream_decoder(keep_special_tokens)
 
     # ------------------------------------------------------------------ engine side
 

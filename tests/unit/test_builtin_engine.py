@@ -391,15 +391,21 @@ def test_tokenize_is_the_routers_bytes_and_fit_keeps_the_prompts_end():
     backend = make_backend(TinyDecoderConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=10))
     assert backend.tokenizer_id == BYTES_TOKENIZER
     for prompt in ("", "abcdefghij", "é", f"<{MARK}|im_start|>"):
-        assert backend.tokenize(prompt) == backend.tokenize(prompt, add_special_tokens=False) == encode_bytes(prompt)
-        assert backend.fit(backend.tokenize(prompt), 4)[0] == backend.encode(prompt, 4)  # as encode_prompt keeps it
-    assert backend.fit(list(b"abcdefghij"), 4) == (list(b"efghij"), 4)
-    assert backend.fit([7, 8], 4) == ([7, 8], 4)  # ids as they are: the router's
-    assert backend.fit([], 4) == ([ord("\n")], 4)
+        assert (
+            backend.text.tokenize(prompt)
+            == backend.text.tokenize(prompt, add_special_tokens=False)
+            == encode_bytes(prompt)
+        )
+        assert backend.text.fit(backend.text.tokenize(prompt), 4)[0] == backend.encode(
+            prompt, 4
+        )  # as encode_prompt keeps it
+    assert backend.text.fit(list(b"abcdefghij"), 4) == (list(b"efghij"), 4)
+    assert backend.text.fit([7, 8], 4) == ([7, 8], 4)  # ids as they are: the router's
+    assert backend.text.fit([], 4) == ([ord("\n")], 4)
     # A fallback whose context is shorter than the primary's: max_tokens shortened, never lengthened.
-    assert backend.fit(list(b"abc"), 500) == ([ord("c")], 9)
+    assert backend.text.fit(list(b"abc"), 500) == ([ord("c")], 9)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        backend.fit([1], -1)
+        backend.text.fit([1], -1)
 
 
 def test_long_prompt_is_truncated_to_fit_context():

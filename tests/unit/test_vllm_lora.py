@@ -97,7 +97,7 @@ def test_an_adapters_blocks_are_keyed_with_its_name_and_the_base_rows_as_the_bas
 
     from ballast.policies.prefix_cache import block_keys, matched_blocks
 
-    ids, size = backend.tokenize(" ".join([PROMPT] * 120))[:300], backend.describe()["kv_block_size"]
+    ids, size = backend.text.tokenize(" ".join([PROMPT] * 120))[:300], backend.describe()["kv_block_size"]
     batch, joins = backend.open_batch(), [Join(k, ids, 2, LONG, adapter) for k, adapter in enumerate((None, "sql"))]
     for _ in range(50):
         batch.run_chunk(joins, 4)
