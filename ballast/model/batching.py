@@ -1,7 +1,8 @@
 """What the engines share: the ids a chunk's decode steps emitted per row, the rows a
-batch keeps, left padding, how an engine describes itself, and the checks a chunk's
-joins pass: all of them before it runs (``check_joins``), and each row's own before it
-shares a step with other rows (``refuse_adapter``, ``refuse_bad_ids``).
+batch keeps, left padding, how an engine describes itself and warms up, and the checks a
+chunk's joins pass: all of them before it runs (``check_joins``, ``check_context``), and
+each row's own before it shares a step with other rows (``refuse_adapter``,
+``refuse_bad_ids``).
 
 **One row's fault fails that row only.** A batch checks each join before it runs
 (ids inside the vocabulary); a join that fails the check, and a row whose own step
@@ -13,13 +14,35 @@ memory, a dead engine), which fails every row as before."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 
 from ballast.errors import EngineRefused
+from ballast.model.hf_text import ContextTooLong
 from ballast.model.protocol import Join
+
+
+class _Chunks(Protocol):
+    def keys(self) -> list[Any]: ...
+
+    def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]: ...
+
+
+class _Encodes(Protocol):
+    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]: ...
+
+
+class _Warms(Protocol):
+    """What ``warm_up`` runs on: an engine's batches and its text side (``engine.ModelBackend``)."""
+
+    max_seq_len: int
+
+    @property
+    def text(self) -> _Encodes: ...
+
+    def open_batch(self) -> _Chunks: ...
 
 
 def describe_engine(engine: Any) -> dict[str, Any]:
@@ -73,6 +96,28 @@ def check_joins(joins: Sequence[Join], keys: Iterable[Any]) -> None:
         if join.key in seen:
             raise ValueError(f"key {join.key!r} is already in the batch")
         seen.add(join.key)
+
+
+def check_context(joins: Sequence[Join], context: int) -> None:
+    """ContextTooLong, before the chunk runs, for a join without prompt ids or whose ids and
+    ``max_new_tokens`` together exceed the engine's ``context``."""
+    for join in joins:
+        if not join.ids or len(join.ids) + join.max_new_tokens > context:
+            raise ContextTooLong(
+                f"row {join.key!r}: {len(join.ids)} prompt ids + {join.max_new_tokens} new tokens must fit "
+                f"the context of {context}"
+            )
+
+
+def warm_up(engine: _Warms, batch_sizes: Sequence[int]) -> None:
+    """Short generations at these batch sizes, through a batch as the replica runs one: the
+    allocator, the kernels and (on CUDA) the context are warm before the first request."""
+    steps = max(1, min(4, engine.max_seq_len - 2))
+    for n in batch_sizes:
+        batch = engine.open_batch()
+        batch.run_chunk([Join(i, engine.text.encode("Hello", steps), steps) for i in range(n)], steps)
+        while batch.keys():
+            batch.run_chunk([], steps)
 
 
 def refuse_adapter(join: Join) -> Optional[EngineRefused]:

@@ -22,7 +22,15 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import Tensor
 
-from ballast.model.batching import check_joins, ids_by_row, left_pad, refuse_adapter, refuse_bad_ids, rows_to_keep
+from ballast.model.batching import (
+    check_context,
+    check_joins,
+    ids_by_row,
+    left_pad,
+    refuse_adapter,
+    refuse_bad_ids,
+    rows_to_keep,
+)
 from ballast.model.builtin_decoder import BYTE_VOCAB_SIZE
 from ballast.model.protocol import Join
 
@@ -143,13 +151,7 @@ class LiveBatch:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         check_joins(joins, self._keys)
-        limit = self._backend.max_seq_len
-        for join in joins:
-            if not join.ids or len(join.ids) + join.max_new_tokens > limit:
-                raise ValueError(
-                    f"row {join.key!r}: {len(join.ids)} prompt ids + {join.max_new_tokens} new tokens must fit "
-                    f"max_seq_len {limit} (use encode())"
-                )
+        check_context(joins, self._backend.max_seq_len)
         admitted, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
         self._failed.update(refused)
         emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from ballast.errors import ModelLoadError
-from ballast.model.builtin_decoder import TinyDecoder, TinyDecoderConfig, _empty_decoder, build_tiny_decoder
+from ballast.model.builtin_decoder import TinyDecoder, TinyDecoderConfig, empty_decoder, build_tiny_decoder
 from ballast.model.builtin_engine import SamplingConfig, TorchDecoderBackend
+from ballast.model.untyped import torch_jit
 from ballast.policies.validation import check_int, check_name
 
 __all__ = [
@@ -126,7 +127,7 @@ def _load_state_dict_model(path: str, cfg: TinyDecoderConfig, device: str) -> Ti
         raise ModelLoadError(path, f"cannot read state_dict: {type(exc).__name__}: {exc}") from exc
     if not isinstance(state, Mapping):
         raise ModelLoadError(path, f"expected a state_dict mapping, got {type(state).__name__}")
-    model = _empty_decoder(cfg)
+    model = empty_decoder(cfg)
     try:
         model.load_state_dict(state, strict=True)
     except (RuntimeError, TypeError) as exc:  # missing/unexpected keys, shape mismatch
@@ -136,7 +137,7 @@ def _load_state_dict_model(path: str, cfg: TinyDecoderConfig, device: str) -> Ti
 
 def _load_torchscript_model(path: str, device: str) -> nn.Module:
     try:
-        model = torch.jit.load(path, map_location=device)
+        model: nn.Module = torch_jit().load(path, map_location=device)
     except Exception as exc:
         raise ModelLoadError(path, f"cannot read TorchScript archive: {type(exc).__name__}: {exc}") from exc
     return model

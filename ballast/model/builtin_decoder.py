@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ballast.policies.validation import check_int
 
-__all__ = ["BYTE_VOCAB_SIZE", "TinyDecoder", "TinyDecoderConfig", "build_tiny_decoder"]
+__all__ = ["BYTE_VOCAB_SIZE", "TinyDecoder", "TinyDecoderConfig", "build_tiny_decoder", "empty_decoder"]
 
 # One token per byte value; id == byte value.
 BYTE_VOCAB_SIZE = 256
@@ -154,7 +154,7 @@ class TinyDecoder(nn.Module):
         return logits, torch.stack(new_k), torch.stack(new_v)
 
 
-def _empty_decoder(cfg: TinyDecoderConfig) -> TinyDecoder:
+def empty_decoder(cfg: TinyDecoderConfig) -> TinyDecoder:
     """A TinyDecoder with uninitialised CPU weights.
 
     Built on the meta device so that the nn.Linear/nn.Embedding default
@@ -181,7 +181,7 @@ def build_tiny_decoder(cfg: TinyDecoderConfig, seed: int) -> TinyDecoder:
     """
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-    model = _empty_decoder(cfg)
+    model = empty_decoder(cfg)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     # Residual-branch output projections are scaled down with depth so the
     # residual stream's variance does not grow with n_layers.

@@ -33,6 +33,7 @@ from ballast.model.protocol import Join
 
 __all__ = [
     "ByteStreamDecoder",
+    "ByteText",
     "SamplingConfig",
     "TorchDecoderBackend",
     "encode_prompt",
@@ -108,6 +109,48 @@ class ByteStreamDecoder:
         return self._decoder.decode(bytes(token_ids), final=final)
 
 
+class ByteText:
+    """The built-in engine's text side (``engine.TextSide``): bytes are tokens, within a
+    context of ``context`` positions."""
+
+    def __init__(self, context: int) -> None:
+        self.context = context
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's bytes (``special_tokens.encode_bytes``, as the router makes them: no
+        :data:`~ballast.model.special_tokens.MARK`, an empty prompt one newline); bytes have
+        no special tokens, so ``add_special_tokens`` changes nothing."""
+        from ballast.model.special_tokens import encode_bytes
+
+        return encode_bytes(prompt)
+
+    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
+        """(prompt ids, max new tokens) for a row: max_new_tokens at most ``context - 1``
+        (shortened, never lengthened), and the prompt's last ``context - max_new_tokens``
+        ids, as ``encode_prompt`` keeps a prompt's last bytes. No ids: one newline."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        n = min(max_new_tokens, self.context - 1)
+        kept = [int(i) for i in ids] or list(_EMPTY_PROMPT_BYTES)
+        return kept[-(self.context - n) :], n
+
+    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids as a live batch takes them (validated like generate).
+
+        Bytes have no special tokens, so ``add_special_tokens`` changes nothing; a
+        prompt longer than the context keeps its end (``encode_prompt``)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        from ballast.model.special_tokens import strip_marks  # a prompt another model's template rendered
+
+        return encode_prompt(strip_marks(prompt), max_new_tokens, self.context)
+
+    def stream_decoder(self, keep_special_tokens: bool = False) -> ByteStreamDecoder:
+        """Text for a row's ids, piece by piece (the replica holds one per request); bytes
+        have no special tokens to keep."""
+        return ByteStreamDecoder()
+
+
 _REQUIRED_MODEL_ATTRS = ("vocab_size", "n_layers", "n_heads", "head_dim", "max_seq_len")
 
 
@@ -136,11 +179,12 @@ class TorchDecoderBackend:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         if device != "cpu" and not (isinstance(device, str) and device.startswith("cuda:")):
             raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
-        missing = [a for a in _REQUIRED_MODEL_ATTRS if not isinstance(getattr(model, a, None), int)]
+        sizes: dict[str, Any] = {a: getattr(model, a, None) for a in _REQUIRED_MODEL_ATTRS}
+        missing = [a for a, v in sizes.items() if not isinstance(v, int)]
         if missing:
             raise ValueError(f"model lacks int attributes {missing} needed to shape the KV cache")
-        if int(model.vocab_size) != BYTE_VOCAB_SIZE:
-            raise ValueError(f"model vocab_size must be {BYTE_VOCAB_SIZE}, got {model.vocab_size}")
+        if sizes["vocab_size"] != BYTE_VOCAB_SIZE:
+            raise ValueError(f"model vocab_size must be {BYTE_VOCAB_SIZE}, got {sizes['vocab_size']}")
         params = list(model.parameters())
         if not params:
             raise ValueError("model has no parameters; cannot infer its dtype")
@@ -148,12 +192,13 @@ class TorchDecoderBackend:
         self.device = device
         self.source = source
         self.sampling = sampling
-        self.max_seq_len = int(model.max_seq_len)
+        self.max_seq_len = int(sizes["max_seq_len"])
+        self.text = ByteText(self.max_seq_len)
         self.parameter_count = sum(p.numel() for p in params)
         self._model = model.to(device).eval()
-        self._n_layers = int(model.n_layers)
-        self._n_heads = int(model.n_heads)
-        self._head_dim = int(model.head_dim)
+        self._n_layers = int(sizes["n_layers"])
+        self._n_heads = int(sizes["n_heads"])
+        self._head_dim = int(sizes["head_dim"])
         self._dtype = params[0].dtype
         allowed = torch.zeros(BYTE_VOCAB_SIZE, dtype=torch.bool, device=device)
         allowed[list(_PRINTABLE_IDS)] = True
@@ -282,39 +327,9 @@ class TorchDecoderBackend:
         refuses what it cannot honour."""
         return sampling
 
-    def stream_decoder(self, keep_special_tokens: bool = False) -> ByteStreamDecoder:
-        """Text for a row's ids, piece by piece (the replica holds one per request); bytes
-        have no special tokens to keep."""
-        return ByteStreamDecoder()
-
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's bytes (``special_tokens.encode_bytes``, as the router makes them: no
-        :data:`~ballast.model.special_tokens.MARK`, an empty prompt one newline); bytes have
-        no special tokens, so ``add_special_tokens`` changes nothing."""
-        from ballast.model.special_tokens import encode_bytes
-
-        return encode_bytes(prompt)
-
-    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-        """(prompt ids, max new tokens) for a row: max_new_tokens at most ``max_seq_len - 1``
-        (shortened, never lengthened), and the prompt's last ``max_seq_len - max_new_tokens``
-        ids, as ``encode_prompt`` keeps a prompt's last bytes. No ids: one newline."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        n = min(max_new_tokens, self.max_seq_len - 1)
-        kept = [int(i) for i in ids] or list(_EMPTY_PROMPT_BYTES)
-        return kept[-(self.max_seq_len - n) :], n
-
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's token ids as a live batch takes them (validated like generate).
-
-        Bytes have no special tokens, so ``add_special_tokens`` changes nothing; a
-        prompt longer than the context keeps its end (``encode_prompt``)."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise ValueError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-        from ballast.model.special_tokens import strip_marks  # a prompt another model's template rendered
-
-        return encode_prompt(strip_marks(prompt), max_new_tokens, self.max_seq_len)
+        """``text.encode``: the benchmarks' joins."""
+        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
 
     # ------------------------------------------------- steps (a batch's ``DecoderSteps``)
 

@@ -101,7 +101,7 @@ class ChaosAgent:
         self.settings = ChaosSettings()
         self._leak: list[bytearray] = []  # the injected leak itself, capped
         self._vram_leak: list[Any] = []  # CUDA tensors, capped the same way
-        self._leak_task: Optional[asyncio.Task] = None
+        self._leak_task: Optional[asyncio.Task[None]] = None
 
     @property
     def leaked_bytes(self) -> int:

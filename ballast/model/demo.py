@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, TypedDict
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -114,7 +115,7 @@ WORD_TOKENS = {  # family: whole tokens that are text, not special
 _TARGET_VOCAB = 384
 
 
-def train_tokenizer(*, chat_template: bool = True, context: int = 128, family: str = "hermes"):
+def train_tokenizer(*, chat_template: bool = True, context: int = 128, family: str = "hermes") -> Any:
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained on :data:`CORPUS`, with the
     special tokens and chat template of ``family`` (:data:`FAMILIES`).
 
@@ -122,7 +123,8 @@ def train_tokenizer(*, chat_template: bool = True, context: int = 128, family: s
     Encoding adds the bos in front, as Llama's tokenizer does.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+
+    from ballast.model.untyped import transformers
 
     bos, eos, pad, special, template = FAMILIES[family]
     tok = Tokenizer(models.BPE())
@@ -140,7 +142,7 @@ def train_tokenizer(*, chat_template: bool = True, context: int = 128, family: s
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
     )
-    return PreTrainedTokenizerFast(
+    return transformers().PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=bos,
         eos_token=eos,
@@ -152,7 +154,7 @@ def train_tokenizer(*, chat_template: bool = True, context: int = 128, family: s
     )
 
 
-def _shard_size_bytes(model, shards: int) -> int:
+def _shard_size_bytes(model: Any, shards: int) -> int:
     """The smallest ``max_shard_size`` for which ``save_pretrained`` writes ``shards`` files.
 
     save_pretrained packs tensors with huggingface_hub's
@@ -180,12 +182,23 @@ def _shard_size_bytes(model, shards: int) -> int:
 
 
 # Geometry of ``make tiny`` (tests) and of ``make demo-model``.
-TINY_GEOMETRY = dict(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, context=128)
-DEMO_GEOMETRY = dict(
+class Geometry(TypedDict):
+    """A Llama's shape, as ``make_llama`` takes it."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    context: int
+
+
+TINY_GEOMETRY = Geometry(hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, context=128)
+DEMO_GEOMETRY = Geometry(
     hidden=256, intermediate=688, layers=4, heads=4, kv_heads=2, context=1024
 )  # head size 64: vLLM serves it too
 # The smallest model the vLLM engine's tests serve: head size 64 is one vLLM's CPU attention supports.
-VLLM_GEOMETRY = dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, context=512)
+VLLM_GEOMETRY = Geometry(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, context=512)
 
 
 def make_tiny_llama(dir: Path, *, shards: int = 1, chat_template: bool = True) -> Path:
@@ -215,7 +228,9 @@ def make_llama(
     """Write a random Llama checkpoint of this geometry and its tokenizer (of ``family``'s
     special tokens and chat template, :data:`FAMILIES`) into ``dir``."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
+
+    from ballast.model.untyped import transformers
 
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
         raise ValueError(f"shards must be an int >= 1, got {shards!r}")
@@ -238,8 +253,8 @@ def make_llama(
     # fork_rng: seed the init without disturbing the caller's global RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
-        model = LlamaForCausalLM(config).eval()
-    model.generation_config = GenerationConfig(
+        model = transformers().LlamaForCausalLM(config).eval()
+    model.generation_config = transformers().GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -1,10 +1,12 @@
 """Where an engine is plugged in: the interface the model replica calls, and
 ``build_engine``, which turns ``model.backend`` into an engine.
 
-An engine turns prompts into token ids and runs batches: ``tokenize`` a prompt (the
+An engine turns prompts into token ids and runs batches: its text side (``text``,
+one object each engine holds: ``hf_text.TokenizerText`` for the transformers and vLLM
+engines, ``builtin_engine.ByteText`` for the built-in one) ``tokenize``s a prompt (the
 router tokenizes it with the same function, so a replica whose ``tokenizer_id`` is
-the call's takes the router's ids as they are), ``fit`` the ids to the context,
-``open_batch``, then the replica's loop (``replica_loop.py``) drives the batch a chunk
+the call's takes the router's ids as they are) and ``fit``s the ids to the context;
+then ``open_batch``, and the replica's loop (``replica_loop.py``) drives the batch a chunk
 at a time with the rows the scheduler (``ballast/policies/scheduler.py``) admits, each
 handed over as one ``protocol.Join``. Three engines exist:
 
@@ -16,7 +18,7 @@ handed over as one ``protocol.Join``. Three engines exist:
   batches and manages its KV cache itself: the replica only bounds how many rows are in
   the engine and aborts the ones that leave.
 
-A new engine implements ``ModelBackend`` (and its ``Batch`` and ``StreamDecoder``) and
+A new engine implements ``ModelBackend`` (and its ``TextSide``, ``Batch`` and ``StreamDecoder``) and
 gets a branch in ``build_engine``; a directory it cannot load fails there, at the
 replica's start, with a ``ModelLoadError`` naming the file and the reason.
 """
@@ -29,13 +31,38 @@ from typing import Any, Protocol, runtime_checkable
 from ballast.errors import ModelLoadError  # what a directory an engine cannot load raises
 from ballast.model.protocol import Join
 
-__all__ = ["Batch", "ModelBackend", "ModelLoadError", "StreamDecoder", "build_engine"]
+__all__ = ["Batch", "ModelBackend", "ModelLoadError", "StreamDecoder", "TextSide", "build_engine"]
 
 
 class StreamDecoder(Protocol):
     """Token ids to text as they come, holding back what is not yet whole."""
 
     def feed(self, token_ids: Sequence[int], final: bool = False) -> str: ...
+
+
+class TextSide(Protocol):
+    """An engine's text side: prompts to token ids within its context, ids back to text."""
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids, by the function the router uses for this tokenizer
+        (``special_tokens.encode_bytes`` / ``encode_text``)."""
+        ...
+
+    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
+        """A row's prompt ids and max new tokens within the context: max_new_tokens is
+        shortened to what the context leaves, never lengthened; the built-in engine keeps
+        the prompt's end, the others refuse a prompt that leaves no room
+        (``hf_text.ContextTooLong``)."""
+        ...
+
+    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """``tokenize`` for a row that must fit whole with ``max_new_tokens`` (warm-up's and
+        the benchmarks' joins)."""
+        ...
+
+    def stream_decoder(self, keep_special_tokens: bool = False) -> StreamDecoder:
+        """Text for one row's ids, piece by piece; ``keep_special_tokens``: their text too."""
+        ...
 
 
 class Batch(Protocol):
@@ -83,21 +110,14 @@ class ModelBackend(Protocol):
     eos_ids: frozenset[int]
 
     @property
+    def text(self) -> TextSide:
+        """Its text side, held for its life: the replica tokenizes, fits and decodes with it."""
+        ...
+
+    @property
     def tokenizer_id(self) -> str:
         """Whose token ids this engine takes (``protocol.ModelCall.tokenizer``): a call whose
         ids are this tokenizer's is not tokenized again."""
-        ...
-
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's token ids, by the function the router uses for this tokenizer
-        (``special_tokens.encode_bytes`` / ``encode_text``)."""
-        ...
-
-    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-        """A row's prompt ids and max new tokens within the context: max_new_tokens is
-        shortened to what the context leaves, never lengthened; the built-in engine keeps
-        the prompt's end, the others refuse a prompt that leaves no room
-        (``hf_text.ContextTooLong``)."""
         ...
 
     async def check(self, sampling: Any, tenant: str = "") -> Any:
@@ -106,10 +126,6 @@ class ModelBackend(Protocol):
         engine refuses as sent: before it joins a batch, so that it fails alone, and
         without blocking the event loop; the router refuses what an engine cannot honour
         at all. ``tenant``: whose request it is (what the engine shares among tenants)."""
-        ...
-
-    def stream_decoder(self, keep_special_tokens: bool = False) -> StreamDecoder:
-        """Text for one row's ids, piece by piece; ``keep_special_tokens``: their text too."""
         ...
 
     def open_batch(self) -> Batch: ...

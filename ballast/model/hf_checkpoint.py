@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 from ballast.errors import ModelLoadError
 
@@ -195,7 +195,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     )
 
 
-def _is_positive_int(value: object) -> bool:
+def _is_positive_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -215,14 +215,15 @@ def _read_json_object(file: Path, what: str) -> dict[str, Any]:
 
 def _causal_lm_architecture(config_file: Path, raw: Mapping[str, Any]) -> str:
     """The AutoModelForCausalLM class name for the config's ``model_type``."""
-    import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    from ballast.model.untyped import transformers
+
+    known = transformers("models.auto.configuration_auto").CONFIG_MAPPING_NAMES  # not exported
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise CheckpointError(str(config_file), "has no 'model_type' (transformers picks the architecture by it)")
-    if model_type not in CONFIG_MAPPING_NAMES:
+    if model_type not in known:
         hint = (
             "; its 'auto_map' points at code shipped in the directory, which is never run"
             if "auto_map" in raw
@@ -230,7 +231,7 @@ def _causal_lm_architecture(config_file: Path, raw: Mapping[str, Any]) -> str:
         )
         raise CheckpointError(
             str(config_file),
-            f"model_type {model_type!r} is unknown to transformers {transformers.__version__}{hint}",
+            f"model_type {model_type!r} is unknown to transformers {transformers().__version__}{hint}",
         )
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
     if architecture is None:
@@ -508,13 +509,14 @@ def _load_tokenizer(info: CheckpointInfo) -> Any:
 
 def _load_model(info: CheckpointInfo, device: str, dtype: Any) -> Any:
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from ballast.model.untyped import transformers
 
     try:
         # ignore_mismatched_sizes=True makes transformers report wrong shapes in
         # loading_info instead of raising a bare RuntimeError; they are raised
         # below, with missing tensors, which transformers would only log.
-        model, loading = AutoModelForCausalLM.from_pretrained(
+        model, loading = transformers().AutoModelForCausalLM.from_pretrained(
             info.path,
             local_files_only=True,
             trust_remote_code=False,
@@ -564,7 +566,7 @@ def _file_holding(info: CheckpointInfo, tensor: str) -> Path:
     if not info.is_sharded:
         return info.weight_files[0]
     try:
-        weight_map = json.loads(info.weights_entry.read_text(encoding="utf-8"))["weight_map"]
+        weight_map: dict[str, str] = json.loads(info.weights_entry.read_text(encoding="utf-8"))["weight_map"]
         return info.path / weight_map[tensor]
     except (OSError, ValueError, KeyError, TypeError):
         return info.weights_entry

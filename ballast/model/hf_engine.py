@@ -32,7 +32,7 @@ seed gives the same text whatever else is in the batch. A row ends at its
 emitted, so it is counted, and decodes to no text); with ``ignore_eos`` only at its
 ``max_new_tokens``; before ``min_tokens`` tokens it cannot pick one.
 ``protocol.RowSampling`` bounds what a request sends (a seed is an int64, a
-temperature below ``MIN_TEMPERATURE`` is greedy, NaN and infinities are refused).
+temperature below ``GREEDY_BELOW_TEMPERATURE`` is greedy, NaN and infinities are refused).
 
 **One row's fault.** A join whose ids are outside the vocabulary is refused before its
 prefill; a row whose logits are not finite (``RowFailed``), or whose own draw fails
@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from ballast.model.batching import (
+    check_context,
     check_joins,
     describe_engine,
     ids_by_row,
@@ -63,9 +64,10 @@ from ballast.model.batching import (
     refuse_adapter,
     refuse_bad_ids,
     rows_to_keep,
+    warm_up,
 )
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels, tokenizer_id
-from ballast.model.hf_text import ContextTooLong, IncrementalDetokenizer, TokenizerText
+from ballast.model.hf_text import TokenizerText
 from ballast.model.protocol import GREEDY, Join, RowSampling
 
 __all__ = ["HFBackend", "HFBatch", "RowFailed", "RowSampling"]
@@ -102,17 +104,8 @@ class HFBackend:
         self.tokenizer_id = tokenizer_id(loaded.info.path)
         self.text = TokenizerText(self.tokenizer, self.max_seq_len)
 
-    # ------------------------------------------------- text side (``hf_text.TokenizerText``)
-
-    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
-        return self.text.tokenize(prompt, add_special_tokens)
-
-    def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
-        return self.text.fit(ids, max_new_tokens)
-
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """The prompt's ids for a row of ``max_new_tokens`` (the benchmarks' and warmup's
-        joins); ContextTooLong when they do not fit together."""
+        """``text.encode``: the benchmarks' joins."""
         return self.text.encode(prompt, max_new_tokens, add_special_tokens)
 
     async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
@@ -120,24 +113,15 @@ class HFBackend:
         router refuses what this engine cannot honour."""
         return sampling.for_vocab(self.vocab_size) if sampling is not None else None
 
-    def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
-        return self.text.stream_decoder(keep_special_tokens)
-
     # ------------------------------------------------------------------ batches
 
     def open_batch(self) -> "HFBatch":
         return HFBatch(self)
 
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
-        """Short generations at these batch sizes: allocator, kernels and (on CUDA) context warm."""
-        steps = max(1, min(4, self.max_seq_len - 2))
-        for n in batch_sizes:
-            batch = self.open_batch()
-            joins = [Join(i, self.encode("Hello", steps), steps) for i in range(n)]
-            with torch.inference_mode():
-                batch.run_chunk(joins, steps)
-                while batch.size:
-                    batch.run_chunk([], steps)
+        """Short generations at these batch sizes (``batching.warm_up``)."""
+        with torch.inference_mode():
+            warm_up(self, batch_sizes)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -152,7 +136,7 @@ class HFBackend:
     ) -> Iterator[list[str]]:
         """Every prompt joins at once; yields one text piece per prompt per chunk (ModelBackend)."""
         batch = self.open_batch()
-        decoders = [self.stream_decoder() for _ in prompts]
+        decoders = [self.text.stream_decoder() for _ in prompts]
         joins = [Join(i, self.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
         while joins or batch.size:
             with torch.inference_mode():
@@ -241,13 +225,7 @@ class HFBatch:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         check_joins(joins, self.keys())
-        limit = self._b.max_seq_len
-        for join in joins:
-            if not join.ids or len(join.ids) + join.max_new_tokens > limit:
-                raise ContextTooLong(
-                    f"row {join.key!r}: {len(join.ids)} prompt ids + {join.max_new_tokens} new tokens must fit "
-                    f"the context of {limit}"
-                )
+        check_context(joins, self._b.max_seq_len)
         admitted = []
         for join in joins:
             refused = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, self._b.vocab_size)
@@ -293,7 +271,8 @@ class HFBatch:
                 use_cache=True,
                 **kwargs,
             )
-        return out.logits[:, -1, :]
+        logits: Tensor = out.logits[:, -1, :]
+        return logits
 
     def _decode(self) -> Tensor:
         """One step for every row: feed its last token; the new tokens [B]."""
@@ -309,7 +288,7 @@ class HFBatch:
 
     def _prefill(self, prompts: list[Sequence[int]], rows: list[_Row]) -> Tensor:
         """Prefill the joiners as their own left-padded batch, then stack them under the running rows."""
-        from transformers import DynamicCache
+        from ballast.model.untyped import transformers
 
         dev = self._b.device
         width = max(len(p) for p in prompts)
@@ -319,7 +298,7 @@ class HFBatch:
             ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=dev)
             mask[i, width - len(p) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = transformers().DynamicCache()  # its layers: one kind, keys and values
         logits = self._forward(ids, mask, positions, cache)
         first = self._pick(logits, rows)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)

@@ -31,6 +31,7 @@ import tempfile
 import threading
 from typing import Any, Optional
 
+from ballast.model.untyped import VLLMObject
 from ballast.policies.prefix_cache import PrefixHoldings, PrefixReport
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,23 @@ def events_config(endpoint: str) -> dict[str, Any]:
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": TOPIC}
 
 
-def first_block_salt(event: Any) -> Optional[str]:
+def feed_for(engine_kwargs: dict[str, Any], report_blocks: Optional[int], base_adapter: str) -> Optional[KVEventFeed]:
+    """A feed of the engine's KV-cache events when blocks are to be reported
+    (``report_blocks``) and its prefix cache is on (``enable_prefix_caching`` in
+    ``engine_kwargs``, Ballast's defaults included), its publisher added to
+    ``engine_kwargs``; None otherwise, and where the operator configured vLLM's events for
+    a consumer of their own (left as they are). ``base_adapter``: the zero adapter's name."""
+    if report_blocks is None or not engine_kwargs.get("enable_prefix_caching"):
+        return None
+    if "kv_events_config" in engine_kwargs:
+        log.info("engine_kwargs.kv_events_config is the operator's: no prefix report for the routers")
+        return None
+    feed = KVEventFeed(base_adapter=base_adapter)
+    engine_kwargs["kv_events_config"] = events_config(feed.endpoint)
+    return feed
+
+
+def first_block_salt(event: VLLMObject) -> Optional[str]:
     """The ``cache_salt`` a ``BlockStored`` event's first block was hashed with; None without one.
 
     vLLM publishes each block's extra keys untagged, in order: the LoRA adapter's name (when
@@ -81,7 +98,7 @@ class KVEventFeed:
         from vllm.distributed.kv_events import KVEventBatch
 
         self._holdings = PrefixHoldings(capacity_blocks, block_size, report_blocks)
-        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
         sock.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
@@ -89,7 +106,7 @@ class KVEventFeed:
         self._thread = threading.Thread(target=self._read, args=(sock, decoder), name="kv-events", daemon=True)
         self._thread.start()
 
-    def _read(self, sock: Any, decoder: Any) -> None:
+    def _read(self, sock: Any, decoder: VLLMObject) -> None:
         try:
             while not self._stop.is_set():
                 if not sock.poll(_POLL_MS):
@@ -104,7 +121,7 @@ class KVEventFeed:
         finally:
             sock.close(0)
 
-    def _apply(self, events: list[Any]) -> None:
+    def _apply(self, events: list[VLLMObject]) -> None:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
         with self._lock:

@@ -35,9 +35,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-# Below this a temperature is greedy: logits / 1e-40 overflow to inf and the draw is NaN.
-MIN_TEMPERATURE = 1e-5
+from ballast.policies.sampling import GREEDY_BELOW_TEMPERATURE, MAX_SEED, MIN_SEED
 
 
 @dataclass(frozen=True)
@@ -77,12 +75,12 @@ class RowSampling:
         t, p = self.temperature, self.top_p
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if t < MIN_TEMPERATURE:  # logits / 1e-40 overflow: a temperature this low is greedy
+        if t < GREEDY_BELOW_TEMPERATURE:  # logits / 1e-40 overflow: a temperature this low is greedy
             object.__setattr__(self, "temperature", 0.0)
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not MIN_SEED <= self.seed <= MAX_SEED
         ):
             raise ValueError(f"seed must be an int in [-2**63, 2**63 - 1], got {self.seed!r}")
         if self.top_k is not None and (
@@ -111,7 +109,7 @@ class RowSampling:
     @property
     def asks(self) -> frozenset[str]:
         """The fields only some engines honour that this sampling asks for
-        (``ballast.policies.engines.ENGINE_ONLY``): the neutral values ask for nothing."""
+        (``ballast.policies.engines.ASKED_BY``): the neutral values ask for nothing."""
         asked = set()
         if self.repetition_penalty != 1.0:
             asked.add("repetition_penalty")

@@ -98,7 +98,9 @@ def engine_processes(pids: Sequence[int], psutil_module: Any = None) -> tuple[tu
     """(pid, name) of each of ``pids`` still running, by the name it gives itself (vLLM
     sets its processes' titles: psutil's ``name()``, else the first word of its command line)."""
     if psutil_module is None:
-        import psutil as psutil_module
+        import psutil
+
+        psutil_module = psutil
     out = []
     for pid in pids:
         try:

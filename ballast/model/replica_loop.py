@@ -200,7 +200,7 @@ class ReplicaLoop:
         self.progress_at_s = clock()  # when the engine last moved (a chunk brought tokens)
         self._busy_since_s = self.progress_at_s  # when work last arrived at an idle loop
         self._wake: Optional[asyncio.Event] = None
-        self._task: Optional[asyncio.Task] = None
+        self._task: Optional[asyncio.Task[None]] = None
 
     # -- what the replica reads and sets ---------------------------------------------------
     @property
@@ -290,7 +290,7 @@ class ReplicaLoop:
         self._check_adapter(call.adapter)
         now = self._clock()
         timeout_s = call.deadline.left_s(self._wall_clock()) if call.deadline is not None else self._max_deadline_s
-        ids, max_tokens = self._engine.fit(self._prompt_ids(call), max_tokens)
+        ids, max_tokens = self._engine.text.fit(self._prompt_ids(call), max_tokens)
         deadline_s = replica_deadline_s(now, timeout_s)
         sampling = await self._checked_sampling(call.sampling, call.tenant, deadline_s - now, timeout_s)
         self._next_key += 1
@@ -299,7 +299,9 @@ class ReplicaLoop:
             max_tokens,
             enqueued_at_s=now,
             deadline_s=deadline_s,
-            decoder=self._engine.stream_decoder(keep_special_tokens=bool(sampling and sampling.keep_special_tokens)),
+            decoder=self._engine.text.stream_decoder(
+                keep_special_tokens=bool(sampling and sampling.keep_special_tokens)
+            ),
             timeout_s=timeout_s,
             sampling=sampling,
             adapter=call.adapter,
@@ -337,7 +339,7 @@ class ReplicaLoop:
         vocabulary; else the prompt tokenized by the engine."""
         if call.prompt_ids and call.tokenizer == self._engine.tokenizer_id:
             return token_ids(call.prompt_ids, self._engine.vocab_size, "prompt")
-        return self._engine.tokenize(call.prompt, call.add_special_tokens)
+        return self._engine.text.tokenize(call.prompt, call.add_special_tokens)
 
     async def _checked_sampling(
         self, sampling: Optional[RowSampling], tenant: str, left_s: float, timeout_s: float

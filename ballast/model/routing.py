@@ -64,7 +64,7 @@ import threading
 from dataclasses import replace
 from typing import Any, List, Optional
 
-from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.request_router import RequestRouter
 
 from ballast.model.protocol import ModelCall
@@ -128,7 +128,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
     max_report_age_s = MAX_REPORT_AGE_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # Ray's __init__ is unannotated
         self._decoded: dict[str, PrefixReport] = {}  # replica id -> its last report, decoded once
         self._adapter_stamps = SeenStamps(MAX_DECODED)  # replica id -> its adapter report's stamp, clamped
         self._refusals_logged: set[str] = set()  # replica ids whose refused adapter report was logged
@@ -190,15 +190,23 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         missing = [r for r in ready if cache.get(r.replica_id) is None]
         if missing:
             await self._probe_queue_lens(missing, 0)  # fills the cache with the answers
-        loads = {r.replica_id.unique_id: cache.get(r.replica_id) for r in ready}
-        return None if any(load is None for load in loads.values()) else loads
+        loads: dict[str, int] = {}
+        for r in ready:
+            load = cache.get(r.replica_id)
+            if load is None:
+                return None
+            loads[r.replica_id.unique_id] = load
+        return loads
 
     async def _views(self, ready: List[Any]) -> Optional[list[tuple[Any, int, PrefixReport]]]:
         """(replica, load, prefix report) for every ready replica, random order (random
         ties); None when one has no fresh report or no load."""
         now_s = self._get_curr_time_s()  # RequestRouter's clock (its get_curr_time_s argument)
-        reports = {r.replica_id.unique_id: self._prefix_report_of(r) for r in ready}
-        if any(rep is None or not rep.is_fresh(now_s, self.max_report_age_s) for rep in reports.values()):
+        got = {r.replica_id.unique_id: self._prefix_report_of(r) for r in ready}
+        reports = {
+            rid: rep for rid, rep in got.items() if rep is not None and rep.is_fresh(now_s, self.max_report_age_s)
+        }
+        if len(reports) < len(got):
             return None
         loads = await self._loads(ready)
         if loads is None:
@@ -330,7 +338,7 @@ class RouteCounter:
 def request_router_config(stats_period_s: float, routing: Any = None, model: str = "") -> Any:
     """Serve's router config for a model deployment: this router, the replicas' stats polled
     every ``stats_period_s``, and the model's ``RoutingSettings`` (None: the defaults)."""
-    from ray.serve.config import RequestRouterConfig
+    from ballast.model.untyped import ray_serve
 
     kwargs: dict[str, Any] = {"model": model}
     if routing is not None:
@@ -339,7 +347,7 @@ def request_router_config(stats_period_s: float, routing: Any = None, model: str
             load_bound_ratio=routing.load_bound_ratio,
             min_slack=routing.min_slack,
         )
-    return RequestRouterConfig(
+    return ray_serve("config").RequestRouterConfig(
         request_router_class=ROUTER_PATH,
         request_router_kwargs=kwargs,
         request_routing_stats_period_s=stats_period_s,

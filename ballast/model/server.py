@@ -47,6 +47,7 @@ from typing import Any, AsyncGenerator, Optional
 
 from ray import serve
 
+from ballast.policies.engines import capabilities
 from ballast.policies.holdings import AdapterHoldings
 from ballast.policies.reports import (
     MAX_PROCESS_NAME_CHARS,
@@ -68,6 +69,7 @@ from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
 from ballast.model.niceness import pin_to_cores, yield_cpu_to, yield_this_thread_to
 from ballast.model.ranks import prepare_ranks
 from ballast.model.routing import replica_routing_stats, request_router_config
+from ballast.model.vllm_stats import VLLMStats
 from ballast.policies.prefix_cache import PrefixReport
 from ballast.control.snapshot import Snapshot
 
@@ -98,9 +100,10 @@ def warmup_batch_sizes(max_batch_size: int) -> list[int]:
 
 def scheduler_config(m: ModelConfig, context_tokens: int) -> SchedulerConfig:
     """The replica's scheduling limits: ``model.kv_cache_tokens`` as its KV budget, by
-    default room for ``max_batch_size`` rows that each fill the context; none for vLLM,
-    which manages its own KV cache (the replica only bounds the rows in the engine)."""
-    if m.backend == "vllm":
+    default room for ``max_batch_size`` rows that each fill the context; none for an engine
+    that schedules itself (vLLM), which manages its own KV cache (the replica only bounds
+    the rows in the engine)."""
+    if capabilities(m.backend).self_scheduling:
         return SchedulerConfig(kv_budget_tokens=None, context_tokens=context_tokens)
     return SchedulerConfig(
         kv_budget_tokens=m.kv_cache_tokens or m.max_batch_size * context_tokens, context_tokens=context_tokens
@@ -111,14 +114,18 @@ class ModelServer:
     """One model replica: of model ``model`` (None: the config's first), ``role`` "primary"
     serving the model itself, "fallback" its fallback's model."""
 
-    def __init__(self, cfg: dict[str, Any], role: str = "primary", model: Optional[str] = None):
+    def __init__(self, cfg: dict[str, Any], role: str = "primary", model: Optional[str] = None) -> None:
         self._cfg = load_config(cfg)
         self._model = model if model is not None else self._cfg.models[0].name  # the level it acts on
         fallback = self._cfg.fallback_of(self._model)
-        if role not in ("primary", "fallback") or (role == "fallback" and fallback is None):
+        self._model_cfg: ModelConfig  # a served model's entry, or its fallback's model
+        if role == "primary":
+            self._model_cfg = self._cfg.served_model(self._model)
+        elif role == "fallback" and fallback is not None:
+            self._model_cfg = fallback.model
+        else:
             raise ValueError(f"role: {role!r} is not served by this config")
         self._role = role
-        self._model_cfg = self._cfg.served_model(self._model) if role == "primary" else fallback.model
         self._deployment = (
             self._cfg.deployment_name(self._model)
             if role == "primary"
@@ -155,7 +162,7 @@ class ModelServer:
         self._started_at_s = time.time()
         self._ready = True  # the watchdog's verdict: keep taking new work
         self._recycle_order: Optional[dict[str, Any]] = None
-        self._beat_task: Optional[asyncio.Task] = None
+        self._beat_task: Optional[asyncio.Task[None]] = None
         self._watchdog = self._spawn_watchdog()
 
     def _make_loop(self) -> ReplicaLoop:
@@ -366,13 +373,13 @@ class ModelServer:
         """Unload an adapter this replica loaded at run time; False for any other."""
         return await self._runtime_adapters().remove(name)
 
-    def _engine_stats(self) -> Any:
+    def _engine_stats(self) -> Optional[VLLMStats]:
         """The engine's own view (``VLLMStats``) for an engine that schedules itself, read
         once per report; None for the engines Ballast batches."""
         stats = getattr(self._backend, "stats", None)
         return stats() if stats is not None else None
 
-    def _engine_load(self, s: Any) -> tuple[int, float, Optional[int], Optional[float]]:
+    def _engine_load(self, s: Optional[VLLMStats]) -> tuple[int, float, Optional[int], Optional[float]]:
         """(queued, KV use in percent, waiting in the engine, prefix-cache hit percent).
 
         An engine that schedules itself (vLLM, ``s`` its stats) reports its own KV cache use
@@ -380,14 +387,15 @@ class ModelServer:
         batches, the KV use is the rows' reservation against the replica's budget."""
         loop = self._loop
         if s is None:
-            return loop.queued, round(100.0 * loop.kv_reserved_tokens / loop.kv_budget_tokens, 2), None, None
+            budget = loop.kv_budget_tokens or 0  # the engines Ballast batches have one
+            return loop.queued, round(100.0 * loop.kv_reserved_tokens / budget, 2) if budget else 0.0, None, None
         hit_pct = round(100.0 * s.prefix_cache_hit_rate, 2)
         self._m_engine_waiting.set(s.waiting)
         self._m_prefix_hits.set(hit_pct)
         return loop.queued + s.waiting, round(100.0 * s.kv_cache_usage, 2), s.waiting, hit_pct
 
     @staticmethod
-    def _engine_rows(s: Any) -> Optional[int]:
+    def _engine_rows(s: Optional[VLLMStats]) -> Optional[int]:
         """The rows an engine that schedules itself runs usefully (``VLLMStats.useful_rows``);
         while requests wait inside it with its KV cache full (``KV_FULL``), no more than it
         runs now. None for the engines Ballast batches: their rows are the replica's own."""
@@ -397,7 +405,7 @@ class ModelServer:
             return min(s.running, s.useful_rows) if s.useful_rows is not None else s.running
         return s.useful_rows
 
-    def _prefix_counts(self, s: Any) -> dict[str, Optional[int]]:
+    def _prefix_counts(self, s: Optional[VLLMStats]) -> dict[str, Optional[int]]:
         """vLLM's prefix-cache counters (prompt tokens looked up and found) and the blocks
         this replica reports to the routers; empty for the engines Ballast batches."""
         if s is None:
@@ -522,11 +530,12 @@ class ModelServer:
 
     def __del__(self) -> None:
         # Serve calls a deployment's __del__ when it stops the replica: its shutdown hook.
-        if getattr(self, "_gpu", None) is not None:
-            self._gpu.close()
+        gpu = getattr(self, "_gpu", None)
+        if gpu is not None:
+            gpu.close()
 
 
-def model_deployment(cfg: BallastConfig, model: Optional[str] = None):
+def model_deployment(cfg: BallastConfig, model: Optional[str] = None) -> Any:
     """The Serve deployment of model ``model`` (None: the first), options from the config."""
     from ballast.control.autoscaling import autoscaling_config
 
@@ -547,7 +556,7 @@ def model_deployment(cfg: BallastConfig, model: Optional[str] = None):
     )
 
 
-def fallback_deployment(cfg: BallastConfig, model: Optional[str] = None):
+def fallback_deployment(cfg: BallastConfig, model: Optional[str] = None) -> Any:
     """Model ``model``'s (None: the first's) smaller fallback model: a fixed number of
     replicas, its own bounded queue."""
     name = model if model is not None else cfg.models[0].name

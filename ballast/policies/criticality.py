@@ -75,3 +75,11 @@ def claimed(header: str | None, from_body: Criticality | None) -> Criticality:
     if from_body is not None and from_body is not from_header:
         raise ClaimError("criticality: the body and the X-Ballast-Criticality header disagree", "criticality")
     return from_header
+
+
+def lower_criticality(claimed: Criticality, cap: Criticality) -> tuple[Criticality, bool]:
+    """(granted, lowered): a claim above what the tenant may claim is lowered to its cap
+    (rank 0 is the most critical), and the router says so in the answer."""
+    if claimed.rank < cap.rank:
+        return cap, True
+    return claimed, False

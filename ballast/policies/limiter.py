@@ -48,7 +48,7 @@ deadline; the engine's answer to a cut decides how many rows it runs.
 For an engine that schedules itself (vLLM), the slow rule is off and the limit follows
 the engine's curve instead (``rows_curve_gain``): each window gives one point, the mean
 rows this caller had at the model and the median service time per generated token of
-the answers that came back, and a ``StepCurve`` (ballast/policies/engine_curve.py) fits
+the answers that came back, and a ``StepCurve`` (ballast/policies/engines.py) fits
 ``a + b x rows`` through them. Its knee, where more rows stop buying throughput (``gain``
 of the asymptote), caps the limit as a ceiling does: past it, more rows make every
 answer slower and no more of them. The knee is measured on this host, so a slower host
@@ -68,7 +68,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ballast.policies.engine_curve import StepCurve
+from ballast.policies.engines import StepCurve
 from ballast.policies.stats import nearest_rank
 from ballast.policies.validation import check_fields, check_int, check_positive, check_ratio
 

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality, claimed
-from ballast.policies.request import json_nesting
+from ballast.policies.json_bounds import json_nesting
 
 from ballast.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
 from ballast.router.openai_answers import openai_error_body

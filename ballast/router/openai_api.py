@@ -68,7 +68,8 @@ from pydantic_core import PydanticCustomError
 from ballast.config import LimitsConfig
 from ballast.policies.criticality import Criticality
 from ballast.policies.engines import unhonoured_request_fields
-from ballast.policies.request import MAX_SEED, MIN_SEED, json_extent, json_nesting, sampling_temperature
+from ballast.policies.json_bounds import json_extent, json_nesting
+from ballast.policies.sampling import MAX_SEED, MIN_SEED, sampling_temperature
 from ballast.policies.schema import schema_fault
 from ballast.errors import InvalidRequest, SchemaTooComplex
 from ballast.model.protocol import MAX_LOGIT_BIAS

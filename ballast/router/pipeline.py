@@ -48,10 +48,10 @@ from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
 from fastapi import Request
 
 from ballast.policies import killswitch
-from ballast.policies import request as request_policy
+from ballast.policies import outcome as request_policy
 from ballast.policies.admission import admit, clamp_max_tokens
 from ballast.policies.affinity import route_mode
-from ballast.policies.criticality import Criticality
+from ballast.policies.criticality import Criticality, lower_criticality
 from ballast.policies.deadline import Deadline
 
 from ballast.errors import (
@@ -332,7 +332,7 @@ class Pipeline:
         it), or a refusal (kill switch, level), counted; nothing is held either way."""
         tenant, lane = req.caller.tenant, self.lane(req.call)
         tenant_cfg = self._cfg.tenants[tenant]
-        criticality, lowered = request_policy.lower_criticality(req.claimed, tenant_cfg.max_criticality)
+        criticality, lowered = lower_criticality(req.claimed, tenant_cfg.max_criticality)
         crit = criticality.value
         now_wall = time.time()
         self._refuse_if_switched_off(lane, tenant, crit, now_wall, req.call.adapter)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from ballast.policies import request as request_policy
+from ballast.policies import tokens as request_policy
 from ballast.policies.quota import RateLease, TokenBucket, lease_rate
 
 from ballast.errors import QuotaExceeded

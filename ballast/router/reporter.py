@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from ballast.policies import killswitch
-from ballast.policies import request as request_policy
+from ballast.policies import engines as request_policy
 from ballast.policies.criticality import Criticality
 from ballast.policies.edge import EdgeThrottle
 from ballast.policies.fairness import TenantCounters

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ballast.policies import request as request_policy
+from ballast.policies import tokens as request_policy
 
 from ballast.config import ModelConfig
 from ballast.errors import ContextLengthExceeded

@@ -22,6 +22,7 @@ from ballast.model.builtin_checkpoint import (
 from ballast.model.builtin_decoder import TinyDecoderConfig, build_tiny_decoder
 from ballast.model.builtin_engine import ByteStreamDecoder, SamplingConfig, TorchDecoderBackend, encode_prompt
 from ballast.model.engine import ModelBackend, ModelLoadError
+from ballast.model.hf_text import ContextTooLong
 from ballast.model.protocol import Join
 
 SMALL = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
@@ -309,7 +310,7 @@ def test_live_batch_zero_and_one_token_rows_and_validation():
     assert batch.size == 0 and batch.width == 0
     with pytest.raises(ValueError, match="steps"):
         batch.run_chunk([], 0)
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ContextTooLong, match=f"context of {SMALL.max_seq_len}"):  # a ValueError
         batch.run_chunk([Join("big", [1] * SMALL.max_seq_len, 1)], 1)
     with torch.inference_mode():
         batch.run_chunk([Join("dup", [1], 5)], 1)
@@ -390,15 +391,21 @@ def test_tokenize_is_the_routers_bytes_and_fit_keeps_the_prompts_end():
     backend = make_backend(TinyDecoderConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=10))
     assert backend.tokenizer_id == BYTES_TOKENIZER
     for prompt in ("", "abcdefghij", "é", f"<{MARK}|im_start|>"):
-        assert backend.tokenize(prompt) == backend.tokenize(prompt, add_special_tokens=False) == encode_bytes(prompt)
-        assert backend.fit(backend.tokenize(prompt), 4)[0] == backend.encode(prompt, 4)  # as encode_prompt keeps it
-    assert backend.fit(list(b"abcdefghij"), 4) == (list(b"efghij"), 4)
-    assert backend.fit([7, 8], 4) == ([7, 8], 4)  # ids as they are: the router's
-    assert backend.fit([], 4) == ([ord("\n")], 4)
+        assert (
+            backend.text.tokenize(prompt)
+            == backend.text.tokenize(prompt, add_special_tokens=False)
+            == encode_bytes(prompt)
+        )
+        assert backend.text.fit(backend.text.tokenize(prompt), 4)[0] == backend.encode(
+            prompt, 4
+        )  # as encode_prompt keeps it
+    assert backend.text.fit(list(b"abcdefghij"), 4) == (list(b"efghij"), 4)
+    assert backend.text.fit([7, 8], 4) == ([7, 8], 4)  # ids as they are: the router's
+    assert backend.text.fit([], 4) == ([ord("\n")], 4)
     # A fallback whose context is shorter than the primary's: max_tokens shortened, never lengthened.
-    assert backend.fit(list(b"abc"), 500) == ([ord("c")], 9)
+    assert backend.text.fit(list(b"abc"), 500) == ([ord("c")], 9)
     with pytest.raises(ValueError, match="max_new_tokens"):
-        backend.fit([1], -1)
+        backend.text.fit([1], -1)
 
 
 def test_long_prompt_is_truncated_to_fit_context():

@@ -168,19 +168,19 @@ def test_tokenize_is_the_routers_encode_and_fit_shortens_max_tokens_to_the_conte
 
     assert backend.tokenizer_id == tokenizer_id(ckpt) and backend.tokenizer_id.startswith("hf:")
     for prompt, special in ((PROMPTS[0], True), (PROMPTS[2], False)):
-        ids = backend.tokenize(prompt, special)
+        ids = backend.text.tokenize(prompt, special)
         assert ids == encode_text(backend.tokenizer, prompt, special)
-        assert backend.fit(ids, 16) == (ids, 16) and ids == backend.encode(prompt, 16, special)
-    assert backend.fit([5] * 100, 126) == ([5] * 100, 28)  # shortened to the context of 128, never lengthened
+        assert backend.text.fit(ids, 16) == (ids, 16) and ids == backend.encode(prompt, 16, special)
+    assert backend.text.fit([5] * 100, 126) == ([5] * 100, 28)  # shortened to the context of 128, never lengthened
     with pytest.raises(ContextTooLong, match="empty"):
-        backend.tokenize("", add_special_tokens=False)
+        backend.text.tokenize("", add_special_tokens=False)
     with pytest.raises(ContextTooLong, match="empty"):
-        backend.fit([], 4)
+        backend.text.fit([], 4)
     with pytest.raises(ContextTooLong, match="no room left in the context of 128"):
-        backend.fit([5] * 128, 4)
+        backend.text.fit([5] * 128, 4)
     with pytest.raises(ContextTooLong, match="context of 128"):
-        backend.fit([5] * 129, 4)
-    assert backend.text.fit([5] * 100, 126) == backend.fit([5] * 100, 126)  # one text side, held
+        backend.text.fit([5] * 129, 4)
+    assert backend.text.fit([5] * 100, 126) == backend.text.fit([5] * 100, 126)  # one text side, held
     with pytest.raises(ValueError, match="context must be an int >= 1"):
         TokenizerText(backend.tokenizer, 0)
 

@@ -17,7 +17,8 @@ from starlette.requests import Request
 from ballast.config import load_config
 from ballast.errors import InvalidRequest, PayloadTooLarge, SchemaTooComplex
 from ballast.model.protocol import GREEDY
-from ballast.policies import request as rp
+from ballast.policies.json_bounds import json_extent, json_nesting
+from ballast.policies.sampling import sampling_temperature
 from ballast.router import openai_api as oa
 from ballast.router.api import parse_json_object, read_body
 from ballast.router.openai import OpenAIFront
@@ -69,17 +70,17 @@ def field_of(r) -> str:
 def test_nesting_is_counted_exactly_for_valid_json_and_strings_do_not_count():
     cases = ["1", '"[[["', "[]", '{"a": [1, {"b": "]]]{{"}]}', '[[["\\"[", "\\\\"]]]', '{"a": "\\u005b"}']
     for text in cases:
-        assert rp.json_nesting(text) == rp.json_extent(json.loads(text)).depth, text
+        assert json_nesting(text) == json_extent(json.loads(text)).depth, text
 
 
 def test_an_unterminated_string_ends_the_scan_and_brackets_after_it_do_not_count():
-    assert rp.json_nesting('[["abc') == 2
-    assert rp.json_nesting('["\\"\\"\\"' + "\\" * 1001 + "[[[[") == 1
+    assert json_nesting('[["abc') == 2
+    assert json_nesting('["\\"\\"\\"' + "\\" * 1001 + "[[[[") == 1
 
 
 def test_the_extent_counts_every_node_and_the_nesting_of_containers():
-    assert rp.json_extent(3) == (0, 1)
-    assert rp.json_extent({"a": [1, 2, {"b": None}], "c": {}}) == (3, 7)
+    assert json_extent(3) == (0, 1)
+    assert json_extent({"a": [1, 2, {"b": None}], "c": {}}) == (3, 7)
 
 
 @pytest.mark.parametrize("path,headers,status", BODY_ROUTES)
@@ -92,7 +93,7 @@ def test_fifty_thousand_brackets_are_a_4xx_naming_the_body_on_every_route(client
 
 def test_the_depth_limit_is_the_setting_and_its_edge_passes():
     at_limit = '{"a":' * 63 + "{}" + "}" * 63  # 64 objects
-    assert rp.json_nesting(at_limit) == 64
+    assert json_nesting(at_limit) == 64
     assert parse_json_object(at_limit.encode(), 64)
     with pytest.raises(InvalidRequest) as e:
         parse_json_object(("[" + at_limit + "]").encode(), 64)
@@ -236,7 +237,7 @@ def function(name: str, parameters: dict) -> dict:
 
 
 def test_a_response_format_schema_past_its_depth_or_nodes_is_schema_too_complex(client):
-    assert rp.json_extent(nested(32)).depth == 32 and rp.json_extent(wide(4096)).nodes == 4096
+    assert json_extent(nested(32)).depth == 32 and json_extent(wide(4096)).nodes == 4096
     oa.check_limits(oa.parse_chat({**CHAT, "response_format": response_format(nested(32))}), load_config({}).limits)
     oa.parse_chat({**CHAT, "response_format": response_format(wide(4096))})
     for schema, says in (
@@ -324,7 +325,7 @@ def test_a_temperature_below_the_greedy_floor_is_sent_as_zero():
         req = oa.parse_chat({**CHAT, "temperature": asked})
         sampling = oa.sampling_of(req) or GREEDY  # None: nothing asked, the engine's greedy default
         assert sampling.temperature == sent
-        assert rp.sampling_temperature(asked) == sent
+        assert sampling_temperature(asked) == sent
 
 
 def test_sampling_values_out_of_range_are_refused_naming_the_field(client):

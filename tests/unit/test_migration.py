@@ -152,7 +152,7 @@ def generate(backend, ids: list[int], n: int, chunk: int = 4) -> list[int]:
 def test_a_continuation_generates_the_tokens_the_lost_replica_would_have(engine, request) -> None:
     backend = request.getfixturevalue(engine)
     n = 24
-    prompt, n = backend.fit(backend.tokenize("A replica serves requests; the router sends each one to"), n)
+    prompt, n = backend.text.fit(backend.text.tokenize("A replica serves requests; the router sends each one to"), n)
     whole = generate(backend, prompt, n)
     assert len(whole) == n
     for cut in (1, 5, 12, 23):
@@ -162,7 +162,7 @@ def test_a_continuation_generates_the_tokens_the_lost_replica_would_have(engine,
 def test_a_continuation_on_the_hf_engine_reads_as_the_uninterrupted_text(hf) -> None:
     from ballast.model.hf_text import IncrementalDetokenizer
 
-    prompt, n = hf.fit(hf.tokenize("東京 and Café"), 30)
+    prompt, n = hf.text.fit(hf.text.tokenize("東京 and Café"), 30)
     ids = generate(hf, prompt, n)
     whole, _ = stream_text(item(prompt, n, IncrementalDetokenizer(hf.tokenizer)), ids, 3)
     assert whole == hf.tokenizer.decode(ids, skip_special_tokens=True)

@@ -101,24 +101,25 @@ class TestADeadEngineFailsNoRow:
         import asyncio
         from types import SimpleNamespace
 
-        from ballast.model.hf_engine import GREEDY
-        from ballast.model.vllm_engine import VLLMBatch, _Row
+        from ballast.model.protocol import GREEDY
+        from ballast.model.vllm_batch import Row, VLLMBatch
 
-        backend = SimpleNamespace(_llm=self.FakeLLM(error), _lost=None, name="tiny-tp")
-        batch = VLLMBatch(backend, "b1")
-        row = _Row(0, "b1-0", GREEDY)
+        died: list[str] = []  # what the batch told its engine
+        engine = SimpleNamespace(llm=self.FakeLLM(error), name="tiny-tp", engine_died=died.append)
+        batch = VLLMBatch(engine, "b1")
+        row = Row(0, "b1-0", GREEDY)
         asyncio.run(batch._pump(row, None, None, None))
-        return backend, row
+        return died, row
 
     def test_engine_dead_holds_the_row_and_says_why(self) -> None:
         pytest.importorskip("vllm")
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        backend, row = self.pump(EngineDeadError())
+        died, row = self.pump(EngineDeadError())
         assert (row.finished, row.error) == (False, None)
-        assert backend._lost.startswith("EngineDeadError: EngineCore encountered an issue")
+        assert len(died) == 1 and died[0].startswith("EngineDeadError: EngineCore encountered an issue")
 
     def test_a_rows_own_failure_still_fails_that_row(self) -> None:
         pytest.importorskip("vllm")
-        backend, row = self.pump(ValueError("bad logits"))
-        assert row.finished and isinstance(row.error, ValueError) and backend._lost is None
+        died, row = self.pump(ValueError("bad logits"))
+        assert row.finished and isinstance(row.error, ValueError) and died == []

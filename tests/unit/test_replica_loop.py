@@ -330,7 +330,7 @@ async def test_a_row_the_batch_fails_alone_fails_its_request_only_and_the_others
     prompts = {1: [72, 105], 2: [65, 66, 67], 3: [999, 1], 4: [120]}
     rows = {}
     for k, ids in prompts.items():
-        rows[k] = ReplicaRow(ids, 6, enqueued_at_s=0.0, deadline_s=1e12, decoder=engine.stream_decoder(), key=k)
+        rows[k] = ReplicaRow(ids, 6, enqueued_at_s=0.0, deadline_s=1e12, decoder=engine.text.stream_decoder(), key=k)
         loop.enqueue(rows[k])
     loop.start()
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ballast.config import load_config
-from ballast.policies.request import json_extent
+from ballast.policies.json_bounds import json_extent
 from ballast.policies.schema import SchemaBounds, pattern_repeat, schema_fault, schema_size
 
 BOUNDS = SchemaBounds(max_depth=32, max_nodes=4096, max_repeat=1024, max_pattern_chars=128, max_literal_chars=32768)

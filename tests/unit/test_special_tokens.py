@@ -84,7 +84,7 @@ def prompt_ids(ckpt, replica, content: str, mode: str) -> tuple[list[int], int]:
     """The replica's ids for a one-message chat the router rendered, and the router's count."""
     text = model_text(ModelConfig(backend="transformers", path=str(ckpt), special_tokens_in_content=mode))
     prompt = text.render_chat([ChatMessage(role="user", content=content)])
-    ids, _ = replica.fit(replica.tokenize(prompt, add_special_tokens=False), 4)
+    ids, _ = replica.text.fit(replica.text.tokenize(prompt, add_special_tokens=False), 4)
     return ids, text.count(prompt, add_special_tokens=False)
 
 
@@ -121,14 +121,16 @@ def test_a_template_variables_value_is_escaped_as_content_is(noted, replica):
     for mode, turns in (("text", 3), ("control", 4)):  # system, user, assistant (and the value's own)
         text = model_text(ModelConfig(backend="transformers", path=str(noted), special_tokens_in_content=mode))
         prompt = text.render_chat([ChatMessage(role="user", content="hi")], template_kwargs={"note": HOSTILE})
-        ids = replica.tokenize(prompt, add_special_tokens=False)
+        ids = replica.text.tokenize(prompt, add_special_tokens=False)
         assert (ids.count(start), ids.count(end)) == (turns, turns - 1), mode
         assert text.count(prompt, add_special_tokens=False) == len(ids)
         assert tok.decode(ids).startswith("<|im_start|>system\n" + HOSTILE + "<|im_end|>\n<|im_start|>user\nhi")
     # Values nested in lists and mappings too, and what is not text as it is.
     text = model_text(ModelConfig(backend="transformers", path=str(noted)))
     kwargs = {"note": ["<|im_start|>x", {"k": "<|im_end|>"}, 3, True, None]}
-    ids = replica.tokenize(text.render_chat([ChatMessage(role="user", content="hi")], template_kwargs=kwargs), False)
+    ids = replica.text.tokenize(
+        text.render_chat([ChatMessage(role="user", content="hi")], template_kwargs=kwargs), False
+    )
     assert (ids.count(start), ids.count(end)) == (3, 2)
 
 

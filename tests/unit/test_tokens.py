@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ballast.policies.request import fit_context
+from ballast.policies import tokens
+from ballast.policies.tokens import fit_context
 from ballast.config import ModelConfig
 from ballast.errors import ContextLengthExceeded
 from ballast.router.openai_api import BadRequest, ChatMessage
@@ -129,3 +130,15 @@ def test_the_tokenizer_id_changes_with_the_tokenizer_files(tmp_path, ckpt):
     cfg = copy / "tokenizer_config.json"
     cfg.write_text(cfg.read_text().replace("{", '{"model_max_length": 7, ', 1))
     assert tokenizer_id(copy) != tokenizer_id(ckpt)
+
+
+def test_the_quota_charges_the_prompt_and_every_token_the_request_may_generate():
+    assert tokens.token_cost(5, 64) == 69
+    assert tokens.token_cost(5, 0) == 5
+
+
+def test_the_quota_retry_after_is_floored_and_capped():
+    assert tokens.quota_retry_after_s(0.0) == tokens.QUOTA_RETRY_AFTER_FLOOR_S == 0.01
+    assert tokens.quota_retry_after_s(-5.0) == 0.01
+    assert tokens.quota_retry_after_s(2.5) == 2.5
+    assert tokens.quota_retry_after_s(1e9) == tokens.QUOTA_RETRY_AFTER_CAP_S == 3600.0

@@ -91,6 +91,7 @@ def test_a_reasoning_models_engine_applies_its_grammar_after_the_thinking(tmp_pa
 
     import ballast.model.vllm_engine as ve
     from ballast.config import ModelConfig
+    from ballast.model.vllm_args import config_sections
     from ballast.model.demo import VLLM_GEOMETRY, make_llama
     from ballast.model.engine import build_engine
 
@@ -104,7 +105,7 @@ def test_a_reasoning_models_engine_applies_its_grammar_after_the_thinking(tmp_pa
     monkeypatch.setattr(ve, "VLLMBackend", lambda *a, **k: seen.update(k) or "backend")
     m = ModelConfig(name="m", backend="vllm", path=str(path), reasoning_parser="deepseek_r1")
     assert build_engine(m) == "backend" and seen["engine_kwargs"]["reasoning_parser"] == "deepseek_r1"
-    args = AsyncEngineArgs(model=str(path), **ve._config_sections({**seen["engine_kwargs"], "max_model_len": 256}))
+    args = AsyncEngineArgs(model=str(path), **config_sections({**seen["engine_kwargs"], "max_model_len": 256}))
     assert args.create_engine_config().structured_outputs_config.reasoning_parser == "deepseek_r1"
     seen.clear()
     build_engine(ModelConfig(name="m", backend="vllm", path=str(path)))

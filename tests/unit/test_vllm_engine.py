@@ -114,19 +114,19 @@ def test_describes_itself_and_fits_prompts(backend):
     assert d["backend"] == "vllm" and d["device"] == "cpu" and d["max_seq_len"] == 512
     assert d["params"] and d["params"] > 100_000
     assert backend.eos_ids == {backend.tokenizer.eos_token_id}
-    ids, n = backend.fit(backend.tokenize("Hello"), 10_000)
+    ids, n = backend.text.fit(backend.text.tokenize("Hello"), 10_000)
     assert ids[0] == backend.tokenizer.bos_token_id and n == 512 - len(ids)
     assert ids == backend.encode("Hello", 0) and backend.tokenizer_id == tokenizer_id(backend.source)
     with pytest.raises(ContextTooLong):
-        backend.tokenize("", add_special_tokens=False)
+        backend.text.tokenize("", add_special_tokens=False)
     with pytest.raises(ContextTooLong):
-        backend.fit([1] * 512, 4)
+        backend.text.fit([1] * 512, 4)
     with pytest.raises(ContextTooLong):
         backend.encode("", 4, add_special_tokens=False)
     with pytest.raises(ContextTooLong):
         backend.encode("Hello", 512)
     assert isinstance(backend.stats(), VLLMStats)
-    text = "".join(backend.stream_decoder().feed([i], final=False) for i in ids[1:])
+    text = "".join(backend.text.stream_decoder().feed([i], final=False) for i in ids[1:])
     assert text == "Hello"
 
 
@@ -413,7 +413,7 @@ def test_the_blocks_vllm_caches_are_reported_under_the_keys_a_router_computes(ba
 
     from ballast.policies.prefix_cache import PrefixReport, block_keys, matched_blocks
 
-    ids = backend.tokenize(" ".join(reversed(PROMPTS)) * 8)[:300]
+    ids = backend.text.tokenize(" ".join(reversed(PROMPTS)) * 8)[:300]
     size = backend.describe()["kv_block_size"]
     keys = block_keys(ids, size)
     assert matched_blocks(keys, backend.prefix_report(time.time()).keys) == 0
@@ -424,7 +424,7 @@ def test_the_blocks_vllm_caches_are_reported_under_the_keys_a_router_computes(ba
     report = backend.prefix_report(time.time())
     assert isinstance(report, PrefixReport) and report.block_size == size
     assert matched_blocks(keys, report.keys) == len(keys) == 300 // size
-    other = block_keys(backend.tokenize("something else entirely " * 40)[:300], size)
+    other = block_keys(backend.text.tokenize("something else entirely " * 40)[:300], size)
     assert matched_blocks(other, report.keys) == 0
 
 
@@ -448,7 +448,7 @@ def test_a_cache_salt_keeps_two_groups_apart_in_vllms_prefix_cache_and_in_its_re
 
     from ballast.policies.prefix_cache import block_keys, matched_blocks
 
-    ids = backend.tokenize("salted " + " ".join(PROMPTS) * 8)[:300]
+    ids = backend.text.tokenize("salted " + " ".join(PROMPTS) * 8)[:300]
     size = backend.describe()["kv_block_size"]
     full = (len(ids) // size) * size
     assert cached_at_first_tokens(backend, ids, "group-a") == 0  # a new prompt
@@ -529,10 +529,11 @@ def test_a_chunk_ends_when_a_row_has_its_first_tokens_not_after_a_whole_chunk():
     """Rule by rule on rows as the pumps leave them (no engine): a new row's first token
     ends the chunk (its time to first token is vLLM's, not vLLM's plus a chunk); then the
     chunk waits for ``steps`` unread from every row that makes tokens."""
-    from ballast.model.vllm_engine import GREEDY, _Row, chunk_ready
+    from ballast.model.protocol import GREEDY
+    from ballast.model.vllm_batch import Row, chunk_ready
 
-    def row(unread: int, made: int, finished: bool = False) -> _Row:
-        r = _Row(0, "r", GREEDY)
+    def row(unread: int, made: int, finished: bool = False) -> Row:
+        r = Row(0, "r", GREEDY)
         r.unread, r.made, r.finished = [7] * unread, made, finished
         return r
 
@@ -550,10 +551,10 @@ def test_the_engines_steps_give_its_curve_by_vllms_own_inter_token_gaps():
     new) says nothing of it. The useful rows are the curve's."""
     from vllm.v1.metrics.stats import SchedulerStats
 
-    from ballast.model.vllm_engine import _StatsSink
-    from ballast.policies.engine_curve import StepCurve
+    from ballast.model.vllm_stats import StatsSink
+    from ballast.policies.engines import StepCurve
 
-    sink, curve = _StatsSink(), StepCurve()
+    sink, curve = StatsSink(), StepCurve()
     for _ in range(8):
         for rows in range(1, 17):
             step = 0.004 + 0.0005 * rows

@@ -97,7 +97,7 @@ def test_an_adapters_blocks_are_keyed_with_its_name_and_the_base_rows_as_the_bas
 
     from ballast.policies.prefix_cache import block_keys, matched_blocks
 
-    ids, size = backend.tokenize(" ".join([PROMPT] * 120))[:300], backend.describe()["kv_block_size"]
+    ids, size = backend.text.tokenize(" ".join([PROMPT] * 120))[:300], backend.describe()["kv_block_size"]
     batch, joins = backend.open_batch(), [Join(k, ids, 2, LONG, adapter) for k, adapter in enumerate((None, "sql"))]
     for _ in range(50):
         batch.run_chunk(joins, 4)
@@ -142,7 +142,7 @@ def test_a_base_row_beside_adapter_rows_gets_the_base_output(backend, alone):
     # vLLM's CPU LoRA ops (vllm/lora/ops/torch_ops: lora_weights[lora_indices]) take a row
     # without an adapter (-1) for the last slot's adapter: on CPU a base row runs with the
     # zero adapter instead, and gets the base output beside adapter rows.
-    assert backend._base_lora is not None and backend.device == "cpu"
+    assert backend.lora.base is not None and backend.device == "cpu"
     out, failed = run(backend, {"b": None, "s": "sql", "t": "support", "b2": None})
     assert not failed and out["s"] == alone["sql"][0] and out["t"] == alone["support"][0]
     assert out["b"] == out["b2"] == alone[None][0]

@@ -1,0 +1,300 @@
+"""The rows one replica loop has in a vLLM engine: :class:`VLLMBatch`.
+
+Every row is one vLLM request whose outputs (``DELTA``: the new token ids only) a task
+on the engine loop appends to the row's buffer, setting an event the batch waits on, so
+nothing polls. ``run_chunk`` submits the joins, then waits until every row that has
+produced tokens has ``steps`` unread ones or has finished, bounded by ``max_wait_s``; a
+row still queued in vLLM (no token yet) does not hold back the rows that have tokens to
+hand over. A row's buffer holds at most its ``max_new_tokens`` ids. ``remove`` cancels
+the row's task, which makes vLLM abort the request: its slot and KV blocks are free at
+the engine's next step.
+
+**One row's fault.** A request vLLM fails (its validation refusing the row's parameters
+or prompt ids, or any error of that request alone) leaves the batch by itself and is
+handed to the replica by ``take_failed`` (``EngineRefused`` when vLLM refused it as sent,
+a 400 that is no model failure; ``VLLMRequestError`` otherwise); the other rows go on. A
+dead engine (vLLM's ``EngineDeadError``: a rank or the engine core went away) fails no
+row: the rows wait, the engine is told why (``RowEngine.engine_died``) and the replica
+goes as a whole, its requests sent elsewhere (``ballast.model.server``).
+
+The batch sees its engine through :class:`RowEngine`, the public face of
+``vllm_engine.VLLMBackend`` it needs, so this module does not import that one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Optional, Protocol
+
+from ballast.errors import EngineRefused
+from ballast.model.batching import check_context, check_joins
+from ballast.model.protocol import GREEDY, Join, RowSampling
+from ballast.model.untyped import VLLMObject
+from ballast.model.vllm_loop import CALL_SLACK_S, EngineLoop
+from ballast.model.vllm_lora import LoRATable
+
+__all__ = ["RowEngine", "VLLMBatch", "VLLMRequestError", "chunk_ready", "sampling_params"]
+
+log = logging.getLogger("ballast.vllm")
+
+
+class VLLMRequestError(RuntimeError):
+    """vLLM failed a request of the batch alone (not its validation, not a dead engine)."""
+
+
+class RowEngine(Protocol):
+    """What a batch runs on: its engine's name, context and wait bound, the loop its
+    ``AsyncLLM`` (``llm``) runs on, its adapters, and whom to tell that it died."""
+
+    name: str
+    max_seq_len: int
+    max_wait_s: float
+    loop: EngineLoop
+    lora: LoRATable
+
+    @property
+    def llm(self) -> VLLMObject:
+        """vLLM's ``AsyncLLM``."""
+        ...
+
+    def engine_died(self, reason: str) -> None:
+        """vLLM reported the engine dead (``reason``): it serves no more."""
+        ...
+
+
+class Row:
+    """One row in the engine: its vLLM request id, how it samples, the ids it made that
+    ``run_chunk`` has not returned yet, and how it ended."""
+
+    __slots__ = ("key", "rid", "sampling", "adapter", "unread", "made", "finished", "error", "task", "cached")
+
+    def __init__(self, key: Any, rid: str, sampling: RowSampling, adapter: Optional[str] = None) -> None:
+        self.key = key
+        self.rid = rid
+        self.sampling = sampling
+        self.adapter = adapter
+        self.cached: Optional[int] = None  # prompt tokens vLLM took from its prefix cache (its first output)
+        self.unread: list[int] = []  # ids not yet returned by run_chunk; at most max_new_tokens
+        self.made = 0
+        self.finished = False
+        self.error: Optional[BaseException] = None
+        self.task: Optional[asyncio.Task[None]] = None
+
+
+def chunk_ready(rows: Sequence[Row], steps: int) -> bool:
+    """Whether a chunk can end: a row failed; a row has its first tokens (none returned
+    yet: its time to first token is not held for a whole chunk, as vLLM's own server sends
+    the first token when it comes); or every row with tokens has ``steps`` unread or
+    finished (and at least one row has something)."""
+    if not rows or any(r.error is not None for r in rows):
+        return True
+    if any(r.unread and r.made == len(r.unread) for r in rows):
+        return True
+    done = [r.finished or len(r.unread) >= steps for r in rows]
+    if all(done):
+        return True
+    return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
+
+
+def sampling_params(s: RowSampling, n: int) -> VLLMObject:
+    """vLLM's parameters for a row of ``n`` new tokens sampled as ``s``."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    return SamplingParams(
+        max_tokens=n,
+        temperature=float(s.temperature),
+        top_p=float(s.top_p),
+        top_k=int(s.top_k or 0),  # 0: every token
+        seed=s.seed,
+        min_tokens=min(int(s.min_tokens), n),
+        ignore_eos=bool(s.ignore_eos),
+        repetition_penalty=float(s.repetition_penalty),
+        presence_penalty=float(s.presence_penalty),
+        frequency_penalty=float(s.frequency_penalty),
+        logit_bias=dict(s.logit_bias) or None,
+        structured_outputs=(
+            StructuredOutputsParams(structural_tag=s.structural_tag)
+            if s.structural_tag
+            else StructuredOutputsParams(json=s.json_schema)
+            if s.json_schema
+            else None
+        ),
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,  # the replica decodes ids itself
+    )
+
+
+def row_error(row: Row, e: BaseException) -> BaseException:
+    """What a row vLLM failed alone answers: ``EngineRefused`` when vLLM refused the request
+    as sent (its validation: a client error, a ValueError), naming the schema's field when
+    the row has one and vLLM blamed structured outputs; else ``VLLMRequestError``."""
+    from vllm.exceptions import VLLMClientError
+
+    if isinstance(e, (VLLMClientError, ValueError)):
+        field = str(getattr(e, "parameter", None) or "prompt")
+        if row.sampling.json_schema is not None and ("structured" in str(e) or "schema" in str(e)):
+            field = row.sampling.json_schema_of
+        return EngineRefused(f"{field}: vLLM refuses the request: {e}", field=field)
+    return VLLMRequestError(f"vLLM failed request {row.rid}: {type(e).__name__}: {e}")
+
+
+def engine_dead(e: BaseException) -> bool:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(e, EngineDeadError)
+
+
+class VLLMBatch:
+    """The rows one replica loop has in the engine (see the module docstring).
+
+    ``run_chunk`` and ``remove`` have the contract of ``ballast.model.engine.Batch``; a
+    row runs with its join's :class:`RowSampling` (None: greedy), its LoRA adapter (None:
+    the base model) and its ``cache_salt`` (vLLM shares prefix blocks only among requests
+    of one salt). One caller at a time; the state lives on the backend's engine loop and
+    is only touched there.
+    """
+
+    def __init__(self, engine: RowEngine, prefix: str) -> None:
+        self._engine = engine
+        self._prefix = prefix
+        self._rows: dict[Any, Row] = {}
+        self._changed = asyncio.Event()  # created here, only waited on the engine loop
+        self._failed: dict[Any, BaseException] = {}  # rows failed alone, until take_failed
+        self._cached: dict[Any, int] = {}  # the last chunk's rows' cached prompt tokens
+
+    def keys(self) -> list[Any]:
+        return list(self._rows)
+
+    def take_failed(self) -> dict[Any, BaseException]:
+        """Rows vLLM failed alone since the last call, with their errors: ``EngineRefused``
+        for a request vLLM refused as sent (its validation), ``VLLMRequestError`` for any
+        other failure of that request. The other rows went on."""
+        out, self._failed = self._failed, {}
+        return out
+
+    def cached_tokens(self, key: Any) -> Optional[int]:
+        """How many of the row's prompt tokens vLLM took from its prefix cache, for a row
+        that had tokens in the last chunk; None when vLLM has not said."""
+        return self._cached.get(key)
+
+    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+        """Abort these rows in vLLM and drop them."""
+        gone = [self._rows.pop(k) for k in keys if k in self._rows]
+        if gone:
+            self._engine.loop.call(self._abort(gone), CALL_SLACK_S)
+
+    def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        self._check(joins)
+        return self._engine.loop.call(self._chunk(joins, steps), self._engine.max_wait_s + CALL_SLACK_S)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check(self, joins: Sequence[Join]) -> None:
+        """Raises before the chunk runs: not a Join, a key already in the batch, a row that
+        does not fit the context (``ContextTooLong``)."""
+        check_joins(joins, self._rows)
+        check_context(joins, self._engine.max_seq_len)
+
+    async def _chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
+        out: dict[Any, list[int]] = {join.key: [] for join in joins}
+        for join in joins:
+            if join.max_new_tokens > 0:
+                self._submit(join)
+        for key in self._failed:
+            out.pop(key, None)
+        deadline = time.monotonic() + self._engine.max_wait_s
+        while not self._ready(steps):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        failed = [(r, r.error) for r in self._rows.values() if r.error is not None]
+        for row, error in failed:  # each alone: the other rows go on
+            del self._rows[row.key]
+            out.pop(row.key, None)
+            self._failed[row.key] = row_error(row, error)
+        await self._abort([row for row, _ in failed])
+        self._cached = {}
+        for key, row in list(self._rows.items()):
+            if row.unread and row.cached is not None:
+                self._cached[key] = row.cached
+            out[key] = row.unread
+            row.unread = []
+            if row.finished:
+                del self._rows[key]
+        return out
+
+    def _ready(self, steps: int) -> bool:
+        return chunk_ready(list(self._rows.values()), steps)
+
+    def _submit(self, join: Join) -> None:
+        """``join`` into vLLM as a request of its own, or into ``take_failed`` when it is refused alone."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+
+        llm = self._engine.llm
+        key, adapter, salt = join.key, join.adapter, join.cache_salt
+        s = join.sampling if join.sampling is not None else GREEDY
+        row = Row(key, f"{self._prefix}-{key}", s, adapter)
+        lora = self._engine.lora.request(adapter) if adapter is not None else self._engine.lora.base
+        if adapter is not None and lora is None:  # removed (or never added): this row alone
+            self._failed[key] = EngineRefused(
+                f"model: adapter {adapter!r} is not loaded on model {self._engine.name!r}", field="model"
+            )
+            return
+        try:
+            params = sampling_params(s, join.max_new_tokens)
+            ids = [int(i) for i in join.ids]
+            tokens = (
+                TokensPrompt(prompt_token_ids=ids)
+                if salt is None
+                else TokensPrompt(prompt_token_ids=ids, cache_salt=salt)
+            )
+            prompt = llm.renderer.render_cmpl([tokens])[0]
+        except (VLLMClientError, ValueError) as e:  # this row's own: it fails alone
+            self._failed[key] = row_error(row, e)
+            return
+        row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params, lora))
+        self._rows[key] = row
+
+    async def _pump(self, row: Row, prompt: VLLMObject, params: VLLMObject, lora: VLLMObject) -> None:
+        """Append the request's new ids to ``row`` as vLLM produces them (with the adapter's
+        ``LoRARequest`` ``lora``, None: the base model)."""
+        try:
+            async for output in self._engine.llm.generate(prompt, params, row.rid, lora_request=lora):
+                new = output.outputs[0].token_ids
+                if row.cached is None and output.num_cached_tokens is not None:
+                    row.cached = output.num_cached_tokens
+                row.unread.extend(new)
+                row.made += len(new)
+                if output.finished:
+                    row.finished = True
+                self._changed.set()
+        except asyncio.CancelledError:
+            raise  # remove(): generate() aborts the request in vLLM on the way out
+        except Exception as e:
+            if engine_dead(e):  # the engine's fault, not the row's: held until the replica goes
+                log.error("engine of %r is dead (%s): its rows wait for the replica to go", self._engine.name, e)
+                self._engine.engine_died(f"{type(e).__name__}: {e}")
+                return
+            row.error = e
+        row.finished = True
+        self._changed.set()
+
+    async def _abort(self, rows: Sequence[Row]) -> None:
+        """Cancel the rows' tasks and wait for them: each one's abort has reached vLLM."""
+        tasks = [r.task for r in rows if r.task is not None and not r.task.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
