@@ -58,7 +58,6 @@ from ballast.config.model import (
     parallel_sizes,
 )
 from ballast.config.resilience import (
-    SELF_SCHEDULING,
     BreakerSettings,
     BulkheadSettings,
     CacheSettings,
@@ -73,7 +72,6 @@ from ballast.config.tenants import FairnessSettings, QuotaSettings, TenantConfig
 from ballast.config.watchdog import ChaosConfig, WatchdogSettings
 
 __all__ = [
-    "SELF_SCHEDULING",
     "AdapterConfig",
     "AuthConfig",
     "AutoscaleSettings",

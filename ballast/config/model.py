@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from ballast.config.base import Strict
+from ballast.policies.engines import capabilities
 from ballast.policies.placement import Placement
 
 
@@ -212,9 +213,9 @@ class ModelConfig(Strict):
         self._parallel_fields()
         if self.engine_kwargs and self.backend != "vllm":
             raise ValueError("engine_kwargs are vLLM's (backend 'vllm')")
-        if self.tool_parser is not None and self.backend != "vllm":
+        if self.tool_parser is not None and not capabilities(self.backend).tool_parsing:
             raise ValueError("tool_parser is vLLM's (backend 'vllm'); the other engines do not call tools")
-        if self.reasoning_parser is not None and self.backend != "vllm":
+        if self.reasoning_parser is not None and not capabilities(self.backend).tool_parsing:
             raise ValueError("reasoning_parser is vLLM's (backend 'vllm')")
         return self
 

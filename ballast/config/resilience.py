@@ -9,12 +9,9 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from ballast.config.base import Strict, frozen_config, ordered
 from ballast.policies.breaker import BreakerConfig
+from ballast.policies.engines import capabilities
 from ballast.policies.limiter import LimiterConfig
 from ballast.policies.retry import RetryConfig
-
-#: Engines that batch and schedule their rows themselves: the replica only bounds how many
-#: are in them (ballast/model/engine.py).
-SELF_SCHEDULING = frozenset({"vllm"})
 
 
 class BreakerSettings(Strict):
@@ -113,7 +110,7 @@ class GateSettings(Strict):
     def limiter_config(self, backend: str = "builtin") -> LimiterConfig:
         """The limit for a model on ``backend``: an engine that schedules itself (vLLM)
         takes the rows curve where ``rows_curve_gain`` is set, and then not the slow rule."""
-        by_curve = backend in SELF_SCHEDULING and self.rows_curve_gain is not None
+        by_curve = capabilities(backend).self_scheduling and self.rows_curve_gain is not None
         rule: dict[str, Any] = {"target_service_ratio": None} if by_curve else {"rows_curve_gain": None}
         return frozen_config(LimiterConfig, self, initial=self.initial_limit, interval_s=self.adjust_interval_s, **rule)
 

@@ -11,6 +11,7 @@ from ballast.config.base import Strict
 from ballast.config.deployments import FallbackDeploymentConfig, ModelDeploymentConfig
 from ballast.config.model import ModelArchitecture, ModelConfig
 from ballast.policies.catalog import name_problem
+from ballast.policies.engines import capabilities
 
 
 class FallbackConfig(Strict):
@@ -55,7 +56,7 @@ class ServedModelConfig(ModelConfig):
 
     @model_validator(mode="after")
     def _adapters_on_vllm(self) -> "ServedModelConfig":
-        if self.adapters and self.backend != "vllm":
+        if self.adapters and not capabilities(self.backend).lora:
             raise ValueError(f"adapters: LoRA adapters are vLLM's (backend 'vllm'); this model is {self.backend!r}")
         for name in self.adapters:
             problem = name_problem(name)

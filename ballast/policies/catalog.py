@@ -36,9 +36,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Optional, Sequence
 
+from ballast.policies.engines import ENGINES
+
 MAX_NAME_CHARS = 64
 NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-/+@=")
-LORA_BACKEND = "vllm"
+
+
+def _serves_lora(backend: str) -> bool:
+    """Whether the engine ``backend`` names serves LoRA adapters (``engines.ENGINES``)."""
+    engine = ENGINES.get(backend)
+    return engine is not None and engine.lora
 
 
 class CatalogError(ValueError):
@@ -160,7 +167,7 @@ class Catalog:
         self._check_name("models", model.name)
         if not model.cost_per_token > 0:
             raise CatalogError(f"{model.name}.cost_per_token", "must be > 0")
-        if model.adapters and model.backend != LORA_BACKEND:
+        if model.adapters and not _serves_lora(model.backend):
             raise CatalogError(
                 f"{model.name}.adapters", f"LoRA adapters are vLLM's (backend 'vllm'); this is {model.backend!r}"
             )
@@ -288,7 +295,7 @@ class Catalog:
         base = self._models.get(model)
         if base is None:
             raise CatalogError("model", f"{model!r} is no model served here")
-        if base.backend != LORA_BACKEND:
+        if not _serves_lora(base.backend):
             raise CatalogError("model", f"{model!r} is served by {base.backend!r}; LoRA adapters are vLLM's")
         problem = name_problem(name)
         if problem is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from ballast.policies import tokens as request_policy
+from ballast.policies import tokens as token_policy
 from ballast.policies.quota import RateLease, TokenBucket, lease_rate
 
 from ballast.errors import QuotaExceeded
@@ -46,7 +46,7 @@ class Quotas:
         """The estimate (prompt + max_tokens, each token at the model's ``per_token`` cost)
         from the tenant's bucket, counted as demand either way; 429 QUOTA_EXCEEDED (nothing
         charged) when the bucket cannot pay it now. One bucket per tenant across models."""
-        cost = request_policy.token_cost(prompt_tokens, max_tokens) * per_token
+        cost = token_policy.token_cost(prompt_tokens, max_tokens) * per_token
         bucket = self._bucket(tenant)
         if bucket is None:
             return Charge(None, cost, prompt_tokens, per_token)
@@ -54,7 +54,7 @@ class Quotas:
         if not bucket.try_charge(cost):
             raise QuotaExceeded(
                 f"tenant '{tenant}' is over its quota of {self._cfg.tenants[tenant].rate_tokens_per_s:g} tokens/s",
-                retry_after_s=request_policy.quota_retry_after_s(bucket.retry_after_s(cost)),
+                retry_after_s=token_policy.quota_retry_after_s(bucket.retry_after_s(cost)),
             )
         return Charge(bucket, cost, prompt_tokens, per_token)
 

@@ -31,12 +31,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from ballast.policies import tokens as request_policy
-
 from ballast.config import ModelConfig
 from ballast.errors import ContextLengthExceeded
 from ballast.model.protocol import ModelCall
 from ballast.model.special_tokens import BYTES_TOKENIZER, encode_bytes, encode_text
+from ballast.policies import tokens as token_policy
+from ballast.policies.engines import capabilities
 
 if TYPE_CHECKING:
     from ballast.router.chat_parsing import ChatParsing
@@ -85,7 +85,7 @@ class ModelText:
         """The max_tokens to ask for: what was asked, else all the model allows."""
         if not self.strict:
             return asked if asked is not None else self.context - 1
-        max_tokens, why = request_policy.fit_context(prompt_tokens, asked, self.context)
+        max_tokens, why = token_policy.fit_context(prompt_tokens, asked, self.context)
         if why is not None:
             raise ContextLengthExceeded(
                 why, field="max_tokens" if asked is not None and prompt_tokens < self.context else "prompt"
@@ -180,6 +180,6 @@ def model_text(m: ModelConfig) -> ModelText:
             m.path,
             m.engine_kwargs.get("max_model_len"),
             m.special_tokens_in_content,
-            m if m.backend == "vllm" else None,
+            m if capabilities(m.backend).tool_parsing else None,
         )
     return ModelText(m.architecture.max_seq_len)
