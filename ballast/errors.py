@@ -8,7 +8,7 @@ The router turns any ``BallastError`` into ``{"error": {"code", "message",
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 
 class BallastError(Exception):
@@ -17,7 +17,7 @@ class BallastError(Exception):
     status: int = 500
     code: str = "INTERNAL"
 
-    def __init__(self, message: str, retry_after_s: Optional[float] = None):
+    def __init__(self, message: str, retry_after_s: float | None = None):
         super().__init__(message, retry_after_s)
         self.message = message
         self.retry_after_s = retry_after_s
@@ -134,7 +134,7 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
     @classmethod
-    def named(cls, name: str, usable: "list[str]") -> "ModelNotFound":
+    def named(cls, name: str, usable: list[str]) -> ModelNotFound:
         """The refusal of ``name``, naming the models and adapters the caller may use."""
         return cls(f"model {name!r} does not exist or this key may not use it; yours: {', '.join(usable) or 'none'}")
 

@@ -6,12 +6,12 @@ ends the row there, so no step is spent past a stop).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 __all__ = ["StopScanner", "cut_at_stop"]
 
 
-def _stop_start(text: str, stops: Sequence[str]) -> Optional[int]:
+def _stop_start(text: str, stops: Sequence[str]) -> int | None:
     """Where the stop string that completes first in ``text`` starts (None: none does);
     of two completing at once, the longer (it started first)."""
     hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]

@@ -6,7 +6,7 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -45,7 +45,7 @@ class AsyncBallastClient(ClientBase):
         self,
         cfg: ClientConfig,
         *,
-        transport: Optional[httpx.AsyncBaseTransport] = None,
+        transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
         rand: Callable[[], float] = random.random,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -59,7 +59,7 @@ class AsyncBallastClient(ClientBase):
         prompt: str,
         max_tokens: int = 64,
         criticality: str = "critical",
-        idempotency_key: Optional[str] = None,
+        idempotency_key: str | None = None,
     ) -> Generation:
         call, payload = self._unary_call(prompt, max_tokens, criticality, idempotency_key)
         while True:
@@ -90,7 +90,7 @@ class AsyncBallastClient(ClientBase):
                         await resp.aread()
                         wait_s = call.on_error_answer(resp.status_code, resp.headers, resp.content)
                     else:
-                        cut: Optional[httpx.TransportError] = None
+                        cut: httpx.TransportError | None = None
                         try:
                             async for line in resp.aiter_lines():
                                 text = call.on_stream_line(line)

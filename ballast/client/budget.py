@@ -7,7 +7,6 @@ from collections import deque
 
 from ballast.policies.validation import check_int, is_number
 
-
 # floor(ratio × requests) landing a hair below an integer (0.1 × 30 = 3.0000000000000004
 # is fine, 0.29 × 100 = 28.999999999999996 is not) would lose a whole retry.
 EPSILON = 1e-9

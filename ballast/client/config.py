@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from ballast.policies.retry import RetryConfig
 from ballast.policies.throttle import ThrottleConfig
@@ -32,12 +31,12 @@ class ClientConfig:
     #: A Retry-After (or backoff) longer than this ends the call instead of blocking it.
     max_retry_wait_s: float = 30.0
     #: Adaptive client-side throttling; None disables it.
-    throttle: Optional[ThrottleConfig] = field(default_factory=ThrottleConfig)
+    throttle: ThrottleConfig | None = field(default_factory=ThrottleConfig)
     #: One throttle per criticality: refusals of sheddable calls (the first the server
     #: sheds) then throttle sheddable calls only, never the critical ones beside them.
     throttle_per_criticality: bool = True
     #: The call's deadline; each attempt sends the time left as X-Request-Timeout-Ms.
-    request_timeout_ms: Optional[int] = None
+    request_timeout_ms: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.base_url, str) or not self.base_url.startswith(("http://", "https://")):

@@ -43,12 +43,10 @@ import json
 import math
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
-from ballast.policies.retry import backoff_s
-from ballast.policies.throttle import AdaptiveThrottle
 from ballast.client.budget import EPSILON, RetryBudgetWindow
 from ballast.client.config import ClientConfig
 from ballast.client.errors import (
@@ -63,6 +61,8 @@ from ballast.client.errors import (
     is_retryable_answer,
 )
 from ballast.client.protocol import USER_AGENT, Generation, SSEDecoder, build_payload
+from ballast.policies.retry import backoff_s
+from ballast.policies.throttle import AdaptiveThrottle
 
 MAX_THROTTLES = 8  # per client: the four criticalities and a little room
 
@@ -88,7 +88,7 @@ class ClientCore:
         self._throttles: dict[str, AdaptiveThrottle] = {}
         self._lock = threading.Lock()
 
-    def _throttle_locked(self, criticality: str) -> Optional[AdaptiveThrottle]:
+    def _throttle_locked(self, criticality: str) -> AdaptiveThrottle | None:
         """Callers hold ``_lock`` (it may add an entry)."""
         if self.cfg.throttle is None:
             return None
@@ -102,7 +102,7 @@ class ClientCore:
                 t = self._throttles[key] = AdaptiveThrottle(self.cfg.throttle, self.clock, self.rand)
         return t
 
-    def throttle_for(self, criticality: str = "critical") -> Optional[AdaptiveThrottle]:
+    def throttle_for(self, criticality: str = "critical") -> AdaptiveThrottle | None:
         with self._lock:
             return self._throttle_locked(criticality)
 
@@ -161,7 +161,7 @@ class Call:
     def __init__(
         self,
         core: ClientCore,
-        idempotency_key: Optional[str] = None,
+        idempotency_key: str | None = None,
         criticality: str = "critical",
         stream: bool = False,
     ) -> None:
@@ -170,20 +170,20 @@ class Call:
         self._key = idempotency_key
         self._crit = criticality
         self.attempts = 0
-        self.last_error: Optional[BallastClientError] = None
+        self.last_error: BallastClientError | None = None
         # Set by the first begin_attempt: a stream sends nothing until it is iterated.
-        self._deadline_s: Optional[float] = None
+        self._deadline_s: float | None = None
         # stream state
         self._sse = SSEDecoder()
         self._texts: list[str] = []
         self._ids: list[int] = []  # the token ids the caller has (bounded by max_tokens)
         self._resumable = True  # every token event so far carried its ids
         self._stream_counted = False
-        self.done: Optional[Generation] = None
+        self.done: Generation | None = None
         self.resumes = 0  # times a cut stream was resumed
 
     # -- before an attempt ------------------------------------------------------------
-    def _time_left_s(self) -> Optional[float]:
+    def _time_left_s(self) -> float | None:
         return None if self._deadline_s is None else self._deadline_s - self._core.clock()
 
     def begin_attempt(self) -> tuple[dict[str, str], httpx.Timeout]:
@@ -219,7 +219,7 @@ class Call:
         return headers, httpx.Timeout(connect=connect_s, read=read_s, write=read_s, pool=connect_s)
 
     # -- after an attempt -------------------------------------------------------------
-    def _plan_retry(self, err: BallastClientError) -> Optional[float]:
+    def _plan_retry(self, err: BallastClientError) -> float | None:
         """The wait before the next attempt, or None when there is none."""
         if self.attempts >= self._core.cfg.max_attempts:
             return None
@@ -276,7 +276,7 @@ class Call:
         return Generation.from_payload(payload)
 
     # -- a stream that answered 200 -----------------------------------------------------
-    def on_stream_line(self, line: str) -> Optional[str]:
+    def on_stream_line(self, line: str) -> str | None:
         """One SSE line: a token batch's text, None, or raises the ``error`` event's typed error."""
         event = self._sse.feed(line)
         if event is None:
@@ -314,7 +314,7 @@ class Call:
             return payload
         return {**payload, "resume": {"ids": list(self._ids), "text_chars": sum(len(t) for t in self._texts)}}
 
-    def on_stream_cut(self, exc: Optional[httpx.TransportError]) -> float:
+    def on_stream_cut(self, exc: httpx.TransportError | None) -> float:
         """A stream that answered 200 and ended without ``done`` (``exc``: how it broke;
         None: the body just ended): the wait before resuming it, or raises."""
         if exc is None:
@@ -344,7 +344,7 @@ class StreamState:
         self._call = call
 
     @property
-    def done(self) -> Optional[Generation]:
+    def done(self) -> Generation | None:
         """The ``done`` payload as a ``Generation`` once the stream ended (its ``text`` the whole text)."""
         return self._call.done
 
@@ -360,18 +360,18 @@ class ClientBase:
     def __init__(self, cfg: ClientConfig, clock: Callable[[], float], rand: Callable[[], float]) -> None:
         self._core = ClientCore(cfg, clock, rand)
         #: The last completed stream's ``done`` (single-caller convenience; see TokenStream.done).
-        self.last_done: Optional[Generation] = None
+        self.last_done: Generation | None = None
 
     @property
     def config(self) -> ClientConfig:
         return self._core.cfg
 
     @property
-    def throttle(self) -> Optional[AdaptiveThrottle]:
+    def throttle(self) -> AdaptiveThrottle | None:
         """The default criticality's throttle (``critical``); see ``throttle_for``."""
         return self._core.throttle_for("critical")
 
-    def throttle_for(self, criticality: str) -> Optional[AdaptiveThrottle]:
+    def throttle_for(self, criticality: str) -> AdaptiveThrottle | None:
         """The adaptive throttle this client keeps for ``criticality`` (None when disabled)."""
         return self._core.throttle_for(criticality)
 
@@ -380,7 +380,7 @@ class ClientBase:
         return self._core.budget
 
     def _unary_call(
-        self, prompt: str, max_tokens: int, criticality: str, idempotency_key: Optional[str]
+        self, prompt: str, max_tokens: int, criticality: str, idempotency_key: str | None
     ) -> tuple[Call, dict[str, Any]]:
         return Call(self._core, idempotency_key, criticality), build_payload(prompt, max_tokens, criticality, False)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 #: Marks "use the class's status" so that an explicit None (an error made on the client,
 #: no HTTP status) survives pickling as None.
@@ -28,15 +28,15 @@ class BallastClientError(Exception):
     ``super().__init__`` so the error pickles (crosses process boundaries).
     """
 
-    default_status: Optional[int] = None
+    default_status: int | None = None
     default_code: str = "CLIENT_ERROR"
 
     def __init__(
         self,
         message: str,
-        status: Optional[int] = _CLASS_STATUS,
-        code: Optional[str] = None,
-        retry_after_s: Optional[float] = None,
+        status: int | None = _CLASS_STATUS,
+        code: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         if status is _CLASS_STATUS:
             status = self.default_status
@@ -157,13 +157,13 @@ _RETRYABLE_STATUSES = frozenset({429, 503})
 _MAX_MESSAGE_CHARS = 500
 
 
-def _number_or_none(value: object) -> Optional[float]:
+def _number_or_none(value: object) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
         return float(value)
     return None
 
 
-def parse_retry_after_header(value: Optional[str]) -> Optional[float]:
+def parse_retry_after_header(value: str | None) -> float | None:
     """``Retry-After`` as delta-seconds; None when absent, negative or an HTTP-date."""
     if value is None:
         return None
@@ -175,8 +175,8 @@ def parse_retry_after_header(value: Optional[str]) -> Optional[float]:
 
 def error_from_payload(
     payload: object,
-    status: Optional[int] = _CLASS_STATUS,
-    retry_after_header: Optional[str] = None,
+    status: int | None = _CLASS_STATUS,
+    retry_after_header: str | None = None,
     fallback_message: str = "",
 ) -> BallastClientError:
     """A typed error from ``{"error": {"code", "message", "retry_after_s"?, "field"?}}``.

@@ -7,7 +7,7 @@ user in loadtest/locustfile.py, which reuses ``SSEDecoder`` and the names).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from ballast.client.errors import ServerError
 
@@ -31,12 +31,12 @@ class Generation:
     degraded: bool
     degraded_reasons: tuple[str, ...]
     #: None when the primary model answered, else "fallback_model" or "cache".
-    fallback: Optional[str]
+    fallback: str | None
     #: The answer (or, for a stream, the ``done`` payload) as the server sent it.
     raw: dict[str, Any] = field(compare=False)
 
     @classmethod
-    def from_payload(cls, payload: object, text: Optional[str] = None) -> Generation:
+    def from_payload(cls, payload: object, text: str | None = None) -> Generation:
         """From the JSON answer, or from a ``done`` event plus the streamed ``text``."""
         try:
             if not isinstance(payload, dict):
@@ -73,7 +73,7 @@ class SSEDecoder:
         self._event = ""
         self._data: list[str] = []
 
-    def feed(self, line: str) -> Optional[tuple[str, str]]:
+    def feed(self, line: str) -> tuple[str, str] | None:
         if line == "":
             if not self._data and not self._event:
                 return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Generator
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -53,7 +53,7 @@ class BallastClient(ClientBase):
         self,
         cfg: ClientConfig,
         *,
-        transport: Optional[httpx.BaseTransport] = None,
+        transport: httpx.BaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
         rand: Callable[[], float] = random.random,
         sleep: Callable[[float], None] = time.sleep,
@@ -67,7 +67,7 @@ class BallastClient(ClientBase):
         prompt: str,
         max_tokens: int = 64,
         criticality: str = "critical",
-        idempotency_key: Optional[str] = None,
+        idempotency_key: str | None = None,
     ) -> Generation:
         call, payload = self._unary_call(prompt, max_tokens, criticality, idempotency_key)
         while True:
@@ -106,7 +106,7 @@ class BallastClient(ClientBase):
             self._sleep(wait_s)
 
     @staticmethod
-    def _events(call: Call, resp: httpx.Response) -> Generator[str, None, Optional[float]]:
+    def _events(call: Call, resp: httpx.Response) -> Generator[str, None, float | None]:
         """The stream's texts; then None once ``done`` came, else the wait before
         resuming the cut stream (``call.on_stream_cut`` raises when it is not resumed)."""
         try:

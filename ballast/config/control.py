@@ -3,8 +3,6 @@ policies it runs."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from ballast.config.base import Strict, frozen_config, ordered
@@ -35,7 +33,7 @@ class ControllerConfig(Strict):
     num_cpus: float = Field(default=0, ge=0)
 
     @model_validator(mode="after")
-    def _stale_order(self) -> "ControllerConfig":
+    def _stale_order(self) -> ControllerConfig:
         ordered(self, "snapshot_stale_s", "snapshot_max_stale_s")
         return self
 
@@ -55,19 +53,19 @@ class DegradationSettings(Strict):
     queue_length_thresholds: tuple[int, int, int, int] = (50, 100, 200, 500)
     queue_wait_ms_thresholds: tuple[float, float, float, float] = (250.0, 500.0, 1000.0, 2000.0)
     # The primary replicas' KV token budget reserved, percent (llm-d sheds at 80).
-    kv_util_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
+    kv_util_pct_thresholds: tuple[float | None, float | None, float | None, float | None] = (
         80.0,
         90.0,
         97.0,
         None,
     )
-    gpu_util_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
+    gpu_util_pct_thresholds: tuple[float | None, float | None, float | None, float | None] = (
         85.0,
         92.0,
         97.0,
         None,
     )
-    vram_pct_thresholds: tuple[Optional[float], Optional[float], Optional[float], Optional[float]] = (
+    vram_pct_thresholds: tuple[float | None, float | None, float | None, float | None] = (
         None,
         None,
         97.0,
@@ -78,7 +76,7 @@ class DegradationSettings(Strict):
     # Shed a whole class at the door only when the classes kept fill the model by
     # themselves: level k when the demand of what it admits >= ratio x capacity
     # (ballast/policies/degradation.py). null: demand never asks for a level.
-    demand_shed_ratio: Optional[float] = Field(default=1.1, gt=0)
+    demand_shed_ratio: float | None = Field(default=1.1, gt=0)
     # Routers measure demand by criticality and the gate's throughput over this window.
     demand_window_s: PositiveFloat = 5.0
     # The capacity demand is held against: the most the gates answered while full over this
@@ -98,7 +96,7 @@ class DegradationSettings(Strict):
 
 class AutoscaleSettings(Strict):
     target_ongoing_requests: PositiveFloat = 8.0
-    target_gpu_util_pct: Optional[float] = Field(default=80.0, gt=0, le=100)
+    target_gpu_util_pct: float | None = Field(default=80.0, gt=0, le=100)
     stable_window_s: PositiveFloat = 60.0
     panic_window_s: PositiveFloat = 6.0
     panic_threshold_ratio: PositiveFloat = 2.0
@@ -112,13 +110,13 @@ class RecycleSettings(Strict):
     """Staggered replica recycling run by the controller: a rolling restart, each recycle under a lease."""
 
     enabled: bool = True
-    max_age_s: Optional[PositiveFloat] = 6 * 3600.0  # null: no age trigger
+    max_age_s: PositiveFloat | None = 6 * 3600.0  # null: no age trigger
     jitter_ratio: float = Field(default=0.1, ge=0, lt=1)  # each replica's age threshold spread by ± this
-    window_start_hour: Optional[float] = Field(
+    window_start_hour: float | None = Field(
         default=2.0, ge=0, lt=24
     )  # preferred low-traffic window (local time); null: any time
-    window_end_hour: Optional[float] = Field(default=5.0, ge=0, lt=24)
-    forced_max_age_s: Optional[PositiveFloat] = 24 * 3600.0  # recycled at this age whatever the window or level
+    window_end_hour: float | None = Field(default=5.0, ge=0, lt=24)
+    forced_max_age_s: PositiveFloat | None = 24 * 3600.0  # recycled at this age whatever the window or level
     max_unavailable: PositiveInt = 1
     min_available: int = Field(default=1, ge=0)
     # One replica more (within max_replicas) while a recycle of the primary waits on
@@ -131,7 +129,7 @@ class RecycleSettings(Strict):
     restart_estimate_s: PositiveFloat = 60.0  # T_restart for the expected availability until one is measured
 
     @model_validator(mode="after")
-    def _ages(self) -> "RecycleSettings":
+    def _ages(self) -> RecycleSettings:
         if self.max_age_s and self.forced_max_age_s and self.forced_max_age_s < self.max_age_s:
             raise ValueError("forced_max_age_s must be >= max_age_s")
         if (self.window_start_hour is None) != (self.window_end_hour is None):

@@ -3,7 +3,7 @@ every Ballast deployment, built in one place."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
@@ -20,7 +20,7 @@ class _DeploymentSettings(Strict):
     num_cpus: float = Field(default=0, ge=0)
 
     def serve_options(
-        self, name: str, access_log: bool, placement: Optional[Placement] = None, **own: Any
+        self, name: str, access_log: bool, placement: Placement | None = None, **own: Any
     ) -> dict[str, Any]:
         """Keyword arguments for ``serve.deployment``: the shared ones, then ``own``. With a
         ``placement`` (a model of several ranks), each replica is its placement group: one
@@ -44,14 +44,14 @@ class _DeploymentSettings(Strict):
 class ModelDeploymentConfig(_DeploymentSettings):
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: PositiveInt = 2
-    initial_replicas: Optional[PositiveInt] = None
+    initial_replicas: PositiveInt | None = None
     num_gpus: float = Field(default=0, ge=0)
     health_check_period_s: PositiveFloat = 2.0
     health_check_timeout_s: PositiveFloat = 10.0
     graceful_shutdown_timeout_s: PositiveFloat = 10.0
 
     @model_validator(mode="after")
-    def _bounds(self) -> "ModelDeploymentConfig":
+    def _bounds(self) -> ModelDeploymentConfig:
         ordered(self, "min_replicas", "max_replicas")
         if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
             raise ValueError("initial_replicas must lie within [min_replicas, max_replicas]")
@@ -66,7 +66,7 @@ class RouterDeploymentConfig(_DeploymentSettings):
     # starts its proxy (and HAProxy) only on nodes that run a replica: a node that lost
     # its router, or one that replaces a lost node, serves HTTP again once a router lands
     # there. A router for which no node has room waits, pending, for one.
-    max_replicas_per_node: Optional[PositiveInt] = None
+    max_replicas_per_node: PositiveInt | None = None
 
 
 class DeploymentsConfig(Strict):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -34,7 +34,7 @@ class HttpConfig(Strict):
     # HAProxy drops it before it refuses new connections (HAProxy then retries another);
     # None: Serve's default, 30 s. Every redeploy, recycle and stop of a router waits
     # this long. Fixed when Ray starts, like ``ingress``.
-    router_drain_s: Optional[float] = Field(default=None, ge=0)
+    router_drain_s: float | None = Field(default=None, ge=0)
     # /health and /healthz/ready answer from the router's cached readiness: the model is
     # pinged at most once per this interval, one ping in flight however many callers,
     # a failed ping cached as well (ballast/router/readiness.py).
@@ -42,10 +42,10 @@ class HttpConfig(Strict):
     # When set, /admin/* and /v1/status are served only on 127.0.0.1:<admin_port> by
     # each router replica (the public port answers 404 for them); the CLI's pid file
     # names this URL. None: the admin routes share the public port.
-    admin_port: Optional[int] = Field(default=None, ge=1, le=65535)
+    admin_port: int | None = Field(default=None, ge=1, le=65535)
 
     @model_validator(mode="after")
-    def _admin_port_apart(self) -> "HttpConfig":
+    def _admin_port_apart(self) -> HttpConfig:
         if self.admin_port is not None and self.admin_port == self.port:
             raise ValueError(f"admin_port: must differ from port ({self.port})")
         return self

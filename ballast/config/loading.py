@@ -13,9 +13,9 @@ from ballast.errors import ConfigError
 
 
 def load_config(
-    source: "str | Path | dict[str, Any] | BallastConfig | None" = None,
+    source: str | Path | dict[str, Any] | BallastConfig | None = None,
     *,
-    model_dir: "str | Path | None" = None,
+    model_dir: str | Path | None = None,
     engine: str = "transformers",
 ) -> BallastConfig:
     """Build the config from a YAML path, a dict, or defaults; errors name the field.
@@ -56,7 +56,7 @@ def load_config(
     return cfg
 
 
-def with_model_dir(data: dict[str, Any], model_dir: "str | Path", engine: str = "transformers") -> dict[str, Any]:
+def with_model_dir(data: dict[str, Any], model_dir: str | Path, engine: str = "transformers") -> dict[str, Any]:
     """``data`` with its primary model replaced by the Hugging Face directory ``model_dir``,
     served by ``engine`` ("transformers" or "vllm")."""
     path = Path(model_dir).expanduser().resolve()
@@ -72,7 +72,7 @@ def with_model_dir(data: dict[str, Any], model_dir: "str | Path", engine: str = 
     return {**data, "model": model}
 
 
-def read_text(path: "str | Path", what: str = "") -> str:
+def read_text(path: str | Path, what: str = "") -> str:
     """A config or secret file as UTF-8 text; any failure is a ConfigError naming the file."""
     try:
         return Path(path).read_text(encoding="utf-8")

@@ -3,7 +3,7 @@ its replicas and their ranks go."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
@@ -35,7 +35,7 @@ class PlacementSettings(Strict):
     # custom resource; null: {GPU: <the deployment's num_gpus>} when it asks for GPUs, else
     # {CPU: 1} (on CPU each rank is one logical CPU). A GPU amount here is the deployment's
     # num_gpus, the GPUs per rank.
-    rank_resources: Optional[dict[str, float]] = None
+    rank_resources: dict[str, float] | None = None
     # Deploying refuses a model whose group no node of the cluster (or node type its
     # autoscaler may add) could hold, with what it needs and what the largest node has;
     # false: deploy it anyway (its replicas wait, pending, for such a node).
@@ -43,7 +43,7 @@ class PlacementSettings(Strict):
 
     @field_validator("rank_resources")
     @classmethod
-    def _amounts(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+    def _amounts(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v is None:
             return v
         bad = sorted(k for k, amount in v.items() if not k or not amount >= 0 or amount == float("inf"))
@@ -98,7 +98,7 @@ class ModelConfig(Strict):
     # "vllm": the same kind of directory served by vLLM (its CPU build here, the `vllm`
     # package on CUDA), which schedules its own batch and KV cache.
     backend: Literal["builtin", "transformers", "vllm"] = "builtin"
-    path: Optional[str] = None
+    path: str | None = None
     # vllm only: passed to vLLM's engine as they are (dtype, max_model_len, max_num_seqs,
     # enable_prefix_caching, gpu_memory_utilization, enforce_eager, ...).
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -112,19 +112,19 @@ class ModelConfig(Strict):
     # it, tool_choice "auto" (the default when a request gives tools) finds the model's
     # calls in its answer; without it, "auto" is a 400 and "required" or a named function
     # still work (guided decoding). Loaded when the router starts.
-    tool_parser: Optional[str] = Field(default=None, min_length=1)
+    tool_parser: str | None = Field(default=None, min_length=1)
     # vllm only: vLLM's reasoning parser for this model (e.g. qwen3, deepseek_r1): the
     # answer's thinking goes to reasoning_content, and nothing in it is taken for a tool
     # call. Loaded when the router starts.
-    reasoning_parser: Optional[str] = Field(default=None, min_length=1)
+    reasoning_parser: str | None = Field(default=None, min_length=1)
     # transformers only: the weights' dtype; null is bfloat16 on CUDA, float32 on CPU.
-    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     # The KV-cache budget of one replica, in tokens: a request joins the batch only while
     # every row's prompt + max_tokens together stay within it, and the replica reports
     # its use as kv_util_pct (a degradation input). null: max_batch_size x the context.
-    kv_cache_tokens: Optional[PositiveInt] = None
+    kv_cache_tokens: PositiveInt | None = None
     seed: int = 0
-    checkpoint_path: Optional[str] = None
+    checkpoint_path: str | None = None
     checkpoint_format: Literal["auto", "state_dict", "torchscript"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     architecture: ModelArchitecture = ModelArchitecture()
@@ -141,7 +141,7 @@ class ModelConfig(Strict):
     # Torch intra-op threads for a replica on CPU (GPU replicas are not affected). One per
     # replica: the replica shares its cores with Serve's proxy and the routers, and
     # spinning torch threads multiply the CPU a request costs under load (docs/benchmarks.md).
-    cpu_threads: Optional[PositiveInt] = 1
+    cpu_threads: PositiveInt | None = 1
     # The replica's CPU priority (Unix niceness, 0..19). Ballast starts Ray's workers at
     # the host's normal priority (ballast/model/niceness.py); a replica may move itself
     # lower. 0 by default: at Ray's 15 its own Ray and asyncio threads wait behind the
@@ -153,7 +153,7 @@ class ModelConfig(Strict):
     # Ray threads and to the front's hops (Serve's proxy, the router, HAProxy) when they
     # wake, and still takes every cycle they leave (docs/benchmarks.md). At least
     # `niceness` (raising a thread's niceness needs no privilege, lowering it does).
-    compute_niceness: Optional[int] = Field(default=None, ge=0, le=19)
+    compute_niceness: int | None = Field(default=None, ge=0, le=19)
     # Linux: the CPU cores this model's replicas run on (each replica pins every one of its
     # threads, and the threads and processes it starts later inherit it); null: wherever
     # the OS puts them. On a CPU host it gives a model cores of its own, as a GPU host
@@ -161,7 +161,7 @@ class ModelConfig(Strict):
     # that model's CPU when the other processes are kept off those cores (make
     # bench-models does). Several replicas of one model on one node share the cores
     # listed. Checked against the node's cores by the replica when it starts.
-    cpus: Optional[list[int]] = None
+    cpus: list[int] | None = None
     # vllm only: a guided-decoding grammar (a response_format schema, a forced tool call's)
     # is compiled by the replica off its event loop before the request reaches vLLM, on at
     # most grammar_compile_threads threads, of which one tenant's compiles hold at most half
@@ -181,7 +181,7 @@ class ModelConfig(Strict):
 
     @field_validator("cpus")
     @classmethod
-    def _cpus_listed_once(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+    def _cpus_listed_once(cls, v: list[int] | None) -> list[int] | None:
         if v is None:
             return v
         if not v:
@@ -195,7 +195,7 @@ class ModelConfig(Strict):
         return v
 
     @model_validator(mode="after")
-    def _engine_fields(self) -> "ModelConfig":
+    def _engine_fields(self) -> ModelConfig:
         if self.compute_niceness is not None and self.compute_niceness < self.niceness:
             raise ValueError(
                 f"compute_niceness {self.compute_niceness} is below niceness {self.niceness}: "
@@ -247,7 +247,7 @@ class ModelConfig(Strict):
         return tp * pp
 
 
-def model_placement(m: ModelConfig, num_cpus: float, num_gpus: float) -> Optional[Placement]:
+def model_placement(m: ModelConfig, num_cpus: float, num_gpus: float) -> Placement | None:
     """The placement group of a replica of ``m`` on a deployment asking ``num_cpus`` for the
     replica and ``num_gpus`` per rank; None for a model of one rank. ValueError naming the
     field when the two cannot go together."""

@@ -3,7 +3,7 @@ the answer cache and the Idempotency-Key stores."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
@@ -74,19 +74,19 @@ class GateSettings(Strict):
     # budget (arrival to deadline) at the model: before its deadlines are missed. null: off.
     # 0.4: past the model's knee a bigger batch is only slower, and the wait line, where
     # criticality orders requests, keeps the rest of the budget.
-    target_service_ratio: Optional[float] = Field(default=0.4, gt=0, le=1)
+    target_service_ratio: float | None = Field(default=0.4, gt=0, le=1)
     # A slow cut is a trial: the window after next, the median service time per generated
     # token must have fallen by this share of the cut's share of rows (0.8: a 10 % cut, 8 %
     # faster; then the cut cost at most 2 % of throughput), else the cut is undone and the
     # slow rule rests (an engine whose step time is the host's, a burst of long prompts).
     # null: every slow cut stands.
-    slow_cut_min_gain: Optional[float] = Field(default=0.8, gt=0, le=1)
+    slow_cut_min_gain: float | None = Field(default=0.8, gt=0, le=1)
     # For an engine that schedules itself (backend vllm) the slow rule is off: the limit
     # follows the rows curve instead, capped where the answers' service per token against
     # the rows at the model says throughput reaches this share of its asymptote (0.85: past
     # it, more rows make every answer slower and few more of them). null: vLLM takes the
     # slow rule, as Ballast's own engines do.
-    rows_curve_gain: Optional[float] = Field(default=0.85, gt=0, lt=1)
+    rows_curve_gain: float | None = Field(default=0.85, gt=0, lt=1)
     adjust_interval_s: PositiveFloat = 0.5
     decrease_factor: float = Field(default=0.9, gt=0, lt=1)  # gentle: each cut below the knee costs throughput
     # The wait line: bounded in count; each waiter by its deadline (less the expected
@@ -100,10 +100,10 @@ class GateSettings(Strict):
     # A deadline missed at the model cuts the limit only when the model held the request
     # longer than this x the recent p90 service time; one admitted near its deadline and
     # served in the usual time missed because it waited. null: every miss cuts the limit.
-    miss_service_factor: Optional[PositiveFloat] = 1.5
+    miss_service_factor: PositiveFloat | None = 1.5
 
     @model_validator(mode="after")
-    def _bounds(self) -> "GateSettings":
+    def _bounds(self) -> GateSettings:
         self.limiter_config()  # the policy's own checks, with their message
         return self
 
@@ -161,6 +161,6 @@ class ResilienceConfig(Strict):
     idempotency: IdempotencySettings = IdempotencySettings()
 
     @model_validator(mode="after")
-    def _deadlines(self) -> "ResilienceConfig":
+    def _deadlines(self) -> ResilienceConfig:
         ordered(self, "deadline_s", "max_deadline_s")
         return self

@@ -4,7 +4,7 @@ placements, production's refusals), and the conversions to the policies' configs
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -51,14 +51,14 @@ class BallastConfig(Strict):
     # directory, as models' paths are. None: no adapter may be added at run time (409
     # ADAPTERS_DISABLED). The config's own models[].adapters are the operator's, as the
     # models' paths are, and are not held to it.
-    adapters_root: Optional[str] = Field(default=None, min_length=1, max_length=MAX_PATH_CHARS)
+    adapters_root: str | None = Field(default=None, min_length=1, max_length=MAX_PATH_CHARS)
     deployments: DeploymentsConfig = DeploymentsConfig()
     controller: ControllerConfig = ControllerConfig()
     degradation: DegradationSettings = DegradationSettings()
     autoscale: AutoscaleSettings = AutoscaleSettings()
     limits: LimitsConfig = LimitsConfig()
     resilience: ResilienceConfig = ResilienceConfig()
-    fallback: Optional[FallbackConfig] = None
+    fallback: FallbackConfig | None = None
     chaos: ChaosConfig = ChaosConfig()
     watchdog: WatchdogSettings = WatchdogSettings()
     recycle: RecycleSettings = RecycleSettings()
@@ -95,13 +95,13 @@ class BallastConfig(Strict):
 
     @field_validator("adapters_root")
     @classmethod
-    def _a_root(cls, v: Optional[str]) -> Optional[str]:
+    def _a_root(cls, v: str | None) -> str | None:
         if v is not None and ("\x00" in v or v.startswith("~") or v.rstrip("/") == ""):
             raise ValueError("write a directory other than / (no ~, no NUL), or null for no run-time adapters")
         return v
 
     @model_validator(mode="after")
-    def _catalog_rules(self) -> "BallastConfig":
+    def _catalog_rules(self) -> BallastConfig:
         _check_catalog_names(self)
         _check_grants(self)
         if self.fallback is not None and self.models[0].fallback is not None:
@@ -113,9 +113,9 @@ class BallastConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _placements(self) -> "BallastConfig":
+    def _placements(self) -> BallastConfig:
         """Each model's (and fallback's) ranks, its placement and its deployment go together."""
-        placements: tuple[tuple[str, Callable[[str], Optional[Placement]]], ...] = (
+        placements: tuple[tuple[str, Callable[[str], Placement | None]], ...] = (
             ("", self.placement_of),
             (".fallback.model", self.fallback_placement_of),
         )
@@ -128,7 +128,7 @@ class BallastConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _production_has_no_demo_secrets(self) -> "BallastConfig":
+    def _production_has_no_demo_secrets(self) -> BallastConfig:
         if self.environment == "production" and self.chaos.enabled:
             raise ValueError("chaos.enabled: fault injection is for local and test stacks, never production")
         if self.fallback is not None and self.fallback.model.name == self.model.name:
@@ -179,19 +179,19 @@ class BallastConfig(Strict):
         """Model ``name``'s Serve deployment settings: its own, else ``deployments.model``."""
         return self.served_model(name).deployment or self.deployments.model
 
-    def placement_of(self, name: str) -> Optional[Placement]:
+    def placement_of(self, name: str) -> Placement | None:
         """Model ``name``'s replica placement group (None: one rank, no group)."""
         d = self.deployment_of(name)
         return model_placement(self.served_model(name), d.num_cpus, d.num_gpus)
 
-    def fallback_placement_of(self, name: str) -> Optional[Placement]:
+    def fallback_placement_of(self, name: str) -> Placement | None:
         """The placement group of a replica of model ``name``'s fallback (None: one rank or no fallback)."""
         fallback = self.fallback_of(name)
         if fallback is None:
             return None
         return model_placement(fallback.model, fallback.deployment.num_cpus, fallback.deployment.num_gpus)
 
-    def fallback_of(self, name: str) -> Optional[FallbackConfig]:
+    def fallback_of(self, name: str) -> FallbackConfig | None:
         """Model ``name``'s fallback: its own, else (the first model only) ``fallback``."""
         m = self.served_model(name)
         return m.fallback if m.fallback is not None or m is not self.models[0] else self.fallback
@@ -216,7 +216,7 @@ class BallastConfig(Strict):
         constraints = tuple(LevelConstraints.from_dict(lv.model_dump(mode="json")) for lv in d.levels)
         return frozen_config(DegradationConfig, d, constraints=constraints)
 
-    def autoscale_config(self, name: Optional[str] = None) -> AutoscaleConfig:
+    def autoscale_config(self, name: str | None = None) -> AutoscaleConfig:
         """Model ``name``'s autoscaler (None: the first model's), within its deployment's bounds."""
         m = self.deployment_of(self.models[0].name if name is None else name)
         return frozen_config(AutoscaleConfig, self.autoscale, min_replicas=m.min_replicas, max_replicas=m.max_replicas)
@@ -235,7 +235,7 @@ def _same_model(written: Any, primary: dict[str, Any]) -> bool:
         return False
 
 
-def _frozen(names: Optional[list[str]]) -> Optional[frozenset[str]]:
+def _frozen(names: list[str] | None) -> frozenset[str] | None:
     return None if names is None else frozenset(names)
 
 

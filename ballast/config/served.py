@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import Field, PositiveFloat, field_validator, model_validator
 
@@ -28,7 +28,7 @@ class AdapterConfig(Strict):
 
     path: str = Field(min_length=1)
     # The tenants that may use it (within its model's); null: every tenant its model admits.
-    tenants: Optional[list[str]] = Field(default=None, min_length=1)
+    tenants: list[str] | None = Field(default=None, min_length=1)
 
 
 class ServedModelConfig(ModelConfig):
@@ -38,14 +38,14 @@ class ServedModelConfig(ModelConfig):
     # one as "<adapter>" or "<model>:<adapter>".
     adapters: dict[str, AdapterConfig] = Field(default_factory=dict)
     # The tenants that may use this model and its adapters; null: every tenant.
-    tenants: Optional[list[str]] = Field(default=None, min_length=1)
+    tenants: list[str] | None = Field(default=None, min_length=1)
     # What one of its tokens costs in a tenant's token bucket and fair share (an adapter's
     # token costs its model's).
     cost_per_token: PositiveFloat = 1.0
     # Its Serve deployment; null: deployments.model.
-    deployment: Optional[ModelDeploymentConfig] = None
+    deployment: ModelDeploymentConfig | None = None
     # Its fallback model; null: none, but the first model's is the top-level ``fallback``.
-    fallback: Optional[FallbackConfig] = None
+    fallback: FallbackConfig | None = None
 
     @field_validator("adapters", mode="before")
     @classmethod
@@ -55,7 +55,7 @@ class ServedModelConfig(ModelConfig):
         return v
 
     @model_validator(mode="after")
-    def _adapters_on_vllm(self) -> "ServedModelConfig":
+    def _adapters_on_vllm(self) -> ServedModelConfig:
         if self.adapters and not capabilities(self.backend).lora:
             raise ValueError(f"adapters: LoRA adapters are vLLM's (backend 'vllm'); this model is {self.backend!r}")
         for name in self.adapters:

@@ -3,8 +3,6 @@ model are split among tenants and routers."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from ballast.config.base import Strict, frozen_config
@@ -23,11 +21,11 @@ class TenantConfig(Strict):
     """
 
     description: str = ""
-    rate_tokens_per_s: Optional[PositiveFloat] = None
-    burst_tokens: Optional[PositiveFloat] = None  # default: 2 s of rate
+    rate_tokens_per_s: PositiveFloat | None = None
+    burst_tokens: PositiveFloat | None = None  # default: 2 s of rate
     # No token quota, said explicitly (production refuses a tenant with neither this nor a rate).
     unlimited: bool = False
-    max_concurrent: Optional[PositiveInt] = None  # default: resilience.bulkhead.per_tenant
+    max_concurrent: PositiveInt | None = None  # default: resilience.bulkhead.per_tenant
     # A higher claim is lowered to this; critical_plus (ahead of critical at the gate,
     # admitted at every level but 4) is granted only where written.
     max_criticality: Criticality = Criticality.CRITICAL
@@ -37,20 +35,20 @@ class TenantConfig(Strict):
     sheddable: bool = False  # its rate shrinks with the degradation level
     # The models and adapters this tenant may use (a model's name covers its adapters,
     # one added at run time included); null: any that the models' own tenants allow.
-    models: Optional[list[str]] = Field(default=None, min_length=1)
+    models: list[str] | None = Field(default=None, min_length=1)
     # The prefix-cache group its prompts are cached in (ballast/policies/cache_groups.py):
     # null, the tenant alone; tenants naming one group share cached prefixes (and can tell,
     # by timing, what the others in it sent). Letters, digits, '-' or '_'.
-    cache_group: Optional[str] = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    cache_group: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
 
     @model_validator(mode="after")
-    def _rate_or_unlimited(self) -> "TenantConfig":
+    def _rate_or_unlimited(self) -> TenantConfig:
         if self.unlimited and (self.rate_tokens_per_s is not None or self.burst_tokens is not None):
             raise ValueError("unlimited: a tenant with no token quota takes no rate_tokens_per_s or burst_tokens")
         return self
 
     @property
-    def burst(self) -> Optional[float]:
+    def burst(self) -> float | None:
         if self.rate_tokens_per_s is None:
             return None
         return self.burst_tokens if self.burst_tokens is not None else 2.0 * self.rate_tokens_per_s
@@ -90,7 +88,7 @@ class FairnessSettings(Strict):
     router_floor_ratio: float = Field(default=0.1, ge=0, lt=1)
 
     @model_validator(mode="after")
-    def _bounds(self) -> "FairnessSettings":
+    def _bounds(self) -> FairnessSettings:
         self.policy_config()  # the policy's own checks, with their message
         return self
 

@@ -3,8 +3,6 @@ a test stack may inject into it."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from ballast.config.base import Strict, frozen_config, ordered
@@ -54,7 +52,7 @@ class WatchdogSettings(Strict):
     vram_leak_mb_per_h: PositiveFloat = 30.0
     threads_leak_per_h: PositiveFloat = 60.0
     fds_leak_per_h: PositiveFloat = 120.0
-    rss_limit_mb: Optional[PositiveFloat] = None  # default: the node's total memory
+    rss_limit_mb: PositiveFloat | None = None  # default: the node's total memory
     threads_limit: PositiveInt = 4096
     # The fd limit is the replica process's own RLIMIT_NOFILE soft limit; VRAM's is the GPU's total.
     step_interval_s: PositiveFloat = 60.0  # time one rung of the action ladder gets before the next
@@ -64,7 +62,7 @@ class WatchdogSettings(Strict):
     critical_ratio: float = Field(default=0.97, gt=0, le=1)  # usage / limit (seed: VRAM critical 97 %)
 
     @model_validator(mode="after")
-    def _order(self) -> "WatchdogSettings":
+    def _order(self) -> WatchdogSettings:
         ordered(self, "warning_ratio", "critical_ratio")
         ordered(self, "critical_tto_s", "warn_tto_s")
         return self

@@ -6,6 +6,7 @@ and fails on any difference. Units come from the names (STYLE 3: ``_s``, ``_ms``
 """
 
 import enum
+import types
 import typing
 from typing import Any, get_args, get_origin
 
@@ -37,7 +38,7 @@ def _type(ann: Any) -> str:
     origin = get_origin(ann)
     if origin is typing.Annotated:  # PositiveFloat and friends
         return _type(get_args(ann)[0])
-    if origin is typing.Union:
+    if origin in (typing.Union, types.UnionType):  # Optional[X] and X | None
         args = [a for a in get_args(ann) if a is not type(None)]
         return " or ".join(_type(a) for a in args) + " or null"
     if origin is typing.Literal:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 from ballast.policies.validation import check_fields, check_int, check_positive
 
@@ -78,14 +77,14 @@ class ReplicaView:
     replica_id: str
     load: int
     holds: tuple[str, ...] = ()
-    capacity: Optional[int] = None
+    capacity: int | None = None
 
     @property
     def has_room(self) -> bool:
         return self.capacity is None or len(self.holds) < self.capacity
 
     @property
-    def victim(self) -> Optional[str]:
+    def victim(self) -> str | None:
         """The key loading another would evict (its least recently used); None with room."""
         return None if self.has_room or not self.holds else self.holds[-1]
 
@@ -125,9 +124,9 @@ def _cheapest_load(replicas: Sequence[ReplicaView], demand: Mapping[str, float])
 
 def choose(
     replicas: Sequence[ReplicaView],
-    key: Optional[str],
+    key: str | None,
     cfg: AffinityConfig,
-    demand: Optional[Mapping[str, float]] = None,
+    demand: Mapping[str, float] | None = None,
 ) -> Choice:
     """The replica for a request needing ``key`` (None: any replica will do); ``demand``:
     each key's recent requests across the fleet (a key not in it: none)."""
@@ -147,9 +146,9 @@ def choose(
 
 def rank(
     replicas: Sequence[ReplicaView],
-    key: Optional[str],
+    key: str | None,
     cfg: AffinityConfig,
-    demand: Optional[Mapping[str, float]] = None,
+    demand: Mapping[str, float] | None = None,
 ) -> list[str]:
     """Every replica's id in the order to try them: ``choose``'s first, then the rest
     least loaded first (ties in the order listed)."""

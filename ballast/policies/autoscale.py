@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from ballast.policies.validation import check_fields, check_finite, check_int, check_non_negative, check_positive
 
@@ -206,7 +206,7 @@ class _Panic(NamedTuple):
     trigger_at: float
     triggered: bool
     was_in_panic: bool
-    until_s: Optional[float]  # None: not in panic
+    until_s: float | None  # None: not in panic
 
 
 def _stable_window(samples: tuple[AutoscaleSample, ...], current_replicas: int, cfg: AutoscaleConfig) -> _Stable:
@@ -269,7 +269,7 @@ def _in_panic(
 
 def _in_stable(
     stable: _Stable, now_s: float, current_replicas: int, state: AutoscaleState, cfg: AutoscaleConfig
-) -> tuple[int, Optional[float], str]:
+) -> tuple[int, float | None, str]:
     """(desired, below_since_s, reason): up at once, down one step after a full delay."""
     want = cfg.clamp(stable.desired)
     if want >= current_replicas:  # up at once (or hold); any down-streak is interrupted

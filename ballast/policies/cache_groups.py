@@ -22,14 +22,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
-from typing import Optional
 
 #: Hex digits of the HMAC a salt keeps (128 bits: no two groups meet by chance).
 SALT_HEX = 32
 _DOMAIN = b"ballast-cache-salt-v1"
 
 
-def cache_group(tenant: str, group: Optional[str]) -> str:
+def cache_group(tenant: str, group: str | None) -> str:
     """The group a tenant's prompts are cached in: the one its config names, else its own."""
     return group if group else f"tenant:{tenant}"
 
@@ -41,12 +40,12 @@ def cache_salt(secret: bytes, group: str) -> str:
     return hmac.new(secret, b"group:" + group.encode("utf-8"), hashlib.sha256).hexdigest()[:SALT_HEX]
 
 
-def salts_of(groups: Mapping[str, Optional[str]], secret: bytes) -> dict[str, str]:
+def salts_of(groups: Mapping[str, str | None], secret: bytes) -> dict[str, str]:
     """Each tenant's salt, from its configured group (None: its own), computed once."""
     return {tenant: cache_salt(secret, cache_group(tenant, group)) for tenant, group in groups.items()}
 
 
-def secret_of(configured: Optional[str], admin_token: Optional[str], app_name: str) -> bytes:
+def secret_of(configured: str | None, admin_token: str | None, app_name: str) -> bytes:
     """The key salts are made with: the configured secret; else one derived from the admin
     token (every router holds it, so every router derives the same salts); else, with
     neither, one derived from the app's name. Salts still differ per group in that last

@@ -33,8 +33,8 @@ rules; no library holds them.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
 
 from ballast.policies.engines import ENGINES
 
@@ -61,7 +61,7 @@ class CatalogError(ValueError):
         return f"{self.field}: {self.reason}"
 
 
-def name_problem(name: str) -> Optional[str]:
+def name_problem(name: str) -> str | None:
     """Why ``name`` cannot name a model or an adapter, or None when it can."""
     if not name or len(name) > MAX_NAME_CHARS:
         return f"{name!r} must be 1-{MAX_NAME_CHARS} characters"
@@ -76,7 +76,7 @@ def name_problem(name: str) -> Optional[str]:
     return None
 
 
-def _tenant_set(tenants: Optional[Iterable[str]]) -> Optional[frozenset[str]]:
+def _tenant_set(tenants: Iterable[str] | None) -> frozenset[str] | None:
     return None if tenants is None else frozenset(tenants)
 
 
@@ -87,7 +87,7 @@ class AdapterEntry:
 
     name: str
     path: str
-    tenants: Optional[frozenset[str]] = None
+    tenants: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class ModelEntry:
     name: str
     backend: str
     cost_per_token: float = 1.0
-    tenants: Optional[frozenset[str]] = None
+    tenants: frozenset[str] | None = None
     adapters: tuple[AdapterEntry, ...] = ()
 
 
@@ -108,7 +108,7 @@ class Target:
     run it with (None: the base model)."""
 
     model: str
-    adapter: Optional[str] = None
+    adapter: str | None = None
 
     @property
     def name(self) -> str:
@@ -122,7 +122,7 @@ class Listed:
     ``parent``)."""
 
     id: str
-    parent: Optional[str] = None
+    parent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,16 +137,16 @@ class Catalog:
     """
 
     models: tuple[ModelEntry, ...]
-    tenant_models: tuple[tuple[str, Optional[frozenset[str]]], ...] = ()
+    tenant_models: tuple[tuple[str, frozenset[str] | None], ...] = ()
     # Indexes built from the fields above (not compared, not given).
     _models: dict[str, ModelEntry] = field(init=False, repr=False, compare=False)
     _adapters: dict[str, tuple[ModelEntry, AdapterEntry]] = field(init=False, repr=False, compare=False)
-    _own: dict[str, Optional[frozenset[str]]] = field(init=False, repr=False, compare=False)
+    _own: dict[str, frozenset[str] | None] = field(init=False, repr=False, compare=False)
 
     @classmethod
     def build(
-        cls, models: Sequence[ModelEntry], tenant_models: Optional[Mapping[str, Optional[Iterable[str]]]] = None
-    ) -> "Catalog":
+        cls, models: Sequence[ModelEntry], tenant_models: Mapping[str, Iterable[str] | None] | None = None
+    ) -> Catalog:
         """A catalog from models and ``{tenant: names it may use, or None}``."""
         own = tuple((t, _tenant_set(names)) for t, names in (tenant_models or {}).items())
         return cls(tuple(models), own)
@@ -190,7 +190,7 @@ class Catalog:
         if name in self._models or name in self._adapters:
             raise CatalogError(where, f"{name!r} is taken (model and adapter names are unique across both)")
 
-    def _check_tenants(self, where: str, tenants: Optional[frozenset[str]], model: Optional[ModelEntry]) -> None:
+    def _check_tenants(self, where: str, tenants: frozenset[str] | None, model: ModelEntry | None) -> None:
         if tenants is None:
             return
         if not tenants:
@@ -213,7 +213,7 @@ class Catalog:
         return frozenset(out)
 
     # -- questions -------------------------------------------------------------------
-    def resolve(self, name: str) -> Optional[Target]:
+    def resolve(self, name: str) -> Target | None:
         """The model and adapter ``name`` means ("llama", "sql", "llama:sql"), or None."""
         if name in self._models:
             return Target(name)
@@ -228,7 +228,7 @@ class Catalog:
         """Whether ``tenant`` may use ``name``; False alike for unknown and forbidden names."""
         return self.target_for(tenant, name) is not None
 
-    def target_for(self, tenant: str, name: str) -> Optional[Target]:
+    def target_for(self, tenant: str, name: str) -> Target | None:
         """What ``name`` means for ``tenant``: None when it is unknown or forbidden alike
         (the router answers both 404 model_not_found)."""
         target = self.resolve(name)
@@ -287,7 +287,7 @@ class Catalog:
         return self.models[0]
 
     # -- run-time changes ------------------------------------------------------------
-    def with_adapter(self, model: str, name: str, path: str, tenants: Optional[Iterable[str]] = None) -> "Catalog":
+    def with_adapter(self, model: str, name: str, path: str, tenants: Iterable[str] | None = None) -> Catalog:
         """A new catalog with adapter ``name`` (directory ``path``) on ``model``, for
         ``tenants`` (None: every tenant the model admits). Refused: an unknown model, a
         model not served by vLLM, a name taken, a tenant undeclared or not admitted by
@@ -312,7 +312,7 @@ class Catalog:
         grown = dataclasses.replace(base, adapters=base.adapters + (adapter,))
         return dataclasses.replace(self, models=tuple(grown if m is base else m for m in self.models))
 
-    def without_adapter(self, name: str) -> "Catalog":
+    def without_adapter(self, name: str) -> Catalog:
         """A new catalog without the adapter ``name`` (or ``model:adapter``); refused for a
         name that is no adapter. It leaves the tenants' own lists too: a list that named
         only it then grants nothing (never everything), and an adapter added again under

@@ -22,8 +22,8 @@ again when the controller takes them in: counts >= 0, measures finite >= 0 or No
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Optional, Sequence
 
 from ballast.policies import autoscale, degradation, recycle
 from ballast.policies.autoscale import AutoscaleConfig, AutoscaleDecision, AutoscaleSample, AutoscaleState
@@ -42,7 +42,7 @@ def of_deployments(replicas: Sequence[ReplicaReport], *deployments: str) -> list
     return [r for r in replicas if r.deployment in deployments]
 
 
-def engine_rows(replicas: Sequence[ReplicaReport], deployment: str) -> Optional[int]:
+def engine_rows(replicas: Sequence[ReplicaReport], deployment: str) -> int | None:
     """The rows ``deployment``'s engines run usefully together (each replica's
     ``engine_rows``); None unless every replica of it reports one (an engine Ballast
     batches, or one whose steps do not say yet: the replicas' slots bound it alone)."""
@@ -134,11 +134,11 @@ class RoutingSummary:
     ``load_max_over_mean``: the most loaded replica's requests (running + queued) over the
     mean (None: fewer than two replicas, or none holds any)."""
 
-    prefix_hit_ratio: Optional[float] = None
-    routed_by_prefix_ratio: Optional[float] = None
-    load_max_over_mean: Optional[float] = None
+    prefix_hit_ratio: float | None = None
+    routed_by_prefix_ratio: float | None = None
+    load_max_over_mean: float | None = None
 
-    def as_dict(self) -> dict[str, Optional[float]]:
+    def as_dict(self) -> dict[str, float | None]:
         return {
             "prefix_hit_ratio": self.prefix_hit_ratio,
             "routed_by_prefix_ratio": self.routed_by_prefix_ratio,
@@ -146,7 +146,7 @@ class RoutingSummary:
         }
 
 
-def _ratio(part: float, whole: float) -> Optional[float]:
+def _ratio(part: float, whole: float) -> float | None:
     return round(part / whole, 3) if whole > 0 else None
 
 
@@ -199,7 +199,7 @@ class ControlInputs:
     ongoing_requests: float
     running_replicas: int  # primary replicas reporting now
     surging: bool = False  # the recycler wants one replica more (ballast.policies.recycle.surging)
-    serving_replicas: Optional[int] = None  # primary replicas taking traffic (serving_replicas); None: unknown
+    serving_replicas: int | None = None  # primary replicas taking traffic (serving_replicas); None: unknown
 
     def __post_init__(self) -> None:
         check_fields(self, check_non_negative, "ongoing_requests")
@@ -264,9 +264,7 @@ def control_step(
 class ControlPolicy:
     """``control_step`` with its state held: what a controller calls once per tick."""
 
-    def __init__(
-        self, deg_cfg: DegradationConfig, as_cfg: AutoscaleConfig, state: Optional[ControlState] = None
-    ) -> None:
+    def __init__(self, deg_cfg: DegradationConfig, as_cfg: AutoscaleConfig, state: ControlState | None = None) -> None:
         self.deg_cfg = deg_cfg
         self.as_cfg = as_cfg
         self.state = state or ControlState()

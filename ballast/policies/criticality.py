@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 
-
 #: The header a request names its class in (HAProxy reads it too: ballast/router/edge.py).
 CRITICALITY_HEADER = "x-ballast-criticality"
 

@@ -45,7 +45,7 @@ class Deadline:
             raise ValueError(f"at_s: must not be before started_s ({self.started_s}), got {self.at_s}")
 
     @classmethod
-    def starting(cls, now_s: float, budget_s: float) -> "Deadline":
+    def starting(cls, now_s: float, budget_s: float) -> Deadline:
         check_positive("budget_s", budget_s)
         return cls(now_s, now_s + budget_s)
 

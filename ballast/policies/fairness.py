@@ -57,7 +57,6 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Optional
 
 from ballast.policies.validation import check_finite
 from ballast.policies.window import TimeWindow
@@ -136,7 +135,7 @@ class TenantCounters:
             "backlogged": sorted(self._backlogged),
         }
 
-    def pick(self, candidates: Iterable[str]) -> Optional[str]:
+    def pick(self, candidates: Iterable[str]) -> str | None:
         """The candidate with the lowest counter; the first given among equals."""
         best, best_c = None, 0.0
         for t in candidates:
@@ -178,7 +177,7 @@ class TenantCounters:
         self._add(tenant, amount)
         return FairCharge(tenant, amount, max(0, max_tokens))
 
-    def settle(self, charge: FairCharge, generated: Optional[int]) -> None:
+    def settle(self, charge: FairCharge, generated: int | None) -> None:
         """The request ended with ``generated`` output tokens (None: unknown, keep the charge)."""
         served = charge.amount
         if generated is not None:
@@ -207,7 +206,7 @@ class TenantCounters:
         self._unreported = dict.fromkeys(self._weights, 0.0)
         return out
 
-    def adopt(self, cluster: Optional[Mapping[str, float]]) -> None:
+    def adopt(self, cluster: Mapping[str, float] | None) -> None:
         """The controller's merged counters, which hold every report up to this router's
         last one. None (the controller is away): keep ordering by this router's view."""
         if cluster is None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 from ballast.policies.stats import nearest_rank
 from ballast.policies.validation import check_int, check_positive
@@ -147,7 +147,7 @@ def line_decision(wait_s: float, drain_estimate_s: float, waiting: int, max_wait
     return WAIT
 
 
-def displaced(waiters: Iterable[tuple[int, int]], rank: int) -> Optional[tuple[int, int]]:
+def displaced(waiters: Iterable[tuple[int, int]], rank: int) -> tuple[int, int] | None:
     """The (rank, seq) waiter a newcomer of ``rank`` displaces from a full line: the least
     critical, youngest one, if it is less critical than the newcomer; else None (queue_full)."""
     worst = max(waiters, default=None)
@@ -156,7 +156,7 @@ def displaced(waiters: Iterable[tuple[int, int]], rank: int) -> Optional[tuple[i
     return worst
 
 
-def miss_is_congestion(held_ms: float, miss_service_factor: Optional[float], served: int, service_p90_s: float) -> bool:
+def miss_is_congestion(held_ms: float, miss_service_factor: float | None, served: int, service_p90_s: float) -> bool:
     """Whether a deadline missed at the model after ``held_ms`` should cut the limit.
 
     Congestion when the model held it longer than ``miss_service_factor`` x the recent

@@ -39,7 +39,7 @@ import math
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from ballast.policies.catalog import MAX_NAME_CHARS
 from ballast.policies.validation import check_int, check_positive, is_finite, is_int
@@ -62,14 +62,14 @@ class AdapterReport:
         return {"held": list(self.held), "slots": self.slots, "demand": dict(self.demand), "at_s": self.at_s}
 
     @classmethod
-    def of(cls, stats: object) -> Optional["AdapterReport"]:
+    def of(cls, stats: object) -> AdapterReport | None:
         """The report in a replica's routing stats entry; None when absent or refused (``problem``)."""
         if cls.problem(stats) is not None or not isinstance(stats, Mapping):
             return None
         return cls(tuple(stats["held"]), stats["slots"], dict(stats["demand"]), float(stats["at_s"]))
 
     @staticmethod
-    def problem(stats: object) -> Optional[str]:
+    def problem(stats: object) -> str | None:
         """Why ``stats`` is no report (a field malformed or past its bound), None when it is one.
 
         Each size is checked before its items are walked, so the work is bounded whatever

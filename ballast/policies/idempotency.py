@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import Any, Optional
+from typing import Any
 
 from ballast.policies.ttlmap import Held, TTLMap
 from ballast.policies.validation import check_positive
@@ -98,13 +98,13 @@ class KeyTable:
             return Claim(MINE, owner, fingerprint)
         return self._state(e, owner)
 
-    def peek(self, slot: tuple[str, str], now_s: float) -> Optional[Claim]:
+    def peek(self, slot: tuple[str, str], now_s: float) -> Claim | None:
         """The key's state without claiming it; None when free."""
         e = self._keys.lookup(slot, now_s)
         return None if e is None else self._state(e, None)
 
     @staticmethod
-    def _state(e: Held[_Key], owner: Optional[str]) -> Claim:
+    def _state(e: Held[_Key], owner: str | None) -> Claim:
         k = e.value
         if e.done:
             return Claim(DONE, k.owner, k.fingerprint, k.result)
@@ -128,7 +128,7 @@ class KeyTable:
         self._keys.remove(slot)
         return True
 
-    def _owned_claim(self, slot: tuple[str, str], owner: str, now_s: float) -> Optional[Held[_Key]]:
+    def _owned_claim(self, slot: tuple[str, str], owner: str, now_s: float) -> Held[_Key] | None:
         """``owner``'s live, unanswered claim on ``slot``, or None."""
         e = self._keys.lookup(slot, now_s)
         if e is None or e.value.owner != owner or e.done:

@@ -10,8 +10,9 @@ holds the entries, routers receive them in the snapshot.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Optional
+from typing import Any
 
 SCOPES = ("global", "tenant", "model", "criticality")
 MAX_EXPIRES_IN_S = 7 * 24 * 3600  # a week: anything longer is a config change, not a switch
@@ -22,7 +23,7 @@ MAX_REASON_CHARS = 500
 class KillSwitchEntry:
     id: str
     scope: str
-    value: Optional[str]
+    value: str | None
     reason: str
     set_by: str
     created_at_s: float  # wall clock: entries cross processes
@@ -42,8 +43,8 @@ class KillSwitchEntry:
 
     @classmethod
     def create(
-        cls, id: str, scope: str, value: Optional[str], reason: str, set_by: str, now_s: float, expires_in_s: float
-    ) -> "KillSwitchEntry":
+        cls, id: str, scope: str, value: str | None, reason: str, set_by: str, now_s: float, expires_in_s: float
+    ) -> KillSwitchEntry:
         return cls(id, scope, value, reason, set_by, now_s, now_s + expires_in_s)
 
     def expired(self, now_s: float) -> bool:
@@ -58,11 +59,11 @@ class KillSwitchEntry:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "KillSwitchEntry":
+    def from_dict(cls, d: dict[str, Any]) -> KillSwitchEntry:
         return cls(**d)
 
 
-def check_value(scope: str, value: Optional[str], allowed: dict[str, Iterable[str]]) -> None:
+def check_value(scope: str, value: str | None, allowed: dict[str, Iterable[str]]) -> None:
     """Refuse a value that names nothing: ``allowed`` maps each valued scope (``tenant``,
     ``model``, ``criticality``) to the names that exist. An entry for an unknown name
     would be accepted and block nothing, while the operator believes traffic is off;
@@ -101,9 +102,7 @@ def active(entries: Iterable[KillSwitchEntry], now_s: float) -> list[KillSwitchE
     return [e for e in entries if not e.expired(now_s)]
 
 
-def blocking(
-    entries: Iterable[KillSwitchEntry], now_s: float, tenant: str, criticality: str
-) -> Optional[KillSwitchEntry]:
+def blocking(entries: Iterable[KillSwitchEntry], now_s: float, tenant: str, criticality: str) -> KillSwitchEntry | None:
     """The entry that refuses this request outright (global, tenant or criticality scope)."""
     for e in entries:
         if e.scope != "model" and not e.expired(now_s) and e.matches(tenant, "", criticality):
@@ -111,7 +110,7 @@ def blocking(
     return None
 
 
-def model_blocked(entries: Iterable[KillSwitchEntry], now_s: float, model: str) -> Optional[KillSwitchEntry]:
+def model_blocked(entries: Iterable[KillSwitchEntry], now_s: float, model: str) -> KillSwitchEntry | None:
     """The entry that takes ``model`` out of the fallback chain, if any."""
     for e in entries:
         if e.scope == "model" and not e.expired(now_s) and e.value == model:

@@ -39,9 +39,9 @@ Serve's health check's), never is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping, Optional, Sequence
 
 from ballast.policies.validation import (
     check_fields,
@@ -64,7 +64,7 @@ _EPSILON = 1e-9  # span / ratio comparisons: 0.97 × limit must not need one mor
 class SeriesSpec:
     name: str  # "rss_bytes", "vram_bytes", "threads", "fds"
     slope_threshold_per_h: float  # a credible rise at or above this (units/h) is a leak
-    limit: Optional[float] = None  # where the replica fails; None: no time-to-limit
+    limit: float | None = None  # where the replica fails; None: no time-to-limit
 
     def __post_init__(self) -> None:
         check_fields(self, check_name, "name")
@@ -114,7 +114,7 @@ class Trend:
     span_s: float
     judged: bool  # enough span and points for a verdict
     leaking: bool  # judged, r2 >= r2_threshold and slope_per_h >= the spec's threshold (short: and more, see fit_short)
-    time_to_limit_s: Optional[float]  # judged, credible, rising, with a limit: floored at 0
+    time_to_limit_s: float | None  # judged, credible, rising, with a limit: floored at 0
     short: bool = False  # fitted over the short (fast-burn) window rather than the long one
 
 
@@ -168,7 +168,7 @@ def _line(points: Sequence[tuple[float, float]]) -> _Line:
     return _Line(slope_per_s, intercept + slope_per_s * ts[-1], r2, ts[-1], ts, vs)
 
 
-def _time_to_limit(line: _Line, spec: SeriesSpec) -> Optional[float]:
+def _time_to_limit(line: _Line, spec: SeriesSpec) -> float | None:
     if line.slope_per_s > 0 and spec.limit is not None:
         return max(0.0, (spec.limit - line.fitted_now) / line.slope_per_s)
     return None
@@ -238,7 +238,7 @@ class _Buckets:
         width_s = window_s / max_points
         self._windows = {name: TimeWindow(width_s, max_points, fields=3) for name in names}
 
-    def observe(self, t_s: float, values: Mapping[str, Optional[float]]) -> None:
+    def observe(self, t_s: float, values: Mapping[str, float | None]) -> None:
         for name, window in self._windows.items():
             v = values.get(name)
             if v is None or not is_finite(v):
@@ -251,7 +251,7 @@ class _Buckets:
     def points(self, name: str, now_s: float) -> list[tuple[float, float]]:
         return [(t / n, v / n) for n, t, v in self._windows[name].buckets(now_s)]
 
-    def reset(self, name: Optional[str]) -> None:
+    def reset(self, name: str | None) -> None:
         for n, window in self._windows.items():
             if name is None or n == name:
                 window.clear()
@@ -277,7 +277,7 @@ class LeakDetector:
         self._long = _Buckets(names, cfg.window_s, cfg.max_points)
         self._short = _Buckets(names, cfg.short_window_s, cfg.short_max_points)
 
-    def observe(self, t_s: float, values: Mapping[str, Optional[float]]) -> None:
+    def observe(self, t_s: float, values: Mapping[str, float | None]) -> None:
         """Add one sample per known series; None, missing and non-finite values are skipped."""
         self._long.observe(t_s, values)
         self._short.observe(t_s, values)
@@ -310,7 +310,7 @@ class LeakDetector:
         """The long window's bucket points (mean time, mean value) for ``name``, oldest first."""
         return self._long.points(name, now_s)
 
-    def reset(self, name: Optional[str] = None) -> None:
+    def reset(self, name: str | None = None) -> None:
         """Forget one series (or all), e.g. after a recycle: the old trend says nothing of the new process."""
         self._long.reset(name)
         self._short.reset(name)
@@ -337,7 +337,7 @@ _RUNGS = (Action.GC, Action.EMPTY_CACHE, Action.STOP_INTAKE, Action.RECYCLE)  # 
 class Usage:
     name: str
     value: float
-    limit: Optional[float]
+    limit: float | None
 
     def __post_init__(self) -> None:
         check_fields(self, check_finite, "value")
@@ -366,8 +366,8 @@ class LadderConfig:
 @dataclass(frozen=True)
 class LadderState:
     rung: int = 0  # 0 nothing taken; 1 gc; 2 empty_cache; 3 stop intake; 4 recycle requested
-    last_step_s: Optional[float] = None
-    reason: Optional[str] = None  # the verdict that took the last rung
+    last_step_s: float | None = None
+    reason: str | None = None  # the verdict that took the last rung
 
     def __post_init__(self) -> None:
         check_fields(self, check_int, "rung", minimum=0, maximum=4)
@@ -376,7 +376,7 @@ class LadderState:
 @dataclass(frozen=True)
 class Verdict:
     severity: str  # "ok" | "warning" | "critical"
-    reason: Optional[str]
+    reason: str | None
     actions: tuple[Action, ...]
     ready: bool
     recycle: bool
@@ -455,12 +455,12 @@ SILENT = "silent"  # no heartbeat arrives, work last seen in flight
 
 def hang_reason(
     stalled_s: float,
-    silent_s: Optional[float],
+    silent_s: float | None,
     inflight: int,
     interval_s: float,
     stall_missed: int = 3,
     silent_missed: int = 10,
-) -> Optional[str]:
+) -> str | None:
     """Why a replica is hung, or None.
 
     - ``STALLED``: its last heartbeat said its work loop had not moved for more than
@@ -485,7 +485,7 @@ def hang_reason(
     return None
 
 
-def engine_lost_reason(gone: Sequence[str], engine_error: Optional[str]) -> Optional[str]:
+def engine_lost_reason(gone: Sequence[str], engine_error: str | None) -> str | None:
     """Why a replica whose engine lost a process is hung, or None.
 
     An engine of several ranks serves only whole: a rank (or the engine core) that went

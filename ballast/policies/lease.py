@@ -40,9 +40,10 @@ it from its own event loop, without an ``await`` inside any method.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_positive
 
@@ -127,7 +128,7 @@ class Lease:
         """
         return min(self.acquired_at_s + self.ttl_s, self.last_heartbeat_s + self.grace_s)
 
-    def value_of(self, key: str, default: Optional[str] = None) -> Optional[str]:
+    def value_of(self, key: str, default: str | None = None) -> str | None:
         """A value from the payload, e.g. ``lease.value_of("replica_id")``."""
         for k, v in self.data:
             if k == key:
@@ -151,7 +152,7 @@ class Lease:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Lease":
+    def from_dict(cls, d: Mapping[str, Any]) -> Lease:
         """Read back ``to_dict()`` output (after a JSON round trip). ValueError on anything else."""
         if not isinstance(d, Mapping):
             raise ValueError(f"lease: must be a mapping, got {type(d).__name__}")
@@ -256,7 +257,7 @@ class LeaseTable:
         lease_id: str,
         data: tuple[tuple[str, str], ...] = (),
         missed_allowed: int = 3,
-    ) -> Optional[Lease]:
+    ) -> Lease | None:
         """A new lease on ``resource``, or None while a live one is held (by anyone).
 
         ValueError on invalid arguments, on a ``lease_id`` already in the table
@@ -324,7 +325,7 @@ class LeaseTable:
         self._remove(lease)
         return True
 
-    def get(self, resource: str) -> Optional[Lease]:
+    def get(self, resource: str) -> Lease | None:
         """The lease on ``resource``, possibly expired: check ``lease.expired(now_s)``."""
         return self._by_resource.get(resource)
 
@@ -343,7 +344,7 @@ class LeaseTable:
         return {"leases": [x.to_dict() for x in self.leases()]}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], max_leases: int = 1024) -> "LeaseTable":
+    def from_dict(cls, d: Mapping[str, Any], max_leases: int = 1024) -> LeaseTable:
         """Read back ``to_dict()`` output. ValueError on malformed input, duplicate
         resources or ids, or more leases than ``max_leases``."""
         table = cls(max_leases)

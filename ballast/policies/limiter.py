@@ -65,8 +65,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from ballast.policies.engines import StepCurve
 from ballast.policies.stats import nearest_rank
@@ -87,9 +88,9 @@ class LimiterConfig:
     target_wait_ms: float = 300.0
     interval_s: float = 0.5
     decrease_factor: float = 0.9
-    target_service_ratio: Optional[float] = 0.4
-    slow_cut_min_gain: Optional[float] = 0.8  # None: a slow cut always stands
-    rows_curve_gain: Optional[float] = None  # the rows curve's knee caps the limit; None: off
+    target_service_ratio: float | None = 0.4
+    slow_cut_min_gain: float | None = 0.8  # None: a slow cut always stands
+    rows_curve_gain: float | None = None  # the rows curve's knee caps the limit; None: off
 
     def __post_init__(self) -> None:
         check_fields(self, check_int, "min_limit", minimum=1)
@@ -116,20 +117,20 @@ class AimdLimit:
         self._ratios: list[float] = []
         self._per_token: list[float] = []  # seconds of service per generated token
         # A slow cut on trial: (limit before, service per token then, windows until judged).
-        self._trial: Optional[tuple[float, float, int]] = None
+        self._trial: tuple[float, float, int] | None = None
         # The slow rule rests: (service per token where a cut did not help, until when).
-        self._rest: Optional[tuple[float, float]] = None
+        self._rest: tuple[float, float] | None = None
         self.undone = 0  # slow cuts undone: they did not make service faster
         self._saturated = False
         self._missed = False
         self._window_end = clock() + cfg.interval_s
-        self._ceiling: Optional[int] = None
+        self._ceiling: int | None = None
         self._curve = (
             StepCurve(CURVE_HORIZON, cfg.rows_curve_gain, min_weight=CURVE_MIN_WINDOWS, min_rows=cfg.min_limit)
             if cfg.rows_curve_gain is not None
             else None
         )
-        self._knee: Optional[int] = None  # the curve's, as of the last window
+        self._knee: int | None = None  # the curve's, as of the last window
         # Rows this caller has at the model now, and their integral over the window.
         self._rows, self._rows_at, self._rows_area = 0, clock(), 0.0
         self._window_start = clock()
@@ -145,7 +146,7 @@ class AimdLimit:
         cap = self._cap()
         return int(self._value) if cap is None else max(1, min(int(self._value), cap))
 
-    def _cap(self) -> Optional[int]:
+    def _cap(self) -> int | None:
         """The ceiling and the rows curve's knee, the lower of those known."""
         caps = [c for c in (self._ceiling, self._knee) if c is not None]
         return min(caps) if caps else None
@@ -157,7 +158,7 @@ class AimdLimit:
         self._rows_area += self._rows * (now - max(self._rows_at, self._window_start))
         self._rows, self._rows_at = rows, now
 
-    def set_ceiling(self, ceiling: Optional[int]) -> None:
+    def set_ceiling(self, ceiling: int | None) -> None:
         """What the model can take at once from this caller (None: no ceiling).
 
         Beyond it requests would queue in Serve's handle, first in first out: the
@@ -174,7 +175,7 @@ class AimdLimit:
         if len(self._waits) < MAX_SAMPLES:
             self._waits.append(wait_ms)
 
-    def observe_service(self, ratio: float, per_token_s: Optional[float] = None) -> None:
+    def observe_service(self, ratio: float, per_token_s: float | None = None) -> None:
         """One answered request's service time over its own time budget (0..1+), and its
         service time per generated token (None: not known; the slow cut's trial reads it)."""
         self._tick()
@@ -237,7 +238,7 @@ class AimdLimit:
         # Windows with no traffic at all are skipped, not replayed one by one.
         self._window_end = now + c.interval_s
 
-    def _fit_rows(self, now: float, per_token: Optional[float]) -> None:
+    def _fit_rows(self, now: float, per_token: float | None) -> None:
         """The window's point on the rows curve (its mean rows at the model, its answers'
         median service per token), and the knee as of now; then a new window's rows."""
         if self._curve is not None:
@@ -248,7 +249,7 @@ class AimdLimit:
             self._knee = self._curve.rows()
         self._rows_area, self._window_start = 0.0, now
 
-    def _judge_trial(self, per_token: Optional[float]) -> bool:
+    def _judge_trial(self, per_token: float | None) -> bool:
         """The slow cut on trial, judged in the window after next: undone (True) when service
         per token did not fall by ``slow_cut_min_gain`` of the cut's share of rows."""
         if self._trial is None or per_token is None:
@@ -267,7 +268,7 @@ class AimdLimit:
         self._rest = (then, self._clock() + SLOW_REST_S)
         return True
 
-    def _resting(self, now: float, per_token: Optional[float]) -> bool:
+    def _resting(self, now: float, per_token: float | None) -> bool:
         """The slow rule rests after a cut it made did not help, until service per token
         is ``SLOW_REARM`` slower than then or ``SLOW_REST_S`` have passed."""
         if self._rest is None:

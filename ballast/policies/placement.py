@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 from ballast.policies.validation import check_int, check_name, is_finite
 
@@ -124,7 +123,7 @@ def _check_executor(p: Placement) -> None:
 # -- the check at deploy -----------------------------------------------------------------
 
 
-def placement_problem(p: Placement, nodes: Sequence[Resources], node_types: Sequence[Resources] = ()) -> Optional[str]:
+def placement_problem(p: Placement, nodes: Sequence[Resources], node_types: Sequence[Resources] = ()) -> str | None:
     """Why the cluster can never hold one replica of ``p``; None when it can.
 
     ``nodes``: each live node's total resources; ``node_types``: the resources of each
@@ -170,7 +169,7 @@ def _refusal(
     return text
 
 
-def _closest(need: Resources, nodes: Sequence[Resources]) -> Optional[Resources]:
+def _closest(need: Resources, nodes: Sequence[Resources]) -> Resources | None:
     """The node that comes nearest to holding ``need`` (by the share of each resource it has)."""
 
     def score(n: Resources) -> float:

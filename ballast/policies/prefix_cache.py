@@ -40,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Optional
+from typing import Any
 
 from ballast.policies.validation import check_int, is_finite, is_int
 
@@ -59,7 +59,7 @@ def _chain(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens), digest_size=8).digest()
 
 
-def _root(adapter: Optional[str], salt: Optional[str] = None) -> bytes:
+def _root(adapter: str | None, salt: str | None = None) -> bytes:
     # Length-prefixed, so that no (adapter, salt) pair reads as another.
     a, s = (adapter or "").encode(), (salt or "").encode()
     return hashlib.blake2b(_SEED + struct.pack("<II", len(a), len(s)) + a + s, digest_size=8).digest()
@@ -72,8 +72,8 @@ def _key32(digest: bytes) -> int:
 def block_keys(
     ids: Sequence[int],
     block_size: int,
-    adapter: Optional[str] = None,
-    salt: Optional[str] = None,
+    adapter: str | None = None,
+    salt: str | None = None,
     limit: int = MAX_PROMPT_BLOCKS,
 ) -> list[int]:
     """The keys of the full blocks of ``ids`` (at most ``limit``) under ``adapter`` and the
@@ -116,7 +116,7 @@ class PrefixReport:
         return {"blocks": self.blocks, "block_size": self.block_size, "at_s": self.at_s, "held": self.held_blocks}
 
     @classmethod
-    def of(cls, stats: object) -> Optional["PrefixReport"]:
+    def of(cls, stats: object) -> PrefixReport | None:
         """The report in a replica's routing stats entry; None when absent or malformed."""
         if not isinstance(stats, Mapping):
             return None
@@ -165,8 +165,8 @@ class PrefixHoldings:
         engine_hashes: Sequence[Any],
         parent: Any,
         token_ids: Sequence[int],
-        adapter: Optional[str] = None,
-        salt: Optional[str] = None,
+        adapter: str | None = None,
+        salt: str | None = None,
     ) -> int:
         """Blocks the engine cached: ``engine_hashes`` in order, after the block ``parent``
         (None: they start a prompt, under ``adapter`` and the cache ``salt``), holding

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from ballast.policies.reports import ReplicaReport, WatchdogReport
 from ballast.policies.validation import check_fields, check_finite, check_int, check_name, check_positive, is_number
@@ -63,15 +64,15 @@ class RecycleConfig:
     """Recycling settings. Defaults: 6 h, window 02:00–05:00, forced at 24 h."""
 
     #: None disables the age trigger.
-    max_age_s: Optional[float] = 6 * 3600.0
+    max_age_s: float | None = 6 * 3600.0
     #: Each replica's own age threshold lies in max_age × [1−j, 1+j], stable per replica id.
     jitter_ratio: float = 0.1
     #: Preferred low-traffic window, local hour of day, [start, end); None = any time.
-    window_start_hour: Optional[float] = 2.0
+    window_start_hour: float | None = 2.0
     #: May wrap around midnight (22 → 4).
-    window_end_hour: Optional[float] = 5.0
+    window_end_hour: float | None = 5.0
     #: Recycle at this age whatever the window or level; None disables.
-    forced_max_age_s: Optional[float] = 24 * 3600.0
+    forced_max_age_s: float | None = 24 * 3600.0
     #: Recycles of one deployment at a time.
     max_unavailable: int = 1
     #: Healthy replicas that must remain.
@@ -108,11 +109,11 @@ class ReplicaView:
     deployment: str
     started_at_s: float  # wall clock
     healthy: bool  # reporting, ready and not draining
-    request: Optional[str] = None  # a watchdog's recycle request reason, if any
+    request: str | None = None  # a watchdog's recycle request reason, if any
     critical: bool = False  # that request is critical (time-to-OOM short, VRAM critical)
     manual: bool = False  # an operator asked for it
     #: Takes traffic (``takes_traffic``): healthy, or only its intake stopped. None: as healthy.
-    serving: Optional[bool] = None
+    serving: bool | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, check_name, "replica_id", "deployment")
@@ -166,7 +167,7 @@ class RecycleState:
         return {"in_flight": [f.to_dict() for f in self.in_flight]}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RecycleState":
+    def from_dict(cls, d: Mapping[str, Any]) -> RecycleState:
         """Read back ``to_dict()`` output; ValueError on malformed input."""
         if not isinstance(d, Mapping) or not isinstance(d.get("in_flight"), list):
             raise ValueError("in_flight: must be a mapping with a list under 'in_flight'")
@@ -195,7 +196,7 @@ class Plan:
 # --------------------------------------------------------------------------- triggers
 
 
-def age_threshold_s(replica_id: str, cfg: RecycleConfig) -> Optional[float]:
+def age_threshold_s(replica_id: str, cfg: RecycleConfig) -> float | None:
     """This replica's own max age: max_age × (1 + j × (2u − 1)), u from crc32(id) in [0, 1)."""
     if cfg.max_age_s is None:
         return None
@@ -224,7 +225,7 @@ def _past_threshold(r: ReplicaView, cfg: RecycleConfig, now_s: float) -> bool:
     return threshold_s is not None and _age_s(r, now_s) >= threshold_s
 
 
-def due(r: ReplicaView, cfg: RecycleConfig, now_s: float, hour_of_day: float) -> Optional[Order]:
+def due(r: ReplicaView, cfg: RecycleConfig, now_s: float, hour_of_day: float) -> Order | None:
     """The highest-priority reason to recycle ``r`` now, before the guards; None if none.
 
     ``r.critical`` counts as a critical request even without ``r.request``: a
@@ -255,7 +256,7 @@ def plan(
     cfg: RecycleConfig,
     now_s: float,
     hour_of_day: float,
-    ceilings: Optional[Mapping[str, int]] = None,
+    ceilings: Mapping[str, int] | None = None,
 ) -> tuple[Plan, RecycleState]:
     """One control tick: settle the recycles in flight, then start what the guards allow.
 
@@ -410,7 +411,7 @@ def _start_due(
 # --------------------------------------------------------------------------- availability
 
 
-def expected_availability(n_replicas: int, restart_s: float, period_s: float) -> Optional[float]:
+def expected_availability(n_replicas: int, restart_s: float, period_s: float) -> float | None:
     """(N−1)/N + (1 − T_restart/T_period)/N, clamped to [0, 1].
 
     None when there is no replica or no period. N = 4, 60 s every 6 h:
@@ -427,7 +428,7 @@ def expected_availability(n_replicas: int, restart_s: float, period_s: float) ->
     return min(1.0, max(0.0, a))
 
 
-def measured_availability(out_s: float, replica_seconds: float) -> Optional[float]:
+def measured_availability(out_s: float, replica_seconds: float) -> float | None:
     """1 − (replica-seconds out of service) / (replica-seconds in total), clamped to [0, 1]."""
     if not is_number(replica_seconds) or replica_seconds <= 0:
         return None
@@ -449,7 +450,7 @@ KILL_COOLDOWN_S = 60.0
 MAX_KILLED = 256
 
 
-def takes_traffic(report: ReplicaReport, watchdog: Optional[WatchdogReport], in_flight: bool) -> bool:
+def takes_traffic(report: ReplicaReport, watchdog: WatchdogReport | None, in_flight: bool) -> bool:
     """Capacity now: not draining, not hung, not being recycled.
 
     A replica whose watchdog stopped its intake still counts: the request router
@@ -460,13 +461,13 @@ def takes_traffic(report: ReplicaReport, watchdog: Optional[WatchdogReport], in_
     return not report.draining and not hung and not in_flight
 
 
-def replica_healthy(report: ReplicaReport, watchdog: Optional[WatchdogReport], in_flight: bool) -> bool:
+def replica_healthy(report: ReplicaReport, watchdog: WatchdogReport | None, in_flight: bool) -> bool:
     """Serving now: ready by its own and its watchdog's word, not draining, not hung, not being recycled."""
     watchdog_ready = watchdog is None or (watchdog.ready and not watchdog.hung)
     return report.ready and not report.draining and watchdog_ready and not in_flight
 
 
-def _started_at_s(report: ReplicaReport, watchdog: Optional[WatchdogReport], now_s: float) -> float:
+def _started_at_s(report: ReplicaReport, watchdog: WatchdogReport | None, now_s: float) -> float:
     """When the replica started: its own word, else its watchdog's, else now (a replica just seen)."""
     for source in (report, watchdog):
         if source is not None and source.started_at_s is not None:
@@ -475,10 +476,10 @@ def _started_at_s(report: ReplicaReport, watchdog: Optional[WatchdogReport], now
 
 
 def replica_view(
-    report: ReplicaReport, watchdog: Optional[WatchdogReport], in_flight: bool, manual: bool, now_s: float
+    report: ReplicaReport, watchdog: WatchdogReport | None, in_flight: bool, manual: bool, now_s: float
 ) -> ReplicaView:
     """The planner's view of one replica from its report and its watchdog's (None: not reported)."""
-    request: Optional[str] = None
+    request: str | None = None
     critical = False
     if watchdog is not None and watchdog.recycle_requested:
         request, critical = watchdog.reason or "watchdog", watchdog.critical
@@ -596,7 +597,7 @@ def recycle_step(
     now_s: float,
     hour_of_day: float,
     surge: bool = True,
-    ceilings: Optional[Mapping[str, int]] = None,
+    ceilings: Mapping[str, int] | None = None,
 ) -> tuple[RecycleStep, RecycleState, KillState]:
     """One recycling tick: hung kills first (outside every limit), then the plan, then the surge.
 

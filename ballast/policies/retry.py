@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
 
 from ballast.policies.validation import check_fields, check_fraction, check_int, check_non_negative, is_number
 
@@ -169,7 +168,7 @@ class RetryBudget:
     def release_retry(self) -> None:
         self.retries_in_flight = max(0, self.retries_in_flight - 1)
 
-    def retry_slot(self) -> Optional["RetrySlot"]:
+    def retry_slot(self) -> RetrySlot | None:
         """A retry slot that releases itself once (``RetrySlot.release``), or None when the
         budget says no."""
         return RetrySlot(self) if self.try_acquire_retry() else None
@@ -235,7 +234,7 @@ class RetrySlot:
     gives it back the first time and does nothing after, so every way out of an attempt
     loop can call it."""
 
-    def __init__(self, budget: Optional[RetryBudget]) -> None:
+    def __init__(self, budget: RetryBudget | None) -> None:
         self._budget = budget
 
     @property

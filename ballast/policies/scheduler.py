@@ -38,8 +38,9 @@ is stuck, a health failure), or its own time ran out while the engine worked
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Generic, Iterable, Optional, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from ballast.policies.validation import check_fields, check_int, check_positive
 
@@ -93,7 +94,7 @@ class SchedulerConfig:
     ``timeout_reason``.
     """
 
-    kv_budget_tokens: Optional[int]
+    kv_budget_tokens: int | None
     context_tokens: int
     stall_s: float = STALL_S
 
@@ -134,7 +135,7 @@ class SchedulerOutput(Generic[R]):
 @dataclass(frozen=True)
 class _Room:
     rows: int
-    kv_tokens: Optional[int]  # None: not bounded here
+    kv_tokens: int | None  # None: not bounded here
 
 
 def batch_row_limit(max_batch_size: int, level_limit: int) -> int:
@@ -179,7 +180,7 @@ def _leaving_batch(now_s: float, running: Iterable[R]) -> tuple[tuple[Leave[R], 
     return tuple(finished), tuple(staying)
 
 
-def _gone(row: RowFacts, now_s: float) -> Optional[str]:
+def _gone(row: RowFacts, now_s: float) -> str | None:
     if row.cancelled:
         return CANCELLED
     if now_s > row.deadline_s:

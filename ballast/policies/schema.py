@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 __all__ = [
     "COUNT_KEYWORDS",
@@ -86,7 +86,7 @@ class SchemaBounds:
                 raise ValueError(f"SchemaBounds.{name} must be an int >= 1, got {v!r}")
 
 
-def schema_size(*schemas: Any, bounds: Optional[SchemaBounds] = None) -> SchemaSize:
+def schema_size(*schemas: Any, bounds: SchemaBounds | None = None) -> SchemaSize:
     """The :class:`SchemaSize` of ``schemas`` (decoded JSON values) together.
 
     With ``bounds``, a pattern is unrolled (:func:`pattern_repeat`) only when it is within
@@ -118,7 +118,7 @@ def schema_size(*schemas: Any, bounds: Optional[SchemaBounds] = None) -> SchemaS
     return SchemaSize(depth, nodes, repeat, literal, pattern)
 
 
-def schema_fault(bounds: SchemaBounds, *schemas: Any) -> Optional[str]:
+def schema_fault(bounds: SchemaBounds, *schemas: Any) -> str | None:
     """Why ``schemas`` together are past ``bounds`` (a phrase: "nests 40 deep; the limit is
     32"), or None."""
     size = schema_size(*schemas, bounds=bounds)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 
-def nearest_rank(values: Iterable[float], q: float) -> Optional[float]:
+def nearest_rank(values: Iterable[float], q: float) -> float | None:
     """The q-quantile by nearest rank: the value at index ⌊q·n⌋ of the sorted values.
 
     ``None`` for no values. ``q`` is in [0, 1]; q = 1 is the maximum.

@@ -8,8 +8,6 @@ what these return; the fleet simulator and the unit tests use the same rules.
 
 from __future__ import annotations
 
-from typing import Optional
-
 # The quota's Retry-After: the bucket may be a hair short of a refill when it answers
 # ("retry in 0 s" helps nobody), and a rate so low that the wait is hours is better
 # answered with a bounded hint than with a figure nobody will honour.
@@ -28,7 +26,7 @@ def quota_retry_after_s(bucket_wait_s: float) -> float:
     return min(max(bucket_wait_s, QUOTA_RETRY_AFTER_FLOOR_S), QUOTA_RETRY_AFTER_CAP_S)
 
 
-def fit_context(prompt_tokens: int, asked: Optional[int], context: int) -> tuple[int, Optional[str]]:
+def fit_context(prompt_tokens: int, asked: int | None, context: int) -> tuple[int, str | None]:
     """(max_tokens, None) when the prompt and ``asked`` fit a model of ``context`` tokens, else
     (0, why not). No ``asked``: all the context the prompt leaves, as OpenAI's API does.
 

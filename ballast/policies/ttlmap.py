@@ -43,9 +43,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Callable, Generic, Optional, TypeVar
+from typing import Generic, TypeVar
 
 from ballast.policies.validation import check_int, check_positive
 
@@ -62,7 +62,7 @@ class Held(Generic[V]):
     pending, and its size in bytes once finished."""
 
     value: V
-    done_at_s: Optional[float] = None
+    done_at_s: float | None = None
     lease_until_s: float = math.inf
     size_bytes: int = 0
     seq: int = field(default=0, repr=False)  # its lease record in the heap
@@ -85,7 +85,7 @@ class _Group(Generic[K]):
 
     count: int = 0
     bytes: int = 0
-    finished: "OrderedDict[K, None]" = field(default_factory=OrderedDict)
+    finished: OrderedDict[K, None] = field(default_factory=OrderedDict)
 
 
 def _no_group(key: Hashable) -> None:
@@ -105,8 +105,8 @@ class TTLMap(Generic[K, V]):
         ttl_s: float,
         max_entries: int,
         *,
-        max_entries_per_group: Optional[int] = None,
-        max_bytes_per_group: Optional[int] = None,
+        max_entries_per_group: int | None = None,
+        max_bytes_per_group: int | None = None,
         group: Callable[[K], Hashable] = _no_group,
     ) -> None:
         check_positive("ttl_s", ttl_s)
@@ -121,8 +121,8 @@ class TTLMap(Generic[K, V]):
         self.max_bytes_per_group = max_bytes_per_group
         self._group_of = group
         self._entries: dict[K, Held[V]] = {}
-        self._expiry: "OrderedDict[K, None]" = OrderedDict()  # finished, in finish order
-        self._victims: "OrderedDict[K, None]" = OrderedDict()  # finished, in eviction order
+        self._expiry: OrderedDict[K, None] = OrderedDict()  # finished, in finish order
+        self._victims: OrderedDict[K, None] = OrderedDict()  # finished, in eviction order
         self._groups: dict[Hashable, _Group[K]] = {}
         self._leases: list[tuple[float, int, K]] = []  # (lease end, seq, key): a heap
         self._leased = 0  # pending entries with a finite lease (live records in the heap)
@@ -140,7 +140,7 @@ class TTLMap(Generic[K, V]):
         g = self._groups.get(group)
         return 0 if g is None else g.bytes
 
-    def lookup(self, key: K, now_s: float, touch: bool = False) -> Optional[Held[V]]:
+    def lookup(self, key: K, now_s: float, touch: bool = False) -> Held[V] | None:
         """The live entry for ``key``, or None; an expired one is dropped. ``touch``: a
         finished entry becomes the last to be evicted (its age is unchanged)."""
         held = self._entries.get(key)
@@ -154,7 +154,7 @@ class TTLMap(Generic[K, V]):
             self._groups[self._group_of(key)].finished.move_to_end(key)
         return held
 
-    def get(self, key: K, now_s: float, touch: bool = False) -> Optional[V]:
+    def get(self, key: K, now_s: float, touch: bool = False) -> V | None:
         """The live value for ``key``, or None (as ``lookup``)."""
         held = self.lookup(key, now_s, touch)
         return None if held is None else held.value
@@ -168,7 +168,7 @@ class TTLMap(Generic[K, V]):
         done: bool = False,
         lease_until_s: float = math.inf,
         size_bytes: int = 0,
-    ) -> Optional[Held[V]]:
+    ) -> Held[V] | None:
         """Hold ``value`` under ``key`` (replacing any), pending until ``finish`` or, with
         ``done``, finished now (``size_bytes``). Expired entries go first, then the bounds
         make room (finished entries only). None when there is no room: the key's group, or
@@ -213,7 +213,7 @@ class TTLMap(Generic[K, V]):
                 self._evict(next(iter(group.finished)))
         return key in self._entries
 
-    def remove(self, key: K, held: Optional[Held[V]] = None) -> None:
+    def remove(self, key: K, held: Held[V] | None = None) -> None:
         """Drop ``key``'s entry (only if it is still ``held``, when given)."""
         if key in self._entries and (held is None or self._entries[key] is held):
             self._drop(key)

@@ -9,7 +9,8 @@ config bug, not 1.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, TypeGuard
+from collections.abc import Callable
+from typing import Any, TypeGuard
 
 
 def is_number(value: object) -> TypeGuard[float]:
@@ -24,7 +25,7 @@ def is_finite(value: object) -> TypeGuard[float]:
     return is_number(value) and math.isfinite(value)
 
 
-def check_int(name: str, value: object, *, minimum: int, maximum: Optional[int] = None) -> None:
+def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
     """An int in [minimum, maximum] (no upper bound when ``maximum`` is None)."""
     if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
         bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"

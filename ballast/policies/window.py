@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterator
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ballast.policies.validation import check_int, check_positive
 
@@ -80,7 +80,7 @@ class CountWindow(Generic[S]):
             if not items:
                 self._sums = [0] * self._fields
 
-    def totals(self, now_s: Optional[float] = None) -> tuple[Any, ...]:
+    def totals(self, now_s: float | None = None) -> tuple[Any, ...]:
         """The sum of each field over the samples held; () without ``fields``.
 
         ``now_s`` is not read (a count window forgets by count, and by ``expire``): it is
@@ -177,7 +177,7 @@ class TimeWindow:
         self.advance(now_s)
         return [tuple(b[1:]) for b in self._buckets]
 
-    def newest_start_s(self) -> Optional[float]:
+    def newest_start_s(self) -> float | None:
         """Where the newest bucket starts (``key × bucket_s``); None when the window is empty."""
         return self._buckets[-1][0] * self._bucket_s if self._buckets else None
 

@@ -22,8 +22,9 @@ module does not import the ticket's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ballast.policies.deadline import Deadline
 from ballast.router.metrics import RouterMetrics
@@ -45,8 +46,8 @@ class Outcome:
 
     code: str
     error: bool = False
-    generated: Optional[int] = None
-    service_s: Optional[float] = None
+    generated: int | None = None
+    service_s: float | None = None
     timed_out: bool = False
 
 
@@ -77,11 +78,11 @@ class Accounts:
     def __init__(
         self,
         cfg: Any,
-        gate: "Optional[PriorityGate]",
+        gate: PriorityGate | None,
         metrics: RouterMetrics,
         tally: Tally,
         clock: Callable[[], float] = time.monotonic,
-        model: Optional[str] = None,
+        model: str | None = None,
     ) -> None:
         """The counters of the requests to model ``model`` (None: the config's first)."""
         self.model = model if model is not None else cfg.models[0].name

@@ -11,7 +11,8 @@ The rules are ``ballast.policies.adapters.with_runtime``'s.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ballast.policies.adapters import parse_runtime, with_runtime
 from ballast.policies.catalog import Catalog

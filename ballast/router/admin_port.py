@@ -25,7 +25,8 @@ import logging
 import re
 import socket
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -124,10 +125,10 @@ class AdminListener:
         self.port = port
         self.retry_s = retry_s
         self._clock = clock
-        self._task: Optional[asyncio.Task[None]] = None
-        self._server: Optional[_Server] = None
-        self._failed_at: Optional[float] = None
-        self.bound: Optional[tuple[str, int]] = None  # the address it listens on, once it does
+        self._task: asyncio.Task[None] | None = None
+        self._server: _Server | None = None
+        self._failed_at: float | None = None
+        self.bound: tuple[str, int] | None = None  # the address it listens on, once it does
 
     def start(self) -> None:
         if self._task is not None and not self._task.done():

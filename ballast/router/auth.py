@@ -11,7 +11,6 @@ import hashlib
 import hmac
 import os
 from collections.abc import Mapping
-from typing import Optional
 
 from ballast.config import BallastConfig, read_text
 from ballast.errors import ConfigError
@@ -48,9 +47,9 @@ def _parse_key_entries(text: str, where: str) -> dict[bytes, str]:
     return out
 
 
-def _admin_token(cfg: BallastConfig, env: Mapping[str, str]) -> Optional[str]:
+def _admin_token(cfg: BallastConfig, env: Mapping[str, str]) -> str | None:
     a = cfg.auth
-    admin: Optional[str] = a.demo_admin_token
+    admin: str | None = a.demo_admin_token
     if a.admin_token_file:
         admin = read_text(a.admin_token_file, "admin token file").strip() or None
     if env.get(a.admin_token_env, "").strip():  # blank means unset, never "admin off"
@@ -58,13 +57,13 @@ def _admin_token(cfg: BallastConfig, env: Mapping[str, str]) -> Optional[str]:
     return admin
 
 
-def cache_salts(cfg: BallastConfig, environ: "Optional[Mapping[str, str]]" = None) -> dict[str, str]:
+def cache_salts(cfg: BallastConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Each tenant's prefix-cache salt (``ballast.policies.cache_groups``), from its cache
     group and the salt secret: ``auth.cache_salt_secret_file`` or its environment variable,
     else derived from the admin token."""
     env = os.environ if environ is None else environ
     a = cfg.auth
-    secret: Optional[str] = None
+    secret: str | None = None
     if a.cache_salt_secret_file:
         secret = read_text(a.cache_salt_secret_file, "cache salt secret file").strip() or None
     if env.get(a.cache_salt_secret_env, "").strip():
@@ -82,7 +81,7 @@ class KeyStore:
     comparison, and O(1) per request however many keys there are.
     """
 
-    def __init__(self, keys: dict[bytes, str], admin_digest: Optional[bytes]):
+    def __init__(self, keys: dict[bytes, str], admin_digest: bytes | None):
         self._buckets: dict[bytes, list[tuple[bytes, str]]] = {}
         for digest, tenant in keys.items():
             self._buckets.setdefault(digest[:4], []).append((digest, tenant))
@@ -90,7 +89,7 @@ class KeyStore:
         self._admin = admin_digest
 
     @classmethod
-    def from_config(cls, cfg: BallastConfig, environ: "Optional[dict[str, str]]" = None) -> "KeyStore":
+    def from_config(cls, cfg: BallastConfig, environ: dict[str, str] | None = None) -> KeyStore:
         env = os.environ if environ is None else environ
         a = cfg.auth
         keys: dict[bytes, str] = {}
@@ -106,9 +105,9 @@ class KeyStore:
         admin = _admin_token(cfg, env)
         return cls(keys, _digest(admin) if admin else None)
 
-    def tenant_for(self, presented: str) -> Optional[str]:
+    def tenant_for(self, presented: str) -> str | None:
         digest = _digest(presented)
-        found: Optional[str] = None
+        found: str | None = None
         for stored, tenant in self._buckets.get(digest[:4], ()):
             if hmac.compare_digest(stored, digest):
                 found = tenant

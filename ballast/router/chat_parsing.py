@@ -36,9 +36,10 @@ is exercised by ``tests/unit/test_chat_parsing.py``.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from ballast.errors import EngineRefused
 from ballast.policies.schema import SchemaBounds, schema_fault
@@ -64,7 +65,7 @@ class ChatParsing:
     """vLLM's parser class for one model (the module docstring); ``start`` makes each request's."""
 
     def __init__(
-        self, tokenizer: Any, tool_parser: Optional[str], reasoning_parser: Optional[str], model_name: str = ""
+        self, tokenizer: Any, tool_parser: str | None, reasoning_parser: str | None, model_name: str = ""
     ) -> None:
         from vllm.parser import ParserManager
 
@@ -104,7 +105,7 @@ class ChatParsing:
         """tool_choice "auto" can be served: the model has a tool parser."""
         return self.tool_parser is not None
 
-    def start(self, tools: ToolPlan, template_kwargs: Optional[dict[str, Any]] = None) -> "ParsedChat":
+    def start(self, tools: ToolPlan, template_kwargs: dict[str, Any] | None = None) -> ParsedChat:
         """This request's parser and the request as vLLM adjusted it (what to decode by).
 
         The conversation itself is not given: the router renders it (``render_chat``), and
@@ -148,7 +149,7 @@ class ParsedChat:
     parser: Any  # vLLM's Parser, this request's own
     tools: ToolPlan
     reads: bool = True  # the answer goes through the parser (it may call tools, or reason)
-    content_parser: Optional[Any] = None  # the tool parser alone, for a prompt that closed the thinking
+    content_parser: Any | None = None  # the tool parser alone, for a prompt that closed the thinking
     prompt_ids: list[int] = field(default_factory=list)  # the prompt as prefilled (``rendered``)
 
     def rendered(self, prompt_ids: Sequence[int]) -> None:
@@ -173,14 +174,14 @@ class ParsedChat:
         """The answer's text keeps special tokens (a parser reads its markers among them)."""
         return not self.request.skip_special_tokens
 
-    def guided(self) -> tuple[Optional[str], Optional[str]]:
+    def guided(self) -> tuple[str | None, str | None]:
         """(JSON schema, structural tag) the engine decodes by, as text: what vLLM's
         parser asked for the tools (None, None: the request's own ``response_format``)."""
         schema, tag, _ = self._grammar
         return schema, tag
 
     @cached_property
-    def _grammar(self) -> tuple[Optional[str], Optional[str], Any]:
+    def _grammar(self) -> tuple[str | None, str | None, Any]:
         """``guided()``'s texts and the grammar as an object, built once a request."""
         so = self.request.structured_outputs
         if so is None or not self.tools.may_call:
@@ -207,9 +208,7 @@ class ParsedChat:
                 "send fewer or smaller tools, or name one function",
             )
 
-    def answer(
-        self, text: str, finish: FinishReason
-    ) -> tuple[Optional[str], Optional[str], list[ToolCall], FinishReason]:
+    def answer(self, text: str, finish: FinishReason) -> tuple[str | None, str | None, list[ToolCall], FinishReason]:
         """A whole answer: (reasoning, content, calls, finish reason), as vLLM's server answers."""
         from vllm.renderers.chat_utils import make_tool_call_id
 
@@ -226,7 +225,7 @@ class ParsedChat:
             content = content or None
         return reasoning, content, calls, finish
 
-    def stream(self) -> "StreamedChat":
+    def stream(self) -> StreamedChat:
         return StreamedChat(self, self.prompt_ids)
 
 
@@ -241,7 +240,7 @@ class StreamedChat:
     _broken: bool = field(default=False, repr=False)
     _held: list[int] = field(default_factory=list, repr=False)  # ids whose text has not come yet
 
-    def feed(self, text: str, ids: Sequence[int], finished: bool) -> Optional[dict[str, Any]]:
+    def feed(self, text: str, ids: Sequence[int], finished: bool) -> dict[str, Any] | None:
         """The delta this piece makes (``content``, ``reasoning_content``, ``tool_calls`` as
         OpenAI's chunk deltas carry them), or None when the parser holds it back."""
         if self._broken:

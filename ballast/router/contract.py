@@ -12,7 +12,7 @@ cannot ship without its contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -29,8 +29,8 @@ VERSION = "0.1.0"
 class NativeErrorDetail(BaseModel):
     code: str = Field(description="Ballast's stable error code, e.g. QUOTA_EXCEEDED.")
     message: str
-    retry_after_s: Optional[float] = Field(None, description="Also sent as the Retry-After header.")
-    field: Optional[str] = Field(None, description="The invalid field (INVALID_REQUEST).")
+    retry_after_s: float | None = Field(None, description="Also sent as the Retry-After header.")
+    field: str | None = Field(None, description="The invalid field (INVALID_REQUEST).")
 
 
 class NativeError(BaseModel):
@@ -46,7 +46,7 @@ class GenerateAnswer(BaseModel):
     degraded: bool
     degraded_reasons: list[str]
     max_tokens: int = Field(description="max_tokens after the level's clamp.")
-    fallback: Optional[str] = Field(description="null (the primary), fallback_model or cache.")
+    fallback: str | None = Field(description="null (the primary), fallback_model or cache.")
 
 
 class GenerateEvent(BaseModel):
@@ -54,13 +54,13 @@ class GenerateEvent(BaseModel):
     ``event: done`` (the fields of GenerateAnswer but text), or ``event: error``."""
 
     model_config = ConfigDict(extra="allow")
-    text: Optional[str] = None
-    tokens: Optional[int] = None
+    text: str | None = None
+    tokens: int | None = None
 
 
 class Health(BaseModel):
     status: str
-    level: Optional[int] = None
+    level: int | None = None
 
 
 class Status(BaseModel):
@@ -81,7 +81,7 @@ class AdminAnswer(BaseModel):
 class KillSwitchEntry(BaseModel):
     id: str
     scope: str
-    value: Optional[str]
+    value: str | None
     reason: str
     set_by: str
     created_at_s: float
@@ -113,8 +113,8 @@ class RecycleAccepted(BaseModel):
 @dataclass(frozen=True)
 class RouteContract:
     response: Any  # a pydantic model (or a type TypeAdapter takes); None: no body
-    request: Optional[type[BaseModel]] = None
-    stream: Optional[type[BaseModel]] = None  # one text/event-stream event
+    request: type[BaseModel] | None = None
+    stream: type[BaseModel] | None = None  # one text/event-stream event
     openai: bool = False  # errors in OpenAI's shape
     status: int = 200
 

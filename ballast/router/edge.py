@@ -75,13 +75,13 @@ import re
 import socket
 import stat
 import tempfile
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Callable, Collection, Iterable, Mapping, Optional
 
 from ballast.policies.admission import retry_after_s
 from ballast.policies.criticality import Criticality
-from ballast.policies.edge import ALL
 from ballast.policies.degradation import LevelConstraints
+from ballast.policies.edge import ALL
 
 log = logging.getLogger("ballast.edge")
 
@@ -96,9 +96,7 @@ TABLE = "ballast_edge"
 SOCKET_TIMEOUT_S = 0.5
 
 
-def shed_entries(
-    level: int, constraints: LevelConstraints, drops: Optional[Mapping[str, int]] = None
-) -> dict[str, str]:
+def shed_entries(level: int, constraints: LevelConstraints, drops: Mapping[str, int] | None = None) -> dict[str, str]:
     """The map at ``level``: class -> "retry_after:level:per_mille:rank" for each class the edge refuses.
 
     A class the level does not admit: all of it, with the router's Retry-After for that
@@ -166,7 +164,7 @@ def parse_table(text: str) -> dict[str, int]:
     return counts
 
 
-def split_key(key: str) -> tuple[Optional[str], str]:
+def split_key(key: str) -> tuple[str | None, str]:
     """A table key as (model, class): (None, class) for a "<class>" key."""
     model, sep, crit = key.rpartition(":")
     return (model, crit) if sep else (None, key)
@@ -200,13 +198,13 @@ class Edge:
         self.models_path = str(self.dir / MODELS_MAP_NAME)
         self.socket_path = socket_path
         self._send = send
-        self._applied: Optional[dict[str, str]] = None
-        self._applied_keys: Optional[dict[str, str]] = None
-        self._applied_models: Optional[dict[str, str]] = None
+        self._applied: dict[str, str] | None = None
+        self._applied_keys: dict[str, str] | None = None
+        self._applied_models: dict[str, str] | None = None
         self._warned = False
 
     @classmethod
-    def from_env(cls) -> Optional["Edge"]:
+    def from_env(cls) -> Edge | None:
         """The edge of this process's node when its HAProxy runs ``haproxy_edge.sh``; else None."""
         if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
             return None

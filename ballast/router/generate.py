@@ -14,20 +14,20 @@ got. The model prefills the prompt and those ids and goes on; the client gets on
 the text it does not have, and ``done`` counts the whole generation.
 """
 
-from typing import Annotated, Any, AsyncGenerator, NamedTuple, Optional
+from collections.abc import AsyncGenerator
+from typing import Annotated, Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ballast.policies.criticality import Criticality
-
 from ballast.errors import BallastError, InvalidRequest, PayloadTooLarge
+from ballast.model.protocol import ModelCall, Resume
+from ballast.policies.catalog import Target
+from ballast.policies.criticality import Criticality
 from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json, sse_event, validate_body
 from ballast.router.pipeline import Answer, ModelRequest, Pipeline, Stream
-from ballast.model.protocol import ModelCall, Resume
 from ballast.router.tokens import ModelText
-from ballast.policies.catalog import Target
 
 
 class ResumeBody(BaseModel):
@@ -45,19 +45,19 @@ class GenerateRequest(BaseModel):
 
     prompt: str
     # A model or adapter ("sql", "llama:sql") the caller's key may use; none: the first model.
-    model: Optional[str] = Field(None, min_length=1, max_length=256)
+    model: str | None = Field(None, min_length=1, max_length=256)
     max_tokens: int = Field(64, ge=1)
     # Or the X-Ballast-Criticality header (which HAProxy reads: edge.py); both must agree.
-    criticality: Optional[Criticality] = None
+    criticality: Criticality | None = None
     stream: bool = False
-    resume: Optional[ResumeBody] = None  # a cut stream sent again (the module's docstring)
+    resume: ResumeBody | None = None  # a cut stream sent again (the module's docstring)
 
 
 class Asked(NamedTuple):
     """The model a request asked for, and the name it gave (None: it named none)."""
 
     model: str
-    name: Optional[str]
+    name: str | None
 
     def shown(self, answered_by: str) -> str:
         """The ``model`` an answer shows: the name asked (an adapter as the request named
@@ -128,7 +128,7 @@ class NativeFront:
             await stream.aclose()  # a client that left mid-stream: settled now, not when collected
 
     @classmethod
-    def to_call(cls, req: GenerateRequest, key: Optional[str], text: ModelText, target: Target) -> ModelCall:
+    def to_call(cls, req: GenerateRequest, key: str | None, text: ModelText, target: Target) -> ModelCall:
         """The model call for the request, its prompt tokenized once by the model's text; a
         resumed stream's ids and characters (checked here: a bad id would otherwise fail in
         the model as the model's error) are prefilled after the prompt."""
@@ -136,7 +136,7 @@ class NativeFront:
         return text.call(req.prompt, resume=resume, model=target.model, adapter=target.adapter)
 
     @staticmethod
-    def _resume(req: GenerateRequest, key: Optional[str], vocab_size: int) -> Optional[Resume]:
+    def _resume(req: GenerateRequest, key: str | None, vocab_size: int) -> Resume | None:
         if req.resume is None:
             return None
         if not req.stream:

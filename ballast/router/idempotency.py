@@ -47,14 +47,15 @@ import asyncio
 import hashlib
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any
 
 from ballast.config import IdempotencySettings
-from ballast.policies.idempotency import DONE, FULL, MINE, RUNNING, Claim, answer_bytes
-from ballast.policies.ttlmap import TTLMap
 from ballast.errors import ConcurrencyLimited, DeadlineExceeded, InvalidRequest
 from ballast.model.protocol import ModelCall
+from ballast.policies.idempotency import DONE, FULL, MINE, RUNNING, Claim, answer_bytes
+from ballast.policies.ttlmap import TTLMap
 
 
 class _FirstCancelled(Exception):
@@ -75,7 +76,7 @@ class SharedKeys:
         self.timeout_s = timeout_s
         self.unreachable = 0
 
-    async def _call(self, method: str, *args: Any, timeout_s: Optional[float] = None) -> Any:
+    async def _call(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         try:
             ref = getattr(self._handle(), method).remote(*args)
             return await asyncio.wait_for(ref, timeout=timeout_s or self.timeout_s)
@@ -151,7 +152,7 @@ def _full(tenant: str, where: str) -> ConcurrencyLimited:
 class _First:
     """A key's first attempt here: its answer to come, and the request it stands for."""
 
-    answer: "asyncio.Future[Any]"
+    answer: asyncio.Future[Any]
     fingerprint: str
 
 
@@ -169,14 +170,14 @@ class IdempotencyStore:
         self,
         settings: IdempotencySettings,
         clock: Callable[[], float] = time.monotonic,
-        shared: Optional[SharedKeys] = None,
+        shared: SharedKeys | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ):
         self._clock = clock
         self._sleep = sleep
         self._shared = shared
         # Each key's first attempt, pending until it answers (never evicted while pending).
-        self._entries: "TTLMap[tuple[str, str], _First]" = TTLMap(
+        self._entries: TTLMap[tuple[str, str], _First] = TTLMap(
             settings.ttl_s,
             settings.max_entries,
             max_entries_per_group=settings.max_entries_per_tenant,
@@ -186,7 +187,7 @@ class IdempotencyStore:
         self.replays = 0
         # Answers and releases on their way to the shared table (each ends within
         # SETTLE_ATTEMPTS calls); held so that they are not collected mid-way.
-        self._settling: set["asyncio.Task[bool]"] = set()
+        self._settling: set[asyncio.Task[bool]] = set()
 
     def _settle_later(self, call: Awaitable[bool]) -> None:
         task = asyncio.ensure_future(call)
@@ -232,7 +233,7 @@ class IdempotencyStore:
             self.replays += 1
             return result, True
 
-    async def _wait(self, answer: "asyncio.Future[Any]", end_s: float) -> Any:
+    async def _wait(self, answer: asyncio.Future[Any], end_s: float) -> Any:
         """The first attempt's answer (or its failure), waited for until ``end_s`` on the
         injected clock. Waiting never cancels the first attempt: ``asyncio.wait`` leaves
         ``answer`` alone when this repeat times out or its client leaves."""
@@ -252,7 +253,7 @@ class IdempotencyStore:
     async def _first(
         self, slot: tuple[str, str], fn: Callable[[], Awaitable[Any]], end_s: float, fingerprint: str
     ) -> tuple[Any, bool]:
-        answer: "asyncio.Future[Any]" = asyncio.get_running_loop().create_future()
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         entry = self._entries.put(slot, _First(answer, fingerprint), self._clock())
         if entry is None:
             raise _full(slot[0], "this router")

@@ -25,7 +25,6 @@ import tempfile
 
 from ballast.config import BallastConfig
 
-
 # ``http.fast_path``: three of the settings Serve's own RAY_SERVE_THROUGHPUT_OPTIMIZED
 # turns on (it also switches handle calls to gRPC, which Ballast leaves alone).
 FAST_PATH_ENV = {

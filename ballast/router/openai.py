@@ -24,28 +24,29 @@ formats what comes back.
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncGenerator, Optional, Sequence, Union
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ballast.errors import BallastError, PayloadTooLarge, SchemaTooComplex
 from ballast.model.protocol import ModelCall
+from ballast.policies.catalog import Target
 from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
-from ballast.stops import StopScanner, cut_at_stop
 from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json
+from ballast.router.chat_parsing import ParsedChat, StreamedChat
 from ballast.router.lanes import Lane
 from ballast.router.pipeline import Admission, Answer, Caller, ModelRequest, Pipeline, Stream
 from ballast.router.tokens import ModelText
-from ballast.policies.catalog import Target
-from ballast.router.chat_parsing import ParsedChat, StreamedChat
 from ballast.router.tool_calls import ToolCall, ToolPlan, ToolRequestError, ToolSchemaTooComplex, plan
+from ballast.stops import StopScanner, cut_at_stop
 
 NO_TOOLS = ToolPlan("none")
 
 
-Parsed = Union[oa.ChatCompletionRequest, oa.CompletionRequest]
+Parsed = oa.ChatCompletionRequest | oa.CompletionRequest
 
 
 class OpenAIFront:
@@ -68,7 +69,7 @@ class OpenAIFront:
         caller = self._pipeline.identify(request)
         req, lane, target = await self._parse(request, chat, caller)
         text = lane.text
-        parsed: Optional[ParsedChat] = None
+        parsed: ParsedChat | None = None
         if isinstance(req, oa.ChatCompletionRequest):
             parsed = self._parsed(req, text)
             tools = parsed.tools if parsed is not None else NO_TOOLS
@@ -118,7 +119,7 @@ class OpenAIFront:
             )
         return req, lane, target
 
-    def _parsed(self, req: oa.ChatCompletionRequest, text: ModelText) -> Optional[ParsedChat]:
+    def _parsed(self, req: oa.ChatCompletionRequest, text: ModelText) -> ParsedChat | None:
         """What the request asks of tools (``ballast.router.tool_calls``), and on the vLLM
         engine its parser (``ballast.router.chat_parsing``); 400 naming the field where it
         cannot be served."""
@@ -142,7 +143,7 @@ class OpenAIFront:
 
     @staticmethod
     def to_call(
-        req: Parsed, prompt: str, chat: bool, parsed: Optional[ParsedChat], text: ModelText, target: Target
+        req: Parsed, prompt: str, chat: bool, parsed: ParsedChat | None, text: ModelText, target: Target
     ) -> ModelCall:
         """The model call for the request: the prompt tokenized once by the model's text (a
         chat prompt holds its template's special tokens already; a raw prompt gets them),
@@ -172,11 +173,11 @@ class OpenAIFront:
     def _answer(
         answer: Answer,
         chat: bool,
-        answer_id: "answers.Identity",
+        answer_id: answers.Identity,
         stops: tuple[str, ...],
-        stream: Optional["oa.Streaming"],
+        stream: oa.Streaming | None,
         headers: dict[str, str],
-        parsed: Optional[ParsedChat],
+        parsed: ParsedChat | None,
     ) -> Response:
         """A unary answer; or, asked as a stream at a level that does not stream, the
         whole answer as one stream event."""
@@ -185,8 +186,8 @@ class OpenAIFront:
         a = answer.admission
         ended = answers.finish_reason(settled.tokens, a.max_tokens, stopped or settled.finish_reason == "stop")
         finish: answers.FinishReason = ended  # a chat answer's may become "tool_calls"; a completion's is ``ended``
-        reasoning: Optional[str] = None
-        content: Optional[str] = text
+        reasoning: str | None = None
+        content: str | None = text
         calls: list[ToolCall] = []
         if parsed is not None:
             reasoning, content, calls, finish = parsed.answer(text, finish)
@@ -207,10 +208,10 @@ class OpenAIFront:
         self,
         stream: Stream,
         chat: bool,
-        answer_id: "answers.Identity",
+        answer_id: answers.Identity,
         stops: tuple[str, ...],
-        opts: "oa.Streaming",
-        reader: Optional[StreamedChat] = None,
+        opts: oa.Streaming,
+        reader: StreamedChat | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """The answer's events as the model writes them; with ``reader`` (vLLM's parser for
         the request), each piece as the parser reads it: content, reasoning, tool calls."""
@@ -219,14 +220,14 @@ class OpenAIFront:
         a = stream.admission
 
         def event(
-            delta: Optional[dict[str, Any]], finish: Optional[answers.FinishReason] = None, role: bool = False
+            delta: dict[str, Any] | None, finish: answers.FinishReason | None = None, role: bool = False
         ) -> bytes:
             counts = (
                 answers.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens) if opts.running_usage else None
             )
             return answers.sse_data(answers.delta_chunk(ident, chat, delta, finish, role=role, usage=counts))
 
-        def read(text: str, ids: Sequence[int], last: bool) -> Optional[dict[str, Any]]:
+        def read(text: str, ids: Sequence[int], last: bool) -> dict[str, Any] | None:
             if reader is None:
                 return {"content": text} if text else None
             return reader.feed(text, ids, last)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import secrets
-from typing import Any, Literal, NamedTuple, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
@@ -45,17 +46,17 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: Optional[PromptTokensDetails] = None
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: Optional[str] = Field(description="The text; null when the answer only calls tools.")
-    reasoning_content: Optional[str] = Field(
+    content: str | None = Field(description="The text; null when the answer only calls tools.")
+    reasoning_content: str | None = Field(
         None, description="The model's thinking (model.reasoning_parser), apart from its answer."
     )
     refusal: None = None
-    tool_calls: Optional[list[ToolCall]] = Field(None, description="The tools the model calls, when it calls any.")
+    tool_calls: list[ToolCall] | None = Field(None, description="The tools the model calls, when it calls any.")
 
 
 #: Why an answer ended: a stop string or the end of sequence, max_tokens, or (chat) its tool calls.
@@ -83,16 +84,16 @@ class ChatCompletion(BaseModel):
 
 
 class ChunkDelta(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    tool_calls: Optional[list[ToolCallDelta]] = None
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
-    finish_reason: Optional[FinishReason]
+    finish_reason: FinishReason | None
     logprobs: None = None
 
 
@@ -104,13 +105,13 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChunkChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    finish_reason: Optional[TextFinish]
+    finish_reason: TextFinish | None
     logprobs: None = None
 
 
@@ -122,7 +123,7 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):
@@ -134,7 +135,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str
-    parent: Optional[str] = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):
@@ -147,7 +148,7 @@ class ModelList(BaseModel):
 class ErrorDetail(BaseModel):
     message: str
     type: str = Field(description="OpenAI's error type, from the status.")
-    param: Optional[str] = Field(description="The request field at fault, if one is.")
+    param: str | None = Field(description="The request field at fault, if one is.")
     code: str = Field(description="Ballast's stable error code, e.g. QUOTA_EXCEEDED.")
 
 
@@ -188,7 +189,7 @@ class Identity(NamedTuple):
 
     id: str
     created: int
-    asked: Optional[tuple[str, str]] = None
+    asked: tuple[str, str] | None = None
 
     def of(self, model: str) -> Ident:
         if self.asked is not None and model == self.asked[0]:
@@ -209,11 +210,11 @@ class Counts(NamedTuple):
 
 def chat_completion(
     ident: Ident,
-    text: Optional[str],
+    text: str | None,
     finish: FinishReason,
     counts: Counts,
     calls: Sequence[ToolCall] = (),
-    reasoning: Optional[str] = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"tool_calls": list(calls)} if calls else {}
     if reasoning is not None:
@@ -231,11 +232,11 @@ def completion(ident: Ident, text: str, finish: TextFinish, counts: Counts) -> d
 def stream_chunk(
     ident: Ident,
     chat: bool,
-    piece: Optional[str],
-    finish: Optional[FinishReason] = None,
+    piece: str | None,
+    finish: FinishReason | None = None,
     role: bool = False,
-    usage: Optional[Counts] = None,
-) -> Union[ChatCompletionChunk, Completion]:
+    usage: Counts | None = None,
+) -> ChatCompletionChunk | Completion:
     """One streamed event: a piece of text (None: the last event, with ``finish``)."""
     return delta_chunk(ident, chat, None if piece is None else {"content": piece}, finish, role, usage)
 
@@ -243,11 +244,11 @@ def stream_chunk(
 def delta_chunk(
     ident: Ident,
     chat: bool,
-    delta: Optional[dict[str, Any]],
-    finish: Optional[FinishReason] = None,
+    delta: dict[str, Any] | None,
+    finish: FinishReason | None = None,
     role: bool = False,
-    usage: Optional[Counts] = None,
-) -> Union[ChatCompletionChunk, Completion]:
+    usage: Counts | None = None,
+) -> ChatCompletionChunk | Completion:
     """One streamed event: ``delta`` (``ChunkDelta``'s fields: content, reasoning_content,
     tool_calls; None: the last event, with ``finish``).
 
@@ -264,21 +265,21 @@ def delta_chunk(
     return Completion(**ident._asdict(), object="text_completion", choices=[text_choice], **fields)
 
 
-def _text_finish(finish: Optional[FinishReason]) -> Optional[TextFinish]:
+def _text_finish(finish: FinishReason | None) -> TextFinish | None:
     """A completion's finish reason: never "tool_calls" (a completion calls no tools)."""
     if finish == "tool_calls":
         raise ValueError("finish_reason: a completion calls no tools")
     return finish
 
 
-def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> Union[ChatCompletionChunk, Completion]:
+def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> ChatCompletionChunk | Completion:
     """The last event when ``stream_options.include_usage``: no choices, the usage."""
     if chat:
         return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[], usage=counts.usage())
     return Completion(**ident._asdict(), object="text_completion", choices=[], usage=counts.usage())
 
 
-def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Optional[Counts] = None) -> ChatCompletionChunk:
+def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Counts | None = None) -> ChatCompletionChunk:
     """A streamed chat event carrying the answer's tool calls, each whole."""
     deltas = [
         ToolCallDelta(
@@ -294,12 +295,12 @@ def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Optional[Co
 def one_event_stream(
     ident: Ident,
     chat: bool,
-    text: Optional[str],
+    text: str | None,
     finish: FinishReason,
     counts: Counts,
     opts: Streaming,
     calls: Sequence[ToolCall] = (),
-    reasoning: Optional[str] = None,
+    reasoning: str | None = None,
 ) -> bytes:
     """A whole answer as a stream: its reasoning and text in one event, its tool calls in
     the next (when it calls any), the finish, the usage (when asked for), [DONE]."""
@@ -320,14 +321,14 @@ def _dump(answer: BaseModel) -> dict[str, Any]:
     return answer.model_dump(mode="json", exclude_unset=True)
 
 
-def sse_data(event: Union[BaseModel, dict[str, Any]]) -> bytes:
+def sse_data(event: BaseModel | dict[str, Any]) -> bytes:
     """One SSE event as OpenAI sends it: a data line, no event name."""
     if isinstance(event, BaseModel):
         return b"data: " + event.model_dump_json(exclude_unset=True).encode() + b"\n\n"
     return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
 
 
-def models_list(listed: Sequence[tuple[str, Optional[str]]], created: int) -> dict[str, Any]:
+def models_list(listed: Sequence[tuple[str, str | None]], created: int) -> dict[str, Any]:
     """``GET /v1/models``: each (id, parent) the caller may use."""
     cards = [
         ModelCard(id=name, object="model", created=created, owned_by="ballast", root=name, parent=parent)

@@ -49,8 +49,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Optional, Sequence, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -66,15 +67,14 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ballast.config import LimitsConfig
+from ballast.errors import InvalidRequest, SchemaTooComplex
+from ballast.model.protocol import MAX_LOGIT_BIAS
 from ballast.policies.criticality import Criticality
 from ballast.policies.engines import unhonoured_request_fields
 from ballast.policies.json_bounds import json_extent, json_nesting
 from ballast.policies.sampling import MAX_SEED, MIN_SEED, sampling_temperature
 from ballast.policies.schema import schema_fault
-from ballast.errors import InvalidRequest, SchemaTooComplex
-from ballast.model.protocol import MAX_LOGIT_BIAS
 from ballast.router.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec
-
 
 # OpenAI fields Ballast knows and does not serve, each with the one value that asks
 # for nothing (None: only absent or null). One table for both endpoints: a field of
@@ -201,14 +201,12 @@ class ChatMessage(_Strict):
         description="Who speaks; 'developer' is treated as 'system'; 'tool' is a tool's result "
         "(the vLLM engine). The deprecated 'function' role is not served."
     )
-    content: Annotated[Union[str, list[TextPart], None], BeforeValidator(_join_text_parts)] = Field(
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_join_text_parts)] = Field(
         None,
         description="The text, or a list of text parts (joined); may be null in an assistant message with tool_calls.",
     )
-    tool_calls: Optional[list[ToolCall]] = Field(None, description="An assistant message's calls of tools.")
-    tool_call_id: Optional[str] = Field(
-        None, min_length=1, max_length=256, description="A tool message's call, answered."
-    )
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls of tools.")
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256, description="A tool message's call, answered.")
 
     @field_validator("role", mode="before")
     @classmethod
@@ -218,7 +216,7 @@ class ChatMessage(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _fields_of_its_role(self) -> "ChatMessage":
+    def _fields_of_its_role(self) -> ChatMessage:
         # "field" names the field at fault: the error's path ends there (``_parse``).
         if self.tool_calls is not None and self.role != "assistant":
             raise PydanticCustomError("role_field", "tool_calls are an assistant message's", {"field": "tool_calls"})
@@ -252,9 +250,9 @@ class JsonSchemaFormat(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$", description="The schema's name.")
-    description: Optional[str] = Field(None, max_length=1024, description="What the answer is for.")
+    description: str | None = Field(None, max_length=1024, description="What the answer is for.")
     schema_: dict[str, Any] = Field(alias="schema", description="A JSON Schema, as an object.")
-    strict: Optional[bool] = Field(None, description="Follow the schema exactly (the engine always does).")
+    strict: bool | None = Field(None, description="Follow the schema exactly (the engine always does).")
 
 
 class ResponseFormat(_Strict):
@@ -262,15 +260,15 @@ class ResponseFormat(_Strict):
     vLLM engine honours it by guided decoding; the others refuse anything but text."""
 
     type: Literal["text", "json_object", "json_schema"] = Field(description="text, json_object or json_schema.")
-    json_schema: Optional[JsonSchemaFormat] = Field(None, description="With type json_schema, and only then.")
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema, and only then.")
 
     @model_validator(mode="after")
-    def _schema_with_its_type(self) -> "ResponseFormat":
+    def _schema_with_its_type(self) -> ResponseFormat:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise PydanticCustomError("json_schema", "json_schema is given with type json_schema, and only then")
         return self
 
-    def schema_text(self) -> Optional[str]:
+    def schema_text(self) -> str | None:
         """The JSON Schema the answer must follow, as JSON text; None for text."""
         if self.type == "json_object":
             return json.dumps({"type": "object"})
@@ -283,55 +281,55 @@ class _Sampling(_Strict):
     """What both endpoints share: the model, the length, sampling, streaming, Ballast's criticality."""
 
     model: str = Field(min_length=1, max_length=256, description="The served model's name (GET /v1/models lists them).")
-    max_tokens: Optional[int] = Field(
+    max_tokens: int | None = Field(
         None, ge=1, description="At most this many tokens are generated (limits.max_tokens_limit)."
     )
-    temperature: Optional[float] = Field(
+    temperature: float | None = Field(
         None, ge=0, le=2, allow_inf_nan=False, description="Sampling temperature, 0 to 2; below 1e-5 it is 0 (greedy)."
     )
-    top_p: Optional[float] = Field(
+    top_p: float | None = Field(
         None, gt=0, le=1, allow_inf_nan=False, description="Nucleus sampling mass, above 0 and at most 1."
     )
-    seed: Optional[int] = Field(None, ge=MIN_SEED, le=MAX_SEED, description="Seed for reproducible sampling: an int64.")
-    stop: Annotated[Union[_STOP, _STOP_LIST, None], BeforeValidator(_stop_value)] = Field(
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="Seed for reproducible sampling: an int64.")
+    stop: Annotated[_STOP | _STOP_LIST | None, BeforeValidator(_stop_value)] = Field(
         None, description="A string, or up to 4 strings, that end the answer (not included in it)."
     )
     stream: bool = Field(False, description="Answer as server-sent events, ending with 'data: [DONE]'.")
-    stream_options: Optional[StreamOptions] = Field(None, description="Only with stream=true.")
-    user: Optional[str] = Field(None, max_length=256, description="The end user's id, for abuse tracking.")
+    stream_options: StreamOptions | None = Field(None, description="Only with stream=true.")
+    user: str | None = Field(None, max_length=256, description="The end user's id, for abuse tracking.")
     # vLLM's extensions, which the tools that measure LLM servers send (guidellm, vllm bench).
     ignore_eos: bool = Field(False, description="vLLM's extension: go on past the end-of-sequence token.")
     min_tokens: int = Field(
         0, ge=0, description="vLLM's extension: no end of sequence before this many tokens (at most max_tokens)."
     )
-    top_k: Optional[int] = Field(
+    top_k: int | None = Field(
         None,
         ge=-1,
         description="vLLM's extension: sample among the k likeliest; 0 or -1: all; at most the vocabulary's size.",
     )
-    repetition_penalty: Optional[float] = Field(
+    repetition_penalty: float | None = Field(
         None,
         gt=0,
         le=2,
         allow_inf_nan=False,
         description="vLLM's extension: above 1 penalises repeated tokens; 1 is neutral.",
     )
-    presence_penalty: Optional[float] = Field(
+    presence_penalty: float | None = Field(
         None, ge=-2, le=2, allow_inf_nan=False, description="-2 to 2: above 0 favours tokens not yet used (vLLM)."
     )
-    frequency_penalty: Optional[float] = Field(
+    frequency_penalty: float | None = Field(
         None, ge=-2, le=2, allow_inf_nan=False, description="-2 to 2: above 0 penalises tokens by their count (vLLM)."
     )
-    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]]] = Field(
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
         None,
         max_length=MAX_LOGIT_BIAS,
         description="Token id (as a string key) to a bias of -100 to 100 added to its logit (vLLM).",
     )
-    response_format: Optional[ResponseFormat] = Field(
+    response_format: ResponseFormat | None = Field(
         None, description="The answer's format: text, json_object or json_schema (the vLLM engine)."
     )
-    n: Optional[Literal[1]] = Field(None, description="Choices per request; only 1 is served.")
-    criticality: Optional[Criticality] = Field(
+    n: Literal[1] | None = Field(None, description="Choices per request; only 1 is served.")
+    criticality: Criticality | None = Field(
         None,
         description="Ballast extension: how much the request matters under overload, as the "
         "X-Ballast-Criticality header (both must agree); default critical, lowered to the "
@@ -340,17 +338,17 @@ class _Sampling(_Strict):
 
     @field_validator("temperature")
     @classmethod
-    def _greedy_below_the_floor(cls, v: Optional[float]) -> Optional[float]:
+    def _greedy_below_the_floor(cls, v: float | None) -> float | None:
         return None if v is None else sampling_temperature(v)
 
     @field_validator("response_format")
     @classmethod
-    def _text_asks_for_nothing(cls, v: Optional[ResponseFormat]) -> Optional[ResponseFormat]:
+    def _text_asks_for_nothing(cls, v: ResponseFormat | None) -> ResponseFormat | None:
         return None if v is not None and v.type == "text" else v
 
     @field_validator("stream_options")
     @classmethod
-    def _only_when_streaming(cls, v: Optional[StreamOptions], info: ValidationInfo) -> Optional[StreamOptions]:
+    def _only_when_streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
         if v is not None and info.data.get("stream") is not True:
             raise PydanticCustomError("stream_options", "only allowed when stream is true")
         return v
@@ -362,30 +360,30 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(
         min_length=1, max_length=MAX_MESSAGES, description="The conversation so far, oldest first."
     )
-    tools: Optional[list[ToolSpec]] = Field(
+    tools: list[ToolSpec] | None = Field(
         None,
         max_length=MAX_TOOLS,
         description="Functions the model may call (the vLLM engine; ballast.router.tool_calls).",
     )
-    tool_choice: Optional[ToolChoice] = Field(
+    tool_choice: ToolChoice | None = Field(
         None,
         description="'none', 'auto' (the default with tools; needs model.tool_parser), 'required', "
         "or a named function.",
     )
-    parallel_tool_calls: Optional[bool] = Field(None, description="false: at most one call with 'required'.")
-    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call with 'required'.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
         None,
         max_length=MAX_TEMPLATE_KWARGS,
         description='Variables for the model\'s chat template, e.g. {"enable_thinking": false} (the '
         "transformers and vLLM engines); lower-case names, none of the template call's own.",
     )
-    max_completion_tokens: Optional[int] = Field(
+    max_completion_tokens: int | None = Field(
         None, ge=1, description="The newer name of max_tokens; both given, they must agree."
     )
 
     @field_validator("chat_template_kwargs")
     @classmethod
-    def _template_variables(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    def _template_variables(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         for name in v or {}:
             special = name.endswith(("_token", "_tokens"))
             if not _TEMPLATE_VARIABLE.fullmatch(name) or name in _TEMPLATE_RESERVED or special:
@@ -399,7 +397,7 @@ class ChatCompletionRequest(_Sampling):
 
     @field_validator("max_completion_tokens")
     @classmethod
-    def _agrees_with_max_tokens(cls, v: Optional[int], info: ValidationInfo) -> Optional[int]:
+    def _agrees_with_max_tokens(cls, v: int | None, info: ValidationInfo) -> int | None:
         other = info.data.get("max_tokens")
         if v is not None and other is not None and v != other:
             raise PydanticCustomError(
@@ -413,10 +411,10 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Annotated[
-        Union[str, Annotated[list[str], Field(min_length=1, max_length=1)]], BeforeValidator(_one_prompt)
-    ] = Field(
-        description="The text to continue: a string, or a list holding exactly one string. After validation a str."
+    prompt: Annotated[str | Annotated[list[str], Field(min_length=1, max_length=1)], BeforeValidator(_one_prompt)] = (
+        Field(
+            description="The text to continue: a string, or a list holding exactly one string. After validation a str."
+        )
     )
 
     @property
@@ -540,9 +538,9 @@ def refuse_unhonoured(req: _Sampling, engine: str) -> None:
 
 def sampling_of(
     req: _Sampling,
-    json_schema: Optional[str] = None,
+    json_schema: str | None = None,
     keep_special_tokens: bool = False,
-    structural_tag: Optional[str] = None,
+    structural_tag: str | None = None,
 ) -> Any:
     """The model's sampling for the request (``protocol.RowSampling``), or None when it
     asks for none (every field at its neutral value: the engine decodes greedily).
@@ -595,7 +593,7 @@ def _same(value: Any, neutral: Any) -> bool:
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
-def max_tokens_of(req: _Sampling) -> Optional[int]:
+def max_tokens_of(req: _Sampling) -> int | None:
     """The requested length: max_completion_tokens, else max_tokens, else None."""
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
         return req.max_completion_tokens
@@ -624,6 +622,6 @@ class Streaming:
     running_usage: bool = False
 
     @classmethod
-    def of(cls, req: _Sampling) -> "Streaming":
+    def of(cls, req: _Sampling) -> Streaming:
         o = req.stream_options
         return cls(bool(o and o.include_usage), bool(o and o.continuous_usage_stats))

@@ -6,12 +6,12 @@ controller, which apportions the leases from it (ballast/policies/quota.py decid
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, Optional
-
-from ballast.policies import tokens as token_policy
-from ballast.policies.quota import RateLease, TokenBucket, lease_rate
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ballast.errors import QuotaExceeded
+from ballast.policies import tokens as token_policy
+from ballast.policies.quota import RateLease, TokenBucket, lease_rate
 from ballast.router.ticket import Charge
 
 
@@ -58,7 +58,7 @@ class Quotas:
             )
         return Charge(bucket, cost, prompt_tokens, per_token)
 
-    def _bucket(self, tenant: str) -> Optional[TokenBucket]:
+    def _bucket(self, tenant: str) -> TokenBucket | None:
         bucket = self.buckets.get(tenant)
         if bucket is None:
             return None

@@ -44,8 +44,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any
 
 from ray.exceptions import (
     ActorDiedError,
@@ -58,16 +59,7 @@ from ray.exceptions import (
 )
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
-from ballast.policies import killswitch
-from ballast.policies import migration
-from ballast.policies.breaker import BreakerEvent, CircuitBreaker, Permit
-from ballast.policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
-from ballast.policies.engines import honours
-from ballast.policies.retry import NO_SLOT, RetryBudget, RetrySlot, backoff_s, should_retry
-from ballast.policies.ttlmap import TTLMap
-
 from ballast.config import BallastConfig
-from ballast.model.protocol import ModelCall, ModelChunk, ModelResult, Resume
 from ballast.errors import (
     BallastError,
     DeadlineExceeded,
@@ -76,6 +68,13 @@ from ballast.errors import (
     ModelUnavailable,
     ReplicaLost,
 )
+from ballast.model.protocol import ModelCall, ModelChunk, ModelResult, Resume
+from ballast.policies import killswitch, migration
+from ballast.policies.breaker import BreakerEvent, CircuitBreaker, Permit
+from ballast.policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
+from ballast.policies.engines import honours
+from ballast.policies.retry import NO_SLOT, RetryBudget, RetrySlot, backoff_s, should_retry
+from ballast.policies.ttlmap import TTLMap
 
 
 class Bulkhead:
@@ -113,15 +112,15 @@ class ResponseCache:
         max_entries: int,
         ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
-        max_entries_per_tenant: Optional[int] = None,
+        max_entries_per_tenant: int | None = None,
     ):
         self._clock = clock
         # Least recently used first: a hit or a put makes an entry the newest.
-        self._entries: "TTLMap[tuple[str, ModelCall], ModelResult]" = TTLMap(
+        self._entries: TTLMap[tuple[str, ModelCall], ModelResult] = TTLMap(
             ttl_s, max_entries, max_entries_per_group=max_entries_per_tenant, group=lambda k: k[0]
         )
 
-    def get(self, tenant: str, call: ModelCall) -> Optional[ModelResult]:
+    def get(self, tenant: str, call: ModelCall) -> ModelResult | None:
         """The answer stored for ``tenant``'s ``call`` within ``ttl_s``, or None; a hit
         refreshes recency, not age."""
         return self._entries.get((tenant, call), self._clock(), touch=True)
@@ -160,7 +159,7 @@ def classify(exc: BaseException) -> str:
     return "model_error"
 
 
-def refused_by_engine(exc: BaseException) -> Optional[InvalidRequest]:
+def refused_by_engine(exc: BaseException) -> InvalidRequest | None:
     """The replica's refusal of the request as sent (``EngineRefused``: its engine's own
     validation), which the client gets as it is; None for any other failure."""
     cause = exc.cause if isinstance(exc, RayTaskError) else None
@@ -230,7 +229,7 @@ class CallSpec:
     now_wall_s: float
     fallback_only: bool = False
     record: CallRecord = field(default_factory=CallRecord)
-    tenant: Optional[str] = None
+    tenant: str | None = None
 
 
 class ResilientCaller:
@@ -241,11 +240,11 @@ class ResilientCaller:
         fallback: Any = None,
         hooks: CallHooks = CallHooks(),
         clock: Callable[[], float] = time.monotonic,
-        rng: Optional[random.Random] = None,
+        rng: random.Random | None = None,
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         wait_for: Callable[[Awaitable[Any], float], Awaitable[Any]] = asyncio.wait_for,
-        model: Optional[str] = None,
+        model: str | None = None,
     ):
         """The caller to model ``model`` (None: the config's first) and its fallback."""
         r = cfg.resilience
@@ -360,7 +359,7 @@ class ResilientCaller:
 
     async def _first_backend(
         self, spec: CallSpec, start: Callable[[Backend], Awaitable[Any]], hold: bool
-    ) -> tuple[Optional[tuple[Backend, Any]], list[tuple[str, Any]]]:
+    ) -> tuple[tuple[Backend, Any] | None, list[tuple[str, Any]]]:
         """(the first backend of the call's chain whose ``start(b)`` answers, with that
         answer, or None; why each backend before it was passed over). Each backend is
         entered first (kill switch, breaker, bulkhead); its bulkhead slot is left when it
@@ -388,7 +387,7 @@ class ResilientCaller:
         finally:
             self.budget.on_request_end()
 
-    def _answered_by(self, b: Backend) -> tuple[Optional[str], str]:
+    def _answered_by(self, b: Backend) -> tuple[str | None, str]:
         """(the fallback kind of an answer from ``b``: None for the primary, reported; the
         model that answered)."""
         if b.role == "primary":
@@ -397,7 +396,7 @@ class ResilientCaller:
         return FALLBACK_MODEL, b.model_name
 
     # -- unary -----------------------------------------------------------------------
-    async def unary(self, spec: CallSpec) -> "Reply":
+    async def unary(self, spec: CallSpec) -> Reply:
         """The answer and who gave it; raises a BallastError when nothing can answer."""
         found, skipped = await self._first_backend(spec, lambda b: self._attempts(b, spec), hold=False)
         if found is not None:
@@ -518,7 +517,7 @@ class ResilientCaller:
         return pause, slot
 
     # -- streaming -------------------------------------------------------------------
-    async def stream(self, spec: CallSpec) -> "Opened":
+    async def stream(self, spec: CallSpec) -> Opened:
         """The stream's chunks (the first already fetched) and who gives them.
 
         The chain applies until a backend yields its first chunk; from then on the
@@ -532,7 +531,7 @@ class ResilientCaller:
         b, opened = found
         return Opened(self._rest(b, opened, spec), *self._answered_by(b))
 
-    async def _open(self, b: Backend, spec: CallSpec, call: ModelCall) -> "_Open":
+    async def _open(self, b: Backend, spec: CallSpec, call: ModelCall) -> _Open:
         """A stream of ``call`` on ``b`` with its first chunk. A lost replica is tried again
         elsewhere (a migration); an attempt that failed otherwise (its first chunk timed out
         on a replica cut off from this router, say) is retried as a unary attempt is, inside
@@ -547,7 +546,7 @@ class ResilientCaller:
             first = first.without_wait()  # a migrated stream's: not a new request's wait
         return _Open(gen, permit, first, t0)
 
-    async def _carry_on(self, b: Backend, spec: CallSpec, ids: list[int], chars: int) -> "_Open":
+    async def _carry_on(self, b: Backend, spec: CallSpec, ids: list[int], chars: int) -> _Open:
         """The stream opened again, after the migration pause, from the ``ids`` and ``chars``
         it delivered; one that cannot go on ends the stream (``_StreamEnded``)."""
         try:
@@ -562,15 +561,15 @@ class ResilientCaller:
         except DeadlineExceeded:
             raise _StreamEnded(DeadlineExceeded("the request's deadline passed while streaming")) from None
 
-    async def _rest(self, b: Backend, opened: "_Open", spec: CallSpec) -> AsyncGenerator[ModelChunk, None]:
+    async def _rest(self, b: Backend, opened: _Open, spec: CallSpec) -> AsyncGenerator[ModelChunk, None]:
         gen, chunk, t0 = opened.gen, opened.first, opened.t0
-        permit: Optional[Permit] = opened.permit  # None once given back (a migration's lost attempt)
+        permit: Permit | None = opened.permit  # None once given back (a migration's lost attempt)
         # The stream's token ids and characters so far (a client's resume brings its own):
         # what a migration prefills and does not send again.
         resume = spec.call.resume
         delivered_ids: list[int] = list(resume.ids) if resume is not None else []
         delivered_chars = resume.text_chars if resume is not None else 0
-        outcome: Optional[bool] = None  # None: the client left, which says nothing about the backend
+        outcome: bool | None = None  # None: the client left, which says nothing about the backend
         try:
             while True:
                 delivered_ids.extend(chunk.ids)
@@ -645,7 +644,7 @@ class Reply:
     CACHE, an earlier answer of the primary's) and the model's name."""
 
     result: ModelResult
-    fallback: Optional[str]
+    fallback: str | None
     model: str
 
 
@@ -654,5 +653,5 @@ class Opened:
     """An open stream's chunks and who gives them (as ``Reply``)."""
 
     chunks: AsyncIterator[ModelChunk]
-    fallback: Optional[str]
+    fallback: str | None
     model: str

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from ballast.policies.reports import RouterReport
 from ballast.policies.stats import nearest_rank
 
@@ -50,7 +48,7 @@ class Tally:
 
     def drain(self, router_id: str) -> RouterReport:
         """The report of what was counted since the last one; the counts start again."""
-        p95: Optional[float] = nearest_rank(self.waits_ms, 0.95)  # None with no samples
+        p95: float | None = nearest_rank(self.waits_ms, 0.95)  # None with no samples
         out = RouterReport(
             router_id=router_id,
             inflight=self.inflight,

@@ -26,7 +26,7 @@ with requests that are still waiting in the gate's line.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from ballast.policies.deadline import Deadline
 from ballast.policies.quota import TokenBucket
@@ -57,12 +57,12 @@ class TenantPlaces:
 class Charge:
     """The estimate charged on a tenant's bucket (None: the tenant has no rate)."""
 
-    bucket: Optional[TokenBucket]
+    bucket: TokenBucket | None
     cost: float
     prompt_tokens: int
     per_token: float = 1.0  # what one of the model's tokens costs (``cost_per_token``)
 
-    def settle(self, generated: Optional[int]) -> None:
+    def settle(self, generated: int | None) -> None:
         """Back to the tokens used: the prompt and ``generated`` (None: nothing used), at
         the model's cost per token."""
         if self.bucket is None:
@@ -94,7 +94,7 @@ class Ticket:
         self.charge = charge
         self.slot = slot
         self.fallback_only = fallback_only  # only the fallback may answer (the level or the gate refused the primary)
-        self.outcome: Optional[Outcome] = None
+        self.outcome: Outcome | None = None
         self._places = places
         self._accounts = accounts
 

@@ -29,7 +29,8 @@ come from the same ``encode_text``, so they agree.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ballast.config import ModelConfig
 from ballast.errors import ContextLengthExceeded
@@ -54,13 +55,13 @@ class ModelText:
         self.context = context
         self.vocab_size = vocab_size  # token ids a resumed stream may carry are below it
 
-    parsing: Optional[ChatParsing] = None  # vLLM's parsers for the model, vLLM's only
+    parsing: ChatParsing | None = None  # vLLM's parsers for the model, vLLM's only
 
     def render_chat(
         self,
         messages: Sequence[Any],
-        tools: Optional[list[dict[str, Any]]] = None,
-        template_kwargs: Optional[dict[str, Any]] = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt for ``messages``; ``tools`` and ``template_kwargs`` (None here: the
         built-in template takes neither, and the fronts refuse them for this engine)."""
@@ -81,7 +82,7 @@ class ModelText:
         ids = tuple(self.encode(prompt, add_special_tokens))
         return ModelCall(prompt, ids, self.tokenizer_id, add_special_tokens, **fields)
 
-    def fit(self, prompt_tokens: int, asked: Optional[int]) -> int:
+    def fit(self, prompt_tokens: int, asked: int | None) -> int:
         """The max_tokens to ask for: what was asked, else all the model allows."""
         if not self.strict:
             return asked if asked is not None else self.context - 1
@@ -101,9 +102,9 @@ class TokenizerText(ModelText):
     def __init__(
         self,
         path: str,
-        context: Optional[int] = None,
+        context: int | None = None,
         special_tokens_in_content: str = "text",
-        vllm: Optional[ModelConfig] = None,
+        vllm: ModelConfig | None = None,
     ) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer, tokenizer_id
 
@@ -112,7 +113,7 @@ class TokenizerText(ModelText):
         self.tokenizer_id = tokenizer_id(path)
         self._tokenizer = tokenizer
         self._special_tokens_in_content = special_tokens_in_content
-        self._vllm_renderer: Optional[Any] = None
+        self._vllm_renderer: Any | None = None
         if vllm is not None:  # vLLM's renderer and parsers for the model, loaded now (seconds)
             from ballast.router.chat_parsing import ChatParsing
             from ballast.router.vllm_render import VllmRenderer
@@ -123,8 +124,8 @@ class TokenizerText(ModelText):
     def render_chat(
         self,
         messages: Sequence[Any],
-        tools: Optional[list[dict[str, Any]]] = None,
-        template_kwargs: Optional[dict[str, Any]] = None,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         from ballast.model.hf_checkpoint import ChatTemplateError, render_chat
         from ballast.router.openai_api import BadRequest

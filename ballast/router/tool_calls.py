@@ -32,8 +32,9 @@ trained to see them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -63,9 +64,9 @@ class FunctionSpec(_Strict):
     """A function the model may call."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="The function's name.")
-    description: Optional[str] = Field(None, description="What it does, for the model.")
-    parameters: Optional[dict[str, Any]] = Field(None, description="Its arguments, as a JSON Schema object.")
-    strict: Optional[bool] = Field(None, description="Follow the schema exactly (guided decoding always does).")
+    description: str | None = Field(None, description="What it does, for the model.")
+    parameters: dict[str, Any] | None = Field(None, description="Its arguments, as a JSON Schema object.")
+    strict: bool | None = Field(None, description="Follow the schema exactly (guided decoding always does).")
 
 
 class ToolSpec(_Strict):
@@ -86,7 +87,7 @@ class NamedToolChoice(_Strict):
     function: ChosenFunction
 
 
-ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class CalledFunction(BaseModel):
@@ -105,8 +106,8 @@ class ToolCall(BaseModel):
 
 
 class FunctionDelta(BaseModel):
-    name: Optional[str] = None
-    arguments: Optional[str] = Field(None, description="The next fragment of the arguments' JSON text.")
+    name: str | None = None
+    arguments: str | None = Field(None, description="The next fragment of the arguments' JSON text.")
 
 
 class ToolCallDelta(BaseModel):
@@ -114,9 +115,9 @@ class ToolCallDelta(BaseModel):
     calls always; its id, type and name in its first delta; argument fragments after."""
 
     index: int
-    id: Optional[str] = None
-    type: Optional[Literal["function"]] = None
-    function: Optional[FunctionDelta] = None
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
 
 
 @dataclass(frozen=True)
@@ -126,14 +127,14 @@ class ToolPlan:
 
     mode: Literal["none", "named", "required", "auto"]
     tools: tuple[ToolSpec, ...] = ()
-    name: Optional[str] = None  # "named": the function
-    parallel: Optional[bool] = None  # parallel_tool_calls as sent
+    name: str | None = None  # "named": the function
+    parallel: bool | None = None  # parallel_tool_calls as sent
 
     @property
     def may_call(self) -> bool:
         return self.mode != "none"
 
-    def template_tools(self) -> Optional[list[dict[str, Any]]]:
+    def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template takes them (None: no tools)."""
         return [t.model_dump(exclude_none=True) for t in self.tools] or None
 
@@ -147,9 +148,9 @@ class ToolPlan:
 
 
 def plan(
-    tools: Optional[Sequence[ToolSpec]],
-    choice: Optional[ToolChoice],
-    parallel: Optional[bool],
+    tools: Sequence[ToolSpec] | None,
+    choice: ToolChoice | None,
+    parallel: bool | None,
     auto: bool = False,
 ) -> ToolPlan:
     """The plan for a request's tools; :class:`ToolRequestError` (naming the field)

@@ -26,7 +26,8 @@ by ``tests/unit/test_vllm_render.py``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = ["VllmRenderer"]
 
@@ -65,8 +66,8 @@ class VllmRenderer:
     def render(
         self,
         turns: Sequence[Mapping[str, Any]],
-        tools: Optional[Sequence[Mapping[str, Any]]],
-        template_kwargs: Optional[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
     ) -> str:
         """The prompt text for ``turns`` (OpenAI's message shape), with the generation
         prompt; ``ChatTemplateError`` when the template refuses them. Special tokens' text
