@@ -21,7 +21,7 @@ import codecs
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -314,6 +314,12 @@ class TorchDecoderBackend:
     # Byte-level tokens have no end-of-sequence: every row runs to its max_new_tokens.
     eos_ids: frozenset[int] = frozenset()
     vocab_size: int = BYTE_VOCAB_SIZE
+    engine_name = "builtin"  # its row in ballast.policies.engines.ENGINES
+    lost: Optional[str] = None  # it runs in the replica's own process: never lost apart from it
+
+    def engine_processes(self) -> tuple[tuple[int, str], ...]:
+        """None of its own: it runs in the replica's process."""
+        return ()
 
     @property
     def tokenizer_id(self) -> str:

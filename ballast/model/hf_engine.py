@@ -85,6 +85,9 @@ class HFBackend:
     is used by one thread at a time (the replica's engine loop).
     """
 
+    engine_name = "transformers"  # its row in ballast.policies.engines.ENGINES
+    lost: Optional[str] = None  # it runs in the replica's own process: never lost apart from it
+
     def __init__(self, loaded: LoadedModel, *, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
@@ -107,6 +110,10 @@ class HFBackend:
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
         """``text.encode``: the benchmarks' joins."""
         return self.text.encode(prompt, max_new_tokens, add_special_tokens)
+
+    def engine_processes(self) -> tuple[tuple[int, str], ...]:
+        """None of its own: it runs in the replica's process."""
+        return ()
 
     async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
         """``sampling`` for this model (a top_k past the vocabulary is every token); the

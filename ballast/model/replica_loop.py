@@ -64,7 +64,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 from ballast.errors import DeadlineExceeded, EngineRefused
-from ballast.model.engine import Batch, ModelBackend, StreamDecoder
+from ballast.model.engine import Batch, ModelBackend, StreamDecoder, serving_lora
 from ballast.model.protocol import Join, ModelCall, ModelChunk, RowSampling
 from ballast.policies.deadline import replica_deadline_s
 from ballast.policies.scheduler import DEADLINE, STALLED, SchedulerConfig, schedule, timeout_reason
@@ -328,8 +328,8 @@ class ReplicaLoop:
         """A call's adapter, which this engine must serve now; else EngineRefused naming ``model``."""
         if adapter is None:
             return
-        serves = getattr(self._engine, "serves_adapter", None)  # only engines with adapters have it
-        if serves is None or not serves(adapter):
+        lora = serving_lora(self._engine)  # None: its row in the engine table serves no LoRA
+        if lora is None or not lora.serves_adapter(adapter):
             raise EngineRefused(
                 f"model: adapter {adapter!r} is not served by model {self._engine.name!r}", field="model"
             )

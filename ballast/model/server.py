@@ -59,7 +59,7 @@ from ballast.policies.reports import (
 from ballast.policies.scheduler import SchedulerConfig, batch_row_limit
 
 from ballast.model.adapters import ReplicaAdapters
-from ballast.model.engine import build_engine
+from ballast.model.engine import build_engine, reporting_prefix, scheduling_itself, serving_lora
 from ballast.model.chaos import ChaosAgent
 from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
 from ballast.model.replica_loop import ReplicaLoop
@@ -258,9 +258,8 @@ class ModelServer:
         """The engine's own processes (pid, name) for the watchdog to watch by name: every
         rank's, where the engine runs several (an engine in this process: none); within the
         watchdog's bounds (``bounded_processes``: the first ones, names cut), a cut logged."""
-        listed = getattr(self._backend, "engine_processes", None)
         try:
-            found = tuple(listed()) if listed is not None else ()
+            found = tuple(self._backend.engine_processes())
         except Exception:  # a view for the watchdog: never a reason not to serve
             log.exception("could not list the engine's processes")
             return ()
@@ -276,7 +275,7 @@ class ModelServer:
 
     def _engine_lost(self) -> Optional[str]:
         """Why the engine can serve no more (a rank or its core went away); None while it serves."""
-        return getattr(self._backend, "lost", None)
+        return self._backend.lost
 
     def _start_loops(self) -> None:
         self._exchange.start()
@@ -322,17 +321,19 @@ class ModelServer:
         return replica_routing_stats(ready, self._adapter_holdings(), now_s, self._prefix_report(now_s))
 
     def _prefix_report(self, now_s: float) -> Optional[PrefixReport]:
-        """The blocks the engine's prefix cache holds (vLLM with prefix affinity on); else None."""
-        report = getattr(self._backend, "prefix_report", None)
-        return report(now_s) if report is not None else None
+        """The blocks the engine's prefix cache holds, for an engine that reports them (its
+        row's ``prefix_events``) with prefix affinity on; else None."""
+        prefix = reporting_prefix(self._backend)
+        return prefix.prefix_report(now_s) if prefix is not None else None
 
     def _adapter_holdings(self) -> AdapterHoldings:
         """The adapters in this engine's LoRA slots as the calls it ran say (the mirror of
         vLLM's LRU of ``max_loras`` slots, ``ballast.policies.holdings``); made at first use,
-        with no slots for an engine without LoRA (nothing is reported then)."""
+        with no slots for an engine without LoRA (its row's ``lora``: nothing is reported then)."""
         held: Optional[AdapterHoldings] = getattr(self, "_holdings_of_adapters", None)
         if held is None:
-            held = AdapterHoldings(int(getattr(self._backend, "lora_slots", 0)))
+            lora = serving_lora(self._backend)
+            held = AdapterHoldings(lora.lora_slots if lora is not None else 0)
             self._holdings_of_adapters = held
         return held
 
@@ -374,10 +375,10 @@ class ModelServer:
         return await self._runtime_adapters().remove(name)
 
     def _engine_stats(self) -> Optional[VLLMStats]:
-        """The engine's own view (``VLLMStats``) for an engine that schedules itself, read
-        once per report; None for the engines Ballast batches."""
-        stats = getattr(self._backend, "stats", None)
-        return stats() if stats is not None else None
+        """The engine's own view (``VLLMStats``) for an engine that schedules itself (its row's
+        ``self_scheduling``), read once per report; None for the engines Ballast batches."""
+        own = scheduling_itself(self._backend)
+        return own.stats() if own is not None else None
 
     def _engine_load(self, s: Optional[VLLMStats]) -> tuple[int, float, Optional[int], Optional[float]]:
         """(queued, KV use in percent, waiting in the engine, prefix-cache hit percent).
@@ -410,12 +411,12 @@ class ModelServer:
         this replica reports to the routers; empty for the engines Ballast batches."""
         if s is None:
             return {}
-        blocks = getattr(self._backend, "prefix_blocks", None)
+        prefix = reporting_prefix(self._backend)
         self._count_prefix_cache(s.prefix_cache_queries, s.prefix_cache_hits)
         return {
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
-            "prefix_blocks": blocks() if blocks is not None else None,
+            "prefix_blocks": prefix.prefix_blocks() if prefix is not None else None,
         }
 
     def _count_prefix_cache(self, queries: int, hits: int) -> None:

@@ -91,6 +91,8 @@ class VLLMBackend:
     adapters it serves.
     """
 
+    engine_name = "vllm"  # its row in ballast.policies.engines.ENGINES
+
     def __init__(
         self,
         path: str,

@@ -18,7 +18,10 @@ Readers of the table: the fronts refuse a request field that asks for what a mod
 engine cannot honour, with 400 naming it (``unhonoured_request_fields``); the resilient
 caller keeps a call off any backend whose engine would ignore part of it (``honours``),
 so a fallback model never answers a JSON-schema request with free text; the replica
-leaves the KV cache to an engine that schedules itself (``ballast.model.server``).
+leaves the KV cache to an engine that schedules itself and reads that engine's own stats,
+reports the blocks of one that reports prefix events, and takes adapters only for one that
+serves LoRA (``ballast.model.server``, through ``ballast.model.engine.serving_lora``,
+``reporting_prefix`` and ``scheduling_itself``: an engine object is never asked what it has).
 """
 
 from __future__ import annotations

@@ -505,6 +505,24 @@ def test_a_live_engine_reports_its_step_curve(backend):
     assert backend.stats().useful_rows == curve["rows"]
 
 
+def test_the_replica_reads_vllms_own_view_where_the_engine_table_says_it_has_one(backend):
+    # vLLM's row: it schedules itself and reports its prefix cache's blocks, so the replica
+    # reads its stats and its report (the built-in side: test_model_server_parts.py); LoRA is
+    # off in this engine, so it has no slots to mirror.
+    import time
+
+    from ballast.model.server import ModelServer
+    from ballast.policies.prefix_cache import PrefixReport
+
+    server = ModelServer.__new__(ModelServer)  # only the backend is read
+    server._backend = backend
+    assert isinstance(server._engine_stats(), VLLMStats)
+    assert isinstance(server._prefix_report(time.time()), PrefixReport)
+    assert backend.lora_slots == 0 and server._adapter_holdings().slots == 0
+    assert server._engine_lost() is None
+    assert sorted(name for _, name in server._engine_processes()) == ["VLLM::EngineCore", "VLLM::Worker"]
+
+
 def test_engine_processes_live_then_gone_after_shutdown(backend):
     """Runs last in the module: it shuts the module's engine down."""
     pids = backend.engine_pids()
