@@ -333,10 +333,6 @@ class TorchDecoderBackend:
         refuses what it cannot honour."""
         return sampling
 
-    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """``text.encode``: the benchmarks' joins."""
-        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
-
     # ------------------------------------------------- steps (a batch's ``DecoderSteps``)
 
     def forward(

@@ -107,10 +107,6 @@ class HFBackend:
         self.tokenizer_id = tokenizer_id(loaded.info.path)
         self.text = TokenizerText(self.tokenizer, self.max_seq_len)
 
-    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """``text.encode``: the benchmarks' joins."""
-        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
-
     def engine_processes(self) -> tuple[tuple[int, str], ...]:
         """None of its own: it runs in the replica's process."""
         return ()
@@ -144,7 +140,7 @@ class HFBackend:
         """Every prompt joins at once; yields one text piece per prompt per chunk (ModelBackend)."""
         batch = self.open_batch()
         decoders = [self.text.stream_decoder() for _ in prompts]
-        joins = [Join(i, self.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
+        joins = [Join(i, self.text.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
         while joins or batch.size:
             with torch.inference_mode():
                 out = batch.run_chunk(joins, chunk_tokens)

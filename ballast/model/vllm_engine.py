@@ -246,12 +246,6 @@ class VLLMBackend:
     def serves_adapter(self, name: str) -> bool:
         return self.lora.serves(name)
 
-    # ------------------------------------------------- text side (``hf_text.TokenizerText``)
-
-    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """``text.encode``: the benchmarks' joins."""
-        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
-
     # ------------------------------------------------------- a row's checks and grammar
 
     async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
