@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality, claimed
 from ballast.policies.json_bounds import json_nesting
+from ballast.policies.sampling import INT64_MAX, INT64_MIN
 
 from ballast.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
 from ballast.router.openai_answers import openai_error_body
@@ -112,7 +113,6 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
     return bytes(body)
 
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair is decoded to one code point: what is left is alone
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
