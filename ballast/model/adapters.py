@@ -31,8 +31,11 @@ import logging
 import os
 import stat
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from ballast.errors import AdapterRefused
+from ballast.model.engine import ModelBackend, ServesLoRA, serving_lora
 from ballast.policies.adapters import (
     MAX_ADAPTER_ENTRIES,
     AdapterChanges,
@@ -47,9 +50,6 @@ from ballast.policies.adapters import (
     with_runtime,
 )
 from ballast.policies.catalog import Catalog
-
-from ballast.errors import AdapterRefused
-from ballast.model.engine import ModelBackend, ServesLoRA, serving_lora
 
 log = logging.getLogger("ballast.model")
 
@@ -138,14 +138,14 @@ class ReplicaAdapters:
         backend: ModelBackend,
         model: str,
         base: Catalog,
-        root: Optional[str],
+        root: str | None,
         clock: Callable[[], float] = time.monotonic,
         grace_s: float = TRIAL_GRACE_S,
         retry_s: float = RETRY_S,
         on_failure: Callable[[], None] = lambda: None,
-        uids: Optional[frozenset[int]] = None,
+        uids: frozenset[int] | None = None,
     ) -> None:
-        self._lora: Optional[ServesLoRA] = serving_lora(backend)
+        self._lora: ServesLoRA | None = serving_lora(backend)
         self._model = model
         self._base = base
         self._root = root
@@ -159,8 +159,8 @@ class ReplicaAdapters:
         self._failed_at: dict[str, float] = {}  # name -> when a load of it last failed (listed names only)
         self.failures = 0
         self._lock = asyncio.Lock()
-        self._latest: Optional[Sequence[Any]] = None  # the newest listing not reconciled yet
-        self._task: Optional[asyncio.Task[None]] = None
+        self._latest: Sequence[Any] | None = None  # the newest listing not reconciled yet
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def serves_adapters(self) -> bool:

@@ -21,7 +21,7 @@ import codecs
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -307,7 +307,7 @@ class TorchDecoderBackend:
                 for b in range(len(encoded))
             ]
 
-    def open_batch(self) -> "LiveBatch":
+    def open_batch(self) -> LiveBatch:
         """An empty :class:`LiveBatch` (iteration-level batching) on this backend."""
         return LiveBatch(self)
 
@@ -315,7 +315,7 @@ class TorchDecoderBackend:
     eos_ids: frozenset[int] = frozenset()
     vocab_size: int = BYTE_VOCAB_SIZE
     engine_name = "builtin"  # its row in ballast.policies.engines.ENGINES
-    lost: Optional[str] = None  # it runs in the replica's own process: never lost apart from it
+    lost: str | None = None  # it runs in the replica's own process: never lost apart from it
 
     def engine_processes(self) -> tuple[tuple[int, str], ...]:
         """None of its own: it runs in the replica's process."""

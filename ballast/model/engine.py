@@ -34,7 +34,7 @@ fails there, at the replica's start, with a ``ModelLoadError`` naming the file a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from ballast.errors import ModelLoadError  # what a directory an engine cannot load raises
 from ballast.model.protocol import Join
@@ -96,7 +96,7 @@ class Batch(Protocol):
         """The rows in the batch."""
         ...
 
-    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+    def remove(self, keys: Sequence[Any] | set[Any]) -> None:
         """Rows that leave before the next chunk."""
         ...
 
@@ -115,7 +115,7 @@ class Batch(Protocol):
         other rows went on."""
         ...
 
-    def cached_tokens(self, key: Any) -> "int | None":
+    def cached_tokens(self, key: Any) -> int | None:
         """How many of the row's prompt tokens its engine took from a prefix cache, for a
         row that had tokens in the last chunk; None for an engine without one."""
         ...
@@ -139,7 +139,7 @@ class ModelBackend(Protocol):
         ...
 
     @property
-    def lost(self) -> Optional[str]:
+    def lost(self) -> str | None:
         """Why the engine can serve no more (a rank or its core went away); None while it
         serves, and always for an engine in the replica's own process."""
         ...
@@ -202,11 +202,11 @@ class ServesLoRA(Protocol):
 class ReportsPrefix(Protocol):
     """An engine whose row says ``prefix_events``: the blocks its prefix cache holds."""
 
-    def prefix_report(self, now_s: float) -> Optional[PrefixReport]:
+    def prefix_report(self, now_s: float) -> PrefixReport | None:
         """The blocks held, for prefix-aware routing; None while it reports none (the feed off)."""
         ...
 
-    def prefix_blocks(self) -> Optional[int]:
+    def prefix_blocks(self) -> int | None:
         """How many blocks it holds; None while it reports none."""
         ...
 
@@ -217,17 +217,17 @@ class SchedulesItself(Protocol):
     def stats(self) -> VLLMStats: ...
 
 
-def serving_lora(engine: ModelBackend) -> Optional[ServesLoRA]:
+def serving_lora(engine: ModelBackend) -> ServesLoRA | None:
     """``engine``'s LoRA face where its row says it serves adapters; None otherwise."""
     return cast(ServesLoRA, engine) if capabilities(engine.engine_name).lora else None
 
 
-def reporting_prefix(engine: ModelBackend) -> Optional[ReportsPrefix]:
+def reporting_prefix(engine: ModelBackend) -> ReportsPrefix | None:
     """``engine``'s prefix-cache face where its row says it reports prefix events; None otherwise."""
     return cast(ReportsPrefix, engine) if capabilities(engine.engine_name).prefix_events else None
 
 
-def scheduling_itself(engine: ModelBackend) -> Optional[SchedulesItself]:
+def scheduling_itself(engine: ModelBackend) -> SchedulesItself | None:
     """``engine``'s own scheduler's face where its row says it schedules itself; None otherwise."""
     return cast(SchedulesItself, engine) if capabilities(engine.engine_name).self_scheduling else None
 

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -86,7 +86,7 @@ class HFBackend:
     """
 
     engine_name = "transformers"  # its row in ballast.policies.engines.ENGINES
-    lost: Optional[str] = None  # it runs in the replica's own process: never lost apart from it
+    lost: str | None = None  # it runs in the replica's own process: never lost apart from it
 
     def __init__(self, loaded: LoadedModel, *, name: str) -> None:
         if not isinstance(name, str) or not name:
@@ -111,14 +111,14 @@ class HFBackend:
         """None of its own: it runs in the replica's process."""
         return ()
 
-    async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
+    async def check(self, sampling: RowSampling | None, tenant: str = "") -> RowSampling | None:
         """``sampling`` for this model (a top_k past the vocabulary is every token); the
         router refuses what this engine cannot honour."""
         return sampling.for_vocab(self.vocab_size) if sampling is not None else None
 
     # ------------------------------------------------------------------ batches
 
-    def open_batch(self) -> "HFBatch":
+    def open_batch(self) -> HFBatch:
         return HFBatch(self)
 
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
@@ -166,7 +166,7 @@ class _Row:
         self.remaining = remaining
         self.reserved = reserved
         self.sampling = sampling
-        self.gen: Optional[torch.Generator] = None
+        self.gen: torch.Generator | None = None
         self.made = 0  # tokens picked so far
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -202,7 +202,7 @@ class HFBatch:
         out, self._failed = self._failed, {}
         return out
 
-    def cached_tokens(self, key: Any) -> Optional[int]:
+    def cached_tokens(self, key: Any) -> int | None:
         """None: the transformers engine keeps no prefix cache."""
         return None
 
@@ -219,7 +219,7 @@ class HFBatch:
     def keys(self) -> list[Any]:
         return [r.key for r in self._rows]
 
-    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+    def remove(self, keys: Sequence[Any] | set[Any]) -> None:
         keep = rows_to_keep(self.keys(), keys)
         if keep is not None:
             self._select(keep)

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from ballast.errors import EngineRefused
 from ballast.model.batching import check_context, check_joins
@@ -71,17 +71,17 @@ class Row:
 
     __slots__ = ("key", "rid", "sampling", "adapter", "unread", "made", "finished", "error", "task", "cached")
 
-    def __init__(self, key: Any, rid: str, sampling: RowSampling, adapter: Optional[str] = None) -> None:
+    def __init__(self, key: Any, rid: str, sampling: RowSampling, adapter: str | None = None) -> None:
         self.key = key
         self.rid = rid
         self.sampling = sampling
         self.adapter = adapter
-        self.cached: Optional[int] = None  # prompt tokens vLLM took from its prefix cache (its first output)
+        self.cached: int | None = None  # prompt tokens vLLM took from its prefix cache (its first output)
         self.unread: list[int] = []  # ids not yet returned by run_chunk; at most max_new_tokens
         self.made = 0
         self.finished = False
-        self.error: Optional[BaseException] = None
-        self.task: Optional[asyncio.Task[None]] = None
+        self.error: BaseException | None = None
+        self.task: asyncio.Task[None] | None = None
 
 
 def chunk_ready(rows: Sequence[Row], steps: int) -> bool:
@@ -176,12 +176,12 @@ class VLLMBatch:
         out, self._failed = self._failed, {}
         return out
 
-    def cached_tokens(self, key: Any) -> Optional[int]:
+    def cached_tokens(self, key: Any) -> int | None:
         """How many of the row's prompt tokens vLLM took from its prefix cache, for a row
         that had tokens in the last chunk; None when vLLM has not said."""
         return self._cached.get(key)
 
-    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+    def remove(self, keys: Sequence[Any] | set[Any]) -> None:
         """Abort these rows in vLLM and drop them."""
         gone = [self._rows.pop(k) for k in keys if k in self._rows]
         if gone:

@@ -28,12 +28,13 @@ from ballast.model.protocol import Join
 SMALL = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
 PROMPTS = ["hi", "The quick brown fox jumps", "", "zz top"]
 MAX_NEW = [7, 12, 3, 9]
+GREEDY = SamplingConfig()  # the engine's default
 
 
 def make_backend(
     cfg: TinyDecoderConfig = SMALL,
     seed: int = 0,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = GREEDY,
 ) -> TorchDecoderBackend:
     model = build_tiny_decoder(cfg, seed)
     return TorchDecoderBackend(model, name="t", device="cpu", source=f"seed:{seed}", sampling=sampling)

@@ -13,8 +13,8 @@ pytest.importorskip("vllm")
 
 import psutil  # noqa: E402
 
-from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.errors import EngineRefused  # noqa: E402
+from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_checkpoint import tokenizer_id  # noqa: E402
 from ballast.model.hf_text import ContextTooLong  # noqa: E402
@@ -149,7 +149,7 @@ def test_rows_join_and_leave_across_chunks(backend):
     got = {"a": list(first["a"])}
     joins = [[Join("b", ids, 10, LONG), Join("z", ids, 0, LONG)], [Join("c", ids, 3, LONG)]]
     seen_done: set = set()
-    for chunk in range(100):
+    for _ in range(100):
         if not (batch.keys() or joins):
             break
         out = batch.run_chunk(joins.pop(0) if joins else [], 2)
@@ -221,7 +221,7 @@ def test_remove_aborts_the_row_and_frees_its_slot(backend):
     assert backend.stats().running == 2
     batch.remove(["b"])
     assert batch.keys() == ["a"]
-    for chunks in range(1, 6):
+    for _ in range(1, 6):
         out = batch.run_chunk([], 4)
         assert "b" not in out
         if backend.stats().running == 1:

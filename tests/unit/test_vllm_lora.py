@@ -17,7 +17,6 @@ import shutil
 import types
 
 import pytest
-
 from fakes import FakeClock
 
 pytest.importorskip("vllm")
