@@ -240,7 +240,6 @@ class VLLMBatch:
     def _submit(self, join: Join) -> None:
         """``join`` into vLLM as a request of its own, or into ``take_failed`` when it is refused alone."""
         from vllm.exceptions import VLLMClientError
-        from vllm.inputs import TokensPrompt
 
         llm = self._engine.llm
         key, adapter, salt = join.key, join.adapter, join.cache_salt
@@ -255,11 +254,11 @@ class VLLMBatch:
         try:
             params = sampling_params(s, join.max_new_tokens)
             ids = [int(i) for i in join.ids]
-            tokens = (
-                TokensPrompt(prompt_token_ids=ids)
-                if salt is None
-                else TokensPrompt(prompt_token_ids=ids, cache_salt=salt)
-            )
+            # vLLM's TokensPrompt, a TypedDict: built as the dict it is (its NotRequired keys
+            # come from Python 3.11's typing, which a check at 3.10 reads as required).
+            tokens: dict[str, Any] = {"prompt_token_ids": ids}
+            if salt is not None:
+                tokens["cache_salt"] = salt
             prompt = llm.renderer.render_cmpl([tokens])[0]
         except (VLLMClientError, ValueError) as e:  # this row's own: it fails alone
             self._failed[key] = row_error(row, e)
