@@ -62,7 +62,7 @@ def decode_costs(backend: Any, rows_list: list[int], reps: int, sync: Callable[[
     with torch.inference_mode():
         for rows in rows_list:
             lb = backend.open_batch()
-            lb.run_chunk([Join(i, backend.encode("quiet tenant", 16), 400) for i in range(rows)], 1)
+            lb.run_chunk([Join(i, backend.text.encode("quiet tenant", 16), 400) for i in range(rows)], 1)
             times = []
             for _ in range(reps):
                 sync()
@@ -78,8 +78,8 @@ def join_cost(backend: Any, reps: int, sync: Callable[[], Any]) -> dict[str, flo
     """A 4-step chunk of two short rows: alone, with a wide row in the batch, and as the wide row joins."""
     import torch
 
-    q = lambda k: Join(k, backend.encode("quiet tenant", 16), 16)  # noqa: E731
-    n = lambda k: Join(k, backend.encode("n" * 28, 32), 32)  # noqa: E731
+    q = lambda k: Join(k, backend.text.encode("quiet tenant", 16), 16)  # noqa: E731
+    n = lambda k: Join(k, backend.text.encode("n" * 28, 32), 32)  # noqa: E731
     cases = {
         "2 short rows": ([q(1), q(2)], []),
         "2 short + 1 wide row": ([q(1), q(2), n(3)], []),
@@ -152,7 +152,7 @@ def decode_work(backend: Any) -> Callable[[int], None]:
     def step(i: int) -> None:
         with torch.inference_mode():
             if lb.size == 0:
-                lb.run_chunk([Join(j, backend.encode(f"steady {i}", 16), 64) for j in range(8)], 1)
+                lb.run_chunk([Join(j, backend.text.encode(f"steady {i}", 16), 64) for j in range(8)], 1)
             lb.run_chunk([], 4)
 
     return step

@@ -196,7 +196,7 @@ def run_ballast(
             while waiting and len(batch.keys()) + len(joins) < concurrency:
                 key = waiting.popleft()
                 req = requests[key]
-                joins.append(Join(key, backend.encode(req.prompt, req.max_tokens), req.max_tokens, sampling))
+                joins.append(Join(key, backend.text.encode(req.prompt, req.max_tokens), req.max_tokens, sampling))
                 got[key] = 0
             out = batch.run_chunk(joins, chunk_tokens)
             now = clock()
@@ -234,7 +234,7 @@ def short_beside_long_ballast(
 
     rng = random.Random(seed)
     res = ShortBeside(stack, beside)
-    short_ids = backend.encode(prompt, SHORT_TOKENS)
+    short_ids = backend.text.encode(prompt, SHORT_TOKENS)
     with torch.inference_mode():
         for i in range(trials):  # alone: an idle batch takes it at once
             batch = backend.open_batch()
@@ -253,7 +253,7 @@ def short_beside_long_ballast(
             live = sum(1 for k in batch.keys() if k[0] == "l")
             for _ in range(beside - live):
                 n = long_tokens[next_long % len(long_tokens)]
-                joins.append(Join(("l", next_long), backend.encode(prompt, n), n, sampling))
+                joins.append(Join(("l", next_long), backend.text.encode(prompt, n), n, sampling))
                 next_long += 1
             return joins
 
@@ -291,7 +291,7 @@ def decode_step_s(backend: Any, rows: int, prompt: str, steps: int, clock: Clock
     """
     import torch
 
-    ids = backend.encode(prompt, steps + 1)
+    ids = backend.text.encode(prompt, steps + 1)
     batch = backend.open_batch()
     with torch.inference_mode():
         batch.run_chunk([Join(i, ids, steps + 1) for i in range(rows)], 1)
@@ -566,7 +566,7 @@ def run_all(
     if tokenizer.pad_token_id is None:  # generate's left padding needs one; the backend pads with the same
         tokenizer.pad_token_id = backend._pad_id
     requests = workload(n_requests, max_tokens, seed)
-    lengths = sorted({len(backend.encode(p, 0)) for p in PROMPTS})
+    lengths = sorted({len(backend.text.encode(p, 0)) for p in PROMPTS})
     short = sum(1 for r in requests if r.max_tokens == SHORT_TOKENS)
     header = _model_lines(backend, loaded, loaded.device) + [
         f"workload: {n_requests} requests per row (seed {seed}): {short} short ({SHORT_TOKENS} tokens), "

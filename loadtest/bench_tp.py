@@ -58,7 +58,7 @@ def measure(path: str, tp: int) -> dict[str, Any]:
 
 def _run(backend: Any, rows: int, tokens: int, sampling: Any) -> dict[int, list[int]]:
     batch = backend.open_batch()
-    joins = [Join(i, backend.encode(PROMPTS[i % len(PROMPTS)], tokens), tokens, sampling) for i in range(rows)]
+    joins = [Join(i, backend.text.encode(PROMPTS[i % len(PROMPTS)], tokens), tokens, sampling) for i in range(rows)]
     got: dict[int, list[int]] = {}
     for key, ids in batch.run_chunk(joins, 8).items():
         got.setdefault(key, []).extend(ids)

@@ -75,7 +75,7 @@ class SpeedProbe:
         self._torch = torch
         cfg = TinyDecoderConfig(**architecture)
         self._backend = TorchDecoderBackend(build_tiny_decoder(cfg, seed), name="speed", device="cpu", source="speed")
-        self._ids = self._backend.encode(PROMPT, NEW_TOKENS)
+        self._ids = self._backend.text.encode(PROMPT, NEW_TOKENS)
         self.rows_per_second(rows_done=ROWS)  # warm-up
 
     def rows_per_second(self, rows_done: int = 6 * ROWS) -> float:

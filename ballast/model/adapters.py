@@ -31,8 +31,11 @@ import logging
 import os
 import stat
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from ballast.errors import AdapterRefused
+from ballast.model.engine import ModelBackend, ServesLoRA, serving_lora
 from ballast.policies.adapters import (
     MAX_ADAPTER_ENTRIES,
     AdapterChanges,
@@ -47,8 +50,6 @@ from ballast.policies.adapters import (
     with_runtime,
 )
 from ballast.policies.catalog import Catalog
-
-from ballast.errors import AdapterRefused
 
 log = logging.getLogger("ballast.model")
 
@@ -128,21 +129,23 @@ def _entry_facts(real_root: str, real: str, rel: str) -> list[PathFacts]:
 
 class ReplicaAdapters:
     """The run-time adapters of one replica's engine (``backend``) serving ``model``, from
-    directories under ``root`` (``adapters_root``; None: none is loaded at run time)."""
+    directories under ``root`` (``adapters_root``; None: none is loaded at run time). An
+    engine whose row in the engine table serves no LoRA (``Engine.lora``) loads none: a
+    trial load is refused, a snapshot's listing changes nothing."""
 
     def __init__(
         self,
-        backend: Any,
+        backend: ModelBackend,
         model: str,
         base: Catalog,
-        root: Optional[str],
+        root: str | None,
         clock: Callable[[], float] = time.monotonic,
         grace_s: float = TRIAL_GRACE_S,
         retry_s: float = RETRY_S,
         on_failure: Callable[[], None] = lambda: None,
-        uids: Optional[frozenset[int]] = None,
+        uids: frozenset[int] | None = None,
     ) -> None:
-        self._backend = backend
+        self._lora: ServesLoRA | None = serving_lora(backend)
         self._model = model
         self._base = base
         self._root = root
@@ -156,12 +159,12 @@ class ReplicaAdapters:
         self._failed_at: dict[str, float] = {}  # name -> when a load of it last failed (listed names only)
         self.failures = 0
         self._lock = asyncio.Lock()
-        self._latest: Optional[Sequence[Any]] = None  # the newest listing not reconciled yet
-        self._task: Optional[asyncio.Task[None]] = None
+        self._latest: Sequence[Any] | None = None  # the newest listing not reconciled yet
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def serves_adapters(self) -> bool:
-        return hasattr(self._backend, "add_adapter")
+        return self._lora is not None
 
     async def add(self, name: str, path: str) -> dict[str, Any]:
         """Load ``name`` from ``path`` now; AdapterRefused (nothing loaded) when the engine
@@ -169,19 +172,20 @@ class ReplicaAdapters:
         engine refuses it (its reason, paths outside the root blanked). A trial load of
         the name from another directory that the controller never listed is replaced (the
         controller lets one add of a name run at a time)."""
-        if not self.serves_adapters:
+        lora = self._lora
+        if lora is None:
             raise AdapterRefused(name, path, f"model {self._model!r} runs an engine that serves no LoRA adapters")
         async with self._lock:
-            if name not in self.added and name in self._backend.adapters():
+            if name not in self.added and name in lora.adapters():
                 raise AdapterRefused(name, path, "the config serves an adapter of that name", "name")
             if self.added.get(name, path) != path and name in self._loaded_at:
-                await self._unload(name)
-            await asyncio.to_thread(self._checked_load, name, path)
+                await self._unload(lora, name)
+            await asyncio.to_thread(self._checked_load, lora, name, path)
             self.added[name] = path
             self._loaded_at[name] = self._clock()
         return {"model": self._model, "name": name, "path": path}
 
-    def _checked_load(self, name: str, path: str) -> None:
+    def _checked_load(self, lora: ServesLoRA, name: str, path: str) -> None:
         """``trusted_dir``, then the engine's load of the resolved directory (in a worker
         thread: both touch the disk); AdapterRefused when either refuses."""
         if self._root is None:
@@ -191,7 +195,7 @@ class ReplicaAdapters:
         except ValueError as e:
             raise AdapterRefused(name, path, str(e).removeprefix("path: "), "path") from None
         try:
-            self._backend.add_adapter(name, where)
+            lora.add_adapter(name, where)
         except AdapterRefused as e:
             roots = (self._root, os.path.realpath(self._root))
             raise AdapterRefused(name, path, redact(e.reason, roots), e.field) from None
@@ -199,15 +203,17 @@ class ReplicaAdapters:
     async def remove(self, name: str) -> bool:
         """Unload ``name`` if this replica loaded it at run time; False otherwise (an adapter
         from the config stays)."""
+        if self._lora is None:
+            return False
         async with self._lock:
-            return await self._unload(name)
+            return await self._unload(self._lora, name)
 
-    async def _unload(self, name: str) -> bool:
+    async def _unload(self, lora: ServesLoRA, name: str) -> bool:
         if name not in self.added:
             return False
         del self.added[name]
         self._loaded_at.pop(name, None)
-        return bool(await asyncio.to_thread(self._backend.remove_adapter, name))
+        return bool(await asyncio.to_thread(lora.remove_adapter, name))
 
     def listed(self, entries: Sequence[Any]) -> dict[str, str]:
         """This model's run-time adapters in a snapshot's ``adapters`` that fit the catalog."""
@@ -234,7 +240,11 @@ class ReplicaAdapters:
                 log.exception("reconciling the run-time adapters failed")
 
     async def reconcile(self, entries: Sequence[Any]) -> AdapterChanges:
-        """Unload, then load, what ``replica_changes`` says for ``entries``; returns it."""
+        """Unload, then load, what ``replica_changes`` says for ``entries``; returns it
+        (nothing, for an engine without LoRA)."""
+        lora = self._lora
+        if lora is None:
+            return AdapterChanges()
         listed = self.listed(entries)
         async with self._lock:
             now = self._clock()
@@ -242,19 +252,19 @@ class ReplicaAdapters:
                 if listed.get(name) == path:
                     self._loaded_at.pop(name, None)  # listed: no longer a trial load
             self._failed_at = {n: t for n, t in self._failed_at.items() if n in listed}
-            held = frozenset(self._backend.adapters())
+            held = frozenset(lora.adapters())
             changes = replica_changes(
                 listed, self.added, held, self._loaded_at, self._failed_at, now, self._grace_s, self._retry_s
             )
             for name in changes.remove:
-                await self._unload(name)
+                await self._unload(lora, name)
             for name, path in changes.add:
-                await self._load(name, path)
+                await self._load(lora, name, path)
         return changes
 
-    async def _load(self, name: str, path: str) -> None:
+    async def _load(self, lora: ServesLoRA, name: str, path: str) -> None:
         try:
-            await asyncio.to_thread(self._checked_load, name, path)
+            await asyncio.to_thread(self._checked_load, lora, name, path)
         except Exception as e:  # AdapterRefused, or the engine's own failure: logged, counted
             self._failed_at[name] = self._clock()
             self.failures += 1

@@ -14,7 +14,7 @@ memory, a dead engine), which fails every row as before."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -69,7 +69,7 @@ def ids_by_row(steps: Sequence[tuple[list[Any], Tensor]], out: dict[Any, list[in
     return out
 
 
-def rows_to_keep(row_keys: Sequence[Any], gone: Iterable[Any]) -> Optional[list[int]]:
+def rows_to_keep(row_keys: Sequence[Any], gone: Iterable[Any]) -> list[int] | None:
     """The indices of the rows whose key is not in ``gone``; None when no row goes."""
     dropped = set(gone)
     keep = [i for i, key in enumerate(row_keys) if key not in dropped]
@@ -120,7 +120,7 @@ def warm_up(engine: _Warms, batch_sizes: Sequence[int]) -> None:
             batch.run_chunk([], steps)
 
 
-def refuse_adapter(join: Join) -> Optional[EngineRefused]:
+def refuse_adapter(join: Join) -> EngineRefused | None:
     """The refusal of a join that names a LoRA adapter on an engine that serves none (the
     built-in and Hugging Face ones); None when it names none."""
     if join.adapter is None:
@@ -130,7 +130,7 @@ def refuse_adapter(join: Join) -> Optional[EngineRefused]:
     )
 
 
-def refuse_bad_ids(key: Any, ids: Sequence[int], vocab_size: int) -> Optional[EngineRefused]:
+def refuse_bad_ids(key: Any, ids: Sequence[int], vocab_size: int) -> EngineRefused | None:
     """The refusal of a join whose prompt ids are not all in ``[0, vocab_size)`` (a resumed
     stream's ids come from the client's side); None when they are."""
     bad = next((i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size), None)

@@ -17,7 +17,7 @@ forward, one draw, the cache's shape), so this module does not import
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -51,7 +51,7 @@ class DecoderSteps(Protocol):
         [B, S, T] to the cache ``k``, ``v`` and themselves: (logits, k, v), the cache grown by S."""
         ...
 
-    def sample(self, logits: Tensor, gen: Optional[torch.Generator]) -> Tensor:
+    def sample(self, logits: Tensor, gen: torch.Generator | None) -> Tensor:
         """One id per row from last-position logits [B, V] -> [B]."""
         ...
 
@@ -63,7 +63,7 @@ class DecoderSteps(Protocol):
         """(ids, valid) [B, P + extra]: prompts right-aligned in P columns, ``valid`` False on padding."""
         ...
 
-    def sampler(self) -> Optional[torch.Generator]:
+    def sampler(self) -> torch.Generator | None:
         """A generator for one batch's draws, seeded from the engine's config; None when greedy."""
         ...
 
@@ -133,7 +133,7 @@ class LiveBatch:
     def keys(self) -> list[Any]:
         return list(self._keys)
 
-    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+    def remove(self, keys: Sequence[Any] | set[Any]) -> None:
         """Drop these rows (cancelled, past their deadline); unknown keys are ignored."""
         keep = rows_to_keep(self._keys, keys)
         if keep is not None:
@@ -177,7 +177,7 @@ class LiveBatch:
         out, self._failed = self._failed, {}
         return out
 
-    def cached_tokens(self, key: Any) -> Optional[int]:
+    def cached_tokens(self, key: Any) -> int | None:
         """None: the built-in engine keeps no prefix cache."""
         return None
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ballast.errors import ModelLoadError
-from ballast.model.builtin_decoder import TinyDecoder, TinyDecoderConfig, empty_decoder, build_tiny_decoder
+from ballast.model.builtin_decoder import TinyDecoder, TinyDecoderConfig, build_tiny_decoder, empty_decoder
 from ballast.model.builtin_engine import SamplingConfig, TorchDecoderBackend
 from ballast.model.untyped import torch_jit
 from ballast.policies.validation import check_int, check_name

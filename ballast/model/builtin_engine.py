@@ -307,13 +307,19 @@ class TorchDecoderBackend:
                 for b in range(len(encoded))
             ]
 
-    def open_batch(self) -> "LiveBatch":
+    def open_batch(self) -> LiveBatch:
         """An empty :class:`LiveBatch` (iteration-level batching) on this backend."""
         return LiveBatch(self)
 
     # Byte-level tokens have no end-of-sequence: every row runs to its max_new_tokens.
     eos_ids: frozenset[int] = frozenset()
     vocab_size: int = BYTE_VOCAB_SIZE
+    engine_name = "builtin"  # its row in ballast.policies.engines.ENGINES
+    lost: str | None = None  # it runs in the replica's own process: never lost apart from it
+
+    def engine_processes(self) -> tuple[tuple[int, str], ...]:
+        """None of its own: it runs in the replica's process."""
+        return ()
 
     @property
     def tokenizer_id(self) -> str:
@@ -326,10 +332,6 @@ class TorchDecoderBackend:
         """``sampling`` as sent: this engine samples as its config says, and the router
         refuses what it cannot honour."""
         return sampling
-
-    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """``text.encode``: the benchmarks' joins."""
-        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
 
     # ------------------------------------------------- steps (a batch's ``DecoderSteps``)
 

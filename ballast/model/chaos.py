@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any
 
 from ballast.errors import BallastError
 
@@ -57,7 +58,7 @@ class ChaosSettings:
                 raise ValueError(f"{name}: must be within [0, 1024]")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ChaosSettings":
+    def from_dict(cls, d: dict[str, Any]) -> ChaosSettings:
         known = {
             k: d[k]
             for k in (
@@ -101,7 +102,7 @@ class ChaosAgent:
         self.settings = ChaosSettings()
         self._leak: list[bytearray] = []  # the injected leak itself, capped
         self._vram_leak: list[Any] = []  # CUDA tensors, capped the same way
-        self._leak_task: Optional[asyncio.Task[None]] = None
+        self._leak_task: asyncio.Task[None] | None = None
 
     @property
     def leaked_bytes(self) -> int:
@@ -112,7 +113,7 @@ class ChaosAgent:
         return sum(int(t.numel()) for t in self._vram_leak)
 
     @property
-    def vram_leak_state(self) -> Optional[str]:
+    def vram_leak_state(self) -> str | None:
         """None when no VRAM leak is asked for; "leaking", or "no_gpu" on a CPU replica."""
         if not self._enabled or self.settings.vram_leak_mb_per_s == 0:
             return None
@@ -122,7 +123,7 @@ class ChaosAgent:
         s = self.settings
         return s.leak_mb_per_s > 0 or (s.vram_leak_mb_per_s > 0 and self._cuda is not None)
 
-    def apply(self, raw: Optional[dict[str, Any]]) -> None:
+    def apply(self, raw: dict[str, Any] | None) -> None:
         if not self._enabled:
             return
         self.settings = ChaosSettings.from_dict(raw or {})

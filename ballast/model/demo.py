@@ -302,7 +302,7 @@ def _no_write_for_others(*paths: Path) -> None:
         p.chmod(p.stat().st_mode & 0o7755)
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m ballast.model.demo DIR``: write the demo model (``make demo-model``)."""
     import argparse
 

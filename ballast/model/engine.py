@@ -18,20 +18,44 @@ handed over as one ``protocol.Join``. Three engines exist:
   batches and manages its KV cache itself: the replica only bounds how many rows are in
   the engine and aborts the ones that leave.
 
-A new engine implements ``ModelBackend`` (and its ``TextSide``, ``Batch`` and ``StreamDecoder``) and
-gets a branch in ``build_engine``; a directory it cannot load fails there, at the
-replica's start, with a ``ModelLoadError`` naming the file and the reason.
+What an engine does beyond that is its row in the engine table
+(``ballast.policies.engines.ENGINES``, named by ``ModelBackend.engine_name``), never a
+method looked up on the object: an engine whose row says it serves LoRA adapters
+(``Engine.lora``) implements ``ServesLoRA``, one that reports its prefix cache's blocks
+(``Engine.prefix_events``) ``ReportsPrefix``, one that schedules itself
+(``Engine.self_scheduling``) ``SchedulesItself``; the replica reaches each through
+``serving_lora``, ``reporting_prefix`` and ``scheduling_itself``, which read the row.
+
+A new engine implements ``ModelBackend`` (and its ``TextSide``, ``Batch`` and ``StreamDecoder``),
+the faces its row claims, and gets a branch in ``build_engine``; a directory it cannot load
+fails there, at the replica's start, with a ``ModelLoadError`` naming the file and the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from ballast.errors import ModelLoadError  # what a directory an engine cannot load raises
 from ballast.model.protocol import Join
+from ballast.model.vllm_stats import VLLMStats
+from ballast.policies.engines import capabilities
+from ballast.policies.prefix_cache import PrefixReport
 
-__all__ = ["Batch", "ModelBackend", "ModelLoadError", "StreamDecoder", "TextSide", "build_engine"]
+__all__ = [
+    "Batch",
+    "ModelBackend",
+    "ModelLoadError",
+    "ReportsPrefix",
+    "SchedulesItself",
+    "ServesLoRA",
+    "StreamDecoder",
+    "TextSide",
+    "build_engine",
+    "reporting_prefix",
+    "scheduling_itself",
+    "serving_lora",
+]
 
 
 class StreamDecoder(Protocol):
@@ -72,7 +96,7 @@ class Batch(Protocol):
         """The rows in the batch."""
         ...
 
-    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+    def remove(self, keys: Sequence[Any] | set[Any]) -> None:
         """Rows that leave before the next chunk."""
         ...
 
@@ -91,7 +115,7 @@ class Batch(Protocol):
         other rows went on."""
         ...
 
-    def cached_tokens(self, key: Any) -> "int | None":
+    def cached_tokens(self, key: Any) -> int | None:
         """How many of the row's prompt tokens its engine took from a prefix cache, for a
         row that had tokens in the last chunk; None for an engine without one."""
         ...
@@ -108,6 +132,22 @@ class ModelBackend(Protocol):
     max_seq_len: int
     vocab_size: int
     eos_ids: frozenset[int]
+
+    @property
+    def engine_name(self) -> str:
+        """Its row in ``ballast.policies.engines.ENGINES`` (``model.backend``): what it does itself."""
+        ...
+
+    @property
+    def lost(self) -> str | None:
+        """Why the engine can serve no more (a rank or its core went away); None while it
+        serves, and always for an engine in the replica's own process."""
+        ...
+
+    def engine_processes(self) -> tuple[tuple[int, str], ...]:
+        """(pid, name) of the engine's own processes, for the replica's watchdog to watch by
+        name; none for an engine in the replica's own process."""
+        ...
 
     @property
     def text(self) -> TextSide:
@@ -133,6 +173,63 @@ class ModelBackend(Protocol):
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+
+class ServesLoRA(Protocol):
+    """An engine whose row says ``lora``: the LoRA adapters it serves beside the base model."""
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapters it keeps in its batch slots at once; 0 with LoRA off."""
+        ...
+
+    def serves_adapter(self, name: str) -> bool: ...
+
+    def adapters(self) -> dict[str, str]:
+        """The adapters served, by name: their directories."""
+        ...
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter in the local directory ``path`` as ``name`` (blocking; AdapterRefused
+        with the reason for what the engine refuses)."""
+        ...
+
+    def remove_adapter(self, name: str) -> bool:
+        """Stop serving ``name``; False when it was not loaded."""
+        ...
+
+
+class ReportsPrefix(Protocol):
+    """An engine whose row says ``prefix_events``: the blocks its prefix cache holds."""
+
+    def prefix_report(self, now_s: float) -> PrefixReport | None:
+        """The blocks held, for prefix-aware routing; None while it reports none (the feed off)."""
+        ...
+
+    def prefix_blocks(self) -> int | None:
+        """How many blocks it holds; None while it reports none."""
+        ...
+
+
+class SchedulesItself(Protocol):
+    """An engine whose row says ``self_scheduling``: its own view of the rows it holds."""
+
+    def stats(self) -> VLLMStats: ...
+
+
+def serving_lora(engine: ModelBackend) -> ServesLoRA | None:
+    """``engine``'s LoRA face where its row says it serves adapters; None otherwise."""
+    return cast(ServesLoRA, engine) if capabilities(engine.engine_name).lora else None
+
+
+def reporting_prefix(engine: ModelBackend) -> ReportsPrefix | None:
+    """``engine``'s prefix-cache face where its row says it reports prefix events; None otherwise."""
+    return cast(ReportsPrefix, engine) if capabilities(engine.engine_name).prefix_events else None
+
+
+def scheduling_itself(engine: ModelBackend) -> SchedulesItself | None:
+    """``engine``'s own scheduler's face where its row says it schedules itself; None otherwise."""
+    return cast(SchedulesItself, engine) if capabilities(engine.engine_name).self_scheduling else None
 
 
 def build_engine(m: Any, placement: Any = None) -> ModelBackend:

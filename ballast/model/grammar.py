@@ -42,8 +42,8 @@ import asyncio
 import hashlib
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional
 
 from ballast.errors import EngineRefused, SchemaTooComplex
 
@@ -67,7 +67,7 @@ class GrammarCompiles:
         threads: int,
         timeout_s: float,
         remembered: int = 1024,
-        per_tenant: Optional[int] = None,
+        per_tenant: int | None = None,
     ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {threads!r}")
@@ -94,7 +94,7 @@ class GrammarCompiles:
         # Callers waiting for a thread, in arrival order (each a request the replica holds),
         # on the loop that last used the instance; touched on that loop only.
         self._waiting: deque[tuple[str, asyncio.Future[None]]] = deque()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def check(self, schema: str, field: str, tenant: str = "") -> None:
         """Return once ``schema`` has compiled; ``SchemaTooComplex`` when it did not within
@@ -119,7 +119,7 @@ class GrammarCompiles:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _verdict(self, digest: bytes) -> Optional[str]:
+    def _verdict(self, digest: bytes) -> str | None:
         verdict = self._verdicts.get(digest)
         if verdict is not None:
             self._verdicts.move_to_end(digest)
@@ -223,6 +223,6 @@ class GrammarCompiles:
             fut.set_result(None)
 
 
-def _set(fut: "asyncio.Future[None]") -> None:
+def _set(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)

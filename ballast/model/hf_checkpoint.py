@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, TypeGuard
+from typing import Any, TypeGuard
 
 from ballast.errors import ModelLoadError
 
@@ -578,9 +578,9 @@ def _file_holding(info: CheckpointInfo, tensor: str) -> Path:
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
-    tools: Optional[Sequence[Mapping[str, Any]]] = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
     special_tokens_in_content: str = "text",
-    template_kwargs: Optional[Mapping[str, Any]] = None,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
     """The prompt text for ``messages`` (and the ``tools`` the model may call, when
     given), through the tokenizer's chat template; ``template_kwargs`` are the template's

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -85,6 +85,9 @@ class HFBackend:
     is used by one thread at a time (the replica's engine loop).
     """
 
+    engine_name = "transformers"  # its row in ballast.policies.engines.ENGINES
+    lost: str | None = None  # it runs in the replica's own process: never lost apart from it
+
     def __init__(self, loaded: LoadedModel, *, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
@@ -104,18 +107,18 @@ class HFBackend:
         self.tokenizer_id = tokenizer_id(loaded.info.path)
         self.text = TokenizerText(self.tokenizer, self.max_seq_len)
 
-    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """``text.encode``: the benchmarks' joins."""
-        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
+    def engine_processes(self) -> tuple[tuple[int, str], ...]:
+        """None of its own: it runs in the replica's process."""
+        return ()
 
-    async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
+    async def check(self, sampling: RowSampling | None, tenant: str = "") -> RowSampling | None:
         """``sampling`` for this model (a top_k past the vocabulary is every token); the
         router refuses what this engine cannot honour."""
         return sampling.for_vocab(self.vocab_size) if sampling is not None else None
 
     # ------------------------------------------------------------------ batches
 
-    def open_batch(self) -> "HFBatch":
+    def open_batch(self) -> HFBatch:
         return HFBatch(self)
 
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
@@ -137,7 +140,7 @@ class HFBackend:
         """Every prompt joins at once; yields one text piece per prompt per chunk (ModelBackend)."""
         batch = self.open_batch()
         decoders = [self.text.stream_decoder() for _ in prompts]
-        joins = [Join(i, self.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
+        joins = [Join(i, self.text.encode(p, n), n) for i, (p, n) in enumerate(zip(prompts, max_new_tokens))]
         while joins or batch.size:
             with torch.inference_mode():
                 out = batch.run_chunk(joins, chunk_tokens)
@@ -163,7 +166,7 @@ class _Row:
         self.remaining = remaining
         self.reserved = reserved
         self.sampling = sampling
-        self.gen: Optional[torch.Generator] = None
+        self.gen: torch.Generator | None = None
         self.made = 0  # tokens picked so far
         if sampling.temperature > 0:
             seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -199,7 +202,7 @@ class HFBatch:
         out, self._failed = self._failed, {}
         return out
 
-    def cached_tokens(self, key: Any) -> Optional[int]:
+    def cached_tokens(self, key: Any) -> int | None:
         """None: the transformers engine keeps no prefix cache."""
         return None
 
@@ -216,7 +219,7 @@ class HFBatch:
     def keys(self) -> list[Any]:
         return [r.key for r in self._rows]
 
-    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+    def remove(self, keys: Sequence[Any] | set[Any]) -> None:
         keep = rows_to_keep(self.keys(), keys)
         if keep is not None:
             self._select(keep)

@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 import threading
-from typing import Any, Optional
+from typing import Any
 
 from ballast.model.untyped import VLLMObject
 from ballast.policies.prefix_cache import PrefixHoldings, PrefixReport
@@ -46,7 +46,7 @@ def events_config(endpoint: str) -> dict[str, Any]:
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": TOPIC}
 
 
-def feed_for(engine_kwargs: dict[str, Any], report_blocks: Optional[int], base_adapter: str) -> Optional[KVEventFeed]:
+def feed_for(engine_kwargs: dict[str, Any], report_blocks: int | None, base_adapter: str) -> KVEventFeed | None:
     """A feed of the engine's KV-cache events when blocks are to be reported
     (``report_blocks``) and its prefix cache is on (``enable_prefix_caching`` in
     ``engine_kwargs``, Ballast's defaults included), its publisher added to
@@ -62,7 +62,7 @@ def feed_for(engine_kwargs: dict[str, Any], report_blocks: Optional[int], base_a
     return feed
 
 
-def first_block_salt(event: VLLMObject) -> Optional[str]:
+def first_block_salt(event: VLLMObject) -> str | None:
     """The ``cache_salt`` a ``BlockStored`` event's first block was hashed with; None without one.
 
     vLLM publishes each block's extra keys untagged, in order: the LoRA adapter's name (when
@@ -82,14 +82,14 @@ class KVEventFeed:
     Made before the engine (``endpoint`` goes in its ``kv_events_config``), started once
     the engine has said its block size and count (``start``), closed with it."""
 
-    def __init__(self, base_adapter: Optional[str] = None) -> None:
+    def __init__(self, base_adapter: str | None = None) -> None:
         self._dir = tempfile.mkdtemp(prefix="ballast-kv-")
         self.endpoint = f"ipc://{os.path.join(self._dir, 'events')}"
         self._base_adapter = base_adapter
         self._lock = threading.Lock()  # guards _holdings: the reader writes, the replica reads
-        self._holdings: Optional[PrefixHoldings] = None
+        self._holdings: PrefixHoldings | None = None
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self.events = 0  # batches read (the tests' and the operator's sign of life)
 
     def start(self, capacity_blocks: int, block_size: int, report_blocks: int) -> None:
@@ -139,12 +139,12 @@ class KVEventFeed:
                 elif isinstance(e, AllBlocksCleared):
                     held.cleared()
 
-    def report(self, now_s: float) -> Optional[PrefixReport]:
+    def report(self, now_s: float) -> PrefixReport | None:
         """What the engine holds now; None before ``start``."""
         with self._lock:
             return self._holdings.report(now_s) if self._holdings is not None else None
 
-    def held_blocks(self) -> Optional[int]:
+    def held_blocks(self) -> int | None:
         """How many blocks the engine holds now; None before ``start``."""
         with self._lock:
             return len(self._holdings) if self._holdings is not None else None

@@ -31,9 +31,9 @@ All messages are frozen and hashable (the answer cache keys on a call), and pick
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from ballast.policies.sampling import GREEDY_BELOW_TEMPERATURE, MAX_SEED, MIN_SEED
 
@@ -46,8 +46,8 @@ class RowSampling:
 
     temperature: float = 0.0
     top_p: float = 1.0
-    seed: Optional[int] = None
-    top_k: Optional[int] = None
+    seed: int | None = None
+    top_k: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     # vLLM's only (the router refuses any other value for the other engines): above 1
@@ -62,11 +62,11 @@ class RowSampling:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # vLLM's only, as repetition_penalty: the answer is JSON following this JSON Schema
     # (its text), by the engine's guided decoding.
-    json_schema: Optional[str] = None
+    json_schema: str | None = None
     json_schema_of: str = "response_format"  # the request field it came from (or "tools"), for a refusal
     # vLLM's only, as json_schema (at most one of the two): xgrammar's structural tag (its
     # JSON text) that vLLM's tool parser built for a request's tools.
-    structural_tag: Optional[str] = None
+    structural_tag: str | None = None
     # vLLM's only, as json_schema: the answer's text keeps the special tokens (a tool
     # parser looks for its markers among them).
     keep_special_tokens: bool = False
@@ -100,7 +100,7 @@ class RowSampling:
         if self.json_schema is not None and self.structural_tag is not None:
             raise ValueError("structural_tag: one grammar a row; json_schema is set too")
 
-    def for_vocab(self, vocab_size: int) -> "RowSampling":
+    def for_vocab(self, vocab_size: int) -> RowSampling:
         """This sampling for a model of ``vocab_size`` tokens: a top_k at or past it is every token."""
         if self.top_k is not None and self.top_k >= vocab_size:
             return replace(self, top_k=None)
@@ -125,7 +125,7 @@ class RowSampling:
         return frozenset(asked)
 
     @classmethod
-    def of(cls, req: Mapping[str, Any]) -> "RowSampling":
+    def of(cls, req: Mapping[str, Any]) -> RowSampling:
         """The sampling fields of a mapping (absent fields take the defaults), checked and
         normalised; a value out of range is ``EngineRefused`` naming its field."""
         from ballast.errors import EngineRefused
@@ -215,9 +215,9 @@ class Join:
     key: Hashable
     ids: Sequence[int]
     max_new_tokens: int
-    sampling: Optional[RowSampling] = None
-    adapter: Optional[str] = None
-    cache_salt: Optional[str] = None
+    sampling: RowSampling | None = None
+    adapter: str | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -246,7 +246,7 @@ class Resume:
     ids: tuple[int, ...]
     text_chars: int = 0
 
-    def after(self, ids: tuple[int, ...], chars: int) -> "Resume":
+    def after(self, ids: tuple[int, ...], chars: int) -> Resume:
         """This resume with ``ids`` and ``chars`` more delivered."""
         return Resume(self.ids + ids, self.text_chars + chars)
 
@@ -260,7 +260,7 @@ class AttemptDeadline:
     at_wall_s: float
 
     @classmethod
-    def starting(cls, budget_s: float, now_wall_s: float) -> "AttemptDeadline":
+    def starting(cls, budget_s: float, now_wall_s: float) -> AttemptDeadline:
         return cls(budget_s, now_wall_s + budget_s)
 
     def left_s(self, now_wall_s: float) -> float:
@@ -279,20 +279,20 @@ class ModelCall:
     tokenizer: str = ""  # whose tokens prompt_ids are ("" none: the replica encodes prompt)
     add_special_tokens: bool = True  # for prompt: a chat prompt holds its template's already
     max_tokens: int = 0
-    sampling: Optional[RowSampling] = None  # None: the engine's default (greedy)
+    sampling: RowSampling | None = None  # None: the engine's default (greedy)
     stops: tuple[str, ...] = ()
-    resume: Optional[Resume] = None
-    deadline: Optional[AttemptDeadline] = None
+    resume: Resume | None = None
+    deadline: AttemptDeadline | None = None
     # Which model and fine-tune the call is for (None: the deployment's own model).
-    model: Optional[str] = None
-    adapter: Optional[str] = None
+    model: str | None = None
+    adapter: str | None = None
     # How the request router may place it (``ballast.policies.affinity.route_mode``): set
     # with the admitted length; not part of what the call asks (an answer cache ignores it).
     route: str = field(default="affinity", compare=False)
     # The salt of the tenant's prefix-cache group (``ballast.policies.cache_groups``), set
     # with the admitted length: the engine's prefix cache and the routers' view of it are
     # shared only among calls of one salt. None: no group (a call built outside a router).
-    cache_salt: Optional[str] = None
+    cache_salt: str | None = None
     # Whose request it is (the tenant its API key says), set with the admitted length: the
     # replica shares what one tenant may hold of it (its grammar compile threads) by it.
     # Not part of what the call asks ("": none named, one tenant for the replica).
@@ -310,17 +310,17 @@ class ModelCall:
         return self.resume.ids if self.resume is not None else ()
 
     def admitted(
-        self, max_tokens: int, route: str = "affinity", cache_salt: Optional[str] = None, tenant: str = ""
-    ) -> "ModelCall":
+        self, max_tokens: int, route: str = "affinity", cache_salt: str | None = None, tenant: str = ""
+    ) -> ModelCall:
         """The call with the length the router admitted, how it may be routed, the salt of its
         tenant's cache group, and whose it is."""
         return replace(self, max_tokens=max_tokens, route=route, cache_salt=cache_salt, tenant=tenant)
 
-    def for_attempt(self, left_s: float, now_wall_s: float) -> "ModelCall":
+    def for_attempt(self, left_s: float, now_wall_s: float) -> ModelCall:
         """The call as one attempt sends it: with that attempt's deadline."""
         return replace(self, deadline=AttemptDeadline.starting(left_s, now_wall_s))
 
-    def resumed(self, resume: Resume) -> "ModelCall":
+    def resumed(self, resume: Resume) -> ModelCall:
         """The call carried on after ``resume`` (a lost replica's delivered ids)."""
         return replace(self, resume=resume)
 
@@ -336,18 +336,18 @@ class ModelChunk:
 
     text: str
     ids: tuple[int, ...] = ()
-    finish_reason: Optional[str] = None
-    queue_wait_ms: Optional[float] = None
-    max_tokens: Optional[int] = None
+    finish_reason: str | None = None
+    queue_wait_ms: float | None = None
+    max_tokens: int | None = None
     # How many prompt tokens the engine took from its prefix cache (its first tokens' chunk;
     # None: not said, an engine without a prefix cache).
-    cached_tokens: Optional[int] = None
+    cached_tokens: int | None = None
 
     @property
     def tokens(self) -> int:
         return len(self.ids)
 
-    def without_wait(self) -> "ModelChunk":
+    def without_wait(self) -> ModelChunk:
         return replace(self, queue_wait_ms=None) if self.queue_wait_ms is not None else self
 
 
@@ -359,7 +359,7 @@ class ModelResult:
 
     text: str
     tokens: int
-    finish_reason: Optional[str]
+    finish_reason: str | None
     max_tokens: int = 0
     queue_wait_ms: float = 0.0
     compute_ms: float = 0.0

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from ballast.policies.placement import Placement
 
@@ -58,9 +58,7 @@ def split_cores(cores: Sequence[int], world: int) -> list[list[int]]:
     return out
 
 
-def rank_environment(
-    placement: Optional[Placement], cores: Sequence[int], environ: Mapping[str, str]
-) -> dict[str, str]:
+def rank_environment(placement: Placement | None, cores: Sequence[int], environ: Mapping[str, str]) -> dict[str, str]:
     """The variables the replica sets before its engine of several ranks starts (none with
     one rank; a variable already in ``environ`` is the operator's, and kept)."""
     if placement is None:
@@ -74,7 +72,7 @@ def rank_environment(
     return out
 
 
-def prepare_ranks(placement: Optional[Placement]) -> dict[str, str]:
+def prepare_ranks(placement: Placement | None) -> dict[str, str]:
     """Set :func:`rank_environment` in this process (the engine's processes inherit it),
     from the cores this process may run on; returns what it set."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -85,7 +83,7 @@ def prepare_ranks(placement: Optional[Placement]) -> dict[str, str]:
     return env
 
 
-def with_executor(engine_kwargs: Mapping[str, Any], placement: Optional[Placement]) -> dict[str, Any]:
+def with_executor(engine_kwargs: Mapping[str, Any], placement: Placement | None) -> dict[str, Any]:
     """``engine_kwargs`` with vLLM's ``distributed_executor_backend`` the placement's (unless
     they name one)."""
     out = dict(engine_kwargs)

@@ -61,10 +61,10 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Union
+from typing import Any
 
 from ballast.errors import DeadlineExceeded, EngineRefused
-from ballast.model.engine import Batch, ModelBackend, StreamDecoder
+from ballast.model.engine import Batch, ModelBackend, StreamDecoder, serving_lora
 from ballast.model.protocol import Join, ModelCall, ModelChunk, RowSampling
 from ballast.policies.deadline import replica_deadline_s
 from ballast.policies.scheduler import DEADLINE, STALLED, SchedulerConfig, schedule, timeout_reason
@@ -94,7 +94,7 @@ WINDOW = 512  # bounded windows for batch sizes and queue waits
 # ballast/policies/degradation.py), so one slow request must not be reported for ten seconds.
 WAIT_WINDOW_S = 2.0
 
-Out = Union[ModelChunk, BaseException, None]
+Out = ModelChunk | BaseException | None
 
 
 class ModelStalled(RuntimeError):
@@ -117,11 +117,11 @@ class ReplicaRow:
     deadline_s: float  # on the loop's clock: the caller's remaining budget, less the replica's lead
     decoder: StreamDecoder  # the engine's stream decoder: text piece by piece
     timeout_s: float = 0.0  # the time the call had when it arrived (for its error's message)
-    sampling: Optional[RowSampling] = None  # None: greedy
-    adapter: Optional[str] = None  # the LoRA adapter the row runs with (None: the base model)
-    cache_salt: Optional[str] = None  # its tenant's cache group's salt (ModelCall.cache_salt)
-    cached_tokens: Optional[int] = None  # prompt tokens the engine took from its prefix cache
-    stops: Optional[StopScanner] = None
+    sampling: RowSampling | None = None  # None: greedy
+    adapter: str | None = None  # the LoRA adapter the row runs with (None: the base model)
+    cache_salt: str | None = None  # its tenant's cache group's salt (ModelCall.cache_salt)
+    cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache
+    stops: StopScanner | None = None
     key: int = 0
     started: bool = False
     cancelled: bool = False
@@ -133,7 +133,7 @@ class ReplicaRow:
     # follows the caller already has (see ``resume``).
     pending: str = ""
     skip_chars: int = 0
-    out: "asyncio.Queue[Out]" = field(default_factory=asyncio.Queue)
+    out: asyncio.Queue[Out] = field(default_factory=asyncio.Queue)
 
     @property
     def reserved_tokens(self) -> int:
@@ -168,14 +168,14 @@ class ReplicaLoop:
         chunk_tokens: int,
         batch_limit: int,
         max_deadline_s: float,
-        max_tokens_limit: Optional[int],
+        max_tokens_limit: int | None,
         batch_wait_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         before_request: Callable[[], Awaitable[None]] = _nothing,
         stall_point: Callable[[], Awaitable[None]] = _nothing,
         on_chunk: Callable[[int, int], None] = _ignore,
-        compute: Optional[Executor] = None,
+        compute: Executor | None = None,
     ) -> None:
         self._engine = engine
         self._compute = compute  # where chunks run (None: asyncio's default thread pool)
@@ -199,8 +199,8 @@ class ReplicaLoop:
         self._waits_ms: CountWindow[float] = CountWindow(WINDOW)  # stamped with the loop's clock
         self.progress_at_s = clock()  # when the engine last moved (a chunk brought tokens)
         self._busy_since_s = self.progress_at_s  # when work last arrived at an idle loop
-        self._wake: Optional[asyncio.Event] = None
-        self._task: Optional[asyncio.Task[None]] = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
 
     # -- what the replica reads and sets ---------------------------------------------------
     @property
@@ -228,21 +228,21 @@ class ReplicaLoop:
         return self._kv_reserved
 
     @property
-    def kv_budget_tokens(self) -> Optional[int]:
+    def kv_budget_tokens(self) -> int | None:
         return self._sched.kv_budget_tokens
 
     def limit_rows(self, batch_limit: int) -> None:
         """The batch's row limit from now on (rows already running finish)."""
         self._batch_limit = batch_limit
 
-    def batch_size_avg(self) -> Optional[float]:
+    def batch_size_avg(self) -> float | None:
         sizes = list(self._batch_sizes)
         return sum(sizes) / len(sizes) if sizes else None
 
     def recent_batch_sizes(self) -> list[int]:
         return list(self._batch_sizes)
 
-    def queue_wait_p95_ms(self) -> Optional[float]:
+    def queue_wait_p95_ms(self) -> float | None:
         """The 95th percentile of the queue waits of the last ``WAIT_WINDOW_S``."""
         return recent_percentile(self._waits_ms, self._clock(), WAIT_WINDOW_S, 0.95)
 
@@ -324,12 +324,12 @@ class ReplicaLoop:
             )
         return max_tokens
 
-    def _check_adapter(self, adapter: Optional[str]) -> None:
+    def _check_adapter(self, adapter: str | None) -> None:
         """A call's adapter, which this engine must serve now; else EngineRefused naming ``model``."""
         if adapter is None:
             return
-        serves = getattr(self._engine, "serves_adapter", None)  # only engines with adapters have it
-        if serves is None or not serves(adapter):
+        lora = serving_lora(self._engine)  # None: its row in the engine table serves no LoRA
+        if lora is None or not lora.serves_adapter(adapter):
             raise EngineRefused(
                 f"model: adapter {adapter!r} is not served by model {self._engine.name!r}", field="model"
             )
@@ -342,8 +342,8 @@ class ReplicaLoop:
         return self._engine.text.tokenize(call.prompt, call.add_special_tokens)
 
     async def _checked_sampling(
-        self, sampling: Optional[RowSampling], tenant: str, left_s: float, timeout_s: float
-    ) -> Optional[RowSampling]:
+        self, sampling: RowSampling | None, tenant: str, left_s: float, timeout_s: float
+    ) -> RowSampling | None:
         """The call's sampling as the engine checked and normalised it (a grammar compile
         counted to the call's ``tenant``). EngineRefused / SchemaTooComplex: this request
         alone, before any work; a grammar compile waits for its thread no longer than the
@@ -516,7 +516,7 @@ class ReplicaLoop:
         self._active[row.key] = row
         return Join(row.key, row.ids, row.max_tokens, row.sampling, row.adapter, row.cache_salt)
 
-    def _finish(self, row: ReplicaRow, last: Union[ModelChunk, BaseException]) -> None:
+    def _finish(self, row: ReplicaRow, last: ModelChunk | BaseException) -> None:
         """The row leaves the batch's bookkeeping (its tensors leave at the next chunk) and,
         unless its caller left, gets its ending: its last chunk then None, or the error."""
         if self._active.pop(row.key, None) is not None:
@@ -531,7 +531,7 @@ def _past_deadline(row: ReplicaRow) -> DeadlineExceeded:
     return DeadlineExceeded(f"deadline of {row.timeout_s:.3f}s passed while generating")
 
 
-def recent_percentile(samples: CountWindow[float], now_s: float, window_s: float, q: float) -> Optional[float]:
+def recent_percentile(samples: CountWindow[float], now_s: float, window_s: float, q: float) -> float | None:
     """The q-quantile of the samples stamped no longer than ``window_s`` ago; older ones are dropped."""
     samples.expire(now_s - window_s)
     return nearest_rank(samples, q)

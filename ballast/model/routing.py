@@ -62,7 +62,7 @@ import logging
 import random
 import threading
 from dataclasses import replace
-from typing import Any, List, Optional
+from typing import Any
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve._private.request_router.request_router import RequestRouter
@@ -89,13 +89,13 @@ MAX_REPORT_AGE_S = 15.0
 MAX_DECODED = 1024
 
 
-def is_ready(routing_stats: Optional[dict[str, Any]]) -> bool:
+def is_ready(routing_stats: dict[str, Any] | None) -> bool:
     """A replica is ready unless it said otherwise (no stats yet means ready)."""
     return (routing_stats or {}).get("ready", True) is not False
 
 
 def replica_routing_stats(
-    ready: bool, holdings: Optional[AdapterHoldings], now_s: float, prefixes: Optional[PrefixReport] = None
+    ready: bool, holdings: AdapterHoldings | None, now_s: float, prefixes: PrefixReport | None = None
 ) -> dict[str, Any]:
     """What a replica returns from ``record_routing_stats``: its readiness, with adapter
     slots its adapters as of ``now_s`` (wall clock, as the routers read it), and with a
@@ -108,14 +108,14 @@ def replica_routing_stats(
     return stats
 
 
-def call_of(pending_request: Any) -> Optional[ModelCall]:
+def call_of(pending_request: Any) -> ModelCall | None:
     """The request's ``ModelCall`` (its one positional argument); None for any other request."""
     args = getattr(pending_request, "args", None) or ()
     call = args[0] if args else None
     return call if isinstance(call, ModelCall) else None
 
 
-def adapter_of(pending_request: Any) -> Optional[str]:
+def adapter_of(pending_request: Any) -> str | None:
     """The adapter the request's ``ModelCall`` names; None for any other request."""
     call = call_of(pending_request)
     return call.adapter if call is not None and call.adapter else None
@@ -132,7 +132,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         self._decoded: dict[str, PrefixReport] = {}  # replica id -> its last report, decoded once
         self._adapter_stamps = SeenStamps(MAX_DECODED)  # replica id -> its adapter report's stamp, clamped
         self._refusals_logged: set[str] = set()  # replica ids whose refused adapter report was logged
-        self._decisions: Optional[RouteCounter] = None  # made by initialize_state
+        self._decisions: RouteCounter | None = None  # made by initialize_state
 
     def initialize_state(self, **kwargs: Any) -> None:
         """The model's routing settings (``request_router_config``'s kwargs); Serve calls it
@@ -149,7 +149,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         # request's prompt needs is worth nothing to another request.
         RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
 
-    async def choose_replicas(self, candidate_replicas: List[Any], pending_request: Any = None) -> List[List[Any]]:
+    async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
         ready = [r for r in candidate_replicas if is_ready(r.routing_stats)]
         call = call_of(pending_request)
         if call is not None and ready and call.route != "balance":
@@ -162,7 +162,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         # Two random ready candidates; Serve then probes both and takes the shorter queue.
         return [random.sample(ready, min(2, len(ready)))]
 
-    async def _by_what_they_hold(self, ready: List[Any], call: ModelCall) -> Optional[List[List[Any]]]:
+    async def _by_what_they_hold(self, ready: list[Any], call: ModelCall) -> list[list[Any]] | None:
         """The prompt's blocks first; a prompt no replica holds yet goes where its adapter
         is (a call naming one), else to its home; None when a view is missing."""
         by_prefix = await self._rank_by_prefix(ready, call) if self.prefix_affinity else None
@@ -182,7 +182,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         if self._decisions is not None:
             self._decisions.inc(reason)
 
-    async def _loads(self, ready: List[Any]) -> Optional[dict[str, int]]:
+    async def _loads(self, ready: list[Any]) -> dict[str, int] | None:
         """Each ready replica's requests in flight, by id, from Serve's queue-length cache;
         the replicas the cache has no fresh entry for are probed first (affinity sends a
         replica nothing for a while, and its entry expires). None when one does not answer."""
@@ -198,7 +198,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
             loads[r.replica_id.unique_id] = load
         return loads
 
-    async def _views(self, ready: List[Any]) -> Optional[list[tuple[Any, int, PrefixReport]]]:
+    async def _views(self, ready: list[Any]) -> list[tuple[Any, int, PrefixReport]] | None:
         """(replica, load, prefix report) for every ready replica, random order (random
         ties); None when one has no fresh report or no load."""
         now_s = self._get_curr_time_s()  # RequestRouter's clock (its get_curr_time_s argument)
@@ -216,7 +216,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
             for r in random.sample(ready, len(ready))
         ]
 
-    def _prefix_report_of(self, replica: Any) -> Optional[PrefixReport]:
+    def _prefix_report_of(self, replica: Any) -> PrefixReport | None:
         """The replica's prefix report, decoded once per report (by its stamp)."""
         stats = (replica.routing_stats or {}).get("prefix")
         rid = replica.replica_id.unique_id
@@ -232,7 +232,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         self._decoded[rid] = report
         return report
 
-    async def _rank_by_prefix(self, ready: List[Any], call: ModelCall) -> Optional[tuple[str, List[List[Any]]]]:
+    async def _rank_by_prefix(self, ready: list[Any], call: ModelCall) -> tuple[str, list[list[Any]]] | None:
         """(reason, Serve's ranks) by the prompt blocks each ready replica holds
         (``affinity.rank_by_prefix``); None when a view is missing, the replicas' block
         sizes differ, or the prompt is shorter than one block."""
@@ -253,7 +253,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         ranked = [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]]
         return choice.reason, [group for group in ranked if group]
 
-    async def _rank_for_adapter(self, ready: List[Any], adapter: str) -> Optional[List[List[Any]]]:
+    async def _rank_for_adapter(self, ready: list[Any], adapter: str) -> list[list[Any]] | None:
         """The ready replicas by adapter affinity, as Serve's ranks; None when a view is missing."""
         now_s = self._get_curr_time_s()
         views, reports, by_id = [], {}, {}
@@ -272,7 +272,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         ranked = [[by_id[order[0]]], [by_id[rid] for rid in order[1:]]]
         return [group for group in ranked if group]
 
-    def _adapter_report_of(self, replica: Any, now_s: float) -> Optional[AdapterReport]:
+    def _adapter_report_of(self, replica: Any, now_s: float) -> AdapterReport | None:
         """The replica's adapter report with its stamp as this router takes it (clamped to
         ``now_s`` when first seen); None when it sent none or it is refused (the first refusal
         of each replica logged, with why)."""

@@ -41,14 +41,29 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
-from typing import Any, AsyncGenerator, Optional
+from typing import Any
 
 from ray import serve
 
+from ballast.config import BallastConfig, ModelConfig, load_config
+from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
+from ballast.control.link import connect
+from ballast.control.snapshot import Snapshot
+from ballast.model.adapters import ReplicaAdapters
+from ballast.model.chaos import ChaosAgent
+from ballast.model.engine import build_engine, reporting_prefix, scheduling_itself, serving_lora
+from ballast.model.niceness import pin_to_cores, yield_cpu_to, yield_this_thread_to
+from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
+from ballast.model.ranks import prepare_ranks
+from ballast.model.replica_loop import ReplicaLoop
+from ballast.model.routing import replica_routing_stats, request_router_config
+from ballast.model.vllm_stats import VLLMStats
 from ballast.policies.engines import capabilities
 from ballast.policies.holdings import AdapterHoldings
+from ballast.policies.prefix_cache import PrefixReport
 from ballast.policies.reports import (
     MAX_PROCESS_NAME_CHARS,
     ReplicaReport,
@@ -57,21 +72,6 @@ from ballast.policies.reports import (
     bounded_processes,
 )
 from ballast.policies.scheduler import SchedulerConfig, batch_row_limit
-
-from ballast.model.adapters import ReplicaAdapters
-from ballast.model.engine import build_engine
-from ballast.model.chaos import ChaosAgent
-from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
-from ballast.model.replica_loop import ReplicaLoop
-from ballast.config import BallastConfig, ModelConfig, load_config
-from ballast.control.link import connect
-from ballast.control.gpu import make_gpu_probe, visible_gpu_uuid
-from ballast.model.niceness import pin_to_cores, yield_cpu_to, yield_this_thread_to
-from ballast.model.ranks import prepare_ranks
-from ballast.model.routing import replica_routing_stats, request_router_config
-from ballast.model.vllm_stats import VLLMStats
-from ballast.policies.prefix_cache import PrefixReport
-from ballast.control.snapshot import Snapshot
 
 __all__ = [
     "ModelServer",
@@ -114,7 +114,7 @@ class ModelServer:
     """One model replica: of model ``model`` (None: the config's first), ``role`` "primary"
     serving the model itself, "fallback" its fallback's model."""
 
-    def __init__(self, cfg: dict[str, Any], role: str = "primary", model: Optional[str] = None) -> None:
+    def __init__(self, cfg: dict[str, Any], role: str = "primary", model: str | None = None) -> None:
         self._cfg = load_config(cfg)
         self._model = model if model is not None else self._cfg.models[0].name  # the level it acts on
         fallback = self._cfg.fallback_of(self._model)
@@ -161,8 +161,8 @@ class ModelServer:
         self._loop = self._make_loop()
         self._started_at_s = time.time()
         self._ready = True  # the watchdog's verdict: keep taking new work
-        self._recycle_order: Optional[dict[str, Any]] = None
-        self._beat_task: Optional[asyncio.Task[None]] = None
+        self._recycle_order: dict[str, Any] | None = None
+        self._beat_task: asyncio.Task[None] | None = None
         self._watchdog = self._spawn_watchdog()
 
     def _make_loop(self) -> ReplicaLoop:
@@ -191,7 +191,7 @@ class ModelServer:
             compute=self._compute_thread(),
         )
 
-    def _compute_thread(self) -> Optional[ThreadPoolExecutor]:
+    def _compute_thread(self) -> ThreadPoolExecutor | None:
         """The one thread the engine's chunks run on, at ``model.compute_niceness``; None
         (asyncio's default pool) when the model sets none."""
         target = self._model_cfg.compute_niceness
@@ -258,9 +258,8 @@ class ModelServer:
         """The engine's own processes (pid, name) for the watchdog to watch by name: every
         rank's, where the engine runs several (an engine in this process: none); within the
         watchdog's bounds (``bounded_processes``: the first ones, names cut), a cut logged."""
-        listed = getattr(self._backend, "engine_processes", None)
         try:
-            found = tuple(listed()) if listed is not None else ()
+            found = tuple(self._backend.engine_processes())
         except Exception:  # a view for the watchdog: never a reason not to serve
             log.exception("could not list the engine's processes")
             return ()
@@ -274,9 +273,9 @@ class ModelServer:
             )
         return kept
 
-    def _engine_lost(self) -> Optional[str]:
+    def _engine_lost(self) -> str | None:
         """Why the engine can serve no more (a rank or its core went away); None while it serves."""
-        return getattr(self._backend, "lost", None)
+        return self._backend.lost
 
     def _start_loops(self) -> None:
         self._exchange.start()
@@ -307,7 +306,7 @@ class ModelServer:
                 torch.cuda.empty_cache()
         self._ready = reply.ready
 
-    def _draining(self) -> Optional[str]:
+    def _draining(self) -> str | None:
         """Why this replica is being recycled, while its order (lease) is live; else None."""
         o = self._recycle_order
         if o and time.time() < float(o.get("expires_at_s", 0)):
@@ -321,18 +320,20 @@ class ModelServer:
         now_s = time.time()
         return replica_routing_stats(ready, self._adapter_holdings(), now_s, self._prefix_report(now_s))
 
-    def _prefix_report(self, now_s: float) -> Optional[PrefixReport]:
-        """The blocks the engine's prefix cache holds (vLLM with prefix affinity on); else None."""
-        report = getattr(self._backend, "prefix_report", None)
-        return report(now_s) if report is not None else None
+    def _prefix_report(self, now_s: float) -> PrefixReport | None:
+        """The blocks the engine's prefix cache holds, for an engine that reports them (its
+        row's ``prefix_events``) with prefix affinity on; else None."""
+        prefix = reporting_prefix(self._backend)
+        return prefix.prefix_report(now_s) if prefix is not None else None
 
     def _adapter_holdings(self) -> AdapterHoldings:
         """The adapters in this engine's LoRA slots as the calls it ran say (the mirror of
         vLLM's LRU of ``max_loras`` slots, ``ballast.policies.holdings``); made at first use,
-        with no slots for an engine without LoRA (nothing is reported then)."""
-        held: Optional[AdapterHoldings] = getattr(self, "_holdings_of_adapters", None)
+        with no slots for an engine without LoRA (its row's ``lora``: nothing is reported then)."""
+        held: AdapterHoldings | None = getattr(self, "_holdings_of_adapters", None)
         if held is None:
-            held = AdapterHoldings(int(getattr(self._backend, "lora_slots", 0)))
+            lora = serving_lora(self._backend)
+            held = AdapterHoldings(lora.lora_slots if lora is not None else 0)
             self._holdings_of_adapters = held
         return held
 
@@ -351,7 +352,7 @@ class ModelServer:
     # -- LoRA adapters added at run time (ballast.model.adapters) ------------------------
     def _runtime_adapters(self) -> ReplicaAdapters:
         """This replica's run-time adapters, made at first use (a trial load or a snapshot)."""
-        held: Optional[ReplicaAdapters] = getattr(self, "_adapters_at_run_time", None)
+        held: ReplicaAdapters | None = getattr(self, "_adapters_at_run_time", None)
         if held is None:
             held = ReplicaAdapters(
                 self._backend,
@@ -373,13 +374,13 @@ class ModelServer:
         """Unload an adapter this replica loaded at run time; False for any other."""
         return await self._runtime_adapters().remove(name)
 
-    def _engine_stats(self) -> Optional[VLLMStats]:
-        """The engine's own view (``VLLMStats``) for an engine that schedules itself, read
-        once per report; None for the engines Ballast batches."""
-        stats = getattr(self._backend, "stats", None)
-        return stats() if stats is not None else None
+    def _engine_stats(self) -> VLLMStats | None:
+        """The engine's own view (``VLLMStats``) for an engine that schedules itself (its row's
+        ``self_scheduling``), read once per report; None for the engines Ballast batches."""
+        own = scheduling_itself(self._backend)
+        return own.stats() if own is not None else None
 
-    def _engine_load(self, s: Optional[VLLMStats]) -> tuple[int, float, Optional[int], Optional[float]]:
+    def _engine_load(self, s: VLLMStats | None) -> tuple[int, float, int | None, float | None]:
         """(queued, KV use in percent, waiting in the engine, prefix-cache hit percent).
 
         An engine that schedules itself (vLLM, ``s`` its stats) reports its own KV cache use
@@ -395,7 +396,7 @@ class ModelServer:
         return loop.queued + s.waiting, round(100.0 * s.kv_cache_usage, 2), s.waiting, hit_pct
 
     @staticmethod
-    def _engine_rows(s: Optional[VLLMStats]) -> Optional[int]:
+    def _engine_rows(s: VLLMStats | None) -> int | None:
         """The rows an engine that schedules itself runs usefully (``VLLMStats.useful_rows``);
         while requests wait inside it with its KV cache full (``KV_FULL``), no more than it
         runs now. None for the engines Ballast batches: their rows are the replica's own."""
@@ -405,17 +406,17 @@ class ModelServer:
             return min(s.running, s.useful_rows) if s.useful_rows is not None else s.running
         return s.useful_rows
 
-    def _prefix_counts(self, s: Optional[VLLMStats]) -> dict[str, Optional[int]]:
+    def _prefix_counts(self, s: VLLMStats | None) -> dict[str, int | None]:
         """vLLM's prefix-cache counters (prompt tokens looked up and found) and the blocks
         this replica reports to the routers; empty for the engines Ballast batches."""
         if s is None:
             return {}
-        blocks = getattr(self._backend, "prefix_blocks", None)
+        prefix = reporting_prefix(self._backend)
         self._count_prefix_cache(s.prefix_cache_queries, s.prefix_cache_hits)
         return {
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
-            "prefix_blocks": blocks() if blocks is not None else None,
+            "prefix_blocks": prefix.prefix_blocks() if prefix is not None else None,
         }
 
     def _count_prefix_cache(self, queries: int, hits: int) -> None:
@@ -535,7 +536,7 @@ class ModelServer:
             gpu.close()
 
 
-def model_deployment(cfg: BallastConfig, model: Optional[str] = None) -> Any:
+def model_deployment(cfg: BallastConfig, model: str | None = None) -> Any:
     """The Serve deployment of model ``model`` (None: the first), options from the config."""
     from ballast.control.autoscaling import autoscaling_config
 
@@ -556,7 +557,7 @@ def model_deployment(cfg: BallastConfig, model: Optional[str] = None) -> Any:
     )
 
 
-def fallback_deployment(cfg: BallastConfig, model: Optional[str] = None) -> Any:
+def fallback_deployment(cfg: BallastConfig, model: str | None = None) -> Any:
     """Model ``model``'s (None: the first's) smaller fallback model: a fixed number of
     replicas, its own bounded queue."""
     name = model if model is not None else cfg.models[0].name

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any
 
 __all__ = ["BYTES_TOKENIZER", "MARK", "encode_bytes", "encode_text", "escape_content", "special_texts", "strip_marks"]
 
@@ -49,7 +49,7 @@ def special_texts(tokenizer: Any) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=16)
-def _pattern(tokenizer: Any) -> Optional["re.Pattern[str]"]:
+def _pattern(tokenizer: Any) -> re.Pattern[str] | None:
     texts = special_texts(tokenizer)
     return re.compile("|".join(re.escape(t) for t in texts)) if texts else None
 

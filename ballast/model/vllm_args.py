@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ballast.model.vllm_lora import lora_engine_kwargs
 
@@ -18,7 +18,7 @@ DEFAULT_ENGINE_KWARGS: Mapping[str, Any] = {"enable_prefix_caching": True}
 
 
 def default_engine_kwargs(
-    path: str, engine_kwargs: dict[str, Any], rows: int, adapters: Optional[Mapping[str, str]] = None
+    path: str, engine_kwargs: dict[str, Any], rows: int, adapters: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """``engine_kwargs`` with Ballast's defaults for what it leaves out: room in the engine
     for ``rows`` requests (``max_num_seqs``, the replica bounds them), LoRA when the model

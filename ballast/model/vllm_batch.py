@@ -27,7 +27,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 from ballast.errors import EngineRefused
 from ballast.model.batching import check_context, check_joins
@@ -71,17 +71,17 @@ class Row:
 
     __slots__ = ("key", "rid", "sampling", "adapter", "unread", "made", "finished", "error", "task", "cached")
 
-    def __init__(self, key: Any, rid: str, sampling: RowSampling, adapter: Optional[str] = None) -> None:
+    def __init__(self, key: Any, rid: str, sampling: RowSampling, adapter: str | None = None) -> None:
         self.key = key
         self.rid = rid
         self.sampling = sampling
         self.adapter = adapter
-        self.cached: Optional[int] = None  # prompt tokens vLLM took from its prefix cache (its first output)
+        self.cached: int | None = None  # prompt tokens vLLM took from its prefix cache (its first output)
         self.unread: list[int] = []  # ids not yet returned by run_chunk; at most max_new_tokens
         self.made = 0
         self.finished = False
-        self.error: Optional[BaseException] = None
-        self.task: Optional[asyncio.Task[None]] = None
+        self.error: BaseException | None = None
+        self.task: asyncio.Task[None] | None = None
 
 
 def chunk_ready(rows: Sequence[Row], steps: int) -> bool:
@@ -176,12 +176,12 @@ class VLLMBatch:
         out, self._failed = self._failed, {}
         return out
 
-    def cached_tokens(self, key: Any) -> Optional[int]:
+    def cached_tokens(self, key: Any) -> int | None:
         """How many of the row's prompt tokens vLLM took from its prefix cache, for a row
         that had tokens in the last chunk; None when vLLM has not said."""
         return self._cached.get(key)
 
-    def remove(self, keys: "Sequence[Any] | set[Any]") -> None:
+    def remove(self, keys: Sequence[Any] | set[Any]) -> None:
         """Abort these rows in vLLM and drop them."""
         gone = [self._rows.pop(k) for k in keys if k in self._rows]
         if gone:
@@ -240,7 +240,6 @@ class VLLMBatch:
     def _submit(self, join: Join) -> None:
         """``join`` into vLLM as a request of its own, or into ``take_failed`` when it is refused alone."""
         from vllm.exceptions import VLLMClientError
-        from vllm.inputs import TokensPrompt
 
         llm = self._engine.llm
         key, adapter, salt = join.key, join.adapter, join.cache_salt
@@ -255,11 +254,11 @@ class VLLMBatch:
         try:
             params = sampling_params(s, join.max_new_tokens)
             ids = [int(i) for i in join.ids]
-            tokens = (
-                TokensPrompt(prompt_token_ids=ids)
-                if salt is None
-                else TokensPrompt(prompt_token_ids=ids, cache_salt=salt)
-            )
+            # vLLM's TokensPrompt, a TypedDict: built as the dict it is (its NotRequired keys
+            # come from Python 3.11's typing, which a check at 3.10 reads as required).
+            tokens: dict[str, Any] = {"prompt_token_ids": ids}
+            if salt is not None:
+                tokens["cache_salt"] = salt
             prompt = llm.renderer.render_cmpl([tokens])[0]
         except (VLLMClientError, ValueError) as e:  # this row's own: it fails alone
             self._failed[key] = row_error(row, e)

@@ -49,7 +49,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from ballast.errors import AdapterRefused, EngineRefused, ModelLoadError
 from ballast.model.batching import describe_engine, warm_up
@@ -91,17 +91,19 @@ class VLLMBackend:
     adapters it serves.
     """
 
+    engine_name = "vllm"  # its row in ballast.policies.engines.ENGINES
+
     def __init__(
         self,
         path: str,
         *,
         name: str,
-        engine_kwargs: Optional[dict[str, Any]] = None,
+        engine_kwargs: dict[str, Any] | None = None,
         max_wait_s: float = 0.5,
         grammar_compile_timeout_s: float = 2.0,
         grammar_compile_threads: int = 2,
-        adapters: Optional[Mapping[str, str]] = None,
-        prefix_report_blocks: Optional[int] = None,
+        adapters: Mapping[str, str] | None = None,
+        prefix_report_blocks: int | None = None,
     ) -> None:
         from ballast.model.hf_checkpoint import load_tokenizer, tokenizer_id
 
@@ -121,7 +123,7 @@ class VLLMBackend:
         self.parameter_count = _parameter_count(self.info.weight_files)
         precheck_adapters(adapters or {}, name)  # a name or path refused before vLLM starts
         self._stats, self._batches, self._closed = StatsSink(), 0, False
-        self._lost: Optional[str] = None  # why the engine is dead (vLLM said so); None while it serves
+        self._lost: str | None = None  # why the engine is dead (vLLM said so); None while it serves
         self.loop = EngineLoop(name)
         started = time.monotonic()
         self.llm: VLLMObject = self._launch(dict(engine_kwargs or {}), prefix_report_blocks)
@@ -141,7 +143,7 @@ class VLLMBackend:
 
     # ---------------------------------------------------------------- start, stop
 
-    def _launch(self, engine_kwargs: dict[str, Any], report_blocks: Optional[int]) -> VLLMObject:
+    def _launch(self, engine_kwargs: dict[str, Any], report_blocks: int | None) -> VLLMObject:
         """The engine (Ballast's defaults under ``engine_kwargs``), started on the engine loop,
         and with ``report_blocks`` the feed of its KV-cache events (``kv_events.feed_for``);
         a failure stops the loop and the feed."""
@@ -244,15 +246,9 @@ class VLLMBackend:
     def serves_adapter(self, name: str) -> bool:
         return self.lora.serves(name)
 
-    # ------------------------------------------------- text side (``hf_text.TokenizerText``)
-
-    def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]:
-        """``text.encode``: the benchmarks' joins."""
-        return self.text.encode(prompt, max_new_tokens, add_special_tokens)
-
     # ------------------------------------------------------- a row's checks and grammar
 
-    async def check(self, sampling: Optional[RowSampling], tenant: str = "") -> Optional[RowSampling]:
+    async def check(self, sampling: RowSampling | None, tenant: str = "") -> RowSampling | None:
         """``sampling`` for this model once vLLM's own validation passes, run here so that
         the request fails alone (``EngineRefused``), before it joins the batch.
 
@@ -332,12 +328,12 @@ class VLLMBackend:
         self._xgrammar()
         warm_up(self, batch_sizes)
 
-    def prefix_report(self, now_s: float) -> Optional[PrefixReport]:
+    def prefix_report(self, now_s: float) -> PrefixReport | None:
         """The blocks this engine's prefix cache holds, from its KV events (``KVEventFeed``);
         None without the feed (prefix caching off, or no ``prefix_report_blocks``)."""
         return self._kv_feed.report(now_s) if self._kv_feed is not None else None
 
-    def prefix_blocks(self) -> Optional[int]:
+    def prefix_blocks(self) -> int | None:
         """How many blocks this engine's prefix cache holds, as its KV events say; None without the feed."""
         return self._kv_feed.held_blocks() if self._kv_feed is not None else None
 
@@ -375,7 +371,7 @@ class VLLMBackend:
         return own + engine_processes([p for p in placement_group_actor_pids() if p not in tree])
 
     @property
-    def lost(self) -> Optional[str]:
+    def lost(self) -> str | None:
         """Why the engine can serve no more (vLLM reported it dead: a rank or its core went
         away); None while it serves. Its rows are held, not failed, from then on: the replica
         goes as a whole (its watchdog has it killed) and the router sends them elsewhere."""
@@ -403,7 +399,7 @@ class VLLMBackend:
         return out
 
 
-def _parameter_count(weight_files: Sequence[Path]) -> Optional[int]:
+def _parameter_count(weight_files: Sequence[Path]) -> int | None:
     """Parameters in the safetensors files, from their headers (no tensor is read)."""
     try:
         from safetensors import safe_open
@@ -421,7 +417,7 @@ def _parameter_count(weight_files: Sequence[Path]) -> Optional[int]:
         return None
 
 
-def _grammar_key(s: RowSampling) -> Optional[str]:
+def _grammar_key(s: RowSampling) -> str | None:
     """The grammar a row decodes by, as ``GrammarCompiles`` remembers it: ``kind:text``."""
     if s.structural_tag is not None:
         return f"structural_tag:{s.structural_tag}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["CALL_SLACK_S", "SHUTDOWN_WAIT_S", "EngineLoop"]
 
@@ -31,7 +31,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"vllm-{name}", daemon=True)
         self._thread.start()
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout: Optional[float]) -> T:
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         """Run ``coro`` on the loop and wait for its result (at most ``timeout`` s; None: no
         bound); RuntimeError, the coroutine closed unrun, once the loop is stopped."""
         if self._stopped:

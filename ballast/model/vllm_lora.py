@@ -28,7 +28,7 @@ import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from ballast.errors import AdapterRefused, ModelLoadError
 from ballast.model.untyped import VLLMObject
@@ -70,8 +70,8 @@ class LoRATable:
         self._lock = threading.Lock()
         self._served: dict[str, LoRARequest] = {}
         self._ids = 0  # the last LoRARequest id handed out; ids are never reused
-        self._base: Optional[LoRARequest] = None  # on CPU with LoRA on: the zero adapter base rows run with
-        self._base_dir: Optional[str] = None
+        self._base: LoRARequest | None = None  # on CPU with LoRA on: the zero adapter base rows run with
+        self._base_dir: str | None = None
         self._closed = False
 
     def load(self, adapters: Mapping[str, str]) -> None:
@@ -128,13 +128,13 @@ class LoRATable:
         with self._lock:
             return name in self._served
 
-    def request(self, name: str) -> Optional[LoRARequest]:
+    def request(self, name: str) -> LoRARequest | None:
         """The adapter's ``LoRARequest``; None when it is not loaded."""
         with self._lock:
             return self._served.get(name)
 
     @property
-    def base(self) -> Optional[LoRARequest]:
+    def base(self) -> LoRARequest | None:
         """The zero adapter base-model rows run with (on CPU with LoRA on, once an adapter
         gave it its shapes); None: base rows run without one."""
         return self._base

@@ -16,7 +16,7 @@ import statistics
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any
 
 from ballast.model.untyped import VLLMObject
 from ballast.policies.engines import StepCurve
@@ -40,7 +40,7 @@ class VLLMStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     steps: int = 0
-    useful_rows: Optional[int] = None
+    useful_rows: int | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

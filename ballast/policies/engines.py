@@ -18,7 +18,10 @@ Readers of the table: the fronts refuse a request field that asks for what a mod
 engine cannot honour, with 400 naming it (``unhonoured_request_fields``); the resilient
 caller keeps a call off any backend whose engine would ignore part of it (``honours``),
 so a fallback model never answers a JSON-schema request with free text; the replica
-leaves the KV cache to an engine that schedules itself (``ballast.model.server``).
+leaves the KV cache to an engine that schedules itself and reads that engine's own stats,
+reports the blocks of one that reports prefix events, and takes adapters only for one that
+serves LoRA (``ballast.model.server``, through ``ballast.model.engine.serving_lora``,
+``reporting_prefix`` and ``scheduling_itself``: an engine object is never asked what it has).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Optional
+from typing import Any
 
 from ballast.policies.validation import check_int, check_positive, check_ratio
 
@@ -191,7 +194,7 @@ class StepCurve:
         self._t = self._t * k + step_s
         self._rt = self._rt * k + rows * step_s
 
-    def fit(self) -> Optional[tuple[float, float]]:
+    def fit(self) -> tuple[float, float] | None:
         """``(a, b)`` in seconds and seconds per row; None until the steps say enough."""
         if self._w < self._min_weight:
             return None
@@ -202,7 +205,7 @@ class StepCurve:
         b = (self._rt / self._w - mean_r * mean_t) / var
         return mean_t - b * mean_r, b
 
-    def rows(self) -> Optional[int]:
+    def rows(self) -> int | None:
         """Rows at which throughput reaches ``gain`` of the asymptote (at least ``min_rows``);
         None without a fit, or where rows cost nothing."""
         got = self.fit()
@@ -214,7 +217,7 @@ class StepCurve:
         knee = self._gain / (1.0 - self._gain) * max(a, 0.0) / b
         return max(self._min_rows, math.ceil(round(knee, 6))) if math.isfinite(knee) else None
 
-    def snapshot(self) -> dict[str, Optional[float]]:
+    def snapshot(self) -> dict[str, float | None]:
         got = self.fit()
         return {
             "step_base_ms": round(1000.0 * got[0], 3) if got else None,
@@ -230,9 +233,9 @@ def model_ceiling(
     model_replicas: int,
     router_replicas: int,
     max_ongoing_per_replica: int,
-    share: Optional[float] = None,
-    engine_rows: Optional[int] = None,
-) -> Optional[int]:
+    share: float | None = None,
+    engine_rows: int | None = None,
+) -> int | None:
     """This router's share of what a model's replicas take at once (None: unknown yet).
 
     Replicas x ``max_ongoing_requests``, or fewer where the model's engines say they run

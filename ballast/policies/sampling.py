@@ -1,7 +1,8 @@
 """The sampling values every engine takes alike, decided once: below which temperature a
-row is greedy, and the seeds' range. The fronts serve a request by them
-(``ballast.router.openai_api``), and a row's sampling (``ballast.model.protocol.RowSampling``)
-holds to them on its way to any engine.
+row is greedy, the integers an engine takes and the seeds' range. The fronts serve a
+request by them (``ballast.router.openai_api``; a body's integers, ``ballast.router.api``),
+and a row's sampling (``ballast.model.protocol.RowSampling``) holds to them on its way to
+any engine.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import math
 #: such a temperature is served as 0, greedy.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
-#: Seeds as every engine takes them: an int64 (OpenAI's and vLLM's range; torch's
+#: The integers every engine takes: int64 (vLLM's and torch's widest). A request body's
+#: integers are bounded by it wherever they appear.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+#: Seeds as every engine takes them: any int64 (OpenAI's and vLLM's range; torch's
 #: generators take any int64 and wrap a negative one).
-MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+MIN_SEED, MAX_SEED = INT64_MIN, INT64_MAX
 
 
 def sampling_temperature(asked: float) -> float:

@@ -18,19 +18,18 @@ import json
 import math
 import re
 from collections.abc import AsyncGenerator
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ballast.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
 from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality, claimed
 from ballast.policies.json_bounds import json_nesting
-
-from ballast.errors import BallastError, InvalidRequest, NotFound, PayloadTooLarge
+from ballast.policies.sampling import INT64_MAX, INT64_MIN
 from ballast.router.openai_answers import openai_error_body
-
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -63,9 +62,7 @@ class StreamResponse(StreamingResponse):
     first event). It is awaited as soon as the route returns it, so its ``finally``
     always runs: a stream's ticket never waits for garbage collection."""
 
-    def __init__(
-        self, body: AsyncGenerator[bytes, None], stream: Any, headers: Optional[dict[str, str]] = None
-    ) -> None:
+    def __init__(self, body: AsyncGenerator[bytes, None], stream: Any, headers: dict[str, str] | None = None) -> None:
         super().__init__(body, media_type="text/event-stream", headers={**(headers or {}), "Cache-Control": "no-cache"})
         self._body = body  # starlette's body_iterator, typed as the generator it is
         self._stream = stream
@@ -82,7 +79,7 @@ def sse_event(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def bearer_token(request: Request) -> Optional[str]:
+def bearer_token(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -112,7 +109,6 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
     return bytes(body)
 
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a pair is decoded to one code point: what is left is alone
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
@@ -165,7 +161,7 @@ class _Hooks:
         return float(text)
 
 
-def _value_fault(node: Any) -> Optional[tuple[list[str], str]]:
+def _value_fault(node: Any) -> tuple[list[str], str] | None:
     """(the path, what is wrong) of the first value JSON cannot mean or the model cannot
     take; None when there is none. Recursion is bounded by the nesting, checked before."""
     if isinstance(node, str):
@@ -269,9 +265,7 @@ def answer_headers(answer: Any) -> dict[str, str]:
     return headers
 
 
-def claimed_criticality(
-    request: Request, from_body: Optional[Criticality], error: type = InvalidRequest
-) -> Criticality:
+def claimed_criticality(request: Request, from_body: Criticality | None, error: type = InvalidRequest) -> Criticality:
     """The class the request claims (``ballast.policies.criticality.claimed``); a bad claim is
     ``error`` (the native front's 422, the OpenAI front's 400) naming the field."""
     try:

@@ -28,12 +28,13 @@ from ballast.model.protocol import Join
 SMALL = TinyDecoderConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=128)
 PROMPTS = ["hi", "The quick brown fox jumps", "", "zz top"]
 MAX_NEW = [7, 12, 3, 9]
+GREEDY = SamplingConfig()  # the engine's default
 
 
 def make_backend(
     cfg: TinyDecoderConfig = SMALL,
     seed: int = 0,
-    sampling: SamplingConfig = SamplingConfig(),
+    sampling: SamplingConfig = GREEDY,
 ) -> TorchDecoderBackend:
     model = build_tiny_decoder(cfg, seed)
     return TorchDecoderBackend(model, name="t", device="cpu", source=f"seed:{seed}", sampling=sampling)
@@ -200,7 +201,7 @@ def run_live(backend, arrivals, steps=3, removals=None):
     while c < len(arrivals) or batch.size:
         if removals and c in removals:
             batch.remove(removals[c])
-        joins = [Join(key, backend.encode(p, n), n) for key, p, n in (arrivals[c] if c < len(arrivals) else [])]
+        joins = [Join(key, backend.text.encode(p, n), n) for key, p, n in (arrivals[c] if c < len(arrivals) else [])]
         with torch.inference_mode():
             out = batch.run_chunk(joins, steps)
         for key, ids in out.items():
@@ -228,10 +229,12 @@ def test_live_batch_short_row_leaves_without_waiting_for_long_one():
     backend = make_backend(seed=4)
     batch = backend.open_batch()
     with torch.inference_mode():
-        out = batch.run_chunk([Join("long", backend.encode("l", 40), 40), Join("short", backend.encode("s", 4), 4)], 4)
+        out = batch.run_chunk(
+            [Join("long", backend.text.encode("l", 40), 40), Join("short", backend.text.encode("s", 4), 4)], 4
+        )
         assert [len(out["long"]), len(out["short"])] == [4, 4]
         assert batch.keys() == ["long"]  # the short row emitted its last token and left
-        out = batch.run_chunk([Join("late", backend.encode("late", 2), 2)], 4)
+        out = batch.run_chunk([Join("late", backend.text.encode("late", 2), 2)], 4)
     assert out.keys() == {"long", "late"} and len(out["late"]) == 2 and len(out["long"]) == 4
     assert batch.keys() == ["long"]
 
@@ -293,10 +296,10 @@ def test_a_live_batch_runs_on_the_engines_public_steps_alone():
     with torch.inference_mode():
         for c in range(12):
             chunk = arrivals[c] if c < len(arrivals) else []
-            for key, ids in batch.run_chunk([Join(k, backend.encode(p, n), n) for k, p, n in chunk], 3).items():
+            for key, ids in batch.run_chunk([Join(k, backend.text.encode(p, n), n) for k, p, n in chunk], 3).items():
                 got.setdefault(key, []).extend(ids)
     assert got == want and [len(got["a"]), len(got["b"])] == [12, 7] and batch.size == 0
-    reference = ReferenceDecode(OnlySteps(backend), [backend.encode("hi", 4)], 4)
+    reference = ReferenceDecode(OnlySteps(backend), [backend.text.encode("hi", 4)], 4)
     with torch.inference_mode():
         assert [int(reference.step(s)[0]) for s in range(4)] == all_tokens(backend, ["hi"], [4], use_cache=False)[0]
 
@@ -305,7 +308,9 @@ def test_live_batch_zero_and_one_token_rows_and_validation():
     backend = make_backend()
     batch = backend.open_batch()
     with torch.inference_mode():
-        out = batch.run_chunk([Join("z", backend.encode("a", 0), 0), Join("one", backend.encode("b", 1), 1)], 4)
+        out = batch.run_chunk(
+            [Join("z", backend.text.encode("a", 0), 0), Join("one", backend.text.encode("b", 1), 1)], 4
+        )
     assert out == {"z": [], "one": all_tokens(backend, ["b"], [1])[0]}
     assert batch.size == 0 and batch.width == 0
     with pytest.raises(ValueError, match="steps"):
@@ -322,7 +327,7 @@ def test_live_batch_zero_and_one_token_rows_and_validation():
         batch.run_chunk([("tuple", [1], 5)], 1)
     assert batch.keys() == ["dup"]  # nothing refused above joined
     with pytest.raises(ValueError, match="max_new_tokens"):
-        backend.encode("a", SMALL.max_seq_len)
+        backend.text.encode("a", SMALL.max_seq_len)
 
 
 # ------------------------------------------------------------------ chunking
@@ -396,7 +401,7 @@ def test_tokenize_is_the_routers_bytes_and_fit_keeps_the_prompts_end():
             == backend.text.tokenize(prompt, add_special_tokens=False)
             == encode_bytes(prompt)
         )
-        assert backend.text.fit(backend.text.tokenize(prompt), 4)[0] == backend.encode(
+        assert backend.text.fit(backend.text.tokenize(prompt), 4)[0] == backend.text.encode(
             prompt, 4
         )  # as encode_prompt keeps it
     assert backend.text.fit(list(b"abcdefghij"), 4) == (list(b"efghij"), 4)

@@ -213,7 +213,7 @@ def test_a_built_llama_loads_and_answers(tmp_path):
     loaded = load_checkpoint(tmp_path / "m", "cpu", "bfloat16")
     assert next(loaded.model.parameters()).dtype == torch.bfloat16
     backend = HFBackend(loaded, name="m")
-    got = backend.open_batch().run_chunk([Join(0, backend.encode("Hello!", 4), 4)], 4)
+    got = backend.open_batch().run_chunk([Join(0, backend.text.encode("Hello!", 4), 4)], 4)
     assert len(got[0]) == 4
 
 

@@ -44,13 +44,13 @@ def run(backend, joins_by_chunk, steps=3):
 
 
 def alone(backend, prompt, n, sampling=None):
-    ids = backend.encode(prompt, n)
+    ids = backend.text.encode(prompt, n)
     return run(backend, [[Join("x", ids, n, sampling)]])["x"]
 
 
 def reference_generate(backend, prompt, n):
     """transformers' own greedy generate, one prompt, no EOS stop."""
-    ids = torch.tensor([backend.encode(prompt, n)])
+    ids = torch.tensor([backend.text.encode(prompt, n)])
     with torch.inference_mode():
         out = backend.model.generate(
             ids,
@@ -86,7 +86,7 @@ def test_batched_greedy_equals_each_prompt_alone_with_rows_joining_and_leaving(b
     b = no_eos(backend)
     lengths = [5, 17, 9, 13]
     want = {i: alone(b, p, n) for i, (p, n) in enumerate(zip(PROMPTS, lengths))}
-    enc = [b.encode(p, n) for p, n in zip(PROMPTS, lengths)]
+    enc = [b.text.encode(p, n) for p, n in zip(PROMPTS, lengths)]
     # Rows 0 and 1 start together; 2 joins at the second chunk, 3 at the fourth (after 0 left).
     got = run(b, [[Join(0, enc[0], 5), Join(1, enc[1], 17)], [Join(2, enc[2], 9)], [], [Join(3, enc[3], 13)]])
     assert got == want
@@ -98,9 +98,13 @@ def test_remove_drops_a_row_and_the_rest_continue_unchanged(backend):
     batch = b.open_batch()
     got = []
     with torch.inference_mode():
-        out = batch.run_chunk([Join("a", b.encode(PROMPTS[0], 20), 20), Join("b", b.encode(PROMPTS[2], 10), 10)], 3)
+        out = batch.run_chunk(
+            [Join("a", b.text.encode(PROMPTS[0], 20), 20), Join("b", b.text.encode(PROMPTS[2], 10), 10)], 3
+        )
         got += out["b"]
-        assert batch.reserved_tokens == len(b.encode(PROMPTS[0], 20)) + 20 + len(b.encode(PROMPTS[2], 10)) + 10
+        assert (
+            batch.reserved_tokens == len(b.text.encode(PROMPTS[0], 20)) + 20 + len(b.text.encode(PROMPTS[2], 10)) + 10
+        )
         batch.remove({"a"})
         assert batch.keys() == ["b"]
         while batch.size:
@@ -115,7 +119,7 @@ def test_eos_ends_a_row_at_that_token_and_it_is_emitted(backend):
     stopper = full[4]
     first = full.index(stopper)  # the first time greedy output emits it
     b.eos_ids = frozenset({stopper})
-    got = run(b, [[Join("x", b.encode(PROMPTS[0], 12), 12), Join("y", b.encode(PROMPTS[1], 30), 30)]])
+    got = run(b, [[Join("x", b.text.encode(PROMPTS[0], 12), 12), Join("y", b.text.encode(PROMPTS[1], 30), 30)]])
     assert got["x"] == full[: first + 1]
 
 
@@ -148,7 +152,7 @@ def test_the_same_seed_gives_the_same_tokens_alone_and_beside_others(backend):
     s = RowSampling(temperature=1.0, top_p=0.95, seed=7)
     one = alone(b, PROMPTS[0], 16, s)
     assert alone(b, PROMPTS[0], 16, s) == one
-    enc = [b.encode(p, 16) for p in PROMPTS]
+    enc = [b.text.encode(p, 16) for p in PROMPTS]
     beside = run(
         b, [[Join("x", enc[0], 16, s), Join("g", enc[1], 16, None), Join("h", enc[2], 16, RowSampling(1.0, seed=8))]]
     )
@@ -170,7 +174,7 @@ def test_tokenize_is_the_routers_encode_and_fit_shortens_max_tokens_to_the_conte
     for prompt, special in ((PROMPTS[0], True), (PROMPTS[2], False)):
         ids = backend.text.tokenize(prompt, special)
         assert ids == encode_text(backend.tokenizer, prompt, special)
-        assert backend.text.fit(ids, 16) == (ids, 16) and ids == backend.encode(prompt, 16, special)
+        assert backend.text.fit(ids, 16) == (ids, 16) and ids == backend.text.encode(prompt, 16, special)
     assert backend.text.fit([5] * 100, 126) == ([5] * 100, 28)  # shortened to the context of 128, never lengthened
     with pytest.raises(ContextTooLong, match="empty"):
         backend.text.tokenize("", add_special_tokens=False)
@@ -187,11 +191,11 @@ def test_tokenize_is_the_routers_encode_and_fit_shortens_max_tokens_to_the_conte
 
 def test_context_and_empty_prompts_are_refused_before_any_work(backend):
     with pytest.raises(ContextTooLong, match="context of 128"):
-        backend.encode("The quick brown fox", 126)
-    assert backend.encode("The quick brown fox", 64)
+        backend.text.encode("The quick brown fox", 126)
+    assert backend.text.encode("The quick brown fox", 64)
     with pytest.raises(ContextTooLong, match="empty"):
-        backend.encode("", 4, add_special_tokens=False)
-    assert backend.encode("", 4) == [backend.tokenizer.bos_token_id]  # a raw prompt has its bos
+        backend.text.encode("", 4, add_special_tokens=False)
+    assert backend.text.encode("", 4) == [backend.tokenizer.bos_token_id]  # a raw prompt has its bos
     batch = backend.open_batch()
     with pytest.raises(ContextTooLong):
         batch.run_chunk([Join("x", [1] * 100, 29)], 1)
@@ -268,7 +272,7 @@ def test_one_poisoned_row_among_four_fails_alone_and_the_three_others_finish_who
     poison = RowSampling(temperature=1.0, seed=1)
     object.__setattr__(poison, "top_k", -5)
     seeded = RowSampling(temperature=1.0, seed=7)
-    enc = [b.encode(p, 12) for p in PROMPTS]
+    enc = [b.text.encode(p, 12) for p in PROMPTS]
     batch = b.open_batch()
     got: dict = {}
     failed: dict = {}
@@ -294,7 +298,7 @@ def test_a_row_with_ids_outside_the_vocabulary_is_refused_at_its_join(backend):
     from ballast.errors import EngineRefused
 
     batch = backend.open_batch()
-    ok = backend.encode(PROMPTS[0], 4)
+    ok = backend.text.encode(PROMPTS[0], 4)
     with torch.inference_mode():
         out = batch.run_chunk([Join("ok", ok, 4), Join("bad", [1, backend.vocab_size], 4)], 2)
     failed = batch.take_failed()

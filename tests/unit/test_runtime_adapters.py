@@ -3,7 +3,8 @@ rule a record must pass (``check``, ``trust_problem``, ``redact``), the catalog 
 on top of the config's (and the router's ``runtime_catalog``), and what a replica loads
 and unloads to match, walked tick by tick on a fake clock; and the replica's look at a
 directory (ballast/model/adapters.py ``trusted_dir``) on real directories made here:
-outside the root, a symlink out of it, group- and world-writable, owned by another uid."""
+outside the root, a symlink out of it, group- and world-writable, owned by another uid; and a
+replica's run-time adapters (``ReplicaAdapters``) over an engine that serves none."""
 
 from __future__ import annotations
 
@@ -372,3 +373,28 @@ class TestReplicaChanges:
         for now in range(100, 105):
             assert changes({"a": "/a"}, {}, set(), failed_at=failed_at, now=now) == ([], []), now
         assert changes({"a": "/a"}, {}, set(), failed_at=failed_at, now=105) == ([], [("a", "/a")])
+
+
+class TestAnEngineWithoutLoRA:
+    """``ReplicaAdapters`` over the built-in engine, whose row in the engine table serves no LoRA."""
+
+    async def test_a_trial_load_is_refused_and_a_listing_loads_nothing(self, root: Path) -> None:
+        from ballast.errors import AdapterRefused
+        from ballast.model.adapters import ReplicaAdapters
+        from ballast.model.builtin_checkpoint import BackendSpec, load_backend
+        from ballast.model.builtin_decoder import TinyDecoderConfig
+
+        cfg = TinyDecoderConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=64)
+        engine = load_backend(BackendSpec(config=cfg, device="cpu", compile="eager"))
+        late = adapter_dir(root, "late")
+        replica = ReplicaAdapters(engine, "llama", BASE, str(root))
+        assert not replica.serves_adapters
+        with pytest.raises(AdapterRefused, match="'llama' runs an engine that serves no LoRA adapters"):
+            await replica.add("late", "late")
+        listing = [entry("late", path=str(late))]
+        assert replica.listed(listing) == {"late": str(late)}  # listed for the model, and still not loaded
+        assert not await replica.reconcile(listing)
+        replica.offer(listing)  # a snapshot's listing: no reconcile is even started
+        assert replica._task is None
+        assert not await replica.remove("late")
+        assert (replica.added, replica.failures) == ({}, 0)

@@ -185,5 +185,5 @@ def test_the_builtin_model_drops_the_marks():
             compile="eager",
         )
     )
-    assert b.encode("<" + MARK + "|im_start|>", 4) == list(b"<|im_start|>")
+    assert b.text.encode("<" + MARK + "|im_start|>", 4) == list(b"<|im_start|>")
     assert strip_marks("plain") == "plain"

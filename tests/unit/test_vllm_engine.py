@@ -13,8 +13,8 @@ pytest.importorskip("vllm")
 
 import psutil  # noqa: E402
 
-from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.errors import EngineRefused  # noqa: E402
+from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_checkpoint import tokenizer_id  # noqa: E402
 from ballast.model.hf_text import ContextTooLong  # noqa: E402
@@ -116,15 +116,15 @@ def test_describes_itself_and_fits_prompts(backend):
     assert backend.eos_ids == {backend.tokenizer.eos_token_id}
     ids, n = backend.text.fit(backend.text.tokenize("Hello"), 10_000)
     assert ids[0] == backend.tokenizer.bos_token_id and n == 512 - len(ids)
-    assert ids == backend.encode("Hello", 0) and backend.tokenizer_id == tokenizer_id(backend.source)
+    assert ids == backend.text.encode("Hello", 0) and backend.tokenizer_id == tokenizer_id(backend.source)
     with pytest.raises(ContextTooLong):
         backend.text.tokenize("", add_special_tokens=False)
     with pytest.raises(ContextTooLong):
         backend.text.fit([1] * 512, 4)
     with pytest.raises(ContextTooLong):
-        backend.encode("", 4, add_special_tokens=False)
+        backend.text.encode("", 4, add_special_tokens=False)
     with pytest.raises(ContextTooLong):
-        backend.encode("Hello", 512)
+        backend.text.encode("Hello", 512)
     assert isinstance(backend.stats(), VLLMStats)
     text = "".join(backend.text.stream_decoder().feed([i], final=False) for i in ids[1:])
     assert text == "Hello"
@@ -132,7 +132,7 @@ def test_describes_itself_and_fits_prompts(backend):
 
 def test_greedy_equals_transformers_generate_alone_and_batched(backend, hf_model):
     eos = backend.tokenizer.eos_token_id
-    prompts = [backend.encode(p, 24) for p in PROMPTS]
+    prompts = [backend.text.encode(p, 24) for p in PROMPTS]
     expected = [hf_greedy(hf_model, ids, 24, eos) for ids in prompts]
     assert max(len(e) for e in expected) == 24  # not a vacuous comparison of EOS-only answers
     alone = drain(backend.open_batch(), [[Join(0, prompts[0], 24)]])
@@ -142,14 +142,14 @@ def test_greedy_equals_transformers_generate_alone_and_batched(backend, hf_model
 
 
 def test_rows_join_and_leave_across_chunks(backend):
-    ids = backend.encode("Hello!", 0)
+    ids = backend.text.encode("Hello!", 0)
     batch = backend.open_batch()
     first = batch.run_chunk([Join("a", ids, 6, LONG)], 4)
     assert set(first) == {"a"} and len(first["a"]) >= 1
     got = {"a": list(first["a"])}
     joins = [[Join("b", ids, 10, LONG), Join("z", ids, 0, LONG)], [Join("c", ids, 3, LONG)]]
     seen_done: set = set()
-    for chunk in range(100):
+    for _ in range(100):
         if not (batch.keys() or joins):
             break
         out = batch.run_chunk(joins.pop(0) if joins else [], 2)
@@ -181,7 +181,7 @@ def test_max_tokens_eos_ignore_eos_and_min_tokens(backend, hf_model):
                 Join("eos", prompt, 20, None),
                 Join("ignore", prompt, 20, RowSampling(ignore_eos=True)),
                 Join("min", prompt, 20, RowSampling(min_tokens=5)),
-                Join("short", backend.encode("Hello!", 0), 7, LONG),
+                Join("short", backend.text.encode("Hello!", 0), 7, LONG),
             ]
         ],
     )
@@ -192,7 +192,7 @@ def test_max_tokens_eos_ignore_eos_and_min_tokens(backend, hf_model):
 
 
 def test_same_seed_same_tokens(backend):
-    ids = backend.encode("Seeded sampling, please.", 0)
+    ids = backend.text.encode("Seeded sampling, please.", 0)
     s = RowSampling(temperature=1.0, top_p=0.9, top_k=50, seed=42)
     one = drain(backend.open_batch(), [[Join(0, ids, 24, s)]])[0]
     two = drain(backend.open_batch(), [[Join(0, ids, 24, s), Join(1, ids, 24, RowSampling(temperature=1.0, seed=7))]])
@@ -202,7 +202,7 @@ def test_same_seed_same_tokens(backend):
 
 def test_a_repetition_penalty_reaches_the_engine(backend):
     # A strong penalty on the prompt's and the answer's tokens changes greedy tokens.
-    ids = backend.encode("Hello there, hello there", 32)
+    ids = backend.text.encode("Hello there, hello there", 32)
     plain, penalised = (
         drain(backend.open_batch(), [[Join(0, ids, 32, RowSampling(ignore_eos=True, repetition_penalty=r))]])[0]
         for r in (1.0, 2.0)
@@ -211,7 +211,7 @@ def test_a_repetition_penalty_reaches_the_engine(backend):
 
 
 def test_remove_aborts_the_row_and_frees_its_slot(backend):
-    ids = backend.encode("Stream A keeps going.", 0)
+    ids = backend.text.encode("Stream A keeps going.", 0)
     batch = backend.open_batch()
     batch.run_chunk([Join("a", ids, 400, LONG), Join("b", ids, 400, LONG)], 4)
     for _ in range(20):
@@ -221,7 +221,7 @@ def test_remove_aborts_the_row_and_frees_its_slot(backend):
     assert backend.stats().running == 2
     batch.remove(["b"])
     assert batch.keys() == ["a"]
-    for chunks in range(1, 6):
+    for _ in range(1, 6):
         out = batch.run_chunk([], 4)
         assert "b" not in out
         if backend.stats().running == 1:
@@ -236,7 +236,7 @@ def test_a_request_vllm_refuses_fails_alone_and_the_others_go_on(backend):
     # (its renderer), a schema its xgrammar backend does not serve (SamplingParams' verify).
     # Each fails alone with a 400; the row beside them runs to its max_tokens.
     batch = backend.open_batch()
-    ok = backend.encode("Hello!", 0)
+    ok = backend.text.encode("Hello!", 0)
     allof = RowSampling(
         json_schema=json.dumps({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}), json_schema_of="tools"
     )
@@ -267,7 +267,7 @@ VERDICT = {
 async def test_a_json_schema_guides_the_answer_to_json_that_follows_it(backend):
     s = RowSampling(temperature=1.0, seed=7, json_schema=json.dumps(VERDICT))
     assert await backend.check(s) == s
-    ids = backend.encode("Answer in JSON:", 64)
+    ids = backend.text.encode("Answer in JSON:", 64)
     batch = backend.open_batch()
     got = drain(batch, [[Join(i, ids, 64, s) for i in range(3)]])
     for i in range(3):
@@ -306,7 +306,7 @@ async def test_a_schema_slow_to_compile_is_refused_at_its_limit_while_the_replic
     try:
         batch = backend.open_batch()
         plain = asyncio.ensure_future(
-            asyncio.to_thread(drain, batch, [[Join("plain", backend.encode("Hello!", 24), 24, LONG)]])
+            asyncio.to_thread(drain, batch, [[Join("plain", backend.text.encode("Hello!", 24), 24, LONG)]])
         )
         with pytest.raises(SchemaTooComplex) as e:
             await backend.check(RowSampling(json_schema=nested_any_of(7), json_schema_of="tools"))
@@ -396,7 +396,7 @@ def test_the_model_benchmark_drives_vllm_as_the_replica_does(backend):
 
 
 def test_prefix_cache_hits_for_a_repeated_long_prompt(backend):
-    ids = backend.encode(" ".join(PROMPTS) * 8, 0)[:300]  # more than two KV blocks of 128
+    ids = backend.text.encode(" ".join(PROMPTS) * 8, 0)[:300]  # more than two KV blocks of 128
     before = backend.stats()
     drain(backend.open_batch(), [[Join(0, ids, 2, LONG)]])
     drain(backend.open_batch(), [[Join(0, ids, 2, LONG)]])
@@ -493,7 +493,7 @@ def test_a_bad_directory_fails_at_construction(tmp_path, ckpt):
 
 def test_a_live_engine_reports_its_step_curve(backend):
     """One row then eight, 40 tokens each: vLLM's steps reach the curve and its useful rows."""
-    ids = backend.encode("Hello!", 0)
+    ids = backend.text.encode("Hello!", 0)
     for rows in (1, 8):
         batch = backend.open_batch()
         joins = [Join(f"r{rows}-{i}", ids, 40, LONG) for i in range(rows)]
@@ -503,6 +503,24 @@ def test_a_live_engine_reports_its_step_curve(backend):
     curve = backend._stats.curve()
     assert curve["step_base_ms"] is not None and curve["step_per_row_ms"] is not None
     assert backend.stats().useful_rows == curve["rows"]
+
+
+def test_the_replica_reads_vllms_own_view_where_the_engine_table_says_it_has_one(backend):
+    # vLLM's row: it schedules itself and reports its prefix cache's blocks, so the replica
+    # reads its stats and its report (the built-in side: test_model_server_parts.py); LoRA is
+    # off in this engine, so it has no slots to mirror.
+    import time
+
+    from ballast.model.server import ModelServer
+    from ballast.policies.prefix_cache import PrefixReport
+
+    server = ModelServer.__new__(ModelServer)  # only the backend is read
+    server._backend = backend
+    assert isinstance(server._engine_stats(), VLLMStats)
+    assert isinstance(server._prefix_report(time.time()), PrefixReport)
+    assert backend.lora_slots == 0 and server._adapter_holdings().slots == 0
+    assert server._engine_lost() is None
+    assert sorted(name for _, name in server._engine_processes()) == ["VLLM::EngineCore", "VLLM::Worker"]
 
 
 def test_engine_processes_live_then_gone_after_shutdown(backend):

@@ -17,7 +17,6 @@ import shutil
 import types
 
 import pytest
-
 from fakes import FakeClock
 
 pytest.importorskip("vllm")
@@ -71,7 +70,7 @@ def backend(dirs):
 def run(backend, rows: dict, steps: int = 4) -> tuple[dict, dict]:
     """Every row (key: adapter or None) joins one batch with the same prompt and runs N
     greedy tokens: the ids each row got, and the rows refused alone."""
-    ids = backend.encode(PROMPT, N)
+    ids = backend.text.encode(PROMPT, N)
     batch, out, failed = backend.open_batch(), {k: [] for k in rows}, {}
     joins = [Join(k, ids, N, LONG, adapter) for k, adapter in rows.items()]
     for _ in range(200):
