@@ -254,8 +254,8 @@ class ControllerCore:
             return self._snapshot.to_dict()
         self._routers.put(got.router_id, got)
         for name, mc in self._models.items():  # each model's outcomes into its own error window
-            load = got if name == self._primary else got.models.get(name)
-            if load is not None and load.requests:
+            load = got.load(name)
+            if load.requests:
                 mc.outcomes.add((load.requests, load.errors), self._clock())
         reply = {**self._snapshot.to_dict(), "leases": self.leases_for(got.router_id)}
         if self.cfg.fairness.enabled and self.cfg.fairness.shared:
@@ -402,7 +402,7 @@ class ControllerCore:
         mc.outcomes.expire(self._clock() - self.cfg.controller.error_window_s)
         requests, errors = mc.outcomes.totals()
         return control.fold_reports(
-            control.model_views(self._routers.fresh(), name, self._primary),
+            control.model_views(self._routers.fresh(), name),
             control.of_deployments(self._replicas.fresh(), *mc.deployments()),
             mc.deployment,
             requests=requests,
@@ -423,7 +423,7 @@ class ControllerCore:
     def _tick_model(self, name: str, mc: _ModelControl, watchdogs: dict[str, WatchdogReport], now: float) -> _ModelTick:
         """One model's step (ballast.policies.control.ControlPolicy) on its own inputs."""
         sig = self.signals(name)
-        routers = control.model_views(self._routers.fresh(), name, self._primary)
+        routers = control.model_views(self._routers.fresh(), name)
         replicas = self._replicas.fresh()
         running = len(control.of_deployment(replicas, mc.deployment))
         ongoing = control.ongoing_requests(routers, replicas, mc.deployment, sig.queue_length)
@@ -471,7 +471,7 @@ class ControllerCore:
             "inputs": asdict(t.signals) if t else {},
             "engine_rows": control.engine_rows(self._replicas.fresh(), mc.deployment),
             "routing": control.routing_summary(
-                control.model_views(self._routers.fresh(), name, self._primary),
+                control.model_views(self._routers.fresh(), name),
                 self._replicas.fresh(),
                 mc.deployment,
             ).as_dict(),

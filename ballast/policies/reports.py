@@ -20,7 +20,7 @@ replica's heartbeat.
 from __future__ import annotations
 
 import reprlib
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, ClassVar, Mapping, Optional, Protocol, Sequence, TypeVar
 
 from ballast.policies.catalog import name_problem
@@ -126,8 +126,8 @@ def checked(report: Any, kind: type[R]) -> Optional[R]:
         return None
 
 
-def _check_load(load: "ModelLoad | RouterReport") -> None:
-    """The per-model load fields, as ``ModelLoad`` and ``RouterReport`` both carry them."""
+def _check_load(load: "ModelLoad") -> None:
+    """A ``ModelLoad``'s fields, checked (again, for one that was unpickled)."""
     check_fields(load, check_int, "inflight", "requests", "errors", "shed", "lost_capacity", "gate_waiting", minimum=0)
     check_fields(load, check_non_negative, "queue_wait_p95_ms", optional=True)
     check_fields(load, check_non_negative, "served_rps")
@@ -150,8 +150,8 @@ def _check_routed(name: str, routed: object) -> None:
 
 @dataclass(frozen=True)
 class ModelLoad:
-    """One model's load as a router saw it since its last report (the fields ``RouterReport``
-    carries at top level for the first model)."""
+    """One model's load as one router saw it since its last report: an entry of
+    ``RouterReport.models``, and what the controller's policies read for that model."""
 
     inflight: int = 0  # requests this router holds now
     # Outcomes since the last report (the controller's error window sums them).
@@ -173,14 +173,9 @@ class ModelLoad:
     def __post_init__(self) -> None:
         _check_load(self)
 
-    @classmethod
-    def of(cls, report: "RouterReport") -> "ModelLoad":
-        """The load a router report holds at top level (what a router counted for one model)."""
-        return cls(**{name: getattr(report, name) for name in LOAD_FIELDS})
 
-
-#: The fields ``ModelLoad`` and ``RouterReport`` share (the first model's load at top level).
-LOAD_FIELDS = tuple(f.name for f in fields(ModelLoad))
+#: The load of a model a router did not report: nothing held, nothing counted.
+IDLE = ModelLoad()
 
 
 def _check_models(name: str, models: object) -> None:
@@ -203,49 +198,36 @@ def _check_models(name: str, models: object) -> None:
 
 
 @dataclass(frozen=True)
-class RouterReport(ModelLoad):
+class RouterReport:
     """One router replica's report, every report interval: its load since the last one.
 
-    The top-level load fields (``LOAD_FIELDS``) are the first model's; ``models`` holds
-    every other model's, by name (an entry for the first model is ignored). A one-model
-    router leaves ``models`` empty. ``for_model`` gives the report as one model sees it.
+    ``models`` holds every model the router serves, each alike: its ``ModelLoad`` by name.
+    ``load(model)`` gives one model's (``IDLE`` for a model this router did not report).
     The tenant fields (demand by tenant, fair-share charges, tenants waiting) are the
-    router's across all models: a tenant's quota and fair share hold across models.
+    router's across all models: a tenant's quota holds across models.
     """
 
-    # ModelLoad's fields (the first model's load), then the router's own:
-    router_id: str = ""  # required: an empty one is refused
+    router_id: str
+    models: Mapping[str, ModelLoad] = field(default_factory=dict)  # every model this router serves
     demand_tokens_per_s: Mapping[str, float] = field(default_factory=dict)  # by tenant (quota leases)
     # What the gate charged each tenant's fair-share counter since the last report
     # (ballast.policies.fairness; negative where refunds outweighed charges).
     fair_charged: Mapping[str, float] = field(default_factory=dict)
     fair_backlogged: tuple[str, ...] = ()  # tenants waiting at the gate now
-    models: Mapping[str, ModelLoad] = field(default_factory=dict)  # every model but the first: its load
 
     def __post_init__(self) -> None:
         check_fields(self, check_name, "router_id")
-        _check_load(self)
+        check_fields(self, _check_models, "models")
         check_fields(self, _check_rates, "demand_tokens_per_s", criticalities=False)
         check_fields(self, _check_amounts, "fair_charged")
         if not isinstance(self.fair_backlogged, tuple) or not all(
             isinstance(t, str) and t for t in self.fair_backlogged
         ):
             raise ValueError(f"fair_backlogged: must be a tuple of tenant names, got {self.fair_backlogged!r}")
-        check_fields(self, _check_models, "models")
 
-    def for_model(self, name: str, primary: str) -> "RouterReport":
-        """This report as model ``name`` sees it (``primary``: the config's first model).
-
-        The primary's view is the report itself; another model's has that model's
-        ``ModelLoad`` at top level (an all-zero load when this router did not report the
-        model) and no ``models``. The tenant fields are kept as they are: they are the
-        router's across models, and nothing sums them over models' views (quota leases
-        and fair shares read the reports themselves, once per router).
-        """
-        if name == primary:
-            return self
-        load = self.models.get(name) or ModelLoad()
-        return replace(self, models={}, **{f: getattr(load, f) for f in LOAD_FIELDS})
+    def load(self, model: str) -> ModelLoad:
+        """Model ``model``'s load in this report: ``IDLE`` when this router did not report it."""
+        return self.models.get(model, IDLE)
 
 
 @dataclass(frozen=True)

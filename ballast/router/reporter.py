@@ -107,20 +107,18 @@ class Reporter:
         """This router's report: called once per report interval, whether or not it answers."""
         self._set_gauges()
         self.sync_edge()
-        loads = {name: self._lane_report(lane) for name, lane in self._pipeline.lanes.items()}
-        report = loads.pop(self._pipeline.primary.name)  # the first model's load: the top-level fields
         fair = self._fair()
-        return replace(
-            report,
-            models={name: ModelLoad.of(r) for name, r in loads.items()},
+        return RouterReport(
+            router_id=self._router_id,
+            models={name: self._lane_report(lane) for name, lane in self._pipeline.lanes.items()},
             demand_tokens_per_s=self._pipeline.quotas.drain_demand(),
             fair_charged=self._fair_charged(),
             fair_backlogged=fair.backlog() if fair is not None else (),
         )
 
-    def _lane_report(self, lane: Lane) -> RouterReport:
+    def _lane_report(self, lane: Lane) -> ModelLoad:
         """What the router counted for one model since the last report."""
-        report = replace(lane.tally.drain(self._router_id), routed=routed_so_far(lane.name))
+        report = replace(lane.tally.drain(), routed=routed_so_far(lane.name))
         offered = lane.tally.take_offered()
         gate, demand = lane.gate, self._demand[lane.name]
         if gate is None:

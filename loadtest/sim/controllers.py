@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -59,7 +59,7 @@ from ballast.policies.lease import LeaseTable
 from ballast.policies.autoscale import AutoscaleConfig
 from ballast.policies.degradation import DegradationConfig
 from ballast.policies.recycle import RecycleConfig, RecycleState, ReplicaView
-from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
+from ballast.policies.reports import ModelLoad, ReplicaReport, WatchdogReport
 
 from .baselines import HpaUtilization, RayServeDefault
 from .config import SimConfig, WatchdogModel, autoscale_config, degradation_config, recycle_config
@@ -143,7 +143,7 @@ class BallastController:
     # ---- the control tick
     def policy_tick(
         self,
-        routers: list[RouterReport],
+        routers: Sequence[ModelLoad],  # the routers' loads of the model (control.model_views)
         replicas: list[ReplicaReport],
         requests: int,
         errors: int,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ballast.policies.breaker import BreakerConfig, CircuitBreaker
-from ballast.policies.reports import ReplicaReport, RouterReport
+from ballast.policies.reports import ModelLoad, ReplicaReport, RouterReport
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
 from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
@@ -23,6 +23,7 @@ from ballast.ops.cli import format_status, main
 from tests.unit.fakes import FakeClock
 
 SAMPLE = Path(__file__).parent / "data" / "status_sample.json"
+MODEL = "tiny-decoder"  # the default config's one model
 
 
 def live_document() -> dict[str, Any]:
@@ -32,7 +33,7 @@ def live_document() -> dict[str, Any]:
         "tenants": {"free": {}},
     }  # a kill switch names a tenant that exists
     core = ControllerCore(load_config(cfg), clock=clock, wall_clock=wall)
-    core.report_router(RouterReport(router_id="r1", inflight=0))
+    core.report_router(RouterReport(router_id="r1", models={MODEL: ModelLoad(inflight=0)}))
     core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, running=8, queued=600))
     clock.advance(1)
     wall.advance(1)
@@ -293,8 +294,10 @@ def test_each_model_says_how_its_requests_spread_over_its_replicas() -> None:
     # decisions (ballast.policies.control.routing_summary), as `ballast status` shows it.
     clock, wall = FakeClock(0), FakeClock(1_000_000)
     core = ControllerCore(load_config({}), clock=clock, wall_clock=wall)
-    core.report_router(RouterReport(router_id="r1", routed={"prefix": 6, "home": 1, "balance": 1}))
-    core.report_router(RouterReport(router_id="r2", routed={"prefix": 3, "home": 1}))
+    core.report_router(
+        RouterReport(router_id="r1", models={MODEL: ModelLoad(routed={"prefix": 6, "home": 1, "balance": 1})})
+    )
+    core.report_router(RouterReport(router_id="r2", models={MODEL: ModelLoad(routed={"prefix": 3, "home": 1})}))
     for rid, running, queries, hits in (("m1", 6, 1000, 900), ("m2", 2, 1000, 700)):
         core.report_replica(
             ReplicaReport(

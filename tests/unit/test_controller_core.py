@@ -15,12 +15,15 @@ import json
 import pytest
 
 from fakes import FakeClock
-from ballast.policies.reports import ReplicaReport, RouterReport
+from ballast.policies.reports import ModelLoad, ReplicaReport, RouterReport
 
 from ballast.config import BallastConfig, load_config
 from ballast.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
 from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 
+MODEL = "tiny-decoder"  # the config's one model
+#: A router report's own fields; every other field a test names is the model's load.
+ROUTER_FIELDS = frozenset({"demand_tokens_per_s", "fair_charged", "fair_backlogged"})
 EXPIRY_S = 3
 ERROR_WINDOW_S = 10
 DEG_WINDOW_S = 5
@@ -48,6 +51,11 @@ def make_cfg(**over: Any) -> BallastConfig:
     return load_config(data)
 
 
+def router_report(rid: str, **fields: Any) -> RouterReport:
+    load = ModelLoad(**{k: v for k, v in fields.items() if k not in ROUTER_FIELDS})
+    return RouterReport(router_id=rid, models={MODEL: load}, **{k: v for k, v in fields.items() if k in ROUTER_FIELDS})
+
+
 class Harness:
     def __init__(self, cfg: Optional[BallastConfig] = None) -> None:
         self.clock = FakeClock(0)
@@ -59,7 +67,8 @@ class Harness:
         self.wall.advance(seconds)
 
     def router(self, rid: str, **fields: Any) -> dict[str, Any]:
-        return self.core.report_router(RouterReport(router_id=rid, **fields))
+        """Router ``rid``'s report: its own ``ROUTER_FIELDS``, the rest the model's load."""
+        return self.core.report_router(router_report(rid, **fields))
 
     def replica(self, rid: str, **fields: Any) -> dict[str, Any]:
         return self.core.report_replica(ReplicaReport(replica_id=rid, deployment=MODEL_DEPLOYMENT, **fields))
@@ -75,7 +84,7 @@ def h() -> Harness:
 
 class TestSignals:
     def test_no_reports_means_no_load_and_absent_signals(self, h: Harness) -> None:
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.queue_length == 0
         assert sig.queue_wait_p95_ms is None
         assert sig.gpu_util_pct is None
@@ -88,41 +97,41 @@ class TestSignals:
         h.router("r2", inflight=20)
         h.replica("m1", running=10, queued=3)
         h.replica("m2", running=5, queued=4)
-        assert h.core.signals().queue_length == 50 - 15
+        assert h.core.signals(MODEL).queue_length == 50 - 15
 
     def test_queue_is_replica_queued_when_that_is_larger(self, h: Harness) -> None:
         h.router("r1", inflight=5)
         h.replica("m1", running=10, queued=3)
         h.replica("m2", running=5, queued=4)
-        assert h.core.signals().queue_length == 7
+        assert h.core.signals(MODEL).queue_length == 7
 
     def test_queue_without_routers_is_replica_queued(self, h: Harness) -> None:
         h.replica("m1", running=10, queued=3)
         h.replica("m2", running=0, queued=9)
-        assert h.core.signals().queue_length == 12
+        assert h.core.signals(MODEL).queue_length == 12
 
     def test_queue_is_never_negative(self, h: Harness) -> None:
         h.router("r1", inflight=0)
         h.replica("m1", running=8, queued=0)
-        assert h.core.signals().queue_length == 0
+        assert h.core.signals(MODEL).queue_length == 0
 
     def test_a_senders_latest_report_replaces_its_previous_one(self, h: Harness) -> None:
         h.replica("m1", queued=40)
         h.replica("m1", queued=6)
-        assert h.core.signals().queue_length == 6
+        assert h.core.signals(MODEL).queue_length == 6
 
     def test_queue_wait_is_the_worst_p95_of_routers_and_replicas(self, h: Harness) -> None:
         h.router("r1", inflight=0, queue_wait_p95_ms=120.0)
         h.router("r2", inflight=0, queue_wait_p95_ms=None)
         h.replica("m1", queue_wait_p95_ms=480.5)
         h.replica("m2", queue_wait_p95_ms=30.0)
-        assert h.core.signals().queue_wait_p95_ms == 480.5
+        assert h.core.signals(MODEL).queue_wait_p95_ms == 480.5
 
     def test_gpu_util_is_the_mean_over_replicas_that_report_it(self, h: Harness) -> None:
         h.replica("m1", gpu_util_pct=90.0, vram_pct=40.0)
         h.replica("m2", gpu_util_pct=60.0, vram_pct=70.0)
         h.replica("cpu", gpu_util_pct=None, vram_pct=None)  # absent, not zero
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.gpu_util_pct == 75.0
         assert sig.vram_pct == 70.0
 
@@ -130,22 +139,22 @@ class TestSignals:
         h.replica("gpu", gpu_util_pct=96.0, vram_pct=98.0)
         h.replica("cpu1")
         h.replica("cpu2", gpu_util_pct=None)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.gpu_util_pct == 96.0
         assert sig.vram_pct == 98.0
 
     def test_gpu_signals_are_none_when_no_replica_reports_them(self, h: Harness) -> None:
         h.replica("m1", gpu_util_pct=None, vram_pct=None, queued=1)
         h.replica("m2", queued=1)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.gpu_util_pct is None
         assert sig.vram_pct is None
 
     def test_routers_report_no_gpu_fields(self, h: Harness) -> None:
         with pytest.raises(TypeError, match="gpu_util_pct"):
-            RouterReport(router_id="r1", gpu_util_pct=99.0)  # type: ignore[call-arg]
+            ModelLoad(gpu_util_pct=99.0)  # type: ignore[call-arg]
         h.router("r1", inflight=0)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert (sig.gpu_util_pct, sig.vram_pct) == (None, None)
 
 
@@ -153,11 +162,11 @@ class TestExpiry:
     def test_a_report_counts_until_report_expiry_s_then_drops(self, h: Harness) -> None:
         h.replica("m1", queued=80, gpu_util_pct=50.0)
         for age in range(0, EXPIRY_S + 1):
-            assert h.core.signals().queue_length == 80, f"age {age}s"
-            assert h.core.signals().gpu_util_pct == 50.0
+            assert h.core.signals(MODEL).queue_length == 80, f"age {age}s"
+            assert h.core.signals(MODEL).gpu_util_pct == 50.0
             h.advance()
         # age EXPIRY_S + 1: gone.
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.queue_length == 0
         assert sig.gpu_util_pct is None
 
@@ -168,7 +177,7 @@ class TestExpiry:
         for t in range(0, 7):
             if t % 2 == 0:
                 h.replica("steady", queued=1)
-            assert h.core.signals().queue_length == expected[t], f"t={t}"
+            assert h.core.signals(MODEL).queue_length == expected[t], f"t={t}"
             h.advance()
 
     def test_expired_router_no_longer_counts_as_running(self, h: Harness) -> None:
@@ -188,7 +197,7 @@ class TestErrorRate:
                 h.router("r1", inflight=0, requests=10, errors=5)
             if t == 5:
                 h.router("r1", inflight=0, requests=10, errors=0)
-            sig = h.core.signals()
+            sig = h.core.signals(MODEL)
             observed.append((t, sig.request_count, sig.error_rate))
             h.advance()
         # Each bucket counts while its age <= ERROR_WINDOW_S (10 s).
@@ -203,13 +212,13 @@ class TestErrorRate:
     def test_reports_without_requests_add_no_bucket(self, h: Harness) -> None:
         h.router("r1", inflight=4, requests=0, errors=0)
         h.router("r2", inflight=4)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert (sig.request_count, sig.error_rate) == (0, None)
 
     def test_outcomes_of_all_routers_add_up(self, h: Harness) -> None:
         h.router("r1", inflight=0, requests=30, errors=3)
         h.router("r2", inflight=0, requests=10, errors=9)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.request_count == 40
         assert sig.error_rate == pytest.approx(12 / 40)
 
@@ -425,13 +434,13 @@ class TestBounded:
         for i in range(MAX_SENDERS + extra):
             h.router(f"r{i}", inflight=i)
         kept = range(extra, MAX_SENDERS + extra)  # r0..r99 evicted
-        assert h.core.signals().queue_length == sum(kept)
+        assert h.core.signals(MODEL).queue_length == sum(kept)
         assert h.core.tick().running_replicas[ROUTER_DEPLOYMENT] == MAX_SENDERS
 
     def test_replica_map_is_capped_at_max_senders(self, h: Harness) -> None:
         for i in range(MAX_SENDERS + 10):
             h.replica(f"m{i}", queued=1)
-        assert h.core.signals().queue_length == MAX_SENDERS
+        assert h.core.signals(MODEL).queue_length == MAX_SENDERS
         assert h.core.tick().running_replicas[MODEL_DEPLOYMENT] == MAX_SENDERS
 
     def test_a_re_reporting_sender_is_not_the_oldest(self, h: Harness) -> None:
@@ -439,12 +448,12 @@ class TestBounded:
             h.router(f"r{i}", inflight=0)
         h.router("r0", inflight=1000)  # moves to the back
         h.router("new", inflight=0)  # evicts r1, not r0
-        assert h.core.signals().queue_length == 1000
+        assert h.core.signals(MODEL).queue_length == 1000
 
     def test_outcome_buckets_are_capped(self, h: Harness) -> None:
         for i in range(MAX_OUTCOME_BUCKETS + 50):
             h.router("r1", inflight=0, requests=1, errors=0)
-        assert h.core.signals().request_count == MAX_OUTCOME_BUCKETS
+        assert h.core.signals(MODEL).request_count == MAX_OUTCOME_BUCKETS
 
 
 class TestConfigure:
@@ -453,7 +462,7 @@ class TestConfigure:
         assert h.core.tick().level == 1
         v = h.core.snapshot()["version"]
         h.core.configure(make_cfg(degradation={"queue_length_thresholds": [10, 20, 30, 40]}))
-        assert h.core.signals().queue_length == 0  # old reports gone
+        assert h.core.signals(MODEL).queue_length == 0  # old reports gone
         h.replica("m1", queued=60)
         snap = h.core.tick()
         assert (snap.level, snap.target_level) == (2, 4)  # the model stays: one level up from where it was
@@ -469,7 +478,7 @@ def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(
     )
     h.router("b", demand_rps={"critical": 8.0, "sheddable_plus": 2.0}, served_rps=15.0, gate_full=False)
     h.replica("m1")  # serving: no capacity gap
-    sig = h.core.signals()
+    sig = h.core.signals(MODEL)
     assert sig.demand_rps == {"critical": 28.0, "sheddable_plus": 42.0, "sheddable": 70.0}
     assert sig.capacity_rps == 35.0  # both routers' answers, measured while a gate was full
     snap = h.core.tick()
@@ -477,7 +486,7 @@ def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(
     assert snap.inputs["demand_rps"]["sheddable"] == 70.0
     # No gate full: no capacity figure, and demand alone asks for nothing.
     h.router("a", demand_rps={"sheddable": 500.0}, served_rps=20.0, gate_full=False)
-    assert h.core.signals().capacity_rps is None
+    assert h.core.signals(MODEL).capacity_rps is None
 
 
 def test_malformed_demand_reports_are_refused_when_built_and_dropped_on_arrival(h: Harness) -> None:
@@ -487,10 +496,10 @@ def test_malformed_demand_reports_are_refused_when_built_and_dropped_on_arrival(
     ]
     for name, bad in bads + [("served_rps", -1.0)]:
         with pytest.raises(ValueError, match=f"^{name}:"):
-            RouterReport(router_id="a", **{name: bad})
-        h.core.report_router(tampered(RouterReport(router_id="a"), **{name: bad}))
+            ModelLoad(**{name: bad})
+        h.core.report_router(tampered(router_report("a"), models={MODEL: tampered(ModelLoad(), **{name: bad})}))
     assert h.core.rejected_reports == 6
-    assert h.core.signals().demand_rps is None
+    assert h.core.signals(MODEL).demand_rps is None
 
 
 def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
@@ -506,7 +515,7 @@ def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
         core.report_replica(tampered(good, **fields))
     core.report_replica(None)  # type: ignore[arg-type]
     core.report_replica({"replica_id": "r", "deployment": "BallastModel", "queued": 1})  # type: ignore[arg-type]  # not a report
-    core.report_router(tampered(RouterReport(router_id="a"), inflight=[1]))
+    core.report_router(tampered(router_report("a"), models={MODEL: tampered(ModelLoad(), inflight=[1])}))
     assert core.rejected_reports == 6
     core.report_replica(ReplicaReport(replica_id="ok", deployment="BallastModel", queued=7, running=1))
     snap = core.tick()  # would raise if a malformed report had been kept

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import pytest
 
 from fakes import FakeClock
+from ballast.policies import control
 from ballast.policies.degradation import conservative_level
 from ballast.policies.reports import MAX_REPORTED_MODELS, ModelLoad, RouterReport, ReplicaReport, checked
 
@@ -70,10 +71,12 @@ class Harness:
         self.clock.advance(seconds)
         self.wall.advance(seconds)
 
-    def router(self, rid: str = "r1", b: Optional[ModelLoad] = None, **a_load: Any) -> dict[str, Any]:
-        """A router report: ``a``'s load at top level, ``b``'s in ``models``."""
-        models = {B: b} if b is not None else {}
-        return self.core.report_router(RouterReport(router_id=rid, models=models, **a_load))
+    def router(self, rid: str = "r1", b: Optional[ModelLoad] = None, **fields: Any) -> dict[str, Any]:
+        """A router report: ``a``'s load from ``fields`` (less the router's own tenant fields),
+        ``b``'s when given (a router that sent none for ``b`` reports it idle)."""
+        own = {k: fields.pop(k) for k in ("demand_tokens_per_s", "fair_charged", "fair_backlogged") if k in fields}
+        models = {A: ModelLoad(**fields), **({B: b} if b is not None else {})}
+        return self.core.report_router(RouterReport(router_id=rid, models=models, **own))
 
     def replica(self, rid: str, deployment: str, **fields: Any) -> None:
         self.core.report_replica(ReplicaReport(replica_id=rid, deployment=deployment, **fields))
@@ -113,12 +116,10 @@ def test_autoscale_config_and_serves_autoscaling_config_are_each_models_own() ->
 
 
 class TestRouterReportModels:
-    def test_a_model_load_is_checked_as_the_top_level_load_is(self) -> None:
+    def test_a_model_load_is_checked_where_it_is_built(self) -> None:
         for name, bad in [("inflight", -1), ("queue_wait_p95_ms", float("nan")), ("demand_rps", {"nope": 1.0})]:
             with pytest.raises(ValueError, match=f"^{name}:"):
                 ModelLoad(**{name: bad})
-            with pytest.raises(ValueError, match=f"^{name}:"):
-                RouterReport(router_id="r", **{name: bad})
 
     def test_models_are_named_bounded_and_model_loads(self) -> None:
         with pytest.raises(ValueError, match="^models: model name"):
@@ -141,33 +142,14 @@ class TestRouterReportModels:
         with pytest.raises(ValueError, match=r"^models\.b\.inflight:"):
             replace(report)
 
-    def test_for_model_gives_each_models_view(self) -> None:
-        report = RouterReport(
-            router_id="r",
-            inflight=7,
-            requests=3,
-            demand_tokens_per_s={"gold": 5.0},
-            fair_backlogged=("gold",),
-            models={B: ModelLoad(inflight=40, errors=2, requests=9, gate_full=True, demand_rps={"critical": 1.0})},
-        )
-        assert report.for_model(A, primary=A) is report
-        b = report.for_model(B, primary=A)
-        assert (b.inflight, b.requests, b.errors, b.gate_full, dict(b.demand_rps)) == (
-            40,
-            9,
-            2,
-            True,
-            {"critical": 1.0},
-        )
-        assert b.router_id == "r" and b.models == {}
-        # The tenant fields are the router's across models: kept in every view.
-        assert (dict(b.demand_tokens_per_s), b.fair_backlogged) == ({"gold": 5.0}, ("gold",))
-        c = report.for_model("c", primary=A)  # not reported by this router: no load
+    def test_each_model_is_read_from_the_models_map_alike(self) -> None:
+        a = ModelLoad(inflight=7, requests=3)
+        b = ModelLoad(inflight=40, errors=2, requests=9, gate_full=True, demand_rps={"critical": 1.0})
+        report = RouterReport(router_id="r", models={A: a, B: b}, demand_tokens_per_s={"gold": 5.0})
+        assert (report.load(A), report.load(B)) == (a, b)
+        assert control.model_views([report, report], B) == [b, b]
+        c = report.load("c")  # not reported by this router: no load
         assert (c.inflight, c.requests, c.queue_wait_p95_ms, c.served_rps, c.gate_full) == (0, 0, None, 0.0, False)
-
-    def test_a_one_model_report_is_unchanged(self) -> None:
-        report = RouterReport(router_id="r", inflight=3)
-        assert report.models == {} and report.for_model(A, primary=A) is report
 
 
 # --------------------------------------------------------------------------- levels

@@ -26,6 +26,7 @@ CFG = {
     "auth": {"demo_keys": {"dev-key-gold": "gold"}, "demo_admin_token": "admin-token"},
     "resilience": {"gate": {"enabled": False}},
 }
+MODEL = "tiny-decoder"  # the config's one model
 BURST = 30  # past degradation.error_rate_min_requests (20)
 
 
@@ -70,7 +71,8 @@ def test_a_burst_of_lost_replicas_leaves_the_level_alone(stack) -> None:
     assert {(r.status_code, r.json()["error"]["code"]) for r in answers} == {(503, "REPLICA_LOST")}
     assert all(r.headers.get("retry-after") for r in answers)
     report = router.reporter.report()
-    assert (report.requests, report.errors, report.lost_capacity) == (BURST, 0, BURST * 4)
+    load = report.load(MODEL)
+    assert (load.requests, load.errors, load.lost_capacity) == (BURST, 0, BURST * 4)
     assert len(primary.generate.calls) == BURST * 4  # each sent again three times (the limit)
     assert router.pipeline.caller.lost == {"migrated": BURST * 3, "not_migrated": BURST, "streams_carried_on": 0}
     assert router.pipeline.caller.backends[0].breaker.snapshot()["state"] == "closed"
@@ -82,7 +84,8 @@ def test_the_same_burst_of_model_errors_raises_the_level_as_before(stack) -> Non
     answers = burst(router, primary, client, lambda: RayTaskError("generate", "tb", RuntimeError("cuda error")))
     assert {r.json()["error"]["code"] for r in answers} == {"MODEL_UNAVAILABLE"}
     report = router.reporter.report()
-    assert (report.requests, report.errors, report.lost_capacity) == (BURST, BURST, 0)
+    load = report.load(MODEL)
+    assert (load.requests, load.errors, load.lost_capacity) == (BURST, BURST, 0)
     # One level on the first sample; the error rate still asks a second later: level 3.
     assert levels_after(report, 3) == [1, 3, 3]
 
@@ -96,6 +99,7 @@ def test_a_request_sent_again_after_a_lost_replica_says_so_and_counts_no_error(s
     assert r.status_code == 200 and r.json()["text"] == "answered"
     assert r.headers["x-ballast-migrations"] == "1"
     report = router.reporter.report()
-    assert (report.requests, report.errors, report.lost_capacity) == (1, 0, 1)
+    load = report.load(MODEL)
+    assert (load.requests, load.errors, load.lost_capacity) == (1, 0, 1)
     status = client.get("/v1/status", headers={"authorization": "Bearer admin-token"})
     assert status.json()["lost_capacity"] == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 0}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from ballast.policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig
-from ballast.policies.reports import RouterReport
+from ballast.policies.reports import ModelLoad, RouterReport
 from ballast.control.snapshot import Snapshot, SnapshotCache, SnapshotExchange
 
 DEG = DegradationConfig()
@@ -233,7 +233,7 @@ class Reports:
 
     def __call__(self) -> RouterReport:
         self.n += 1
-        return RouterReport(router_id="r1", requests=self.n)
+        return RouterReport(router_id="r1", models={"m": ModelLoad(requests=self.n)})
 
 
 def make_exchange(
@@ -254,7 +254,7 @@ class TestSnapshotExchange:
         assert cache.snapshot == first
         assert seen == [first]
         assert ex.failures == 0
-        assert fake.reports == [RouterReport(router_id="r1", requests=1)]
+        assert fake.reports == [RouterReport(router_id="r1", models={"m": ModelLoad(requests=1)})]
 
     async def test_an_older_reply_is_not_passed_to_on_snapshot(self) -> None:
         cache = make_cache(FakeWallClock(1000))
