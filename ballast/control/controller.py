@@ -32,7 +32,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
 
 import ray
@@ -54,7 +54,7 @@ from ballast.config import BallastConfig, load_config
 from ballast.errors import AdapterConflict
 from ballast.control.recycling import RecycleCoordinator
 from ballast.names import CHAOS_TARGETS, ROUTER_DEPLOYMENT
-from ballast.control.snapshot import Snapshot
+from ballast.control.snapshot import ModelState, Snapshot
 
 log = logging.getLogger("ballast.controller")
 
@@ -299,7 +299,7 @@ class ControllerCore:
         }
         # A tenant's quota holds across models: it shrinks (and lends) by the highest level
         # of any model, so a tenant flooding one model cannot keep its full rate there.
-        level = max((int(m["level"]) for m in self._snapshot.models.values()), default=self._snapshot.level)
+        level = max((m.level for m in self._snapshot.models.values()), default=0)
         rates = effective_rates(self._quotas, totals, level, tuple(q.level_factors), frozenset(q.lend_at_levels))
         expires = self._wall() + q.lease_ttl_s
         leases: dict[str, dict[str, float]] = {}
@@ -393,11 +393,9 @@ class ControllerCore:
         }
 
     # -- the tick --------------------------------------------------------------------
-    def signals(self, model: Optional[str] = None) -> LoadSignals:
-        """Model ``model``'s level inputs (None: the first model's) from the fresh reports:
-        the routers' views of it, its own and its fallback's replicas, its error window
-        (ballast.policies.control.fold_reports)."""
-        name = self._primary if model is None else model
+    def signals(self, name: str) -> LoadSignals:
+        """Model ``name``'s level inputs from the fresh reports: the routers' loads of it, its
+        own and its fallback's replicas, its error window (ballast.policies.control.fold_reports)."""
         mc = self._models[name]
         mc.outcomes.expire(self._clock() - self.cfg.controller.error_window_s)
         requests, errors = mc.outcomes.totals()
@@ -459,23 +457,27 @@ class ControllerCore:
         except Exception:  # recycling must never stop the control loop
             log.exception("recycle tick failed")
 
-    def _model_entry(self, name: str, mc: _ModelControl, t: Optional[_ModelTick]) -> dict[str, Any]:
-        """One model's part of the snapshot (plain data); level 0, "starting", before its first tick."""
-        level = t.step.level.level if t else 0
-        return {
-            "deployment": mc.deployment,
-            "level": level,
-            "target_level": t.step.level.target_level if t else 0,
-            "reason": t.step.level.reason if t else "starting",
-            "constraints": self._deg_cfg.constraints[level].to_dict(),
-            "inputs": asdict(t.signals) if t else {},
-            "engine_rows": control.engine_rows(self._replicas.fresh(), mc.deployment),
-            "routing": control.routing_summary(
-                control.model_views(self._routers.fresh(), name),
-                self._replicas.fresh(),
-                mc.deployment,
-            ).as_dict(),
-        }
+    def _model_state(self, name: str, mc: _ModelControl, t: Optional[_ModelTick]) -> ModelState:
+        """One model's entry in the snapshot; level 0, "starting", before its first tick."""
+        replicas = self._replicas.fresh()
+        routing = control.routing_summary(control.model_views(self._routers.fresh(), name), replicas, mc.deployment)
+        state = ModelState(
+            deployment=mc.deployment,
+            constraints=self._deg_cfg.constraints[0],
+            engine_rows=control.engine_rows(replicas, mc.deployment),
+            routing=routing,
+        )
+        if t is None:
+            return state
+        level = t.step.level
+        return replace(
+            state,
+            level=level.level,
+            target_level=level.target_level,
+            reason=level.reason,
+            constraints=self._deg_cfg.constraints[level.level],
+            inputs=t.signals,
+        )
 
     def _replica_counts(self, ticks: Mapping[str, _ModelTick]) -> dict[str, int]:
         """Replicas reporting now: every model's deployment and fallback, and the routers
@@ -491,20 +493,15 @@ class ControllerCore:
         return running
 
     def _publish(self, ticks: Mapping[str, _ModelTick]) -> Snapshot:
-        """A new snapshot: every model's entry, the first model's at top level too."""
+        """A new snapshot: every model's state, alike."""
         self._version += 1
-        models = {name: self._model_entry(name, mc, ticks.get(name)) for name, mc in self._models.items()}
+        models = {name: self._model_state(name, mc, ticks.get(name)) for name, mc in self._models.items()}
         first = models[self._primary]
         desired = {t.deployment: t.step.desired_replicas for t in ticks.values()}
         return Snapshot(
             epoch=self.epoch,
             version=self._version,
             created_at_s=self._wall(),
-            level=first["level"],
-            target_level=first["target_level"],
-            reason=first["reason"],
-            constraints=first["constraints"],
-            inputs=first["inputs"],
             models=models,
             desired_replicas=desired,
             running_replicas=self._replica_counts(ticks),
@@ -523,7 +520,7 @@ class ControllerCore:
             adapters=[a.to_dict() for a in self._adapters.values()],
             chaos=dict(self._chaos),
             recycle_orders=dict(self.recycler.orders),
-            recycle=self.recycler.summary(desired.get(first["deployment"], 0), desired),
+            recycle=self.recycler.summary(desired.get(first.deployment, 0), desired),
         )
 
     # -- kill switch and chaos (admin, off the request path) -----------------------------
@@ -872,9 +869,9 @@ class Controller:
             try:
                 snap = self._core.tick()
                 for model, m in snap.models.items():
-                    self._m_level.set(m["level"], tags={"model": model})
-                    self._m_queue.set(m["inputs"].get("queue_length", 0), tags={"model": model})
-                    imbalance = m["routing"]["load_max_over_mean"]
+                    self._m_level.set(m.level, tags={"model": model})
+                    self._m_queue.set(m.inputs.queue_length if m.inputs is not None else 0, tags={"model": model})
+                    imbalance = m.routing.load_max_over_mean
                     self._m_imbalance.set(imbalance if imbalance is not None else 1.0, tags={"model": model})
                 for dep, n in snap.desired_replicas.items():
                     self._m_desired.set(n, tags={"deployment": dep})

@@ -47,7 +47,7 @@ time and these semantics.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, NamedTuple, Optional
 
 from ballast.policies.criticality import Criticality
@@ -357,6 +357,21 @@ class LoadSignals:
                 check_non_negative(f"demand_rps[{crit}]", rps, optional=True)
                 if rps is None:
                     raise ValueError(f"demand_rps[{crit}]: must be a number")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The signals as plain data (the snapshot's ``inputs``, the status's)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["demand_rps"] = dict(self.demand_rps) if self.demand_rps is not None else None
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LoadSignals:
+        """The signals ``to_dict`` wrote; keys it does not know are ignored (a newer sender's),
+        one it needs and lacks is a ValueError naming it, and each value is checked as when built."""
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if missing:
+            raise ValueError(f"{missing[0]}: missing from load signals")
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
 
 def _level_for(value: float, thresholds: tuple[float | None, ...]) -> tuple[int, float | None]:

@@ -130,28 +130,25 @@ class Admin:
         self._serve_status = serve_status  # Serve's word on each deployment (a replica it cannot place yet)
 
     async def status(self, request: Request) -> dict[str, Any]:
+        """``GET /v1/status``. Per model, in two maps keyed alike by model: ``snapshot.models``,
+        the controller's state of each (``ModelState``: level, target, reason, inputs, ...),
+        and ``models``, each as this router acts on it (level, source, constraints, breakers,
+        retry budget, lost capacity, gate). Nothing about a model at the top level."""
         self._require_admin(request)
-        eff = self._cache.effective()
         snap = self._cache.snapshot
         return {
-            "level": eff.level,
-            "source": eff.source,
-            "constraints": eff.constraints.to_dict(),
+            "router_id": self._router_id,
+            "ingress": running_ingress(),
+            "fast_path": running_fast_path(),
             "snapshot": None
             if snap is None
             else {
                 "epoch": snap.epoch,
                 "version": snap.version,
                 "age_s": round(self._cache.age_s() or 0.0, 3),
-                "target_level": snap.target_level,
-                "reason": snap.reason,
-                "inputs": snap.inputs,
-                "models": snap.models,  # each model's level, reason and inputs
+                "models": {name: state.to_dict() for name, state in snap.models.items()},
             },
             "replicas": self._replicas(snap),
-            "router_id": self._router_id,
-            "ingress": running_ingress(),
-            "fast_path": running_fast_path(),
             **self._pipeline.status(),
             "chaos": snap.chaos if snap else {},
             "recycle": snap.recycle if snap else {},

@@ -267,7 +267,8 @@ class Router:
         problems = await self._unready()
         if problems:
             return JSONResponse({"error": {"code": "NOT_READY", "message": "; ".join(problems)}}, status_code=503)
-        return JSONResponse({"status": "ready", "level": self.snapshots.effective().level})
+        levels = {name: self.snapshots.effective(name).level for name in self.pipeline.lanes}
+        return JSONResponse({"status": "ready", "levels": levels})
 
     @app.get("/health")
     async def health(self) -> Response:

@@ -568,21 +568,25 @@ class Pipeline:
 
     # -- what /v1/status shows of the request path ------------------------------------------
     def status(self) -> dict[str, Any]:
-        """The first model's breakers, retry budget and gate at the top (as with one model),
-        every model's under ``models``, and what the router shares across them."""
-        lanes = {name: self._lane_status(lane) for name, lane in self.lanes.items()}
+        """Every model's part of the request path under ``models``, alike (``_lane_status``),
+        and what the router shares across them."""
         return {
-            **lanes[self.primary.name],
-            "models": lanes,
+            "models": {name: self._lane_status(lane) for name, lane in self.lanes.items()},
             "kill_switches": [e.to_dict() for e in self.kill_switches],
             "quotas": self.quotas.status(),
             "tenant_inflight": dict(self.places.held),  # admitted, waiting at the gate or at the model
         }
 
     def _lane_status(self, lane: Lane) -> dict[str, Any]:
+        """One model as this router acts on it: its level, where that comes from and its
+        constraints (``SnapshotCache.effective``), its breakers, retry budget, lost capacity
+        and gate."""
         caller = lane.caller
+        eff = self.snapshots.effective(lane.name)
         return {
-            "level": self.snapshots.effective(lane.name).level,  # the level this router acts on for it
+            "level": eff.level,
+            "source": eff.source,  # snapshot, stale-snapshot or fail-static
+            "constraints": eff.constraints.to_dict(),
             "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in caller.backends},
             "retry_budget": caller.budget.snapshot(),
             # Attempts whose replica or node went away, since this router started: carried on

@@ -50,20 +50,17 @@ from ballast.router.pipeline import Pipeline
 log = logging.getLogger("ballast.router")
 
 
-def model_ceiling(
-    cfg: Any, snap: Snapshot, share: Optional[float] = None, model: Optional[str] = None
-) -> Optional[int]:
-    """The ceiling of the gate to ``model`` (None: the first) from a snapshot (and this
-    router's fair share of the model, when the controller gave one):
-    ballast/policies/request.py's ``model_ceiling``."""
-    name = model if model is not None else cfg.models[0].name
-    rows = (snap.models.get(name) or {}).get("engine_rows")
+def model_ceiling(cfg: Any, snap: Snapshot, model: str, share: Optional[float] = None) -> Optional[int]:
+    """The ceiling of the gate to ``model`` from a snapshot (and this router's fair share of
+    the model, when the controller gave one): ballast/policies/request.py's ``model_ceiling``."""
+    state = snap.models.get(model)
+    rows = state.engine_rows if state is not None else None
     return request_policy.model_ceiling(
-        snap.running_replicas.get(cfg.deployment_name(name), 0),
+        snap.running_replicas.get(cfg.deployment_name(model), 0),
         snap.running_replicas.get(ROUTER_DEPLOYMENT, 0),
-        cfg.deployment_of(name).max_ongoing_requests,
+        cfg.deployment_of(model).max_ongoing_requests,
         share,
-        int(rows) if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None,
+        rows if rows is not None and rows > 0 else None,
     )
 
 
@@ -139,7 +136,7 @@ class Reporter:
         fair = self._fair()
         if fair is None:
             return {}
-        if self._cache.effective().source != "snapshot":
+        if not self._cache.is_fresh():
             fair.adopt(None)
             if self._fair_share is not None and self._cache.snapshot is not None:
                 self._fair_share = None
@@ -344,4 +341,4 @@ class Reporter:
         for name, lane in self._pipeline.lanes.items():
             if lane.gate is not None:
                 share = self._fair_share if lane is self._pipeline.primary else None
-                lane.gate.limit.set_ceiling(model_ceiling(self._cfg, snap, share, name))
+                lane.gate.limit.set_ceiling(model_ceiling(self._cfg, snap, name, share))

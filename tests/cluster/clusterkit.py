@@ -19,6 +19,7 @@ import httpx
 
 from loadtest.cluster_load import ClusterLoad
 from loadtest import netcluster
+from ballast.ops.status_text import model_view, sole_model
 
 REPORT: list[dict[str, Any]] = []
 
@@ -142,9 +143,10 @@ class Cluster:
         for i in range(asks):
             try:
                 st = self.admin_call("GET", "/v1/status", endpoints[i % len(endpoints)]).json()
-                b = st["breakers"]["primary"]
+                model = model_view(st, sole_model(st))  # the cluster serves one model
+                b = model["breakers"]["primary"]
                 seen[st["router_id"][-6:]] = (
-                    f"failed {b['failed_attempts']}, lost {st['lost_capacity']}, breaker {b['state']}"
+                    f"failed {b['failed_attempts']}, lost {model['lost_capacity']}, breaker {b['state']}"
                 )
             except (httpx.HTTPError, KeyError, ValueError, TypeError):
                 continue

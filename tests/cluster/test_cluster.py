@@ -212,7 +212,10 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
         wait_until(lambda: cluster.where("Controller") == [survivor.ip], 120, 1, "the controller on the other worker")
         status = lambda: cluster.admin_call("GET", "/v1/status", survivor.endpoint).json()  # noqa: E731
         wait_until(
-            lambda: status()["snapshot"]["epoch"] != epoch and status()["source"] == "snapshot",
+            lambda: (
+                status()["snapshot"]["epoch"] != epoch
+                and {m["source"] for m in status()["models"].values()} == {"snapshot"}
+            ),
             60,
             1,
             "routers following the new controller",

@@ -17,6 +17,8 @@ import httpx
 import pytest
 import yaml
 
+from ballast.ops.status_text import model_view, sole_model
+
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8123
 BASE = f"http://127.0.0.1:{PORT}"
@@ -97,6 +99,14 @@ def status(client: httpx.Client) -> dict[str, Any]:
     return r.json()
 
 
+def model_status(client: httpx.Client, name: "str | None" = None) -> dict[str, Any]:
+    """One model in /v1/status (the only one the stack serves, when unnamed): this router's
+    view of it (level, source, breakers, retry budget, lost capacity, gate) and the
+    controller's state of it under ``controller`` (target, reason, inputs)."""
+    doc = status(client)
+    return model_view(doc, name if name is not None else sole_model(doc))
+
+
 def serve_replica_states(deployment: str = "BallastModel") -> dict[str, int]:
     """Serve's own count of a deployment's replicas by state (RUNNING, STARTING, STOPPING, ...).
 
@@ -133,7 +143,7 @@ def wait_chaos(client: httpx.Client, target: str, settings: "dict[str, Any] | No
 
 
 def breaker(client, role="primary") -> str:
-    return status(client)["breakers"][role]["state"]
+    return model_status(client)["breakers"][role]["state"]
 
 
 def heal(client, role="primary", timeout_s=30.0) -> None:
@@ -171,7 +181,8 @@ def wait_quiet(client: httpx.Client, timeout_s: float = 120) -> None:
     def quiet() -> bool:
         seen.update(status(client))
         model = seen["replicas"]["BallastModel"]
-        return seen["level"] == 0 and model["desired"] == model["running"] == 1
+        levels = {m["level"] for m in seen["models"].values()}
+        return levels == {0} and model["desired"] == model["running"] == 1
 
     try:
         wait_until(quiet, timeout_s, 0.5, "level 0 with one model replica")

@@ -18,7 +18,18 @@ import time
 import httpx
 import pytest
 
-from conftest import ADMIN, BASE, FREE, GOLD, breaker, clear_chaos, set_chaos, status, wait_quiet, wait_until
+from conftest import (
+    ADMIN,
+    BASE,
+    FREE,
+    GOLD,
+    breaker,
+    clear_chaos,
+    model_status,
+    set_chaos,
+    wait_quiet,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -284,7 +295,7 @@ async def _stream_whole(c: httpx.AsyncClient, max_tokens: int) -> dict:
 
 def test_poison_from_one_tenant_leaves_another_tenants_streams_whole_and_the_breaker_closed(client, ballast):
     wait_quiet(client)
-    failed_before = dict(status(client)["breakers"]["primary"]["failed_attempts"])
+    failed_before = dict(model_status(client)["breakers"]["primary"]["failed_attempts"])
     max_tokens = 48
     poisons = _poisons(ballast.limits)
 
@@ -306,4 +317,4 @@ def test_poison_from_one_tenant_leaves_another_tenants_streams_whole_and_the_bre
     assert not bad, bad
     assert breaker(client) == "closed"
     # Refused for their own input: no attempt at the model failed, nothing moved the breaker.
-    assert status(client)["breakers"]["primary"]["failed_attempts"] == failed_before
+    assert model_status(client)["breakers"]["primary"]["failed_attempts"] == failed_before

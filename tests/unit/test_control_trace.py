@@ -89,7 +89,7 @@ def controller_path() -> list[dict]:
             kills.append(core.recycler.kill_orders.popleft()["replica_id"])
         out.append(
             {
-                "level": snap.level,
+                "level": snap.models[MODEL].level,
                 "desired": snap.desired_replicas[MODEL_DEPLOYMENT],
                 "surge": snap.autoscale[MODEL_DEPLOYMENT]["recycle_surge"],
                 "recycling": sorted(snap.recycle_orders),

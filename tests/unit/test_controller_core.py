@@ -225,16 +225,16 @@ class TestErrorRate:
     def test_a_high_error_rate_with_enough_requests_raises_the_level(self, h: Harness) -> None:
         h.replica("m1")
         h.router("r1", inflight=0, requests=19, errors=19)
-        assert h.core.tick().level == 0  # below error_rate_min_requests (20): noise
+        assert h.core.tick().models[MODEL].level == 0  # below error_rate_min_requests (20): noise
         h.router("r1", inflight=0, requests=1, errors=1)
         snap = h.core.tick()
-        assert snap.level == 1  # one level on the first sample that asks
-        assert snap.reason.startswith("up 0->1: error_rate=1>=0.1")
+        assert snap.models[MODEL].level == 1  # one level on the first sample that asks
+        assert snap.models[MODEL].reason.startswith("up 0->1: error_rate=1>=0.1")
         h.advance()
         h.replica("m1")
         snap = h.core.tick()  # still asked a second later: all the way
-        assert snap.level == 3
-        assert snap.reason.startswith("up 1->3: error_rate=1>=0.1")
+        assert snap.models[MODEL].level == 3
+        assert snap.models[MODEL].reason.startswith("up 1->3: error_rate=1>=0.1")
 
 
 # --------------------------------------------------------------------------- tick: level
@@ -243,33 +243,33 @@ class TestErrorRate:
 class TestLevel:
     def test_initial_snapshot_is_level_zero_version_one(self, h: Harness) -> None:
         s = h.core.snapshot()
-        assert (s["version"], s["level"], s["reason"]) == (1, 0, "starting")
+        assert (s["version"], s["models"][MODEL]["level"], s["models"][MODEL]["reason"]) == (1, 0, "starting")
         assert s["epoch"] == h.core.epoch
         assert s["created_at_s"] == 1_000_000
 
     def test_big_queue_raises_the_level_in_two_reports(self, h: Harness) -> None:
         h.replica("m1", queued=600)
-        assert (h.core.tick().level, h.core.snapshot()["target_level"]) == (1, 4)
+        assert (h.core.tick().models[MODEL].level, h.core.snapshot()["models"][MODEL]["target_level"]) == (1, 4)
         h.advance()
         h.replica("m1", queued=600)
         snap = h.core.tick()
-        assert snap.level == 4
-        assert snap.target_level == 4
-        assert snap.inputs["queue_length"] == 600
-        assert snap.constraints == h.core.cfg.degradation_config().constraints[4].to_dict()
+        assert snap.models[MODEL].level == 4
+        assert snap.models[MODEL].target_level == 4
+        assert snap.models[MODEL].inputs.queue_length == 600
+        assert snap.models[MODEL].constraints == h.core.cfg.degradation_config().constraints[4]
 
     @pytest.mark.parametrize("queued, level", [(49, 0), (50, 1), (100, 2), (199, 2), (200, 3), (500, 4)])
     def test_level_follows_the_queue_thresholds(self, h: Harness, queued: int, level: int) -> None:
         h.replica("m1", queued=queued)
-        assert h.core.tick().level == min(level, 1)
+        assert h.core.tick().models[MODEL].level == min(level, 1)
         h.advance()
         h.replica("m1", queued=queued)
-        assert h.core.tick().level == level
+        assert h.core.tick().models[MODEL].level == level
 
     def reach(self, h: Harness, queued: int) -> int:
         for _ in range(2):
             h.replica("m1", queued=queued)
-            level = h.core.tick().level
+            level = h.core.tick().models[MODEL].level
             h.advance()
         return level
 
@@ -278,7 +278,7 @@ class TestLevel:
         levels = []
         for _ in range(DEG_WINDOW_S + 2):
             h.replica("m1", queued=0)
-            levels.append(h.core.tick().level)
+            levels.append(h.core.tick().models[MODEL].level)
             h.advance()
         # Quiet from the first tick here: after DEG_WINDOW_S seconds of it, straight to 0.
         assert levels == [4] * DEG_WINDOW_S + [0, 0]
@@ -289,7 +289,7 @@ class TestLevel:
         for t in range(1, 12):
             # Quiet, except at t=3 where the queue is back at level 3's threshold.
             h.replica("m1", queued=250 if t == 3 else 0)
-            levels.append(h.core.tick().level)
+            levels.append(h.core.tick().models[MODEL].level)
             h.advance()
         # Streak t=1,2 broken at t=3; restarts at t=4, drops at t=4+5=9.
         assert levels == [3, 3, 3, 3, 3, 3, 3, 3, 0, 0, 0]
@@ -298,15 +298,15 @@ class TestLevel:
         assert self.reach(h, 120) == 2
         for _ in range(DEG_WINDOW_S - 1):
             h.replica("m1", queued=0)
-            assert h.core.tick().level == 2
+            assert h.core.tick().models[MODEL].level == 2
             h.advance()
         h.replica("m1", queued=600)  # one report: one level up, the quiet streak is gone
-        assert h.core.tick().level == 3
+        assert h.core.tick().models[MODEL].level == 3
         h.advance()
         levels = []
         for _ in range(DEG_WINDOW_S + 1):
             h.replica("m1", queued=0)
-            levels.append(h.core.tick().level)
+            levels.append(h.core.tick().models[MODEL].level)
             h.advance()
         assert levels == [3] * DEG_WINDOW_S + [0]
 
@@ -315,11 +315,11 @@ class TestLevel:
         h.core.tick()
         h.advance()
         h.replica("m1", queued=600)
-        assert h.core.tick().level == 4
+        assert h.core.tick().models[MODEL].level == 4
         levels = []
         for _ in range(EXPIRY_S + DEG_WINDOW_S + 1):
             h.advance()
-            levels.append(h.core.tick().level)  # no new reports at all
+            levels.append(h.core.tick().models[MODEL].level)  # no new reports at all
         # Report counts through age EXPIRY_S; the quiet streak starts the tick after.
         assert levels == [4] * (EXPIRY_S + DEG_WINDOW_S) + [0]
 
@@ -392,7 +392,7 @@ class TestDesiredReplicas:
         assert snap.autoscale[MODEL_DEPLOYMENT]["ongoing_requests"] == 68
         assert snap.desired_replicas[MODEL_DEPLOYMENT] == 4
         # ... but not a queue for the level (the gate refuses each by its deadline).
-        assert snap.inputs["queue_length"] == 0 and snap.level == 0
+        assert snap.models[MODEL].inputs.queue_length == 0 and snap.models[MODEL].level == 0
 
     def test_only_model_replicas_count_as_running_model_replicas(self, h: Harness) -> None:
         h.core.report_replica(ReplicaReport(replica_id="x", deployment="Other", queued=0))
@@ -459,17 +459,18 @@ class TestBounded:
 class TestConfigure:
     def test_configure_swaps_thresholds_forgets_reports_and_keeps_the_models_level(self, h: Harness) -> None:
         h.replica("m1", queued=60)
-        assert h.core.tick().level == 1
+        assert h.core.tick().models[MODEL].level == 1
         v = h.core.snapshot()["version"]
         h.core.configure(make_cfg(degradation={"queue_length_thresholds": [10, 20, 30, 40]}))
         assert h.core.signals(MODEL).queue_length == 0  # old reports gone
         h.replica("m1", queued=60)
         snap = h.core.tick()
-        assert (snap.level, snap.target_level) == (2, 4)  # the model stays: one level up from where it was
+        state = snap.models[MODEL]
+        assert (state.level, state.target_level) == (2, 4)  # the model stays: one level up from where it was
         assert snap.version == v + 1  # versions keep rising within the epoch
         h.advance()
         h.replica("m1", queued=60)
-        assert h.core.tick().level == 4
+        assert h.core.tick().models[MODEL].level == 4
 
 
 def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(h: Harness) -> None:
@@ -482,8 +483,8 @@ def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(
     assert sig.demand_rps == {"critical": 28.0, "sheddable_plus": 42.0, "sheddable": 70.0}
     assert sig.capacity_rps == 35.0  # both routers' answers, measured while a gate was full
     snap = h.core.tick()
-    assert snap.level == 1 and snap.reason.startswith("up 0->1: demand=70>=38.5")
-    assert snap.inputs["demand_rps"]["sheddable"] == 70.0
+    assert snap.models[MODEL].level == 1 and snap.models[MODEL].reason.startswith("up 0->1: demand=70>=38.5")
+    assert snap.models[MODEL].inputs.demand_rps["sheddable"] == 70.0
     # No gate full: no capacity figure, and demand alone asks for nothing.
     h.router("a", demand_rps={"sheddable": 500.0}, served_rps=20.0, gate_full=False)
     assert h.core.signals(MODEL).capacity_rps is None
@@ -519,7 +520,7 @@ def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
     assert core.rejected_reports == 6
     core.report_replica(ReplicaReport(replica_id="ok", deployment="BallastModel", queued=7, running=1))
     snap = core.tick()  # would raise if a malformed report had been kept
-    assert snap.inputs["queue_length"] == 7
+    assert snap.models[MODEL].inputs.queue_length == 7
 
 
 def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():

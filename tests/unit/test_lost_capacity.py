@@ -59,7 +59,7 @@ def levels_after(report: RouterReport, seconds: int) -> list[int]:
         core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, queued=0, running=0))
         if t == 0:
             core.report_router(report)
-        out.append(core.tick().level)
+        out.append(core.tick().models[MODEL].level)
         clock.advance(1)
         wall.advance(1)
     return out
@@ -102,4 +102,5 @@ def test_a_request_sent_again_after_a_lost_replica_says_so_and_counts_no_error(s
     load = report.load(MODEL)
     assert (load.requests, load.errors, load.lost_capacity) == (1, 0, 1)
     status = client.get("/v1/status", headers={"authorization": "Bearer admin-token"})
-    assert status.json()["lost_capacity"] == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 0}
+    lost = status.json()["models"][MODEL]["lost_capacity"]
+    assert lost == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 0}

@@ -386,10 +386,7 @@ async def test_an_answer_charges_its_tenant_and_the_reports_carry_it_to_the_cont
         epoch="e",
         version=2,
         created_at_s=time.time(),
-        level=0,
-        target_level=0,
-        reason="test",
-        constraints=router.snapshots.snapshot.constraints,
+        models=router.snapshots.snapshot.models,
         running_replicas={MODEL_DEPLOYMENT: 2, ROUTER_DEPLOYMENT: 2},
     )
     router.snapshots.offer(snap)
