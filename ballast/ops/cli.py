@@ -310,7 +310,7 @@ def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict]
 def serve(
     config: str = typer.Option("cluster/local.yaml", help="the Ballast config (YAML)"),
     dashboard: bool = typer.Option(True, help="start the Ray dashboard (and its metrics agent)"),
-    model: str = typer.Option("", help="serve this local Hugging Face model directory as the primary model"),
+    model: str = typer.Option("", help="serve this local Hugging Face model directory as the config's first model"),
     engine: str = typer.Option("transformers", help="the engine for --model: transformers or vllm"),
 ) -> None:
     """Run the local stack in the foreground (embedded Ray); Ctrl-C stops it."""

@@ -65,13 +65,13 @@ class Router:
         ``fallbacks``: each fallback's handle by its model's name (one model: the handle)."""
         self._cfg = cfg = load_config(cfg)
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
-        primary = cfg.models[0].name
-        self._handles = models if isinstance(models, dict) else {primary: models}
-        fallbacks = fallbacks if isinstance(fallbacks, dict) else ({primary: fallbacks} if fallbacks else {})
+        one = cfg.models[0].name  # a handle given alone is the one model's
+        self._handles = models if isinstance(models, dict) else {one: models}
+        fallbacks = fallbacks if isinstance(fallbacks, dict) else ({one: fallbacks} if fallbacks else {})
         self._key_table: Any = None  # the shared idempotency key table's handle, once needed
         self._openapi: Optional[dict[str, Any]] = None  # built at the first GET /openapi.json
         keys = KeyStore.from_config(cfg)
-        self.metrics = RouterMetrics(primary)
+        self.metrics = RouterMetrics()  # every per-model series is recorded with its model's tag
         self._link, self.snapshots, self._exchange = connect(
             cfg,
             "report_router",
@@ -90,7 +90,6 @@ class Router:
             IdempotencyStore(cfg.resilience.idempotency, shared=SharedKeys(self._keys_handle, self.router_id)),
             self.metrics,
         )
-        self.tally = self.pipeline.tally  # the first model's
         self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None, keys)
         self._native = NativeFront(self.pipeline, cfg.limits)
         self._openai = OpenAIFront(self.pipeline, cfg, created_s=int(time.time()))

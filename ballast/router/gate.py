@@ -1,4 +1,5 @@
-"""The router's gate to the primary model: the glue around ballast/policies/gate.py.
+"""A router's gate to one model (each model's lane has its own, lanes.py): the glue around
+ballast/policies/gate.py.
 
 At most ``limit.value`` requests from this router are at the model at once
 (ballast/policies/limiter.py moves the limit). A request that finds it reached waits here,

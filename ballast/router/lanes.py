@@ -72,7 +72,7 @@ def build_lanes(
     metrics: RouterMetrics,
     hooks: Callable[[str], CallHooks],
 ) -> dict[str, Lane]:
-    """One lane per served model, in the config's order (the first is the primary):
+    """One lane per served model, in the config's order (the first is the default lane):
     ``handles``/``fallbacks`` are the models' Serve handles by model name, ``hooks(name)``
     the caller's hooks for model ``name``."""
     lanes: dict[str, Lane] = {}

@@ -66,15 +66,14 @@ from ballast.errors import (
 )
 from ballast.router.api import bearer_token
 from ballast.router.auth import KeyStore, cache_salts
-from ballast.router.gate import GateRefused, GateSlot, PriorityGate
+from ballast.router.gate import GateRefused, GateSlot
 from ballast.router.lanes import Lane
 from ballast.router.idempotency import IdempotencyStore, request_fingerprint
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
 from ballast.model.protocol import ModelCall, ModelChunk
-from ballast.router.accounts import Accounts, Outcome
-from ballast.router.resilience import CallRecord, CallSpec, Reply, ResilientCaller
-from ballast.router.tally import Tally
+from ballast.router.accounts import Outcome
+from ballast.router.resilience import CallRecord, CallSpec, Reply
 from ballast.policies.catalog import Target
 from ballast.router.ticket import Charge, TenantPlaces, Ticket
 
@@ -241,7 +240,8 @@ class Pipeline:
         self._salts = dict(salts) if salts is not None else cache_salts(cfg)
         self.snapshots = cache  # the controller's snapshot (the levels), kept fresh off the request path
         self.lanes = lanes  # one per model, in the config's order (lanes.py)
-        self.primary = next(iter(lanes.values()))  # the first model's: a request naming none goes there
+        # The lane of a request that names no model: the config's first model (its default).
+        self.default_lane = next(iter(lanes.values()))
         self.quotas = quotas
         self._idem = idempotency
         self.metrics = metrics
@@ -284,17 +284,17 @@ class Pipeline:
     # -- 2. the model ----------------------------------------------------------------------
     def target(self, caller: Caller, name: Optional[str]) -> tuple[Lane, Target]:
         """The lane and the model/adapter that ``name`` (a request's ``model`` field; None:
-        the first model) means for the caller's tenant: 404 model_not_found when it names
+        the default model) means for the caller's tenant: 404 model_not_found when it names
         nothing served or nothing the tenant may use (alike, ``policies/catalog.py``)."""
-        catalog, asked = self.catalog, name if name is not None else self.primary.name
+        catalog, asked = self.catalog, name if name is not None else self.default_lane.name
         target = catalog.target_for(caller.tenant, asked)
         if target is None or target.model not in self.lanes:
             raise ModelNotFound.named(asked, [entry.id for entry in catalog.listed_for(caller.tenant)])
         return self.lanes[target.model], target
 
     def lane(self, call: ModelCall) -> Lane:
-        """The lane of the model ``call`` names (the first model's when it names none)."""
-        return self.lanes[call.model] if call.model is not None else self.primary
+        """The lane of the model ``call`` names (the default lane when it names none)."""
+        return self.lanes[call.model] if call.model is not None else self.default_lane
 
     # -- 3. admission ---------------------------------------------------------------------
     async def serve(self, req: ModelRequest) -> Union[Answer, Stream]:
@@ -595,20 +595,3 @@ class Pipeline:
             "lost_capacity": dict(caller.lost),
             "gate": lane.gate.snapshot() if lane.gate is not None else None,
         }
-
-    # -- the first model's parts, as a one-model router has them ---------------------------
-    @property
-    def caller(self) -> ResilientCaller:
-        return self.primary.caller
-
-    @property
-    def gate(self) -> Optional[PriorityGate]:
-        return self.primary.gate
-
-    @property
-    def tally(self) -> Tally:
-        return self.primary.tally
-
-    @property
-    def accounts(self) -> Accounts:
-        return self.primary.accounts

@@ -84,9 +84,8 @@ class Reporter:
         self._clock = clock
         self._router_id = router_id
         self._pipeline = pipeline
-        # What it reports is what the pipeline counts and acts on: its snapshots, tally, metrics.
+        # What it reports is what the pipeline counts and acts on: its snapshots, lanes, metrics.
         self._cache = pipeline.snapshots
-        self._tally = pipeline.tally
         self._metrics = pipeline.metrics
         self.edge = edge  # HAProxy refuses the classes the level sheds, when it runs the edge's rules
         # Per model: the edge's share to refuse of the classes its level admits.
@@ -95,7 +94,7 @@ class Reporter:
         # saturations) at the last report.
         self._demand = {name: DemandWindow(cfg.degradation.demand_window_s) for name in pipeline.lanes}
         self._gate_seen = dict.fromkeys(pipeline.lanes, (0, 0))
-        self._fair_share: Optional[float] = None  # this router's share of the model, from the controller
+        self._fair_share: Optional[float] = None  # this router's share of the fair lane's model, from the controller
         self._adapters_seen: list[dict[str, Any]] = []  # the run-time adapters the pipeline's catalog holds
         self._models_of: Any = None  # the catalog the edge's models map was built from
         self._models_map: dict[str, str] = {}
@@ -143,8 +142,15 @@ class Reporter:
                 self._set_ceiling(self._cache.snapshot)
         return fair.take_report()
 
+    def _fair_lane(self) -> Lane:
+        """The lane whose gate's fair-share counters are shared cluster-wide (``fairness.shared``):
+        the default model's. The controller merges one counter per tenant and apportions one
+        share per router, so one gate per router takes part; every other model's gate orders
+        its line by its own counters."""
+        return self._pipeline.default_lane
+
     def _fair(self) -> Optional[TenantCounters]:
-        gate = self._pipeline.gate
+        gate = self._fair_lane().gate
         if gate is None or gate.fair is None or not self._cfg.fairness.shared:
             return None
         return gate.fair
@@ -162,20 +168,27 @@ class Reporter:
                 m.gate.set(lane.gate.limit.value, tags={"kind": "limit", "model": name})
                 m.gate.set(lane.gate.in_flight, tags={"kind": "in_flight", "model": name})
                 m.gate.set(lane.gate.waiting, tags={"kind": "waiting", "model": name})
-        gate = self._pipeline.gate
-        if gate is not None:
-            if gate.fair is not None:
-                for tenant, value in gate.fair.counters().items():
-                    m.fair_counter.set(value, tags={"tenant": tenant})
-                    m.fair_backlogged.set(int(gate.fair.is_backlogged(tenant)), tags={"tenant": tenant})
+        gate = self._fair_lane().gate
+        counters = gate.fair if gate is not None else None
+        if counters is not None:  # the tenant gauges carry no model tag: the fair lane's counters
+            for tenant, value in counters.counters().items():
+                m.fair_counter.set(value, tags={"tenant": tenant})
+                m.fair_backlogged.set(int(counters.is_backlogged(tenant)), tags={"tenant": tenant})
 
     def _judged(self) -> frozenset[str]:
         """The models the edge refuses for: with one model, that one ("<class>" entries);
         with several, those its models map names (the open ones). A request for any
         other goes to the router."""
-        if len(self._pipeline.lanes) == 1:
-            return frozenset([self._pipeline.primary.name])
+        sole = self._sole_lane()
+        if sole is not None:
+            return frozenset([sole.name])
         return frozenset(self._models_map.values())
+
+    def _sole_lane(self) -> Optional[Lane]:
+        """The lane of a router serving one model (the edge's "<class>" entries are its); None
+        with several."""
+        lanes = self._pipeline.lanes
+        return next(iter(lanes.values())) if len(lanes) == 1 else None
 
     def sync_edge(self) -> None:
         """The edge's maps follow the levels this router acts on; its refusals since the
@@ -210,7 +223,7 @@ class Reporter:
         the map no longer names, or a model no longer served: none)."""
         lanes = self._pipeline.lanes
         if model is None:
-            return self._pipeline.primary if len(lanes) == 1 else None
+            return self._sole_lane()
         return lanes.get(model) if len(lanes) > 1 and model in self._judged() else None
 
     def _learn(self, now: float, lane: Lane, seen: dict[str, list[int]], refused: dict[str, int]) -> None:
@@ -274,10 +287,10 @@ class Reporter:
         does not name is the router's to refuse, by that model's own level)."""
         if self.edge is None:
             return
-        if len(self._pipeline.lanes) == 1:
-            name = self._pipeline.primary.name
-            own = self._cache.effective(name)
-            entries = shed_entries(own.level, own.constraints, self._drops(now, name))
+        sole = self._sole_lane()
+        if sole is not None:
+            own = self._cache.effective(sole.name)
+            entries = shed_entries(own.level, own.constraints, self._drops(now, sole.name))
         else:
             entries = {}
             for name in sorted(self._judged()):
@@ -336,9 +349,10 @@ class Reporter:
 
     def _set_ceiling(self, snap: Snapshot) -> None:
         """Each gate's ceiling: an even split of its model's slots among routers; for the
-        first model's, this router's fair share of them while tenants wait (the controller
-        apportions them: its fair-share counters are the first model's)."""
+        fair lane's (``_fair_lane``), this router's fair share of them while tenants wait
+        (the controller apportions them by the shared counters)."""
+        fair_lane = self._fair_lane()
         for name, lane in self._pipeline.lanes.items():
             if lane.gate is not None:
-                share = self._fair_share if lane is self._pipeline.primary else None
+                share = self._fair_share if lane is fair_lane else None
                 lane.gate.limit.set_ceiling(model_ceiling(self._cfg, snap, name, share))

@@ -50,6 +50,13 @@ def build_pipeline(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> A
     return build_router(cfg, primary, fallback).pipeline
 
 
+def only_lane(router_or_pipeline: Any) -> Any:
+    """The one lane of a router (or pipeline) serving one model: its gate, caller, tally."""
+    pipeline = getattr(router_or_pipeline, "pipeline", router_or_pipeline)
+    (lane,) = pipeline.lanes.values()
+    return lane
+
+
 def at_level(router: Any, level: int, models: "dict[str, int] | None" = None) -> None:
     """A snapshot with every model the router serves at ``level``, but ``models``' own
     levels by name."""

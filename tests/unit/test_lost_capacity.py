@@ -13,7 +13,7 @@ from ray.exceptions import ActorDiedError, RayTaskError
 
 from fakes import FakeClock
 from ballast.policies.reports import ReplicaReport, RouterReport
-from routerkit import at_level, build_router, routed
+from routerkit import at_level, build_router, only_lane, routed
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
 from ballast.names import MODEL_DEPLOYMENT
@@ -38,7 +38,7 @@ async def no_pause(seconds: float) -> None:
 def stack():
     primary = FakeHandle()
     router = build_router(CFG, primary)
-    router.pipeline.caller._sleep = no_pause
+    only_lane(router).caller._sleep = no_pause
     at_level(router, 0)
     with routed(router) as client:
         yield router, primary, client
@@ -74,8 +74,8 @@ def test_a_burst_of_lost_replicas_leaves_the_level_alone(stack) -> None:
     load = report.load(MODEL)
     assert (load.requests, load.errors, load.lost_capacity) == (BURST, 0, BURST * 4)
     assert len(primary.generate.calls) == BURST * 4  # each sent again three times (the limit)
-    assert router.pipeline.caller.lost == {"migrated": BURST * 3, "not_migrated": BURST, "streams_carried_on": 0}
-    assert router.pipeline.caller.backends[0].breaker.snapshot()["state"] == "closed"
+    assert only_lane(router).caller.lost == {"migrated": BURST * 3, "not_migrated": BURST, "streams_carried_on": 0}
+    assert only_lane(router).caller.backends[0].breaker.snapshot()["state"] == "closed"
     assert levels_after(report, 4) == [0, 0, 0, 0]
 
 

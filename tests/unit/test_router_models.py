@@ -182,10 +182,12 @@ def test_the_quota_charges_each_models_tokens_at_its_cost(router, handles):
     assert small_used == pytest.approx(6, abs=1e-3) and large_used == pytest.approx(24, abs=1e-3)
 
 
-def test_a_one_model_router_keeps_its_one_model_shape():
+def test_a_one_model_router_has_that_one_lane_and_no_shortcut_to_it():
     r = build_router({"auth": {"demo_keys": {"k": "t"}}, "tenants": {"t": {}}}, FakeHandle())
-    assert list(r.pipeline.lanes) == [load_config({}).model.name]
-    assert r.pipeline.gate is r.pipeline.primary.gate and r.tally is r.pipeline.primary.tally
+    name = load_config({}).model.name
+    assert list(r.pipeline.lanes) == [name] and r.pipeline.default_lane is r.pipeline.lanes[name]
+    assert not any(hasattr(r.pipeline, part) for part in ("gate", "caller", "tally", "accounts", "primary"))
+    assert not hasattr(r, "tally")
 
 
 def test_a_recycle_names_any_models_deployment_and_nothing_else(handles):
