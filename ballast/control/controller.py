@@ -194,7 +194,6 @@ class ControllerCore:
     def configure(self, cfg: BallastConfig) -> None:
         self.cfg = cfg
         self._deg_cfg = cfg.degradation_config()
-        self._primary = cfg.models[0].name
         # Models that stay keep their state; a removed model's goes with it.
         old: dict[str, _ModelControl] = getattr(self, "_models", {})
         self._models = {m.name: self._model_control(m.name, old.get(m.name)) for m in cfg.models}
@@ -240,8 +239,12 @@ class ControllerCore:
         )
 
     def deployments(self) -> list[str]:
-        """Every model's deployment and its fallback's, the first model's first."""
+        """Every model's deployment and its fallback's, in the config's order."""
         return [d for mc in self._models.values() for d in mc.deployments()]
+
+    def model_deployments(self) -> list[str]:
+        """Every model's own deployment (no fallback), in the config's order."""
+        return [mc.deployment for mc in self._models.values()]
 
     # -- reports ---------------------------------------------------------------------
     # Each report is checked again on arrival (ballast.policies.reports.checked): anything that
@@ -381,13 +384,13 @@ class ControllerCore:
                     "watchdog": _watchdog_status(wd),
                 }
             )
-        # The availability account for the first model's deployment (as before), and each
-        # model deployment's expected availability beside it.
+        # The availability account: each model deployment's expected availability at its
+        # replicas running, the fleet's measured one.
         running = self._snapshot.running_replicas
         per_dep = {mc.deployment: running.get(mc.deployment, 0) for mc in self._models.values()}
         return {
             "replicas": rows,
-            **self.recycler.summary(per_dep[self._models[self._primary].deployment], per_dep),
+            **self.recycler.summary(per_dep),
             "events": list(self.recycler.events)[-50:],
             "leases": [lease.to_dict() for lease in self.recycler.leases.leases()],
         }
@@ -496,7 +499,6 @@ class ControllerCore:
         """A new snapshot: every model's state, alike."""
         self._version += 1
         models = {name: self._model_state(name, mc, ticks.get(name)) for name, mc in self._models.items()}
-        first = models[self._primary]
         desired = {t.deployment: t.step.desired_replicas for t in ticks.values()}
         return Snapshot(
             epoch=self.epoch,
@@ -520,7 +522,7 @@ class ControllerCore:
             adapters=[a.to_dict() for a in self._adapters.values()],
             chaos=dict(self._chaos),
             recycle_orders=dict(self.recycler.orders),
-            recycle=self.recycler.summary(desired.get(first.deployment, 0), desired),
+            recycle=self.recycler.summary(desired),
         )
 
     # -- kill switch and chaos (admin, off the request path) -----------------------------
@@ -794,8 +796,9 @@ class Controller:
         )
         self._m_avail = metrics.Gauge(
             "ballast_availability",
-            "Replica availability under recycling: expected (a rolling restart's formula) and measured.",
-            tag_keys=("kind",),
+            "Replica availability under recycling: expected per model deployment (a rolling restart's "
+            "formula), and measured over the fleet (no deployment).",
+            tag_keys=("kind", "deployment"),
         )
 
     # -- recycle leases and admin state survive a controller restart in Ray's KV store --------
@@ -855,10 +858,12 @@ class Controller:
         for d in deps:
             self._m_in_flight.set(sum(1 for f in rec.state.in_flight if f.deployment == d), tags={"deployment": d})
             self._m_oldest.set(rec.oldest_in_flight_s(d), tags={"deployment": d})
-        avail = rec.availability(self._core.desired(deps[0]))  # the first model's deployment
-        for kind in ("expected", "measured"):
-            if avail[kind] is not None:
-                self._m_avail.set(avail[kind], tags={"kind": kind})
+        avail = rec.availability({d: self._core.desired(d) for d in self._core.model_deployments()})
+        for dep, expected in avail["expected"].items():
+            if expected is not None:
+                self._m_avail.set(expected, tags={"kind": "expected", "deployment": dep})
+        if avail["measured"] is not None:
+            self._m_avail.set(avail["measured"], tags={"kind": "measured", "deployment": ""})
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():

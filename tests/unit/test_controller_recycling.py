@@ -285,7 +285,9 @@ def test_expected_availability_follows_the_schedule() -> None:
     f = harness(cfg(max_age_s=6 * 3600, forced_max_age_s=24 * 3600, restart_estimate_s=60))
     snap = f.step()
     # a rolling restart: (N-1)/N + (1 - T_restart/T_period)/N with N = 2, T = 60 s, period 6 h
-    assert snap["recycle"]["availability"]["expected"] == pytest.approx(0.5 + (1 - 60 / 21600) / 2, abs=1e-6)
+    assert snap["recycle"]["availability"]["expected"] == {
+        MODEL_DEPLOYMENT: pytest.approx(0.5 + (1 - 60 / 21600) / 2, abs=1e-6)
+    }
 
 
 def test_malformed_watchdog_reports_are_refused_when_built_and_dropped_on_arrival() -> None:
