@@ -40,7 +40,7 @@ def live_document() -> dict[str, Any]:
     clock.advance(1)
     wall.advance(1)
     core.tick()
-    core.set_kill_switch("tenant", "free", "abuse from one key", 600, "alice")
+    core.admin.set_kill_switch("tenant", "free", "abuse from one key", 600, "alice")
     snap = core.snapshot()
 
     breaker = CircuitBreaker(

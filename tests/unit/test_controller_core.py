@@ -589,44 +589,44 @@ def test_leases_split_a_tenants_rate_by_demand_and_cap_borrowing():
 
 
 def test_kill_switches_chaos_and_audit_are_taken_back_by_a_restarted_controller(h: Harness) -> None:
-    assert not h.core.admin_dirty
-    keep = h.core.set_kill_switch("criticality", "sheddable_plus", "runaway clients", 600, "ops")
-    short = h.core.set_kill_switch("global", None, "maintenance", 5, "ops")
-    h.core.set_chaos("primary", {"latency_ms": 50}, "ops")
-    assert h.core.admin_dirty  # the actor writes it before the admin call answers
-    state = json.loads(json.dumps(h.core.admin_state()))  # what goes through Ray's KV store
+    assert not h.core.admin.dirty
+    keep = h.core.admin.set_kill_switch("criticality", "sheddable_plus", "runaway clients", 600, "ops")
+    short = h.core.admin.set_kill_switch("global", None, "maintenance", 5, "ops")
+    h.core.admin.set_chaos("primary", {"latency_ms": 50}, "ops")
+    assert h.core.admin.dirty  # the actor writes it before the admin call answers
+    state = json.loads(json.dumps(h.core.admin.to_dict()))  # what goes through Ray's KV store
 
     # The controller dies; another starts 10 s later (wall clock): the 5 s switch has expired.
     h.wall.advance(10)
     again = ControllerCore(make_cfg(), clock=h.clock, wall_clock=h.wall)
-    assert again.adopt_admin_state(state) == 1
+    assert again.admin.adopt(state) == 1
     snap = again.snapshot()
     assert [e["id"] for e in snap["kill_switches"]] == [keep["id"]]
     assert short["id"] not in {e["id"] for e in snap["kill_switches"]}
     assert snap["chaos"] == {"primary": {"latency_ms": 50}}
-    audit = again.kill_switches()["audit"]
+    audit = again.admin.kill_switches()["audit"]
     assert [e["action"] for e in audit] == ["kill_switch_set", "kill_switch_set", "chaos_set", "admin_state_adopted"]
 
 
 def test_a_malformed_persisted_state_loses_only_its_bad_entries(h: Harness) -> None:
-    good = h.core.set_kill_switch("criticality", "sheddable", "shed", 60, "ops")
-    state = h.core.admin_state()
+    good = h.core.admin.set_kill_switch("criticality", "sheddable", "shed", 60, "ops")
+    state = h.core.admin.to_dict()
     state["kill_switches"].append({"id": "x", "scope": "galaxy"})  # not a kill switch
     state["chaos"]["nowhere"] = {"latency_ms": 1}  # not a chaos target
     again = ControllerCore(make_cfg(), clock=h.clock, wall_clock=h.wall)
-    assert again.adopt_admin_state(state) == 1
+    assert again.admin.adopt(state) == 1
     assert [e["id"] for e in again.snapshot()["kill_switches"]] == [good["id"]]
     assert again.snapshot()["chaos"] == {}
     with pytest.raises(ValueError, match="admin state"):
-        again.adopt_admin_state(["not", "an", "object"])
+        again.admin.adopt(["not", "an", "object"])
 
 
 def test_an_expiring_kill_switch_marks_the_state_to_persist(h: Harness) -> None:
-    h.core.set_kill_switch("global", None, "maintenance", 5, "ops")
-    h.core.admin_dirty = False  # written
+    h.core.admin.set_kill_switch("global", None, "maintenance", 5, "ops")
+    h.core.admin.dirty = False  # written
     h.wall.advance(6)
-    assert h.core.kill_switches()["entries"] == []
-    assert h.core.admin_dirty
+    assert h.core.admin.kill_switches()["entries"] == []
+    assert h.core.admin.dirty
 
 
 # --------------------------------------------------------------------------- fair shares
@@ -675,8 +675,8 @@ def test_without_sharing_the_controller_hands_back_no_counters() -> None:
 def test_a_kill_switch_naming_no_tenant_model_or_class_is_refused_and_nothing_is_set(h: Harness) -> None:
     for scope, value in [("criticality", "sheddable "), ("tenant", "nobody"), ("model", "not-served")]:
         with pytest.raises(ValueError, match="^value: "):
-            h.core.set_kill_switch(scope, value, "incident", 60, "ops")
-    assert h.core.kill_switches()["entries"] == []
-    assert not h.core.admin_dirty
+            h.core.admin.set_kill_switch(scope, value, "incident", 60, "ops")
+    assert h.core.admin.kill_switches()["entries"] == []
+    assert not h.core.admin.dirty
     model = h.core.cfg.model.name
-    assert h.core.set_kill_switch("model", model, "incident", 60, "ops")["value"] == model
+    assert h.core.admin.set_kill_switch("model", model, "incident", 60, "ops")["value"] == model
