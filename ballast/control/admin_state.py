@@ -25,7 +25,7 @@ import json
 import logging
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 from ballast.config import BallastConfig
@@ -198,7 +198,7 @@ class AdminState:
         self._changed()
         return entry.to_dict()
 
-    def _kill_switch_names(self) -> dict[str, list[str]]:
+    def _kill_switch_names(self) -> dict[str, Iterable[str]]:
         """What a valued kill switch may name: the configured tenants and classes; every
         model, its fallback's model and its adapters (the config's and the run-time ones)."""
         models: list[str] = []

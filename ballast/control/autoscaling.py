@@ -49,12 +49,12 @@ class _SnapshotPoller:
     def _run(self) -> None:
         import ray
 
-        handle = None
+        handle: Any = None  # the controller's actor handle (Ray's API, untyped here)
         while True:
             try:
                 if handle is None:
                     handle = ray.get_actor(self._name, namespace=self._namespace)
-                snap = ray.get(handle.get_snapshot.remote(), timeout=self._timeout_s)
+                snap: dict[str, Any] = ray.get(handle.get_snapshot.remote(), timeout=self._timeout_s)
                 with self._lock:
                     self._latest, self._fetched_at = snap, time.time()
             except Exception:  # absent or restarting controller: the policy falls back

@@ -16,8 +16,8 @@ in the next round of reports (a second or so). What operators and recycles set i
 kept in Ray's KV store (the GCS) and taken back by the restarted controller: the
 recycle leases (recycling.py), and the kill switches, LoRA adapters added at run time,
 chaos settings and audit trail (``AdminState``, admin_state.py: written before the admin
-call answers, so an acknowledged kill switch or adapter survives). Its snapshots carry a new ``epoch`` so caches accept the restarted controller's
-versions, which start over at 1.
+call answers, so an acknowledged kill switch or adapter survives). Its snapshots carry a
+new ``epoch`` so caches accept the restarted controller's versions, which start over at 1.
 
 All per-sender maps are bounded: reports expire after ``report_expiry_s`` and the
 maps are capped at ``MAX_SENDERS`` entries (oldest evicted).
@@ -79,6 +79,23 @@ WATCHDOG_STATUS_KEYS = (
 )
 
 R = TypeVar("R")
+
+
+def _tenant_quotas(cfg: BallastConfig) -> dict[str, TenantQuota]:
+    """Each tenant's token quota (none for a tenant without a rate: its concurrency cap alone)."""
+    quotas: dict[str, TenantQuota] = {}
+    for name, t in cfg.tenants.items():
+        rate, burst = t.rate_tokens_per_s, t.burst
+        if rate is None or burst is None:
+            continue
+        quotas[name] = TenantQuota(
+            rate_tokens_per_s=rate,
+            burst_tokens=burst,
+            max_concurrent=t.max_concurrent or cfg.resilience.bulkhead.per_tenant,
+            weight=t.weight,
+            sheddable=t.sheddable,
+        )
+    return quotas
 
 
 class _Reports(Generic[R]):
@@ -186,19 +203,9 @@ class ControllerCore:
             self.recycler.configure(cfg.recycle)
         # Cluster-wide fair-share counters (ballast.policies.fairness): every router's charges
         # merged as they arrive; one entry per configured tenant, kept across a redeploy.
-        old = getattr(self, "_fair_counters", {})
-        self._fair_counters: dict[str, float] = {t: old.get(t, 0.0) for t in cfg.tenants}
-        self._quotas = {
-            name: TenantQuota(
-                rate_tokens_per_s=t.rate_tokens_per_s,
-                burst_tokens=t.burst,
-                max_concurrent=t.max_concurrent or cfg.resilience.bulkhead.per_tenant,
-                weight=t.weight,
-                sheddable=t.sheddable,
-            )
-            for name, t in cfg.tenants.items()
-            if t.rate_tokens_per_s is not None
-        }
+        counters: dict[str, float] = getattr(self, "_fair_counters", {})
+        self._fair_counters = {t: counters.get(t, 0.0) for t in cfg.tenants}
+        self._quotas = _tenant_quotas(cfg)
 
     def _model_control(self, name: str, old: Optional[_ModelControl]) -> _ModelControl:
         """Model ``name``'s control under ``self.cfg``: ``old``'s state kept when its deployment is the same."""
@@ -524,7 +531,7 @@ class Controller:
 
     def __init__(self, cfg: dict[str, Any]):
         self._core = ControllerCore(load_config(cfg))
-        self._task: Optional[asyncio.Task] = None
+        self._task: Optional[asyncio.Task[None]] = None
         self._kv_key = f"ballast:{self._core.cfg.app_name}:recycle-leases".encode()
         self._admin_key = f"ballast:{self._core.cfg.app_name}:admin-state".encode()
         self._adopt_leases()
@@ -668,7 +675,9 @@ class Controller:
         self._ensure_loop()
         return self._core.report_watchdog(report)
 
-    async def request_recycle(self, replica_id, deployment, everyone, by) -> list[str]:
+    async def request_recycle(
+        self, replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str
+    ) -> list[str]:
         return self._core.request_recycle(replica_id, deployment, bool(everyone), by)
 
     async def replica_status(self) -> dict[str, Any]:
@@ -681,7 +690,9 @@ class Controller:
     async def ping(self) -> str:
         return self._core.epoch
 
-    async def set_kill_switch(self, scope, value, reason, expires_in_s, set_by) -> dict[str, Any]:
+    async def set_kill_switch(
+        self, scope: str, value: Optional[str], reason: str, expires_in_s: float, set_by: str
+    ) -> dict[str, Any]:
         entry = self._core.admin.set_kill_switch(scope, value, reason, expires_in_s, set_by)
         await self._persist_admin()
         return entry
@@ -694,13 +705,13 @@ class Controller:
     async def kill_switches(self) -> dict[str, Any]:
         return self._core.admin.kill_switches()
 
-    async def reserve_adapter(self, model, name, path, tenants) -> None:
+    async def reserve_adapter(self, model: str, name: str, path: str, tenants: list[str]) -> None:
         self._core.admin.reserve_adapter(model, name, path, tenants)  # not persisted: a restart drops it
 
     async def release_adapter(self, name: str, path: str) -> bool:
         return self._core.admin.release_adapter(name, path)
 
-    async def set_adapter(self, model, name, path, tenants, by) -> dict[str, Any]:
+    async def set_adapter(self, model: str, name: str, path: str, tenants: list[str], by: str) -> dict[str, Any]:
         entry = self._core.admin.set_adapter(model, name, path, tenants, by)
         await self._persist_admin()
         return entry
@@ -751,8 +762,11 @@ def controller_options(cfg: BallastConfig) -> dict[str, Any]:
     )
 
 
-def ensure_controller(cfg: BallastConfig) -> "ray.actor.ActorHandle":
+def ensure_controller(cfg: BallastConfig) -> "ray.actor.ActorHandle[Any]":
     """Get the named controller, creating it if absent; push this config to it."""
-    handle = Controller.options(**controller_options(cfg)).remote(cfg.model_dump(mode="json"))
+    actor_class: Any = Controller  # ray.remote's actor class: Ray types it as the class it wraps
+    handle: "ray.actor.ActorHandle[Any]" = actor_class.options(**controller_options(cfg)).remote(
+        cfg.model_dump(mode="json")
+    )
     handle.configure.remote(cfg.model_dump(mode="json"))
     return handle

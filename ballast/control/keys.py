@@ -87,9 +87,10 @@ def keys_name(cfg: BallastConfig) -> str:
     return cfg.controller.name + SUFFIX
 
 
-def keys_actor(cfg: BallastConfig) -> "ray.actor.ActorHandle":
+def keys_actor(cfg: BallastConfig) -> "ray.actor.ActorHandle[Any]":
     """The shared key table, created by whichever router asks first (``get_if_exists``)."""
-    return IdempotencyKeys.options(
+    actor_class: Any = IdempotencyKeys  # ray.remote's actor class: Ray types its options() loosely
+    handle: "ray.actor.ActorHandle[Any]" = actor_class.options(
         name=keys_name(cfg),
         namespace=cfg.controller.namespace,
         lifetime="detached",
@@ -97,9 +98,10 @@ def keys_actor(cfg: BallastConfig) -> "ray.actor.ActorHandle":
         get_if_exists=True,
         num_cpus=cfg.controller.num_cpus,
     ).remote(cfg.resilience.idempotency)
+    return handle
 
 
-def lookup_keys(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":
+def lookup_keys(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle[Any]]":
     try:
         return ray.get_actor(keys_name(cfg), namespace=cfg.controller.namespace)
     except ValueError:

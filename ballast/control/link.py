@@ -15,7 +15,7 @@ from ballast.config import BallastConfig
 from ballast.control.snapshot import Report, Snapshot, SnapshotCache, SnapshotExchange
 
 
-def lookup_controller(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":
+def lookup_controller(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle[Any]]":
     try:
         return ray.get_actor(cfg.controller.name, namespace=cfg.controller.namespace)
     except ValueError:
@@ -32,7 +32,7 @@ class ControllerLink:
 
     def __init__(self, cfg: BallastConfig):
         self._cfg = cfg
-        self._handle: "Optional[ray.actor.ActorHandle]" = None
+        self._handle: "Optional[ray.actor.ActorHandle[Any]]" = None
 
     async def call(self, method: str, *args: Any) -> Any:
         if self._handle is None:
@@ -43,7 +43,7 @@ class ControllerLink:
             self._handle = None
             raise
 
-    def _get_or_create(self) -> "ray.actor.ActorHandle":
+    def _get_or_create(self) -> "ray.actor.ActorHandle[Any]":
         found = lookup_controller(self._cfg)
         if found is not None:
             return found

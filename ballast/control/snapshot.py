@@ -55,6 +55,13 @@ def _check_ratio_or_none(name: str, value: object) -> None:
         raise ValueError(f"{name}: must be a number >= 0 or None, got {value!r}")
 
 
+def _required(raw: Mapping[str, Any], name: str) -> Any:
+    """``raw[name]``; a ValueError naming the field when it is missing."""
+    if name not in raw:
+        raise ValueError(f"{name}: missing from a model's state")
+    return raw[name]
+
+
 def _routing(raw: object) -> RoutingSummary:
     """A ``RoutingSummary`` from its ``as_dict`` (unknown keys ignored, each value checked)."""
     if not isinstance(raw, Mapping):
@@ -124,11 +131,11 @@ class ModelState:
         if not isinstance(constraints, Mapping):
             raise ValueError(f"constraints: must be a mapping, got {constraints!r}")
         return cls(
-            deployment=raw.get("deployment"),  # each value is checked in __post_init__
+            deployment=_required(raw, "deployment"),  # each value is checked in __post_init__
             constraints=LevelConstraints.from_dict(constraints),
-            level=raw.get("level"),
-            target_level=raw.get("target_level"),
-            reason=raw.get("reason"),
+            level=_required(raw, "level"),
+            target_level=_required(raw, "target_level"),
+            reason=_required(raw, "reason"),
             inputs=LoadSignals.from_dict(inputs) if inputs else None,
             engine_rows=raw.get("engine_rows"),
             routing=_routing(raw.get("routing", {})),

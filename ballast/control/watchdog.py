@@ -56,7 +56,9 @@ from ballast.policies.leak import (
     LadderState,
     LeakDetector,
     SeriesSpec,
+    Trend,
     Usage,
+    Verdict,
     assess,
     engine_lost_reason,
     hang_reason,
@@ -129,7 +131,8 @@ class PsutilSampler:
                     out[k] += v
             except psutil.Error:  # a child that ended between the listing and now
                 continue
-        return out
+        sampled: dict[str, Optional[float]] = {**out}
+        return sampled
 
     def _outside(self, under: set[int]) -> list[Any]:
         """The engine's processes not ``under`` the replica (rank actors), with theirs."""
@@ -373,7 +376,9 @@ class WatchdogCore:
             self._stalled_s, age, self._inflight, s.interval_s, s.hang_missed_heartbeats, s.silent_missed_heartbeats
         )
 
-    def _judge(self, now: float, values: dict[str, Optional[float]], warming_up: bool) -> tuple[dict, Any]:
+    def _judge(
+        self, now: float, values: dict[str, Optional[float]], warming_up: bool
+    ) -> tuple[dict[str, Trend], Verdict]:
         """The trends (fed this sample unless warming up) and the ladder's verdict on them and
         the usage; its actions queued for the replica."""
         if self._detector is None:
@@ -425,7 +430,7 @@ class Watchdog:
         from ballast.control.link import ControllerLink  # imports Ray: only where the actor runs
 
         self._link = ControllerLink(self._cfg)
-        self._task: Optional[asyncio.Task] = None
+        self._task: Optional[asyncio.Task[None]] = None
         self._replica_actor = str(info.actor_name)
         from ray.util import metrics  # created once, here (STYLE 8)
 

@@ -35,7 +35,8 @@ def build(cfg: BallastConfig) -> Application:
         models[m.name] = model_deployment(cfg, m.name).bind(data, "primary", m.name)
         if cfg.fallback_of(m.name) is not None:
             fallbacks[m.name] = fallback_deployment(cfg, m.name).bind(data, "fallback", m.name)
-    return router_deployment(cfg).bind(models, data, fallbacks)
+    app: Application = router_deployment(cfg).bind(models, data, fallbacks)
+    return app
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -88,7 +89,8 @@ def cluster_nodes() -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     Ray, ``ray start`` by hand) has none, and only its live nodes count."""
     import ray
 
-    nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    ray_api: Any = ray  # ray.nodes() carries no annotations
+    nodes = [dict(n["Resources"]) for n in ray_api.nodes() if n.get("Alive")]
     types: list[dict[str, float]] = []
     try:
         from ray._private.state import state
@@ -131,7 +133,8 @@ def shutdown(cfg: BallastConfig) -> None:
 
     from ballast.control.keys import lookup_keys
 
-    serve.shutdown()
+    serve_api: Any = serve  # serve.shutdown() carries no annotations
+    serve_api.shutdown()
     for handle in (lookup_controller(cfg), lookup_keys(cfg)):
         if handle is not None:
             ray.kill(handle, no_restart=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import logging
 import os
 import signal
 import stat
@@ -168,7 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ballast.router.ingress import apply_ingress_env
 
     apply_ingress_env(cfg)
-    ray.init(include_dashboard=args.dashboard, logging_level="WARNING")
+    ray.init(include_dashboard=args.dashboard, logging_level=logging.WARNING)
     # After ray.init: Ray's core installs its own SIGTERM handler (it aborts the
     # process); ours replaces it so that both signals shut down cleanly.
     stop = threading.Event()
@@ -275,7 +276,9 @@ def _options(
     ctx.obj = _Target(url, token, operator)
 
 
-def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict] = None, show: bool = True) -> Any:
+def _admin_call(
+    ctx: typer.Context, method: str, path: str, body: Optional[dict[str, Any]] = None, show: bool = True
+) -> Any:
     """One admin request; clear errors when the server is unreachable or the token is refused."""
     import httpx
 

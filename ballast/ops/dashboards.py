@@ -18,6 +18,7 @@ read as counts, and an event stays visible for a while after its replica is gone
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 OUT = Path(__file__).resolve().parents[2] / "cluster/grafana/dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -50,7 +51,7 @@ class Dashboard:
     title: str
     panels: tuple[Panel, ...] = field(default_factory=tuple)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         panels = []
         for i, p in enumerate(self.panels):
             panels.append(

@@ -111,13 +111,21 @@ class RuntimeAdapter:
         if not isinstance(tenants, (list, tuple)):
             raise TypeError(f'tenants: want a list of tenants, or ["{EVERY_TENANT}"]')
         return cls(
-            model=raw.get("model"),  # type: ignore[arg-type]  # checked in __post_init__
-            name=raw.get("name"),  # type: ignore[arg-type]
-            path=raw.get("path"),  # type: ignore[arg-type]
+            model=_field(raw, "model"),  # each value's type is checked in __post_init__
+            name=_field(raw, "name"),
+            path=_field(raw, "path"),
             tenants=tuple(tenants),
-            added_at_s=raw.get("added_at_s"),  # type: ignore[arg-type]
-            added_by=raw.get("added_by"),  # type: ignore[arg-type]
+            added_at_s=_field(raw, "added_at_s"),
+            added_by=_field(raw, "added_by"),
         )
+
+
+def _field(raw: dict[Any, Any], name: str) -> Any:
+    """``raw[name]``, as a record carries it (checked by ``RuntimeAdapter``); TypeError naming
+    the field when it is missing."""
+    if name not in raw:
+        raise TypeError(f"{name}: missing from the record")
+    return raw[name]
 
 
 # ---------------------------------------------------------------- the rule

@@ -191,7 +191,8 @@ class Admin:
 
     async def list_kill_switches(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)
-        return await self._controller("kill_switches")
+        switches: dict[str, Any] = await self._controller("kill_switches")  # the entries and the audit trail
+        return switches
 
     async def delete_kill_switch(self, entry_id: str, request: Request) -> dict[str, Any]:
         self._require_admin(request)
@@ -237,7 +238,8 @@ class Admin:
     async def replicas(self, request: Request) -> dict[str, Any]:
         """Every replica as its watchdog sees it, plus recycles in flight and recent events."""
         self._require_admin(request)
-        return await self._controller("replica_status")
+        status: dict[str, Any] = await self._controller("replica_status")
+        return status
 
     async def clear_chaos(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)

@@ -24,16 +24,16 @@ per-request rules (ballast/policies/request.py); this package gathers inputs and
 
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from fastapi import Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 
 from ballast.policies.breaker import BreakerEvent
 
-from ballast.config import load_config
+from ballast.config import BallastConfig, load_config
 from ballast.control.link import connect
 from ballast.names import ROUTER_DEPLOYMENT
 from ballast.errors import NotFound
@@ -56,14 +56,20 @@ from ballast.router.resilience import CallHooks
 from ballast.router.serve_status import ServeStatusView
 
 
+def _ping(handle: Any) -> Callable[[], Awaitable[object]]:
+    """The readiness probe of one model: a ping through its Serve handle."""
+    return lambda: handle.ping.remote()
+
+
 @serve.ingress(app)
 class Router:
     """One router replica: builds the pipeline, the fronts and the reporter; declares the routes."""
 
-    def __init__(self, models: Any, cfg: dict[str, Any], fallbacks: Any = None):
+    def __init__(self, models: Any, settings: dict[str, Any], fallbacks: Any = None) -> None:
         """``models``: each model's Serve handle by name (one model: its handle alone);
-        ``fallbacks``: each fallback's handle by its model's name (one model: the handle)."""
-        self._cfg = cfg = load_config(cfg)
+        ``settings``: the config as plain data; ``fallbacks``: each fallback's handle by its
+        model's name (one model: the handle). Serve's handles are typed Any here."""
+        self._cfg = cfg = load_config(settings)
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
         one = cfg.models[0].name  # a handle given alone is the one model's
         self._handles = models if isinstance(models, dict) else {one: models}
@@ -106,8 +112,7 @@ class Router:
         )
         # Health routes need no key: they answer from one model ping per interval at most.
         self.readiness = {
-            name: CachedProbe(lambda h=handle: h.ping.remote(), cfg.http.ready_probe_interval_s)
-            for name, handle in self._handles.items()
+            name: CachedProbe(_ping(handle), cfg.http.ready_probe_interval_s) for name, handle in self._handles.items()
         }
         # http.admin_port: the admin routes on 127.0.0.1 alone (admin_port.py), not on the public port.
         self.admin_listener: Optional[AdminListener] = None
@@ -178,22 +183,22 @@ class Router:
 
     # -- the model routes: each hands its request to its front ------------------------------
     @app.post("/v1/generate")
-    async def generate(self, request: Request):
+    async def generate(self, request: Request) -> Response:
         self._start()
         return await self._native.generate(request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
+    async def chat_completions(self, request: Request) -> Response:
         self._start()
         return await self._openai.complete(request, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(self, request: Request):
+    async def completions(self, request: Request) -> Response:
         self._start()
         return await self._openai.complete(request, chat=False)
 
     @app.get("/v1/models")
-    async def list_models(self, request: Request):
+    async def list_models(self, request: Request) -> JSONResponse:
         return self._openai.models(request)
 
     # -- status and admin ----------------------------------------------------------------
@@ -252,7 +257,7 @@ class Router:
         return JSONResponse(self._openapi)
 
     @app.get("/docs", include_in_schema=False)
-    async def docs(self):
+    async def docs(self) -> HTMLResponse:
         if not self._cfg.http.docs_page:
             raise NotFound("the docs page is off here (http.docs_page); the contract is at /openapi.json")
         return get_swagger_ui_html(openapi_url="/openapi.json", title="Ballast API")
@@ -294,9 +299,10 @@ class Router:
         return problems
 
 
-def router_deployment(cfg):
+def router_deployment(cfg: BallastConfig) -> Any:
+    """The router's Serve deployment (Serve's ``Deployment``, typed Any at this boundary)."""
     r = cfg.deployments.router
-    spread = {} if r.max_replicas_per_node is None else {"max_replicas_per_node": r.max_replicas_per_node}
-    return serve.deployment(
-        Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log, num_replicas=r.num_replicas, **spread)
-    )
+    own: dict[str, Any] = {"num_replicas": r.num_replicas}
+    if r.max_replicas_per_node is not None:
+        own["max_replicas_per_node"] = r.max_replicas_per_node
+    return serve.deployment(Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log, **own))

@@ -24,7 +24,7 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, NoReturn, Optional
 
 from ballast.policies import gate as rules
 from ballast.policies.criticality import Criticality
@@ -57,7 +57,7 @@ class _Waiter:
         tenant: str,
         deadline_s: float,
         cost: tuple[int, int],
-        fut: asyncio.Future,
+        fut: asyncio.Future[Optional[FairCharge]],
         since_s: float,
     ):
         self.rank, self.seq, self.tenant, self.deadline_s, self.cost, self.fut = (
@@ -157,8 +157,8 @@ class PriorityGate:
         if decision == rules.DISPLACE and not self._displace(rank):
             decision = "queue_full"
         if decision not in (rules.WAIT, rules.DISPLACE):
-            return self._refuse(decision)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+            self._refuse(decision)
+        fut: asyncio.Future[Optional[FairCharge]] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(rank, next(self._seq), tenant, deadline_s, cost, fut, self._clock())
         self._lines.setdefault(rank, {}).setdefault(tenant, deque()).append(waiter)
         self._entries += 1
@@ -167,19 +167,21 @@ class PriorityGate:
         try:
             await self._wait_for(asyncio.shield(fut), wait_s)
         except asyncio.TimeoutError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                return fut.result()  # granted in the same instant the wait ran out: the slot is ours
             if not fut.done():
                 fut.cancel()
                 self._add_waiting(waiter, -1)
             if fut.cancelled():
-                return self._refuse("expired")
-            raise fut.exception() from None  # displaced, or yielded its turn (expired)
+                self._refuse("expired")
+            error = fut.exception()
+            if error is not None:
+                raise error from None  # displaced, or yielded its turn (expired)
+            return fut.result()  # granted in the same instant the wait ran out: the slot is ours
         except asyncio.CancelledError:  # the client left while waiting
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release()  # a slot was granted but will never be used
-                if self.fair is not None and fut.result() is not None:
-                    self.fair.refund(fut.result())
+                charge = fut.result()
+                if self.fair is not None and charge is not None:
+                    self.fair.refund(charge)
             elif not fut.done():
                 fut.cancel()
                 self._add_waiting(waiter, -1)
@@ -228,7 +230,7 @@ class PriorityGate:
     def reserving(self) -> bool:
         return self._reserve.active()
 
-    def _refuse(self, reason: str) -> None:
+    def _refuse(self, reason: str) -> NoReturn:
         self.refused[reason] += 1
         raise GateRefused(reason)
 
@@ -311,7 +313,8 @@ class PriorityGate:
             else:
                 del line[tenant]
         oldest_first = sorted(heads, key=lambda t: heads[t].seq)
-        tenant = self.fair.pick(oldest_first) if self.fair is not None else oldest_first[0]
+        picked = self.fair.pick(oldest_first) if self.fair is not None else None
+        tenant = picked if picked is not None else oldest_first[0]
         self._entries -= 1
         return line[tenant].popleft()
 

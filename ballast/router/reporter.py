@@ -126,7 +126,8 @@ class Reporter:
         seen = self._gate_seen[lane.name]
         demand.add(offered, served - seen[0], saturations > seen[1])
         self._gate_seen[lane.name] = (served, saturations)
-        return replace(report, gate_waiting=gate.waiting, **demand.rates())
+        rates: dict[str, Any] = demand.rates()  # demand_rps, served_rps, gate_full: ModelLoad checks them
+        return replace(report, gate_waiting=gate.waiting, **rates)
 
     def _fair_charged(self) -> dict[str, float]:
         """What the gate charged each tenant since the last report, when counters are shared.

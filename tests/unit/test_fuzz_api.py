@@ -112,7 +112,8 @@ class CoreLink:
         self.core = ControllerCore(load_config(CFG), clock=FakeClock(0), wall_clock=FakeClock(1_000_000))
 
     async def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.core, method)(*args)
+        # The actor's admin methods are its core's AdminState's (controller.py), the rest the core's.
+        return getattr(self.core.admin if hasattr(self.core.admin, method) else self.core, method)(*args)
 
     async def exchange_once(self) -> None:
         """The snapshot exchange: the router keeps the snapshot the test offers."""
