@@ -186,6 +186,7 @@ def test_status_reports_level_inputs_and_replicas(client):
         assert 0 <= inputs["gpu_util_pct"] <= 100 and 0 < inputs["vram_pct"] < 100, inputs
     else:
         assert inputs["gpu_util_pct"] is None and inputs["vram_pct"] is None  # absent, not zero
-    model = s["replicas"]["BallastModel"]
-    assert model["desired"] >= 1 and model["running"] >= 1
-    assert s["constraints"]["admitted"]
+    replicas = s["replicas"]["BallastModel"]
+    assert replicas["desired"] >= 1 and replicas["running"] >= 1
+    assert model["constraints"]["admitted"]
+    assert snap["models"][name]["deployment"] == "BallastModel"
