@@ -158,6 +158,16 @@ class TestModelStates:
         with pytest.raises(ValueError, match=f"^{field}:"):
             Snapshot.from_dict(wire)
 
+    def test_a_model_state_missing_its_inputs_signal_or_a_field_is_refused_naming_it(self) -> None:
+        wire = self.three().to_dict()
+        del wire["models"]["b"]["inputs"]["queue_length"]
+        with pytest.raises(ValueError, match="^queue_length: missing"):
+            Snapshot.from_dict(wire)
+        wire = self.three().to_dict()
+        del wire["models"]["a"]["target_level"]
+        with pytest.raises(ValueError, match="^target_level: missing"):
+            Snapshot.from_dict(wire)
+
     def test_a_model_the_snapshot_does_not_name_is_fail_static_at_once(self) -> None:
         clock = FakeWallClock(5)
         cache = make_cache(clock)
