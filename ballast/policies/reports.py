@@ -203,8 +203,9 @@ class RouterReport:
 
     ``models`` holds every model the router serves, each alike: its ``ModelLoad`` by name.
     ``load(model)`` gives one model's (``IDLE`` for a model this router did not report).
-    The tenant fields (demand by tenant, fair-share charges, tenants waiting) are the
-    router's across all models: a tenant's quota holds across models.
+    The tenant fields are the router's, not a model's: its demand by tenant (a tenant's
+    quota holds across models), and the fair-share charges and tenants waiting at the one
+    gate per router whose counters the controller shares (the default model's).
     """
 
     router_id: str
