@@ -96,6 +96,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from ballast.names import ROUTER_DEPLOYMENT
+from ballast.ops.status_text import model_view, sole_model
 from loadtest import stack_cpu
 from loadtest.bench_router import _pct
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_uvloop
@@ -502,15 +503,28 @@ async def find_capacity(
     return cap, machine_rps
 
 
-async def sample_status(url: str, headers: dict[str, str], into: list[dict[str, Any]]) -> None:
-    """Ballast's ``/v1/status`` at ``url`` every 0.5 s into ``into``, each with ``_t`` (seconds
-    since the first); a failed read is skipped. Runs until cancelled."""
+def one_model(doc: dict[str, Any]) -> dict[str, Any]:
+    """A one-model stack's ``/v1/status`` (every stack here serves one) as that model's view:
+    its level, gate and breakers at this router, the controller's state under ``controller``
+    (``ballast.ops.status_text.model_view``)."""
+    return model_view(doc, sole_model(doc))
+
+
+async def sample_status(
+    url: str,
+    headers: dict[str, str],
+    into: list[dict[str, Any]],
+    view: Callable[[dict[str, Any]], dict[str, Any]] = lambda doc: doc,
+) -> None:
+    """Ballast's ``/v1/status`` at ``url`` every 0.5 s into ``into`` (as ``view`` gives it: the
+    whole document by default), each with ``_t`` (seconds since the first); a failed read is
+    skipped. Runs until cancelled."""
     t0 = time.perf_counter()
     async with httpx.AsyncClient(timeout=5) as c:
         while True:
             try:
                 r = await c.get(url, headers=headers)
-                into.append({**r.json(), "_t": time.perf_counter() - t0})
+                into.append({**view(r.json()), "_t": time.perf_counter() - t0})
             except (httpx.HTTPError, ValueError):
                 pass
             await asyncio.sleep(0.5)
@@ -1440,7 +1454,7 @@ class _Bench:
                 f"last gate {trace[-1].get('gate')}",
                 flush=True,
             )
-            reasons = Counter(reason_kind((t.get("snapshot") or {}).get("reason")) for t in trace)
+            reasons = Counter(reason_kind((t.get("controller") or {}).get("reason")) for t in trace)
             breakers = Counter(
                 f"{role}:{b.get('state')}" for t in trace for role, b in (t.get("breakers") or {}).items()
             )
@@ -1547,10 +1561,10 @@ class _Bench:
     async def level(self) -> int:
         async with httpx.AsyncClient(timeout=5) as c:
             r = await c.get(self.status_url, headers=self.admin)
-            return int(r.json()["level"])
+            return int(one_model(r.json())["level"])
 
     async def sample_status(self, into: list[dict[str, Any]]) -> None:
-        await sample_status(self.status_url, self.admin, into)
+        await sample_status(self.status_url, self.admin, into, one_model)
 
     def _settler(self, name: str) -> Callable[[], Any]:
         async def settle() -> None:

@@ -935,7 +935,7 @@ def _stop(name: str, plan: Plan) -> None:
 # -- one row ---------------------------------------------------------------------------------------
 async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
     """Warm up, settle and read the counters, run the span, settle and read them again."""
-    from loadtest.bench_overload import sample_status
+    from loadtest.bench_overload import one_model, sample_status
 
     args, convs = plan.args, conversations(plan.spec)
     think_s = args.think_ms / 1000.0
@@ -948,7 +948,8 @@ async def measure(name: str, probe: Probe, plan: Plan) -> RowResult:
     before = await read_settled(probe.read, probe.quiet_s)
     routes_before = await read_settled(probe.routes, METRICS_QUIET_S) if probe.routes else None
     trace: list[dict[str, Any]] = []
-    sampler = asyncio.create_task(sample_status(probe.status_url, probe.admin, trace)) if probe.status_url else None
+    sampled = sample_status(probe.status_url, probe.admin, trace, one_model) if probe.status_url else None
+    sampler = asyncio.create_task(sampled) if sampled is not None else None
     try:
         # The users come back as from a pause each: spread over one think time, not all at once.
         outcomes = await drive(probe.target, convs, args.duration_s, args.max_tokens, think_s / len(convs), think_s)
@@ -975,12 +976,14 @@ async def settle_level(url: str, admin: dict[str, str], max_s: float = LEVEL_SET
     benchmark's phases do, its caches as the warm-up left them. Says how it went."""
     import httpx
 
+    from loadtest.bench_overload import one_model
+
     t0 = time.monotonic()
     level: Any = None
     async with httpx.AsyncClient(timeout=5.0) as c:
         while time.monotonic() - t0 < max_s:
             try:
-                level = (await c.get(url, headers=admin)).json().get("level")
+                level = one_model((await c.get(url, headers=admin)).json()).get("level")
             except (httpx.HTTPError, ValueError, AttributeError):
                 level = None
             if level == 0:
@@ -990,8 +993,9 @@ async def settle_level(url: str, admin: dict[str, str], max_s: float = LEVEL_SET
 
 
 def level_summary(trace: list[dict[str, Any]]) -> tuple[dict[int, int], dict[str, tuple[int, str]]]:
-    """Ballast's ``/v1/status`` samples: how many at each level, and per kind of the controller's
-    reason (its words without the numbers, ``reason_kind``) how many and the last in full."""
+    """Ballast's ``/v1/status`` samples (its one model's view, ``bench_overload.one_model``): how
+    many at each level, and per kind of the controller's reason (its words without the numbers,
+    ``reason_kind``) how many and the last in full."""
     from loadtest.bench_overload import reason_kind
 
     levels: dict[int, int] = {}
@@ -999,7 +1003,7 @@ def level_summary(trace: list[dict[str, Any]]) -> tuple[dict[int, int], dict[str
     for t in trace:
         if isinstance(t.get("level"), int):
             levels[t["level"]] = levels.get(t["level"], 0) + 1
-        reason = (t.get("snapshot") or {}).get("reason")
+        reason = (t.get("controller") or {}).get("reason")
         if isinstance(reason, str):
             kind = reason_kind(reason) or reason
             reasons[kind] = (reasons.get(kind, (0, ""))[0] + 1, reason)

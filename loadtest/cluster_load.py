@@ -46,6 +46,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from ballast.ops.status_text import model_view, sole_model
+
 MAX_RECORDS = 200_000
 CONNECT_TIMEOUT_S = 2.0  # a balancer's: a node that does not take the connection is tried no longer
 CHECK_TIMEOUT_S = 2.0  # a health check's answer; FALL missed in a row mark the endpoint down
@@ -229,12 +231,10 @@ class ClusterLoad:
             try:
                 r = await client.get(f"{self._pick()}/v1/status", headers=headers, timeout=2.0)
                 st = r.json()
+                model = model_view(st, sole_model(st))  # the cluster serves one model
                 if len(self.report.levels) < MAX_RECORDS:
-                    self.report.levels.append(
-                        LevelSample(
-                            time.monotonic(), int(st["level"]), str((st.get("snapshot") or {}).get("reason") or "")
-                        )
-                    )
+                    reason = str(model["controller"].get("reason") or "")
+                    self.report.levels.append(LevelSample(time.monotonic(), int(model["level"]), reason))
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 pass  # a node down: the next sample goes to another one
             await asyncio.sleep(1.0)

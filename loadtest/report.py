@@ -10,7 +10,8 @@
   current requests/s, failures/s and rolling-window percentiles over time.
 * ``locust_failures.csv`` — failures by name and error (the top ones are listed).
 * ``status.jsonl`` — one compact sample of ``GET /v1/status`` + ``GET /admin/replicas``
-  per line (``status_sample`` below writes that shape): level and its inputs, desired
+  per line (``status_sample`` below writes that shape): the level of the model at the
+  highest one and its inputs, desired
   and running replicas, per-replica RSS/age/readiness, recent recycle events.
 * ``report.json`` — the locustfile's refusal counts by tenant × criticality × code
   and the fault runner's records.
@@ -249,12 +250,18 @@ def status_sample(
     """
     out: dict[str, Any] = {"t_s": round(float(t_s), 3)}
     if status:
-        snap = status.get("snapshot") or {}
-        out["level"] = status.get("level")
-        out["source"] = status.get("source")
-        out["target_level"] = snap.get("target_level")
-        out["reason"] = str(snap.get("reason") or "")[:200]
-        inputs = snap.get("inputs") or {}
+        # One model a line: the one at the highest level the router acts on (the first of them),
+        # its level, where it comes from, and the controller's target, reason and inputs for it.
+        models = status.get("models") or {}
+        name = max(models, key=lambda n: models[n].get("level") or 0, default=None)
+        mine = models.get(name) or {}
+        state = ((status.get("snapshot") or {}).get("models") or {}).get(name) or {}
+        out["model"] = name
+        out["level"] = mine.get("level")
+        out["source"] = mine.get("source")
+        out["target_level"] = state.get("target_level")
+        out["reason"] = str(state.get("reason") or "")[:200]
+        inputs = state.get("inputs") or {}
         out["inputs"] = {
             k: v for k, v in inputs.items() if isinstance(v, (int, float, type(None))) and not isinstance(v, bool)
         }
@@ -267,8 +274,12 @@ def status_sample(
         out["recycles_in_flight"] = len(recycle.get("in_flight") or ())
         avail = recycle.get("availability") or {}
         out["availability"] = {k: avail.get(k) for k in ("expected", "measured") if k in avail}
-        lost = status.get("lost_capacity") or {}
-        out["lost_capacity"] = {k: v for k, v in lost.items() if isinstance(v, int)}
+        lost: dict[str, int] = {}  # every model's
+        for m in models.values():
+            for k, v in (m.get("lost_capacity") or {}).items():
+                if isinstance(v, int):
+                    lost[k] = lost.get(k, 0) + v
+        out["lost_capacity"] = lost
     if replicas:
         rows = []
         for r in (replicas.get("replicas") or ())[:MAX_SAMPLE_REPLICAS]:

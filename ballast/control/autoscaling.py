@@ -20,11 +20,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Optional
-
-from ballast.policies.autoscale import AutoscaleConfig, queue_length_fallback
+from typing import Any
 
 from ballast.config import BallastConfig
+from ballast.policies.autoscale import AutoscaleConfig, queue_length_fallback
 
 log = logging.getLogger("ballast.autoscaling")
 
@@ -37,24 +36,24 @@ class _SnapshotPoller:
         self._interval_s, self._timeout_s = interval_s, timeout_s
         # Guards _latest/_fetched_at: written by the thread, read by the policy call.
         self._lock = threading.Lock()
-        self._latest: Optional[dict[str, Any]] = None
+        self._latest: dict[str, Any] | None = None
         self._fetched_at = 0.0
         self._thread = threading.Thread(target=self._run, name="ballast-autoscale-poller", daemon=True)
         self._thread.start()
 
-    def latest(self) -> tuple[Optional[dict[str, Any]], float]:
+    def latest(self) -> tuple[dict[str, Any] | None, float]:
         with self._lock:
             return self._latest, self._fetched_at
 
     def _run(self) -> None:
         import ray
 
-        handle = None
+        handle: Any = None  # the controller's actor handle (Ray's API, untyped here)
         while True:
             try:
                 if handle is None:
                     handle = ray.get_actor(self._name, namespace=self._namespace)
-                snap = ray.get(handle.get_snapshot.remote(), timeout=self._timeout_s)
+                snap: dict[str, Any] = ray.get(handle.get_snapshot.remote(), timeout=self._timeout_s)
                 with self._lock:
                     self._latest, self._fetched_at = snap, time.time()
             except Exception:  # absent or restarting controller: the policy falls back
@@ -83,7 +82,7 @@ class ControllerDrivenPolicy:
             _SnapshotPoller(controller_name, namespace, poll_interval_s, poll_timeout_s) if start_poller else None
         )
 
-    def decide(self, snapshot: Optional[dict[str, Any]], now_s: float, ctx: Any) -> tuple[int, dict[str, Any]]:
+    def decide(self, snapshot: dict[str, Any] | None, now_s: float, ctx: Any) -> tuple[int, dict[str, Any]]:
         """Pure part: the controller's decision when fresh, else queue-length math."""
         if snapshot is not None and now_s - float(snapshot["created_at_s"]) <= self._max_age_s:
             desired = snapshot["desired_replicas"].get(ctx.deployment_name)
@@ -100,7 +99,7 @@ class ControllerDrivenPolicy:
         return desired, {**ctx.policy_state, "ballast": info}
 
 
-def autoscaling_config(cfg: BallastConfig, model: Optional[str] = None) -> dict[str, Any]:
+def autoscaling_config(cfg: BallastConfig, model: str | None = None) -> dict[str, Any]:
     """Serve's autoscaling config for model ``model``'s deployment (None: the first model's).
 
     The policy reads the controller's desired replicas for the deployment Serve calls it

@@ -14,11 +14,10 @@ It is a detached, named actor with ``max_restarts=-1``: when it dies Ray starts 
 again, on another node if its own is gone. Load state is not kept: it arrives again
 in the next round of reports (a second or so). What operators and recycles set is
 kept in Ray's KV store (the GCS) and taken back by the restarted controller: the
-recycle leases, and the kill switches, LoRA adapters added at run time, chaos
-settings and audit trail (written before the admin call answers, so an acknowledged
-kill switch or adapter survives). Its
-snapshots carry a new ``epoch`` so caches accept the restarted controller's
-versions, which start over at 1.
+recycle leases (recycling.py), and the kill switches, LoRA adapters added at run time,
+chaos settings and audit trail (``AdminState``, admin_state.py: written before the admin
+call answers, so an acknowledged kill switch or adapter survives). Its snapshots carry a
+new ``epoch`` so caches accept the restarted controller's versions, which start over at 1.
 
 All per-sender maps are bounded: reports expire after ``report_expiry_s`` and the
 maps are capped at ``MAX_SENDERS`` entries (oldest evicted).
@@ -31,43 +30,29 @@ import json
 import logging
 import time
 import uuid
-from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Generic, Mapping, Optional, TypeVar
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
 
 import ray
 
-from ballast.policies import control
-from ballast.policies import adapters as adapter_rule
-from ballast.policies.adapters import MAX_RUNTIME_ADAPTERS, RuntimeAdapter, with_runtime
-from ballast.policies.catalog import Catalog, CatalogError
-from ballast.policies.fairness import merge_reports, router_shares
-from ballast.policies import killswitch
-from ballast.policies.criticality import Criticality
-from ballast.policies.killswitch import KillSwitchEntry
-from ballast.policies.quota import TenantQuota, apportion, effective_rates
-from ballast.policies.degradation import LoadSignals
-from ballast.policies.window import CountWindow
-from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport, checked
-
 from ballast.config import BallastConfig, load_config
-from ballast.errors import AdapterConflict
+from ballast.control.admin_state import AdminState
 from ballast.control.recycling import RecycleCoordinator
-from ballast.names import CHAOS_TARGETS, ROUTER_DEPLOYMENT
-from ballast.control.snapshot import Snapshot
+from ballast.control.snapshot import ModelState, Snapshot
+from ballast.names import ROUTER_DEPLOYMENT
+from ballast.policies import control
+from ballast.policies.degradation import LoadSignals
+from ballast.policies.fairness import merge_reports, router_shares
+from ballast.policies.quota import TenantQuota, apportion, effective_rates
+from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport, checked
+from ballast.policies.window import CountWindow
 
 log = logging.getLogger("ballast.controller")
 
 MAX_SENDERS = 4096
 MAX_OUTCOME_BUCKETS = 1024
-MAX_KILL_SWITCHES = 256
-MAX_AUDIT = 1000
-#: How long a name stays reserved for an add in flight (``reserve_adapter``): the router's
-#: trial load (150 s at most) and its calls here, with room.
-ADAPTER_RESERVE_S = 180.0
-#: Who an admin action is recorded as: the credential it proved (one shared admin token);
-#: the operator it names (``X-Ballast-Operator``) is its claim, recorded as such.
-ADMIN_CREDENTIAL = "admin_token"
 #: What /admin/replicas shows of a replica's watchdog report.
 WATCHDOG_STATUS_KEYS = (
     "rss_bytes",
@@ -96,13 +81,30 @@ WATCHDOG_STATUS_KEYS = (
 R = TypeVar("R")
 
 
+def _tenant_quotas(cfg: BallastConfig) -> dict[str, TenantQuota]:
+    """Each tenant's token quota (none for a tenant without a rate: its concurrency cap alone)."""
+    quotas: dict[str, TenantQuota] = {}
+    for name, t in cfg.tenants.items():
+        rate, burst = t.rate_tokens_per_s, t.burst
+        if rate is None or burst is None:
+            continue
+        quotas[name] = TenantQuota(
+            rate_tokens_per_s=rate,
+            burst_tokens=burst,
+            max_concurrent=t.max_concurrent or cfg.resilience.bulkhead.per_tenant,
+            weight=t.weight,
+            sheddable=t.sheddable,
+        )
+    return quotas
+
+
 class _Reports(Generic[R]):
     """Latest report per sender, expiring and bounded (the accounting, not the policy)."""
 
     def __init__(self, expiry_s: float, clock: Callable[[], float]):
         self._expiry_s = expiry_s
         self._clock = clock
-        self._by_sender: "OrderedDict[str, tuple[float, R]]" = OrderedDict()
+        self._by_sender: OrderedDict[str, tuple[float, R]] = OrderedDict()
 
     def put(self, sender: str, report: R) -> None:
         self._by_sender.pop(sender, None)
@@ -121,7 +123,7 @@ class _Reports(Generic[R]):
         return [r for _, r in self._by_sender.values()]
 
 
-def _watchdog_status(wd: Optional[WatchdogReport]) -> Optional[dict[str, Any]]:
+def _watchdog_status(wd: WatchdogReport | None) -> dict[str, Any] | None:
     """What /admin/replicas shows of a watchdog's report (None: no report from it)."""
     if wd is None:
         return None
@@ -138,7 +140,7 @@ class _ModelControl:
     """
 
     deployment: str
-    fallback_deployment: Optional[str]  # None: the model has no fallback
+    fallback_deployment: str | None  # None: the model has no fallback
     fallback_replicas: int  # the fallback's fixed replica count (0 without one)
     policy: control.ControlPolicy
     # (requests, errors) per router report, stamped when it came: the error window.
@@ -178,23 +180,17 @@ class ControllerCore:
         self.configure(cfg)
         self._version = 0
         self.rejected_reports = 0
-        # Kill switches and chaos survive configure() (a redeploy); the actor persists
-        # them (admin_state) so they survive a restart too.
-        self.admin_dirty = False
-        self._kill_switches: "OrderedDict[str, KillSwitchEntry]" = OrderedDict()
-        self._adapters: "OrderedDict[str, RuntimeAdapter]" = OrderedDict()  # LoRA adapters added at run time
-        # Names held for an add in flight: name -> (path, until, on self._clock). Bounded
-        # with _adapters by MAX_RUNTIME_ADAPTERS; never persisted (a restart drops them).
-        self._reserved: dict[str, tuple[str, float]] = {}
-        self._audit: deque[dict[str, Any]] = deque(maxlen=MAX_AUDIT)
-        self._chaos: dict[str, dict[str, Any]] = {}
+        # What operators set (admin_state.py) survives configure() (a redeploy); the actor
+        # persists it so it survives a restart too. A change is published at once.
+        self.admin = AdminState(cfg, clock, wall_clock, on_change=self._republish)
         self.recycler = RecycleCoordinator(cfg.recycle, self.epoch, self._wall)
         self._snapshot = self._publish({})
 
     def configure(self, cfg: BallastConfig) -> None:
         self.cfg = cfg
+        if hasattr(self, "admin"):
+            self.admin.configure(cfg)
         self._deg_cfg = cfg.degradation_config()
-        self._primary = cfg.models[0].name
         # Models that stay keep their state; a removed model's goes with it.
         old: dict[str, _ModelControl] = getattr(self, "_models", {})
         self._models = {m.name: self._model_control(m.name, old.get(m.name)) for m in cfg.models}
@@ -207,21 +203,11 @@ class ControllerCore:
             self.recycler.configure(cfg.recycle)
         # Cluster-wide fair-share counters (ballast.policies.fairness): every router's charges
         # merged as they arrive; one entry per configured tenant, kept across a redeploy.
-        old = getattr(self, "_fair_counters", {})
-        self._fair_counters: dict[str, float] = {t: old.get(t, 0.0) for t in cfg.tenants}
-        self._quotas = {
-            name: TenantQuota(
-                rate_tokens_per_s=t.rate_tokens_per_s,
-                burst_tokens=t.burst,
-                max_concurrent=t.max_concurrent or cfg.resilience.bulkhead.per_tenant,
-                weight=t.weight,
-                sheddable=t.sheddable,
-            )
-            for name, t in cfg.tenants.items()
-            if t.rate_tokens_per_s is not None
-        }
+        counters: dict[str, float] = getattr(self, "_fair_counters", {})
+        self._fair_counters = {t: counters.get(t, 0.0) for t in cfg.tenants}
+        self._quotas = _tenant_quotas(cfg)
 
-    def _model_control(self, name: str, old: Optional[_ModelControl]) -> _ModelControl:
+    def _model_control(self, name: str, old: _ModelControl | None) -> _ModelControl:
         """Model ``name``'s control under ``self.cfg``: ``old``'s state kept when its deployment is the same."""
         dep = self.cfg.deployment_name(name)
         fallback = self.cfg.fallback_of(name)
@@ -240,8 +226,12 @@ class ControllerCore:
         )
 
     def deployments(self) -> list[str]:
-        """Every model's deployment and its fallback's, the first model's first."""
+        """Every model's deployment and its fallback's, in the config's order."""
         return [d for mc in self._models.values() for d in mc.deployments()]
+
+    def model_deployments(self) -> list[str]:
+        """Every model's own deployment (no fallback), in the config's order."""
+        return [mc.deployment for mc in self._models.values()]
 
     # -- reports ---------------------------------------------------------------------
     # Each report is checked again on arrival (ballast.policies.reports.checked): anything that
@@ -254,8 +244,8 @@ class ControllerCore:
             return self._snapshot.to_dict()
         self._routers.put(got.router_id, got)
         for name, mc in self._models.items():  # each model's outcomes into its own error window
-            load = got if name == self._primary else got.models.get(name)
-            if load is not None and load.requests:
+            load = got.load(name)
+            if load.requests:
                 mc.outcomes.add((load.requests, load.errors), self._clock())
         reply = {**self._snapshot.to_dict(), "leases": self.leases_for(got.router_id)}
         if self.cfg.fairness.enabled and self.cfg.fairness.shared:
@@ -265,7 +255,7 @@ class ControllerCore:
             reply["fair_share"] = self.fair_share(got.router_id)
         return reply
 
-    def fair_share(self, router_id: str) -> Optional[float]:
+    def fair_share(self, router_id: str) -> float | None:
         """This router's share of the model's slots by the tenants waiting at each router
         (ballast.policies.fairness.router_shares); None while nobody waits anywhere."""
         f = self.cfg.fairness
@@ -299,7 +289,7 @@ class ControllerCore:
         }
         # A tenant's quota holds across models: it shrinks (and lends) by the highest level
         # of any model, so a tenant flooding one model cannot keep its full rate there.
-        level = max((int(m["level"]) for m in self._snapshot.models.values()), default=self._snapshot.level)
+        level = max((m.level for m in self._snapshot.models.values()), default=0)
         rates = effective_rates(self._quotas, totals, level, tuple(q.level_factors), frozenset(q.lend_at_levels))
         expires = self._wall() + q.lease_ttl_s
         leases: dict[str, dict[str, float]] = {}
@@ -339,12 +329,10 @@ class ControllerCore:
         return int(self._snapshot.desired_replicas.get(deployment, 0))
 
     # -- recycling (ballast.control.recycling) ---------------------------------------------------
-    def request_recycle(
-        self, replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str
-    ) -> list[str]:
+    def request_recycle(self, replica_id: str | None, deployment: str | None, everyone: bool, by: str) -> list[str]:
         known = {r.replica_id: r.deployment for r in self._replicas.fresh()}
         chosen = self.recycler.request(known, replica_id, deployment, everyone, by)
-        self._audit_admin("recycle_requested", by, replicas=chosen)
+        self.admin.audit_admin("recycle_requested", by, replicas=chosen)
         return chosen
 
     def replica_status(self) -> dict[str, Any]:
@@ -381,28 +369,26 @@ class ControllerCore:
                     "watchdog": _watchdog_status(wd),
                 }
             )
-        # The availability account for the first model's deployment (as before), and each
-        # model deployment's expected availability beside it.
+        # The availability account: each model deployment's expected availability at its
+        # replicas running, the fleet's measured one.
         running = self._snapshot.running_replicas
         per_dep = {mc.deployment: running.get(mc.deployment, 0) for mc in self._models.values()}
         return {
             "replicas": rows,
-            **self.recycler.summary(per_dep[self._models[self._primary].deployment], per_dep),
+            **self.recycler.summary(per_dep),
             "events": list(self.recycler.events)[-50:],
             "leases": [lease.to_dict() for lease in self.recycler.leases.leases()],
         }
 
     # -- the tick --------------------------------------------------------------------
-    def signals(self, model: Optional[str] = None) -> LoadSignals:
-        """Model ``model``'s level inputs (None: the first model's) from the fresh reports:
-        the routers' views of it, its own and its fallback's replicas, its error window
-        (ballast.policies.control.fold_reports)."""
-        name = self._primary if model is None else model
+    def signals(self, name: str) -> LoadSignals:
+        """Model ``name``'s level inputs from the fresh reports: the routers' loads of it, its
+        own and its fallback's replicas, its error window (ballast.policies.control.fold_reports)."""
         mc = self._models[name]
         mc.outcomes.expire(self._clock() - self.cfg.controller.error_window_s)
         requests, errors = mc.outcomes.totals()
         return control.fold_reports(
-            control.model_views(self._routers.fresh(), name, self._primary),
+            control.model_views(self._routers.fresh(), name),
             control.of_deployments(self._replicas.fresh(), *mc.deployments()),
             mc.deployment,
             requests=requests,
@@ -412,7 +398,7 @@ class ControllerCore:
     def tick(self) -> Snapshot:
         """Each model's level and replicas from its own signals, then the recycler over
         every deployment, then one snapshot."""
-        self._expire_kill_switches()
+        self.admin.expire_kill_switches()
         now = self._clock()
         watchdogs = {w.replica_id: w for w in self._watchdogs.fresh()}
         ticks = {name: self._tick_model(name, mc, watchdogs, now) for name, mc in self._models.items()}
@@ -423,7 +409,7 @@ class ControllerCore:
     def _tick_model(self, name: str, mc: _ModelControl, watchdogs: dict[str, WatchdogReport], now: float) -> _ModelTick:
         """One model's step (ballast.policies.control.ControlPolicy) on its own inputs."""
         sig = self.signals(name)
-        routers = control.model_views(self._routers.fresh(), name, self._primary)
+        routers = control.model_views(self._routers.fresh(), name)
         replicas = self._replicas.fresh()
         running = len(control.of_deployment(replicas, mc.deployment))
         ongoing = control.ongoing_requests(routers, replicas, mc.deployment, sig.queue_length)
@@ -459,23 +445,27 @@ class ControllerCore:
         except Exception:  # recycling must never stop the control loop
             log.exception("recycle tick failed")
 
-    def _model_entry(self, name: str, mc: _ModelControl, t: Optional[_ModelTick]) -> dict[str, Any]:
-        """One model's part of the snapshot (plain data); level 0, "starting", before its first tick."""
-        level = t.step.level.level if t else 0
-        return {
-            "deployment": mc.deployment,
-            "level": level,
-            "target_level": t.step.level.target_level if t else 0,
-            "reason": t.step.level.reason if t else "starting",
-            "constraints": self._deg_cfg.constraints[level].to_dict(),
-            "inputs": asdict(t.signals) if t else {},
-            "engine_rows": control.engine_rows(self._replicas.fresh(), mc.deployment),
-            "routing": control.routing_summary(
-                control.model_views(self._routers.fresh(), name, self._primary),
-                self._replicas.fresh(),
-                mc.deployment,
-            ).as_dict(),
-        }
+    def _model_state(self, name: str, mc: _ModelControl, t: _ModelTick | None) -> ModelState:
+        """One model's entry in the snapshot; level 0, "starting", before its first tick."""
+        replicas = self._replicas.fresh()
+        routing = control.routing_summary(control.model_views(self._routers.fresh(), name), replicas, mc.deployment)
+        state = ModelState(
+            deployment=mc.deployment,
+            constraints=self._deg_cfg.constraints[0],
+            engine_rows=control.engine_rows(replicas, mc.deployment),
+            routing=routing,
+        )
+        if t is None:
+            return state
+        level = t.step.level
+        return replace(
+            state,
+            level=level.level,
+            target_level=level.target_level,
+            reason=level.reason,
+            constraints=self._deg_cfg.constraints[level.level],
+            inputs=t.signals,
+        )
 
     def _replica_counts(self, ticks: Mapping[str, _ModelTick]) -> dict[str, int]:
         """Replicas reporting now: every model's deployment and fallback, and the routers
@@ -491,20 +481,14 @@ class ControllerCore:
         return running
 
     def _publish(self, ticks: Mapping[str, _ModelTick]) -> Snapshot:
-        """A new snapshot: every model's entry, the first model's at top level too."""
+        """A new snapshot: every model's state, alike."""
         self._version += 1
-        models = {name: self._model_entry(name, mc, ticks.get(name)) for name, mc in self._models.items()}
-        first = models[self._primary]
+        models = {name: self._model_state(name, mc, ticks.get(name)) for name, mc in self._models.items()}
         desired = {t.deployment: t.step.desired_replicas for t in ticks.values()}
         return Snapshot(
             epoch=self.epoch,
             version=self._version,
             created_at_s=self._wall(),
-            level=first["level"],
-            target_level=first["target_level"],
-            reason=first["reason"],
-            constraints=first["constraints"],
-            inputs=first["inputs"],
             models=models,
             desired_replicas=desired,
             running_replicas=self._replica_counts(ticks),
@@ -519,244 +503,24 @@ class ControllerCore:
                 }
                 for t in ticks.values()
             },
-            kill_switches=[e.to_dict() for e in self._kill_switches.values()],
-            adapters=[a.to_dict() for a in self._adapters.values()],
-            chaos=dict(self._chaos),
+            kill_switches=self.admin.kill_switch_entries(),
+            adapters=self.admin.adapter_entries(),
+            chaos=self.admin.chaos(),
             recycle_orders=dict(self.recycler.orders),
-            recycle=self.recycler.summary(desired.get(first["deployment"], 0), desired),
+            recycle=self.recycler.summary(desired),
         )
-
-    # -- kill switch and chaos (admin, off the request path) -----------------------------
-    def admin_state(self) -> dict[str, Any]:
-        """What operators set, to persist: kill switches, run-time adapters, chaos settings,
-        the audit trail."""
-        return {
-            "kill_switches": [e.to_dict() for e in self._kill_switches.values()],
-            "adapters": [a.to_dict() for a in self._adapters.values()],
-            "chaos": dict(self._chaos),
-            "audit": list(self._audit),
-        }
-
-    def adopt_admin_state(self, state: Any) -> int:
-        """Take back what a previous controller persisted, each record checked as a new
-        admin call would be: run-time adapters first (``adapter_rule.check`` against this
-        config), then kill switches (``killswitch.check_entry``: a value must name what
-        exists, the adapters just adopted included). A refused record is logged and
-        dropped, never applied; an expired kill switch is dropped quietly; a state written
-        before adapters were kept has none. Returns the kill switches adopted."""
-        if not isinstance(state, dict):
-            raise ValueError(f"admin state: want an object, got {type(state).__name__}")
-        self._adopt_adapters(state.get("adapters"))
-        self._adopt_kill_switches(state.get("kill_switches"))
-        for target, settings in dict(state.get("chaos") or {}).items():
-            if target in CHAOS_TARGETS and isinstance(settings, dict):
-                self._chaos[target] = dict(settings)
-        self._audit.extend(e for e in list(state.get("audit") or [])[-MAX_AUDIT:] if isinstance(e, dict))
-        self._record(
-            "admin_state_adopted",
-            "controller",
-            kill_switches=len(self._kill_switches),
-            adapters=len(self._adapters),
-            chaos=sorted(self._chaos),
-        )
-        self._republish()
-        return len(self._kill_switches)
-
-    def _adopt_kill_switches(self, raw_entries: Any) -> None:
-        if not isinstance(raw_entries, list):
-            return
-        now, names = self._wall(), self._kill_switch_names()
-        for raw in raw_entries[:MAX_KILL_SWITCHES]:
-            try:
-                entry = KillSwitchEntry.from_dict(raw)
-                if entry.expired(now):
-                    continue
-                killswitch.check_entry(entry, names, now)
-            except (TypeError, ValueError) as exc:
-                log.warning("dropped a persisted kill switch %r: %s", raw, exc)
-                continue
-            self._kill_switches[entry.id] = entry
-
-    def _adopt_adapters(self, raw_entries: Any) -> None:
-        """Take back the persisted run-time adapters (the first ``MAX_RUNTIME_ADAPTERS``),
-        each checked against the config's catalog with those adopted before it."""
-        if not isinstance(raw_entries, list):
-            return
-        for raw in raw_entries[:MAX_RUNTIME_ADAPTERS]:
-            try:
-                entry = RuntimeAdapter.from_dict(raw)
-                adapter_rule.check(self.runtime_catalog(), entry, self.cfg.adapters_root)
-            except (TypeError, ValueError) as exc:  # CatalogError is a ValueError
-                log.warning("dropped a persisted adapter %r: %s", raw, exc)
-                continue
-            self._adapters[entry.name] = entry
 
     def _republish(self) -> None:
-        """Admin changes go out at once, not at the next tick: same decision, new version."""
-        self.admin_dirty = True
+        """An admin change goes out at once, not at the next tick: same decision, new version."""
         self._version += 1
         self._snapshot = replace(
             self._snapshot,
             version=self._version,
             created_at_s=self._wall(),
-            kill_switches=[e.to_dict() for e in self._kill_switches.values()],
-            adapters=[a.to_dict() for a in self._adapters.values()],
-            chaos=dict(self._chaos),
+            kill_switches=self.admin.kill_switch_entries(),
+            adapters=self.admin.adapter_entries(),
+            chaos=self.admin.chaos(),
         )
-
-    def _record(self, action: str, by: str, **fields: Any) -> dict[str, Any]:
-        """An audit event of the controller's own (``by``: "controller")."""
-        event = {"at_s": round(self._wall(), 3), "action": action, "by": by, **fields}
-        self._audit.append(event)
-        log.warning("ballast.audit %s", json.dumps(event, sort_keys=True))
-        return event
-
-    def _audit_admin(self, action: str, claimed: str, **fields: Any) -> dict[str, Any]:
-        """An audit event of an admin call: ``by`` the credential it proved (the admin
-        token), ``operator_claimed`` the operator its ``X-Ballast-Operator`` header named
-        (unverified: any holder of the token may name anyone; null when none)."""
-        return self._record(action, ADMIN_CREDENTIAL, operator_claimed=claimed or None, **fields)
-
-    def _expire_kill_switches(self) -> None:
-        now = self._wall()
-        for entry_id in [i for i, e in self._kill_switches.items() if e.expired(now)]:
-            entry = self._kill_switches.pop(entry_id)
-            self._record("kill_switch_expired", "controller", entry=entry.to_dict())
-            self.admin_dirty = True
-
-    def set_kill_switch(
-        self, scope: str, value: Optional[str], reason: str, expires_in_s: float, set_by: str
-    ) -> dict[str, Any]:
-        """Add an entry; ValueError (naming the field) when it is malformed, fails
-        ``killswitch.check_entry`` (the check a persisted entry is read back with) or the
-        table is full."""
-        killswitch.check_value(scope, value, self._kill_switch_names())  # the value first: 422 listing the names
-        self._expire_kill_switches()
-        if len(self._kill_switches) >= MAX_KILL_SWITCHES:
-            raise ValueError(f"scope: at most {MAX_KILL_SWITCHES} kill switches may be active")
-        now = self._wall()
-        entry = KillSwitchEntry.create(uuid.uuid4().hex[:12], scope, value, reason, set_by, now, float(expires_in_s))
-        killswitch.check_entry(entry, self._kill_switch_names(), now)
-        self._kill_switches[entry.id] = entry
-        self._audit_admin("kill_switch_set", set_by, entry=entry.to_dict())
-        self._republish()
-        return entry.to_dict()
-
-    def _kill_switch_names(self) -> dict[str, list[str]]:
-        """What a valued kill switch may name: the configured tenants and classes; every
-        model, its fallback's model and its adapters (the config's and the run-time ones)."""
-        models: list[str] = []
-        for m in self.cfg.models:
-            fallback = self.cfg.fallback_of(m.name)
-            models += [m.name] + ([fallback.model.name] if fallback is not None else [])
-        models += [a.name for entry in self.runtime_catalog().models for a in entry.adapters]
-        return {"tenant": list(self.cfg.tenants), "model": models, "criticality": [c.value for c in Criticality]}
-
-    def delete_kill_switch(self, entry_id: str, by: str) -> bool:
-        entry = self._kill_switches.pop(entry_id, None)
-        if entry is not None:
-            self._audit_admin("kill_switch_deleted", by, entry=entry.to_dict())
-            self._republish()
-        return entry is not None
-
-    def kill_switches(self) -> dict[str, Any]:
-        self._expire_kill_switches()
-        return {
-            "entries": [e.to_dict() for e in self._kill_switches.values()],
-            "audit": list(self._audit),
-        }
-
-    # -- LoRA adapters added at run time: reserve, the router's trial load, then set -----------
-    def reserve_adapter(self, model: str, name: str, path: str, tenants: list[str]) -> None:
-        """Hold ``name`` for an add in flight (the router's trial load comes next, then
-        ``set_adapter`` with the same path) for at most ``ADAPTER_RESERVE_S``.
-        AdapterConflict while a run-time adapter or another add in flight holds the name;
-        ValueError (naming the field) when ``set_adapter`` would refuse the add."""
-        self._expire_reservations()
-        self._check_free(name, path, reserved_ok=False)
-        self._checked(model, name, path, tenants, "")
-        self._reserved[name] = (path, self._clock() + ADAPTER_RESERVE_S)
-
-    def release_adapter(self, name: str, path: str) -> bool:
-        """Drop the reservation of ``name`` for ``path`` (its trial load failed); False
-        when there is none (expired, or another path's)."""
-        held = self._reserved.get(name)
-        if held is None or held[0] != path:
-            return False
-        del self._reserved[name]
-        return True
-
-    def set_adapter(self, model: str, name: str, path: str, tenants: list[str], by: str) -> dict[str, Any]:
-        """Add a run-time adapter to the catalog every router and replica follows, ending
-        its reservation. AdapterConflict when the name is a run-time adapter's or reserved
-        for another path; ValueError (naming the field) when ``adapter_rule.check`` refuses
-        it (no ``adapters_root``, a path outside it, the catalog: an unknown or non-vLLM
-        model, a name taken or invalid, tenants outside the model's grant) or the table is
-        full. ``tenants``: the names, or ``["*"]`` for every tenant the model admits."""
-        self._expire_reservations()
-        self._check_free(name, path, reserved_ok=True)
-        entry = self._checked(model, name, path, tenants, by)
-        self._reserved.pop(name, None)
-        self._adapters[name] = entry
-        self._audit_admin("adapter_added", by, adapter=entry.to_dict())
-        self._republish()
-        return entry.to_dict()
-
-    def _check_free(self, name: str, path: str, reserved_ok: bool) -> None:
-        """AdapterConflict while ``name`` is a run-time adapter's, or reserved (for another
-        path, or at all unless ``reserved_ok``)."""
-        if name in self._adapters:
-            raise AdapterConflict(f"name: {name!r} is an adapter added at run time; delete it first")
-        held = self._reserved.get(name)
-        if held is not None and not (reserved_ok and held[0] == path):
-            raise AdapterConflict(f"name: another add of {name!r} is in flight; try again once it ends")
-
-    def _checked(self, model: str, name: str, path: str, tenants: list[str], by: str) -> RuntimeAdapter:
-        """The record, once ``adapter_rule.check`` and the table's bound pass; ValueError
-        (naming the field) otherwise."""
-        others = sum(1 for n in self._reserved if n != name)
-        if len(self._adapters) + others >= MAX_RUNTIME_ADAPTERS:
-            raise ValueError(f"name: at most {MAX_RUNTIME_ADAPTERS} adapters may be added at run time")
-        entry = RuntimeAdapter.create(model, name, path, tenants, round(self._wall(), 3), by)
-        try:
-            adapter_rule.check(self.runtime_catalog(), entry, self.cfg.adapters_root)
-        except CatalogError as e:
-            raise ValueError(str(e)) from None  # one argument: "field: reason", as the router reads it
-        return entry
-
-    def _expire_reservations(self) -> None:
-        now = self._clock()
-        for name in [n for n, (_, until) in self._reserved.items() if now >= until]:
-            del self._reserved[name]
-
-    def delete_adapter(self, name: str, by: str) -> bool:
-        """Remove a run-time adapter; False when none has that name (a config's adapter is
-        none: it goes with the config)."""
-        entry = self._adapters.pop(name, None)
-        if entry is not None:
-            self._audit_admin("adapter_deleted", by, adapter=entry.to_dict())
-            self._republish()
-        return entry is not None
-
-    def adapters(self) -> list[dict[str, Any]]:
-        return [a.to_dict() for a in self._adapters.values()]
-
-    def runtime_catalog(self) -> Catalog:
-        """The config's catalog with the run-time adapters that fit it."""
-        return with_runtime(self.cfg.catalog(), list(self._adapters.values()))[0]
-
-    def set_chaos(self, target: str, settings: dict[str, Any], by: str) -> dict[str, Any]:
-        if target not in CHAOS_TARGETS:
-            raise ValueError(f"target: must be one of {', '.join(CHAOS_TARGETS)}")
-        self._chaos[target] = dict(settings)
-        self._audit_admin("chaos_set", by, target=target, settings=settings)
-        self._republish()
-        return dict(self._chaos)
-
-    def clear_chaos(self, by: str) -> None:
-        self._chaos.clear()
-        self._audit_admin("chaos_cleared", by)
-        self._republish()
 
 
 @ray.remote(num_cpus=0)
@@ -765,7 +529,7 @@ class Controller:
 
     def __init__(self, cfg: dict[str, Any]):
         self._core = ControllerCore(load_config(cfg))
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task[None] | None = None
         self._kv_key = f"ballast:{self._core.cfg.app_name}:recycle-leases".encode()
         self._admin_key = f"ballast:{self._core.cfg.app_name}:admin-state".encode()
         self._adopt_leases()
@@ -797,8 +561,9 @@ class Controller:
         )
         self._m_avail = metrics.Gauge(
             "ballast_availability",
-            "Replica availability under recycling: expected (a rolling restart's formula) and measured.",
-            tag_keys=("kind",),
+            "Replica availability under recycling: expected per model deployment (a rolling restart's "
+            "formula), and measured over the fleet (no deployment).",
+            tag_keys=("kind", "deployment"),
         )
 
     # -- recycle leases and admin state survive a controller restart in Ray's KV store --------
@@ -815,21 +580,21 @@ class Controller:
         try:
             raw = _kv_get(self._admin_key)
             if raw:
-                n = self._core.adopt_admin_state(json.loads(raw))
+                n = self._core.admin.adopt(json.loads(raw))
                 log.warning("adopted %d kill switch(es), the adapters and chaos settings from a previous controller", n)
         except Exception:
             log.exception("could not read the persisted kill switches and chaos; starting without them")
-        self._core.admin_dirty = False
+        self._core.admin.dirty = False
 
     async def _persist_admin(self) -> None:
         """Write the admin state now (an admin call answers after it); on failure the next tick retries."""
-        if not self._core.admin_dirty:
+        if not self._core.admin.dirty:
             return
-        self._core.admin_dirty = False
+        self._core.admin.dirty = False
         try:
-            await asyncio.to_thread(_kv_put, self._admin_key, json.dumps(self._core.admin_state()).encode())
+            await asyncio.to_thread(_kv_put, self._admin_key, json.dumps(self._core.admin.to_dict()).encode())
         except Exception:
-            self._core.admin_dirty = True
+            self._core.admin.dirty = True
             log.exception("could not persist the kill switches and chaos")
 
     async def _after_tick(self) -> None:
@@ -858,10 +623,12 @@ class Controller:
         for d in deps:
             self._m_in_flight.set(sum(1 for f in rec.state.in_flight if f.deployment == d), tags={"deployment": d})
             self._m_oldest.set(rec.oldest_in_flight_s(d), tags={"deployment": d})
-        avail = rec.availability(self._core.desired(deps[0]))  # the first model's deployment
-        for kind in ("expected", "measured"):
-            if avail[kind] is not None:
-                self._m_avail.set(avail[kind], tags={"kind": kind})
+        avail = rec.availability({d: self._core.desired(d) for d in self._core.model_deployments()})
+        for dep, expected in avail["expected"].items():
+            if expected is not None:
+                self._m_avail.set(expected, tags={"kind": "expected", "deployment": dep})
+        if avail["measured"] is not None:
+            self._m_avail.set(avail["measured"], tags={"kind": "measured", "deployment": ""})
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
@@ -872,9 +639,9 @@ class Controller:
             try:
                 snap = self._core.tick()
                 for model, m in snap.models.items():
-                    self._m_level.set(m["level"], tags={"model": model})
-                    self._m_queue.set(m["inputs"].get("queue_length", 0), tags={"model": model})
-                    imbalance = m["routing"]["load_max_over_mean"]
+                    self._m_level.set(m.level, tags={"model": model})
+                    self._m_queue.set(m.inputs.queue_length if m.inputs is not None else 0, tags={"model": model})
+                    imbalance = m.routing.load_max_over_mean
                     self._m_imbalance.set(imbalance if imbalance is not None else 1.0, tags={"model": model})
                 for dep, n in snap.desired_replicas.items():
                     self._m_desired.set(n, tags={"deployment": dep})
@@ -906,7 +673,9 @@ class Controller:
         self._ensure_loop()
         return self._core.report_watchdog(report)
 
-    async def request_recycle(self, replica_id, deployment, everyone, by) -> list[str]:
+    async def request_recycle(
+        self, replica_id: str | None, deployment: str | None, everyone: bool, by: str
+    ) -> list[str]:
         return self._core.request_recycle(replica_id, deployment, bool(everyone), by)
 
     async def replica_status(self) -> dict[str, Any]:
@@ -919,49 +688,51 @@ class Controller:
     async def ping(self) -> str:
         return self._core.epoch
 
-    async def set_kill_switch(self, scope, value, reason, expires_in_s, set_by) -> dict[str, Any]:
-        entry = self._core.set_kill_switch(scope, value, reason, expires_in_s, set_by)
+    async def set_kill_switch(
+        self, scope: str, value: str | None, reason: str, expires_in_s: float, set_by: str
+    ) -> dict[str, Any]:
+        entry = self._core.admin.set_kill_switch(scope, value, reason, expires_in_s, set_by)
         await self._persist_admin()
         return entry
 
     async def delete_kill_switch(self, entry_id: str, by: str) -> bool:
-        deleted = self._core.delete_kill_switch(entry_id, by)
+        deleted = self._core.admin.delete_kill_switch(entry_id, by)
         await self._persist_admin()
         return deleted
 
     async def kill_switches(self) -> dict[str, Any]:
-        return self._core.kill_switches()
+        return self._core.admin.kill_switches()
 
-    async def reserve_adapter(self, model, name, path, tenants) -> None:
-        self._core.reserve_adapter(model, name, path, tenants)  # not persisted: a restart drops it
+    async def reserve_adapter(self, model: str, name: str, path: str, tenants: list[str]) -> None:
+        self._core.admin.reserve_adapter(model, name, path, tenants)  # not persisted: a restart drops it
 
     async def release_adapter(self, name: str, path: str) -> bool:
-        return self._core.release_adapter(name, path)
+        return self._core.admin.release_adapter(name, path)
 
-    async def set_adapter(self, model, name, path, tenants, by) -> dict[str, Any]:
-        entry = self._core.set_adapter(model, name, path, tenants, by)
+    async def set_adapter(self, model: str, name: str, path: str, tenants: list[str], by: str) -> dict[str, Any]:
+        entry = self._core.admin.set_adapter(model, name, path, tenants, by)
         await self._persist_admin()
         return entry
 
     async def delete_adapter(self, name: str, by: str) -> bool:
-        deleted = self._core.delete_adapter(name, by)
+        deleted = self._core.admin.delete_adapter(name, by)
         await self._persist_admin()
         return deleted
 
     async def adapters(self) -> list[dict[str, Any]]:
-        return self._core.adapters()
+        return self._core.admin.adapters()
 
     async def set_chaos(self, target: str, settings: dict[str, Any], by: str) -> dict[str, Any]:
-        chaos = self._core.set_chaos(target, settings, by)
+        chaos = self._core.admin.set_chaos(target, settings, by)
         await self._persist_admin()
         return chaos
 
     async def clear_chaos(self, by: str) -> None:
-        self._core.clear_chaos(by)
+        self._core.admin.clear_chaos(by)
         await self._persist_admin()
 
 
-def _kv_get(key: bytes) -> Optional[bytes]:
+def _kv_get(key: bytes) -> bytes | None:
     from ray.experimental import internal_kv
 
     return internal_kv._internal_kv_get(key, namespace="ballast")
@@ -989,8 +760,11 @@ def controller_options(cfg: BallastConfig) -> dict[str, Any]:
     )
 
 
-def ensure_controller(cfg: BallastConfig) -> "ray.actor.ActorHandle":
+def ensure_controller(cfg: BallastConfig) -> ray.actor.ActorHandle[Any]:
     """Get the named controller, creating it if absent; push this config to it."""
-    handle = Controller.options(**controller_options(cfg)).remote(cfg.model_dump(mode="json"))
+    actor_class: Any = Controller  # ray.remote's actor class: Ray types it as the class it wraps
+    handle: ray.actor.ActorHandle[Any] = actor_class.options(**controller_options(cfg)).remote(
+        cfg.model_dump(mode="json")
+    )
     handle.configure.remote(cfg.model_dump(mode="json"))
     return handle

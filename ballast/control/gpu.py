@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Optional
+from typing import Any
 
 log = logging.getLogger("ballast.gpu")
 
@@ -25,7 +26,7 @@ class GpuSample:
     vram_total_bytes: int
 
     @property
-    def vram_pct(self) -> Optional[float]:
+    def vram_pct(self) -> float | None:
         return 100.0 * self.vram_used_bytes / self.vram_total_bytes if self.vram_total_bytes else None
 
 
@@ -36,7 +37,7 @@ class NvmlGpuProbe:
         self._nvml = nvml
         self._handle = handle
 
-    def _query(self, *calls: str) -> Optional[list[Any]]:
+    def _query(self, *calls: str) -> list[Any] | None:
         """Each NVML device call's answer for this device; None (and a warning) when one fails."""
         try:
             return [getattr(self._nvml, call)(self._handle) for call in calls]
@@ -44,7 +45,7 @@ class NvmlGpuProbe:
             log.warning("NVML sample failed: %r", e)
             return None
 
-    def sample(self) -> Optional[GpuSample]:
+    def sample(self) -> GpuSample | None:
         got = self._query("nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo")
         if got is None:
             return None
@@ -84,7 +85,7 @@ def _nvml(given: Any = None, warn: bool = False) -> Any:
     return pynvml
 
 
-def make_gpu_probe(device: str, nvml: Any = None) -> Optional[NvmlGpuProbe]:
+def make_gpu_probe(device: str, nvml: Any = None) -> NvmlGpuProbe | None:
     """A probe for ``device`` ("cuda:0", "cpu"), or None when GPU metrics are absent."""
     if not device.startswith("cuda"):
         return None
@@ -102,11 +103,11 @@ def make_gpu_probe(device: str, nvml: Any = None) -> Optional[NvmlGpuProbe]:
 @dataclass(frozen=True)
 class ProcessGpuSample:
     util_pct: float  # the whole device's utilization (NVML has no per-process duty cycle)
-    process_vram_bytes: Optional[int]  # this process's memory on the device; None if NVML won't say
+    process_vram_bytes: int | None  # this process's memory on the device; None if NVML won't say
     vram_total_bytes: int
 
 
-def _memory_of(procs: Any, pids: Collection[int]) -> tuple[bool, Optional[int]]:
+def _memory_of(procs: Any, pids: Collection[int]) -> tuple[bool, int | None]:
     """(whether any of ``pids`` runs on the device, the memory they use there: None when the
     driver hides per-process figures, as some containers do)."""
     found, used = False, 0
@@ -131,11 +132,11 @@ class ProcessGpuProbe(NvmlGpuProbe):
     ``pid`` alone.
     """
 
-    def __init__(self, nvml: Any, handle: Any, pid: int, pids: Optional[Callable[[], Collection[int]]] = None):
+    def __init__(self, nvml: Any, handle: Any, pid: int, pids: Callable[[], Collection[int]] | None = None):
         super().__init__(nvml, handle)
         self._pids = pids if pids is not None else (lambda: (pid,))
 
-    def sample(self) -> Optional[ProcessGpuSample]:  # type: ignore[override]
+    def sample(self) -> ProcessGpuSample | None:  # type: ignore[override]
         got = self._query(
             "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetComputeRunningProcesses"
         )
@@ -156,7 +157,7 @@ class RanksGpuProbe:
         self._nvml = nvml
         self._pids = pids
 
-    def sample(self) -> Optional[ProcessGpuSample]:
+    def sample(self) -> ProcessGpuSample | None:
         pids = set(self._pids())
         util, total, used = 0.0, 0, 0
         hidden = any_found = False
@@ -185,7 +186,7 @@ class RanksGpuProbe:
             pass
 
 
-def visible_gpu_uuid(nvml: Any = None) -> Optional[str]:
+def visible_gpu_uuid(nvml: Any = None) -> str | None:
     """The UUID of this process's cuda:0, for a watchdog to find the same device; None without one."""
     nvml = _nvml(nvml)
     if nvml is None:
@@ -203,12 +204,12 @@ def visible_gpu_uuid(nvml: Any = None) -> Optional[str]:
 
 
 def make_process_gpu_probe(
-    gpu_uuid: Optional[str],
+    gpu_uuid: str | None,
     pid: int,
     nvml: Any = None,
-    pids: Optional[Callable[[], Collection[int]]] = None,
+    pids: Callable[[], Collection[int]] | None = None,
     rank_gpus: bool = False,
-) -> "ProcessGpuProbe | RanksGpuProbe | None":
+) -> ProcessGpuProbe | RanksGpuProbe | None:
     """A probe of ``pid`` (and the processes ``pids()`` names) on the GPU ``gpu_uuid``; with
     ``rank_gpus`` (a replica whose ranks hold the GPUs, it none), on every GPU of the node;
     None without a GPU (VRAM metrics absent)."""

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import ray
 
-from ballast.policies.idempotency import DONE, Claim, KeyTable
 from ballast.config import BallastConfig, IdempotencySettings
+from ballast.policies.idempotency import DONE, Claim, KeyTable
 
 #: The actor's name, beside the controller's (``<controller.name>-keys-v3``). The version
 #: is the claim protocol's (v2: claims carry the request's fingerprint; v3: a claim is a
@@ -52,7 +53,7 @@ class KeyService:
     async def claim(self, tenant: str, key: str, owner: str, lease_s: float, fingerprint: str) -> Claim:
         return self._table.claim((tenant, key), owner, lease_s, self._clock(), fingerprint)
 
-    async def wait(self, tenant: str, key: str, timeout_s: float) -> Optional[Claim]:
+    async def wait(self, tenant: str, key: str, timeout_s: float) -> Claim | None:
         """The key's state once it is answered or freed, or after ``timeout_s``; None when free."""
         slot = (tenant, key)
         now = self._clock()
@@ -87,9 +88,10 @@ def keys_name(cfg: BallastConfig) -> str:
     return cfg.controller.name + SUFFIX
 
 
-def keys_actor(cfg: BallastConfig) -> "ray.actor.ActorHandle":
+def keys_actor(cfg: BallastConfig) -> ray.actor.ActorHandle[Any]:
     """The shared key table, created by whichever router asks first (``get_if_exists``)."""
-    return IdempotencyKeys.options(
+    actor_class: Any = IdempotencyKeys  # ray.remote's actor class: Ray types its options() loosely
+    handle: ray.actor.ActorHandle[Any] = actor_class.options(
         name=keys_name(cfg),
         namespace=cfg.controller.namespace,
         lifetime="detached",
@@ -97,9 +99,10 @@ def keys_actor(cfg: BallastConfig) -> "ray.actor.ActorHandle":
         get_if_exists=True,
         num_cpus=cfg.controller.num_cpus,
     ).remote(cfg.resilience.idempotency)
+    return handle
 
 
-def lookup_keys(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":
+def lookup_keys(cfg: BallastConfig) -> ray.actor.ActorHandle[Any] | None:
     try:
         return ray.get_actor(keys_name(cfg), namespace=cfg.controller.namespace)
     except ValueError:

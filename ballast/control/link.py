@@ -7,7 +7,8 @@ only needs the link does not import the actor (and its policies) for it.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -15,7 +16,7 @@ from ballast.config import BallastConfig
 from ballast.control.snapshot import Report, Snapshot, SnapshotCache, SnapshotExchange
 
 
-def lookup_controller(cfg: BallastConfig) -> "Optional[ray.actor.ActorHandle]":
+def lookup_controller(cfg: BallastConfig) -> ray.actor.ActorHandle[Any] | None:
     try:
         return ray.get_actor(cfg.controller.name, namespace=cfg.controller.namespace)
     except ValueError:
@@ -32,7 +33,7 @@ class ControllerLink:
 
     def __init__(self, cfg: BallastConfig):
         self._cfg = cfg
-        self._handle: "Optional[ray.actor.ActorHandle]" = None
+        self._handle: ray.actor.ActorHandle[Any] | None = None
 
     async def call(self, method: str, *args: Any) -> Any:
         if self._handle is None:
@@ -43,7 +44,7 @@ class ControllerLink:
             self._handle = None
             raise
 
-    def _get_or_create(self) -> "ray.actor.ActorHandle":
+    def _get_or_create(self) -> ray.actor.ActorHandle[Any]:
         found = lookup_controller(self._cfg)
         if found is not None:
             return found
@@ -57,8 +58,8 @@ def connect(
     cfg: BallastConfig,
     report_method: str,
     make_report: Callable[[], Report],
-    on_snapshot: Optional[Callable[[Snapshot], None]] = None,
-    on_reply: Optional[Callable[[dict[str, Any]], None]] = None,
+    on_snapshot: Callable[[Snapshot], None] | None = None,
+    on_reply: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[ControllerLink, SnapshotCache, SnapshotExchange]:
     """What every router and replica holds: the link, the fail-static cache, the report loop."""
     c = cfg.controller

@@ -39,16 +39,16 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
+from ballast.config import RecycleSettings
 from ballast.policies import recycle
 from ballast.policies.lease import LeaseLost, LeaseTable
 from ballast.policies.recycle import InFlight, RecycleState
 from ballast.policies.reports import ReplicaReport, WatchdogReport
 from ballast.policies.window import CountWindow
-
-from ballast.config import RecycleSettings
 
 log = logging.getLogger("ballast.recycle")
 
@@ -70,7 +70,7 @@ class RecycleCoordinator:
         self.state = RecycleState()
         self.events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
         self.new_events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)  # drained by the actor for metrics
-        self.manual: "OrderedDict[str, str]" = OrderedDict()  # replica_id -> who asked
+        self.manual: OrderedDict[str, str] = OrderedDict()  # replica_id -> who asked
         self._kills = recycle.KillState()  # recently killed hung replicas (the cooldown)
         self.kill_orders: deque[dict[str, Any]] = deque(maxlen=recycle.MAX_KILLED)
         self.leases_dirty = False
@@ -82,7 +82,7 @@ class RecycleCoordinator:
         # The last RESTART_SAMPLES recycle durations: their mean is the restart time the
         # expected availability uses (the configured estimate until one has completed).
         self._durations: CountWindow[float] = CountWindow(RESTART_SAMPLES)
-        self._last_wall: Optional[float] = None
+        self._last_wall: float | None = None
         self.configure(settings)
 
     def configure(self, settings: RecycleSettings) -> None:
@@ -145,7 +145,7 @@ class RecycleCoordinator:
 
     # -- manual requests -------------------------------------------------------------------
     def request(
-        self, known: dict[str, str], replica_id: Optional[str], deployment: Optional[str], everyone: bool, by: str
+        self, known: dict[str, str], replica_id: str | None, deployment: str | None, everyone: bool, by: str
     ) -> list[str]:
         """Mark replicas for a manual recycle; ``known`` maps replica_id -> deployment."""
         if replica_id is not None:
@@ -168,7 +168,7 @@ class RecycleCoordinator:
         watchdogs: dict[str, WatchdogReport],
         targets: dict[str, int],
         level: int | Mapping[str, int],
-        ceilings: Optional[dict[str, int]] = None,
+        ceilings: dict[str, int] | None = None,
     ) -> None:
         """One recycling tick: leases that lapsed, the policy's step (hang kills, the plan,
         the surge), then what it settled, what it starts, and the orders it leaves."""
@@ -286,25 +286,31 @@ class RecycleCoordinator:
         return orders
 
     # -- what the snapshot and /v1/status show ---------------------------------------------------
-    def availability(self, n_replicas: int) -> dict[str, Optional[float]]:
+    def availability(self, per_deployment: Mapping[str, int]) -> dict[str, Any]:
+        """The availability account: ``expected``, each deployment's for the schedule (a rolling
+        restart's formula over its replicas in ``per_deployment``; None without a max age), and
+        the fleet's ``measured`` one (replica time out for recycles over replica time), with
+        the restart time both use and the measured one's parts."""
         restart_s = (
             (sum(self._durations) / len(self._durations)) if self._durations else self.settings.restart_estimate_s
         )
         period = self.settings.max_age_s or self.settings.forced_max_age_s
-        expected = recycle.expected_availability(n_replicas, restart_s, period) if period else None
+        expected: dict[str, float | None] = {}
+        for deployment, n in per_deployment.items():
+            a = recycle.expected_availability(n, restart_s, period) if period else None
+            expected[deployment] = None if a is None else round(a, 6)
         measured = recycle.measured_availability(self._out_s, self._replica_s)
         return {
-            "expected": None if expected is None else round(expected, 6),
+            "expected": expected,
             "measured": None if measured is None else round(measured, 6),
             "restart_s": round(restart_s, 3),
             "out_s": round(self._out_s, 3),
             "replica_s": round(self._replica_s, 3),
         }
 
-    def summary(self, n_replicas: int, per_deployment: Optional[Mapping[str, int]] = None) -> dict[str, Any]:
-        """In flight, waiting, surging, and the availability account for ``n_replicas``
-        (the first model's deployment); ``per_deployment`` (deployment -> its replicas) adds
-        each deployment's expected availability (the measured one is the fleet's)."""
+    def summary(self, per_deployment: Mapping[str, int]) -> dict[str, Any]:
+        """In flight, waiting, surging, and the availability account (``availability``) of the
+        deployments in ``per_deployment`` (deployment -> its replicas)."""
         now = self._wall()
         out = {
             "in_flight": [
@@ -318,10 +324,8 @@ class RecycleCoordinator:
             ],
             "waiting": [list(w) for w in self.waiting[:20]],
             "surging": sorted(self.surging),
-            "availability": self.availability(n_replicas),
+            "availability": self.availability(per_deployment),
         }
-        if per_deployment:
-            out["expected_availability"] = {d: self.availability(n)["expected"] for d, n in per_deployment.items()}
         return out
 
     def oldest_in_flight_s(self, deployment: str) -> float:

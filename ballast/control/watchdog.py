@@ -47,24 +47,25 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Protocol
-
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any, Protocol
 
+from ballast.config import BallastConfig, WatchdogSettings, load_config
+from ballast.control.gpu import make_process_gpu_probe
 from ballast.policies.leak import (
     Action,
     LadderState,
     LeakDetector,
     SeriesSpec,
+    Trend,
     Usage,
+    Verdict,
     assess,
     engine_lost_reason,
     hang_reason,
 )
 from ballast.policies.reports import SeriesTrend, WatchdogOrders, WatchdogReport, WatchedReplica
-
-from ballast.config import BallastConfig, WatchdogSettings, load_config
-from ballast.control.gpu import make_process_gpu_probe
 
 log = logging.getLogger("ballast.watchdog")
 
@@ -74,7 +75,7 @@ SERIES = ("rss_bytes", "vram_bytes", "threads", "fds")
 
 
 class ProcessSampler(Protocol):
-    def sample(self) -> dict[str, Optional[float]]: ...  # rss_bytes, threads, fds, cpu_pct
+    def sample(self) -> dict[str, float | None]: ...  # rss_bytes, threads, fds, cpu_pct
 
     def engine_gone(self) -> list[str]: ...  # the engine processes gone, "NAME (pid N) exited"
 
@@ -108,11 +109,11 @@ class PsutilSampler:
                 self._engine_procs[epid] = None
         try:
             soft, _ = self._p.rlimit(psutil.RLIMIT_NOFILE)
-            self.fd_limit: Optional[int] = soft if soft > 0 else None
+            self.fd_limit: int | None = soft if soft > 0 else None
         except (AttributeError, OSError, psutil.Error):
             self.fd_limit = None
 
-    def sample(self) -> dict[str, Optional[float]]:
+    def sample(self) -> dict[str, float | None]:
         import psutil
 
         try:
@@ -129,7 +130,8 @@ class PsutilSampler:
                     out[k] += v
             except psutil.Error:  # a child that ended between the listing and now
                 continue
-        return out
+        sampled: dict[str, float | None] = {**out}
+        return sampled
 
     def _outside(self, under: set[int]) -> list[Any]:
         """The engine's processes not ``under`` the replica (rank actors), with theirs."""
@@ -163,7 +165,7 @@ class PsutilSampler:
         return out
 
 
-def _ended(p: Any) -> Optional[str]:
+def _ended(p: Any) -> str | None:
     """How a process ended ("exited", "is stopped"); None while it runs."""
     import psutil
 
@@ -215,7 +217,7 @@ class _Pss:
             del self._last[pid]
 
 
-def _usage(p: Any, pss: Optional[_Pss]) -> dict[str, float]:
+def _usage(p: Any, pss: _Pss | None) -> dict[str, float]:
     """One process: memory (its PSS where ``pss`` is given and smaps readable, else RSS),
     threads, fds, CPU %."""
     with p.oneshot():
@@ -237,7 +239,7 @@ def node_memory_bytes() -> int:
 
 
 def leak_specs(
-    w: WatchdogSettings, rss_limit: Optional[float], vram_limit: Optional[float], fd_limit: Optional[float]
+    w: WatchdogSettings, rss_limit: float | None, vram_limit: float | None, fd_limit: float | None
 ) -> list[SeriesSpec]:
     return [
         SeriesSpec("rss_bytes", w.rss_leak_mb_per_h * MB, rss_limit),
@@ -256,8 +258,8 @@ class WatchdogCore:
         info: WatchedReplica,
         process: ProcessSampler,
         gpu: Any = None,  # a ProcessGpuProbe, or None without a GPU
-        memory_total_bytes: Optional[int] = None,
-        fd_limit: Optional[int] = None,
+        memory_total_bytes: int | None = None,
+        fd_limit: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.settings = settings
@@ -267,28 +269,28 @@ class WatchdogCore:
         self._clock = clock
         self._rss_limit = settings.rss_limit_mb * MB if settings.rss_limit_mb else memory_total_bytes
         self._fd_limit = fd_limit
-        self._vram_limit: Optional[float] = None
+        self._vram_limit: float | None = None
         self._leak_cfg = settings.leak_config()
         self._ladder_cfg = settings.ladder_config()
-        self._detector: Optional[LeakDetector] = None  # built at the first sample (VRAM limit known then)
+        self._detector: LeakDetector | None = None  # built at the first sample (VRAM limit known then)
         self._ladder = LadderState()
         self.ready = True
         self.recycle_requested = False
         self.hung = False
-        self.hung_reason: Optional[str] = None
+        self.hung_reason: str | None = None
         self._pending: deque[str] = deque(maxlen=MAX_PENDING_ACTIONS)
         self.actions_total: dict[str, int] = {a.value: 0 for a in Action}
         now = clock()
         self._created_s = now
-        self._last_beat_s: Optional[float] = None
+        self._last_beat_s: float | None = None
         self._stalled_s = 0.0  # the replica's own figure, from its last heartbeat
         self._inflight = 0
-        self._engine_lost: Optional[str] = None  # the replica's word that its engine is dead
-        self._lost_reason: Optional[str] = None  # the first engine loss seen: it stands
-        self.last_report: Optional[WatchdogReport] = None
+        self._engine_lost: str | None = None  # the replica's word that its engine is dead
+        self._lost_reason: str | None = None  # the first engine loss seen: it stands
+        self.last_report: WatchdogReport | None = None
 
     # -- heartbeats from the replica -----------------------------------------------------
-    def beat(self, inflight: int, stalled_s: float, engine_lost: Optional[str] = None) -> WatchdogOrders:
+    def beat(self, inflight: int, stalled_s: float, engine_lost: str | None = None) -> WatchdogOrders:
         """The replica's heartbeat: its work in flight, how long its work loop has not moved
         with that work (its own clock), and why its engine is dead, if it is. The reply
         carries what it must do now."""
@@ -301,18 +303,18 @@ class WatchdogCore:
         self._pending.clear()
         return WatchdogOrders(actions=actions, ready=self.ready, recycle=self.recycle_requested, hung=self.hung)
 
-    def heartbeat_age_s(self) -> Optional[float]:
+    def heartbeat_age_s(self) -> float | None:
         """Since the last heartbeat arrived; None before the first."""
         return None if self._last_beat_s is None else self._clock() - self._last_beat_s
 
     # -- one sampling round ----------------------------------------------------------------
-    def sample(self, wall_s: Optional[float] = None) -> WatchdogReport:
+    def sample(self, wall_s: float | None = None) -> WatchdogReport:
         """One sample: the replica's usage, its trends and the ladder's verdict, the hang
         check, and the report for the controller."""
         now = self._clock()
         proc = self._process.sample()
         g = self._gpu.sample() if self._gpu is not None else None
-        values: dict[str, Optional[float]] = {
+        values: dict[str, float | None] = {
             "rss_bytes": proc.get("rss_bytes"),
             "threads": proc.get("threads"),
             "fds": proc.get("fds"),
@@ -360,7 +362,7 @@ class WatchdogCore:
         )
         return self.last_report
 
-    def _hang(self, age: Optional[float]) -> Optional[str]:
+    def _hang(self, age: float | None) -> str | None:
         """Why the replica is hung: its engine lost a process (the first loss seen stands:
         the rank that went first is the one named), else a stall or silence."""
         gone = getattr(self._process, "engine_gone", None)
@@ -373,7 +375,7 @@ class WatchdogCore:
             self._stalled_s, age, self._inflight, s.interval_s, s.hang_missed_heartbeats, s.silent_missed_heartbeats
         )
 
-    def _judge(self, now: float, values: dict[str, Optional[float]], warming_up: bool) -> tuple[dict, Any]:
+    def _judge(self, now: float, values: dict[str, float | None], warming_up: bool) -> tuple[dict[str, Trend], Verdict]:
         """The trends (fed this sample unless warming up) and the ladder's verdict on them and
         the usage; its actions queued for the replica."""
         if self._detector is None:
@@ -425,7 +427,7 @@ class Watchdog:
         from ballast.control.link import ControllerLink  # imports Ray: only where the actor runs
 
         self._link = ControllerLink(self._cfg)
-        self._task: Optional[asyncio.Task] = None
+        self._task: asyncio.Task[None] | None = None
         self._replica_actor = str(info.actor_name)
         from ray.util import metrics  # created once, here (STYLE 8)
 
@@ -499,11 +501,11 @@ class Watchdog:
     async def start(self) -> None:
         self._ensure_loop()
 
-    async def beat(self, inflight: int, stalled_s: float, engine_lost: Optional[str] = None) -> WatchdogOrders:
+    async def beat(self, inflight: int, stalled_s: float, engine_lost: str | None = None) -> WatchdogOrders:
         self._ensure_loop()
         return self._core.beat(inflight, stalled_s, engine_lost)
 
-    async def report(self) -> Optional[WatchdogReport]:
+    async def report(self) -> WatchdogReport | None:
         return self._core.last_report
 
 

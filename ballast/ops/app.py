@@ -13,15 +13,15 @@ without a word.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 from ray.serve import Application
 
 from ballast.config import BallastConfig, load_config
-from ballast.errors import ConfigError
-from ballast.policies.placement import Placement, placement_problem
 from ballast.control.controller import ensure_controller
+from ballast.errors import ConfigError
 from ballast.model.server import fallback_deployment, model_deployment
+from ballast.policies.placement import Placement, placement_problem
 from ballast.router.app import router_deployment
 
 
@@ -35,7 +35,8 @@ def build(cfg: BallastConfig) -> Application:
         models[m.name] = model_deployment(cfg, m.name).bind(data, "primary", m.name)
         if cfg.fallback_of(m.name) is not None:
             fallbacks[m.name] = fallback_deployment(cfg, m.name).bind(data, "fallback", m.name)
-    return router_deployment(cfg).bind(models, data, fallbacks)
+    app: Application = router_deployment(cfg).bind(models, data, fallbacks)
+    return app
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -57,7 +58,7 @@ def placements(cfg: BallastConfig) -> list[Placement]:
 
 def check_placements(
     cfg: BallastConfig,
-    nodes: Optional[Sequence[Mapping[str, float]]] = None,
+    nodes: Sequence[Mapping[str, float]] | None = None,
     node_types: Sequence[Mapping[str, float]] = (),
 ) -> None:
     """ConfigError for the first model whose replica's placement group the cluster can never
@@ -88,7 +89,8 @@ def cluster_nodes() -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     Ray, ``ray start`` by hand) has none, and only its live nodes count."""
     import ray
 
-    nodes = [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+    ray_api: Any = ray  # ray.nodes() carries no annotations
+    nodes = [dict(n["Resources"]) for n in ray_api.nodes() if n.get("Alive")]
     types: list[dict[str, float]] = []
     try:
         from ray._private.state import state
@@ -127,11 +129,11 @@ def shutdown(cfg: BallastConfig) -> None:
     import ray
     from ray import serve
 
+    from ballast.control.keys import lookup_keys
     from ballast.control.link import lookup_controller
 
-    from ballast.control.keys import lookup_keys
-
-    serve.shutdown()
+    serve_api: Any = serve  # serve.shutdown() carries no annotations
+    serve_api.shutdown()
     for handle in (lookup_controller(cfg), lookup_keys(cfg)):
         if handle is not None:
             ray.kill(handle, no_restart=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import logging
 import os
 import signal
 import stat
@@ -33,10 +34,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 from urllib.parse import urlsplit
 
 import typer
+
+from ballast.ops.status_text import format_status, tenant_rows
 
 
 def pidfile(port: int) -> Path:
@@ -65,7 +68,7 @@ def is_loopback_url(url: str) -> bool:
         return False
 
 
-def read_pid(path: Path) -> Optional[dict[str, Any]]:
+def read_pid(path: Path) -> dict[str, Any] | None:
     """The pid file's document when it is the operator's own, else None: ``path`` and its
     directory are this user's, writable by no one else, not symlinks (the file is opened
     O_NOFOLLOW and checked on the open descriptor), and it holds a pid and a URL."""
@@ -166,7 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ballast.router.ingress import apply_ingress_env
 
     apply_ingress_env(cfg)
-    ray.init(include_dashboard=args.dashboard, logging_level="WARNING")
+    ray.init(include_dashboard=args.dashboard, logging_level=logging.WARNING)
     # After ray.init: Ray's core installs its own SIGTERM handler (it aborts the
     # process); ours replaces it so that both signals shut down cleanly.
     stop = threading.Event()
@@ -253,27 +256,29 @@ app.add_typer(chaos_app, name="chaos")
 
 @dataclass
 class _Target:
-    url: Optional[str]
-    token: Optional[str]
+    url: str | None
+    token: str | None
     operator: str
 
 
 @app.callback()
 def _options(
     ctx: typer.Context,
-    url: Optional[str] = typer.Option(
+    url: str | None = typer.Option(
         None,
         envvar="BALLAST_URL",
         help="Ballast's URL, where the admin token goes (default: the stack `make serve` "
         "started here, its admin port if it has one, else http://127.0.0.1:8000)",
     ),
-    token: Optional[str] = typer.Option(None, help="admin token (default: $BALLAST_ADMIN_TOKEN)"),
+    token: str | None = typer.Option(None, help="admin token (default: $BALLAST_ADMIN_TOKEN)"),
     operator: str = typer.Option(os.environ.get("USER", "cli"), help="recorded in the audit trail"),
 ) -> None:
     ctx.obj = _Target(url, token, operator)
 
 
-def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict] = None, show: bool = True) -> Any:
+def _admin_call(
+    ctx: typer.Context, method: str, path: str, body: dict[str, Any] | None = None, show: bool = True
+) -> Any:
     """One admin request; clear errors when the server is unreachable or the token is refused."""
     import httpx
 
@@ -308,7 +313,7 @@ def _admin_call(ctx: typer.Context, method: str, path: str, body: Optional[dict]
 def serve(
     config: str = typer.Option("cluster/local.yaml", help="the Ballast config (YAML)"),
     dashboard: bool = typer.Option(True, help="start the Ray dashboard (and its metrics agent)"),
-    model: str = typer.Option("", help="serve this local Hugging Face model directory as the primary model"),
+    model: str = typer.Option("", help="serve this local Hugging Face model directory as the config's first model"),
     engine: str = typer.Option("transformers", help="the engine for --model: transformers or vllm"),
 ) -> None:
     """Run the local stack in the foreground (embedded Ray); Ctrl-C stops it."""
@@ -326,214 +331,15 @@ def stop(
     raise typer.Exit(cmd_stop(argparse.Namespace(config=config, timeout_s=timeout_s)))
 
 
-# -- `ballast status`: GET /v1/status as an operator reads it -----------------------------
-# A tenant whose bucket holds at most this share of its burst is "near its quota": the
-# next few requests of a typical size would be refused with 429 QUOTA_EXCEEDED.
-NEAR_QUOTA_RATIO = 0.2
-
-
-def _num(v: Any, fmt: str = "g") -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATIO) -> str:
-    """The /v1/status document as text (pure: document in, text out; `--json` prints the document).
-
-    Every section is optional, so a router that answers without a snapshot (a controller
-    never seen) or without a gate still gets a summary, and a newer router's extra keys are
-    simply not shown.
-    """
-    out: list[str] = []
-    _status_level(doc, out)
-    _status_models(doc, out)
-    _status_replicas(doc, out)
-    _status_deployments(doc, out)
-    _status_health(doc, out)
-    _status_quotas(doc, out, near_quota_ratio)
-    _status_actions(doc, out)
-    _status_gate(doc, out)
-    return "\n".join(out)
-
-
-def _status_level(doc: dict[str, Any], out: list[str]) -> None:
-    """The level, why, what the router acts on, the inputs and constraints."""
-    snap = doc.get("snapshot") or {}
-    level = doc.get("level")
-    source = doc.get("source", "?")
-    head = f"level {level}"
-    if snap.get("target_level") is not None and snap.get("target_level") != level:
-        head += f" (target {snap['target_level']})"
-    head += f": {snap.get('reason') or 'no snapshot'}"
-    out.append(head)
-    if source != "snapshot":  # stale or fail-static: the router is acting on its own
-        out.append(f"  acting on: {source} (the controller's snapshot is not fresh)")
-    if snap:
-        out.append(f"  snapshot v{snap.get('version')} ({snap.get('epoch')}), age {_num(snap.get('age_s'), '.1f')} s")
-    inputs = snap.get("inputs") or {}
-    if inputs:
-        shown = ("queue_length", "queue_wait_p95_ms", "kv_util_pct", "gpu_util_pct", "vram_pct", "error_rate")
-        out.append("  inputs: " + ", ".join(f"{k} {_num(inputs.get(k))}" for k in shown if k in inputs))
-    cons = doc.get("constraints") or {}
-    if cons:
-        out.append("  constraints: " + ", ".join(f"{k} {v}" for k, v in cons.items()))
-
-
-def _status_models(doc: dict[str, Any], out: list[str]) -> None:
-    """One line per model: its level and why, its deployment's replicas running / desired.
-
-    The controller's level per model (the snapshot's ``models``); the first line above is
-    the level this router acts on for the first model."""
-    models = (doc.get("snapshot") or {}).get("models") or {}
-    if not models:
-        return
-    replicas = doc.get("replicas") or {}
-    out.append("models (level, replicas running / desired):")
-    for name, m in models.items():
-        r = replicas.get(m.get("deployment")) or {}
-        target = m.get("target_level")
-        level = f"level {m.get('level')}" + (f" (target {target})" if target not in (None, m.get("level")) else "")
-        out.append(
-            f"  {name}: {level}: {m.get('reason') or '-'}; replicas {_num(r.get('running'))} / {_num(r.get('desired'))}"
-        )
-        routing = _routing_line(m.get("routing") or {})
-        if routing:
-            out.append(f"    routing: {routing}")
-
-
-def _routing_line(routing: dict[str, Any]) -> str:
-    """A model's routing summary (the controller's ``RoutingSummary``): what is known of it."""
-    parts = []
-    if routing.get("prefix_hit_ratio") is not None:
-        parts.append(f"prefix-cache hits {routing['prefix_hit_ratio']:.0%}")
-    if routing.get("routed_by_prefix_ratio") is not None:
-        parts.append(f"routed by prefix {routing['routed_by_prefix_ratio']:.0%}")
-    if routing.get("load_max_over_mean") is not None:
-        parts.append(f"most loaded replica {routing['load_max_over_mean']:.2f}x the mean")
-    return ", ".join(parts)
-
-
-def _status_replicas(doc: dict[str, Any], out: list[str]) -> None:
-    """Replicas desired and running per deployment, with the autoscaler's reason."""
-    replicas = doc.get("replicas") or {}
-    if replicas:
-        out.append("replicas (desired / running):")
-        for dep, r in replicas.items():
-            line = f"  {dep}: {_num(r.get('desired'))} / {_num(r.get('running'))}"
-            auto = r.get("autoscale") or {}
-            if auto:
-                line += f"  [{auto.get('reason') or auto.get('mode')}"
-                if auto.get("recycle_surge"):
-                    line += f", +{auto['recycle_surge']} recycle surge"
-                line += "]"
-            out.append(line)
-
-
-def _status_deployments(doc: dict[str, Any], out: list[str]) -> None:
-    """Deployments Serve does not call healthy, with its replicas by state and its message:
-    a replica it cannot place yet (its placement group pending) says so, and why."""
-    deps = doc.get("deployments") or {}
-    unwell = {name: d for name, d in deps.items() if d.get("status") != "HEALTHY"}
-    if not unwell:
-        return
-    out.append("deployments not healthy (Serve's word):")
-    for name, d in sorted(unwell.items()):
-        states = ", ".join(f"{n} {s}" for s, n in sorted((d.get("replicas") or {}).items())) or "no replicas"
-        out.append(f"  {name}: {d.get('status', '?')} ({states})")
-        if d.get("message"):
-            out.append(f"    {d['message']}")
-
-
-def _status_health(doc: dict[str, Any], out: list[str]) -> None:
-    """Capacity lost with replicas, and the breakers."""
-    lost = doc.get("lost_capacity") or {}
-    if any(lost.values()):
-        out.append(
-            f"lost capacity: {lost.get('migrated', 0)} carried on elsewhere, {lost.get('not_migrated', 0)} not "
-            "(to the fallback, else 503 REPLICA_LOST): replicas or nodes that went away, not model errors"
-        )
-
-    breakers = doc.get("breakers") or {}
-    if breakers:
-        out.append("breakers:")
-        for role, b in breakers.items():
-            line = f"  {role}: {b.get('state', '?')}"
-            if b.get("calls"):
-                line += f", {b.get('failures', 0)} failed and {b.get('slow_calls', 0)} slow of {b['calls']} calls"
-            if b.get("state") == "open" and b.get("retry_after_s"):
-                line += f", half-open in {b['retry_after_s']:.0f} s"
-            out.append(line)
-
-
-def _status_quotas(doc: dict[str, Any], out: list[str], near_quota_ratio: float) -> None:
-    """Tenants near their quota."""
-    quotas = doc.get("quotas") or {}
-    near = [
-        (t, q)
-        for t, q in sorted(quotas.items())
-        if q.get("burst_tokens") and q.get("tokens", 0) <= near_quota_ratio * q["burst_tokens"]
-    ]
-    out.append(f"tenants near their quota (bucket <= {near_quota_ratio:.0%} of burst): {len(near) if near else 'none'}")
-    for t, q in near:
-        lease = "" if q.get("lease", True) else ", no lease (safe share)"
-        out.append(
-            f"  {t}: {q.get('tokens')} of {q.get('burst_tokens')} tokens, refills {q.get('rate_tokens_per_s')}/s{lease}"
-        )
-
-
-def _status_actions(doc: dict[str, Any], out: list[str]) -> None:
-    """Recycles in flight and kill switches."""
-    recycle = doc.get("recycle") or {}
-    in_flight = recycle.get("in_flight") or []
-    out.append(f"recycles in flight: {len(in_flight) if in_flight else 'none'}")
-    for f in in_flight:
-        out.append(
-            f"  {f.get('replica_id')} ({f.get('deployment')}): {f.get('reason')}, {_num(f.get('age_s'), '.0f')} s"
-        )
-    if recycle.get("waiting"):
-        out.append(f"  waiting: {len(recycle['waiting'])}")
-
-    switches = doc.get("kill_switches") or []
-    out.append(f"kill switches: {len(switches) if switches else 'none'}")
-    for k in switches:
-        scope = k.get("scope", "?") + (f"={k['value']}" if k.get("value") else "")
-        out.append(f"  {scope}: {k.get('reason')} (by {k.get('set_by')}, id {k.get('id')})")
-
-
-def _status_gate(doc: dict[str, Any], out: list[str]) -> None:
-    """The gate and chaos."""
-    gate = doc.get("gate")
-    if gate:
-        line = (
-            f"gate: limit {_num(gate.get('limit'))}, {gate.get('in_flight', 0)} at the model, "
-            f"{gate.get('waiting', 0)} waiting"
-        )
-        if gate.get("reserving"):
-            line += ", reserving slots for critical"
-        refused = {k: v for k, v in (gate.get("refused") or {}).items() if v}
-        if refused:
-            line += ", refused " + ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))
-        out.append(line)
-        fair = gate.get("fairness")
-        if fair:
-            whose = (
-                "cluster-wide counters"
-                if fair.get("view") == "cluster"
-                else "this router's own counters (no controller reply)"
-            )
-            waiting = ", ".join(fair.get("backlogged") or []) or "none"
-            out.append(f"fair shares: {whose}; tenants waiting: {waiting}")
-    chaos = doc.get("chaos") or {}
-    if chaos:
-        out.append("chaos: " + "; ".join(f"{t} {s}" for t, s in sorted(chaos.items())))
-
-
+# -- `ballast status`: GET /v1/status as an operator reads it (ballast.ops.status_text) ------
 @app.command()
 def status(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="print the raw /v1/status document"),
 ) -> None:
-    """Level and why, replicas desired/running, deployments Serve calls unhealthy (a replica it
-    cannot place yet, and why), breakers, tenants near quota, recycles, kill switches."""
+    """Each model's level and why, its replicas running/desired, breakers and gate; replicas
+    desired/running per deployment, deployments Serve calls unhealthy (a replica it cannot place
+    yet, and why), tenants near quota, recycles, kill switches."""
     doc = _admin_call(ctx, "GET", "/v1/status", show=False)
     typer.echo(json.dumps(doc, indent=2) if as_json else format_status(doc))
 
@@ -541,25 +347,9 @@ def status(
 @app.command()
 def tenants(ctx: typer.Context) -> None:
     """Each tenant's token rate at the answering router, its bucket and whether a lease backs
-    it; its fair-share counter, its service per second and whether it waits at the gate."""
+    it; at each model's gate, its fair-share counter, its service per second and whether it waits."""
     doc = _admin_call(ctx, "GET", "/v1/status", show=False)
     typer.echo(json.dumps(tenant_rows(doc), indent=2))
-
-
-def tenant_rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``ballast tenants``: one row per tenant, its quota fields and, where the gate orders
-    tenants, its fair-share fields (``fair_view``: whose counters, the cluster's or this
-    router's own)."""
-    rows = {t: dict(q) for t, q in (doc.get("quotas") or {}).items()}
-    fair = (doc.get("gate") or {}).get("fairness")
-    if fair:
-        waiting = set(fair.get("backlogged") or ())
-        served = fair.get("served_per_s") or {}
-        for t, counter in (fair.get("counters") or {}).items():
-            rows.setdefault(t, {}).update(
-                fair_counter=counter, served_per_s=served.get(t), waiting=t in waiting, fair_view=fair.get("view")
-            )
-    return rows
 
 
 @app.command()
@@ -571,9 +361,9 @@ def replicas(ctx: typer.Context) -> None:
 @app.command()
 def recycle(
     ctx: typer.Context,
-    replica_id: Optional[str] = typer.Argument(None, help="one replica (ids: `ballast replicas`)"),
+    replica_id: str | None = typer.Argument(None, help="one replica (ids: `ballast replicas`)"),
     all_: bool = typer.Option(False, "--all", help="every replica, one at a time"),
-    deployment: Optional[str] = typer.Option(None, help="with --all: only BallastModel or BallastFallbackModel"),
+    deployment: str | None = typer.Option(None, help="with --all: only BallastModel or BallastFallbackModel"),
 ) -> None:
     """Recycle replicas gracefully, in turn, under the planner's limits (max_unavailable, min_available)."""
     if replica_id is None and not all_:
@@ -588,7 +378,7 @@ def kill_switch_on(
     scope: str = typer.Option(..., help="global | tenant | model | criticality"),
     reason: str = typer.Option(..., help="why (shown to refused clients)"),
     expires_in_s: int = typer.Option(..., help="mandatory expiry"),
-    value: Optional[str] = typer.Option(None, help="the tenant, model or criticality (none for global)"),
+    value: str | None = typer.Option(None, help="the tenant, model or criticality (none for global)"),
 ) -> None:
     """Set a kill switch."""
     _admin_call(
@@ -643,7 +433,7 @@ def chaos_off(ctx: typer.Context) -> None:
     _admin_call(ctx, "DELETE", "/admin/chaos")
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (tests call this directly)."""
     import click
 

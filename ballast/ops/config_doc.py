@@ -75,7 +75,7 @@ def _model_of(ann: Any) -> Any:
     return None
 
 
-def _rows(model: type, prefix: str, out: list[str], instance: Any = None) -> None:
+def _rows(model: type[BaseModel], prefix: str, out: list[str], instance: Any = None) -> None:
     if instance is None:
         try:
             instance = model()

@@ -36,7 +36,7 @@ def _missing_server_module(exc: ModuleNotFoundError) -> bool:
     return (exc.name or "").split(".")[0] in SERVER_MODULES
 
 
-def main(argv: "list[str] | None" = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     try:
         from ballast.ops.cli import main as cli_main
 

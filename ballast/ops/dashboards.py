@@ -18,6 +18,7 @@ read as counts, and an event stays visible for a while after its replica is gone
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 OUT = Path(__file__).resolve().parents[2] / "cluster/grafana/dashboards"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
@@ -50,7 +51,7 @@ class Dashboard:
     title: str
     panels: tuple[Panel, ...] = field(default_factory=tuple)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         panels = []
         for i, p in enumerate(self.panels):
             panels.append(
@@ -119,8 +120,12 @@ OVERVIEW = Dashboard(
             unit="reqps",
         ),
         Panel(
-            "Shed by criticality",
-            (Target(f'sum by (criticality) (rate({REQ}{{code="OVERLOADED"}}[1m]))', "{{criticality}}"),),
+            "Shed by model and criticality",
+            (
+                Target(
+                    f'sum by (model, criticality) (rate({REQ}{{code="OVERLOADED"}}[1m]))', "{{model}} {{criticality}}"
+                ),
+            ),
             unit="reqps",
         ),
         Panel(
@@ -157,7 +162,7 @@ OVERVIEW = Dashboard(
         ),
         Panel(
             "Breaker state",
-            (Target("max by (backend) (ray_ballast_breaker_state)", "{{backend}}"),),
+            (Target("max by (model, backend) (ray_ballast_breaker_state)", "{{model}} {{backend}}"),),
             description="0 closed, 1 open, 2 half-open",
         ),
         Panel(
@@ -165,21 +170,26 @@ OVERVIEW = Dashboard(
         ),
         Panel(
             "Retries",
-            (Target("sum by (backend, kind) (rate(ray_ballast_retries_total[5m]))", "{{backend}} {{kind}}"),),
+            (
+                Target(
+                    "sum by (model, backend, kind) (rate(ray_ballast_retries_total[5m]))",
+                    "{{model}} {{backend}} {{kind}}",
+                ),
+            ),
             unit="reqps",
         ),
         Panel(
-            "Latency percentiles",
+            "Latency percentiles by model",
             tuple(
                 Target(
-                    f"histogram_quantile({q}, sum by (le) (rate(ray_ballast_request_latency_ms_bucket[1m])))",
-                    f"p{int(q * 100)}",
+                    f"histogram_quantile({q}, sum by (model, le) (rate(ray_ballast_request_latency_ms_bucket[1m])))",
+                    f"{{{{model}}}} p{int(q * 100)}",
                 )
                 for q in (0.5, 0.95, 0.99)
             ),
             unit="ms",
         ),
-        Panel("Queue length", (Target("max(ray_ballast_queue_length)", "queue"),)),
+        Panel("Queue length by model", (Target("max by (model) (ray_ballast_queue_length)", "{{model}}"),)),
         Panel(
             "Prefix-cache hit rate (vLLM)",
             (
@@ -264,12 +274,12 @@ OVERVIEW = Dashboard(
             "replicas; affinity keeps it within model.routing.load_bound_ratio while the load bound binds",
         ),
         Panel(
-            "Gate to the model",
+            "Gate to each model",
             (
-                Target("sum by (kind) (ray_ballast_gate)", "{{kind}}"),
+                Target("sum by (model, kind) (ray_ballast_gate)", "{{model}} {{kind}}"),
                 Target(
-                    "sum by (reason, criticality) (rate(ray_ballast_gate_refused_total[1m]))",
-                    "refused {{criticality}} {{reason}}",
+                    "sum by (model, reason, criticality) (rate(ray_ballast_gate_refused_total[1m]))",
+                    "{{model}} refused {{criticality}} {{reason}}",
                     sparse="no series until a request is refused at the gate",
                 ),
             ),
@@ -428,10 +438,10 @@ REPLICAS = Dashboard(
         ),
         Panel(
             "Availability under recycling",
-            (Target("max by (kind) (ray_ballast_availability)", "{{kind}}"),),
+            (Target("max by (kind, deployment) (ray_ballast_availability)", "{{kind}} {{deployment}}"),),
             unit="percentunit",
-            description="expected: a rolling restart's availability for the schedule (absent without max_age_s); "
-            "measured: 1 - replica time out for recycles / replica time",
+            description="expected, per model deployment: a rolling restart's availability for the schedule (absent "
+            "without max_age_s); measured, over the fleet: 1 - replica time out for recycles / replica time",
         ),
     ),
 )

@@ -34,10 +34,11 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any
 
-from ballast.policies.catalog import Catalog, CatalogError, ModelEntry, AdapterEntry
+from ballast.policies.catalog import AdapterEntry, Catalog, CatalogError, ModelEntry
 
 #: Adapters the controller holds beyond the config's; one more is refused.
 MAX_RUNTIME_ADAPTERS = 256
@@ -85,14 +86,14 @@ class RuntimeAdapter:
             raise TypeError("added_at_s: want a number")
 
     @classmethod
-    def create(cls, model: str, name: str, path: str, tenants: Sequence[str], at_s: float, by: str) -> "RuntimeAdapter":
+    def create(cls, model: str, name: str, path: str, tenants: Sequence[str], at_s: float, by: str) -> RuntimeAdapter:
         """A record with its tenants sorted and deduplicated."""
         if isinstance(tenants, str) or not isinstance(tenants, Sequence):
             raise TypeError(f'tenants: want a list of tenants, or ["{EVERY_TENANT}"]')
         return cls(model, name, path, tuple(sorted(set(tenants))), float(at_s), by)
 
     @property
-    def grant(self) -> Optional[tuple[str, ...]]:
+    def grant(self) -> tuple[str, ...] | None:
         """The tenants as the catalog takes them: None for every tenant the model admits."""
         return None if self.tenants == (EVERY_TENANT,) else self.tenants
 
@@ -102,7 +103,7 @@ class RuntimeAdapter:
         return out
 
     @classmethod
-    def from_dict(cls, raw: Any) -> "RuntimeAdapter":
+    def from_dict(cls, raw: Any) -> RuntimeAdapter:
         """The record in ``raw`` (a snapshot's or a persisted one); TypeError or ValueError
         when it is not one (a record without tenants included: they are written out)."""
         if not isinstance(raw, dict):
@@ -111,19 +112,27 @@ class RuntimeAdapter:
         if not isinstance(tenants, (list, tuple)):
             raise TypeError(f'tenants: want a list of tenants, or ["{EVERY_TENANT}"]')
         return cls(
-            model=raw.get("model"),  # type: ignore[arg-type]  # checked in __post_init__
-            name=raw.get("name"),  # type: ignore[arg-type]
-            path=raw.get("path"),  # type: ignore[arg-type]
+            model=_field(raw, "model"),  # each value's type is checked in __post_init__
+            name=_field(raw, "name"),
+            path=_field(raw, "path"),
             tenants=tuple(tenants),
-            added_at_s=raw.get("added_at_s"),  # type: ignore[arg-type]
-            added_by=raw.get("added_by"),  # type: ignore[arg-type]
+            added_at_s=_field(raw, "added_at_s"),
+            added_by=_field(raw, "added_by"),
         )
+
+
+def _field(raw: dict[Any, Any], name: str) -> Any:
+    """``raw[name]``, as a record carries it (checked by ``RuntimeAdapter``); TypeError naming
+    the field when it is missing."""
+    if name not in raw:
+        raise TypeError(f"{name}: missing from the record")
+    return raw[name]
 
 
 # ---------------------------------------------------------------- the rule
 
 
-def under_root(path: str, root: str) -> Optional[str]:
+def under_root(path: str, root: str) -> str | None:
     """``path`` (a relative one taken under ``root``) with ``.`` and ``..`` worked out,
     when it lies strictly under ``root``; None otherwise. By the text alone: where a
     symlink leads is the loading node's to find (``trust_problem``)."""
@@ -137,7 +146,7 @@ def inside(path: str, root: str) -> bool:
     return path.startswith(root.rstrip("/") + "/") and len(path) > len(root.rstrip("/")) + 1
 
 
-def check(catalog: Catalog, entry: RuntimeAdapter, root: Optional[str]) -> None:
+def check(catalog: Catalog, entry: RuntimeAdapter, root: str | None) -> None:
     """CatalogError naming the field when ``entry`` may not be added to ``catalog`` (the
     config's with the run-time adapters already held): no ``adapters_root``, a path not
     under it, or the catalog's refusal (an unknown or non-vLLM model, a name taken or
@@ -160,7 +169,7 @@ class PathFacts:
     mode: int
 
 
-def trust_problem(facts: Iterable[PathFacts], trusted_uids: frozenset[int]) -> Optional[str]:
+def trust_problem(facts: Iterable[PathFacts], trusted_uids: frozenset[int]) -> str | None:
     """Why an adapter may not be loaded from these paths (the root, each directory down
     to the adapter's, the adapter's entries), or None: each must be owned by a trusted
     uid (the service user, root) and writable by no group and no one else, so that no
@@ -181,7 +190,7 @@ def redact(text: str, roots: Iterable[str]) -> str:
     replaced: a refusal names no path outside the adapters' root."""
     bases = [posixpath.normpath(r) for r in roots]
 
-    def keep(m: "re.Match[str]") -> str:
+    def keep(m: re.Match[str]) -> str:
         p = posixpath.normpath(m.group(0))
         return m.group(0) if any(p == b or inside(p, b) for b in bases) else "<path outside adapters_root>"
 

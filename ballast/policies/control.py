@@ -10,7 +10,7 @@ window's buckets) and applies the decision (snapshot, Serve's target).
 * ``routing_summary``: how the model's requests spread over its replicas (status, metrics).
 
 Both are called once per model: with the routers' reports as that model sees them
-(``model_views``: ``RouterReport.for_model``), the replicas of that model's deployments
+(``model_views``: each report's ``RouterReport.load``), the replicas of that model's deployments
 (``of_deployments``: its own and its fallback's) and its own deployment's name. A
 model's level and replicas are then its own: flooding one model moves no other's.
 * ``ControlPolicy.step``: ``degradation.decide`` + ``autoscale.decide`` + the
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from ballast.policies import autoscale, degradation, recycle
 from ballast.policies.autoscale import AutoscaleConfig, AutoscaleDecision, AutoscaleSample, AutoscaleState
 from ballast.policies.degradation import DegradationConfig, DegradationDecision, DegradationState, LoadSignals
-from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
+from ballast.policies.reports import ModelLoad, ReplicaReport, RouterReport, WatchdogReport
 from ballast.policies.validation import check_fields, check_int, check_non_negative
 
 
@@ -52,13 +52,13 @@ def engine_rows(replicas: Sequence[ReplicaReport], deployment: str) -> int | Non
     return sum(n for n in rows if n is not None)
 
 
-def model_views(routers: Sequence[RouterReport], model: str, primary_model: str) -> list[RouterReport]:
-    """Every router's report as ``model`` sees it (``primary_model``: the config's first model)."""
-    return [r.for_model(model, primary_model) for r in routers]
+def model_views(routers: Sequence[RouterReport], model: str) -> list[ModelLoad]:
+    """Every router's load of ``model`` (``RouterReport.load``: idle where it reported none)."""
+    return [r.load(model) for r in routers]
 
 
 def fold_reports(
-    routers: Sequence[RouterReport],
+    routers: Sequence[ModelLoad],
     replicas: Sequence[ReplicaReport],
     primary: str,
     requests: int = 0,
@@ -86,7 +86,7 @@ def fold_reports(
         for crit, rps in r.demand_rps.items():
             demand[crit] = demand.get(crit, 0.0) + float(rps)
     full = any(r.gate_full for r in routers)
-    senders: list[RouterReport | ReplicaReport] = [*routers, *mine]
+    senders: list[ModelLoad | ReplicaReport] = [*routers, *mine]
     waits = [float(r.queue_wait_p95_ms) for r in senders if r.queue_wait_p95_ms is not None]
     utils = [float(r.gpu_util_pct) for r in replicas if r.gpu_util_pct is not None]
     kvs = [float(r.kv_util_pct) for r in mine if r.kv_util_pct is not None]
@@ -108,7 +108,7 @@ def fold_reports(
 
 
 def ongoing_requests(
-    routers: Sequence[RouterReport], replicas: Sequence[ReplicaReport], primary: str, queue_length: int
+    routers: Sequence[ModelLoad], replicas: Sequence[ReplicaReport], primary: str, queue_length: int
 ) -> float:
     """Requests the primary deployment holds or is about to: the autoscaler's input.
 
@@ -150,7 +150,7 @@ def _ratio(part: float, whole: float) -> float | None:
     return round(part / whole, 3) if whole > 0 else None
 
 
-def routing_summary(routers: Sequence[RouterReport], replicas: Sequence[ReplicaReport], primary: str) -> RoutingSummary:
+def routing_summary(routers: Sequence[ModelLoad], replicas: Sequence[ReplicaReport], primary: str) -> RoutingSummary:
     """The model's ``RoutingSummary``: its routers' views (``model_views``), the replicas of
     its own deployment ``primary``."""
     mine = of_deployment(replicas, primary)

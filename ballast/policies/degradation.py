@@ -47,11 +47,10 @@ time and these semantics.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, Optional
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, NamedTuple
 
 from ballast.policies.criticality import Criticality
-
 from ballast.policies.validation import (
     check_fields,
     check_finite,
@@ -358,6 +357,21 @@ class LoadSignals:
                 if rps is None:
                     raise ValueError(f"demand_rps[{crit}]: must be a number")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The signals as plain data (the snapshot's ``inputs``, the status's)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["demand_rps"] = dict(self.demand_rps) if self.demand_rps is not None else None
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LoadSignals:
+        """The signals ``to_dict`` wrote; keys it does not know are ignored (a newer sender's),
+        one it needs and lacks is a ValueError naming it, and each value is checked as when built."""
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in data]
+        if missing:
+            raise ValueError(f"{missing[0]}: missing from load signals")
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
 
 def _level_for(value: float, thresholds: tuple[float | None, ...]) -> tuple[int, float | None]:
     """Highest level whose threshold ``value`` reaches, and that threshold."""
@@ -608,11 +622,11 @@ def decide(
 class _Peak(NamedTuple):
     """The capacity the demand rule reads this tick (with ``capacity_rps`` measured), and when it was measured."""
 
-    rps: Optional[float]
-    at_s: Optional[float]
+    rps: float | None
+    at_s: float | None
 
 
-def _capacity_peak(measured: Optional[float], state: DegradationState, cfg: DegradationConfig, now_s: float) -> _Peak:
+def _capacity_peak(measured: float | None, state: DegradationState, cfg: DegradationConfig, now_s: float) -> _Peak:
     """The highest capacity measured within ``capacity_window_s``: the new measurement when
     it is at least the remembered peak, the peak while it is in the window; a peak older
     than the window (or stamped after ``now_s``: a clock that went back) is forgotten."""
@@ -629,13 +643,13 @@ class _Step(NamedTuple):
 
     level: int
     reason: str
-    up_since_s: Optional[float] = None
-    up_min: Optional[int] = None
-    lower_since_s: Optional[float] = None
-    lower_max: Optional[int] = None
+    up_since_s: float | None = None
+    up_min: int | None = None
+    lower_since_s: float | None = None
+    lower_max: int | None = None
 
 
-def _target(signals: LoadSignals, cfg: DegradationConfig, level: int, gap: "_Gap") -> tuple[int, str]:
+def _target(signals: LoadSignals, cfg: DegradationConfig, level: int, gap: _Gap) -> tuple[int, str]:
     """The level the signals ask for; during a capacity gap with the queue signals held at ``level``."""
     target, reason = target_level(signals, cfg, load_cap=level if gap.holding else None)
     if gap.holding:

@@ -20,8 +20,9 @@ replica's heartbeat.
 from __future__ import annotations
 
 import reprlib
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, ClassVar, Mapping, Optional, Protocol, Sequence, TypeVar
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from ballast.policies.catalog import name_problem
 from ballast.policies.criticality import Criticality
@@ -116,7 +117,7 @@ def _check_amounts(name: str, amounts: object) -> None:
             raise ValueError(f"{name}: {key!r} must be a finite number, got {amount!r}")
 
 
-def checked(report: Any, kind: type[R]) -> Optional[R]:
+def checked(report: Any, kind: type[R]) -> R | None:
     """``report`` checked again as a ``kind`` (its ``__post_init__`` run anew); None if it is not one."""
     if type(report) is not kind:
         return None
@@ -126,8 +127,8 @@ def checked(report: Any, kind: type[R]) -> Optional[R]:
         return None
 
 
-def _check_load(load: "ModelLoad | RouterReport") -> None:
-    """The per-model load fields, as ``ModelLoad`` and ``RouterReport`` both carry them."""
+def _check_load(load: ModelLoad) -> None:
+    """A ``ModelLoad``'s fields, checked (again, for one that was unpickled)."""
     check_fields(load, check_int, "inflight", "requests", "errors", "shed", "lost_capacity", "gate_waiting", minimum=0)
     check_fields(load, check_non_negative, "queue_wait_p95_ms", optional=True)
     check_fields(load, check_non_negative, "served_rps")
@@ -150,8 +151,8 @@ def _check_routed(name: str, routed: object) -> None:
 
 @dataclass(frozen=True)
 class ModelLoad:
-    """One model's load as a router saw it since its last report (the fields ``RouterReport``
-    carries at top level for the first model)."""
+    """One model's load as one router saw it since its last report: an entry of
+    ``RouterReport.models``, and what the controller's policies read for that model."""
 
     inflight: int = 0  # requests this router holds now
     # Outcomes since the last report (the controller's error window sums them).
@@ -159,7 +160,7 @@ class ModelLoad:
     errors: int = 0
     shed: int = 0
     lost_capacity: int = 0  # attempts lost with their replica or node: not model errors
-    queue_wait_p95_ms: Optional[float] = None  # None: no request waited at the gate
+    queue_wait_p95_ms: float | None = None  # None: no request waited at the gate
     # The gate's view over its demand window (ballast.policies.gate.DemandWindow); a router
     # without a gate leaves them at their defaults.
     gate_waiting: int = 0
@@ -173,14 +174,9 @@ class ModelLoad:
     def __post_init__(self) -> None:
         _check_load(self)
 
-    @classmethod
-    def of(cls, report: "RouterReport") -> "ModelLoad":
-        """The load a router report holds at top level (what a router counted for one model)."""
-        return cls(**{name: getattr(report, name) for name in LOAD_FIELDS})
 
-
-#: The fields ``ModelLoad`` and ``RouterReport`` share (the first model's load at top level).
-LOAD_FIELDS = tuple(f.name for f in fields(ModelLoad))
+#: The load of a model a router did not report: nothing held, nothing counted.
+IDLE = ModelLoad()
 
 
 def _check_models(name: str, models: object) -> None:
@@ -203,49 +199,37 @@ def _check_models(name: str, models: object) -> None:
 
 
 @dataclass(frozen=True)
-class RouterReport(ModelLoad):
+class RouterReport:
     """One router replica's report, every report interval: its load since the last one.
 
-    The top-level load fields (``LOAD_FIELDS``) are the first model's; ``models`` holds
-    every other model's, by name (an entry for the first model is ignored). A one-model
-    router leaves ``models`` empty. ``for_model`` gives the report as one model sees it.
-    The tenant fields (demand by tenant, fair-share charges, tenants waiting) are the
-    router's across all models: a tenant's quota and fair share hold across models.
+    ``models`` holds every model the router serves, each alike: its ``ModelLoad`` by name.
+    ``load(model)`` gives one model's (``IDLE`` for a model this router did not report).
+    The tenant fields are the router's, not a model's: its demand by tenant (a tenant's
+    quota holds across models), and the fair-share charges and tenants waiting at the one
+    gate per router whose counters the controller shares (the default model's).
     """
 
-    # ModelLoad's fields (the first model's load), then the router's own:
-    router_id: str = ""  # required: an empty one is refused
+    router_id: str
+    models: Mapping[str, ModelLoad] = field(default_factory=dict)  # every model this router serves
     demand_tokens_per_s: Mapping[str, float] = field(default_factory=dict)  # by tenant (quota leases)
     # What the gate charged each tenant's fair-share counter since the last report
     # (ballast.policies.fairness; negative where refunds outweighed charges).
     fair_charged: Mapping[str, float] = field(default_factory=dict)
     fair_backlogged: tuple[str, ...] = ()  # tenants waiting at the gate now
-    models: Mapping[str, ModelLoad] = field(default_factory=dict)  # every model but the first: its load
 
     def __post_init__(self) -> None:
         check_fields(self, check_name, "router_id")
-        _check_load(self)
+        check_fields(self, _check_models, "models")
         check_fields(self, _check_rates, "demand_tokens_per_s", criticalities=False)
         check_fields(self, _check_amounts, "fair_charged")
         if not isinstance(self.fair_backlogged, tuple) or not all(
             isinstance(t, str) and t for t in self.fair_backlogged
         ):
             raise ValueError(f"fair_backlogged: must be a tuple of tenant names, got {self.fair_backlogged!r}")
-        check_fields(self, _check_models, "models")
 
-    def for_model(self, name: str, primary: str) -> "RouterReport":
-        """This report as model ``name`` sees it (``primary``: the config's first model).
-
-        The primary's view is the report itself; another model's has that model's
-        ``ModelLoad`` at top level (an all-zero load when this router did not report the
-        model) and no ``models``. The tenant fields are kept as they are: they are the
-        router's across models, and nothing sums them over models' views (quota leases
-        and fair shares read the reports themselves, once per router).
-        """
-        if name == primary:
-            return self
-        load = self.models.get(name) or ModelLoad()
-        return replace(self, models={}, **{f: getattr(load, f) for f in LOAD_FIELDS})
+    def load(self, model: str) -> ModelLoad:
+        """Model ``model``'s load in this report: ``IDLE`` when this router did not report it."""
+        return self.models.get(model, IDLE)
 
 
 @dataclass(frozen=True)
@@ -254,42 +238,42 @@ class ReplicaReport:
 
     replica_id: str
     deployment: str
-    role: Optional[str] = None  # "primary" or "fallback"
+    role: str | None = None  # "primary" or "fallback"
     # Counts; the fleet simulator's fluid model sends running as a fraction.
     queued: float = 0
     running: float = 0
     batches: int = 0
-    batch_size_avg: Optional[float] = None
+    batch_size_avg: float | None = None
     batch_size_limit: int = 0
-    kv_util_pct: Optional[float] = None
-    kv_tokens_reserved: Optional[int] = None
-    kv_tokens_budget: Optional[int] = None
-    queue_wait_p95_ms: Optional[float] = None
+    kv_util_pct: float | None = None
+    kv_tokens_reserved: int | None = None
+    kv_tokens_budget: int | None = None
+    queue_wait_p95_ms: float | None = None
     # An engine that schedules itself (vLLM): the requests waiting inside it (counted in
     # queued too) and its prefix cache's hit rate; None for engines Ballast batches.
-    engine_waiting: Optional[int] = None
-    prefix_cache_hit_pct: Optional[float] = None
+    engine_waiting: int | None = None
+    prefix_cache_hit_pct: float | None = None
     # ... and the rows it runs usefully: where more rows stop buying throughput, from its
     # own steps' times (ballast/policies/engine_curve.py); None until its steps say so.
-    engine_rows: Optional[int] = None
+    engine_rows: int | None = None
     # vLLM's own prefix-cache counters since its engine started: prompt tokens looked up,
     # and found (a hit rate over any span is the difference of two reports).
-    prefix_cache_queries: Optional[int] = None
-    prefix_cache_hits: Optional[int] = None
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
     # The KV blocks this replica reports holding to the routers (prefix affinity); None
     # where it reports none.
-    prefix_blocks: Optional[int] = None
+    prefix_blocks: int | None = None
     # None where the replica has no GPU (absent, not 0).
-    gpu_util_pct: Optional[float] = None
-    vram_pct: Optional[float] = None
-    vram_used_bytes: Optional[int] = None
-    vram_total_bytes: Optional[int] = None
-    device: Optional[str] = None  # "cpu" or "cuda:N"
+    gpu_util_pct: float | None = None
+    vram_pct: float | None = None
+    vram_used_bytes: int | None = None
+    vram_total_bytes: int | None = None
+    device: str | None = None  # "cpu" or "cuda:N"
     chaos_leaked_bytes: int = 0
     chaos_vram_leaked_bytes: int = 0
-    chaos_vram_leak: Optional[str] = None  # None, "leaking", or "no_gpu"
-    chaos: Optional[Mapping[str, Any]] = None  # the chaos settings it applies; None when none
-    started_at_s: Optional[float] = None  # wall clock
+    chaos_vram_leak: str | None = None  # None, "leaking", or "no_gpu"
+    chaos: Mapping[str, Any] | None = None  # the chaos settings it applies; None when none
+    started_at_s: float | None = None  # wall clock
     ready: bool = True  # its watchdog's verdict as the replica applies it
     draining: bool = False  # a recycle order is live: its health check fails
 
@@ -324,10 +308,10 @@ class WatchedReplica:
 
     replica_id: str
     deployment: str
-    started_at_s: Optional[float] = None  # wall clock
-    gpu_uuid: Optional[str] = None  # the replica's GPU; None without one
-    pid: Optional[int] = None
-    actor_name: Optional[str] = None  # None outside Ray: then nothing can be killed
+    started_at_s: float | None = None  # wall clock
+    gpu_uuid: str | None = None  # the replica's GPU; None without one
+    pid: int | None = None
+    actor_name: str | None = None  # None outside Ray: then nothing can be killed
     actor_namespace: str = SERVE_NAMESPACE
     # The engine's own processes on the replica's node, (pid, name) as they name themselves
     # (vLLM: its engine core and one worker per rank, "VLLM::Worker_TP1"): sampled with the
@@ -354,7 +338,7 @@ class SeriesTrend:
     slope_per_h: float
     r2: float
     leaking: bool
-    time_to_limit_s: Optional[float]
+    time_to_limit_s: float | None
     short_window: bool  # judged over the short (fast-burn) window
 
 
@@ -363,28 +347,28 @@ class WatchdogReport(WatchedReplica):
     """One watchdog's report, every watchdog interval: the replica it watches (its fields
     first), that replica's process and the watchdog's verdicts."""
 
-    at_s: Optional[float] = None  # wall clock of the sample
+    at_s: float | None = None  # wall clock of the sample
     # The sampled series; None where they could not be read (absent, not 0).
-    rss_bytes: Optional[float] = None
-    vram_bytes: Optional[float] = None
-    threads: Optional[float] = None
-    fds: Optional[float] = None
-    rss_limit_bytes: Optional[float] = None
-    vram_total_bytes: Optional[float] = None
-    fd_limit: Optional[int] = None
-    gpu_util_pct: Optional[float] = None
-    cpu_pct: Optional[float] = None
-    heartbeat_age_s: Optional[float] = None  # since its last heartbeat arrived; None before the first
+    rss_bytes: float | None = None
+    vram_bytes: float | None = None
+    threads: float | None = None
+    fds: float | None = None
+    rss_limit_bytes: float | None = None
+    vram_total_bytes: float | None = None
+    fd_limit: int | None = None
+    gpu_util_pct: float | None = None
+    cpu_pct: float | None = None
+    heartbeat_age_s: float | None = None  # since its last heartbeat arrived; None before the first
     stalled_s: float = 0.0  # the replica's work loop has not moved with work in flight (its own clock)
     warming_up: bool = False
     inflight: int = 0
     hung: bool = False  # stalled past hang_missed_heartbeats, or silent past silent_missed_heartbeats
     # "stalled", "silent" (ballast.policies.leak.hang_reason), or an engine process gone
     # ("engine process VLLM::Worker_TP1 (pid 123) exited": ballast.policies.leak.engine_lost_reason)
-    hung_reason: Optional[str] = None
+    hung_reason: str | None = None
     severity: str = "ok"
-    reason: Optional[str] = None  # what this sample found
-    action_reason: Optional[str] = None  # what made the ladder take its last rung
+    reason: str | None = None  # what this sample found
+    action_reason: str | None = None  # what made the ladder take its last rung
     ready: bool = True  # False: the ladder stopped the replica's intake
     recycle_requested: bool = False
     critical: bool = False  # the request cannot wait (time-to-OOM short, VRAM critical)
@@ -408,7 +392,7 @@ class WatchdogReport(WatchedReplica):
         check_fields(self, _check_bool, "warming_up", "hung", "ready", "recycle_requested", "critical")
 
     @classmethod
-    def of(cls, replica: WatchedReplica, **fields: Any) -> "WatchdogReport":
+    def of(cls, replica: WatchedReplica, **fields: Any) -> WatchdogReport:
         """A report about ``replica``: its identity, then the sample's ``fields``."""
         return cls(**asdict(replica), **fields)
 

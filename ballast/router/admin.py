@@ -11,16 +11,12 @@ the pipeline's own status; the Router deployment (app.py) declares the routes.
 """
 
 import asyncio
-from typing import Annotated, Any, Callable, Optional
+from collections.abc import Callable
+from typing import Annotated, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from ballast.policies import adapters as adapter_rule
-from ballast.policies import killswitch
-from ballast.policies.adapters import EVERY_TENANT, MAX_PATH_CHARS, MAX_RUNTIME_ADAPTERS, MAX_TENANTS, RuntimeAdapter
-from ballast.policies.catalog import MAX_NAME_CHARS
 
 from ballast.errors import (
     AdapterConflict,
@@ -36,11 +32,14 @@ from ballast.errors import (
     NotFound,
     Unauthenticated,
 )
+from ballast.policies import adapters as adapter_rule
+from ballast.policies import killswitch
+from ballast.policies.adapters import EVERY_TENANT, MAX_PATH_CHARS, MAX_RUNTIME_ADAPTERS, MAX_TENANTS, RuntimeAdapter
+from ballast.policies.catalog import MAX_NAME_CHARS
 from ballast.router.adapters import runtime_catalog
 from ballast.router.api import bearer_token, read_json, validate_body
 from ballast.router.ingress import running_fast_path, running_ingress
 from ballast.router.serve_status import ServeStatusView
-
 
 #: A kill switch's id is 12 hex characters; a longer one names none (404, never sent on).
 MAX_ENTRY_ID_CHARS = 64
@@ -50,7 +49,7 @@ class KillSwitchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     scope: str = Field(max_length=32)  # which ones exist: checked by the controller, 422 naming them
-    value: Optional[str] = Field(None, max_length=200)
+    value: str | None = Field(None, max_length=200)
     reason: str = Field(min_length=1, max_length=killswitch.MAX_REASON_CHARS)
     expires_in_s: int = Field(gt=0, le=killswitch.MAX_EXPIRES_IN_S)
 
@@ -71,10 +70,10 @@ class ChaosRequest(BaseModel):
 class RecycleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    replica_id: Optional[str] = Field(None, min_length=1, max_length=200)
+    replica_id: str | None = Field(None, min_length=1, max_length=200)
     # A model deployment of this config (checked by the handler): BallastModel[-<model>],
     # BallastFallbackModel[-<model>].
-    deployment: Optional[str] = Field(None, max_length=200, pattern="^(BallastModel|BallastFallbackModel)(-.+)?$")
+    deployment: str | None = Field(None, max_length=200, pattern="^(BallastModel|BallastFallbackModel)(-.+)?$")
     all: bool = False  # every replica of the deployment (or of every one), in turn
 
 
@@ -116,7 +115,7 @@ class Admin:
         pipeline: Any,
         router_id: str,
         handle_for: Callable[[str], Any],
-        serve_status: Optional[ServeStatusView] = None,
+        serve_status: ServeStatusView | None = None,
     ) -> None:
         self._cfg = cfg
         self._limits = cfg.limits
@@ -130,28 +129,25 @@ class Admin:
         self._serve_status = serve_status  # Serve's word on each deployment (a replica it cannot place yet)
 
     async def status(self, request: Request) -> dict[str, Any]:
+        """``GET /v1/status``. Per model, in two maps keyed alike by model: ``snapshot.models``,
+        the controller's state of each (``ModelState``: level, target, reason, inputs, ...),
+        and ``models``, each as this router acts on it (level, source, constraints, breakers,
+        retry budget, lost capacity, gate). Nothing about a model at the top level."""
         self._require_admin(request)
-        eff = self._cache.effective()
         snap = self._cache.snapshot
         return {
-            "level": eff.level,
-            "source": eff.source,
-            "constraints": eff.constraints.to_dict(),
+            "router_id": self._router_id,
+            "ingress": running_ingress(),
+            "fast_path": running_fast_path(),
             "snapshot": None
             if snap is None
             else {
                 "epoch": snap.epoch,
                 "version": snap.version,
                 "age_s": round(self._cache.age_s() or 0.0, 3),
-                "target_level": snap.target_level,
-                "reason": snap.reason,
-                "inputs": snap.inputs,
-                "models": snap.models,  # each model's level, reason and inputs
+                "models": {name: state.to_dict() for name, state in snap.models.items()},
             },
             "replicas": self._replicas(snap),
-            "router_id": self._router_id,
-            "ingress": running_ingress(),
-            "fast_path": running_fast_path(),
             **self._pipeline.status(),
             "chaos": snap.chaos if snap else {},
             "recycle": snap.recycle if snap else {},
@@ -194,7 +190,8 @@ class Admin:
 
     async def list_kill_switches(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)
-        return await self._controller("kill_switches")
+        switches: dict[str, Any] = await self._controller("kill_switches")  # the entries and the audit trail
+        return switches
 
     async def delete_kill_switch(self, entry_id: str, request: Request) -> dict[str, Any]:
         self._require_admin(request)
@@ -240,7 +237,8 @@ class Admin:
     async def replicas(self, request: Request) -> dict[str, Any]:
         """Every replica as its watchdog sees it, plus recycles in flight and recent events."""
         self._require_admin(request)
-        return await self._controller("replica_status")
+        status: dict[str, Any] = await self._controller("replica_status")
+        return status
 
     async def clear_chaos(self, request: Request) -> dict[str, Any]:
         self._require_admin(request)

@@ -24,19 +24,19 @@ per-request rules (ballast/policies/request.py); this package gathers inputs and
 
 import time
 import uuid
-from typing import Any, Optional
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 
-from ballast.policies.breaker import BreakerEvent
-
-from ballast.config import load_config
+from ballast.config import BallastConfig, load_config
 from ballast.control.link import connect
-from ballast.names import ROUTER_DEPLOYMENT
 from ballast.errors import NotFound
+from ballast.names import ROUTER_DEPLOYMENT
+from ballast.policies.breaker import BreakerEvent
 from ballast.router.admin import Admin
 from ballast.router.admin_port import AdminListener, admin_app
 from ballast.router.api import app
@@ -45,33 +45,39 @@ from ballast.router.contract import VERSION, openapi_document
 from ballast.router.edge import Edge
 from ballast.router.generate import NativeFront
 from ballast.router.idempotency import IdempotencyStore, SharedKeys
+from ballast.router.lanes import build_lanes
 from ballast.router.metrics import RouterMetrics
 from ballast.router.openai import OpenAIFront
 from ballast.router.pipeline import Pipeline
 from ballast.router.quotas import Quotas
 from ballast.router.readiness import CachedProbe
 from ballast.router.reporter import Reporter, log
-from ballast.router.lanes import build_lanes
 from ballast.router.resilience import CallHooks
 from ballast.router.serve_status import ServeStatusView
+
+
+def _ping(handle: Any) -> Callable[[], Awaitable[object]]:
+    """The readiness probe of one model: a ping through its Serve handle."""
+    return lambda: handle.ping.remote()
 
 
 @serve.ingress(app)
 class Router:
     """One router replica: builds the pipeline, the fronts and the reporter; declares the routes."""
 
-    def __init__(self, models: Any, cfg: dict[str, Any], fallbacks: Any = None):
+    def __init__(self, models: Any, settings: dict[str, Any], fallbacks: Any = None) -> None:
         """``models``: each model's Serve handle by name (one model: its handle alone);
-        ``fallbacks``: each fallback's handle by its model's name (one model: the handle)."""
-        self._cfg = cfg = load_config(cfg)
+        ``settings``: the config as plain data; ``fallbacks``: each fallback's handle by its
+        model's name (one model: the handle). Serve's handles are typed Any here."""
+        self._cfg = cfg = load_config(settings)
         self.router_id = f"router-{uuid.uuid4().hex[:8]}"
-        primary = cfg.models[0].name
-        self._handles = models if isinstance(models, dict) else {primary: models}
-        fallbacks = fallbacks if isinstance(fallbacks, dict) else ({primary: fallbacks} if fallbacks else {})
+        one = cfg.models[0].name  # a handle given alone is the one model's
+        self._handles = models if isinstance(models, dict) else {one: models}
+        fallbacks = fallbacks if isinstance(fallbacks, dict) else ({one: fallbacks} if fallbacks else {})
         self._key_table: Any = None  # the shared idempotency key table's handle, once needed
-        self._openapi: Optional[dict[str, Any]] = None  # built at the first GET /openapi.json
+        self._openapi: dict[str, Any] | None = None  # built at the first GET /openapi.json
         keys = KeyStore.from_config(cfg)
-        self.metrics = RouterMetrics(primary)
+        self.metrics = RouterMetrics()  # every per-model series is recorded with its model's tag
         self._link, self.snapshots, self._exchange = connect(
             cfg,
             "report_router",
@@ -90,7 +96,6 @@ class Router:
             IdempotencyStore(cfg.resilience.idempotency, shared=SharedKeys(self._keys_handle, self.router_id)),
             self.metrics,
         )
-        self.tally = self.pipeline.tally  # the first model's
         self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None, keys)
         self._native = NativeFront(self.pipeline, cfg.limits)
         self._openai = OpenAIFront(self.pipeline, cfg, created_s=int(time.time()))
@@ -107,11 +112,10 @@ class Router:
         )
         # Health routes need no key: they answer from one model ping per interval at most.
         self.readiness = {
-            name: CachedProbe(lambda h=handle: h.ping.remote(), cfg.http.ready_probe_interval_s)
-            for name, handle in self._handles.items()
+            name: CachedProbe(_ping(handle), cfg.http.ready_probe_interval_s) for name, handle in self._handles.items()
         }
         # http.admin_port: the admin routes on 127.0.0.1 alone (admin_port.py), not on the public port.
-        self.admin_listener: Optional[AdminListener] = None
+        self.admin_listener: AdminListener | None = None
         if cfg.http.admin_port is not None:
             self.admin_listener = AdminListener(admin_app(self._admin), cfg.http.admin_port)
 
@@ -179,22 +183,22 @@ class Router:
 
     # -- the model routes: each hands its request to its front ------------------------------
     @app.post("/v1/generate")
-    async def generate(self, request: Request):
+    async def generate(self, request: Request) -> Response:
         self._start()
         return await self._native.generate(request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
+    async def chat_completions(self, request: Request) -> Response:
         self._start()
         return await self._openai.complete(request, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(self, request: Request):
+    async def completions(self, request: Request) -> Response:
         self._start()
         return await self._openai.complete(request, chat=False)
 
     @app.get("/v1/models")
-    async def list_models(self, request: Request):
+    async def list_models(self, request: Request) -> JSONResponse:
         return self._openai.models(request)
 
     # -- status and admin ----------------------------------------------------------------
@@ -253,7 +257,7 @@ class Router:
         return JSONResponse(self._openapi)
 
     @app.get("/docs", include_in_schema=False)
-    async def docs(self):
+    async def docs(self) -> HTMLResponse:
         if not self._cfg.http.docs_page:
             raise NotFound("the docs page is off here (http.docs_page); the contract is at /openapi.json")
         return get_swagger_ui_html(openapi_url="/openapi.json", title="Ballast API")
@@ -267,7 +271,8 @@ class Router:
         problems = await self._unready()
         if problems:
             return JSONResponse({"error": {"code": "NOT_READY", "message": "; ".join(problems)}}, status_code=503)
-        return JSONResponse({"status": "ready", "level": self.snapshots.effective().level})
+        levels = {name: self.snapshots.effective(name).level for name in self.pipeline.lanes}
+        return JSONResponse({"status": "ready", "levels": levels})
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -294,9 +299,10 @@ class Router:
         return problems
 
 
-def router_deployment(cfg):
+def router_deployment(cfg: BallastConfig) -> Any:
+    """The router's Serve deployment (Serve's ``Deployment``, typed Any at this boundary)."""
     r = cfg.deployments.router
-    spread = {} if r.max_replicas_per_node is None else {"max_replicas_per_node": r.max_replicas_per_node}
-    return serve.deployment(
-        Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log, num_replicas=r.num_replicas, **spread)
-    )
+    own: dict[str, Any] = {"num_replicas": r.num_replicas}
+    if r.max_replicas_per_node is not None:
+        own["max_replicas_per_node"] = r.max_replicas_per_node
+    return serve.deployment(Router, **r.serve_options(ROUTER_DEPLOYMENT, cfg.http.access_log, **own))

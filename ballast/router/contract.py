@@ -60,16 +60,24 @@ class GenerateEvent(BaseModel):
 
 class Health(BaseModel):
     status: str
-    level: int | None = None
+    levels: dict[str, int] | None = Field(None, description="Each model's level this router acts on.")
 
 
-class Status(BaseModel):
-    """``GET /v1/status``: the level and its inputs, replicas, breakers, retry budget, kill
-    switches, quotas, chaos, recycling, the gate, tenants in flight (docs/operations.md)."""
+class ModelStatus(BaseModel):
+    """One model as the answering router acts on it."""
 
     model_config = ConfigDict(extra="allow")
     level: int
-    source: str = Field(description="snapshot, stale or fail_static: where the level comes from.")
+    source: str = Field(description="snapshot, stale-snapshot or fail-static: where the level comes from.")
+
+
+class Status(BaseModel):
+    """``GET /v1/status``: per model (``models``: its level and where it comes from, breakers,
+    retry budget, gate; ``snapshot.models``: the controller's state of it), replicas, kill
+    switches, quotas, chaos, recycling, tenants in flight (docs/api.md)."""
+
+    model_config = ConfigDict(extra="allow")
+    models: dict[str, ModelStatus]
 
 
 class AdminAnswer(BaseModel):

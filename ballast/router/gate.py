@@ -1,4 +1,5 @@
-"""The router's gate to the primary model: the glue around ballast/policies/gate.py.
+"""A router's gate to one model (each model's lane has its own, lanes.py): the glue around
+ballast/policies/gate.py.
 
 At most ``limit.value`` requests from this router are at the model at once
 (ballast/policies/limiter.py moves the limit). A request that finds it reached waits here,
@@ -23,7 +24,8 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from typing import Any, Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Any, NoReturn
 
 from ballast.policies import gate as rules
 from ballast.policies.criticality import Criticality
@@ -56,7 +58,7 @@ class _Waiter:
         tenant: str,
         deadline_s: float,
         cost: tuple[int, int],
-        fut: asyncio.Future,
+        fut: asyncio.Future[FairCharge | None],
         since_s: float,
     ):
         self.rank, self.seq, self.tenant, self.deadline_s, self.cost, self.fut = (
@@ -84,9 +86,9 @@ class PriorityGate:
         critical_rank: int = Criticality.CRITICAL.rank,
         reserve_ratio: float = 0.0,
         reserve_hold_s: float = 1.0,
-        miss_service_factor: Optional[float] = None,
+        miss_service_factor: float | None = None,
         wait_for: WaitFor = asyncio.wait_for,
-        fair: Optional[TenantCounters] = None,
+        fair: TenantCounters | None = None,
     ):
         if miss_service_factor is not None and not miss_service_factor > 0:
             raise ValueError(f"miss_service_factor must be > 0 or None, got {miss_service_factor}")
@@ -129,7 +131,7 @@ class PriorityGate:
 
     async def acquire(
         self, rank: int, deadline_s: float, tenant: str = "", cost: tuple[int, int] = (0, 0)
-    ) -> Optional[FairCharge]:
+    ) -> FairCharge | None:
         """Hold a slot on return, or raise GateRefused. ``rank`` 0 is the most critical.
 
         ``cost`` is (prompt tokens, max_tokens): with tenant counters, what the slot
@@ -156,8 +158,8 @@ class PriorityGate:
         if decision == rules.DISPLACE and not self._displace(rank):
             decision = "queue_full"
         if decision not in (rules.WAIT, rules.DISPLACE):
-            return self._refuse(decision)
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+            self._refuse(decision)
+        fut: asyncio.Future[FairCharge | None] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(rank, next(self._seq), tenant, deadline_s, cost, fut, self._clock())
         self._lines.setdefault(rank, {}).setdefault(tenant, deque()).append(waiter)
         self._entries += 1
@@ -166,19 +168,21 @@ class PriorityGate:
         try:
             await self._wait_for(asyncio.shield(fut), wait_s)
         except asyncio.TimeoutError:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                return fut.result()  # granted in the same instant the wait ran out: the slot is ours
             if not fut.done():
                 fut.cancel()
                 self._add_waiting(waiter, -1)
             if fut.cancelled():
-                return self._refuse("expired")
-            raise fut.exception() from None  # displaced, or yielded its turn (expired)
+                self._refuse("expired")
+            error = fut.exception()
+            if error is not None:
+                raise error from None  # displaced, or yielded its turn (expired)
+            return fut.result()  # granted in the same instant the wait ran out: the slot is ours
         except asyncio.CancelledError:  # the client left while waiting
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release()  # a slot was granted but will never be used
-                if self.fair is not None and fut.result() is not None:
-                    self.fair.refund(fut.result())
+                charge = fut.result()
+                if self.fair is not None and charge is not None:
+                    self.fair.refund(charge)
             elif not fut.done():
                 fut.cancel()
                 self._add_waiting(waiter, -1)
@@ -192,12 +196,12 @@ class PriorityGate:
             window = self._waits[rank] = CountWindow(WAIT_SAMPLES)
         window.add(wait_s)
 
-    def _charge(self, tenant: str, cost: tuple[int, int]) -> Optional[FairCharge]:
+    def _charge(self, tenant: str, cost: tuple[int, int]) -> FairCharge | None:
         if self.fair is None or not tenant:
             return None
         return self.fair.charge(tenant, *cost)
 
-    def settle(self, charge: Optional[FairCharge], generated: Optional[int]) -> None:
+    def settle(self, charge: FairCharge | None, generated: int | None) -> None:
         """A request that held a slot ended with ``generated`` output tokens (None: unknown)."""
         if self.fair is not None and charge is not None:
             self.fair.settle(charge, generated)
@@ -227,7 +231,7 @@ class PriorityGate:
     def reserving(self) -> bool:
         return self._reserve.active()
 
-    def _refuse(self, reason: str) -> None:
+    def _refuse(self, reason: str) -> NoReturn:
         self.refused[reason] += 1
         raise GateRefused(reason)
 
@@ -245,7 +249,7 @@ class PriorityGate:
         self._add_waiting(waiter, -1)
         return True
 
-    def release(self, service_s: Optional[float] = None) -> None:
+    def release(self, service_s: float | None = None) -> None:
         """Give a slot back; ``service_s`` (slot to answer) feeds the service-time estimate."""
         self.in_flight -= 1
         self.limit.rows_in_flight(self.in_flight)
@@ -310,7 +314,8 @@ class PriorityGate:
             else:
                 del line[tenant]
         oldest_first = sorted(heads, key=lambda t: heads[t].seq)
-        tenant = self.fair.pick(oldest_first) if self.fair is not None else oldest_first[0]
+        picked = self.fair.pick(oldest_first) if self.fair is not None else None
+        tenant = picked if picked is not None else oldest_first[0]
         self._entries -= 1
         return line[tenant].popleft()
 
@@ -350,11 +355,11 @@ class GateSlot:
 
     __slots__ = ("_gate", "_share")
 
-    def __init__(self, gate: Optional[PriorityGate], share: Optional[FairCharge] = None):
+    def __init__(self, gate: PriorityGate | None, share: FairCharge | None = None):
         self._gate = gate
         self._share = share  # what the slot charged its tenant's counter, if anything
 
-    def release(self, service_s: Optional[float] = None, generated: Optional[int] = None) -> None:
+    def release(self, service_s: float | None = None, generated: int | None = None) -> None:
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.settle(self._share, generated)

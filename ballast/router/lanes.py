@@ -10,12 +10,12 @@ Idempotency-Key store) and the router's own CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from ballast.policies.fairness import TenantCounters
 from ballast.policies.limiter import AimdLimit
-
 from ballast.router.accounts import Accounts
 from ballast.router.gate import PriorityGate
 from ballast.router.metrics import RouterMetrics
@@ -24,7 +24,7 @@ from ballast.router.tally import Tally
 from ballast.router.tokens import ModelText, model_text
 
 
-def priority_gate(cfg: Any, backend: str = "builtin") -> Optional[PriorityGate]:
+def priority_gate(cfg: Any, backend: str = "builtin") -> PriorityGate | None:
     """The gate to a model on ``backend`` as ``resilience.gate`` describes it (its limit's
     rule is the engine's: ``GateSettings.limiter_config``), ordering tenants inside a class
     by ``fairness``; None when the gate is off."""
@@ -55,7 +55,7 @@ class Lane:
     cost_per_token: float  # what one of its tokens costs in a tenant's bucket
     text: ModelText  # its tokenizer, chat template and context
     caller: ResilientCaller
-    gate: Optional[PriorityGate]
+    gate: PriorityGate | None
     tally: Tally
     accounts: Accounts
 
@@ -72,7 +72,7 @@ def build_lanes(
     metrics: RouterMetrics,
     hooks: Callable[[str], CallHooks],
 ) -> dict[str, Lane]:
-    """One lane per served model, in the config's order (the first is the primary):
+    """One lane per served model, in the config's order (the first is the default lane):
     ``handles``/``fallbacks`` are the models' Serve handles by model name, ``hooks(name)``
     the caller's hooks for model ``name``."""
     lanes: dict[str, Lane] = {}

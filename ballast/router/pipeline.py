@@ -41,18 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from collections.abc import Mapping
-from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
+from typing import Any
 
 from fastapi import Request
-
-from ballast.policies import killswitch
-from ballast.policies import outcome as request_policy
-from ballast.policies.admission import admit, clamp_max_tokens
-from ballast.policies.affinity import route_mode
-from ballast.policies.criticality import Criticality, lower_criticality
-from ballast.policies.deadline import Deadline
 
 from ballast.errors import (
     BallastError,
@@ -64,18 +57,23 @@ from ballast.errors import (
     Overloaded,
     Unauthenticated,
 )
+from ballast.model.protocol import ModelCall, ModelChunk
+from ballast.policies import killswitch
+from ballast.policies import outcome as request_policy
+from ballast.policies.admission import admit, clamp_max_tokens
+from ballast.policies.affinity import route_mode
+from ballast.policies.catalog import Target
+from ballast.policies.criticality import Criticality, lower_criticality
+from ballast.policies.deadline import Deadline
+from ballast.router.accounts import Outcome
 from ballast.router.api import bearer_token
 from ballast.router.auth import KeyStore, cache_salts
-from ballast.router.gate import GateRefused, GateSlot, PriorityGate
-from ballast.router.lanes import Lane
+from ballast.router.gate import GateRefused, GateSlot
 from ballast.router.idempotency import IdempotencyStore, request_fingerprint
+from ballast.router.lanes import Lane
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
-from ballast.model.protocol import ModelCall, ModelChunk
-from ballast.router.accounts import Accounts, Outcome
-from ballast.router.resilience import CallRecord, CallSpec, Reply, ResilientCaller
-from ballast.router.tally import Tally
-from ballast.policies.catalog import Target
+from ballast.router.resilience import CallRecord, CallSpec, Reply
 from ballast.router.ticket import Charge, TenantPlaces, Ticket
 
 
@@ -85,7 +83,7 @@ class Caller:
 
     tenant: str
     deadline: Deadline
-    idempotency_key: Optional[str] = None
+    idempotency_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -137,8 +135,8 @@ class Settled:
 
     text: str
     tokens: int
-    finish_reason: Optional[str]
-    fallback: Optional[str]
+    finish_reason: str | None
+    fallback: str | None
     model: str
     migrations: int = 0
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
@@ -160,11 +158,11 @@ class StreamState:
     """What a stream learns as it runs: who answers and how much."""
 
     model: str
-    fallback: Optional[str] = None
+    fallback: str | None = None
     tokens: int = 0
     enough: bool = False
-    finish: Optional[str] = None  # the model's: "stop" (end of sequence, a stop string) or "length"
-    cached_tokens: Optional[int] = None  # prompt tokens the engine took from its prefix cache (its first word)
+    finish: str | None = None  # the model's: "stop" (end of sequence, a stop string) or "length"
+    cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache (its first word)
     call: CallRecord = field(default_factory=CallRecord)  # migrations: replicas lost mid-stream
 
 
@@ -189,7 +187,7 @@ class Stream:
         return self._chunks
 
     @property
-    def fallback(self) -> Optional[str]:
+    def fallback(self) -> str | None:
         return self._state.fallback
 
     @property
@@ -201,7 +199,7 @@ class Stream:
         return self._state.tokens
 
     @property
-    def finish(self) -> Optional[str]:
+    def finish(self) -> str | None:
         return self._state.finish
 
     @property
@@ -232,7 +230,7 @@ class Pipeline:
         quotas: Quotas,
         idempotency: IdempotencyStore,
         metrics: RouterMetrics,
-        salts: Optional[Mapping[str, str]] = None,
+        salts: Mapping[str, str] | None = None,
     ) -> None:
         self._cfg = cfg
         self._keys = keys
@@ -241,7 +239,8 @@ class Pipeline:
         self._salts = dict(salts) if salts is not None else cache_salts(cfg)
         self.snapshots = cache  # the controller's snapshot (the levels), kept fresh off the request path
         self.lanes = lanes  # one per model, in the config's order (lanes.py)
-        self.primary = next(iter(lanes.values()))  # the first model's: a request naming none goes there
+        # The lane of a request that names no model: the config's first model (its default).
+        self.default_lane = next(iter(lanes.values()))
         self.quotas = quotas
         self._idem = idempotency
         self.metrics = metrics
@@ -274,7 +273,7 @@ class Pipeline:
             raise InvalidRequest("X-Request-Timeout-Ms: must be a positive integer", field="X-Request-Timeout-Ms")
         return Deadline.starting(started, min(int(raw) / 1000.0, r.max_deadline_s))
 
-    def _idempotency_key(self, request: Request) -> Optional[str]:
+    def _idempotency_key(self, request: Request) -> str | None:
         key = request.headers.get("idempotency-key")
         limit = self._cfg.resilience.idempotency.max_key_chars
         if key is not None and not (0 < len(key) <= limit):
@@ -282,22 +281,22 @@ class Pipeline:
         return key
 
     # -- 2. the model ----------------------------------------------------------------------
-    def target(self, caller: Caller, name: Optional[str]) -> tuple[Lane, Target]:
+    def target(self, caller: Caller, name: str | None) -> tuple[Lane, Target]:
         """The lane and the model/adapter that ``name`` (a request's ``model`` field; None:
-        the first model) means for the caller's tenant: 404 model_not_found when it names
+        the default model) means for the caller's tenant: 404 model_not_found when it names
         nothing served or nothing the tenant may use (alike, ``policies/catalog.py``)."""
-        catalog, asked = self.catalog, name if name is not None else self.primary.name
+        catalog, asked = self.catalog, name if name is not None else self.default_lane.name
         target = catalog.target_for(caller.tenant, asked)
         if target is None or target.model not in self.lanes:
             raise ModelNotFound.named(asked, [entry.id for entry in catalog.listed_for(caller.tenant)])
         return self.lanes[target.model], target
 
     def lane(self, call: ModelCall) -> Lane:
-        """The lane of the model ``call`` names (the first model's when it names none)."""
-        return self.lanes[call.model] if call.model is not None else self.primary
+        """The lane of the model ``call`` names (the default lane when it names none)."""
+        return self.lanes[call.model] if call.model is not None else self.default_lane
 
     # -- 3. admission ---------------------------------------------------------------------
-    async def serve(self, req: ModelRequest) -> Union[Answer, Stream]:
+    async def serve(self, req: ModelRequest) -> Answer | Stream:
         """The request admitted and sent: a ``Stream`` when it asked for one and the level
         allows streaming, else an ``Answer``; a refusal or failure as a BallastError. A
         unary request with an Idempotency-Key goes through ``_keyed``."""
@@ -363,7 +362,7 @@ class Pipeline:
         if not self.places.take(tenant, cap):
             lane.accounts.refused(tenant, crit, "CONCURRENCY_LIMIT")
             raise ConcurrencyLimited(f"tenant '{tenant}' has {cap} requests in flight", retry_after_s=1.0)
-        charge: Optional[Charge] = None
+        charge: Charge | None = None
         try:
             charge = self.quotas.charge(tenant, req.prompt_tokens, max_tokens, lane.cost_per_token)
             lane.tally.offer(crit)  # demand within quota: a tenant over its quota must not degrade everyone else
@@ -380,9 +379,7 @@ class Pipeline:
             raise
         return Ticket(tenant, crit, req.caller.deadline, self.places, charge, slot, fallback_only, lane.accounts)
 
-    def _refuse_if_switched_off(
-        self, lane: Lane, tenant: str, crit: str, now_wall: float, adapter: Optional[str]
-    ) -> None:
+    def _refuse_if_switched_off(self, lane: Lane, tenant: str, crit: str, now_wall: float, adapter: str | None) -> None:
         """503 KILL_SWITCH for a request a live entry refuses outright: global, its tenant,
         its class, or its adapter (a model's entry takes the model out of its fallback
         chain instead: resilience.py)."""
@@ -568,21 +565,25 @@ class Pipeline:
 
     # -- what /v1/status shows of the request path ------------------------------------------
     def status(self) -> dict[str, Any]:
-        """The first model's breakers, retry budget and gate at the top (as with one model),
-        every model's under ``models``, and what the router shares across them."""
-        lanes = {name: self._lane_status(lane) for name, lane in self.lanes.items()}
+        """Every model's part of the request path under ``models``, alike (``_lane_status``),
+        and what the router shares across them."""
         return {
-            **lanes[self.primary.name],
-            "models": lanes,
+            "models": {name: self._lane_status(lane) for name, lane in self.lanes.items()},
             "kill_switches": [e.to_dict() for e in self.kill_switches],
             "quotas": self.quotas.status(),
             "tenant_inflight": dict(self.places.held),  # admitted, waiting at the gate or at the model
         }
 
     def _lane_status(self, lane: Lane) -> dict[str, Any]:
+        """One model as this router acts on it: its level, where that comes from and its
+        constraints (``SnapshotCache.effective``), its breakers, retry budget, lost capacity
+        and gate."""
         caller = lane.caller
+        eff = self.snapshots.effective(lane.name)
         return {
-            "level": self.snapshots.effective(lane.name).level,  # the level this router acts on for it
+            "level": eff.level,
+            "source": eff.source,  # snapshot, stale-snapshot or fail-static
+            "constraints": eff.constraints.to_dict(),
             "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in caller.backends},
             "retry_budget": caller.budget.snapshot(),
             # Attempts whose replica or node went away, since this router started: carried on
@@ -591,20 +592,3 @@ class Pipeline:
             "lost_capacity": dict(caller.lost),
             "gate": lane.gate.snapshot() if lane.gate is not None else None,
         }
-
-    # -- the first model's parts, as a one-model router has them ---------------------------
-    @property
-    def caller(self) -> ResilientCaller:
-        return self.primary.caller
-
-    @property
-    def gate(self) -> Optional[PriorityGate]:
-        return self.primary.gate
-
-    @property
-    def tally(self) -> Tally:
-        return self.primary.tally
-
-    @property
-    def accounts(self) -> Accounts:
-        return self.primary.accounts

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
 
 from ballast.policies.validation import check_positive
 
@@ -40,12 +40,12 @@ class CachedProbe:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._clock = clock
-        self._started_s: Optional[float] = None  # when the probe that gave the cached answer started
-        self._answer: Optional[str] = None
-        self._in_flight: Optional[asyncio.Future[Optional[str]]] = None
+        self._started_s: float | None = None  # when the probe that gave the cached answer started
+        self._answer: str | None = None
+        self._in_flight: asyncio.Future[str | None] | None = None
         self.probes = 0  # probes started since creation
 
-    async def problem(self) -> Optional[str]:
+    async def problem(self) -> str | None:
         """None when the model answered the latest probe, else why not."""
         if self._in_flight is None:
             if self._started_s is not None and self._clock() - self._started_s < self.interval_s:
@@ -53,12 +53,12 @@ class CachedProbe:
             self._in_flight = asyncio.ensure_future(self._run(self._clock()))
         return await asyncio.shield(self._in_flight)
 
-    async def _run(self, started_s: float) -> Optional[str]:
+    async def _run(self, started_s: float) -> str | None:
         self.probes += 1
         try:
             try:
                 await asyncio.wait_for(self._probe(), timeout=self.timeout_s)
-                answer: Optional[str] = None
+                answer: str | None = None
             except Exception as e:  # any failure is an answer, cached like a success
                 answer = f"model deployment unreachable: {type(e).__name__}"
             self._started_s, self._answer = started_s, answer

@@ -27,20 +27,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, Optional
+from typing import Any
 
-from ballast.policies import killswitch
+from ballast.control.snapshot import Snapshot
+from ballast.model.routing import routed_so_far
+from ballast.names import ROUTER_DEPLOYMENT
 from ballast.policies import engines as request_policy
+from ballast.policies import killswitch
 from ballast.policies.criticality import Criticality
 from ballast.policies.edge import EdgeThrottle
 from ballast.policies.fairness import TenantCounters
 from ballast.policies.gate import DemandWindow
-from ballast.model.routing import routed_so_far
 from ballast.policies.reports import ModelLoad, RouterReport
-
-from ballast.names import ROUTER_DEPLOYMENT
-from ballast.control.snapshot import Snapshot
 from ballast.router.adapters import runtime_catalog
 from ballast.router.auth import KeyStore
 from ballast.router.edge import Edge, key_entries, model_entries, model_shed_entries, shed_entries, split_key
@@ -50,20 +50,17 @@ from ballast.router.pipeline import Pipeline
 log = logging.getLogger("ballast.router")
 
 
-def model_ceiling(
-    cfg: Any, snap: Snapshot, share: Optional[float] = None, model: Optional[str] = None
-) -> Optional[int]:
-    """The ceiling of the gate to ``model`` (None: the first) from a snapshot (and this
-    router's fair share of the model, when the controller gave one):
-    ballast/policies/request.py's ``model_ceiling``."""
-    name = model if model is not None else cfg.models[0].name
-    rows = (snap.models.get(name) or {}).get("engine_rows")
+def model_ceiling(cfg: Any, snap: Snapshot, model: str, share: float | None = None) -> int | None:
+    """The ceiling of the gate to ``model`` from a snapshot (and this router's fair share of
+    the model, when the controller gave one): ballast/policies/request.py's ``model_ceiling``."""
+    state = snap.models.get(model)
+    rows = state.engine_rows if state is not None else None
     return request_policy.model_ceiling(
-        snap.running_replicas.get(cfg.deployment_name(name), 0),
+        snap.running_replicas.get(cfg.deployment_name(model), 0),
         snap.running_replicas.get(ROUTER_DEPLOYMENT, 0),
-        cfg.deployment_of(name).max_ongoing_requests,
+        cfg.deployment_of(model).max_ongoing_requests,
         share,
-        int(rows) if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None,
+        rows if rows is not None and rows > 0 else None,
     )
 
 
@@ -75,21 +72,20 @@ class Reporter:
         cfg: Any,
         router_id: str,
         pipeline: Pipeline,
-        edge: Optional[Edge],
-        keys: Optional[KeyStore] = None,
+        edge: Edge | None,
+        keys: KeyStore | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cfg = cfg
         self._keys = keys  # the API keys the edge may vouch for (none: it counts no refusal)
         # The edge's key map and what it was built from: (tenants off, models the edge judges, catalog)
         self._vouched_map: dict[str, str] = {}
-        self._vouched_of: Optional[tuple[frozenset[str], frozenset[str], Any]] = None
+        self._vouched_of: tuple[frozenset[str], frozenset[str], Any] | None = None
         self._clock = clock
         self._router_id = router_id
         self._pipeline = pipeline
-        # What it reports is what the pipeline counts and acts on: its snapshots, tally, metrics.
+        # What it reports is what the pipeline counts and acts on: its snapshots, lanes, metrics.
         self._cache = pipeline.snapshots
-        self._tally = pipeline.tally
         self._metrics = pipeline.metrics
         self.edge = edge  # HAProxy refuses the classes the level sheds, when it runs the edge's rules
         # Per model: the edge's share to refuse of the classes its level admits.
@@ -98,7 +94,7 @@ class Reporter:
         # saturations) at the last report.
         self._demand = {name: DemandWindow(cfg.degradation.demand_window_s) for name in pipeline.lanes}
         self._gate_seen = dict.fromkeys(pipeline.lanes, (0, 0))
-        self._fair_share: Optional[float] = None  # this router's share of the model, from the controller
+        self._fair_share: float | None = None  # this router's share of the fair lane's model, from the controller
         self._adapters_seen: list[dict[str, Any]] = []  # the run-time adapters the pipeline's catalog holds
         self._models_of: Any = None  # the catalog the edge's models map was built from
         self._models_map: dict[str, str] = {}
@@ -107,20 +103,18 @@ class Reporter:
         """This router's report: called once per report interval, whether or not it answers."""
         self._set_gauges()
         self.sync_edge()
-        loads = {name: self._lane_report(lane) for name, lane in self._pipeline.lanes.items()}
-        report = loads.pop(self._pipeline.primary.name)  # the first model's load: the top-level fields
         fair = self._fair()
-        return replace(
-            report,
-            models={name: ModelLoad.of(r) for name, r in loads.items()},
+        return RouterReport(
+            router_id=self._router_id,
+            models={name: self._lane_report(lane) for name, lane in self._pipeline.lanes.items()},
             demand_tokens_per_s=self._pipeline.quotas.drain_demand(),
             fair_charged=self._fair_charged(),
             fair_backlogged=fair.backlog() if fair is not None else (),
         )
 
-    def _lane_report(self, lane: Lane) -> RouterReport:
+    def _lane_report(self, lane: Lane) -> ModelLoad:
         """What the router counted for one model since the last report."""
-        report = replace(lane.tally.drain(self._router_id), routed=routed_so_far(lane.name))
+        report = replace(lane.tally.drain(), routed=routed_so_far(lane.name))
         offered = lane.tally.take_offered()
         gate, demand = lane.gate, self._demand[lane.name]
         if gate is None:
@@ -132,7 +126,8 @@ class Reporter:
         seen = self._gate_seen[lane.name]
         demand.add(offered, served - seen[0], saturations > seen[1])
         self._gate_seen[lane.name] = (served, saturations)
-        return replace(report, gate_waiting=gate.waiting, **demand.rates())
+        rates: dict[str, Any] = demand.rates()  # demand_rps, served_rps, gate_full: ModelLoad checks them
+        return replace(report, gate_waiting=gate.waiting, **rates)
 
     def _fair_charged(self) -> dict[str, float]:
         """What the gate charged each tenant since the last report, when counters are shared.
@@ -141,15 +136,22 @@ class Reporter:
         fair = self._fair()
         if fair is None:
             return {}
-        if self._cache.effective().source != "snapshot":
+        if not self._cache.is_fresh():
             fair.adopt(None)
             if self._fair_share is not None and self._cache.snapshot is not None:
                 self._fair_share = None
                 self._set_ceiling(self._cache.snapshot)
         return fair.take_report()
 
-    def _fair(self) -> Optional[TenantCounters]:
-        gate = self._pipeline.gate
+    def _fair_lane(self) -> Lane:
+        """The lane whose gate's fair-share counters are shared cluster-wide (``fairness.shared``):
+        the default model's. The controller merges one counter per tenant and apportions one
+        share per router, so one gate per router takes part; every other model's gate orders
+        its line by its own counters."""
+        return self._pipeline.default_lane
+
+    def _fair(self) -> TenantCounters | None:
+        gate = self._fair_lane().gate
         if gate is None or gate.fair is None or not self._cfg.fairness.shared:
             return None
         return gate.fair
@@ -167,20 +169,27 @@ class Reporter:
                 m.gate.set(lane.gate.limit.value, tags={"kind": "limit", "model": name})
                 m.gate.set(lane.gate.in_flight, tags={"kind": "in_flight", "model": name})
                 m.gate.set(lane.gate.waiting, tags={"kind": "waiting", "model": name})
-        gate = self._pipeline.gate
-        if gate is not None:
-            if gate.fair is not None:
-                for tenant, value in gate.fair.counters().items():
-                    m.fair_counter.set(value, tags={"tenant": tenant})
-                    m.fair_backlogged.set(int(gate.fair.is_backlogged(tenant)), tags={"tenant": tenant})
+        gate = self._fair_lane().gate
+        counters = gate.fair if gate is not None else None
+        if counters is not None:  # the tenant gauges carry no model tag: the fair lane's counters
+            for tenant, value in counters.counters().items():
+                m.fair_counter.set(value, tags={"tenant": tenant})
+                m.fair_backlogged.set(int(counters.is_backlogged(tenant)), tags={"tenant": tenant})
 
     def _judged(self) -> frozenset[str]:
         """The models the edge refuses for: with one model, that one ("<class>" entries);
         with several, those its models map names (the open ones). A request for any
         other goes to the router."""
-        if len(self._pipeline.lanes) == 1:
-            return frozenset([self._pipeline.primary.name])
+        sole = self._sole_lane()
+        if sole is not None:
+            return frozenset([sole.name])
         return frozenset(self._models_map.values())
+
+    def _sole_lane(self) -> Lane | None:
+        """The lane of a router serving one model (the edge's "<class>" entries are its); None
+        with several."""
+        lanes = self._pipeline.lanes
+        return next(iter(lanes.values())) if len(lanes) == 1 else None
 
     def sync_edge(self) -> None:
         """The edge's maps follow the levels this router acts on; its refusals since the
@@ -208,14 +217,14 @@ class Reporter:
             self._learn(now, lane, seen[name], refused[name])
         self._apply_edge(now)
 
-    def _edge_lane(self, model: Optional[str]) -> Optional[Lane]:
+    def _edge_lane(self, model: str | None) -> Lane | None:
         """The lane an edge refusal counts in: a "<class>" refusal (None) the only model's,
         or none with several; a "<model>:<class>" refusal its model's, only with several
         and only for a model the models map names (HAProxy makes no other such key; one
         the map no longer names, or a model no longer served: none)."""
         lanes = self._pipeline.lanes
         if model is None:
-            return self._pipeline.primary if len(lanes) == 1 else None
+            return self._sole_lane()
         return lanes.get(model) if len(lanes) > 1 and model in self._judged() else None
 
     def _learn(self, now: float, lane: Lane, seen: dict[str, list[int]], refused: dict[str, int]) -> None:
@@ -279,10 +288,10 @@ class Reporter:
         does not name is the router's to refuse, by that model's own level)."""
         if self.edge is None:
             return
-        if len(self._pipeline.lanes) == 1:
-            name = self._pipeline.primary.name
-            own = self._cache.effective(name)
-            entries = shed_entries(own.level, own.constraints, self._drops(now, name))
+        sole = self._sole_lane()
+        if sole is not None:
+            own = self._cache.effective(sole.name)
+            entries = shed_entries(own.level, own.constraints, self._drops(now, sole.name))
         else:
             entries = {}
             for name in sorted(self._judged()):
@@ -341,9 +350,10 @@ class Reporter:
 
     def _set_ceiling(self, snap: Snapshot) -> None:
         """Each gate's ceiling: an even split of its model's slots among routers; for the
-        first model's, this router's fair share of them while tenants wait (the controller
-        apportions them: its fair-share counters are the first model's)."""
+        fair lane's (``_fair_lane``), this router's fair share of them while tenants wait
+        (the controller apportions them by the shared counters)."""
+        fair_lane = self._fair_lane()
         for name, lane in self._pipeline.lanes.items():
             if lane.gate is not None:
-                share = self._fair_share if lane is self._pipeline.primary else None
-                lane.gate.limit.set_ceiling(model_ceiling(self._cfg, snap, share, name))
+                share = self._fair_share if lane is fair_lane else None
+                lane.gate.limit.set_ceiling(model_ceiling(self._cfg, snap, name, share))

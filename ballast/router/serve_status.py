@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("ballast.router")
 
@@ -50,18 +51,18 @@ class ServeStatusView:
         self,
         app_name: str,
         ttl_s: float = 2.0,
-        read: Optional[Callable[[str], dict[str, dict[str, Any]]]] = None,
+        read: Callable[[str], dict[str, dict[str, Any]]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._app = app_name
         self._ttl_s = ttl_s
         self._read = read or read_deployments
         self._clock = clock
-        self._at: Optional[float] = None
-        self._value: Optional[dict[str, dict[str, Any]]] = None
+        self._at: float | None = None
+        self._value: dict[str, dict[str, Any]] | None = None
         self._lock = asyncio.Lock()  # one read in flight; the others wait for its answer
 
-    async def get(self) -> Optional[dict[str, dict[str, Any]]]:
+    async def get(self) -> dict[str, dict[str, Any]] | None:
         """The deployments as last read (None when Serve could not be asked)."""
         async with self._lock:
             if self._at is None or self._clock() - self._at >= self._ttl_s:

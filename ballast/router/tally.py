@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ballast.policies.reports import RouterReport
+from ballast.policies.reports import ModelLoad
 from ballast.policies.stats import nearest_rank
 
 MAX_WAIT_SAMPLES = 4096  # queue-wait samples kept between two reports
@@ -46,11 +46,10 @@ class Tally:
         out, self.gate_decided = self.gate_decided, {}
         return out
 
-    def drain(self, router_id: str) -> RouterReport:
-        """The report of what was counted since the last one; the counts start again."""
+    def drain(self) -> ModelLoad:
+        """The model's load as counted since the last report; the counts start again."""
         p95: float | None = nearest_rank(self.waits_ms, 0.95)  # None with no samples
-        out = RouterReport(
-            router_id=router_id,
+        out = ModelLoad(
             inflight=self.inflight,
             requests=self.requests,
             errors=self.errors,

@@ -49,6 +49,7 @@ a fixed batch, no watchdog, no recycling.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +59,7 @@ from ballast.policies.autoscale import AutoscaleConfig
 from ballast.policies.degradation import DegradationConfig
 from ballast.policies.lease import LeaseTable
 from ballast.policies.recycle import RecycleConfig, RecycleState, ReplicaView
-from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
+from ballast.policies.reports import ModelLoad, ReplicaReport, WatchdogReport
 
 from .baselines import HpaUtilization, RayServeDefault
 from .config import SimConfig, WatchdogModel, autoscale_config, degradation_config, recycle_config
@@ -142,7 +143,7 @@ class BallastController:
     # ---- the control tick
     def policy_tick(
         self,
-        routers: list[RouterReport],
+        routers: Sequence[ModelLoad],  # the routers' loads of the model (control.model_views)
         replicas: list[ReplicaReport],
         requests: int,
         errors: int,

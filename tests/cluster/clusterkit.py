@@ -10,15 +10,17 @@ Each fault test adds a row to ``REPORT``; the session ends by printing the rows
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any
 
 import httpx
 
-from loadtest.cluster_load import ClusterLoad
+from ballast.ops.status_text import model_view, sole_model
 from loadtest import netcluster
+from loadtest.cluster_load import ClusterLoad
 
 REPORT: list[dict[str, Any]] = []
 
@@ -56,7 +58,7 @@ class Cluster:
     def dashboard(self) -> str:
         return f"http://{self.head.ip}:{netcluster.DASHBOARD_PORT}"
 
-    def load(self, endpoints: Optional[list[str]] = None, duration_s: float = 300) -> ClusterLoad:
+    def load(self, endpoints: list[str] | None = None, duration_s: float = 300) -> ClusterLoad:
         """Six closed-loop callers as gold through ``endpoints`` (every node's by default),
         the level sampled with the admin token; started."""
         return ClusterLoad(
@@ -101,7 +103,7 @@ class Cluster:
         ips = self.node_ips()
         return [ips.get(a.node_id, "?") for a in self.actors(class_prefix)]
 
-    def generate(self, endpoint: str, headers: Optional[dict[str, str]] = None, max_tokens: int = 8) -> httpx.Response:
+    def generate(self, endpoint: str, headers: dict[str, str] | None = None, max_tokens: int = 8) -> httpx.Response:
         return httpx.post(
             f"{endpoint}/v1/generate",
             timeout=30,
@@ -109,7 +111,7 @@ class Cluster:
             json={"prompt": "hello", "max_tokens": max_tokens},
         )
 
-    def admin_call(self, method: str, path: str, endpoint: Optional[str] = None, **kw: Any) -> httpx.Response:
+    def admin_call(self, method: str, path: str, endpoint: str | None = None, **kw: Any) -> httpx.Response:
         return httpx.request(
             method, f"{endpoint or self.workers[0].endpoint}{path}", headers=self.admin, timeout=30, **kw
         )
@@ -142,9 +144,10 @@ class Cluster:
         for i in range(asks):
             try:
                 st = self.admin_call("GET", "/v1/status", endpoints[i % len(endpoints)]).json()
-                b = st["breakers"]["primary"]
+                model = model_view(st, sole_model(st))  # the cluster serves one model
+                b = model["breakers"]["primary"]
                 seen[st["router_id"][-6:]] = (
-                    f"failed {b['failed_attempts']}, lost {st['lost_capacity']}, breaker {b['state']}"
+                    f"failed {b['failed_attempts']}, lost {model['lost_capacity']}, breaker {b['state']}"
                 )
             except (httpx.HTTPError, KeyError, ValueError, TypeError):
                 continue
@@ -194,7 +197,7 @@ def wait_until(
     timeout_s: float,
     interval_s: float = 1.0,
     what: str = "condition",
-    diagnose: Optional[Callable[[], str]] = None,
+    diagnose: Callable[[], str] | None = None,
 ) -> Any:
     """``pred()`` true within ``timeout_s``; if not, fail with its last answer and, when
     given, ``diagnose()``'s account of what was found instead."""
@@ -221,7 +224,7 @@ def wait_clean(load: Any, since: float, window_s: float = 12.0, timeout_s: float
     """Wait for ``window_s`` of traffic without one failure (longer than a request's
     timeout, so a late failure cannot hide); returns when the failures stopped."""
 
-    def clean() -> Optional[float]:
+    def clean() -> float | None:
         last = load.report.last_failure(since) or since
         if time.monotonic() - last >= window_s and load.report.count(since=last + 1) > 0:
             return last
@@ -239,7 +242,7 @@ def _per_10s(offsets: list[float]) -> str:
     return "/".join(map(str, counts))
 
 
-def report_row(fault: str, load: Any, t_fault: float, t_recovered: Optional[float], **extra: Any) -> dict[str, Any]:
+def report_row(fault: str, load: Any, t_fault: float, t_recovered: float | None, **extra: Any) -> dict[str, Any]:
     """One line of the fault report: requests, failures by cause (keyed / not), recovery."""
     rep = load.report
     row = {

@@ -12,11 +12,9 @@ fault report (clusterkit.REPORT).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import pytest
-
 from clusterkit import REPORT, Cluster
+
 from loadtest import netcluster
 
 
@@ -24,7 +22,7 @@ class _Clusters:
     """The cluster the module's tests share, made again when a test broke it."""
 
     def __init__(self) -> None:
-        self.current: Optional[Cluster] = None
+        self.current: Cluster | None = None
 
     def get(self, redis: bool) -> Cluster:
         c = self.current

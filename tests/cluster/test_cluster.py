@@ -16,8 +16,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from clusterkit import REPORT, report_row, wait_clean, wait_until
+
 from loadtest import netcluster
 
 FULL = os.environ.get("BALLAST_CLUSTER_SUITE") == "full"
@@ -71,7 +71,10 @@ def test_an_idempotency_key_sent_through_every_node_is_answered_once(cluster):
         # times out on one node and tries the next.
         with ThreadPoolExecutor(6) as pool:
             answers = list(
-                pool.map(lambda e: cluster.generate(e, {"Idempotency-Key": key}, max_tokens=24), cluster.endpoints * 2)
+                pool.map(
+                    lambda e, key=key: cluster.generate(e, {"Idempotency-Key": key}, max_tokens=24),
+                    cluster.endpoints * 2,
+                )
             )
         assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
         assert len({a.json()["text"] for a in answers}) == 1
@@ -212,7 +215,10 @@ def test_the_controllers_node_lost_brings_it_back_elsewhere_with_its_state(clust
         wait_until(lambda: cluster.where("Controller") == [survivor.ip], 120, 1, "the controller on the other worker")
         status = lambda: cluster.admin_call("GET", "/v1/status", survivor.endpoint).json()  # noqa: E731
         wait_until(
-            lambda: status()["snapshot"]["epoch"] != epoch and status()["source"] == "snapshot",
+            lambda: (
+                status()["snapshot"]["epoch"] != epoch
+                and {m["source"] for m in status()["models"].values()} == {"snapshot"}
+            ),
             60,
             1,
             "routers following the new controller",

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest
 import yaml
+
+from ballast.ops.status_text import model_view, sole_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 8123
@@ -58,9 +61,8 @@ def pytest_collection_modifyitems(config, items):
 def ballast():
     import ray
 
-    from ballast.ops.app import shutdown, start
     from ballast.config import load_config
-
+    from ballast.ops.app import shutdown, start
     from ballast.router.ingress import apply_ingress_env
 
     cfg = load_config(test_config_dict())
@@ -97,6 +99,14 @@ def status(client: httpx.Client) -> dict[str, Any]:
     return r.json()
 
 
+def model_status(client: httpx.Client, name: str | None = None) -> dict[str, Any]:
+    """One model in /v1/status (the only one the stack serves, when unnamed): this router's
+    view of it (level, source, breakers, retry budget, lost capacity, gate) and the
+    controller's state of it under ``controller`` (target, reason, inputs)."""
+    doc = status(client)
+    return model_view(doc, name if name is not None else sole_model(doc))
+
+
 def serve_replica_states(deployment: str = "BallastModel") -> dict[str, int]:
     """Serve's own count of a deployment's replicas by state (RUNNING, STARTING, STOPPING, ...).
 
@@ -112,7 +122,7 @@ def serve_replica_states(deployment: str = "BallastModel") -> dict[str, int]:
 CHAOS_DEPLOYMENTS = {"primary": "BallastModel", "fallback": "BallastFallbackModel"}
 
 
-def wait_chaos(client: httpx.Client, target: str, settings: "dict[str, Any] | None", timeout_s: float = 15) -> None:
+def wait_chaos(client: httpx.Client, target: str, settings: dict[str, Any] | None, timeout_s: float = 15) -> None:
     """Wait until every replica of the target reports applying ``settings`` (None: no chaos).
 
     Replicas pick chaos up from their next snapshot and say what they apply in their
@@ -133,7 +143,7 @@ def wait_chaos(client: httpx.Client, target: str, settings: "dict[str, Any] | No
 
 
 def breaker(client, role="primary") -> str:
-    return status(client)["breakers"][role]["state"]
+    return model_status(client)["breakers"][role]["state"]
 
 
 def heal(client, role="primary", timeout_s=30.0) -> None:
@@ -171,7 +181,8 @@ def wait_quiet(client: httpx.Client, timeout_s: float = 120) -> None:
     def quiet() -> bool:
         seen.update(status(client))
         model = seen["replicas"]["BallastModel"]
-        return seen["level"] == 0 and model["desired"] == model["running"] == 1
+        levels = {m["level"] for m in seen["models"].values()}
+        return levels == {0} and model["desired"] == model["running"] == 1
 
     try:
         wait_until(quiet, timeout_s, 0.5, "level 0 with one model replica")

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import FREE, GOLD, status
 
 pytestmark = pytest.mark.integration
@@ -172,17 +171,21 @@ def test_health_endpoints(client):
 
 def test_status_reports_level_inputs_and_replicas(client):
     s = status(client)
-    assert s["level"] in range(5)
-    assert s["source"] == "snapshot"
     assert s["ingress"] == "haproxy"  # the config's default, applied before ray.init
     assert s["fast_path"] is True  # http.fast_path, applied with the ingress before ray.init
+    assert not {"level", "source", "breakers", "gate"} & set(s)  # every model alike, under models
+    (name,) = s["models"]
+    model = s["models"][name]
+    assert model["level"] in range(5) and model["source"] == "snapshot"
     snap = s["snapshot"]
     assert snap["version"] >= 1 and 0 <= snap["age_s"] < 2
-    assert set(snap["inputs"]) >= {"queue_length", "queue_wait_p95_ms", "gpu_util_pct", "vram_pct", "error_rate"}
+    inputs = snap["models"][name]["inputs"]
+    assert set(inputs) >= {"queue_length", "queue_wait_p95_ms", "gpu_util_pct", "vram_pct", "error_rate"}
     if torch.cuda.is_available():  # the replicas see this GPU too (num_gpus 0 does not hide it)
-        assert 0 <= snap["inputs"]["gpu_util_pct"] <= 100 and 0 < snap["inputs"]["vram_pct"] < 100, snap["inputs"]
+        assert 0 <= inputs["gpu_util_pct"] <= 100 and 0 < inputs["vram_pct"] < 100, inputs
     else:
-        assert snap["inputs"]["gpu_util_pct"] is None and snap["inputs"]["vram_pct"] is None  # absent, not zero
-    model = s["replicas"]["BallastModel"]
-    assert model["desired"] >= 1 and model["running"] >= 1
-    assert s["constraints"]["admitted"]
+        assert inputs["gpu_util_pct"] is None and inputs["vram_pct"] is None  # absent, not zero
+    replicas = s["replicas"]["BallastModel"]
+    assert replicas["desired"] >= 1 and replicas["running"] >= 1
+    assert model["constraints"]["admitted"]
+    assert snap["models"][name]["deployment"] == "BallastModel"

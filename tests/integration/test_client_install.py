@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import BASE, ROOT
 
 pytestmark = pytest.mark.integration

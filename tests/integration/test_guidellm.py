@@ -15,7 +15,6 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import BASE, GOLD, ROOT
 
 from ballast.model.demo import make_tiny_llama

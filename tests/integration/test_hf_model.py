@@ -10,12 +10,12 @@ unary answers, stop strings, shedding under overload and a recycle under load.
 
 from __future__ import annotations
 
+import conftest as integration
 import httpx
 import openai
 import pytest
-
-import conftest as integration
 from conftest import ADMIN, BASE, GOLD, _merge, wait_until
+
 from ballast.model.demo import make_tiny_llama
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,18 @@ import time
 
 import httpx
 import pytest
-
-from conftest import ADMIN, BASE, FREE, GOLD, breaker, clear_chaos, set_chaos, status, wait_quiet, wait_until
+from conftest import (
+    ADMIN,
+    BASE,
+    FREE,
+    GOLD,
+    breaker,
+    clear_chaos,
+    model_status,
+    set_chaos,
+    wait_quiet,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +41,7 @@ def _error(r: httpx.Response) -> dict:
     return body["error"]
 
 
-def assert_refused(r: httpx.Response, status_code: int, code: str, field: "str | None" = None) -> None:
+def assert_refused(r: httpx.Response, status_code: int, code: str, field: str | None = None) -> None:
     """A clear refusal: the status, Ballast's stable code, and the field where one is named."""
     assert r.status_code == status_code, r.text
     err = _error(r)
@@ -246,7 +256,7 @@ def test_haproxys_runtime_files_are_private(ballast):
 # -- poison from one tenant while another streams --------------------------------------
 
 
-def _poisons(limits) -> list[tuple[str, dict, "bytes | dict"]]:
+def _poisons(limits) -> list[tuple[str, dict, bytes | dict]]:
     """(path, extra headers, body): each a request that must be refused for itself alone."""
     deep = b"[" * (limits.max_body_bytes - 1)
     return [
@@ -284,7 +294,7 @@ async def _stream_whole(c: httpx.AsyncClient, max_tokens: int) -> dict:
 
 def test_poison_from_one_tenant_leaves_another_tenants_streams_whole_and_the_breaker_closed(client, ballast):
     wait_quiet(client)
-    failed_before = dict(status(client)["breakers"]["primary"]["failed_attempts"])
+    failed_before = dict(model_status(client)["breakers"]["primary"]["failed_attempts"])
     max_tokens = 48
     poisons = _poisons(ballast.limits)
 
@@ -306,4 +316,4 @@ def test_poison_from_one_tenant_leaves_another_tenants_streams_whole_and_the_bre
     assert not bad, bad
     assert breaker(client) == "closed"
     # Refused for their own input: no attempt at the model failed, nothing moved the breaker.
-    assert status(client)["breakers"]["primary"]["failed_attempts"] == failed_before
+    assert model_status(client)["breakers"]["primary"]["failed_attempts"] == failed_before

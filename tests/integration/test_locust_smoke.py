@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import BASE, ROOT, wait_quiet
 
 pytestmark = pytest.mark.integration

@@ -18,8 +18,7 @@ from typing import Any
 import httpx
 import pytest
 import ray
-
-from conftest import ADMIN, BASE, GOLD, clear_chaos, set_chaos, status, wait_quiet, wait_until
+from conftest import ADMIN, BASE, GOLD, clear_chaos, model_status, set_chaos, status, wait_quiet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +55,7 @@ def test_a_killed_replica_loses_neither_its_unary_request_nor_its_stream(client)
     wait_quiet(client)
     reference = client.post("/v1/generate", headers=GOLD, json={"prompt": PROMPT, "max_tokens": MAX_TOKENS}).json()
     assert reference["tokens_generated"] == MAX_TOKENS
-    before = status(client)["lost_capacity"]
+    before = model_status(client)["lost_capacity"]
     replica = primary_replica()
     set_chaos(client, "primary", step_delay_ms=100)
     events: list[tuple[str, dict]] = []
@@ -81,7 +80,7 @@ def test_a_killed_replica_loses_neither_its_unary_request_nor_its_stream(client)
         ray.kill(replica, no_restart=True)
         t_kill = time.monotonic()
         while (stream.is_alive() or sender.is_alive()) and time.monotonic() - t_kill < 50:
-            levels.append(status(client)["level"])
+            levels.append(model_status(client)["level"])
             time.sleep(0.5)
         stream.join(1)
         sender.join(1)
@@ -98,7 +97,7 @@ def test_a_killed_replica_loses_neither_its_unary_request_nor_its_stream(client)
     streamed = "".join(data["text"] for name, data in events if name == "token")
     assert streamed == reference["text"]  # nothing duplicated, nothing missing
     assert max(levels, default=0) == 0, levels
-    after = status(client)["lost_capacity"]
+    after = model_status(client)["lost_capacity"]
     assert after["migrated"] >= before["migrated"] + 2 and after["not_migrated"] == before["not_migrated"], (
         before,
         after,

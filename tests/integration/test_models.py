@@ -24,7 +24,7 @@ from conftest import ADMIN, BASE, wait_until  # noqa: E402
 from test_hf_model import _deploy  # noqa: E402
 from test_vllm import vllm_overrides  # noqa: E402
 
-from ballast.model.demo import VLLM_GEOMETRY, make_lora_adapter, make_llama, make_tiny_llama  # noqa: E402
+from ballast.model.demo import VLLM_GEOMETRY, make_llama, make_lora_adapter, make_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

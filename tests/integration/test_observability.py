@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from conftest import ADMIN, GOLD, wait_chaos, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.last]

@@ -9,8 +9,9 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import ADMIN, BASE, GOLD, clear_chaos, heal, model_status, set_chaos, status, wait_quiet, wait_until
 
-from conftest import ADMIN, BASE, GOLD, clear_chaos, heal, set_chaos, status, wait_quiet, wait_until
+from ballast.ops.status_text import model_view
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def test_chat_completion_with_usage_and_headers(ballast):
     assert choice.finish_reason == "length"
     assert out.usage.completion_tokens == 8
     # The byte model's tokens are the templated prompt's bytes (openai_api.render_chat).
-    assert out.usage.prompt_tokens == len("<|system|>\nBe brief.\n<|user|>\nHello\n<|assistant|>\n".encode())
+    assert out.usage.prompt_tokens == len(b"<|system|>\nBe brief.\n<|user|>\nHello\n<|assistant|>\n")
     assert out.usage.total_tokens == out.usage.prompt_tokens + 8
     assert out.model == MODEL
     assert raw.headers["x-ballast-fallback"] == "none" and raw.headers["x-ballast-criticality"] == "critical"
@@ -180,7 +181,7 @@ def test_kill_switch_and_a_raised_level_refuse_with_typed_errors(client, ballast
         try:
             for _ in range(120):
                 await asyncio.sleep(0.5)
-                if (await asyncio.to_thread(status, client))["level"] >= 1:
+                if (await asyncio.to_thread(model_status, client))["level"] >= 1:
                     break
             client_ = openai.AsyncOpenAI(base_url=f"{BASE}/v1", api_key="dev-key-gold", max_retries=0)
             try:
@@ -224,7 +225,7 @@ def test_a_fallback_answer_names_its_model(client, ballast):
 def test_a_client_leaving_mid_stream_frees_its_place_at_once(client, ballast, path, body):
     def held() -> tuple[int, int]:
         s = status(client)
-        return s["gate"]["in_flight"], s["tenant_inflight"].get("gold", 0)
+        return model_view(s, MODEL)["gate"]["in_flight"], s["tenant_inflight"].get("gold", 0)
 
     wait_until(lambda: held() == (0, 0), 30, 0.25, "an idle router")
     # The primary waits 1.5 s before it starts any request, so the stream is surely open

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 import ray
-
-from conftest import BASE, FREE, GOLD, serve_replica_states, status, wait_quiet, wait_until
+from conftest import BASE, FREE, GOLD, model_status, serve_replica_states, status, wait_quiet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -99,7 +98,7 @@ def test_overload_sheds_sheddable_first_and_critical_keeps_succeeding(client):
     def watch():
         with httpx.Client(base_url=BASE, timeout=10) as c:
             while not done.is_set():
-                levels.append(status(c)["level"])
+                levels.append(model_status(c)["level"])
                 time.sleep(0.2)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -126,7 +125,7 @@ def test_overload_sheds_sheddable_first_and_critical_keeps_succeeding(client):
     assert any(t > first_shed for t, crit, s, _ in result.outcomes if crit == "critical" and s == 200)
 
     # Quiet: the level steps back down to 0 (one level per stable window).
-    wait_until(lambda: status(client)["level"] == 0, 30, 0.5, "level back to 0")
+    wait_until(lambda: model_status(client)["level"] == 0, 30, 0.5, "level back to 0")
     r = client.post("/v1/generate", headers=FREE, json={"prompt": "x", "max_tokens": 4, "criticality": "sheddable"})
     assert r.status_code == 200
     # The edge follows the level down: the class passes HAProxy again.
@@ -205,7 +204,7 @@ def test_controller_killed_mid_traffic_fails_no_request_and_comes_back(client, b
             0.5,
             "a snapshot from the restarted controller",
         )
-        wait_until(lambda: status(client)["source"] == "snapshot", 10, 0.5, "fresh snapshot")
+        wait_until(lambda: model_status(client)["source"] == "snapshot", 10, 0.5, "fresh snapshot")
         # ... and it took back the kill switch and the chaos setting: the routers still enforce them.
         after = status(client)
         assert [k["id"] for k in after["kill_switches"]] == [switch["id"]], after["kill_switches"]

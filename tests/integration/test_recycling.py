@@ -15,8 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-
-from conftest import ADMIN, BASE, GOLD, serve_replica_states, status, wait_chaos, wait_until
+from conftest import ADMIN, BASE, GOLD, model_status, serve_replica_states, status, wait_chaos, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +67,7 @@ def events(client: httpx.Client, outcome: str, deployment: str | None = None) ->
 def recycle_under_load(client: httpx.Client, what: str, timeout_s: float) -> None:
     """Recycle the one primary replica under a steady load (level 0, settled first):
     the recycle completes within ``timeout_s``, no request fails, the replica is gone."""
-    wait_until(lambda: status(client)["level"] == 0, 30, 0.5, "level back to 0")
+    wait_until(lambda: model_status(client)["level"] == 0, 30, 0.5, "level back to 0")
     settled(client)  # an earlier test may have left the autoscaler's second replica
     (rid,) = ids(client, "BallastModel")
     with SteadyLoad() as load:
@@ -112,7 +111,7 @@ class SteadyLoad:
                     self.errors.append(repr(e))
                 time.sleep(0.05)
 
-    def __enter__(self) -> "SteadyLoad":
+    def __enter__(self) -> SteadyLoad:
         for t in self._threads:
             t.start()
         return self

@@ -13,8 +13,7 @@ import uuid
 import httpx
 import pytest
 import ray
-
-from conftest import ADMIN, BASE, FREE, GOLD, breaker, clear_chaos, heal, status, wait_chaos, wait_until
+from conftest import ADMIN, BASE, FREE, GOLD, breaker, clear_chaos, heal, model_status, status, wait_chaos, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +40,7 @@ def test_failing_primary_opens_breaker_fallback_serves_then_heals(client, chaos)
         outcomes.append((r.status_code, r.json().get("fallback"), r.headers.get("x-ballast-fallback")))
     # Every request was answered by the fallback model (or refused clearly: none were).
     assert all(o == (200, "fallback_model", "fallback_model") for o in outcomes), outcomes
-    s = status(client)["breakers"]["primary"]
+    s = model_status(client)["breakers"]["primary"]
     assert s["state"] == "open", s
     body = client.post("/v1/generate", headers=GOLD, json={"prompt": "x", "max_tokens": 4}).json()
     assert body["model"] == "tiny-decoder-small" and body["fallback"] == "fallback_model"
@@ -172,7 +171,7 @@ def test_the_front_runs_at_the_normal_cpu_priority_and_a_model_at_its_own(ballas
 
 def test_a_deadline_that_runs_out_at_the_replica_is_not_a_breaker_failure(client, chaos):
     def primary() -> dict:
-        return status(client)["breakers"]["primary"]
+        return model_status(client)["breakers"]["primary"]
 
     heal(client)
     chaos("primary", stall=True)  # no decode step from here on
@@ -231,7 +230,7 @@ def test_replica_killed_mid_traffic_fails_no_idempotent_request(client, ballast)
     assert [r.status_code for r in responses] == [200] * len(responses), [
         r.text for r in responses if r.status_code != 200
     ]
-    budget = status(client)["retry_budget"]
+    budget = model_status(client)["retry_budget"]
     print(
         f"\nreplica kill: retries granted {budget['retries_granted']}, denied {budget['retries_denied']}, "
         f"fallbacks {sum(r.json()['fallback'] is not None for r in responses)}/{len(responses)}"
@@ -422,12 +421,14 @@ def test_operator_cli(client, capsys):
     capsys.readouterr()
 
     assert main([*common, "status", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["level"] in range(5)
-    assert main([*common, "status"]) == 0  # the summary: its first line names the level
-    assert capsys.readouterr().out.startswith("level ")
+    doc = json.loads(capsys.readouterr().out)
+    (name,) = doc["models"]
+    assert doc["models"][name]["level"] in range(5)
+    assert main([*common, "status"]) == 0  # the summary: the snapshot, then a block per model naming its level
+    assert capsys.readouterr().out.splitlines()[1].startswith(f"model {name}: level ")
     assert main([*common, "tenants"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert "noisy" in rows and {"fair_counter", "served_per_s", "waiting", "fair_view"} <= set(rows["noisy"])
+    assert "noisy" in rows and {"counter", "served_per_s", "waiting", "view"} <= set(rows["noisy"]["fair_shares"][name])
     assert main([*common, "chaos", "on", "--target", "fallback", "--latency-ms", "5"]) == 0
     assert json.loads(capsys.readouterr().out)["chaos"]["fallback"]["latency_ms"] == 5
     assert main([*common, "chaos", "off"]) == 0

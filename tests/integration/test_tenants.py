@@ -12,7 +12,6 @@ from collections import Counter
 
 import httpx
 import pytest
-
 from conftest import ADMIN, BASE, GOLD, status, wait_quiet, wait_until
 
 pytestmark = pytest.mark.integration

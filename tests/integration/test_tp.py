@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import conftest as integration  # noqa: E402
-from conftest import ADMIN, BASE, GOLD, _merge, status, wait_until  # noqa: E402
+from conftest import ADMIN, BASE, GOLD, _merge, model_status, status, wait_until  # noqa: E402
 from test_hf_model import _deploy  # noqa: E402
 from test_recycling import events, ids  # noqa: E402
 from test_vllm import engine_processes, vllm_overrides  # noqa: E402
@@ -159,7 +159,7 @@ def test_a_rank_killed_under_load_recycles_the_replica_and_fails_no_request(http
     (rid,) = ids(http, "BallastModel")
     body = {"max_tokens": 160}
     reference = {p: http.post("/v1/generate", headers=GOLD, json={**body, "prompt": p}).json()["text"] for p in PROMPTS}
-    lost_before = status(http)["lost_capacity"]
+    lost_before = model_status(http)["lost_capacity"]
     victim = ranks(http)["VLLM::Worker_TP1"]
     answers: dict = {}
     senders = [
@@ -182,7 +182,7 @@ def test_a_rank_killed_under_load_recycles_the_replica_and_fails_no_request(http
     assert {p: a[0] for p, a in answers.items()} == {p: 200 for p in PROMPTS}, answers
     assert {p: a[1] for p, a in answers.items()} == reference  # greedy: the replacement answers the same
     assert all(a[2] >= 1 and a[3] == MODEL for a in answers.values()), answers  # sent again, not to the fallback
-    lost = status(http)["lost_capacity"]
+    lost = model_status(http)["lost_capacity"]
     assert lost["migrated"] >= lost_before["migrated"] + len(PROMPTS)
     assert lost["not_migrated"] == lost_before["not_migrated"]
     new = wait_until(lambda: ids(http, "BallastModel") - {rid}, 120, 1.0, "a replacement replica")

@@ -16,12 +16,12 @@ import signal
 import subprocess
 import sys
 
+import conftest as integration
 import httpx
 import pytest
 import yaml
-
-import conftest as integration
 from conftest import BASE, GOLD, ROOT, _merge, wait_until
+
 from ballast.router.ingress import stack_ports
 
 pytestmark = pytest.mark.integration

@@ -17,10 +17,10 @@ replica killed with its engine's processes, and a recycle under load.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -29,10 +29,11 @@ import pytest
 pytest.importorskip("vllm")
 
 import conftest as integration  # noqa: E402
-from conftest import ADMIN, BASE, FREE, GOLD, _merge, wait_until  # noqa: E402
+from conftest import ADMIN, BASE, FREE, GOLD, _merge, model_status, wait_until  # noqa: E402
 from test_hf_model import _deploy  # noqa: E402
 
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
+from ballast.ops.status_text import model_view  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -240,7 +241,7 @@ def test_a_json_schema_response_format_gives_json_that_follows_it(oai, stream):
 
 def test_a_schema_the_engine_refuses_is_a_400_that_costs_the_model_nothing(oai, http):
     def model_failures() -> dict:
-        return http.get("/v1/status", headers=ADMIN).json()["breakers"]["primary"]["failed_attempts"]
+        return model_status(http)["breakers"]["primary"]["failed_attempts"]
 
     before = model_failures()
     fmt = {
@@ -521,14 +522,14 @@ def test_overload_sheds_sheddable_and_keeps_critical_whole_on_vllm(http):
     # level's thresholds (6, then 12) and the level sheds sheddable at the gate.
     from test_overload import run_load
 
-    wait_until(lambda: http.get("/v1/status", headers=ADMIN).json()["level"] == 0, 30, 0.5, "level back to 0")
+    wait_until(lambda: model_status(http)["level"] == 0, 30, 0.5, "level back to 0")
     levels: list[int] = []
     done = threading.Event()
 
     def watch() -> None:
         with httpx.Client(base_url=BASE, timeout=10) as c:
             while not done.is_set():
-                levels.append(c.get("/v1/status", headers=ADMIN).json()["level"])
+                levels.append(model_view(c.get("/v1/status", headers=ADMIN).json(), MODEL)["level"])
                 time.sleep(0.2)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -544,7 +545,7 @@ def test_overload_sheds_sheddable_and_keeps_critical_whole_on_vllm(http):
     assert max(levels) >= 1, seen
     assert set(critical) == {(200, "OK")} and critical[(200, "OK")] >= 10, seen
     assert sheddable[(503, "OVERLOADED")] > 0 and set(sheddable) <= {(200, "OK"), (503, "OVERLOADED")}, seen
-    wait_until(lambda: http.get("/v1/status", headers=ADMIN).json()["level"] == 0, 30, 0.5, "level back to 0")
+    wait_until(lambda: model_status(http)["level"] == 0, 30, 0.5, "level back to 0")
 
 
 def engine_processes() -> dict[int, list[int]]:
@@ -566,7 +567,6 @@ def test_a_stalled_vllm_replica_is_killed_and_leaves_no_engine_process(http, oai
     # the watchdog (watching the engine's processes with it) says so, the controller
     # kills it, and vLLM's engine core and worker go with it.
     import psutil
-
     from test_recycling import events, ids
 
     (rid,) = ids(http, "BallastModel")
@@ -618,8 +618,9 @@ def test_recycling_the_vllm_replica_under_load_fails_no_request(vllm_stack, http
     # a vLLM replica takes 20-55 s to start here, as long as a request's deadline, so
     # requests would wait out their deadline. The autoscaler keeps to one replica (a
     # target no test load reaches): the second place under max_replicas is the surge's.
-    from ballast.config import RecycleSettings, load_config
     from test_recycling import recycle_under_load
+
+    from ballast.config import RecycleSettings, load_config
 
     production = RecycleSettings()
     surge = {

@@ -3,7 +3,6 @@ ballast.model.demo)."""
 
 from __future__ import annotations
 
-
 from ballast.model.demo import (
     CHAT_TEMPLATE,
     CORPUS,

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from ray.serve._private.http_util import _walk_fastapi_routes
 
 from ballast.config import load_config
-from ballast.control.snapshot import Snapshot
+from ballast.control.snapshot import ModelState, Snapshot
 from ballast.router import app as router_app
 
 
@@ -50,25 +50,29 @@ def build_pipeline(cfg: dict[str, Any], primary: Any, fallback: Any = None) -> A
     return build_router(cfg, primary, fallback).pipeline
 
 
-def at_level(router: Any, level: int, models: "dict[str, int] | None" = None) -> None:
-    """A snapshot at ``level`` (the first model's), and ``models``' own levels by name."""
+def only_lane(router_or_pipeline: Any) -> Any:
+    """The one lane of a router (or pipeline) serving one model: its gate, caller, tally."""
+    pipeline = getattr(router_or_pipeline, "pipeline", router_or_pipeline)
+    (lane,) = pipeline.lanes.values()
+    return lane
+
+
+def at_level(router: Any, level: int, models: dict[str, int] | None = None) -> None:
+    """A snapshot with every model the router serves at ``level``, but ``models``' own
+    levels by name."""
     constraints = load_config({}).degradation_config().constraints
-    own = {
-        name: {"level": lv, "target_level": lv, "reason": "test", "constraints": constraints[lv].to_dict()}
-        for name, lv in (models or {}).items()
-    }
-    router.snapshots.offer(
-        Snapshot(
-            epoch=uuid.uuid4().hex[:12],
-            version=1,
-            created_at_s=time.time(),
-            level=level,
-            target_level=level,
+    levels = {name: level for name in router.pipeline.lanes} | (models or {})
+    states = {
+        name: ModelState(
+            deployment=router.pipeline.lanes[name].deployment,
+            constraints=constraints[lv],
+            level=lv,
+            target_level=lv,
             reason="test",
-            constraints=constraints[level].to_dict(),
-            models=own,
         )
-    )
+        for name, lv in levels.items()
+    }
+    router.snapshots.offer(Snapshot(epoch=uuid.uuid4().hex[:12], version=1, created_at_s=time.time(), models=states))
 
 
 class routed:

@@ -18,9 +18,8 @@ import types
 from typing import Any
 
 import pytest
-from ray.exceptions import RayTaskError
-
 from fakes import FakeClock
+from ray.exceptions import RayTaskError
 from routerkit import build_router, routed
 from test_resilient_caller import FakeHandle
 
@@ -44,7 +43,8 @@ class CoreLink:
 
     async def call(self, method: str, *args: Any) -> Any:
         self.calls.append(method)
-        return getattr(self.core, method)(*args)
+        # The actor's admin methods are its core's AdminState's (controller.py), the rest the core's.
+        return getattr(self.core.admin if hasattr(self.core.admin, method) else self.core, method)(*args)
 
     async def report(self, report: RouterReport) -> dict[str, Any]:
         return self.core.report_router(report)
@@ -115,7 +115,7 @@ def add(s, headers: dict[str, str] = ADMIN, **body: Any):
 
 
 def nothing_recorded(s) -> None:
-    assert s.core.adapters() == []
+    assert s.core.admin.adapters() == []
     assert "set_adapter" not in s.link.calls
 
 
@@ -138,7 +138,7 @@ def test_an_adapter_is_loaded_on_one_replica_recorded_and_routed_to(stack) -> No
     assert s.router.pipeline.base_catalog.resolve("late") is None  # the config's, unchanged
     listed = s.client.get("/admin/adapters", headers=ADMIN)
     assert listed.status_code == 200 and listed.json() == {"adapters": [r.json()]}
-    assert s.core.kill_switches()["audit"][-1]["action"] == "adapter_added"
+    assert s.core.admin.kill_switches()["audit"][-1]["action"] == "adapter_added"
 
 
 @pytest.mark.parametrize(
@@ -228,11 +228,11 @@ def test_delete_a_run_time_adapter_a_configs_adapter_and_none(stack) -> None:
     for name in ("nope", "n" * 200):
         r = s.client.delete(f"/admin/adapters/{name}", headers=ADMIN)
         assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND"
-    assert s.core.adapters() != []  # none of those touched it
+    assert s.core.admin.adapters() != []  # none of those touched it
     r = s.client.delete("/admin/adapters/late", headers=ADMIN)
     assert r.status_code == 200 and r.json() == {"deleted": "late"}
-    assert s.core.adapters() == [] and s.router.pipeline.catalog.resolve("late") is None
-    assert [e["action"] for e in s.core.kill_switches()["audit"]] == ["adapter_added", "adapter_deleted"]
+    assert s.core.admin.adapters() == [] and s.router.pipeline.catalog.resolve("late") is None
+    assert [e["action"] for e in s.core.admin.kill_switches()["audit"]] == ["adapter_added", "adapter_deleted"]
     assert s.client.delete("/admin/adapters/late", headers=ADMIN).status_code == 404
 
 
@@ -259,7 +259,7 @@ def test_adapters_are_vllms_a_model_on_another_engine_is_refused() -> None:
 
 def test_past_the_bound_no_replica_is_asked_to_load_it(stack) -> None:
     for i in range(MAX_RUNTIME_ADAPTERS):
-        stack.core.set_adapter("llama", f"a{i}", f"/adapters/a{i}", ["*"], "ops")
+        stack.core.admin.set_adapter("llama", f"a{i}", f"/adapters/a{i}", ["*"], "ops")
     asyncio.run(stack.router._admin._exchange.exchange_once())  # this router's next snapshot
     r = add(stack, name="one-more")
     assert r.status_code == 400 and r.json()["error"]["field"] == "name"
@@ -268,11 +268,12 @@ def test_past_the_bound_no_replica_is_asked_to_load_it(stack) -> None:
 
 
 def test_a_name_another_router_took_since_this_ones_snapshot_is_a_conflict_at_the_controller(stack) -> None:
-    stack.core.set_adapter("llama", "late", "/adapters/elsewhere", ["*"], "bob")  # not in this router's snapshot yet
+    # Not in this router's snapshot yet:
+    stack.core.admin.set_adapter("llama", "late", "/adapters/elsewhere", ["*"], "bob")
     r = add(stack, name="late")
     assert r.status_code == 409
     assert r.json()["error"]["code"] == "ADAPTER_CONFLICT" and "delete it first" in r.json()["error"]["message"]
-    assert [a["path"] for a in stack.core.adapters()] == ["/adapters/elsewhere"]
+    assert [a["path"] for a in stack.core.admin.adapters()] == ["/adapters/elsewhere"]
     assert stack.replica.loads == []  # refused before any replica loaded it
 
 
@@ -287,7 +288,7 @@ def test_two_admins_adding_one_name_at_once_the_second_is_a_conflict_and_loads_n
     assert second[0].status_code == 409 and second[0].json()["error"]["code"] == "ADAPTER_CONFLICT"
     assert "another add of 'late' is in flight" in second[0].json()["error"]["message"]
     assert stack.replica.loads == [("late", "/adapters/a")]
-    assert [a["path"] for a in stack.core.adapters()] == ["/adapters/a"]
+    assert [a["path"] for a in stack.core.admin.adapters()] == ["/adapters/a"]
 
 
 def test_without_adapters_root_no_adapter_may_be_added_at_run_time() -> None:
@@ -328,9 +329,9 @@ def test_every_tenant_is_written_out_and_listed_as_written(stack) -> None:
 def test_the_operator_is_recorded_as_claimed(stack) -> None:
     assert add(stack, name="late").status_code == 201
     assert add(stack, {"Authorization": "Bearer admin-token"}, name="b").status_code == 201
-    audit = stack.core.kill_switches()["audit"]
+    audit = stack.core.admin.kill_switches()["audit"]
     assert [(e["by"], e["operator_claimed"]) for e in audit] == [("admin_token", "alice"), ("admin_token", None)]
-    assert [a["added_by"] for a in stack.core.adapters()] == ["alice", ""]
+    assert [a["added_by"] for a in stack.core.admin.adapters()] == ["alice", ""]
 
 
 class RayLink(CoreLink):
@@ -349,14 +350,14 @@ class RayLink(CoreLink):
 def test_the_controllers_conflict_through_ray_is_still_a_409(stack) -> None:
     link = RayLink(stack.router._cfg)
     stack.router._admin._link = link
-    link.core.reserve_adapter("llama", "late", "/adapters/other", ["*"])  # another router's add in flight
+    link.core.admin.reserve_adapter("llama", "late", "/adapters/other", ["*"])  # another router's add in flight
     r = add(stack, name="late")
     assert r.status_code == 409 and r.json()["error"]["code"] == "ADAPTER_CONFLICT", r.text
-    link.core.set_adapter("llama", "other", "/adapters/other", ["*"], "bob")  # ... and one recorded meanwhile
+    link.core.admin.set_adapter("llama", "other", "/adapters/other", ["*"], "bob")  # ... and one recorded meanwhile
     r = add(stack, name="other")
     assert r.status_code == 409 and "delete it first" in r.json()["error"]["message"]
     for i in range(MAX_RUNTIME_ADAPTERS - 2):  # the table (a reservation counts) fills up behind the snapshot
-        link.core.set_adapter("llama", f"a{i}", f"/adapters/a{i}", ["*"], "bob")
+        link.core.admin.set_adapter("llama", f"a{i}", f"/adapters/a{i}", ["*"], "bob")
     r = add(stack, name="x")  # the controller's ValueError through Ray: still 400 naming the field
     assert r.status_code == 400 and r.json()["error"]["field"] == "name", r.text
     assert f"at most {MAX_RUNTIME_ADAPTERS}" in r.json()["error"]["message"]

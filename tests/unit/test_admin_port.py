@@ -11,10 +11,9 @@ import sys
 
 import httpx
 import pytest
+from fakes import FakeClock
 from fastapi.testclient import TestClient
 from ray.serve._private.http_util import _walk_fastapi_routes
-
-from fakes import FakeClock
 
 from ballast.config import load_config
 from ballast.router import app as router_app
@@ -22,6 +21,7 @@ from ballast.router.admin_port import ADMIN_ROUTES, HOST, AdminListener, admin_a
 
 ADMIN = {"Authorization": "Bearer admin-token"}
 CFG = {"auth": {"demo_keys": {"k": "gold"}, "demo_admin_token": "admin-token"}, "tenants": {"gold": {}}}
+MODEL = "tiny-decoder"  # the config's one model
 
 
 def _router(**http):
@@ -58,7 +58,7 @@ def test_with_an_admin_port_the_public_port_answers_404_for_the_admin_routes_and
         assert client.get("/healthz/live").status_code == 200
     # (Only routes that do not call the controller: there is none here.)
     local = TestClient(router.admin_listener.app, raise_server_exceptions=False)
-    assert local.get("/v1/status", headers=ADMIN).json()["level"] == 0
+    assert local.get("/v1/status", headers=ADMIN).json()["models"][MODEL]["level"] == 0
     assert local.get("/v1/status").status_code == 401  # the token is still needed there
     assert local.get("/v1/generate").json()["error"]["code"] == "NOT_FOUND"  # admin routes only
     bad = local.post("/admin/kill-switch", headers=ADMIN, json={"scope": "global"})
@@ -71,7 +71,7 @@ def test_without_an_admin_port_the_public_port_serves_them_as_before():
     router = _router()
     assert router.admin_listener is None
     with routed(router) as client:
-        assert client.get("/v1/status", headers=ADMIN).json()["level"] == 0
+        assert client.get("/v1/status", headers=ADMIN).json()["models"][MODEL]["level"] == 0
     assert load_config({}).http.admin_port is None
     with pytest.raises(ValueError, match="admin_port"):
         load_config({"http": {"port": 8123, "admin_port": 8123}})
@@ -97,7 +97,7 @@ def test_every_router_on_the_node_binds_the_port_on_loopback_and_answers():
                     await asyncio.sleep(0.01)
             async with httpx.AsyncClient() as client:
                 r = await client.get(f"http://{HOST}:{port}/v1/status", headers=ADMIN)
-            assert r.status_code == 200 and r.json()["level"] == 0
+            assert r.status_code == 200 and r.json()["models"][MODEL]["level"] == 0
         finally:
             await first.stop()
             await second.stop()

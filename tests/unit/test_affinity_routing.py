@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
-
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
-from ray.serve._private.request_router.common import PendingRequest
+from typing import Any
 
 from fakes import FakeClock
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve._private.request_router.common import PendingRequest
 
 from ballast.model.protocol import ModelCall
 from ballast.model.routing import (
@@ -34,7 +33,7 @@ DEPLOYMENT = DeploymentID(name="m", app_name="ballast")
 class StandInReplica:
     """Stands in for Serve's RunningReplica (no actor here)."""
 
-    def __init__(self, name: str, stats: Optional[dict[str, Any]], load: int = 0) -> None:
+    def __init__(self, name: str, stats: dict[str, Any] | None, load: int = 0) -> None:
         self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
         self.routing_stats = stats or {}
         self.multiplexed_model_ids: set[str] = set()
@@ -64,7 +63,7 @@ def stats(held: tuple[str, ...], demand: dict[str, int], at_s: float = 100.0, re
     return replica_routing_stats(ready, h, at_s)
 
 
-def request(adapter: Optional[str]) -> PendingRequest:
+def request(adapter: str | None) -> PendingRequest:
     call = ModelCall(prompt="hi", max_tokens=4, adapter=adapter)
     meta = RequestMetadata(request_id="r", internal_request_id="i", call_method="generate")
     return PendingRequest(args=[call], kwargs={}, metadata=meta)
@@ -256,7 +255,7 @@ def test_a_report_past_its_bounds_is_refused_and_logged_once_per_replica(caplog)
 BLOCK = 4
 
 
-def prefix_stats(*prompts: list[int], at_s: float = 100.0, adapter: Optional[str] = None) -> dict[str, Any]:
+def prefix_stats(*prompts: list[int], at_s: float = 100.0, adapter: str | None = None) -> dict[str, Any]:
     """A replica's routing stats holding ``prompts``' full blocks, as its KV events say."""
     h = PrefixHoldings(capacity_blocks=256, block_size=BLOCK)
     for n, ids in enumerate(prompts):
@@ -265,7 +264,7 @@ def prefix_stats(*prompts: list[int], at_s: float = 100.0, adapter: Optional[str
     return replica_routing_stats(True, None, at_s, h.report(at_s))
 
 
-def prompt_request(ids: list[int], route: str = "affinity", adapter: Optional[str] = None, rid: str = "i") -> Any:
+def prompt_request(ids: list[int], route: str = "affinity", adapter: str | None = None, rid: str = "i") -> Any:
     call = ModelCall(prompt="", prompt_ids=tuple(ids), max_tokens=4, adapter=adapter, route=route)
     meta = RequestMetadata(request_id="r", internal_request_id=rid, call_method="generate")
     return PendingRequest(args=[call], kwargs={}, metadata=meta)

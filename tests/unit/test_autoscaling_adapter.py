@@ -9,16 +9,16 @@ constructor, no cluster) so that attribute names are checked against Serve.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 from ray.serve._private.common import DeploymentID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
-from ballast.policies.autoscale import AutoscaleConfig, queue_length_fallback
-from ballast.control.autoscaling import ControllerDrivenPolicy, autoscaling_config
 from ballast.config import load_config
+from ballast.control.autoscaling import ControllerDrivenPolicy, autoscaling_config
 from ballast.names import MODEL_DEPLOYMENT
+from ballast.policies.autoscale import AutoscaleConfig, queue_length_fallback
 
 MAX_AGE_S = 5
 CREATED_AT_S = 1_000
@@ -40,8 +40,8 @@ def make_policy() -> ControllerDrivenPolicy:
 def make_ctx(
     total_num_requests: float = 0.0,
     current_num_replicas: int = 1,
-    target_num_replicas: Optional[int] = None,
-    policy_state: Optional[dict[str, Any]] = None,
+    target_num_replicas: int | None = None,
+    policy_state: dict[str, Any] | None = None,
     deployment_name: str = MODEL_DEPLOYMENT,
 ) -> AutoscalingContext:
     return AutoscalingContext(
@@ -65,7 +65,7 @@ def make_ctx(
     )
 
 
-def snapshot(desired: Optional[dict[str, int]] = None, version: int = 7) -> dict[str, Any]:
+def snapshot(desired: dict[str, int] | None = None, version: int = 7) -> dict[str, Any]:
     return {
         "created_at_s": CREATED_AT_S,
         "version": version,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import pytest
 import torch
@@ -43,7 +42,7 @@ class _Mem:
 @dataclass
 class _Proc:
     pid: int
-    usedGpuMemory: Optional[int]
+    usedGpuMemory: int | None
 
 
 class FakeNvml:

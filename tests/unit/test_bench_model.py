@@ -10,8 +10,8 @@ import itertools
 
 import pytest
 
-from loadtest import bench_model as bm
 from ballast.model.demo import make_tiny_llama
+from loadtest import bench_model as bm
 
 CONCURRENCY = [1, 2]
 N_REQUESTS = 4

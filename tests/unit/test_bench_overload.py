@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from loadtest import machine_speed
 from loadtest.bench_overload import (
     DEFAULT_MIX,
     MULTIPLES,
@@ -15,14 +16,13 @@ from loadtest.bench_overload import (
     bounded_queue,
     check_targets,
     criticality_sequence,
-    refusal_cpu_ms,
     feasible_shares,
     machine_adjusted,
     machine_ratio,
     measure_capacity,
+    refusal_cpu_ms,
     share_of_feasible,
 )
-from loadtest import machine_speed
 from loadtest.machine_speed import SpeedProbeProcess
 
 
@@ -76,6 +76,23 @@ def test_level_reasons_are_grouped_without_their_numbers():
     assert reason_kind("up 2->3: error_rate=0.109005>=0.1 (n=211)") == "up 2->3: error_rate"
     assert reason_kind("hold 1: target 0 (normal) for 4.5s of 30s") == "hold 1: target 0 (normal)"
     assert reason_kind("normal") == "normal" and reason_kind(None) is None
+
+
+def test_a_sample_is_the_one_models_view_and_nothing_for_several():
+    from loadtest.bench_overload import one_model
+
+    doc = {
+        "models": {"m": {"level": 2, "gate": {"limit": 8}, "breakers": {"primary": {"state": "closed"}}}},
+        "snapshot": {"models": {"m": {"level": 2, "reason": "up 1->2: queue_length=120>=100"}}},
+    }
+    view = one_model(doc)
+    assert (view["level"], view["gate"], view["controller"]["reason"]) == (
+        2,
+        {"limit": 8},
+        doc["snapshot"]["models"]["m"]["reason"],
+    )
+    assert one_model({"models": {"a": {"level": 0}, "b": {"level": 1}}}) == {}  # no model is "the" one
+    assert one_model({}) == {}
 
 
 def test_the_trace_groups_outcomes_by_second_of_sending():

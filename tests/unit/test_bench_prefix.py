@@ -19,8 +19,8 @@ from loadtest.bench_prefix import (
     conversations,
     counter_deltas,
     counter_series,
-    hit_ceiling,
     default_kv_blocks,
+    hit_ceiling,
     hit_ratio,
     level_summary,
     max_over_mean,
@@ -209,12 +209,19 @@ def test_the_figures_of_a_span():
 
 
 def test_ballasts_levels_and_reasons_are_counted_from_its_status_samples():
+    from loadtest.bench_overload import one_model
+
+    def sample(level: int, reason: "str | None") -> dict:
+        """A one-model /v1/status as the benchmark samples it (``one_model``)."""
+        state = {"level": level, "reason": reason} if reason is not None else {}
+        return one_model({"models": {"m": {"level": level}}, "snapshot": {"models": {"m": state}}})
+
     trace = [
-        {"level": 0, "snapshot": {"reason": "hold 0: queue_wait_ms=120<250"}},
-        {"level": 1, "snapshot": {"reason": "up 0->1: queue_wait_ms=300>=250"}},
-        {"level": 2, "snapshot": {"reason": "up 1->2: queue_wait_ms=650>=500"}},
-        {"level": 2, "snapshot": {"reason": "up 1->2: queue_wait_ms=700>=500"}},
-        {"level": 2, "snapshot": None},
+        sample(0, "hold 0: queue_wait_ms=120<250"),
+        sample(1, "up 0->1: queue_wait_ms=300>=250"),
+        sample(2, "up 1->2: queue_wait_ms=650>=500"),
+        sample(2, "up 1->2: queue_wait_ms=700>=500"),
+        sample(2, None),
         {"_t": 3.0},  # a failed read leaves no level
     ]
     levels, reasons = level_summary(trace)

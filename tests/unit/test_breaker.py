@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from fakes import FakeClock
 
 from ballast.policies.breaker import (
     BreakerConfig,
@@ -13,8 +14,6 @@ from ballast.policies.breaker import (
     CircuitBreaker,
     Permit,
 )
-
-from fakes import FakeClock
 
 CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import pickle
-from typing import Optional
 
 import pytest
 
 from ballast.policies.catalog import AdapterEntry, Catalog, CatalogError, Listed, ModelEntry, Target, name_problem
 
-TENANTS: dict[str, Optional[list[str]]] = {"gold": None, "silver": None, "free": None}
+TENANTS: dict[str, list[str] | None] = {"gold": None, "silver": None, "free": None}
 
 
-def llama(tenants: Optional[frozenset[str]] = None, *adapters: AdapterEntry) -> ModelEntry:
+def llama(tenants: frozenset[str] | None = None, *adapters: AdapterEntry) -> ModelEntry:
     return ModelEntry("llama", "vllm", cost_per_token=4.0, tenants=tenants, adapters=adapters)
 
 
@@ -21,7 +20,7 @@ SQL = AdapterEntry("sql", "/adapters/sql")
 SUPPORT = AdapterEntry("support", "/adapters/support", frozenset({"gold"}))
 
 
-def catalog(tenant_models: Optional[dict[str, Optional[list[str]]]] = None, **kw: Optional[frozenset[str]]) -> Catalog:
+def catalog(tenant_models: dict[str, list[str] | None] | None = None, **kw: frozenset[str] | None) -> Catalog:
     return Catalog.build([llama(kw.get("tenants"), SQL, SUPPORT), QWEN], {**TENANTS, **(tenant_models or {})})
 
 
@@ -224,7 +223,7 @@ class TestRunTimeAdapters:
             (("llama", "x", "/x", []), "tenants: names no tenant"),
         ],
     )
-    def test_refused_additions(self, args: tuple[str, str, str, Optional[list[str]]], match: str) -> None:
+    def test_refused_additions(self, args: tuple[str, str, str, list[str] | None], match: str) -> None:
         with pytest.raises(CatalogError, match=match):
             catalog().with_adapter(*args)
 

@@ -11,11 +11,10 @@ import asyncio
 import pickle
 
 import pytest
-
-from ballast.model.chaos import LEAK_TICK_S, MB, ChaosAgent, ChaosSettings, InjectedFault
-from ballast.errors import BallastError
-
 from fakes import FakeSleep
+
+from ballast.errors import BallastError
+from ballast.model.chaos import LEAK_TICK_S, MB, ChaosAgent, ChaosSettings, InjectedFault
 
 
 class CountedRand:

@@ -8,7 +8,8 @@ make_tool_call_id."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -88,7 +89,7 @@ def streamed(
 
 def unary(
     chat: ParsedChat, text: str, finish: str = "stop", prompt: Sequence[int] = (1, 2, 3)
-) -> tuple[Optional[str], Optional[str], list, str]:
+) -> tuple[str | None, str | None, list, str]:
     chat.rendered(prompt)
     return chat.answer(text, finish)
 
@@ -228,9 +229,10 @@ def test_tools_vllm_refuses_are_engine_refused_naming_tools(tok, specs, says):
 def test_tools_vllm_refuses_are_a_400_through_the_openai_front(tmp_path):
     """The real router on a vLLM model (its renderer and parsers; the Serve handle a
     scripted fake that no request reaches): 400 ENGINE_REFUSED naming tools, not a 500."""
-    from ballast.model.demo import make_tiny_llama
     from routerkit import at_level, build_router, routed
     from test_resilient_caller import FakeHandle
+
+    from ballast.model.demo import make_tiny_llama
 
     model = {"name": "llama", "backend": "vllm", "path": str(make_tiny_llama(tmp_path / "m"))}
     cfg = {"tenants": {"gold": {}}, "auth": {"demo_keys": {"k": "gold"}}, "models": [model]}

@@ -1,7 +1,7 @@
 """`ballast status`'s summary (ballast.ops.cli.format_status) against a /v1/status document.
 
 The document is assembled the way the router's status route assembles it
-(ballast/router/app.py), from the real pieces on fake clocks: a ControllerCore fed an
+(ballast/router/admin.py), from the real pieces on fake clocks: a ControllerCore fed an
 overloaded replica and a kill switch, a CircuitBreaker tripped by failures, and a quota
 table with one tenant's bucket nearly empty. A sample document written by hand in the
 route's shape (tests/unit/data/status_sample.json) checks the fail-static, recycle and
@@ -14,15 +14,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ballast.policies.breaker import BreakerConfig, CircuitBreaker
-from ballast.policies.reports import ReplicaReport, RouterReport
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
 from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
-from ballast.ops.cli import format_status, main
+from ballast.ops.cli import main
+from ballast.ops.status_text import format_status
+from ballast.policies.breaker import BreakerConfig, CircuitBreaker
+from ballast.policies.control import RoutingSummary
+from ballast.policies.reports import ModelLoad, ReplicaReport, RouterReport
 from tests.unit.fakes import FakeClock
 
 SAMPLE = Path(__file__).parent / "data" / "status_sample.json"
+MODEL = "tiny-decoder"  # the default config's one model
 
 
 def live_document() -> dict[str, Any]:
@@ -32,12 +35,12 @@ def live_document() -> dict[str, Any]:
         "tenants": {"free": {}},
     }  # a kill switch names a tenant that exists
     core = ControllerCore(load_config(cfg), clock=clock, wall_clock=wall)
-    core.report_router(RouterReport(router_id="r1", inflight=0))
+    core.report_router(RouterReport(router_id="r1", models={MODEL: ModelLoad(inflight=0)}))
     core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, running=8, queued=600))
     clock.advance(1)
     wall.advance(1)
     core.tick()
-    core.set_kill_switch("tenant", "free", "abuse from one key", 600, "alice")
+    core.admin.set_kill_switch("tenant", "free", "abuse from one key", 600, "alice")
     snap = core.snapshot()
 
     breaker = CircuitBreaker(
@@ -48,12 +51,21 @@ def live_document() -> dict[str, Any]:
         assert permit is not None
         breaker.record(permit, False, 0.1)
 
-    # The route's shape (ballast/router/app.py, GET /v1/status), from the pieces above.
+    # The route's shape (ballast/router/admin.py, GET /v1/status), from the pieces above.
+    state = snap["models"][MODEL]
     return {
-        "level": snap["level"],
-        "source": "snapshot",
-        "constraints": snap["constraints"],
-        "snapshot": {k: snap[k] for k in ("epoch", "version", "target_level", "reason", "inputs")} | {"age_s": 0.4},
+        "router_id": "r1",
+        "snapshot": {"epoch": snap["epoch"], "version": snap["version"], "age_s": 0.4, "models": snap["models"]},
+        "models": {
+            MODEL: {
+                "level": state["level"],
+                "source": "snapshot",
+                "constraints": state["constraints"],
+                "breakers": {"primary": {**breaker.snapshot(), "failed_attempts": {"timeout": 10}}},
+                "lost_capacity": {"migrated": 0, "not_migrated": 0, "streams_carried_on": 0},
+                "gate": None,
+            }
+        },
         "replicas": {
             dep: {
                 "desired": snap["desired_replicas"].get(dep),
@@ -62,7 +74,6 @@ def live_document() -> dict[str, Any]:
             }
             for dep in sorted(set(snap["desired_replicas"]) | set(snap["running_replicas"]))
         },
-        "breakers": {"primary": {**breaker.snapshot(), "failed_attempts": {"timeout": 10}}},
         "kill_switches": snap["kill_switches"],
         "quotas": {
             "gold": {"rate_tokens_per_s": 1000.0, "burst_tokens": 4000.0, "tokens": 3900.0, "lease": True},
@@ -70,17 +81,32 @@ def live_document() -> dict[str, Any]:
         },
         "chaos": snap["chaos"],
         "recycle": snap["recycle"],
-        "gate": None,
     }
 
 
-def test_summary_shows_level_and_reason_from_the_controller() -> None:
+def model_block(text: str, name: str = MODEL) -> list[str]:
+    """The summary's lines about model ``name``: its head line and the indented ones under it."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"model {name}: "))
+    end = next((i for i in range(at + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+    return lines[at:end]
+
+
+def test_summary_shows_each_models_level_and_reason_from_the_controller() -> None:
     doc = live_document()
-    assert doc["level"] >= 1, "600 queued requests must raise the level"
+    state = doc["snapshot"]["models"][MODEL]
+    assert doc["models"][MODEL]["level"] == state["level"] >= 1, "600 queued requests must raise the level"
     text = format_status(doc)
-    first = text.splitlines()[0]
-    assert first.startswith(f"level {doc['level']}")
-    assert doc["snapshot"]["reason"] in first
+    assert text.splitlines()[0] == f"snapshot v{doc['snapshot']['version']} ({doc['snapshot']['epoch']}), age 0.4 s"
+    head, *rest = model_block(text)
+    assert head.startswith(f"model {MODEL}: level {state['level']} (target {state['target_level']}): ")
+    assert head.endswith(state["reason"])
+    assert rest[0] == "  inputs: queue_length 600, queue_wait_p95_ms -, kv_util_pct -, gpu_util_pct -, vram_pct -, " + (
+        "error_rate -"
+    )
+    assert (
+        f"  replicas running / desired: 1 / {doc['replicas'][MODEL_DEPLOYMENT]['desired']} ({MODEL_DEPLOYMENT})" in rest
+    )
     assert "acting on" not in text  # a fresh snapshot: no fail-static line
 
 
@@ -95,14 +121,18 @@ def test_summary_shows_desired_and_running_per_deployment() -> None:
 def test_summary_names_an_open_breaker_and_its_failures() -> None:
     lines = format_status(live_document()).splitlines()
     # Opening resets the window, so an open breaker shows when it will let a probe through.
-    assert any(line.startswith("  primary: open, half-open in ") for line in lines)
+    assert any(line.startswith("    primary: open, half-open in ") for line in lines)
 
 
 def test_summary_shows_lost_capacity_apart_from_breakers_only_when_there_was_some() -> None:
     doc = live_document()
-    assert "lost capacity" not in format_status({**doc, "lost_capacity": {"migrated": 0, "not_migrated": 0}})
-    text = format_status({**doc, "lost_capacity": {"migrated": 7, "not_migrated": 1, "streams_carried_on": 2}})
-    assert "lost capacity: 7 carried on elsewhere, 1 not (to the fallback, else 503 REPLICA_LOST)" in text
+    assert "lost capacity" not in format_status(doc)
+    doc["models"][MODEL]["lost_capacity"] = {"migrated": 7, "not_migrated": 1, "streams_carried_on": 2}
+    block = model_block(format_status(doc))
+    assert any(
+        line.startswith("  lost capacity: 7 carried on elsewhere, 1 not (to the fallback, else 503 REPLICA_LOST)")
+        for line in block
+    )
 
 
 # Serve's message for a replica it could not place (deployment_state.py), here a group of
@@ -176,17 +206,25 @@ def test_summary_lists_kill_switches_with_scope_reason_and_who() -> None:
     assert f"  tenant=free: abuse from one key (by alice, id {entry['id']})" in text
 
 
-def test_recorded_document_fail_static_recycle_and_gate() -> None:
+def test_recorded_document_two_models_fail_static_recycle_and_gate() -> None:
     text = format_status(json.loads(SAMPLE.read_text()))
     lines = text.splitlines()
-    assert lines[0] == "level 2 (target 1): hold 2: stable window"
-    assert "  acting on: fail-static (the controller's snapshot is not fresh)" in lines
+    assert lines[0] == "snapshot v4812 (3f9c2a1b), age 41.7 s"
+    small = model_block(text, "small")
+    assert small[0] == "model small: level 2 (target 1): hold 2: stable window"
+    assert "  acting on: fail-static (no fresh word from the controller on this model)" in small
+    assert (
+        "  gate: limit 12, 12 at the model, 30 waiting, reserving slots for critical, refused drain 4, no_time 7"
+        in (small)
+    )
+    large = model_block(text, "large")  # the second model: its own level, reason, replicas and gate
+    assert large[0] == "model large: level 3 (target 4): up 2->3: queue_length=140>=100"
+    assert "  replicas running / desired: 1 / 2 (BallastModel-large)" in large
+    assert "  gate: limit 4, 4 at the model, 9 waiting" in large
+    assert "    primary: open, 8 failed and 0 slow of 10 calls, half-open in 20 s" in large
     assert "recycles in flight: 1" in lines
     assert "  BallastModel#a1b2 (BallastModel): max_age, 14 s" in lines
     assert "  BallastModel: 3 / 2  [stable: desired 2 -> 2, +1 recycle surge]" in lines
-    assert (
-        "gate: limit 12, 12 at the model, 30 waiting, reserving slots for critical, refused drain 4, no_time 7" in lines
-    )
     assert "kill switches: none" in lines
     assert "tenants near their quota (bucket <= 20% of burst): none" in lines
 
@@ -199,7 +237,7 @@ def test_json_flag_prints_the_raw_document(monkeypatch, capsys) -> None:
     assert main(["--token", "t", "status", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == doc
     assert main(["--token", "t", "status"]) == 0
-    assert capsys.readouterr().out.startswith("level 2 (target 1)")
+    assert capsys.readouterr().out.startswith("snapshot v4812 (3f9c2a1b)")
 
 
 def test_an_answer_that_is_not_ballasts_is_a_clear_error_not_a_traceback(capsys) -> None:
@@ -269,23 +307,29 @@ def _fair_gate() -> dict[str, Any]:
 
 
 def test_tenants_rows_join_quotas_and_fair_shares() -> None:
-    from ballast.ops.cli import tenant_rows
+    from ballast.ops.status_text import tenant_rows
 
-    doc = live_document() | {"gate": _fair_gate()}
+    doc = live_document()
+    doc["models"][MODEL]["gate"] = _fair_gate()
     rows = tenant_rows(doc)
     assert rows["free"]["tokens"] == 12.5  # the quota fields are kept as they were
-    assert rows["free"]["waiting"] is True
-    assert (rows["gold"]["fair_counter"], rows["gold"]["waiting"], rows["gold"]["fair_view"]) == (5.0, False, "cluster")
-    assert rows["free"]["served_per_s"] == round(50 / 30, 1)
-    assert rows["batch"] == {"fair_counter": 0.0, "served_per_s": 0.0, "waiting": False, "fair_view": "cluster"}
+    free, gold = rows["free"]["fair_shares"][MODEL], rows["gold"]["fair_shares"][MODEL]
+    assert free["waiting"] is True and free["served_per_s"] == round(50 / 30, 1)
+    assert (gold["counter"], gold["waiting"], gold["view"]) == (5.0, False, "cluster")
+    assert rows["batch"] == {
+        "fair_shares": {MODEL: {"counter": 0.0, "served_per_s": 0.0, "waiting": False, "view": "cluster"}}
+    }
     assert tenant_rows(live_document()) == live_document()["quotas"]  # no gate: the quotas alone
 
 
 def test_summary_says_whose_counters_order_the_line() -> None:
-    doc = live_document() | {"gate": _fair_gate()}
-    assert "fair shares: cluster-wide counters; tenants waiting: free" in format_status(doc)
-    doc["gate"]["fairness"]["view"] = "router"
-    assert "fair shares: this router's own counters (no controller reply)" in format_status(doc)
+    doc = live_document()
+    doc["models"][MODEL]["gate"] = _fair_gate()
+    assert "  fair shares: cluster-wide counters; tenants waiting: free" in model_block(format_status(doc))
+    doc["models"][MODEL]["gate"]["fairness"]["view"] = "router"
+    assert "  fair shares: this router's own counters (no controller reply); tenants waiting: free" in model_block(
+        format_status(doc)
+    )
 
 
 def test_each_model_says_how_its_requests_spread_over_its_replicas() -> None:
@@ -293,8 +337,10 @@ def test_each_model_says_how_its_requests_spread_over_its_replicas() -> None:
     # decisions (ballast.policies.control.routing_summary), as `ballast status` shows it.
     clock, wall = FakeClock(0), FakeClock(1_000_000)
     core = ControllerCore(load_config({}), clock=clock, wall_clock=wall)
-    core.report_router(RouterReport(router_id="r1", routed={"prefix": 6, "home": 1, "balance": 1}))
-    core.report_router(RouterReport(router_id="r2", routed={"prefix": 3, "home": 1}))
+    core.report_router(
+        RouterReport(router_id="r1", models={MODEL: ModelLoad(routed={"prefix": 6, "home": 1, "balance": 1})})
+    )
+    core.report_router(RouterReport(router_id="r2", models={MODEL: ModelLoad(routed={"prefix": 3, "home": 1})}))
     for rid, running, queries, hits in (("m1", 6, 1000, 900), ("m2", 2, 1000, 700)):
         core.report_replica(
             ReplicaReport(
@@ -310,15 +356,15 @@ def test_each_model_says_how_its_requests_spread_over_its_replicas() -> None:
     wall.advance(1)
     snap = core.tick()
     (name,) = snap.models
-    routing = snap.models[name]["routing"]
-    assert routing == {"prefix_hit_ratio": 0.8, "routed_by_prefix_ratio": 0.75, "load_max_over_mean": 1.5}
-    doc = {"level": 0, "snapshot": {"models": snap.models}, "replicas": {}}
-    assert "    routing: prefix-cache hits 80%, routed by prefix 75%, most loaded replica 1.50x the mean" in (
-        format_status(doc).splitlines()
+    routing = snap.models[name].routing
+    assert routing == RoutingSummary(prefix_hit_ratio=0.8, routed_by_prefix_ratio=0.75, load_max_over_mean=1.5)
+    doc = {"snapshot": snap.to_dict()}
+    assert "  routing: prefix-cache hits 80%, routed by prefix 75%, most loaded replica 1.50x the mean" in (
+        model_block(format_status(doc), name)
     )
     # A model with nothing to say (one replica, no vLLM counters, nothing routed) says nothing.
     core = ControllerCore(load_config({}), clock=clock, wall_clock=wall)
     core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, running=3))
     snap = core.tick()
-    assert set(snap.models[name]["routing"].values()) == {None}
-    assert "routing:" not in format_status({"level": 0, "snapshot": {"models": snap.models}, "replicas": {}})
+    assert snap.models[name].routing == RoutingSummary()
+    assert "routing:" not in format_status({"snapshot": snap.to_dict()})

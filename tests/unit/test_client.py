@@ -14,13 +14,12 @@ import json
 import math
 import pickle
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any
 
 import httpx
 import pytest
 from fakes import FakeClock
 
-from ballast.policies.throttle import ThrottleConfig
 from ballast.client import (
     AsyncBallastClient,
     BallastClient,
@@ -44,6 +43,7 @@ from ballast.client import (
     Unauthenticated,
     error_from_answer,
 )
+from ballast.policies.throttle import ThrottleConfig
 
 BASE_URL = "http://ballast.test"
 API_KEY = "test-key"
@@ -81,7 +81,7 @@ class AsyncFakeSleep(FakeSleep):
         super().__call__(seconds)
 
 
-Answer = Union[httpx.Response, Exception, Callable[[httpx.Request], httpx.Response]]
+Answer = httpx.Response | Exception | Callable[[httpx.Request], httpx.Response]
 
 
 class ScriptedServer:
@@ -104,7 +104,7 @@ class ScriptedServer:
     def bodies(self) -> list[dict[str, Any]]:
         return [json.loads(r.content) for r in self.requests]
 
-    def header(self, name: str) -> list[Optional[str]]:
+    def header(self, name: str) -> list[str | None]:
         return [r.headers.get(name) for r in self.requests]
 
 
@@ -119,10 +119,10 @@ def ok(**over: Any) -> httpx.Response:
 
 def error(
     status: int,
-    code: Optional[str],
+    code: str | None,
     message: str = "refused",
-    retry_after_s: Optional[float] = None,
-    field: Optional[str] = None,
+    retry_after_s: float | None = None,
+    field: str | None = None,
 ) -> httpx.Response:
     """An error answer shaped like the router's ``error_response``."""
     err: dict[str, Any] = {"message": message}
@@ -145,7 +145,7 @@ def sse(*events: tuple[str, dict[str, Any]]) -> httpx.Response:
 DONE = {k: v for k, v in ANSWER.items() if k != "text"}
 
 
-def overloaded(retry_after_s: Optional[float] = 1.0) -> httpx.Response:
+def overloaded(retry_after_s: float | None = 1.0) -> httpx.Response:
     return error(503, "OVERLOADED", "level 2 does not admit 'sheddable'", retry_after_s)
 
 
@@ -276,7 +276,7 @@ def test_a_malformed_answer_is_a_server_error() -> None:
     ],
 )
 def test_each_error_answer_maps_to_its_typed_error(
-    answer: httpx.Response, cls: type[BallastClientError], status: int, code: str, retry_after_s: Optional[float]
+    answer: httpx.Response, cls: type[BallastClientError], status: int, code: str, retry_after_s: float | None
 ) -> None:
     h = harness(answer, max_attempts=1)
     with pytest.raises(BallastClientError) as info:

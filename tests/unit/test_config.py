@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from ballast.config import BallastConfig, load_config
+from ballast.errors import ConfigError
 from ballast.policies.autoscale import AutoscaleConfig
 from ballast.policies.criticality import Criticality
 from ballast.policies.degradation import DegradationConfig
-from ballast.config import BallastConfig, load_config
 from ballast.router.auth import KeyStore
-from ballast.errors import ConfigError
 
 LOCAL_YAML = Path(__file__).resolve().parents[2] / "cluster" / "local.yaml"
 

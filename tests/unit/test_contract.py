@@ -6,11 +6,11 @@ import json
 
 import pytest
 from ray.serve._private.http_util import _walk_fastapi_routes
-
 from routerkit import build_router, routed
+from test_resilient_caller import FakeHandle
+
 from ballast.router import app as router_app
 from ballast.router.contract import openapi_document
-from test_resilient_caller import FakeHandle
 
 
 def refs(node):

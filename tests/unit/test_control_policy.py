@@ -8,7 +8,7 @@ from fakes import FakeClock
 from ballast.policies import control
 from ballast.policies.autoscale import AutoscaleConfig, AutoscaleState
 from ballast.policies.degradation import DegradationConfig
-from ballast.policies.reports import ReplicaReport, RouterReport
+from ballast.policies.reports import ModelLoad, ReplicaReport
 
 P = "Primary"
 
@@ -17,8 +17,9 @@ def replica(rid: str, queued: int = 0, running: int = 0, deployment: str = P, **
     return ReplicaReport(replica_id=rid, deployment=deployment, queued=queued, running=running, **more)
 
 
-def router(rid: str = "r", **fields) -> RouterReport:
-    return RouterReport(router_id=rid, **fields)
+def router(**fields) -> ModelLoad:
+    """One router's load of the model (what ``control.model_views`` gives the policies)."""
+    return ModelLoad(**fields)
 
 
 class TestFoldReports:
@@ -58,15 +59,15 @@ class TestFoldReports:
         assert control.fold_reports([], [replica("a")], P).kv_util_pct is None
 
     def test_capacity_only_while_some_gate_was_full(self) -> None:
-        routers = [router("a", served_rps=10.0, gate_full=False), router("b", served_rps=15.0, gate_full=False)]
+        routers = [router(served_rps=10.0, gate_full=False), router(served_rps=15.0, gate_full=False)]
         assert control.fold_reports(routers, [], P).capacity_rps is None
-        routers[1] = router("b", served_rps=15.0, gate_full=True)
+        routers[1] = router(served_rps=15.0, gate_full=True)
         assert control.fold_reports(routers, [], P).capacity_rps == 25.0
 
     def test_demand_sums_over_routers_and_error_rate_over_the_window(self) -> None:
         routers = [
-            router("a", demand_rps={"critical": 2.0}),
-            router("b", demand_rps={"critical": 3.0, "sheddable": 1.0}),
+            router(demand_rps={"critical": 2.0}),
+            router(demand_rps={"critical": 3.0, "sheddable": 1.0}),
         ]
         sig = control.fold_reports(routers, [], P, requests=20, errors=5)
         assert sig.demand_rps == {"critical": 5.0, "sheddable": 1.0}

@@ -17,23 +17,32 @@ from pathlib import Path
 import pytest
 from fakes import FakeClock
 
-from loadtest.sim.config import SimConfig
-from loadtest.sim.controllers import BallastController
-from ballast.policies import control, recycle
-from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
-from ballast.names import MODEL_DEPLOYMENT
 from ballast.control.recycling import _hour_of_day
+from ballast.names import MODEL_DEPLOYMENT
+from ballast.policies import control, recycle
+from ballast.policies.reports import ModelLoad, ReplicaReport, RouterReport, WatchdogReport
+from loadtest.sim.config import SimConfig
+from loadtest.sim.controllers import BallastController
 
 RAW = json.loads((Path(__file__).parent / "data" / "control_trace.json").read_text())
+MODEL = "tiny-decoder"  # the config's one model: the trace's router loads are its
+
+
+def router_report(raw: dict) -> RouterReport:
+    """A recorded router report (its id and the model's load) as the router builds it."""
+    load = {k: v for k, v in raw.items() if k != "router_id"}
+    return RouterReport(router_id=raw["router_id"], models={MODEL: ModelLoad(**load)})
+
+
 # Each tick's reports as their senders build them.
 TRACE = {
     **RAW,
     "ticks": [
         {
             **t,
-            "routers": [RouterReport(**r) for r in t["routers"]],
+            "routers": [router_report(r) for r in t["routers"]],
             "replicas": [ReplicaReport(**r) for r in t["replicas"]],
             "watchdogs": [WatchdogReport(**w) for w in t["watchdogs"]],
         }
@@ -80,7 +89,7 @@ def controller_path() -> list[dict]:
             kills.append(core.recycler.kill_orders.popleft()["replica_id"])
         out.append(
             {
-                "level": snap.level,
+                "level": snap.models[MODEL].level,
                 "desired": snap.desired_replicas[MODEL_DEPLOYMENT],
                 "surge": snap.autoscale[MODEL_DEPLOYMENT]["recycle_surge"],
                 "recycling": sorted(snap.recycle_orders),
@@ -106,13 +115,14 @@ def simulator_path() -> list[dict]:
     out = []
     for j, t in enumerate(TRACE["ticks"]):
         now, wall = j * TRACE["tick_s"], t["wall_s"]
-        outcomes += [(now, r.requests, r.errors) for r in t["routers"]]
+        loads = control.model_views(t["routers"], MODEL)
+        outcomes += [(now, r.requests, r.errors) for r in loads]
         window = [o for o in outcomes if o[0] >= now - ERROR_WINDOW_S]
         watchdogs = {w.replica_id: w for w in t["watchdogs"]}
         replicas = t["replicas"]
         views = recycle.replica_views(replicas, watchdogs, ctrl.rc_state, frozenset(), wall)
         dec, step = ctrl.policy_tick(
-            t["routers"],
+            loads,
             replicas,
             sum(o[1] for o in window),
             sum(o[2] for o in window),

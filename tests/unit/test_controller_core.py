@@ -9,18 +9,20 @@ the ``Controller`` actor class but starts nothing.
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, TypeVar
-
 import json
-import pytest
+from typing import Any, TypeVar
 
+import pytest
 from fakes import FakeClock
-from ballast.policies.reports import ReplicaReport, RouterReport
 
 from ballast.config import BallastConfig, load_config
 from ballast.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
 from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.policies.reports import ModelLoad, ReplicaReport, RouterReport
 
+MODEL = "tiny-decoder"  # the config's one model
+#: A router report's own fields; every other field a test names is the model's load.
+ROUTER_FIELDS = frozenset({"demand_tokens_per_s", "fair_charged", "fair_backlogged"})
 EXPIRY_S = 3
 ERROR_WINDOW_S = 10
 DEG_WINDOW_S = 5
@@ -48,8 +50,13 @@ def make_cfg(**over: Any) -> BallastConfig:
     return load_config(data)
 
 
+def router_report(rid: str, **fields: Any) -> RouterReport:
+    load = ModelLoad(**{k: v for k, v in fields.items() if k not in ROUTER_FIELDS})
+    return RouterReport(router_id=rid, models={MODEL: load}, **{k: v for k, v in fields.items() if k in ROUTER_FIELDS})
+
+
 class Harness:
-    def __init__(self, cfg: Optional[BallastConfig] = None) -> None:
+    def __init__(self, cfg: BallastConfig | None = None) -> None:
         self.clock = FakeClock(0)
         self.wall = FakeClock(1_000_000)
         self.core = ControllerCore(cfg or make_cfg(), clock=self.clock, wall_clock=self.wall)
@@ -59,7 +66,8 @@ class Harness:
         self.wall.advance(seconds)
 
     def router(self, rid: str, **fields: Any) -> dict[str, Any]:
-        return self.core.report_router(RouterReport(router_id=rid, **fields))
+        """Router ``rid``'s report: its own ``ROUTER_FIELDS``, the rest the model's load."""
+        return self.core.report_router(router_report(rid, **fields))
 
     def replica(self, rid: str, **fields: Any) -> dict[str, Any]:
         return self.core.report_replica(ReplicaReport(replica_id=rid, deployment=MODEL_DEPLOYMENT, **fields))
@@ -75,7 +83,7 @@ def h() -> Harness:
 
 class TestSignals:
     def test_no_reports_means_no_load_and_absent_signals(self, h: Harness) -> None:
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.queue_length == 0
         assert sig.queue_wait_p95_ms is None
         assert sig.gpu_util_pct is None
@@ -88,41 +96,41 @@ class TestSignals:
         h.router("r2", inflight=20)
         h.replica("m1", running=10, queued=3)
         h.replica("m2", running=5, queued=4)
-        assert h.core.signals().queue_length == 50 - 15
+        assert h.core.signals(MODEL).queue_length == 50 - 15
 
     def test_queue_is_replica_queued_when_that_is_larger(self, h: Harness) -> None:
         h.router("r1", inflight=5)
         h.replica("m1", running=10, queued=3)
         h.replica("m2", running=5, queued=4)
-        assert h.core.signals().queue_length == 7
+        assert h.core.signals(MODEL).queue_length == 7
 
     def test_queue_without_routers_is_replica_queued(self, h: Harness) -> None:
         h.replica("m1", running=10, queued=3)
         h.replica("m2", running=0, queued=9)
-        assert h.core.signals().queue_length == 12
+        assert h.core.signals(MODEL).queue_length == 12
 
     def test_queue_is_never_negative(self, h: Harness) -> None:
         h.router("r1", inflight=0)
         h.replica("m1", running=8, queued=0)
-        assert h.core.signals().queue_length == 0
+        assert h.core.signals(MODEL).queue_length == 0
 
     def test_a_senders_latest_report_replaces_its_previous_one(self, h: Harness) -> None:
         h.replica("m1", queued=40)
         h.replica("m1", queued=6)
-        assert h.core.signals().queue_length == 6
+        assert h.core.signals(MODEL).queue_length == 6
 
     def test_queue_wait_is_the_worst_p95_of_routers_and_replicas(self, h: Harness) -> None:
         h.router("r1", inflight=0, queue_wait_p95_ms=120.0)
         h.router("r2", inflight=0, queue_wait_p95_ms=None)
         h.replica("m1", queue_wait_p95_ms=480.5)
         h.replica("m2", queue_wait_p95_ms=30.0)
-        assert h.core.signals().queue_wait_p95_ms == 480.5
+        assert h.core.signals(MODEL).queue_wait_p95_ms == 480.5
 
     def test_gpu_util_is_the_mean_over_replicas_that_report_it(self, h: Harness) -> None:
         h.replica("m1", gpu_util_pct=90.0, vram_pct=40.0)
         h.replica("m2", gpu_util_pct=60.0, vram_pct=70.0)
         h.replica("cpu", gpu_util_pct=None, vram_pct=None)  # absent, not zero
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.gpu_util_pct == 75.0
         assert sig.vram_pct == 70.0
 
@@ -130,22 +138,22 @@ class TestSignals:
         h.replica("gpu", gpu_util_pct=96.0, vram_pct=98.0)
         h.replica("cpu1")
         h.replica("cpu2", gpu_util_pct=None)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.gpu_util_pct == 96.0
         assert sig.vram_pct == 98.0
 
     def test_gpu_signals_are_none_when_no_replica_reports_them(self, h: Harness) -> None:
         h.replica("m1", gpu_util_pct=None, vram_pct=None, queued=1)
         h.replica("m2", queued=1)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.gpu_util_pct is None
         assert sig.vram_pct is None
 
     def test_routers_report_no_gpu_fields(self, h: Harness) -> None:
         with pytest.raises(TypeError, match="gpu_util_pct"):
-            RouterReport(router_id="r1", gpu_util_pct=99.0)  # type: ignore[call-arg]
+            ModelLoad(gpu_util_pct=99.0)  # type: ignore[call-arg]
         h.router("r1", inflight=0)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert (sig.gpu_util_pct, sig.vram_pct) == (None, None)
 
 
@@ -153,11 +161,11 @@ class TestExpiry:
     def test_a_report_counts_until_report_expiry_s_then_drops(self, h: Harness) -> None:
         h.replica("m1", queued=80, gpu_util_pct=50.0)
         for age in range(0, EXPIRY_S + 1):
-            assert h.core.signals().queue_length == 80, f"age {age}s"
-            assert h.core.signals().gpu_util_pct == 50.0
+            assert h.core.signals(MODEL).queue_length == 80, f"age {age}s"
+            assert h.core.signals(MODEL).gpu_util_pct == 50.0
             h.advance()
         # age EXPIRY_S + 1: gone.
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.queue_length == 0
         assert sig.gpu_util_pct is None
 
@@ -168,7 +176,7 @@ class TestExpiry:
         for t in range(0, 7):
             if t % 2 == 0:
                 h.replica("steady", queued=1)
-            assert h.core.signals().queue_length == expected[t], f"t={t}"
+            assert h.core.signals(MODEL).queue_length == expected[t], f"t={t}"
             h.advance()
 
     def test_expired_router_no_longer_counts_as_running(self, h: Harness) -> None:
@@ -188,7 +196,7 @@ class TestErrorRate:
                 h.router("r1", inflight=0, requests=10, errors=5)
             if t == 5:
                 h.router("r1", inflight=0, requests=10, errors=0)
-            sig = h.core.signals()
+            sig = h.core.signals(MODEL)
             observed.append((t, sig.request_count, sig.error_rate))
             h.advance()
         # Each bucket counts while its age <= ERROR_WINDOW_S (10 s).
@@ -203,29 +211,29 @@ class TestErrorRate:
     def test_reports_without_requests_add_no_bucket(self, h: Harness) -> None:
         h.router("r1", inflight=4, requests=0, errors=0)
         h.router("r2", inflight=4)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert (sig.request_count, sig.error_rate) == (0, None)
 
     def test_outcomes_of_all_routers_add_up(self, h: Harness) -> None:
         h.router("r1", inflight=0, requests=30, errors=3)
         h.router("r2", inflight=0, requests=10, errors=9)
-        sig = h.core.signals()
+        sig = h.core.signals(MODEL)
         assert sig.request_count == 40
         assert sig.error_rate == pytest.approx(12 / 40)
 
     def test_a_high_error_rate_with_enough_requests_raises_the_level(self, h: Harness) -> None:
         h.replica("m1")
         h.router("r1", inflight=0, requests=19, errors=19)
-        assert h.core.tick().level == 0  # below error_rate_min_requests (20): noise
+        assert h.core.tick().models[MODEL].level == 0  # below error_rate_min_requests (20): noise
         h.router("r1", inflight=0, requests=1, errors=1)
         snap = h.core.tick()
-        assert snap.level == 1  # one level on the first sample that asks
-        assert snap.reason.startswith("up 0->1: error_rate=1>=0.1")
+        assert snap.models[MODEL].level == 1  # one level on the first sample that asks
+        assert snap.models[MODEL].reason.startswith("up 0->1: error_rate=1>=0.1")
         h.advance()
         h.replica("m1")
         snap = h.core.tick()  # still asked a second later: all the way
-        assert snap.level == 3
-        assert snap.reason.startswith("up 1->3: error_rate=1>=0.1")
+        assert snap.models[MODEL].level == 3
+        assert snap.models[MODEL].reason.startswith("up 1->3: error_rate=1>=0.1")
 
 
 # --------------------------------------------------------------------------- tick: level
@@ -234,33 +242,33 @@ class TestErrorRate:
 class TestLevel:
     def test_initial_snapshot_is_level_zero_version_one(self, h: Harness) -> None:
         s = h.core.snapshot()
-        assert (s["version"], s["level"], s["reason"]) == (1, 0, "starting")
+        assert (s["version"], s["models"][MODEL]["level"], s["models"][MODEL]["reason"]) == (1, 0, "starting")
         assert s["epoch"] == h.core.epoch
         assert s["created_at_s"] == 1_000_000
 
     def test_big_queue_raises_the_level_in_two_reports(self, h: Harness) -> None:
         h.replica("m1", queued=600)
-        assert (h.core.tick().level, h.core.snapshot()["target_level"]) == (1, 4)
+        assert (h.core.tick().models[MODEL].level, h.core.snapshot()["models"][MODEL]["target_level"]) == (1, 4)
         h.advance()
         h.replica("m1", queued=600)
         snap = h.core.tick()
-        assert snap.level == 4
-        assert snap.target_level == 4
-        assert snap.inputs["queue_length"] == 600
-        assert snap.constraints == h.core.cfg.degradation_config().constraints[4].to_dict()
+        assert snap.models[MODEL].level == 4
+        assert snap.models[MODEL].target_level == 4
+        assert snap.models[MODEL].inputs.queue_length == 600
+        assert snap.models[MODEL].constraints == h.core.cfg.degradation_config().constraints[4]
 
     @pytest.mark.parametrize("queued, level", [(49, 0), (50, 1), (100, 2), (199, 2), (200, 3), (500, 4)])
     def test_level_follows_the_queue_thresholds(self, h: Harness, queued: int, level: int) -> None:
         h.replica("m1", queued=queued)
-        assert h.core.tick().level == min(level, 1)
+        assert h.core.tick().models[MODEL].level == min(level, 1)
         h.advance()
         h.replica("m1", queued=queued)
-        assert h.core.tick().level == level
+        assert h.core.tick().models[MODEL].level == level
 
     def reach(self, h: Harness, queued: int) -> int:
         for _ in range(2):
             h.replica("m1", queued=queued)
-            level = h.core.tick().level
+            level = h.core.tick().models[MODEL].level
             h.advance()
         return level
 
@@ -269,7 +277,7 @@ class TestLevel:
         levels = []
         for _ in range(DEG_WINDOW_S + 2):
             h.replica("m1", queued=0)
-            levels.append(h.core.tick().level)
+            levels.append(h.core.tick().models[MODEL].level)
             h.advance()
         # Quiet from the first tick here: after DEG_WINDOW_S seconds of it, straight to 0.
         assert levels == [4] * DEG_WINDOW_S + [0, 0]
@@ -280,7 +288,7 @@ class TestLevel:
         for t in range(1, 12):
             # Quiet, except at t=3 where the queue is back at level 3's threshold.
             h.replica("m1", queued=250 if t == 3 else 0)
-            levels.append(h.core.tick().level)
+            levels.append(h.core.tick().models[MODEL].level)
             h.advance()
         # Streak t=1,2 broken at t=3; restarts at t=4, drops at t=4+5=9.
         assert levels == [3, 3, 3, 3, 3, 3, 3, 3, 0, 0, 0]
@@ -289,15 +297,15 @@ class TestLevel:
         assert self.reach(h, 120) == 2
         for _ in range(DEG_WINDOW_S - 1):
             h.replica("m1", queued=0)
-            assert h.core.tick().level == 2
+            assert h.core.tick().models[MODEL].level == 2
             h.advance()
         h.replica("m1", queued=600)  # one report: one level up, the quiet streak is gone
-        assert h.core.tick().level == 3
+        assert h.core.tick().models[MODEL].level == 3
         h.advance()
         levels = []
         for _ in range(DEG_WINDOW_S + 1):
             h.replica("m1", queued=0)
-            levels.append(h.core.tick().level)
+            levels.append(h.core.tick().models[MODEL].level)
             h.advance()
         assert levels == [3] * DEG_WINDOW_S + [0]
 
@@ -306,11 +314,11 @@ class TestLevel:
         h.core.tick()
         h.advance()
         h.replica("m1", queued=600)
-        assert h.core.tick().level == 4
+        assert h.core.tick().models[MODEL].level == 4
         levels = []
         for _ in range(EXPIRY_S + DEG_WINDOW_S + 1):
             h.advance()
-            levels.append(h.core.tick().level)  # no new reports at all
+            levels.append(h.core.tick().models[MODEL].level)  # no new reports at all
         # Report counts through age EXPIRY_S; the quiet streak starts the tick after.
         assert levels == [4] * (EXPIRY_S + DEG_WINDOW_S) + [0]
 
@@ -383,7 +391,7 @@ class TestDesiredReplicas:
         assert snap.autoscale[MODEL_DEPLOYMENT]["ongoing_requests"] == 68
         assert snap.desired_replicas[MODEL_DEPLOYMENT] == 4
         # ... but not a queue for the level (the gate refuses each by its deadline).
-        assert snap.inputs["queue_length"] == 0 and snap.level == 0
+        assert snap.models[MODEL].inputs.queue_length == 0 and snap.models[MODEL].level == 0
 
     def test_only_model_replicas_count_as_running_model_replicas(self, h: Harness) -> None:
         h.core.report_replica(ReplicaReport(replica_id="x", deployment="Other", queued=0))
@@ -425,13 +433,13 @@ class TestBounded:
         for i in range(MAX_SENDERS + extra):
             h.router(f"r{i}", inflight=i)
         kept = range(extra, MAX_SENDERS + extra)  # r0..r99 evicted
-        assert h.core.signals().queue_length == sum(kept)
+        assert h.core.signals(MODEL).queue_length == sum(kept)
         assert h.core.tick().running_replicas[ROUTER_DEPLOYMENT] == MAX_SENDERS
 
     def test_replica_map_is_capped_at_max_senders(self, h: Harness) -> None:
         for i in range(MAX_SENDERS + 10):
             h.replica(f"m{i}", queued=1)
-        assert h.core.signals().queue_length == MAX_SENDERS
+        assert h.core.signals(MODEL).queue_length == MAX_SENDERS
         assert h.core.tick().running_replicas[MODEL_DEPLOYMENT] == MAX_SENDERS
 
     def test_a_re_reporting_sender_is_not_the_oldest(self, h: Harness) -> None:
@@ -439,28 +447,29 @@ class TestBounded:
             h.router(f"r{i}", inflight=0)
         h.router("r0", inflight=1000)  # moves to the back
         h.router("new", inflight=0)  # evicts r1, not r0
-        assert h.core.signals().queue_length == 1000
+        assert h.core.signals(MODEL).queue_length == 1000
 
     def test_outcome_buckets_are_capped(self, h: Harness) -> None:
-        for i in range(MAX_OUTCOME_BUCKETS + 50):
+        for _i in range(MAX_OUTCOME_BUCKETS + 50):
             h.router("r1", inflight=0, requests=1, errors=0)
-        assert h.core.signals().request_count == MAX_OUTCOME_BUCKETS
+        assert h.core.signals(MODEL).request_count == MAX_OUTCOME_BUCKETS
 
 
 class TestConfigure:
     def test_configure_swaps_thresholds_forgets_reports_and_keeps_the_models_level(self, h: Harness) -> None:
         h.replica("m1", queued=60)
-        assert h.core.tick().level == 1
+        assert h.core.tick().models[MODEL].level == 1
         v = h.core.snapshot()["version"]
         h.core.configure(make_cfg(degradation={"queue_length_thresholds": [10, 20, 30, 40]}))
-        assert h.core.signals().queue_length == 0  # old reports gone
+        assert h.core.signals(MODEL).queue_length == 0  # old reports gone
         h.replica("m1", queued=60)
         snap = h.core.tick()
-        assert (snap.level, snap.target_level) == (2, 4)  # the model stays: one level up from where it was
+        state = snap.models[MODEL]
+        assert (state.level, state.target_level) == (2, 4)  # the model stays: one level up from where it was
         assert snap.version == v + 1  # versions keep rising within the epoch
         h.advance()
         h.replica("m1", queued=60)
-        assert h.core.tick().level == 4
+        assert h.core.tick().models[MODEL].level == 4
 
 
 def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(h: Harness) -> None:
@@ -469,15 +478,15 @@ def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(
     )
     h.router("b", demand_rps={"critical": 8.0, "sheddable_plus": 2.0}, served_rps=15.0, gate_full=False)
     h.replica("m1")  # serving: no capacity gap
-    sig = h.core.signals()
+    sig = h.core.signals(MODEL)
     assert sig.demand_rps == {"critical": 28.0, "sheddable_plus": 42.0, "sheddable": 70.0}
     assert sig.capacity_rps == 35.0  # both routers' answers, measured while a gate was full
     snap = h.core.tick()
-    assert snap.level == 1 and snap.reason.startswith("up 0->1: demand=70>=38.5")
-    assert snap.inputs["demand_rps"]["sheddable"] == 70.0
+    assert snap.models[MODEL].level == 1 and snap.models[MODEL].reason.startswith("up 0->1: demand=70>=38.5")
+    assert snap.models[MODEL].inputs.demand_rps["sheddable"] == 70.0
     # No gate full: no capacity figure, and demand alone asks for nothing.
     h.router("a", demand_rps={"sheddable": 500.0}, served_rps=20.0, gate_full=False)
-    assert h.core.signals().capacity_rps is None
+    assert h.core.signals(MODEL).capacity_rps is None
 
 
 def test_malformed_demand_reports_are_refused_when_built_and_dropped_on_arrival(h: Harness) -> None:
@@ -487,10 +496,10 @@ def test_malformed_demand_reports_are_refused_when_built_and_dropped_on_arrival(
     ]
     for name, bad in bads + [("served_rps", -1.0)]:
         with pytest.raises(ValueError, match=f"^{name}:"):
-            RouterReport(router_id="a", **{name: bad})
-        h.core.report_router(tampered(RouterReport(router_id="a"), **{name: bad}))
+            ModelLoad(**{name: bad})
+        h.core.report_router(tampered(router_report("a"), models={MODEL: tampered(ModelLoad(), **{name: bad})}))
     assert h.core.rejected_reports == 6
-    assert h.core.signals().demand_rps is None
+    assert h.core.signals(MODEL).demand_rps is None
 
 
 def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
@@ -506,11 +515,11 @@ def test_malformed_reports_are_dropped_and_never_wedge_the_tick():
         core.report_replica(tampered(good, **fields))
     core.report_replica(None)  # type: ignore[arg-type]
     core.report_replica({"replica_id": "r", "deployment": "BallastModel", "queued": 1})  # type: ignore[arg-type]  # not a report
-    core.report_router(tampered(RouterReport(router_id="a"), inflight=[1]))
+    core.report_router(tampered(router_report("a"), models={MODEL: tampered(ModelLoad(), inflight=[1])}))
     assert core.rejected_reports == 6
     core.report_replica(ReplicaReport(replica_id="ok", deployment="BallastModel", queued=7, running=1))
     snap = core.tick()  # would raise if a malformed report had been kept
-    assert snap.inputs["queue_length"] == 7
+    assert snap.models[MODEL].inputs.queue_length == 7
 
 
 def test_scale_down_decision_holds_while_the_old_replica_is_still_draining():
@@ -579,44 +588,44 @@ def test_leases_split_a_tenants_rate_by_demand_and_cap_borrowing():
 
 
 def test_kill_switches_chaos_and_audit_are_taken_back_by_a_restarted_controller(h: Harness) -> None:
-    assert not h.core.admin_dirty
-    keep = h.core.set_kill_switch("criticality", "sheddable_plus", "runaway clients", 600, "ops")
-    short = h.core.set_kill_switch("global", None, "maintenance", 5, "ops")
-    h.core.set_chaos("primary", {"latency_ms": 50}, "ops")
-    assert h.core.admin_dirty  # the actor writes it before the admin call answers
-    state = json.loads(json.dumps(h.core.admin_state()))  # what goes through Ray's KV store
+    assert not h.core.admin.dirty
+    keep = h.core.admin.set_kill_switch("criticality", "sheddable_plus", "runaway clients", 600, "ops")
+    short = h.core.admin.set_kill_switch("global", None, "maintenance", 5, "ops")
+    h.core.admin.set_chaos("primary", {"latency_ms": 50}, "ops")
+    assert h.core.admin.dirty  # the actor writes it before the admin call answers
+    state = json.loads(json.dumps(h.core.admin.to_dict()))  # what goes through Ray's KV store
 
     # The controller dies; another starts 10 s later (wall clock): the 5 s switch has expired.
     h.wall.advance(10)
     again = ControllerCore(make_cfg(), clock=h.clock, wall_clock=h.wall)
-    assert again.adopt_admin_state(state) == 1
+    assert again.admin.adopt(state) == 1
     snap = again.snapshot()
     assert [e["id"] for e in snap["kill_switches"]] == [keep["id"]]
     assert short["id"] not in {e["id"] for e in snap["kill_switches"]}
     assert snap["chaos"] == {"primary": {"latency_ms": 50}}
-    audit = again.kill_switches()["audit"]
+    audit = again.admin.kill_switches()["audit"]
     assert [e["action"] for e in audit] == ["kill_switch_set", "kill_switch_set", "chaos_set", "admin_state_adopted"]
 
 
 def test_a_malformed_persisted_state_loses_only_its_bad_entries(h: Harness) -> None:
-    good = h.core.set_kill_switch("criticality", "sheddable", "shed", 60, "ops")
-    state = h.core.admin_state()
+    good = h.core.admin.set_kill_switch("criticality", "sheddable", "shed", 60, "ops")
+    state = h.core.admin.to_dict()
     state["kill_switches"].append({"id": "x", "scope": "galaxy"})  # not a kill switch
     state["chaos"]["nowhere"] = {"latency_ms": 1}  # not a chaos target
     again = ControllerCore(make_cfg(), clock=h.clock, wall_clock=h.wall)
-    assert again.adopt_admin_state(state) == 1
+    assert again.admin.adopt(state) == 1
     assert [e["id"] for e in again.snapshot()["kill_switches"]] == [good["id"]]
     assert again.snapshot()["chaos"] == {}
     with pytest.raises(ValueError, match="admin state"):
-        again.adopt_admin_state(["not", "an", "object"])
+        again.admin.adopt(["not", "an", "object"])
 
 
 def test_an_expiring_kill_switch_marks_the_state_to_persist(h: Harness) -> None:
-    h.core.set_kill_switch("global", None, "maintenance", 5, "ops")
-    h.core.admin_dirty = False  # written
+    h.core.admin.set_kill_switch("global", None, "maintenance", 5, "ops")
+    h.core.admin.dirty = False  # written
     h.wall.advance(6)
-    assert h.core.kill_switches()["entries"] == []
-    assert h.core.admin_dirty
+    assert h.core.admin.kill_switches()["entries"] == []
+    assert h.core.admin.dirty
 
 
 # --------------------------------------------------------------------------- fair shares
@@ -665,8 +674,8 @@ def test_without_sharing_the_controller_hands_back_no_counters() -> None:
 def test_a_kill_switch_naming_no_tenant_model_or_class_is_refused_and_nothing_is_set(h: Harness) -> None:
     for scope, value in [("criticality", "sheddable "), ("tenant", "nobody"), ("model", "not-served")]:
         with pytest.raises(ValueError, match="^value: "):
-            h.core.set_kill_switch(scope, value, "incident", 60, "ops")
-    assert h.core.kill_switches()["entries"] == []
-    assert not h.core.admin_dirty
+            h.core.admin.set_kill_switch(scope, value, "incident", 60, "ops")
+    assert h.core.admin.kill_switches()["entries"] == []
+    assert not h.core.admin.dirty
     model = h.core.cfg.model.name
-    assert h.core.set_kill_switch("model", model, "incident", 60, "ops")["value"] == model
+    assert h.core.admin.set_kill_switch("model", model, "incident", 60, "ops")["value"] == model

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any
 
 import pytest
-
 from fakes import FakeClock
-from ballast.policies.degradation import conservative_level
-from ballast.policies.reports import MAX_REPORTED_MODELS, ModelLoad, RouterReport, ReplicaReport, checked
 
 from ballast.config import BallastConfig, load_config
 from ballast.control.autoscaling import autoscaling_config
 from ballast.control.controller import ControllerCore
+from ballast.control.snapshot import ModelState, Snapshot, SnapshotCache
 from ballast.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
-from ballast.control.snapshot import Snapshot, SnapshotCache
 from ballast.ops.cli import format_status
+from ballast.policies import control
+from ballast.policies.control import RoutingSummary
+from ballast.policies.degradation import conservative_level
+from ballast.policies.reports import MAX_REPORTED_MODELS, ModelLoad, ReplicaReport, RouterReport, checked
 from ballast.router import reporter
 
 EXPIRY_S = 3
@@ -61,7 +62,7 @@ def one_model() -> BallastConfig:
 
 
 class Harness:
-    def __init__(self, cfg: Optional[BallastConfig] = None) -> None:
+    def __init__(self, cfg: BallastConfig | None = None) -> None:
         self.clock = FakeClock(0)
         self.wall = FakeClock(1_000_000)
         self.core = ControllerCore(cfg or two_models(), clock=self.clock, wall_clock=self.wall)
@@ -70,10 +71,12 @@ class Harness:
         self.clock.advance(seconds)
         self.wall.advance(seconds)
 
-    def router(self, rid: str = "r1", b: Optional[ModelLoad] = None, **a_load: Any) -> dict[str, Any]:
-        """A router report: ``a``'s load at top level, ``b``'s in ``models``."""
-        models = {B: b} if b is not None else {}
-        return self.core.report_router(RouterReport(router_id=rid, models=models, **a_load))
+    def router(self, rid: str = "r1", b: ModelLoad | None = None, **fields: Any) -> dict[str, Any]:
+        """A router report: ``a``'s load from ``fields`` (less the router's own tenant fields),
+        ``b``'s when given (a router that sent none for ``b`` reports it idle)."""
+        own = {k: fields.pop(k) for k in ("demand_tokens_per_s", "fair_charged", "fair_backlogged") if k in fields}
+        models = {A: ModelLoad(**fields), **({B: b} if b is not None else {})}
+        return self.core.report_router(RouterReport(router_id=rid, models=models, **own))
 
     def replica(self, rid: str, deployment: str, **fields: Any) -> None:
         self.core.report_replica(ReplicaReport(replica_id=rid, deployment=deployment, **fields))
@@ -113,12 +116,10 @@ def test_autoscale_config_and_serves_autoscaling_config_are_each_models_own() ->
 
 
 class TestRouterReportModels:
-    def test_a_model_load_is_checked_as_the_top_level_load_is(self) -> None:
+    def test_a_model_load_is_checked_where_it_is_built(self) -> None:
         for name, bad in [("inflight", -1), ("queue_wait_p95_ms", float("nan")), ("demand_rps", {"nope": 1.0})]:
             with pytest.raises(ValueError, match=f"^{name}:"):
                 ModelLoad(**{name: bad})
-            with pytest.raises(ValueError, match=f"^{name}:"):
-                RouterReport(router_id="r", **{name: bad})
 
     def test_models_are_named_bounded_and_model_loads(self) -> None:
         with pytest.raises(ValueError, match="^models: model name"):
@@ -141,33 +142,14 @@ class TestRouterReportModels:
         with pytest.raises(ValueError, match=r"^models\.b\.inflight:"):
             replace(report)
 
-    def test_for_model_gives_each_models_view(self) -> None:
-        report = RouterReport(
-            router_id="r",
-            inflight=7,
-            requests=3,
-            demand_tokens_per_s={"gold": 5.0},
-            fair_backlogged=("gold",),
-            models={B: ModelLoad(inflight=40, errors=2, requests=9, gate_full=True, demand_rps={"critical": 1.0})},
-        )
-        assert report.for_model(A, primary=A) is report
-        b = report.for_model(B, primary=A)
-        assert (b.inflight, b.requests, b.errors, b.gate_full, dict(b.demand_rps)) == (
-            40,
-            9,
-            2,
-            True,
-            {"critical": 1.0},
-        )
-        assert b.router_id == "r" and b.models == {}
-        # The tenant fields are the router's across models: kept in every view.
-        assert (dict(b.demand_tokens_per_s), b.fair_backlogged) == ({"gold": 5.0}, ("gold",))
-        c = report.for_model("c", primary=A)  # not reported by this router: no load
+    def test_each_model_is_read_from_the_models_map_alike(self) -> None:
+        a = ModelLoad(inflight=7, requests=3)
+        b = ModelLoad(inflight=40, errors=2, requests=9, gate_full=True, demand_rps={"critical": 1.0})
+        report = RouterReport(router_id="r", models={A: a, B: b}, demand_tokens_per_s={"gold": 5.0})
+        assert (report.load(A), report.load(B)) == (a, b)
+        assert control.model_views([report, report], B) == [b, b]
+        c = report.load("c")  # not reported by this router: no load
         assert (c.inflight, c.requests, c.queue_wait_p95_ms, c.served_rps, c.gate_full) == (0, 0, None, 0.0, False)
-
-    def test_a_one_model_report_is_unchanged(self) -> None:
-        report = RouterReport(router_id="r", inflight=3)
-        assert report.models == {} and report.for_model(A, primary=A) is report
 
 
 # --------------------------------------------------------------------------- levels
@@ -188,7 +170,7 @@ class TestLevels:
         assert snap["models"][A]["inputs"]["queue_length"] == 600
         assert snap["models"][B]["inputs"]["queue_length"] == 1  # its own: 3 in flight, 2 running
         assert snap["models"][B]["reason"] == "normal"
-        assert (snap["level"], snap["reason"]) == (4, snap["models"][A]["reason"])  # top level: the first model
+        assert not {"level", "reason", "inputs"} & set(snap)  # no model at the top level
 
     def test_each_models_entry_carries_the_rows_its_engines_run_usefully(self, h: Harness) -> None:
         h.replica("a1", A_DEP, engine_rows=14)
@@ -216,7 +198,7 @@ class TestLevels:
             h.advance()
         assert seen == [(0, 1), (0, 3), (0, 3)]
         snap = h.core.snapshot()
-        assert snap["level"] == 0 and snap["inputs"]["queue_length"] == 2
+        assert snap["models"][A]["level"] == 0 and snap["models"][A]["inputs"]["queue_length"] == 2
         assert snap["models"][B]["target_level"] == 3
         assert snap["models"][B]["constraints"] == h.core.cfg.degradation_config().constraints[3].to_dict()
 
@@ -239,7 +221,6 @@ class TestLevels:
             h.router(requests=10, errors=0, b=ModelLoad(requests=10, errors=6))
         assert h.core.signals(A).error_rate == 0.0 and h.core.signals(A).request_count == 50
         assert h.core.signals(B).error_rate == pytest.approx(0.6) and h.core.signals(B).request_count == 50
-        assert h.core.signals() == h.core.signals(A)
 
     def test_gpu_signals_come_from_the_models_own_replicas_and_its_fallbacks(self, h: Harness) -> None:
         h.replica("a1", A_DEP, gpu_util_pct=90.0, vram_pct=95.0)
@@ -330,41 +311,34 @@ class TestSnapshot:
     def test_the_first_snapshot_names_every_model_starting(self, h: Harness) -> None:
         snap = Snapshot.from_dict(h.core.snapshot())
         assert set(snap.models) == {A, B}
+        level_0 = h.core.cfg.degradation_config().constraints[0]
         for name, dep in [(A, A_DEP), (B, B_DEP)]:
-            assert snap.models[name] == {
-                "deployment": dep,
-                "level": 0,
-                "target_level": 0,
-                "reason": "starting",
-                "constraints": snap.constraints,
-                "inputs": {},
-                "engine_rows": None,
-                "routing": {"prefix_hit_ratio": None, "routed_by_prefix_ratio": None, "load_max_over_mean": None},
-            }
+            assert snap.models[name] == ModelState(dep, level_0, level=0, target_level=0, reason="starting")
+            assert snap.models[name].inputs is None and snap.models[name].routing == RoutingSummary()
 
     def test_to_dict_from_dict_round_trip_carries_models(self, h: Harness) -> None:
         h.router(b=ModelLoad(inflight=250))
         snap = h.core.tick()
         back = Snapshot.from_dict(snap.to_dict())
         assert back == snap
-        assert back.models[B]["inputs"]["queue_length"] == 250 and back.models[B]["level"] == 1
+        b = back.models[B]
+        assert b.inputs is not None and b.inputs.queue_length == 250 and b.level == 1
+        assert back.models[A].inputs is not None and back.models[A].inputs.queue_length == 0
         # A newer controller's extra keys are ignored; an older one's snapshot has no models.
         assert Snapshot.from_dict({**snap.to_dict(), "newer": 1}) == snap
         older = {k: v for k, v in snap.to_dict().items() if k != "models"}
         assert Snapshot.from_dict(older).models == {}
 
-    def test_a_one_model_config_has_that_model_alone_and_the_same_top_level(self) -> None:
+    def test_a_one_model_config_has_that_model_alone_in_the_map(self) -> None:
         h = Harness(one_model())
         h.router(inflight=120)
         snap = h.core.tick()
         assert list(snap.models) == [A]
         entry = snap.models[A]
-        assert (snap.level, snap.target_level, snap.reason) == (entry["level"], entry["target_level"], entry["reason"])
-        assert (snap.constraints, snap.inputs) == (entry["constraints"], entry["inputs"])
-        assert entry["deployment"] == MODEL_DEPLOYMENT
+        assert entry.deployment == MODEL_DEPLOYMENT
         assert snap.desired_replicas == {MODEL_DEPLOYMENT: 4}  # 120 in flight
         assert snap.running_replicas == {MODEL_DEPLOYMENT: 0, ROUTER_DEPLOYMENT: 1}
-        assert snap.level == 1 and snap.inputs["queue_length"] == 120
+        assert entry.level == 1 and entry.inputs is not None and entry.inputs.queue_length == 120
 
 
 class TestEffective:
@@ -391,8 +365,8 @@ class TestEffective:
         a, b = cache.effective(A), cache.effective(B)
         assert (a.level, a.constraints, a.source) == (0, deg.constraints[0], "snapshot")
         assert (b.level, b.constraints, b.source) == (4, deg.constraints[4], "snapshot")
-        assert cache.effective() == a  # no model: the top level, the first model's
-        assert cache.effective("unknown") == a  # a model the snapshot does not name: the same
+        unknown = cache.effective("unknown")  # a model the snapshot does not name: fail-static at once
+        assert (unknown.level, unknown.source) == (conservative_level(None, self.FLOOR), "fail-static")
 
     def test_fail_static_per_model_from_each_models_last_level(self, h: Harness) -> None:
         self.flood_b(h)
@@ -425,13 +399,13 @@ class TestConfigure:
         with pytest.raises(KeyError):
             h.core.signals(B)
         snap = h.core.tick()
-        assert list(snap.models) == [A] and snap.level == 4  # a kept its level (no reports: walking down)
+        assert list(snap.models) == [A] and snap.models[A].level == 4  # a kept its level (no reports: walking down)
         assert set(snap.desired_replicas) == {A_DEP} and B_DEP not in snap.running_replicas
         # b comes back: it starts afresh, at level 0 and its minimum.
         h.core.configure(two_models())
         h.router(b=ModelLoad(inflight=0))
         snap = h.core.tick()
-        assert (snap.models[B]["level"], snap.models[B]["reason"]) == (0, "normal")
+        assert (snap.models[B].level, snap.models[B].reason) == (0, "normal")
         assert h.core.signals(B).request_count == 0
         assert snap.desired_replicas[B_DEP] == 2
 
@@ -447,7 +421,7 @@ class TestConfigure:
 # --------------------------------------------------------------------------- ballast status
 
 
-def test_status_shows_one_line_per_model() -> None:
+def test_status_shows_one_block_per_model() -> None:
     h = Harness()
     for _ in range(2):
         h.router(b=ModelLoad(inflight=600))
@@ -456,19 +430,17 @@ def test_status_shows_one_line_per_model() -> None:
         h.advance()
     snap = h.core.snapshot()
     doc = {
-        "level": snap["level"],
-        "source": "snapshot",
-        "snapshot": {k: snap[k] for k in ("epoch", "version", "target_level", "reason", "inputs", "models")},
+        "snapshot": {k: snap[k] for k in ("epoch", "version", "models")},
         "replicas": {
             dep: {"desired": snap["desired_replicas"].get(dep), "running": snap["running_replicas"].get(dep)}
             for dep in set(snap["desired_replicas"]) | set(snap["running_replicas"])
         },
     }
     lines = format_status(doc).splitlines()
-    i = lines.index("models (level, replicas running / desired):")
-    assert lines[i + 1] == f"  a: level 0: {snap['models'][A]['reason']}; replicas 0 / 1"
-    assert lines[i + 2] == f"  b: level 4: {snap['models'][B]['reason']}; replicas 1 / 3"
-    assert lines[0].startswith("level 0")  # the first line: what the router acts on (the first model)
-    # A router that sends no models: no models section.
-    del doc["snapshot"]["models"]
-    assert "models (" not in format_status(doc)
+    a, b = (
+        lines.index(f"model a: level 0: {snap['models'][A]['reason']}"),
+        lines.index(f"model b: level 4: {snap['models'][B]['reason']}"),
+    )
+    assert lines[a + 2 : a + 3] == ["  replicas running / desired: 0 / 1 (BallastModel)"]
+    assert lines[b + 2 : b + 3] == ["  replicas running / desired: 1 / 3 (BallastModel-b)"]
+    assert lines[b + 1].startswith("  inputs: queue_length 600")

@@ -9,17 +9,16 @@ simulated second as the real ones are; a change is a new report (``Fleet.set``).
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from dataclasses import replace
+from typing import Any
 
 import pytest
-
-from dataclasses import replace
-
 from fakes import FakeClock
-from ballast.policies.reports import ReplicaReport, WatchdogReport
+
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
 from ballast.names import FALLBACK_DEPLOYMENT, MODEL_DEPLOYMENT
+from ballast.policies.reports import ReplicaReport, WatchdogReport
 
 WALL0 = 1_000_000
 
@@ -77,7 +76,7 @@ class Fleet:
             inflight=0,
         )
 
-    def set(self, rid: str, replica: Optional[dict[str, Any]] = None, **watchdog: Any) -> None:
+    def set(self, rid: str, replica: dict[str, Any] | None = None, **watchdog: Any) -> None:
         """What ``rid`` and its watchdog report from now on: these fields changed."""
         self.replicas[rid] = replace(self.replicas[rid], **(replica or {}))
         self.watchdogs[rid] = replace(self.watchdogs[rid], **watchdog)
@@ -109,7 +108,7 @@ def harness(config=None, n: int = 2) -> Fleet:
     return Fleet(ControllerCore(config or cfg(), clock=clock, wall_clock=wall), clock, wall, n)
 
 
-def events(core: ControllerCore, outcome: Optional[str] = None) -> list[dict[str, Any]]:
+def events(core: ControllerCore, outcome: str | None = None) -> list[dict[str, Any]]:
     return [e for e in core.recycler.events if outcome is None or e["outcome"] == outcome]
 
 
@@ -217,7 +216,8 @@ def test_a_planned_recycle_starts_the_replacement_before_the_old_replica_stops( 
             f.set(rid, {"queue_wait_p95_ms": None if serving else 3100.0})
         snap = f.step()
         assert serving, f"tick {tick}: no replica serving"
-        assert snap["level"] == 0, (tick, snap["reason"])
+        model = snap["models"]["tiny-decoder"]  # the config's one model
+        assert model["level"] == 0, (tick, model["reason"])
         for rid in snap["recycle_orders"]:
             if rid not in draining_for and rid in f.replicas:
                 draining_for[rid] = HEALTH_FAILS
@@ -284,7 +284,9 @@ def test_expected_availability_follows_the_schedule() -> None:
     f = harness(cfg(max_age_s=6 * 3600, forced_max_age_s=24 * 3600, restart_estimate_s=60))
     snap = f.step()
     # a rolling restart: (N-1)/N + (1 - T_restart/T_period)/N with N = 2, T = 60 s, period 6 h
-    assert snap["recycle"]["availability"]["expected"] == pytest.approx(0.5 + (1 - 60 / 21600) / 2, abs=1e-6)
+    assert snap["recycle"]["availability"]["expected"] == {
+        MODEL_DEPLOYMENT: pytest.approx(0.5 + (1 - 60 / 21600) / 2, abs=1e-6)
+    }
 
 
 def test_malformed_watchdog_reports_are_refused_when_built_and_dropped_on_arrival() -> None:

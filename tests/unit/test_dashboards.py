@@ -26,7 +26,7 @@ def exported_metrics() -> set[str]:
     for path in (ROOT / "ballast").rglob("*.py"):
         text = path.read_text()
         names |= set(re.findall(r'"(ballast_[a-z_]+)"', text))
-        for prefix, var, keys in re.findall(r'f"(ballast_[a-z_]*)\{(\w+)\}".*?for \2 in \(([^)]*)\)', text, flags=re.S):
+        for prefix, _, keys in re.findall(r'f"(ballast_[a-z_]*)\{(\w+)\}".*?for \2 in \(([^)]*)\)', text, flags=re.S):
             names |= {prefix + k for k in re.findall(r'"([a-z_]+)"', keys)}
     return names
 

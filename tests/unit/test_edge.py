@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from ballast.errors import Overloaded
 from ballast.policies.criticality import Criticality
 from ballast.policies.degradation import DEFAULT_CONSTRAINTS
-from ballast.errors import Overloaded
 from ballast.router.edge import (
     KEYS_MAP_NAME,
     MAP_NAME,
@@ -147,7 +147,7 @@ def _log_lines(d: Path, until: bytes | None = None, count: int = 1, timeout_s: f
         log.settimeout(timeout_s)
         try:
             lines.append(log.recv(65536))
-        except socket.timeout:
+        except TimeoutError:
             break
     log.setblocking(False)
     while True:
@@ -458,7 +458,7 @@ def test_the_native_route_takes_the_class_from_the_header_as_the_edge_does(route
 
 
 def test_the_router_keeps_the_map_at_its_level_and_counts_the_edges_refusals_as_shed_demand(router, haproxy):
-    from routerkit import at_level
+    from routerkit import at_level, only_lane
 
     d, port, _ = haproxy
     router.reporter.edge = Edge(str(d), str(d / "admin.sock"))
@@ -469,7 +469,7 @@ def test_the_router_keeps_the_map_at_its_level_and_counts_the_edges_refusals_as_
         assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503
     assert _post(port, "/v1/generate", "critical")[0] == 200
     router.reporter.sync_edge()
-    assert router.tally.offered == {"sheddable_plus": 3} and router.tally.shed == 3
+    assert only_lane(router).tally.offered == {"sheddable_plus": 3} and only_lane(router).tally.shed == 3
     at_level(router, 0)
     router.reporter.sync_edge()
     assert router.reporter.edge.shedding == {} and (d / MAP_NAME).read_text() == ""
@@ -538,9 +538,11 @@ def _walked(router, d: Path):
 
 
 def test_a_keyless_loop_moves_neither_demand_nor_the_edge_throttle(tenants_router, haproxy):
+    from routerkit import only_lane
+
     d, port, _ = haproxy
     reporter, clock = _walked(tenants_router, d)
-    tally = tenants_router.tally
+    tally = only_lane(tenants_router).tally
     # t=1000: the gate let 50 of 100 critical through: the edge refuses a share of critical.
     for i in range(100):
         tally.decided("critical", through=i % 2 == 0)
@@ -564,7 +566,7 @@ def test_a_keyless_loop_moves_neither_demand_nor_the_edge_throttle(tenants_route
 def test_a_switched_off_tenant_or_class_counts_no_demand_at_the_edge(tenants_router, haproxy):
     import time as wall
 
-    from routerkit import at_level
+    from routerkit import at_level, only_lane
 
     from ballast.policies.killswitch import KillSwitchEntry
 
@@ -581,7 +583,7 @@ def test_a_switched_off_tenant_or_class_counts_no_demand_at_the_edge(tenants_rou
     assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503  # gold: switched off
     assert _post(port, "/v1/generate", "sheddable", f"Bearer {FREE_KEY}")[0] == 503  # sheddable: switched off
     reporter.sync_edge()
-    assert tenants_router.tally.offered == {}
+    assert only_lane(tenants_router).tally.offered == {}
     tenants_router.pipeline.kill_switches = [KillSwitchEntry.create("k3", "global", None, "all off", "op", now, 3600)]
     reporter.sync_edge()
     assert (d / KEYS_MAP_NAME).read_text() == ""  # nothing vouched for
@@ -589,7 +591,7 @@ def test_a_switched_off_tenant_or_class_counts_no_demand_at_the_edge(tenants_rou
     reporter.sync_edge()
     assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503
     reporter.sync_edge()
-    assert tenants_router.tally.offered == {"sheddable_plus": 1}
+    assert only_lane(tenants_router).tally.offered == {"sheddable_plus": 1}
 
 
 def test_a_key_map_longer_than_one_socket_write_reaches_haproxy_whole(haproxy):
@@ -721,7 +723,7 @@ def test_a_model_key_in_the_header_is_answered_as_any_bad_class_and_counts_for_n
 
 
 def test_with_one_model_only_its_tenants_keys_are_vouched_for(haproxy):
-    from routerkit import at_level, build_router
+    from routerkit import at_level, build_router, only_lane
     from test_resilient_caller import FakeHandle
 
     d, port, _ = haproxy
@@ -735,7 +737,7 @@ def test_with_one_model_only_its_tenants_keys_are_vouched_for(haproxy):
     assert _post(port, "/v1/generate", "sheddable", f"Bearer {FREE_KEY}")[0] == 503
     assert _post(port, "/v1/generate", "sheddable")[0] == 503
     router.reporter.sync_edge()
-    assert router.tally.offered == {"sheddable": 1} and router.tally.shed == 1
+    assert only_lane(router).tally.offered == {"sheddable": 1} and only_lane(router).tally.shed == 1
 
 
 def test_a_map_word_that_would_split_a_command_or_a_line_is_never_sent(haproxy):

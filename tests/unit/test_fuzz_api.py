@@ -24,16 +24,16 @@ from typing import Any
 
 import pytest
 import schemathesis
+from fakes import FakeClock
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from routerkit import at_level, build_router, routed
 from schemathesis import GenerationMode
+from test_resilient_caller import FakeResponse, FakeStream
 
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
 from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
-from fakes import FakeClock
-from routerkit import at_level, build_router, routed
-from test_resilient_caller import FakeResponse, FakeStream
 
 KEY = {"Authorization": "Bearer dev-key-gold"}
 SERVED_MODEL = "tiny-decoder"  # the built-in model's name
@@ -94,7 +94,7 @@ class AnsweringHandle:
         self.generate_stream = AnsweringMethod(stream=True)
         self.ping = self
 
-    def options(self, stream: bool = False) -> "AnsweringHandle":
+    def options(self, stream: bool = False) -> AnsweringHandle:
         return self
 
     async def _pong(self) -> dict[str, Any]:
@@ -112,7 +112,8 @@ class CoreLink:
         self.core = ControllerCore(load_config(CFG), clock=FakeClock(0), wall_clock=FakeClock(1_000_000))
 
     async def call(self, method: str, *args: Any) -> Any:
-        return getattr(self.core, method)(*args)
+        # The actor's admin methods are its core's AdminState's (controller.py), the rest the core's.
+        return getattr(self.core.admin if hasattr(self.core.admin, method) else self.core, method)(*args)
 
     async def exchange_once(self) -> None:
         """The snapshot exchange: the router keeps the snapshot the test offers."""

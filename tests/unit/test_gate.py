@@ -3,7 +3,8 @@ deadlines, bounds. Waits end when the test advances the clock (FakeTimer), never
 sleeping; the rules themselves are tested in test_gate_policy.py."""
 
 import asyncio
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 

@@ -9,7 +9,7 @@ real pynvml to check that a machine without a GPU gets ``None``, not an error.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -36,7 +36,7 @@ class _Mem:
 @dataclass
 class _Proc:
     pid: int
-    usedGpuMemory: Optional[int]
+    usedGpuMemory: int | None
     device: int = 0
 
 
@@ -50,7 +50,7 @@ class FakeNvml:
 
     GIB = 1 << 30
 
-    def __init__(self, gpus: Optional[list[tuple[str, int, int, int]]] = None) -> None:
+    def __init__(self, gpus: list[tuple[str, int, int, int]] | None = None) -> None:
         self.gpus = gpus or [
             ("GPU-aaaa-0000", 10, 1 * self.GIB, 80 * self.GIB),
             ("GPU-bbbb-1111", 55, 40 * self.GIB, 80 * self.GIB),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -194,7 +194,7 @@ async def test_waiters_take_free_threads_in_arrival_order_within_their_shares():
     compiles = HeldCompiles("a-1", "b-1", "a-2", "b-2", "c-1")
     gate = GrammarCompiles(compiles, threads=2, timeout_s=1.0)
 
-    def check(name: str) -> "asyncio.Future[None]":
+    def check(name: str) -> asyncio.Future[None]:
         return asyncio.ensure_future(gate.check(name, "response_format", tenant=name[0]))
 
     running = [check("a-1"), check("b-1")]

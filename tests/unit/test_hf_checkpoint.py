@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from hf_fixture import make_tiny_llama  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from ballast.model.engine import ModelLoadError  # noqa: E402
@@ -31,7 +32,6 @@ from ballast.model.hf_checkpoint import (  # noqa: E402
     load_checkpoint,
     render_chat,
 )
-from hf_fixture import make_tiny_llama  # noqa: E402
 
 PROMPTS = ("The capital of France", "Hello! How are you", "def add(a, b):")
 

@@ -8,15 +8,15 @@ state the test holds, not a race it hopes to win.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import pytest
+from fakes import FakeClock, FakeSleep
 
 from ballast.config import IdempotencySettings
 from ballast.errors import ConcurrencyLimited, DeadlineExceeded, InvalidRequest
 from ballast.router.idempotency import IdempotencyStore
-
-from fakes import FakeClock, FakeSleep
 
 
 class Counted:
@@ -50,7 +50,7 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def spawn(coro: Awaitable[Any]) -> "asyncio.Task[Any]":
+def spawn(coro: Awaitable[Any]) -> asyncio.Task[Any]:
     return asyncio.ensure_future(coro)
 
 

@@ -5,9 +5,10 @@ OpenAI routes alike, without a second generation."""
 
 from __future__ import annotations
 
-from ballast.model.protocol import ModelResult
 from routerkit import at_level, build_router, routed
 from test_resilient_caller import FakeHandle, FakeResponse
+
+from ballast.model.protocol import ModelResult
 
 CFG = {
     "tenants": {"gold": {"rate_tokens_per_s": 1000, "burst_tokens": 100_000}},

@@ -9,14 +9,13 @@ from typing import Any
 
 import pytest
 from fakes import FakeClock
+from test_idempotency import Counted, settle, spawn
 
 from ballast.config import IdempotencySettings
-from ballast.policies.idempotency import DONE, FULL, MINE, RUNNING, KeyTable
 from ballast.control.keys import KeyService
 from ballast.errors import ConcurrencyLimited, DeadlineExceeded, InvalidRequest
+from ballast.policies.idempotency import DONE, FULL, MINE, RUNNING, KeyTable
 from ballast.router.idempotency import SETTLE_ATTEMPTS, IdempotencyStore, SharedKeys
-
-from test_idempotency import Counted, settle, spawn
 
 S = ("gold", "k1")
 
@@ -178,7 +177,7 @@ class FakeActorHandle:
         return _M()
 
 
-async def _reply_lost(call: "asyncio.Future[Any]") -> Any:
+async def _reply_lost(call: asyncio.Future[Any]) -> Any:
     await call  # the table did it ...
     raise asyncio.TimeoutError()  # ... but the caller never heard
 

@@ -12,7 +12,9 @@ import asyncio
 import json
 
 import pytest
+from routerkit import at_level, build_router, routed
 from starlette.requests import Request
+from test_resilient_caller import FakeHandle
 
 from ballast.config import load_config
 from ballast.errors import InvalidRequest, PayloadTooLarge, SchemaTooComplex
@@ -24,8 +26,6 @@ from ballast.router.api import parse_json_object, read_body
 from ballast.router.openai import OpenAIFront
 from ballast.router.tokens import ModelText
 from ballast.router.tool_calls import ToolSchemaTooComplex, ToolSpec, plan
-from routerkit import at_level, build_router, routed
-from test_resilient_caller import FakeHandle
 
 KEY = {"authorization": "Bearer dev-key-gold"}
 ADMIN = {"authorization": "Bearer admin-token"}

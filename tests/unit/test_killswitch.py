@@ -6,7 +6,7 @@ Wall times are integers here, so every boundary is exact: ``expired`` flips at
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -26,7 +26,7 @@ NOW_S = 1_700_000_000  # an integer wall time
 
 def entry(
     scope: str = "global",
-    value: Optional[str] = None,
+    value: str | None = None,
     *,
     id: str = "ks-1",
     reason: str = "incident 42",
@@ -56,7 +56,7 @@ def raw(**overrides: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     "scope,value", [("global", None), ("tenant", "acme"), ("model", "llama"), ("criticality", "sheddable")]
 )
-def test_each_scope_is_accepted_with_its_value(scope: str, value: Optional[str]) -> None:
+def test_each_scope_is_accepted_with_its_value(scope: str, value: str | None) -> None:
     e = entry(scope, value)
     assert (e.scope, e.value) == (scope, value)
 
@@ -79,7 +79,7 @@ def test_global_scope_requires_a_null_value(value: str) -> None:
 
 @pytest.mark.parametrize("scope", ["tenant", "model", "criticality"])
 @pytest.mark.parametrize("value", [None, "", "   ", "\t\n"])
-def test_non_global_scope_requires_a_non_blank_value(scope: str, value: Optional[str]) -> None:
+def test_non_global_scope_requires_a_non_blank_value(scope: str, value: str | None) -> None:
     with pytest.raises(ValueError, match=rf"^value: the {scope} scope needs a value"):
         entry(scope, value)
 
@@ -204,7 +204,7 @@ def test_matching_is_exact_not_case_folded() -> None:
 @pytest.mark.parametrize(
     "scope,value", [("global", None), ("tenant", "acme"), ("model", "llama"), ("criticality", "sheddable")]
 )
-def test_to_dict_from_dict_round_trip(scope: str, value: Optional[str]) -> None:
+def test_to_dict_from_dict_round_trip(scope: str, value: str | None) -> None:
     e = entry(scope, value, id=f"ks-{scope}")
     d = e.to_dict()
     assert d == {

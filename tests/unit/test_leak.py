@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -178,7 +178,7 @@ def test_fit_edge_cases() -> None:
 def test_50_mb_per_h_leak_is_detected_within_one_window_not_before_min_span(seed: int) -> None:
     rng, cfg = random.Random(seed), LeakConfig()
     det = LeakDetector([RSS], cfg)
-    first_leak: Optional[int] = None
+    first_leak: int | None = None
     for t in range(0, WINDOW_S + 1, SAMPLE_S):
         det.observe(t, {"rss_bytes": rss_bytes(t, 50, rng)})
         tr = det.trends(t)["rss_bytes"]
@@ -345,7 +345,7 @@ def test_detector_reports_the_short_trend_only_when_it_names_a_sooner_limit() ->
 # ----------------------------------------------------------------- ladder
 
 
-def leak(tto_h: Optional[float], name: str = "rss_bytes", leaking: bool = True) -> dict[str, Trend]:
+def leak(tto_h: float | None, name: str = "rss_bytes", leaking: bool = True) -> dict[str, Trend]:
     tto = None if tto_h is None else tto_h * 3600
     return {name: Trend(name, 50 * MB, 3 * GB, 0.9, 120, 3570.0, True, leaking, tto)}
 
@@ -433,7 +433,7 @@ def test_an_interrupted_warning_restarts_the_step_interval() -> None:
         (0.98, "critical", "vram_bytes at 98% of limit"),
     ],
 )
-def test_usage_ratios(value: float, severity: str, reason: Optional[str]) -> None:
+def test_usage_ratios(value: float, severity: str, reason: str | None) -> None:
     usage = [Usage("vram_bytes", value * 80 * GB, 80 * GB), Usage("rss_bytes", 100 * GB, None)]
     v, _ = step(OK, LadderState(), 0, usage=usage)
     assert (v.severity, v.reason) == (severity, reason)

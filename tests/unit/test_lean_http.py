@@ -36,7 +36,7 @@ class Server:
         self.release_stream = asyncio.Event()
         self._server: asyncio.base_events.Server | None = None
 
-    async def __aenter__(self) -> "Server":
+    async def __aenter__(self) -> Server:
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self

@@ -12,9 +12,9 @@ import pickle
 from typing import Any
 
 import pytest
+from fakes import FakeClock
 
 from ballast.policies.lease import MAX_DATA_ITEMS, Health, Lease, LeaseLost, LeaseTable
-from fakes import FakeClock
 
 NOW_S = 1_700_000_000  # an integer wall time
 RES = "recycle/BallastModel"

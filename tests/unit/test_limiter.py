@@ -55,7 +55,7 @@ def test_saturated_and_under_target_adds_one_up_to_max():
         lim.observe(10.0)
         lim.saturated()
         clock.t = float(step)
-        lim.value  # closes the window
+        _ = lim.value  # closes the window
     assert lim.value == 12  # 10 -> 11 -> 12, then held at max_limit
     assert lim.increases == 4  # counted even when held at max_limit
 
@@ -66,7 +66,7 @@ def test_decrease_floors_at_min_limit_and_overrides_saturation():
         lim.observe(1000.0)
         lim.saturated()
         clock.t = float(step)
-        lim.value
+        _ = lim.value  # closes the window
     assert lim.value == 2
 
 

@@ -9,16 +9,16 @@ level only when the model itself failed.
 from __future__ import annotations
 
 import pytest
-from ray.exceptions import ActorDiedError, RayTaskError
-
 from fakes import FakeClock
-from ballast.policies.reports import ReplicaReport, RouterReport
-from routerkit import at_level, build_router, routed
+from ray.exceptions import ActorDiedError, RayTaskError
+from routerkit import at_level, build_router, only_lane, routed
+from test_resilient_caller import FakeHandle, FakeResponse, fails
+
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
-from ballast.names import MODEL_DEPLOYMENT
 from ballast.model.protocol import ModelResult
-from test_resilient_caller import FakeHandle, FakeResponse, fails
+from ballast.names import MODEL_DEPLOYMENT
+from ballast.policies.reports import ReplicaReport, RouterReport
 
 GOLD = {"authorization": "Bearer dev-key-gold"}
 CFG = {
@@ -26,6 +26,7 @@ CFG = {
     "auth": {"demo_keys": {"dev-key-gold": "gold"}, "demo_admin_token": "admin-token"},
     "resilience": {"gate": {"enabled": False}},
 }
+MODEL = "tiny-decoder"  # the config's one model
 BURST = 30  # past degradation.error_rate_min_requests (20)
 
 
@@ -37,7 +38,7 @@ async def no_pause(seconds: float) -> None:
 def stack():
     primary = FakeHandle()
     router = build_router(CFG, primary)
-    router.pipeline.caller._sleep = no_pause
+    only_lane(router).caller._sleep = no_pause
     at_level(router, 0)
     with routed(router) as client:
         yield router, primary, client
@@ -58,7 +59,7 @@ def levels_after(report: RouterReport, seconds: int) -> list[int]:
         core.report_replica(ReplicaReport(replica_id="m1", deployment=MODEL_DEPLOYMENT, queued=0, running=0))
         if t == 0:
             core.report_router(report)
-        out.append(core.tick().level)
+        out.append(core.tick().models[MODEL].level)
         clock.advance(1)
         wall.advance(1)
     return out
@@ -70,10 +71,11 @@ def test_a_burst_of_lost_replicas_leaves_the_level_alone(stack) -> None:
     assert {(r.status_code, r.json()["error"]["code"]) for r in answers} == {(503, "REPLICA_LOST")}
     assert all(r.headers.get("retry-after") for r in answers)
     report = router.reporter.report()
-    assert (report.requests, report.errors, report.lost_capacity) == (BURST, 0, BURST * 4)
+    load = report.load(MODEL)
+    assert (load.requests, load.errors, load.lost_capacity) == (BURST, 0, BURST * 4)
     assert len(primary.generate.calls) == BURST * 4  # each sent again three times (the limit)
-    assert router.pipeline.caller.lost == {"migrated": BURST * 3, "not_migrated": BURST, "streams_carried_on": 0}
-    assert router.pipeline.caller.backends[0].breaker.snapshot()["state"] == "closed"
+    assert only_lane(router).caller.lost == {"migrated": BURST * 3, "not_migrated": BURST, "streams_carried_on": 0}
+    assert only_lane(router).caller.backends[0].breaker.snapshot()["state"] == "closed"
     assert levels_after(report, 4) == [0, 0, 0, 0]
 
 
@@ -82,7 +84,8 @@ def test_the_same_burst_of_model_errors_raises_the_level_as_before(stack) -> Non
     answers = burst(router, primary, client, lambda: RayTaskError("generate", "tb", RuntimeError("cuda error")))
     assert {r.json()["error"]["code"] for r in answers} == {"MODEL_UNAVAILABLE"}
     report = router.reporter.report()
-    assert (report.requests, report.errors, report.lost_capacity) == (BURST, BURST, 0)
+    load = report.load(MODEL)
+    assert (load.requests, load.errors, load.lost_capacity) == (BURST, BURST, 0)
     # One level on the first sample; the error rate still asks a second later: level 3.
     assert levels_after(report, 3) == [1, 3, 3]
 
@@ -96,6 +99,8 @@ def test_a_request_sent_again_after_a_lost_replica_says_so_and_counts_no_error(s
     assert r.status_code == 200 and r.json()["text"] == "answered"
     assert r.headers["x-ballast-migrations"] == "1"
     report = router.reporter.report()
-    assert (report.requests, report.errors, report.lost_capacity) == (1, 0, 1)
+    load = report.load(MODEL)
+    assert (load.requests, load.errors, load.lost_capacity) == (1, 0, 1)
     status = client.get("/v1/status", headers={"authorization": "Bearer admin-token"})
-    assert status.json()["lost_capacity"] == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 0}
+    lost = status.json()["models"][MODEL]["lost_capacity"]
+    assert lost == {"migrated": 1, "not_migrated": 0, "streams_carried_on": 0}

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ballast.policies.migration import MAX_PAUSE_S, MigrationConfig, pause_s, should_migrate
 from ballast.model.builtin_engine import ByteStreamDecoder
 from ballast.model.protocol import Join
 from ballast.model.replica_loop import ReplicaRow, resume, row_text
+from ballast.policies.migration import MAX_PAUSE_S, MigrationConfig, pause_s, should_migrate
 from ballast.stops import StopScanner
 
 # -- the policy ---------------------------------------------------------------------------

@@ -11,9 +11,9 @@ import re
 import pytest
 import yaml
 
-from loadtest.cluster_load import ClusterLoad, LevelSample, LoadReport, Outcome, _Progress, check_own, message_kind
 from ballast.config import load_config
 from loadtest import netcluster
+from loadtest.cluster_load import ClusterLoad, LevelSample, LoadReport, Outcome, _Progress, check_own, message_kind
 
 NODES = netcluster.nodes(2)
 HEAD, W1 = NODES[0], NODES[1]

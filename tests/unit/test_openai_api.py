@@ -7,7 +7,6 @@ import re
 
 import pytest
 
-from ballast.policies.criticality import Criticality
 from ballast.errors import (
     BallastError,
     ChaosDisabled,
@@ -26,6 +25,7 @@ from ballast.errors import (
     Unauthenticated,
 )
 from ballast.model.protocol import RowSampling
+from ballast.policies.criticality import Criticality
 from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
 from ballast.stops import StopScanner, cut_at_stop

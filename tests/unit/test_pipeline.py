@@ -15,15 +15,11 @@ import time
 
 import pytest
 from ray.exceptions import RayTaskError
+from routerkit import at_level, build_router, only_lane
 from starlette.requests import ClientDisconnect
+from test_resilient_caller import FakeHandle, FakeResponse, FakeStream, fails
 
-from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.control.snapshot import Snapshot
-from ballast.policies.criticality import Criticality
-from ballast.policies.deadline import Deadline
-from routerkit import at_level, build_router
-from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
-from ballast.model.special_tokens import BYTES_TOKENIZER, encode_bytes
 from ballast.errors import (
     ConcurrencyLimited,
     DeadlineExceeded,
@@ -32,10 +28,14 @@ from ballast.errors import (
     Overloaded,
     QuotaExceeded,
 )
+from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
+from ballast.model.special_tokens import BYTES_TOKENIZER, encode_bytes
+from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
+from ballast.policies.criticality import Criticality
+from ballast.policies.deadline import Deadline
+from ballast.router.accounts import Outcome
 from ballast.router.api import StreamResponse
 from ballast.router.pipeline import Answer, Caller, ModelRequest, Stream
-from ballast.router.accounts import Outcome
-from test_resilient_caller import FakeHandle, FakeResponse, FakeStream, fails
 
 PROMPT = "hello"  # 5 prompt tokens (bytes)
 CALL = ModelCall(PROMPT, tuple(encode_bytes(PROMPT)), BYTES_TOKENIZER)  # as the front tokenizes it
@@ -68,7 +68,7 @@ def pipeline(router):
 
 
 def primary(pipeline) -> FakeHandle:
-    return pipeline.caller.backends[0].handle
+    return only_lane(pipeline).caller.backends[0].handle
 
 
 def bucket_tokens(pipeline) -> float:
@@ -78,7 +78,7 @@ def bucket_tokens(pipeline) -> float:
 def settled(pipeline, full: float, used: int) -> None:
     """The tenant holds nothing, the gate is free, the bucket is short exactly ``used``."""
     assert pipeline.places.held.get("gold", 0) == 0
-    assert pipeline.gate.in_flight == 0
+    assert only_lane(pipeline).gate.in_flight == 0
     assert bucket_tokens(pipeline) == pytest.approx(full - used, abs=0.01)
 
 
@@ -102,7 +102,7 @@ async def test_an_answer_settles_the_quota_to_the_tokens_used(pipeline, router) 
     )
     assert primary(pipeline).generate.calls[0].max_tokens == 20  # the admitted length is sent
     settled(pipeline, full, 5 + 7)
-    assert router.tally.requests == 1
+    assert only_lane(router).tally.requests == 1
 
 
 async def test_the_call_names_the_tenant_its_key_says(pipeline) -> None:
@@ -124,7 +124,7 @@ async def test_the_call_names_the_tenant_its_key_says(pipeline) -> None:
 async def test_an_admitted_request_holds_its_place_its_estimate_and_a_gate_slot(pipeline) -> None:
     full = bucket_tokens(pipeline)
     admission, ticket = await pipeline.acquire(request())
-    assert pipeline.places.held["gold"] == 1 and pipeline.gate.in_flight == 1
+    assert pipeline.places.held["gold"] == 1 and only_lane(pipeline).gate.in_flight == 1
     assert bucket_tokens(pipeline) == pytest.approx(full - 25, abs=0.01)  # the estimate: 5 + 20
     assert admission.prompt_tokens == 5 and ticket.prompt_tokens == 5
     assert ticket.finish(Outcome("CANCELLED")) and not ticket.finish(Outcome("OK"))
@@ -139,7 +139,7 @@ async def test_a_model_error_gives_everything_back(pipeline, router) -> None:
     with pytest.raises(ModelUnavailable):
         await pipeline.serve(request())
     settled(pipeline, full, 0)
-    assert router.tally.errors == 1
+    assert only_lane(router).tally.errors == 1
 
 
 async def test_the_replicas_deadline_is_a_gate_miss_and_uses_no_quota(pipeline) -> None:
@@ -148,7 +148,7 @@ async def test_the_replicas_deadline_is_a_gate_miss_and_uses_no_quota(pipeline) 
     with pytest.raises(DeadlineExceeded):
         await pipeline.serve(request())
     settled(pipeline, full, 0)
-    assert sum(pipeline.gate.snapshot()["misses"].values()) == 1  # the gate learnt of the miss
+    assert sum(only_lane(pipeline).gate.snapshot()["misses"].values()) == 1  # the gate learnt of the miss
 
 
 async def test_a_replay_costs_nothing(pipeline) -> None:
@@ -184,12 +184,12 @@ async def test_repeats_of_a_running_key_hold_no_place_quota_or_gate_slot(pipelin
     primary(pipeline).generate.script.append(first_reply)
     first = asyncio.ensure_future(pipeline.serve(request(key="key-1")))
     await settle()
-    assert (pipeline.places.held["gold"], pipeline.gate.in_flight) == (1, 1)
+    assert (pipeline.places.held["gold"], only_lane(pipeline).gate.in_flight) == (1, 1)
     assert bucket_tokens(pipeline) == pytest.approx(full - 25, abs=0.01)
     repeats = [asyncio.ensure_future(pipeline.serve(request(key="key-1"))) for _ in range(5)]  # the tenant's cap is 2
     await settle()
     assert not any(r.done() for r in repeats)  # waiting for the first ...
-    assert (pipeline.places.held["gold"], pipeline.gate.in_flight, pipeline.gate.waiting) == (
+    assert (pipeline.places.held["gold"], only_lane(pipeline).gate.in_flight, only_lane(pipeline).gate.waiting) == (
         1,
         1,
         0,
@@ -200,7 +200,7 @@ async def test_repeats_of_a_running_key_hold_no_place_quota_or_gate_slot(pipelin
     assert [(a.settled.tokens, a.replayed) for a in answers] == [(7, False)] + [(7, True)] * 5
     settled(pipeline, full, 5 + 7)
     assert len(primary(pipeline).generate.calls) == 1
-    assert router.tally.requests == 1  # repeats asked nothing of the model: not in the level's counts
+    assert only_lane(router).tally.requests == 1  # repeats asked nothing of the model: not in the level's counts
 
 
 async def test_a_repeat_waits_no_longer_than_its_own_deadline_and_the_first_goes_on(pipeline) -> None:
@@ -237,11 +237,11 @@ async def test_the_same_key_with_another_body_is_refused_422(pipeline) -> None:
 
 async def test_a_first_attempt_refused_at_the_gate_frees_its_key_so_the_retry_runs(pipeline) -> None:
     full = bucket_tokens(pipeline)
-    await pipeline.gate.acquire(0, asyncio.get_running_loop().time() + 60)  # the one slot is taken
+    await only_lane(pipeline).gate.acquire(0, asyncio.get_running_loop().time() + 60)  # the one slot is taken
     short = Deadline.starting(asyncio.get_running_loop().time(), 0.001)
     with pytest.raises(Overloaded):
         await pipeline.serve(request(key="key-1", deadline=short))
-    pipeline.gate.release(None)
+    only_lane(pipeline).gate.release(None)
     primary(pipeline).generate.script.append(reply(4))
     again = await pipeline.serve(request(key="key-1"))
     assert (again.settled.tokens, again.replayed) == (4, False)
@@ -258,7 +258,7 @@ async def test_over_quota_is_refused_with_nothing_held(pipeline) -> None:
 
 async def test_a_gate_refusal_gives_back_the_place_and_the_charge(pipeline) -> None:
     full = bucket_tokens(pipeline)
-    await pipeline.gate.acquire(0, asyncio.get_running_loop().time() + 60)  # the one slot is taken
+    await only_lane(pipeline).gate.acquire(0, asyncio.get_running_loop().time() + 60)  # the one slot is taken
     short = ModelRequest(
         Caller("gold", Deadline.starting(asyncio.get_running_loop().time(), 0.001)),
         Criticality.CRITICAL,
@@ -268,7 +268,7 @@ async def test_a_gate_refusal_gives_back_the_place_and_the_charge(pipeline) -> N
     )
     with pytest.raises(Overloaded):
         await pipeline.serve(short)  # no time left to wait for the slot
-    pipeline.gate.release(None)
+    only_lane(pipeline).gate.release(None)
     settled(pipeline, full, 0)
 
 
@@ -277,16 +277,16 @@ async def test_the_tenant_cap_counts_requests_waiting_at_the_gate(pipeline) -> N
     # They count against the tenant's cap (2) while they wait, so a third is refused
     # at once (the cap used to be counted only after the wait).
     full = bucket_tokens(pipeline)
-    await pipeline.gate.acquire(0, asyncio.get_running_loop().time() + 60)
+    await only_lane(pipeline).gate.acquire(0, asyncio.get_running_loop().time() + 60)
     waiting = [asyncio.ensure_future(pipeline.serve(request())) for _ in range(2)]
     await asyncio.sleep(0)
-    assert pipeline.places.held["gold"] == 2 and pipeline.gate.waiting == 2
+    assert pipeline.places.held["gold"] == 2 and only_lane(pipeline).gate.waiting == 2
     with pytest.raises(ConcurrencyLimited):
         await pipeline.serve(request())
     for task in waiting:
         task.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
-    pipeline.gate.release(None)
+    only_lane(pipeline).gate.release(None)
     settled(pipeline, full, 0)
 
 
@@ -308,7 +308,7 @@ async def test_a_client_leaving_mid_stream_settles_what_was_produced(pipeline, r
     assert (await chunks.__anext__()).tokens == 3
     await stream.aclose()  # the client went away
     settled(pipeline, full, 5 + 3)
-    assert router.tally.requests == 1
+    assert only_lane(router).tally.requests == 1
 
 
 async def test_a_stream_that_never_begins_is_settled_by_its_close(pipeline, router) -> None:
@@ -318,7 +318,7 @@ async def test_a_stream_that_never_begins_is_settled_by_its_close(pipeline, rout
     await stream.aclose()  # the response closes it; nothing was read
     await stream.aclose()  # a second close does nothing
     settled(pipeline, full, 0)
-    assert router.tally.requests == 1 and primary(pipeline).generate_stream.calls == []
+    assert only_lane(router).tally.requests == 1 and primary(pipeline).generate_stream.calls == []
 
 
 async def test_the_response_closes_a_stream_whose_client_left_before_the_first_event(pipeline) -> None:
@@ -347,14 +347,14 @@ async def test_the_gate_counts_a_request_in_the_report_it_was_decided_in(pipelin
     # the gate lets it through (it used to count as reached in one report and its
     # admission was lost: the throttle read it as a refusal of a class taken whole).
     primary(pipeline).generate.script.append(reply(1))
-    await pipeline.gate.acquire(0, asyncio.get_running_loop().time() + 60)
+    await only_lane(pipeline).gate.acquire(0, asyncio.get_running_loop().time() + 60)
     waiting = asyncio.ensure_future(pipeline.serve(request()))
     await asyncio.sleep(0)
-    assert pipeline.gate.waiting == 1 and router.tally.gate_decided == {}
+    assert only_lane(pipeline).gate.waiting == 1 and only_lane(router).tally.gate_decided == {}
     router.reporter.report()  # a report: the counts start afresh
-    pipeline.gate.release(None)
+    only_lane(pipeline).gate.release(None)
     await waiting
-    assert router.tally.gate_decided == {"critical": [1, 1]}
+    assert only_lane(router).tally.gate_decided == {"critical": [1, 1]}
 
 
 # -- fair shares ---------------------------------------------------------------------------
@@ -377,7 +377,7 @@ async def test_an_answer_charges_its_tenant_and_the_reports_carry_it_to_the_cont
     pipeline = router.pipeline
     primary(pipeline).generate.script.append(reply(7))
     await pipeline.serve(request(max_tokens=20))
-    fair = pipeline.gate.fair
+    fair = only_lane(pipeline).gate.fair
     assert fair.counter("gold") == pytest.approx((5 + 2 * 7) / 2.0)  # the upfront 20 settled to 7
     report = router.reporter.report()
     assert report.fair_charged == pytest.approx({"gold": 9.5})
@@ -386,20 +386,17 @@ async def test_an_answer_charges_its_tenant_and_the_reports_carry_it_to_the_cont
         epoch="e",
         version=2,
         created_at_s=time.time(),
-        level=0,
-        target_level=0,
-        reason="test",
-        constraints=router.snapshots.snapshot.constraints,
+        models=router.snapshots.snapshot.models,
         running_replicas={MODEL_DEPLOYMENT: 2, ROUTER_DEPLOYMENT: 2},
     )
     router.snapshots.offer(snap)
     router.reporter.on_snapshot(snap)
-    assert pipeline.gate.limit.value == 10  # 2 replicas x 10, split evenly between 2 routers
+    assert only_lane(pipeline).gate.limit.value == 10  # 2 replicas x 10, split evenly between 2 routers
     router.reporter.on_reply({"fair_counters": {"gold": 100.0, "free": 40.0}, "fair_share": 0.25})
     assert fair.shared and fair.counters() == {"gold": 100.0, "free": 40.0}
-    assert pipeline.gate.limit.value == 5  # a quarter of 2 x 10
+    assert only_lane(pipeline).gate.limit.value == 5  # a quarter of 2 x 10
     router.reporter.on_reply({})  # nobody waits anywhere: the even split again
-    assert pipeline.gate.limit.value == 10
+    assert only_lane(pipeline).gate.limit.value == 10
 
 
 @pytest.mark.parametrize(

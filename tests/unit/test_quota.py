@@ -7,6 +7,7 @@ import math
 import random
 
 import pytest
+from fakes import FakeClock
 
 from ballast.policies.quota import (
     RateLease,
@@ -16,8 +17,6 @@ from ballast.policies.quota import (
     effective_rates,
     lease_rate,
 )
-
-from fakes import FakeClock
 
 
 def bucket(rate: float = 10, burst: float = 50, initial: float | None = None) -> tuple[TokenBucket, FakeClock]:

@@ -7,7 +7,6 @@ import asyncio
 from typing import Any
 
 import pytest
-
 from fakes import FakeClock
 
 from ballast.router.readiness import CachedProbe

@@ -12,11 +12,11 @@ import json
 import math
 import random
 import zlib
-from typing import Any, Optional
+from typing import Any
 
 import pytest
-
 from fakes import FakeClock
+
 from ballast.policies.recycle import (
     REASONS,
     InFlight,
@@ -66,10 +66,10 @@ class FakeDeployment:
         self.tick_s = tick_s
         self.replicas = {r.replica_id: r for r in replicas}
         self.gone_at: dict[str, float] = {}
-        self.ready_at: dict[str, Optional[float]] = {}
+        self.ready_at: dict[str, float | None] = {}
         self.ready_log: list[tuple[str, float]] = []  # (replacement id, when healthy)
         self.drain_ticks = 2
-        self.ready_ticks: Optional[int] = 2
+        self.ready_ticks: int | None = 2
         self.replace = True
         self._n = 0
 

@@ -326,20 +326,27 @@ def test_main_regenerates(out: Path, capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_status_sample_compacts_the_admin_answers() -> None:
+    lost = {"migrated": 2, "not_migrated": 1, "streams_carried_on": 0}
     status = {
-        "level": 1,
-        "source": "snapshot",
-        "constraints": {"max_tokens": 256},
+        "models": {
+            "a": {"level": 0, "source": "snapshot", "lost_capacity": lost},
+            "b": {"level": 1, "source": "snapshot", "constraints": {"max_tokens": 256}, "lost_capacity": lost},
+        },
         "snapshot": {
             "epoch": "e",
             "version": 7,
             "age_s": 0.4,
-            "target_level": 2,
-            "reason": "queue_length 120 >= 100",
-            "inputs": {"queue_length": 120, "queue_wait_p95_ms": 310.5, "gpu_util_pct": None, "flag": True},
+            "models": {
+                "a": {"level": 0, "target_level": 0, "reason": "normal", "inputs": {"queue_length": 1}},
+                "b": {
+                    "level": 1,
+                    "target_level": 2,
+                    "reason": "queue_length 120 >= 100",
+                    "inputs": {"queue_length": 120, "queue_wait_p95_ms": 310.5, "gpu_util_pct": None, "flag": True},
+                },
+            },
         },
         "replicas": {"BallastModel": {"desired": 2, "running": 1, "autoscale": {"mode": "panic"}}},
-        "breakers": {"primary": {"state": "closed"}},
         "recycle": {
             "in_flight": [{"replica_id": "a"}],
             "availability": {"expected": 0.99, "measured": 1.0, "out_s": 3.0},
@@ -375,7 +382,9 @@ def test_status_sample_compacts_the_admin_answers() -> None:
         "leases": [{"id": "l"}],
     }
     s = status_sample(100.0, status, replicas)
-    assert s["level"] == 1 and s["target_level"] == 2 and s["reason"] == "queue_length 120 >= 100"
+    assert (s["model"], s["level"], s["target_level"]) == ("b", 1, 2)  # the model at the highest level
+    assert s["reason"] == "queue_length 120 >= 100"
+    assert s["lost_capacity"] == {"migrated": 4, "not_migrated": 2, "streams_carried_on": 0}  # every model's
     assert s["inputs"] == {"queue_length": 120, "queue_wait_p95_ms": 310.5, "gpu_util_pct": None}
     assert s["deployments"] == {"BallastModel": {"desired": 2, "running": 1}}
     assert s["recycles_in_flight"] == 1 and s["availability"] == {"expected": 0.99, "measured": 1.0}

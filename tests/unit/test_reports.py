@@ -14,11 +14,17 @@ import json
 import pickle
 
 import pytest
-
 from fakes import FakeClock
+
+from ballast.config import load_config
+from ballast.control.controller import ControllerCore
+from ballast.names import MODEL_DEPLOYMENT
 from ballast.policies.reports import (
+    IDLE,
     MAX_ENGINE_PROCESSES,
     MAX_PROCESS_NAME_CHARS,
+    MAX_REPORTED_MODELS,
+    ModelLoad,
     ReplicaReport,
     RouterReport,
     SeriesTrend,
@@ -28,9 +34,6 @@ from ballast.policies.reports import (
     bounded_processes,
     checked,
 )
-from ballast.config import load_config
-from ballast.control.controller import ControllerCore
-from ballast.names import MODEL_DEPLOYMENT
 
 REPLICA = WatchedReplica("m1", MODEL_DEPLOYMENT, 1000.0, None, 4242, "SERVE_REPLICA::ballast#BallastModel#m1", "serve")
 TREND = SeriesTrend(slope_per_h=3.5, r2=0.9, leaking=True, time_to_limit_s=7200.0, short_window=False)
@@ -40,13 +43,19 @@ def reports() -> list[object]:
     return [
         RouterReport(
             router_id="r1",
-            inflight=3,
-            requests=10,
-            errors=1,
-            gate_waiting=2,
-            demand_rps={"critical": 4.0},
-            served_rps=3.5,
-            gate_full=True,
+            models={
+                "a": ModelLoad(
+                    inflight=3,
+                    requests=10,
+                    errors=1,
+                    gate_waiting=2,
+                    demand_rps={"critical": 4.0},
+                    served_rps=3.5,
+                    gate_full=True,
+                ),
+                "b": ModelLoad(inflight=1, routed={"prefix": 2}),
+                "c": ModelLoad(),
+            },
             demand_tokens_per_s={"gold": 120.0},
         ),
         ReplicaReport(
@@ -80,25 +89,37 @@ def test_a_report_crosses_a_process_unchanged_and_is_accepted_on_arrival(report)
 
 
 def test_checked_drops_what_is_not_a_well_formed_report_of_its_kind() -> None:
-    report = RouterReport(router_id="r1")
+    report = RouterReport(router_id="r1", models={"a": ModelLoad(), "b": ModelLoad()})
+    bad_load = copy.copy(ModelLoad())
+    object.__setattr__(bad_load, "requests", -1)  # past __post_init__, as unpickling would let through
     bad = copy.copy(report)
-    object.__setattr__(bad, "requests", -1)  # past __post_init__, as unpickling would let through
-    assert checked(bad, RouterReport) is None
+    object.__setattr__(bad, "models", {"a": ModelLoad(), "b": bad_load})
+    assert checked(bad, RouterReport) is None  # a model's load is checked again too, not only the first's
     assert checked(report, ReplicaReport) is None
     assert checked({"router_id": "r1"}, RouterReport) is None
     assert checked(None, RouterReport) is None
+
+
+def test_every_model_of_a_router_report_is_alike_and_one_it_did_not_report_is_idle() -> None:
+    loads = {"a": ModelLoad(inflight=1), "b": ModelLoad(inflight=2, errors=1), "c": ModelLoad(requests=3)}
+    report = RouterReport(router_id="r1", models=loads)
+    assert {name: report.load(name) for name in loads} == loads  # no model is read from elsewhere
+    assert report.load("d") is IDLE and IDLE == ModelLoad()
 
 
 @pytest.mark.parametrize(
     "build, field",
     [
         (lambda: RouterReport(router_id=""), "router_id"),
-        (lambda: RouterReport(router_id="r", inflight=-1), "inflight"),
-        (lambda: RouterReport(router_id="r", requests=True), "requests"),
-        (lambda: RouterReport(router_id="r", queue_wait_p95_ms=float("nan")), "queue_wait_p95_ms"),
-        (lambda: RouterReport(router_id="r", gate_full=1), "gate_full"),
-        (lambda: RouterReport(router_id="r", routed={"nearest": 1}), "routed"),
-        (lambda: RouterReport(router_id="r", routed={"prefix": -1}), "routed"),
+        (lambda: ModelLoad(inflight=-1), "inflight"),
+        (lambda: ModelLoad(requests=True), "requests"),
+        (lambda: ModelLoad(queue_wait_p95_ms=float("nan")), "queue_wait_p95_ms"),
+        (lambda: ModelLoad(gate_full=1), "gate_full"),
+        (lambda: ModelLoad(routed={"nearest": 1}), "routed"),
+        (lambda: ModelLoad(routed={"prefix": -1}), "routed"),
+        (lambda: RouterReport(router_id="r", models={"a": {"inflight": 1}}), "models"),
+        (lambda: RouterReport(router_id="r", models={"": ModelLoad()}), "models"),
+        (lambda: RouterReport(router_id="r", models={f"m{i}": IDLE for i in range(MAX_REPORTED_MODELS + 1)}), "models"),
         (lambda: ReplicaReport(replica_id="m", deployment="D", prefix_blocks=-1), "prefix_blocks"),
         (lambda: RouterReport(router_id="r", demand_tokens_per_s={"gold": float("inf")}), "demand_tokens_per_s"),
         (lambda: ReplicaReport(replica_id="m", deployment=""), "deployment"),

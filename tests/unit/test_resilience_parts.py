@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fakes import FakeClock
 from ray.exceptions import (
     ActorDiedError,
     ActorUnavailableError,
@@ -20,15 +21,12 @@ from ray.exceptions import (
 from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 
+from ballast.errors import DeadlineExceeded, ModelUnavailable
+from ballast.model.chaos import InjectedFault
+from ballast.model.protocol import ModelCall, ModelResult, RowSampling
 from ballast.policies.migration import LOST_CAPACITY
 from ballast.policies.retry import FAILURE_KINDS
-from ballast.model.chaos import InjectedFault
-from ballast.errors import DeadlineExceeded, ModelUnavailable
-from ballast.model.protocol import ModelCall, ModelResult, RowSampling
 from ballast.router.resilience import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
-
-from fakes import FakeClock
-
 
 # -- Bulkhead --------------------------------------------------------------------------
 

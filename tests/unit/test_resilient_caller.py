@@ -20,18 +20,17 @@ import asyncio
 import math
 import random
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any
 
 import pytest
+from fakes import FakeClock
 from ray.exceptions import ActorDiedError, RayTaskError
 
-from ballast.policies.killswitch import KillSwitchEntry
 from ballast.config import load_config
 from ballast.errors import DeadlineExceeded, EngineRefused, ModelUnavailable, ReplicaLost
 from ballast.model.protocol import AttemptDeadline, ModelCall, ModelChunk, ModelResult, Resume, RowSampling
+from ballast.policies.killswitch import KillSwitchEntry
 from ballast.router.resilience import CallHooks, CallRecord, CallSpec, Reply, ResilientCaller, ResponseCache
-
-from fakes import FakeClock
 
 HANG = math.inf  # a response that never comes
 WALL_S = 1_000_000  # the fake wall clock (the replica's deadline instant is stamped with it)
@@ -43,7 +42,7 @@ class FakeResponse:
     """One scripted reply: it takes ``takes_s`` of fake time, then returns ``result`` (a
     ``ModelResult`` for a unary call, a ``ModelChunk`` for a stream's piece) or raises ``error``."""
 
-    def __init__(self, takes_s: float = 1, result: Any = None, error: Optional[BaseException] = None) -> None:
+    def __init__(self, takes_s: float = 1, result: Any = None, error: BaseException | None = None) -> None:
         self.takes_s, self.result, self.error = takes_s, result, error
         self.cancelled = False
 
@@ -90,7 +89,7 @@ class FakeHandle:
         self.generate = FakeMethod(list(unary))
         self.generate_stream = FakeMethod(list(streams))
 
-    def options(self, stream: bool = False) -> "FakeHandle":
+    def options(self, stream: bool = False) -> FakeHandle:
         return self
 
 
@@ -132,7 +131,7 @@ def chunk(text: str, takes_s: float = 1) -> FakeResponse:
     return FakeResponse(takes_s, result=ModelChunk(text))
 
 
-def answered(text: str, fallback: Optional[str] = None) -> Reply:
+def answered(text: str, fallback: str | None = None) -> Reply:
     """The reply of a unary call answered with ``text`` by the primary (None), the fallback
     model or the cache (the primary's earlier answer)."""
     return Reply(result(text), fallback, FALLBACK if fallback == "fallback_model" else PRIMARY)
@@ -144,11 +143,11 @@ def fails(error: BaseException, takes_s: float = 1) -> FakeResponse:
 
 def make(
     primary: FakeHandle,
-    fallback: Optional[FakeHandle] = None,
-    retry: Optional[dict] = None,
+    fallback: FakeHandle | None = None,
+    retry: dict | None = None,
     cache: bool = False,
-    bulkhead: Optional[dict] = None,
-    model: Optional[dict] = None,
+    bulkhead: dict | None = None,
+    model: dict | None = None,
 ) -> tuple[ResilientCaller, FakeClock, FakeTimer, list]:
     cfg = load_config(
         {
@@ -197,7 +196,7 @@ async def unary(
     clock: FakeClock,
     deadline_in_s: float = 30,
     call: ModelCall = CALL,
-    tenant: Optional[str] = "acme",
+    tenant: str | None = "acme",
 ) -> Reply:
     return await caller.unary(CallSpec(call, clock() + deadline_in_s, [], WALL_S, tenant=tenant))
 

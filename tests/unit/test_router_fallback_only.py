@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 from ray.exceptions import RayTaskError
+from routerkit import at_level, build_router, only_lane, routed
+from test_resilient_caller import FakeHandle, FakeResponse, fails
 
 from ballast.model.protocol import ModelResult
-from routerkit import at_level, build_router, routed
-from test_resilient_caller import FakeHandle, FakeResponse, fails
 
 GOLD = {"authorization": "Bearer dev-key-gold"}
 CFG = {
@@ -69,7 +69,7 @@ def test_level_4_with_the_fallback_unable_refuses_critical_plus_too(stack):
     for _ in range(3):  # the fallback fails three times: its breaker opens
         r = generate(client, "critical_plus")
         assert r.status_code == 503 and r.json()["error"]["code"] == "MODEL_UNAVAILABLE"
-    fb = next(b for b in router.pipeline.caller.backends if b.role == "fallback")
+    fb = next(b for b in only_lane(router).caller.backends if b.role == "fallback")
     assert fb.breaker.retry_after_s() > 0
     # Neither model can answer now: refused by the level, as any other class.
     r = generate(client, "critical_plus")

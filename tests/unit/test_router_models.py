@@ -8,14 +8,20 @@ A real router object (tests/unit/routerkit.py) with one scripted Serve handle pe
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
-
-from ballast.config import load_config
-from ballast.model.protocol import ModelResult
+from fakes import FakeClock
 from routerkit import at_level, build_router, routed
 from test_resilient_caller import FakeHandle, FakeResponse
+
+from ballast.config import load_config
+from ballast.control.controller import ControllerCore
+from ballast.control.snapshot import Snapshot
+from ballast.model.protocol import ModelResult
+from ballast.ops.status_text import format_status
+from ballast.policies.reports import ModelLoad, RouterReport
 
 CFG: dict[str, Any] = {
     "models": [
@@ -26,8 +32,9 @@ CFG: dict[str, Any] = {
         "gold": {"rate_tokens_per_s": 1e-9, "burst_tokens": 10_000},  # no refill within a test
         "free": {},
     },
-    "auth": {"demo_keys": {"key-gold": "gold", "key-free": "free"}},
+    "auth": {"demo_keys": {"key-gold": "gold", "key-free": "free"}, "demo_admin_token": "admin"},
 }
+ADMIN = {"authorization": "Bearer admin"}
 GOLD = {"authorization": "Bearer key-gold"}
 FREE = {"authorization": "Bearer key-free"}
 
@@ -37,9 +44,8 @@ def answer(text: str) -> FakeResponse:
 
 
 def at_levels(router: Any, levels: dict[str, int]) -> None:
-    """A snapshot with each model's own level (the first model's at the top, as the
-    controller publishes it)."""
-    at_level(router, levels["small"], levels)
+    """A snapshot with each model's own level."""
+    at_level(router, 0, levels)
 
 
 @pytest.fixture()
@@ -105,12 +111,59 @@ def test_a_flooded_models_level_sheds_its_traffic_alone(router, handles):
     assert (lanes["large"].tally.shed, lanes["small"].tally.shed) == (1, 0)  # each model's level hears its own
 
 
+def test_a_model_other_than_the_first_has_its_own_level_and_constraints_everywhere(router, handles):
+    """controller -> snapshot (as a dict, over the process boundary) -> the router's effective
+    view -> its admission -> /v1/status -> `ballast status`: the second model flooded, each
+    step names its level 3 and its own constraints, and the first model's 0."""
+    clock, wall = FakeClock(0), FakeClock(time.time())
+    core = ControllerCore(load_config(CFG), clock=clock, wall_clock=wall)
+    for _ in range(2):
+        load = {"small": ModelLoad(inflight=1), "large": ModelLoad(inflight=250, queue_wait_p95_ms=1.0)}
+        core.report_router(RouterReport(router_id="r1", models=load))
+        core.tick()
+        clock.advance(1)
+        wall.advance(1)
+    wire = core.snapshot()
+    assert (wire["models"]["small"]["level"], wire["models"]["large"]["level"]) == (0, 3)
+    assert wire["models"]["large"]["target_level"] == 3
+    assert not {"level", "reason", "constraints", "inputs"} & set(wire)
+    assert router.snapshots.offer(Snapshot.from_dict(wire))
+    deg = load_config(CFG).degradation_config()
+    small, large = router.snapshots.effective("small"), router.snapshots.effective("large")
+    assert (small.level, small.constraints, large.level, large.constraints) == (
+        0,
+        deg.constraints[0],
+        3,
+        deg.constraints[3],
+    )
+    handles["small"].generate.script.append(answer("ok"))
+    with routed(router) as c:
+        refused = c.post("/v1/chat/completions", headers=GOLD, json=chat("large", criticality="critical"))
+        served = c.post("/v1/chat/completions", headers=GOLD, json=chat("small", criticality="critical"))
+        doc = c.get("/v1/status", headers=ADMIN).json()
+    assert refused.status_code == 503 and refused.json()["error"]["message"].startswith(
+        "model 'large': degradation level 3"
+    )
+    assert served.status_code == 200 and served.headers["x-ballast-level"] == "0"
+    assert {n: (m["level"], m["source"]) for n, m in doc["models"].items()} == {
+        "small": (0, "snapshot"),
+        "large": (3, "snapshot"),
+    }
+    assert doc["models"]["large"]["constraints"] == deg.constraints[3].to_dict()
+    assert doc["snapshot"]["models"]["large"] == wire["models"]["large"]  # the controller's state, as it sent it
+    assert "level" not in doc and "gate" not in doc
+    text = format_status(doc)
+    assert f"model large: level 3: {wire['models']['large']['reason']}" in text  # its target is 3 too
+    assert f"model small: level 0: {wire['models']['small']['reason']}" in text
+
+
 def test_each_model_has_its_own_gate_and_breaker(router):
     small, large = router.pipeline.lanes["small"], router.pipeline.lanes["large"]
     assert small.gate is not large.gate and small.caller is not large.caller
     assert [b.model_name for b in large.caller.backends] == ["large"]
     status = router.pipeline.status()
-    assert set(status["models"]) == {"small", "large"} and status["gate"] == status["models"]["small"]["gate"]
+    assert list(status["models"]) == ["small", "large"]
+    assert not {"gate", "breakers", "level", "retry_budget", "lost_capacity"} & set(status)  # nothing at the top
 
 
 def test_the_quota_charges_each_models_tokens_at_its_cost(router, handles):
@@ -129,10 +182,12 @@ def test_the_quota_charges_each_models_tokens_at_its_cost(router, handles):
     assert small_used == pytest.approx(6, abs=1e-3) and large_used == pytest.approx(24, abs=1e-3)
 
 
-def test_a_one_model_router_keeps_its_one_model_shape():
+def test_a_one_model_router_has_that_one_lane_and_no_shortcut_to_it():
     r = build_router({"auth": {"demo_keys": {"k": "t"}}, "tenants": {"t": {}}}, FakeHandle())
-    assert list(r.pipeline.lanes) == [load_config({}).model.name]
-    assert r.pipeline.gate is r.pipeline.primary.gate and r.tally is r.pipeline.primary.tally
+    name = load_config({}).model.name
+    assert list(r.pipeline.lanes) == [name] and r.pipeline.default_lane is r.pipeline.lanes[name]
+    assert not any(hasattr(r.pipeline, part) for part in ("gate", "caller", "tally", "accounts", "primary"))
+    assert not hasattr(r, "tally")
 
 
 def test_a_recycle_names_any_models_deployment_and_nothing_else(handles):

@@ -10,10 +10,10 @@ import types
 
 import pytest
 from ray.serve._private.http_util import _walk_fastapi_routes
-
 from routerkit import build_router, routed
-from ballast.router import app as router_app
 from test_resilient_caller import FakeHandle
+
+from ballast.router import app as router_app
 
 ROUTES = {
     ("/v1/generate", "POST", None),

@@ -17,7 +17,7 @@ import random
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -559,7 +559,7 @@ SSE_H = {"content-type": "text/event-stream; charset=utf-8"}
 GOOD = {"text": "hi there", "tokens_generated": 3, "model": "m", "degradation_level": 0, "fallback": None}
 
 
-def _err(code: Optional[str], message: str = "m") -> bytes:
+def _err(code: str | None, message: str = "m") -> bytes:
     return json.dumps({"error": {"code": code, "message": message}}).encode()
 
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from ballast.policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig
-from ballast.policies.reports import RouterReport
-from ballast.control.snapshot import Snapshot, SnapshotCache, SnapshotExchange
+from ballast.control.snapshot import ModelState, Snapshot, SnapshotCache, SnapshotExchange
+from ballast.policies.control import RoutingSummary
+from ballast.policies.degradation import DEFAULT_CONSTRAINTS, DegradationConfig, LoadSignals
+from ballast.policies.reports import ModelLoad, RouterReport
 
 DEG = DegradationConfig()
 STALE_S = 3
@@ -37,16 +38,15 @@ class FakeWallClock:
         self.t += seconds
 
 
+M = "m"  # the model these snapshots name
+
+
+def state(level: int, deployment: str = "BallastModel") -> ModelState:
+    return ModelState(deployment, DEG.constraints[level], level=level, target_level=level, reason="test")
+
+
 def snap(version: int, created_at_s: float, level: int = 0, epoch: str = "e1") -> Snapshot:
-    return Snapshot(
-        epoch=epoch,
-        version=version,
-        created_at_s=created_at_s,
-        level=level,
-        target_level=level,
-        reason="test",
-        constraints=DEG.constraints[level].to_dict(),
-    )
+    return Snapshot(epoch=epoch, version=version, created_at_s=created_at_s, models={M: state(level)})
 
 
 def make_cache(clock: FakeWallClock, floor: int = FLOOR) -> SnapshotCache:
@@ -85,16 +85,97 @@ class TestIsNewerThan:
             epoch="e",
             version=2,
             created_at_s=5.0,
-            level=3,
-            target_level=2,
-            reason="r",
-            constraints=DEG.constraints[3].to_dict(),
-            inputs={"queue_length": 7},
+            models={M: state(3)},
             desired_replicas={"BallastModel": 2},
             running_replicas={"BallastModel": 1},
             autoscale={"BallastModel": {"mode": "stable"}},
         )
         assert Snapshot.from_dict(s.to_dict()) == s
+
+
+class TestModelStates:
+    """``Snapshot.models``: every model's typed state, across the process boundary as a dict."""
+
+    def three(self) -> Snapshot:
+        signals = LoadSignals(
+            queue_length=40,
+            queue_wait_p95_ms=250.0,
+            gpu_util_pct=None,
+            vram_pct=None,
+            error_rate=0.0,
+            demand_rps={"critical": 3.5},
+        )
+        return Snapshot(
+            epoch="e",
+            version=7,
+            created_at_s=5.0,
+            models={
+                "a": state(0),
+                "b": ModelState(
+                    "BallastModel-b",
+                    DEG.constraints[3],
+                    level=3,
+                    target_level=4,
+                    reason="queue 40 > 20",
+                    inputs=signals,
+                    engine_rows=24,
+                    routing=RoutingSummary(prefix_hit_ratio=0.5, routed_by_prefix_ratio=0.25, load_max_over_mean=1.2),
+                ),
+                "c": ModelState("BallastModel-c", DEG.constraints[1], level=1, target_level=1, reason="gpu"),
+            },
+        )
+
+    def test_three_models_round_trip_typed_each_its_own(self) -> None:
+        s = self.three()
+        wire = s.to_dict()
+        assert set(wire) >= {"models"} and not {"level", "target_level", "reason", "constraints", "inputs"} & set(wire)
+        assert wire["models"]["b"]["inputs"]["demand_rps"] == {"critical": 3.5}  # plain data on the wire
+        back = Snapshot.from_dict(wire)
+        assert back == s
+        assert all(type(m) is ModelState for m in back.models.values())
+        b = back.models["b"]
+        assert (b.level, b.target_level, b.constraints, b.engine_rows) == (3, 4, DEG.constraints[3], 24)
+        assert b.inputs is not None and b.inputs.queue_length == 40 and b.routing.load_max_over_mean == 1.2
+        assert [m.level for m in back.models.values()] == [0, 3, 1]
+
+    def test_unknown_keys_are_ignored_and_an_older_controllers_snapshot_reads(self) -> None:
+        wire = self.three().to_dict()
+        newer = {**wire, "newer": 1, "models": {n: {**m, "newer": 2} for n, m in wire["models"].items()}}
+        assert Snapshot.from_dict(newer) == self.three()
+        # An older controller wrote the first model at the top as well, and {} for "no inputs yet".
+        older = {**wire, "level": 0, "target_level": 0, "reason": "x", "constraints": {}, "inputs": {}}
+        older["models"]["a"]["inputs"] = {}
+        assert Snapshot.from_dict(older) == self.three()
+        assert Snapshot.from_dict({k: v for k, v in wire.items() if k != "models"}).models == {}
+
+    @pytest.mark.parametrize(
+        "field, bad",
+        [("level", 5), ("level", "2"), ("deployment", ""), ("engine_rows", -1), ("constraints", None), ("reason", 3)],
+    )
+    def test_a_malformed_model_state_is_refused_naming_its_field(self, field: str, bad: Any) -> None:
+        wire = self.three().to_dict()
+        wire["models"]["c"][field] = bad
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            Snapshot.from_dict(wire)
+
+    def test_a_model_state_missing_its_inputs_signal_or_a_field_is_refused_naming_it(self) -> None:
+        wire = self.three().to_dict()
+        del wire["models"]["b"]["inputs"]["queue_length"]
+        with pytest.raises(ValueError, match="^queue_length: missing"):
+            Snapshot.from_dict(wire)
+        wire = self.three().to_dict()
+        del wire["models"]["a"]["target_level"]
+        with pytest.raises(ValueError, match="^target_level: missing"):
+            Snapshot.from_dict(wire)
+
+    def test_a_model_the_snapshot_does_not_name_is_fail_static_at_once(self) -> None:
+        clock = FakeWallClock(5)
+        cache = make_cache(clock)
+        cache.offer(self.three())
+        assert [cache.effective(m).level for m in ("a", "b", "c")] == [0, 3, 1]
+        assert {cache.effective(m).source for m in ("a", "b", "c")} == {"snapshot"}
+        unnamed = cache.effective("d")  # a model this router serves that the controller has not ticked yet
+        assert (unnamed.source, unnamed.level) == ("fail-static", FLOOR)
 
 
 # --------------------------------------------------------------------------- SnapshotCache
@@ -103,14 +184,14 @@ class TestIsNewerThan:
 class TestSnapshotCache:
     def test_no_snapshot_is_fail_static_at_the_floor(self) -> None:
         cache = make_cache(FakeWallClock())
-        eff = cache.effective()
+        eff = cache.effective(M)
         assert (eff.level, eff.source, eff.snapshot_age_s, eff.version) == (FLOOR, "fail-static", None, None)
         assert eff.constraints == DEFAULT_CONSTRAINTS[FLOOR]
         assert cache.age_s() is None
         assert not cache.is_fresh()
 
     def test_no_snapshot_with_floor_zero_is_level_zero(self) -> None:
-        eff = make_cache(FakeWallClock(), floor=0).effective()
+        eff = make_cache(FakeWallClock(), floor=0).effective(M)
         assert (eff.level, eff.source) == (0, "fail-static")
 
     def test_walk_fresh_then_stale_then_fail_static_second_by_second(self) -> None:
@@ -119,7 +200,7 @@ class TestSnapshotCache:
         assert cache.offer(snap(1, created_at_s=1000, level=0))
         seen = []
         for age in range(0, MAX_STALE_S + 3):
-            eff = cache.effective()
+            eff = cache.effective(M)
             seen.append((age, eff.source, eff.level))
             assert eff.snapshot_age_s == age
             assert eff.version == 1
@@ -138,7 +219,7 @@ class TestSnapshotCache:
         cache = make_cache(clock)
         cache.offer(snap(1, created_at_s=1000, level=2))
         clock.advance(STALE_S + 1)
-        eff = cache.effective()
+        eff = cache.effective(M)
         assert (eff.source, eff.level) == ("stale-snapshot", 2)
         assert eff.constraints == DEFAULT_CONSTRAINTS[2]
 
@@ -147,9 +228,9 @@ class TestSnapshotCache:
         cache = make_cache(clock)
         cache.offer(snap(1, created_at_s=1000, level=3))
         clock.advance(MAX_STALE_S)
-        assert (cache.effective().source, cache.effective().level) == ("stale-snapshot", 3)
+        assert (cache.effective(M).source, cache.effective(M).level) == ("stale-snapshot", 3)
         clock.advance(1)
-        eff = cache.effective()
+        eff = cache.effective(M)
         assert (eff.source, eff.level, eff.version) == ("fail-static", 3, 1)
         assert eff.constraints == DEFAULT_CONSTRAINTS[3]
 
@@ -158,7 +239,7 @@ class TestSnapshotCache:
         cache = make_cache(clock, floor=2)
         cache.offer(snap(1, created_at_s=1000, level=1))
         clock.advance(MAX_STALE_S + 1)
-        eff = cache.effective()
+        eff = cache.effective(M)
         assert (eff.source, eff.level) == ("fail-static", 2)
         assert eff.constraints == DEFAULT_CONSTRAINTS[2]
 
@@ -167,9 +248,9 @@ class TestSnapshotCache:
         cache = make_cache(clock)
         cache.offer(snap(1, created_at_s=1000, level=0))
         clock.advance(MAX_STALE_S + 5)
-        assert cache.effective().source == "fail-static"
+        assert cache.effective(M).source == "fail-static"
         assert cache.offer(snap(2, created_at_s=clock.t, level=0))
-        eff = cache.effective()
+        eff = cache.effective(M)
         assert (eff.source, eff.level, eff.version, eff.snapshot_age_s) == ("snapshot", 0, 2, 0)
 
     def test_offer_ignores_older_and_equal_versions(self) -> None:
@@ -179,9 +260,9 @@ class TestSnapshotCache:
         assert not cache.offer(snap(4, created_at_s=1001, level=0))
         assert not cache.offer(snap(5, created_at_s=1001, level=0))
         assert cache.snapshot is not None and cache.snapshot.version == 5
-        assert cache.effective().level == 2
+        assert cache.effective(M).level == 2
         assert cache.offer(snap(6, created_at_s=1001, level=1))
-        assert cache.effective().level == 1
+        assert cache.effective(M).level == 1
 
     def test_offer_accepts_a_restarted_controller(self) -> None:
         clock = FakeWallClock(1000)
@@ -192,14 +273,14 @@ class TestSnapshotCache:
         assert cache.snapshot is not None and cache.snapshot.epoch == "new"
         # The old controller's later versions no longer win.
         assert not cache.offer(snap(51, created_at_s=1001, level=3, epoch="old"))
-        assert cache.effective().level == 0
+        assert cache.effective(M).level == 0
 
     def test_age_is_never_negative(self) -> None:
         clock = FakeWallClock(1000)
         cache = make_cache(clock)
         cache.offer(snap(1, created_at_s=1005))  # a sender whose clock runs ahead
         assert cache.age_s() == 0.0
-        assert cache.effective().source == "snapshot"
+        assert cache.effective(M).source == "snapshot"
 
 
 # --------------------------------------------------------------------------- SnapshotExchange
@@ -233,7 +314,7 @@ class Reports:
 
     def __call__(self) -> RouterReport:
         self.n += 1
-        return RouterReport(router_id="r1", requests=self.n)
+        return RouterReport(router_id="r1", models={"m": ModelLoad(requests=self.n)})
 
 
 def make_exchange(
@@ -254,7 +335,7 @@ class TestSnapshotExchange:
         assert cache.snapshot == first
         assert seen == [first]
         assert ex.failures == 0
-        assert fake.reports == [RouterReport(router_id="r1", requests=1)]
+        assert fake.reports == [RouterReport(router_id="r1", models={"m": ModelLoad(requests=1)})]
 
     async def test_an_older_reply_is_not_passed_to_on_snapshot(self) -> None:
         cache = make_cache(FakeWallClock(1000))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from loadtest.soak import COMPRESSED, compressed_config, history_interval_s, sample_interval_s
 from ballast.config import load_config
+from loadtest.soak import COMPRESSED, compressed_config, history_interval_s, sample_interval_s
 
 
 def local() -> dict:

@@ -6,10 +6,9 @@ import math
 import random
 
 import pytest
+from fakes import FakeClock
 
 from ballast.policies.throttle import AdaptiveThrottle, ThrottleConfig, reject_probability
-
-from fakes import FakeClock
 
 
 class Fixed:

@@ -23,7 +23,10 @@ class Seen:
         self.seen.append((ticket.tenant, outcome.code))
 
 
-def make(places: TenantPlaces, seen: list, charge: Charge = Charge(None, 0, 0), slot: GateSlot = None) -> Ticket:
+NO_CHARGE = Charge(None, 0, 0)
+
+
+def make(places: TenantPlaces, seen: list, charge: Charge = NO_CHARGE, slot: GateSlot = None) -> Ticket:
     assert places.take("gold", cap=4)
     return Ticket(
         "gold",

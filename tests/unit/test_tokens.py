@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ballast.policies import tokens
-from ballast.policies.tokens import fit_context
 from ballast.config import ModelConfig
 from ballast.errors import ContextLengthExceeded
+from ballast.policies import tokens
+from ballast.policies.tokens import fit_context
 from ballast.router.openai_api import BadRequest, ChatMessage
 from ballast.router.tokens import ModelText, TokenizerText, model_text
 from tests.unit.hf_fixture import make_tiny_llama

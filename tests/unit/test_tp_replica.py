@@ -14,21 +14,19 @@ import os
 import signal
 import subprocess
 import time
-from typing import Optional
 
 import psutil
 import pytest
-
 from fakes import FakeClock
-from test_controller_recycling import Fleet, WALL0, events
+from test_controller_recycling import WALL0, Fleet, events
 from test_gpu import FakeNvml, _Proc
 
 from ballast.config import load_config
 from ballast.control.autoscaling import autoscaling_config
 from ballast.control.controller import ControllerCore
 from ballast.control.gpu import ProcessGpuSample, RanksGpuProbe, make_process_gpu_probe
-from ballast.names import MODEL_DEPLOYMENT
 from ballast.control.watchdog import PsutilSampler, WatchdogCore
+from ballast.names import MODEL_DEPLOYMENT
 from ballast.policies.control import fold_reports, serving_replicas
 from ballast.policies.reports import ReplicaReport, WatchedReplica
 
@@ -45,7 +43,7 @@ class FakeRankedProcess:
     def lose(self, *what: str) -> None:
         self.gone += list(what)
 
-    def sample(self) -> dict[str, Optional[float]]:
+    def sample(self) -> dict[str, float | None]:
         return {"rss_bytes": 2e9, "threads": 120.0, "fds": 300.0, "cpu_pct": 30.0}
 
     def engine_gone(self) -> list[str]:

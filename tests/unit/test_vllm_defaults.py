@@ -87,15 +87,14 @@ def test_a_reasoning_models_engine_applies_its_grammar_after_the_thinking(tmp_pa
     """model.reasoning_parser reaches vLLM's engine (its structured-output manager waits for
     the end of the reasoning before a tool call's or response_format's grammar applies)."""
     pytest.importorskip("vllm")
+    from transformers import AutoTokenizer
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     import ballast.model.vllm_engine as ve
     from ballast.config import ModelConfig
-    from ballast.model.vllm_args import config_sections
     from ballast.model.demo import VLLM_GEOMETRY, make_llama
     from ballast.model.engine import build_engine
-
-    from transformers import AutoTokenizer
+    from ballast.model.vllm_args import config_sections
 
     path = make_llama(tmp_path / "m", **VLLM_GEOMETRY)
     tok = AutoTokenizer.from_pretrained(path)  # a thinking model's markers: deepseek_r1 looks for them

@@ -291,7 +291,7 @@ def test_the_admin_route_refuses_a_bad_directory_with_vllms_reason_and_adds_a_go
             r = client.post("/admin/adapters", headers=ADMIN, json=body)
             assert r.status_code == 400 and r.json()["error"]["code"] == "ADAPTER_REFUSED", r.text
             assert reason in r.json()["error"]["message"]
-        assert link.core.adapters() == [] and replica.added == {}
+        assert link.core.admin.adapters() == [] and replica.added == {}
         body = {"model": "tiny", "name": "late", "path": "late", "tenants": ["*"]}  # relative: under the root
         r = client.post("/admin/adapters", headers=ADMIN, json=body)
         assert r.status_code == 201 and backend.serves_adapter("late")

@@ -8,17 +8,16 @@ leaking process in a unit test) and the GPU a ``FakeGpu`` (this machine has no G
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import pytest
+from fakes import FakeClock
 
-from ballast.policies.reports import SeriesTrend, WatchdogReport, WatchedReplica
 from ballast.config import WatchdogSettings, load_config
 from ballast.control.gpu import ProcessGpuSample
 from ballast.control.watchdog import MB, PsutilSampler, WatchdogCore
-
-from fakes import FakeClock
+from ballast.policies.reports import SeriesTrend, WatchdogReport, WatchedReplica
 
 GIB = 1 << 30
 
@@ -32,7 +31,7 @@ class FakeProcess:
         self.leak = leak_mb_per_s * MB
         self.gone = False
 
-    def sample(self) -> dict[str, Optional[float]]:
+    def sample(self) -> dict[str, float | None]:
         if self.gone:
             return {}
         return {"rss_bytes": self.rss0 + self.leak * self.clock(), "threads": 40.0, "fds": 90.0, "cpu_pct": 12.0}
@@ -56,7 +55,7 @@ NO_TREND = SeriesTrend(
 
 
 def core(
-    process=None, gpu=None, clock: Optional[FakeClock] = None, settings: WatchdogSettings = SETTINGS
+    process=None, gpu=None, clock: FakeClock | None = None, settings: WatchdogSettings = SETTINGS
 ) -> tuple[WatchdogCore, FakeClock]:
     clock = clock or FakeClock()
     proc = process or FakeProcess(clock)
@@ -366,7 +365,7 @@ class FakeShapedProcess:
     def __init__(self, clock: FakeClock, shape: Callable[[int], float]) -> None:
         self.clock, self.shape = clock, shape
 
-    def sample(self) -> dict[str, Optional[float]]:
+    def sample(self) -> dict[str, float | None]:
         return {"rss_bytes": self.shape(int(self.clock())) * MB, "threads": 40.0, "fds": 90.0}
 
 

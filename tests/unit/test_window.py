@@ -155,7 +155,7 @@ def test_a_sample_counts_by_the_second_it_fell_in() -> None:
 def test_samples_in_one_bucket_add_up_in_it() -> None:
     clock = FakeClock(0)
     w = TimeWindow(2.0, 2, fields=1)  # buckets [0, 2), [2, 4), ...
-    for tick in range(6):
+    for _tick in range(6):
         w.add((1,), clock())
         clock.advance()
     # Ticks 0..5 fell in buckets 0, 1, 2 (two each); at 5 the bucket of 0-1 is 2 behind.
