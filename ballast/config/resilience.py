@@ -57,7 +57,7 @@ class BulkheadSettings(Strict):
 
 
 class GateSettings(Strict):
-    """Per router: an adaptive limit on requests at the primary model, and a priority
+    """Per router and model: an adaptive limit on requests at the model, and a priority
     wait line for the rest (ballast/router/gate.py, ballast/policies/limiter.py)."""
 
     enabled: bool = True

@@ -40,9 +40,9 @@ class BallastConfig(Strict):
     route_prefix: str = "/"
     http: HttpConfig = HttpConfig()
     # The one model served (the one-model form of ``models``); with ``models`` written,
-    # its first entry (the primary), as every reader of ``model`` takes it.
+    # its first entry (the default model: a request naming none gets it).
     model: ModelConfig = ModelConfig()
-    # The models served, in place of ``model``; the first is the primary. Not written: [model].
+    # The models served, in place of ``model``; the first is the default. Not written: [model].
     models: list[ServedModelConfig] = Field(default_factory=list)
     # LoRA adapters added at run time (POST /admin/adapters) load only from directories
     # under this one, checked on the node that loads them: symlinks resolved, and the root,
@@ -80,10 +80,10 @@ class BallastConfig(Strict):
         if not isinstance(models, list) or not models or not isinstance(models[0], (dict, BaseModel)):
             return data  # the field's own validation says what is wrong
         first = _as_dict(models[0])
-        primary = {k: v for k, v in first.items() if k in ModelConfig.model_fields}
-        if data.get("model") is not None and not _same_model(data["model"], primary):
+        first_model = {k: v for k, v in first.items() if k in ModelConfig.model_fields}
+        if data.get("model") is not None and not _same_model(data["model"], first_model):
             raise ValueError("model and models: write the models list alone (model is the one-model form of models)")
-        return {**data, "model": primary}
+        return {**data, "model": first_model}
 
     @model_serializer(mode="wrap")
     def _dump_one_form(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -226,11 +226,11 @@ def _as_dict(model: Any) -> Any:
     return model.model_dump() if isinstance(model, BaseModel) else model
 
 
-def _same_model(written: Any, primary: dict[str, Any]) -> bool:
+def _same_model(written: Any, first_model: dict[str, Any]) -> bool:
     """Whether ``model``, written beside ``models``, says nothing (defaults) or the first entry."""
     try:
         given = ModelConfig.model_validate(_as_dict(written))
-        return given == ModelConfig() or given == ModelConfig.model_validate(primary)
+        return given == ModelConfig() or given == ModelConfig.model_validate(first_model)
     except ValueError:
         return False
 

@@ -111,10 +111,10 @@ def render() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from `ballast/config.py` by `python -m ballast.ops.config_doc`; a test fails",
+        "Generated from `ballast/config/` by `python -m ballast.ops.config_doc`; a test fails",
         "when this file and the code disagree. One YAML file (`cluster/local.yaml`, or the",
         "`args.config` of `cluster/serve_config.yaml`) holds these keys; unknown keys are refused,",
-        "and every error names its field. The comments in `ballast/config.py` and",
+        "and every error names its field. The comments in `ballast/config/` and",
         "`cluster/local.yaml` say what each option is for.",
         "",
         "| key | type | unit | default |",

@@ -6,7 +6,7 @@ Where things are:
   admitted, given its ticket (ticket.py: tenant place, quota charge, gate slot) and
   sent to the model (its docstring walks it);
 - generate.py and openai.py: the native and OpenAI fronts, each holding the pipeline;
-  openai_api.py: the OpenAI protocol's models, which its answers are built from;
+  openai_api.py: the OpenAI protocol's requests, openai_answers.py its answers;
 - admin.py: ``/v1/status`` and ``/admin/*``; admin_port.py: those routes on a local-only
   port instead (``http.admin_port``);
 - readiness.py: the cached model probe the health routes answer from;
@@ -19,7 +19,8 @@ Where things are:
   the routes, each handing its request to its front.
 
 Decisions are ballast/policies/'s: admission, quota, the gate (ballast/policies/gate.py) and the
-per-request rules (ballast/policies/request.py); this package gathers inputs and applies them.
+per-request rules (ballast/policies/tokens.py, outcome.py, criticality.py, json_bounds.py); this
+package gathers inputs and applies them.
 """
 
 import time

@@ -11,8 +11,8 @@ class RouterMetrics:
     """Every metric a router replica exports."""
 
     def __init__(self, model: str = "") -> None:
-        """``model``: the first model's name, the ``model`` tag of every per-model metric
-        recorded without one (a router serving one model records none)."""
+        """``model``: the ``model`` tag of a per-model metric recorded without one (the
+        router records every per-model series with its model's tag; empty here)."""
         from ray.serve import metrics
 
         self._requests(metrics)

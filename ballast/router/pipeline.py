@@ -59,7 +59,7 @@ from ballast.errors import (
 )
 from ballast.model.protocol import ModelCall, ModelChunk
 from ballast.policies import killswitch
-from ballast.policies import outcome as request_policy
+from ballast.policies import outcome as outcome_policy
 from ballast.policies.admission import admit, clamp_max_tokens
 from ballast.policies.affinity import route_mode
 from ballast.policies.catalog import Target
@@ -339,7 +339,7 @@ class Pipeline:
         self.metrics.level.set(eff.level, tags={"model": lane.name})
         fallback_only = self._level_admits(lane, tenant, criticality, eff, now_wall)
         clamped, _ = clamp_max_tokens(req.max_tokens, eff.constraints, lane.max_tokens)
-        reasons = request_policy.degraded_reasons(
+        reasons = outcome_policy.degraded_reasons(
             requested_max_tokens=req.max_tokens,
             level_max_tokens=eff.constraints.max_tokens,
             model_max_tokens=lane.max_tokens,
@@ -501,13 +501,13 @@ class Pipeline:
         except DeadlineExceeded as err:
             outcome = Outcome(
                 err.code,
-                error=request_policy.counts_as_error(err.code, err.status),
+                error=outcome_policy.counts_as_error(err.code, err.status),
                 service_s=time.monotonic() - t0,
                 timed_out=True,
             )
             raise
         except BallastError as err:
-            outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status))
+            outcome = Outcome(err.code, error=outcome_policy.counts_as_error(err.code, err.status))
             raise
         finally:
             ticket.finish(outcome)
@@ -556,7 +556,7 @@ class Pipeline:
             outcome = Outcome("OK" if state.enough else "CANCELLED")
             raise
         except BallastError as err:
-            outcome = Outcome(err.code, error=request_policy.counts_as_error(err.code, err.status))
+            outcome = Outcome(err.code, error=outcome_policy.counts_as_error(err.code, err.status))
             raise
         finally:
             lane.tally.inflight -= 1

@@ -34,8 +34,7 @@ from typing import Any
 from ballast.control.snapshot import Snapshot
 from ballast.model.routing import routed_so_far
 from ballast.names import ROUTER_DEPLOYMENT
-from ballast.policies import engines as request_policy
-from ballast.policies import killswitch
+from ballast.policies import engines, killswitch
 from ballast.policies.criticality import Criticality
 from ballast.policies.edge import EdgeThrottle
 from ballast.policies.fairness import TenantCounters
@@ -52,10 +51,10 @@ log = logging.getLogger("ballast.router")
 
 def model_ceiling(cfg: Any, snap: Snapshot, model: str, share: float | None = None) -> int | None:
     """The ceiling of the gate to ``model`` from a snapshot (and this router's fair share of
-    the model, when the controller gave one): ballast/policies/request.py's ``model_ceiling``."""
+    the model, when the controller gave one): ballast/policies/engines.py's ``model_ceiling``."""
     state = snap.models.get(model)
     rows = state.engine_rows if state is not None else None
-    return request_policy.model_ceiling(
+    return engines.model_ceiling(
         snap.running_replicas.get(cfg.deployment_name(model), 0),
         snap.running_replicas.get(ROUTER_DEPLOYMENT, 0),
         cfg.deployment_of(model).max_ongoing_requests,

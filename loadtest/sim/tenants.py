@@ -13,7 +13,7 @@ and ``router_shares`` for the controller), not a copy of it. A tick:
    by the shares the controller computed at the last control tick when the counters are
    shared and someone waits, evenly otherwise. A router's budget is its ceiling: what it
    leaves unused is not lent to another router, as a gate's ceiling is not
-   (``ballast.policies.request.model_ceiling``).
+   (``ballast.policies.engines.model_ceiling``).
 3. **Grants.** Each router grants in quanta of ``ceil(budget / grants_per_router)``:
    the most critical class with waiters (class order stays above tenant order); in it,
    the tenant ``TenantCounters.pick`` chooses among those waiting, passed oldest head
