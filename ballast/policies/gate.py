@@ -68,8 +68,9 @@ class ServiceTime:
             self.mean_s = service_s
         self.mean_s += self.alpha * (service_s - self.mean_s)
         self._samples.add(service_s)
-        # Never None (no samples): the window holds at least the one just added.
-        self.p90_s = nearest_rank(self._samples, 0.9)  # type: ignore[assignment]
+        p90 = nearest_rank(self._samples, 0.9)
+        assert p90 is not None  # the window holds at least the one just added
+        self.p90_s = p90
 
     def needed_s(self, rank: int, critical_rank: int) -> float:
         """The time ``rank`` must have left to be let through: the mean for critical, p90 else."""

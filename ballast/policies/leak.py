@@ -299,9 +299,12 @@ class LeakDetector:
             if len(short_points) < self._cfg.min_points:
                 continue  # cannot be judged: spare the fit
             fast = fit_short(short_points, spec, self._cfg)
-            # fast.leaking implies fast.time_to_limit_s is not None (fit_short), which mypy cannot see.
-            if fast.leaking and not (
-                slow.leaking and slow.time_to_limit_s is not None and slow.time_to_limit_s <= fast.time_to_limit_s  # type: ignore[operator]
+            # fast.leaking implies fast.time_to_limit_s is not None (fit_short).
+            fast_limit_s = fast.time_to_limit_s
+            if (
+                fast.leaking
+                and fast_limit_s is not None
+                and not (slow.leaking and slow.time_to_limit_s is not None and slow.time_to_limit_s <= fast_limit_s)
             ):
                 out[name] = fast
         return out

@@ -45,20 +45,20 @@ class CountWindow(Generic[S]):
     to be added in ascending order (a clock that steps back only keeps a sample longer).
     """
 
-    __slots__ = ("_items", "_fields", "_sums")
+    __slots__ = ("_items", "_size", "_fields", "_sums")
 
     def __init__(self, size: int, fields: int = 0) -> None:
         check_int("size", size, minimum=1)
         check_int("fields", fields, minimum=0)
         self._items: deque[tuple[float, S]] = deque(maxlen=size)
+        self._size = size
         self._fields = fields
         self._sums: list[Any] = [0] * fields
 
     @property
     def size(self) -> int:
         """The most samples held."""
-        # deque's maxlen is Optional; this one is always made with maxlen=size.
-        return self._items.maxlen  # type: ignore[return-value]
+        return self._size
 
     def add(self, sample: S, at_s: float = 0.0) -> None:
         """Append ``sample`` stamped ``at_s``; the oldest leaves first when the window is full."""
