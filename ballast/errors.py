@@ -214,3 +214,35 @@ class ModelLoadError(ValueError):
 
     def __str__(self) -> str:
         return f"cannot load model from {self.path!r}: {self.reason}"
+
+
+class BatchFileInvalid(BallastError):
+    """A batch's input file that cannot run as a whole (empty, over the line cap, a line that is
+    not a JSON object or whose ``custom_id`` is missing or repeated, lines for several models):
+    ``errors`` are OpenAI's ``errors.data`` entries (``code``, ``message``, ``param``, ``line``),
+    which the failed batch reports."""
+
+    status, code = 400, "INVALID_BATCH_FILE"
+
+    def __init__(self, message: str, errors: list[dict[str, Any]]):
+        super().__init__(message)
+        self.args = (message, errors)
+        self.errors = errors
+
+    def body(self) -> dict[str, Any]:
+        out = super().body()
+        out["error"]["data"] = self.errors
+        return out
+
+
+class FileTooLarge(PayloadTooLarge):
+    """An uploaded file past the deployment's cap in ``unit`` ("bytes" or "lines"), refused as
+    soon as the stream passes it."""
+
+    code = "FILE_TOO_LARGE"
+
+    def __init__(self, limit: int, unit: str):
+        super().__init__(f"file: more than {limit} {unit}; the limit is {limit} {unit}")
+        self.args = (limit, unit)
+        self.limit = limit
+        self.unit = unit
