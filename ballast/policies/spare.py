@@ -1,0 +1,125 @@
+"""Batch work in the capacity interactive traffic leaves: how many batch lines a router may
+start for a model now, how long a failed line waits before it is tried again, and how much
+of the spare capacity batch work used.
+
+- **Rows** (``batch_rows``): a batch row started now holds a slot of the model's gate for
+  about one service time, and every interactive request that arrives meanwhile must still
+  find a free slot. So batch may fill only what the gate's limit leaves beyond the
+  interactive rows in flight, the interactive arrivals expected within one service time
+  (``ceil(rate x service_s)``) and a fixed reserve (``reserve_rows``: what the forecast
+  misses, a burst above the rate); the batch rows already held count against that room.
+  Only at level 0: any higher level sheds an interactive class, and batch, below them all,
+  stops first. Invariant: while arrivals within one service time stay within the forecast
+  plus the reserve, interactive + batch rows never pass the limit, so batch makes no
+  interactive request wait; a rising rate takes batch to 0 first (batch rows end within a
+  service time and are not replaced).
+- **Backoff** (``full_jitter_s``): AWS's full jitter, the router's own retry backoff
+  (``ballast.policies.retry.backoff_s``) with the batch's base and cap.
+- **Spare used** (``spare_tokens``, ``SpareMeter``): per interval, the tokens the engine
+  could serve at its measured capacity less the interactive tokens it served (never below
+  0) are the spare; the batch tokens served over the spare summed is ``spare_used``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ballast.policies.retry import RetryConfig, backoff_s
+from ballast.policies.validation import check_int, check_non_negative
+
+# rate x service_s a hair above an integer (1.1 x 100 = 110.00000000000001) is that integer:
+# without it a whole slot would be kept for a float's rounding.
+_EPSILON = 1e-9
+
+
+def expected_arrivals(rate_per_s: float, service_s: float) -> int:
+    """Interactive arrivals expected within one service time, rounded up."""
+    return max(0, math.ceil(rate_per_s * service_s - _EPSILON))
+
+
+def batch_rows(
+    level: int,
+    limit: int,
+    in_flight_interactive: int,
+    interactive_rate_per_s: float,
+    service_s: float,
+    reserve_rows: int,
+    held_batch: int,
+) -> int:
+    """How many more batch lines a router may start for a model now (never negative): 0
+    unless ``level`` is 0, else the gate ``limit`` less the interactive rows in flight, the
+    interactive arrivals expected within ``service_s`` and ``reserve_rows``, less the
+    ``held_batch`` rows batch holds already (why: the module docstring)."""
+    check_int("level", level, minimum=0)
+    check_int("limit", limit, minimum=0)
+    check_int("in_flight_interactive", in_flight_interactive, minimum=0)
+    check_non_negative("interactive_rate_per_s", interactive_rate_per_s)
+    check_non_negative("service_s", service_s)
+    check_int("reserve_rows", reserve_rows, minimum=0)
+    check_int("held_batch", held_batch, minimum=0)
+    if level != 0:
+        return 0
+    room = limit - in_flight_interactive - expected_arrivals(interactive_rate_per_s, service_s) - reserve_rows
+    return max(0, room - held_batch)
+
+
+def full_jitter_s(attempt: int, base_s: float, cap_s: float, rng: Callable[[], float]) -> float:
+    """The wait before retry ``attempt`` (0: the first retry), uniform in
+    [0, min(cap_s, base_s x 2**attempt)) from ``rng`` (u in [0, 1), e.g. an injected
+    ``random.Random().random``). ``retry.backoff_s`` counts its first retry as 1."""
+    check_int("attempt", attempt, minimum=0)
+    return backoff_s(attempt + 1, RetryConfig(base_backoff_s=base_s, max_backoff_s=cap_s), rng)
+
+
+def spare_tokens(capacity_tokens_per_s: float, interval_s: float, interactive_tokens: int) -> float:
+    """Tokens the engine could have served beyond interactive demand in ``interval_s``: its
+    capacity over the interval less the interactive tokens served, never below 0."""
+    check_non_negative("capacity_tokens_per_s", capacity_tokens_per_s)
+    check_non_negative("interval_s", interval_s)
+    check_int("interactive_tokens", interactive_tokens, minimum=0)
+    return max(0.0, capacity_tokens_per_s * interval_s - interactive_tokens)
+
+
+class SpareMeter:
+    """Spare tokens and the batch tokens served within them, interval by interval, on an
+    injected clock. Each ``record`` closes the interval since the previous one (or since
+    the meter was made): the caller passes the model's measured capacity for it and the
+    tokens each kind of work was served in it. Counters only grow; nothing is kept per
+    interval."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._since_s = clock()
+        self.intervals = 0
+        self.spare_tokens = 0.0
+        self.batch_tokens = 0
+        self.interactive_tokens = 0
+
+    def record(self, capacity_tokens_per_s: float, interactive_tokens: int, batch_tokens: int) -> float:
+        """Close the interval ending now; returns its spare tokens."""
+        check_int("batch_tokens", batch_tokens, minimum=0)
+        now_s = self._clock()
+        spare = spare_tokens(capacity_tokens_per_s, now_s - self._since_s, interactive_tokens)
+        self._since_s = now_s
+        self.intervals += 1
+        self.spare_tokens += spare
+        self.interactive_tokens += interactive_tokens
+        self.batch_tokens += batch_tokens
+        return spare
+
+    def spare_used(self) -> float | None:
+        """Batch tokens served over the spare tokens; None while there has been no spare.
+        Above 1 when batch was served beyond the measured capacity (it is not clipped)."""
+        return self.batch_tokens / self.spare_tokens if self.spare_tokens > 0 else None
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "intervals": self.intervals,
+            "spare_tokens": self.spare_tokens,
+            "batch_tokens": self.batch_tokens,
+            "interactive_tokens": self.interactive_tokens,
+            "spare_used": self.spare_used(),
+        }
