@@ -10,10 +10,10 @@ once, and the lines kept (each body as compact JSON, about its size in the file)
 1. The file: empty, or past ``max_lines`` requests (stopped there), fails as a whole.
 2. Framing: the line is UTF-8, nested at most ``max_depth`` deep (measured before the parse,
    whose C parser recurses once per level), one JSON object without NaN or Infinity; its
-   ``custom_id`` is a non-empty string of at most ``MAX_CUSTOM_ID_CHARS`` characters, unique
-   in the file.
+   ``custom_id`` is a non-empty string of at most ``MAX_CUSTOM_ID_CHARS`` characters (Unicode
+   text: no lone surrogate from a ``\\ud800`` escape), unique in the file.
 3. The request: ``method`` is "POST", ``url`` the batch's endpoint, ``body`` an object
-   without ``stream: true``, at most ``max_body_bytes`` as compact JSON.
+   without ``stream: true``, Unicode text, at most ``max_body_bytes`` as compact JSON.
 4. ``check_body(body)``: the router's online validation (the tenant's grants, the model,
    the sizes its front checks); it returns the model the line targets, or raises a
    ``BallastError``. A refusal under 500 is this line's error (its code, message and
@@ -196,6 +196,25 @@ def _lines(data: bytes) -> Iterator[tuple[int, bytes]]:
         start = end + 1
 
 
+_LONE_SURROGATE = "a lone UTF-16 surrogate is not Unicode text"
+MAX_SHOWN_CHARS = 64  # of a client's value echoed in an error message
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error message quotes it, cut to ``MAX_SHOWN_CHARS``."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a lone surrogate, from a JSON escape, does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -220,6 +239,8 @@ def _frame(raw: bytes, max_depth: int, seen: set[str]) -> tuple[dict[str, Any], 
     if not isinstance(custom_id, str) or not custom_id or len(custom_id) > MAX_CUSTOM_ID_CHARS:
         msg = f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID_CHARS} characters."
         raise _Fatal("invalid_custom_id", msg, "custom_id")
+    if not _is_unicode(custom_id):
+        raise _Fatal("invalid_custom_id", f"custom_id: {_LONE_SURROGATE}.", "custom_id")
     if custom_id in seen:
         msg = (
             f"The custom_id '{custom_id}' for this request is a duplicate of another request. "
@@ -235,10 +256,10 @@ def _request(
 ) -> tuple[str, str]:
     """(the body as compact JSON, the model it targets) of a framed line, or ``_Refused``."""
     if obj.get("method") != "POST":
-        raise _Refused("invalid_method", f"method must be 'POST', got {obj.get('method')!r}.", "method")
+        raise _Refused("invalid_method", f"method must be 'POST', got {_shown(obj.get('method'))}.", "method")
     url = obj.get("url")
     if url != endpoint:
-        msg = f"The URL provided for this request ({url!r}) does not match the batch endpoint ({endpoint})."
+        msg = f"The URL provided for this request ({_shown(url)}) does not match the batch endpoint ({endpoint})."
         raise _Refused("invalid_url", msg, "url")
     body = obj.get("body")
     if not isinstance(body, dict):
@@ -246,6 +267,8 @@ def _request(
     if body.get("stream") is True:
         raise _Refused("stream_not_supported", "Streaming is not supported in a batch: drop body.stream.", "stream")
     body_json = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+    if not _is_unicode(body_json):  # from a \ud800 escape: the online parse refuses it too
+        raise _Refused(InvalidRequest.code, f"body: {_LONE_SURROGATE}", "body")
     size = len(body_json.encode("utf-8"))
     if size > max_body_bytes:
         msg = f"body: {size} bytes as compact JSON; the limit is {max_body_bytes}"

@@ -107,6 +107,22 @@ def test_a_body_past_the_online_size_is_refused_as_the_online_call_would_be() ->
     assert "the limit is 256" in err.message
 
 
+def test_a_clients_value_is_quoted_cut_short() -> None:
+    parsed = parse(jsonl(request("m", method=["x" * 10_000]), request("u", url="/" * 10_000)))
+    assert [e.code for e in parsed.errors] == ["invalid_method", "invalid_url"]
+    assert all(len(e.message) < 200 for e in parsed.errors)
+
+
+def test_a_lone_surrogate_is_refused_not_a_crash() -> None:
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    line = f'{{"custom_id": "s", "method": "POST", "url": "{CHAT}", "body": {body}}}'
+    parsed = parse(jsonl(request("a"), line))
+    (err,) = parsed.errors
+    assert (err.line, err.custom_id, err.code, err.param) == (2, "s", "INVALID_REQUEST", "body")
+    assert "lone UTF-16 surrogate" in err.message
+    assert fatal_codes(jsonl('{"custom_id": "\\udc00"}')) == [(1, "invalid_custom_id")]
+
+
 def test_a_file_whose_lines_are_all_refused_still_runs_with_no_model() -> None:
     parsed = parse(jsonl(request("a", method="PUT")))
     assert parsed.lines == [] and parsed.model is None
