@@ -1,0 +1,1 @@
+"""OpenAI's Batch API on a durable queue (issue 62)."""
