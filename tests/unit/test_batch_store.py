@@ -29,8 +29,9 @@ from ballast.batch.records import (
     result_file_id,
 )
 from ballast.batch.store import BatchStore, connect
-from ballast.config import BatchConfig
+from ballast.config import BatchConfig, load_config
 from ballast.errors import BatchLimitExceeded, FileLimitExceeded, InvalidRequest, StoreUnavailable
+from ballast.ops.cli import embedded_store
 
 T0 = 1_800_000_000.0
 DAY_S = 86400
@@ -585,3 +586,21 @@ def test_the_embedded_store_is_private_and_one_per_directory(tmp_path: Path) -> 
         with pytest.raises(EmbeddedStoreError, match="another process runs a store"):
             EmbeddedRedis(tmp_path).start()
     assert redis_server_binary()
+
+
+def test_serve_starts_the_embedded_store_only_without_a_store_url(tmp_path: Path) -> None:
+    cfg = load_config(None)
+    served, embedded = embedded_store(cfg, tmp_path)
+    try:
+        assert embedded is not None and embedded.client().ping()
+        assert served.batch.store_url == embedded.url
+        assert served.batch.store_password_file == str(embedded.password_file)
+        assert embedded.dir == (tmp_path / "redis" / "8000").resolve()  # one per stack, by its HTTP port
+        assert served.batch.max_files == cfg.batch.max_files  # the rest as written
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    external = load_config({"batch": {"store_url": "redis://store:6379/0"}})
+    assert embedded_store(external, tmp_path) == (external, None)
+    disabled = load_config({"batch": {"enabled": False}})
+    assert embedded_store(disabled, tmp_path) == (disabled, None)
