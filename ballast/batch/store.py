@@ -47,6 +47,8 @@ Choices where OpenAI or the design left room:
 
 - Batches and files are listed newest first, as OpenAI does; dead letters oldest first, by
   model. An ``after`` cursor that is not in the list is a 422 naming ``after``.
+- Every file expires: a file put without ``expires_at`` gets ``file_expiry_s`` from its
+  creation, as a batch's output and error files do; ``expire_files`` deletes them.
 - Lines refused when the batch is created (``FailedLine``) go to its error hash at once;
   one without a usable custom_id is keyed by its line number.
 - A retry's backoff (``not_before``) travels in its fresh queue entry; a dispatcher that
