@@ -188,6 +188,28 @@ class DeadlineExceeded(BallastError):
     status, code = 504, "DEADLINE_EXCEEDED"
 
 
+class StoreUnavailable(BallastError):
+    """The Batch API's durable store (Redis or Valkey) did not answer within its timeout, or
+    refused the call: nothing was changed that the caller must undo; retrying later works."""
+
+    status, code = 503, "STORE_UNAVAILABLE"
+
+
+class FileLimitExceeded(BallastError):
+    """The tenant holds as many files, or as many stored bytes, as ``batch.max_files`` /
+    ``batch.max_stored_bytes`` allow (a batch in flight holds room for its two result files):
+    refused until the tenant deletes files or they expire."""
+
+    status, code = 429, "FILE_LIMIT"
+
+
+class BatchLimitExceeded(BallastError):
+    """The tenant has ``batch.max_batches_in_flight`` batches not yet finished, or that many
+    batches' worth of lines still queued: refused until one finishes."""
+
+    status, code = 429, "BATCH_LIMIT"
+
+
 class ConfigError(ValueError):
     """A configuration that cannot be served; raised at build time, never per request."""
 

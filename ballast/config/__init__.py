@@ -27,12 +27,14 @@ sections) and the loading on top; every name is imported from here:
 - ``resilience``: ``resilience`` (breaker, retry, bulkhead, gate, cache, idempotency)
 - ``tenants``: ``tenants``, ``quota``, ``fairness``
 - ``auth``: ``auth``
+- ``batch``: ``batch`` (the Batch API, the flex tier, their durable store)
 - ``root``: ``BallastConfig``
 - ``loading``: ``load_config``, ``with_model_dir``, ``read_text``
 """
 
 from ballast.config.auth import AuthConfig
 from ballast.config.base import frozen_config
+from ballast.config.batch import BatchConfig
 from ballast.config.control import (
     AutoscaleSettings,
     ControllerConfig,
@@ -75,6 +77,7 @@ __all__ = [
     "AdapterConfig",
     "AuthConfig",
     "AutoscaleSettings",
+    "BatchConfig",
     "BallastConfig",
     "BreakerSettings",
     "BulkheadSettings",

@@ -17,6 +17,7 @@ from pydantic import (
 
 from ballast.config.auth import AuthConfig
 from ballast.config.base import Strict, frozen_config
+from ballast.config.batch import BatchConfig
 from ballast.config.control import AutoscaleSettings, ControllerConfig, DegradationSettings, RecycleSettings
 from ballast.config.deployments import DeploymentsConfig, ModelDeploymentConfig
 from ballast.config.http import HttpConfig
@@ -66,6 +67,8 @@ class BallastConfig(Strict):
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
     quota: QuotaSettings = QuotaSettings()
     fairness: FairnessSettings = FairnessSettings()
+    # OpenAI's Batch API and the flex tier, on a durable queue.
+    batch: BatchConfig = BatchConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -3,12 +3,13 @@ and the operator's commands over the admin API: ``status`` (a summary; ``--json`
 document), ``tenants``,
 ``kill-switch on|off|list``, ``chaos on|off`` (admin token from ``$BALLAST_ADMIN_TOKEN``).
 
-``serve`` starts a local Ray inside this process, the controller actor and the app,
-waits until ``/healthz/ready`` answers, prints the URL and a curl example, and stays
-in the foreground. SIGINT (Ctrl-C) or SIGTERM shuts Serve, the controller and Ray
-down cleanly. ``stop`` signals only the process recorded in ``.run/ballast-<port>.pid``
-(one file per HTTP port: stacks on other ports, a test run beside ``make serve``,
-are left alone).
+``serve`` starts the Batch API's embedded store (``.run/redis/<port>/``, unless
+``batch.store_url`` names one or ``batch.enabled`` is false), a local Ray inside this
+process, the controller actor and the app, waits until ``/healthz/ready`` answers, prints
+the URL and a curl example, and stays in the foreground. SIGINT (Ctrl-C) or SIGTERM shuts
+Serve, the controller and Ray down cleanly, then the store (its data kept). ``stop``
+signals only the process recorded in ``.run/ballast-<port>.pid`` (one file per HTTP port:
+stacks on other ports, a test run beside ``make serve``, are left alone).
 
 The admin token goes only where the operator points: ``--url``, else ``$BALLAST_URL``,
 else the stack ``serve`` started here, else ``http://127.0.0.1:8000``. A pid file is
@@ -34,12 +35,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import typer
 
 from ballast.ops.status_text import format_status, tenant_rows
+
+if TYPE_CHECKING:
+    from ballast.batch.embedded import EmbeddedRedis
+    from ballast.config import BallastConfig
 
 
 def pidfile(port: int) -> Path:
@@ -151,6 +156,23 @@ def _held_by_another(pid_path: Path) -> bool:
     return True
 
 
+def embedded_store(cfg: BallastConfig, run_dir: Path = Path(".run")) -> tuple[BallastConfig, EmbeddedRedis | None]:
+    """The Batch API's store for ``serve``: with ``batch.enabled`` and no ``batch.store_url``,
+    an embedded redis-server started on ``run_dir/redis/<HTTP port>/`` (one per stack, as the
+    pid files are) and ``cfg`` pointing the routers at it (its URL and password file); else
+    ``cfg`` as it is and no store."""
+    if not cfg.batch.enabled or cfg.batch.store_url is not None:
+        return cfg, None
+    from ballast.batch.embedded import EmbeddedRedis
+
+    for d in (run_dir, run_dir / "redis"):
+        d.mkdir(mode=0o700, exist_ok=True)
+    store = EmbeddedRedis(run_dir / "redis" / str(cfg.http.port))
+    store.start()
+    batch = cfg.batch.model_copy(update={"store_url": store.url, "store_password_file": str(store.password_file)})
+    return cfg.model_copy(update={"batch": batch}), store
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ballast.config import load_config
 
@@ -162,14 +184,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     pid_path = pidfile(cfg.http.port)
     if _held_by_another(pid_path):
         return 1
+    cfg, store = embedded_store(cfg)
+    try:
+        return _serve(cfg, pid_path, args.dashboard)
+    finally:
+        if store is not None:
+            store.stop()  # after the app and Ray: no router writes to it any more
 
+
+def _serve(cfg: BallastConfig, pid_path: Path, dashboard: bool) -> int:
+    """Ray, the app and the controller up until SIGINT or SIGTERM, then down."""
     import ray
 
     from ballast.ops.app import shutdown, start
     from ballast.router.ingress import apply_ingress_env
 
     apply_ingress_env(cfg)
-    ray.init(include_dashboard=args.dashboard, logging_level=logging.WARNING)
+    ray.init(include_dashboard=dashboard, logging_level=logging.WARNING)
     # After ray.init: Ray's core installs its own SIGTERM handler (it aborts the
     # process); ours replaces it so that both signals shut down cleanly.
     stop = threading.Event()
