@@ -21,6 +21,7 @@ import time
 import pytest
 from fakes import FakeClock, FakeSleep
 from routerkit import at_level, build_router, only_lane, routed
+from starlette.requests import Request
 from test_gate import FakeTimer
 from test_resilient_caller import FakeHandle, FakeResponse
 
@@ -443,6 +444,22 @@ async def test_the_flex_deadline_may_pass_the_online_maximum_up_to_the_flex_one(
     assert held.start_by_s == pytest.approx(flexed.clock() + DEFAULT_FLEX_MAX_WAIT_S - REPLICA_LEAD_S)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+def test_identify_keeps_the_clients_timeout_for_a_flex_deadline():
+    """The online deadline is capped by resilience.max_deadline_s; the client's own timeout is
+    kept beside it, for a flex request's deadline."""
+    pipeline = build_router(CFG, FakeHandle()).pipeline
+
+    def caller(*headers: tuple[bytes, bytes]) -> Caller:
+        scope = {"type": "http", "headers": [(b"authorization", b"Bearer dev-key-gold"), *headers]}
+        return pipeline.identify(Request(scope))
+
+    long = caller((b"x-request-timeout-ms", b"900000"))
+    assert long.timeout_s == 900.0
+    assert long.deadline.budget_s == pytest.approx(120.0)  # the online cap: resilience.max_deadline_s
+    plain = caller()
+    assert plain.timeout_s is None and plain.deadline.budget_s == pytest.approx(30.0)
 
 
 async def test_a_kill_switch_refuses_a_flex_request_at_once(flexed):
