@@ -146,6 +146,13 @@ class Overloaded(BallastError):
     status, code = 503, "OVERLOADED"
 
 
+class FlexQueueFull(BallastError):
+    """A ``service_tier: "flex"`` request found its model's hold at this router full: it
+    would have waited for spare capacity, and there is no room to wait."""
+
+    status, code = 503, "FLEX_QUEUE_FULL"
+
+
 class KillSwitchActive(BallastError):
     """An operator's kill switch refuses this request (global, tenant, model or criticality)."""
 

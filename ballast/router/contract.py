@@ -42,6 +42,7 @@ class GenerateAnswer(BaseModel):
     tokens_generated: int
     model: str = Field(description="The model that answered (the fallback's name when it did).")
     criticality: str = Field(description="The class granted (a claim above the tenant's cap is lowered).")
+    service_tier: str = Field(description="The tier that served it: default, flex or priority.")
     degradation_level: int
     degraded: bool
     degraded_reasons: list[str]

@@ -15,7 +15,7 @@ the text it does not have, and ``done`` counts the whole generation.
 """
 
 from collections.abc import AsyncGenerator
-from typing import Annotated, Any, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -25,8 +25,9 @@ from ballast.errors import BallastError, InvalidRequest, PayloadTooLarge
 from ballast.model.protocol import ModelCall, Resume
 from ballast.policies.catalog import Target
 from ballast.policies.criticality import Criticality
-from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json, sse_event, validate_body
-from ballast.router.pipeline import Answer, ModelRequest, Pipeline, Stream
+from ballast.policies.flex import TIER_HEADER
+from ballast.router.api import StreamResponse, answer_headers, read_json, sse_event, validate_body
+from ballast.router.pipeline import Answer, ModelRequest, Pipeline, Stream, tiered_claim
 from ballast.router.tokens import ModelText
 
 
@@ -49,6 +50,8 @@ class GenerateRequest(BaseModel):
     max_tokens: int = Field(64, ge=1)
     # Or the X-Ballast-Criticality header (which HAProxy reads: edge.py); both must agree.
     criticality: Criticality | None = None
+    # OpenAI's tiers (ballast/policies/flex.py): flex is sheddable held for spare capacity.
+    service_tier: Literal["auto", "default", "flex", "priority", "fast"] | None = None
     stream: bool = False
     resume: ResumeBody | None = None  # a cut stream sent again (the module's docstring)
 
@@ -78,13 +81,13 @@ class NativeFront:
         lane, target = self._pipeline.target(caller, req.model)
         call = self.to_call(req, caller.idempotency_key, lane.text, target)
         max_tokens = lane.text.fit(len(call.prompt_ids), req.max_tokens)
-        served = await self._pipeline.serve(
-            ModelRequest(caller, claimed_criticality(request, req.criticality), max_tokens, req.stream, call)
-        )
+        tier, claimed = tiered_claim(request, req.service_tier, req.criticality, InvalidRequest)
+        served = await self._pipeline.serve(ModelRequest(caller, claimed, max_tokens, req.stream, call, tier))
         resumed_tokens = len(call.resumed_ids)
         asked = Asked(target.model, req.model)
         if isinstance(served, Stream):
-            return StreamResponse(self._events(served, resumed_tokens, asked), served)
+            headers = {TIER_HEADER: served.admission.tier.value}
+            return StreamResponse(self._events(served, resumed_tokens, asked), served, headers)
         return self._answer(served, resumed_tokens, req.stream, asked)
 
     def _answer(self, answer: Answer, resumed_tokens: int, stream: bool, asked: "Asked") -> Response:
@@ -96,7 +99,7 @@ class NativeFront:
             **meta,
             "fallback": settled.fallback,
         }
-        headers = answer_headers(answer)
+        headers = {**answer_headers(answer), TIER_HEADER: answer.admission.tier.value}
         if stream:  # streaming is off at this level: one token event, then done
             done = {k: v for k, v in body.items() if k != "text"}
             events = sse_event("token", {"text": body["text"], "tokens": body["tokens_generated"]}) + sse_event(

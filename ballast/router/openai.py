@@ -13,6 +13,10 @@ formats what comes back.
   sends it with ``extra_body``); default ``critical``. A claim above the tenant's cap
   is lowered; ``X-Ballast-Criticality`` on the answer says what was granted and
   ``X-Ballast-Degraded`` why the answer is smaller than asked (level, cap, context).
+* Tier: OpenAI's ``service_tier`` (ballast/policies/flex.py): ``priority`` is the
+  tenant's cap, ``flex`` sheddable held for spare capacity instead of refused (the
+  pipeline's flex hold), ``default``/``auto`` the claim; the answer's ``service_tier``
+  field (every chunk of a stream too) and ``X-Ballast-Service-Tier`` say which served it.
 * Which model answered: the answer's ``model`` field and ``X-Ballast-Fallback``.
 * Sampling fields (temperature, top_p, seed) are passed to the model; the built-in
   byte model decodes greedily whatever they say (documented in the README).
@@ -33,12 +37,13 @@ from fastapi.responses import JSONResponse, Response
 from ballast.errors import BallastError, PayloadTooLarge, SchemaTooComplex
 from ballast.model.protocol import ModelCall
 from ballast.policies.catalog import Target
+from ballast.policies.flex import TIER_HEADER
 from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
-from ballast.router.api import StreamResponse, answer_headers, claimed_criticality, read_json
+from ballast.router.api import StreamResponse, answer_headers, read_json
 from ballast.router.chat_parsing import ParsedChat, StreamedChat
 from ballast.router.lanes import Lane
-from ballast.router.pipeline import Admission, Answer, Caller, ModelRequest, Pipeline, Stream
+from ballast.router.pipeline import Admission, Answer, Caller, ModelRequest, Pipeline, Stream, tiered_claim
 from ballast.router.tokens import ModelText
 from ballast.router.tool_calls import ToolCall, ToolPlan, ToolRequestError, ToolSchemaTooComplex, plan
 from ballast.stops import StopScanner, cut_at_stop
@@ -78,16 +83,19 @@ class OpenAIFront:
             prompt = req.prompt_text
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
-        claimed = claimed_criticality(request, req.criticality, oa.BadRequest)
+        tier, claimed = tiered_claim(request, req.service_tier, req.criticality, oa.BadRequest)
         call = self.to_call(req, prompt, chat, parsed, text, target)
         if parsed is not None:
             parsed.rendered(call.prompt_ids)
         max_tokens = text.fit(len(call.prompt_ids), oa.max_tokens_of(req))
         stops = call.stops
-        served = await self._pipeline.serve(ModelRequest(caller, claimed, max_tokens, req.stream, call))
+        served = await self._pipeline.serve(ModelRequest(caller, claimed, max_tokens, req.stream, call, tier))
         # The answer names what was asked (an adapter as the request named it), or the fallback.
         answer_id = answers.Identity(
-            answers.new_id("chatcmpl" if chat else "cmpl"), int(time.time()), asked=(target.model, req.model)
+            answers.new_id("chatcmpl" if chat else "cmpl"),
+            int(time.time()),
+            asked=(target.model, req.model),
+            service_tier=served.admission.tier.value,
         )
         opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
@@ -164,7 +172,11 @@ class OpenAIFront:
 
     @staticmethod
     def _headers(admission: Admission) -> dict[str, str]:
-        headers = {"X-Ballast-Criticality": admission.criticality.value, "X-Ballast-Level": str(admission.level)}
+        headers = {
+            "X-Ballast-Criticality": admission.criticality.value,
+            "X-Ballast-Level": str(admission.level),
+            TIER_HEADER: admission.tier.value,
+        }
         if admission.degraded_reasons:
             headers["X-Ballast-Degraded"] = ",".join(admission.degraded_reasons)
         return headers

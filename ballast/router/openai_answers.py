@@ -63,6 +63,9 @@ class AssistantMessage(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls"]
 #: Why a completion ended: it calls no tools.
 TextFinish = Literal["stop", "length"]
+#: The tier that served an answer (``ballast.policies.flex.ServiceTier.served``), as OpenAI says it.
+ServedTier = Literal["default", "flex", "priority"]
+_TIER_FIELD = "The service tier that served the request: default, flex or priority."
 
 
 class ChatChoice(BaseModel):
@@ -81,6 +84,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    service_tier: ServedTier | None = Field(None, description=_TIER_FIELD)
 
 
 class ChunkDelta(BaseModel):
@@ -106,6 +110,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    service_tier: ServedTier | None = Field(None, description=_TIER_FIELD)
 
 
 class CompletionChoice(BaseModel):
@@ -124,6 +129,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    service_tier: ServedTier | None = Field(None, description=_TIER_FIELD)
 
 
 class ModelCard(BaseModel):
@@ -174,27 +180,34 @@ def finish_reason(completion_tokens: int, max_tokens: int, stopped: bool) -> Tex
 
 
 class Ident(NamedTuple):
-    """What every event of one answer repeats: its id, its creation time, the model."""
+    """What every event of one answer repeats: its id, its creation time, the model, and
+    the tier that served it (None: not said)."""
 
     id: str
     created: int
     model: str
+    service_tier: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The answer's fields it sets (``service_tier`` only when said)."""
+        return {k: v for k, v in self._asdict().items() if v is not None}
 
 
 class Identity(NamedTuple):
     """An answer's id and creation time, before the model that answers is known;
     ``asked``: (the model asked, the name the request gave it), so that an answer of that
     model carries the request's name (an adapter's: ``sql`` or ``llama:sql``, as vLLM
-    answers), and a fallback's answer its own."""
+    answers), and a fallback's answer its own; ``service_tier``: the tier that served it."""
 
     id: str
     created: int
     asked: tuple[str, str] | None = None
+    service_tier: str | None = None
 
     def of(self, model: str) -> Ident:
         if self.asked is not None and model == self.asked[0]:
             model = self.asked[1]
-        return Ident(self.id, self.created, model)
+        return Ident(self.id, self.created, model, self.service_tier)
 
 
 class Counts(NamedTuple):
@@ -221,12 +234,12 @@ def chat_completion(
         extra["reasoning_content"] = reasoning
     message = AssistantMessage(role="assistant", content=text, refusal=None, **extra)
     choice = ChatChoice(index=0, message=message, finish_reason=finish, logprobs=None)
-    return _dump(ChatCompletion(**ident._asdict(), object="chat.completion", choices=[choice], usage=counts.usage()))
+    return _dump(ChatCompletion(**ident.fields(), object="chat.completion", choices=[choice], usage=counts.usage()))
 
 
 def completion(ident: Ident, text: str, finish: TextFinish, counts: Counts) -> dict[str, Any]:
     choice = CompletionChoice(index=0, text=text, finish_reason=finish, logprobs=None)
-    return _dump(Completion(**ident._asdict(), object="text_completion", choices=[choice], usage=counts.usage()))
+    return _dump(Completion(**ident.fields(), object="text_completion", choices=[choice], usage=counts.usage()))
 
 
 def stream_chunk(
@@ -259,10 +272,10 @@ def delta_chunk(
     if chat:
         d = ChunkDelta.model_validate({**(delta or {}), **({"role": "assistant"} if role else {})})
         choice = ChunkChoice(index=0, delta=d, finish_reason=finish, logprobs=None)
-        return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice], **fields)
+        return ChatCompletionChunk(**ident.fields(), object="chat.completion.chunk", choices=[choice], **fields)
     text = (delta or {}).get("content") or ""
     text_choice = CompletionChoice(index=0, text=text, finish_reason=_text_finish(finish), logprobs=None)
-    return Completion(**ident._asdict(), object="text_completion", choices=[text_choice], **fields)
+    return Completion(**ident.fields(), object="text_completion", choices=[text_choice], **fields)
 
 
 def _text_finish(finish: FinishReason | None) -> TextFinish | None:
@@ -275,8 +288,8 @@ def _text_finish(finish: FinishReason | None) -> TextFinish | None:
 def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> ChatCompletionChunk | Completion:
     """The last event when ``stream_options.include_usage``: no choices, the usage."""
     if chat:
-        return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[], usage=counts.usage())
-    return Completion(**ident._asdict(), object="text_completion", choices=[], usage=counts.usage())
+        return ChatCompletionChunk(**ident.fields(), object="chat.completion.chunk", choices=[], usage=counts.usage())
+    return Completion(**ident.fields(), object="text_completion", choices=[], usage=counts.usage())
 
 
 def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Counts | None = None) -> ChatCompletionChunk:
@@ -289,7 +302,7 @@ def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Counts | No
     ]
     choice = ChunkChoice(index=0, delta=ChunkDelta(tool_calls=deltas), finish_reason=None, logprobs=None)
     fields: dict[str, Any] = {} if usage is None else {"usage": usage.usage()}
-    return ChatCompletionChunk(**ident._asdict(), object="chat.completion.chunk", choices=[choice], **fields)
+    return ChatCompletionChunk(**ident.fields(), object="chat.completion.chunk", choices=[choice], **fields)
 
 
 def one_event_stream(

@@ -90,7 +90,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "audio": None,
     "modalities": None,
     "prediction": None,
-    "service_tier": None,
     "store": False,
     "metadata": None,
     "reasoning_effort": None,
@@ -334,6 +333,12 @@ class _Sampling(_Strict):
         description="Ballast extension: how much the request matters under overload, as the "
         "X-Ballast-Criticality header (both must agree); default critical, lowered to the "
         "tenant's cap when above it.",
+    )
+    service_tier: Literal["auto", "default", "flex", "priority", "fast"] | None = Field(
+        None,
+        description="'auto'/'default': the class claimed (criticality); 'priority' ('fast'): the tenant's "
+        "cap; 'flex': sheddable, held (not refused) until spare capacity or its deadline "
+        "(X-Request-Timeout-Ms, else batch.flex_max_wait_s). 'flex' and 'priority' take no criticality claim.",
     )
 
     @field_validator("temperature")

@@ -9,7 +9,12 @@ which the router builds once (app.py) and the fronts hold. Its public face:
    default, or ``X-Request-Timeout-Ms`` up to ``resilience.max_deadline_s``) and the
    ``Idempotency-Key``, all checked before anything is charged.
 2. ``serve(ModelRequest)``: an ``Answer``, a ``Stream``, or a ``BallastError`` raised.
-   a. the criticality claim is lowered to the tenant's cap (the answer says so);
+   0. a ``flex`` request (``service_tier``, ballast/policies/flex.py) takes its own
+      deadline (the client's timeout, else the flex maximum) and, unless the model has
+      spare capacity now, waits in the model's flex hold (router/flex.py) for its turn,
+      holding nothing and offered to no tally; a kill switch refuses it at once;
+   a. the class: the criticality claim lowered to the tenant's cap (the answer says so),
+      or the tier's (``flex``: sheddable; ``priority``: the tenant's cap);
    b. kill switch (global / tenant / criticality scope: 503 KILL_SWITCH with the reason);
    c. admission: degradation level × criticality (503 OVERLOADED + Retry-After);
       critical_plus that the level (or, in d., the gate) will not give the primary goes
@@ -40,9 +45,10 @@ the request path and a dead controller fails nothing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -63,11 +69,13 @@ from ballast.policies import outcome as outcome_policy
 from ballast.policies.admission import admit, clamp_max_tokens
 from ballast.policies.affinity import route_mode
 from ballast.policies.catalog import Target
-from ballast.policies.criticality import Criticality, lower_criticality
+from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality
 from ballast.policies.deadline import Deadline
+from ballast.policies.flex import FlexQueue, ServiceTier, flex_budget_s, refuse_claim_beside, tier_class
 from ballast.router.accounts import Outcome
-from ballast.router.api import bearer_token
+from ballast.router.api import bearer_token, claimed_criticality
 from ballast.router.auth import KeyStore, cache_salts
+from ballast.router.flex import FlexHold, Sleep, WaitFor, flex_max_wait_s
 from ballast.router.gate import GateRefused, GateSlot
 from ballast.router.idempotency import IdempotencyStore, request_fingerprint
 from ballast.router.lanes import Lane
@@ -77,26 +85,47 @@ from ballast.router.resilience import CallRecord, CallSpec, Reply
 from ballast.router.ticket import Charge, TenantPlaces, Ticket
 
 
+def tiered_claim(
+    request: Request, tier: str | None, from_body: Criticality | None, error: type[InvalidRequest]
+) -> tuple[ServiceTier, Criticality]:
+    """A front's request's ``service_tier`` (``ServiceTier.parse``) and the class it claims
+    (``api.claimed_criticality``); a bad value, or a claim beside a tier that sets the class
+    (``policies.flex.refuse_claim_beside``), is ``error`` naming the field."""
+    try:
+        parsed = ServiceTier.parse(tier)
+        refuse_claim_beside(parsed, request.headers.get(CRITICALITY_HEADER), from_body)
+    except ClaimError as e:
+        raise error(str(e), field=e.field) from None
+    except ValueError as e:
+        raise error(str(e), field="service_tier") from None
+    return parsed, claimed_criticality(request, from_body, error)
+
+
 @dataclass(frozen=True)
 class Caller:
-    """Who asks (the tenant its key names), until when, and under which Idempotency-Key."""
+    """Who asks (the tenant its key names), until when, and under which Idempotency-Key;
+    ``timeout_s``: the client's own ``X-Request-Timeout-Ms`` as sent (None: none), which a
+    flex request's deadline is made from."""
 
     tenant: str
     deadline: Deadline
     idempotency_key: str | None = None
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
 class ModelRequest:
     """One request as every front hands it to the pipeline: who asks, the class it
     claims, the length it asks for (fitted to the model's context), whether it streams,
-    and the model call (``call.to_call`` of its front; the pipeline admits its length)."""
+    the model call (``call.to_call`` of its front; the pipeline admits its length), and
+    its service tier (``flex`` and ``priority`` set the class: the claim is not read)."""
 
     caller: Caller
     claimed: Criticality
     max_tokens: int
     stream: bool
     call: ModelCall
+    tier: ServiceTier = ServiceTier.AUTO
 
     @property
     def prompt_tokens(self) -> int:
@@ -114,12 +143,14 @@ class Admission:
     streaming: bool  # the level allows streaming
     prompt_tokens: int
     degraded_reasons: tuple[str, ...] = ()
+    tier: ServiceTier = ServiceTier.DEFAULT  # the tier that served it (``ServiceTier.served``)
 
     def meta(self, model: str) -> dict[str, Any]:
         """What every native answer says about how it was admitted."""
         return {
             "model": model,
             "criticality": self.criticality.value,
+            "service_tier": self.tier.value,
             "degradation_level": self.level,
             "degraded": bool(self.degraded_reasons),
             "degraded_reasons": list(self.degraded_reasons),
@@ -249,6 +280,7 @@ class Pipeline:
         self.base_catalog = self.catalog = cfg.catalog()
         self.places = TenantPlaces()
         self.kill_switches: list[killswitch.KillSwitchEntry] = []  # from the latest snapshot
+        self.holds = {name: self.flex_hold(lane) for name, lane in lanes.items()}  # each model's flex hold
 
     # -- 1. identity, deadline, idempotency key ---------------------------------------
     def identify(self, request: Request) -> Caller:
@@ -260,18 +292,22 @@ class Pipeline:
         tenant = self._keys.tenant_for(token)
         if tenant is None:
             raise Unauthenticated("unknown API key")
-        return Caller(tenant, self._deadline(request, started), self._idempotency_key(request))
-
-    def _deadline(self, request: Request, started: float) -> Deadline:
+        timeout_s = self._timeout_s(request)
         r = self._cfg.resilience
+        budget_s = r.deadline_s if timeout_s is None else min(timeout_s, r.max_deadline_s)
+        return Caller(tenant, Deadline.starting(started, budget_s), self._idempotency_key(request), timeout_s)
+
+    @staticmethod
+    def _timeout_s(request: Request) -> float | None:
+        """The client's ``X-Request-Timeout-Ms`` in seconds (None: not sent); 422 when bad."""
         raw = request.headers.get("x-request-timeout-ms")
         if raw is None:
-            return Deadline.starting(started, r.deadline_s)
+            return None
         # ASCII digits only: str.isdigit() also takes "²" and other digits int() refuses.
         raw = raw.strip()
         if not (raw.isascii() and raw.isdigit() and 0 < len(raw) <= 12) or int(raw) <= 0:
             raise InvalidRequest("X-Request-Timeout-Ms: must be a positive integer", field="X-Request-Timeout-Ms")
-        return Deadline.starting(started, min(int(raw) / 1000.0, r.max_deadline_s))
+        return int(raw) / 1000.0
 
     def _idempotency_key(self, request: Request) -> str | None:
         key = request.headers.get("idempotency-key")
@@ -299,7 +335,10 @@ class Pipeline:
     async def serve(self, req: ModelRequest) -> Answer | Stream:
         """The request admitted and sent: a ``Stream`` when it asked for one and the level
         allows streaming, else an ``Answer``; a refusal or failure as a BallastError. A
-        unary request with an Idempotency-Key goes through ``_keyed``."""
+        unary request with an Idempotency-Key goes through ``_keyed``; a flex request
+        waits for its turn first (``_flex_turn``)."""
+        if req.tier is ServiceTier.FLEX:
+            req = await self._flex_turn(req)
         key = req.caller.idempotency_key
         lane = self.lane(req.call)
         if key is not None and not (req.stream and self.snapshots.effective(lane.name).constraints.streaming):
@@ -331,7 +370,7 @@ class Pipeline:
         it), or a refusal (kill switch, level), counted; nothing is held either way."""
         tenant, lane = req.caller.tenant, self.lane(req.call)
         tenant_cfg = self._cfg.tenants[tenant]
-        criticality, lowered = lower_criticality(req.claimed, tenant_cfg.max_criticality)
+        criticality, lowered = tier_class(req.tier, req.claimed, tenant_cfg.max_criticality)
         crit = criticality.value
         now_wall = time.time()
         self._refuse_if_switched_off(lane, tenant, crit, now_wall, req.call.adapter)
@@ -348,7 +387,13 @@ class Pipeline:
             streaming_allowed=eff.constraints.streaming,
         )
         admission = Admission(
-            criticality, eff.level, clamped, eff.constraints.streaming, req.prompt_tokens, tuple(reasons)
+            criticality,
+            eff.level,
+            clamped,
+            eff.constraints.streaming,
+            req.prompt_tokens,
+            tuple(reasons),
+            req.tier.served,
         )
         return admission, fallback_only
 
@@ -358,7 +403,7 @@ class Pipeline:
         """The tenant's place, the quota charge, the gate slot: all three, or a refusal
         that gives back what it had taken (counted under its code)."""
         tenant, crit, lane = req.caller.tenant, criticality.value, self.lane(req.call)
-        cap = self._cfg.tenants[tenant].max_concurrent or self._cfg.resilience.bulkhead.per_tenant
+        cap = self._tenant_cap(tenant)
         if not self.places.take(tenant, cap):
             lane.accounts.refused(tenant, crit, "CONCURRENCY_LIMIT")
             raise ConcurrencyLimited(f"tenant '{tenant}' has {cap} requests in flight", retry_after_s=1.0)
@@ -378,6 +423,76 @@ class Pipeline:
             lane.accounts.refused(tenant, crit, err.code if isinstance(err, BallastError) else "CANCELLED")
             raise
         return Ticket(tenant, crit, req.caller.deadline, self.places, charge, slot, fallback_only, lane.accounts)
+
+    def _tenant_cap(self, tenant: str) -> int:
+        """The tenant's concurrency cap at this router (its places; its held flex requests)."""
+        return int(self._cfg.tenants[tenant].max_concurrent or self._cfg.resilience.bulkhead.per_tenant)
+
+    # -- 3. admission: the flex tier's hold ---------------------------------------------
+    async def _flex_turn(self, req: ModelRequest) -> ModelRequest:
+        """A flex request when its turn comes (at once when its model has spare capacity and
+        nothing is held before it), with its flex deadline: the client's timeout, else
+        ``flex_max_wait_s``, from its arrival. A kill switch refuses it at once, as any
+        request. While held it takes nothing and is offered to no tally (spare-capacity
+        work must not raise the level); a refusal here is counted in the request metrics
+        alone. The class, the ticket and the gate's slot come after, as for any request,
+        with no await between the turn's check of the room and the gate taking it (but for
+        an Idempotency-Key's lookup, which may wait: then the gate decides as for any
+        sheddable request)."""
+        lane, tenant, crit = self.lane(req.call), req.caller.tenant, Criticality.SHEDDABLE.value
+        self._refuse_if_switched_off(lane, tenant, crit, time.time(), req.call.adapter)
+        caller = req.caller
+        deadline = Deadline.starting(
+            caller.deadline.started_s, flex_budget_s(caller.timeout_s, flex_max_wait_s(self._cfg))
+        )
+        # The last instant it may start: its time at the model still ahead of it.
+        service_s = lane.gate.expected_service_s if lane.gate is not None else 0.0
+        code = "CANCELLED"  # the client went away while held, unless something below says otherwise
+        try:
+            await self.holds[lane.name].turn(tenant, deadline.gate_until_s - service_s, self._tenant_cap(tenant))
+            code = ""
+        except BallastError as err:
+            code = err.code
+            raise
+        finally:
+            if code:
+                lane.accounts.refused(tenant, crit, code)
+        return replace(req, caller=replace(caller, deadline=deadline))
+
+    def flex_hold(
+        self,
+        lane: Lane,
+        clock: Callable[[], float] = time.monotonic,
+        wait_for: WaitFor = asyncio.wait_for,
+        sleep: Sleep = asyncio.sleep,
+    ) -> FlexHold:
+        """The flex hold of ``lane``'s model: bounded as its gate's wait line
+        (``resilience.gate.max_waiting``), ticking on the snapshot interval, its room
+        ``_flex_room``'s (tests pass a fake clock, timer and sleep)."""
+        return FlexHold(
+            FlexQueue(self._cfg.resilience.gate.max_waiting, clock),
+            functools.partial(self._flex_room, lane),
+            self._cfg.controller.report_interval_s,
+            lane.name,
+            clock,
+            wait_for,
+            sleep,
+        )
+
+    def _flex_room(self, lane: Lane) -> int:
+        """The flex requests the model can start now: none while its level does not admit
+        ``sheddable``, or its gate has a line, or keeps its reserve for critical traffic
+        (it would not give sheddable a slot at once); else its free slots (without a gate:
+        every held one and a newcomer)."""
+        eff = self.snapshots.effective(lane.name)
+        if not admit(Criticality.SHEDDABLE, eff.level, eff.constraints).admitted:
+            return 0
+        gate = lane.gate
+        if gate is None:
+            return len(self.holds[lane.name].queue) + 1
+        if gate.waiting or gate.reserving():
+            return 0
+        return max(0, gate.limit.value - gate.in_flight)
 
     def _refuse_if_switched_off(self, lane: Lane, tenant: str, crit: str, now_wall: float, adapter: str | None) -> None:
         """503 KILL_SWITCH for a request a live entry refuses outright: global, its tenant,
@@ -591,4 +706,5 @@ class Pipeline:
             # no breaker or level counts them.
             "lost_capacity": dict(caller.lost),
             "gate": lane.gate.snapshot() if lane.gate is not None else None,
+            "flex": self.holds[lane.name].view(),  # service_tier flex requests held for spare capacity
         }

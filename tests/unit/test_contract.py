@@ -56,7 +56,7 @@ def test_the_schemas_say_what_the_routes_take(doc):
     assert {"model", "messages", "max_tokens", "stream", "criticality"} <= set(chat["properties"])
     assert set(chat["required"]) == {"model", "messages"}
     assert chat.get("additionalProperties") is False  # unknown fields are refused
-    assert {"prompt", "model", "max_tokens", "criticality", "stream", "resume"} == set(
+    assert {"prompt", "model", "max_tokens", "criticality", "service_tier", "stream", "resume"} == set(
         schemas["GenerateRequest"]["properties"]
     )
     generate = doc["paths"]["/v1/generate"]["post"]

@@ -60,7 +60,6 @@ ASKING = {
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
-    "service_tier": "flex",
     "store": True,
     "metadata": {"k": "v"},
     "reasoning_effort": "low",
@@ -449,6 +448,38 @@ def test_chat_chunk_shapes():
     }
     for chunk in (first, wire(answers.stream_chunk(answers.Ident("chatcmpl-1", 5, "toy"), True, "x")), last, usage):
         assert round_trips(answers.ChatCompletionChunk, chunk)
+
+
+def test_the_answer_says_the_tier_that_served_it_as_openais_types_read_it():
+    """Every answer and every event of a stream carries ``service_tier`` when the front
+    says it (the routes always do: tests/unit/test_flex.py); OpenAI's own types read it."""
+    types = pytest.importorskip("openai.types")
+    flex = answers.Ident("chatcmpl-1", 5, "toy", "flex")
+    chat = answers.chat_completion(flex, "Hi", "stop", answers.Counts(3, 4))
+    assert chat["service_tier"] == "flex" and round_trips(answers.ChatCompletion, chat)
+    assert types.chat.ChatCompletion.model_validate(chat).service_tier == "flex"
+    chunks = [
+        wire(answers.stream_chunk(flex, True, "", role=True)),
+        wire(answers.stream_chunk(flex, True, None, "stop")),
+        wire(answers.usage_chunk(flex, True, answers.Counts(3, 4))),
+    ]
+    assert [types.chat.ChatCompletionChunk.model_validate(c).service_tier for c in chunks] == ["flex"] * 3
+    events = answers.one_event_stream(flex, True, "Hi", "stop", answers.Counts(3, 4), oa.Streaming(final_usage=True))
+    data = [json.loads(line[len(b"data: ") :]) for line in events.split(b"\n\n") if line.startswith(b"data: {")]
+    assert [e["service_tier"] for e in data] == ["flex"] * 3
+    priority = answers.completion(answers.Ident("cmpl-1", 5, "toy", "priority"), "x", "stop", answers.Counts(3, 1))
+    assert priority["service_tier"] == "priority" and round_trips(answers.Completion, priority)
+    with pytest.raises(ValueError):  # only the tiers an answer can say
+        answers.chat_completion(answers.Ident("chatcmpl-1", 5, "toy", "auto"), "Hi", "stop", answers.Counts(3, 4))
+
+
+def test_service_tier_is_served_with_openais_values():
+    for tier in ("auto", "default", "flex", "priority", "fast"):
+        assert oa.parse_chat({**CHAT, "service_tier": tier}).service_tier == tier
+        assert oa.parse_completion({**COMPLETION, "service_tier": tier}).service_tier == tier
+    assert oa.parse_chat(CHAT).service_tier is None
+    err = chat_error(service_tier="scale")
+    assert (err.status, err.field) == (400, "service_tier")
 
 
 def test_completion_chunk_shapes():
