@@ -30,16 +30,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ballast.config import BallastConfig
 from ballast.errors import BallastError, ConcurrencyLimited, DeadlineExceeded, FlexQueueFull
-from ballast.policies.flex import DEFAULT_FLEX_MAX_WAIT_S, NO_TIME, QUEUE_FULL, FlexQueue, FlexRefused, Held
+from ballast.policies.flex import NO_TIME, QUEUE_FULL, FlexQueue, FlexRefused, Held
 
 WaitFor = Callable[[Awaitable[Any], float], Awaitable[Any]]
 Sleep = Callable[[float], Awaitable[None]]
 
 
-def flex_max_wait_s(cfg: Any) -> float:
-    """``batch.flex_max_wait_s`` where the config has it, else ``DEFAULT_FLEX_MAX_WAIT_S``."""
-    return float(getattr(getattr(cfg, "batch", None), "flex_max_wait_s", DEFAULT_FLEX_MAX_WAIT_S))
+def flex_max_wait_s(cfg: BallastConfig) -> float:
+    """How long a flex request without a timeout of its own may be held: ``batch.flex_max_wait_s``."""
+    return cfg.batch.flex_max_wait_s
 
 
 class FlexHold:

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from test_gate import FakeTimer
 from test_resilient_caller import FakeHandle, FakeResponse
 
+from ballast.config import load_config
 from ballast.errors import ConcurrencyLimited, DeadlineExceeded, FlexQueueFull, KillSwitchActive, Overloaded
 from ballast.model.protocol import ModelCall, ModelResult
 from ballast.model.special_tokens import BYTES_TOKENIZER, encode_bytes
@@ -95,15 +96,10 @@ def test_the_flex_deadline_is_the_clients_up_to_the_flex_maximum():
         flex_budget_s(0.0, 600.0)
 
 
-def test_the_flex_maximum_is_the_batch_sections_when_the_config_has_one():
-    class Batch:
-        flex_max_wait_s = 42.0
-
-    class WithBatch:
-        batch = Batch()
-
-    assert flex_max_wait_s(WithBatch()) == 42.0
-    assert flex_max_wait_s(object()) == DEFAULT_FLEX_MAX_WAIT_S == 600.0
+def test_the_flex_maximum_is_the_batch_sections():
+    cfg = load_config({"batch": {"flex_max_wait_s": 42.0}})
+    assert flex_max_wait_s(cfg) == 42.0
+    assert flex_max_wait_s(load_config({})) == DEFAULT_FLEX_MAX_WAIT_S == 600.0
 
 
 # ------------------------------------------------------------------------------- the queue
