@@ -52,9 +52,61 @@ def wait_until(pred: Callable[[], Any], timeout_s: float, interval_s: float = 0.
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
 
 
+def _own_stack(item: Any) -> bool:
+    """Whether the test's module deploys a stack of its own (its ``OWN_STACK``)."""
+    return bool(getattr(item.module, "OWN_STACK", False))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``last`` run after all others (they read what the others left behind)."""
-    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+    """Tests marked ``last`` run after all others (they read what the others left behind);
+    before them, the modules on the suite's default stack, then the modules that deploy a
+    stack of their own (``OWN_STACK = True``). A module leaves its own stack running and
+    the next module on the default stack deploys the default again (``_default_stack``),
+    so the default comes back once, before the ``last`` tests, not after each own stack
+    (a vLLM stack's redeploy is 15-20 s here)."""
+    items.sort(key=lambda item: (item.get_closest_marker("last") is not None, _own_stack(item)))
+
+
+class _Deployed:
+    """The config the session's app runs now: the suite's default (``ballast``) or a module's own."""
+
+    default: Any = None  # the session's config, set by the ``ballast`` fixture
+    now: Any = None
+
+
+def _deploy(cfg: Any, model_name: str) -> None:
+    """Redeploy the app with ``cfg`` in place, the controller's config included (Serve
+    rolls every replica over), and wait until the models route lists ``model_name``."""
+    from ray import serve
+
+    from ballast.ops.app import deploy
+
+    _Deployed.now = None  # unknown until it serves: a failed deploy is redeployed by the next module
+    deploy(cfg)
+
+    def serving() -> bool:
+        try:
+            r = httpx.get(f"{BASE}/v1/models", headers=GOLD, timeout=5)
+        except httpx.HTTPError:
+            return False
+        app = serve.status().applications[cfg.app_name]
+        return (
+            r.status_code == 200 and model_name in r.text and str(getattr(app.status, "value", app.status)) == "RUNNING"
+        )
+
+    wait_until(serving, 180, 0.5, f"the app serving {model_name}")
+    _Deployed.now = cfg
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _default_stack(request):
+    """A module on the suite's default stack gets the default back if a module before it
+    left its own stack running (nothing to do for a module with ``OWN_STACK``, or when the
+    default runs already)."""
+    if not getattr(request.module, "OWN_STACK", False) and _Deployed.now is not _Deployed.default:
+        cfg = request.getfixturevalue("ballast")
+        _deploy(cfg, cfg.model.name)
+    yield
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +124,7 @@ def ballast():
     try:
         start(cfg, "127.0.0.1", PORT)
         wait_until(lambda: _ready(), 120, 0.5, "/healthz/ready")
+        _Deployed.default = _Deployed.now = cfg
         yield cfg
     finally:
         try:

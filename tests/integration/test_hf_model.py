@@ -14,36 +14,16 @@ import conftest as integration
 import httpx
 import openai
 import pytest
-from conftest import ADMIN, BASE, GOLD, _merge, wait_until
+from conftest import ADMIN, BASE, GOLD, _deploy, _merge
 
 from ballast.model.demo import make_tiny_llama
 
 pytestmark = pytest.mark.integration
+# Deploys a stack of its own and leaves it running (conftest.py: the default comes back once).
+OWN_STACK = True
 
 MODEL = "tiny-llama"
 KEY = GOLD["Authorization"].split()[1]
-
-
-def _deploy(cfg, model_name: str) -> None:
-    """Redeploy the app with ``cfg`` in place, the controller's config included (Serve
-    rolls every replica over), and wait until the models route lists ``model_name``."""
-    from ray import serve
-
-    from ballast.ops.app import deploy
-
-    deploy(cfg)
-
-    def serving() -> bool:
-        try:
-            r = httpx.get(f"{BASE}/v1/models", headers=GOLD, timeout=5)
-        except httpx.HTTPError:
-            return False
-        app = serve.status().applications[cfg.app_name]
-        return (
-            r.status_code == 200 and model_name in r.text and str(getattr(app.status, "value", app.status)) == "RUNNING"
-        )
-
-    wait_until(serving, 180, 0.5, f"the app serving {model_name}")
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +33,7 @@ def hf_stack(ballast, tmp_path_factory):
     ckpt = make_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
     over = {"model": {"name": MODEL, "backend": "transformers", "path": str(ckpt)}}
     _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)
-    try:
-        yield ckpt
-    finally:
-        _deploy(ballast, ballast.model.name)
+    yield ckpt
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,14 @@ pytest.importorskip("vllm")
 pytest.importorskip("peft")
 
 import conftest as integration  # noqa: E402
-from conftest import ADMIN, BASE, wait_until  # noqa: E402
-from test_hf_model import _deploy  # noqa: E402
+from conftest import ADMIN, BASE, _deploy, wait_until  # noqa: E402
 from test_vllm import vllm_overrides  # noqa: E402
 
 from ballast.model.demo import VLLM_GEOMETRY, make_llama, make_lora_adapter, make_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.integration
+# Deploys a stack of its own and leaves it running (conftest.py: the default comes back once).
+OWN_STACK = True
 
 VLLM, HF = "tiny-vllm", "tiny-hf"
 PROMPT = "The quick brown fox"
@@ -70,10 +71,7 @@ def stack(ballast, tmp_path_factory):
 
     data, adapters = two_models_config(tmp_path_factory.mktemp("models"))
     _deploy(load_config(copy.deepcopy(data)), HF)
-    try:
-        yield adapters
-    finally:
-        _deploy(ballast, ballast.model.name)
+    yield adapters
 
 
 def sdk(key: str = "dev-key-gold") -> openai.OpenAI:

@@ -23,12 +23,13 @@ import pytest
 pytest.importorskip("vllm")
 
 import conftest as integration  # noqa: E402
-from conftest import ADMIN, BASE, GOLD, _merge, wait_until  # noqa: E402
-from test_hf_model import _deploy  # noqa: E402
+from conftest import ADMIN, BASE, GOLD, _deploy, _merge, wait_until  # noqa: E402
 
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 
 pytestmark = pytest.mark.integration
+# Deploys a stack of its own and leaves it running (conftest.py: the default comes back once).
+OWN_STACK = True
 
 MODEL = "tiny-vllm-prefix"
 SD_FILE = Path("/tmp/ray/prom_metrics_service_discovery.json")  # Ray's list of its metrics endpoints
@@ -60,12 +61,9 @@ def stack(ballast, tmp_path_factory):
 
     ckpt = make_llama(tmp_path_factory.mktemp("vllm-prefix") / MODEL, **VLLM_GEOMETRY)
     _deploy(load_config(_merge(integration.test_config_dict(), overrides(ckpt))), MODEL)
-    try:
-        with httpx.Client(base_url=BASE, timeout=60) as http:
-            wait_until(lambda: len(reporting(http)) == 2, 60, 0.5, "both replicas reporting their KV blocks")
-            yield http
-    finally:
-        _deploy(ballast, ballast.model.name)
+    with httpx.Client(base_url=BASE, timeout=60) as http:
+        wait_until(lambda: len(reporting(http)) == 2, 60, 0.5, "both replicas reporting their KV blocks")
+        yield http
 
 
 def reporting(http) -> dict[str, dict]:

@@ -27,14 +27,15 @@ import pytest
 pytest.importorskip("vllm")
 
 import conftest as integration  # noqa: E402
-from conftest import ADMIN, BASE, GOLD, _merge, model_status, status, wait_until  # noqa: E402
-from test_hf_model import _deploy  # noqa: E402
+from conftest import ADMIN, BASE, GOLD, _deploy, _merge, model_status, status, wait_until  # noqa: E402
 from test_recycling import events, ids  # noqa: E402
 from test_vllm import engine_processes, vllm_overrides  # noqa: E402
 
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 
 pytestmark = pytest.mark.integration
+# Deploys a stack of its own and leaves it running (conftest.py: the default comes back once).
+OWN_STACK = True
 
 MODEL = "tiny-tp"
 KEY = GOLD["Authorization"].split()[1]
@@ -61,10 +62,7 @@ def tp_stack(ballast, tmp_path_factory):
     started = time.monotonic()
     _deploy(load_config(tp_config(ckpt)), MODEL)
     print(f"\nthe TP=2 stack served {time.monotonic() - started:.0f} s after deploy")
-    try:
-        yield ckpt
-    finally:
-        _deploy(ballast, ballast.model.name)
+    yield ckpt
 
 
 @pytest.fixture

@@ -29,13 +29,14 @@ import pytest
 pytest.importorskip("vllm")
 
 import conftest as integration  # noqa: E402
-from conftest import ADMIN, BASE, FREE, GOLD, _merge, model_status, wait_until  # noqa: E402
-from test_hf_model import _deploy  # noqa: E402
+from conftest import ADMIN, BASE, FREE, GOLD, _deploy, _merge, model_status, wait_until  # noqa: E402
 
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.ops.status_text import model_view  # noqa: E402
 
 pytestmark = pytest.mark.integration
+# Deploys a stack of its own and leaves it running (conftest.py: the default comes back once).
+OWN_STACK = True
 
 MODEL = "tiny-vllm"
 KEY = GOLD["Authorization"].split()[1]
@@ -78,10 +79,7 @@ def vllm_stack(ballast, tmp_path_factory):
 
     ckpt = make_llama(tmp_path_factory.mktemp("vllm") / MODEL, **VLLM_GEOMETRY)
     _deploy(load_config(_merge(integration.test_config_dict(), vllm_overrides(ckpt))), MODEL)
-    try:
-        yield ckpt
-    finally:
-        _deploy(ballast, ballast.model.name)
+    yield ckpt
 
 
 @pytest.fixture(scope="module")

@@ -22,13 +22,14 @@ import pytest
 pytest.importorskip("vllm")
 
 import conftest as integration  # noqa: E402
-from conftest import BASE, GOLD, _merge  # noqa: E402
-from test_hf_model import _deploy  # noqa: E402
+from conftest import BASE, GOLD, _deploy, _merge  # noqa: E402
 from test_vllm import vllm_overrides  # noqa: E402
 
 from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 
 pytestmark = pytest.mark.integration
+# Deploys a stack of its own and leaves it running (conftest.py: the default comes back once).
+OWN_STACK = True
 
 MODEL = "tiny-llama3"
 KEY = GOLD["Authorization"].split()[1]
@@ -57,10 +58,7 @@ def ckpt(ballast, tmp_path_factory):
     over = vllm_overrides(ckpt)
     over["model"] = {**over["model"], "name": MODEL, "tool_parser": "llama3_json", "reasoning_parser": "deepseek_r1"}
     _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)
-    try:
-        yield ckpt
-    finally:
-        _deploy(ballast, ballast.model.name)
+    yield ckpt
 
 
 @pytest.fixture(scope="module")
