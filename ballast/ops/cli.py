@@ -470,10 +470,17 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = typer.main.get_command(app).main(args=argv, prog_name="ballast", standalone_mode=False)
-    except click.exceptions.Exit as e:
+    except (click.exceptions.Exit, typer.Exit) as e:
         return e.exit_code
     except click.ClickException as e:
         e.show()
+        return e.exit_code
+    except typer.exceptions.TyperException as e:  # typer's own click: a usage error (no such option, a bad value)
+        show = getattr(e, "show", None)
+        if callable(show):
+            show()
+        else:
+            print(f"Error: {e.message}", file=sys.stderr)
         return e.exit_code
     return result if isinstance(result, int) else 0
 

@@ -294,6 +294,13 @@ def test_status_without_url_reads_the_pid_file_and_says_when_nothing_answers(
     assert "cannot reach Ballast at http://127.0.0.1:9" in capsys.readouterr().err
 
 
+def test_an_option_the_subcommand_does_not_have_is_a_usage_error_not_a_traceback(capsys) -> None:
+    # --url belongs before the subcommand (``ballast --url U status``); after it, click's usage error.
+    assert main(["status", "--url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert "No such option: --url" in err and "Traceback" not in err
+
+
 def _fair_gate() -> dict[str, Any]:
     """The gate's part of /v1/status with fair shares, from a real TenantCounters."""
     from ballast.policies.fairness import TenantCounters
