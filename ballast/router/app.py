@@ -143,7 +143,8 @@ class Router:
         hooks = BatchHooks(on_line=m.batch_line, on_depths=m.batch_depths)
         dispatchers = {
             name: ModelDispatcher(
-                lane,
+                name,
+                lane.gate,
                 functools.partial(self._level, name),
                 self._openai.batch_line,
                 store,

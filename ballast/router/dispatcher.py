@@ -15,7 +15,9 @@ level can change no faster):
    and is offered to no tally (``Pipeline.serve_batch``);
 3. with room left, more lines are claimed (``BatchStore.claim``: a dead router's first,
    by XAUTOCLAIM after ``batch.claim_idle_s``, then new ones), at most ``MAX_HELD`` held
-   here; the room is read again after the claim's await before any starts.
+   here; a line this router holds or runs already (handed to it again by XAUTOCLAIM while
+   it waits out a retry's backoff) is not taken twice; the room is read again after the
+   claim's await before any starts.
 
 A line's life (``_run_line``), on its slot:
 
@@ -46,6 +48,7 @@ a fake clock.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -62,8 +65,7 @@ from ballast.errors import BallastError, StoreUnavailable
 from ballast.policies.deadline import Deadline
 from ballast.policies.spare import batch_rows, full_jitter_s
 from ballast.router.batches import expired_line
-from ballast.router.gate import BatchSlot, GateSlot
-from ballast.router.lanes import Lane
+from ballast.router.gate import BatchSlot, GateSlot, PriorityGate
 from ballast.router.openai_answers import openai_error_body
 from ballast.router.pipeline import Caller
 
@@ -94,7 +96,8 @@ class ModelDispatcher:
 
     def __init__(
         self,
-        lane: Lane,
+        model: str,
+        gate: PriorityGate | None,
         level: Callable[[], int],
         run: RunLine,
         store: BatchStore,
@@ -105,8 +108,8 @@ class ModelDispatcher:
         wall: Callable[[], float] = time.time,
         rng: Callable[[], float] = random.random,
     ) -> None:
-        self.lane = lane
-        self.model = lane.name
+        self.model = model
+        self.gate = gate  # the model's gate at this router (None: the gate is off)
         self._level = level  # the model's effective level (the snapshot's)
         self._run = run
         self._store = store
@@ -119,8 +122,11 @@ class ModelDispatcher:
         # Claimed lines not started: waiting for a slot or their not_before (at most MAX_HELD).
         self.held: deque[Delivery] = deque()
         self.running: set[asyncio.Task[None]] = set()  # bounded by the gate's limit
+        # The entry ids held or running here: a line held past claim_idle_s (a retry's
+        # backoff) is handed to this consumer again by XAUTOCLAIM, and must not run twice here.
+        self._mine: set[str] = set()
         self.outcomes: Counter[str] = Counter()
-        self._arrivals = lane.gate.arrivals if lane.gate is not None else 0
+        self._arrivals = gate.arrivals if gate is not None else 0
         self._measured_at = clock()
         self.rate_per_s = 0.0  # interactive arrivals per second over the last step
 
@@ -128,7 +134,7 @@ class ModelDispatcher:
     def measure(self) -> None:
         """The interactive arrival rate since the last measure (the gate's count)."""
         now = self._clock()
-        gate = self.lane.gate
+        gate = self.gate
         if gate is None or now <= self._measured_at:
             return
         self.rate_per_s = (gate.arrivals - self._arrivals) / (now - self._measured_at)
@@ -137,7 +143,7 @@ class ModelDispatcher:
     def room(self) -> int:
         """How many more batch lines may start now (``spare.batch_rows``; 0 while any
         interactive request waits). Without a gate: one line at a time at level 0."""
-        gate = self.lane.gate
+        gate = self.gate
         if gate is None:
             return batch_rows(self._level(), 1, 0, 0.0, 0.0, 0, len(self.running))
         if gate.waiting:
@@ -153,7 +159,7 @@ class ModelDispatcher:
         )
 
     def _slot(self) -> GateSlot | BatchSlot | None:
-        gate = self.lane.gate
+        gate = self.gate
         return GateSlot(None) if gate is None else gate.try_batch()
 
     async def step(self) -> int:
@@ -163,7 +169,9 @@ class ModelDispatcher:
         room = self.room()
         if room > 0 and len(self.held) < MAX_HELD:
             got = await self._store.claim(self.model, self.consumer, min(room, MAX_HELD - len(self.held)))
-            self.held.extend(got)
+            fresh = [d for d in got if d.entry_id not in self._mine]
+            self._mine.update(d.entry_id for d in fresh)
+            self.held.extend(fresh)
             started += self._start_ready()
         return started
 
@@ -183,8 +191,12 @@ class ModelDispatcher:
             task = asyncio.get_running_loop().create_task(self._run_line(delivery, slot))
             self.running.add(task)
             task.add_done_callback(self.running.discard)
+            task.add_done_callback(functools.partial(self._forget, delivery.entry_id))
             started += 1
         return started
+
+    def _forget(self, entry_id: str, _task: asyncio.Task[None]) -> None:
+        self._mine.discard(entry_id)
 
     # -- a line's life ----------------------------------------------------------------------
     async def _run_line(self, delivery: Delivery, slot: GateSlot | BatchSlot) -> None:
