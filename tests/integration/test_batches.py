@@ -19,6 +19,7 @@ from conftest import ADMIN, BASE, clear_chaos, heal, set_chaos, wait_quiet, wait
 pytestmark = pytest.mark.integration
 
 ENDPOINT = "/v1/chat/completions"
+MODEL = "tiny-decoder"  # cluster/local.yaml's model
 
 
 def oai(key: str = "dev-key-gold") -> openai.OpenAI:
@@ -30,7 +31,7 @@ def line(custom_id: str, content: str, max_tokens: int = 4, **body: Any) -> dict
         "custom_id": custom_id,
         "method": "POST",
         "url": ENDPOINT,
-        "body": {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **body},
+        "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **body},
     }
 
 
@@ -62,15 +63,15 @@ def test_good_and_bad_lines_round_trip_each_exactly_once(ballast) -> None:
         line("ok-1", "batch round trip one"),
         line("bad-max-tokens", "too long an answer", max_tokens=10**9),  # past limits.max_tokens_limit
         line("ok-2", "batch round trip two"),
-        {"custom_id": "bad-url", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/completions", "body": {"model": MODEL, "prompt": "x"}},
         line("bad-model", "no such model", model="no-such-model"),
         line("ok-3", "batch round trip three"),
     ]
     batch = c.batches.create(input_file_id=upload(c, lines), endpoint=ENDPOINT, completion_window="24h")
     assert batch.status == "in_progress" and batch.request_counts.total == 6
     done = wait_status(c, batch.id, {"completed"})
-    assert (done.request_counts.completed, done.request_counts.failed) == (3, 3)
     out, err = results(c, done.output_file_id), results(c, done.error_file_id)
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 3), err
     assert [x["custom_id"] for x in out] == ["ok-1", "ok-2", "ok-3"]  # input-line order
     assert all(x["response"]["status_code"] == 200 and x["response"]["body"]["choices"] for x in out)
     assert [x["custom_id"] for x in err] == ["bad-max-tokens", "bad-url", "bad-model"]
@@ -78,6 +79,8 @@ def test_good_and_bad_lines_round_trip_each_exactly_once(ballast) -> None:
     assert codes == {"bad-max-tokens": "INVALID_REQUEST", "bad-url": "invalid_url", "bad-model": "model_not_found"}
     assert all(x["response"]["status_code"] in (400, 404) for x in err)
     assert batch.id in [b.id for b in c.batches.list(limit=100).data]
+    with pytest.raises(openai.ConflictError):  # a completed batch: nothing to cancel
+        c.batches.cancel(batch.id)
 
 
 def test_a_bad_file_fails_the_batch_with_errors_data(ballast) -> None:
@@ -111,16 +114,19 @@ def test_another_tenant_gets_404_and_the_admin_lists_every_tenant(ballast, clien
 
 def test_a_batch_cancelled_midway_keeps_what_was_answered(ballast, client) -> None:
     c = oai()
-    lines = [line(f"c-{i}", f"cancel midway {i}", max_tokens=48) for i in range(24)]
-    batch = c.batches.create(input_file_id=upload(c, lines), endpoint=ENDPOINT, completion_window="24h")
-    wait_until(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 1, 60, 0.2, "a first answer")
-    assert c.batches.cancel(batch.id).status in ("cancelling", "cancelled")
-    done = wait_status(c, batch.id, {"cancelled"})
+    set_chaos(client, "primary", step_delay_ms=30)  # a slow device: the model answers 4 rows at a time
+    try:
+        lines = [line(f"c-{i}", f"cancel midway {i}", max_tokens=48) for i in range(24)]
+        batch = c.batches.create(input_file_id=upload(c, lines), endpoint=ENDPOINT, completion_window="24h")
+        wait_until(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 1, 60, 0.2, "a first answer")
+        assert c.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+        done = wait_status(c, batch.id, {"cancelled"})
+    finally:
+        clear_chaos(client)
     out = results(c, done.output_file_id)
     assert 1 <= len(out) < 24 and done.request_counts.completed == len(out)
     assert len({x["custom_id"] for x in out}) == len(out) and not results(c, done.error_file_id)
-    with pytest.raises(openai.ConflictError):  # an ended batch: nothing to cancel
-        c.batches.cancel(batch.id)
+    assert c.batches.cancel(batch.id).status == "cancelled"  # asked again: the batch as it is
 
 
 def test_a_line_dead_lettered_under_engine_failures_is_redriven(ballast, client) -> None:
