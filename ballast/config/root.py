@@ -135,7 +135,7 @@ class BallastConfig(Strict):
         """A batch line runs within ``resilience.deadline_s`` (its deadline, router/dispatcher.py);
         a line held longer than ``batch.claim_idle_s`` is taken by another router and run
         twice, so the claim must outlast the deadline."""
-        if self.batch.claim_idle_s <= self.resilience.deadline_s:
+        if self.batch.enabled and self.batch.claim_idle_s <= self.resilience.deadline_s:
             raise ValueError(
                 f"batch.claim_idle_s ({self.batch.claim_idle_s:g}) must be above resilience.deadline_s "
                 f"({self.resilience.deadline_s:g}), the longest a batch line's attempt runs: a line "
