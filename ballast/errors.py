@@ -217,6 +217,13 @@ class BatchLimitExceeded(BallastError):
     status, code = 429, "BATCH_LIMIT"
 
 
+class BatchNotCancellable(BallastError):
+    """``POST /v1/batches/{id}/cancel`` on a batch that has ended (completed, failed, expired,
+    cancelled): nothing to cancel."""
+
+    status, code = 409, "BATCH_NOT_CANCELLABLE"
+
+
 class ConfigError(ValueError):
     """A configuration that cannot be served; raised at build time, never per request."""
 

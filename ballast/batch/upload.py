@@ -9,8 +9,10 @@ streaming parser; its callbacks route each part's bytes to the one field its hea
 The upload is refused as soon as it passes a cap, before another chunk is read:
 
 - the file past ``max_bytes`` bytes or ``max_lines`` lines (413 ``FILE_TOO_LARGE``, the limit
-  in the message); lines are newline-separated, blank ones included, a final newline ending
-  the last line;
+  in the message); lines are counted as ballast/batch/lines.py counts a batch's requests:
+  newline-separated, a final newline ending the last line, a UTF-8 byte order mark before
+  the first dropped, and a blank line (nothing but ASCII whitespace) not counted, so a file
+  the upload takes never fails its batch for too many requests, and the reverse;
 - the whole body past ``max_bytes + FORM_OVERHEAD_BYTES`` (413: boundaries, part headers and
   the small fields fit within the overhead; the parser skips what follows the closing boundary,
   which would otherwise be read without end);
@@ -26,6 +28,7 @@ to disk with no cap on its size, and counts no lines; its parser underneath is t
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -108,7 +111,8 @@ class _Form:
         self.fields: dict[str, bytes] = {}
         self.filename = ""
         self.file = bytearray()
-        self.newlines = 0
+        self.requests = 0  # non-blank lines ended by a newline so far
+        self._scanned = 0  # where the next count starts in ``file`` (after the last newline counted)
         self.ended = False
         self._name: str | None = None  # the field of the part being read
         self._value = bytearray()
@@ -160,10 +164,20 @@ class _Form:
         if len(self.file) + len(piece) > self.max_bytes:
             raise FileTooLarge(self.max_bytes, "bytes")
         self.file.extend(piece)
-        self.newlines += piece.count(b"\n")
-        lines = self.newlines + (1 if self.file and self.file[-1:] != b"\n" else 0)
-        if lines > self.max_lines:
+        if self._count_lines() > self.max_lines:
             raise FileTooLarge(self.max_lines, "lines")
+
+    def _count_lines(self) -> int:
+        """The file's requests so far (lines.py's count: the module docstring); each byte is
+        scanned once, from the last newline counted."""
+        start = self._scanned
+        if start == 0 and self.file.startswith(codecs.BOM_UTF8):
+            start = len(codecs.BOM_UTF8)
+        end = self.file.rfind(b"\n", start)
+        if end >= start:
+            self.requests += sum(1 for line in bytes(self.file[start:end]).split(b"\n") if line.strip())
+            start = self._scanned = end + 1
+        return self.requests + (1 if self.file[start:].strip() else 0)
 
     def _part_end(self) -> None:
         if self._name is not None and self._name != FILE_FIELD:

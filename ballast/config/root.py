@@ -131,6 +131,19 @@ class BallastConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _batch_lines_fit_their_claim(self) -> BallastConfig:
+        """A batch line runs within ``resilience.deadline_s`` (its deadline, router/dispatcher.py);
+        a line held longer than ``batch.claim_idle_s`` is taken by another router and run
+        twice, so the claim must outlast the deadline."""
+        if self.batch.enabled and self.batch.claim_idle_s <= self.resilience.deadline_s:
+            raise ValueError(
+                f"batch.claim_idle_s ({self.batch.claim_idle_s:g}) must be above resilience.deadline_s "
+                f"({self.resilience.deadline_s:g}), the longest a batch line's attempt runs: a line "
+                "still running when its claim lapses is run again by another router"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _production_has_no_demo_secrets(self) -> BallastConfig:
         if self.environment == "production" and self.chaos.enabled:
             raise ValueError("chaos.enabled: fault injection is for local and test stacks, never production")

@@ -33,6 +33,9 @@ class TenantConfig(Strict):
     # the same class (fairness).
     weight: PositiveFloat = 1.0
     sheddable: bool = False  # its rate shrinks with the degradation level
+    # Its batch tokens count in its quota at this multiple of an online token's cost
+    # (null: batch.cost).
+    batch_cost: float | None = Field(default=None, gt=0, le=10)
     # The models and adapters this tenant may use (a model's name covers its adapters,
     # one added at run time included); null: any that the models' own tenants allow.
     models: list[str] | None = Field(default=None, min_length=1)

@@ -731,6 +731,17 @@ class Controller:
         self._core.admin.clear_chaos(by)
         await self._persist_admin()
 
+    async def audit_dlq(self, action: str, by: str, dead_letter: dict[str, Any]) -> None:
+        """An admin action on a dead letter (done by the router, on the batch store), in the audit trail."""
+        if action not in DLQ_ACTIONS:
+            raise ValueError(f"action: one of {', '.join(DLQ_ACTIONS)}")
+        self._core.admin.audit_admin(action, by, dead_letter=dead_letter)
+        await self._persist_admin()
+
+
+#: The dead-letter actions the admin API audits (``audit_dlq``).
+DLQ_ACTIONS = ("dlq_retry", "dlq_delete")
+
 
 def _kv_get(key: bytes) -> bytes | None:
     from ray.experimental import internal_kv

@@ -1,5 +1,13 @@
 """Admin and status routes: ``/v1/status`` and ``/admin/*`` (kill switches, LoRA adapters,
-chaos, recycles, replicas), all behind the admin token (401 without a token, 403 with another).
+chaos, recycles, replicas, every tenant's batches, the batch dead-letter queue), all behind
+the admin token (401 without a token, 403 with another).
+
+The dead-letter routes act on the batch store (``GET /admin/dlq``, ``POST
+/admin/dlq/{id}/retry``: the line back on its model's queue with its attempts from 0,
+``DELETE /admin/dlq/{id}``: the line to its batch's error file); each action is then
+written to the controller's audit trail as the kill switch's are (``operator_claimed``);
+when the controller cannot be reached the action stands and its audit event is logged
+here instead.
 
 Each admin action is a call to the controller (never on the generate path), answered
 422 when the controller refuses the input, with the controller's typed error where it
@@ -11,6 +19,8 @@ the pipeline's own status; the Router deployment (app.py) declares the routes.
 """
 
 import asyncio
+import json
+import logging
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -18,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ballast.batch import shapes
 from ballast.errors import (
     AdapterConflict,
     AdapterInConfig,
@@ -40,6 +51,8 @@ from ballast.router.adapters import runtime_catalog
 from ballast.router.api import bearer_token, read_json, validate_body
 from ballast.router.ingress import running_fast_path, running_ingress
 from ballast.router.serve_status import ServeStatusView
+
+log = logging.getLogger("ballast.router")
 
 #: A kill switch's id is 12 hex characters; a longer one names none (404, never sent on).
 MAX_ENTRY_ID_CHARS = 64
@@ -116,8 +129,12 @@ class Admin:
         router_id: str,
         handle_for: Callable[[str], Any],
         serve_status: ServeStatusView | None = None,
+        batches: Any = None,
+        dispatch: Any = None,
     ) -> None:
         self._cfg = cfg
+        self._batches = batches  # router/batches.py's BatchFront: the store (None: no batch routes' store)
+        self._dispatch = dispatch  # router/dispatcher.py's BatchDispatch (None: no store here)
         self._limits = cfg.limits
         self._keys = keys
         self._link = link  # calls to the controller
@@ -149,6 +166,7 @@ class Admin:
             },
             "replicas": self._replicas(snap),
             **self._pipeline.status(),
+            "batch": self._dispatch.status() if self._dispatch is not None else None,
             "chaos": snap.chaos if snap else {},
             "recycle": snap.recycle if snap else {},
             **await self._deployments(),
@@ -347,6 +365,65 @@ class Admin:
         await self._exchange.exchange_once()
         return {"deleted": name}
 
+    # -- admin: batches and the dead-letter queue --------------------------------------
+    async def list_batches(self, request: Request) -> dict[str, Any]:
+        """``GET /admin/batches``: every tenant's batches, newest first (``limit``, ``after``),
+        each with its ``tenant``."""
+        self._require_admin(request)
+        limit, after = _admin_paging(request)
+        page = await self._batches.store().list_batches(None, limit, after)
+        data = [{**shapes.batch_object(b.to_dict()), "tenant": b.tenant} for b in page.items]
+        return shapes.list_page(data, page.has_more)
+
+    async def list_dlq(self, request: Request) -> dict[str, Any]:
+        """``GET /admin/dlq``: dead letters oldest first, of ``model`` or of every model."""
+        self._require_admin(request)
+        limit, after = _admin_paging(request)
+        model = request.query_params.get("model")
+        if model is not None and model not in self._pipeline.lanes:
+            raise InvalidRequest(f"model: one of {', '.join(self._pipeline.lanes)}", field="model")
+        page = await self._batches.store().dlq_list(model, limit, after)
+        return {"object": "list", "data": [d.to_dict() for d in page.items], "has_more": page.has_more}
+
+    async def retry_dlq(self, dlq_id: str, request: Request) -> dict[str, Any]:
+        """``POST /admin/dlq/{id}/retry``: the line back on its model's queue (attempts 0)."""
+        self._require_admin(request)
+        store = self._batches.store()
+        dead = await store.dlq_get(dlq_id) if len(dlq_id) <= MAX_ENTRY_ID_CHARS else None
+        if dead is None or await store.dlq_retry(dlq_id) is None:
+            raise NotFound(f"no dead letter {dlq_id[:MAX_ENTRY_ID_CHARS]!r}")
+        self._pipeline.metrics.dlq_reprocessed.inc(tags={"model": dead.model})
+        await self._audit_dlq("dlq_retry", request, dead.to_dict())
+        return {"retried": dlq_id, "model": dead.model}
+
+    async def delete_dlq(self, dlq_id: str, request: Request) -> dict[str, Any]:
+        """``DELETE /admin/dlq/{id}``: the dead letter gone, its line in its batch's error file."""
+        self._require_admin(request)
+        store = self._batches.store()
+        dead = await store.dlq_get(dlq_id) if len(dlq_id) <= MAX_ENTRY_ID_CHARS else None
+        if dead is None:
+            raise NotFound(f"no dead letter {dlq_id[:MAX_ENTRY_ID_CHARS]!r}")
+        line = shapes.error_line(
+            shapes.new_line_id(),
+            dead.line.custom_id,
+            "dead_lettered",
+            f"The request failed {dead.line.attempts} times and was removed from the dead-letter queue "
+            f"by an operator; its last error: {dead.last_error}",
+        )
+        if not await store.dlq_delete(dlq_id, json.dumps(line, separators=(",", ":"))):
+            raise NotFound(f"no dead letter {dlq_id[:MAX_ENTRY_ID_CHARS]!r}")
+        await self._audit_dlq("dlq_delete", request, dead.to_dict())
+        return {"deleted": dlq_id, "model": dead.model}
+
+    async def _audit_dlq(self, action: str, request: Request, dead_letter: dict[str, Any]) -> None:
+        """The action in the controller's audit trail; logged here when it cannot be reached."""
+        operator = self._operator(request)
+        try:
+            await self._controller("audit_dlq", action, operator, dead_letter)
+        except BallastError:
+            event = {"action": action, "operator_claimed": operator or None, "dead_letter": dead_letter}
+            log.warning("ballast.audit (controller unreachable) %s", json.dumps(event, sort_keys=True))
+
     # -- helpers ---------------------------------------------------------------------
     def _require_admin(self, request: Request) -> None:
         token = bearer_token(request)
@@ -373,3 +450,14 @@ class Admin:
                 msg = str(cause.args[0] if cause.args else cause)
                 raise InvalidRequest(msg, field=msg.split(":", 1)[0]) from None
             raise ControllerUnavailable(f"controller unreachable: {type(e).__name__}", retry_after_s=2.0) from None
+
+
+def _admin_paging(request: Request) -> tuple[int, str | None]:
+    """An admin list's ``limit`` (1 to 100, default 20) and ``after`` cursor (422 naming them)."""
+    raw = request.query_params.get("limit", "20")
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 3 and 1 <= int(raw) <= 100):
+        raise InvalidRequest("limit: an integer from 1 to 100", field="limit")
+    after = request.query_params.get("after")
+    if after is not None and not 0 < len(after) <= MAX_ENTRY_ID_CHARS:
+        raise InvalidRequest(f"after: an id of 1 to {MAX_ENTRY_ID_CHARS} characters", field="after")
+    return int(raw), after

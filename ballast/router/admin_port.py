@@ -54,6 +54,10 @@ ADMIN_ROUTES = (
     ("DELETE", "/admin/chaos", "clear_chaos", 200),
     ("POST", "/admin/recycle", "recycle", 202),
     ("GET", "/admin/replicas", "replicas", 200),
+    ("GET", "/admin/batches", "list_batches", 200),
+    ("GET", "/admin/dlq", "list_dlq", 200),
+    ("POST", "/admin/dlq/{dlq_id}/retry", "retry_dlq", 200),
+    ("DELETE", "/admin/dlq/{dlq_id}", "delete_dlq", 200),
 )
 
 

@@ -229,18 +229,24 @@ async def read_json(request: Request, limits: Any, error: type[InvalidRequest] =
 
 app = FastAPI(title="Ballast", docs_url=None, redoc_url=None, openapi_url=None)
 
-#: Routes whose errors take OpenAI's shape (ballast/router/openai.py).
+#: Routes whose errors take OpenAI's shape (ballast/router/openai.py), and the prefixes of the
+#: Batch API's (ballast/router/batches.py).
 OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+OPENAI_PREFIXES = ("/v1/files", "/v1/batches")
+
+
+def is_openai_route(path: str) -> bool:
+    return path in OPENAI_ROUTES or path.startswith(OPENAI_PREFIXES)
 
 
 @app.exception_handler(BallastError)
 async def _ballast_error(request: Request, exc: BallastError) -> JSONResponse:
-    return error_response(exc, openai=request.url.path in OPENAI_ROUTES)
+    return error_response(exc, openai=is_openai_route(request.url.path))
 
 
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    openai = request.url.path in OPENAI_ROUTES
+    openai = is_openai_route(request.url.path)
     if exc.status_code == 404:
         return error_response(NotFound("no such route"), openai)
     err = BallastError(str(exc.detail))

@@ -7,6 +7,8 @@ Where things are:
   sent to the model (its docstring walks it);
 - generate.py and openai.py: the native and OpenAI fronts, each holding the pipeline;
   openai_api.py: the OpenAI protocol's requests, openai_answers.py its answers;
+- batches.py: OpenAI's Batch API (``/v1/files``, ``/v1/batches``) on the durable store;
+  dispatcher.py: the loops that run batch lines on spare capacity and end batches;
 - admin.py: ``/v1/status`` and ``/admin/*``; admin_port.py: those routes on a local-only
   port instead (``http.admin_port``);
 - readiness.py: the cached model probe the health routes answer from;
@@ -23,6 +25,7 @@ per-request rules (ballast/policies/tokens.py, outcome.py, criticality.py, json_
 package gathers inputs and applies them.
 """
 
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -33,6 +36,8 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 
+from ballast.batch.store import BatchStore
+from ballast.batch.store import connect as connect_store
 from ballast.config import BallastConfig, load_config
 from ballast.control.link import connect
 from ballast.errors import NotFound
@@ -42,7 +47,9 @@ from ballast.router.admin import Admin
 from ballast.router.admin_port import AdminListener, admin_app
 from ballast.router.api import app
 from ballast.router.auth import KeyStore
+from ballast.router.batches import BatchFront
 from ballast.router.contract import VERSION, openapi_document
+from ballast.router.dispatcher import BatchDispatch, BatchHooks, Finalizer, ModelDispatcher
 from ballast.router.edge import Edge
 from ballast.router.generate import NativeFront
 from ballast.router.idempotency import IdempotencyStore, SharedKeys
@@ -100,6 +107,14 @@ class Router:
         self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None, keys)
         self._native = NativeFront(self.pipeline, cfg.limits)
         self._openai = OpenAIFront(self.pipeline, cfg, created_s=int(time.time()))
+        # The Batch API's store (none: batch off, or no batch.store_url; its routes answer 503)
+        # and the loops that run its lines here; the online routes never touch it.
+        self.store: BatchStore | None = None
+        self.dispatch: BatchDispatch | None = None
+        if cfg.batch.enabled and cfg.batch.store_url is not None:
+            self.store = connect_store(cfg.batch, cfg.app_name)
+            self.dispatch = self._batch_dispatch(self.store)
+        self._batches = BatchFront(self.pipeline, self._openai, cfg, self.store)
         self._admin = Admin(
             cfg,
             keys,
@@ -110,6 +125,8 @@ class Router:
             self.router_id,
             handle_for=lambda name: self._handles[name],  # each model's deployment, by its name
             serve_status=ServeStatusView(cfg.app_name),
+            batches=self._batches,
+            dispatch=self.dispatch,
         )
         # Health routes need no key: they answer from one model ping per interval at most.
         self.readiness = {
@@ -120,9 +137,34 @@ class Router:
         if cfg.http.admin_port is not None:
             self.admin_listener = AdminListener(admin_app(self._admin), cfg.http.admin_port)
 
+    def _batch_dispatch(self, store: BatchStore) -> BatchDispatch:
+        """A dispatcher per model (consumer: this router) and the finalizer, reporting to the metrics."""
+        m = self.metrics
+        hooks = BatchHooks(on_line=m.batch_line, on_depths=m.batch_depths)
+        dispatchers = {
+            name: ModelDispatcher(
+                name,
+                lane.gate,
+                functools.partial(self._level, name),
+                self._openai.batch_line,
+                store,
+                self._cfg,
+                self.router_id,
+                hooks,
+            )
+            for name, lane in self.pipeline.lanes.items()
+        }
+        finalizer = Finalizer(store, list(self.pipeline.lanes), hooks)
+        return BatchDispatch(dispatchers, finalizer, self._cfg.controller.report_interval_s)
+
+    def _level(self, model: str) -> int:
+        return int(self.snapshots.effective(model).level)
+
     def _start(self) -> None:
         """What runs on the replica's event loop, started at the first call that has one."""
         self._exchange.start()
+        if self.dispatch is not None:
+            self.dispatch.start()
         if self.admin_listener is not None:
             self.admin_listener.start()
 
@@ -202,6 +244,45 @@ class Router:
     async def list_models(self, request: Request) -> JSONResponse:
         return self._openai.models(request)
 
+    # -- OpenAI's Batch API: files and batches (batches.py) ---------------------------------
+    @app.post("/v1/files")
+    async def upload_file(self, request: Request) -> JSONResponse:
+        self._start()
+        return await self._batches.upload_file(request)
+
+    @app.get("/v1/files")
+    async def list_files(self, request: Request) -> dict[str, Any]:
+        return await self._batches.list_files(request)
+
+    @app.get("/v1/files/{file_id}")
+    async def get_file(self, file_id: str, request: Request) -> dict[str, Any]:
+        return await self._batches.get_file(file_id, request)
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete_file(self, file_id: str, request: Request) -> dict[str, Any]:
+        return await self._batches.delete_file(file_id, request)
+
+    @app.get("/v1/files/{file_id}/content")
+    async def file_content(self, file_id: str, request: Request) -> Response:
+        return await self._batches.file_content(file_id, request)
+
+    @app.post("/v1/batches")
+    async def create_batch(self, request: Request) -> dict[str, Any]:
+        self._start()
+        return await self._batches.create_batch(request)
+
+    @app.get("/v1/batches")
+    async def list_batches(self, request: Request) -> dict[str, Any]:
+        return await self._batches.list_batches(request)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get_batch(self, batch_id: str, request: Request) -> dict[str, Any]:
+        return await self._batches.get_batch(batch_id, request)
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel_batch(self, batch_id: str, request: Request) -> dict[str, Any]:
+        return await self._batches.cancel_batch(batch_id, request)
+
     # -- status and admin ----------------------------------------------------------------
     @app.get("/v1/status")
     async def status(self, request: Request) -> dict[str, Any]:
@@ -239,6 +320,26 @@ class Router:
     @app.delete("/admin/chaos")
     async def clear_chaos(self, request: Request) -> dict[str, Any]:
         return await self._public_admin().clear_chaos(request)
+
+    @app.get("/admin/batches")
+    async def admin_batches(self, request: Request) -> dict[str, Any]:
+        """Every tenant's batches, newest first."""
+        return await self._public_admin().list_batches(request)
+
+    @app.get("/admin/dlq")
+    async def list_dlq(self, request: Request) -> dict[str, Any]:
+        """The dead-lettered batch lines, oldest first, by model."""
+        return await self._public_admin().list_dlq(request)
+
+    @app.post("/admin/dlq/{dlq_id}/retry")
+    async def retry_dlq(self, dlq_id: str, request: Request) -> dict[str, Any]:
+        """A dead letter back on its model's queue, attempts from 0."""
+        return await self._public_admin().retry_dlq(dlq_id, request)
+
+    @app.delete("/admin/dlq/{dlq_id}")
+    async def delete_dlq(self, dlq_id: str, request: Request) -> dict[str, Any]:
+        """A dead letter removed; its line to its batch's error file."""
+        return await self._public_admin().delete_dlq(dlq_id, request)
 
     @app.post("/admin/recycle", status_code=202)
     async def recycle(self, request: Request) -> JSONResponse:

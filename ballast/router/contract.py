@@ -116,6 +116,66 @@ class RecycleAccepted(BaseModel):
     accepted: list[str] = Field(description="The replicas marked for a recycle, in turn.")
 
 
+class FileObject(BaseModel):
+    """OpenAI's File object (ballast/batch/shapes.py)."""
+
+    id: str
+    object: str = "file"
+    bytes: int
+    created_at: int
+    expires_at: int | None
+    filename: str
+    purpose: str = Field(description="batch (an upload) or batch_output (a batch's output or error file).")
+    status: str
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: str = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: str = "file"
+    deleted: bool
+
+
+class FileUpload(BaseModel):
+    """``POST /v1/files`` (multipart/form-data): the JSONL file, ``purpose`` "batch", and
+    optionally ``expires_after[anchor]`` ("created_at") with ``expires_after[seconds]``."""
+
+    file: bytes = Field(json_schema_extra={"format": "binary"})
+    purpose: str = "batch"
+
+
+class BatchObject(BaseModel):
+    """OpenAI's Batch object (ballast/batch/shapes.py): its status, times, files and request counts."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: str = "batch"
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    request_counts: dict[str, int]
+
+
+class BatchList(BaseModel):
+    object: str = "list"
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -126,10 +186,13 @@ class RouteContract:
     stream: type[BaseModel] | None = None  # one text/event-stream event
     openai: bool = False  # errors in OpenAI's shape
     status: int = 200
+    request_media: str = "application/json"
+    response_media: str = "application/json"
 
 
 def _contract() -> dict[tuple[str, str], RouteContract]:
     from ballast.router.admin import AdapterRequest, ChaosRequest, KillSwitchRequest, RecycleRequest
+    from ballast.router.batches import BatchCreate
     from ballast.router.generate import GenerateRequest
 
     return {
@@ -156,6 +219,21 @@ def _contract() -> dict[tuple[str, str], RouteContract]:
         ("DELETE", "/admin/chaos"): RouteContract(AdminAnswer),
         ("POST", "/admin/recycle"): RouteContract(RecycleAccepted, RecycleRequest, status=202),
         ("GET", "/admin/replicas"): RouteContract(AdminAnswer),
+        ("POST", "/v1/files"): RouteContract(FileObject, FileUpload, openai=True, request_media="multipart/form-data"),
+        ("GET", "/v1/files"): RouteContract(FileList, openai=True),
+        ("GET", "/v1/files/{file_id}"): RouteContract(FileObject, openai=True),
+        ("DELETE", "/v1/files/{file_id}"): RouteContract(FileDeleted, openai=True),
+        ("GET", "/v1/files/{file_id}/content"): RouteContract(
+            bytes, openai=True, response_media="application/octet-stream"
+        ),
+        ("POST", "/v1/batches"): RouteContract(BatchObject, BatchCreate, openai=True),
+        ("GET", "/v1/batches"): RouteContract(BatchList, openai=True),
+        ("GET", "/v1/batches/{batch_id}"): RouteContract(BatchObject, openai=True),
+        ("POST", "/v1/batches/{batch_id}/cancel"): RouteContract(BatchObject, openai=True),
+        ("GET", "/admin/batches"): RouteContract(BatchList),
+        ("GET", "/admin/dlq"): RouteContract(AdminAnswer),
+        ("POST", "/admin/dlq/{dlq_id}/retry"): RouteContract(AdminAnswer),
+        ("DELETE", "/admin/dlq/{dlq_id}"): RouteContract(AdminAnswer),
     }
 
 
@@ -195,11 +273,11 @@ def openapi_document(routes: list[Any]) -> dict[str, Any]:
             if contract.request is not None:
                 op["requestBody"] = {
                     "required": True,
-                    "content": {"application/json": {"schema": schemas.ref(contract.request)}},
+                    "content": {contract.request_media: {"schema": schemas.ref(contract.request)}},
                 }
             content: dict[str, Any] = {}  # no body (GET /health)
             if contract.response is not None:
-                content["application/json"] = {"schema": schemas.ref(contract.response)}
+                content[contract.response_media] = {"schema": schemas.ref(contract.response)}
             if contract.stream is not None:
                 content["text/event-stream"] = {"schema": schemas.ref(contract.stream)}
             params = [p for p in op.get("parameters", []) if p.get("in") == "path"]

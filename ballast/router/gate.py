@@ -12,6 +12,13 @@ reserve for critical traffic, the drain estimate, the refusals, displacement, th
 service-time estimate, whether a miss cuts the limit) are ballast/policies/gate.py's; this
 module holds the waiters' futures and applies what those rules decide.
 
+A batch line (ballast/router/dispatcher.py) takes a slot with ``try_batch``: only when no
+request waits and the limit has room for the least critical class, never by waiting, so
+it never enters the line and never moves the limit's saturation signal; it holds its slot
+as any request does (``BatchSlot``), and ``batch_in_flight`` counts those slots.
+``arrivals`` counts the interactive requests that asked for a slot (the dispatcher's
+arrival rate).
+
 Waits go through an injected ``wait_for`` (``asyncio.wait_for`` by default) so that
 tests advance a fake clock instead of sleeping.
 
@@ -72,6 +79,7 @@ class _Waiter:
         self.since_s = since_s  # when it joined the line
 
 
+LOWEST_RANK = max(c.rank for c in Criticality)  # a batch line asks for room as the least critical class
 WAIT_SAMPLES = 64  # recent waits kept per class for the status' p90 (bounded)
 _CLASS_OF_RANK = {c.rank: c.value for c in Criticality}
 
@@ -101,7 +109,9 @@ class PriorityGate:
         self._clock = clock
         self._wait_for = wait_for
         self.fair = fair
-        self.in_flight = 0
+        self.in_flight = 0  # every slot held, batch slots included
+        self.batch_in_flight = 0  # slots held by batch lines (``try_batch``)
+        self.arrivals = 0  # interactive requests that asked for a slot, ever
         self.waiting = 0  # live waiters (the lines may also hold finished ones)
         # Invariant: every live waiter is one entry of ``_lines[rank][tenant]`` (oldest
         # first) whose future is not done, and is counted once in ``waiting``,
@@ -137,6 +147,7 @@ class PriorityGate:
         ``cost`` is (prompt tokens, max_tokens): with tenant counters, what the slot
         charges ``tenant``; the charge is returned, to settle when the request ends."""
         limit = self.limit.value
+        self.arrivals += 1
         self._reserve.note_arrival(rank, self.critical_rank, self.in_flight, limit, self._waiting_at_most(rank))
         if self.waiting == 0 and self.in_flight < self._room(rank, limit):
             self.in_flight += 1
@@ -188,6 +199,17 @@ class PriorityGate:
                 self._add_waiting(waiter, -1)
             raise
         return fut.result()
+
+    def try_batch(self) -> BatchSlot | None:
+        """A slot for a batch line now, or None: only while nothing waits and the limit has
+        room for the least critical class (the critical reserve kept). Never waits, never
+        counts as a saturation, never takes the tenant counters' share."""
+        if self.waiting or self.in_flight >= self._room(LOWEST_RANK, self.limit.value):
+            return None
+        self.in_flight += 1
+        self.batch_in_flight += 1
+        self.limit.rows_in_flight(self.in_flight)
+        return BatchSlot(self)
 
     def _waited(self, rank: int, wait_s: float) -> None:
         """A request of ``rank`` got its slot after ``wait_s`` in line (0: at once)."""
@@ -363,4 +385,20 @@ class GateSlot:
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.settle(self._share, generated)
+            gate.release(service_s)
+
+
+class BatchSlot:
+    """A batch line's slot (``PriorityGate.try_batch``), given back exactly once by ``release``
+    (a ``GateSlot``'s face, so a ticket holds either)."""
+
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: PriorityGate):
+        self._gate: PriorityGate | None = gate
+
+    def release(self, service_s: float | None = None, generated: int | None = None) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.batch_in_flight -= 1
             gate.release(service_s)

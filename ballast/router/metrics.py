@@ -18,9 +18,10 @@ class RouterMetrics:
         self._requests(metrics)
         self._protection(metrics)
         self._tenants(metrics)
+        self._batch(metrics)
         for m in (self.requests, self.latency, self.level, self.breaker, self.trips, self.retries, self.lost):
             m.set_default_tags({"model": model})
-        for m in (self.gate, self.gate_refused, self.tenant_tokens):
+        for m in (self.gate, self.gate_refused, self.tenant_tokens, self.flex_held, self.batch_lines):
             m.set_default_tags({"model": model})
 
     def _requests(self, metrics: ModuleType) -> None:
@@ -78,6 +79,53 @@ class RouterMetrics:
         self.snapshot_age = metrics.Gauge(
             "ballast_snapshot_age_s", "Age of the controller snapshot this router acts on (-1: none yet)."
         )
+
+    def _batch(self, metrics: ModuleType) -> None:
+        """Batch lines, the per-model queues and dead letters (each router reads the same
+        store: take the max over routers for the gauges), and flex requests held."""
+        self.batch_lines = metrics.Counter(
+            "ballast_batch_lines_total",
+            "Batch lines this router took off a model's queue, by what became of them: completed, failed (to "
+            "the error file), expired, retried, deferred (quota or kill switch), dead_lettered, skipped.",
+            tag_keys=("model", "outcome"),
+        )
+        self.batch_queue_depth = metrics.Gauge(
+            "ballast_batch_queue_depth", "Batch lines queued or running for a model.", tag_keys=("model",)
+        )
+        self.batch_queue_age = metrics.Gauge(
+            "ballast_batch_queue_age_seconds",
+            "How long the oldest line on a model's batch queue has waited.",
+            tag_keys=("model",),
+        )
+        self.dlq_depth = metrics.Gauge(
+            "ballast_dlq_depth", "Batch lines on a model's dead-letter queue.", tag_keys=("model",)
+        )
+        self.dlq_messages = metrics.Counter(
+            "ballast_dlq_messages_total",
+            "Batch lines moved to a model's dead-letter queue (their retryable attempts spent).",
+            tag_keys=("model",),
+        )
+        self.dlq_reprocessed = metrics.Counter(
+            "ballast_dlq_reprocessed_total",
+            "Dead letters an operator put back on their model's queue (POST /admin/dlq/{id}/retry).",
+            tag_keys=("model",),
+        )
+        self.flex_held = metrics.Gauge(
+            "ballast_flex_held", "Flex requests held for spare capacity at this router.", tag_keys=("model",)
+        )
+
+    def batch_line(self, model: str, outcome: str) -> None:
+        """A batch line's outcome (router/dispatcher.py's hook)."""
+        self.batch_lines.inc(tags={"model": model, "outcome": outcome})
+        if outcome == "dead_lettered":
+            self.dlq_messages.inc(tags={"model": model})
+
+    def batch_depths(self, model: str, queued: int, age_s: float, dlq: int) -> None:
+        """A model's batch queue and dead-letter queue as last read (the finalizer's hook)."""
+        tags = {"model": model}
+        self.batch_queue_depth.set(queued, tags=tags)
+        self.batch_queue_age.set(age_s, tags=tags)
+        self.dlq_depth.set(dlq, tags=tags)
 
     def _tenants(self, metrics: ModuleType) -> None:
         """What each tenant was charged and served, and its fair-share counter."""

@@ -27,8 +27,10 @@ formats what comes back.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -37,11 +39,13 @@ from fastapi.responses import JSONResponse, Response
 from ballast.errors import BallastError, PayloadTooLarge, SchemaTooComplex
 from ballast.model.protocol import ModelCall
 from ballast.policies.catalog import Target
+from ballast.policies.criticality import Criticality
 from ballast.policies.flex import TIER_HEADER
 from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
 from ballast.router.api import StreamResponse, answer_headers, read_json
 from ballast.router.chat_parsing import ParsedChat, StreamedChat
+from ballast.router.gate import BatchSlot, GateSlot
 from ballast.router.lanes import Lane
 from ballast.router.pipeline import Admission, Answer, Caller, ModelRequest, Pipeline, Stream, tiered_claim
 from ballast.router.tokens import ModelText
@@ -52,6 +56,19 @@ NO_TOOLS = ToolPlan("none")
 
 
 Parsed = oa.ChatCompletionRequest | oa.CompletionRequest
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A body checked as the online call checks it, and what it asks of the model: the
+    parsed request, what its model name means, its tools' parser (vLLM), its model call and
+    its length fitted to the context."""
+
+    req: Parsed
+    target: Target
+    parsed: ParsedChat | None
+    call: ModelCall
+    max_tokens: int
 
 
 class OpenAIFront:
@@ -72,7 +89,24 @@ class OpenAIFront:
     async def complete(self, request: Request, chat: bool) -> Response:
         """``POST /v1/chat/completions`` (``chat``) or ``POST /v1/completions``."""
         caller = self._pipeline.identify(request)
-        req, lane, target = await self._parse(request, chat, caller)
+        p = self.prepare(await read_json(request, self._limits, oa.BadRequest), chat, caller)
+        req = p.req
+        tier, claimed = tiered_claim(request, req.service_tier, req.criticality, oa.BadRequest)
+        served = await self._pipeline.serve(ModelRequest(caller, claimed, p.max_tokens, req.stream, p.call, tier))
+        answer_id = self._identity(p, chat, served.admission)
+        opts = oa.Streaming.of(req)
+        headers = self._headers(served.admission)
+        if isinstance(served, Stream):
+            reader = p.parsed.stream() if p.parsed is not None and p.parsed.reads else None
+            return StreamResponse(self._events(served, chat, answer_id, p.call.stops, opts, reader), served, headers)
+        return self._answer(served, chat, answer_id, p.call.stops, opts if req.stream else None, headers, p.parsed)
+
+    def prepare(self, data: dict[str, Any], chat: bool, caller: Caller) -> Prepared:
+        """A body (an online request's, or a batch line's) checked as the online call checks
+        it, and its model call: the parse and its limits, the model the caller may use, what
+        the engine cannot honour, the tools, the prompt's size and its fit in the context
+        (``_parse``); every refusal a 4xx naming the field."""
+        req, lane, target = self._parse(data, chat, caller)
         text = lane.text
         parsed: ParsedChat | None = None
         if isinstance(req, oa.ChatCompletionRequest):
@@ -83,31 +117,40 @@ class OpenAIFront:
             prompt = req.prompt_text
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
-        tier, claimed = tiered_claim(request, req.service_tier, req.criticality, oa.BadRequest)
         call = self.to_call(req, prompt, chat, parsed, text, target)
         if parsed is not None:
             parsed.rendered(call.prompt_ids)
-        max_tokens = text.fit(len(call.prompt_ids), oa.max_tokens_of(req))
-        stops = call.stops
-        served = await self._pipeline.serve(ModelRequest(caller, claimed, max_tokens, req.stream, call, tier))
-        # The answer names what was asked (an adapter as the request named it), or the fallback.
-        answer_id = answers.Identity(
+        return Prepared(req, target, parsed, call, text.fit(len(call.prompt_ids), oa.max_tokens_of(req)))
+
+    async def batch_line(self, caller: Caller, body: dict[str, Any], chat: bool, slot: GateSlot | BatchSlot) -> Any:
+        """A batch line's answer body, as the online call would have answered it (200), run on
+        ``slot`` (the dispatcher's; given back whatever happens): ``prepare``, then the
+        pipeline's ``serve_batch``. A refusal or failure raises its BallastError."""
+        try:
+            p = self.prepare(body, chat, caller)
+        except BaseException:
+            slot.release()
+            raise
+        served = await self._pipeline.serve_batch(
+            ModelRequest(caller, Criticality.SHEDDABLE, p.max_tokens, False, p.call), slot
+        )
+        answer_id = self._identity(p, chat, served.admission)
+        response = self._answer(served, chat, answer_id, p.call.stops, None, {}, p.parsed)
+        return json.loads(bytes(response.body))
+
+    @staticmethod
+    def _identity(p: Prepared, chat: bool, admission: Admission) -> answers.Identity:
+        """The answer's id and names: what was asked (an adapter as the request named it), or the fallback."""
+        return answers.Identity(
             answers.new_id("chatcmpl" if chat else "cmpl"),
             int(time.time()),
-            asked=(target.model, req.model),
-            service_tier=served.admission.tier.value,
+            asked=(p.target.model, p.req.model),
+            service_tier=admission.tier.value,
         )
-        opts = oa.Streaming.of(req)
-        headers = self._headers(served.admission)
-        if isinstance(served, Stream):
-            reader = parsed.stream() if parsed is not None and parsed.reads else None
-            return StreamResponse(self._events(served, chat, answer_id, stops, opts, reader), served, headers)
-        return self._answer(served, chat, answer_id, stops, opts if req.stream else None, headers, parsed)
 
-    async def _parse(self, request: Request, chat: bool, caller: Caller) -> tuple[Parsed, Lane, Target]:
+    def _parse(self, data: dict[str, Any], chat: bool, caller: Caller) -> tuple[Parsed, Lane, Target]:
         """The body, the lane of the model it names and what the name means (404
         model_not_found for one the caller may not use), checked against that model."""
-        data = await read_json(request, self._limits, oa.BadRequest)
         req: Parsed = oa.parse_chat(data, self._limits) if chat else oa.parse_completion(data, self._limits)
         lane, target = self._pipeline.target(caller, req.model)
         oa.refuse_unhonoured(req, lane.backend)

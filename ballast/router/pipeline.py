@@ -33,6 +33,17 @@ which the router builds once (app.py) and the fronts hold. Its public face:
    up to its own deadline (504); neither takes a place, quota or gate slot. Only the
    key's first attempt goes on to d. and e.; if it is refused there, the key is freed.
 
+3. ``serve_batch(ModelRequest, slot)``: one line of a batch (the dispatcher's,
+   router/dispatcher.py), at the class ``batch`` below every interactive one. The
+   dispatcher decided it may run (level 0, the gate's room) and took its gate slot
+   without waiting (``PriorityGate.try_batch``); here: the kill switch (its tenant, or
+   the ``sheddable`` class, the lowest a switch names), the length clamped as any
+   request's, the tenant's quota charged at ``batch.cost`` (the tenant's ``batch_cost``
+   over it) times the model's token cost, then the model call. It takes no tenant place
+   (interactive requests of the tenant keep theirs), is offered to no level's tally and
+   counted in none (its ticket's accounts hold a tally nobody reports: batch demand must
+   not move the level), and feeds the gate's service samples as any slot does.
+
 Every way out settles the ticket exactly once: the unary path in a ``finally``, a stream
 in ``Stream.aclose`` (which the response calls however it ends, ``api.StreamResponse``).
 The deadline is one ``ballast.policies.deadline.Deadline`` that every layer reads.
@@ -72,16 +83,17 @@ from ballast.policies.catalog import Target
 from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Criticality
 from ballast.policies.deadline import Deadline
 from ballast.policies.flex import FlexQueue, ServiceTier, flex_budget_s, refuse_claim_beside, tier_class
-from ballast.router.accounts import Outcome
+from ballast.router.accounts import Accounts, Outcome
 from ballast.router.api import bearer_token, claimed_criticality
 from ballast.router.auth import KeyStore, cache_salts
 from ballast.router.flex import FlexHold, Sleep, WaitFor, flex_max_wait_s
-from ballast.router.gate import GateRefused, GateSlot
+from ballast.router.gate import BatchSlot, GateRefused, GateSlot
 from ballast.router.idempotency import IdempotencyStore, request_fingerprint
 from ballast.router.lanes import Lane
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
 from ballast.router.resilience import CallRecord, CallSpec, Reply
+from ballast.router.tally import Tally
 from ballast.router.ticket import Charge, TenantPlaces, Ticket
 
 
@@ -99,6 +111,10 @@ def tiered_claim(
     except ValueError as e:
         raise error(str(e), field="service_tier") from None
     return parsed, claimed_criticality(request, from_body, error)
+
+
+#: The class of a batch line in the request metrics: below every interactive class.
+BATCH_CLASS = "batch"
 
 
 @dataclass(frozen=True)
@@ -281,6 +297,12 @@ class Pipeline:
         self.places = TenantPlaces()
         self.kill_switches: list[killswitch.KillSwitchEntry] = []  # from the latest snapshot
         self.holds = {name: self.flex_hold(lane) for name, lane in lanes.items()}  # each model's flex hold
+        # Batch lines: their own places (never the tenant's interactive ones) and accounts
+        # whose tally no report reads (a batch line moves no level).
+        self._batch_places = TenantPlaces()
+        self._batch_accounts = {
+            name: Accounts(cfg, lane.gate, metrics, Tally(), model=name) for name, lane in lanes.items()
+        }
 
     # -- 1. identity, deadline, idempotency key ---------------------------------------
     def identify(self, request: Request) -> Caller:
@@ -559,6 +581,56 @@ class Pipeline:
         tally.decided(criticality.value, through=True)
         return GateSlot(gate, share), False
 
+    # -- 3. a batch line -------------------------------------------------------------------
+    def batch_cost(self, tenant: str) -> float:
+        """What a batch token costs ``tenant`` in its quota, as a multiple of an online one:
+        its ``batch_cost``, else ``batch.cost``."""
+        own = self._cfg.tenants[tenant].batch_cost
+        return float(own if own is not None else self._cfg.batch.cost)
+
+    async def serve_batch(self, req: ModelRequest, slot: BatchSlot | GateSlot) -> Answer:
+        """One batch line run on ``slot`` (taken by the dispatcher; released here, whatever
+        happens): the module docstring's step 3. Refusals raise as for any request (the
+        kill switch's 503, the quota's 429), with the slot given back."""
+        lane, tenant = self.lane(req.call), req.caller.tenant
+        try:
+            self._refuse_if_switched_off(lane, tenant, Criticality.SHEDDABLE.value, time.time(), req.call.adapter)
+            eff = self.snapshots.effective(lane.name)
+            clamped, _ = clamp_max_tokens(req.max_tokens, eff.constraints, lane.max_tokens)
+            reasons = outcome_policy.degraded_reasons(
+                requested_max_tokens=req.max_tokens,
+                level_max_tokens=eff.constraints.max_tokens,
+                model_max_tokens=lane.max_tokens,
+                lowered=False,
+                stream_requested=False,
+                streaming_allowed=eff.constraints.streaming,
+            )
+            admission = Admission(
+                Criticality.SHEDDABLE, eff.level, clamped, False, req.prompt_tokens, tuple(reasons), ServiceTier.DEFAULT
+            )
+            per_token = lane.cost_per_token * self.batch_cost(tenant)
+            charge = self.quotas.charge(tenant, req.prompt_tokens, clamped, per_token)
+        except BaseException:
+            slot.release()
+            raise
+        self._batch_places.take(tenant, 1 << 30)  # counted only, never capped: the dispatcher bounds the rows
+        ticket = Ticket(
+            tenant,
+            BATCH_CLASS,
+            req.caller.deadline,
+            self._batch_places,
+            charge,
+            slot,
+            False,
+            self._batch_accounts[lane.name],
+        )
+        call = self._admitted(req, lane, admission)
+        return Answer(admission, await self._settled_unary(ticket, call, send=self._call_batch))
+
+    async def _call_batch(self, ticket: Ticket, call: ModelCall, record: CallRecord) -> Reply:
+        """A batch line's model call: the resilient caller alone (no tally, no wait sample)."""
+        return await self.lane(call).caller.unary(self._spec(ticket, call, record))
+
     # -- 3. the model call ----------------------------------------------------------------
     async def _keyed(self, req: ModelRequest, key: str) -> Answer:
         """A unary request with an Idempotency-Key: admitted by the level first (kill
@@ -601,13 +673,16 @@ class Pipeline:
             self.metrics.replays.inc()
         return Answer(admission, settled, replayed)
 
-    async def _settled_unary(self, ticket: Ticket, call: ModelCall) -> Settled:
-        """The model's answer, the ticket settled here whatever happens."""
+    async def _settled_unary(
+        self, ticket: Ticket, call: ModelCall, send: Callable[[Ticket, ModelCall, CallRecord], Any] | None = None
+    ) -> Settled:
+        """The model's answer (``send``: the call, ``_call_unary`` unless said), the ticket
+        settled here whatever happens."""
         t0 = time.monotonic()
         outcome = Outcome("CANCELLED")  # the client went away, unless something below says otherwise
         try:
             record = CallRecord()
-            reply = await self._call_unary(ticket, call, record)
+            reply: Reply = await (send or self._call_unary)(ticket, call, record)
             r = reply.result
             outcome = Outcome("OK", generated=r.tokens, service_s=time.monotonic() - t0)
             return Settled(

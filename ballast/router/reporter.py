@@ -164,10 +164,12 @@ class Reporter:
             for b in lane.caller.backends:
                 m.breaker.set(int(b.breaker.state), tags={"backend": b.role, "model": name})
             m.level.set(self._cache.effective(name).level, tags={"model": name})
+            m.flex_held.set(len(self._pipeline.holds[name].queue), tags={"model": name})
             if lane.gate is not None:
                 m.gate.set(lane.gate.limit.value, tags={"kind": "limit", "model": name})
                 m.gate.set(lane.gate.in_flight, tags={"kind": "in_flight", "model": name})
                 m.gate.set(lane.gate.waiting, tags={"kind": "waiting", "model": name})
+                m.gate.set(lane.gate.batch_in_flight, tags={"kind": "batch_in_flight", "model": name})
         gate = self._fair_lane().gate
         counters = gate.fair if gate is not None else None
         if counters is not None:  # the tenant gauges carry no model tag: the fair lane's counters

@@ -31,7 +31,7 @@ from typing import Any
 from ballast.policies.deadline import Deadline
 from ballast.policies.quota import TokenBucket
 from ballast.router.accounts import Accounts, Outcome
-from ballast.router.gate import GateSlot
+from ballast.router.gate import BatchSlot, GateSlot
 
 
 class TenantPlaces:
@@ -84,7 +84,7 @@ class Ticket:
         deadline: Deadline,
         places: TenantPlaces,
         charge: Charge,
-        slot: GateSlot,
+        slot: GateSlot | BatchSlot,
         fallback_only: bool,
         accounts: Accounts,
     ) -> None:

@@ -110,14 +110,40 @@ def _default_stack(request):
 
 
 @pytest.fixture(scope="session")
-def ballast():
+def batch_store(tmp_path_factory):
+    """The Batch API's store for the session: an embedded redis-server under the session's
+    temporary directory (append-only file on), as ``make serve`` runs one, on a port fixed
+    for the session."""
+    import socket
+
+    from ballast.batch.embedded import EmbeddedRedis
+
+    with socket.socket() as s:  # a fixed port: a test restarts the store where the routers look
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = EmbeddedRedis(tmp_path_factory.mktemp("redis"), port=port)
+    store.start()
+    try:
+        yield store
+    finally:
+        store.stop()
+
+
+@pytest.fixture(scope="session")
+def ballast(batch_store):
     import ray
 
     from ballast.config import load_config
     from ballast.ops.app import shutdown, start
     from ballast.router.ingress import apply_ingress_env
 
-    cfg = load_config(test_config_dict())
+    settings = test_config_dict()
+    settings["batch"] = {
+        **settings.get("batch", {}),
+        "store_url": batch_store.url,
+        "store_password_file": str(batch_store.password_file),
+    }
+    cfg = load_config(settings)
     apply_ingress_env(cfg)
     # The dashboard brings Ray's metrics agent, which the observability test scrapes.
     ray.init(include_dashboard=True, logging_level="ERROR", num_cpus=4)

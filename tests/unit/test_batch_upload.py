@@ -3,6 +3,7 @@ client's own request, and by hand) in odd chunk sizes, refused at the first cap 
 
 from __future__ import annotations
 
+import codecs
 import pickle
 from collections.abc import AsyncIterator
 from typing import Any
@@ -144,8 +145,10 @@ async def test_a_file_exactly_at_max_bytes_is_read() -> None:
         (b"a\nb\nc\n", True),  # a final newline ends the third line
         (b"a\nb\nc", True),
         (b"a\nb\nc\nd", False),
-        (b"a\nb\nc\n\n", False),  # a blank fourth line counts
-        (b"\n" * 10_000, False),
+        (b"a\nb\nc\n\n", True),  # a blank line is no request (as lines.py counts them)
+        (b"\n \t\na\n\r\nb\n\nc\n  \n", True),
+        (codecs.BOM_UTF8 + b"\na\nb\nc", True),  # the byte order mark is dropped: its line is blank
+        (b"x\n" * 10_000, False),
     ],
 )
 async def test_lines_past_max_lines_are_refused(data: bytes, ok: bool) -> None:
@@ -157,8 +160,38 @@ async def test_lines_past_max_lines_are_refused(data: bytes, ok: bool) -> None:
     with pytest.raises(FileTooLarge) as info:
         await read_upload(stream, content_type, 1 << 20, 3)
     assert (info.value.limit, info.value.unit) == (3, "lines")
-    if len(data) > 1000:  # a long file stops at its fourth line: its part header and four bytes read
-        assert stream.read * 3 < body.index(data) + 10
+    if len(data) > 1000:  # a long file stops at its fourth line: its part header and eight bytes read
+        assert stream.read * 3 < body.index(data) + 12
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"a\nb\nc\n",
+        b"a\nb\nc\n\n",
+        b"a\n\n\nb\nc",
+        b"a\nb\nc\nd",
+        codecs.BOM_UTF8 + b"  \na\nb\nc\n",
+        b"a\nb\n \nc\n\x0b",
+    ],
+)
+async def test_the_upload_counts_lines_as_the_batch_parse_counts_requests(data: bytes) -> None:
+    """A file the upload takes at max_lines is never too_many_tasks at create, and the reverse."""
+    from ballast.batch.lines import parse_batch_file
+    from ballast.errors import BatchFileInvalid
+
+    content_type, body = encoded({"purpose": "batch"}, ("a.jsonl", data))
+    try:
+        await upload(body, content_type, 3, max_lines=3)
+        taken = True
+    except FileTooLarge:
+        taken = False
+    try:
+        parse_batch_file(data, "/v1/completions", 3, lambda body: "m")
+        too_many = False
+    except BatchFileInvalid as e:
+        too_many = any(err["code"] == "too_many_tasks" for err in e.errors)
+    assert taken is not too_many
 
 
 async def test_bytes_after_the_closing_boundary_are_bounded() -> None:

@@ -58,6 +58,7 @@ class TestOneModelConfigsUnchanged:
         for tenant in dump["tenants"].values():
             assert tenant.pop("models") is None  # the fields added to a tenant: the models it may use,
             assert tenant.pop("cache_group") is None  # and its prefix-cache group (its own)
+            assert tenant.pop("batch_cost") is None  # and its batch tokens' cost (batch.cost)
         # the prefix-cache salts' secret, where it is read from
         assert dump["auth"].pop("cache_salt_secret_env") == "BALLAST_CACHE_SALT_SECRET"
         assert dump["auth"].pop("cache_salt_secret_file") is None

@@ -33,17 +33,21 @@ def test_every_route_has_its_request_and_response_schemas(doc):
     routes = [route for route, _, _ in _walk_fastapi_routes(router_app.app)]
     served = {(m, r.path) for r in routes if r.include_in_schema for m in r.methods}
     documented = {(m.upper(), p) for p, item in doc["paths"].items() for m in item}
-    assert documented == served and len(served) == 19
+    assert documented == served and len(served) == 32
     for path, item in doc["paths"].items():
         for method, op in item.items():
             ok = [s for s in op["responses"] if s.startswith("2")]
             assert len(ok) == 1, (method, path)
             if path == "/health":  # vLLM's probe: a status, no body
                 assert op["responses"][ok[0]]["content"] == {}
+            elif path == "/v1/files/{file_id}/content":  # the file's bytes, as OpenAI serves them
+                assert op["responses"][ok[0]]["content"]["application/octet-stream"]["schema"], path
             else:
                 assert op["responses"][ok[0]]["content"]["application/json"]["schema"], (method, path)
             assert "application/json" in op["responses"]["default"]["content"], (method, path)
-            if method == "post":
+            if path == "/v1/files" and method == "post":  # an upload: OpenAI's multipart form
+                assert op["requestBody"]["content"]["multipart/form-data"]["schema"]["$ref"], path
+            elif method == "post" and not path.endswith(("/cancel", "/retry")):  # those two take no body
                 assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"], path
     schemas = doc["components"]["schemas"]
     for ref in set(refs(doc)):
