@@ -1,12 +1,14 @@
 """``ballast status`` and ``ballast tenants``: the ``GET /v1/status`` document as an operator reads it.
 
 Pure: a document in, text (or rows) out; ``ballast status --json`` prints the document.
-The document holds every model alike, in two maps keyed by model: ``models`` (each as the
+The document holds every model alike, in maps keyed by model: ``models`` (each as the
 answering router acts on it: level, source, constraints, breakers, retry budget, lost
-capacity, gate) and ``snapshot.models`` (the controller's state of each: level, target,
-reason, inputs, deployment, routing). The summary gives one block per model, then what
-the router shares across models (replicas, deployments, quotas, recycles, kill switches,
-chaos).
+capacity, gate, flex hold), ``snapshot.models`` (the controller's state of each: level,
+target, reason, inputs, deployment, routing) and ``batch.models`` (each model's batch
+queue and dead letters as this router last read them from the store, and its dispatch
+here: lines running, held, the room for more; ``batch`` is null where the router has no
+store). The summary gives one block per model, then what the router shares across models
+(batches it finalized, replicas, deployments, quotas, recycles, kill switches, chaos).
 
 Every section is optional, so a router that answers without a snapshot (a controller
 never seen) or without a gate still gets a summary, and a newer router's extra keys are
@@ -69,6 +71,7 @@ def format_status(doc: dict[str, Any], near_quota_ratio: float = NEAR_QUOTA_RATI
     _status_snapshot(doc, out)
     for name in model_names(doc):
         _status_model(doc, name, out)
+    _status_batch(doc, out)
     _status_replicas(doc, out)
     _status_deployments(doc, out)
     _status_quotas(doc, out, near_quota_ratio)
@@ -114,6 +117,8 @@ def _status_model(doc: dict[str, Any], name: str, out: list[str]) -> None:
         out.append(f"  routing: {routing}")
     _model_health(mine, out)
     _model_gate(_map(mine, "gate"), out)
+    _model_flex(_map(mine, "flex"), out)
+    _model_batch(_map(doc, "batch", "models", name), out)
 
 
 def _routing_line(routing: dict[str, Any]) -> str:
@@ -168,6 +173,55 @@ def _model_gate(gate: dict[str, Any], out: list[str]) -> None:
         whose = "cluster-wide counters" if cluster else "this router's own counters (no controller reply)"
         waiting = ", ".join(fair.get("backlogged") or []) or "none"
         out.append(f"  fair shares: {whose}; tenants waiting: {waiting}")
+
+
+def _model_flex(flex: dict[str, Any], out: list[str]) -> None:
+    """A model's flex hold at this router: requests held for spare capacity, the oldest's
+    wait, and those refused (by reason) or answered 504 while held."""
+    if not flex:
+        return
+    line = f"  flex: {flex.get('held', 0)} held (at most {_num(flex.get('max_held'))})"
+    if flex.get("oldest_held_s") is not None:
+        line += f", oldest {flex['oldest_held_s']:.1f} s"
+    refused = {k: v for k, v in _map(flex, "refused").items() if v}
+    if refused:
+        line += ", refused " + ", ".join(f"{k} {v}" for k, v in sorted(refused.items()))
+    if flex.get("expired"):
+        line += f", {flex['expired']} ran out of time while held (504)"
+    out.append(line)
+
+
+def _model_batch(batch: dict[str, Any], out: list[str]) -> None:
+    """A model's batch queue and dead letters (the store's, as this router last read them:
+    the same at every router) and its batch lines at this router."""
+    if not batch:
+        return
+    if "queued" in batch:
+        out.append(
+            f"  batch queue: {batch['queued']} lines queued or running, oldest {_num(batch.get('age_s'), '.0f')} s; "
+            f"dead letters: {_num(batch.get('dlq'))}"
+        )
+    else:  # the finalizer has not read the store yet (or every read failed)
+        out.append("  batch queue: not read from the store yet")
+    line = (
+        f"  batch here: {batch.get('running', 0)} running, {batch.get('held', 0)} held, "
+        f"room for {_num(batch.get('room'))} more"
+    )
+    lines = {k: v for k, v in _map(batch, "lines").items() if v}
+    if lines:
+        line += "; lines since it started: " + ", ".join(f"{k} {v}" for k, v in sorted(lines.items()))
+    out.append(line)
+
+
+def _status_batch(doc: dict[str, Any], out: list[str]) -> None:
+    """The router's batch dispatch: off (no store here), or the batches it finalized."""
+    if "batch" not in doc:  # a router older than the Batch API
+        return
+    batch = doc["batch"]
+    if not isinstance(batch, dict):
+        out.append("batch: off at this router (batch.enabled false or no batch.store_url): its routes answer 503")
+        return
+    out.append(f"batches finalized by this router: {batch.get('finalized', 0)}")
 
 
 def _status_replicas(doc: dict[str, Any], out: list[str]) -> None:
