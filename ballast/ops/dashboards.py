@@ -86,6 +86,7 @@ class Dashboard:
 
 
 REQ = "ray_ballast_requests_total"
+BATCH_LINES = "ray_ballast_batch_lines_total"
 
 PREFIX_HITS = "rate(ray_ballast_model_prefix_cache_hits_total[5m])"
 PREFIX_QUERIES = "rate(ray_ballast_model_prefix_cache_queries_total[5m])"
@@ -284,8 +285,8 @@ OVERVIEW = Dashboard(
                 ),
             ),
             description=(
-                "Per-router adaptive limit, requests at the model, requests waiting (summed over routers); "
-                "refusals per second"
+                "Per-router adaptive limit, requests at the model (batch_in_flight: those of them batch lines), "
+                "requests waiting (summed over routers); refusals per second"
             ),
         ),
         Panel("Controller snapshot age", (Target("max(ray_ballast_snapshot_age_s)", "age"),), unit="s"),
@@ -293,6 +294,52 @@ OVERVIEW = Dashboard(
             "Recycles (per 15 min)",
             (Target("sum by (outcome) (increase(ray_ballast_recycles_total[15m]))", "{{outcome}}"),),
             description="Replica recycles by outcome; per replica on the Ballast replicas dashboard",
+        ),
+        Panel(
+            "Batch lines vs interactive requests by model",
+            (
+                Target(f"sum by (model, outcome) (rate({BATCH_LINES}[1m]))", "{{model}} batch {{outcome}}"),
+                Target(f'sum by (model) (rate({REQ}{{criticality!="batch"}}[1m]))', "{{model}} interactive"),
+            ),
+            unit="reqps",
+            description="Batch lines taken off each model's queue per second, by what became of them (completed, "
+            "failed: to the error file, expired, retried, deferred: quota or kill switch, dead_lettered, skipped), "
+            "against the model's interactive requests per second (every outcome; batch lines, which "
+            'ray_ballast_requests_total counts as criticality "batch", left out). Batch runs only at level 0, in '
+            "the gate's room the interactive load leaves",
+        ),
+        Panel(
+            "Batch queue and dead letters by model",
+            (
+                Target("max by (model) (ray_ballast_batch_queue_depth)", "{{model}} queued or running"),
+                Target("max by (model) (ray_ballast_dlq_depth)", "{{model}} dead letters"),
+                Target(
+                    "sum by (model) (increase(ray_ballast_dlq_messages_total[15m]))",
+                    "{{model}} dead-lettered (per 15 min)",
+                    sparse="no series until a line is dead-lettered",
+                ),
+                Target(
+                    "sum by (model) (increase(ray_ballast_dlq_reprocessed_total[15m]))",
+                    "{{model}} re-driven (per 15 min)",
+                    sparse="no series until an operator re-drives a dead letter",
+                ),
+            ),
+            description="Lines on each model's queue (the store's, the same at every router: max over routers) and "
+            "on its dead-letter queue (BallastDLQBacklog after 15 min above 0); lines moved to it and put back "
+            "by POST /admin/dlq/{id}/retry",
+        ),
+        Panel(
+            "Oldest batch line by model",
+            (Target("max by (model) (ray_ballast_batch_queue_age_seconds)", "{{model}}"),),
+            unit="s",
+            description="How long the first line on each model's queue has waited since its batch was created "
+            "(0: none queued); it grows while interactive load leaves no room, up to the batch's completion window",
+        ),
+        Panel(
+            "Flex requests held by model",
+            (Target("sum by (model) (ray_ballast_flex_held)", "{{model}}"),),
+            description='service_tier "flex" requests held for spare capacity, summed over routers (each holds at '
+            "most resilience.gate.max_waiting per model)",
         ),
     ),
 )
