@@ -116,8 +116,8 @@ OVERVIEW = Dashboard(
             ),
         ),
         Panel(
-            "Goodput (answered OK) by model",
-            (Target(f'sum by (model) (rate({REQ}{{code="OK"}}[1m]))', "{{model}}"),),
+            "Goodput (interactive answered OK) by model",
+            (Target(f'sum by (model) (rate({REQ}{{code="OK",criticality!="batch"}}[1m]))', "{{model}}"),),
             unit="reqps",
         ),
         Panel(
