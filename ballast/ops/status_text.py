@@ -214,13 +214,16 @@ def _model_batch(batch: dict[str, Any], out: list[str]) -> None:
 
 
 def _status_batch(doc: dict[str, Any], out: list[str]) -> None:
-    """The router's batch dispatch: off (no store here), or the batches it finalized."""
+    """The router's batch dispatch: off (no store here), or the batches in progress and those it finalized."""
     if "batch" not in doc:  # a router older than the Batch API
         return
     batch = doc["batch"]
     if not isinstance(batch, dict):
         out.append("batch: off at this router (batch.enabled false or no batch.store_url): its routes answer 503")
         return
+    in_progress = batch.get("in_progress")
+    if in_progress is not None:
+        out.append(f"batches in progress: {in_progress}")
     out.append(f"batches finalized by this router: {batch.get('finalized', 0)}")
 
 

@@ -300,15 +300,18 @@ class Finalizer:
         self._hooks = hooks
         self._wall = wall
         self.finalized = 0  # batches this router ended, ever
+        self.in_progress: int | None = None  # batches not ended at the last pass (every tenant's); None: not read yet
         self.depths: dict[str, dict[str, float]] = {}  # per model: queued, age_s, dlq (the last read)
 
     async def step(self) -> int:
         """One pass; the batches it ended."""
         ended = 0
-        for batch_id in await self._store.in_flight():
+        in_flight = await self._store.in_flight()
+        for batch_id in in_flight:
             if await self._store.finalize(batch_id, self._wall(), expired_line) is not None:
                 ended += 1
         self.finalized += ended
+        self.in_progress = len(in_flight) - ended
         await self._store.expire_files(self._wall())
         for model in self._models:
             queued = await self._store.queue_depth(model)
@@ -359,9 +362,10 @@ class BatchDispatch:
 
     def status(self) -> dict[str, Any]:
         """Per model: the dispatcher's state and the queue's depth, age and dead letters as
-        last read; and the batches this router finalized."""
+        last read; the batches this router finalized, and those in progress (every tenant's, as
+        last read; None before the first read)."""
         models = {name: {**d.status(), **self.finalizer.depths.get(name, {})} for name, d in self.dispatchers.items()}
-        return {"models": models, "finalized": self.finalizer.finalized}
+        return {"models": models, "finalized": self.finalizer.finalized, "in_progress": self.finalizer.in_progress}
 
     def close(self) -> None:
         for task in self._tasks:

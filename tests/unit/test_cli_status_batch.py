@@ -139,6 +139,8 @@ async def test_each_model_shows_its_batch_queue_dead_letters_dispatch_and_flex_h
     assert f"  batch here: {running} running, 0 held, room for 0 more" in block
     assert "  flex: 2 held (at most 2), oldest 3.0 s, refused queue_full 1" in block
     assert "batches finalized by this router: 0" in format_status(doc).splitlines()
+    # both batches: the dead-lettered line's waits for it (until its window ends), the other runs
+    assert "batches in progress: 2" in format_status(doc).splitlines()
 
     call.release.set()  # the held lines answer; the finalizer ends nothing until every line has
     await asyncio.gather(*d.running)
@@ -174,3 +176,4 @@ def test_a_model_whose_queue_was_not_read_yet_says_so() -> None:
     assert "  batch queue: not read from the store yet" in block
     assert "  batch here: 0 running, 0 held, room for 3 more" in block
     assert "batches finalized by this router: 2" in text.splitlines()
+    assert not any(line.startswith("batches in progress") for line in text.splitlines())  # not read yet
