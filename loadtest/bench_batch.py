@@ -59,7 +59,9 @@ script reads (``BatchLine``; one line, folded here)::
 
 Targets on this machine: lines_lost = lines_twice = 0, spare_used >= 0.7, p99 ratio (with
 backlog / without) <= 1.2 (on a GPU <= 1.05), refused delta (with - without) <= 0.5 % of the
-day's interactive requests. Exit 1 where a line was lost or written twice, or the run failed.
+day's interactive requests. Exit 1 where a line was lost, written twice or stray, or the run failed.
+Every answer and poll of both days goes to ``<--out>/days.json`` (``day_record``), to look
+at a day second by second.
 
 ``--smoke``: a 60 s day, a handful of lines in two batches, C from a short closed-loop run
 instead of the ladder, a 60 s drain: the path end to end in about 4 minutes, figures not
@@ -77,7 +79,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -107,6 +109,7 @@ from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_
 from loadtest.machine_speed import SpeedProbeProcess
 from loadtest.shapes import DAY_S, DEFAULT_DIURNAL, DiurnalProfile, TimeScale
 
+REPO = Path(__file__).resolve().parent.parent
 BATCH_TENANT = "bench-batch"  # the backlog's tenant: no token quota, as the interactive one
 BATCH_KEY = "bench-key-batch"
 DAY_CLIENT_TIMEOUT_S = 40.0  # above the stack's 30 s default deadline: the server answers first
@@ -424,6 +427,21 @@ def table(days: Sequence[DayFigures]) -> list[str]:
     return rows
 
 
+def day_record(run: DayRun) -> dict[str, Any]:
+    """A day's raw figures as JSON can hold them: every answer ``[criticality, status, code,
+    latency_s, done_s, tokens]``, every poll ``[t_s, completed, failed, level]``, the send lags'
+    p99, the machine's speed, when the backlog ran out."""
+    return {
+        "answers": [
+            [a.criticality, a.status, a.code, round(a.latency_s, 4), round(a.done_s, 3), a.tokens] for a in run.answers
+        ],
+        "polls": [[round(p.t_s, 3), p.completed, p.failed, p.level] for p in run.polls],
+        "send_lag_p99_ms": _pct([lag * 1000.0 for lag in run.send_lags_s], 0.99),
+        "machine_rps": run.machine_rps,
+        "backlog_out_s": run.backlog_out_s,
+    }
+
+
 # =========================================================================== the final line (pure)
 
 
@@ -715,7 +733,7 @@ class _Bench:
                 f"bench-batch: GET /v1/files answered {e.status_code}: this stack serves no Batch API"
             ) from None
 
-    async def run(self) -> tuple[float, DayPlan, list[DayFigures], LineCount, dict[str, str | None], DayRun]:
+    async def run(self) -> tuple[float, DayPlan, list[DayFigures], LineCount, dict[str, str | None], list[DayRun]]:
         a = self.args
         openai = AsyncOpenAI(base_url=f"{self.prefix}/v1", api_key=BATCH_KEY, max_retries=0, timeout=60.0)
         try:
@@ -748,7 +766,7 @@ class _Bench:
         ):
             meter = spare_accounting(day.polls, day.answers, cap_tokens, tpl)
             figures.append(DayFigures.of(name, day.answers, day.polls, meter, day.send_lags_s, day.machine_rps))
-        return cap, plan, figures, counted, status, with_backlog
+        return cap, plan, figures, counted, status, [without, with_backlog]
 
 
 def _tokens_per_answer(answers: Sequence[Answer], default: int) -> float:
@@ -787,6 +805,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-s", type=float, default=300.0, help="after the day, the backlog's time to finish")
     p.add_argument("--cancel-wait-s", type=float, default=60.0, help="after the cancels, their time to end")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", type=Path, default=None, help="where days.json goes (default .run/bench-batch/<UTC time>)")
     p.add_argument("--smoke", action="store_true", help="a 60 s day, a handful of lines: the path end to end")
     p.add_argument("--smoke-lines", type=int, default=24, help=argparse.SUPPRESS)
     return p
@@ -865,12 +884,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with local_stack(cfg):
                 install_uvloop()
-                cap, plan, figures, counted, status, with_run = asyncio.run(_Bench(cfg, args, speed).run())
+                cap, plan, figures, counted, status, runs = asyncio.run(_Bench(cfg, args, speed).run())
         finally:
             speed.close()
+    out = args.out or REPO / ".run" / "bench-batch" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    out.mkdir(parents=True, exist_ok=True)
+    raw = {"capacity_rps": cap, "day_s": plan.day_s, "peak_ratio": plan.peak_ratio, "lines": asdict(counted)}
+    raw.update(batches=status, days={f.name: day_record(r) for f, r in zip(figures, runs)})
+    (out / "days.json").write_text(json.dumps(raw), encoding="utf-8")
+    print(f"bench-batch: every answer and poll in {out / 'days.json'}")
     import torch
 
-    return report(cap, plan, figures, counted, status, with_run, gpu=bool(torch.cuda.is_available()))
+    return report(cap, plan, figures, counted, status, runs[1], gpu=bool(torch.cuda.is_available()))
 
 
 if __name__ == "__main__":

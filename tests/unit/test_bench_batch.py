@@ -29,6 +29,7 @@ from loadtest.bench_batch import (
     bench_batch_data,
     check_targets,
     count_lines,
+    day_record,
     p99_ratio,
     parse_args,
     poll_times,
@@ -336,3 +337,11 @@ def test_options_are_checked_and_the_smoke_is_short():
         with pytest.raises(SystemExit):
             parse_args(bad)
     assert math.isfinite(full.backlog_factor) and full.backlog_factor > 1  # the backlog outlasts the day
+
+
+def test_a_days_raw_figures_are_json():
+    run = DayRun([_answer(1.23456, 32)], [Poll(1.0, 3, 0, None)], [0.002], 48.5, None)
+    doc = json.loads(json.dumps(day_record(run)))
+    assert doc["answers"] == [["critical", 200, "OK", 0.1, 1.235, 32]]
+    assert doc["polls"] == [[1.0, 3, 0, None]]
+    assert doc["machine_rps"] == 48.5 and doc["backlog_out_s"] is None
