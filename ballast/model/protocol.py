@@ -23,6 +23,12 @@ Invariants (the replica checks them; the router builds them so):
   ``AttemptDeadline.left_s``).
 * ``resume`` carries the ids (and characters) a stream already delivered: the replica
   prefills them after the prompt and sends only what follows.
+* ``priority`` is the engine's order among rows waiting in it (vLLM's ``priority``: a lower
+  value goes first, arrival order among equals): 0 for every interactive call,
+  ``BATCH_PRIORITY`` for a batch line's, so an interactive row waiting in an engine that
+  schedules itself starts before every batch row waiting there (rows already running go
+  on). The engines Ballast batches take rows in the order the replica admits them and
+  ignore it.
 
 All messages are frozen and hashable (the answer cache keys on a call), and picklable
 (Ray ships them between processes).
@@ -193,6 +199,9 @@ def _logit_bias_pairs(value: Any) -> tuple[tuple[int, float], ...]:
 
 GREEDY = RowSampling()
 
+#: A batch line's engine priority (``ModelCall.priority``): after every interactive call's 0.
+BATCH_PRIORITY = 1
+
 
 @dataclass(frozen=True, slots=True)
 class Join:
@@ -204,7 +213,8 @@ class Join:
     picks its tokens (None: greedy); ``adapter`` the LoRA adapter it runs with (None: the
     base model; only vLLM serves adapters, the other engines refuse such a row alone);
     ``cache_salt`` its tenant's cache group (None: none; vLLM shares prefix blocks only
-    among rows of one salt).
+    among rows of one salt); ``priority`` its call's (``ModelCall.priority``: vLLM's order
+    among rows waiting in it; the other engines ignore it).
 
     Checked where built: a field of the wrong type is a ValueError here. Whether the row
     fits the context is the engine's to say (its ``run_chunk`` raises), and whether its ids
@@ -218,6 +228,7 @@ class Join:
     sampling: RowSampling | None = None
     adapter: str | None = None
     cache_salt: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -236,6 +247,8 @@ class Join:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"Join.{name} must be a non-empty str or None, got {value!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"Join.priority must be an int, got {self.priority!r}")
 
 
 @dataclass(frozen=True)
@@ -297,6 +310,9 @@ class ModelCall:
     # replica shares what one tenant may hold of it (its grammar compile threads) by it.
     # Not part of what the call asks ("": none named, one tenant for the replica).
     tenant: str = field(default="", compare=False)
+    # The engine's order among rows waiting in it (the module docstring): 0, or
+    # BATCH_PRIORITY for a batch line's call (``as_batch``). Not part of what the call asks.
+    priority: int = field(default=0, compare=False)
 
     @property
     def asks(self) -> frozenset[str]:
@@ -315,6 +331,10 @@ class ModelCall:
         """The call with the length the router admitted, how it may be routed, the salt of its
         tenant's cache group, and whose it is."""
         return replace(self, max_tokens=max_tokens, route=route, cache_salt=cache_salt, tenant=tenant)
+
+    def as_batch(self) -> ModelCall:
+        """The call as a batch line's: after every interactive row in the engine."""
+        return replace(self, priority=BATCH_PRIORITY)
 
     def for_attempt(self, left_s: float, now_wall_s: float) -> ModelCall:
         """The call as one attempt sends it: with that attempt's deadline."""

@@ -120,6 +120,7 @@ class ReplicaRow:
     sampling: RowSampling | None = None  # None: greedy
     adapter: str | None = None  # the LoRA adapter the row runs with (None: the base model)
     cache_salt: str | None = None  # its tenant's cache group's salt (ModelCall.cache_salt)
+    priority: int = 0  # its order among rows waiting in the engine (ModelCall.priority)
     cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache
     stops: StopScanner | None = None
     key: int = 0
@@ -306,6 +307,7 @@ class ReplicaLoop:
             sampling=sampling,
             adapter=call.adapter,
             cache_salt=call.cache_salt,
+            priority=call.priority,
             stops=StopScanner(call.stops) if call.stops else None,
             key=self._next_key,
         )
@@ -514,7 +516,7 @@ class ReplicaLoop:
         self._waits_ms.add(row.queue_wait_ms, now)
         self._kv_reserved += row.reserved_tokens
         self._active[row.key] = row
-        return Join(row.key, row.ids, row.max_tokens, row.sampling, row.adapter, row.cache_salt)
+        return Join(row.key, row.ids, row.max_tokens, row.sampling, row.adapter, row.cache_salt, row.priority)
 
     def _finish(self, row: ReplicaRow, last: ModelChunk | BaseException) -> None:
         """The row leaves the batch's bookkeeping (its tensors leave at the next chunk) and,

@@ -13,8 +13,13 @@ from ballast.model.vllm_lora import lora_engine_kwargs
 
 __all__ = ["DEFAULT_ENGINE_KWARGS", "config_sections", "cuda_visible", "default_engine_kwargs"]
 
-#: vLLM options Ballast sets unless ``engine_kwargs`` says otherwise.
-DEFAULT_ENGINE_KWARGS: Mapping[str, Any] = {"enable_prefix_caching": True}
+#: vLLM options Ballast sets unless ``engine_kwargs`` says otherwise. ``scheduling_policy``
+#: "priority": vLLM starts the requests waiting in it by (priority, arrival time), so no batch
+#: line's row (``protocol.BATCH_PRIORITY``) starts before an interactive one (0) waiting with
+#: it, and short of KV blocks it preempts the latest row of the highest value (a batch row)
+#: first; among rows of one priority it is first come, first served, as vLLM's default
+#: "fcfs" is. Under "fcfs" vLLM ignores a request's priority.
+DEFAULT_ENGINE_KWARGS: Mapping[str, Any] = {"enable_prefix_caching": True, "scheduling_policy": "priority"}
 
 
 def default_engine_kwargs(

@@ -263,14 +263,17 @@ class VLLMBatch:
         except (VLLMClientError, ValueError) as e:  # this row's own: it fails alone
             self._failed[key] = row_error(row, e)
             return
-        row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params, lora))
+        row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params, lora, join.priority))
         self._rows[key] = row
 
-    async def _pump(self, row: Row, prompt: VLLMObject, params: VLLMObject, lora: VLLMObject) -> None:
+    async def _pump(self, row: Row, prompt: VLLMObject, params: VLLMObject, lora: VLLMObject, priority: int) -> None:
         """Append the request's new ids to ``row`` as vLLM produces them (with the adapter's
-        ``LoRARequest`` ``lora``, None: the base model)."""
+        ``LoRARequest`` ``lora``, None: the base model; at ``priority``, the join's: vLLM's
+        priority policy starts a lower value first among the requests waiting in it)."""
         try:
-            async for output in self._engine.llm.generate(prompt, params, row.rid, lora_request=lora):
+            async for output in self._engine.llm.generate(
+                prompt, params, row.rid, lora_request=lora, priority=priority
+            ):
                 new = output.outputs[0].token_ids
                 if row.cached is None and output.num_cached_tokens is not None:
                     row.cached = output.num_cached_tokens

@@ -39,10 +39,12 @@ which the router builds once (app.py) and the fronts hold. Its public face:
    without waiting (``PriorityGate.try_batch``); here: the kill switch (its tenant, or
    the ``sheddable`` class, the lowest a switch names), the length clamped as any
    request's, the tenant's quota charged at ``batch.cost`` (the tenant's ``batch_cost``
-   over it) times the model's token cost, then the model call. It takes no tenant place
-   (interactive requests of the tenant keep theirs), is offered to no level's tally and
-   counted in none (its ticket's accounts hold a tally nobody reports: batch demand must
-   not move the level), and feeds the gate's service samples as any slot does.
+   over it) times the model's token cost, then the model call, at the engine's lowest
+   priority (``ModelCall.as_batch``: vLLM starts it after every interactive row waiting
+   in the engine). It takes no tenant place (interactive requests of the tenant keep
+   theirs), is offered to no level's tally and counted in none (its ticket's accounts
+   hold a tally nobody reports: batch demand must not move the level), and feeds the
+   gate's service samples as any slot does.
 
 Every way out settles the ticket exactly once: the unary path in a ``finally``, a stream
 in ``Stream.aclose`` (which the response calls however it ends, ``api.StreamResponse``).
@@ -590,8 +592,10 @@ class Pipeline:
 
     async def serve_batch(self, req: ModelRequest, slot: BatchSlot | GateSlot) -> Answer:
         """One batch line run on ``slot`` (taken by the dispatcher; released here, whatever
-        happens): the module docstring's step 3. Refusals raise as for any request (the
-        kill switch's 503, the quota's 429), with the slot given back."""
+        happens): the module docstring's step 3, its call at the engine's lowest priority
+        (``ModelCall.as_batch``: after every interactive row waiting in a vLLM engine).
+        Refusals raise as for any request (the kill switch's 503, the quota's 429), with the
+        slot given back."""
         lane, tenant = self.lane(req.call), req.caller.tenant
         try:
             self._refuse_if_switched_off(lane, tenant, Criticality.SHEDDABLE.value, time.time(), req.call.adapter)
@@ -624,7 +628,7 @@ class Pipeline:
             False,
             self._batch_accounts[lane.name],
         )
-        call = self._admitted(req, lane, admission)
+        call = self._admitted(req, lane, admission).as_batch()
         return Answer(admission, await self._settled_unary(ticket, call, send=self._call_batch))
 
     async def _call_batch(self, ticket: Ticket, call: ModelCall, record: CallRecord) -> Reply:

@@ -1,7 +1,13 @@
 """OpenAI's Batch API through the official ``openai`` client, on the session's stack and its
 embedded store (conftest.py): a round trip of good and bad lines, a cancel midway, tenant
-separation, a line dead-lettered under injected engine failures and re-driven, and a router
-and the store killed mid-batch. Every batch is a few lines with a small max_tokens.
+separation, a line dead-lettered under injected engine failures and re-driven, and kills
+mid-batch: the controller, the model's replica, a router and the store. Every batch is a
+few lines with a small max_tokens.
+
+A kill is made while the batch's lines are in flight, and the test reads the store itself
+(redis-py, as an operator would: the model's queue stream and its consumer group's pending
+entries) to show it: lines answered, others claimed by a router and not acknowledged. Each
+kill prints one line saying what it did to its batch.
 """
 
 from __future__ import annotations
@@ -9,12 +15,17 @@ from __future__ import annotations
 import io
 import json
 import time
+from collections import Counter
 from typing import Any
 
 import openai
 import pytest
 import ray
-from conftest import ADMIN, BASE, clear_chaos, heal, set_chaos, wait_quiet, wait_until
+from conftest import ADMIN, BASE, clear_chaos, heal, model_status, set_chaos, status, wait_quiet, wait_until
+
+from ballast.batch.store_layout import Keys, entries, text
+from ballast.batch.store_queue import GROUP
+from ballast.control.link import lookup_controller
 
 pytestmark = pytest.mark.integration
 
@@ -165,27 +176,177 @@ def test_a_line_dead_lettered_under_engine_failures_is_redriven(ballast, client)
     assert any(e["action"] == "dlq_retry" and e["operator_claimed"] == "ops" for e in audit)
 
 
-def router_replica() -> Any:
+# A kill lands while lines run: on the slowed device a round of the replica's 4 rows takes
+# 8 steps of 100 ms, so a batch of 12 lines runs for 3 rounds (2.4 s and more).
+KILL_LINES = 12
+KILL_MAX_TOKENS = 8
+KILL_STEP_DELAY_MS = 100
+
+
+class QueueView:
+    """The model's queue on the store, read straight from it: which of a batch's lines are on
+    the queue, which a router has claimed and not acknowledged (the consumer group's pending
+    entries: consumer, times delivered), how many are answered. A connection per read: the
+    store restarts under the test."""
+
+    def __init__(self, store: Any, cfg: Any) -> None:
+        self._store = store
+        self._keys = Keys(f"{cfg.batch.key_prefix}:{cfg.app_name}")
+        self._queue = self._keys.queue(MODEL)
+
+    def queued(self, batch_id: str) -> dict[str, str]:
+        """entry id -> custom_id, the batch's lines on the queue (claimed or not)."""
+        with self._store.client() as r:
+            return self._queued(r, batch_id)
+
+    def _queued(self, r: Any, batch_id: str) -> dict[str, str]:
+        return {eid: f["custom_id"] for eid, f in entries(r.xrange(self._queue)) if f["batch"] == batch_id}
+
+    def claimed(self, batch_id: str) -> dict[str, tuple[str, int]]:
+        """entry id -> (consumer, times delivered), the batch's lines a router holds unacknowledged."""
+        with self._store.client() as r:
+            queued = self._queued(r, batch_id)
+            pending = r.xpending_range(self._queue, GROUP, "-", "+", 1000) if queued else []
+        return {
+            text(p["message_id"]): (text(p["consumer"]), int(p["times_delivered"]))
+            for p in pending
+            if text(p["message_id"]) in queued
+        }
+
+    def answered(self, batch_id: str) -> int:
+        with self._store.client() as r:
+            return int(r.hlen(self._keys.answers(batch_id, "output")) + r.hlen(self._keys.answers(batch_id, "error")))
+
+
+def started_mid_batch(c: openai.OpenAI, view: QueueView, tag: str) -> tuple[Any, dict[str, tuple[str, int]]]:
+    """A batch of ``KILL_LINES`` lines, returned once some are answered and a router holds
+    others claimed (the moment for a kill); with those claimed lines."""
+    lines = [line(f"{tag}-{i}", f"{tag} killed mid batch {i}", max_tokens=KILL_MAX_TOKENS) for i in range(KILL_LINES)]
+    batch = c.batches.create(input_file_id=upload(c, lines), endpoint=ENDPOINT, completion_window="24h")
+
+    def mid() -> dict[str, tuple[str, int]]:
+        claimed = view.claimed(batch.id)
+        return claimed if claimed and view.answered(batch.id) >= 1 else {}
+
+    return batch, wait_until(mid, 60, 0.1, f"batch {batch.id} answered in part, its other lines claimed")
+
+
+def assert_each_line_once(c: openai.OpenAI, done: Any, tag: str) -> None:
+    """Every input line in the output file once, in input order, and none in the error file."""
+    out = results(c, done.output_file_id)
+    assert [x["custom_id"] for x in out] == [f"{tag}-{i}" for i in range(KILL_LINES)], out
+    assert all(x["response"]["status_code"] == 200 for x in out) and not results(c, done.error_file_id)
+    assert (done.request_counts.completed, done.request_counts.failed) == (KILL_LINES, 0)
+
+
+def serve_replica(deployment: str) -> Any:
+    """The one replica actor of ``deployment`` (Serve names it ``SERVE_REPLICA::<app>#<deployment>#<id>``)."""
     names = [
         a
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA") and "BallastRouter" in a["name"]
+        if a["name"].startswith("SERVE_REPLICA") and f"#{deployment}#" in a["name"]
     ]
     assert len(names) == 1, names
     return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
 
 
+def dispatched(client: Any) -> dict[str, int]:
+    """What became of the model's batch lines at the router, by outcome (its dispatcher's count)."""
+    return dict(status(client)["batch"]["models"][MODEL]["lines"])
+
+
+def test_the_controller_killed_mid_batch_loses_no_line_and_repeats_none(ballast, batch_store, client) -> None:
+    c, view = oai(), QueueView(batch_store, ballast)
+    controller = lookup_controller(ballast)
+    epoch = status(client)["snapshot"]["epoch"]
+    retried = dispatched(client).get("retried", 0)
+    set_chaos(client, "primary", step_delay_ms=KILL_STEP_DELAY_MS)
+    try:
+        batch, claimed = started_mid_batch(c, view, "ctl")
+        ray.kill(controller, no_restart=False)  # Ray restarts it (max_restarts=-1)
+        killed_at = time.monotonic()
+        done = wait_status(c, batch.id, {"completed"})
+        completed_s = time.monotonic() - killed_at
+        # The routers kept their last snapshot meanwhile; the restarted controller's comes next.
+        wait_until(lambda: status(client)["snapshot"]["epoch"] != epoch, 30, 0.5, "the restarted controller's snapshot")
+        back_s = time.monotonic() - killed_at
+    finally:
+        clear_chaos(client)
+    assert_each_line_once(c, done, "ctl")
+    retried = dispatched(client).get("retried", 0) - retried
+    print(
+        f"\ncontroller killed mid-batch: {len(claimed)} of {KILL_LINES} lines claimed at the kill, {retried} retried; "
+        f"the batch completed {completed_s:.1f} s after the kill (a restarted controller's snapshot by {back_s:.1f} s)"
+    )
+
+
+def test_a_model_replica_killed_mid_batch_loses_no_line_and_repeats_none(ballast, batch_store, client) -> None:
+    c, view = oai(), QueueView(batch_store, ballast)
+    wait_quiet(client)  # one primary replica: the one killed
+    replica = serve_replica("BallastModel")
+    lost, retried = model_status(client)["lost_capacity"], dispatched(client).get("retried", 0)
+    set_chaos(client, "primary", step_delay_ms=KILL_STEP_DELAY_MS)
+    try:
+        batch, claimed = started_mid_batch(c, view, "rep")
+        ray.kill(replica, no_restart=True)  # Serve starts another in its place
+        killed_at = time.monotonic()
+        done = wait_status(c, batch.id, {"completed"})
+        completed_s = time.monotonic() - killed_at
+    finally:
+        clear_chaos(client)
+    assert_each_line_once(c, done, "rep")
+    after = model_status(client)["lost_capacity"]
+    migrated, not_migrated = (after[k] - lost[k] for k in ("migrated", "not_migrated"))
+    assert migrated + not_migrated >= 1, (lost, after)  # the kill cut rows in flight
+    retried = dispatched(client).get("retried", 0) - retried
+    by_model = Counter(x["response"]["body"]["model"] for x in results(c, done.output_file_id))
+    print(
+        f"\nmodel replica killed mid-batch: {len(claimed)} of {KILL_LINES} lines claimed at the kill; "
+        f"{migrated + not_migrated} rows cut, {migrated} sent again to the model, {not_migrated} past the retry "
+        f"budget (to the fallback, else back to the queue); {retried} lines retried; answered by {dict(by_model)}; "
+        f"the batch completed {completed_s:.1f} s after the kill"
+    )
+
+
 @pytest.mark.last
-def test_a_router_and_the_store_killed_mid_batch_lose_no_line_and_repeat_none(ballast, batch_store) -> None:
-    c = oai()
-    n = 12
-    lines = [line(f"k-{i}", f"killed mid batch {i}", max_tokens=32) for i in range(n)]
-    batch = c.batches.create(input_file_id=upload(c, lines), endpoint=ENDPOINT, completion_window="24h")
-    wait_until(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 2, 60, 0.2, "answers before the kill")
-    ray.kill(router_replica(), no_restart=False)  # its claimed lines are taken again after claim_idle_s
-    batch_store.stop()  # the store too, then back on its data (append-only file), on its port
-    batch_store.start()
-    done = wait_status(c, batch.id, {"completed"}, timeout_s=150)
-    out = results(c, done.output_file_id)
-    assert sorted(x["custom_id"] for x in out) == sorted(f"k-{i}" for i in range(n))  # every line once
-    assert [x["custom_id"] for x in out] == [f"k-{i}" for i in range(n)] and not results(c, done.error_file_id)
+def test_a_router_and_the_store_killed_mid_batch_lose_no_line_and_repeat_none(ballast, batch_store, client) -> None:
+    c, view = oai(), QueueView(batch_store, ballast)
+    router = serve_replica("BallastRouter")
+    set_chaos(client, "primary", step_delay_ms=KILL_STEP_DELAY_MS)
+    try:
+        batch, _ = started_mid_batch(c, view, "rtr")
+        ray.kill(router, no_restart=False)
+        killed_at = time.monotonic()
+        held = view.claimed(batch.id)  # read after the kill: the dead router acknowledges none of them
+        assert held, "the router died holding no line"
+        (dead,) = {consumer for consumer, _ in held.values()}
+        # The store too, while those lines wait on it; back on its data (append-only file), on its port.
+        queued = view.queued(batch.id)
+        batch_store.stop()
+        batch_store.start()
+        assert view.queued(batch.id) == queued, "the store lost queued lines"
+        assert {e: who for e, (who, _) in view.claimed(batch.id).items()} == {e: who for e, (who, _) in held.items()}
+        # After claim_idle_s another router takes the dead one's lines (XAUTOCLAIM): each is seen
+        # pending at a new consumer, delivered again, until it is answered and acknowledged.
+        taken: dict[str, tuple[str, int]] = {}
+
+        def taken_over() -> bool:
+            taken.update((e, who) for e, who in view.claimed(batch.id).items() if e in held and who[0] != dead)
+            return held.keys() <= taken.keys()
+
+        wait_until(taken_over, ballast.batch.claim_idle_s + 60, 0.1, "the dead router's lines taken over")
+        taken_s = time.monotonic() - killed_at
+        done = wait_status(c, batch.id, {"completed"})
+        completed_s = time.monotonic() - killed_at
+    finally:
+        clear_chaos(client)
+    assert all(times > held[e][1] for e, (_, times) in taken.items()), (held, taken)
+    assert_each_line_once(c, done, "rtr")
+    lines = dispatched(client)  # the new router's count: the dead one's went with it
+    print(
+        f"\nrouter killed mid-batch: {len(held)} of {KILL_LINES} lines claimed by it at the kill and {len(queued)} on "
+        f"the queue when the store was restarted; {len(taken)} taken over by "
+        f"{', '.join(sorted({who for who, _ in taken.values()}))} {taken_s:.1f} s after the kill "
+        f"(claim_idle_s {ballast.batch.claim_idle_s:g}), {lines.get('retried', 0)} retried; "
+        f"the batch completed {completed_s:.1f} s after the kill"
+    )

@@ -28,7 +28,7 @@ from ballast.errors import (
     Overloaded,
     QuotaExceeded,
 )
-from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
+from ballast.model.protocol import BATCH_PRIORITY, ModelCall, ModelChunk, ModelResult
 from ballast.model.special_tokens import BYTES_TOKENIZER, encode_bytes
 from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.policies.criticality import Criticality
@@ -439,3 +439,16 @@ async def test_each_call_carries_its_tenants_cache_salt_and_a_group_shares_one(m
     gold, ann, bob = (c.cache_salt for c in primary(pipeline).generate.calls)
     assert gold == cache_salt(b"salt-secret", cache_group("gold", None))
     assert ann == bob == cache_salt(b"salt-secret", "team") != gold
+
+
+async def test_a_batch_lines_call_goes_at_the_engines_lowest_priority_an_interactive_one_at_0(pipeline) -> None:
+    # vLLM starts the rows waiting in it by priority, a lower value first: a batch line's
+    # call must never go before an interactive one's.
+    handle = primary(pipeline)
+    handle.generate.script.extend([reply(2), reply(2)])
+    await pipeline.serve(request())
+    slot = only_lane(pipeline).gate.try_batch()
+    assert slot is not None
+    await pipeline.serve_batch(request(), slot)
+    assert [c.priority for c in handle.generate.calls] == [0, BATCH_PRIORITY]
+    assert BATCH_PRIORITY > 0

@@ -14,7 +14,7 @@ import pytest
 from ballast.errors import DeadlineExceeded, EngineRefused
 from ballast.model.builtin_checkpoint import BackendSpec, load_backend
 from ballast.model.builtin_decoder import TinyDecoderConfig
-from ballast.model.protocol import AttemptDeadline, Join, ModelCall, Resume, RowSampling
+from ballast.model.protocol import BATCH_PRIORITY, AttemptDeadline, Join, ModelCall, Resume, RowSampling
 from ballast.model.replica_loop import (
     WAIT_WINDOW_S,
     WINDOW,
@@ -135,13 +135,16 @@ async def test_the_loop_moves_rows_and_reserves_kv_as_its_scheduler_decides(engi
     first = await enqueue(10, 30, budget_s=10)  # deadline at 9.9 (the replica's lead is 0.1 s)
     late = await enqueue(10, 30, budget_s=1)  # deadline at 0.9
     clock.advance()
-    third = await enqueue(20, 40, budget_s=10, cache_salt="group-a")  # the salt rides on its join
+    third = await enqueue(20, 40, budget_s=10, cache_salt="group-a", priority=BATCH_PRIORITY)  # both ride on its join
     assert (loop.queued, loop.running, loop.kv_reserved_tokens) == (3, 0, 0)
 
     clock.advance()  # t = 2
     leaving, joins = loop.step()
     assert leaving == []
-    assert joins == [Join(first.key, first.ids, 30), Join(third.key, third.ids, 40, cache_salt="group-a")]
+    assert joins == [
+        Join(first.key, first.ids, 30),
+        Join(third.key, third.ids, 40, cache_salt="group-a", priority=BATCH_PRIORITY),
+    ]
     assert isinstance(late.out.get_nowait(), DeadlineExceeded) and not late.started  # dropped, no prefill
     assert (loop.queued, loop.running, loop.kv_reserved_tokens) == (0, 2, 100)
     assert third.started and third.queue_wait_ms == 1000.0 and loop.queue_wait_p95_ms() == 2000.0

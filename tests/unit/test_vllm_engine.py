@@ -18,7 +18,7 @@ from ballast.model.demo import VLLM_GEOMETRY, make_llama  # noqa: E402
 from ballast.model.engine import ModelLoadError  # noqa: E402
 from ballast.model.hf_checkpoint import tokenizer_id  # noqa: E402
 from ballast.model.hf_text import ContextTooLong  # noqa: E402
-from ballast.model.protocol import Join, RowSampling  # noqa: E402
+from ballast.model.protocol import BATCH_PRIORITY, Join, RowSampling  # noqa: E402
 from ballast.model.vllm_engine import VLLMBackend, VLLMStats  # noqa: E402
 
 ENGINE_KWARGS = dict(
@@ -377,6 +377,29 @@ async def test_two_slow_schemas_of_one_tenant_leave_another_tenants_answer_withi
         grammars.close()
         backend.grammars = kept
     assert grammars.running == 0
+
+
+def test_an_interactive_row_starts_before_batch_rows_waiting_longer_and_those_in_arrival_order(backend):
+    # Ballast starts vLLM with scheduling_policy "priority": rows waiting in the engine start
+    # by (priority, arrival). Every slot is taken by batch rows, one of them short; two more
+    # batch rows wait, then an interactive row (priority 0) arrives. Each slot that frees goes
+    # to the interactive row first, then to the waiting batch rows in their arrival order.
+    ids = backend.text.encode("Hello!", 0)
+    batch = backend.open_batch()
+    slots = ENGINE_KWARGS["max_num_seqs"]
+    running = [Join(f"run-{i}", ids, 4 if i == 0 else 200, LONG, priority=BATCH_PRIORITY) for i in range(slots)]
+    batch.run_chunk(running + [Join(f"wait-{i}", ids, 4, LONG, priority=BATCH_PRIORITY) for i in range(2)], 1)
+    joins = [Join("interactive", ids, 4, LONG)]
+    first: dict[str, int] = {}  # the chunk each row had its first ids in
+    for chunk in range(100):
+        if {"wait-0", "wait-1", "interactive"} <= first.keys():
+            break
+        for key, new in batch.run_chunk(joins, 1).items():
+            if new:
+                first.setdefault(key, chunk)
+        joins = []
+    batch.remove(batch.keys())
+    assert first["interactive"] < first["wait-0"] < first["wait-1"], first
 
 
 def test_the_model_benchmark_drives_vllm_as_the_replica_does(backend):
