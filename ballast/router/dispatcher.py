@@ -75,7 +75,9 @@ RESERVE_ROWS = 1  # gate slots kept for what the arrival forecast misses (spare.
 MAX_HELD = 100  # claimed lines a model's dispatcher holds before they start (store.MAX_CLAIM)
 FINALIZE_INTERVAL_S = 1.0
 #: Refusals that say "not now" rather than "never": the line goes back, its attempts unchanged.
-DEFERRED = frozenset({"QUOTA_EXCEEDED", "KILL_SWITCH"})
+#: A lost replica is capacity that went away, not the line's failure (a batch line is never
+#: answered by the fallback model: it waits for its own).
+DEFERRED = frozenset({"QUOTA_EXCEEDED", "KILL_SWITCH", "REPLICA_LOST"})
 #: What became of a line, as ``ballast_batch_lines_total{outcome}`` counts it.
 OUTCOMES = ("completed", "failed", "expired", "retried", "deferred", "dead_lettered", "skipped")
 

@@ -632,8 +632,9 @@ class Pipeline:
         return Answer(admission, await self._settled_unary(ticket, call, send=self._call_batch))
 
     async def _call_batch(self, ticket: Ticket, call: ModelCall, record: CallRecord) -> Reply:
-        """A batch line's model call: the resilient caller alone (no tally, no wait sample)."""
-        return await self.lane(call).caller.unary(self._spec(ticket, call, record))
+        """A batch line's model call: the resilient caller alone (no tally, no wait sample), its
+        own model only (no fallback, no cache: a failure is retried from the queue)."""
+        return await self.lane(call).caller.unary(replace(self._spec(ticket, call, record), primary_only=True))
 
     # -- 3. the model call ----------------------------------------------------------------
     async def _keyed(self, req: ModelRequest, key: str) -> Answer:

@@ -221,7 +221,9 @@ class CallSpec:
     request there); only the fallback model may answer. ``record`` is filled with what the
     call went through (its migrations). ``tenant``: whose call it is; the answer cache
     keeps and gives answers per tenant, and a call without one is neither cached nor
-    answered from the cache."""
+    answered from the cache. ``primary_only``: neither the fallback model nor the cache may
+    answer (a batch line names its model and waits for it: its retry comes later, from the
+    queue, rather than another model's answer now)."""
 
     call: ModelCall
     deadline_s: float
@@ -230,6 +232,7 @@ class CallSpec:
     fallback_only: bool = False
     record: CallRecord = field(default_factory=CallRecord)
     tenant: str | None = None
+    primary_only: bool = False
 
 
 class ResilientCaller:
@@ -348,10 +351,12 @@ class ResilientCaller:
                 )
         return False
 
-    def _chain(self, fallback_only: bool, call: ModelCall) -> list[Backend]:
+    def _chain(self, spec: CallSpec) -> list[Backend]:
         """The backends this call may try, in order: none whose engine would ignore part of
         it (a fallback model never answers a JSON-schema request with free text)."""
-        if call.resume is not None:  # a client's resume: its ids are the primary model's tokens
+        call, fallback_only = spec.call, spec.fallback_only
+        # A client's resume (its ids are the primary model's tokens), or a call only the primary may answer.
+        if call.resume is not None or spec.primary_only:
             chain = [] if fallback_only else [b for b in self.backends if b.role == "primary"]
         else:
             chain = [b for b in self.backends if b.role == "fallback"] if fallback_only else self.backends
@@ -368,7 +373,7 @@ class ResilientCaller:
         skipped: list[tuple[str, Any]] = []
         self.budget.on_request_start()
         try:
-            for b in self._chain(spec.fallback_only, spec.call):
+            for b in self._chain(spec):
                 if not self._enter(b, spec.kill_switches, spec.now_wall_s, skipped):
                     continue
                 try:
@@ -406,7 +411,12 @@ class ResilientCaller:
             return Reply(result, *self._answered_by(b))
         # The cache holds the models' earlier answers: a model an operator switched
         # off must not keep answering through it.
-        if self.cache is not None and spec.tenant is not None and not any(kind == "kill_switch" for kind, _ in skipped):
+        if (
+            self.cache is not None
+            and spec.tenant is not None
+            and not spec.primary_only
+            and not any(kind == "kill_switch" for kind, _ in skipped)
+        ):
             hit = self.cache.get(spec.tenant, spec.call)
             if hit is not None:
                 self._hooks.on_fallback(CACHE)

@@ -300,10 +300,11 @@ def test_a_model_replica_killed_mid_batch_loses_no_line_and_repeats_none(ballast
     assert migrated + not_migrated >= 1, (lost, after)  # the kill cut rows in flight
     retried = dispatched(client).get("retried", 0) - retried
     by_model = Counter(x["response"]["body"]["model"] for x in results(c, done.output_file_id))
+    assert set(by_model) == {MODEL}, by_model  # each line by the model it names: never the fallback
     print(
         f"\nmodel replica killed mid-batch: {len(claimed)} of {KILL_LINES} lines claimed at the kill; "
         f"{migrated + not_migrated} rows cut, {migrated} sent again to the model, {not_migrated} past the retry "
-        f"budget (to the fallback, else back to the queue); {retried} lines retried; answered by {dict(by_model)}; "
+        f"budget (back to the queue, deferred); {retried} lines retried; answered by {dict(by_model)}; "
         f"the batch completed {completed_s:.1f} s after the kill"
     )
 

@@ -20,7 +20,7 @@ from ballast.batch.embedded import EmbeddedRedis
 from ballast.batch.records import BatchRecord, QueuedLine, new_batch_id
 from ballast.batch.store import BatchStore, connect
 from ballast.config import BatchConfig, load_config
-from ballast.errors import BallastError, ModelUnavailable, QuotaExceeded, StoreUnavailable
+from ballast.errors import BallastError, ModelUnavailable, QuotaExceeded, ReplicaLost, StoreUnavailable
 from ballast.policies.criticality import Criticality
 from ballast.policies.limiter import AimdLimit, LimiterConfig
 from ballast.policies.spare import batch_rows
@@ -214,8 +214,13 @@ async def test_a_client_error_goes_straight_to_the_error_file(store: BatchStore)
     assert line["response"]["body"]["error"]["param"] == "max_tokens"
 
 
-async def test_a_quota_refusal_puts_the_line_back_without_an_attempt(store: BatchStore) -> None:
-    engine, g, level, wall = FakeEngine(QuotaExceeded("over quota", retry_after_s=3.0)), gate(), [0], Clock(T0)
+@pytest.mark.parametrize(
+    "refusal", [QuotaExceeded("over quota", retry_after_s=3.0), ReplicaLost("its replica died", retry_after_s=3.0)]
+)
+async def test_a_quota_refusal_or_a_lost_replica_puts_the_line_back_without_an_attempt(
+    store: BatchStore, refusal: BallastError
+) -> None:
+    engine, g, level, wall = FakeEngine(refusal), gate(), [0], Clock(T0)
     d = dispatcher(store, engine, g, level, wall, max_attempts=1)
     await new_batch(store, 1)
     await d.step()

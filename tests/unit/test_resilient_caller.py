@@ -291,6 +291,19 @@ async def test_lost_replicas_past_the_limit_go_to_the_fallback_then_replica_lost
     assert (info.value.status, info.value.code, info.value.retry_after_s) == (503, "REPLICA_LOST", 1.0)
 
 
+async def test_a_primary_only_call_gets_neither_the_fallback_nor_the_cache() -> None:
+    error = RayTaskError("generate", "traceback", RuntimeError("cuda error"))
+    primary = FakeHandle(ok("cached"), fails(error), fails(error))
+    fallback = FakeHandle(ok("small"))
+    caller, clock, _, events = make(primary, fallback, cache=True)
+    assert await unary(caller, clock) == answered("cached")  # the cache now holds this call's answer
+    spec = CallSpec(CALL, clock() + 30, [], WALL_S, tenant="acme", primary_only=True)
+    with pytest.raises(ModelUnavailable, match="model_error:primary"):
+        await caller.unary(spec)
+    assert fallback.generate.calls == [] and not any(kind == "fallback" for kind, *_ in events)
+    assert await unary(caller, clock) == answered("small", "fallback_model")  # an online call still falls back
+
+
 async def test_a_model_error_is_not_retried_and_without_a_fallback_is_503() -> None:
     primary = FakeHandle(fails(RayTaskError("generate", "traceback", RuntimeError("bad input"))))
     caller, clock, timer, events = make(primary)
