@@ -23,18 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ballast.batch.lines import LineError
+from ballast.batch.records import STATUSES as BATCH_STATUSES  # OpenAI's batch statuses
 
-#: A batch's statuses, as OpenAI names them.
-BATCH_STATUSES = (
-    "validating",
-    "failed",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "expired",
-    "cancelling",
-    "cancelled",
-)
 #: A file's (deprecated in OpenAI's API, still required by its client).
 FILE_STATUSES = ("uploaded", "processed", "error")
 #: The purposes of the files a batch reads and writes.

@@ -14,17 +14,16 @@ core.
 from __future__ import annotations
 
 import asyncio
-import json
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import batchkit
 import pytest
+from batchkit import open_store
 
 from ballast.batch.embedded import EmbeddedRedis
-from ballast.batch.records import BatchRecord, QueuedLine, new_batch_id
-from ballast.batch.store import BatchStore, connect
-from ballast.config import BatchConfig, load_config
+from ballast.batch.store import BatchStore
+from ballast.config import load_config
 from ballast.errors import ModelUnavailable
 from ballast.ops.status_text import format_status
 from ballast.policies.flex import FlexQueue, FlexRefused
@@ -59,34 +58,17 @@ class ModelCall:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("run")) as s:
-        yield s
+    yield from batchkit.serve(tmp_path_factory)
 
 
 @pytest.fixture
 async def store(server: EmbeddedRedis) -> AsyncIterator[BatchStore]:
-    cfg = BatchConfig(store_url=server.url, store_password_file=str(server.password_file))
-    s = connect(cfg, f"t{uuid.uuid4().hex[:12]}", environ={})
-    yield s
-    await s.close()
+    async for s in open_store(server):
+        yield s
 
 
 async def new_batch(store: BatchStore, lines: int, queued_at: float) -> None:
-    rec = BatchRecord(
-        id=new_batch_id(),
-        tenant="gold",
-        endpoint="/v1/chat/completions",
-        input_file_id="file-input",
-        completion_window="24h",
-        created_at=int(queued_at),
-        expires_at=int(queued_at + 86400),
-        status="in_progress",
-        in_progress_at=int(queued_at),
-        model=MODEL,
-    )
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    queued = [QueuedLine(rec.id, i, f"req-{i}", MODEL, "gold", body, queued_at=queued_at) for i in range(1, lines + 1)]
-    await store.create_batch(rec, queued)
+    await batchkit.new_batch(store, lines, MODEL, "gold", queued_at)
 
 
 def dispatcher(store: BatchStore, call: ModelCall, gate: PriorityGate, wall: FakeClock, **batch: Any) -> Any:

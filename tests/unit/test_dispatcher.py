@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import batchkit
 import pytest
+from batchkit import open_store
 
 from ballast.batch.embedded import EmbeddedRedis
-from ballast.batch.records import BatchRecord, QueuedLine, new_batch_id
-from ballast.batch.store import BatchStore, connect
-from ballast.config import BatchConfig, load_config
+from ballast.batch.records import BatchRecord
+from ballast.batch.store import BatchStore
+from ballast.config import load_config
 from ballast.errors import BallastError, ModelUnavailable, QuotaExceeded, ReplicaLost, StoreUnavailable
 from ballast.policies.criticality import Criticality
 from ballast.policies.limiter import AimdLimit, LimiterConfig
@@ -66,17 +67,14 @@ class FakeEngine:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("run")) as s:
-        yield s
+    yield from batchkit.serve(tmp_path_factory)
 
 
 @pytest.fixture
 async def store(server: EmbeddedRedis) -> AsyncIterator[BatchStore]:
     # claim_idle_s 0: a pending line is taken by the next claim (a dead router's, at once)
-    cfg = BatchConfig(claim_idle_s=0.0, store_url=server.url, store_password_file=str(server.password_file))
-    s = connect(cfg, f"t{uuid.uuid4().hex[:12]}", environ={})
-    yield s
-    await s.close()
+    async for s in open_store(server, claim_idle_s=0.0):
+        yield s
 
 
 def config(**batch: Any) -> Any:
@@ -96,22 +94,7 @@ def dispatcher(
 
 
 async def new_batch(store: BatchStore, lines: int, expires_in_s: float = 86400) -> BatchRecord:
-    rec = BatchRecord(
-        id=new_batch_id(),
-        tenant="acme",
-        endpoint="/v1/chat/completions",
-        input_file_id="file-input",
-        completion_window="24h",
-        created_at=int(T0),
-        expires_at=int(T0 + expires_in_s),
-        status="in_progress",
-        in_progress_at=int(T0),
-        model=MODEL,
-    )
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    queued = [QueuedLine(rec.id, i, f"req-{i}", MODEL, "acme", body, queued_at=T0) for i in range(1, lines + 1)]
-    await store.create_batch(rec, queued)
-    return rec
+    return await batchkit.new_batch(store, lines, MODEL, "acme", T0, expires_in_s)
 
 
 async def settle(d: ModelDispatcher) -> None:
