@@ -51,7 +51,9 @@ def tp_config(ckpt, tp: int = 2) -> dict:
     # A request that lost its replica waits for the replacement (a vLLM engine of two ranks
     # starts in 20-60 s here) within its deadline.
     resilience = {"deadline_s": 150, "max_deadline_s": 180, "breaker": {"half_open_max_wait_s": 180}}
-    return _merge(integration.test_config_dict(), {**over, "model": model, "resilience": resilience})
+    # A batch line's claim must outlast its deadline (config check); this stack runs no batch.
+    batch = {"claim_idle_s": 151}
+    return _merge(integration.test_config_dict(), {**over, "model": model, "resilience": resilience, "batch": batch})
 
 
 @pytest.fixture(scope="module")

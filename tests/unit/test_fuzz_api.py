@@ -162,15 +162,23 @@ def served_variant(path: str, body: Any) -> Any:
     return {**{k: v for k, v in body.items() if k not in lengths}, "model": SERVED_MODEL}
 
 
+#: The Batch API's routes (issue 62): this stack has no store, so each answers 503
+#: STORE_UNAVAILABLE before it reads a body; fuzzing them needs a store in the stack (not yet).
+BATCH_PREFIXES = ("/v1/files", "/v1/batches", "/admin/batches", "/admin/dlq")
+
+
 def operations(schema) -> list:
-    return [result.ok() for result in schema.get_all_operations()]
+    """Every operation of the contract but the Batch API's (``BATCH_PREFIXES``)."""
+    ops = [result.ok() for result in schema.get_all_operations()]
+    return [op for op in ops if not op.path.startswith(BATCH_PREFIXES)]
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
 def test_no_operation_answers_5xx_for_what_its_schema_generates(stack, mode):
     router, client, schema, handle = stack
     ops = operations(schema)
-    assert len(ops) == 19
+    assert len(ops) == 19  # 32 in the contract, the Batch API's 13 left out
+    assert len([result.ok() for result in schema.get_all_operations()]) == 32
     if mode is GenerationMode.NEGATIVE:  # what a schema can break: a body (a path's string takes any string)
         ops = [op for op in ops if op.method.upper() == "POST"]
     for op in ops:

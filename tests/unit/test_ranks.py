@@ -108,7 +108,7 @@ class TestADeadEngineFailsNoRow:
         engine = SimpleNamespace(llm=self.FakeLLM(error), name="tiny-tp", engine_died=died.append)
         batch = VLLMBatch(engine, "b1")
         row = Row(0, "b1-0", GREEDY)
-        asyncio.run(batch._pump(row, None, None, None))
+        asyncio.run(batch._pump(row, None, None, None, 0))
         return died, row
 
     def test_engine_dead_holds_the_row_and_says_why(self) -> None:

@@ -37,6 +37,20 @@ ROUTES = {
     ("/admin/chaos", "DELETE", None),
     ("/admin/recycle", "POST", 202),
     ("/admin/replicas", "GET", None),
+    # OpenAI's Batch API (router/batches.py) and its admin routes
+    ("/v1/files", "POST", None),
+    ("/v1/files", "GET", None),
+    ("/v1/files/{file_id}", "GET", None),
+    ("/v1/files/{file_id}", "DELETE", None),
+    ("/v1/files/{file_id}/content", "GET", None),
+    ("/v1/batches", "POST", None),
+    ("/v1/batches", "GET", None),
+    ("/v1/batches/{batch_id}", "GET", None),
+    ("/v1/batches/{batch_id}/cancel", "POST", None),
+    ("/admin/batches", "GET", None),
+    ("/admin/dlq", "GET", None),
+    ("/admin/dlq/{dlq_id}/retry", "POST", None),
+    ("/admin/dlq/{dlq_id}", "DELETE", None),
 }
 
 
