@@ -61,6 +61,11 @@ def tp_stack(ballast, tmp_path_factory):
     from ballast.config import load_config
 
     ckpt = make_llama(tmp_path_factory.mktemp("tp") / MODEL, **VLLM_GEOMETRY)
+    # From the default stack, not from another module's: replicas of an earlier vLLM stack
+    # still shutting down (two engines each) were read as this stack's ranks when the TP
+    # stack replaced one directly (the first clean clone run after modules kept their stacks).
+    if integration._Deployed.now is not ballast:
+        _deploy(ballast, ballast.model.name)
     started = time.monotonic()
     _deploy(load_config(tp_config(ckpt)), MODEL)
     print(f"\nthe TP=2 stack served {time.monotonic() - started:.0f} s after deploy")
