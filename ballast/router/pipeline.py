@@ -401,25 +401,32 @@ class Pipeline:
         eff = self.snapshots.effective(lane.name)
         self.metrics.level.set(eff.level, tags={"model": lane.name})
         fallback_only = self._level_admits(lane, tenant, criticality, eff, now_wall)
+        admission = self._admission(req, lane, eff, criticality, lowered, req.tier.served)
+        return admission, fallback_only
+
+    @staticmethod
+    def _admission(
+        req: ModelRequest,
+        lane: Lane,
+        eff: Any,
+        criticality: Criticality,
+        lowered: bool,
+        tier: ServiceTier,
+        batch: bool = False,
+    ) -> Admission:
+        """What the level ``eff`` makes of an admitted request: its length clamped, whether it
+        may stream (a batch line never does), and why its answer is smaller than asked."""
         clamped, _ = clamp_max_tokens(req.max_tokens, eff.constraints, lane.max_tokens)
         reasons = outcome_policy.degraded_reasons(
             requested_max_tokens=req.max_tokens,
             level_max_tokens=eff.constraints.max_tokens,
             model_max_tokens=lane.max_tokens,
             lowered=lowered,
-            stream_requested=req.stream,
+            stream_requested=req.stream and not batch,
             streaming_allowed=eff.constraints.streaming,
         )
-        admission = Admission(
-            criticality,
-            eff.level,
-            clamped,
-            eff.constraints.streaming,
-            req.prompt_tokens,
-            tuple(reasons),
-            req.tier.served,
-        )
-        return admission, fallback_only
+        streaming = eff.constraints.streaming and not batch
+        return Admission(criticality, eff.level, clamped, streaming, req.prompt_tokens, tuple(reasons), tier)
 
     async def _ticket(
         self, req: ModelRequest, criticality: Criticality, max_tokens: int, fallback_only: bool
@@ -600,20 +607,9 @@ class Pipeline:
         try:
             self._refuse_if_switched_off(lane, tenant, Criticality.SHEDDABLE.value, time.time(), req.call.adapter)
             eff = self.snapshots.effective(lane.name)
-            clamped, _ = clamp_max_tokens(req.max_tokens, eff.constraints, lane.max_tokens)
-            reasons = outcome_policy.degraded_reasons(
-                requested_max_tokens=req.max_tokens,
-                level_max_tokens=eff.constraints.max_tokens,
-                model_max_tokens=lane.max_tokens,
-                lowered=False,
-                stream_requested=False,
-                streaming_allowed=eff.constraints.streaming,
-            )
-            admission = Admission(
-                Criticality.SHEDDABLE, eff.level, clamped, False, req.prompt_tokens, tuple(reasons), ServiceTier.DEFAULT
-            )
+            admission = self._admission(req, lane, eff, Criticality.SHEDDABLE, False, ServiceTier.DEFAULT, batch=True)
             per_token = lane.cost_per_token * self.batch_cost(tenant)
-            charge = self.quotas.charge(tenant, req.prompt_tokens, clamped, per_token)
+            charge = self.quotas.charge(tenant, req.prompt_tokens, admission.max_tokens, per_token)
         except BaseException:
             slot.release()
             raise
