@@ -61,6 +61,13 @@ class BatchConfig(Strict):
     file_expiry_s: float = Field(default=30 * DAY_S, gt=0, le=365 * DAY_S)
     # Batch tokens count in the tenant's quota at this multiple of their cost.
     cost: float = Field(default=0.5, gt=0, le=10)
+    # Batch rows beside interactive ones make each engine step slower: they are kept to the
+    # rows at which an interactive step is at most step_slack slower than the step of the
+    # interactive rows alone, counted at their recent high (a high quantile over reference_s)
+    # where that is more: the day's peak sets how slow batch may make the valley
+    # (ballast/policies/spare.py).
+    step_slack: float = Field(default=0.1, ge=0, le=10)
+    reference_s: float = Field(default=DAY_S, gt=0, le=30 * DAY_S)
     # A flex request (service_tier "flex") waits for spare capacity at most this long
     # unless its timeout header says less.
     flex_max_wait_s: float = Field(default=600.0, gt=0, le=DAY_S)

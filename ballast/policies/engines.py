@@ -134,6 +134,7 @@ def unhonoured_request_fields(engine_name: str) -> Mapping[str, Any]:
 
 MIN_WEIGHT = 50.0  # steps (decayed) before a fit is given
 MIN_SPREAD = 1.0  # variance of the steps' rows: a fit needs rows that vary
+DEFAULT_GAIN = 0.85  # the knee: where throughput reaches this share of its asymptote
 MIN_ROWS = 4  # the knee is never put below this (by default): a noisy fit must not close the engine
 
 
@@ -167,7 +168,7 @@ class StepCurve:
     def __init__(
         self,
         horizon: int = 2000,
-        gain: float = 0.85,
+        gain: float = DEFAULT_GAIN,
         min_weight: float = MIN_WEIGHT,
         min_rows: int = MIN_ROWS,
     ) -> None:

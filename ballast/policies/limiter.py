@@ -69,7 +69,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ballast.policies.engines import StepCurve
+from ballast.policies.engines import DEFAULT_GAIN, StepCurve
 from ballast.policies.stats import nearest_rank
 from ballast.policies.validation import check_fields, check_int, check_positive, check_ratio
 
@@ -125,12 +125,13 @@ class AimdLimit:
         self._missed = False
         self._window_end = clock() + cfg.interval_s
         self._ceiling: int | None = None
-        self._curve = (
-            StepCurve(CURVE_HORIZON, cfg.rows_curve_gain, min_weight=CURVE_MIN_WINDOWS, min_rows=cfg.min_limit)
-            if cfg.rows_curve_gain is not None
-            else None
+        # Fitted for every engine (batch dispatch reads it: ``curve_fit``); its knee caps the
+        # limit only where ``rows_curve_gain`` is set.
+        self._curve = StepCurve(
+            CURVE_HORIZON, cfg.rows_curve_gain or DEFAULT_GAIN, min_weight=CURVE_MIN_WINDOWS, min_rows=cfg.min_limit
         )
-        self._knee: int | None = None  # the curve's, as of the last window
+        self._knee: int | None = None  # the curve's, as of the last window (where it caps)
+        self._fit: tuple[float, float] | None = None  # the curve's last fit, kept while a window gives none
         # Rows this caller has at the model now, and their integral over the window.
         self._rows, self._rows_at, self._rows_area = 0, clock(), 0.0
         self._window_start = clock()
@@ -182,6 +183,13 @@ class AimdLimit:
         if len(self._ratios) < MAX_SAMPLES:
             self._ratios.append(ratio)
         if per_token_s is not None and len(self._per_token) < MAX_SAMPLES:
+            self._per_token.append(per_token_s)
+
+    def observe_tokens(self, per_token_s: float) -> None:
+        """Service per generated token of an answer the slow rule does not judge (a batch
+        line): a point for the rows curve only."""
+        self._tick()
+        if len(self._per_token) < MAX_SAMPLES:
             self._per_token.append(per_token_s)
 
     def missed(self) -> None:
@@ -240,14 +248,21 @@ class AimdLimit:
 
     def _fit_rows(self, now: float, per_token: float | None) -> None:
         """The window's point on the rows curve (its mean rows at the model, its answers'
-        median service per token), and the knee as of now; then a new window's rows."""
-        if self._curve is not None:
-            span = now - self._window_start
-            area = self._rows_area + self._rows * (now - max(self._rows_at, self._window_start))
-            if per_token is not None and span > 0:
-                self._curve.observe(area / span, per_token)
+        median service per token), the fit and the knee as of now; then a new window's rows.
+        A fit stands until the next one (rows that stop varying give none)."""
+        span = now - self._window_start
+        area = self._rows_area + self._rows * (now - max(self._rows_at, self._window_start))
+        if per_token is not None and span > 0:
+            self._curve.observe(area / span, per_token)
+        self._fit = self._curve.fit() or self._fit
+        if self.cfg.rows_curve_gain is not None:
             self._knee = self._curve.rows()
         self._rows_area, self._window_start = 0.0, now
+
+    def curve_fit(self) -> tuple[float, float] | None:
+        """The rows curve's ``(a, b)`` as last fitted (``StepCurve.fit``); None before the first."""
+        self._tick()
+        return self._fit
 
     def _judge_trial(self, per_token: float | None) -> bool:
         """The slow cut on trial, judged in the window after next: undone (True) when service
@@ -289,8 +304,8 @@ class AimdLimit:
             "decreases": self.decreases,
             "decreases_by": dict(self.decreases_by),
             "slow_cuts_undone": self.undone,
-            # the rows curve (None where it is off): its fit and knee
-            "rows_curve": self._curve.snapshot() if self._curve is not None else None,
+            # the rows curve: its fit, and its knee where it caps the limit (rows_curve_gain)
+            "rows_curve": {**self._curve.snapshot(), "rows": self._knee},
             # this window's samples so far, each list bounded by MAX_SAMPLES
             "window_samples": max(len(self._waits), len(self._ratios)),
         }

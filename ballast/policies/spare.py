@@ -13,6 +13,20 @@ of the spare capacity batch work used.
   plus the reserve, interactive + batch rows never pass the limit, so batch makes no
   interactive request wait; a rising rate takes batch to 0 first (batch rows end within a
   service time and are not replaced).
+- **The engine's step** (``step_cap``, ``RowsReference``): the gate's limit is the rows the
+  engine runs *usefully*, not the rows at which an interactive answer stays as fast, and
+  every row in a step slows the step: ``step(rows) = a + b x rows`` (the gate's
+  ``StepCurve`` fit, ``ballast.policies.engines``). So batch rows are also kept within a
+  second bound, on the total rows (interactive + batch): at most ``R`` where
+  ``step(R) = (1 + slack) x step(r)``, i.e. ``R = r + slack x (a / b + r)``, and ``r`` the
+  larger of the interactive rows now and ``RowsReference``'s: a high quantile of the
+  interactive rows over the last ``reference_s`` (a day). At the day's peak (interactive
+  rows at or above the reference) a batch row makes an interactive step at most ``slack``
+  slower; in the valley batch fills the engine up to the step the peak's interactive
+  traffic made by itself, so an interactive answer in the valley is no slower than one at
+  the peak was without batch, and the day's tail latency moves by ``slack`` at most.
+  Without a fit yet: one batch row beside the interactive ones; with no interactive row in
+  the reference window at all (a model that serves batch alone): the gate's limit.
 - **Backoff** (``full_jitter_s``): AWS's full jitter, the router's own retry backoff
   (``ballast.policies.retry.backoff_s``) with the batch's base and cap.
 - **Spare used** (``spare_tokens``, ``SpareMeter``): per interval, the tokens the engine
@@ -28,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ballast.policies.retry import RetryConfig, backoff_s
-from ballast.policies.validation import check_int, check_non_negative
+from ballast.policies.validation import check_int, check_non_negative, check_positive
 
 # rate x service_s a hair above an integer (1.1 x 100 = 110.00000000000001) is that integer:
 # without it a whole slot would be kept for a float's rounding.
@@ -48,11 +62,13 @@ def batch_rows(
     service_s: float,
     reserve_rows: int,
     held_batch: int,
+    rows_cap: int | None = None,
 ) -> int:
     """How many more batch lines a router may start for a model now (never negative): 0
     unless ``level`` is 0, else the gate ``limit`` less the interactive rows in flight, the
-    interactive arrivals expected within ``service_s`` and ``reserve_rows``, less the
-    ``held_batch`` rows batch holds already (why: the module docstring)."""
+    interactive arrivals expected within ``service_s`` and ``reserve_rows``, and no more than
+    ``rows_cap`` (``step_cap``; None: no such bound) less the interactive rows in flight;
+    less the ``held_batch`` rows batch holds already (why: the module docstring)."""
     check_int("level", level, minimum=0)
     check_int("limit", limit, minimum=0)
     check_int("in_flight_interactive", in_flight_interactive, minimum=0)
@@ -63,7 +79,82 @@ def batch_rows(
     if level != 0:
         return 0
     room = limit - in_flight_interactive - expected_arrivals(interactive_rate_per_s, service_s) - reserve_rows
+    if rows_cap is not None:
+        check_int("rows_cap", rows_cap, minimum=0)
+        room = min(room, rows_cap - in_flight_interactive)
     return max(0, room - held_batch)
+
+
+def step_cap(
+    fit: tuple[float, float] | None,
+    interactive_rows: int,
+    reference_rows: int | None,
+    slack: float,
+    limit: int,
+) -> int:
+    """The most rows, interactive and batch together, a model's engine may run now so that
+    batch work leaves interactive steps within ``slack`` (the module docstring): with the
+    step curve's ``fit`` ``(a, b)``, ``floor(r + slack x (a / b + r))`` for ``r`` the larger
+    of ``interactive_rows`` and ``reference_rows``; ``limit`` when ``reference_rows`` is
+    None (no interactive traffic in the reference window) or rows cost nothing (``b <= 0``);
+    one more than ``interactive_rows`` when there is no fit yet. Never above ``limit``."""
+    check_int("interactive_rows", interactive_rows, minimum=0)
+    check_non_negative("slack", slack)
+    check_int("limit", limit, minimum=0)
+    if reference_rows is None:
+        return limit
+    check_int("reference_rows", reference_rows, minimum=0)
+    if fit is None:
+        return min(limit, interactive_rows + 1)
+    a, b = fit
+    if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
+        return limit
+    r = max(interactive_rows, reference_rows)
+    rows = math.floor(r + slack * (max(a, 0.0) / b + r) + _EPSILON)
+    return max(0, min(limit, rows))
+
+
+REFERENCE_QUANTILE = 0.95  # RowsReference: the interactive rows' level it keeps
+MAX_REFERENCE_ROWS = 1024  # its histogram's bins (rows above are counted in the last)
+
+
+class RowsReference:
+    """A high quantile (``REFERENCE_QUANTILE``) of a model's interactive rows at one router,
+    sampled once per dispatch step, older samples weighing less (``horizon_s``: a sample
+    that old weighs 1/e), on an injected clock. Bounded: one weight per rows value up to
+    ``MAX_REFERENCE_ROWS``. ``value`` is None while no sample in the window had a row in
+    flight (at least one sample's weight of them): no interactive traffic to keep room for."""
+
+    def __init__(self, horizon_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        check_positive("horizon_s", horizon_s)
+        self._horizon_s = horizon_s
+        self._clock = clock
+        self._at = clock()
+        self._weights: list[float] = [0.0]
+
+    def sample(self, rows: int) -> None:
+        check_int("rows", rows, minimum=0)
+        now = self._clock()
+        if now > self._at:
+            keep = math.exp(-(now - self._at) / self._horizon_s)
+            self._weights = [w * keep for w in self._weights]
+            self._at = now
+        i = min(rows, MAX_REFERENCE_ROWS)
+        if i >= len(self._weights):
+            self._weights.extend([0.0] * (i + 1 - len(self._weights)))
+        self._weights[i] += 1.0
+
+    def value(self) -> int | None:
+        """The rows at or below which ``REFERENCE_QUANTILE`` of the (weighted) samples lie."""
+        if sum(self._weights[1:]) < 1.0:
+            return None
+        total = sum(self._weights)
+        running = 0.0
+        for rows, w in enumerate(self._weights):
+            running += w
+            if running >= REFERENCE_QUANTILE * total - _EPSILON:
+                return rows
+        return len(self._weights) - 1
 
 
 def full_jitter_s(attempt: int, base_s: float, cap_s: float, rng: Callable[[], float]) -> float:

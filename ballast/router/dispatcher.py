@@ -7,8 +7,10 @@ level can change no faster):
 1. the room: ``spare.batch_rows`` from the model's effective level (0 unless level 0), its
    gate's limit, the interactive rows in flight (the gate's slots less the batch ones),
    the interactive arrival rate measured since the last step times the gate's expected
-   service time, ``RESERVE_ROWS``, and the batch rows already held; none while any
-   interactive request waits at the gate;
+   service time, ``RESERVE_ROWS``, the batch rows already held, and the engine's step
+   (``spare.step_cap``: the gate's rows curve, ``batch.step_slack``, and this model's
+   interactive rows at their high over ``batch.reference_s``, ``spare.RowsReference``,
+   sampled once a step); none while any interactive request waits at the gate;
 2. lines held here whose ``not_before`` has passed start first, each on a gate slot taken
    with ``PriorityGate.try_batch`` in the same stretch of the event loop as the room was
    read (no await between): a batch line never waits at the gate, never joins its line,
@@ -63,7 +65,7 @@ from ballast.batch.records import Delivery
 from ballast.batch.store import BatchStore
 from ballast.errors import BallastError, StoreUnavailable
 from ballast.policies.deadline import Deadline
-from ballast.policies.spare import batch_rows, full_jitter_s
+from ballast.policies.spare import RowsReference, batch_rows, full_jitter_s, step_cap
 from ballast.router.batches import expired_line
 from ballast.router.gate import BatchSlot, GateSlot, PriorityGate
 from ballast.router.openai_answers import openai_error_body
@@ -131,14 +133,21 @@ class ModelDispatcher:
         self._arrivals = gate.arrivals if gate is not None else 0
         self._measured_at = clock()
         self.rate_per_s = 0.0  # interactive arrivals per second over the last step
+        # Set when a line ends: its loop steps again at once, not at the next interval, so a
+        # freed row is refilled while the room lasts (the measures still move once an interval).
+        self.wake = asyncio.Event()
+        self.reference = RowsReference(cfg.batch.reference_s, clock)  # interactive rows at their high
 
     # -- the decision ----------------------------------------------------------------------
     def measure(self) -> None:
-        """The interactive arrival rate since the last measure (the gate's count)."""
+        """The interactive arrival rate since the last measure (the gate's count), and a
+        sample of the interactive rows in flight for the reference; at most once per
+        ``controller.report_interval_s`` (a step woken by a line's end measures nothing)."""
         now = self._clock()
         gate = self.gate
-        if gate is None or now <= self._measured_at:
+        if gate is None or now - self._measured_at < self._cfg.controller.report_interval_s:
             return
+        self.reference.sample(gate.in_flight - gate.batch_in_flight)
         self.rate_per_s = (gate.arrivals - self._arrivals) / (now - self._measured_at)
         self._arrivals, self._measured_at = gate.arrivals, now
 
@@ -150,15 +159,23 @@ class ModelDispatcher:
             return batch_rows(self._level(), 1, 0, 0.0, 0.0, 0, len(self.running))
         if gate.waiting:
             return 0
+        limit, interactive = gate.limit.value, gate.in_flight - gate.batch_in_flight
         return batch_rows(
             self._level(),
-            gate.limit.value,
-            gate.in_flight - gate.batch_in_flight,
+            limit,
+            interactive,
             self.rate_per_s,
             gate.expected_service_s,
             RESERVE_ROWS,
             gate.batch_in_flight,
+            self.rows_cap(limit, interactive),
         )
+
+    def rows_cap(self, limit: int, interactive: int) -> int:
+        """The engine's step bound on interactive + batch rows (``spare.step_cap``)."""
+        assert self.gate is not None
+        fit = self.gate.limit.curve_fit()
+        return step_cap(fit, interactive, self.reference.value(), self._cfg.batch.step_slack, limit)
 
     def _slot(self) -> GateSlot | BatchSlot | None:
         gate = self.gate
@@ -194,6 +211,7 @@ class ModelDispatcher:
             self.running.add(task)
             task.add_done_callback(self.running.discard)
             task.add_done_callback(functools.partial(self._forget, delivery.entry_id))
+            task.add_done_callback(lambda _task: self.wake.set())
             started += 1
         return started
 
@@ -273,8 +291,13 @@ class ModelDispatcher:
 
     def status(self) -> dict[str, Any]:
         """What ``/v1/status`` shows of this model's batch dispatch at this router."""
+        gate = self.gate
+        cap = None if gate is None else self.rows_cap(gate.limit.value, gate.in_flight - gate.batch_in_flight)
         return {
             "room": self.room(),
+            # interactive rows at their high (None: none in the window), and the step's bound
+            "reference_rows": self.reference.value(),
+            "rows_cap": cap,
             "held": len(self.held),
             "running": len(self.running),
             "interactive_rate_per_s": round(self.rate_per_s, 3),
@@ -345,12 +368,19 @@ class BatchDispatch:
         if self._tasks:
             return
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._loop(d.step, self._interval_s)) for d in self.dispatchers.values()]
+        self._tasks = [
+            loop.create_task(self._loop(d.step, self._interval_s, d.wake)) for d in self.dispatchers.values()
+        ]
         self._tasks.append(loop.create_task(self._loop(self.finalizer.step, FINALIZE_INTERVAL_S)))
 
-    async def _loop(self, step: Callable[[], Awaitable[int]], interval_s: float) -> None:
+    async def _loop(
+        self, step: Callable[[], Awaitable[int]], interval_s: float, wake: asyncio.Event | None = None
+    ) -> None:
+        """``step`` once per ``interval_s``, and at once whenever ``wake`` is set."""
         failing = False
         while True:
+            if wake is not None:
+                wake.clear()
             try:
                 await step()
                 failing = False
@@ -360,7 +390,20 @@ class BatchDispatch:
                 failing = True
             except Exception:
                 log.exception("batch dispatch: a step failed")
+            await self._pause(interval_s, None if failing else wake)
+
+    async def _pause(self, interval_s: float, wake: asyncio.Event | None) -> None:
+        """The interval, or less where ``wake`` is set first (a store that fails waits it out)."""
+        if wake is None:
             await self._sleep(interval_s)
+            return
+        sleeping = asyncio.ensure_future(self._sleep(interval_s))
+        woken = asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait({sleeping, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeping.cancel()
+            woken.cancel()
 
     def status(self) -> dict[str, Any]:
         """Per model: the dispatcher's state and the queue's depth, age and dead letters as

@@ -398,7 +398,11 @@ class BatchSlot:
         self._gate: PriorityGate | None = gate
 
     def release(self, service_s: float | None = None, generated: int | None = None) -> None:
+        """The slot back; an answered line's service per token is a point of the gate's rows
+        curve (what batch dispatch bounds its rows by), never a verdict of the slow rule."""
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.batch_in_flight -= 1
+            if service_s is not None and generated:
+                gate.limit.observe_tokens(service_s / generated)
             gate.release(service_s)

@@ -16,6 +16,7 @@ from typing import Any
 import batchkit
 import pytest
 from batchkit import open_store
+from fakes import FakeSleep
 
 from ballast.batch.embedded import EmbeddedRedis
 from ballast.batch.records import BatchRecord
@@ -26,7 +27,7 @@ from ballast.policies.criticality import Criticality
 from ballast.policies.limiter import AimdLimit, LimiterConfig
 from ballast.policies.spare import batch_rows
 from ballast.router import openai_api as oa
-from ballast.router.dispatcher import RESERVE_ROWS, Finalizer, ModelDispatcher
+from ballast.router.dispatcher import RESERVE_ROWS, BatchDispatch, Finalizer, ModelDispatcher
 from ballast.router.gate import PriorityGate
 
 T0 = 1_800_000_000.0
@@ -102,6 +103,12 @@ async def settle(d: ModelDispatcher) -> None:
     await asyncio.gather(*list(d.running))
 
 
+async def until(done: Any) -> None:
+    """Yield to the event loop (and its sockets) until ``done()``."""
+    while not done():
+        await asyncio.sleep(0.001)
+
+
 async def result_lines(store: BatchStore, rec: BatchRecord, kind: str) -> list[dict[str, Any]]:
     done = await store.batch(rec.id)
     assert done is not None and done.status == "completed", done
@@ -134,8 +141,11 @@ async def test_the_room_is_spare_batch_rows_and_each_line_takes_a_slot_without_w
     wall.now += 1.0  # 2 interactive arrivals over 1 s: 2/s x the expected service time
     d.measure()
     assert d.rate_per_s == 2.0
-    expected = batch_rows(0, 8, 2, 2.0, g.expected_service_s, RESERVE_ROWS, 0)
-    assert d.room() == expected == 8 - 2 - 0 - RESERVE_ROWS  # no service time measured yet: no arrivals due
+    # no service time measured yet: no arrivals due; no rows curve yet: one batch row beside
+    # the 2 interactive ones (the reference, 2 rows, sampled by measure)
+    expected = batch_rows(0, 8, 2, 2.0, g.expected_service_s, RESERVE_ROWS, 0, rows_cap=2 + 1)
+    assert d.reference.value() == 2
+    assert d.room() == expected == 1
     assert await d.step() == expected
     assert g.batch_in_flight == expected and g.in_flight == 2 + expected
     assert d.room() == 0 and g.waiting == 0  # batch holds what was spare; it never joined the line
@@ -143,6 +153,67 @@ async def test_the_room_is_spare_batch_rows_and_each_line_takes_a_slot_without_w
     await settle(d)
     assert g.batch_in_flight == 0 and g.in_flight == 2
     assert len(held_interactive) == 2
+
+
+async def test_the_room_follows_the_engines_step_and_the_interactive_rows_at_their_high(store: BatchStore) -> None:
+    """The gate's rows curve fitted from answers (4 ms + 1 ms a row a token: a / b = 4), the
+    reference from 20 samples at 4 interactive rows: in the valley batch fills up to the
+    reference's step and its slack (4 + 0.5 x 8 = 8 rows); beside 6 interactive rows (past the
+    reference) to 6 + 0.5 x 10 = 11; none past that."""
+    engine, wall = FakeEngine(), Clock(T0)
+    engine.hold = asyncio.Event()
+    g = PriorityGate(
+        AimdLimit(LimiterConfig(initial=16, min_limit=1, max_limit=16, interval_s=1.0), clock=wall),
+        max_waiting=16,
+        max_wait_s=5.0,
+    )
+    for t in range(40):  # answers at varying rows: the curve's points, one a window
+        rows = 2 + t % 12
+        g.limit.rows_in_flight(rows)
+        g.limit.observe_tokens(0.004 + 0.001 * rows)
+        wall.now += 1.0
+        g.limit.rows_in_flight(0)
+    assert g.limit.curve_fit() == pytest.approx((0.004, 0.001))
+    d = dispatcher(store, engine, g, [0], wall, step_slack=0.5)
+    for _ in range(4):
+        await g.acquire(Criticality.CRITICAL.rank, T0 + 600)
+    for _ in range(20):
+        wall.now += 1.0
+        d.measure()
+    assert d.reference.value() == 4
+    for _ in range(4):
+        g.release()
+    d.rate_per_s = 0.0  # no arrivals forecast (the limit's own room is the test above's)
+    assert d.rows_cap(16, 0) == 8 and d.room() == 8
+    await new_batch(store, 20)
+    assert await d.step() == 8 and g.batch_in_flight == 8
+    assert d.room() == 0
+    assert d.status()["reference_rows"] == 4 and d.status()["rows_cap"] == 8
+    for _ in range(6):
+        await g.acquire(Criticality.CRITICAL.rank, T0 + 600)
+    assert d.rows_cap(16, 6) == 11 and d.room() == 0  # 6 + 8 = 14 rows already: past the cap
+    engine.hold.set()
+    await settle(d)
+    assert g.batch_in_flight == 0
+    assert d.room() == 11 - 6  # beside 6 interactive rows: batch may add 5 (limit 16 less 6 and the reserve: 9)
+
+
+async def test_a_line_that_ends_wakes_its_loop_to_refill_the_row_before_the_interval(store: BatchStore) -> None:
+    """The loop steps once an interval (the fake sleep never lets it pass here) and at once
+    when a line ends: room for one line, three queued, all three run one after another."""
+    engine, g, wall, sleep = FakeEngine(), gate(limit=8), Clock(T0), FakeSleep()
+    d = dispatcher(store, engine, g, [0], wall)
+    d.rows_cap = lambda limit, interactive: 1  # type: ignore[method-assign]  # one row at a time
+    await new_batch(store, 3)
+    loops = BatchDispatch({MODEL: d}, Finalizer(store, [MODEL]), 0.5, sleep=sleep)
+    loops.start()
+    try:
+        # each line: a claim and a record in the real store (I/O): polled, the bound a hang guard
+        await asyncio.wait_for(until(lambda: d.outcomes["completed"] == 3), timeout=60)
+        assert d.outcomes == {"completed": 3}
+        assert len(sleep.slept_s) >= 3  # each step paused for its interval, and was woken before it passed
+    finally:
+        loops.close()
 
 
 async def test_stops_starting_lines_while_an_interactive_request_waits(store: BatchStore) -> None:

@@ -298,11 +298,12 @@ def test_rows_that_cost_nothing_leave_the_limit_uncapped_and_a_steep_curve_stops
     assert seen[-1] == 2  # min_limit: a curve never closes the gate
 
 
-def test_the_rows_curve_is_off_unless_asked_and_its_gain_is_checked():
-    lim, clock = make(max_limit=64)
-    for t in range(1, 40):
-        curve_window(lim, clock, float(t), 2 + t % 12, 0.004, 0.001)
-    assert lim.snapshot()["rows_curve"] is None
+def test_the_rows_curve_caps_nothing_unless_asked_but_is_fitted_for_batch_and_its_gain_is_checked():
+    lim, clock = make(max_limit=64, target_service_ratio=None)
+    assert lim.curve_fit() is None
+    seen = [curve_window(lim, clock, float(t), 2 + t % 12, 0.004, 0.001) for t in range(1, 40)]
+    assert lim.snapshot()["rows_curve"] == {"step_base_ms": 4.0, "step_per_row_ms": 1.0, "rows": None}
+    assert seen[-1] == 10 + 39 and lim.curve_fit() == pytest.approx((0.004, 0.001))  # no knee: one up a window
     for bad in (0.0, 1.0, 1.5):
         with pytest.raises(ValueError, match="rows_curve_gain"):
             make(rows_curve_gain=bad)
@@ -320,3 +321,29 @@ def test_a_self_scheduling_engine_takes_the_rows_curve_and_not_the_slow_rule():
     assert g.limiter_config("transformers").rows_curve_gain is None
     old = GateSettings(rows_curve_gain=None)
     assert (old.limiter_config("vllm").target_service_ratio, old.limiter_config("vllm").rows_curve_gain) == (0.4, None)
+
+
+def test_batch_answers_are_points_of_the_curve_but_no_verdict_of_the_slow_rule():
+    """A batch line's service per token (``observe_tokens``) fits the curve; it never cuts the
+    limit, where the same answers judged by the slow rule (0.9 of their budget) would."""
+    lim, clock = make(max_limit=64, initial=10)
+    for t in range(1, 40):
+        lim.rows_in_flight(2 + t % 12)
+        for _ in range(10):
+            lim.observe_tokens(0.004 + 0.001 * (2 + t % 12))
+        clock.t = float(t)
+        lim.rows_in_flight(0)
+    assert lim.value == 10 and lim.decreases == 0
+    assert lim.curve_fit() == pytest.approx((0.004, 0.001))
+
+
+def test_a_fit_stands_while_rows_stop_varying():
+    """Rows held at one value for longer than the curve remembers give no new fit (no
+    spread): the last one stands rather than none."""
+    lim, clock = make(max_limit=64, target_service_ratio=None)
+    for t in range(1, 40):
+        curve_window(lim, clock, float(t), 2 + t % 12, 0.004, 0.001)
+    for t in range(40, 40 + 2000):
+        curve_window(lim, clock, float(t), 6, 0.004, 0.001)
+    assert lim.snapshot()["rows_curve"]["step_base_ms"] is None  # the curve itself has no fit now
+    assert lim.curve_fit() == pytest.approx((0.004, 0.001))

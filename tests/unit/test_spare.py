@@ -9,7 +9,16 @@ import pytest
 from fakes import FakeClock
 
 from ballast.policies.retry import RetryConfig, backoff_s
-from ballast.policies.spare import SpareMeter, batch_rows, expected_arrivals, full_jitter_s, spare_tokens
+from ballast.policies.spare import (
+    REFERENCE_QUANTILE,
+    RowsReference,
+    SpareMeter,
+    batch_rows,
+    expected_arrivals,
+    full_jitter_s,
+    spare_tokens,
+    step_cap,
+)
 
 ALMOST_ONE = 1.0 - 1e-12
 
@@ -23,6 +32,105 @@ def test_rows_are_what_the_limit_leaves_beyond_interactive_and_the_reserve() -> 
     assert batch_rows(0, 20, 3, 4.0, 1.5, 2, 15) == 0  # more held than the room: none more, never negative
     assert batch_rows(0, 20, 0, 0.0, 1.5, 0, 0) == 20  # an idle model: the whole limit
     assert batch_rows(0, 5, 9, 0.0, 1.0, 0, 0) == 0  # interactive past the limit already
+
+
+def test_the_rows_cap_bounds_batch_beside_the_interactive_rows_in_flight() -> None:
+    # room by the limit 9 (as above); by the cap 8 - 3 = 5; 4 held: 1 more
+    assert batch_rows(0, 20, 3, 4.0, 1.5, 2, 4, rows_cap=8) == 1
+    assert batch_rows(0, 20, 3, 4.0, 1.5, 2, 0, rows_cap=30) == 9  # the limit's room is the lower
+    assert batch_rows(0, 20, 3, 0.0, 1.5, 0, 0, rows_cap=2) == 0  # interactive past the cap: none, never negative
+    with pytest.raises(ValueError, match="^rows_cap:"):
+        batch_rows(0, 20, 3, 0.0, 1.5, 0, 0, rows_cap=-1)
+
+
+# a step of 4 ms + 1 ms a row: a / b = 4 rows
+FIT = (0.004, 0.001)
+
+
+def step_ms(rows: int) -> float:
+    return 4.0 + 1.0 * rows
+
+
+def test_the_step_cap_keeps_an_interactive_step_within_the_slack() -> None:
+    # at the peak (interactive 6 >= the reference 4): 6 + 0.1 x (4 + 6) = 7 rows
+    assert step_cap(FIT, 6, 4, 0.1, 64) == 7
+    assert step_ms(7) <= 1.1 * step_ms(6) < step_ms(8)
+    # in the valley (interactive 0): up to the step the reference's rows made, and its slack
+    assert step_cap(FIT, 0, 4, 0.1, 64) == 4  # 4 + 0.8
+    assert step_cap(FIT, 0, 6, 0.5, 64) == 11  # 6 + 0.5 x 10
+    assert step_ms(11) <= 1.5 * step_ms(6) < step_ms(12)
+    assert step_cap(FIT, 0, 0, 0.0, 64) == 0  # no slack and no rows: no batch
+    assert step_cap(FIT, 30, 40, 1.0, 64) == 64  # never past the limit
+
+
+def test_the_step_cap_on_a_slower_host_is_the_same_rows() -> None:
+    assert step_cap((0.010, 0.0025), 6, 4, 0.1, 64) == step_cap(FIT, 6, 4, 0.1, 64)
+
+
+def test_the_step_cap_without_a_fit_or_without_interactive_traffic() -> None:
+    assert step_cap(None, 3, 5, 0.1, 64) == 4  # no fit yet: one batch row beside the interactive ones
+    assert step_cap(None, 64, 5, 0.1, 64) == 64
+    assert step_cap(FIT, 0, None, 0.1, 32) == 32  # no interactive row in the window: the limit
+    assert step_cap((0.004, 0.0), 3, 5, 0.1, 32) == 32  # rows cost nothing: the limit
+    assert step_cap((0.004, -0.001), 3, 5, 0.1, 32) == 32
+    assert step_cap((-0.001, 0.001), 2, 2, 0.5, 32) == 3  # a negative base counts as 0: 2 + 0.5 x 2
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        ((FIT, -1, 4, 0.1, 8), "interactive_rows"),
+        ((FIT, 1, -4, 0.1, 8), "reference_rows"),
+        ((FIT, 1, 4, float("nan"), 8), "slack"),
+        ((FIT, 1, 4, 0.1, 1.5), "limit"),
+    ],
+)
+def test_the_step_cap_refuses_bad_inputs(args: tuple[object, ...], name: str) -> None:
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        step_cap(*args)  # type: ignore[arg-type]
+
+
+def test_the_reference_is_a_high_quantile_of_the_samples() -> None:
+    clock = FakeClock()
+    ref = RowsReference(86400.0, clock)
+    assert ref.value() is None
+    for _ in range(100):
+        ref.sample(0)
+    assert ref.value() is None  # no interactive row in the window: nothing to keep room for
+    for i in range(100):  # a day: half the samples idle, the rest 1..5 rows, 8 in a few
+        clock.advance(1)
+        ref.sample(8 if i < 3 else 1 + i % 5)
+    assert REFERENCE_QUANTILE == 0.95
+    assert ref.value() == 5  # 195 of 200 samples at 5 or below; the few 8s are past the quantile
+    for _ in range(20):
+        ref.sample(8)
+    assert ref.value() == 8
+
+
+def test_the_reference_forgets_an_old_peak() -> None:
+    clock = FakeClock()
+    ref = RowsReference(60.0, clock)
+    for _ in range(100):
+        ref.sample(12)
+    assert ref.value() == 12
+    for _ in range(600):  # ten minutes at 2 rows: the peak, ten horizons old, weighs e^-10 of what it did
+        clock.advance(1)
+        ref.sample(2)
+    assert ref.value() == 2
+    for _ in range(2000):  # a quiet model: the interactive rows decay out of the window
+        clock.advance(1)
+        ref.sample(0)
+    assert ref.value() is None
+
+
+def test_the_reference_is_bounded() -> None:
+    ref = RowsReference(60.0, FakeClock())
+    ref.sample(10**9)
+    assert ref.value() == 1024  # the last bin
+    with pytest.raises(ValueError, match="^rows:"):
+        ref.sample(-1)
+    with pytest.raises(ValueError, match="^horizon_s:"):
+        RowsReference(0.0, FakeClock())
 
 
 @pytest.mark.parametrize("level", [1, 2, 3, 4])
