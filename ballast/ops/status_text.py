@@ -211,6 +211,12 @@ def _model_batch(batch: dict[str, Any], out: list[str]) -> None:
     if lines:
         line += "; lines since it started: " + ", ".join(f"{k} {v}" for k, v in sorted(lines.items()))
     out.append(line)
+    if "rows_cap" in batch:  # a router older than the step bound says nothing of it
+        ref = batch.get("reference_rows")
+        out.append(
+            f"  batch step bound: {_num(batch.get('rows_cap'))} rows with interactive ones; "
+            + (f"interactive rows at their high {ref}" if ref is not None else "no interactive rows in the window")
+        )
 
 
 def _status_batch(doc: dict[str, Any], out: list[str]) -> None:

@@ -119,6 +119,8 @@ async def test_each_model_shows_its_batch_queue_dead_letters_dispatch_and_flex_h
     block = model_block(format_status(doc))
     assert "  batch queue: 5 lines queued or running, oldest 42 s; dead letters: 1" in block
     assert f"  batch here: {running} running, 0 held, room for 0 more" in block
+    # no interactive rows sampled yet: the gate's limit bounds the step
+    assert "  batch step bound: 4 rows with interactive ones; no interactive rows in the window" in block
     assert "  flex: 2 held (at most 2), oldest 3.0 s, refused queue_full 1" in block
     assert "batches finalized by this router: 0" in format_status(doc).splitlines()
     # both batches: the dead-lettered line's waits for it (until its window ends), the other runs
@@ -157,5 +159,6 @@ def test_a_model_whose_queue_was_not_read_yet_says_so() -> None:
     block = model_block(text)
     assert "  batch queue: not read from the store yet" in block
     assert "  batch here: 0 running, 0 held, room for 3 more" in block
+    assert not any("step bound" in line for line in block)  # a router older than the bound: not shown
     assert "batches finalized by this router: 2" in text.splitlines()
     assert not any(line.startswith("batches in progress") for line in text.splitlines())  # not read yet
