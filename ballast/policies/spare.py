@@ -26,7 +26,8 @@ of the spare capacity batch work used.
   traffic made by itself, so an interactive answer in the valley is no slower than one at
   the peak was without batch, and the day's tail latency moves by ``slack`` at most.
   Without a fit yet: one batch row beside the interactive ones; with no interactive row in
-  the reference window at all (a model that serves batch alone): the gate's limit.
+  the reference window (a model that serves batch alone, or a router that has seen none
+  since it started): the gate's limit, until the first interactive row is sampled.
 - **Backoff** (``full_jitter_s``): AWS's full jitter, the router's own retry backoff
   (``ballast.policies.retry.backoff_s``) with the batch's base and cap.
 - **Spare used** (``spare_tokens``, ``SpareMeter``): per interval, the tokens the engine
@@ -94,8 +95,9 @@ def step_cap(
 ) -> int:
     """The most rows, interactive and batch together, a model's engine may run now so that
     batch work leaves interactive steps within ``slack`` (the module docstring): with the
-    step curve's ``fit`` ``(a, b)``, ``floor(r + slack x (a / b + r))`` for ``r`` the larger
-    of ``interactive_rows`` and ``reference_rows``; ``limit`` when ``reference_rows`` is
+    step curve's ``fit`` ``(a, b)``, ``floor(r + slack x (a / b + r))`` for ``r`` the largest
+    of ``interactive_rows``, ``reference_rows`` and 1 (the row of an interactive request that
+    arrives now); ``limit`` when ``reference_rows`` is
     None (no interactive traffic in the reference window) or rows cost nothing (``b <= 0``);
     one more than ``interactive_rows`` when there is no fit yet. Never above ``limit``."""
     check_int("interactive_rows", interactive_rows, minimum=0)
@@ -109,7 +111,7 @@ def step_cap(
     a, b = fit
     if not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
         return limit
-    r = max(interactive_rows, reference_rows)
+    r = max(interactive_rows, reference_rows, 1)  # an interactive arrival sees its own row at least
     rows = math.floor(r + slack * (max(a, 0.0) / b + r) + _EPSILON)
     return max(0, min(limit, rows))
 

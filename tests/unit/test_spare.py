@@ -59,7 +59,9 @@ def test_the_step_cap_keeps_an_interactive_step_within_the_slack() -> None:
     assert step_cap(FIT, 0, 4, 0.1, 64) == 4  # 4 + 0.8
     assert step_cap(FIT, 0, 6, 0.5, 64) == 11  # 6 + 0.5 x 10
     assert step_ms(11) <= 1.5 * step_ms(6) < step_ms(12)
-    assert step_cap(FIT, 0, 0, 0.0, 64) == 0  # no slack and no rows: no batch
+    assert step_cap(FIT, 0, 0, 0.0, 64) == 1  # no slack: only the row of an interactive arrival
+    assert step_cap(FIT, 0, 0, 0.1, 64) == 1  # 1 + 0.1 x 5: light traffic leaves batch one row
+    assert step_cap(FIT, 0, 0, 0.2, 64) == 2  # 1 + 0.2 x 5
     assert step_cap(FIT, 30, 40, 1.0, 64) == 64  # never past the limit
 
 
