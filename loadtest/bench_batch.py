@@ -12,6 +12,11 @@ store: an ``EmbeddedRedis`` in a temporary directory, named in ``batch.store_url
    ``bench_overload.find_capacity`` does (the highest open-loop rate at which 90 % get a 200
    within ``--slo-s``, with the overload bench's criticality mix and requests), or given
    (``--capacity``). In tokens, C times the completion tokens of an interactive answer.
+   The probe runs on a stack of its own, shut down after it; the days run on a fresh one.
+   Batch dispatch keeps the rows interactive traffic would hold at its high over the last
+   ``batch.reference_s`` (a day) as the level batch may fill the valley to: a probe that
+   overloads the stack for minutes would be, in a day compressed into minutes, a large
+   part of that window, where in a real day a few minutes of overload are not.
 2. Two days, the same day twice: ``DayPlan``, the soak's diurnal profile compressed into
    ``--day-s`` real seconds (``TimeScale``), ``--peak-ratio`` x C at the noon peak (0.9: near
    C, where a stack without batch still refuses almost nothing, so that the refusals' delta
@@ -733,12 +738,13 @@ class _Bench:
                 f"bench-batch: GET /v1/files answered {e.status_code}: this stack serves no Batch API"
             ) from None
 
-    async def run(self) -> tuple[float, DayPlan, list[DayFigures], LineCount, dict[str, str | None], list[DayRun]]:
+    async def run(
+        self, cap: float
+    ) -> tuple[float, DayPlan, list[DayFigures], LineCount, dict[str, str | None], list[DayRun]]:
         a = self.args
         openai = AsyncOpenAI(base_url=f"{self.prefix}/v1", api_key=BATCH_KEY, max_retries=0, timeout=60.0)
         try:
             await self.preflight(openai)
-            cap = await self.capacity()
             plan = DayPlan(cap, a.day_s, a.peak_ratio)
             lines = a.smoke_lines if a.smoke else backlog_lines(plan, a.backlog_factor)
             sizes = batch_sizes(lines, min(a.batches, lines), self.cfg.batch.max_file_lines)
@@ -882,9 +888,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(bench_batch_data(args.config, store.url, str(store.password_file)))
         speed = SpeedProbeProcess(cfg.model.architecture.model_dump(), cfg.model.seed)
         try:
+            install_uvloop()
+            # C on a stack of its own: the days start on a fresh one, whose batch dispatch has
+            # seen only the days' interactive traffic, not the probe's overload (module docstring)
+            if args.capacity is None:
+                with local_stack(cfg):
+                    capacity = asyncio.run(_Bench(cfg, args, speed).capacity())
+            else:
+                capacity = float(args.capacity)
             with local_stack(cfg):
-                install_uvloop()
-                cap, plan, figures, counted, status, runs = asyncio.run(_Bench(cfg, args, speed).run())
+                cap, plan, figures, counted, status, runs = asyncio.run(_Bench(cfg, args, speed).run(capacity))
         finally:
             speed.close()
     out = args.out or REPO / ".run" / "bench-batch" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

@@ -19,8 +19,10 @@ of the spare capacity batch work used.
   ``StepCurve`` fit, ``ballast.policies.engines``). So batch rows are also kept within a
   second bound, on the total rows (interactive + batch): at most ``R`` where
   ``step(R) = (1 + slack) x step(r)``, i.e. ``R = r + slack x (a / b + r)``, and ``r`` the
-  larger of the interactive rows now and ``RowsReference``'s: a high quantile of the
-  interactive rows over the last ``reference_s`` (a day). At the day's peak (interactive
+  larger of the interactive rows now and ``RowsReference``'s: a high quantile over the last
+  ``reference_s`` (a day) of the rows interactive traffic would hold by itself
+  (``rows_alone``: its arrival rate, its answers' tokens and the curve, by Little's law;
+  not the rows in flight, which batch itself would raise). At the day's peak (interactive
   rows at or above the reference) a batch row makes an interactive step at most ``slack``
   slower; in the valley batch fills the engine up to the step the peak's interactive
   traffic made by itself, so an interactive answer in the valley is no slower than one at
@@ -114,6 +116,24 @@ def step_cap(
     r = max(interactive_rows, reference_rows, 1)  # an interactive arrival sees its own row at least
     rows = math.floor(r + slack * (max(a, 0.0) / b + r) + _EPSILON)
     return max(0, min(limit, rows))
+
+
+def rows_alone(rate_per_s: float, tokens_per_answer: float, fit: tuple[float, float], limit: int) -> int:
+    """The rows interactive traffic would hold by itself at ``rate_per_s`` answers of
+    ``tokens_per_answer`` tokens, on the step curve ``fit`` ``(a, b)`` (service per token
+    ``a + b x rows``): Little's law, ``r = rate x tokens x (a + b x r)``, so
+    ``r = rate x tokens x a / (1 - rate x tokens x b)``, rounded up; ``limit`` where the
+    engine cannot keep up at any rows (``rate x tokens x b >= 1``). Read from the arrival
+    rate, not from the rows in flight: rows in flight grow when batch slows the answers,
+    and a reference taken from them would let batch grow itself."""
+    check_non_negative("rate_per_s", rate_per_s)
+    check_non_negative("tokens_per_answer", tokens_per_answer)
+    check_int("limit", limit, minimum=0)
+    a, b = max(fit[0], 0.0), max(fit[1], 0.0)
+    demand = rate_per_s * tokens_per_answer  # tokens per second asked
+    if demand * b >= 1.0:
+        return limit
+    return min(limit, math.ceil(demand * a / (1.0 - demand * b) - _EPSILON))
 
 
 REFERENCE_QUANTILE = 0.95  # RowsReference: the interactive rows' level it keeps

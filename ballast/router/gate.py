@@ -112,6 +112,8 @@ class PriorityGate:
         self.in_flight = 0  # every slot held, batch slots included
         self.batch_in_flight = 0  # slots held by batch lines (``try_batch``)
         self.arrivals = 0  # interactive requests that asked for a slot, ever
+        self.answered = 0  # interactive answers with their tokens known, ever ...
+        self.tokens_answered = 0  # ... and the tokens they generated (batch dispatch reads both)
         self.waiting = 0  # live waiters (the lines may also hold finished ones)
         # Invariant: every live waiter is one entry of ``_lines[rank][tenant]`` (oldest
         # first) whose future is not done, and is counted once in ``waiting``,
@@ -286,6 +288,9 @@ class PriorityGate:
     def observe_service(self, service_s: float, budget_s: float, tokens: int = 0) -> None:
         """An answered request held its slot ``service_s`` of its ``budget_s`` (arrival to
         deadline) and generated ``tokens`` (0: not known)."""
+        if tokens > 0:
+            self.answered += 1
+            self.tokens_answered += tokens
         if budget_s > 0:
             self.limit.observe_service(service_s / budget_s, service_s / tokens if tokens > 0 else None)
 

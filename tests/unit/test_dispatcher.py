@@ -27,7 +27,7 @@ from ballast.policies.criticality import Criticality
 from ballast.policies.limiter import AimdLimit, LimiterConfig
 from ballast.policies.spare import batch_rows
 from ballast.router import openai_api as oa
-from ballast.router.dispatcher import RESERVE_ROWS, BatchDispatch, Finalizer, ModelDispatcher
+from ballast.router.dispatcher import REFERENCE_EVERY_S, RESERVE_ROWS, BatchDispatch, Finalizer, ModelDispatcher
 from ballast.router.gate import PriorityGate
 
 T0 = 1_800_000_000.0
@@ -141,11 +141,11 @@ async def test_the_room_is_spare_batch_rows_and_each_line_takes_a_slot_without_w
     wall.now += 1.0  # 2 interactive arrivals over 1 s: 2/s x the expected service time
     d.measure()
     assert d.rate_per_s == 2.0
-    # no service time measured yet: no arrivals due; no rows curve yet: one batch row beside
-    # the 2 interactive ones (the reference, 2 rows, sampled by measure)
-    expected = batch_rows(0, 8, 2, 2.0, g.expected_service_s, RESERVE_ROWS, 0, rows_cap=2 + 1)
-    assert d.reference.value() == 2
-    assert d.room() == expected == 1
+    # no service time measured yet: no arrivals due; no reference sampled yet (one every
+    # REFERENCE_EVERY_S): no interactive traffic known to keep room for, the limit bounds the step
+    assert d.reference.value() is None and d.rows_cap(8, 2) == 8
+    expected = batch_rows(0, 8, 2, 2.0, g.expected_service_s, RESERVE_ROWS, 0, rows_cap=8)
+    assert d.room() == expected == 8 - 2 - 0 - RESERVE_ROWS
     assert await d.step() == expected
     assert g.batch_in_flight == expected and g.in_flight == 2 + expected
     assert d.room() == 0 and g.waiting == 0  # batch holds what was spare; it never joined the line
@@ -156,10 +156,12 @@ async def test_the_room_is_spare_batch_rows_and_each_line_takes_a_slot_without_w
 
 
 async def test_the_room_follows_the_engines_step_and_the_interactive_rows_at_their_high(store: BatchStore) -> None:
-    """The gate's rows curve fitted from answers (4 ms + 1 ms a row a token: a / b = 4), the
-    reference from 20 samples at 4 interactive rows: in the valley batch fills up to the
-    reference's step and its slack (4 + 0.5 x 8 = 8 rows); beside 6 interactive rows (past the
-    reference) to 6 + 0.5 x 10 = 11; none past that."""
+    """The gate's rows curve fitted from answers (4 ms + 1 ms a row a token: a / b = 4); then
+    20 interactive requests a second of 25 tokens each, none in flight when sampled: alone
+    they hold 20 x 25 x 0.004 / (1 - 20 x 25 x 0.001) = 4 rows (``spare.rows_alone``), the
+    reference. In the valley batch fills up to the reference's step and its slack
+    (4 + 0.5 x 8 = 8 rows); beside 6 interactive rows (past the reference) to
+    6 + 0.5 x 10 = 11; none past that."""
     engine, wall = FakeEngine(), Clock(T0)
     engine.hold = asyncio.Event()
     g = PriorityGate(
@@ -175,14 +177,14 @@ async def test_the_room_follows_the_engines_step_and_the_interactive_rows_at_the
         g.limit.rows_in_flight(0)
     assert g.limit.curve_fit() == pytest.approx((0.004, 0.001))
     d = dispatcher(store, engine, g, [0], wall, step_slack=0.5)
-    for _ in range(4):
-        await g.acquire(Criticality.CRITICAL.rank, T0 + 600)
-    for _ in range(20):
+    for _ in range(4 * int(REFERENCE_EVERY_S)):  # 20 s, one measure a second
+        for _ in range(20):
+            await g.acquire(Criticality.CRITICAL.rank, T0 + 600)
+            g.release()
+            g.observe_service(0.2, 10.0, tokens=25)
         wall.now += 1.0
         d.measure()
-    assert d.reference.value() == 4
-    for _ in range(4):
-        g.release()
+    assert g.in_flight == 0 and d.reference.value() == 4
     d.rate_per_s = 0.0  # no arrivals forecast (the limit's own room is the test above's)
     assert d.rows_cap(16, 0) == 8 and d.room() == 8
     await new_batch(store, 20)

@@ -16,6 +16,7 @@ from ballast.policies.spare import (
     batch_rows,
     expected_arrivals,
     full_jitter_s,
+    rows_alone,
     spare_tokens,
     step_cap,
 )
@@ -90,6 +91,21 @@ def test_the_step_cap_without_a_fit_or_without_interactive_traffic() -> None:
 def test_the_step_cap_refuses_bad_inputs(args: tuple[object, ...], name: str) -> None:
     with pytest.raises(ValueError, match=f"^{name}:"):
         step_cap(*args)  # type: ignore[arg-type]
+
+
+def test_rows_alone_is_littles_law_on_the_step_curve() -> None:
+    # 20 answers/s of 25 tokens: 500 tokens/s; r = 500 x (0.004 + 0.001 r) -> r = 2 / 0.5 = 4
+    assert rows_alone(20.0, 25.0, FIT, 64) == 4
+    r = 4
+    assert r == pytest.approx(20.0 * 25.0 * (0.004 + 0.001 * r))
+    assert rows_alone(10.0, 25.0, FIT, 64) == 2  # 1 / 0.75 = 1.33, rounded up
+    assert rows_alone(0.0, 25.0, FIT, 64) == 0  # no traffic: no rows
+    assert rows_alone(40.0, 25.0, FIT, 64) == 64  # 1000 tokens/s x 1 ms a row >= 1: it cannot keep up
+    assert rows_alone(38.0, 25.0, FIT, 64) == 64  # 950 x 0.004 / 0.05 = 76: past the limit
+    assert rows_alone(20.0, 25.0, (0.008, 0.002), 64) == 64  # a host twice as slow: at its end
+    assert rows_alone(10.0, 25.0, (0.008, 0.002), 64) == 4  # ... and half the rate: the same 4 rows
+    with pytest.raises(ValueError, match="^rate_per_s:"):
+        rows_alone(-1.0, 25.0, FIT, 64)
 
 
 def test_the_reference_is_a_high_quantile_of_the_samples() -> None:
