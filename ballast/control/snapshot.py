@@ -266,6 +266,17 @@ class SnapshotCache:
         level = conservative_level(last, self._floor)
         return EffectiveState(level, self._deg.constraints[level], "fail-static", age, snap.version if snap else None)
 
+    def heading(self, model: str) -> int:
+        """The effective level, or the level the controller is heading to where that is
+        higher (the target of a snapshot fresh enough to act on): what batch dispatch acts
+        on, so that batch work stops as soon as the controller sees the pressure, before
+        the level moves and sheds an interactive class."""
+        eff = self.effective(model)
+        state = self._snapshot.models.get(model) if self._snapshot is not None else None
+        if state is None or eff.source != "snapshot":
+            return eff.level
+        return max(eff.level, state.target_level)
+
 
 #: What a router or a replica sends in each exchange (ballast.policies.reports).
 Report = RouterReport | ReplicaReport

@@ -145,7 +145,7 @@ class Router:
             name: ModelDispatcher(
                 name,
                 lane.gate,
-                functools.partial(self._level, name),
+                functools.partial(self.snapshots.heading, name),
                 self._openai.batch_line,
                 store,
                 self._cfg,
@@ -156,9 +156,6 @@ class Router:
         }
         finalizer = Finalizer(store, list(self.pipeline.lanes), hooks)
         return BatchDispatch(dispatchers, finalizer, self._cfg.controller.report_interval_s)
-
-    def _level(self, model: str) -> int:
-        return int(self.snapshots.effective(model).level)
 
     def _start(self) -> None:
         """What runs on the replica's event loop, started at the first call that has one."""

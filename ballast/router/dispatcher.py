@@ -4,7 +4,8 @@ and one finalizer loop that ends batches, both on the router's event loop.
 Per model (``ModelDispatcher.step``, once per ``interval_s``, the snapshot interval: the
 level can change no faster):
 
-1. the room: ``spare.batch_rows`` from the model's effective level (0 unless level 0), its
+1. the room: ``spare.batch_rows`` from the model's level (``SnapshotCache.heading``: the
+   effective level, or the controller's target where higher; 0 unless both are 0), its
    gate's limit, the interactive rows in flight (the gate's slots less the batch ones),
    the interactive arrival rate measured since the last step times the gate's expected
    service time, ``RESERVE_ROWS``, the batch rows already held, and the engine's step

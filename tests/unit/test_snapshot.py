@@ -466,3 +466,28 @@ class TestSnapshotExchange:
                 await ex.stop()
             except TypeError:
                 pass  # the dead loop's exception re-raised by stop(); part of the same bug
+
+
+class TestHeading:
+    """What batch dispatch acts on: the level, or where the controller is heading if higher."""
+
+    def test_a_fresh_snapshot_heading_up_stops_batch_before_the_level_moves(self) -> None:
+        clock = FakeWallClock()
+        cache = make_cache(clock)
+        rising = ModelState("BallastModel", DEG.constraints[0], level=0, target_level=2, reason="up 0->2 if it holds")
+        cache.offer(Snapshot(epoch="e1", version=1, created_at_s=clock(), models={M: rising}))
+        assert cache.effective(M).level == 0 and cache.heading(M) == 2
+        falling = ModelState("BallastModel", DEG.constraints[3], level=3, target_level=1, reason="down")
+        cache.offer(Snapshot(epoch="e1", version=2, created_at_s=clock(), models={M: falling}))
+        assert cache.heading(M) == 3  # heading down: the level itself until it has moved
+
+    def test_a_stale_snapshots_target_is_not_read_and_fail_static_rules(self) -> None:
+        clock = FakeWallClock()
+        cache = make_cache(clock)
+        rising = ModelState("BallastModel", DEG.constraints[0], level=0, target_level=2, reason="up")
+        cache.offer(Snapshot(epoch="e1", version=1, created_at_s=clock(), models={M: rising}))
+        clock.advance(int(STALE_S) + 1)  # stale but not past max_stale_s: the level, not its target
+        assert cache.effective(M).source == "stale-snapshot" and cache.heading(M) == 0
+        clock.advance(int(MAX_STALE_S) + 1)
+        assert cache.heading(M) == cache.effective(M).level == max(0, FLOOR)
+        assert cache.heading("no-such-model") == cache.effective("no-such-model").level
