@@ -1,10 +1,11 @@
 """``BatchStore``: the Batch API's durable state on one Redis or Valkey server (redis-py's asyncio
-client): files, batches, a queue stream per model, each batch's answers, and a dead-letter
-stream per model.
+client): files, batches, a queue stream per model and tenant, each batch's answers, and a
+dead-letter stream per model.
 
 It is composed of three parts, each with its own module, Lua scripts and constructor:
 ``FileStore`` (``store_files``: files and their bytes), ``LineQueue`` (``store_queue``: the
-per-model queues and dead-letter queues) and ``Batches`` (``store_batches``: batch records,
+queues, one per model and tenant, shared fairly among tenants by weight, and the per-model
+dead-letter queues) and ``Batches`` (``store_batches``: batch records,
 line order, answers, the finalizer's lock). The key layout and the reply helpers they share
 are in ``store_layout``. ``BatchStore`` is their one public face: every public method maps
 Redis' errors in one place (below), and the steps that span parts are here (a dead letter
@@ -31,9 +32,10 @@ loses its lines), bytes held (``max_stored_bytes``), batches not finished
 records kept (``max_batches_kept``, the oldest finished ones deleted first); every list is
 paged, at most 100 a page; a claim takes at most 100 lines; finalization reads the lines
 1,000 at a time. The per-model keys are bounded by the models served, since only lines the
-router validated against its catalog are queued. Consumers (routers) that left the group
-with nothing pending are removed, at most once per ``claim_idle_s`` per model, in one script
-that removes only those with nothing pending (removing a consumer drops its pending entries).
+router validated against its catalog are queued, and the per-(model, tenant) streams by those
+models and the configured tenants. Consumers (routers) that left the group with nothing
+pending are removed, at most once per ``claim_idle_s`` per model, in one script that removes
+only those with nothing pending (removing a consumer drops its pending entries).
 
 Choices where OpenAI or the design left room:
 
@@ -53,8 +55,11 @@ Choices where OpenAI or the design left room:
   (OpenAI's ``batch_expired``). Output and error files get ids derived from the batch, so a
   finalization run again after its router died rewrites the same files. A finished batch's
   answers and line order are deleted with the status change; its counts stay in its record.
-- The age of a model's queue is that of its first entry (the oldest to join the stream; a
-  retried line rejoins at the end, keeping its ``queued_at``).
+- A claim hands out a dead router's lines first, then new ones one at a time to the tenant
+  with the fewest lines in flight per unit of its ``weight``, ties to the tenant whose next
+  line has waited longest (``store_queue``); a lone tenant gets every line.
+- The age of a model's queue is that of the oldest first entry of its tenants' streams (the
+  oldest to join a stream; a retried line rejoins at the end, keeping its ``queued_at``).
 - Redis' own errors and timeouts surface as ``StoreUnavailable`` (503), in one place.
 """
 
@@ -123,10 +128,16 @@ def read_password(cfg: BatchConfig, environ: Mapping[str, str] = os.environ) -> 
     return None
 
 
-def connect(cfg: BatchConfig, app_name: str, environ: Mapping[str, str] = os.environ) -> BatchStore:
+def connect(
+    cfg: BatchConfig,
+    app_name: str,
+    environ: Mapping[str, str] = os.environ,
+    weights: Mapping[str, float] | None = None,
+) -> BatchStore:
     """A store on ``cfg.store_url`` (StoreUnavailable when none is set): a bounded connection
     pool, every connect and command within ``store_timeout_s``, tried at most twice (so a call
-    gives up within about 2 x ``store_timeout_s`` when the server is gone). Connects on first use."""
+    gives up within about 2 x ``store_timeout_s`` when the server is gone). Connects on first use.
+    ``weights``: each tenant's share of a model's batch lines (``BatchStore``)."""
     if cfg.store_url is None:
         raise StoreUnavailable("batch.store_url is not set: no batch store to use")
     pool = BlockingConnectionPool.from_url(
@@ -138,15 +149,17 @@ def connect(cfg: BatchConfig, app_name: str, environ: Mapping[str, str] = os.env
         socket_connect_timeout=cfg.store_timeout_s,
         retry=Retry(NoBackoff(), 1),  # once, on a new connection: a pooled one the server closed
     )
-    return BatchStore(Redis(connection_pool=pool), cfg, app_name)
+    return BatchStore(Redis(connection_pool=pool), cfg, app_name, weights=weights)
 
 
 class BatchStore:
     """Files, batches, queues, answers and dead letters of one app (module docstring).
 
     ``client`` is a redis.asyncio client that does not decode responses (file data is
-    bytes); ``clock`` (monotonic seconds) paces only the removal of departed consumers.
-    Times the records carry (``now``) are the caller's Unix seconds."""
+    bytes); ``clock`` (monotonic seconds) paces only the removal of departed consumers;
+    ``weights`` are the tenants' ``tenants.<name>.weight`` (a tenant not named weighs as the
+    lightest named; none named: all alike). Times the records carry (``now``) are the caller's
+    Unix seconds."""
 
     def __init__(
         self,
@@ -154,12 +167,13 @@ class BatchStore:
         cfg: BatchConfig,
         app_name: str,
         clock: Callable[[], float] = time.monotonic,
+        weights: Mapping[str, float] | None = None,
     ) -> None:
         self._r = client
         self._cfg = cfg
         self.keys = Keys(f"{cfg.key_prefix}:{app_name}")
         self._files = FileStore(client, cfg, self.keys)
-        self._queue = LineQueue(client, cfg, self.keys, clock)
+        self._queue = LineQueue(client, cfg, self.keys, clock, weights)
         self._batches = Batches(client, cfg, self.keys, self._queue)
 
     async def close(self) -> None:
@@ -209,9 +223,9 @@ class BatchStore:
     async def create_batch(
         self, rec: BatchRecord, lines: Sequence[QueuedLine], failed: Sequence[FailedLine] = ()
     ) -> None:
-        """Stores ``rec`` with its index entries, every line of ``lines`` on its model's queue and
-        every line of ``failed`` in its error hash, in one MULTI. Lines to run need the batch
-        ``in_progress``. Refused (nothing stored) with BatchLimitExceeded past the tenant's
+        """Stores ``rec`` with its index entries, every line of ``lines`` on its tenant's queue of
+        its model and every line of ``failed`` in its error hash, in one MULTI. Lines to run need
+        the batch ``in_progress``. Refused (nothing stored) with BatchLimitExceeded past the tenant's
         batches in flight or lines queued, FileLimitExceeded when its files leave no room for
         this batch's results (module docstring)."""
         await self._batches.create_batch(rec, lines, failed)
@@ -276,7 +290,8 @@ class BatchStore:
     async def claim(self, model: str, consumer: str, count: int) -> list[Delivery]:
         """Up to ``count`` (at most 100) lines of ``model`` for ``consumer``: first lines another
         consumer has held unacknowledged for ``claim_idle_s`` (XAUTOCLAIM: a dead router's),
-        then new ones (XREADGROUP, not blocking)."""
+        then new ones, one at a time to the tenant with the fewest lines in flight per unit of
+        its weight (ties: the tenant whose next line has waited longest)."""
         return await self._queue.claim(model, consumer, count)
 
     @_guarded
@@ -294,12 +309,13 @@ class BatchStore:
 
     @_guarded
     async def queue_depth(self, model: str) -> int:
-        """Lines of ``model`` queued or being run."""
+        """Lines of ``model`` queued or being run, every tenant's."""
         return await self._queue.queue_depth(model)
 
     @_guarded
     async def oldest_age_s(self, model: str, now: float) -> float:
-        """How long the first line on ``model``'s queue has waited since it joined (0: none)."""
+        """How long the line that waits longest on ``model``'s queues has waited since it joined
+        them (0: none)."""
         return await self._queue.oldest_age_s(model, now)
 
     # -- dead letters --------------------------------------------------------------------
@@ -321,8 +337,8 @@ class BatchStore:
 
     @_guarded
     async def dlq_retry(self, dlq_id: str) -> str | None:
-        """The dead letter back on its model's queue with attempts 0, gone from the dead-letter
-        queue; its new entry id (None: no such dead letter)."""
+        """The dead letter back on its tenant's queue of its model with attempts 0, gone from the
+        dead-letter queue; its new entry id (None: no such dead letter)."""
         return await self._queue.dlq_retry(dlq_id)
 
     @_guarded

@@ -93,7 +93,7 @@ class Batches:
         self._r = client
         self._cfg = cfg
         self.keys = keys
-        self._queue = queue  # where a new batch's lines go: their models' groups made first
+        self._queue = queue  # where a new batch's lines go: their streams' groups made first
         self._set_status = client.register_script(SET_STATUS)
         self._record = client.register_script(RECORD)
         self._release_lock = client.register_script(RELEASE)
@@ -105,8 +105,9 @@ class Batches:
         watched on the tenant's counts, tried again (at most ``WATCH_TRIES``) when a concurrent
         change to them won (``BatchStore.create_batch``)."""
         self._check_new_batch(rec, lines, failed)
-        for model in sorted({line.model for line in lines}):
-            await self._queue.ensure_group(model)
+        models = sorted({line.model for line in lines})
+        for model in models:
+            await self._queue.ensure_group(model, rec.tenant)
         k = self.keys
         order = sorted(
             [(ln.line, line_field(ln.custom_id, ln.line)) for ln in lines]
@@ -139,8 +140,10 @@ class Batches:
                         pipe.hset(k.answers(rec.id, "error"), mapping=errs)
                     if lines:
                         pipe.incrby(k.queued(rec.tenant), len(lines))
-                    for line in lines:
-                        pipe.xadd(k.queue(line.model), stream_fields(line))
+                    for line in lines:  # on its tenant's stream of its model, the tenant in the model's index
+                        pipe.xadd(k.queue(line.model, rec.tenant), stream_fields(line))
+                    for model in models:
+                        pipe.sadd(k.queue_tenants(model), rec.tenant)
                     await pipe.execute()
                     break
                 except WatchError:

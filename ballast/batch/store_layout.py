@@ -12,9 +12,13 @@ Keys (P = ``<batch.key_prefix>:<app_name>``):
   not finished; ``P:order:{batch}`` list, one field name per input line in line order;
   ``P:out:{batch}`` / ``P:err:{batch}`` hashes, field -> the line of the output / error file;
   ``P:final:{batch}`` the finalizer's lock.
-- ``P:q:{model}`` stream, consumer group ``dispatch``: one entry per line to run (batch,
-  line, custom_id, model, tenant, body, attempts, not_before, queued_at);
-  ``P:queued:{tenant}`` the tenant's lines on the queues and dead-letter queues.
+- ``P:q:{model}:{tenant}`` stream, consumer group ``dispatch``: one entry per line of the
+  tenant's to run on the model (batch, line, custom_id, model, tenant, body, attempts,
+  not_before, queued_at); ``P:q-tenants:{model}`` set, the tenants whose stream of the model
+  holds entries (the claim's fair share runs over it; bounded by the configured tenants);
+  ``P:queued:{tenant}`` the tenant's lines on the queues and dead-letter queues. A line's
+  ``Delivery.entry_id`` is ``<tenant>/<stream entry id>`` (``entry_ref``): unique per model,
+  where the same stream id can stand in two tenants' streams.
 - ``P:dlq:{model}`` stream (the line's fields, its ``dlq_id``, last ``error``, ``since``);
   ``P:dlq`` hash dlq id -> "<entry id> <model>"; ``P:dlq-models`` the models with one.
 
@@ -80,8 +84,15 @@ class Keys:
     def final(self, batch_id: str) -> str:
         return f"{self.prefix}:final:{batch_id}"
 
-    def queue(self, model: str) -> str:
-        return f"{self.prefix}:q:{model}"
+    def queue(self, model: str, tenant: str) -> str:
+        # One stream per (model, tenant), so a claim can share the model among tenants. The
+        # store is new with the Batch API and unreleased: no data was ever written under the
+        # one stream per model it replaces (``P:q:{model}``), so nothing is migrated. A tenant
+        # name holds no ':' (config), so the key names its model and its tenant unambiguously.
+        return f"{self.prefix}:q:{model}:{tenant}"
+
+    def queue_tenants(self, model: str) -> str:
+        return f"{self.prefix}:q-tenants:{model}"
 
     def dlq(self, model: str) -> str:
         return f"{self.prefix}:dlq:{model}"
@@ -97,6 +108,19 @@ def line_field(custom_id: str | None, line: int) -> str:
     """A line's field in its batch's answer hashes and line order: its custom_id (unique in a
     batch), or its line number where it has none; prefixed so the two never meet."""
     return f"c:{custom_id}" if custom_id is not None else f"n:{line}"
+
+
+def entry_ref(tenant: str, stream_id: str) -> str:
+    """A queued line's id as its ``Delivery`` carries it: its tenant's stream and its entry id there."""
+    return f"{tenant}/{stream_id}"
+
+
+def entry_parts(entry_id: str) -> tuple[str, str]:
+    """(tenant, stream entry id) of an ``entry_ref``; ValueError for an id the store never made."""
+    tenant, sep, stream_id = entry_id.rpartition("/")
+    if not sep or not tenant or not stream_id:
+        raise ValueError(f"{entry_id!r} is not a queue entry id (<tenant>/<stream id>)")
+    return tenant, stream_id
 
 
 def text(value: bytes | str) -> str:

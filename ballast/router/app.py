@@ -112,7 +112,7 @@ class Router:
         self.store: BatchStore | None = None
         self.dispatch: BatchDispatch | None = None
         if cfg.batch.enabled and cfg.batch.store_url is not None:
-            self.store = connect_store(cfg.batch, cfg.app_name)
+            self.store = connect_store(cfg.batch, cfg.app_name, weights={t: c.weight for t, c in cfg.tenants.items()})
             self.dispatch = self._batch_dispatch(self.store)
         self._batches = BatchFront(self.pipeline, self._openai, cfg, self.store)
         self._admin = Admin(

@@ -5,8 +5,8 @@ mid-batch: the controller, the model's replica, a router and the store. Every ba
 few lines with a small max_tokens.
 
 A kill is made while the batch's lines are in flight, and the test reads the store itself
-(redis-py, as an operator would: the model's queue stream and its consumer group's pending
-entries) to show it: lines answered, others claimed by a router and not acknowledged. Each
+(redis-py, as an operator would: the model's queue streams, one per tenant, and their consumer
+groups' pending entries) to show it: lines answered, others claimed by a router and not acknowledged. Each
 kill prints one line saying what it did to its batch.
 """
 
@@ -23,7 +23,7 @@ import pytest
 import ray
 from conftest import ADMIN, BASE, clear_chaos, heal, model_status, set_chaos, status, wait_quiet, wait_until
 
-from ballast.batch.store_layout import Keys, entries, text
+from ballast.batch.store_layout import Keys, entries, entry_ref, text
 from ballast.batch.store_queue import GROUP
 from ballast.control.link import lookup_controller
 
@@ -192,26 +192,33 @@ class QueueView:
     def __init__(self, store: Any, cfg: Any) -> None:
         self._store = store
         self._keys = Keys(f"{cfg.batch.key_prefix}:{cfg.app_name}")
-        self._queue = self._keys.queue(MODEL)
 
     def queued(self, batch_id: str) -> dict[str, str]:
-        """entry id -> custom_id, the batch's lines on the queue (claimed or not)."""
+        """entry id (<tenant>/<stream id>) -> custom_id, the batch's lines on the queue (claimed or not)."""
         with self._store.client() as r:
             return self._queued(r, batch_id)
 
+    def _tenants(self, r: Any) -> list[str]:
+        return sorted(text(t) for t in r.smembers(self._keys.queue_tenants(MODEL)))
+
     def _queued(self, r: Any, batch_id: str) -> dict[str, str]:
-        return {eid: f["custom_id"] for eid, f in entries(r.xrange(self._queue)) if f["batch"] == batch_id}
+        return {
+            entry_ref(tenant, eid): f["custom_id"]
+            for tenant in self._tenants(r)
+            for eid, f in entries(r.xrange(self._keys.queue(MODEL, tenant)))
+            if f["batch"] == batch_id
+        }
 
     def claimed(self, batch_id: str) -> dict[str, tuple[str, int]]:
         """entry id -> (consumer, times delivered), the batch's lines a router holds unacknowledged."""
         with self._store.client() as r:
             queued = self._queued(r, batch_id)
-            pending = r.xpending_range(self._queue, GROUP, "-", "+", 1000) if queued else []
-        return {
-            text(p["message_id"]): (text(p["consumer"]), int(p["times_delivered"]))
-            for p in pending
-            if text(p["message_id"]) in queued
-        }
+            pending = {
+                entry_ref(tenant, text(p["message_id"])): p
+                for tenant in (self._tenants(r) if queued else [])
+                for p in r.xpending_range(self._keys.queue(MODEL, tenant), GROUP, "-", "+", 1000)
+            }
+        return {eid: (text(p["consumer"]), int(p["times_delivered"])) for eid, p in pending.items() if eid in queued}
 
     def answered(self, batch_id: str) -> int:
         with self._store.client() as r:

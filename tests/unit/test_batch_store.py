@@ -373,7 +373,7 @@ async def test_departed_consumers_leave_the_group_but_not_one_holding_lines(stor
     await store.claim(MODEL, "idle", 1)  # takes the holder's line (claim_idle_s 0) ...
     await store.claim(MODEL, "holder", 1)  # ... and the holder takes it back; "idle" holds nothing
     raw = store._r  # the group as Redis itself reports it
-    names = {c["name"].decode() for c in await raw.xinfo_consumers(store.keys.queue(MODEL), "dispatch")}
+    names = {c["name"].decode() for c in await raw.xinfo_consumers(store.keys.queue(MODEL, "acme"), "dispatch")}
     assert names == {"holder"}
 
 
