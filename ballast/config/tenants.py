@@ -29,9 +29,9 @@ class TenantConfig(Strict):
     # A higher claim is lowered to this; critical_plus (ahead of critical at the gate,
     # admitted at every level but 4) is granted only where written.
     max_criticality: Criticality = Criticality.CRITICAL
-    # Share of idle capacity lent at level 0, and of the model among tenants waiting in
-    # the same class (fairness).
-    weight: PositiveFloat = 1.0
+    # Share of idle capacity lent at level 0, of the model among tenants waiting in the
+    # same class (fairness), and of a model's batch lines in flight.
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)
     sheddable: bool = False  # its rate shrinks with the degradation level
     # Its batch tokens count in its quota at this multiple of an online token's cost
     # (null: batch.cost).
