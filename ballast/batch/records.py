@@ -1,5 +1,5 @@
-"""What the batch store holds, as frozen records: files, batches and their counts, queued lines,
-deliveries and dead letters.
+"""What the batch store holds, as frozen records: files, batches and their counts and token
+usage, queued lines, deliveries and dead letters.
 
 Each record's ``to_dict()`` uses OpenAI's field names where OpenAI has one (a File's ``bytes``,
 a Batch's ``request_counts``, ``in_progress_at``...), so that ``ballast.batch.shapes`` turns it
@@ -94,10 +94,75 @@ class RequestCounts:
         return {"total": self.total, "completed": self.completed, "failed": self.failed}
 
 
+#: A line's token count past this is no engine's (a context window is far smaller): counted as 0,
+#: so a batch's sums stay below Redis' 64-bit integers whatever its lines say.
+MAX_LINE_TOKENS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class TokenUsage:
+    """The tokens a batch's answered lines used, summed: OpenAI's batch ``usage`` (input,
+    of which cached; output, of which reasoning). Counted by the store as each line's answer
+    is recorded, once per line (``BatchStore.record``)."""
+
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.input_tokens, self.cached_tokens, self.output_tokens, self.reasoning_tokens) < 0:
+            raise ValueError(f"token counts are >= 0: {self}")
+
+    @classmethod
+    def of_output_line(cls, line_json: str) -> TokenUsage:
+        """The usage an output-file line's answer reports (``response.body.usage``, in the
+        chat and completions answers' names: ``prompt_tokens``, ``completion_tokens``,
+        ``prompt_tokens_details.cached_tokens``, ``completion_tokens_details.reasoning_tokens``).
+        A count that is absent, not an int, or outside 0 to ``MAX_LINE_TOKENS`` counts 0: the
+        line's answer is kept whatever its usage says."""
+        try:
+            line = json.loads(line_json)
+        except ValueError:
+            return cls()
+        response = line.get("response") if isinstance(line, dict) else None
+        body = response.get("body") if isinstance(response, dict) else None
+        usage = body.get("usage") if isinstance(body, dict) else None
+        if not isinstance(usage, dict):
+            return cls()
+        return cls(
+            input_tokens=_tokens(usage, "prompt_tokens"),
+            cached_tokens=_tokens(usage.get("prompt_tokens_details"), "cached_tokens"),
+            output_tokens=_tokens(usage, "completion_tokens"),
+            reasoning_tokens=_tokens(usage.get("completion_tokens_details"), "reasoning_tokens"),
+        )
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """(input, cached, output, reasoning): the order the store's counters take them."""
+        return (self.input_tokens, self.cached_tokens, self.output_tokens, self.reasoning_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "input_tokens": self.input_tokens,
+            "input_tokens_details": {"cached_tokens": self.cached_tokens},
+            "output_tokens": self.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+            "total_tokens": self.input_tokens + self.output_tokens,
+        }
+
+
+def _tokens(fields: Any, name: str) -> int:
+    value = fields.get(name) if isinstance(fields, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LINE_TOKENS:
+        return 0
+    return value
+
+
 @dataclass(frozen=True)
 class BatchRecord:
     """A batch as stored. ``errors`` are OpenAI's ``errors.data`` entries (code, message,
-    param, line) of a batch whose file failed validation; ``metadata`` its key-value pairs."""
+    param, line) of a batch whose file failed validation; ``metadata`` its key-value pairs;
+    ``usage`` the tokens of its lines answered so far (a finished batch's, as it ended)."""
 
     id: str
     tenant: str
@@ -120,6 +185,7 @@ class BatchRecord:
     cancelling_at: int | None = None
     cancelled_at: int | None = None
     request_counts: RequestCounts = RequestCounts()
+    usage: TokenUsage | None = TokenUsage()  # None: a record kept from before usage was counted
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -148,6 +214,7 @@ class BatchRecord:
             "cancelling_at": self.cancelling_at,
             "cancelled_at": self.cancelled_at,
             "request_counts": self.request_counts.to_dict(),
+            "usage": None if self.usage is None else self.usage.to_dict(),
         }
 
 

@@ -22,7 +22,9 @@ the error hash only when the line is in neither (one script, so a line lands in 
 file) and only while its batch takes answers (``in_progress`` or ``cancelling``, its finalizer's
 lock not held): a False answer means the line needs nothing more (answered already, or its
 batch finished or is finishing and decides the line itself), and the caller acks it. A line
-redelivered after its router died is run again, and its second answer is refused.
+redelivered after its router died is run again, and its second answer is refused. The write
+that wins adds the answer's token usage to its batch's counters in the same script, so a
+batch's ``usage`` is the sum over its output file's lines, each counted once.
 
 Bounds, per tenant: files held (``max_files``; a batch in flight holds room for its output
 and error files, which ``finalize`` writes even past the limits, so a finished batch never
@@ -271,7 +273,8 @@ class BatchStore:
         first. False: the line needs nothing more (answered already, in either hash, or its
         batch finished or finishing, which decides the line itself); ack it either way.
         ``custom_id`` is one of the batch's lines, as its ``Delivery`` carries it (the counts
-        that say a batch is done count the hashes)."""
+        that say a batch is done count the hashes). The first write of an output line adds its
+        answer's ``usage`` to the batch's (``TokenUsage.of_output_line``)."""
         return await self._batches.record_line(batch_id, line_field(custom_id, 0), kind, line_json, token="")
 
     @_guarded

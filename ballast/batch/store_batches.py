@@ -4,7 +4,9 @@ indexes, its line order, its answers (output and error hashes) and its finalizer
 A batch is created in one MULTI, watched on its tenant's counts (batches in flight, lines
 queued, files, bytes), so two creations at once cannot both pass a limit; its status changes
 by compare-and-set (one Lua script), and a line's answer is written by one script that lets
-the first write win in exactly one of the two hashes, and only while the batch takes answers.
+the first write win in exactly one of the two hashes, and only while the batch takes answers;
+the same script adds an output line's tokens to the batch's usage counters (fields of its
+hash, kept when it finishes), so a line redelivered and answered again adds nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ballast.batch.records import (
     Page,
     QueuedLine,
     RequestCounts,
+    TokenUsage,
 )
 from ballast.batch.store_layout import CHUNK, Keys, decoded, int_or_none, line_field, read_page, text, texts
 from ballast.batch.store_queue import LineQueue
@@ -64,18 +67,30 @@ if ARGV[6] ~= '' then redis.call('DEL', KEYS[3], KEYS[4], KEYS[5], KEYS[2]) end
 return 1
 """
 
-# A line's answer, first write wins, in exactly one of the two hashes. KEYS: batch, mine, other, final lock
-# ARGV: field, line JSON, lock token or '', statuses that take answers...
+# The batch hash's token counters (OpenAI's usage), in ``TokenUsage.counts()`` order.
+USAGE_FIELDS = ("input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens")
+
+# A line's answer, first write wins, in exactly one of the two hashes; the first write adds the
+# line's tokens to the batch's counters (a batch stored without them is left uncounted), so a
+# line's usage is counted once however often it is answered. KEYS: batch, mine, other, final lock
+# ARGV: field, line JSON, lock token or '', 4 token counts (USAGE_FIELDS' order), statuses that take answers...
 RECORD = """
 local holder = redis.call('GET', KEYS[4])
 if holder and holder ~= ARGV[3] then return 0 end
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return 0 end
 local ok = false
-for i = 4, #ARGV do if ARGV[i] == st then ok = true end end
+for i = 8, #ARGV do if ARGV[i] == st then ok = true end end
 if not ok then return 0 end
 if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 0 end
-return redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then return 0 end
+if redis.call('HEXISTS', KEYS[1], 'input_tokens') == 1 then
+  local fields = {'input_tokens', 'cached_tokens', 'output_tokens', 'reasoning_tokens'}
+  for i = 1, 4 do
+    if ARGV[3 + i] ~= '0' then redis.call('HINCRBY', KEYS[1], fields[i], ARGV[3 + i]) end
+  end
+end
+return 1
 """
 
 # The finalizer's lock let go, if it is still this one's. KEYS: lock; ARGV: token
@@ -264,12 +279,14 @@ class Batches:
     async def record_line(self, batch_id: str, field: str, kind: LineKind, line_json: str, token: str) -> bool:
         """The line's answer, first write wins, in exactly one of the two hashes, while the
         batch takes answers (``BatchStore.record``); with ``token``, also while ``finalizing``
-        under that token's lock."""
+        under that token's lock. An output line's usage (``TokenUsage.of_output_line``) is added
+        to the batch's counters by the write that wins; an error line counts no tokens."""
         k = self.keys
         other: LineKind = "error" if kind == "output" else "output"
         keys = [k.batch(batch_id), k.answers(batch_id, kind), k.answers(batch_id, other), k.final(batch_id)]
         statuses: tuple[BatchStatus, ...] = TAKES_ANSWERS + (("finalizing",) if token else ())
-        return bool(await self._record(keys=keys, args=[field, line_json, token, *statuses]))
+        usage = TokenUsage.of_output_line(line_json) if kind == "output" else TokenUsage()
+        return bool(await self._record(keys=keys, args=[field, line_json, token, *usage.counts(), *statuses]))
 
     async def answered(self, batch_id: str, custom_id: str) -> bool:
         """Whether the line has its answer (output or error)."""
@@ -325,12 +342,14 @@ def batch_fields(rec: BatchRecord, total: int) -> dict[EncodableT, EncodableT]:
     """The batch's hash: its fields, None ones left out; the counts as ``total`` (lines)."""
     out: dict[EncodableT, EncodableT] = {}
     for name, value in rec.to_dict().items():
-        if name in ("request_counts", "metadata", "errors") or value is None:
+        if name in ("request_counts", "metadata", "errors", "usage") or value is None:
             continue
         out[name] = value
     out["metadata"] = json.dumps(dict(rec.metadata))
     out["errors"] = json.dumps(list(rec.errors))
     out["total"] = total
+    if rec.usage is not None:
+        out.update(zip(USAGE_FIELDS, rec.usage.counts()))
     return out
 
 
@@ -362,4 +381,5 @@ def batch_record(h: Mapping[str, str], answered: int, failed: int) -> BatchRecor
         cancelling_at=int_or_none(h.get("cancelling_at")),
         cancelled_at=int_or_none(h.get("cancelled_at")),
         request_counts=RequestCounts(int(h.get("total", 0)), answered, failed),
+        usage=TokenUsage(*(int(h[name]) for name in USAGE_FIELDS)) if USAGE_FIELDS[0] in h else None,
     )

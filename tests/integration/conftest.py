@@ -8,6 +8,7 @@ port 8123 so that a developer's ``make serve`` on 8000 is left alone.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import time
 from collections.abc import Callable
@@ -184,6 +185,28 @@ def model_status(client: httpx.Client, name: str | None = None) -> dict[str, Any
     controller's state of it under ``controller`` (target, reason, inputs)."""
     doc = status(client)
     return model_view(doc, name if name is not None else sole_model(doc))
+
+
+async def flood(stop: asyncio.Event, clients: int = 40) -> None:
+    """Critical load until ``stop`` is set: ``clients`` connections, each sending
+    ``/v1/generate`` (200 tokens) back to back, which raises the level past the test
+    config's queue thresholds (6/12)."""
+    async with httpx.AsyncClient(base_url=BASE, timeout=60) as c:
+
+        async def one() -> None:
+            while not stop.is_set():
+                await c.post("/v1/generate", headers=GOLD, json={"prompt": "load", "max_tokens": 200})
+
+        await asyncio.gather(*(one() for _ in range(clients)))
+
+
+async def level_raised(client: httpx.Client, timeout_s: float = 60) -> None:
+    """Returns once the model's level is 1 or more, read every 0.5 s off the event loop, or
+    after ``timeout_s`` either way (the caller's own assertion then says what did not happen)."""
+    for _ in range(int(timeout_s / 0.5)):
+        await asyncio.sleep(0.5)
+        if (await asyncio.to_thread(model_status, client))["level"] >= 1:
+            return
 
 
 def serve_replica_states(deployment: str = "BallastModel") -> dict[str, int]:

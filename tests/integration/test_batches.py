@@ -89,7 +89,19 @@ def test_good_and_bad_lines_round_trip_each_exactly_once(ballast) -> None:
     codes = {x["custom_id"]: x["error"]["code"] for x in err}
     assert codes == {"bad-max-tokens": "INVALID_REQUEST", "bad-url": "invalid_url", "bad-model": "model_not_found"}
     assert all(x["response"]["status_code"] in (400, 404) for x in err)
-    assert batch.id in [b.id for b in c.batches.list(limit=100).data]
+    # usage: the sum over the output file's answers, each line once; error lines count nothing
+    answered = [x["response"]["body"]["usage"] for x in out]
+    usage = done.usage
+    assert usage is not None and usage.output_tokens > 0
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (
+        sum(u["prompt_tokens"] for u in answered),
+        sum(u["completion_tokens"] for u in answered),
+        sum(u["total_tokens"] for u in answered),
+    )
+    cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in answered)
+    assert usage.input_tokens_details.cached_tokens == cached
+    listed = {b.id: b for b in c.batches.list(limit=100).data}
+    assert listed[batch.id].usage == usage
     with pytest.raises(openai.ConflictError):  # a completed batch: nothing to cancel
         c.batches.cancel(batch.id)
 

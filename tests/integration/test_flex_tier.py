@@ -10,7 +10,7 @@ import asyncio
 import httpx
 import openai
 import pytest
-from conftest import BASE, GOLD, model_status, wait_quiet, wait_until
+from conftest import BASE, flood, level_raised, model_status, wait_quiet, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -27,24 +27,12 @@ def held_at_raised_level(client: httpx.Client) -> bool:
 def test_a_flex_request_is_held_while_its_class_is_shed_and_answered_when_the_level_falls(client, ballast):
     # Critical load raises the level (queue thresholds 6/12 in the test config); level 1
     # and up do not admit sheddable, which flex is.
-    async def flood(stop: asyncio.Event) -> None:
-        async with httpx.AsyncClient(base_url=BASE, timeout=60) as c:
-
-            async def one() -> None:
-                while not stop.is_set():
-                    await c.post("/v1/generate", headers=GOLD, json={"prompt": "load", "max_tokens": 200})
-
-            await asyncio.gather(*(one() for _ in range(40)))
-
     async def main() -> tuple[openai.APIStatusError, object]:
         sdk = openai.AsyncOpenAI(base_url=f"{BASE}/v1", api_key="dev-key-gold", max_retries=0, timeout=120)
         stop = asyncio.Event()
         load = asyncio.ensure_future(flood(stop))
         try:
-            for _ in range(120):
-                await asyncio.sleep(0.5)
-                if (await asyncio.to_thread(model_status, client))["level"] >= 1:
-                    break
+            await level_raised(client)
             # 90 s: past resilience.max_deadline_s (60 s here), which does not bound flex.
             kept = asyncio.ensure_future(
                 sdk.chat.completions.with_raw_response.create(

@@ -9,7 +9,19 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import ADMIN, BASE, GOLD, clear_chaos, heal, model_status, set_chaos, status, wait_quiet, wait_until
+from conftest import (
+    ADMIN,
+    BASE,
+    GOLD,
+    clear_chaos,
+    flood,
+    heal,
+    level_raised,
+    set_chaos,
+    status,
+    wait_quiet,
+    wait_until,
+)
 
 from ballast.ops.status_text import model_view
 
@@ -166,23 +178,11 @@ def test_kill_switch_and_a_raised_level_refuse_with_typed_errors(client, ballast
 
     # Raise the level with critical load (queue thresholds 6/12 in the test config):
     # sheddable traffic through the OpenAI front is refused at the door.
-    async def flood(stop: asyncio.Event) -> None:
-        async with httpx.AsyncClient(base_url=BASE, timeout=60) as c:
-
-            async def one() -> None:
-                while not stop.is_set():
-                    await c.post("/v1/generate", headers=GOLD, json={"prompt": "load", "max_tokens": 200})
-
-            await asyncio.gather(*(one() for _ in range(40)))
-
     async def main() -> openai.APIStatusError:
         stop = asyncio.Event()
         task = asyncio.ensure_future(flood(stop))
         try:
-            for _ in range(120):
-                await asyncio.sleep(0.5)
-                if (await asyncio.to_thread(model_status, client))["level"] >= 1:
-                    break
+            await level_raised(client)
             client_ = openai.AsyncOpenAI(base_url=f"{BASE}/v1", api_key="dev-key-gold", max_retries=0)
             try:
                 await client_.chat.completions.create(

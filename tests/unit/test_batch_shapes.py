@@ -11,6 +11,7 @@ import pytest
 from openai.types import Batch, FileObject
 
 from ballast.batch.lines import LineError
+from ballast.batch.records import MAX_LINE_TOKENS, TokenUsage
 from ballast.batch.shapes import (
     BATCH_TIMES,
     batch_object,
@@ -21,6 +22,7 @@ from ballast.batch.shapes import (
     output_line,
     refused_line,
 )
+from ballast.router.openai_answers import Counts, Ident, chat_completion, completion
 
 FILE = {
     "id": "file-0123456789abcdef01234567",
@@ -88,6 +90,35 @@ def test_a_completed_batch_carries_counts_usage_model_and_metadata() -> None:
     assert (parsed.usage.input_tokens, parsed.usage.output_tokens, parsed.usage.total_tokens) == (30, 12, 42)
     assert parsed.usage.input_tokens_details.cached_tokens == 8
     assert parsed.usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_an_output_lines_usage_is_read_from_the_answer_the_dispatcher_writes() -> None:
+    ident = Ident("chatcmpl-1", 1_700_000_000, "tiny")
+    chat = chat_completion(ident, "hi", "stop", Counts(prompt_tokens=12, completion_tokens=5, cached_tokens=8))
+    text = completion(ident, "hi", "length", Counts(prompt_tokens=3, completion_tokens=9))
+    for body, want in ((chat, TokenUsage(12, 8, 5, 0)), (text, TokenUsage(3, 0, 9, 0))):
+        line = json.dumps(output_line(new_line_id(), "req-1", 200, body["id"], body))
+        assert TokenUsage.of_output_line(line) == want
+    reasoning = {**chat, "usage": {**chat["usage"], "completion_tokens_details": {"reasoning_tokens": 2}}}
+    assert TokenUsage.of_output_line(json.dumps(output_line("x", "r", 200, "q", reasoning))).reasoning_tokens == 2
+    usage = Batch.model_validate(batch_object({**BATCH, "usage": TokenUsage(12, 8, 5, 2).to_dict()})).usage
+    assert usage is not None and (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (12, 5, 17)
+    assert (usage.input_tokens_details.cached_tokens, usage.output_tokens_details.reasoning_tokens) == (8, 2)
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": -1, "completion_tokens": True},
+        {"prompt_tokens": "12", "completion_tokens": 2.0},
+        {"prompt_tokens": MAX_LINE_TOKENS + 1, "completion_tokens": None},
+        {"prompt_tokens_details": [8], "completion_tokens_details": "x"},
+    ],
+)
+def test_a_usage_no_engine_reports_counts_nothing_and_keeps_the_line(usage: dict[str, Any]) -> None:
+    assert TokenUsage.of_output_line(json.dumps(output_line("x", "r", 200, "q", {"usage": usage}))) == TokenUsage()
+    for line in ("not json", "[]", '{"response": null}', '{"response": {"body": "text"}}'):
+        assert TokenUsage.of_output_line(line) == TokenUsage()
 
 
 def test_a_failed_batch_reports_its_files_errors_data() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from openai.types import Batch, BatchUsage
 
 from ballast.batch.embedded import EmbeddedRedis, EmbeddedStoreError, redis_server_binary
 from ballast.batch.records import (
@@ -25,10 +26,13 @@ from ballast.batch.records import (
     Delivery,
     FailedLine,
     QueuedLine,
+    TokenUsage,
     new_batch_id,
     result_file_id,
 )
+from ballast.batch.shapes import batch_object, output_line
 from ballast.batch.store import BatchStore, connect
+from ballast.batch.store_batches import USAGE_FIELDS
 from ballast.config import BatchConfig, load_config
 from ballast.errors import BatchLimitExceeded, FileLimitExceeded, InvalidRequest, StoreUnavailable
 from ballast.ops.cli import embedded_store
@@ -99,6 +103,23 @@ def lines_of(rec: BatchRecord, n: int, first_line: int = 1, model: str = MODEL) 
 
 def answer(custom_id: str) -> str:
     return json.dumps({"custom_id": custom_id, "response": {"status_code": 200}, "error": None})
+
+
+def answer_using(custom_id: str, prompt: int, completion: int, cached: int = 0) -> str:
+    """An output line whose answer reports its usage, in the chat answer's names."""
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+    return json.dumps(output_line("batch_req_1", custom_id, 200, "chatcmpl-1", {"usage": usage}))
+
+
+def usage_of(rec: BatchRecord | None) -> BatchUsage | None:
+    """The batch's usage as the official client reads it."""
+    assert rec is not None
+    return Batch.model_validate(batch_object(rec.to_dict())).usage
 
 
 def failure(custom_id: str, code: str = "server_error") -> str:
@@ -328,6 +349,62 @@ async def test_a_line_is_recorded_once_in_exactly_one_file(store: BatchStore) ->
     assert await store.progress(rec.id) == replace(rec.request_counts, total=2, completed=1, failed=1)
     assert await store.answered(rec.id, "req-1") and await store.answered(rec.id, "req-2")
     assert await store.record("batch_gone", "req-1", "output", answer("req-1")) is False
+
+
+async def test_a_lines_usage_is_added_to_its_batch_once_with_its_first_answer(store: BatchStore) -> None:
+    rec = new_batch()
+    await store.create_batch(rec, lines_of(rec, 3))
+    assert usage_of(await store.batch(rec.id)) == BatchUsage.model_validate(TokenUsage().to_dict())  # 0, not null
+
+    assert await store.record(rec.id, "req-1", "output", answer_using("req-1", 10, 4, cached=8))
+    assert not await store.record(rec.id, "req-1", "output", answer_using("req-1", 10, 5))  # redelivered: no more
+    assert not await store.record(rec.id, "req-1", "error", failure("req-1"))
+    assert await store.record(rec.id, "req-2", "error", failure("req-2"))  # an error line has no tokens
+    assert not await store.record(rec.id, "req-2", "output", answer_using("req-2", 99, 99))
+    assert await store.record(rec.id, "req-3", "output", answer_using("req-3", 7, 3))
+
+    got = await store.batch(rec.id)
+    assert got is not None and got.usage == TokenUsage(input_tokens=17, cached_tokens=8, output_tokens=7)
+    parsed = usage_of(got)
+    assert parsed is not None and (parsed.input_tokens, parsed.output_tokens, parsed.total_tokens) == (17, 7, 24)
+    assert (parsed.input_tokens_details.cached_tokens, parsed.output_tokens_details.reasoning_tokens) == (8, 0)
+    assert [b.usage for b in (await store.list_batches("acme")).items] == [got.usage]
+
+
+async def test_a_finished_batch_keeps_the_usage_of_its_output_files_lines(store: BatchStore) -> None:
+    rec = new_batch()
+    await store.create_batch(rec, lines_of(rec, 3))
+    for i, d in enumerate(await store.claim(MODEL, "r1", 10)):
+        assert await store.record(rec.id, d.line.custom_id, "output", answer_using(d.line.custom_id, 5 + i, 2 * i))
+        assert await store.ack(MODEL, d.entry_id)
+    done = await store.finalize(rec.id, T0 + 5, expired)
+    assert done is not None and done.status == "completed"
+    assert done.output_file_id is not None
+    lines = [json.loads(x) for x in (await store.file_data(done.output_file_id) or b"").splitlines()]
+    summed = [sum(x["response"]["body"]["usage"][n] for x in lines) for n in ("prompt_tokens", "completion_tokens")]
+    assert summed == [18, 6] and done.usage == TokenUsage(input_tokens=18, output_tokens=6)
+    assert not await store.record(rec.id, "req-1", "output", answer_using("req-1", 50, 50))  # finished: nothing
+    assert await store.batch(rec.id) == done  # its answers deleted, its usage kept with its counts
+
+
+async def test_a_cancelled_batch_counts_only_what_it_answered(store: BatchStore) -> None:
+    rec = new_batch()
+    await store.create_batch(rec, lines_of(rec, 3))
+    assert await store.cancel(rec.id, T0 + 1)
+    assert await store.record(rec.id, "req-2", "output", answer_using("req-2", 6, 1))  # in flight when cancelled
+    done = await store.finalize(rec.id, T0 + 2, expired)
+    assert done is not None and done.status == "cancelled" and done.usage == TokenUsage(6, 0, 1, 0)
+
+
+async def test_a_batch_stored_without_counters_shows_no_usage_rather_than_a_partial_one(store: BatchStore) -> None:
+    rec = new_batch()
+    await store.create_batch(rec, lines_of(rec, 2))
+    await store._r.hdel(store.keys.batch(rec.id), *USAGE_FIELDS)  # as a batch stored before usage was counted
+    assert await store.record(rec.id, "req-1", "output", answer_using("req-1", 10, 4))
+    got = await store.batch(rec.id)
+    assert got is not None and got.usage is None and got.request_counts.completed == 1
+    assert usage_of(got) is None
+    assert not await store._r.hexists(store.keys.batch(rec.id), "input_tokens")
 
 
 async def test_claim_hands_out_each_line_once_then_ack_removes_it(store: BatchStore) -> None:

@@ -12,6 +12,15 @@ to a real ``ControllerCore`` on a fake clock, in process). Nothing moves the lev
 sets a kill switch the router enforces (the snapshot is offered at level 0 before each
 request), so a 503 here can only be a fault.
 
+The Batch API's routes run on a real store: a redis-server for the module
+(``EmbeddedRedis``), with room enough that no tenant limit stops the pass short of the
+routes' own checks; besides the schema's cases, generated JSONL files are uploaded and
+batches created from them, so every line goes through the online call's checks. The
+client holds one event loop for the module, as a replica does (the store's connections
+belong to the loop that opened them). The loops that run batch lines are not started: the
+answers then depend on the requests alone (test_dispatcher.py and the integration suite
+run them).
+
 Deterministic: hypothesis runs derandomized with no example database, so a clean clone
 sends the same requests; the counts run are printed (``pytest -s``).
 """
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,10 +37,12 @@ import schemathesis
 from fakes import FakeClock
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from openai.types import Batch
 from routerkit import at_level, build_router, routed
 from schemathesis import GenerationMode
 from test_resilient_caller import FakeResponse, FakeStream
 
+from ballast.batch.embedded import EmbeddedRedis
 from ballast.config import load_config
 from ballast.control.controller import ControllerCore
 from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
@@ -43,13 +55,17 @@ CFG = {
     "auth": {"demo_keys": {"dev-key-gold": "gold"}, "demo_admin_token": "admin-token"},
     "chaos": {"enabled": True},
 }
-# Per operation and generation mode (19 operations x 2 modes x 2 credentials): about
-# 2,400 requests in all, within a minute on two cores.
+# Limits high enough that the pass reaches every route's own checks (the store's refusals
+# past them are tested against the store itself).
+ROOMY_BATCH = {"max_files": 10_000, "max_batches_in_flight": 1000}
+# Per operation and generation mode (32 operations positive, the 9 POSTs with a body negative,
+# x 2 credentials), with the generated batch files: about 4,600 requests, 30 s on two cores.
 EXAMPLES = 40
 BODY_ROUTES = (
     "/v1/generate",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/batches",
     "/admin/kill-switch",
     "/admin/adapters",
     "/admin/chaos",
@@ -120,37 +136,53 @@ class CoreLink:
 
 
 @pytest.fixture(scope="module")
-def stack():
+def store_server(tmp_path_factory) -> Iterator[EmbeddedRedis]:
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def stack(store_server):
     handle = AnsweringHandle()
-    router = build_router(CFG, handle)
+    store = {"store_url": store_server.url, "store_password_file": str(store_server.password_file)}
+    router = build_router({**CFG, "batch": {**store, **ROOMY_BATCH}}, handle)
+    assert router.store is not None and router.dispatch is not None
+    router.dispatch = None  # its loops are not started (module docstring); /v1/status still shows them
     link = CoreLink()
     router._admin._link = router._admin._exchange = link
     at_level(router, 0)
-    with routed(router) as client:
+    with routed(router) as client, client:  # entered: one event loop for every request
         doc = client.get("/openapi.json").json()
         yield router, client, schemathesis.openapi.from_dict(doc), handle
+        client.portal.call(router.store.close)
 
 
 class Tally:
-    """Requests sent and answers by status, across the module; printed at its end."""
+    """Requests sent and answers by status, across the module; printed at its end; and the
+    Batch API's requests answered 200, by route prefix (what reached the store)."""
 
     sent: Counter = Counter()
     fives: list[str] = []
+    stored: Counter = Counter()
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
     print(f"\nfuzz: {sum(Tally.sent.values())} requests, by status {dict(sorted(Tally.sent.items()))}")
+    print(f"fuzz: the Batch API's answered 200, by route: {dict(sorted(Tally.stored.items()))}")
 
 
-def send(router, client, method: str, path: str, headers: dict[str, str], **kw: Any) -> None:
+def send(router, client, method: str, path: str, headers: dict[str, str], **kw: Any) -> Any:
     at_level(router, 0)  # a fresh snapshot: /health and /healthz/ready answer from it
     r = client.request(method, path, headers=headers, **kw)
     Tally.sent[r.status_code] += 1
     if r.status_code >= 500:
         Tally.fives.append(f"{method} {path} {kw!r:.300} -> {r.status_code} {r.text[:300]}")
     assert r.status_code < 500, Tally.fives[-1]
+    if r.status_code == 200 and path.startswith(BATCH_PREFIXES):
+        Tally.stored[next(p for p in BATCH_PREFIXES if path.startswith(p))] += 1
+    return r
 
 
 def served_variant(path: str, body: Any) -> Any:
@@ -162,25 +194,17 @@ def served_variant(path: str, body: Any) -> Any:
     return {**{k: v for k, v in body.items() if k not in lengths}, "model": SERVED_MODEL}
 
 
-#: The Batch API's routes (issue 62): this stack has no store, so each answers 503
-#: STORE_UNAVAILABLE before it reads a body; fuzzing them needs a store in the stack (not yet).
+#: The Batch API's routes: fuzzed on the module's store like every other route.
 BATCH_PREFIXES = ("/v1/files", "/v1/batches", "/admin/batches", "/admin/dlq")
-
-
-def operations(schema) -> list:
-    """Every operation of the contract but the Batch API's (``BATCH_PREFIXES``)."""
-    ops = [result.ok() for result in schema.get_all_operations()]
-    return [op for op in ops if not op.path.startswith(BATCH_PREFIXES)]
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
 def test_no_operation_answers_5xx_for_what_its_schema_generates(stack, mode):
     router, client, schema, handle = stack
-    ops = operations(schema)
-    assert len(ops) == 19  # 32 in the contract, the Batch API's 13 left out
-    assert len([result.ok() for result in schema.get_all_operations()]) == 32
+    ops = [result.ok() for result in schema.get_all_operations()]
+    assert len(ops) == 32 and len([op for op in ops if op.path.startswith(BATCH_PREFIXES)]) == 13
     if mode is GenerationMode.NEGATIVE:  # what a schema can break: a body (a path's string takes any string)
-        ops = [op for op in ops if op.method.upper() == "POST"]
+        ops = [op for op in ops if op.method.upper() == "POST" and len(op.body) > 0]
     for op in ops:
 
         @fuzz_settings(EXAMPLES)
@@ -199,6 +223,7 @@ def test_no_operation_answers_5xx_for_what_its_schema_generates(stack, mode):
         run()
     if mode is GenerationMode.POSITIVE:
         assert handle.generate.calls + handle.generate_stream.calls > 0  # valid requests reached the model
+        assert Tally.stored[BATCH_PREFIXES[0]] > 0  # valid uploads reached the store
 
 
 # Leaves include what JSON itself does not have but Python writes (NaN, Infinity), ints
@@ -235,6 +260,10 @@ KEYS = st.sampled_from(
         "criticality",
         "content",
         "role",
+        "input_file_id",
+        "endpoint",
+        "completion_window",
+        "metadata",
     ]
 )
 BODIES = st.one_of(
@@ -256,6 +285,61 @@ def test_no_body_route_answers_5xx_for_arbitrary_bytes_or_json(stack, path):
             send(router, client, "POST", path, {**auth, "content-type": "application/json"}, content=body)
 
     run()
+
+
+# A batch file's lines: requests as a client writes them (any method and url; a body that is
+# arbitrary, or a valid one with arbitrary keys over it), arbitrary JSON, and bytes.
+LINE_BODY = st.one_of(
+    st.dictionaries(KEYS, JSON, max_size=5),
+    st.dictionaries(KEYS, JSON, max_size=2).map(
+        lambda extra: {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", **extra}
+    ),
+)
+REQUEST_LINE = st.fixed_dictionaries(
+    {
+        "custom_id": TEXT,
+        "method": st.sampled_from(["POST", "GET"]),
+        "url": st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]),
+    },
+    optional={"body": LINE_BODY},
+)
+FILE_LINES = st.lists(
+    st.one_of(REQUEST_LINE.map(json.dumps), JSON.map(json.dumps), st.binary(max_size=40)).map(
+        lambda line: line if isinstance(line, bytes) else line.encode()
+    ),
+    max_size=6,
+)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_no_batch_route_answers_5xx_for_a_generated_file(stack, endpoint):
+    """Each generated file uploaded, a batch made of it (every line through the online call's
+    checks), read back and cancelled, the file read and deleted: no answer is a 5xx, and a
+    batch the API makes is one the official client parses."""
+    router, client, _, _ = stack
+    made: Counter = Counter()
+
+    @fuzz_settings(60)
+    @given(lines=FILE_LINES)
+    def run(lines: list[bytes]) -> None:
+        form = {"files": {"file": ("in.jsonl", b"\n".join(lines) + b"\n")}, "data": {"purpose": "batch"}}
+        up = send(router, client, "POST", "/v1/files", KEY, **form)
+        if up.status_code != 200:
+            return
+        file_id = up.json()["id"]
+        body = {"input_file_id": file_id, "endpoint": endpoint, "completion_window": "24h"}
+        batch = send(router, client, "POST", "/v1/batches", KEY, json=body)
+        if batch.status_code == 200:
+            parsed = Batch.model_validate(batch.json())
+            made[parsed.status] += 1
+            assert Batch.model_validate(send(router, client, "GET", f"/v1/batches/{parsed.id}", KEY).json()) == parsed
+            cancelled = send(router, client, "POST", f"/v1/batches/{parsed.id}/cancel", KEY)
+            assert cancelled.status_code == (409 if parsed.status == "failed" else 200), cancelled.text
+        send(router, client, "GET", f"/v1/files/{file_id}/content", KEY)
+        send(router, client, "DELETE", f"/v1/files/{file_id}", KEY)
+
+    run()
+    assert made["in_progress"] > 0 and made["failed"] > 0, made  # lines ran the checks, and files failed whole
 
 
 HEADER_VALUE = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=40).map(
