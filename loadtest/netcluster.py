@@ -9,18 +9,20 @@ What ``ray up`` does on a cloud, done with what a laptop has: a bridge (``blst0`
 10.77.0.1/24) stands for the VPC, a namespace per node (``ballast-head``,
 ``ballast-w1``, ...) with a veth link on it for the machine, and each node runs the
 ``head_start_ray_commands`` / ``worker_start_ray_commands`` of cluster/cluster.yaml,
-changed only where one filesystem and no cloud force it (:func:`start_commands`).
+changed only where one filesystem and no cloud force it (:func:`start_commands`); the
+head's commands start the Batch API's store there too (cluster/batch_store.sh).
 Ballast is then deployed with ``serve deploy`` from a config built from
 cluster/serve_config.yaml (:func:`serve_config`): keys from files, model replicas on
 the workers, HAProxy and Serve's proxy on every node, each node's endpoint its own
-``http://<ip>:8000``.
+``http://<ip>:8000``, the batch store on the head's address.
 
 Faults for the tests (tests/cluster): :func:`kill_node` (every process of a node's
 namespace, SIGKILL: the machine lost), :func:`link` (the node's link down or up: a
 partition), :func:`start_node` (a node back). ``down`` kills only the processes inside
 the namespaces it made, then removes them and the bridge: nothing else on the host is
-touched. State (keys, the deploy config) lives in ``.run/cluster``, each node's Ray
-temp dir, logs and HAProxy files in ``/tmp/ballast-cluster/<node>``.
+touched. State (keys, the store's password, the deploy config) lives in ``.run/cluster``,
+each node's Ray temp dir, logs and HAProxy files in ``/tmp/ballast-cluster/<node>`` (the
+head's batch store in its ``store/``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -49,6 +52,7 @@ SUBNET = "10.77.0"
 GATEWAY = f"{SUBNET}.1"
 REDIS_IP = f"{SUBNET}.5"  # the external store for GCS fault tolerance, in a namespace of its own
 REDIS_PASSWORD = STATE / "redis_password"  # its password (mode 0600), made by `up --redis`
+STORE_PASSWORD = STATE / "store_password"  # the batch store's (mode 0600), made by `up`
 HTTP_PORT = 8000
 DASHBOARD_PORT = 8265
 GCS_PORT = 6379
@@ -117,6 +121,8 @@ def start_commands(kind: str, node: Node, head: Node, redis: bool) -> list[str]:
     The same commands, changed only where one machine differs from a cloud:
     - ``ray stop`` is dropped: it stops every Ray process on the machine, all nodes' here;
     - ``~/ballast`` is this checkout; ``$RAY_HEAD_IP`` the head's namespace address;
+    - the batch store's data (``~/ballast-store``) is in the head's temp dir, its password
+      (``/etc/ballast/store_password``, which setup installs on a cloud) in ``STORE_PASSWORD``;
     - ``--autoscaling-config`` is dropped (no cloud to ask for nodes);
     - each node gets its own ``--temp-dir`` and HAProxy file directory (one filesystem
       here, a disk per machine there) and says its IP (``--node-ip-address``);
@@ -130,6 +136,8 @@ def start_commands(kind: str, node: Node, head: Node, redis: bool) -> list[str]:
         cmd = " ".join(cmd.split())
         if re.fullmatch(r"\S*ray stop", cmd):
             continue
+        cmd = cmd.replace("~/ballast-store", str(node.temp_dir / "store"))
+        cmd = cmd.replace("/etc/ballast/store_password", str(STORE_PASSWORD))
         cmd = cmd.replace("~/ballast", str(REPO)).replace("$RAY_HEAD_IP", head.ip)
         cmd = re.sub(r"\s--autoscaling-config=\S+", "", cmd)
         haproxy = node.haproxy_dir
@@ -158,7 +166,15 @@ def serve_config(keys_file: Path, admin_file: Path, workers: int) -> dict[str, A
     One router per worker (``max_replicas_per_node: 1``): Serve runs its proxy and HAProxy
     only on nodes with a replica. In a cloud a replaced GPU worker gets a model replica
     back, and with it a proxy; here the worker that is left takes every model replica,
-    and only a router kept off it makes the replacing node serve HTTP again."""
+    and only a router kept off it makes the replacing node serve HTTP again.
+
+    Two more changes, where one machine differs from a cloud: the batch store's name
+    (``ballast-store``, which a cloud's setup writes into each worker's /etc/hosts) is the
+    head's address here, where every namespace shares one /etc/hosts, and its password is
+    ``STORE_PASSWORD``; and the admin routes stay on each node's public port
+    (``http.admin_port`` dropped): production serves them on each router node's loopback,
+    reached over ssh, and the tests, on this machine outside every namespace, stand for
+    that operator."""
     spec = yaml.safe_load((REPO / "cluster" / "serve_config.yaml").read_text())
     app = spec["applications"][0]["args"]["config"]
     # The faults are the cluster's, not the engine's: the built-in model, one deployment.
@@ -174,6 +190,12 @@ def serve_config(keys_file: Path, admin_file: Path, workers: int) -> dict[str, A
     )
     app["deployments"]["router"].update(num_replicas=workers, num_cpus=0.25, max_replicas_per_node=1)
     app["auth"].update(api_keys_file=str(keys_file), admin_token_file=str(admin_file))
+    app["http"].pop("admin_port", None)
+    store = urlsplit(app["batch"]["store_url"])
+    app["batch"].update(
+        store_url=store._replace(netloc=f"{nodes(workers)[0].ip}:{store.port}").geturl(),
+        store_password_file=str(STORE_PASSWORD),
+    )
     # Quotas, so the controller leases each router its share (far above the load the
     # fault tests send: they never refuse it).
     app["tenants"]["gold"].update(rate_tokens_per_s=200_000)
@@ -366,6 +388,8 @@ def up(workers: int = 2, redis: bool = False, timeout_s: float = 300) -> dict[st
     keys_file.write_text("".join(f"{key}={tenant}\n" for tenant, key in tenants.items()))
     admin = "bk-admin-" + secrets.token_hex(8)
     admin_file.write_text(admin + "\n")
+    _write_private(STORE_PASSWORD, secrets.token_hex(32) + "\n")  # the head's start commands read it
+    deploy = serve_config(keys_file, admin_file, workers)
     state = {
         "workers": workers,
         "redis": redis,
@@ -373,6 +397,7 @@ def up(workers: int = 2, redis: bool = False, timeout_s: float = 300) -> dict[st
         "admin_token": admin,
         "nodes": {n.name: n.ip for n in members},
         "endpoints": [n.endpoint for n in members],
+        "store_url": deploy["applications"][0]["args"]["config"]["batch"]["store_url"],
     }
     (STATE / "state.json").write_text(json.dumps(state, indent=2))
     started = time.monotonic()
@@ -382,7 +407,7 @@ def up(workers: int = 2, redis: bool = False, timeout_s: float = 300) -> dict[st
     for node in members[1:]:
         start_node(node, head, redis)
     config = STATE / "serve_config.yaml"
-    config.write_text(yaml.safe_dump(serve_config(keys_file, admin_file, workers), sort_keys=False))
+    config.write_text(yaml.safe_dump(deploy, sort_keys=False))
     r = subprocess.run(
         [str(REPO / ".venv" / "bin" / "serve"), "deploy", str(config), "-a", f"http://{head.ip}:{DASHBOARD_PORT}"],
         capture_output=True,
@@ -461,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, ip in state["nodes"].items():
                 print(f"  {name:5s} {ip:12s} http://{ip}:{HTTP_PORT}")
             print(f"  dashboard: http://{state['nodes']['head']}:{DASHBOARD_PORT}")
+            print(f"  batch store: {state['store_url']} (its password in {STORE_PASSWORD})")
             gold = state["keys"]["gold"]
             print(
                 f"  curl -s http://{state['nodes']['w1'] if 'w1' in state['nodes'] else state['nodes']['head']}:"

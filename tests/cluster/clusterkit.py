@@ -9,6 +9,7 @@ Each fault test adds a row to ``REPORT``; the session ends by printing the rows
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,12 +18,20 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
 
 from ballast.ops.status_text import model_view, sole_model
 from loadtest import netcluster
 from loadtest.cluster_load import ClusterLoad
 
 REPORT: list[dict[str, Any]] = []
+
+FULL = os.environ.get("BALLAST_CLUSTER_SUITE") == "full"
+full_suite = pytest.mark.skipif(not FULL, reason="the whole fault suite runs with `make test-cluster`")
+
+MODEL = "ServeReplica:ballast:BallastModel"
+ROUTER = "ServeReplica:ballast:BallastRouter"
+MIN_REPLICAS = 2  # netcluster.serve_config: one per worker to start
 
 
 @dataclass
@@ -190,6 +199,22 @@ class Cluster:
             for a in self.actors("ServeReplica:ballast:BallastModel")
             if ips.get(a.node_id) == ip
         )
+
+
+def model_replicas_on(cluster: Cluster, ip: str) -> int:
+    return sum(1 for where in cluster.where(MODEL) if where == ip)
+
+
+def steady(cluster: Cluster) -> None:
+    """Every endpoint answers and the model has its replicas before a fault starts."""
+    wait_until(lambda: all(netcluster.ready(n) for n in cluster.nodes), 180, 2, "every endpoint ready")
+    wait_until(lambda: len(cluster.where(MODEL)) >= MIN_REPLICAS, 180, 2, "the model's replicas")
+
+
+def worker_without_controller(cluster: Cluster) -> netcluster.Node:
+    """A worker the Ballast controller is not on (the controller's node lost is a fault of its own)."""
+    controller_at = cluster.where("Controller")
+    return next(w for w in reversed(cluster.workers) if w.ip not in controller_at)
 
 
 def wait_until(

@@ -10,37 +10,25 @@ whole cluster (conftest.py makes a new one after a test broke it).
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-from clusterkit import REPORT, report_row, wait_clean, wait_until
+from clusterkit import (
+    MIN_REPLICAS,
+    MODEL,
+    REPORT,
+    ROUTER,
+    full_suite,
+    model_replicas_on,
+    report_row,
+    steady,
+    wait_clean,
+    wait_until,
+    worker_without_controller,
+)
 
 from loadtest import netcluster
-
-FULL = os.environ.get("BALLAST_CLUSTER_SUITE") == "full"
-full_suite = pytest.mark.skipif(not FULL, reason="the whole fault suite runs with `make test-cluster`")
-
-MODEL = "ServeReplica:ballast:BallastModel"
-ROUTER = "ServeReplica:ballast:BallastRouter"
-MIN_REPLICAS = 2  # netcluster.serve_config: one per worker to start
-
-
-def model_replicas_on(cluster, ip: str) -> int:
-    return sum(1 for where in cluster.where(MODEL) if where == ip)
-
-
-def steady(cluster) -> None:
-    """Every endpoint answers and the model has its replicas before a fault starts."""
-    wait_until(lambda: all(netcluster.ready(n) for n in cluster.nodes), 180, 2, "every endpoint ready")
-    wait_until(lambda: len(cluster.where(MODEL)) >= MIN_REPLICAS, 180, 2, "the model's replicas")
-
-
-def worker_without_controller(cluster):
-    controller_at = cluster.where("Controller")
-    return next(w for w in reversed(cluster.workers) if w.ip not in controller_at)
 
 
 def test_every_watchdog_sits_on_its_replicas_node(cluster):

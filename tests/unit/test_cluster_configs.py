@@ -2,8 +2,14 @@
 check (`ray up` and `serve deploy` read them, built through Ballast's own config model),
 what the production config serves, and where vLLM for CUDA is installed."""
 
+import os
 import re
+import select
+import signal
+import socket
+import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -197,6 +203,109 @@ def test_every_node_gets_the_key_files_the_production_config_reads():
     (install,) = [c for c in cfg["setup_commands"] if "/etc/ballast" in c]
     for path in (auth.api_keys_file, auth.admin_token_file):
         assert path.startswith("/etc/ballast/") and f"~/ballast-secrets/{Path(path).name}" in install
+
+
+def test_the_batch_store_runs_on_the_head_and_every_router_reaches_it():
+    """serve_config.yaml's batch section names the store cluster.yaml starts on the head: its
+    port, its password file (installed on every node from ~/ballast-secrets), and a name every
+    worker resolves to the head."""
+    cfg = load_config(production())
+    batch = cfg.batch
+    assert batch.enabled and batch.store_url is not None
+    url = urlsplit(batch.store_url)
+    assert (url.scheme, url.hostname, url.port, url.path) == ("redis", "ballast-store", 6380, "/0")
+    assert batch.store_password_file == "/etc/ballast/store_password"
+    # A line a lost router held is taken over only after its deadline: never run twice by two live routers.
+    assert batch.claim_idle_s > cfg.resilience.deadline_s
+    spec = yaml.safe_load((ROOT / "cluster/cluster.yaml").read_text())
+    (store,) = [c for c in spec["head_start_ray_commands"] if "batch_store.sh" in c]
+    assert store.split() == [
+        "~/ballast/cluster/batch_store.sh",
+        "~/ballast-store",
+        *"\"$(hostname -I | cut -d' ' -f1)\"".split(),
+        str(url.port),
+        batch.store_password_file,
+    ]
+    assert url.port != 6379 and "--port=6379" in spec["head_start_ray_commands"][-1]  # beside Ray's GCS
+    (install,) = [c for c in spec["setup_commands"] if "/etc/ballast" in c]
+    assert "~/ballast-secrets/store_password" in install
+    # Every worker (every node but the head runs routers) maps the name to the head's address.
+    hosts = [c for c in spec["worker_setup_commands"] if "/etc/hosts" in c]
+    assert hosts == [
+        "sudo sed -i '/ ballast-store$/d' /etc/hosts && "
+        'echo "$RAY_HEAD_IP ballast-store" | sudo tee -a /etc/hosts >/dev/null'
+    ]
+    assert not any("worker_setup_commands" in t for t in gpu_node_types(spec).values())  # none replaces it
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_store(data: Path, port: int, password_file: Path) -> subprocess.CompletedProcess:
+    script = ROOT / "cluster/batch_store.sh"
+    return subprocess.run(
+        [str(script), str(data), "127.0.0.1", str(port), str(password_file)], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_heads_batch_store_keeps_its_data_its_password_private_and_starts_once(tmp_path):
+    """cluster/batch_store.sh for real: a redis-server that requires the password and keeps
+    every write in its append-only file; run again it leaves a running server alone, and
+    after the server was killed it starts one on the same data."""
+    import redis
+
+    data, port = tmp_path / "store", free_port()
+    password_file = tmp_path / "store_password"
+    password_file.write_text("a1b2c3d4e5f6\n")
+    started = run_store(data, port, password_file)
+    assert started.returncode == 0, started.stderr
+    pid = int((data / "redis.pid").read_text())
+    try:
+        r = redis.Redis(port=port, password="a1b2c3d4e5f6", decode_responses=True)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).xadd("q", {"line": "0"})
+        assert r.config_get("appendonly") == {"appendonly": "yes"}
+        assert r.config_get("appendfsync") == {"appendfsync": "everysec"}
+        assert r.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        # The password is in files only this user reads, never on the server's command line.
+        assert "a1b2c3d4e5f6" not in Path(f"/proc/{pid}/cmdline").read_text()
+        assert (data / "redis.conf").stat().st_mode & 0o777 == 0o600 and data.stat().st_mode & 0o777 == 0o700
+        entry = r.xadd("q", {"line": "1"})
+        again = run_store(data, port, password_file)  # `ray up` again: Ray restarts, the store does not
+        assert again.returncode == 0 and "running already" in again.stdout, again.stderr
+        assert int((data / "redis.pid").read_text()) == pid
+        kill(pid)  # the store killed (its machine's processes lost)
+        restarted = run_store(data, port, password_file)
+        assert restarted.returncode == 0, restarted.stderr
+        pid = int((data / "redis.pid").read_text())
+        assert [e for e, _ in r.xrange("q")] == [entry]  # back on its data
+    finally:
+        kill(pid)
+
+
+def kill(pid: int) -> None:
+    """SIGKILL to ``pid``, returning once it has exited (its pidfd readable), if it was running."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        assert select.select([fd], [], [], 30)[0], f"pid {pid} still running 30 s after SIGKILL"
+    finally:
+        os.close(fd)
+
+
+def test_the_heads_batch_store_refuses_a_password_it_cannot_write_safely(tmp_path):
+    password_file = tmp_path / "store_password"
+    for bad in ("", "two words", 'quote"d', "new\nline"):
+        password_file.write_text(bad)
+        refused = run_store(tmp_path / "store", free_port(), password_file)
+        assert refused.returncode == 2 and "must hold one password" in refused.stderr, (bad, refused.stderr)
+        assert not (tmp_path / "store").exists()  # nothing made, nothing started
 
 
 def test_vllm_for_cuda_is_the_cpu_builds_version_with_the_projects_torch():

@@ -24,20 +24,39 @@ def cloud_commands(kind: str) -> list[str]:
     return [" ".join(c.split()) for c in spec[f"{kind}_start_ray_commands"]]
 
 
+def ray_start(commands: list[str]) -> str:
+    (cmd,) = [c for c in commands if "ray start" in c]
+    return cmd
+
+
 @pytest.mark.parametrize("kind,node", [("head", HEAD), ("worker", W1)])
 def test_the_local_nodes_run_cluster_yamls_own_start_commands(kind, node):
     local = netcluster.start_commands(kind, node, HEAD, redis=False)
     cloud = [c for c in cloud_commands(kind) if not c.endswith("ray stop")]
-    assert len(local) == len(cloud) == 1
+    assert len(local) == len(cloud) == (2 if kind == "head" else 1)  # the head starts the batch store too
     # Every flag and variable the cloud command sets is set here too, unchanged...
-    for token in cloud[0].replace("~/ballast", str(netcluster.REPO)).replace("$RAY_HEAD_IP", HEAD.ip).split():
+    for token in ray_start(cloud).replace("~/ballast", str(netcluster.REPO)).replace("$RAY_HEAD_IP", HEAD.ip).split():
         if not token.startswith("--autoscaling-config"):
-            assert token in local[0].split(), token
+            assert token in ray_start(local).split(), token
     # ...and what one machine adds: the node's IP, its own temp dir and HAProxy files.
-    assert f"--node-ip-address={node.ip}" in local[0]
-    assert f"--temp-dir={node.temp_dir / 'ray'}" in local[0]
-    assert f"RAY_SERVE_HAPROXY_SOCKET_PATH={node.haproxy_dir}/admin.sock" in local[0]
-    assert "--autoscaling-config" not in local[0] and "RAY_REDIS_ADDRESS" not in local[0]
+    assert f"--node-ip-address={node.ip}" in ray_start(local)
+    assert f"--temp-dir={node.temp_dir / 'ray'}" in ray_start(local)
+    assert f"RAY_SERVE_HAPROXY_SOCKET_PATH={node.haproxy_dir}/admin.sock" in ray_start(local)
+    assert "--autoscaling-config" not in ray_start(local) and "RAY_REDIS_ADDRESS" not in ray_start(local)
+
+
+def test_the_local_head_starts_the_batch_store_as_the_clouds_does():
+    (cloud,) = [c for c in cloud_commands("head") if "batch_store.sh" in c]
+    (local,) = [c for c in netcluster.start_commands("head", HEAD, HEAD, redis=False) if "batch_store.sh" in c]
+    # The cloud's command, before Ray's; here the script of this checkout, its data in the
+    # head's temp dir, its password in the cluster's state (where `up` writes it), and the
+    # address the head's namespace has, as the head's machine has its own.
+    assert cloud_commands("head").index(cloud) < cloud_commands("head").index(ray_start(cloud_commands("head")))
+    script, data, *_ = local.split()
+    assert script == f"{netcluster.REPO}/cluster/batch_store.sh" and data == str(HEAD.temp_dir / "store")
+    assert local.endswith(f" 6380 {netcluster.STORE_PASSWORD}") and "~" not in local
+    assert "\"$(hostname -I | cut -d' ' -f1)\"" in local and "hostname -I" in cloud
+    assert not any("batch_store" in c for c in netcluster.start_commands("worker", W1, HEAD, redis=False))
 
 
 def test_ray_stop_is_not_run_on_a_machine_every_node_shares():
@@ -47,8 +66,8 @@ def test_ray_stop_is_not_run_on_a_machine_every_node_shares():
 
 
 def test_gcs_fault_tolerance_points_the_head_and_only_the_head_at_redis():
-    head = netcluster.start_commands("head", HEAD, HEAD, redis=True)[0]
-    worker = netcluster.start_commands("worker", W1, HEAD, redis=True)[0]
+    head = ray_start(netcluster.start_commands("head", HEAD, HEAD, redis=True))
+    worker = ray_start(netcluster.start_commands("worker", W1, HEAD, redis=True))
     assert f"RAY_REDIS_ADDRESS={netcluster.REDIS_IP}:{netcluster.GCS_PORT}" in head
     assert "RAY_REDIS_ADDRESS" not in worker
     assert f"--address={HEAD.ip}:{netcluster.GCS_PORT}" in worker
@@ -56,7 +75,7 @@ def test_gcs_fault_tolerance_points_the_head_and_only_the_head_at_redis():
     # command runs (the command itself, logged in start.log, holds no password).
     assert f'--redis-username=default --redis-password="$(cat {netcluster.REDIS_PASSWORD})"' in head
     assert "redis-password" not in worker
-    assert "redis-password" not in netcluster.start_commands("head", HEAD, HEAD, redis=False)[0]
+    assert "redis-password" not in ray_start(netcluster.start_commands("head", HEAD, HEAD, redis=False))
 
 
 def test_the_gcs_redis_requires_its_password_and_its_files_are_private(tmp_path):
@@ -100,6 +119,11 @@ def test_the_deploy_config_is_serve_config_yaml_with_keys_from_files(tmp_path):
 
     assert cfg.deployments.router.max_replicas_per_node == 1
     assert router_deployment(cfg)._replica_config.max_replicas_per_node == 1
+    # The batch store on the head's address, at serve_config.yaml's port, with the password
+    # `up` writes; the admin routes on the public port, where the tests (the operator) are.
+    assert cfg.batch.enabled and cfg.batch.store_url == f"redis://{HEAD.ip}:6380/0"
+    assert cfg.batch.store_password_file == str(netcluster.STORE_PASSWORD)
+    assert cfg.http.admin_port is None
 
 
 def test_no_privilege_is_a_clear_error(monkeypatch):
