@@ -98,11 +98,18 @@ def ranks(http) -> dict[str, int]:
         try:
             proc = psutil.Process(pid)
             titles = [(p.cmdline() or [""])[0] for p in proc.parents()]
-        except psutil.Error:
+            now = proc.name()
+        except psutil.Error as e:
+            SKIPPED.append((pid, name, repr(e)))
             continue
-        if proc.name() == name and any(t.startswith("ray::ServeReplica:ballast:BallastModel") for t in titles):
+        if now == name and any(t.startswith("ray::ServeReplica:ballast:BallastModel") for t in titles):
             out[name] = pid
+        else:
+            SKIPPED.append((pid, name, now, titles))
     return out
+
+
+SKIPPED: list = []  # what ranks() passed over, and why: printed when an assertion on it fails
 
 
 def test_one_replica_is_a_placement_group_of_two_ranks_each_watched(http):
@@ -112,7 +119,11 @@ def test_one_replica_is_a_placement_group_of_two_ranks_each_watched(http):
     assert [(g["strategy"], list(g["bundles"].values())) for g in groups] == [
         ("STRICT_PACK", [{"CPU": 1.0}, {"CPU": 1.0}])
     ], groups
-    assert set(ranks(http)) == {"VLLM::Worker_TP0", "VLLM::Worker_TP1"}, engine_processes()
+    assert set(ranks(http)) == {"VLLM::Worker_TP0", "VLLM::Worker_TP1"}, (
+        engine_processes(),
+        replica_row(http)["watchdog"],
+        SKIPPED,
+    )
     watchdog = wait_until(lambda: replica_row(http)["watchdog"], 20, 0.25, "the watchdog's first report")
     watched = {name for _, name in watchdog["engine_processes"]}
     assert {"VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"} <= watched
