@@ -32,7 +32,7 @@ from ballast.model.batching import (
     rows_to_keep,
 )
 from ballast.model.builtin_decoder import BYTE_VOCAB_SIZE
-from ballast.model.protocol import Join
+from ballast.model.protocol import Join, RowLogprobs
 
 __all__ = ["DecoderSteps", "LiveBatch", "ReferenceDecode"]
 
@@ -180,6 +180,10 @@ class LiveBatch:
     def cached_tokens(self, key: Any) -> int | None:
         """None: the built-in engine keeps no prefix cache."""
         return None
+
+    def take_logprobs(self) -> dict[Any, RowLogprobs]:
+        """Not computed yet by this engine: none."""
+        return {}
 
     # ------------------------------------------------------------------ internals
 

@@ -145,6 +145,11 @@ class ByteText:
 
         return encode_prompt(strip_marks(prompt), max_new_tokens, self.context)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each byte decoded alone (a byte that is not a whole character is U+FFFD, as a
+        tokenizer's lone piece of a character is)."""
+        return [bytes([i]).decode("utf-8", errors="replace") if 0 <= i < 256 else "" for i in ids]
+
     def stream_decoder(self, keep_special_tokens: bool = False) -> ByteStreamDecoder:
         """Text for a row's ids, piece by piece (the replica holds one per request); bytes
         have no special tokens to keep."""

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, cast, runtime_checkable
 
 from ballast.errors import ModelLoadError  # what a directory an engine cannot load raises
-from ballast.model.protocol import Join
+from ballast.model.protocol import Join, RowLogprobs
 from ballast.model.vllm_stats import VLLMStats
 from ballast.policies.engines import capabilities
 from ballast.policies.prefix_cache import PrefixReport
@@ -84,6 +84,11 @@ class TextSide(Protocol):
         the benchmarks' joins)."""
         ...
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each id as the text a log-probability names it by, alone (vLLM's
+        ``convert_ids_list_to_tokens``: the token decoded by itself, special tokens kept)."""
+        ...
+
     def stream_decoder(self, keep_special_tokens: bool = False) -> StreamDecoder:
         """Text for one row's ids, piece by piece; ``keep_special_tokens``: their text too."""
         ...
@@ -118,6 +123,12 @@ class Batch(Protocol):
     def cached_tokens(self, key: Any) -> int | None:
         """How many of the row's prompt tokens its engine took from a prefix cache, for a
         row that had tokens in the last chunk; None for an engine without one."""
+        ...
+
+    def take_logprobs(self) -> dict[Any, RowLogprobs]:
+        """The log-probabilities the last chunk computed, for the rows whose join asked
+        (``Join.logprobs`` / ``Join.prompt_logprobs``), by key; empty when none asked. A
+        row's ``tokens`` are aligned with the ids ``run_chunk`` returned for it."""
         ...
 
 

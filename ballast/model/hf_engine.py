@@ -68,7 +68,7 @@ from ballast.model.batching import (
 )
 from ballast.model.hf_checkpoint import LoadedModel, attention_kernels, tokenizer_id
 from ballast.model.hf_text import TokenizerText
-from ballast.model.protocol import GREEDY, Join, RowSampling
+from ballast.model.protocol import GREEDY, Join, RowLogprobs, RowSampling
 
 __all__ = ["HFBackend", "HFBatch", "RowFailed", "RowSampling"]
 
@@ -205,6 +205,10 @@ class HFBatch:
     def cached_tokens(self, key: Any) -> int | None:
         """None: the transformers engine keeps no prefix cache."""
         return None
+
+    def take_logprobs(self) -> dict[Any, RowLogprobs]:
+        """Not computed yet by this engine: none."""
+        return {}
 
     @property
     def width(self) -> int:

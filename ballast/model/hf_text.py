@@ -119,6 +119,16 @@ class TokenizerText:
             )
         return ids
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each id decoded alone, as vLLM names a log-probability's token
+        (``convert_ids_list_to_tokens``: where the tokenizer's pieces mark a leading space
+        that decoding one alone drops, the space is kept)."""
+        try:
+            from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+        except ImportError:  # the [serve] install has no vLLM: decode each alone
+            return [self.tokenizer.decode([i]) or "" for i in ids]
+        return list(convert_ids_list_to_tokens(self.tokenizer, list(ids)))
+
     def stream_decoder(self, keep_special_tokens: bool = False) -> IncrementalDetokenizer:
         """Text for one row's ids, piece by piece; ``keep_special_tokens``: their text too."""
         return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not keep_special_tokens)

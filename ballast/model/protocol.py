@@ -203,6 +203,49 @@ GREEDY = RowSampling()
 BATCH_PRIORITY = 1
 
 
+#: The most likeliest tokens a position's log-probabilities may list (vLLM's own default
+#: ``max_logprobs``, and OpenAI's top_logprobs bound).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class IdLogprobs:
+    """One position's log-probabilities as an engine computes them: the token's ``id`` and
+    its ``logprob``, and the ``top`` likeliest (id, logprob) pairs, likeliest first (as many as
+    the row asked). Raw: the log-softmax of the model's logits before any sampling rule
+    (temperature, penalties, grammar), as vLLM's default ``logprobs_mode``."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RowLogprobs:
+    """What one chunk computed for a row that asked (``Batch.take_logprobs``): ``tokens``,
+    one per id the chunk emitted for the row, in order; ``prompt``, on the chunk the row
+    prefilled, one per prompt position from the second on (the first has no context)."""
+
+    tokens: tuple[IdLogprobs, ...] = ()
+    prompt: tuple[IdLogprobs, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A position's log-probabilities as the caller gets them: the token as text (the
+    replica's tokenizer names it, as vLLM's ``convert_ids_list_to_tokens``), its logprob
+    (None only for a prompt's first token), and the likeliest tokens with theirs."""
+
+    token: str
+    logprob: float | None
+    top: tuple[tuple[str, float], ...] = ()
+
+
+def _check_k(name: str, k: int | None) -> None:
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"Join.{name} must be an int in [0, {MAX_TOP_LOGPROBS}] or None, got {k!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class Join:
     """One row that joins its engine's batch at the next chunk (``engine.Batch.run_chunk``).
@@ -229,8 +272,16 @@ class Join:
     adapter: str | None = None
     cache_salt: str | None = None
     priority: int = 0
+    # Log-probabilities the row asks for (``Batch.take_logprobs``): ``logprobs`` k for each
+    # token it emits (0: the chosen token's only; None: none), ``prompt_logprobs`` k for each
+    # prompt position (None: none). A row with ``prompt_logprobs`` and ``max_new_tokens`` 0
+    # is prefilled, gives its prompt's log-probabilities, and leaves with no token.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        _check_k("logprobs", self.logprobs)
+        _check_k("prompt_logprobs", self.prompt_logprobs)
         try:
             hash(self.key)
         except TypeError:
@@ -313,6 +364,15 @@ class ModelCall:
     # The engine's order among rows waiting in it (the module docstring): 0, or
     # BATCH_PRIORITY for a batch line's call (``as_batch``). Not part of what the call asks.
     priority: int = field(default=0, compare=False)
+    # Choices: n rows from one prompt, each its own seed (``seed + i`` when the call sets
+    # one), answered as chunks and choices by ``index``; every row counts as the tokens it
+    # costs. At most the router's configured bound (``limits.max_choices``).
+    n: int = 1
+    # Log-probabilities (``Join.logprobs`` / ``prompt_logprobs``): k likeliest for each token
+    # generated (0: the chosen one's only; None: none), and for each prompt position (echo).
+    # ``max_tokens`` 0 is a call for the prompt's only (it needs ``prompt_logprobs``).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def asks(self) -> frozenset[str]:
@@ -362,6 +422,13 @@ class ModelChunk:
     # How many prompt tokens the engine took from its prefix cache (its first tokens' chunk;
     # None: not said, an engine without a prefix cache).
     cached_tokens: int | None = None
+    # Which choice it belongs to (``ModelCall.n``): each choice's chunks come in order, the
+    # choices' interleaved; each ends with its own finish_reason.
+    index: int = 0
+    # One per id when the call asked for ``logprobs``; the prompt's (``prompt_logprobs``,
+    # the first position's logprob None) on choice 0's first chunk.
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def tokens(self) -> int:
@@ -385,3 +452,20 @@ class ModelResult:
     compute_ms: float = 0.0
     replica_id: str = ""
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
+    logprobs: tuple[TokenLogprob, ...] = ()  # choice 0's, one per token (when asked)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # when asked (echo)
+    # Every choice of a call with ``n`` > 1, by index (choice 0 first; its text,
+    # finish_reason and logprobs are the fields above too, and ``tokens`` above counts all
+    # choices' tokens: what the call cost). Empty for a call of one choice.
+    choices: tuple[ChoiceResult, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One choice of a unary answer with several (``ModelResult.choices``)."""
+
+    index: int
+    text: str
+    tokens: int
+    finish_reason: str | None
+    logprobs: tuple[TokenLogprob, ...] = ()

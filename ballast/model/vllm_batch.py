@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from ballast.errors import EngineRefused
 from ballast.model.batching import check_context, check_joins
-from ballast.model.protocol import GREEDY, Join, RowSampling
+from ballast.model.protocol import GREEDY, Join, RowLogprobs, RowSampling
 from ballast.model.untyped import VLLMObject
 from ballast.model.vllm_loop import CALL_SLACK_S, EngineLoop
 from ballast.model.vllm_lora import LoRATable
@@ -180,6 +180,10 @@ class VLLMBatch:
         """How many of the row's prompt tokens vLLM took from its prefix cache, for a row
         that had tokens in the last chunk; None when vLLM has not said."""
         return self._cached.get(key)
+
+    def take_logprobs(self) -> dict[Any, RowLogprobs]:
+        """Not asked of vLLM yet: none."""
+        return {}
 
     def remove(self, keys: Sequence[Any] | set[Any]) -> None:
         """Abort these rows in vLLM and drop them."""
