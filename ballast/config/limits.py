@@ -18,6 +18,9 @@ class LimitsConfig(Strict):
     # response_format or a tool (4-5 levels down, itself at most max_schema_depth);
     # the parse, validation and serializers recurse once per level, Python's limit is 1000.
     max_json_depth: int = Field(default=64, ge=8, le=256)
+    # Choices one request may ask for (OpenAI's ``n``): each is a row at the model that
+    # may run to max_tokens, charged to the quota and the gate's fair share as such.
+    max_choices: int = Field(default=8, ge=1, le=128)
     # Characters in one stop string (at most 4 strings, OpenAI's limit). Stops are
     # markers ("\n\n", "</answer>", "User:"); the held-back check on each streamed piece
     # grows with the square of the longest stop, on the router's and the replica's loops.

@@ -64,9 +64,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ballast.errors import DeadlineExceeded, EngineRefused
-from ballast.model.engine import Batch, ModelBackend, StreamDecoder, serving_lora
-from ballast.model.protocol import Join, ModelCall, ModelChunk, RowSampling
+from ballast.model.engine import Batch, ModelBackend, StreamDecoder, TextSide, serving_lora
+from ballast.model.protocol import IdLogprobs, Join, ModelCall, ModelChunk, RowLogprobs, RowSampling, TokenLogprob
 from ballast.policies.deadline import replica_deadline_s
+from ballast.policies.sampling import MAX_SEED, MIN_SEED
 from ballast.policies.scheduler import DEADLINE, STALLED, SchedulerConfig, schedule, timeout_reason
 from ballast.policies.stats import nearest_rank
 from ballast.policies.window import CountWindow
@@ -122,6 +123,8 @@ class ReplicaRow:
     cache_salt: str | None = None  # its tenant's cache group's salt (ModelCall.cache_salt)
     priority: int = 0  # its order among rows waiting in the engine (ModelCall.priority)
     cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache
+    logprobs: int | None = None  # k likeliest for each token (ModelCall.logprobs; None: none)
+    prompt_logprobs: int | None = None  # k likeliest for each prompt position (echo; None: none)
     stops: StopScanner | None = None
     key: int = 0
     started: bool = False
@@ -273,6 +276,10 @@ class ReplicaLoop:
         chunk as the engine brings it; the first chunk of a new request carries its queue
         wait and max_tokens. A resumed call with no token left answers at once."""
         self.start()
+        if call.n > 1:
+            async for chunk in self._choices(call):
+                yield chunk
+            return
         await self._before_request()
         row = await self.prepare(call)
         if row.resumed and row.max_tokens <= 0:  # the lost replica had delivered every token
@@ -282,12 +289,42 @@ class ReplicaLoop:
         async for chunk in self.chunks(row):
             yield chunk
 
+    async def _choices(self, call: ModelCall) -> AsyncGenerator[ModelChunk, None]:
+        """A call of ``n`` choices: n rows, each a call of one choice (``choice_call``: its
+        own seed, as vLLM's parallel sampling), their chunks interleaved as they come, each
+        stamped with its index. One choice's error ends them all (the others are cancelled);
+        so does the caller leaving."""
+        out: asyncio.Queue[tuple[int, ModelChunk | BaseException | None]] = asyncio.Queue()
+
+        async def run(i: int) -> None:
+            try:
+                async for chunk in self.stream(choice_call(call, i)):
+                    out.put_nowait((i, replace(chunk, index=i)))
+                out.put_nowait((i, None))
+            except Exception as exc:  # the whole call fails with it
+                out.put_nowait((i, exc))
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(call.n)]
+        try:
+            left = call.n
+            while left:
+                _, got = await out.get()
+                if got is None:
+                    left -= 1
+                elif isinstance(got, BaseException):
+                    raise got
+                else:
+                    yield got
+        finally:
+            for task in tasks:
+                task.cancel()
+
     async def prepare(self, call: ModelCall) -> ReplicaRow:
         """The row for ``call``, not yet in the line: its max_tokens checked, its prompt ids
         (the router's, or tokenized here) fitted to the context, its sampling checked by the
         engine within the call's deadline, and a resume applied. EngineRefused (a 400) or
         the engine's own refusal for a call refused as sent."""
-        max_tokens = self._checked_max_tokens(call.max_tokens)
+        max_tokens = self._checked_max_tokens(call.max_tokens, prompt_only=call.prompt_logprobs is not None)
         self._check_adapter(call.adapter)
         now = self._clock()
         timeout_s = call.deadline.left_s(self._wall_clock()) if call.deadline is not None else self._max_deadline_s
@@ -308,18 +345,23 @@ class ReplicaLoop:
             adapter=call.adapter,
             cache_salt=call.cache_salt,
             priority=call.priority,
+            logprobs=call.logprobs,
+            prompt_logprobs=call.prompt_logprobs,
             stops=StopScanner(call.stops) if call.stops else None,
             key=self._next_key,
         )
         if call.resume is not None and call.resume.ids:
             resume(row, token_ids(call.resume.ids, self._engine.vocab_size, "resume.ids"), call.resume.text_chars)
+            row.prompt_logprobs = None  # its caller had them with its first chunk
         return row
 
-    def _checked_max_tokens(self, max_tokens: int) -> int:
-        """The call's max_tokens, which the router admitted: within [1, max_tokens_limit]."""
+    def _checked_max_tokens(self, max_tokens: int, prompt_only: bool = False) -> int:
+        """The call's max_tokens, which the router admitted: within [1, max_tokens_limit]
+        (0 too for a call of the prompt's log-probabilities, ``prompt_only``)."""
         limit = self._max_tokens_limit
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise EngineRefused(f"max_tokens must be an int >= 1, got {max_tokens!r}", field="max_tokens")
+        least = 0 if prompt_only else 1
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
+            raise EngineRefused(f"max_tokens must be an int >= {least}, got {max_tokens!r}", field="max_tokens")
         if limit is not None and max_tokens > limit:
             raise EngineRefused(
                 f"max_tokens must be at most {limit} for this model, got {max_tokens}", field="max_tokens"
@@ -443,6 +485,7 @@ class ReplicaLoop:
         """A chunk's outcome carried out: the rows it failed alone, the progress time, the
         batch-size window and hook, and each row's ids delivered."""
         self._fail_rows(self._batch.take_failed())
+        logprobs = self._batch.take_logprobs()
         if any(out.values()):  # tokens came: the engine made progress (vLLM may return none within its wait)
             self.progress_at_s = self._clock()
         self._batches += 1
@@ -458,7 +501,7 @@ class ReplicaLoop:
                 row.cached_tokens = self._batch.cached_tokens(key)
             row.emitted += len(ids)
             tokens += len(ids)
-            self._deliver(row, ids, done=key not in in_batch)
+            self._deliver(row, ids, done=key not in in_batch, logprobs=logprobs.get(key))
         self._on_chunk(rows, tokens)
 
     def _fail_rows(self, failed: dict[int, BaseException]) -> None:
@@ -471,7 +514,7 @@ class ReplicaLoop:
                 log.warning("row %s failed alone: %s: %s", key, type(exc).__name__, exc)
                 self._finish(row, exc)
 
-    def _deliver(self, row: ReplicaRow, ids: list[int], done: bool) -> None:
+    def _deliver(self, row: ReplicaRow, ids: list[int], done: bool, logprobs: RowLogprobs | None = None) -> None:
         """A row's ids of this chunk as text to its caller; the last chunk says why it ended.
 
         ``done``: the row left the batch (its max_tokens, or an end-of-sequence token).
@@ -479,14 +522,32 @@ class ReplicaLoop:
         with the text: the router carries the stream on elsewhere from them if this
         replica goes away."""
         text, stopped = row_text(row, ids, done)
+        named = self._named(row, logprobs)
         if not (stopped or done):
-            row.out.put_nowait(ModelChunk(text, tuple(ids)))
+            row.out.put_nowait(
+                replace(ModelChunk(text, tuple(ids)), **named) if named else ModelChunk(text, tuple(ids))
+            )
             return
         ignore_eos = row.sampling is not None and row.sampling.ignore_eos
         eos = bool(ids) and ids[-1] in self._engine.eos_ids and not ignore_eos
         if not done:
             self._evict.append(row.key)
-        self._finish(row, ModelChunk(text, tuple(ids), finish_reason="stop" if stopped or eos else "length"))
+        last = ModelChunk(text, tuple(ids), finish_reason="stop" if stopped or eos else "length")
+        self._finish(row, replace(last, **named) if named else last)
+
+    def _named(self, row: ReplicaRow, logprobs: RowLogprobs | None) -> dict[str, Any]:
+        """A chunk's log-probabilities for ``row`` with their tokens named by the engine's
+        text side: ``logprobs`` when the row asked (one per id), ``prompt_logprobs`` on the
+        chunk that brought them (the prompt's first token first, with no logprob)."""
+        if logprobs is None or (row.logprobs is None and row.prompt_logprobs is None):
+            return {}
+        named: dict[str, Any] = {}
+        if row.logprobs is not None:
+            named["logprobs"] = named_logprobs(self._engine.text, logprobs.tokens)
+        if row.prompt_logprobs is not None and logprobs.prompt is not None:
+            first = TokenLogprob(self._engine.text.token_texts(row.ids[:1])[0], None)
+            named["prompt_logprobs"] = (first, *named_logprobs(self._engine.text, logprobs.prompt))
+        return named
 
     def step(self) -> tuple[list[int], list[Join]]:
         """Carry out the scheduler's decision at a chunk boundary (``ballast.policies.scheduler``).
@@ -516,7 +577,17 @@ class ReplicaLoop:
         self._waits_ms.add(row.queue_wait_ms, now)
         self._kv_reserved += row.reserved_tokens
         self._active[row.key] = row
-        return Join(row.key, row.ids, row.max_tokens, row.sampling, row.adapter, row.cache_salt, row.priority)
+        return Join(
+            row.key,
+            row.ids,
+            row.max_tokens,
+            row.sampling,
+            row.adapter,
+            row.cache_salt,
+            row.priority,
+            logprobs=row.logprobs,
+            prompt_logprobs=row.prompt_logprobs,
+        )
 
     def _finish(self, row: ReplicaRow, last: ModelChunk | BaseException) -> None:
         """The row leaves the batch's bookkeeping (its tensors leave at the next chunk) and,
@@ -527,6 +598,30 @@ class ReplicaLoop:
             row.out.put_nowait(last)
             if isinstance(last, ModelChunk):
                 row.out.put_nowait(None)
+
+
+def choice_call(call: ModelCall, i: int) -> ModelCall:
+    """Choice ``i`` of a call of several as a call of one: its own seed (the call's + i,
+    wrapped within int64, as vLLM's parallel sampling seeds its children); each choice's
+    first chunk carries the prompt's log-probabilities when asked (an echoed stream's
+    choices each start with the prompt)."""
+    sampling = call.sampling
+    if sampling is not None and sampling.seed is not None and i:
+        seed = (sampling.seed + i - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED
+        sampling = replace(sampling, seed=seed)
+    return replace(call, n=1, sampling=sampling)
+
+
+def named_logprobs(text: TextSide, positions: Sequence[IdLogprobs]) -> tuple[TokenLogprob, ...]:
+    """``positions`` with their tokens (and their likeliest tokens) named by ``text``, in
+    one call of its ``token_texts``."""
+    ids = [i for p in positions for i in (p.id, *(t for t, _ in p.top))]
+    names = iter(text.token_texts(ids))
+    out = []
+    for p in positions:
+        token = next(names)
+        out.append(TokenLogprob(token, p.logprob, tuple((next(names), lp) for _, lp in p.top)))
+    return tuple(out)
 
 
 def _past_deadline(row: ReplicaRow) -> DeadlineExceeded:

@@ -41,7 +41,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -56,7 +56,7 @@ from ballast.model.adapters import ReplicaAdapters
 from ballast.model.chaos import ChaosAgent
 from ballast.model.engine import build_engine, reporting_prefix, scheduling_itself, serving_lora
 from ballast.model.niceness import pin_to_cores, yield_cpu_to, yield_this_thread_to
-from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
+from ballast.model.protocol import ChoiceResult, ModelCall, ModelChunk, ModelResult, TokenLogprob
 from ballast.model.ranks import prepare_ranks
 from ballast.model.replica_loop import ReplicaLoop
 from ballast.model.routing import replica_routing_stats, request_router_config
@@ -492,31 +492,11 @@ class ModelServer:
 
     async def generate(self, call: ModelCall) -> ModelResult:
         """Unary: the whole text at once, with what the replica ran it with and where its
-        time went (the first chunk's queue wait; the rest is compute)."""
-        parts: list[str] = []
-        tokens, wait_ms, granted, finish, cached = 0, 0.0, 0, "length", 0
+        time went (the first chunk's queue wait; the rest is compute); a call of several
+        choices has each in ``choices`` (``unary_result``)."""
         t0 = time.monotonic()
-        async for chunk in self.generate_stream(call):
-            if chunk.queue_wait_ms is not None:
-                wait_ms = chunk.queue_wait_ms
-            if chunk.cached_tokens is not None:
-                cached = chunk.cached_tokens
-            if chunk.max_tokens is not None:
-                granted = chunk.max_tokens
-            parts.append(chunk.text)
-            tokens += chunk.tokens
-            finish = chunk.finish_reason or finish
-        total_ms = (time.monotonic() - t0) * 1000.0
-        return ModelResult(
-            text="".join(parts),
-            tokens=tokens,
-            finish_reason=finish,
-            max_tokens=granted,
-            queue_wait_ms=wait_ms,
-            compute_ms=round(max(0.0, total_ms - wait_ms), 3),
-            replica_id=self._replica_id,
-            cached_tokens=cached,
-        )
+        chunks = [chunk async for chunk in self.generate_stream(call)]
+        return unary_result(chunks, call.n, (time.monotonic() - t0) * 1000.0, self._replica_id)
 
     async def generate_stream(self, call: ModelCall) -> AsyncGenerator[ModelChunk, None]:
         """Streaming: one chunk per token batch (``ReplicaLoop.stream``: the first of a new
@@ -534,6 +514,44 @@ class ModelServer:
         gpu = getattr(self, "_gpu", None)
         if gpu is not None:
             gpu.close()
+
+
+def unary_result(chunks: Sequence[ModelChunk], n: int, total_ms: float, replica_id: str) -> ModelResult:
+    """A stream's chunks as one unary answer: each choice's text, tokens, finish and
+    log-probabilities gathered by index (choice 0's at the top, ``tokens`` every choice's);
+    the queue wait, length and cached tokens of the first chunk that says them."""
+    texts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    tokens, finish = [0] * n, ["length"] * n
+    wait_ms, granted, cached, prompt = 0.0, 0, 0, None
+    for chunk in chunks:
+        if chunk.queue_wait_ms is not None:
+            wait_ms = chunk.queue_wait_ms
+        if chunk.cached_tokens is not None:
+            cached = chunk.cached_tokens
+        if chunk.max_tokens is not None:
+            granted = chunk.max_tokens
+        if chunk.prompt_logprobs is not None and chunk.index == 0:
+            prompt = chunk.prompt_logprobs
+        i = chunk.index
+        texts[i].append(chunk.text)
+        logprobs[i].extend(chunk.logprobs)
+        tokens[i] += chunk.tokens
+        finish[i] = chunk.finish_reason or finish[i]
+    choices = tuple(ChoiceResult(i, "".join(texts[i]), tokens[i], finish[i], tuple(logprobs[i])) for i in range(n))
+    return ModelResult(
+        text=choices[0].text,
+        tokens=sum(tokens),
+        finish_reason=choices[0].finish_reason,
+        max_tokens=granted,
+        queue_wait_ms=wait_ms,
+        compute_ms=round(max(0.0, total_ms - wait_ms), 3),
+        replica_id=replica_id,
+        cached_tokens=cached,
+        logprobs=choices[0].logprobs,
+        prompt_logprobs=prompt,
+        choices=choices if n > 1 else (),
+    )
 
 
 def model_deployment(cfg: BallastConfig, model: str | None = None) -> Any:

@@ -26,8 +26,9 @@ from ballast.model.protocol import ModelCall, Resume
 from ballast.policies.catalog import Target
 from ballast.policies.criticality import Criticality
 from ballast.policies.flex import TIER_HEADER
+from ballast.router.answered import Answer, Stream
 from ballast.router.api import StreamResponse, answer_headers, read_json, sse_event, validate_body
-from ballast.router.pipeline import Answer, ModelRequest, Pipeline, Stream, tiered_claim
+from ballast.router.pipeline import ModelRequest, Pipeline, tiered_claim
 from ballast.router.tokens import ModelText
 
 

@@ -37,19 +37,21 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ballast.errors import BallastError, PayloadTooLarge, SchemaTooComplex
-from ballast.model.protocol import ModelCall
+from ballast.model.protocol import ChoiceResult, ModelCall, ModelChunk, TokenLogprob
 from ballast.policies.catalog import Target
 from ballast.policies.criticality import Criticality
 from ballast.policies.flex import TIER_HEADER
 from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
+from ballast.router.answered import Admission, Answer, Stream
 from ballast.router.api import StreamResponse, answer_headers, read_json
 from ballast.router.chat_parsing import ParsedChat, StreamedChat
 from ballast.router.gate import BatchSlot, GateSlot
 from ballast.router.lanes import Lane
-from ballast.router.pipeline import Admission, Answer, Caller, ModelRequest, Pipeline, Stream, tiered_claim
+from ballast.router.openai_logprobs import chat_logprobs, completion_logprobs
+from ballast.router.pipeline import Caller, ModelRequest, Pipeline, tiered_claim
 from ballast.router.tokens import ModelText
-from ballast.router.tool_calls import ToolCall, ToolPlan, ToolRequestError, ToolSchemaTooComplex, plan
+from ballast.router.tool_calls import ToolPlan, ToolRequestError, ToolSchemaTooComplex, plan
 from ballast.stops import StopScanner, cut_at_stop
 
 NO_TOOLS = ToolPlan("none")
@@ -69,6 +71,18 @@ class Prepared:
     parsed: ParsedChat | None
     call: ModelCall
     max_tokens: int
+    # Each choice's own parser (the first is ``parsed``): a parser reads one answer.
+    parsers: tuple[ParsedChat | None, ...] = (None,)
+
+    @property
+    def chat_logprobs(self) -> int | None:
+        """A chat request's top_logprobs when it asks for log-probabilities (None: not)."""
+        req = self.req
+        return (req.top_logprobs or 0) if isinstance(req, oa.ChatCompletionRequest) and req.logprobs else None
+
+    @property
+    def echo(self) -> bool:
+        return isinstance(self.req, oa.CompletionRequest) and self.req.echo
 
 
 class OpenAIFront:
@@ -97,9 +111,8 @@ class OpenAIFront:
         opts = oa.Streaming.of(req)
         headers = self._headers(served.admission)
         if isinstance(served, Stream):
-            reader = p.parsed.stream() if p.parsed is not None and p.parsed.reads else None
-            return StreamResponse(self._events(served, chat, answer_id, p.call.stops, opts, reader), served, headers)
-        return self._answer(served, chat, answer_id, p.call.stops, opts if req.stream else None, headers, p.parsed)
+            return StreamResponse(self._events(served, p, chat, answer_id, opts), served, headers)
+        return self._answer(served, p, chat, answer_id, opts if req.stream else None, headers)
 
     def prepare(self, data: dict[str, Any], chat: bool, caller: Caller) -> Prepared:
         """A body (an online request's, or a batch line's) checked as the online call checks
@@ -114,13 +127,19 @@ class OpenAIFront:
             tools = parsed.tools if parsed is not None else NO_TOOLS
             prompt = text.render_chat(req.messages, tools.template_tools(), req.chat_template_kwargs)
         else:
-            prompt = req.prompt_text
+            prompt = req.prompt_text if req.prompt_ids is None else text.decode(self._prompt_ids(req, text))
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
             raise PayloadTooLarge(f"prompt exceeds {self._limits.max_prompt_bytes} bytes")
         call = self.to_call(req, prompt, chat, parsed, text, target)
-        if parsed is not None:
-            parsed.rendered(call.prompt_ids)
-        return Prepared(req, target, parsed, call, text.fit(len(call.prompt_ids), oa.max_tokens_of(req)))
+        parsers: list[ParsedChat | None] = [parsed]
+        if parsed is not None and isinstance(req, oa.ChatCompletionRequest):
+            parsers += [self._parsed(req, text) for _ in range(call.n - 1)]
+        for each in parsers:
+            if each is not None:
+                each.rendered(call.prompt_ids)
+        parsers += [None] * (call.n - len(parsers))
+        fitted = text.fit(len(call.prompt_ids), oa.max_tokens_of(req))
+        return Prepared(req, target, parsed, call, fitted, tuple(parsers))
 
     async def batch_line(self, caller: Caller, body: dict[str, Any], chat: bool, slot: GateSlot | BatchSlot) -> Any:
         """A batch line's answer body, as the online call would have answered it (200), run on
@@ -135,7 +154,7 @@ class OpenAIFront:
             ModelRequest(caller, Criticality.SHEDDABLE, p.max_tokens, False, p.call), slot
         )
         answer_id = self._identity(p, chat, served.admission)
-        response = self._answer(served, chat, answer_id, p.call.stops, None, {}, p.parsed)
+        response = self._answer(served, p, chat, answer_id, None, {})
         return json.loads(bytes(response.body))
 
     @staticmethod
@@ -169,6 +188,16 @@ class OpenAIFront:
                 f"logit_bias: {beyond[0]!r} is not a token id of this model (0 to {vocab - 1})", field="logit_bias"
             )
         return req, lane, target
+
+    @staticmethod
+    def _prompt_ids(req: oa.CompletionRequest, text: ModelText) -> list[int]:
+        """A prompt sent as token ids: each must be the model's (below its vocabulary)."""
+        ids = req.prompt_ids or []
+        vocab = text.vocab_size
+        beyond = next((i for i in ids if i >= vocab), None)
+        if beyond is not None:
+            raise oa.BadRequest(f"prompt: {beyond} is not a token id of this model (0 to {vocab - 1})", field="prompt")
+        return ids
 
     def _parsed(self, req: oa.ChatCompletionRequest, text: ModelText) -> ParsedChat | None:
         """What the request asks of tools (``ballast.router.tool_calls``), and on the vLLM
@@ -204,14 +233,22 @@ class OpenAIFront:
         schema, tag = parsed.guided() if parsed is not None else (None, None)
         keep = parsed.keep_special_tokens if parsed is not None else False
         sampling = oa.sampling_of(req, schema, keep_special_tokens=keep, structural_tag=tag)
-        return text.call(
-            prompt,
-            add_special_tokens=not chat,
-            sampling=sampling,
-            stops=oa.stops_of(req),
-            model=target.model,
-            adapter=target.adapter,
-        )
+        logprobs, prompt_logprobs = oa.logprobs_of(req)
+        if oa.max_tokens_of(req) == 0:  # echo alone: the prompt is prefilled, for its log-probabilities
+            prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else 0
+        fields: dict[str, Any] = {
+            "sampling": sampling,
+            "stops": oa.stops_of(req),
+            "model": target.model,
+            "adapter": target.adapter,
+            "n": req.n or 1,
+            "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
+        }
+        ids = req.prompt_ids if isinstance(req, oa.CompletionRequest) else None
+        if ids is not None:
+            return text.call_ids(ids, **fields)
+        return text.call(prompt, add_special_tokens=not chat, **fields)
 
     @staticmethod
     def _headers(admission: Admission) -> dict[str, str]:
@@ -224,86 +261,120 @@ class OpenAIFront:
             headers["X-Ballast-Degraded"] = ",".join(admission.degraded_reasons)
         return headers
 
-    @staticmethod
+    @classmethod
     def _answer(
+        cls,
         answer: Answer,
+        p: Prepared,
         chat: bool,
         answer_id: answers.Identity,
-        stops: tuple[str, ...],
         stream: oa.Streaming | None,
         headers: dict[str, str],
-        parsed: ParsedChat | None,
     ) -> Response:
         """A unary answer; or, asked as a stream at a level that does not stream, the
-        whole answer as one stream event."""
+        whole answer as one stream event per choice."""
         settled = answer.settled
-        text, stopped = cut_at_stop(settled.text, stops)
         a = answer.admission
-        ended = answers.finish_reason(settled.tokens, a.max_tokens, stopped or settled.finish_reason == "stop")
-        finish: answers.FinishReason = ended  # a chat answer's may become "tool_calls"; a completion's is ``ended``
-        reasoning: str | None = None
-        content: str | None = text
-        calls: list[ToolCall] = []
-        if parsed is not None:
-            reasoning, content, calls, finish = parsed.answer(text, finish)
+        one = ChoiceResult(0, settled.text, settled.tokens, settled.finish_reason, settled.logprobs)
+        wholes = [cls._whole(c, p, chat, a.max_tokens, settled.prompt_logprobs) for c in settled.choices or (one,)]
         headers = {**headers, **answer_headers(answer)}
         ident = answer_id.of(settled.model)
         counts = answers.Counts(a.prompt_tokens, settled.tokens, settled.cached_tokens)
         if stream is None:
             body = (
-                answers.chat_completion(ident, content, finish, counts, calls, reasoning)
-                if chat
-                else answers.completion(ident, text, ended, counts)
+                answers.chat_answer(ident, wholes, counts) if chat else answers.completion_answer(ident, wholes, counts)
             )
             return JSONResponse(body, headers=headers)
-        events = answers.one_event_stream(ident, chat, content, finish, counts, stream, calls, reasoning)
+        events = answers.whole_stream(ident, chat, wholes, counts, stream)
         return Response(events, media_type="text/event-stream", headers=headers)
 
+    @staticmethod
+    def _whole(
+        c: ChoiceResult, p: Prepared, chat: bool, max_tokens: int, prompt: tuple[TokenLogprob, ...] | None
+    ) -> answers.Whole:
+        """One choice of a unary answer: its text cut at a stop string, why it ended, what
+        its parser reads in it (a chat answer's reasoning and tool calls, vLLM), its
+        log-probabilities in the endpoint's shape; a completion with echo starts with the prompt."""
+        text, stopped = cut_at_stop(c.text, p.call.stops)
+        ended = answers.finish_reason(c.tokens, max_tokens, stopped or c.finish_reason == "stop")
+        if chat:
+            top = p.chat_logprobs
+            logprobs = chat_logprobs(c.logprobs, top) if top is not None else None
+            parsed = p.parsers[c.index]
+            if parsed is None:
+                return answers.Whole(c.index, text, ended, logprobs=logprobs)
+            reasoning, content, calls, finish = parsed.answer(text, ended)
+            return answers.Whole(c.index, content, finish, calls, reasoning, logprobs)
+        k = p.req.logprobs
+        echoed = prompt if p.echo else None
+        wire = completion_logprobs(c.logprobs, k, 0, echoed).wire if k is not None else None
+        return answers.Whole(c.index, p.call.prompt + text if p.echo else text, ended, logprobs=wire)
+
     async def _events(
-        self,
-        stream: Stream,
-        chat: bool,
-        answer_id: answers.Identity,
-        stops: tuple[str, ...],
-        opts: oa.Streaming,
-        reader: StreamedChat | None = None,
+        self, stream: Stream, p: Prepared, chat: bool, answer_id: answers.Identity, opts: oa.Streaming
     ) -> AsyncGenerator[bytes, None]:
-        """The answer's events as the model writes them; with ``reader`` (vLLM's parser for
-        the request), each piece as the parser reads it: content, reasoning, tool calls."""
-        scanner = StopScanner(stops)
-        ident = answer_id.of(stream.model)
+        """The answer's events as the model writes them, each choice's apart (its stop
+        strings, its parser when the request has one: vLLM's, reading content, reasoning and
+        tool calls; its log-probabilities with the tokens that brought them); a choice ends
+        with its own finish event, the answer when every choice has."""
         a = stream.admission
+        choices = [_StreamedChoice(StopScanner(p.call.stops), r.stream() if r and r.reads else None) for r in p.parsers]
+        ident = answer_id.of(stream.model)
 
         def event(
-            delta: dict[str, Any] | None, finish: answers.FinishReason | None = None, role: bool = False
+            i: int,
+            delta: dict[str, Any] | None,
+            finish: answers.FinishReason | None = None,
+            role: bool = False,
+            logprobs: dict[str, Any] | None = None,
         ) -> bytes:
             counts = (
                 answers.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens) if opts.running_usage else None
             )
-            return answers.sse_data(answers.delta_chunk(ident, chat, delta, finish, role=role, usage=counts))
+            chunk = answers.delta_chunk(ident, chat, delta, finish, role=role, usage=counts, index=i, logprobs=logprobs)
+            return answers.sse_data(chunk)
 
-        def read(text: str, ids: Sequence[int], last: bool) -> dict[str, Any] | None:
-            if reader is None:
-                return {"content": text} if text else None
-            return reader.feed(text, ids, last)
+        def ended(i: int) -> list[bytes]:
+            c = choices[i]
+            c.done = True
+            out = []
+            delta = c.read(c.scanner.finish(), (), True)
+            if delta:
+                out.append(event(i, delta))
+            finish = answers.finish_reason(c.tokens, a.max_tokens, c.scanner.stopped or c.finish == "stop")
+            out.append(event(i, None, c.reader.finish(finish) if c.reader is not None else finish))
+            return out
 
         try:
             if chat:
-                yield event({"content": ""}, role=True)
+                for i in range(len(choices)):
+                    yield event(i, {"content": ""}, role=True)
             async for part in stream:
                 ident = answer_id.of(stream.model)
-                delta = read(scanner.feed(part.text), part.ids, False)
-                if delta:
-                    yield event(delta)
-                if scanner.stopped:  # a stop string: the answer is complete, the model stops now
-                    stream.enough()
-                    await stream.aclose()
+                c = choices[part.index]
+                if c.done:  # a stop string ended it; the model stops it at its next step
+                    continue
+                c.tokens += part.tokens
+                c.finish = part.finish_reason or c.finish
+                delta = c.read(c.scanner.feed(part.text), part.ids, False)
+                logprobs = self._piece_logprobs(p, c, part)
+                if p.echo and not c.echoed:
+                    c.echoed = True
+                    delta = {"content": p.call.prompt + (delta or {}).get("content", "")}
+                if delta or logprobs is not None:
+                    yield event(part.index, delta or {}, logprobs=logprobs)
+                if c.scanner.stopped or part.finish_reason is not None:
+                    for e in ended(part.index):
+                        yield e
+                if all(ch.done for ch in choices):
+                    if any(ch.scanner.stopped for ch in choices):  # the answer is complete: the model stops now
+                        stream.enough()
+                        await stream.aclose()
                     break
-            delta = read(scanner.finish(), (), True)
-            if delta:
-                yield event(delta)
-            finish = answers.finish_reason(stream.tokens, a.max_tokens, scanner.stopped or stream.finish == "stop")
-            yield event(None, reader.finish(finish) if reader is not None else finish)
+            for i, c in enumerate(choices):
+                if not c.done:
+                    for e in ended(i):
+                        yield e
             if opts.final_usage:
                 yield answers.sse_data(
                     answers.usage_chunk(
@@ -315,3 +386,39 @@ class OpenAIFront:
         finally:
             await stream.aclose()  # a client that left mid-stream: the model stops within a step
         yield answers.SSE_DONE
+
+    @staticmethod
+    def _piece_logprobs(p: Prepared, c: _StreamedChoice, part: ModelChunk) -> dict[str, Any] | None:
+        """The log-probabilities a streamed piece brought, in the endpoint's shape (None:
+        not asked); a completion's continue their text offsets, an echoed one starts with
+        the prompt's."""
+        top = p.chat_logprobs
+        if top is not None:
+            return chat_logprobs(part.logprobs, top) if part.logprobs else None
+        k = p.req.logprobs
+        if k is None:
+            return None
+        prompt = part.prompt_logprobs if p.echo and not c.echoed else None
+        if not part.logprobs and prompt is None:
+            return None
+        wire, c.offset = completion_logprobs(part.logprobs, k, c.offset, prompt)
+        return wire
+
+
+@dataclass
+class _StreamedChoice:
+    """What a stream knows of one of its choices: its stop strings, its parser's reading,
+    its tokens and the model's finish, whether it ended, its echo sent, its text offset."""
+
+    scanner: StopScanner
+    reader: StreamedChat | None
+    tokens: int = 0
+    finish: str | None = None
+    done: bool = False
+    echoed: bool = False
+    offset: int = 0
+
+    def read(self, text: str, ids: Sequence[int], last: bool) -> dict[str, Any] | None:
+        if self.reader is None:
+            return {"content": text} if text else None
+        return self.reader.feed(text, ids, last)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field
@@ -68,11 +69,40 @@ ServedTier = Literal["default", "flex", "priority"]
 _TIER_FIELD = "The service tier that served the request: default, flex or priority."
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float = Field(description="Natural log; -9999.0 for a token the model rules out.")
+    bytes: list[int] | None = Field(None, description="The token's UTF-8 bytes.")
+
+
+class ChatTokenLogprob(BaseModel):
+    token: str
+    logprob: float = Field(description="Natural log; -9999.0 for a token the model rules out.")
+    bytes: list[int] | None = Field(None, description="The token's UTF-8 bytes.")
+    top_logprobs: list[TopLogprob] = Field(description="The likeliest tokens at this position (top_logprobs of them).")
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's log-probabilities (``logprobs: true``), one per answer token."""
+
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's log-probabilities (``logprobs``: k), one entry per token, the
+    echoed prompt's first (its first token's logprob null)."""
+
+    text_offset: list[int]
+    token_logprobs: list[float | None]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -98,7 +128,7 @@ class ChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -117,7 +147,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: TextFinish | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -221,6 +251,36 @@ class Counts(NamedTuple):
         return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=details)
 
 
+@dataclass(frozen=True)
+class Whole:
+    """One choice of a whole answer: its text (a chat answer's content), why it ended, a
+    chat answer's tool calls and reasoning, its log-probabilities (the wire object, None:
+    not asked)."""
+
+    index: int
+    text: str | None
+    finish: FinishReason
+    calls: Sequence[ToolCall] = ()
+    reasoning: str | None = None
+    logprobs: dict[str, Any] | None = None
+
+
+def chat_choice(whole: Whole) -> ChatChoice:
+    extra: dict[str, Any] = {"tool_calls": list(whole.calls)} if whole.calls else {}
+    if whole.reasoning is not None:
+        extra["reasoning_content"] = whole.reasoning
+    message = AssistantMessage(role="assistant", content=whole.text, refusal=None, **extra)
+    logprobs = ChatLogprobs.model_validate(whole.logprobs) if whole.logprobs is not None else None
+    return ChatChoice(index=whole.index, message=message, finish_reason=whole.finish, logprobs=logprobs)
+
+
+def completion_choice(whole: Whole) -> CompletionChoice:
+    logprobs = CompletionLogprobs.model_validate(whole.logprobs) if whole.logprobs is not None else None
+    return CompletionChoice(
+        index=whole.index, text=whole.text or "", finish_reason=_text_finish(whole.finish), logprobs=logprobs
+    )
+
+
 def chat_completion(
     ident: Ident,
     text: str | None,
@@ -229,17 +289,30 @@ def chat_completion(
     calls: Sequence[ToolCall] = (),
     reasoning: str | None = None,
 ) -> dict[str, Any]:
-    extra: dict[str, Any] = {"tool_calls": list(calls)} if calls else {}
-    if reasoning is not None:
-        extra["reasoning_content"] = reasoning
-    message = AssistantMessage(role="assistant", content=text, refusal=None, **extra)
-    choice = ChatChoice(index=0, message=message, finish_reason=finish, logprobs=None)
-    return _dump(ChatCompletion(**ident.fields(), object="chat.completion", choices=[choice], usage=counts.usage()))
+    """A unary chat answer of one choice (``chat_answer`` for several)."""
+    return chat_answer(ident, [Whole(0, text, finish, calls, reasoning)], counts)
+
+
+def chat_answer(ident: Ident, choices: Sequence[Whole], counts: Counts) -> dict[str, Any]:
+    body = ChatCompletion(
+        **ident.fields(), object="chat.completion", choices=[chat_choice(w) for w in choices], usage=counts.usage()
+    )
+    return _dump(body)
 
 
 def completion(ident: Ident, text: str, finish: TextFinish, counts: Counts) -> dict[str, Any]:
-    choice = CompletionChoice(index=0, text=text, finish_reason=finish, logprobs=None)
-    return _dump(Completion(**ident.fields(), object="text_completion", choices=[choice], usage=counts.usage()))
+    """A unary completion of one choice (``completion_answer`` for several)."""
+    return completion_answer(ident, [Whole(0, text, finish)], counts)
+
+
+def completion_answer(ident: Ident, choices: Sequence[Whole], counts: Counts) -> dict[str, Any]:
+    body = Completion(
+        **ident.fields(),
+        object="text_completion",
+        choices=[completion_choice(w) for w in choices],
+        usage=counts.usage(),
+    )
+    return _dump(body)
 
 
 def stream_chunk(
@@ -261,9 +334,12 @@ def delta_chunk(
     finish: FinishReason | None = None,
     role: bool = False,
     usage: Counts | None = None,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> ChatCompletionChunk | Completion:
-    """One streamed event: ``delta`` (``ChunkDelta``'s fields: content, reasoning_content,
-    tool_calls; None: the last event, with ``finish``).
+    """One streamed event of choice ``index``: ``delta`` (``ChunkDelta``'s fields: content,
+    reasoning_content, tool_calls; None: the last event, with ``finish``), and the
+    log-probabilities of the tokens it carries (the wire object; None: not asked).
 
     Chat deltas: ``{"role": "assistant", "content": ""}`` first (``role``), then the
     pieces, and ``{}`` with the finish reason last; a completion's text is the content.
@@ -271,10 +347,12 @@ def delta_chunk(
     fields: dict[str, Any] = {} if usage is None else {"usage": usage.usage()}
     if chat:
         d = ChunkDelta.model_validate({**(delta or {}), **({"role": "assistant"} if role else {})})
-        choice = ChunkChoice(index=0, delta=d, finish_reason=finish, logprobs=None)
+        lp = ChatLogprobs.model_validate(logprobs) if logprobs is not None else None
+        choice = ChunkChoice(index=index, delta=d, finish_reason=finish, logprobs=lp)
         return ChatCompletionChunk(**ident.fields(), object="chat.completion.chunk", choices=[choice], **fields)
     text = (delta or {}).get("content") or ""
-    text_choice = CompletionChoice(index=0, text=text, finish_reason=_text_finish(finish), logprobs=None)
+    clp = CompletionLogprobs.model_validate(logprobs) if logprobs is not None else None
+    text_choice = CompletionChoice(index=index, text=text, finish_reason=_text_finish(finish), logprobs=clp)
     return Completion(**ident.fields(), object="text_completion", choices=[text_choice], **fields)
 
 
@@ -292,7 +370,9 @@ def usage_chunk(ident: Ident, chat: bool, counts: Counts) -> ChatCompletionChunk
     return Completion(**ident.fields(), object="text_completion", choices=[], usage=counts.usage())
 
 
-def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Counts | None = None) -> ChatCompletionChunk:
+def tool_calls_chunk(
+    ident: Ident, calls: Sequence[ToolCall], usage: Counts | None = None, index: int = 0
+) -> ChatCompletionChunk:
     """A streamed chat event carrying the answer's tool calls, each whole."""
     deltas = [
         ToolCallDelta(
@@ -300,7 +380,7 @@ def tool_calls_chunk(ident: Ident, calls: Sequence[ToolCall], usage: Counts | No
         )
         for i, c in enumerate(calls)
     ]
-    choice = ChunkChoice(index=0, delta=ChunkDelta(tool_calls=deltas), finish_reason=None, logprobs=None)
+    choice = ChunkChoice(index=index, delta=ChunkDelta(tool_calls=deltas), finish_reason=None, logprobs=None)
     fields: dict[str, Any] = {} if usage is None else {"usage": usage.usage()}
     return ChatCompletionChunk(**ident.fields(), object="chat.completion.chunk", choices=[choice], **fields)
 
@@ -315,16 +395,24 @@ def one_event_stream(
     calls: Sequence[ToolCall] = (),
     reasoning: str | None = None,
 ) -> bytes:
-    """A whole answer as a stream: its reasoning and text in one event, its tool calls in
-    the next (when it calls any), the finish, the usage (when asked for), [DONE]."""
+    """A whole answer of one choice as a stream (``whole_stream`` for several)."""
+    return whole_stream(ident, chat, [Whole(0, text, finish, calls, reasoning)], counts, opts)
+
+
+def whole_stream(ident: Ident, chat: bool, choices: Sequence[Whole], counts: Counts, opts: Streaming) -> bytes:
+    """A whole answer as a stream: for each choice its reasoning, text and log-probabilities
+    in one event, its tool calls in the next (when it calls any), its finish; then the usage
+    (when asked for), [DONE]."""
     running = counts if opts.running_usage else None
-    first: dict[str, Any] = {"content": text or ""}
-    if reasoning is not None:
-        first["reasoning_content"] = reasoning
-    events: list[BaseModel] = [delta_chunk(ident, chat, first, role=True, usage=running)]
-    if calls:
-        events.append(tool_calls_chunk(ident, calls, running))
-    events.append(stream_chunk(ident, chat, None, finish, usage=running))
+    events: list[BaseModel] = []
+    for w in choices:
+        first: dict[str, Any] = {"content": w.text or ""}
+        if w.reasoning is not None:
+            first["reasoning_content"] = w.reasoning
+        events.append(delta_chunk(ident, chat, first, role=True, usage=running, index=w.index, logprobs=w.logprobs))
+        if w.calls:
+            events.append(tool_calls_chunk(ident, w.calls, running, w.index))
+        events.append(delta_chunk(ident, chat, None, w.finish, usage=running, index=w.index))
     if opts.final_usage:
         events.append(usage_chunk(ident, chat, counts))
     return b"".join(sse_data(e) for e in events) + SSE_DONE

@@ -10,11 +10,16 @@ same pipeline as ``/v1/generate``, and build their answers from ``openai_answers
 response models (the ones ``/openapi.json`` publishes).
 
 Requests. A field Ballast does not serve is refused with 400 naming it, never
-ignored: a client that sends ``logprobs`` (or ``tools`` to an engine without tool
+ignored: a client that sends ``store`` (or ``tools`` to an engine without tool
 calling) expects their effect, and an answer without it would look like the model's
 fault. A field set to its neutral value
-(``logprobs: false``, ``presence_penalty: 0``, any field ``null``) asks for nothing and
+(``store: false``, ``presence_penalty: 0``, any field ``null``) asks for nothing and
 passes. Unknown fields (typos) are refused too.
+
+Log-probabilities and choices: chat's ``logprobs: true`` with ``top_logprobs`` 0-20,
+completions' ``logprobs`` 0-20 (OpenAI's bound is 5; vLLM's and Ballast's 20) and
+``echo`` (the prompt's own log-probabilities; ``max_tokens: 0`` only with echo), ``n``
+up to ``limits.max_choices``; a completions prompt may be token ids (one prompt).
 
 The built-in model's chat template (``render_chat``), one block per message and an
 open assistant block for the model to continue::
@@ -68,7 +73,7 @@ from pydantic_core import PydanticCustomError
 
 from ballast.config import LimitsConfig
 from ballast.errors import InvalidRequest, SchemaTooComplex
-from ballast.model.protocol import MAX_LOGIT_BIAS
+from ballast.model.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from ballast.policies.criticality import Criticality
 from ballast.policies.engines import unhonoured_request_fields
 from ballast.policies.json_bounds import json_extent, json_nesting
@@ -82,10 +87,7 @@ from ballast.router.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec
 _UNSUPPORTED: dict[str, Any] = {
     "functions": None,
     "function_call": None,
-    "logprobs": False,
-    "top_logprobs": None,
     "best_of": 1,
-    "echo": False,
     "suffix": None,
     "audio": None,
     "modalities": None,
@@ -154,6 +156,7 @@ _TEMPLATE_RESERVED = frozenset(
     }
 )
 MAX_MESSAGES = 2048
+MAX_PROMPT_IDS = 1 << 17  # a token-id prompt's ids (the model's context bounds it further)
 _STOP_LIST = Annotated[list[_STOP], Field(max_length=MAX_STOPS)]
 _ONE_STOP, _STOPS = TypeAdapter(_STOP), TypeAdapter(_STOP_LIST)
 
@@ -174,12 +177,27 @@ def _join_text_parts(value: Any) -> Any:
 
 
 def _one_prompt(value: Any) -> Any:
-    """A prompt is a string, or a list holding exactly one string (token ids are not served)."""
+    """A prompt is a string, a list holding exactly one string, token ids (a list of ints),
+    or a list holding exactly one list of token ids (several prompts are not served)."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0]
-    raise PydanticCustomError("prompt_type", "must be a string or a list holding exactly one string")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+        if isinstance(value, str):
+            return value
+    if _token_ids(value):
+        return value
+    raise PydanticCustomError(
+        "prompt_type", "must be a string, token ids, or a list holding exactly one of either (one prompt)"
+    )
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and 0 < len(value) <= MAX_PROMPT_IDS
+        and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in value)
+    )
 
 
 def _stop_value(value: Any) -> Any:
@@ -281,7 +299,10 @@ class _Sampling(_Strict):
 
     model: str = Field(min_length=1, max_length=256, description="The served model's name (GET /v1/models lists them).")
     max_tokens: int | None = Field(
-        None, ge=1, description="At most this many tokens are generated (limits.max_tokens_limit)."
+        None,
+        ge=0,
+        description="At most this many tokens are generated (limits.max_tokens_limit); 0 only with echo "
+        "(the prompt's log-probabilities alone).",
     )
     temperature: float | None = Field(
         None, ge=0, le=2, allow_inf_nan=False, description="Sampling temperature, 0 to 2; below 1e-5 it is 0 (greedy)."
@@ -327,7 +348,9 @@ class _Sampling(_Strict):
     response_format: ResponseFormat | None = Field(
         None, description="The answer's format: text, json_object or json_schema (the vLLM engine)."
     )
-    n: Literal[1] | None = Field(None, description="Choices per request; only 1 is served.")
+    n: int | None = Field(
+        None, ge=1, description="Choices per request, each a row at the model (at most limits.max_choices)."
+    )
     criticality: Criticality | None = Field(
         None,
         description="Ballast extension: how much the request matters under overload, as the "
@@ -361,6 +384,14 @@ class _Sampling(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     """Body of ``POST /v1/chat/completions``."""
+
+    logprobs: bool | None = Field(None, description="Each answer token's log-probability (choices[].logprobs).")
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="With logprobs: this many likeliest tokens at each position, with theirs (0-20).",
+    )
 
     messages: list[ChatMessage] = Field(
         min_length=1, max_length=MAX_MESSAGES, description="The conversation so far, oldest first."
@@ -416,16 +447,31 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """Body of ``POST /v1/completions``."""
 
-    prompt: Annotated[str | Annotated[list[str], Field(min_length=1, max_length=1)], BeforeValidator(_one_prompt)] = (
-        Field(
-            description="The text to continue: a string, or a list holding exactly one string. After validation a str."
-        )
+    prompt: Annotated[
+        str | list[int] | Annotated[list[str | list[int]], Field(min_length=1, max_length=1)],
+        BeforeValidator(_one_prompt),
+    ] = Field(
+        description="The text to continue: a string, or token ids of the model's tokenizer, or a list holding "
+        "exactly one of either. After validation a str or a list of ints."
     )
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        strict=True,
+        description="The log-probability of each token, and this many likeliest at each position (0-20).",
+    )
+    echo: bool = Field(False, description="The prompt first in the answer's text (and its log-probabilities).")
 
     @property
     def prompt_text(self) -> str:
-        """The prompt as text (``_one_prompt`` made it a str; a list is of exactly one)."""
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        """The prompt as text (``_one_prompt`` made it a str, or ids: ``prompt_ids``)."""
+        return self.prompt if isinstance(self.prompt, str) else ""
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's token ids as sent (None: a text prompt)."""
+        return self.prompt if isinstance(self.prompt, list) else None  # type: ignore[return-value]
 
 
 _DEFAULT_LIMITS = LimitsConfig()
@@ -456,6 +502,12 @@ def _parse(model: type[_Request], data: Any, limits: LimitsConfig) -> _Request:
         reason = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
         raise BadRequest(f"{field}: {reason}", field=field) from None
     most = max_tokens_of(req)
+    if most == 0 and not (isinstance(req, CompletionRequest) and req.echo):
+        raise BadRequest(
+            "max_tokens: must be >= 1 (0 only with echo: the prompt's log-probabilities)", field="max_tokens"
+        )
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise BadRequest("top_logprobs: needs logprobs true", field="top_logprobs")
     if most is not None and req.min_tokens > most:
         raise BadRequest(
             f"min_tokens: {req.min_tokens} is above the maximum of {most} tokens asked for", field="min_tokens"
@@ -468,6 +520,8 @@ def check_limits(req: _Sampling, limits: LimitsConfig) -> None:
     """The configured bounds (the module docstring): ``BadRequest`` or ``SchemaTooComplex`` naming the field."""
     if req.min_tokens > limits.max_tokens_limit:
         raise BadRequest(f"min_tokens: must be <= {limits.max_tokens_limit}", field="min_tokens")
+    if req.n is not None and req.n > limits.max_choices:
+        raise BadRequest(f"n: at most {limits.max_choices} choices a request (limits.max_choices)", field="n")
     longest = max((len(s) for s in stops_of(req)), default=0)
     if longest > limits.max_stop_chars:
         raise BadRequest(
@@ -596,6 +650,17 @@ def _served_fields(data: dict[str, Any]) -> dict[str, Any]:
 def _same(value: Any, neutral: Any) -> bool:
     # bool is an int in Python: logprobs=0 (a count on /v1/completions) is not false.
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+def logprobs_of(req: _Sampling) -> tuple[int | None, int | None]:
+    """(k likeliest for each answer token, k for each prompt position): None where the
+    request asks for none. Chat: ``logprobs: true`` with ``top_logprobs`` (default 0);
+    completions: ``logprobs`` k, and with ``echo`` the prompt's too."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0 if req.logprobs else None), None
+    if isinstance(req, CompletionRequest):
+        return req.logprobs, req.logprobs if req.echo and req.logprobs is not None else None
+    return None, None
 
 
 def max_tokens_of(req: _Sampling) -> int | None:

@@ -60,8 +60,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -86,6 +86,7 @@ from ballast.policies.criticality import CRITICALITY_HEADER, ClaimError, Critica
 from ballast.policies.deadline import Deadline
 from ballast.policies.flex import FlexQueue, ServiceTier, flex_budget_s, refuse_claim_beside, tier_class
 from ballast.router.accounts import Accounts, Outcome
+from ballast.router.answered import Admission, Answer, Settled, Stream, StreamState
 from ballast.router.api import bearer_token, claimed_criticality
 from ballast.router.auth import KeyStore, cache_salts
 from ballast.router.flex import FlexHold, Sleep, WaitFor, flex_max_wait_s
@@ -149,122 +150,6 @@ class ModelRequest:
     def prompt_tokens(self) -> int:
         """What the model prefills: the prompt's ids and a resumed stream's."""
         return len(self.call.prompt_ids) + len(self.call.resumed_ids)
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What the level made of an admitted request."""
-
-    criticality: Criticality
-    level: int
-    max_tokens: int  # clamped
-    streaming: bool  # the level allows streaming
-    prompt_tokens: int
-    degraded_reasons: tuple[str, ...] = ()
-    tier: ServiceTier = ServiceTier.DEFAULT  # the tier that served it (``ServiceTier.served``)
-
-    def meta(self, model: str) -> dict[str, Any]:
-        """What every native answer says about how it was admitted."""
-        return {
-            "model": model,
-            "criticality": self.criticality.value,
-            "service_tier": self.tier.value,
-            "degradation_level": self.level,
-            "degraded": bool(self.degraded_reasons),
-            "degraded_reasons": list(self.degraded_reasons),
-            "max_tokens": self.max_tokens,
-        }
-
-
-@dataclass(frozen=True)
-class Settled:
-    """A unary call's answer as an Idempotency-Key keeps it: the text, its tokens and
-    finish reason, who answered (``fallback``: None, the primary; ``model``), and how
-    many times it was sent again after its replica went away."""
-
-    text: str
-    tokens: int
-    finish_reason: str | None
-    fallback: str | None
-    model: str
-    migrations: int = 0
-    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A unary answer as the fronts format it: how it was admitted, what the model
-    answered (``settled``), and whether it is the first answer to its Idempotency-Key,
-    given again (``replayed``)."""
-
-    admission: Admission
-    settled: Settled
-    replayed: bool = False
-
-
-@dataclass
-class StreamState:
-    """What a stream learns as it runs: who answers and how much."""
-
-    model: str
-    fallback: str | None = None
-    tokens: int = 0
-    enough: bool = False
-    finish: str | None = None  # the model's: "stop" (end of sequence, a stop string) or "length"
-    cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache (its first word)
-    call: CallRecord = field(default_factory=CallRecord)  # migrations: replicas lost mid-stream
-
-
-class Stream:
-    """An admitted stream: ``async for chunk in stream`` (``ModelChunk``s).
-
-    Built from its chunk iterator and the state that iterator keeps: as it runs it says
-    who answers (``fallback``, ``model``) and how much (``tokens``, ``finish``,
-    ``migrations``). ``aclose`` settles its ticket, whether the stream was read whole,
-    cut, or never begun; ``enough`` first, when the front closes it because it has all it
-    wants (a stop string): that close is an answer, not a client that left."""
-
-    def __init__(
-        self, admission: Admission, ticket: Ticket, chunks: AsyncGenerator[ModelChunk, None], state: StreamState
-    ) -> None:
-        self.admission = admission
-        self._ticket = ticket
-        self._state = state
-        self._chunks = chunks
-
-    def __aiter__(self) -> AsyncIterator[ModelChunk]:
-        return self._chunks
-
-    @property
-    def fallback(self) -> str | None:
-        return self._state.fallback
-
-    @property
-    def model(self) -> str:
-        return self._state.model
-
-    @property
-    def tokens(self) -> int:
-        return self._state.tokens
-
-    @property
-    def finish(self) -> str | None:
-        return self._state.finish
-
-    @property
-    def migrations(self) -> int:
-        return self._state.call.migrations
-
-    @property
-    def cached_tokens(self) -> int:
-        return self._state.cached_tokens or 0
-
-    def enough(self) -> None:
-        self._state.enough = True
-
-    async def aclose(self) -> None:
-        await self._chunks.aclose()  # a stream that ran settles in its own finally
-        self._ticket.finish(Outcome("OK" if self._state.enough else "CANCELLED"))  # one never begun: here
 
 
 class Pipeline:
@@ -440,12 +325,13 @@ class Pipeline:
             raise ConcurrencyLimited(f"tenant '{tenant}' has {cap} requests in flight", retry_after_s=1.0)
         charge: Charge | None = None
         try:
-            charge = self.quotas.charge(tenant, req.prompt_tokens, max_tokens, lane.cost_per_token)
+            # Every choice may run to max_tokens: the charge and the fair share count them all.
+            charge = self.quotas.charge(tenant, req.prompt_tokens, max_tokens * req.call.n, lane.cost_per_token)
             lane.tally.offer(crit)  # demand within quota: a tenant over its quota must not degrade everyone else
             slot = GateSlot(None)
             if not fallback_only:
                 slot, fallback_only = await self._gate_slot(
-                    lane, criticality, req.caller.deadline, tenant, (req.prompt_tokens, max_tokens)
+                    lane, criticality, req.caller.deadline, tenant, (req.prompt_tokens, max_tokens * req.call.n)
                 )
         except BaseException as err:
             self.places.give_back(tenant)
@@ -609,7 +495,7 @@ class Pipeline:
             eff = self.snapshots.effective(lane.name)
             admission = self._admission(req, lane, eff, Criticality.SHEDDABLE, False, ServiceTier.DEFAULT, batch=True)
             per_token = lane.cost_per_token * self.batch_cost(tenant)
-            charge = self.quotas.charge(tenant, req.prompt_tokens, admission.max_tokens, per_token)
+            charge = self.quotas.charge(tenant, req.prompt_tokens, admission.max_tokens * req.call.n, per_token)
         except BaseException:
             slot.release()
             raise
@@ -687,7 +573,16 @@ class Pipeline:
             r = reply.result
             outcome = Outcome("OK", generated=r.tokens, service_s=time.monotonic() - t0)
             return Settled(
-                r.text, r.tokens, r.finish_reason, reply.fallback, reply.model, record.migrations, r.cached_tokens
+                r.text,
+                r.tokens,
+                r.finish_reason,
+                reply.fallback,
+                reply.model,
+                record.migrations,
+                r.cached_tokens,
+                r.logprobs,
+                r.prompt_logprobs,
+                r.choices,
             )
         except DeadlineExceeded as err:
             outcome = Outcome(

@@ -406,7 +406,7 @@ class ResilientCaller:
         found, skipped = await self._first_backend(spec, lambda b: self._attempts(b, spec), hold=False)
         if found is not None:
             b, result = found
-            if self.cache is not None and spec.tenant is not None:
+            if self.cache is not None and spec.tenant is not None and not _asks_logprobs(spec.call):
                 self.cache.put(spec.tenant, spec.call, result)
             return Reply(result, *self._answered_by(b))
         # The cache holds the models' earlier answers: a model an operator switched
@@ -598,6 +598,10 @@ class ResilientCaller:
                     b.failed[migration.LOST_CAPACITY] = b.failed.get(migration.LOST_CAPACITY, 0) + 1
                     b.breaker.release(opened.permit)  # the permit held: ``permit`` is opened's
                     permit = None
+                    if spec.call.n > 1:  # a resume carries one choice's ids: several cannot go on
+                        raise _StreamEnded(
+                            ReplicaLost("the stream's replica went away; a stream of several choices is not carried on")
+                        ) from None
                     opened = await self._carry_on(b, spec, delivered_ids, delivered_chars)
                     gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
                     self.lost["streams_carried_on"] += 1
@@ -642,6 +646,12 @@ class _Open:
     permit: Permit
     first: ModelChunk
     t0: float
+
+
+def _asks_logprobs(call: ModelCall) -> bool:
+    """A call whose answer carries log-probabilities: up to 21 entries a token, not cached
+    (the cache's bound is in entries, not bytes)."""
+    return call.logprobs is not None or call.prompt_logprobs is not None
 
 
 # The fallback kinds an answer names (``X-Ballast-Fallback``): the fallback model, the cache.

@@ -82,6 +82,16 @@ class ModelText:
         ids = tuple(self.encode(prompt, add_special_tokens))
         return ModelCall(prompt, ids, self.tokenizer_id, add_special_tokens, **fields)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids (a client's prompt sent as ids) as text: bytes, undecodable ones U+FFFD."""
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def call_ids(self, ids: Sequence[int], **fields: Any) -> ModelCall:
+        """The model call for a prompt a client sent as this model's token ids (each below
+        ``vocab_size``: the front checked), prefilled as they are; its text for a model of
+        another tokenizer (a fallback) and for echo."""
+        return ModelCall(self.decode(ids), tuple(ids), self.tokenizer_id, False, **fields)
+
     def fit(self, prompt_tokens: int, asked: int | None) -> int:
         """The max_tokens to ask for: what was asked, else all the model allows."""
         if not self.strict:
@@ -144,6 +154,9 @@ class TokenizerText(ModelText):
         """The prompt's ids, as every engine of this tokenizer encodes text
         (``special_tokens.encode_text``)."""
         return encode_text(self._tokenizer, prompt, add_special_tokens)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids)))
 
 
 def _turn(m: Any) -> dict[str, Any]:

@@ -110,7 +110,7 @@ def test_typed_errors(ballast):
         sdk().chat.completions.create(model="gpt-none", messages=MESSAGES, max_tokens=4)
     assert "gpt-none" in e.value.message and e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        sdk().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=2)
+        sdk().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, n=9)
     assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError) as e:
         sdk().chat.completions.create(

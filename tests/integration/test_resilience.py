@@ -246,8 +246,8 @@ def test_an_idempotency_key_answered_by_another_router_is_replayed_here(client, 
 
     from ballast.control.keys import keys_actor
     from ballast.model.protocol import ModelCall
+    from ballast.router.answered import Settled
     from ballast.router.idempotency import request_fingerprint
-    from ballast.router.pipeline import Settled
 
     keys = keys_actor(ballast)
     key = f"elsewhere-{uuid.uuid4().hex}"

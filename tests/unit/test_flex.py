@@ -44,8 +44,9 @@ from ballast.policies.flex import (
     refuse_claim_beside,
     tier_class,
 )
+from ballast.router.answered import Answer
 from ballast.router.flex import FlexHold, flex_max_wait_s
-from ballast.router.pipeline import Answer, Caller, ModelRequest
+from ballast.router.pipeline import Caller, ModelRequest
 
 T0 = 1000
 

@@ -211,7 +211,7 @@ async def test_a_retry_through_another_router_gets_the_first_answer_once_generat
 async def test_a_typed_answer_reaches_the_other_router_as_it_was_given() -> None:
     # The table keeps the router's answer (pipeline.Settled) whole: a claim is a typed
     # message, not a dict made of it (asdict would have turned the answer into a dict).
-    from ballast.router.pipeline import Settled
+    from ballast.router.answered import Settled
 
     clock = FakeClock()
     a, b, actor = routers(clock)

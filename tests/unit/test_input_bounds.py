@@ -177,7 +177,7 @@ def test_a_wrong_type_anywhere_is_a_4xx_naming_it(client):
             {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
             "tools.0.function.parameters",
         ),
-        ("/v1/completions", {**COMPLETION, "prompt": [[1, 2]]}, "prompt"),
+        ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [3]]}, "prompt"),
         ("/v1/completions", {**COMPLETION, "stop": {"a": 1}}, "stop"),
     ]
     for path, body, field in cases:
@@ -339,11 +339,11 @@ def test_sampling_values_out_of_range_are_refused_naming_the_field(client):
         ({"top_k": -2}, "top_k"),
         ({"min_tokens": 8193}, "min_tokens"),
         ({"max_tokens": 8193}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
         ({"model": "m" * 257}, "model"),
         ({"user": "u" * 257}, "user"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 5}, "top_logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
     ]
     for path, base in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
         for fields, field in cases:

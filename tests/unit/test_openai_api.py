@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from ballast.config import LimitsConfig
 from ballast.errors import (
     BallastError,
     ChaosDisabled,
@@ -52,10 +53,7 @@ def completion_error(**fields) -> oa.BadRequest:
 ASKING = {
     "functions": [{"name": "f"}],
     "function_call": "auto",
-    "logprobs": True,
-    "top_logprobs": 2,
     "best_of": 2,
-    "echo": True,
     "suffix": "end",
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
@@ -102,13 +100,14 @@ def test_penalties_and_logit_bias_are_the_vllm_engines_and_bounded():
 
 
 def test_the_refusal_says_which_value_is_allowed():
-    assert chat_error(logprobs=True).message == "logprobs: not supported by Ballast; leave it out or send false"
+    assert chat_error(store=True).message == "store: not supported by Ballast; leave it out or send false"
     assert chat_error(best_of=3).message == "best_of: not supported by Ballast; leave it out or send 1"
 
 
 def test_a_count_is_not_false_nor_true_one():
-    # /v1/completions' logprobs is a count: 0 asks for the sampled tokens' logprobs.
-    assert completion_error(logprobs=0).field == "logprobs"
+    # /v1/completions' logprobs is a count (0: the sampled tokens' own): true is not one.
+    assert completion_error(logprobs=True).field == "logprobs"
+    assert oa.parse_completion({**COMPLETION, "logprobs": 0}).logprobs == 0
     assert completion_error(best_of=True).field == "best_of"
 
 
@@ -130,17 +129,45 @@ def test_a_body_that_is_not_an_object_is_refused_as_body():
 
 
 def test_bad_request_is_an_invalid_request_answered_400_and_survives_pickling():
-    err = chat_error(n=2)
+    err = chat_error(n=9)
     assert isinstance(err, InvalidRequest)
     assert (err.status, err.code) == (400, "INVALID_REQUEST")
     back = pickle.loads(pickle.dumps(err))
     assert (type(back), back.message, back.field) == (oa.BadRequest, err.message, "n")
 
 
-def test_only_one_choice_is_served():
-    assert (chat_error(n=2).field, chat_error(n=2).message) == ("n", "n: Input should be 1")
+def test_choices_up_to_the_configured_bound():
+    assert (chat_error(n=9).field, chat_error(n=9).message) == (
+        "n",
+        "n: at most 8 choices a request (limits.max_choices)",
+    )
     assert completion_error(n=0).field == "n"
-    assert oa.parse_chat({**CHAT, "n": 1}).n == 1
+    assert oa.parse_chat({**CHAT, "n": 8}).n == 8
+    assert oa.parse_chat({**CHAT, "n": 3}, LimitsConfig(max_choices=3)).n == 3
+    with pytest.raises(oa.BadRequest) as e:
+        oa.parse_completion({**COMPLETION, "n": 4}, LimitsConfig(max_choices=3))
+    assert (e.value.field, e.value.message) == ("n", "n: at most 3 choices a request (limits.max_choices)")
+
+
+def test_logprobs_echo_and_token_prompts_as_openai_bounds_them():
+    chat = oa.parse_chat({**CHAT, "logprobs": True, "top_logprobs": 20})
+    assert oa.logprobs_of(chat) == (20, None)
+    assert oa.logprobs_of(oa.parse_chat({**CHAT, "logprobs": True})) == (0, None)
+    assert oa.logprobs_of(oa.parse_chat({**CHAT, "logprobs": False})) == (None, None)
+    assert chat_error(top_logprobs=21).field == "top_logprobs"
+    assert chat_error(top_logprobs=2).message == "top_logprobs: needs logprobs true"
+    assert chat_error(echo=True).field == "echo"  # a completions field only
+    assert chat_error(max_tokens=0).field == "max_tokens"
+    done = oa.parse_completion({**COMPLETION, "logprobs": 5, "echo": True, "max_tokens": 0})
+    assert (oa.logprobs_of(done), oa.max_tokens_of(done)) == ((5, 5), 0)
+    assert oa.logprobs_of(oa.parse_completion({**COMPLETION, "echo": True})) == (None, None)
+    assert completion_error(logprobs=21).field == "logprobs"
+    assert completion_error(max_tokens=0).message.startswith("max_tokens: must be >= 1 (0 only with echo")
+    assert oa.parse_completion({**COMPLETION, "prompt": [5, 6, 7]}).prompt_ids == [5, 6, 7]
+    assert oa.parse_completion({**COMPLETION, "prompt": [[5, 6]]}).prompt_ids == [5, 6]
+    assert oa.parse_completion({**COMPLETION, "prompt": ["one"]}).prompt_text == "one"
+    for bad in ([], [[1], [2]], ["a", "b"], [1, "a"], [True], [-1], [[]], [2**31]):
+        assert completion_error(prompt=bad).field == "prompt", bad
 
 
 def test_stop_is_a_string_or_up_to_four_non_empty_strings():
@@ -249,9 +276,10 @@ def test_prompt_is_a_string_or_a_list_of_exactly_one():
     assert oa.parse_completion({**COMPLETION, "prompt": ["only"]}).prompt == "only"
     assert oa.parse_completion({**COMPLETION, "prompt": ["only"]}).prompt_text == "only"
     assert oa.parse_completion({**COMPLETION, "prompt": "plain"}).prompt_text == "plain"
-    for prompt in (["a", "b"], [], [1, 2, 3], [[1, 2]], None, 7):
+    for prompt in (["a", "b"], [], [[1, 2], [3]], None, 7):
         err = completion_error(prompt=prompt)
-        assert (err.field, err.message) == ("prompt", "prompt: must be a string or a list holding exactly one string")
+        message = "prompt: must be a string, token ids, or a list holding exactly one of either (one prompt)"
+        assert (err.field, err.message) == ("prompt", message)
 
 
 def test_every_request_field_is_described_for_the_openapi_document():
@@ -626,7 +654,7 @@ def test_the_openai_sdk_is_the_contract():
     assert [m.id for m in client.models.list()] == ["toy"]
 
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="toy", messages=user, n=2)
+        client.chat.completions.create(model="toy", messages=user, n=9)
     assert (e.value.param, e.value.code, e.value.type) == ("n", "INVALID_REQUEST", "invalid_request_error")
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4o", messages=user)

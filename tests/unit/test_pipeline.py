@@ -34,8 +34,9 @@ from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.policies.criticality import Criticality
 from ballast.policies.deadline import Deadline
 from ballast.router.accounts import Outcome
+from ballast.router.answered import Answer, Stream
 from ballast.router.api import StreamResponse
-from ballast.router.pipeline import Answer, Caller, ModelRequest, Stream
+from ballast.router.pipeline import Caller, ModelRequest
 
 PROMPT = "hello"  # 5 prompt tokens (bytes)
 CALL = ModelCall(PROMPT, tuple(encode_bytes(PROMPT)), BYTES_TOKENIZER)  # as the front tokenizes it
