@@ -149,3 +149,9 @@ def test_recycling_the_hf_replica_under_load_fails_no_request(http):
     from test_recycling import recycle_under_load
 
     recycle_under_load(http, "HF", 120)
+
+
+def test_log_probabilities_and_choices_are_the_models_own(oai, tok, hf_stack):
+    from logprob_reference import check_served_logprobs
+
+    check_served_logprobs(oai, MODEL, tok, hf_stack)

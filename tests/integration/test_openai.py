@@ -244,3 +244,37 @@ def test_a_client_leaving_mid_stream_frees_its_place_at_once(client, ballast, pa
         wait_until(lambda: held() == (0, 0), 10, 0.1, "the stream's place back")
     finally:
         clear_chaos(client)
+
+
+def test_log_probabilities_echo_and_choices_on_the_builtin_engine(ballast):
+    client = sdk()
+    prompt = "Once upon"
+    ask = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "logprobs": 3}
+    unary = client.completions.create(**ask, echo=True)
+    (choice,) = unary.choices
+    lp = choice.logprobs
+    # Bytes are the built-in model's tokens: the prompt's 9, then the answer's.
+    assert lp.tokens[:9] == list(prompt) and lp.token_logprobs[0] is None and len(lp.tokens) == 9 + 6
+    assert choice.text == prompt + "".join(lp.tokens[9:]) and lp.text_offset == list(range(15))
+    assert all(v <= 0 and len(top) <= 4 for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
+    streamed = [c for chunk in client.completions.create(**ask, stream=True) for c in chunk.choices]
+    values = [v for c in streamed if c.logprobs is not None for v in c.logprobs.token_logprobs]
+    assert values == pytest.approx(lp.token_logprobs[9:], abs=1e-3)  # greedy: the same tokens, the same values
+
+    alone = client.completions.create(model=MODEL, prompt=[72, 105], max_tokens=0, echo=True, logprobs=0)
+    assert (alone.choices[0].text, alone.usage.prompt_tokens, alone.usage.completion_tokens) == ("Hi", 2, 0)
+    assert len(alone.choices[0].logprobs.token_logprobs) == 2
+
+    chat = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, n=3, logprobs=True, top_logprobs=2
+    )
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2] and chat.usage.completion_tokens == 15
+    for c in chat.choices:
+        assert len(c.logprobs.content) == 5 and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+        assert "".join(t.token for t in c.logprobs.content) == c.message.content
+    events = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, n=2, stream=True))
+    finished = [c.index for e in events for c in e.choices if c.finish_reason is not None]
+    assert sorted(finished) == [0, 1]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, n=9)
+    assert e.value.param == "n" and "at most 8" in e.value.message

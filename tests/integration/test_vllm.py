@@ -632,3 +632,9 @@ def test_recycling_the_vllm_replica_under_load_fails_no_request(vllm_stack, http
     }
     _deploy(load_config(_merge(_merge(integration.test_config_dict(), vllm_overrides(vllm_stack)), surge)), MODEL)
     recycle_under_load(http, "vLLM", 240)
+
+
+def test_log_probabilities_and_choices_are_the_models_own(oai, tok, vllm_stack):
+    from logprob_reference import check_served_logprobs
+
+    check_served_logprobs(oai, MODEL, tok, vllm_stack)

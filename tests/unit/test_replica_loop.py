@@ -391,3 +391,37 @@ async def test_chunks_run_on_the_compute_thread_when_one_is_given(engine):
         chunks = await asyncio.gather(*(collect(loop, call([1, 2, 3], 6)) for _ in range(3)))
     assert all(c[-1].finish_reason for c in chunks)
     assert seen == {"compute_0"}
+
+
+# -- choices and log-probabilities ---------------------------------------------------------
+
+
+async def test_n_choices_are_n_rows_answered_by_index_each_to_its_own_end(engine):
+    loop = make_loop(engine, batch_limit=8)
+    ids = [72, 105, 33]
+    chunks = await collect(loop, call(ids, 5, n=3))
+    by_index = {i: [c for c in chunks if c.index == i] for i in range(3)}
+    expected = alone(engine, ids, 5)
+    for i, mine in by_index.items():
+        assert [t for c in mine for t in c.ids] == expected  # greedy: each choice is the row alone
+        assert [c.finish_reason for c in mine][-1] == "length" and mine[0].max_tokens == 5
+    assert loop.in_flight == 0 and loop.kv_reserved_tokens == 0
+
+
+async def test_a_call_for_the_prompts_log_probabilities_alone_may_ask_no_token(engine):
+    loop = make_loop(engine)
+    (last,) = await collect(loop, call([72, 105, 33], 0, prompt_logprobs=1))
+    assert (last.ids, last.finish_reason, last.text) == ((), "length", "")
+    with pytest.raises(EngineRefused) as e:
+        await collect(loop, call([72, 105], 0))  # no token and nothing else asked: a mistake
+    assert e.value.field == "max_tokens"
+
+
+def test_a_choices_seed_is_the_calls_plus_its_index_within_int64():
+    from ballast.model.replica_loop import choice_call
+    from ballast.policies.sampling import MAX_SEED, MIN_SEED
+
+    c = call([1], 4, n=3, sampling=RowSampling(temperature=1.0, seed=MAX_SEED - 1))
+    assert [choice_call(c, i).sampling.seed for i in range(3)] == [MAX_SEED - 1, MAX_SEED, MIN_SEED]
+    assert all(choice_call(c, i).n == 1 for i in range(3))
+    assert choice_call(call([1], 4, n=2), 1).sampling is None
