@@ -9,11 +9,16 @@ each row's own before it shares a step with other rows (``refuse_adapter``,
 fails later (its sampling, non-finite logits), leaves the batch alone and is handed
 to the replica by ``take_failed`` with its error, while the other rows go on. What
 is left to raise out of ``run_chunk`` is a fault of the step itself (a device out of
-memory, a dead engine), which fails every row as before."""
+memory, a dead engine), which fails every row as before.
+
+**Log-probabilities** (``ChunkLogprobs``) are raw: the ``log_softmax`` in float32 of the
+logits the model gave, taken before any sampling rule touches them (temperature, a mask,
+penalties), as vLLM's default ``logprobs_mode``; only the rows that asked are computed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -21,7 +26,7 @@ from torch import Tensor
 
 from ballast.errors import EngineRefused
 from ballast.model.hf_text import ContextTooLong
-from ballast.model.protocol import Join
+from ballast.model.protocol import IdLogprobs, Join, RowLogprobs
 
 
 class _Chunks(Protocol):
@@ -139,3 +144,83 @@ def refuse_bad_ids(key: Any, ids: Sequence[int], vocab_size: int) -> EngineRefus
     return EngineRefused(
         f"prompt: token id {bad!r} of row {key!r} is outside the vocabulary of {vocab_size}", field="prompt"
     )
+
+
+@dataclass(frozen=True)
+class RawLogprobs:
+    """One step's log-probabilities for the rows that asked: their indices in the step's
+    batch (``index`` [n]), each row's k (``ks``), and ``log_softmax`` of their logits [n, V]."""
+
+    index: Tensor
+    ks: list[int]
+    logprobs: Tensor
+
+
+def raw_logprobs(logits: Tensor, asks: Sequence[int | None]) -> RawLogprobs | None:
+    """The log-probabilities of the rows of ``logits`` [B, V] whose ask (``asks[b]``, their
+    join's k) is not None, in float32; None, and nothing computed, when no row asked. Taken
+    before the step's sampling rules, which may then change ``logits`` in place."""
+    rows = [i for i, k in enumerate(asks) if k is not None]
+    if not rows:
+        return None
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    picked = logits.index_select(0, index).float()
+    return RawLogprobs(index, [k for k in asks if k is not None], torch.log_softmax(picked, dim=-1))
+
+
+class ChunkLogprobs:
+    """What one chunk computed for the rows that asked, by key (``Batch.take_logprobs``).
+
+    ``add_tokens`` records a step's chosen ids with their log-probabilities and each row's
+    k likeliest, kept on the device; ``rows`` copies them to the host (once per step) when
+    the chunk ends. ``add_prompt`` records a row's prompt positions, possibly in several
+    pieces, in order. Bounded by the chunk: a batch starts a new one per chunk."""
+
+    def __init__(self) -> None:
+        # (the asking rows' keys, their ks, chosen ids [n], their logprobs [n], top values
+        # [n, k], top ids [n, k]) per step, in the order the steps ran
+        self._steps: list[tuple[list[Any], list[int], Tensor, Tensor, Tensor, Tensor]] = []
+        self._prompt: dict[Any, list[IdLogprobs]] = {}
+
+    def add_tokens(self, keys: Sequence[Any], raw: RawLogprobs | None, chosen: Tensor) -> None:
+        """The step whose rows are ``keys`` chose ``chosen`` [B]; ``raw`` is its
+        ``raw_logprobs`` (None: no row asked, nothing to record)."""
+        if raw is None:
+            return
+        ids = chosen.index_select(0, raw.index)
+        lp = raw.logprobs.gather(1, ids[:, None]).squeeze(1)
+        top = raw.logprobs.topk(max(raw.ks), dim=-1)
+        rows = [keys[i] for i in raw.index.tolist()]
+        self._steps.append((rows, raw.ks, ids, lp, top.values, top.indices))
+
+    def add_prompt(self, key: Any, logits: Tensor, targets: Sequence[int], k: int) -> None:
+        """Prompt positions of row ``key``: ``logits`` [N, V] are the model's at N positions
+        and ``targets`` the N prompt ids that follow each (logprob of ``targets[i]`` given the
+        prompt up to it), with the ``k`` likeliest; appended to what the row has."""
+        got = self._prompt.setdefault(key, [])
+        if not targets:
+            return
+        lp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+        ids = torch.tensor(list(targets), dtype=torch.long, device=lp.device)
+        chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()
+        top_v, top_i = (t.tolist() for t in lp.topk(k, dim=-1)) if k else ([[]] * len(chosen), [[]] * len(chosen))
+        got += [IdLogprobs(t, c, tuple(zip(i, v))) for t, c, i, v in zip(targets, chosen, top_i, top_v)]
+
+    def rows(self, keep: Collection[Any]) -> dict[Any, RowLogprobs]:
+        """Each row's log-probabilities, for the keys in ``keep`` (a failed row's are dropped
+        with its ids): a row that asked prompt log-probabilities and prefilled in this chunk
+        has ``prompt`` (empty for a one-token prompt)."""
+        tokens: dict[Any, list[IdLogprobs]] = {}
+        for keys, ks, ids, lp, top_v, top_i in self._steps:
+            for key, k, t, c, vs, js in zip(keys, ks, ids.tolist(), lp.tolist(), top_v.tolist(), top_i.tolist()):
+                tokens.setdefault(key, []).append(IdLogprobs(t, c, tuple(zip(js[:k], vs[:k]))))
+        out = {key: RowLogprobs(tuple(ts), _prompt_of(self._prompt, key)) for key, ts in tokens.items()}
+        for key, prompt in self._prompt.items():
+            if key not in out:
+                out[key] = RowLogprobs((), tuple(prompt))
+        return {key: rl for key, rl in out.items() if key in keep}
+
+
+def _prompt_of(prompts: dict[Any, list[IdLogprobs]], key: Any) -> tuple[IdLogprobs, ...] | None:
+    got = prompts.get(key)
+    return tuple(got) if got is not None else None

@@ -8,7 +8,11 @@ them tests the cache and not two masks.
 
 Invariants: a row's real tokens are a suffix of the cache's columns (left
 padding), so its positions and its greedy output are the same alone or batched;
-a join whose ids are not bytes is refused alone, before its prefill. The engine
+a join whose ids are not bytes is refused alone, before its prefill. A row that asked
+for log-probabilities gets them from the logits its steps computed anyway
+(``batching.ChunkLogprobs``): its tokens' from each step's last position, its prompt's
+from the prefill's every position; a row with ``max_new_tokens`` 0 that asked for its
+prompt's is prefilled for them alone and never joins the cache. The engine
 is a parameter here, seen through its public face (:class:`DecoderSteps`: one
 forward, one draw, the cache's shape), so this module does not import
 :mod:`ballast.model.builtin_engine`, which imports this one.
@@ -23,10 +27,12 @@ import torch
 from torch import Tensor
 
 from ballast.model.batching import (
+    ChunkLogprobs,
     check_context,
     check_joins,
     ids_by_row,
     left_pad,
+    raw_logprobs,
     refuse_adapter,
     refuse_bad_ids,
     rows_to_keep,
@@ -111,6 +117,7 @@ class LiveBatch:
         self._backend = backend
         self._keys: list[Any] = []
         self._remaining: list[int] = []  # tokens each row still has to emit
+        self._asks: list[int | None] = []  # each row's Join.logprobs
         dev = backend.device
         self._k = backend.empty_kv_cache(0)
         self._v = self._k
@@ -119,6 +126,8 @@ class LiveBatch:
         self._last = torch.zeros(0, dtype=torch.long, device=dev)
         self._gen = backend.sampler()
         self._failed: dict[Any, BaseException] = {}  # rows refused alone, until take_failed
+        self._chunk_logprobs = ChunkLogprobs()  # the running chunk's
+        self._logprobs: dict[Any, RowLogprobs] = {}  # the last chunk's, until take_logprobs
 
     @property
     def size(self) -> int:
@@ -145,8 +154,9 @@ class LiveBatch:
 
         Returns the ids each row emitted in this chunk, for every row that was in
         the batch or joined (a joiner's first token comes from its prefill). Rows
-        that emitted their last token have left the batch when this returns. Call
-        under ``torch.inference_mode()``.
+        that emitted their last token have left the batch when this returns; a join
+        with ``max_new_tokens`` 0 emits nothing and is prefilled only when it asked
+        for its prompt's log-probabilities. Call under ``torch.inference_mode()``.
         """
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
@@ -154,22 +164,29 @@ class LiveBatch:
         check_context(joins, self._backend.max_seq_len)
         admitted, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
         self._failed.update(refused)
+        self._chunk_logprobs = ChunkLogprobs()
         emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward
         if self._keys:
             emitted.append((list(self._keys), self._decode()))
-        live = [join for join in admitted if join.max_new_tokens > 0]
-        if live:
-            part = self._prefill([join.ids for join in live])
-            emitted.append(([join.key for join in live], part[-1]))
+        prefill = [join for join in admitted if join.max_new_tokens > 0 or join.prompt_logprobs is not None]
+        if prefill:
+            part = self._prefill(prefill)
+            live = [i for i, join in enumerate(prefill) if join.max_new_tokens > 0]
+            if live:
+                first = part[-1] if len(live) == len(prefill) else part[-1][torch.tensor(live, device=part[-1].device)]
+                emitted.append(([prefill[i].key for i in live], first))
             self._drop_finished()
-            self._append([join.key for join in live], [join.max_new_tokens - 1 for join in live], part)
+            # A prefill-only row joins with nothing left to emit: the next line drops it.
+            self._append(prefill, part)
         self._drop_finished()
         for _ in range(steps - 1):
             if not self._keys:
                 break
             emitted.append((list(self._keys), self._decode()))
             self._drop_finished()
-        return ids_by_row(emitted, {join.key: [] for join in admitted})
+        out = ids_by_row(emitted, {join.key: [] for join in admitted})
+        self._logprobs = self._chunk_logprobs.rows(out)
+        return out
 
     def take_failed(self) -> dict[Any, BaseException]:
         """Rows refused alone since the last call (a prompt id outside the vocabulary),
@@ -182,8 +199,10 @@ class LiveBatch:
         return None
 
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
-        """Not computed yet by this engine: none."""
-        return {}
+        """The last chunk's log-probabilities for the rows that asked (``engine.Batch``),
+        once: a second call before the next chunk gets none."""
+        out, self._logprobs = self._logprobs, {}
+        return out
 
     # ------------------------------------------------------------------ internals
 
@@ -197,24 +216,40 @@ class LiveBatch:
         )
         self._valid = valid
         self._lengths = self._lengths + 1
+        raw = raw_logprobs(logits[:, -1, :], self._asks)
         self._last = self._backend.sample(logits[:, -1, :], self._gen)
+        self._chunk_logprobs.add_tokens(self._keys, raw, self._last)
         for i in range(batch):
             self._remaining[i] -= 1
         return self._last
 
-    def _prefill(self, prompts: list[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Prefill new rows as their own left-padded batch: (k, v, valid, lengths, first ids)."""
+    def _prefill(self, joins: list[Join]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Prefill new rows as their own left-padded batch: (k, v, valid, lengths, first ids).
+
+        The forward gives every position's logits: a row asking for its prompt's
+        log-probabilities reads its own columns (its prompt is their suffix, so column
+        ``width - len + i`` predicts its id ``i + 1``); a row that emits and asked for its
+        tokens' reads the last column's, as its first id is drawn from it."""
         backend = self._backend
+        prompts = [join.ids for join in joins]
         ids, valid = backend.left_padded(prompts)
         positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
         empty = backend.empty_kv_cache(len(prompts))
         logits, k, v = backend.forward(ids, positions, _prefill_mask(valid), empty, empty)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=backend.device)
-        return k, v, valid, lengths, backend.sample(logits[:, -1, :], self._gen)
+        raw = raw_logprobs(logits[:, -1, :], [join.logprobs if join.max_new_tokens > 0 else None for join in joins])
+        first = backend.sample(logits[:, -1, :], self._gen)
+        self._chunk_logprobs.add_tokens([join.key for join in joins], raw, first)
+        width = int(ids.shape[1])
+        for b, join in enumerate(joins):
+            if join.prompt_logprobs is not None:
+                start = width - len(join.ids)
+                self._chunk_logprobs.add_prompt(join.key, logits[b, start:], join.ids[1:], join.prompt_logprobs)
+        return k, v, valid, lengths, first
 
-    def _append(
-        self, keys: list[Any], remaining: list[int], part: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
-    ) -> None:
+    def _append(self, joins: list[Join], part: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]) -> None:
+        """Stack the prefilled rows of ``joins`` under the running ones; each has its
+        ``max_new_tokens - 1`` left to emit (its first came from the prefill)."""
         k, v, valid, lengths, last = part
         width = max(self.width, int(valid.shape[1]))
         self._k = torch.cat([left_pad(self._k, width, 3), left_pad(k, width, 3)], dim=1)
@@ -222,8 +257,9 @@ class LiveBatch:
         self._valid = torch.cat([left_pad(self._valid, width, 1), left_pad(valid, width, 1)], dim=0)
         self._lengths = torch.cat([self._lengths, lengths])
         self._last = torch.cat([self._last, last])
-        self._keys += keys
-        self._remaining += remaining
+        self._keys += [join.key for join in joins]
+        self._remaining += [join.max_new_tokens - 1 for join in joins]
+        self._asks += [join.logprobs for join in joins]
 
     def _drop_finished(self) -> None:
         if any(r <= 0 for r in self._remaining):
@@ -239,6 +275,7 @@ class LiveBatch:
         self._last = self._last.index_select(0, index)
         self._keys = [self._keys[i] for i in keep]
         self._remaining = [self._remaining[i] for i in keep]
+        self._asks = [self._asks[i] for i in keep]
         used = self._valid.any(dim=0)
         start = int(used.long().argmax()) if bool(used.any()) else self.width
         if start:

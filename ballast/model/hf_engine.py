@@ -41,6 +41,16 @@ leaves the batch alone. :meth:`HFBatch.take_failed` hands those rows to the repl
 the other rows go on. An exception out of ``run_chunk`` is the step's own (the
 forward pass) and fails the batch.
 
+**Log-probabilities** (``take_logprobs``), for the rows that asked, come from the logits
+each step computes anyway, before ``_pick`` applies any rule (``batching.ChunkLogprobs``).
+A row that asks for its prompt's needs the logits of every prompt position, which the
+shared prefill does not keep (``logits_to_keep=1``): that row is prefilled alone, in
+pieces of at most ``prompt_logits_per_forward // vocab_size`` positions against its own
+growing cache, each forward keeping all its positions' logits, so the memory it takes is
+bounded by that many floats whatever the prompt's length; then it joins the batch as any
+row does. A row with ``max_new_tokens`` 0 is prefilled only when it asks for its prompt's,
+and leaves with no token.
+
 **The KV budget.** A row reserves its whole context (prompt + max_new_tokens)
 when it joins; :attr:`HFBatch.reserved_tokens` is what the replica bounds and
 reports (``kv_cache_tokens``).
@@ -56,11 +66,13 @@ import torch
 from torch import Tensor
 
 from ballast.model.batching import (
+    ChunkLogprobs,
     check_context,
     check_joins,
     describe_engine,
     ids_by_row,
     left_pad,
+    raw_logprobs,
     refuse_adapter,
     refuse_bad_ids,
     rows_to_keep,
@@ -71,6 +83,11 @@ from ballast.model.hf_text import TokenizerText
 from ballast.model.protocol import GREEDY, Join, RowLogprobs, RowSampling
 
 __all__ = ["HFBackend", "HFBatch", "RowFailed", "RowSampling"]
+
+
+#: The most logits (floats) one forward of a prompt scored for its log-probabilities keeps
+#: at once (128 MiB in float32): its positions per forward are this over the vocabulary.
+PROMPT_LOGITS_PER_FORWARD = 1 << 25
 
 
 class RowFailed(RuntimeError):
@@ -88,9 +105,14 @@ class HFBackend:
     engine_name = "transformers"  # its row in ballast.policies.engines.ENGINES
     lost: str | None = None  # it runs in the replica's own process: never lost apart from it
 
-    def __init__(self, loaded: LoadedModel, *, name: str) -> None:
+    def __init__(
+        self, loaded: LoadedModel, *, name: str, prompt_logits_per_forward: int = PROMPT_LOGITS_PER_FORWARD
+    ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
+        n = prompt_logits_per_forward
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"prompt_logits_per_forward must be an int >= 1, got {n!r}")
         self.name = name
         self.loaded = loaded
         self.model = loaded.model
@@ -104,6 +126,8 @@ class HFBackend:
         self._pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
         self._logits_to_keep = "logits_to_keep" in _forward_parameters(self.model)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        # positions a prompt scored for its log-probabilities runs per forward (at least one)
+        self.prompt_positions_per_forward = max(1, prompt_logits_per_forward // self.vocab_size)
         self.tokenizer_id = tokenizer_id(loaded.info.path)
         self.text = TokenizerText(self.tokenizer, self.max_seq_len)
 
@@ -159,13 +183,16 @@ def _forward_parameters(model: Any) -> frozenset[str]:
 
 
 class _Row:
-    __slots__ = ("key", "remaining", "reserved", "sampling", "gen", "made")
+    __slots__ = ("key", "remaining", "reserved", "sampling", "logprobs", "gen", "made")
 
-    def __init__(self, key: Any, remaining: int, reserved: int, sampling: RowSampling, device: str) -> None:
+    def __init__(
+        self, key: Any, remaining: int, reserved: int, sampling: RowSampling, device: str, logprobs: int | None = None
+    ) -> None:
         self.key = key
         self.remaining = remaining
         self.reserved = reserved
         self.sampling = sampling
+        self.logprobs = logprobs  # its join's: k for each token it emits, None: none
         self.gen: torch.Generator | None = None
         self.made = 0  # tokens picked so far
         if sampling.temperature > 0:
@@ -190,6 +217,8 @@ class HFBatch:
         self._lengths = torch.zeros(0, dtype=torch.long, device=dev)
         self._last = torch.zeros(0, dtype=torch.long, device=dev)
         self._failed: dict[Any, BaseException] = {}  # rows failed alone, until take_failed
+        self._chunk_logprobs = ChunkLogprobs()  # the running chunk's
+        self._logprobs: dict[Any, RowLogprobs] = {}  # the last chunk's, until take_logprobs
 
     @property
     def size(self) -> int:
@@ -207,8 +236,10 @@ class HFBatch:
         return None
 
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
-        """Not computed yet by this engine: none."""
-        return {}
+        """The last chunk's log-probabilities for the rows that asked (``engine.Batch``),
+        once: a second call before the next chunk gets none. A row that failed has none."""
+        out, self._logprobs = self._logprobs, {}
+        return out
 
     @property
     def width(self) -> int:
@@ -240,14 +271,18 @@ class HFBatch:
                 self._failed[join.key] = refused
             else:
                 admitted.append(join)
+        self._chunk_logprobs = ChunkLogprobs()
         emitted: list[tuple[list[Any], Tensor]] = []
         if self._rows:
             emitted.append((self.keys(), self._decode()))
-        live = [join for join in admitted if join.max_new_tokens > 0]
-        if live:
-            rows = [self._row(join) for join in live]
-            first = self._prefill([join.ids for join in live], rows)
-            emitted.append(([r.key for r in rows], first))
+        shared = [join for join in admitted if join.max_new_tokens > 0 and join.prompt_logprobs is None]
+        if shared:
+            emitted.append(self._prefill(shared))
+        for join in admitted:
+            if join.prompt_logprobs is not None:
+                alone = self._prefill_scored(join, join.prompt_logprobs)
+                if alone is not None:
+                    emitted.append(alone)
         self._drop_finished(emitted)
         for _ in range(steps - 1):
             if not self._rows:
@@ -257,6 +292,7 @@ class HFBatch:
         out = ids_by_row(emitted, {join.key: [] for join in admitted})
         for key in self._failed:
             out.pop(key, None)  # a failed row's ids are not an answer
+        self._logprobs = self._chunk_logprobs.rows(out)
         return out
 
     # ------------------------------------------------------------------ internals
@@ -265,10 +301,14 @@ class HFBatch:
         """A joining row: its first token comes from the prefill, and it reserves its whole context."""
         n = join.max_new_tokens
         sampling = join.sampling if join.sampling is not None else GREEDY
-        return _Row(join.key, n - 1, len(join.ids) + n, sampling, self._b.device)
+        return _Row(join.key, n - 1, len(join.ids) + n, sampling, self._b.device, join.logprobs)
 
-    def _forward(self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any) -> Tensor:
-        kwargs = {"logits_to_keep": 1} if self._b._logits_to_keep else {}
+    def _forward(
+        self, ids: Tensor, mask: Tensor, positions: Tensor, cache: Any, every_position: bool = False
+    ) -> Tensor:
+        """The model's logits: the last position's [B, V], or with ``every_position`` each
+        position's [B, S, V]."""
+        kwargs = {"logits_to_keep": 0 if every_position else 1} if self._b._logits_to_keep else {}
         with attention_kernels(self._b.device):
             out = self._b.model(
                 input_ids=ids,
@@ -278,7 +318,7 @@ class HFBatch:
                 use_cache=True,
                 **kwargs,
             )
-        logits: Tensor = out.logits[:, -1, :]
+        logits: Tensor = out.logits if every_position else out.logits[:, -1, :]
         return logits
 
     def _decode(self) -> Tensor:
@@ -288,27 +328,67 @@ class HFBatch:
         logits = self._forward(self._last[:, None], mask, self._lengths[:, None], self._cache)
         self._mask = mask
         self._lengths = self._lengths + 1
+        raw = raw_logprobs(logits, [r.logprobs for r in self._rows])
         self._last = self._pick(logits, self._rows)
+        self._chunk_logprobs.add_tokens(self.keys(), raw, self._last)
         for r in self._rows:
             r.remaining -= 1
         return self._last
 
-    def _prefill(self, prompts: list[Sequence[int]], rows: list[_Row]) -> Tensor:
-        """Prefill the joiners as their own left-padded batch, then stack them under the running rows."""
+    def _prefill(self, joins: list[Join]) -> tuple[list[Any], Tensor]:
+        """Prefill the joiners as their own left-padded batch, keeping the last position's
+        logits, then stack them under the running rows: (their keys, their first ids)."""
         from ballast.model.untyped import transformers
 
         dev = self._b.device
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self._b._pad_id, dtype=torch.long, device=dev)
-        mask = torch.zeros(len(prompts), width, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=dev)
-            mask[i, width - len(p) :] = 1
+        rows = [self._row(join) for join in joins]
+        width = max(len(join.ids) for join in joins)
+        ids = torch.full((len(joins), width), self._b._pad_id, dtype=torch.long, device=dev)
+        mask = torch.zeros(len(joins), width, dtype=torch.long, device=dev)
+        for i, join in enumerate(joins):
+            ids[i, width - len(join.ids) :] = torch.tensor(join.ids, dtype=torch.long, device=dev)
+            mask[i, width - len(join.ids) :] = 1
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = transformers().DynamicCache()  # its layers: one kind, keys and values
         logits = self._forward(ids, mask, positions, cache)
+        lengths = torch.tensor([len(join.ids) for join in joins], dtype=torch.long, device=dev)
+        return [r.key for r in rows], self._stack(rows, logits, cache, mask, lengths)
+
+    def _prefill_scored(self, join: Join, k: int) -> tuple[list[Any], Tensor] | None:
+        """Prefill a row that asked for its prompt's log-probabilities (with the ``k``
+        likeliest) alone, in pieces of ``prompt_positions_per_forward`` positions each keeping
+        every position's logits (position i's give the logprob of prompt id i + 1); then it
+        joins the running rows, unless it has no token to emit: (its key, its first id), or
+        None. Its cache lives only as long as this call when it does not join."""
+        from ballast.model.untyped import transformers
+
+        dev = self._b.device
+        prompt = torch.tensor([join.ids], dtype=torch.long, device=dev)
+        n = len(join.ids)
+        cache = transformers().DynamicCache()
+        step = self._b.prompt_positions_per_forward
+        for start in range(0, n, step):
+            end = min(n, start + step)
+            positions = torch.arange(start, end, dtype=torch.long, device=dev)[None]
+            mask = torch.ones(1, end, dtype=torch.long, device=dev)
+            logits = self._forward(prompt[:, start:end], mask, positions, cache, every_position=True)
+            self._chunk_logprobs.add_prompt(join.key, logits[0], join.ids[start + 1 : end + 1], k)
+        if join.max_new_tokens == 0:
+            return None
+        row = self._row(join)
+        lengths = torch.tensor([n], dtype=torch.long, device=dev)
+        return [row.key], self._stack(
+            [row], logits[:, -1, :], cache, torch.ones(1, n, dtype=torch.long, device=dev), lengths
+        )
+
+    def _stack(self, rows: list[_Row], logits: Tensor, cache: Any, mask: Tensor, lengths: Tensor) -> Tensor:
+        """Pick the prefilled ``rows``' first ids from their last position's ``logits`` [B, V],
+        then stack their ``cache`` (``mask``, ``lengths``) under the running rows' (both left
+        padded to the wider); their first ids."""
+        raw = raw_logprobs(logits, [r.logprobs for r in rows])
         first = self._pick(logits, rows)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
+        self._chunk_logprobs.add_tokens([r.key for r in rows], raw, first)
+        width = int(mask.shape[1])
         if not self._rows:
             self._cache, self._mask, self._lengths, self._last = cache, mask, lengths, first
         else:

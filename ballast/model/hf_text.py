@@ -10,7 +10,8 @@ inherited) and hands its ``ModelBackend`` calls to:
 - ``fit``: a row's ids and max new tokens within the context: max_new_tokens shortened
   to what the context leaves, never lengthened (the router refuses what does not fit
   with a 400 first; this is for a fallback whose context is shorter than the primary's);
-  no ids, or no room left, is :class:`ContextTooLong`;
+  no ids, or no room left for a row that asks for tokens, is :class:`ContextTooLong` (a
+  row of max_new_tokens 0, scored for its prompt's log-probabilities, may fill it);
 - ``encode``: ``tokenize`` for a row that must fit whole (the benchmarks' and warmup's
   joins): :class:`ContextTooLong` when the prompt and max_new_tokens do not;
 - ``stream_decoder``: an :class:`IncrementalDetokenizer` for one row's ids.
@@ -92,7 +93,8 @@ class TokenizerText:
 
     def fit(self, ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], int]:
         """(prompt ids, max new tokens) for a row within the context; ContextTooLong for no
-        ids, or when nothing is left."""
+        ids, a prompt longer than the context, or no room left for a row of
+        ``max_new_tokens`` >= 1 (with 0 it emits nothing: its prompt may fill the context)."""
         _check_max_new_tokens(max_new_tokens)
         kept = [int(i) for i in ids]
         if not kept:
@@ -103,7 +105,7 @@ class TokenizerText:
                 f"the model's context of {self.context} tokens"
             )
         room = self.context - len(kept)
-        if room < 1:
+        if room < 1 and max_new_tokens >= 1:
             raise ContextTooLong(f"the prompt is {len(kept)} tokens: no room left in the context of {self.context}")
         return kept, min(max_new_tokens, room)
 
