@@ -17,6 +17,20 @@ dead engine (vLLM's ``EngineDeadError``: a rank or the engine core went away) fa
 row: the rows wait, the engine is told why (``RowEngine.engine_died``) and the replica
 goes as a whole, its requests sent elsewhere (``ballast.model.server``).
 
+**Log-probabilities.** A row whose join asks (``Join.logprobs`` / ``prompt_logprobs``) runs
+with vLLM's ``SamplingParams(logprobs=k, prompt_logprobs=k)``: raw (vLLM's default
+``logprobs_mode``, before any sampling rule). In ``DELTA`` mode each output's
+``logprobs`` holds the positions of its new ids only, and ``prompt_logprobs`` comes once,
+with the first tokens (vLLM's output processor pops them at the end of prefill; outputs
+it merges for a slow reader keep the first one's). Each vLLM position (a dict of id:
+``Logprob``, the chosen id plus the k of rank 1..k) becomes an ``IdLogprobs``; the row
+keeps them beside its unread ids, so ``take_logprobs`` gives the last chunk's aligned
+with the ids ``run_chunk`` returned. A row with ``max_new_tokens`` 0 asking its prompt's
+runs with ``max_tokens`` 1 (vLLM refuses 0; its own server does the same for ``echo``),
+greedy and without a grammar: that token is dropped, the row returns no id and leaves
+with its prompt's log-probabilities. A k above the engine's ``max_logprobs`` is refused
+alone (``check_logprobs``).
+
 The batch sees its engine through :class:`RowEngine`, the public face of
 ``vllm_engine.VLLMBackend`` it needs, so this module does not import that one.
 """
@@ -26,17 +40,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from ballast.errors import EngineRefused
 from ballast.model.batching import check_context, check_joins
-from ballast.model.protocol import GREEDY, Join, RowLogprobs, RowSampling
+from ballast.model.protocol import GREEDY, IdLogprobs, Join, RowLogprobs, RowSampling
 from ballast.model.untyped import VLLMObject
 from ballast.model.vllm_loop import CALL_SLACK_S, EngineLoop
 from ballast.model.vllm_lora import LoRATable
 
-__all__ = ["RowEngine", "VLLMBatch", "VLLMRequestError", "chunk_ready", "sampling_params"]
+__all__ = [
+    "RowEngine",
+    "VLLMBatch",
+    "VLLMRequestError",
+    "check_logprobs",
+    "chunk_ready",
+    "position_logprobs",
+    "sampling_params",
+]
 
 log = logging.getLogger("ballast.vllm")
 
@@ -46,11 +68,13 @@ class VLLMRequestError(RuntimeError):
 
 
 class RowEngine(Protocol):
-    """What a batch runs on: its engine's name, context and wait bound, the loop its
-    ``AsyncLLM`` (``llm``) runs on, its adapters, and whom to tell that it died."""
+    """What a batch runs on: its engine's name, context, most log-probabilities per
+    position and wait bound, the loop its ``AsyncLLM`` (``llm``) runs on, its adapters,
+    and whom to tell that it died."""
 
     name: str
     max_seq_len: int
+    max_logprobs: int
     max_wait_s: float
     loop: EngineLoop
     lora: LoRATable
@@ -67,11 +91,38 @@ class RowEngine(Protocol):
 
 class Row:
     """One row in the engine: its vLLM request id, how it samples, the ids it made that
-    ``run_chunk`` has not returned yet, and how it ended."""
+    ``run_chunk`` has not returned yet (with their log-probabilities when it asked), and
+    how it ended. ``prefill_only``: a row of no new token that asked its prompt's
+    log-probabilities (its one id is dropped when the chunk returns)."""
 
-    __slots__ = ("key", "rid", "sampling", "adapter", "unread", "made", "finished", "error", "task", "cached")
+    __slots__ = (
+        "key",
+        "rid",
+        "sampling",
+        "adapter",
+        "unread",
+        "made",
+        "finished",
+        "error",
+        "task",
+        "cached",
+        "logprobs",
+        "prompt_logprobs",
+        "prefill_only",
+        "unread_logprobs",
+        "prompt",
+    )
 
-    def __init__(self, key: Any, rid: str, sampling: RowSampling, adapter: str | None = None) -> None:
+    def __init__(
+        self,
+        key: Any,
+        rid: str,
+        sampling: RowSampling,
+        adapter: str | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        prefill_only: bool = False,
+    ) -> None:
         self.key = key
         self.rid = rid
         self.sampling = sampling
@@ -82,6 +133,59 @@ class Row:
         self.finished = False
         self.error: BaseException | None = None
         self.task: asyncio.Task[None] | None = None
+        self.logprobs = logprobs  # k asked for each new id (None: none)
+        self.prompt_logprobs = prompt_logprobs  # k asked for each prompt position (None: none)
+        self.prefill_only = prefill_only
+        self.unread_logprobs: list[IdLogprobs] = []  # one per unread id when logprobs is asked
+        self.prompt: tuple[IdLogprobs, ...] | None = None  # the prompt's, until a chunk returns them
+
+    @property
+    def asks_logprobs(self) -> bool:
+        return self.logprobs is not None or self.prompt_logprobs is not None
+
+    def read(self, output: VLLMObject) -> None:
+        """One vLLM output (``DELTA``) into the row: its new ids, their log-probabilities
+        when asked, and the prompt's when this output carries them."""
+        completion = output.outputs[0]
+        new = list(completion.token_ids)
+        if self.cached is None and output.num_cached_tokens is not None:
+            self.cached = output.num_cached_tokens
+        if self.logprobs is not None:
+            positions = completion.logprobs or ()
+            if len(positions) != len(new):  # vLLM's contract: one position per new id
+                raise VLLMRequestError(f"vLLM gave {len(positions)} log-probabilities for {len(new)} ids")
+            self.unread_logprobs += [position_logprobs(i, p, self.logprobs) for i, p in zip(new, positions)]
+        if self.prompt_logprobs is not None and output.prompt_logprobs:
+            ids = output.prompt_token_ids
+            k = self.prompt_logprobs
+            # vLLM's first position is None (no context): ours start at the second.
+            self.prompt = tuple(position_logprobs(ids[i], p, k) for i, p in enumerate(output.prompt_logprobs) if i)
+        self.unread.extend(new)
+        self.made += len(new)
+        if output.finished:
+            self.finished = True
+
+
+def position_logprobs(token_id: int, position: Mapping[int, Any], k: int) -> IdLogprobs:
+    """One vLLM position (id: ``Logprob``, holding ``token_id`` and the k likeliest of rank
+    1..k; an id among both carries its rank among the k) as ``IdLogprobs``: ``token_id``'s
+    logprob and the k of rank 1..k, likeliest first."""
+    top = sorted(
+        (lp.rank, tid, lp.logprob) for tid, lp in position.items() if lp.rank is not None and 1 <= lp.rank <= k
+    )
+    return IdLogprobs(int(token_id), float(position[token_id].logprob), tuple((tid, float(v)) for _, tid, v in top))
+
+
+def check_logprobs(logprobs: int | None, prompt_logprobs: int | None, max_logprobs: int, model: str) -> None:
+    """``EngineRefused`` naming ``logprobs`` when a row asks more log-probabilities per
+    position (for its new tokens or its prompt's) than the engine's ``max_logprobs``."""
+    for k in (logprobs, prompt_logprobs):
+        if k is not None and k > max_logprobs:
+            raise EngineRefused(
+                f"logprobs: model {model!r} gives at most {max_logprobs} log-probabilities per position "
+                f"(its engine's max_logprobs), asked {k} (logprobs / top_logprobs)",
+                field="logprobs",
+            )
 
 
 def chunk_ready(rows: Sequence[Row], steps: int) -> bool:
@@ -99,8 +203,12 @@ def chunk_ready(rows: Sequence[Row], steps: int) -> bool:
     return any(done) and all(d for r, d in zip(rows, done) if r.made > 0)
 
 
-def sampling_params(s: RowSampling, n: int) -> VLLMObject:
-    """vLLM's parameters for a row of ``n`` new tokens sampled as ``s``."""
+def sampling_params(
+    s: RowSampling, n: int, logprobs: int | None = None, prompt_logprobs: int | None = None
+) -> VLLMObject:
+    """vLLM's parameters for a row of ``n`` new tokens sampled as ``s``, with ``logprobs``
+    (k for each new token, 0: the chosen one's only) and ``prompt_logprobs`` (k for each
+    prompt position); None: none."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -123,8 +231,10 @@ def sampling_params(s: RowSampling, n: int) -> VLLMObject:
             if s.json_schema
             else None
         ),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         output_kind=RequestOutputKind.DELTA,
-        detokenize=False,  # the replica decodes ids itself
+        detokenize=False,  # the replica decodes ids and names tokens itself
     )
 
 
@@ -165,6 +275,7 @@ class VLLMBatch:
         self._changed = asyncio.Event()  # created here, only waited on the engine loop
         self._failed: dict[Any, BaseException] = {}  # rows failed alone, until take_failed
         self._cached: dict[Any, int] = {}  # the last chunk's rows' cached prompt tokens
+        self._logprobs: dict[Any, RowLogprobs] = {}  # the last chunk's, for the rows that asked
 
     def keys(self) -> list[Any]:
         return list(self._rows)
@@ -182,8 +293,11 @@ class VLLMBatch:
         return self._cached.get(key)
 
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
-        """Not asked of vLLM yet: none."""
-        return {}
+        """The last chunk's log-probabilities for the rows that asked and had ids or their
+        prompt's in it: ``tokens`` one per id ``run_chunk`` returned for the row, ``prompt``
+        on the chunk of its first tokens (see the module docstring). Taken once."""
+        out, self._logprobs = self._logprobs, {}
+        return out
 
     def remove(self, keys: Sequence[Any] | set[Any]) -> None:
         """Abort these rows in vLLM and drop them."""
@@ -208,7 +322,7 @@ class VLLMBatch:
     async def _chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
         out: dict[Any, list[int]] = {join.key: [] for join in joins}
         for join in joins:
-            if join.max_new_tokens > 0:
+            if join.max_new_tokens > 0 or join.prompt_logprobs is not None:
                 self._submit(join)
         for key in self._failed:
             out.pop(key, None)
@@ -228,12 +342,15 @@ class VLLMBatch:
             out.pop(row.key, None)
             self._failed[row.key] = row_error(row, error)
         await self._abort([row for row, _ in failed])
-        self._cached = {}
+        self._cached, self._logprobs = {}, {}
         for key, row in list(self._rows.items()):
             if row.unread and row.cached is not None:
                 self._cached[key] = row.cached
-            out[key] = row.unread
-            row.unread = []
+            if row.asks_logprobs and (row.unread or row.prompt is not None):
+                tokens = () if row.prefill_only else tuple(row.unread_logprobs)
+                self._logprobs[key] = RowLogprobs(tokens, row.prompt)
+            out[key] = [] if row.prefill_only else row.unread
+            row.unread, row.unread_logprobs, row.prompt = [], [], None
             if row.finished:
                 del self._rows[key]
         return out
@@ -247,8 +364,11 @@ class VLLMBatch:
 
         llm = self._engine.llm
         key, adapter, salt = join.key, join.adapter, join.cache_salt
-        s = join.sampling if join.sampling is not None else GREEDY
-        row = Row(key, f"{self._prefix}-{key}", s, adapter)
+        prefill_only = join.max_new_tokens == 0  # asks its prompt's log-probabilities only
+        # A prefill-only row's one token is dropped: greedy, no grammar, no penalty (least work).
+        s = GREEDY if prefill_only or join.sampling is None else join.sampling
+        logprobs = None if prefill_only else join.logprobs
+        row = Row(key, f"{self._prefix}-{key}", s, adapter, logprobs, join.prompt_logprobs, prefill_only)
         lora = self._engine.lora.request(adapter) if adapter is not None else self._engine.lora.base
         if adapter is not None and lora is None:  # removed (or never added): this row alone
             self._failed[key] = EngineRefused(
@@ -256,7 +376,12 @@ class VLLMBatch:
             )
             return
         try:
-            params = sampling_params(s, join.max_new_tokens)
+            check_logprobs(logprobs, join.prompt_logprobs, self._engine.max_logprobs, self._engine.name)
+        except EngineRefused as e:
+            self._failed[key] = e
+            return
+        try:
+            params = sampling_params(s, max(join.max_new_tokens, 1), logprobs, join.prompt_logprobs)
             ids = [int(i) for i in join.ids]
             # vLLM's TokensPrompt, a TypedDict: built as the dict it is (its NotRequired keys
             # come from Python 3.11's typing, which a check at 3.10 reads as required).
@@ -278,13 +403,7 @@ class VLLMBatch:
             async for output in self._engine.llm.generate(
                 prompt, params, row.rid, lora_request=lora, priority=priority
             ):
-                new = output.outputs[0].token_ids
-                if row.cached is None and output.num_cached_tokens is not None:
-                    row.cached = output.num_cached_tokens
-                row.unread.extend(new)
-                row.made += len(new)
-                if output.finished:
-                    row.finished = True
+                row.read(output)
                 self._changed.set()
         except asyncio.CancelledError:
             raise  # remove(): generate() aborts the request in vLLM on the way out

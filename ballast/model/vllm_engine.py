@@ -59,7 +59,7 @@ from ballast.model.kv_events import feed_for
 from ballast.model.protocol import RowSampling
 from ballast.model.untyped import VLLMObject
 from ballast.model.vllm_args import DEFAULT_ENGINE_KWARGS, config_sections, default_engine_kwargs
-from ballast.model.vllm_batch import VLLMBatch, VLLMRequestError, sampling_params
+from ballast.model.vllm_batch import VLLMBatch, VLLMRequestError, check_logprobs, sampling_params
 from ballast.model.vllm_loop import SHUTDOWN_WAIT_S, EngineLoop
 from ballast.model.vllm_lora import BASE_ADAPTER, LoRATable, lora_engine_kwargs, precheck_adapters
 from ballast.model.vllm_stats import StatsSink, VLLMStats, engine_metrics, stat_logger_factory
@@ -132,6 +132,9 @@ class VLLMBackend:
         self.max_seq_len = int(cfg.model_config.max_model_len)
         self.text = TokenizerText(self.tokenizer, self.max_seq_len)
         self.vocab_size = int(cfg.model_config.get_vocab_size())
+        # The most log-probabilities per position vLLM gives (-1 in its config: the vocabulary).
+        max_logprobs = int(cfg.model_config.max_logprobs)
+        self.max_logprobs = self.vocab_size if max_logprobs == -1 else max_logprobs
         self.device = _device_name(cfg)
         self.lora = LoRATable(self.loop, self.llm, model=name, device=self.device)
         self._xgr_lock = threading.Lock()
@@ -248,9 +251,20 @@ class VLLMBackend:
 
     # ------------------------------------------------------- a row's checks and grammar
 
-    async def check(self, sampling: RowSampling | None, tenant: str = "") -> RowSampling | None:
+    async def check(
+        self,
+        sampling: RowSampling | None,
+        tenant: str = "",
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+    ) -> RowSampling | None:
         """``sampling`` for this model once vLLM's own validation passes, run here so that
         the request fails alone (``EngineRefused``), before it joins the batch.
+
+        ``logprobs`` / ``prompt_logprobs`` (the call's k, ``Join.logprobs`` /
+        ``prompt_logprobs``): above the engine's :attr:`max_logprobs`, ``EngineRefused``
+        naming ``logprobs`` (``vllm_batch.check_logprobs``, which a row's join checks again).
 
         A JSON schema (``response_format``, a forced tool call's) is compiled to its
         grammar by :attr:`grammars` (``ballast.model.grammar``): off the event loop, on a
@@ -260,6 +274,7 @@ class VLLMBackend:
         (vLLM's own compile has no time limit)."""
         from vllm.exceptions import VLLMClientError
 
+        check_logprobs(logprobs, prompt_logprobs, self.max_logprobs, self.name)
         if sampling is None:
             return None
         sampling = sampling.for_vocab(self.vocab_size)

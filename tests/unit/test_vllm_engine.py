@@ -1,6 +1,7 @@
 """The vLLM engine on a tiny random Llama built here: greedy equals transformers, rows join
 and leave, abort frees the slot, EOS / ignore_eos / min_tokens / max_tokens, prefix-cache
-stats, load errors, the engine's processes. One engine for the module."""
+stats, load errors, the engine's processes, log-probabilities against vLLM's own and transformers'
+forward pass. One engine for the module."""
 
 from __future__ import annotations
 
@@ -198,6 +199,160 @@ def test_same_seed_same_tokens(backend):
     two = drain(backend.open_batch(), [[Join(0, ids, 24, s), Join(1, ids, 24, RowSampling(temperature=1.0, seed=7))]])
     assert one == two[0] and len(one) > 0
     assert two[1] != one
+
+
+K = 5  # likeliest tokens asked per position
+ATOL = 1e-3  # float32 engine and float32 transformers on one directory
+
+
+def drain_logprobs(batch, joins, steps=3, max_chunks=200):
+    """Drive ``batch`` to its end from ``joins``: every row's ids and what ``take_logprobs``
+    gave it, chunk after chunk, each chunk's tokens checked against the ids it returned."""
+    ids: dict = {}
+    tokens: dict = {}
+    prompts: dict = {}
+    for i in range(max_chunks):
+        out = batch.run_chunk(joins if i == 0 else [], steps)
+        taken = batch.take_logprobs()
+        assert set(taken) <= set(out)
+        for key, new in out.items():
+            ids.setdefault(key, []).extend(new)
+            if key not in taken:
+                continue
+            lp = taken[key]
+            if lp.prompt is not None:
+                assert key not in prompts, f"{key}: its prompt's log-probabilities came twice"
+                prompts[key] = lp.prompt
+            if lp.tokens or new:  # a row asking for its tokens' gets one per id, chunk by chunk
+                assert [t.id for t in lp.tokens] == new, key
+                tokens.setdefault(key, []).extend(lp.tokens)
+        if not batch.keys():
+            return ids, tokens, prompts
+    raise AssertionError(f"rows {batch.keys()} still running after {max_chunks} chunks")
+
+
+def vllm_own(backend, ids, n, k):
+    """The same engine asked directly through its ``AsyncLLM``, as vLLM's own callers do (the
+    whole answer at once): the ids, and each generated and prompt position as (id, logprob,
+    the k likeliest (id, logprob) by logprob) read from vLLM's dicts."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(
+        max_tokens=n,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=k,
+        prompt_logprobs=k,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+    async def answer():
+        return [o async for o in backend.llm.generate({"prompt_token_ids": list(ids)}, params, "own-logprobs")][-1]
+
+    out = backend.loop.call(answer(), 60)
+
+    def position(tid, d):
+        top = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
+        return tid, d[tid].logprob, [(t, lp.logprob) for t, lp in top]
+
+    got = list(out.outputs[0].token_ids)
+    return (
+        got,
+        [position(t, d) for t, d in zip(got, out.outputs[0].logprobs)],
+        [position(t, d) for t, d in zip(ids[1:], out.prompt_logprobs[1:])],
+    )
+
+
+def hf_positions(hf_model, ids, k):
+    """transformers' forward pass over ``ids``: for each position from the second, its id, the
+    log-softmax of the logits before it, and the k likeliest."""
+    import torch
+
+    with torch.inference_mode():
+        lsm = hf_model(torch.tensor([ids])).logits.float().log_softmax(-1)[0]
+    out = []
+    for i in range(1, len(ids)):
+        top = lsm[i - 1].topk(k)
+        out.append((ids[i], float(lsm[i - 1, ids[i]]), list(zip(top.indices.tolist(), top.values.tolist()))))
+    return out
+
+
+def assert_positions_close(got, expected, what):
+    """``IdLogprobs`` against (id, logprob, top) triples: ids equal, logprobs within ATOL."""
+    assert len(got) == len(expected), what
+    for i, (g, (tid, lp, top)) in enumerate(zip(got, expected)):
+        assert g.id == tid, (what, i)
+        assert abs(g.logprob - lp) <= ATOL, (what, i, g.logprob, lp)
+        assert [t for t, _ in g.top] == [t for t, _ in top], (what, i, g.top, top)
+        assert all(abs(a - b) <= ATOL for (_, a), (_, b) in zip(g.top, top)), (what, i, g.top, top)
+
+
+def test_logprobs_equal_vllms_own_and_transformers_forward_pass(backend, hf_model):
+    # One batch: a row asking 5 for its tokens and its prompt, one asking the chosen token's
+    # only, a prefill-only row (its prompt's, no token) and a row asking nothing, side by side.
+    n = 12
+    prompts = {key: backend.text.encode(p, n) for key, p in zip(("lp", "plain", "echo"), PROMPTS)}
+    batch = backend.open_batch()
+    joins = [
+        Join("lp", prompts["lp"], n, LONG, logprobs=K, prompt_logprobs=K),
+        Join("chosen", prompts["lp"], n, LONG, logprobs=0),
+        Join("plain", prompts["plain"], n, LONG),
+        Join("echo", prompts["echo"], 0, LONG, logprobs=K, prompt_logprobs=K),
+    ]
+    ids, tokens, prompt_lps = drain_logprobs(batch, joins)
+    assert {k: len(v) for k, v in ids.items()} == {"lp": n, "chosen": n, "plain": n, "echo": 0}
+    assert set(tokens) == {"lp", "chosen"} and set(prompt_lps) == {"lp", "echo"}  # plain asked nothing
+
+    own_ids, own_tokens, own_prompt = vllm_own(backend, prompts["lp"], n, K)
+    assert ids["lp"] == own_ids == ids["chosen"]
+    assert_positions_close(tokens["lp"], own_tokens, "tokens vs vLLM's own")
+    assert_positions_close(prompt_lps["lp"], own_prompt, "prompt vs vLLM's own")
+
+    forward = hf_positions(hf_model, prompts["lp"] + ids["lp"], K)
+    assert_positions_close(prompt_lps["lp"], forward[: len(prompts["lp"]) - 1], "prompt vs transformers")
+    assert_positions_close(tokens["lp"], forward[len(prompts["lp"]) - 1 :], "tokens vs transformers")
+    assert_positions_close(prompt_lps["echo"], hf_positions(hf_model, prompts["echo"], K), "echo vs transformers")
+    # logprobs 0: the chosen token's, no others; equal to the row asking 5.
+    assert [t.top for t in tokens["chosen"]] == [()] * n
+    assert all(abs(a.logprob - b.logprob) <= ATOL for a, b in zip(tokens["chosen"], tokens["lp"]))
+
+
+async def test_more_logprobs_than_the_engine_gives_are_refused_naming_the_field(backend):
+    assert backend.max_logprobs == 20  # vLLM's default max_logprobs
+    assert await backend.check(LONG, logprobs=20, prompt_logprobs=20) == LONG
+    for asked in ({"logprobs": 21}, {"prompt_logprobs": 21}):
+        with pytest.raises(EngineRefused) as e:
+            await backend.check(None, **asked)
+        assert e.value.field == "logprobs" and e.value.status == 400 and "at most 20" in e.value.message
+
+
+def test_rows_asking_logprobs_vllm_cannot_give_fail_alone(backend):
+    # On an engine of a lower max_logprobs, a row asking more fails alone at its join; a
+    # prefill-only row filling the whole context fails alone too (vLLM runs it with one
+    # token, and refuses a prompt that leaves none: a 400 naming the prompt, as vllm serve
+    # answers echo with max_tokens 0 there). The row beside them runs to its end.
+    ids = backend.text.encode("Hello!", 0)
+    full = (ids * 512)[:512]
+    kept, backend.max_logprobs = backend.max_logprobs, 3
+    try:
+        batch = backend.open_batch()
+        joins = [Join("ok", ids, 8, LONG, logprobs=3), Join("many", ids, 0, LONG, prompt_logprobs=4)]
+        joins.append(Join("full", full, 0, None, prompt_logprobs=1))
+        got, failed = [], {}
+        for i in range(200):
+            out = batch.run_chunk(joins if i == 0 else [], 2)
+            assert set(out) <= {"ok", "full"}
+            got += out.get("ok", [])
+            failed.update(batch.take_failed())
+            if not batch.keys():
+                break
+    finally:
+        backend.max_logprobs = kept
+    assert len(got) == 8 and set(failed) == {"many", "full"}
+    assert isinstance(failed["many"], EngineRefused) and failed["many"].field == "logprobs"
+    assert isinstance(failed["full"], EngineRefused) and failed["full"].field == "prompt"
 
 
 def test_a_repetition_penalty_reaches_the_engine(backend):
@@ -605,3 +760,19 @@ def test_the_engines_steps_give_its_curve_by_vllms_own_inter_token_gaps():
             sink.record(SchedulerStats(num_running_reqs=rows), [])  # new rows only: no step time
     assert sink.curve() == curve.snapshot() and curve.rows() == 46
     assert (sink.get().running, sink.get().useful_rows, sink.get().steps) == (16, 46, 256)
+
+
+def test_a_vllm_position_becomes_the_chosen_ids_logprob_and_the_k_likeliest_by_rank():
+    """vLLM's position dicts as its output processor builds them (no engine): the chosen id
+    first with its own rank, then the k of rank 1..k; a chosen id among them carries its
+    rank there."""
+    from vllm.logprobs import Logprob
+
+    from ballast.model.vllm_batch import position_logprobs
+
+    outside = {9: Logprob(-4.0, rank=7), 3: Logprob(-0.5, rank=1), 5: Logprob(-1.5, rank=2)}
+    got = position_logprobs(9, outside, 2)
+    assert (got.id, got.logprob, got.top) == (9, -4.0, ((3, -0.5), (5, -1.5)))
+    among = {5: Logprob(-1.5, rank=2), 3: Logprob(-0.5, rank=1), 8: Logprob(-2.0, rank=3)}
+    assert position_logprobs(5, among, 3).top == ((3, -0.5), (5, -1.5), (8, -2.0))
+    assert position_logprobs(5, among, 0).top == () and position_logprobs(5, among, 0).logprob == -1.5
