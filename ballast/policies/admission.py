@@ -86,8 +86,9 @@ def clamp_max_tokens(requested: int, constraints: LevelConstraints, model_max_to
 
     ``clamped`` is True when the client gets fewer tokens than it asked for, so
     the router can tell it (a response field / header) instead of truncating silently.
+    ``requested`` 0 asks for no token (the prompt's log-probabilities alone): 0 is granted.
     """
-    check_int("requested", requested, minimum=1)
+    check_int("requested", requested, minimum=0)
     check_int("model_max_tokens", model_max_tokens, minimum=1)
     granted = min(requested, constraints.max_tokens, model_max_tokens)
     return granted, granted < requested

@@ -89,6 +89,7 @@ def test_custom_level_zero_refusal_uses_the_base() -> None:
         (3000, 0, 1000, (1000, True)),  # model limit below level limit
         (600, 4, 1000, (512, True)),
         (512, 4, 512, (512, False)),
+        (0, 4, 512, (0, False)),  # no token asked (echo alone): none granted, nothing clamped
     ],
 )
 def test_clamp_max_tokens(requested: int, level: int, model_max: int, expected: tuple[int, bool]) -> None:
@@ -97,7 +98,7 @@ def test_clamp_max_tokens(requested: int, level: int, model_max: int, expected: 
 
 def test_clamp_validation() -> None:
     with pytest.raises(ValueError, match="requested"):
-        clamp_max_tokens(0, DEFAULT_CONSTRAINTS[0], 100)
+        clamp_max_tokens(-1, DEFAULT_CONSTRAINTS[0], 100)
     with pytest.raises(ValueError, match="model_max_tokens"):
         clamp_max_tokens(10, DEFAULT_CONSTRAINTS[0], 0)
 

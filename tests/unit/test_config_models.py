@@ -72,6 +72,7 @@ class TestOneModelConfigsUnchanged:
         assert dump["limits"].pop("max_schema_pattern_chars") == 128
         assert dump["limits"].pop("max_schema_repeat") == 1024
         assert dump["limits"].pop("max_schema_literal_chars") == 32768
+        assert dump["limits"].pop("max_choices") == 8  # OpenAI's n, bounded
         models = [dump["model"]] + ([dump["fallback"]["model"]] if dump.get("fallback") else [])
         for model in models:
             assert model.pop("cpus") is None  # fields added to a model: not pinned,
