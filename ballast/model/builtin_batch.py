@@ -198,6 +198,10 @@ class LiveBatch:
         """None: the built-in engine keeps no prefix cache."""
         return None
 
+    def take_embeddings(self) -> dict[Any, bytes]:
+        """None pooled: this engine pools no rows yet."""
+        return {}
+
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
         """The last chunk's log-probabilities for the rows that asked (``engine.Batch``),
         once: a second call before the next chunk gets none."""

@@ -125,6 +125,12 @@ class Batch(Protocol):
         row that had tokens in the last chunk; None for an engine without one."""
         ...
 
+    def take_embeddings(self) -> dict[Any, bytes]:
+        """The vectors the last chunk pooled, for the rows whose join asked (``Join.pool``),
+        by key: float32, little-endian. Such a row leaves in the chunk it joined (run_chunk
+        gives it no id)."""
+        ...
+
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
         """The log-probabilities the last chunk computed, for the rows whose join asked
         (``Join.logprobs`` / ``Join.prompt_logprobs``), by key; empty when none asked. A

@@ -235,6 +235,10 @@ class HFBatch:
         """None: the transformers engine keeps no prefix cache."""
         return None
 
+    def take_embeddings(self) -> dict[Any, bytes]:
+        """None pooled: this engine pools no rows yet."""
+        return {}
+
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
         """The last chunk's log-probabilities for the rows that asked (``engine.Batch``),
         once: a second call before the next chunk gets none. A row that failed has none."""

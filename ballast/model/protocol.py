@@ -241,6 +241,29 @@ class TokenLogprob:
     top: tuple[tuple[str, float], ...] = ()
 
 
+POOLING_KINDS = ("last", "mean", "cls")
+
+
+@dataclass(frozen=True, slots=True)
+class Pooling:
+    """How a row's prompt becomes one vector (an embeddings model's): its hidden states
+    after the model's final norm pooled by ``kind`` (``last``: the last token's, vLLM's LAST;
+    ``mean``: the mean over the prompt; ``cls``: the first token's), the first
+    ``dimensions`` of them when set (a Matryoshka model's shorter vector; None: all), then
+    L2-normalised when ``normalize`` (after the cut, as vLLM's)."""
+
+    kind: str = "last"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in POOLING_KINDS:
+            raise ValueError(f"Pooling.kind must be one of {POOLING_KINDS}, got {self.kind!r}")
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"Pooling.dimensions must be an int >= 1 or None, got {d!r}")
+
+
 def _check_k(name: str, k: int | None) -> None:
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
         raise ValueError(f"Join.{name} must be an int in [0, {MAX_TOP_LOGPROBS}] or None, got {k!r}")
@@ -278,10 +301,15 @@ class Join:
     # is prefilled, gives its prompt's log-probabilities, and leaves with no token.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # An embeddings row (``Batch.take_embeddings``): prefilled, its prompt pooled into one
+    # vector, and it leaves with no token (``max_new_tokens`` must be 0).
+    pool: Pooling | None = None
 
     def __post_init__(self) -> None:
         _check_k("logprobs", self.logprobs)
         _check_k("prompt_logprobs", self.prompt_logprobs)
+        if self.pool is not None and (not isinstance(self.pool, Pooling) or self.max_new_tokens != 0):
+            raise ValueError("Join.pool must be a Pooling, on a row of max_new_tokens 0")
         try:
             hash(self.key)
         except TypeError:
@@ -373,6 +401,19 @@ class ModelCall:
     # ``max_tokens`` 0 is a call for the prompt's only (it needs ``prompt_logprobs``).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # An embeddings call: each of ``inputs`` (token ids of the model's tokenizer, ``tokenizer``)
+    # is one row pooled as ``pool`` says, answered as a chunk by its index with its vector;
+    # ``prompt``/``prompt_ids`` are unused and ``max_tokens`` is 0.
+    pool: Pooling | None = None
+    inputs: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def input_tokens(self) -> int:
+        """What the model prefills for the call: its prompt's ids and a resumed stream's,
+        or an embeddings call's inputs' together."""
+        if self.pool is not None:
+            return sum(len(i) for i in self.inputs)
+        return len(self.prompt_ids) + len(self.resumed_ids)
 
     @property
     def asks(self) -> frozenset[str]:
@@ -429,6 +470,8 @@ class ModelChunk:
     # the first position's logprob None) on choice 0's first chunk.
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # An embeddings call's row: its input's vector (float32, little-endian; ``Pooling``).
+    embedding: bytes | None = None
 
     @property
     def tokens(self) -> int:
@@ -458,6 +501,8 @@ class ModelResult:
     # finish_reason and logprobs are the fields above too, and ``tokens`` above counts all
     # choices' tokens: what the call cost). Empty for a call of one choice.
     choices: tuple[ChoiceResult, ...] = ()
+    # An embeddings call's vectors, one per input in order (float32, little-endian).
+    embeddings: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

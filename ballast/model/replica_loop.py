@@ -65,7 +65,16 @@ from typing import Any
 
 from ballast.errors import DeadlineExceeded, EngineRefused
 from ballast.model.engine import Batch, ModelBackend, StreamDecoder, TextSide, serving_lora
-from ballast.model.protocol import IdLogprobs, Join, ModelCall, ModelChunk, RowLogprobs, RowSampling, TokenLogprob
+from ballast.model.protocol import (
+    IdLogprobs,
+    Join,
+    ModelCall,
+    ModelChunk,
+    Pooling,
+    RowLogprobs,
+    RowSampling,
+    TokenLogprob,
+)
 from ballast.policies.deadline import replica_deadline_s
 from ballast.policies.sampling import MAX_SEED, MIN_SEED
 from ballast.policies.scheduler import DEADLINE, STALLED, SchedulerConfig, schedule, timeout_reason
@@ -125,6 +134,7 @@ class ReplicaRow:
     cached_tokens: int | None = None  # prompt tokens the engine took from its prefix cache
     logprobs: int | None = None  # k likeliest for each token (ModelCall.logprobs; None: none)
     prompt_logprobs: int | None = None  # k likeliest for each prompt position (echo; None: none)
+    pool: Pooling | None = None  # an embeddings row: its prompt pooled into one vector
     stops: StopScanner | None = None
     key: int = 0
     started: bool = False
@@ -276,7 +286,7 @@ class ReplicaLoop:
         chunk as the engine brings it; the first chunk of a new request carries its queue
         wait and max_tokens. A resumed call with no token left answers at once."""
         self.start()
-        if call.n > 1:
+        if call.n > 1 or call.inputs:
             async for chunk in self._choices(call):
                 yield chunk
             return
@@ -292,21 +302,24 @@ class ReplicaLoop:
     async def _choices(self, call: ModelCall) -> AsyncGenerator[ModelChunk, None]:
         """A call of ``n`` choices: n rows, each a call of one choice (``choice_call``: its
         own seed, as vLLM's parallel sampling), their chunks interleaved as they come, each
-        stamped with its index. One choice's error ends them all (the others are cancelled);
-        so does the caller leaving."""
+        stamped with its index; an embeddings call likewise, a row per input
+        (``input_call``). One row's error ends them all (the others are cancelled); so does
+        the caller leaving."""
         out: asyncio.Queue[tuple[int, ModelChunk | BaseException | None]] = asyncio.Queue()
 
         async def run(i: int) -> None:
             try:
-                async for chunk in self.stream(choice_call(call, i)):
+                async for chunk in self.stream(rows[i] if rows is not None else choice_call(call, i)):
                     out.put_nowait((i, replace(chunk, index=i)))
                 out.put_nowait((i, None))
             except Exception as exc:  # the whole call fails with it
                 out.put_nowait((i, exc))
 
-        tasks = [asyncio.ensure_future(run(i)) for i in range(call.n)]
+        rows = [input_call(call, i) for i in range(len(call.inputs))] if call.inputs else None
+        count = len(rows) if rows is not None else call.n
+        tasks = [asyncio.ensure_future(run(i)) for i in range(count)]
         try:
-            left = call.n
+            left = count
             while left:
                 _, got = await out.get()
                 if got is None:
@@ -324,7 +337,10 @@ class ReplicaLoop:
         (the router's, or tokenized here) fitted to the context, its sampling checked by the
         engine within the call's deadline, and a resume applied. EngineRefused (a 400) or
         the engine's own refusal for a call refused as sent."""
-        max_tokens = self._checked_max_tokens(call.max_tokens, prompt_only=call.prompt_logprobs is not None)
+        prompt_only = call.prompt_logprobs is not None or call.pool is not None
+        max_tokens = self._checked_max_tokens(call.max_tokens, prompt_only=prompt_only)
+        if call.pool is not None and max_tokens:
+            raise EngineRefused("max_tokens: an embeddings row generates no token", field="max_tokens")
         self._check_adapter(call.adapter)
         now = self._clock()
         timeout_s = call.deadline.left_s(self._wall_clock()) if call.deadline is not None else self._max_deadline_s
@@ -347,6 +363,7 @@ class ReplicaLoop:
             priority=call.priority,
             logprobs=call.logprobs,
             prompt_logprobs=call.prompt_logprobs,
+            pool=call.pool,
             stops=StopScanner(call.stops) if call.stops else None,
             key=self._next_key,
         )
@@ -486,7 +503,8 @@ class ReplicaLoop:
         batch-size window and hook, and each row's ids delivered."""
         self._fail_rows(self._batch.take_failed())
         logprobs = self._batch.take_logprobs()
-        if any(out.values()):  # tokens came: the engine made progress (vLLM may return none within its wait)
+        vectors = self._batch.take_embeddings()
+        if any(out.values()) or vectors:  # tokens came: the engine made progress (vLLM may return none within its wait)
             self.progress_at_s = self._clock()
         self._batches += 1
         rows = len(self._active)
@@ -501,6 +519,9 @@ class ReplicaLoop:
                 row.cached_tokens = self._batch.cached_tokens(key)
             row.emitted += len(ids)
             tokens += len(ids)
+            if row.pool is not None:
+                self._pooled(row, vectors.get(key))
+                continue
             self._deliver(row, ids, done=key not in in_batch, logprobs=logprobs.get(key))
         self._on_chunk(rows, tokens)
 
@@ -534,6 +555,14 @@ class ReplicaLoop:
             self._evict.append(row.key)
         last = ModelChunk(text, tuple(ids), finish_reason="stop" if stopped or eos else "length")
         self._finish(row, replace(last, **named) if named else last)
+
+    def _pooled(self, row: ReplicaRow, vector: bytes | None) -> None:
+        """An embeddings row's one chunk: its vector; an engine that gave none pools no rows
+        (EngineRefused: the request is refused, the model not counted at fault)."""
+        if vector is None:
+            self._finish(row, EngineRefused(f"model: {self._engine.name!r} does not pool rows", field="model"))
+            return
+        self._finish(row, ModelChunk("", (), finish_reason="stop", embedding=vector))
 
     def _named(self, row: ReplicaRow, logprobs: RowLogprobs | None) -> dict[str, Any]:
         """A chunk's log-probabilities for ``row`` with their tokens named by the engine's
@@ -587,6 +616,7 @@ class ReplicaLoop:
             row.priority,
             logprobs=row.logprobs,
             prompt_logprobs=row.prompt_logprobs,
+            pool=row.pool,
         )
 
     def _finish(self, row: ReplicaRow, last: ModelChunk | BaseException) -> None:
@@ -610,6 +640,11 @@ def choice_call(call: ModelCall, i: int) -> ModelCall:
         seed = (sampling.seed + i - MIN_SEED) % (MAX_SEED - MIN_SEED + 1) + MIN_SEED
         sampling = replace(sampling, seed=seed)
     return replace(call, n=1, sampling=sampling)
+
+
+def input_call(call: ModelCall, i: int) -> ModelCall:
+    """Input ``i`` of an embeddings call as a row of its own: its ids as the prompt."""
+    return replace(call, prompt_ids=call.inputs[i], inputs=(), n=1)
 
 
 def named_logprobs(text: TextSide, positions: Sequence[IdLogprobs]) -> tuple[TokenLogprob, ...]:

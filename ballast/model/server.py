@@ -524,15 +524,19 @@ def unary_result(chunks: Sequence[ModelChunk], n: int, total_ms: float, replica_
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
     tokens, finish = [0] * n, ["length"] * n
     wait_ms, granted, cached, prompt = 0.0, 0, 0, None
+    vectors: dict[int, bytes] = {}
     for chunk in chunks:
         if chunk.queue_wait_ms is not None:
-            wait_ms = chunk.queue_wait_ms
+            wait_ms = max(wait_ms, chunk.queue_wait_ms)  # several rows (choices, inputs): the longest
         if chunk.cached_tokens is not None:
             cached = chunk.cached_tokens
         if chunk.max_tokens is not None:
             granted = chunk.max_tokens
         if chunk.prompt_logprobs is not None and chunk.index == 0:
             prompt = chunk.prompt_logprobs
+        if chunk.embedding is not None:
+            vectors[chunk.index] = chunk.embedding
+            continue
         i = chunk.index
         texts[i].append(chunk.text)
         logprobs[i].extend(chunk.logprobs)
@@ -551,6 +555,7 @@ def unary_result(chunks: Sequence[ModelChunk], n: int, total_ms: float, replica_
         logprobs=choices[0].logprobs,
         prompt_logprobs=prompt,
         choices=choices if n > 1 else (),
+        embeddings=tuple(vectors[i] for i in sorted(vectors)),
     )
 
 

@@ -292,6 +292,10 @@ class VLLMBatch:
         that had tokens in the last chunk; None when vLLM has not said."""
         return self._cached.get(key)
 
+    def take_embeddings(self) -> dict[Any, bytes]:
+        """None pooled: this engine pools no rows yet."""
+        return {}
+
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
         """The last chunk's log-probabilities for the rows that asked and had ids or their
         prompt's in it: ``tokens`` one per id ``run_chunk`` returned for the row, ``prompt``

@@ -148,8 +148,9 @@ class ModelRequest:
 
     @property
     def prompt_tokens(self) -> int:
-        """What the model prefills: the prompt's ids and a resumed stream's."""
-        return len(self.call.prompt_ids) + len(self.call.resumed_ids)
+        """What the model prefills: the prompt's ids and a resumed stream's (an embeddings
+        call's inputs)."""
+        return self.call.input_tokens
 
 
 class Pipeline:

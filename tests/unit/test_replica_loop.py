@@ -402,7 +402,7 @@ async def test_n_choices_are_n_rows_answered_by_index_each_to_its_own_end(engine
     chunks = await collect(loop, call(ids, 5, n=3))
     by_index = {i: [c for c in chunks if c.index == i] for i in range(3)}
     expected = alone(engine, ids, 5)
-    for i, mine in by_index.items():
+    for mine in by_index.values():
         assert [t for c in mine for t in c.ids] == expected  # greedy: each choice is the row alone
         assert [c.finish_reason for c in mine][-1] == "length" and mine[0].max_tokens == 5
     assert loop.in_flight == 0 and loop.kv_reserved_tokens == 0
@@ -425,3 +425,15 @@ def test_a_choices_seed_is_the_calls_plus_its_index_within_int64():
     assert [choice_call(c, i).sampling.seed for i in range(3)] == [MAX_SEED - 1, MAX_SEED, MIN_SEED]
     assert all(choice_call(c, i).n == 1 for i in range(3))
     assert choice_call(call([1], 4, n=2), 1).sampling is None
+
+
+async def test_an_embeddings_call_is_a_row_per_input_refused_by_an_engine_that_pools_none(engine):
+    from ballast.model.protocol import Pooling
+
+    loop = make_loop(engine)
+    c = call([], 0, pool=Pooling(), inputs=((72, 105), (33,)))
+    with pytest.raises(EngineRefused) as e:  # the built-in engine gives no vector: refused, not hung
+        await collect(loop, c)
+    assert e.value.field == "model" and loop.in_flight == 0
+    with pytest.raises(EngineRefused):
+        await collect(loop, call([], 3, pool=Pooling(), inputs=((72,),)))  # a pooled row generates nothing
