@@ -3,7 +3,7 @@ its replicas and their ranks go."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
@@ -89,8 +89,32 @@ def parallel_sizes(engine_kwargs: dict[str, Any]) -> tuple[int, int]:
     return sizes[0], sizes[1]
 
 
+class EmbedSettings(Strict):
+    """An embeddings model's (``kind: embed``): how its prompt becomes one vector, and what
+    one ``/v1/embeddings`` request may ask of it."""
+
+    # The hidden states after the model's final norm, pooled: "last" (the last token's,
+    # vLLM's LAST, what decoder embedding models are trained for), "mean" or "cls" (the first
+    # token's, encoder models'); then L2-normalised unless normalize is false.
+    pooling: Literal["last", "mean", "cls"] = "last"
+    normalize: bool = True
+    # The shorter vectors the model was trained to give (Matryoshka), the sizes a request's
+    # `dimensions` may ask; null: only the model's whole vector.
+    dimensions: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = None
+    # One request: at most this many inputs (OpenAI's limit is 2048), each at most
+    # max_input_tokens (null: the model's context), all of them at most max_request_tokens.
+    # The inputs of one request go to one replica together, a row each.
+    max_inputs: int = Field(default=256, ge=1, le=2048)
+    max_input_tokens: PositiveInt | None = None
+    max_request_tokens: int = Field(default=65536, ge=1, le=1 << 22)
+
+
 class ModelConfig(Strict):
     name: str = Field(default="tiny-decoder", min_length=1, max_length=64)
+    # What the model serves: "generate" (text: /v1/chat/completions, /v1/completions,
+    # /v1/generate) or "embed" (vectors: /v1/embeddings; `embed` below says how).
+    kind: Literal["generate", "embed"] = "generate"
+    embed: EmbedSettings = EmbedSettings()
     # Which engine serves the model. "builtin": the random-weight byte-level decoder
     # (architecture, seed, checkpoint_path below), the fast default for tests and the
     # embedded `make serve`. "transformers": a local Hugging Face causal-LM directory at
@@ -217,6 +241,10 @@ class ModelConfig(Strict):
             raise ValueError("tool_parser is vLLM's (backend 'vllm'); the other engines do not call tools")
         if self.reasoning_parser is not None and not capabilities(self.backend).tool_parsing:
             raise ValueError("reasoning_parser is vLLM's (backend 'vllm')")
+        if self.kind == "embed" and (self.tool_parser or self.reasoning_parser):
+            raise ValueError("tool_parser and reasoning_parser are a generating model's; this one is kind 'embed'")
+        if self.kind != "embed" and self.embed != EmbedSettings():
+            raise ValueError("embed: an embeddings model's settings (kind: embed); this one is kind 'generate'")
         return self
 
     def _parallel_fields(self) -> None:

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from ballast.config import BallastConfig, BatchConfig, ModelConfig, load_config, with_model_dir
+from ballast.config.model import EmbedSettings
 from ballast.errors import ConfigError
 from ballast.policies.catalog import Listed, Target
 
@@ -78,6 +79,8 @@ class TestOneModelConfigsUnchanged:
             assert model.pop("cpus") is None  # fields added to a model: not pinned,
             assert model.pop("compute_niceness") is None  # the compute at the replica's niceness,
             assert model.pop("reasoning_parser") is None  # no reasoning parser (vLLM's, by name),
+            assert model.pop("kind") == "generate"  # a generating model, not an embeddings one,
+            assert model.pop("embed") == EmbedSettings().model_dump(mode="json")
             # and where a model of several ranks places them (the default, unused with one)
             assert model.pop("placement") == {"strategy": "STRICT_PACK", "rank_resources": None, "check": True}
             # and how a replica is chosen (by what it holds: the defaults)
