@@ -62,6 +62,7 @@ class Settled:
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     choices: tuple[ChoiceResult, ...] = ()
+    embeddings: tuple[bytes, ...] = ()  # an embeddings call's vectors, by input (float32 LE)
 
 
 @dataclass(frozen=True)

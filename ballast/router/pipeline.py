@@ -584,6 +584,7 @@ class Pipeline:
                 r.logprobs,
                 r.prompt_logprobs,
                 r.choices,
+                r.embeddings,
             )
         except DeadlineExceeded as err:
             outcome = Outcome(
