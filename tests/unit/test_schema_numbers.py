@@ -1,0 +1,183 @@
+"""The grammar bounds what a model may write where a number is asked
+(ballast.policies.schema.bounded_numbers): the rewrite itself on nested schemas, the
+schema's own bounds kept, its input untouched; the real xgrammar compiler showing what the
+bounds do to the digits."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from ballast.policies.sampling import INT64_MAX, INT64_MIN
+from ballast.policies.schema import INTEGER_BOUNDS, NUMBER_BOUNDS, bounded_numbers
+
+INT = {"minimum": INT64_MIN, "maximum": INT64_MAX}
+NUM = {"minimum": NUMBER_BOUNDS[0], "maximum": NUMBER_BOUNDS[1]}
+TWENTY_DIGITS = "1" + "0" * 19
+
+
+def test_the_defaults_are_int64_and_plus_minus_ten_to_the_fifteen():
+    assert INTEGER_BOUNDS == (-(2**63), 2**63 - 1) and NUMBER_BOUNDS == (-(10**15), 10**15)
+
+
+def test_every_integer_and_number_wherever_a_schema_holds_one_is_bounded():
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "description": "kept"},
+            "x": {"type": "number"},
+            "list": {"type": "array", "items": {"type": "integer"}},
+            "pair": {"type": "array", "prefixItems": [{"type": "number"}, {"type": "string"}]},
+            "tuple": {"type": "array", "items": [{"type": "integer"}], "additionalItems": {"type": "number"}},
+            "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+            "one": {"oneOf": [{"type": "number"}, {"type": "null"}]},
+            "all": {"allOf": [{"type": "integer"}, {"maximum": 5}]},
+            "ref": {"$ref": "#/$defs/Count"},
+            "map": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "by_pattern": {"type": "object", "patternProperties": {"^i": {"type": "integer"}}},
+        },
+        "$defs": {"Count": {"type": "integer"}},
+        "definitions": {"Ratio": {"type": "number"}},
+    }
+    props = schema["properties"]
+    assert bounded_numbers(schema) == {
+        **schema,
+        "properties": {
+            "n": {"type": "integer", "description": "kept", **INT},
+            "x": {"type": "number", **NUM},
+            "list": {"type": "array", "items": {"type": "integer", **INT}},
+            "pair": {"type": "array", "prefixItems": [{"type": "number", **NUM}, {"type": "string"}]},
+            "tuple": {
+                "type": "array",
+                "items": [{"type": "integer", **INT}],
+                "additionalItems": {"type": "number", **NUM},
+            },
+            "either": {"anyOf": [{"type": "integer", **INT}, {"type": "string"}]},
+            "one": {"oneOf": [{"type": "number", **NUM}, {"type": "null"}]},
+            "all": {"allOf": [{"type": "integer", **INT}, {"maximum": 5}]},  # a branch without a type: as sent
+            "ref": props["ref"],
+            "map": {"type": "object", "additionalProperties": {"type": "integer", **INT}},
+            "by_pattern": {"type": "object", "patternProperties": {"^i": {"type": "integer", **INT}}},
+        },
+        "$defs": {"Count": {"type": "integer", **INT}},
+        "definitions": {"Ratio": {"type": "number", **NUM}},
+    }
+
+
+def test_a_type_given_as_a_list_is_bounded_by_the_widest_numeric_type_in_it():
+    assert bounded_numbers({"type": ["integer", "null"]}) == {"type": ["integer", "null"], **INT}
+    assert bounded_numbers({"type": ["integer", "number"]}) == {"type": ["integer", "number"], **NUM}
+    assert bounded_numbers({"type": ["string", "null"]}) == {"type": ["string", "null"]}
+    odd = {"type": [{"not": "a type"}, ["integer"]]}  # not a schema xgrammar takes, but no crash here
+    assert bounded_numbers(odd) == odd
+
+
+@pytest.mark.parametrize(
+    ("schema", "added"),
+    [
+        ({"type": "integer", "minimum": 0}, {"maximum": INT64_MAX}),
+        ({"type": "integer", "exclusiveMaximum": 10}, {"minimum": INT64_MIN}),
+        ({"type": "integer", "exclusiveMinimum": -1, "maximum": 3}, {}),
+        ({"type": "number", "minimum": 0.5}, {"maximum": NUMBER_BOUNDS[1]}),
+        ({"type": "number", "minimum": -1, "exclusiveMaximum": 1e30}, {}),
+        # The schema's other bound lies past the default: that side stays as sent (open).
+        ({"type": "number", "minimum": 1e16}, {}),
+        ({"type": "number", "exclusiveMaximum": -(10**15)}, {}),
+        # xgrammar drops an integer's multipleOf once it has a range: left as sent.
+        ({"type": "integer", "multipleOf": 5}, {}),
+        # a number's multipleOf xgrammar ignores either way: bounded.
+        ({"type": "number", "multipleOf": 0.5}, NUM),
+    ],
+)
+def test_the_schemas_own_bounds_win(schema: dict[str, Any], added: dict[str, Any]):
+    assert bounded_numbers(schema) == {**schema, **added}
+
+
+def test_data_and_conditions_are_not_rewritten():
+    looks_like_a_schema = {"type": "integer"}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"const": looks_like_a_schema},
+            "b": {"enum": [looks_like_a_schema], "default": looks_like_a_schema, "examples": [looks_like_a_schema]},
+            "c": {"not": {"type": "integer"}},  # bounding it would widen what "c" admits
+            "d": {"type": "array", "contains": {"type": "integer"}},
+        },
+    }
+    assert bounded_numbers(schema) == schema
+
+
+def test_the_input_is_never_changed_and_the_copy_shares_nothing_with_it():
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "enum": [1, 2]}, "b": {"type": "array", "items": {"type": "number"}}},
+        "required": ["a"],
+    }
+    before = copy.deepcopy(schema)
+    out = bounded_numbers(schema)
+    assert schema == before
+    assert out != schema
+    inputs = {id(c) for c in _containers(schema)}
+    assert not inputs & {id(c) for c in _containers(out)}
+
+
+def test_a_schema_nested_past_pythons_stack_is_walked_without_recursion():
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    out = bounded_numbers(schema)
+    for _ in range(5000):
+        out = out["items"]
+    assert out == {"type": "integer", **INT}
+
+
+# --- what xgrammar compiles (the engine's grammar backend) ---
+
+
+def accepts(grammar: Any, text: str) -> bool:
+    """``grammar`` (an xgrammar Grammar) matches the whole of ``text``."""
+    xgr = pytest.importorskip("xgrammar")
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False).compile_grammar(grammar)
+    matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+def schema_accepts(schema: dict[str, Any], text: str) -> bool:
+    xgr = pytest.importorskip("xgrammar")
+    return accepts(xgr.Grammar.from_json_schema(json.dumps(schema)), text)
+
+
+def test_a_bounded_integer_compiles_to_at_most_int64():
+    assert schema_accepts({"type": "integer"}, TWENTY_DIGITS)  # as sent: any length
+    bounded = bounded_numbers({"type": "integer"})
+    assert not schema_accepts(bounded, TWENTY_DIGITS)
+    assert schema_accepts(bounded, str(INT64_MAX)) and schema_accepts(bounded, str(INT64_MIN))
+    assert not schema_accepts(bounded, str(INT64_MAX + 1)) and not schema_accepts(bounded, str(INT64_MIN - 1))
+    assert schema_accepts(bounded, "0") and schema_accepts(bounded, "-42")
+
+
+def test_a_bounded_number_compiles_to_a_bounded_count_of_digits():
+    assert schema_accepts({"type": "number"}, "1" * 40 + ".5") and schema_accepts({"type": "number"}, "1e300")
+    bounded = bounded_numbers({"type": "number"})
+    assert schema_accepts(bounded, str(10**15)) and schema_accepts(bounded, "-999999999999999.123456")
+    assert schema_accepts(bounded, "0.5")
+    assert not schema_accepts(bounded, "1" + "0" * 16)  # 17 digits before the point
+    assert not schema_accepts(bounded, "0.1234567")  # xgrammar's range: at most 6 after it
+    assert not schema_accepts(bounded, "1e300")  # and no exponent
+
+
+def _containers(value: Any) -> list[Any]:
+    """Every dict and list in ``value``."""
+    found, stack = [], [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            found.append(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            found.append(v)
+            stack.extend(v)
+    return found
