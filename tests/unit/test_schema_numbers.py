@@ -1,7 +1,9 @@
 """The grammar bounds what a model may write where a number is asked
 (ballast.policies.schema.bounded_numbers): the rewrite itself on nested schemas, the
 schema's own bounds kept, its input untouched; the real xgrammar compiler showing what the
-bounds do to the digits."""
+bounds do to the digits; and the two places Ballast hands a schema to the engine, a forced
+tool call's grammar (ballast.router.chat_parsing, vLLM's real parsers) and
+``response_format`` (ballast.router.openai_api), each measured as the client sent it."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from typing import Any
 
 import pytest
 
+from ballast.config.limits import LimitsConfig
 from ballast.policies.sampling import INT64_MAX, INT64_MIN
-from ballast.policies.schema import INTEGER_BOUNDS, NUMBER_BOUNDS, bounded_numbers
+from ballast.policies.schema import INTEGER_BOUNDS, NUMBER_BOUNDS, SchemaBounds, bounded_numbers, schema_size
 
 INT = {"minimum": INT64_MIN, "maximum": INT64_MAX}
 NUM = {"minimum": NUMBER_BOUNDS[0], "maximum": NUMBER_BOUNDS[1]}
@@ -167,6 +170,96 @@ def test_a_bounded_number_compiles_to_a_bounded_count_of_digits():
     assert not schema_accepts(bounded, "1" + "0" * 16)  # 17 digits before the point
     assert not schema_accepts(bounded, "0.1234567")  # xgrammar's range: at most 6 after it
     assert not schema_accepts(bounded, "1e300")  # and no exponent
+
+
+# --- where Ballast hands a schema to the engine ---
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    pytest.importorskip("vllm")
+    from ballast.model.demo import train_tokenizer
+
+    return train_tokenizer()
+
+
+def forced_add(tok: Any, tool_parser: str | None) -> Any:
+    from ballast.router.chat_parsing import ChatParsing
+    from ballast.router.tool_calls import NamedToolChoice, ToolSpec, plan
+
+    choice = NamedToolChoice.model_validate({"type": "function", "function": {"name": "add"}})
+    tools = [ToolSpec.model_validate(ADD)]
+    return ChatParsing(tok, tool_parser, None).start(plan(tools, choice, None)), tools
+
+
+def test_a_forced_calls_structural_tag_carries_the_bounds_and_refuses_a_twenty_digit_argument(tok):
+    xgr = pytest.importorskip("xgrammar")
+    chat, tools = forced_add(tok, "hermes")
+    schema, tag = chat.guided()
+    assert schema is None
+    contents = [t["content"]["json_schema"] for t in json.loads(tag)["format"]["tags"]]
+    assert contents and all(c["properties"]["a"] == {"type": "integer", **INT} for c in contents)
+    assert tools[0].function.parameters == ADD["function"]["parameters"]  # what the client sent, as sent
+    call = '<tool_call>\n{"name": "add", "arguments": {"a":%s}}\n</tool_call>'
+    grammar = xgr.Grammar.from_structural_tag(tag)
+    assert accepts(grammar, call % INT64_MAX)
+    assert not accepts(grammar, call % TWENTY_DIGITS)
+    unbounded = tag.replace(f',"minimum":{INT64_MIN},"maximum":{INT64_MAX}', "")
+    assert accepts(xgr.Grammar.from_structural_tag(unbounded), call % TWENTY_DIGITS)  # the test can fail
+
+
+def test_a_forced_calls_json_schema_carries_the_bounds(tok):
+    chat, _ = forced_add(tok, None)  # no tool parser: vLLM's JSON schema of the arguments
+    schema, tag = chat.guided()
+    assert tag is None and json.loads(schema)["properties"]["a"] == {"type": "integer", **INT}
+    assert not schema_accepts(json.loads(schema), f'{{"a":{TWENTY_DIGITS}}}')
+
+
+def test_the_tools_grammar_is_measured_before_its_numbers_are_bounded(tok):
+    from ballast.router.tool_calls import ToolSchemaTooComplex
+
+    chat, _ = forced_add(tok, "hermes")
+    handed = json.loads(chat.guided()[1])
+    built = json.loads(json.dumps(handed).replace(f', "minimum": {INT64_MIN}, "maximum": {INT64_MAX}', ""))
+    assert built != handed
+    nodes = schema_size(built).nodes
+    assert schema_size(handed).nodes > nodes
+    chat.check(
+        SchemaBounds(max_depth=32, max_nodes=nodes, max_repeat=1024, max_pattern_chars=128, max_literal_chars=1 << 15)
+    )
+    with pytest.raises(ToolSchemaTooComplex):
+        chat.check(
+            SchemaBounds(
+                max_depth=32, max_nodes=nodes - 1, max_repeat=1024, max_pattern_chars=128, max_literal_chars=1 << 15
+            )
+        )
+
+
+def test_response_formats_schema_goes_to_the_engine_bounded_and_is_measured_and_kept_as_sent():
+    from ballast.router import openai_api as oa
+
+    schema = {"type": "object", "properties": {f"n{i}": {"type": "integer"} for i in range(8)}}
+    nodes = schema_size(schema).nodes
+    assert schema_size(bounded_numbers(schema)).nodes > nodes
+    body = {
+        "model": "toy",
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "counts", "schema": schema}},
+    }
+    req = oa.parse_chat(body, LimitsConfig(max_schema_nodes=nodes))  # within the bound as sent
+    assert json.loads(oa.sampling_of(req).json_schema) == bounded_numbers(schema)
+    assert req.response_format is not None and req.response_format.json_schema is not None
+    assert req.response_format.json_schema.schema_ == schema
+    with pytest.raises(oa.SchemaTooComplex):
+        oa.parse_chat(body, LimitsConfig(max_schema_nodes=nodes - 1))
 
 
 def _containers(value: Any) -> list[Any]:
