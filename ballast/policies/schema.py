@@ -23,18 +23,28 @@ largest a schema object asks; the alternatives of a pattern add up). It bounds t
 schema can ask for; it does not predict the compile's time, which ambiguous patterns make
 grow much faster than any size: that is why the replica also compiles within a time limit
 on a share of threads per tenant (``ballast.model.grammar``).
+
+:func:`bounded_numbers` is the schema the engine is handed in the client's place: each
+integer and number the schema leaves unbounded gets bounds, so that the grammar admits a
+bounded count of digits (a model otherwise may write digits until ``max_tokens``). It
+rewrites what was measured, never the measure: a schema is measured as the client sent it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
+
+from ballast.policies.sampling import INT64_MAX, INT64_MIN
 
 __all__ = [
     "COUNT_KEYWORDS",
+    "INTEGER_BOUNDS",
+    "NUMBER_BOUNDS",
     "SchemaBounds",
     "SchemaSize",
+    "bounded_numbers",
     "pattern_repeat",
     "schema_fault",
     "schema_size",
@@ -50,6 +60,25 @@ _NAMED = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
 #: digits, so that measuring costs nothing however big the number written).
 _COUNT_CAP = 10**10
 _MAX_DIGITS = 10
+
+#: The bounds :func:`bounded_numbers` gives an ``integer`` where its schema gives none: int64,
+#: the integers every engine takes and a request's own integers are held to (at most 19
+#: digits in xgrammar's grammar).
+INTEGER_BOUNDS = (INT64_MIN, INT64_MAX)
+#: The bounds it gives a ``number``: +-10**15 (doubles hold its integers exactly). A range
+#: is what bounds a number's digits in xgrammar's grammar (0.2.8: at most 16 before the
+#: point, at most 6 after it, no exponent); without one its digits are unbounded.
+NUMBER_BOUNDS = (-(10**15), 10**15)
+#: Where a schema object holds schemas, by keyword: a schema (``items`` also a list of them,
+#: draft 4's tuples), a list of schemas, or names mapped to schemas. ``not``, ``if``,
+#: ``contains`` and ``propertyNames`` are not walked: a schema there is a condition, and
+#: bounding it would change what the whole admits (under ``not``, widen it).
+_ONE_SCHEMA = frozenset(
+    {"items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties"}
+)
+_SCHEMA_LIST = frozenset({"prefixItems", "anyOf", "oneOf", "allOf"})
+_SCHEMA_MAP = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+_Role = Literal["schema", "map", "data"]  # what a value in a schema is (bounded_numbers)
 
 
 class SchemaSize(NamedTuple):
@@ -142,6 +171,73 @@ def schema_fault(bounds: SchemaBounds, *schemas: Any) -> str | None:
             f"the limit is {bounds.max_literal_chars}"
         )
     return None
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """A copy of ``schema`` (a decoded JSON value) in which every schema object that admits
+    an ``integer`` or a ``number`` is bounded on each side it leaves open: ``minimum`` /
+    ``maximum`` from :data:`NUMBER_BOUNDS` where its ``type`` names ``number`` (or a list
+    holding it), else from :data:`INTEGER_BOUNDS` where it names ``integer``. The schema's
+    own bounds win: a side with ``minimum`` or ``exclusiveMinimum`` (``maximum``,
+    ``exclusiveMaximum``) is kept as sent, and a side stays open where the schema's other
+    bound lies past its default (``minimum: 1e16`` on a number gets no ``maximum``). An
+    ``integer`` with ``multipleOf`` is left as sent: xgrammar drops ``multipleOf`` from an
+    integer given a range.
+
+    Schema objects are found where the keywords hold them (``properties``, ``items``,
+    ``anyOf``, ``$defs``, ...: ``_ONE_SCHEMA``, ``_SCHEMA_LIST``, ``_SCHEMA_MAP``); any other
+    value (``enum``, ``const``, ``default``) is data, copied as it is. One walk with an
+    explicit stack (no recursion); ``schema`` itself is never changed."""
+    root: dict[Any, Any] = {}  # the copy, under 0
+    stack: list[tuple[Any, dict[Any, Any] | list[Any], Any, _Role]] = [(schema, root, 0, "schema")]
+    while stack:
+        node, parent, key, role = stack.pop()
+        copy: Any = node
+        if isinstance(node, dict):
+            copy = dict(node)
+            stack.extend((v, copy, k, _role_in(role, k)) for k, v in node.items())
+            if role == "schema":
+                copy.update(_number_bounds(node))
+        elif isinstance(node, list):
+            copy = list(node)
+            stack.extend((v, copy, i, "schema" if role == "schema" else "data") for i, v in enumerate(node))
+        parent[key] = copy
+    return root[0]
+
+
+def _role_in(role: _Role, key: str) -> _Role:
+    """What the value under ``key`` of a dict that is a ``role`` is."""
+    if role == "map":
+        return "schema"
+    if role == "schema" and (key in _ONE_SCHEMA or key in _SCHEMA_LIST):
+        return "schema"
+    if role == "schema" and key in _SCHEMA_MAP:
+        return "map"
+    return "data"
+
+
+def _number_bounds(node: dict[str, Any]) -> dict[str, int]:
+    """The bounds :func:`bounded_numbers` adds to the schema object ``node``: none, one or both."""
+    named = node.get("type")
+    types = [named] if isinstance(named, str) else named if isinstance(named, list) else []
+    if "number" in types:
+        low, high = NUMBER_BOUNDS
+    elif "integer" in types and "multipleOf" not in node:
+        low, high = INTEGER_BOUNDS
+    else:
+        return {}
+    lows = [v for k in ("minimum", "exclusiveMinimum") if k in node and _is_number(v := node[k])]
+    highs = [v for k in ("maximum", "exclusiveMaximum") if k in node and _is_number(v := node[k])]
+    added = {}
+    if "minimum" not in node and "exclusiveMinimum" not in node and all(h > low for h in highs):
+        added["minimum"] = low
+    if "maximum" not in node and "exclusiveMaximum" not in node and all(lo < high for lo in lows):
+        added["maximum"] = high
+    return added
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def pattern_repeat(pattern: str) -> int:

@@ -13,7 +13,9 @@ each chat request, one instance of it (parsers keep streaming state):
   call's arguments follow their schema (``TOOL_STRICT_LEVEL``, vLLM's
   ``--tool-strict-level parameter``: what Ballast's forced calls always did), the
   whitespace between JSON tokens bounded (``MAX_WHITESPACE``: a small model otherwise
-  fills ``max_tokens`` with it). It also says whether the text keeps special tokens.
+  fills ``max_tokens`` with it), and so are the numbers each schema leaves unbounded
+  (``ballast.policies.schema.bounded_numbers``: else its digits). It also says whether the
+  text keeps special tokens.
 * ``parse`` reads a whole answer: its reasoning, content and calls, with the ids the
   parser gives (Mistral's 9 characters; others vLLM's ``chatcmpl-tool-`` ids).
 * ``parse_delta`` reads a stream piece by piece: content, reasoning and the calls as
@@ -42,7 +44,7 @@ from functools import cached_property
 from typing import Any
 
 from ballast.errors import EngineRefused
-from ballast.policies.schema import SchemaBounds, schema_fault
+from ballast.policies.schema import SchemaBounds, bounded_numbers, schema_fault
 from ballast.router.openai_answers import FinishReason
 from ballast.router.tool_calls import ToolCall, ToolPlan, ToolSchemaTooComplex
 
@@ -182,16 +184,17 @@ class ParsedChat:
 
     @cached_property
     def _grammar(self) -> tuple[str | None, str | None, Any]:
-        """``guided()``'s texts and the grammar as an object, built once a request."""
+        """``guided()``'s texts, their numbers bounded, and the grammar as vLLM's parser
+        built it from the tools (what ``check`` measures), built once a request."""
         so = self.request.structured_outputs
         if so is None or not self.tools.may_call:
             return None, None, None
         if so.structural_tag is not None:
             tag = _bounded_whitespace(json.loads(so.structural_tag))
-            return None, json.dumps(tag, separators=(",", ":")), tag
+            return None, json.dumps(_bounded_numbers(tag), separators=(",", ":")), tag
         if so.json is not None:
             schema = so.json if isinstance(so.json, dict) else json.loads(so.json)
-            return json.dumps(schema, separators=(",", ":")), None, schema
+            return json.dumps(bounded_numbers(schema), separators=(",", ":")), None, schema
         return None, None, None
 
     def check(self, bounds: SchemaBounds) -> None:
@@ -314,4 +317,14 @@ def _bounded_whitespace(node: Any) -> Any:
         return out
     if isinstance(node, list):
         return [_bounded_whitespace(v) for v in node]
+    return node
+
+
+def _bounded_numbers(node: Any) -> Any:
+    """``node`` (a structural tag) with each JSON content's schema's numbers bounded
+    (``bounded_numbers``)."""
+    if isinstance(node, dict):
+        return {k: bounded_numbers(v) if k == "json_schema" else _bounded_numbers(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_bounded_numbers(v) for v in node]
     return node

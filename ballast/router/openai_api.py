@@ -78,7 +78,7 @@ from ballast.policies.criticality import Criticality
 from ballast.policies.engines import unhonoured_request_fields
 from ballast.policies.json_bounds import json_extent, json_nesting
 from ballast.policies.sampling import MAX_SEED, MIN_SEED, sampling_temperature
-from ballast.policies.schema import schema_fault
+from ballast.policies.schema import bounded_numbers, schema_fault
 from ballast.router.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec
 
 # OpenAI fields Ballast knows and does not serve, each with the one value that asks
@@ -286,11 +286,12 @@ class ResponseFormat(_Strict):
         return self
 
     def schema_text(self) -> str | None:
-        """The JSON Schema the answer must follow, as JSON text; None for text."""
+        """The JSON Schema the answer must follow, as JSON text, its numbers bounded
+        (``bounded_numbers``); None for text."""
         if self.type == "json_object":
             return json.dumps({"type": "object"})
         if self.json_schema is not None:
-            return json.dumps(self.json_schema.schema_, separators=(",", ":"))
+            return json.dumps(bounded_numbers(self.json_schema.schema_), separators=(",", ":"))
         return None
 
 
