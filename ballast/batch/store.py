@@ -2,11 +2,12 @@
 client): files, batches, a queue stream per model and tenant, each batch's answers, and a
 dead-letter stream per model.
 
-It is composed of three parts, each with its own module, Lua scripts and constructor:
+It is composed of four parts, each with its own module, Lua scripts and constructor:
 ``FileStore`` (``store_files``: files and their bytes), ``LineQueue`` (``store_queue``: the
 queues, one per model and tenant, shared fairly among tenants by weight, and the per-model
-dead-letter queues) and ``Batches`` (``store_batches``: batch records,
-line order, answers, the finalizer's lock). The key layout and the reply helpers they share
+dead-letter queues), ``Batches`` (``store_batches``: batch records,
+line order, answers, the finalizer's lock) and ``StoredResponses`` (``store_responses``: the
+Responses API's stored responses, per tenant, bounded and expiring). The key layout and the reply helpers they share
 are in ``store_layout``. ``BatchStore`` is their one public face: every public method maps
 Redis' errors in one place (below), and the steps that span parts are here (a dead letter
 deleted into its batch's error file; a batch finalized into its output and error files).
@@ -31,7 +32,8 @@ and error files, which ``finalize`` writes even past the limits, so a finished b
 loses its lines), bytes held (``max_stored_bytes``), batches not finished
 (``max_batches_in_flight``), lines queued or dead-lettered (``max_batches_in_flight`` x
 ``max_file_lines``; a cancelled batch's lines count until a dispatcher drops them), batch
-records kept (``max_batches_kept``, the oldest finished ones deleted first); every list is
+records kept (``max_batches_kept``, the oldest finished ones deleted first), stored responses
+(``responses.max_stored`` and ``responses.max_stored_bytes``, the oldest deleted first); every list is
 paged, at most 100 a page; a claim takes at most 100 lines; finalization reads the lines
 1,000 at a time. The per-model keys are bounded by the models served, since only lines the
 router validated against its catalog are queued, and the per-(model, tenant) streams by those
@@ -96,7 +98,9 @@ from ballast.batch.store_batches import Batches
 from ballast.batch.store_files import FileStore
 from ballast.batch.store_layout import MAX_PAGE, Keys, line_field
 from ballast.batch.store_queue import LineQueue
+from ballast.batch.store_responses import StoredResponse, StoredResponses
 from ballast.config.batch import BatchConfig
+from ballast.config.responses import ResponsesConfig
 from ballast.errors import StoreUnavailable
 
 MAX_CONNECTIONS = 32  # per store (per router): a call waits for a free one up to store_timeout_s
@@ -135,11 +139,13 @@ def connect(
     app_name: str,
     environ: Mapping[str, str] = os.environ,
     weights: Mapping[str, float] | None = None,
+    responses: ResponsesConfig | None = None,
 ) -> BatchStore:
     """A store on ``cfg.store_url`` (StoreUnavailable when none is set): a bounded connection
     pool, every connect and command within ``store_timeout_s``, tried at most twice (so a call
     gives up within about 2 x ``store_timeout_s`` when the server is gone). Connects on first use.
-    ``weights``: each tenant's share of a model's batch lines (``BatchStore``)."""
+    ``weights``: each tenant's share of a model's batch lines; ``responses``: the stored
+    responses' bounds (``BatchStore``)."""
     if cfg.store_url is None:
         raise StoreUnavailable("batch.store_url is not set: no batch store to use")
     pool = BlockingConnectionPool.from_url(
@@ -151,7 +157,7 @@ def connect(
         socket_connect_timeout=cfg.store_timeout_s,
         retry=Retry(NoBackoff(), 1),  # once, on a new connection: a pooled one the server closed
     )
-    return BatchStore(Redis(connection_pool=pool), cfg, app_name, weights=weights)
+    return BatchStore(Redis(connection_pool=pool), cfg, app_name, weights=weights, responses=responses)
 
 
 class BatchStore:
@@ -160,8 +166,9 @@ class BatchStore:
     ``client`` is a redis.asyncio client that does not decode responses (file data is
     bytes); ``clock`` (monotonic seconds) paces only the removal of departed consumers;
     ``weights`` are the tenants' ``tenants.<name>.weight`` (a tenant not named weighs as the
-    lightest named; none named: all alike). Times the records carry (``now``) are the caller's
-    Unix seconds."""
+    lightest named; none named: all alike); ``responses`` bounds the stored responses (None:
+    the section's defaults). Times the records carry (``now``) are the caller's Unix seconds;
+    a stored response expires on the server's clock."""
 
     def __init__(
         self,
@@ -170,6 +177,7 @@ class BatchStore:
         app_name: str,
         clock: Callable[[], float] = time.monotonic,
         weights: Mapping[str, float] | None = None,
+        responses: ResponsesConfig | None = None,
     ) -> None:
         self._r = client
         self._cfg = cfg
@@ -177,6 +185,7 @@ class BatchStore:
         self._files = FileStore(client, cfg, self.keys)
         self._queue = LineQueue(client, cfg, self.keys, clock, weights)
         self._batches = Batches(client, cfg, self.keys, self._queue)
+        self._responses = StoredResponses(client, responses or ResponsesConfig(), self.keys)
 
     async def close(self) -> None:
         await self._r.aclose()
@@ -359,6 +368,31 @@ class BatchStore:
     @_guarded
     async def dlq_depth(self, model: str) -> int:
         return await self._queue.dlq_depth(model)
+
+    # -- stored responses ----------------------------------------------------------------
+    @_guarded
+    async def put_response(
+        self, tenant: str, response_id: str, record: bytes | str, created_at: float, depth: int
+    ) -> int:
+        """``record`` (the response's JSON) stored as ``tenant``'s ``response_id`` (replacing
+        one of that id), expiring ``responses.ttl_s`` from now on the server's clock; ``depth``:
+        the responses in its chain, itself included (1 without a previous one; InvalidRequest
+        on ``previous_response_id`` past ``responses.max_chain_depth``). The tenant's others go,
+        the one to expire soonest first, while it holds more than ``responses.max_stored``
+        responses or ``responses.max_stored_bytes`` bytes; how many went. PayloadTooLarge (413),
+        nothing changed, for a record larger than ``max_stored_bytes`` alone."""
+        return await self._responses.put_response(tenant, response_id, record, created_at, depth)
+
+    @_guarded
+    async def get_response(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """``tenant``'s stored response; None when it has none of that id (never stored,
+        expired, evicted, deleted, or another tenant's)."""
+        return await self._responses.get_response(tenant, response_id)
+
+    @_guarded
+    async def delete_response(self, tenant: str, response_id: str) -> bool:
+        """``tenant``'s stored response gone; False when it had none of that id."""
+        return await self._responses.delete_response(tenant, response_id)
 
     # -- finalization --------------------------------------------------------------------
     @_guarded

@@ -21,6 +21,10 @@ Keys (P = ``<batch.key_prefix>:<app_name>``):
   where the same stream id can stand in two tenants' streams.
 - ``P:dlq:{model}`` stream (the line's fields, its ``dlq_id``, last ``error``, ``since``);
   ``P:dlq`` hash dlq id -> "<entry id> <model>"; ``P:dlq-models`` the models with one.
+- ``P:resp:{tenant}:{id}`` hash (a stored response: its record, ``created_at``, ``depth``),
+  expiring; ``P:resps:{tenant}`` sorted set by expiry on the server's clock;
+  ``P:resp-sizes:{tenant}`` hash id -> bytes; ``P:resp-bytes:{tenant}`` their sum
+  (``store_responses``).
 
 Lua scripts build some keys from the prefix and the tenant or model they read (``Keys``
 names them the same way): the store is one server (or a primary with replicas), not a Redis
@@ -102,6 +106,19 @@ class Keys:
 
     def dlq_models(self) -> str:
         return f"{self.prefix}:dlq-models"
+
+    def response(self, tenant: str, response_id: str) -> str:
+        # A tenant name holds no ':' (config), so another tenant's key is never this one.
+        return f"{self.prefix}:resp:{tenant}:{response_id}"
+
+    def responses(self, tenant: str) -> str:
+        return f"{self.prefix}:resps:{tenant}"
+
+    def response_sizes(self, tenant: str) -> str:
+        return f"{self.prefix}:resp-sizes:{tenant}"
+
+    def response_bytes(self, tenant: str) -> str:
+        return f"{self.prefix}:resp-bytes:{tenant}"
 
 
 def line_field(custom_id: str | None, line: int) -> str:

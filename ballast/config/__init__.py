@@ -28,6 +28,7 @@ sections) and the loading on top; every name is imported from here:
 - ``tenants``: ``tenants``, ``quota``, ``fairness``
 - ``auth``: ``auth``
 - ``batch``: ``batch`` (the Batch API, the flex tier, their durable store)
+- ``responses``: ``responses`` (the Responses API's stored responses)
 - ``root``: ``BallastConfig``
 - ``loading``: ``load_config``, ``with_model_dir``, ``read_text``
 """
@@ -68,6 +69,7 @@ from ballast.config.resilience import (
     ResilienceConfig,
     RetrySettings,
 )
+from ballast.config.responses import ResponsesConfig
 from ballast.config.root import BallastConfig
 from ballast.config.served import AdapterConfig, FallbackConfig, ServedModelConfig
 from ballast.config.tenants import FairnessSettings, QuotaSettings, TenantConfig
@@ -101,6 +103,7 @@ __all__ = [
     "QuotaSettings",
     "RecycleSettings",
     "ResilienceConfig",
+    "ResponsesConfig",
     "RetrySettings",
     "RouterDeploymentConfig",
     "RoutingSettings",

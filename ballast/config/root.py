@@ -24,6 +24,7 @@ from ballast.config.http import HttpConfig
 from ballast.config.limits import LimitsConfig
 from ballast.config.model import ModelConfig, model_placement
 from ballast.config.resilience import ResilienceConfig
+from ballast.config.responses import ResponsesConfig
 from ballast.config.served import FallbackConfig, ServedModelConfig
 from ballast.config.tenants import FairnessSettings, QuotaSettings, TenantConfig
 from ballast.config.watchdog import ChaosConfig, WatchdogSettings
@@ -69,6 +70,8 @@ class BallastConfig(Strict):
     fairness: FairnessSettings = FairnessSettings()
     # OpenAI's Batch API and the flex tier, on a durable queue.
     batch: BatchConfig = BatchConfig()
+    # OpenAI's Responses API: its stored responses (in the batch store) and their bounds.
+    responses: ResponsesConfig = ResponsesConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -125,6 +125,11 @@ def _nested_schema(depth: int) -> dict:
         ({"stop": ["s" * 2000]}, 400, "INVALID_REQUEST", "stop"),
         ({"seed": 2**70}, 400, "INVALID_REQUEST", "seed"),
         ({"temperature": 3.5}, 400, "INVALID_REQUEST", "temperature"),
+        ({"n": 9}, 400, "INVALID_REQUEST", "n"),
+        ({"logprobs": True, "top_logprobs": 21}, 400, "INVALID_REQUEST", "top_logprobs"),
+        ({"logprobs": 3}, 400, "INVALID_REQUEST", "logprobs"),
+        ({"top_logprobs": 2}, 400, "INVALID_REQUEST", "top_logprobs"),
+        ({"echo": True}, 400, "INVALID_REQUEST", "echo"),
     ],
 )
 def test_a_field_past_its_bound_is_refused_naming_it(client, extra, status_code, code, field):

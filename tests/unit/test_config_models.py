@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ballast.config import BallastConfig, BatchConfig, ModelConfig, load_config, with_model_dir
+from ballast.config import BallastConfig, BatchConfig, ModelConfig, ResponsesConfig, load_config, with_model_dir
 from ballast.config.model import EmbedSettings
 from ballast.errors import ConfigError
 from ballast.policies.catalog import Listed, Target
@@ -69,6 +69,7 @@ class TestOneModelConfigsUnchanged:
         assert dump["degradation"].pop("capacity_window_s") == 30.0  # demand against a 30 s peak, not one window
         assert dump.pop("adapters_root") is None  # no adapter added at run time unless a root is written
         assert dump.pop("batch") == BatchConfig().model_dump(mode="json")  # the Batch API's section, defaults
+        assert dump.pop("responses") == ResponsesConfig().model_dump(mode="json")  # stored responses, defaults
         # a schema's patterns, counts and literals bounded (ballast/policies/schema.py)
         assert dump["limits"].pop("max_schema_pattern_chars") == 128
         assert dump["limits"].pop("max_schema_repeat") == 1024
