@@ -366,10 +366,9 @@ class OpenAIFront:
                 if c.scanner.stopped or part.finish_reason is not None:
                     for e in ended(part.index):
                         yield e
-                if all(ch.done for ch in choices):
-                    if any(ch.scanner.stopped for ch in choices):  # the answer is complete: the model stops now
-                        stream.enough()
-                        await stream.aclose()
+                if all(ch.done for ch in choices) and any(ch.scanner.stopped for ch in choices):
+                    stream.enough()  # a stop string completed the answer: the model stops now
+                    await stream.aclose()
                     break
             for i, c in enumerate(choices):
                 if not c.done:

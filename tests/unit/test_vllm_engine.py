@@ -701,6 +701,34 @@ def test_the_replica_reads_vllms_own_view_where_the_engine_table_says_it_has_one
     assert sorted(name for _, name in server._engine_processes()) == ["VLLM::EngineCore", "VLLM::Worker"]
 
 
+async def test_the_replica_loop_names_vllms_log_probabilities_and_answers_n_choices(backend):
+    from ballast.model.protocol import ModelCall
+    from ballast.model.replica_loop import ReplicaLoop
+    from ballast.policies.scheduler import SchedulerConfig
+
+    loop = ReplicaLoop(
+        backend,
+        SchedulerConfig(kv_budget_tokens=None, context_tokens=512),
+        chunk_tokens=4,
+        batch_limit=8,
+        max_deadline_s=60.0,
+        max_tokens_limit=64,
+    )
+    ids = tuple(backend.text.tokenize(PROMPTS[0]))
+    ask = {"prompt": PROMPTS[0], "prompt_ids": ids, "tokenizer": backend.tokenizer_id, "max_tokens": 5}
+    chunks = [c async for c in loop.stream(ModelCall(**ask, logprobs=3, prompt_logprobs=2, n=2))]
+    for i in (0, 1):
+        mine = [c for c in chunks if c.index == i]
+        got = [lp for c in mine for lp in c.logprobs]
+        assert len(got) == sum(len(c.ids) for c in mine) == 5 and all(len(lp.top) == 3 for lp in got)
+        assert [lp.token for lp in got] == backend.text.token_texts([t for c in mine for t in c.ids])
+        (prompt,) = [c.prompt_logprobs for c in mine if c.prompt_logprobs is not None]
+        assert len(prompt) == len(ids) and prompt[0].logprob is None and all(len(p.top) == 2 for p in prompt[1:])
+    (alone,) = [c async for c in loop.stream(ModelCall(**{**ask, "max_tokens": 0}, prompt_logprobs=0))]
+    assert (alone.ids, alone.finish_reason) == ((), "length") and len(alone.prompt_logprobs) == len(ids)
+    loop.stop()
+
+
 def test_engine_processes_live_then_gone_after_shutdown(backend):
     """Runs last in the module: it shuts the module's engine down."""
     pids = backend.engine_pids()
@@ -776,31 +804,3 @@ def test_a_vllm_position_becomes_the_chosen_ids_logprob_and_the_k_likeliest_by_r
     among = {5: Logprob(-1.5, rank=2), 3: Logprob(-0.5, rank=1), 8: Logprob(-2.0, rank=3)}
     assert position_logprobs(5, among, 3).top == ((3, -0.5), (5, -1.5), (8, -2.0))
     assert position_logprobs(5, among, 0).top == () and position_logprobs(5, among, 0).logprob == -1.5
-
-
-async def test_the_replica_loop_names_vllms_log_probabilities_and_answers_n_choices(backend):
-    from ballast.model.protocol import ModelCall
-    from ballast.model.replica_loop import ReplicaLoop
-    from ballast.policies.scheduler import SchedulerConfig
-
-    loop = ReplicaLoop(
-        backend,
-        SchedulerConfig(kv_budget_tokens=None, context_tokens=512),
-        chunk_tokens=4,
-        batch_limit=8,
-        max_deadline_s=60.0,
-        max_tokens_limit=64,
-    )
-    ids = tuple(backend.text.tokenize(PROMPTS[0]))
-    ask = {"prompt": PROMPTS[0], "prompt_ids": ids, "tokenizer": backend.tokenizer_id, "max_tokens": 5}
-    chunks = [c async for c in loop.stream(ModelCall(**ask, logprobs=3, prompt_logprobs=2, n=2))]
-    for i in (0, 1):
-        mine = [c for c in chunks if c.index == i]
-        got = [lp for c in mine for lp in c.logprobs]
-        assert len(got) == sum(len(c.ids) for c in mine) == 5 and all(len(lp.top) == 3 for lp in got)
-        assert [lp.token for lp in got] == backend.text.token_texts([t for c in mine for t in c.ids])
-        (prompt,) = [c.prompt_logprobs for c in mine if c.prompt_logprobs is not None]
-        assert len(prompt) == len(ids) and prompt[0].logprob is None and all(len(p.top) == 2 for p in prompt[1:])
-    (alone,) = [c async for c in loop.stream(ModelCall(**{**ask, "max_tokens": 0}, prompt_logprobs=0))]
-    assert (alone.ids, alone.finish_reason) == ((), "length") and len(alone.prompt_logprobs) == len(ids)
-    loop.stop()
