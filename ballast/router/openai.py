@@ -37,7 +37,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ballast.errors import BallastError, PayloadTooLarge, SchemaTooComplex
-from ballast.model.protocol import ChoiceResult, ModelCall, ModelChunk, TokenLogprob
+from ballast.model.protocol import ChoiceResult, ModelCall, TokenLogprob
 from ballast.policies.catalog import Target
 from ballast.policies.criticality import Criticality
 from ballast.policies.flex import TIER_HEADER
@@ -313,101 +313,120 @@ class OpenAIFront:
     async def _events(
         self, stream: Stream, p: Prepared, chat: bool, answer_id: answers.Identity, opts: oa.Streaming
     ) -> AsyncGenerator[bytes, None]:
-        """The answer's events as the model writes them, each choice's apart (its stop
-        strings, its parser when the request has one: vLLM's, reading content, reasoning and
-        tool calls; its log-probabilities with the tokens that brought them); a choice ends
-        with its own finish event, the answer when every choice has."""
+        """The answer's events as the model writes them (``pieces``), each piece one event of
+        its choice: its delta, its log-probabilities in the endpoint's shape (a completion's
+        text offsets continued per choice), its finish; the usage last when asked, [DONE]."""
         a = stream.admission
-        choices = [_StreamedChoice(StopScanner(p.call.stops), r.stream() if r and r.reads else None) for r in p.parsers]
-        ident = answer_id.of(stream.model)
+        offsets = [0] * p.call.n
 
-        def event(
-            i: int,
-            delta: dict[str, Any] | None,
-            finish: answers.FinishReason | None = None,
-            role: bool = False,
-            logprobs: dict[str, Any] | None = None,
-        ) -> bytes:
-            counts = (
-                answers.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens) if opts.running_usage else None
-            )
-            chunk = answers.delta_chunk(ident, chat, delta, finish, role=role, usage=counts, index=i, logprobs=logprobs)
-            return answers.sse_data(chunk)
-
-        def ended(i: int) -> list[bytes]:
-            c = choices[i]
-            c.done = True
-            out = []
-            delta = c.read(c.scanner.finish(), (), True)
-            if delta:
-                out.append(event(i, delta))
-            finish = answers.finish_reason(c.tokens, a.max_tokens, c.scanner.stopped or c.finish == "stop")
-            out.append(event(i, None, c.reader.finish(finish) if c.reader is not None else finish))
-            return out
+        def usage() -> answers.Counts:
+            return answers.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens)
 
         try:
             if chat:
-                for i in range(len(choices)):
-                    yield event(i, {"content": ""}, role=True)
-            async for part in stream:
-                ident = answer_id.of(stream.model)
-                c = choices[part.index]
-                if c.done:  # a stop string ended it; the model stops it at its next step
-                    continue
-                c.tokens += part.tokens
-                c.finish = part.finish_reason or c.finish
-                delta = c.read(c.scanner.feed(part.text), part.ids, False)
-                logprobs = self._piece_logprobs(p, c, part)
-                if p.echo and not c.echoed:
-                    c.echoed = True
-                    delta = {"content": p.call.prompt + (delta or {}).get("content", "")}
-                if delta or logprobs is not None:
-                    yield event(part.index, delta or {}, logprobs=logprobs)
-                if c.scanner.stopped or part.finish_reason is not None:
-                    for e in ended(part.index):
-                        yield e
-                if all(ch.done for ch in choices) and any(ch.scanner.stopped for ch in choices):
-                    stream.enough()  # a stop string completed the answer: the model stops now
-                    await stream.aclose()
-                    break
-            for i, c in enumerate(choices):
-                if not c.done:
-                    for e in ended(i):
-                        yield e
-            if opts.final_usage:
-                yield answers.sse_data(
-                    answers.usage_chunk(
-                        ident, chat, answers.Counts(a.prompt_tokens, stream.tokens, stream.cached_tokens)
+                for i in range(p.call.n):
+                    chunk = answers.delta_chunk(
+                        answer_id.of(stream.model),
+                        chat,
+                        {"content": ""},
+                        role=True,
+                        index=i,
+                        usage=usage() if opts.running_usage else None,
                     )
+                    yield answers.sse_data(chunk)
+            async for piece in self.pieces(stream, p):
+                wire: dict[str, Any] | None = None
+                if p.chat_logprobs is not None and piece.logprobs:
+                    wire = chat_logprobs(piece.logprobs, p.chat_logprobs)
+                elif isinstance(p.req, oa.CompletionRequest) and p.req.logprobs is not None:
+                    if piece.logprobs or piece.prompt_logprobs is not None:
+                        wire, offsets[piece.index] = completion_logprobs(
+                            piece.logprobs, p.req.logprobs, offsets[piece.index], piece.prompt_logprobs
+                        )
+                chunk = answers.delta_chunk(
+                    answer_id.of(stream.model),
+                    chat,
+                    piece.delta,
+                    piece.finish,
+                    usage=usage() if opts.running_usage else None,
+                    index=piece.index,
+                    logprobs=wire,
                 )
+                yield answers.sse_data(chunk)
+            if opts.final_usage:
+                yield answers.sse_data(answers.usage_chunk(answer_id.of(stream.model), chat, usage()))
         except BallastError as err:
             yield answers.sse_data(answers.openai_error_body(err))
         finally:
             await stream.aclose()  # a client that left mid-stream: the model stops within a step
         yield answers.SSE_DONE
 
-    @staticmethod
-    def _piece_logprobs(p: Prepared, c: _StreamedChoice, part: ModelChunk) -> dict[str, Any] | None:
-        """The log-probabilities a streamed piece brought, in the endpoint's shape (None:
-        not asked); a completion's continue their text offsets, an echoed one starts with
-        the prompt's."""
-        top = p.chat_logprobs
-        if top is not None:
-            return chat_logprobs(part.logprobs, top) if part.logprobs else None
-        k = p.req.logprobs
-        if k is None:
-            return None
-        prompt = part.prompt_logprobs if p.echo and not c.echoed else None
-        if not part.logprobs and prompt is None:
-            return None
-        wire, c.offset = completion_logprobs(part.logprobs, k, c.offset, prompt)
-        return wire
+    async def pieces(self, stream: Stream, p: Prepared) -> AsyncGenerator[Piece, None]:
+        """What the model writes, read as the answer's pieces: each choice apart (its stop
+        strings; its parser when the request has one, vLLM's, reading content, reasoning and
+        tool calls; its log-probabilities with the piece that brought them; an echo's prompt
+        first), each choice ending with a piece of its finish (``delta`` None). The stream
+        settles as answered once read to its end, or once a stop string completed every
+        choice (the model is stopped then). Chat's and completions' events and the Responses
+        API's are made from these."""
+        a = stream.admission
+        choices = [_StreamedChoice(StopScanner(p.call.stops), r.stream() if r and r.reads else None) for r in p.parsers]
+
+        def ended(i: int) -> list[Piece]:
+            c = choices[i]
+            c.done = True
+            out = []
+            delta = c.read(c.scanner.finish(), (), True)
+            if delta:
+                out.append(Piece(i, delta))
+            finish = answers.finish_reason(c.tokens, a.max_tokens, c.scanner.stopped or c.finish == "stop")
+            out.append(Piece(i, None, c.reader.finish(finish) if c.reader is not None else finish))
+            return out
+
+        async for part in stream:
+            c = choices[part.index]
+            if c.done:  # a stop string ended it; the model stops it at its next step
+                continue
+            c.tokens += part.tokens
+            c.finish = part.finish_reason or c.finish
+            delta = c.read(c.scanner.feed(part.text), part.ids, False)
+            prompt = part.prompt_logprobs if p.echo and not c.echoed else None
+            if p.echo and not c.echoed:
+                c.echoed = True
+                delta = {"content": p.call.prompt + (delta or {}).get("content", "")}
+            if delta or part.logprobs or prompt is not None:
+                yield Piece(part.index, delta or {}, None, part.logprobs, prompt)
+            if c.scanner.stopped or part.finish_reason is not None:
+                for piece in ended(part.index):
+                    yield piece
+            if all(ch.done for ch in choices) and any(ch.scanner.stopped for ch in choices):
+                stream.enough()  # a stop string completed the answer: the model stops now
+                await stream.aclose()
+                return
+        for i, c in enumerate(choices):
+            if not c.done:
+                for piece in ended(i):
+                    yield piece
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a streamed answer (``OpenAIFront.pieces``): choice ``index``'s ``delta``
+    (chat's delta fields: content, reasoning_content, tool_calls; None: the choice's last
+    piece, with its ``finish``), the log-probabilities of the tokens that brought it, and an
+    echoed prompt's (its choice's first piece)."""
+
+    index: int
+    delta: dict[str, Any] | None
+    finish: answers.FinishReason | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass
 class _StreamedChoice:
     """What a stream knows of one of its choices: its stop strings, its parser's reading,
-    its tokens and the model's finish, whether it ended, its echo sent, its text offset."""
+    its tokens and the model's finish, whether it ended, its echo sent."""
 
     scanner: StopScanner
     reader: StreamedChat | None
@@ -415,7 +434,6 @@ class _StreamedChoice:
     finish: str | None = None
     done: bool = False
     echoed: bool = False
-    offset: int = 0
 
     def read(self, text: str, ids: Sequence[int], last: bool) -> dict[str, Any] | None:
         if self.reader is None:
