@@ -56,15 +56,13 @@ from ballast.batch.upload import read_upload
 from ballast.errors import BatchFileInvalid, BatchNotCancellable, InvalidRequest, NotFound, StoreUnavailable
 from ballast.router import openai_api as oa
 from ballast.router.api import read_json
+from ballast.router.metadata import MAX_METADATA_PAIRS, metadata_fault
 from ballast.router.openai import OpenAIFront
 from ballast.router.pipeline import Caller, Pipeline
 
 #: The endpoints a batch may run here (OpenAI's list has more; embeddings are not served).
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 MAX_ID_CHARS = 64  # file-<24 hex> and batch_<24 hex> are 29 and 30
-MAX_METADATA_PAIRS = 16  # OpenAI's bounds on metadata
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 
 
 class BatchCreate(BaseModel):
@@ -85,13 +83,9 @@ def _checked_create(data: dict[str, Any]) -> BatchCreate:
         first = e.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "body"
         raise oa.BadRequest(f"{field}: {first['msg']}", field=field) from None
-    for key, value in (body.metadata or {}).items():
-        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
-            raise oa.BadRequest(
-                f"metadata: keys of at most {MAX_METADATA_KEY_CHARS} characters, values of at most "
-                f"{MAX_METADATA_VALUE_CHARS}",
-                field="metadata",
-            )
+    fault = metadata_fault(body.metadata or {})
+    if fault is not None:
+        raise oa.BadRequest(fault, field="metadata")
     return body
 
 
