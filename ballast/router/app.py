@@ -61,6 +61,7 @@ from ballast.router.quotas import Quotas
 from ballast.router.readiness import CachedProbe
 from ballast.router.reporter import Reporter, log
 from ballast.router.resilience import CallHooks
+from ballast.router.responses import ResponsesFront
 from ballast.router.serve_status import ServeStatusView
 
 
@@ -112,9 +113,15 @@ class Router:
         self.store: BatchStore | None = None
         self.dispatch: BatchDispatch | None = None
         if cfg.batch.enabled and cfg.batch.store_url is not None:
-            self.store = connect_store(cfg.batch, cfg.app_name, weights={t: c.weight for t, c in cfg.tenants.items()})
+            self.store = connect_store(
+                cfg.batch,
+                cfg.app_name,
+                weights={t: c.weight for t, c in cfg.tenants.items()},
+                responses=cfg.responses,
+            )
             self.dispatch = self._batch_dispatch(self.store)
         self._batches = BatchFront(self.pipeline, self._openai, cfg, self.store)
+        self._responses = ResponsesFront(self.pipeline, self._openai, cfg, self.store)
         self._admin = Admin(
             cfg,
             keys,
@@ -240,6 +247,20 @@ class Router:
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:
         return self._openai.models(request)
+
+    # -- OpenAI's Responses API on the chat path (responses.py) -----------------------------
+    @app.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        self._start()
+        return await self._responses.create(request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request) -> JSONResponse:
+        return await self._responses.retrieve(request, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> JSONResponse:
+        return await self._responses.delete(request, response_id)
 
     # -- OpenAI's Batch API: files and batches (batches.py) ---------------------------------
     @app.post("/v1/files")

@@ -176,6 +176,33 @@ class BatchList(BaseModel):
     has_more: bool
 
 
+class ResponseObject(BaseModel):
+    """OpenAI's Response object (ballast/router/responses_items.py): its status, output items and usage."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: str = "response"
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class ResponseEvent(BaseModel):
+    """One Responses stream event (``event: <type>``): its type, its place in the stream, its fields."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: str = "response.deleted"
+    deleted: bool
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -194,6 +221,7 @@ def _contract() -> dict[tuple[str, str], RouteContract]:
     from ballast.router.admin import AdapterRequest, ChaosRequest, KillSwitchRequest, RecycleRequest
     from ballast.router.batches import BatchCreate
     from ballast.router.generate import GenerateRequest
+    from ballast.router.responses_api import ResponsesRequest
 
     return {
         ("POST", "/v1/chat/completions"): RouteContract(
@@ -203,6 +231,9 @@ def _contract() -> dict[tuple[str, str], RouteContract]:
             answers.Completion, oa.CompletionRequest, answers.Completion, openai=True
         ),
         ("GET", "/v1/models"): RouteContract(answers.ModelList, openai=True),
+        ("POST", "/v1/responses"): RouteContract(ResponseObject, ResponsesRequest, ResponseEvent, openai=True),
+        ("GET", "/v1/responses/{response_id}"): RouteContract(ResponseObject, openai=True),
+        ("DELETE", "/v1/responses/{response_id}"): RouteContract(ResponseDeleted, openai=True),
         ("POST", "/v1/generate"): RouteContract(GenerateAnswer, GenerateRequest, GenerateEvent),
         ("GET", "/v1/status"): RouteContract(Status),
         ("GET", "/healthz/live"): RouteContract(Health),

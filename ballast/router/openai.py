@@ -107,9 +107,9 @@ class OpenAIFront:
         req = p.req
         tier, claimed = tiered_claim(request, req.service_tier, req.criticality, oa.BadRequest)
         served = await self._pipeline.serve(ModelRequest(caller, claimed, p.max_tokens, req.stream, p.call, tier))
-        answer_id = self._identity(p, chat, served.admission)
+        answer_id = self.identity(p, chat, served.admission)
         opts = oa.Streaming.of(req)
-        headers = self._headers(served.admission)
+        headers = self.headers(served.admission)
         if isinstance(served, Stream):
             return StreamResponse(self._events(served, p, chat, answer_id, opts), served, headers)
         return self._answer(served, p, chat, answer_id, opts if req.stream else None, headers)
@@ -153,12 +153,12 @@ class OpenAIFront:
         served = await self._pipeline.serve_batch(
             ModelRequest(caller, Criticality.SHEDDABLE, p.max_tokens, False, p.call), slot
         )
-        answer_id = self._identity(p, chat, served.admission)
+        answer_id = self.identity(p, chat, served.admission)
         response = self._answer(served, p, chat, answer_id, None, {})
         return json.loads(bytes(response.body))
 
     @staticmethod
-    def _identity(p: Prepared, chat: bool, admission: Admission) -> answers.Identity:
+    def identity(p: Prepared, chat: bool, admission: Admission) -> answers.Identity:
         """The answer's id and names: what was asked (an adapter as the request named it), or the fallback."""
         return answers.Identity(
             answers.new_id("chatcmpl" if chat else "cmpl"),
@@ -251,7 +251,7 @@ class OpenAIFront:
         return text.call(prompt, add_special_tokens=not chat, **fields)
 
     @staticmethod
-    def _headers(admission: Admission) -> dict[str, str]:
+    def headers(admission: Admission) -> dict[str, str]:
         headers = {
             "X-Ballast-Criticality": admission.criticality.value,
             "X-Ballast-Level": str(admission.level),
@@ -273,20 +273,29 @@ class OpenAIFront:
     ) -> Response:
         """A unary answer; or, asked as a stream at a level that does not stream, the
         whole answer as one stream event per choice."""
+        headers = {**headers, **answer_headers(answer)}
+        if stream is None:
+            return JSONResponse(cls.answer_body(answer, p, chat, answer_id), headers=headers)
+        ident, wholes, counts = cls._wholes(answer, p, chat, answer_id)
+        events = answers.whole_stream(ident, chat, wholes, counts, stream)
+        return Response(events, media_type="text/event-stream", headers=headers)
+
+    @classmethod
+    def answer_body(cls, answer: Answer, p: Prepared, chat: bool, answer_id: answers.Identity) -> dict[str, Any]:
+        """A unary answer's body (chat's or completions' shape)."""
+        ident, wholes, counts = cls._wholes(answer, p, chat, answer_id)
+        return answers.chat_answer(ident, wholes, counts) if chat else answers.completion_answer(ident, wholes, counts)
+
+    @classmethod
+    def _wholes(
+        cls, answer: Answer, p: Prepared, chat: bool, answer_id: answers.Identity
+    ) -> tuple[answers.Ident, list[answers.Whole], answers.Counts]:
         settled = answer.settled
         a = answer.admission
         one = ChoiceResult(0, settled.text, settled.tokens, settled.finish_reason, settled.logprobs)
         wholes = [cls._whole(c, p, chat, a.max_tokens, settled.prompt_logprobs) for c in settled.choices or (one,)]
-        headers = {**headers, **answer_headers(answer)}
-        ident = answer_id.of(settled.model)
         counts = answers.Counts(a.prompt_tokens, settled.tokens, settled.cached_tokens)
-        if stream is None:
-            body = (
-                answers.chat_answer(ident, wholes, counts) if chat else answers.completion_answer(ident, wholes, counts)
-            )
-            return JSONResponse(body, headers=headers)
-        events = answers.whole_stream(ident, chat, wholes, counts, stream)
-        return Response(events, media_type="text/event-stream", headers=headers)
+        return answer_id.of(settled.model), wholes, counts
 
     @staticmethod
     def _whole(
