@@ -11,10 +11,10 @@ and only such a model does. Procedure of a request (``prepare``, then the pipeli
 4. the inputs, at most ``embed.max_inputs`` of them (400 naming ``input``); each text
    tokenized here, once, by the model's tokenizer with its special tokens added (as vLLM's
    embeddings server does for a text input: ``add_special_tokens`` true); token-id inputs
-   taken as sent, each id below the model's vocabulary (400 naming ``input.<i>``); each
-   input at most the model's context (400 ``CONTEXT_LENGTH_EXCEEDED`` naming ``input.<i>``)
-   and at most ``embed.max_input_tokens`` (400 naming ``input.<i>``); all of them together
-   at most ``embed.max_request_tokens`` (400 naming ``input``);
+   taken as sent, each id below the model's vocabulary (400 naming ``input.<i>``, or
+   ``input`` when it is the only one); each input at most the model's context (400
+   ``CONTEXT_LENGTH_EXCEEDED``, named so) and at most ``embed.max_input_tokens`` (400, named
+   so); all of them together at most ``embed.max_request_tokens`` (400 naming ``input``);
 5. one model call for all the inputs (``ModelCall.pool`` and ``inputs``: the replica runs a
    row per input, and answers their vectors in order), of ``max_tokens`` 0: the pipeline
    admits it by class and level, charges the inputs' tokens to the tenant's quota (at the
@@ -130,7 +130,7 @@ class EmbeddingsFront:
                 field="input",
             )
         text = lane.text
-        one = len(inputs) == 1 and req.as_ids  # a single token-id input is the whole field
+        one = len(inputs) == 1  # a single input is the whole field
         out: list[tuple[int, ...]] = []
         total = 0
         for i, one_input in enumerate(inputs):

@@ -54,8 +54,10 @@ def _inputs(value: Any) -> Any:
     rather than by the union, so that an error names ``input`` (or ``input.<i>``), not a
     union branch."""
     if isinstance(value, str):
-        value = [value]
-    elif isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+        if not value:
+            raise PydanticCustomError("input_text", "a text input is not empty")
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
         fault = _ids_fault(value)
         if fault is not None:
             raise PydanticCustomError("input_ids", fault)
@@ -126,11 +128,6 @@ class EmbeddingRequest(BaseModel):
     def inputs(self) -> Sequence[str | list[int]]:
         """The inputs in order (``_inputs`` made ``input`` a list of them)."""
         return self.input  # type: ignore[return-value]
-
-    @property
-    def as_ids(self) -> bool:
-        """Whether the inputs are token ids (else texts)."""
-        return isinstance(self.inputs[0], list)
 
 
 def parse_embedding(data: Any) -> EmbeddingRequest:

@@ -94,7 +94,7 @@ def test_every_form_of_input_is_a_list_of_inputs():
     assert inputs([1, 2, 3]) == [[1, 2, 3]]
     assert inputs([[1], [2, 3]]) == [[1], [2, 3]]
     req = ea.parse_embedding({"model": "m", "input": "x"})
-    assert (req.encoding_format, req.dimensions, req.as_ids) == ("float", None, False)
+    assert (req.encoding_format, req.dimensions) == ("float", None)
 
 
 @pytest.mark.parametrize(
@@ -102,7 +102,8 @@ def test_every_form_of_input_is_a_list_of_inputs():
     [
         ({"input": "x"}, "model", "Field required"),
         ({"model": "m"}, "input", "Field required"),
-        ({"model": "m", "input": ""}, "input.0", "not empty"),
+        ({"model": "m", "input": ""}, "input", "not empty"),
+        ({"model": "m", "input": [""]}, "input.0", "not empty"),
         ({"model": "m", "input": []}, "input", "at least one input"),
         ({"model": "m", "input": ["a", ""]}, "input.1", "not empty"),
         ({"model": "m", "input": ["a", [1]]}, "input.1", "every input of a list"),
@@ -201,9 +202,11 @@ def test_an_input_past_the_context_is_context_length_exceeded():
     r = build_router(cfg, handles)
     at_level(r, 0)
     with routed(r) as c:
-        resp = embed(c, input=["a", "x" * 65])
-    assert refusal(resp) == (400, "input.1", "CONTEXT_LENGTH_EXCEEDED")
-    assert "context is 64 tokens and the input is 65" in resp.json()["error"]["message"]
+        several = embed(c, input=["a", "x" * 65])
+        one = embed(c, input="x" * 65)
+    assert refusal(several) == (400, "input.1", "CONTEXT_LENGTH_EXCEEDED")
+    assert "context is 64 tokens and the input is 65" in several.json()["error"]["message"]
+    assert refusal(one) == (400, "input", "CONTEXT_LENGTH_EXCEEDED")  # the only input: the whole field
 
 
 def test_a_text_route_naming_an_embeddings_model_is_refused_naming_model(router, handles):
