@@ -235,6 +235,17 @@ def test_the_quota_is_charged_the_inputs_tokens_at_the_models_cost(router, handl
     assert before - bucket.tokens == pytest.approx(3.0 * 10, abs=1e-3)  # 10 tokens at 3 each, nothing generated
 
 
+def test_an_embeddings_answer_is_not_kept_in_the_answer_cache(handles):
+    r = build_router({**CFG, "resilience": {"cache": {"enabled": True}}}, handles)  # bounded in entries, not bytes
+    at_level(r, 0)
+    handles["embedder"].generate.script.append(vectors(vec(1)))
+    handles["writer"].generate.script.append(FakeResponse(0, result=ModelResult("ok", 1, "stop")))
+    with routed(r) as c:
+        assert embed(c, input="a").status_code == 200
+        assert c.post("/v1/completions", headers=GOLD, json={"model": "writer", "prompt": "a"}).status_code == 200
+    assert len(r.pipeline.lanes["embedder"].caller.cache) == 0 and len(r.pipeline.lanes["writer"].caller.cache) == 1
+
+
 def test_an_answer_of_another_count_of_vectors_is_no_answer(router, handles):
     handles["embedder"].generate.script.append(vectors(vec(1)))
     with routed(router) as c:
