@@ -3,6 +3,7 @@ placements, production's refusals), and the conversions to the policies' configs
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -116,6 +117,17 @@ class BallastConfig(Strict):
             self.catalog()  # the policy's own checks
         except ValueError as e:
             raise ValueError(f"models: {e}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _fallbacks_answer_as_their_model(self) -> BallastConfig:
+        """A fallback answers its model's requests in its stead (``_fallback_problem``)."""
+        for i, m in enumerate(self.models):
+            fallback = self.fallback_of(m.name)
+            problem = None if fallback is None else _fallback_problem(m, fallback.model)
+            if problem is not None:
+                where = f"models[{i}].fallback" if m.fallback is not None else "fallback"
+                raise ValueError(f"{where}.model: {problem}")
         return self
 
     @model_validator(mode="after")
@@ -256,6 +268,36 @@ def _same_model(written: Any, first_model: dict[str, Any]) -> bool:
 
 def _frozen(names: list[str] | None) -> frozenset[str] | None:
     return None if names is None else frozenset(names)
+
+
+def _fallback_problem(m: ModelConfig, fallback: ModelConfig) -> str | None:
+    """What keeps ``fallback`` from answering in model ``m``'s stead (None: nothing). It is of
+    the same kind; an embeddings model's fallback embeds with the same weights, pooling,
+    normalisation and sizes, since a vector is of use only beside the vectors a client
+    already holds from the model (its index): another model's are in another space."""
+    if fallback.kind != m.kind:
+        return f"kind {fallback.kind!r}, its model's is {m.kind!r}: a fallback answers what its model answers"
+    if m.kind != "embed":
+        return None
+    if _weights(fallback) != _weights(m):
+        return (
+            "an embeddings model's fallback serves the same weights as its model (the same path; the builtin "
+            "model's: the same checkpoint_path, seed and architecture): another model's vectors do not match "
+            "the vectors a client has indexed"
+        )
+    if fallback.embed.model_dump(include=_EMBEDS_ALIKE) != m.embed.model_dump(include=_EMBEDS_ALIKE):
+        return f"embed: {', '.join(sorted(_EMBEDS_ALIKE))} as its model's (the vectors differ otherwise)"
+    return None
+
+
+_EMBEDS_ALIKE = {"pooling", "normalize", "dimensions"}
+
+
+def _weights(m: ModelConfig) -> tuple[Any, ...]:
+    """What names a model's weights: its directory, or the builtin model's checkpoint, seed and shape."""
+    if m.path is not None:
+        return (os.path.normpath(m.path),)
+    return (m.checkpoint_path, m.seed, m.architecture)
 
 
 def _check_catalog_names(cfg: BallastConfig) -> None:

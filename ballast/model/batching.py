@@ -34,6 +34,8 @@ class _Chunks(Protocol):
 
     def run_chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]: ...
 
+    def take_logprobs(self) -> Any: ...
+
 
 class _Encodes(Protocol):
     def encode(self, prompt: str, max_new_tokens: int, add_special_tokens: bool = True) -> list[int]: ...
@@ -123,6 +125,15 @@ def warm_up(engine: _Warms, batch_sizes: Sequence[int]) -> None:
         batch.run_chunk([Join(i, engine.text.encode("Hello", steps), steps) for i in range(n)], steps)
         while batch.keys():
             batch.run_chunk([], steps)
+    # And a row asking log-probabilities, its tokens' and its prompt's: their first use is
+    # a path of its own (vLLM's CPU build took 4.5 s for it, stalled long enough for the
+    # watchdog to call the replica hung).
+    batch = engine.open_batch()
+    ids = engine.text.encode("Hello", steps)
+    batch.run_chunk([Join("logprobs", ids, steps, logprobs=1, prompt_logprobs=1)], steps)
+    while batch.keys():
+        batch.run_chunk([], steps)
+    batch.take_logprobs()
 
 
 def refuse_adapter(join: Join) -> EngineRefused | None:

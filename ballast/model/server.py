@@ -175,7 +175,8 @@ class ModelServer:
 
         def on_chunk(rows: int, tokens: int) -> None:
             self._m_batch.observe(rows)
-            self._m_tokens.inc(tokens)
+            if tokens:  # a chunk may bring none (vLLM's wait, a prompt-only row): Ray's counter takes > 0 only
+                self._m_tokens.inc(tokens)
 
         return ReplicaLoop(
             self._backend,

@@ -229,9 +229,9 @@ async def read_json(request: Request, limits: Any, error: type[InvalidRequest] =
 
 app = FastAPI(title="Ballast", docs_url=None, redoc_url=None, openapi_url=None)
 
-#: Routes whose errors take OpenAI's shape (ballast/router/openai.py), and the prefixes of the
-#: Batch API's (ballast/router/batches.py) and the Responses API's (responses.py).
-OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+#: Routes whose errors take OpenAI's shape (ballast/router/openai.py, embeddings.py), and the
+#: prefixes of the Batch API's (ballast/router/batches.py) and the Responses API's (responses.py).
+OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"})
 OPENAI_PREFIXES = ("/v1/files", "/v1/batches", "/v1/responses")
 
 

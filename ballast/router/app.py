@@ -7,6 +7,7 @@ Where things are:
   sent to the model (its docstring walks it);
 - generate.py and openai.py: the native and OpenAI fronts, each holding the pipeline;
   openai_api.py: the OpenAI protocol's requests, openai_answers.py its answers;
+  embeddings.py: ``/v1/embeddings`` on the same pipeline, embeddings_api.py its protocol;
 - batches.py: OpenAI's Batch API (``/v1/files``, ``/v1/batches``) on the durable store;
   dispatcher.py: the loops that run batch lines on spare capacity and end batches;
 - admin.py: ``/v1/status`` and ``/admin/*``; admin_port.py: those routes on a local-only
@@ -51,6 +52,7 @@ from ballast.router.batches import BatchFront
 from ballast.router.contract import VERSION, openapi_document
 from ballast.router.dispatcher import BatchDispatch, BatchHooks, Finalizer, ModelDispatcher
 from ballast.router.edge import Edge
+from ballast.router.embeddings import EmbeddingsFront
 from ballast.router.generate import NativeFront
 from ballast.router.idempotency import IdempotencyStore, SharedKeys
 from ballast.router.lanes import build_lanes
@@ -108,10 +110,10 @@ class Router:
         self.reporter = Reporter(cfg, self.router_id, self.pipeline, Edge.from_env() if cfg.http.edge else None, keys)
         self._native = NativeFront(self.pipeline, cfg.limits)
         self._openai = OpenAIFront(self.pipeline, cfg, created_s=int(time.time()))
+        self._embeddings = EmbeddingsFront(self.pipeline, cfg)
         # The Batch API's store (none: batch off, or no batch.store_url; its routes answer 503)
         # and the loops that run its lines here; the online routes never touch it.
         self.store: BatchStore | None = None
-        self.dispatch: BatchDispatch | None = None
         if cfg.batch.enabled and cfg.batch.store_url is not None:
             self.store = connect_store(
                 cfg.batch,
@@ -119,9 +121,11 @@ class Router:
                 weights={t: c.weight for t, c in cfg.tenants.items()},
                 responses=cfg.responses,
             )
-            self.dispatch = self._batch_dispatch(self.store)
-        self._batches = BatchFront(self.pipeline, self._openai, cfg, self.store)
+        self._batches = BatchFront(self.pipeline, self._openai, self._embeddings, cfg, self.store)
         self._responses = ResponsesFront(self.pipeline, self._openai, cfg, self.store)
+        self.dispatch: BatchDispatch | None = None
+        if self.store is not None:
+            self.dispatch = self._batch_dispatch(self.store)
         self._admin = Admin(
             cfg,
             keys,
@@ -153,7 +157,7 @@ class Router:
                 name,
                 lane.gate,
                 functools.partial(self.snapshots.heading, name),
-                self._openai.batch_line,
+                self._batches.run_line,
                 store,
                 self._cfg,
                 self.router_id,
@@ -243,6 +247,11 @@ class Router:
     async def completions(self, request: Request) -> Response:
         self._start()
         return await self._openai.complete(request, chat=False)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        self._start()
+        return await self._embeddings.embed(request)
 
     @app.get("/v1/models")
     async def list_models(self, request: Request) -> JSONResponse:

@@ -5,15 +5,17 @@
 Procedure of ``POST /v1/batches`` (``create_batch``):
 
 1. the caller is its API key's tenant (401), as on every route;
-2. the body: ``input_file_id``, ``endpoint`` (``/v1/chat/completions`` or ``/v1/completions``),
+2. the body: ``input_file_id``, ``endpoint`` (``/v1/chat/completions``, ``/v1/completions`` or
+   ``/v1/embeddings``),
    ``completion_window`` (one of ``batch.completion_windows``), ``metadata`` (at most 16
    pairs, OpenAI's bounds); anything else is a 400 naming the field;
 3. the input file: the caller's own (another tenant's is 404, as one that does not exist),
    of purpose ``batch``;
 4. every line checked by the online call's rules (ballast/batch/lines.py's
-   ``parse_batch_file`` with ``OpenAIFront.prepare`` as the check: the parse and its
-   limits, the tenant's models through ``Pipeline.target``, what the engine cannot honour,
-   max_tokens bounds, the prompt's size and context), in a worker thread (the tokenizer's
+   ``parse_batch_file`` with the endpoint's front's ``prepare`` as the check, ``OpenAIFront``'s
+   or ``EmbeddingsFront``'s: the parse and its limits, the tenant's models through
+   ``Pipeline.target`` and their kind, what the engine cannot honour, max_tokens bounds, the
+   prompt's (the inputs') size and context), in a worker thread (the tokenizer's
    work stays off the event loop). A file that cannot run as a whole makes a ``failed``
    batch carrying OpenAI's ``errors.data``; a line refused alone goes to the error file
    with its number at once, the others onto their model's queue;
@@ -21,7 +23,8 @@ Procedure of ``POST /v1/batches`` (``create_batch``):
    past the tenant's batches in flight, lines queued, files: 429). Validation runs inside
    the call, so a client sees ``in_progress`` (or ``failed``) first, never ``validating``.
 
-The dispatcher (router/dispatcher.py) runs the lines and finalizes the batch.
+The dispatcher (router/dispatcher.py) runs the lines (``run_line``: the endpoint's front's
+``batch_line``) and finalizes the batch.
 
 Ownership: a file or batch is its tenant's; every route looks it up and answers 404 for
 another tenant's, with the message it gives for one that does not exist. ``GET
@@ -56,12 +59,15 @@ from ballast.batch.upload import read_upload
 from ballast.errors import BatchFileInvalid, BatchNotCancellable, InvalidRequest, NotFound, StoreUnavailable
 from ballast.router import openai_api as oa
 from ballast.router.api import read_json
+from ballast.router.embeddings import EmbeddingsFront
+from ballast.router.gate import BatchSlot, GateSlot
 from ballast.router.metadata import MAX_METADATA_PAIRS, metadata_fault
 from ballast.router.openai import OpenAIFront
 from ballast.router.pipeline import Caller, Pipeline
 
-#: The endpoints a batch may run here (OpenAI's list has more; embeddings are not served).
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+#: The endpoints a batch may run here (OpenAI's list has more).
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+EMBEDDINGS = "/v1/embeddings"
 MAX_ID_CHARS = 64  # file-<24 hex> and batch_<24 hex> are 29 and 30
 
 
@@ -71,7 +77,7 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(min_length=1, max_length=MAX_ID_CHARS)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
     completion_window: str = Field(min_length=1, max_length=8)
     metadata: dict[str, str] | None = Field(default=None, max_length=MAX_METADATA_PAIRS)
 
@@ -101,19 +107,22 @@ def expired_line(custom_id: str) -> str:
 
 
 class BatchFront:
-    """The Batch API's routes on the pipeline (identity, the tenant's models), the OpenAI
-    front (each line's check) and the store (None: no store here, 503)."""
+    """The Batch API's routes on the pipeline (identity, the tenant's models), the fronts
+    that check and run each line (OpenAI's text routes, embeddings) and the store (None: no
+    store here, 503)."""
 
     def __init__(
         self,
         pipeline: Pipeline,
         front: OpenAIFront,
+        embeddings: EmbeddingsFront,
         cfg: Any,
         store: BatchStore | None,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._pipeline = pipeline
         self._front = front
+        self._embeddings = embeddings
         self._cfg = cfg
         self._store = store
         self._wall = wall  # Unix seconds: what the records show (OpenAI's times)
@@ -225,16 +234,29 @@ class BatchFront:
 
     def _parse(self, data: bytes, endpoint: str, caller: Caller) -> ParsedFile:
         """Every line checked as the online call would be (runs in a worker thread)."""
-        chat = endpoint == "/v1/chat/completions"
         limits = self._cfg.limits
         return parse_batch_file(
             data,
             endpoint,
             self._cfg.batch.max_file_lines,
-            lambda line: self._front.prepare(line, chat, caller).target.model,
+            lambda line: self.check_line(line, endpoint, caller),
             max_depth=limits.max_json_depth,
             max_body_bytes=limits.max_body_bytes,
         )
+
+    def check_line(self, body: dict[str, Any], endpoint: str, caller: Caller) -> str:
+        """The model a batch line of ``endpoint`` runs on, its body checked as the online
+        call's (the endpoint's front's ``prepare``); a refusal raises its BallastError."""
+        if endpoint == EMBEDDINGS:
+            return self._embeddings.prepare(body, caller).target.model
+        return self._front.prepare(body, endpoint == "/v1/chat/completions", caller).target.model
+
+    async def run_line(self, caller: Caller, body: dict[str, Any], endpoint: str, slot: GateSlot | BatchSlot) -> Any:
+        """A batch line of ``endpoint`` run on ``slot`` (the dispatcher's; given back whatever
+        happens) by the endpoint's front (``batch_line``): the answer's body, as online."""
+        if endpoint == EMBEDDINGS:
+            return await self._embeddings.batch_line(caller, body, slot)
+        return await self._front.batch_line(caller, body, endpoint == "/v1/chat/completions", slot)
 
     async def get_batch(self, batch_id: str, request: Request) -> dict[str, Any]:
         caller = self._pipeline.identify(request)

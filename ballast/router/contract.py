@@ -17,6 +17,7 @@ from typing import Any
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from ballast.router import embeddings_api as ea
 from ballast.router import openai_answers as answers
 from ballast.router import openai_api as oa
 
@@ -230,6 +231,7 @@ def _contract() -> dict[tuple[str, str], RouteContract]:
         ("POST", "/v1/completions"): RouteContract(
             answers.Completion, oa.CompletionRequest, answers.Completion, openai=True
         ),
+        ("POST", "/v1/embeddings"): RouteContract(ea.EmbeddingList, ea.EmbeddingRequest, openai=True),
         ("GET", "/v1/models"): RouteContract(answers.ModelList, openai=True),
         ("POST", "/v1/responses"): RouteContract(ResponseObject, ResponsesRequest, ResponseEvent, openai=True),
         ("GET", "/v1/responses/{response_id}"): RouteContract(ResponseObject, openai=True),

@@ -30,7 +30,7 @@ A line's life (``_run_line``), on its slot:
   not run are in neither file, as OpenAI's);
 - answered already (a redelivery after its router died): acknowledged, not run;
 - past its batch's ``expires_at``: ``batch_expired`` to the error file, acknowledged;
-- else run (``OpenAIFront.batch_line``, within ``resilience.deadline_s``): the answer to the
+- else run (``BatchFront.run_line``: its endpoint's front, within ``resilience.deadline_s``): the answer to the
   output file; a client error (4xx) to the error file; both recorded (``BatchStore.record``)
   BEFORE the acknowledgement, so a router that dies between the two leaves a line that
   is answered and is recognised when redelivered. A quota or kill-switch refusal puts the
@@ -89,8 +89,9 @@ DEFERRED = frozenset({"QUOTA_EXCEEDED", "KILL_SWITCH", "REPLICA_LOST"})
 #: What became of a line, as ``ballast_batch_lines_total{outcome}`` counts it.
 OUTCOMES = ("completed", "failed", "expired", "retried", "deferred", "dead_lettered", "skipped")
 
-#: A batch line's run: (caller, body, chat, slot) -> the answer's body (``OpenAIFront.batch_line``).
-RunLine = Callable[[Caller, dict[str, Any], bool, GateSlot | BatchSlot], Awaitable[Any]]
+#: A batch line's run: (caller, body, the batch's endpoint, slot) -> the answer's body
+#: (``BatchFront.run_line``).
+RunLine = Callable[[Caller, dict[str, Any], str, GateSlot | BatchSlot], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ class ModelDispatcher:
             return "expired", slot
         caller = Caller(line.tenant, Deadline.starting(self._clock(), self._cfg.resilience.deadline_s))
         try:
-            body = await self._run(caller, line.body(), rec.endpoint == "/v1/chat/completions", slot)
+            body = await self._run(caller, line.body(), rec.endpoint, slot)
         except BallastError as err:
             return await self._failed(delivery, err.code, err.status, err.message, err), None
         except Exception as e:  # not a refusal of the line: retried, then dead-lettered

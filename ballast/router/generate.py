@@ -80,6 +80,7 @@ class NativeFront:
         caller = self._pipeline.identify(request)
         req = self._parse(await read_json(request, self._limits))
         lane, target = self._pipeline.target(caller, req.model)
+        lane.serves("generate", req.model or lane.name, InvalidRequest)
         call = self.to_call(req, caller.idempotency_key, lane.text, target)
         max_tokens = lane.text.fit(len(call.prompt_ids), req.max_tokens)
         tier, claimed = tiered_claim(request, req.service_tier, req.criticality, InvalidRequest)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ballast.errors import InvalidRequest
 from ballast.policies.fairness import TenantCounters
 from ballast.policies.limiter import AimdLimit
 from ballast.router.accounts import Accounts
@@ -50,6 +51,7 @@ class Lane:
     """A model as one router serves it."""
 
     name: str  # the model's name: the request's ``model`` field, the metrics' ``model`` tag
+    kind: str  # what it serves: "generate" (text) or "embed" (vectors, /v1/embeddings alone)
     backend: str  # its engine: "builtin", "transformers" or "vllm"
     deployment: str  # its Serve deployment (the controller's reports and replica counts)
     cost_per_token: float  # what one of its tokens costs in a tenant's bucket
@@ -58,6 +60,17 @@ class Lane:
     gate: PriorityGate | None
     tally: Tally
     accounts: Accounts
+
+    def serves(self, kind: str, asked: str, error: type[InvalidRequest]) -> None:
+        """Nothing when the model is of ``kind``; else ``error`` naming ``model``: an
+        embeddings model answers no text request, a generating model no embeddings request."""
+        if self.kind == kind:
+            return
+        if self.kind == "embed":
+            what = "an embeddings model: it answers POST /v1/embeddings alone"
+        else:
+            what = "a generating model: POST /v1/embeddings takes a model of kind 'embed'"
+        raise error(f"model: {asked!r} is {what}", field="model")
 
     @property
     def max_tokens(self) -> int:
@@ -80,6 +93,7 @@ def build_lanes(
         gate, tally = priority_gate(cfg, m.backend), Tally()
         lanes[m.name] = Lane(
             name=m.name,
+            kind=m.kind,
             backend=m.backend,
             deployment=cfg.deployment_name(m.name),
             cost_per_token=m.cost_per_token,

@@ -172,6 +172,7 @@ class OpenAIFront:
         model_not_found for one the caller may not use), checked against that model."""
         req: Parsed = oa.parse_chat(data, self._limits) if chat else oa.parse_completion(data, self._limits)
         lane, target = self._pipeline.target(caller, req.model)
+        lane.serves("generate", req.model, oa.BadRequest)
         oa.refuse_unhonoured(req, lane.backend)
         asked = oa.max_tokens_of(req)
         if asked is not None and asked > self._limits.max_tokens_limit:

@@ -406,7 +406,7 @@ class ResilientCaller:
         found, skipped = await self._first_backend(spec, lambda b: self._attempts(b, spec), hold=False)
         if found is not None:
             b, result = found
-            if self.cache is not None and spec.tenant is not None and not _asks_logprobs(spec.call):
+            if self.cache is not None and spec.tenant is not None and not _uncached(spec.call):
                 self.cache.put(spec.tenant, spec.call, result)
             return Reply(result, *self._answered_by(b))
         # The cache holds the models' earlier answers: a model an operator switched
@@ -648,10 +648,11 @@ class _Open:
     t0: float
 
 
-def _asks_logprobs(call: ModelCall) -> bool:
-    """A call whose answer carries log-probabilities: up to 21 entries a token, not cached
-    (the cache's bound is in entries, not bytes)."""
-    return call.logprobs is not None or call.prompt_logprobs is not None
+def _uncached(call: ModelCall) -> bool:
+    """A call whose answer is not cached, the cache's bound being in entries, not bytes:
+    one with log-probabilities (up to 21 entries a token), or an embeddings call (a vector
+    per input, up to thousands of inputs)."""
+    return call.logprobs is not None or call.prompt_logprobs is not None or call.pool is not None
 
 
 # The fallback kinds an answer names (``X-Ballast-Fallback``): the fallback model, the cache.

@@ -2,19 +2,26 @@
 
 For this module the session's stack is replaced by one whose primary model is
 ``backend: transformers`` on that directory (the fallback stays the built-in
-model), and put back after. Through the real HTTP endpoint and the official
-``openai`` client: usage in the model's tokens, its chat template, the context
-refused with a 400, greedy and seeded answers reproducible, streams equal to
-unary answers, stop strings, shedding under overload and a recycle under load.
+model), beside an embeddings model (``kind: embed``) on the same directory, and put
+back after. Through the real HTTP endpoint and the official ``openai`` client: usage
+in the model's tokens, its chat template, the context refused with a 400, greedy and
+seeded answers reproducible, streams equal to unary answers, stop strings, shedding
+under overload and a recycle under load; ``/v1/embeddings`` as the client calls it
+(base64 by default, floats, token ids, ``dimensions``, usage, its 400s), online and in
+a batch.
 """
 
 from __future__ import annotations
+
+import io
+import json
+import math
 
 import conftest as integration
 import httpx
 import openai
 import pytest
-from conftest import ADMIN, BASE, GOLD, _deploy, _merge
+from conftest import ADMIN, BASE, GOLD, _deploy, _merge, wait_until
 
 from ballast.model.demo import make_tiny_llama
 
@@ -23,6 +30,9 @@ pytestmark = pytest.mark.integration
 OWN_STACK = True
 
 MODEL = "tiny-llama"
+EMBED = "tiny-llama-embed"  # the same directory as an embeddings model (last-token pooling, normalised)
+EMBED_SIZES = [16]  # a shorter vector it may give (the model's own is its hidden size, 32)
+EMBED_MAX_INPUTS = 4
 KEY = GOLD["Authorization"].split()[1]
 
 
@@ -31,8 +41,19 @@ def hf_stack(ballast, tmp_path_factory):
     from ballast.config import load_config
 
     ckpt = make_tiny_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
-    over = {"model": {"name": MODEL, "backend": "transformers", "path": str(ckpt)}}
-    _deploy(load_config(_merge(integration.test_config_dict(), over)), MODEL)
+    settings = _merge(integration.test_config_dict(), {"model": {"name": MODEL, "backend": "transformers"}})
+    settings["model"]["path"] = str(ckpt)
+    embed = {
+        "name": EMBED,
+        "kind": "embed",
+        "backend": "transformers",
+        "path": str(ckpt),
+        "embed": {"dimensions": EMBED_SIZES, "max_inputs": EMBED_MAX_INPUTS},
+        "deployment": {"min_replicas": 1, "max_replicas": 1},
+    }
+    settings["models"] = [settings["model"], embed]
+    settings["batch"] = ballast.batch.model_dump(mode="json")  # the session's store: batches run here too
+    _deploy(load_config(settings), EMBED)
     yield ckpt
 
 
@@ -155,3 +176,82 @@ def test_log_probabilities_and_choices_are_the_models_own(oai, tok, hf_stack):
     from logprob_reference import check_served_logprobs
 
     check_served_logprobs(oai, MODEL, tok, hf_stack)
+
+
+# ------------------------------------------------------------------ /v1/embeddings
+
+
+def norm(v: list[float]) -> float:
+    return math.sqrt(sum(x * x for x in v))
+
+
+def test_embeddings_answer_every_input_as_the_openai_client_asks(oai, tok):
+    texts = ["The quick brown fox", "jumps over the lazy dog", "A replica serves requests"]
+    b64 = oai.embeddings.create(model=EMBED, input=texts)  # the client asks base64 and decodes it
+    floats = oai.embeddings.create(model=EMBED, input=texts, encoding_format="float")
+    assert b64.model == floats.model == EMBED
+    assert [d.index for d in b64.data] == [d.index for d in floats.data] == [0, 1, 2]
+    for a, b in zip(b64.data, floats.data):
+        assert len(a.embedding) == 32 and a.embedding == pytest.approx(b.embedding, abs=1e-6)
+        assert norm(a.embedding) == pytest.approx(1.0, abs=1e-4)  # normalised
+    assert floats.data[0].embedding != pytest.approx(floats.data[1].embedding, abs=1e-3)  # inputs differ
+    tokens = sum(len(tok.encode(t)) for t in texts)  # the model's tokens, its bos included
+    assert (floats.usage.prompt_tokens, floats.usage.total_tokens) == (tokens, tokens)
+
+    ids = oai.embeddings.create(model=EMBED, input=[tok.encode(t) for t in texts], encoding_format="float")
+    one = oai.embeddings.create(model=EMBED, input=texts[0], encoding_format="float")
+    for a, b in zip(ids.data, floats.data):
+        assert a.embedding == pytest.approx(b.embedding, abs=1e-5)  # the same ids as the text's
+    assert one.data[0].embedding == pytest.approx(floats.data[0].embedding, abs=1e-5)  # alone or beside others
+
+
+def test_dimensions_give_the_first_of_the_vector_normalised(oai):
+    full = oai.embeddings.create(model=EMBED, input="The quick brown fox", encoding_format="float").data[0].embedding
+    short = oai.embeddings.create(model=EMBED, input="The quick brown fox", dimensions=16).data[0].embedding
+    head = full[:16]
+    assert len(short) == 16 and short == pytest.approx([x / norm(head) for x in head], abs=1e-5)
+
+
+def test_embeddings_refusals_are_400s_naming_the_field(oai):
+    cases = [
+        (dict(model=EMBED, input="x", dimensions=8), "dimensions", "INVALID_REQUEST"),
+        (dict(model=EMBED, input=["x"] * (EMBED_MAX_INPUTS + 1)), "input", "INVALID_REQUEST"),
+        (dict(model=EMBED, input="word " * 200), "input", "CONTEXT_LENGTH_EXCEEDED"),
+        (dict(model=EMBED, input=[[1], [10**6]]), "input.1", "INVALID_REQUEST"),
+        (dict(model=EMBED, input=""), "input", "INVALID_REQUEST"),
+        (dict(model=MODEL, input="x"), "model", "INVALID_REQUEST"),  # a generating model
+    ]
+    for kw, param, code in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.embeddings.create(**kw)
+        assert (e.value.status_code, e.value.code, e.value.param) == (400, code, param), (kw, e.value.message)
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=EMBED, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert (e.value.code, e.value.param) == ("INVALID_REQUEST", "model")
+    assert EMBED in [m.id for m in oai.models.list().data]
+
+
+def test_a_batch_of_embeddings_lines_answers_each_as_online(oai):
+    texts = ["batch embeddings one", "batch embeddings two"]
+    lines = [
+        {"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": EMBED, "input": t}}
+        for i, t in enumerate(texts)
+    ]
+    lines.append(
+        {"custom_id": "bad", "method": "POST", "url": "/v1/embeddings", "body": {"model": MODEL, "input": "x"}}
+    )
+    data = "\n".join(json.dumps(x) for x in lines).encode() + b"\n"
+    file_id = oai.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch").id
+    batch = oai.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    done = wait_until(
+        lambda: (b := oai.batches.retrieve(batch.id)).status in ("completed", "failed") and b, 90, 0.5, "the batch"
+    )
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    out = [json.loads(x) for x in oai.files.content(done.output_file_id).text.splitlines()]
+    err = [json.loads(x) for x in oai.files.content(done.error_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in out] == ["e-0", "e-1"] and [x["custom_id"] for x in err] == ["bad"]
+    online = oai.embeddings.create(model=EMBED, input=texts, encoding_format="float")
+    for x, want in zip(out, online.data):
+        body = x["response"]["body"]
+        assert x["response"]["status_code"] == 200 and body["model"] == EMBED
+        assert body["data"][0]["embedding"] == pytest.approx(want.embedding, abs=1e-5)

@@ -220,6 +220,9 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
     status, headers, body = _post(port, "/v1/chat/completions", "critical")
     router = Overloaded("degradation level 3 does not admit criticality 'critical'", 4.0)
     assert status == 503 and json.loads(body) == openai_error_body(router)
+    for path in ("/v1/completions", "/v1/embeddings"):  # every OpenAI route: OpenAI's shape
+        status, headers, body = _post(port, path, "critical")
+        assert status == 503 and json.loads(body) == openai_error_body(router), path
 
     # What the level admits, no header, or anything but one header holding one class name
     # whole: to the router (which answers a bad claim 422).
@@ -227,7 +230,7 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
         assert _post(port, "/v1/generate", crit)[0] == 200, crit
     assert _post(port, "/v1/generate", "sheddable", method="GET")[0] == 200  # the edge judges POSTs only
     _post(port, "/v1/generate", "sheddable")
-    assert edge.drain() == {"sheddable": 2, "critical": 1}
+    assert edge.drain() == {"sheddable": 2, "critical": 3}
     assert edge.drain() == {}  # cleared: a second router on the node does not count them again
 
     # Refusals at the edge write no log line (Serve's manager would parse one each); what

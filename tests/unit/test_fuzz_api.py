@@ -49,8 +49,10 @@ from ballast.model.protocol import ModelCall, ModelChunk, ModelResult
 
 KEY = {"Authorization": "Bearer dev-key-gold"}
 SERVED_MODEL = "tiny-decoder"  # the built-in model's name
+EMBED_MODEL = "tiny-embed"  # the built-in model again, as an embeddings model (kind: embed)
 ADMIN = {"Authorization": "Bearer admin-token"}
 CFG = {
+    "models": [{"name": SERVED_MODEL}, {"name": EMBED_MODEL, "kind": "embed"}],
     "tenants": {"gold": {}},
     "auth": {"demo_keys": {"dev-key-gold": "gold"}, "demo_admin_token": "admin-token"},
     "chaos": {"enabled": True},
@@ -58,13 +60,15 @@ CFG = {
 # Limits high enough that the pass reaches every route's own checks (the store's refusals
 # past them are tested against the store itself).
 ROOMY_BATCH = {"max_files": 10_000, "max_batches_in_flight": 1000}
-# Per operation and generation mode (32 operations positive, the 9 POSTs with a body negative,
+# Per operation and generation mode (36 operations positive, the 11 POSTs with a body negative,
 # x 2 credentials), with the generated batch files: about 4,600 requests, 30 s on two cores.
 EXAMPLES = 40
 BODY_ROUTES = (
     "/v1/generate",
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
     "/v1/batches",
     "/admin/kill-switch",
     "/admin/adapters",
@@ -85,11 +89,13 @@ def fuzz_settings(examples: int) -> settings:
 
 
 class AnsweringMethod:
-    """A fake Serve handle method (the model deployment cannot run here): every call answers."""
+    """A fake Serve handle method (the model deployment cannot run here): every call answers
+    (an embeddings call with a vector per input)."""
 
     def __init__(self, stream: bool) -> None:
         self.stream = stream
         self.calls = 0
+        self.pooled = 0  # embeddings calls
 
     def remote(self, call: ModelCall) -> Any:
         assert isinstance(call, ModelCall), call
@@ -99,6 +105,9 @@ class AnsweringMethod:
                 FakeResponse(0, result=ModelChunk("ok", (1,))),
                 FakeResponse(0, result=ModelChunk("", (), finish_reason="stop")),
             )
+        if call.pool is not None:
+            self.pooled += 1
+            return FakeResponse(0, result=ModelResult("", 0, "stop", embeddings=tuple(bytes(8) for _ in call.inputs)))
         return FakeResponse(0, result=ModelResult("ok", 1, "stop"))
 
 
@@ -145,7 +154,7 @@ def store_server(tmp_path_factory) -> Iterator[EmbeddedRedis]:
 def stack(store_server):
     handle = AnsweringHandle()
     store = {"store_url": store_server.url, "store_password_file": str(store_server.password_file)}
-    router = build_router({**CFG, "batch": {**store, **ROOMY_BATCH}}, handle)
+    router = build_router({**CFG, "batch": {**store, **ROOMY_BATCH}}, {SERVED_MODEL: handle, EMBED_MODEL: handle})
     assert router.store is not None and router.dispatch is not None
     router.dispatch = None  # its loops are not started (module docstring); /v1/status still shows them
     link = CoreLink()
@@ -188,6 +197,10 @@ def send(router, client, method: str, path: str, headers: dict[str, str], **kw: 
 def served_variant(path: str, body: Any) -> Any:
     """An OpenAI body as generated, naming the served model and leaving the lengths to
     the context (a generated body rarely names it, and rarely fits the model's context)."""
+    if path == "/v1/embeddings" and isinstance(body, dict):
+        return {**body, "model": EMBED_MODEL}
+    if path == "/v1/responses" and isinstance(body, dict):
+        return {**{k: v for k, v in body.items() if k != "max_output_tokens"}, "model": SERVED_MODEL}
     if path not in ("/v1/chat/completions", "/v1/completions") or not isinstance(body, dict):
         return None
     lengths = ("max_tokens", "max_completion_tokens", "min_tokens")
@@ -202,7 +215,7 @@ BATCH_PREFIXES = ("/v1/files", "/v1/batches", "/admin/batches", "/admin/dlq")
 def test_no_operation_answers_5xx_for_what_its_schema_generates(stack, mode):
     router, client, schema, handle = stack
     ops = [result.ok() for result in schema.get_all_operations()]
-    assert len(ops) == 32 and len([op for op in ops if op.path.startswith(BATCH_PREFIXES)]) == 13
+    assert len(ops) == 36 and len([op for op in ops if op.path.startswith(BATCH_PREFIXES)]) == 13
     if mode is GenerationMode.NEGATIVE:  # what a schema can break: a body (a path's string takes any string)
         ops = [op for op in ops if op.method.upper() == "POST" and len(op.body) > 0]
     for op in ops:
@@ -223,6 +236,7 @@ def test_no_operation_answers_5xx_for_what_its_schema_generates(stack, mode):
         run()
     if mode is GenerationMode.POSITIVE:
         assert handle.generate.calls + handle.generate_stream.calls > 0  # valid requests reached the model
+        assert handle.generate.pooled > 0  # embeddings too
         assert Tally.stored[BATCH_PREFIXES[0]] > 0  # valid uploads reached the store
 
 
@@ -294,6 +308,7 @@ LINE_BODY = st.one_of(
     st.dictionaries(KEYS, JSON, max_size=2).map(
         lambda extra: {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", **extra}
     ),
+    st.dictionaries(KEYS, JSON, max_size=2).map(lambda extra: {"model": EMBED_MODEL, "input": ["hi"], **extra}),
 )
 REQUEST_LINE = st.fixed_dictionaries(
     {
@@ -311,7 +326,7 @@ FILE_LINES = st.lists(
 )
 
 
-@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])
 def test_no_batch_route_answers_5xx_for_a_generated_file(stack, endpoint):
     """Each generated file uploaded, a batch made of it (every line through the online call's
     checks), read back and cancelled, the file read and deleted: no answer is a 5xx, and a
@@ -363,6 +378,7 @@ VALID = {
     "/v1/generate": {"prompt": "hi", "max_tokens": 4},
     "/v1/chat/completions": {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
     "/v1/completions": {"model": SERVED_MODEL, "prompt": "hi", "max_tokens": 4, "stream": True},
+    "/v1/embeddings": {"model": EMBED_MODEL, "input": ["hi", "there"], "encoding_format": "base64"},
     "/admin/recycle": {"all": True},
 }
 

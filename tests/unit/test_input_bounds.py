@@ -36,6 +36,7 @@ CFG = {
 }
 CHAT = {"model": "tiny-decoder", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "tiny-decoder", "prompt": "once"}
+EMBEDDING = {"model": "tiny-decoder", "input": "once"}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,7 @@ BODY_ROUTES = [
     ("/v1/generate", KEY, 422),
     ("/v1/chat/completions", KEY, 400),  # OpenAI's shape: 400 invalid_request_error
     ("/v1/completions", KEY, 400),
+    ("/v1/embeddings", KEY, 400),
     ("/admin/kill-switch", ADMIN, 422),
     ("/admin/chaos", ADMIN, 422),
     ("/admin/recycle", ADMIN, 422),
@@ -179,6 +181,16 @@ def test_a_wrong_type_anywhere_is_a_4xx_naming_it(client):
         ),
         ("/v1/completions", {**COMPLETION, "prompt": [[1, 2], [3]]}, "prompt"),
         ("/v1/completions", {**COMPLETION, "stop": {"a": 1}}, "stop"),
+        ("/v1/embeddings", {**EMBEDDING, "input": {"a": 1}}, "input"),
+        ("/v1/embeddings", {**EMBEDDING, "input": [[1], "a"]}, "input.1"),
+        ("/v1/embeddings", {**EMBEDDING, "input": [[1, 2.5]]}, "input.0"),
+        ("/v1/embeddings", {**EMBEDDING, "input": [1, -1]}, "input"),
+        ("/v1/embeddings", {**EMBEDDING, "dimensions": "8"}, "dimensions"),
+        ("/v1/embeddings", {**EMBEDDING, "dimensions": 1 << 17}, "dimensions"),
+        ("/v1/embeddings", {**EMBEDDING, "encoding_format": 1}, "encoding_format"),
+        ("/v1/embeddings", {**EMBEDDING, "user": ["u"]}, "user"),
+        ("/v1/embeddings", {**EMBEDDING, "input": ["x"] * 2049}, "input"),
+        ("/v1/embeddings", EMBEDDING, "model"),  # a generating model: its kind is not embed
     ]
     for path, body, field in cases:
         r = client.post(path, headers=KEY, json=body)

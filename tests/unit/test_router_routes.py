@@ -19,6 +19,7 @@ ROUTES = {
     ("/v1/generate", "POST", None),
     ("/v1/chat/completions", "POST", None),
     ("/v1/completions", "POST", None),
+    ("/v1/embeddings", "POST", None),
     ("/v1/models", "GET", None),
     ("/openapi.json", "GET", None),
     ("/docs", "GET", None),
