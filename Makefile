@@ -149,7 +149,7 @@ bench-gpu: $(STAMP)
 gpu-check:
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m loadtest.gpu_check $(ARGS)
 
-## lm-evaluation-harness as a client: a local multiple-choice task (local-completions, log-likelihood; prompts as token ids and as text) and a generation task (local-chat-completions), through Ballast on vLLM and against `vllm serve` on the same directory (the demo model unless MODEL=dir), scores side by side; ends with the lmeval line (~6 min).
+## lm-evaluation-harness as a client: a local multiple-choice task (local-completions, log-likelihood; prompts as token ids and as text) and a generation task (local-chat-completions), through Ballast on vLLM and against vLLM's own server on the same directory (the demo model unless MODEL=dir; ARGS=--hang-heartbeats 30 on a slow CPU), scores side by side; ends with the lmeval line (~6 min).
 eval-openai: $(STAMP) $(LE_STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m loadtest.eval_openai --config $(CONFIG) --model-dir $(if $(MODEL),$(MODEL),$(DEMO_MODEL)) --lm-eval $(LE_VENV)/bin/lm_eval $(ARGS)
 

@@ -25,9 +25,14 @@ The servers, one after the other (never both: the host's cores and memory are sh
    tenant, whose key has no token quota, so that the run measures answers, not a quota),
    its primary model the directory on vLLM (``model.backend: vllm``), no fallback, on an
    embedded Ray;
-2. ``vllm serve`` on the same directory, the same model name, engine settings
-   (``ENGINE_KWARGS``) and port ``--vllm-port``, a subprocess in a session of its own,
-   stopped (its process group) after.
+2. vLLM's own OpenAI server (``vllm serve``'s, started as its module: ``vllm_serve_argv``)
+   on the same directory, the same model name, engine settings (``ENGINE_KWARGS``) and
+   port ``--vllm-port``, a subprocess in a session of its own, stopped (its process group)
+   after.
+
+``--hang-heartbeats N`` sets Ballast's ``watchdog.hang_missed_heartbeats`` (the config's
+by default): on a CPU engine the first request asking for prompt log-probabilities can
+take seconds without a token, which the default judges a hung replica.
 
 The engine's settings are the same on both sides: float32, eager, a 512-token context.
 Requests one at a time (``num_concurrent=1``), each tried once more at most
