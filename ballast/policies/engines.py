@@ -56,7 +56,7 @@ ASKED_BY: Mapping[str, Mapping[str, Any]] = MappingProxyType(
             ("structural_tag", {"tools": None}),  # tool calls in the model's own format
             ("keep_special_tokens", {"tools": None}),  # the tool parser reads the model's markers
             ("adapter", {}),
-            ("chat_template", {"chat_template_kwargs": None}),
+            ("chat_template", {"reasoning_effort": None, "chat_template_kwargs": None}),
         )
     }
 )

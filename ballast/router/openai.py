@@ -125,7 +125,7 @@ class OpenAIFront:
         if isinstance(req, oa.ChatCompletionRequest):
             parsed = self._parsed(req, text)
             tools = parsed.tools if parsed is not None else NO_TOOLS
-            prompt = text.render_chat(req.messages, tools.template_tools(), req.chat_template_kwargs)
+            prompt = text.render_chat(req.messages, tools.template_tools(), req.template_kwargs)
         else:
             prompt = req.prompt_text if req.prompt_ids is None else text.decode(self._prompt_ids(req, text))
         if len(prompt.encode("utf-8")) > self._limits.max_prompt_bytes:
@@ -209,7 +209,7 @@ class OpenAIFront:
             tools = plan(req.tools, req.tool_choice, req.parallel_tool_calls, parsing is not None and parsing.auto)
             if parsing is None or not (tools.tools or parsing.reasoning_parser):
                 return None  # the other engines refused tools already (refuse_unhonoured)
-            parsed = parsing.start(tools, req.chat_template_kwargs)
+            parsed = parsing.start(tools, req.template_kwargs)
             parsed.check(self._limits.schema_bounds())
         except ToolSchemaTooComplex as e:
             raise SchemaTooComplex(str(e), field=e.field) from None

@@ -79,6 +79,7 @@ from ballast.policies.engines import unhonoured_request_fields
 from ballast.policies.json_bounds import json_extent, json_nesting
 from ballast.policies.sampling import MAX_SEED, MIN_SEED, sampling_temperature
 from ballast.policies.schema import bounded_numbers, schema_fault
+from ballast.router.metadata import metadata_fault
 from ballast.router.tool_calls import MAX_TOOLS, ToolCall, ToolChoice, ToolSpec
 
 # OpenAI fields Ballast knows and does not serve, each with the one value that asks
@@ -93,8 +94,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "modalities": None,
     "prediction": None,
     "store": False,
-    "metadata": None,
-    "reasoning_effort": None,
     "web_search_options": None,
 }
 
@@ -417,6 +416,33 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(
         None, ge=1, description="The newer name of max_tokens; both given, they must agree."
     )
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
+        None,
+        description="To the model's chat template as reasoning_effort (and enable_thinking: not 'none'), as vLLM "
+        "passes it (the transformers and vLLM engines).",
+    )
+    metadata: dict[str, str] | None = Field(
+        None,
+        max_length=16,
+        description="OpenAI's: up to 16 pairs; accepted and not kept (a chat answer is not stored).",
+    )
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: ``chat_template_kwargs``, with ``reasoning_effort``
+        and, unless the request set it, ``enable_thinking`` (vLLM's chat protocol's rule)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        own = self.chat_template_kwargs or {}
+        return {"enable_thinking": self.reasoning_effort != "none", **own, "reasoning_effort": self.reasoning_effort}
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounds(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        fault = metadata_fault(v) if v else None
+        if fault is not None:
+            raise PydanticCustomError("metadata", fault.removeprefix("metadata: "))
+        return v
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -345,6 +345,46 @@ def test_a_named_tool_is_called_with_arguments_that_follow_its_schema_streamed_a
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
+def test_a_responses_function_call_is_answered_on_the_next_turn_streamed_in_order(oai):
+    # The Responses API on the chat path: a forced call as a function_call item, its result
+    # sent back by previous_response_id, the model's answer a message; streamed, the call's
+    # arguments in pieces between its item's added and done events.
+    tool = {"type": "function", "name": "weather", "parameters": WEATHER["function"]["parameters"]}
+    asked = dict(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[tool],
+        tool_choice={"type": "function", "name": "weather"},
+        max_output_tokens=160,
+        temperature=1.0,
+    )
+    first = oai.responses.create(**asked)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "weather" and first.status == "completed"
+    _weather_args(call.arguments)
+    answer = oai.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "20 degrees"}],
+        tools=[tool],
+        tool_choice="none",
+        max_output_tokens=8,
+    )
+    assert [item.type for item in answer.output] == ["message"] and answer.previous_response_id == first.id
+    # The stored turns prefilled again: the call and its result are in this prompt.
+    assert answer.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    events = list(oai.responses.create(**asked, stream=True))
+    kinds = [e.type for e in events]
+    added = kinds.index("response.output_item.added")
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    pieces = [i for i, k in enumerate(kinds) if k == "response.function_call_arguments.delta"]
+    done = kinds.index("response.function_call_arguments.done")
+    assert pieces and added < pieces[0] and pieces[-1] < done < kinds.index("response.output_item.done")
+    arguments = "".join(events[i].delta for i in pieces)
+    assert json.loads(arguments) == json.loads(events[done].arguments)
+    _weather_args(arguments)
+
+
 def test_required_tool_calls_stream_in_pieces_and_end_with_tool_calls(oai):
     chunks = list(
         oai.chat.completions.create(
@@ -447,15 +487,17 @@ def test_a_tools_result_goes_back_to_the_model_and_auto_answers_through_the_pars
 AGENTS_PYTHON = Path(__file__).resolve().parents[2] / ".venv-agents" / "bin" / "python"
 
 
-def test_a_real_agent_calls_a_local_tool_and_finishes(vllm_stack):
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_real_agent_calls_a_local_tool_and_finishes(vllm_stack, api):
     """The openai-agents SDK (its own environment, tests/integration/agent_client.py), unary
-    and streamed: the agent's tool call reaches its Python function and the run finishes."""
+    and streamed, on chat completions and on its default model class (the Responses API):
+    the agent's tool call reaches its Python function and the run finishes."""
     import subprocess
 
     if not AGENTS_PYTHON.exists():
         pytest.fail(f"{AGENTS_PYTHON} is missing: `make test` installs it (requirements/agents.txt)")
     run = subprocess.run(
-        [str(AGENTS_PYTHON), str(Path(__file__).with_name("agent_client.py")), BASE, KEY, MODEL],
+        [str(AGENTS_PYTHON), str(Path(__file__).with_name("agent_client.py")), BASE, KEY, MODEL, api],
         capture_output=True,
         text=True,
         timeout=240,

@@ -64,8 +64,8 @@ def test_the_fronts_refuse_the_request_fields_that_ask_for_what_the_engine_lacks
         "tools": None,
     }
     assert list(unhonoured_request_fields("transformers")) == list(expected)  # the order refusals are checked in
-    # The built-in template takes no variables; both Hugging Face engines' templates do.
-    assert unhonoured_request_fields("builtin") == {**expected, "chat_template_kwargs": None}
+    # The built-in template takes no variables (reasoning_effort is one); both Hugging Face engines' templates do.
+    assert unhonoured_request_fields("builtin") == {**expected, "reasoning_effort": None, "chat_template_kwargs": None}
     assert unhonoured_request_fields("vllm") == {}
 
 

@@ -59,8 +59,6 @@ ASKING = {
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
     "store": True,
-    "metadata": {"k": "v"},
-    "reasoning_effort": "low",
     "web_search_options": {},
 }
 
@@ -861,3 +859,20 @@ def test_every_chunk_carries_the_usage_so_far_when_asked():
     )
     datas = [json.loads(line[len(b"data: ") :]) for line in events.split(b"\n\n") if line and line != b"data: [DONE]"]
     assert [d["usage"]["completion_tokens"] for d in datas] == [2, 2]
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it_and_metadata_is_bounded():
+    req = oa.parse_chat({**CHAT, "reasoning_effort": "none"})
+    assert req.template_kwargs == {"enable_thinking": False, "reasoning_effort": "none"}
+    own = oa.parse_chat({**CHAT, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}})
+    assert own.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}  # the request's own wins
+    assert oa.parse_chat(CHAT).template_kwargs is None
+    assert chat_error(reasoning_effort="extreme").field == "reasoning_effort"
+    with pytest.raises(oa.BadRequest) as e:
+        oa.refuse_unhonoured(req, "builtin")
+    assert e.value.field == "reasoning_effort"
+    oa.refuse_unhonoured(req, "transformers")
+    assert oa.parse_chat({**CHAT, "metadata": {"team": "search"}}).metadata == {"team": "search"}
+    assert chat_error(metadata={f"k{i}": "v" for i in range(17)}).field == "metadata"
+    assert chat_error(metadata={"k": "v" * 513}).field == "metadata"
+    assert chat_error(metadata={"k": 1}).field == "metadata.k"
