@@ -127,8 +127,9 @@ class Batch(Protocol):
 
     def take_embeddings(self) -> dict[Any, bytes]:
         """The vectors the last chunk pooled, for the rows whose join asked (``Join.pool``),
-        by key: float32, little-endian. Such a row leaves in the chunk it joined (run_chunk
-        gives it no id)."""
+        by key: float32, little-endian. Such a row leaves in the chunk its vector comes in
+        (the chunk it joined on the engines Ballast batches; vLLM's may come later), and
+        ``run_chunk`` gives it no id."""
         ...
 
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
