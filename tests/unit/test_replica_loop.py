@@ -427,13 +427,33 @@ def test_a_choices_seed_is_the_calls_plus_its_index_within_int64():
     assert choice_call(call([1], 4, n=2), 1).sampling is None
 
 
-async def test_an_embeddings_call_is_a_row_per_input_refused_by_an_engine_that_pools_none(engine):
+async def test_an_embeddings_call_is_a_row_per_input_answered_by_index_with_its_vector(engine):
+    import math
+    import struct
+
     from ballast.model.protocol import Pooling
 
     loop = make_loop(engine)
-    c = call([], 0, pool=Pooling(), inputs=((72, 105), (33,)))
-    with pytest.raises(EngineRefused) as e:  # the built-in engine gives no vector: refused, not hung
-        await collect(loop, c)
-    assert e.value.field == "model" and loop.in_flight == 0
+    chunks = await collect(loop, call([], 0, pool=Pooling(), inputs=((72, 105), (33,), (72, 105))))
+    vectors = {c.index: struct.unpack(f"<{len(c.embedding) // 4}f", c.embedding) for c in chunks}
+    assert sorted(vectors) == [0, 1, 2] and all(c.ids == () for c in chunks)
+    assert all(math.isclose(math.hypot(*v), 1.0, abs_tol=1e-5) for v in vectors.values())  # normalised
+    assert vectors[0] == pytest.approx(vectors[2], abs=1e-6) and vectors[0] != pytest.approx(vectors[1], abs=1e-3)
+    assert loop.in_flight == 0
     with pytest.raises(EngineRefused):
         await collect(loop, call([], 3, pool=Pooling(), inputs=((72,),)))  # a pooled row generates nothing
+
+
+async def test_a_pooled_row_its_engine_gave_no_vector_is_refused_not_left_waiting(engine):
+    from ballast.model.protocol import Pooling
+
+    class PoolsNone(Recorded):  # the real engine, whose batches give no vector
+        def open_batch(self):
+            batch = super().open_batch()
+            batch.take_embeddings = dict
+            return batch
+
+    loop = make_loop(PoolsNone(engine))
+    with pytest.raises(EngineRefused) as e:
+        await collect(loop, call([], 0, pool=Pooling(), inputs=((72, 105), (33,))))
+    assert e.value.field == "model" and loop.in_flight == 0
