@@ -132,6 +132,8 @@ def warm_up(engine: _Warms, batch_sizes: Sequence[int], pool: Pooling | None = N
         batch.run_chunk([Join(i, engine.text.encode("Hello", steps), new, pool=pool) for i in range(n)], steps)
         while batch.keys():
             batch.run_chunk([], steps)
+    if pool is not None:
+        return
     # And a row asking log-probabilities, its tokens' and its prompt's: their first use is
     # a path of its own (vLLM's CPU build took 4.5 s for it, stalled long enough for the
     # watchdog to call the replica hung).
