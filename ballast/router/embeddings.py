@@ -41,12 +41,12 @@ from ballast.model.protocol import ModelCall, Pooling
 from ballast.model.special_tokens import BYTES_TOKENIZER, encode_bytes
 from ballast.policies.catalog import Target
 from ballast.policies.criticality import Criticality
-from ballast.policies.flex import TIER_HEADER
 from ballast.router import embeddings_api as ea
-from ballast.router.answered import Admission, Answer
+from ballast.router.answered import Answer
 from ballast.router.api import answer_headers, read_json
 from ballast.router.gate import BatchSlot, GateSlot
 from ballast.router.lanes import Lane
+from ballast.router.openai import OpenAIFront
 from ballast.router.openai_api import BadRequest
 from ballast.router.pipeline import Caller, ModelRequest, Pipeline, tiered_claim
 from ballast.router.tokens import ModelText
@@ -81,7 +81,7 @@ class EmbeddingsFront:
         tier, claimed = tiered_claim(request, p.req.service_tier, p.req.criticality, BadRequest)
         served = await self._pipeline.serve(ModelRequest(caller, claimed, 0, False, p.call, tier))
         assert isinstance(served, Answer)  # a call that does not stream is answered whole
-        headers = {**_admission_headers(served.admission), **answer_headers(served)}
+        headers = {**OpenAIFront.headers(served.admission), **answer_headers(served)}
         return JSONResponse(self._body(served, p), headers=headers)
 
     def prepare(self, data: dict[str, Any], caller: Caller) -> PreparedEmbedding:
@@ -186,16 +186,3 @@ def _ids_of(one_input: str | list[int], text: ModelText, field: str) -> tuple[in
     if beyond is not None:
         raise BadRequest(f"{field}: {beyond} is not a token id of this model (0 to {vocab - 1})", field=field)
     return tuple(one_input)
-
-
-def _admission_headers(admission: Admission) -> dict[str, str]:
-    """What the answer's headers say of its admission: the class granted, the level, the
-    tier that served it, and why it is less than asked (a lowered class)."""
-    headers = {
-        "X-Ballast-Criticality": admission.criticality.value,
-        "X-Ballast-Level": str(admission.level),
-        TIER_HEADER: admission.tier.value,
-    }
-    if admission.degraded_reasons:
-        headers["X-Ballast-Degraded"] = ",".join(admission.degraded_reasons)
-    return headers

@@ -253,6 +253,8 @@ class OpenAIFront:
 
     @staticmethod
     def headers(admission: Admission) -> dict[str, str]:
+        """What an answer's headers say of its admission: the class granted, the level, the
+        tier that served it, and why it is less than asked."""
         headers = {
             "X-Ballast-Criticality": admission.criticality.value,
             "X-Ballast-Level": str(admission.level),
