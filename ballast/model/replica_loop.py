@@ -137,6 +137,9 @@ class ReplicaRow:
     pool: Pooling | None = None  # an embeddings row: its prompt pooled into one vector
     stops: StopScanner | None = None
     key: int = 0
+    # The call it belongs to: rows of one call (its choices, an embeddings call's inputs)
+    # share it, and the line counts them as one request waiting (``queued``).
+    group: int = 0
     started: bool = False
     cancelled: bool = False
     queue_wait_ms: float = 0.0
@@ -219,7 +222,10 @@ class ReplicaLoop:
     # -- what the replica reads and sets ---------------------------------------------------
     @property
     def queued(self) -> int:
-        return len(self._waiting)
+        """Requests waiting in the line: the rows of one call (its choices, an embeddings
+        call's inputs) count once, as the level's queue is requests, not rows (one request
+        of 2,048 inputs is not a backlog of 2,048)."""
+        return len({row.group or row.key for row in self._waiting.values()})
 
     @property
     def running(self) -> int:
@@ -281,10 +287,11 @@ class ReplicaLoop:
             self._task.cancel()
 
     # -- one call ---------------------------------------------------------------------------
-    async def stream(self, call: ModelCall) -> AsyncGenerator[ModelChunk, None]:
+    async def stream(self, call: ModelCall, group: int = 0) -> AsyncGenerator[ModelChunk, None]:
         """The call's chunks: checked and prepared (``prepare``), in the line, then each
         chunk as the engine brings it; the first chunk of a new request carries its queue
-        wait and max_tokens. A resumed call with no token left answers at once."""
+        wait and max_tokens. A resumed call with no token left answers at once. ``group``:
+        the call this row is one of (``_choices``), 0 for a call of its own."""
         self.start()
         if call.n > 1 or call.inputs:
             async for chunk in self._choices(call):
@@ -292,6 +299,7 @@ class ReplicaLoop:
             return
         await self._before_request()
         row = await self.prepare(call)
+        row.group = group
         if row.resumed and row.max_tokens <= 0:  # the lost replica had delivered every token
             yield ModelChunk(row.pending, (), finish_reason="length")
             return
@@ -307,9 +315,12 @@ class ReplicaLoop:
         the caller leaving."""
         out: asyncio.Queue[tuple[int, ModelChunk | BaseException | None]] = asyncio.Queue()
 
+        self._next_key += 1
+        group = -self._next_key  # apart from every row's own key
+
         async def run(i: int) -> None:
             try:
-                async for chunk in self.stream(rows[i] if rows is not None else choice_call(call, i)):
+                async for chunk in self.stream(rows[i] if rows is not None else choice_call(call, i), group):
                     out.put_nowait((i, replace(chunk, index=i)))
                 out.put_nowait((i, None))
             except Exception as exc:  # the whole call fails with it

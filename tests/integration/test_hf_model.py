@@ -169,7 +169,7 @@ def test_overload_sheds_sheddable_and_critical_keeps_succeeding(hf_stack):
 def test_recycling_the_hf_replica_under_load_fails_no_request(http):
     from test_recycling import recycle_under_load
 
-    recycle_under_load(http, "HF", 120)
+    recycle_under_load(http, "HF", 120, MODEL)  # the stack serves an embeddings model beside it
 
 
 def test_log_probabilities_and_choices_are_the_models_own(oai, tok, hf_stack):

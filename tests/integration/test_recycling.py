@@ -64,10 +64,11 @@ def events(client: httpx.Client, outcome: str, deployment: str | None = None) ->
     ]
 
 
-def recycle_under_load(client: httpx.Client, what: str, timeout_s: float) -> None:
-    """Recycle the one primary replica under a steady load (level 0, settled first):
-    the recycle completes within ``timeout_s``, no request fails, the replica is gone."""
-    wait_until(lambda: model_status(client)["level"] == 0, 30, 0.5, "level back to 0")
+def recycle_under_load(client: httpx.Client, what: str, timeout_s: float, model: str | None = None) -> None:
+    """Recycle the one primary replica (of the first model, ``model``, when the stack serves
+    several) under a steady load (level 0, settled first): the recycle completes within
+    ``timeout_s``, no request fails, the replica is gone."""
+    wait_until(lambda: model_status(client, model)["level"] == 0, 30, 0.5, "level back to 0")
     settled(client)  # an earlier test may have left the autoscaler's second replica
     (rid,) = ids(client, "BallastModel")
     with SteadyLoad() as load:

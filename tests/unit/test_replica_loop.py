@@ -457,3 +457,17 @@ async def test_a_pooled_row_its_engine_gave_no_vector_is_refused_not_left_waitin
     with pytest.raises(EngineRefused) as e:
         await collect(loop, call([], 0, pool=Pooling(), inputs=((72, 105), (33,))))
     assert e.value.field == "model" and loop.in_flight == 0
+
+
+async def test_the_rows_of_one_call_wait_in_line_as_one_request(engine):
+    from ballast.model.protocol import Pooling
+    from ballast.model.replica_loop import input_call
+
+    loop = make_loop(engine)  # not started: what is enqueued waits
+    embed = call([], 0, pool=Pooling(), inputs=tuple((72, 105 + i) for i in range(5)))
+    for i in range(5):
+        row = await loop.prepare(input_call(embed, i))
+        row.group = -1
+        loop.enqueue(row)
+    loop.enqueue(await loop.prepare(call([72], 2)))
+    assert (loop.queued, loop.in_flight) == (2, 6)  # one embeddings request of 5 inputs, one of its own
