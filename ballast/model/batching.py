@@ -13,7 +13,12 @@ memory, a dead engine), which fails every row as before.
 
 **Log-probabilities** (``ChunkLogprobs``) are raw: the ``log_softmax`` in float32 of the
 logits the model gave, taken before any sampling rule touches them (temperature, a mask,
-penalties), as vLLM's default ``logprobs_mode``; only the rows that asked are computed."""
+penalties), as vLLM's default ``logprobs_mode``; only the rows that asked are computed.
+
+**Pooled vectors** (``pool_rows``) are what vLLM's pooler gives for the same hidden states:
+the row's hidden states after the model's final norm pooled (LAST, MEAN or CLS over its
+own positions), cut to ``dimensions``, then L2-normalised when asked (vLLM's
+``EmbeddingPoolerHead`` cuts before it normalises), in float32, little-endian."""
 
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from torch import Tensor
 
 from ballast.errors import EngineRefused
 from ballast.model.hf_text import ContextTooLong
-from ballast.model.protocol import IdLogprobs, Join, RowLogprobs
+from ballast.model.protocol import IdLogprobs, Join, Pooling, RowLogprobs
 
 
 class _Chunks(Protocol):
@@ -116,13 +121,15 @@ def check_context(joins: Sequence[Join], context: int) -> None:
             )
 
 
-def warm_up(engine: _Warms, batch_sizes: Sequence[int]) -> None:
-    """Short generations at these batch sizes, through a batch as the replica runs one: the
-    allocator, the kernels and (on CUDA) the context are warm before the first request."""
+def warm_up(engine: _Warms, batch_sizes: Sequence[int], pool: Pooling | None = None) -> None:
+    """Short generations at these batch sizes (with ``pool``, pooled rows instead), through a
+    batch as the replica runs one: the allocator, the kernels and (on CUDA) the context are
+    warm before the first request."""
     steps = max(1, min(4, engine.max_seq_len - 2))
+    new = 0 if pool is not None else steps
     for n in batch_sizes:
         batch = engine.open_batch()
-        batch.run_chunk([Join(i, engine.text.encode("Hello", steps), steps) for i in range(n)], steps)
+        batch.run_chunk([Join(i, engine.text.encode("Hello", steps), new, pool=pool) for i in range(n)], steps)
         while batch.keys():
             batch.run_chunk([], steps)
     # And a row asking log-probabilities, its tokens' and its prompt's: their first use is
@@ -155,6 +162,44 @@ def refuse_bad_ids(key: Any, ids: Sequence[int], vocab_size: int) -> EngineRefus
     return EngineRefused(
         f"prompt: token id {bad!r} of row {key!r} is outside the vocabulary of {vocab_size}", field="prompt"
     )
+
+
+def refuse_pool(join: Join, width: int) -> EngineRefused | None:
+    """The refusal of a pooled join that asks more ``dimensions`` than the model's hidden
+    ``width``; None for a join that pools within it or does not pool."""
+    d = join.pool.dimensions if join.pool is not None else None
+    if d is None or d <= width:
+        return None
+    return EngineRefused(
+        f"dimensions: row {join.key!r} asks {d} dimensions; the model's vectors have {width}", field="dimensions"
+    )
+
+
+def pool_rows(hidden: Tensor, lengths: Sequence[int], pools: Sequence[Pooling]) -> list[bytes]:
+    """One vector per row of ``hidden`` [B, W, D], the hidden states after the final norm of
+    a left-padded batch whose row b holds its ``lengths[b]`` tokens in the last columns (its
+    padding never read): pooled by ``pools[b]`` (the module docstring), as float32
+    little-endian bytes."""
+    import torch.nn.functional as F
+
+    width = int(hidden.shape[1])
+    out = []
+    for b, (n, pool) in enumerate(zip(lengths, pools)):
+        own = hidden[b, width - n :].float()
+        vector = own[-1] if pool.kind == "last" else own[0] if pool.kind == "cls" else own.mean(dim=0)
+        if pool.dimensions is not None:
+            vector = vector[: pool.dimensions]
+        if pool.normalize:
+            vector = F.normalize(vector, p=2.0, dim=-1)
+        out.append(vector_bytes(vector))
+    return out
+
+
+def vector_bytes(vector: Tensor) -> bytes:
+    """A vector [D] as float32 little-endian bytes (``ModelChunk.embedding``)."""
+    import numpy as np
+
+    return np.asarray(vector.detach().float().cpu().numpy(), dtype="<f4").tobytes()
 
 
 @dataclass(frozen=True)

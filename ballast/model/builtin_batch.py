@@ -12,7 +12,10 @@ a join whose ids are not bytes is refused alone, before its prefill. A row that 
 for log-probabilities gets them from the logits its steps computed anyway
 (``batching.ChunkLogprobs``): its tokens' from each step's last position, its prompt's
 from the prefill's every position; a row with ``max_new_tokens`` 0 that asked for its
-prompt's is prefilled for them alone and never joins the cache. The engine
+prompt's is prefilled for them alone and never joins the cache. A pooled row
+(``Join.pool``) runs the decoder's hidden states (after its final norm) over its prompt, with
+the chunk's other pooled rows as their own left-padded batch and no cache, is pooled over its
+own positions (``batching.pool_rows``), and never joins the cache either. The engine
 is a parameter here, seen through its public face (:class:`DecoderSteps`: one
 forward, one draw, the cache's shape), so this module does not import
 :mod:`ballast.model.builtin_engine`, which imports this one.
@@ -26,15 +29,18 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from ballast.errors import EngineRefused
 from ballast.model.batching import (
     ChunkLogprobs,
     check_context,
     check_joins,
     ids_by_row,
     left_pad,
+    pool_rows,
     raw_logprobs,
     refuse_adapter,
     refuse_bad_ids,
+    refuse_pool,
     rows_to_keep,
 )
 from ballast.model.builtin_decoder import BYTE_VOCAB_SIZE
@@ -49,12 +55,19 @@ class DecoderSteps(Protocol):
 
     device: str
     max_seq_len: int
+    hidden_size: int
+    pools: bool  # whether ``hidden`` can run (a module that gives its hidden states)
 
     def forward(
         self, ids: Tensor, positions: Tensor, mask: Tensor, k: Tensor, v: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The decoder over ``ids`` [B, S] at ``positions`` [B, S], attending by ``mask``
         [B, S, T] to the cache ``k``, ``v`` and themselves: (logits, k, v), the cache grown by S."""
+        ...
+
+    def hidden(self, ids: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """The decoder's hidden states after its final norm [B, S, D] over ``ids`` [B, S],
+        attending by ``mask`` [B, S, S] to themselves only."""
         ...
 
     def sample(self, logits: Tensor, gen: torch.Generator | None) -> Tensor:
@@ -74,18 +87,28 @@ class DecoderSteps(Protocol):
         ...
 
 
-def _split_refused(joins: Sequence[Join], vocab_size: int) -> tuple[list[Join], dict[Any, BaseException]]:
-    """The joins whose ids are all in the vocabulary and that name no adapter, and the
-    others' refusals by key."""
+def _split_refused(
+    joins: Sequence[Join], vocab_size: int, backend: DecoderSteps
+) -> tuple[list[Join], dict[Any, BaseException]]:
+    """The joins whose ids are all in the vocabulary, that name no adapter and pool (if
+    they do) what ``backend`` can, and the others' refusals by key."""
     ok: list[Join] = []
     refused: dict[Any, BaseException] = {}
     for join in joins:
-        why = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, vocab_size)
+        why = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, vocab_size) or _refuse_pool(join, backend)
         if why is None:
             ok.append(join)
         else:
             refused[join.key] = why
     return ok, refused
+
+
+def _refuse_pool(join: Join, backend: DecoderSteps) -> BaseException | None:
+    if join.pool is None:
+        return None
+    if not backend.pools:
+        return EngineRefused("model: this model's archive gives no hidden states to pool rows with", field="model")
+    return refuse_pool(join, backend.hidden_size)
 
 
 class LiveBatch:
@@ -128,6 +151,7 @@ class LiveBatch:
         self._failed: dict[Any, BaseException] = {}  # rows refused alone, until take_failed
         self._chunk_logprobs = ChunkLogprobs()  # the running chunk's
         self._logprobs: dict[Any, RowLogprobs] = {}  # the last chunk's, until take_logprobs
+        self._vectors: dict[Any, bytes] = {}  # the last chunk's pooled rows', until take_embeddings
 
     @property
     def size(self) -> int:
@@ -162,7 +186,7 @@ class LiveBatch:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         check_joins(joins, self._keys)
         check_context(joins, self._backend.max_seq_len)
-        admitted, refused = _split_refused(joins, BYTE_VOCAB_SIZE)
+        admitted, refused = _split_refused(joins, BYTE_VOCAB_SIZE, self._backend)
         self._failed.update(refused)
         self._chunk_logprobs = ChunkLogprobs()
         emitted: list[tuple[list[Any], Tensor]] = []  # (rows, [B] ids) per forward
@@ -179,6 +203,8 @@ class LiveBatch:
             # A prefill-only row joins with nothing left to emit: the next line drops it.
             self._append(prefill, part)
         self._drop_finished()
+        pooled = [join for join in admitted if join.pool is not None]
+        self._vectors = self._pool(pooled) if pooled else {}
         for _ in range(steps - 1):
             if not self._keys:
                 break
@@ -199,8 +225,10 @@ class LiveBatch:
         return None
 
     def take_embeddings(self) -> dict[Any, bytes]:
-        """None pooled: this engine pools no rows yet."""
-        return {}
+        """The last chunk's vectors of its pooled rows (``engine.Batch``), once: a second
+        call before the next chunk gets none."""
+        out, self._vectors = self._vectors, {}
+        return out
 
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
         """The last chunk's log-probabilities for the rows that asked (``engine.Batch``),
@@ -250,6 +278,17 @@ class LiveBatch:
                 start = width - len(join.ids)
                 self._chunk_logprobs.add_prompt(join.key, logits[b, start:], join.ids[1:], join.prompt_logprobs)
         return k, v, valid, lengths, first
+
+    def _pool(self, joins: list[Join]) -> dict[Any, bytes]:
+        """The pooled ``joins``' vectors: the decoder's hidden states over their prompts as
+        their own left-padded batch (the prefill's mask and positions, so a row computes as it
+        would alone), pooled over each row's own positions; nothing is cached."""
+        backend = self._backend
+        ids, valid = backend.left_padded([join.ids for join in joins])
+        positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+        hidden = backend.hidden(ids, positions, _prefill_mask(valid))
+        pools = [join.pool for join in joins if join.pool is not None]
+        return dict(zip((join.key for join in joins), pool_rows(hidden, [len(join.ids) for join in joins], pools)))
 
     def _append(self, joins: list[Join], part: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]) -> None:
         """Stack the prefilled rows of ``joins`` under the running ones; each has its

@@ -14,7 +14,9 @@ from a seed draws only from a local generator, never the global RNG; and
 ``forward`` stays compilable by ``torch.jit.script`` with the geometry kept as
 plain int attributes, so a scripted or loaded archive runs through the same
 generation loop (:mod:`ballast.model.builtin_engine`) and batch
-(:mod:`ballast.model.builtin_batch`). This module knows nothing of batching,
+(:mod:`ballast.model.builtin_batch`); ``hidden`` (the hidden states after the final norm,
+which a pooled row's vector is made of) is exported with it, so an archive scripted from
+this module carries it too. This module knows nothing of batching,
 sampling or files (:mod:`ballast.model.builtin_checkpoint`).
 """
 
@@ -120,6 +122,8 @@ class TinyDecoder(nn.Module):
     TorchScript keeps those on the compiled module, so a loaded archive still
     tells the generation loop how to shape an empty cache.
     The LM head is a separate (untied) projection; see build_tiny_decoder for why.
+    ``hidden`` is ``forward`` without the LM head: the hidden states after ``ln_f``
+    [B, T, D], exported so that a scripted module keeps it.
     """
 
     def __init__(self, cfg: TinyDecoderConfig) -> None:
@@ -143,6 +147,20 @@ class TinyDecoder(nn.Module):
         past_k: Tensor,
         past_v: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
+        h, k, v = self.hidden(input_ids, position_ids, attn_mask, past_k, past_v)
+        return self.lm_head(h), k, v
+
+    @torch.jit.export
+    def hidden(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        attn_mask: Tensor,
+        past_k: Tensor,
+        past_v: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``forward``'s hidden states after the final norm [B, T, D] (what the LM head
+        reads) instead of its logits, with the cache grown by T."""
         x = self.tok_emb(input_ids) + self.pos_emb(position_ids)
         new_k: list[Tensor] = []
         new_v: list[Tensor] = []
@@ -150,8 +168,7 @@ class TinyDecoder(nn.Module):
             x, k, v = block(x, attn_mask, past_k[i], past_v[i])
             new_k.append(k)
             new_v.append(v)
-        logits = self.lm_head(self.ln_f(x))
-        return logits, torch.stack(new_k), torch.stack(new_v)
+        return self.ln_f(x), torch.stack(new_k), torch.stack(new_v)
 
 
 def empty_decoder(cfg: TinyDecoderConfig) -> TinyDecoder:

@@ -204,6 +204,10 @@ class TorchDecoderBackend:
         self._n_layers = int(sizes["n_layers"])
         self._n_heads = int(sizes["n_heads"])
         self._head_dim = int(sizes["head_dim"])
+        self.hidden_size = self._n_heads * self._head_dim
+        # Whether the module gives its hidden states (``TinyDecoder.hidden``): an archive
+        # scripted before it was exported does not, and pools no rows.
+        self.pools = hasattr(model, "hidden")
         self._dtype = params[0].dtype
         allowed = torch.zeros(BYTE_VOCAB_SIZE, dtype=torch.bool, device=device)
         allowed[list(_PRINTABLE_IDS)] = True
@@ -347,6 +351,14 @@ class TorchDecoderBackend:
         [B, S, T] to the cache ``k``, ``v`` and themselves: (logits, k, v), the cache grown by S."""
         logits, k, v = self._model(ids, positions, mask, k, v)
         return logits, k, v
+
+    def hidden(self, ids: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
+        """The module's hidden states after its final norm [B, S, D] over ``ids`` [B, S] at
+        ``positions``, attending by ``mask`` [B, S, S] to themselves only (no cache)."""
+        empty = self.empty_kv_cache(int(ids.shape[0]))
+        module: Any = self._model  # an eager TinyDecoder or a scripted one: both export hidden
+        h: Tensor = module.hidden(ids, positions, mask, empty, empty)[0]
+        return h
 
     def empty_kv_cache(self, rows: int) -> Tensor:
         """A KV cache of ``rows`` rows and no positions yet: [L, rows, H, 0, Dh]."""

@@ -127,8 +127,9 @@ class Batch(Protocol):
 
     def take_embeddings(self) -> dict[Any, bytes]:
         """The vectors the last chunk pooled, for the rows whose join asked (``Join.pool``),
-        by key: float32, little-endian. Such a row leaves in the chunk it joined (run_chunk
-        gives it no id)."""
+        by key: float32, little-endian. Such a row leaves in the chunk its vector comes in
+        (the chunk it joined on the engines Ballast batches; vLLM's may come later), and
+        ``run_chunk`` gives it no id."""
         ...
 
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
@@ -251,7 +252,14 @@ def scheduling_itself(engine: ModelBackend) -> SchedulesItself | None:
 
 def build_engine(m: Any, placement: Any = None) -> ModelBackend:
     """The engine the model config ``m`` names, loaded on its device; a vLLM model of several
-    ranks runs them as its ``placement`` (``ballast.policies.placement.Placement``) says."""
+    ranks runs them as its ``placement`` (``ballast.policies.placement.Placement``) says.
+
+    An embeddings model (``kind: embed``) runs on vLLM's pooling runner with a pooler as
+    ``model.embed`` says (``vllm_args.pooling_engine_kwargs``); the transformers and built-in
+    engines pool any row that asks (``Join.pool``), and one that cannot give its hidden states
+    (a transformers model without a separate base, a built-in archive scripted without
+    ``hidden``) is a ``ModelLoadError`` for such a model."""
+    embed = getattr(m, "kind", "generate") == "embed"
     if m.backend == "vllm":
         from ballast.model.ranks import with_executor
         from ballast.model.vllm_engine import VLLMBackend, default_engine_kwargs
@@ -261,6 +269,10 @@ def build_engine(m: Any, placement: Any = None) -> ModelBackend:
         kwargs = with_executor(m.engine_kwargs, placement)
         if getattr(m, "reasoning_parser", None):  # the engine's grammar waits for the thinking to end
             kwargs = {"reasoning_parser": m.reasoning_parser, **kwargs}
+        if embed:
+            from ballast.model.vllm_args import pooling_engine_kwargs
+
+            kwargs = pooling_engine_kwargs(kwargs, m.embed.pooling, m.embed.normalize, m.embed.dimensions)
         return VLLMBackend(
             m.path,
             name=m.name,
@@ -279,12 +291,19 @@ def build_engine(m: Any, placement: Any = None) -> ModelBackend:
         device = m.device if m.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu" and m.cpu_threads is not None:
             torch.set_num_threads(m.cpu_threads)
-        return HFBackend(load_checkpoint(m.path, device, m.dtype), name=m.name)
+        hf = HFBackend(load_checkpoint(m.path, device, m.dtype), name=m.name)
+        if embed and hf.base is None:
+            raise ModelLoadError(m.path, "kind embed: the model has no base (decoder without its LM head) to pool")
+        return hf
     from ballast.config import frozen_config
     from ballast.model.builtin_checkpoint import BackendSpec, load_backend
     from ballast.model.builtin_decoder import TinyDecoderConfig
 
     backend = load_backend(frozen_config(BackendSpec, m, config=frozen_config(TinyDecoderConfig, m.architecture)))
+    if embed and not backend.pools:
+        raise ModelLoadError(
+            backend.source, "kind embed: this archive gives no hidden states (scripted before TinyDecoder.hidden)"
+        )
     if backend.device == "cpu" and m.cpu_threads is not None:
         import torch
 

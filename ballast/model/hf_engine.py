@@ -51,6 +51,13 @@ bounded by that many floats whatever the prompt's length; then it joins the batc
 row does. A row with ``max_new_tokens`` 0 is prefilled only when it asks for its prompt's,
 and leaves with no token.
 
+**Pooled rows** (``Join.pool``, ``take_embeddings``) run the model's base (``base_model``:
+the decoder without its LM head, whose ``last_hidden_state`` is after the final norm, what
+vLLM's pooler reads of a ``*ForCausalLM`` converted to embed) over their prompts, as their
+own left-padded batch without a cache, and are pooled over their own positions
+(``batching.pool_rows``); they keep no KV and leave in the chunk they joined. A chunk
+without such rows runs nothing for them.
+
 **The KV budget.** A row reserves its whole context (prompt + max_new_tokens)
 when it joins; :attr:`HFBatch.reserved_tokens` is what the replica bounds and
 reports (``kv_cache_tokens``).
@@ -72,9 +79,11 @@ from ballast.model.batching import (
     describe_engine,
     ids_by_row,
     left_pad,
+    pool_rows,
     raw_logprobs,
     refuse_adapter,
     refuse_bad_ids,
+    refuse_pool,
     rows_to_keep,
     warm_up,
 )
@@ -126,6 +135,11 @@ class HFBackend:
         self._pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
         self._logits_to_keep = "logits_to_keep" in _forward_parameters(self.model)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.hidden_size = int(self.model.get_input_embeddings().embedding_dim)
+        # The decoder under the LM head, which pooled rows run (None: the model has no
+        # separate base, and pools no rows).
+        base = getattr(self.model, "base_model", None)
+        self.base: Any = base if base is not None and base is not self.model else None
         # positions a prompt scored for its log-probabilities runs per forward (at least one)
         self.prompt_positions_per_forward = max(1, prompt_logits_per_forward // self.vocab_size)
         self.tokenizer_id = tokenizer_id(loaded.info.path)
@@ -219,6 +233,7 @@ class HFBatch:
         self._failed: dict[Any, BaseException] = {}  # rows failed alone, until take_failed
         self._chunk_logprobs = ChunkLogprobs()  # the running chunk's
         self._logprobs: dict[Any, RowLogprobs] = {}  # the last chunk's, until take_logprobs
+        self._vectors: dict[Any, bytes] = {}  # the last chunk's pooled rows', until take_embeddings
 
     @property
     def size(self) -> int:
@@ -236,8 +251,10 @@ class HFBatch:
         return None
 
     def take_embeddings(self) -> dict[Any, bytes]:
-        """None pooled: this engine pools no rows yet."""
-        return {}
+        """The last chunk's vectors of its pooled rows (``engine.Batch``), once: a second
+        call before the next chunk gets none."""
+        out, self._vectors = self._vectors, {}
+        return out
 
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
         """The last chunk's log-probabilities for the rows that asked (``engine.Batch``),
@@ -270,7 +287,11 @@ class HFBatch:
         check_context(joins, self._b.max_seq_len)
         admitted = []
         for join in joins:
-            refused = refuse_adapter(join) or refuse_bad_ids(join.key, join.ids, self._b.vocab_size)
+            refused = (
+                refuse_adapter(join)
+                or refuse_bad_ids(join.key, join.ids, self._b.vocab_size)
+                or self._refuse_pool(join)
+            )
             if refused is not None:
                 self._failed[join.key] = refused
             else:
@@ -282,6 +303,8 @@ class HFBatch:
         shared = [join for join in admitted if join.max_new_tokens > 0 and join.prompt_logprobs is None]
         if shared:
             emitted.append(self._prefill(shared))
+        pooled = [join for join in admitted if join.pool is not None]
+        self._vectors = self._pool(pooled) if pooled else {}
         for join in admitted:
             if join.prompt_logprobs is not None:
                 alone = self._prefill_scored(join, join.prompt_logprobs)
@@ -300,6 +323,28 @@ class HFBatch:
         return out
 
     # ------------------------------------------------------------------ internals
+
+    def _refuse_pool(self, join: Join) -> BaseException | None:
+        """A pooled join's refusal: a model without a base to pool, or more dimensions than
+        its hidden states have; None for a join this engine pools (or that does not pool)."""
+        if join.pool is None:
+            return None
+        if self._b.base is None:
+            from ballast.errors import EngineRefused
+
+            return EngineRefused(f"model: {self._b.name!r} has no base model to pool rows with", field="model")
+        return refuse_pool(join, self._b.hidden_size)
+
+    def _pool(self, joins: list[Join]) -> dict[Any, bytes]:
+        """The pooled ``joins``' vectors: their prompts through the model's base as their own
+        left-padded batch (explicit positions, so a row computes as it would alone), no cache
+        kept; pooled over each row's own positions."""
+        ids, mask, positions = self._left_padded(joins)
+        with attention_kernels(self._b.device):
+            out = self._b.base(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        lengths = [len(join.ids) for join in joins]
+        pools = [join.pool for join in joins if join.pool is not None]
+        return dict(zip((join.key for join in joins), pool_rows(out.last_hidden_state, lengths, pools)))
 
     def _row(self, join: Join) -> _Row:
         """A joining row: its first token comes from the prefill, and it reserves its whole context."""
@@ -346,17 +391,23 @@ class HFBatch:
 
         dev = self._b.device
         rows = [self._row(join) for join in joins]
+        ids, mask, positions = self._left_padded(joins)
+        cache = transformers().DynamicCache()  # its layers: one kind, keys and values
+        logits = self._forward(ids, mask, positions, cache)
+        lengths = torch.tensor([len(join.ids) for join in joins], dtype=torch.long, device=dev)
+        return [r.key for r in rows], self._stack(rows, logits, cache, mask, lengths)
+
+    def _left_padded(self, joins: list[Join]) -> tuple[Tensor, Tensor, Tensor]:
+        """The joins' prompts right-aligned in one batch: (ids, mask, positions) [B, W],
+        ``mask`` 0 on padding, each row's positions counting from 0 at its first id."""
+        dev = self._b.device
         width = max(len(join.ids) for join in joins)
         ids = torch.full((len(joins), width), self._b._pad_id, dtype=torch.long, device=dev)
         mask = torch.zeros(len(joins), width, dtype=torch.long, device=dev)
         for i, join in enumerate(joins):
             ids[i, width - len(join.ids) :] = torch.tensor(join.ids, dtype=torch.long, device=dev)
             mask[i, width - len(join.ids) :] = 1
-        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        cache = transformers().DynamicCache()  # its layers: one kind, keys and values
-        logits = self._forward(ids, mask, positions, cache)
-        lengths = torch.tensor([len(join.ids) for join in joins], dtype=torch.long, device=dev)
-        return [r.key for r in rows], self._stack(rows, logits, cache, mask, lengths)
+        return ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
 
     def _prefill_scored(self, join: Join, k: int) -> tuple[list[Any], Tensor] | None:
         """Prefill a row that asked for its prompt's log-probabilities (with the ``k``

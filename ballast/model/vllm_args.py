@@ -1,17 +1,24 @@
 """vLLM's engine arguments as Ballast sets them: its defaults for what a model's
-``engine_kwargs`` leave out, and the sections ``AsyncEngineArgs`` takes only as objects."""
+``engine_kwargs`` leave out, an embeddings model's pooling runner, and the sections
+``AsyncEngineArgs`` takes only as objects."""
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ballast.model.vllm_lora import lora_engine_kwargs
 
-__all__ = ["DEFAULT_ENGINE_KWARGS", "config_sections", "cuda_visible", "default_engine_kwargs"]
+__all__ = [
+    "DEFAULT_ENGINE_KWARGS",
+    "config_sections",
+    "cuda_visible",
+    "default_engine_kwargs",
+    "pooling_engine_kwargs",
+]
 
 #: vLLM options Ballast sets unless ``engine_kwargs`` says otherwise. ``scheduling_policy``
 #: "priority": vLLM starts the requests waiting in it by (priority, arrival time), so no batch
@@ -65,6 +72,26 @@ def default_engine_kwargs(
     return out
 
 
+def pooling_engine_kwargs(
+    engine_kwargs: Mapping[str, Any], kind: str, normalize: bool, dimensions: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """``engine_kwargs`` for an embeddings model (``kind: embed``), what they leave out set:
+    vLLM's pooling runner (``runner: pooling``; its ``convert: auto`` turns a ``*ForCausalLM``
+    into an embedding model, ``convert: embed``, and keeps a pooling architecture as it is),
+    a pooler of ``kind`` (``last``/``mean``/``cls``: vLLM's LAST/MEAN/CLS over the hidden
+    states after the final norm) normalising by default as ``normalize`` says (a request's
+    ``PoolingParams.use_activation`` may say otherwise), and with ``dimensions`` the shorter
+    vectors vLLM may cut (``hf_overrides.matryoshka_dimensions``: vLLM refuses a request's
+    ``dimensions`` for a model whose config names none)."""
+    out: dict[str, Any] = {
+        "runner": "pooling",
+        "pooler_config": {"pooling_type": kind.upper(), "use_activation": bool(normalize)},
+    }
+    if dimensions:
+        out["hf_overrides"] = {"matryoshka_dimensions": [int(d) for d in dimensions]}
+    return {**out, **engine_kwargs}
+
+
 def ranks_sharing_kv(engine_kwargs: Mapping[str, Any], c: Mapping[str, Any]) -> int:
     """How many ranks share one token's KV (vLLM's size is per rank): tensor parallel ranks
     split the KV heads (each keeps at least one), pipeline ranks the layers."""
@@ -87,9 +114,11 @@ def cuda_visible() -> bool:
 def config_sections(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` with the config sections that ``AsyncEngineArgs`` takes only as objects
     built from the mappings a YAML config gives (it builds the others itself)."""
-    from vllm.config import StructuredOutputsConfig
+    from vllm.config import PoolerConfig, StructuredOutputsConfig
 
     out = dict(kwargs)
     if isinstance(out.get("structured_outputs_config"), dict):
         out["structured_outputs_config"] = StructuredOutputsConfig(**out["structured_outputs_config"])
+    if isinstance(out.get("pooler_config"), dict):
+        out["pooler_config"] = PoolerConfig(**out["pooler_config"])
     return out

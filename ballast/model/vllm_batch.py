@@ -31,6 +31,16 @@ greedy and without a grammar: that token is dropped, the row returns no id and l
 with its prompt's log-probabilities. A k above the engine's ``max_logprobs`` is refused
 alone (``check_logprobs``).
 
+**Pooled rows.** On an embeddings engine (vLLM's pooling runner, ``RowEngine.pooling``) a
+row whose join pools (``Join.pool``) is one ``AsyncLLM.encode`` request with vLLM's
+``PoolingParams(task="embed")`` (``use_activation``: the join's ``normalize``;
+``dimensions``: its cut, which vLLM allows only to a Matryoshka model); its one output's
+``outputs.data`` is the vector (``take_embeddings``). Unlike the other engines' rows it may
+take more than the chunk it joined: it is in ``run_chunk``'s answer (with no id) only in the
+chunk its vector came, and a chunk ends as soon as one comes. A pooling engine refuses a row
+that generates, and a generating engine one that pools, each alone (``EngineRefused``), as it
+does a row asking another pooling than the engine's own (vLLM's pooler is set at start).
+
 The batch sees its engine through :class:`RowEngine`, the public face of
 ``vllm_engine.VLLMBackend`` it needs, so this module does not import that one.
 """
@@ -44,8 +54,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from ballast.errors import EngineRefused
-from ballast.model.batching import check_context, check_joins
-from ballast.model.protocol import GREEDY, IdLogprobs, Join, RowLogprobs, RowSampling
+from ballast.model.batching import check_context, check_joins, refuse_pool, vector_bytes
+from ballast.model.protocol import GREEDY, IdLogprobs, Join, Pooling, RowLogprobs, RowSampling
 from ballast.model.untyped import VLLMObject
 from ballast.model.vllm_loop import CALL_SLACK_S, EngineLoop
 from ballast.model.vllm_lora import LoRATable
@@ -56,6 +66,7 @@ __all__ = [
     "VLLMRequestError",
     "check_logprobs",
     "chunk_ready",
+    "pooling_params",
     "position_logprobs",
     "sampling_params",
 ]
@@ -70,11 +81,14 @@ class VLLMRequestError(RuntimeError):
 class RowEngine(Protocol):
     """What a batch runs on: its engine's name, context, most log-probabilities per
     position and wait bound, the loop its ``AsyncLLM`` (``llm``) runs on, its adapters,
-    and whom to tell that it died."""
+    and whom to tell that it died; on an embeddings engine its pooler's kind (``pooling``,
+    ``Pooling.kind``; None: a generating engine) and its vectors' size."""
 
     name: str
     max_seq_len: int
     max_logprobs: int
+    pooling: str | None
+    hidden_size: int
     max_wait_s: float
     loop: EngineLoop
     lora: LoRATable
@@ -93,7 +107,8 @@ class Row:
     """One row in the engine: its vLLM request id, how it samples, the ids it made that
     ``run_chunk`` has not returned yet (with their log-probabilities when it asked), and
     how it ended. ``prefill_only``: a row of no new token that asked its prompt's
-    log-probabilities (its one id is dropped when the chunk returns)."""
+    log-probabilities (its one id is dropped when the chunk returns). ``pool``: a pooled
+    row's, whose ``vector`` comes with its one output."""
 
     __slots__ = (
         "key",
@@ -111,6 +126,8 @@ class Row:
         "prefill_only",
         "unread_logprobs",
         "prompt",
+        "pool",
+        "vector",
     )
 
     def __init__(
@@ -122,6 +139,7 @@ class Row:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         prefill_only: bool = False,
+        pool: Pooling | None = None,
     ) -> None:
         self.key = key
         self.rid = rid
@@ -138,6 +156,8 @@ class Row:
         self.prefill_only = prefill_only
         self.unread_logprobs: list[IdLogprobs] = []  # one per unread id when logprobs is asked
         self.prompt: tuple[IdLogprobs, ...] | None = None  # the prompt's, until a chunk returns them
+        self.pool = pool
+        self.vector: bytes | None = None  # a pooled row's, from its output
 
     @property
     def asks_logprobs(self) -> bool:
@@ -145,7 +165,12 @@ class Row:
 
     def read(self, output: VLLMObject) -> None:
         """One vLLM output (``DELTA``) into the row: its new ids, their log-probabilities
-        when asked, and the prompt's when this output carries them."""
+        when asked, and the prompt's when this output carries them; a pooled row's output
+        (vLLM's ``PoolingRequestOutput``) its vector."""
+        if self.pool is not None:
+            self.vector = vector_bytes(output.outputs.data)
+            self.finished = self.finished or bool(output.finished)
+            return
         completion = output.outputs[0]
         new = list(completion.token_ids)
         if self.cached is None and output.num_cached_tokens is not None:
@@ -189,11 +214,11 @@ def check_logprobs(logprobs: int | None, prompt_logprobs: int | None, max_logpro
 
 
 def chunk_ready(rows: Sequence[Row], steps: int) -> bool:
-    """Whether a chunk can end: a row failed; a row has its first tokens (none returned
-    yet: its time to first token is not held for a whole chunk, as vLLM's own server sends
-    the first token when it comes); or every row with tokens has ``steps`` unread or
-    finished (and at least one row has something)."""
-    if not rows or any(r.error is not None for r in rows):
+    """Whether a chunk can end: a row failed; a pooled row has its vector, or a row its first
+    tokens (none returned yet: its time to first token is not held for a whole chunk, as
+    vLLM's own server sends the first token when it comes); or every row with tokens has
+    ``steps`` unread or finished (and at least one row has something)."""
+    if not rows or any(r.error is not None or r.vector is not None for r in rows):
         return True
     if any(r.unread and r.made == len(r.unread) for r in rows):
         return True
@@ -238,6 +263,14 @@ def sampling_params(
     )
 
 
+def pooling_params(pool: Pooling) -> VLLMObject:
+    """vLLM's parameters for a pooled row: an embedding, normalised as ``pool`` says, cut to
+    its ``dimensions`` (None: the whole vector)."""
+    from vllm import PoolingParams
+
+    return PoolingParams(task="embed", use_activation=bool(pool.normalize), dimensions=pool.dimensions)
+
+
 def row_error(row: Row, e: BaseException) -> BaseException:
     """What a row vLLM failed alone answers: ``EngineRefused`` when vLLM refused the request
     as sent (its validation: a client error, a ValueError), naming the schema's field when
@@ -246,6 +279,8 @@ def row_error(row: Row, e: BaseException) -> BaseException:
 
     if isinstance(e, (VLLMClientError, ValueError)):
         field = str(getattr(e, "parameter", None) or "prompt")
+        if row.pool is not None and "dimensions" in str(e):
+            field = "dimensions"
         if row.sampling.json_schema is not None and ("structured" in str(e) or "schema" in str(e)):
             field = row.sampling.json_schema_of
         return EngineRefused(f"{field}: vLLM refuses the request: {e}", field=field)
@@ -276,6 +311,7 @@ class VLLMBatch:
         self._failed: dict[Any, BaseException] = {}  # rows failed alone, until take_failed
         self._cached: dict[Any, int] = {}  # the last chunk's rows' cached prompt tokens
         self._logprobs: dict[Any, RowLogprobs] = {}  # the last chunk's, for the rows that asked
+        self._vectors: dict[Any, bytes] = {}  # the last chunk's, for the pooled rows whose vector came
 
     def keys(self) -> list[Any]:
         return list(self._rows)
@@ -293,8 +329,10 @@ class VLLMBatch:
         return self._cached.get(key)
 
     def take_embeddings(self) -> dict[Any, bytes]:
-        """None pooled: this engine pools no rows yet."""
-        return {}
+        """The vectors that came in the last chunk, for its pooled rows (the module
+        docstring), by key. Taken once."""
+        out, self._vectors = self._vectors, {}
+        return out
 
     def take_logprobs(self) -> dict[Any, RowLogprobs]:
         """The last chunk's log-probabilities for the rows that asked and had ids or their
@@ -324,9 +362,10 @@ class VLLMBatch:
         check_context(joins, self._engine.max_seq_len)
 
     async def _chunk(self, joins: Sequence[Join], steps: int) -> dict[Any, list[int]]:
-        out: dict[Any, list[int]] = {join.key: [] for join in joins}
+        # A pooled row is answered in the chunk its vector comes (below), not the one it joined.
+        out: dict[Any, list[int]] = {join.key: [] for join in joins if join.pool is None}
         for join in joins:
-            if join.max_new_tokens > 0 or join.prompt_logprobs is not None:
+            if join.max_new_tokens > 0 or join.prompt_logprobs is not None or join.pool is not None:
                 self._submit(join)
         for key in self._failed:
             out.pop(key, None)
@@ -346,8 +385,16 @@ class VLLMBatch:
             out.pop(row.key, None)
             self._failed[row.key] = row_error(row, error)
         await self._abort([row for row, _ in failed])
-        self._cached, self._logprobs = {}, {}
+        self._cached, self._logprobs, self._vectors = {}, {}, {}
         for key, row in list(self._rows.items()):
+            if row.pool is not None:
+                if row.vector is not None:
+                    self._vectors[key], out[key] = row.vector, []
+                    del self._rows[key]
+                elif row.finished:  # ended with no vector: this row's own failure
+                    del self._rows[key]
+                    self._failed[key] = VLLMRequestError(f"vLLM ended request {row.rid} with no vector")
+                continue
             if row.unread and row.cached is not None:
                 self._cached[key] = row.cached
             if row.asks_logprobs and (row.unread or row.prompt is not None):
@@ -368,11 +415,15 @@ class VLLMBatch:
 
         llm = self._engine.llm
         key, adapter, salt = join.key, join.adapter, join.cache_salt
-        prefill_only = join.max_new_tokens == 0  # asks its prompt's log-probabilities only
+        refused = self._refuse_kind(join)
+        if refused is not None:
+            self._failed[key] = refused
+            return
+        prefill_only = join.max_new_tokens == 0 and join.pool is None  # asks its prompt's log-probabilities only
         # A prefill-only row's one token is dropped: greedy, no grammar, no penalty (least work).
         s = GREEDY if prefill_only or join.sampling is None else join.sampling
         logprobs = None if prefill_only else join.logprobs
-        row = Row(key, f"{self._prefix}-{key}", s, adapter, logprobs, join.prompt_logprobs, prefill_only)
+        row = Row(key, f"{self._prefix}-{key}", s, adapter, logprobs, join.prompt_logprobs, prefill_only, join.pool)
         lora = self._engine.lora.request(adapter) if adapter is not None else self._engine.lora.base
         if adapter is not None and lora is None:  # removed (or never added): this row alone
             self._failed[key] = EngineRefused(
@@ -385,7 +436,10 @@ class VLLMBatch:
             self._failed[key] = e
             return
         try:
-            params = sampling_params(s, max(join.max_new_tokens, 1), logprobs, join.prompt_logprobs)
+            if join.pool is not None:
+                params = pooling_params(join.pool)
+            else:
+                params = sampling_params(s, max(join.max_new_tokens, 1), logprobs, join.prompt_logprobs)
             ids = [int(i) for i in join.ids]
             # vLLM's TokensPrompt, a TypedDict: built as the dict it is (its NotRequired keys
             # come from Python 3.11's typing, which a check at 3.10 reads as required).
@@ -399,14 +453,33 @@ class VLLMBatch:
         row.task = asyncio.get_running_loop().create_task(self._pump(row, prompt, params, lora, join.priority))
         self._rows[key] = row
 
+    def _refuse_kind(self, join: Join) -> BaseException | None:
+        """A join this engine cannot run at all, refused alone: a pooled row on a generating
+        engine, a generating row on a pooling one, another pooling than the engine's, more
+        dimensions than its vectors have."""
+        name, pooling = self._engine.name, self._engine.pooling
+        if join.pool is None and pooling is not None:
+            return EngineRefused(f"model: {name!r} is an embeddings model; it generates no text", field="model")
+        if join.pool is None:
+            return None
+        if pooling is None:
+            return EngineRefused(f"model: {name!r} is not an embeddings model; it pools no rows", field="model")
+        if join.pool.kind != pooling:
+            return EngineRefused(
+                f"model: {name!r} pools by {pooling!r} (its engine's pooler), row {join.key!r} asks {join.pool.kind!r}",
+                field="model",
+            )
+        return refuse_pool(join, self._engine.hidden_size)
+
     async def _pump(self, row: Row, prompt: VLLMObject, params: VLLMObject, lora: VLLMObject, priority: int) -> None:
-        """Append the request's new ids to ``row`` as vLLM produces them (with the adapter's
-        ``LoRARequest`` ``lora``, None: the base model; at ``priority``, the join's: vLLM's
-        priority policy starts a lower value first among the requests waiting in it)."""
+        """Append the request's new ids (a pooled row: its vector) to ``row`` as vLLM produces
+        them (with the adapter's ``LoRARequest`` ``lora``, None: the base model; at
+        ``priority``, the join's: vLLM's priority policy starts a lower value first among the
+        requests waiting in it)."""
+        llm = self._engine.llm
+        run = llm.encode if row.pool is not None else llm.generate
         try:
-            async for output in self._engine.llm.generate(
-                prompt, params, row.rid, lora_request=lora, priority=priority
-            ):
+            async for output in run(prompt, params, row.rid, lora_request=lora, priority=priority):
                 row.read(output)
                 self._changed.set()
         except asyncio.CancelledError:

@@ -56,7 +56,7 @@ from ballast.model.batching import describe_engine, warm_up
 from ballast.model.grammar import GrammarCompiles
 from ballast.model.hf_text import TokenizerText
 from ballast.model.kv_events import feed_for
-from ballast.model.protocol import RowSampling
+from ballast.model.protocol import POOLING_KINDS, Pooling, RowSampling
 from ballast.model.untyped import VLLMObject
 from ballast.model.vllm_args import DEFAULT_ENGINE_KWARGS, config_sections, default_engine_kwargs
 from ballast.model.vllm_batch import VLLMBatch, VLLMRequestError, check_logprobs, sampling_params
@@ -135,6 +135,10 @@ class VLLMBackend:
         # The most log-probabilities per position vLLM gives (-1 in its config: the vocabulary).
         max_logprobs = int(cfg.model_config.max_logprobs)
         self.max_logprobs = self.vocab_size if max_logprobs == -1 else max_logprobs
+        # An embeddings engine (vLLM's pooling runner, ``vllm_args.pooling_engine_kwargs``):
+        # its pooler's kind, which every pooled row must ask; None: a generating engine.
+        self.pooling = _pooling_kind(cfg.model_config)
+        self.hidden_size = int(cfg.model_config.embedding_size)
         self.device = _device_name(cfg)
         self.lora = LoRATable(self.loop, self.llm, model=name, device=self.device)
         self._xgr_lock = threading.Lock()
@@ -339,7 +343,10 @@ class VLLMBackend:
     def warmup(self, batch_sizes: Sequence[int] = (1,)) -> None:
         """Short generations at these batch sizes (``batching.warm_up``), and the grammar
         compiler's view of the vocabulary (seconds on a large one), so that no request's
-        compile limit pays for it."""
+        compile limit pays for it; an embeddings engine pools instead, with no grammar."""
+        if self.pooling is not None:
+            warm_up(self, batch_sizes, pool=Pooling(self.pooling))
+            return
         self._xgrammar()
         warm_up(self, batch_sizes)
 
@@ -430,6 +437,20 @@ def _parameter_count(weight_files: Sequence[Path]) -> int | None:
         return total
     except Exception:  # a count is descriptive only: never a reason not to serve
         return None
+
+
+def _pooling_kind(model_config: VLLMObject) -> str | None:
+    """The pooler's kind (``Pooling.kind``: last, mean, cls) of an engine on vLLM's pooling
+    runner; None for a generating engine. A pooler of another kind is a ``ModelLoadError``:
+    Ballast pools by these three only."""
+    if model_config.runner_type != "pooling":
+        return None
+    kind = str(model_config.pooler_config.get_seq_pooling_type()).lower()
+    if kind not in POOLING_KINDS:
+        raise ModelLoadError(
+            str(model_config.model), f"vLLM pools this model by {kind!r}; Ballast pools by {POOLING_KINDS}"
+        )
+    return kind
 
 
 def _grammar_key(s: RowSampling) -> str | None:

@@ -78,7 +78,9 @@ def vllm_stack(ballast, tmp_path_factory):
     from ballast.config import load_config
 
     ckpt = make_llama(tmp_path_factory.mktemp("vllm") / MODEL, **VLLM_GEOMETRY)
-    _deploy(load_config(_merge(integration.test_config_dict(), vllm_overrides(ckpt))), MODEL)
+    settings = _merge(integration.test_config_dict(), vllm_overrides(ckpt))
+    settings["batch"] = ballast.batch.model_dump(mode="json")  # the session's store: stored responses
+    _deploy(load_config(settings), MODEL)
     yield ckpt
 
 
