@@ -463,7 +463,7 @@ def run_embed_ballast(args: argparse.Namespace, texts: list[str]) -> tuple[Embed
     import httpx
 
     from ballast.config import load_config
-    from ballast.model.vllm_args import default_engine_kwargs
+    from ballast.model.vllm_args import DEFAULT_ENGINE_KWARGS, default_engine_kwargs, pooling_engine_kwargs
     from loadtest.bench_overload import BASE, BENCH_KEY
 
     data = _base_data(args)
@@ -471,10 +471,13 @@ def run_embed_ballast(args: argparse.Namespace, texts: list[str]) -> tuple[Embed
     data["model"]["engine_kwargs"] = dict(EMBED_ENGINE_KWARGS)
     data["model"]["embed"] = {"max_inputs": max(args.inputs_per_request, 1)}
     m = load_config(data).model
-    engine = default_engine_kwargs(str(m.path), dict(EMBED_ENGINE_KWARGS), m.max_batch_size)
+    # What the replica runs with (``engine.build_engine``): the offline side takes its sizes.
+    pooled = pooling_engine_kwargs(EMBED_ENGINE_KWARGS, m.embed.pooling, m.embed.normalize, m.embed.dimensions)
+    engine = {**DEFAULT_ENGINE_KWARGS, **default_engine_kwargs(str(m.path), pooled, m.max_batch_size)}
     cfg = _stack(data)
     try:
         url = f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/embeddings"
+        status_url = f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/status"
         per = args.inputs_per_request
         chunks = [texts[i : i + per] for i in range(0, len(texts), per)]
         vectors: list[list[float] | None] = [None] * len(texts)
@@ -485,7 +488,8 @@ def run_embed_ballast(args: argparse.Namespace, texts: list[str]) -> tuple[Embed
             body = {"model": cfg.model.name, "input": chunks[j], "encoding_format": "base64"}
             r = client.post(url, json=body, headers={"Authorization": f"Bearer {BENCH_KEY}"})
             if r.status_code != 200:
-                raise BenchFault("embeddings", f"{r.status_code} {r.content[:MAX_FAULT_BYTES]!r}")
+                seen = f"{r.status_code} {r.content[:MAX_FAULT_BYTES]!r}; the model then: {_level(client, status_url)}"
+                raise BenchFault("embeddings", seen)
             obj = r.json()
             items = sorted(obj.get("data") or [], key=lambda d: d.get("index", -1))
             if [d.get("index") for d in items] != list(range(len(chunks[j]))):
@@ -508,9 +512,23 @@ def run_embed_ballast(args: argparse.Namespace, texts: list[str]) -> tuple[Embed
         done = [v for v in vectors if v is not None]
         if len(done) != len(texts):
             raise BenchFault("embeddings", f"{len(texts) - len(done)} inputs without a vector")
-        return EmbedRun(done, tokens[0], elapsed), engine
+        return EmbedRun(done, tokens[0], elapsed, [f"engine {engine}"]), engine
     finally:
         _down(cfg)
+
+
+def _level(client: Any, status_url: str) -> str:
+    """The one model's level, and the controller's reason and inputs, from ``/v1/status``."""
+    from ballast.ops.status_text import model_view, sole_model
+    from loadtest.bench_overload import BENCH_KEY
+
+    try:
+        doc = client.get(status_url, headers={"Authorization": f"Bearer {BENCH_KEY}"}).json()
+    except Exception as e:  # noqa: BLE001 - a diagnosis only: the fault is reported either way
+        return f"/v1/status unread ({e!r})"
+    view = model_view(doc, sole_model(doc))
+    state = view.get("controller") or {}
+    return json.dumps({"level": view.get("level"), "reason": state.get("reason"), "inputs": state.get("inputs")})
 
 
 def run_embed_offline(model_dir: str, engine: dict[str, Any], texts: list[str], warmup: int) -> EmbedRun:
@@ -579,6 +597,7 @@ def run_embed(args: argparse.Namespace) -> tuple[float, float]:
             flush=True,
         )
     print(f"  ballast/offline {r:.3f}  cosine min {min(cos):.6f} mean {statistics.fmean(cos):.6f}", flush=True)
+    print(f"  ballast {'; '.join(ballast.notes)}", flush=True)
     print(f"  offline {'; '.join(offline.notes)}", flush=True)
     return r, min(cos)
 
