@@ -523,10 +523,14 @@ def _level(client: Any, status_url: str) -> str:
     from loadtest.bench_overload import BENCH_KEY
 
     try:
-        doc = client.get(status_url, headers={"Authorization": f"Bearer {BENCH_KEY}"}).json()
+        r = client.get(status_url, headers={"Authorization": f"Bearer {BENCH_KEY}"})
+        doc = r.json()
     except Exception as e:  # noqa: BLE001 - a diagnosis only: the fault is reported either way
         return f"/v1/status unread ({e!r})"
-    view = model_view(doc, sole_model(doc))
+    name = sole_model(doc) if isinstance(doc, dict) else None
+    if r.status_code != 200 or name is None:  # not the document looked for: say what came
+        return f"/v1/status {r.status_code} {r.content[:MAX_FAULT_BYTES]!r}"
+    view = model_view(doc, name)
     state = view.get("controller") or {}
     return json.dumps({"level": view.get("level"), "reason": state.get("reason"), "inputs": state.get("inputs")})
 
