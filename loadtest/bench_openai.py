@@ -520,10 +520,9 @@ def run_embed_ballast(args: argparse.Namespace, texts: list[str]) -> tuple[Embed
 def _level(client: Any, status_url: str) -> str:
     """The one model's level, and the controller's reason and inputs, from ``/v1/status``."""
     from ballast.ops.status_text import model_view, sole_model
-    from loadtest.bench_overload import BENCH_KEY
 
-    try:
-        r = client.get(status_url, headers={"Authorization": f"Bearer {BENCH_KEY}"})
+    try:  # the admin token cluster/local.yaml names (an operator's route)
+        r = client.get(status_url, headers={"Authorization": "Bearer dev-admin-token"})
         doc = r.json()
     except Exception as e:  # noqa: BLE001 - a diagnosis only: the fault is reported either way
         return f"/v1/status unread ({e!r})"

@@ -138,8 +138,11 @@ class ReplicaRow:
     stops: StopScanner | None = None
     key: int = 0
     # The call it belongs to: rows of one call (its choices, an embeddings call's inputs)
-    # share it, and the line counts them as one request waiting (``queued``).
+    # share it, and the line counts them as one request waiting (``queued``); only the
+    # call's first row's wait is a queue wait (``counts_wait``): the others wait for their
+    # own call's rows, which is its service, not a backlog.
     group: int = 0
+    counts_wait: bool = True
     started: bool = False
     cancelled: bool = False
     queue_wait_ms: float = 0.0
@@ -287,11 +290,14 @@ class ReplicaLoop:
             self._task.cancel()
 
     # -- one call ---------------------------------------------------------------------------
-    async def stream(self, call: ModelCall, group: int = 0) -> AsyncGenerator[ModelChunk, None]:
+    async def stream(
+        self, call: ModelCall, group: int = 0, counts_wait: bool = True
+    ) -> AsyncGenerator[ModelChunk, None]:
         """The call's chunks: checked and prepared (``prepare``), in the line, then each
         chunk as the engine brings it; the first chunk of a new request carries its queue
         wait and max_tokens. A resumed call with no token left answers at once. ``group``:
-        the call this row is one of (``_choices``), 0 for a call of its own."""
+        the call this row is one of (``_choices``), 0 for a call of its own; ``counts_wait``:
+        its wait is a sample of the queue waits the replica reports."""
         self.start()
         if call.n > 1 or call.inputs:
             async for chunk in self._choices(call):
@@ -299,7 +305,7 @@ class ReplicaLoop:
             return
         await self._before_request()
         row = await self.prepare(call)
-        row.group = group
+        row.group, row.counts_wait = group, counts_wait
         if row.resumed and row.max_tokens <= 0:  # the lost replica had delivered every token
             yield ModelChunk(row.pending, (), finish_reason="length")
             return
@@ -320,7 +326,8 @@ class ReplicaLoop:
 
         async def run(i: int) -> None:
             try:
-                async for chunk in self.stream(rows[i] if rows is not None else choice_call(call, i), group):
+                row_call = rows[i] if rows is not None else choice_call(call, i)
+                async for chunk in self.stream(row_call, group, counts_wait=i == 0):
                     out.put_nowait((i, replace(chunk, index=i)))
                 out.put_nowait((i, None))
             except Exception as exc:  # the whole call fails with it
@@ -614,7 +621,8 @@ class ReplicaLoop:
         self._waiting.pop(row.key, None)
         row.started = True
         row.queue_wait_ms = (now - row.enqueued_at_s) * 1000.0
-        self._waits_ms.add(row.queue_wait_ms, now)
+        if row.counts_wait:
+            self._waits_ms.add(row.queue_wait_ms, now)
         self._kv_reserved += row.reserved_tokens
         self._active[row.key] = row
         return Join(
