@@ -47,7 +47,7 @@ from ballast.router.api import answer_headers, read_json
 from ballast.router.gate import BatchSlot, GateSlot
 from ballast.router.lanes import Lane
 from ballast.router.openai import OpenAIFront
-from ballast.router.openai_api import BadRequest
+from ballast.router.openai_api import BadRequest, model_token_ids
 from ballast.router.pipeline import Caller, ModelRequest, Pipeline, tiered_claim
 from ballast.router.tokens import ModelText
 
@@ -181,8 +181,4 @@ def _ids_of(one_input: str | list[int], text: ModelText, field: str) -> tuple[in
         if text.tokenizer_id == BYTES_TOKENIZER:
             return tuple(encode_bytes(one_input))
         return tuple(text.encode(one_input, add_special_tokens=True))
-    vocab = text.vocab_size
-    beyond = next((i for i in one_input if i >= vocab), None)
-    if beyond is not None:
-        raise BadRequest(f"{field}: {beyond} is not a token id of this model (0 to {vocab - 1})", field=field)
-    return tuple(one_input)
+    return tuple(model_token_ids(one_input, text.vocab_size, field))

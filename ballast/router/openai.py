@@ -193,12 +193,7 @@ class OpenAIFront:
     @staticmethod
     def _prompt_ids(req: oa.CompletionRequest, text: ModelText) -> list[int]:
         """A prompt sent as token ids: each must be the model's (below its vocabulary)."""
-        ids = req.prompt_ids or []
-        vocab = text.vocab_size
-        beyond = next((i for i in ids if i >= vocab), None)
-        if beyond is not None:
-            raise oa.BadRequest(f"prompt: {beyond} is not a token id of this model (0 to {vocab - 1})", field="prompt")
-        return ids
+        return oa.model_token_ids(req.prompt_ids or [], text.vocab_size, "prompt")
 
     def _parsed(self, req: oa.ChatCompletionRequest, text: ModelText) -> ParsedChat | None:
         """What the request asks of tools (``ballast.router.tool_calls``), and on the vLLM

@@ -679,6 +679,15 @@ def _same(value: Any, neutral: Any) -> bool:
     return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
+def model_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> list[int]:
+    """Token ids a client sent (a prompt, an embeddings input), each the model's: below its
+    vocabulary, else 400 naming ``field``."""
+    beyond = next((i for i in ids if i >= vocab_size), None)
+    if beyond is not None:
+        raise BadRequest(f"{field}: {beyond} is not a token id of this model (0 to {vocab_size - 1})", field=field)
+    return list(ids)
+
+
 def logprobs_of(req: _Sampling) -> tuple[int | None, int | None]:
     """(k likeliest for each answer token, k for each prompt position): None where the
     request asks for none. Chat: ``logprobs: true`` with ``top_logprobs`` (default 0);

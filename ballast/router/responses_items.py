@@ -22,8 +22,9 @@ The translation follows vLLM's own Responses pieces (``vllm/entrypoints/openai/r
   conversation never holds them (``conversation_after`` keeps the input items and the
   answer only), so a system or developer message sent as an input item is carried over,
   as OpenAI carries it. (vLLM drops every system message of the stored conversation.)
-* ``reasoning.effort`` reaches the chat template as vLLM's chat protocol passes it:
-  ``chat_template_kwargs`` ``reasoning_effort``, and ``enable_thinking`` (effort not
+* ``reasoning.effort`` is chat's ``reasoning_effort``, which reaches the chat template as
+  vLLM's chat protocol passes it (``openai_api.ChatCompletionRequest.template_kwargs``):
+  ``reasoning_effort``, and ``enable_thinking`` (effort not
   "none") for templates that opt in to thinking.
 * Output items as ``build_response_output_items``: a ``reasoning`` item (no summary;
   its text a ``reasoning_text`` part), a ``message`` item (one ``output_text`` part,
@@ -132,7 +133,7 @@ def to_chat(req: ResponsesRequest, previous: Sequence[Mapping[str, Any]] | None 
         body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     effort = req.reasoning.effort if req.reasoning is not None else None
     if effort is not None:
-        body["chat_template_kwargs"] = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+        body["reasoning_effort"] = effort
     body.update(
         _present(
             {

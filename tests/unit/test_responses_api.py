@@ -227,7 +227,7 @@ def test_the_agents_sdk_settings_reach_the_chat_body() -> None:
         "parallel_tool_calls": False,
     }
     assert chat["logprobs"] is True and chat["top_logprobs"] == 2
-    assert chat["chat_template_kwargs"] == {"reasoning_effort": "low", "enable_thinking": True}
+    assert oa.parse_chat(chat).template_kwargs == {"reasoning_effort": "low", "enable_thinking": True}
     assert chat["tools"][0]["function"]["strict"] is True
     assert oa.logprobs_of(oa.parse_chat(chat)) == (2, None)
 
@@ -326,10 +326,9 @@ def test_reasoning_effort_reaches_the_template_as_vllm_passes_it() -> None:
     protocol = pytest.importorskip("vllm.entrypoints.openai.responses.protocol")
     for effort in ("none", "low", "high"):
         body = {**BASE, "reasoning": {"effort": effort}}
-        ours = ri.to_chat(parse_responses(body))["chat_template_kwargs"]
+        ours = oa.parse_chat(ri.to_chat(parse_responses(body))).template_kwargs
         theirs = protocol.ResponsesRequest.model_validate(body).build_chat_params(None, "auto").chat_template_kwargs
         assert ours == {k: theirs[k] for k in ("reasoning_effort", "enable_thinking")}
-        assert oa.parse_chat(ri.to_chat(parse_responses(body))).chat_template_kwargs == ours
 
 
 def test_the_chat_body_carries_every_served_field() -> None:
