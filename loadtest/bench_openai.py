@@ -23,10 +23,21 @@ the demo tokenizer; distinct), ``--embed-concurrency`` in flight, ``encoding_for
 last answer, after one warm-up request. Then, once the stack is down (not both at once on a
 small host), vLLM offline in a subprocess: ``vllm.LLM(model=dir, runner="pooling",
 convert="embed", dtype float32, enforce_eager)`` with the replica's ``max_model_len``,
-``max_num_seqs`` and KV cache size (``vllm_args.default_engine_kwargs``), ``LLM.embed`` on
+KV cache size (``vllm_args.default_engine_kwargs``) and ``max_num_seqs`` the rows the replica
+holds (its own vLLM steps half: ``vllm_args.step_rows``), ``LLM.embed`` on
 the same texts in one call (its documented best), after a warm-up call; inputs per second.
 The vectors are compared input by input: cosine, and its minimum over the inputs; the tokens
-each side counted are printed beside them.
+each side counted are printed beside them, and the CPU seconds each side's processes took in
+its span by role (``loadtest.stack_cpu``), with the seconds the engine waited for a core.
+
+Where the engine computes (``--engine-cpu``): ``own`` (the default, on a host of two cores or
+more) gives vLLM's worker the last core of this process's affinity on both sides
+(``VLLM_CPU_OMP_THREADS_BIND``) and keeps everything else off it (this process, and so Ray and
+every process either side starts, on the other cores), as a GPU host gives the engine a
+device of its own: the figure is then the path's cost, not the host's. ``shared`` leaves the
+placement to the kernel: on two cores the worker then shares its core with the router, the
+replica, Serve's proxy and Ray's daemons (all of them Ballast's side only), and the ratio
+reads how much of the engine's core they take.
 
 Prints each section's table, then one line a script reads (``final_line``; ``nan`` for a
 section not run)::
@@ -42,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import functools
 import json
 import math
@@ -71,6 +83,8 @@ MAX_FAULT_BYTES = 300  # of an answer's body quoted in a fault
 # The embeddings model's engine settings on both sides (as the other vLLM benches': float32,
 # eager, a 512-token context); the rest is Ballast's (``vllm_args.default_engine_kwargs``).
 EMBED_ENGINE_KWARGS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512}
+ENGINE_CPU = ("own", "shared")
+OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 class BenchFault(RuntimeError):
@@ -250,6 +264,46 @@ def plan(requests: int, concurrency: int) -> list[list[str]]:
     kind ``ceil(requests / concurrency) * concurrency`` times in all (at least ``requests``)."""
     per_client = 2 * math.ceil(requests / concurrency)
     return [[KINDS[(w + i) % 2] for i in range(per_client)] for w in range(concurrency)]
+
+
+def engine_core(cores: Iterable[int]) -> tuple[int, set[int]] | None:
+    """The core vLLM's worker gets to itself (the last of ``cores``) and the ones left to
+    everything else; None with fewer than two cores (nothing to keep apart)."""
+    ordered = sorted(set(cores))
+    if len(ordered) < 2:
+        return None
+    return ordered[-1], set(ordered[:-1])
+
+
+@contextlib.contextmanager
+def engine_cpu(mode: str) -> Iterator[str]:
+    """Within it, what ``--engine-cpu`` says (the module docstring): ``own`` binds vLLM's
+    worker to a core of its own (the environment its processes inherit) and moves this
+    process, and what it starts, off it; ``shared`` changes nothing. Yields the placement
+    in words; both are restored after."""
+    split = engine_core(os.sched_getaffinity(0)) if mode == "own" else None
+    if split is None or os.environ.get(OMP_BIND):
+        why = f"{OMP_BIND}={os.environ[OMP_BIND]!r} as set" if os.environ.get(OMP_BIND) else mode
+        yield f"engine cores: {why}, the kernel places the rest"
+        return
+    core, rest = split
+    before = os.sched_getaffinity(0)
+    os.environ[OMP_BIND] = str(core)
+    os.sched_setaffinity(0, rest)
+    try:
+        yield f"engine cores: vLLM's worker on core {core} alone, every other process on {sorted(rest)}"
+    finally:
+        os.environ.pop(OMP_BIND, None)
+        os.sched_setaffinity(0, before)
+
+
+def cpu_line(span: dict[str, float]) -> str:
+    """CPU seconds by role in a span (``stack_cpu.delta``), the roles that took any, and the
+    engine's wait for a core."""
+    from loadtest.stack_cpu import ROLES, wait_key
+
+    used = ", ".join(f"{r} {span[r]:.2f}" for r in ROLES if span.get(r, 0.0) >= 0.01)
+    return f"cpu s {used or '-'}; engine waited {span.get(wait_key('engine'), 0.0):.2f} s for a core"
 
 
 def embed_inputs(count: int, words: int) -> list[str]:
@@ -458,13 +512,14 @@ def run_ttft(args: argparse.Namespace) -> dict[int, dict[str, list[float]]]:
 
 
 def run_embed_ballast(args: argparse.Namespace, texts: list[str]) -> tuple[EmbedRun, dict[str, Any]]:
-    """The ``embed`` section's Ballast side; also the engine settings its replica ran with
-    (for the offline side)."""
+    """The ``embed`` section's Ballast side; also the engine settings for the offline side
+    (its replica's, with every row it holds in a step)."""
     import httpx
 
     from ballast.config import load_config
     from ballast.model.vllm_args import DEFAULT_ENGINE_KWARGS, default_engine_kwargs, pooling_engine_kwargs
     from loadtest.bench_overload import BASE, BENCH_KEY
+    from loadtest.stack_cpu import StackCpu, delta
 
     data = _base_data(args)
     data["model"]["kind"] = "embed"
@@ -474,6 +529,10 @@ def run_embed_ballast(args: argparse.Namespace, texts: list[str]) -> tuple[Embed
     # What the replica runs with (``engine.build_engine``): the offline side takes its sizes.
     pooled = pooling_engine_kwargs(EMBED_ENGINE_KWARGS, m.embed.pooling, m.embed.normalize, m.embed.dimensions)
     engine = {**DEFAULT_ENGINE_KWARGS, **default_engine_kwargs(str(m.path), pooled, m.max_batch_size)}
+    # The offline side steps every row the replica holds (the replica's vLLM steps half of
+    # them, the other half queued: ``vllm_args.step_rows``); at this size the step's rows do
+    # not change vLLM's throughput on a CPU, so this is the stricter reference, not a slower one.
+    offline = {**engine, "max_num_seqs": m.max_batch_size}
     cfg = _stack(data)
     try:
         url = f"{BASE}{cfg.route_prefix.rstrip('/')}/v1/embeddings"
@@ -504,15 +563,18 @@ def run_embed_ballast(args: argparse.Namespace, texts: list[str]) -> tuple[Embed
         with httpx.Client(timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(max_connections=64)) as client:
             send(client, 0)  # warm-up: its vectors are the first chunk's, sent again below
             tokens[0] = 0
+            cpu = StackCpu()
+            before = cpu.read()
             start = time.perf_counter()
             with ThreadPoolExecutor(args.embed_concurrency) as pool:
                 for f in [pool.submit(send, client, j) for j in range(len(chunks))]:
                     f.result()
             elapsed = time.perf_counter() - start
+            span = delta(cpu.read(), before)
         done = [v for v in vectors if v is not None]
         if len(done) != len(texts):
             raise BenchFault("embeddings", f"{len(texts) - len(done)} inputs without a vector")
-        return EmbedRun(done, tokens[0], elapsed, [f"engine {engine}"]), engine
+        return EmbedRun(done, tokens[0], elapsed, [cpu_line(span), f"engine {engine}"]), offline
     finally:
         _down(cfg)
 
@@ -555,12 +617,14 @@ def run_embed_offline(model_dir: str, engine: dict[str, Any], texts: list[str], 
         subprocess.run(cmd, check=True, timeout=OFFLINE_TIMEOUT_S, env=env)
         with open(out, encoding="utf-8") as f:
             res = json.load(f)
-    return EmbedRun(res["vectors"], res["tokens"], res["elapsed_s"], [f"engine {res['engine']}"])
+    return EmbedRun(res["vectors"], res["tokens"], res["elapsed_s"], [res["cpu"], f"engine {res['engine']}"])
 
 
 def offline_embed_main(job_path: str, out_path: str) -> None:
     """The subprocess: vLLM's ``LLM.embed`` on the job's texts, timed after a warm-up."""
     from vllm import LLM
+
+    from loadtest.stack_cpu import StackCpu, delta
 
     with open(job_path, encoding="utf-8") as f:
         job = json.load(f)
@@ -568,6 +632,8 @@ def offline_embed_main(job_path: str, out_path: str) -> None:
     llm = LLM(model=job["model"], **engine)
     texts = job["texts"]
     llm.embed(texts[: job["warmup"]], use_tqdm=False)
+    cpu = StackCpu()
+    before = cpu.read()
     start = time.perf_counter()
     outs = llm.embed(texts, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -576,6 +642,7 @@ def offline_embed_main(job_path: str, out_path: str) -> None:
         "tokens": sum(len(o.prompt_token_ids) for o in outs),
         "elapsed_s": elapsed,
         "engine": engine,
+        "cpu": cpu_line(delta(cpu.read(), before)),
     }
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(res, f)
@@ -584,13 +651,14 @@ def offline_embed_main(job_path: str, out_path: str) -> None:
 def run_embed(args: argparse.Namespace) -> tuple[float, float]:
     """The ``embed`` section: prints both sides; the throughput ratio and the min cosine."""
     texts = embed_inputs(args.embed_requests * args.inputs_per_request, args.words)
-    ballast, engine = run_embed_ballast(args, texts)
-    offline = run_embed_offline(str(args.vllm_model), engine, texts, args.inputs_per_request)
+    with engine_cpu(args.engine_cpu) as placement:
+        ballast, engine = run_embed_ballast(args, texts)
+        offline = run_embed_offline(str(args.vllm_model), engine, texts, args.inputs_per_request)
     cos = cosines(ballast.vectors, offline.vectors)
     r = ratio(ballast.inputs_per_s, offline.inputs_per_s)
     print(
         f"embeddings: {len(texts)} inputs, {args.embed_requests} requests of {args.inputs_per_request}, "
-        f"{args.embed_concurrency} in flight",
+        f"{args.embed_concurrency} in flight; {placement}",
         flush=True,
     )
     for name, side in (("ballast", ballast), ("vllm-offline", offline)):
@@ -617,7 +685,11 @@ def main() -> None:
     p.add_argument("--max-phase-s", type=float, default=180.0)
     p.add_argument("--embed-requests", type=int, default=32)
     p.add_argument("--inputs-per-request", type=int, default=64)
-    p.add_argument("--embed-concurrency", type=int, default=4)
+    # Two: the next request's rows wait while one runs, so the engine is never without work,
+    # and the line stays one request long (four requests of 64 rows ahead of a replica of 32
+    # are a second's wait, which the level reads as overload at its 1,000 ms threshold).
+    p.add_argument("--embed-concurrency", type=int, default=2)
+    p.add_argument("--engine-cpu", choices=ENGINE_CPU, default="own", help="vLLM's worker on a core of its own, or not")
     p.add_argument("--words", type=int, default=5, help="words per embeddings input (5: ~32 demo tokens)")
     p.add_argument("--offline-embed", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()

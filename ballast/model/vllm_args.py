@@ -33,7 +33,8 @@ def default_engine_kwargs(
     path: str, engine_kwargs: dict[str, Any], rows: int, adapters: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """``engine_kwargs`` with Ballast's defaults for what it leaves out: room in the engine
-    for ``rows`` requests (``max_num_seqs``, the replica bounds them), LoRA when the model
+    for ``rows`` requests (the replica bounds them; ``max_num_seqs``, the rows of one step:
+    :func:`step_rows`), LoRA when the model
     has ``adapters`` (:func:`lora_engine_kwargs`), guided JSON without whitespace between
     its tokens (``structured_outputs_config``: backend xgrammar, ``disable_any_whitespace``;
     vLLM's default lets a small model fill ``max_tokens`` with whitespace; another backend
@@ -43,7 +44,9 @@ def default_engine_kwargs(
     it). vLLM's CPU default (``gpu_memory_utilization`` 0.92 of the host's memory) is
     refused by a host that runs anything else; an explicit size, or
     ``VLLM_CPU_KVCACHE_SPACE``, is kept."""
-    out = lora_engine_kwargs({"max_num_seqs": rows, **engine_kwargs}, adapters or {}, base_slot=not cuda_visible())
+    out = lora_engine_kwargs(
+        {"max_num_seqs": step_rows(rows, engine_kwargs), **engine_kwargs}, adapters or {}, base_slot=not cuda_visible()
+    )
     so = out.get("structured_outputs_config")
     if so is None or isinstance(so, dict):  # compact JSON: a small model fills max_tokens with whitespace
         so = dict(so or {})
@@ -70,6 +73,14 @@ def default_engine_kwargs(
         return out
     out["kv_cache_memory_bytes"] = max(64 << 20, rows * context * per_token // ranks_sharing_kv(out, c))
     return out
+
+
+def step_rows(rows: int, engine_kwargs: Mapping[str, Any]) -> int:
+    """The rows vLLM runs in one step (``max_num_seqs``) for a replica that holds ``rows``:
+    all of them for a generating engine; half for a pooling one (``runner: pooling``),
+    whose row is one step (its prefill) and done, so that the next step's rows are already
+    in vLLM's line when a step ends, rather than on their way from the replica."""
+    return max(1, (rows + 1) // 2) if engine_kwargs.get("runner") == "pooling" else rows
 
 
 def pooling_engine_kwargs(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import re
 import statistics
 import struct
@@ -23,6 +24,7 @@ from ballast.router.responses_api import parse_responses
 from ballast.router.responses_items import to_chat
 from loadtest.bench_openai import (
     KINDS,
+    OMP_BIND,
     PROMPT,
     BenchFault,
     ChatStream,
@@ -31,8 +33,11 @@ from loadtest.bench_openai import (
     SseEvent,
     chat_body,
     cosines,
+    cpu_line,
     decode_embedding,
     embed_inputs,
+    engine_core,
+    engine_cpu,
     final_line,
     first_token_ms,
     pct,
@@ -290,3 +295,45 @@ def test_the_final_line_reads_back_as_numbers_and_says_nan_for_a_section_not_run
         "embed_min_cosine",
     ]
     assert math.isnan(float(fields["embed_throughput_ratio"])) and float(fields["responses_ttft_p50_ratio"]) == 1.0
+
+
+def test_the_engine_gets_the_last_core_and_the_rest_keep_the_others():
+    assert engine_core([0, 1]) == (1, {0})
+    assert engine_core({5, 2, 9, 3}) == (9, {2, 3, 5})
+    assert engine_core([4]) is None  # one core: nothing to keep apart
+    assert engine_core([]) is None
+
+
+def test_shared_placement_changes_neither_the_mask_nor_the_environment(monkeypatch):
+    monkeypatch.delenv(OMP_BIND, raising=False)
+    before = os.sched_getaffinity(0)
+    with engine_cpu("shared") as placement:
+        assert os.sched_getaffinity(0) == before and OMP_BIND not in os.environ
+    assert "shared" in placement
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to keep one apart")
+def test_own_placement_binds_the_worker_apart_and_restores_both(monkeypatch):
+    monkeypatch.delenv(OMP_BIND, raising=False)
+    before = os.sched_getaffinity(0)
+    core, rest = engine_core(before) or (None, set())
+    with engine_cpu("own") as placement:
+        assert os.environ[OMP_BIND] == str(core)
+        assert os.sched_getaffinity(0) == rest and core not in os.sched_getaffinity(0)
+        assert f"core {core} alone" in placement
+    assert os.sched_getaffinity(0) == before and OMP_BIND not in os.environ
+
+
+def test_a_bind_the_operator_set_is_kept(monkeypatch):
+    monkeypatch.setenv(OMP_BIND, "0")
+    before = os.sched_getaffinity(0)
+    with engine_cpu("own") as placement:
+        assert os.sched_getaffinity(0) == before and os.environ[OMP_BIND] == "0"
+    assert "as set" in placement
+
+
+def test_the_cpu_line_names_the_roles_that_worked_and_the_engine_wait():
+    span = {"engine": 6.134, "front": 0.84, "router": 0.0, "engine wait": 1.5}
+    line = cpu_line(span)
+    assert "engine 6.13" in line and "front 0.84" in line and "router" not in line
+    assert line.endswith("engine waited 1.50 s for a core")

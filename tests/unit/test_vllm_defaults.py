@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from ballast.model.vllm_args import step_rows
 from ballast.model.vllm_engine import default_engine_kwargs
 
 COMPACT_JSON = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
@@ -50,6 +51,17 @@ def test_a_size_the_operator_gave_is_kept(model, monkeypatch):
     assert "kv_cache_memory_bytes" not in default_engine_kwargs(model, {"gpu_memory_utilization": 0.5}, rows=8)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert "kv_cache_memory_bytes" not in default_engine_kwargs(model, {}, rows=8)
+
+
+def test_a_pooling_engine_steps_half_the_rows_and_keeps_room_for_all(model):
+    """A pooled row is one step and done: vLLM runs half the replica's rows in a step and
+    holds the other half in its line for the next, with KV room for every row."""
+    pooled = default_engine_kwargs(model, {"runner": "pooling", "max_model_len": 256}, rows=32)
+    generating = default_engine_kwargs(model, {"max_model_len": 256}, rows=32)
+    assert pooled["max_num_seqs"] == 16 and generating["max_num_seqs"] == 32
+    assert pooled["kv_cache_memory_bytes"] == generating["kv_cache_memory_bytes"]
+    assert [step_rows(r, {"runner": "pooling"}) for r in (1, 2, 3, 8)] == [1, 1, 2, 4]
+    assert default_engine_kwargs(model, {"runner": "pooling", "max_num_seqs": 32}, rows=32)["max_num_seqs"] == 32
 
 
 def test_a_directory_without_a_readable_config_is_left_to_vllm_to_name(tmp_path):
