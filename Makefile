@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= cluster/local.yaml
 
-.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-prefix bench-tools bench-openai bench-batch bench-models bench-model bench-gpu gpu-check eval-openai sim sim-fairness soak soak-24h observe clean
+.PHONY: install tools serve demo-model demo-adapters stop lint test test-unit cluster-up cluster-down test-cluster bench-router bench-fairness bench-overload bench-steps bench-prefix bench-tools bench-openai bench-batch bench-models bench-model bench-gpu gpu-check eval-openai sim sim-fairness soak soak-24h observe clean
 
 # vLLM's CPU build goes in the same environment (the `vllm` engine, model.backend: vllm):
 # its requirements first, then the package alone, so that PyPI's CUDA builds of
@@ -120,6 +120,10 @@ bench-fairness: $(STAMP)
 ## Capacity C of plain Ray Serve, of plain Serve with a bounded queue and of Ballast, then 1/2/4/10 C with a criticality mix, side by side; then the same for plain ray.serve.llm (its defaults, and bounded) and Ballast on vLLM, on the demo model (~35 min; each session in a Ray of its own; ARGS=--no-vllm: the first three only, ~17 min).
 bench-overload: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json
 	$(PY) -m loadtest.bench_overload --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
+
+## Flash crowds: on the built-in engine and on vLLM, C measured, then 1,10,1,4,1 C back to back (20 s each, no settling), the engine on a core of its own; critical_plus within the SLO, refusals in the 1 C steps, each step second by second (time to the first refusal, back to level 0); ends with one steps line per engine (~12 min; ARGS=--engine-cpu shared, --steps, --step-s, --capacity).
+bench-steps: $(STAMP) $(DEMO_MODEL)/config.json
+	$(PY) -m loadtest.bench_steps --config $(CONFIG) --vllm-model $(DEMO_MODEL) $(ARGS)
 
 ## Prefix-cache-aware routing on vLLM and the demo model, in one run: Ballast with power-of-two routing, Ballast with prefix affinity (a cache group per tenant: the default isolation), the same with every tenant in one cache group, and plain ray.serve.llm with its PrefixCacheAffinityRouter (2 model replicas and 2 routers each, each KV cache 0.6 of the working set); hit rate, TTFT p50/p99, answers within the TTFT SLO per second, the busiest replica's share (~19 min; ARGS=--rows ballast-p2c,serve-llm-prefix for a subset, --common-words N for a preamble every tenant shares).
 bench-prefix: $(STAMP) $(LLM_STAMP) $(DEMO_MODEL)/config.json

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import functools
 import json
 import math
@@ -69,6 +68,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from loadtest.engine_cores import ENGINE_CPU, engine_cpu
+
 SECTIONS = ("ttft", "embed")
 KINDS = ("chat", "responses")
 PROMPT = "In two short sentences, say what a lighthouse keeper does on a stormy night."
@@ -83,8 +84,6 @@ MAX_FAULT_BYTES = 300  # of an answer's body quoted in a fault
 # The embeddings model's engine settings on both sides (as the other vLLM benches': float32,
 # eager, a 512-token context); the rest is Ballast's (``vllm_args.default_engine_kwargs``).
 EMBED_ENGINE_KWARGS = {"dtype": "float32", "enforce_eager": True, "max_model_len": 512}
-ENGINE_CPU = ("own", "shared")
-OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 class BenchFault(RuntimeError):
@@ -266,37 +265,6 @@ def plan(requests: int, concurrency: int) -> list[list[str]]:
     return [[KINDS[(w + i) % 2] for i in range(per_client)] for w in range(concurrency)]
 
 
-def engine_core(cores: Iterable[int]) -> tuple[int, set[int]] | None:
-    """The core vLLM's worker gets to itself (the last of ``cores``) and the ones left to
-    everything else; None with fewer than two cores (nothing to keep apart)."""
-    ordered = sorted(set(cores))
-    if len(ordered) < 2:
-        return None
-    return ordered[-1], set(ordered[:-1])
-
-
-@contextlib.contextmanager
-def engine_cpu(mode: str) -> Iterator[str]:
-    """Within it, what ``--engine-cpu`` says (the module docstring): ``own`` binds vLLM's
-    worker to a core of its own (the environment its processes inherit) and moves this
-    process, and what it starts, off it; ``shared`` changes nothing. Yields the placement
-    in words; both are restored after."""
-    split = engine_core(os.sched_getaffinity(0)) if mode == "own" else None
-    if split is None or os.environ.get(OMP_BIND):
-        why = f"{OMP_BIND}={os.environ[OMP_BIND]!r} as set" if os.environ.get(OMP_BIND) else mode
-        yield f"engine cores: {why}, the kernel places the rest"
-        return
-    core, rest = split
-    before = os.sched_getaffinity(0)
-    os.environ[OMP_BIND] = str(core)
-    os.sched_setaffinity(0, rest)
-    try:
-        yield f"engine cores: vLLM's worker on core {core} alone, every other process on {sorted(rest)}"
-    finally:
-        os.environ.pop(OMP_BIND, None)
-        os.sched_setaffinity(0, before)
-
-
 def cpu_line(span: dict[str, float]) -> str:
     """CPU seconds by role in a span (``stack_cpu.delta``), the roles that took any, and the
     engine's wait for a core."""
@@ -454,7 +422,28 @@ def _ttft_one(client: Any, urls: dict[str, str], bodies: dict[str, dict[str, Any
     with client.stream("POST", urls[kind], json=bodies[kind], headers={"Authorization": f"Bearer {key}"}) as r:
         if r.status_code != 200:
             raise BenchFault(kind, f"{r.status_code} {r.read()[:MAX_FAULT_BYTES]!r}")
-        return first_token_ms(r.iter_lines(), stream, start, time.perf_counter)
+        seen = Seen(r.iter_lines())
+        try:
+            return first_token_ms(seen, stream, start, time.perf_counter)
+        except BenchFault as fault:  # what came, to tell a wrong stream from a cut or empty one
+            what = f"{r.headers.get('content-type')!r}, {seen.count} lines, the first {seen.first!r}"
+            raise BenchFault(fault.what, f"{fault.seen} ({what})") from None
+
+
+class Seen:
+    """Lines as they are read, counted, with the first ``MAX_FAULT_BYTES`` of them kept."""
+
+    def __init__(self, lines: Iterable[str]) -> None:
+        self._lines = lines
+        self.count = 0
+        self.first = ""
+
+    def __iter__(self) -> Iterator[str]:
+        for line in self._lines:
+            self.count += 1
+            if len(self.first) < MAX_FAULT_BYTES:
+                self.first = (self.first + line + "\n")[:MAX_FAULT_BYTES]
+            yield line
 
 
 def _ttft_phase(send: Callable[[str], float], clients: list[list[str]], max_phase_s: float) -> dict[str, list[float]]:
@@ -651,7 +640,8 @@ def offline_embed_main(job_path: str, out_path: str) -> None:
 def run_embed(args: argparse.Namespace) -> tuple[float, float]:
     """The ``embed`` section: prints both sides; the throughput ratio and the min cosine."""
     texts = embed_inputs(args.embed_requests * args.inputs_per_request, args.words)
-    with engine_cpu(args.engine_cpu) as placement:
+    with engine_cpu(args.engine_cpu) as where:
+        placement = where.words
         ballast, engine = run_embed_ballast(args, texts)
         offline = run_embed_offline(str(args.vllm_model), engine, texts, args.inputs_per_request)
     cos = cosines(ballast.vectors, offline.vectors)

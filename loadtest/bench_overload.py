@@ -285,13 +285,22 @@ def _client(stack: Stack, max_connections: int) -> LeanClient:
 
 
 async def offer(
-    stack: Stack, rate: float, duration_s: float, slo_s: float, mix: dict[str, float], seed: int, sdk: Any = None
+    stack: Stack,
+    rate: float,
+    duration_s: float,
+    slo_s: float,
+    mix: dict[str, float],
+    seed: int,
+    sdk: Any = None,
+    times: list[float] | None = None,
 ) -> Phase:
-    """Open loop: ``rate`` requests per second, evenly spaced, for ``duration_s``
-    (through ``sdk``, a client made by ``stack.sdk``, when given)."""
+    """Open loop: ``rate`` requests per second, evenly spaced, for ``duration_s``, or at
+    ``times`` (seconds from the start, ascending; ``rate`` then their mean) when given;
+    through ``sdk``, a client made by ``stack.sdk``, when given."""
     phase = Phase(rate, duration_s, slo_s)
-    n = max(1, int(rate * duration_s))
-    crits = criticality_sequence(n, mix, seed)
+    if times is None:
+        times = [i / rate for i in range(max(1, int(rate * duration_s)))]
+    crits = criticality_sequence(len(times), mix, seed)
     in_flight = 0
 
     async def one(client: LeanClient, crit: str, scheduled: float) -> None:
@@ -315,8 +324,8 @@ async def offer(
     async with _client(stack, MAX_IN_FLIGHT) as client:
         tasks = []
         t0 = time.perf_counter()
-        for i, crit in enumerate(crits):
-            scheduled = t0 + i / rate
+        for at_s, crit in zip(times, crits, strict=True):
+            scheduled = t0 + at_s
             delay = scheduled - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)

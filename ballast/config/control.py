@@ -77,6 +77,11 @@ class DegradationSettings(Strict):
     # themselves: level k when the demand of what it admits >= ratio x capacity
     # (ballast/policies/degradation.py). null: demand never asks for a level.
     demand_shed_ratio: float | None = Field(default=1.1, gt=0)
+    # A level the demand rule reached from the routers' last two reports (a step) holds while
+    # what it admits still asks for release_ratio x capacity at its last reports' peak, and
+    # drops as soon as it does not (below demand_shed_ratio: the band keeps it from flapping).
+    # null: such a level drops as any other, after stable_window_s.
+    demand_release_ratio: float | None = Field(default=0.9, gt=0)
     # Routers measure demand by criticality and the gate's throughput over this window.
     demand_window_s: PositiveFloat = 5.0
     # The capacity demand is held against: the most the gates answered while full over this

@@ -97,6 +97,15 @@ class GateSettings(Strict):
     # the limit (within the last hold), sheddable classes fill at most limit - ceil(ratio x limit).
     critical_reserve_ratio: float = Field(default=0.25, ge=0, lt=1)
     critical_reserve_hold_s: PositiveFloat = 1.0
+    # Rows kept for critical_plus alone (no other class, critical included, takes them): its
+    # peak of rows over plus_reserve_window_s plus one, at most plus_reserve_max_ratio of the
+    # limit, lent back once it has not arrived for plus_reserve_idle_s (a control tick). A
+    # critical_plus request still waiting after plus_max_wait_ms goes above the limit (by
+    # at most the reserve's bound). plus_reserve_max_ratio 0: no reserve, no bound.
+    plus_reserve_max_ratio: float = Field(default=0.25, ge=0, lt=1)
+    plus_reserve_window_s: PositiveFloat = 5.0
+    plus_reserve_idle_s: PositiveFloat = 0.5
+    plus_max_wait_ms: PositiveFloat = 250.0
     # A deadline missed at the model cuts the limit only when the model held the request
     # longer than this x the recent p90 service time; one admitted near its deadline and
     # served in the usual time missed because it waited. null: every miss cuts the limit.

@@ -76,6 +76,7 @@ from ballast.model.protocol import (
     TokenLogprob,
 )
 from ballast.policies.deadline import replica_deadline_s
+from ballast.policies.gate import SERVICE_SAMPLES, ServiceTime, StallSpans
 from ballast.policies.sampling import MAX_SEED, MIN_SEED
 from ballast.policies.scheduler import DEADLINE, STALLED, SchedulerConfig, schedule, timeout_reason
 from ballast.policies.stats import nearest_rank
@@ -218,6 +219,11 @@ class ReplicaLoop:
         self._batch_sizes: CountWindow[int] = CountWindow(WINDOW)
         self._waits_ms: CountWindow[float] = CountWindow(WINDOW)  # stamped with the loop's clock
         self.progress_at_s = clock()  # when the engine last moved (a chunk brought tokens)
+        # Spans the engine made no progress in while rows ran, judged against the p90 of the
+        # time between its progress (ballast/policies/gate.py's rule): a stall of the host or
+        # the engine, taken out of the queue waits the level reads.
+        self._stalls = StallSpans()
+        self._progress_gaps = ServiceTime()
         self._busy_since_s = self.progress_at_s  # when work last arrived at an idle loop
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -436,6 +442,7 @@ class ReplicaLoop:
         """``row`` joins the line and the engine task is woken."""
         if self.in_flight == 0:
             self._busy_since_s = row.enqueued_at_s
+            self._stalls.busy(row.enqueued_at_s)
         self._waiting[row.key] = row
         if self._wake is not None:
             self._wake.set()
@@ -524,6 +531,11 @@ class ReplicaLoop:
         vectors = self._batch.take_embeddings()
         if any(out.values()) or vectors:  # tokens came: the engine made progress (vLLM may return none within its wait)
             self.progress_at_s = self._clock()
+            gaps = self._progress_gaps
+            known = gaps.served >= SERVICE_SAMPLES // 4  # a p90 worth judging by
+            gap = self._stalls.answered(self.progress_at_s, len(self._active), gaps.p90_s if known else 0.0)
+            if gap is not None:
+                gaps.add(gap)
         self._batches += 1
         rows = len(self._active)
         self._batch_sizes.add(rows)
@@ -621,8 +633,8 @@ class ReplicaLoop:
         self._waiting.pop(row.key, None)
         row.started = True
         row.queue_wait_ms = (now - row.enqueued_at_s) * 1000.0
-        if row.counts_wait:
-            self._waits_ms.add(row.queue_wait_ms, now)
+        if row.counts_wait:  # the level's sample: a stall in the wait is not load
+            self._waits_ms.add(1000.0 * self._stalls.not_stalled_s(row.enqueued_at_s, now), now)
         self._kv_reserved += row.reserved_tokens
         self._active[row.key] = row
         return Join(

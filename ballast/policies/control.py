@@ -85,6 +85,7 @@ def fold_reports(
     for r in routers:
         for crit, rps in r.demand_rps.items():
             demand[crit] = demand.get(crit, 0.0) + float(rps)
+    sustained, recent_max = _recent_demand(routers)
     full = any(r.gate_full for r in routers)
     senders: list[ModelLoad | ReplicaReport] = [*routers, *mine]
     waits = [float(r.queue_wait_p95_ms) for r in senders if r.queue_wait_p95_ms is not None]
@@ -101,10 +102,27 @@ def fold_reports(
         error_rate=(errors / requests) if requests else None,
         request_count=requests,
         demand_rps=demand or None,
+        demand_sustained_rps=sustained,
+        demand_recent_max_rps=recent_max,
         # Every router's answers are the model's work; they measure its capacity only
         # while some gate was pushing against it.
         capacity_rps=sum(float(r.served_rps) for r in routers) if full else None,
     )
+
+
+def _recent_demand(routers: Sequence[ModelLoad]) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """The routers' last two report intervals' rates, summed by criticality; None (read the
+    window instead) while a router that sees demand has not two reports of it yet."""
+    if not routers or any(r.demand_rps and not r.demand_sustained_rps for r in routers):
+        return None, None
+    low: dict[str, float] = {}
+    high: dict[str, float] = {}
+    for r in routers:
+        for crit, rps in r.demand_sustained_rps.items():
+            low[crit] = low.get(crit, 0.0) + float(rps)
+        for crit, rps in r.demand_recent_max_rps.items():
+            high[crit] = high.get(crit, 0.0) + float(rps)
+    return (low, high) if low or high else (None, None)
 
 
 def ongoing_requests(

@@ -51,6 +51,11 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 from ballast.policies.criticality import Criticality
+from ballast.policies.levels import DEFAULT_CONSTRAINTS as DEFAULT_CONSTRAINTS
+from ballast.policies.levels import MAX_LEVEL as MAX_LEVEL
+from ballast.policies.levels import NUM_LEVELS as NUM_LEVELS
+from ballast.policies.levels import LevelConstraints as LevelConstraints
+from ballast.policies.levels import check_level as _check_level
 from ballast.policies.validation import (
     check_fields,
     check_finite,
@@ -61,100 +66,10 @@ from ballast.policies.validation import (
     is_finite,
 )
 
-#: Levels are 0 … MAX_LEVEL inclusive.
-MAX_LEVEL = 4
-NUM_LEVELS = MAX_LEVEL + 1
-
-
-def _check_level(name: str, value: object) -> None:
-    check_int(name, value, minimum=0, maximum=MAX_LEVEL)
-
 
 def _fmt(value: float) -> str:
     # Compact numbers for reason strings: 230, 92.5, 0.15.
     return f"{value:g}"
-
-
-# --------------------------------------------------------------------------- constraints
-
-
-@dataclass(frozen=True)
-class LevelConstraints:
-    """What is allowed at one degradation level.
-
-    ``admitted`` accepts any iterable of criticalities or their string values
-    (so a pydantic model or a JSON list can be passed straight in) and is
-    normalised to a ``frozenset[Criticality]``. An empty set means the level
-    admits no new requests at all (in-flight work still completes).
-    """
-
-    max_tokens: int
-    max_batch_size: int
-    streaming: bool
-    admitted: frozenset[Criticality]
-
-    def __post_init__(self) -> None:
-        check_fields(self, check_int, "max_tokens", "max_batch_size", minimum=1)
-        if not isinstance(self.streaming, bool):
-            raise ValueError(f"streaming: must be a bool, got {self.streaming!r}")
-        if isinstance(self.admitted, (str, bytes)) or not isinstance(self.admitted, Iterable):
-            raise ValueError(f"admitted: must be a collection of criticalities, got {self.admitted!r}")
-        try:
-            admitted = frozenset(Criticality(c) for c in self.admitted)
-        except ValueError:
-            raise ValueError(f"admitted: unknown criticality in {self.admitted!r}") from None
-        object.__setattr__(self, "admitted", admitted)
-
-    def admitted_sorted(self) -> list[Criticality]:
-        """Admitted classes, most important first (stable for JSON and logs)."""
-        return sorted(self.admitted, key=lambda c: c.rank)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_tokens": self.max_tokens,
-            "max_batch_size": self.max_batch_size,
-            "streaming": self.streaming,
-            "admitted": [c.value for c in self.admitted_sorted()],
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> LevelConstraints:
-        missing = [k for k in ("max_tokens", "max_batch_size", "streaming", "admitted") if k not in data]
-        if missing:
-            raise ValueError(f"{missing[0]}: missing from level constraints {dict(data)!r}")
-        return cls(
-            max_tokens=data["max_tokens"],
-            max_batch_size=data["max_batch_size"],
-            streaming=data["streaming"],
-            admitted=data["admitted"],
-        )
-
-
-_ALL = frozenset(Criticality)
-
-#: Default constraints, level 0 … 4. Level 4 admits nothing new; in-flight work finishes.
-DEFAULT_CONSTRAINTS: tuple[LevelConstraints, ...] = (
-    LevelConstraints(max_tokens=8192, max_batch_size=32, streaming=True, admitted=_ALL),
-    LevelConstraints(
-        max_tokens=4096,
-        max_batch_size=24,
-        streaming=True,
-        admitted=_ALL - {Criticality.SHEDDABLE},
-    ),
-    LevelConstraints(
-        max_tokens=2048,
-        max_batch_size=16,
-        streaming=False,
-        admitted=frozenset({Criticality.CRITICAL_PLUS, Criticality.CRITICAL}),
-    ),
-    LevelConstraints(
-        max_tokens=1024,
-        max_batch_size=8,
-        streaming=False,
-        admitted=frozenset({Criticality.CRITICAL_PLUS}),
-    ),
-    LevelConstraints(max_tokens=512, max_batch_size=4, streaming=False, admitted=frozenset()),
-)
 
 
 # --------------------------------------------------------------------------- config
@@ -196,6 +111,10 @@ class DegradationConfig:
     #: (above 1, so that classes that are all being served never qualify).
     #: None: demand never asks for a level.
     demand_shed_ratio: float | None = 1.1
+    #: A level the demand rule reached on the routers' last two reports holds while the
+    #: classes it admits ask at least this × capacity at their recent peak, and drops at
+    #: once below it (below ``demand_shed_ratio``). None: it drops after ``stable_window_s``.
+    demand_release_ratio: float | None = 0.9
     #: The demand rule's capacity: the highest answer rate measured while full over this
     #: long (0: the latest measurement alone).
     capacity_window_s: float = 30.0
@@ -216,7 +135,12 @@ class DegradationConfig:
         if self.error_rate_level == 0:
             raise ValueError("error_rate_level: must be >= 1, got 0")
         check_fields(self, check_int, "error_rate_min_requests", minimum=0)
-        check_fields(self, check_positive, "demand_shed_ratio", optional=True)
+        check_fields(self, check_positive, "demand_shed_ratio", "demand_release_ratio", optional=True)
+        shed, release = self.demand_shed_ratio, self.demand_release_ratio
+        if shed is not None and release is not None and release >= shed:
+            raise ValueError(
+                f"demand_release_ratio: must be below demand_shed_ratio ({shed!r}) to keep a band, got {release!r}"
+            )
         check_fields(self, check_positive, "stable_window_s", "up_confirm_s")
         check_fields(self, check_non_negative, "capacity_gap_max_s", "capacity_gap_settle_s", "capacity_window_s")
         self._validate_constraints()
@@ -272,6 +196,7 @@ class DegradationConfig:
             "error_rate_level": self.error_rate_level,
             "error_rate_min_requests": self.error_rate_min_requests,
             "demand_shed_ratio": self.demand_shed_ratio,
+            "demand_release_ratio": self.demand_release_ratio,
             "capacity_window_s": self.capacity_window_s,
             "stable_window_s": self.stable_window_s,
             "up_confirm_s": self.up_confirm_s,
@@ -302,6 +227,9 @@ class DegradationConfig:
 # --------------------------------------------------------------------------- signals
 
 
+_DEMANDS = ("demand_rps", "demand_sustained_rps", "demand_recent_max_rps")
+
+
 @dataclass(frozen=True)
 class LoadSignals:
     """One control tick's view of load. ``None`` = absent, and then ignored."""
@@ -315,6 +243,10 @@ class LoadSignals:
     request_count: int = 0
     #: Requests per second offered per criticality (by value), whether admitted or not.
     demand_rps: Mapping[str, float] | None = None
+    #: The same over the routers' last two report intervals: the lower of the two rates
+    #: (a step that holds) and the higher (a step that is over); None: read ``demand_rps``.
+    demand_sustained_rps: Mapping[str, float] | None = None
+    demand_recent_max_rps: Mapping[str, float] | None = None
     #: Answers per second from the model while the gate was full; None when it was not.
     capacity_rps: float | None = None
     #: Primary replicas taking traffic now, and how many the controller wants (None: unknown).
@@ -345,22 +277,26 @@ class LoadSignals:
             check_fields(self, check_int, "replicas_serving", minimum=0)
         if self.replicas_target is not None:
             check_fields(self, check_int, "replicas_target", minimum=0)
-        if self.demand_rps is not None:
-            if not isinstance(self.demand_rps, Mapping):
-                raise ValueError(f"demand_rps: must be a mapping, got {self.demand_rps!r}")
-            for crit, rps in self.demand_rps.items():
+        for name in _DEMANDS:
+            rates = getattr(self, name)
+            if rates is None:
+                continue
+            if not isinstance(rates, Mapping):
+                raise ValueError(f"{name}: must be a mapping, got {rates!r}")
+            for crit, rps in rates.items():
                 try:
                     Criticality(crit)
                 except ValueError:
-                    raise ValueError(f"demand_rps: unknown criticality {crit!r}") from None
-                check_non_negative(f"demand_rps[{crit}]", rps, optional=True)
+                    raise ValueError(f"{name}: unknown criticality {crit!r}") from None
+                check_non_negative(f"{name}[{crit}]", rps, optional=True)
                 if rps is None:
-                    raise ValueError(f"demand_rps[{crit}]: must be a number")
+                    raise ValueError(f"{name}[{crit}]: must be a number")
 
     def to_dict(self) -> dict[str, Any]:
         """The signals as plain data (the snapshot's ``inputs``, the status's)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["demand_rps"] = dict(self.demand_rps) if self.demand_rps is not None else None
+        for name in _DEMANDS:
+            out[name] = dict(out[name]) if out[name] is not None else None
         return out
 
     @classmethod
@@ -382,7 +318,9 @@ def _level_for(value: float, thresholds: tuple[float | None, ...]) -> tuple[int,
     return 0, None
 
 
-def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | None = None) -> tuple[int, str]:
+def target_level(
+    signals: LoadSignals, cfg: DegradationConfig, load_cap: int | None = None, held: int | None = None
+) -> tuple[int, str]:
     """The level the current signals ask for, and which signal asked.
 
     The result is the maximum over the present signals. Signals are checked in
@@ -393,8 +331,17 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | N
     ``"queue_length=230>=200"``; ``"normal"`` for level 0.
 
     ``load_cap``: the queue-derived signals (queue length, queue wait, KV, demand) ask
-    for at most this level (a capacity gap; see the module docstring).
+    for at most this level (a capacity gap; see the module docstring). ``held``: the level
+    the demand rule reached on the routers' last reports, which it holds within its band.
     """
+    level, reason, _ = _target_detail(signals, cfg, load_cap, held)
+    return level, reason
+
+
+def _target_detail(
+    signals: LoadSignals, cfg: DegradationConfig, load_cap: int | None, held: int | None
+) -> tuple[int, str, bool]:
+    """``target_level``, and whether the demand rule asked it from the last two reports (a step)."""
     best = (0, "normal")
     for name, value, thresholds, capped in (
         ("queue_length", signals.queue_length, cfg.queue_length_thresholds, True),
@@ -406,7 +353,10 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | N
         asked = _asked(name, value, thresholds, load_cap if capped else None)
         if asked is not None and asked[0] > best[0]:  # strict: the earlier signal keeps a tie
             best = asked
-    best = _by_demand(signals, cfg, load_cap, best)
+    by_demand = _by_demand(signals, cfg, load_cap, held)
+    step = by_demand is not None and by_demand[0] > best[0]
+    if by_demand is not None and by_demand[0] > best[0]:
+        best = (by_demand[0], by_demand[1])
     # A handful of failures out of a handful of requests is noise, not overload.
     if (
         signals.error_rate is not None
@@ -418,7 +368,8 @@ def target_level(signals: LoadSignals, cfg: DegradationConfig, load_cap: int | N
             cfg.error_rate_level,
             f"error_rate={_fmt(signals.error_rate)}>={_fmt(cfg.error_rate_threshold)} (n={signals.request_count})",
         )
-    return best
+        step = False
+    return best[0], best[1], step and by_demand is not None and by_demand[2]
 
 
 def _asked(
@@ -437,22 +388,56 @@ def _asked(
 
 
 def _by_demand(
-    signals: LoadSignals, cfg: DegradationConfig, load_cap: int | None, best: tuple[int, str]
-) -> tuple[int, str]:
-    """The deepest level whose admitted classes still fill the model by themselves, if deeper than ``best``."""
-    if cfg.demand_shed_ratio is None or not signals.demand_rps or not signals.capacity_rps:
-        return best
+    signals: LoadSignals, cfg: DegradationConfig, load_cap: int | None, held: int | None
+) -> tuple[int, str, bool] | None:
+    """The deepest level whose admitted classes still fill the model by themselves, its
+    reason, and whether it was read on the routers' last two reports; None: none.
+
+    With the last two reports (``demand_sustained_rps``), a step is read as it holds: a
+    crowd that arrived shows in both, and asks for its level on the first tick after
+    them. A level ``held`` from such a step stays while its admitted classes' recent peak
+    (``demand_recent_max_rps``) is at least ``demand_release_ratio`` × capacity: the band
+    between the two ratios keeps it from flapping, and a crowd that left shows in neither
+    report. Without them, the window's mean (``demand_rps``)."""
+    capacity = signals.capacity_rps
+    if cfg.demand_shed_ratio is None or not capacity:
+        return None
+    recent = signals.demand_sustained_rps is not None
+    demand = signals.demand_sustained_rps if recent else signals.demand_rps
+    name = "demand_now" if recent else "demand"
     top = MAX_LEVEL if load_cap is None else min(MAX_LEVEL, load_cap)
-    for level in range(top, best[0], -1):
+    need = cfg.demand_shed_ratio * capacity
+    asked: tuple[int, str, bool] | None = None
+    for level in range(top, 0, -1):
         admitted = cfg.constraints[level].admitted
-        demand = sum(rps for crit, rps in signals.demand_rps.items() if Criticality(crit) in admitted)
-        need = cfg.demand_shed_ratio * signals.capacity_rps
-        if admitted and demand >= need:
-            return level, (
-                f"demand={_fmt(round(demand, 1))}>={_fmt(round(need, 1))} (capacity_rps) for "
-                + ",".join(c.value for c in cfg.constraints[level].admitted_sorted())
+        rate = _admitted_rate(demand, admitted)
+        if admitted and rate >= need:
+            asked = (
+                level,
+                f"{name}={_fmt(round(rate, 1))}>={_fmt(round(need, 1))} (capacity_rps) for " + _classes(cfg, level),
+                recent,
             )
-    return best
+            break
+    release = cfg.demand_release_ratio
+    if recent and release is not None and held and held <= top and (asked is None or asked[0] < held):
+        peak = _admitted_rate(signals.demand_recent_max_rps, cfg.constraints[held].admitted)
+        keep = release * capacity
+        if cfg.constraints[held].admitted and peak >= keep:
+            asked = (
+                held,
+                f"demand_now peak={_fmt(round(peak, 1))}>={_fmt(round(keep, 1))} "
+                f"(release_ratio x capacity_rps) for " + _classes(cfg, held),
+                True,
+            )
+    return asked
+
+
+def _admitted_rate(rates: Mapping[str, float] | None, admitted: frozenset[Criticality]) -> float:
+    return sum(rps for crit, rps in (rates or {}).items() if Criticality(crit) in admitted)
+
+
+def _classes(cfg: DegradationConfig, level: int) -> str:
+    return ",".join(c.value for c in cfg.constraints[level].admitted_sorted())
 
 
 # --------------------------------------------------------------------------- decision
@@ -473,6 +458,8 @@ class DegradationState:
       target); ``None`` before the first count.
     * ``capacity_peak_rps``/``capacity_peak_s``: the highest capacity measured within
       ``capacity_window_s`` and when; ``None`` when none is remembered.
+    * ``by_demand``: the level is one the demand rule reached on the routers' last two
+      reports (a step), and it drops as the step ends, not after ``stable_window_s``.
     """
 
     level: int = 0
@@ -485,9 +472,12 @@ class DegradationState:
     serving_high: int | None = None
     capacity_peak_rps: float | None = None
     capacity_peak_s: float | None = None
+    by_demand: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, _check_level, "level")
+        if not isinstance(self.by_demand, bool):
+            raise ValueError(f"by_demand: must be a bool, got {self.by_demand!r}")
         check_fields(
             self,
             check_finite,
@@ -586,13 +576,25 @@ def decide(
     if signals.capacity_rps is not None:  # measured this tick: held against the window's peak
         signals = replace(signals, capacity_rps=peak.rps)
     gap = _gap(signals, state, cfg, now_s)
-    target, target_reason = _target(signals, cfg, level, gap)
-    if target > level:
+    held = level if state.by_demand else None
+    target, target_reason, a_step = _target(signals, cfg, level, gap, held)
+    by_demand = state.by_demand
+    if target > level and a_step:  # a crowd the last two reports both saw: its level now
+        step = _Step(target, f"up {level}->{target}: {target_reason} (a step: both last reports)")
+        by_demand = True
+    elif target > level:
         step = _step_up(level, target, target_reason, state, cfg, now_s)
+        by_demand = False
     elif target == level:
         step = _Step(level, target_reason if level == 0 else f"hold {level}: {target_reason}")
+    elif state.by_demand and signals.demand_sustained_rps is not None and cfg.demand_release_ratio is not None:
+        # The step that raised it is over (neither last report asks for the level): down to
+        # what is asked now, the band having kept it from flapping.
+        step = _Step(target, f"down {level}->{target}: {target_reason} (the step is over)")
+        by_demand = a_step
     else:
         step = _step_down(level, target, target_reason, state, cfg, now_s)
+        by_demand = by_demand and step.level == level
     new_level, reason = step.level, step.reason
     up_since, up_min, lower_since, lower_max = step.up_since_s, step.up_min, step.lower_since_s, step.lower_max
 
@@ -615,6 +617,7 @@ def decide(
         serving_high=gap.serving_high,
         capacity_peak_rps=peak.rps,
         capacity_peak_s=peak.at_s,
+        by_demand=by_demand and new_level > 0,
     )
     return decision, new_state
 
@@ -649,9 +652,12 @@ class _Step(NamedTuple):
     lower_max: int | None = None
 
 
-def _target(signals: LoadSignals, cfg: DegradationConfig, level: int, gap: _Gap) -> tuple[int, str]:
-    """The level the signals ask for; during a capacity gap with the queue signals held at ``level``."""
-    target, reason = target_level(signals, cfg, load_cap=level if gap.holding else None)
+def _target(
+    signals: LoadSignals, cfg: DegradationConfig, level: int, gap: _Gap, held: int | None
+) -> tuple[int, str, bool]:
+    """The level the signals ask for, and whether it is a step's (``_target_detail``);
+    during a capacity gap with the queue signals held at ``level``."""
+    target, reason, a_step = _target_detail(signals, cfg, level if gap.holding else None, held)
     if gap.holding:
         raw, _ = target_level(signals, cfg)
         if raw > target:
@@ -661,7 +667,7 @@ def _target(signals: LoadSignals, cfg: DegradationConfig, level: int, gap: _Gap)
                 else ("recycle under way" if signals.recycling else "capacity gap settling")
             )
             reason += f" [{what} for {_fmt(round(gap.age_s, 1))}s: queue signals held at {level}, would ask {raw}]"
-    return target, reason
+    return target, reason, a_step
 
 
 def _step_up(level: int, target: int, why: str, state: DegradationState, cfg: DegradationConfig, now_s: float) -> _Step:

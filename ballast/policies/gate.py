@@ -15,6 +15,22 @@ or an injected clock, so the fleet simulator and the unit tests run the same rul
   slot, once given, is held for a whole service time: without the reserve, sheddable
   requests that took the slots freed in a lull hold them when the next critical burst
   comes, and the burst is refused.
+- **critical_plus's own reserve** (``PlusReserve``): while critical_plus has arrived within
+  ``idle_s``, free rows below the limit are kept for it alone: its peak of rows (held and
+  waiting) over ``window_s``, plus one for the next arrival, at most ``max_ratio`` of the
+  limit, less what it holds already. No other class (critical included) takes them; once
+  it has not arrived for ``idle_s`` (a control tick) they are lent back. A critical_plus
+  waiter that has waited ``max_wait_s`` is let through above the limit, by at most the
+  reserve's bound: the wait of the class that must never fail is bounded, not estimated.
+- **Stalls are not service** (``StallSpans``): a span in which the model answered nothing
+  while it held requests, longer than ``factor`` (3) x the p90 service time (the oldest
+  request held would have been answered within one p90 of its start), is a stall of the
+  host or the engine. A request far longer than the p90, alone at the model, reads as one
+  too: its own sample is shortened, one sample of 64. The
+  time a stall overlapped is taken out of every service time and wait measured across it,
+  so the estimates read the model's recent service, not one slow window: after a 3 s
+  stall the p90 is still the model's, and waiters whose deadline it can meet are not
+  refused for it.
 - **Line entry** (``line_decision``): no time at all to be served (no_time), a line
   ahead that cannot drain in the time left (drain), a full line (displace the least
   critical, youngest waiter if the newcomer is more critical, else queue_full).
@@ -117,6 +133,118 @@ class CriticalReserve:
         return limit - reserved_slots(limit, self.reserve_ratio)
 
 
+PLUS_SAMPLES = 256  # critical_plus row counts remembered for the reserve's peak (bounded)
+
+
+class PlusReserve:
+    """Rows below the limit kept for critical_plus alone (the module docstring), on an
+    injected clock. ``note`` is told critical_plus's rows (held + waiting) whenever they
+    change or one arrives; ``free_rows`` is what the other classes must leave free now."""
+
+    def __init__(
+        self,
+        max_ratio: float = 0.25,
+        window_s: float = 5.0,
+        idle_s: float = 0.5,
+        max_wait_s: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0.0 <= max_ratio < 1.0:
+            raise ValueError(f"max_ratio: must be in [0, 1), got {max_ratio!r}")
+        check_positive("window_s", window_s)
+        check_positive("idle_s", idle_s)
+        check_positive("max_wait_s", max_wait_s)
+        self.max_ratio = max_ratio
+        self.window_s = window_s
+        self.idle_s = idle_s
+        self.max_wait_s = max_wait_s
+        self._clock = clock
+        self._arrived_s = -math.inf  # critical_plus's last arrival
+        self._rows: CountWindow[int] = CountWindow(PLUS_SAMPLES)  # its row counts, stamped
+
+    def arrived(self, rows: int) -> None:
+        """A critical_plus request arrived; with it, the class holds or waits for ``rows``."""
+        self._arrived_s = self._clock()
+        self.note(rows)
+
+    def note(self, rows: int) -> None:
+        self._rows.add(rows, self._clock())
+
+    def bound(self, limit: int) -> int:
+        """The most rows the reserve may be: ``max_ratio`` of the limit (at least one while
+        the ratio is not 0), never the whole limit."""
+        if self.max_ratio == 0 or limit < 2:
+            return 0
+        return min(limit - 1, max(1, math.floor(self.max_ratio * limit)))
+
+    def active(self) -> bool:
+        return self.max_ratio > 0 and self._clock() - self._arrived_s <= self.idle_s
+
+    def rows(self, limit: int) -> int:
+        """The reserve now: the class's peak over ``window_s`` plus one, within ``bound``; 0
+        once critical_plus has not arrived for ``idle_s`` (lent back)."""
+        if not self.active():
+            return 0
+        now = self._clock()
+        self._rows.expire(now - self.window_s)
+        peak = max(self._rows, default=0)
+        return min(self.bound(limit), peak + 1)
+
+    def free_rows(self, limit: int, plus_held: int) -> int:
+        """The rows the other classes must leave free: the reserve less what critical_plus holds."""
+        return max(0, self.rows(limit) - plus_held)
+
+
+STALL_SPANS = 32  # stall spans remembered (bounded); older ones overlap no live request
+
+
+class StallSpans:
+    """Spans in which the model answered nothing while it held requests (the module
+    docstring), and how much of any interval they cover. Fed with each answer
+    (``answered``: the requests held just before it) and each start of holding (``busy``);
+    time comes in as arguments."""
+
+    def __init__(self, factor: float = 3.0, min_s: float = 0.5, max_spans: int = STALL_SPANS) -> None:
+        check_positive("factor", factor)
+        check_positive("min_s", min_s)
+        check_int("max_spans", max_spans, minimum=1)
+        self.factor = factor
+        self.min_s = min_s
+        self._last_s: float | None = None  # the last answer, or the start of holding
+        self._spans: CountWindow[tuple[float, float]] = CountWindow(max_spans)
+        self.stalled_s = 0.0  # stalled time seen, ever
+
+    def __len__(self) -> int:
+        """Spans held (at most ``max_spans``)."""
+        return len(self._spans)
+
+    def busy(self, now_s: float) -> None:
+        """Requests are held from ``now_s`` on, after none were: an idle model is no stall."""
+        self._last_s = now_s
+
+    def answered(self, now_s: float, held: int, p90_s: float) -> float | None:
+        """An answer at ``now_s``, ``held`` requests at the model just before it; ``p90_s``
+        the service time's p90 (0: not known yet, and then no span is judged a stall).
+        Returns the time since the last answer less the stall in it (None: none before)."""
+        last = self._last_s
+        self._last_s = now_s
+        if last is None:
+            return None
+        if held > 0 and p90_s > 0 and now_s - last > max(self.min_s, self.factor * p90_s):
+            # One p90 after the last answer was the model's to use: the rest was the stall.
+            self._spans.add((last + p90_s, now_s), now_s)
+            self.stalled_s += now_s - last - p90_s
+        return self.not_stalled_s(last, now_s)
+
+    def overlap_s(self, start_s: float, end_s: float) -> float:
+        """How much of [start_s, end_s] the stalls cover."""
+        return sum(max(0.0, min(end_s, b) - max(start_s, a)) for a, b in self._spans)
+
+    def not_stalled_s(self, start_s: float, end_s: float) -> float:
+        """[start_s, end_s]'s length less the stalls in it."""
+        return max(0.0, end_s - start_s - self.overlap_s(start_s, end_s))
+
+
 def yields_slot(time_left_s: float, p90_s: float, same_rank_behind: int) -> bool:
     """Whether the waiter whose turn it is gives its slot to one of its own class behind it:
     only when one waits there, and it has less than the p90 of service time left."""
@@ -182,6 +310,14 @@ class DemandWindow:
     gate's answer rate; it measures capacity only when ``gate_full`` (the gate was full
     for at least ``min_saturated`` of the window): an answer rate the gate did not push
     against says what was asked, not what the model can do.
+
+    **The last two reports**, for a step: the window's mean takes ``window_s`` to show a
+    step whole (a crowd arriving at 10x reads 2.8x after half a second of a 5 s window),
+    so the rates of the last two report intervals are given too, per criticality:
+    ``demand_sustained_rps``, the lower of the two (what both reached: a crowd that
+    arrived shows in both, a stall's catch-up, its seconds of requests sent at once after
+    it, in one only), and ``demand_recent_max_rps``, the higher (a crowd that left shows
+    in neither). Both empty until two reports are in the window.
     """
 
     def __init__(
@@ -213,7 +349,13 @@ class DemandWindow:
         self._entries.expire(self._clock() - self.window_s, inclusive=True)
         entries = list(self._entries)
         if not entries:
-            return {"demand_rps": {}, "served_rps": 0.0, "gate_full": False}
+            return {
+                "demand_rps": {},
+                "served_rps": 0.0,
+                "gate_full": False,
+                "demand_sustained_rps": {},
+                "demand_recent_max_rps": {},
+            }
         span = max(1e-3, entries[-1][1] - entries[0][0])
         demand: dict[str, float] = {}
         for _, _, offered, _, _ in entries:
@@ -221,8 +363,26 @@ class DemandWindow:
                 demand[crit] = demand.get(crit, 0.0) + n
         full = sum(e[1] - e[0] for e in entries if e[4])
         served = sum(e[3] for e in entries)
+        low, high = last_two_rates([(e[0], e[1], e[2]) for e in entries[-2:]])
         return {
             "demand_rps": {c: round(n / span, 3) for c, n in demand.items()},
             "served_rps": round(served / span, 3),
             "gate_full": full >= self.min_saturated * span,
+            "demand_sustained_rps": low,
+            "demand_recent_max_rps": high,
         }
+
+
+def last_two_rates(
+    intervals: list[tuple[float, float, dict[str, int]]],
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per criticality, the lower and the higher of the offered rates of two report
+    intervals (start, end, counts); a class absent from one offered nothing in it. Two
+    empty mappings unless there are exactly two intervals."""
+    if len(intervals) != 2:
+        return {}, {}
+    rates = [{c: n / max(1e-3, end - start) for c, n in offered.items()} for start, end, offered in intervals]
+    classes = set(rates[0]) | set(rates[1])
+    low = {c: round(min(r.get(c, 0.0) for r in rates), 3) for c in classes}
+    high = {c: round(max(r.get(c, 0.0) for r in rates), 3) for c in classes}
+    return low, high

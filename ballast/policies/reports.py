@@ -133,7 +133,7 @@ def _check_load(load: ModelLoad) -> None:
     check_fields(load, check_non_negative, "queue_wait_p95_ms", optional=True)
     check_fields(load, check_non_negative, "served_rps")
     check_fields(load, _check_bool, "gate_full")
-    check_fields(load, _check_rates, "demand_rps", criticalities=True)
+    check_fields(load, _check_rates, "demand_rps", "demand_sustained_rps", "demand_recent_max_rps", criticalities=True)
     check_fields(load, _check_routed, "routed")
 
 
@@ -167,6 +167,10 @@ class ModelLoad:
     demand_rps: Mapping[str, float] = field(default_factory=dict)  # offered, by criticality
     served_rps: float = 0.0
     gate_full: bool = False  # the gate was full for most of the window: served_rps is capacity
+    # The lower and the higher offered rate of its last two report intervals, by
+    # criticality (DemandWindow: a step seen within a second); empty until two reports.
+    demand_sustained_rps: Mapping[str, float] = field(default_factory=dict)
+    demand_recent_max_rps: Mapping[str, float] = field(default_factory=dict)
     # This router's requests to the model's replicas since it started, by why the replica
     # (ballast.model.routing: prefix, home, adapter, balance).
     routed: Mapping[str, int] = field(default_factory=dict)

@@ -132,7 +132,10 @@ class Accounts:
         )
 
     def waited(self, wait_ms: float, primary: bool) -> None:
-        """A wait for the model: for the controller's report, and (primary only) the gate's limit."""
+        """A wait for the model: for the controller's report, and (primary only) the gate's
+        limit; a stall of the host or the engine in it (the gate's ``stalls``) taken out."""
+        if self._gate is not None:
+            wait_ms = self._gate.not_stalled_ms(wait_ms)
         self.tally.add_wait(wait_ms)
         if self._gate is not None and primary:
             self._gate.observe_wait(wait_ms)

@@ -80,7 +80,8 @@ class _Waiter:
 
 
 LOWEST_RANK = max(c.rank for c in Criticality)  # a batch line asks for room as the least critical class
-WAIT_SAMPLES = 64  # recent waits kept per class for the status' p90 (bounded)
+WAIT_SAMPLES = 128  # recent waits kept per class for the status' p90 and critical_plus's p99 (bounded)
+PLUS_RANK = Criticality.CRITICAL_PLUS.rank
 _CLASS_OF_RANK = {c.rank: c.value for c in Criticality}
 
 
@@ -97,6 +98,7 @@ class PriorityGate:
         miss_service_factor: float | None = None,
         wait_for: WaitFor = asyncio.wait_for,
         fair: TenantCounters | None = None,
+        plus: rules.PlusReserve | None = None,
     ):
         if miss_service_factor is not None and not miss_service_factor > 0:
             raise ValueError(f"miss_service_factor must be > 0 or None, got {miss_service_factor}")
@@ -104,6 +106,9 @@ class PriorityGate:
         self.miss_service_factor = miss_service_factor
         self.critical_rank = critical_rank
         self._reserve = rules.CriticalReserve(reserve_ratio, reserve_hold_s, clock)
+        self.plus = plus  # critical_plus's own rows (ballast/policies/gate.py), None: none kept
+        self.plus_in_flight = 0  # slots critical_plus holds
+        self.plus_over_limit = 0  # critical_plus waiters let through above the limit at max_wait_s, ever
         self.max_waiting = max_waiting
         self.max_wait_s = max_wait_s
         self._clock = clock
@@ -123,6 +128,7 @@ class PriorityGate:
         self._entries = 0  # entries in the lines, finished ones included (bounded by compaction)
         self._seq = itertools.count()
         self._service = rules.ServiceTime()
+        self.stalls = rules.StallSpans()  # spans the model answered nothing in while it held requests
         self._waiting_by_rank: dict[int, int] = {}
         self._waiting_by_tenant: dict[str, int] = {}
         self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
@@ -151,9 +157,10 @@ class PriorityGate:
         limit = self.limit.value
         self.arrivals += 1
         self._reserve.note_arrival(rank, self.critical_rank, self.in_flight, limit, self._waiting_at_most(rank))
+        if self.plus is not None and rank == PLUS_RANK:
+            self.plus.arrived(self.plus_in_flight + self._waiting_by_rank.get(PLUS_RANK, 0) + 1)
         if self.waiting == 0 and self.in_flight < self._room(rank, limit):
-            self.in_flight += 1
-            self.limit.rows_in_flight(self.in_flight)
+            self._take(rank)
             self._waited(rank, 0.0)
             return self._charge(tenant, cost)
         # Held back by the limit, or by the reserve (whose share of the limit grows with it):
@@ -179,7 +186,7 @@ class PriorityGate:
         self._add_waiting(waiter, 1)
         self._grant()
         try:
-            await self._wait_for(asyncio.shield(fut), wait_s)
+            await self._wait(waiter, wait_s)
         except asyncio.TimeoutError:
             if not fut.done():
                 fut.cancel()
@@ -192,7 +199,7 @@ class PriorityGate:
             return fut.result()  # granted in the same instant the wait ran out: the slot is ours
         except asyncio.CancelledError:  # the client left while waiting
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.release()  # a slot was granted but will never be used
+                self.release(rank=rank)  # a slot was granted but will never be used
                 charge = fut.result()
                 if self.fair is not None and charge is not None:
                     self.fair.refund(charge)
@@ -201,6 +208,38 @@ class PriorityGate:
                 self._add_waiting(waiter, -1)
             raise
         return fut.result()
+
+    async def _wait(self, waiter: _Waiter, wait_s: float) -> None:
+        """Wait for ``waiter``'s turn for at most ``wait_s`` (asyncio.TimeoutError past it).
+        A critical_plus waiter still in line at the reserve's ``max_wait_s`` is let through
+        above the limit, by at most the reserve's bound (``PlusReserve``)."""
+        plus, fut = self.plus, waiter.fut
+        if plus is None or waiter.rank != PLUS_RANK or wait_s <= plus.max_wait_s:
+            await self._wait_for(asyncio.shield(fut), wait_s)
+            return
+        try:
+            await self._wait_for(asyncio.shield(fut), plus.max_wait_s)
+            return
+        except asyncio.TimeoutError:
+            if not fut.done() and self.in_flight < self.limit.value + plus.bound(self.limit.value):
+                self._add_waiting(waiter, -1)
+                self._take(PLUS_RANK)
+                self.plus_over_limit += 1
+                self._waited(PLUS_RANK, self._clock() - waiter.since_s)
+                fut.set_result(self._charge(waiter.tenant, waiter.cost))
+                return
+        await self._wait_for(asyncio.shield(fut), wait_s - plus.max_wait_s)
+
+    def _take(self, rank: int) -> None:
+        """A slot taken by a request of ``rank``."""
+        if self.in_flight == 0:
+            self.stalls.busy(self._clock())
+        self.in_flight += 1
+        self.limit.rows_in_flight(self.in_flight)
+        if rank == PLUS_RANK:
+            self.plus_in_flight += 1
+            if self.plus is not None:
+                self.plus.note(self.plus_in_flight + self._waiting_by_rank.get(PLUS_RANK, 0))
 
     def try_batch(self) -> BatchSlot | None:
         """A slot for a batch line now, or None: only while nothing waits and the limit has
@@ -250,7 +289,12 @@ class PriorityGate:
         return sum(n for r, n in self._waiting_by_rank.items() if r <= rank)
 
     def _room(self, rank: int, limit: int) -> int:
-        return self._reserve.room(rank, self.critical_rank, limit)
+        """The slots ``rank`` may fill: the critical reserve kept from the sheddable classes,
+        and critical_plus's free reserved rows from every other class."""
+        room = self._reserve.room(rank, self.critical_rank, limit)
+        if self.plus is not None and rank != PLUS_RANK:
+            room = min(room, limit - self.plus.free_rows(limit, self.plus_in_flight))
+        return room
 
     def reserving(self) -> bool:
         return self._reserve.active()
@@ -273,15 +317,38 @@ class PriorityGate:
         self._add_waiting(waiter, -1)
         return True
 
-    def release(self, service_s: float | None = None) -> None:
-        """Give a slot back; ``service_s`` (slot to answer) feeds the service-time estimate."""
+    def release(self, service_s: float | None = None, rank: int | None = None) -> None:
+        """Give a slot back (one a request of ``rank`` took; None: not critical_plus);
+        ``service_s`` (slot to answer) feeds the service-time estimate, less any stall in it."""
+        now = self._clock()
+        if service_s is not None:
+            known = self._service.served >= rules.SERVICE_SAMPLES // 4  # a p90 worth judging by
+            self.stalls.answered(now, self.in_flight, self._service.p90_s if known else 0.0)
+            service_s = self.stalls.not_stalled_s(now - service_s, now)
         self.in_flight -= 1
         self.limit.rows_in_flight(self.in_flight)
+        if rank == PLUS_RANK:
+            self.plus_in_flight -= 1
+            if self.plus is not None:
+                self.plus.note(self.plus_in_flight + self._waiting_by_rank.get(PLUS_RANK, 0))
         if service_s is not None:
             self._service.add(service_s)
         self._grant()
 
+    def tick(self) -> None:
+        """The router's report tick: rows a reserve kept and no longer keeps (critical_plus
+        idle for its ``idle_s``, critical pressure past its hold) go to the line now, not at
+        the next release."""
+        self._grant()
+
+    def not_stalled_ms(self, ms: float) -> float:
+        """A wait (or hold) of ``ms`` that ended now, less the stalls in it: what the model's
+        load made it, the host's or the engine's stall taken out."""
+        now = self._clock()
+        return 1000.0 * self.stalls.not_stalled_s(now - ms / 1000.0, now)
+
     def observe_wait(self, wait_ms: float) -> None:
+        """A wait at the model (stalls already taken out: ``not_stalled_ms``) for the limit."""
         self.limit.observe(wait_ms)
         self._grant()  # the limit may have grown
 
@@ -296,7 +363,9 @@ class PriorityGate:
 
     def observe_miss(self, held_ms: float) -> None:
         """An admitted request ran out of time at the model after ``held_ms``: the limit goes
-        down if ballast/policies/gate.py's ``miss_is_congestion`` says so. It still counts as a wait."""
+        down if ballast/policies/gate.py's ``miss_is_congestion`` says so (a stall in it is not
+        the model's: taken out). It still counts as a wait."""
+        held_ms = self.not_stalled_ms(held_ms)
         if rules.miss_is_congestion(held_ms, self.miss_service_factor, self._service.served, self._service.p90_s):
             self.limit.missed()
             self.misses_counted += 1
@@ -318,8 +387,7 @@ class PriorityGate:
                 self._add_waiting(waiter, -1)
                 continue
             self._add_waiting(waiter, -1)  # first: a tenant leaving the backlog is not lifted by its own charge
-            self.in_flight += 1
-            self.limit.rows_in_flight(self.in_flight)
+            self._take(rank)
             self._waited(rank, self._clock() - waiter.since_s)
             waiter.fut.set_result(self._charge(waiter.tenant, waiter.cost))
         # Finished entries at the heads of the lines were dropped in _next; the rest are
@@ -358,6 +426,20 @@ class PriorityGate:
                 del self._lines[rank]
         self._entries = sum(len(q) for line in self._lines.values() for q in line.values())
 
+    def _plus_view(self) -> dict[str, object]:
+        """critical_plus's reserve now, what it holds, its wait's p99 against the bound."""
+        plus, limit = self.plus, self.limit.value
+        assert plus is not None
+        waits = self._waits.get(PLUS_RANK)
+        return {
+            "rows": plus.rows(limit),
+            "free": plus.free_rows(limit, self.plus_in_flight),
+            "held": self.plus_in_flight,
+            "wait_p99_ms": round(1000.0 * (nearest_rank(waits, 0.99) or 0.0), 1) if waits else 0.0,
+            "max_wait_ms": round(1000.0 * plus.max_wait_s, 1),
+            "over_limit": self.plus_over_limit,
+        }
+
     def snapshot(self) -> dict[str, object]:
         return {
             **self.limit.snapshot(),
@@ -371,8 +453,10 @@ class PriorityGate:
                 for rank, w in sorted(self._waits.items())
             },
             "reserving": self.reserving(),
+            **({"plus_reserve": self._plus_view()} if self.plus is not None else {}),
             "refused": dict(self.refused),
             "misses": {"congestion": self.misses_counted, "late_admission": self.misses_not_congestion},
+            "stalled_s": round(self.stalls.stalled_s, 3),
             **({"fairness": self.fair.view()} if self.fair is not None else {}),
         }
 
@@ -380,17 +464,18 @@ class PriorityGate:
 class GateSlot:
     """One held slot (or none: ``GateSlot(None)``), given back exactly once by ``release``."""
 
-    __slots__ = ("_gate", "_share")
+    __slots__ = ("_gate", "_share", "_rank")
 
-    def __init__(self, gate: PriorityGate | None, share: FairCharge | None = None):
+    def __init__(self, gate: PriorityGate | None, share: FairCharge | None = None, rank: int | None = None):
         self._gate = gate
         self._share = share  # what the slot charged its tenant's counter, if anything
+        self._rank = rank  # the class that took it (critical_plus's slots are counted apart)
 
     def release(self, service_s: float | None = None, generated: int | None = None) -> None:
         gate, self._gate = self._gate, None
         if gate is not None:
             gate.settle(self._share, generated)
-            gate.release(service_s)
+            gate.release(service_s, self._rank)
 
 
 class BatchSlot:

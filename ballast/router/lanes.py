@@ -16,6 +16,7 @@ from typing import Any
 
 from ballast.errors import InvalidRequest
 from ballast.policies.fairness import TenantCounters
+from ballast.policies.gate import PlusReserve
 from ballast.policies.limiter import AimdLimit
 from ballast.router.accounts import Accounts
 from ballast.router.gate import PriorityGate
@@ -43,6 +44,16 @@ def priority_gate(cfg: Any, backend: str = "builtin") -> PriorityGate | None:
         reserve_hold_s=g.critical_reserve_hold_s,
         miss_service_factor=g.miss_service_factor,
         fair=fair,
+        plus=plus_reserve(g),
+    )
+
+
+def plus_reserve(g: Any) -> PlusReserve | None:
+    """critical_plus's own rows as ``resilience.gate`` sizes them; None with a ratio of 0."""
+    if g.plus_reserve_max_ratio == 0:
+        return None
+    return PlusReserve(
+        g.plus_reserve_max_ratio, g.plus_reserve_window_s, g.plus_reserve_idle_s, g.plus_max_wait_ms / 1000
     )
 
 

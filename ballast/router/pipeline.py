@@ -475,7 +475,7 @@ class Pipeline:
                 retry_after_s=1.0,
             ) from None
         tally.decided(criticality.value, through=True)
-        return GateSlot(gate, share), False
+        return GateSlot(gate, share, criticality.rank), False
 
     # -- 3. a batch line -------------------------------------------------------------------
     def batch_cost(self, tenant: str) -> float:

@@ -118,6 +118,7 @@ class Reporter:
         gate, demand = lane.gate, self._demand[lane.name]
         if gate is None:
             return report
+        gate.tick()  # rows a reserve lends back go to the line within a report interval
         # Waiters at the gate are demand the autoscaler counts; the level does not count
         # them as queue (the gate refuses each by its deadline, most critical first): it
         # sheds whole classes by demand against capacity instead.

@@ -24,20 +24,19 @@ from ballast.router.responses_api import parse_responses
 from ballast.router.responses_items import to_chat
 from loadtest.bench_openai import (
     KINDS,
-    OMP_BIND,
+    MAX_FAULT_BYTES,
     PROMPT,
     BenchFault,
     ChatStream,
     Figures,
     ResponsesStream,
+    Seen,
     SseEvent,
     chat_body,
     cosines,
     cpu_line,
     decode_embedding,
     embed_inputs,
-    engine_core,
-    engine_cpu,
     final_line,
     first_token_ms,
     pct,
@@ -47,6 +46,7 @@ from loadtest.bench_openai import (
     sse_events,
     ttft_table,
 )
+from loadtest.engine_cores import OMP_BIND, engine_core, engine_cpu
 
 
 def ticks(*values: float):
@@ -309,7 +309,7 @@ def test_shared_placement_changes_neither_the_mask_nor_the_environment(monkeypat
     before = os.sched_getaffinity(0)
     with engine_cpu("shared") as placement:
         assert os.sched_getaffinity(0) == before and OMP_BIND not in os.environ
-    assert "shared" in placement
+    assert "shared" in placement.words and placement.core is None
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to keep one apart")
@@ -320,7 +320,7 @@ def test_own_placement_binds_the_worker_apart_and_restores_both(monkeypatch):
     with engine_cpu("own") as placement:
         assert os.environ[OMP_BIND] == str(core)
         assert os.sched_getaffinity(0) == rest and core not in os.sched_getaffinity(0)
-        assert f"core {core} alone" in placement
+        assert f"core {core} alone" in placement.words and placement.core == core
     assert os.sched_getaffinity(0) == before and OMP_BIND not in os.environ
 
 
@@ -329,7 +329,7 @@ def test_a_bind_the_operator_set_is_kept(monkeypatch):
     before = os.sched_getaffinity(0)
     with engine_cpu("own") as placement:
         assert os.sched_getaffinity(0) == before and os.environ[OMP_BIND] == "0"
-    assert "as set" in placement
+    assert "as set" in placement.words
 
 
 def test_the_cpu_line_names_the_roles_that_worked_and_the_engine_wait():
@@ -337,3 +337,11 @@ def test_the_cpu_line_names_the_roles_that_worked_and_the_engine_wait():
     line = cpu_line(span)
     assert "engine 6.13" in line and "front 0.84" in line and "router" not in line
     assert line.endswith("engine waited 1.50 s for a core")
+
+
+def test_the_lines_a_fault_saw_are_counted_and_their_start_kept():
+    seen = Seen(iter(["event: response.created", "data: {}", "", *["x" * 100] * 5]))
+    assert list(seen) and seen.count == 8
+    assert seen.first.startswith("event: response.created\ndata: {}\n\n") and len(seen.first) == MAX_FAULT_BYTES
+    empty = Seen(iter([]))
+    assert list(empty) == [] and (empty.count, empty.first) == (0, "")

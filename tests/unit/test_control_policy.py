@@ -74,6 +74,29 @@ class TestFoldReports:
         assert (sig.error_rate, sig.request_count) == (0.25, 20)
         assert control.fold_reports([], [], P).error_rate is None
 
+    def test_the_last_two_reports_sum_over_routers_once_each_has_two(self) -> None:
+        routers = [
+            router(
+                demand_rps={"critical": 2.0},
+                demand_sustained_rps={"critical": 1.5},
+                demand_recent_max_rps={"critical": 2.5},
+            ),
+            router(
+                demand_rps={"critical": 3.0, "sheddable": 1.0},
+                demand_sustained_rps={"critical": 3.0, "sheddable": 0.5},
+                demand_recent_max_rps={"critical": 4.0, "sheddable": 1.0},
+            ),
+            router(),  # sees no demand of this model: counts for nothing, holds nothing back
+        ]
+        sig = control.fold_reports(routers, [], P)
+        assert sig.demand_sustained_rps == {"critical": 4.5, "sheddable": 0.5}
+        assert sig.demand_recent_max_rps == {"critical": 6.5, "sheddable": 1.0}
+        # A router that sees demand but has not two reports of it yet: the window's mean is read.
+        routers.append(router(demand_rps={"critical": 9.0}))
+        sig = control.fold_reports(routers, [], P)
+        assert sig.demand_sustained_rps is None and sig.demand_recent_max_rps is None
+        assert sig.demand_rps == {"critical": 14.0, "sheddable": 1.0}
+
     def test_bad_counts_raise(self) -> None:
         with pytest.raises(ValueError, match="requests"):
             control.fold_reports([], [], P, requests=-1)

@@ -672,3 +672,160 @@ def test_bad_demand_signals_are_refused(kwargs: dict, field: str) -> None:
         LoadSignals(queue_length=0, queue_wait_p95_ms=None, gpu_util_pct=None, vram_pct=None, error_rate=None, **kwargs)
     with pytest.raises(ValueError, match="demand_shed_ratio"):
         DegradationConfig(demand_shed_ratio=0)
+
+
+# ----------------------------------------------------------------- a step, tick by tick
+
+# The bench's mix at 1 C (57 req/s offered: 5 % critical_plus, 15 % critical, 30 %
+# sheddable_plus, 50 % sheddable), against a gate that answered 52 req/s while full.
+ONE_C = {"critical_plus": 2.85, "critical": 8.55, "sheddable_plus": 17.1, "sheddable": 28.5}
+CAPACITY = 52.0
+REPORT_S = 0.5
+
+
+class Crowd:
+    """One router's demand window (``DemandWindow``, on a fake clock) fed one report per
+    ``REPORT_S`` at a multiple of 1 C, and the controller's ``decide`` on the tick after
+    each report: the path a step takes from the door to the level."""
+
+    def __init__(self, cfg: DegradationConfig = CFG) -> None:
+        from ballast.policies.gate import DemandWindow
+
+        self.now = 0.0
+        self.cfg = cfg
+        self.window = DemandWindow(5.0, clock=lambda: self.now)
+        self.state = DegradationState()
+        self.levels: list[tuple[float, int, str]] = []
+
+    def report(self, multiple: float, span_s: float = REPORT_S, offered_s: float | None = None) -> int:
+        """A report ``span_s`` after the last, with ``offered_s`` seconds of ``multiple`` x
+        1 C offered in it (default: its span's), then one control tick; the level."""
+        self.now += span_s
+        seconds = span_s if offered_s is None else offered_s
+        offered = {c: round(rps * multiple * seconds) for c, rps in ONE_C.items()}
+        self.window.add(offered, served=round(CAPACITY * span_s), saturated=True)
+        rates = self.window.rates()
+        signals = LoadSignals(
+            queue_length=0,
+            queue_wait_p95_ms=None,
+            gpu_util_pct=None,
+            vram_pct=None,
+            error_rate=None,
+            demand_rps=rates["demand_rps"],
+            demand_sustained_rps=rates["demand_sustained_rps"] or None,
+            demand_recent_max_rps=rates["demand_recent_max_rps"] or None,
+            capacity_rps=CAPACITY,
+        )
+        d, self.state = decide(signals, self.state, self.cfg, now_s=self.now)
+        self.levels.append((self.now, d.level, d.reason))
+        return d.level
+
+    def run(self, multiple: float, seconds: float) -> list[int]:
+        return [self.report(multiple) for _ in range(round(seconds / REPORT_S))]
+
+
+def test_a_step_to_ten_c_sheds_on_the_first_tick_after_two_reports_see_it() -> None:
+    crowd = Crowd()
+    assert set(crowd.run(1.0, 10.0)) == {0}
+    # The first report of the crowd: the one before it was 1 C, so it is not yet a step.
+    assert crowd.report(10.0) == 0
+    # The second: both saw it. critical_plus + critical (114 req/s) fill the model by
+    # themselves (>= 1.1 x 52), critical_plus alone (28.5) does not: level 2, at once.
+    assert crowd.report(10.0) == 2
+    assert "up 0->2: demand_now=114>=57.2 (capacity_rps) for critical_plus,critical (a step" in crowd.levels[-1][2]
+    assert set(crowd.run(10.0, 10.0)) == {2}
+
+
+def test_the_window_alone_would_still_be_at_level_one_then() -> None:
+    """What the step rule replaces: the 5 s mean, one second into a 10 C crowd, reads
+    2.8 C, and asks only for level 1 (one level on a sample, the rest after up_confirm_s)."""
+    crowd = Crowd()
+    crowd.run(1.0, 10.0)
+    crowd.report(10.0)
+    crowd.report(10.0)
+    window = crowd.window.rates()["demand_rps"]
+    slow = LoadSignals(
+        queue_length=0,
+        queue_wait_p95_ms=None,
+        gpu_util_pct=None,
+        vram_pct=None,
+        error_rate=None,
+        demand_rps=window,
+        capacity_rps=CAPACITY,
+    )
+    assert target_level(slow, CFG)[0] == 1
+
+
+def test_a_step_down_releases_on_the_tick_after_the_crowd_leaves_both_reports() -> None:
+    crowd = Crowd()
+    crowd.run(1.0, 5.0)
+    crowd.run(10.0, 5.0)
+    assert crowd.state.level == 2 and crowd.state.by_demand
+    # The first 1 C report: the one before it still had the crowd (its peak holds level 2).
+    assert crowd.report(1.0) == 2
+    # The second: neither report asks; down at once, not after stable_window_s (30 s).
+    assert crowd.report(1.0) == 0
+    assert "down 2->0" in crowd.levels[-1][2] and "the step is over" in crowd.levels[-1][2]
+    assert not crowd.state.by_demand
+
+
+def test_demand_within_the_band_holds_the_level_without_flapping() -> None:
+    """critical_plus + critical between 0.9 and 1.1 x capacity (46.8-57.2 req/s), up and
+    down each report: a level the step reached holds; none is reached from below."""
+    crowd = Crowd()
+    crowd.run(1.0, 5.0)
+    crowd.run(10.0, 2.0)
+    assert crowd.state.level == 2
+    # 4.4 C: critical_plus + critical = 50.2 req/s; 4.9 C: 55.9. Both inside the band.
+    levels = [crowd.report(m) for m in [4.4, 4.9] * 20]
+    assert set(levels) == {2}
+    # From level 0 the same wobble asks for level 1 only (what sheddable_plus adds fills
+    # the model), by the window's rule as before; never level 2.
+    calm = Crowd()
+    calm.run(1.0, 5.0)
+    assert 2 not in [calm.report(m) for m in [4.4, 4.9] * 20]
+
+
+def test_a_three_second_host_stall_and_its_catch_up_shed_nothing() -> None:
+    """The host stalls 3 s: no report, then one report spanning the stall with nothing
+    offered in it, then the generator's backlog (3.5 s of 1 C) in one half-second. Each
+    shows in one of the last two reports only: no step, level 0 throughout."""
+    crowd = Crowd()
+    crowd.run(1.0, 10.0)
+    levels = [crowd.report(1.0, span_s=3.0, offered_s=0.0), crowd.report(1.0, offered_s=3.5)]
+    levels += crowd.run(1.0, 10.0)
+    assert set(levels) == {0}, crowd.levels
+
+
+def test_a_step_that_lasts_one_report_only_is_not_a_step() -> None:
+    crowd = Crowd()
+    crowd.run(1.0, 5.0)
+    levels = [crowd.report(10.0), *crowd.run(1.0, 5.0)]
+    assert 2 not in levels and 3 not in levels
+
+
+def test_without_a_release_ratio_a_steps_level_drops_after_the_stable_window() -> None:
+    cfg = DegradationConfig(demand_release_ratio=None)
+    crowd = Crowd(cfg)
+    crowd.run(1.0, 5.0)
+    crowd.run(10.0, 5.0)
+    assert crowd.state.level == 2
+    after = crowd.run(1.0, 40.0)
+    first_zero = after.index(0) * REPORT_S
+    assert 29.0 <= first_zero <= 31.0  # one stable window, not one report
+
+
+def test_the_release_ratio_must_leave_a_band() -> None:
+    with pytest.raises(ValueError, match="demand_release_ratio"):
+        DegradationConfig(demand_shed_ratio=1.1, demand_release_ratio=1.1)
+    with pytest.raises(ValueError, match="by_demand"):
+        DegradationState(by_demand=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"demand_sustained_rps\[critical\]"):
+        LoadSignals(
+            queue_length=0,
+            queue_wait_p95_ms=None,
+            gpu_util_pct=None,
+            vram_pct=None,
+            error_rate=None,
+            demand_sustained_rps={"critical": -1.0},
+        )

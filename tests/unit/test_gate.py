@@ -468,3 +468,182 @@ def test_a_critical_waiter_left_with_less_than_the_p90_yields_to_its_own_class_b
         await asyncio.gather(behind, return_exceptions=True)
 
     asyncio.run(main())
+
+
+# --- critical_plus's own rows ------------------------------------------------------------
+
+CP, CRIT, SHED = 0, 1, 3
+
+
+def plus_gate(clock: FakeClock, timer: FakeTimer, limit: int = 8, **plus: Any) -> PriorityGate:
+    from ballast.policies.gate import PlusReserve
+
+    reserve = PlusReserve(
+        **{"max_ratio": 0.25, "window_s": 5.0, "idle_s": 0.5, "max_wait_s": 0.25, **plus}, clock=clock
+    )
+    return gate(limit=limit, clock=clock, timer=timer, max_wait_s=30.0, plus=reserve)
+
+
+def test_critical_plus_keeps_rows_no_other_class_takes_and_lends_them_back_within_a_tick():
+    async def main():
+        clock = FakeClock(100)
+        g = plus_gate(clock, FakeTimer(clock))
+        # No critical_plus yet: critical may fill every slot.
+        for _ in range(8):
+            await g.acquire(CRIT, clock() + 60)
+        assert g.in_flight == 8 and g.snapshot()["plus_reserve"]["rows"] == 0
+        for _ in range(8):
+            g.release(rank=CRIT)
+        # One critical_plus request: its peak (1) plus one, two rows (within 0.25 x 8).
+        await g.acquire(CP, clock() + 60)
+        view = g.snapshot()["plus_reserve"]
+        assert (view["rows"], view["held"], view["free"]) == (2, 1, 1)
+        # critical (not only the sheddable classes) leaves the free one: 7 of 8, then waits.
+        for _ in range(6):
+            await g.acquire(CRIT, clock() + 60)
+        assert g.in_flight == 7
+        held = asyncio.create_task(g.acquire(CRIT, clock() + 60))
+        await settle()
+        assert not held.done() and g.waiting == 1
+        # ... while a critical_plus newcomer takes the kept row at once.
+        await g.acquire(CP, clock() + 60)
+        assert g.in_flight == 8 and g.plus_in_flight == 2
+        g.release(rank=CP)
+        g.release(rank=CP)
+        await settle()
+        # critical_plus holds nothing now; its two rows stay free: critical waits at 6 of 8.
+        assert not held.done() and g.in_flight == 6 and g.snapshot()["plus_reserve"]["free"] == 2
+        # The router's report tick: at 0.5 s without a critical_plus arrival they are kept ...
+        clock.advance(0.5)
+        g.tick()
+        await settle()
+        assert not held.done()
+        # ... and lent back on the tick past it, with no release needed.
+        clock.advance(0.5)
+        g.tick()
+        await held
+        assert g.in_flight == 7 and g.snapshot()["plus_reserve"]["rows"] == 0
+
+    asyncio.run(main())
+
+
+def test_the_reserve_follows_critical_plus_demand_within_its_bound():
+    from ballast.policies.gate import PlusReserve
+
+    clock = FakeClock(0)
+    r = PlusReserve(max_ratio=0.25, window_s=5.0, idle_s=0.5, clock=clock)
+    assert r.rows(16) == 0  # never arrived
+    r.arrived(1)
+    assert r.rows(16) == 2
+    for rows in (2, 5, 3):
+        r.arrived(rows)
+    assert r.rows(16) == 4  # peak 5 + 1, bounded by 0.25 x 16
+    assert r.rows(40) == 6  # the same peak under a larger limit
+    assert r.free_rows(40, plus_held=4) == 2
+    clock.advance(4.9)
+    r.arrived(1)
+    assert r.rows(40) == 6  # the peak of 5 s ago is still in the window
+    clock.advance(0.2)
+    r.arrived(1)
+    assert r.rows(40) == 2  # it left: the peak is now 1
+    assert PlusReserve(max_ratio=0.0).rows(16) == 0
+    assert PlusReserve(max_ratio=0.25).bound(2) == 1 and PlusReserve(max_ratio=0.25).bound(1) == 0
+    with pytest.raises(ValueError, match="max_ratio"):
+        PlusReserve(max_ratio=1.0)
+
+
+def test_a_critical_plus_waiter_goes_above_the_limit_at_its_bound_and_the_status_shows_its_p99():
+    async def main():
+        clock = FakeClock(100)
+        timer = FakeTimer(clock)
+        g = plus_gate(clock, timer, limit=4, max_wait_s=0.25)
+        for _ in range(4):
+            await g.acquire(CP, clock() + 60)  # critical_plus itself fills the limit
+        late = [asyncio.create_task(g.acquire(CP, clock() + 60)) for _ in range(2)]
+        await settle()
+        assert g.waiting == 2
+        await timer.advance(0.1)
+        assert not any(t.done() for t in late)
+        # At 0.25 s: above the limit by at most the reserve's bound (1 of 4): one goes, one waits on.
+        await timer.advance(0.15)
+        assert [t.done() for t in late] == [True, False]
+        assert g.in_flight == 5 and g.plus_over_limit == 1
+        view = g.snapshot()["plus_reserve"]
+        assert view["over_limit"] == 1 and view["max_wait_ms"] == 250.0 and view["wait_p99_ms"] == 250.0
+        g.release(rank=CP)
+        g.release(rank=CP)  # back under the limit: the second waiter's turn by the line
+        await settle()
+        assert late[1].done() and g.in_flight == 4
+
+    asyncio.run(main())
+
+
+def test_other_classes_never_go_above_the_limit():
+    async def main():
+        clock = FakeClock(100)
+        timer = FakeTimer(clock)
+        g = plus_gate(clock, timer, limit=4)
+        for _ in range(4):
+            await g.acquire(CRIT, clock() + 60)
+        waiting = asyncio.create_task(g.acquire(CRIT, clock() + 5))
+        await settle()
+        await timer.advance(1)
+        assert not waiting.done() and g.in_flight == 4
+        await timer.advance(5)
+        with pytest.raises(GateRefused):
+            await waiting
+
+    asyncio.run(main())
+
+
+def test_a_three_second_stall_leaves_the_service_estimate_and_refuses_no_one_it_can_serve():
+    """Four requests of 0.1 s at a time, then a 3 s stall of the host (nothing answered),
+    then the same service again. The stall is taken out of the samples: the p90 stays
+    0.1 s, and a sheddable newcomer with 1 s left is let in line, not refused no_time
+    (which a p90 of 3.1 s would have done)."""
+
+    async def main():
+        clock = FakeClock(100)
+        g = gate(limit=4, clock=clock, max_wait_s=30.0)
+        for _ in range(40):  # the model's normal service: 0.1 s per request, four at a time
+            for _ in range(4):
+                await g.acquire(3, clock() + 60)
+            clock.advance(0.1)
+            for _ in range(4):
+                g.release(0.1)
+        assert g.snapshot()["service_p90_ms"] == 100.0
+        for _ in range(4):
+            await g.acquire(3, clock() + 60)
+        clock.advance(3.1)  # the stall: none of the four is answered for 3 s
+        for _ in range(4):
+            g.release(3.1)
+        snap = g.snapshot()
+        assert snap["stalled_s"] == pytest.approx(3.0, abs=0.01)
+        assert snap["service_p90_ms"] == pytest.approx(100.0, abs=1.0)
+        assert g.not_stalled_ms(3100.0) == pytest.approx(100.0, abs=1.0)  # a wait across it, likewise
+        for _ in range(4):
+            await g.acquire(3, clock() + 60)
+        newcomer = asyncio.create_task(g.acquire(3, clock() + 1.0))
+        await settle()
+        assert not newcomer.done() and g.waiting == 1  # in line, not refused
+        clock.advance(0.1)
+        g.release(0.1)
+        await newcomer
+        assert g.refused == dict.fromkeys(g.refused, 0)
+
+    asyncio.run(main())
+
+
+def test_a_model_that_really_slows_is_read_as_slower():
+    async def main():
+        clock = FakeClock(100)
+        g = gate(limit=4, clock=clock)
+        for service in [0.1] * 20 + [0.4] * 40:  # four at a time, answered one by one
+            for _ in range(4):
+                await g.acquire(3, clock() + 60)
+            for _ in range(4):
+                clock.advance(service / 4)
+                g.release(service)
+        assert g.snapshot()["service_p90_ms"] == 400.0 and g.snapshot()["stalled_s"] == 0.0
+
+    asyncio.run(main())

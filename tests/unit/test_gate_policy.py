@@ -107,7 +107,8 @@ def test_a_miss_cuts_the_limit_only_past_the_factor_times_the_p90():
 def test_the_demand_window_rates_offers_per_criticality_and_knows_when_the_gate_was_full():
     clock = FakeClock(0)
     w = DemandWindow(window_s=10, clock=clock, max_entries=100)
-    assert w.rates() == {"demand_rps": {}, "served_rps": 0.0, "gate_full": False}
+    empty = {"demand_rps": {}, "served_rps": 0.0, "gate_full": False}
+    assert w.rates() == {**empty, "demand_sustained_rps": {}, "demand_recent_max_rps": {}}
     for i in range(10):  # ten 1-s reports: 4 critical and 10 sheddable offered, 5 answered each
         clock.advance(1)
         w.add({"critical": 4, "sheddable": 10}, served=5, saturated=i >= 3)
@@ -133,3 +134,57 @@ def test_the_demand_window_is_bounded_and_checks_its_config():
     for bad in ({"window_s": 0}, {"window_s": 1, "max_entries": 0}):
         with pytest.raises(ValueError):
             DemandWindow(clock=clock, **bad)
+
+
+def test_the_last_two_reports_give_the_lower_and_the_higher_rate_per_class():
+    clock = FakeClock(0)
+    w = DemandWindow(window_s=5, clock=clock)
+    clock.advance(0.5)
+    w.add({"critical": 5, "sheddable": 10}, served=5, saturated=False)
+    r = w.rates()
+    assert r["demand_sustained_rps"] == {} and r["demand_recent_max_rps"] == {}  # one report: no pair yet
+    clock.advance(0.5)
+    w.add({"critical": 50}, served=5, saturated=False)  # a crowd of critical; sheddable stopped
+    r = w.rates()
+    assert r["demand_sustained_rps"] == {"critical": 10.0, "sheddable": 0.0}
+    assert r["demand_recent_max_rps"] == {"critical": 100.0, "sheddable": 20.0}
+    clock.advance(2.0)  # a long report interval (a stall): its rate is over its own span
+    w.add({"critical": 100}, served=5, saturated=False)
+    assert w.rates()["demand_sustained_rps"] == {"critical": 50.0}
+    assert rules.last_two_rates([]) == ({}, {})
+
+
+def test_a_span_without_answers_while_requests_are_held_is_a_stall_and_is_taken_out():
+    s = rules.StallSpans(factor=3.0, min_s=0.5)
+    s.busy(100.0)
+    for t in (100.1, 100.2, 100.3):  # answers every 0.1 s: p90 0.1, nothing stalls
+        s.answered(t, held=4, p90_s=0.1)
+    s.answered(103.4, held=4, p90_s=0.1)  # 3.1 s without an answer while four were held
+    assert s.stalled_s == pytest.approx(3.0)  # less the p90 the model had to answer in
+    assert s.overlap_s(100.0, 104.0) == pytest.approx(3.0)
+    assert s.not_stalled_s(100.2, 103.4) == pytest.approx(0.2)  # a request across it: 3.2 s, 0.2 of service
+    assert s.not_stalled_s(103.4, 103.6) == pytest.approx(0.2)  # after it: untouched
+
+
+def test_an_idle_model_a_steady_slow_one_and_an_unknown_p90_are_no_stall():
+    s = rules.StallSpans(factor=3.0, min_s=0.5)
+    s.busy(0.0)
+    s.answered(0.1, held=1, p90_s=0.1)
+    s.busy(10.0)  # nothing held from 0.1 to 10: idle, not stalled
+    s.answered(10.1, held=1, p90_s=0.1)
+    t = 10.1
+    for _ in range(20):  # slower (0.3 s apart) but steady: under 3 x a p90 that follows it
+        t += 0.3
+        s.answered(t, held=4, p90_s=0.3)
+    s.answered(t + 5.0, held=2, p90_s=0.0)  # no p90 known yet: not judged
+    assert s.stalled_s == 0.0 and s.overlap_s(0.0, 100.0) == 0.0
+
+
+def test_stall_spans_are_bounded():
+    s = rules.StallSpans(max_spans=3)
+    s.busy(0.0)
+    for i in range(1, 11):
+        s.answered(i * 10.0, held=1, p90_s=0.1)
+    assert len(s) == 3 and s.stalled_s == pytest.approx(100.0 - 10 * 0.1)
+    with pytest.raises(ValueError):
+        rules.StallSpans(factor=0)

@@ -471,3 +471,25 @@ async def test_the_rows_of_one_call_wait_in_line_as_one_request(engine):
         loop.enqueue(row)
     loop.enqueue(await loop.prepare(call([72], 2)))
     assert (loop.queued, loop.in_flight) == (2, 6)  # one embeddings request of 5 inputs, one of its own
+
+
+async def test_a_stall_is_taken_out_of_the_queue_waits_the_level_reads(engine):
+    """Each chunk takes 0.05 s of the fake clock; before the 25th the host stalls 3 s. Rows
+    that waited in line across it report their whole wait to their callers, but the
+    level's sample (``queue_wait_p95_ms``) is the wait less the stall."""
+    clock = FakeClock(100)
+    chunks = [0]
+
+    async def stall_point() -> None:
+        chunks[0] += 1
+        clock.advance(3.05 if chunks[0] == 25 else 0.05)
+
+    loop = make_loop(engine, batch_limit=2, clock=clock, wall_clock=clock, stall_point=stall_point)
+    try:
+        answers = await asyncio.gather(*(collect(loop, call(range(10), 20)) for _ in range(8)))
+    finally:
+        loop.stop()
+    waits = [a[0].queue_wait_ms for a in answers]
+    assert max(waits) > 3000.0  # what a caller waited, the stall in it, as it was
+    p95 = loop.queue_wait_p95_ms()
+    assert p95 is not None and p95 < 3000.0 and p95 < max(waits) - 2900.0
