@@ -74,6 +74,13 @@ With ``--sdk`` a third set of rows sends the same requests through the SDK
 httpx costs ~2.8 ms of CPU per request on the cores the server runs on (a third of
 a core at 4 C), so those rows measured the client's cost more than Ballast's.
 
+``--engine-cpu own`` gives the engine a core of its own, away from the generator and the
+front (``loadtest.engine_cores``): vLLM's worker bound there for both vLLM stacks, the model
+replica pinned there by ``model.cpus`` for Ballast (on either engine, vLLM's engine core
+with it) and plain Serve, everything else on the other cores; ray.serve.llm's LLM server
+and engine core stay where the kernel puts them (its deployment takes no core list). The
+default, ``shared``, leaves it all to the kernel, so that the rows can be read both ways.
+
 The default mix keeps critical traffic (critical_plus + critical) at 20 % of what
 is offered: at 4 C that is 0.8 C, which a stack sized for its critical traffic
 can serve. Loopback only; bounded in count and time. Run:
@@ -99,6 +106,7 @@ from ballast.names import ROUTER_DEPLOYMENT
 from ballast.ops.status_text import model_view, sole_model
 from loadtest import stack_cpu
 from loadtest.bench_router import _pct
+from loadtest.engine_cores import ENGINE_CPU, engine_cpu
 from loadtest.lean_http import LeanClient, LeanHttpError, LeanResponse, install_uvloop
 from loadtest.machine_speed import SpeedProbeProcess
 
@@ -597,6 +605,10 @@ def plain_serve_app(model_cfg: dict[str, Any], bounded: tuple[int, int] | None =
             from ballast.model.engine import build_engine
 
             self._m = ModelConfig(**cfg)
+            if self._m.cpus:  # the engine's own cores (--engine-cpu own), as Ballast's replica pins itself
+                from ballast.model.niceness import pin_to_cores
+
+                pin_to_cores(self._m.cpus)
             self._backend = build_engine(self._m)
             self._backend.warmup()
 
@@ -727,16 +739,20 @@ def reason_kind(reason: str | None) -> str | None:
     return reason.split("=")[0].split(" for ")[0]
 
 
-def bench_config(path: str, model_replicas: int = 1) -> Any:
+def bench_config(path: str, model_replicas: int = 1, cpus: list[int] | None = None) -> Any:
     """The config at ``path`` plus a quota-free tenant, with a fixed number of model replicas.
 
     Fixed, like plain Serve's one replica: capacity is then one number to compare, and
     no replica starts or stops mid-phase (on two cores a replica loading its model takes
-    the CPU the other one is serving with). Autoscaling is measured elsewhere.
+    the CPU the other one is serving with). Autoscaling is measured elsewhere. ``cpus``:
+    the model's cores (``model.cpus``: its replica pins itself there), None: the config's.
     """
     from ballast.config import load_config
 
-    return load_config(bench_data(path, model_replicas))
+    data = bench_data(path, model_replicas)
+    if cpus is not None:
+        data.setdefault("model", {})["cpus"] = list(cpus)
+    return load_config(data)
 
 
 def bench_data(path: str, model_replicas: int) -> dict[str, Any]:
@@ -757,15 +773,20 @@ def bench_data(path: str, model_replicas: int) -> dict[str, Any]:
     return data
 
 
-def bench_vllm_config(path: str, model_dir: str, model_replicas: int = 1, prefix_affinity: bool = True) -> Any:
+def bench_vllm_config(
+    path: str, model_dir: str, model_replicas: int = 1, prefix_affinity: bool = True, cpus: list[int] | None = None
+) -> Any:
     """``bench_config`` with the primary model ``model_dir`` served by vLLM: the engine
     settings both vLLM stacks run with (``vllm_engine_kwargs``, for the config's
     ``max_batch_size`` rows), and a watchdog memory limit that fits the replica, vLLM's
-    engine core and its worker together (one built-in process is what the file sizes it for)."""
+    engine core and its worker together (one built-in process is what the file sizes it for).
+    ``cpus``: the model replica's cores (``model.cpus``), and so its engine's, which it starts."""
     from ballast.config import load_config, with_model_dir
 
     data = with_model_dir(bench_data(path, model_replicas), model_dir, "vllm")
     data["model"].setdefault("routing", {})["prefix_affinity"] = prefix_affinity
+    if cpus is not None:
+        data["model"]["cpus"] = list(cpus)
     data.setdefault("watchdog", {})["rss_limit_mb"] = VLLM_RSS_LIMIT_MB
     m = load_config(data).model
     data["model"]["engine_kwargs"] = vllm_engine_kwargs(str(m.path), m.max_batch_size)
@@ -1101,6 +1122,13 @@ def _parser() -> argparse.ArgumentParser:
         help="Ballast on vLLM routes by load alone (model.routing.prefix_affinity: false)",
     )
     parser.add_argument(
+        "--engine-cpu",
+        choices=ENGINE_CPU,
+        default="shared",
+        help="own: every stack's engine on a core of its own, away from the generator and the front "
+        "(loadtest.engine_cores); shared: where the kernel puts it",
+    )
+    parser.add_argument(
         "--slow-host",
         type=int,
         default=0,
@@ -1239,16 +1267,23 @@ class _Bench:
     speed at C.
     """
 
-    def __init__(self, s: _Settings) -> None:
+    def __init__(self, s: _Settings, core: int | None = None) -> None:
         from ballast.router.ingress import ingress_env
 
         self.s, self.args, self.mix = s, s.args, s.mix
-        self.cfg = cfg = bench_config(self.args.config, self.args.model_replicas)
+        # ``core``: the engine's own core (loadtest.engine_cores): the built-in model's
+        # replicas, Ballast's and plain Serve's alike, pin themselves there (model.cpus).
+        cpus = [core] if core is not None else None
+        self.cfg = cfg = bench_config(self.args.config, self.args.model_replicas, cpus)
         self.speed = SpeedProbeProcess(cfg.model.architecture.model_dump(), cfg.model.seed)
         # Ballast on vLLM; its model, name and engine settings are the llm stacks' too.
         self.vllm_cfg = (
             bench_vllm_config(
-                self.args.config, self.args.vllm_model, self.args.model_replicas, not self.args.no_prefix_affinity
+                self.args.config,
+                self.args.vllm_model,
+                self.args.model_replicas,
+                not self.args.no_prefix_affinity,
+                cpus,
             )
             if s.vllm
             else None
@@ -1748,8 +1783,9 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.slow_host import slowed
 
     settings = parse_settings(argv)
-    with slowed(settings.args.slow_host):
-        bench = _Bench(settings)
+    with slowed(settings.args.slow_host), engine_cpu(settings.args.engine_cpu) as where:
+        print(where.words, flush=True)
+        bench = _Bench(settings, where.core)
         bench.run_sessions()
     return report(bench.results, settings, bench.unmeasured)
 

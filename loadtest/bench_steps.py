@@ -39,11 +39,11 @@ from typing import Any
 from loadtest.bench_overload import (
     _Bench,
     _parser,
-    bench_data,
     offer,
     parse_settings,
+    reason_kind,
 )
-from loadtest.engine_cores import ENGINE_CPU, engine_cpu
+from loadtest.engine_cores import engine_cpu
 
 STEPS = (1.0, 10.0, 1.0, 4.0, 1.0)
 STEP_STACKS = ("ballast", "ballast-vllm")
@@ -71,7 +71,9 @@ class StepRow:
     refused: int = 0
     plus_sent: int = 0
     plus_missed: int = 0
+    plus_codes: dict[str, int] = field(default_factory=dict)  # critical_plus's misses: code, or LATE (a late 200)
     level: int | None = None  # the last status sample in that second
+    reason: str | None = None  # ... and the controller's reason, its kind (queue_wait_p95_ms, demand_now, ...)
 
 
 @dataclass
@@ -92,6 +94,8 @@ class StepFigures:
     critical_plus: float
     refused_1c: int
     steps: list[Step]
+    # The 1 C steps' refusals by the second they were sent in (from the start), where any.
+    refused_1c_at: dict[int, int] = field(default_factory=dict)
 
     def slowest(self, attr: str) -> float:
         values = [getattr(s, attr) for s in self.steps if getattr(s, attr) is not None]
@@ -113,7 +117,10 @@ def step_figures(phase: Any, multiples: list[float], step_s: float, trace: list[
         return min(int(t // step_s), len(multiples) - 1)
 
     outcomes = phase.outcomes
-    refused_1c = sum(1 for o in outcomes if o.status in REFUSED and multiples[segment(o.sent_s)] == 1.0)
+    at_1c = [o for o in outcomes if o.status in REFUSED and multiples[segment(o.sent_s)] == 1.0]
+    refused_at: dict[int, int] = {}
+    for o in at_1c:
+        refused_at[int(o.sent_s)] = refused_at.get(int(o.sent_s), 0) + 1
     steps = []
     for j in range(1, len(multiples)):
         at = j * step_s
@@ -128,11 +135,15 @@ def step_figures(phase: Any, multiples: list[float], step_s: float, trace: list[
             row.refused += o.status in REFUSED
             if o.criticality == "critical_plus":
                 row.plus_sent += 1
-                row.plus_missed += not (o.status == 200 and o.latency_s <= phase.slo_s)
+                if not (o.status == 200 and o.latency_s <= phase.slo_s):
+                    row.plus_missed += 1
+                    code = "LATE" if o.status == 200 else o.code
+                    row.plus_codes[code] = row.plus_codes.get(code, 0) + 1
         for t in trace:
             row = rows.get(math.floor(float(t["_t"]) - at))
             if row is not None and "level" in t:
                 row.level = int(t["level"])
+                row.reason = reason_kind((t.get("controller") or {}).get("reason"))
         step.rows = list(rows.values())
         end = at + step_s
         if step.after > step.before:
@@ -144,13 +155,14 @@ def step_figures(phase: Any, multiples: list[float], step_s: float, trace: list[
             )
             step.level0_after_s = None if zero is None else zero - at
         steps.append(step)
-    return StepFigures(phase.good_fraction("critical_plus"), refused_1c, steps)
+    return StepFigures(phase.good_fraction("critical_plus"), len(at_1c), steps, dict(sorted(refused_at.items())))
 
 
 def print_steps(name: str, cap: float, figures: StepFigures) -> None:
     print(
         f"\n{name}: C {cap:.1f} req/s; critical_plus within the SLO {figures.critical_plus:.4f}; "
-        f"refused in the 1 C steps {figures.refused_1c}",
+        f"refused in the 1 C steps {figures.refused_1c}"
+        + (f" (by second sent: {figures.refused_1c_at})" if figures.refused_1c_at else ""),
         flush=True,
     )
     for step in figures.steps:
@@ -160,11 +172,12 @@ def print_steps(name: str, cap: float, figures: StepFigures) -> None:
             else (f"level 0 {step.level0_after_s:.2f} s after" if step.level0_after_s is not None else "")
         )
         print(f"  step {step.before:g} C -> {step.after:g} C at {step.at_s:g} s; {what or 'none came'}")
-        print(f"    {'s':>3} {'sent':>5} {'refused':>7} {'cp sent':>7} {'cp missed':>9} {'level':>5}")
+        print(f"    {'s':>3} {'sent':>5} {'refused':>7} {'cp sent':>7} {'cp missed':>9} {'level':>5}  why")
         for r in step.rows:
+            why = " ".join(filter(None, [r.reason, str(r.plus_codes) if r.plus_codes else None]))
             print(
                 f"    {r.s:>3} {r.sent:>5} {r.refused:>7} {r.plus_sent:>7} {r.plus_missed:>9} "
-                f"{'-' if r.level is None else r.level:>5}"
+                f"{'-' if r.level is None else r.level:>5}  {why}"
             )
 
 
@@ -172,13 +185,7 @@ class StepBench(_Bench):
     """The overload bench's sessions, with one step run per stack in place of its multiples."""
 
     def __init__(self, settings: Any, steps: list[float], step_s: float, core: int | None) -> None:
-        super().__init__(settings)
-        if core is not None:  # the built-in replica pinned to the engine's core (model.cpus)
-            from ballast.config import load_config
-
-            data = bench_data(settings.args.config, settings.args.model_replicas)
-            data["model"]["cpus"] = [core]
-            self.cfg = load_config(data)
+        super().__init__(settings, core)
         self.steps, self.step_s = steps, step_s
         self.figures: dict[str, tuple[float, StepFigures]] = {}
 
@@ -208,7 +215,6 @@ def _steps_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=True)
     p.add_argument("--steps", default=",".join(f"{k:g}" for k in STEPS), help="multiples of C, back to back")
     p.add_argument("--step-s", type=float, default=20.0, help="seconds each step lasts")
-    p.add_argument("--engine-cpu", choices=ENGINE_CPU, default="own", help="the engine on a core of its own, or not")
     return p
 
 
@@ -231,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     own, rest = parse_steps(argv)
     if not any(a == "--only" or a.startswith("--only=") for a in rest):
         rest = [*rest, "--only", ",".join(STEP_STACKS)]
+    if not any(a == "--engine-cpu" or a.startswith("--engine-cpu=") for a in rest):
+        rest = [*rest, "--engine-cpu", "own"]  # this bench's default: the engine on a core of its own
     settings = parse_settings(rest)
     unknown = [n for n in settings.names if n not in STEP_STACKS]
     if unknown:
         _parser().error(f"--only: the step scenario runs {', '.join(STEP_STACKS)}, not {', '.join(unknown)}")
-    with engine_cpu(own.engine_cpu) as where:
+    with engine_cpu(settings.args.engine_cpu) as where:
         print(where.words, flush=True)
         bench = StepBench(settings, own.steps, own.step_s, where.core)
         bench.run_sessions()

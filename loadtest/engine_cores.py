@@ -6,9 +6,12 @@ cores they take turns on the engine's. ``engine_cpu("own")`` gives the engine th
 core of this process's affinity and keeps everything else off it: this process, and so Ray
 and every process either side starts, runs on the other cores, and vLLM's worker binds its
 threads to the engine's core (``VLLM_CPU_OMP_THREADS_BIND``, in the environment its
-processes inherit). A built-in or transformers replica is pinned there by its config
-(``model.cpus``: the bench sets it to ``Placement.core``). ``shared`` changes nothing: the
-kernel places everything, as on a host nobody tuned.
+processes inherit). A Ballast model replica is pinned there by its config (``model.cpus``:
+the benches set it to ``Placement.core``), and with it what it starts: vLLM's engine core
+beside its worker. Left on the busy cores, the engine core (vLLM's scheduler) starved
+when the front refused 400 requests a second, and steps came late (critical_plus 0.81 in a
+10 C crowd, against 1.00 with it on the engine's core: docs/benchmarks.md). ``shared``
+changes nothing: the kernel places everything, as on a host nobody tuned.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def engine_cpu(mode: str) -> Iterator[Placement]:
     os.environ[OMP_BIND] = str(core)
     os.sched_setaffinity(0, rest)
     try:
-        yield Placement(core, f"engine cores: the engine on core {core} alone, every other process on {sorted(rest)}")
+        yield Placement(core, f"engine cores: the model on core {core} alone, every other process on {sorted(rest)}")
     finally:
         os.environ.pop(OMP_BIND, None)
         os.sched_setaffinity(0, before)

@@ -70,6 +70,11 @@ def test_the_bench_fixes_the_model_replica_count():
     assert (m.min_replicas, m.max_replicas, m.initial_replicas) == (2, 2, 2)
 
 
+def test_the_engine_core_pins_the_built_in_model_and_only_then():
+    assert bench_config("cluster/local.yaml").model.cpus is None
+    assert bench_config("cluster/local.yaml", cpus=[1]).model.cpus == [1]
+
+
 def test_level_reasons_are_grouped_without_their_numbers():
     from loadtest.bench_overload import reason_kind
 

@@ -47,6 +47,7 @@ def test_the_figures_of_a_step_up_and_back_down():
     trace = [{"_t": t / 2, "level": 2 if 21 <= t < 46 else 0} for t in range(60)]  # level 2 from 10.5 s to 23 s
     f = step_figures(phase, [1.0, 10.0, 1.0], 10.0, trace)
     assert f.refused_1c == 2  # the one at 5.5 s and the one at 20.4 s, not the crowd's
+    assert f.refused_1c_at == {5: 1, 20: 1}
     assert f.critical_plus == pytest.approx(30 / 31)
     up, down = f.steps
     assert (up.before, up.after, up.at_s) == (1.0, 10.0, 10.0)
