@@ -683,6 +683,13 @@ CAPACITY = 52.0
 REPORT_S = 0.5
 
 
+def load(**fields) -> LoadSignals:
+    """Signals with no queue, wait, GPU or errors: only what ``fields`` say."""
+    return LoadSignals(
+        queue_length=0, queue_wait_p95_ms=None, gpu_util_pct=None, vram_pct=None, error_rate=None, **fields
+    )
+
+
 class Crowd:
     """One router's demand window (``DemandWindow``, on a fake clock) fed one report per
     ``REPORT_S`` at a multiple of 1 C, and the controller's ``decide`` on the tick after
@@ -705,12 +712,7 @@ class Crowd:
         offered = {c: round(rps * multiple * seconds) for c, rps in ONE_C.items()}
         self.window.add(offered, served=round(CAPACITY * span_s), saturated=True)
         rates = self.window.rates()
-        signals = LoadSignals(
-            queue_length=0,
-            queue_wait_p95_ms=None,
-            gpu_util_pct=None,
-            vram_pct=None,
-            error_rate=None,
+        signals = load(
             demand_rps=rates["demand_rps"],
             demand_sustained_rps=rates["demand_sustained_rps"] or None,
             demand_recent_max_rps=rates["demand_recent_max_rps"] or None,
@@ -744,15 +746,7 @@ def test_the_window_alone_would_still_be_at_level_one_then() -> None:
     crowd.report(10.0)
     crowd.report(10.0)
     window = crowd.window.rates()["demand_rps"]
-    slow = LoadSignals(
-        queue_length=0,
-        queue_wait_p95_ms=None,
-        gpu_util_pct=None,
-        vram_pct=None,
-        error_rate=None,
-        demand_rps=window,
-        capacity_rps=CAPACITY,
-    )
+    slow = load(demand_rps=window, capacity_rps=CAPACITY)
     assert target_level(slow, CFG)[0] == 1
 
 
@@ -821,11 +815,4 @@ def test_the_release_ratio_must_leave_a_band() -> None:
     with pytest.raises(ValueError, match="by_demand"):
         DegradationState(by_demand=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"demand_sustained_rps\[critical\]"):
-        LoadSignals(
-            queue_length=0,
-            queue_wait_p95_ms=None,
-            gpu_util_pct=None,
-            vram_pct=None,
-            error_rate=None,
-            demand_sustained_rps={"critical": -1.0},
-        )
+        load(demand_sustained_rps={"critical": -1.0})
