@@ -247,9 +247,8 @@ class PriorityGate:
         counts as a saturation, never takes the tenant counters' share."""
         if self.waiting or self.in_flight >= self._room(LOWEST_RANK, self.limit.value):
             return None
-        self.in_flight += 1
+        self._take(LOWEST_RANK)
         self.batch_in_flight += 1
-        self.limit.rows_in_flight(self.in_flight)
         return BatchSlot(self)
 
     def _waited(self, rank: int, wait_s: float) -> None:

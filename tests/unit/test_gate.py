@@ -647,3 +647,24 @@ def test_a_model_that_really_slows_is_read_as_slower():
         assert g.snapshot()["service_p90_ms"] == 400.0 and g.snapshot()["stalled_s"] == 0.0
 
     asyncio.run(main())
+
+
+def test_an_idle_spell_before_a_batch_line_is_no_stall():
+    """Idle for a minute, then a batch line takes the first slot: the wait before it was
+    the model's idle time, not a stall, and the next answers' samples are whole."""
+
+    async def main():
+        clock = FakeClock(100)
+        g = gate(limit=4, clock=clock)
+        for _ in range(20):
+            await g.acquire(3, clock() + 60)
+            clock.advance(0.1)
+            g.release(0.1)
+        clock.advance(60)
+        slot = g.try_batch()
+        assert slot is not None
+        clock.advance(0.1)
+        slot.release(0.1)
+        assert g.snapshot()["stalled_s"] == 0.0
+
+    asyncio.run(main())
