@@ -23,14 +23,15 @@ or an injected clock, so the fleet simulator and the unit tests run the same rul
   waiter that has waited ``max_wait_s`` is let through above the limit, by at most the
   reserve's bound: the wait of the class that must never fail is bounded, not estimated.
 - **Stalls are not service** (``StallSpans``): a span in which the model answered nothing
-  while it held requests, longer than ``factor`` (3) x the p90 service time (the oldest
+  while it held requests, longer than ``min_s`` (1 s: a long prefill between two decode
+  steps is load, not a stall) and than ``factor`` (3) x the p90 service time (the oldest
   request held would have been answered within one p90 of its start), is a stall of the
-  host or the engine. A request far longer than the p90, alone at the model, reads as one
-  too: its own sample is shortened, one sample of 64. The
-  time a stall overlapped is taken out of every service time and wait measured across it,
-  so the estimates read the model's recent service, not one slow window: after a 3 s
-  stall the p90 is still the model's, and waiters whose deadline it can meet are not
-  refused for it.
+  host or the engine, from one p90 after the last answer to the next. The time a stall
+  covered is taken out of every service time and wait measured across it, so the
+  estimates read the model's recent service, not one slow window: after a 3 s stall the
+  p90 is still the model's, and waiters whose deadline it can meet are not refused for it.
+  A request far longer than the p90, alone at the model, reads as a stall too: its own
+  sample is shortened, one of 64.
 - **Line entry** (``line_decision``): no time at all to be served (no_time), a line
   ahead that cannot drain in the time left (drain), a full line (displace the least
   critical, youngest waiter if the newcomer is more critical, else queue_full).
@@ -204,7 +205,7 @@ class StallSpans:
     (``answered``: the requests held just before it) and each start of holding (``busy``);
     time comes in as arguments."""
 
-    def __init__(self, factor: float = 3.0, min_s: float = 0.5, max_spans: int = STALL_SPANS) -> None:
+    def __init__(self, factor: float = 3.0, min_s: float = 1.0, max_spans: int = STALL_SPANS) -> None:
         check_positive("factor", factor)
         check_positive("min_s", min_s)
         check_int("max_spans", max_spans, minimum=1)
