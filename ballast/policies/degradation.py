@@ -354,9 +354,9 @@ def _target_detail(
         if asked is not None and asked[0] > best[0]:  # strict: the earlier signal keeps a tie
             best = asked
     by_demand = _by_demand(signals, cfg, load_cap, held)
-    step = by_demand is not None and by_demand[0] > best[0]
+    step = False  # whether the demand rule, read on the last two reports, names the level
     if by_demand is not None and by_demand[0] > best[0]:
-        best = (by_demand[0], by_demand[1])
+        best, step = (by_demand[0], by_demand[1]), by_demand[2]
     # A handful of failures out of a handful of requests is noise, not overload.
     if (
         signals.error_rate is not None
@@ -369,7 +369,7 @@ def _target_detail(
             f"error_rate={_fmt(signals.error_rate)}>={_fmt(cfg.error_rate_threshold)} (n={signals.request_count})",
         )
         step = False
-    return best[0], best[1], step and by_demand is not None and by_demand[2]
+    return best[0], best[1], step
 
 
 def _asked(
