@@ -88,6 +88,12 @@ class DegradationSettings(Strict):
     # long, so a host's stall of a few seconds does not read as a smaller model. 0: the
     # latest window alone.
     capacity_window_s: float = Field(default=30.0, ge=0)
+    # HAProxy refuses, per class, what passes this x the model's measured capacity counting
+    # the classes above it (the last second's arrivals): a crowd is cut at the edge before
+    # the routers' reports have seen it. Above demand_shed_ratio. null: no such ceiling.
+    edge_ceiling_ratio: float | None = Field(default=1.5, gt=0)
+    # The ceiling's capacity is the peak measured per serving replica within this long.
+    edge_capacity_memory_s: PositiveFloat = 3600.0
     stable_window_s: PositiveFloat = 30.0  # a lower target must hold this long; then the level drops to it
     # One report moves the level one up; a higher target asked for this long moves it all the way.
     up_confirm_s: PositiveFloat = 1.0

@@ -44,6 +44,7 @@ from ballast.control.snapshot import ModelState, Snapshot
 from ballast.names import ROUTER_DEPLOYMENT
 from ballast.policies import control
 from ballast.policies.degradation import LoadSignals
+from ballast.policies.edge import EdgeCeiling
 from ballast.policies.fairness import merge_reports, router_shares
 from ballast.policies.quota import TenantQuota, apportion, effective_rates
 from ballast.policies.reports import ReplicaReport, RouterReport, WatchdogReport, checked
@@ -145,6 +146,7 @@ class _ModelControl:
     policy: control.ControlPolicy
     # (requests, errors) per router report, stamped when it came: the error window.
     outcomes: CountWindow[tuple[int, int]]
+    edge: EdgeCeiling  # what HAProxy lets through of it per second
 
     def deployments(self) -> tuple[str, ...]:
         return (self.deployment,) + ((self.fallback_deployment,) if self.fallback_deployment else ())
@@ -159,6 +161,7 @@ class _ModelTick:
     step: control.ControlDecision
     ongoing: float  # the autoscaler's input
     running: int  # its deployment's replicas reporting now
+    edge_ceiling_rps: float | None  # EdgeCeiling's, this tick
 
 
 class ControllerCore:
@@ -223,6 +226,11 @@ class ControllerCore:
             fallback_replicas=fallback.deployment.replicas if fallback is not None else 0,
             policy=control.ControlPolicy(self._deg_cfg, as_cfg, state),
             outcomes=kept.outcomes if kept is not None else CountWindow(MAX_OUTCOME_BUCKETS, fields=2),
+            edge=EdgeCeiling(
+                self._deg_cfg.edge_ceiling_ratio,
+                self._deg_cfg.edge_capacity_memory_s,
+                kept.edge if kept is not None else None,
+            ),
         )
 
     def deployments(self) -> list[str]:
@@ -413,6 +421,8 @@ class ControllerCore:
         replicas = self._replicas.fresh()
         running = len(control.of_deployment(replicas, mc.deployment))
         ongoing = control.ongoing_requests(routers, replicas, mc.deployment, sig.queue_length)
+        serving = control.serving_replicas(replicas, watchdogs, mc.deployment)
+        served = sum(float(r.served_rps) for r in routers)
         step = mc.policy.step(
             control.ControlInputs(
                 signals=sig,
@@ -420,11 +430,12 @@ class ControllerCore:
                 running_replicas=running,
                 # The recycler's surge from the last tick (ballast.policies.recycle.surging).
                 surging=mc.deployment in self.recycler.surging,
-                serving_replicas=control.serving_replicas(replicas, watchdogs, mc.deployment),
+                serving_replicas=serving,
             ),
             now,
         )
-        return _ModelTick(mc.deployment, sig, step, ongoing, running)
+        ceiling = mc.edge.observe(now, sig.capacity_rps, served, serving)
+        return _ModelTick(mc.deployment, sig, step, ongoing, running, ceiling)
 
     def _tick_recycler(self, ticks: Mapping[str, _ModelTick], watchdogs: dict[str, WatchdogReport]) -> None:
         """The recycler over every model's deployment and fallback: each deployment's target
@@ -465,6 +476,7 @@ class ControllerCore:
             reason=level.reason,
             constraints=self._deg_cfg.constraints[level.level],
             inputs=t.signals,
+            edge_ceiling_rps=t.edge_ceiling_rps,
         )
 
     def _replica_counts(self, ticks: Mapping[str, _ModelTick]) -> dict[str, int]:

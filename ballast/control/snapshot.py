@@ -40,7 +40,7 @@ from ballast.policies.degradation import (
     conservative_level,
 )
 from ballast.policies.reports import ReplicaReport, RouterReport
-from ballast.policies.validation import check_fields, check_int, check_name
+from ballast.policies.validation import check_fields, check_int, check_name, check_positive
 
 log = logging.getLogger("ballast.snapshot")
 
@@ -91,6 +91,8 @@ class ModelState:
     # where not every replica says (an engine Ballast batches, or one whose steps do not say yet).
     engine_rows: int | None = None
     routing: RoutingSummary = field(default_factory=RoutingSummary)  # how its requests spread
+    # What HAProxy lets through of it per second (ballast.policies.edge.EdgeCeiling); None: no ceiling.
+    edge_ceiling_rps: float | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, check_name, "deployment")
@@ -104,6 +106,7 @@ class ModelState:
             check_fields(self, check_int, "engine_rows", minimum=0)
         if not isinstance(self.routing, RoutingSummary):
             raise ValueError(f"routing: must be a RoutingSummary, got {self.routing!r}")
+        check_fields(self, check_positive, "edge_ceiling_rps", optional=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -115,6 +118,7 @@ class ModelState:
             "inputs": self.inputs.to_dict() if self.inputs is not None else None,
             "engine_rows": self.engine_rows,
             "routing": self.routing.as_dict(),
+            "edge_ceiling_rps": self.edge_ceiling_rps,
         }
 
     @classmethod
@@ -139,6 +143,7 @@ class ModelState:
             inputs=LoadSignals.from_dict(inputs) if inputs else None,
             engine_rows=raw.get("engine_rows"),
             routing=_routing(raw.get("routing", {})),
+            edge_ceiling_rps=raw.get("edge_ceiling_rps"),
         )
 
 

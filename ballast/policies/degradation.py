@@ -118,6 +118,13 @@ class DegradationConfig:
     #: The demand rule's capacity: the highest answer rate measured while full over this
     #: long (0: the latest measurement alone).
     capacity_window_s: float = 30.0
+    #: HAProxy refuses what passes this × the model's capacity, counting the classes above
+    #: (ballast.policies.edge.EdgeCeiling): a crowd is cut there before the reports see it.
+    #: Above ``demand_shed_ratio``, so that the level sheds first once it has seen the
+    #: demand. None: no ceiling.
+    edge_ceiling_ratio: float | None = 1.5
+    #: How long the ceiling's measured capacity is held against lower measurements.
+    edge_capacity_memory_s: float = 3600.0
     stable_window_s: float = 30.0
     #: A target two or more above the level must persist this long before the level follows it.
     up_confirm_s: float = 1.0
@@ -141,7 +148,11 @@ class DegradationConfig:
             raise ValueError(
                 f"demand_release_ratio: must be below demand_shed_ratio ({shed!r}) to keep a band, got {release!r}"
             )
-        check_fields(self, check_positive, "stable_window_s", "up_confirm_s")
+        check_fields(self, check_positive, "edge_ceiling_ratio", optional=True)
+        ceiling = self.edge_ceiling_ratio
+        if shed is not None and ceiling is not None and ceiling <= shed:
+            raise ValueError(f"edge_ceiling_ratio: must be above demand_shed_ratio ({shed!r}), got {ceiling!r}")
+        check_fields(self, check_positive, "stable_window_s", "up_confirm_s", "edge_capacity_memory_s")
         check_fields(self, check_non_negative, "capacity_gap_max_s", "capacity_gap_settle_s", "capacity_window_s")
         self._validate_constraints()
 

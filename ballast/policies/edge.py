@@ -106,3 +106,47 @@ class EdgeThrottle:
             return 0
         drop = reject_probability(requests, accepts, self.cfg.k)  # the client throttle's formula
         return int(min(drop, self.cfg.max_drop) * ALL)
+
+
+class EdgeCeiling:
+    """What HAProxy lets through per second of one model before Python sees it (the
+    controller keeps one per model and publishes it in the snapshot).
+
+    A crowd of ten times the model's capacity reaches the routers' Python at once, before
+    any report has seen it; refusing it there costs the cores the reports, the level and
+    the model need, and the level's own rules then see it late. So HAProxy refuses, per
+    class, what passes ``ratio`` × this model's capacity counting the classes above it
+    (``haproxy_edge.cfg``: the last second's arrivals of the class and every class more
+    critical), and the level takes over on the next reports.
+
+    The capacity: the highest answer rate the model's gates measured while full
+    (``LoadSignals.capacity_rps``) per serving replica, within ``memory_s`` (an older
+    peak is kept until the next measurement replaces it: a capacity once measured bounds
+    better than none), times the replicas serving now (a replica added raises it at
+    once); never below what the routers answer now (a model that answers more than it
+    was measured at, e.g. shorter requests, moves its ceiling with it). None until the
+    model was measured full once: no ceiling.
+    """
+
+    def __init__(self, ratio: float | None, memory_s: float, kept: EdgeCeiling | None = None) -> None:
+        self.ratio = ratio
+        self.memory_s = memory_s
+        # The peak per serving replica and when it was measured (``kept``'s across a redeploy).
+        self._per_replica: float | None = kept._per_replica if kept is not None else None
+        self._at_s: float | None = kept._at_s if kept is not None else None
+
+    def observe(self, now_s: float, capacity_rps: float | None, served_rps: float, serving: int | None) -> float | None:
+        """This tick's ceiling in requests per second (None: no ceiling). ``capacity_rps``:
+        measured this tick (None: no gate was full); ``served_rps``: the routers' answer
+        rate now; ``serving``: the model's replicas taking traffic (None: unknown, 1)."""
+        if self.ratio is None:
+            return None
+        replicas = max(1, serving or 1)
+        if capacity_rps is not None and capacity_rps > 0:
+            per = capacity_rps / replicas
+            old, at = self._per_replica, self._at_s
+            if old is None or at is None or now_s < at or now_s - at > self.memory_s or per >= old:
+                self._per_replica, self._at_s = per, now_s
+        if self._per_replica is None:
+            return None
+        return self.ratio * max(self._per_replica * replicas, served_rps)

@@ -96,25 +96,44 @@ TABLE = "ballast_edge"
 SOCKET_TIMEOUT_S = 0.5
 
 
-def shed_entries(level: int, constraints: LevelConstraints, drops: Mapping[str, int] | None = None) -> dict[str, str]:
-    """The map at ``level``: class -> "retry_after:level:per_mille:rank" for each class the edge refuses.
+def shed_entries(
+    level: int,
+    constraints: LevelConstraints,
+    drops: Mapping[str, int] | None = None,
+    ceiling_rps: float | None = None,
+) -> dict[str, str]:
+    """The map at ``level``: class -> "retry_after:level:per_mille:rank:ceiling" for each class the edge judges.
 
     A class the level does not admit: all of it, with the router's Retry-After for that
     refusal (whole seconds, at least 1). A class it admits: ``drops[class]`` per mille
     (``ballast.policies.edge.EdgeThrottle``), with the gate's Retry-After (1 s). Never
     critical_plus. ``rank``: the class's (0 most critical), against which HAProxy checks
-    the key's cap before it counts a refusal.
+    the key's cap before it counts a refusal. ``ceiling``: the model's arrival ceiling in
+    requests a second (``ballast.policies.edge.EdgeCeiling``; 0: none); with one, every
+    class but critical_plus has an entry, so HAProxy judges each against it.
     """
     retry = max(1, math.ceil(retry_after_s(level)))
+    ceiling = _two_digits(ceiling_rps) if ceiling_rps is not None else 0
     out = {}
     for c in Criticality:
         if c is Criticality.CRITICAL_PLUS:
             continue
         if c not in constraints.admitted:
-            out[c.value] = f"{retry}:{level}:{ALL}:{c.rank}"
+            out[c.value] = f"{retry}:{level}:{ALL}:{c.rank}:{ceiling}"
         elif drops and drops.get(c.value, 0) > 0:
-            out[c.value] = f"1:{level}:{min(int(drops[c.value]), ALL - 1)}:{c.rank}"
+            out[c.value] = f"1:{level}:{min(int(drops[c.value]), ALL - 1)}:{c.rank}:{ceiling}"
+        elif ceiling:
+            out[c.value] = f"1:{level}:0:{c.rank}:{ceiling}"
     return out
+
+
+def _two_digits(rps: float) -> int:
+    """``rps`` as a whole number of requests a second, to two significant digits (at least 1):
+    the map changes when the ceiling moves by a few per cent, not with every report."""
+    if rps < 1:
+        return 1
+    scale = 10 ** max(0, math.floor(math.log10(rps)) - 1)
+    return max(1, round(rps / scale) * scale)
 
 
 def key_entries(

@@ -292,16 +292,21 @@ class Reporter:
             return
         sole = self._sole_lane()
         if sole is not None:
-            own = self._cache.effective(sole.name)
-            entries = shed_entries(own.level, own.constraints, self._drops(now, sole.name))
+            entries = self._model_entries(now, sole.name)
         else:
             entries = {}
             for name in sorted(self._judged()):
-                own = self._cache.effective(name)
-                entries.update(
-                    model_shed_entries(name, shed_entries(own.level, own.constraints, self._drops(now, name)))
-                )
+                entries.update(model_shed_entries(name, self._model_entries(now, name)))
         self.edge.apply(entries)
+
+    def _model_entries(self, now: float, name: str) -> dict[str, str]:
+        """One model's entries at its level, with its arrival ceiling while the controller's
+        snapshot is fresh (a stale one's ceiling may be another fleet's: none then)."""
+        own = self._cache.effective(name)
+        snap = self._cache.snapshot
+        state = snap.models.get(name) if snap is not None and own.source == "snapshot" else None
+        ceiling = state.edge_ceiling_rps if state is not None else None
+        return shed_entries(own.level, own.constraints, self._drops(now, name), ceiling)
 
     def _apply_models(self) -> None:
         """The edge's models map, from the pipeline's catalog (built again only when the

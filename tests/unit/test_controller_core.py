@@ -17,6 +17,7 @@ from fakes import FakeClock
 
 from ballast.config import BallastConfig, load_config
 from ballast.control.controller import MAX_OUTCOME_BUCKETS, MAX_SENDERS, ControllerCore
+from ballast.control.snapshot import Snapshot
 from ballast.names import MODEL_DEPLOYMENT, ROUTER_DEPLOYMENT
 from ballast.policies.reports import ModelLoad, ReplicaReport, RouterReport
 
@@ -487,6 +488,24 @@ def test_demand_by_criticality_sums_over_routers_and_capacity_needs_a_full_gate(
     # No gate full: no capacity figure, and demand alone asks for nothing.
     h.router("a", demand_rps={"sheddable": 500.0}, served_rps=20.0, gate_full=False)
     assert h.core.signals(MODEL).capacity_rps is None
+
+
+def test_the_edge_ceiling_is_published_once_a_gate_was_measured_full(h: Harness) -> None:
+    h.replica("m1")
+    h.router("a", demand_rps={"sheddable": 10.0}, served_rps=10.0, gate_full=False)
+    assert h.core.tick().models[MODEL].edge_ceiling_rps is None  # never measured: no ceiling
+    h.router("a", demand_rps={"sheddable": 60.0}, served_rps=40.0, gate_full=True)
+    snap = h.core.tick()
+    assert snap.models[MODEL].edge_ceiling_rps == 60.0  # 1.5 x 40 (degradation.edge_ceiling_ratio)
+    assert Snapshot.from_dict(snap.to_dict()).models[MODEL].edge_ceiling_rps == 60.0
+    h.advance(5)
+    h.router("a", demand_rps={"sheddable": 5.0}, served_rps=5.0, gate_full=False)
+    assert h.core.tick().models[MODEL].edge_ceiling_rps == 60.0  # calm: the measurement holds
+    # Off in the config: none.
+    off = Harness(make_cfg(degradation={"edge_ceiling_ratio": None}))
+    off.replica("m1")
+    off.router("a", demand_rps={"sheddable": 60.0}, served_rps=40.0, gate_full=True)
+    assert off.core.tick().models[MODEL].edge_ceiling_rps is None
 
 
 def test_malformed_demand_reports_are_refused_when_built_and_dropped_on_arrival(h: Harness) -> None:

@@ -65,12 +65,12 @@ backend app
 
 def test_the_map_sheds_what_the_level_does_not_admit_and_never_critical_plus():
     assert shed_entries(0, DEFAULT_CONSTRAINTS[0]) == {}
-    assert shed_entries(1, DEFAULT_CONSTRAINTS[1]) == {"sheddable": "1:1:1000:3"}
-    assert shed_entries(2, DEFAULT_CONSTRAINTS[2]) == {"sheddable": "2:2:1000:3", "sheddable_plus": "2:2:1000:2"}
+    assert shed_entries(1, DEFAULT_CONSTRAINTS[1]) == {"sheddable": "1:1:1000:3:0"}
+    assert shed_entries(2, DEFAULT_CONSTRAINTS[2]) == {"sheddable": "2:2:1000:3:0", "sheddable_plus": "2:2:1000:2:0"}
     assert shed_entries(3, DEFAULT_CONSTRAINTS[3]) == {
-        "sheddable": "4:3:1000:3",
-        "sheddable_plus": "4:3:1000:2",
-        "critical": "4:3:1000:1",
+        "sheddable": "4:3:1000:3:0",
+        "sheddable_plus": "4:3:1000:2:0",
+        "critical": "4:3:1000:1:0",
     }
     # Level 4 admits nothing new, but critical_plus may still go to the fallback: the router decides.
     assert set(shed_entries(4, DEFAULT_CONSTRAINTS[4])) == {"sheddable", "sheddable_plus", "critical"}
@@ -78,12 +78,28 @@ def test_the_map_sheds_what_the_level_does_not_admit_and_never_critical_plus():
     # a whole class stays whole, and critical_plus is never in the map.
     drops = {"critical_plus": 900, "critical": 629, "sheddable_plus": 0, "sheddable": 300}
     assert shed_entries(2, DEFAULT_CONSTRAINTS[2], drops) == {
-        "critical": "1:2:629:1",
-        "sheddable_plus": "2:2:1000:2",
-        "sheddable": "2:2:1000:3",
+        "critical": "1:2:629:1:0",
+        "sheddable_plus": "2:2:1000:2:0",
+        "sheddable": "2:2:1000:3:0",
     }
-    assert shed_entries(0, DEFAULT_CONSTRAINTS[0], {"critical": 5000}) == {"critical": "1:0:999:1"}
+    assert shed_entries(0, DEFAULT_CONSTRAINTS[0], {"critical": 5000}) == {"critical": "1:0:999:1:0"}
     assert render_map({"sheddable": "2:2:1000", "critical": "2:2:1000"}) == "critical 2:2:1000\nsheddable 2:2:1000\n"
+
+
+def test_with_a_ceiling_every_class_but_critical_plus_is_judged_against_it():
+    # Level 0, nothing dropped: every class but critical_plus listed at 0 per mille, with
+    # the ceiling to two significant digits (the map moves with it by a few per cent).
+    assert shed_entries(0, DEFAULT_CONSTRAINTS[0], None, 67.4) == {
+        "critical": "1:0:0:1:67",
+        "sheddable_plus": "1:0:0:2:67",
+        "sheddable": "1:0:0:3:67",
+    }
+    assert shed_entries(2, DEFAULT_CONSTRAINTS[2], {"critical": 300}, 1234.5) == {
+        "critical": "1:2:300:1:1200",
+        "sheddable_plus": "2:2:1000:2:1200",
+        "sheddable": "2:2:1000:3:1200",
+    }
+    assert shed_entries(0, DEFAULT_CONSTRAINTS[0], None, 0.2)["sheddable"] == "1:0:0:3:1"
 
 
 def test_the_table_is_read_per_class_and_anything_else_ignored():
@@ -211,7 +227,7 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
     )
     assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is True
     assert edge.apply(shed_entries(3, DEFAULT_CONSTRAINTS[3])) is False  # unchanged: no command sent
-    assert "critical 4:3:1000:1" in (d / MAP_NAME).read_text()  # the file too: what a reload reads
+    assert "critical 4:3:1000:1:0" in (d / MAP_NAME).read_text()  # the file too: what a reload reads
 
     status, headers, body = _post(port, "/v1/generate", "sheddable")
     router = Overloaded("degradation level 3 does not admit criticality 'sheddable'", 4.0)
@@ -260,6 +276,43 @@ def test_a_shed_class_gets_the_routers_own_refusal_from_haproxy_and_is_counted(h
         "message": "no model capacity for 'critical' at level 2 (the edge refuses 500 per mille of it)",
     }
     assert {s for s, _, _ in answers} == {200, 503} and edge.drain() == {"critical": len(refused)}
+
+
+def test_a_crowd_past_the_ceiling_is_refused_at_the_edge_from_the_lowest_class_up(haproxy):
+    """HAProxy's own arrival rate against the ceiling in the map, before any level moves:
+    a class is judged with every class above it, never with those below; critical_plus
+    is never refused; what stays below the ceiling passes whole."""
+    d, port, _ = haproxy
+    edge = Edge(str(d), str(d / "admin.sock"))
+    edge.apply_keys(key_entries([(hashlib.sha256(KEY.encode()).digest(), "gold")], {"gold": Criticality.CRITICAL_PLUS}))
+    # A ceiling above every request sent here: the rates (arrivals within the last second)
+    # cannot pass it, whatever the time between them. Nothing refused.
+    edge.apply(shed_entries(0, DEFAULT_CONSTRAINTS[0], None, 1000.0))
+    for crit in ("critical_plus", "critical", "sheddable_plus", "sheddable") * 10:
+        assert _post(port, "/v1/generate", crit)[0] == 200, crit
+    # A ceiling of 30: sheddable behind two critical_plus each (so critical_plus's rate is
+    # at least 1 at every sheddable arrival, however slow the host: the share past the
+    # ceiling is then at least all of sheddable's own, refused but for 1 per mille).
+    edge.apply(shed_entries(0, DEFAULT_CONSTRAINTS[0], None, 1.0))
+    edge.drain()
+    outcomes: dict[str, list[int]] = {"critical_plus": [], "sheddable": []}
+    for _ in range(40):
+        for crit in ("critical_plus", "critical_plus", "sheddable"):
+            outcomes[crit].append(_post(port, "/v1/generate", crit)[0])
+    assert set(outcomes["critical_plus"]) == {200}
+    assert outcomes["sheddable"].count(503) >= 36  # 40 at 999 per mille: fewer is ~1e-9
+    _post(port, "/v1/generate", "critical_plus")
+    status, headers, body = _post(port, "/v1/generate", "sheddable")
+    if status == 503:  # said as the gate says it, counted as demand the edge turned away
+        assert json.loads(body)["error"]["message"].startswith("no model capacity for 'sheddable' at level 0")
+        assert headers["x-ballast-edge"] == "refused"
+    assert edge.drain()["sheddable"] == outcomes["sheddable"].count(503) + (status == 503)
+    # Judged with the classes above only: critical below a ceiling that its own and
+    # critical_plus's arrivals cannot reach passes whole beside a sheddable crowd.
+    edge.apply(shed_entries(0, DEFAULT_CONSTRAINTS[0], None, 500.0))
+    for _ in range(30):
+        _post(port, "/v1/generate", "sheddable")
+        assert _post(port, "/v1/generate", "critical")[0] == 200
 
 
 def _asking(model: str) -> bytes:
@@ -313,7 +366,7 @@ def test_a_two_model_router_keeps_each_models_entries_and_counts_its_refusals_in
     # it, and the shed map holds nothing of it (nor a "<class>" entry, with several models).
     assert (d / MODELS_MAP_NAME).read_text() == "large large\nsmall small\n"
     assert router.reporter.edge.shedding == {
-        f"large:{c}": f"4:3:1000:{Criticality(c).rank}" for c in ("critical", "sheddable_plus", "sheddable")
+        f"large:{c}": f"4:3:1000:{Criticality(c).rank}:0" for c in ("critical", "sheddable_plus", "sheddable")
     }
     assert _post(port, "/v1/chat/completions", "critical", body=_asking("large"))[0] == 503
     assert _post(port, "/v1/chat/completions", "critical", body=_asking("gold-only"))[0] == 200
@@ -467,7 +520,7 @@ def test_the_router_keeps_the_map_at_its_level_and_counts_the_edges_refusals_as_
     router.reporter.edge = Edge(str(d), str(d / "admin.sock"))
     at_level(router, 2)
     router.reporter.sync_edge()
-    assert router.reporter.edge.shedding == {"sheddable": "2:2:1000:3", "sheddable_plus": "2:2:1000:2"}
+    assert router.reporter.edge.shedding == {"sheddable": "2:2:1000:3:0", "sheddable_plus": "2:2:1000:2:0"}
     for _ in range(3):
         assert _post(port, "/v1/generate", "sheddable_plus")[0] == 503
     assert _post(port, "/v1/generate", "critical")[0] == 200
@@ -551,7 +604,7 @@ def test_a_keyless_loop_moves_neither_demand_nor_the_edge_throttle(tenants_route
         tally.decided("critical", through=i % 2 == 0)
     reporter.sync_edge()
     share = reporter.edge.shedding["critical"]
-    assert share == "1:0:445:1"  # (100 - 1.1 x 50) / 101 per mille
+    assert share == "1:0:445:1:0"  # (100 - 1.1 x 50) / 101 per mille
     # t=1001: 400 keyless requests claim critical; the edge refuses its share of them, counts none.
     clock.advance()
     answers = [_post(port, "/v1/generate", "critical", None)[0] for _ in range(400)]
@@ -748,17 +801,17 @@ def test_a_map_word_that_would_split_a_command_or_a_line_is_never_sent(haproxy):
 
     d, port, _ = haproxy
     edge = Edge(str(d), str(d / "admin.sock"))
-    assert edge.apply({"sheddable": "1:1:1000:3"}) is True
+    assert edge.apply({"sheddable": "1:1:1000:3:0"}) is True
     for word in ("odd;name:sheddable", "#x:sheddable", "a\\b:sheddable", "a b:sheddable"):
-        assert edge.apply({"sheddable": "1:1:1000:3", word: "1:1:1000:3"}) is False, word
+        assert edge.apply({"sheddable": "1:1:1000:3:0", word: "1:1:1000:3:0"}) is False, word
     assert edge.shedding == {}  # not applied: the router refuses in Python meanwhile
-    assert (d / MAP_NAME).read_text() == "sheddable 1:1:1000:3\n"  # nothing written
+    assert (d / MAP_NAME).read_text() == "sheddable 1:1:1000:3:0\n"  # nothing written
     shown = admin_command(edge.socket_path, f"show map {edge.map_path}")
-    assert [line.split()[1:] for line in shown.splitlines() if line.startswith("0x")] == [["sheddable", "1:1:1000:3"]]
+    assert [line.split()[1:] for line in shown.splitlines() if line.startswith("0x")] == [["sheddable", "1:1:1000:3:0"]]
     # Any answer but HAProxy's empty lines is a failure: a map it does not know.
     stray = Edge(str(d), str(d / "admin.sock"))
     stray.map_path = str(d / "not-loaded.map")
-    assert stray.apply({"sheddable": "1:1:1000:3"}) is False
+    assert stray.apply({"sheddable": "1:1:1000:3:0"}) is False
 
 
 def _outside_address() -> str | None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ballast.policies.edge import ALL, EdgeThrottle, EdgeThrottleConfig
+from ballast.policies.edge import ALL, EdgeCeiling, EdgeThrottle, EdgeThrottleConfig
 
 
 def test_nothing_is_dropped_while_the_gate_accepts_what_arrives():
@@ -116,3 +116,26 @@ def test_a_class_the_model_took_whole_is_throttled_within_two_seconds_of_the_loa
     steady = int((68 - 1.1 * 11) / 69 * ALL)
     assert drop_after_rise(EdgeThrottleConfig()) >= 0.75 * steady
     assert drop_after_rise(EdgeThrottleConfig(window_s=10)) < 0.6 * steady
+
+
+def test_the_ceiling_is_the_measured_capacity_per_replica_times_those_serving_now():
+    ceiling = EdgeCeiling(1.5, memory_s=60.0)
+    # Never measured full: no ceiling, whatever is answered.
+    assert ceiling.observe(0.0, None, 30.0, 1) is None
+    assert ceiling.observe(1.0, 40.0, 40.0, 1) == 60.0  # measured: 1.5 x 40
+    # The gates are not full any more: the measurement holds.
+    assert ceiling.observe(2.0, None, 5.0, 1) == 60.0
+    # A lower measurement (a stall, a slow window) does not lower it within memory_s ...
+    assert ceiling.observe(30.0, 20.0, 20.0, 1) == 60.0
+    # ... a second replica serving doubles it at once ...
+    assert ceiling.observe(31.0, None, 20.0, 2) == 120.0
+    # ... and a model answering more than it was measured at moves it along.
+    assert ceiling.observe(32.0, None, 100.0, 2) == 150.0
+    # Past memory_s the next measurement replaces the peak, lower or not.
+    assert ceiling.observe(61.5, None, 10.0, 2) == 120.0
+    assert ceiling.observe(62.0, 60.0, 60.0, 2) == 90.0  # 30 a replica now
+    # Kept across a redeploy; no ratio: no ceiling.
+    assert EdgeCeiling(2.0, 60.0, kept=ceiling).observe(63.0, None, 0.0, 2) == 120.0
+    assert EdgeCeiling(None, 60.0).observe(0.0, 40.0, 40.0, 1) is None
+    # No serving replica reported: counted as one (a model measured once is not unbounded).
+    assert ceiling.observe(64.0, None, 0.0, 0) == 45.0
