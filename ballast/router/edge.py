@@ -132,8 +132,8 @@ def _two_digits(rps: float) -> int:
     the map changes when the ceiling moves by a few per cent, not with every report."""
     if rps < 1:
         return 1
-    scale = 10 ** max(0, math.floor(math.log10(rps)) - 1)
-    return max(1, round(rps / scale) * scale)
+    scale: int = 10 ** max(0, math.floor(math.log10(rps)) - 1)
+    return max(1, int(round(rps / scale)) * scale)
 
 
 def key_entries(
