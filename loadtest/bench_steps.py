@@ -96,6 +96,7 @@ class StepFigures:
     steps: list[Step]
     # The 1 C steps' refusals by the second they were sent in (from the start), where any.
     refused_1c_at: dict[int, int] = field(default_factory=dict)
+    moves: list[str] = field(default_factory=list)  # level_moves
 
     def slowest(self, attr: str) -> float:
         values = [getattr(s, attr) for s in self.steps if getattr(s, attr) is not None]
@@ -155,7 +156,33 @@ def step_figures(phase: Any, multiples: list[float], step_s: float, trace: list[
             )
             step.level0_after_s = None if zero is None else zero - at
         steps.append(step)
-    return StepFigures(phase.good_fraction("critical_plus"), len(at_1c), steps, dict(sorted(refused_at.items())))
+    return StepFigures(
+        phase.good_fraction("critical_plus"), len(at_1c), steps, dict(sorted(refused_at.items())), level_moves(trace)
+    )
+
+
+#: The controller's inputs a level move is read with (LoadSignals' names).
+MOVE_INPUTS = ("queue_wait_p95_ms", "queue_length", "kv_util_pct", "error_rate", "capacity_rps")
+
+
+def level_moves(trace: list[dict[str, Any]]) -> list[str]:
+    """Each status sample whose level differs from the last one's: when, to what, the
+    controller's whole reason and the inputs it read (what moved it, when the per-second
+    table shows only the last reason of a second)."""
+    out, last = [], 0
+    for t in trace:
+        level = t.get("level")
+        if level is None or level == last:
+            continue
+        ctl = t.get("controller") or {}
+        inputs = ctl.get("inputs") or {}
+        shown = {k: inputs[k] for k in MOVE_INPUTS if inputs.get(k) is not None}
+        demand = inputs.get("demand_sustained_rps") or {}
+        if demand:
+            shown["demand_sustained"] = round(sum(demand.values()), 1)
+        out.append(f"{float(t['_t']):7.2f} s: {last} -> {level}: {ctl.get('reason')} {shown}")
+        last = level
+    return out
 
 
 def print_steps(name: str, cap: float, figures: StepFigures) -> None:
@@ -165,6 +192,10 @@ def print_steps(name: str, cap: float, figures: StepFigures) -> None:
         + (f" (by second sent: {figures.refused_1c_at})" if figures.refused_1c_at else ""),
         flush=True,
     )
+    if figures.moves:
+        print("  level moves (status sample time from the run's start):")
+        for line in figures.moves:
+            print("    " + line)
     for step in figures.steps:
         what = (
             f"first refusal {step.first_refusal_s:.2f} s after"
