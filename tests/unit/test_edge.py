@@ -315,6 +315,21 @@ def test_a_crowd_past_the_ceiling_is_refused_at_the_edge_from_the_lowest_class_u
         assert _post(port, "/v1/generate", "critical")[0] == 200
 
 
+
+def test_a_keyless_flood_claiming_critical_plus_moves_no_ones_ceiling(haproxy):
+    """Only the requests whose key the edge knows are counted in the arrivals the ceiling
+    reads: 60 keyless or unknown-key critical_plus requests, then keyed sheddable ones
+    whose own arrivals cannot pass a ceiling of 5 (a HAProxy of its own: no earlier
+    arrivals in its table): all pass."""
+    d, port, _ = haproxy
+    edge = Edge(str(d), str(d / "admin.sock"))
+    edge.apply_keys(key_entries([(hashlib.sha256(KEY.encode()).digest(), "gold")], {"gold": Criticality.CRITICAL_PLUS}))
+    edge.apply(shed_entries(0, DEFAULT_CONSTRAINTS[0], None, 5.0))
+    for auth in (None, "Bearer not-a-key") * 30:
+        assert _post(port, "/v1/generate", "critical_plus", auth=auth)[0] == 200
+    assert [_post(port, "/v1/generate", "sheddable")[0] for _ in range(4)] == [200] * 4
+
+
 def _asking(model: str) -> bytes:
     return json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
