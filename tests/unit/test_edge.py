@@ -315,7 +315,6 @@ def test_a_crowd_past_the_ceiling_is_refused_at_the_edge_from_the_lowest_class_u
         assert _post(port, "/v1/generate", "critical")[0] == 200
 
 
-
 def test_a_keyless_flood_claiming_critical_plus_moves_no_ones_ceiling(haproxy):
     """Only the requests whose key the edge knows are counted in the arrivals the ceiling
     reads: 60 keyless or unknown-key critical_plus requests, then keyed sheddable ones
