@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from loadtest.bench_overload import Outcome
-from loadtest.bench_steps import StepFigures, parse_steps, send_times, step_figures
+from loadtest.bench_steps import StepFigures, level_moves, parse_steps, send_times, step_figures
 
 
 def test_send_times_run_back_to_back_evenly_within_each_step():
@@ -73,3 +73,25 @@ def test_the_steps_flags_are_checked_and_the_rest_left_to_the_overload_bench():
     for bad in (["--steps", "1"], ["--steps", "1,x"], ["--steps", "1,0"], ["--step-s", "0.5"]):
         with pytest.raises(SystemExit):
             parse_steps(bad)
+
+
+def test_each_level_move_is_listed_once_with_its_reason_and_inputs():
+    up = {
+        "reason": "up 0->2: demand_now",
+        "inputs": {
+            "queue_wait_p95_ms": 60.0,
+            "kv_util_pct": None,
+            "demand_sustained_rps": {"critical": 40.0, "sheddable": 10.04},
+        },
+    }
+    trace = [
+        {"_t": 0.5, "level": 0},
+        {"_t": 1.0, "level": 2, "controller": up},
+        {"_t": 1.5, "level": 2, "controller": up},  # no move
+        {"_t": 2.0},  # a sample without a level: skipped
+        {"_t": 2.5, "level": 0, "controller": {"reason": "down 2->0", "inputs": {}}},
+    ]
+    assert level_moves(trace) == [
+        "   1.00 s: 0 -> 2: up 0->2: demand_now {'queue_wait_p95_ms': 60.0, 'demand_sustained': 50.0}",
+        "   2.50 s: 2 -> 0: down 2->0 {}",
+    ]
