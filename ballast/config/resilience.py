@@ -10,6 +10,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from ballast.config.base import Strict, frozen_config, ordered
 from ballast.policies.breaker import BreakerConfig
 from ballast.policies.engines import capabilities
+from ballast.policies.hedge import HedgeConfig
 from ballast.policies.limiter import LimiterConfig
 from ballast.policies.retry import RetryConfig
 
@@ -46,6 +47,37 @@ class RetrySettings(Strict):
 
     def retry_config(self) -> RetryConfig:
         return RetryConfig(**self.model_dump())
+
+
+class HedgeSettings(Strict):
+    """Hedged attempts (ballast/policies/hedge.py): an attempt with no progress after the
+    model's recent p95 wait × ``factor`` goes to another replica as well; the first answer
+    wins and the other is aborted. Sent only while the model's level sheds nothing, and
+    within a budget of the requests in flight."""
+
+    enabled: bool = True
+    factor: float = Field(default=3.0, gt=0)
+    min_delay_s: float = Field(default=0.5, ge=0)
+    max_delay_s: PositiveFloat = 10.0
+    min_samples: PositiveInt = 20
+    window: PositiveInt = 200
+    budget_ratio: float = Field(default=0.1, ge=0, le=1)
+    budget_min_concurrent: int = Field(default=1, ge=0)
+    # A replica whose heartbeat (the stamp of its routing stats, as Serve hands them to the
+    # routers) has not moved for this long, while another replica's has, is silent: routers
+    # send it nothing new, and an attempt that timed out on it is lost capacity, not a
+    # model error (it moves neither the breaker nor the level's error rate).
+    silent_after_s: PositiveFloat = 4.0
+
+    @model_validator(mode="after")
+    def _delays(self) -> HedgeSettings:
+        ordered(self, "min_delay_s", "max_delay_s")
+        if self.window < self.min_samples:
+            raise ValueError(f"window ({self.window}) must be >= min_samples ({self.min_samples})")
+        return self
+
+    def hedge_config(self) -> HedgeConfig:
+        return HedgeConfig(**self.model_dump(exclude={"silent_after_s"}))
 
 
 class BulkheadSettings(Strict):
@@ -164,6 +196,7 @@ class ResilienceConfig(Strict):
     migration_limit: int = Field(default=3, ge=0, le=10)
     breaker: BreakerSettings = BreakerSettings()
     retry: RetrySettings = RetrySettings()
+    hedge: HedgeSettings = HedgeSettings()
     bulkhead: BulkheadSettings = BulkheadSettings()
     gate: GateSettings = GateSettings()
     cache: CacheSettings = CacheSettings()

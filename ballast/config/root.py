@@ -159,6 +159,18 @@ class BallastConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _silence_outlasts_the_polls(self) -> BallastConfig:
+        """Serve polls each replica's routing stats (its heartbeat) every ``watchdog.interval_s``,
+        at a random point of 0.5-1.5 periods: a replica is silent only after more than two."""
+        if self.resilience.hedge.silent_after_s <= 2 * self.watchdog.interval_s:
+            raise ValueError(
+                f"resilience.hedge.silent_after_s ({self.resilience.hedge.silent_after_s:g}) must be above twice "
+                f"watchdog.interval_s ({self.watchdog.interval_s:g}), how often a replica's heartbeat is polled: "
+                "a replica between two polls would be taken for silent"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _production_has_no_demo_secrets(self) -> BallastConfig:
         if self.environment == "production" and self.chaos.enabled:
             raise ValueError("chaos.enabled: fault injection is for local and test stacks, never production")

@@ -381,6 +381,10 @@ class ModelCall:
     # How the request router may place it (``ballast.policies.affinity.route_mode``): set
     # with the admitted length; not part of what the call asks (an answer cache ignores it).
     route: str = field(default="affinity", compare=False)
+    # Replicas (Serve's unique ids) the request router is to pass over while another is
+    # ready: a hedge's, or a re-send's after its attempt went silent there. Not part of what
+    # the call asks.
+    avoid: tuple[str, ...] = field(default=(), compare=False)
     # The salt of the tenant's prefix-cache group (``ballast.policies.cache_groups``), set
     # with the admitted length: the engine's prefix cache and the routers' view of it are
     # shared only among calls of one salt. None: no group (a call built outside a router).
@@ -440,6 +444,10 @@ class ModelCall:
     def for_attempt(self, left_s: float, now_wall_s: float) -> ModelCall:
         """The call as one attempt sends it: with that attempt's deadline."""
         return replace(self, deadline=AttemptDeadline.starting(left_s, now_wall_s))
+
+    def avoiding(self, replicas: tuple[str, ...]) -> ModelCall:
+        """The call routed away from ``replicas`` (while another is ready)."""
+        return replace(self, avoid=tuple(dict.fromkeys(self.avoid + replicas)))
 
     def resumed(self, resume: Resume) -> ModelCall:
         """The call carried on after ``resume`` (a lost replica's delivered ids)."""

@@ -61,6 +61,8 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -75,6 +77,7 @@ from ballast.policies.affinity import (
     rank,
     rank_by_prefix,
 )
+from ballast.policies.hedge import Heartbeats
 from ballast.policies.holdings import AdapterHoldings, AdapterReport, SeenStamps, fleet_demand
 from ballast.policies.prefix_cache import PrefixReport, block_keys, home_score, matched_blocks
 from ballast.policies.reports import ROUTE_REASONS
@@ -89,6 +92,12 @@ MAX_REPORT_AGE_S = 15.0
 MAX_DECODED = 1024
 
 
+#: The default of ``resilience.hedge.silent_after_s`` (a router's config sets its own).
+SILENT_AFTER_S = 4.0
+#: The most attempts whose replica this process remembers (``placed``), oldest forgotten first.
+MAX_PLACED = 4096
+
+
 def is_ready(routing_stats: dict[str, Any] | None) -> bool:
     """A replica is ready unless it said otherwise (no stats yet means ready)."""
     return (routing_stats or {}).get("ready", True) is not False
@@ -97,10 +106,11 @@ def is_ready(routing_stats: dict[str, Any] | None) -> bool:
 def replica_routing_stats(
     ready: bool, holdings: AdapterHoldings | None, now_s: float, prefixes: PrefixReport | None = None
 ) -> dict[str, Any]:
-    """What a replica returns from ``record_routing_stats``: its readiness, with adapter
+    """What a replica returns from ``record_routing_stats``: its readiness and heartbeat (the
+    instant of this poll: a stamp that stops moving says the replica went silent), with adapter
     slots its adapters as of ``now_s`` (wall clock, as the routers read it), and with a
     prefix report the blocks its engine's prefix cache holds."""
-    stats: dict[str, Any] = {"ready": ready}
+    stats: dict[str, Any] = {"ready": ready, "beat": now_s}
     if holdings is not None and holdings.slots > 0:
         stats["adapters"] = holdings.report(now_s).as_stats()
     if prefixes is not None:
@@ -126,6 +136,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
     prefix_affinity = True
     model = ""
     max_report_age_s = MAX_REPORT_AGE_S
+    silent_after_s = SILENT_AFTER_S
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # Ray's __init__ is unannotated
@@ -139,6 +150,7 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         once, after ``__init__``."""
         self.model = str(kwargs.get("model", ""))
         self.prefix_affinity = bool(kwargs.get("prefix_affinity", True))
+        self.silent_after_s = float(kwargs.get("silent_after_s", SILENT_AFTER_S))
         bound = {k: kwargs[k] for k in ("load_bound_ratio", "min_slack") if k in kwargs}
         self.affinity = AffinityConfig(**bound)
         self._decisions = RouteCounter(self.model)
@@ -147,11 +159,21 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         # The replica chosen for a request serves that request (Serve's base matching, by
         # request id), not the oldest waiting one (FIFOMixin's): a choice made for what a
         # request's prompt needs is worth nothing to another request.
+        # The replica it goes to is noted first, by the attempt's id (``placed``): the
+        # caller reads it to send a hedge elsewhere, or to ask whether that one went silent.
+        if request_metadata is not None and self._get_pending_request_matching_internal_request_id(request_metadata):
+            note_placed(request_metadata.internal_request_id, replica.replica_id.unique_id)
         RequestRouter._fulfill_next_pending_request(self, replica, request_metadata)
 
+    def update_replicas(self, replicas: list[Any]) -> None:
+        # Serve hands over the replicas whenever one's routing stats change: each poll's
+        # heartbeat ("beat") is seen here, on this process's clock.
+        super().update_replicas(replicas)
+        note_beats(self.model, replicas, self._get_curr_time_s())
+
     async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
-        ready = [r for r in candidate_replicas if is_ready(r.routing_stats)]
         call = call_of(pending_request)
+        ready = self._ready(candidate_replicas, call.avoid if call is not None else ())
         if call is not None and ready and call.route != "balance":
             ranked = await self._by_what_they_hold(ready, call)
             if ranked is not None:
@@ -161,6 +183,14 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
             return await super().choose_replicas(candidate_replicas, pending_request)
         # Two random ready candidates; Serve then probes both and takes the shorter queue.
         return [random.sample(ready, min(2, len(ready)))]
+
+    def _ready(self, candidates: list[Any], avoid: tuple[str, ...]) -> list[Any]:
+        """The candidates that are ready and not silent, less those the call avoids while
+        another remains."""
+        silent = silent_replicas(self.model, self.silent_after_s, self._get_curr_time_s())
+        ready = [r for r in candidates if is_ready(r.routing_stats) and r.replica_id.unique_id not in silent]
+        kept = [r for r in ready if r.replica_id.unique_id not in avoid] if avoid else ready
+        return kept or ready
 
     async def _by_what_they_hold(self, ready: list[Any], call: ModelCall) -> list[list[Any]] | None:
         """The prompt's blocks first; a prompt no replica holds yet goes where its adapter
@@ -307,6 +337,55 @@ def routed_so_far(model: str) -> dict[str, int]:
         return dict(_ROUTED.get(model, {}))
 
 
+# Every model's replicas' heartbeats as this process's request routers last saw them (on
+# their clock, ``get_curr_time_s``: Serve's is the wall clock, which ``hedging.ServeReplicas``
+# reads too), and the
+# replica each recent attempt went to (by Serve's internal request id): what the resilient
+# caller (ballast.router.resilience) reads to tell a silent replica from a sick one, and to
+# send a hedge elsewhere. Written on Serve's routing loop, read on the router's: the lock
+# guards both. Bounded: the models' replicas (Heartbeats), MAX_PLACED attempts.
+_BEATS = Heartbeats()
+_PLACED: OrderedDict[str, str] = OrderedDict()
+_SEEN_LOCK = threading.Lock()
+
+
+def note_beats(model: str, replicas: Iterable[Any], now_s: float) -> None:
+    """Model ``model``'s replicas as Serve handed them over, with their heartbeats."""
+    beats = {r.replica_id.unique_id: (r.routing_stats or {}).get("beat") for r in replicas}
+    with _SEEN_LOCK:
+        _BEATS.saw(model, beats, now_s)
+
+
+def note_placed(request_id: str, replica_id: str) -> None:
+    with _SEEN_LOCK:
+        _PLACED.pop(request_id, None)
+        _PLACED[request_id] = replica_id
+        while len(_PLACED) > MAX_PLACED:
+            _PLACED.popitem(last=False)
+
+
+def placed(response: Any) -> str | None:
+    """The replica a Serve response's request went to (its unique id); None until the request
+    router placed it, or for a response from elsewhere."""
+    metadata = getattr(response, "_request_metadata", None)
+    request_id = getattr(metadata, "internal_request_id", None)
+    if not isinstance(request_id, str):
+        return None
+    with _SEEN_LOCK:
+        return _PLACED.get(request_id)
+
+
+def silent_replicas(model: str, after_s: float, now_s: float) -> set[str]:
+    """Model ``model``'s replicas whose heartbeat stopped (``Heartbeats.silent``)."""
+    with _SEEN_LOCK:
+        return _BEATS.silent_of(model, after_s, now_s)
+
+
+def is_silent(model: str, replica_id: str, after_s: float, now_s: float) -> bool:
+    with _SEEN_LOCK:
+        return _BEATS.silent(model, replica_id, after_s, now_s)
+
+
 class RouteCounter:
     """``ballast_route_decisions_total{model, reason}``: how each request was placed (and
     the same counts for ``routed_so_far``)."""
@@ -335,12 +414,15 @@ class RouteCounter:
             log.debug("route decision metric not recorded: %r", e)
 
 
-def request_router_config(stats_period_s: float, routing: Any = None, model: str = "") -> Any:
+def request_router_config(
+    stats_period_s: float, routing: Any = None, model: str = "", silent_after_s: float = SILENT_AFTER_S
+) -> Any:
     """Serve's router config for a model deployment: this router, the replicas' stats polled
-    every ``stats_period_s``, and the model's ``RoutingSettings`` (None: the defaults)."""
+    every ``stats_period_s``, the model's ``RoutingSettings`` (None: the defaults), and how
+    long a replica's heartbeat may stand still before it is silent."""
     from ballast.model.untyped import ray_serve
 
-    kwargs: dict[str, Any] = {"model": model}
+    kwargs: dict[str, Any] = {"model": model, "silent_after_s": silent_after_s}
     if routing is not None:
         kwargs.update(
             prefix_affinity=routing.prefix_affinity,

@@ -573,7 +573,9 @@ def model_deployment(cfg: BallastConfig, model: str | None = None) -> Any:
             cfg.http.access_log,
             placement=cfg.placement_of(name),
             autoscaling_config=autoscaling_config(cfg, name),
-            request_router_config=request_router_config(cfg.watchdog.interval_s, cfg.served_model(name).routing, name),
+            request_router_config=request_router_config(
+                cfg.watchdog.interval_s, cfg.served_model(name).routing, name, cfg.resilience.hedge.silent_after_s
+            ),
             health_check_period_s=d.health_check_period_s,
             health_check_timeout_s=d.health_check_timeout_s,
             graceful_shutdown_timeout_s=d.graceful_shutdown_timeout_s,
@@ -596,7 +598,10 @@ def fallback_deployment(cfg: BallastConfig, model: str | None = None) -> Any:
             placement=cfg.fallback_placement_of(name),
             num_replicas=fallback.deployment.replicas,
             request_router_config=request_router_config(
-                cfg.watchdog.interval_s, fallback.model.routing, fallback.model.name
+                cfg.watchdog.interval_s,
+                fallback.model.routing,
+                fallback.model.name,
+                cfg.resilience.hedge.silent_after_s,
             ),
             health_check_period_s=m.health_check_period_s,
             health_check_timeout_s=m.health_check_timeout_s,

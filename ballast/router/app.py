@@ -191,6 +191,7 @@ class Router:
             on_fallback=lambda kind: m.fallbacks.inc(tags={"kind": kind}),
             on_breaker_event=lambda event: self._on_breaker_event(model, event),
             on_lost_capacity=lambda backend, outcome: self._on_lost_capacity(model, backend, outcome),
+            on_hedge=lambda backend: m.hedges.inc(tags={"backend": backend, "model": model}),
         )
 
     def _routers(self) -> int:

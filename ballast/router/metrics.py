@@ -19,7 +19,16 @@ class RouterMetrics:
         self._protection(metrics)
         self._tenants(metrics)
         self._batch(metrics)
-        for m in (self.requests, self.latency, self.level, self.breaker, self.trips, self.retries, self.lost):
+        for m in (
+            self.requests,
+            self.latency,
+            self.level,
+            self.breaker,
+            self.trips,
+            self.retries,
+            self.lost,
+            self.hedges,
+        ):
             m.set_default_tags({"model": model})
         for m in (self.gate, self.gate_refused, self.tenant_tokens, self.flex_held, self.batch_lines):
             m.set_default_tags({"model": model})
@@ -59,6 +68,12 @@ class RouterMetrics:
             "(sent again or carried on elsewhere) or not_migrated (to the fallback, else 503 REPLICA_LOST). "
             "Not model errors.",
             tag_keys=("backend", "outcome", "model"),
+        )
+        self.hedges = metrics.Counter(
+            "ballast_hedges_total",
+            "Attempts hedged: sent to another replica as well after showing no progress for the "
+            "model's hedge delay (the first answer wins, the other is cancelled).",
+            tag_keys=("backend", "model"),
         )
         self.deadline = metrics.Counter("ballast_deadline_exceeded_total", "Requests past their deadline.")
         self.replays = metrics.Counter("ballast_idempotent_replays_total", "Answers replayed for an Idempotency-Key.")

@@ -77,7 +77,7 @@ from ballast.errors import (
     Unauthenticated,
 )
 from ballast.model.protocol import ModelCall, ModelChunk
-from ballast.policies import killswitch
+from ballast.policies import hedge, killswitch
 from ballast.policies import outcome as outcome_policy
 from ballast.policies.admission import admit, clamp_max_tokens
 from ballast.policies.affinity import route_mode
@@ -517,7 +517,9 @@ class Pipeline:
     async def _call_batch(self, ticket: Ticket, call: ModelCall, record: CallRecord) -> Reply:
         """A batch line's model call: the resilient caller alone (no tally, no wait sample), its
         own model only (no fallback, no cache: a failure is retried from the queue)."""
-        return await self.lane(call).caller.unary(replace(self._spec(ticket, call, record), primary_only=True))
+        # A batch line waits in its queue anyway: no hedge for it.
+        spec = replace(self._spec(ticket, call, record), primary_only=True, hedge=False)
+        return await self.lane(call).caller.unary(spec)
 
     # -- 3. the model call ----------------------------------------------------------------
     async def _keyed(self, req: ModelRequest, key: str) -> Answer:
@@ -602,9 +604,20 @@ class Pipeline:
 
     def _spec(self, ticket: Ticket, call: ModelCall, record: CallRecord) -> CallSpec:
         """The call as the resilient caller takes it: bounded by the request's one deadline
-        (the caller bounds every attempt, backoff and migration by it: no timer here)."""
+        (the caller bounds every attempt, backoff and migration by it: no timer here), and
+        hedged only while its model's level sheds nothing (a hedge is load, which an
+        overload must not get more of)."""
+        eff = self.snapshots.effective(self.lane(call).name)
+        sheds = not admit(Criticality.SHEDDABLE, eff.level, eff.constraints).admitted
         return CallSpec(
-            call, ticket.deadline.at_s, self.kill_switches, time.time(), ticket.fallback_only, record, ticket.tenant
+            call,
+            ticket.deadline.at_s,
+            self.kill_switches,
+            time.time(),
+            ticket.fallback_only,
+            record,
+            ticket.tenant,
+            hedge=not sheds,
         )
 
     async def _call_unary(self, ticket: Ticket, call: ModelCall, record: CallRecord) -> Reply:
@@ -674,6 +687,13 @@ class Pipeline:
             "constraints": eff.constraints.to_dict(),
             "breakers": {b.role: {**b.breaker.snapshot(), "failed_attempts": dict(b.failed)} for b in caller.backends},
             "retry_budget": caller.budget.snapshot(),
+            # Hedges since this router started (in flight, limit, sent, denied, won) and the
+            # delay each wait is hedged after now (seconds; a unary's for one token; None: not
+            # learned yet).
+            "hedges": {
+                **caller.hedges.snapshot(caller.budget.active),
+                "delay_s": {k: caller.hedge_delay.delay_s(k) for k in hedge.KINDS},
+            },
             # Attempts whose replica or node went away, since this router started: carried on
             # elsewhere, or not (to the fallback, else 503 REPLICA_LOST). Not model errors:
             # no breaker or level counts them.

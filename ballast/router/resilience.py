@@ -28,15 +28,25 @@ the stream with an error event.
 
 A lost replica is capacity that is gone, not a sick model: its attempts neither
 trip the breaker nor count toward the level's error rate (``on_lost_capacity``
-counts them on their own).
+counts them on their own). So is a silent one: an attempt that timed out on a replica
+whose heartbeat stopped as well (``hedging.ServeReplicas``) is sent again at once,
+passing that replica over, as a dead replica's would be.
+
+Hedges (``ballast.policies.hedge``): an attempt with no answer (unary), no first chunk or
+no next chunk (streams) after the model's learned delay goes to another replica as well,
+within the hedge budget and only while the router says the call may be hedged (its
+model's level sheds nothing); the first answer wins and the other is cancelled, reaching
+its engine as any cancellation does. A stream's hedge carries it on from the tokens
+already delivered, as a migration does. The request is still one request: its
+idempotency key, quota and gate slot are the router's, above this layer.
 
 Everything here runs on the router's event loop thread; breakers, bulkheads and
 the budget are touched only between awaits, never across one.
 
 Time comes in through the constructor (STYLE 2): ``clock`` for deadlines and
 durations, ``wall_clock`` for the instant the replica is given, ``sleep`` for the
-backoff and ``wait_for`` for each attempt's timeout (asyncio's by default). The unit
-tests pass fakes that move one fake clock, so a 15 s attempt timeout takes no time.
+backoff and ``racer`` for the attempts' waits (asyncio's by default). The unit tests
+pass fakes that move one fake clock, so a 15 s attempt timeout takes no time.
 """
 
 from __future__ import annotations
@@ -48,128 +58,33 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.exceptions import (
-    ActorDiedError,
-    ActorUnavailableError,
-    NodeDiedError,
-    OwnerDiedError,
-    RayActorError,
-    RayTaskError,
-    WorkerCrashedError,
-)
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
-
 from ballast.config import BallastConfig
 from ballast.errors import (
     BallastError,
     DeadlineExceeded,
-    InvalidRequest,
     KillSwitchActive,
     ModelUnavailable,
     ReplicaLost,
 )
 from ballast.model.protocol import ModelCall, ModelChunk, ModelResult, Resume
-from ballast.policies import killswitch, migration
+from ballast.policies import hedge, killswitch, migration
 from ballast.policies.breaker import BreakerEvent, CircuitBreaker, Permit
 from ballast.policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
 from ballast.policies.engines import honours
 from ballast.policies.retry import NO_SLOT, RetryBudget, RetrySlot, backoff_s, should_retry
-from ballast.policies.ttlmap import TTLMap
+from ballast.router.hedging import AllFailed, Racer, Replicas, ServeReplicas, Try, worst
+from ballast.router.resilience_parts import (
+    BREAKER_FAILURES,
+    Bulkhead,
+    ResponseCache,
+    classify,
+    refused_by_engine,
+    uncached,
+)
 
-
-class Bulkhead:
-    """A concurrency limit without a queue: full means "try elsewhere", at once."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.in_flight = 0
-        self.rejected = 0
-
-    def try_enter(self) -> bool:
-        if self.in_flight >= self.limit:
-            self.rejected += 1
-            return False
-        self.in_flight += 1
-        return True
-
-    def leave(self) -> None:
-        self.in_flight = max(0, self.in_flight - 1)
-
-
-class ResponseCache:
-    """Answers to identical calls by the same tenant, bounded in count (overall and per
-    tenant) and age.
-
-    Identical means the same tenant and the whole call: prompt, max_tokens, sampling
-    (temperature, top_p, seed), stop strings, how the prompt is tokenized. A tenant gets
-    only its own earlier answers (another's would tell it what someone asked), and a
-    tenant past ``max_entries_per_tenant`` loses its own least recently used answers,
-    never another's. A cached greedy answer is the answer; a cached sampled one is one
-    fair sample, which is what a fallback can give."""
-
-    def __init__(
-        self,
-        max_entries: int,
-        ttl_s: float,
-        clock: Callable[[], float] = time.monotonic,
-        max_entries_per_tenant: int | None = None,
-    ):
-        self._clock = clock
-        # Least recently used first: a hit or a put makes an entry the newest.
-        self._entries: TTLMap[tuple[str, ModelCall], ModelResult] = TTLMap(
-            ttl_s, max_entries, max_entries_per_group=max_entries_per_tenant, group=lambda k: k[0]
-        )
-
-    def get(self, tenant: str, call: ModelCall) -> ModelResult | None:
-        """The answer stored for ``tenant``'s ``call`` within ``ttl_s``, or None; a hit
-        refreshes recency, not age."""
-        return self._entries.get((tenant, call), self._clock(), touch=True)
-
-    def put(self, tenant: str, call: ModelCall, result: ModelResult) -> None:
-        """Store ``result`` for ``tenant``'s ``call``, its TTL starting now; the least
-        recently used (the tenant's own, at its bound) goes when full."""
-        self._entries.put((tenant, call), result, self._clock(), done=True)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-def classify(exc: BaseException) -> str:
-    """Map a failed attempt to the kinds ``ballast.policies.retry.should_retry`` knows."""
-    if isinstance(exc, RayTaskError):
-        # Raised inside the replica (Ray re-raises it as a subclass of the cause's type,
-        # so this comes first: a TimeoutError *in the model* is not our attempt timeout).
-        # Judge by the cause: a replica that died under the call is still a replica death.
-        cause = exc.cause
-        if isinstance(cause, DeadlineExceeded):
-            return "deadline_exceeded"
-        if isinstance(cause, (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)):
-            return "replica_died"
-        return "model_error"
-    if isinstance(exc, asyncio.TimeoutError):
-        return "attempt_timeout"
-    if isinstance(exc, BackPressureError):
-        return "backpressure"
-    if isinstance(exc, (ActorDiedError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)):
-        return "replica_died"
-    if isinstance(exc, DeadlineExceeded):
-        return "deadline_exceeded"
-    if isinstance(exc, (RayActorError, NodeDiedError, WorkerCrashedError, OwnerDiedError)):
-        return "replica_died"
-    return "model_error"
-
-
-def refused_by_engine(exc: BaseException) -> InvalidRequest | None:
-    """The replica's refusal of the request as sent (``EngineRefused``: its engine's own
-    validation), which the client gets as it is; None for any other failure."""
-    cause = exc.cause if isinstance(exc, RayTaskError) else None
-    return cause if isinstance(cause, InvalidRequest) else None
-
-
-# Failures that say the backend is unhealthy. Backpressure is load, which the
-# degradation level handles; a lost replica is capacity that is gone (Serve replaces
-# it): neither trips nor heals a breaker.
-BREAKER_FAILURES = {"attempt_timeout", "model_error"}
+# An attempt that timed out on a replica whose heartbeat had stopped too: capacity lost
+# (sent again elsewhere, as a dead replica's), counted apart in ``Backend.failed``.
+SILENT = "replica_silent"
 
 
 @dataclass
@@ -204,6 +119,8 @@ class CallHooks:
     on_breaker_event: Callable[[BreakerEvent], None] = lambda e: None
     # An attempt lost with its replica: (backend, "migrated" | "not_migrated").
     on_lost_capacity: Callable[[str, str], None] = lambda backend, outcome: None
+    # A hedge sent: (backend).
+    on_hedge: Callable[[str], None] = lambda backend: None
 
 
 @dataclass
@@ -223,7 +140,9 @@ class CallSpec:
     keeps and gives answers per tenant, and a call without one is neither cached nor
     answered from the cache. ``primary_only``: neither the fallback model nor the cache may
     answer (a batch line names its model and waits for it: its retry comes later, from the
-    queue, rather than another model's answer now)."""
+    queue, rather than another model's answer now). ``hedge``: an attempt that shows no
+    progress may be hedged on another replica (the router says so while the model's level
+    sheds nothing)."""
 
     call: ModelCall
     deadline_s: float
@@ -233,6 +152,7 @@ class CallSpec:
     record: CallRecord = field(default_factory=CallRecord)
     tenant: str | None = None
     primary_only: bool = False
+    hedge: bool = False
 
 
 class ResilientCaller:
@@ -246,10 +166,13 @@ class ResilientCaller:
         rng: random.Random | None = None,
         wall_clock: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        wait_for: Callable[[Awaitable[Any], float], Awaitable[Any]] = asyncio.wait_for,
         model: str | None = None,
+        racer: Any = None,
+        replicas: Replicas | None = None,
     ):
-        """The caller to model ``model`` (None: the config's first) and its fallback."""
+        """The caller to model ``model`` (None: the config's first) and its fallback.
+        ``racer`` races attempts (``hedging.Racer``: asyncio's); ``replicas`` says where an
+        attempt went and whether that replica went silent (``hedging.ServeReplicas``)."""
         r = cfg.resilience
         served = cfg.served_model(model) if model is not None else cfg.models[0]
         fallback_cfg = cfg.fallback_of(served.name)
@@ -257,12 +180,16 @@ class ResilientCaller:
         self._clock = clock
         self._wall_clock = wall_clock
         self._sleep = sleep
-        self._wait_for = wait_for
+        self._racer = racer if racer is not None else Racer()
+        self._replicas: Replicas = replicas or ServeReplicas(r.hedge.silent_after_s)
         self._rng = rng or random.Random()
         self._hooks = hooks
         bcfg = r.breaker.breaker_config()
         self.retry_cfg = r.retry.retry_config()
         self.budget = RetryBudget(self.retry_cfg)
+        hedge_cfg = r.hedge.hedge_config()
+        self.hedge_delay = hedge.HedgeDelay(hedge_cfg)  # the primary's and the fallback's waits alike
+        self.hedges = hedge.HedgeBudget(hedge_cfg)
         self.migration_cfg = migration.MigrationConfig(limit=r.migration_limit)
         # Attempts lost with their replica since start: sent again or carried on elsewhere
         # ("migrated"; "streams_carried_on" of them continued a stream mid-way), or not
@@ -406,7 +333,7 @@ class ResilientCaller:
         found, skipped = await self._first_backend(spec, lambda b: self._attempts(b, spec), hold=False)
         if found is not None:
             b, result = found
-            if self.cache is not None and spec.tenant is not None and not _uncached(spec.call):
+            if self.cache is not None and spec.tenant is not None and not uncached(spec.call):
                 self.cache.put(spec.tenant, spec.call, result)
             return Reply(result, *self._answered_by(b))
         # The cache holds the models' earlier answers: a model an operator switched
@@ -424,8 +351,8 @@ class ResilientCaller:
         raise self._unavailable(skipped)
 
     async def _attempts(self, b: Backend, spec: CallSpec) -> ModelResult:
-        def send(left_s: float) -> tuple[Any, Any]:
-            response = b.handle.generate.remote(spec.call.for_attempt(left_s, self._wall_clock()))
+        def send(left_s: float, avoid: tuple[str, ...]) -> tuple[Any, Any]:
+            response = b.handle.generate.remote(spec.call.for_attempt(left_s, self._wall_clock()).avoiding(avoid))
             return response, response
 
         _, answer, permit, t0 = await self._first_answer(b, spec, send, unary=True)
@@ -437,17 +364,19 @@ class ResilientCaller:
         self,
         b: Backend,
         spec: CallSpec,
-        send: Callable[[float], tuple[Any, Any]],
+        send: Callable[[float, tuple[str, ...]], tuple[Any, Any]],
         unary: bool,
     ) -> tuple[Any, Any, Permit, float]:
         """Attempts on ``b`` until one answers: (its call, its first answer, its breaker
-        permit, its start). ``send(left_s)`` starts an attempt and returns (the call, which
-        can be cancelled; what to await for its first answer). What follows a failed
+        permit, its start). ``send(left_s, avoid)`` starts an attempt (passing over the
+        replicas ``avoid`` names) and returns (the call, which can be cancelled; what to await
+        for its first answer). Each attempt may be hedged (``_race``). What follows a failed
         attempt is ``_next_try``'s; a call sent again after its replica went away waits for
         its answer up to its deadline, not one attempt's timeout: the replica left to take
         it may be the one Serve is starting, and a timeout then is capacity gone."""
         attempt = 1
         slot = NO_SLOT  # a retry's slot in the budget, while one is held
+        avoid: tuple[str, ...] = ()  # replicas found silent: the next attempts pass them over
         try:
             while True:
                 permit = b.breaker.allow()
@@ -457,27 +386,131 @@ class ResilientCaller:
                 if left <= MIN_ATTEMPT_S:
                     b.breaker.release(permit)
                     raise DeadlineExceeded("the request's deadline passed")
-                t0 = self._clock()
-                handle, answer = send(left)
+                first = self._try(send, left, avoid, permit)
                 timeout_s = left if spec.record.migrations else self._attempt_timeout(left)
                 try:
-                    return handle, await self._wait_for(answer, timeout_s), permit, t0
-                except asyncio.CancelledError:
-                    handle.cancel()
-                    b.breaker.release(permit)
-                    raise
-                except Exception as exc:
-                    handle.cancel()
-                    refused = refused_by_engine(exc)
-                    if refused is not None:  # this request as sent: no retry, no fallback, not a health failure
-                        b.breaker.release(permit)
-                        raise refused from None
-                    kind = self._failed(b, permit, exc, t0)
+                    won = await self._race(b, spec, first, timeout_s, send, hedge.UNARY if unary else hedge.FIRST_CHUNK)
+                    return won.handle, won.value, won.permit, won.t0
+                except AllFailed as failed:
+                    avoid += failed.silent
                     slot.release()
-                    pause, attempt, slot = self._next_try(b, kind, attempt, spec, unary)
+                    pause, attempt, slot = self._next_try(b, failed.kind, attempt, spec, unary)
                     await self._sleep(pause)
         finally:
             slot.release()
+
+    def _try(
+        self,
+        send: Callable[[float, tuple[str, ...]], tuple[Any, Any]],
+        left_s: float,
+        avoid: tuple[str, ...],
+        permit: Permit,
+        is_hedge: bool = False,
+    ) -> Try:
+        t0 = self._clock()
+        handle, answer = send(left_s, avoid)
+        return Try(handle, self._racer.start(answer), permit, t0, is_hedge)
+
+    async def _race(
+        self,
+        b: Backend,
+        spec: CallSpec,
+        first: Try,
+        timeout_s: float,
+        send: Callable[[float, tuple[str, ...]], tuple[Any, Any]],
+        wait: str,
+    ) -> Try:
+        """``first`` and, when it shows nothing for the model's hedge delay, a hedge on another
+        replica: the first to answer wins and the other is cancelled (its permit given back:
+        neither a success nor a failure). Each ends at its own attempt timeout. Raises
+        AllFailed when every attempt failed, an engine's refusal as it is."""
+        tries, ends = [first], [first.t0 + timeout_s]
+        delay = self._hedge_delay(spec, wait)
+        hedge_at = first.t0 + delay if delay is not None and delay < timeout_s else None
+        kinds: list[str] = []
+        silent: list[str] = []
+        hedged = False
+        try:
+            while tries:
+                end = max(ends)
+                until = min(end, hedge_at) if hedge_at is not None else end
+                i = await self._racer.first([t.pending for t in tries], until - self._clock())
+                if i is None:
+                    if hedge_at is not None and self._clock() < end:
+                        hedge_at = None
+                        h = self._hedge(b, spec, send, first)
+                        if h is not None:
+                            hedged = True
+                            tries.append(h)
+                            ends.append(h.t0 + self._attempt_timeout(spec.deadline_s - h.t0))
+                        continue
+                    while tries:
+                        t = tries.pop()
+                        ends.pop()
+                        kind, replica = self._timed_out(b, t)
+                        kinds.append(kind)
+                        silent += [replica] if replica is not None else []
+                    break
+                t = tries.pop(i)
+                ends.pop(i)
+                try:
+                    t.value = self._racer.outcome(t.pending)
+                except asyncio.CancelledError:
+                    tries.append(t)  # settled with the rest below
+                    raise
+                except Exception as exc:
+                    t.handle.cancel()
+                    refused = refused_by_engine(exc)
+                    if refused is not None:  # this request as sent: no retry, no fallback, not a health failure
+                        b.breaker.release(t.permit)
+                        raise refused from None
+                    kinds.append(self._failed(b, t.permit, exc, t.t0))
+                    continue
+                self.hedge_delay.observe(wait, self._clock() - t.t0, spec.call.max_tokens)
+                self.hedges.won += t.hedge
+                return t
+        finally:
+            for t in tries:  # the losers; every attempt when the caller went away
+                t.handle.cancel()
+                self._racer.drop(t.pending)
+                b.breaker.release(t.permit)
+            if hedged:
+                self.hedges.release()
+        raise AllFailed(worst(kinds), tuple(silent))
+
+    def _hedge_delay(self, spec: CallSpec, wait: str) -> float | None:
+        """How long an attempt of ``spec`` waits for progress before it is hedged; None: not
+        hedged (the call may not be, or the model's waits are not learned yet)."""
+        return self.hedge_delay.delay_s(wait, spec.call.max_tokens) if spec.hedge else None
+
+    def _hedge(
+        self, b: Backend, spec: CallSpec, send: Callable[[float, tuple[str, ...]], tuple[Any, Any]], first: Try
+    ) -> Try | None:
+        """A hedge of ``first`` on another replica, if the budget and the breaker allow one
+        and time is left for it; None otherwise."""
+        left = spec.deadline_s - self._clock()
+        if left <= MIN_ATTEMPT_S or not self.hedges.try_acquire(self.budget.active):
+            return None
+        permit = b.breaker.allow()
+        if permit is None:
+            self.hedges.release()
+            return None
+        replica = self._replicas.placed(first.handle)
+        self._hooks.on_hedge(b.role)
+        return self._try(send, left, (replica,) if replica is not None else (), permit, is_hedge=True)
+
+    def _timed_out(self, b: Backend, t: Try) -> tuple[str, str | None]:
+        """An attempt that reached its timeout: cancelled, and counted as lost capacity when its
+        replica went silent (its heartbeat stopped too: (LOST_CAPACITY, the replica)), else as
+        the timeout it is."""
+        t.handle.cancel()
+        self._racer.drop(t.pending)
+        replica = self._replicas.placed(t.handle)
+        if replica is not None and self._replicas.silent(b.model_name, replica):
+            b.failed[SILENT] = b.failed.get(SILENT, 0) + 1
+            b.breaker.release(t.permit)
+            return migration.LOST_CAPACITY, replica
+        return self._failed(b, t.permit, asyncio.TimeoutError(), t.t0), None
 
     def _next_try(
         self, b: Backend, kind: str, attempt: int, spec: CallSpec, unary: bool
@@ -547,8 +580,8 @@ class ResilientCaller:
         on a replica cut off from this router, say) is retried as a unary attempt is, inside
         the retry budget."""
 
-        def send(left_s: float) -> tuple[Any, Any]:
-            gen = b.stream_handle.generate_stream.remote(call.for_attempt(left_s, self._wall_clock()))
+        def send(left_s: float, avoid: tuple[str, ...]) -> tuple[Any, Any]:
+            gen = b.stream_handle.generate_stream.remote(call.for_attempt(left_s, self._wall_clock()).avoiding(avoid))
             return gen, gen.__anext__()
 
         gen, first, permit, t0 = await self._first_answer(b, spec, send, unary=False)
@@ -586,7 +619,8 @@ class ResilientCaller:
                 delivered_chars += len(chunk.text)
                 yield chunk
                 try:
-                    chunk = await self._wait_for(gen.__anext__(), max(0.001, spec.deadline_s - self._clock()))
+                    chunk, opened = await self._next_chunk(b, spec, opened, delivered_ids, delivered_chars)
+                    gen, permit, t0 = opened.gen, opened.permit, opened.t0
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
@@ -629,6 +663,76 @@ class ResilientCaller:
                     b.breaker.record(permit, outcome, self._clock() - t0)
             b.bulkhead.leave()
 
+    async def _next_chunk(
+        self, b: Backend, spec: CallSpec, cur: _Open, ids: list[int], chars: int
+    ) -> tuple[ModelChunk, _Open]:
+        """``cur``'s next chunk. When none comes within the model's hedge delay, a hedge carries
+        the stream on from ``ids`` and ``chars`` on another replica, and the first to answer
+        wins (the other cancelled, its permit given back). Returns the chunk and the stream it
+        came from (a hedge's: a new ``_Open``). Raises what ``cur``'s next raises
+        (StopAsyncIteration at its end), asyncio.TimeoutError at the deadline."""
+        t_wait = self._clock()
+        pending: Any = self._racer.start(cur.gen.__anext__())
+        h: Try | None = None
+        hedged = False
+        try:
+            delay = self._hedge_delay(spec, hedge.NEXT_CHUNK)
+            if delay is not None and t_wait + delay < spec.deadline_s:
+                if await self._racer.first([pending], delay) is None:
+                    h = self._hedge_stream(b, spec, cur, ids, chars)
+                    hedged = h is not None
+            while True:
+                racing = [pending] if h is None else [pending, h.pending]
+                i = await self._racer.first(racing, spec.deadline_s - self._clock())
+                if i is None:
+                    raise asyncio.TimeoutError()
+                if i == 0:
+                    done, pending = pending, None
+                    chunk: ModelChunk = self._racer.outcome(done)
+                    self.hedge_delay.observe(hedge.NEXT_CHUNK, self._clock() - t_wait)
+                    return chunk, cur
+                assert h is not None
+                try:
+                    first: ModelChunk = self._racer.outcome(h.pending)
+                except Exception as exc:  # the hedge failed: the stream waits for ``cur`` alone
+                    h.handle.cancel()
+                    self._failed(b, h.permit, exc, h.t0)
+                    h = None
+                    continue
+                cur.gen.cancel()
+                self._racer.drop(pending)
+                pending = None
+                b.breaker.release(cur.permit)  # neither a success nor a failure: it lost the race
+                won, h = _Open(h.handle, h.permit, first.without_wait(), h.t0), None
+                self.hedges.won += 1
+                return won.first, won
+        finally:
+            if pending is not None:
+                self._racer.drop(pending)
+            if h is not None:
+                h.handle.cancel()
+                self._racer.drop(h.pending)
+                b.breaker.release(h.permit)
+            if hedged:
+                self.hedges.release()
+
+    def _hedge_stream(self, b: Backend, spec: CallSpec, cur: _Open, ids: list[int], chars: int) -> Try | None:
+        """A hedge of a stream that stalled: carried on from ``ids`` and ``chars`` on another
+        replica, if the budget and the breaker allow and time is left; None otherwise (and
+        for a stream of several choices, which a resume cannot carry)."""
+        left = spec.deadline_s - self._clock()
+        if spec.call.n > 1 or left <= MIN_ATTEMPT_S or not self.hedges.try_acquire(self.budget.active):
+            return None
+        permit = b.breaker.allow()
+        if permit is None:
+            self.hedges.release()
+            return None
+        replica = self._replicas.placed(cur.gen)
+        call = spec.call.resumed(Resume(tuple(ids), chars)).for_attempt(left, self._wall_clock())
+        gen = b.stream_handle.generate_stream.remote(call.avoiding((replica,) if replica is not None else ()))
+        self._hooks.on_hedge(b.role)
+        return Try(gen, self._racer.start(gen.__anext__()), permit, self._clock(), hedge=True)
+
 
 class _StreamEnded(Exception):
     """A stream's migration ended it with ``error`` (its breaker permit already given back)."""
@@ -646,13 +750,6 @@ class _Open:
     permit: Permit
     first: ModelChunk
     t0: float
-
-
-def _uncached(call: ModelCall) -> bool:
-    """A call whose answer is not cached, the cache's bound being in entries, not bytes:
-    one with log-probabilities (up to 21 entries a token), or an embeddings call (a vector
-    per input, up to thousands of inputs)."""
-    return call.logprobs is not None or call.prompt_logprobs is not None or call.pool is not None
 
 
 # The fallback kinds an answer names (``X-Ballast-Fallback``): the fallback model, the cache.

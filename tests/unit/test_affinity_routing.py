@@ -103,8 +103,8 @@ def test_the_adapter_is_read_from_the_model_call_alone() -> None:
 
 
 def test_a_replica_reports_its_adapters_only_with_slots() -> None:
-    assert replica_routing_stats(True, None, 1.0) == {"ready": True}
-    assert replica_routing_stats(False, AdapterHoldings(slots=0), 1.0) == {"ready": False}
+    assert replica_routing_stats(True, None, 1.0) == {"ready": True, "beat": 1.0}
+    assert replica_routing_stats(False, AdapterHoldings(slots=0), 1.0) == {"ready": False, "beat": 1.0}
     h = AdapterHoldings(slots=2)
     h.ran("sql")
     assert replica_routing_stats(True, h, 7.0)["adapters"] == {
@@ -394,3 +394,53 @@ def test_each_decision_is_counted_by_reason_for_the_controller() -> None:
         assert router._decisions.counts == {"balance": 1}
 
     asyncio.run(walk())
+
+
+def beating(name: str, beat: float, held: tuple[str, ...] = ()) -> StandInReplica:
+    """A replica whose routing stats carry heartbeat ``beat`` (and adapters ``held``)."""
+    return StandInReplica(name, {**stats(held, {}), "beat": beat})
+
+
+def test_a_silent_replica_gets_nothing_new_and_one_a_call_avoids_is_passed_over() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a, b, c = beating("a", 1.0, ("sql",)), beating("b", 1.0), beating("c", 1.0)
+        router = await router_with(clock, a, b, c, loads={"a": 0, "b": 1, "c": 1})
+        router.model = "silence-test"
+        router.update_replicas([a, b, c])  # the beats seen at t=100
+        assert ids(await router.choose_replicas([a, b, c], request("sql")))[0] == ["a"]  # the holder
+        # b and c beat again at t=103 and t=105; a, the adapter's holder, does not.
+        clock.advance(3)
+        b.routing_stats, c.routing_stats = {**b.routing_stats, "beat": 2.0}, {**c.routing_stats, "beat": 2.0}
+        router.update_replicas([a, b, c])
+        clock.advance(1)  # t=104: a's beat stood still 4 s, the limit: not yet silent
+        assert ids(await router.choose_replicas([a, b, c], request("sql")))[0] == ["a"]
+        clock.advance(1)  # t=105: silent
+        b.routing_stats, c.routing_stats = {**b.routing_stats, "beat": 3.0}, {**c.routing_stats, "beat": 3.0}
+        router.update_replicas([a, b, c])
+        ranks = ids(await router.choose_replicas([a, b, c], request("sql")))
+        assert "a" not in sum(ranks, [])
+        # A call that avoids b (a hedge of an attempt there) goes to c while c is ready ...
+        call = ModelCall(prompt="hi", max_tokens=4, adapter="sql", avoid=("b",))
+        meta = RequestMetadata(request_id="r", internal_request_id="j", call_method="generate")
+        avoiding = PendingRequest(args=[call], kwargs={}, metadata=meta)
+        assert ids(await router.choose_replicas([a, b, c], avoiding)) == [["c"]]
+        # ... and to b when it is the only one left.
+        call_all = ModelCall(prompt="hi", max_tokens=4, adapter="sql", avoid=("b", "c"))
+        both = PendingRequest(args=[call_all], kwargs={}, metadata=meta)
+        assert set(sum(ids(await router.choose_replicas([a, b, c], both)), [])) == {"b", "c"}
+
+    asyncio.run(walk())
+
+
+def test_the_replica_an_attempt_went_to_is_noted_by_its_id() -> None:
+    from ballast.model.routing import note_placed, placed
+
+    class Response:
+        def __init__(self, internal_request_id: str) -> None:
+            self._request_metadata = RequestMetadata(request_id="r", internal_request_id=internal_request_id)
+
+    note_placed("attempt-1", "replica-a")
+    note_placed("attempt-1", "replica-b")  # Serve placed it again (a rejection): the last one counts
+    assert placed(Response("attempt-1")) == "replica-b"
+    assert placed(Response("attempt-2")) is None and placed(object()) is None

@@ -1,4 +1,4 @@
-"""The pure parts of ballast/router/resilience.py: Bulkhead, ResponseCache, classify().
+"""The pure parts of ballast/router/resilience_parts.py: Bulkhead, ResponseCache, classify().
 
 No Ray is started: the Ray and Serve exception classes are constructed directly,
 as their public constructors allow.
@@ -26,7 +26,7 @@ from ballast.model.chaos import InjectedFault
 from ballast.model.protocol import ModelCall, ModelResult, RowSampling
 from ballast.policies.migration import LOST_CAPACITY
 from ballast.policies.retry import FAILURE_KINDS
-from ballast.router.resilience import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
+from ballast.router.resilience_parts import BREAKER_FAILURES, Bulkhead, ResponseCache, classify
 
 # -- Bulkhead --------------------------------------------------------------------------
 

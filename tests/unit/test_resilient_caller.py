@@ -42,9 +42,12 @@ class FakeResponse:
     """One scripted reply: it takes ``takes_s`` of fake time, then returns ``result`` (a
     ``ModelResult`` for a unary call, a ``ModelChunk`` for a stream's piece) or raises ``error``."""
 
-    def __init__(self, takes_s: float = 1, result: Any = None, error: BaseException | None = None) -> None:
-        self.takes_s, self.result, self.error = takes_s, result, error
+    def __init__(
+        self, takes_s: float = 1, result: Any = None, error: BaseException | None = None, replica: str | None = None
+    ) -> None:
+        self.takes_s, self.result, self.error, self.replica = takes_s, result, error, replica
         self.cancelled = False
+        self.started_s = 0.0
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -59,9 +62,10 @@ class FakeResponse:
 class FakeStream:
     """A scripted stream: each ``__anext__`` is the next FakeResponse, then StopAsyncIteration."""
 
-    def __init__(self, *steps: FakeResponse) -> None:
+    def __init__(self, *steps: FakeResponse, replica: str | None = None) -> None:
         self.steps = list(steps)
         self.cancelled = False
+        self.replica = replica
 
     def __anext__(self) -> FakeResponse:
         return self.steps.pop(0) if self.steps else FakeResponse(0, error=StopAsyncIteration())
@@ -93,12 +97,51 @@ class FakeHandle:
         return self
 
 
+class FakeReplicas:
+    """Where each attempt went (a response's ``replica``, None: not known) and which replicas
+    went silent: what the request routers' heartbeats say in the real caller (NAMED FAKE:
+    the heartbeats come through Serve, which the unit tests do not run)."""
+
+    def __init__(self, *silent: str) -> None:
+        self.silent_ones = set(silent)
+
+    def placed(self, response: Any) -> str | None:
+        return getattr(response, "replica", None)
+
+    def silent(self, model: str, replica: str) -> bool:
+        return replica in self.silent_ones
+
+
 class FakeTimer:
-    """asyncio's wait_for and sleep on the fake clock; records each pause."""
+    """asyncio's wait_for and sleep, and the caller's racer (``hedging.Racer``), on the fake
+    clock; records each pause. A started response ends ``takes_s`` after it was started."""
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self.slept_s: list[float] = []
+        self.started: list[FakeResponse] = []
+
+    def start(self, response: FakeResponse) -> FakeResponse:
+        response.started_s = self.clock.now_s
+        self.started.append(response)
+        return response
+
+    async def first(self, pending: list[FakeResponse], timeout_s: float) -> int | None:
+        ends = [r.started_s + r.takes_s for r in pending]
+        i = min(range(len(pending)), key=ends.__getitem__)
+        if ends[i] > self.clock.now_s + timeout_s:
+            self.clock.now_s += max(0, timeout_s)
+            return None
+        self.clock.now_s = max(self.clock.now_s, ends[i])
+        return i
+
+    def outcome(self, response: FakeResponse) -> Any:
+        if response.error is not None:
+            raise response.error
+        return response.result
+
+    def drop(self, response: FakeResponse) -> None:
+        response.cancel()
 
     async def sleep(self, seconds: float) -> None:
         self.slept_s.append(seconds)
@@ -148,6 +191,8 @@ def make(
     cache: bool = False,
     bulkhead: dict | None = None,
     model: dict | None = None,
+    hedge: dict | None = None,
+    replicas: FakeReplicas | None = None,
 ) -> tuple[ResilientCaller, FakeClock, FakeTimer, list]:
     cfg = load_config(
         {
@@ -165,6 +210,7 @@ def make(
                 },
                 "cache": {"enabled": cache},
                 "bulkhead": bulkhead or {},
+                "hedge": hedge or {},
             },
             "fallback": {} if fallback is not None else None,
         }
@@ -176,6 +222,7 @@ def make(
         on_retry=lambda backend, kind: events.append(("retry", backend, kind)),
         on_fallback=lambda kind: events.append(("fallback", kind)),
         on_lost_capacity=lambda backend, outcome: events.append(("lost", backend, outcome)),
+        on_hedge=lambda backend: events.append(("hedge", backend)),
     )
     caller = ResilientCaller(
         cfg,
@@ -186,7 +233,8 @@ def make(
         rng=FixedRandom(),
         wall_clock=lambda: WALL_S,
         sleep=timer.sleep,
-        wait_for=timer.wait_for,
+        racer=timer,
+        replicas=replicas or FakeReplicas(),
     )
     return caller, clock, timer, events
 

@@ -1,0 +1,107 @@
+"""ballast/policies/hedge.py: the learned delay, the budget and the heartbeats, step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+from ballast.policies.hedge import (
+    FIRST_CHUNK,
+    NEXT_CHUNK,
+    UNARY,
+    Heartbeats,
+    HedgeBudget,
+    HedgeConfig,
+    HedgeDelay,
+    hedge_limit,
+)
+
+
+def test_no_delay_until_min_samples_then_p95_times_the_factor() -> None:
+    d = HedgeDelay(HedgeConfig(factor=3, min_delay_s=0.1, max_delay_s=10, min_samples=20, window=100))
+    for _ in range(19):
+        d.observe(FIRST_CHUNK, 0.1)
+        assert d.delay_s(FIRST_CHUNK) is None  # not learned yet: never hedged
+    d.observe(FIRST_CHUNK, 0.1)
+    assert d.delay_s(FIRST_CHUNK) == pytest.approx(0.3)
+    # One slow wait in 21 is past the p95 (nearest rank 19 of 21): the delay does not move ...
+    d.observe(FIRST_CHUNK, 5.0)
+    assert d.delay_s(FIRST_CHUNK) == pytest.approx(0.3)
+    # ... three of 23 reach it.
+    d.observe(FIRST_CHUNK, 0.5)
+    d.observe(FIRST_CHUNK, 0.5)
+    assert d.delay_s(FIRST_CHUNK) == pytest.approx(1.5)
+    # Each kind learns its own.
+    assert d.delay_s(NEXT_CHUNK) is None and d.delay_s(UNARY) is None
+
+
+def test_the_delay_is_clamped_and_the_window_forgets() -> None:
+    d = HedgeDelay(HedgeConfig(factor=3, min_delay_s=0.5, max_delay_s=2, min_samples=2, window=2))
+    d.observe(NEXT_CHUNK, 0.01)
+    d.observe(NEXT_CHUNK, 0.01)
+    assert d.delay_s(NEXT_CHUNK) == 0.5  # 0.03 s would hedge on jitter
+    d.observe(NEXT_CHUNK, 4)
+    d.observe(NEXT_CHUNK, 4)
+    assert d.samples(NEXT_CHUNK) == 2 and d.delay_s(NEXT_CHUNK) == 2  # the old ones forgotten; capped
+    d.observe(NEXT_CHUNK, float("nan"))
+    d.observe(NEXT_CHUNK, -1)
+    assert d.samples(NEXT_CHUNK) == 2  # nonsense is not a sample
+
+
+def test_a_unary_wait_is_learned_per_unit_of_work() -> None:
+    d = HedgeDelay(HedgeConfig(factor=2, min_delay_s=0, max_delay_s=100, min_samples=1, window=10))
+    d.observe(UNARY, 9.0, max_tokens=8)  # 1 s per unit: its first token and 8 more
+    assert d.delay_s(UNARY, max_tokens=8) == pytest.approx(18)
+    assert d.delay_s(UNARY, max_tokens=0) == pytest.approx(2)  # a short call is hedged sooner
+    off = HedgeDelay(HedgeConfig(enabled=False, min_samples=1, window=1))
+    off.observe(UNARY, 1.0)
+    assert off.delay_s(UNARY) is None
+
+
+def test_the_budget_is_a_share_of_the_requests_in_flight_with_a_floor() -> None:
+    cfg = HedgeConfig(budget_ratio=0.1, budget_min_concurrent=1)
+    assert [hedge_limit(n, cfg) for n in (0, 9, 10, 19, 20, 100)] == [1, 1, 1, 1, 2, 10]
+    b = HedgeBudget(cfg)
+    assert b.try_acquire(active=10)
+    assert not b.try_acquire(active=10)  # one in flight is the limit at 10 requests
+    assert b.try_acquire(active=20)
+    b.release()
+    b.release()
+    b.release()  # one too many: never below zero
+    assert b.snapshot(active=0) == {"in_flight": 0, "limit": 1, "sent": 2, "denied": 1, "won": 0}
+    none = HedgeBudget(HedgeConfig(budget_ratio=0, budget_min_concurrent=0))
+    assert not none.try_acquire(active=1000)
+
+
+def test_a_config_that_cannot_work_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_delay_s"):
+        HedgeConfig(min_delay_s=5, max_delay_s=1)
+    with pytest.raises(ValueError, match="window"):
+        HedgeConfig(min_samples=50, window=10)
+
+
+def test_a_replica_is_silent_when_its_heartbeat_stops_while_anothers_moves() -> None:
+    beats = Heartbeats()
+    beats.saw("m", {"a": 1.0, "b": 1.0}, now_s=100)
+    assert beats.silent_of("m", after_s=4, now_s=104) == set()  # exactly the limit is not yet silent
+    beats.saw("m", {"a": 2.0, "b": 1.0}, now_s=104)  # a beats, b does not
+    assert beats.silent_of("m", after_s=4, now_s=104.5) == {"b"}
+    assert beats.silent("m", "b", after_s=4, now_s=104.5) and not beats.silent("m", "a", after_s=4, now_s=104.5)
+    # Nobody beats for a while: the view stopped, not every replica.
+    assert beats.silent_of("m", after_s=4, now_s=109) == set()
+    # b beats again: it is back at once.
+    beats.saw("m", {"a": 3.0, "b": 5.0}, now_s=110)
+    assert beats.silent_of("m", after_s=4, now_s=110) == set()
+
+
+def test_unknown_replicas_and_ones_without_a_heartbeat_are_never_silent() -> None:
+    beats = Heartbeats(max_replicas=2)
+    beats.saw("m", {"a": 1.0, "old": None}, now_s=100)
+    beats.saw("m", {"a": 2.0, "old": None}, now_s=110)
+    assert beats.silent_of("m", after_s=4, now_s=111) == set()  # "old" sends none: an older replica
+    assert not beats.silent("m", "never-seen", after_s=4, now_s=111)
+    assert not beats.silent("other-model", "a", after_s=4, now_s=111)
+    # Replicas that left are forgotten; at most max_replicas are kept.
+    beats.saw("m", {"x": 1.0, "y": 1.0, "z": 1.0}, now_s=120)
+    beats.saw("m", {"x": 2.0, "y": 2.0, "z": 2.0}, now_s=130)
+    assert beats.silent_of("m", after_s=4, now_s=131) == set()
+    assert not beats.silent("m", "a", after_s=4, now_s=131)
