@@ -134,12 +134,18 @@ def _routing_line(routing: dict[str, Any]) -> str:
 
 
 def _model_health(mine: dict[str, Any], out: list[str]) -> None:
-    """A model's capacity lost with replicas, and its breakers."""
+    """A model's capacity lost with replicas, its hedges, and its breakers."""
     lost = _map(mine, "lost_capacity")
     if any(lost.values()):
         out.append(
             f"  lost capacity: {lost.get('migrated', 0)} carried on elsewhere, {lost.get('not_migrated', 0)} not "
             "(to the fallback, else 503 REPLICA_LOST): replicas or nodes that went away, not model errors"
+        )
+    hedges = _map(mine, "hedges")
+    if hedges.get("sent"):
+        out.append(
+            f"  hedges: {hedges['sent']} sent ({hedges.get('won', 0)} answered first), "
+            f"{hedges.get('denied', 0)} denied by the budget"
         )
     breakers = _map(mine, "breakers")
     if breakers:

@@ -94,6 +94,15 @@ class AllFailed(Exception):
         self.kind, self.silent = kind, silent
 
 
+class ReplicaSilent(Exception):
+    """A stream's replica went silent mid-way (its heartbeat stopped): lost capacity, carried
+    on elsewhere as a lost replica's stream is."""
+
+    def __init__(self, replica: str) -> None:
+        super().__init__(replica)
+        self.replica = replica
+
+
 # From what says most about the model to what says least: the next try follows the first.
 _ORDER = ("deadline_exceeded", "model_error", "attempt_timeout", "backpressure")
 

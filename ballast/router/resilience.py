@@ -72,7 +72,7 @@ from ballast.policies.breaker import BreakerEvent, CircuitBreaker, Permit
 from ballast.policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
 from ballast.policies.engines import honours
 from ballast.policies.retry import NO_SLOT, RetryBudget, RetrySlot, backoff_s, should_retry
-from ballast.router.hedging import AllFailed, Racer, Replicas, ServeReplicas, Try, worst
+from ballast.router.hedging import AllFailed, Racer, Replicas, ReplicaSilent, ServeReplicas, Try, worst
 from ballast.router.resilience_parts import (
     BREAKER_FAILURES,
     Bulkhead,
@@ -182,6 +182,7 @@ class ResilientCaller:
         self._sleep = sleep
         self._racer = racer if racer is not None else Racer()
         self._replicas: Replicas = replicas or ServeReplicas(r.hedge.silent_after_s)
+        self._silent_after_s = r.hedge.silent_after_s
         self._rng = rng or random.Random()
         self._hooks = hooks
         bcfg = r.breaker.breaker_config()
@@ -589,12 +590,15 @@ class ResilientCaller:
             first = first.without_wait()  # a migrated stream's: not a new request's wait
         return _Open(gen, permit, first, t0)
 
-    async def _carry_on(self, b: Backend, spec: CallSpec, ids: list[int], chars: int) -> _Open:
+    async def _carry_on(
+        self, b: Backend, spec: CallSpec, ids: list[int], chars: int, avoid: tuple[str, ...] = ()
+    ) -> _Open:
         """The stream opened again, after the migration pause, from the ``ids`` and ``chars``
-        it delivered; one that cannot go on ends the stream (``_StreamEnded``)."""
+        it delivered, passing over the replicas ``avoid`` names; one that cannot go on ends
+        the stream (``_StreamEnded``)."""
         try:
             await self._sleep(self._migration_pause(b, spec, budget=False)[0])
-            return await self._open(b, spec, spec.call.resumed(Resume(tuple(ids), chars)))
+            return await self._open(b, spec, spec.call.resumed(Resume(tuple(ids), chars)).avoiding(avoid))
         except _BackendFailed as f:
             raise _StreamEnded(
                 ReplicaLost(
@@ -626,17 +630,20 @@ class ResilientCaller:
                 except asyncio.TimeoutError:
                     raise
                 except Exception as exc:
-                    if classify(exc) != migration.LOST_CAPACITY:
+                    silent = exc.replica if isinstance(exc, ReplicaSilent) else None
+                    if silent is None and classify(exc) != migration.LOST_CAPACITY:
                         raise
                     gen.cancel()
-                    b.failed[migration.LOST_CAPACITY] = b.failed.get(migration.LOST_CAPACITY, 0) + 1
+                    lost = SILENT if silent is not None else migration.LOST_CAPACITY
+                    b.failed[lost] = b.failed.get(lost, 0) + 1
                     b.breaker.release(opened.permit)  # the permit held: ``permit`` is opened's
                     permit = None
                     if spec.call.n > 1:  # a resume carries one choice's ids: several cannot go on
                         raise _StreamEnded(
                             ReplicaLost("the stream's replica went away; a stream of several choices is not carried on")
                         ) from None
-                    opened = await self._carry_on(b, spec, delivered_ids, delivered_chars)
+                    avoid = (silent,) if silent is not None else ()
+                    opened = await self._carry_on(b, spec, delivered_ids, delivered_chars, avoid)
                     gen, permit, chunk, t0 = opened.gen, opened.permit, opened.first, opened.t0
                     self.lost["streams_carried_on"] += 1
             outcome = True
@@ -670,7 +677,8 @@ class ResilientCaller:
         the stream on from ``ids`` and ``chars`` on another replica, and the first to answer
         wins (the other cancelled, its permit given back). Returns the chunk and the stream it
         came from (a hedge's: a new ``_Open``). Raises what ``cur``'s next raises
-        (StopAsyncIteration at its end), asyncio.TimeoutError at the deadline."""
+        (StopAsyncIteration at its end), asyncio.TimeoutError at the deadline, ReplicaSilent
+        when ``cur``'s replica went silent with no hedge under way."""
         t_wait = self._clock()
         pending: Any = self._racer.start(cur.gen.__anext__())
         h: Try | None = None
@@ -683,9 +691,17 @@ class ResilientCaller:
                     hedged = h is not None
             while True:
                 racing = [pending] if h is None else [pending, h.pending]
-                i = await self._racer.first(racing, spec.deadline_s - self._clock())
+                wait_s = spec.deadline_s - self._clock()
+                # Unhedged, the wait is looked at every silent_after_s: a replica gone silent
+                # mid-stream is lost capacity, carried on elsewhere (``ReplicaSilent``).
+                i = await self._racer.first(racing, wait_s if h is not None else min(wait_s, self._silent_after_s))
                 if i is None:
-                    raise asyncio.TimeoutError()
+                    if self._clock() >= spec.deadline_s:
+                        raise asyncio.TimeoutError()
+                    replica = self._replicas.placed(cur.gen) if h is None else None
+                    if replica is not None and self._replicas.silent(b.model_name, replica):
+                        raise ReplicaSilent(replica)
+                    continue
                 if i == 0:
                     done, pending = pending, None
                     chunk: ModelChunk = self._racer.outcome(done)

@@ -135,6 +135,14 @@ def test_summary_shows_lost_capacity_apart_from_breakers_only_when_there_was_som
     )
 
 
+def test_summary_shows_hedges_only_when_some_were_sent() -> None:
+    doc = live_document()
+    assert "hedges" not in format_status(doc)
+    doc["models"][MODEL]["hedges"] = {"in_flight": 0, "limit": 1, "sent": 5, "denied": 2, "won": 4, "delay_s": {}}
+    block = model_block(format_status(doc))
+    assert "  hedges: 5 sent (4 answered first), 2 denied by the budget" in block
+
+
 # Serve's message for a replica it could not place (deployment_state.py), here a group of
 # four one-GPU ranks on a cluster of one-GPU nodes, as serve.status() gives it.
 PENDING = (

@@ -172,3 +172,25 @@ async def test_a_stream_whose_hedge_fails_waits_for_its_own_replica() -> None:
     assert clock() == 104 and broken.cancelled and not slow.cancelled
     assert caller.backends[0].failed == {"model_error": 1}  # the hedge's failure is counted as what it is
     assert caller.hedges.in_flight == 0
+
+
+async def test_an_unhedged_stream_whose_replica_goes_silent_mid_way_is_carried_on_elsewhere() -> None:
+    stalled = FakeStream(piece("he", [104, 101]), FakeResponse(HANG), replica="r1")
+    resumed = FakeStream(piece("llo", [108, 108, 111]), replica="r2")
+    primary = FakeHandle(streams=(stalled, resumed))
+    replicas = FakeReplicas()
+    caller, clock, _, events = make(primary, replicas=replicas)
+    opened = await caller.stream(spec(clock, hedge=False))
+    chunks = opened.chunks
+    assert (await chunks.__anext__()).text == "he"  # t=101
+    # r1's heartbeat stops: at t=105, no chunk for silent_after_s (4 s), the stream is
+    # carried on elsewhere from what it delivered.
+    replicas.silent_ones.add("r1")
+    rest = [c.text async for c in chunks]
+    assert rest == ["llo"] and stalled.cancelled
+    carried = primary.generate_stream.calls[1]
+    assert carried.avoid == ("r1",) and carried.resume == Resume((104, 101), text_chars=2)
+    assert clock() == 101 + 4 + 0.025 + 1  # one look at t=105 found r1 silent; the pause; "llo"
+    assert events == [("lost", "primary", "migrated")]
+    assert caller.backends[0].failed == {"replica_silent": 1}
+    assert breaker_of(caller, "primary")["failures"] == 0
