@@ -157,7 +157,8 @@ class Heartbeats:
     process's clock (so the replicas' clocks never meet it), per model.
 
     A replica is silent when its stamp has not moved for longer than ``after_s`` while
-    another replica of the same model's has: when no stamp moves at all, it is the view that
+    another replica's has (of any model this process routes to: a model of one replica
+    beside its fallback can go silent too): when no stamp moves at all, it is the view that
     stopped (Serve's controller not polling, say), not every replica. A replica not seen yet
     is not silent. Bounded: a model's replicas that left are forgotten when it is next seen
     whole, and at most ``max_replicas`` per model are kept."""
@@ -178,16 +179,18 @@ class Heartbeats:
             after[replica] = known if known is not None and known[0] == stamp else (stamp, now_s)
         self._seen[model] = after
 
+    def _view_alive(self, after_s: float, now_s: float) -> bool:
+        """Some replica's heartbeat, of any model, moved within ``after_s``: the view moves."""
+        return any(now_s - at_s <= after_s for seen in self._seen.values() for _, at_s in seen.values())
+
     def silent(self, model: str, replica: str, after_s: float, now_s: float) -> bool:
-        seen = self._seen.get(model, {})
-        entry = seen.get(replica)
+        entry = self._seen.get(model, {}).get(replica)
         if entry is None or now_s - entry[1] <= after_s:
             return False
-        return any(now_s - at_s <= after_s for _, at_s in seen.values())
+        return self._view_alive(after_s, now_s)
 
     def silent_of(self, model: str, after_s: float, now_s: float) -> set[str]:
         """The model's silent replicas."""
         seen = self._seen.get(model, {})
-        if not any(now_s - at_s <= after_s for _, at_s in seen.values()):
-            return set()
-        return {r for r, (_, at_s) in seen.items() if now_s - at_s > after_s}
+        stale = {r for r, (_, at_s) in seen.items() if now_s - at_s > after_s}
+        return stale if stale and self._view_alive(after_s, now_s) else set()

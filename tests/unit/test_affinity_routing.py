@@ -13,10 +13,12 @@ import asyncio
 import logging
 from typing import Any
 
+import pytest
 from fakes import FakeClock
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 
+from ballast.model import routing
 from ballast.model.protocol import ModelCall
 from ballast.model.routing import (
     MAX_REPORT_AGE_S,
@@ -24,10 +26,18 @@ from ballast.model.routing import (
     adapter_of,
     replica_routing_stats,
 )
+from ballast.policies.hedge import Heartbeats
 from ballast.policies.holdings import AdapterHoldings
 from ballast.policies.prefix_cache import PrefixHoldings
 
 DEPLOYMENT = DeploymentID(name="m", app_name="ballast")
+
+
+@pytest.fixture(autouse=True)
+def fresh_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's routers see only its own replicas' heartbeats (the process keeps one table,
+    shared by every request router in it, on each test's own fake clock)."""
+    monkeypatch.setattr(routing, "_BEATS", Heartbeats())
 
 
 class StandInReplica:

@@ -100,8 +100,18 @@ def test_unknown_replicas_and_ones_without_a_heartbeat_are_never_silent() -> Non
     assert beats.silent_of("m", after_s=4, now_s=111) == set()  # "old" sends none: an older replica
     assert not beats.silent("m", "never-seen", after_s=4, now_s=111)
     assert not beats.silent("other-model", "a", after_s=4, now_s=111)
+
     # Replicas that left are forgotten; at most max_replicas are kept.
     beats.saw("m", {"x": 1.0, "y": 1.0, "z": 1.0}, now_s=120)
     beats.saw("m", {"x": 2.0, "y": 2.0, "z": 2.0}, now_s=130)
     assert beats.silent_of("m", after_s=4, now_s=131) == set()
     assert not beats.silent("m", "a", after_s=4, now_s=131)
+
+
+def test_a_models_only_replica_is_silent_while_another_models_replica_beats() -> None:
+    beats = Heartbeats()
+    beats.saw("solo", {"s": 1.0}, now_s=100)
+    beats.saw("fallback", {"f": 1.0}, now_s=100)
+    beats.saw("fallback", {"f": 2.0}, now_s=105)  # the fallback's replica beats; solo's does not
+    assert beats.silent_of("solo", after_s=4, now_s=106) == {"s"}
+    assert beats.silent_of("solo", after_s=4, now_s=110) == set()  # nothing beat since 105: the view stopped
