@@ -60,9 +60,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
-from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -70,6 +67,7 @@ from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequ
 from ray.serve._private.request_router.request_router import RequestRouter
 
 from ballast.model.protocol import ModelCall
+from ballast.model.routing_state import count_routed, note_beats, note_placed, silent_replicas
 from ballast.policies.affinity import (
     AffinityConfig,
     PrefixView,
@@ -77,10 +75,8 @@ from ballast.policies.affinity import (
     rank,
     rank_by_prefix,
 )
-from ballast.policies.hedge import Heartbeats
 from ballast.policies.holdings import AdapterHoldings, AdapterReport, SeenStamps, fleet_demand
 from ballast.policies.prefix_cache import PrefixReport, block_keys, home_score, matched_blocks
-from ballast.policies.reports import ROUTE_REASONS
 
 log = logging.getLogger(__name__)
 
@@ -323,69 +319,6 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         return replace(report, at_s=self._adapter_stamps.taken(rid, report.at_s, now_s))
 
 
-# Every model's route decisions in this process since it started, by reason: what the
-# router replica's reporter sends the controller (``routed_so_far``). Bounded: the models
-# this process routes to, times ROUTE_REASONS. Written on Serve's routing loop, read on the
-# router's: the lock guards it.
-_ROUTED: dict[str, dict[str, int]] = {}
-_ROUTED_LOCK = threading.Lock()
-
-
-def routed_so_far(model: str) -> dict[str, int]:
-    """Model ``model``'s route decisions made in this process, by reason (a copy)."""
-    with _ROUTED_LOCK:
-        return dict(_ROUTED.get(model, {}))
-
-
-# Every model's replicas' heartbeats as this process's request routers last saw them (on
-# their clock, ``get_curr_time_s``: Serve's is the wall clock, which ``hedging.ServeReplicas``
-# reads too), and the
-# replica each recent attempt went to (by Serve's internal request id): what the resilient
-# caller (ballast.router.resilience) reads to tell a silent replica from a sick one, and to
-# send a hedge elsewhere. Written on Serve's routing loop, read on the router's: the lock
-# guards both. Bounded: the models' replicas (Heartbeats), MAX_PLACED attempts.
-_BEATS = Heartbeats()
-_PLACED: OrderedDict[str, str] = OrderedDict()
-_SEEN_LOCK = threading.Lock()
-
-
-def note_beats(model: str, replicas: Iterable[Any], now_s: float) -> None:
-    """Model ``model``'s replicas as Serve handed them over, with their heartbeats."""
-    beats = {r.replica_id.unique_id: (r.routing_stats or {}).get("beat") for r in replicas}
-    with _SEEN_LOCK:
-        _BEATS.saw(model, beats, now_s)
-
-
-def note_placed(request_id: str, replica_id: str) -> None:
-    with _SEEN_LOCK:
-        _PLACED.pop(request_id, None)
-        _PLACED[request_id] = replica_id
-        while len(_PLACED) > MAX_PLACED:
-            _PLACED.popitem(last=False)
-
-
-def placed(response: Any) -> str | None:
-    """The replica a Serve response's request went to (its unique id); None until the request
-    router placed it, or for a response from elsewhere."""
-    metadata = getattr(response, "_request_metadata", None)
-    request_id = getattr(metadata, "internal_request_id", None)
-    if not isinstance(request_id, str):
-        return None
-    with _SEEN_LOCK:
-        return _PLACED.get(request_id)
-
-
-def silent_replicas(model: str, after_s: float, now_s: float) -> set[str]:
-    """Model ``model``'s replicas whose heartbeat stopped (``Heartbeats.silent``)."""
-    with _SEEN_LOCK:
-        return _BEATS.silent_of(model, after_s, now_s)
-
-
-def is_silent(model: str, replica_id: str, after_s: float, now_s: float) -> bool:
-    with _SEEN_LOCK:
-        return _BEATS.silent(model, replica_id, after_s, now_s)
-
-
 class RouteCounter:
     """``ballast_route_decisions_total{model, reason}``: how each request was placed (and
     the same counts for ``routed_so_far``)."""
@@ -405,9 +338,7 @@ class RouteCounter:
 
     def inc(self, reason: str) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
-        with _ROUTED_LOCK:
-            counts = _ROUTED.setdefault(self._model, dict.fromkeys(ROUTE_REASONS, 0))
-            counts[reason] += 1
+        count_routed(self._model, reason)
         try:
             self._counter.inc(1, tags={"model": self._model, "reason": reason})
         except Exception as e:  # a metric must never fail a routing decision

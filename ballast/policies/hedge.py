@@ -27,7 +27,7 @@ Pure: no clock is read here; the caller measures and passes durations.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -160,13 +160,17 @@ class Heartbeats:
     another replica's has (of any model this process routes to: a model of one replica
     beside its fallback can go silent too): when no stamp moves at all, it is the view that
     stopped (Serve's controller not polling, say), not every replica. A replica not seen yet
-    is not silent. Bounded: a model's replicas that left are forgotten when it is next seen
-    whole, and at most ``max_replicas`` per model are kept."""
+    is not silent. A replica Serve no longer lists (dead, unhealthy, drained) is gone, and
+    counts as silent: an attempt still waiting on it is lost capacity. Bounded: at most
+    ``max_replicas`` replicas per model, and as many gone ones."""
 
     def __init__(self, max_replicas: int = 1024) -> None:
         check_int("max_replicas", max_replicas, minimum=1)
         self._max = max_replicas
         self._seen: dict[str, dict[str, tuple[object, float]]] = {}
+        # Replicas Serve no longer lists (dead, unhealthy, drained), by model: an attempt still
+        # waiting on one is lost capacity. The last max_replicas per model.
+        self._gone: dict[str, OrderedDict[str, float]] = {}
 
     def saw(self, model: str, beats: Mapping[str, object], now_s: float) -> None:
         """The model's replicas now (every one of them) and their stamps (None: none sent)."""
@@ -178,12 +182,22 @@ class Heartbeats:
             known = before.get(replica)
             after[replica] = known if known is not None and known[0] == stamp else (stamp, now_s)
         self._seen[model] = after
+        gone = self._gone.setdefault(model, OrderedDict())
+        for replica in before.keys() - beats.keys():
+            gone[replica] = now_s
+        for replica in beats:
+            gone.pop(replica, None)
+        while len(gone) > self._max:
+            gone.popitem(last=False)
 
     def _view_alive(self, after_s: float, now_s: float) -> bool:
         """Some replica's heartbeat, of any model, moved within ``after_s``: the view moves."""
         return any(now_s - at_s <= after_s for seen in self._seen.values() for _, at_s in seen.values())
 
     def silent(self, model: str, replica: str, after_s: float, now_s: float) -> bool:
+        """Whether ``replica`` of ``model`` is silent, or gone from Serve's list."""
+        if replica in self._gone.get(model, {}):
+            return True
         entry = self._seen.get(model, {}).get(replica)
         if entry is None or now_s - entry[1] <= after_s:
             return False

@@ -62,12 +62,12 @@ class ServeReplicas:
         self._clock = clock
 
     def placed(self, response: Any) -> str | None:
-        from ballast.model.routing import placed
+        from ballast.model.routing_state import placed
 
         return placed(response)
 
     def silent(self, model: str, replica: str) -> bool:
-        from ballast.model.routing import is_silent
+        from ballast.model.routing_state import is_silent
 
         return is_silent(model, replica, self._after_s, self._clock())
 

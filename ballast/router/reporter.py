@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from ballast.control.snapshot import Snapshot
-from ballast.model.routing import routed_so_far
+from ballast.model.routing_state import routed_so_far
 from ballast.names import ROUTER_DEPLOYMENT
 from ballast.policies import engines, killswitch
 from ballast.policies.criticality import Criticality

@@ -55,17 +55,21 @@ class QueueView:
             cluster.state["store_url"], password=netcluster.STORE_PASSWORD.read_text().strip(), socket_timeout=10
         )
         self._keys = Keys(f"{cfg.batch.key_prefix}:{cfg.app_name}")
-        self._queue = self._keys.queue(MODEL)
 
     def claimed(self, batch_id: str) -> dict[str, tuple[str, int]]:
-        """entry id -> (consumer, times delivered), the batch's lines a router holds unacknowledged."""
-        queued = {eid for eid, f in entries(self._r.xrange(self._queue)) if f["batch"] == batch_id}
-        pending = self._r.xpending_range(self._queue, GROUP, "-", "+", 1000) if queued else []
-        return {
-            text(p["message_id"]): (text(p["consumer"]), int(p["times_delivered"]))
-            for p in pending
-            if text(p["message_id"]) in queued
-        }
+        """entry id -> (consumer, times delivered), the batch's lines a router holds unacknowledged
+        (on each tenant's queue of the model: one stream per model and tenant)."""
+        out: dict[str, tuple[str, int]] = {}
+        for tenant in sorted(text(t) for t in self._r.smembers(self._keys.queue_tenants(MODEL))):
+            queue = self._keys.queue(MODEL, tenant)
+            queued = {eid for eid, f in entries(self._r.xrange(queue)) if f["batch"] == batch_id}
+            pending = self._r.xpending_range(queue, GROUP, "-", "+", 1000) if queued else []
+            out.update(
+                (f"{tenant}/{text(p['message_id'])}", (text(p["consumer"]), int(p["times_delivered"])))
+                for p in pending
+                if text(p["message_id"]) in queued
+            )
+        return out
 
     def answered(self, batch_id: str) -> int:
         return int(

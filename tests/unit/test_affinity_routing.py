@@ -18,7 +18,7 @@ from fakes import FakeClock
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve._private.request_router.common import PendingRequest
 
-from ballast.model import routing
+from ballast.model import routing_state
 from ballast.model.protocol import ModelCall
 from ballast.model.routing import (
     MAX_REPORT_AGE_S,
@@ -37,7 +37,7 @@ DEPLOYMENT = DeploymentID(name="m", app_name="ballast")
 def fresh_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test's routers see only its own replicas' heartbeats (the process keeps one table,
     shared by every request router in it, on each test's own fake clock)."""
-    monkeypatch.setattr(routing, "_BEATS", Heartbeats())
+    monkeypatch.setattr(routing_state, "_BEATS", Heartbeats())
 
 
 class StandInReplica:
@@ -444,7 +444,7 @@ def test_a_silent_replica_gets_nothing_new_and_one_a_call_avoids_is_passed_over(
 
 
 def test_the_replica_an_attempt_went_to_is_noted_by_its_id() -> None:
-    from ballast.model.routing import note_placed, placed
+    from ballast.model.routing_state import note_placed, placed
 
     class Response:
         def __init__(self, internal_request_id: str) -> None:

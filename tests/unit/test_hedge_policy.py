@@ -100,12 +100,10 @@ def test_unknown_replicas_and_ones_without_a_heartbeat_are_never_silent() -> Non
     assert beats.silent_of("m", after_s=4, now_s=111) == set()  # "old" sends none: an older replica
     assert not beats.silent("m", "never-seen", after_s=4, now_s=111)
     assert not beats.silent("other-model", "a", after_s=4, now_s=111)
-
-    # Replicas that left are forgotten; at most max_replicas are kept.
+    # At most max_replicas are kept: a third is not seen, so never silent.
     beats.saw("m", {"x": 1.0, "y": 1.0, "z": 1.0}, now_s=120)
-    beats.saw("m", {"x": 2.0, "y": 2.0, "z": 2.0}, now_s=130)
-    assert beats.silent_of("m", after_s=4, now_s=131) == set()
-    assert not beats.silent("m", "a", after_s=4, now_s=131)
+    beats.saw("m", {"x": 1.0, "y": 2.0, "z": 1.0}, now_s=130)
+    assert beats.silent_of("m", after_s=4, now_s=131) == {"x"}
 
 
 def test_a_models_only_replica_is_silent_while_another_models_replica_beats() -> None:
@@ -115,3 +113,16 @@ def test_a_models_only_replica_is_silent_while_another_models_replica_beats() ->
     beats.saw("fallback", {"f": 2.0}, now_s=105)  # the fallback's replica beats; solo's does not
     assert beats.silent_of("solo", after_s=4, now_s=106) == {"s"}
     assert beats.silent_of("solo", after_s=4, now_s=110) == set()  # nothing beat since 105: the view stopped
+
+
+def test_a_replica_serve_no_longer_lists_is_gone_and_silent_until_it_is_listed_again() -> None:
+    beats = Heartbeats(max_replicas=2)
+    beats.saw("m", {"a": 1.0, "b": 1.0}, now_s=100)
+    beats.saw("m", {"a": 1.0}, now_s=101)  # b left the running set (its node lost, say)
+    assert beats.silent("m", "b", after_s=4, now_s=101)  # at once: an attempt waiting there is lost
+    assert beats.silent_of("m", after_s=4, now_s=101) == set()  # no candidate to leave out
+    beats.saw("m", {"a": 1.0, "b": 2.0}, now_s=102)  # listed again (a node back)
+    assert not beats.silent("m", "b", after_s=4, now_s=102)
+    for i in range(5):  # replicas come and go: the gone ones are bounded too
+        beats.saw("m", {f"r{i}": 1.0}, now_s=110 + i)
+    assert beats.silent("m", "r3", after_s=4, now_s=120) and not beats.silent("m", "a", after_s=4, now_s=120)
