@@ -683,18 +683,21 @@ class ResilientCaller:
         pending: Any = self._racer.start(cur.gen.__anext__())
         h: Try | None = None
         hedged = False
+        i: int | None = None  # which of ``pending`` and the hedge's ended first; None: not yet
         try:
             delay = self._hedge_delay(spec, hedge.NEXT_CHUNK)
             if delay is not None and t_wait + delay < spec.deadline_s:
-                if await self._racer.first([pending], delay) is None:
+                i = await self._racer.first([pending], delay)
+                if i is None:
                     h = self._hedge_stream(b, spec, cur, ids, chars)
                     hedged = h is not None
             while True:
-                racing = [pending] if h is None else [pending, h.pending]
-                wait_s = spec.deadline_s - self._clock()
-                # Unhedged, the wait is looked at every silent_after_s: a replica gone silent
-                # mid-stream is lost capacity, carried on elsewhere (``ReplicaSilent``).
-                i = await self._racer.first(racing, wait_s if h is not None else min(wait_s, self._silent_after_s))
+                if i is None:
+                    racing = [pending] if h is None else [pending, h.pending]
+                    wait_s = spec.deadline_s - self._clock()
+                    # Unhedged, the wait is looked at every silent_after_s: a replica gone
+                    # silent mid-stream is lost capacity, carried on elsewhere (``ReplicaSilent``).
+                    i = await self._racer.first(racing, wait_s if h is not None else min(wait_s, self._silent_after_s))
                 if i is None:
                     if self._clock() >= spec.deadline_s:
                         raise asyncio.TimeoutError()
@@ -713,7 +716,7 @@ class ResilientCaller:
                 except Exception as exc:  # the hedge failed: the stream waits for ``cur`` alone
                     h.handle.cancel()
                     self._failed(b, h.permit, exc, h.t0)
-                    h = None
+                    h, i = None, None
                     continue
                 cur.gen.cancel()
                 self._racer.drop(pending)
