@@ -439,7 +439,7 @@ class ResilientCaller:
                 if i is None:
                     if hedge_at is not None and self._clock() < end:
                         hedge_at = None
-                        h = self._hedge(b, spec, send, first)
+                        h = self._hedge(b, spec, send, first.handle)
                         if h is not None:
                             hedged = True
                             tries.append(h)
@@ -485,10 +485,11 @@ class ResilientCaller:
         return self.hedge_delay.delay_s(wait, spec.call.max_tokens) if spec.hedge else None
 
     def _hedge(
-        self, b: Backend, spec: CallSpec, send: Callable[[float, tuple[str, ...]], tuple[Any, Any]], first: Try
+        self, b: Backend, spec: CallSpec, send: Callable[[float, tuple[str, ...]], tuple[Any, Any]], of: Any
     ) -> Try | None:
-        """A hedge of ``first`` on another replica, if the budget and the breaker allow one
-        and time is left for it; None otherwise."""
+        """A hedge of the attempt ``of`` (its call) sent by ``send``, passing over the replica
+        that attempt went to, if the budget and the breaker allow one and time is left for
+        it; None otherwise."""
         left = spec.deadline_s - self._clock()
         if left <= MIN_ATTEMPT_S or not self.hedges.try_acquire(self.budget.active):
             return None
@@ -496,7 +497,7 @@ class ResilientCaller:
         if permit is None:
             self.hedges.release()
             return None
-        replica = self._replicas.placed(first.handle)
+        replica = self._replicas.placed(of)
         self._hooks.on_hedge(b.role)
         return self._try(send, left, (replica,) if replica is not None else (), permit, is_hedge=True)
 
@@ -580,15 +581,19 @@ class ResilientCaller:
         elsewhere (a migration); an attempt that failed otherwise (its first chunk timed out
         on a replica cut off from this router, say) is retried as a unary attempt is, inside
         the retry budget."""
+        gen, first, permit, t0 = await self._first_answer(b, spec, self._stream_sender(b, call), unary=False)
+        if call is not spec.call:
+            first = first.without_wait()  # a migrated stream's: not a new request's wait
+        return _Open(gen, permit, first, t0)
+
+    def _stream_sender(self, b: Backend, call: ModelCall) -> Callable[[float, tuple[str, ...]], tuple[Any, Any]]:
+        """What starts a stream attempt of ``call`` on ``b``: (its generator; its first chunk)."""
 
         def send(left_s: float, avoid: tuple[str, ...]) -> tuple[Any, Any]:
             gen = b.stream_handle.generate_stream.remote(call.for_attempt(left_s, self._wall_clock()).avoiding(avoid))
             return gen, gen.__anext__()
 
-        gen, first, permit, t0 = await self._first_answer(b, spec, send, unary=False)
-        if call is not spec.call:
-            first = first.without_wait()  # a migrated stream's: not a new request's wait
-        return _Open(gen, permit, first, t0)
+        return send
 
     async def _carry_on(
         self, b: Backend, spec: CallSpec, ids: list[int], chars: int, avoid: tuple[str, ...] = ()
@@ -739,18 +744,9 @@ class ResilientCaller:
         """A hedge of a stream that stalled: carried on from ``ids`` and ``chars`` on another
         replica, if the budget and the breaker allow and time is left; None otherwise (and
         for a stream of several choices, which a resume cannot carry)."""
-        left = spec.deadline_s - self._clock()
-        if spec.call.n > 1 or left <= MIN_ATTEMPT_S or not self.hedges.try_acquire(self.budget.active):
+        if spec.call.n > 1:
             return None
-        permit = b.breaker.allow()
-        if permit is None:
-            self.hedges.release()
-            return None
-        replica = self._replicas.placed(cur.gen)
-        call = spec.call.resumed(Resume(tuple(ids), chars)).for_attempt(left, self._wall_clock())
-        gen = b.stream_handle.generate_stream.remote(call.avoiding((replica,) if replica is not None else ()))
-        self._hooks.on_hedge(b.role)
-        return Try(gen, self._racer.start(gen.__anext__()), permit, self._clock(), hedge=True)
+        return self._hedge(b, spec, self._stream_sender(b, spec.call.resumed(Resume(tuple(ids), chars))), cur.gen)
 
 
 class _StreamEnded(Exception):
