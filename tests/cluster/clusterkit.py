@@ -148,15 +148,17 @@ class Cluster:
 
     def router_views(self, endpoints: list[str], asks: int = 6) -> str:
         """What the routers behind ``endpoints`` saw of the primary: failed attempts by
-        kind, attempts lost with their replica, the breaker (HAProxy spreads the asks)."""
+        kind, attempts lost with their replica, hedges, the breaker (HAProxy spreads the asks)."""
         seen: dict[str, str] = {}
         for i in range(asks):
             try:
                 st = self.admin_call("GET", "/v1/status", endpoints[i % len(endpoints)]).json()
                 model = model_view(st, sole_model(st))  # the cluster serves one model
                 b = model["breakers"]["primary"]
+                hedges = model.get("hedges") or {}
                 seen[st["router_id"][-6:]] = (
-                    f"failed {b['failed_attempts']}, lost {model['lost_capacity']}, breaker {b['state']}"
+                    f"failed {b['failed_attempts']}, lost {model['lost_capacity']}, "
+                    f"hedges {hedges.get('sent', 0)} sent / {hedges.get('won', 0)} won, breaker {b['state']}"
                 )
             except (httpx.HTTPError, KeyError, ValueError, TypeError):
                 continue
