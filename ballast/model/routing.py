@@ -7,6 +7,16 @@ handle (the Ballast router's handles to the model deployments). Replicas that ar
 ready are left out while at least one ready replica remains. If none is ready, it routes
 as usual: a fleet of tired replicas still answers rather than refusing everything.
 
+**Silence and avoidance.** Every replica's stats carry a heartbeat (``"beat"``, the
+instant of the poll). A replica whose heartbeat has stood still longer than
+``silent_after_s`` while another replica's moved is silent (``ballast.policies.hedge.
+Heartbeats``): it is left out like a replica that is not ready. A call may name replicas to
+pass over (``ModelCall.avoid``: a hedge's, or a re-send's after a silent attempt), left out
+while another remains. The replica each request goes to is noted by its Serve request id
+(``ballast.model.routing_state.placed``), for the caller to hedge elsewhere or ask whether
+it went silent. Those tables live in ``routing_state``: Serve ships this module to the
+handles by value, so a table here would be a copy the caller never sees.
+
 **Prompt prefixes.** A vLLM replica with prefix caching reports the blocks its KV cache
 holds (``ballast.policies.prefix_cache.PrefixReport`` under ``"prefix"``, from vLLM's own
 KV-cache events, ``ballast.model.kv_events``). Serve broadcasts every replica's stats to
@@ -90,8 +100,6 @@ MAX_DECODED = 1024
 
 #: The default of ``resilience.hedge.silent_after_s`` (a router's config sets its own).
 SILENT_AFTER_S = 4.0
-#: The most attempts whose replica this process remembers (``placed``), oldest forgotten first.
-MAX_PLACED = 4096
 
 
 def is_ready(routing_stats: dict[str, Any] | None) -> bool:
