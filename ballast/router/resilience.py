@@ -423,8 +423,11 @@ class ResilientCaller:
     ) -> Try:
         """``first`` and, when it shows nothing for the model's hedge delay, a hedge on another
         replica: the first to answer wins and the other is cancelled (its permit given back:
-        neither a success nor a failure). Each ends at its own attempt timeout. Raises
-        AllFailed when every attempt failed, an engine's refusal as it is."""
+        neither a success nor a failure). Each ends at its own attempt timeout; every
+        quarter of ``silent_after_s`` the wait looks whether an attempt's replica went silent, and gives
+        that one up then as lost capacity (a short deadline leaves no time to wait out the
+        attempt's timeout before sending it again). Raises AllFailed when every attempt failed,
+        an engine's refusal as it is."""
         tries, ends = [first], [first.t0 + timeout_s]
         delay = self._hedge_delay(spec, wait)
         hedge_at = first.t0 + delay if delay is not None and delay < timeout_s else None
@@ -433,18 +436,24 @@ class ResilientCaller:
         hedged = False
         try:
             while tries:
-                end = max(ends)
-                until = min(end, hedge_at) if hedge_at is not None else end
-                i = await self._racer.first([t.pending for t in tries], until - self._clock())
-                if i is None:
-                    if hedge_at is not None and self._clock() < end:
+                now, end = self._clock(), max(ends)
+                until = min(end, now + self._silent_after_s / 4, hedge_at if hedge_at is not None else end)
+                i = await self._racer.first([t.pending for t in tries], until - now)
+                if i is None and self._clock() < end:
+                    if hedge_at is not None and self._clock() >= hedge_at:
                         hedge_at = None
                         h = self._hedge(b, spec, send, first.handle)
                         if h is not None:
                             hedged = True
                             tries.append(h)
                             ends.append(h.t0 + self._attempt_timeout(spec.deadline_s - h.t0))
-                        continue
+                    for t in [t for t in tries if self._gone_silent(b, t)]:
+                        ends.pop(tries.index(t))
+                        tries.remove(t)
+                        kinds.append(migration.LOST_CAPACITY)
+                        silent.append(self._lost_silent(b, t))
+                    continue
+                if i is None:
                     while tries:
                         t = tries.pop()
                         ends.pop()
@@ -501,17 +510,30 @@ class ResilientCaller:
         self._hooks.on_hedge(b.role)
         return self._try(send, left, (replica,) if replica is not None else (), permit, is_hedge=True)
 
+    def _gone_silent(self, b: Backend, t: Try) -> bool:
+        """Whether the replica attempt ``t`` went to has gone silent (or Serve dropped it)."""
+        replica = self._replicas.placed(t.handle)
+        return replica is not None and self._replicas.silent(b.model_name, replica)
+
+    def _lost_silent(self, b: Backend, t: Try) -> str:
+        """Attempt ``t`` given up on its silent replica: cancelled, its permit given back (lost
+        capacity, not a failure), counted as ``replica_silent``; returns the replica."""
+        t.handle.cancel()
+        self._racer.drop(t.pending)
+        b.failed[SILENT] = b.failed.get(SILENT, 0) + 1
+        b.breaker.release(t.permit)
+        replica = self._replicas.placed(t.handle)
+        assert replica is not None
+        return replica
+
     def _timed_out(self, b: Backend, t: Try) -> tuple[str, str | None]:
         """An attempt that reached its timeout: cancelled, and counted as lost capacity when its
         replica went silent (its heartbeat stopped too: (LOST_CAPACITY, the replica)), else as
         the timeout it is."""
+        if self._gone_silent(b, t):
+            return migration.LOST_CAPACITY, self._lost_silent(b, t)
         t.handle.cancel()
         self._racer.drop(t.pending)
-        replica = self._replicas.placed(t.handle)
-        if replica is not None and self._replicas.silent(b.model_name, replica):
-            b.failed[SILENT] = b.failed.get(SILENT, 0) + 1
-            b.breaker.release(t.permit)
-            return migration.LOST_CAPACITY, replica
         return self._failed(b, t.permit, asyncio.TimeoutError(), t.t0), None
 
     def _next_try(

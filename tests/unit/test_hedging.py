@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from test_resilient_caller import (
     CALL,
     HANG,
@@ -194,3 +195,29 @@ async def test_an_unhedged_stream_whose_replica_goes_silent_mid_way_is_carried_o
     assert events == [("lost", "primary", "migrated")]
     assert caller.backends[0].failed == {"replica_silent": 1}
     assert breaker_of(caller, "primary")["failures"] == 0
+
+
+async def test_an_attempt_is_given_up_as_soon_as_its_replica_is_found_silent() -> None:
+    silent = FakeResponse(HANG, replica="r1")
+    primary = FakeHandle(silent, ok("elsewhere"))
+    # The wait looks every quarter of silent_after_s (here 0.625 s), not only at the 4 s
+    # attempt timeout: a request with a short deadline still has time to be sent again.
+    replicas = FakeReplicas(silent_from={"r1": 101.5})  # r1's heartbeat is found stopped from t=101.5 on
+    caller, clock, _, events = make(primary, hedge={"silent_after_s": 2.5}, replicas=replicas)
+    replicas.clock = clock
+    assert await caller.unary(spec(clock, hedge=False, deadline_in_s=5)) == answered("elsewhere")
+    # Looks at 100.625 and 101.25 (still beating), 101.875 (silent): given up; the migration
+    # pause; the answer 1 s later.
+    assert clock() == pytest.approx(101.875 + 0.025 + 1)
+    assert silent.cancelled and primary.generate.calls[1].avoid == ("r1",)
+    assert events == [("lost", "primary", "migrated")]
+    assert caller.backends[0].failed == {"replica_silent": 1}
+    assert breaker_of(caller, "primary")["failures"] == 0
+
+
+async def test_a_replica_still_beating_is_waited_on_to_the_attempt_timeout() -> None:
+    slow = FakeResponse(3.5, result=result("late"), replica="r1")
+    primary = FakeHandle(slow)
+    caller, clock, _, events = make(primary, hedge={"silent_after_s": 2.5}, replicas=FakeReplicas("r9"))
+    assert await caller.unary(spec(clock, hedge=False)) == answered("late")
+    assert clock() == 103.5 and events == [] and not slow.cancelled  # looked at every 0.625 s: not silent

@@ -102,14 +102,18 @@ class FakeReplicas:
     went silent: what the request routers' heartbeats say in the real caller (NAMED FAKE:
     the heartbeats come through Serve, which the unit tests do not run)."""
 
-    def __init__(self, *silent: str) -> None:
+    def __init__(
+        self, *silent: str, clock: FakeClock | None = None, silent_from: dict[str, float] | None = None
+    ) -> None:
         self.silent_ones = set(silent)
+        self.clock, self.silent_from = clock, silent_from or {}  # replica -> when it is found silent
 
     def placed(self, response: Any) -> str | None:
         return getattr(response, "replica", None)
 
     def silent(self, model: str, replica: str) -> bool:
-        return replica in self.silent_ones
+        at = self.silent_from.get(replica)
+        return replica in self.silent_ones or (at is not None and self.clock is not None and self.clock() >= at)
 
 
 class FakeTimer:
