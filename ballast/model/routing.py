@@ -12,7 +12,8 @@ instant of the poll). A replica whose heartbeat has stood still longer than
 ``silent_after_s`` while another replica's moved is silent (``ballast.policies.hedge.
 Heartbeats``): it is left out like a replica that is not ready. A call may name replicas to
 pass over (``ModelCall.avoid``: a hedge's, or a re-send's after a silent attempt), left out
-while another remains. The replica each request goes to is noted by its Serve request id
+while another remains, and the replicas on their nodes too while one elsewhere remains.
+The replica each request goes to is noted by its Serve request id
 (``ballast.model.routing_state.placed``), for the caller to hedge elsewhere or ask whether
 it went silent. Those tables live in ``routing_state``: Serve ships this module to the
 handles by value, so a table here would be a copy the caller never sees.
@@ -189,12 +190,16 @@ class ReadinessAwareRouter(PowerOfTwoChoicesRequestRouter):
         return [random.sample(ready, min(2, len(ready)))]
 
     def _ready(self, candidates: list[Any], avoid: tuple[str, ...]) -> list[Any]:
-        """The candidates that are ready and not silent, less those the call avoids while
-        another remains."""
+        """The candidates that are ready and not silent; for a call that avoids replicas, those
+        on other nodes than theirs first (what silenced one replica, a partition or a stalled
+        host, often silenced its node), then any other replica, then all."""
         silent = silent_replicas(self.model, self.silent_after_s, self._get_curr_time_s())
         ready = [r for r in candidates if is_ready(r.routing_stats) and r.replica_id.unique_id not in silent]
-        kept = [r for r in ready if r.replica_id.unique_id not in avoid] if avoid else ready
-        return kept or ready
+        if not avoid:
+            return ready
+        nodes = {r.node_id for r in candidates if r.replica_id.unique_id in avoid and r.node_id}
+        others = [r for r in ready if r.replica_id.unique_id not in avoid]
+        return [r for r in others if r.node_id not in nodes] or others or ready
 
     async def _by_what_they_hold(self, ready: list[Any], call: ModelCall) -> list[list[Any]] | None:
         """The prompt's blocks first; a prompt no replica holds yet goes where its adapter

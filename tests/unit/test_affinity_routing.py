@@ -454,3 +454,22 @@ def test_the_replica_an_attempt_went_to_is_noted_by_its_id() -> None:
     note_placed("attempt-1", "replica-b")  # Serve placed it again (a rejection): the last one counts
     assert placed(Response("attempt-1")) == "replica-b"
     assert placed(Response("attempt-2")) is None and placed(object()) is None
+
+
+def test_a_call_that_avoids_a_replica_goes_to_another_node_first() -> None:
+    async def walk() -> None:
+        clock = FakeClock(100)
+        a, b, c = beating("a", 1.0), beating("b", 1.0), beating("c", 1.0)
+        a.node_id, b.node_id, c.node_id = "n1", "n1", "n2"  # a and b share a node
+        router = await router_with(clock, a, b, c, loads={"a": 0, "b": 0, "c": 5})
+        meta = RequestMetadata(request_id="r", internal_request_id="k", call_method="generate")
+
+        def avoiding(*replicas: str) -> PendingRequest:
+            return PendingRequest(args=[ModelCall("hi", max_tokens=4, avoid=replicas)], kwargs={}, metadata=meta)
+
+        # A hedge of an attempt on a: c, on the other node, though b is idle and c is not.
+        assert ids(await router.choose_replicas([a, b, c], avoiding("a"))) == [["c"]]
+        # Nothing left on another node: another replica on the same one.
+        assert ids(await router.choose_replicas([a, b, c], avoiding("a", "c"))) == [["b"]]
+
+    asyncio.run(walk())
