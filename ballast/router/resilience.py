@@ -722,9 +722,10 @@ class ResilientCaller:
                 if i is None:
                     racing = [pending] if h is None else [pending, h.pending]
                     wait_s = spec.deadline_s - self._clock()
-                    # Unhedged, the wait is looked at every silent_after_s: a replica gone
-                    # silent mid-stream is lost capacity, carried on elsewhere (``ReplicaSilent``).
-                    i = await self._racer.first(racing, wait_s if h is not None else min(wait_s, self._silent_after_s))
+                    # Unhedged, the wait is looked at every quarter of silent_after_s: a replica
+                    # gone silent mid-stream is lost capacity, carried on elsewhere (``ReplicaSilent``).
+                    look_s = self._silent_after_s / 4
+                    i = await self._racer.first(racing, wait_s if h is not None else min(wait_s, look_s))
                 if i is None:
                     if self._clock() >= spec.deadline_s:
                         raise asyncio.TimeoutError()

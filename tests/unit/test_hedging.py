@@ -184,14 +184,14 @@ async def test_an_unhedged_stream_whose_replica_goes_silent_mid_way_is_carried_o
     opened = await caller.stream(spec(clock, hedge=False))
     chunks = opened.chunks
     assert (await chunks.__anext__()).text == "he"  # t=101
-    # r1's heartbeat stops: at t=105, no chunk for silent_after_s (4 s), the stream is
-    # carried on elsewhere from what it delivered.
+    # r1's heartbeat stops: at the first look, a quarter of silent_after_s (1 s) after the
+    # wait began, the stream is carried on elsewhere from what it delivered.
     replicas.silent_ones.add("r1")
     rest = [c.text async for c in chunks]
     assert rest == ["llo"] and stalled.cancelled
     carried = primary.generate_stream.calls[1]
     assert carried.avoid == ("r1",) and carried.resume == Resume((104, 101), text_chars=2)
-    assert clock() == 101 + 4 + 0.025 + 1  # one look at t=105 found r1 silent; the pause; "llo"
+    assert clock() == 101 + 1 + 0.025 + 1  # the look at t=102 found r1 silent; the pause; "llo"
     assert events == [("lost", "primary", "migrated")]
     assert caller.backends[0].failed == {"replica_silent": 1}
     assert breaker_of(caller, "primary")["failures"] == 0
