@@ -84,3 +84,9 @@ def silent_replicas(model: str, after_s: float, now_s: float) -> set[str]:
 def is_silent(model: str, replica_id: str, after_s: float, now_s: float) -> bool:
     with _SEEN_LOCK:
         return _BEATS.silent(model, replica_id, after_s, now_s)
+
+
+def others(model: str, besides: str, after_s: float, now_s: float) -> int:
+    """Model ``model``'s replicas heard from other than ``besides`` (``Heartbeats.others``)."""
+    with _SEEN_LOCK:
+        return _BEATS.others(model, besides, after_s, now_s)

@@ -203,6 +203,12 @@ class Heartbeats:
             return False
         return self._view_alive(after_s, now_s)
 
+    def others(self, model: str, besides: str, after_s: float, now_s: float) -> int:
+        """The model's replicas other than ``besides`` that are heard from (not silent): where
+        a hedge of an attempt on ``besides`` could go."""
+        silent = self.silent_of(model, after_s, now_s)
+        return sum(1 for r in self._seen.get(model, {}) if r != besides and r not in silent)
+
     def silent_of(self, model: str, after_s: float, now_s: float) -> set[str]:
         """The model's silent replicas."""
         seen = self._seen.get(model, {})

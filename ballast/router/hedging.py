@@ -51,6 +51,8 @@ class Replicas(Protocol):
 
     def silent(self, model: str, replica: str) -> bool: ...
 
+    def others(self, model: str, besides: str) -> int: ...
+
 
 class ServeReplicas:
     """Where this process's Serve handles placed each attempt, and which replicas went silent."""
@@ -70,6 +72,12 @@ class ServeReplicas:
         from ballast.model.routing_state import is_silent
 
         return is_silent(model, replica, self._after_s, self._clock())
+
+    def others(self, model: str, besides: str) -> int:
+        """The model's replicas heard from other than ``besides``: where a hedge could go."""
+        from ballast.model.routing_state import others
+
+        return others(model, besides, self._after_s, self._clock())
 
 
 @dataclass

@@ -497,18 +497,21 @@ class ResilientCaller:
         self, b: Backend, spec: CallSpec, send: Callable[[float, tuple[str, ...]], tuple[Any, Any]], of: Any
     ) -> Try | None:
         """A hedge of the attempt ``of`` (its call) sent by ``send``, passing over the replica
-        that attempt went to, if the budget and the breaker allow one and time is left for
-        it; None otherwise."""
+        that attempt went to, if another replica is heard from, the budget and the breaker
+        allow one and time is left for it; None otherwise (a hedge on the same replica would
+        only double its work)."""
         left = spec.deadline_s - self._clock()
+        replica = self._replicas.placed(of)
+        if replica is None or not self._replicas.others(b.model_name, replica):
+            return None
         if left <= MIN_ATTEMPT_S or not self.hedges.try_acquire(self.budget.active):
             return None
         permit = b.breaker.allow()
         if permit is None:
             self.hedges.release()
             return None
-        replica = self._replicas.placed(of)
         self._hooks.on_hedge(b.role)
-        return self._try(send, left, (replica,) if replica is not None else (), permit, is_hedge=True)
+        return self._try(send, left, (replica,), permit, is_hedge=True)
 
     def _gone_silent(self, b: Backend, t: Try) -> bool:
         """Whether the replica attempt ``t`` went to has gone silent (or Serve dropped it)."""

@@ -126,3 +126,13 @@ def test_a_replica_serve_no_longer_lists_is_gone_and_silent_until_it_is_listed_a
     for i in range(5):  # replicas come and go: the gone ones are bounded too
         beats.saw("m", {f"r{i}": 1.0}, now_s=110 + i)
     assert beats.silent("m", "r3", after_s=4, now_s=120) and not beats.silent("m", "a", after_s=4, now_s=120)
+
+
+def test_where_a_hedge_could_go_is_the_other_replicas_heard_from() -> None:
+    beats = Heartbeats()
+    beats.saw("m", {"a": 1.0}, now_s=100)
+    assert beats.others("m", "a", after_s=4, now_s=100) == 0  # one replica: nowhere else
+    beats.saw("m", {"a": 1.0, "b": 1.0, "c": 1.0}, now_s=101)
+    beats.saw("m", {"a": 2.0, "b": 2.0, "c": 1.0}, now_s=104)
+    assert beats.others("m", "a", after_s=4, now_s=105.5) == 1  # b; c is silent
+    assert beats.others("other", "a", after_s=4, now_s=105.5) == 0

@@ -221,3 +221,15 @@ async def test_a_replica_still_beating_is_waited_on_to_the_attempt_timeout() -> 
     caller, clock, _, events = make(primary, hedge={"silent_after_s": 2.5}, replicas=FakeReplicas("r9"))
     assert await caller.unary(spec(clock, hedge=False)) == answered("late")
     assert clock() == 103.5 and events == [] and not slow.cancelled  # looked at every 0.625 s: not silent
+
+
+async def test_no_hedge_when_no_other_replica_is_heard_from_or_the_attempt_is_not_placed() -> None:
+    for replica, others in (("r1", 0), (None, 1)):
+        hung = FakeResponse(HANG, replica=replica)
+        primary = FakeHandle(hung, ok("retried"))
+        replicas = FakeReplicas()
+        replicas.other_replicas = others  # 0: the model's only replica (a hedge would land on it again)
+        caller, clock, _, events = make(primary, hedge=HEDGE, replicas=replicas)
+        learned(caller)
+        assert await caller.unary(spec(clock)) == answered("retried")
+        assert events == [("retry", "primary", "attempt_timeout")] and caller.hedges.sent == 0, (replica, others)

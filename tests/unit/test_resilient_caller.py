@@ -107,9 +107,13 @@ class FakeReplicas:
     ) -> None:
         self.silent_ones = set(silent)
         self.clock, self.silent_from = clock, silent_from or {}  # replica -> when it is found silent
+        self.other_replicas = 1  # replicas heard from besides an attempt's: where a hedge can go
 
     def placed(self, response: Any) -> str | None:
         return getattr(response, "replica", None)
+
+    def others(self, model: str, besides: str) -> int:
+        return self.other_replicas
 
     def silent(self, model: str, replica: str) -> bool:
         at = self.silent_from.get(replica)
