@@ -13,7 +13,7 @@ from ballast.model.protocol import ChoiceResult, ModelChunk, TokenLogprob
 from ballast.policies.criticality import Criticality
 from ballast.policies.flex import ServiceTier
 from ballast.router.accounts import Outcome
-from ballast.router.resilience import CallRecord
+from ballast.router.calls import CallRecord
 from ballast.router.ticket import Ticket
 
 __all__ = ["Admission", "Answer", "Settled", "Stream", "StreamState"]

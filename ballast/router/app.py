@@ -49,6 +49,7 @@ from ballast.router.admin_port import AdminListener, admin_app
 from ballast.router.api import app
 from ballast.router.auth import KeyStore
 from ballast.router.batches import BatchFront
+from ballast.router.calls import CallHooks
 from ballast.router.contract import VERSION, openapi_document
 from ballast.router.dispatcher import BatchDispatch, BatchHooks, Finalizer, ModelDispatcher
 from ballast.router.edge import Edge
@@ -62,7 +63,6 @@ from ballast.router.pipeline import Pipeline
 from ballast.router.quotas import Quotas
 from ballast.router.readiness import CachedProbe
 from ballast.router.reporter import Reporter, log
-from ballast.router.resilience import CallHooks
 from ballast.router.responses import ResponsesFront
 from ballast.router.serve_status import ServeStatusView
 

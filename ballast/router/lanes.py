@@ -19,9 +19,10 @@ from ballast.policies.fairness import TenantCounters
 from ballast.policies.gate import PlusReserve
 from ballast.policies.limiter import AimdLimit
 from ballast.router.accounts import Accounts
+from ballast.router.calls import CallHooks
 from ballast.router.gate import PriorityGate
 from ballast.router.metrics import RouterMetrics
-from ballast.router.resilience import CallHooks, ResilientCaller
+from ballast.router.resilience import ResilientCaller
 from ballast.router.tally import Tally
 from ballast.router.tokens import ModelText, model_text
 

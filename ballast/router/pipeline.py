@@ -89,13 +89,13 @@ from ballast.router.accounts import Accounts, Outcome
 from ballast.router.answered import Admission, Answer, Settled, Stream, StreamState
 from ballast.router.api import bearer_token, claimed_criticality
 from ballast.router.auth import KeyStore, cache_salts
+from ballast.router.calls import CallRecord, CallSpec, Reply
 from ballast.router.flex import FlexHold, Sleep, WaitFor, flex_max_wait_s
 from ballast.router.gate import BatchSlot, GateRefused, GateSlot
 from ballast.router.idempotency import IdempotencyStore, request_fingerprint
 from ballast.router.lanes import Lane
 from ballast.router.metrics import RouterMetrics
 from ballast.router.quotas import Quotas
-from ballast.router.resilience import CallRecord, CallSpec, Reply
 from ballast.router.tally import Tally
 from ballast.router.ticket import Charge, TenantPlaces, Ticket
 

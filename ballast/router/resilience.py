@@ -54,7 +54,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,10 +68,11 @@ from ballast.errors import (
 )
 from ballast.model.protocol import ModelCall, ModelChunk, ModelResult, Resume
 from ballast.policies import hedge, killswitch, migration
-from ballast.policies.breaker import BreakerEvent, CircuitBreaker, Permit
+from ballast.policies.breaker import CircuitBreaker, Permit
 from ballast.policies.deadline import MIN_ATTEMPT_S, attempt_timeout_s
 from ballast.policies.engines import honours
 from ballast.policies.retry import NO_SLOT, RetryBudget, RetrySlot, backoff_s, should_retry
+from ballast.router.calls import CACHE, FALLBACK_MODEL, NO_HOOKS, CallHooks, CallSpec, Opened, Reply
 from ballast.router.hedging import AllFailed, Racer, Replicas, ReplicaSilent, ServeReplicas, Try, worst
 from ballast.router.resilience_parts import (
     BREAKER_FAILURES,
@@ -110,58 +111,13 @@ class _BackendFailed(Exception):
         self.kind, self.detail = kind, detail
 
 
-@dataclass(frozen=True)
-class CallHooks:
-    """Metrics hooks; the defaults do nothing (STYLE 8)."""
-
-    on_retry: Callable[[str, str], None] = lambda backend, kind: None
-    on_fallback: Callable[[str], None] = lambda kind: None
-    on_breaker_event: Callable[[BreakerEvent], None] = lambda e: None
-    # An attempt lost with its replica: (backend, "migrated" | "not_migrated").
-    on_lost_capacity: Callable[[str, str], None] = lambda backend, outcome: None
-    # A hedge sent: (backend).
-    on_hedge: Callable[[str], None] = lambda backend: None
-
-
-@dataclass
-class CallRecord:
-    """What one call went through, for its answer: migrations after a lost replica."""
-
-    migrations: int = 0
-
-
-@dataclass(frozen=True)
-class CallSpec:
-    """One call as the router hands it to ``unary`` or ``stream``: the model call, its deadline
-    (on the caller's clock), the kill switches in force and the wall time to read them at.
-    ``fallback_only``: the primary is not to be asked (the level or the gate refused this
-    request there); only the fallback model may answer. ``record`` is filled with what the
-    call went through (its migrations). ``tenant``: whose call it is; the answer cache
-    keeps and gives answers per tenant, and a call without one is neither cached nor
-    answered from the cache. ``primary_only``: neither the fallback model nor the cache may
-    answer (a batch line names its model and waits for it: its retry comes later, from the
-    queue, rather than another model's answer now). ``hedge``: an attempt that shows no
-    progress may be hedged on another replica (the router says so while the model's level
-    sheds nothing)."""
-
-    call: ModelCall
-    deadline_s: float
-    kill_switches: list[killswitch.KillSwitchEntry]
-    now_wall_s: float
-    fallback_only: bool = False
-    record: CallRecord = field(default_factory=CallRecord)
-    tenant: str | None = None
-    primary_only: bool = False
-    hedge: bool = False
-
-
 class ResilientCaller:
     def __init__(
         self,
         cfg: BallastConfig,
         primary: Any,
         fallback: Any = None,
-        hooks: CallHooks = CallHooks(),
+        hooks: CallHooks = NO_HOOKS,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         wall_clock: Callable[[], float] = time.time,
@@ -447,7 +403,7 @@ class ResilientCaller:
                             hedged = True
                             tries.append(h)
                             ends.append(h.t0 + self._attempt_timeout(spec.deadline_s - h.t0))
-                    for t in [t for t in tries if self._gone_silent(b, t)]:
+                    for t in [t for t in tries if self._gone_silent(b, t, elsewhere=True)]:
                         ends.pop(tries.index(t))
                         tries.remove(t)
                         kinds.append(migration.LOST_CAPACITY)
@@ -513,10 +469,14 @@ class ResilientCaller:
         self._hooks.on_hedge(b.role)
         return self._try(send, left, (replica,), permit, is_hedge=True)
 
-    def _gone_silent(self, b: Backend, t: Try) -> bool:
-        """Whether the replica attempt ``t`` went to has gone silent (or Serve dropped it)."""
+    def _gone_silent(self, b: Backend, t: Try, elsewhere: bool = False) -> bool:
+        """Whether the replica attempt ``t`` went to has gone silent (or Serve dropped it);
+        ``elsewhere``: and another replica is heard from (giving up an attempt on a model's
+        only replica would send it back there, its progress lost)."""
         replica = self._replicas.placed(t.handle)
-        return replica is not None and self._replicas.silent(b.model_name, replica)
+        if replica is None or not self._replicas.silent(b.model_name, replica):
+            return False
+        return not elsewhere or self._replicas.others(b.model_name, replica) > 0
 
     def _lost_silent(self, b: Backend, t: Try) -> str:
         """Attempt ``t`` given up on its silent replica: cancelled, its permit given back (lost
@@ -733,7 +693,11 @@ class ResilientCaller:
                     if self._clock() >= spec.deadline_s:
                         raise asyncio.TimeoutError()
                     replica = self._replicas.placed(cur.gen) if h is None else None
-                    if replica is not None and self._replicas.silent(b.model_name, replica):
+                    if (
+                        replica is not None
+                        and self._replicas.silent(b.model_name, replica)
+                        and self._replicas.others(b.model_name, replica)
+                    ):
                         raise ReplicaSilent(replica)
                     continue
                 if i == 0:
@@ -791,26 +755,3 @@ class _Open:
     permit: Permit
     first: ModelChunk
     t0: float
-
-
-# The fallback kinds an answer names (``X-Ballast-Fallback``): the fallback model, the cache.
-FALLBACK_MODEL, CACHE = "fallback_model", "cache"
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A unary answer and who gave it: ``fallback`` (None: the primary; FALLBACK_MODEL;
-    CACHE, an earlier answer of the primary's) and the model's name."""
-
-    result: ModelResult
-    fallback: str | None
-    model: str
-
-
-@dataclass(frozen=True)
-class Opened:
-    """An open stream's chunks and who gives them (as ``Reply``)."""
-
-    chunks: AsyncIterator[ModelChunk]
-    fallback: str | None
-    model: str

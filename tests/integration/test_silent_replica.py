@@ -28,7 +28,8 @@ from ballast.config import load_config
 from ballast.model.protocol import ModelCall, ModelResult
 from ballast.model.routing import replica_routing_stats, request_router_config
 from ballast.model.routing_state import is_silent
-from ballast.router.resilience import CallSpec, ResilientCaller
+from ballast.router.calls import CallSpec
+from ballast.router.resilience import ResilientCaller
 
 pytestmark = pytest.mark.integration
 

@@ -31,7 +31,8 @@ from test_resilient_caller import (
 
 from ballast.model.protocol import ModelChunk, Resume
 from ballast.policies.hedge import FIRST_CHUNK, NEXT_CHUNK, UNARY
-from ballast.router.resilience import CallSpec, ResilientCaller
+from ballast.router.calls import CallSpec
+from ballast.router.resilience import ResilientCaller
 
 HEDGE = {"min_delay_s": 0.1, "factor": 3}
 
@@ -233,3 +234,12 @@ async def test_no_hedge_when_no_other_replica_is_heard_from_or_the_attempt_is_no
         learned(caller)
         assert await caller.unary(spec(clock)) == answered("retried")
         assert events == [("retry", "primary", "attempt_timeout")] and caller.hedges.sent == 0, (replica, others)
+
+
+async def test_an_attempt_on_a_models_only_replica_is_not_given_up_when_it_goes_silent() -> None:
+    slow = FakeResponse(3.5, result=result("late"), replica="r1")
+    replicas = FakeReplicas("r1")
+    replicas.other_replicas = 0  # nowhere else to send it: its progress there is kept
+    caller, clock, _, events = make(FakeHandle(slow), hedge={"silent_after_s": 2.5}, replicas=replicas)
+    assert await caller.unary(spec(clock, hedge=False)) == answered("late")
+    assert clock() == 103.5 and events == [] and not slow.cancelled

@@ -30,7 +30,9 @@ from ballast.config import load_config
 from ballast.errors import DeadlineExceeded, EngineRefused, ModelUnavailable, ReplicaLost
 from ballast.model.protocol import AttemptDeadline, ModelCall, ModelChunk, ModelResult, Resume, RowSampling
 from ballast.policies.killswitch import KillSwitchEntry
-from ballast.router.resilience import CallHooks, CallRecord, CallSpec, Reply, ResilientCaller, ResponseCache
+from ballast.router.calls import CallHooks, CallRecord, CallSpec, Reply
+from ballast.router.resilience import ResilientCaller
+from ballast.router.resilience_parts import ResponseCache
 
 HANG = math.inf  # a response that never comes
 WALL_S = 1_000_000  # the fake wall clock (the replica's deadline instant is stamped with it)
