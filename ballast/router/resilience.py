@@ -351,7 +351,9 @@ class ResilientCaller:
                 except AllFailed as failed:
                     avoid += failed.silent
                     slot.release()
-                    pause, attempt, slot = self._next_try(b, failed.kind, attempt, spec, unary)
+                    # A re-send after a silent attempt, which was cancelled, adds no load: no
+                    # retry slot for it (a dead replica's unary re-send takes one, as before).
+                    pause, attempt, slot = self._next_try(b, failed.kind, attempt, spec, unary and not failed.silent)
                     await self._sleep(pause)
         finally:
             slot.release()
@@ -500,17 +502,18 @@ class ResilientCaller:
         return self._failed(b, t.permit, asyncio.TimeoutError(), t.t0), None
 
     def _next_try(
-        self, b: Backend, kind: str, attempt: int, spec: CallSpec, unary: bool
+        self, b: Backend, kind: str, attempt: int, spec: CallSpec, budgeted: bool
     ) -> tuple[float, int, RetrySlot]:
         """After an attempt that failed with ``kind``: (the pause, the next attempt's number,
         the retry slot now held, if any). A lost replica is sent again elsewhere without
-        using up an attempt (a unary re-send inside the retry budget; a stream's within its
-        migration limit); anything else is an ordinary retry. Raises DeadlineExceeded past
-        the deadline, _BackendFailed when no attempt may follow."""
+        using up an attempt (``budgeted``: inside the retry budget, as a dead replica's unary
+        re-send is; a stream's within its migration limit); anything else is an ordinary
+        retry. Raises DeadlineExceeded past the deadline, _BackendFailed when no attempt may
+        follow."""
         if kind == "deadline_exceeded" or self._clock() >= spec.deadline_s:
             raise DeadlineExceeded("the request's deadline passed") from None
         if kind == migration.LOST_CAPACITY:
-            pause, slot = self._migration_pause(b, spec, budget=unary)
+            pause, slot = self._migration_pause(b, spec, budget=budgeted)
             return pause, attempt, slot
         pause, slot = self._retry_pause(b, kind, attempt, spec.deadline_s)
         return pause, attempt + 1, slot

@@ -243,3 +243,15 @@ async def test_an_attempt_on_a_models_only_replica_is_not_given_up_when_it_goes_
     caller, clock, _, events = make(FakeHandle(slow), hedge={"silent_after_s": 2.5}, replicas=replicas)
     assert await caller.unary(spec(clock, hedge=False)) == answered("late")
     assert clock() == 103.5 and events == [] and not slow.cancelled
+
+
+async def test_a_re_send_after_a_silent_attempt_takes_no_retry_slot() -> None:
+    # No retry budget at all: a dead replica's unary re-send would be refused; a silent one's
+    # was cancelled, so sending it again adds no load.
+    silent = FakeResponse(HANG, replica="r1")
+    primary = FakeHandle(silent, ok("elsewhere"))
+    caller, clock, _, events = make(
+        primary, retry={"budget_ratio": 0, "budget_min_concurrent": 0}, replicas=FakeReplicas("r1")
+    )
+    assert await caller.unary(spec(clock, hedge=False)) == answered("elsewhere")
+    assert events == [("lost", "primary", "migrated")] and caller.budget.retries_denied == 0
